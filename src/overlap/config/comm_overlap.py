@@ -1,0 +1,318 @@
+"""CommOverlapConfig and the rules that decide which communication overlap is on.
+
+Precedence, deliberately better than Megatron-Bridge's (where auto-defaults silently overwrite values set on the
+model): a value set on `CommOverlapConfig` (the user) wins; then a value set directly on the model / DDP / optimizer
+config (a recipe or an override); then the rule's automatic default. Every field gets a logged decision record, a
+request that cannot be honoured is logged as such (an error in strict mode), and unmet prerequisites of the MoE
+overlap are always errors, as in the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
+from overlap.config.tp_overlap import TransformerLayerTPOverlapCfg, get_tp_overlap_preset
+from overlap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from overlap.config.model import ModelConfig
+    from overlap.config.training import DDPConfig, OptimizerConfig
+
+# Megatron-Bridge's DP bucket when DP > 1 with the distributed optimizer: a count of parameters, not bytes.
+BRIDGE_DP_BUCKET_SIZE = 128 * 1024 * 1024
+
+TP_DISABLE_TP_SIZE = "Disabling tensor parallel communication overlap due to TP size < 2."
+TP_DISABLE_NO_SP = "Disabling tensor parallel communication overlap due to sequence_parallel=False."
+TP_NO_PRESET = ("Tensor parallel overlap: No overlap config provided. "
+                "Initializing TP comm overlap with the default config.")
+
+
+@dataclass(kw_only=True)
+class CommOverlapConfig:
+    """User-facing overlap switches (Megatron-Bridge names). `None` means "decide for me"; every decision is logged.
+
+    `tp_comm_overlap` is required, as in the reference (`CommOverlapConfig()` raises TypeError); `None` is accepted
+    for it and means "not requested" (used when a harness flag creates the object on the user's behalf).
+    """
+
+    tp_comm_overlap: bool | None
+    tp_comm_overlap_cfg: TransformerLayerTPOverlapCfg | str | None = None
+    tp_comm_bootstrap_backend: str | None = "nccl"
+    overlap_p2p_comm: bool | None = None
+    batch_p2p_comm: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
+    overlap_param_gather_with_optimizer_step: bool | None = None
+    align_param_gather: bool | None = None
+    bucket_size: int | None = None
+    defer_embedding_wgrad_compute: bool | None = None
+    wgrad_deferral_limit: int | None = None
+    data_parallel_size: int | None = None  # filled in by ConfigContainer.finalize
+    overlap_moe_expert_parallel_comm: bool | None = None
+    delay_wgrad_compute: bool | None = None
+    strict: bool = False  # ours: any request that cannot be honoured is an error instead of a logged decision
+
+
+def tp_overlap_backend_available() -> tuple[bool, str]:
+    """Whether this runtime can run TP communication overlap (the reference's "TE detected" gate).
+
+    The overlap runtime's TP overlap (all-gather / reduce-scatter pipelined with the GEMM) is not built yet, so the
+    gate reports it unavailable and the request is turned off with a logged decision (an error under strict mode).
+    """
+    return False, ("the TP-overlap backend (pipelined all-gather/reduce-scatter GEMMs) is not built in the overlap "
+                   "runtime yet")
+
+
+def _requested(user: Any, direct: Any) -> Any:
+    return user if user is not None else direct
+
+
+def _source(user: Any, direct: Any) -> str | None:
+    if user is not None:
+        return USER
+    if direct is not None:
+        return MODEL_CONFIG
+    return None
+
+
+def _choose(log: DecisionLog, field: str, user: Any, direct: Any, auto: Any, auto_by: str, auto_reason: str) -> Any:
+    """Apply the precedence user > direct config > automatic, and record the decision."""
+    src = _source(user, direct)
+    if src == USER:
+        return log.record(field, user, user, USER, "set on comm_overlap")
+    if src == MODEL_CONFIG:
+        return log.record(field, direct, direct, MODEL_CONFIG, f"set directly on {field.split('.')[0]}")
+    return log.record(field, None, auto, auto_by, auto_reason)
+
+
+def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", ddp: "DDPConfig",
+                         optimizer: "OptimizerConfig", dp_size: int, log: DecisionLog) -> None:
+    """Resolve every overlap field onto the model / DDP / optimizer configs (in place), recording each decision."""
+    u = user if user is not None else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
+    _resolve_tp(u, model, log)
+    _resolve_pp(u, model, log)
+    _resolve_moe(u, model, ddp, log)
+    _resolve_dp(u, model, ddp, optimizer, dp_size, log)
+
+
+def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) -> None:
+    requested = _requested(u.tp_comm_overlap, model.tp_comm_overlap)
+    src = _source(u.tp_comm_overlap, model.tp_comm_overlap)
+    if requested:
+        available, why = tp_overlap_backend_available()
+        if model.tensor_model_parallel_size < 2:
+            effective, by, reason = False, RULE, TP_DISABLE_TP_SIZE
+        elif not model.sequence_parallel:
+            effective, by, reason = False, RULE, TP_DISABLE_NO_SP
+        elif not available:
+            effective, by, reason = False, RULE, f"Disabling tensor parallel communication overlap: {why}."
+        else:
+            effective, by, reason = True, src, "requested; TP>=2, sequence parallel and the backend are available"
+    else:
+        effective = False
+        by, reason = (src, "requested off") if src else (DEFAULT, "not requested")
+    model.tp_comm_overlap = log.record("model.tp_comm_overlap", requested, effective, by, reason,
+                                       fix="use -tp >= 2 with sequence parallel, or do not request tp_comm_overlap.")
+
+    plan = _requested(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg)
+    if not effective:
+        model.tp_comm_overlap_cfg = log.record("model.tp_comm_overlap_cfg", None, None, RULE, "TP overlap is off")
+        model.tp_comm_bootstrap_backend = None
+        return
+    if plan is None:
+        log.record("model.tp_comm_overlap_cfg", None, None, DEFAULT, TP_NO_PRESET)
+        model.tp_comm_overlap_cfg = None
+    else:
+        preset = get_tp_overlap_preset(plan) if isinstance(plan, str) else plan
+        if not isinstance(preset, TransformerLayerTPOverlapCfg):
+            raise ConfigError("comm_overlap.tp_comm_overlap_cfg", plan,
+                              "it must be a TransformerLayerTPOverlapCfg or the name of a userbuffers_* preset.",
+                              "pass a preset name such as userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048.")
+        label = plan if isinstance(plan, str) else "TransformerLayerTPOverlapCfg"
+        log.record("model.tp_comm_overlap_cfg", label, label, _source(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg),
+                   "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped")
+        model.tp_comm_overlap_cfg = preset.to_dict()
+    model.tp_comm_bootstrap_backend = u.tp_comm_bootstrap_backend or model.tp_comm_bootstrap_backend or "nccl"
+
+
+def _resolve_pp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) -> None:
+    pp = model.pipeline_model_parallel_size
+    vp = model.virtual_pipeline_model_parallel_size or 1
+    if pp > 1 and vp > 1:
+        auto, why = (True, False), "PP>1 with virtual pipeline: overlap p2p with compute, unbatched"
+    elif pp > 1:
+        auto, why = (False, True), "PP>1 without virtual pipeline: batched isend/irecv, no p2p overlap"
+    else:
+        auto, why = (False, False), "PP=1: no pipeline communication"
+    model.overlap_p2p_comm = _choose(log, "model.overlap_p2p_comm", u.overlap_p2p_comm, model.overlap_p2p_comm,
+                                     auto[0], RULE, why)
+    model.batch_p2p_comm = _choose(log, "model.batch_p2p_comm", u.batch_p2p_comm, model.batch_p2p_comm,
+                                   auto[1], RULE, why)
+    if model.overlap_p2p_comm and model.batch_p2p_comm:
+        raise ConfigError("comm_overlap.batch_p2p_comm", True,
+                          "overlap_p2p_comm and batch_p2p_comm cannot both be on (overlapped p2p is unbatched).",
+                          "set one of them to false, or leave both unset for the PP rule.")
+    model.defer_embedding_wgrad_compute = _choose(
+        log, "model.defer_embedding_wgrad_compute", u.defer_embedding_wgrad_compute,
+        model.defer_embedding_wgrad_compute, False, DEFAULT, "off unless requested")
+    model.wgrad_deferral_limit = _choose(log, "model.wgrad_deferral_limit", u.wgrad_deferral_limit,
+                                         model.wgrad_deferral_limit, -1, DEFAULT, "Bridge auto default")
+
+
+def _ep_overlap_prerequisites(model: "ModelConfig") -> list[tuple[str, Any, bool, str, str]]:
+    """(field, value, ok, why, fix) for every prerequisite of the MoE expert-parallel overlap (reference 5.1)."""
+    modules = model.recompute_modules or []
+    torch_ok = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+    scope = _graph_scope(model) if model.cuda_graph_impl == "transformer_engine" else set()
+    return [
+        ("model.expert_model_parallel_size", model.expert_model_parallel_size, model.expert_model_parallel_size > 1,
+         "EP overlap is only supported when expert_model_parallel_size > 1.", "use -ep 2 or more."),
+        ("model.num_moe_experts", model.num_moe_experts, (model.num_moe_experts or 0) > 1,
+         "EP overlap is only supported when num_moe_experts > 1.", "use a MoE recipe (e.g. -mr qwen3_moe_tiny)."),
+        ("model.moe_token_dispatcher_type", model.moe_token_dispatcher_type,
+         model.moe_token_dispatcher_type in ("alltoall", "flex"),
+         "EP overlap is only supported when moe_token_dispatcher_type == 'alltoall' or 'flex'.",
+         "set model.moe_token_dispatcher_type=alltoall."),
+        ("model.bf16", model.bf16, model.bf16 or model.fp16,
+         "EP overlap is only supported when using bf16 or fp16 models.", "use -c bf16 (mixed_precision=bf16_mixed)."),
+        ("torch", torch.__version__, torch_ok, "A2A overlap encounters hang issue with torch version < 2.6.0.",
+         "install torch >= 2.6."),
+        ("model.virtual_pipeline_model_parallel_size", model.virtual_pipeline_model_parallel_size,
+         model.pipeline_model_parallel_size == 1 or model.virtual_pipeline_model_parallel_size is not None,
+         "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1 "
+         "(PP without VPP cannot interleave the overlap schedule).", "set -vp 2 (or more), or -pp 1."),
+        ("model.recompute_granularity", model.recompute_granularity, model.recompute_granularity != "full",
+         "disable full recomputation when enabling overlap_moe_expert_parallel_comm.",
+         "use recompute_granularity=selective (without 'moe') or no recompute."),
+        ("model.recompute_method", model.recompute_method, model.recompute_method is None,
+         "disable recomputation method when enabling overlap_moe_expert_parallel_comm.",
+         "set model.recompute_method=null."),
+        ("model.recompute_num_layers", model.recompute_num_layers, model.recompute_num_layers is None,
+         "recompute_num_layers must be None when enabling overlap_moe_expert_parallel_comm.",
+         "set model.recompute_num_layers=null."),
+        ("model.recompute_modules", model.recompute_modules, "moe" not in modules,
+         "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm.",
+         "remove 'moe' from recompute_modules."),
+        ("model.moe_shared_expert_overlap", model.moe_shared_expert_overlap, not model.moe_shared_expert_overlap,
+         "disable moe_shared_expert_overlap when enabling overlap_moe_expert_parallel_comm (they conflict).",
+         "set model.moe_shared_expert_overlap=false."),
+        ("model.mtp_num_layers", model.mtp_num_layers, model.mtp_num_layers in (None, 0, 1),
+         "MTP supports at most one layer when enabling overlap_moe_expert_parallel_comm.",
+         "set model.mtp_num_layers to 0 or 1."),
+        ("model.cuda_graph_scope", model.cuda_graph_scope, not (scope & {"moe", "mlp"}),
+         "CUDA-graph scope must not cover 'moe' or 'mlp' with EP overlap (the schedule splits those parts).",
+         "drop moe/mlp from cuda_graph_scope."),
+    ]
+
+
+def _graph_scope(model: "ModelConfig") -> set[str]:
+    """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (reference 5.2)."""
+    scope = model.cuda_graph_scope or []
+    if isinstance(scope, str):
+        scope = scope.split(",")
+    return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
+
+
+def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", log: DecisionLog) -> None:
+    ep_on = _choose(log, "model.overlap_moe_expert_parallel_comm", u.overlap_moe_expert_parallel_comm,
+                    model.overlap_moe_expert_parallel_comm, False, DEFAULT, "off unless requested")
+    if ep_on:
+        for field, value, ok, why, fix in _ep_overlap_prerequisites(model):
+            if not ok:
+                raise ConfigError(field, value, why, fix)
+    model.overlap_moe_expert_parallel_comm = ep_on
+
+    delay = _requested(u.delay_wgrad_compute, model.delay_wgrad_compute)
+    if delay:
+        if not ep_on:
+            raise ConfigError("comm_overlap.delay_wgrad_compute", True,
+                              "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute.",
+                              "also set comm_overlap.overlap_moe_expert_parallel_comm=true, or drop delay_wgrad.")
+        scope = _graph_scope(model) if model.cuda_graph_impl != "none" else set()
+        attn = "attn" in scope
+        router = ("moe_router" in scope and model.moe_shared_expert_intermediate_size is not None
+                  and not model.moe_shared_expert_overlap)
+        if (attn or router) and not model.gradient_accumulation_fusion:
+            raise ConfigError("model.gradient_accumulation_fusion", False,
+                              "CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion (the "
+                              "captured weight-gradient GEMMs need static memory addresses).",
+                              "set model.gradient_accumulation_fusion=true or remove attn/moe_router from "
+                              "cuda_graph_scope.")
+        if attn and (model.add_bias_linear or model.add_qkv_bias):
+            raise ConfigError("model.add_bias_linear", True,
+                              "CUDA graph with delay_wgrad_compute does not support attention bias for now.",
+                              "set model.add_bias_linear=false and model.add_qkv_bias=false.")
+    model.delay_wgrad_compute = _choose(log, "model.delay_wgrad_compute", u.delay_wgrad_compute,
+                                        model.delay_wgrad_compute, False, DEFAULT, "off unless requested")
+    if model.is_moe:
+        shared = model.moe_shared_expert_overlap
+        log.record("model.moe_shared_expert_overlap", True if shared else None, shared,
+                   MODEL_CONFIG if shared else DEFAULT,
+                   "shared expert computes under the dispatch/combine all-to-all" if shared else "off unless requested")
+
+
+def _resolve_dp(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", optimizer: "OptimizerConfig",
+                dp_size: int, log: DecisionLog) -> None:
+    if ddp.use_distributed_optimizer != optimizer.use_distributed_optimizer:
+        which = "ddp" if not ddp.use_distributed_optimizer else "optimizer"
+        log.record(f"{which}.use_distributed_optimizer", None, True, RULE,
+                   "the distributed optimizer is on in one of ddp/optimizer; both must agree")
+        ddp.use_distributed_optimizer = optimizer.use_distributed_optimizer = True
+    dist_opt = ddp.use_distributed_optimizer
+    pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
+    many = dp_size > 1
+
+    # overlap_grad_reduce: Bridge turns it on only for DP>1 with the distributed optimizer; we honour an explicit
+    # request without the distributed optimizer too (bucketed all-reduce instead of reduce-scatter).
+    want = _requested(u.overlap_grad_reduce, ddp.overlap_grad_reduce)
+    if want and not many:
+        ddp.overlap_grad_reduce = log.record("ddp.overlap_grad_reduce", want, False, RULE,
+                                             "DP=1: there is no gradient reduction to overlap",
+                                             fix="use more data-parallel ranks, or do not request it.")
+    else:
+        ddp.overlap_grad_reduce = _choose(
+            log, "ddp.overlap_grad_reduce", u.overlap_grad_reduce, ddp.overlap_grad_reduce, many and dist_opt, RULE,
+            "DP>1 with the distributed optimizer" if many and dist_opt else
+            "DP=1" if not many else "DP defaults apply only with the distributed optimizer (as Bridge)")
+
+    want = _requested(u.overlap_param_gather, ddp.overlap_param_gather)
+    if want and not (many and dist_opt):
+        why = "DP=1: no parameter gather" if not many else \
+            "parameters are only gathered with the distributed optimizer"
+        ddp.overlap_param_gather = log.record("ddp.overlap_param_gather", want, False, RULE, why,
+                                              fix="set ddp.use_distributed_optimizer=true with DP>1.")
+    else:
+        ddp.overlap_param_gather = _choose(
+            log, "ddp.overlap_param_gather", u.overlap_param_gather, ddp.overlap_param_gather, many and dist_opt,
+            RULE, "DP>1 with the distributed optimizer" if many and dist_opt else "no distributed parameter gather")
+
+    ddp.align_param_gather = _choose(
+        log, "ddp.align_param_gather", u.align_param_gather, ddp.align_param_gather,
+        many and dist_opt and pp > 1 and vp > 1, RULE, "all PP stages launch the param gather together with VPP"
+        if many and dist_opt and pp > 1 and vp > 1 else "only with DP>1, distributed optimizer, PP>1 and VPP")
+
+    if many and dist_opt:
+        auto, why = BRIDGE_DP_BUCKET_SIZE, "DP>1 with the distributed optimizer: 128M parameters (Bridge)"
+    elif ddp.overlap_grad_reduce:
+        auto, why = max(40_000_000, 1_000_000 * dp_size), "overlapped reduce: Megatron DDP default bucket"
+    else:
+        auto, why = None, "no overlapped reduce: one bucket"
+    ddp.bucket_size = _choose(log, "ddp.bucket_size", u.bucket_size, ddp.bucket_size, auto, RULE, why)
+    if ddp.bucket_size is not None and ddp.bucket_size < 1:
+        raise ConfigError("ddp.bucket_size", ddp.bucket_size, "a bucket holds at least one parameter.",
+                          "use a positive count of parameters (not bytes), or null for one bucket.")
+
+    want = _requested(u.overlap_param_gather_with_optimizer_step, optimizer.overlap_param_gather_with_optimizer_step)
+    if want and not (dist_opt and pp > 1 and vp > 1):
+        optimizer.overlap_param_gather_with_optimizer_step = log.record(
+            "optimizer.overlap_param_gather_with_optimizer_step", want, False, RULE,
+            "needs the distributed optimizer with PP>1 and VPP", fix="use it only with -pp >1 -vp >1 and the "
+            "distributed optimizer.")
+    else:
+        optimizer.overlap_param_gather_with_optimizer_step = _choose(
+            log, "optimizer.overlap_param_gather_with_optimizer_step", u.overlap_param_gather_with_optimizer_step,
+            optimizer.overlap_param_gather_with_optimizer_step, False, DEFAULT, "never turned on automatically")

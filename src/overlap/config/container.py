@@ -1,0 +1,232 @@
+"""ConfigContainer: every section of a run, and `finalize(world_size)`, which resolves it in a fixed order.
+
+Order (documented, tested): tokenizer -> mixed precision -> data-parallel size -> comm overlap -> validation ->
+flex dispatcher backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that
+snapshot on every call, so calling it twice gives the same result (edits made after the first call are not seen:
+build a new container instead).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+
+from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
+from overlap.config.decisions import RULE, DecisionLog
+from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
+from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
+from overlap.config.model import DTYPES, ModelConfig
+from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig, TrainConfig
+from overlap.errors import ConfigError, NotBuiltError
+from overlap.parallel.state import ParallelLayout
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
+CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+
+
+@dataclass
+class Resolution:
+    """What finalize decided: the decision log and the parallel layout."""
+
+    world_size: int
+    layout: ParallelLayout
+    decisions: DecisionLog
+
+
+@dataclass
+class ConfigContainer:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    mixed_precision: MixedPrecisionConfig | str | None = None
+    comm_overlap: CommOverlapConfig | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    _requested: "ConfigContainer | None" = field(default=None, repr=False, compare=False)
+
+    def finalize(self, world_size: int, device=probe_device) -> Resolution:
+        if world_size < 1:
+            raise ConfigError("-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more.")
+        if self._requested is None:
+            self._requested = copy.deepcopy(self)
+        fresh = copy.deepcopy(self._requested)
+        for f in fields(self):
+            if f.name != "_requested":
+                setattr(self, f.name, getattr(fresh, f.name))
+
+        strict = bool(self.comm_overlap and self.comm_overlap.strict)
+        log = DecisionLog(strict)
+        self._apply_tokenizer()
+        self._apply_mixed_precision(log)
+        layout = self._layout(world_size, log)
+        if self.comm_overlap is not None:
+            self.comm_overlap.data_parallel_size = layout.dp
+        resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
+        self._validate(layout)
+        validate_flex_dispatcher_backend(self.model, log, device)
+        return Resolution(world_size, layout, log)
+
+    # --- stages ------------------------------------------------------------------------------------------------
+    def _apply_tokenizer(self) -> None:
+        if self.tokenizer.tokenizer_type != "NullTokenizer":
+            raise NotBuiltError("tokenizer.tokenizer_type", self.tokenizer.tokenizer_type,
+                                "Loading a real tokenizer (and a real dataset)",
+                                "use --tokenizer_type NullTokenizer (mock pretraining data).")
+        if self.tokenizer.vocab_size is not None:
+            self.model.vocab_size = self.tokenizer.vocab_size
+
+    def _apply_mixed_precision(self, log: DecisionLog) -> None:
+        mp = self.mixed_precision
+        if isinstance(mp, str):
+            mp = self.mixed_precision = get_mixed_precision_config(mp)
+        if mp is None:
+            # No preset: the model's own precision flags stand; DDP precision fields default off.
+            self.ddp.grad_reduce_in_fp32 = bool(self.ddp.grad_reduce_in_fp32)
+            self.ddp.fp8_param_gather = bool(self.ddp.fp8_param_gather)
+            self.optimizer.bf16, self.optimizer.fp16 = self.model.bf16, self.model.fp16
+            return
+        mp.finalize()
+        mp.setup(self.model, self.ddp, self.optimizer, log)
+
+    def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:
+        m = self.model
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size", "expert_tensor_parallel_size"):
+            if getattr(m, name) < 1:
+                raise ConfigError(f"model.{name}", getattr(m, name), "parallel sizes are at least 1.",
+                                  f"set model.{name} to 1 or more.")
+        block = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+        if world_size % block:
+            raise ConfigError("-ng/--num_gpus", world_size,
+                              f"the world size must be a multiple of TP x PP x CP = {m.tensor_model_parallel_size} x "
+                              f"{m.pipeline_model_parallel_size} x {m.context_parallel_size} = {block}.",
+                              f"use a multiple of {block} ranks, or smaller -tp/-pp/-cp.")
+        if m.sequence_parallel and m.tensor_model_parallel_size == 1:
+            m.sequence_parallel = log.record("model.sequence_parallel", True, False, RULE,
+                                             "TP=1: there is no tensor-parallel group to shard the sequence over",
+                                             fix="use -tp 2 or more, or drop sequence_parallel.")
+        dp = world_size // block
+        ep_block = m.expert_model_parallel_size * m.expert_tensor_parallel_size
+        if (m.tensor_model_parallel_size * m.context_parallel_size * dp) % ep_block:
+            raise ConfigError("model.expert_model_parallel_size", m.expert_model_parallel_size,
+                              f"EP x ETP = {ep_block} must divide TP x CP x DP = "
+                              f"{m.tensor_model_parallel_size * m.context_parallel_size * dp} (experts are carved out "
+                              "of the data-parallel ranks of each pipeline stage).",
+                              "choose -ep so that it divides the ranks per pipeline stage.")
+        return ParallelLayout(world_size=world_size, tp=m.tensor_model_parallel_size,
+                              pp=m.pipeline_model_parallel_size, cp=m.context_parallel_size,
+                              ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
+
+    def _validate(self, layout: ParallelLayout) -> None:
+        m, t = self.model, self.train
+        tp = layout.tp
+
+        def divides(field_name: str, value: int, by: int, by_name: str, fix: str) -> None:
+            if value % by:
+                raise ConfigError(field_name, value, f"it must be divisible by {by_name} ({by}).", fix)
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            if getattr(m, name) < 1:
+                raise ConfigError(f"model.{name}", getattr(m, name), "it must be positive.", f"set model.{name} >= 1.")
+        if m.kv_channels is None:
+            divides("model.hidden_size", m.hidden_size, m.num_attention_heads, "num_attention_heads",
+                    "pick hidden_size as a multiple of the head count, or set kv_channels.")
+        divides("model.num_attention_heads", m.num_attention_heads, tp, "tensor_model_parallel_size",
+                "use a -tp that divides the head count.")
+        divides("model.num_attention_heads", m.num_attention_heads, m.query_groups, "num_query_groups",
+                "use num_query_groups that divides num_attention_heads.")
+        divides("model.num_query_groups", m.query_groups, tp, "tensor_model_parallel_size",
+                "use a -tp that divides num_query_groups.")
+        divides("model.ffn_hidden_size", m.ffn_size, tp, "tensor_model_parallel_size", "use a -tp that divides it.")
+        divides("model.vocab_size", m.vocab_size, tp, "tensor_model_parallel_size",
+                "use a vocabulary size divisible by -tp (e.g. --vocab_size rounded up).")
+        if m.sequence_parallel:
+            divides("model.seq_length", m.seq_length, tp, "tensor_model_parallel_size (sequence parallel)",
+                    "use -sl divisible by -tp.")
+        vpp = m.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or layout.pp == 1):
+            raise ConfigError("model.virtual_pipeline_model_parallel_size", vpp,
+                              "a virtual pipeline needs pipeline_model_parallel_size > 1 and a size >= 1.",
+                              "use -vp None, or -pp 2 or more.")
+        divides("model.num_layers", m.num_layers, layout.pp * (vpp or 1), "PP x VPP",
+                "choose -pp/-vp so that PP x VPP divides the layer count.")
+        if m.is_moe:
+            if m.num_moe_experts < 1:
+                raise ConfigError("model.num_moe_experts", m.num_moe_experts, "a MoE model needs experts.",
+                                  "set num_moe_experts >= 1, or null for a dense model.")
+            divides("model.num_moe_experts", m.num_moe_experts, layout.ep, "expert_model_parallel_size",
+                    "use -ep that divides the expert count.")
+            if not 1 <= m.moe_router_topk <= m.num_moe_experts:
+                raise ConfigError("model.moe_router_topk", m.moe_router_topk,
+                                  f"top-k must be between 1 and num_moe_experts ({m.num_moe_experts}).",
+                                  "choose a smaller moe_router_topk.")
+            if tp > 1 and not m.sequence_parallel:
+                raise ConfigError("model.sequence_parallel", False,
+                                  "MoE with tensor parallelism requires sequence parallelism (tokens would be "
+                                  "duplicated across TP ranks and expert gradients double-counted).",
+                                  "set model.sequence_parallel=true (-tp sets it for you).")
+            if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
+                raise NotBuiltError("model.moe_router_load_balancing_type", m.moe_router_load_balancing_type,
+                                    "This load-balancing type", "use aux_loss or none.")
+            if m.moe_layer_freq < 1:
+                raise ConfigError("model.moe_layer_freq", m.moe_layer_freq, "it must be >= 1.",
+                                  "use 1 for all-MoE layers, k for every k-th layer.")
+        elif layout.ep > 1:
+            raise ConfigError("model.expert_model_parallel_size", layout.ep, "a dense model has no experts to shard.",
+                              "use -ep 1 or a MoE recipe.")
+        if m.moe_token_dispatcher_type not in ("alltoall", "flex", "allgather"):
+            raise ConfigError("model.moe_token_dispatcher_type", m.moe_token_dispatcher_type,
+                              "unknown token dispatcher.", "use alltoall or flex.")
+        if m.params_dtype not in DTYPES:
+            raise ConfigError("model.params_dtype", m.params_dtype, "unknown dtype.", f"use one of {DTYPES}.")
+        self._validate_recompute()
+        self._validate_cuda_graph()
+        if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * layout.dp):
+            raise ConfigError("train.global_batch_size", t.global_batch_size,
+                              f"it must be a multiple of micro_batch_size x data-parallel size = "
+                              f"{t.micro_batch_size} x {layout.dp}.", "adjust -gb or -mb.")
+        if t.train_iters < 1:
+            raise ConfigError("train.train_iters", t.train_iters, "a run needs at least one step.", "use -ms 1 or more.")
+
+    def _validate_recompute(self) -> None:
+        m = self.model
+        if m.recompute_granularity not in (None, "selective", "full"):
+            raise ConfigError("model.recompute_granularity", m.recompute_granularity, "unknown granularity.",
+                              "use selective, full, or null.")
+        if m.recompute_granularity == "full":
+            if m.recompute_method not in ("uniform", "block"):
+                raise ConfigError("model.recompute_method", m.recompute_method,
+                                  "full recompute needs a method.", "set recompute_method to uniform or block.")
+            if not m.recompute_num_layers or m.recompute_num_layers < 1:
+                raise ConfigError("model.recompute_num_layers", m.recompute_num_layers,
+                                  "full recompute needs a layer count.", "set recompute_num_layers (e.g. -rl 1).")
+        elif m.recompute_method is not None or m.recompute_num_layers is not None:
+            raise ConfigError("model.recompute_method", m.recompute_method,
+                              "recompute_method / recompute_num_layers only apply to recompute_granularity=full.",
+                              "set recompute_granularity=full, or clear them.")
+        bad = [x for x in (m.recompute_modules or []) if x not in RECOMPUTE_MODULES]
+        if bad:
+            raise ConfigError("model.recompute_modules", m.recompute_modules, f"unknown module(s) {bad}.",
+                              f"use a subset of {list(RECOMPUTE_MODULES)}.")
+
+    def _validate_cuda_graph(self) -> None:
+        m = self.model
+        if m.cuda_graph_impl not in ("none", "local", "transformer_engine"):
+            raise ConfigError("model.cuda_graph_impl", m.cuda_graph_impl, "unknown CUDA-graph implementation.",
+                              "use none, local or transformer_engine.")
+        scope = m.cuda_graph_scope or []
+        scope = scope.split(",") if isinstance(scope, str) else scope
+        bad = [s for s in scope if s not in CUDA_GRAPH_SCOPES + ("full",)]
+        if bad:
+            raise ConfigError("model.cuda_graph_scope", m.cuda_graph_scope, f"unknown scope(s) {bad}.",
+                              f"use a subset of {list(CUDA_GRAPH_SCOPES)}.")
+        if m.cuda_graph_impl == "local" and scope and set(scope) != {"full_iteration"}:
+            raise ConfigError("model.cuda_graph_scope", m.cuda_graph_scope,
+                              "cuda_graph_impl=local only captures full iterations; scoped graphs need "
+                              "transformer_engine.", "use --cuda_graph_scope full_iteration or the TE impl.")
+        if "full_iteration" in scope and m.cuda_graph_impl == "transformer_engine":
+            raise ConfigError("model.cuda_graph_scope", m.cuda_graph_scope,
+                              "full_iteration graphs are not captured by the transformer_engine impl.",
+                              "use --cuda_graph_impl local for full_iteration.")

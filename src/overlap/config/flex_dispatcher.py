@@ -1,0 +1,118 @@
+"""Flex token dispatch: `moe_token_dispatcher_type="flex"` plus a backend.
+
+Pitfall the reference's users hit: setting `moe_flex_dispatcher_backend` alone does NOT switch the dispatcher. Here
+that case is a logged decision (an error in strict mode), not a silent no-op. Backends:
+- "torch": ours, pure torch.distributed, runs everywhere (CPU/gloo and GPU/NCCL): each token crosses the network once
+  per destination rank instead of once per chosen expert, and the receiving rank fans it out to its local experts.
+- "deepep" / "hybridep": DeepEP's GPU kernels; they need the `deep_ep` library and a supported GPU, otherwise a
+  clear error (never a silent fallback to all-to-all).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from overlap.config.decisions import RULE, DecisionLog
+from overlap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from overlap.config.model import ModelConfig
+
+log = logging.getLogger("overlap.config")
+
+FLEX_BACKENDS = ("torch", "deepep", "hybridep")
+GPU_BACKENDS = ("deepep", "hybridep")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the flex GPU gate needs to know about device 0."""
+
+    name: str
+    major: int
+
+
+def probe_device() -> DeviceInfo | None:
+    """Device 0's name and compute capability, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return DeviceInfo(props.name, props.major)
+
+
+def deepep_supported(dev: DeviceInfo) -> bool:
+    """Ampere, Hopper and B200/B300 (GB200/GB300 are not DeepEP-eligible), as in the reference."""
+    return dev.major in (8, 9) or dev.name.startswith(("NVIDIA B200", "NVIDIA B300"))
+
+
+def hybridep_supported(dev: DeviceInfo) -> bool:
+    return dev.major in (8, 9, 10)
+
+
+def apply_flex_dispatcher_backend(model: "ModelConfig", backend: str | None) -> None:
+    """What the `--moe_flex_dispatcher_backend` flag does: select flex dispatch with `backend` (None: alltoall).
+
+    Unlike the reference, an unsupported GPU does not silently fall back here; the validation raises a clear error.
+    """
+    if backend is not None and backend not in FLEX_BACKENDS:
+        raise ConfigError("model.moe_flex_dispatcher_backend", backend, "unknown flex dispatcher backend.",
+                          f"use one of {', '.join(FLEX_BACKENDS)} or None.")
+    if not model.is_moe:
+        raise ConfigError("model.moe_flex_dispatcher_backend", backend,
+                          "flex dispatch only applies to MoE models (num_moe_experts is not set).",
+                          "use a MoE recipe, or drop --moe_flex_dispatcher_backend.")
+    model.moe_flex_dispatcher_backend = backend
+    if backend is None:
+        model.moe_token_dispatcher_type = "alltoall"
+        return
+    model.moe_token_dispatcher_type = "flex"
+    if model.moe_shared_expert_overlap:
+        log.warning("flex dispatch: turning moe_shared_expert_overlap off (the flex dispatcher does not support it)")
+    model.moe_shared_expert_overlap = False
+
+
+def validate_flex_dispatcher_backend(model: "ModelConfig", log_: DecisionLog,
+                                     device: Callable[[], DeviceInfo | None] = probe_device) -> None:
+    """Final check (last step of finalize): flex needs a backend; GPU backends need their library and device."""
+    backend = model.moe_flex_dispatcher_backend
+    if model.moe_token_dispatcher_type != "flex":
+        if backend is not None:
+            log_.record("model.moe_flex_dispatcher_backend", backend, None, RULE,
+                        f"inactive: moe_token_dispatcher_type is '{model.moe_token_dispatcher_type}'; the backend "
+                        "alone does not switch to flex dispatch",
+                        fix="also set model.moe_token_dispatcher_type=flex (or use --moe_flex_dispatcher_backend).")
+            model.moe_flex_dispatcher_backend = None
+        return
+    if backend is None:
+        model.moe_token_dispatcher_type = log_.record(
+            "model.moe_token_dispatcher_type", "flex", "alltoall", RULE,
+            "flex dispatch without a backend falls back to alltoall",
+            fix="set model.moe_flex_dispatcher_backend=torch (runs everywhere), deepep or hybridep.")
+        return
+    if backend not in FLEX_BACKENDS:
+        raise ConfigError("model.moe_flex_dispatcher_backend", backend, "unknown flex dispatcher backend.",
+                          f"use one of {', '.join(FLEX_BACKENDS)}.")
+    if backend in GPU_BACKENDS:
+        dev = device()
+        if dev is None:
+            raise ConfigError("model.moe_flex_dispatcher_backend", backend,
+                              f"{backend} runs DeepEP GPU kernels and needs a CUDA GPU; none is visible.",
+                              "use moe_flex_dispatcher_backend=torch on CPU, or run on a supported GPU.")
+        if backend == "deepep" and not deepep_supported(dev):
+            raise ConfigError("model.moe_flex_dispatcher_backend", backend,
+                              f"DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs. "
+                              f"Current GPU: {dev.name}.", "use moe_flex_dispatcher_backend=torch or hybridep.")
+        if backend == "hybridep" and not hybridep_supported(dev):
+            raise ConfigError("model.moe_flex_dispatcher_backend", backend,
+                              "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, B200 and "
+                              f"B300 GPUs. Current GPU: {dev.name}.", "use moe_flex_dispatcher_backend=torch.")
+        if importlib.util.find_spec("deep_ep") is None:
+            raise ConfigError("model.moe_flex_dispatcher_backend", backend,
+                              f"{backend} needs the DeepEP library (python module deep_ep), which is not installed.",
+                              "install DeepEP, or use moe_flex_dispatcher_backend=torch.")
+    log_.record("model.moe_token_dispatcher_type", "flex", "flex", RULE, f"flex dispatch with backend '{backend}'")

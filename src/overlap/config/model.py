@@ -1,0 +1,106 @@
+"""ModelConfig: the transformer / MoE model, its parallel layout, recompute, precision, and the overlap fields that the
+resolution in `comm_overlap.py` writes.
+
+Field names and meanings follow Megatron-Core's TransformerConfig, which our users already speak. Overlap fields
+default to `None`, meaning "not set by the user": `ConfigContainer.finalize` resolves each of them to a concrete value
+and logs who decided and why. Derived sizes (kv_channels, ffn_hidden_size, ...) are filled by `finalize_dims`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Precision flags are set by the mixed-precision stage; params_dtype is a string so overrides stay plain YAML.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    # --- transformer dimensions -----------------------------------------------------------------------------------
+    num_layers: int = 2
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None: multi-head attention (= num_attention_heads)
+    kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
+    ffn_hidden_size: int | None = None  # dense MLP width; None: 4 * hidden_size
+    vocab_size: int = 32000
+    seq_length: int = 256
+    layernorm_epsilon: float = 1e-6
+    rotary_base: float = 10000.0
+    qk_layernorm: bool = False
+    gated_linear_unit: bool = True  # SwiGLU
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    init_method_std: float = 0.02
+    share_embeddings_and_output_weights: bool = False
+    gradient_accumulation_fusion: bool = False
+    # --- parallel layout ------------------------------------------------------------------------------------------
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    # --- mixture of experts ---------------------------------------------------------------------------------------
+    num_moe_experts: int | None = None  # None: dense model
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_shared_expert_intermediate_size: int | None = None  # None: no shared expert
+    moe_layer_freq: int = 1  # every k-th layer is MoE (1: all layers); the others are dense
+    moe_token_dispatcher_type: str = "alltoall"  # "alltoall" | "flex" ("allgather" is the reference's, not built)
+    moe_flex_dispatcher_backend: str | None = None  # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
+    moe_shared_expert_overlap: bool = False
+    moe_permute_fusion: bool = False  # True: vectorised permutation; False: straightforward per-expert loop
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" | "none"
+    # --- recompute (activation checkpointing) ---------------------------------------------------------------------
+    recompute_granularity: str | None = None  # None | "selective" | "full"
+    recompute_method: str | None = None  # None | "uniform" | "block" (with full)
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None  # with selective: subset of {"core_attn", "mlp", "moe", "layernorm"}
+    # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs) -------------------------------
+    cuda_graph_impl: str = "none"  # "none" | "local" | "transformer_engine"
+    cuda_graph_scope: list[str] | None = None
+    # --- multi-token prediction (compatibility surface) -----------------------------------------------------------
+    mtp_num_layers: int | None = None
+    # --- precision (written by the mixed-precision stage) ---------------------------------------------------------
+    bf16: bool = False
+    fp16: bool = False
+    params_dtype: str = "float32"
+    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user) -------------------------
+    tp_comm_overlap: bool | None = None
+    tp_comm_overlap_cfg: Any = None  # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
+    tp_comm_bootstrap_backend: str | None = None
+    overlap_p2p_comm: bool | None = None
+    batch_p2p_comm: bool | None = None
+    overlap_moe_expert_parallel_comm: bool | None = None
+    delay_wgrad_compute: bool | None = None
+    defer_embedding_wgrad_compute: bool | None = None
+    wgrad_deferral_limit: int | None = None
+
+    # --- derived values -----------------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Layer numbers count from 0; with moe_layer_freq k, layers 0, k, 2k, ... are MoE (k=1: all)."""
+        return self.is_moe and layer_number % self.moe_layer_freq == 0

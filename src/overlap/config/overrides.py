@@ -1,0 +1,142 @@
+"""`section.field=value` overrides (the Hydra-style tail of a harness command line).
+
+omegaconf parses each value with YAML rules (numbers, booleans, null, lists); we then check it against the dataclass
+field's type, so a typo or a wrong type is a clear error naming the key, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from overlap.config.comm_overlap import CommOverlapConfig
+from overlap.config.container import ConfigContainer
+from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
+from overlap.errors import ConfigError
+
+_SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
+
+
+def parse_value(key: str, raw: str) -> Any:
+    try:
+        parsed = OmegaConf.create({"v": None})
+        parsed.merge_with_dotlist([f"v={raw}"])
+        value = parsed["v"]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(key, raw, f"the value cannot be parsed ({exc.__class__.__name__}).",
+                          "write it as YAML: 3, 0.5, true, null, name or [a,b].") from None
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check `value` against the type hint `hint`, converting int -> float where natural."""
+    if hint is Any:
+        return value
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(key, value, option)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise ConfigError(key, value, f"expected {_hint_name(hint)}.", f"give a value of type {_hint_name(hint)}.")
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(key, value, "expected a list.", "write it as [a,b] or a,b.")
+        return [_coerce(key, v, item) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, "expected a mapping.", "write it as {a: 1}.")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+    raise ConfigError(key, value, f"expected {_hint_name(hint)}.", f"give a value of type {_hint_name(hint)}.")
+
+
+def _hint_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_hint_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _unknown(key: str, name: str, choices: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, choices, n=3)
+    hint = f"did you mean {', '.join(close)}?" if close else f"valid names: {', '.join(choices)}."
+    return ConfigError(key, name, "unknown configuration key.", hint)
+
+
+def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
+    """Apply one override; return (key, value) so later flags can detect a contradiction with it."""
+    if "=" not in item or item.startswith(("+", "~")):
+        raise ConfigError("override", item, "overrides have the form section.field=value (Hydra's +, ++ and ~ "
+                          "prefixes are not supported).", "write e.g. model.num_layers=4.")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    section = parts[0]
+    if section not in _SECTIONS:
+        raise _unknown(key, section, _SECTIONS)
+    value = parse_value(key, raw)
+    if section == "env_vars":
+        if len(parts) != 2:
+            raise ConfigError(key, raw, "environment overrides name one variable.", "write env_vars.NAME=value.")
+        cfg.env_vars[parts[1]] = str(value)
+        return key, str(value)
+    if section == "mixed_precision" and len(parts) == 1:
+        if not isinstance(value, str) and value is not None:
+            raise ConfigError(key, value, "expected a preset name.", "use bf16_mixed, fp16_mixed or fp32.")
+        cfg.mixed_precision = None if value is None else get_mixed_precision_config(value)
+        return key, value
+    if len(parts) != 2:
+        raise ConfigError(key, raw, "overrides address one field of one section.", "write section.field=value.")
+    if section == "comm_overlap" and cfg.comm_overlap is None:
+        cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)
+    if section == "mixed_precision":
+        if cfg.mixed_precision is None:
+            cfg.mixed_precision = MixedPrecisionConfig()
+        elif isinstance(cfg.mixed_precision, str):
+            cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
+    target = getattr(cfg, section)
+    hints = typing.get_type_hints(type(target))
+    names = [f.name for f in fields(target)]
+    if parts[1] not in names:
+        raise _unknown(key, parts[1], names)
+    value = _coerce(key, value, hints[parts[1]])
+    setattr(target, parts[1], value)
+    return key, value
+
+
+def apply_overrides(cfg: ConfigContainer, items: list[str]) -> dict[str, Any]:
+    """Apply overrides in order; return {key: value} of what they set."""
+    return dict(apply_override(cfg, item) for item in items)

@@ -1,0 +1,102 @@
+"""Recipes: named, ready-to-run configurations (`-m FAMILY -mr NAME`).
+
+- `qwen3_30b_a3b`: the exact Qwen3-30B-A3B dimensions and the reference's 16-GPU H100 layout (TP1/PP1, EP up to 16),
+  for `explain`, planning and real clusters. Like the reference recipes it ships with EP overlap OFF: the user turns
+  it on explicitly once the run works.
+- `qwen3_moe_tiny`: structurally identical (GQA + QK-norm, SwiGLU experts, every layer MoE, top-k softmax router with
+  aux loss, no shared expert), sized so a training step on 4 CPU ranks takes well under a second.
+- `dense_tiny`: a small dense decoder of the same family, for TP / PP / DP work on 2 cores.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from overlap.config.container import ConfigContainer
+from overlap.config.model import ModelConfig
+from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig, TrainConfig
+from overlap.errors import ConfigError
+
+
+def qwen3_30b_a3b(num_gpus: int) -> ConfigContainer:
+    ep = math.gcd(num_gpus, 16)
+    model = ModelConfig(
+        num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
+        ffn_hidden_size=6144, vocab_size=151936, seq_length=4096, layernorm_epsilon=1e-6, rotary_base=1e6,
+        qk_layernorm=True, gated_linear_unit=True, init_method_std=0.02,
+        num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768, moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=True, moe_aux_loss_coeff=1e-3, moe_router_load_balancing_type="aux_loss",
+        expert_model_parallel_size=ep,
+    )
+    return ConfigContainer(
+        model=model,
+        train=TrainConfig(global_batch_size=1024, micro_batch_size=1, train_iters=100, seed=1234),
+        optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-5, use_distributed_optimizer=True),
+        scheduler=SchedulerConfig(lr_warmup_iters=500),
+        ddp=DDPConfig(use_distributed_optimizer=True),
+        mixed_precision="bf16_mixed",
+    )
+
+
+def qwen3_moe_tiny(num_gpus: int) -> ConfigContainer:
+    ep = math.gcd(num_gpus, 4)
+    model = ModelConfig(
+        num_layers=2, hidden_size=128, num_attention_heads=8, num_query_groups=2, kv_channels=16,
+        ffn_hidden_size=384, vocab_size=1024, seq_length=128, layernorm_epsilon=1e-6, rotary_base=1e6,
+        qk_layernorm=True, gated_linear_unit=True, init_method_std=0.02,
+        num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=64, moe_token_dispatcher_type="alltoall",
+        moe_permute_fusion=True, moe_aux_loss_coeff=1e-3, moe_router_load_balancing_type="aux_loss",
+        expert_model_parallel_size=ep,
+    )
+    return ConfigContainer(
+        model=model,
+        train=TrainConfig(global_batch_size=4 * num_gpus, micro_batch_size=2, train_iters=10, seed=1234),
+        optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4),
+        scheduler=SchedulerConfig(lr_warmup_iters=2),
+        mixed_precision="bf16_mixed",
+    )
+
+
+def dense_tiny(num_gpus: int) -> ConfigContainer:
+    model = ModelConfig(
+        num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, kv_channels=32,
+        ffn_hidden_size=512, vocab_size=4096, seq_length=256, layernorm_epsilon=1e-6, rotary_base=1e6,
+        qk_layernorm=True, gated_linear_unit=True, init_method_std=0.02,
+    )
+    return ConfigContainer(
+        model=model,
+        train=TrainConfig(global_batch_size=2 * num_gpus, micro_batch_size=1, train_iters=10, seed=1234),
+        optimizer=OptimizerConfig(lr=1e-3, min_lr=1e-4),
+        scheduler=SchedulerConfig(lr_warmup_iters=2),
+        mixed_precision="fp32",
+    )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    family: str
+    name: str
+    build: Callable[[int], ConfigContainer]
+    summary: str
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("qwen", "qwen3_30b_a3b", qwen3_30b_a3b,
+           "Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts top-8, EP=gcd(ng,16), bf16"),
+    Recipe("qwen", "qwen3_moe_tiny", qwen3_moe_tiny,
+           "Qwen3-MoE structure at toy size: 2 layers, hidden 128, 16 experts top-4, EP=gcd(ng,4), bf16"),
+    Recipe("qwen", "dense_tiny", dense_tiny, "dense Qwen3-style decoder: 4 layers, hidden 256, fp32"),
+)}
+
+
+def get_recipe(family: str, name: str) -> Recipe:
+    recipe = RECIPES.get(name)
+    if recipe is None:
+        raise ConfigError("-mr/--model_recipe_name", name, "unknown recipe.",
+                          f"use one of: {', '.join(RECIPES)} (overlap explain --list-recipes).")
+    if recipe.family != family:
+        raise ConfigError("-m/--model_family_name", family, f"recipe {name} belongs to family '{recipe.family}'.",
+                          f"use -m {recipe.family}.")
+    return recipe

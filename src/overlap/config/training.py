@@ -1,0 +1,62 @@
+"""DDP, optimizer, scheduler, training-loop and tokenizer configuration (Megatron-Bridge field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class DDPConfig:
+    """Data-parallel gradient reduction and parameter gather. `None` = not set: resolved by finalize and logged."""
+
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
+    align_param_gather: bool | None = None
+    bucket_size: int | None = None  # counted in PARAMETERS, not bytes (as in Megatron-Core)
+    grad_reduce_in_fp32: bool | None = None  # owned by mixed precision; a different value here is logged
+    fp8_param_gather: bool | None = None  # owned by mixed precision
+    average_in_collective: bool = False
+    check_for_nan_in_grad: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False  # kept in sync with ddp.use_distributed_optimizer (logged)
+    overlap_param_gather_with_optimizer_step: bool | None = None
+    bf16: bool = False  # written by mixed precision
+    fp16: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None: train_iters
+    lr_decay_style: str = "cosine"  # "cosine" | "linear" | "constant"
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    train_iters: int = 10
+    seed: int = 1234
+    log_interval: int = 1
+    eval_time_start_step: int | None = None  # steady-state window start (iteration index, 0-based); None: auto
+    eval_time_end_step: int | None = None
+    skip_first_percent_time: float = 0.1  # window start when eval_time_start_step is None (0.1 as the library)
+    comm_timeout_s: float = 300.0  # a dead or hung rank fails the run after this long instead of 30 minutes
+
+
+@dataclass
+class TokenizerConfig:
+    tokenizer_type: str = "NullTokenizer"  # mock pretraining data; other tokenizers need files we do not fetch
+    vocab_size: int | None = None  # NullTokenizer vocabulary; None: keep model.vocab_size

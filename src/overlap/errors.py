@@ -1,0 +1,32 @@
+"""User-facing errors.
+
+A user mistake (bad field value, impossible layout, unmet prerequisite) is reported as one paragraph that names the
+field, the value and the fix, and the command line exits with status 2 without a traceback. Everything else is a bug
+and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration the user can fix: names the field, the offending value, why it is wrong and how to fix it."""
+
+    def __init__(self, field: str, value: Any, why: str, fix: str) -> None:
+        self.field = field
+        self.value = value
+        self.why = why
+        self.fix = fix
+        super().__init__(f"{field}={value!r}: {why} Fix: {fix}")
+
+
+class NotBuiltError(ConfigError):
+    """A valid request for a capability the overlap runtime does not implement yet. Never faked, always said."""
+
+    def __init__(self, field: str, value: Any, what: str, fix: str) -> None:
+        super().__init__(field, value, f"{what} is not built in the overlap runtime yet.", fix)
+
+
+class RankFailure(RuntimeError):
+    """A worker rank died or hung; names the rank so the others are not left waiting."""

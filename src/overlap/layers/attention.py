@@ -1,0 +1,89 @@
+"""Grouped-query self-attention with QK RMSNorm and RoPE (Qwen3), tensor-parallel over query groups.
+
+The fused QKV weight is laid out group by group: for each query group g, the rows of its query heads, then its key
+head, then its value head ([q heads of g | k_g | v_g]). TP shards that logical weight by whole groups along its rows,
+so a rank holds complete groups and its local weight is a contiguous slice: the logical full weight is the same at
+any TP size, which lets a TP run start from exactly the reference weights. Query heads are numbered group-major, so
+the output projection's input columns (heads x head_dim) are sharded consistently by the same contiguous cut.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overlap.errors import ConfigError
+from overlap.layers.norm import RMSNorm
+from overlap.layers.recompute import maybe_checkpoint, selective_modules
+from overlap.layers.rotary import RotaryEmbedding
+from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
+from overlap.parallel.state import ParallelState
+
+
+def _check_heads(config, tp: int) -> None:
+    heads, groups = config.num_attention_heads, config.query_groups
+    if heads % groups:
+        raise ConfigError("model.num_query_groups", groups,
+                          f"num_attention_heads ({heads}) must be a multiple of the number of query groups.",
+                          "choose num_query_groups dividing num_attention_heads.")
+    if groups % tp:
+        raise ConfigError("model.num_query_groups", groups,
+                          f"query groups are split over tensor parallelism, so they must be divisible by "
+                          f"tensor_model_parallel_size ({tp}).",
+                          "choose -tp dividing num_query_groups, or more query groups.")
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention on [seq_local, batch, hidden] -> [seq_local, batch, hidden].
+
+    Parts, so that recompute (and later schedules) can address them: `linear_qkv` (column-parallel; all-gathers the
+    sequence under SP), `q_layernorm`/`k_layernorm`, rotary, `core_attention` (the attention product; selective
+    recompute "core_attn"), `linear_proj` (row-parallel; reduce-scatters under SP).
+    """
+
+    def __init__(self, config, ps: ParallelState, layer_number: int) -> None:
+        super().__init__()
+        _check_heads(config, ps.tp_size)
+        dtype = params_dtype(config)
+        self.layer_number = layer_number
+        self.head_dim = config.head_dim
+        self.heads_per_group = config.num_attention_heads // config.query_groups
+        self.local_groups = config.query_groups // ps.tp_size
+        self.recompute_core = "core_attn" in selective_modules(config)
+        sp = config.sequence_parallel
+        qkv_size = config.query_groups * (self.heads_per_group + 2) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, ps, sp, bias=config.add_qkv_bias,
+                                               params_dtype=dtype)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = RMSNorm(self.head_dim, config.layernorm_epsilon, False, dtype, ps.tp_group)
+            self.k_layernorm = RMSNorm(self.head_dim, config.layernorm_epsilon, False, dtype, ps.tp_group)
+        self.rotary = RotaryEmbedding(self.head_dim, config.rotary_base, config.seq_length)
+        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, ps, sp,
+                                             bias=config.add_bias_linear, params_dtype=dtype)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project, split per group, normalise and rotate: q [s, b, local heads, d], k and v [s, b, local groups, d]."""
+        mixed = self.linear_qkv(x)
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        q = mixed[:, :, :, :self.heads_per_group].reshape(s, b, -1, self.head_dim)
+        k = mixed[:, :, :, self.heads_per_group]
+        v = mixed[:, :, :, self.heads_per_group + 1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        return self.rotary(q), self.rotary(k), v
+
+    @staticmethod
+    def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v; query head i reads key/value group i // heads_per_group."""
+        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                             is_causal=True, enable_gqa=True)
+        b, heads, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x)
+        context = maybe_checkpoint(self.recompute_core, self.core_attention, q, k, v)
+        return self.linear_proj(context)

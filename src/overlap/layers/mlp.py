@@ -1,0 +1,41 @@
+"""The dense feed-forward block: SwiGLU (or GELU) between a column-parallel and a row-parallel linear."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
+from overlap.parallel.state import ParallelState
+
+
+class MLP(nn.Module):
+    """[seq_local, batch, hidden] -> [seq_local, batch, hidden]; `forward` returns (y, None) like an MoE layer's
+    (y, aux_loss), so a transformer layer treats both alike.
+
+    With `gated_linear_unit`, fc1 fuses the gate and up projections into one GEMM (`num_fused=2`): each TP rank holds
+    [gate_i, up_i], and the logical weight [2, ffn, hidden] is the same at any TP size. `ffn_hidden_size` overrides
+    the config's width (shared experts use their own).
+    """
+
+    def __init__(self, config, ps: ParallelState, ffn_hidden_size: int | None = None) -> None:
+        super().__init__()
+        ffn = ffn_hidden_size or config.ffn_size
+        dtype = params_dtype(config)
+        self.gated = config.gated_linear_unit
+        fused = 2 if self.gated else 1
+        sp = config.sequence_parallel
+        self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fused * ffn, ps, sp, bias=config.add_bias_linear,
+                                               num_fused=fused, params_dtype=dtype)
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, ps, sp, bias=config.add_bias_linear,
+                                            params_dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        h = self.linear_fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h), None

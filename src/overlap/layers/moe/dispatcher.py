@@ -1,0 +1,164 @@
+"""All-to-all token dispatcher for expert parallelism (Megatron's `MoEAlltoAllTokenDispatcher`, ETP = 1).
+
+The trip of one micro-batch's tokens is cut into separate steps so that a scheduler can run other work between a
+launch and its wait (the EP-overlap schedule interleaves two micro-batches this way):
+
+    preprocess            permute by expert, exchange counts over EP, one host sync of the split sizes
+    dispatch              launch the all-to-all of rows and combine weights  -> PendingAllToAll (handles)
+    postprocess_dispatch  wait, sort rows by local expert                    -> rows for the experts
+    (experts)
+    combine_preprocess    weight the expert outputs, undo the local-expert sort
+    combine               launch the all-to-all back                         -> PendingAllToAll
+    postprocess_combine   wait, un-permute (sum each token's rows)           -> [..., h] like the input
+
+Combine weights are applied on the expert side, before the combine all-to-all: the rows sent back are already
+weighted, so the source rank only has to sum a token's rows, and the weights never travel back. They do travel out
+(a second all-to-all beside the rows' one, kept in fp32), and their gradient comes back through its backward.
+
+Tensors flow through the step arguments and results; `DispatchPlan` holds only the routing metadata (no autograd),
+so a scheduler that cuts autograd at step boundaries knows exactly which tensors to detach.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from overlap.config.model import ModelConfig
+from overlap.layers.moe.permute import (permute, sort_chunks_by_local_expert, unpermute,
+                                        unsort_chunks_by_local_expert)
+from overlap.parallel import comm
+from overlap.parallel.comm import CommHandle
+from overlap.parallel.state import ParallelState
+from overlap.parallel.trace import RECORDER
+
+
+class _AwaitAllToAll(torch.autograd.Function):
+    """Autograd node of an all-to-all launched earlier: forward waits for its output, backward sends the gradient
+    the opposite way (an all-to-all with input and output split sizes swapped).
+
+    The launch happens outside autograd (in `dispatch` / `combine`) so that it can return at once with a handle;
+    this node links the received tensor to the sent one when the scheduler decides to wait.
+    """
+
+    @staticmethod
+    def forward(ctx, sent: torch.Tensor, pending: "PendingAllToAll", index: int) -> torch.Tensor:
+        # Keep only metadata: holding `pending` would keep the sent rows alive until backward.
+        ctx.group, ctx.kind = pending.group, pending.kind
+        ctx.output_splits, ctx.input_splits = pending.output_splits, pending.input_splits
+        return pending.handles[index].wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        back = comm.all_to_all(grad, ctx.group, ctx.kind + "_bwd",
+                               output_split_sizes=ctx.input_splits, input_split_sizes=ctx.output_splits)
+        return back.wait(), None, None
+
+
+@dataclass
+class PendingAllToAll:
+    """All-to-alls in flight (one per tensor, same splits). `wait()` returns the received tensors, autograd-linked
+    to the sent ones; until then the caller is free to run unrelated work."""
+
+    sent: tuple[torch.Tensor, ...]
+    handles: tuple[CommHandle, ...]
+    group: ProcessGroup
+    kind: str
+    output_splits: list[int]
+    input_splits: list[int]
+
+    @classmethod
+    def launch(cls, tensors: tuple[torch.Tensor, ...], group: ProcessGroup, kind: str, output_splits: list[int],
+               input_splits: list[int]) -> "PendingAllToAll":
+        handles = tuple(comm.all_to_all(t.detach(), group, kind, output_splits, input_splits) for t in tensors)
+        return cls(tensors, handles, group, kind, output_splits, input_splits)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        return tuple(_AwaitAllToAll.apply(t, self, i) for i, t in enumerate(self.sent))
+
+
+@dataclass
+class DispatchPlan:
+    """Routing metadata of one micro-batch, fixed by `preprocess` (all split sizes are host ints)."""
+
+    hidden_shape: torch.Size  # shape of the layer input, restored by postprocess_combine
+    token_idx: torch.Tensor  # [N] token position of each permuted row
+    tokens_per_expert: list[int]  # [E] rows this rank routes to each (global) expert
+    input_splits: list[int]  # [ep] rows sent to each EP rank
+    output_splits: list[int]  # [ep] rows received from each EP rank
+    recv_counts: list[int]  # [ep * E_local] rows received, indexed (source rank, local expert)
+    tokens_per_local_expert: list[int]  # [E_local] rows each local expert processes
+
+
+class AllToAllDispatcher:
+    """Moves routed tokens to the EP rank that owns their expert and brings the expert outputs back."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+        self.num_experts = config.num_moe_experts
+        self.ep_size = ps.ep_size
+        self.num_local_experts = config.num_moe_experts // ps.ep_size
+        self.group = ps.ep_group
+        self.fused = config.moe_permute_fusion
+
+    def preprocess(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
+                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+        """Permute `hidden` [..., h] by expert; returns (rows [N, h], row weights [N], plan)."""
+        with RECORDER.span("moe.permute"):
+            perm = permute(hidden.reshape(-1, hidden.shape[-1]), topk_idx, topk_weights, self.num_experts,
+                           self.fused)
+        # Counts per (destination rank, local expert) go out; what comes back is, per source rank, how many rows
+        # it will send for each of our local experts.
+        recv = comm.all_to_all(perm.tokens_per_expert, self.group, "ep_counts",
+                               [self.num_local_experts] * self.ep_size,
+                               [self.num_local_experts] * self.ep_size).wait()
+        # THE host sync of the layer, done once and here on purpose: all_to_all needs its split sizes on the host,
+        # and so do the chunk sort and the expert loop. Pulling every count in one `.tolist()` right after the
+        # counts exchange (before any heavy work is queued) means no later step blocks the CPU, so a scheduler can
+        # launch this micro-batch's all-to-alls and run another micro-batch's compute without a stall in between.
+        counts = torch.cat([perm.tokens_per_expert, recv]).tolist()
+        local, recv_counts = counts[:self.num_experts], counts[self.num_experts:]
+        el = self.num_local_experts
+        plan = DispatchPlan(
+            hidden_shape=hidden.shape,
+            token_idx=perm.token_idx,
+            tokens_per_expert=local,
+            input_splits=[sum(local[r * el:(r + 1) * el]) for r in range(self.ep_size)],
+            output_splits=[sum(recv_counts[r * el:(r + 1) * el]) for r in range(self.ep_size)],
+            recv_counts=recv_counts,
+            tokens_per_local_expert=[sum(recv_counts[r * el + e] for r in range(self.ep_size)) for e in range(el)],
+        )
+        return perm.tokens, perm.weights, plan
+
+    def dispatch(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
+        """Launch the all-to-all of the permuted rows and their combine weights; does not wait."""
+        return PendingAllToAll.launch((rows, weights), self.group, "ep_dispatch",
+                                      plan.output_splits, plan.input_splits)
+
+    def postprocess_dispatch(self, pending: PendingAllToAll,
+                             plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for the dispatch; returns (rows, weights) grouped by local expert (`plan.tokens_per_local_expert`)."""
+        rows, weights = pending.wait()
+        with RECORDER.span("moe.sort_chunks"):
+            return (sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep_size, self.num_local_experts),
+                    sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, self.num_local_experts))
+
+    def combine_preprocess(self, expert_output: torch.Tensor, weights: torch.Tensor,
+                           plan: DispatchPlan) -> torch.Tensor:
+        """Weight each expert output row (in fp32) and put rows back in (source rank, local expert) order."""
+        with RECORDER.span("moe.sort_chunks"):
+            weighted = (expert_output.float() * weights.unsqueeze(-1)).to(expert_output.dtype)
+            return unsort_chunks_by_local_expert(weighted, plan.recv_counts, self.ep_size, self.num_local_experts)
+
+    def combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
+        """Launch the all-to-all that returns weighted rows to their source ranks; does not wait."""
+        return PendingAllToAll.launch((rows,), self.group, "ep_combine", plan.input_splits, plan.output_splits)
+
+    def postprocess_combine(self, pending: PendingAllToAll, plan: DispatchPlan) -> torch.Tensor:
+        """Wait for the combine and sum each token's rows; returns a tensor shaped like the layer input."""
+        (rows,) = pending.wait()
+        with RECORDER.span("moe.unpermute"):
+            out = unpermute(rows, plan.token_idx, plan.tokens_per_expert, plan.hidden_shape[:-1].numel(),
+                            self.fused)
+            return out.reshape(plan.hidden_shape)

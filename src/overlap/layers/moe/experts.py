@@ -1,0 +1,46 @@
+"""This rank's routed experts: SwiGLU MLPs whose weights are stacked along a leading local-expert dimension.
+
+Stacking (rather than a ModuleList of experts) keeps parameter names independent of the EP size, which is what lets
+`init_model_params` give every layout the weights of the single-process model: each stacked tensor is marked as
+shard `ep_rank` of `ep_size` along dim 0 of the full [num_experts, ...] tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overlap.config.model import ModelConfig
+from overlap.layers.init import mark_shard
+from overlap.layers.tensor_parallel import params_dtype
+from overlap.parallel.state import ParallelState
+
+
+def _expert_param(shape: tuple[int, ...], dtype: torch.dtype, ps: ParallelState) -> nn.Parameter:
+    param = mark_shard(nn.Parameter(torch.empty(shape, dtype=dtype)), 0, ps.ep_rank, ps.ep_size)
+    # The trainer reduces expert grads over the expert-data-parallel group, not the data-parallel group.
+    param.is_expert = True
+    return param
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts / ep_size` SwiGLU experts applied to rows already grouped by local expert."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+        super().__init__()
+        self.num_local_experts = config.num_moe_experts // ps.ep_size
+        h, ffn = config.hidden_size, config.moe_ffn_size
+        dtype = params_dtype(config)
+        # Filled by init_model_params (full-tensor draw, then this rank's slice).
+        self.gate_weight = _expert_param((self.num_local_experts, ffn, h), dtype, ps)
+        self.up_weight = _expert_param((self.num_local_experts, ffn, h), dtype, ps)
+        self.down_weight = _expert_param((self.num_local_experts, h, ffn), dtype, ps)
+
+    def forward(self, rows: torch.Tensor, tokens_per_local_expert: list[int]) -> torch.Tensor:
+        """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in order."""
+        outputs = []
+        for e, expert_rows in enumerate(rows.split(tokens_per_local_expert)):
+            hidden = F.silu(F.linear(expert_rows, self.gate_weight[e])) * F.linear(expert_rows, self.up_weight[e])
+            outputs.append(F.linear(hidden, self.down_weight[e]))
+        return torch.cat(outputs)

@@ -1,0 +1,89 @@
+"""Top-k router with the Switch-style load-balancing auxiliary loss.
+
+Routing follows Qwen3-MoE (`norm_topk_prob=True`): the k experts with the largest logits win, and their combine
+weights are a softmax over just those k logits, so they sum to 1 per token. The aux loss needs the full softmax.
+Everything runs in fp32 whatever the parameter dtype, because a routing decision flipped by rounding changes which
+expert sees a token, a discontinuity no tolerance covers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from overlap.config.model import ModelConfig
+from overlap.errors import ConfigError
+from overlap.layers.tensor_parallel import params_dtype
+from overlap.parallel import comm
+from overlap.parallel.state import ParallelState
+from overlap.parallel.trace import RECORDER
+
+LOAD_BALANCING_TYPES = ("aux_loss", "none")
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward is the identity.
+
+    Every rank of the group computes the same loss from the summed statistics and back-propagates it, so each rank
+    owes gradient only to its own contribution: the identity. Summing those per-rank router grads over TP (the
+    trainer does it for `sequence_parallel` parameters) then gives the gradient of the full-batch loss.
+    """
+
+    @staticmethod
+    def forward(ctx, stats: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return comm.all_reduce(stats.clone(), group, "moe_aux").wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class TopKRouter(nn.Module):
+    """Scores every token against every expert; returns (topk_idx [T, k], topk_weights [T, k] fp32, aux_loss)."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+        super().__init__()
+        if config.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ConfigError("model.moe_router_load_balancing_type", config.moe_router_load_balancing_type,
+                              f"the router supports {LOAD_BALANCING_TYPES}.", "pick one of those.")
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.aux_loss_coeff = (config.moe_aux_loss_coeff
+                               if config.moe_router_load_balancing_type == "aux_loss" else 0.0)
+        # Under sequence parallel each TP rank routes only its slice of the sequence; the aux-loss statistics must
+        # still describe the whole micro-batch, so they are summed over the TP group.
+        self.stats_group = ps.tp_group if config.sequence_parallel and ps.tp_size > 1 else None
+        # Filled by init_model_params; replicated on every rank (routing must agree wherever a token goes).
+        self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size,
+                                               dtype=params_dtype(config)))
+        self.weight.sequence_parallel = True
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with RECORDER.span("moe.router"):
+            tokens = hidden.reshape(-1, hidden.shape[-1])
+            logits = F.linear(tokens.float(), self.weight.float())
+            top_logits, topk_idx = logits.topk(self.topk, dim=-1)
+            topk_weights = torch.softmax(top_logits, dim=-1)
+            if not self.aux_loss_coeff:
+                return topk_idx, topk_weights, logits.new_zeros(())
+            stats = self._load_statistics(logits, topk_idx)
+        return topk_idx, topk_weights, self._aux_loss(stats)
+
+    def _load_statistics(self, logits: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """[prob sum per expert (E), routed pairs per expert (E), token count (1)] of this rank's tokens, in one
+        vector so that one collective carries them all; only the prob sums carry gradient."""
+        probs = torch.softmax(logits, dim=-1)
+        counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).to(probs.dtype)
+        return torch.cat([probs.sum(dim=0), counts, probs.new_full((1,), float(probs.shape[0]))])
+
+    def _aux_loss(self, stats: torch.Tensor) -> torch.Tensor:
+        """coeff * E * sum_e f_e * P_e, with f_e the share of routed (token, expert) pairs that went to e and P_e the
+        mean router probability of e, both over the full micro-batch."""
+        if self.stats_group is not None:
+            stats = _SumOverGroup.apply(stats, self.stats_group)
+        prob_sums, counts, num_tokens = stats.split([self.num_experts, self.num_experts, 1])
+        f = counts / (num_tokens * self.topk)
+        p = prob_sums / num_tokens
+        return self.aux_loss_coeff * self.num_experts * (f * p).sum()

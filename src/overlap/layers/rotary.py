@@ -1,0 +1,37 @@
+"""Rotary position embedding (RoPE), rotate-half form as in Llama / Qwen3."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the last dim: pairs feature i with feature i + d/2."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to [seq, batch, heads, head_dim] tensors whose positions are 0..seq-1.
+
+    The cos/sin tables are built once in fp32 and the rotation runs in fp32, because bf16 angles lose the position
+    information of long sequences. Tables are non-persistent buffers: derived data, not part of a checkpoint.
+    """
+
+    def __init__(self, head_dim: int, base: float, max_seq_length: int) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head dim, got {head_dim}")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_seq_length, dtype=torch.float32), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [seq, 1, 1, head_dim]
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[0]
+        if seq > self.cos.shape[0]:
+            raise ValueError(f"sequence length {seq} exceeds the rotary table ({self.cos.shape[0]}, model.seq_length)")
+        xf = x.float()
+        return (xf * self.cos[:seq] + rotate_half(xf) * self.sin[:seq]).to(x.dtype)

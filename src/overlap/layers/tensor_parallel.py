@@ -1,0 +1,363 @@
+"""Tensor-parallel (TP) and sequence-parallel (SP) building blocks, in Megatron-Core's vocabulary.
+
+Activations are [seq, batch, hidden]. Under sequence parallelism every TP rank holds a 1/tp slice of the sequence
+(dim 0) outside the TP regions, so the SP collectives are comm's dim-0 all-gather / reduce-scatter.
+
+The mappings are autograd functions whose backward is the adjoint of their forward (identity <-> all-reduce,
+all-gather <-> reduce-scatter, slice <-> all-gather). Every collective goes through `overlap.parallel.comm`. Over a
+group of one rank each mapping is the identity, so the same model code runs at TP=1 without tracing empty collectives.
+
+The two spots where a collective meets a GEMM are one function each: `all_gather_linear` (SP all-gather feeding the
+column-parallel GEMM) and `linear_reduce_scatter` (row-parallel GEMM feeding the SP reduce-scatter). Tensor-parallel
+communication overlap replaces exactly these two functions with chunked, overlapped versions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+from torch.distributed import ProcessGroup, ReduceOp
+
+from overlap.layers.init import mark_shard
+from overlap.parallel import comm
+from overlap.parallel.state import ParallelState
+
+
+def params_dtype(config) -> torch.dtype:
+    """The torch dtype of parameters (and therefore of compute) named by `config.params_dtype`."""
+    return getattr(torch, config.params_dtype)
+
+
+def divide(size: int, parts: int, what: str) -> int:
+    """`size // parts`, refusing a remainder: a silently truncated shard would give a wrong model, not an error."""
+    if size % parts:
+        raise ValueError(f"{what} ({size}) must be divisible by the tensor-parallel size ({parts})")
+    return size // parts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collectives over the TP group (the identity on a group of one)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _all_reduce(t: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; callers pass a tensor they own."""
+    if comm.group_size(group) == 1:
+        return t
+    return comm.all_reduce(t, group, "tp_ar", op).wait()
+
+
+def _all_reduce_copy(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-reduce of a copy: autograd may share `t` with other consumers (a residual add passes one gradient tensor
+    to both branches), so it must not change in place."""
+    if comm.group_size(group) == 1:
+        return t
+    return _all_reduce(t.clone(memory_format=torch.contiguous_format), group)
+
+
+def _all_gather(t: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    if comm.group_size(group) == 1:
+        return t
+    return comm.all_gather(t.movedim(dim, 0), group, "tp_ag").wait().movedim(0, dim)
+
+
+def _reduce_scatter(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if comm.group_size(group) == 1:
+        return t
+    return comm.reduce_scatter(t, group, "tp_rs").wait()
+
+
+def _own_slice(t: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    size = comm.group_size(group)
+    if size == 1:
+        return t
+    divide(t.shape[dim], size, f"dimension {dim} of a tensor split over TP")
+    return t.chunk(size, dim)[comm.group_rank(group)].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Autograd mappings
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _CopyToTP(Function):
+    """Enter a TP region with a replicated input: each rank's input-gradient is partial, so backward sums them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce_copy(grad, ctx.group), None
+
+
+class _ReduceFromTP(Function):
+    """Leave a TP region by summing the ranks' partial outputs; the gradient of a sum is replicated as is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return _all_reduce_copy(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromSP(Function):
+    """Sequence shards -> full sequence for a TP GEMM; the GEMM's input-gradient is partial, so backward
+    reduce-scatters it back to the sequence shards."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.group), None
+
+
+class _ReduceScatterToSP(Function):
+    """Partial full-sequence outputs -> summed sequence shards; backward all-gathers the shard gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.group, 0), None
+
+
+class _Split(Function):
+    """Keep this rank's slice of a replicated tensor along `dim`; backward reassembles the full gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _own_slice(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _Gather(Function):
+    """Concatenate the ranks' slices along `dim` into a replicated tensor; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _own_slice(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward identity, backward all-reduce over `group`."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward all-reduce over `group`, backward identity."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward all-gather along the sequence (dim 0), backward reduce-scatter."""
+    return _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward reduce-scatter along the sequence (dim 0), backward all-gather."""
+    return _ReduceScatterToSP.apply(x, group)
+
+
+def scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward keep this rank's sequence slice (dim 0), backward all-gather."""
+    return _Split.apply(x, group, 0)
+
+
+def gather_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward all-gather along the last (feature) dim, backward keep this rank's feature slice."""
+    return _Gather.apply(x, group, -1)
+
+
+def scatter_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward keep this rank's feature slice (last dim), backward all-gather."""
+    return _Split.apply(x, group, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collective + GEMM pairs: the two functions TP overlap replaces
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      group: ProcessGroup) -> torch.Tensor:
+    """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM."""
+    return F.linear(gather_from_sp(x, group), weight, bias)
+
+
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Row-parallel GEMM followed by the sequence-parallel reduce-scatter of its partial sums."""
+    return reduce_scatter_to_sp(F.linear(x, weight), group)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split along its output rows over TP (each rank computes out/tp output features).
+
+    With sequence parallelism the input is this rank's sequence shard and is all-gathered first; without it the input
+    is replicated and enters through `copy_to_tp`. The output stays feature-sharded unless `gather_output`.
+
+    `num_fused` > 1 fuses that many equally sized linears into one GEMM (SwiGLU's gate and up projections). The weight
+    is then [num_fused, out/(num_fused*tp), in], sharded along dim 1, so every rank holds a slice of *each* fused
+    linear and the logical full weight [num_fused, out/num_fused, in] does not depend on TP.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, sequence_parallel: bool,
+                 gather_output: bool = False, bias: bool = False, num_fused: int = 1,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.group = ps.tp_group
+        self.sequence_parallel = sequence_parallel
+        self.gather_output = gather_output
+        tp = ps.tp_size
+        per_linear = divide(out_features, num_fused, "ColumnParallelLinear output size over num_fused")
+        local = divide(per_linear, tp, "ColumnParallelLinear output size")
+        shape = (local, in_features) if num_fused == 1 else (num_fused, local, in_features)
+        shard_dim = 0 if num_fused == 1 else 1
+        self.weight = mark_shard(nn.Parameter(torch.empty(shape, dtype=params_dtype)), shard_dim, ps.tp_rank, tp)
+        self.bias = None
+        if bias:
+            self.bias = mark_shard(nn.Parameter(torch.empty(shape[:-1], dtype=params_dtype)),
+                                   shard_dim, ps.tp_rank, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.reshape(-1, self.weight.shape[-1])
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        if self.sequence_parallel:
+            y = all_gather_linear(x, weight, bias, self.group)
+        else:
+            y = F.linear(copy_to_tp(x, self.group), weight, bias)
+        return gather_from_tp(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split along its input columns over TP: each rank's GEMM yields a partial sum.
+
+    The partial sums are reduce-scattered along the sequence under sequence parallelism, all-reduced otherwise. The
+    input is normally already feature-sharded (the output of a ColumnParallelLinear); `input_is_parallel=False` takes
+    a replicated input and keeps this rank's slice. The bias is added once, after the reduction; under sequence
+    parallelism each rank's bias gradient covers only its sequence shard, hence `bias.sequence_parallel`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ps: ParallelState, sequence_parallel: bool,
+                 input_is_parallel: bool = True, bias: bool = False,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence parallelism needs a feature-sharded input "
+                             "(input_is_parallel=True)")
+        self.group = ps.tp_group
+        self.sequence_parallel = sequence_parallel
+        self.input_is_parallel = input_is_parallel
+        local = divide(in_features, ps.tp_size, "RowParallelLinear input size")
+        self.weight = mark_shard(nn.Parameter(torch.empty(out_features, local, dtype=params_dtype)),
+                                 1, ps.tp_rank, ps.tp_size)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype))
+            self.bias.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.group)
+        if self.sequence_parallel:
+            y = linear_reduce_scatter(x, self.weight, self.group)
+        else:
+            y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary rows split over TP.
+
+    Each rank looks up the tokens that fall in its vocabulary range and writes zeros for the others; summing over
+    TP (an all-reduce, or a reduce-scatter along the sequence under sequence parallelism) completes every row.
+    Input token ids are [seq, batch] so the sequence-parallel reduce-scatter cuts dim 0.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, ps: ParallelState, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.group = ps.tp_group
+        self.sequence_parallel = sequence_parallel
+        local = divide(num_embeddings, ps.tp_size, "VocabParallelEmbedding vocabulary size")
+        self.vocab_start = ps.tp_rank * local
+        self.weight = mark_shard(nn.Parameter(torch.empty(local, embedding_dim, dtype=params_dtype)),
+                                 0, ps.tp_rank, ps.tp_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if comm.group_size(self.group) == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp(out, self.group)
+        return reduce_from_tp(out, self.group)
+
+
+class _VocabParallelCrossEntropy(Function):
+    """Per-token cross-entropy from vocab-sharded logits, in fp32.
+
+    Only three per-token statistics cross ranks: the max logit (for a stable softmax), the target logit (held by the
+    one rank owning the label) and the sum of exponentials. The gradient, softmax - onehot(label), is local to each
+    rank's vocabulary slice, so backward needs no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup,
+                vocab_start: int) -> torch.Tensor:
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
+        max_logit = _all_reduce(logits.max(dim=-1).values, group, ReduceOp.MAX)
+        shifted = logits - max_logit.unsqueeze(-1)
+        local = labels - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        stats = _all_reduce(torch.stack([target, exp.sum(dim=-1)]), group)  # one collective for both sums
+        target, sum_exp = stats[0], stats[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
+        return sum_exp.log() - target
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local, outside = ctx.saved_tensors
+        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), (~outside).unsqueeze(-1).float())
+        grad = (softmax - onehot) * grad_loss.unsqueeze(-1)
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """Per-token loss (fp32, shape of `labels`) from this rank's vocabulary slice of the logits [..., vocab/tp].
+
+    Equals `F.cross_entropy(full_logits, labels, reduction="none")` on the full logits, on every TP rank.
+    """
+    vocab_start = ps.tp_rank * logits_shard.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits_shard, labels, ps.tp_group, vocab_start)

@@ -1,0 +1,132 @@
+"""The Qwen3-style GPT model: token embedding, pre-norm transformer layers (dense MLP or MoE), final norm, LM head.
+
+Tensors between layers are [seq, batch, hidden]; under sequence parallelism every TP rank holds its 1/tp slice of
+the sequence between the TP regions. Parameter names are the same in every parallel layout, which is what lets
+`init_weights` give every layout the reference model's weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from overlap.errors import ConfigError
+from overlap.layers.attention import SelfAttention
+from overlap.layers.init import init_model_params
+from overlap.layers.mlp import MLP
+from overlap.layers.norm import RMSNorm
+from overlap.layers.recompute import layer_chunks, maybe_checkpoint, selective_modules
+from overlap.layers.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, params_dtype,
+                                            vocab_parallel_cross_entropy)
+from overlap.parallel.state import ParallelState
+from overlap.parallel.trace import RECORDER
+
+
+class TransformerLayer(nn.Module):
+    """x -> x + attn(norm(x)) -> h + mlp(norm(h)), where mlp is a dense MLP or an MoE layer.
+
+    The two halves are separate methods (`attention_block`, `mlp_block`) so that schedules can run them apart;
+    `forward` is simply one after the other and returns (hidden, aux_loss or None).
+    """
+
+    def __init__(self, config, ps: ParallelState, layer_number: int) -> None:
+        super().__init__()
+        dtype = params_dtype(config)
+        sp = config.sequence_parallel
+        self.layer_number = layer_number
+        self.is_moe = config.is_moe_layer(layer_number)
+        recompute = selective_modules(config)
+        self.recompute_norm = "layernorm" in recompute
+        self.recompute_mlp = ("moe" if self.is_moe else "mlp") in recompute
+        self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype)
+        self.self_attention = SelfAttention(config, ps, layer_number)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype)
+        if self.is_moe:
+            from overlap.layers.moe.moe_layer import MoELayer  # only MoE models need (and import) the MoE package
+
+            self.mlp = MoELayer(config, ps, layer_number)
+        else:
+            self.mlp = MLP(config, ps)
+
+    def attention_block(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual + self-attention of the input-normalised hidden state."""
+        normed = maybe_checkpoint(self.recompute_norm, self.input_layernorm, x)
+        return x + self.self_attention(normed)
+
+    def mlp_block(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Residual + MLP/MoE of the pre-MLP-normalised hidden state; also returns the MoE aux loss (None if dense)."""
+        normed = maybe_checkpoint(self.recompute_norm, self.pre_mlp_layernorm, x)
+        out, aux_loss = maybe_checkpoint(self.recompute_mlp, self.mlp, normed)
+        return x + out, aux_loss
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.mlp_block(self.attention_block(x))
+
+
+class GPTModel(nn.Module):
+    """`forward(tokens [b, s], labels [b, s]) -> (lm_loss, aux_loss)`.
+
+    Every TP rank gets the full micro-batch of tokens. lm_loss is the mean per-token cross-entropy of the micro-batch
+    (fp32, identical on every TP rank); aux_loss is the sum of the MoE layers' auxiliary losses (a 0-dim fp32 tensor,
+    zero for a dense model). The output layer is untied from the embedding and vocabulary-parallel; the loss is
+    computed from the vocab-sharded logits without gathering them.
+    """
+
+    def __init__(self, config, ps: ParallelState) -> None:
+        super().__init__()
+        tp = ps.tp_size
+        if config.vocab_size % tp:
+            raise ConfigError("model.vocab_size", config.vocab_size,
+                              f"the vocabulary is split over tensor parallelism, so it must be divisible by "
+                              f"tensor_model_parallel_size ({tp}).", "pad the vocabulary to a multiple of -tp.")
+        if config.sequence_parallel and config.seq_length % tp:
+            raise ConfigError("model.seq_length", config.seq_length,
+                              f"sequence parallelism splits the sequence over tensor_model_parallel_size ({tp}).",
+                              "choose a sequence length divisible by -tp.")
+        if config.share_embeddings_and_output_weights:
+            raise ConfigError("model.share_embeddings_and_output_weights", True,
+                              "this model keeps the embedding and the output layer untied (as Qwen3 does).",
+                              "set share_embeddings_and_output_weights=false.")
+        self.config = config
+        self.ps = ps
+        dtype = params_dtype(config)
+        sp = config.sequence_parallel
+        self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps, sp, dtype)
+        self.layers = nn.ModuleList(TransformerLayer(config, ps, i) for i in range(config.num_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype)
+        self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, ps, sp, params_dtype=dtype)
+        self.layer_chunks = layer_chunks(config, config.num_layers)
+
+    def init_weights(self, seed: int) -> None:
+        """Give this rank its slice of the layout-independent initial weights (see `overlap.layers.init`)."""
+        init_model_params(self, seed, self.config.init_method_std)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> hidden [s_local, b, h] (this rank's sequence shard under sequence parallelism)."""
+        return self.embedding(tokens.t())
+
+    def run_layers(self, hidden: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layers [start, end) on `hidden`; returns the output and the sum of their aux losses (None if all dense)."""
+        aux_total = None
+        for i in range(start, end):
+            with RECORDER.span(f"fwd.layer{i}"):
+                hidden, aux = self.layers[i](hidden)
+            if aux is not None:
+                aux_total = aux if aux_total is None else aux_total + aux
+        return hidden, aux_total
+
+    def lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Final norm, output layer (gathers the sequence under SP) and mean cross-entropy against labels [b, s]."""
+        logits = self.output_layer(self.final_layernorm(hidden))  # [s, b, vocab/tp]
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.ps).mean()
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.embed(tokens)
+        aux_loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start, end, checkpointed in self.layer_chunks:
+            hidden, aux = maybe_checkpoint(checkpointed, self.run_layers, hidden, start, end)
+            if aux is not None:
+                aux_loss = aux_loss + aux
+        with RECORDER.span("fwd.lm_loss"):
+            loss = self.lm_loss(hidden, labels)
+        return loss, aux_loss

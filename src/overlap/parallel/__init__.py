@@ -1,0 +1,1 @@
+"""Process groups (ParallelState) and the one module that calls collectives (comm)."""

@@ -1,0 +1,119 @@
+"""Parallel state: the process groups of one training job, built on DeviceMesh.
+
+Rank order follows Megatron-Core ("tp-cp-dp-pp", tensor parallel fastest), so a user's mental map of which ranks
+share a node carries over. Expert parallelism is carved out of the (dp x cp x tp) block of each pipeline stage:
+inside that block, expert-tensor-parallel is fastest, then expert-parallel, then expert-data-parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from overlap.errors import ConfigError, NotBuiltError
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of every parallel dimension; `world_size = tp * cp * dp * pp`, and `ep * etp` divides `tp * cp * dp`."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        block = self.tp * self.pp * self.cp
+        if self.world_size % block:
+            raise ConfigError(
+                "world size", self.world_size,
+                f"it must be a multiple of tensor x pipeline x context parallel = {self.tp}x{self.pp}x{self.cp} = {block}.",
+                "change -ng/--num_gpus or the -tp/-pp/-cp sizes so that they divide the world size.",
+            )
+        if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
+            raise ConfigError(
+                "model.expert_model_parallel_size", self.ep,
+                f"expert parallel x expert tensor parallel ({self.ep}x{self.etp}) must divide "
+                f"tensor x context x data parallel ({self.tp}x{self.cp}x{self.dp}); experts are carved out of that block.",
+                "choose -ep so that it divides the number of ranks per pipeline stage.",
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: replicas of each expert's weights inside one pipeline stage."""
+        return (self.tp * self.cp * self.dp) // (self.ep * self.etp)
+
+
+class ParallelState:
+    """Process groups and rank coordinates of this rank for one layout.
+
+    Must be constructed by every rank of the default process group in the same order (group creation is collective).
+    """
+
+    def __init__(self, layout: ParallelLayout, device_type: str = "cpu") -> None:
+        if layout.cp != 1:
+            raise NotBuiltError("model.context_parallel_size", layout.cp, "Context parallelism",
+                                "use context_parallel_size=1 (-cp 1).")
+        if layout.etp != 1:
+            raise NotBuiltError("model.expert_tensor_parallel_size", layout.etp, "Expert tensor parallelism",
+                                "use expert_tensor_parallel_size=1 (-et 1).")
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelState needs torch.distributed to be initialised first")
+        if dist.get_world_size() != layout.world_size:
+            raise ConfigError("world size", dist.get_world_size(),
+                              f"the layout was resolved for {layout.world_size} ranks.",
+                              "launch as many ranks as the configuration was resolved for.")
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self.world_size = layout.world_size
+        self.mesh: DeviceMesh = init_device_mesh(
+            device_type, (layout.pp, layout.dp, layout.cp, layout.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        self.expert_mesh: DeviceMesh = init_device_mesh(
+            device_type, (layout.pp, layout.edp, layout.ep, layout.etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
+        self.tp_group = self.mesh.get_group("tp")
+        self.pp_group = self.mesh.get_group("pp")
+        self.dp_group = self.mesh.get_group("dp")
+        self.ep_group = self.expert_mesh.get_group("ep")
+        self.edp_group = self.expert_mesh.get_group("edp")
+        self.tp_rank = self.mesh.get_local_rank("tp")
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        self.ep_rank = self.expert_mesh.get_local_rank("ep")
+        self.edp_rank = self.expert_mesh.get_local_rank("edp")
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def edp_size(self) -> int:
+        return self.layout.edp
+
+    def describe(self) -> str:
+        """One line per dimension for start-up logs: size, this rank's coordinate, and the ranks it talks to."""
+        lines = [f"rank {self.rank}/{self.world_size}"]
+        for mesh, dims in ((self.mesh, ("tp", "cp", "dp", "pp")), (self.expert_mesh, ("ep", "edp"))):
+            for dim in dims:
+                ranks = dist.get_process_group_ranks(mesh.get_group(dim))
+                lines.append(f"  {dim:<3} size {len(ranks)} coord {mesh.get_local_rank(dim)} ranks {ranks}")
+        return "\n".join(lines)

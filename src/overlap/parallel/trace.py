@@ -1,0 +1,69 @@
+"""A lightweight recorder of communication events and compute spans, fed by `comm.py` and the schedules.
+
+It is always on: one small object per collective and per span costs microseconds, far below the step times we care
+about, and it is what lets a run say how much communication was hidden. Analysis lives in `overlap.profiling`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+@dataclass
+class CommEvent:
+    """One collective: when it was launched, when its data was complete, and when the caller waited for it."""
+
+    kind: str
+    op: str
+    group_size: int
+    nbytes: int
+    t_launch: float
+    t_done: float | None = None
+    t_wait_start: float | None = None
+    t_wait_end: float | None = None
+
+
+@dataclass
+class Span:
+    """A compute interval (forward/backward of a part, optimizer step, ...)."""
+
+    name: str
+    t_start: float
+    t_end: float
+
+
+@dataclass
+class Recorder:
+    comm: list[CommEvent] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_comm(self, event: CommEvent) -> None:
+        with self.lock:
+            self.comm.append(event)
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        start = now()
+        try:
+            yield
+        finally:
+            self.spans.append(Span(name, start, now()))
+
+    def drain(self) -> tuple[list[CommEvent], list[Span]]:
+        """Return everything recorded since the last drain and start afresh (one step at a time)."""
+        with self.lock:
+            comm, spans = self.comm, self.spans
+            self.comm, self.spans = [], []
+        return comm, spans
+
+
+RECORDER = Recorder()

@@ -1,0 +1,296 @@
+"""MoE tests: permutation paths, the all-to-all dispatcher, and the MoE layer in EP and TP x EP layouts against a
+single-process reference.
+
+Reference: `run_world(1, ...)` builds the same layer with every expert local and runs, one after another, the batches
+that the ranks of the parallel run process at the same time; its gradients therefore accumulate over all batches, and
+are compared with the parallel run's gradients summed over ranks (router, shared expert shards) or gathered over EP
+(expert slices, after summing the expert-data-parallel replicas).
+
+Tolerance (fp32): atol = rtol = 1e-5. Routing decisions are identical in every layout (same logits from the same
+weights and tokens), and every per-token value is computed by the same operations; what differs is that an expert's
+GEMM sees a different number of rows (tokens from several ranks), and BLAS may block its K-reduction differently with
+M, plus gradient sums over ranks in a different order. Those are rounding-level (~1e-7 relative) differences; 1e-5 is
+ample for that and tight enough to catch any wrong row, weight or split (errors of O(1)).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from overlap.config.model import ModelConfig
+from overlap.errors import ConfigError
+from overlap.layers.init import init_model_params
+from overlap.layers.moe import AllToAllDispatcher, MoELayer, TopKRouter
+from overlap.layers.moe.permute import (permute, sort_chunks_by_local_expert, unpermute,
+                                        unsort_chunks_by_local_expert)
+from overlap.parallel import comm
+from overlap.parallel.state import ParallelLayout, ParallelState
+from tests.world import run_world
+
+SEQ, BATCH, HIDDEN = 8, 2, 32
+TOL = dict(atol=1e-5, rtol=1e-5)
+INIT_STD = 0.2  # large enough that outputs are O(1), so an absolute tolerance means something
+
+
+def _config(num_experts: int = 8, tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
+    fields = dict(hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=num_experts, moe_router_topk=2,
+                  moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, params_dtype="float32",
+                  tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Permutation (single process)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def routings(draw):
+    """A random routing of T tokens to k distinct experts each, restricted to a random subset of the experts so
+    that empty experts are common; T = 0 included."""
+    num_experts = draw(st.integers(1, 8))
+    topk = draw(st.integers(1, min(3, num_experts)))
+    num_active = draw(st.integers(topk, num_experts))
+    num_tokens = draw(st.integers(0, 12))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    active = torch.randperm(num_experts, generator=g)[:num_active]
+    topk_idx = active[torch.rand(num_tokens, num_active, generator=g).argsort(dim=1)[:, :topk]]
+    return (torch.randn(num_tokens, 5, generator=g), topk_idx, torch.rand(num_tokens, topk, generator=g),
+            num_experts)
+
+
+@settings(max_examples=150, deadline=None)
+@given(routings())
+def test_permutation_paths_agree_and_group_by_expert(routing):
+    hidden, topk_idx, topk_weights, num_experts = routing
+    fused = permute(hidden, topk_idx, topk_weights, num_experts, fused=True)
+    loop = permute(hidden, topk_idx, topk_weights, num_experts, fused=False)
+    for name in ("tokens", "weights", "token_idx", "tokens_per_expert"):
+        assert torch.equal(getattr(fused, name), getattr(loop, name)), name
+
+    # Grouped by expert ascending, token order inside an expert.
+    pairs = sorted((e, t, j) for t, row in enumerate(topk_idx.tolist()) for j, e in enumerate(row))
+    assert fused.token_idx.tolist() == [t for _, t, _ in pairs]
+    assert torch.equal(fused.weights, torch.tensor([topk_weights[t, j].item() for _, t, j in pairs]))
+    assert fused.tokens_per_expert.tolist() == [sum(1 for e, _, _ in pairs if e == x) for x in range(num_experts)]
+
+    rows = fused.tokens * fused.weights.unsqueeze(-1)
+    counts = fused.tokens_per_expert.tolist()
+    back_fused = unpermute(rows, fused.token_idx, counts, hidden.shape[0], fused=True)
+    back_loop = unpermute(rows, loop.token_idx, counts, hidden.shape[0], fused=False)
+    assert torch.equal(back_fused, back_loop)
+    torch.testing.assert_close(back_fused, (hidden.unsqueeze(1) * topk_weights.unsqueeze(-1)).sum(dim=1))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.data())
+def test_sort_chunks_by_local_expert_and_back(ep_size, num_local_experts, data):
+    counts = data.draw(st.lists(st.integers(0, 3), min_size=ep_size * num_local_experts,
+                                max_size=ep_size * num_local_experts))
+    rows = torch.arange(sum(counts), dtype=torch.float32).unsqueeze(-1)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    # Chunk (source s, expert e) holds rows starts[i] .. starts[i] + counts[i], i = s * num_local_experts + e.
+    expected = [starts[i] + r for e in range(num_local_experts) for s in range(ep_size)
+                for i in [s * num_local_experts + e] for r in range(counts[i])]
+    by_expert = sort_chunks_by_local_expert(rows, counts, ep_size, num_local_experts)
+    assert by_expert.squeeze(-1).tolist() == expected
+    assert torch.equal(unsort_chunks_by_local_expert(by_expert, counts, ep_size, num_local_experts), rows)
+
+
+def test_aux_loss_is_switch_formula_and_none_disables_it():
+    ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0)
+    router = TopKRouter(_config(num_experts=4), ps)
+    torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(1))
+    topk_idx, topk_weights, aux = router(x)
+
+    logits = x.reshape(-1, HIDDEN) @ router.weight.T
+    top, idx = logits.topk(2, dim=-1)
+    assert torch.equal(topk_idx, idx)
+    torch.testing.assert_close(topk_weights, torch.softmax(top, dim=-1))
+    share = torch.stack([(idx == e).sum() for e in range(4)]) / idx.numel()
+    torch.testing.assert_close(aux, 1e-2 * 4 * (share * torch.softmax(logits, -1).mean(0)).sum())
+
+    no_aux = TopKRouter(_config(num_experts=4, moe_router_load_balancing_type="none"), ps)
+    no_aux.weight.data.copy_(router.weight.data)
+    assert no_aux(x)[2].item() == 0.0
+
+
+def test_experts_must_split_evenly_over_ep():
+    with pytest.raises(ValueError, match="num_moe_experts"):
+        MoELayer(_config(num_experts=6), SimpleNamespace(ep_size=4), layer_number=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dispatcher round trip (multi-process)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _rank_routing(rank: int, num_experts: int, num_local_experts: int):
+    """Rank r's tokens; rank 1 has none, and nobody routes to the last EP rank's experts (zero-size splits)."""
+    num_tokens = [6, 0, 5, 7][rank]
+    g = torch.Generator().manual_seed(7 + rank)
+    allowed = num_experts - num_local_experts
+    topk_idx = torch.rand(num_tokens, allowed, generator=g).argsort(dim=1)[:, :2]
+    return torch.randn(num_tokens, HIDDEN, generator=g), topk_idx, torch.rand(num_tokens, 2, generator=g)
+
+
+def _dispatch_round_trip(num_experts: int, fused: bool):
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    ps = ParallelState(ParallelLayout(world_size=ep, ep=ep))
+    el = num_experts // ep
+    dispatcher = AllToAllDispatcher(_config(num_experts, ep=ep, moe_permute_fusion=fused), ps)
+    hidden, topk_idx, topk_weights = _rank_routing(rank, num_experts, el)
+    hidden.requires_grad_()
+    topk_weights.requires_grad_()
+
+    rows, weights, plan = dispatcher.preprocess(hidden, topk_idx, topk_weights)
+    expert_rows, expert_weights = dispatcher.postprocess_dispatch(dispatcher.dispatch(rows, weights, plan), plan)
+
+    # Every rank can rebuild every rank's routing: the rows of local expert e must be, source rank by source rank,
+    # that rank's tokens routed to e, in token order.
+    expected_rows, expected_counts = [], []
+    for e in range(ps.ep_rank * el, (ps.ep_rank + 1) * el):
+        count = 0
+        for src in range(ep):
+            src_hidden, src_idx, _ = _rank_routing(src, num_experts, el)
+            tokens = (src_idx == e).any(dim=1).nonzero().flatten()
+            expected_rows.append(src_hidden[tokens])
+            count += len(tokens)
+        expected_counts.append(count)
+    assert plan.tokens_per_local_expert == expected_counts
+    assert torch.equal(expert_rows, torch.cat(expected_rows))
+
+    # Identity experts: what comes back is each token scaled by the sum of its combine weights.
+    out_rows = dispatcher.combine_preprocess(expert_rows, expert_weights, plan)
+    y = dispatcher.postprocess_combine(dispatcher.combine(out_rows, plan), plan)
+    torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))
+    # And the backward all-to-alls (swapped splits) bring the gradients home.
+    y.sum().backward()
+    torch.testing.assert_close(hidden.grad, topk_weights.detach().sum(dim=1, keepdim=True).expand_as(hidden))
+    torch.testing.assert_close(topk_weights.grad, hidden.detach().sum(dim=1, keepdim=True).expand(-1, 2))
+    return sum(plan.output_splits)
+
+
+@pytest.mark.parametrize("world, num_experts, fused", [(2, 4, True), (4, 8, False)])
+def test_dispatcher_round_trip_with_identity_experts(world, num_experts, fused):
+    received = run_world(world, _dispatch_round_trip, num_experts, fused)
+    assert received[-1] == 0 and sum(received) > 0  # the last rank's experts got nothing, the others did
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MoE layer: parallel layouts vs the single-process reference
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _force_experts_0_and_1(layer: MoELayer) -> None:
+    """With positive inputs, positive router rows 0 and 1 and negative others, every token picks experts 0 and 1."""
+    with torch.no_grad():
+        w = layer.router.weight
+        w.abs_()
+        w[2:].neg_()
+
+
+def _batch(seed: int, positive: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full [s, b, h] input of one micro-batch and the output gradient its loss uses."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(SEQ, BATCH, HIDDEN, generator=g) + 0.1 if positive else torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    return x, torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+
+
+def _moe_run(tp: int, ep: int, cfg_overrides: dict, seeds: list[int], uneven: bool = False) -> dict:
+    """Forward + backward of one MoE layer; this rank processes its data-parallel share of `seeds` (all of them in
+    the single-process reference), under sequence parallel only its TP slice of each sequence."""
+    ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
+    layer = MoELayer(_config(tp=tp, ep=ep, **cfg_overrides), ps, layer_number=0)
+    init_model_params(layer, seed=1234, std=INIT_STD)
+    if uneven:
+        _force_experts_0_and_1(layer)
+    outs = []
+    for seed in seeds[ps.dp_rank::ps.dp_size]:
+        x, dy = (t.chunk(tp)[ps.tp_rank] for t in _batch(seed, positive=uneven))
+        x.requires_grad_()
+        y, aux = layer(x)
+        ((y * dy).sum() + aux).backward()
+        outs.append((y.detach(), aux.detach(), x.grad))
+    grads = {}
+    for name, p in layer.named_parameters():
+        shard = getattr(p, "shard", None)
+        grads[name] = (p.grad, None if shard is None else (shard.dim, shard.index, shard.count))
+    return {"dp_rank": ps.dp_rank, "tp_rank": ps.tp_rank, "outs": outs, "grads": grads}
+
+
+def _full_grads(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Logical full gradients: shards are reassembled along their dim, each the sum over the ranks holding it
+    (expert-data-parallel replicas, or TP ranks that saw different tokens); replicated parameters sum over all."""
+    full = {}
+    for name, (_, shard) in results[0]["grads"].items():
+        if shard is None:
+            full[name] = sum(r["grads"][name][0] for r in results)
+            continue
+        dim, _, count = shard
+        full[name] = torch.cat([sum(r["grads"][name][0] for r in results if r["grads"][name][1][1] == i)
+                                for i in range(count)], dim=dim)
+    return full
+
+
+def _check_against_reference(world: int, tp: int, ep: int, cfg_overrides: dict, uneven: bool = False) -> None:
+    seeds = [100 + d for d in range(world // tp)]
+    ref = run_world(1, _moe_run, 1, 1, cfg_overrides, seeds, uneven)[0]
+    par = run_world(world, _moe_run, tp, ep, cfg_overrides, seeds, uneven)
+    for r in par:
+        (y, aux, dx), = r["outs"]
+        ref_y, ref_aux, ref_dx = ref["outs"][r["dp_rank"]]
+        torch.testing.assert_close(y, ref_y.chunk(tp)[r["tp_rank"]], **TOL)
+        torch.testing.assert_close(aux, ref_aux, **TOL)
+        torch.testing.assert_close(dx, ref_dx.chunk(tp)[r["tp_rank"]], **TOL)
+    ref_grads, par_grads = _full_grads([ref]), _full_grads(par)
+    assert ref_grads.keys() == par_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(par_grads[name], g, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("world, fused", [(2, True), (4, False)])
+def test_expert_parallel_matches_reference(world, fused):
+    _check_against_reference(world, tp=1, ep=world, cfg_overrides=dict(num_experts=8, moe_permute_fusion=fused))
+
+
+def test_uneven_routing_to_two_experts_matches_reference():
+    # 4 experts on EP=2: experts 0 and 1 live on rank 0, so rank 1 receives no rows and its experts stay idle.
+    _check_against_reference(2, tp=1, ep=2, cfg_overrides=dict(num_experts=4), uneven=True)
+
+
+def test_sequence_parallel_tp2_ep2_matches_full_sequence_reference():
+    _check_against_reference(4, tp=2, ep=2, cfg_overrides=dict(num_experts=4))
+
+
+def _none_mode_step() -> tuple[int, ...]:
+    ps = ParallelState(ParallelLayout(world_size=2, ep=2))
+    layer = MoELayer(_config(num_experts=4, ep=2), ps, layer_number=0)
+    init_model_params(layer, seed=0, std=INIT_STD)
+    x = _batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
+    comm.set_mode("none")
+    try:
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+    finally:
+        comm.set_mode("real")
+    return tuple(y.shape)
+
+
+def test_no_communication_mode_keeps_shapes():
+    assert run_world(2, _none_mode_step) == [(SEQ, BATCH, HIDDEN)] * 2
+
+
+# Last: the shared expert uses the dense MLP (its own module), under plain EP and under TP x EP sequence parallel.
+@pytest.mark.parametrize("world, tp, ep", [(2, 1, 2), (4, 2, 2)])
+def test_shared_expert_matches_reference(world, tp, ep):
+    _check_against_reference(world, tp=tp, ep=ep,
+                             cfg_overrides=dict(num_experts=4, moe_shared_expert_intermediate_size=48))

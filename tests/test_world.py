@@ -1,0 +1,41 @@
+import torch
+import torch.distributed as dist
+
+from overlap.parallel import comm
+from overlap.parallel.state import ParallelLayout, ParallelState
+from tests.world import run_world
+
+
+def _ranks_and_sum():
+    t = torch.tensor([float(dist.get_rank())])
+    comm.all_reduce(t, dist.group.WORLD, "test_ar").wait()
+    return dist.get_rank(), t.item()
+
+
+def _groups(tp, ep):
+    ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
+    return (dist.get_process_group_ranks(ps.tp_group), dist.get_process_group_ranks(ps.dp_group),
+            dist.get_process_group_ranks(ps.ep_group), dist.get_process_group_ranks(ps.edp_group))
+
+
+def _uneven_a2a():
+    r, n = dist.get_rank(), dist.get_world_size()
+    send = [r + 1] * n  # rank r sends r+1 rows to everybody
+    x = torch.full((sum(send), 2), float(r))
+    recv = [s + 1 for s in range(n)]
+    out = comm.all_to_all(x, dist.group.WORLD, "test_a2a", recv, send).wait()
+    return out[:, 0].tolist()
+
+
+def test_world_runs_functions():
+    assert run_world(2, _ranks_and_sum) == [(0, 1.0), (1, 1.0)]
+
+
+def test_parallel_state_groups_follow_megatron_order():
+    res = run_world(4, _groups, 2, 2)
+    assert res[0] == ([0, 1], [0, 2], [0, 1], [0, 2])
+    assert res[3] == ([2, 3], [1, 3], [2, 3], [1, 3])
+
+
+def test_uneven_all_to_all():
+    assert run_world(2, _uneven_a2a) == [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]

@@ -1,0 +1,108 @@
+"""Shared multi-process worlds for tests.
+
+Starting a world costs seconds (every rank imports torch), so each world size is started once per test session and
+then runs many test functions: `run_world(n, fn, *args)` sends a module-level function (pickled by reference) to every
+rank of the n-rank world and returns the per-rank results in rank order. Ranks run gloo with a short timeout so a bug
+fails fast instead of hanging CI, and one compute thread each. An exception on any rank is re-raised here with that
+rank's traceback; the world is then torn down and restarted on next use, so one failing test cannot poison the rest.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+_CTX = mp.get_context("spawn")
+_WORLDS: dict[int, "_World"] = {}
+RANK_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            outbox.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # report any failure, including assertion errors, to the test process
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _World:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        port = _free_port()
+        self.inboxes = [_CTX.Queue() for _ in range(size)]
+        self.outbox = _CTX.Queue()
+        self.procs = [_CTX.Process(target=_worker, args=(r, size, port, self.inboxes[r], self.outbox), daemon=True)
+                      for r in range(size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict) -> list[Any]:
+        for box in self.inboxes:
+            box.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        for _ in range(self.size):
+            try:
+                rank, ok, value = self.outbox.get(timeout=RANK_TIMEOUT_S)
+            except Exception:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                raise RuntimeError(f"world of {self.size}: no answer within {RANK_TIMEOUT_S}s (dead ranks: {dead})")
+            if ok:
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return [results[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        for box in self.inboxes:
+            box.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def run_world(size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on every rank of a shared `size`-rank gloo world; return results in rank order."""
+    world = _WORLDS.get(size)
+    if world is None or not all(p.is_alive() for p in world.procs):
+        if world is not None:
+            world.close()
+        world = _WORLDS[size] = _World(size)
+    try:
+        return world.run(fn, args, kwargs)
+    except BaseException:
+        world.close()
+        del _WORLDS[size]
+        raise
+
+
+@atexit.register
+def _close_all() -> None:
+    for world in _WORLDS.values():
+        world.close()
