@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     register_commands(sub)
     try:
         args = parser.parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         return args.func(args)
     except _UsageError as exc:
         print(f"overlap: error: {exc}\nRun 'overlap {sys.argv[1] if len(sys.argv) > 1 else ''} --help' for the "

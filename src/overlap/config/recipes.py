@@ -44,7 +44,7 @@ def qwen3_moe_tiny(num_gpus: int) -> ConfigContainer:
     ep = math.gcd(num_gpus, 4)
     model = ModelConfig(
         num_layers=2, hidden_size=128, num_attention_heads=8, num_query_groups=2, kv_channels=16,
-        ffn_hidden_size=384, vocab_size=1024, seq_length=128, layernorm_epsilon=1e-6, rotary_base=1e6,
+        ffn_hidden_size=384, vocab_size=1024, seq_length=64, layernorm_epsilon=1e-6, rotary_base=1e6,
         qk_layernorm=True, gated_linear_unit=True, init_method_std=0.02,
         num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=64, moe_token_dispatcher_type="alltoall",
         moe_permute_fusion=True, moe_aux_loss_coeff=1e-3, moe_router_load_balancing_type="aux_loss",

@@ -1,0 +1,71 @@
+"""What a run reports: reference-style iteration lines, model FLOPs, the steady-state window, peak memory."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from overlap.config.model import ModelConfig
+from overlap.config.training import TrainConfig
+
+
+def flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward), counting only active (routed top-k) experts."""
+    hd, h = m.head_dim, m.hidden_size
+    attn_proj = h * (m.num_attention_heads * hd + 2 * m.query_groups * hd) + m.num_attention_heads * hd * h
+    gate = 3 if m.gated_linear_unit else 2
+    matmul = 0
+    for layer in range(m.num_layers):
+        if m.is_moe_layer(layer):
+            mlp = m.moe_router_topk * gate * h * m.moe_ffn_size + h * m.num_moe_experts
+            if m.moe_shared_expert_intermediate_size:
+                mlp += gate * h * m.moe_shared_expert_intermediate_size
+        else:
+            mlp = gate * h * m.ffn_size
+        matmul += attn_proj + mlp
+    matmul += h * m.vocab_size
+    attention_core = 2 * 2 * m.seq_length * m.num_attention_heads * hd * m.num_layers  # QK^T and AV, forward
+    return 3 * (2 * matmul + attention_core)
+
+
+def steady_window(cfg: TrainConfig) -> tuple[int, int]:
+    """[start, end) iterations averaged for the steady-state step time (reference: skip the first part)."""
+    n = cfg.train_iters
+    start = cfg.eval_time_start_step if cfg.eval_time_start_step is not None else \
+        max(1, int(n * cfg.skip_first_percent_time))
+    end = cfg.eval_time_end_step if cfg.eval_time_end_step is not None else n
+    start, end = min(start, n - 1), max(min(end, n), 1)
+    return (start, end) if start < end else (0, n)
+
+
+@dataclass
+class StepRecord:
+    iteration: int
+    lm_loss: float
+    grad_norm: float
+    step_time_ms: float
+    lr: float
+
+
+def format_iteration(r: StepRecord, cfg: TrainConfig, tokens_per_s: float, tflops: float) -> str:
+    return (f"iteration {r.iteration + 1:>6}/{cfg.train_iters:<6} | elapsed time per iteration (ms): "
+            f"{r.step_time_ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens/s per GPU: "
+            f"{tokens_per_s:.0f} | learning rate: {r.lr:.6E} | global batch size: {cfg.global_batch_size:>5} | "
+            f"lm loss: {r.lm_loss:.6E} | grad norm: {r.grad_norm:.4f}")
+
+
+def steady_mean_ms(records: list[StepRecord], window: tuple[int, int]) -> float:
+    times = [r.step_time_ms for r in records if window[0] <= r.iteration < window[1]]
+    return statistics.fmean(times) if times else float("nan")
+
+
+def peak_memory_mb() -> float:
+    """Peak device memory on GPU, else this process's peak resident set size."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024

@@ -1,0 +1,48 @@
+"""What the training runtime can run today: a valid configuration that needs an unbuilt feature stops here, loudly.
+
+`overlap explain` accepts every configuration the reference accepts; `overlap run` refuses, with a clear error, the
+ones whose runtime is not built yet (never a silent fallback, never a faked result).
+"""
+
+from __future__ import annotations
+
+from overlap.config.container import ConfigContainer
+from overlap.errors import NotBuiltError
+
+
+def check_runtime_support(cfg: ConfigContainer) -> None:
+    m, d, o = cfg.model, cfg.ddp, cfg.optimizer
+    checks = [
+        (m.pipeline_model_parallel_size > 1, "model.pipeline_model_parallel_size", m.pipeline_model_parallel_size,
+         "Pipeline parallelism (1F1B / interleaved schedules)", "use -pp 1."),
+        (m.overlap_moe_expert_parallel_comm, "model.overlap_moe_expert_parallel_comm", True,
+         "The MoE expert-parallel overlap schedule", "use --moe_a2a_overlap false."),
+        (m.delay_wgrad_compute, "model.delay_wgrad_compute", True, "Delayed weight-gradient compute",
+         "set comm_overlap.delay_wgrad_compute=false."),
+        (m.moe_shared_expert_overlap, "model.moe_shared_expert_overlap", True, "Shared-expert overlap",
+         "set model.moe_shared_expert_overlap=false."),
+        (m.is_moe and m.moe_token_dispatcher_type != "alltoall", "model.moe_token_dispatcher_type",
+         m.moe_token_dispatcher_type, "This token dispatcher", "use model.moe_token_dispatcher_type=alltoall."),
+        (d.use_distributed_optimizer, "ddp.use_distributed_optimizer", True, "The distributed optimizer",
+         "set ddp.use_distributed_optimizer=false and optimizer.use_distributed_optimizer=false."),
+        (d.overlap_grad_reduce, "ddp.overlap_grad_reduce", True, "Overlapped gradient reduction",
+         "set ddp.overlap_grad_reduce=false."),
+        (d.overlap_param_gather, "ddp.overlap_param_gather", True, "Overlapped parameter gather",
+         "set ddp.overlap_param_gather=false."),
+        (d.fp8_param_gather, "mixed_precision.fp8_param_gather", True, "FP8 parameter gather",
+         "set mixed_precision.fp8_param_gather=false."),
+        (m.fp16, "mixed_precision", "fp16_mixed", "fp16 training (dynamic loss scaling)", "use -c bf16 or -c fp32."),
+        (m.cuda_graph_impl != "none", "model.cuda_graph_impl", m.cuda_graph_impl, "CUDA-graph capture",
+         "use --cuda_graph_impl none."),
+        (bool(m.mtp_num_layers), "model.mtp_num_layers", m.mtp_num_layers, "Multi-token prediction",
+         "set model.mtp_num_layers=null."),
+        (m.defer_embedding_wgrad_compute, "model.defer_embedding_wgrad_compute", True,
+         "Deferred embedding wgrad (a pipeline feature)", "set comm_overlap.defer_embedding_wgrad_compute=false."),
+        (m.gradient_accumulation_fusion, "model.gradient_accumulation_fusion", True,
+         "Fused gradient accumulation (a Transformer Engine kernel)", "set model.gradient_accumulation_fusion=false."),
+        (m.add_bias_linear or m.add_qkv_bias, "model.add_bias_linear", True, "Linear biases",
+         "set model.add_bias_linear=false and model.add_qkv_bias=false."),
+    ]
+    for failed, field, value, what, fix in checks:
+        if failed:
+            raise NotBuiltError(field, value, what, fix)

@@ -1,0 +1,121 @@
+"""The pretraining loop, readable top to bottom: build, then for each iteration run the micro-batches, reduce
+gradients, clip, step, log.
+
+Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size) before backward, so
+the reduced gradients equal the single-process gradient of the mean loss over the whole global batch, and the
+reported lm loss is that mean (all-reduced over data parallel for the log only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import IO
+
+import torch
+
+from overlap.config.container import ConfigContainer
+from overlap.model.gpt import GPTModel
+from overlap.parallel import comm
+from overlap.parallel.state import ParallelState
+from overlap.parallel.trace import RECORDER
+from overlap.training.data import MockDataset
+from overlap.training.grads import attach_main_grads, reduce_main_grads, zero_main_grads
+from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
+                                      steady_mean_ms, steady_window)
+from overlap.training.optimizer import MixedPrecisionAdam, global_grad_norm, learning_rate
+
+log = logging.getLogger("overlap.train")
+
+
+@dataclass
+class RunSummary:
+    records: list[StepRecord]
+    window: tuple[int, int]
+    steady_step_ms: float
+    peak_memory_mb: float
+    comm_ms: dict[str, float] = field(default_factory=dict)
+
+
+def comm_totals(events) -> tuple[dict[str, float], dict[str, int]]:
+    """Per-kind communication time (launch to completion, ms) and bytes of one iteration."""
+    ms: dict[str, float] = defaultdict(float)
+    nbytes: dict[str, int] = defaultdict(int)
+    for e in events:
+        end = e.t_done if e.t_done is not None else e.t_wait_end
+        if end is not None:
+            ms[e.kind] += (end - e.t_launch) * 1e3
+        nbytes[e.kind] += e.nbytes
+    return dict(ms), dict(nbytes)
+
+
+class Trainer:
+    def __init__(self, cfg: ConfigContainer, ps: ParallelState) -> None:
+        self.cfg, self.ps = cfg, ps
+        torch.manual_seed(cfg.train.seed)
+        self.model = GPTModel(cfg.model, ps)
+        self.model.init_weights(cfg.train.seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        attach_main_grads(self.params)
+        self.optimizer = MixedPrecisionAdam(self.params, cfg.optimizer)
+        self.data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+        t = cfg.train
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+
+    def train_step(self, iteration: int) -> tuple[float, float]:
+        """One optimizer step over the global batch; returns (mean lm loss, grad norm)."""
+        t, ps = self.cfg.train, self.ps
+        zero_main_grads(self.params)
+        batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
+                                          ps.dp_size)
+        scale = 1.0 / (self.num_micro_batches * ps.dp_size)
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        for tokens, labels in batches:
+            lm_loss, aux_loss = self.model(tokens, labels)
+            with RECORDER.span("backward"):
+                ((lm_loss + aux_loss) * scale).backward()
+            loss_sum += lm_loss.detach().float()
+        with RECORDER.span("grad_reduce"):
+            reduce_main_grads(self.params, ps, self.cfg.model.sequence_parallel)
+        norm = global_grad_norm(self.params, ps)
+        with RECORDER.span("optimizer"):
+            self.optimizer.step(learning_rate(iteration, self.cfg.optimizer, self.cfg.scheduler, t.train_iters), norm)
+        comm.all_reduce(loss_sum, ps.dp_group, "dp_loss").wait()
+        return float(loss_sum) * scale, norm
+
+    def train(self, metrics: IO[str] | None = None, progress=None) -> RunSummary:
+        t, m = self.cfg.train, self.cfg.model
+        tokens_per_step = t.global_batch_size * m.seq_length
+        flops_step = flops_per_token(m) * tokens_per_step
+        records: list[StepRecord] = []
+        comm_sum: dict[str, float] = defaultdict(float)
+        RECORDER.drain()
+        for it in range(t.train_iters):
+            start = time.perf_counter()
+            loss, norm = self.train_step(it)
+            step_s = time.perf_counter() - start
+            events, _spans = RECORDER.drain()
+            c_ms, c_bytes = comm_totals(events)
+            for k, v in c_ms.items():
+                comm_sum[k] += v
+            rec = StepRecord(it, loss, norm, step_s * 1e3,
+                             learning_rate(it, self.cfg.optimizer, self.cfg.scheduler, t.train_iters))
+            records.append(rec)
+            tokens_per_s = tokens_per_step / step_s / self.ps.world_size
+            tflops = flops_step / step_s / self.ps.world_size / 1e12
+            if self.ps.rank == 0:
+                if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters:
+                    log.info(format_iteration(rec, t, tokens_per_s, tflops))
+                if metrics is not None:
+                    metrics.write(json.dumps({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
+                                              "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,
+                                              "tflops_per_rank": tflops, "lr": rec.lr, "comm_ms": c_ms,
+                                              "comm_bytes": c_bytes}) + "\n")
+                    metrics.flush()
+                if progress is not None:
+                    progress(it + 1, t.train_iters, loss)
+        window = steady_window(t)
+        return RunSummary(records, window, steady_mean_ms(records, window), peak_memory_mb(), dict(comm_sum))
