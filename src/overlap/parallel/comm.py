@@ -9,10 +9,20 @@ Modes (`set_mode`):
 - "real": the collective runs.
 - "none": no transfer at all; outputs keep the right shapes (inputs are echoed). Losses are meaningless in this mode;
   its only use is the compute-only floor of a benchmark (`T_ideal`).
+
+Modelled link (`set_network(LinkModel(...))`, the `--network model:LATENCY,BANDWIDTH` fallback when no emulated
+interconnect can be set up): the collective still runs for real, so the data stays correct, but its completion is held
+back to `max(real completion, start + modelled time)`. Real gloo traffic on a small CPU box is CPU work that fights
+the compute for the cores; a modelled delay is pure waiting, which is what a fast interconnect looks like to the
+compute, so overlap measured against it is credible (see DESIGN.md "Measuring overlap honestly"). Each group has a
+"link free at" clock: two ops in flight on one group queue one behind the other instead of overlapping for free.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -25,6 +35,54 @@ _MODES = ("real", "none")
 _mode = "real"
 _group_sizes: dict[ProcessGroup, int] = {}
 _group_ranks: dict[ProcessGroup, int] = {}
+
+# Bytes a ring moves per byte of the op's payload, as in the usual bus-bandwidth convention. The payload is the full
+# tensor: the input of all-reduce / reduce-scatter / all-to-all, the gathered output of all-gather.
+_LINK_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,
+}
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """A modelled interconnect: each op costs `latency + factor x payload / bandwidth` seconds on its group's link."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def seconds(self, op: str, payload_bytes: int, group_size: int) -> float:
+        factor = _LINK_FACTORS.get(op, _LINK_FACTORS["p2p"])(group_size)
+        return self.latency_s + factor * payload_bytes / self.bandwidth_Bps
+
+
+_link: LinkModel | None = None
+_link_free_at: dict[ProcessGroup, float] = {}
+_link_lock = threading.Lock()
+
+
+def set_network(link: LinkModel | None) -> None:
+    """Hold every later collective's completion back by `link`'s modelled time (None: real completion only)."""
+    global _link
+    _link = link
+    _link_free_at.clear()
+
+
+def get_network() -> LinkModel | None:
+    return _link
+
+
+def _reserve_link(group: ProcessGroup, op: str, payload_bytes: int, size: int, t_launch: float) -> float:
+    """Book the op on its group's link after whatever is already queued there; return its modelled completion."""
+    with _link_lock:
+        start = max(t_launch, _link_free_at.get(group, 0.0))
+        deadline = start + _link.seconds(op, payload_bytes, size)
+        _link_free_at[group] = deadline
+    return deadline
 
 
 def set_mode(mode: str) -> None:
@@ -54,27 +112,36 @@ class CommHandle:
     """An in-flight collective. `wait()` blocks until the data is there and returns the output tensor (if any)."""
 
     def __init__(self, event: CommEvent, work: dist.Work | None, result: torch.Tensor | None,
-                 finish: Callable[[], None] | None = None) -> None:
+                 finish: Callable[[], None] | None = None, deadline: float | None = None) -> None:
         self.event = event
         self._work = work
         self._result = result
         self._finish = finish
+        self._deadline = deadline  # modelled completion (set_network); None: the real completion is the completion
         self._done = work is None
         if work is None:
             event.t_done = now()
         else:
-            work.get_future().then(self._mark_done)
+            try:
+                work.get_future().then(self._mark_done)
+            except RuntimeError:
+                pass  # some gloo ops (reduce_scatter) have no future: completion is then taken at wait()
 
     def _mark_done(self, fut: torch.futures.Future) -> None:
-        self.event.t_done = now()
+        if self.event.t_done is None:
+            self.event.t_done = max(now(), self._deadline or 0.0)
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
             self.event.t_wait_start = now()
             self._work.wait()
+            if self._deadline is not None:
+                remaining = self._deadline - now()
+                if remaining > 0:
+                    time.sleep(remaining)  # a modelled link is waiting, not work: sleep, never spin
             self.event.t_wait_end = now()
             if self.event.t_done is None:  # the future's callback runs on gloo's thread; it can trail wait() slightly
-                self.event.t_done = self.event.t_wait_end
+                self.event.t_done = max(self.event.t_wait_end, self._deadline or 0.0)
             self._done = True
             if self._finish is not None:
                 self._finish()
@@ -83,7 +150,10 @@ class CommHandle:
 
 def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
             run: Callable[[], dist.Work | None], result: torch.Tensor | None,
-            fake: Callable[[], None] | None = None, finish: Callable[[], None] | None = None) -> CommHandle:
+            fake: Callable[[], None] | None = None, finish: Callable[[], None] | None = None,
+            payload_bytes: int | None = None) -> CommHandle:
+    """Record and start one op. `payload_bytes` is what the modelled link carries when it differs from `nbytes`
+    (the recorded input size), as for all-gather."""
     event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=now())
     RECORDER.add_comm(event)
     if _mode == "none" or event.group_size == 1:
@@ -92,7 +162,11 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
         if finish is not None:
             finish()
         return CommHandle(event, None, result)
-    return CommHandle(event, run(), result, finish)
+    deadline = None
+    if _link is not None:
+        deadline = _reserve_link(group, op, nbytes if payload_bytes is None else payload_bytes, event.group_size,
+                                 event.t_launch)
+    return CommHandle(event, run(), result, finish, deadline)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -115,7 +189,8 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHand
         out.copy_(inp.repeat((size,) + (1,) * (inp.dim() - 1)))
 
     return _launch(kind, "all_gather", group, _nbytes(inp),
-                   lambda: dist.all_gather_single(out, inp, group=group, async_op=True), out, fake)
+                   lambda: dist.all_gather_single(out, inp, group=group, async_op=True), out, fake,
+                   payload_bytes=_nbytes(out))
 
 
 def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceOp = ReduceOp.SUM) -> CommHandle:

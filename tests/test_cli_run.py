@@ -1,0 +1,45 @@
+"""`overlap run` end to end: the README's main job trains, and user mistakes exit 2 without a traceback."""
+
+import json
+import subprocess
+import sys
+
+
+def _overlap(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "overlap.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_main_job_trains_moe_on_four_ranks(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    out = _overlap("run", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "4", "-ms", "3",
+                   "--metrics", str(metrics))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert all(0 < r["lm_loss"] < 20 and r["step_time_ms"] > 0 for r in rows)
+    assert rows[0]["comm_bytes"]["ep_dispatch"] > 0
+    assert "elapsed time per iteration (ms)" in out.stderr
+    assert "Overlap decisions" in out.stderr and "steady-state step time" in out.stderr
+
+
+def test_bad_layout_exits_2_with_message():
+    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "3", "-tp", "2")
+    assert out.returncode == 2
+    assert "-ng/--num_gpus=3" in out.stderr and "Fix:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unbuilt_feature_exits_2_before_starting_ranks():
+    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "-pp", "2")
+    assert out.returncode == 2
+    assert "not built" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_emit_slurm_writes_a_script(tmp_path):
+    path = tmp_path / "job.sbatch"
+    out = _overlap("run", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-gn", "8",
+                   "--emit-slurm", str(path))
+    assert out.returncode == 0, out.stderr
+    text = path.read_text()
+    assert "#SBATCH --nodes=2" in text and "torchrun" in text and "--emit-slurm" not in text
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" in text

@@ -1,0 +1,29 @@
+"""The local launcher never leaves ranks hanging: a dead rank stops the job quickly and is named."""
+
+import sys
+import time
+
+import pytest
+
+from overlap.errors import RankFailure
+from overlap.launch import local
+
+SCRIPT = "import os, sys, time\nr = int(os.environ['RANK'])\nsys.exit(3) if r == 1 else time.sleep(120)\n"
+
+
+def test_dead_rank_stops_the_others_and_is_named(monkeypatch):
+    monkeypatch.setattr(local, "GRACE_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 of 3 failed \(exit code 3\)"):
+        local.launch_local([sys.executable, "-c", SCRIPT], 3, {"PATH": "/usr/bin:/bin"})
+    assert time.monotonic() - start < 30
+
+
+def test_ranks_get_torchrun_style_environment():
+    env = local.rank_env({"X": "1"}, 2, 4, "127.0.0.1", 1234)
+    assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4" and env["MASTER_PORT"] == "1234" and env["X"] == "1"
+    assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_successful_ranks_return_normally():
+    local.launch_local([sys.executable, "-c", "pass"], 2, {"PATH": "/usr/bin:/bin"})
