@@ -28,14 +28,15 @@ from tests.world import run_world
 LOSS_RTOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-4
 # bf16 has an 8-bit mantissa (~4e-3 relative per rounding) and TP rounds the row-parallel partial sums to bf16 before
-# adding them, which the reference never does: compare the loss to 1e-2 relative and each gradient by its relative
-# error in norm, 5e-2.
-BF16_LOSS_RTOL = 1e-2
+# adding them, which the reference never does. The loss (fp32 cross-entropy of bf16 logits) must agree to 1e-3 relative
+# (measured 1.3e-4); each gradient is compared by its relative error in norm, 5e-2 (worst measured 1.8e-2).
+BF16_LOSS_RTOL = 1e-3
 BF16_GRAD_REL_NORM = 5e-2
 
 BATCH = 2
+# init std 0.1 (not 0.02) so attention is far from uniform and a head/shard mix-up shows in the numbers.
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-            vocab_size=256, seq_length=32, qk_layernorm=True)
+            vocab_size=256, seq_length=32, qk_layernorm=True, init_method_std=0.1)
 
 CASES_TP2 = {
     "sp": dict(sequence_parallel=True),
@@ -73,11 +74,11 @@ def _full_grad(param: torch.nn.Parameter, ps: ParallelState, sequence_parallel: 
 
 
 def _run_model(ps: ParallelState, overrides: dict) -> dict:
-    config = ModelConfig(**TINY, **overrides)
-    config.tensor_model_parallel_size = ps.tp_size
+    config = ModelConfig(**TINY, tensor_model_parallel_size=ps.tp_size, **overrides)
     model = GPTModel(config, ps)
     model.init_weights(1234)
-    data = torch.randint(0, config.vocab_size, (BATCH, config.seq_length + 1), generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(7)  # the same tokens on every rank and in every layout
+    data = torch.randint(0, config.vocab_size, (BATCH, config.seq_length + 1), generator=gen)
     loss, aux_loss = model(data[:, :-1], data[:, 1:])
     (loss + aux_loss).backward()
     grads = {name: _full_grad(p, ps, config.sequence_parallel) for name, p in model.named_parameters()}

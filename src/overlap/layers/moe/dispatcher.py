@@ -59,8 +59,8 @@ class _AwaitAllToAll(torch.autograd.Function):
 
 @dataclass
 class PendingAllToAll:
-    """All-to-alls in flight (one per tensor, same splits). `wait()` returns the received tensors, autograd-linked
-    to the sent ones; until then the caller is free to run unrelated work."""
+    """All-to-alls in flight (one per tensor, same splits). `wait()` (call it once) returns the received tensors,
+    autograd-linked to the sent ones; until then the caller is free to run unrelated work."""
 
     sent: tuple[torch.Tensor, ...]
     handles: tuple[CommHandle, ...]

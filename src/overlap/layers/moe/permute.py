@@ -59,10 +59,9 @@ def _permute_loop(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
         token_parts.append(tokens)
         weight_parts.append(topk_weights[tokens, slots])
     token_idx = torch.cat(token_parts)
-    return Permutation(tokens=hidden.index_select(0, token_idx),
-                       weights=torch.cat(weight_parts),
-                       token_idx=token_idx,
-                       tokens_per_expert=torch.tensor([len(t) for t in token_parts], dtype=torch.int64))
+    counts = torch.tensor([len(t) for t in token_parts], dtype=torch.int64, device=topk_idx.device)
+    return Permutation(tokens=hidden.index_select(0, token_idx), weights=torch.cat(weight_parts),
+                       token_idx=token_idx, tokens_per_expert=counts)
 
 
 def unpermute(rows: torch.Tensor, token_idx: torch.Tensor, tokens_per_expert: list[int], num_tokens: int,
