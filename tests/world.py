@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -42,7 +43,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
             break
         fn, args, kwargs = job
         try:
-            outbox.put((rank, True, fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            ForkingPickler.dumps(result)  # fail here, with a message, rather than in the queue's feeder thread
+            outbox.put((rank, True, result))
         except BaseException:  # report any failure, including assertion errors, to the test process
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -115,8 +116,26 @@ def build_config(args: argparse.Namespace) -> ConfigContainer:
         raise ConfigError("-cv/--config_variant", args.config_variant, "recipes here have one canonical variant.",
                           "omit -cv, or use v1/v2 (both mean the canonical recipe).")
     cfg = get_recipe(args.model_family_name, args.model_recipe_name).build(args.num_gpus)
-    _apply_flags(cfg, args, apply_overrides(cfg, args.overrides))
+    _apply_compute_dtype(cfg, args)  # the preset first, so mixed_precision.* overrides refine it
+    overridden = apply_overrides(cfg, args.overrides)
+    if args.compute_dtype is not None and "mixed_precision" in overridden:
+        raise ConfigError("-c/--compute_dtype", args.compute_dtype,
+                          f"it contradicts the override mixed_precision={overridden['mixed_precision']!r}.",
+                          "keep one of them.")
+    _apply_flags(cfg, args, overridden)
     return cfg
+
+
+def _apply_compute_dtype(cfg: ConfigContainer, a: argparse.Namespace) -> None:
+    if a.compute_dtype is None:
+        return
+    if a.compute_dtype in REFERENCE_FP8_DTYPES:
+        raise NotBuiltError("-c/--compute_dtype", a.compute_dtype, "FP8/FP4 compute (Transformer Engine kernels)",
+                            "use -c bf16, fp16 or fp32.")
+    if a.compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError("-c/--compute_dtype", a.compute_dtype, "unknown compute dtype.",
+                          f"use one of {', '.join(COMPUTE_DTYPES)}.")
+    cfg.mixed_precision = get_mixed_precision_config(COMPUTE_DTYPES[a.compute_dtype])
 
 
 def _check_conflict(overridden: dict, key: str, value: object, flag: str) -> None:
@@ -133,14 +152,6 @@ def _check_conflict(overridden: dict, key: str, value: object, flag: str) -> Non
 
 def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, overridden: dict) -> None:
     m, t = cfg.model, cfg.train
-    if a.compute_dtype is not None:
-        if a.compute_dtype in REFERENCE_FP8_DTYPES:
-            raise NotBuiltError("-c/--compute_dtype", a.compute_dtype, "FP8/FP4 compute (Transformer Engine kernels)",
-                                "use -c bf16, fp16 or fp32.")
-        if a.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError("-c/--compute_dtype", a.compute_dtype, "unknown compute dtype.",
-                              f"use one of {', '.join(COMPUTE_DTYPES)}.")
-        cfg.mixed_precision = get_mixed_precision_config(COMPUTE_DTYPES[a.compute_dtype])
     if a.tensor_model_parallel_size is not None:
         m.tensor_model_parallel_size = a.tensor_model_parallel_size
         m.sequence_parallel = a.tensor_model_parallel_size > 1  # as the reference harness: -tp implies SP
@@ -164,7 +175,9 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, overridden: dict) 
         m.recompute_modules = [s.strip() for s in a.recompute_modules.split(",") if s.strip()]
     if a.moe_flex_dispatcher_backend is not _KEEP:
         backend = a.moe_flex_dispatcher_backend
-        apply_flex_dispatcher_backend(m, None if backend in (None, "None", "none") else backend)
+        backend = None if backend in (None, "None", "none") else backend
+        if backend is not None or m.is_moe:  # "None" on a dense model asks for nothing: no dispatcher to reset
+            apply_flex_dispatcher_backend(m, backend)
     if a.moe_a2a_overlap is not None:
         if cfg.comm_overlap is None:
             cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)
@@ -218,7 +231,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(f"-m {r.family} -mr {r.name:<16} {r.summary}")
         return 0
     job = prepare(args)
-    env = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars)
+    env = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ)
     if args.json:
         print(json.dumps(job.resolution.decisions.to_json(), indent=2))
         return 0
@@ -246,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = list(sys.argv[1:] if argv is None else argv)
         return args.func(args)
     except _UsageError as exc:
-        print(f"overlap: error: {exc}\nRun 'overlap {sys.argv[1] if len(sys.argv) > 1 else ''} --help' for the "
-              "flags.", file=sys.stderr)
+        words = list(sys.argv[1:] if argv is None else argv)
+        command = words[0] if words and words[0] in ("explain", "run", "bench") else ""
+        print(f"overlap: error: {exc}\nRun 'overlap {command} --help'.".replace("  ", " "), file=sys.stderr)
         return 2
     except ConfigError as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)

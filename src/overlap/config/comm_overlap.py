@@ -243,7 +243,7 @@ def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", l
                               "set model.gradient_accumulation_fusion=true or remove attn/moe_router from "
                               "cuda_graph_scope.")
         if attn and (model.add_bias_linear or model.add_qkv_bias):
-            raise ConfigError("model.add_bias_linear", True,
+            raise ConfigError("model.add_bias_linear" if model.add_bias_linear else "model.add_qkv_bias", True,
                               "CUDA graph with delay_wgrad_compute does not support attention bias for now.",
                               "set model.add_bias_linear=false and model.add_qkv_bias=false.")
     model.delay_wgrad_compute = _choose(log, "model.delay_wgrad_compute", u.delay_wgrad_compute,

@@ -127,9 +127,12 @@ class ConfigContainer:
             if value % by:
                 raise ConfigError(field_name, value, f"it must be divisible by {by_name} ({by}).", fix)
 
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
-            if getattr(m, name) < 1:
-                raise ConfigError(f"model.{name}", getattr(m, name), "it must be positive.", f"set model.{name} >= 1.")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "kv_channels",
+                     "ffn_hidden_size", "num_query_groups", "moe_ffn_hidden_size",
+                     "moe_shared_expert_intermediate_size"):
+            value = getattr(m, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"model.{name}", value, "it must be positive.", f"set model.{name} >= 1.")
         if m.kv_channels is None:
             divides("model.hidden_size", m.hidden_size, m.num_attention_heads, "num_attention_heads",
                     "pick hidden_size as a multiple of the head count, or set kv_channels.")
@@ -183,7 +186,7 @@ class ConfigContainer:
             raise ConfigError("model.params_dtype", m.params_dtype, "unknown dtype.", f"use one of {DTYPES}.")
         self._validate_recompute()
         self._validate_cuda_graph()
-        if t.micro_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * layout.dp):
+        if t.micro_batch_size < 1 or t.global_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * layout.dp):
             raise ConfigError("train.global_batch_size", t.global_batch_size,
                               f"it must be a multiple of micro_batch_size x data-parallel size = "
                               f"{t.micro_batch_size} x {layout.dp}.", "adjust -gb or -mb.")

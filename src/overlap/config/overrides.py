@@ -12,6 +12,7 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -28,9 +29,10 @@ def parse_value(key: str, raw: str) -> Any:
         parsed = OmegaConf.create({"v": None})
         parsed.merge_with_dotlist([f"v={raw}"])
         value = parsed["v"]
-    except OmegaConfBaseException as exc:
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise ConfigError(key, raw, f"the value cannot be parsed ({exc.__class__.__name__}).",
-                          "write it as YAML: 3, 0.5, true, null, name or [a,b].") from None
+                          "write it as YAML: 3, 0.5, true, null, name or [a,b] (quote strings with odd characters)."
+                          ) from None
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 

@@ -1,0 +1,450 @@
+"""`overlap explain`: the reference harness command line, flags vs overrides, JSON output, and exit status 2 without
+a traceback for every user mistake."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import overlap.cli as cli
+import overlap.config.flex_dispatcher as flex
+from overlap.cli import main
+from overlap.config import CommOverlapConfig
+from overlap.config.recipes import RECIPES, Recipe, qwen3_30b_a3b
+
+# The reference harness command from SPEC.md section 1 (run_script.py flags), as `overlap explain` arguments.
+HARNESS = ("explain -m qwen -mr qwen3_30b_a3b --task pretrain -g h100 -c bf16 -ng 16 -gn 8 --max_steps 8 "
+           "--config_variant v1 --cuda_graph_impl none --moe_flex_dispatcher_backend None "
+           "--tokenizer_type NullTokenizer").split()
+HARNESS_OVERRIDES = ["comm_overlap.overlap_moe_expert_parallel_comm=true", "comm_overlap.delay_wgrad_compute=false",
+                     "model.moe_shared_expert_overlap=false"]
+TINY = "explain -m qwen -mr qwen3_moe_tiny -ng 4".split()
+ENV_NAMES = ("CUDA_DEVICE_MAX_CONNECTIONS", "NVTE_FWD_LAYERNORM_SM_MARGIN", "NVTE_BWD_LAYERNORM_SM_MARGIN")
+
+
+@pytest.fixture(autouse=True)
+def clean_launch_env(monkeypatch):
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def jobs(monkeypatch):
+    """Capture the prepared jobs (finalized configs) of the explain command."""
+    seen = []
+    real = cli.prepare
+
+    def spy(args):
+        job = real(args)
+        seen.append(job)
+        return job
+
+    monkeypatch.setattr(cli, "prepare", spy)
+    return seen
+
+
+def run(argv, capsys):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "Traceback" not in out
+    return code, out, err
+
+
+def decisions(argv, capsys) -> dict[str, dict]:
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)
+    return {row["field"]: row for row in rows}
+
+
+# --- the reference harness command ---------------------------------------------------------------------------------
+def test_harness_command_contradiction_is_exit_2_naming_both(capsys):
+    code, out, err = run([*HARNESS, "--moe_a2a_overlap", "false", *HARNESS_OVERRIDES], capsys)
+    assert code == 2
+    assert "--moe_a2a_overlap" in err
+    assert "comm_overlap.overlap_moe_expert_parallel_comm" in err
+    assert err.startswith("overlap: error:")
+
+
+def test_harness_command_without_flag_turns_ep_overlap_on(capsys):
+    code, out, err = run([*HARNESS, *HARNESS_OVERRIDES, "--json"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert isinstance(rows, list) and rows
+    for row in rows:
+        assert set(row) == {"field", "requested", "effective", "decided_by", "reason"}
+    by_field = {row["field"]: row for row in rows}
+    ep = by_field["model.overlap_moe_expert_parallel_comm"]
+    assert (ep["requested"], ep["effective"], ep["decided_by"]) == (True, True, "user")
+    delay = by_field["model.delay_wgrad_compute"]
+    assert (delay["requested"], delay["effective"], delay["decided_by"]) == (False, False, "user")
+    assert by_field["model.moe_shared_expert_overlap"]["effective"] is False
+    assert by_field["ddp.bucket_size"]["effective"] == 134217728
+
+
+def test_harness_command_text_output(capsys):
+    code, out, err = run([*HARNESS, *HARNESS_OVERRIDES], capsys)
+    assert code == 0, err
+    assert "recipe qwen3_30b_a3b on 16 x h100" in out
+    assert "TP 1 x CP 1 x DP 16 x PP 1" in out and "EP 16" in out
+    assert "Overlap decisions:" in out
+    line = next(l for l in out.splitlines() if l.startswith("model.overlap_moe_expert_parallel_comm"))
+    assert line.split()[1:4] == ["True", "True", "user"]
+    assert "Launch environment:" in out
+
+
+def test_flag_agreeing_with_override_is_fine(capsys):
+    rows = decisions([*HARNESS, "--moe_a2a_overlap", "true", *HARNESS_OVERRIDES], capsys)
+    assert rows["model.overlap_moe_expert_parallel_comm"]["effective"] is True
+
+
+def test_flag_contradicting_model_level_override_is_exit_2(capsys):
+    code, out, err = run([*HARNESS, "--moe_a2a_overlap", "false", "model.overlap_moe_expert_parallel_comm=true"],
+                         capsys)
+    assert code == 2
+    assert "model.overlap_moe_expert_parallel_comm" in err and "--moe_a2a_overlap" in err
+
+
+# --- --moe_a2a_overlap ------------------------------------------------------------------------------------------------
+def test_moe_a2a_overlap_true_turns_on_ep_overlap_only(capsys, jobs):
+    rows = decisions([*HARNESS, "--moe_a2a_overlap", "true"], capsys)
+    ep = rows["model.overlap_moe_expert_parallel_comm"]
+    assert (ep["requested"], ep["effective"], ep["decided_by"]) == (True, True, "user")
+    delay = rows["model.delay_wgrad_compute"]
+    assert (delay["requested"], delay["effective"]) == (None, False)  # the reference also turned this on
+    cfg = jobs[-1].cfg
+    assert cfg.comm_overlap.overlap_moe_expert_parallel_comm is True
+    assert cfg.comm_overlap.delay_wgrad_compute is None
+    assert cfg.comm_overlap.tp_comm_overlap is None
+    assert cfg.model.delay_wgrad_compute is False
+    assert cfg.model.moe_shared_expert_overlap is False
+
+
+@pytest.mark.parametrize("text", ["true", "1", "t", "yes", "y", "TRUE"])
+def test_moe_a2a_overlap_true_spellings(capsys, text):
+    rows = decisions([*HARNESS, "--moe_a2a_overlap", text], capsys)
+    assert rows["model.overlap_moe_expert_parallel_comm"]["effective"] is True
+
+
+@pytest.fixture
+def recipe_with_ep_overlap(monkeypatch):
+    """qwen3_30b_a3b as a recipe that ships with EP overlap on (the reference's perf recipe does)."""
+    def build(ng):
+        cfg = qwen3_30b_a3b(ng)
+        cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True)
+        cfg.model.overlap_moe_expert_parallel_comm = True
+        return cfg
+
+    monkeypatch.setitem(RECIPES, "qwen3_30b_a3b", Recipe("qwen", "qwen3_30b_a3b", build, "EP overlap on"))
+
+
+def test_recipe_ep_overlap_is_on_without_the_flag(capsys, recipe_with_ep_overlap):
+    rows = decisions(HARNESS, capsys)
+    assert rows["model.overlap_moe_expert_parallel_comm"]["effective"] is True
+
+
+@pytest.mark.parametrize("text", ["false", "0", "f", "no", "n"])
+def test_moe_a2a_overlap_false_turns_ep_overlap_off(capsys, recipe_with_ep_overlap, text):
+    # Reference bug #6006: there `false` was a no-op when the recipe had overlap on. Here it means what it says.
+    rows = decisions([*HARNESS, "--moe_a2a_overlap", text], capsys)
+    ep = rows["model.overlap_moe_expert_parallel_comm"]
+    assert (ep["requested"], ep["effective"], ep["decided_by"]) == (False, False, "user")
+
+
+def test_moe_a2a_overlap_bad_value_is_exit_2(capsys):
+    code, out, err = run([*TINY, "--moe_a2a_overlap", "maybe"], capsys)
+    assert code == 2
+    assert "--moe_a2a_overlap" in err
+
+
+def test_moe_a2a_overlap_true_with_unmet_prerequisite_is_exit_2(capsys):
+    code, out, err = run([*TINY, "--moe_a2a_overlap", "true", "-pp", "2", "-ep", "2", "model.num_layers=4"], capsys)
+    assert code == 2
+    assert "virtual_pipeline_model_parallel_size" in err
+
+
+def test_moe_a2a_overlap_true_with_full_recompute_is_exit_2(capsys):
+    code, out, err = run([*TINY, "--moe_a2a_overlap", "true", "-rl", "1"], capsys)
+    assert code == 2
+    assert "model.recompute_granularity" in err
+
+
+# --- other flags -----------------------------------------------------------------------------------------------------
+def test_tp_flag_sets_sequence_parallel(capsys, jobs):
+    code, out, err = run([*TINY, "-tp", "2"], capsys)
+    assert code == 0, err
+    m = jobs[-1].cfg.model
+    assert m.tensor_model_parallel_size == 2 and m.sequence_parallel is True
+    assert jobs[-1].resolution.layout.dp == 2
+
+
+def test_tp_flag_wins_over_sequence_parallel_override(capsys, jobs):
+    code, out, err = run([*TINY, "-tp", "2", "model.sequence_parallel=false"], capsys)
+    assert code == 0, err
+    assert jobs[-1].cfg.model.sequence_parallel is True
+
+
+def test_tp1_flag_clears_sequence_parallel(capsys, jobs):
+    code, out, err = run([*TINY, "-tp", "1", "model.sequence_parallel=true"], capsys)
+    assert code == 0, err
+    assert jobs[-1].cfg.model.sequence_parallel is False
+
+
+def test_parallel_and_batch_flags(capsys, jobs):
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "8", "-pp", "2", "-vp", "2",
+                          "-gb", "32", "-mb", "2", "-sl", "128", "-ms", "3"], capsys)
+    assert code == 0, err
+    cfg = jobs[-1].cfg
+    assert (cfg.model.pipeline_model_parallel_size, cfg.model.virtual_pipeline_model_parallel_size) == (2, 2)
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.train_iters) == (32, 2, 3)
+    assert cfg.model.seq_length == 128
+    assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (True, False)
+
+
+def test_recompute_flags(capsys, jobs):
+    code, out, err = run([*TINY, "--recompute_modules", "core_attn,mlp"], capsys)
+    assert code == 0, err
+    m = jobs[-1].cfg.model
+    assert (m.recompute_granularity, m.recompute_modules) == ("selective", ["core_attn", "mlp"])
+    code, out, err = run([*TINY, "-rl", "1"], capsys)
+    assert code == 0, err
+    m = jobs[-1].cfg.model
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == ("full", "uniform", 1)
+
+
+def test_flex_backend_flag_torch(capsys, jobs):
+    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "torch", "--strict"], capsys)
+    assert code == 0, err
+    m = jobs[-1].cfg.model
+    assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("flex", "torch")
+
+
+def test_flex_backend_flag_none_restores_alltoall(capsys, jobs):
+    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "None", "model.moe_token_dispatcher_type=flex",
+                          "model.moe_flex_dispatcher_backend=torch"], capsys)
+    assert code == 0, err
+    m = jobs[-1].cfg.model
+    assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("alltoall", None)
+
+
+def test_flex_backend_flag_none_on_dense_recipe_is_fine(capsys, jobs):
+    # `--moe_flex_dispatcher_backend None` asks for no flex dispatch (the reference harness command passes it);
+    # on a dense recipe there is nothing to switch off, so it must not be an error.
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2",
+                          "--moe_flex_dispatcher_backend", "None"], capsys)
+    assert code == 0, err
+    assert jobs[-1].cfg.model.moe_flex_dispatcher_backend is None
+
+
+def test_compute_dtype_flag_does_not_silently_drop_mixed_precision_override(capsys):
+    # The reference harness always passes -c; a mixed_precision.* override on the same line must either take effect
+    # on top of the chosen preset or be reported as a contradiction, never be dropped without a word.
+    code, out, err = run([*TINY, "-c", "bf16", "mixed_precision.grad_reduce_in_fp32=false", "--json"], capsys)
+    if code == 2:
+        assert "mixed_precision.grad_reduce_in_fp32" in err
+        return
+    assert code == 0, err
+    rows = {row["field"]: row for row in json.loads(out)}
+    assert rows["ddp.grad_reduce_in_fp32"]["effective"] is False
+
+
+def test_flex_backend_flag_on_dense_recipe_is_exit_2(capsys):
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2",
+                          "--moe_flex_dispatcher_backend", "deepep"], capsys)
+    assert code == 2
+    assert "MoE" in err
+
+
+def test_flex_deepep_without_gpu_is_exit_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "deepep"], capsys)
+    assert code == 2
+    assert "needs a CUDA GPU" in err
+
+
+class _Props:
+    def __init__(self, name, major):
+        self.name, self.major = name, major
+
+
+def test_flex_deepep_on_volta_is_exit_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props("Tesla V100-SXM2-32GB", 7))
+    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "deepep"], capsys)
+    assert code == 2
+    assert "DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs" in err
+
+
+def test_flex_deepep_on_hopper_without_library_is_exit_2(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props("NVIDIA H100 80GB HBM3", 9))
+    real = flex.importlib.util.find_spec
+    monkeypatch.setattr(flex.importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "deep_ep" else real(name, *a, **k))
+    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "hybridep"], capsys)
+    assert code == 2
+    assert "deep_ep" in err
+
+
+def test_strict_flag(capsys):
+    code, out, err = run([*TINY, "comm_overlap.tp_comm_overlap=true", "--strict"], capsys)
+    assert code == 2
+    assert "strict" in err and "model.tp_comm_overlap" in err
+    code, out, err = run([*TINY, "comm_overlap.tp_comm_overlap=true"], capsys)
+    assert code == 0, err
+
+
+def test_compute_dtype_flag_sets_mixed_precision(capsys, jobs):
+    code, out, err = run([*TINY, "-c", "fp16"], capsys)
+    assert code == 0, err
+    assert jobs[-1].cfg.model.fp16 is True and jobs[-1].cfg.model.bf16 is False
+
+
+def test_compute_dtype_bf16_satisfies_ep_precision_check(capsys):
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "4",
+                          "comm_overlap.overlap_moe_expert_parallel_comm=true", "-c", "bf16"], capsys)
+    assert code == 0, err
+    # -c and a whole-preset override on one command line contradict each other: an error, not a silent winner.
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "4", "mixed_precision=fp32",
+                          "comm_overlap.overlap_moe_expert_parallel_comm=true", "-c", "bf16"], capsys)
+    assert code == 2 and "-c/--compute_dtype" in err and "mixed_precision" in err
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "4", "mixed_precision=fp32",
+                          "comm_overlap.overlap_moe_expert_parallel_comm=true"], capsys)
+    assert code == 2
+    assert "model.bf16" in err
+
+
+# --- launch environment in explain ------------------------------------------------------------------------------------
+def _env_line(out: str, name: str) -> list[str]:
+    return next(l for l in out.splitlines() if l.startswith(name)).split()
+
+
+def test_explain_launch_env_h100_tp_without_ep_overlap_is_1(capsys):
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-ng", "16", "-g", "h100", "-tp", "2"],
+                         capsys)
+    assert code == 0, err
+    assert _env_line(out, "CUDA_DEVICE_MAX_CONNECTIONS")[1:3] == ["1", "rule"]
+    assert _env_line(out, "NVTE_FWD_LAYERNORM_SM_MARGIN")[1] == "16"
+
+
+def test_explain_launch_env_h100_tp_with_ep_overlap_is_8(capsys):
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-ng", "16", "-g", "h100", "-tp", "2",
+                          "--moe_a2a_overlap", "true"], capsys)
+    assert code == 0, err
+    assert _env_line(out, "CUDA_DEVICE_MAX_CONNECTIONS")[1] == "8"
+
+
+def test_explain_launch_env_recipe_override(capsys):
+    code, out, err = run([*HARNESS, "env_vars.CUDA_DEVICE_MAX_CONNECTIONS=32", "env_vars.NCCL_DEBUG=INFO"], capsys)
+    assert code == 0, err
+    assert _env_line(out, "CUDA_DEVICE_MAX_CONNECTIONS")[1:3] == ["32", "recipe"]
+    assert _env_line(out, "NCCL_DEBUG")[1:3] == ["INFO", "recipe"]
+
+
+def test_explain_launch_env_on_cpu_is_unset(capsys):
+    code, out, err = run(TINY, capsys)
+    assert code == 0, err
+    assert _env_line(out, "CUDA_DEVICE_MAX_CONNECTIONS")[1] == "(unset)"
+
+
+def test_explain_launch_env_shows_that_the_user_environment_wins(capsys, monkeypatch):
+    # `overlap run` computes the worker environment with os.environ (the user's value is never overridden);
+    # `explain` must print the same plan, or it shows a value that the launch will not use.
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-ng", "16", "-g", "h100", "-tp", "2"],
+                         capsys)
+    assert code == 0, err
+    assert _env_line(out, "CUDA_DEVICE_MAX_CONNECTIONS")[1:4] == ["4", "user", "environment"]
+
+
+# --- user mistakes: exit 2, one message, no traceback -----------------------------------------------------------------
+def test_list_recipes(capsys):
+    code, out, err = run(["explain", "--list-recipes"], capsys)
+    assert code == 0
+    for name in RECIPES:
+        assert f"-mr {name}" in out
+    assert "-m qwen" in out
+
+
+def test_unknown_recipe_is_exit_2(capsys):
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen4_1t", "-ng", "4"], capsys)
+    assert code == 2
+    assert "unknown recipe" in err and "qwen3_30b_a3b" in err
+
+
+def test_wrong_family_is_exit_2(capsys):
+    code, out, err = run(["explain", "-m", "llama", "-mr", "qwen3_30b_a3b", "-ng", "16"], capsys)
+    assert code == 2
+
+
+@pytest.mark.parametrize("dtype", ["fp8_cs", "fp8_mx", "nvfp4"])
+def test_fp8_compute_dtype_is_not_built(capsys, dtype):
+    code, out, err = run([*TINY, "-c", dtype], capsys)
+    assert code == 2
+    assert "not built" in err
+
+
+def test_unknown_compute_dtype_is_exit_2(capsys):
+    code, out, err = run([*TINY, "-c", "int4"], capsys)
+    assert code == 2
+
+
+def test_missing_num_gpus_is_exit_2(capsys):
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny"], capsys)
+    assert code == 2
+    assert "-ng" in err
+
+
+def test_missing_recipe_is_exit_2(capsys):
+    code, out, err = run(["explain", "-ng", "4"], capsys)
+    assert code == 2
+
+
+def test_unknown_flag_is_exit_2(capsys):
+    code, out, err = run([*TINY, "--bogus_flag", "3"], capsys)
+    assert code == 2
+    assert "--bogus_flag" in err
+
+
+def test_unknown_subcommand_and_no_subcommand_are_exit_2(capsys):
+    assert run(["bogus"], capsys)[0] == 2
+    assert run([], capsys)[0] == 2
+
+
+def test_usage_error_hint_names_the_subcommand(capsys, monkeypatch):
+    # main(argv) must describe argv, not the interpreter's sys.argv.
+    monkeypatch.setattr(sys, "argv", ["overlap"])
+    code, out, err = run([*TINY, "--bogus_flag"], capsys)
+    assert code == 2
+    assert "overlap explain --help" in err
+
+
+@pytest.mark.parametrize("argv", [
+    [*TINY, "model.num_layrs=4"],
+    [*TINY, "model.num_layers=abc"],
+    [*TINY, "model.bf16=3"],
+    [*TINY, "+model.num_layers=4"],
+    [*TINY, "--task", "sft"],
+    [*TINY, "-cv", "large_scale"],
+    [*TINY, "--tokenizer_type", "HuggingFaceTokenizer"],
+    ["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "3", "-tp", "2"],
+    ["explain", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-ng", "16", "-tp", "3"],
+    ["explain", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-ng", "16", "-ep", "32"],
+    [*TINY, "-vp", "2"],
+    [*TINY, "-ng", "0"],
+    [*TINY, "--moe_flex_dispatcher_backend", "magic"],
+    [*TINY, "--moe_a2a_overlap", "true", "comm_overlap.delay_wgrad_compute=true", "model.mtp_num_layers=2"],
+    [*TINY, "comm_overlap.delay_wgrad_compute=true"],
+])
+def test_user_mistakes_exit_2_without_traceback(capsys, argv):
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert err.startswith("overlap: error:")
+
+
+def test_malformed_override_value_exits_2_without_traceback(capsys):
+    code, out, err = run([*TINY, "model.num_layers=[1,2"], capsys)
+    assert code == 2

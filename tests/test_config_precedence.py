@@ -1,0 +1,342 @@
+"""Precedence (user > model/ddp config > rule), decided_by labels, strict mode, idempotent finalize and its order."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+
+from overlap.config import CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig, OptimizerConfig, TrainConfig
+from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
+from overlap.config.mixed_precision import MixedPrecisionConfig
+from overlap.config.overrides import apply_overrides
+from overlap.errors import ConfigError
+
+
+def model(**kw) -> ModelConfig:
+    base = dict(num_layers=8, hidden_size=64, num_attention_heads=8, vocab_size=512, seq_length=64)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def moe(**kw) -> ModelConfig:
+    return model(num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=2, **kw)
+
+
+def build(m: ModelConfig | None = None, co: CommOverlapConfig | None = None, mp="bf16_mixed",
+          ddp: DDPConfig | None = None, optimizer: OptimizerConfig | None = None) -> ConfigContainer:
+    return ConfigContainer(model=m or model(), comm_overlap=co, mixed_precision=mp, ddp=ddp or DDPConfig(),
+                           optimizer=optimizer or OptimizerConfig(), train=TrainConfig(global_batch_size=16))
+
+
+def co(**kw) -> CommOverlapConfig:
+    return CommOverlapConfig(tp_comm_overlap=False, **kw)
+
+
+def test_decided_by_labels():
+    assert (USER, MODEL_CONFIG, RULE, DEFAULT) == ("user", "model config", "rule", "default")
+
+
+# --- user > model config > rule ----------------------------------------------------------------------------------
+def test_pp_rule_then_model_config_then_user():
+    # Rule only.
+    cfg = build(model(pipeline_model_parallel_size=2))
+    d = cfg.finalize(2).decisions.get("model.batch_p2p_comm")
+    assert (d.requested, d.effective, d.decided_by) == (None, True, "rule")
+    # A value set on the model config wins over the rule.
+    cfg = build(model(pipeline_model_parallel_size=2, batch_p2p_comm=False))
+    d = cfg.finalize(2).decisions.get("model.batch_p2p_comm")
+    assert (d.requested, d.effective, d.decided_by) == (False, False, "model config")
+    assert cfg.model.batch_p2p_comm is False
+    # A value on CommOverlapConfig wins over the model config.
+    cfg = build(model(pipeline_model_parallel_size=2, batch_p2p_comm=False), co=co(batch_p2p_comm=True))
+    d = cfg.finalize(2).decisions.get("model.batch_p2p_comm")
+    assert (d.requested, d.effective, d.decided_by) == (True, True, "user")
+    assert cfg.model.batch_p2p_comm is True
+
+
+def test_model_level_values_survive_comm_overlap_object():
+    # Quirk fixed on purpose: in the reference, auto-defaults overwrote values set directly on the model as soon as
+    # comm_overlap was set. Here the model value stands unless CommOverlapConfig says otherwise.
+    cfg = build(model(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_p2p_comm=False,
+                      defer_embedding_wgrad_compute=True, wgrad_deferral_limit=5), co=co())
+    res = cfg.finalize(2)
+    assert cfg.model.overlap_p2p_comm is False
+    assert cfg.model.defer_embedding_wgrad_compute is True
+    assert cfg.model.wgrad_deferral_limit == 5
+    for name in ("model.overlap_p2p_comm", "model.defer_embedding_wgrad_compute", "model.wgrad_deferral_limit"):
+        assert res.decisions.get(name).decided_by == "model config"
+
+
+def test_ddp_rule_then_ddp_config_then_user():
+    dist = dict(use_distributed_optimizer=True)
+    cfg = build(ddp=DDPConfig(**dist))
+    d = cfg.finalize(4).decisions.get("ddp.overlap_grad_reduce")
+    assert (d.effective, d.decided_by) == (True, "rule")
+
+    cfg = build(ddp=DDPConfig(overlap_grad_reduce=False, **dist))
+    d = cfg.finalize(4).decisions.get("ddp.overlap_grad_reduce")
+    assert (d.requested, d.effective, d.decided_by) == (False, False, "model config")
+    assert "ddp" in d.reason
+
+    cfg = build(ddp=DDPConfig(overlap_grad_reduce=False, **dist), co=co(overlap_grad_reduce=True))
+    d = cfg.finalize(4).decisions.get("ddp.overlap_grad_reduce")
+    assert (d.requested, d.effective, d.decided_by) == (True, True, "user")
+    assert cfg.ddp.overlap_grad_reduce is True
+
+
+def test_user_false_beats_ddp_true_for_param_gather():
+    cfg = build(ddp=DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True),
+                co=co(overlap_param_gather=False))
+    d = cfg.finalize(4).decisions.get("ddp.overlap_param_gather")
+    assert (d.requested, d.effective, d.decided_by) == (False, False, "user")
+
+
+def test_bucket_size_precedence():
+    dist = DDPConfig(use_distributed_optimizer=True, bucket_size=5000)
+    cfg = build(ddp=dist)
+    d = cfg.finalize(4).decisions.get("ddp.bucket_size")
+    assert (d.effective, d.decided_by) == (5000, "model config")
+    cfg = build(ddp=DDPConfig(use_distributed_optimizer=True, bucket_size=5000), co=co(bucket_size=7000))
+    d = cfg.finalize(4).decisions.get("ddp.bucket_size")
+    assert (d.effective, d.decided_by) == (7000, "user")
+
+
+def test_ep_overlap_user_false_beats_model_true():
+    cfg = build(moe(overlap_moe_expert_parallel_comm=True, mtp_num_layers=5),
+                co=co(overlap_moe_expert_parallel_comm=False))
+    res = cfg.finalize(2)  # prerequisites are not checked when the effective value is off
+    d = res.decisions.get("model.overlap_moe_expert_parallel_comm")
+    assert (d.requested, d.effective, d.decided_by) == (False, False, "user")
+    assert cfg.model.overlap_moe_expert_parallel_comm is False
+
+
+def test_default_label_for_untouched_fields():
+    res = build().finalize(1)
+    for name in ("model.tp_comm_overlap", "model.overlap_moe_expert_parallel_comm", "model.delay_wgrad_compute",
+                 "model.defer_embedding_wgrad_compute", "optimizer.overlap_param_gather_with_optimizer_step"):
+        assert res.decisions.get(name).decided_by == "default", name
+
+
+def test_tp_request_on_model_config_is_labelled_model_config(monkeypatch):
+    import overlap.config.comm_overlap as com
+    monkeypatch.setattr(com, "tp_overlap_backend_available", lambda: (True, ""))
+    cfg = build(model(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True))
+    d = cfg.finalize(2).decisions.get("model.tp_comm_overlap")
+    assert (d.requested, d.effective, d.decided_by) == (True, True, "model config")
+
+
+def test_tp_requested_off_by_user():
+    cfg = build(model(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True), co=co())
+    d = cfg.finalize(2).decisions.get("model.tp_comm_overlap")
+    assert (d.requested, d.effective, d.decided_by) == (False, False, "user")
+
+
+# --- strict mode ------------------------------------------------------------------------------------------------------
+def test_strict_tp_overlap_at_tp1_is_error():
+    cfg = build(co=CommOverlapConfig(tp_comm_overlap=True, strict=True))
+    with pytest.raises(ConfigError) as exc:
+        cfg.finalize(1)
+    assert exc.value.field == "model.tp_comm_overlap"
+    assert "strict" in str(exc.value)
+    assert "TP size < 2" in str(exc.value)
+
+
+def test_non_strict_tp_overlap_at_tp1_logs_warning(caplog):
+    cfg = build(co=CommOverlapConfig(tp_comm_overlap=True))
+    with caplog.at_level(logging.WARNING, logger="overlap.config"):
+        res = cfg.finalize(1)
+    d = res.decisions.get("model.tp_comm_overlap")
+    assert d.requested is True and d.effective is False and d.overridden
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("model.tp_comm_overlap" in r.getMessage() for r in warnings)
+
+
+def test_strict_grad_reduce_in_fp32_contradicting_preset_is_error():
+    cfg = build(ddp=DDPConfig(grad_reduce_in_fp32=False), co=co(strict=True))
+    with pytest.raises(ConfigError) as exc:
+        cfg.finalize(1)
+    assert exc.value.field == "ddp.grad_reduce_in_fp32"
+    assert "mixed_precision.grad_reduce_in_fp32" in str(exc.value)
+
+
+def test_non_strict_grad_reduce_in_fp32_contradiction_is_logged(caplog):
+    cfg = build(ddp=DDPConfig(grad_reduce_in_fp32=False, fp8_param_gather=True))
+    with caplog.at_level(logging.WARNING, logger="overlap.config"):
+        res = cfg.finalize(1)
+    d = res.decisions.get("ddp.grad_reduce_in_fp32")
+    assert (d.requested, d.effective) == (False, True)
+    assert d.overridden
+    assert cfg.ddp.grad_reduce_in_fp32 is True  # the mixed-precision preset owns it
+    d = res.decisions.get("ddp.fp8_param_gather")
+    assert (d.requested, d.effective) == (True, False)
+    assert cfg.ddp.fp8_param_gather is False
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "ddp.grad_reduce_in_fp32" in messages and "ddp.fp8_param_gather" in messages
+
+
+def test_grad_reduce_in_fp32_agreeing_with_preset_is_not_a_contradiction():
+    cfg = build(ddp=DDPConfig(grad_reduce_in_fp32=True), co=co(strict=True))
+    d = cfg.finalize(1).decisions.get("ddp.grad_reduce_in_fp32")
+    assert not d.overridden
+
+
+def test_grad_reduce_in_fp32_set_through_mixed_precision():
+    mp = MixedPrecisionConfig(bf16=True, params_dtype="bfloat16", grad_reduce_in_fp32=False)
+    cfg = build(mp=mp, co=co(strict=True))
+    cfg.finalize(1)
+    assert cfg.ddp.grad_reduce_in_fp32 is False
+
+
+def test_strict_param_gather_without_distributed_optimizer_is_error():
+    cfg = build(co=co(overlap_param_gather=True, strict=True))
+    with pytest.raises(ConfigError) as exc:
+        cfg.finalize(4)
+    assert exc.value.field == "ddp.overlap_param_gather"
+
+
+def test_strict_sequence_parallel_at_tp1_is_error():
+    with pytest.raises(ConfigError) as exc:
+        build(model(sequence_parallel=True), co=co(strict=True)).finalize(1)
+    assert exc.value.field == "model.sequence_parallel"
+    cfg = build(model(sequence_parallel=True))
+    d = cfg.finalize(1).decisions.get("model.sequence_parallel")
+    assert (d.requested, d.effective) == (True, False)
+    assert cfg.model.sequence_parallel is False
+
+
+def test_strict_mode_accepts_honoured_requests():
+    cfg = build(moe(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                ddp=DDPConfig(use_distributed_optimizer=True),
+                co=co(strict=True, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True,
+                      overlap_grad_reduce=True, overlap_param_gather=True, overlap_p2p_comm=True))
+    res = cfg.finalize(4)
+    assert not any(d.overridden for d in res.decisions.decisions)
+    assert res.decisions.strict is True
+
+
+def test_strict_through_override():
+    cfg = build()
+    apply_overrides(cfg, ["comm_overlap.strict=true", "comm_overlap.tp_comm_overlap=true"])
+    with pytest.raises(ConfigError):
+        cfg.finalize(1)
+
+
+def test_decision_log_strict_unit():
+    log = DecisionLog(strict=True)
+    assert log.record("x", None, 3, RULE, "auto") == 3
+    assert log.record("y", True, True, USER, "ok") is True
+    with pytest.raises(ConfigError) as exc:
+        log.record("z", True, False, RULE, "cannot.", fix="do something")
+    assert exc.value.field == "z"
+    assert exc.value.fix == "do something"
+    assert [d.field for d in log.decisions] == ["x", "y"]
+
+
+def test_decision_log_non_strict_unit(caplog):
+    log = DecisionLog(strict=False)
+    with caplog.at_level(logging.WARNING, logger="overlap.config"):
+        assert log.record("z", True, False, RULE, "cannot") is False
+    assert log.get("z").overridden
+    assert "z: requested True, using False (cannot)" in caplog.text
+    with pytest.raises(KeyError):
+        log.get("missing")
+
+
+def test_decision_json_and_table():
+    d = Decision("model.x", None, {"a": {"method": "bulk"}}, RULE, "why")
+    assert set(d.to_json()) == {"field", "requested", "effective", "decided_by", "reason"}
+    json.dumps(d.to_json())
+    log = DecisionLog(strict=False)
+    log.record("model.tp_comm_overlap", None, False, DEFAULT, "not requested")
+    table = log.format_table()
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["field", "requested", "effective", "decided"]
+    assert lines[1].startswith("---")
+    assert "model.tp_comm_overlap" in lines[2] and " - " in lines[2]
+
+
+# --- finalize: idempotent, snapshot, order ----------------------------------------------------------------------------
+def _state(cfg: ConfigContainer):
+    return (dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.ddp), dataclasses.asdict(cfg.optimizer),
+            dataclasses.asdict(cfg.comm_overlap) if cfg.comm_overlap else None,
+            dataclasses.asdict(cfg.mixed_precision), dict(cfg.env_vars))
+
+
+@pytest.mark.parametrize("setup", ["moe_pp", "dp", "tp_request"])
+def test_finalize_twice_gives_identical_decisions_and_configs(setup):
+    if setup == "moe_pp":
+        cfg = build(moe(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                        moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch"),
+                    co=co(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+        world = 4
+    elif setup == "dp":
+        cfg = build(ddp=DDPConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False))
+        world = 8
+    else:
+        cfg = build(model(sequence_parallel=True), co=CommOverlapConfig(tp_comm_overlap=True))
+        world = 1
+    first = cfg.finalize(world)
+    state1 = _state(cfg)
+    second = cfg.finalize(world)
+    assert second.decisions.decisions == first.decisions.decisions
+    assert second.layout == first.layout
+    assert _state(cfg) == state1
+
+
+def test_edits_after_finalize_are_not_seen():
+    cfg = build(model(pipeline_model_parallel_size=2))
+    cfg.finalize(2)
+    cfg.model.batch_p2p_comm = False
+    cfg.finalize(2)
+    assert cfg.model.batch_p2p_comm is True  # re-resolved from the first snapshot
+    fresh = build(model(pipeline_model_parallel_size=2, batch_p2p_comm=False))
+    fresh.finalize(2)
+    assert fresh.model.batch_p2p_comm is False
+
+
+def test_finalize_does_not_change_user_comm_overlap_fields():
+    cfg = build(co=co(overlap_grad_reduce=True))
+    cfg.finalize(4)
+    assert cfg.comm_overlap.overlap_grad_reduce is True
+    assert cfg.comm_overlap.overlap_p2p_comm is None  # the rule's value lands on the model, not on the request
+
+
+def test_finalize_order_mixed_precision_before_ep_check():
+    cfg = build(moe(), co=co(overlap_moe_expert_parallel_comm=True), mp=None)
+    apply_overrides(cfg, ["mixed_precision=bf16_mixed"])
+    cfg.finalize(2)
+    assert cfg.model.bf16 is True
+    assert cfg.model.overlap_moe_expert_parallel_comm is True
+
+
+def test_finalize_order_layout_before_rules():
+    # The DP size used by the DP rule comes from the layout stage: world 8 / (TP 2 x PP 2) = 2.
+    cfg = build(model(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2),
+                ddp=DDPConfig(use_distributed_optimizer=True))
+    res = cfg.finalize(8)
+    assert res.layout.dp == 2
+    assert cfg.ddp.overlap_grad_reduce is True
+
+
+def test_finalize_order_flex_validation_after_rules():
+    # The flex backend check runs last: an EP-overlap prerequisite error is reported before a device problem.
+    calls = []
+
+    def device():
+        calls.append(1)
+        return None
+
+    cfg = build(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", mtp_num_layers=2),
+                co=co(overlap_moe_expert_parallel_comm=True))
+    with pytest.raises(ConfigError) as exc:
+        cfg.finalize(2, device=device)
+    assert exc.value.field == "model.mtp_num_layers"
+    assert calls == []
+
+
+def test_finalize_rejects_world_size_below_one():
+    with pytest.raises(ConfigError):
+        build().finalize(0)
