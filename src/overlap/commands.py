@@ -1,4 +1,14 @@
-"""`overlap run`: launch local ranks, join an external torchrun world, or write a Slurm script; then train."""
+"""`overlap run`: launch local ranks, join an external torchrun world, or write a Slurm script; then train.
+`overlap bench`: A/B runs of `overlap run` alternating configurations, with exposed communication and overlap efficiency.
+
+Instruments of `overlap run` (every rank): `--network` picks the link (real, emulated `tbf:RATE`, modelled
+`model:LAT,BW`, see `overlap.launch.network`); a `Collector` on the tracer measures exposed communication per
+iteration, and rank 0 prints its table for the steady-state window. `--metrics FILE` also writes
+`FILE.comm.jsonl` (per iteration: exposed_comm_ms / total_comm_ms by kind, rank 0's view) and `FILE.summary.json`
+(window means, peak memory, network: what `overlap bench` reads). `--trace DIR`: every rank writes
+`DIR/rank<r>.events.json` (its raw events by iteration); after a barrier rank 0 merges them into `DIR/trace.json`
+(Chrome trace, one process per rank) and draws `DIR/timeline.png` (last iteration).
+"""
 
 from __future__ import annotations
 
@@ -22,7 +32,26 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     add_harness_flags(run)
     run.add_argument("--metrics", default=None, help="write one JSON object per iteration to this file (rank 0)")
     run.add_argument("--emit-slurm", default=None, metavar="FILE", help="write an sbatch script instead of running")
+    _add_instrument_flags(run)
+    run.add_argument("--trace", default=None, metavar="DIR",
+                     help="write per-rank events, a merged Chrome trace (trace.json) and timeline.png into DIR")
+    run.add_argument("--comm-mode", default="real", choices=("real", "none"), help=argparse.SUPPRESS)
     run.set_defaults(func=cmd_run)
+
+    from overlap.perf.bench import BENCH_FLAGS
+
+    bench = sub.add_parser("bench", help="A/B benchmark: alternate `overlap run` over the values of one setting")
+    add_harness_flags(bench)
+    _add_instrument_flags(bench)
+    for flags, kwargs in BENCH_FLAGS:
+        bench.add_argument(*flags, **kwargs)
+    bench.set_defaults(func=cmd_bench)
+
+
+def _add_instrument_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--network", default="real", metavar="SPEC",
+                   help="real (default) | tbf:RATE (ranks in a netns with a rate-limited loopback, e.g. tbf:800mbit; "
+                        "root + iproute2) | model:LATENCY,BANDWIDTH (modelled link, e.g. model:100us,1GB/s)")
 
 
 def _own_argv(argv: list[str]) -> list[str]:
@@ -49,9 +78,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":
         logging.getLogger().setLevel(logging.ERROR)  # rank 0 reports the decisions; the others stay quiet
     job = prepare(args)  # resolves and validates before anything starts: a bad config never spawns ranks
+    from overlap.launch.network import parse_network
+
+    network = parse_network(args.network)
     env_settings = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars,
                                       os.environ)
     argv = _own_argv(args.argv)
+    if args.emit_slurm and network.kind == "tbf":
+        raise ConfigError("--network", args.network, "the emulated interconnect is a local (-g cpu) launch feature.",
+                          "on a cluster use the real network (omit --network) or a modelled link (model:LAT,BW).")
     if args.emit_slurm:
         from overlap.launch.slurm import render_sbatch
 
@@ -65,7 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     check_runtime_support(job.cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _run_rank(job, args)
+        return _run_rank(job, args, network)
     if args.gpu != "cpu":
         raise ConfigError("-g/--gpu", args.gpu, "GPU runs are started by torchrun or Slurm, one process per GPU.",
                           "run under torchrun (torchrun --nproc-per-node=N -m overlap.cli run ...), write a Slurm "
@@ -75,20 +110,51 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"Launch environment:\n{format_launch_env(env_settings)}", flush=True)
     worker_env = dict(os.environ)
     apply_launch_env(env_settings, worker_env)
+    command = python_module_command("overlap.cli", argv)
     try:
-        launch_local(python_module_command("overlap.cli", argv), args.num_gpus, worker_env)
+        if network.kind == "tbf":
+            from overlap.launch.network import NETNS_ENV, emulated_interconnect
+
+            with emulated_interconnect(network.rate) as (namespace, prefix):
+                print(f"Network: {network.describe()}; namespace {namespace}", flush=True)
+                worker_env[NETNS_ENV] = namespace
+                launch_local(command, args.num_gpus, worker_env, prefix=prefix)
+        else:
+            print(f"Network: {network.describe()}", flush=True)
+            launch_local(command, args.num_gpus, worker_env)
     except RankFailure as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-def _run_rank(job, args: argparse.Namespace) -> int:
+def _network_label(network, comm_mode: str) -> str:
+    if comm_mode == "none":
+        return "none (comm mode none: no transfers, the compute-only floor; losses meaningless)"
+    return network.describe()
+
+
+def _apply_network(network, comm_mode: str) -> None:
+    """Configure comm.py on this rank for the chosen link and mode."""
+    from overlap.launch.network import NETNS_ENV
+    from overlap.parallel import comm
+
+    if network.kind == "tbf" and NETNS_ENV not in os.environ:
+        raise ConfigError("--network", network.text, "this rank is not inside the emulated interconnect: only the "
+                          "local launcher (-g cpu, no torchrun) builds the network namespace.",
+                          "launch with -g cpu without torchrun, or use a modelled link (model:LAT,BW).")
+    comm.set_mode(comm_mode)
+    comm.set_network(comm.LinkModel(network.latency_s, network.bandwidth_Bps) if network.kind == "model" else None)
+
+
+def _run_rank(job, args: argparse.Namespace, network) -> int:
     import torch
     import torch.distributed as dist
 
     from overlap.cli import describe_layout
     from overlap.parallel.state import ParallelState
+    from overlap.parallel.trace import RECORDER
+    from overlap.profiling.collector import Collector
     from overlap.training.trainer import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -106,6 +172,7 @@ def _run_rank(job, args: argparse.Namespace) -> int:
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = job.cfg
+    _apply_network(network, args.comm_mode)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.train.comm_timeout_s))
     try:
         ps = ParallelState(job.resolution.layout, "cuda" if use_cuda else "cpu")
@@ -113,12 +180,25 @@ def _run_rank(job, args: argparse.Namespace) -> int:
             log.info("Overlap decisions:\n%s", job.resolution.decisions.format_table())
             log.info("Parallel layout: %s\n%s", describe_layout(job.resolution), ps.describe())
         trainer = Trainer(cfg, ps)
+        label = _network_label(network, args.comm_mode)
+        if rank == 0:
+            log.info("Network: %s", label)
         metrics = open(args.metrics, "w") if args.metrics and rank == 0 else None
+        comm_metrics = open(f"{args.metrics}.comm.jsonl", "w") if metrics is not None else None
+        collector = Collector(rank, label, keep_events=args.trace is not None, comm_metrics=comm_metrics)
+        RECORDER.on_drain = collector
         try:
             summary = trainer.train(metrics)
         finally:
-            if metrics is not None:
-                metrics.close()
+            RECORDER.on_drain = None
+            for f in (metrics, comm_metrics):
+                if f is not None:
+                    f.close()
+        collector.check_iterations(len(summary.records))
+        if rank == 0:
+            _report_exposure(collector, summary, label, args)
+        if args.trace:
+            _write_traces(collector, Path(args.trace), rank, world)
         if rank == 0:
             start, end = summary.window
             log.info("steady-state step time over iterations [%d, %d): %.1f ms (Step Time : %.3fs) | peak memory "
@@ -130,3 +210,57 @@ def _run_rank(job, args: argparse.Namespace) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _report_exposure(collector, summary, network_label: str, args: argparse.Namespace) -> None:
+    """Rank 0: the exposed-communication table for the steady-state window, and the run summary file."""
+    import json
+
+    from overlap.profiling.exposed import format_table
+
+    start, end = summary.window
+    rows = collector.window_mean(summary.window)
+    if rows:
+        log.info("%s", format_table(rows, f"exposed communication, rank 0, mean per iteration over [{start + 1}, "
+                                          f"{end + 1}) | network: {network_label}"))
+    if args.metrics:
+        Path(f"{args.metrics}.summary.json").write_text(json.dumps({
+            "network": network_label, "comm_mode": args.comm_mode, "steps_window": [start, end],
+            "steady_step_ms": summary.steady_step_ms, "peak_mem_mb": summary.peak_memory_mb,
+            "exposed_comm_ms": {k: r.exposed_ms for k, r in rows.items()},
+            "total_comm_ms": {k: r.total_ms for k, r in rows.items()}}, indent=1))
+
+
+def _write_traces(collector, trace_dir: Path, rank: int, world: int) -> None:
+    """Every rank writes its events; after a barrier rank 0 merges whatever rank files it can see (on several nodes
+    DIR must be shared storage, else it says which ranks are missing) into trace.json and timeline.png."""
+    from overlap.parallel import comm
+    from overlap.profiling.chrome_trace import write_chrome_trace
+    from overlap.profiling.collector import RankTrace
+    from overlap.profiling.timeline import MissingPlotting, plot_timeline
+
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    collector.trace.write(trace_dir / f"rank{rank}.events.json")
+    comm.barrier()
+    if rank != 0:
+        return
+    paths = [trace_dir / f"rank{r}.events.json" for r in range(world)]
+    missing = [r for r, p in enumerate(paths) if not p.exists()]
+    if missing:
+        log.warning("trace: no event files from ranks %s in %s (not shared storage?); merging the others",
+                    missing, trace_dir)
+    traces = [RankTrace.read(p) for p in paths if p.exists()]
+    write_chrome_trace(traces, trace_dir / "trace.json")
+    try:
+        plot_timeline(traces, trace_dir / "timeline.png",
+                      title=f"last iteration, {len(traces)} ranks | network: {traces[0].network.split(' (')[0]}")
+    except MissingPlotting as exc:
+        log.error("timeline.png not drawn: %s", exc)
+    log.info("trace: %s (open in https://ui.perfetto.dev or chrome://tracing), %s", trace_dir / "trace.json",
+             trace_dir / "timeline.png")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from overlap.perf.bench import run_bench_command
+
+    return run_bench_command(args)

@@ -10,7 +10,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 def now() -> float:
@@ -40,11 +40,19 @@ class Span:
     t_end: float
 
 
+DrainSink = Callable[[list[CommEvent], list[Span]], None]
+
+
 @dataclass
 class Recorder:
+    """Collects events until drained. `on_drain`, when set, receives every drained batch: the trainer drains once
+    before its first iteration (a reset) and then once per iteration, so an instrument that sets a sink (the
+    `overlap run --trace/--metrics` exposure report) sees each iteration's events without the trainer knowing it."""
+
     comm: list[CommEvent] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    on_drain: DrainSink | None = None
 
     def add_comm(self, event: CommEvent) -> None:
         with self.lock:
@@ -63,6 +71,8 @@ class Recorder:
         with self.lock:
             comm, spans = self.comm, self.spans
             self.comm, self.spans = [], []
+        if self.on_drain is not None:
+            self.on_drain(comm, spans)
         return comm, spans
 
 

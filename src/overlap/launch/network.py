@@ -1,0 +1,166 @@
+"""Which network a run communicates over, and the emulated interconnect for local CPU runs.
+
+`--network` takes one of:
+- `real` (default): the backend's own transport (loopback TCP for local gloo ranks), nothing added;
+- `tbf:RATE` (e.g. `tbf:800mbit`): all local ranks run inside a fresh network namespace whose loopback is rate limited
+  by a token bucket (`tc ... tbf`). Traffic then really waits on a slow link, at little CPU cost, so an overlapped
+  schedule can hide it the way it would hide a real interconnect. Needs root and iproute2 (`ip`, `tc`);
+- `model:LATENCY,BANDWIDTH` (e.g. `model:100us,1GB/s`): the fallback where a namespace cannot be made. Collectives
+  run for real and `comm.py` holds each one's completion back by a modelled time (see `overlap.parallel.comm`).
+
+Units: latency s / ms / us / ns; bandwidth B/s, KB/s, MB/s, GB/s (powers of 1000, as link speeds are quoted), KiB/s,
+MiB/s, GiB/s, or bit rates kbit / mbit / gbit (per second). The tbf RATE is passed to `tc` as written (tc syntax:
+`800mbit`, `1gbit`; note that tc reads `mbps` as megaBYTES per second).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from overlap.errors import ConfigError
+
+FLAG = "--network"
+MODEL_FALLBACK = "--network model:100us,1GB/s"
+NETNS_ENV = "OVERLAP_NETNS"  # set for ranks started inside the emulated interconnect's namespace
+
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+_BYTE_RATE_UNITS = {"b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "kib/s": 2**10, "mib/s": 2**20,
+                    "gib/s": 2**30}
+_BIT_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_TC_BYTE_RATE_UNITS = {"bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12}
+_NUMBER = r"(\d+(?:\.\d+)?)"
+
+
+@dataclass(frozen=True)
+class Network:
+    """A parsed `--network` value."""
+
+    kind: str  # "real" | "model" | "tbf"
+    text: str  # as the user wrote it
+    latency_s: float | None = None  # kind "model" (comm.LinkModel's fields; kept torch-free for the launcher)
+    bandwidth_Bps: float | None = None  # kind "model"
+    rate: str | None = None  # kind "tbf", in tc syntax
+    rate_Bps: float | None = None  # kind "tbf", for the record
+
+    def describe(self) -> str:
+        """One line that every result carries, so no number is read without knowing which link made it."""
+        if self.kind == "model":
+            return (f"model:{_fmt_time(self.latency_s)},{_fmt_rate(self.bandwidth_Bps)} (modelled link: "
+                    "real gloo transfer, completion held back to latency + factor x bytes / bandwidth)")
+        if self.kind == "tbf":
+            return (f"tbf:{self.rate} (emulated interconnect: ranks in a network namespace, loopback rate-limited "
+                    f"to {self.rate_Bps / 1e6:.0f} MB/s by tc tbf)")
+        return "real (the backend's own transport, nothing emulated; on one machine: loopback)"
+
+
+def _fmt_time(seconds: float) -> str:
+    for unit in ("s", "ms", "us", "ns"):
+        value = seconds / _TIME_UNITS[unit]
+        if value >= 1 or unit == "ns":
+            return f"{value:g}{unit}"
+    raise AssertionError("unreachable")
+
+
+def _fmt_rate(bytes_per_s: float) -> str:
+    for unit in ("gb/s", "mb/s", "kb/s", "b/s"):
+        value = bytes_per_s / _BYTE_RATE_UNITS[unit]
+        if value >= 1 or unit == "b/s":
+            return f"{value:g}{unit.upper().replace('/S', '/s')}"
+    raise AssertionError("unreachable")
+
+
+def _bad(text: str, why: str) -> ConfigError:
+    return ConfigError(FLAG, text, why, "use real, tbf:RATE (e.g. tbf:800mbit, needs root and iproute2) or "
+                       "model:LATENCY,BANDWIDTH (e.g. model:100us,1GB/s).")
+
+
+def parse_latency(text: str) -> float:
+    m = re.fullmatch(_NUMBER + r"\s*(s|ms|us|ns)", text.strip().lower())
+    if not m:
+        raise _bad(text, "latency must be a number with a unit s, ms, us or ns.")
+    return float(m.group(1)) * _TIME_UNITS[m.group(2)]
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second from `1GB/s`, `100MiB/s`, `800mbit`, `800mbit/s`."""
+    low = text.strip().lower()
+    m = re.fullmatch(_NUMBER + r"\s*([kmg]?i?b/s)", low)
+    if m and m.group(2) in _BYTE_RATE_UNITS:
+        value = float(m.group(1)) * _BYTE_RATE_UNITS[m.group(2)]
+    else:
+        m = re.fullmatch(_NUMBER + r"\s*([kmgt]?bit)(?:/s)?", low)
+        if not m:
+            raise _bad(text, "bandwidth must be a number with a unit B/s, KB/s, MB/s, GB/s, MiB/s, GiB/s, kbit, "
+                       "mbit or gbit.")
+        value = float(m.group(1)) * _BIT_RATE_UNITS[m.group(2)] / 8
+    if value <= 0:
+        raise _bad(text, "bandwidth must be positive.")
+    return value
+
+
+def _tc_rate_Bps(text: str) -> float:
+    low = text.strip().lower()
+    m = re.fullmatch(_NUMBER + r"([kmgt]?bit|[kmgt]?bps)", low)
+    if not m:
+        raise _bad(text, "the tbf rate must be in tc syntax, e.g. 800mbit, 1gbit or 100mbps (megabytes/s).")
+    number, unit = float(m.group(1)), m.group(2)
+    value = number * _BIT_RATE_UNITS[unit] / 8 if unit in _BIT_RATE_UNITS else number * _TC_BYTE_RATE_UNITS[unit]
+    if value <= 0:
+        raise _bad(text, "the tbf rate must be positive.")
+    return value
+
+
+def parse_network(text: str | None) -> Network:
+    if text is None or text.strip().lower() in ("", "real"):
+        return Network("real", "real")
+    kind, _, rest = text.partition(":")
+    kind = kind.strip().lower()
+    if kind == "model":
+        parts = rest.split(",")
+        if len(parts) != 2:
+            raise _bad(text, "a modelled link needs a latency and a bandwidth.")
+        return Network("model", text, latency_s=parse_latency(parts[0]), bandwidth_Bps=parse_bandwidth(parts[1]))
+    if kind == "tbf":
+        rate = rest.strip().lower()
+        return Network("tbf", text, rate=rate, rate_Bps=_tc_rate_Bps(rate))
+    raise _bad(text, "unknown network kind.")
+
+
+def check_netns_support() -> None:
+    """Raise a ConfigError naming the fallback if this process cannot build an emulated interconnect."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ConfigError(FLAG, "tbf", f"the emulated interconnect needs iproute2 ({', '.join(missing)} not found).",
+                          f"install iproute2, or use the modelled link instead: {MODEL_FALLBACK}.")
+    if os.geteuid() != 0:
+        raise ConfigError(FLAG, "tbf", "creating a network namespace needs root.",
+                          f"run as root, or use the modelled link instead: {MODEL_FALLBACK}.")
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ConfigError(FLAG, "tbf", f"`ip {' '.join(args)}` failed: {done.stderr.strip() or done.returncode}.",
+                          f"check network-namespace support here, or use the modelled link: {MODEL_FALLBACK}.")
+
+
+@contextmanager
+def emulated_interconnect(rate: str, name: str | None = None) -> Iterator[tuple[str, list[str]]]:
+    """Create namespace `name` (default overlap-<pid>) with a rate-limited loopback; yield (name, command prefix that
+    runs a process inside it). The namespace is deleted on exit, also when the body fails."""
+    check_netns_support()
+    name = name or f"overlap-{os.getpid()}"
+    _ip("netns", "add", name)
+    try:
+        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
+        _ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", "1mb",
+            "latency", "100ms")
+        yield name, ["ip", "netns", "exec", name]
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)

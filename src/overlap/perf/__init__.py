@@ -1,0 +1,1 @@
+"""Performance measurement: the A/B benchmark harness (`overlap bench`)."""

@@ -1,0 +1,238 @@
+"""`overlap bench --ab KEY=V1,V2[,V3]`: is an overlap switch worth it, measured side by side in one invocation.
+
+Each configuration is the same `overlap run` command line (harness flags, overrides, `--network`) plus `KEY=V`, run
+as a subprocess with `--metrics`, so every run is a fresh world with identical steps. Configurations run alternately
+(A B [ideal] A B [ideal] ...) for `--repeats` rounds, which spreads slow drift of the machine (thermal, other load)
+over all of them instead of biasing the one that happened to run last. Per configuration the harness reports the
+steady-state mean step time (the window of `train.eval_time_start_step` / `skip_first_percent_time`, as the run
+itself reports it) with min/max across repeats, rank 0's exposed and total communication per kind (mean per
+iteration over the same window), peak memory, and the ratio of its step time to the first configuration's.
+
+`--ideal` adds the first configuration with communication made free (`overlap run --comm-mode none`: no transfers,
+shapes kept, losses meaningless): its time `T_ideal` is the compute-only floor, and each later configuration gets
+the overlap efficiency `(T_off - T_on) / (T_off - T_ideal)` with the first configuration as "off": the share of the
+first configuration's communication cost that the switch removed (1.0: all of it hidden; 0: none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from overlap.errors import ConfigError
+
+IDEAL_NAME = "ideal (no communication)"
+
+BENCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
+    (("--ab",), dict(required=True, metavar="KEY=V1,V2[,V3]",
+                     help="the override key to compare and its values; the first value is the baseline ('off')")),
+    (("--ideal",), dict(action="store_true",
+                        help="also run the baseline without communication (T_ideal) and report overlap efficiency")),
+    (("--repeats",), dict(type=int, default=3, help="alternating rounds (default 3)")),
+    (("--json",), dict(default=None, metavar="FILE", dest="json_out", help="write the results as JSON")),
+    (("--markdown",), dict(default=None, metavar="FILE", help="also write the Markdown table to FILE")),
+]
+_BENCH_OPTIONS_WITH_VALUE = ("--ab", "--repeats", "--json", "--markdown")
+_BENCH_SWITCHES = ("--ideal",)
+
+
+def parse_ab(text: str) -> tuple[str, list[str]]:
+    """`ddp.overlap_grad_reduce=false,true` -> ("ddp.overlap_grad_reduce", ["false", "true"])."""
+    key, sep, rest = text.partition("=")
+    key = key.strip()
+    values = [v.strip() for v in rest.split(",")]
+    fix = "pass --ab section.field=V1,V2[,V3], e.g. --ab ddp.overlap_grad_reduce=false,true (first = baseline)."
+    if not sep or not key or "." not in key or key.startswith("-"):
+        raise ConfigError("--ab", text, "expected an override key (section.field), '=' and values.", fix)
+    if len(values) < 2 or any(not v for v in values):
+        raise ConfigError("--ab", text, "an A/B comparison needs at least two non-empty values.", fix)
+    if len(set(values)) != len(values):
+        raise ConfigError("--ab", text, "a value is repeated.", fix)
+    return key, values
+
+
+def overlap_efficiency(t_off: float, t_on: float, t_ideal: float) -> float | None:
+    """(T_off - T_on) / (T_off - T_ideal); None when the baseline has no communication cost to hide."""
+    exposed_cost = t_off - t_ideal
+    if not exposed_cost > 0:
+        return None
+    return (t_off - t_on) / exposed_cost
+
+
+@dataclass
+class BenchConfig:
+    name: str
+    overrides: list[str]  # appended to the common overrides
+    run_flags: list[str] = field(default_factory=list)  # extra `overlap run` flags (the ideal run's --comm-mode)
+
+
+def build_configs(key: str, values: list[str], ideal: bool) -> list[BenchConfig]:
+    configs = [BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values]
+    if ideal:
+        configs.append(BenchConfig(IDEAL_NAME, list(configs[0].overrides), ["--comm-mode", "none"]))
+    return configs
+
+
+def common_run_options(bench_argv: list[str], overrides: list[str]) -> list[str]:
+    """The bench command line (without the word `bench`) minus bench-only flags and minus the positional overrides,
+    which the run command line puts last (argparse reads positionals only as one group)."""
+    out: list[str] = []
+    pending = list(overrides)
+    items = iter(bench_argv)
+    for item in items:
+        if item in _BENCH_SWITCHES:
+            continue
+        if item in _BENCH_OPTIONS_WITH_VALUE:
+            next(items, None)
+            continue
+        if item.split("=", 1)[0] in _BENCH_OPTIONS_WITH_VALUE and "=" in item:
+            continue
+        if item in pending:
+            pending.remove(item)
+            continue
+        out.append(item)
+    return out
+
+
+@dataclass
+class RunResult:
+    step_ms: float
+    exposed_comm_ms: dict[str, float]
+    total_comm_ms: dict[str, float]
+    peak_mem_mb: float
+    steps_window: list[int]
+    network: str
+
+
+def run_once(options: list[str], overrides: list[str], config: BenchConfig, metrics: Path) -> RunResult:
+    command = [sys.executable, "-m", "overlap.cli", "run", *options, "--metrics", str(metrics), *config.run_flags,
+               *overrides, *config.overrides]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench run {config.name!r} failed (exit {done.returncode}): {shlex.join(command)}\n"
+                           f"{(done.stdout + done.stderr)[-4000:]}")
+    s = json.loads(Path(f"{metrics}.summary.json").read_text())
+    return RunResult(s["steady_step_ms"], s["exposed_comm_ms"], s["total_comm_ms"], s["peak_mem_mb"],
+                     s["steps_window"], s["network"])
+
+
+def _mean_by_kind(runs: list[RunResult], attr: str) -> dict[str, float]:
+    kinds = sorted({k for r in runs for k in getattr(r, attr)})
+    return {k: statistics.fmean(getattr(r, attr).get(k, 0.0) for r in runs) for k in kinds}
+
+
+def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], network: str,
+              command: str) -> dict:
+    """The JSON document: per configuration, ideal time and overlap efficiency (see the module docstring)."""
+    rows = []
+    for c in configs:
+        runs = results[c.name]
+        times = [r.step_ms for r in runs]
+        rows.append({"name": c.name, "overrides": c.overrides + c.run_flags,
+                     "step_time_ms": {"mean": statistics.fmean(times), "min": min(times), "max": max(times),
+                                      "repeats": times},
+                     "exposed_comm_ms": _mean_by_kind(runs, "exposed_comm_ms"),
+                     "total_comm_ms": _mean_by_kind(runs, "total_comm_ms"),
+                     "peak_mem_mb": max(r.peak_mem_mb for r in runs)})
+    ideal = next((r for r in rows if r["name"] == IDEAL_NAME), None)
+    measured = [r for r in rows if r is not ideal]
+    base = measured[0]["step_time_ms"]["mean"]
+    for r in rows:
+        r["step_time_ratio_to_first"] = r["step_time_ms"]["mean"] / base
+    t_ideal = ideal["step_time_ms"]["mean"] if ideal else None
+    efficiency = {r["name"]: (overlap_efficiency(base, r["step_time_ms"]["mean"], t_ideal) if ideal else None)
+                  for r in measured[1:]}
+    first_runs = results[measured[0]["name"]]
+    return {"network": network, "steps_window": first_runs[0].steps_window,
+            "repeats": len(first_runs), "order": "alternating", "configs": rows,
+            "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency, "command": command}
+
+
+def _kinds(by_kind: dict[str, float]) -> str:
+    from overlap.profiling.exposed import ALL
+
+    parts = [f"{k} {v:.1f}" for k, v in sorted(by_kind.items()) if k != ALL and v >= 0.05]
+    head = f"{by_kind.get(ALL, 0.0):.1f}"
+    return f"{head} ({', '.join(parts)})" if parts else head
+
+
+def format_markdown(doc: dict) -> str:
+    start, end = doc["steps_window"]
+    lines = [f"Network: {doc['network']}  ",
+             f"Steady-state window: iterations [{start + 1}, {end + 1}) (1-based), {doc['repeats']} alternating "
+             "repeats; comm columns are rank 0's mean per iteration in ms, `all` first (union of kinds).  ",
+             f"Command: `{doc['command']}`", "",
+             "| config | step ms (mean) | min | max | vs first | exposed comm ms | total comm ms | peak MB | "
+             "overlap eff. |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["configs"]:
+        st = r["step_time_ms"]
+        eff = doc["overlap_efficiency"].get(r["name"])
+        lines.append(f"| {r['name']} | {st['mean']:.1f} | {st['min']:.1f} | {st['max']:.1f} | "
+                     f"{r['step_time_ratio_to_first']:.3f} | {_kinds(r['exposed_comm_ms'])} | "
+                     f"{_kinds(r['total_comm_ms'])} | {r['peak_mem_mb']:.0f} | "
+                     f"{'-' if eff is None else f'{eff:.2f}'} |")
+    if doc["ideal_step_time_ms"] is None:
+        lines.append("\n(no --ideal run: overlap efficiency needs T_ideal)")
+    else:
+        lines.append("\noverlap eff. = (T_first - T_config) / (T_first - T_ideal), the first config being 'off'.")
+    return "\n".join(lines)
+
+
+def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
+    """Resolve every configuration here first: a bad one fails before any run starts, with the usual message."""
+    from overlap.cli import prepare
+    from overlap.launch.network import check_netns_support, parse_network
+
+    if parse_network(args.network).kind == "tbf":
+        check_netns_support()
+    if args.repeats < 1:
+        raise ConfigError("--repeats", args.repeats, "at least one round is needed.", "pass --repeats 1 or more.")
+    for c in configs:
+        ns = copy.copy(args)
+        ns.overrides = list(args.overrides) + c.overrides
+        prepare(ns)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from overlap.launch.network import parse_network
+
+    key, values = parse_ab(args.ab)
+    if any(o.split("=", 1)[0] == key for o in args.overrides):
+        raise ConfigError("--ab", args.ab, f"{key} is also given as an override.", "remove that override.")
+    configs = build_configs(key, values, args.ideal)
+    _validate(args, configs)
+    network = parse_network(args.network).describe()
+    options = common_run_options(args.argv[1:], args.overrides)
+    command = shlex.join(["overlap", *args.argv])
+    results: dict[str, list[RunResult]] = {c.name: [] for c in configs}
+    with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+        for rnd in range(args.repeats):
+            for i, c in enumerate(configs):
+                try:
+                    res = run_once(options, list(args.overrides), c, Path(tmp) / f"r{rnd}c{i}.jsonl")
+                except RuntimeError as exc:
+                    print(f"overlap bench: {exc}", file=sys.stderr)
+                    return 1
+                results[c.name].append(res)
+                print(f"[bench] round {rnd + 1}/{args.repeats} {c.name}: {res.step_ms:.1f} ms/step, exposed comm "
+                      f"{res.exposed_comm_ms.get('all', 0.0):.1f} ms", file=sys.stderr, flush=True)
+    windows = {tuple(r.steps_window) for runs in results.values() for r in runs}
+    if len(windows) != 1:
+        raise RuntimeError(f"the runs used different steady-state windows {sorted(windows)}")
+    doc = summarize(configs, results, network, command)
+    table = format_markdown(doc)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0

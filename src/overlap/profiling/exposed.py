@@ -1,0 +1,124 @@
+"""Exposed communication: how much of each kind of collective the compute thread actually had to sit through.
+
+For one rank and one stretch of time (an iteration):
+- communication of a kind occupies the union of its ops' [t_launch, t_done] intervals (its *total* time);
+- the compute thread is *busy* during the union of compute spans minus the union of wait intervals
+  [t_wait_start, t_wait_end]: a span that contains a blocking wait is not computing while it waits;
+- *exposed* time of a kind is the part of its total time during which the compute thread was not busy.
+So a synchronous collective inside a compute span is fully exposed, an asynchronous one launched before compute and
+waited for after it is hidden for as long as the compute ran, and time outside every span (Python glue that no span
+covers) counts as not busy: an overlap claim never rests on time nobody accounted for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from overlap.parallel.trace import CommEvent, Span
+
+Interval = tuple[float, float]
+ALL = "all"  # the row that unions every kind (overlapping kinds are not double counted)
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same points; empty and reversed intervals are dropped."""
+    merged: list[Interval] = []
+    for start, end in sorted(iv for iv in intervals if iv[1] > iv[0]):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def subtract(base: Sequence[Interval], cut: Sequence[Interval]) -> list[Interval]:
+    """`base` minus `cut`, both sorted and disjoint (as `union` returns them)."""
+    out: list[Interval] = []
+    j = 0
+    for start, end in base:
+        while j < len(cut) and cut[j][1] <= start:
+            j += 1
+        k = j
+        cursor = start
+        while k < len(cut) and cut[k][0] < end:
+            if cut[k][0] > cursor:
+                out.append((cursor, cut[k][0]))
+            cursor = max(cursor, cut[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def comm_interval(event: CommEvent) -> Interval | None:
+    """[launch, completion] of one op; None if it never completed (nobody waited and no completion was seen)."""
+    end = event.t_done if event.t_done is not None else event.t_wait_end
+    return None if end is None else (event.t_launch, end)
+
+
+def busy_intervals(spans: Iterable[Span], events: Iterable[CommEvent]) -> list[Interval]:
+    waits = union((e.t_wait_start, e.t_wait_end) for e in events
+                  if e.t_wait_start is not None and e.t_wait_end is not None)
+    return subtract(union((s.t_start, s.t_end) for s in spans), waits)
+
+
+@dataclass
+class KindExposure:
+    total_ms: float = 0.0
+    exposed_ms: float = 0.0
+    count: int = 0
+    nbytes: int = 0
+
+    @property
+    def hidden_pct(self) -> float:
+        return 100.0 * (1.0 - self.exposed_ms / self.total_ms) if self.total_ms > 0 else 100.0
+
+    def add(self, other: "KindExposure") -> None:
+        self.total_ms += other.total_ms
+        self.exposed_ms += other.exposed_ms
+        self.count += other.count
+        self.nbytes += other.nbytes
+
+
+def exposure(events: Sequence[CommEvent], spans: Sequence[Span]) -> dict[str, KindExposure]:
+    """Total and exposed communication per kind, plus the `ALL` row, for one rank's events and spans."""
+    busy = busy_intervals(spans, events)
+    by_kind: dict[str, list[CommEvent]] = {}
+    for e in events:
+        by_kind.setdefault(e.kind, []).append(e)
+    out: dict[str, KindExposure] = {}
+    groups = [(kind, evs) for kind, evs in sorted(by_kind.items())]
+    if events:
+        groups.append((ALL, list(events)))
+    for kind, evs in groups:
+        occupied = union(iv for iv in map(comm_interval, evs) if iv is not None)
+        out[kind] = KindExposure(total_ms=length(occupied) * 1e3, exposed_ms=length(subtract(occupied, busy)) * 1e3,
+                                 count=len(evs), nbytes=sum(e.nbytes for e in evs))
+    return out
+
+
+def mean_exposure(per_iteration: Sequence[dict[str, KindExposure]]) -> dict[str, KindExposure]:
+    """Per-iteration mean of each kind (a kind absent from an iteration counts as zero there)."""
+    total: dict[str, KindExposure] = {}
+    for it in per_iteration:
+        for kind, k in it.items():
+            total.setdefault(kind, KindExposure()).add(k)
+    n = max(len(per_iteration), 1)
+    return {kind: KindExposure(k.total_ms / n, k.exposed_ms / n, round(k.count / n), round(k.nbytes / n))
+            for kind, k in total.items()}
+
+
+def format_table(rows: dict[str, KindExposure], title: str) -> str:
+    """A small fixed-width table: kind, total ms, exposed ms, hidden %."""
+    lines = [title, f"{'kind':<14} {'ops':>5} {'MB':>9} {'total ms':>9} {'exposed ms':>10} {'hidden %':>8}"]
+    for kind in sorted(rows, key=lambda k: (k == ALL, k)):
+        r = rows[kind]
+        lines.append(f"{kind:<14} {r.count:>5} {r.nbytes / 1e6:>9.2f} {r.total_ms:>9.2f} {r.exposed_ms:>10.2f} "
+                     f"{r.hidden_pct:>7.0f}%")
+    return "\n".join(lines)

@@ -1,0 +1,243 @@
+"""The instruments that prove an overlap works: exposed-communication arithmetic, the modelled link, the emulated
+interconnect, traces from a real run, and the A/B harness's parsing and formulas."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap.errors import ConfigError
+from overlap.launch import network as net
+from overlap.parallel import comm
+from overlap.parallel.trace import CommEvent, Recorder, Span
+from overlap.perf import bench
+from overlap.profiling.chrome_trace import rank_events
+from overlap.profiling.collector import Collector, IterationTrace, RankTrace
+from overlap.profiling.exposed import ALL, exposure, mean_exposure, subtract, union
+from tests.world import run_world
+
+
+def _ev(kind, launch, done, wait=None):
+    """A hand-made op: launched at `launch`, data complete at `done`, caller blocked over `wait` (start, end)."""
+    ws, we = wait if wait else (None, None)
+    return CommEvent(kind, "all_reduce", 2, 1000, launch, done, ws, we)
+
+
+# ---- interval arithmetic (times in seconds, results in ms) ----
+
+def test_union_and_subtract():
+    assert union([(3, 4), (0, 1), (0.5, 2), (5, 5), (4, 4.5)]) == [(0, 2), (3, 4.5)]
+    assert subtract([(0, 10)], [(1, 2), (4, 6), (9, 12)]) == [(0, 1), (2, 4), (6, 9)]
+    assert subtract([(0, 2), (3, 5)], [(1, 4)]) == [(0, 1), (4, 5)]
+    assert subtract([(0, 1)], []) == [(0, 1)]
+
+
+def test_async_comm_hidden_behind_compute_is_not_exposed():
+    rows = exposure([_ev("dp_rs", 0.0, 0.010, wait=(0.010, 0.010))], [Span("backward", 0.0, 0.010)])
+    assert rows["dp_rs"].total_ms == pytest.approx(10.0)
+    assert rows["dp_rs"].exposed_ms == pytest.approx(0.0)
+    assert rows["dp_rs"].hidden_pct == pytest.approx(100.0)
+
+
+def test_partly_hidden_comm_exposes_the_wait():
+    rows = exposure([_ev("ep_dispatch", 0.0, 0.010, wait=(0.006, 0.010))], [Span("fwd", 0.0, 0.006)])
+    assert rows["ep_dispatch"].exposed_ms == pytest.approx(4.0)
+    assert rows["ep_dispatch"].hidden_pct == pytest.approx(60.0)
+
+
+def test_comm_outside_any_span_is_fully_exposed():
+    rows = exposure([_ev("dp_loss", 0.020, 0.030)], [Span("optimizer", 0.0, 0.020)])
+    assert rows["dp_loss"].exposed_ms == pytest.approx(10.0)
+
+
+def test_sync_collective_inside_a_span_is_exposed():
+    rows = exposure([_ev("tp_ag", 0.005, 0.015, wait=(0.005, 0.015))], [Span("fwd.layer0", 0.0, 0.020)])
+    assert rows["tp_ag"].total_ms == pytest.approx(10.0)
+    assert rows["tp_ag"].exposed_ms == pytest.approx(10.0)
+
+
+def test_all_row_unions_kinds_and_mean_over_iterations():
+    events = [_ev("a", 0.0, 0.010), _ev("b", 0.005, 0.015), _ev("a", 0.002, 0.004)]
+    rows = exposure(events, [Span("c", 0.0, 0.008)])
+    assert rows["a"].total_ms == pytest.approx(10.0) and rows["a"].count == 2
+    assert rows[ALL].total_ms == pytest.approx(15.0)  # overlapping kinds are not double counted
+    assert rows[ALL].exposed_ms == pytest.approx(7.0)
+    mean = mean_exposure([rows, {}])
+    assert mean["b"].total_ms == pytest.approx(5.0)
+
+
+def test_recorder_sink_and_collector_skip_the_reset_drain(tmp_path):
+    rec = Recorder()
+    lines = (tmp_path / "c.jsonl").open("w")
+    col = Collector(0, "real", keep_events=True, comm_metrics=lines)
+    rec.on_drain = col
+    rec.add_comm(_ev("x", 0.0, 0.001))
+    rec.drain()  # the trainer's reset before iteration 0
+    rec.add_comm(_ev("dp_ar", 0.0, 0.002))
+    with rec.span("backward"):
+        pass
+    rec.drain()
+    lines.close()
+    col.check_iterations(1)
+    with pytest.raises(RuntimeError):
+        col.check_iterations(2)
+    row = json.loads((tmp_path / "c.jsonl").read_text())
+    assert row["iteration"] == 1 and row["total_comm_ms"]["dp_ar"] == pytest.approx(2.0)
+    assert "x" not in row["total_comm_ms"] and len(col.trace.iterations) == 1
+
+
+def test_chrome_trace_puts_concurrent_ops_of_one_kind_on_separate_lanes():
+    trace = RankTrace(1, "real", [IterationTrace(0, [_ev("dp_rs", 0.0, 0.01), _ev("dp_rs", 0.005, 0.02),
+                                                    _ev("dp_rs", 0.011, 0.03, wait=(0.02, 0.03))],
+                                                 [Span("backward", 0.0, 0.03)])])
+    events = rank_events(trace, origin=0.0)
+    lanes = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+    assert {"compute", "iteration", "dp_rs", "dp_rs #2"} <= set(lanes)
+    ops = [e for e in events if e.get("ph") == "X" and e["name"] == "all_reduce"]
+    assert [e["tid"] for e in ops] == [lanes["dp_rs"], lanes["dp_rs #2"], lanes["dp_rs"]]
+    assert all(e["pid"] == 1 for e in events)
+    assert any(e["name"] == "wait dp_rs" and e["tid"] == lanes["compute"] for e in events)
+
+
+# ---- modelled link ----
+
+def _modelled_link_case():
+    group = dist.group.WORLD
+    comm.set_network(comm.LinkModel(latency_s=0.01, bandwidth_Bps=1e7))
+    try:
+        x = torch.full((250_000,), float(dist.get_rank() + 1))  # 1 MB: 0.01 + 1 x 1e6 / 1e7 = 0.11 s (W=2)
+        wall, cpu = time.perf_counter(), time.process_time()
+        h = comm.all_reduce(x, group, "t_single")
+        h.wait()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        single = h.event.t_done - h.event.t_launch
+        a, b = torch.ones(250_000), torch.ones(250_000)
+        h1, h2 = comm.all_reduce(a, group, "t_first"), comm.all_reduce(b, group, "t_second")
+        h2.wait()
+        h1.wait()
+        queued = h2.event.t_done - h1.event.t_launch
+        return single, wall, cpu, queued, x[0].item(), b[0].item()
+    finally:
+        comm.set_network(None)
+
+
+def test_modelled_link_holds_completion_back_without_burning_cpu_and_queues_ops():
+    for single, wall, cpu, queued, value, summed in run_world(2, _modelled_link_case):
+        assert value == 3.0 and summed == 2.0  # the real collective still ran
+        assert 0.1099 <= single < 0.2 and wall >= 0.1099
+        assert cpu < 0.5 * wall, f"waiting on the modelled link used {cpu:.3f}s CPU in {wall:.3f}s"
+        assert queued >= 0.2199  # the second op waited for the link behind the first
+
+
+# ---- --network parsing and the emulated interconnect ----
+
+def test_parse_network():
+    m = net.parse_network("model:100us,1GB/s")
+    assert (m.kind, m.latency_s, m.bandwidth_Bps) == ("model", pytest.approx(1e-4), 1e9)
+    assert net.parse_network("model:1ms,800mbit").bandwidth_Bps == 1e8
+    t = net.parse_network("tbf:800mbit")
+    assert (t.kind, t.rate, t.rate_Bps) == ("tbf", "800mbit", 1e8)
+    assert "tbf:800mbit" in t.describe() and net.parse_network(None).kind == "real"
+    for bad in ("tbf:fast", "model:1ms", "model:1,1GB/s", "wifi:1"):
+        with pytest.raises(ConfigError):
+            net.parse_network(bad)
+
+
+def test_tbf_without_tools_or_root_names_the_fallback(monkeypatch):
+    monkeypatch.setattr(net.shutil, "which", lambda tool: None)
+    with pytest.raises(ConfigError, match="model:"):
+        net.check_netns_support()
+    monkeypatch.setattr(net.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(net.os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match="root.*model:"):
+        net.check_netns_support()
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                    reason="needs root and iproute2")
+def test_emulated_interconnect_creates_and_always_deletes_the_namespace():
+    name = f"overlap-test-{os.getpid()}"
+    try:
+        with pytest.raises(KeyError):
+            with net.emulated_interconnect("800mbit", name) as (ns, prefix):
+                assert ns == name and prefix == ["ip", "netns", "exec", name]
+                qdisc = subprocess.run([*prefix, "tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+                                       text=True).stdout
+                assert "tbf" in qdisc and "800Mbit" in qdisc
+                raise KeyError("a failing body must still remove the namespace")
+        assert name not in _namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+# ---- a real run with the instruments on ----
+
+def test_run_with_modelled_link_writes_traces_and_exposure(tmp_path):
+    metrics, trace = tmp_path / "m.jsonl", tmp_path / "trace"
+    out = subprocess.run([sys.executable, "-m", "overlap.cli", "run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu",
+                          "-ng", "2", "-ms", "2", "--network", "model:100us,1GB/s", "--trace", str(trace),
+                          "--metrics", str(metrics)], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Network: model:100us,1GB/s" in out.stdout + out.stderr and "hidden %" in out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl.comm.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[1]["total_comm_ms"]["dp_ar"] >= 17.0  # 17.8 MB of grads over a modelled 1 GB/s ring
+    assert rows[1]["exposed_comm_ms"]["dp_ar"] <= rows[1]["total_comm_ms"]["dp_ar"]
+    summary = json.loads((tmp_path / "m.jsonl.summary.json").read_text())
+    assert summary["network"].startswith("model:100us,1GB/s") and summary["steady_step_ms"] > 0
+    chrome = json.loads((trace / "trace.json").read_text())
+    assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1}
+    assert any(e.get("name") == "wait dp_ar" for e in chrome["traceEvents"])
+    assert (trace / "timeline.png").stat().st_size > 10_000
+    assert all((trace / f"rank{r}.events.json").exists() for r in (0, 1))
+
+
+# ---- the A/B harness ----
+
+def test_parse_ab_and_configs():
+    assert bench.parse_ab("ddp.overlap_grad_reduce=false,true") == ("ddp.overlap_grad_reduce", ["false", "true"])
+    for bad in ("ddp.overlap_grad_reduce=true", "overlap=true,false", "--moe_a2a_overlap=false,true",
+                "ddp.x=a,a", "ddp.x=a,,b"):
+        with pytest.raises(ConfigError):
+            bench.parse_ab(bad)
+    configs = bench.build_configs("ddp.x", ["false", "true"], ideal=True)
+    assert [c.name for c in configs] == ["ddp.x=false", "ddp.x=true", bench.IDEAL_NAME]
+    assert configs[2].overrides == ["ddp.x=false"] and configs[2].run_flags == ["--comm-mode", "none"]
+
+
+def test_bench_strips_its_own_flags_and_moves_overrides_last():
+    argv = ["-m", "qwen", "--ab", "ddp.x=a,b", "model.num_layers=2", "--ideal", "--repeats=2", "--json", "o.json",
+            "-ng", "2", "--network", "model:1ms,1GB/s"]
+    assert bench.common_run_options(argv, ["model.num_layers=2"]) == ["-m", "qwen", "-ng", "2", "--network",
+                                                                       "model:1ms,1GB/s"]
+
+
+def test_overlap_efficiency_and_summary_table():
+    assert bench.overlap_efficiency(100.0, 80.0, 60.0) == pytest.approx(0.5)
+    assert bench.overlap_efficiency(100.0, 60.0, 60.0) == pytest.approx(1.0)
+    assert bench.overlap_efficiency(100.0, 90.0, 100.0) is None
+    configs = bench.build_configs("ddp.x", ["false", "true"], ideal=True)
+
+    def run(ms, exposed):
+        return bench.RunResult(ms, {"all": exposed}, {"all": 20.0}, 400.0, [1, 4], "real")
+
+    results = {configs[0].name: [run(100, 20), run(102, 20)], configs[1].name: [run(80, 4), run(82, 4)],
+               configs[2].name: [run(60, 0), run(62, 0)]}
+    doc = bench.summarize(configs, results, "real", "overlap bench ...")
+    assert doc["ideal_step_time_ms"] == pytest.approx(61.0) and doc["steps_window"] == [1, 4]
+    assert doc["overlap_efficiency"] == {"ddp.x=true": pytest.approx(0.5)}
+    on = doc["configs"][1]
+    assert on["step_time_ms"]["min"] == 80 and on["step_time_ms"]["max"] == 82
+    assert on["step_time_ratio_to_first"] == pytest.approx(81 / 101) and on["exposed_comm_ms"] == {"all": 4.0}
+    table = bench.format_markdown(doc)
+    assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 |" in table and "0.50 |" in table
