@@ -140,6 +140,11 @@ class AllToAllDispatcher:
                              plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for the dispatch; returns (rows, weights) grouped by local expert (`plan.tokens_per_local_expert`)."""
         rows, weights = pending.wait()
+        return self.sort_received(rows, weights, plan)
+
+    def sort_received(self, rows: torch.Tensor, weights: torch.Tensor,
+                      plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Received rows/weights, (source rank, local expert) order -> grouped by local expert."""
         with RECORDER.span("moe.sort_chunks"):
             return (sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep_size, self.num_local_experts),
                     sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, self.num_local_experts))
@@ -158,6 +163,10 @@ class AllToAllDispatcher:
     def postprocess_combine(self, pending: PendingAllToAll, plan: DispatchPlan) -> torch.Tensor:
         """Wait for the combine and sum each token's rows; returns a tensor shaped like the layer input."""
         (rows,) = pending.wait()
+        return self.unpermute_returned(rows, plan)
+
+    def unpermute_returned(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Sum each token's returned (already weighted) rows back into a tensor shaped like the layer input."""
         with RECORDER.span("moe.unpermute"):
             out = unpermute(rows, plan.token_idx, plan.tokens_per_expert, plan.hidden_shape[:-1].numel(),
                             self.fused)

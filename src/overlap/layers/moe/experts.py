@@ -14,6 +14,7 @@ from torch import nn
 from overlap.config.model import ModelConfig
 from overlap.layers.init import mark_shard
 from overlap.layers.tensor_parallel import params_dtype
+from overlap.layers.wgrad_store import GroupedLinear
 from overlap.parallel.state import ParallelState
 
 
@@ -38,9 +39,10 @@ class GroupedExperts(nn.Module):
         self.down_weight = _expert_param((self.num_local_experts, h, ffn), dtype, ps)
 
     def forward(self, rows: torch.Tensor, tokens_per_local_expert: list[int]) -> torch.Tensor:
-        """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in order."""
-        outputs = []
-        for e, expert_rows in enumerate(rows.split(tokens_per_local_expert)):
-            hidden = F.silu(F.linear(expert_rows, self.gate_weight[e])) * F.linear(expert_rows, self.up_weight[e])
-            outputs.append(F.linear(hidden, self.down_weight[e]))
-        return torch.cat(outputs)
+        """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in order.
+
+        The three GEMMs are `GroupedLinear`, whose weight gradients can be delayed (delay_wgrad_compute)."""
+        counts = tokens_per_local_expert
+        gate = GroupedLinear.apply(rows, self.gate_weight, counts)
+        up = GroupedLinear.apply(rows, self.up_weight, counts)
+        return GroupedLinear.apply(F.silu(gate) * up, self.down_weight, counts)

@@ -65,7 +65,11 @@ class MoELayer(nn.Module):
 
     def routed_experts_compute(self, pending: PendingAllToAll, plan: DispatchPlan) -> torch.Tensor:
         """Wait for the dispatch, run the local experts, and return their weighted outputs ready for combine."""
-        rows, weights = self.dispatcher.postprocess_dispatch(pending, plan)
+        return self.experts_compute(*pending.wait(), plan)
+
+    def experts_compute(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Received rows and weights (source-rank order) -> weighted expert outputs in the same order."""
+        rows, weights = self.dispatcher.sort_received(rows, weights, plan)
         with RECORDER.span("moe.experts"):
             out = self.experts(rows, plan.tokens_per_local_expert)
         return self.dispatcher.combine_preprocess(out, weights, plan)
@@ -77,7 +81,13 @@ class MoELayer(nn.Module):
     def postprocess(self, pending: PendingAllToAll, plan: DispatchPlan,
                     shared_output: torch.Tensor | None) -> torch.Tensor:
         """Wait for the combine, un-permute to [s_local, b, h] and add the shared expert's output."""
-        y = self.dispatcher.postprocess_combine(pending, plan)
+        (rows,) = pending.wait()
+        return self.combine_postprocess(rows, plan, shared_output)
+
+    def combine_postprocess(self, rows: torch.Tensor, plan: DispatchPlan,
+                            shared_output: torch.Tensor | None) -> torch.Tensor:
+        """Returned rows -> [s_local, b, h], plus the shared expert's output."""
+        y = self.dispatcher.unpermute_returned(rows, plan)
         return y if shared_output is None else y + shared_output
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

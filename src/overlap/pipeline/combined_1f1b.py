@@ -1,0 +1,218 @@
+"""MoE expert-parallel overlap: forward of micro-batch i interleaved, layer by layer, with backward of i-1.
+
+Every MoE layer is cut into pieces: attention (+ pre-MLP norm, router, dispatch preprocessing, shared expert),
+the dispatch all-to-all, the experts, the combine all-to-all, and the combine postprocessing (un-permute + residual).
+Dense layers are one piece with empty dispatch/combine. Micro-batches run as in Megatron-Core's
+`combined_1f1b_schedule_for_no_pipelining`: F(0) alone, then F(i) merged with B(i-1), then B(last) alone.
+
+Per merged layer pair (F walks up, B walks down), the order of work on this rank's one compute thread is:
+
+    B  combine-postprocess backward, LAUNCH combine-backward all-to-all
+    F  attention piece, LAUNCH dispatch all-to-all            (hides B's combine-backward)
+    B  WAIT combine-backward, experts backward                (hides F's dispatch)
+    B  LAUNCH dispatch-backward all-to-all
+    B  delayed expert weight gradients (delay_wgrad_compute)  (more cover for both all-to-alls)
+    F  WAIT dispatch, experts, LAUNCH combine all-to-all      (hides B's dispatch-backward)
+    B  WAIT dispatch-backward, attention backward (+ delayed attention weight gradients)   (hides F's combine)
+    (F's combine is waited for at the start of the next layer's attention piece)
+
+This is the reference's per-layer order (runtime-mechanisms 1.4) translated from two CUDA streams to one host
+thread: on a GPU a communication kernel starts as soon as its inputs are ready, whatever the host issue order, so
+here each all-to-all is launched the moment its input exists and waited for only when its output is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from overlap.layers.moe.dispatcher import DispatchPlan
+from overlap.layers.recompute import maybe_checkpoint
+from overlap.layers.wgrad_store import WGRAD_STORE
+from overlap.model.gpt import GPTModel, TransformerLayer
+from overlap.parallel import comm
+from overlap.parallel.comm import CommHandle
+from overlap.pipeline.schedule_node import ScheduleNode
+
+
+def _a2a(tensors: tuple[torch.Tensor, ...], group, kind: str, out_splits: list[int],
+         in_splits: list[int]) -> tuple[CommHandle, ...]:
+    return tuple(comm.all_to_all(t.detach().contiguous(), group, kind, out_splits, in_splits) for t in tensors)
+
+
+def _wait(handles: tuple[CommHandle, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(h.wait() for h in handles)
+
+
+class LayerRun:
+    """One micro-batch's pass through one transformer layer, as schedulable steps (forward, then backward)."""
+
+    def __init__(self, layer: TransformerLayer, loss_scale: float, delay_wgrad: bool) -> None:
+        self.layer = layer
+        self.moe = layer.mlp if layer.is_moe else None
+        self.loss_scale = loss_scale
+        self.delay_wgrad = delay_wgrad
+        self.plan: DispatchPlan | None = None
+        self.handles: tuple[CommHandle, ...] = ()
+        self.aux_loss: torch.Tensor | None = None
+
+    # ---------------- forward ----------------------------------------------------------------------------------
+    def attention_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Dense layer: the whole layer, returns its output. MoE layer: the attention piece; launches the dispatch."""
+        if self.moe is None:
+            self.dense = ScheduleNode(f"layer{self.layer.layer_number}", lambda h: self.layer(h)[0])
+            return self.dense.forward(x)[0]
+        self.attn = ScheduleNode(f"layer{self.layer.layer_number}.attn", self._attention_piece)
+        h, rows, weights, aux, shared = self.attn.forward(x)
+        self.aux_loss, self.h, self.shared = aux, h, shared
+        self.handles = _a2a((rows, weights), self.moe.dispatcher.group, "ep_dispatch",
+                            self.plan.output_splits, self.plan.input_splits)
+        return None
+
+    def _attention_piece(self, x: torch.Tensor):
+        layer, moe = self.layer, self.moe
+        h = layer.attention_block(x)
+        normed = maybe_checkpoint(layer.recompute_norm, layer.pre_mlp_layernorm, h)
+        rows, weights, self.plan, aux = moe.router_and_preprocess(normed)
+        return h, rows, weights, aux, moe.shared_experts_compute(normed)
+
+    def experts_forward(self) -> None:
+        """Wait for the dispatch, run the experts, launch the combine."""
+        if self.moe is None:
+            return
+        rows, weights = _wait(self.handles)
+        self.experts = ScheduleNode(f"layer{self.layer.layer_number}.experts",
+                                    lambda r, w: self.moe.experts_compute(r, w, self.plan))
+        (out,) = self.experts.forward(rows, weights)
+        self.handles = _a2a((out,), self.moe.dispatcher.group, "ep_combine", self.plan.input_splits,
+                            self.plan.output_splits)
+
+    def combine_forward(self, dense_out: torch.Tensor | None) -> torch.Tensor:
+        """Wait for the combine and add the residual; returns the layer output."""
+        if self.moe is None:
+            return dense_out
+        (rows,) = _wait(self.handles)
+        self.post = ScheduleNode(f"layer{self.layer.layer_number}.combine",
+                                 lambda r, h, s: h + self.moe.combine_postprocess(r, self.plan, s))
+        shared = self.shared if self.shared is not None else None
+        return self.post.forward(rows, self.h, shared)[0]
+
+    # ---------------- backward ---------------------------------------------------------------------------------
+    def combine_backward(self, grad_y: torch.Tensor) -> torch.Tensor | None:
+        """Dense layer: the whole layer's backward, returns its input grad. MoE: launches the combine backward."""
+        if self.moe is None:
+            return self.dense.backward(grad_y)[0]
+        g_rows, self.g_h, self.g_shared = self.post.backward(grad_y)
+        self.handles = _a2a((g_rows,), self.moe.dispatcher.group, "ep_combine_bwd", self.plan.output_splits,
+                            self.plan.input_splits)
+        return None
+
+    def experts_backward(self) -> None:
+        """Wait for the combine backward, run the experts' backward (weight grads queued when delayed) and launch
+        the dispatch backward."""
+        if self.moe is None:
+            return
+        (g_out,) = _wait(self.handles)
+        with WGRAD_STORE.delaying(self.delay_wgrad):
+            g_rows, g_weights = self.experts.backward(g_out)
+        self.handles = _a2a((g_rows, g_weights), self.moe.dispatcher.group, "ep_dispatch_bwd",
+                            self.plan.input_splits, self.plan.output_splits)
+
+    def attention_backward(self, dense_grad: torch.Tensor | None) -> torch.Tensor:
+        """Wait for the dispatch backward and run the attention piece's backward; returns the layer's input grad."""
+        if self.moe is None:
+            return dense_grad
+        g_rows, g_weights = _wait(self.handles)
+        aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
+        (g_x,) = self.attn.backward(self.g_h, g_rows, g_weights, aux_grad, self.g_shared)
+        self.plan = self.h = self.shared = self.g_h = self.g_shared = None
+        return g_x
+
+
+class MicroBatchRun:
+    """One micro-batch: embedding piece, one LayerRun per layer, loss piece."""
+
+    def __init__(self, model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+                 delay_wgrad: bool) -> None:
+        self.model = model
+        self.loss_scale = loss_scale
+        self.embed = ScheduleNode("embedding", lambda: model.embed(tokens))
+        self.loss_node = ScheduleNode("lm_loss", lambda h: model.lm_loss(h, labels))
+        self.layers = [LayerRun(layer, loss_scale, delay_wgrad) for layer in model.layers]
+        self.lm_loss: torch.Tensor | None = None
+
+    def aux_total(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32)
+        for run in self.layers:
+            if run.aux_loss is not None:
+                total = total + run.aux_loss.detach().float()
+        return total
+
+
+def _forward_layers(f: MicroBatchRun) -> Iterator[None]:
+    """F's steps; each yield is where B's next step runs (B yields 3 times per layer, F 3 times per layer minus one,
+    after B's first step was run up front: see `run_merged`)."""
+    (x,) = f.embed.forward()
+    previous: LayerRun | None = None
+    dense_out = None
+    for run in f.layers:
+        if previous is not None:
+            yield  # B: the next layer's combine backward goes first; F's combine keeps flying meanwhile
+            x = previous.combine_forward(dense_out)
+        dense_out = run.attention_forward(x)
+        yield  # B: wait combine-backward, experts backward, launch dispatch backward, delayed expert wgrad
+        run.experts_forward()
+        yield  # B: wait dispatch backward, attention backward
+        previous = run
+    x = previous.combine_forward(dense_out)
+    (loss,) = f.loss_node.forward(x)
+    f.lm_loss = loss
+
+
+def _backward_layers(b: MicroBatchRun) -> Iterator[None]:
+    """B's steps, yielding where F's work is interleaved (mirrors `_forward_layers`)."""
+    (g,) = b.loss_node.backward(torch.full((), b.loss_scale, dtype=torch.float32))
+    for i, run in enumerate(reversed(b.layers)):
+        if i > 0:
+            yield  # F: wait its combine, next attention piece, launch its dispatch
+        dense_grad = run.combine_backward(g)
+        yield  # F: attention piece + dispatch launch (first layer) / experts + combine launch
+        run.experts_backward()
+        WGRAD_STORE.flush()  # delayed expert weight gradients, under F's dispatch and B's dispatch backward
+        yield  # F: experts + combine launch
+        g = run.attention_backward(dense_grad)
+    b.embed.backward(g)
+
+
+def _drain(it: Iterator[None]) -> None:
+    for _ in it:
+        pass
+
+
+def run_merged(f: MicroBatchRun | None, b: MicroBatchRun | None) -> None:
+    """One phase of the schedule: F alone, B alone, or both interleaved step by step."""
+    if f is None or b is None:
+        _drain(_forward_layers(f) if f is not None else _backward_layers(b))
+        return
+    fwd, bwd = _forward_layers(f), _backward_layers(b)
+    next(bwd, None)  # B: loss backward + first layer's combine backward (launched)
+    for _ in fwd:  # F step, then the matching B step
+        next(bwd, None)
+    _drain(bwd)
+
+
+def combined_1f1b(model: GPTModel, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
+                  delay_wgrad: bool, before_last_backward=lambda: None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Forward and backward of all micro-batches with EP communication overlap; returns (lm_loss, aux_loss) per
+    micro-batch. `before_last_backward` is called right before the last micro-batch's backward starts (the data-
+    parallel layer turns its gradient-reduce hooks on there)."""
+    if len(batches) < 2:
+        raise ValueError("the EP-overlap schedule needs at least 2 micro-batches per step")
+    runs = [MicroBatchRun(model, tokens, labels, loss_scale, delay_wgrad) for tokens, labels in batches]
+    run_merged(runs[0], None)
+    for i in range(1, len(runs)):
+        run_merged(runs[i], runs[i - 1])
+    before_last_backward()
+    run_merged(None, runs[-1])
+    return [(r.lm_loss, r.aux_total()) for r in runs]
