@@ -1,14 +1,16 @@
 """Adam with fp32 main parameters, global-norm gradient clipping and the warm-up + decay learning-rate schedule.
 
-Gradients arrive in `param.main_grad` (fp32, already reduced across data parallel). With bf16 parameters the
-optimizer keeps fp32 master copies and writes the update back in bf16; with fp32 parameters the master *is* the
-parameter. The gradient norm counts every logical parameter once: tensor-parallel replicas (norms, router) only on
-TP rank 0, expert shards summed over the expert-parallel group.
+Gradients arrive in `param.main_grad` (already reduced across data parallel). With bf16 parameters the optimizer
+keeps fp32 master copies and writes the update back in bf16; with fp32 parameters the master *is* the parameter. The
+Adam core works on "slots" so that the distributed optimizer (`overlap.data_parallel.distributed_optimizer`) reuses it
+on the shards a rank owns. The gradient norm counts every logical parameter once: tensor-parallel replicas (norms,
+router) only on TP rank 0, expert shards summed over the expert-parallel group.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,50 +36,94 @@ def learning_rate(it: int, opt: OptimizerConfig, sched: SchedulerConfig, train_i
     return opt.min_lr + coeff * (opt.lr - opt.min_lr)
 
 
-def grad_norm_sq_local(params: list[nn.Parameter], ps: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dense, expert) local sums of squared gradients, each logical element counted once after reduction."""
+@dataclass
+class Slot:
+    """One tensor the optimizer updates: an fp32 `master`, its gradient view, and where the update is written.
+
+    The plain optimizer has one slot per parameter (`grad` = main_grad, `out` = the parameter); the distributed
+    optimizer has one per (parameter, bucket shard) piece that this rank owns. `param` carries the attributes the
+    gradient-norm rule needs (`is_expert`, `shard`); `decay` is False for 1-D parameters (norms), as Megatron.
+    """
+
+    param: nn.Parameter
+    master: torch.Tensor
+    grad: torch.Tensor
+    out: torch.Tensor
+    decay: bool
+
+
+def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dense, expert) local sums of squared gradients, each logical element counted once after reduction:
+    tensor-parallel replicas (norms, router) only on TP rank 0, expert shards summed over the expert-parallel group."""
     dense = torch.zeros((), dtype=torch.float32)
     expert = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        g = p.main_grad
-        if getattr(p, "is_expert", False):
-            expert += g.float().pow(2).sum()
-        elif hasattr(p, "shard") or ps.tp_rank == 0:
-            dense += g.float().pow(2).sum()
+    for s in slots:
+        if getattr(s.param, "is_expert", False):
+            expert += s.grad.float().pow(2).sum()
+        elif hasattr(s.param, "shard") or ps.tp_rank == 0:
+            dense += s.grad.float().pow(2).sum()
     return dense, expert
 
 
-def global_grad_norm(params: list[nn.Parameter], ps: ParallelState) -> float:
-    dense, expert = grad_norm_sq_local(params, ps)
+def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool) -> float:
+    """The global L2 norm; with `sharded_over_dp` each rank holds only its DP (dense) / expert-DP (expert) shard of
+    every gradient, so those partial sums are first added up over DP / expert-DP."""
+    dense, expert = grad_norm_sq_local(slots, ps)
+    if sharded_over_dp:
+        comm.all_reduce(dense, ps.dp_group, "dp_norm").wait()
+        comm.all_reduce(expert, ps.edp_group, "dp_norm").wait()
     comm.all_reduce(dense, ps.tp_group, "mp_norm").wait()
     comm.all_reduce(expert, ps.ep_group, "mp_norm").wait()
     return math.sqrt(float(dense + expert))
 
 
 class MixedPrecisionAdam:
-    """AdamW over fp32 master parameters; no weight decay on 1-D parameters (norms), as Megatron."""
+    """AdamW over fp32 master slots (torch's single-tensor AdamW, so every element sees the reference's arithmetic
+    whichever way the slots cut the parameters); no weight decay on 1-D parameters."""
 
-    def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig) -> None:
+    def __init__(self, slots: list[Slot], cfg: OptimizerConfig) -> None:
         if cfg.optimizer != "adam":
             raise ValueError(f"optimizer.optimizer={cfg.optimizer!r}: only adam is built")
-        self.params = params
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_(True) for p in params]
-        decay = [m for m, p in zip(self.masters, params) if p.dim() > 1]
-        no_decay = [m for m, p in zip(self.masters, params) if p.dim() <= 1]
+        self.slots = slots
         self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": [s.master for s in slots if s.decay], "weight_decay": cfg.weight_decay},
+             {"params": [s.master for s in slots if not s.decay], "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
         self.clip = cfg.clip_grad
+
+    @classmethod
+    def for_params(cls, params: list[nn.Parameter], cfg: OptimizerConfig) -> "MixedPrecisionAdam":
+        """One slot per parameter; an fp32 parameter is its own master."""
+        return cls([Slot(p, p if p.dtype == torch.float32 else p.detach().float(), p.main_grad, p, p.dim() > 1)
+                    for p in params], cfg)
 
     @torch.no_grad()
     def step(self, lr: float, grad_norm: float) -> None:
         scale = min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 else 1.0
-        for master, p in zip(self.masters, self.params):
-            master.grad = p.main_grad if scale == 1.0 else p.main_grad * scale
+        for s in self.slots:
+            grad = s.grad if s.grad.dtype == s.master.dtype else s.grad.float()
+            s.master.grad = grad if scale == 1.0 else grad * scale
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.opt.step()
-        for master, p in zip(self.masters, self.params):
-            master.grad = None
-            if master is not p:
-                p.copy_(master)
+        for s in self.slots:
+            s.master.grad = None
+            if s.out is not s.master:
+                s.out.copy_(s.master.view_as(s.out))
+
+
+class LocalOptimizer:
+    """The non-distributed optimizer: every rank updates every parameter from the all-reduced gradients."""
+
+    def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, ps: ParallelState) -> None:
+        self.ps = ps
+        self.adam = MixedPrecisionAdam.for_params(params, cfg)
+
+    def grad_norm(self) -> float:
+        return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=False)
+
+    def step(self, lr: float, grad_norm: float) -> None:
+        self.adam.step(lr, grad_norm)
+
+    def finish_param_sync(self) -> None:
+        """Nothing to gather: parameters are updated in place on every rank."""

@@ -1,6 +1,11 @@
 """The pretraining loop, readable top to bottom: build, then for each iteration run the micro-batches, reduce
 gradients, clip, step, log.
 
+Data parallelism (`overlap.data_parallel`): the DDP object owns the gradient buffers; told which micro-batch is the
+last, it reduces buckets during that backward (overlap_grad_reduce) or all at `finish_grad_sync()`. The optimizer is
+the local one or the distributed one (sharded Adam; its parameter all-gather runs after the step, or is deferred into
+the next forward with overlap_param_gather, which is why `train()` ends with `finish_param_sync()`).
+
 Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size) before backward, so
 the reduced gradients equal the single-process gradient of the mean loss over the whole global batch, and the
 reported lm loss is that mean (all-reduced over data parallel for the log only).
@@ -18,15 +23,15 @@ from typing import IO
 import torch
 
 from overlap.config.container import ConfigContainer
+from overlap.data_parallel import DistributedDataParallel, DistributedOptimizer
 from overlap.model.gpt import GPTModel
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.data import MockDataset
-from overlap.training.grads import attach_main_grads, reduce_main_grads, zero_main_grads
 from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
                                       steady_mean_ms, steady_window)
-from overlap.training.optimizer import MixedPrecisionAdam, global_grad_norm, learning_rate
+from overlap.training.optimizer import LocalOptimizer, learning_rate
 
 log = logging.getLogger("overlap.train")
 
@@ -58,9 +63,12 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.model = GPTModel(cfg.model, ps)
         self.model.init_weights(cfg.train.seed)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        attach_main_grads(self.params)
-        self.optimizer = MixedPrecisionAdam(self.params, cfg.optimizer)
+        self.ddp = DistributedDataParallel(self.model, cfg.ddp, ps, cfg.model.sequence_parallel)
+        if cfg.ddp.use_distributed_optimizer:
+            self.optimizer = DistributedOptimizer(self.model, self.ddp, cfg.optimizer, cfg.ddp, ps)
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = LocalOptimizer(params, cfg.optimizer, ps)
         self.data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
@@ -68,19 +76,21 @@ class Trainer:
     def train_step(self, iteration: int) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (mean lm loss, grad norm)."""
         t, ps = self.cfg.train, self.ps
-        zero_main_grads(self.params)
+        self.ddp.zero_grad()
         batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
                                           ps.dp_size)
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
         loss_sum = torch.zeros((), dtype=torch.float32)
-        for tokens, labels in batches:
-            lm_loss, aux_loss = self.model(tokens, labels)
+        for i, (tokens, labels) in enumerate(batches):
+            self.ddp.set_last_micro_batch(i == self.num_micro_batches - 1)
+            with RECORDER.span("forward"):
+                lm_loss, aux_loss = self.model(tokens, labels)
             with RECORDER.span("backward"):
                 ((lm_loss + aux_loss) * scale).backward()
             loss_sum += lm_loss.detach().float()
         with RECORDER.span("grad_reduce"):
-            reduce_main_grads(self.params, ps, self.cfg.model.sequence_parallel)
-        norm = global_grad_norm(self.params, ps)
+            self.ddp.finish_grad_sync()
+        norm = self.optimizer.grad_norm()
         with RECORDER.span("optimizer"):
             self.optimizer.step(learning_rate(iteration, self.cfg.optimizer, self.cfg.scheduler, t.train_iters), norm)
         comm.all_reduce(loss_sum, ps.dp_group, "dp_loss").wait()
@@ -117,5 +127,6 @@ class Trainer:
                     metrics.flush()
                 if progress is not None:
                     progress(it + 1, t.train_iters, loss)
+        self.optimizer.finish_param_sync()
         window = steady_window(t)
         return RunSummary(records, window, steady_mean_ms(records, window), peak_memory_mb(), dict(comm_sum))

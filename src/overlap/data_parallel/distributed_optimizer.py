@@ -1,0 +1,56 @@
+"""The distributed optimizer (ZeRO-1, as Megatron's): fp32 master weights and Adam states sharded over data parallel.
+
+Every rank owns the same contiguous share of every bucket (dense buckets over DP, expert buckets over expert-DP) and
+keeps master weights and Adam moments only for that share, cut into one slot per (parameter, bucket shard) piece so
+that weight decay still follows the parameter's shape and every element sees the reference's arithmetic. After the
+gradient reduce-scatter the reduced gradient of exactly that share is in the buffer; after the step the updated
+shares are all-gathered back into every replica (`ParamGather`, eager or overlapped with the next forward).
+The clipping norm is summed from the shards (then over DP / expert-DP), so it equals the non-distributed norm.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from overlap.config.training import DDPConfig, OptimizerConfig
+from overlap.data_parallel.ddp import DistributedDataParallel
+from overlap.data_parallel.param_gather import ParamGather
+from overlap.parallel.state import ParallelState
+from overlap.training.optimizer import MixedPrecisionAdam, Slot, global_grad_norm
+
+
+def shard_slots(ddp: DistributedDataParallel) -> list[Slot]:
+    """One slot per piece of a parameter that falls into this rank's shard of a bucket."""
+    slots = []
+    for buf in ddp.buffers:
+        for bucket in buf.buckets:
+            lo, hi = buf.local_shard(bucket)
+            for p in bucket.params:
+                start, end = buf.ranges[p]
+                a, b = max(start, lo), min(end, hi)
+                if a < b:
+                    out = buf.param_data[a:b]
+                    slots.append(Slot(p, out.detach().float().clone(), buf.grad_data[a:b], out, p.dim() > 1))
+    return slots
+
+
+class DistributedOptimizer:
+    """Adam on this rank's shards, then the parameter all-gather; the same interface as `LocalOptimizer`."""
+
+    def __init__(self, model: nn.Module, ddp: DistributedDataParallel, cfg: OptimizerConfig, ddp_cfg: DDPConfig,
+                 ps: ParallelState) -> None:
+        self.ps = ps
+        self.adam = MixedPrecisionAdam(shard_slots(ddp), cfg)
+        self.gather = ParamGather(ddp.buffers, model, bool(ddp_cfg.overlap_param_gather),
+                                  bool(ddp_cfg.fp8_param_gather))
+
+    def grad_norm(self) -> float:
+        return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)
+
+    def step(self, lr: float, grad_norm: float) -> None:
+        self.adam.step(lr, grad_norm)
+        self.gather.start()
+
+    def finish_param_sync(self) -> None:
+        """Complete a gather deferred to the next forward (call before reading parameters outside training)."""
+        self.gather.finish()

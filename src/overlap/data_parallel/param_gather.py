@@ -1,0 +1,108 @@
+"""All-gather of the updated parameter shards after a distributed-optimizer step, optionally hidden behind forward.
+
+Each rank updated only its shard of every bucket; a bucket-wise all-gather makes the replicas whole again. Without
+`overlap_param_gather` this happens right after the step. With it, nothing is sent at the step: forward pre-hooks of
+the NEXT step drive the gathers (Megatron's scheme): before a module runs, the bucket(s) holding its parameters are
+waited for (launched first if needed) and the next bucket in forward order is launched, one bucket of look-ahead, so
+the gather of layer k+1's weights runs while layer k computes. Forward order is the order in which the buckets'
+parameters were registered (the reverse of the buffer layout). `finish()` completes everything still pending; call it
+before anything else reads the parameters (end of training, checkpointing, evaluation).
+
+`fp8`: shards travel as float8 e4m3 with one scale per bucket (amax / 448, the amax all-reduced MAX over the group
+first so every rank dequantises every shard identically); every replica, this rank's own shard included, is then the
+dequantised value, so replicas stay bit-identical. The fp32 master copies in the optimizer are not affected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed import ReduceOp
+
+from overlap.data_parallel.grad_buffer import Bucket, GradBuffer
+from overlap.parallel import comm
+from overlap.parallel.comm import CommHandle
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+class ParamGather:
+    """Bucket-wise parameter all-gather in forward order; eager, or deferred to forward pre-hooks."""
+
+    def __init__(self, buffers: list[GradBuffer], model: nn.Module, overlap: bool, fp8: bool) -> None:
+        order = {p: i for i, p in enumerate(model.parameters())}
+        pairs = [(buf, b) for buf in buffers if buf.group_size > 1 for b in buf.buckets]
+        self.order = sorted(pairs, key=lambda pair: min(order[p] for p in pair[1].params))
+        self.overlap, self.fp8 = overlap, fp8
+        self.scales: list[torch.Tensor | None] = [None] * len(self.order)
+        self.handles: list[CommHandle] = []
+        self.done = len(self.order)
+        if overlap:
+            position = {p: i for i, (_, b) in enumerate(self.order) for p in b.params}
+            for module in model.modules():
+                mine = sorted({position[p] for p in module.parameters(recurse=False) if p in position})
+                if mine:
+                    module.register_forward_pre_hook(lambda _m, _args, mine=mine: self._before_forward(mine))
+
+    def start(self) -> None:
+        """The optimizer wrote new shards: gather them now, or arm the forward pre-hooks."""
+        self.handles, self.done = [], 0
+        if self.fp8:
+            self._agree_on_scales()
+        if not self.overlap:
+            self.finish()
+
+    def finish(self) -> None:
+        """Complete every pending gather, in order."""
+        if self.order:
+            self._wait_through(len(self.order) - 1)
+
+    # --- internals ---------------------------------------------------------------------------------------------
+    def _before_forward(self, positions: list[int]) -> None:
+        if self.done == len(self.order):
+            return
+        self._wait_through(positions[-1])
+        if len(self.handles) < len(self.order):
+            self._launch()
+
+    def _wait_through(self, last: int) -> None:
+        """Launch (if needed) and wait for every bucket up to `last` in forward order."""
+        while len(self.handles) <= last:
+            self._launch()
+        while self.done <= last:
+            bucket = self.order[self.done][1]
+            gathered = self.handles[self.done].wait()
+            scale = self.scales[self.done]
+            if scale is None:
+                bucket.param_data.copy_(gathered)
+            else:
+                bucket.param_data.copy_(gathered.view(FP8).float() * scale)
+            self.done += 1
+
+    def _launch(self) -> None:
+        i = len(self.handles)
+        buf, bucket = self.order[i]
+        shard = self._shard(buf, bucket)
+        scale = self.scales[i]
+        if scale is not None:  # gloo has no float8 type: the bytes travel as uint8
+            shard = (shard.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+        self.handles.append(comm.all_gather(shard, buf.group, f"{buf.prefix}_ag"))
+
+    def _agree_on_scales(self) -> None:
+        """One MAX all-reduce of the per-bucket shard amaxes per group; scale = amax / 448 (1 for an all-zero bucket)."""
+        by_buffer: dict[int, list[int]] = {}
+        for i, (buf, _) in enumerate(self.order):
+            by_buffer.setdefault(id(buf), []).append(i)
+        for positions in by_buffer.values():
+            buf = self.order[positions[0]][0]
+            amax = torch.stack([self._shard(buf, self.order[i][1]).abs().max().float() for i in positions])
+            comm.all_reduce(amax, buf.group, f"{buf.prefix}_ag", op=ReduceOp.MAX).wait()
+            scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            for i, s in zip(positions, scales):
+                self.scales[i] = s
+
+    @staticmethod
+    def _shard(buf: GradBuffer, bucket: Bucket) -> torch.Tensor:
+        lo, hi = buf.local_shard(bucket)
+        return buf.param_data[lo:hi]
