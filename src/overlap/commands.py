@@ -17,8 +17,10 @@ import logging
 import math
 import os
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable, Iterator
 
 from overlap.errors import ConfigError, RankFailure
 
@@ -188,7 +190,8 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         collector = Collector(rank, label, keep_events=args.trace is not None, comm_metrics=comm_metrics)
         RECORDER.on_drain = collector
         try:
-            summary = trainer.train(metrics)
+            with _progress(rank == 0, cfg.train.train_iters) as advance:
+                summary = trainer.train(metrics, advance)
         finally:
             RECORDER.on_drain = None
             for f in (metrics, comm_metrics):
@@ -210,6 +213,30 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+@contextmanager
+def _progress(show: bool, total: int) -> Iterator[Callable[[int, int, float], None] | None]:
+    """A live progress bar on rank 0 when stderr is a terminal; logs then go through the same rich console, so the
+    bar and the iteration lines never garble each other. Other ranks log only warnings, as whole lines."""
+    if not (show and sys.stderr.isatty()):
+        yield None
+        return
+    from rich.console import Console
+    from rich.logging import RichHandler
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = [RichHandler(console=console, show_path=False, show_time=False)]
+    try:
+        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      TextColumn("lm loss {task.fields[loss]}"), console=console, transient=True) as bar:
+            task = bar.add_task("train", total=total, loss="-")
+            yield lambda done, _total, loss: bar.update(task, completed=done, loss=f"{loss:.4f}")
+    finally:
+        root.handlers = saved
 
 
 def _report_exposure(collector, summary, network_label: str, args: argparse.Namespace) -> None:
