@@ -65,3 +65,26 @@ def test_tp2_ep2_matches_single_process_bf16():
 def test_losses_decrease_is_not_required_but_losses_are_finite():
     losses = run_world(2, _train, True, "fp32", dict(expert_model_parallel_size=2))[0]
     assert all(l == l and 0 < l < 20 for l in losses)
+
+
+def _train_cfg(cfg_overrides: list[str], layout: dict) -> list[float]:
+    from overlap.config.overrides import apply_overrides
+
+    cfg = _config(True, "bf16_mixed", **layout)
+    apply_overrides(cfg, cfg_overrides)
+    res = cfg.finalize(dist.get_world_size())
+    return [r.lm_loss for r in Trainer(cfg, ParallelState(res.layout)).train().records]
+
+
+@pytest.mark.parametrize("extra", [[], ["comm_overlap.delay_wgrad_compute=true"],
+                                   ["comm_overlap.delay_wgrad_compute=true", "ddp.use_distributed_optimizer=true",
+                                    "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
+                                    "ddp.bucket_size=3000"]],
+                         ids=["ep_overlap", "ep_overlap+delay_wgrad", "ep_overlap+delay_wgrad+dp_overlaps"])
+def test_trainer_with_ep_overlap_matches_without(extra):
+    """EP overlap (bf16, as its prerequisites demand) trains exactly like the plain micro-batch loop: same pieces,
+    same operations, so the losses agree to bf16 accumulation-order noise (rel 1e-3)."""
+    layout = dict(expert_model_parallel_size=2)
+    off = run_world(2, _train_cfg, [x for x in extra if not x.startswith("comm_overlap.delay")], layout)[0]
+    on = run_world(2, _train_cfg, ["comm_overlap.overlap_moe_expert_parallel_comm=true", *extra], layout)[0]
+    assert on == pytest.approx(off, rel=1e-3)

@@ -190,6 +190,12 @@ class ConfigContainer:
             raise ConfigError("train.global_batch_size", t.global_batch_size,
                               f"it must be a multiple of micro_batch_size x data-parallel size = "
                               f"{t.micro_batch_size} x {layout.dp}.", "adjust -gb or -mb.")
+        if m.overlap_moe_expert_parallel_comm and t.global_batch_size // (t.micro_batch_size * layout.dp) < 2:
+            raise ConfigError("train.global_batch_size", t.global_batch_size,
+                              "EP overlap interleaves the forward of one micro-batch with the backward of another, so "
+                              f"each data-parallel rank needs at least 2 micro-batches per step (it has "
+                              f"{t.global_batch_size // (t.micro_batch_size * layout.dp)}).",
+                              f"use -gb >= {2 * t.micro_batch_size * layout.dp} or a smaller -mb.")
         if t.train_iters < 1:
             raise ConfigError("train.train_iters", t.train_iters, "a run needs at least one step.", "use -ms 1 or more.")
 

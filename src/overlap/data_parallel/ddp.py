@@ -21,6 +21,7 @@ from torch import nn
 
 from overlap.config.training import DDPConfig
 from overlap.data_parallel.grad_buffer import Bucket, GradBuffer, build_buffer
+from overlap.layers.wgrad_store import register_grad_ready_hook
 from overlap.parallel import comm
 from overlap.parallel.comm import CommHandle
 from overlap.parallel.state import ParallelState
@@ -64,7 +65,7 @@ class DistributedDataParallel:
         self._sync_of = {p: s for s in self._syncs for p in s.bucket_of}
         self._last_micro_batch = True
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            register_grad_ready_hook(p, self._on_grad_ready)  # also fired by delayed wgrad GEMMs
 
     def zero_grad(self) -> None:
         """Start a step: zero the gradient buffers and forget last step's readiness and handles."""
@@ -93,6 +94,10 @@ class DistributedDataParallel:
 
     # --- hooks and launches ------------------------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is None:
+            # Autograd still runs the hook when a delayed weight-gradient GEMM took this parameter's gradient
+            # (delay_wgrad_compute); the real gradient arrives later through deliver_weight_grad.
+            return
         param.main_grad.add_(param.grad)
         param.grad = None
         if not (self.overlap and self._last_micro_batch):

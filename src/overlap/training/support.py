@@ -15,10 +15,6 @@ def check_runtime_support(cfg: ConfigContainer) -> None:
     checks = [
         (m.pipeline_model_parallel_size > 1, "model.pipeline_model_parallel_size", m.pipeline_model_parallel_size,
          "Pipeline parallelism (1F1B / interleaved schedules)", "use -pp 1."),
-        (m.overlap_moe_expert_parallel_comm, "model.overlap_moe_expert_parallel_comm", True,
-         "The MoE expert-parallel overlap schedule", "use --moe_a2a_overlap false."),
-        (m.delay_wgrad_compute, "model.delay_wgrad_compute", True, "Delayed weight-gradient compute",
-         "set comm_overlap.delay_wgrad_compute=false."),
         (m.moe_shared_expert_overlap, "model.moe_shared_expert_overlap", True, "Shared-expert overlap",
          "set model.moe_shared_expert_overlap=false."),
         (m.is_moe and m.moe_token_dispatcher_type != "alltoall", "model.moe_token_dispatcher_type",

@@ -28,6 +28,7 @@ from overlap.model.gpt import GPTModel
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
+from overlap.pipeline.combined_1f1b import combined_1f1b
 from overlap.training.data import MockDataset
 from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
                                       steady_mean_ms, steady_window)
@@ -81,13 +82,21 @@ class Trainer:
                                           ps.dp_size)
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
         loss_sum = torch.zeros((), dtype=torch.float32)
-        for i, (tokens, labels) in enumerate(batches):
-            self.ddp.set_last_micro_batch(i == self.num_micro_batches - 1)
-            with RECORDER.span("forward"):
-                lm_loss, aux_loss = self.model(tokens, labels)
-            with RECORDER.span("backward"):
-                ((lm_loss + aux_loss) * scale).backward()
-            loss_sum += lm_loss.detach().float()
+        if self.cfg.model.overlap_moe_expert_parallel_comm:
+            # EP overlap: forward of micro-batch i interleaved with backward of i-1 (pipeline/combined_1f1b.py).
+            self.ddp.set_last_micro_batch(False)
+            losses = combined_1f1b(self.model, batches, scale, bool(self.cfg.model.delay_wgrad_compute),
+                                   before_last_backward=lambda: self.ddp.set_last_micro_batch(True))
+            for lm_loss, _aux in losses:
+                loss_sum += lm_loss.float()
+        else:
+            for i, (tokens, labels) in enumerate(batches):
+                self.ddp.set_last_micro_batch(i == self.num_micro_batches - 1)
+                with RECORDER.span("forward"):
+                    lm_loss, aux_loss = self.model(tokens, labels)
+                with RECORDER.span("backward"):
+                    ((lm_loss + aux_loss) * scale).backward()
+                loss_sum += lm_loss.detach().float()
         with RECORDER.span("grad_reduce"):
             self.ddp.finish_grad_sync()
         norm = self.optimizer.grad_norm()
