@@ -181,7 +181,12 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         if rank == 0:
             log.info("Overlap decisions:\n%s", job.resolution.decisions.format_table())
             log.info("Parallel layout: %s\n%s", describe_layout(job.resolution), ps.describe())
-        trainer = Trainer(cfg, ps)
+        if cfg.ddp.impl == "overlap":
+            trainer = Trainer(cfg, ps)
+        else:
+            from overlap.perf.peers import PeerTrainer
+
+            trainer = PeerTrainer(cfg, ps)
         label = _network_label(network, args.comm_mode)
         if rank == 0:
             log.info("Network: %s", label)

@@ -18,6 +18,10 @@ class DDPConfig:
     fp8_param_gather: bool | None = None  # owned by mixed precision
     average_in_collective: bool = False
     check_for_nan_in_grad: bool = False
+    # Which data-parallel runtime trains: "overlap" (ours) or a PyTorch peer measured against it on the same model,
+    # data and network: "torch_ddp" (DistributedDataParallel) or "fsdp2" (fully_shard). Peers ignore the overlap
+    # fields above: they bring their own bucketing and overlap.
+    impl: str = "overlap"
 
 
 @dataclass

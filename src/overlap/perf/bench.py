@@ -32,15 +32,19 @@ from overlap.errors import ConfigError
 IDEAL_NAME = "ideal (no communication)"
 
 BENCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
-    (("--ab",), dict(required=True, metavar="KEY=V1,V2[,V3]",
+    (("--ab",), dict(default=None, metavar="KEY=V1,V2[,V3]",
                      help="the override key to compare and its values; the first value is the baseline ('off')")),
+    (("--config",), dict(action="append", default=None, metavar="NAME:OVERRIDE[;OVERRIDE...]", dest="configs",
+                         help="instead of --ab: a named configuration of several overrides (repeat; the first is "
+                              "the baseline), e.g. 'dist-opt:ddp.use_distributed_optimizer=true;"
+                              "optimizer.use_distributed_optimizer=true'")),
     (("--ideal",), dict(action="store_true",
                         help="also run the baseline without communication (T_ideal) and report overlap efficiency")),
     (("--repeats",), dict(type=int, default=3, help="alternating rounds (default 3)")),
     (("--json",), dict(default=None, metavar="FILE", dest="json_out", help="write the results as JSON")),
     (("--markdown",), dict(default=None, metavar="FILE", help="also write the Markdown table to FILE")),
 ]
-_BENCH_OPTIONS_WITH_VALUE = ("--ab", "--repeats", "--json", "--markdown")
+_BENCH_OPTIONS_WITH_VALUE = ("--ab", "--config", "--repeats", "--json", "--markdown")
 _BENCH_SWITCHES = ("--ideal",)
 
 
@@ -74,8 +78,22 @@ class BenchConfig:
     run_flags: list[str] = field(default_factory=list)  # extra `overlap run` flags (the ideal run's --comm-mode)
 
 
+def parse_named_config(text: str) -> BenchConfig:
+    """`NAME:k1=v1;k2=v2` -> BenchConfig(NAME, [k1=v1, k2=v2]); `NAME:` alone means the common settings."""
+    name, sep, rest = text.partition(":")
+    overrides = [o.strip() for o in rest.split(";") if o.strip()]
+    if not sep or not name.strip() or any("=" not in o for o in overrides):
+        raise ConfigError("--config", text, "expected NAME:OVERRIDE[;OVERRIDE...].",
+                          "e.g. --config 'overlap:ddp.overlap_grad_reduce=true;ddp.bucket_size=100000'.")
+    return BenchConfig(name.strip(), overrides)
+
+
 def build_configs(key: str, values: list[str], ideal: bool) -> list[BenchConfig]:
-    configs = [BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values]
+    return with_ideal([BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values], ideal)
+
+
+def with_ideal(configs: list[BenchConfig], ideal: bool) -> list[BenchConfig]:
+    """Append the compute-only floor: the baseline configuration with communication made free."""
     if ideal:
         configs.append(BenchConfig(IDEAL_NAME, list(configs[0].overrides), ["--comm-mode", "none"]))
     return configs
@@ -205,10 +223,19 @@ def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
 def run_bench_command(args: argparse.Namespace) -> int:
     from overlap.launch.network import parse_network
 
-    key, values = parse_ab(args.ab)
-    if any(o.split("=", 1)[0] == key for o in args.overrides):
-        raise ConfigError("--ab", args.ab, f"{key} is also given as an override.", "remove that override.")
-    configs = build_configs(key, values, args.ideal)
+    if (args.ab is None) == (args.configs is None):
+        raise ConfigError("--ab/--config", args.ab or args.configs, "give either --ab KEY=V1,V2 or two or more "
+                          "--config NAME:OVERRIDES.", "pass exactly one of the two forms.")
+    if args.ab is not None:
+        key, values = parse_ab(args.ab)
+        if any(o.split("=", 1)[0] == key for o in args.overrides):
+            raise ConfigError("--ab", args.ab, f"{key} is also given as an override.", "remove that override.")
+        configs = build_configs(key, values, args.ideal)
+    else:
+        configs = with_ideal([parse_named_config(c) for c in args.configs], args.ideal)
+        if len(configs) - args.ideal < 2 or len({c.name for c in configs}) != len(configs):
+            raise ConfigError("--config", args.configs, "a comparison needs two or more distinctly named configs.",
+                              "repeat --config NAME:OVERRIDES with different names.")
     _validate(args, configs)
     network = parse_network(args.network).describe()
     options = common_run_options(args.argv[1:], args.overrides)

@@ -7,7 +7,7 @@ ones whose runtime is not built yet (never a silent fallback, never a faked resu
 from __future__ import annotations
 
 from overlap.config.container import ConfigContainer
-from overlap.errors import NotBuiltError
+from overlap.errors import ConfigError, NotBuiltError
 
 
 def check_runtime_support(cfg: ConfigContainer) -> None:
@@ -35,6 +35,12 @@ def check_runtime_support(cfg: ConfigContainer) -> None:
         (m.add_bias_linear or m.add_qkv_bias, "model.add_bias_linear", True, "Linear biases",
          "set model.add_bias_linear=false and model.add_qkv_bias=false."),
     ]
+    if d.impl not in ("overlap", "torch_ddp", "fsdp2"):
+        raise ConfigError("ddp.impl", d.impl, "unknown data-parallel implementation.",
+                          "use overlap, torch_ddp or fsdp2.")
+    if d.impl != "overlap" and (m.is_moe or m.tensor_model_parallel_size > 1 or m.bf16 or m.fp16):
+        raise ConfigError("ddp.impl", d.impl, "the PyTorch peers are run on dense, tensor-parallel-free fp32 models "
+                          "(the data-parallel comparison).", "use -mr dense_tiny -tp 1 -c fp32, or ddp.impl=overlap.")
     for failed, field, value, what, fix in checks:
         if failed:
             raise NotBuiltError(field, value, what, fix)

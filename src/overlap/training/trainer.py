@@ -105,6 +105,10 @@ class Trainer:
         comm.all_reduce(loss_sum, ps.dp_group, "dp_loss").wait()
         return float(loss_sum) * scale, norm
 
+    def finish_param_sync(self) -> None:
+        """Complete any parameter all-gather still deferred into a next forward (overlap_param_gather)."""
+        self.optimizer.finish_param_sync()
+
     def train(self, metrics: IO[str] | None = None, progress=None) -> RunSummary:
         t, m = self.cfg.train, self.cfg.model
         tokens_per_step = t.global_batch_size * m.seq_length
@@ -136,6 +140,6 @@ class Trainer:
                     metrics.flush()
                 if progress is not None:
                     progress(it + 1, t.train_iters, loss)
-        self.optimizer.finish_param_sync()
+        self.finish_param_sync()
         window = steady_window(t)
         return RunSummary(records, window, steady_mean_ms(records, window), peak_memory_mb(), dict(comm_sum))

@@ -1,5 +1,8 @@
 """The MoE layer: router -> all-to-all dispatch -> routed experts -> all-to-all combine (+ optional shared expert).
 
+The dispatcher is chosen by `moe_token_dispatcher_type`: "alltoall" (one row per chosen expert) or "flex" with
+backend "torch" (one row per destination rank, `flex_dispatcher.py`); both have the same steps.
+
 `forward` runs the steps in plain order, waiting on each collective at once. The steps are also public methods,
 named after Megatron-Core's `MoELayer`, because the EP-overlap schedule runs them as separate nodes and interleaves
 two micro-batches (one's all-to-all in flight while the other computes):
@@ -11,6 +14,9 @@ two micro-batches (one's all-to-all in flight while the other computes):
     pending = layer.combine(out_rows, plan)              # launch, returns handles
     y = layer.postprocess(pending, plan, shared)         # wait, un-permute, add shared expert output
 
+`moe_shared_expert_overlap` runs the shared expert inside `forward` in two halves, each while an all-to-all is in
+flight (see `_forward_with_shared_expert_overlap`).
+
 Input and output are [s_local, b, h] (s_local = s / tp under sequence parallel). Under sequence parallel every TP
 rank routes and dispatches only its own tokens: the routed path is token-wise, so nothing is gathered for it, and
 only the aux-loss statistics are summed over TP (in the router).
@@ -19,16 +25,40 @@ only the aux-loss statistics are summed over TP (in the router).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from overlap.config.model import ModelConfig
-from overlap.errors import ConfigError
+from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.mlp import MLP
 from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingAllToAll
 from overlap.layers.moe.experts import GroupedExperts
+from overlap.layers.moe.flex_dispatcher import FlexDispatcher, FlexDispatchPlan
 from overlap.layers.moe.router import TopKRouter
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
+
+Plan = DispatchPlan | FlexDispatchPlan
+
+
+def dispatcher_class(config: ModelConfig) -> type[AllToAllDispatcher]:
+    """The token dispatcher `config` asks for; a request for one this runtime does not build is an error, never a
+    silent fallback to all-to-all."""
+    kind, backend = config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend
+    if kind == "alltoall":
+        return AllToAllDispatcher
+    if kind != "flex":
+        raise NotBuiltError("model.moe_token_dispatcher_type", kind, f"The '{kind}' token dispatcher",
+                            "use model.moe_token_dispatcher_type=alltoall or flex.")
+    if backend == "torch":
+        return FlexDispatcher
+    if backend in ("deepep", "hybridep"):
+        raise NotBuiltError("model.moe_flex_dispatcher_backend", backend,
+                            f"Flex dispatch through the {backend} (DeepEP) kernels",
+                            "use model.moe_flex_dispatcher_backend=torch.")
+    raise ConfigError("model.moe_flex_dispatcher_backend", backend,
+                      "flex dispatch needs a backend (config resolution turns flex without one into alltoall).",
+                      "set model.moe_flex_dispatcher_backend=torch.")
 
 
 class MoELayer(nn.Module):
@@ -40,14 +70,16 @@ class MoELayer(nn.Module):
             raise ConfigError("model.num_moe_experts", config.num_moe_experts,
                               f"the experts must split evenly over expert parallel size {ps.ep_size}.",
                               "choose an expert parallel size (-ep) that divides num_moe_experts.")
+        dispatcher = dispatcher_class(config)
         self.layer_number = layer_number
         self.router = TopKRouter(config, ps)
-        self.dispatcher = AllToAllDispatcher(config, ps)
+        self.dispatcher = dispatcher(config, ps)
         self.experts = GroupedExperts(config, ps)
         self.shared_experts = (MLP(config, ps, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
                                if config.moe_shared_expert_intermediate_size else None)
+        self.shared_expert_overlap = config.moe_shared_expert_overlap and self.shared_experts is not None
 
-    def router_and_preprocess(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan, torch.Tensor]:
+    def router_and_preprocess(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Plan, torch.Tensor]:
         """Route `x` and permute it by expert; returns (rows, row weights, plan, aux_loss). Holds the layer's one
         host sync (split sizes), see `AllToAllDispatcher.preprocess`."""
         topk_idx, topk_weights, aux_loss = self.router(x)
@@ -59,32 +91,32 @@ class MoELayer(nn.Module):
         on its own SP collectives, which a span would wrongly count as compute covering communication."""
         return None if self.shared_experts is None else self.shared_experts(x)[0]
 
-    def dispatch(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
+    def dispatch(self, rows: torch.Tensor, weights: torch.Tensor, plan: Plan) -> PendingAllToAll:
         """Launch the dispatch all-to-all (rows and weights); returns at once."""
         return self.dispatcher.dispatch(rows, weights, plan)
 
-    def routed_experts_compute(self, pending: PendingAllToAll, plan: DispatchPlan) -> torch.Tensor:
+    def routed_experts_compute(self, pending: PendingAllToAll, plan: Plan) -> torch.Tensor:
         """Wait for the dispatch, run the local experts, and return their weighted outputs ready for combine."""
         return self.experts_compute(*pending.wait(), plan)
 
-    def experts_compute(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def experts_compute(self, rows: torch.Tensor, weights: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Received rows and weights (source-rank order) -> weighted expert outputs in the same order."""
         rows, weights = self.dispatcher.sort_received(rows, weights, plan)
         with RECORDER.span("moe.experts"):
             out = self.experts(rows, plan.tokens_per_local_expert)
         return self.dispatcher.combine_preprocess(out, weights, plan)
 
-    def combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
+    def combine(self, rows: torch.Tensor, plan: Plan) -> PendingAllToAll:
         """Launch the combine all-to-all; returns at once."""
         return self.dispatcher.combine(rows, plan)
 
-    def postprocess(self, pending: PendingAllToAll, plan: DispatchPlan,
+    def postprocess(self, pending: PendingAllToAll, plan: Plan,
                     shared_output: torch.Tensor | None) -> torch.Tensor:
         """Wait for the combine, un-permute to [s_local, b, h] and add the shared expert's output."""
         (rows,) = pending.wait()
         return self.combine_postprocess(rows, plan, shared_output)
 
-    def combine_postprocess(self, rows: torch.Tensor, plan: DispatchPlan,
+    def combine_postprocess(self, rows: torch.Tensor, plan: Plan,
                             shared_output: torch.Tensor | None) -> torch.Tensor:
         """Returned rows -> [s_local, b, h], plus the shared expert's output."""
         y = self.dispatcher.unpermute_returned(rows, plan)
@@ -92,6 +124,36 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, weights, plan, aux_loss = self.router_and_preprocess(x)
+        if self.shared_expert_overlap:
+            return self._forward_with_shared_expert_overlap(x, rows, weights, plan), aux_loss
         shared_output = self.shared_experts_compute(x)
         expert_rows = self.routed_experts_compute(self.dispatch(rows, weights, plan), plan)
         return self.postprocess(self.combine(expert_rows, plan), plan, shared_output), aux_loss
+
+    def _forward_with_shared_expert_overlap(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+                                            plan: Plan) -> torch.Tensor:
+        """`moe_shared_expert_overlap`: the shared expert's two halves run while the all-to-alls fly.
+
+            launch dispatch -> shared fc1 + activation -> wait, routed experts -> launch combine -> shared fc2
+            -> wait combine, un-permute, add
+
+        The shared expert's computation (including its own SP all-gather / reduce-scatter on the TP group) does not
+        depend on the routed tokens, so it is the work that fills the dispatch and the combine. This overlaps the
+        FORWARD only: the backward runs in autograd's order, whose all-to-alls wait inside their autograd nodes.
+        The math is the plain path's (same ops, same final `routed + shared` add), so outputs are bit-identical.
+        The halves get compute spans although fc1 / fc2 may wait on TP collectives: the exposure report subtracts
+        wait intervals from spans, so those waits are not counted as compute covering communication.
+        """
+        mlp = self.shared_experts
+        pending = self.dispatch(rows, weights, plan)
+        with RECORDER.span("moe.shared_fc1"):
+            hidden = mlp.linear_fc1(x)
+            if mlp.gated:
+                gate, up = hidden.chunk(2, dim=-1)
+                hidden = F.silu(gate) * up
+            else:
+                hidden = F.gelu(hidden)
+        pending = self.combine(self.routed_experts_compute(pending, plan), plan)
+        with RECORDER.span("moe.shared_fc2"):
+            shared_output = mlp.linear_fc2(hidden)
+        return self.postprocess(pending, plan, shared_output)

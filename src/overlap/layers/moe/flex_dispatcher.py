@@ -1,0 +1,127 @@
+"""Flex token dispatcher, backend "torch": each token crosses the network once per destination EP rank.
+
+The all-to-all dispatcher sends a token once per chosen expert, so a token whose top-k experts include two on the
+same rank travels there twice and comes back twice. Here the source rank sends one row per (token, destination
+rank) with that token's k combine weights (0 where the expert lives elsewhere); the destination fans the row out to
+its local experts, and sums that token's weighted local expert outputs into one returned row. The saving is the
+rows a token would have sent twice, which grows with top-k and with the number of experts per rank. This is the
+data movement of Megatron's flex dispatcher (DeepEP), built from plain all-to-alls so it runs on gloo and NCCL alike.
+
+Steps and their API are those of `AllToAllDispatcher` (the EP-overlap schedule runs either unchanged):
+
+    preprocess            rows per destination rank, metadata exchange (ONE host sync), fan-out indices
+    dispatch              launch the all-to-all of rows [N, h] and weights [N, k]   -> PendingAllToAll
+    sort_received         fan each received row out to its local experts, grouped by local expert
+    (experts)
+    combine_preprocess    weight the expert outputs and sum them per received row
+    combine               launch the all-to-all back                                 -> PendingAllToAll
+    unpermute_returned    sum each token's returned rows (one per destination rank)
+
+The metadata (how many rows go to each rank, how many (row, expert) pairs each local expert gets, and each row's
+local expert ids) moves synchronously inside `preprocess`, so `dispatch` carries only the tensors that need
+gradients and a scheduler can launch it without any host sync. Every index is built on the device from counts the
+host already knows, so there is no data-dependent shape (and no hidden sync) after the one `.tolist()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from overlap.config.model import ModelConfig
+from overlap.layers.moe.dispatcher import AllToAllDispatcher
+from overlap.parallel import comm
+from overlap.parallel.state import ParallelState
+from overlap.parallel.trace import RECORDER
+
+
+@dataclass
+class FlexDispatchPlan:
+    """Routing metadata of one micro-batch, fixed by `FlexDispatcher.preprocess` (split sizes are host ints)."""
+
+    hidden_shape: torch.Size  # shape of the layer input, restored by unpermute_returned
+    row_token: torch.Tensor  # [N] token position of each sent row (rows ordered by destination rank, then token)
+    input_splits: list[int]  # [ep] rows sent to each EP rank
+    output_splits: list[int]  # [ep] rows received from each EP rank
+    tokens_per_local_expert: list[int]  # [E_local] (row, expert) pairs each local expert processes
+    pair_row: torch.Tensor  # [P] received row feeding each expert input row (grouped by local expert)
+    pair_slot: torch.Tensor  # [P] position of that pair in the received weights, flattened [M * k]
+
+
+class FlexDispatcher(AllToAllDispatcher):
+    """Moves each routed token once to every EP rank that owns one of its experts, and its summed output back.
+
+    `dispatch`, `postprocess_dispatch`, `combine` and `postprocess_combine` are the all-to-all dispatcher's: only
+    what is sent (one row per destination rank, k weights per row) and how rows are fanned out and summed differ.
+    """
+
+    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+        super().__init__(config, ps)
+        self.topk = config.moe_router_topk
+
+    def preprocess(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
+                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, FlexDispatchPlan]:
+        """Select one row per (token, destination rank); returns (rows [N, h], weights [N, k], plan). The weights
+        of experts on other ranks are 0, so the receiver's weighted sum covers exactly its own experts."""
+        ep, el, k = self.ep_size, self.num_local_experts, self.topk
+        tokens = hidden.reshape(-1, hidden.shape[-1])
+        num_tokens = tokens.shape[0]
+        with RECORDER.span("moe.permute"):
+            dest = torch.div(topk_idx, el, rounding_mode="floor")  # [T, k] EP rank of each chosen expert
+            on_rank = torch.zeros(ep, num_tokens, dtype=torch.bool, device=tokens.device)
+            on_rank.scatter_(0, dest.t(), True)  # [ep, T]: token t has at least one expert on rank r
+            pairs = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).view(ep, el)
+            send = torch.cat([on_rank.sum(dim=1, keepdim=True), pairs], dim=1).reshape(-1)  # [ep * (1 + el)]
+        recv = comm.all_to_all(send, self.group, "ep_counts", [1 + el] * ep, [1 + el] * ep).wait()
+        # THE host sync of the layer (see AllToAllDispatcher.preprocess for why here and only once).
+        counts = torch.cat([send, recv]).view(2, ep, 1 + el).tolist()
+        input_splits = [c[0] for c in counts[0]]
+        output_splits = [c[0] for c in counts[1]]
+        tokens_per_local_expert = [sum(c[1 + e] for c in counts[1]) for e in range(el)]
+
+        with RECORDER.span("moe.permute"):
+            # (rank, token) pairs in rank-major order, first the selected ones: a stable sort of "not selected" on
+            # the flattened [ep, T] mask, cut at the host-known count, instead of a syncing nonzero().
+            flat = torch.argsort((~on_rank).reshape(-1).to(torch.uint8), stable=True)[:sum(input_splits)]
+            row_rank = torch.div(flat, num_tokens, rounding_mode="floor")
+            row_token = flat - row_rank * num_tokens
+            on_row_rank = dest.index_select(0, row_token) == row_rank.unsqueeze(1)  # [N, k]
+            local_ids = torch.where(on_row_rank, topk_idx.index_select(0, row_token) - row_rank.unsqueeze(1) * el,
+                                    -1).to(torch.int32)
+            rows = tokens.index_select(0, row_token)
+            weights = torch.where(on_row_rank, topk_weights.index_select(0, row_token), 0.0)
+        recv_ids = comm.all_to_all(local_ids, self.group, "ep_counts", output_splits, input_splits).wait()
+
+        with RECORDER.span("moe.permute"):
+            # Received (row, slot) pairs grouped by local expert; within an expert they keep (source rank, token)
+            # order, the order the all-to-all dispatcher gives its experts. Padding (-1) sorts last and is cut off.
+            ids = recv_ids.reshape(-1).long()
+            pair_slot = torch.argsort(torch.where(ids < 0, el, ids), stable=True)[:sum(tokens_per_local_expert)]
+            pair_row = torch.div(pair_slot, k, rounding_mode="floor")
+        plan = FlexDispatchPlan(hidden_shape=hidden.shape, row_token=row_token, input_splits=input_splits,
+                                output_splits=output_splits, tokens_per_local_expert=tokens_per_local_expert,
+                                pair_row=pair_row, pair_slot=pair_slot)
+        return rows, weights, plan
+
+    def sort_received(self, rows: torch.Tensor, weights: torch.Tensor,
+                      plan: FlexDispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Received rows [M, h] and weights [M, k] -> one row and one weight per (row, local expert) pair, grouped
+        by local expert (`plan.tokens_per_local_expert`)."""
+        with RECORDER.span("moe.sort_chunks"):
+            return rows.index_select(0, plan.pair_row), weights.reshape(-1).index_select(0, plan.pair_slot)
+
+    def combine_preprocess(self, expert_output: torch.Tensor, weights: torch.Tensor,
+                           plan: FlexDispatchPlan) -> torch.Tensor:
+        """Weight each expert output row and sum the rows of one received row: returns [M, h], one row per token
+        and source rank. The sum runs in fp32 (one rounding per returned row instead of one per expert)."""
+        with RECORDER.span("moe.sort_chunks"):
+            weighted = expert_output.float() * weights.unsqueeze(-1)
+            summed = weighted.new_zeros((sum(plan.output_splits), weighted.shape[-1]))
+            return summed.index_add(0, plan.pair_row, weighted).to(expert_output.dtype)
+
+    def unpermute_returned(self, rows: torch.Tensor, plan: FlexDispatchPlan) -> torch.Tensor:
+        """Sum each token's returned rows (one per destination rank) back into a tensor shaped like the input."""
+        with RECORDER.span("moe.unpermute"):
+            out = rows.new_zeros((plan.hidden_shape[:-1].numel(), rows.shape[-1]))
+            return out.index_add(0, plan.row_token, rows).reshape(plan.hidden_shape)
