@@ -43,3 +43,10 @@ def test_emit_slurm_writes_a_script(tmp_path):
     text = path.read_text()
     assert "#SBATCH --nodes=2" in text and "torchrun" in text and "--emit-slurm" not in text
     assert "CUDA_DEVICE_MAX_CONNECTIONS" in text
+
+
+def test_context_parallel_exits_2_not_built():
+    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "-cp", "2")
+    assert out.returncode == 2
+    assert "model.context_parallel_size=2" in out.stderr and "not built" in out.stderr
+    assert "Traceback" not in out.stderr
