@@ -260,7 +260,8 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
             "network": network_label, "comm_mode": args.comm_mode, "steps_window": [start, end],
             "steady_step_ms": summary.steady_step_ms, "peak_mem_mb": summary.peak_memory_mb,
             "exposed_comm_ms": {k: r.exposed_ms for k, r in rows.items()},
-            "total_comm_ms": {k: r.total_ms for k, r in rows.items()}}, indent=1))
+            "total_comm_ms": {k: r.total_ms for k, r in rows.items()},
+            "comm_mb": {k: r.nbytes / 1e6 for k, r in rows.items()}}, indent=1))
 
 
 def _write_traces(collector, trace_dir: Path, rank: int, world: int) -> None:

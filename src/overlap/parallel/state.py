@@ -86,8 +86,21 @@ class ParallelState:
         self.tp_rank = self.mesh.get_local_rank("tp")
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
+        self.ep_meta_group = self._twin_groups(self.expert_mesh, "ep")
         self.ep_rank = self.expert_mesh.get_local_rank("ep")
         self.edp_rank = self.expert_mesh.get_local_rank("edp")
+
+    @staticmethod
+    def _twin_groups(mesh: DeviceMesh, dim: str):
+        """A second process group over the same ranks as `dim`, for small metadata exchanges (the MoE split sizes):
+        on its own group a few bytes never queue behind a bulk all-to-all of another micro-batch in flight."""
+        mine = None
+        axis = mesh.mesh_dim_names.index(dim)
+        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
 
     @property
     def tp_size(self) -> int:

@@ -128,6 +128,7 @@ class RunResult:
     peak_mem_mb: float
     steps_window: list[int]
     network: str
+    comm_mb: dict[str, float] = field(default_factory=dict)
 
 
 def run_once(options: list[str], overrides: list[str], config: BenchConfig, metrics: Path) -> RunResult:
@@ -139,7 +140,7 @@ def run_once(options: list[str], overrides: list[str], config: BenchConfig, metr
                            f"{(done.stdout + done.stderr)[-4000:]}")
     s = json.loads(Path(f"{metrics}.summary.json").read_text())
     return RunResult(s["steady_step_ms"], s["exposed_comm_ms"], s["total_comm_ms"], s["peak_mem_mb"],
-                     s["steps_window"], s["network"])
+                     s["steps_window"], s["network"], s.get("comm_mb", {}))
 
 
 def _mean_by_kind(runs: list[RunResult], attr: str) -> dict[str, float]:
@@ -159,6 +160,7 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
                                       "repeats": times},
                      "exposed_comm_ms": _mean_by_kind(runs, "exposed_comm_ms"),
                      "total_comm_ms": _mean_by_kind(runs, "total_comm_ms"),
+                     "comm_mb_per_iter": _mean_by_kind(runs, "comm_mb"),
                      "peak_mem_mb": max(r.peak_mem_mb for r in runs)})
     ideal = next((r for r in rows if r["name"] == IDEAL_NAME), None)
     measured = [r for r in rows if r is not ideal]
@@ -168,10 +170,31 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
     t_ideal = ideal["step_time_ms"]["mean"] if ideal else None
     efficiency = {r["name"]: (overlap_efficiency(base, r["step_time_ms"]["mean"], t_ideal) if ideal else None)
                   for r in measured[1:]}
+    for r in measured[1:]:
+        r["exposed_hidden_share_vs_first"] = hidden_share_by_family(measured[0]["exposed_comm_ms"],
+                                                                    r["exposed_comm_ms"])
     first_runs = results[measured[0]["name"]]
     return {"network": network, "steps_window": first_runs[0].steps_window,
             "repeats": len(first_runs), "order": "alternating", "configs": rows,
             "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency, "command": command}
+
+
+def hidden_share_by_family(first: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """Per communication family (the kind's prefix: ep, dp, tp, ...), the share of the first configuration's exposed
+    time that this configuration no longer exposes: 1 - exposed_other / exposed_first. This isolates, say, the EP
+    all-to-all from a data-parallel reduction that every configuration pays alike."""
+    from overlap.profiling.exposed import ALL
+
+    def families(by_kind: dict[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind, ms in by_kind.items():
+            if kind != ALL:
+                fam = kind.split("_", 1)[0]
+                out[fam] = out.get(fam, 0.0) + ms
+        return out
+
+    a, b = families(first), families(other)
+    return {fam: 1.0 - b.get(fam, 0.0) / ms for fam, ms in sorted(a.items()) if ms > 0}
 
 
 def _kinds(by_kind: dict[str, float]) -> str:
@@ -182,22 +205,27 @@ def _kinds(by_kind: dict[str, float]) -> str:
     return f"{head} ({', '.join(parts)})" if parts else head
 
 
+def _shares(shares: dict[str, float] | None) -> str:
+    return "-" if not shares else ", ".join(f"{fam} {v:.2f}" for fam, v in shares.items())
+
+
 def format_markdown(doc: dict) -> str:
     start, end = doc["steps_window"]
     lines = [f"Network: {doc['network']}  ",
              f"Steady-state window: iterations [{start + 1}, {end + 1}) (1-based), {doc['repeats']} alternating "
              "repeats; comm columns are rank 0's mean per iteration in ms, `all` first (union of kinds).  ",
              f"Command: `{doc['command']}`", "",
-             "| config | step ms (mean) | min | max | vs first | exposed comm ms | total comm ms | peak MB | "
-             "overlap eff. |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| config | step ms (mean) | min | max | vs first | exposed comm ms | total comm ms | MB/iter | peak MB | "
+             "overlap eff. | exposed hidden vs first |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["configs"]:
         st = r["step_time_ms"]
         eff = doc["overlap_efficiency"].get(r["name"])
         lines.append(f"| {r['name']} | {st['mean']:.1f} | {st['min']:.1f} | {st['max']:.1f} | "
                      f"{r['step_time_ratio_to_first']:.3f} | {_kinds(r['exposed_comm_ms'])} | "
-                     f"{_kinds(r['total_comm_ms'])} | {r['peak_mem_mb']:.0f} | "
-                     f"{'-' if eff is None else f'{eff:.2f}'} |")
+                     f"{_kinds(r['total_comm_ms'])} | {r['comm_mb_per_iter'].get('all', 0.0):.2f} | "
+                     f"{r['peak_mem_mb']:.0f} | {'-' if eff is None else f'{eff:.2f}'} | "
+                     f"{_shares(r.get('exposed_hidden_share_vs_first'))} |")
     if doc["ideal_step_time_ms"] is None:
         lines.append("\n(no --ideal run: overlap efficiency needs T_ideal)")
     else:

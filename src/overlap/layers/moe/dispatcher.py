@@ -100,6 +100,7 @@ class AllToAllDispatcher:
         self.ep_size = ps.ep_size
         self.num_local_experts = config.num_moe_experts // ps.ep_size
         self.group = ps.ep_group
+        self.meta_group = ps.ep_meta_group  # split sizes travel apart from the bulk all-to-alls
         self.fused = config.moe_permute_fusion
 
     def preprocess(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
@@ -110,7 +111,7 @@ class AllToAllDispatcher:
                            self.fused)
         # Counts per (destination rank, local expert) go out; what comes back is, per source rank, how many rows
         # it will send for each of our local experts.
-        recv = comm.all_to_all(perm.tokens_per_expert, self.group, "ep_counts",
+        recv = comm.all_to_all(perm.tokens_per_expert, self.meta_group, "ep_counts",
                                [self.num_local_experts] * self.ep_size,
                                [self.num_local_experts] * self.ep_size).wait()
         # THE host sync of the layer, done once and here on purpose: all_to_all needs its split sizes on the host,

@@ -73,7 +73,7 @@ class FlexDispatcher(AllToAllDispatcher):
             on_rank.scatter_(0, dest.t(), True)  # [ep, T]: token t has at least one expert on rank r
             pairs = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).view(ep, el)
             send = torch.cat([on_rank.sum(dim=1, keepdim=True), pairs], dim=1).reshape(-1)  # [ep * (1 + el)]
-        recv = comm.all_to_all(send, self.group, "ep_counts", [1 + el] * ep, [1 + el] * ep).wait()
+        recv = comm.all_to_all(send, self.meta_group, "ep_counts", [1 + el] * ep, [1 + el] * ep).wait()
         # THE host sync of the layer (see AllToAllDispatcher.preprocess for why here and only once).
         counts = torch.cat([send, recv]).view(2, ep, 1 + el).tolist()
         input_splits = [c[0] for c in counts[0]]
@@ -91,7 +91,7 @@ class FlexDispatcher(AllToAllDispatcher):
                                     -1).to(torch.int32)
             rows = tokens.index_select(0, row_token)
             weights = torch.where(on_row_rank, topk_weights.index_select(0, row_token), 0.0)
-        recv_ids = comm.all_to_all(local_ids, self.group, "ep_counts", output_splits, input_splits).wait()
+        recv_ids = comm.all_to_all(local_ids, self.meta_group, "ep_counts", output_splits, input_splits).wait()
 
         with RECORDER.span("moe.permute"):
             # Received (row, slot) pairs grouped by local expert; within an expert they keep (source rank, token)
