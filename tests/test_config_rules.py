@@ -812,3 +812,23 @@ def test_no_mixed_precision_keeps_model_flags():
     assert cfg.model.fp16 is True and cfg.optimizer.fp16 is True
     assert cfg.ddp.grad_reduce_in_fp32 is False
     assert cfg.ddp.fp8_param_gather is False
+
+
+def test_shared_expert_overlap_without_shared_expert_is_a_logged_dishonoured_request():
+    from overlap.config import ConfigContainer, ModelConfig
+    from overlap.errors import ConfigError
+
+    def cfg(strict: bool):
+        c = ConfigContainer(model=ModelConfig(num_moe_experts=4, moe_shared_expert_overlap=True))
+        if strict:
+            from overlap.config import CommOverlapConfig
+            c.comm_overlap = CommOverlapConfig(tp_comm_overlap=None, strict=True)
+        return c
+
+    c = cfg(False)
+    d = c.finalize(1).decisions.get("model.moe_shared_expert_overlap")
+    assert d.requested is True and d.effective is False and "no shared expert" in d.reason
+    assert c.model.moe_shared_expert_overlap is False
+    import pytest
+    with pytest.raises(ConfigError, match="moe_shared_expert_overlap"):
+        cfg(True).finalize(1)

@@ -250,9 +250,16 @@ def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", l
                                         model.delay_wgrad_compute, False, DEFAULT, "off unless requested")
     if model.is_moe:
         shared = model.moe_shared_expert_overlap
-        log.record("model.moe_shared_expert_overlap", True if shared else None, shared,
-                   MODEL_CONFIG if shared else DEFAULT,
-                   "shared expert computes under the dispatch/combine all-to-all" if shared else "off unless requested")
+        if shared and not model.moe_shared_expert_intermediate_size:
+            model.moe_shared_expert_overlap = log.record(
+                "model.moe_shared_expert_overlap", True, False, RULE,
+                "the model has no shared expert (moe_shared_expert_intermediate_size is not set): nothing to overlap",
+                fix="set model.moe_shared_expert_intermediate_size, or drop moe_shared_expert_overlap.")
+        else:
+            log.record("model.moe_shared_expert_overlap", True if shared else None, shared,
+                       MODEL_CONFIG if shared else DEFAULT,
+                       "shared expert computes under the dispatch/combine all-to-all" if shared
+                       else "off unless requested")
 
 
 def _resolve_dp(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", optimizer: "OptimizerConfig",

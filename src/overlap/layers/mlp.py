@@ -31,11 +31,13 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, ps, sp, bias=config.add_bias_linear,
                                             params_dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def fc1_and_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The first half (fc1 + SwiGLU/GELU); a separate step so shared-expert overlap can run it under a dispatch."""
         h = self.linear_fc1(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h)
-        return self.linear_fc2(h), None
+            return F.silu(gate) * up
+        return F.gelu(h)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.linear_fc2(self.fc1_and_activation(x)), None

@@ -25,7 +25,6 @@ only the aux-loss statistics are summed over TP (in the router).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from overlap.config.model import ModelConfig
@@ -147,12 +146,7 @@ class MoELayer(nn.Module):
         mlp = self.shared_experts
         pending = self.dispatch(rows, weights, plan)
         with RECORDER.span("moe.shared_fc1"):
-            hidden = mlp.linear_fc1(x)
-            if mlp.gated:
-                gate, up = hidden.chunk(2, dim=-1)
-                hidden = F.silu(gate) * up
-            else:
-                hidden = F.gelu(hidden)
+            hidden = mlp.fc1_and_activation(x)
         pending = self.combine(self.routed_experts_compute(pending, plan), plan)
         with RECORDER.span("moe.shared_fc2"):
             shared_output = mlp.linear_fc2(hidden)

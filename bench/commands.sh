@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The exact commands behind bench/results/. Run from the repository root with the venv active (or .venv/bin on PATH).
+# They run one after another: benchmarks on this 2-core machine must never overlap each other.
+set -euo pipefail
+out=bench/results
+mkdir -p "$out"
+
+# 1. EP overlap: qwen3_moe_tiny (+ a 64-wide shared expert so shared-expert overlap has work), EP=4 on 4 ranks,
+#    16 micro-batches per rank, modelled 1 ms / 10 MB/s link; DP gradient reduce overlapped in every config.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -ms 6 -gb 64 -mb 1 --network model:1ms,10MB/s \
+  --config "no overlap:" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --config "shared-expert overlap:model.moe_shared_expert_overlap=true" \
+  --ideal --repeats 3 --json $out/ep_overlap.json --markdown $out/ep_overlap.md \
+  model.moe_shared_expert_intermediate_size=64 ddp.overlap_grad_reduce=true ddp.bucket_size=20000
+
+# 2. alltoall vs flex dispatch (top-4 of 16 experts over 4 ranks): bytes moved per iteration.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -ms 4 -gb 32 -mb 1 --network model:1ms,10MB/s \
+  --ab model.moe_token_dispatcher_type=alltoall,flex --repeats 2 \
+  --json $out/flex_vs_alltoall.json --markdown $out/flex_vs_alltoall.md \
+  model.moe_flex_dispatcher_backend=torch ddp.overlap_grad_reduce=true ddp.bucket_size=20000
+
+# 3. DP overlap and the PyTorch peers: dense_tiny, DP=4 on 4 ranks, one micro-batch of 4 per rank, emulated
+#    interconnect (network namespace, loopback rate-limited to 800 MB/s by tc tbf) - peers' traffic crosses it too.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -ms 6 -gb 16 -mb 4 --network tbf:6400mbit \
+  --config "dist-opt, no overlap:ddp.use_distributed_optimizer=true;optimizer.use_distributed_optimizer=true;ddp.overlap_grad_reduce=false;ddp.overlap_param_gather=false" \
+  --config "dist-opt, overlap grad reduce + param gather:ddp.use_distributed_optimizer=true;optimizer.use_distributed_optimizer=true;ddp.overlap_grad_reduce=true;ddp.overlap_param_gather=true" \
+  --config "all-reduce, overlap grad reduce:ddp.overlap_grad_reduce=true" \
+  --config "torch DDP:ddp.impl=torch_ddp" \
+  --config "FSDP2:ddp.impl=fsdp2" \
+  --ideal --repeats 3 --json $out/dp_overlap.json --markdown $out/dp_overlap.md \
+  ddp.bucket_size=500000
