@@ -59,20 +59,21 @@ class Network:
         return "real (the backend's own transport, nothing emulated; on one machine: loopback)"
 
 
-def _fmt_time(seconds: float) -> str:
-    for unit in ("s", "ms", "us", "ns"):
-        value = seconds / _TIME_UNITS[unit]
-        if value >= 1 or unit == "ns":
-            return f"{value:g}{unit}"
+def _fmt_scaled(value: float, units: dict[str, float], order: tuple[str, ...]) -> str:
+    """`value` in the largest unit of `order` (largest first) that keeps it >= 1, e.g. 0.001 s -> "1ms"."""
+    for unit in order:
+        scaled = value / units[unit]
+        if scaled >= 1 or unit == order[-1]:
+            return f"{scaled:g}{unit}"
     raise AssertionError("unreachable")
+
+
+def _fmt_time(seconds: float) -> str:
+    return _fmt_scaled(seconds, _TIME_UNITS, ("s", "ms", "us", "ns"))
 
 
 def _fmt_rate(bytes_per_s: float) -> str:
-    for unit in ("gb/s", "mb/s", "kb/s", "b/s"):
-        value = bytes_per_s / _BYTE_RATE_UNITS[unit]
-        if value >= 1 or unit == "b/s":
-            return f"{value:g}{unit.upper().replace('/S', '/s')}"
-    raise AssertionError("unreachable")
+    return _fmt_scaled(bytes_per_s, _BYTE_RATE_UNITS, ("gb/s", "mb/s", "kb/s", "b/s")).upper().replace("/S", "/s")
 
 
 def _bad(text: str, why: str) -> ConfigError:
