@@ -31,3 +31,18 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -ms 6 -gb 16 -mb 4 --network t
   --config "FSDP2:ddp.impl=fsdp2" \
   --ideal --repeats 3 --json $out/dp_overlap.json --markdown $out/dp_overlap.md \
   ddp.bucket_size=500000
+
+# 4. EP overlap without oversubscription: EP=2 on 2 ranks (one core each), 16 micro-batches per rank.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 2 -ms 6 -gb 32 -mb 1 --network model:1ms,10MB/s \
+  --config "no overlap:" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --ideal --repeats 2 --json $out/ep_overlap_2ranks.json --markdown $out/ep_overlap_2ranks.md \
+  ddp.overlap_grad_reduce=true ddp.bucket_size=20000
+
+# 5. DP overlap on the modelled link (our runtime only: the peers' traffic does not go through the model).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -ms 6 -gb 16 -mb 4 --network model:200us,100MB/s \
+  --config "dist-opt, no overlap:ddp.overlap_grad_reduce=false;ddp.overlap_param_gather=false" \
+  --config "dist-opt, overlap:ddp.overlap_grad_reduce=true;ddp.overlap_param_gather=true" \
+  --ideal --repeats 3 --json $out/dp_overlap_modelled.json --markdown $out/dp_overlap_modelled.md \
+  ddp.bucket_size=500000 ddp.use_distributed_optimizer=true optimizer.use_distributed_optimizer=true

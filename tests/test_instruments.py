@@ -241,3 +241,24 @@ def test_overlap_efficiency_and_summary_table():
     assert on["step_time_ratio_to_first"] == pytest.approx(81 / 101) and on["exposed_comm_ms"] == {"all": 4.0}
     table = bench.format_markdown(doc)
     assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 |" in table and "0.50 |" in table
+
+
+def test_named_configs_peers_and_hidden_share_by_family():
+    configs = bench.with_ideal([bench.parse_named_config("off:ddp.overlap_grad_reduce=false"),
+                                bench.parse_named_config("on:ddp.overlap_grad_reduce=true;ddp.bucket_size=10"),
+                                bench.parse_named_config("torch DDP:ddp.impl=torch_ddp")], ideal=False)
+    assert configs[1].overrides == ["ddp.overlap_grad_reduce=true", "ddp.bucket_size=10"]
+    with pytest.raises(ConfigError):
+        bench.parse_named_config("no colon here")
+
+    def run(ms, exposed):
+        return bench.RunResult(ms, exposed, exposed, 400.0, [1, 4], "real", {"all": 1.0})
+
+    results = {"off": [run(100, {"all": 30.0, "dp_rs": 20.0, "ep_dispatch": 10.0})],
+               "on": [run(90, {"all": 15.0, "dp_rs": 5.0, "ep_dispatch": 10.0})],
+               "torch DDP": [run(85, {})]}
+    doc = bench.summarize(configs, results, "real", "overlap bench ...")
+    on, peer = doc["configs"][1], doc["configs"][2]
+    assert on["exposed_hidden_share_vs_first"] == {"dp": pytest.approx(0.75), "ep": pytest.approx(0.0)}
+    assert peer["comm_traced"] is False and "exposed_hidden_share_vs_first" not in peer
+    assert "n/a (peer" in bench.format_markdown(doc)

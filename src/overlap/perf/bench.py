@@ -170,9 +170,14 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
     t_ideal = ideal["step_time_ms"]["mean"] if ideal else None
     efficiency = {r["name"]: (overlap_efficiency(base, r["step_time_ms"]["mean"], t_ideal) if ideal else None)
                   for r in measured[1:]}
+    for r in rows:
+        # A PyTorch peer (ddp.impl=torch_ddp|fsdp2) reduces with torch's own collectives, which our tracer does not
+        # see: its communication columns would read as "no communication". Say so instead.
+        r["comm_traced"] = not any(o.startswith("ddp.impl=") and o != "ddp.impl=overlap" for o in r["overrides"])
     for r in measured[1:]:
-        r["exposed_hidden_share_vs_first"] = hidden_share_by_family(measured[0]["exposed_comm_ms"],
-                                                                    r["exposed_comm_ms"])
+        if r["comm_traced"]:
+            r["exposed_hidden_share_vs_first"] = hidden_share_by_family(measured[0]["exposed_comm_ms"],
+                                                                        r["exposed_comm_ms"])
     first_runs = results[measured[0]["name"]]
     return {"network": network, "steps_window": first_runs[0].steps_window,
             "repeats": len(first_runs), "order": "alternating", "configs": rows,
@@ -221,9 +226,12 @@ def format_markdown(doc: dict) -> str:
     for r in doc["configs"]:
         st = r["step_time_ms"]
         eff = doc["overlap_efficiency"].get(r["name"])
+        traced = r.get("comm_traced", True)
+        untraced = "n/a (peer: torch's collectives are not traced)"
         lines.append(f"| {r['name']} | {st['mean']:.1f} | {st['min']:.1f} | {st['max']:.1f} | "
-                     f"{r['step_time_ratio_to_first']:.3f} | {_kinds(r['exposed_comm_ms'])} | "
-                     f"{_kinds(r['total_comm_ms'])} | {r['comm_mb_per_iter'].get('all', 0.0):.2f} | "
+                     f"{r['step_time_ratio_to_first']:.3f} | {_kinds(r['exposed_comm_ms']) if traced else untraced} | "
+                     f"{_kinds(r['total_comm_ms']) if traced else untraced} | "
+                     f"{format(r['comm_mb_per_iter'].get('all', 0.0), '.2f') if traced else 'n/a'} | "
                      f"{r['peak_mem_mb']:.0f} | {'-' if eff is None else f'{eff:.2f}'} | "
                      f"{_shares(r.get('exposed_hidden_share_vs_first'))} |")
     if doc["ideal_step_time_ms"] is None:
