@@ -13,7 +13,7 @@ def _overlap(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 def test_main_job_trains_moe_on_four_ranks(tmp_path):
     metrics = tmp_path / "m.jsonl"
     out = _overlap("run", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "4", "-ms", "3",
-                   "--metrics", str(metrics))
+                   "--moe_a2a_overlap", "true", "--metrics", str(metrics))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
@@ -21,6 +21,7 @@ def test_main_job_trains_moe_on_four_ranks(tmp_path):
     assert rows[0]["comm_bytes"]["ep_dispatch"] > 0
     assert "elapsed time per iteration (ms)" in out.stderr
     assert "Overlap decisions" in out.stderr and "steady-state step time" in out.stderr
+    assert "model.overlap_moe_expert_parallel_comm              True" in out.stderr
 
 
 def test_bad_layout_exits_2_with_message():
