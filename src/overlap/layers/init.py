@@ -60,7 +60,7 @@ def init_model_params(model: nn.Module, seed: int, std: float) -> None:
             param.zero_()
             continue
         gen = torch.Generator().manual_seed(_seed_for(seed, name))
-        full = torch.empty(full_shape(param), dtype=torch.float32).normal_(0.0, std, generator=gen)
+        full = torch.empty(full_shape(param), dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen)
         shard: Shard | None = getattr(param, "shard", None)
         if shard is not None:
             full = full.chunk(shard.count, dim=shard.dim)[shard.index]

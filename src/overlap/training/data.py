@@ -19,7 +19,8 @@ class MockDataset:
     def sample(self, iteration: int, index: int) -> torch.Tensor:
         """seq_length + 1 tokens; the model reads [:-1] and predicts [1:]."""
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + iteration) * 1_000_003 + index)
-        return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen)
+        # Drawn on the CPU (the generator's device) whatever the default device, so GPUs see the same samples.
+        return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen, device="cpu")
 
     def micro_batches(self, iteration: int, global_batch: int, micro_batch: int, dp_rank: int,
                       dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -29,5 +30,6 @@ class MockDataset:
         batches = []
         for start in range(first, first + per_rank, micro_batch):
             rows = torch.stack([self.sample(iteration, i) for i in range(start, start + micro_batch)])
+            rows = rows.to(torch.get_default_device())
             batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
         return batches
