@@ -181,16 +181,28 @@ def test_tp_flag_sets_sequence_parallel(capsys, jobs):
     assert jobs[-1].resolution.layout.dp == 2
 
 
-def test_tp_flag_wins_over_sequence_parallel_override(capsys, jobs):
-    code, out, err = run([*TINY, "-tp", "2", "model.sequence_parallel=false"], capsys)
+def test_explicit_sequence_parallel_override_beats_the_tp_flags_implied_default(capsys, jobs):
+    # -tp implies sequence parallelism (as the reference harness), but an explicit override says what the user wants.
+    dense = "explain -m qwen -mr dense_tiny -ng 4".split()
+    code, out, err = run([*dense, "-tp", "2", "model.sequence_parallel=false"], capsys)
     assert code == 0, err
-    assert jobs[-1].cfg.model.sequence_parallel is True
+    assert jobs[-1].cfg.model.sequence_parallel is False
+    code, out, err = run([*dense, "-tp", "2"], capsys)
+    assert code == 0 and jobs[-1].cfg.model.sequence_parallel is True
 
 
-def test_tp1_flag_clears_sequence_parallel(capsys, jobs):
+def test_tp1_with_sequence_parallel_is_a_logged_decision(capsys, jobs):
     code, out, err = run([*TINY, "-tp", "1", "model.sequence_parallel=true"], capsys)
     assert code == 0, err
     assert jobs[-1].cfg.model.sequence_parallel is False
+    assert jobs[-1].resolution.decisions.get("model.sequence_parallel").requested is True
+
+
+def test_any_flag_contradicting_an_override_exits_2(capsys):
+    code, out, err = run([*TINY, "-tp", "1", "model.tensor_model_parallel_size=2"], capsys)
+    assert code == 2 and "-tp" in err and "model.tensor_model_parallel_size" in err
+    code, out, err = run([*TINY, "-gb", "8", "train.global_batch_size=16"], capsys)
+    assert code == 2 and "-gb" in err
 
 
 def test_parallel_and_batch_flags(capsys, jobs):
@@ -222,12 +234,14 @@ def test_flex_backend_flag_torch(capsys, jobs):
     assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("flex", "torch")
 
 
-def test_flex_backend_flag_none_restores_alltoall(capsys, jobs):
-    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "None", "model.moe_token_dispatcher_type=flex",
-                          "model.moe_flex_dispatcher_backend=torch"], capsys)
+def test_flex_backend_flag_none_means_alltoall_and_contradicting_overrides_exit_2(capsys, jobs):
+    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "None"], capsys)
     assert code == 0, err
     m = jobs[-1].cfg.model
     assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("alltoall", None)
+    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "None", "model.moe_token_dispatcher_type=flex",
+                          "model.moe_flex_dispatcher_backend=torch"], capsys)
+    assert code == 2 and "--moe_flex_dispatcher_backend" in err
 
 
 def test_flex_backend_flag_none_on_dense_recipe_is_fine(capsys, jobs):

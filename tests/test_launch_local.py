@@ -27,3 +27,19 @@ def test_ranks_get_torchrun_style_environment():
 
 def test_successful_ranks_return_normally():
     local.launch_local([sys.executable, "-c", "pass"], 2, {"PATH": "/usr/bin:/bin"})
+
+
+def test_sigterm_stops_the_ranks_and_unwinds(tmp_path):
+    """A SIGTERM to the launcher (timeout, Slurm) stops every rank and unwinds through the caller's cleanup."""
+    import signal
+    import subprocess
+
+    marker = tmp_path / "cleaned"
+    code = ("import sys, pathlib\nfrom overlap.launch import local\nlocal.GRACE_S = 1.0\n"
+            "try:\n    local.launch_local([sys.executable, '-c', 'import time; time.sleep(120)'], 2, "
+            "{'PATH': '/usr/bin:/bin'})\nfinally:\n    pathlib.Path(sys.argv[1]).write_text('ok')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(marker)])
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert marker.read_text() == "ok"

@@ -151,57 +151,68 @@ def _check_conflict(overridden: dict, key: str, value: object, flag: str) -> Non
 
 
 def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, overridden: dict) -> None:
-    m, t = cfg.model, cfg.train
+    """Harness flags win over overrides (as in the reference), but a flag that contradicts an override of the same
+    field on the same command line is an error, never a silent winner."""
+
+    def put(section: str, field: str, value: object, flag: str) -> None:
+        _check_conflict(overridden, f"{section}.{field}", value, flag)
+        setattr(getattr(cfg, section), field, value)
+
     if a.tensor_model_parallel_size is not None:
-        m.tensor_model_parallel_size = a.tensor_model_parallel_size
-        m.sequence_parallel = a.tensor_model_parallel_size > 1  # as the reference harness: -tp implies SP
-    for name in ("pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
-                 "expert_tensor_parallel_size", "seq_length"):
+        put("model", "tensor_model_parallel_size", a.tensor_model_parallel_size, "-tp")
+        if "model.sequence_parallel" not in overridden:  # -tp implies SP (as the reference); an explicit SP wins
+            put("model", "sequence_parallel", a.tensor_model_parallel_size > 1, "-tp")
+    for name, flag in (("pipeline_model_parallel_size", "-pp"), ("context_parallel_size", "-cp"),
+                       ("expert_model_parallel_size", "-ep"), ("expert_tensor_parallel_size", "-et"),
+                       ("seq_length", "-sl")):
         if getattr(a, name) is not None:
-            setattr(m, name, getattr(a, name))
+            put("model", name, getattr(a, name), flag)
     if a.virtual_pipeline_model_parallel_size is not _KEEP:
-        m.virtual_pipeline_model_parallel_size = a.virtual_pipeline_model_parallel_size
+        put("model", "virtual_pipeline_model_parallel_size", a.virtual_pipeline_model_parallel_size, "-vp")
     if a.cuda_graph_impl is not None:
-        m.cuda_graph_impl = a.cuda_graph_impl
+        put("model", "cuda_graph_impl", a.cuda_graph_impl, "--cuda_graph_impl")
         if a.cuda_graph_impl == "none":
-            m.cuda_graph_scope = None
+            put("model", "cuda_graph_scope", None, "--cuda_graph_impl")
     if a.cuda_graph_scope is not None:
-        m.cuda_graph_scope = [s.strip() for s in a.cuda_graph_scope.split(",") if s.strip()]
+        put("model", "cuda_graph_scope", [s.strip() for s in a.cuda_graph_scope.split(",") if s.strip()],
+            "--cuda_graph_scope")
     if a.recompute_num_layers is not None:
-        m.recompute_granularity, m.recompute_method = "full", "uniform"
-        m.recompute_num_layers = a.recompute_num_layers
+        put("model", "recompute_granularity", "full", "-rl")
+        put("model", "recompute_method", "uniform", "-rl")
+        put("model", "recompute_num_layers", a.recompute_num_layers, "-rl")
     if a.recompute_modules is not None:
-        m.recompute_granularity = "selective"
-        m.recompute_modules = [s.strip() for s in a.recompute_modules.split(",") if s.strip()]
+        put("model", "recompute_granularity", "selective", "--recompute_modules")
+        put("model", "recompute_modules", [s.strip() for s in a.recompute_modules.split(",") if s.strip()],
+            "--recompute_modules")
     if a.moe_flex_dispatcher_backend is not _KEEP:
         backend = a.moe_flex_dispatcher_backend
         backend = None if backend in (None, "None", "none") else backend
-        if backend is not None or m.is_moe:  # "None" on a dense model asks for nothing: no dispatcher to reset
-            apply_flex_dispatcher_backend(m, backend)
+        if backend is not None or cfg.model.is_moe:  # "None" on a dense model asks for nothing: no dispatcher
+            flag = "--moe_flex_dispatcher_backend"
+            _check_conflict(overridden, "model.moe_flex_dispatcher_backend", backend, flag)
+            _check_conflict(overridden, "model.moe_token_dispatcher_type", "alltoall" if backend is None else "flex",
+                            flag)
+            apply_flex_dispatcher_backend(cfg.model, backend)
     if a.moe_a2a_overlap is not None:
         if cfg.comm_overlap is None:
             cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)
-        _check_conflict(overridden, "comm_overlap.overlap_moe_expert_parallel_comm", a.moe_a2a_overlap,
-                        "--moe_a2a_overlap")
         _check_conflict(overridden, "model.overlap_moe_expert_parallel_comm", a.moe_a2a_overlap, "--moe_a2a_overlap")
-        cfg.comm_overlap.overlap_moe_expert_parallel_comm = a.moe_a2a_overlap
+        put("comm_overlap", "overlap_moe_expert_parallel_comm", a.moe_a2a_overlap, "--moe_a2a_overlap")
     if a.strict:
         if cfg.comm_overlap is None:
             cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)
-        cfg.comm_overlap.strict = True
-    if a.tokenizer_type is not None:
-        cfg.tokenizer.tokenizer_type = a.tokenizer_type
-    if a.vocab_size is not None:
-        cfg.tokenizer.vocab_size = a.vocab_size
-    if a.global_batch_size is not None:
-        t.global_batch_size = a.global_batch_size
-    if a.micro_batch_size is not None:
-        t.micro_batch_size = a.micro_batch_size
-    if a.max_steps is not None:
-        t.train_iters = a.max_steps
-    for name in ("eval_time_start_step", "eval_time_end_step", "skip_first_percent_time"):
-        if getattr(a, name) is not None:
-            setattr(t, name, getattr(a, name))
+        put("comm_overlap", "strict", True, "--strict")
+    for section, field, value, flag in (
+            ("tokenizer", "tokenizer_type", a.tokenizer_type, "--tokenizer_type"),
+            ("tokenizer", "vocab_size", a.vocab_size, "--vocab_size"),
+            ("train", "global_batch_size", a.global_batch_size, "-gb"),
+            ("train", "micro_batch_size", a.micro_batch_size, "-mb"),
+            ("train", "train_iters", a.max_steps, "-ms/--max_steps"),
+            ("train", "eval_time_start_step", a.eval_time_start_step, "--eval_time_start_step"),
+            ("train", "eval_time_end_step", a.eval_time_end_step, "--eval_time_end_step"),
+            ("train", "skip_first_percent_time", a.skip_first_percent_time, "--skip_first_percent_time")):
+        if value is not None:
+            put(section, field, value, flag)
 
 
 def launch_env_inputs(cfg: ConfigContainer, res: Resolution, accelerator: str) -> LaunchEnvInputs:

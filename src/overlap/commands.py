@@ -89,10 +89,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.emit_slurm and network.kind == "tbf":
         raise ConfigError("--network", args.network, "the emulated interconnect is a local (-g cpu) launch feature.",
                           "on a cluster use the real network (omit --network) or a modelled link (model:LAT,BW).")
+    check_runtime_support(job.cfg, gpu=args.gpu != "cpu")  # before a script is queued or a rank starts
     if args.emit_slurm:
         from overlap.launch.slurm import render_sbatch
 
         per_node = args.gpus_per_node or default_gpus_per_node(args.gpu, args.num_gpus)
+        if args.num_gpus % per_node:
+            raise ConfigError("-ng/--num_gpus", args.num_gpus, f"a Slurm job runs whole nodes of {per_node} ranks.",
+                              f"use a multiple of {per_node} ranks, or set -gn/--gpus_per_node to divide -ng.")
         env = {s.name: s.value for s in env_settings if s.value is not None and s.source != "user environment"}
         script = render_sbatch(job_name=f"overlap-{args.model_recipe_name}",
                                num_nodes=math.ceil(args.num_gpus / per_node), gpus_per_node=per_node,
@@ -100,8 +104,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         Path(args.emit_slurm).write_text(script)
         print(f"wrote {args.emit_slurm}: submit it with sbatch")
         return 0
-    check_runtime_support(job.cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if os.environ["RANK"] == "0" and "OVERLAP_LAUNCHED" not in os.environ:
+            # Under an external launcher (torchrun, srun) the environment was fixed before we started: show what
+            # the rules ask for and what is in effect, so a missing CUDA_DEVICE_MAX_CONNECTIONS is not silent.
+            log.info("Launch environment (rules; set them in the launching environment, e.g. with --emit-slurm):"
+                     "\n%s", format_launch_env(env_settings))
+            for s in env_settings:
+                if s.value is not None and os.environ.get(s.name) != s.value:
+                    log.warning("%s is %r here but the launch rules ask for %r (%s)", s.name,
+                                os.environ.get(s.name), s.value, s.reason)
         return _run_rank(job, args, network)
     if args.gpu != "cpu":
         raise ConfigError("-g/--gpu", args.gpu, "GPU runs are started by torchrun or Slurm, one process per GPU.",
@@ -112,6 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"Launch environment:\n{format_launch_env(env_settings)}", flush=True)
     worker_env = dict(os.environ)
     apply_launch_env(env_settings, worker_env)
+    worker_env["OVERLAP_LAUNCHED"] = "1"  # our own launcher already applied and printed the launch environment
     command = python_module_command("overlap.cli", argv)
     try:
         if network.kind == "tbf":

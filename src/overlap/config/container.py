@@ -196,6 +196,22 @@ class ConfigContainer:
                               f"each data-parallel rank needs at least 2 micro-batches per step (it has "
                               f"{t.global_batch_size // (t.micro_batch_size * layout.dp)}).",
                               f"use -gb >= {2 * t.micro_batch_size * layout.dp} or a smaller -mb.")
+        o, sc = self.optimizer, self.scheduler
+        if o.optimizer != "adam":
+            raise NotBuiltError("optimizer.optimizer", o.optimizer, "This optimizer", "use optimizer.optimizer=adam.")
+        if sc.lr_decay_style not in ("cosine", "linear", "constant"):
+            raise ConfigError("scheduler.lr_decay_style", sc.lr_decay_style, "unknown decay style.",
+                              "use cosine, linear or constant.")
+        if t.log_interval < 1:
+            raise ConfigError("train.log_interval", t.log_interval, "log every N >= 1 iterations.",
+                              "set train.log_interval=1 or more.")
+        if not t.comm_timeout_s > 0:
+            raise ConfigError("train.comm_timeout_s", t.comm_timeout_s, "a timeout must be positive.",
+                              "set train.comm_timeout_s to a number of seconds, e.g. 300.")
+        if (m.bf16, m.fp16) != (m.params_dtype == "bfloat16", m.params_dtype == "float16"):
+            raise ConfigError("model.params_dtype", m.params_dtype,
+                              f"it contradicts model.bf16={m.bf16} / model.fp16={m.fp16}.",
+                              "set precision with -c or mixed_precision=bf16_mixed|fp16_mixed|fp32, not piecemeal.")
         if t.train_iters < 1:
             raise ConfigError("train.train_iters", t.train_iters, "a run needs at least one step.", "use -ms 1 or more.")
 

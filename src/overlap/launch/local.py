@@ -41,6 +41,9 @@ def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], add
     procs = [subprocess.Popen([*prefix, *command], env=rank_env(env, r, world, addr, port)) for r in range(world)]
     failed: tuple[int, int] | None = None
     deadline: float | None = None
+    # SIGTERM (timeout, a scheduler, a killed bench) must unwind like Ctrl-C, so the ranks are stopped and the
+    # caller's `finally` (e.g. deleting the network namespace) runs.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -63,11 +66,21 @@ def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], add
                 p.send_signal(signal.SIGINT)
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_by = time.monotonic() + GRACE_S
         for p in procs:
-            p.wait()
+            try:
+                p.wait(timeout=max(0.0, stop_by - time.monotonic()))
+            except subprocess.TimeoutExpired:  # a rank stuck in a collective ignores SIGINT: do not wait for it
+                p.kill()
+                p.wait()
     if failed is not None:
         rank, code = failed
         raise RankFailure(f"rank {rank} of {world} failed (exit code {code}); the other ranks were stopped")
+
+
+def _raise_interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def python_module_command(module: str, argv: Sequence[str]) -> list[str]:

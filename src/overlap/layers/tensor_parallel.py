@@ -180,11 +180,6 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _ReduceScatterToSP.apply(x, group)
 
 
-def scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Forward keep this rank's sequence slice (dim 0), backward all-gather."""
-    return _Split.apply(x, group, 0)
-
-
 def gather_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Forward all-gather along the last (feature) dim, backward keep this rank's feature slice."""
     return _Gather.apply(x, group, -1)

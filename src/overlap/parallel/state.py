@@ -84,11 +84,9 @@ class ParallelState:
         self.ep_group = self.expert_mesh.get_group("ep")
         self.edp_group = self.expert_mesh.get_group("edp")
         self.tp_rank = self.mesh.get_local_rank("tp")
-        self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.ep_meta_group = self._twin_groups(self.expert_mesh, "ep")
         self.ep_rank = self.expert_mesh.get_local_rank("ep")
-        self.edp_rank = self.expert_mesh.get_local_rank("edp")
 
     @staticmethod
     def _twin_groups(mesh: DeviceMesh, dim: str):
@@ -107,20 +105,12 @@ class ParallelState:
         return self.layout.tp
 
     @property
-    def pp_size(self) -> int:
-        return self.layout.pp
-
-    @property
     def dp_size(self) -> int:
         return self.layout.dp
 
     @property
     def ep_size(self) -> int:
         return self.layout.ep
-
-    @property
-    def edp_size(self) -> int:
-        return self.layout.edp
 
     def describe(self) -> str:
         """One line per dimension for start-up logs: size, this rank's coordinate, and the ranks it talks to."""

@@ -13,7 +13,7 @@ Per merged layer pair (F walks up, B walks down), the order of work on this rank
     B  LAUNCH dispatch-backward all-to-all
     B  delayed expert weight gradients (delay_wgrad_compute)  (more cover for both all-to-alls)
     F  WAIT dispatch, experts, LAUNCH combine all-to-all      (hides B's dispatch-backward)
-    B  WAIT dispatch-backward, attention backward (+ delayed attention weight gradients)   (hides F's combine)
+    B  WAIT dispatch-backward, attention backward               (hides F's combine)
     (F's combine is waited for at the start of the next layer's attention piece)
 
 This is the reference's per-layer order (runtime-mechanisms 1.4) translated from two CUDA streams to one host
@@ -95,8 +95,7 @@ class LayerRun:
         (rows,) = _wait(self.handles)
         self.post = ScheduleNode(f"layer{self.layer.layer_number}.combine",
                                  lambda r, h, s: h + self.moe.combine_postprocess(r, self.plan, s))
-        shared = self.shared if self.shared is not None else None
-        return self.post.forward(rows, self.h, shared)[0]
+        return self.post.forward(rows, self.h, self.shared)[0]
 
     # ---------------- backward ---------------------------------------------------------------------------------
     def combine_backward(self, grad_y: torch.Tensor) -> torch.Tensor | None:

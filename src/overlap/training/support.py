@@ -10,7 +10,7 @@ from overlap.config.container import ConfigContainer
 from overlap.errors import ConfigError, NotBuiltError
 
 
-def check_runtime_support(cfg: ConfigContainer) -> None:
+def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
     m, d, o = cfg.model, cfg.ddp, cfg.optimizer
     checks = [
         (m.pipeline_model_parallel_size > 1, "model.pipeline_model_parallel_size", m.pipeline_model_parallel_size,
@@ -39,13 +39,25 @@ def check_runtime_support(cfg: ConfigContainer) -> None:
          "Fused gradient accumulation (a Transformer Engine kernel)", "set model.gradient_accumulation_fusion=false."),
         (m.add_bias_linear or m.add_qkv_bias, "model.add_bias_linear", True, "Linear biases",
          "set model.add_bias_linear=false and model.add_qkv_bias=false."),
+        (m.is_moe and not m.gated_linear_unit, "model.gated_linear_unit", False,
+         "Non-gated (GELU) routed experts", "use gated_linear_unit=true (SwiGLU experts) for MoE models."),
+        (m.share_embeddings_and_output_weights, "model.share_embeddings_and_output_weights", True,
+         "Tied embedding and output weights", "set model.share_embeddings_and_output_weights=false."),
+        (d.check_for_nan_in_grad, "ddp.check_for_nan_in_grad", True, "The NaN check of gradients",
+         "set ddp.check_for_nan_in_grad=false."),
+        (d.average_in_collective, "ddp.average_in_collective", True,
+         "Averaging inside the collective (gradients are summed; the loss carries 1 / (micro-batches x DP))",
+         "set ddp.average_in_collective=false."),
     ]
     if d.impl not in ("overlap", "torch_ddp", "fsdp2"):
         raise ConfigError("ddp.impl", d.impl, "unknown data-parallel implementation.",
                           "use overlap, torch_ddp or fsdp2.")
-    if d.impl != "overlap" and (m.is_moe or m.tensor_model_parallel_size > 1 or m.bf16 or m.fp16):
-        raise ConfigError("ddp.impl", d.impl, "the PyTorch peers are run on dense, tensor-parallel-free fp32 models "
-                          "(the data-parallel comparison).", "use -mr dense_tiny -tp 1 -c fp32, or ddp.impl=overlap.")
+    if d.impl != "overlap" and (m.is_moe or m.tensor_model_parallel_size > 1 or m.bf16 or m.fp16
+                                or d.use_distributed_optimizer or d.fp8_param_gather or gpu):
+        raise ConfigError("ddp.impl", d.impl, "the PyTorch peers are the CPU data-parallel comparison: dense, "
+                          "tensor-parallel-free fp32 models, their own optimizer and sharding (no distributed "
+                          "optimizer / fp8 gather settings of ours).",
+                          "use -g cpu -mr dense_tiny -tp 1 -c fp32 with the default ddp settings, or ddp.impl=overlap.")
     for failed, field, value, what, fix in checks:
         if failed:
             raise NotBuiltError(field, value, what, fix)
