@@ -11,8 +11,9 @@ keep an SM margin for them (``set_sm_margin``).
 
 The class names, field names and order, ``method`` strings and the 19 preset names follow Megatron-Bridge's
 ``comm_overlap.py`` so that configurations written for it keep working. In our runtime these plans are a compatibility
-surface: they are converted to a nested dict with :meth:`TransformerLayerTPOverlapCfg.to_dict` and consumed by the
-TP-overlap layer, which decides what it can honour.
+surface: they are validated and converted to a nested dict with :meth:`TransformerLayerTPOverlapCfg.to_dict`. No
+runtime consumes them yet (TP communication overlap is not built; its gate turns the request off with a logged
+reason, or fails under strict mode).
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ from typing import Any, Callable
 
 from torch.utils.checkpoint import checkpoint
 
+from overlap.config.container import RECOMPUTE_MODULES as SELECTIVE_MODULES  # one list, owned by the config
 from overlap.errors import ConfigError
-
-SELECTIVE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
 
 
 def maybe_checkpoint(enabled: bool, fn: Callable[..., Any], *args: Any) -> Any:

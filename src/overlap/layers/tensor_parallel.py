@@ -8,8 +8,9 @@ all-gather <-> reduce-scatter, slice <-> all-gather). Every collective goes thro
 group of one rank each mapping is the identity, so the same model code runs at TP=1 without tracing empty collectives.
 
 The two spots where a collective meets a GEMM are one function each: `all_gather_linear` (SP all-gather feeding the
-column-parallel GEMM) and `linear_reduce_scatter` (row-parallel GEMM feeding the SP reduce-scatter). Tensor-parallel
-communication overlap replaces exactly these two functions with chunked, overlapped versions.
+column-parallel GEMM) and `linear_reduce_scatter` (row-parallel GEMM feeding the SP reduce-scatter), so that
+tensor-parallel communication overlap, when it is built, replaces exactly these two functions with chunked,
+overlapped versions. It is not built yet: the configuration gate turns `tp_comm_overlap` off with a logged reason.
 """
 
 from __future__ import annotations
