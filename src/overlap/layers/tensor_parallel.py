@@ -22,6 +22,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup, ReduceOp
 
 from overlap.layers.init import mark_shard
+from overlap.layers.wgrad_store import linear
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 
@@ -199,12 +200,12 @@ def scatter_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       group: ProcessGroup) -> torch.Tensor:
     """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM."""
-    return F.linear(gather_from_sp(x, group), weight, bias)
+    return linear(gather_from_sp(x, group), weight, bias)
 
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Row-parallel GEMM followed by the sequence-parallel reduce-scatter of its partial sums."""
-    return reduce_scatter_to_sp(F.linear(x, weight), group)
+    return reduce_scatter_to_sp(linear(x, weight), group)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -242,12 +243,11 @@ class ColumnParallelLinear(nn.Module):
                                    shard_dim, ps.tp_rank, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.reshape(-1, self.weight.shape[-1])
         bias = None if self.bias is None else self.bias.reshape(-1)
         if self.sequence_parallel:
-            y = all_gather_linear(x, weight, bias, self.group)
+            y = all_gather_linear(x, self.weight, bias, self.group)
         else:
-            y = F.linear(copy_to_tp(x, self.group), weight, bias)
+            y = linear(copy_to_tp(x, self.group), self.weight, bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
@@ -284,7 +284,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = linear_reduce_scatter(x, self.weight, self.group)
         else:
-            y = reduce_from_tp(F.linear(x, self.weight), self.group)
+            y = reduce_from_tp(linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,4 +1,5 @@
-"""Delayed weight-gradient computation (`delay_wgrad_compute`).
+"""Delayed weight-gradient computation (`delay_wgrad_compute`) for the linear layers (`Linear`: attention, MLP and
+shared-expert GEMMs) and the routed experts (`GroupedLinear`).
 
 In backward, a layer that supports it computes the input gradient at once (the previous layer waits for it) and, while
 `WGRAD_STORE.delaying(True)` is active, queues the weight-gradient GEMM (its inputs and output grad are captured by
@@ -88,3 +89,34 @@ class GroupedLinear(torch.autograd.Function):
             WGRAD_STORE.put(lambda: deliver_weight_grad(weight, weight_grad()))
             return grad_rows, None, None
         return grad_rows, weight_grad(), None
+
+
+class Linear(torch.autograd.Function):
+    """y = x W^T + b with W = `weight` viewed as [-1, in] (fused weights keep their own shape); the weight gradient can
+    be delayed through WGRAD_STORE, the input and bias gradients never are."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.has_bias = weight, bias is not None
+        return torch.nn.functional.linear(x, weight.reshape(-1, weight.shape[-1]), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        weight = ctx.weight
+        grad_x = grad @ weight.reshape(-1, weight.shape[-1])
+        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+
+        def weight_grad() -> torch.Tensor:
+            return (grad_2d.t() @ x_2d).reshape(weight.shape)
+
+        if WGRAD_STORE.active:
+            WGRAD_STORE.put(lambda: deliver_weight_grad(weight, weight_grad()))
+            return grad_x, None, grad_bias
+        return grad_x, weight_grad(), grad_bias
+
+
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return Linear.apply(x, weight, bias)

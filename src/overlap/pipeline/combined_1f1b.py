@@ -8,13 +8,14 @@ Dense layers are one piece with empty dispatch/combine. Micro-batches run as in 
 Per merged layer pair (F walks up, B walks down), the order of work on this rank's one compute thread is:
 
     B  combine-postprocess backward, LAUNCH combine-backward all-to-all
+       (+ the previous layer's delayed attention / shared-expert weight gradients)   (hides B's combine-backward)
     F  attention piece, LAUNCH dispatch all-to-all            (hides B's combine-backward)
     B  WAIT combine-backward, experts backward                (hides F's dispatch)
     B  LAUNCH dispatch-backward all-to-all
     B  delayed expert weight gradients (delay_wgrad_compute)  (more cover for both all-to-alls)
     F  WAIT dispatch, experts, LAUNCH combine all-to-all      (hides B's dispatch-backward)
-    B  WAIT dispatch-backward, attention backward               (hides F's combine)
-    (F's combine is waited for at the start of the next layer's attention piece)
+    B  WAIT dispatch-backward, attention backward (its weight gradients queued with delay_wgrad_compute)
+    (F's combine is waited for at the start of the next layer's attention piece, after B's next combine backward)
 
 This is the reference's per-layer order (runtime-mechanisms 1.4) translated from two CUDA streams to one host
 thread: on a GPU a communication kernel starts as soon as its inputs are ready, whatever the host issue order, so
@@ -124,7 +125,8 @@ class LayerRun:
             return dense_grad
         g_rows, g_weights = _wait(self.handles)
         aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
-        (g_x,) = self.attn.backward(self.g_h, g_rows, g_weights, aux_grad, self.g_shared)
+        with WGRAD_STORE.delaying(self.delay_wgrad):  # attention + shared-expert weight GEMMs: queued when delaying
+            (g_x,) = self.attn.backward(self.g_h, g_rows, g_weights, aux_grad, self.g_shared)
         self.plan = self.h = self.shared = self.g_h = self.g_shared = None
         return g_x
 
@@ -176,12 +178,14 @@ def _backward_layers(b: MicroBatchRun) -> Iterator[None]:
         if i > 0:
             yield  # F: wait its combine, next attention piece, launch its dispatch
         dense_grad = run.combine_backward(g)
-        yield  # F: attention piece + dispatch launch (first layer) / experts + combine launch
+        WGRAD_STORE.flush()  # the previous layer's delayed attention wgrad, under this combine-backward and F's combine
+        yield  # F: attention piece + dispatch launch
         run.experts_backward()
         WGRAD_STORE.flush()  # delayed expert weight gradients, under F's dispatch and B's dispatch backward
         yield  # F: experts + combine launch
         g = run.attention_backward(dense_grad)
     b.embed.backward(g)
+    WGRAD_STORE.flush()
 
 
 def _drain(it: Iterator[None]) -> None:
