@@ -28,18 +28,18 @@ from typing import Iterator
 
 import torch
 
-from overlap.layers.moe.dispatcher import DispatchPlan
+from overlap.layers.moe.dispatcher import DispatchPlan, PendingAllToAll
 from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.model.gpt import GPTModel, TransformerLayer
-from overlap.parallel import comm
 from overlap.parallel.comm import CommHandle
 from overlap.pipeline.schedule_node import ScheduleNode
 
 
 def _a2a(tensors: tuple[torch.Tensor, ...], group, kind: str, out_splits: list[int],
          in_splits: list[int]) -> tuple[CommHandle, ...]:
-    return tuple(comm.all_to_all(t.detach().contiguous(), group, kind, out_splits, in_splits) for t in tensors)
+    """Launch raw all-to-alls (no autograd link: the schedule runs each piece's backward itself)."""
+    return PendingAllToAll.launch(tensors, group, kind, out_splits, in_splits).handles
 
 
 def _wait(handles: tuple[CommHandle, ...]) -> tuple[torch.Tensor, ...]:
