@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: ranks were stopped and cleanup ran on the way out
+        print(f"overlap: interrupted ({exc or 'Ctrl-C'}); ranks stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
