@@ -3,13 +3,15 @@ distributed optimizer, and its overlapped (and fp8) parameter gather, all driven
 compared with the single-process reference (`run_world(1)`: same model, seed and global batch, 8 micro-batches).
 
 Tolerances, and why:
-- fp32, any DP layout and switch vs the reference: losses rtol 1e-5, final params atol 1e-6 (rtol 1e-5). The
+- fp32, any DP layout and switch vs the reference: losses rtol 1e-5, final params atol 5e-6 (rtol 1e-5). The
   forward of every micro-batch is the same arithmetic; what differs is the order in which per-micro-batch gradients
   are summed (accumulation in main_grad, then a SUM over ranks) and the grad norm's summation order, i.e. ~1e-7
   relative on gradients, which Adam (m / sqrt(v)) passes on as rounding-level changes of the lr-sized updates. A wrong
   bucket, shard, scale or stale gather moves losses by >= 1e-4 relative (a stale forward gather was checked to fail).
-  Measured: losses within 1.7e-7 relative, params within 1.1e-6 absolute, the same for all four modes (the
-  difference comes from DP's summation order, not from the switches).
+  Measured: losses within 1.7e-7 relative, params within 1.6e-6 absolute (an element whose gradient is near zero,
+  where Adam's m / sqrt(v) amplifies rounding), the same for all four modes: the difference comes from DP's
+  summation order (on gloo the reduce-scatter is an all-to-all plus a local sum), not from the switches. One lr-sized
+  step is 1e-3, so a wrong bucket or shard still misses by ~200x.
 - fp8 parameter gather: losses rtol 1e-3. After every step each weight is rounded to e4m3 (3 mantissa bits, <= 6.25%
   relative per element, with the per-bucket scale amax/448); the first step's loss is exact (initial weights are not
   gathered); later losses of this near-uniform model moved by ~1e-4 relative (measured 9.7e-5).
@@ -35,7 +37,7 @@ from overlap.training.trainer import Trainer
 from tests.world import run_world
 
 BUCKET = 2000  # parameters: the tiny model (~85k params) then has over a dozen buckets
-LOSS_RTOL, PARAM_TOL = 1e-5, dict(atol=1e-6, rtol=1e-5)
+LOSS_RTOL, PARAM_TOL = 1e-5, dict(atol=5e-6, rtol=1e-5)
 
 MODES = {
     "no_overlap": dict(),
@@ -94,7 +96,7 @@ def test_data_parallel_modes_match_reference(world, reference):
             assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL), (mode, rank)
             assert norms == pytest.approx(ref_norms, rel=LOSS_RTOL), (mode, rank)
             for name, value in params.items():
-                torch.testing.assert_close(value, ref_params[name], **PARAM_TOL, msg=f"{mode} rank {rank} {name}")
+                torch.testing.assert_close(value, ref_params[name], **PARAM_TOL, msg=lambda m: f"{mode} rank {rank} {name}: {m}")
 
 
 def test_fp8_param_gather_close_to_reference(reference):
