@@ -160,13 +160,17 @@ def test_collectives_overlap_backward_and_forward():
         rs_launches = [t for kind, t, _ in events if kind == "dp_rs"]
         assert len(rs_launches) > 1
         assert min(rs_launches) < last_backward_end  # launched from a grad hook, inside backward
-        assert not [k for k, _, _ in events if k == "dp_ag"]  # the gather was deferred to the next forward
+        # The gather is deferred to the next forward, except the first bucket's: launched at the step, after backward
+        early = [t0 for kind, t0, _ in events if kind == "dp_ag"]
+        assert len(early) == 1 and early[0] > last_backward_end
 
         events, spans = second
         forward_start = min(start for name, start, _ in spans if name == "forward")
-        gathers = [(t0, t1) for kind, t0, t1 in events if kind == "dp_ag"]
-        assert len(gathers) > 1
+        backward_end = max(end for name, _, end in spans if name == "backward")
+        gathers = [(t0, t1) for kind, t0, t1 in events if kind == "dp_ag" and t0 < backward_end]
+        assert len(gathers) > 1  # the rest of step 1's gathers, driven by this forward's pre-hooks
         assert all(t0 >= forward_start and t1 >= forward_start for t0, t1 in gathers)
+        assert len([t0 for kind, t0, _ in events if kind == "dp_ag" and t0 > backward_end]) == 1  # step 2's first
 
 
 def _shared_weight() -> tuple[int, int, bool]:

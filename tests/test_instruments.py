@@ -243,6 +243,43 @@ def test_overlap_efficiency_and_summary_table():
     assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 |" in table and "0.50 |" in table
 
 
+def test_family_floor_gives_its_own_efficiency_column():
+    configs = bench.build_configs("x.y", ["false", "true"], ideal=True, families=["ep"])
+    assert [c.name for c in configs][2:] == [bench.IDEAL_NAME, "ideal (no ep communication)"]
+    assert configs[3].run_flags == ["--comm-mode", "none:ep"] and configs[3].floor
+    with pytest.raises(ConfigError, match="--ideal-family"):
+        bench.build_configs("x.y", ["a", "b"], ideal=False, families=["ep_dispatch"])
+
+    def run(ms):
+        return bench.RunResult(ms, {"all": 1.0}, {"all": 1.0}, 400.0, [1, 4], "real")
+
+    results = {"x.y=false": [run(100)], "x.y=true": [run(80)], bench.IDEAL_NAME: [run(60)],
+               "ideal (no ep communication)": [run(70)]}
+    doc = bench.summarize(configs, results, "real", "overlap bench ...")
+    assert doc["overlap_efficiency"] == {"x.y=true": pytest.approx(0.5)}  # the full floor stays the headline
+    assert doc["overlap_efficiency_by_floor"]["ideal (no ep communication)"] == {"x.y=true": pytest.approx(2 / 3)}
+    assert doc["floors_step_time_ms"] == {bench.IDEAL_NAME: 60, "ideal (no ep communication)": 70}
+    table = bench.format_markdown(doc)
+    assert "eff. vs ideal (no communication) | eff. vs ideal (no ep communication) |" in table
+    assert "| 0.50 | 0.67 |" in table
+
+
+def test_comm_mode_none_for_one_family_only():
+    from overlap.parallel import comm
+
+    assert comm.parse_mode("none:ep,dp") == ("none", frozenset({"ep", "dp"}))
+    assert comm.parse_mode("real") == ("real", None)
+    for bad in ("none:", "real:ep", "fake"):
+        with pytest.raises(ValueError, match="comm mode"):
+            comm.parse_mode(bad)
+    try:
+        comm.set_mode("none:ep")
+        assert comm._is_free("ep_dispatch") and not comm._is_free("dp_rs")
+    finally:
+        comm.set_mode("real")
+    assert not comm._is_free("ep_dispatch")
+
+
 def test_named_configs_peers_and_hidden_share_by_family():
     configs = bench.with_ideal([bench.parse_named_config("off:ddp.overlap_grad_reduce=false"),
                                 bench.parse_named_config("on:ddp.overlap_grad_reduce=true;ddp.bucket_size=10"),

@@ -37,7 +37,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     _add_instrument_flags(run)
     run.add_argument("--trace", default=None, metavar="DIR",
                      help="write per-rank events, a merged Chrome trace (trace.json) and timeline.png into DIR")
-    run.add_argument("--comm-mode", default="real", choices=("real", "none"), help=argparse.SUPPRESS)
+    # real | none | none:FAMILY[,FAMILY]: the benchmark floors (`overlap bench --ideal/--ideal-family`); see comm.py
+    run.add_argument("--comm-mode", default="real", help=argparse.SUPPRESS)
     run.set_defaults(func=cmd_run)
 
     from overlap.perf.bench import BENCH_FLAGS
@@ -83,6 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from overlap.launch.network import parse_network
 
     network = parse_network(args.network)
+    _check_comm_mode(args.comm_mode)
     env_settings = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars,
                                       os.environ)
     argv = _own_argv(args.argv)
@@ -143,9 +145,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_comm_mode(comm_mode: str) -> None:
+    from overlap.parallel.comm import parse_mode
+
+    try:
+        parse_mode(comm_mode)
+    except ValueError as exc:
+        raise ConfigError("--comm-mode", comm_mode, str(exc) + ".", "pass real, none, or none:ep (one family free).")
+
+
 def _network_label(network, comm_mode: str) -> str:
     if comm_mode == "none":
         return "none (comm mode none: no transfers, the compute-only floor; losses meaningless)"
+    if comm_mode.startswith("none:"):
+        families = comm_mode.partition(":")[2]
+        return (f"{network.describe()}; {families} communication free (comm mode {comm_mode}: the floor without "
+                f"it; losses meaningless)")
     return network.describe()
 
 

@@ -1,8 +1,9 @@
 """All-gather of the updated parameter shards after a distributed-optimizer step, optionally hidden behind forward.
 
 Each rank updated only its shard of every bucket; a bucket-wise all-gather makes the replicas whole again. Without
-`overlap_param_gather` this happens right after the step. With it, nothing is sent at the step: forward pre-hooks of
-the NEXT step drive the gathers (Megatron's scheme): before a module runs, the bucket(s) holding its parameters are
+`overlap_param_gather` this happens right after the step. With it, only the first bucket (in forward order) is launched
+at the step, to fly under the rest of it; forward pre-hooks of the NEXT step drive the others (Megatron's scheme):
+before a module runs, the bucket(s) holding its parameters are
 waited for (launched first if needed) and the next bucket in forward order is launched, one bucket of look-ahead, so
 the gather of layer k+1's weights runs while layer k computes. Forward order is the order in which the buckets'
 parameters were registered (the reverse of the buffer layout). `finish()` completes everything still pending; call it
@@ -52,6 +53,8 @@ class ParamGather:
             self._agree_on_scales()
         if not self.overlap:
             self.finish()
+        elif self.order:
+            self._launch()  # the first bucket flies under the rest of the step (as Megatron dispatches it)
 
     def finish(self) -> None:
         """Complete every pending gather, in order."""

@@ -9,6 +9,8 @@ Modes (`set_mode`):
 - "real": the collective runs.
 - "none": no transfer at all; outputs keep the right shapes (inputs are echoed). Losses are meaningless in this mode;
   its only use is the compute-only floor of a benchmark (`T_ideal`).
+- "none:FAMILY[,FAMILY]" (e.g. "none:ep"): only the kinds of those families (the kind's prefix before "_") are free,
+  the rest run for real: the floor that isolates one parallel dimension's communication from the others'.
 
 Modelled link (`set_network(LinkModel(...))`, the `--network model:LATENCY,BANDWIDTH` fallback when no emulated
 interconnect can be set up): the collective still runs for real, so the data stays correct, but its completion is held
@@ -38,6 +40,7 @@ from overlap.parallel.trace import RECORDER, CommEvent, now
 
 _MODES = ("real", "none")
 _mode = "real"
+_free_families: frozenset[str] | None = None  # mode "none": the families made free (None: all)
 _group_sizes: dict[ProcessGroup, int] = {}
 _group_ranks: dict[ProcessGroup, int] = {}
 _group_backends: dict[ProcessGroup, str] = {}
@@ -78,8 +81,6 @@ def set_network(link: LinkModel | None) -> None:
     _link_free_at.clear()
 
 
-
-
 def _reserve_link(group: ProcessGroup, op: str, payload_bytes: int, size: int, t_launch: float) -> float:
     """Book the op on its group's link after whatever is already queued there; return its modelled completion."""
     with _link_lock:
@@ -89,13 +90,22 @@ def _reserve_link(group: ProcessGroup, op: str, payload_bytes: int, size: int, t
     return deadline
 
 
+def parse_mode(mode: str) -> tuple[str, frozenset[str] | None]:
+    """"real" | "none" | "none:ep,dp" -> (mode, families made free; None = every family)."""
+    base, sep, rest = mode.partition(":")
+    families = frozenset(f.strip() for f in rest.split(",") if f.strip()) if sep else None
+    if base not in _MODES or (sep and (base != "none" or not families)):
+        raise ValueError(f"comm mode must be 'real', 'none' or 'none:FAMILY[,FAMILY]' (e.g. none:ep), got {mode!r}")
+    return base, families
+
+
 def set_mode(mode: str) -> None:
-    global _mode
-    if mode not in _MODES:
-        raise ValueError(f"comm mode must be one of {_MODES}, got {mode!r}")
-    _mode = mode
+    global _mode, _free_families
+    _mode, _free_families = parse_mode(mode)
 
 
+def _is_free(kind: str) -> bool:
+    return _mode == "none" and (_free_families is None or kind.split("_", 1)[0] in _free_families)
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -164,7 +174,7 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
     (the recorded input size), as for all-gather."""
     event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=now())
     RECORDER.add_comm(event)
-    if _mode == "none" or event.group_size == 1:
+    if _is_free(kind) or event.group_size == 1:
         if fake is not None:
             fake()  # stands in for the transfer and its `finish` both
         return CommHandle(event, None, result)
@@ -244,8 +254,6 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
                    lambda: dist.all_to_all_single(out, inp, output_split_sizes=list(output_split_sizes or []) or None,
                                                   input_split_sizes=list(input_split_sizes or []) or None,
                                                   group=group, async_op=True), out, fake)
-
-
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

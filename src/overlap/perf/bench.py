@@ -12,6 +12,12 @@ iteration over the same window), peak memory, and the ratio of its step time to 
 shapes kept, losses meaningless): its time `T_ideal` is the compute-only floor, and each later configuration gets
 the overlap efficiency `(T_off - T_on) / (T_off - T_ideal)` with the first configuration as "off": the share of the
 first configuration's communication cost that the switch removed (1.0: all of it hidden; 0: none).
+
+`--ideal-family ep` adds a floor where only that family's communication is free (`--comm-mode none:ep`) and the rest
+(say, the data-parallel gradient reduction every configuration pays alike) runs for real. An overlap of one
+dimension can at best remove that dimension's cost, so this floor is the denominator that measures it: with it,
+the efficiency is the share of the exposed EP communication time that the switch hid. Every floor gets its own
+efficiency column; `overlap_efficiency` in the JSON is against the full floor when there is one.
 """
 
 from __future__ import annotations
@@ -40,11 +46,14 @@ BENCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
                               "optimizer.use_distributed_optimizer=true'")),
     (("--ideal",), dict(action="store_true",
                         help="also run the baseline without communication (T_ideal) and report overlap efficiency")),
+    (("--ideal-family",), dict(action="append", default=[], metavar="FAMILY", dest="ideal_families",
+                               help="also run the baseline with only FAMILY's communication free (e.g. ep: the "
+                                    "all-to-alls), the floor for that dimension's overlap efficiency (repeatable)")),
     (("--repeats",), dict(type=int, default=3, help="alternating rounds (default 3)")),
     (("--json",), dict(default=None, metavar="FILE", dest="json_out", help="write the results as JSON")),
     (("--markdown",), dict(default=None, metavar="FILE", help="also write the Markdown table to FILE")),
 ]
-_BENCH_OPTIONS_WITH_VALUE = ("--ab", "--config", "--repeats", "--json", "--markdown")
+_BENCH_OPTIONS_WITH_VALUE = ("--ab", "--config", "--ideal-family", "--repeats", "--json", "--markdown")
 _BENCH_SWITCHES = ("--ideal",)
 
 
@@ -76,6 +85,7 @@ class BenchConfig:
     name: str
     overrides: list[str]  # appended to the common overrides
     run_flags: list[str] = field(default_factory=list)  # extra `overlap run` flags (the ideal run's --comm-mode)
+    floor: bool = False  # a no-communication floor (ideal), not a configuration under test
 
 
 def parse_named_config(text: str) -> BenchConfig:
@@ -88,14 +98,24 @@ def parse_named_config(text: str) -> BenchConfig:
     return BenchConfig(name.strip(), overrides)
 
 
-def build_configs(key: str, values: list[str], ideal: bool) -> list[BenchConfig]:
-    return with_ideal([BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values], ideal)
+def build_configs(key: str, values: list[str], ideal: bool, families: list[str] = ()) -> list[BenchConfig]:
+    return with_ideal([BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values], ideal, families)
 
 
-def with_ideal(configs: list[BenchConfig], ideal: bool) -> list[BenchConfig]:
-    """Append the compute-only floor: the baseline configuration with communication made free."""
+def family_floor_name(family: str) -> str:
+    return f"ideal (no {family} communication)"
+
+
+def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = ()) -> list[BenchConfig]:
+    """Append the floors: the baseline configuration with all communication (`ideal`) or one family's made free."""
     if ideal:
-        configs.append(BenchConfig(IDEAL_NAME, list(configs[0].overrides), ["--comm-mode", "none"]))
+        configs.append(BenchConfig(IDEAL_NAME, list(configs[0].overrides), ["--comm-mode", "none"], floor=True))
+    for family in families:
+        if not family.isidentifier() or "_" in family:
+            raise ConfigError("--ideal-family", family, "a family is a kind's prefix (ep, dp, tp, pp, ...).",
+                              "pass e.g. --ideal-family ep.")
+        configs.append(BenchConfig(family_floor_name(family), list(configs[0].overrides),
+                                   ["--comm-mode", f"none:{family}"], floor=True))
     return configs
 
 
@@ -162,14 +182,17 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
                      "total_comm_ms": _mean_by_kind(runs, "total_comm_ms"),
                      "comm_mb_per_iter": _mean_by_kind(runs, "comm_mb"),
                      "peak_mem_mb": max(r.peak_mem_mb for r in runs)})
-    ideal = next((r for r in rows if r["name"] == IDEAL_NAME), None)
-    measured = [r for r in rows if r is not ideal]
+    floor_names = {c.name for c in configs if c.floor}
+    floors = [r for r in rows if r["name"] in floor_names]
+    measured = [r for r in rows if r["name"] not in floor_names]
     base = measured[0]["step_time_ms"]["mean"]
     for r in rows:
         r["step_time_ratio_to_first"] = r["step_time_ms"]["mean"] / base
-    t_ideal = ideal["step_time_ms"]["mean"] if ideal else None
-    efficiency = {r["name"]: (overlap_efficiency(base, r["step_time_ms"]["mean"], t_ideal) if ideal else None)
-                  for r in measured[1:]}
+    by_floor = {f["name"]: {r["name"]: overlap_efficiency(base, r["step_time_ms"]["mean"], f["step_time_ms"]["mean"])
+                            for r in measured[1:]} for f in floors}
+    main_floor = next((f for f in floors if f["name"] == IDEAL_NAME), floors[0] if floors else None)
+    t_ideal = main_floor["step_time_ms"]["mean"] if main_floor else None
+    efficiency = by_floor[main_floor["name"]] if main_floor else {r["name"]: None for r in measured[1:]}
     for r in rows:
         # A PyTorch peer (ddp.impl=torch_ddp|fsdp2) reduces with torch's own collectives, which our tracer does not
         # see: its communication columns would read as "no communication". Say so instead.
@@ -181,7 +204,9 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
     first_runs = results[measured[0]["name"]]
     return {"network": network, "steps_window": first_runs[0].steps_window,
             "repeats": len(first_runs), "order": "alternating", "configs": rows,
-            "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency, "command": command}
+            "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency,
+            "floors_step_time_ms": {f["name"]: f["step_time_ms"]["mean"] for f in floors},
+            "overlap_efficiency_by_floor": by_floor, "command": command}
 
 
 def hidden_share_by_family(first: dict[str, float], other: dict[str, float]) -> dict[str, float]:
@@ -216,29 +241,34 @@ def _shares(shares: dict[str, float] | None) -> str:
 
 def format_markdown(doc: dict) -> str:
     start, end = doc["steps_window"]
+    by_floor = doc.get("overlap_efficiency_by_floor", {})
     lines = [f"Network: {doc['network']}  ",
              f"Steady-state window: iterations [{start + 1}, {end + 1}) (1-based), {doc['repeats']} alternating "
              "repeats; comm columns are rank 0's mean per iteration in ms, `all` first (union of kinds).  ",
              f"Command: `{doc['command']}`", "",
              "| config | step ms (mean) | min | max | vs first | exposed comm ms | total comm ms | MB/iter | peak MB | "
-             "overlap eff. | exposed hidden vs first |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             + "".join(f"eff. vs {name} | " for name in by_floor) + "exposed hidden vs first |",
+             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(by_floor) + "---|"]
     for r in doc["configs"]:
         st = r["step_time_ms"]
-        eff = doc["overlap_efficiency"].get(r["name"])
+        effs = "".join(f"{_eff(doc_effs.get(r['name']))} | " for doc_effs in by_floor.values())
         traced = r.get("comm_traced", True)
         untraced = "n/a (peer: torch's collectives are not traced)"
         lines.append(f"| {r['name']} | {st['mean']:.1f} | {st['min']:.1f} | {st['max']:.1f} | "
                      f"{r['step_time_ratio_to_first']:.3f} | {_kinds(r['exposed_comm_ms']) if traced else untraced} | "
                      f"{_kinds(r['total_comm_ms']) if traced else untraced} | "
                      f"{format(r['comm_mb_per_iter'].get('all', 0.0), '.2f') if traced else 'n/a'} | "
-                     f"{r['peak_mem_mb']:.0f} | {'-' if eff is None else f'{eff:.2f}'} | "
+                     f"{r['peak_mem_mb']:.0f} | {effs}"
                      f"{_shares(r.get('exposed_hidden_share_vs_first'))} |")
-    if doc["ideal_step_time_ms"] is None:
-        lines.append("\n(no --ideal run: overlap efficiency needs T_ideal)")
+    if not by_floor:
+        lines.append("\n(no --ideal / --ideal-family run: overlap efficiency needs a floor T_ideal)")
     else:
-        lines.append("\noverlap eff. = (T_first - T_config) / (T_first - T_ideal), the first config being 'off'.")
+        lines.append("\neff. vs FLOOR = (T_first - T_config) / (T_first - T_FLOOR), the first config being 'off'.")
     return "\n".join(lines)
+
+
+def _eff(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
@@ -266,10 +296,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         key, values = parse_ab(args.ab)
         if any(o.split("=", 1)[0] == key for o in args.overrides):
             raise ConfigError("--ab", args.ab, f"{key} is also given as an override.", "remove that override.")
-        configs = build_configs(key, values, args.ideal)
+        configs = build_configs(key, values, args.ideal, args.ideal_families)
     else:
-        configs = with_ideal([parse_named_config(c) for c in args.configs], args.ideal)
-        if len(configs) - args.ideal < 2 or len({c.name for c in configs}) != len(configs):
+        configs = with_ideal([parse_named_config(c) for c in args.configs], args.ideal, args.ideal_families)
+        if sum(not c.floor for c in configs) < 2 or len({c.name for c in configs}) != len(configs):
             raise ConfigError("--config", args.configs, "a comparison needs two or more distinctly named configs.",
                               "repeat --config NAME:OVERRIDES with different names.")
     _validate(args, configs)
