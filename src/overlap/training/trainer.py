@@ -99,10 +99,13 @@ class Trainer:
                 loss_sum += lm_loss.detach().float()
         with RECORDER.span("grad_reduce"):
             self.ddp.finish_grad_sync()
+        # The reported loss is summed over DP while the link is idle (gradients reduced, the optimizer's parameter
+        # gather not yet launched): later it would queue behind that gather and expose it.
+        loss_handle = comm.all_reduce(loss_sum, ps.dp_group, "dp_loss")
         norm = self.optimizer.grad_norm()
         with RECORDER.span("optimizer"):
             self.optimizer.step(learning_rate(iteration, self.cfg.optimizer, self.cfg.scheduler, t.train_iters), norm)
-        comm.all_reduce(loss_sum, ps.dp_group, "dp_loss").wait()
+        loss_handle.wait()
         return float(loss_sum) * scale, norm
 
     def finish_param_sync(self) -> None:
