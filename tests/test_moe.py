@@ -190,6 +190,32 @@ def test_dispatcher_round_trip_with_identity_experts(world, num_experts, fused):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _many_round_trip() -> list[bool]:
+    """Rank side: bf16 rows, fp32 weights [N] and int64 ids [N, 3] in one all-to-all with uneven splits (rank r sends
+    r + j rows to rank j, rank 0 sends none to itself), then back; everything must arrive bit-exact."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    send = [rank + j for j in range(world)]
+    recv = [j + rank for j in range(world)]
+    n = sum(send)
+    gen = torch.Generator().manual_seed(rank)
+    rows = torch.randn(n, 5, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(n, generator=gen)
+    ids = torch.randint(-2**40, 2**40, (n, 3), generator=gen)
+    handle = comm.all_to_all_many((rows, weights, ids), group, "ep_dispatch", recv, send)
+    got_rows, got_weights, got_ids = handle.wait()
+    ok = [got_rows.dtype == torch.bfloat16 and got_rows.shape == (sum(recv), 5),
+          got_weights.shape == (sum(recv),) and got_ids.shape == (sum(recv), 3)]
+    back = comm.all_to_all_many((got_rows, got_weights, got_ids), group, "ep_combine", send, recv).wait()
+    ok += [torch.equal(a, b) for a, b in zip(back, (rows, weights, ids))]
+    return ok
+
+
+def test_all_to_all_many_is_bit_exact_for_mixed_dtypes_and_uneven_splits():
+    for ok in run_world(3, _many_round_trip):
+        assert all(ok), ok
+
+
 def _force_experts_0_and_1(layer: MoELayer) -> None:
     """With positive inputs, positive router rows 0 and 1 and negative others, every token picks experts 0 and 1."""
     with torch.no_grad():

@@ -27,6 +27,7 @@ On gloo, a summing reduce-scatter runs as an all-to-all of the chunks plus a loc
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -222,7 +223,7 @@ def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: Red
 
     if op == ReduceOp.SUM and _backend(group) == "gloo":
         # gloo's reduce-scatter costs ~3x the wall time and ~2.4x the CPU of an all-to-all of the chunks plus a
-        # local sum (bench/gloo_reduce_scatter.py, 4 ranks, 11 MB fp32: 41-83 vs 13-25 ms), and gives no future, so its
+        # local sum (bench/gloo_costs.py, 4 ranks, 11 MB fp32: 41-83 vs 13-25 ms), and gives no future, so its
         # completion cannot be observed. Same bytes on the wire: (n-1)/n of the payload per rank.
         recv = torch.empty_like(inp)
 
@@ -254,6 +255,44 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
                    lambda: dist.all_to_all_single(out, inp, output_split_sizes=list(output_split_sizes or []) or None,
                                                   input_split_sizes=list(input_split_sizes or []) or None,
                                                   group=group, async_op=True), out, fake)
+
+
+class ManyHandle:
+    """Several tensors in flight in one all-to-all (`all_to_all_many`); `wait()` returns them, as sent."""
+
+    def __init__(self, handle: CommHandle, like: Sequence[torch.Tensor], widths: list[int]) -> None:
+        self.handle = handle
+        self._like = [(t.dtype, t.shape[1:]) for t in like]  # metadata only: the sent tensors are not kept alive
+        self._widths = widths
+
+    @property
+    def event(self) -> CommEvent:
+        return self.handle.event
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        packed = self.handle.wait()
+        out, offset = [], 0
+        for (dtype, shape), width in zip(self._like, self._widths):
+            piece = packed[:, offset:offset + width].contiguous().view(dtype)
+            out.append(piece.reshape(packed.shape[0], *shape))
+            offset += width
+        return tuple(out)
+
+
+def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: str,
+                    output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]) -> ManyHandle:
+    """All-to-all of several tensors that share their row splits (an MoE dispatch: rows and their combine weights)
+    as ONE collective: each row's bytes travel side by side, bit-exact, whatever the dtypes. The bytes on the wire
+    are the same as two all-to-alls; what is saved is a whole collective: its latency, its launch, and on gloo its
+    fixed CPU cost (~0.8 ms per rank for even a 1 KB all-to-all on 4 ranks, bench/gloo_costs.py)."""
+    rows = tensors[0].shape[0]
+    if any(t.shape[0] != rows for t in tensors):
+        raise ValueError(f"all_to_all_many ({kind}): the tensors have different row counts "
+                         f"{[t.shape[0] for t in tensors]}")
+    parts = [t.detach().reshape(rows, math.prod(t.shape[1:])).contiguous().view(torch.uint8) for t in tensors]
+    packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    return ManyHandle(all_to_all(packed, group, kind, output_split_sizes, input_split_sizes), tensors,
+                      [p.shape[1] for p in parts])
 
 
 def barrier(group: ProcessGroup | None = None) -> None:

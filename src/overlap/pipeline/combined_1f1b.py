@@ -32,18 +32,14 @@ from overlap.layers.moe.dispatcher import DispatchPlan, PendingAllToAll
 from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.model.gpt import GPTModel, TransformerLayer
-from overlap.parallel.comm import CommHandle
+from overlap.parallel.comm import ManyHandle
 from overlap.pipeline.schedule_node import ScheduleNode
 
 
 def _a2a(tensors: tuple[torch.Tensor, ...], group, kind: str, out_splits: list[int],
-         in_splits: list[int]) -> tuple[CommHandle, ...]:
-    """Launch raw all-to-alls (no autograd link: the schedule runs each piece's backward itself)."""
-    return PendingAllToAll.launch(tensors, group, kind, out_splits, in_splits).handles
-
-
-def _wait(handles: tuple[CommHandle, ...]) -> tuple[torch.Tensor, ...]:
-    return tuple(h.wait() for h in handles)
+         in_splits: list[int]) -> ManyHandle:
+    """Launch one raw all-to-all of `tensors` (no autograd link: the schedule runs each piece's backward itself)."""
+    return PendingAllToAll.launch(tensors, group, kind, out_splits, in_splits).handle
 
 
 class LayerRun:
@@ -55,7 +51,7 @@ class LayerRun:
         self.loss_scale = loss_scale
         self.delay_wgrad = delay_wgrad
         self.plan: DispatchPlan | None = None
-        self.handles: tuple[CommHandle, ...] = ()
+        self.pending: ManyHandle | None = None
         self.aux_loss: torch.Tensor | None = None
 
     # ---------------- forward ----------------------------------------------------------------------------------
@@ -67,7 +63,7 @@ class LayerRun:
         self.attn = ScheduleNode(f"layer{self.layer.layer_number}.attn", self._attention_piece)
         h, rows, weights, aux, shared = self.attn.forward(x)
         self.aux_loss, self.h, self.shared = aux, h, shared
-        self.handles = _a2a((rows, weights), self.moe.dispatcher.group, "ep_dispatch",
+        self.pending = _a2a((rows, weights), self.moe.dispatcher.group, "ep_dispatch",
                             self.plan.output_splits, self.plan.input_splits)
         return None
 
@@ -82,18 +78,18 @@ class LayerRun:
         """Wait for the dispatch, run the experts, launch the combine."""
         if self.moe is None:
             return
-        rows, weights = _wait(self.handles)
+        rows, weights = self.pending.wait()
         self.experts = ScheduleNode(f"layer{self.layer.layer_number}.experts",
                                     lambda r, w: self.moe.experts_compute(r, w, self.plan))
         (out,) = self.experts.forward(rows, weights)
-        self.handles = _a2a((out,), self.moe.dispatcher.group, "ep_combine", self.plan.input_splits,
+        self.pending = _a2a((out,), self.moe.dispatcher.group, "ep_combine", self.plan.input_splits,
                             self.plan.output_splits)
 
     def combine_forward(self, dense_out: torch.Tensor | None) -> torch.Tensor:
         """Wait for the combine and add the residual; returns the layer output."""
         if self.moe is None:
             return dense_out
-        (rows,) = _wait(self.handles)
+        (rows,) = self.pending.wait()
         self.post = ScheduleNode(f"layer{self.layer.layer_number}.combine",
                                  lambda r, h, s: h + self.moe.combine_postprocess(r, self.plan, s))
         return self.post.forward(rows, self.h, self.shared)[0]
@@ -104,7 +100,7 @@ class LayerRun:
         if self.moe is None:
             return self.dense.backward(grad_y)[0]
         g_rows, self.g_h, self.g_shared = self.post.backward(grad_y)
-        self.handles = _a2a((g_rows,), self.moe.dispatcher.group, "ep_combine_bwd", self.plan.output_splits,
+        self.pending = _a2a((g_rows,), self.moe.dispatcher.group, "ep_combine_bwd", self.plan.output_splits,
                             self.plan.input_splits)
         return None
 
@@ -113,17 +109,17 @@ class LayerRun:
         the dispatch backward."""
         if self.moe is None:
             return
-        (g_out,) = _wait(self.handles)
+        (g_out,) = self.pending.wait()
         with WGRAD_STORE.delaying(self.delay_wgrad):
             g_rows, g_weights = self.experts.backward(g_out)
-        self.handles = _a2a((g_rows, g_weights), self.moe.dispatcher.group, "ep_dispatch_bwd",
+        self.pending = _a2a((g_rows, g_weights), self.moe.dispatcher.group, "ep_dispatch_bwd",
                             self.plan.input_splits, self.plan.output_splits)
 
     def attention_backward(self, dense_grad: torch.Tensor | None) -> torch.Tensor:
         """Wait for the dispatch backward and run the attention piece's backward; returns the layer's input grad."""
         if self.moe is None:
             return dense_grad
-        g_rows, g_weights = _wait(self.handles)
+        g_rows, g_weights = self.pending.wait()
         aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
         with WGRAD_STORE.delaying(self.delay_wgrad):  # attention + shared-expert weight GEMMs: queued when delaying
             (g_x,) = self.attn.backward(self.g_h, g_rows, g_weights, aux_grad, self.g_shared)

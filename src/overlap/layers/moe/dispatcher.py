@@ -4,7 +4,7 @@ The trip of one micro-batch's tokens is cut into separate steps so that a schedu
 launch and its wait (the EP-overlap schedule interleaves two micro-batches this way):
 
     preprocess            permute by expert, exchange counts over EP, one host sync of the split sizes
-    dispatch              launch the all-to-all of rows and combine weights  -> PendingAllToAll (handles)
+    dispatch              launch the all-to-all of rows and combine weights  -> PendingAllToAll (one op)
     postprocess_dispatch  wait, sort rows by local expert                    -> rows for the experts
     (experts)
     combine_preprocess    weight the expert outputs, undo the local-expert sort
@@ -12,8 +12,9 @@ launch and its wait (the EP-overlap schedule interleaves two micro-batches this 
     postprocess_combine   wait, un-permute (sum each token's rows)           -> [..., h] like the input
 
 Combine weights are applied on the expert side, before the combine all-to-all: the rows sent back are already
-weighted, so the source rank only has to sum a token's rows, and the weights never travel back. They do travel out
-(a second all-to-all beside the rows' one, kept in fp32), and their gradient comes back through its backward.
+weighted, so the source rank only has to sum a token's rows, and the weights never travel back. They do travel out,
+in fp32, as extra bytes of each row in the same all-to-all (`comm.all_to_all_many`: one collective, not two), and
+their gradient comes back the same way with the rows' gradient.
 
 Tensors flow through the step arguments and results; `DispatchPlan` holds only the routing metadata (no autograd),
 so a scheduler that cuts autograd at step boundaries knows exactly which tensors to detach.
@@ -30,40 +31,39 @@ from overlap.config.model import ModelConfig
 from overlap.layers.moe.permute import (permute, sort_chunks_by_local_expert, unpermute,
                                         unsort_chunks_by_local_expert)
 from overlap.parallel import comm
-from overlap.parallel.comm import CommHandle
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 
 
 class _AwaitAllToAll(torch.autograd.Function):
-    """Autograd node of an all-to-all launched earlier: forward waits for its output, backward sends the gradient
-    the opposite way (an all-to-all with input and output split sizes swapped).
+    """Autograd node of an all-to-all launched earlier: forward waits for its outputs, backward sends their gradients
+    the opposite way (one all-to-all for all of them, input and output split sizes swapped).
 
     The launch happens outside autograd (in `dispatch` / `combine`) so that it can return at once with a handle;
-    this node links the received tensor to the sent one when the scheduler decides to wait.
+    this node links the received tensors to the sent ones when the scheduler decides to wait.
     """
 
     @staticmethod
-    def forward(ctx, sent: torch.Tensor, pending: "PendingAllToAll", index: int) -> torch.Tensor:
+    def forward(ctx, pending: "PendingAllToAll", *sent: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Keep only metadata: holding `pending` would keep the sent rows alive until backward.
         ctx.group, ctx.kind = pending.group, pending.kind
         ctx.output_splits, ctx.input_splits = pending.output_splits, pending.input_splits
-        return pending.handles[index].wait()
+        return pending.handle.wait()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        back = comm.all_to_all(grad, ctx.group, ctx.kind + "_bwd",
-                               output_split_sizes=ctx.input_splits, input_split_sizes=ctx.output_splits)
-        return back.wait(), None, None
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        back = comm.all_to_all_many(grads, ctx.group, ctx.kind + "_bwd", output_split_sizes=ctx.input_splits,
+                                    input_split_sizes=ctx.output_splits)
+        return (None, *back.wait())
 
 
 @dataclass
 class PendingAllToAll:
-    """All-to-alls in flight (one per tensor, same splits). `wait()` (call it once) returns the received tensors,
-    autograd-linked to the sent ones; until then the caller is free to run unrelated work."""
+    """Tensors with the same splits in flight in one all-to-all. `wait()` (call it once) returns the received
+    tensors, autograd-linked to the sent ones; until then the caller is free to run unrelated work."""
 
     sent: tuple[torch.Tensor, ...]
-    handles: tuple[CommHandle, ...]
+    handle: comm.ManyHandle
     group: ProcessGroup
     kind: str
     output_splits: list[int]
@@ -72,11 +72,11 @@ class PendingAllToAll:
     @classmethod
     def launch(cls, tensors: tuple[torch.Tensor, ...], group: ProcessGroup, kind: str, output_splits: list[int],
                input_splits: list[int]) -> "PendingAllToAll":
-        handles = tuple(comm.all_to_all(t.detach(), group, kind, output_splits, input_splits) for t in tensors)
-        return cls(tensors, handles, group, kind, output_splits, input_splits)
+        handle = comm.all_to_all_many(tensors, group, kind, output_splits, input_splits)
+        return cls(tensors, handle, group, kind, output_splits, input_splits)
 
     def wait(self) -> tuple[torch.Tensor, ...]:
-        return tuple(_AwaitAllToAll.apply(t, self, i) for i, t in enumerate(self.sent))
+        return _AwaitAllToAll.apply(self, *self.sent)
 
 
 @dataclass
