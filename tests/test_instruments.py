@@ -122,13 +122,19 @@ def _modelled_link_case():
         h2.wait()
         h1.wait()
         queued = h2.event.t_done - h1.event.t_launch
-        return single, wall, cpu, queued, x[0].item(), b[0].item()
+        comm.set_network(comm.LinkModel(latency_s=0.5, bandwidth_Bps=1e7, families=("ep",)))
+        h_dp, h_ep = comm.all_reduce(torch.ones(4), group, "dp_ar"), comm.all_reduce(torch.ones(4), group, "ep_x")
+        h_dp.wait()
+        h_ep.wait()
+        scoped = (h_dp.event.t_done - h_dp.event.t_launch, h_ep.event.t_done - h_ep.event.t_launch)
+        return single, wall, cpu, queued, x[0].item(), b[0].item(), scoped
     finally:
         comm.set_network(None)
 
 
 def test_modelled_link_holds_completion_back_without_burning_cpu_and_queues_ops():
-    for single, wall, cpu, queued, value, summed in run_world(2, _modelled_link_case):
+    for single, wall, cpu, queued, value, summed, (dp, ep) in run_world(2, _modelled_link_case):
+        assert dp < 0.25 <= 0.5 <= ep  # a link scoped to "ep" leaves dp on the plain loopback
         assert value == 3.0 and summed == 2.0  # the real collective still ran
         assert 0.1099 <= single < 0.2 and wall >= 0.1099
         assert cpu < 0.5 * wall, f"waiting on the modelled link used {cpu:.3f}s CPU in {wall:.3f}s"
@@ -138,13 +144,15 @@ def test_modelled_link_holds_completion_back_without_burning_cpu_and_queues_ops(
 # ---- --network parsing and the emulated interconnect ----
 
 def test_parse_network():
+    scoped = net.parse_network("model:1ms,10MB/s,ep+dp")
+    assert scoped.families == ("ep", "dp") and "only ep/dp collectives use it" in scoped.describe()
     m = net.parse_network("model:100us,1GB/s")
     assert (m.kind, m.latency_s, m.bandwidth_Bps) == ("model", pytest.approx(1e-4), 1e9)
     assert net.parse_network("model:1ms,800mbit").bandwidth_Bps == 1e8
     t = net.parse_network("tbf:800mbit")
     assert (t.kind, t.rate, t.rate_Bps) == ("tbf", "800mbit", 1e8)
     assert "tbf:800mbit" in t.describe() and net.parse_network(None).kind == "real"
-    for bad in ("tbf:fast", "model:1ms", "model:1,1GB/s", "wifi:1"):
+    for bad in ("tbf:fast", "model:1ms", "model:1,1GB/s", "wifi:1", "model:1ms,1GB/s,e_p", "model:1ms,1GB/s,ep,dp"):
         with pytest.raises(ConfigError):
             net.parse_network(bad)
 

@@ -54,7 +54,8 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 def _add_instrument_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", default="real", metavar="SPEC",
                    help="real (default) | tbf:RATE (ranks in a netns with a rate-limited loopback, e.g. tbf:800mbit; "
-                        "root + iproute2) | model:LATENCY,BANDWIDTH (modelled link, e.g. model:100us,1GB/s)")
+                        "root + iproute2) | model:LATENCY,BANDWIDTH[,FAMILIES] (modelled link, e.g. model:100us,1GB/s; "
+                        "model:1ms,10MB/s,ep: only the ep collectives use it)")
 
 
 def _own_argv(argv: list[str]) -> list[str]:
@@ -174,7 +175,8 @@ def _apply_network(network, comm_mode: str) -> None:
                           "local launcher (-g cpu, no torchrun) builds the network namespace.",
                           "launch with -g cpu without torchrun, or use a modelled link (model:LAT,BW).")
     comm.set_mode(comm_mode)
-    comm.set_network(comm.LinkModel(network.latency_s, network.bandwidth_Bps) if network.kind == "model" else None)
+    comm.set_network(comm.LinkModel(network.latency_s, network.bandwidth_Bps, network.families)
+                     if network.kind == "model" else None)
 
 
 def _run_rank(job, args: argparse.Namespace, network) -> int:

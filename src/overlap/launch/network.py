@@ -47,12 +47,16 @@ class Network:
     bandwidth_Bps: float | None = None  # kind "model"
     rate: str | None = None  # kind "tbf", in tc syntax
     rate_Bps: float | None = None  # kind "tbf", for the record
+    families: tuple[str, ...] | None = None  # kind "model": only these kinds' families use the link (None: all)
 
     def describe(self) -> str:
         """One line that every result carries, so no number is read without knowing which link made it."""
         if self.kind == "model":
-            return (f"model:{_fmt_time(self.latency_s)},{_fmt_rate(self.bandwidth_Bps)} (modelled link: "
-                    "real gloo transfer, completion held back to latency + factor x bytes / bandwidth)")
+            only = f",{'+'.join(self.families)}" if self.families else ""
+            scope = (f"; only {'/'.join(self.families)} collectives use it, the others run on the plain loopback"
+                     if self.families else "")
+            return (f"model:{_fmt_time(self.latency_s)},{_fmt_rate(self.bandwidth_Bps)}{only} (modelled link: "
+                    f"real gloo transfer, completion held back to latency + factor x bytes / bandwidth{scope})")
         if self.kind == "tbf":
             return (f"tbf:{self.rate} (emulated interconnect: ranks in a network namespace, loopback rate-limited "
                     f"to {self.rate_Bps / 1e6:.0f} MB/s by tc tbf)")
@@ -124,9 +128,16 @@ def parse_network(text: str | None) -> Network:
     kind = kind.strip().lower()
     if kind == "model":
         parts = rest.split(",")
-        if len(parts) != 2:
-            raise _bad(text, "a modelled link needs a latency and a bandwidth.")
-        return Network("model", text, latency_s=parse_latency(parts[0]), bandwidth_Bps=parse_bandwidth(parts[1]))
+        if len(parts) not in (2, 3):
+            raise _bad(text, "a modelled link needs a latency and a bandwidth (and optionally the families that "
+                             "use it, e.g. model:1ms,10MB/s,ep).")
+        families = None
+        if len(parts) == 3:
+            families = tuple(f.strip().lower() for f in parts[2].split("+"))
+            if not all(f.isalpha() for f in families):
+                raise _bad(text, "the third part names kind families joined by '+' (ep, dp, tp, pp), e.g. ep+dp.")
+        return Network("model", text, latency_s=parse_latency(parts[0]), bandwidth_Bps=parse_bandwidth(parts[1]),
+                       families=families)
     if kind == "tbf":
         rate = rest.strip().lower()
         return Network("tbf", text, rate=rate, rate_Bps=_tc_rate_Bps(rate))

@@ -60,10 +60,16 @@ _LINK_FACTORS: dict[str, Callable[[int], float]] = {
 
 @dataclass(frozen=True)
 class LinkModel:
-    """A modelled interconnect: each op costs `latency + factor x payload / bandwidth` seconds on its group's link."""
+    """A modelled interconnect: each op costs `latency + factor x payload / bandwidth` seconds on its group's link.
+    `families` (e.g. ("ep",)) limits it to those kinds' families; the others complete when their data is there, so a
+    benchmark of one dimension's overlap is not mixed with another dimension's link time."""
 
     latency_s: float
     bandwidth_Bps: float
+    families: tuple[str, ...] | None = None
+
+    def applies_to(self, kind: str) -> bool:
+        return self.families is None or kind.split("_", 1)[0] in self.families
 
     def seconds(self, op: str, payload_bytes: int, group_size: int) -> float:
         factor = _LINK_FACTORS.get(op, _LINK_FACTORS["p2p"])(group_size)
@@ -180,7 +186,7 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
             fake()  # stands in for the transfer and its `finish` both
         return CommHandle(event, None, result)
     deadline = None
-    if _link is not None:
+    if _link is not None and _link.applies_to(kind):
         deadline = _reserve_link(group, op, nbytes if payload_bytes is None else payload_bytes, event.group_size,
                                  event.t_launch)
     return CommHandle(event, run(), result, finish, deadline)
