@@ -51,11 +51,3 @@ def test_context_parallel_exits_2_not_built():
     assert out.returncode == 2
     assert "model.context_parallel_size=2" in out.stderr and "not built" in out.stderr
     assert "Traceback" not in out.stderr
-
-
-def test_bench_floor_mistakes_exit_2_before_any_run():
-    out = _overlap("bench", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--ab",
-                   "ddp.overlap_grad_reduce=false,true", "--link-floor")
-    assert out.returncode == 2 and "--link-floor" in out.stderr and "Traceback" not in out.stderr
-    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--comm-mode", "none:")
-    assert out.returncode == 2 and "--comm-mode" in out.stderr and "Traceback" not in out.stderr

@@ -272,14 +272,6 @@ def test_family_floor_gives_its_own_efficiency_column():
     assert "| 0.50 | 0.67 |" in table
 
 
-def test_link_floor_runs_the_baseline_on_the_plain_loopback():
-    configs = bench.build_configs("x.y", ["false", "true"], ideal=False, link_floor=True)
-    assert configs[2].name == bench.LINK_FLOOR_NAME and configs[2].floor
-    assert configs[2].overrides == ["x.y=false"] and configs[2].run_flags == ["--network", "real"]
-    argv = ["-m", "qwen", "--ab", "x.y=false,true", "--link-floor", "--network", "model:1ms,1GB/s"]
-    assert bench.common_run_options(argv, []) == ["-m", "qwen", "--network", "model:1ms,1GB/s"]
-
-
 def test_comm_mode_none_for_one_family_only():
     from overlap.parallel import comm
 

@@ -18,11 +18,6 @@ first configuration's communication cost that the switch removed (1.0: all of it
 dimension can at best remove that dimension's cost, so this floor is the denominator that measures it: with it,
 the efficiency is the share of the exposed EP communication time that the switch hid. Every floor gets its own
 efficiency column; `overlap_efficiency` in the JSON is against the full floor when there is one.
-
-`--link-floor` adds the first configuration on the plain loopback (`--network real`): every collective still runs,
-with its CPU cost and its rendezvous, but the emulated link's time is gone. On a CPU box the ranks' compute and
-gloo's per-op work share the same cores, so that CPU cost is something no schedule can hide; against this floor
-the efficiency is the share of the emulated link's time that the switch hid.
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ from pathlib import Path
 from overlap.errors import ConfigError
 
 IDEAL_NAME = "ideal (no communication)"
-LINK_FLOOR_NAME = "floor: unthrottled loopback (comm CPU kept)"
 
 BENCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (("--ab",), dict(default=None, metavar="KEY=V1,V2[,V3]",
@@ -55,15 +49,12 @@ BENCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (("--ideal-family",), dict(action="append", default=[], metavar="FAMILY", dest="ideal_families",
                                help="also run the baseline with only FAMILY's communication free (e.g. ep: the "
                                     "all-to-alls), the floor for that dimension's overlap efficiency (repeatable)")),
-    (("--link-floor",), dict(action="store_true",
-                             help="also run the baseline on the plain loopback (--network real): the floor that keeps "
-                                  "the collectives' CPU cost and drops the emulated link's time")),
     (("--repeats",), dict(type=int, default=3, help="alternating rounds (default 3)")),
     (("--json",), dict(default=None, metavar="FILE", dest="json_out", help="write the results as JSON")),
     (("--markdown",), dict(default=None, metavar="FILE", help="also write the Markdown table to FILE")),
 ]
 _BENCH_OPTIONS_WITH_VALUE = ("--ab", "--config", "--ideal-family", "--repeats", "--json", "--markdown")
-_BENCH_SWITCHES = ("--ideal", "--link-floor")
+_BENCH_SWITCHES = ("--ideal",)
 
 
 def parse_ab(text: str) -> tuple[str, list[str]]:
@@ -107,19 +98,16 @@ def parse_named_config(text: str) -> BenchConfig:
     return BenchConfig(name.strip(), overrides)
 
 
-def build_configs(key: str, values: list[str], ideal: bool, families: list[str] = (),
-                  link_floor: bool = False) -> list[BenchConfig]:
-    return with_ideal([BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values], ideal, families, link_floor)
+def build_configs(key: str, values: list[str], ideal: bool, families: list[str] = ()) -> list[BenchConfig]:
+    return with_ideal([BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values], ideal, families)
 
 
 def family_floor_name(family: str) -> str:
     return f"ideal (no {family} communication)"
 
 
-def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = (),
-               link_floor: bool = False) -> list[BenchConfig]:
-    """Append the floors: the baseline configuration with all communication (`ideal`) or one family's made free,
-    and (`link_floor`) on the plain loopback."""
+def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = ()) -> list[BenchConfig]:
+    """Append the floors: the baseline configuration with all communication (`ideal`) or one family's made free."""
     if ideal:
         configs.append(BenchConfig(IDEAL_NAME, list(configs[0].overrides), ["--comm-mode", "none"], floor=True))
     for family in families:
@@ -128,8 +116,6 @@ def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = ()
                               "pass e.g. --ideal-family ep.")
         configs.append(BenchConfig(family_floor_name(family), list(configs[0].overrides),
                                    ["--comm-mode", f"none:{family}"], floor=True))
-    if link_floor:
-        configs.append(BenchConfig(LINK_FLOOR_NAME, list(configs[0].overrides), ["--network", "real"], floor=True))
     return configs
 
 
@@ -310,16 +296,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         key, values = parse_ab(args.ab)
         if any(o.split("=", 1)[0] == key for o in args.overrides):
             raise ConfigError("--ab", args.ab, f"{key} is also given as an override.", "remove that override.")
-        configs = build_configs(key, values, args.ideal, args.ideal_families, args.link_floor)
+        configs = build_configs(key, values, args.ideal, args.ideal_families)
     else:
-        configs = with_ideal([parse_named_config(c) for c in args.configs], args.ideal, args.ideal_families,
-                             args.link_floor)
+        configs = with_ideal([parse_named_config(c) for c in args.configs], args.ideal, args.ideal_families)
         if sum(not c.floor for c in configs) < 2 or len({c.name for c in configs}) != len(configs):
             raise ConfigError("--config", args.configs, "a comparison needs two or more distinctly named configs.",
                               "repeat --config NAME:OVERRIDES with different names.")
-    if args.link_floor and parse_network(args.network).kind == "real":
-        raise ConfigError("--link-floor", True, "the runs already use the plain loopback: there is no emulated link "
-                          "to take away.", "add --network tbf:RATE or model:LAT,BW, or drop --link-floor.")
     _validate(args, configs)
     network = parse_network(args.network).describe()
     options = common_run_options(args.argv[1:], args.overrides)
