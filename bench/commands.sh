@@ -1,29 +1,36 @@
 #!/usr/bin/env bash
 # The exact commands behind bench/results/. Run from the repository root with the venv active (or .venv/bin on PATH).
-# They run one after another: benchmarks on this 2-core machine must never overlap each other.
+# They run one after another: benchmarks on this 2-core machine must never overlap each other (or anything else).
 set -euo pipefail
 out=bench/results
 mkdir -p "$out"
 
+# 0. What one gloo collective costs here (wall and CPU): why reduce-scatter is an all-to-all + sum on gloo, why an
+#    MoE dispatch is one all-to-all, and the CPU that no schedule can hide on ranks that share cores.
+python bench/gloo_costs.py > $out/gloo_costs.txt
+
 # 1. EP overlap: qwen3_moe_tiny (+ a 64-wide shared expert so shared-expert overlap has work), EP=4 on 4 ranks,
-#    16 micro-batches per rank, modelled 1 ms / 10 MB/s link; DP gradient reduce overlapped in every config.
-overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -ms 6 -gb 64 -mb 1 --network model:1ms,10MB/s \
+#    16 micro-batches per rank; the EP collectives on a modelled 1 ms / 10 MB/s link (",ep": the DP gradient
+#    all-reduce, overlapped in every config, stays on the plain loopback so its link time is not mixed in).
+#    Floors: no communication at all, and no EP communication (the denominator for the EP share hidden).
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -ms 6 -gb 64 -mb 1 --network model:1ms,10MB/s,ep \
   --config "no overlap:" \
   --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
   --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
   --config "shared-expert overlap:model.moe_shared_expert_overlap=true" \
-  --ideal --repeats 3 --json $out/ep_overlap.json --markdown $out/ep_overlap.md \
+  --ideal --ideal-family ep --repeats 3 --json $out/ep_overlap.json --markdown $out/ep_overlap.md \
   model.moe_shared_expert_intermediate_size=64 ddp.overlap_grad_reduce=true ddp.bucket_size=20000
 
 # 2. alltoall vs flex dispatch (top-4 of 16 experts over 4 ranks): bytes moved per iteration.
-overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -ms 4 -gb 32 -mb 1 --network model:1ms,10MB/s \
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -ms 4 -gb 32 -mb 1 --network model:1ms,10MB/s,ep \
   --ab model.moe_token_dispatcher_type=alltoall,flex --repeats 2 \
   --json $out/flex_vs_alltoall.json --markdown $out/flex_vs_alltoall.md \
   model.moe_flex_dispatcher_backend=torch ddp.overlap_grad_reduce=true ddp.bucket_size=20000
 
 # 3. DP overlap and the PyTorch peers: dense_tiny, DP=4 on 4 ranks, one micro-batch of 4 per rank, emulated
-#    interconnect (network namespace, loopback rate-limited to 800 MB/s by tc tbf) - peers' traffic crosses it too.
-overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -ms 6 -gb 16 -mb 4 --network tbf:6400mbit \
+#    interconnect (network namespace, loopback rate-limited to 200 MB/s by tc tbf: DP communication without overlap
+#    is ~0.9x the compute) - the peers' traffic crosses it too.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -ms 6 -gb 16 -mb 4 --network tbf:1600mbit \
   --config "dist-opt, no overlap:ddp.use_distributed_optimizer=true;optimizer.use_distributed_optimizer=true;ddp.overlap_grad_reduce=false;ddp.overlap_param_gather=false" \
   --config "dist-opt, overlap grad reduce + param gather:ddp.use_distributed_optimizer=true;optimizer.use_distributed_optimizer=true;ddp.overlap_grad_reduce=true;ddp.overlap_param_gather=true" \
   --config "all-reduce, overlap grad reduce:ddp.overlap_grad_reduce=true" \
@@ -33,11 +40,11 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -ms 6 -gb 16 -mb 4 --network t
   ddp.bucket_size=500000
 
 # 4. EP overlap without oversubscription: EP=2 on 2 ranks (one core each), 16 micro-batches per rank.
-overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 2 -ms 6 -gb 32 -mb 1 --network model:1ms,10MB/s \
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 2 -ms 6 -gb 32 -mb 1 --network model:1ms,10MB/s,ep \
   --config "no overlap:" \
   --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
   --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
-  --ideal --repeats 2 --json $out/ep_overlap_2ranks.json --markdown $out/ep_overlap_2ranks.md \
+  --ideal --ideal-family ep --repeats 2 --json $out/ep_overlap_2ranks.json --markdown $out/ep_overlap_2ranks.md \
   ddp.overlap_grad_reduce=true ddp.bucket_size=20000
 
 # 5. DP overlap on the modelled link (our runtime only: the peers' traffic does not go through the model).
