@@ -48,8 +48,12 @@ class DistributedOptimizer:
         return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)
 
     def step(self, lr: float, grad_norm: float) -> None:
-        self.adam.step(lr, grad_norm)
-        self.gather.start()
+        early = self.gather.early_params()
+        if early:
+            self.adam.step(lr, grad_norm, first=lambda s: s.param in early, after_first=self.gather.start)
+        else:
+            self.adam.step(lr, grad_norm)
+            self.gather.start()
 
     def finish_param_sync(self) -> None:
         """Complete a gather deferred to the next forward (call before reading parameters outside training)."""

@@ -1,13 +1,13 @@
 """All-gather of the updated parameter shards after a distributed-optimizer step, optionally hidden behind forward.
 
 Each rank updated only its shard of every bucket; a bucket-wise all-gather makes the replicas whole again. Without
-`overlap_param_gather` this happens right after the step. With it, only the first bucket (in forward order) is launched
-at the step, to fly under the rest of it; forward pre-hooks of the NEXT step drive the others (Megatron's scheme):
-before a module runs, the bucket(s) holding its parameters are
-waited for (launched first if needed) and the next bucket in forward order is launched, one bucket of look-ahead, so
-the gather of layer k+1's weights runs while layer k computes. Forward order is the order in which the buckets'
-parameters were registered (the reverse of the buffer layout). `finish()` completes everything still pending; call it
-before anything else reads the parameters (end of training, checkpointing, evaluation).
+`overlap_param_gather` this happens right after the step. With it, only the first bucket (in forward order) is
+launched at the step, as soon as the optimizer has updated that bucket's shards, to fly under the rest of the step;
+forward pre-hooks of the NEXT step drive the others (Megatron's scheme): before a module runs, the bucket(s) holding
+its parameters are waited for (launched first if needed) and the next bucket in forward order is launched, one bucket
+of look-ahead, so the gather of layer k+1's weights runs while layer k computes. Forward order is the order in which
+the buckets' parameters were registered (the reverse of the buffer layout). `finish()` completes everything still
+pending; call it before anything else reads the parameters (end of training, checkpointing, evaluation).
 
 `fp8`: shards travel as float8 e4m3 with one scale per bucket (amax / 448, the amax all-reduced MAX over the group
 first so every rank dequantises every shard identically); every replica, this rank's own shard included, is then the
@@ -55,6 +55,15 @@ class ParamGather:
             self.finish()
         elif self.order:
             self._launch()  # the first bucket flies under the rest of the step (as Megatron dispatches it)
+
+    def early_params(self) -> set[nn.Parameter]:
+        """The parameters whose shards the optimizer should update first, so that `start()` can launch the first
+        bucket's gather in the middle of the step (`MixedPrecisionAdam.step(first=...)`): the first bucket in
+        forward order when the gather is overlapped; none with fp8 (the scales need every shard) or without overlap
+        (everything is gathered at once)."""
+        if not (self.overlap and self.order) or self.fp8:
+            return set()
+        return set(self.order[0][1].params)
 
     def finish(self) -> None:
         """Complete every pending gather, in order."""
