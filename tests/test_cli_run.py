@@ -51,3 +51,11 @@ def test_context_parallel_exits_2_not_built():
     assert out.returncode == 2
     assert "model.context_parallel_size=2" in out.stderr and "not built" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_benchmark_floor_mistakes_exit_2_before_any_run():
+    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--comm-mode", "none:epp")
+    assert out.returncode == 2 and "--comm-mode" in out.stderr and "Traceback" not in out.stderr
+    out = _overlap("bench", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--ab",
+                   "ddp.overlap_grad_reduce=false,true", "--ideal-family", "ep", "--ideal-family", "ep")
+    assert out.returncode == 2 and "--ideal-family" in out.stderr and "Traceback" not in out.stderr

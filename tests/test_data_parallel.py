@@ -96,7 +96,8 @@ def test_data_parallel_modes_match_reference(world, reference):
             assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL), (mode, rank)
             assert norms == pytest.approx(ref_norms, rel=LOSS_RTOL), (mode, rank)
             for name, value in params.items():
-                torch.testing.assert_close(value, ref_params[name], **PARAM_TOL, msg=lambda m: f"{mode} rank {rank} {name}: {m}")
+                torch.testing.assert_close(value, ref_params[name], **PARAM_TOL,
+                                           msg=lambda m: f"{mode} rank {rank} {name}: {m}")
 
 
 def test_fp8_param_gather_close_to_reference(reference):

@@ -152,7 +152,8 @@ def test_parse_network():
     t = net.parse_network("tbf:800mbit")
     assert (t.kind, t.rate, t.rate_Bps) == ("tbf", "800mbit", 1e8)
     assert "tbf:800mbit" in t.describe() and net.parse_network(None).kind == "real"
-    for bad in ("tbf:fast", "model:1ms", "model:1,1GB/s", "wifi:1", "model:1ms,1GB/s,e_p", "model:1ms,1GB/s,ep,dp"):
+    for bad in ("tbf:fast", "model:1ms", "model:1,1GB/s", "wifi:1", "model:1ms,1GB/s,e_p", "model:1ms,1GB/s,ep,dp",
+                "model:1ms,1GB/s,foo"):
         with pytest.raises(ConfigError):
             net.parse_network(bad)
 
@@ -255,8 +256,11 @@ def test_family_floor_gives_its_own_efficiency_column():
     configs = bench.build_configs("x.y", ["false", "true"], ideal=True, families=["ep"])
     assert [c.name for c in configs][2:] == [bench.IDEAL_NAME, "ideal (no ep communication)"]
     assert configs[3].run_flags == ["--comm-mode", "none:ep"] and configs[3].floor
-    with pytest.raises(ConfigError, match="--ideal-family"):
-        bench.build_configs("x.y", ["a", "b"], ideal=False, families=["ep_dispatch"])
+    for bad in (["ep_dispatch"], ["ep", "ep"], ["foo"]):
+        with pytest.raises(ConfigError, match="--ideal-family"):
+            bench.build_configs("x.y", ["a", "b"], ideal=False, families=bad)
+    assert bench.build_configs("x.y", ["a", "b"], ideal=False, families=["EP"])[2].run_flags == ["--comm-mode",
+                                                                                                "none:ep"]
 
     def run(ms):
         return bench.RunResult(ms, {"all": 1.0}, {"all": 1.0}, 400.0, [1, 4], "real")
@@ -276,9 +280,10 @@ def test_comm_mode_none_for_one_family_only():
     from overlap.parallel import comm
 
     assert comm.parse_mode("none:ep,dp") == ("none", frozenset({"ep", "dp"}))
+    assert comm.parse_mode("none:EP") == ("none", frozenset({"ep"}))
     assert comm.parse_mode("real") == ("real", None)
-    for bad in ("none:", "real:ep", "fake"):
-        with pytest.raises(ValueError, match="comm mode"):
+    for bad in ("none:", "real:ep", "fake", "none:ep_dispatch", "none:xyz", "none:ep,ep"):
+        with pytest.raises(ConfigError, match="--comm-mode"):
             comm.parse_mode(bad)
     try:
         comm.set_mode("none:ep")

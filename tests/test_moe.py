@@ -208,7 +208,24 @@ def _many_round_trip() -> list[bool]:
           got_weights.shape == (sum(recv),) and got_ids.shape == (sum(recv), 3)]
     back = comm.all_to_all_many((got_rows, got_weights, got_ids), group, "ep_combine", send, recv).wait()
     ok += [torch.equal(a, b) for a, b in zip(back, (rows, weights, ids))]
+    # One row from rank 0 to rank 1, nothing else: ranks receive 1 or 0 rows, and most send none.
+    send = [int(rank == 0 and j == 1) for j in range(world)]
+    recv = [int(j == 0 and rank == 1) for j in range(world)]
+    one = comm.all_to_all_many((rows[:sum(send)], weights[:sum(send)], ids[:sum(send)]), group, "ep_dispatch",
+                               recv, send).wait()
+    ok.append([t.shape[0] for t in one] == [sum(recv)] * 3)
+    if rank == 1:
+        ok.append(all(torch.equal(a, b) for a, b in zip(one, _rank0_tensors())))
     return ok
+
+
+def _rank0_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank 0's first row of each tensor in `_many_round_trip` (same generator, same draws)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 5, generator=gen).to(torch.bfloat16)  # rank 0 sends 0 + 1 + 2 = 3 rows on 3 ranks
+    weights = torch.rand(3, generator=gen)
+    ids = torch.randint(-2**40, 2**40, (3, 3), generator=gen)
+    return rows[:1], weights[:1], ids[:1]
 
 
 def test_all_to_all_many_is_bit_exact_for_mixed_dtypes_and_uneven_splits():

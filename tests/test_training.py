@@ -88,3 +88,30 @@ def test_trainer_with_ep_overlap_matches_without(extra):
     off = run_world(2, _train_cfg, [x for x in extra if not x.startswith("comm_overlap.delay")], layout)[0]
     on = run_world(2, _train_cfg, ["comm_overlap.overlap_moe_expert_parallel_comm=true", *extra], layout)[0]
     assert on == pytest.approx(off, rel=1e-3)
+
+
+def test_adam_split_step_equals_one_full_step():
+    """The distributed optimizer updates the first-gathered bucket first (`first=(select, then)`): two partial
+    AdamW steps must be bit-identical to one full step (step counts, decoupled weight decay, clipping scale)."""
+    import torch
+    from torch import nn
+
+    from overlap.training.optimizer import MixedPrecisionAdam, Slot
+
+    def run(split: bool) -> tuple[list[torch.Tensor], list[str]]:
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(4, 3, generator=gen)), nn.Parameter(torch.randn(5, generator=gen)),
+                  nn.Parameter(torch.randn(2, 2, generator=gen))]
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
+        adam = MixedPrecisionAdam([Slot(p, p, g, p, p.dim() > 1) for p, g in zip(params, grads)], cfg)
+        calls = []
+        for it in range(3):
+            first = (lambda s: s.param is params[2], lambda: calls.append(it)) if split else None
+            adam.step(1e-2, grad_norm=4.0, first=first)
+        return [p.detach().clone() for p in params], calls
+
+    full, _ = run(split=False)
+    split, calls = run(split=True)
+    assert calls == [0, 1, 2]
+    assert all(torch.equal(a, b) for a, b in zip(full, split))

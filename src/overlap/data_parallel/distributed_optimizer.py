@@ -3,8 +3,9 @@
 Every rank owns the same contiguous share of every bucket (dense buckets over DP, expert buckets over expert-DP) and
 keeps master weights and Adam moments only for that share, cut into one slot per (parameter, bucket shard) piece so
 that weight decay still follows the parameter's shape and every element sees the reference's arithmetic. After the
-gradient reduce-scatter the reduced gradient of exactly that share is in the buffer; after the step the updated
-shares are all-gathered back into every replica (`ParamGather`, eager or overlapped with the next forward).
+gradient reduce-scatter the reduced gradient of exactly that share is in the buffer; the updated shares are then
+all-gathered back into every replica (`ParamGather`): right after the step, or overlapped - the first bucket the next
+forward needs is updated first and its gather launched in the middle of the step, the others from the next forward.
 The clipping norm is summed from the shards (then over DP / expert-DP), so it equals the non-distributed norm.
 """
 
@@ -50,7 +51,7 @@ class DistributedOptimizer:
     def step(self, lr: float, grad_norm: float) -> None:
         early = self.gather.early_params()
         if early:
-            self.adam.step(lr, grad_norm, first=lambda s: s.param in early, after_first=self.gather.start)
+            self.adam.step(lr, grad_norm, first=(lambda s: s.param in early, self.gather.start))
         else:
             self.adam.step(lr, grad_norm)
             self.gather.start()

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from overlap.errors import ConfigError
+from overlap.parallel.kinds import parse_families
 
 FLAG = "--network"
 MODEL_FALLBACK = "--network model:100us,1GB/s"
@@ -131,11 +132,7 @@ def parse_network(text: str | None) -> Network:
         if len(parts) not in (2, 3):
             raise _bad(text, "a modelled link needs a latency and a bandwidth (and optionally the families that "
                              "use it, e.g. model:1ms,10MB/s,ep).")
-        families = None
-        if len(parts) == 3:
-            families = tuple(f.strip().lower() for f in parts[2].split("+"))
-            if not all(f.isalpha() for f in families):
-                raise _bad(text, "the third part names kind families joined by '+' (ep, dp, tp, pp), e.g. ep+dp.")
+        families = parse_families(FLAG, text, parts[2]) if len(parts) == 3 else None
         return Network("model", text, latency_s=parse_latency(parts[0]), bandwidth_Bps=parse_bandwidth(parts[1]),
                        families=families)
     if kind == "tbf":

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from overlap.errors import ConfigError
+from overlap.parallel.kinds import family, parse_families
 from overlap.parallel.trace import RECORDER, CommEvent, now
 
 _MODES = ("real", "none")
@@ -69,7 +71,7 @@ class LinkModel:
     families: tuple[str, ...] | None = None
 
     def applies_to(self, kind: str) -> bool:
-        return self.families is None or kind.split("_", 1)[0] in self.families
+        return self.families is None or family(kind) in self.families
 
     def seconds(self, op: str, payload_bytes: int, group_size: int) -> float:
         factor = _LINK_FACTORS.get(op, _LINK_FACTORS["p2p"])(group_size)
@@ -98,12 +100,12 @@ def _reserve_link(group: ProcessGroup, op: str, payload_bytes: int, size: int, t
 
 
 def parse_mode(mode: str) -> tuple[str, frozenset[str] | None]:
-    """"real" | "none" | "none:ep,dp" -> (mode, families made free; None = every family)."""
+    """"real" | "none" | "none:ep,dp" -> (mode, families made free; None = every family). A ConfigError (field
+    --comm-mode) for anything else, unknown family names included: a typo must not make a "floor" a real run."""
     base, sep, rest = mode.partition(":")
-    families = frozenset(f.strip() for f in rest.split(",") if f.strip()) if sep else None
-    if base not in _MODES or (sep and (base != "none" or not families)):
-        raise ValueError(f"comm mode must be 'real', 'none' or 'none:FAMILY[,FAMILY]' (e.g. none:ep), got {mode!r}")
-    return base, families
+    if base not in _MODES or (sep and base != "none"):
+        raise ConfigError("--comm-mode", mode, "expected real, none or none:FAMILY[,FAMILY].", "e.g. none:ep.")
+    return base, (frozenset(parse_families("--comm-mode", mode, rest)) if sep else None)
 
 
 def set_mode(mode: str) -> None:
@@ -112,7 +114,7 @@ def set_mode(mode: str) -> None:
 
 
 def _is_free(kind: str) -> bool:
-    return _mode == "none" and (_free_families is None or kind.split("_", 1)[0] in _free_families)
+    return _mode == "none" and (_free_families is None or family(kind) in _free_families)
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -170,6 +172,9 @@ class CommHandle:
             self._done = True
             if self._finish is not None:
                 self._finish()
+            # Drop the work and the finish step: they hold transfer buffers (a reduce-scatter's full-size receive
+            # buffer) that callers keeping the handle until the next step must not keep alive.
+            self._work = self._finish = None
         return self._result
 
 
@@ -228,8 +233,8 @@ def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: Red
         out.copy_(inp.chunk(size)[group_rank(group)])
 
     if op == ReduceOp.SUM and _backend(group) == "gloo":
-        # gloo's reduce-scatter costs ~3x the wall time and ~2.4x the CPU of an all-to-all of the chunks plus a
-        # local sum (bench/gloo_costs.py, 4 ranks, 11 MB fp32: 41-83 vs 13-25 ms), and gives no future, so its
+        # gloo's reduce-scatter costs ~3x the wall time and ~2.7x the CPU of an all-to-all of the chunks plus a
+        # local sum (bench/results/gloo_costs.txt, 4 ranks, 11 MB fp32: 34 vs 12 ms), and gives no future, so its
         # completion cannot be observed. Same bytes on the wire: (n-1)/n of the payload per rank.
         recv = torch.empty_like(inp)
 
@@ -279,7 +284,9 @@ class ManyHandle:
         packed = self.handle.wait()
         out, offset = [], 0
         for (dtype, shape), width in zip(self._like, self._widths):
-            piece = packed[:, offset:offset + width].contiguous().view(dtype)
+            # A real copy with offset 0: a one-row slice counts as contiguous, and viewing it in place as a wider
+            # dtype would fail on its byte offset.
+            piece = packed[:, offset:offset + width].clone(memory_format=torch.contiguous_format).view(dtype)
             out.append(piece.reshape(packed.shape[0], *shape))
             offset += width
         return tuple(out)
@@ -290,7 +297,7 @@ def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: 
     """All-to-all of several tensors that share their row splits (an MoE dispatch: rows and their combine weights)
     as ONE collective: each row's bytes travel side by side, bit-exact, whatever the dtypes. The bytes on the wire
     are the same as two all-to-alls; what is saved is a whole collective: its latency, its launch, and on gloo its
-    fixed CPU cost (~0.8 ms per rank for even a 1 KB all-to-all on 4 ranks, bench/gloo_costs.py)."""
+    fixed CPU cost (0.7-0.9 ms per rank for a 1-64 KB all-to-all on 4 ranks, bench/results/gloo_costs.txt)."""
     rows = tensors[0].shape[0]
     if any(t.shape[0] != rows for t in tensors):
         raise ValueError(f"all_to_all_many ({kind}): the tensors have different row counts "

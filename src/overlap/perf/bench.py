@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overlap.errors import ConfigError
+from overlap.parallel.kinds import parse_families
 
 IDEAL_NAME = "ideal (no communication)"
 
@@ -110,12 +111,12 @@ def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = ()
     """Append the floors: the baseline configuration with all communication (`ideal`) or one family's made free."""
     if ideal:
         configs.append(BenchConfig(IDEAL_NAME, list(configs[0].overrides), ["--comm-mode", "none"], floor=True))
+    if len(set(families)) != len(families):
+        raise ConfigError("--ideal-family", list(families), "a family is repeated.", "give each family once.")
     for family in families:
-        if not family.isidentifier() or "_" in family:
-            raise ConfigError("--ideal-family", family, "a family is a kind's prefix (ep, dp, tp, pp, ...).",
-                              "pass e.g. --ideal-family ep.")
-        configs.append(BenchConfig(family_floor_name(family), list(configs[0].overrides),
-                                   ["--comm-mode", f"none:{family}"], floor=True))
+        label = "+".join(parse_families("--ideal-family", family, family))
+        configs.append(BenchConfig(family_floor_name(label), list(configs[0].overrides),
+                                   ["--comm-mode", f"none:{label}"], floor=True))
     return configs
 
 

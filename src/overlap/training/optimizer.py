@@ -10,8 +10,8 @@ router) only on TP rank 0, expert shards summed over the expert-parallel group.
 from __future__ import annotations
 
 import math
-from typing import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -99,21 +99,23 @@ class MixedPrecisionAdam:
                     for p in params], cfg)
 
     @torch.no_grad()
-    def step(self, lr: float, grad_norm: float, first: Callable[[Slot], bool] | None = None,
-             after_first: Callable[[], None] | None = None) -> None:
-        """Update every slot. With `first`, the slots it selects are updated (and written out) before the others,
-        and `after_first()` runs in between: the distributed optimizer launches the next forward's first parameter
-        gather there, so it travels while the rest of the step computes. AdamW skips a parameter without a
-        gradient, so two partial steps are exactly one full step."""
+    def step(self, lr: float, grad_norm: float,
+             first: tuple[Callable[[Slot], bool], Callable[[], None]] | None = None) -> None:
+        """Update every slot. With `first = (select, then)`, the selected slots are updated (and written out)
+        before the others and `then()` runs in between: the distributed optimizer launches the next forward's first
+        parameter gather there, so it travels while the rest of the step computes. AdamW skips a parameter without
+        a gradient (no update, no step count, no decay), so the two partial steps are exactly one full step."""
         scale = min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 else 1.0
         for group in self.opt.param_groups:
             group["lr"] = lr
         if first is None:
             self._update(self.slots, scale)
             return
-        self._update([s for s in self.slots if first(s)], scale)
-        after_first()
-        self._update([s for s in self.slots if not first(s)], scale)
+        select, then = first
+        early = [select(s) for s in self.slots]
+        self._update([s for s, e in zip(self.slots, early) if e], scale)
+        then()
+        self._update([s for s, e in zip(self.slots, early) if not e], scale)
 
     def _update(self, slots: list[Slot], scale: float) -> None:
         for s in slots:

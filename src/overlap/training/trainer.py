@@ -99,8 +99,8 @@ class Trainer:
                 loss_sum += lm_loss.detach().float()
         with RECORDER.span("grad_reduce"):
             self.ddp.finish_grad_sync()
-        # The reported loss is summed over DP while the link is idle (gradients reduced, the optimizer's parameter
-        # gather not yet launched): later it would queue behind that gather and expose it.
+        # The reported loss is summed over DP now, before the norm's own all-reduce and the optimizer's parameter
+        # gather: launched after the step, it queued behind that gather and exposed it.
         loss_handle = comm.all_reduce(loss_sum, ps.dp_group, "dp_loss")
         norm = self.optimizer.grad_norm()
         with RECORDER.span("optimizer"):
