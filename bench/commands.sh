@@ -7,7 +7,8 @@ mkdir -p "$out"
 
 # 0. What one gloo collective costs here (wall and CPU): why reduce-scatter is an all-to-all + sum on gloo, why an
 #    MoE dispatch is one all-to-all, and the CPU that no schedule can hide on ranks that share cores.
-python bench/gloo_costs.py > $out/gloo_costs.txt
+python bench/gloo_costs.py > $out/gloo_costs.txt      # 4 ranks on the 2 cores, as the benchmarks below
+python bench/gloo_costs.py 2 >> $out/gloo_costs.txt   # 2 ranks: one per core
 
 # 1. EP overlap: qwen3_moe_tiny (+ a 64-wide shared expert so shared-expert overlap has work), EP=4 on 4 ranks,
 #    16 micro-batches per rank; the EP collectives on a modelled 1 ms / 10 MB/s link (",ep": the DP gradient

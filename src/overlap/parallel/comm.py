@@ -234,7 +234,7 @@ def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: Red
 
     if op == ReduceOp.SUM and _backend(group) == "gloo":
         # gloo's reduce-scatter costs ~3x the wall time and ~2.7x the CPU of an all-to-all of the chunks plus a
-        # local sum (bench/results/gloo_costs.txt, 4 ranks, 11 MB fp32: 34 vs 12 ms), and gives no future, so its
+        # local sum (bench/results/gloo_costs.txt, 4 ranks, 11 MB fp32: 35 vs 14 ms), and gives no future, so its
         # completion cannot be observed. Same bytes on the wire: (n-1)/n of the payload per rank.
         recv = torch.empty_like(inp)
 
@@ -297,7 +297,7 @@ def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: 
     """All-to-all of several tensors that share their row splits (an MoE dispatch: rows and their combine weights)
     as ONE collective: each row's bytes travel side by side, bit-exact, whatever the dtypes. The bytes on the wire
     are the same as two all-to-alls; what is saved is a whole collective: its latency, its launch, and on gloo its
-    fixed CPU cost (0.7-0.9 ms per rank for a 1-64 KB all-to-all on 4 ranks, bench/results/gloo_costs.txt)."""
+    fixed CPU cost (~0.8 ms per rank for a 1-64 KB all-to-all with 4 ranks on 2 cores, bench/results/gloo_costs.txt)."""
     rows = tensors[0].shape[0]
     if any(t.shape[0] != rows for t in tensors):
         raise ValueError(f"all_to_all_many ({kind}): the tensors have different row counts "
