@@ -282,6 +282,9 @@ class ManyHandle:
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         packed = self.handle.wait()
+        if len(self._like) == 1:  # nothing was packed: the received bytes are the tensor, no copy
+            dtype, shape = self._like[0]
+            return (packed.view(dtype).reshape(packed.shape[0], *shape),)
         out, offset = [], 0
         for (dtype, shape), width in zip(self._like, self._widths):
             # A real copy with offset 0: a one-row slice counts as contiguous, and viewing it in place as a wider
