@@ -37,8 +37,8 @@ def jobs(monkeypatch):
     seen = []
     real = cli.prepare
 
-    def spy(args):
-        job = real(args)
+    def spy(args, **kwargs):
+        job = real(args, **kwargs)
         seen.append(job)
         return job
 
@@ -56,13 +56,40 @@ def run(argv, capsys):
 def decisions(argv, capsys) -> dict[str, dict]:
     code, out, err = run([*argv, "--json"], capsys)
     assert code == 0, err
-    rows = json.loads(out)
+    rows = json.loads(out)["decisions"]
     return {row["field"]: row for row in rows}
 
 
 # --- the reference harness command ---------------------------------------------------------------------------------
-def test_harness_command_contradiction_is_exit_2_naming_both(capsys):
-    code, out, err = run([*HARNESS, "--moe_a2a_overlap", "false", *HARNESS_OVERRIDES], capsys)
+GUIDE = [*HARNESS, "--moe_a2a_overlap", "false", *HARNESS_OVERRIDES]  # the MoE guide's command, verbatim
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe_permute_fusion=false"]])
+def test_the_guides_command_resolves_with_the_override_winning_loudly(capsys, caplog, extra):
+    code, out, err = run([*GUIDE, *extra, "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    rows = {r["field"]: r for r in doc["decisions"]}
+    assert rows["model.overlap_moe_expert_parallel_comm"]["effective"] is True
+    assert rows["model.delay_wgrad_compute"]["effective"] is False
+    assert rows["model.moe_shared_expert_overlap"]["effective"] is False
+    beaten = {r["field"]: r for r in doc["command_line"]}["comm_overlap.overlap_moe_expert_parallel_comm"]
+    assert (beaten["requested"], beaten["effective"], beaten["decided_by"]) == (False, True, "override")
+    assert "beats --moe_a2a_overlap false" in beaten["reason"]
+    assert "beats --moe_a2a_overlap false" in caplog.text  # the warning, as the start-up log repeats it
+    other = {r["field"]: r for r in doc["other_settings"]}
+    assert other["model.moe_permute_fusion"]["value"] is (not extra)
+    assert other["model.moe_permute_fusion"]["source"] == ("override" if extra else "recipe")
+
+
+def test_the_guides_command_text_names_the_beaten_flag(capsys):
+    code, out, err = run(GUIDE, capsys)
+    assert code == 0, err
+    assert "Command line" in out and "beats --moe_a2a_overlap false" in out
+
+
+def test_the_guides_command_under_strict_is_exit_2_naming_both(capsys):
+    code, out, err = run([*GUIDE, "--strict"], capsys)
     assert code == 2
     assert "--moe_a2a_overlap" in err
     assert "comm_overlap.overlap_moe_expert_parallel_comm" in err
@@ -72,7 +99,10 @@ def test_harness_command_contradiction_is_exit_2_naming_both(capsys):
 def test_harness_command_without_flag_turns_ep_overlap_on(capsys):
     code, out, err = run([*HARNESS, *HARNESS_OVERRIDES, "--json"], capsys)
     assert code == 0, err
-    rows = json.loads(out)
+    doc = json.loads(out)
+    assert doc["layout"] == {"tp": 1, "pp": 1, "cp": 1, "dp": 16, "ep": 16, "etp": 1, "edp": 1, "vpp": None}
+    assert {e["name"]: e["value"] for e in doc["launch_env"]}["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    rows = doc["decisions"]
     assert isinstance(rows, list) and rows
     for row in rows:
         assert set(row) == {"field", "requested", "effective", "decided_by", "reason"}
@@ -101,9 +131,13 @@ def test_flag_agreeing_with_override_is_fine(capsys):
     assert rows["model.overlap_moe_expert_parallel_comm"]["effective"] is True
 
 
-def test_flag_contradicting_model_level_override_is_exit_2(capsys):
-    code, out, err = run([*HARNESS, "--moe_a2a_overlap", "false", "model.overlap_moe_expert_parallel_comm=true"],
-                         capsys)
+def test_model_level_override_beats_the_flag_too(capsys):
+    # The flag writes comm_overlap (which the resolution reads first); the override of the model-level twin must
+    # still win, as its place on the command line says.
+    argv = [*HARNESS, "--moe_a2a_overlap", "false", "model.overlap_moe_expert_parallel_comm=true"]
+    rows = decisions(argv, capsys)
+    assert rows["model.overlap_moe_expert_parallel_comm"]["effective"] is True
+    code, out, err = run([*argv, "--strict"], capsys)
     assert code == 2
     assert "model.overlap_moe_expert_parallel_comm" in err and "--moe_a2a_overlap" in err
 
@@ -198,11 +232,36 @@ def test_tp1_with_sequence_parallel_is_a_logged_decision(capsys, jobs):
     assert jobs[-1].resolution.decisions.get("model.sequence_parallel").requested is True
 
 
-def test_any_flag_contradicting_an_override_exits_2(capsys):
-    code, out, err = run([*TINY, "-tp", "1", "model.tensor_model_parallel_size=2"], capsys)
-    assert code == 2 and "-tp" in err and "model.tensor_model_parallel_size" in err
-    code, out, err = run([*TINY, "-gb", "8", "train.global_batch_size=16"], capsys)
-    assert code == 2 and "-gb" in err
+@pytest.mark.parametrize("flag, override, field, value", [
+    (["-tp", "1"], "model.tensor_model_parallel_size=2", "model.tensor_model_parallel_size", 2),
+    (["-gb", "8"], "train.global_batch_size=16", "train.global_batch_size", 16),
+    (["-mb", "1"], "train.micro_batch_size=2", "train.micro_batch_size", 2),
+    (["-ep", "2"], "model.expert_model_parallel_size=4", "model.expert_model_parallel_size", 4),
+    (["-sl", "32"], "model.seq_length=64", "model.seq_length", 64),
+    (["-ms", "3"], "train.train_iters=5", "train.train_iters", 5),
+    (["--vocab_size", "512"], "tokenizer.vocab_size=1024", "tokenizer.vocab_size", 1024),
+    (["-c", "fp32"], "mixed_precision=bf16_mixed", "mixed_precision", "bf16_mixed"),
+    (["--moe_flex_dispatcher_backend", "None"], "model.moe_token_dispatcher_type=flex",
+     "model.moe_token_dispatcher_type", "flex"),
+    (["--recompute_modules", "core_attn"], "model.recompute_modules=[mlp]", "model.recompute_modules", ["mlp"]),
+])
+def test_every_flag_beaten_by_an_override_is_said_and_strict_refuses_it(capsys, caplog, jobs, flag, override, field,
+                                                                         value):
+    base = "explain -m qwen -mr dense_tiny -ng 4".split() if field == "model.tensor_model_parallel_size" else TINY
+    argv = [*base, *flag, override, *(["model.moe_flex_dispatcher_backend=torch"] if "flex" in override else [])]
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == 0, err
+    beaten = {r["field"]: r for r in json.loads(out)["command_line"]}[field]
+    assert beaten["effective"] == value and beaten["decided_by"] == "override"
+    assert f"beats {flag[0]}" in beaten["reason"] and f"beats {flag[0]}" in caplog.text
+    code, out, err = run([*argv, "--strict"], capsys)
+    assert code == 2 and flag[0] in err and field in err
+
+
+def test_a_flag_agreeing_with_an_override_is_no_decision(capsys):
+    code, out, err = run([*TINY, "-gb", "8", "train.global_batch_size=8", "--json"], capsys)
+    assert code == 0, err
+    assert not [r for r in json.loads(out)["command_line"] if r["field"] == "train.global_batch_size"]
 
 
 def test_parallel_and_batch_flags(capsys, jobs):
@@ -234,14 +293,16 @@ def test_flex_backend_flag_torch(capsys, jobs):
     assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("flex", "torch")
 
 
-def test_flex_backend_flag_none_means_alltoall_and_contradicting_overrides_exit_2(capsys, jobs):
+def test_flex_backend_flag_none_means_alltoall_and_an_override_beats_it(capsys, caplog, jobs):
     code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "None"], capsys)
     assert code == 0, err
     m = jobs[-1].cfg.model
     assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("alltoall", None)
     code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "None", "model.moe_token_dispatcher_type=flex",
                           "model.moe_flex_dispatcher_backend=torch"], capsys)
-    assert code == 2 and "--moe_flex_dispatcher_backend" in err
+    assert code == 0 and "beats --moe_flex_dispatcher_backend" in caplog.text
+    m = jobs[-1].cfg.model
+    assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("flex", "torch")
 
 
 def test_flex_backend_flag_none_on_dense_recipe_is_fine(capsys, jobs):
@@ -261,7 +322,7 @@ def test_compute_dtype_flag_does_not_silently_drop_mixed_precision_override(caps
         assert "mixed_precision.grad_reduce_in_fp32" in err
         return
     assert code == 0, err
-    rows = {row["field"]: row for row in json.loads(out)}
+    rows = {row["field"]: row for row in json.loads(out)["decisions"]}
     assert rows["ddp.grad_reduce_in_fp32"]["effective"] is False
 
 
@@ -274,9 +335,26 @@ def test_flex_backend_flag_on_dense_recipe_is_exit_2(capsys):
 
 def test_flex_deepep_without_gpu_is_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "deepep"], capsys)
-    assert code == 2
-    assert "needs a CUDA GPU" in err
+    for command in (TINY, ["run", *TINY[1:]]):  # -g cpu: the target has no GPU; run: this machine has none
+        code, out, err = run([*command, "--moe_flex_dispatcher_backend", "deepep"], capsys)
+        assert code == 2
+        assert "needs a CUDA GPU" in err
+
+
+@pytest.mark.parametrize("gpu, backend, ok", [("h100", "deepep", True), ("b200", "deepep", True),
+                                              ("gb200", "deepep", False), ("gb200", "hybridep", True),
+                                              ("vr200", "hybridep", False), ("h100", "hybridep", True)])
+def test_explain_describes_the_target_gpu_not_this_machine(capsys, monkeypatch, gpu, backend, ok):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine: no GPU, no deep_ep
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", gpu, "-ng", "16",
+                          "--moe_flex_dispatcher_backend", backend], capsys)
+    if not ok:
+        assert code == 2 and "supported for" in err
+        return
+    assert code == 0, err
+    assert _env_line(out, "CUDA_DEVICE_MAX_CONNECTIONS")[1] == "32"
+    assert _env_line(out, "NVTE_FWD_LAYERNORM_SM_MARGIN")[1] == "20"
+    assert "`overlap run` will refuse" in out and "DeepEP kernels" in out
 
 
 class _Props:
@@ -287,7 +365,7 @@ class _Props:
 def test_flex_deepep_on_volta_is_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props("Tesla V100-SXM2-32GB", 7))
-    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "deepep"], capsys)
+    code, out, err = run(["run", *TINY[1:], "--moe_flex_dispatcher_backend", "deepep"], capsys)
     assert code == 2
     assert "DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs" in err
 
@@ -298,7 +376,7 @@ def test_flex_deepep_on_hopper_without_library_is_exit_2(capsys, monkeypatch):
     real = flex.importlib.util.find_spec
     monkeypatch.setattr(flex.importlib.util, "find_spec",
                         lambda name, *a, **k: None if name == "deep_ep" else real(name, *a, **k))
-    code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "hybridep"], capsys)
+    code, out, err = run(["run", *TINY[1:], "--moe_flex_dispatcher_backend", "hybridep"], capsys)
     assert code == 2
     assert "deep_ep" in err
 
@@ -321,10 +399,10 @@ def test_compute_dtype_bf16_satisfies_ep_precision_check(capsys):
     code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "4",
                           "comm_overlap.overlap_moe_expert_parallel_comm=true", "-c", "bf16"], capsys)
     assert code == 0, err
-    # -c and a whole-preset override on one command line contradict each other: an error, not a silent winner.
+    # -c and a whole-preset override on one command line: the override wins (said), here failing EP's precision check.
     code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "4", "mixed_precision=fp32",
                           "comm_overlap.overlap_moe_expert_parallel_comm=true", "-c", "bf16"], capsys)
-    assert code == 2 and "-c/--compute_dtype" in err and "mixed_precision" in err
+    assert code == 2 and "model.bf16" in err
     code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "4", "mixed_precision=fp32",
                           "comm_overlap.overlap_moe_expert_parallel_comm=true"], capsys)
     assert code == 2

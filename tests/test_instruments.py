@@ -243,7 +243,7 @@ def test_overlap_efficiency_and_summary_table():
     results = {configs[0].name: [run(100, 20), run(102, 20)], configs[1].name: [run(80, 4), run(82, 4)],
                configs[2].name: [run(60, 0), run(62, 0)]}
     doc = bench.summarize(configs, results, "real", "overlap bench ...")
-    assert doc["ideal_step_time_ms"] == pytest.approx(61.0) and doc["steps_window"] == [1, 4]
+    assert doc["ideal_step_time_ms"] == pytest.approx(61.0) and doc["window_iterations"] == [1, 4]
     assert doc["overlap_efficiency"] == {"ddp.x=true": pytest.approx(0.5)}
     on = doc["configs"][1]
     assert on["step_time_ms"]["min"] == 80 and on["step_time_ms"]["max"] == 82

@@ -96,7 +96,7 @@ def test_adam_split_step_equals_one_full_step():
     import torch
     from torch import nn
 
-    from overlap.training.optimizer import MixedPrecisionAdam, Slot
+    from overlap.optim.adam import MixedPrecisionAdam, Slot
 
     def run(split: bool) -> tuple[list[torch.Tensor], list[str]]:
         gen = torch.Generator().manual_seed(0)

@@ -1,9 +1,7 @@
 """Command line: `overlap explain | run | bench` with the reference harness flags plus `section.field=value` overrides.
 
-Flags follow Megatron-Bridge's `run_script.py`; its known flaws are fixed on purpose: `--moe_a2a_overlap false`
-really turns EP overlap off, and `--moe_a2a_overlap true` turns on EP overlap and nothing else (the reference also
-switched on delay_wgrad_compute). Order of application: recipe, then overrides, then flags (flags win, as there).
-A user mistake exits with status 2 and a one-paragraph message; no traceback.
+Flags follow Megatron-Bridge's `run_script.py` (see `overlap.harness`: recipe, then flags, then overrides, so an
+override beats a flag, said aloud). A user mistake exits with status 2 and a one-paragraph message; no traceback.
 """
 
 from __future__ import annotations
@@ -13,22 +11,14 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
 
-from overlap.config.comm_overlap import CommOverlapConfig
-from overlap.config.container import ConfigContainer, Resolution
-from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend
-from overlap.config.mixed_precision import get_mixed_precision_config
-from overlap.config.overrides import apply_overrides
-from overlap.config.recipes import RECIPES, get_recipe
-from overlap.errors import ConfigError, NotBuiltError
-from overlap.launch.env import LaunchEnvInputs, VALID_ACCELERATORS, compute_launch_env, format_launch_env
+from overlap.errors import ConfigError
+from overlap.harness import add_harness_flags, describe_layout, launch_env_inputs, prepare
+from overlap.launch.env import compute_launch_env, format_launch_env
 
 log = logging.getLogger("overlap")
 
-_KEEP = object()  # "flag not given": keep the recipe's value
-COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp16": "fp16_mixed", "fp32": "fp32"}
-REFERENCE_FP8_DTYPES = ("fp8_cs", "fp8_mx", "fp8_sc", "fp8_ds", "nvfp4")
+__all__ = ["add_harness_flags", "main", "prepare"]
 
 
 class _UsageError(Exception):
@@ -42,225 +32,67 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def bool_arg(text: str) -> bool:
-    low = text.lower()
-    if low in ("true", "1", "t", "yes", "y"):
-        return True
-    if low in ("false", "0", "f", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version("overlap")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        from overlap import __version__
 
-def int_or_none(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
-
-
-def add_harness_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("harness flags (Megatron-Bridge run_script.py compatible)")
-    g.add_argument("-m", "--model_family_name", type=str.lower)
-    g.add_argument("-mr", "--model_recipe_name", type=str.lower)
-    g.add_argument("--task", default="pretrain", choices=("pretrain", "sft", "peft"))
-    g.add_argument("-g", "--gpu", default="cpu", type=str.lower, choices=VALID_ACCELERATORS,
-                   help="accelerator type; cpu = local CPU ranks over gloo")
-    g.add_argument("-c", "--compute_dtype", default=None, type=str.lower,
-                   help="bf16 | fp16 | fp32 (default: the recipe's precision)")
-    g.add_argument("-ng", "--num_gpus", type=int, help="world size (ranks)")
-    g.add_argument("-gn", "--gpus_per_node", type=int, default=None)
-    g.add_argument("-ms", "--max_steps", type=int, default=None)
-    g.add_argument("-cv", "--config_variant", default=None)
-    g.add_argument("--cuda_graph_impl", choices=("none", "local", "transformer_engine"), default=None)
-    g.add_argument("--cuda_graph_scope", default=None, help="comma list")
-    g.add_argument("--moe_flex_dispatcher_backend", default=_KEEP,
-                   help="torch | deepep | hybridep | None (None: alltoall)")
-    g.add_argument("--moe_a2a_overlap", type=bool_arg, default=None,
-                   help="true/false: EP all-to-all overlap on/off (and nothing else)")
-    g.add_argument("--tokenizer_type", default=None,
-                   choices=("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"))
-    g.add_argument("--vocab_size", type=int, default=None)
-    for flag, dest in (("-tp", "tensor_model_parallel_size"), ("-pp", "pipeline_model_parallel_size"),
-                       ("-cp", "context_parallel_size"), ("-ep", "expert_model_parallel_size"),
-                       ("-et", "expert_tensor_parallel_size")):
-        g.add_argument(flag, dest=dest, type=int, default=None)
-    g.add_argument("-vp", dest="virtual_pipeline_model_parallel_size", type=int_or_none, default=_KEEP)
-    g.add_argument("-gb", "--global_batch_size", type=int, default=None)
-    g.add_argument("-mb", "--micro_batch_size", type=int, default=None)
-    g.add_argument("-sl", "--seq_length", type=int, default=None)
-    g.add_argument("-rl", "--recompute_num_layers", type=int, default=None,
-                   help="full recompute of this many layers per chunk (uniform)")
-    g.add_argument("--recompute_modules", default=None, help="comma list: selective recompute")
-    g.add_argument("--eval_time_start_step", type=int, default=None)
-    g.add_argument("--eval_time_end_step", type=int, default=None)
-    g.add_argument("--skip_first_percent_time", type=float, default=None)
-    g.add_argument("--strict", action="store_true", help="any overlap request that cannot be honoured is an error")
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides (e.g. model.num_layers=4)")
-
-
-@dataclass
-class Job:
-    """A parsed command line: the finalized config and what it takes to launch it."""
-
-    cfg: ConfigContainer
-    resolution: Resolution
-    args: argparse.Namespace
-
-
-def build_config(args: argparse.Namespace) -> ConfigContainer:
-    if not args.model_family_name or not args.model_recipe_name:
-        raise ConfigError("-m/-mr", None, "a model family and recipe are required.",
-                          "pass e.g. -m qwen -mr qwen3_moe_tiny (overlap explain --list-recipes lists them).")
-    if args.num_gpus is None:
-        raise ConfigError("-ng/--num_gpus", None, "the world size is required.", "pass e.g. -ng 4.")
-    if args.task != "pretrain":
-        raise NotBuiltError("--task", args.task, "Fine-tuning (sft/peft)", "use --task pretrain.")
-    if args.config_variant not in (None, "v1", "v2"):
-        raise ConfigError("-cv/--config_variant", args.config_variant, "recipes here have one canonical variant.",
-                          "omit -cv, or use v1/v2 (both mean the canonical recipe).")
-    cfg = get_recipe(args.model_family_name, args.model_recipe_name).build(args.num_gpus)
-    _apply_compute_dtype(cfg, args)  # the preset first, so mixed_precision.* overrides refine it
-    overridden = apply_overrides(cfg, args.overrides)
-    if args.compute_dtype is not None and "mixed_precision" in overridden:
-        raise ConfigError("-c/--compute_dtype", args.compute_dtype,
-                          f"it contradicts the override mixed_precision={overridden['mixed_precision']!r}.",
-                          "keep one of them.")
-    _apply_flags(cfg, args, overridden)
-    return cfg
-
-
-def _apply_compute_dtype(cfg: ConfigContainer, a: argparse.Namespace) -> None:
-    if a.compute_dtype is None:
-        return
-    if a.compute_dtype in REFERENCE_FP8_DTYPES:
-        raise NotBuiltError("-c/--compute_dtype", a.compute_dtype, "FP8/FP4 compute (Transformer Engine kernels)",
-                            "use -c bf16, fp16 or fp32.")
-    if a.compute_dtype not in COMPUTE_DTYPES:
-        raise ConfigError("-c/--compute_dtype", a.compute_dtype, "unknown compute dtype.",
-                          f"use one of {', '.join(COMPUTE_DTYPES)}.")
-    cfg.mixed_precision = get_mixed_precision_config(COMPUTE_DTYPES[a.compute_dtype])
-
-
-def _check_conflict(overridden: dict, key: str, value: object, flag: str) -> None:
-    """A flag and an override that ask for different values of one field are a contradiction: say so.
-
-    The reference lets the flag win silently; its documented smoke test even pairs `--moe_a2a_overlap false` (a no-op
-    there, bug #6006) with `comm_overlap.overlap_moe_expert_parallel_comm=true`. Here the flag means what it says.
-    """
-    if key in overridden and overridden[key] != value:
-        raise ConfigError(flag, value, f"it contradicts the override {key}={overridden[key]!r} on the same command "
-                          "line (here every flag means what it says; in the reference --moe_a2a_overlap false was a "
-                          "no-op).", f"remove one of them: keep either the flag or {key}.")
-
-
-def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, overridden: dict) -> None:
-    """Harness flags win over overrides (as in the reference), but a flag that contradicts an override of the same
-    field on the same command line is an error, never a silent winner."""
-
-    def put(section: str, field: str, value: object, flag: str) -> None:
-        _check_conflict(overridden, f"{section}.{field}", value, flag)
-        setattr(getattr(cfg, section), field, value)
-
-    if a.tensor_model_parallel_size is not None:
-        put("model", "tensor_model_parallel_size", a.tensor_model_parallel_size, "-tp")
-        if "model.sequence_parallel" not in overridden:  # -tp implies SP (as the reference); an explicit SP wins
-            put("model", "sequence_parallel", a.tensor_model_parallel_size > 1, "-tp")
-    for name, flag in (("pipeline_model_parallel_size", "-pp"), ("context_parallel_size", "-cp"),
-                       ("expert_model_parallel_size", "-ep"), ("expert_tensor_parallel_size", "-et"),
-                       ("seq_length", "-sl")):
-        if getattr(a, name) is not None:
-            put("model", name, getattr(a, name), flag)
-    if a.virtual_pipeline_model_parallel_size is not _KEEP:
-        put("model", "virtual_pipeline_model_parallel_size", a.virtual_pipeline_model_parallel_size, "-vp")
-    if a.cuda_graph_impl is not None:
-        put("model", "cuda_graph_impl", a.cuda_graph_impl, "--cuda_graph_impl")
-        if a.cuda_graph_impl == "none":
-            put("model", "cuda_graph_scope", None, "--cuda_graph_impl")
-    if a.cuda_graph_scope is not None:
-        put("model", "cuda_graph_scope", [s.strip() for s in a.cuda_graph_scope.split(",") if s.strip()],
-            "--cuda_graph_scope")
-    if a.recompute_num_layers is not None:
-        put("model", "recompute_granularity", "full", "-rl")
-        put("model", "recompute_method", "uniform", "-rl")
-        put("model", "recompute_num_layers", a.recompute_num_layers, "-rl")
-    if a.recompute_modules is not None:
-        put("model", "recompute_granularity", "selective", "--recompute_modules")
-        put("model", "recompute_modules", [s.strip() for s in a.recompute_modules.split(",") if s.strip()],
-            "--recompute_modules")
-    if a.moe_flex_dispatcher_backend is not _KEEP:
-        backend = a.moe_flex_dispatcher_backend
-        backend = None if backend in (None, "None", "none") else backend
-        if backend is not None or cfg.model.is_moe:  # "None" on a dense model asks for nothing: no dispatcher
-            flag = "--moe_flex_dispatcher_backend"
-            _check_conflict(overridden, "model.moe_flex_dispatcher_backend", backend, flag)
-            _check_conflict(overridden, "model.moe_token_dispatcher_type", "alltoall" if backend is None else "flex",
-                            flag)
-            apply_flex_dispatcher_backend(cfg.model, backend)
-    if a.moe_a2a_overlap is not None:
-        if cfg.comm_overlap is None:
-            cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)
-        _check_conflict(overridden, "model.overlap_moe_expert_parallel_comm", a.moe_a2a_overlap, "--moe_a2a_overlap")
-        put("comm_overlap", "overlap_moe_expert_parallel_comm", a.moe_a2a_overlap, "--moe_a2a_overlap")
-    if a.strict:
-        if cfg.comm_overlap is None:
-            cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)
-        put("comm_overlap", "strict", True, "--strict")
-    for section, field, value, flag in (
-            ("tokenizer", "tokenizer_type", a.tokenizer_type, "--tokenizer_type"),
-            ("tokenizer", "vocab_size", a.vocab_size, "--vocab_size"),
-            ("train", "global_batch_size", a.global_batch_size, "-gb"),
-            ("train", "micro_batch_size", a.micro_batch_size, "-mb"),
-            ("train", "train_iters", a.max_steps, "-ms/--max_steps"),
-            ("train", "eval_time_start_step", a.eval_time_start_step, "--eval_time_start_step"),
-            ("train", "eval_time_end_step", a.eval_time_end_step, "--eval_time_end_step"),
-            ("train", "skip_first_percent_time", a.skip_first_percent_time, "--skip_first_percent_time")):
-        if value is not None:
-            put(section, field, value, flag)
-
-
-def launch_env_inputs(cfg: ConfigContainer, res: Resolution, accelerator: str) -> LaunchEnvInputs:
-    m = cfg.model
-    return LaunchEnvInputs(accelerator=accelerator, tensor_model_parallel_size=res.layout.tp,
-                           context_parallel_size=res.layout.cp, pipeline_model_parallel_size=res.layout.pp,
-                           data_parallel_size=res.layout.dp, moe_flex_dispatcher_backend=m.moe_flex_dispatcher_backend,
-                           moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-                           overlap_moe_expert_parallel_comm=bool(m.overlap_moe_expert_parallel_comm))
-
-
-def describe_layout(res: Resolution) -> str:
-    lay = res.layout
-    return (f"world {lay.world_size} = TP {lay.tp} x CP {lay.cp} x DP {lay.dp} x PP {lay.pp}; "
-            f"experts: EP {lay.ep} x ETP {lay.etp} x expert-DP {lay.edp} per pipeline stage "
-            "(rank order tp-cp-dp-pp, tensor parallel fastest)")
-
-
-def prepare(args: argparse.Namespace) -> Job:
-    cfg = build_config(args)
-    return Job(cfg, cfg.finalize(args.num_gpus), args)
+        return __version__
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     if args.list_recipes:
-        for r in RECIPES.values():
-            print(f"-m {r.family} -mr {r.name:<16} {r.summary}")
+        from overlap.config.recipes import RECIPES
+
+        print("\n".join(f"-m {r.family} -mr {r.name:<16} {r.summary}" for r in RECIPES.values()))
         return 0
-    job = prepare(args)
+    if args.list_keys:
+        from overlap.config.overrides import list_override_keys
+
+        print("\n".join(list_override_keys()))
+        return 0
+    from overlap.training.support import runtime_refusals
+
+    job = prepare(args, describe_target=True)
     env = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ)
+    refusals = runtime_refusals(job.cfg, gpu=args.gpu != "cpu")
+    lay = job.resolution.layout
     if args.json:
-        print(json.dumps(job.resolution.decisions.to_json(), indent=2))
+        doc = {"recipe": args.model_recipe_name, "world_size": args.num_gpus, "gpu": args.gpu,
+               "layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
+                          "edp": lay.edp, "vpp": job.cfg.model.virtual_pipeline_model_parallel_size},
+               **job.resolution.decisions.to_json(),
+               "launch_env": [{"name": e.name, "value": e.value, "source": e.source, "reason": e.reason} for e in env],
+               "run_refuses": [{"field": r.field, "value": str(r.value), "why": r.why, "fix": r.fix}
+                               for r in refusals]}
+        print(json.dumps(doc, indent=2))
         return 0
     print(f"recipe {args.model_recipe_name} on {args.num_gpus} x {args.gpu}")
     print(f"\nParallel layout: {describe_layout(job.resolution)}")
-    print("\nOverlap decisions:\n" + job.resolution.decisions.format_table())
+    print("\n" + job.resolution.decisions.format_sections())
     print("\nLaunch environment:\n" + format_launch_env(env))
+    if refusals:
+        print("\nValid configuration, but `overlap run` will refuse it today:\n" +
+              "\n".join(f"  {r.field}={r.value!r}: {r.why} Fix: {r.fix}" for r in refusals))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[overlap] %(levelname)s %(message)s", stream=sys.stderr)
     parser = _Parser(prog="overlap", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"overlap {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     explain = sub.add_parser("explain", help="resolve the configuration and print every overlap decision")
     add_harness_flags(explain)
-    explain.add_argument("--json", action="store_true", help="print the decisions as a JSON list")
-    explain.add_argument("--list-recipes", action="store_true")
+    explain.add_argument("--json", action="store_true",
+                         help="print the layout, decisions, no-ops, other settings, launch environment and what run "
+                              "would refuse as one JSON object")
+    explain.add_argument("--list-recipes", action="store_true", help="list the recipes (-m/-mr) and exit")
+    explain.add_argument("--list-keys", action="store_true",
+                         help="list every section.field override key with its type and default, and exit")
     explain.set_defaults(func=cmd_explain)
     from overlap.commands import register_commands
 

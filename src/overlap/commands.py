@@ -28,7 +28,7 @@ log = logging.getLogger("overlap")
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
-    from overlap.cli import add_harness_flags
+    from overlap.harness import add_harness_flags
 
     run = sub.add_parser("run", help="train: -g cpu -ng N starts N local ranks; under torchrun joins that world")
     add_harness_flags(run)
@@ -75,7 +75,7 @@ def _own_argv(argv: list[str]) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from overlap.cli import launch_env_inputs, prepare
+    from overlap.harness import launch_env_inputs, prepare
     from overlap.launch.env import apply_launch_env, compute_launch_env, default_gpus_per_node, format_launch_env
     from overlap.training.support import check_runtime_support
 
@@ -180,7 +180,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     import torch
     import torch.distributed as dist
 
-    from overlap.cli import describe_layout
+    from overlap.harness import describe_layout
     from overlap.parallel.state import ParallelState
     from overlap.parallel.trace import RECORDER
     from overlap.profiling.collector import Collector
@@ -206,7 +206,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     try:
         ps = ParallelState(job.resolution.layout, "cuda" if use_cuda else "cpu")
         if rank == 0:
-            log.info("Overlap decisions:\n%s", job.resolution.decisions.format_table())
+            log.info("%s", job.resolution.decisions.format_sections())
             log.info("Parallel layout: %s\n%s", describe_layout(job.resolution), ps.describe())
         if cfg.ddp.impl == "overlap":
             trainer = Trainer(cfg, ps)
@@ -236,9 +236,9 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
             _write_traces(collector, Path(args.trace), rank, world)
         if rank == 0:
             start, end = summary.window
-            log.info("steady-state step time over iterations [%d, %d): %.1f ms (Step Time : %.3fs) | peak memory "
-                     "(rank 0): %.0f MB", start + 1, end + 1, summary.steady_step_ms, summary.steady_step_ms / 1e3,
-                     summary.peak_memory_mb)
+            log.info("steady-state step time over iterations %d-%d: %.1f ms (Step Time : %.3fs) | peak memory "
+                     "(rank 0): %.0f MB", start + 1, end, summary.steady_step_ms, summary.steady_step_ms / 1e3,
+                     summary.peak_memory_mb)  # 0-based [start, end) -> 1-based first-last (training/metrics.py)
             if summary.comm_ms:
                 log.info("communication time by kind over the run (ms, launch to completion): %s",
                          ", ".join(f"{k} {v:.0f}" for k, v in sorted(summary.comm_ms.items())))
@@ -276,15 +276,16 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
     import json
 
     from overlap.profiling.exposed import format_table
+    from overlap.training.metrics import window_iterations
 
-    start, end = summary.window
+    first, last = window_iterations(summary.window)  # 1-based, both included (training/metrics.py)
     rows = collector.window_mean(summary.window)
     if rows:
-        log.info("%s", format_table(rows, f"exposed communication, rank 0, mean per iteration over [{start + 1}, "
-                                          f"{end + 1}) | network: {network_label}"))
+        log.info("%s", format_table(rows, f"exposed communication, rank 0, mean per iteration over iterations "
+                                          f"{first}-{last} | network: {network_label}"))
     if args.metrics:
         Path(f"{args.metrics}.summary.json").write_text(json.dumps({
-            "network": network_label, "comm_mode": args.comm_mode, "steps_window": [start, end],
+            "network": network_label, "comm_mode": args.comm_mode, "window_iterations": [first, last],
             "steady_step_ms": summary.steady_step_ms, "peak_mem_mb": summary.peak_memory_mb,
             "exposed_comm_ms": {k: r.exposed_ms for k, r in rows.items()},
             "total_comm_ms": {k: r.total_ms for k, r in rows.items()},
@@ -311,13 +312,17 @@ def _write_traces(collector, trace_dir: Path, rank: int, world: int) -> None:
                     missing, trace_dir)
     traces = [RankTrace.read(p) for p in paths if p.exists()]
     write_chrome_trace(traces, trace_dir / "trace.json")
+    written = [f"{trace_dir / 'trace.json'} (open in https://ui.perfetto.dev or chrome://tracing)"]
+    timeline = trace_dir / "timeline.png"
+    timeline.unlink(missing_ok=True)  # a picture left by an earlier run must not pass for this one's
     try:
-        plot_timeline(traces, trace_dir / "timeline.png",
+        plot_timeline(traces, timeline,
                       title=f"last iteration, {len(traces)} ranks | network: {traces[0].network.split(' (')[0]}")
     except MissingPlotting as exc:
         log.error("timeline.png not drawn: %s", exc)
-    log.info("trace: %s (open in https://ui.perfetto.dev or chrome://tracing), %s", trace_dir / "trace.json",
-             trace_dir / "timeline.png")
+    if timeline.exists():
+        written.append(str(timeline))
+    log.info("trace: %s", ", ".join(written))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -97,6 +97,23 @@ def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", d
     _resolve_pp(u, model, log)
     _resolve_moe(u, model, ddp, log)
     _resolve_dp(u, model, ddp, optimizer, dp_size, log)
+    _detect_noops(model, ddp, dp_size, log)
+
+
+def _detect_noops(model: "ModelConfig", ddp: "DDPConfig", dp_size: int, log: DecisionLog) -> None:
+    """Switches left on by the resolution that cannot do anything in this layout (the model-dependent ones, such as a
+    DP overlap with a single bucket, are found by `overlap.training.noops`)."""
+    pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
+    if model.moe_shared_expert_overlap and model.expert_model_parallel_size == 1:
+        log.noop("model.moe_shared_expert_overlap", True,
+                 "EP=1: every token stays on its rank, so there is no dispatch/combine all-to-all for the shared "
+                 "expert to compute under", "use -ep 2 or more, or drop moe_shared_expert_overlap.")
+    for name in ("overlap_p2p_comm", "batch_p2p_comm"):
+        if getattr(model, name) and pp == 1:
+            log.noop(f"model.{name}", True, "PP=1: there is no pipeline send/receive", "use -pp 2 or more, or drop it.")
+    if ddp.align_param_gather and not (dp_size > 1 and ddp.use_distributed_optimizer and pp > 1 and vp > 1):
+        log.noop("ddp.align_param_gather", True, "it aligns the parameter gathers of pipeline stages, which needs DP>1, "
+                 "the distributed optimizer, PP>1 and VPP", "drop ddp.align_param_gather.")
 
 
 def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) -> None:
@@ -248,18 +265,24 @@ def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", l
                               "set model.add_bias_linear=false and model.add_qkv_bias=false.")
     model.delay_wgrad_compute = _choose(log, "model.delay_wgrad_compute", u.delay_wgrad_compute,
                                         model.delay_wgrad_compute, False, DEFAULT, "off unless requested")
+    shared = model.moe_shared_expert_overlap
     if model.is_moe:
-        shared = model.moe_shared_expert_overlap
         if shared and not model.moe_shared_expert_intermediate_size:
-            model.moe_shared_expert_overlap = log.record(
+            shared = log.record(
                 "model.moe_shared_expert_overlap", True, False, RULE,
                 "the model has no shared expert (moe_shared_expert_intermediate_size is not set): nothing to overlap",
                 fix="set model.moe_shared_expert_intermediate_size, or drop moe_shared_expert_overlap.")
+        elif shared and model.moe_token_dispatcher_type == "flex":
+            shared = log.record("model.moe_shared_expert_overlap", True, False, RULE,
+                                "the flex dispatcher does not support shared-expert overlap",
+                                fix="use moe_token_dispatcher_type=alltoall, or drop moe_shared_expert_overlap.")
+        elif shared is None:
+            shared = log.record("model.moe_shared_expert_overlap", None, False, DEFAULT, "off unless requested")
         else:
-            log.record("model.moe_shared_expert_overlap", True if shared else None, shared,
-                       MODEL_CONFIG if shared else DEFAULT,
+            log.record("model.moe_shared_expert_overlap", shared, shared, MODEL_CONFIG,
                        "shared expert computes under the dispatch/combine all-to-all" if shared
-                       else "off unless requested")
+                       else "requested off")
+    model.moe_shared_expert_overlap = bool(shared)
 
 
 def _resolve_dp(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", optimizer: "OptimizerConfig",

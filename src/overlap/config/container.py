@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, fields
+from typing import Sequence
 
 from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
-from overlap.config.decisions import RULE, DecisionLog
+from overlap.config.decisions import RULE, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import DTYPES, ModelConfig
 from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig, TrainConfig
 from overlap.errors import ConfigError, NotBuiltError
-from overlap.parallel.state import ParallelLayout
+from overlap.config.layout import ParallelLayout
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
@@ -46,7 +47,11 @@ class ConfigContainer:
     env_vars: dict[str, str] = field(default_factory=dict)
     _requested: "ConfigContainer | None" = field(default=None, repr=False, compare=False)
 
-    def finalize(self, world_size: int, device=probe_device) -> Resolution:
+    def finalize(self, world_size: int, device=probe_device, require_libraries: bool = True,
+                 command_line: Sequence[Decision] = ()) -> Resolution:
+        """Resolve for `world_size` ranks. `device` says which GPU the flex-dispatcher rules check (this machine's by
+        default; `explain` passes the target named by -g), `require_libraries` whether kernel libraries must be
+        importable here, `command_line` the harness's own decisions (flags beaten by overrides), logged first."""
         if world_size < 1:
             raise ConfigError("-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more.")
         if self._requested is None:
@@ -58,6 +63,8 @@ class ConfigContainer:
 
         strict = bool(self.comm_overlap and self.comm_overlap.strict)
         log = DecisionLog(strict)
+        for decision in command_line:
+            log.record_command_line(decision)
         self._apply_tokenizer()
         self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
@@ -65,7 +72,7 @@ class ConfigContainer:
             self.comm_overlap.data_parallel_size = layout.dp
         resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
         self._validate(layout)
-        validate_flex_dispatcher_backend(self.model, log, device)
+        validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         return Resolution(world_size, layout, log)
 
     # --- stages ------------------------------------------------------------------------------------------------
@@ -165,10 +172,10 @@ class ConfigContainer:
                 raise ConfigError("model.moe_router_topk", m.moe_router_topk,
                                   f"top-k must be between 1 and num_moe_experts ({m.num_moe_experts}).",
                                   "choose a smaller moe_router_topk.")
-            if tp > 1 and not m.sequence_parallel:
+            if tp > 1 and layout.ep > 1 and not m.sequence_parallel:
                 raise ConfigError("model.sequence_parallel", False,
-                                  "MoE with tensor parallelism requires sequence parallelism (tokens would be "
-                                  "duplicated across TP ranks and expert gradients double-counted).",
+                                  "when using expert parallelism and tensor parallelism, sequence parallelism must "
+                                  "be used (as Megatron-Core requires).",
                                   "set model.sequence_parallel=true (-tp sets it for you).")
             if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
                 raise NotBuiltError("model.moe_router_load_balancing_type", m.moe_router_load_balancing_type,
@@ -176,6 +183,17 @@ class ConfigContainer:
             if m.moe_layer_freq < 1:
                 raise ConfigError("model.moe_layer_freq", m.moe_layer_freq, "it must be >= 1.",
                                   "use 1 for all-MoE layers, k for every k-th layer.")
+            if m.moe_expert_capacity_factor is not None and not m.moe_expert_capacity_factor > 0:
+                raise ConfigError("model.moe_expert_capacity_factor", m.moe_expert_capacity_factor,
+                                  "an expert capacity factor must be > 0.",
+                                  "use e.g. 1.0 (null: dropless, no capacity).")
+            if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
+                raise ConfigError("model.moe_pad_expert_input_to_capacity", True,
+                                  "padding to the expert capacity needs a capacity.",
+                                  "also set model.moe_expert_capacity_factor (e.g. 1.0), or drop the padding.")
+            if m.moe_token_drop_policy not in ("probs", "position"):
+                raise ConfigError("model.moe_token_drop_policy", m.moe_token_drop_policy,
+                                  "unknown token drop policy.", "use probs or position.")
         elif layout.ep > 1:
             raise ConfigError("model.expert_model_parallel_size", layout.ep, "a dense model has no experts to shard.",
                               "use -ep 1 or a MoE recipe.")

@@ -7,8 +7,8 @@ at start-up, printed by `overlap explain`, and strict mode turns any request tha
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
 
 from overlap.errors import ConfigError
 
@@ -19,6 +19,10 @@ USER = "user"  # set on CommOverlapConfig (or by a harness flag that writes ther
 MODEL_CONFIG = "model config"  # set directly on the model / ddp / optimizer config (by a recipe or an override)
 RULE = "rule"  # derived by a rule from the layout or from another field
 DEFAULT = "default"  # nothing asked for it; the automatic default
+# Who set a value on the command line (the "command line" and "other settings" sections).
+FLAG = "flag"
+OVERRIDE = "override"
+RECIPE = "recipe"
 
 
 @dataclass(frozen=True)
@@ -48,24 +52,68 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+@dataclass(frozen=True)
+class NoOp:
+    """A switch that is on but can do nothing in this configuration (said, never silent; an error under strict)."""
+
+    field: str
+    value: Any
+    why: str
+    fix: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: _jsonable(v) for k, v in asdict(self).items()}
+
+
 class DecisionLog:
-    """Ordered decisions of one finalize(); `strict` turns a dishonoured request into a ConfigError at once."""
+    """Ordered decisions of one finalize(); `strict` turns a dishonoured request or a no-op switch into a ConfigError
+    at once.
+
+    Sections: `decisions` (the overlap fields), `command_line` (flags beaten by overrides, layout-derived recipe
+    values), `noops` (switches that are on and do nothing), `other` (runtime settings that are not overlap decisions,
+    with their source; filled by the harness)."""
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict
         self.decisions: list[Decision] = []
+        self.command_line: list[Decision] = []
+        self.noops: list[NoOp] = []
+        self.other: list[Decision] = []
+
+    def _check(self, decision: Decision, fix: str | None) -> None:
+        if decision.overridden:
+            if self.strict:
+                raise ConfigError(decision.field, decision.requested,
+                                  f"strict mode: this request cannot be honoured: {decision.reason.rstrip('.')}.",
+                                  fix or "change the request, or drop --strict / comm_overlap.strict to accept the "
+                                         "logged decision.")
+            log.warning("%s: requested %r, using %r (%s)", decision.field, decision.requested, decision.effective,
+                        decision.reason)
 
     def record(self, field: str, requested: Any, effective: Any, decided_by: str, reason: str,
                fix: str | None = None) -> Any:
         decision = Decision(field, requested, effective, decided_by, reason)
-        if decision.overridden:
-            if self.strict:
-                raise ConfigError(field, requested, f"strict mode: this request cannot be honoured: {reason.rstrip('.')}.",
-                                  fix or "change the request, or drop --strict / comm_overlap.strict to accept the "
-                                         "logged decision.")
-            log.warning("%s: requested %r, using %r (%s)", field, requested, effective, reason)
+        self._check(decision, fix)
         self.decisions.append(decision)
         return effective
+
+    def record_command_line(self, decision: Decision) -> None:
+        """A flag beaten by an override (warned; an error under strict) or a recipe value derived from the layout."""
+        self._check(decision, "keep either the flag or the override (they disagree), or drop --strict.")
+        self.command_line.append(decision)
+
+    def noop(self, field: str, value: Any, why: str, fix: str) -> None:
+        """`field` is on but does nothing here: warn (start-up log and explain), or refuse under strict."""
+        if self.strict:
+            raise ConfigError(field, value, f"strict mode: this switch is on but does nothing here: {why}.", fix)
+        log.warning("%s=%r does nothing here: %s. Fix: %s", field, value, why, fix)
+        self.noops.append(NoOp(field, value, why, fix))
+
+    def attribute(self, source: Callable[[str], str]) -> None:
+        """Name who set each value the resolution took "directly from the model config": `source(field)` says
+        "override", "flag -x" or "recipe" (the harness knows the command line; the resolution does not)."""
+        self.decisions = [replace(d, decided_by=source(d.field)) if d.decided_by == MODEL_CONFIG else d
+                          for d in self.decisions]
 
     def get(self, field: str) -> Decision:
         for d in self.decisions:
@@ -73,22 +121,48 @@ class DecisionLog:
                 return d
         raise KeyError(field)
 
-    def to_json(self) -> list[dict[str, Any]]:
-        return [d.to_json() for d in self.decisions]
+    def to_json(self) -> dict[str, Any]:
+        return {"decisions": [d.to_json() for d in self.decisions],
+                "command_line": [d.to_json() for d in self.command_line],
+                "noops": [n.to_json() for n in self.noops],
+                "other_settings": [{"field": d.field, "value": _jsonable(d.effective), "source": d.decided_by}
+                                   for d in self.other]}
 
     def format_table(self) -> str:
         """Aligned text table for logs and `overlap explain`."""
-        rows = [("field", "requested", "effective", "decided by", "why")]
-        for d in self.decisions:
-            req = "-" if d.requested is None else _short(d.requested)
-            rows.append((d.field, req, _short(d.effective), d.decided_by, d.reason))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = []
-        for i, r in enumerate(rows):
-            lines.append("  ".join(r[j].ljust(widths[j]) for j in range(4)) + "  " + r[4])
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 3)
-        return "\n".join(lines)
+        return _table(("field", "requested", "effective", "decided by", "why"),
+                      [(d.field, "-" if d.requested is None else _short(d.requested), _short(d.effective),
+                        d.decided_by, d.reason) for d in self.decisions])
+
+    def format_sections(self) -> str:
+        """The overlap table plus every non-empty extra section, as `explain` prints and the start-up log shows."""
+        parts = ["Overlap decisions:\n" + self.format_table()]
+        if self.command_line:
+            parts.append("Command line (flags apply first, overrides after; a flag an override beats is named):\n" +
+                         _table(("field", "flag asked", "in effect", "decided by", "why"),
+                                [(d.field, "-" if d.requested is None else _short(d.requested), _short(d.effective),
+                                  d.decided_by, d.reason) for d in self.command_line]))
+        if self.noops:
+            parts.append("Switches that are on but do nothing here:\n" + "\n".join(
+                f"  {n.field}={_short(n.value)}: {n.why}. Fix: {n.fix}" for n in self.noops))
+        if self.other:
+            parts.append("Other settings (not overlap decisions):\n" +
+                         _table(("field", "value", "set by"), [(d.field, _short(d.effective), d.decided_by)
+                                                                for d in self.other]))
+        return "\n\n".join(parts)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell; the last column is free text and is not padded."""
+    rows = [header, *rows]
+    n = len(header) - 1
+    widths = [max(len(r[i]) for r in rows) for i in range(n)]
+    lines = []
+    for i, r in enumerate(rows):
+        lines.append(("  ".join(r[j].ljust(widths[j]) for j in range(n)) + "  " + r[n]).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * max(3, len(header[n])))
+    return "\n".join(lines)
 
 
 def _short(value: Any) -> str:

@@ -45,6 +45,21 @@ def probe_device() -> DeviceInfo | None:
     return DeviceInfo(props.name, props.major)
 
 
+# What `overlap explain -g GPU` checks the flex-dispatcher rules against: the device each -g names, as CUDA reports it
+# (name prefix and compute-capability major). explain describes the target cluster, not the machine it runs on;
+# `overlap run` probes the device it actually has. Rubin (vr200, r100) is the generation after Blackwell (major 11).
+TARGET_DEVICES: dict[str, DeviceInfo | None] = {
+    "cpu": None,
+    "h100": DeviceInfo("NVIDIA H100", 9),
+    "b200": DeviceInfo("NVIDIA B200", 10),
+    "b300": DeviceInfo("NVIDIA B300", 10),
+    "gb200": DeviceInfo("NVIDIA GB200", 10),
+    "gb300": DeviceInfo("NVIDIA GB300", 10),
+    "vr200": DeviceInfo("NVIDIA VR200", 11),
+    "r100": DeviceInfo("NVIDIA R100", 11),
+}
+
+
 def deepep_supported(dev: DeviceInfo) -> bool:
     """Ampere, Hopper and B200/B300 (GB200/GB300 are not DeepEP-eligible), as in the reference."""
     return dev.major in (8, 9) or dev.name.startswith(("NVIDIA B200", "NVIDIA B300"))
@@ -73,12 +88,14 @@ def apply_flex_dispatcher_backend(model: "ModelConfig", backend: str | None) -> 
     model.moe_token_dispatcher_type = "flex"
     if model.moe_shared_expert_overlap:
         log.warning("flex dispatch: turning moe_shared_expert_overlap off (the flex dispatcher does not support it)")
-    model.moe_shared_expert_overlap = False
+        model.moe_shared_expert_overlap = False
 
 
 def validate_flex_dispatcher_backend(model: "ModelConfig", log_: DecisionLog,
-                                     device: Callable[[], DeviceInfo | None] = probe_device) -> None:
-    """Final check (last step of finalize): flex needs a backend; GPU backends need their library and device."""
+                                     device: Callable[[], DeviceInfo | None] = probe_device,
+                                     require_libraries: bool = True) -> None:
+    """Final check (last step of finalize): flex needs a backend; GPU backends need their device and (unless a target
+    is only being described: `require_libraries=False`) their library importable here."""
     backend = model.moe_flex_dispatcher_backend
     if model.moe_token_dispatcher_type != "flex":
         if backend is not None:
@@ -111,7 +128,7 @@ def validate_flex_dispatcher_backend(model: "ModelConfig", log_: DecisionLog,
             raise ConfigError("model.moe_flex_dispatcher_backend", backend,
                               "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, B200 and "
                               f"B300 GPUs. Current GPU: {dev.name}.", "use moe_flex_dispatcher_backend=torch.")
-        if importlib.util.find_spec("deep_ep") is None:
+        if require_libraries and importlib.util.find_spec("deep_ep") is None:
             raise ConfigError("model.moe_flex_dispatcher_backend", backend,
                               f"{backend} needs the DeepEP library (python module deep_ep), which is not installed.",
                               "install DeepEP, or use moe_flex_dispatcher_backend=torch.")

@@ -51,10 +51,13 @@ class ModelConfig:
     moe_layer_freq: int = 1  # every k-th layer is MoE (1: all layers); the others are dense
     moe_token_dispatcher_type: str = "alltoall"  # "alltoall" | "flex" ("allgather" is the reference's, not built)
     moe_flex_dispatcher_backend: str | None = None  # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
-    moe_shared_expert_overlap: bool = False
+    moe_shared_expert_overlap: bool | None = None  # None: not set (resolved off, logged)
     moe_permute_fusion: bool = False  # True: vectorised permutation; False: straightforward per-expert loop
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" | "none"
+    moe_expert_capacity_factor: float | None = None  # None: dropless; else each expert keeps <= ceil(T*k/E*factor)
+    moe_pad_expert_input_to_capacity: bool = False  # pad every expert to its capacity: static shapes, no counts
+    moe_token_drop_policy: str = "probs"  # past capacity, keep the highest weights ("probs") or earliest tokens
     # --- recompute (activation checkpointing) ---------------------------------------------------------------------
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 import yaml
@@ -19,6 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
+from overlap.config.model import ModelConfig
+from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig, TrainConfig
 from overlap.errors import ConfigError
 
 _SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
@@ -142,3 +144,22 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
 def apply_overrides(cfg: ConfigContainer, items: list[str]) -> dict[str, Any]:
     """Apply overrides in order; return {key: value} of what they set."""
     return dict(apply_override(cfg, item) for item in items)
+
+
+def list_override_keys() -> list[str]:
+    """Every `section.field` an override can set, with its type and default (`overlap explain --list-keys`)."""
+    rows = []
+    for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("optimizer", OptimizerConfig),
+                         ("scheduler", SchedulerConfig), ("ddp", DDPConfig), ("tokenizer", TokenizerConfig),
+                         ("mixed_precision", MixedPrecisionConfig), ("comm_overlap", CommOverlapConfig)):
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if f.name.startswith("_"):
+                continue
+            default = repr(f.default) if f.default is not MISSING else "(required)" if f.default_factory is MISSING \
+                else repr(f.default_factory())
+            rows.append((f"{section}.{f.name}", _hint_name(hints[f.name]), default))
+    rows.append(("mixed_precision", "preset name", "bf16_mixed | fp16_mixed | fp32 (replaces the whole section)"))
+    rows.append(("env_vars.NAME", "str", "an environment variable for the workers"))
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    return [f"{k:<{width[0]}}  {t:<{width[1]}}  {d}" for k, t, d in rows]

@@ -21,7 +21,7 @@ from overlap.errors import ConfigError
 
 
 def qwen3_30b_a3b(num_gpus: int) -> ConfigContainer:
-    ep = math.gcd(num_gpus, 16)
+    ep = math.gcd(num_gpus, 16)  # PP=1; the harness re-derives it per pipeline stage (Recipe.max_ep)
     model = ModelConfig(
         num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
         ffn_hidden_size=6144, vocab_size=151936, seq_length=4096, layernorm_epsilon=1e-6, rotary_base=1e6,
@@ -41,7 +41,7 @@ def qwen3_30b_a3b(num_gpus: int) -> ConfigContainer:
 
 
 def qwen3_moe_tiny(num_gpus: int) -> ConfigContainer:
-    ep = math.gcd(num_gpus, 4)
+    ep = math.gcd(num_gpus, 4)  # PP=1; the harness re-derives it per pipeline stage (Recipe.max_ep)
     model = ModelConfig(
         num_layers=2, hidden_size=128, num_attention_heads=8, num_query_groups=2, kv_channels=16,
         ffn_hidden_size=384, vocab_size=1024, seq_length=64, layernorm_epsilon=1e-6, rotary_base=1e6,
@@ -80,13 +80,20 @@ class Recipe:
     name: str
     build: Callable[[int], ConfigContainer]
     summary: str
+    # EP = gcd(ranks per pipeline stage, max_ep) unless the user sets it: experts are carved out of each stage's ranks,
+    # so the rule must see the layout the flags and overrides chose (None: the recipe has no EP rule).
+    max_ep: int | None = None
+
+    def ep_for(self, ranks_per_stage: int) -> int:
+        return math.gcd(ranks_per_stage, self.max_ep or 1)
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("qwen", "qwen3_30b_a3b", qwen3_30b_a3b,
-           "Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts top-8, EP=gcd(ng,16), bf16"),
+           "Qwen3-30B-A3B: 48 layers, hidden 2048, 128 experts top-8, EP=gcd(ranks per stage,16), bf16", 16),
     Recipe("qwen", "qwen3_moe_tiny", qwen3_moe_tiny,
-           "Qwen3-MoE structure at toy size: 2 layers, hidden 128, 16 experts top-4, EP=gcd(ng,4), bf16"),
+           "Qwen3-MoE structure at toy size: 2 layers, hidden 128, 16 experts top-4, EP=gcd(ranks per stage,4), "
+           "bf16", 4),
     Recipe("qwen", "dense_tiny", dense_tiny, "dense Qwen3-style decoder: 4 layers, hidden 256, fp32"),
 )}
 

@@ -45,6 +45,17 @@ class _BufferSync:
         return i < len(self.buffer.buckets) and len(self.ready[i]) == len(self.buffer.buckets[i].params)
 
 
+def buffer_members(params: list[nn.Parameter]) -> list[tuple[str, list[nn.Parameter]]]:
+    """The parameters of each gradient buffer, in registration order: one buffer per (reduction group, dtype), dense
+    weights over data parallel ("dp") first, routed experts over expert-data parallel ("edp")."""
+    out = []
+    for expert, prefix in ((False, "dp"), (True, "edp")):
+        members = [p for p in params if getattr(p, "is_expert", False) == expert]
+        for dtype in dict.fromkeys(p.dtype for p in members):
+            out.append((prefix, [p for p in members if p.dtype == dtype]))
+    return out
+
+
 class DistributedDataParallel:
     """Owns the gradient buffers and their reduction; the trainer marks the last micro-batch and finishes the sync."""
 
@@ -54,13 +65,10 @@ class DistributedDataParallel:
         self.scatter = cfg.use_distributed_optimizer
         self.reduce_sp_over_tp = sequence_parallel and ps.tp_size > 1
         params = [p for p in model.parameters() if p.requires_grad]
-        self.buffers: list[GradBuffer] = []
-        for expert, group, prefix in ((False, ps.dp_group, "dp"), (True, ps.edp_group, "edp")):
-            members = [p for p in params if getattr(p, "is_expert", False) == expert]
-            for dtype in dict.fromkeys(p.dtype for p in members):
-                same = [p for p in members if p.dtype == dtype]
-                grad_dtype = torch.float32 if cfg.grad_reduce_in_fp32 else dtype
-                self.buffers.append(build_buffer(same, grad_dtype, cfg.bucket_size, group, prefix))
+        groups = {"dp": ps.dp_group, "edp": ps.edp_group}
+        self.buffers: list[GradBuffer] = [
+            build_buffer(same, torch.float32 if cfg.grad_reduce_in_fp32 else same[0].dtype, cfg.bucket_size,
+                         groups[prefix], prefix) for prefix, same in buffer_members(params)]
         self._syncs = [_BufferSync(b) for b in self.buffers]
         self._sync_of = {p: s for s in self._syncs for p in s.bucket_of}
         self._last_micro_batch = True

@@ -17,7 +17,7 @@ from overlap.config.training import DDPConfig, OptimizerConfig
 from overlap.data_parallel.ddp import DistributedDataParallel
 from overlap.data_parallel.param_gather import ParamGather
 from overlap.parallel.state import ParallelState
-from overlap.training.optimizer import MixedPrecisionAdam, Slot, global_grad_norm
+from overlap.optim.adam import MixedPrecisionAdam, Slot, global_grad_norm
 
 
 def shard_slots(ddp: DistributedDataParallel) -> list[Slot]:

@@ -101,3 +101,9 @@ def build_buffer(params: list[nn.Parameter], grad_dtype: torch.dtype, bucket_siz
     buffer.buckets = [Bucket(i, members, lo, hi, grad_data[lo:hi], param_data[lo:hi])
                       for i, (members, lo, hi) in enumerate(cuts)]
     return buffer
+
+
+def bucket_sizes(params: list[nn.Parameter], bucket_size: int | None, align: int) -> list[int]:
+    """Padded element count of each bucket `build_buffer` would cut from `params` (works on meta tensors too: the
+    configuration check counts buckets without allocating the model)."""
+    return [end - start for _members, start, end in _cut_buckets(params, bucket_size, align)[1]]

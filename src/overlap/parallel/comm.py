@@ -16,8 +16,9 @@ Modelled link (`set_network(LinkModel(...))`, the `--network model:LATENCY,BANDW
 interconnect can be set up): the collective still runs for real, so the data stays correct, but its completion is held
 back to `max(real completion, start + modelled time)`. Real gloo traffic on a small CPU box is CPU work that fights
 the compute for the cores; a modelled delay is pure waiting, which is what a fast interconnect looks like to the
-compute, so overlap measured against it is credible (see DESIGN.md "Measuring overlap honestly"). Each group has a
-"link free at" clock: two ops in flight on one group queue one behind the other instead of overlapping for free.
+compute, so overlap measured against it is credible (see docs/architecture.md, "Measuring overlap honestly"). Each
+group has a "link free at" clock: two ops in flight on one group queue one behind the other instead of overlapping
+for free.
 
 Known limits of the measurement: the link clocks are per process group, so collectives on two different groups over
 the same ranks (e.g. dp and ep) do not queue behind each other as they would on one physical link.

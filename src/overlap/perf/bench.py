@@ -147,6 +147,7 @@ class RunResult:
     exposed_comm_ms: dict[str, float]
     total_comm_ms: dict[str, float]
     peak_mem_mb: float
+    # The steady-state window as FILE.summary.json's `window_iterations`: [first, last], 1-based, both included.
     steps_window: list[int]
     network: str
     comm_mb: dict[str, float] = field(default_factory=dict)
@@ -161,7 +162,7 @@ def run_once(options: list[str], overrides: list[str], config: BenchConfig, metr
                            f"{(done.stdout + done.stderr)[-4000:]}")
     s = json.loads(Path(f"{metrics}.summary.json").read_text())
     return RunResult(s["steady_step_ms"], s["exposed_comm_ms"], s["total_comm_ms"], s["peak_mem_mb"],
-                     s["steps_window"], s["network"], s.get("comm_mb", {}))
+                     s["window_iterations"], s["network"], s.get("comm_mb", {}))
 
 
 def _mean_by_kind(runs: list[RunResult], attr: str) -> dict[str, float]:
@@ -203,7 +204,7 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
             r["exposed_hidden_share_vs_first"] = hidden_share_by_family(measured[0]["exposed_comm_ms"],
                                                                         r["exposed_comm_ms"])
     first_runs = results[measured[0]["name"]]
-    return {"network": network, "steps_window": first_runs[0].steps_window,
+    return {"network": network, "window_iterations": first_runs[0].steps_window,
             "repeats": len(first_runs), "order": "alternating", "configs": rows,
             "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency,
             "floors_step_time_ms": {f["name"]: f["step_time_ms"]["mean"] for f in floors},
@@ -240,11 +241,21 @@ def _shares(shares: dict[str, float] | None) -> str:
     return "-" if not shares else ", ".join(f"{fam} {v:.2f}" for fam, v in shares.items())
 
 
-def format_markdown(doc: dict) -> str:
+def window_of(doc: dict) -> tuple[int, int]:
+    """A bench or summary document's steady-state window as 1-based (first, last), both included. Documents written
+    before `window_iterations` carry `steps_window`, 0-based [start, end)."""
+    if "window_iterations" in doc:
+        first, last = doc["window_iterations"]
+        return first, last
     start, end = doc["steps_window"]
+    return start + 1, end
+
+
+def format_markdown(doc: dict) -> str:
+    first, last = window_of(doc)
     by_floor = doc.get("overlap_efficiency_by_floor", {})
     lines = [f"Network: {doc['network']}  ",
-             f"Steady-state window: iterations [{start + 1}, {end + 1}) (1-based), {doc['repeats']} alternating "
+             f"Steady-state window: iterations {first}-{last} (1-based, inclusive), {doc['repeats']} alternating "
              "repeats; comm columns are rank 0's mean per iteration in ms, `all` first (union of kinds).  ",
              f"Command: `{doc['command']}`", "",
              "| config | step ms (mean) | min | max | vs first | exposed comm ms | total comm ms | MB/iter | peak MB | "
@@ -274,7 +285,7 @@ def _eff(value: float | None) -> str:
 
 def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
     """Resolve every configuration here first: a bad one fails before any run starts, with the usual message."""
-    from overlap.cli import prepare
+    from overlap.harness import prepare
     from overlap.launch.network import check_netns_support, parse_network
 
     if parse_network(args.network).kind == "tbf":

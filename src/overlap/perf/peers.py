@@ -18,7 +18,7 @@ from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.data import MockDataset
-from overlap.training.optimizer import learning_rate
+from overlap.optim.adam import learning_rate
 from overlap.training.trainer import Trainer
 
 

@@ -115,10 +115,14 @@ def mean_exposure(per_iteration: Sequence[dict[str, KindExposure]]) -> dict[str,
 
 
 def format_table(rows: dict[str, KindExposure], title: str) -> str:
-    """A small fixed-width table: kind, total ms, exposed ms, hidden %."""
-    lines = [title, f"{'kind':<14} {'ops':>5} {'MB':>9} {'total ms':>9} {'exposed ms':>10} {'hidden %':>8}"]
-    for kind in sorted(rows, key=lambda k: (k == ALL, k)):
-        r = rows[kind]
-        lines.append(f"{kind:<14} {r.count:>5} {r.nbytes / 1e6:>9.2f} {r.total_ms:>9.2f} {r.exposed_ms:>10.2f} "
-                     f"{r.hidden_pct:>7.0f}%")
-    return "\n".join(lines)
+    """A table of kind, ops, MB, total ms, exposed ms, hidden %: every column as wide as its header or its widest
+    cell, so it stays aligned for any kind name and any magnitude."""
+    header = ("kind", "ops", "MB", "total ms", "exposed ms", "hidden %")
+    body = [(kind, str(r.count), f"{r.nbytes / 1e6:.2f}", f"{r.total_ms:.2f}", f"{r.exposed_ms:.2f}",
+             f"{r.hidden_pct:.0f}%") for kind, r in ((k, rows[k]) for k in sorted(rows, key=lambda k: (k == ALL, k)))]
+    widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:  # the kind left-aligned, numbers right-aligned
+        return " ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([title, line(header), *map(line, body)])

@@ -2,8 +2,8 @@
 
 The compute lane shows when the compute thread was busy (spans minus blocking waits) and when it sat in a wait; each
 communication lane shows the ops from launch to completion, split into the part hidden behind compute and the part
-exposed. It is the picture of the numbers in the exposure table. matplotlib is optional (`pip install
-overlap[plot]`) and imported only here, when a picture is asked for.
+exposed. It is the picture of the numbers in the exposure table. matplotlib is a dependency of the package, but it
+is imported only here, when a picture is asked for (a broken or stripped install still gets its Chrome trace).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise MissingPlotting("the timeline PNG needs matplotlib, which is not installed: pip install "
-                              "'overlap[plot]' (or matplotlib>=3.8); the Chrome trace JSON needs nothing") from exc
+        raise MissingPlotting("the timeline PNG needs matplotlib, which cannot be imported here (it is a dependency "
+                              f"of overlap: pip install 'matplotlib>=3.8'; {exc}); the Chrome trace JSON needs "
+                              "nothing") from exc
     return plt
 
 

@@ -1,4 +1,11 @@
-"""What a run reports: reference-style iteration lines, model FLOPs, the steady-state window, peak memory."""
+"""What a run reports: reference-style iteration lines, model FLOPs, the steady-state window, peak memory.
+
+Iteration numbering, one convention for users: everything a user reads (the log, `metrics.jsonl`'s "iteration",
+`FILE.comm.jsonl`, `FILE.summary.json`, `overlap bench` tables and JSON, the timeline title) numbers iterations from 1
+(iteration 1 = the first optimizer step), and a window of iterations is written `[first, last]` with both ends
+included (`window_iterations` in the JSON files; "iterations 2-10" in the log). Inside the code, `StepRecord.iteration`
+and `steady_window` are 0-based indices with a half-open `[start, end)` window; `window_iterations` converts.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +40,8 @@ def flops_per_token(m: ModelConfig) -> float:
 
 
 def steady_window(cfg: TrainConfig) -> tuple[int, int]:
-    """[start, end) iterations averaged for the steady-state step time (reference: skip the first part)."""
+    """Half-open [start, end) of 0-based iteration indices averaged for the steady-state step time (reference: skip
+    the first part). Users see it as `window_iterations(...)`."""
     n = cfg.train_iters
     start = cfg.eval_time_start_step if cfg.eval_time_start_step is not None else \
         max(1, int(n * cfg.skip_first_percent_time))
@@ -42,20 +50,30 @@ def steady_window(cfg: TrainConfig) -> tuple[int, int]:
     return (start, end) if start < end else (0, n)
 
 
+def window_iterations(window: tuple[int, int]) -> tuple[int, int]:
+    """0-based half-open [start, end) -> 1-based inclusive (first, last): (1, 10) -> (2, 10), iterations 2 to 10."""
+    start, end = window
+    return start + 1, end
+
+
 @dataclass
 class StepRecord:
-    iteration: int
+    iteration: int  # 0-based index; printed as iteration + 1
     lm_loss: float
     grad_norm: float
     step_time_ms: float
     lr: float
 
 
-def format_iteration(r: StepRecord, cfg: TrainConfig, tokens_per_s: float, tflops: float) -> str:
+def format_iteration(r: StepRecord, cfg: TrainConfig, tokens_per_s: float, tflops: float, *, on_gpu: bool) -> str:
+    """The reference's iteration line. On GPU ranks it carries the model TFLOP/s per GPU; on CPU ranks there is no
+    GPU to quote a number for, so the line gives tokens/s per rank and no TFLOP/s (metrics.jsonl still has
+    `tflops_per_rank`)."""
+    rate = (f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens/s per GPU: {tokens_per_s:.0f}" if on_gpu
+            else f"tokens/s per rank: {tokens_per_s:.0f}")
     return (f"iteration {r.iteration + 1:>6}/{cfg.train_iters:<6} | elapsed time per iteration (ms): "
-            f"{r.step_time_ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens/s per GPU: "
-            f"{tokens_per_s:.0f} | learning rate: {r.lr:.6E} | global batch size: {cfg.global_batch_size:>5} | "
-            f"lm loss: {r.lm_loss:.6E} | grad norm: {r.grad_norm:.4f}")
+            f"{r.step_time_ms:.1f} | {rate} | learning rate: {r.lr:.6E} | global batch size: "
+            f"{cfg.global_batch_size:>5} | lm loss: {r.lm_loss:.6E} | grad norm: {r.grad_norm:.4f}")
 
 
 def steady_mean_ms(records: list[StepRecord], window: tuple[int, int]) -> float:

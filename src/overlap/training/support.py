@@ -11,7 +11,15 @@ from overlap.errors import ConfigError, NotBuiltError
 
 
 def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
-    m, d, o = cfg.model, cfg.ddp, cfg.optimizer
+    """`overlap run`: refuse, before any rank starts, the first thing the runtime cannot train yet."""
+    refusals = runtime_refusals(cfg, gpu)
+    if refusals:
+        raise refusals[0]
+
+
+def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigError]:
+    """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run raises)."""
+    m, d = cfg.model, cfg.ddp
     checks = [
         (m.pipeline_model_parallel_size > 1, "model.pipeline_model_parallel_size", m.pipeline_model_parallel_size,
          "Pipeline parallelism (1F1B / interleaved schedules)", "use -pp 1."),
@@ -39,6 +47,9 @@ def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
          "Fused gradient accumulation (a Transformer Engine kernel)", "set model.gradient_accumulation_fusion=false."),
         (m.add_bias_linear or m.add_qkv_bias, "model.add_bias_linear", True, "Linear biases",
          "set model.add_bias_linear=false and model.add_qkv_bias=false."),
+        (m.is_moe and m.tensor_model_parallel_size > 1 and not m.sequence_parallel, "model.sequence_parallel", False,
+         "MoE with tensor parallelism but without sequence parallelism (every TP rank would route the same tokens "
+         "and count the expert gradients TP times)", "set model.sequence_parallel=true (-tp sets it for you)."),
         (m.is_moe and not m.gated_linear_unit, "model.gated_linear_unit", False,
          "Non-gated (GELU) routed experts", "use gated_linear_unit=true (SwiGLU experts) for MoE models."),
         (m.share_embeddings_and_output_weights, "model.share_embeddings_and_output_weights", True,
@@ -52,12 +63,12 @@ def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
     if d.impl not in ("overlap", "torch_ddp", "fsdp2"):
         raise ConfigError("ddp.impl", d.impl, "unknown data-parallel implementation.",
                           "use overlap, torch_ddp or fsdp2.")
+    out: list[ConfigError] = []
     if d.impl != "overlap" and (m.is_moe or m.tensor_model_parallel_size > 1 or m.bf16 or m.fp16
                                 or d.use_distributed_optimizer or d.fp8_param_gather or gpu):
-        raise ConfigError("ddp.impl", d.impl, "the PyTorch peers are the CPU data-parallel comparison: dense, "
-                          "tensor-parallel-free fp32 models, their own optimizer and sharding (no distributed "
-                          "optimizer / fp8 gather settings of ours).",
-                          "use -g cpu -mr dense_tiny -tp 1 -c fp32 with the default ddp settings, or ddp.impl=overlap.")
-    for failed, field, value, what, fix in checks:
-        if failed:
-            raise NotBuiltError(field, value, what, fix)
+        out.append(ConfigError("ddp.impl", d.impl, "the PyTorch peers are the CPU data-parallel comparison: dense, "
+                               "tensor-parallel-free fp32 models, their own optimizer and sharding (no distributed "
+                               "optimizer / fp8 gather settings of ours).",
+                               "use -g cpu -mr dense_tiny -tp 1 -c fp32 with the default ddp settings, or "
+                               "ddp.impl=overlap."))
+    return out + [NotBuiltError(field, value, what, fix) for failed, field, value, what, fix in checks if failed]

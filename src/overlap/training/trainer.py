@@ -32,7 +32,7 @@ from overlap.pipeline.combined_1f1b import combined_1f1b
 from overlap.training.data import MockDataset
 from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
                                       steady_mean_ms, steady_window)
-from overlap.training.optimizer import LocalOptimizer, learning_rate
+from overlap.optim.adam import LocalOptimizer, learning_rate
 
 log = logging.getLogger("overlap.train")
 
@@ -134,7 +134,7 @@ class Trainer:
             tflops = flops_step / step_s / self.ps.world_size / 1e12
             if self.ps.rank == 0:
                 if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters:
-                    log.info(format_iteration(rec, t, tokens_per_s, tflops))
+                    log.info(format_iteration(rec, t, tokens_per_s, tflops, on_gpu=self.ps.mesh.device_type == "cuda"))
                 if metrics is not None:
                     metrics.write(json.dumps({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
                                               "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,

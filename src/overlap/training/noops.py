@@ -1,0 +1,66 @@
+"""Overlap switches that are on but cannot do anything for this model: found before anything starts, and said.
+
+A data-parallel overlap works bucket by bucket: the reduction of bucket 0 runs while backward computes the gradients
+of bucket 1, and the gathered parameters of bucket k+1 arrive while the forward computes with bucket k. With a single
+bucket per buffer there is nothing to run under (the reduction can only start after the last gradient, the forward
+needs the only bucket first), so the switch is a no-op - the rule default of 128M parameters is larger than a small
+model. The bucket count comes from the model itself, built on the meta device (no memory) with this layout's shapes
+and cut by the same function as the real buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import torch
+
+from overlap.config.container import ConfigContainer, Resolution
+from overlap.data_parallel.ddp import buffer_members
+from overlap.data_parallel.grad_buffer import bucket_sizes
+
+_TARGET_BUCKETS = 4  # what a suggested bucket size aims for: enough pieces to pipeline, few enough to stay large
+
+
+def _meta_model_params(cfg: ConfigContainer, res: Resolution) -> list[torch.nn.Parameter]:
+    """Rank 0's trainable parameters for this layout, as meta tensors (shapes only)."""
+    from overlap.model.gpt import GPTModel
+
+    lay = res.layout
+    rank0 = SimpleNamespace(tp_size=lay.tp, tp_rank=0, ep_size=lay.ep, ep_rank=0, dp_size=lay.dp, rank=0,
+                            world_size=lay.world_size, tp_group=None, ep_group=None, ep_meta_group=None)
+    # Parameters do not depend on the token dispatcher; the stand-in keeps one the runtime builds everywhere, so the
+    # count also works for a configuration `run` will refuse (explain still lists its buckets).
+    config = replace(cfg.model, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None)
+    with torch.device("meta"):
+        model = GPTModel(config, rank0)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def detect_model_noops(cfg: ConfigContainer, res: Resolution) -> None:
+    """Record a no-op for each DP overlap switch whose buffers have one bucket (rank 0's view; ranks are alike)."""
+    d = cfg.ddp
+    switches = [name for name in ("overlap_grad_reduce", "overlap_param_gather") if getattr(d, name)]
+    if not switches or d.impl != "overlap":
+        return
+    sizes = {"dp": res.layout.dp, "edp": res.layout.edp}
+    buffers = []
+    for prefix, members in buffer_members(_meta_model_params(cfg, res)):
+        if sizes[prefix] > 1:  # a buffer over one rank communicates nothing, overlapped or not
+            buckets = bucket_sizes(members, d.bucket_size, sizes[prefix])
+            buffers.append((prefix, members[0].dtype, len(buckets), sum(p.numel() for p in members)))
+    described = "; ".join(f"{prefix} {str(dtype).removeprefix('torch.')}: {n} bucket{'s' * (n != 1)} of "
+                          f"{total:,} parameters" for prefix, dtype, n, total in buffers)
+    single = [b for b in buffers if b[2] == 1]
+    if not single:
+        return
+    largest = max(total for _p, _d, _n, total in single)
+    suggestion = max(1, largest // _TARGET_BUCKETS)
+    for name in switches:
+        what = ("the reduction can only start after the last gradient is ready" if name == "overlap_grad_reduce"
+                else "the next forward needs the only bucket's parameters before it can compute anything")
+        res.decisions.noop(f"ddp.{name}", True,
+                           f"ddp.bucket_size={d.bucket_size} leaves a single bucket ({described}): {what}, so "
+                           "nothing overlaps",
+                           f"set ddp.bucket_size={suggestion} (about {_TARGET_BUCKETS} buckets per buffer), or turn "
+                           f"ddp.{name} off.")
