@@ -54,3 +54,15 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -ms 6 -gb 16 -mb 4 --network m
   --config "dist-opt, overlap:ddp.overlap_grad_reduce=true;ddp.overlap_param_gather=true" \
   --ideal --repeats 3 --json $out/dp_overlap_modelled.json --markdown $out/dp_overlap_modelled.md \
   ddp.bucket_size=500000 ddp.use_distributed_optimizer=true optimizer.use_distributed_optimizer=true
+
+# 6. Pipeline parallelism: dense_tiny at 8 layers, PP=4 on 4 ranks, 8 micro-batches per step (bubble (p-1)/(m*v):
+#    1F1B 3/8, interleaved VPP2 3/16), emulated interconnect so the activations' p2p is a visible share of the step.
+#    Ours (batched vs overlapped p2p, 1F1B vs interleaved) and torch.distributed.pipelining's schedules, alternated.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 8 -mb 1 --network tbf:200mbit \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "1F1B, torch pipelining:model.pipeline_impl=torch_pipelining" \
+  --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
+  --config "interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining" \
+  --ideal --repeats 2 --json $out/pp_schedules.json --markdown $out/pp_schedules.md \
+  model.num_layers=8

@@ -34,7 +34,7 @@ def test_the_tp_dp_pp_guides_shape_rederives_the_recipes_ep(capsys):
     assert doc["layout"]["ep"] == 8 and doc["layout"]["pp"] == 4 and doc["layout"]["vpp"] == 2
     rule = {r["field"]: r for r in doc["command_line"]}["model.expert_model_parallel_size"]
     assert rule["decided_by"] == "recipe" and "ranks per pipeline stage 8" in rule["reason"]
-    assert any(r["field"] == "model.pipeline_model_parallel_size" for r in doc["run_refuses"])  # not built yet
+    assert not any(r["field"] == "model.pipeline_model_parallel_size" for r in doc["run_refuses"])  # PP is built
 
 
 def test_an_explicit_ep_is_never_rederived(capsys):

@@ -81,7 +81,10 @@ def test_vpp_with_pp1_is_error():
 
 
 def test_layers_not_divisible_by_pp_times_vpp():
+    # 2 layers per stage cannot make 4 virtual-pipeline chunks: the split names the VPP field (and the counts)
     err = error(build(model(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4)), 2)
+    assert err.field == "model.virtual_pipeline_model_parallel_size" and "2 layers" in err.why
+    err = error(build(model(num_layers=5, pipeline_model_parallel_size=2)), 2)
     assert err.field == "model.num_layers"
 
 

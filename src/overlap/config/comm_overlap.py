@@ -95,7 +95,7 @@ def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", d
     u = user if user is not None else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
     _resolve_tp(u, model, log)
     _resolve_pp(u, model, log)
-    _resolve_moe(u, model, ddp, log)
+    _resolve_moe(u, model, ddp, log, dp_size)
     _resolve_dp(u, model, ddp, optimizer, dp_size, log)
     _detect_noops(model, ddp, dp_size, log)
 
@@ -121,19 +121,25 @@ def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) ->
     src = _source(u.tp_comm_overlap, model.tp_comm_overlap)
     if requested:
         available, why = tp_overlap_backend_available()
+        fix = None
         if model.tensor_model_parallel_size < 2:
             effective, by, reason = False, RULE, TP_DISABLE_TP_SIZE
+            fix = "use -tp 2 or more (it turns sequence parallel on), or do not request tp_comm_overlap."
         elif not model.sequence_parallel:
             effective, by, reason = False, RULE, TP_DISABLE_NO_SP
+            fix = "set model.sequence_parallel=true (or drop the override that turned it off), or do not request " \
+                  "tp_comm_overlap."
         elif not available:
             effective, by, reason = False, RULE, f"Disabling tensor parallel communication overlap: {why}."
+            # TP >= 2 with sequence parallel is already what the user has: the only thing missing is the backend.
+            fix = "do not request tp_comm_overlap (comm_overlap.tp_comm_overlap=false) until that backend is built; " \
+                  "TP and sequence parallel themselves run without it."
         else:
             effective, by, reason = True, src, "requested; TP>=2, sequence parallel and the backend are available"
     else:
-        effective = False
+        effective, fix = False, None
         by, reason = (src, "requested off") if src else (DEFAULT, "not requested")
-    model.tp_comm_overlap = log.record("model.tp_comm_overlap", requested, effective, by, reason,
-                                       fix="use -tp >= 2 with sequence parallel, or do not request tp_comm_overlap.")
+    model.tp_comm_overlap = log.record("model.tp_comm_overlap", requested, effective, by, reason, fix=fix)
 
     plan = _requested(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg)
     if not effective:
@@ -234,12 +240,19 @@ def _graph_scope(model: "ModelConfig") -> set[str]:
     return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
 
 
-def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", log: DecisionLog) -> None:
+def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", log: DecisionLog,
+                 dp_size: int = 1) -> None:
     ep_on = _choose(log, "model.overlap_moe_expert_parallel_comm", u.overlap_moe_expert_parallel_comm,
                     model.overlap_moe_expert_parallel_comm, False, DEFAULT, "off unless requested")
     if ep_on:
+        per_stage = model.tensor_model_parallel_size * model.context_parallel_size * dp_size
         for field, value, ok, why, fix in _ep_overlap_prerequisites(model):
             if not ok:
+                if field == "model.expert_model_parallel_size" and per_stage < 2:
+                    # -ep 2 is impossible here: experts are carved out of the ranks of one pipeline stage.
+                    fix = (f"expert parallelism needs at least 2 ranks per pipeline stage and this layout has "
+                           f"{per_stage}: use -ng 2 -ep 2 or more, or drop --moe_a2a_overlap / "
+                           "comm_overlap.overlap_moe_expert_parallel_comm.")
                 raise ConfigError(field, value, why, fix)
     model.overlap_moe_expert_parallel_comm = ep_on
 

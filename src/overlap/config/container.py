@@ -9,8 +9,9 @@ build a new container instead).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, fields
-from typing import Sequence
+from typing import Any, Sequence
 
 from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
 from overlap.config.decisions import RULE, Decision, DecisionLog
@@ -19,7 +20,7 @@ from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_preci
 from overlap.config.model import DTYPES, ModelConfig
 from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig, TrainConfig
 from overlap.errors import ConfigError, NotBuiltError
-from overlap.config.layout import ParallelLayout
+from overlap.config.layout import ParallelLayout, pipeline_layer_ranges
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
@@ -160,8 +161,11 @@ class ConfigContainer:
             raise ConfigError("model.virtual_pipeline_model_parallel_size", vpp,
                               "a virtual pipeline needs pipeline_model_parallel_size > 1 and a size >= 1.",
                               "use -vp None, or -pp 2 or more.")
-        divides("model.num_layers", m.num_layers, layout.pp * (vpp or 1), "PP x VPP",
-                "choose -pp/-vp so that PP x VPP divides the layer count.")
+        pipeline_layer_ranges(m.num_layers, layout.pp, vpp, m.num_layers_in_first_pipeline_stage,
+                              m.num_layers_in_last_pipeline_stage)  # a ConfigError for an indivisible split
+        if m.pipeline_impl not in ("overlap", "torch_pipelining"):
+            raise ConfigError("model.pipeline_impl", m.pipeline_impl, "unknown pipeline implementation.",
+                              "use overlap (ours) or torch_pipelining (the PyTorch peer).")
         if m.is_moe:
             if m.num_moe_experts < 1:
                 raise ConfigError("model.num_moe_experts", m.num_moe_experts, "a MoE model needs experts.",
@@ -204,10 +208,17 @@ class ConfigContainer:
             raise ConfigError("model.params_dtype", m.params_dtype, "unknown dtype.", f"use one of {DTYPES}.")
         self._validate_recompute()
         self._validate_cuda_graph()
-        if t.micro_batch_size < 1 or t.global_batch_size < 1 or t.global_batch_size % (t.micro_batch_size * layout.dp):
+        if t.micro_batch_size < 1:
+            raise ConfigError("train.micro_batch_size", t.micro_batch_size, "a micro-batch holds at least one sequence.",
+                              "use -mb 1 or more.")
+        if t.global_batch_size < 1:
+            raise ConfigError("train.global_batch_size", t.global_batch_size, "a step needs at least one sequence.",
+                              f"use -gb {t.micro_batch_size * layout.dp} or a multiple of it.")
+        if t.global_batch_size % (t.micro_batch_size * layout.dp):
             raise ConfigError("train.global_batch_size", t.global_batch_size,
                               f"it must be a multiple of micro_batch_size x data-parallel size = "
                               f"{t.micro_batch_size} x {layout.dp}.", "adjust -gb or -mb.")
+        self._validate_pipeline_schedule(layout)
         if m.overlap_moe_expert_parallel_comm and t.global_batch_size // (t.micro_batch_size * layout.dp) < 2:
             raise ConfigError("train.global_batch_size", t.global_batch_size,
                               "EP overlap interleaves the forward of one micro-batch with the backward of another, so "
@@ -232,6 +243,103 @@ class ConfigContainer:
                               "set precision with -c or mixed_precision=bf16_mixed|fp16_mixed|fp32, not piecemeal.")
         if t.train_iters < 1:
             raise ConfigError("train.train_iters", t.train_iters, "a run needs at least one step.", "use -ms 1 or more.")
+        self._validate_ranges()
+
+    def _validate_pipeline_schedule(self, layout: ParallelLayout) -> None:
+        """The interleaved schedule's rules (Megatron-Core): micro-batches come in groups of
+        `microbatch_group_size_per_vp_stage` (default PP) per virtual stage, a group size in [PP, micro-batches],
+        and a micro-batch count divisible by PP so every group is whole."""
+        m, t = self.model, self.train
+        group = m.microbatch_group_size_per_vp_stage
+        if group is not None and (layout.pp == 1 or not m.virtual_pipeline_model_parallel_size):
+            raise ConfigError("model.microbatch_group_size_per_vp_stage", group,
+                              "it shapes the interleaved (virtual pipeline) schedule only.",
+                              "use it with -pp 2+ and -vp 2+, or drop it.")
+        vpp = m.virtual_pipeline_model_parallel_size or 1
+        if layout.pp == 1 or vpp == 1:
+            return
+        micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+        group = group or layout.pp
+        if not layout.pp <= group <= micro:
+            raise ConfigError("model.microbatch_group_size_per_vp_stage", group,
+                              f"the interleaved schedule needs PP ({layout.pp}) <= group size <= micro-batches per "
+                              f"step ({micro}).", f"use -gb >= {layout.pp * t.micro_batch_size * layout.dp} or a "
+                              "group size in that range.")
+        if micro % layout.pp:
+            raise ConfigError("train.global_batch_size", t.global_batch_size,
+                              f"the interleaved schedule needs the micro-batches per step ({micro} = global batch / "
+                              f"(micro batch x DP)) to be a multiple of PP ({layout.pp}).",
+                              f"use -gb as a multiple of {layout.pp * t.micro_batch_size * layout.dp}.")
+
+    def _validate_ranges(self) -> None:
+        """Values the type check lets through but the run cannot use (or would silently clamp): one table, checked
+        in order; NaN fails every rule, and a float rule also refuses infinity."""
+        o, sc, t, m = self.optimizer, self.scheduler, self.train, self.model
+        n = t.train_iters
+        start, end = t.eval_time_start_step, t.eval_time_end_step
+        fin = math.isfinite
+        rules: list[tuple[str, Any, bool, str, str]] = [
+            # (field, value, ok, why, fix)
+            ("optimizer.lr", o.lr, fin(o.lr) and o.lr >= 0, "the learning rate must be a finite number >= 0.",
+             "use e.g. optimizer.lr=3e-4."),
+            ("optimizer.min_lr", o.min_lr, fin(o.min_lr) and 0 <= o.min_lr <= o.lr,
+             f"the decay floor must be between 0 and optimizer.lr ({o.lr:g}).",
+             f"use optimizer.min_lr <= {o.lr:g}, e.g. a tenth of it."),
+            ("optimizer.adam_beta1", o.adam_beta1, 0 <= o.adam_beta1 < 1, "Adam's beta1 must be in [0, 1).",
+             "use e.g. optimizer.adam_beta1=0.9."),
+            ("optimizer.adam_beta2", o.adam_beta2, 0 <= o.adam_beta2 < 1, "Adam's beta2 must be in [0, 1).",
+             "use e.g. optimizer.adam_beta2=0.95."),
+            ("optimizer.adam_eps", o.adam_eps, fin(o.adam_eps) and o.adam_eps > 0, "Adam's epsilon must be > 0.",
+             "use e.g. optimizer.adam_eps=1e-8."),
+            ("optimizer.weight_decay", o.weight_decay, fin(o.weight_decay) and o.weight_decay >= 0,
+             "weight decay must be >= 0 (0: none).", "use e.g. optimizer.weight_decay=0.1, or 0."),
+            ("optimizer.clip_grad", o.clip_grad, fin(o.clip_grad) and o.clip_grad >= 0,
+             "the gradient-norm clip must be >= 0 (0: no clipping).", "use e.g. optimizer.clip_grad=1.0, or 0."),
+            ("scheduler.lr_warmup_iters", sc.lr_warmup_iters, sc.lr_warmup_iters >= 0,
+             "warm-up iterations must be >= 0 (0: no warm-up).", "use e.g. scheduler.lr_warmup_iters=0."),
+            ("scheduler.lr_decay_iters", sc.lr_decay_iters, sc.lr_decay_iters is None or sc.lr_decay_iters >= 1,
+             "decay iterations must be >= 1 (null: train_iters).", "use scheduler.lr_decay_iters=null."),
+            ("train.skip_first_percent_time", t.skip_first_percent_time,
+             0 <= t.skip_first_percent_time < 1,
+             "the skipped share of the steps is a fraction in [0, 1) (0.1 skips the first 10%), not a percentage.",
+             "use e.g. --skip_first_percent_time 0.1."),
+            ("train.eval_time_start_step", start, start is None or 0 <= start < n,
+             f"the steady-state window starts at a 0-based step index in [0, train_iters={n}).",
+             f"use --eval_time_start_step between 0 and {n - 1}, or raise -ms."),
+            ("train.eval_time_end_step", end, end is None or 1 <= end <= n,
+             f"the steady-state window ends (exclusive) at a step in [1, train_iters={n}].",
+             f"use --eval_time_end_step between 1 and {n}, or raise -ms."),
+            ("train.eval_time_end_step", end, start is None or end is None or start < end,
+             f"the window end must come after its start (--eval_time_start_step {start}); an empty window would "
+             "silently fall back to the whole run, warm-up included.",
+             f"use --eval_time_end_step {(start or 0) + 1} or more."),
+            ("train.seed", t.seed, 0 <= t.seed < 2**63, "the seed must be in [0, 2^63).", "use e.g. train.seed=1234."),
+            ("train.comm_timeout_s", t.comm_timeout_s, fin(t.comm_timeout_s) and t.comm_timeout_s <= 7 * 86400,
+             "a timeout must be a finite number of seconds (at most a week).",
+             "set train.comm_timeout_s to a number of seconds, e.g. 300."),
+            ("model.layernorm_epsilon", m.layernorm_epsilon, fin(m.layernorm_epsilon) and m.layernorm_epsilon > 0,
+             "the norm epsilon must be > 0.", "use e.g. model.layernorm_epsilon=1e-6."),
+            ("model.rotary_base", m.rotary_base, fin(m.rotary_base) and m.rotary_base > 1,
+             "the rotary base must be > 1.", "use e.g. model.rotary_base=10000."),
+            ("model.init_method_std", m.init_method_std, fin(m.init_method_std) and m.init_method_std >= 0,
+             "the initialisation standard deviation must be >= 0.", "use e.g. model.init_method_std=0.02."),
+            ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, fin(m.moe_aux_loss_coeff) and m.moe_aux_loss_coeff >= 0,
+             "the auxiliary-loss coefficient must be >= 0 (0: none).", "use e.g. model.moe_aux_loss_coeff=1e-3."),
+            ("model.moe_expert_capacity_factor", m.moe_expert_capacity_factor,
+             m.moe_expert_capacity_factor is None or fin(m.moe_expert_capacity_factor),
+             "an expert capacity factor must be finite.", "use e.g. 1.0 (null: dropless, no capacity)."),
+            ("model.recompute_num_layers", m.recompute_num_layers,
+             m.recompute_num_layers is None or m.recompute_num_layers <= m.num_layers,
+             f"it cannot exceed num_layers ({m.num_layers}).", f"use -rl between 1 and {m.num_layers}."),
+            ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers is None or m.mtp_num_layers >= 0,
+             "a layer count must be >= 0.", "set model.mtp_num_layers=null."),
+            ("model.wgrad_deferral_limit", m.wgrad_deferral_limit,
+             m.wgrad_deferral_limit is None or m.wgrad_deferral_limit >= -1,
+             "the deferral limit is -1 (automatic) or a count >= 0.", "use -1."),
+        ]
+        for name, value, ok, why, fix in rules:
+            if not ok:
+                raise ConfigError(name, value, why, fix)
 
     def _validate_recompute(self) -> None:
         m = self.model

@@ -43,6 +43,12 @@ class ModelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
     sequence_parallel: bool = False
+    # --- pipeline (Megatron-Core / Bridge names) ------------------------------------------------------------------
+    num_layers_in_first_pipeline_stage: int | None = None  # None: an even split
+    num_layers_in_last_pipeline_stage: int | None = None
+    microbatch_group_size_per_vp_stage: int | None = None  # interleaved schedule; None: PP (depth-first)
+    deallocate_pipeline_outputs: bool = False  # free a sent activation's storage once the send completed
+    pipeline_impl: str = "overlap"  # "overlap" (ours) | "torch_pipelining" (the PyTorch peer)
     # --- mixture of experts ---------------------------------------------------------------------------------------
     num_moe_experts: int | None = None  # None: dense model
     moe_router_topk: int = 2

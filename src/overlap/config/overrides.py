@@ -142,7 +142,25 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cfg: ConfigContainer, items: list[str]) -> dict[str, Any]:
-    """Apply overrides in order; return {key: value} of what they set."""
+    """Apply overrides in order; return {key: value} of what they set.
+
+    The same key twice is an error naming both (the reference lets the last one win, silently), and so is a
+    `mixed_precision=PRESET` after a `mixed_precision.FIELD=...`: the preset replaces the whole section and would
+    drop the field."""
+    seen: dict[str, str] = {}
+    for item in items:
+        key = item.split("=", 1)[0].strip()
+        if key in seen:
+            raise ConfigError(key, item.split("=", 1)[1] if "=" in item else item,
+                              f"this key is given twice ({seen[key]} and {item}); one of them would be silently "
+                              "dropped.", "keep only the one you mean.")
+        if key == "mixed_precision":
+            fields_before = [v for k, v in seen.items() if k.startswith("mixed_precision.")]
+            if fields_before:
+                raise ConfigError(key, item.split("=", 1)[1], f"the preset replaces the whole mixed_precision section, dropping the "
+                                  f"earlier {fields_before[0]}.", "put mixed_precision=PRESET before the "
+                                  "mixed_precision.FIELD overrides that refine it.")
+        seen[key] = item
     return dict(apply_override(cfg, item) for item in items)
 
 

@@ -16,6 +16,9 @@ not launched (everything, without overlap) and waits for all of it; the optimize
 
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -73,7 +76,21 @@ class DistributedDataParallel:
         self._sync_of = {p: s for s in self._syncs for p in s.bucket_of}
         self._last_micro_batch = True
         for p in params:
-            register_grad_ready_hook(p, self._on_grad_ready)  # also fired by delayed wgrad GEMMs
+            register_grad_ready_hook(p, self._weak_hook())  # also fired by delayed wgrad GEMMs
+
+    def _weak_hook(self) -> Callable[[nn.Parameter], None]:
+        """The grad-ready hook through a weak reference: a parameter hook holding this object would keep it, the
+        parallel state and its process groups alive for good (the garbage collector does not see through
+        post-accumulate-grad hooks), and gloo's worker threads live as long as their group does - past interpreter
+        shutdown, where freeing a finished op aborts the process (see `comm.shutdown`)."""
+        ref = weakref.WeakMethod(self._on_grad_ready)
+
+        def hook(param: nn.Parameter) -> None:
+            method = ref()
+            if method is not None:
+                method(param)
+
+        return hook
 
     def zero_grad(self) -> None:
         """Start a step: zero the gradient buffers and forget last step's readiness and handles."""

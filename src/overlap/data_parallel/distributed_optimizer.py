@@ -11,6 +11,8 @@ The clipping norm is summed from the shards (then over DP / expert-DP), so it eq
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from torch import nn
 
 from overlap.config.training import DDPConfig, OptimizerConfig
@@ -38,12 +40,15 @@ def shard_slots(ddp: DistributedDataParallel) -> list[Slot]:
 class DistributedOptimizer:
     """Adam on this rank's shards, then the parameter all-gather; the same interface as `LocalOptimizer`."""
 
-    def __init__(self, model: nn.Module, ddp: DistributedDataParallel, cfg: OptimizerConfig, ddp_cfg: DDPConfig,
-                 ps: ParallelState) -> None:
+    def __init__(self, chunks: Sequence[nn.Module], ddps: Sequence[DistributedDataParallel], cfg: OptimizerConfig,
+                 ddp_cfg: DDPConfig, ps: ParallelState) -> None:
+        """`chunks` are this rank's model chunks in forward order (one without a virtual pipeline), `ddps` their
+        data-parallel wrappers: each chunk's buckets are sharded and gathered bucket by bucket, in forward order
+        across chunks, so the first forward's chunk is gathered first."""
         self.ps = ps
-        self.adam = MixedPrecisionAdam(shard_slots(ddp), cfg)
-        self.gather = ParamGather(ddp.buffers, model, bool(ddp_cfg.overlap_param_gather),
-                                  bool(ddp_cfg.fp8_param_gather))
+        self.adam = MixedPrecisionAdam([s for ddp in ddps for s in shard_slots(ddp)], cfg)
+        self.gather = ParamGather([b for ddp in ddps for b in ddp.buffers], nn.ModuleList(chunks),
+                                  bool(ddp_cfg.overlap_param_gather), bool(ddp_cfg.fp8_param_gather))
 
     def grad_norm(self) -> float:
         return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)

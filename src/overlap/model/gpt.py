@@ -2,10 +2,14 @@
 
 Tensors between layers are [seq, batch, hidden]; under sequence parallelism every TP rank holds its 1/tp slice of
 the sequence between the TP regions. Parameter names are the same in every parallel layout, which is what lets
-`init_weights` give every layout the reference model's weights.
+`init_weights` give every layout the reference model's weights: under pipeline parallelism a model chunk (`Stage`)
+holds a range of layers registered under their global numbers (`layers.5.` on whichever rank holds layer 5), the
+embedding only on the first virtual stage, the final norm and output layer only on the last.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -63,6 +67,37 @@ class TransformerLayer(nn.Module):
         return self.mlp_block(self.attention_block(x))
 
 
+@dataclass(frozen=True)
+class Stage:
+    """What one model chunk holds: layers [start, end) and whether it embeds (first virtual pipeline stage) and/or
+    computes the loss (last)."""
+
+    start: int
+    end: int
+    pre_process: bool
+    post_process: bool
+
+
+class LayerStack(nn.Module):
+    """A run of consecutive layers registered under their global layer numbers (so parameter names match every
+    layout); indexed and iterated like a ModuleList, by position within the run."""
+
+    def __init__(self, layers: list[nn.Module], first: int) -> None:
+        super().__init__()
+        self.first = first
+        for i, layer in enumerate(layers):
+            self.add_module(str(first + i), layer)
+
+    def __getitem__(self, i: int) -> nn.Module:
+        return self._modules[str(self.first + i)]
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
 class GPTModel(nn.Module):
     """`forward(tokens [b, s], labels [b, s]) -> (lm_loss, aux_loss)`.
 
@@ -72,7 +107,7 @@ class GPTModel(nn.Module):
     computed from the vocab-sharded logits without gathering them.
     """
 
-    def __init__(self, config, ps: ParallelState) -> None:
+    def __init__(self, config, ps: ParallelState, stage: Stage | None = None) -> None:
         super().__init__()
         tp = ps.tp_size
         if config.vocab_size % tp:
@@ -89,13 +124,18 @@ class GPTModel(nn.Module):
                               "set share_embeddings_and_output_weights=false.")
         self.config = config
         self.ps = ps
+        self.stage = stage or Stage(0, config.num_layers, True, True)
         dtype = params_dtype(config)
         sp = config.sequence_parallel
-        self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps, sp, dtype)
-        self.layers = nn.ModuleList(TransformerLayer(config, ps, i) for i in range(config.num_layers))
-        self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype)
-        self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, ps, sp, params_dtype=dtype)
-        self.layer_chunks = layer_chunks(config, config.num_layers)
+        if self.stage.pre_process:
+            self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps, sp, dtype)
+        self.layers = LayerStack([TransformerLayer(config, ps, i) for i in range(self.stage.start, self.stage.end)],
+                                 self.stage.start)
+        if self.stage.post_process:
+            self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype)
+            self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, ps, sp,
+                                                     params_dtype=dtype)
+        self.layer_chunks = layer_chunks(config, len(self.layers))
 
     def init_weights(self, seed: int) -> None:
         """Give this rank its slice of the layout-independent initial weights (see `overlap.layers.init`)."""
@@ -106,27 +146,65 @@ class GPTModel(nn.Module):
         return self.embedding(tokens.t())
 
     def run_layers(self, hidden: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layers [start, end) on `hidden`; returns the output and the sum of their aux losses (None if all dense)."""
+        """This chunk's layers [start, end) (positions in the chunk) on `hidden`; returns the output and the sum of
+        their aux losses (None if all dense)."""
         aux_total = None
         for i in range(start, end):
-            with RECORDER.span(f"fwd.layer{i}"):
-                hidden, aux = self.layers[i](hidden)
+            layer = self.layers[i]
+            with RECORDER.span(f"fwd.layer{layer.layer_number}"):
+                hidden, aux = layer(hidden)
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
         return hidden, aux_total
 
-    def lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Final norm, output layer (gathers the sequence under SP) and mean cross-entropy against labels [b, s]."""
-        logits = self.output_layer(self.final_layernorm(hidden))  # [s, b, vocab/tp]
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and output layer (gathers the sequence under SP): [s, b, vocab/tp]."""
+        return self.output_layer(self.final_layernorm(hidden))
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of vocab-sharded logits against labels [b, s]."""
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ps).mean()
 
+    def lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_from_logits(self.logits(hidden), labels)
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.embed(tokens)
+        return self.stage_forward(None, tokens, labels)
+
+    def stage_forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor,
+                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This chunk's part of the model: embed `tokens` (first stage) or continue from the received `hidden`, run
+        the layers, and end with (lm_loss, aux_loss) on the last stage or (hidden, aux_loss) before it. aux_loss is
+        the sum of this chunk's MoE aux losses (a 0-dim fp32 tensor, zero without MoE layers)."""
+        hidden, aux_loss = self.stage_body(hidden, tokens)
+        if not self.stage.post_process:
+            return hidden, aux_loss
+        with RECORDER.span("fwd.lm_loss"):
+            loss = self.lm_loss(hidden, labels)
+        return loss, aux_loss
+
+    def stage_body(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding (first stage) and this chunk's layers: (hidden, summed aux loss)."""
+        if self.stage.pre_process:
+            hidden = self.embed(tokens)
         aux_loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start, end, checkpointed in self.layer_chunks:
             hidden, aux = maybe_checkpoint(checkpointed, self.run_layers, hidden, start, end)
             if aux is not None:
                 aux_loss = aux_loss + aux
-        with RECORDER.span("fwd.lm_loss"):
-            loss = self.lm_loss(hidden, labels)
-        return loss, aux_loss
+        return hidden, aux_loss
+
+
+def model_chunks(config, ps: ParallelState) -> list[GPTModel]:
+    """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual pipeline, each holding
+    the layers Megatron-Core assigns its virtual stage (`overlap.config.layout.pipeline_layer_ranges`)."""
+    from overlap.config.layout import pipeline_layer_ranges
+
+    pp, rank = ps.pp_size, ps.pp_rank
+    ranges = pipeline_layer_ranges(config.num_layers, pp, config.virtual_pipeline_model_parallel_size,
+                                   config.num_layers_in_first_pipeline_stage,
+                                   config.num_layers_in_last_pipeline_stage)[rank]
+    last = len(ranges) * pp - 1
+    return [GPTModel(config, ps, Stage(start, end, pre_process=c * pp + rank == 0,
+                                       post_process=c * pp + rank == last))
+            for c, (start, end) in enumerate(ranges)]

@@ -75,7 +75,10 @@ def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool
         comm.all_reduce(expert, ps.edp_group, "dp_norm").wait()
     comm.all_reduce(dense, ps.tp_group, "mp_norm").wait()
     comm.all_reduce(expert, ps.ep_group, "mp_norm").wait()
-    return math.sqrt(float(dense + expert))
+    total = dense + expert
+    if ps.pp_size > 1:  # every pipeline stage holds other layers: their squares add up
+        comm.all_reduce(total, ps.pp_group, "mp_norm").wait()
+    return math.sqrt(float(total))
 
 
 class MixedPrecisionAdam:

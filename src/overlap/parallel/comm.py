@@ -24,14 +24,22 @@ Known limits of the measurement: the link clocks are per process group, so colle
 the same ranks (e.g. dp and ep) do not queue behind each other as they would on one physical link.
 
 On gloo, a summing reduce-scatter runs as an all-to-all of the chunks plus a local sum (see `reduce_scatter`).
+
+Teardown (`shutdown`): every op launched here is registered until it has been waited for, completion callback
+included, so the end of a run can drain whatever is still in flight before the groups go; see `shutdown` for the order
+and for why the groups themselves must be freed before the interpreter exits.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
@@ -41,6 +49,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 from overlap.errors import ConfigError
 from overlap.parallel.kinds import family, parse_families
 from overlap.parallel.trace import RECORDER, CommEvent, now
+
+log = logging.getLogger("overlap.comm")
 
 _MODES = ("real", "none")
 _mode = "real"
@@ -136,8 +146,14 @@ def group_rank(group: ProcessGroup) -> int:
     return _group_ranks[group]
 
 
+# Ops launched and not yet waited for, completion callback included (strong references: an op nobody waited for
+# keeps its buffers until `drain_outstanding`, as the transfer may still be writing into them).
+_outstanding: set["CommHandle"] = set()
+
+
 class CommHandle:
-    """An in-flight collective. `wait()` blocks until the data is there and returns the output tensor (if any)."""
+    """An in-flight collective. `wait()` blocks until the data is there and the completion callback has run, and
+    returns the output tensor (if any)."""
 
     def __init__(self, event: CommEvent, work: dist.Work | None, result: torch.Tensor | None,
                  finish: Callable[[], None] | None = None, deadline: float | None = None) -> None:
@@ -147,13 +163,18 @@ class CommHandle:
         self._finish = finish
         self._deadline = deadline  # modelled completion (set_network); None: the real completion is the completion
         self._done = work is None
+        # then()'s future: done once `_mark_done` has run. The callback runs on the backend's thread, and on some
+        # backends (NCCL) after work.wait() returns; waiting for this future too means a waited handle has nothing
+        # left to run on another thread.
+        self._callback: torch.futures.Future | None = None
         if work is None:
             event.t_done = now()
-        else:
-            try:
-                work.get_future().then(self._mark_done)
-            except RuntimeError:
-                pass  # some gloo ops (reduce_scatter) have no future: completion is then taken at wait()
+            return
+        try:
+            self._callback = work.get_future().then(self._mark_done)
+        except RuntimeError:
+            pass  # some gloo ops (reduce_scatter) have no future: completion is then taken at wait()
+        _outstanding.add(self)
 
     def _mark_done(self, fut: torch.futures.Future) -> None:
         if self.event.t_done is None:
@@ -161,28 +182,43 @@ class CommHandle:
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
-            self.event.t_wait_start = now()
-            self._work.wait()
-            if self._deadline is not None:
-                remaining = self._deadline - now()
-                if remaining > 0:
-                    time.sleep(remaining)  # a modelled link is waiting, not work: sleep, never spin
-            self.event.t_wait_end = now()
-            if self.event.t_done is None:  # the future's callback runs on gloo's thread; it can trail wait() slightly
-                self.event.t_done = max(self.event.t_wait_end, self._deadline or 0.0)
-            self._done = True
-            if self._finish is not None:
-                self._finish()
-            # Drop the work and the finish step: they hold transfer buffers (a reduce-scatter's full-size receive
-            # buffer) that callers keeping the handle until the next step must not keep alive.
-            self._work = self._finish = None
+            self._complete(None)
         return self._result
+
+    def _complete(self, deadline: float | None) -> None:
+        """Wait for the op and its callback, then run the finish step. `deadline` (time.monotonic()) bounds the wait
+        for the teardown of a failing run; past it, RuntimeError (the op stays outstanding)."""
+        self.event.t_wait_start = now()
+        if deadline is None:
+            self._work.wait()
+            if self._callback is not None:
+                self._callback.wait()
+        else:
+            self._work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            while self._callback is not None and not self._callback.done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.event.kind}: the completion callback did not run in time")
+                time.sleep(1e-3)
+        if self._deadline is not None:
+            remaining = self._deadline - now()
+            if remaining > 0:
+                time.sleep(remaining)  # a modelled link is waiting, not work: sleep, never spin
+        self.event.t_wait_end = now()
+        if self.event.t_done is None:  # no future (see __init__): completion is known only now
+            self.event.t_done = max(self.event.t_wait_end, self._deadline or 0.0)
+        self._done = True
+        _outstanding.discard(self)
+        if self._finish is not None:
+            self._finish()
+        # Drop the work, its callback future and the finish step: they hold transfer buffers (a reduce-scatter's
+        # full-size receive buffer) that callers keeping the handle until the next step must not keep alive.
+        self._work = self._callback = self._finish = None
 
 
 def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
             run: Callable[[], dist.Work | None], result: torch.Tensor | None,
             fake: Callable[[], None] | None = None, finish: Callable[[], None] | None = None,
-            payload_bytes: int | None = None) -> CommHandle:
+            payload_bytes: int | None = None, modelled: bool = True) -> CommHandle:
     """Record and start one op. `payload_bytes` is what the modelled link carries when it differs from `nbytes`
     (the recorded input size), as for all-gather."""
     event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=now())
@@ -192,7 +228,7 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
             fake()  # stands in for the transfer and its `finish` both
         return CommHandle(event, None, result)
     deadline = None
-    if _link is not None and _link.applies_to(kind):
+    if modelled and _link is not None and _link.applies_to(kind):
         deadline = _reserve_link(group, op, nbytes if payload_bytes is None else payload_bytes, event.group_size,
                                  event.t_launch)
     return CommHandle(event, run(), result, finish, deadline)
@@ -315,3 +351,91 @@ def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: 
 def barrier(group: ProcessGroup | None = None) -> None:
     """A plain barrier (start-up and shutdown only; not traced)."""
     dist.barrier(group=group)
+
+
+def outstanding() -> list[CommHandle]:
+    """The ops launched and not yet waited for, in launch order."""
+    return sorted(_outstanding, key=lambda h: h.event.t_launch)
+
+
+def drain_outstanding(timeout_s: float | None = None) -> list[str]:
+    """Wait, in launch order, for every op launched and not yet waited for, and for its completion callback.
+    `timeout_s` bounds the whole drain (a failing run: a dead peer never completes its side); the kinds of the ops
+    given up on are returned and they are forgotten. None: wait as long as the process group's own timeout."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    abandoned: list[str] = []
+    for handle in outstanding():
+        try:
+            handle._complete(deadline)
+        except RuntimeError:
+            if deadline is None:
+                raise
+            abandoned.append(handle.event.kind)
+            _outstanding.discard(handle)
+    return abandoned
+
+
+FAILING_DRAIN_S = 5.0  # how long a failing rank waits for its outstanding ops at teardown (the launcher's grace: 10 s)
+
+
+def shutdown(failing: bool = False) -> None:
+    """Tear this rank's distributed world down, in the one order that is safe at exit (issue 18):
+
+    1. wait for every outstanding op and its completion callback (`drain_outstanding`); while `failing` (an
+       exception is on its way out) for at most FAILING_DRAIN_S, since a peer that died never completes its side;
+    2. barrier (not while failing: the peers may be gone), so no rank frees its groups while a peer still talks to it;
+    3. forget this module's references to the groups, `dist.destroy_process_group()`, and collect garbage, so that
+       groups nobody else references are freed now (not while failing: joining a worker stuck on a dead peer hangs).
+
+    Why: after wait() returns, gloo's worker thread may still hold the last reference to the finished op; releasing
+    it frees the op's tensors, which takes the GIL. If that happens once the interpreter has begun to finalize,
+    CPython ends the thread with pthread_exit, whose unwind through a noexcept C++ frame aborts the process
+    ("terminate called without an active exception", exit -6). The barrier gives such a worker the GIL (the main
+    thread releases it while it waits) before the rank can leave; a freed group's destructor joins its workers.
+    destroy_process_group() alone joins nothing: gloo's threads live as long as a Python reference to their group.
+    The caller should drop its own references (parallel state, model) first. Groups still alive afterwards are
+    logged at debug level: today every run's are, since torch's garbage collector cannot see through the
+    post-accumulate-grad hooks of DistributedDataParallel, which keep the model, and through it the groups, alive.
+    """
+    abandoned = drain_outstanding(FAILING_DRAIN_S if failing else None)
+    if abandoned:
+        log.warning("teardown: gave up waiting for %d op(s) still in flight (%s)", len(abandoned),
+                    ", ".join(sorted(set(abandoned))))
+    if not failing:
+        barrier()
+    groups = [weakref.ref(g) for g in {dist.group.WORLD, *_group_sizes, *_group_ranks, *_group_backends}]
+    for cache in (_group_sizes, _group_ranks, _group_backends, _link_free_at):
+        cache.clear()
+    dist.destroy_process_group()
+    if failing:
+        return
+    gc.collect()
+    alive = sum(ref() is not None for ref in groups)
+    if alive:  # debug: today DDP's hooks keep every group (see above), nothing a user can act on
+        log.debug("teardown: %d process group(s) still referenced after shutdown; their worker threads stay alive "
+                  "until those references go", alive)
+
+
+P2P_SEND, P2P_RECV = "send", "recv"
+
+
+def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGroup) -> list[CommHandle]:
+    """Post point-to-point transfers at once: each op is (kind, "send" | "recv", tensor, peer global rank, tag); a
+    received tensor is written in place. The tag names the message (pipeline: direction, chunk, micro-batch), so
+    however early a receive is posted it matches exactly its send.
+
+    On a modelled link the receive carries the link time (latency + bytes / bandwidth from its posting): a receive
+    posted early, as the overlapped pipeline schedule does, has its transfer hidden behind the compute in between,
+    one posted just before it is needed pays it all. Sends complete when the data is out."""
+    handles = []
+    for kind, op, tensor, peer, tag in ops:
+        if op == P2P_SEND:
+            run = (lambda t=tensor, p=peer, g=tag: dist.isend(t, dst=p, group=group, tag=g))
+            handles.append(_launch(kind, "p2p", group, _nbytes(tensor), run, None, fake=lambda: None,
+                                   modelled=False))
+        elif op == P2P_RECV:
+            run = (lambda t=tensor, p=peer, g=tag: dist.irecv(t, src=p, group=group, tag=g))
+            handles.append(_launch(kind, "p2p", group, _nbytes(tensor), run, tensor, fake=tensor.zero_))
+        else:
+            raise ValueError(f"p2p ({kind}): unknown op {op!r}")
+    return handles

@@ -51,6 +51,12 @@ class ParallelState:
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.ep_meta_group = self._twin_groups(self.expert_mesh, "ep")
         self.ep_rank = self.expert_mesh.get_local_rank("ep")
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        # Pipeline neighbours (global ranks) and a second group over the same ranks for the backward direction: the
+        # gradients sent down the pipeline never queue behind the activations sent up (with PP=2 both flow between
+        # the same two ranks; the reference uses a second communicator for the same reason).
+        self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)
+        self.pp_bwd_group = self._twin_groups(self.mesh, "pp") if layout.pp > 1 else self.pp_group
 
     @staticmethod
     def _twin_groups(mesh: DeviceMesh, dim: str):
@@ -67,6 +73,19 @@ class ParallelState:
     @property
     def tp_size(self) -> int:
         return self.layout.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    @property
+    def pp_next(self) -> int:
+        """Global rank of the next pipeline stage (the ring wraps: the last stage feeds chunk c+1 of the first)."""
+        return self.pp_ranks[(self.pp_rank + 1) % self.layout.pp]
+
+    @property
+    def pp_prev(self) -> int:
+        return self.pp_ranks[(self.pp_rank - 1) % self.layout.pp]
 
     @property
     def dp_size(self) -> int:

@@ -22,37 +22,42 @@ from overlap.data_parallel.grad_buffer import bucket_sizes
 _TARGET_BUCKETS = 4  # what a suggested bucket size aims for: enough pieces to pipeline, few enough to stay large
 
 
-def _meta_model_params(cfg: ConfigContainer, res: Resolution) -> list[torch.nn.Parameter]:
-    """Rank 0's trainable parameters for this layout, as meta tensors (shapes only)."""
-    from overlap.model.gpt import GPTModel
+def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch.nn.Parameter]]:
+    """Rank 0's trainable parameters per model chunk for this layout, as meta tensors (shapes only)."""
+    from overlap.model.gpt import model_chunks
 
     lay = res.layout
-    rank0 = SimpleNamespace(tp_size=lay.tp, tp_rank=0, ep_size=lay.ep, ep_rank=0, dp_size=lay.dp, rank=0,
-                            world_size=lay.world_size, tp_group=None, ep_group=None, ep_meta_group=None)
+    rank0 = SimpleNamespace(tp_size=lay.tp, tp_rank=0, ep_size=lay.ep, ep_rank=0, dp_size=lay.dp, pp_size=lay.pp,
+                            pp_rank=0, rank=0, world_size=lay.world_size, tp_group=None, ep_group=None,
+                            ep_meta_group=None)
     # Parameters do not depend on the token dispatcher; the stand-in keeps one the runtime builds everywhere, so the
     # count also works for a configuration `run` will refuse (explain still lists its buckets).
     config = replace(cfg.model, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None)
     with torch.device("meta"):
-        model = GPTModel(config, rank0)
-    return [p for p in model.parameters() if p.requires_grad]
+        chunks = model_chunks(config, rank0)
+    return [[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks]
 
 
 def detect_model_noops(cfg: ConfigContainer, res: Resolution) -> None:
-    """Record a no-op for each DP overlap switch whose buffers have one bucket (rank 0's view; ranks are alike)."""
+    """Record a no-op for each DP overlap switch whose buffers (per model chunk) all have one bucket (rank 0's view:
+    the first pipeline stage; the others are alike or smaller)."""
     d = cfg.ddp
     switches = [name for name in ("overlap_grad_reduce", "overlap_param_gather") if getattr(d, name)]
     if not switches or d.impl != "overlap":
         return
     sizes = {"dp": res.layout.dp, "edp": res.layout.edp}
     buffers = []
-    for prefix, members in buffer_members(_meta_model_params(cfg, res)):
-        if sizes[prefix] > 1:  # a buffer over one rank communicates nothing, overlapped or not
-            buckets = bucket_sizes(members, d.bucket_size, sizes[prefix])
-            buffers.append((prefix, members[0].dtype, len(buckets), sum(p.numel() for p in members)))
-    described = "; ".join(f"{prefix} {str(dtype).removeprefix('torch.')}: {n} bucket{'s' * (n != 1)} of "
-                          f"{total:,} parameters" for prefix, dtype, n, total in buffers)
+    chunks = _meta_chunk_params(cfg, res)
+    for c, params in enumerate(chunks):
+        for prefix, members in buffer_members(params):
+            if sizes[prefix] > 1:  # a buffer over one rank communicates nothing, overlapped or not
+                buckets = bucket_sizes(members, d.bucket_size, sizes[prefix])
+                name = f"chunk {c} {prefix}" if len(chunks) > 1 else prefix
+                buffers.append((name, members[0].dtype, len(buckets), sum(p.numel() for p in members)))
+    described = "; ".join(f"{name} {str(dtype).removeprefix('torch.')}: {n} bucket{'s' * (n != 1)} of "
+                          f"{total:,} parameters" for name, dtype, n, total in buffers)
     single = [b for b in buffers if b[2] == 1]
-    if not single:
+    if not single or len(single) < len(buffers):  # some buffer pipelines its buckets: the switch does something
         return
     largest = max(total for _p, _d, _n, total in single)
     suggestion = max(1, largest // _TARGET_BUCKETS)

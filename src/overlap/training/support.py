@@ -21,8 +21,14 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
     """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run raises)."""
     m, d = cfg.model, cfg.ddp
     checks = [
-        (m.pipeline_model_parallel_size > 1, "model.pipeline_model_parallel_size", m.pipeline_model_parallel_size,
-         "Pipeline parallelism (1F1B / interleaved schedules)", "use -pp 1."),
+        (m.pipeline_model_parallel_size > 1 and bool(m.overlap_moe_expert_parallel_comm),
+         "model.overlap_moe_expert_parallel_comm", True,
+         "EP all-to-all overlap under pipeline parallelism (the merged forward/backward steps of the interleaved "
+         "schedule)", "use -pp 1 for EP overlap, or turn it off (--moe_a2a_overlap false) with -pp."),
+        (m.pipeline_impl == "torch_pipelining", "model.pipeline_impl", m.pipeline_impl,
+         "The torch.distributed.pipelining peer", "use model.pipeline_impl=overlap."),
+        (m.deallocate_pipeline_outputs, "model.deallocate_pipeline_outputs", True,
+         "Releasing sent pipeline activations", "set model.deallocate_pipeline_outputs=false."),
         (m.context_parallel_size > 1, "model.context_parallel_size", m.context_parallel_size,
          "Context parallelism", "use -cp 1."),
         (m.expert_tensor_parallel_size > 1, "model.expert_tensor_parallel_size", m.expert_tensor_parallel_size,

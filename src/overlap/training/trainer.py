@@ -24,11 +24,14 @@ import torch
 
 from overlap.config.container import ConfigContainer
 from overlap.data_parallel import DistributedDataParallel, DistributedOptimizer
-from overlap.model.gpt import GPTModel
+from overlap.layers.tensor_parallel import params_dtype
+from overlap.model.gpt import model_chunks
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.pipeline.combined_1f1b import combined_1f1b
+from overlap.pipeline.schedules import PipelineExecutor
+from overlap.pipeline.torch_peer import TorchPipeline
 from overlap.training.data import MockDataset
 from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
                                       steady_mean_ms, steady_window)
@@ -62,22 +65,28 @@ class Trainer:
     def __init__(self, cfg: ConfigContainer, ps: ParallelState) -> None:
         self.cfg, self.ps = cfg, ps
         torch.manual_seed(cfg.train.seed)
-        self.model = GPTModel(cfg.model, ps)
-        self.model.init_weights(cfg.train.seed)
-        self.ddp = DistributedDataParallel(self.model, cfg.ddp, ps, cfg.model.sequence_parallel)
+        # This rank's model chunks (one without a virtual pipeline); each has its own gradient buffers and buckets.
+        self.chunks = model_chunks(cfg.model, ps)
+        for chunk in self.chunks:
+            chunk.init_weights(cfg.train.seed)
+        self.model = self.chunks[0]  # without pipeline parallelism: the whole model
+        self.ddps = [DistributedDataParallel(c, cfg.ddp, ps, cfg.model.sequence_parallel) for c in self.chunks]
+        self.ddp = self.ddps[0]
         if cfg.ddp.use_distributed_optimizer:
-            self.optimizer = DistributedOptimizer(self.model, self.ddp, cfg.optimizer, cfg.ddp, ps)
+            self.optimizer = DistributedOptimizer(self.chunks, self.ddps, cfg.optimizer, cfg.ddp, ps)
         else:
-            params = [p for p in self.model.parameters() if p.requires_grad]
+            params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
             self.optimizer = LocalOptimizer(params, cfg.optimizer, ps)
         self.data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+        self._torch_pipeline = None  # model.pipeline_impl=torch_pipelining: built on the first step
 
     def train_step(self, iteration: int) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (mean lm loss, grad norm)."""
-        t, ps = self.cfg.train, self.ps
-        self.ddp.zero_grad()
+        t, ps, m = self.cfg.train, self.ps, self.cfg.model
+        for ddp in self.ddps:
+            ddp.zero_grad()
         batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
                                           ps.dp_size)
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
@@ -89,18 +98,31 @@ class Trainer:
                                    before_last_backward=lambda: self.ddp.set_last_micro_batch(True))
             for lm_loss, _aux in losses:
                 loss_sum += lm_loss.float()
+        elif m.pipeline_impl == "torch_pipelining":  # the PyTorch peer of the schedule below (pipeline/torch_peer.py)
+            for ddp in self.ddps:
+                ddp.set_last_micro_batch(False)  # its schedule is opaque: every bucket is reduced after it
+            if self._torch_pipeline is None:
+                self._torch_pipeline = TorchPipeline(self.chunks, ps, self.num_micro_batches, scale)
+            for lm_loss in self._torch_pipeline.step(batches):
+                loss_sum += lm_loss.float()
         else:
-            for i, (tokens, labels) in enumerate(batches):
-                self.ddp.set_last_micro_batch(i == self.num_micro_batches - 1)
-                with RECORDER.span("forward"):
-                    lm_loss, aux_loss = self.model(tokens, labels)
-                with RECORDER.span("backward"):
-                    ((lm_loss + aux_loss) * scale).backward()
-                loss_sum += lm_loss.detach().float()
+            # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; pipeline/schedules.py)
+            seq = m.seq_length // ps.tp_size if m.sequence_parallel else m.seq_length
+            losses = PipelineExecutor(
+                self.chunks, ps, batches, scale, bool(m.overlap_p2p_comm),
+                lambda chunk, last: self.ddps[chunk].set_last_micro_batch(last),
+                (seq, t.micro_batch_size, m.hidden_size), params_dtype(m),
+                m.microbatch_group_size_per_vp_stage).run()
+            for lm_loss in losses:
+                loss_sum += lm_loss.float()
         with RECORDER.span("grad_reduce"):
-            self.ddp.finish_grad_sync()
+            for ddp in self.ddps:
+                ddp.finish_grad_sync()
         # The reported loss is summed over DP now, before the norm's own all-reduce and the optimizer's parameter
-        # gather: launched after the step, it queued behind that gather and exposed it.
+        # gather: launched after the step, it queued behind that gather and exposed it. Only the last pipeline
+        # stage has losses: the sum over PP (zeros elsewhere) gives every rank, rank 0 included, the same number.
+        if ps.pp_size > 1:
+            comm.all_reduce(loss_sum, ps.pp_group, "pp_loss").wait()
         loss_handle = comm.all_reduce(loss_sum, ps.dp_group, "dp_loss")
         norm = self.optimizer.grad_norm()
         with RECORDER.span("optimizer"):

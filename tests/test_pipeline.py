@@ -1,0 +1,231 @@
+"""Pipeline parallelism: the layer split, the schedule programs (checked by simulation: every task once, in a
+dependency-respecting order, never deadlocking), and every PP layout training like the single-process reference.
+
+Tolerances: fp32 rel 1e-5 (the same operations per micro-batch; gradients summed in the same micro-batch order; only
+the TP / DP reduction order differs); batched vs overlapped p2p bit-identical (the same operations in the same order,
+only the waits move). bf16 MoE rel 2e-2, as in test_training.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch.distributed as dist
+
+from overlap.config import ConfigContainer, ModelConfig, OptimizerConfig, SchedulerConfig, TrainConfig
+from overlap.config.layout import pipeline_layer_ranges
+from overlap.errors import ConfigError
+from overlap.parallel.state import ParallelState
+from overlap.pipeline.schedules import pipeline_steps, schedule_table
+from overlap.training.trainer import Trainer
+from tests.world import run_world
+
+STEPS = 3
+
+
+# --- the split ---------------------------------------------------------------------------------------------------
+def test_layers_are_assigned_as_megatron_does():
+    assert pipeline_layer_ranges(8, 2) == [[(0, 4)], [(4, 8)]]
+    # virtual stage v = chunk x PP + rank: rank 0 holds layers 0-1 and 4-5
+    assert pipeline_layer_ranges(8, 2, 2) == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    assert pipeline_layer_ranges(8, 4, 2)[1] == [(1, 2), (5, 6)]
+    assert pipeline_layer_ranges(6, 3, None, 1, 1) == [[(0, 1)], [(1, 5)], [(5, 6)]]
+    assert pipeline_layer_ranges(7, 3, None, 3) == [[(0, 3)], [(3, 5)], [(5, 7)]]
+
+
+@pytest.mark.parametrize("args, field", [((6, 4), "model.num_layers"), ((8, 2, 3), "virtual_pipeline"),
+                                         ((9, 4, None, 1, 1), "model.num_layers"),
+                                         ((4, 1, None, 2), "first_pipeline_stage"),
+                                         ((8, 2, None, 0), "first_pipeline_stage")])
+def test_an_indivisible_split_names_the_fields(args, field):
+    with pytest.raises(ConfigError) as err:
+        pipeline_layer_ranges(*args)
+    assert field in str(err.value)
+
+
+def test_the_config_check_uses_the_split_and_the_interleaving_rules():
+    def finalize(world: int, **kw) -> None:
+        train = TrainConfig(global_batch_size=kw.pop("gb", 8), micro_batch_size=1)
+        ConfigContainer(model=ModelConfig(num_layers=8, **kw), train=train).finalize(world)
+
+    finalize(4, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match="global_batch_size"):  # 6 micro-batches, PP 4
+        finalize(4, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, gb=6)
+    with pytest.raises(ConfigError, match="microbatch_group_size_per_vp_stage"):
+        finalize(2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                 microbatch_group_size_per_vp_stage=1)
+    with pytest.raises(ConfigError, match="microbatch_group_size_per_vp_stage"):
+        finalize(2, pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=2)
+
+
+# --- the programs --------------------------------------------------------------------------------------------------
+def test_schedule_table_groups_micro_batches_per_chunk():
+    assert schedule_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert schedule_table(3, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+
+
+def test_non_interleaved_1f1b_shape():
+    steps = pipeline_steps(4, 0, 1, 8)
+    kinds = ["F" if s.backward is None else "B" if s.forward is None else "FB" for s in steps]
+    assert kinds == ["F"] * 3 + ["FB"] * 5 + ["B"] * 3  # warm-up PP - rank - 1, steady, cool-down
+    assert kinds_of(pipeline_steps(4, 3, 1, 8)) == ["FB"] * 8
+    assert kinds_of(pipeline_steps(1, 0, 1, 3)) == ["FB"] * 3  # PP = 1: forward then backward per micro-batch
+
+
+def kinds_of(steps) -> list[str]:
+    return ["F" if s.backward is None else "B" if s.forward is None else "FB" for s in steps]
+
+
+def _simulate(pp: int, vpp: int, micro: int, group: int | None = None) -> None:
+    """Run every rank's program against the true dependencies (F(mb, v) after F(mb, v-1); B(mb, v) after F(mb, v)
+    and B(mb, v+1)); each rank advances when its next task is ready. A stall before the end is a deadlock."""
+    programs = [[t for s in pipeline_steps(pp, r, vpp, micro, group) for t in (s.forward, s.backward) if t]
+                for r in range(pp)]
+    last = pp * vpp - 1
+    for r, prog in enumerate(programs):
+        assert sorted((t.backward, t.microbatch, t.chunk) for t in prog) == sorted(
+            itertools.product((False, True), range(micro), range(vpp)))
+    done: set[tuple[bool, int, int]] = set()  # (backward, micro-batch, virtual stage)
+    pos = [0] * pp
+    while any(pos[r] < len(programs[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            if pos[r] == len(programs[r]):
+                continue
+            t = programs[r][pos[r]]
+            v = t.chunk * pp + r
+            need = [(False, t.microbatch, v - 1)] if not t.backward and v > 0 else []
+            if t.backward:
+                need = [(False, t.microbatch, v)] + ([(True, t.microbatch, v + 1)] if v < last else [])
+            if all(n in done for n in need):
+                done.add((t.backward, t.microbatch, v))
+                pos[r] += 1
+                progressed = True
+        assert progressed, f"deadlock: pp={pp} vpp={vpp} m={micro} at {pos}"
+
+
+@pytest.mark.parametrize("pp, vpp, micro, group", [(2, 1, 4, None), (4, 1, 8, None), (4, 1, 2, None),
+                                                   (2, 2, 4, None), (4, 2, 8, None), (4, 2, 4, None),
+                                                   (2, 3, 6, None), (4, 2, 8, 8), (3, 2, 6, 3)])
+def test_every_program_is_complete_and_deadlock_free(pp, vpp, micro, group):
+    _simulate(pp, vpp, micro, group)
+
+
+# --- numerics on real worlds ------------------------------------------------------------------------------------------
+def _config(moe: bool, precision: str, layers: int, overrides: list[str], **layout) -> ConfigContainer:
+    from overlap.config.overrides import apply_overrides
+
+    model = ModelConfig(num_layers=layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                        ffn_hidden_size=128, vocab_size=256, seq_length=16, qk_layernorm=True, **layout)
+    if moe:
+        model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size = 4, 2, 32
+        model.moe_aux_loss_coeff = 1e-2
+    cfg = ConfigContainer(model=model, train=TrainConfig(global_batch_size=8, micro_batch_size=1, train_iters=STEPS),
+                          optimizer=OptimizerConfig(lr=1e-3), scheduler=SchedulerConfig(lr_warmup_iters=1),
+                          mixed_precision=precision)
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
+def _train(moe: bool, precision: str, layers: int, overrides: list[str], layout: dict) -> list[float]:
+    cfg = _config(moe, precision, layers, overrides, **layout)
+    res = cfg.finalize(dist.get_world_size())
+    return [r.lm_loss for r in Trainer(cfg, ParallelState(res.layout)).train().records]
+
+
+def _reference(moe: bool, precision: str, layers: int) -> list[float]:
+    return run_world(1, _train, moe, precision, layers, [], {})[0]
+
+
+PP_CASES = [
+    # (id, world, layers, layout, overrides)
+    ("pp2", 2, 4, dict(pipeline_model_parallel_size=2), []),
+    ("pp4", 4, 4, dict(pipeline_model_parallel_size=4), []),
+    ("pp2_vpp2", 2, 4, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), []),
+    ("pp4_vpp2", 4, 8, dict(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2), []),
+    ("tp2_pp2_sp", 4, 4, dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+     []),
+    ("dp2_pp2_distopt_overlaps", 4, 4, dict(pipeline_model_parallel_size=2),
+     ["ddp.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=true",
+      "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"]),
+    ("pp3_uneven", 3, 4, dict(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=2), []),
+]
+
+
+@pytest.mark.parametrize("case", PP_CASES, ids=[c[0] for c in PP_CASES])
+def test_pp_layout_matches_single_process_fp32(case):
+    _id, world, layers, layout, overrides = case
+    ref = _reference(False, "fp32", layers)
+    got = run_world(world, _train, False, "fp32", layers, overrides, layout)
+    for rank_losses in got:  # every rank reports the same losses, rank 0 (first stage) included
+        assert rank_losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_the_guides_shape_at_8_ranks_matches_single_process():
+    """TP2 x PP2 x VPP2 x DP2 with sequence parallel, the distributed optimizer and both DP overlaps."""
+    layout = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                  tensor_model_parallel_size=2, sequence_parallel=True)
+    overrides = ["ddp.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=true",
+                 "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"]
+    ref = _reference(False, "fp32", 4)
+    got = run_world(8, _train, False, "fp32", 4, overrides, layout)
+    for rank_losses in got:
+        assert rank_losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_ep2_pp2_moe_matches_single_process_bf16():
+    ref = _reference(True, "bf16_mixed", 4)
+    got = run_world(4, _train, True, "bf16_mixed", 4, [], dict(pipeline_model_parallel_size=2,
+                                                               expert_model_parallel_size=2))
+    for rank_losses in got:
+        assert rank_losses == pytest.approx(ref, rel=2e-2)
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline_model_parallel_size=2),
+                                    dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)],
+                         ids=["1f1b", "interleaved"])
+def test_batched_and_overlapped_p2p_are_bit_identical(layout):
+    batched = run_world(2, _train, False, "fp32", 4, ["comm_overlap.batch_p2p_comm=true",
+                                                      "comm_overlap.overlap_p2p_comm=false"], layout)
+    overlapped = run_world(2, _train, False, "fp32", 4, ["comm_overlap.batch_p2p_comm=false",
+                                                         "comm_overlap.overlap_p2p_comm=true"], layout)
+    assert batched == overlapped
+
+
+def _recv_in_flight(overlap: bool) -> tuple[int, int]:
+    """(receives completed while this rank computed, receives in all) on the last stage of PP2 x VPP1."""
+    from overlap.parallel.trace import RECORDER
+
+    cfg = _config(False, "fp32", 4, [f"comm_overlap.overlap_p2p_comm={str(overlap).lower()}",
+                                     f"comm_overlap.batch_p2p_comm={str(not overlap).lower()}"],
+                  pipeline_model_parallel_size=2)
+    res = cfg.finalize(dist.get_world_size())
+    trainer = Trainer(cfg, ParallelState(res.layout))
+    trainer.train_step(0)
+    RECORDER.drain()
+    trainer.train_step(1)
+    events, spans = RECORDER.drain()
+    recvs = [e for e in events if e.kind.startswith("pp_recv")]
+    forwards = [s for s in spans if s.name in ("forward", "backward")]
+    # A receive overlapped compute if some forward/backward span ran between its launch and its wait.
+    covered = sum(any(e.t_launch <= s.t_start and s.t_end <= e.t_wait_start for s in forwards) for e in recvs)
+    return covered, len(recvs)
+
+
+def test_overlapped_p2p_keeps_the_next_receive_in_flight_while_computing():
+    covered, total = run_world(2, _recv_in_flight, True)[1]
+    assert total > 0 and covered >= total // 2
+    covered_batched, _ = run_world(2, _recv_in_flight, False)[1]
+    assert covered_batched == 0  # batched: each receive is posted and waited at once
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline_model_parallel_size=2),
+                                    dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)],
+                         ids=["Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_the_torch_pipelining_peer_trains_the_same_split_to_the_same_losses(layout):
+    """model.pipeline_impl=torch_pipelining: PyTorch's schedule on the same chunks, buffers and optimizer (fp32,
+    rel 1e-5: the same operations per micro-batch)."""
+    ours = run_world(2, _train, False, "fp32", 4, [], layout)[0]
+    peer = run_world(2, _train, False, "fp32", 4, ["model.pipeline_impl=torch_pipelining"], layout)[0]
+    assert peer == pytest.approx(ours, rel=1e-5)
