@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ModelConfig
-from overlap.layers.wgrad_store import WGRAD_STORE
+from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
 from overlap.model.gpt import GPTModel
+from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import RECORDER, CommEvent, now
 from overlap.pipeline.combined_1f1b import combined_1f1b
 from tests.world import run_world
 
@@ -99,6 +100,73 @@ def test_all_to_alls_are_in_flight_while_the_other_micro_batch_computes():
     assert covered >= len(a2a) // 2, (covered, len(a2a))
     kinds = {e.kind for e in a2a}
     assert kinds == {"ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"}
+
+
+class _FakeHandle:
+    """A collective that arrives when `arrive()` is called."""
+
+    def __init__(self) -> None:
+        self.event = CommEvent(kind="ep_dispatch", op="all_to_all", group_size=2, nbytes=0, t_launch=now())
+        self.waited = False
+
+    def arrive(self) -> None:
+        self.event.t_done = now()
+
+    def wait(self) -> str:
+        self.waited = True
+        return "data"
+
+
+def test_wait_filling_runs_queued_weight_gradients_only_while_the_collective_is_in_flight():
+    store, handle, ran = WeightGradStore(), _FakeHandle(), []
+    for i in range(4):
+        store.put(lambda i=i: (ran.append(i), i == 1 and handle.arrive()))
+    assert store.wait_filling(handle) == "data" and handle.waited
+    assert ran == [0, 1] and len(store.queue) == 2  # the rest waits for the next wait or the flush
+    assert store.wait_filling(handle) == "data" and ran == [0, 1]  # already there: a plain wait
+    store.flush()
+    assert ran == [0, 1, 2, 3] and not store.queue
+
+
+def test_a_phase_leaves_its_weight_gradients_to_the_next_phase_only():
+    store, ran = WeightGradStore(), []
+    for name in "ab":
+        store.put(lambda name=name: ran.append(name))
+    store.end_phase()
+    assert ran == []  # this phase's leftovers wait for the next phase's waits
+    store.put(lambda: ran.append("c"))
+    store.end_phase()
+    assert ran == ["a", "b"]  # the previous phase's are run now, "c" is carried
+    store.flush()
+    assert ran == ["a", "b", "c"] and not store.queue
+
+
+def _run_on_slow_link(latency_ms: float):
+    """The merged schedule with delay_wgrad on a modelled link slow enough that every all-to-all is still in flight
+    when the rank reaches its wait."""
+    comm.set_network(comm.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
+    try:
+        return _run(True, True, {"ep": 2}, {})
+    finally:
+        comm.set_network(None)
+
+
+def test_waits_are_filled_with_delayed_weight_gradients_and_split_sizes_are_waited_outside_attention():
+    """Structural, from the tracer: (1) delayed weight-gradient GEMMs run inside waits, i.e. each starts after some
+    collective was launched, while it was still in flight, and before this rank waited on it; (2) the split-size
+    exchange is launched inside the attention piece and waited for only after that piece ended."""
+    _, _, events, spans = run_world(2, _run_on_slow_link, 20.0)[0]
+    wgrad = [s for s in spans if s.name == "bwd.delayed_wgrad"]
+    ops = [e for e in events if e.t_wait_start is not None]
+    in_waits = [s for s in wgrad if any(e.t_launch <= s.t_start < e.t_done and s.t_end <= e.t_wait_start
+                                        for e in ops)]
+    assert len(in_waits) >= len(wgrad) // 2, (len(in_waits), len(wgrad))
+    attention = [s for s in spans if s.name.startswith("fwd.layer") and s.name.endswith(".attn")]
+    counts = [e for e in events if e.kind == "ep_counts"]
+    assert len(counts) == len(attention) > 0
+    for e in counts:
+        (piece,) = [s for s in attention if s.t_start <= e.t_launch <= s.t_end]
+        assert e.t_wait_start >= piece.t_end
 
 
 def test_needs_two_micro_batches():

@@ -3,21 +3,41 @@ shared-expert GEMMs) and the routed experts (`GroupedLinear`).
 
 In backward, a layer that supports it computes the input gradient at once (the previous layer waits for it) and, while
 `WGRAD_STORE.delaying(True)` is active, queues the weight-gradient GEMM (its inputs and output grad are captured by
-a closure) in a FIFO instead of running it. The schedule runs the queue with `flush()` exactly where a slot under an
-all-to-all needs filling. A delayed gradient reaches its parameter through `deliver_weight_grad`, which also fires
-the parameter's grad-ready hooks, so data-parallel reduction sees it after the delayed GEMM, not before.
+a closure) in a FIFO instead of running it. The schedule drains the queue with `wait_filling(handle)`: while a
+collective it has to wait for is still in flight, the queued GEMMs run one by one, so a wait for a slower peer or a
+slow link becomes weight-gradient work instead of idle time (what the reference gets from a third CUDA stream that
+runs expert wgrad GEMMs beside the communication, runtime-mechanisms 1.13). `end_phase()` lets what is left of one
+schedule phase fill the next phase's waits (and runs what the phase before left), `flush()` runs everything where
+the schedule needs every gradient delivered. A delayed gradient reaches its parameter through `deliver_weight_grad`,
+which also fires the parameter's grad-ready hooks, so data-parallel reduction sees it after the delayed GEMM, not
+before.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
 
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import RECORDER, CommEvent, now
+
+
+class InFlight(Protocol):
+    """A collective in flight (`comm.CommHandle`, `comm.ManyHandle`)."""
+
+    event: CommEvent
+
+    def wait(self) -> Any: ...
+
+
+def arrived(handle: InFlight) -> bool:
+    """The collective's data is complete: its completion was observed and (modelled link) its time has come.
+    Read from the handle's event, whose `t_done` comm.py sets from the work's future."""
+    done = handle.event.t_done
+    return done is not None and now() >= done
 
 
 def register_grad_ready_hook(param: nn.Parameter, hook: Callable[[nn.Parameter], None]) -> None:
@@ -40,6 +60,7 @@ class WeightGradStore:
     def __init__(self) -> None:
         self.queue: deque[Callable[[], None]] = deque()
         self.active = False
+        self._carried = 0  # how many of the oldest queued items a previous phase left (see end_phase)
 
     @contextmanager
     def delaying(self, on: bool) -> Iterator[None]:
@@ -54,11 +75,28 @@ class WeightGradStore:
 
     def flush(self) -> None:
         """Run every queued weight-gradient GEMM, oldest first."""
-        if not self.queue:
-            return
+        while self.queue:
+            self._run_oldest()
+
+    def end_phase(self) -> None:
+        """End of a schedule phase: run what the previous phase left, keep this phase's leftovers for the next
+        phase's waits. A rank that was behind its peers all phase then does not pay its whole backlog at the
+        boundary, where the peers would wait for it; memory stays bounded to two phases' worth of queued GEMMs."""
+        while self._carried:
+            self._run_oldest()
+        self._carried = len(self.queue)
+
+    def wait_filling(self, handle: InFlight) -> Any:
+        """Wait for `handle`, running queued weight-gradient GEMMs (oldest first, one at a time) for as long as it is
+        in flight; returns what `handle.wait()` returns. With an empty queue this is a plain wait."""
+        while self.queue and not arrived(handle):
+            self._run_oldest()
+        return handle.wait()
+
+    def _run_oldest(self) -> None:
+        self._carried = max(self._carried - 1, 0)
         with RECORDER.span("bwd.delayed_wgrad"), torch.no_grad():
-            while self.queue:
-                self.queue.popleft()()
+            self.queue.popleft()()
 
 
 WGRAD_STORE = WeightGradStore()

@@ -1,25 +1,39 @@
 """MoE expert-parallel overlap: forward of micro-batch i interleaved, layer by layer, with backward of i-1.
 
-Every MoE layer is cut into pieces: attention (+ pre-MLP norm, router, dispatch preprocessing, shared expert),
-the dispatch all-to-all, the experts, the combine all-to-all, and the combine postprocessing (un-permute + residual).
-Dense layers are one piece with empty dispatch/combine. Micro-batches run as in Megatron-Core's
-`combined_1f1b_schedule_for_no_pipelining`: F(0) alone, then F(i) merged with B(i-1), then B(last) alone.
+Every MoE layer is cut into pieces: attention (+ pre-MLP norm, router, shared expert; the router launches the
+split-size exchange), the permutation, the dispatch all-to-all, the experts, the combine all-to-all, and the combine
+postprocessing (un-permute + residual). Dense layers are one piece with empty dispatch/combine. Micro-batches run as
+in Megatron-Core's `combined_1f1b_schedule_for_no_pipelining`: F(0) alone, then F(i) merged with B(i-1), then
+B(last) alone.
 
 Per merged layer pair (F walks up, B walks down), the order of work on this rank's one compute thread is:
 
     B  combine-postprocess backward, LAUNCH combine-backward all-to-all
-       (+ the previous layer's delayed attention / shared-expert weight gradients)   (hides B's combine-backward)
-    F  attention piece, LAUNCH dispatch all-to-all            (hides B's combine-backward)
-    B  WAIT combine-backward, experts backward                (hides F's dispatch)
-    B  LAUNCH dispatch-backward all-to-all
-    B  delayed expert weight gradients (delay_wgrad_compute)  (more cover for both all-to-alls)
-    F  WAIT dispatch, experts, LAUNCH combine all-to-all      (hides B's dispatch-backward)
-    B  WAIT dispatch-backward, attention backward (its weight gradients queued with delay_wgrad_compute)
+    F  attention piece (LAUNCH split sizes), WAIT split sizes, permute, LAUNCH dispatch   (hides B's combine-bwd)
+    B  WAIT combine-backward, experts backward, LAUNCH dispatch-backward all-to-all       (hides F's dispatch)
+    F  WAIT dispatch, experts, LAUNCH combine all-to-all                                  (hides B's dispatch-bwd)
+    B  WAIT dispatch-backward, permute + attention backward                               (hides F's combine)
     (F's combine is waited for at the start of the next layer's attention piece, after B's next combine backward)
 
 This is the reference's per-layer order (runtime-mechanisms 1.4) translated from two CUDA streams to one host
 thread: on a GPU a communication kernel starts as soon as its inputs are ready, whatever the host issue order, so
-here each all-to-all is launched the moment its input exists and waited for only when its output is needed.
+here each all-to-all is launched the moment its input exists and waited for only when its output is needed. Every
+all-to-all has a piece of the other micro-batch between its launch and its wait, and no two of them queue on the
+EP link (the pieces are longer than a transfer).
+
+What that order cannot hide is a peer that is late. An all-to-all completes only once every rank has launched it,
+and routing is uneven: per layer one rank's experts get up to 2-3x the rows of the other's, so its expert pieces
+(the backward most: 3x the forward) run tens of ms longer, ten times an all-to-all's link time. The rank that is
+ahead then waits at its next wait for the peer, not for the link; on the issue's benchmark about three quarters of
+all EP wait time was of that kind, and the synchronous split-size exchange inside the attention piece added one
+such rendezvous per layer with nothing to cover it. Hence two rules here:
+- each wait runs queued weight gradients while it would block (`WGRAD_STORE.wait_filling`); with
+  delay_wgrad_compute the expert and attention weight GEMMs are queued, not run at fixed slots, so the rank that is
+  ahead does its own weight-gradient work while its peer catches up (the reference's third stream of wgrad GEMMs
+  beside the communication, 1.13). What a phase leaves fills the next phase's waits; all of it is delivered
+  before the last backward, which keeps the reference's fixed slots (see `combined_1f1b`).
+- the split sizes leave at routing and are waited for (filling) right before the dispatch; with a padded expert
+  capacity they are not exchanged at all.
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ from typing import Iterator
 
 import torch
 
-from overlap.layers.moe.dispatcher import DispatchPlan, PendingAllToAll
+from overlap.layers.moe.dispatcher import DispatchPlan, PendingAllToAll, PendingPlan
 from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.model.gpt import GPTModel, TransformerLayer
@@ -43,26 +57,35 @@ def _a2a(tensors: tuple[torch.Tensor, ...], group, kind: str, out_splits: list[i
 
 
 class LayerRun:
-    """One micro-batch's pass through one transformer layer, as schedulable steps (forward, then backward)."""
+    """One micro-batch's pass through one transformer layer, as schedulable steps (forward, then backward).
+
+    Every wait goes through `WGRAD_STORE.wait_filling`: queued weight gradients (delay_wgrad_compute) run while the
+    awaited collective is in flight, so the rank that is ahead of its peers computes instead of idling."""
 
     def __init__(self, layer: TransformerLayer, loss_scale: float, delay_wgrad: bool) -> None:
         self.layer = layer
         self.moe = layer.mlp if layer.is_moe else None
         self.loss_scale = loss_scale
         self.delay_wgrad = delay_wgrad
+        self.pending_plan: PendingPlan | None = None
         self.plan: DispatchPlan | None = None
         self.pending: ManyHandle | None = None
         self.aux_loss: torch.Tensor | None = None
 
     # ---------------- forward ----------------------------------------------------------------------------------
     def attention_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Dense layer: the whole layer, returns its output. MoE layer: the attention piece; launches the dispatch."""
+        """Dense layer: the whole layer, returns its output. MoE layer: the attention piece (which launches the
+        split-size exchange), the wait for the split sizes, the permutation; launches the dispatch."""
         if self.moe is None:
             self.dense = ScheduleNode(f"layer{self.layer.layer_number}", lambda h: self.layer(h)[0])
             return self.dense.forward(x)[0]
         self.attn = ScheduleNode(f"layer{self.layer.layer_number}.attn", self._attention_piece)
-        h, rows, weights, aux, shared = self.attn.forward(x)
+        h, normed, topk_weights, aux, shared = self.attn.forward(x)
         self.aux_loss, self.h, self.shared = aux, h, shared
+        self.plan = self.pending_plan.resolve(WGRAD_STORE.wait_filling)
+        self.permute = ScheduleNode(f"layer{self.layer.layer_number}.permute",
+                                    lambda n, w: self.moe.permute(n, w, self.plan))
+        rows, weights = self.permute.forward(normed, topk_weights)
         self.pending = _a2a((rows, weights), self.moe.dispatcher.group, "ep_dispatch",
                             self.plan.output_splits, self.plan.input_splits)
         return None
@@ -71,14 +94,14 @@ class LayerRun:
         layer, moe = self.layer, self.moe
         h = layer.attention_block(x)
         normed = maybe_checkpoint(layer.recompute_norm, layer.pre_mlp_layernorm, h)
-        rows, weights, self.plan, aux = moe.router_and_preprocess(normed)
-        return h, rows, weights, aux, moe.shared_experts_compute(normed)
+        topk_weights, self.pending_plan, aux = moe.route(normed)  # the split sizes travel from here on
+        return h, normed, topk_weights, aux, moe.shared_experts_compute(normed)
 
     def experts_forward(self) -> None:
         """Wait for the dispatch, run the experts, launch the combine."""
         if self.moe is None:
             return
-        rows, weights = self.pending.wait()
+        rows, weights = WGRAD_STORE.wait_filling(self.pending)
         self.experts = ScheduleNode(f"layer{self.layer.layer_number}.experts",
                                     lambda r, w: self.moe.experts_compute(r, w, self.plan))
         (out,) = self.experts.forward(rows, weights)
@@ -89,7 +112,7 @@ class LayerRun:
         """Wait for the combine and add the residual; returns the layer output."""
         if self.moe is None:
             return dense_out
-        (rows,) = self.pending.wait()
+        (rows,) = WGRAD_STORE.wait_filling(self.pending)
         self.post = ScheduleNode(f"layer{self.layer.layer_number}.combine",
                                  lambda r, h, s: h + self.moe.combine_postprocess(r, self.plan, s))
         return self.post.forward(rows, self.h, self.shared)[0]
@@ -109,21 +132,23 @@ class LayerRun:
         the dispatch backward."""
         if self.moe is None:
             return
-        (g_out,) = self.pending.wait()
+        (g_out,) = WGRAD_STORE.wait_filling(self.pending)
         with WGRAD_STORE.delaying(self.delay_wgrad):
             g_rows, g_weights = self.experts.backward(g_out)
         self.pending = _a2a((g_rows, g_weights), self.moe.dispatcher.group, "ep_dispatch_bwd",
                             self.plan.input_splits, self.plan.output_splits)
 
     def attention_backward(self, dense_grad: torch.Tensor | None) -> torch.Tensor:
-        """Wait for the dispatch backward and run the attention piece's backward; returns the layer's input grad."""
+        """Wait for the dispatch backward and run the permutation's and the attention piece's backward; returns the
+        layer's input grad."""
         if self.moe is None:
             return dense_grad
-        g_rows, g_weights = self.pending.wait()
+        g_rows, g_weights = WGRAD_STORE.wait_filling(self.pending)
+        g_normed, g_topk_weights = self.permute.backward(g_rows, g_weights)
         aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
         with WGRAD_STORE.delaying(self.delay_wgrad):  # attention + shared-expert weight GEMMs: queued when delaying
-            (g_x,) = self.attn.backward(self.g_h, g_rows, g_weights, aux_grad, self.g_shared)
-        self.plan = self.h = self.shared = self.g_h = self.g_shared = None
+            (g_x,) = self.attn.backward(self.g_h, g_normed, g_topk_weights, aux_grad, self.g_shared)
+        self.plan = self.pending_plan = self.h = self.shared = self.g_h = self.g_shared = None
         return g_x
 
 
@@ -167,21 +192,24 @@ def _forward_layers(f: MicroBatchRun) -> Iterator[None]:
     f.lm_loss = loss
 
 
-def _backward_layers(b: MicroBatchRun) -> Iterator[None]:
-    """B's steps, yielding where F's work is interleaved (mirrors `_forward_layers`)."""
+def _backward_layers(b: MicroBatchRun, fixed_wgrad_slots: bool) -> Iterator[None]:
+    """B's steps, yielding where F's work is interleaved (mirrors `_forward_layers`). Delayed weight gradients are
+    queued here and run inside the waits (`LayerRun`), of this phase or the next (`combined_1f1b`).
+    `fixed_wgrad_slots`: run them at the reference's fixed slots instead."""
     (g,) = b.loss_node.backward(torch.full((), b.loss_scale, dtype=torch.float32))
     for i, run in enumerate(reversed(b.layers)):
         if i > 0:
             yield  # F: wait its combine, next attention piece, launch its dispatch
         dense_grad = run.combine_backward(g)
-        WGRAD_STORE.flush()  # the previous layer's delayed attention wgrad, under this combine-backward and F's combine
+        if fixed_wgrad_slots:
+            WGRAD_STORE.flush()  # the previous layer's attention weight gradients, under this combine backward
         yield  # F: attention piece + dispatch launch
         run.experts_backward()
-        WGRAD_STORE.flush()  # delayed expert weight gradients, under F's dispatch and B's dispatch backward
+        if fixed_wgrad_slots:
+            WGRAD_STORE.flush()  # this layer's expert weight gradients, under its dispatch backward
         yield  # F: experts + combine launch
         g = run.attention_backward(dense_grad)
     b.embed.backward(g)
-    WGRAD_STORE.flush()
 
 
 def _drain(it: Iterator[None]) -> None:
@@ -189,29 +217,40 @@ def _drain(it: Iterator[None]) -> None:
         pass
 
 
-def run_merged(f: MicroBatchRun | None, b: MicroBatchRun | None) -> None:
+def run_merged(f: MicroBatchRun | None, b: MicroBatchRun | None, fixed_wgrad_slots: bool = False) -> None:
     """One phase of the schedule: F alone, B alone, or both interleaved step by step."""
     if f is None or b is None:
-        _drain(_forward_layers(f) if f is not None else _backward_layers(b))
-        return
-    fwd, bwd = _forward_layers(f), _backward_layers(b)
-    next(bwd, None)  # B: loss backward + first layer's combine backward (launched)
-    for _ in fwd:  # F step, then the matching B step
-        next(bwd, None)
-    _drain(bwd)
+        _drain(_forward_layers(f) if f is not None else _backward_layers(b, fixed_wgrad_slots))
+    else:
+        fwd, bwd = _forward_layers(f), _backward_layers(b, fixed_wgrad_slots)
+        next(bwd, None)  # B: loss backward + first layer's combine backward (launched)
+        for _ in fwd:  # F step, then the matching B step
+            next(bwd, None)
+        _drain(bwd)
 
 
 def combined_1f1b(model: GPTModel, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
                   delay_wgrad: bool, before_last_backward=lambda: None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Forward and backward of all micro-batches with EP communication overlap; returns (lm_loss, aux_loss) per
     micro-batch. `before_last_backward` is called right before the last micro-batch's backward starts (the data-
-    parallel layer turns its gradient-reduce hooks on there)."""
+    parallel layer turns its gradient-reduce hooks on there).
+
+    Delayed weight gradients left at the end of a merged phase fill the next phase's waits (`end_phase`), and all
+    are delivered before the last backward: its data-parallel hooks must see only its own micro-batch. The last
+    backward runs its own at the reference's fixed slots, not inside the waits: each delivered gradient may fire a
+    hook that launches a data-parallel collective, possibly on the same process group as the EP all-to-alls, and
+    collectives must be issued in the same order on every rank. Where a filled wait delivers a gradient depends on
+    timing, which differs between ranks; a fixed slot does not. Earlier backwards only accumulate gradients, so
+    their waits are filled freely."""
     if len(batches) < 2:
         raise ValueError("the EP-overlap schedule needs at least 2 micro-batches per step")
     runs = [MicroBatchRun(model, tokens, labels, loss_scale, delay_wgrad) for tokens, labels in batches]
     run_merged(runs[0], None)
     for i in range(1, len(runs)):
         run_merged(runs[i], runs[i - 1])
+        WGRAD_STORE.end_phase()
+    WGRAD_STORE.flush()
     before_last_backward()
-    run_merged(None, runs[-1])
+    run_merged(None, runs[-1], fixed_wgrad_slots=True)
+    WGRAD_STORE.flush()
     return [(r.lm_loss, r.aux_total()) for r in runs]

@@ -3,13 +3,23 @@
 The trip of one micro-batch's tokens is cut into separate steps so that a scheduler can run other work between a
 launch and its wait (the EP-overlap schedule interleaves two micro-batches this way):
 
-    preprocess            permute by expert, exchange counts over EP, one host sync of the split sizes
+    route                 routing -> permuted layout; LAUNCH the per-expert counts exchange    -> PendingPlan
+    PendingPlan.resolve   wait for the counts (one host sync of the split sizes)                -> DispatchPlan
+    permute_rows          gather the rows and their combine weights in that layout (autograd)
     dispatch              launch the all-to-all of rows and combine weights  -> PendingAllToAll (one op)
     postprocess_dispatch  wait, sort rows by local expert                    -> rows for the experts
     (experts)
     combine_preprocess    weight the expert outputs, undo the local-expert sort
     combine               launch the all-to-all back                         -> PendingAllToAll
     postprocess_combine   wait, un-permute (sum each token's rows)           -> [..., h] like the input
+
+`preprocess` runs the first three in plain order. The counts leave as soon as routing is known and are waited for
+only when the dispatch needs them: the exchange is a collective, so its wait is where a rank that is ahead waits for
+its peers, and a scheduler wants that wait as late as possible and filled with other work (`resolve(wait)` takes
+the scheduler's wait). With a static expert capacity (`moe_expert_capacity_factor` with
+`moe_pad_expert_input_to_capacity`) every rank sends exactly `capacity` rows per expert, so every split size is fixed
+by the configuration and no counts are exchanged at all; without padding the capacity only drops rows, and the
+(smaller) counts still travel.
 
 Combine weights are applied on the expert side, before the combine all-to-all: the rows sent back are already
 weighted, so the source rank only has to sum a token's rows, and the weights never travel back. They do travel out,
@@ -23,13 +33,14 @@ so a scheduler that cuts autograd at step boundaries knows exactly which tensors
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
 
 import torch
 from torch.distributed import ProcessGroup
 
 from overlap.config.model import ModelConfig
-from overlap.layers.moe.permute import (permute, sort_chunks_by_local_expert, unpermute,
-                                        unsort_chunks_by_local_expert)
+from overlap.layers.moe.permute import (ExpertCapacity, Routing, expert_capacity, expert_counts, gather, route,
+                                        sort_chunks_by_local_expert, unpermute, unsort_chunks_by_local_expert)
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
@@ -81,13 +92,38 @@ class PendingAllToAll:
         return _AwaitAllToAll.apply(self, *self.sent)
 
 
+WaitFn = Callable[[comm.CommHandle], torch.Tensor]
+PlanT = TypeVar("PlanT")
+
+
+def wait_now(handle: comm.CommHandle) -> torch.Tensor:
+    """The plain wait: block until the data is there."""
+    return handle.wait()
+
+
+class PendingPlan(Generic[PlanT]):
+    """A dispatch plan whose metadata exchange may still be in flight. `resolve(wait)` finishes it once (later calls
+    return the same plan); `wait` is how each metadata handle is waited for, so a scheduler can fill the wait."""
+
+    def __init__(self, finish: Callable[[WaitFn], PlanT]) -> None:
+        self._finish: Callable[[WaitFn], PlanT] | None = finish
+        self._plan: PlanT | None = None
+
+    def resolve(self, wait: WaitFn = wait_now) -> PlanT:
+        if self._finish is not None:
+            self._plan, self._finish = self._finish(wait), None
+        return self._plan
+
+
 @dataclass
 class DispatchPlan:
-    """Routing metadata of one micro-batch, fixed by `preprocess` (all split sizes are host ints)."""
+    """Routing metadata of one micro-batch, fixed by `PendingPlan.resolve` (all split sizes are host ints)."""
 
     hidden_shape: torch.Size  # shape of the layer input, restored by postprocess_combine
-    token_idx: torch.Tensor  # [N] token position of each permuted row
-    tokens_per_expert: list[int]  # [E] rows this rank routes to each (global) expert
+    token_idx: torch.Tensor  # [R] token position of each sent row (T: padding)
+    slot_idx: torch.Tensor  # [R] position of each sent row in the flattened [T * k] routing (T * k: padding)
+    padded: bool  # rows are padded to the expert capacity
+    tokens_per_expert: list[int]  # [E] rows this rank sends to each (global) expert
     input_splits: list[int]  # [ep] rows sent to each EP rank
     output_splits: list[int]  # [ep] rows received from each EP rank
     recv_counts: list[int]  # [ep * E_local] rows received, indexed (source rank, local expert)
@@ -99,40 +135,81 @@ class AllToAllDispatcher:
 
     def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
         self.ep_size = ps.ep_size
         self.num_local_experts = config.num_moe_experts // ps.ep_size
         self.group = ps.ep_group
         self.meta_group = ps.ep_meta_group  # split sizes travel apart from the bulk all-to-alls
         self.fused = config.moe_permute_fusion
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
+        self.drop_policy = config.moe_token_drop_policy
 
-    def preprocess(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
-                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
-        """Permute `hidden` [..., h] by expert; returns (rows [N, h], row weights [N], plan)."""
-        with RECORDER.span("moe.permute"):
-            perm = permute(hidden.reshape(-1, hidden.shape[-1]), topk_idx, topk_weights, self.num_experts,
-                           self.fused)
-        # Counts per (destination rank, local expert) go out; what comes back is, per source rank, how many rows
-        # it will send for each of our local experts.
-        recv = comm.all_to_all(perm.tokens_per_expert, self.meta_group, "ep_counts",
-                               [self.num_local_experts] * self.ep_size,
-                               [self.num_local_experts] * self.ep_size).wait()
-        # THE host sync of the layer, done once and here on purpose: all_to_all needs its split sizes on the host,
-        # and so do the chunk sort and the expert loop. Pulling every count in one `.tolist()` right after the
-        # counts exchange (before any heavy work is queued) means no later step blocks the CPU, so a scheduler can
-        # launch this micro-batch's all-to-alls and run another micro-batch's compute without a stall in between.
-        counts = torch.cat([perm.tokens_per_expert, recv]).tolist()
-        local, recv_counts = counts[:self.num_experts], counts[self.num_experts:]
+    def capacity(self, num_tokens: int) -> ExpertCapacity | None:
+        """The expert capacity for `num_tokens` local tokens, or None (dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return ExpertCapacity(expert_capacity(num_tokens, self.topk, self.num_experts, self.capacity_factor),
+                              self.pad_to_capacity, self.drop_policy)
+
+    def route(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+              hidden_shape: torch.Size) -> PendingPlan[DispatchPlan]:
+        """Launch the counts exchange (none with padded capacity) and lay out the permutation of the routing
+        `topk_idx` [T, k] while the counts travel; returns without waiting."""
+        capacity = self.capacity(topk_idx.shape[0])
+        if capacity is not None and capacity.pad:
+            with RECORDER.span("moe.permute"):
+                routing = route(topk_idx, topk_weights, self.num_experts, self.fused, capacity)
+            static = [capacity.capacity] * self.num_experts
+            plan = self._plan(hidden_shape, routing, True, static, static)
+            return PendingPlan(lambda wait: plan)
+        # Counts per (destination rank, local expert) go out first; what comes back is, per source rank, how many
+        # rows it will send for each of our local experts.
         el = self.num_local_experts
-        plan = DispatchPlan(
-            hidden_shape=hidden.shape,
-            token_idx=perm.token_idx,
+        counts = expert_counts(topk_idx, self.num_experts, capacity)
+        handle = comm.all_to_all(counts, self.meta_group, "ep_counts", [el] * self.ep_size, [el] * self.ep_size)
+        with RECORDER.span("moe.permute"):
+            routing = route(topk_idx, topk_weights, self.num_experts, self.fused, capacity)
+
+        def finish(wait: WaitFn) -> DispatchPlan:
+            recv = wait(handle)
+            # THE host sync of the layer, done once and as late as the dispatch allows: all_to_all needs its split
+            # sizes on the host, and so do the chunk sort and the expert loop. One `.tolist()` of every count means
+            # no later step blocks the CPU.
+            host = torch.cat([counts, recv]).tolist()
+            return self._plan(hidden_shape, routing, False, host[:self.num_experts], host[self.num_experts:])
+
+        return PendingPlan(finish)
+
+    def _plan(self, hidden_shape: torch.Size, routing: Routing, padded: bool, local: list[int],
+              recv_counts: list[int]) -> DispatchPlan:
+        """The plan from host counts: `local` [E] rows sent per expert, `recv_counts` [ep * E_local] received per
+        (source rank, local expert). Rows past the sent total (capacity drops) are cut off here."""
+        el, sent = self.num_local_experts, sum(local)
+        return DispatchPlan(
+            hidden_shape=hidden_shape,
+            token_idx=routing.token_idx[:sent],
+            slot_idx=routing.slot_idx[:sent],
+            padded=padded,
             tokens_per_expert=local,
             input_splits=[sum(local[r * el:(r + 1) * el]) for r in range(self.ep_size)],
             output_splits=[sum(recv_counts[r * el:(r + 1) * el]) for r in range(self.ep_size)],
             recv_counts=recv_counts,
             tokens_per_local_expert=[sum(recv_counts[r * el + e] for r in range(self.ep_size)) for e in range(el)],
         )
-        return perm.tokens, perm.weights, plan
+
+    def permute_rows(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                     plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [R, h] of `hidden` [..., h] and their combine weights [R] in the plan's order (differentiable)."""
+        with RECORDER.span("moe.permute"):
+            return gather(hidden.reshape(-1, hidden.shape[-1]), topk_weights, plan.token_idx, plan.slot_idx,
+                          plan.padded)
+
+    def preprocess(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
+                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+        """`route`, `resolve` and `permute_rows` in plain order: returns (rows [R, h], row weights [R], plan)."""
+        plan = self.route(topk_idx, topk_weights, hidden.shape).resolve()
+        return (*self.permute_rows(hidden, topk_weights, plan), plan)
 
     def dispatch(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
         """Launch the all-to-all of the permuted rows and their combine weights; does not wait."""

@@ -9,7 +9,10 @@ data movement of Megatron's flex dispatcher (DeepEP), built from plain all-to-al
 
 Steps and their API are those of `AllToAllDispatcher` (the EP-overlap schedule runs either unchanged):
 
-    preprocess            rows per destination rank, metadata exchange (ONE host sync), fan-out indices
+    route                 rows per destination rank and expert counts; LAUNCH their exchange  -> PendingPlan
+    PendingPlan.resolve   wait for the counts (ONE host sync), select the rows, exchange each row's local expert
+                          ids, fan-out indices                                       -> FlexDispatchPlan
+    permute_rows          gather one row and k weights per (token, destination rank)
     dispatch              launch the all-to-all of rows [N, h] and weights [N, k]   -> PendingAllToAll
     sort_received         fan each received row out to its local experts, grouped by local expert
     (experts)
@@ -18,9 +21,10 @@ Steps and their API are those of `AllToAllDispatcher` (the EP-overlap schedule r
     unpermute_returned    sum each token's returned rows (one per destination rank)
 
 The metadata (how many rows go to each rank, how many (row, expert) pairs each local expert gets, and each row's
-local expert ids) moves synchronously inside `preprocess`, so `dispatch` carries only the tensors that need
-gradients and a scheduler can launch it without any host sync. Every index is built on the device from counts the
-host already knows, so there is no data-dependent shape (and no hidden sync) after the one `.tolist()`.
+local expert ids) moves before the dispatch, through `resolve`'s wait, so `dispatch` carries only the tensors that
+need gradients and a scheduler can launch it without any host sync. Every index is built on the device from counts
+the host already knows, so there is no data-dependent shape (and no hidden sync) after the one `.tolist()`. Expert
+capacity is not built for this dispatcher (`dispatcher_class` refuses it).
 """
 
 from __future__ import annotations
@@ -29,16 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
-from overlap.config.model import ModelConfig
-from overlap.layers.moe.dispatcher import AllToAllDispatcher
+from overlap.layers.moe.dispatcher import AllToAllDispatcher, PendingPlan, WaitFn
 from overlap.parallel import comm
-from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 
 
 @dataclass
 class FlexDispatchPlan:
-    """Routing metadata of one micro-batch, fixed by `FlexDispatcher.preprocess` (split sizes are host ints)."""
+    """Routing metadata of one micro-batch, fixed by `PendingPlan.resolve` (split sizes are host ints)."""
 
     hidden_shape: torch.Size  # shape of the layer input, restored by unpermute_returned
     row_token: torch.Tensor  # [N] token position of each sent row (rows ordered by destination rank, then token)
@@ -47,6 +49,7 @@ class FlexDispatchPlan:
     tokens_per_local_expert: list[int]  # [E_local] (row, expert) pairs each local expert processes
     pair_row: torch.Tensor  # [P] received row feeding each expert input row (grouped by local expert)
     pair_slot: torch.Tensor  # [P] position of that pair in the received weights, flattened [M * k]
+    on_row_rank: torch.Tensor  # [N, k] bool: the row's j-th expert lives on its destination rank
 
 
 class FlexDispatcher(AllToAllDispatcher):
@@ -56,25 +59,27 @@ class FlexDispatcher(AllToAllDispatcher):
     what is sent (one row per destination rank, k weights per row) and how rows are fanned out and summed differ.
     """
 
-    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
-        super().__init__(config, ps)
-        self.topk = config.moe_router_topk
-
-    def preprocess(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
-                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, FlexDispatchPlan]:
-        """Select one row per (token, destination rank); returns (rows [N, h], weights [N, k], plan). The weights
-        of experts on other ranks are 0, so the receiver's weighted sum covers exactly its own experts."""
-        ep, el, k = self.ep_size, self.num_local_experts, self.topk
-        tokens = hidden.reshape(-1, hidden.shape[-1])
-        num_tokens = tokens.shape[0]
+    def route(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+              hidden_shape: torch.Size) -> PendingPlan[FlexDispatchPlan]:
+        """Count rows per destination rank and pairs per expert, and launch their exchange; returns at once."""
+        ep, el = self.ep_size, self.num_local_experts
+        num_tokens = topk_idx.shape[0]
         with RECORDER.span("moe.permute"):
             dest = torch.div(topk_idx, el, rounding_mode="floor")  # [T, k] EP rank of each chosen expert
-            on_rank = torch.zeros(ep, num_tokens, dtype=torch.bool, device=tokens.device)
+            on_rank = torch.zeros(ep, num_tokens, dtype=torch.bool, device=topk_idx.device)
             on_rank.scatter_(0, dest.t(), True)  # [ep, T]: token t has at least one expert on rank r
             pairs = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).view(ep, el)
             send = torch.cat([on_rank.sum(dim=1, keepdim=True), pairs], dim=1).reshape(-1)  # [ep * (1 + el)]
-        recv = comm.all_to_all(send, self.meta_group, "ep_counts", [1 + el] * ep, [1 + el] * ep).wait()
-        # THE host sync of the layer (see AllToAllDispatcher.preprocess for why here and only once).
+        handle = comm.all_to_all(send, self.meta_group, "ep_counts", [1 + el] * ep, [1 + el] * ep)
+        return PendingPlan(lambda wait: self._finish(wait, wait(handle), send, topk_idx, dest, on_rank,
+                                                     hidden_shape))
+
+    def _finish(self, wait: WaitFn, recv: torch.Tensor, send: torch.Tensor, topk_idx: torch.Tensor,
+                dest: torch.Tensor, on_rank: torch.Tensor, hidden_shape: torch.Size) -> FlexDispatchPlan:
+        """Select the rows, exchange their local expert ids and build the fan-out indices."""
+        ep, el, k = self.ep_size, self.num_local_experts, self.topk
+        num_tokens = topk_idx.shape[0]
+        # THE host sync of the layer (see AllToAllDispatcher.route for why here and only once).
         counts = torch.cat([send, recv]).view(2, ep, 1 + el).tolist()
         input_splits = [c[0] for c in counts[0]]
         output_splits = [c[0] for c in counts[1]]
@@ -89,9 +94,7 @@ class FlexDispatcher(AllToAllDispatcher):
             on_row_rank = dest.index_select(0, row_token) == row_rank.unsqueeze(1)  # [N, k]
             local_ids = torch.where(on_row_rank, topk_idx.index_select(0, row_token) - row_rank.unsqueeze(1) * el,
                                     -1).to(torch.int32)
-            rows = tokens.index_select(0, row_token)
-            weights = torch.where(on_row_rank, topk_weights.index_select(0, row_token), 0.0)
-        recv_ids = comm.all_to_all(local_ids, self.meta_group, "ep_counts", output_splits, input_splits).wait()
+        recv_ids = wait(comm.all_to_all(local_ids, self.meta_group, "ep_counts", output_splits, input_splits))
 
         with RECORDER.span("moe.permute"):
             # Received (row, slot) pairs grouped by local expert; within an expert they keep (source rank, token)
@@ -99,10 +102,18 @@ class FlexDispatcher(AllToAllDispatcher):
             ids = recv_ids.reshape(-1).long()
             pair_slot = torch.argsort(torch.where(ids < 0, el, ids), stable=True)[:sum(tokens_per_local_expert)]
             pair_row = torch.div(pair_slot, k, rounding_mode="floor")
-        plan = FlexDispatchPlan(hidden_shape=hidden.shape, row_token=row_token, input_splits=input_splits,
+        return FlexDispatchPlan(hidden_shape=hidden_shape, row_token=row_token, input_splits=input_splits,
                                 output_splits=output_splits, tokens_per_local_expert=tokens_per_local_expert,
-                                pair_row=pair_row, pair_slot=pair_slot)
-        return rows, weights, plan
+                                pair_row=pair_row, pair_slot=pair_slot, on_row_rank=on_row_rank)
+
+    def permute_rows(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                     plan: FlexDispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row per (token, destination rank) and its k combine weights, 0 where the expert lives elsewhere, so
+        the receiver's weighted sum covers exactly its own experts (differentiable)."""
+        with RECORDER.span("moe.permute"):
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, plan.row_token)
+            weights = torch.where(plan.on_row_rank, topk_weights.index_select(0, plan.row_token), 0.0)
+        return rows, weights
 
     def sort_received(self, rows: torch.Tensor, weights: torch.Tensor,
                       plan: FlexDispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:

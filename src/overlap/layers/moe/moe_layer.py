@@ -7,8 +7,10 @@ backend "torch" (one row per destination rank, `flex_dispatcher.py`); both have 
 named after Megatron-Core's `MoELayer`, because the EP-overlap schedule runs them as separate nodes and interleaves
 two micro-batches (one's all-to-all in flight while the other computes):
 
-    rows, weights, plan, aux = layer.router_and_preprocess(x)
+    topk_weights, pending_plan, aux = layer.route(x)     # router; launches the split-size exchange
     shared = layer.shared_experts_compute(x)             # None without a shared expert
+    plan = pending_plan.resolve()                        # waits for the split sizes (none with padded capacity)
+    rows, weights = layer.permute(x, topk_weights, plan)
     pending = layer.dispatch(rows, weights, plan)        # launch, returns handles
     out_rows = layer.routed_experts_compute(pending, plan)   # wait, sort, experts, weight, unsort
     pending = layer.combine(out_rows, plan)              # launch, returns handles
@@ -30,7 +32,7 @@ from torch import nn
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.mlp import MLP
-from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingAllToAll
+from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingAllToAll, PendingPlan
 from overlap.layers.moe.experts import GroupedExperts
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher, FlexDispatchPlan
 from overlap.layers.moe.router import TopKRouter
@@ -50,6 +52,10 @@ def dispatcher_class(config: ModelConfig) -> type[AllToAllDispatcher]:
         raise NotBuiltError("model.moe_token_dispatcher_type", kind, f"The '{kind}' token dispatcher",
                             "use model.moe_token_dispatcher_type=alltoall or flex.")
     if backend == "torch":
+        if config.moe_expert_capacity_factor is not None:
+            raise NotBuiltError("model.moe_expert_capacity_factor", config.moe_expert_capacity_factor,
+                                "Expert capacity with the flex dispatcher",
+                                "use model.moe_token_dispatcher_type=alltoall, or drop the capacity factor.")
         return FlexDispatcher
     if backend in ("deepep", "hybridep"):
         raise NotBuiltError("model.moe_flex_dispatcher_backend", backend,
@@ -78,12 +84,16 @@ class MoELayer(nn.Module):
                                if config.moe_shared_expert_intermediate_size else None)
         self.shared_expert_overlap = config.moe_shared_expert_overlap and self.shared_experts is not None
 
-    def router_and_preprocess(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Plan, torch.Tensor]:
-        """Route `x` and permute it by expert; returns (rows, row weights, plan, aux_loss). Holds the layer's one
-        host sync (split sizes), see `AllToAllDispatcher.preprocess`."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, PendingPlan[Plan], torch.Tensor]:
+        """Route `x`; returns (combine weights [T, k], the plan with its split-size exchange in flight, aux_loss).
+        Resolving the plan is the layer's one host sync (see `AllToAllDispatcher.route`)."""
         topk_idx, topk_weights, aux_loss = self.router(x)
-        rows, weights, plan = self.dispatcher.preprocess(x, topk_idx, topk_weights)
-        return rows, weights, plan, aux_loss
+        return topk_weights, self.dispatcher.route(topk_idx, topk_weights, x.shape), aux_loss
+
+    def permute(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `x` to dispatch and their combine weights, in the plan's order."""
+        return self.dispatcher.permute_rows(x, topk_weights, plan)
 
     def shared_experts_compute(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's output for `x`, or None without one. Not wrapped in a compute span: under TP it waits
@@ -122,10 +132,13 @@ class MoELayer(nn.Module):
         return y if shared_output is None else y + shared_output
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, weights, plan, aux_loss = self.router_and_preprocess(x)
+        topk_weights, pending_plan, aux_loss = self.route(x)
+        # Without the overlap the shared expert runs while the split sizes travel.
+        shared_output = None if self.shared_expert_overlap else self.shared_experts_compute(x)
+        plan = pending_plan.resolve()
+        rows, weights = self.permute(x, topk_weights, plan)
         if self.shared_expert_overlap:
             return self._forward_with_shared_expert_overlap(x, rows, weights, plan), aux_loss
-        shared_output = self.shared_experts_compute(x)
         expert_rows = self.routed_experts_compute(self.dispatch(rows, weights, plan), plan)
         return self.postprocess(self.combine(expert_rows, plan), plan, shared_output), aux_loss
 
