@@ -34,6 +34,10 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     add_harness_flags(run)
     run.add_argument("--metrics", default=None, help="write one JSON object per iteration to this file (rank 0)")
     run.add_argument("--emit-slurm", default=None, metavar="FILE", help="write an sbatch script instead of running")
+    from overlap.launch.slurm import SLURM_FLAGS
+
+    for flags, kwargs in SLURM_FLAGS:
+        run.add_argument(*flags, **kwargs)
     _add_instrument_flags(run)
     run.add_argument("--trace", default=None, metavar="DIR",
                      help="write per-rank events, a merged Chrome trace (trace.json) and timeline.png into DIR")
@@ -58,20 +62,41 @@ def _add_instrument_flags(p: argparse.ArgumentParser) -> None:
                         "model:1ms,10MB/s,ep: only the ep collectives use it)")
 
 
+_SCRIPT_ONLY = ("--emit-slurm", "-t", "--time_limit", "-a", "--account", "-p", "--partition")
+
+
 def _own_argv(argv: list[str]) -> list[str]:
-    """The command line minus --emit-slurm (the ranks must not re-emit)."""
+    """The command line minus --emit-slurm and the script's own options (the ranks must not re-emit)."""
     out, skip = [], False
     for item in argv:
         if skip:
             skip = False
             continue
-        if item == "--emit-slurm":
+        name = item.split("=", 1)[0]
+        if not _script_only(name):
+            out.append(item)
+        elif "=" not in item:
             skip = True
-            continue
-        if item.startswith("--emit-slurm="):
-            continue
-        out.append(item)
     return out
+
+
+def _script_only(name: str) -> bool:
+    """`name` is one of _SCRIPT_ONLY, or an abbreviation argparse accepted for one (--emit for --emit-slurm)."""
+    return name in _SCRIPT_ONLY or (name.startswith("--") and len(name) > 3 and
+                                    any(o.startswith(name) for o in _SCRIPT_ONLY if o.startswith("--")))
+
+
+def _preflight(job, args: argparse.Namespace) -> dict:
+    """Before a script is written or a rank starts: every output path (overlap.launch.paths), what this host or
+    device can hold (overlap.launch.resources), and the Slurm script's own options (returned)."""
+    from overlap.launch.paths import check_run_outputs
+    from overlap.launch.resources import check_run_resources
+    from overlap.launch.slurm import slurm_options
+
+    slurm = slurm_options(args)
+    check_run_outputs(args)
+    check_run_resources(job.cfg, job.resolution.layout, args)
+    return slurm
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -93,6 +118,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("--network", args.network, "the emulated interconnect is a local (-g cpu) launch feature.",
                           "on a cluster use the real network (omit --network) or a modelled link (model:LAT,BW).")
     check_runtime_support(job.cfg, gpu=args.gpu != "cpu")  # before a script is queued or a rank starts
+    slurm = _preflight(job, args)
     if args.emit_slurm:
         from overlap.launch.slurm import render_sbatch
 
@@ -103,7 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         env = {s.name: s.value for s in env_settings if s.value is not None and s.source != "user environment"}
         script = render_sbatch(job_name=f"overlap-{args.model_recipe_name}",
                                num_nodes=math.ceil(args.num_gpus / per_node), gpus_per_node=per_node,
-                               overlap_args=argv[1:], env=env)
+                               overlap_args=argv[1:], env=env, gpus=args.gpu != "cpu", **slurm)
         Path(args.emit_slurm).write_text(script)
         print(f"wrote {args.emit_slurm}: submit it with sbatch")
         return 0
@@ -243,22 +269,31 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
                 log.info("communication time by kind over the run (ms, launch to completion): %s",
                          ", ".join(f"{k} {v:.0f}" for k, v in sorted(summary.comm_ms.items())))
     finally:
-        dist.destroy_process_group()
+        from overlap.parallel import comm
+
+        # The trainer and the parallel state hold the process groups: dropped here, so that comm.shutdown() can free
+        # the groups (which joins gloo's worker threads) once nothing else holds them. The order: comm.shutdown.
+        trainer = ps = None
+        comm.shutdown(failing=sys.exc_info()[0] is not None)
     return 0
 
 
 @contextmanager
 def _progress(show: bool, total: int) -> Iterator[Callable[[int, int, float], None] | None]:
     """A live progress bar on rank 0 when stderr is a terminal; logs then go through the same rich console, so the
-    bar and the iteration lines never garble each other. Other ranks log only warnings, as whole lines."""
-    if not (show and sys.stderr.isatty()):
+    bar and the iteration lines never garble each other. Other ranks log only warnings, as whole lines. Under the
+    local launcher stderr is the rank's log file, which the launcher forwards to its terminal (STDERR_TTY_ENV)."""
+    from overlap.launch.local import STDERR_TTY_ENV
+
+    forwarded = os.environ.get(STDERR_TTY_ENV) == "1"
+    if not (show and (sys.stderr.isatty() or forwarded)):
         yield None
         return
     from rich.console import Console
     from rich.logging import RichHandler
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, force_terminal=True if forwarded else None)
     root = logging.getLogger()
     saved = root.handlers[:]
     root.handlers = [RichHandler(console=console, show_path=False, show_time=False)]

@@ -8,7 +8,9 @@ flag. Unlike the reference, the disagreement is never silent: every flag/overrid
 `comm_overlap` twin) to different values is a "command line" decision ("the override beats --moe_a2a_overlap false"),
 logged at start-up, shown by `explain`, and an error under `--strict`. Two reference flaws are fixed on purpose:
 `--moe_a2a_overlap false` really turns EP overlap off, and `--moe_a2a_overlap true` turns on EP overlap and nothing
-else (the reference also switched on delay_wgrad_compute).
+else (the reference also switched on delay_wgrad_compute). The same override key twice is an error, not "the last
+one wins" (`check_override_repeats`); `prepare` refuses sizes no machine can represent before anything is built
+(`overlap.launch.resources`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from overlap.config.container import ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.config.flex_dispatcher import TARGET_DEVICES, apply_flex_dispatcher_backend, probe_device
 from overlap.config.mixed_precision import get_mixed_precision_config
-from overlap.config.overrides import apply_overrides
+from overlap.config.overrides import apply_overrides, check_override_repeats
 from overlap.config.recipes import Recipe, get_recipe
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.launch.env import VALID_ACCELERATORS, LaunchEnvInputs
+from overlap.launch.resources import MemoryEstimate, check_representable
 
 log = logging.getLogger("overlap")
 
 _KEEP = object()  # "flag not given": keep the recipe's value
+MAX_WORLD_SIZE = 2**20  # a world size past this is a typo, not a cluster (and would be allocated per rank)
 COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp16": "fp16_mixed", "fp32": "fp32"}
 REFERENCE_FP8_DTYPES = ("fp8_cs", "fp8_mx", "fp8_sc", "fp8_ds", "nvfp4")
 
@@ -115,6 +119,7 @@ class Job:
     cfg: ConfigContainer
     resolution: Resolution
     args: argparse.Namespace
+    memory: MemoryEstimate | None = None  # per-rank estimate (overlap.launch.resources)
 
 
 @dataclass
@@ -123,6 +128,7 @@ class _FlagWrite:
     value: Any
     before: Any  # the field's value before the flag wrote it (restored when an override of its twin wins)
     implied: bool  # a value the flag implies (SP from -tp), which an explicit override refines without dispute
+    typed: Any = _KEEP  # the flag's value as the user typed it, when that is not the field's value (-c bf16)
 
 
 @dataclass
@@ -169,6 +175,12 @@ def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decisi
                           "pass e.g. -m qwen -mr qwen3_moe_tiny (overlap explain --list-recipes lists them).")
     if args.num_gpus is None:
         raise ConfigError("-ng/--num_gpus", None, "the world size is required.", "pass e.g. -ng 4.")
+    if args.num_gpus > MAX_WORLD_SIZE:
+        raise ConfigError("-ng/--num_gpus", args.num_gpus, f"more than {MAX_WORLD_SIZE:,} ranks: no cluster has that "
+                          "many (a typo?).", "pass the number of GPUs (or local CPU ranks) the job uses.")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ConfigError("-gn/--gpus_per_node", args.gpus_per_node, "a node runs at least one rank.",
+                          "pass -gn 1 or more (e.g. -gn 8), or omit -gn for the GPU's standard node.")
     if args.task != "pretrain":
         raise NotBuiltError("--task", args.task, "Fine-tuning (sft/peft)", "use --task pretrain.")
     if args.config_variant not in (None, "v1", "v2"):
@@ -178,6 +190,7 @@ def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decisi
     cfg = recipe.build(args.num_gpus)
     line = CommandLine()
     _apply_flags(cfg, args, line)
+    check_override_repeats(args.overrides)
     line.overrides = apply_overrides(cfg, args.overrides)
     decisions = _reconcile(cfg, line)
     decisions += _apply_recipe_rules(cfg, recipe, args.num_gpus, line)
@@ -194,14 +207,25 @@ def _reconcile(cfg: ConfigContainer, line: CommandLine) -> list[Decision]:
             value = line.overrides[other]
             if other != key:  # the twin is read after comm_overlap: undo the flag so the override takes effect
                 _set(cfg, key, write.before)
+            typed = write.value if write.typed is _KEEP else write.typed
+            sets = "" if _word(typed) == _word(write.value) else f", which set {key}={_word(write.value)}"
             if write.implied:
+                shown = write.flag if write.typed is _KEEP else f"{write.flag} {_word(typed)}"
                 out.append(Decision(key, None, value, OVERRIDE,
-                                    f"{write.flag} implies {key}={_word(write.value)}; the explicit override "
-                                    f"{other}={_word(value)} refines it"))
-            else:
-                out.append(Decision(key, write.value, value, OVERRIDE,
-                                    f"the override {other}={_word(value)} beats {write.flag} {_word(write.value)} "
-                                    "(flags apply first, overrides after, as in the reference harness)"))
+                                    f"{shown} implies {key}={_word(write.value)}; the explicit "
+                                    f"override {other}={_word(value)} refines it"))
+                continue
+            dropped = ""
+            if write.flag == "--moe_flex_dispatcher_backend" and key == "model.moe_token_dispatcher_type":
+                # The flag asked for flex dispatch with a backend; the override chose another dispatcher, so the
+                # backend goes with the flag (left in place it would only be reported as "inactive").
+                backend = line.flags.get("model.moe_flex_dispatcher_backend")
+                if backend is not None and "model.moe_flex_dispatcher_backend" not in line.overrides:
+                    _set(cfg, "model.moe_flex_dispatcher_backend", backend.before)
+                    dropped = f"; the backend {_word(typed)} is dropped with it"
+            out.append(Decision(key, write.value, value, OVERRIDE,
+                                f"the override {other}={_word(value)} beats {write.flag} {_word(typed)}{sets}"
+                                f"{dropped} (flags apply first, overrides after, as in the reference harness)"))
     return out
 
 
@@ -227,8 +251,8 @@ def _apply_recipe_rules(cfg: ConfigContainer, recipe: Recipe, world: int, line: 
 def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine) -> None:
     """Write every given flag into the config, remembering each write for provenance and reconciliation."""
 
-    def put(key: str, value: Any, flag: str, implied: bool = False) -> None:
-        line.flags[key] = _FlagWrite(flag, value, _get(cfg, key), implied)
+    def put(key: str, value: Any, flag: str, implied: bool = False, typed: Any = _KEEP) -> None:
+        line.flags[key] = _FlagWrite(flag, value, _get(cfg, key), implied, typed)
         _set(cfg, key, value)
 
     if a.compute_dtype is not None:
@@ -238,11 +262,13 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
         if a.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError("-c/--compute_dtype", a.compute_dtype, "unknown compute dtype.",
                               f"use one of {', '.join(COMPUTE_DTYPES)}.")
-        put("mixed_precision", get_mixed_precision_config(COMPUTE_DTYPES[a.compute_dtype]), "-c")
+        put("mixed_precision", get_mixed_precision_config(COMPUTE_DTYPES[a.compute_dtype]), "-c",
+            typed=a.compute_dtype)
         line.flags["mixed_precision"].value = COMPUTE_DTYPES[a.compute_dtype]  # compared with a preset name
     if a.tensor_model_parallel_size is not None:
         put("model.tensor_model_parallel_size", a.tensor_model_parallel_size, "-tp")
-        put("model.sequence_parallel", a.tensor_model_parallel_size > 1, "-tp", implied=True)
+        put("model.sequence_parallel", a.tensor_model_parallel_size > 1, "-tp", implied=True,
+            typed=a.tensor_model_parallel_size)
     for name, flag in (("pipeline_model_parallel_size", "-pp"), ("context_parallel_size", "-cp"),
                        ("expert_model_parallel_size", "-ep"), ("expert_tensor_parallel_size", "-et"),
                        ("seq_length", "-sl")):
@@ -274,7 +300,8 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
                                                 "model.moe_shared_expert_overlap")}
             apply_flex_dispatcher_backend(cfg.model, backend)
             for key, old in before.items():
-                line.flags[key] = _FlagWrite(flag, _get(cfg, key), old, implied=key.endswith("overlap"))
+                line.flags[key] = _FlagWrite(flag, _get(cfg, key), old, implied=key.endswith("overlap"),
+                                             typed=_word(backend))
             if before["model.moe_shared_expert_overlap"] == _get(cfg, "model.moe_shared_expert_overlap"):
                 del line.flags["model.moe_shared_expert_overlap"]  # untouched: not the flag's
     if a.moe_a2a_overlap is not None:
@@ -326,8 +353,22 @@ def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
     device = (lambda: TARGET_DEVICES[args.gpu]) if describe_target else probe_device
     res = cfg.finalize(args.num_gpus, device=device, require_libraries=not describe_target,
                        command_line=command_line)
-    detect_model_noops(cfg, res)
+    estimate = check_representable(cfg, res.layout)  # before anything builds even a meta-device model
+    if _buckets_need_model(cfg, res, estimate):
+        detect_model_noops(cfg, res)
     res.decisions.attribute(line.source)
     res.decisions.other = [Decision(key, None, precision_name if key == "mixed_precision" else _get(cfg, key),
                                     line.source(key), "") for key in OTHER_SETTINGS]
-    return Job(cfg, res, args)
+    return Job(cfg, res, args, estimate)
+
+
+def _buckets_need_model(cfg: ConfigContainer, res: Resolution, est: MemoryEstimate) -> bool:
+    """Whether the single-bucket no-op check must build the (meta) model: not when a communicating buffer is
+    certainly cut into several buckets (the switch then does something), which the estimate's counts settle without
+    building an absurdly deep model layer by layer."""
+    bucket = cfg.ddp.bucket_size
+    if bucket is None:
+        return True
+    chunks = max(1, cfg.model.virtual_pipeline_model_parallel_size or 1)
+    counts = [(res.layout.dp, est.params - est.expert_params), (res.layout.edp, est.expert_params)]
+    return not any(size > 1 and count // chunks >= 2 * bucket for size, count in counts)

@@ -243,7 +243,7 @@ class ConfigContainer:
                               "set precision with -c or mixed_precision=bf16_mixed|fp16_mixed|fp32, not piecemeal.")
         if t.train_iters < 1:
             raise ConfigError("train.train_iters", t.train_iters, "a run needs at least one step.", "use -ms 1 or more.")
-        self._validate_ranges()
+        self._validate_ranges(layout)
 
     def _validate_pipeline_schedule(self, layout: ParallelLayout) -> None:
         """The interleaved schedule's rules (Megatron-Core): micro-batches come in groups of
@@ -271,13 +271,15 @@ class ConfigContainer:
                               f"(micro batch x DP)) to be a multiple of PP ({layout.pp}).",
                               f"use -gb as a multiple of {layout.pp * t.micro_batch_size * layout.dp}.")
 
-    def _validate_ranges(self) -> None:
+    def _validate_ranges(self, layout: ParallelLayout) -> None:
         """Values the type check lets through but the run cannot use (or would silently clamp): one table, checked
         in order; NaN fails every rule, and a float rule also refuses infinity."""
         o, sc, t, m = self.optimizer, self.scheduler, self.train, self.model
         n = t.train_iters
         start, end = t.eval_time_start_step, t.eval_time_end_step
         fin = math.isfinite
+        tp = layout.tp
+        shared = m.moe_shared_expert_intermediate_size
         rules: list[tuple[str, Any, bool, str, str]] = [
             # (field, value, ok, why, fix)
             ("optimizer.lr", o.lr, fin(o.lr) and o.lr >= 0, "the learning rate must be a finite number >= 0.",
@@ -321,6 +323,13 @@ class ConfigContainer:
              "the norm epsilon must be > 0.", "use e.g. model.layernorm_epsilon=1e-6."),
             ("model.rotary_base", m.rotary_base, fin(m.rotary_base) and m.rotary_base > 1,
              "the rotary base must be > 1.", "use e.g. model.rotary_base=10000."),
+            ("model.kv_channels" if m.kv_channels else "model.hidden_size", m.kv_channels or m.hidden_size,
+             m.head_dim % 2 == 0, f"rotary embeddings rotate pairs of channels, so the head dim must be even (it is "
+             f"{m.head_dim}{'' if m.kv_channels else ' = hidden_size / num_attention_heads'}).",
+             "use an even kv_channels (head dim), e.g. 64 or 128."),
+            ("model.moe_shared_expert_intermediate_size", shared, not m.is_moe or not shared or shared % tp == 0,
+             f"the shared expert is split over tensor parallelism, so its width must be divisible by "
+             f"tensor_model_parallel_size ({tp}).", "use a multiple of -tp."),
             ("model.init_method_std", m.init_method_std, fin(m.init_method_std) and m.init_method_std >= 0,
              "the initialisation standard deviation must be >= 0.", "use e.g. model.init_method_std=0.02."),
             ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, fin(m.moe_aux_loss_coeff) and m.moe_aux_loss_coeff >= 0,

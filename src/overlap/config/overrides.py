@@ -142,11 +142,15 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cfg: ConfigContainer, items: list[str]) -> dict[str, Any]:
-    """Apply overrides in order; return {key: value} of what they set.
+    """Apply overrides in order (a later one for the same key wins); return {key: value} of what they set. The
+    command line refuses such repeats first (`check_override_repeats`)."""
+    return dict(apply_override(cfg, item) for item in items)
 
-    The same key twice is an error naming both (the reference lets the last one win, silently), and so is a
-    `mixed_precision=PRESET` after a `mixed_precision.FIELD=...`: the preset replaces the whole section and would
-    drop the field."""
+
+def check_override_repeats(items: list[str]) -> None:
+    """A command line's overrides: the same key twice is an error naming both (the reference lets the last one win,
+    silently), and so is a `mixed_precision=PRESET` after a `mixed_precision.FIELD=...`: the preset replaces the
+    whole section and would drop the field."""
     seen: dict[str, str] = {}
     for item in items:
         key = item.split("=", 1)[0].strip()
@@ -161,7 +165,6 @@ def apply_overrides(cfg: ConfigContainer, items: list[str]) -> dict[str, Any]:
                                   f"earlier {fields_before[0]}.", "put mixed_precision=PRESET before the "
                                   "mixed_precision.FIELD overrides that refine it.")
         seen[key] = item
-    return dict(apply_override(cfg, item) for item in items)
 
 
 def list_override_keys() -> list[str]:

@@ -1,23 +1,79 @@
-"""Start N local ranks (one process each) and watch them: a rank that dies takes the job down with its name.
+"""Start N local ranks (one process each) and watch them: every fault ends the job with one line that names its cause.
 
 Each rank is the same `overlap run ...` command line with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, exactly
-what torchrun would give it, so local and cluster runs share one code path. If a rank exits with an error, the others
-get a short grace period (they usually fail on their next collective) and are then killed, and the launcher exits
-non-zero naming the first failed rank. A rank that hangs is bounded by the process-group timeout.
+what torchrun would give it, so local and cluster runs share one code path.
+
+Output: each rank's stdout and stderr go to its own log file, `<log dir>/overlap-rank<r>.log` (a fresh
+`overlap-run-*` folder in the temporary directory), and the launcher forwards them to its stderr as they come, so a
+healthy run looks as it always did. Once a rank has failed, nothing more is forwarded: the other ranks' collateral
+errors (a peer's connection closed, a collective timed out) stay in their logs, and the launcher prints one line -
+the cause first, then a summary of the collateral failures and where the logs are. A Python traceback is held back
+until its rank's fate is known (forwarded if the rank carries on or ends well; else left in the log). The log folder
+is removed after a clean run and kept (and named) after a failure.
+
+Which rank caused a failure, in this order:
+1. a rank killed by a signal the launcher did not send ("rank 1 of 4 killed by SIGKILL"), if it died within
+   `SIGNAL_TIE_S` of the first failure (the others only fail because it is gone);
+2. a rank that stopped making progress: still running (or stopped, e.g. by SIGSTOP) after the others failed, when
+   their errors are only collateral (timeouts, closed connections) - the launcher kills it and names it;
+3. otherwise the first rank to fail.
+Exit times come from one waiter thread per rank, so "first" is when the rank died, not when the launcher looked.
+
+The ranks die with the launcher: on Linux each rank is started with the parent-death signal set (prctl
+PR_SET_PDEATHSIG = SIGKILL), so a launcher killed with SIGKILL takes its ranks with it instead of leaving them
+training as orphans. SIGTERM (and SIGHUP) to the launcher unwind like Ctrl-C (`Interrupted`, carrying the signal:
+`overlap` exits 128 + signal number, 143 for SIGTERM, 130 for Ctrl-C, with one line).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from overlap.errors import RankFailure
 
-GRACE_S = 10.0
+GRACE_S = 10.0  # after a failure, how long the other ranks get to notice and exit before they are killed
+STOPPED_GRACE_S = 1.0  # once only stopped/hung ranks are left, how long before they are killed
+SIGNAL_TIE_S = 1.0
+HOLD_S = 3.0  # a traceback the rank survives this long was only logged: forward it after all
+STOP_S = 3.0  # after Ctrl-C / SIGTERM, how long the ranks get to exit before SIGKILL
+POLL_S = 0.05
+LOG_NAME = "overlap-rank{rank}.log"
+STDERR_TTY_ENV = "OVERLAP_STDERR_TTY"  # the launcher's stderr, where rank output is forwarded, is a terminal
+LAUNCHER_PID_ENV = "OVERLAP_LAUNCHER_PID"  # a rank whose parent is no longer this pid exits (cli._join_launcher)
+
+# Errors a rank raises because a peer is gone or silent, not because of its own fault.
+COLLATERAL = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|[Tt]imed out|[Tt]imeout|"
+                        r"ECONNRESET|EPIPE|ECONNREFUSED|Connection refused|peer .*(closed|died|gone)|"
+                        r"NCCL communicator was aborted|interrupted|KeyboardInterrupt", re.I)
+
+
+_RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")  # torch prefixes an uncaught exception's lines with "[rank0]: "
+_RANK_PREFIX_TEXT = re.compile(r"^\[rank\d+\]:\s?")
+# Where a rank's output may turn into a failure report: held back until the rank's fate is known.
+_HOLD_FROM = re.compile(rb"Traceback \(most recent call last\)|\[overlap rank \d+\] (ERROR|WARNING teardown)")
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")  # gloo's "[/.../pair.cc:537] "
+
+
+class Interrupted(KeyboardInterrupt):
+    """The launcher was told to stop (Ctrl-C, SIGTERM, SIGHUP); `signum` says by what. The ranks were stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.ranks_stopped = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,56 +87,307 @@ def rank_env(base: Mapping[str, str], rank: int, world: int, addr: str, port: in
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                MASTER_ADDR=addr, MASTER_PORT=str(port))
     env.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank: ranks share the machine's cores
+    env.setdefault("PYTHONUNBUFFERED", "1")  # the rank's output reaches its log (and the terminal) as it happens
     return env
 
 
-def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], addr: str = "127.0.0.1",
-                 prefix: Sequence[str] = ()) -> None:
-    """Run `prefix + command` once per rank and wait; raise RankFailure naming the first rank that failed."""
-    port = free_port()  # free here; a fresh network namespace (prefix) has an empty port space anyway
-    procs = [subprocess.Popen([*prefix, *command], env=rank_env(env, r, world, addr, port)) for r in range(world)]
-    failed: tuple[int, int] | None = None
-    deadline: float | None = None
-    # SIGTERM (timeout, a scheduler, a killed bench) must unwind like Ctrl-C, so the ranks are stopped and the
-    # caller's `finally` (e.g. deleting the network namespace) runs.
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+def signal_name(signum: int) -> str:
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if failed is None:
-                for r, c in enumerate(codes):
-                    if c not in (None, 0):
-                        failed, deadline = (r, c), time.monotonic() + GRACE_S
-                        break
-            if all(c is not None for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                for p in procs:
-                    if p.poll() is None:
-                        p.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        raise
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# --- ranks die with their launcher ------------------------------------------------------------------------------------
+_PR_SET_PDEATHSIG = 1
+try:
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+    _PRCTL = None
+
+
+def _die_with_parent(parent: int):
+    """A preexec_fn: the child gets SIGKILL when the launcher dies (looked up before fork: nothing to import)."""
+    def preexec() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died between fork and prctl
+            os._exit(1)
+    return preexec if _PRCTL is not None else None
+
+
+# --- one rank ---------------------------------------------------------------------------------------------------------
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen
+    log_path: Path
+    exited_at: float | None = None
+    killed_by_us: bool = False
+    hung: str | None = None  # why it is blamed for stopping, when it is
+    _log: object = None
+    _pending: bytes = b""  # bytes read but not yet forwarded (an unfinished line, or a held traceback)
+    _held: list[bytes] = field(default_factory=list)  # a traceback being held back until the rank's fate is known
+    _held_since: float = 0.0
+
+    def start_waiter(self) -> None:
+        def wait() -> None:
+            self.proc.wait()
+            self.exited_at = time.monotonic()
+        threading.Thread(target=wait, name=f"overlap-rank{self.rank}-waiter", daemon=True).start()
+
+    @property
+    def code(self) -> int | None:
+        return self.proc.returncode if self.exited_at is not None else None
+
+    def state(self) -> str:
+        """The kernel's process state letter (R, S, D, T = stopped, Z), '' when unknown."""
+        try:
+            text = Path(f"/proc/{self.proc.pid}/stat").read_text()
+            return text.rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return ""
+
+    def read_new(self) -> bytes:
+        if self._log is None:
+            self._log = open(self.log_path, "rb")
+        return self._log.read()
+
+    def forward(self, out, live: bool) -> None:
+        """Forward what the rank wrote since last time (`live`), holding back everything from a traceback on until
+        the rank's fate is known (`release_held`), or until it has carried on for HOLD_S."""
+        data = self._pending + self.read_new()
+        lines = data.split(b"\n")
+        self._pending = lines.pop()
+        for line in lines:
+            line += b"\n"
+            opens = _HOLD_FROM.match(_RANK_PREFIX.sub(b"", line)) is not None
+            if not self._held and opens:
+                self._held_since = time.monotonic()
+            if self._held or opens:
+                self._held.append(line)
+            elif live:
+                out.write(line)
+        if live and self._held and time.monotonic() - self._held_since > HOLD_S and self.code is None:
+            self.release_held(out)  # a logged traceback the rank survived
+        head = _RANK_PREFIX.sub(b"", self._pending)[:9]
+        if live and self._pending and not self._held and not b"Traceback".startswith(head) and \
+                not b"[rank".startswith(self._pending[:5]):
+            out.write(self._pending)  # an unfinished line (a progress bar) goes out now
+            self._pending = b""
+
+    def release_held(self, out) -> None:
+        for line in self._held:
+            out.write(line)
+        self._held = []
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
+
+    def last_error(self) -> str:
+        """The last line that reads like an error in this rank's log (the exception of its traceback)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        lines = [_RANK_PREFIX_TEXT.sub("", ln).strip() for ln in text.splitlines()]
+        lines = [ln for ln in lines if ln]
+        for line in reversed(lines):
+            if re.match(r"^(overlap: error:|[A-Za-z_.]*(Error|Exception|Interrupt)\b|torch\.\S+Error|"
+                        r"terminate called|RuntimeError)", line):
+                return _SOURCE_LOCATION.sub("", line.removeprefix("overlap: error: "))
+        return ""
+
+
+# --- the launcher -----------------------------------------------------------------------------------------------------
+def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], addr: str = "127.0.0.1",
+                 prefix: Sequence[str] = (), log_dir: str | os.PathLike | None = None) -> None:
+    """Run `prefix + command` once per rank and wait; raise RankFailure with the one-line account of a failure."""
+    port = free_port()  # free here; a fresh network namespace (prefix) has an empty port space anyway
+    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="overlap-run-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    ranks: list[_Rank] = []
+    failure: str | None = None
+    interrupted: Interrupted | None = None
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
+    if sys.stderr.isatty():
+        env[STDERR_TTY_ENV] = "1"  # rank 0 may draw its progress bar: its output reaches this terminal
+    try:
+        preexec = _die_with_parent(os.getpid())
+        for r in range(world):
+            path = logs / LOG_NAME.format(rank=r)
+            with open(path, "wb") as sink:
+                proc = subprocess.Popen([*prefix, *command], env=rank_env(env, r, world, addr, port), stdout=sink,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=preexec)
+            ranks.append(_Rank(r, proc, path))
+        for rk in ranks:
+            rk.start_waiter()
+        failure = _watch(ranks, world, out)
+    except KeyboardInterrupt as exc:
+        interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        # SIGTERM: a rank has no handler for it, so it ends at once, wherever it is (a Ctrl-C in a terminal has
+        # already reached every rank as SIGINT; whatever they print while unwinding stays in their logs).
+        _stop(ranks, signal.SIGTERM, STOP_S)
+        interrupted.ranks_stopped = True
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        stop_by = time.monotonic() + GRACE_S
-        for p in procs:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _stop(ranks, None, 0.0)  # nothing may outlive the launcher
+        if failure is None and interrupted is None and out is not None:
+            for rk in ranks:
+                try:
+                    rk.forward(out, live=True)
+                    rk.release_held(out)
+                    if rk._pending:
+                        out.write(rk._pending)
+                except OSError:
+                    pass
+            out.flush()
+        for rk in ranks:
+            rk.close()
+    if failure is not None:
+        raise RankFailure(f"{failure}. Rank logs: {logs / LOG_NAME.format(rank='<r>')}")
+    if log_dir is None:
+        shutil.rmtree(logs, ignore_errors=True)  # a clean run or an interruption: nothing to look at
+    if interrupted is not None:
+        raise interrupted
+
+
+def _watch(ranks: list[_Rank], world: int, out) -> str | None:
+    """Forward output until every rank has exited; on a failure stop forwarding, give the others GRACE_S to notice,
+    kill what is left, and return the one-line account (None: all ranks ended well)."""
+    first_fail: float | None = None
+    deadline: float | None = None
+    while True:
+        now = time.monotonic()
+        failed = [rk for rk in ranks if rk.code not in (None, 0)]
+        if failed and first_fail is None:
+            first_fail = min(rk.exited_at for rk in failed)
+            deadline = now + GRACE_S
+        if out is not None and first_fail is None:
+            for rk in ranks:
+                rk.forward(out, live=True)
+                if rk.code == 0 and rk._held:
+                    rk.release_held(out)  # it ended well: the traceback was only logged
+            out.flush()
+        alive = [rk for rk in ranks if rk.code is None]
+        if not alive:
+            break
+        if first_fail is not None:
+            # Only stopped (or unresponsive) ranks left while the others have failed: they are the ones that stopped
+            # making progress; no need to sit out the whole grace period.
+            if all(rk.state() == "T" for rk in alive) and now - max(rk.exited_at for rk in ranks
+                                                                   if rk.exited_at) > STOPPED_GRACE_S:
+                deadline = now
+            if now >= deadline:
+                for rk in alive:
+                    state = rk.state()
+                    rk.hung = ("its process was stopped, e.g. by SIGSTOP" if state == "T" else
+                               f"still running {GRACE_S:.0f} s after the others failed")
+                    rk.killed_by_us = True
+                    rk.proc.kill()
+                _join(ranks, 5.0)
+                break
+        time.sleep(POLL_S)
+    if first_fail is None:
+        return None
+    return describe_failure(ranks, world)
+
+
+def describe_failure(ranks: list[_Rank], world: int) -> str:
+    """The one line: the cause first, then the collateral failures summarised."""
+    failed = sorted((rk for rk in ranks if rk.code not in (None, 0) and not rk.killed_by_us),
+                    key=lambda rk: rk.exited_at)
+    hung = [rk for rk in ranks if rk.hung]
+    first = failed[0] if failed else None
+    signalled = [rk for rk in failed if rk.code < 0 and first is not None
+                 and rk.exited_at - first.exited_at <= SIGNAL_TIE_S]
+    own_errors = [rk for rk in failed if rk.code > 0 and not COLLATERAL.search(rk.last_error() or "")]
+    if signalled:
+        cause = [signalled[0]]
+    elif hung and not own_errors:
+        cause = hung
+    else:
+        cause = [own_errors[0] if own_errors else first]
+    head = "; ".join(_account(rk, world) for rk in cause)
+    others = [rk for rk in failed + [h for h in hung if h not in failed] if rk not in cause]
+    if not others:
+        return f"{head}; the other ranks were stopped" if world > 1 else head
+    kinds: dict[str, list[int]] = {}
+    for rk in others:
+        what = "" if rk.killed_by_us else _shorten(rk.last_error() or _code_text(rk.code))
+        kinds.setdefault(what, []).append(rk.rank)
+    summary = "; ".join(f"{_ranks(rs)} then failed: {what}" if what else
+                        f"{_ranks(rs)} still running, stopped by the launcher" for what, rs in kinds.items())
+    return f"{head} ({summary})"
+
+
+def _account(rk: _Rank, world: int) -> str:
+    who = f"rank {rk.rank} of {world}"
+    if rk.hung:
+        return f"{who} stopped making progress ({rk.hung}); the launcher killed it"
+    if rk.code is not None and rk.code < 0:
+        return f"{who} killed by {signal_name(-rk.code)}"
+    err = rk.last_error()
+    return f"{who} failed ({_code_text(rk.code)})" + (f": {_shorten(err, 300)}" if err else "")
+
+
+def _code_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}"
+
+
+def _ranks(rs: list[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, sorted(rs)))
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _join(ranks: list[_Rank], timeout: float) -> None:
+    until = time.monotonic() + timeout
+    for rk in ranks:
+        try:
+            rk.proc.wait(timeout=max(0.0, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _stop(ranks: list[_Rank], sig: int | None, wait_s: float) -> None:
+    """Send `sig` to the live ranks and give them `wait_s` to exit, then SIGKILL (sig None: SIGKILL at once). A
+    second Ctrl-C or SIGTERM while waiting kills at once."""
+    live = [rk for rk in ranks if rk.proc.poll() is None]
+    if not live:
+        return
+    try:
+        if sig is not None:
+            for rk in live:
+                try:
+                    rk.proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+            _join(live, wait_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for rk in live:
+            if rk.proc.poll() is None:
+                rk.killed_by_us = True
+                rk.proc.kill()
+        for rk in live:
             try:
-                p.wait(timeout=max(0.0, stop_by - time.monotonic()))
-            except subprocess.TimeoutExpired:  # a rank stuck in a collective ignores SIGINT: do not wait for it
-                p.kill()
-                p.wait()
-    if failed is not None:
-        rank, code = failed
-        raise RankFailure(f"rank {rank} of {world} failed (exit code {code}); the other ranks were stopped")
+                rk.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+                pass
 
 
 def _raise_interrupt(signum: int, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Interrupted(signum)
 
 
 def python_module_command(module: str, argv: Sequence[str]) -> list[str]:

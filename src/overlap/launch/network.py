@@ -15,9 +15,11 @@ MiB/s, GiB/s, or bit rates kbit / mbit / gbit (per second). The tbf RATE is pass
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 
 from overlap.errors import ConfigError
 from overlap.parallel.kinds import parse_families
+
+log = logging.getLogger("overlap")
 
 FLAG = "--network"
 MODEL_FALLBACK = "--network model:100us,1GB/s"
@@ -159,12 +163,51 @@ def _ip(*args: str) -> None:
                           f"check network-namespace support here, or use the modelled link: {MODEL_FALLBACK}.")
 
 
+NETNS_PREFIX = "overlap-"  # our namespaces are named overlap-<pid of the launcher that made them>
+_OURS = re.compile(re.escape(NETNS_PREFIX) + r"(\d+)")
+
+
+def _launcher_alive(pid: int) -> bool:
+    """Whether `pid` is still an overlap launcher (a reused pid running something else does not count)."""
+    try:
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return False
+    return b"overlap" in cmdline
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete the namespaces an earlier launcher made and could not remove (it was killed with SIGKILL): named
+    overlap-<pid> with that pid gone. Processes still inside one are orphaned ranks and are killed first. Returns
+    the names removed; each is logged."""
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    removed = []
+    for line in done.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = _OURS.fullmatch(name)
+        if not m or int(m.group(1)) == os.getpid() or _launcher_alive(int(m.group(1))):
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        removed.append(name)
+        log.warning("removed stale network namespace %s: its launcher (pid %s) is gone%s", name, m.group(1),
+                    f"; killed {len(pids)} orphaned process(es) still inside it" if pids else "")
+    return removed
+
+
 @contextmanager
 def emulated_interconnect(rate: str, name: str | None = None) -> Iterator[tuple[str, list[str]]]:
     """Create namespace `name` (default overlap-<pid>) with a rate-limited loopback; yield (name, command prefix that
-    runs a process inside it). The namespace is deleted on exit, also when the body fails."""
+    runs a process inside it). The namespace is deleted on exit, also when the body fails. Namespaces left behind by
+    earlier launchers that are gone are removed first (`remove_stale_namespaces`)."""
     check_netns_support()
-    name = name or f"overlap-{os.getpid()}"
+    remove_stale_namespaces()
+    name = name or f"{NETNS_PREFIX}{os.getpid()}"
     _ip("netns", "add", name)
     try:
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")

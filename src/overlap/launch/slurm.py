@@ -41,6 +41,39 @@ def _token(field: str, value: str, pattern: re.Pattern[str], fix: str) -> None:
         )
 
 
+DEFAULT_TIME_LIMIT = "00:30:00"
+
+# `overlap run` flags that shape the script, named as in Megatron-Bridge's performance scripts (-t/--time_limit,
+# -a/--account, -p/--partition); they only mean something with --emit-slurm.
+SLURM_FLAGS: list[tuple[tuple[str, ...], dict]] = [
+    (("-t", "--time_limit"), dict(default=None, metavar="TIME",
+                                  help=f"with --emit-slurm: the job's time limit (#SBATCH --time), e.g. 04:00:00 or "
+                                       f"1-00:00:00 (default {DEFAULT_TIME_LIMIT})")),
+    (("-a", "--account"), dict(default=None, help="with --emit-slurm: the Slurm account (#SBATCH --account)")),
+    (("-p", "--partition"), dict(default=None, help="with --emit-slurm: the Slurm partition(s) (#SBATCH --partition)")),
+]
+
+
+def slurm_options(args) -> dict:
+    """The script options from the command line; given without --emit-slurm they would do nothing: an error."""
+    given = {name: getattr(args, name, None) for name in ("time_limit", "account", "partition")}
+    if getattr(args, "emit_slurm", None) is None:
+        for name, value in given.items():
+            if value is not None:
+                raise ConfigError(f"--{name}", value, "it sets an option of the Slurm script, and no script is "
+                                  "written.", f"add --emit-slurm FILE, or drop --{name}.")
+        return {}
+    fix = {"time_limit": "use a Slurm time limit such as 04:00:00 or 1-00:00:00.",
+           "account": "name the Slurm account as given by your site.",
+           "partition": "name one partition, or several separated by commas."}
+    patterns = {"time_limit": _TIME_LIMIT, "account": _SBATCH_TOKEN, "partition": _PARTITION}
+    for name, value in given.items():
+        if value is not None:
+            _token(f"--{name}", value, patterns[name], fix[name])  # named as typed, before the script is written
+    return {"time_limit": given["time_limit"] or DEFAULT_TIME_LIMIT, "account": given["account"],
+            "partition": given["partition"]}
+
+
 def render_sbatch(
     *,
     job_name: str,
@@ -48,14 +81,16 @@ def render_sbatch(
     gpus_per_node: int,
     overlap_args: list[str],
     env: dict[str, str],
-    time_limit: str = "00:30:00",
+    time_limit: str = DEFAULT_TIME_LIMIT,
     partition: str | None = None,
     account: str | None = None,
+    gpus: bool = True,
 ) -> str:
     """Return the text of an sbatch script running ``overlap run <overlap_args>`` on ``num_nodes`` x ``gpus_per_node``.
 
     ``env`` is the launch environment to export (names to values, already decided by ``compute_launch_env``);
-    ``overlap_args`` are passed to ``overlap.cli run`` one word each, shell-quoted.
+    ``overlap_args`` are passed to ``overlap.cli run`` one word each, shell-quoted. ``gpus=False`` (``-g cpu``): the
+    ranks are CPU processes, so the script requests no GPUs (``gpus_per_node`` is then ranks per node).
     """
     _positive_int("--nodes", num_nodes, "pass a node count of 1 or more.")
     _positive_int("--gpus_per_node", gpus_per_node, "pass -gn/--gpus_per_node with 1 or more GPUs per node.")
@@ -79,7 +114,7 @@ def render_sbatch(
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={num_nodes}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        *([f"#SBATCH --gpus-per-node={gpus_per_node}"] if gpus else []),
         f"#SBATCH --time={time_limit}",
     ]
     if partition is not None:

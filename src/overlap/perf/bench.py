@@ -153,13 +153,24 @@ class RunResult:
     comm_mb: dict[str, float] = field(default_factory=dict)
 
 
+class RunFailed(RuntimeError):
+    """One `overlap run` of the benchmark exited non-zero: its exit code and the line that says why."""
+
+    def __init__(self, config: str, code: int, command: list[str], output: str) -> None:
+        super().__init__(f"bench run {config!r} failed (exit {code}): {shlex.join(command)}\n{output[-4000:]}")
+        self.code = code
+        lines = [line for line in output.splitlines() if line.strip()]
+        # The run's own verdict ("overlap: error: ...") when it printed one, else its last line.
+        self.error = next((line for line in reversed(lines) if line.startswith("overlap: error:")),
+                          lines[-1] if lines else "(no output)")
+
+
 def run_once(options: list[str], overrides: list[str], config: BenchConfig, metrics: Path) -> RunResult:
     command = [sys.executable, "-m", "overlap.cli", "run", *options, "--metrics", str(metrics), *config.run_flags,
                *overrides, *config.overrides]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"bench run {config.name!r} failed (exit {done.returncode}): {shlex.join(command)}\n"
-                           f"{(done.stdout + done.stderr)[-4000:]}")
+        raise RunFailed(config.name, done.returncode, command, done.stdout + done.stderr)
     s = json.loads(Path(f"{metrics}.summary.json").read_text())
     return RunResult(s["steady_step_ms"], s["exposed_comm_ms"], s["total_comm_ms"], s["peak_mem_mb"],
                      s["window_iterations"], s["network"], s.get("comm_mb", {}))
@@ -172,10 +183,13 @@ def _mean_by_kind(runs: list[RunResult], attr: str) -> dict[str, float]:
 
 def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], network: str,
               command: str) -> dict:
-    """The JSON document: per configuration, ideal time and overlap efficiency (see the module docstring)."""
+    """The JSON document: per configuration, ideal time and overlap efficiency (see the module docstring).
+    A configuration without any run (the benchmark stopped at a failure first) is left out and named in `not_run`."""
     rows = []
     for c in configs:
         runs = results[c.name]
+        if not runs:
+            continue
         times = [r.step_ms for r in runs]
         rows.append({"name": c.name, "overrides": c.overrides + c.run_flags,
                      "step_time_ms": {"mean": statistics.fmean(times), "min": min(times), "max": max(times),
@@ -187,6 +201,11 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
     floor_names = {c.name for c in configs if c.floor}
     floors = [r for r in rows if r["name"] in floor_names]
     measured = [r for r in rows if r["name"] not in floor_names]
+    not_run = [c.name for c in configs if not results[c.name]]
+    if not measured:  # the very first run failed: no baseline, nothing to compare
+        return {"network": network, "window_iterations": None, "repeats": 0, "order": "alternating", "configs": [],
+                "ideal_step_time_ms": None, "overlap_efficiency": {}, "floors_step_time_ms": {},
+                "overlap_efficiency_by_floor": {}, "not_run": not_run, "command": command}
     base = measured[0]["step_time_ms"]["mean"]
     for r in rows:
         r["step_time_ratio_to_first"] = r["step_time_ms"]["mean"] / base
@@ -198,7 +217,9 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
     for r in rows:
         # A PyTorch peer (ddp.impl=torch_ddp|fsdp2) reduces with torch's own collectives, which our tracer does not
         # see: its communication columns would read as "no communication". Say so instead.
-        r["comm_traced"] = not any(o.startswith("ddp.impl=") and o != "ddp.impl=overlap" for o in r["overrides"])
+        r["comm_traced"] = not any(o.startswith(("ddp.impl=", "model.pipeline_impl="))
+                                   and o not in ("ddp.impl=overlap", "model.pipeline_impl=overlap")
+                                   for o in r["overrides"])
     for r in measured[1:]:
         if r["comm_traced"]:
             r["exposed_hidden_share_vs_first"] = hidden_share_by_family(measured[0]["exposed_comm_ms"],
@@ -208,7 +229,7 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
             "repeats": len(first_runs), "order": "alternating", "configs": rows,
             "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency,
             "floors_step_time_ms": {f["name"]: f["step_time_ms"]["mean"] for f in floors},
-            "overlap_efficiency_by_floor": by_floor, "command": command}
+            "overlap_efficiency_by_floor": by_floor, "not_run": not_run, "command": command}
 
 
 def hidden_share_by_family(first: dict[str, float], other: dict[str, float]) -> dict[str, float]:
@@ -252,10 +273,14 @@ def window_of(doc: dict) -> tuple[int, int]:
 
 
 def format_markdown(doc: dict) -> str:
-    first, last = window_of(doc)
+    if doc.get("window_iterations", doc.get("steps_window")) is None:
+        window = "none (no run finished)"
+    else:
+        first, last = window_of(doc)
+        window = f"iterations {first}-{last} (1-based, inclusive)"
     by_floor = doc.get("overlap_efficiency_by_floor", {})
     lines = [f"Network: {doc['network']}  ",
-             f"Steady-state window: iterations {first}-{last} (1-based, inclusive), {doc['repeats']} alternating "
+             f"Steady-state window: {window}, {doc['repeats']} alternating "
              "repeats; comm columns are rank 0's mean per iteration in ms, `all` first (union of kinds).  ",
              f"Command: `{doc['command']}`", "",
              "| config | step ms (mean) | min | max | vs first | exposed comm ms | total comm ms | MB/iter | peak MB | "
@@ -273,10 +298,23 @@ def format_markdown(doc: dict) -> str:
                      f"{r['peak_mem_mb']:.0f} | {effs}"
                      f"{_shares(r.get('exposed_hidden_share_vs_first'))} |")
     if not by_floor:
-        lines.append("\n(no --ideal / --ideal-family run: overlap efficiency needs a floor T_ideal)")
+        lines.append("\n(no floor run (--ideal / --ideal-family): overlap efficiency needs a floor T_ideal)")
     else:
         lines.append("\neff. vs FLOOR = (T_first - T_config) / (T_first - T_FLOOR), the first config being 'off'.")
-    return "\n".join(lines)
+    return "\n".join(lines + _failure_lines(doc))
+
+
+def _failure_lines(doc: dict) -> list[str]:
+    """Say which run failed and which configurations therefore have no row (a partial result must not pass for a
+    whole one)."""
+    lines = []
+    failed = doc.get("failed")
+    if failed:
+        lines.append(f"\n**FAILED**: round {failed['round']}, config `{failed['config']}` exited {failed['exit']}: "
+                     f"{failed['error']}. The benchmark stopped there; the rows above are the runs that finished.")
+    if doc.get("not_run"):
+        lines.append(f"\nNot run (no row): {', '.join(f'`{name}`' for name in doc['not_run'])}.")
+    return lines
 
 
 def _eff(value: float | None) -> str:
@@ -290,12 +328,27 @@ def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
 
     if parse_network(args.network).kind == "tbf":
         check_netns_support()
+    from overlap.launch.paths import check_bench_outputs
+    from overlap.launch.resources import check_run_resources
+    from overlap.training.support import check_runtime_support
+
     if args.repeats < 1:
         raise ConfigError("--repeats", args.repeats, "at least one round is needed.", "pass --repeats 1 or more.")
+    check_bench_outputs(args)  # --json / --markdown: before the first run, not after the last
+    common = {o.split("=", 1)[0].strip(): o for o in args.overrides}
     for c in configs:
+        for o in c.overrides if not c.floor else ():
+            key = o.split("=", 1)[0].strip()
+            if key in common:
+                raise ConfigError("--config", c.name, f"it sets {key}, which the common overrides set too "
+                                  f"({common[key]}).", f"set {key} in one place: each --config, or the common "
+                                  "overrides.")
         ns = copy.copy(args)
         ns.overrides = list(args.overrides) + c.overrides
-        prepare(ns)
+        job = prepare(ns)
+        # What `overlap run` would refuse, for every configuration, before the first one trains.
+        check_runtime_support(job.cfg, gpu=args.gpu != "cpu")
+        check_run_resources(job.cfg, job.resolution.layout, ns)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -319,25 +372,36 @@ def run_bench_command(args: argparse.Namespace) -> int:
     options = common_run_options(args.argv[1:], args.overrides)
     command = shlex.join(["overlap", *args.argv])
     results: dict[str, list[RunResult]] = {c.name: [] for c in configs}
-    with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
-        for rnd in range(args.repeats):
-            for i, c in enumerate(configs):
-                try:
-                    res = run_once(options, list(args.overrides), c, Path(tmp) / f"r{rnd}c{i}.jsonl")
-                except RuntimeError as exc:
-                    print(f"overlap bench: {exc}", file=sys.stderr)
-                    return 1
-                results[c.name].append(res)
-                print(f"[bench] round {rnd + 1}/{args.repeats} {c.name}: {res.step_ms:.1f} ms/step, exposed comm "
-                      f"{res.exposed_comm_ms.get('all', 0.0):.1f} ms", file=sys.stderr, flush=True)
+    failed = _run_rounds(args, configs, options, results)
     windows = {tuple(r.steps_window) for runs in results.values() for r in runs}
-    if len(windows) != 1:
+    if len(windows) > 1:
         raise RuntimeError(f"the runs used different steady-state windows {sorted(windows)}")
     doc = summarize(configs, results, network, command)
+    if failed is not None:
+        doc["failed"] = failed
     table = format_markdown(doc)
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
-    return 0
+    return 0 if failed is None else 1
+
+
+def _run_rounds(args: argparse.Namespace, configs: list[BenchConfig], options: list[str],
+                results: dict[str, list[RunResult]]) -> dict | None:
+    """Run the configurations alternately for `args.repeats` rounds into `results`. The first failed run stops the
+    benchmark (no retry: a run that fails is a finding, not noise) and is returned as {config, round (1-based),
+    exit, error}, so that the caller still writes what finished, with the failure named; None if all finished."""
+    with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
+        for rnd in range(args.repeats):
+            for i, c in enumerate(configs):
+                try:
+                    res = run_once(options, list(args.overrides), c, Path(tmp) / f"r{rnd}c{i}.jsonl")
+                except RunFailed as exc:
+                    print(f"overlap bench: {exc}", file=sys.stderr)
+                    return {"config": c.name, "round": rnd + 1, "exit": exc.code, "error": exc.error}
+                results[c.name].append(res)
+                print(f"[bench] round {rnd + 1}/{args.repeats} {c.name}: {res.step_ms:.1f} ms/step, exposed comm "
+                      f"{res.exposed_comm_ms.get('all', 0.0):.1f} ms", file=sys.stderr, flush=True)
+    return None

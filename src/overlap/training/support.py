@@ -25,8 +25,10 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "model.overlap_moe_expert_parallel_comm", True,
          "EP all-to-all overlap under pipeline parallelism (the merged forward/backward steps of the interleaved "
          "schedule)", "use -pp 1 for EP overlap, or turn it off (--moe_a2a_overlap false) with -pp."),
-        (m.pipeline_impl == "torch_pipelining", "model.pipeline_impl", m.pipeline_impl,
-         "The torch.distributed.pipelining peer", "use model.pipeline_impl=overlap."),
+        (m.pipeline_impl == "torch_pipelining" and (m.is_moe or m.pipeline_model_parallel_size == 1),
+         "model.pipeline_impl", m.pipeline_impl,
+         "The torch.distributed.pipelining peer for MoE models (their aux losses) or without pipeline parallelism",
+         "use it with a dense model and -pp 2 or more, or model.pipeline_impl=overlap."),
         (m.deallocate_pipeline_outputs, "model.deallocate_pipeline_outputs", True,
          "Releasing sent pipeline activations", "set model.deallocate_pipeline_outputs=false."),
         (m.context_parallel_size > 1, "model.context_parallel_size", m.context_parallel_size,
