@@ -52,14 +52,21 @@ def _probe_folder(flag: str, path: str, folder: Path) -> None:
     os.unlink(probe)
 
 
-def check_output_file(flag: str, path: str | None) -> Path | None:
-    """A file the command will create or overwrite (None: the flag was not given)."""
+def _given(flag: str, path: str | None, what: str, example: str) -> Path | None:
+    """The path of a flag that writes: None when the flag was not given; an empty value is an error."""
     if path is None:
         return None
     if not str(path).strip():
         raise _error(flag, path, "the path is empty, so nothing would be written.",
-                     f"give a file name (e.g. {flag} run.jsonl), or omit {flag}.")
-    target = Path(path).expanduser()
+                     f"give {what} (e.g. {flag} {example}), or omit {flag}.")
+    return Path(path).expanduser()
+
+
+def check_output_file(flag: str, path: str | None) -> Path | None:
+    """A file the command will create or overwrite (None: the flag was not given)."""
+    target = _given(flag, path, "a file name", "run.jsonl")
+    if target is None:
+        return None
     if target.is_dir():
         example = _EXAMPLE_NAMES.get(flag.split(" ")[0], "out")
         raise _error(flag, path, "this is a folder; the flag writes a file.",
@@ -73,12 +80,9 @@ def check_output_file(flag: str, path: str | None) -> Path | None:
 
 def check_output_dir(flag: str, path: str | None, files: tuple[str, ...] = ()) -> Path | None:
     """A folder the command writes `files` into; made (with its parents) when missing."""
-    if path is None:
+    target = _given(flag, path, "a folder", "trace/")
+    if target is None:
         return None
-    if not str(path).strip():
-        raise _error(flag, path, "the path is empty, so nothing would be written.",
-                     f"give a folder (e.g. {flag} trace/), or omit {flag}.")
-    target = Path(path).expanduser()
     if target.exists() and not target.is_dir():
         raise _error(flag, path, "this is a file; the flag writes a folder of files.",
                      f"give a folder path (it is created when missing), e.g. {flag} {target}.d.")

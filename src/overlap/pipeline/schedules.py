@@ -209,7 +209,7 @@ class PipelineExecutor:
             grads[0] = self._receive((BWD, self._virtual(c), mb))
         self.before_backward(c, mb == self.num_micro - 1)
         with RECORDER.span("backward"):
-            torch.autograd.backward(seeds, [g for g in grads] if grads[0] is not None else None)
+            torch.autograd.backward(seeds, grads if grads[0] is not None else None)
         if not self._is_first(c):
             self._send(BWD, hidden.grad, self._virtual(c) - 1, mb, next_task)
 
