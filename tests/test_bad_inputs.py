@@ -206,10 +206,15 @@ def test_flex_backend_beaten_by_an_alltoall_override_is_named_as_typed(capsys):
     assert "inactive" not in err  # the backend went with the flag the override beat
 
 
-def test_strict_tp_overlap_with_tp_and_sp_names_the_backend(capsys):
-    err = refused(["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2", "-tp", "2", "--strict",
-                   "comm_overlap.tp_comm_overlap=true"], capsys, "model.tp_comm_overlap=True", "not built")
-    assert "use -tp >= 2" not in err
+def test_strict_tp_overlap_runs_at_tp2_and_refuses_a_preset_the_size_rule_changes(capsys):
+    base = ["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2", "-tp", "2", "--strict",
+            "comm_overlap.tp_comm_overlap=true"]
+    code, out, err = run(base, capsys)
+    assert code == 0, err
+    assert "model.tp_comm_overlap_cfg.proj_fprop" in out and "pipeline x4" in out
+    err = refused([*base, "-sl", "128", "comm_overlap.tp_comm_overlap_cfg=userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048"],
+                  capsys, "model.tp_comm_overlap_cfg.proj_fprop", "size rule")
+    assert "Traceback" not in err
 
 
 def test_ep_overlap_on_one_rank_does_not_suggest_ep_2(capsys):

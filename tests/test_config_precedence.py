@@ -120,9 +120,7 @@ def test_default_label_for_untouched_fields():
         assert res.decisions.get(name).decided_by == "default", name
 
 
-def test_tp_request_on_model_config_is_labelled_model_config(monkeypatch):
-    import overlap.config.comm_overlap as com
-    monkeypatch.setattr(com, "tp_overlap_backend_available", lambda: (True, ""))
+def test_tp_request_on_model_config_is_labelled_model_config():
     cfg = build(model(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True))
     d = cfg.finalize(2).decisions.get("model.tp_comm_overlap")
     assert (d.requested, d.effective, d.decided_by) == (True, True, "model config")

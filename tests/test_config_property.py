@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import overlap.config.comm_overlap as comm_overlap_module
 from overlap.config import (CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig, OptimizerConfig,
                             TrainConfig)
 from overlap.config.flex_dispatcher import DeviceInfo
@@ -129,7 +128,7 @@ def configs(draw):
         train=TrainConfig(global_batch_size=max(mbs, 1) * dp * draw(st.sampled_from([1, 2, 4]))
                           + (1 if "gbs" in faults else 0), micro_batch_size=mbs),
     )
-    return cfg, world, draw(st.sampled_from(DEVICES)), draw(st.booleans())
+    return cfg, world, draw(st.sampled_from(DEVICES))
 
 
 def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
@@ -173,19 +172,16 @@ def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs())
 def test_random_configs_resolve_or_raise_config_error(case):
-    cfg, world, dev, tp_backend = case
-    with pytest.MonkeyPatch.context() as mp:
-        if tp_backend:
-            mp.setattr(comm_overlap_module, "tp_overlap_backend_available", lambda: (True, ""))
-        try:
-            res = cfg.finalize(world, device=lambda: dev)
-        except ConfigError as exc:
-            assert exc.field and exc.why and exc.fix
-            assert str(exc).startswith(f"{exc.field}=")
-            return
-        _check_invariants(cfg, res, world)
-        again = cfg.finalize(world, device=lambda: dev)
-        assert again.decisions.decisions == res.decisions.decisions
+    cfg, world, dev = case
+    try:
+        res = cfg.finalize(world, device=lambda: dev)
+    except ConfigError as exc:
+        assert exc.field and exc.why and exc.fix
+        assert str(exc).startswith(f"{exc.field}=")
+        return
+    _check_invariants(cfg, res, world)
+    again = cfg.finalize(world, device=lambda: dev)
+    assert again.decisions.decisions == res.decisions.decisions
 
 
 OVERRIDE_KEYS = ["model.num_layers", "model.bf16", "model.recompute_modules", "model.num_moe_experts",

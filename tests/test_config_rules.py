@@ -13,7 +13,6 @@ import logging
 import pytest
 import torch
 
-import overlap.config.comm_overlap as comm_overlap_module
 from overlap.config import (BulkOverlapCfg, CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig,
                             OptimizerConfig, PipelineOverlapCfg, RingExchangeOverlapCfg, TrainConfig,
                             TransformerLayerTPOverlapCfg)
@@ -60,12 +59,6 @@ def dist_opt() -> DDPConfig:
 
 def dist_optimizer() -> OptimizerConfig:
     return OptimizerConfig(use_distributed_optimizer=True)
-
-
-@pytest.fixture
-def tp_backend(monkeypatch):
-    """Pretend the TP-overlap backend exists, to exercise the enabled path."""
-    monkeypatch.setattr(comm_overlap_module, "tp_overlap_backend_available", lambda: (True, ""))
 
 
 # --- CommOverlapConfig surface --------------------------------------------------------------------------------------
@@ -133,30 +126,16 @@ def test_tp_overlap_disabled_without_sequence_parallel(caplog):
     assert any(TP_NO_SP_MSG in r.getMessage() for r in caplog.records)
 
 
-def test_tp_overlap_disabled_without_backend(caplog, monkeypatch):
-    # The analogue of the reference's "TE not detected": the TP-overlap backend reports itself unavailable.
-    monkeypatch.setattr(comm_overlap_module, "tp_overlap_backend_available", lambda: (False, "backend not built"))
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True), co=CommOverlapConfig(tp_comm_overlap=True))
-    with caplog.at_level(logging.WARNING, logger="overlap.config"):
-        res = cfg.finalize(2)
-    d = res.decisions.get("model.tp_comm_overlap")
-    assert (d.requested, d.effective, d.decided_by) == (True, False, "rule")
-    assert d.reason.startswith("Disabling tensor parallel communication overlap")
-    assert "not built" in d.reason
-    assert cfg.model.tp_comm_overlap is False
-    assert caplog.records
-
-
-def test_tp_gate_checks_run_in_reference_order(monkeypatch):
-    # TP size is checked before sequence parallel, which is checked before the backend.
-    monkeypatch.setattr(comm_overlap_module, "tp_overlap_backend_available", lambda: (False, "no backend"))
+def test_tp_gate_checks_run_in_reference_order():
+    # TP size is checked before sequence parallel (the reference then checks for Transformer Engine; our runtime's
+    # overlap needs no extra backend).
     res = build(dense(), co=CommOverlapConfig(tp_comm_overlap=True)).finalize(1)
     assert res.decisions.get("model.tp_comm_overlap").reason == TP_SIZE_MSG
     res = build(dense(tensor_model_parallel_size=2), co=CommOverlapConfig(tp_comm_overlap=True)).finalize(2)
     assert res.decisions.get("model.tp_comm_overlap").reason == TP_NO_SP_MSG
 
 
-def test_tp_overlap_enabled_with_preset_name(tp_backend):
+def test_tp_overlap_enabled_with_preset_name():
     cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
                 co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288))
     res = cfg.finalize(2)
@@ -173,7 +152,7 @@ def test_tp_overlap_enabled_with_preset_name(tp_backend):
     assert (plan.requested, plan.effective, plan.decided_by) == (H12288, H12288, "user")
 
 
-def test_tp_overlap_enabled_with_preset_object_converts_to_dict(tp_backend):
+def test_tp_overlap_enabled_with_preset_object_converts_to_dict():
     preset = get_tp_overlap_preset(H12288)
     cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
                 co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=preset))
@@ -187,7 +166,7 @@ def test_tp_overlap_enabled_with_preset_object_converts_to_dict(tp_backend):
     assert isinstance(get_tp_overlap_preset(H12288).qkv_dgrad, BulkOverlapCfg)
 
 
-def test_tp_overlap_dict_drops_top_level_none_only(tp_backend):
+def test_tp_overlap_dict_drops_top_level_none_only():
     cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
                 co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=LORA_70B))
     cfg.finalize(2)
@@ -197,7 +176,7 @@ def test_tp_overlap_dict_drops_top_level_none_only(tp_backend):
     assert out["fc1_dgrad"]["fp8_buf"] is True
 
 
-def test_tp_overlap_arbitrary_preset_filters_none(tp_backend):
+def test_tp_overlap_arbitrary_preset_filters_none():
     custom = TransformerLayerTPOverlapCfg(
         qkv_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False), qkv_wgrad=None, fc1_dgrad=None,
         fc1_wgrad=None, qkv_fprop=RingExchangeOverlapCfg(), proj_dgrad=None, fc1_fprop=None, fc2_dgrad=None,
@@ -209,7 +188,7 @@ def test_tp_overlap_arbitrary_preset_filters_none(tp_backend):
     assert cfg.model.tp_comm_overlap_cfg["proj_fprop"]["num_splits"] == 4
 
 
-def test_tp_overlap_without_preset_uses_default_config(tp_backend):
+def test_tp_overlap_without_preset_uses_default_config():
     cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True), co=CommOverlapConfig(tp_comm_overlap=True))
     res = cfg.finalize(2)
     plan = res.decisions.get("model.tp_comm_overlap_cfg")
@@ -220,14 +199,14 @@ def test_tp_overlap_without_preset_uses_default_config(tp_backend):
     assert cfg.model.tp_comm_bootstrap_backend == "nccl"
 
 
-def test_tp_bootstrap_backend_user_value_is_kept(tp_backend):
+def test_tp_bootstrap_backend_user_value_is_kept():
     cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
                 co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_bootstrap_backend="mpi"))
     cfg.finalize(2)
     assert cfg.model.tp_comm_bootstrap_backend == "mpi"
 
 
-def test_tp_overlap_unknown_preset_name_is_config_error(tp_backend):
+def test_tp_overlap_unknown_preset_name_is_config_error():
     cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
                 co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg="userbuffers_nope"))
     with pytest.raises(ConfigError) as exc:
@@ -235,7 +214,7 @@ def test_tp_overlap_unknown_preset_name_is_config_error(tp_backend):
     assert exc.value.field == "comm_overlap.tp_comm_overlap_cfg"
 
 
-def test_tp_overlap_plan_of_wrong_type_is_config_error(tp_backend):
+def test_tp_overlap_plan_of_wrong_type_is_config_error():
     cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
                 co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg={"qkv_dgrad": {}}))  # type: ignore
     with pytest.raises(ConfigError) as exc:
@@ -467,7 +446,7 @@ def test_user_bucket_size_wins_and_must_be_positive():
     assert exc.value.field == "ddp.bucket_size"
 
 
-def test_setup_complete_tp_dp(tp_backend):
+def test_setup_complete_tp_dp():
     # Reference test_setup_method_complete: TP4+SP, preset, DP4, distributed optimizer.
     cfg = build(dense(tensor_model_parallel_size=4, sequence_parallel=True), ddp=dist_opt(),
                 optimizer=dist_optimizer(), co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288))

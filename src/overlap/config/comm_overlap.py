@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
-from overlap.config.tp_overlap import TransformerLayerTPOverlapCfg, get_tp_overlap_preset
+from overlap.config.tp_overlap import (TransformerLayerTPOverlapCfg, effective_tp_plan, get_tp_overlap_preset,
+                                       kernel_knobs)
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -57,16 +58,6 @@ class CommOverlapConfig:
     strict: bool = False  # ours: any request that cannot be honoured is an error instead of a logged decision
 
 
-def tp_overlap_backend_available() -> tuple[bool, str]:
-    """Whether this runtime can run TP communication overlap (the reference's "TE detected" gate).
-
-    The overlap runtime's TP overlap (all-gather / reduce-scatter pipelined with the GEMM) is not built yet, so the
-    gate reports it unavailable and the request is turned off with a logged decision (an error under strict mode).
-    """
-    return False, ("the TP-overlap backend (pipelined all-gather/reduce-scatter GEMMs) is not built in the overlap "
-                   "runtime yet")
-
-
 def _requested(user: Any, direct: Any) -> Any:
     return user if user is not None else direct
 
@@ -96,6 +87,7 @@ def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", d
     _resolve_tp(u, model, log)
     _resolve_pp(u, model, log)
     _resolve_moe(u, model, ddp, log, dp_size)
+    _resolve_tp_plan(model, log)
     _resolve_dp(u, model, ddp, optimizer, dp_size, log)
     _detect_noops(model, ddp, dp_size, log)
 
@@ -120,7 +112,6 @@ def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) ->
     requested = _requested(u.tp_comm_overlap, model.tp_comm_overlap)
     src = _source(u.tp_comm_overlap, model.tp_comm_overlap)
     if requested:
-        available, why = tp_overlap_backend_available()
         fix = None
         if model.tensor_model_parallel_size < 2:
             effective, by, reason = False, RULE, TP_DISABLE_TP_SIZE
@@ -129,13 +120,10 @@ def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) ->
             effective, by, reason = False, RULE, TP_DISABLE_NO_SP
             fix = "set model.sequence_parallel=true (or drop the override that turned it off), or do not request " \
                   "tp_comm_overlap."
-        elif not available:
-            effective, by, reason = False, RULE, f"Disabling tensor parallel communication overlap: {why}."
-            # TP >= 2 with sequence parallel is already what the user has: the only thing missing is the backend.
-            fix = "do not request tp_comm_overlap (comm_overlap.tp_comm_overlap=false) until that backend is built; " \
-                  "TP and sequence parallel themselves run without it."
         else:
-            effective, by, reason = True, src, "requested; TP>=2, sequence parallel and the backend are available"
+            # The reference also needs Transformer Engine here; our runtime's overlap (layers/tp_overlap.py) runs on
+            # every backend.
+            effective, by, reason = True, src, "requested; TP>=2 and sequence parallel"
     else:
         effective, fix = False, None
         by, reason = (src, "requested off") if src else (DEFAULT, "not requested")
@@ -160,6 +148,26 @@ def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) ->
                    "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped")
         model.tp_comm_overlap_cfg = preset.to_dict()
     model.tp_comm_bootstrap_backend = u.tp_comm_bootstrap_backend or model.tp_comm_bootstrap_backend or "nccl"
+
+
+def _resolve_tp_plan(model: "ModelConfig", log: DecisionLog) -> None:
+    """With TP overlap on, one decision per GEMM slot (what runs there, and why: the plan, a default, a Megatron
+    switch or a runtime rule), after delay_wgrad_compute is known (it takes the wgrad slots). The layers execute
+    the same `effective_tp_plan`. The plan's GPU-kernel knobs are listed, recorded without effect."""
+    _plans, slots = effective_tp_plan(model)
+    for d in slots:
+        log.record(f"model.tp_comm_overlap_cfg.{d.slot}", d.requested, d.effective, d.decided_by, d.reason,
+                   fix="drop --strict to accept the rule, or change the plan/shape it names (e.g. a longer sequence "
+                       "for the size rule, num_splits that divide the shard).")
+    knobs = kernel_knobs(model.tp_comm_overlap_cfg) if model.tp_comm_overlap else {}
+    if knobs:
+        names = sorted({k for kv in knobs.values() for k in kv})
+        shown = f"{', '.join(names)} (set in {len(knobs)} slot{'s' if len(knobs) > 1 else ''})"
+        # A decision, not a no-op: every preset carries them, and nothing the user could change would make them act.
+        log.record("model.tp_comm_overlap_cfg.gpu_kernel_knobs", None, shown, RULE,
+                   "recorded without effect: num_sm, cga_size, set_sm_margin, use_ce, atomic_gemm, fp8_buf and the "
+                   "priorities tune Transformer Engine's userbuffers kernels; this runtime overlaps with async "
+                   "collectives and point-to-point transfers (method, num_splits and aggregate are honoured)")
 
 
 def _resolve_pp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) -> None:

@@ -166,6 +166,10 @@ class ConfigContainer:
         if m.pipeline_impl not in ("overlap", "torch_pipelining"):
             raise ConfigError("model.pipeline_impl", m.pipeline_impl, "unknown pipeline implementation.",
                               "use overlap (ours) or torch_pipelining (the PyTorch peer).")
+        if m.tensor_parallel_impl not in ("overlap", "dtensor"):
+            raise ConfigError("model.tensor_parallel_impl", m.tensor_parallel_impl,
+                              "unknown tensor-parallel implementation.",
+                              "use overlap (ours) or dtensor (the PyTorch-native peer).")
         if m.is_moe:
             if m.num_moe_experts < 1:
                 raise ConfigError("model.num_moe_experts", m.num_moe_experts, "a MoE model needs experts.",

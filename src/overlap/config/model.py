@@ -43,6 +43,7 @@ class ModelConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
     sequence_parallel: bool = False
+    tensor_parallel_impl: str = "overlap"  # "overlap" (ours) | "dtensor" (the PyTorch-native peer: DTensor plans)
     # --- pipeline (Megatron-Core / Bridge names) ------------------------------------------------------------------
     num_layers_in_first_pipeline_stage: int | None = None  # None: an even split
     num_layers_in_last_pipeline_stage: int | None = None
@@ -82,6 +83,15 @@ class ModelConfig:
     tp_comm_overlap: bool | None = None
     tp_comm_overlap_cfg: Any = None  # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
     tp_comm_bootstrap_backend: str | None = None
+    # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults); they narrow the
+    # per-GEMM plan, see overlap.config.tp_overlap.effective_tp_plan.
+    tp_comm_overlap_ag: bool = True  # AG -> GEMM slots: qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad
+    tp_comm_overlap_rs: bool = True  # GEMM -> RS slots: proj_fprop, fc2_fprop
+    tp_comm_bulk_dgrad: bool = True  # qkv_dgrad, fc1_dgrad: input all-gather under the dgrad GEMM
+    tp_comm_bulk_wgrad: bool = True  # qkv_wgrad, fc1_wgrad: dgrad reduce-scatter under the wgrad GEMM
+    tp_comm_overlap_rs_dgrad: bool = False  # qkv/fc1 dgrad reduce-scatter chunked with the dgrad GEMM instead
+    tp_comm_overlap_disable_qkv: bool = False  # no overlap in the QKV linear
+    tp_comm_overlap_disable_fc1: bool = False  # no overlap in the FC1 linear
     overlap_p2p_comm: bool | None = None
     batch_p2p_comm: bool | None = None
     overlap_moe_expert_parallel_comm: bool | None = None

@@ -10,19 +10,23 @@ plus how many SMs (``num_sm``) and which CGA size the communication kernels may 
 keep an SM margin for them (``set_sm_margin``).
 
 The class names, field names and order, ``method`` strings and the 19 preset names follow Megatron-Bridge's
-``comm_overlap.py`` so that configurations written for it keep working. In our runtime these plans are a compatibility
-surface: they are validated and converted to a nested dict with :meth:`TransformerLayerTPOverlapCfg.to_dict`. No
-runtime consumes them yet (TP communication overlap is not built; its gate turns the request off with a logged
-reason, or fails under strict mode).
+``comm_overlap.py`` so that configurations written for it keep working. :meth:`TransformerLayerTPOverlapCfg.to_dict`
+gives the nested dict Bridge hands to the model (``model.tp_comm_overlap_cfg``). :func:`effective_tp_plan` turns that
+dict (or the defaults), the Megatron switches (``tp_comm_overlap_ag`` ...) and the size rule into the plan our runtime
+(``overlap.layers.tp_overlap``) executes: one method per GEMM slot, or none. The resolution logs every slot's outcome;
+the layers call the same function, so what the decision table says is what runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from overlap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from overlap.config.model import ModelConfig
 
 __all__ = [
     "TPOverlapCfg",
@@ -51,6 +55,13 @@ __all__ = [
     "userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096",
     "TP_OVERLAP_PRESETS",
     "get_tp_overlap_preset",
+    "SlotPlan",
+    "LinearPlan",
+    "SlotDecision",
+    "effective_tp_plan",
+    "linear_plan",
+    "kernel_knobs",
+    "MIN_CHUNK_ROWS",
 ]
 
 
@@ -297,3 +308,190 @@ def get_tp_overlap_preset(name: str) -> TransformerLayerTPOverlapCfg:
             why="unknown preset name for the tensor-parallel overlap plan.",
             fix="use one of: " + ", ".join(sorted(TP_OVERLAP_PRESETS)),
         ) from None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The plan the runtime executes
+# ---------------------------------------------------------------------------------------------------------------------
+
+RING, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
+
+# The ten GEMM slots of one layer, per TP linear ("ub_name" in Megatron): what each slot's collective is, and which
+# methods can hide it. An all-gather feeding a GEMM can only be split along the ring (Transformer Engine: "pipeline is
+# not allowed for AG"); a GEMM feeding a reduce-scatter can be chunked (pipeline) or ring-reduced; the column-parallel
+# backward's two collectives can each run whole beside the other GEMM (bulk), or the dgrad's reduce-scatter can be
+# chunked with the dgrad GEMM (Megatron's tp_comm_overlap_rs_dgrad), which leaves the wgrad GEMM nothing to hide.
+SLOT_METHODS: dict[str, tuple[str, ...]] = {
+    "qkv_fprop": (RING,), "fc1_fprop": (RING,), "proj_dgrad": (RING,), "fc2_dgrad": (RING,),
+    "proj_fprop": (PIPELINE, RING), "fc2_fprop": (PIPELINE, RING),
+    "qkv_dgrad": (BULK, PIPELINE, RING), "fc1_dgrad": (BULK, PIPELINE, RING),
+    "qkv_wgrad": (BULK,), "fc1_wgrad": (BULK,),
+}
+DEFAULT_SPLITS = 4  # Transformer Engine's pipeline default
+# Transformer Engine's default method per slot (initialize_ub), used where no plan names the slot.
+_DEFAULT_METHOD = {slot: methods[0] for slot, methods in SLOT_METHODS.items()}
+
+# The size rule: a GEMM chunk of fewer sequence rows than this is not made (a micro-batch of b sequences has b tokens
+# per row; the rule counts rows so that every layer can apply it from the model configuration alone). Each extra chunk
+# costs one more collective launch (tens of microseconds on NCCL, 0.1-0.8 ms on gloo; bench/results/gloo_costs.txt)
+# while a GEMM of so few rows takes about as long, so splitting further exposes more than it hides; torch's
+# micro-pipeline TP skips shards below 1024 features for the same reason. Pipeline splits are lowered until each chunk
+# has at least this many rows (and off below two chunks); ring exchange, whose chunk is a whole shard, is off below it.
+MIN_CHUNK_ROWS = 32
+
+# Userbuffers knobs that tune Transformer Engine's GPU kernels: recorded, shown, without effect in this runtime.
+_KERNEL_KNOBS = ("num_sm", "cga_size", "set_sm_margin", "use_ce", "atomic_gemm", "fp8_buf", "comm_priority",
+                 "gemm_priority")
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How one GEMM slot hides its collective: ``method`` (ring_exchange | pipeline | bulk), ``num_splits`` chunks
+    for pipeline, ``aggregate`` (ring exchange moves two chunks per step)."""
+
+    method: str
+    num_splits: int = 1
+    aggregate: bool = False
+
+    def __str__(self) -> str:
+        if self.method == PIPELINE:
+            return f"pipeline x{self.num_splits}"
+        return f"{self.method} (aggregate)" if self.aggregate else self.method
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The slots of one TP linear: forward GEMM, input-gradient GEMM, weight-gradient GEMM (None: no overlap)."""
+
+    fprop: SlotPlan | None
+    dgrad: SlotPlan | None
+    wgrad: SlotPlan | None
+
+
+@dataclass(frozen=True)
+class SlotDecision:
+    """One slot's outcome for the decision table: asked (None when only the defaults asked), in effect, by, why."""
+
+    slot: str
+    requested: str | None
+    effective: str
+    decided_by: str
+    reason: str
+
+
+def _entry(cfg: Any, slot: str) -> dict[str, Any] | None:
+    """The slot's entry of the resolved plan dict (Bridge's to_dict form), or None."""
+    if isinstance(cfg, TransformerLayerTPOverlapCfg):
+        cfg = cfg.to_dict()
+    return cfg.get(slot) if isinstance(cfg, dict) else None
+
+
+def _slot_from_entry(slot: str, entry: dict[str, Any]) -> SlotPlan:
+    method = entry.get("method")
+    if method not in SLOT_METHODS[slot]:
+        raise ConfigError(f"comm_overlap.tp_comm_overlap_cfg.{slot}.method", method,
+                          f"{slot} supports {' or '.join(SLOT_METHODS[slot])}.",
+                          f"use method={SLOT_METHODS[slot][0]} for {slot}, or leave the slot out for its default.")
+    splits = int(entry.get("num_splits", DEFAULT_SPLITS)) if method == PIPELINE else 1
+    if splits < 1:
+        raise ConfigError(f"comm_overlap.tp_comm_overlap_cfg.{slot}.num_splits", splits, "it must be >= 1.",
+                          "use num_splits >= 2 (1 means no overlap).")
+    return SlotPlan(method, splits, bool(entry.get("aggregate", False)) if method == RING else False)
+
+
+def _largest_split(rows: int, wanted: int) -> int:
+    """The largest split <= wanted that divides the shard's sequence rows into chunks of >= MIN_CHUNK_ROWS rows."""
+    for n in range(wanted, 0, -1):
+        if rows % n == 0 and rows // n >= MIN_CHUNK_ROWS:
+            return n
+    return 0
+
+
+def effective_tp_plan(model: "ModelConfig") -> tuple[dict[str, SlotPlan | None], list[SlotDecision]]:
+    """Every slot's plan in this run, and why. Empty when TP overlap is off.
+
+    Order of the rules: the plan's method (the preset's, or Transformer Engine's default), the Megatron switches
+    (a user's choice: honoured as asked), then the runtime's rules (the request is changed, and said so):
+    delay_wgrad_compute takes the wgrad slots (the weight-gradient GEMM runs later, so the reduce-scatter cannot hide
+    under it; the reference refuses the pair), a chunked dgrad reduce-scatter takes its wgrad bulk slot, aggregate
+    needs an even TP of 4 or more, and the size rule (MIN_CHUNK_ROWS)."""
+    if not model.tp_comm_overlap:
+        return {}, []
+    tp = model.tensor_model_parallel_size
+    rows = model.seq_length // tp  # sequence rows of one rank's shard
+    cfg = model.tp_comm_overlap_cfg
+    switches = {
+        "tp_comm_overlap_ag": ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"),
+        "tp_comm_overlap_rs": ("proj_fprop", "fc2_fprop"),
+        "tp_comm_bulk_dgrad": ("qkv_dgrad", "fc1_dgrad"),
+        "tp_comm_bulk_wgrad": ("qkv_wgrad", "fc1_wgrad"),
+    }
+    plans: dict[str, SlotPlan | None] = {}
+    decisions: list[SlotDecision] = []
+    for slot in SLOT_METHODS:
+        linear = slot.split("_")[0]
+        entry = _entry(cfg, slot)
+        if entry is not None:
+            plan = _slot_from_entry(slot, entry)
+            requested, by, reason = str(plan), "plan", "from the overlap plan"
+        else:
+            method = _DEFAULT_METHOD[slot]
+            plan = SlotPlan(method, DEFAULT_SPLITS if method == PIPELINE else 1)
+            requested, by, reason = None, "default", "Transformer Engine's default method for this slot"
+        # The user's switches: what they ask for is what they get (the request follows them).
+        if slot in ("qkv_dgrad", "fc1_dgrad") and model.tp_comm_overlap_rs_dgrad and plan.method == BULK:
+            plan, by = SlotPlan(PIPELINE, DEFAULT_SPLITS), "model.tp_comm_overlap_rs_dgrad=true"
+            requested, reason = str(plan), "the dgrad reduce-scatter is chunked with the dgrad GEMM"
+        for switch, slots in switches.items():
+            if slot in slots and not getattr(model, switch) and plan is not None and \
+                    (switch != "tp_comm_bulk_dgrad" or plan.method == BULK):
+                plan, requested, by, reason = None, "off", f"model.{switch}=false", "switched off"
+        if linear in ("qkv", "fc1") and getattr(model, f"tp_comm_overlap_disable_{linear}") and plan is not None:
+            plan, requested, by = None, "off", f"model.tp_comm_overlap_disable_{linear}=true"
+            reason = "switched off"
+        # The runtime's rules: a request changed here is said (and refused under strict).
+        if slot.endswith("_wgrad") and plan is not None:
+            dgrad = plans.get(f"{linear}_dgrad")
+            if model.delay_wgrad_compute:
+                plan, by = None, "rule"
+                reason = ("delay_wgrad_compute runs the weight-gradient GEMM later, so the dgrad reduce-scatter has "
+                          "nothing to hide under (the reference refuses bulk wgrad overlap with it)")
+            elif dgrad is not None and dgrad.method != BULK:
+                plan, by = None, "rule"
+                reason = f"{linear}_dgrad already chunks the dgrad reduce-scatter ({dgrad}); nothing is left to hide"
+        if plan is not None and plan.aggregate and (tp < 4 or tp % 2):
+            plan, by = SlotPlan(RING), "rule"
+            reason = f"aggregate pairs the ring's chunks, which needs an even TP of 4 or more (TP={tp})"
+        if plan is not None and plan.method == PIPELINE:
+            splits = _largest_split(rows, plan.num_splits)
+            if splits != plan.num_splits:
+                by = "rule"
+                reason = (f"size rule: a chunk needs >= {MIN_CHUNK_ROWS} sequence rows; the shard has {rows} "
+                          f"(seq_length {model.seq_length} / TP {tp})")
+                plan = SlotPlan(PIPELINE, splits) if splits >= 2 else None
+        elif plan is not None and plan.method == RING and rows < MIN_CHUNK_ROWS:
+            plan, by = None, "rule"
+            reason = (f"size rule: a ring step's chunk (one shard: {rows} sequence rows) has fewer than "
+                      f"{MIN_CHUNK_ROWS}")
+        plans[slot] = plan
+        decisions.append(SlotDecision(slot, requested, "off" if plan is None else str(plan), by, reason))
+    return plans, decisions
+
+
+def linear_plan(model: "ModelConfig", name: str) -> LinearPlan | None:
+    """The slots of the TP linear `name` (qkv, proj, fc1, fc2); None when none of them overlaps."""
+    plans, _ = effective_tp_plan(model)
+    plan = LinearPlan(plans.get(f"{name}_fprop"), plans.get(f"{name}_dgrad"), plans.get(f"{name}_wgrad"))
+    return None if plan == LinearPlan(None, None, None) else plan
+
+
+def kernel_knobs(cfg: Any) -> dict[str, dict[str, Any]]:
+    """Per slot, the plan's GPU-kernel knobs that are set to something other than off (num_sm, cga_size, ...):
+    Transformer Engine's userbuffers kernels read them; this runtime's async collectives have nothing to tune."""
+    out: dict[str, dict[str, Any]] = {}
+    for slot in SLOT_METHODS:
+        entry = _entry(cfg, slot) or {}
+        knobs = {k: entry[k] for k in _KERNEL_KNOBS if entry.get(k) not in (None, False)}
+        if knobs:
+            out[slot] = knobs
+    return out

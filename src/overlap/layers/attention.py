@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overlap.config.tp_overlap import linear_plan
 from overlap.errors import ConfigError
 from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import maybe_checkpoint, selective_modules
@@ -54,14 +55,15 @@ class SelfAttention(nn.Module):
         sp = config.sequence_parallel
         qkv_size = config.query_groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, ps, sp, bias=config.add_qkv_bias,
-                                               params_dtype=dtype)
+                                               params_dtype=dtype, overlap=linear_plan(config, "qkv"))
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
             self.q_layernorm = RMSNorm(self.head_dim, config.layernorm_epsilon, False, dtype, ps.tp_group)
             self.k_layernorm = RMSNorm(self.head_dim, config.layernorm_epsilon, False, dtype, ps.tp_group)
         self.rotary = RotaryEmbedding(self.head_dim, config.rotary_base, config.seq_length)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, ps, sp,
-                                             bias=config.add_bias_linear, params_dtype=dtype)
+                                             bias=config.add_bias_linear, params_dtype=dtype,
+                                             overlap=linear_plan(config, "proj"))
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Project, split per group, normalise and rotate: q [s, b, local heads, d], k and v [s, b, local groups, d]."""

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overlap.config.tp_overlap import linear_plan
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
 
@@ -16,10 +17,12 @@ class MLP(nn.Module):
 
     With `gated_linear_unit`, fc1 fuses the gate and up projections into one GEMM (`num_fused=2`): each TP rank holds
     [gate_i, up_i], and the logical weight [2, ffn, hidden] is the same at any TP size. `ffn_hidden_size` overrides
-    the config's width (shared experts use their own).
+    the config's width (shared experts use their own). `tp_overlap=False` keeps the plain TP collectives whatever the
+    TP-overlap plan (shared experts: the reference disables userbuffers in them, they run beside the dispatch).
     """
 
-    def __init__(self, config, ps: ParallelState, ffn_hidden_size: int | None = None) -> None:
+    def __init__(self, config, ps: ParallelState, ffn_hidden_size: int | None = None,
+                 tp_overlap: bool = True) -> None:
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_size
         dtype = params_dtype(config)
@@ -27,9 +30,11 @@ class MLP(nn.Module):
         fused = 2 if self.gated else 1
         sp = config.sequence_parallel
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fused * ffn, ps, sp, bias=config.add_bias_linear,
-                                               num_fused=fused, params_dtype=dtype)
+                                               num_fused=fused, params_dtype=dtype,
+                                               overlap=linear_plan(config, "fc1") if tp_overlap else None)
         self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, ps, sp, bias=config.add_bias_linear,
-                                            params_dtype=dtype)
+                                            params_dtype=dtype,
+                                            overlap=linear_plan(config, "fc2") if tp_overlap else None)
 
     def fc1_and_activation(self, x: torch.Tensor) -> torch.Tensor:
         """The first half (fc1 + SwiGLU/GELU); a separate step so shared-expert overlap can run it under a dispatch."""

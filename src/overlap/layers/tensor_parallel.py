@@ -8,9 +8,9 @@ all-gather <-> reduce-scatter, slice <-> all-gather). Every collective goes thro
 group of one rank each mapping is the identity, so the same model code runs at TP=1 without tracing empty collectives.
 
 The two spots where a collective meets a GEMM are one function each: `all_gather_linear` (SP all-gather feeding the
-column-parallel GEMM) and `linear_reduce_scatter` (row-parallel GEMM feeding the SP reduce-scatter), so that
-tensor-parallel communication overlap, when it is built, replaces exactly these two functions with chunked,
-overlapped versions. It is not built yet: the configuration gate turns `tp_comm_overlap` off with a logged reason.
+column-parallel GEMM) and `linear_reduce_scatter` (row-parallel GEMM feeding the SP reduce-scatter). With
+`tp_comm_overlap` a linear carries its slots' plan (`overlap.config.tp_overlap.LinearPlan`) and these two functions
+hand over to the chunked, overlapped versions in `overlap.layers.tp_overlap`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from torch import nn
 from torch.autograd import Function
 from torch.distributed import ProcessGroup, ReduceOp
 
+from overlap.config.tp_overlap import LinearPlan
 from overlap.layers.init import mark_shard
+from overlap.layers.tp_overlap import all_gather_linear_overlapped, linear_reduce_scatter_overlapped
 from overlap.layers.wgrad_store import linear
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
@@ -198,19 +200,33 @@ def scatter_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      group: ProcessGroup) -> torch.Tensor:
-    """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM."""
+                      group: ProcessGroup, plan: LinearPlan | None = None) -> torch.Tensor:
+    """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM (overlapped by `plan`, if any)."""
+    if plan is not None:
+        return all_gather_linear_overlapped(x, weight, bias, group, plan)
     return linear(gather_from_sp(x, group), weight, bias)
 
 
-def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Row-parallel GEMM followed by the sequence-parallel reduce-scatter of its partial sums."""
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
+                          plan: LinearPlan | None = None) -> torch.Tensor:
+    """Row-parallel GEMM followed by the sequence-parallel reduce-scatter of its partial sums (overlapped by `plan`,
+    if any)."""
+    if plan is not None:
+        return linear_reduce_scatter_overlapped(x, weight, group, plan)
     return reduce_scatter_to_sp(linear(x, weight), group)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def _sp_only(plan: LinearPlan | None, sequence_parallel: bool, layer: str) -> LinearPlan | None:
+    """TP overlap hides the sequence-parallel collectives; without sequence parallelism there are none to hide (the
+    configuration gate refuses the combination, so this only guards direct construction)."""
+    if plan is not None and not sequence_parallel:
+        raise ValueError(f"{layer}: a TP-overlap plan needs sequence parallelism")
+    return plan
 
 
 class ColumnParallelLinear(nn.Module):
@@ -222,14 +238,17 @@ class ColumnParallelLinear(nn.Module):
     `num_fused` > 1 fuses that many equally sized linears into one GEMM (SwiGLU's gate and up projections). The weight
     is then [num_fused, out/(num_fused*tp), in], sharded along dim 1, so every rank holds a slice of *each* fused
     linear and the logical full weight [num_fused, out/num_fused, in] does not depend on TP.
+
+    `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see `all_gather_linear`).
     """
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, sequence_parallel: bool,
                  gather_output: bool = False, bias: bool = False, num_fused: int = 1,
-                 params_dtype: torch.dtype = torch.float32) -> None:
+                 params_dtype: torch.dtype = torch.float32, overlap: LinearPlan | None = None) -> None:
         super().__init__()
         self.group = ps.tp_group
         self.sequence_parallel = sequence_parallel
+        self.overlap = _sp_only(overlap, sequence_parallel, "ColumnParallelLinear")
         self.gather_output = gather_output
         tp = ps.tp_size
         per_linear = divide(out_features, num_fused, "ColumnParallelLinear output size over num_fused")
@@ -245,7 +264,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.reshape(-1)
         if self.sequence_parallel:
-            y = all_gather_linear(x, self.weight, bias, self.group)
+            y = all_gather_linear(x, self.weight, bias, self.group, self.overlap)
         else:
             y = linear(copy_to_tp(x, self.group), self.weight, bias)
         return gather_from_tp(y, self.group) if self.gather_output else y
@@ -258,17 +277,20 @@ class RowParallelLinear(nn.Module):
     input is normally already feature-sharded (the output of a ColumnParallelLinear); `input_is_parallel=False` takes
     a replicated input and keeps this rank's slice. The bias is added once, after the reduction; under sequence
     parallelism each rank's bias gradient covers only its sequence shard, hence `bias.sequence_parallel`.
+
+    `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see `linear_reduce_scatter`).
     """
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, sequence_parallel: bool,
                  input_is_parallel: bool = True, bias: bool = False,
-                 params_dtype: torch.dtype = torch.float32) -> None:
+                 params_dtype: torch.dtype = torch.float32, overlap: LinearPlan | None = None) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence parallelism needs a feature-sharded input "
                              "(input_is_parallel=True)")
         self.group = ps.tp_group
         self.sequence_parallel = sequence_parallel
+        self.overlap = _sp_only(overlap, sequence_parallel, "RowParallelLinear")
         self.input_is_parallel = input_is_parallel
         local = divide(in_features, ps.tp_size, "RowParallelLinear input size")
         self.weight = mark_shard(nn.Parameter(torch.empty(out_features, local, dtype=params_dtype)),
@@ -282,7 +304,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         if self.sequence_parallel:
-            y = linear_reduce_scatter(x, self.weight, self.group)
+            y = linear_reduce_scatter(x, self.weight, self.group, self.overlap)
         else:
             y = reduce_from_tp(linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias

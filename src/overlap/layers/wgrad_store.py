@@ -73,6 +73,14 @@ class WeightGradStore:
     def put(self, fn: Callable[[], None]) -> None:
         self.queue.append(fn)
 
+    def take(self, weight: nn.Parameter, weight_grad: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """A backward's weight gradient: computed now and returned (autograd accumulates it), or, while delaying,
+        queued - it reaches `weight` later through `deliver_weight_grad` - and None returned."""
+        if self.active:
+            self.put(lambda: deliver_weight_grad(weight, weight_grad()))
+            return None
+        return weight_grad()
+
     def flush(self) -> None:
         """Run every queued weight-gradient GEMM, oldest first."""
         while self.queue:
@@ -123,10 +131,7 @@ class GroupedLinear(torch.autograd.Function):
         def weight_grad() -> torch.Tensor:
             return torch.stack([g.t() @ x for g, x in zip(grads, chunks)])
 
-        if WGRAD_STORE.active:
-            WGRAD_STORE.put(lambda: deliver_weight_grad(weight, weight_grad()))
-            return grad_rows, None, None
-        return grad_rows, weight_grad(), None
+        return grad_rows, WGRAD_STORE.take(weight, weight_grad), None
 
 
 class Linear(torch.autograd.Function):
@@ -150,10 +155,7 @@ class Linear(torch.autograd.Function):
         def weight_grad() -> torch.Tensor:
             return (grad_2d.t() @ x_2d).reshape(weight.shape)
 
-        if WGRAD_STORE.active:
-            WGRAD_STORE.put(lambda: deliver_weight_grad(weight, weight_grad()))
-            return grad_x, None, grad_bias
-        return grad_x, weight_grad(), grad_bias
+        return grad_x, WGRAD_STORE.take(weight, weight_grad), grad_bias
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -58,6 +58,7 @@ _free_families: frozenset[str] | None = None  # mode "none": the families made f
 _group_sizes: dict[ProcessGroup, int] = {}
 _group_ranks: dict[ProcessGroup, int] = {}
 _group_backends: dict[ProcessGroup, str] = {}
+_group_members: dict[ProcessGroup, list[int]] = {}
 
 # Bytes a ring moves per byte of the op's payload, as in the usual bus-bandwidth convention. The payload is the full
 # tensor: the input of all-reduce / reduce-scatter / all-to-all, the gathered output of all-gather.
@@ -138,6 +139,13 @@ def _backend(group: ProcessGroup) -> str:
     if group not in _group_backends:
         _group_backends[group] = str(dist.get_backend(group))
     return _group_backends[group]
+
+
+def group_members(group: ProcessGroup) -> list[int]:
+    """The global ranks of `group`, in group-rank order (point-to-point peers are named by global rank)."""
+    if group not in _group_members:
+        _group_members[group] = dist.get_process_group_ranks(group)
+    return _group_members[group]
 
 
 def group_rank(group: ProcessGroup) -> int:
@@ -403,8 +411,9 @@ def shutdown(failing: bool = False) -> None:
                     ", ".join(sorted(set(abandoned))))
     if not failing:
         barrier()
-    groups = [weakref.ref(g) for g in {dist.group.WORLD, *_group_sizes, *_group_ranks, *_group_backends}]
-    for cache in (_group_sizes, _group_ranks, _group_backends, _link_free_at):
+    groups = [weakref.ref(g) for g in {dist.group.WORLD, *_group_sizes, *_group_ranks, *_group_backends,
+                                       *_group_members}]
+    for cache in (_group_sizes, _group_ranks, _group_backends, _group_members, _link_free_at):
         cache.clear()
     dist.destroy_process_group()
     if failing:

@@ -215,10 +215,12 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
     t_ideal = main_floor["step_time_ms"]["mean"] if main_floor else None
     efficiency = by_floor[main_floor["name"]] if main_floor else {r["name"]: None for r in measured[1:]}
     for r in rows:
-        # A PyTorch peer (ddp.impl=torch_ddp|fsdp2) reduces with torch's own collectives, which our tracer does not
-        # see: its communication columns would read as "no communication". Say so instead.
-        r["comm_traced"] = not any(o.startswith(("ddp.impl=", "model.pipeline_impl="))
-                                   and o not in ("ddp.impl=overlap", "model.pipeline_impl=overlap")
+        # A PyTorch peer (ddp.impl=torch_ddp|fsdp2, model.pipeline_impl=torch_pipelining,
+        # model.tensor_parallel_impl=dtensor) communicates with torch's own collectives, which our tracer does not
+        # see: its communication columns would read as "no (or less) communication". Say so instead.
+        r["comm_traced"] = not any(o.startswith(("ddp.impl=", "model.pipeline_impl=", "model.tensor_parallel_impl="))
+                                   and o not in ("ddp.impl=overlap", "model.pipeline_impl=overlap",
+                                                 "model.tensor_parallel_impl=overlap")
                                    for o in r["overrides"])
     for r in measured[1:]:
         if r["comm_traced"]:

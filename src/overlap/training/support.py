@@ -29,6 +29,14 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "model.pipeline_impl", m.pipeline_impl,
          "The torch.distributed.pipelining peer for MoE models (their aux losses) or without pipeline parallelism",
          "use it with a dense model and -pp 2 or more, or model.pipeline_impl=overlap."),
+        (m.tensor_parallel_impl == "dtensor" and m.is_moe, "model.tensor_parallel_impl", m.tensor_parallel_impl,
+         "The PyTorch-native (DTensor) TP peer for MoE models (its plan covers the dense layers' attention and MLP "
+         "linears, not the router, routed experts or shared experts)",
+         "use it with a dense model (-mr dense_tiny), or model.tensor_parallel_impl=overlap."),
+        (m.tensor_parallel_impl == "dtensor" and bool(m.tp_comm_overlap), "model.tp_comm_overlap", True,
+         "TP communication overlap in the DTensor peer (parallelize_module runs each collective whole before or "
+         "after its GEMM; PyTorch's async TP is a torch.compile pass on CUDA symmetric memory)",
+         "set comm_overlap.tp_comm_overlap=false to run the peer, or model.tensor_parallel_impl=overlap."),
         (m.deallocate_pipeline_outputs, "model.deallocate_pipeline_outputs", True,
          "Releasing sent pipeline activations", "set model.deallocate_pipeline_outputs=false."),
         (m.context_parallel_size > 1, "model.context_parallel_size", m.context_parallel_size,
@@ -79,4 +87,9 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
                                "optimizer / fp8 gather settings of ours).",
                                "use -g cpu -mr dense_tiny -tp 1 -c fp32 with the default ddp settings, or "
                                "ddp.impl=overlap."))
+    if m.tensor_parallel_impl == "dtensor" and m.tensor_model_parallel_size == 1:
+        out.append(ConfigError("model.tensor_parallel_impl", "dtensor",
+                               "the DTensor peer replaces the tensor-parallel communication, and at "
+                               "tensor_model_parallel_size=1 there is none: it would train our model unchanged and "
+                               "compare nothing.", "use -tp 2 or more, or model.tensor_parallel_impl=overlap."))
     return out + [NotBuiltError(field, value, what, fix) for failed, field, value, what, fix in checks if failed]

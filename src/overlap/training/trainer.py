@@ -67,6 +67,14 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # This rank's model chunks (one without a virtual pipeline); each has its own gradient buffers and buckets.
         self.chunks = model_chunks(cfg.model, ps)
+        if cfg.model.tensor_parallel_impl == "dtensor":  # the PyTorch-native TP peer (layers/dtensor_tp.py)
+            from overlap.layers.dtensor_tp import parallelize_layers  # DTensor costs ~1 s of import: peer only
+
+            for chunk in self.chunks:
+                parallelize_layers(chunk.layers, ps, cfg.model.sequence_parallel)
+            if ps.rank == 0:
+                log.info("model.tensor_parallel_impl=dtensor: the layers' TP linears communicate through DTensor "
+                         "(parallelize_module), which the communication tables below do not see")
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.model = self.chunks[0]  # without pipeline parallelism: the whole model

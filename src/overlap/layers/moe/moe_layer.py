@@ -80,7 +80,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config, ps)
         self.dispatcher = dispatcher(config, ps)
         self.experts = GroupedExperts(config, ps)
-        self.shared_experts = (MLP(config, ps, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+        self.shared_experts = (MLP(config, ps, ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+                                   tp_overlap=False)
                                if config.moe_shared_expert_intermediate_size else None)
         self.shared_expert_overlap = config.moe_shared_expert_overlap and self.shared_experts is not None
 

@@ -1,0 +1,257 @@
+"""Tensor-parallel communication overlap: the sequence-parallel all-gathers and reduce-scatters hidden behind the GEMMs
+they feed or follow, per GEMM slot, as Transformer Engine's userbuffers do on GPUs - here with our own async
+collectives and point-to-point transfers (`overlap.parallel.comm`), so it runs on gloo and NCCL alike.
+
+Three mechanisms (`overlap.config.tp_overlap.SLOT_METHODS` says which slot may use which):
+
+* ring exchange, all-gather -> GEMM (`ring_all_gather_matmul`): TP steps; at each step the GEMM runs on the shard
+  already here while that shard travels on to the next rank and the previous rank's arrives. Each output chunk is
+  written in place, and the received shards form the gathered input, which the backward's weight gradient reuses.
+  `aggregate` first swaps shards with the pair partner, then moves two shards per step in TP/2 steps (bigger GEMMs).
+* ring exchange, GEMM -> reduce-scatter (`ring_matmul_reduce_scatter`): at step k a rank computes the partial sum
+  for the rank k+1 places behind it, adds the running sum arriving from its predecessor and passes it on; the next
+  step's GEMM runs while that sum travels. The last partial computed is the rank's own, fully reduced.
+* pipeline, GEMM -> reduce-scatter (`pipelined_matmul_reduce_scatter`): the GEMM is cut into `num_splits` chunks
+  along the sequence (chunk i holds sub-chunk i of every rank's shard), and chunk i's reduce-scatter is in flight
+  while chunk i+1 is computed.
+* bulk (in `_AllGatherLinear.backward`): the whole all-gather of the layer input, needed only by the weight gradient,
+  runs while the dgrad GEMM computes; the whole dgrad reduce-scatter runs while the wgrad GEMM computes.
+
+The two autograd functions replace `all_gather_linear` / `linear_reduce_scatter` of `layers/tensor_parallel.py` when
+a linear has a plan; their math is the same GEMMs on the same rows, only cut and ordered differently (the ring
+reduce-scatter also sums the ranks' partials in ring order), so results agree with the plain path to rounding. Every
+transfer is traced under `tp_ag` / `tp_rs` and every chunk GEMM is a `tp.gemm` span, so the timeline shows which
+transfer is in flight while which chunk computes. Weight gradients honour `WGRAD_STORE` (delay_wgrad_compute).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+from torch.distributed import ProcessGroup
+
+from overlap.config.tp_overlap import BULK, RING, LinearPlan, SlotPlan
+from overlap.layers.wgrad_store import WGRAD_STORE
+from overlap.parallel import comm
+from overlap.parallel.trace import RECORDER
+
+AG_KIND, RS_KIND = "tp_ag", "tp_rs"
+
+
+def _ring_neighbours(group: ProcessGroup, offset: int = 1) -> tuple[int, int]:
+    """Global ranks of the TP members `offset` places behind and ahead of this one."""
+    members, r = comm.group_members(group), comm.group_rank(group)
+    return members[(r - offset) % len(members)], members[(r + offset) % len(members)]
+
+
+def _gemm(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a [..., k] @ m [k, n] as one 2-D GEMM (a strided chunk is packed first: a batched matmul over a strided view
+    runs ~1.8x slower on CPU than the copy plus one GEMM); written into `out` (contiguous) when given."""
+    with RECORDER.span("tp.gemm"):
+        a2 = a.reshape(-1, a.shape[-1])
+        if out is None:
+            return torch.mm(a2, m).view(*a.shape[:-1], m.shape[-1])
+        torch.mm(a2, m, out=out.view(-1, m.shape[-1]))
+        return out
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group: ProcessGroup, kind: str,
+              tag: int) -> list[comm.CommHandle]:
+    """Post one send and one receive of a ring step; the receive's handle comes first."""
+    handles = comm.p2p([(kind, comm.P2P_SEND, send, to, tag), (kind, comm.P2P_RECV, recv, frm, tag)], group)
+    return [handles[1], handles[0]]
+
+
+def ring_all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
+                           aggregate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all_gather(shard) @ m, all_gather(shard)) with the gather's transfers hidden behind the chunk GEMMs.
+
+    `shard` is [rows, ...] (dim 0: this rank's sequence rows), `m` [k, n]; returns ([tp*rows, ..., n],
+    [tp*rows, ...]) in rank order. Every rank sends what it received one step earlier, so each step's wait is for one
+    shard's transfer, which the step's GEMM covers."""
+    tp, r = comm.group_size(group), comm.group_rank(group)
+    gathered = shard.new_empty((tp, *shard.shape))
+    gathered[r].copy_(shard)
+    out = shard.new_empty((tp, *shard.shape[:-1], m.shape[-1]))
+    if aggregate:
+        _ring_aggregated(gathered, out, m, group, tp, r)
+    else:
+        prev, nxt = _ring_neighbours(group)
+        here = r
+        for step in range(tp):
+            arriving = (r - step - 1) % tp
+            handles = (_exchange(gathered[here], gathered[arriving], nxt, prev, group, AG_KIND, step)
+                       if step < tp - 1 else [])
+            _gemm(gathered[here], m, out[here])
+            for h in handles:
+                h.wait()
+            here = arriving
+    return out.flatten(0, 1), gathered.flatten(0, 1)
+
+
+def _ring_aggregated(gathered: torch.Tensor, out: torch.Tensor, m: torch.Tensor, group: ProcessGroup, tp: int,
+                     r: int) -> None:
+    """`aggregate`: swap shards with the pair partner (r xor 1) under the own shard's GEMM, then move the pair's two
+    shards together around the ring of pairs (TP/2 - 1 steps), one two-shard GEMM per step."""
+    members = comm.group_members(group)
+    partner = r ^ 1
+    handles = _exchange(gathered[r], gathered[partner], members[partner], members[partner], group, AG_KIND, 0)
+    _gemm(gathered[r], m, out[r])
+    for h in handles:
+        h.wait()
+    pairs, pair = tp // 2, r // 2
+    prev, nxt = _ring_neighbours(group, 2)
+    here = pair
+    for step in range(pairs):
+        arriving = (pair - step - 1) % pairs
+        block = slice(2 * here, 2 * here + 2)
+        handles = (_exchange(gathered[block], gathered[2 * arriving:2 * arriving + 2], nxt, prev, group, AG_KIND,
+                             step + 1) if step < pairs - 1 else [])
+        if step == 0:
+            _gemm(gathered[partner], m, out[partner])  # the own shard's GEMM ran during the swap
+        else:
+            _gemm(gathered[block], m, out[block])
+        for h in handles:
+            h.wait()
+        here = arriving
+
+
+def ring_matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """reduce_scatter(x @ m) along dim 0 with the partial sums passed around the ring under the next GEMM.
+
+    `x` is [tp*rows, ...]; returns this rank's [rows, ..., n]. Rank r's step k computes the rows destined for rank
+    r-1-k: the running sum for those rows arrives from rank r-1 (its step k-1) while the GEMM runs."""
+    tp, r = comm.group_size(group), comm.group_rank(group)
+    chunks = x.reshape(tp, x.shape[0] // tp, *x.shape[1:])
+    prev, nxt = _ring_neighbours(group)
+    arriving: comm.CommHandle | None = None
+    sends: list[comm.CommHandle] = []
+    part = x
+    for step in range(tp):
+        part = _gemm(chunks[(r - 1 - step) % tp], m)
+        if arriving is not None:
+            part += arriving.wait()
+        if step < tp - 1:
+            arriving, send = _exchange(part, torch.empty_like(part), nxt, prev, group, RS_KIND, step)
+            sends.append(send)
+    for h in sends:
+        h.wait()
+    return part
+
+
+def pipelined_matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
+                                    num_splits: int) -> torch.Tensor:
+    """reduce_scatter(x @ m) along dim 0, cut into `num_splits` GEMM chunks whose reduce-scatters overlap the next
+    chunk's GEMM. Chunk i is sub-chunk i of every rank's rows, so its reduce-scatter yields this rank's sub-chunk i."""
+    tp = comm.group_size(group)
+    rows = x.shape[0] // (tp * num_splits)
+    xv = x.reshape(tp, num_splits, rows, *x.shape[1:])
+    handles = []
+    for i in range(num_splits):
+        part = _gemm(xv[:, i], m)
+        handles.append(comm.reduce_scatter(part.flatten(0, 1), group, RS_KIND))
+    return torch.cat([h.wait() for h in handles])
+
+
+def _matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
+                           plan: SlotPlan | None) -> torch.Tensor:
+    """reduce_scatter(x @ m) by the slot's method (none: the GEMM, then one whole reduce-scatter)."""
+    if plan is None:
+        return comm.reduce_scatter(_gemm(x, m), group, RS_KIND).wait()
+    if plan.method == RING:
+        return ring_matmul_reduce_scatter(x, m, group)
+    return pipelined_matmul_reduce_scatter(x, m, group, plan.num_splits)
+
+
+def _all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
+                       plan: SlotPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all_gather(shard) @ m, all_gather(shard)) by the slot's method (none: one whole all-gather, then the GEMM)."""
+    if plan is None:
+        full = comm.all_gather(shard, group, AG_KIND).wait()
+        return _gemm(full, m), full
+    return ring_all_gather_matmul(shard, m, group, plan.aggregate)
+
+
+def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor | None:
+    """grad^T inp in the weight's shape, or None when delay_wgrad_compute queued it (WGRAD_STORE delivers it)."""
+    g2, x2 = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
+    return WGRAD_STORE.take(weight, lambda: (g2.t() @ x2).reshape(weight.shape))
+
+
+class _AllGatherLinear(Function):
+    """Column-parallel GEMM of the all-gathered sequence shards: y = all_gather(x) W^T (+ b).
+
+    Forward: the fprop slot (ring exchange or none). Only the shard is saved, as Megatron does under sequence
+    parallelism: backward gathers it again for the weight gradient - under the dgrad GEMM (bulk dgrad) or at once.
+    Backward: dgrad = grad W; its reduce-scatter runs under the wgrad GEMM (bulk wgrad), or chunked with the dgrad
+    GEMM itself (a pipeline / ring dgrad slot), or whole after it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup,
+                plan: LinearPlan) -> torch.Tensor:
+        w2 = weight.reshape(-1, weight.shape[-1])
+        y, _ = _all_gather_matmul(x.contiguous(), w2.t(), group, plan.fprop)
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.group, ctx.plan, ctx.has_bias = weight, group, plan, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        weight, group, plan = ctx.weight, ctx.group, ctx.plan
+        grad = grad.contiguous()
+        w2 = weight.reshape(-1, weight.shape[-1])
+        gather = comm.all_gather(x.contiguous(), group, AG_KIND)  # launched before the dgrad GEMM, whatever the plan
+        if plan.dgrad is None:
+            gather.wait()  # no dgrad slot: the gather is not overlapped (it is waited before the GEMM)
+        chunked_rs = plan.dgrad is not None and plan.dgrad.method != BULK
+        if chunked_rs:
+            grad_x = _matmul_reduce_scatter(grad, w2, group, plan.dgrad)
+            x_full = gather.wait()
+            grad_w = _weight_grad(weight, grad, x_full)
+        else:
+            grad_x_full = _gemm(grad, w2)
+            x_full = gather.wait()
+            if plan.wgrad is not None and not WGRAD_STORE.active:
+                scatter = comm.reduce_scatter(grad_x_full, group, RS_KIND)
+                grad_w = _weight_grad(weight, grad, x_full)
+                grad_x = scatter.wait()
+            else:
+                grad_x = comm.reduce_scatter(grad_x_full, group, RS_KIND).wait()
+                grad_w = _weight_grad(weight, grad, x_full)
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _LinearReduceScatter(Function):
+    """Row-parallel GEMM whose partial sums are reduce-scattered along the sequence: y = reduce_scatter(x W^T).
+
+    Forward: the fprop slot (pipeline, ring exchange or none). Backward: the output gradient's all-gather feeds the
+    dgrad GEMM (the dgrad slot: ring exchange or none), and the gathered gradient feeds the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup, plan: LinearPlan) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.group, ctx.plan = weight, group, plan
+        return _matmul_reduce_scatter(x.contiguous(), weight.t(), group, plan.fprop)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        weight, group, plan = ctx.weight, ctx.group, ctx.plan
+        grad_x, grad_full = _all_gather_matmul(grad.contiguous(), weight, group, plan.dgrad)
+        return grad_x, _weight_grad(weight, grad_full, x), None, None
+
+
+def all_gather_linear_overlapped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 group: ProcessGroup, plan: LinearPlan) -> torch.Tensor:
+    """`tensor_parallel.all_gather_linear` with the plan's overlap."""
+    return _AllGatherLinear.apply(x, weight, bias, group, plan)
+
+
+def linear_reduce_scatter_overlapped(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
+                                     plan: LinearPlan) -> torch.Tensor:
+    """`tensor_parallel.linear_reduce_scatter` with the plan's overlap."""
+    return _LinearReduceScatter.apply(x, weight, group, plan)
