@@ -14,8 +14,10 @@ Three mechanisms (`overlap.config.tp_overlap.SLOT_METHODS` says which slot may u
 * pipeline, GEMM -> reduce-scatter (`pipelined_matmul_reduce_scatter`): the GEMM is cut into `num_splits` chunks
   along the sequence (chunk i holds sub-chunk i of every rank's shard), and chunk i's reduce-scatter is in flight
   while chunk i+1 is computed.
-* bulk (in `_AllGatherLinear.backward`): the whole all-gather of the layer input, needed only by the weight gradient,
-  runs while the dgrad GEMM computes; the whole dgrad reduce-scatter runs while the wgrad GEMM computes.
+* bulk (in `_AllGatherLinear.backward`): with a bulk dgrad slot only the input shard is kept (Megatron's and
+  Transformer Engine's sequence-parallel memory saving) and its all-gather, needed by the weight gradient, runs whole
+  while the dgrad GEMM computes; with a bulk wgrad slot the dgrad reduce-scatter runs whole while the wgrad GEMM
+  computes. Without a bulk dgrad slot the forward's gathered input is kept, as the plain path keeps it.
 
 The two autograd functions replace `all_gather_linear` / `linear_reduce_scatter` of `layers/tensor_parallel.py` when
 a linear has a plan; their math is the same GEMMs on the same rows, only cut and ordered differently (the ring
@@ -172,6 +174,14 @@ def _all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup
     return ring_all_gather_matmul(shard, m, group, plan.aggregate)
 
 
+def _overlapped_dgrad(shard: torch.Tensor, grad: torch.Tensor, w2: torch.Tensor,
+                      group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bulk dgrad: (grad @ w2, all_gather(shard)) with the all-gather in flight during the GEMM."""
+    gather = comm.all_gather(shard.contiguous(), group, AG_KIND)
+    grad_x_full = _gemm(grad, w2)
+    return grad_x_full, gather.wait()
+
+
 def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor | None:
     """grad^T inp in the weight's shape, or None when delay_wgrad_compute queued it (WGRAD_STORE delivers it)."""
     g2, x2 = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
@@ -181,39 +191,38 @@ def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) ->
 class _AllGatherLinear(Function):
     """Column-parallel GEMM of the all-gathered sequence shards: y = all_gather(x) W^T (+ b).
 
-    Forward: the fprop slot (ring exchange or none). Only the shard is saved, as Megatron does under sequence
-    parallelism: backward gathers it again for the weight gradient - under the dgrad GEMM (bulk dgrad) or at once.
-    Backward: dgrad = grad W; its reduce-scatter runs under the wgrad GEMM (bulk wgrad), or chunked with the dgrad
-    GEMM itself (a pipeline / ring dgrad slot), or whole after it."""
+    Forward: the fprop slot (ring exchange or none). With a bulk dgrad slot only the shard is saved, as Megatron and
+    Transformer Engine do under sequence parallelism (activation memory / TP), and backward gathers it again under the
+    dgrad GEMM; otherwise the gathered input of the forward is kept (as the plain path does: more memory, no second
+    all-gather). Backward: dgrad = grad W; its reduce-scatter runs under the wgrad GEMM (bulk wgrad), or chunked with
+    the dgrad GEMM itself (a pipeline / ring dgrad slot), or whole after it."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup,
                 plan: LinearPlan) -> torch.Tensor:
         w2 = weight.reshape(-1, weight.shape[-1])
-        y, _ = _all_gather_matmul(x.contiguous(), w2.t(), group, plan.fprop)
+        y, gathered = _all_gather_matmul(x.contiguous(), w2.t(), group, plan.fprop)
         if bias is not None:
             y = y + bias
-        ctx.save_for_backward(x)
+        ctx.regather = plan.dgrad is not None and plan.dgrad.method == BULK
+        ctx.save_for_backward(x if ctx.regather else gathered)
         ctx.weight, ctx.group, ctx.plan, ctx.has_bias = weight, group, plan, bias is not None
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
+        (saved,) = ctx.saved_tensors
         weight, group, plan = ctx.weight, ctx.group, ctx.plan
         grad = grad.contiguous()
         w2 = weight.reshape(-1, weight.shape[-1])
-        gather = comm.all_gather(x.contiguous(), group, AG_KIND)  # launched before the dgrad GEMM, whatever the plan
-        if plan.dgrad is None:
-            gather.wait()  # no dgrad slot: the gather is not overlapped (it is waited before the GEMM)
-        chunked_rs = plan.dgrad is not None and plan.dgrad.method != BULK
-        if chunked_rs:
+        if plan.dgrad is not None and plan.dgrad.method != BULK:  # the reduce-scatter chunked with the dgrad GEMM
             grad_x = _matmul_reduce_scatter(grad, w2, group, plan.dgrad)
-            x_full = gather.wait()
-            grad_w = _weight_grad(weight, grad, x_full)
+            grad_w = _weight_grad(weight, grad, saved)
         else:
-            grad_x_full = _gemm(grad, w2)
-            x_full = gather.wait()
+            if ctx.regather:  # bulk dgrad: the input's all-gather runs under the dgrad GEMM
+                grad_x_full, x_full = _overlapped_dgrad(saved, grad, w2, group)
+            else:
+                grad_x_full, x_full = _gemm(grad, w2), saved
             if plan.wgrad is not None and not WGRAD_STORE.active:
                 scatter = comm.reduce_scatter(grad_x_full, group, RS_KIND)
                 grad_w = _weight_grad(weight, grad, x_full)
