@@ -66,3 +66,27 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 8 -mb 1 --netw
   --config "interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining" \
   --ideal --repeats 2 --json $out/pp_schedules.json --markdown $out/pp_schedules.md \
   model.num_layers=8
+
+# 7. TP communication overlap: dense_tiny widened where a GEMM is worth hiding a transfer behind (FFN 2048, head dim
+#    64: the local fc1 GEMM outlasts its all-gather at this link speed), sequence length 1024, TP=2 with sequence
+#    parallelism on 2 ranks (one per core), 4 micro-batches per step, emulated interconnect (network namespace,
+#    loopback rate-limited by tc tbf, so the DTensor peer's traffic crosses the same link): off / the defaults (ring
+#    exchange + pipeline + bulk) / without the bulk dgrad re-gather / bulk only / a TP2 preset (ring-exchange
+#    reduce-scatters) / PyTorch-native TP (DTensor parallelize_module), alternated; floor: no TP communication.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -tp 2 -sl 1024 -ms 5 -gb 4 -mb 1 --network tbf:800mbit \
+  --config "off:" \
+  --config "TP overlap (defaults):comm_overlap.tp_comm_overlap=true" \
+  --config "no bulk dgrad:comm_overlap.tp_comm_overlap=true;model.tp_comm_bulk_dgrad=false" \
+  --config "bulk only:comm_overlap.tp_comm_overlap=true;model.tp_comm_overlap_ag=false;model.tp_comm_overlap_rs=false" \
+  --config "preset b200 h6144 tp2, no bulk dgrad:comm_overlap.tp_comm_overlap=true;comm_overlap.tp_comm_overlap_cfg=userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096;model.tp_comm_bulk_dgrad=false" \
+  --config "DTensor TP (peer):model.tensor_parallel_impl=dtensor" \
+  --ideal-family tp --repeats 2 --json $out/tp_overlap.json --markdown $out/tp_overlap.md \
+  model.ffn_hidden_size=2048 model.kv_channels=64
+
+# 8. TP overlap where TP communication is a large share of the step: stock dense_tiny (FFN 512, head dim 32) at
+#    sequence length 1024, TP=2 on 2 ranks, tbf:400mbit - each GEMM is shorter than its transfer here.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -tp 2 -sl 1024 -ms 5 -gb 4 -mb 1 --network tbf:400mbit \
+  --config "off:" \
+  --config "TP overlap (defaults):comm_overlap.tp_comm_overlap=true" \
+  --config "no bulk dgrad:comm_overlap.tp_comm_overlap=true;model.tp_comm_bulk_dgrad=false" \
+  --ideal-family tp --repeats 2 --json $out/tp_overlap_narrow.json --markdown $out/tp_overlap_narrow.md

@@ -435,7 +435,8 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGr
 
     On a modelled link the receive carries the link time (latency + bytes / bandwidth from its posting): a receive
     posted early, as the overlapped pipeline schedule does, has its transfer hidden behind the compute in between,
-    one posted just before it is needed pays it all. Sends complete when the data is out."""
+    one posted just before it is needed pays it all. Sends complete when the data is out. Bytes are recorded on the
+    send only, so a per-iteration byte count is what crossed the links."""
     handles = []
     for kind, op, tensor, peer, tag in ops:
         if op == P2P_SEND:
@@ -443,8 +444,11 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGr
             handles.append(_launch(kind, "p2p", group, _nbytes(tensor), run, None, fake=lambda: None,
                                    modelled=False))
         elif op == P2P_RECV:
+            # Recorded with 0 bytes: a transfer's bytes are counted once, at its send (the link model still carries
+            # the payload on the receive).
             run = (lambda t=tensor, p=peer, g=tag: dist.irecv(t, src=p, group=group, tag=g))
-            handles.append(_launch(kind, "p2p", group, _nbytes(tensor), run, tensor, fake=tensor.zero_))
+            handles.append(_launch(kind, "p2p", group, 0, run, tensor, fake=tensor.zero_,
+                                   payload_bytes=_nbytes(tensor)))
         else:
             raise ValueError(f"p2p ({kind}): unknown op {op!r}")
     return handles
