@@ -120,7 +120,27 @@ def test_delay_wgrad_takes_the_wgrad_slots():
     assert plans["qkv_wgrad"] is None and "delay_wgrad_compute" in {d.slot: d.reason for d in decisions}["qkv_wgrad"]
 
 
-def test_tp_overlap_off_has_no_plan():
+def test_bad_plan_values_are_config_errors():
+    for entry, field in (({"method": "pipeline", "num_splits": 1}, "proj_fprop.num_splits"),
+                         ({"method": "pipeline", "num_splits": 2.5}, "proj_fprop.num_splits"),
+                         ({"method": "ring_exchange", "aggregate": True}, "proj_fprop.aggregate"),
+                         ({"method": "ring_exchange", "aggregate": "False"}, "proj_fprop.aggregate")):
+        cfg = _resolved()
+        cfg.model.tp_comm_overlap_cfg = {"proj_fprop": entry}
+        with pytest.raises(ConfigError) as err:
+            effective_tp_plan(cfg.model)
+        assert err.value.field.endswith(field), (entry, err.value.field)
+
+
+def test_an_all_moe_model_has_no_mlp_slots():
+    moe = dict(num_moe_experts=4, moe_ffn_hidden_size=32, expert_model_parallel_size=2)
+    slots = _slots(_resolved(**moe))
+    assert all(slots[s] == "off" for s in slots if s.startswith(("fc1", "fc2"))) and slots["qkv_fprop"] != "off"
+    slots = _slots(_resolved(moe_layer_freq=2, **moe))  # layer 1 is dense
+    assert slots["fc1_fprop"] == "ring_exchange"
+
+
+def test_at_tp1_the_gate_turns_tp_overlap_off_and_there_is_no_plan():
     cfg = _resolved(world=1, co=None)
     assert cfg.model.tp_comm_overlap is False and effective_tp_plan(cfg.model) == ({}, [])
 
@@ -268,43 +288,23 @@ def test_training_with_tp_overlap_matches_off_and_the_reference(world, variants)
             assert losses == pytest.approx(list(ref), rel=LOSS_RTOL), name
 
 
+# EP overlap needs bf16 (the reference's rule). bf16 rounds every chunk GEMM's output and the ring's partial sums, so
+# TP overlap inside the EP-overlap schedule is compared with the same schedule without it at 1e-2 relative (bf16 has
+# ~4e-3 relative precision; test_model_tp.py measured 1.3e-4 on the loss for a reordered TP sum).
+EP_OVERLAP = ["mixed_precision=bf16_mixed", "comm_overlap.overlap_moe_expert_parallel_comm=true",
+              "comm_overlap.delay_wgrad_compute=true"]
+BF16_LOSS_RTOL = 1e-2
+
+
 def test_moe_tp2_ep2_with_tp_overlap_matches_off_and_the_reference():
     layout = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2)
     ref = _reference(True)
-    for rank in run_world(4, _train_many, True, {"off": [], "on": ON}, layout):
+    variants = {"off": [], "on": ON, "ep_overlap": EP_OVERLAP, "ep_overlap+tp_overlap": EP_OVERLAP + ON}
+    for rank in run_world(4, _train_many, True, variants, layout):
         assert rank["on"] == pytest.approx(rank["off"], rel=LOSS_RTOL)
         assert rank["on"] == pytest.approx(list(ref), rel=LOSS_RTOL)
-
-
-def _model_grads(variants: dict[str, list[str]]) -> dict[str, dict[str, torch.Tensor]]:
-    """One forward/backward of the model per variant (same weights and tokens): the full gradient of every
-    parameter, identical on every rank."""
-    from tests.test_model_tp import _full_grad
-
-    out = {}
-    for name, overrides in variants.items():
-        cfg = _config(False, overrides, tensor_model_parallel_size=dist.get_world_size(), sequence_parallel=True)
-        ps = ParallelState(cfg.finalize(dist.get_world_size()).layout)
-        model = GPTModel(cfg.model, ps)
-        model.init_weights(1234)
-        data = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1),
-                             generator=torch.Generator().manual_seed(7))
-        loss, aux = model(data[:, :-1], data[:, 1:])
-        (loss + aux).backward()
-        out[name] = {n: _full_grad(p, ps, True) for n, p in model.named_parameters()}
-    return out
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_model_gradients_with_tp_overlap_equal_those_without(world):
-    variants = {k: TP2_VARIANTS[k] for k in ("off", "defaults", "rs_dgrad", "preset_ring_rs")}
-    if world == 4:
-        variants["preset_aggregate"] = TP4_VARIANTS["preset_aggregate"]
-    for rank in run_world(world, _model_grads, variants):
-        off = rank.pop("off")
-        for variant, grads in rank.items():
-            for name, grad in grads.items():
-                torch.testing.assert_close(grad, off[name], atol=ATOL, rtol=RTOL, msg=f"{variant}: {name}")
+        # TP overlap inside the EP-overlap schedule, its weight gradients delayed through WGRAD_STORE
+        assert rank["ep_overlap+tp_overlap"] == pytest.approx(rank["ep_overlap"], rel=BF16_LOSS_RTOL)
 
 
 # --- the timeline ------------------------------------------------------------------------------------------------
@@ -324,10 +324,12 @@ def _in_flight_under_gemms() -> dict[str, int]:
     finally:
         RECORDER.on_drain = None
         comm.set_network(None)
-    gemms = [s for s in spans if s.name == "tp.gemm"]
     counts = {}
-    for label, match in (("ring_ag", lambda e: e.kind == "tp_ag" and e.op == "p2p"),
-                         ("pipeline_rs", lambda e: e.kind == "tp_rs" and e.op == "reduce_scatter")):
+    for label, span, match in (("ring_ag", "tp.gemm", lambda e: e.kind == "tp_ag" and e.op == "p2p"),
+                               ("pipeline_rs", "tp.gemm", lambda e: e.kind == "tp_rs" and e.op == "reduce_scatter"),
+                               ("bulk_ag", "tp.gemm", lambda e: e.kind == "tp_ag" and e.op == "all_gather"),
+                               ("bulk_rs", "tp.wgrad", lambda e: e.kind == "tp_rs" and e.op == "reduce_scatter")):
+        gemms = [s for s in spans if s.name == span]
         counts[label] = sum(1 for e in events if match(e) and e.t_done is not None and any(
             e.t_launch <= s.t_start and s.t_end <= e.t_done for s in gemms))
     return counts
@@ -335,4 +337,4 @@ def _in_flight_under_gemms() -> dict[str, int]:
 
 def test_the_tracer_shows_tp_transfers_in_flight_under_chunk_gemms():
     for rank in run_world(2, _in_flight_under_gemms):
-        assert rank["ring_ag"] > 0 and rank["pipeline_rs"] > 0, rank
+        assert min(rank.values()) > 0, rank

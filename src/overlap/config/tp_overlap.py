@@ -123,7 +123,9 @@ class BulkOverlapCfg(TPOverlapCfg):
 
 @dataclass
 class TransformerLayerTPOverlapCfg:
-    """The overlap plan of every TP GEMM of one transformer layer; ``None`` means "no overlap for this GEMM"."""
+    """The overlap plan of every TP GEMM of one transformer layer. ``None`` leaves the GEMM out of the plan: Bridge
+    drops it from the dict and Transformer Engine (and our runtime) then use the slot's default method; switch a slot
+    off with Megatron's switches (``tp_comm_overlap_ag`` ...)."""
 
     qkv_dgrad: TPOverlapCfg | None
     qkv_wgrad: TPOverlapCfg | None
@@ -386,17 +388,29 @@ def _entry(cfg: Any, slot: str) -> dict[str, Any] | None:
     return cfg.get(slot) if isinstance(cfg, dict) else None
 
 
+AG_SLOTS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")  # an all-gather feeds the GEMM
+
+
 def _slot_from_entry(slot: str, entry: dict[str, Any]) -> SlotPlan:
+    """A plan entry checked against what the slot can run: its method, an integer num_splits >= 2 for pipeline, and
+    aggregate (a bool) only where a ring all-gathers."""
+    field = f"comm_overlap.tp_comm_overlap_cfg.{slot}"
     method = entry.get("method")
     if method not in SLOT_METHODS[slot]:
-        raise ConfigError(f"comm_overlap.tp_comm_overlap_cfg.{slot}.method", method,
-                          f"{slot} supports {' or '.join(SLOT_METHODS[slot])}.",
+        raise ConfigError(f"{field}.method", method, f"{slot} supports {' or '.join(SLOT_METHODS[slot])}.",
                           f"use method={SLOT_METHODS[slot][0]} for {slot}, or leave the slot out for its default.")
-    splits = int(entry.get("num_splits", DEFAULT_SPLITS)) if method == PIPELINE else 1
-    if splits < 1:
-        raise ConfigError(f"comm_overlap.tp_comm_overlap_cfg.{slot}.num_splits", splits, "it must be >= 1.",
-                          "use num_splits >= 2 (1 means no overlap).")
-    return SlotPlan(method, splits, bool(entry.get("aggregate", False)) if method == RING else False)
+    splits = entry.get("num_splits", DEFAULT_SPLITS) if method == PIPELINE else 1
+    if method == PIPELINE and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 2):
+        raise ConfigError(f"{field}.num_splits", splits, "a pipeline needs an integer number of chunks >= 2.",
+                          "use num_splits=2 or more (one chunk would overlap nothing).")
+    aggregate = entry.get("aggregate", False)
+    if not isinstance(aggregate, bool):
+        raise ConfigError(f"{field}.aggregate", aggregate, "it must be true or false.", "use aggregate=false.")
+    if aggregate and (method != RING or slot not in AG_SLOTS):
+        raise ConfigError(f"{field}.aggregate", aggregate,
+                          "aggregate pairs the chunks of a ring all-gather; this slot does not all-gather.",
+                          f"set aggregate=false for {slot} (it is honoured on {', '.join(AG_SLOTS)}).")
+    return SlotPlan(method, splits, aggregate)
 
 
 def _largest_split(rows: int, wanted: int) -> int:
@@ -426,6 +440,7 @@ def effective_tp_plan(model: "ModelConfig") -> tuple[dict[str, SlotPlan | None],
         "tp_comm_bulk_dgrad": ("qkv_dgrad", "fc1_dgrad"),
         "tp_comm_bulk_wgrad": ("qkv_wgrad", "fc1_wgrad"),
     }
+    dense_mlp = not model.is_moe or any(not model.is_moe_layer(i) for i in range(model.num_layers))
     plans: dict[str, SlotPlan | None] = {}
     decisions: list[SlotDecision] = []
     for slot in SLOT_METHODS:
@@ -434,12 +449,16 @@ def effective_tp_plan(model: "ModelConfig") -> tuple[dict[str, SlotPlan | None],
         if entry is not None:
             plan = _slot_from_entry(slot, entry)
             requested, by, reason = str(plan), "plan", "from the overlap plan"
-        else:
+        else:  # not in the plan (Bridge drops a preset's None entries): Transformer Engine then uses its default
             method = _DEFAULT_METHOD[slot]
             plan = SlotPlan(method, DEFAULT_SPLITS if method == PIPELINE else 1)
             requested, by, reason = None, "default", "Transformer Engine's default method for this slot"
+        if linear in ("fc1", "fc2") and not dense_mlp:
+            plan, requested, by = None, None, "rule"  # these GEMMs do not exist here: nothing asked for is lost
+            reason = "every layer is MoE: no dense MLP runs these GEMMs (experts go through EP)"
         # The user's switches: what they ask for is what they get (the request follows them).
-        if slot in ("qkv_dgrad", "fc1_dgrad") and model.tp_comm_overlap_rs_dgrad and plan.method == BULK:
+        if slot in ("qkv_dgrad", "fc1_dgrad") and model.tp_comm_overlap_rs_dgrad and plan is not None \
+                and plan.method == BULK:
             plan, by = SlotPlan(PIPELINE, DEFAULT_SPLITS), "model.tp_comm_overlap_rs_dgrad=true"
             requested, reason = str(plan), "the dgrad reduce-scatter is chunked with the dgrad GEMM"
         for switch, slots in switches.items():
@@ -466,8 +485,8 @@ def effective_tp_plan(model: "ModelConfig") -> tuple[dict[str, SlotPlan | None],
             splits = _largest_split(rows, plan.num_splits)
             if splits != plan.num_splits:
                 by = "rule"
-                reason = (f"size rule: a chunk needs >= {MIN_CHUNK_ROWS} sequence rows; the shard has {rows} "
-                          f"(seq_length {model.seq_length} / TP {tp})")
+                reason = (f"size rule: the split must divide the shard's {rows} sequence rows (seq_length "
+                          f"{model.seq_length} / TP {tp}) into chunks of >= {MIN_CHUNK_ROWS} rows")
                 plan = SlotPlan(PIPELINE, splits) if splits >= 2 else None
         elif plan is not None and plan.method == RING and rows < MIN_CHUNK_ROWS:
             plan, by = None, "rule"

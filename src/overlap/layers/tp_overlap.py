@@ -22,8 +22,9 @@ Three mechanisms (`overlap.config.tp_overlap.SLOT_METHODS` says which slot may u
 The two autograd functions replace `all_gather_linear` / `linear_reduce_scatter` of `layers/tensor_parallel.py` when
 a linear has a plan; their math is the same GEMMs on the same rows, only cut and ordered differently (the ring
 reduce-scatter also sums the ranks' partials in ring order), so results agree with the plain path to rounding. Every
-transfer is traced under `tp_ag` / `tp_rs` and every chunk GEMM is a `tp.gemm` span, so the timeline shows which
-transfer is in flight while which chunk computes. Weight gradients honour `WGRAD_STORE` (delay_wgrad_compute).
+transfer is traced under `tp_ag` / `tp_rs`, every chunk GEMM is a `tp.gemm` span and every weight-gradient GEMM a
+`tp.wgrad` span, so the timeline shows which transfer is in flight while which GEMM computes. Weight gradients honour
+`WGRAD_STORE` (delay_wgrad_compute).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
-from overlap.config.tp_overlap import BULK, RING, LinearPlan, SlotPlan
+from overlap.config.tp_overlap import BULK, PIPELINE, RING, LinearPlan, SlotPlan
 from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.parallel import comm
 from overlap.parallel.trace import RECORDER
@@ -60,7 +61,8 @@ def _gemm(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor | None = None) -> 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group: ProcessGroup, kind: str,
               tag: int) -> list[comm.CommHandle]:
     """Post one send and one receive of a ring step; the receive's handle comes first."""
-    handles = comm.p2p([(kind, comm.P2P_SEND, send, to, tag), (kind, comm.P2P_RECV, recv, frm, tag)], group)
+    handles = comm.p2p([(kind, comm.P2P_SEND, send, to, tag), (kind, comm.P2P_RECV, recv, frm, tag)], group,
+                       together=True)  # at TP=2 (and in a pair swap) the two ranks exchange with each other
     return [handles[1], handles[0]]
 
 
@@ -72,6 +74,8 @@ def ring_all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessG
     [tp*rows, ...]) in rank order. Every rank sends what it received one step earlier, so each step's wait is for one
     shard's transfer, which the step's GEMM covers."""
     tp, r = comm.group_size(group), comm.group_rank(group)
+    if aggregate and (tp < 4 or tp % 2):
+        raise ValueError(f"ring all-gather: aggregate pairs the shards, which needs an even TP of 4 or more (TP={tp})")
     gathered = shard.new_empty((tp, *shard.shape))
     gathered[r].copy_(shard)
     out = shard.new_empty((tp, *shard.shape[:-1], m.shape[-1]))
@@ -124,11 +128,11 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: ProcessG
     `x` is [tp*rows, ...]; returns this rank's [rows, ..., n]. Rank r's step k computes the rows destined for rank
     r-1-k: the running sum for those rows arrives from rank r-1 (its step k-1) while the GEMM runs."""
     tp, r = comm.group_size(group), comm.group_rank(group)
+    _check_rows(x, tp, "ring reduce-scatter")
     chunks = x.reshape(tp, x.shape[0] // tp, *x.shape[1:])
     prev, nxt = _ring_neighbours(group)
     arriving: comm.CommHandle | None = None
     sends: list[comm.CommHandle] = []
-    part = x
     for step in range(tp):
         part = _gemm(chunks[(r - 1 - step) % tp], m)
         if arriving is not None:
@@ -146,6 +150,7 @@ def pipelined_matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: Pro
     """reduce_scatter(x @ m) along dim 0, cut into `num_splits` GEMM chunks whose reduce-scatters overlap the next
     chunk's GEMM. Chunk i is sub-chunk i of every rank's rows, so its reduce-scatter yields this rank's sub-chunk i."""
     tp = comm.group_size(group)
+    _check_rows(x, tp * num_splits, f"pipelined reduce-scatter in {num_splits} chunks")
     rows = x.shape[0] // (tp * num_splits)
     xv = x.reshape(tp, num_splits, rows, *x.shape[1:])
     handles = []
@@ -162,7 +167,9 @@ def _matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: ProcessGroup
         return comm.reduce_scatter(_gemm(x, m), group, RS_KIND).wait()
     if plan.method == RING:
         return ring_matmul_reduce_scatter(x, m, group)
-    return pipelined_matmul_reduce_scatter(x, m, group, plan.num_splits)
+    if plan.method == PIPELINE:
+        return pipelined_matmul_reduce_scatter(x, m, group, plan.num_splits)
+    raise ValueError(f"a GEMM -> reduce-scatter slot runs ring_exchange or pipeline, not {plan.method}")
 
 
 def _all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
@@ -171,6 +178,8 @@ def _all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup
     if plan is None:
         full = comm.all_gather(shard, group, AG_KIND).wait()
         return _gemm(full, m), full
+    if plan.method != RING:
+        raise ValueError(f"an all-gather -> GEMM slot runs ring_exchange, not {plan.method}")
     return ring_all_gather_matmul(shard, m, group, plan.aggregate)
 
 
@@ -182,10 +191,20 @@ def _overlapped_dgrad(shard: torch.Tensor, grad: torch.Tensor, w2: torch.Tensor,
     return grad_x_full, gather.wait()
 
 
+def _check_rows(x: torch.Tensor, parts: int, what: str) -> None:
+    if x.shape[0] % parts:
+        raise ValueError(f"{what}: dim 0 ({x.shape[0]} rows) is not divisible by {parts}")
+
+
 def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor | None:
     """grad^T inp in the weight's shape, or None when delay_wgrad_compute queued it (WGRAD_STORE delivers it)."""
     g2, x2 = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
-    return WGRAD_STORE.take(weight, lambda: (g2.t() @ x2).reshape(weight.shape))
+
+    def weight_grad() -> torch.Tensor:
+        with RECORDER.span("tp.wgrad"):
+            return (g2.t() @ x2).reshape(weight.shape)
+
+    return WGRAD_STORE.take(weight, weight_grad)
 
 
 class _AllGatherLinear(Function):
@@ -223,13 +242,13 @@ class _AllGatherLinear(Function):
                 grad_x_full, x_full = _overlapped_dgrad(saved, grad, w2, group)
             else:
                 grad_x_full, x_full = _gemm(grad, w2), saved
-            if plan.wgrad is not None and not WGRAD_STORE.active:
-                scatter = comm.reduce_scatter(grad_x_full, group, RS_KIND)
-                grad_w = _weight_grad(weight, grad, x_full)
-                grad_x = scatter.wait()
-            else:
-                grad_x = comm.reduce_scatter(grad_x_full, group, RS_KIND).wait()
-                grad_w = _weight_grad(weight, grad, x_full)
+            scatter = comm.reduce_scatter(grad_x_full, group, RS_KIND)
+            # bulk wgrad: the reduce-scatter in flight under the wgrad GEMM; otherwise waited first. (A delayed
+            # wgrad is only queued here, so there is no GEMM to wait under.)
+            bulk = plan.wgrad is not None and not WGRAD_STORE.active
+            grad_x = None if bulk else scatter.wait()
+            grad_w = _weight_grad(weight, grad, x_full)
+            grad_x = scatter.wait() if bulk else grad_x
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None
 

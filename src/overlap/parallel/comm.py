@@ -428,7 +428,8 @@ def shutdown(failing: bool = False) -> None:
 P2P_SEND, P2P_RECV = "send", "recv"
 
 
-def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGroup) -> list[CommHandle]:
+def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGroup,
+        together: bool = False) -> list[CommHandle]:
     """Post point-to-point transfers at once: each op is (kind, "send" | "recv", tensor, peer global rank, tag); a
     received tensor is written in place. The tag names the message (pipeline: direction, chunk, micro-batch), so
     however early a receive is posted it matches exactly its send.
@@ -436,19 +437,33 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGr
     On a modelled link the receive carries the link time (latency + bytes / bandwidth from its posting): a receive
     posted early, as the overlapped pipeline schedule does, has its transfer hidden behind the compute in between,
     one posted just before it is needed pays it all. Sends complete when the data is out. Bytes are recorded on the
-    send only, so a per-iteration byte count is what crossed the links."""
+    send only, so a per-iteration byte count is what crossed the links.
+
+    `together`: the ops are posted as one `batch_isend_irecv` - needed where two ranks exchange with each other at
+    once (a ring of two, a pair swap): NCCL pairs each send with its receive only inside one group call, and two
+    ranks that each post a send first can otherwise wait on each other. Each op keeps its own handle."""
+    works: list[dist.Work] = []
+
+    def post_together() -> None:
+        if not works:
+            works.extend(dist.batch_isend_irecv([
+                dist.P2POp(dist.isend if op == P2P_SEND else dist.irecv, t, peer, group, tag)
+                for _kind, op, t, peer, tag in ops]))
+
     handles = []
-    for kind, op, tensor, peer, tag in ops:
-        if op == P2P_SEND:
+    for index, (kind, op, tensor, peer, tag) in enumerate(ops):
+        if op not in (P2P_SEND, P2P_RECV):
+            raise ValueError(f"p2p ({kind}): unknown op {op!r}")
+        if together:
+            run = (lambda i=index: (post_together(), works[i])[1])
+        elif op == P2P_SEND:
             run = (lambda t=tensor, p=peer, g=tag: dist.isend(t, dst=p, group=group, tag=g))
+        else:
+            run = (lambda t=tensor, p=peer, g=tag: dist.irecv(t, src=p, group=group, tag=g))
+        if op == P2P_SEND:
             handles.append(_launch(kind, "p2p", group, _nbytes(tensor), run, None, fake=lambda: None,
                                    modelled=False))
-        elif op == P2P_RECV:
-            # Recorded with 0 bytes: a transfer's bytes are counted once, at its send (the link model still carries
-            # the payload on the receive).
-            run = (lambda t=tensor, p=peer, g=tag: dist.irecv(t, src=p, group=group, tag=g))
+        else:  # recorded with 0 bytes: counted once, at the send; the link model carries the payload here
             handles.append(_launch(kind, "p2p", group, 0, run, tensor, fake=tensor.zero_,
                                    payload_bytes=_nbytes(tensor)))
-        else:
-            raise ValueError(f"p2p ({kind}): unknown op {op!r}")
     return handles
