@@ -82,6 +82,16 @@ def test_the_guides_command_resolves_with_the_override_winning_loudly(capsys, ca
     assert other["model.moe_permute_fusion"]["source"] == ("override" if extra else "recipe")
 
 
+def test_a_peer_implementation_is_listed_with_its_source(capsys):
+    code, out, err = run(["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2", "-tp", "2", "--json",
+                          "model.tensor_parallel_impl=dtensor"], capsys)
+    assert code == 0, err
+    other = {r["field"]: r for r in json.loads(out)["other_settings"]}
+    assert (other["model.tensor_parallel_impl"]["value"], other["model.tensor_parallel_impl"]["source"]) == \
+        ("dtensor", "override")
+    assert other["model.pipeline_impl"]["value"] == "overlap" and other["ddp.impl"]["value"] == "overlap"
+
+
 def test_the_guides_command_text_names_the_beaten_flag(capsys):
     code, out, err = run(GUIDE, capsys)
     assert code == 0, err

@@ -42,7 +42,9 @@ REFERENCE_FP8_DTYPES = ("fp8_cs", "fp8_mx", "fp8_sc", "fp8_ds", "nvfp4")
 OTHER_SETTINGS = ("mixed_precision", "model.sequence_parallel", "model.moe_token_dispatcher_type",
                   "model.moe_permute_fusion", "model.recompute_granularity", "model.recompute_modules",
                   "model.recompute_num_layers", "ddp.use_distributed_optimizer", "ddp.grad_reduce_in_fp32",
-                  "train.global_batch_size", "train.micro_batch_size")
+                  "train.global_batch_size", "train.micro_batch_size",
+                  # which implementation runs: ours, or a PyTorch peer (whose collectives the tracer does not see)
+                  "model.tensor_parallel_impl", "model.pipeline_impl", "ddp.impl")
 
 
 def bool_arg(text: str) -> bool:
