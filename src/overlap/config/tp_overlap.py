@@ -435,7 +435,7 @@ def effective_tp_plan(model: "ModelConfig") -> tuple[dict[str, SlotPlan | None],
     rows = model.seq_length // tp  # sequence rows of one rank's shard
     cfg = model.tp_comm_overlap_cfg
     switches = {
-        "tp_comm_overlap_ag": ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"),
+        "tp_comm_overlap_ag": AG_SLOTS,
         "tp_comm_overlap_rs": ("proj_fprop", "fc2_fprop"),
         "tp_comm_bulk_dgrad": ("qkv_dgrad", "fc1_dgrad"),
         "tp_comm_bulk_wgrad": ("qkv_wgrad", "fc1_wgrad"),

@@ -34,7 +34,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from overlap.config.tp_overlap import BULK, PIPELINE, RING, LinearPlan, SlotPlan
-from overlap.layers.wgrad_store import WGRAD_STORE
+from overlap.layers.wgrad_store import WGRAD_STORE, linear_weight_grad
 from overlap.parallel import comm
 from overlap.parallel.trace import RECORDER
 
@@ -197,14 +197,8 @@ def _check_rows(x: torch.Tensor, parts: int, what: str) -> None:
 
 
 def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor | None:
-    """grad^T inp in the weight's shape, or None when delay_wgrad_compute queued it (WGRAD_STORE delivers it)."""
-    g2, x2 = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
-
-    def weight_grad() -> torch.Tensor:
-        with RECORDER.span("tp.wgrad"):
-            return (g2.t() @ x2).reshape(weight.shape)
-
-    return WGRAD_STORE.take(weight, weight_grad)
+    """The weight gradient, a `tp.wgrad` span (None when delay_wgrad_compute queued it)."""
+    return linear_weight_grad(weight, grad, inp, "tp.wgrad")
 
 
 class _AllGatherLinear(Function):

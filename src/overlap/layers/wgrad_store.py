@@ -149,13 +149,23 @@ class Linear(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         weight = ctx.weight
         grad_x = grad @ weight.reshape(-1, weight.shape[-1])
-        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, linear_weight_grad(weight, grad, x), grad_bias
 
-        def weight_grad() -> torch.Tensor:
-            return (grad_2d.t() @ x_2d).reshape(weight.shape)
 
-        return grad_x, WGRAD_STORE.take(weight, weight_grad), grad_bias
+def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor, inp: torch.Tensor,
+                       span: str | None = None) -> torch.Tensor | None:
+    """A linear's weight gradient grad^T inp (over all leading dims) in the weight's shape, through
+    `WGRAD_STORE.take`: returned now, or queued while delaying (None). `span` names it on the timeline."""
+    g2, x2 = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
+
+    def weight_grad() -> torch.Tensor:
+        if span is None:
+            return (g2.t() @ x2).reshape(weight.shape)
+        with RECORDER.span(span):
+            return (g2.t() @ x2).reshape(weight.shape)
+
+    return WGRAD_STORE.take(weight, weight_grad)
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
