@@ -96,6 +96,20 @@ def test_emit_slurm_to_a_missing_folder_or_a_folder(tmp_path, capsys):
     refused([*base, "--emit-slurm", str(tmp_path)], capsys, "--emit-slurm=", "is a folder")
 
 
+def test_checkpoint_folders_are_checked_before_any_rank_starts(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    refused(["run", *DENSE, f"checkpoint.save={tmp_path / 'f'}"], capsys, "checkpoint.save=", "is a file")
+    refused(["run", *DENSE, f"checkpoint.load={tmp_path / 'f'}"], capsys, "checkpoint.load=", "a checkpoint is a "
+            "folder")
+    refused(["run", *DENSE, f"checkpoint.pretrained_checkpoint={tmp_path / 'none'}"], capsys,
+            "checkpoint.pretrained_checkpoint=", "does not exist")
+    refused(["run", *DENSE, f"checkpoint.load={tmp_path / 'none'}", "checkpoint.exit_on_missing_checkpoint=true"],
+            capsys, "checkpoint.load=", "does not exist")
+    refused(["run", *DENSE, "checkpoint.ckpt_format=torch"], capsys, "checkpoint.ckpt_format='torch'", "not built")
+    refused(["run", *DENSE, "ddp.impl=torch_ddp", "-c", "fp32", f"checkpoint.save={tmp_path}"], capsys,
+            "ddp.impl='torch_ddp'", "Checkpoints")
+
+
 def test_bench_outputs_checked_before_the_first_run(tmp_path, capsys):
     base = ["bench", *DENSE, "--ab", "ddp.overlap_grad_reduce=false,true"]
     refused([*base, "--json", str(tmp_path / "no" / "b.json")], capsys, "--json=", "does not exist")

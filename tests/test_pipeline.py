@@ -20,6 +20,7 @@ from overlap.errors import ConfigError
 from overlap.parallel.state import ParallelState
 from overlap.pipeline.schedules import pipeline_steps, schedule_table
 from overlap.training.trainer import Trainer
+from tests.tiny import tiny_config
 from tests.world import run_world
 
 STEPS = 3
@@ -115,18 +116,7 @@ def test_every_program_is_complete_and_deadlock_free(pp, vpp, micro, group):
 
 # --- numerics on real worlds ------------------------------------------------------------------------------------------
 def _config(moe: bool, precision: str, layers: int, overrides: list[str], **layout) -> ConfigContainer:
-    from overlap.config.overrides import apply_overrides
-
-    model = ModelConfig(num_layers=layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                        ffn_hidden_size=128, vocab_size=256, seq_length=16, qk_layernorm=True, **layout)
-    if moe:
-        model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size = 4, 2, 32
-        model.moe_aux_loss_coeff = 1e-2
-    cfg = ConfigContainer(model=model, train=TrainConfig(global_batch_size=8, micro_batch_size=1, train_iters=STEPS),
-                          optimizer=OptimizerConfig(lr=1e-3), scheduler=SchedulerConfig(lr_warmup_iters=1),
-                          mixed_precision=precision)
-    apply_overrides(cfg, overrides)
-    return cfg
+    return tiny_config(moe, precision, layers, overrides, STEPS, **layout)
 
 
 def _train(moe: bool, precision: str, layers: int, overrides: list[str], layout: dict) -> list[float]:

@@ -89,12 +89,14 @@ def _script_only(name: str) -> bool:
 def _preflight(job, args: argparse.Namespace) -> dict:
     """Before a script is written or a rank starts: every output path (overlap.launch.paths), what this host or
     device can hold (overlap.launch.resources), and the Slurm script's own options (returned)."""
-    from overlap.launch.paths import check_run_outputs
+    from overlap.launch.paths import check_checkpoint_paths, check_run_outputs
     from overlap.launch.resources import check_run_resources
     from overlap.launch.slurm import slurm_options
 
     slurm = slurm_options(args)
     check_run_outputs(args)
+    if not args.emit_slurm:  # a Slurm job's checkpoint folders are paths on the cluster
+        check_checkpoint_paths(job.cfg.checkpoint)
     check_run_resources(job.cfg, job.resolution.layout, args)
     return slurm
 
@@ -155,6 +157,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     apply_launch_env(env_settings, worker_env)
     worker_env["OVERLAP_LAUNCHED"] = "1"  # our own launcher already applied and printed the launch environment
     command = python_module_command("overlap.cli", argv)
+    # train.exit_signal_handler: a SIGTERM to us is a preemption the ranks answer with a checkpoint (they get the
+    # communication timeout to save and exit) rather than a stop.
+    grace = job.cfg.train.comm_timeout_s if job.cfg.train.exit_signal_handler else None
     try:
         if network.kind == "tbf":
             from overlap.launch.network import NETNS_ENV, emulated_interconnect
@@ -162,10 +167,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             with emulated_interconnect(network.rate) as (namespace, prefix):
                 print(f"Network: {network.describe()}; namespace {namespace}", flush=True)
                 worker_env[NETNS_ENV] = namespace
-                launch_local(command, args.num_gpus, worker_env, prefix=prefix)
+                launch_local(command, args.num_gpus, worker_env, prefix=prefix, term_grace_s=grace)
         else:
             print(f"Network: {network.describe()}", flush=True)
-            launch_local(command, args.num_gpus, worker_env)
+            launch_local(command, args.num_gpus, worker_env, term_grace_s=grace)
     except RankFailure as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 1
@@ -265,6 +270,11 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
             log.info("steady-state step time over iterations %d-%d: %.1f ms (Step Time : %.3fs) | peak memory "
                      "(rank 0): %.0f MB", start + 1, end, summary.steady_step_ms, summary.steady_step_ms / 1e3,
                      summary.peak_memory_mb)  # 0-based [start, end) -> 1-based first-last (training/metrics.py)
+            if summary.pipeline_output_peak_bytes:
+                log.info("pipeline stage outputs alive at once (rank 0, max over steps): %.1f KB (%s)",
+                         summary.pipeline_output_peak_bytes / 1e3,
+                         "released once sent: model.deallocate_pipeline_outputs" if cfg.model.deallocate_pipeline_outputs
+                         else "kept until their backward; model.deallocate_pipeline_outputs=true releases them")
             if summary.comm_ms:
                 log.info("communication time by kind over the run (ms, launch to completion): %s",
                          ", ".join(f"{k} {v:.0f}" for k, v in sorted(summary.comm_ms.items())))
@@ -314,7 +324,8 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
     from overlap.training.metrics import window_iterations
 
     first, last = window_iterations(summary.window)  # 1-based, both included (training/metrics.py)
-    rows = collector.window_mean(summary.window)
+    rows = collector.window_mean((summary.window[0] - summary.first_iteration,  # the collector counts this run's
+                                  summary.window[1] - summary.first_iteration))  # iterations from 0
     if rows:
         log.info("%s", format_table(rows, f"exposed communication, rank 0, mean per iteration over iterations "
                                           f"{first}-{last} | network: {network_label}"))
@@ -324,7 +335,10 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
             "steady_step_ms": summary.steady_step_ms, "peak_mem_mb": summary.peak_memory_mb,
             "exposed_comm_ms": {k: r.exposed_ms for k, r in rows.items()},
             "total_comm_ms": {k: r.total_ms for k, r in rows.items()},
-            "comm_mb": {k: r.nbytes / 1e6 for k, r in rows.items()}}, indent=1))
+            "comm_mb": {k: r.nbytes / 1e6 for k, r in rows.items()},
+            "first_iteration": summary.first_iteration + 1, "stopped": summary.stopped,
+            "checkpoint": summary.checkpoint, "pipeline_output_peak_bytes": summary.pipeline_output_peak_bytes},
+            indent=1))
 
 
 def _write_traces(collector, trace_dir: Path, rank: int, world: int) -> None:

@@ -28,5 +28,14 @@ class NotBuiltError(ConfigError):
         super().__init__(field, value, f"{what} is not built in the overlap runtime yet.", fix)
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written or honoured (missing, truncated, another model's): names the folder or
+    file, and the tensor where one is at fault."""
+
+
+class NonFiniteError(ConfigError):
+    """Training stopped on a NaN/Inf loss or gradient (ddp.check_for_nan_in_grad), before anything was updated."""
+
+
 class RankFailure(RuntimeError):
     """A worker rank died or hung; names the rank so the others are not left waiting."""

@@ -100,7 +100,7 @@ def _detect_noops(model: "ModelConfig", ddp: "DDPConfig", dp_size: int, log: Dec
         log.noop("model.moe_shared_expert_overlap", True,
                  "EP=1: every token stays on its rank, so there is no dispatch/combine all-to-all for the shared "
                  "expert to compute under", "use -ep 2 or more, or drop moe_shared_expert_overlap.")
-    for name in ("overlap_p2p_comm", "batch_p2p_comm"):
+    for name in ("overlap_p2p_comm", "batch_p2p_comm", "deallocate_pipeline_outputs"):
         if getattr(model, name) and pp == 1:
             log.noop(f"model.{name}", True, "PP=1: there is no pipeline send/receive", "use -pp 2 or more, or drop it.")
     if ddp.align_param_gather and not (dp_size > 1 and ddp.use_distributed_optimizer and pp > 1 and vp > 1):

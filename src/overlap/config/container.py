@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
+from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
 from overlap.config.decisions import RULE, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
@@ -43,6 +44,7 @@ class ConfigContainer:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mixed_precision: MixedPrecisionConfig | str | None = None
     comm_overlap: CommOverlapConfig | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
@@ -73,6 +75,7 @@ class ConfigContainer:
             self.comm_overlap.data_parallel_size = layout.dp
         resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
         self._validate(layout)
+        resolve_checkpoint(self.checkpoint, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         return Resolution(world_size, layout, log)
 

@@ -79,6 +79,7 @@ class DecisionLog:
         self.command_line: list[Decision] = []
         self.noops: list[NoOp] = []
         self.other: list[Decision] = []
+        self.checkpoint: list[Decision] = []
 
     def _check(self, decision: Decision, fix: str | None) -> None:
         if decision.overridden:
@@ -96,6 +97,10 @@ class DecisionLog:
         self._check(decision, fix)
         self.decisions.append(decision)
         return effective
+
+    def record_checkpoint(self, field: str, requested: Any, effective: Any, decided_by: str, reason: str) -> None:
+        """A checkpoint setting (its own section: they are not overlap decisions)."""
+        self.checkpoint.append(Decision(field, requested, effective, decided_by, reason))
 
     def record_command_line(self, decision: Decision) -> None:
         """A flag beaten by an override (warned; an error under strict) or a recipe value derived from the layout."""
@@ -125,14 +130,13 @@ class DecisionLog:
         return {"decisions": [d.to_json() for d in self.decisions],
                 "command_line": [d.to_json() for d in self.command_line],
                 "noops": [n.to_json() for n in self.noops],
+                "checkpoint": [d.to_json() for d in self.checkpoint],
                 "other_settings": [{"field": d.field, "value": _jsonable(d.effective), "source": d.decided_by}
                                    for d in self.other]}
 
     def format_table(self) -> str:
         """Aligned text table for logs and `overlap explain`."""
-        return _table(("field", "requested", "effective", "decided by", "why"),
-                      [(d.field, "-" if d.requested is None else _short(d.requested), _short(d.effective),
-                        d.decided_by, d.reason) for d in self.decisions])
+        return _decision_table(self.decisions)
 
     def format_sections(self) -> str:
         """The overlap table plus every non-empty extra section, as `explain` prints and the start-up log shows."""
@@ -145,11 +149,19 @@ class DecisionLog:
         if self.noops:
             parts.append("Switches that are on but do nothing here:\n" + "\n".join(
                 f"  {n.field}={_short(n.value)}: {n.why}. Fix: {n.fix}" for n in self.noops))
+        if self.checkpoint:
+            parts.append("Checkpoint decisions:\n" + _decision_table(self.checkpoint))
         if self.other:
             parts.append("Other settings (not overlap decisions):\n" +
                          _table(("field", "value", "set by"), [(d.field, _short(d.effective), d.decided_by)
                                                                 for d in self.other]))
         return "\n\n".join(parts)
+
+
+def _decision_table(decisions: list[Decision]) -> str:
+    return _table(("field", "requested", "effective", "decided by", "why"),
+                  [(d.field, "-" if d.requested is None else _short(d.requested), _short(d.effective), d.decided_by,
+                    d.reason) for d in decisions])
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

@@ -16,6 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from overlap.config.checkpoint import CheckpointConfig
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
@@ -172,6 +173,7 @@ def list_override_keys() -> list[str]:
     rows = []
     for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("optimizer", OptimizerConfig),
                          ("scheduler", SchedulerConfig), ("ddp", DDPConfig), ("tokenizer", TokenizerConfig),
+                         ("checkpoint", CheckpointConfig),
                          ("mixed_precision", MixedPrecisionConfig), ("comm_overlap", CommOverlapConfig)):
         hints = typing.get_type_hints(cls)
         for f in fields(cls):

@@ -35,7 +35,7 @@ def qwen3_30b_a3b(num_gpus: int) -> ConfigContainer:
         train=TrainConfig(global_batch_size=1024, micro_batch_size=1, train_iters=100, seed=1234),
         optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-5, use_distributed_optimizer=True),
         scheduler=SchedulerConfig(lr_warmup_iters=500),
-        ddp=DDPConfig(use_distributed_optimizer=True),
+        ddp=DDPConfig(use_distributed_optimizer=True, check_for_nan_in_grad=True),  # as the Bridge recipe
         mixed_precision="bf16_mixed",
     )
 

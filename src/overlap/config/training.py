@@ -58,6 +58,11 @@ class TrainConfig:
     eval_time_end_step: int | None = None
     skip_first_percent_time: float = 0.1  # window start when eval_time_start_step is None (0.1 as the library)
     comm_timeout_s: float = 300.0  # a dead or hung rank fails the run after this long instead of 30 minutes
+    # Leaving early with a checkpoint (Megatron's names): after this many minutes of training, or on SIGTERM (what
+    # Slurm sends before a preemption or the time limit) with the handler on, every rank stops at the next step
+    # boundary, the run saves (if checkpoint.save is set) and exits 0 saying where.
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
 
 
 @dataclass

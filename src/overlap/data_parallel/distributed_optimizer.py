@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from overlap.config.training import DDPConfig, OptimizerConfig
 from overlap.data_parallel.ddp import DistributedDataParallel
 from overlap.data_parallel.param_gather import ParamGather
+from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
-from overlap.optim.adam import MixedPrecisionAdam, Slot, global_grad_norm
+from overlap.optim.adam import (STATE_KEYS, MixedPrecisionAdam, ParamStates, Slot, SlotOptimizer, global_grad_norm,
+                                keeps_master)
 
 
 def shard_slots(ddp: DistributedDataParallel) -> list[Slot]:
@@ -33,11 +36,12 @@ def shard_slots(ddp: DistributedDataParallel) -> list[Slot]:
                 a, b = max(start, lo), min(end, hi)
                 if a < b:
                     out = buf.param_data[a:b]
-                    slots.append(Slot(p, out.detach().float().clone(), buf.grad_data[a:b], out, p.dim() > 1))
+                    slots.append(Slot(p, out.detach().float().clone(), buf.grad_data[a:b], out, p.dim() > 1,
+                                      span=(a - start, b - start)))
     return slots
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(SlotOptimizer):
     """Adam on this rank's shards, then the parameter all-gather; the same interface as `LocalOptimizer`."""
 
     def __init__(self, chunks: Sequence[nn.Module], ddps: Sequence[DistributedDataParallel], cfg: OptimizerConfig,
@@ -46,8 +50,9 @@ class DistributedOptimizer:
         data-parallel wrappers: each chunk's buckets are sharded and gathered bucket by bucket, in forward order
         across chunks, so the first forward's chunk is gathered first."""
         self.ps = ps
+        self.buffers = [b for ddp in ddps for b in ddp.buffers]
         self.adam = MixedPrecisionAdam([s for ddp in ddps for s in shard_slots(ddp)], cfg)
-        self.gather = ParamGather([b for ddp in ddps for b in ddp.buffers], nn.ModuleList(chunks),
+        self.gather = ParamGather(self.buffers, nn.ModuleList(chunks),
                                   bool(ddp_cfg.overlap_param_gather), bool(ddp_cfg.fp8_param_gather))
 
     def grad_norm(self) -> float:
@@ -64,3 +69,32 @@ class DistributedOptimizer:
     def finish_param_sync(self) -> None:
         """Complete a gather deferred to the next forward (call before reading parameters outside training)."""
         self.gather.finish()
+
+    def param_states(self) -> ParamStates:
+        """Every parameter's optimizer state in parameter space (Megatron's "fully reshardable" form): each rank's
+        bucket shards of master / exp_avg / exp_avg_sq are all-gathered over the bucket's group, so every replica
+        holds the whole state of its own (TP/EP) parameter shards. Costs three fp32 copies of the parameters while a
+        checkpoint is written."""
+        owner = {p: buf for buf in self.buffers for p in buf.ranges}
+        flats = {id(buf): torch.zeros(len(STATE_KEYS), buf.param_data.numel(), dtype=torch.float32,
+                                      device=buf.param_data.device) for buf in self.buffers}
+        for slot in self.adam.slots:
+            buf = owner[slot.param]
+            base = buf.ranges[slot.param][0]
+            lo, hi = slot.elements
+            exported = self.adam.export_slot(slot)
+            for row, key in enumerate(STATE_KEYS):
+                flats[id(buf)][row, base + lo:base + hi] = exported[key]
+        for buf in self.buffers:
+            flat = flats[id(buf)]
+            for bucket in buf.buckets:
+                lo, hi = buf.local_shard(bucket)
+                gathered = comm.all_gather(flat[:, lo:hi].t().contiguous(), buf.group, f"{buf.prefix}_ckpt").wait()
+                flat[:, bucket.start:bucket.end] = gathered.t()
+        out: ParamStates = {}
+        for buf in self.buffers:
+            for p, (start, end) in buf.ranges.items():
+                rows = flats[id(buf)][:, start:end]
+                out[p] = {k: rows[i].view(p.shape) for i, k in enumerate(STATE_KEYS)
+                          if k != "master" or keeps_master(p)}
+        return out

@@ -201,8 +201,13 @@ class _Rank:
 
 # --- the launcher -----------------------------------------------------------------------------------------------------
 def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], addr: str = "127.0.0.1",
-                 prefix: Sequence[str] = (), log_dir: str | os.PathLike | None = None) -> None:
-    """Run `prefix + command` once per rank and wait; raise RankFailure with the one-line account of a failure."""
+                 prefix: Sequence[str] = (), log_dir: str | os.PathLike | None = None,
+                 term_grace_s: float | None = None) -> None:
+    """Run `prefix + command` once per rank and wait; raise RankFailure with the one-line account of a failure.
+
+    `term_grace_s` (the ranks handle SIGTERM: `train.exit_signal_handler`): a SIGTERM to the launcher is forwarded
+    and the ranks get that long to save a checkpoint and exit; if every rank then exits 0 the launch ends normally
+    (a preemption handled, not a failure) instead of raising `Interrupted`."""
     port = free_port()  # free here; a fresh network namespace (prefix) has an empty port space anyway
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="overlap-run-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -227,10 +232,14 @@ def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], add
         failure = _watch(ranks, world, out)
     except KeyboardInterrupt as exc:
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        # SIGTERM: a rank has no handler for it, so it ends at once, wherever it is (a Ctrl-C in a terminal has
-        # already reached every rank as SIGINT; whatever they print while unwinding stays in their logs).
-        _stop(ranks, signal.SIGTERM, STOP_S)
+        # SIGTERM: a rank without a handler ends at once, wherever it is (a Ctrl-C in a terminal has already
+        # reached every rank as SIGINT; whatever they print while unwinding stays in their logs). With the exit
+        # handler, the ranks stop at the next step boundary, save, and exit 0.
+        handled = term_grace_s is not None and interrupted.signum == signal.SIGTERM
+        _stop(ranks, signal.SIGTERM, term_grace_s if handled else STOP_S)
         interrupted.ranks_stopped = True
+        if handled and all(rk.proc.returncode == 0 for rk in ranks):
+            interrupted = None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -7,6 +7,9 @@ Rules (one per kind of output):
   leave new folders behind, and the fix (`mkdir -p`) is one command, named in the message;
 - a DIR flag (`--trace DIR`): the folder is made (with its parents) when missing, as `mkdir -p` would, because
   writing a set of files into a new folder is what it asks for; an existing file there is an error;
+- a checkpoint folder (`checkpoint.save`) is a DIR: made when missing; the folders read (`checkpoint.load`,
+  `checkpoint.pretrained_checkpoint`) must be folders - a missing `load` folder is a fresh start (save and load
+  usually name one folder), unless `checkpoint.exit_on_missing_checkpoint`; a missing pretrained one is an error;
 - an empty value (`--metrics=`) is an error, never "no output";
 - two flags may not name the same file.
 
@@ -139,6 +142,21 @@ def check_run_outputs(args) -> None:
                                                                           f"{metrics}{suffix}")
     check_output_dir("--trace", trace, TRACE_FILES)
     _no_two_alike(outputs)
+
+
+def check_checkpoint_paths(ck) -> None:
+    """`overlap run` with a `checkpoint` section (config.checkpoint.CheckpointConfig); see the module docstring."""
+    check_output_dir("checkpoint.save", ck.save)
+    for field, path, required in (("checkpoint.load", ck.load, ck.exit_on_missing_checkpoint),
+                                  ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint, True)):
+        if path is None:
+            continue
+        target = Path(path).expanduser()
+        if target.exists() and not target.is_dir():
+            raise _error(field, path, "this is a file; a checkpoint is a folder.",
+                         f"point {field} at the folder given as checkpoint.save, or at one of its iter_* folders.")
+        if required and not target.exists():
+            raise _error(field, path, "the folder does not exist.", f"point {field} at an existing checkpoint.")
 
 
 def check_bench_outputs(args) -> None:

@@ -24,7 +24,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from overlap.config.tp_overlap import LinearPlan
 from overlap.layers.init import mark_shard
 from overlap.layers.tp_overlap import all_gather_linear_overlapped, linear_reduce_scatter_overlapped
-from overlap.layers.wgrad_store import linear
+from overlap.layers.wgrad_store import WeightGradStore, linear
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 
@@ -200,11 +200,13 @@ def scatter_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      group: ProcessGroup, plan: LinearPlan | None = None) -> torch.Tensor:
-    """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM (overlapped by `plan`, if any)."""
+                      group: ProcessGroup, plan: LinearPlan | None = None,
+                      store: WeightGradStore | None = None) -> torch.Tensor:
+    """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM (overlapped by `plan`, if any).
+    `store`: where the weight gradient may be queued (see `ColumnParallelLinear.wgrad_store`)."""
     if plan is not None:
         return all_gather_linear_overlapped(x, weight, bias, group, plan)
-    return linear(gather_from_sp(x, group), weight, bias)
+    return linear(gather_from_sp(x, group), weight, bias, store)
 
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
@@ -240,15 +242,24 @@ class ColumnParallelLinear(nn.Module):
     linear and the logical full weight [num_fused, out/num_fused, in] does not depend on TP.
 
     `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see `all_gather_linear`).
+
+    `wgrad_store`: a store of its own that the weight gradient goes through (None: the shared `WGRAD_STORE` of
+    delay_wgrad_compute). The output layer gets one with `defer_embedding_wgrad_compute`: the pipeline executor
+    defers its weight-gradient GEMMs to the flush through it (`overlap.pipeline.schedules`).
     """
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, sequence_parallel: bool,
                  gather_output: bool = False, bias: bool = False, num_fused: int = 1,
-                 params_dtype: torch.dtype = torch.float32, overlap: LinearPlan | None = None) -> None:
+                 params_dtype: torch.dtype = torch.float32, overlap: LinearPlan | None = None,
+                 wgrad_store: WeightGradStore | None = None) -> None:
         super().__init__()
+        if overlap is not None and wgrad_store is not None:
+            raise ValueError("ColumnParallelLinear: a TP-overlap plan computes its weight gradient in its own slots; "
+                             "it cannot also defer it through a wgrad_store")
         self.group = ps.tp_group
         self.sequence_parallel = sequence_parallel
         self.overlap = _sp_only(overlap, sequence_parallel, "ColumnParallelLinear")
+        self.wgrad_store = wgrad_store
         self.gather_output = gather_output
         tp = ps.tp_size
         per_linear = divide(out_features, num_fused, "ColumnParallelLinear output size over num_fused")
@@ -264,9 +275,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.reshape(-1)
         if self.sequence_parallel:
-            y = all_gather_linear(x, self.weight, bias, self.group, self.overlap)
+            y = all_gather_linear(x, self.weight, bias, self.group, self.overlap, self.wgrad_store)
         else:
-            y = linear(copy_to_tp(x, self.group), self.weight, bias)
+            y = linear(copy_to_tp(x, self.group), self.weight, bias, self.wgrad_store)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 

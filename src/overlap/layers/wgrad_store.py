@@ -11,6 +11,12 @@ schedule phase fill the next phase's waits (and runs what the phase before left)
 the schedule needs every gradient delivered. A delayed gradient reaches its parameter through `deliver_weight_grad`,
 which also fires the parameter's grad-ready hooks, so data-parallel reduction sees it after the delayed GEMM, not
 before.
+
+The same store, as a second instance, defers the output layer's weight gradients to the pipeline flush
+(`defer_embedding_wgrad_compute`): a `Linear` takes the store it queues into at forward time (`linear(..., store=)`;
+default: the `WGRAD_STORE` of `delay_wgrad_compute`), so the pipeline executor can switch deferral on for the output
+layer alone and drain it with `flush(before_each=...)`, which lets it decide, GEMM by GEMM, when data parallelism may
+treat the weight's gradient as complete.
 """
 
 from __future__ import annotations
@@ -57,9 +63,10 @@ def deliver_weight_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
 
 
 class WeightGradStore:
-    def __init__(self) -> None:
+    def __init__(self, span: str = "bwd.delayed_wgrad") -> None:
         self.queue: deque[Callable[[], None]] = deque()
         self.active = False
+        self.span = span  # the timeline name of each queued GEMM when it runs
         self._carried = 0  # how many of the oldest queued items a previous phase left (see end_phase)
 
     @contextmanager
@@ -81,9 +88,12 @@ class WeightGradStore:
             return None
         return weight_grad()
 
-    def flush(self) -> None:
-        """Run every queued weight-gradient GEMM, oldest first."""
+    def flush(self, before_each: Callable[[int], None] | None = None) -> None:
+        """Run every queued weight-gradient GEMM, oldest first. `before_each(left)`, if given, is called before each
+        one with the number of GEMMs left, this one included (1: the last)."""
         while self.queue:
+            if before_each is not None:
+                before_each(len(self.queue))
             self._run_oldest()
 
     def end_phase(self) -> None:
@@ -103,7 +113,7 @@ class WeightGradStore:
 
     def _run_oldest(self) -> None:
         self._carried = max(self._carried - 1, 0)
-        with RECORDER.span("bwd.delayed_wgrad"), torch.no_grad():
+        with RECORDER.span(self.span), torch.no_grad():
             self.queue.popleft()()
 
 
@@ -136,12 +146,13 @@ class GroupedLinear(torch.autograd.Function):
 
 class Linear(torch.autograd.Function):
     """y = x W^T + b with W = `weight` viewed as [-1, in] (fused weights keep their own shape); the weight gradient can
-    be delayed through WGRAD_STORE, the input and bias gradients never are."""
+    be delayed through `store` (None: WGRAD_STORE), the input and bias gradients never are."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None,
+                store: WeightGradStore | None) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.weight, ctx.has_bias = weight, bias is not None
+        ctx.weight, ctx.has_bias, ctx.store = weight, bias is not None, store
         return torch.nn.functional.linear(x, weight.reshape(-1, weight.shape[-1]), bias)
 
     @staticmethod
@@ -150,13 +161,14 @@ class Linear(torch.autograd.Function):
         weight = ctx.weight
         grad_x = grad @ weight.reshape(-1, weight.shape[-1])
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, linear_weight_grad(weight, grad, x), grad_bias
+        return grad_x, linear_weight_grad(weight, grad, x, store=ctx.store), grad_bias, None
 
 
-def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor, inp: torch.Tensor,
-                       span: str | None = None) -> torch.Tensor | None:
-    """A linear's weight gradient grad^T inp (over all leading dims) in the weight's shape, through
-    `WGRAD_STORE.take`: returned now, or queued while delaying (None). `span` names it on the timeline."""
+def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor, inp: torch.Tensor, span: str | None = None,
+                       store: WeightGradStore | None = None) -> torch.Tensor | None:
+    """A linear's weight gradient grad^T inp (over all leading dims) in the weight's shape, through `store.take`
+    (None: WGRAD_STORE): returned now, or queued while that store is delaying (None). `span` names it on the
+    timeline."""
     g2, x2 = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
 
     def weight_grad() -> torch.Tensor:
@@ -165,8 +177,9 @@ def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor, inp: torch.Tens
         with RECORDER.span(span):
             return (g2.t() @ x2).reshape(weight.shape)
 
-    return WGRAD_STORE.take(weight, weight_grad)
+    return (WGRAD_STORE if store is None else store).take(weight, weight_grad)
 
 
-def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return Linear.apply(x, weight, bias)
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None,
+           store: WeightGradStore | None = None) -> torch.Tensor:
+    return Linear.apply(x, weight, bias, store)

@@ -22,6 +22,7 @@ from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import layer_chunks, maybe_checkpoint, selective_modules
 from overlap.layers.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, params_dtype,
                                             vocab_parallel_cross_entropy)
+from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 
@@ -133,8 +134,12 @@ class GPTModel(nn.Module):
                                  self.stage.start)
         if self.stage.post_process:
             self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype)
+            # defer_embedding_wgrad_compute: the output layer's weight gradients go through a store of their own,
+            # which the pipeline executor defers to the flush (overlap.pipeline.schedules)
+            store = (WeightGradStore("bwd.deferred_output_wgrad") if config.defer_embedding_wgrad_compute
+                     else None)
             self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, ps, sp,
-                                                     params_dtype=dtype)
+                                                     params_dtype=dtype, wgrad_store=store)
         self.layer_chunks = layer_chunks(config, len(self.layers))
 
     def init_weights(self, seed: int) -> None:

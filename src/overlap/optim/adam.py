@@ -51,6 +51,23 @@ class Slot:
     grad: torch.Tensor
     out: torch.Tensor
     decay: bool
+    span: tuple[int, int] | None = None  # the slot's elements of the flattened parameter (None: all of it)
+
+    @property
+    def elements(self) -> tuple[int, int]:
+        return self.span if self.span is not None else (0, self.param.numel())
+
+
+# The optimizer state a checkpoint keeps per parameter, in the parameter's own (this rank's TP/EP shard) shape:
+# "exp_avg" and "exp_avg_sq" always, "master" only for parameters that are not fp32 themselves (an fp32 parameter is
+# its own master). Keeping it in parameter space, not in the distributed optimizer's bucket shards, is what lets a
+# checkpoint load at another data-parallel size or with the distributed optimizer switched on or off.
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+ParamStates = dict[nn.Parameter, dict[str, torch.Tensor]]
+
+
+def keeps_master(param: nn.Parameter) -> bool:
+    return param.dtype != torch.float32
 
 
 def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +137,43 @@ class MixedPrecisionAdam:
         then()
         self._update([s for s, e in zip(self.slots, early) if not e], scale)
 
+    def steps_taken(self) -> int:
+        """How many optimizer steps the slots have seen (every slot gets a gradient every step)."""
+        counts = {int(st["step"]) for st in self.opt.state.values() if "step" in st}
+        if len(counts) > 1:
+            raise RuntimeError(f"optimizer slots disagree on the step count: {sorted(counts)}")
+        return counts.pop() if counts else 0
+
+    def export_slot(self, slot: Slot) -> dict[str, torch.Tensor]:
+        """The slot's fp32 state (flattened): master, exp_avg, exp_avg_sq (zeros before the first step)."""
+        state = self.opt.state.get(slot.master, {})
+        zeros = torch.zeros_like(slot.master, dtype=torch.float32)
+        return {"master": slot.master.detach().float().reshape(-1),
+                "exp_avg": state.get("exp_avg", zeros).reshape(-1),
+                "exp_avg_sq": state.get("exp_avg_sq", zeros).reshape(-1)}
+
+    def import_param_states(self, states: ParamStates, step: int) -> None:
+        """Set every slot from parameter-space states (`STATE_KEYS`, each in its parameter's shape): a missing
+        master is taken from the (just loaded) parameter, missing moments reset the state (weights-only loads)."""
+        for slot in self.slots:
+            lo, hi = slot.elements
+            values = {k: v.reshape(-1)[lo:hi].float() for k, v in states.get(slot.param, {}).items()}
+            values.setdefault("master", slot.param.detach().float().reshape(-1)[lo:hi])
+            self._import_slot(slot, values, step)
+
+    @torch.no_grad()
+    def _import_slot(self, slot: Slot, values: dict[str, torch.Tensor], step: int) -> None:
+        slot.master.view(-1).copy_(values["master"])
+        if slot.out is not slot.master:
+            slot.out.copy_(slot.master.view_as(slot.out))
+        if "exp_avg" not in values:
+            self.opt.state.pop(slot.master, None)
+            return
+        self.opt.state[slot.master] = {
+            "step": torch.tensor(float(step)),
+            "exp_avg": values["exp_avg"].view_as(slot.master).clone(),
+            "exp_avg_sq": values["exp_avg_sq"].view_as(slot.master).clone()}
+
     def _update(self, slots: list[Slot], scale: float) -> None:
         for s in slots:
             grad = s.grad if s.grad.dtype == s.master.dtype else s.grad.float()
@@ -131,7 +185,20 @@ class MixedPrecisionAdam:
                 s.out.copy_(s.master.view_as(s.out))
 
 
-class LocalOptimizer:
+class SlotOptimizer:
+    """What both optimizers share around their `MixedPrecisionAdam`: loading a checkpoint's parameter-space state
+    (every slot takes its own elements of it) and the step count."""
+
+    adam: MixedPrecisionAdam
+
+    def load_param_states(self, states: ParamStates, step: int) -> None:
+        self.adam.import_param_states(states, step)
+
+    def steps_taken(self) -> int:
+        return self.adam.steps_taken()
+
+
+class LocalOptimizer(SlotOptimizer):
     """The non-distributed optimizer: every rank updates every parameter from the all-reduced gradients."""
 
     def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, ps: ParallelState) -> None:
@@ -146,3 +213,12 @@ class LocalOptimizer:
 
     def finish_param_sync(self) -> None:
         """Nothing to gather: parameters are updated in place on every rank."""
+
+    def param_states(self) -> ParamStates:
+        """Every parameter's optimizer state in parameter space (`STATE_KEYS`), for a checkpoint."""
+        out: ParamStates = {}
+        for s in self.adam.slots:
+            flat = self.adam.export_slot(s)
+            out[s.param] = {k: v.view(s.param.shape) for k, v in flat.items()
+                            if k != "master" or keeps_master(s.param)}
+        return out

@@ -40,7 +40,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -359,6 +359,21 @@ def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: 
 def barrier(group: ProcessGroup | None = None) -> None:
     """A plain barrier (start-up and shutdown only; not traced)."""
     dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (control messages only - checkpoint key lists, error reports -
+    never training tensors; not traced)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def new_cpu_group() -> ProcessGroup:
+    """A second gloo group over every rank (collective: all ranks call it in the same order). Checkpoints use it:
+    an asynchronous save coordinates its ranks from a background thread, which must not share a communicator with
+    the training's collectives, and on GPUs the DCP control messages need a CPU backend anyway."""
+    return dist.new_group(backend="gloo")
 
 
 def outstanding() -> list[CommHandle]:

@@ -7,8 +7,8 @@ from overlap.errors import ConfigError
 
 # tp: tensor/sequence parallel; ep: expert-parallel all-to-alls and split sizes; dp / edp: data-parallel (dense /
 # expert) gradient reduce, parameter gather, loss and norm sums; pp: pipeline p2p; mp: model-parallel norm sums;
-# moe: the router's aux-loss statistics.
-FAMILIES = ("tp", "ep", "dp", "edp", "pp", "mp", "moe")
+# moe: the router's aux-loss statistics; ctl: run control (every rank agreeing to stop for a checkpoint).
+FAMILIES = ("tp", "ep", "dp", "edp", "pp", "mp", "moe", "ctl")
 
 
 def family(kind: str) -> str:

@@ -75,5 +75,11 @@ class Recorder:
             self.on_drain(comm, spans)
         return comm, spans
 
+    def discard(self) -> None:
+        """Forget what was recorded outside the iterations (a checkpoint's gathers between two steps): no step's
+        communication table should count it, and the per-iteration consumers (`on_drain`) never see it."""
+        with self.lock:
+            self.comm, self.spans = [], []
+
 
 RECORDER = Recorder()

@@ -19,6 +19,7 @@ from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.data import MockDataset
 from overlap.optim.adam import learning_rate
+from overlap.pipeline.schedules import PipelineMemory
 from overlap.training.trainer import Trainer
 
 
@@ -50,6 +51,9 @@ class PeerTrainer(Trainer):
         self.data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+        # What Trainer.train reads: peers do not checkpoint (runtime_refusals says so) and do not pipeline.
+        self.checkpointer, self.start_iteration = None, 0
+        self.pipeline_memory = PipelineMemory()
 
     def finish_param_sync(self) -> None:
         """Peers keep their parameters in sync themselves."""

@@ -27,15 +27,45 @@ p2p modes (the resolution picks one; `explain` shows it):
   for backward), so its transfer runs while this rank computes. Gradients travel on a second process group over the
   same ranks (`ParallelState.pp_bwd_group`): with PP = 2 both directions connect the same two ranks and must not
   queue on one channel.
+
+Memory (`deallocate_pipeline_outputs`, Megatron's deallocate_output_tensor + custom_backward): a stage's output is
+kept for backward only as the root of its autograd graph - nothing in the graph reads its values - so once its send
+has completed its storage is replaced by one element (`out.data = torch.empty((1,))`) and the backward starts from
+it through the autograd engine directly (`torch.autograd.backward` would compare the gradient's shape with the
+now one-element tensor; the engine checks it against the graph's record). The send is waited, and the output freed,
+at the first point where that wait cannot deadlock:
+- without a virtual pipeline at once (after every receive and every task): activations only flow from rank r to
+  r + 1, the last stage sends none, so a rank waiting for its send waits for a downstream rank whose progress never
+  depends on it (Megatron's synchronous send);
+- with a virtual pipeline the last stage feeds rank 0 and a wait could close a cycle, so the executor waits a send
+  only when it is known complete: its completion was observed (`wgrad_store.arrived`: backends whose ops have a
+  completion future, NCCL; gloo's sends have none), or this rank received a message that the consuming rank
+  produced at or after the task that consumes the output (every rank runs its program in order and completes a
+  task's receive before the task) - at the latest the output's own gradient.
+Either way the release happens before that output's backward. `PipelineMemory` measures what it buys: the bytes of
+output storage still alive (weak references to the storages, so a send buffer or the transport holding one counts).
+
+Deferred output-layer weight gradients (`defer_embedding_wgrad_compute`): on the last virtual stage the output
+layer's weight-gradient GEMMs go into its own `WeightGradStore` (`ColumnParallelLinear.wgrad_store`) instead of
+running in each micro-batch's backward, and all run at the pipeline flush, after the program, before the trainer's
+gradient reduction. `wgrad_deferral_limit` > 0 caps how many micro-batches are deferred (Megatron: the first `limit`
+ones; later ones compute in their own backward); -1 or 0: all. Data parallelism sees the output weight's gradient as
+complete only with the last deferred GEMM: the flush tells it, GEMM by GEMM, which one is last, and when a capped
+micro-batch computes the step's last gradient before the flush, that backward is not reported as the last one (the
+chunk's buckets are then reduced by `finish_grad_sync`).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from torch.autograd.variable import Variable
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from overlap.layers.wgrad_store import WeightGradStore, arrived
 from overlap.parallel import comm
 from overlap.parallel.comm import P2P_RECV, P2P_SEND, CommHandle
 from overlap.parallel.trace import RECORDER
@@ -82,17 +112,58 @@ def pipeline_steps(pp: int, rank: int, vpp: int, num_microbatches: int, group: i
     return steps
 
 
+def program_tasks(pp: int, rank: int, vpp: int, num_microbatches: int, group: int | None = None) -> list[Task]:
+    """The rank's tasks in the order it runs them (the steps flattened: a steady step's forward, then its backward)."""
+    return [t for s in pipeline_steps(pp, rank, vpp, num_microbatches, group) for t in (s.forward, s.backward)
+            if t is not None]
+
+
+class PipelineMemory:
+    """What this rank's stage outputs (the activations sent to the next stage) hold, over a run.
+
+    Measured on the storages themselves: the executor keeps a weak reference to every output's storage and sums the
+    bytes of those still alive after every receive, release and task, whoever keeps them alive (the tensors saved for
+    backward, a send buffer not yet waited, the transport). `step_peaks[i]` is step i's maximum. This is the part
+    of memory `deallocate_pipeline_outputs` acts on; on CPU the process's peak RSS (`peak_memory_mb`) moves with
+    the allocator and every other buffer and cannot show it."""
+
+    def __init__(self) -> None:
+        self.step_peaks: list[int] = []
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest number of output bytes alive at once in any step (0 before the first step, or off PP)."""
+        return max(self.step_peaks, default=0)
+
+
+def backward_from_released(seeds: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """Backpropagate `grads` from `seeds` whose storage may have been released (Megatron's custom_backward). The
+    autograd engine is called directly, with the arguments `torch.autograd.backward` passes it, minus that
+    function's check of each gradient's shape against its tensor's (a released output has one element; the engine
+    checks the gradient against the graph's record of the output's shape): the same gradients, bit for bit."""
+    Variable._execution_engine.run_backward(tensors=tuple(seeds), grad_tensors=tuple(grads), keep_graph=False,
+                                            create_graph=False, inputs=(), allow_unreachable=True,
+                                            accumulate_grad=True)
+
+
 class PipelineExecutor:
     """Runs one optimizer step's program on this rank's chunks; returns the lm losses (last stage) per micro-batch.
 
     `chunks[c]` is model chunk c (`GPTModel` with a `Stage`), `batches[mb]` the (tokens, labels) of micro-batch mb,
     `scale` the loss scale (1 / (micro-batches x DP)), `before_backward(chunk, is_last)` tells data parallelism
     which backward is a chunk's last micro-batch (its gradients can then be reduced), `shape` / `dtype` describe
-    the activation between stages ([seq (local under SP), micro-batch, hidden])."""
+    the activation between stages ([seq (local under SP), micro-batch, hidden]).
+
+    `deallocate_outputs`: free each sent output's storage once its send completed (see the module notes).
+    `defer_output_wgrad` / `wgrad_deferral_limit`: defer the output layer's weight-gradient GEMMs to the flush
+    (the last stage's model must have been built with `model.defer_embedding_wgrad_compute`, which gives its output
+    layer the store). `memory`: where the step's peak of live output bytes is recorded (`PipelineMemory`)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], ps, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  scale: float, overlap_p2p: bool, before_backward: Callable[[int, bool], None],
-                 shape: tuple[int, ...], dtype: torch.dtype, microbatch_group: int | None = None) -> None:
+                 shape: tuple[int, ...], dtype: torch.dtype, microbatch_group: int | None = None, *,
+                 deallocate_outputs: bool = False, defer_output_wgrad: bool = False,
+                 wgrad_deferral_limit: int | None = None, memory: PipelineMemory | None = None) -> None:
         self.chunks, self.ps, self.batches, self.scale = chunks, ps, batches, scale
         self.overlap = overlap_p2p
         self.before_backward = before_backward
@@ -106,6 +177,36 @@ class PipelineExecutor:
         self.pending_sends: list[tuple[int, torch.Tensor, int]] = []  # batched mode: (direction, tensor, tag)
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        # deallocate_pipeline_outputs
+        self.deallocate = deallocate_outputs
+        self.send_handles: dict[int, CommHandle] = {}  # tag -> its posted send
+        self.unreleased: dict[tuple[int, int], tuple[torch.Tensor, int, tuple[int, int]]] = {}
+        # ^ (micro-batch, chunk) -> (output, tag of its send, (consuming pp rank, position of the consuming task))
+        self.heard: dict[int, int] = {}  # pp rank -> furthest position in its program that a received message left
+        self.positions: dict[int, dict[Task, int]] = {}
+        if self.deallocate and self.vpp > 1:  # the causal rule needs the neighbours' programs
+            for peer in {(self.rank + 1) % self.pp, (self.rank - 1) % self.pp}:
+                tasks = program_tasks(self.pp, peer, self.vpp, self.num_micro, microbatch_group)
+                self.positions[peer] = {t: i for i, t in enumerate(tasks)}
+        # live output bytes (PipelineMemory)
+        self.memory = memory
+        self.live: list[tuple[StorageWeakRef, int]] = []
+        self.peak_bytes = 0
+        # defer_embedding_wgrad_compute
+        self.deferral_limit = wgrad_deferral_limit if wgrad_deferral_limit and wgrad_deferral_limit > 0 else None
+        self.deferred = 0  # micro-batches whose output-layer weight gradient is queued this step
+        self.deferral_chunk: int | None = None
+        self.deferral_store: WeightGradStore | None = None
+        last = [c for c in range(self.vpp) if self._is_last(c)]
+        if defer_output_wgrad and last:
+            store = getattr(self.chunks[last[0]].output_layer, "wgrad_store", None)
+            if store is None:
+                raise RuntimeError("defer_embedding_wgrad_compute: the output layer has no weight-gradient store; "
+                                   "build the model with model.defer_embedding_wgrad_compute=true")
+            if store.queue:
+                raise RuntimeError(f"defer_embedding_wgrad_compute: {len(store.queue)} output-layer weight "
+                                   "gradients left over from an earlier step")
+            self.deferral_chunk, self.deferral_store = last[0], store
 
     # --- geometry -------------------------------------------------------------------------------------------------
     def _virtual(self, chunk: int) -> int:
@@ -135,28 +236,31 @@ class PipelineExecutor:
 
     def _post(self, sends: list[tuple[int, torch.Tensor, int]], recvs: list[tuple[int, int, int]]) -> list[CommHandle]:
         """Post sends (direction, tensor, tag) and receives (direction, virtual stage, micro-batch), one p2p call per
-        direction's group; receives are remembered by key."""
+        direction's group; receives are remembered by key, sends by tag. Returns the sends' handles."""
         handles: list[CommHandle] = []
         for direction in (FWD, BWD):
             kind = "fwd" if direction == FWD else "bwd"
             peer_out = self.ps.pp_next if direction == FWD else self.ps.pp_prev
             peer_in = self.ps.pp_prev if direction == FWD else self.ps.pp_next
-            ops = [(f"pp_send_{kind}", P2P_SEND, t, peer_out, tag) for d, t, tag in sends if d == direction]
+            outgoing = [(t, tag) for d, t, tag in sends if d == direction]
+            ops = [(f"pp_send_{kind}", P2P_SEND, t, peer_out, tag) for t, tag in outgoing]
             keys = [k for k in recvs if k[0] == direction]
             ops += [(f"pp_recv_{kind}", P2P_RECV, torch.empty(self.shape, dtype=self.dtype), peer_in,
                      self._tag(*k)) for k in keys]
             if not ops:
                 continue
             posted = comm.p2p(ops, self._group(direction))
-            n_send = len(ops) - len(keys)
-            handles += posted[:n_send]
-            for key, handle in zip(keys, posted[n_send:]):
-                self.recvs[key] = handle
+            for (_t, tag), handle in zip(outgoing, posted):
+                self.send_handles[tag] = handle
                 handles.append(handle)
+            for key, handle in zip(keys, posted[len(outgoing):]):
+                self.recvs[key] = handle
         return handles
 
     def _send(self, direction: int, tensor: torch.Tensor, virtual_to: int, mb: int, next_task: Task | None) -> None:
         item = (direction, tensor.detach().contiguous(), self._tag(direction, virtual_to, mb))
+        if direction == FWD and item[1].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+            self._track(item[1])  # a non-contiguous output travels as a copy: that copy is output memory too
         if not self.overlap and next_task is not None and self._needs_recv(next_task) is not None:
             self.pending_sends.append(item)  # travels with the next task's receive, in one batched exchange
         else:
@@ -164,9 +268,55 @@ class PipelineExecutor:
 
     def _receive(self, key: tuple[int, int, int]) -> torch.Tensor:
         if key not in self.recvs:  # batched mode (or not prefetched): one exchange with the pending sends
-            self.sends += [h for h in self._post(self.pending_sends, [key]) if h is not self.recvs.get(key)]
+            self.sends += self._post(self.pending_sends, [key])
             self.pending_sends = []
-        return self.recvs.pop(key).wait()
+        tensor = self.recvs.pop(key).wait()
+        if self.deallocate:
+            if self.vpp > 1:
+                self._heard(key)
+            self._release_sent()
+        return tensor
+
+    # --- deallocate_pipeline_outputs ----------------------------------------------------------------------------
+    def _producer(self, key: tuple[int, int, int]) -> tuple[int, Task]:
+        """(pp rank, task) that produced the message `key` (direction, receiving virtual stage, micro-batch)."""
+        direction, virtual, mb = key
+        source = virtual - 1 if direction == FWD else virtual + 1
+        return source % self.pp, Task(direction == BWD, mb, source // self.pp)
+
+    def _heard(self, key: tuple[int, int, int]) -> None:
+        """A message arrived: its producer has run its program up to the producing task."""
+        rank, task = self._producer(key)
+        self.heard[rank] = max(self.heard.get(rank, -1), self.positions[rank][task])
+
+    def _consumer(self, chunk: int, mb: int) -> tuple[int, int]:
+        """(pp rank, position in its program) of the forward that consumes chunk's output of micro-batch mb."""
+        virtual = self._virtual(chunk) + 1
+        rank = virtual % self.pp
+        return rank, (self.positions[rank][Task(False, mb, virtual // self.pp)] if self.vpp > 1 else -1)
+
+    def _release_sent(self) -> None:
+        """Wait the send of every output where that wait cannot deadlock (module notes), then free its storage."""
+        for key, (out, tag, (rank, position)) in list(self.unreleased.items()):
+            handle = self.send_handles.get(tag)
+            if handle is None:
+                continue  # batched mode: it travels with the next task's receive
+            if self.vpp > 1 and self.heard.get(rank, -1) < position and not arrived(handle):
+                continue  # not known to have arrived yet
+            handle.wait()
+            out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+            del self.unreleased[key]
+        self._sample()
+
+    # --- live output bytes (PipelineMemory) -------------------------------------------------------------------
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.live.append((StorageWeakRef(storage), storage.nbytes()))
+        self._sample()
+
+    def _sample(self) -> None:
+        self.live = [(ref, n) for ref, n in self.live if not ref.expired()]
+        self.peak_bytes = max(self.peak_bytes, sum(n for _ref, n in self.live))
 
     def _prefetch(self, position: int) -> None:
         """Overlapped mode: post the receives of the next forward and the next backward after `position`."""
@@ -200,18 +350,47 @@ class PipelineExecutor:
             seeds.append(aux * self.scale)
             grads.append(torch.ones_like(aux))
         self.saved[(mb, c)] = (hidden, seeds, grads)
+        self._track(out)
+        tag = self._tag(FWD, self._virtual(c) + 1, mb)
+        if self.deallocate:
+            if out._base is not None:  # Megatron's check: freeing a view would free nothing
+                raise RuntimeError(f"deallocate_pipeline_outputs: chunk {c}'s output is a view of another tensor")
+            self.unreleased[(mb, c)] = (out, tag, self._consumer(c, mb))
         self._send(FWD, out, self._virtual(c) + 1, mb, next_task)
 
     def _backward(self, task: Task, next_task: Task | None) -> None:
         c, mb = task.chunk, task.microbatch
         hidden, seeds, grads = self.saved.pop((mb, c))
         if not self._is_last(c):
-            grads[0] = self._receive((BWD, self._virtual(c), mb))
-        self.before_backward(c, mb == self.num_micro - 1)
-        with RECORDER.span("backward"):
-            torch.autograd.backward(seeds, grads if grads[0] is not None else None)
+            grads[0] = self._receive((BWD, self._virtual(c), mb))  # with deallocation: the output is released now
+            if (mb, c) in self.unreleased:
+                raise RuntimeError(f"deallocate_pipeline_outputs: micro-batch {mb} chunk {c} reached its backward "
+                                   "with its output not released")
+        last = mb == self.num_micro - 1
+        defer = False
+        if c == self.deferral_chunk:
+            defer = self.deferral_limit is None or self.deferred < self.deferral_limit
+            self.deferred += defer
+            if last and not defer and self.deferral_store.queue:
+                last = False  # deferred GEMMs are still to come: DP must not take this as the weight's last grad
+        self.before_backward(c, last)
+        store = self.deferral_store if c == self.deferral_chunk else None
+        with RECORDER.span("backward"), (store.delaying(defer) if store is not None else nullcontext()):
+            if self.deallocate and not self._is_last(c):
+                backward_from_released(seeds, grads)
+            else:
+                torch.autograd.backward(seeds, grads if grads[0] is not None else None)
         if not self._is_first(c):
             self._send(BWD, hidden.grad, self._virtual(c) - 1, mb, next_task)
+
+    def _flush_deferred(self) -> None:
+        """The pipeline flush of the output layer's deferred weight gradients, oldest first. Each one reaches the
+        weight through its grad-ready hooks; only the last is reported to data parallelism as the chunk's last
+        micro-batch, so (overlap_grad_reduce) the output layer's bucket is launched after every one of them."""
+        if self.deferral_store is None:
+            return
+        c = self.deferral_chunk
+        self.deferral_store.flush(before_each=lambda left: self.before_backward(c, left == 1))
 
     def run(self) -> list[torch.Tensor]:
         """The whole program; every send is complete on return. Returns the lm losses (empty off the last stage)."""
@@ -220,9 +399,18 @@ class PipelineExecutor:
             following = self.tasks[i + 1] if i + 1 < len(self.tasks) else None
             (self._backward if task.backward else self._forward)(task, following)
             self._prefetch(i)
+            if self.deallocate:
+                self._release_sent()
+            self._sample()
+        self._flush_deferred()
         for handle in self._post(self.pending_sends, []) + self.sends:
             handle.wait()
         self.pending_sends, self.sends = [], []
         if self.recvs:
             raise RuntimeError(f"pipeline: receives posted but never consumed: {sorted(self.recvs)}")
+        if self.unreleased:
+            raise RuntimeError(f"deallocate_pipeline_outputs: outputs never released: {sorted(self.unreleased)}")
+        self._sample()
+        if self.memory is not None:
+            self.memory.step_peaks.append(self.peak_bytes)
         return [self.losses[mb] for mb in sorted(self.losses)]

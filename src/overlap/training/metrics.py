@@ -39,15 +39,17 @@ def flops_per_token(m: ModelConfig) -> float:
     return 3 * (2 * matmul + attention_core)
 
 
-def steady_window(cfg: TrainConfig) -> tuple[int, int]:
+def steady_window(cfg: TrainConfig, first: int = 0) -> tuple[int, int]:
     """Half-open [start, end) of 0-based iteration indices averaged for the steady-state step time (reference: skip
-    the first part). Users see it as `window_iterations(...)`."""
+    the first part). Users see it as `window_iterations(...)`. A run resumed at iteration `first` skips the first
+    part of its own iterations [first, train_iters) (its first step warms up like any first step)."""
     n = cfg.train_iters
+    run = n - first
     start = cfg.eval_time_start_step if cfg.eval_time_start_step is not None else \
-        max(1, int(n * cfg.skip_first_percent_time))
+        first + max(1, int(run * cfg.skip_first_percent_time))
     end = cfg.eval_time_end_step if cfg.eval_time_end_step is not None else n
-    start, end = min(start, n - 1), max(min(end, n), 1)
-    return (start, end) if start < end else (0, n)
+    start, end = max(min(start, n - 1), first), max(min(end, n), first + 1)
+    return (start, end) if start < end else (first, n)
 
 
 def window_iterations(window: tuple[int, int]) -> tuple[int, int]:

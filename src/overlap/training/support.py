@@ -37,8 +37,10 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "TP communication overlap in the DTensor peer (parallelize_module runs each collective whole before or "
          "after its GEMM; PyTorch's async TP is a torch.compile pass on CUDA symmetric memory)",
          "set comm_overlap.tp_comm_overlap=false to run the peer, or model.tensor_parallel_impl=overlap."),
-        (m.deallocate_pipeline_outputs, "model.deallocate_pipeline_outputs", True,
-         "Releasing sent pipeline activations", "set model.deallocate_pipeline_outputs=false."),
+        (m.deallocate_pipeline_outputs and m.pipeline_impl == "torch_pipelining",
+         "model.deallocate_pipeline_outputs", True,
+         "Releasing sent pipeline activations in the torch.distributed.pipelining peer (its schedule keeps the "
+         "outputs; the release is ours)", "set model.deallocate_pipeline_outputs=false for the peer, or model.pipeline_impl=overlap."),
         (m.context_parallel_size > 1, "model.context_parallel_size", m.context_parallel_size,
          "Context parallelism", "use -cp 1."),
         (m.expert_tensor_parallel_size > 1, "model.expert_tensor_parallel_size", m.expert_tensor_parallel_size,
@@ -57,8 +59,12 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "use --cuda_graph_impl none."),
         (bool(m.mtp_num_layers), "model.mtp_num_layers", m.mtp_num_layers, "Multi-token prediction",
          "set model.mtp_num_layers=null."),
-        (m.defer_embedding_wgrad_compute, "model.defer_embedding_wgrad_compute", True,
-         "Deferred embedding wgrad (a pipeline feature)", "set comm_overlap.defer_embedding_wgrad_compute=false."),
+        (m.defer_embedding_wgrad_compute and (m.pipeline_impl == "torch_pipelining"
+                                              or bool(m.overlap_moe_expert_parallel_comm)),
+         "model.defer_embedding_wgrad_compute", True,
+         "Deferred output-layer wgrad outside our pipeline schedule (the torch.distributed.pipelining peer, or the "
+         "EP-overlap schedule)", "set comm_overlap.defer_embedding_wgrad_compute=false, or use "
+         "model.pipeline_impl=overlap without EP overlap."),
         (m.gradient_accumulation_fusion, "model.gradient_accumulation_fusion", True,
          "Fused gradient accumulation (a Transformer Engine kernel)", "set model.gradient_accumulation_fusion=false."),
         (m.add_bias_linear or m.add_qkv_bias, "model.add_bias_linear", True, "Linear biases",
@@ -70,8 +76,6 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "Non-gated (GELU) routed experts", "use gated_linear_unit=true (SwiGLU experts) for MoE models."),
         (m.share_embeddings_and_output_weights, "model.share_embeddings_and_output_weights", True,
          "Tied embedding and output weights", "set model.share_embeddings_and_output_weights=false."),
-        (d.check_for_nan_in_grad, "ddp.check_for_nan_in_grad", True, "The NaN check of gradients",
-         "set ddp.check_for_nan_in_grad=false."),
         (d.average_in_collective, "ddp.average_in_collective", True,
          "Averaging inside the collective (gradients are summed; the loss carries 1 / (micro-batches x DP))",
          "set ddp.average_in_collective=false."),
@@ -87,6 +91,16 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
                                "optimizer / fp8 gather settings of ours).",
                                "use -g cpu -mr dense_tiny -tp 1 -c fp32 with the default ddp settings, or "
                                "ddp.impl=overlap."))
+    ck, t = cfg.checkpoint, cfg.train
+    uses_checkpoints = bool(ck.save or ck.load or ck.pretrained_checkpoint)
+    for peer, field, value in ((d.impl != "overlap", "ddp.impl", d.impl),
+                               (m.tensor_parallel_impl == "dtensor", "model.tensor_parallel_impl", "dtensor")):
+        if peer and (uses_checkpoints or t.exit_signal_handler or t.exit_duration_in_mins is not None
+                     or d.check_for_nan_in_grad):
+            out.append(NotBuiltError(field, value, "Checkpoints, the exit handlers and the NaN check in the PyTorch "
+                                     "peers (they are speed comparisons; their parameters are torch's own objects)",
+                                     "drop the checkpoint.* / train.exit_* / ddp.check_for_nan_in_grad settings "
+                                     f"for the peer, or use {field}=overlap."))
     if m.tensor_parallel_impl == "dtensor" and m.tensor_model_parallel_size == 1:
         out.append(ConfigError("model.tensor_parallel_impl", "dtensor",
                                "the DTensor peer replaces the tensor-parallel communication, and at "

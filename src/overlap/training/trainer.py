@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,9 +31,12 @@ from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.pipeline.combined_1f1b import combined_1f1b
-from overlap.pipeline.schedules import PipelineExecutor
+from overlap.pipeline.schedules import PipelineExecutor, PipelineMemory
 from overlap.pipeline.torch_peer import TorchPipeline
+from overlap.errors import NonFiniteError
+from overlap.training.checkpoint import Checkpointer
 from overlap.training.data import MockDataset
+from overlap.training.stopping import ExitWatch, check_finite
 from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
                                       steady_mean_ms, steady_window)
 from overlap.optim.adam import LocalOptimizer, learning_rate
@@ -47,6 +51,10 @@ class RunSummary:
     steady_step_ms: float
     peak_memory_mb: float
     comm_ms: dict[str, float] = field(default_factory=dict)
+    first_iteration: int = 0  # > 0: resumed from a checkpoint of that iteration
+    stopped: str | None = None  # why the run stopped before train_iters (SIGTERM, time limit)
+    checkpoint: dict | None = None  # save / load times and sizes (Checkpointer.report)
+    pipeline_output_peak_bytes: int = 0  # stage outputs alive at once, max over steps (PipelineMemory; PP only)
 
 
 def comm_totals(events) -> tuple[dict[str, float], dict[str, int]]:
@@ -89,6 +97,13 @@ class Trainer:
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self._torch_pipeline = None  # model.pipeline_impl=torch_pipelining: built on the first step
+        self.pipeline_memory = PipelineMemory()  # live stage-output bytes per step (pipeline/schedules.py)
+        ck = cfg.checkpoint
+        # Checkpoints (training/checkpoint.py): loaded now, into the parameters (views into the DDP buffers) and the
+        # optimizer built above; `start_iteration` is where a resumed run continues.
+        self.checkpointer = (Checkpointer(cfg, ps, self.chunks, self.optimizer)
+                             if ck.save or ck.load or ck.pretrained_checkpoint else None)
+        self.start_iteration = self.checkpointer.load() if self.checkpointer is not None else 0
 
     def train_step(self, iteration: int) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (mean lm loss, grad norm)."""
@@ -120,7 +135,9 @@ class Trainer:
                 self.chunks, ps, batches, scale, bool(m.overlap_p2p_comm),
                 lambda chunk, last: self.ddps[chunk].set_last_micro_batch(last),
                 (seq, t.micro_batch_size, m.hidden_size), params_dtype(m),
-                m.microbatch_group_size_per_vp_stage).run()
+                m.microbatch_group_size_per_vp_stage, deallocate_outputs=bool(m.deallocate_pipeline_outputs),
+                defer_output_wgrad=bool(m.defer_embedding_wgrad_compute),
+                wgrad_deferral_limit=m.wgrad_deferral_limit, memory=self.pipeline_memory).run()
             for lm_loss in losses:
                 loss_sum += lm_loss.float()
         with RECORDER.span("grad_reduce"):
@@ -131,12 +148,20 @@ class Trainer:
         # stage has losses: the sum over PP (zeros elsewhere) gives every rank, rank 0 included, the same number.
         if ps.pp_size > 1:
             comm.all_reduce(loss_sum, ps.pp_group, "pp_loss").wait()
+        check_nan = self.cfg.ddp.check_for_nan_in_grad
+        local_loss = loss_sum.clone() if check_nan else None  # before the DP sum mixes the ranks' losses
         loss_handle = comm.all_reduce(loss_sum, ps.dp_group, "dp_loss")
         norm = self.optimizer.grad_norm()
+        if check_nan:  # free unless the norm is not finite (training/stopping.py)
+            check_finite(iteration, norm, local_loss, self._named_params(), ps.rank,
+                         self.checkpointer.last_saved if self.checkpointer else None)
         with RECORDER.span("optimizer"):
             self.optimizer.step(learning_rate(iteration, self.cfg.optimizer, self.cfg.scheduler, t.train_iters), norm)
         loss_handle.wait()
         return float(loss_sum) * scale, norm
+
+    def _named_params(self):
+        return ((n, p) for c in self.chunks for n, p in c.named_parameters())
 
     def finish_param_sync(self) -> None:
         """Complete any parameter all-gather still deferred into a next forward (overlap_param_gather)."""
@@ -149,30 +174,63 @@ class Trainer:
         records: list[StepRecord] = []
         comm_sum: dict[str, float] = defaultdict(float)
         RECORDER.drain()
-        for it in range(t.train_iters):
-            start = time.perf_counter()
-            loss, norm = self.train_step(it)
-            step_s = time.perf_counter() - start
-            events, _spans = RECORDER.drain()
-            c_ms, c_bytes = comm_totals(events)
-            for k, v in c_ms.items():
-                comm_sum[k] += v
-            rec = StepRecord(it, loss, norm, step_s * 1e3,
-                             learning_rate(it, self.cfg.optimizer, self.cfg.scheduler, t.train_iters))
-            records.append(rec)
-            tokens_per_s = tokens_per_step / step_s / self.ps.world_size
-            tflops = flops_step / step_s / self.ps.world_size / 1e12
-            if self.ps.rank == 0:
-                if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters:
-                    log.info(format_iteration(rec, t, tokens_per_s, tflops, on_gpu=self.ps.mesh.device_type == "cuda"))
-                if metrics is not None:
-                    metrics.write(json.dumps({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
-                                              "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,
-                                              "tflops_per_rank": tflops, "lr": rec.lr, "comm_ms": c_ms,
-                                              "comm_bytes": c_bytes}) + "\n")
-                    metrics.flush()
-                if progress is not None:
-                    progress(it + 1, t.train_iters, loss)
-        self.finish_param_sync()
-        window = steady_window(t)
-        return RunSummary(records, window, steady_mean_ms(records, window), peak_memory_mb(), dict(comm_sum))
+        first = self.start_iteration
+        watch = ExitWatch(t)
+        stopped: str | None = None
+        try:
+            for it in range(first, t.train_iters):
+                self._iteration(it, tokens_per_step, flops_step, records, comm_sum, metrics, progress)
+                stopped = watch.reason()
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()
+                    if stopped or self.checkpointer.due(it + 1):
+                        self.finish_param_sync()  # the checkpoint holds the updated weights, not a pending gather
+                        self.checkpointer.save(it + 1)
+                        RECORDER.discard()  # its gathers belong to no step (their cost: checkpointer.save_times)
+                if stopped:
+                    if self.ps.rank == 0:
+                        where = (f"checkpoint of iteration {it + 1} in {self.cfg.checkpoint.save}"
+                                 if self.cfg.checkpoint.save else "no checkpoint (checkpoint.save is not set)")
+                        log.info("stopping after iteration %d of %d: %s; %s", it + 1, t.train_iters, stopped, where)
+                    break
+            self.finish_param_sync()
+            if self.checkpointer is not None:
+                end = records[-1].iteration + 1 if records else first
+                if not stopped and self.cfg.checkpoint.save and self.checkpointer.last_saved != end and records:
+                    self.checkpointer.save(end)
+        finally:
+            watch.close()
+            if self.checkpointer is not None and sys.exc_info()[0] in (None, NonFiniteError):
+                self.checkpointer.close()  # a save in flight completes (every rank is here: no peer is gone)
+        window = steady_window(t, first)
+        return RunSummary(records, window, steady_mean_ms(records, window), peak_memory_mb(), dict(comm_sum),
+                          first, stopped, self.checkpointer.report() if self.checkpointer is not None else None,
+                          self.pipeline_memory.peak_bytes)
+
+    def _iteration(self, it: int, tokens_per_step: int, flops_step: float, records: list[StepRecord],
+                   comm_sum: dict[str, float], metrics: IO[str] | None, progress) -> None:
+        """One logged training iteration."""
+        t = self.cfg.train
+        start = time.perf_counter()
+        loss, norm = self.train_step(it)
+        step_s = time.perf_counter() - start
+        events, _spans = RECORDER.drain()
+        c_ms, c_bytes = comm_totals(events)
+        for k, v in c_ms.items():
+            comm_sum[k] += v
+        rec = StepRecord(it, loss, norm, step_s * 1e3,
+                         learning_rate(it, self.cfg.optimizer, self.cfg.scheduler, t.train_iters))
+        records.append(rec)
+        tokens_per_s = tokens_per_step / step_s / self.ps.world_size
+        tflops = flops_step / step_s / self.ps.world_size / 1e12
+        if self.ps.rank == 0:
+            if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters:
+                log.info(format_iteration(rec, t, tokens_per_s, tflops, on_gpu=self.ps.mesh.device_type == "cuda"))
+            if metrics is not None:
+                metrics.write(json.dumps({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
+                                          "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,
+                                          "tflops_per_rank": tflops, "lr": rec.lr, "comm_ms": c_ms,
+                                          "comm_bytes": c_bytes}) + "\n")
+                metrics.flush()
+            if progress is not None:
+                progress(it + 1, t.train_iters, loss)

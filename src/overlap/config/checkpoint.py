@@ -1,0 +1,109 @@
+"""The `checkpoint` section (Megatron-Bridge's CheckpointConfig names and defaults) and its resolution.
+
+Only what the runtime does is accepted: `ckpt_format` is `torch_dist` (DCP shards + metadata, layout-independent
+tensor names); the reference's other formats, replication, non-persistent and local checkpoints are refused with a
+clear error rather than silently written as something else. Every resolved setting is a decision in `explain` and in
+the start-up log (its own "Checkpoint decisions" section), including "nothing is saved" when `save` is unset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
+from overlap.errors import ConfigError, NotBuiltError
+
+FORMATS = ("torch_dist",)
+REFERENCE_FORMATS = ("torch", "torch_dcp", "fsdp_dtensor", "zarr")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when checkpoints are written and read. Directories are base folders (`<save>/iter_0000010/` inside),
+    as in Megatron; `load` is usually the same folder as `save`, so a restarted job resumes where it stopped."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None  # iterations between saves (None: only at the end of training)
+    most_recent_k: int = -1  # keep only the k newest checkpoints of `save` (-1: keep all)
+    ckpt_format: str = "torch_dist"
+    ckpt_step: int | None = None  # load iter_<ckpt_step> instead of the tracker's latest
+    async_save: bool = False
+    save_optim: bool = True
+    load_optim: bool = True
+    save_rng: bool = True
+    load_rng: bool = True
+    finetune: bool = False  # load weights only and start at iteration 0
+    pretrained_checkpoint: str | None = None  # weights to start from when `load` holds no checkpoint
+    exit_on_missing_checkpoint: bool = False  # `load` set but empty: fail instead of starting from scratch
+
+
+def resolve_checkpoint(ck: CheckpointConfig, log: DecisionLog) -> None:
+    """Check the section and record what a run will do with it."""
+    if ck.ckpt_format not in FORMATS:
+        if ck.ckpt_format in REFERENCE_FORMATS:
+            raise NotBuiltError("checkpoint.ckpt_format", ck.ckpt_format,
+                                f"The {ck.ckpt_format!r} checkpoint format",
+                                "use checkpoint.ckpt_format=torch_dist (DCP shards, loadable at any layout).")
+        raise ConfigError("checkpoint.ckpt_format", ck.ckpt_format, "unknown checkpoint format.",
+                          "use checkpoint.ckpt_format=torch_dist.")
+    for name in ("save", "load", "pretrained_checkpoint"):
+        value = getattr(ck, name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"checkpoint.{name}", value, "a checkpoint folder must be a non-empty path.",
+                              f"set checkpoint.{name}=/path/to/folder, or null.")
+    if ck.save_interval is not None and ck.save_interval < 1:
+        raise ConfigError("checkpoint.save_interval", ck.save_interval, "it counts iterations between saves.",
+                          "use a positive integer, or null to save only at the end of training.")
+    if ck.most_recent_k == 0 or ck.most_recent_k < -1:
+        raise ConfigError("checkpoint.most_recent_k", ck.most_recent_k,
+                          "it is how many of the newest checkpoints to keep (-1: all).",
+                          "use -1 or a positive integer.")
+    if ck.ckpt_step is not None and (ck.load is None or ck.ckpt_step < 0):
+        raise ConfigError("checkpoint.ckpt_step", ck.ckpt_step,
+                          "it picks iter_<ckpt_step> inside checkpoint.load (which must be set).",
+                          "set checkpoint.load too, and a ckpt_step >= 0.")
+    if ck.save is None:
+        for name in ("save_interval", "async_save"):
+            if getattr(ck, name) not in (None, False):
+                log.noop(f"checkpoint.{name}", getattr(ck, name), "nothing is saved without checkpoint.save",
+                         "set checkpoint.save=/path/to/folder, or drop it.")
+        if ck.most_recent_k != -1:
+            log.noop("checkpoint.most_recent_k", ck.most_recent_k, "nothing is saved without checkpoint.save",
+                     "set checkpoint.save=/path/to/folder, or drop it.")
+    if ck.load is None and ck.finetune:
+        if ck.pretrained_checkpoint is None:
+            log.noop("checkpoint.finetune", True, "there is nothing to load (checkpoint.load and "
+                     "checkpoint.pretrained_checkpoint are unset)", "set checkpoint.load, or drop finetune.")
+
+    rec = log.record_checkpoint
+    if ck.save is None:
+        rec("checkpoint.save", None, None, DEFAULT, "not set: this run writes no checkpoint")
+    else:
+        when = (f"every {ck.save_interval} iterations and at the end of training" if ck.save_interval
+                else "at the end of training only (checkpoint.save_interval unset)")
+        rec("checkpoint.save", ck.save, ck.save, USER, f"DCP checkpoints {when}, written to a temporary folder and "
+            "renamed, the tracker updated last")
+        rec("checkpoint.async_save", ck.async_save or None, ck.async_save, USER if ck.async_save else DEFAULT,
+            "written by a background thread from a snapshot taken at the step boundary; the next save and the end "
+            "of the run wait for it" if ck.async_save else "the save blocks training until written")
+        parts = [p for p, on in (("optimizer", ck.save_optim), ("RNG", ck.save_rng)) if on]
+        rec("checkpoint.save_optim", None, ck.save_optim, DEFAULT if ck.save_optim else USER,
+            "model weights" + "".join(f" + {p} state" for p in parts) + " + training state")
+        if ck.most_recent_k > 0:
+            rec("checkpoint.most_recent_k", ck.most_recent_k, ck.most_recent_k, USER,
+                f"older checkpoints than the newest {ck.most_recent_k} are deleted after each save")
+    if ck.load is not None:
+        weights_only = ck.finetune
+        rec("checkpoint.load", ck.load, ck.load, USER,
+            ("weights only, training starts at iteration 0 (finetune)" if weights_only else
+             "resume: weights" + (" + optimizer" if ck.load_optim else "") + (" + RNG (same layout only)"
+                                                                               if ck.load_rng else "")
+             + " + iteration; an empty folder " + ("is an error (exit_on_missing_checkpoint)"
+                                                   if ck.exit_on_missing_checkpoint else "starts from scratch")))
+    if ck.pretrained_checkpoint is not None:
+        rec("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint, ck.pretrained_checkpoint, USER,
+            "initial weights (weights only, iteration 0), used when checkpoint.load holds no checkpoint")
+    if ck.load is None and ck.pretrained_checkpoint is None:
+        rec("checkpoint.load", None, None, RULE if ck.save else DEFAULT, "not set: training starts from the "
+            "layout-independent random initialisation")

@@ -1,0 +1,329 @@
+"""Checkpoints: what a run saves and loads, when, and how a save stays atomic (and, optionally, asynchronous).
+
+What is saved (every tensor under its layout-independent name, as a chunk of its global tensor - see
+`checkpoint_format.py`):
+- `model.<param>`: the weights (this rank's TP / EP shard, the pipeline stage's layers, replicas deduplicated);
+- `optimizer.{master,exp_avg,exp_avg_sq}.<param>`: Adam's state in parameter space (the distributed optimizer
+  gathers its DP shards first), so it loads at another DP size or with the distributed optimizer on or off; the
+  master only where the parameter is not fp32 itself;
+- `rng.torch.rank<r>` (and `rng.cuda.rank<r>`): every rank's generator states, restored only at the same layout
+  (Bridge ignores RNG state after a TP/PP change too);
+- `train_state.json`: iteration, consumed samples, optimizer steps, the layout; `run_config.yaml`.
+The data position needs nothing more: the mock dataset's samples are a function of (seed, iteration, index), so a
+run resumed at iteration K reads exactly the samples the uninterrupted run reads at K.
+
+Saves go to `iter_N.tmp/`, renamed once every rank's shards and rank 0's metadata are written, then the tracker is
+updated: a job killed mid-save leaves the previous checkpoint as the latest. With `async_save` the state is copied
+to host memory at the step boundary (DCP's stager) and written by a background thread; its rank coordination runs
+on a dedicated gloo group (`comm.new_cpu_group`), apart from the training's collectives, and rank 0 renames the
+folder once the write has completed - polled at every step boundary, waited for by the next save and at the end.
+DCP's own control messages (plan exchange) go through that group; they are the library's, not ours to trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+import yaml
+from torch import nn
+
+from overlap.config.container import ConfigContainer
+from overlap.errors import CheckpointError
+from overlap.optim.adam import STATE_KEYS, ParamStates, keeps_master
+from overlap.parallel import comm
+from overlap.parallel.state import ParallelState
+from overlap.training.checkpoint_format import (FORMAT_VERSION, Chunk, ChunkLoadPlanner, ChunkSavePlanner,
+                                                check_chunks, check_storage, finalize_save, iteration_dir,
+                                                param_chunk, read_metadata, read_tracker, read_train_state,
+                                                saved_iterations, temporary_dir)
+
+log = logging.getLogger("overlap.checkpoint")
+
+
+def _plain(value: Any) -> Any:
+    """A configuration value as YAML can hold it (dataclasses to mappings, anything exotic to its text)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.name.startswith("_")}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _cause(exc: BaseException) -> str:
+    """One line per failing rank: DCP's CheckpointException carries {rank: (exception, traceback)}."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        return "; ".join(f"rank {r}: {_cause(e[0] if isinstance(e, tuple) else e)}" for r, e in sorted(failures.items()))
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def run_config_yaml(cfg: ConfigContainer) -> str:
+    return yaml.safe_dump(_plain(cfg), sort_keys=False)
+
+
+@dataclasses.dataclass
+class _PendingSave:
+    future: Future
+    iteration: int
+    train_state: dict
+    started: float
+
+
+class Checkpointer:
+    """Saves and loads this rank's part of the training state; one per run (collective: every rank builds it)."""
+
+    def __init__(self, cfg: ConfigContainer, ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> None:
+        self.cfg, self.ps, self.optimizer = cfg, ps, optimizer
+        self.ck = cfg.checkpoint
+        self.params: dict[str, nn.Parameter] = {n: p for c in chunks for n, p in c.named_parameters()}
+        self.group = comm.new_cpu_group()
+        self.pending: _PendingSave | None = None
+        self.last_saved: int | None = None
+        # What saving and loading cost (the run summary and `bench/checkpoint.py` report it): per save the time the
+        # training thread was blocked and the time until the checkpoint was complete, and its size on disk.
+        self.saves: list[dict[str, float]] = []
+        self.load_ms: float | None = None
+        if self.ck.save and ps.rank == 0:
+            stale = [p for p in Path(self.ck.save).glob("iter_*.tmp") if p.is_dir()]
+            for p in stale:
+                log.warning("removing %s: a save that never completed (the job stopped while writing it)", p)
+                shutil.rmtree(p, ignore_errors=True)
+
+    # --- what is saved -------------------------------------------------------------------------------------------
+    def _model_chunks(self) -> dict[str, Chunk]:
+        return {f"model.{name}": param_chunk(p) for name, p in self.params.items()}
+
+    def _optimizer_chunks(self, states: ParamStates) -> dict[str, Chunk]:
+        out = {}
+        for name, p in self.params.items():
+            for key, value in states[p].items():
+                out[f"optimizer.{key}.{name}"] = param_chunk(p, value)
+        return out
+
+    def _rng_chunks(self) -> dict[str, Chunk]:
+        r = self.ps.rank
+        out = {f"rng.torch.rank{r}": Chunk.whole(torch.get_rng_state())}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out[f"rng.cuda.rank{r}"] = Chunk.whole(torch.cuda.get_rng_state())
+        return out
+
+    def _layout(self) -> dict:
+        return {**dataclasses.asdict(self.ps.layout), "vp": self.cfg.model.virtual_pipeline_model_parallel_size or 1}
+
+    # --- saving --------------------------------------------------------------------------------------------------
+    def due(self, iteration: int) -> bool:
+        """Save after `iteration` completed iterations (the interval; the end of training is the trainer's call)."""
+        return bool(self.ck.save and self.ck.save_interval and iteration % self.ck.save_interval == 0)
+
+    def save(self, iteration: int) -> None:
+        """Write the state after `iteration` completed iterations (parameters must be in sync: no gather pending)."""
+        if not self.ck.save:
+            return
+        start = time.perf_counter()
+        self.wait()  # one save at a time: the previous asynchronous one completes (and is renamed) first
+        base = Path(self.ck.save)
+        tmp = temporary_dir(base, iteration)
+        if self.ps.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        comm.barrier(self.group)  # the folder exists (and holds nothing stale) before any rank writes
+        chunks = self._model_chunks()
+        if self.ck.save_optim:
+            chunks.update(self._optimizer_chunks(self.optimizer.param_states()))
+        if self.ck.save_rng:
+            chunks.update(self._rng_chunks())
+        state = {k: c.tensor for k, c in chunks.items()}
+        t = self.cfg.train
+        train_state = {"format_version": FORMAT_VERSION, "iteration": iteration,
+                       "consumed_train_samples": iteration * t.global_batch_size,
+                       "optimizer_steps": self.optimizer.steps_taken(), "layout": self._layout(),
+                       "has_optimizer": self.ck.save_optim, "has_rng": self.ck.save_rng,
+                       "seed": t.seed, "global_batch_size": t.global_batch_size, "torch": torch.__version__}
+        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        planner = ChunkSavePlanner(chunks)
+        if self.ck.async_save:
+            future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=self.group)
+            self.pending = _PendingSave(future, iteration, train_state, start)
+            self.saves.append({"iteration": iteration, "blocked_ms": (time.perf_counter() - start) * 1e3})
+        else:
+            try:
+                dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
+            except (Exception, CheckpointException) as exc:  # DCP's collective failure is a BaseException
+                raise self._save_failed(iteration, exc) from exc
+            self.saves.append({"iteration": iteration})
+            self._finish(iteration, train_state, start)
+            self.saves[-1]["blocked_ms"] = self.saves[-1]["complete_ms"]
+
+    def _finish(self, iteration: int, train_state: dict, start: float) -> None:
+        """Every rank's shards are on disk: rank 0 completes the folder, renames it and moves the tracker."""
+        record = next(r for r in self.saves if r["iteration"] == iteration)
+        if self.ps.rank == 0:
+            final = finalize_save(Path(self.ck.save), iteration, train_state, run_config_yaml(self.cfg),
+                                  self.ck.most_recent_k)
+            record["size_mb"] = sum(f.stat().st_size for f in final.iterdir()) / 1e6
+        record["complete_ms"] = (time.perf_counter() - start) * 1e3
+        if self.ps.rank == 0:
+            log.info("saved checkpoint %s (iteration %d%s): %.1f MB in %.0f ms", final, iteration,
+                     ", asynchronously" if self.ck.async_save else "", record["size_mb"], record["complete_ms"])
+        self.last_saved = iteration
+
+    def poll(self) -> None:
+        """Step boundary: complete an asynchronous save whose write has finished (rank 0 renames it)."""
+        if self.pending is not None and self.pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is written and renamed."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as exc:
+            raise self._save_failed(pending.iteration, exc) from exc
+        self._finish(pending.iteration, pending.train_state, pending.started)
+
+    def _save_failed(self, iteration: int, exc: BaseException) -> CheckpointError:
+        return CheckpointError("checkpoint.save", self.ck.save, f"the save of iteration {iteration} failed "
+                               f"({_cause(exc)}); "
+                               f"its temporary folder is left incomplete and the previous checkpoint stays the "
+                               "latest.", "check that the folder is writable and has space, then resume.")
+
+    # --- loading -------------------------------------------------------------------------------------------------
+    def _source(self) -> tuple[Path, bool] | None:
+        """(iteration folder, weights only) to start from, or None (fresh start)."""
+        ck = self.ck
+        if ck.load is not None:
+            iteration = ck.ckpt_step if ck.ckpt_step is not None else read_tracker(ck.load)
+            if iteration is not None:
+                folder = iteration_dir(ck.load, iteration)
+                if not folder.is_dir():
+                    found = saved_iterations(ck.load)
+                    raise CheckpointError("checkpoint.load", str(folder), "this iteration's folder does not exist "
+                                          f"(saved iterations there: {found or 'none'}).",
+                                          "set checkpoint.ckpt_step to one of them, or fix the tracker file.")
+                return folder, ck.finetune
+            if ck.exit_on_missing_checkpoint:
+                raise CheckpointError("checkpoint.load", ck.load, "no checkpoint there (no tracker file) and "
+                                      "checkpoint.exit_on_missing_checkpoint is set.",
+                                      "point checkpoint.load at a folder with a checkpoint, or unset the flag.")
+        if ck.pretrained_checkpoint is not None:
+            return self._pretrained(Path(ck.pretrained_checkpoint)), True
+        if ck.load is not None and self.ps.rank == 0:
+            log.info("checkpoint.load=%s holds no checkpoint yet: training starts at iteration 0", ck.load)
+        return None
+
+    def _pretrained(self, path: Path) -> Path:
+        """A base folder (its tracker's latest) or an iteration folder."""
+        if (path / "config.json").exists():
+            from overlap.errors import NotBuiltError
+
+            raise NotBuiltError("checkpoint.pretrained_checkpoint", str(path),
+                                "Loading a Hugging Face checkpoint (config.json + safetensors)",
+                                "point it at an overlap checkpoint (a base folder or an iter_N folder).")
+        if (path / ".metadata").exists():
+            return path
+        iteration = read_tracker(path)
+        if iteration is None:
+            raise CheckpointError("checkpoint.pretrained_checkpoint", str(path), "neither a checkpoint folder "
+                                  "(.metadata) nor a base folder with a tracker file.",
+                                  "point it at <save> or <save>/iter_NNNNNNN of an overlap run.")
+        return iteration_dir(path, iteration)
+
+    def load(self) -> int:
+        """Load the configured checkpoint into this rank's parameters and optimizer; return the iteration to
+        continue from (0 for a fresh start or a weights-only load)."""
+        source = self._source()
+        if source is None:
+            return 0
+        start = time.perf_counter()
+        folder, weights_only = source
+        train_state = read_train_state(folder)
+        metadata = read_metadata(folder)
+        check_storage(folder, metadata)
+        chunks = self._model_chunks()
+        want_optim = self.ck.load_optim and not weights_only
+        if want_optim and not train_state.get("has_optimizer"):
+            raise CheckpointError("checkpoint.load_optim", True, f"{folder} was saved without optimizer state "
+                                  "(checkpoint.save_optim=false).", "set checkpoint.load_optim=false to load the "
+                                  "weights and start the optimizer afresh.")
+        states: ParamStates = {}
+        if want_optim:
+            for name, p in self.params.items():
+                keys = STATE_KEYS if keeps_master(p) else STATE_KEYS[1:]
+                states[p] = {k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys}
+                if keeps_master(p) and f"optimizer.master.{name}" not in metadata.state_dict_metadata:
+                    del states[p]["master"]  # saved from fp32 parameters: the weights are the masters
+            chunks.update(self._optimizer_chunks(states))
+        same_layout = train_state.get("layout") == self._layout()
+        load_rng = self.ck.load_rng and not weights_only and train_state.get("has_rng") and same_layout
+        if load_rng:
+            chunks.update(self._rng_chunks())
+        self._agree(check_chunks(folder, metadata, chunks), folder)
+        self._check_no_extra(metadata, folder)
+        state = {k: c.tensor for k, c in chunks.items()}
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), planner=ChunkLoadPlanner(chunks),
+                     process_group=self.group)
+        except (Exception, CheckpointException) as exc:
+            raise CheckpointError("checkpoint.load", str(folder), f"reading the shards failed "
+                                  f"({_cause(exc)}); the "
+                                  "files are corrupt or were written by another build.",
+                                  "load another iteration.") from exc
+        step = int(train_state.get("optimizer_steps", 0)) if want_optim else 0
+        self.optimizer.load_param_states(states, step)  # without optimizer state: masters from the loaded weights
+        if load_rng:
+            torch.set_rng_state(state[f"rng.torch.rank{self.ps.rank}"])
+            if f"rng.cuda.rank{self.ps.rank}" in state:
+                torch.cuda.set_rng_state(state[f"rng.cuda.rank{self.ps.rank}"])
+        iteration = 0 if weights_only else int(train_state["iteration"])
+        self.load_ms = (time.perf_counter() - start) * 1e3
+        if self.ps.rank == 0:
+            parts = ["weights"] + (["optimizer"] if want_optim else []) + (["RNG"] if load_rng else [])
+            why = ("" if load_rng or not self.ck.load_rng or weights_only else
+                   f"; RNG state not restored: saved at layout {train_state.get('layout')}, this run is "
+                   f"{self._layout()}")
+            log.info("loaded checkpoint %s (%s) in %.0f ms; training %s at iteration %d%s", folder,
+                     " + ".join(parts), self.load_ms, "starts" if weights_only else "resumes", iteration, why)
+        return iteration
+
+    def _agree(self, problem: str | None, folder: Path) -> None:
+        """Every rank learns of any rank's problem before anyone enters the load's collectives."""
+        problems = [p for p in comm.all_gather_object(problem, self.group) if p]
+        if problems:
+            raise CheckpointError("checkpoint.load", str(folder), problems[0] + ".",
+                                  "load a checkpoint of this model (same sizes), or change the model configuration "
+                                  "to the one in its run_config.yaml.")
+
+    def _check_no_extra(self, metadata, folder: Path) -> None:
+        """The checkpoint holds no model tensor that this model lacks (e.g. more layers or experts by name)."""
+        ours = set().union(*comm.all_gather_object(sorted(f"model.{n}" for n in self.params), self.group))
+        extra = sorted(k for k in metadata.state_dict_metadata if k.startswith("model.") and k not in ours)
+        if extra:
+            raise CheckpointError("checkpoint.load", str(folder), f"the checkpoint holds tensors this model does not "
+                                  f"have: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}.",
+                                  "load it with the model configuration in its run_config.yaml.")
+
+    def close(self) -> None:
+        """The end of the run: an asynchronous save in flight completes before the process group goes."""
+        self.wait()
+
+    def report(self) -> dict[str, Any]:
+        """The run summary's `checkpoint` entry."""
+        return {"async_save": self.ck.async_save, "saves": self.saves, "load_ms": self.load_ms}
+

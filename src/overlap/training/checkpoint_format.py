@@ -1,0 +1,239 @@
+"""How a checkpoint lies on disk: DCP shards addressed by layout-independent names, and the folders around them.
+
+```
+<save>/latest_checkpointed_iteration.txt   the tracker (Megatron's name): the newest complete iteration, written last
+<save>/iter_0000010/                       one folder per saved iteration (iter_{:07d})
+    __<rank>_0.distcp  .metadata           torch.distributed.checkpoint shards and their index
+    train_state.json                       iteration, consumed samples, optimizer steps, the layout that wrote it
+    run_config.yaml                        the resolved run configuration
+<save>/iter_0000020.tmp/                   a save in progress (renamed when complete; left over if the job died)
+```
+
+Every tensor is stored as a chunk of its *global* tensor: the key is the parameter's name (the same in every layout:
+`layers.5.` on whichever pipeline rank holds layer 5, stacked experts), the global shape is the unsharded one and the
+chunk's offsets say where this rank's TP / EP shard sits. DCP's metadata then describes whole tensors, and a load at
+another layout reads just the overlapping pieces into each rank's own shards. Plain DCP cannot express that for
+ordinary tensors (it would store every rank's shard as a whole tensor of the shard's shape), and DTensor would need
+one device mesh per pipeline stage and expert group; the two planners below add the offsets to DCP's own plans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from overlap.errors import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+TRAIN_STATE = "train_state.json"
+RUN_CONFIG = "run_config.yaml"
+FORMAT_VERSION = 1
+_ITER = re.compile(r"^iter_(\d{7})$")
+
+
+def iteration_dir(base: str | os.PathLike, iteration: int) -> Path:
+    return Path(base) / f"iter_{iteration:07d}"
+
+
+def temporary_dir(base: str | os.PathLike, iteration: int) -> Path:
+    return Path(base) / f"iter_{iteration:07d}.tmp"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`tensor` is the piece of the global tensor (`global_shape`) that starts at `offsets`."""
+
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> "Chunk":
+        return cls(tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+
+def param_chunk(param: torch.Tensor, tensor: torch.Tensor | None = None) -> Chunk:
+    """Where `param` (or `tensor`, a state of the same shape) sits in its global tensor, from its shard mark
+    (`layers/init.py`: slice `index` of `count` along `dim`)."""
+    shard = getattr(param, "shard", None)
+    data = param.detach() if tensor is None else tensor
+    if shard is None:
+        return Chunk.whole(data)
+    shape, offsets = list(param.shape), [0] * param.dim()
+    offsets[shard.dim] = shard.index * shape[shard.dim]
+    shape[shard.dim] *= shard.count
+    return Chunk(data, tuple(shape), tuple(offsets))
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """DCP's planner with every tensor written as its chunk of the global tensor (replicas deduplicated by DCP)."""
+
+    def __init__(self, chunks: dict[str, Chunk]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = chunks
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, chunk in self.chunks.items():
+            t = chunk.tensor
+            items.append(WriteItem(
+                index=MetadataIndex(key, torch.Size(chunk.offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(chunk.offsets), t.size()),
+                                            properties=TensorProperties.create_from_tensor(t),
+                                            size=torch.Size(chunk.global_shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.state_dict[index.fqn]
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads into every chunk the overlapping pieces of whatever chunks the checkpoint holds (any layout)."""
+
+    def __init__(self, chunks: dict[str, Chunk]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = chunks
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, chunk in self.chunks.items():
+            stored = self.metadata.state_dict_metadata[key]
+            local = ChunkStorageMetadata(torch.Size(chunk.offsets), chunk.tensor.size())
+            items += create_read_items_for_chunk_list(key, stored, [local])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]
+
+
+# --- folders, tracker, validation -----------------------------------------------------------------------------------
+def write_atomic(path: Path, text: str) -> None:
+    """Write a small file so that a reader sees the old content or the new one, never a torn one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_tracker(base: str | os.PathLike) -> int | None:
+    """The newest complete iteration recorded in `base`, None if the folder holds no checkpoint yet."""
+    path = Path(base) / TRACKER
+    if not path.exists():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError("checkpoint.load", str(path), f"the tracker file holds {text!r}, not an iteration "
+                              "number.", f"write the iteration to load into {path}, or set checkpoint.ckpt_step.")
+    return int(text)
+
+
+def saved_iterations(base: str | os.PathLike) -> list[int]:
+    """Complete checkpoints in `base` (temporary folders of unfinished saves excluded), oldest first."""
+    if not Path(base).is_dir():
+        return []
+    found = (_ITER.match(p.name) for p in Path(base).iterdir() if p.is_dir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def finalize_save(base: Path, iteration: int, train_state: dict, run_config: str, keep: int) -> Path:
+    """Rank 0, after every rank's shards are written: the training state and configuration into the temporary
+    folder, the folder renamed to its final name, then the tracker - so an interrupted save never replaces the
+    previous checkpoint, and the tracker only ever names a complete one. Returns the final folder."""
+    tmp, final = temporary_dir(base, iteration), iteration_dir(base, iteration)
+    write_atomic(tmp / TRAIN_STATE, json.dumps(train_state, indent=1, sort_keys=True) + "\n")
+    write_atomic(tmp / RUN_CONFIG, run_config)
+    if final.exists():  # the same iteration saved again (a resumed run that stopped at the same step)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(base)
+    write_atomic(base / TRACKER, f"{iteration}\n")
+    _fsync_dir(base)
+    if keep > 0:
+        for old in saved_iterations(base)[:-keep]:
+            shutil.rmtree(iteration_dir(base, old), ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_train_state(folder: Path) -> dict:
+    path = folder / TRAIN_STATE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError("checkpoint.load", str(folder), f"{path.name} is missing: this is not a complete "
+                              "overlap checkpoint (an interrupted save is renamed only once complete).",
+                              "load another iteration (checkpoint.ckpt_step) or the tracker's latest.") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError("checkpoint.load", str(path), f"the training state cannot be read "
+                              f"({exc.__class__.__name__}: {exc}).", "load another iteration.") from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError("checkpoint.load", str(path), f"format version {state.get('format_version')!r}; this "
+                              f"build reads version {FORMAT_VERSION}.", "load it with the version that wrote it.")
+    return state
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """DCP's index of the folder, or a clear error naming the file."""
+    try:
+        return FileSystemReader(str(folder)).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError("checkpoint.load", str(folder / ".metadata"), "the DCP index is missing.",
+                              "load another iteration; this folder is not a complete checkpoint.") from None
+    except Exception as exc:  # unpickling a torn or corrupt index raises many kinds
+        raise CheckpointError("checkpoint.load", str(folder / ".metadata"), f"the DCP index is truncated or "
+                              f"corrupt ({exc.__class__.__name__}).", "load another iteration.") from None
+
+
+def check_storage(folder: Path, metadata: Metadata) -> None:
+    """Every shard file the index points into exists and is long enough (a truncated copy is named here, not in a
+    deserialisation error halfway through the load)."""
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        path = folder / name
+        if not path.exists():
+            raise CheckpointError("checkpoint.load", str(path), "a shard file of the checkpoint is missing.",
+                                  "copy the whole iteration folder, or load another iteration.")
+        if path.stat().st_size < size:
+            raise CheckpointError("checkpoint.load", str(path), f"the shard file is truncated ({path.stat().st_size} "
+                                  f"of {size} bytes).", "copy the whole iteration folder, or load another iteration.")
+
+
+def check_chunks(folder: Path, metadata: Metadata, chunks: dict[str, Chunk]) -> str | None:
+    """The first reason these chunks cannot be read from the checkpoint (a missing tensor, another global shape or
+    dtype), None if they can."""
+    stored = metadata.state_dict_metadata
+    for key, chunk in chunks.items():
+        md = stored.get(key)
+        if md is None:
+            return f"tensor {key!r} is not in the checkpoint {folder}"
+        if not isinstance(md, TensorStorageMetadata):
+            return f"{key!r} in the checkpoint {folder} is not a tensor"
+        if tuple(md.size) != chunk.global_shape:
+            return (f"tensor {key!r} has shape {tuple(md.size)} in the checkpoint {folder} but {chunk.global_shape} "
+                    "in this model (a different model configuration)")
+    return None

@@ -1,0 +1,83 @@
+"""Stopping a run on purpose: on SIGTERM or a time limit (with a checkpoint), or on a NaN/Inf (without one).
+
+Preemption: Slurm (and our local launcher, forwarding its own SIGTERM) sends SIGTERM before it kills a job. With
+`train.exit_signal_handler` the handler only raises a flag; at the next step boundary every rank learns whether any
+rank was signalled or the `train.exit_duration_in_mins` budget is spent (one all-reduce of two numbers, MAX, and only
+when one of the two is configured), so all ranks stop after the same iteration, save, and exit 0.
+
+NaN/Inf (`ddp.check_for_nan_in_grad`): the global gradient norm is all-reduced anyway, so a non-finite value anywhere
+shows on every rank at no extra cost; then (only then) the ranks exchange which of them hold the non-finite values,
+and every rank stops before the optimizer step with one message naming the iteration, the ranks and the tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from overlap.config.training import TrainConfig
+from overlap.errors import NonFiniteError
+from overlap.parallel import comm
+
+
+class ExitWatch:
+    def __init__(self, t: TrainConfig) -> None:
+        self.minutes = t.exit_duration_in_mins
+        self.handler = t.exit_signal_handler
+        self.enabled = self.handler or self.minutes is not None
+        self.signalled: int | None = None
+        self.start = time.monotonic()
+        self._previous = None
+        if self.handler and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = signum
+
+    def reason(self) -> str | None:
+        """Collective (when enabled): why every rank stops after this iteration, or None to go on."""
+        if not self.enabled:
+            return None
+        elapsed_min = (time.monotonic() - self.start) / 60.0
+        flags = torch.tensor([1.0 if self.signalled is not None else 0.0, elapsed_min], dtype=torch.float64)
+        comm.all_reduce(flags, dist.group.WORLD, "ctl_exit", dist.ReduceOp.MAX).wait()
+        if flags[0] > 0:
+            return "SIGTERM received (train.exit_signal_handler)"
+        if self.minutes is not None and float(flags[1]) >= self.minutes:
+            return f"train.exit_duration_in_mins={self.minutes:g} reached ({float(flags[1]):.2f} min)"
+        return None
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def check_finite(iteration: int, norm: float, loss: torch.Tensor, named_params: Iterable[tuple[str, nn.Parameter]],
+                 rank: int, last_checkpoint: int | None) -> None:
+    """Raise NonFiniteError on every rank if the (global) gradient norm is not finite. Collective only then."""
+    if math.isfinite(norm):
+        return
+    bad = [name for name, p in named_params
+           if getattr(p, "main_grad", None) is not None and not bool(torch.isfinite(p.main_grad).all())]
+    mine = []
+    if not bool(torch.isfinite(loss).all()):
+        mine.append("the lm loss")
+    if bad:
+        mine.append("gradients of " + ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+    reports = comm.all_gather_object((rank, "; ".join(mine)), None)
+    where = "; ".join(f"rank {r}: {what}" for r, what in reports if what) or "no rank holds a non-finite gradient (the norm itself overflowed)"
+    kept = (f"the last checkpoint (iteration {last_checkpoint}) is untouched" if last_checkpoint is not None else
+            "no checkpoint was written")
+    raise NonFiniteError("ddp.check_for_nan_in_grad", True,
+                         f"iteration {iteration + 1}: the gradient norm is {norm}: {where}. Training stopped before "
+                         f"the optimizer step (nothing was updated); {kept}.",
+                         "resume from the last checkpoint with a lower learning rate (or more warm-up), check the "
+                         "data; set ddp.check_for_nan_in_grad=false only to train through it.")
