@@ -90,3 +90,7 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -tp 2 -sl 1024 -ms 5 -gb 4 -mb
   --config "TP overlap (defaults):comm_overlap.tp_comm_overlap=true" \
   --config "no bulk dgrad:comm_overlap.tp_comm_overlap=true;model.tp_comm_bulk_dgrad=false" \
   --ideal-family tp --repeats 2 --json $out/tp_overlap_narrow.json --markdown $out/tp_overlap_narrow.md
+
+# 9. Checkpoints: save (sync vs async, alternated) and load time and size for qwen3_moe_tiny EP=4 and dense_tiny DP=4
+#    with the distributed optimizer; 8 iterations saving every 2, then a load + 1 iteration (bench/checkpoint_bench.py).
+python bench/checkpoint_bench.py $out/checkpoint.json $out/checkpoint.md 2
