@@ -222,3 +222,30 @@ def test_the_torch_pipelining_peer_trains_the_same_split_to_the_same_losses(layo
     ours = run_world(2, _train, False, "fp32", 4, [], layout)[0]
     peer = run_world(2, _train, False, "fp32", 4, ["model.pipeline_impl=torch_pipelining"], layout)[0]
     assert peer == pytest.approx(ours, rel=1e-5)
+
+
+def _gathers_at_step(align: bool) -> tuple[list[float], int]:
+    """Losses of 3 steps, and how many parameter gathers the last optimizer step launched (inside its span)."""
+    from overlap.parallel.trace import RECORDER
+
+    cfg = _config(False, "fp32", 4, ["ddp.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=true",
+                                     "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
+                                     "ddp.bucket_size=20000", f"ddp.align_param_gather={str(align).lower()}"],
+                  pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    res = cfg.finalize(dist.get_world_size())
+    trainer = Trainer(cfg, ParallelState(res.layout))
+    losses = [trainer.train_step(it)[0] for it in range(STEPS)]
+    events, spans = RECORDER.drain()
+    opt = [s for s in spans if s.name == "optimizer"][-1]
+    launched = sum(1 for e in events if e.kind == "dp_ag" and opt.t_start <= e.t_launch <= opt.t_end)
+    trainer.finish_param_sync()
+    return losses, launched
+
+
+def test_align_param_gather_launches_every_chunks_first_gather_at_the_step_and_keeps_the_math():
+    """DP2 x PP2 x VPP2 with the distributed optimizer: with align_param_gather the first bucket of both model chunks
+    is gathered from the optimizer step (2 launches there), without it only chunk 0's (1); losses identical."""
+    off = run_world(4, _gathers_at_step, False)
+    on = run_world(4, _gathers_at_step, True)
+    assert [n for _, n in off] == [1] * 4 and [n for _, n in on] == [2] * 4
+    assert [l for l, _ in on] == [l for l, _ in off]

@@ -106,6 +106,9 @@ def _detect_noops(model: "ModelConfig", ddp: "DDPConfig", dp_size: int, log: Dec
     if ddp.align_param_gather and not (dp_size > 1 and ddp.use_distributed_optimizer and pp > 1 and vp > 1):
         log.noop("ddp.align_param_gather", True, "it aligns the parameter gathers of pipeline stages, which needs DP>1, "
                  "the distributed optimizer, PP>1 and VPP", "drop ddp.align_param_gather.")
+    elif ddp.align_param_gather and not ddp.overlap_param_gather:
+        log.noop("ddp.align_param_gather", True, "without ddp.overlap_param_gather every parameter gather runs at "
+                 "the optimizer step anyway", "set ddp.overlap_param_gather=true, or drop ddp.align_param_gather.")
 
 
 def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) -> None:

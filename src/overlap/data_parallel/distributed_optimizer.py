@@ -52,8 +52,8 @@ class DistributedOptimizer(SlotOptimizer):
         self.ps = ps
         self.buffers = [b for ddp in ddps for b in ddp.buffers]
         self.adam = MixedPrecisionAdam([s for ddp in ddps for s in shard_slots(ddp)], cfg)
-        self.gather = ParamGather(self.buffers, nn.ModuleList(chunks),
-                                  bool(ddp_cfg.overlap_param_gather), bool(ddp_cfg.fp8_param_gather))
+        self.gather = ParamGather(self.buffers, chunks, bool(ddp_cfg.overlap_param_gather),
+                                  bool(ddp_cfg.fp8_param_gather), bool(ddp_cfg.align_param_gather))
 
     def grad_norm(self) -> float:
         return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)
