@@ -53,6 +53,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     for flags, kwargs in BENCH_FLAGS:
         bench.add_argument(*flags, **kwargs)
     bench.set_defaults(func=cmd_bench)
+    from overlap.data.preprocess import register as register_preprocess
+
+    register_preprocess(sub)  # overlap preprocess
 
 
 def _add_instrument_flags(p: argparse.ArgumentParser) -> None:

@@ -87,6 +87,8 @@ def add_harness_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer_type", default=None,
                    choices=("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"),
                    help="NullTokenizer: mock data (uniform random tokens)")
+    g.add_argument("--tokenizer_model", default=None,
+                   help="HuggingFaceTokenizer: a tokenizer.json or its folder (tokenizer.tokenizer_model)")
     g.add_argument("--vocab_size", type=int, default=None, help="NullTokenizer vocabulary (model.vocab_size)")
     for flag, dest, what in (("-tp", "tensor_model_parallel_size", "tensor-parallel size (implies sequence parallel)"),
                              ("-pp", "pipeline_model_parallel_size", "pipeline-parallel size"),
@@ -316,6 +318,7 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
         put("comm_overlap.strict", True, "--strict")
     for key, value, flag in (
             ("tokenizer.tokenizer_type", a.tokenizer_type, "--tokenizer_type"),
+            ("tokenizer.tokenizer_model", a.tokenizer_model, "--tokenizer_model"),
             ("tokenizer.vocab_size", a.vocab_size, "--vocab_size"),
             ("train.global_batch_size", a.global_batch_size, "-gb"),
             ("train.micro_batch_size", a.micro_batch_size, "-mb"),

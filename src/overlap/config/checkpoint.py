@@ -76,7 +76,9 @@ def resolve_checkpoint(ck: CheckpointConfig, log: DecisionLog) -> None:
             log.noop("checkpoint.finetune", True, "there is nothing to load (checkpoint.load and "
                      "checkpoint.pretrained_checkpoint are unset)", "set checkpoint.load, or drop finetune.")
 
-    rec = log.record_checkpoint
+    def rec(*decision) -> None:
+        log.record_in("checkpoint", *decision)
+
     if ck.save is None:
         rec("checkpoint.save", None, None, DEFAULT, "not set: this run writes no checkpoint")
     else:

@@ -1,7 +1,7 @@
 """ConfigContainer: every section of a run, and `finalize(world_size)`, which resolves it in a fixed order.
 
-Order (documented, tested): tokenizer -> mixed precision -> data-parallel size -> comm overlap -> validation ->
-flex dispatcher backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that
+Order (documented, tested): tokenizer -> mixed precision -> data-parallel size -> data (the tokenizer's padded
+vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint -> flex dispatcher backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that
 snapshot on every call, so calling it twice gives the same result (edits made after the first call are not seen:
 build a new container instead).
 """
@@ -15,11 +15,12 @@ from typing import Any, Sequence
 
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
-from overlap.config.decisions import RULE, Decision, DecisionLog
+from overlap.config.decisions import DEFAULT, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import DTYPES, ModelConfig
-from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig, TrainConfig
+from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
+                                     TrainConfig)
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.config.layout import ParallelLayout, pipeline_layer_ranges
 
@@ -44,6 +45,7 @@ class ConfigContainer:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mixed_precision: MixedPrecisionConfig | str | None = None
     comm_overlap: CommOverlapConfig | None = None
@@ -71,6 +73,7 @@ class ConfigContainer:
         self._apply_tokenizer()
         self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
+        self._apply_data(layout, log)
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = layout.dp
         resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
@@ -81,12 +84,59 @@ class ConfigContainer:
 
     # --- stages ------------------------------------------------------------------------------------------------
     def _apply_tokenizer(self) -> None:
-        if self.tokenizer.tokenizer_type != "NullTokenizer":
-            raise NotBuiltError("tokenizer.tokenizer_type", self.tokenizer.tokenizer_type,
-                                "Loading a real tokenizer (and a real dataset)",
-                                "use --tokenizer_type NullTokenizer (mock pretraining data).")
-        if self.tokenizer.vocab_size is not None:
-            self.model.vocab_size = self.tokenizer.vocab_size
+        tok = self.tokenizer
+        if tok.tokenizer_type not in ("NullTokenizer", "HuggingFaceTokenizer"):
+            if tok.tokenizer_type == "SentencePieceTokenizer":
+                raise NotBuiltError("tokenizer.tokenizer_type", tok.tokenizer_type, "The SentencePiece tokenizer",
+                                    "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a tokenizer.json.")
+            raise ConfigError("tokenizer.tokenizer_type", tok.tokenizer_type, "unknown tokenizer type.",
+                              "use NullTokenizer or HuggingFaceTokenizer.")
+        if tok.tokenizer_type == "HuggingFaceTokenizer":
+            if not tok.tokenizer_model:
+                raise ConfigError("tokenizer.tokenizer_model", tok.tokenizer_model, "HuggingFaceTokenizer reads a "
+                                  "tokenizer.json.", "set --tokenizer_model PATH (a tokenizer.json or its folder).")
+            if tok.vocab_size is not None:
+                raise ConfigError("tokenizer.vocab_size", tok.vocab_size, "the vocabulary comes from the "
+                                  "tokenizer; vocab_size is the NullTokenizer's.", "drop --vocab_size.")
+        elif tok.tokenizer_model:
+            raise ConfigError("tokenizer.tokenizer_model", tok.tokenizer_model, "the NullTokenizer reads no file.",
+                              "set --tokenizer_type HuggingFaceTokenizer, or drop --tokenizer_model.")
+        if tok.vocab_size is not None:
+            self.model.vocab_size = tok.vocab_size
+
+    def _apply_data(self, layout: ParallelLayout, log: DecisionLog) -> None:
+        """The tokenizer's vocabulary (padded as Megatron pads it) and the dataset's files, checked now."""
+        tok, data, m = self.tokenizer, self.dataset, self.model
+        if tok.tokenizer_type == "HuggingFaceTokenizer":
+            from overlap.data.tokenizer import HFTokenizer, padded_vocab_size
+
+            hf = HFTokenizer(tok.tokenizer_model)
+            if m.make_vocab_size_divisible_by < 1:
+                raise ConfigError("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by,
+                                  "it must be positive.", "use 128 (Megatron's default).")
+            m.vocab_size = padded_vocab_size(hf.vocab_size, m.make_vocab_size_divisible_by, layout.tp)
+            log.record_in("data", "model.vocab_size", None, m.vocab_size, RULE,
+                          f"the tokenizer's {hf.vocab_size} tokens padded to a multiple of "
+                          f"make_vocab_size_divisible_by x TP = {m.make_vocab_size_divisible_by} x {layout.tp}; "
+                          f"end of document = token {hf.eod}")
+        if data.blend is None:
+            log.record_in("data", "dataset.blend", None, None, DEFAULT,
+                          "not set: mock data (random tokens from the seed; the loss cannot fall below "
+                          f"ln(vocab) = {math.log(m.vocab_size):.2f})")
+            return
+        from overlap.data.gpt_dataset import parse_blend, split_ranges
+        from overlap.data.indexed import IndexedDataset
+
+        prefixes, weights = parse_blend(data.blend)
+        share = sum(weights)
+        for prefix, weight in zip(prefixes, weights):
+            files = IndexedDataset(prefix)
+            start, end = split_ranges(data.split, len(files))[0]
+            tokens = int(files.lengths[start:end].sum())
+            log.record_in("data", "dataset.blend", prefix, prefix, USER,
+                          f"weight {weight / share:.3f}: {end - start} of {len(files)} documents in the training "
+                          f"split ({data.split}), {tokens:,} tokens ({files.dtype.name}); shuffled with seed "
+                          f"{data.random_seed}")
 
     def _apply_mixed_precision(self, log: DecisionLog) -> None:
         mp = self.mixed_precision

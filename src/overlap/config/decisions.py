@@ -79,7 +79,8 @@ class DecisionLog:
         self.command_line: list[Decision] = []
         self.noops: list[NoOp] = []
         self.other: list[Decision] = []
-        self.checkpoint: list[Decision] = []
+        # Decisions outside the overlap table, one section each ("checkpoint", "data"), in recording order.
+        self.sections: dict[str, list[Decision]] = {}
 
     def _check(self, decision: Decision, fix: str | None) -> None:
         if decision.overridden:
@@ -98,9 +99,10 @@ class DecisionLog:
         self.decisions.append(decision)
         return effective
 
-    def record_checkpoint(self, field: str, requested: Any, effective: Any, decided_by: str, reason: str) -> None:
-        """A checkpoint setting (its own section: they are not overlap decisions)."""
-        self.checkpoint.append(Decision(field, requested, effective, decided_by, reason))
+    def record_in(self, section: str, field: str, requested: Any, effective: Any, decided_by: str,
+                  reason: str) -> None:
+        """A decision of another part of the run (checkpoints, data): its own section, not the overlap table."""
+        self.sections.setdefault(section, []).append(Decision(field, requested, effective, decided_by, reason))
 
     def record_command_line(self, decision: Decision) -> None:
         """A flag beaten by an override (warned; an error under strict) or a recipe value derived from the layout."""
@@ -130,7 +132,7 @@ class DecisionLog:
         return {"decisions": [d.to_json() for d in self.decisions],
                 "command_line": [d.to_json() for d in self.command_line],
                 "noops": [n.to_json() for n in self.noops],
-                "checkpoint": [d.to_json() for d in self.checkpoint],
+                **{name: [d.to_json() for d in rows] for name, rows in self.sections.items()},
                 "other_settings": [{"field": d.field, "value": _jsonable(d.effective), "source": d.decided_by}
                                    for d in self.other]}
 
@@ -149,8 +151,8 @@ class DecisionLog:
         if self.noops:
             parts.append("Switches that are on but do nothing here:\n" + "\n".join(
                 f"  {n.field}={_short(n.value)}: {n.why}. Fix: {n.fix}" for n in self.noops))
-        if self.checkpoint:
-            parts.append("Checkpoint decisions:\n" + _decision_table(self.checkpoint))
+        for name, rows in self.sections.items():
+            parts.append(f"{name.capitalize()} decisions:\n" + _decision_table(rows))
         if self.other:
             parts.append("Other settings (not overlap decisions):\n" +
                          _table(("field", "value", "set by"), [(d.field, _short(d.effective), d.decided_by)

@@ -25,6 +25,7 @@ class ModelConfig:
     kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
     ffn_hidden_size: int | None = None  # dense MLP width; None: 4 * hidden_size
     vocab_size: int = 32000
+    make_vocab_size_divisible_by: int = 128  # a real tokenizer's vocabulary is padded to a multiple of this x TP
     seq_length: int = 256
     layernorm_epsilon: float = 1e-6
     rotary_base: float = 10000.0

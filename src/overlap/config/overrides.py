@@ -21,7 +21,8 @@ from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import ModelConfig
-from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig, TrainConfig
+from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
+                                     TrainConfig)
 from overlap.errors import ConfigError
 
 _SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
@@ -173,7 +174,7 @@ def list_override_keys() -> list[str]:
     rows = []
     for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("optimizer", OptimizerConfig),
                          ("scheduler", SchedulerConfig), ("ddp", DDPConfig), ("tokenizer", TokenizerConfig),
-                         ("checkpoint", CheckpointConfig),
+                         ("checkpoint", CheckpointConfig), ("dataset", DatasetConfig),
                          ("mixed_precision", MixedPrecisionConfig), ("comm_overlap", CommOverlapConfig)):
         hints = typing.get_type_hints(cls)
         for f in fields(cls):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -67,5 +68,16 @@ class TrainConfig:
 
 @dataclass
 class TokenizerConfig:
-    tokenizer_type: str = "NullTokenizer"  # mock pretraining data; other tokenizers need files we do not fetch
+    tokenizer_type: str = "NullTokenizer"  # NullTokenizer: token ids as they are (mock data); HuggingFaceTokenizer
+    tokenizer_model: str | None = None  # HuggingFaceTokenizer: a tokenizer.json or its folder
     vocab_size: int | None = None  # NullTokenizer vocabulary; None: keep model.vocab_size
+
+
+@dataclass
+class DatasetConfig:
+    """Pretraining data (Bridge's GPTDatasetConfig names). `blend` None: mock data (random tokens), said in the
+    decision table - the reference falls back to mock data silently."""
+
+    blend: list[Any] | str | None = None  # [[prefix, ...], [weight, ...] | null], or [prefix, ...] / [w1, p1, w2, p2]
+    split: str = "9999,8,2"  # train, validation, test document shares (training reads the first)
+    random_seed: int = 1234  # document and sample shuffling (numpy RandomState, as the reference)

@@ -17,7 +17,7 @@ from overlap.model.gpt import GPTModel
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
-from overlap.training.data import MockDataset
+from overlap.training.data import build_data
 from overlap.optim.adam import learning_rate
 from overlap.pipeline.schedules import PipelineMemory
 from overlap.training.trainer import Trainer
@@ -48,7 +48,7 @@ class PeerTrainer(Trainer):
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, foreach=False)
-        self.data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+        self.data = build_data(cfg)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         # What Trainer.train reads: peers do not checkpoint (runtime_refusals says so) and do not pipeline.

@@ -1,4 +1,4 @@
-"""Mock pretraining data (NullTokenizer): deterministic random tokens.
+"""Pretraining samples: mock data (deterministic random tokens) or real data (`dataset.blend`, overlap.data).
 
 Sample `i` of iteration `k` depends only on (seed, k, i), never on the parallel layout, so every layout trains on
 exactly the samples of the single-process reference: data-parallel rank d takes its contiguous share of the global
@@ -7,20 +7,20 @@ batch, and micro-batch j of that share holds the next micro_batch_size samples.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
+from overlap.config.container import ConfigContainer
+from overlap.errors import ConfigError
 
-class MockDataset:
-    def __init__(self, vocab_size: int, seq_length: int, seed: int) -> None:
-        self.vocab_size = vocab_size
-        self.seq_length = seq_length
-        self.seed = seed
 
+class SampleSource(ABC):
+    """Where a run's samples come from; the micro-batch cut is common to all."""
+
+    @abstractmethod
     def sample(self, iteration: int, index: int) -> torch.Tensor:
-        """seq_length + 1 tokens; the model reads [:-1] and predicts [1:]."""
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + iteration) * 1_000_003 + index)
-        # Drawn on the CPU (the generator's device) whatever the default device, so GPUs see the same samples.
-        return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen, device="cpu")
+        """Sample `index` of iteration `iteration`: seq_length + 1 tokens (the model reads [:-1], predicts [1:])."""
 
     def micro_batches(self, iteration: int, global_batch: int, micro_batch: int, dp_rank: int,
                       dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -33,3 +33,45 @@ class MockDataset:
             rows = rows.to(torch.get_default_device())
             batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
         return batches
+
+
+class MockDataset(SampleSource):
+    def __init__(self, vocab_size: int, seq_length: int, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.seq_length = seq_length
+        self.seed = seed
+
+    def sample(self, iteration: int, index: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + iteration) * 1_000_003 + index)
+        # Drawn on the CPU (the generator's device) whatever the default device, so GPUs see the same samples.
+        return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen, device="cpu")
+
+
+class TokenDataset(SampleSource):
+    """Real data (`dataset.blend`): sample `index` of iteration `it` is sample `it x global_batch + index` of the
+    blend, i.e. the run consumes the blend's samples in order, whatever the layout."""
+
+    def __init__(self, cfg: ConfigContainer) -> None:
+        from overlap.data.gpt_dataset import build_blend
+
+        t, d = cfg.train, cfg.dataset
+        self.global_batch, self.vocab_size = t.global_batch_size, cfg.model.vocab_size
+        self.blend = build_blend(d.blend, d.split, cfg.model.seq_length, d.random_seed,
+                                 t.train_iters * t.global_batch_size)
+
+    def sample(self, iteration: int, index: int) -> torch.Tensor:
+        k = iteration * self.global_batch + index
+        tokens = torch.from_numpy(self.blend[k].astype("int64"))
+        if int(tokens.max()) >= self.vocab_size:
+            which = self.blend.datasets[int(self.blend.which[k])].data.prefix
+            raise ConfigError("dataset.blend", which, f"it holds token id {int(tokens.max())}, outside the model's "
+                              f"vocabulary of {self.vocab_size}.", "preprocess it with the tokenizer this run uses "
+                              "(--tokenizer_type / --tokenizer_model), or set the vocabulary to match.")
+        return tokens
+
+
+def build_data(cfg: ConfigContainer) -> SampleSource:
+    """Mock data unless `dataset.blend` names real data."""
+    if cfg.dataset.blend is None:
+        return MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+    return TokenDataset(cfg)

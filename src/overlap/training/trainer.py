@@ -35,7 +35,7 @@ from overlap.pipeline.schedules import PipelineExecutor, PipelineMemory
 from overlap.pipeline.torch_peer import TorchPipeline
 from overlap.errors import NonFiniteError
 from overlap.training.checkpoint import Checkpointer
-from overlap.training.data import MockDataset
+from overlap.training.data import build_data
 from overlap.training.stopping import ExitWatch, check_finite
 from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
                                       steady_mean_ms, steady_window)
@@ -93,7 +93,7 @@ class Trainer:
         else:
             params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
             self.optimizer = LocalOptimizer(params, cfg.optimizer, ps)
-        self.data = MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+        self.data = build_data(cfg)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self._torch_pipeline = None  # model.pipeline_impl=torch_pipelining: built on the first step

@@ -1,0 +1,139 @@
+"""GPT pretraining samples from indexed datasets, as Megatron-Core's GPTDataset and BlendedDataset build them.
+
+- Split: `dataset.split` ("9999,8,2": train, validation, test weights) cuts each dataset's documents into contiguous
+  ranges with Megatron's rounding; training reads the first range.
+- Samples: every epoch the split's documents are shuffled (numpy RandomState(seed), the reference's generator) and
+  concatenated (each document already ends with the end-of-document token when preprocessed with --append-eod); a
+  sample is `seq_length + 1` consecutive tokens starting every `seq_length` tokens (tokens = [:-1], labels = [1:]),
+  and the samples are shuffled too. As many epochs are laid out as the run's samples need.
+- Blend: datasets with weights; global sample k comes from the dataset whose share is most behind, the reference's
+  greedy rule (`build_blending_indices`), so every prefix of the sample stream matches the weights as well as a whole
+  number of samples can.
+Sample k of the run depends only on (files, split, seed, sequence length, k): any parallel layout reads the same
+samples, and a resumed run continues at the consumed-sample count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from overlap.data.indexed import IndexedDataset
+from overlap.errors import ConfigError
+
+
+def split_ranges(split: str, count: int, field: str = "dataset.split") -> list[tuple[int, int]]:
+    """[start, end) of each split's documents (Megatron's `_get_split_indices`)."""
+    try:
+        weights = [float(w) for w in str(split).replace("/", ",").split(",")]
+    except ValueError:
+        raise ConfigError(field, split, "the split is comma-separated weights.", 'write e.g. "969,30,1".') from None
+    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0 or len(weights) > 3:
+        raise ConfigError(field, split, "one to three non-negative weights (train, validation, test) with a "
+                          "positive sum.", 'write e.g. "969,30,1".')
+    weights = [w / sum(weights) for w in weights] + [0.0] * (3 - len(weights))
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w * float(count))))
+    diff = bounds[-1] - count
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+class GPTDataset:
+    """The training split of one indexed dataset as `seq_length + 1`-token samples; `num_samples` decides how many
+    epochs are laid out."""
+
+    def __init__(self, data: IndexedDataset, split: str, seq_length: int, seed: int, num_samples: int) -> None:
+        self.data, self.seq = data, seq_length
+        start, end = split_ranges(split, len(data))[0]
+        docs = np.arange(start, end, dtype=np.int64)
+        tokens_per_epoch = int(data.lengths[docs].sum(dtype=np.int64)) if len(docs) else 0
+        if tokens_per_epoch < seq_length + 1:
+            raise ConfigError("dataset.blend", data.prefix, f"its training split holds {tokens_per_epoch} tokens "
+                              f"({len(docs)} documents), less than one sample of {seq_length + 1}.",
+                              "give more data, a larger training share in dataset.split, or a shorter -sl.")
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        epochs = max(1, math.ceil(num_samples / per_epoch))
+        rng = np.random.RandomState(seed)
+        self.order = np.concatenate([rng.permutation(docs) for _ in range(epochs)])
+        self.starts = np.concatenate([[0], np.cumsum(data.lengths[self.order], dtype=np.int64)])
+        self.count = int((self.starts[-1] - 1) // seq_length)
+        self.shuffle = np.random.RandomState(seed + 1).permutation(self.count)
+        self.epochs, self.documents = epochs, len(docs)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        first = int(self.shuffle[k % self.count]) * self.seq
+        last = first + self.seq + 1
+        pieces = []
+        d = int(np.searchsorted(self.starts, first, side="right")) - 1
+        while first < last:
+            doc_start, doc_end = int(self.starts[d]), int(self.starts[d + 1])
+            take = min(last, doc_end) - first
+            pieces.append(self.data.document(int(self.order[d]), first - doc_start, take))
+            first += take
+            d += 1
+        return np.concatenate(pieces)
+
+
+@dataclass
+class Blend:
+    """Weighted datasets; sample k of the blend is sample `positions[k]` of dataset `which[k]`."""
+
+    datasets: list[GPTDataset]
+    which: np.ndarray
+    positions: np.ndarray
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self.datasets[int(self.which[k])][int(self.positions[k])]
+
+
+def blending_indices(weights: list[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's greedy blending: each sample goes to the dataset furthest below its share."""
+    w = np.asarray(weights, dtype=np.float64) / float(sum(weights))
+    which = np.zeros(num_samples, dtype=np.int64)
+    positions = np.zeros(num_samples, dtype=np.int64)
+    taken = np.zeros(len(w), dtype=np.int64)
+    for k in range(num_samples):
+        i = int(np.argmax(w * max(k, 1.0) - taken))
+        which[k], positions[k] = i, taken[i]
+        taken[i] += 1
+    return which, positions
+
+
+def parse_blend(blend) -> tuple[list[str], list[float]]:
+    """Bridge's `[[prefixes], [weights] | null]`, or Megatron's flat `[w1, p1, w2, p2]` / `[p1, p2]`."""
+    field = "dataset.blend"
+    if isinstance(blend, str):
+        blend = [blend]
+    if not isinstance(blend, list) or not blend:
+        raise ConfigError(field, blend, "expected a list of dataset prefixes.",
+                          "write dataset.blend=[[data/a_text_document,data/b_text_document],[0.7,0.3]] or "
+                          "dataset.blend=[data/a_text_document].")
+    if isinstance(blend[0], list):
+        prefixes = blend[0]
+        weights = blend[1] if len(blend) > 1 and blend[1] is not None else [1.0] * len(prefixes)
+    elif all(isinstance(b, str) for b in blend):
+        prefixes, weights = blend, [1.0] * len(blend)
+    else:
+        weights, prefixes = blend[0::2], blend[1::2]
+    if (len(prefixes) != len(weights) or not prefixes or not all(isinstance(p, str) for p in prefixes)
+            or not all(isinstance(w, (int, float)) and w > 0 for w in weights)):
+        raise ConfigError(field, blend, "prefixes and positive weights must pair up.",
+                          "write [[prefix, ...], [weight, ...]] with one weight per prefix (or null weights).")
+    return [str(p) for p in prefixes], [float(w) for w in weights]
+
+
+def build_blend(blend, split: str, seq_length: int, seed: int, num_samples: int) -> Blend:
+    prefixes, weights = parse_blend(blend)
+    which, positions = blending_indices(weights, num_samples)
+    datasets = []
+    for i, prefix in enumerate(prefixes):
+        needed = int(positions[which == i].max()) + 1 if (which == i).any() else 1
+        datasets.append(GPTDataset(IndexedDataset(prefix), split, seq_length, seed, needed))
+    return Blend(datasets, which, positions)
