@@ -1,4 +1,4 @@
-"""Command line: `overlap explain | run | bench` with the reference harness flags plus `section.field=value` overrides.
+"""Command line: `overlap explain | run | bench | plan | preprocess | convert` with the reference harness flags plus `section.field=value` overrides.
 
 Flags follow Megatron-Bridge's `run_script.py` (see `overlap.harness`: recipe, then flags, then overrides, so an
 override beats a flag, said aloud). Overrides may come anywhere among the flags, as with the reference (whatever
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     register_commands(sub)
     words = list(sys.argv[1:] if argv is None else argv)
-    command = words[0] if words and words[0] in ("explain", "run", "bench") else ""
+    command = words[0] if words and words[0] in sub.choices else ""
     rank = _launched_rank()
     previous = {}
     if rank:

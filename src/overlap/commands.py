@@ -56,6 +56,9 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     from overlap.data.preprocess import register as register_preprocess
 
     register_preprocess(sub)  # overlap preprocess
+    from overlap.plan.cli import register as register_plan
+
+    register_plan(sub)  # overlap plan
 
 
 def _add_instrument_flags(p: argparse.ArgumentParser) -> None:

@@ -6,12 +6,15 @@
 - `qwen3_moe_tiny`: structurally identical (GQA + QK-norm, SwiGLU experts, every layer MoE, top-k softmax router with
   aux loss, no shared expert), sized so a training step on 4 CPU ranks takes well under a second.
 - `dense_tiny`: a small dense decoder of the same family, for TP / PP / DP work on 2 cores.
+- `qwen3_235b_a22b`, `qwen3_8b`, `llama3_8b`, `llama3_70b`: real shapes (Hugging Face config.json of each model) for
+  `overlap explain` and `overlap plan`; the runtime trains them as it trains any shape of their kind (nothing in them
+  needs an unbuilt feature), on a cluster large enough to hold them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from overlap.config.container import ConfigContainer
@@ -30,14 +33,7 @@ def qwen3_30b_a3b(num_gpus: int) -> ConfigContainer:
         moe_permute_fusion=True, moe_aux_loss_coeff=1e-3, moe_router_load_balancing_type="aux_loss",
         expert_model_parallel_size=ep,
     )
-    return ConfigContainer(
-        model=model,
-        train=TrainConfig(global_batch_size=1024, micro_batch_size=1, train_iters=100, seed=1234),
-        optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-5, use_distributed_optimizer=True),
-        scheduler=SchedulerConfig(lr_warmup_iters=500),
-        ddp=DDPConfig(use_distributed_optimizer=True, check_for_nan_in_grad=True),  # as the Bridge recipe
-        mixed_precision="bf16_mixed",
-    )
+    return _cluster_recipe(model, 1024)  # distributed optimizer, NaN check: as the Bridge recipe
 
 
 def qwen3_moe_tiny(num_gpus: int) -> ConfigContainer:
@@ -74,6 +70,57 @@ def dense_tiny(num_gpus: int) -> ConfigContainer:
     )
 
 
+def _cluster_recipe(model: ModelConfig, global_batch: int) -> ConfigContainer:
+    """The training settings the real-shape recipes share (Bridge-style pretraining defaults, distributed optimizer,
+    bf16)."""
+    return ConfigContainer(
+        model=model,
+        train=TrainConfig(global_batch_size=global_batch, micro_batch_size=1, train_iters=100, seed=1234),
+        optimizer=OptimizerConfig(lr=3e-4, min_lr=3e-5, use_distributed_optimizer=True),
+        scheduler=SchedulerConfig(lr_warmup_iters=500),
+        ddp=DDPConfig(use_distributed_optimizer=True, check_for_nan_in_grad=True),
+        mixed_precision="bf16_mixed",
+    )
+
+
+def qwen3_235b_a22b(num_gpus: int) -> ConfigContainer:
+    """Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B config.json): 94 layers, hidden 4096, 64 query / 4 KV heads of 128,
+    128 experts of 1536 top-8, no shared expert."""
+    cfg = qwen3_30b_a3b(num_gpus)  # same family: 4 KV groups of 128, 128 experts top-8, vocabulary, rotary base
+    cfg.model = replace(cfg.model, num_layers=94, hidden_size=4096, num_attention_heads=64, ffn_hidden_size=12288,
+                        moe_ffn_hidden_size=1536, expert_model_parallel_size=math.gcd(num_gpus, 32))
+    cfg.train.global_batch_size = 2048
+    return cfg
+
+
+def _dense(layers: int, hidden: int, heads: int, groups: int, ffn: int, vocab: int, seq: int, eps: float,
+           rotary: float, qk_norm: bool, global_batch: int) -> ConfigContainer:
+    """A dense GQA SwiGLU decoder of real size (head dim 128), with the shared cluster training settings."""
+    model = ModelConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups, kv_channels=128,
+        ffn_hidden_size=ffn, vocab_size=vocab, seq_length=seq, layernorm_epsilon=eps, rotary_base=rotary,
+        qk_layernorm=qk_norm, gated_linear_unit=True, init_method_std=0.02,
+    )
+    return _cluster_recipe(model, global_batch)
+
+
+def qwen3_8b(num_gpus: int) -> ConfigContainer:
+    """Qwen3-8B (Qwen/Qwen3-8B config.json): dense, 36 layers, hidden 4096, 32 query / 8 KV heads, FFN 12288."""
+    return _dense(36, 4096, 32, 8, 12288, 151936, 4096, 1e-6, 1e6, True, 512)
+
+
+def llama3_8b(num_gpus: int) -> ConfigContainer:
+    """Llama-3 8B (meta-llama/Meta-Llama-3-8B config.json): 32 layers, hidden 4096, 32 query / 8 KV heads, FFN
+    14336, vocabulary 128256, rotary base 500000, RMSNorm eps 1e-5, no QK norm."""
+    return _dense(32, 4096, 32, 8, 14336, 128256, 8192, 1e-5, 500000.0, False, 128)
+
+
+def llama3_70b(num_gpus: int) -> ConfigContainer:
+    """Llama-3 70B (meta-llama/Meta-Llama-3-70B config.json): 80 layers, hidden 8192, 64 query / 8 KV heads, FFN
+    28672, vocabulary 128256, rotary base 500000, RMSNorm eps 1e-5, no QK norm."""
+    return _dense(80, 8192, 64, 8, 28672, 128256, 8192, 1e-5, 500000.0, False, 128)
+
+
 @dataclass(frozen=True)
 class Recipe:
     family: str
@@ -95,6 +142,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            "Qwen3-MoE structure at toy size: 2 layers, hidden 128, 16 experts top-4, EP=gcd(ranks per stage,4), "
            "bf16", 4),
     Recipe("qwen", "dense_tiny", dense_tiny, "dense Qwen3-style decoder: 4 layers, hidden 256, fp32"),
+    Recipe("qwen", "qwen3_235b_a22b", qwen3_235b_a22b,
+           "Qwen3-235B-A22B: 94 layers, hidden 4096, 128 experts top-8, EP=gcd(ranks per stage,32), bf16", 32),
+    Recipe("qwen", "qwen3_8b", qwen3_8b, "Qwen3-8B dense: 36 layers, hidden 4096, GQA 32/8, FFN 12288, bf16"),
+    Recipe("llama", "llama3_8b", llama3_8b, "Llama-3 8B: 32 layers, hidden 4096, GQA 32/8, FFN 14336, seq 8192, bf16"),
+    Recipe("llama", "llama3_70b", llama3_70b,
+           "Llama-3 70B: 80 layers, hidden 8192, GQA 64/8, FFN 28672, seq 8192, bf16"),
 )}
 
 

@@ -13,6 +13,12 @@ builds (`overlap.model.gpt`; `tests/test_resources.py` checks it against the met
   cannot fit, not to plan;
 - on CPU ranks, the Python + torch runtime itself (~0.25 GiB per process, measured ~0.33 GiB for a tiny rank).
 
+`schedule=True` (the planner, `overlap plan`) adds what the schedule keeps alive on top of that one micro-batch, as
+Megatron's theoretical memory estimate does: under 1F1B the first stage holds min(PP, micro-batches) micro-batches
+of its layers (interleaved: x (1 + (p - 1) / (p v))), and under EP overlap the merged schedule keeps a second
+micro-batch's layer being computed plus both micro-batches' dispatch buffers alive. The run checks leave it off:
+they refuse what cannot fit, a lower bound is what they need.
+
 `prepare` refuses, for every command, a configuration whose sizes cannot even be represented (a tensor or the total
 past 2^63 bytes: torch would overflow). `overlap run -g cpu` compares the estimate x the local ranks (they all share
 this host) with this host's memory (the smaller of physical memory and the cgroup limit), and caps the local ranks at
@@ -87,8 +93,10 @@ def _stage_layers(num_layers: int, pp: int, first: int | None, last: int | None)
     return min(num_layers, max(per_stage, first or 0, last or 0))
 
 
-def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = True) -> MemoryEstimate:
-    """Per-rank memory of rank 0 (its pipeline stage, TP / EP shard) for this configuration; pure arithmetic."""
+def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = True,
+                    schedule: bool = False) -> MemoryEstimate:
+    """Per-rank memory of rank 0 (its pipeline stage, TP / EP shard) for this configuration; pure arithmetic.
+    `schedule`: also the micro-batches the pipeline / EP-overlap schedule keeps alive (module docstring)."""
     m, t, d = cfg.model, cfg.train, cfg.ddp
     tp, ep, dp = max(1, layout.tp), max(1, layout.ep), max(1, layout.dp)
     edp = max(1, layout.edp)
@@ -148,10 +156,29 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
         activations = per_layer * layers + s * b * h * 17 * act_bytes
     else:
         activations = per_layer * layers
+    if schedule:
+        activations = _scheduled_activations(cfg, layout, activations, per_layer, act_bytes)
     activations += 3 * s * b * (vocab // tp) * 4  # fp32 logits, their softmax and gradient
     return MemoryEstimate(params=params, expert_params=expert, largest_tensor=largest, param_bytes=params * p_bytes,
                           grad_bytes=params * g_bytes, optimizer_bytes=optimizer, activation_bytes=activations,
                           runtime_bytes=CPU_RUNTIME_BYTES if cpu else 0)
+
+
+def _scheduled_activations(cfg: ConfigContainer, layout: ParallelLayout, one: int, per_layer: int,
+                           act_bytes: int) -> int:
+    """Activations the schedule keeps alive, from those of one micro-batch (`one`) on this stage."""
+    m, t = cfg.model, cfg.train
+    pp = max(1, layout.pp)
+    if pp > 1:
+        micro = max(1, t.global_batch_size // (max(1, layout.dp) * t.micro_batch_size))
+        vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)
+        in_flight = min(pp, micro)
+        one = one * in_flight if vpp == 1 else int(one * in_flight * (1 + (pp - 1) / (pp * vpp)))
+    if m.is_moe and m.overlap_moe_expert_parallel_comm:
+        tokens = m.seq_length * t.micro_batch_size // (max(1, layout.tp) if m.sequence_parallel else 1)
+        buffers = 2 * 2 * tokens * m.moe_router_topk * m.hidden_size * act_bytes  # dispatched rows, 2 micro-batches
+        one += per_layer + buffers  # the other micro-batch's layer in flight
+    return one
 
 
 def check_representable(cfg: ConfigContainer, layout: ParallelLayout) -> MemoryEstimate:

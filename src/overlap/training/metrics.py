@@ -20,23 +20,49 @@ from overlap.config.model import ModelConfig
 from overlap.config.training import TrainConfig
 
 
+@dataclass(frozen=True)
+class TrainingFlops:
+    """Training FLOPs per token by part, as Megatron-Core counts them (`megatron/training/training.py::
+    num_floating_point_operations`, BSHD): 3 x forward (forward, dgrad, wgrad), 2 FLOPs per multiply-add. The parts
+    are kept apart because the planner (`overlap.plan`) needs them: attention and experts are the compute windows the
+    EP overlap hides the all-to-alls behind."""
+
+    attention_linear: float  # QKV (GQA: q + 2 kv heads) and output projections, all layers
+    attention_core: float  # QK^T and AV with the causal halving (6 q s per token per layer)
+    dense_mlp: float  # dense layers' MLP
+    moe: float  # MoE layers: routed top-k experts + the shared expert (the router GEMM is not counted)
+    logits: float  # output layer (6 h V); the embedding lookup is free
+
+    @property
+    def attention(self) -> float:
+        return self.attention_linear + self.attention_core
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.dense_mlp + self.moe + self.logits
+
+
+def training_flops(m: ModelConfig) -> TrainingFlops:
+    """Per-token training FLOPs of `m` by part (see TrainingFlops). Causal attention is halved as Megatron does, the
+    router's h x E GEMM is left out as Megatron does (0.4% for Qwen3-30B-A3B), experts count only the top-k."""
+    hd, h, s = m.head_dim, m.hidden_size, m.seq_length
+    q, kv = m.num_attention_heads * hd, m.query_groups * hd
+    gate = 3 if m.gated_linear_unit else 2  # F_exp: SwiGLU has two up projections and one down
+    n_moe = sum(1 for layer in range(m.num_layers) if m.is_moe_layer(layer))
+    n_dense = m.num_layers - n_moe
+    moe_layer = m.moe_router_topk * gate * h * m.moe_ffn_size if n_moe else 0
+    if n_moe and m.moe_shared_expert_intermediate_size:
+        moe_layer += gate * h * m.moe_shared_expert_intermediate_size
+    return TrainingFlops(attention_linear=6.0 * (h * (q + 2 * kv) + q * h) * m.num_layers,
+                         attention_core=6.0 * q * s * m.num_layers,  # 6 q/2 x 2 (QK^T and AV), causal
+                         dense_mlp=6.0 * gate * h * m.ffn_size * n_dense, moe=6.0 * moe_layer * n_moe,
+                         logits=6.0 * h * m.vocab_size)
+
+
 def flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward), counting only active (routed top-k) experts."""
-    hd, h = m.head_dim, m.hidden_size
-    attn_proj = h * (m.num_attention_heads * hd + 2 * m.query_groups * hd) + m.num_attention_heads * hd * h
-    gate = 3 if m.gated_linear_unit else 2
-    matmul = 0
-    for layer in range(m.num_layers):
-        if m.is_moe_layer(layer):
-            mlp = m.moe_router_topk * gate * h * m.moe_ffn_size + h * m.num_moe_experts
-            if m.moe_shared_expert_intermediate_size:
-                mlp += gate * h * m.moe_shared_expert_intermediate_size
-        else:
-            mlp = gate * h * m.ffn_size
-        matmul += attn_proj + mlp
-    matmul += h * m.vocab_size
-    attention_core = 2 * 2 * m.seq_length * m.num_attention_heads * hd * m.num_layers  # QK^T and AV, forward
-    return 3 * (2 * matmul + attention_core)
+    """Training FLOPs per token (forward + backward = 3 x forward), Megatron-Core's count (training_flops): the
+    trainer's TFLOP/s and the planner's compute time come from this one function."""
+    return training_flops(m).total
 
 
 def steady_window(cfg: TrainConfig, first: int = 0) -> tuple[int, int]:

@@ -1,0 +1,148 @@
+"""`overlap plan`: predict step time with each overlap switch off and on, before booking a cluster. Nothing runs.
+
+The configuration comes from the same harness flags and overrides as `overlap run`, resolved for the `-g` target
+(`prepare(..., describe_target=True)`, as `overlap explain` does: this machine's hardware is not probed). `--ab` and
+`--config` mean what they mean in `overlap bench` (its parsers); without them the plan compares, for every overlap
+switch the layout can use, the given configuration with that switch off and on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shlex
+from dataclasses import dataclass
+
+from overlap.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SwitchCase:
+    """One overlap switch the plan judges by itself: its overrides off and on, and when it cannot apply."""
+
+    label: str
+    off: tuple[str, ...]
+    on: tuple[str, ...]
+
+
+SWITCHES = (
+    SwitchCase("EP overlap", ("comm_overlap.overlap_moe_expert_parallel_comm=false",),
+               ("comm_overlap.overlap_moe_expert_parallel_comm=true",)),
+    SwitchCase("delay_wgrad", ("comm_overlap.overlap_moe_expert_parallel_comm=true",
+                               "comm_overlap.delay_wgrad_compute=false"),
+               ("comm_overlap.overlap_moe_expert_parallel_comm=true", "comm_overlap.delay_wgrad_compute=true")),
+    SwitchCase("DP overlap", ("ddp.overlap_grad_reduce=false", "ddp.overlap_param_gather=false"),
+               ("ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true")),
+    SwitchCase("TP overlap", ("comm_overlap.tp_comm_overlap=false",), ("comm_overlap.tp_comm_overlap=true",)),
+    SwitchCase("PP overlap", ("comm_overlap.overlap_p2p_comm=false",),
+               ("comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false")),
+)
+
+
+def not_applicable(label: str, layout, cfg) -> str | None:
+    """Why a switch has nothing to hide in this layout (None: it applies)."""
+    m = cfg.model
+    if label in ("EP overlap", "delay_wgrad"):
+        if not m.is_moe or layout.ep <= 1:
+            return f"not applicable at EP={layout.ep}" if m.is_moe else "not applicable: dense model"
+    if label == "DP overlap" and layout.dp <= 1 and layout.edp <= 1:
+        return "not applicable at DP=1"
+    if label == "TP overlap" and layout.tp <= 1:
+        return "not applicable at TP=1"
+    if label == "PP overlap" and layout.pp <= 1:
+        return "not applicable at PP=1"
+    return None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `overlap plan` to the command line (called once from `overlap.commands.register_commands`)."""
+    from overlap.harness import add_harness_flags
+    from overlap.perf.bench import BENCH_FLAGS
+
+    plan = sub.add_parser("plan", help="predict step time with each overlap switch off/on for a cluster; runs nothing")
+    add_harness_flags(plan)
+    for flags, kwargs in BENCH_FLAGS:
+        if flags[0] in ("--ab", "--config", "--json", "--markdown"):
+            plan.add_argument(*flags, **kwargs)
+    plan.add_argument("--cluster", default=None, metavar="FILE",
+                      help="JSON cluster description replacing the built-in figures (required for -g cpu: the "
+                           "machine profile); docs/planner.md")
+    plan.set_defaults(func=cmd_plan)
+
+
+def _job(args: argparse.Namespace, extra: list[str], replace_keys: bool = False):
+    from overlap.harness import prepare
+
+    keys = {o.split("=", 1)[0].strip() for o in extra}
+    ns = copy.copy(args)
+    common = [o for o in args.overrides if not (replace_keys and o.split("=", 1)[0].strip() in keys)]
+    ns.overrides = common + list(extra)
+    return prepare(ns, describe_target=True)
+
+
+def _cluster(args: argparse.Namespace, cfg):
+    from overlap.plan.hardware import builtin_cluster, load_cluster, precision_of
+
+    precision = precision_of(cfg.model)
+    if args.cluster:
+        return load_cluster(args.cluster, args.gpu, precision, args.gpus_per_node)
+    return builtin_cluster(args.gpu, precision, args.gpus_per_node)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from overlap.launch.paths import check_output_file
+    from overlap.perf.bench import build_configs, parse_ab, parse_named_config
+    from overlap.plan.predict import predict
+    from overlap.plan.report import format_markdown, plan_json, verdict
+
+    check_output_file("--json", args.json_out)
+    check_output_file("--markdown", args.markdown)
+    if args.ab is not None and args.configs is not None:
+        raise ConfigError("--ab/--config", args.ab, "give --ab KEY=V1,V2 or --config NAME:OVERRIDES, not both.",
+                          "pass one of the two forms (or neither: every applicable switch off and on).")
+    predictions, verdicts = [], []
+    if args.ab is not None or args.configs is not None:
+        if args.ab is not None:
+            key, values = parse_ab(args.ab)
+            if any(o.split("=", 1)[0].strip() == key for o in args.overrides):
+                raise ConfigError("--ab", args.ab, f"{key} is also given as an override.", "remove that override.")
+            configs = build_configs(key, values, False)
+        else:
+            configs = [parse_named_config(c) for c in args.configs]
+            if len(configs) < 2 or len({c.name for c in configs}) != len(configs):
+                raise ConfigError("--config", args.configs, "a comparison needs two or more distinctly named "
+                                  "configs.", "repeat --config NAME:OVERRIDES with different names.")
+        jobs = [(c.name, c.overrides, _job(args, c.overrides)) for c in configs]
+        cluster = _cluster(args, jobs[0][2].cfg)
+        for name, overrides, job in jobs:
+            predictions.append(predict(name, overrides, job.cfg, job.resolution.layout, cluster))
+        verdicts = [verdict(p.name, predictions[0], p) for p in predictions[1:]]
+    else:
+        base = _job(args, [])
+        cluster = _cluster(args, base.cfg)
+        predictions.append(predict("as given", [], base.cfg, base.resolution.layout, cluster))
+        for case in SWITCHES:
+            reason = not_applicable(case.label, base.resolution.layout, base.cfg)
+            if reason is None:
+                try:
+                    pair = [predict(f"{case.label} {state}", list(ov), j.cfg, j.resolution.layout, cluster)
+                            for state, ov in (("off", case.off), ("on", case.on))
+                            for j in (_job(args, list(ov), replace_keys=True),)]
+                except ConfigError as exc:  # the switch cannot be combined with this configuration
+                    verdicts.append(f"{case.label}: not applicable here ({exc.why.rstrip('.')})")
+                    continue
+                predictions += pair
+                verdicts.append(verdict(case.label, *pair))
+            else:
+                verdicts.append(f"{case.label}: {reason}")
+    doc = plan_json(cluster, predictions, verdicts, shlex.join(["overlap", *args.argv]))
+    table = format_markdown(doc)
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(json.dumps(doc, indent=1) + "\n")
+    return 0

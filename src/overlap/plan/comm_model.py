@@ -1,0 +1,176 @@
+"""Bytes per communication kind and their time on the cluster's links.
+
+Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; planner reference section 4.2):
+
+- EP, per micro-batch and MoE layer, four all-to-alls (`ep_dispatch`, `ep_combine`, and their backward mirrors
+  `ep_dispatch_bwd`, `ep_combine_bwd`). Alltoall dispatcher: T x k x h x beta bytes each, T = b s / TP tokens (after
+  SP); flex (token-deduplicating) dispatch sends a token once per distinct destination rank instead of once per
+  routed expert, R (1 - C(E - E/R, k) / C(E, k)) ranks on average under uniform routing.
+- TP with SP, per micro-batch and layer: 4 forward + 6 backward collectives of (t-1)/t x b s h beta (a MoE layer with
+  ETP 1 keeps only its attention's: 2 + 3).
+- PP, per micro-batch: one activation (b s h beta, / TP under SP) sent forward and one gradient back per stage
+  boundary; VPP v sends v times as often.
+- DP, per step: the distributed optimizer's reduce-scatter of gradients ((d-1)/d x P x beta_grad) and all-gather of
+  parameters ((d-1)/d x P x beta_param), or one all-reduce (2 (d-1)/d x P x beta_grad); dense parameters over DP,
+  experts over expert-DP. P is this rank's parameter count (`overlap.launch.resources.estimate_memory`).
+
+Time: latency + bytes / bandwidth, where the link depends on how many of the group's members share a node (`g`,
+from the rank order tp-cp-dp-pp, tensor parallel fastest; experts pp-edp-ep-etp): the whole group on one node runs
+at NVLink speed; a ring spanning nodes is NIC-bound at min(g x NIC, NVLink) (rings run rail-parallel, one NIC per
+member on the node); an all-to-all sends its off-node share (n - g) / n through this GPU's own NIC while the
+on-node share (g - 1) / n crosses NVLink at the same time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import comb
+
+from overlap.config.container import ConfigContainer
+from overlap.config.layout import ParallelLayout
+from overlap.launch.resources import estimate_memory
+from overlap.plan.hardware import Cluster
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def members_per_node(size: int, stride: int, gpus_per_node: int) -> int:
+    """How many of a group's `size` members (ranks `stride` apart) share one node of `gpus_per_node`."""
+    if size <= 1:
+        return 1
+    return max(1, min(size, gpus_per_node // max(1, stride)))
+
+
+def ring_time_s(nbytes: float, size: int, per_node: int, cluster: Cluster) -> float:
+    """A ring collective (all-gather / reduce-scatter / all-reduce) moving `nbytes` per GPU over the group."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    if per_node >= size:
+        return cluster.nvlink.time_s(nbytes)
+    bandwidth = min(per_node * cluster.nic.bandwidth_Bps, cluster.nvlink.bandwidth_Bps)
+    return cluster.nic.latency_s + nbytes / bandwidth
+
+
+def alltoall_time_s(nbytes: float, size: int, per_node: int, cluster: Cluster) -> float:
+    """An all-to-all where `nbytes` leave this GPU for the other members, spread evenly over them."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    off_node = nbytes * (size - per_node) / (size - 1)
+    on_node = nbytes - off_node
+    if off_node <= 0:
+        return cluster.nvlink.time_s(on_node)
+    return cluster.nic.latency_s + max(off_node / cluster.nic.bandwidth_Bps, on_node / cluster.nvlink.bandwidth_Bps)
+
+
+def expected_destinations(groups: int, experts: int, topk: int) -> float:
+    """Distinct destination groups (ranks or nodes) of one token routed uniformly to top-k of `experts` spread over
+    `groups` groups: R (1 - C(E - E/R, k) / C(E, k)) (planner reference section 4.2)."""
+    if groups <= 1:
+        return 1.0
+    per = experts // groups
+    return groups * (1 - comb(experts - per, topk) / comb(experts, topk))
+
+
+@dataclass
+class Collective:
+    """One kind: bytes and seconds per occurrence, and how many occur per step."""
+
+    kind: str
+    bytes_each: float
+    seconds_each: float
+    count: int  # per step
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes_each * self.count
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds_each * self.count
+
+
+@dataclass
+class CommPlan:
+    """All collectives of a step, by kind, plus the pieces the schedule needs per micro-batch and per layer."""
+
+    kinds: dict[str, Collective] = field(default_factory=dict)
+    ep_a2a_s: dict[str, float] = field(default_factory=dict)  # per MoE layer and micro-batch, per EP kind
+    tp_layer_s: float = 0.0  # per layer and micro-batch, all TP collectives (fwd + bwd)
+    tp_fwd_share: float = 0.4  # forward's share of the TP collectives (4 of 10)
+    pp_mb_s: float = 0.0  # per micro-batch: all this stage's p2p (fwd sends + bwd sends)
+    dp_rs_s: float = 0.0  # per step: gradient reduce-scatter / all-reduce (dense + expert)
+    dp_ag_s: float = 0.0  # per step: parameter all-gather (distributed optimizer)
+
+    def add(self, kind: str, bytes_each: float, seconds_each: float, count: int) -> None:
+        if count and bytes_each > 0:
+            self.kinds[kind] = Collective(kind, bytes_each, seconds_each, count)
+
+
+def microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
+    """Micro-batches per DP replica per step: GBS / (DP x MBS)."""
+    return max(1, cfg.train.global_batch_size // (max(1, layout.dp) * cfg.train.micro_batch_size))
+
+
+def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) -> CommPlan:
+    """Every collective of one step of `cfg` on `layout`, with its bytes and time on `cluster`."""
+    m, d = cfg.model, cfg.ddp
+    plan = CommPlan()
+    tp, pp, ep, dp, edp = (max(1, x) for x in (layout.tp, layout.pp, layout.ep, layout.dp, layout.edp))
+    gpn = cluster.gpus_per_node
+    mb = microbatches(cfg, layout)
+    act = 2 if m.bf16 or m.fp16 else 4  # activation bytes (beta)
+    b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
+    n_moe = sum(1 for layer in range(m.num_layers) if m.is_moe_layer(layer))
+    moe_here, dense_here = -(-n_moe // pp), -(-(m.num_layers - n_moe) // pp)
+    layers_here = moe_here + dense_here
+
+    if m.is_moe and ep > 1 and moe_here:
+        tokens = b * s / (tp if m.sequence_parallel else 1)
+        g = members_per_node(ep, max(1, layout.etp), gpn)
+        if m.moe_token_dispatcher_type == "flex":
+            copies = expected_destinations(ep, m.num_moe_experts, m.moe_router_topk)
+        else:
+            copies = float(m.moe_router_topk)
+        leaving = tokens * copies * h * act * (ep - 1) / ep
+        seconds = alltoall_time_s(leaving, ep, g, cluster)
+        for kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"):
+            plan.add(kind, leaving, seconds, moe_here * mb)
+            plan.ep_a2a_s[kind] = seconds
+
+    if tp > 1 and m.sequence_parallel:
+        full = b * s * h * act
+        nbytes = (tp - 1) / tp * full
+        t_each = ring_time_s(nbytes, tp, members_per_node(tp, 1, gpn), cluster)
+        per_layer = 10 * dense_here + 5 * moe_here  # a MoE layer (ETP 1): only the attention's collectives
+        plan.add("tp_ag", nbytes, t_each, per_layer // 2 * mb)
+        plan.add("tp_rs", nbytes, t_each, (per_layer - per_layer // 2) * mb)
+        plan.tp_layer_s = t_each * per_layer / max(1, layers_here)
+
+    if pp > 1:
+        vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)
+        nbytes = b * s * h * act / (tp if m.sequence_parallel else 1)
+        t_each = ring_time_s(nbytes, 2, members_per_node(2, tp * layout.cp * dp, gpn), cluster)
+        sends = 2 * vpp  # an activation forward and a gradient back, per model chunk
+        plan.add("pp_send", nbytes, t_each, sends * mb)
+        plan.pp_mb_s = t_each * sends
+
+    est = estimate_memory(cfg, layout, cpu=False)
+    grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
+    param = 1 if d.fp8_param_gather else _BYTES.get(m.params_dtype, 4)
+    for prefix, size, stride, count in (("dp", dp, tp * layout.cp, est.params - est.expert_params),
+                                        ("edp", edp, ep * layout.etp, est.expert_params)):
+        if size <= 1 or count <= 0:
+            continue
+        g = members_per_node(size, stride, gpn)
+        if d.use_distributed_optimizer:
+            rs = (size - 1) / size * count * grad
+            ag = (size - 1) / size * count * param
+            plan.add(f"{prefix}_rs", rs, ring_time_s(rs, size, g, cluster), 1)
+            plan.add(f"{prefix}_ag", ag, ring_time_s(ag, size, g, cluster), 1)
+            plan.dp_rs_s += ring_time_s(rs, size, g, cluster)
+            plan.dp_ag_s += ring_time_s(ag, size, g, cluster)
+        else:
+            ar = 2 * (size - 1) / size * count * grad
+            plan.add(f"{prefix}_ar", ar, ring_time_s(ar, size, g, cluster), 1)
+            plan.dp_rs_s += ring_time_s(ar, size, g, cluster)
+    return plan

@@ -1,0 +1,218 @@
+"""What a cluster can do: per-GPU peak FLOP/s, the two links (NVLink inside a node, the NIC between nodes), and the
+planner's two documented behaviour parameters (compute efficiency, compute slowdown while overlapping).
+
+Every figure carries its source. The peaks and bandwidths are published or measured by others
+(`../shared/reference/planner.md` sections 2.1-2.3 quote them); the compute efficiency is ours, calibrated on one
+measured run and named in every plan's output. A `--cluster FILE` (JSON, `load_cluster`) replaces any of them; for
+`-g cpu` it is required: our own CPU ranks have no published figures, only a measured machine profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from overlap.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Link:
+    """A latency + bandwidth link: a transfer of n bytes (the busbw convention: bytes one GPU moves) takes
+    latency_s + n / bandwidth_Bps."""
+
+    bandwidth_Bps: float
+    latency_s: float
+    source: str
+
+    def time_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Published dense (no sparsity) peaks and the node's NVLink domain of one GPU type."""
+
+    name: str
+    peak_tflops: dict[str, float]  # precision ("bf16", "fp8", "fp32") -> dense TFLOP/s
+    nvlink_GBps: float  # effective NVLink bus bandwidth per GPU (ring, non-allreduce ops), GB/s
+    gpus_per_node: int
+    source: str
+
+
+# Section 2.1 of the planner reference (glennklockwood.com processor pages; torchtitan get_peak_flops agrees).
+# NVLink effective: NVLink4 ~370 GB/s busbw of 450 line rate (sjeaugey, NVIDIA/nccl-tests#212); NVLink5 (900 line
+# rate) ~740 GB/s as DeepEP V2 measured on SM100 (deepseek-ai/DeepEP README: 726/740 GB/s).
+# fp32 is not a tensor-core training precision on these parts: plans at fp32 use the TF32 dense rate, half of bf16.
+GPUS: dict[str, GpuSpec] = {
+    "h100": GpuSpec("NVIDIA H100 SXM", {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7}, 370.0, 8,
+                    "glennklockwood.com/garden/processors/h100; NVLink4 busbw: NVIDIA/nccl-tests#212"),
+    "h200": GpuSpec("NVIDIA H200 SXM", {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 494.5}, 370.0, 8,
+                    "lzwjava.github.io/nvidia-h200-gpu-specs-en; NVLink4 busbw: NVIDIA/nccl-tests#212"),
+    "b200": GpuSpec("NVIDIA B200 (HGX, 1000 W)", {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 1125.0},
+                    740.0, 8, "glennklockwood.com/garden/processors/B200; NVLink5: deepseek-ai/DeepEP README (SM100)"),
+    "gb200": GpuSpec("NVIDIA GB200", {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "fp32": 1250.0}, 740.0, 72,
+                     "glennklockwood.com/garden/processors/B200 (GB200); NVLink5: deepseek-ai/DeepEP README (SM100)"),
+}
+
+# One NDR 400 Gb/s NIC (ConnectX-7) per GPU, through NCCL: 46-48 GB/s (AddyLaddy, NVIDIA/nccl-tests#290); we take
+# the low end. Latencies: Calculon's H100 system (systems/h100_80g_nvl8.json): NVLink 10 us, InfiniBand 20 us.
+NIC = Link(46e9, 20e-6, "NDR 400G NIC via NCCL 46 GB/s (NVIDIA/nccl-tests#290); 20 us (Calculon h100_80g_nvl8)")
+NVLINK_LATENCY_S = 10e-6  # Calculon h100_80g_nvl8.json
+
+# Compute slowdown while a window's compute overlaps communication: stretch = 1 + OVERLAP_SLOWDOWN.
+# arXiv 2507.03114 (A100/H100, GPT and LLaMA): overlapped compute runs 18.9% slower on average, 40.0% at worst.
+# We take the worst case for NCCL all-to-alls that cross nodes (every expert-parallel rank talks to every other, so
+# the kernels hold the most channels/SMs and HBM bandwidth of any collective; Calculon's 15%-of-SMs NVLink figure
+# alone already gives 18%) and the average for the rest (DP / TP / PP overlap).
+OVERLAP_SLOWDOWN = {"ep": 0.40, "other": 0.189}
+SLOWDOWN_SOURCE = "arXiv 2507.03114: +18.9% average, +40.0% worst; ep uses the worst case, the others the average"
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved share of the dense peak for the model's compute (GEMMs, attention, everything that is not
+    communication), and where the number comes from."""
+
+    value: float
+    source: str
+
+
+# The one calibrated parameter. H100 BF16: solved so that the planner reproduces the MoE guide's run without EP
+# overlap (Qwen3-30B-A3B, 16 x H100, EP16, GBS 1024, MBS 1, seq 4096: 41.25 s; Megatron-Bridge
+# skills/nemo-mbridge-perf-moe-comm-overlap). tests/test_plan_published.py re-derives it from that run and checks
+# this value; H200 shares the H100's compute die and clocks. Other GPU types have no measured run here: they borrow
+# this share (stated in the output) until a run calibrates them (`--cluster` with compute_efficiency).
+CALIBRATED_EFFICIENCY = {
+    ("h100", "bf16"): Efficiency(0.2642, "calibrated: Qwen3-30B-A3B 16 x H100 EP16 without EP overlap, 41.25 s "
+                                         "(Megatron-Bridge MoE comm-overlap guide)"),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Everything the planner knows about the machine: the GPU, how many share a node, the two links, the compute
+    efficiency and the overlap slowdowns."""
+
+    gpu: str
+    peak_tflops: float  # for the plan's precision
+    precision: str
+    gpus_per_node: int
+    nvlink: Link
+    nic: Link
+    efficiency: Efficiency
+    overlap_slowdown: dict[str, float] = field(default_factory=lambda: dict(OVERLAP_SLOWDOWN))
+    source: str = "built-in table (overlap.plan.hardware)"
+
+    def slowdown(self, family: str) -> float:
+        return self.overlap_slowdown.get(family, self.overlap_slowdown.get("other", 0.0))
+
+    def to_json(self) -> dict:
+        return {"gpu": self.gpu, "precision": self.precision, "peak_tflops": self.peak_tflops,
+                "gpus_per_node": self.gpus_per_node,
+                "nvlink": {"bandwidth_GBps": self.nvlink.bandwidth_Bps / 1e9, "latency_us": self.nvlink.latency_s * 1e6,
+                           "source": self.nvlink.source},
+                "nic": {"bandwidth_GBps": self.nic.bandwidth_Bps / 1e9, "latency_us": self.nic.latency_s * 1e6,
+                        "source": self.nic.source},
+                "compute_efficiency": self.efficiency.value, "compute_efficiency_source": self.efficiency.source,
+                "overlap_slowdown": dict(self.overlap_slowdown), "overlap_slowdown_source": SLOWDOWN_SOURCE,
+                "source": self.source}
+
+
+def precision_of(model) -> str:
+    """The compute precision of the resolved model config: bf16 / fp16 mixed precision, else fp32 (FP8 compute is
+    refused by the harness: `-c fp8_*` is not built)."""
+    return "bf16" if model.bf16 else "fp16" if model.fp16 else "fp32"
+
+
+def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Cluster:
+    """The cluster from the built-in table for a `-g` GPU type; a ConfigError for one without published figures."""
+    spec = GPUS.get(gpu)
+    if spec is None:
+        known = ", ".join(GPUS)
+        if gpu == "cpu":
+            raise ConfigError("-g/--gpu", gpu, "CPU ranks have no published peak or link figures: a plan for them "
+                              "needs this machine's measured profile.",
+                              "pass --cluster FILE with the profile (see docs/planner.md, 'Calibration').")
+        raise ConfigError("-g/--gpu", gpu, f"the planner has no published peak FLOP/s and NVLink figures for it "
+                          f"(it knows {known}).", "pick one of those, or describe the GPU in --cluster FILE "
+                          "(peak_tflops, nvlink, nic, gpus_per_node; docs/planner.md).")
+    eff = CALIBRATED_EFFICIENCY.get((gpu, precision))
+    if eff is None:  # borrow H100 BF16's share, and say so
+        base = CALIBRATED_EFFICIENCY[("h100", "bf16")]
+        eff = Efficiency(base.value, f"borrowed from H100 BF16 (no measured {gpu} {precision} run): {base.source}")
+    return Cluster(gpu=gpu, peak_tflops=spec.peak_tflops[precision], precision=precision,
+                   gpus_per_node=gpus_per_node or spec.gpus_per_node,
+                   nvlink=Link(spec.nvlink_GBps * 1e9, NVLINK_LATENCY_S, spec.source), nic=NIC, efficiency=eff,
+                   source=f"built-in table: {spec.source}")
+
+
+_CLUSTER_KEYS = {"gpu", "gpus_per_node", "peak_tflops", "precision", "nvlink", "nic", "compute_efficiency",
+                 "compute_efficiency_source", "overlap_slowdown", "source", "overlap_slowdown_source"}
+
+
+def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None) -> Cluster:
+    """A cluster file (JSON): the GPU type plus any of the figures to replace. Required: `gpu` (matching -g) and, for
+    a GPU type without built-in figures (cpu included), `peak_tflops`, `gpus_per_node`, `nvlink` and `nic` (each
+    `{"bandwidth_GBps": x, "latency_us": y}`) and `compute_efficiency`. A missing or malformed field is a
+    ConfigError naming it."""
+    file = Path(path)
+    try:
+        doc = json.loads(file.read_text())
+    except OSError as exc:
+        raise ConfigError("--cluster", path, f"cannot read it ({exc.strerror}).", "pass an existing JSON file.")
+    except json.JSONDecodeError as exc:
+        raise ConfigError("--cluster", path, f"not JSON ({exc.msg}, line {exc.lineno}).",
+                          "write the cluster as one JSON object (docs/planner.md).")
+    if not isinstance(doc, dict):
+        raise ConfigError("--cluster", path, "the file holds no JSON object.", "write one object (docs/planner.md).")
+    unknown = sorted(set(doc) - _CLUSTER_KEYS)
+    if unknown:
+        raise ConfigError(f"--cluster {unknown[0]}", doc[unknown[0]], "unknown cluster field.",
+                          f"use only {', '.join(sorted(_CLUSTER_KEYS))}.")
+    if doc.get("gpu") != gpu:
+        raise ConfigError("--cluster gpu", doc.get("gpu"), f"the plan is for -g {gpu}.",
+                          f"set \"gpu\": \"{gpu}\" in the file, or plan with -g {doc.get('gpu')}.")
+    base = None if gpu not in GPUS else builtin_cluster(gpu, precision, gpus_per_node)
+    required = ("peak_tflops", "gpus_per_node", "nvlink", "nic", "compute_efficiency")
+    missing = [k for k in required if k not in doc] if base is None else []
+    if missing:
+        raise ConfigError(f"--cluster {missing[0]}", None, f"{gpu} has no built-in figures, so the file must give "
+                          f"{', '.join(required)}.", f"add {', '.join(missing)} (docs/planner.md, 'Cluster file').")
+
+    def number(key: str, value: object, minimum: float = 0.0) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > minimum:
+            raise ConfigError(f"--cluster {key}", value, f"expected a number above {minimum:g}.",
+                              f"set {key} to a positive number.")
+        return float(value)
+
+    def link(key: str, default: Link | None) -> Link:
+        if key not in doc:
+            return default
+        value = doc[key]
+        if not isinstance(value, dict) or "bandwidth_GBps" not in value or "latency_us" not in value:
+            raise ConfigError(f"--cluster {key}", value, "a link needs bandwidth_GBps and latency_us.",
+                              f'e.g. "{key}": {{"bandwidth_GBps": 46, "latency_us": 20}}.')
+        return Link(number(f"{key}.bandwidth_GBps", value["bandwidth_GBps"]) * 1e9,
+                    number(f"{key}.latency_us", value["latency_us"], -1e-12) * 1e-6, value.get("source", str(file)))
+
+    eff = (Efficiency(number("compute_efficiency", doc["compute_efficiency"]),
+                      doc.get("compute_efficiency_source", f"cluster file {file}"))
+           if "compute_efficiency" in doc else base.efficiency)
+    if eff.value > 1:
+        raise ConfigError("--cluster compute_efficiency", eff.value, "a share of the peak is at most 1.",
+                          "give the achieved share of peak_tflops (e.g. 0.4).")
+    slowdown = dict(OVERLAP_SLOWDOWN)
+    for fam, value in (doc.get("overlap_slowdown") or {}).items():
+        slowdown[fam] = number(f"overlap_slowdown.{fam}", value, -1e-12)
+    per_node = gpus_per_node or (int(number("gpus_per_node", doc["gpus_per_node"])) if "gpus_per_node" in doc
+                                 else base.gpus_per_node)
+    peak = number("peak_tflops", doc["peak_tflops"]) if "peak_tflops" in doc else base.peak_tflops
+    cluster = Cluster(gpu=gpu, peak_tflops=peak, precision=precision, gpus_per_node=per_node,
+                      nvlink=link("nvlink", base.nvlink if base else None), nic=link("nic", base.nic if base else None),
+                      efficiency=eff, overlap_slowdown=slowdown, source=doc.get("source", f"cluster file {file}"))
+    return cluster
+
+
+def with_efficiency(cluster: Cluster, value: float, source: str) -> Cluster:
+    return replace(cluster, efficiency=Efficiency(value, source))

@@ -1,0 +1,86 @@
+"""One configuration's predicted step: compute (compute.py) + communication (comm_model.py) laid out by the schedule
+(schedule.py), plus the per-GPU memory (`overlap.launch.resources.estimate_memory`, with the schedule's terms).
+
+`calibrate_efficiency` is the planner's only fit: the compute efficiency that makes one measured configuration's
+predicted step time equal its measured one (bisection; the step time falls monotonically with the efficiency).
+Everything an overlap switch changes is then the communication model's and the schedule's doing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overlap.config.container import ConfigContainer
+from overlap.config.layout import ParallelLayout
+from overlap.errors import ConfigError
+from overlap.launch.resources import estimate_memory
+from overlap.plan.comm_model import CommPlan, comm_plan, microbatches
+from overlap.plan.compute import microbatch_compute
+from overlap.plan.hardware import Cluster, with_efficiency
+from overlap.plan.schedule import StepTimes, Switches, step_times
+from overlap.training.metrics import flops_per_token
+
+
+@dataclass
+class Prediction:
+    """A configuration's predicted step on the cluster."""
+
+    name: str
+    overrides: list[str]
+    times: StepTimes
+    comm: CommPlan
+    switches: Switches
+    tflops_per_gpu: float
+    peak_mem_bytes: int
+    layout: ParallelLayout
+    microbatches: int
+
+    @property
+    def step_ms(self) -> float:
+        return self.times.total_s * 1e3
+
+
+def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
+    m, d = cfg.model, cfg.ddp
+    return Switches(ep_overlap=bool(m.overlap_moe_expert_parallel_comm), delay_wgrad=bool(m.delay_wgrad_compute),
+                    overlap_grad_reduce=bool(d.overlap_grad_reduce), overlap_param_gather=bool(d.overlap_param_gather),
+                    tp_overlap=bool(m.tp_comm_overlap), overlap_p2p=bool(m.overlap_p2p_comm), pp=max(1, layout.pp),
+                    vpp=max(1, m.virtual_pipeline_model_parallel_size or 1))
+
+
+def predict(name: str, overrides: list[str], cfg: ConfigContainer, layout: ParallelLayout,
+            cluster: Cluster) -> Prediction:
+    """The predicted step of `cfg` on `layout` and `cluster`."""
+    if cfg.model.context_parallel_size > 1:
+        raise ConfigError("model.context_parallel_size", cfg.model.context_parallel_size,
+                          "the planner does not model context parallelism (nor does the runtime build it).",
+                          "plan with -cp 1.")
+    compute = microbatch_compute(cfg, layout, cluster)
+    comm = comm_plan(cfg, layout, cluster)
+    sw = switches_of(cfg, layout)
+    m = microbatches(cfg, layout)
+    times = step_times(compute, comm, sw, m, cluster.overlap_slowdown)
+    tokens = cfg.train.global_batch_size * cfg.model.seq_length
+    tflops = flops_per_token(cfg.model) * tokens / layout.world_size / times.total_s / 1e12
+    memory = estimate_memory(cfg, layout, cpu=cluster.gpu == "cpu", schedule=True)
+    return Prediction(name, overrides, times, comm, sw, tflops, memory.total, layout, m)
+
+
+def calibrate_efficiency(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, measured_ms: float,
+                         source: str) -> Cluster:
+    """The cluster with the compute efficiency at which `cfg`'s predicted step equals `measured_ms`."""
+    def step_ms(eff: float) -> float:
+        return predict("calibration", [], cfg, layout, with_efficiency(cluster, eff, source)).step_ms
+
+    lo, hi = 1e-6, 1.0
+    if step_ms(hi) > measured_ms:
+        raise ConfigError("calibration", measured_ms, "even at 100% of the peak the predicted step is longer: the "
+                          "communication model alone exceeds the measured time.",
+                          "check the cluster's link figures (--cluster) against the measured run.")
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        if step_ms(mid) > measured_ms:
+            lo = mid
+        else:
+            hi = mid
+    return with_efficiency(cluster, hi, source)

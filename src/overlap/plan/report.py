@@ -1,0 +1,65 @@
+"""What `overlap plan` prints and writes: a table per configuration, one verdict line per overlap switch, and a JSON
+document shaped like `overlap bench`'s (`configs[].name / overrides / step_time_ms.mean / exposed_comm_ms /
+total_comm_ms`) so one script reads a plan and a measurement alike."""
+
+from __future__ import annotations
+
+from overlap.plan.hardware import Cluster
+from overlap.plan.predict import Prediction
+
+PAYS = 0.01  # a switch whose predicted change is within 1% of the step "does not matter" either way
+
+
+def config_json(p: Prediction) -> dict:
+    t = p.times
+    total = {k: c.seconds_per_step * 1e3 for k, c in sorted(p.comm.kinds.items())}
+    exposed = {k: v * 1e3 for k, v in sorted(t.exposed_s.items())}
+    nbytes = {k: c.bytes_per_step for k, c in sorted(p.comm.kinds.items())}
+    for by_kind in (total, exposed, nbytes):
+        by_kind["all"] = sum(by_kind.values())  # bench's `all` key (there: the union of kinds; here: their sum)
+    lay = p.layout
+    return {"name": p.name, "overrides": list(p.overrides), "step_time_ms": {"mean": p.step_ms},
+            "tflops_per_gpu": p.tflops_per_gpu, "compute_ms": t.compute_s * 1e3, "bubble_ms": t.bubble_s * 1e3,
+            "overlap_slowdown_ms": t.slowdown_s * 1e3, "exposed_comm_ms": exposed, "total_comm_ms": total,
+            "bytes_per_iter": nbytes, "peak_mem_gb": p.peak_mem_bytes / 1e9, "microbatches": p.microbatches,
+            "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "edp": lay.edp, "vpp": p.switches.vpp}}
+
+
+def plan_json(cluster: Cluster, predictions: list[Prediction], verdicts: list[str], command: str) -> dict:
+    base = predictions[0].step_ms
+    configs = [config_json(p) | {"step_time_ratio_to_first": p.step_ms / base} for p in predictions]
+    return {"cluster": cluster.to_json(), "configs": configs, "verdicts": verdicts, "command": command,
+            "predicted": True}
+
+
+def verdict(label: str, off: Prediction, on: Prediction) -> str:
+    """"EP overlap: -24% step time: pays" / "delay_wgrad: within 1%" / "...: costs"."""
+    change = on.step_ms / off.step_ms - 1
+    if abs(change) <= PAYS:
+        return f"{label}: within 1% ({change:+.1%})"
+    return f"{label}: {change:+.0%} step time: {'pays' if change < 0 else 'costs'}"
+
+
+def _kinds(by_kind: dict[str, float]) -> str:
+    parts = [f"{k} {v:.1f}" for k, v in by_kind.items() if k != "all" and v >= 0.05]
+    return f"{by_kind.get('all', 0.0):.1f}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def format_markdown(doc: dict) -> str:
+    c = doc["cluster"]
+    lines = [f"Predicted (nothing was run) for {c['gpus_per_node']} x {c['gpu']} per node, {c['precision']} peak "
+             f"{c['peak_tflops']:g} TFLOP/s; NVLink {c['nvlink']['bandwidth_GBps']:g} GB/s, NIC "
+             f"{c['nic']['bandwidth_GBps']:g} GB/s.  ",
+             f"Compute efficiency {c['compute_efficiency']:.4f} of peak ({c['compute_efficiency_source']}); overlap "
+             f"slowdown {c['overlap_slowdown']} ({c['overlap_slowdown_source']}).  ",
+             f"Command: `{doc['command']}`", "",
+             "| config | step ms | vs first | TFLOP/s/GPU | compute ms | bubble ms | slowdown ms | exposed comm ms | "
+             "total comm ms | GB/iter | peak GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["configs"]:
+        lines.append(f"| {r['name']} | {r['step_time_ms']['mean']:.1f} | {r['step_time_ratio_to_first']:.3f} | "
+                     f"{r['tflops_per_gpu']:.1f} | {r['compute_ms']:.1f} | {r['bubble_ms']:.1f} | "
+                     f"{r['overlap_slowdown_ms']:.1f} | {_kinds(r['exposed_comm_ms'])} | "
+                     f"{_kinds(r['total_comm_ms'])} | {r['bytes_per_iter']['all'] / 1e9:.2f} | "
+                     f"{r['peak_mem_gb']:.1f} |")
+    lines += ["", "Verdicts:"] + [f"- {v}" for v in doc["verdicts"]]
+    return "\n".join(lines)
