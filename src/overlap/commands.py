@@ -53,12 +53,15 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     for flags, kwargs in BENCH_FLAGS:
         bench.add_argument(*flags, **kwargs)
     bench.set_defaults(func=cmd_bench)
-    from overlap.data.preprocess import register as register_preprocess
-
-    register_preprocess(sub)  # overlap preprocess
     from overlap.plan.cli import register as register_plan
 
     register_plan(sub)  # overlap plan
+    from overlap.hf.convert import register_convert_command
+
+    register_convert_command(sub)
+    from overlap.data.preprocess import register as register_preprocess
+
+    register_preprocess(sub)  # overlap preprocess
 
 
 def _add_instrument_flags(p: argparse.ArgumentParser) -> None:

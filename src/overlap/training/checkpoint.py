@@ -229,13 +229,9 @@ class Checkpointer:
         return None
 
     def _pretrained(self, path: Path) -> Path:
-        """A base folder (its tracker's latest) or an iteration folder."""
+        """A base folder (its tracker's latest), an iteration folder, or a Hugging Face folder (config.json)."""
         if (path / "config.json").exists():
-            from overlap.errors import NotBuiltError
-
-            raise NotBuiltError("checkpoint.pretrained_checkpoint", str(path),
-                                "Loading a Hugging Face checkpoint (config.json + safetensors)",
-                                "point it at an overlap checkpoint (a base folder or an iter_N folder).")
+            return path
         if (path / ".metadata").exists():
             return path
         iteration = read_tracker(path)
@@ -253,6 +249,13 @@ class Checkpointer:
             return 0
         start = time.perf_counter()
         folder, weights_only = source
+        if (folder / "config.json").exists():  # Hugging Face weights (overlap.hf): weights only, iteration 0
+            from overlap.hf.load import load_hf_weights
+
+            load_hf_weights(self.cfg.model, self.params, folder, self.ps.rank)
+            self.optimizer.load_param_states({}, 0)  # the masters from the loaded weights
+            self.load_ms = (time.perf_counter() - start) * 1e3
+            return 0
         train_state = read_train_state(folder)
         metadata = read_metadata(folder)
         check_storage(folder, metadata)

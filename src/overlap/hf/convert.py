@@ -1,0 +1,215 @@
+"""`overlap convert import | export | roundtrip`: Hugging Face folder <-> our checkpoint (the DCP format).
+
+- import: config.json -> ModelConfig, the model built once in one process (a gloo world of 1), filled by the same
+  loader `checkpoint.pretrained_checkpoint=<HF folder>` uses, saved by the run's own `Checkpointer` (weights only,
+  iteration 0). The source config.json is kept beside it as `hf_config.json`, so that export can write back the
+  fields we do not model (token ids, max_position_embeddings, the dtype).
+- export: reads our checkpoint's full tensors straight from DCP (no model is built; any layout wrote it), writes
+  config.json and sharded safetensors with the on-disk per-expert HF names, in the source's dtype.
+- roundtrip: import, export, compare every tensor (names, dtypes, shapes, bits); exit 0 only if all are identical.
+  A fused (transformers-5) source is compared in the per-expert naming export writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+
+from overlap.config.model import ModelConfig
+from overlap.errors import CheckpointError
+from overlap.hf.config import hf_config_from_model, model_config_from_hf, read_hf_config
+from overlap.hf.names import mappings, to_hf, unfuse_experts
+from overlap.hf.safetensors_io import SafetensorsReader, write_sharded
+from overlap.training.checkpoint_format import (RUN_CONFIG, Chunk, ChunkLoadPlanner, iteration_dir, read_metadata,
+                                                read_tracker)
+
+log = logging.getLogger("overlap.hf")
+HF_CONFIG = "hf_config.json"
+
+
+@contextmanager
+def single_process() -> Iterator[None]:
+    """A gloo world of one process for the Checkpointer's collectives (nothing if a world exists already)."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class _NoOptimizer:
+    """What `Checkpointer.save` asks of an optimizer when no optimizer state is saved: the step count (0)."""
+
+    def steps_taken(self) -> int:
+        return 0
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, seq_length: int | None = None) -> Path:
+    """HF folder -> our checkpoint in `out` (iteration 0, weights only); returns the iteration folder."""
+    from overlap.config import ConfigContainer
+    from overlap.config.checkpoint import CheckpointConfig
+    from overlap.hf.load import load_hf_weights
+    from overlap.model.gpt import model_chunks
+    from overlap.parallel.state import ParallelState
+    from overlap.training.checkpoint import Checkpointer
+
+    hf = read_hf_config(hf_dir)
+    cfg = ConfigContainer(model=model_config_from_hf(hf, seq_length),
+                          checkpoint=CheckpointConfig(save=str(out), save_optim=False, save_rng=False))
+    with single_process():
+        ps = ParallelState(cfg.finalize(1).layout)
+        chunks = model_chunks(cfg.model, ps)
+        load_hf_weights(cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, hf_dir)
+        checkpointer = Checkpointer(cfg, ps, chunks, _NoOptimizer())
+        checkpointer.save(0)
+        checkpointer.close()
+    folder = iteration_dir(out, 0)
+    (folder / HF_CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def checkpoint_folder(load: str | Path) -> Path:
+    """An iteration folder, or a base folder's latest (its tracker)."""
+    path = Path(load)
+    if (path / ".metadata").exists():
+        return path
+    iteration = read_tracker(path)
+    if iteration is None:
+        raise CheckpointError("--load", str(path), "neither a checkpoint folder (.metadata) nor a base folder with "
+                              "a tracker file.", "point it at <save> or <save>/iter_NNNNNNN of an overlap run.")
+    return iteration_dir(path, iteration)
+
+
+def saved_model_config(folder: Path) -> ModelConfig:
+    """The model section of the checkpoint's run_config.yaml (its architecture; the layout no longer matters)."""
+    try:
+        section = yaml.safe_load((folder / RUN_CONFIG).read_text())["model"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError) as exc:
+        raise CheckpointError("--load", str(folder / RUN_CONFIG), f"the run configuration cannot be read "
+                              f"({type(exc).__name__}).", "export a complete overlap checkpoint.") from None
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in section.items() if k in known})
+
+
+def read_full_model(folder: Path) -> dict[str, torch.Tensor]:
+    """Every `model.*` tensor of the checkpoint, whole (DCP reads the chunks any layout wrote)."""
+    metadata = read_metadata(folder)
+    chunks = {key: Chunk.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
+              for key, md in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    state = {k: c.tensor for k, c in chunks.items()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), planner=ChunkLoadPlanner(chunks))
+    return {k[len("model."):]: t for k, t in state.items()}
+
+
+def export_hf(load: str | Path, hf_dir: str | Path, dtype: str | None = None) -> list[str]:
+    """Our checkpoint -> HF folder (config.json + safetensors, per-expert names); returns the files written."""
+    folder = checkpoint_folder(load)
+    cfg = saved_model_config(folder)
+    base = json.loads((folder / HF_CONFIG).read_text()) if (folder / HF_CONFIG).exists() else None
+    dtype = dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
+    target = getattr(torch, dtype)
+    with single_process():
+        ours = read_full_model(folder)
+    out: dict[str, torch.Tensor] = {}
+    for m in mappings(cfg):
+        full = ours.pop(m.ours, None)
+        if full is None:
+            raise CheckpointError("--load", str(folder), f"tensor model.{m.ours} is missing.",
+                                  "export a complete checkpoint of a Qwen3 / Qwen3-MoE model.")
+        out.update({k: v.to(target).contiguous() for k, v in to_hf(m, full, cfg).items()})
+    if ours:
+        raise CheckpointError("--load", str(folder), f"tensors without a Hugging Face name: {sorted(ours)[:4]}.",
+                              "export a Qwen3 / Qwen3-MoE model.")
+    Path(hf_dir).mkdir(parents=True, exist_ok=True)
+    files = write_sharded(hf_dir, out)
+    config = hf_config_from_model(cfg, dtype, base)
+    (Path(hf_dir) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return files + ["config.json"]
+
+
+def per_expert_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder, fused experts expanded to the per-expert naming (bits unchanged)."""
+    reader = SafetensorsReader(hf_dir)
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(reader.names()):
+        out.update(unfuse_experts(name, reader.read(name)))
+    return out
+
+
+def compare_folders(a: str | Path, b: str | Path) -> list[str]:
+    """What differs between two HF folders' tensors (and the models their config.json files describe)."""
+    left, right = per_expert_tensors(a), per_expert_tensors(b)
+    diffs = [f"only in {a}: {n}" for n in sorted(left.keys() - right.keys())]
+    diffs += [f"only in {b}: {n}" for n in sorted(right.keys() - left.keys())]
+    for name in sorted(left.keys() & right.keys()):
+        x, y = left[name], right[name]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            diffs.append(f"{name}: {x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}")
+        elif not torch.equal(x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y):
+            diffs.append(f"{name}: values differ (max abs {(x.double() - y.double()).abs().max().item():.3g})")
+    ca, cb = (model_config_from_hf(read_hf_config(f)) for f in (a, b))
+    if ca != cb:
+        diffs.append(f"config.json describes another model: {ca} vs {cb}")
+    return diffs
+
+
+def roundtrip(hf_dir: str | Path, work: str | Path | None = None) -> tuple[int, list[str]]:
+    """Import, export, compare: (tensors compared, differences; empty if bit-exact)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(work or tmp)
+        import_hf(hf_dir, base / "ckpt")
+        export_hf(base / "ckpt", base / "hf")
+        return len(per_expert_tensors(hf_dir)), compare_folders(hf_dir, base / "hf")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    if args.action == "import":
+        folder = import_hf(args.hf, args.out, args.seq_length)
+        print(f"imported {args.hf} -> {folder}")
+    elif args.action == "export":
+        files = export_hf(args.load, args.hf, args.dtype)
+        print(f"exported {args.load} -> {args.hf} ({', '.join(files)})")
+    else:
+        count, diffs = roundtrip(args.hf, args.work)
+        if diffs:
+            print(f"round trip of {args.hf}: {len(diffs)} difference(s)")
+            for line in diffs:
+                print(f"  {line}")
+            return 1
+        print(f"round trip of {args.hf}: all {count} tensors bit-identical")
+    return 0
+
+
+def register_convert_command(sub: argparse._SubParsersAction) -> None:
+    """`overlap convert {import,export,roundtrip}` (registered by `overlap.commands.register_commands`)."""
+    convert = sub.add_parser("convert", help="Hugging Face Qwen3 / Qwen3-MoE folder <-> overlap checkpoint")
+    actions = convert.add_subparsers(dest="action", required=True)
+    imp = actions.add_parser("import", help="HF folder -> overlap checkpoint (weights, iteration 0)")
+    imp.add_argument("--hf", required=True, help="folder with config.json and safetensors")
+    imp.add_argument("--out", required=True, help="checkpoint base folder to write (iter_0000000 inside)")
+    imp.add_argument("--seq-length", type=int, default=None,
+                     help="model.seq_length to record (default: min(4096, max_position_embeddings))")
+    exp = actions.add_parser("export", help="overlap checkpoint -> HF folder (per-expert names)")
+    exp.add_argument("--load", required=True, help="checkpoint base folder (its latest) or an iter_N folder")
+    exp.add_argument("--hf", required=True, help="folder to write config.json and safetensors into")
+    exp.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                     help="tensor dtype (default: the imported checkpoint's, else float32)")
+    rt = actions.add_parser("roundtrip", help="import, export and compare every tensor bit-exactly")
+    rt.add_argument("--hf", required=True, help="folder with config.json and safetensors")
+    rt.add_argument("--work", default=None, help="keep the intermediate checkpoint and export here")
+    convert.set_defaults(func=cmd_convert)
