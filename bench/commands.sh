@@ -94,3 +94,12 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -tp 2 -sl 1024 -ms 5 -gb 4 -mb
 # 9. Checkpoints: save (sync vs async, alternated) and load time and size for qwen3_moe_tiny EP=4 and dense_tiny DP=4
 #    with the distributed optimizer; 8 iterations saving every 2, then a load + 1 iteration (bench/checkpoint_bench.py).
 python bench/checkpoint_bench.py $out/checkpoint.json $out/checkpoint.md 2
+
+# 10. Pipeline schedules with one rank per core (PP=2 on 2 ranks): tests whether time-slicing explains the PP=4 rows.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --network tbf:200mbit \
+  --config '1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false' \
+  --config '1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true' \
+  --config '1F1B, torch pipelining:model.pipeline_impl=torch_pipelining' \
+  --config 'interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2' \
+  --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
+  --ideal --repeats 2 --json $out/pp_schedules_2ranks.json --markdown $out/pp_schedules_2ranks.md model.num_layers=8
