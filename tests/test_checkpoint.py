@@ -230,6 +230,8 @@ def test_missing_checkpoint_folder_rules(tmp_path, small_ckpt):
     run_world(1, _train, False, [f"checkpoint.save={base}", "checkpoint.save_optim=false", "train.train_iters=1"])
     (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}"])
     assert "load_optim=false" in msg
+    (msg,) = run_world(1, _load_error, [f"checkpoint.load={small_ckpt}", "train.global_batch_size=16"])
+    assert "global batch 8" in msg and "skip or repeat" in msg
 
 
 def test_finetune_and_pretrained_load_weights_only(small_ckpt):

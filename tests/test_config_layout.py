@@ -132,9 +132,15 @@ def test_topk_must_fit_expert_count():
     assert error(build(moe(moe_router_topk=9)), 2).field == "model.moe_router_topk"
 
 
-def test_non_null_tokenizer_is_not_built():
+def test_tokenizer_types():
+    """HuggingFaceTokenizer needs its file (tests/test_data.py loads one); SentencePiece is not built."""
     cfg = build(model())
     cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
+    with pytest.raises(ConfigError) as exc:
+        cfg.finalize(1)
+    assert exc.value.field == "tokenizer.tokenizer_model"
+    cfg = build(model())
+    cfg.tokenizer.tokenizer_type = "SentencePieceTokenizer"
     with pytest.raises(NotBuiltError) as exc:
         cfg.finalize(1)
     assert "not built" in str(exc.value)
@@ -192,7 +198,7 @@ def test_recipes_finalize_on_common_world_sizes(ng):
 
 def test_recipe_lookup_errors():
     with pytest.raises(ConfigError) as exc:
-        get_recipe("qwen", "llama3_70b")
+        get_recipe("qwen", "no_such_recipe")
     assert exc.value.field == "-mr/--model_recipe_name"
     with pytest.raises(ConfigError) as exc:
         get_recipe("llama", "qwen3_30b_a3b")

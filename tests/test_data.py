@@ -101,14 +101,18 @@ def test_split_blend_and_sample_construction(tmp_path):
     for doc in docs:
         w.add_document(doc)
     w.finalize()
-    ds = GPTDataset(IndexedDataset(tmp_path / "s"), "1", 8, 1234, 100)
-    stream = np.concatenate([np.asarray(docs[int(d)]) for d in ds.order])
-    assert ds.epochs >= 2 and len(ds) == (len(stream) - 1) // 8
-    for k in range(len(ds)):
-        j = int(ds.shuffle[k])
-        assert ds[k].tolist() == stream[j * 8:j * 8 + 9].tolist()  # 9 consecutive tokens, across documents
-    again = GPTDataset(IndexedDataset(tmp_path / "s"), "1", 8, 1234, 100)
-    assert [again[k].tolist() for k in range(5)] == [ds[k].tolist() for k in range(5)]
+    ds = GPTDataset(IndexedDataset(tmp_path / "s"), "1", 8, 1234)
+    for e in (0, 1):  # two epochs: each its own document order and sample order
+        order, _starts, shuffle = ds.epoch(e)
+        stream = np.concatenate([np.asarray(docs[int(d)]) for d in order])
+        assert ds.per_epoch == (len(stream) - 1) // 8
+        for j in range(ds.per_epoch):
+            first = int(shuffle[j]) * 8
+            assert ds[e * ds.per_epoch + j].tolist() == stream[first:first + 9].tolist()  # across documents
+    again = GPTDataset(IndexedDataset(tmp_path / "s"), "1", 8, 1234)
+    assert [again[k].tolist() for k in range(40, 45)] == [ds[k].tolist() for k in range(40, 45)]
+    other = GPTDataset(IndexedDataset(tmp_path / "s"), "1", 8, 4321)
+    assert [other[k].tolist() for k in range(5)] != [ds[k].tolist() for k in range(5)]
 
 
 def _data_cfg(tokenizer_dir, prefix, items, iters, world):

@@ -2,7 +2,11 @@
 alltoall, GBS 1024, MBS 1, seq 4096, BF16: 41.25 s without EP overlap, 31.31 s with it, 31.20 s with delay_wgrad.
 
 One parameter (the compute efficiency) is calibrated on the off run here; the on runs are predicted from the
-communication model and the schedule's windows, and must land within 10% (ratio within 0.05)."""
+communication model and the schedule's windows, and must land within 10% (ratio within 0.05). Caveat: the EP overlap
+slowdown (0.40, the published worst case; overlap.plan.hardware.OVERLAP_SLOWDOWN) was picked after seeing this pair -
+with the published average (0.189) the on prediction is 11% low and this test fails - so the pair checks the model's
+structure, not that parameter. The model has no delay_wgrad effect at this shape (its prediction equals the on run's),
+so the DELAY_MS case is not an independent check either."""
 
 import argparse
 

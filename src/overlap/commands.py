@@ -56,7 +56,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     from overlap.plan.cli import register as register_plan
 
     register_plan(sub)  # overlap plan
-    from overlap.hf.convert import register_convert_command
+    from overlap.convert import register_convert_command
 
     register_convert_command(sub)
     from overlap.data.preprocess import register as register_preprocess

@@ -28,6 +28,20 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
+def _hf_checkpoint_vocab(path: str | None) -> int | None:
+    """The vocabulary size in a Hugging Face folder's config.json (None: not an HF folder, or no such field)."""
+    import json
+    from pathlib import Path
+
+    if not path or not (Path(path) / "config.json").is_file():
+        return None
+    try:
+        value = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        return None  # the checkpoint loader reports an unreadable config.json, naming it
+    return value if isinstance(value, int) else None
+
+
 @dataclass
 class Resolution:
     """What finalize decided: the decision log and the parallel layout."""
@@ -114,11 +128,20 @@ class ConfigContainer:
             if m.make_vocab_size_divisible_by < 1:
                 raise ConfigError("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by,
                                   "it must be positive.", "use 128 (Megatron's default).")
-            m.vocab_size = padded_vocab_size(hf.vocab_size, m.make_vocab_size_divisible_by, layout.tp)
-            log.record_in("data", "model.vocab_size", None, m.vocab_size, RULE,
-                          f"the tokenizer's {hf.vocab_size} tokens padded to a multiple of "
-                          f"make_vocab_size_divisible_by x TP = {m.make_vocab_size_divisible_by} x {layout.tp}; "
-                          f"end of document = token {hf.eod}")
+            hf_vocab = _hf_checkpoint_vocab(self.checkpoint.pretrained_checkpoint)
+            if hf_vocab is not None and hf_vocab >= hf.vocab_size:
+                # A released checkpoint's embedding has its own (already padded) rows: Qwen3's 151936 for the
+                # tokenizer's 151669 tokens. Padding the tokenizer's count again would not match its weights.
+                m.vocab_size = hf_vocab
+                log.record_in("data", "model.vocab_size", None, m.vocab_size, RULE,
+                              f"the pretrained checkpoint's vocabulary (its config.json), which holds the "
+                              f"tokenizer's {hf.vocab_size} tokens; end of document = token {hf.eod}")
+            else:
+                m.vocab_size = padded_vocab_size(hf.vocab_size, m.make_vocab_size_divisible_by, layout.tp)
+                log.record_in("data", "model.vocab_size", None, m.vocab_size, RULE,
+                              f"the tokenizer's {hf.vocab_size} tokens padded to a multiple of "
+                              f"make_vocab_size_divisible_by x TP = {m.make_vocab_size_divisible_by} x {layout.tp}; "
+                              f"end of document = token {hf.eod}")
         if data.blend is None:
             log.record_in("data", "dataset.blend", None, None, DEFAULT,
                           "not set: mock data (random tokens from the seed; the loss cannot fall below "

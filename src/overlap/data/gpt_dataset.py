@@ -2,10 +2,11 @@
 
 - Split: `dataset.split` ("9999,8,2": train, validation, test weights) cuts each dataset's documents into contiguous
   ranges with Megatron's rounding; training reads the first range.
-- Samples: every epoch the split's documents are shuffled (numpy RandomState(seed), the reference's generator) and
-  concatenated (each document already ends with the end-of-document token when preprocessed with --append-eod); a
-  sample is `seq_length + 1` consecutive tokens starting every `seq_length` tokens (tokens = [:-1], labels = [1:]),
-  and the samples are shuffled too. As many epochs are laid out as the run's samples need.
+- Samples: every epoch the split's documents are shuffled (numpy RandomState, the reference's generator, seeded by
+  (seed, epoch)) and concatenated (each document already ends with the end-of-document token when preprocessed with
+  --append-eod); a sample is `seq_length + 1` consecutive tokens starting every `seq_length` tokens within the epoch
+  (tokens = [:-1], labels = [1:]), and the epoch's samples are shuffled too. Unlike Megatron (one generator over all
+  epochs, the count fixed by the run's length) an epoch does not depend on the run's length.
 - Blend: datasets with weights; global sample k comes from the dataset whose share is most behind, the reference's
   greedy rule (`build_blending_indices`), so every prefix of the sample stream matches the weights as well as a whole
   number of samples can.
@@ -43,39 +44,44 @@ def split_ranges(split: str, count: int, field: str = "dataset.split") -> list[t
 
 
 class GPTDataset:
-    """The training split of one indexed dataset as `seq_length + 1`-token samples; `num_samples` decides how many
-    epochs are laid out."""
+    """The training split of one indexed dataset as `seq_length + 1`-token samples, epoch after epoch.
 
-    def __init__(self, data: IndexedDataset, split: str, seq_length: int, seed: int, num_samples: int) -> None:
-        self.data, self.seq = data, seq_length
+    Epoch e shuffles the split's documents with RandomState([seed, e, 0]), concatenates them, cuts
+    (tokens - 1) // seq_length windows and orders them with RandomState([seed, e, 1]). An epoch depends on nothing
+    but (files, split, seed, sequence length, e) - not on how many samples the run will draw - so a run resumed with
+    more iterations, or a longer run, reads exactly the samples a shorter one read first."""
+
+    def __init__(self, data: IndexedDataset, split: str, seq_length: int, seed: int) -> None:
+        self.data, self.seq, self.seed = data, seq_length, seed
         start, end = split_ranges(split, len(data))[0]
-        docs = np.arange(start, end, dtype=np.int64)
-        tokens_per_epoch = int(data.lengths[docs].sum(dtype=np.int64)) if len(docs) else 0
+        self.docs = np.arange(start, end, dtype=np.int64)
+        tokens_per_epoch = int(data.lengths[self.docs].sum(dtype=np.int64)) if len(self.docs) else 0
         if tokens_per_epoch < seq_length + 1:
             raise ConfigError("dataset.blend", data.prefix, f"its training split holds {tokens_per_epoch} tokens "
-                              f"({len(docs)} documents), less than one sample of {seq_length + 1}.",
+                              f"({len(self.docs)} documents), less than one sample of {seq_length + 1}.",
                               "give more data, a larger training share in dataset.split, or a shorter -sl.")
-        per_epoch = (tokens_per_epoch - 1) // seq_length
-        epochs = max(1, math.ceil(num_samples / per_epoch))
-        rng = np.random.RandomState(seed)
-        self.order = np.concatenate([rng.permutation(docs) for _ in range(epochs)])
-        self.starts = np.concatenate([[0], np.cumsum(data.lengths[self.order], dtype=np.int64)])
-        self.count = int((self.starts[-1] - 1) // seq_length)
-        self.shuffle = np.random.RandomState(seed + 1).permutation(self.count)
-        self.epochs, self.documents = epochs, len(docs)
+        self.per_epoch = (tokens_per_epoch - 1) // seq_length
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def __len__(self) -> int:
-        return self.count
+    def epoch(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document order, document start offsets in the epoch's stream, sample order) of epoch e."""
+        if e not in self._epochs:
+            order = np.random.RandomState([self.seed, e, 0]).permutation(self.docs)
+            starts = np.concatenate([[0], np.cumsum(self.data.lengths[order], dtype=np.int64)])
+            self._epochs = {e: (order, starts, np.random.RandomState([self.seed, e, 1]).permutation(self.per_epoch))}
+        return self._epochs[e]
 
     def __getitem__(self, k: int) -> np.ndarray:
-        first = int(self.shuffle[k % self.count]) * self.seq
+        e, j = divmod(k, self.per_epoch)
+        order, starts, shuffle = self.epoch(e)
+        first = int(shuffle[j]) * self.seq
         last = first + self.seq + 1
         pieces = []
-        d = int(np.searchsorted(self.starts, first, side="right")) - 1
+        d = int(np.searchsorted(starts, first, side="right")) - 1
         while first < last:
-            doc_start, doc_end = int(self.starts[d]), int(self.starts[d + 1])
+            doc_start, doc_end = int(starts[d]), int(starts[d + 1])
             take = min(last, doc_end) - first
-            pieces.append(self.data.document(int(self.order[d]), first - doc_start, take))
+            pieces.append(self.data.document(int(order[d]), first - doc_start, take))
             first += take
             d += 1
         return np.concatenate(pieces)
@@ -130,10 +136,9 @@ def parse_blend(blend) -> tuple[list[str], list[float]]:
 
 
 def build_blend(blend, split: str, seq_length: int, seed: int, num_samples: int) -> Blend:
+    """The first `num_samples` samples of the blend (the greedy choice of sample k depends on k alone, so a longer
+    run's first samples are a shorter run's)."""
     prefixes, weights = parse_blend(blend)
     which, positions = blending_indices(weights, num_samples)
-    datasets = []
-    for i, prefix in enumerate(prefixes):
-        needed = int(positions[which == i].max()) + 1 if (which == i).any() else 1
-        datasets.append(GPTDataset(IndexedDataset(prefix), split, seq_length, seed, needed))
+    datasets = [GPTDataset(IndexedDataset(prefix), split, seq_length, seed) for prefix in prefixes]
     return Blend(datasets, which, positions)

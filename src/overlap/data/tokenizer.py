@@ -35,7 +35,11 @@ class HFTokenizer:
         names: list[str] = []
         config = folder / "tokenizer_config.json"
         if config.is_file():
-            eos = json.loads(config.read_text()).get("eos_token")
+            try:
+                eos = json.loads(config.read_text()).get("eos_token")
+            except (OSError, ValueError, AttributeError):
+                raise ConfigError(field, str(config), "tokenizer_config.json is not a readable JSON object.",
+                                  "fix or remove the file (the end-of-document token is then found by name).") from None
             if isinstance(eos, dict):
                 eos = eos.get("content")
             if isinstance(eos, str):

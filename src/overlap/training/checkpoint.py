@@ -9,8 +9,10 @@ What is saved (every tensor under its layout-independent name, as a chunk of its
 - `rng.torch.rank<r>` (and `rng.cuda.rank<r>`): every rank's generator states, restored only at the same layout
   (Bridge ignores RNG state after a TP/PP change too);
 - `train_state.json`: iteration, consumed samples, optimizer steps, the layout; `run_config.yaml`.
-The data position needs nothing more: the mock dataset's samples are a function of (seed, iteration, index), so a
-run resumed at iteration K reads exactly the samples the uninterrupted run reads at K.
+The data position needs nothing more: sample i of iteration k is the data's sample k x global batch + i (mock data:
+a function of (seed, k, i); real data: of the files, split, seed and sequence length, not of the run's length), so a
+run resumed at iteration K reads exactly the samples the uninterrupted run reads at K. A resume with another global
+batch size would skip or repeat samples and is refused; another dataset configuration is allowed and warned about.
 
 Saves go to `iter_N.tmp/`, renamed once every rank's shards and rank 0's metadata are written, then the tracker is
 updated: a job killed mid-save leaves the previous checkpoint as the latest. With `async_save` the state is copied
@@ -81,6 +83,7 @@ class _PendingSave:
     iteration: int
     train_state: dict
     started: float
+    record: dict[str, float]
 
 
 class Checkpointer:
@@ -92,7 +95,8 @@ class Checkpointer:
         self.params: dict[str, nn.Parameter] = {n: p for c in chunks for n, p in c.named_parameters()}
         self.group = comm.new_cpu_group()
         self.pending: _PendingSave | None = None
-        self.last_saved: int | None = None
+        self.last_saved: int | None = None  # the newest complete checkpoint
+        self.last_requested: int | None = None  # the newest save started (an asynchronous one may be in flight)
         # What saving and loading cost (the run summary and `bench/checkpoint.py` report it): per save the time the
         # training thread was blocked and the time until the checkpoint was complete, and its size on disk.
         self.saves: list[dict[str, float]] = []
@@ -148,30 +152,32 @@ class Checkpointer:
         if self.ck.save_rng:
             chunks.update(self._rng_chunks())
         state = {k: c.tensor for k, c in chunks.items()}
+        self.last_requested = iteration
+        record: dict[str, float] = {"iteration": iteration}
+        self.saves.append(record)
         t = self.cfg.train
         train_state = {"format_version": FORMAT_VERSION, "iteration": iteration,
                        "consumed_train_samples": iteration * t.global_batch_size,
                        "optimizer_steps": self.optimizer.steps_taken(), "layout": self._layout(),
                        "has_optimizer": self.ck.save_optim, "has_rng": self.ck.save_rng,
-                       "seed": t.seed, "global_batch_size": t.global_batch_size, "torch": torch.__version__}
+                       "seed": t.seed, "global_batch_size": t.global_batch_size, "torch": torch.__version__,
+                       "dataset": dataclasses.asdict(self.cfg.dataset)}
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         planner = ChunkSavePlanner(chunks)
         if self.ck.async_save:
             future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=self.group)
-            self.pending = _PendingSave(future, iteration, train_state, start)
-            self.saves.append({"iteration": iteration, "blocked_ms": (time.perf_counter() - start) * 1e3})
+            self.pending = _PendingSave(future, iteration, train_state, start, record)
+            record["blocked_ms"] = (time.perf_counter() - start) * 1e3
         else:
             try:
                 dcp.save(state, storage_writer=writer, planner=planner, process_group=self.group)
             except (Exception, CheckpointException) as exc:  # DCP's collective failure is a BaseException
                 raise self._save_failed(iteration, exc) from exc
-            self.saves.append({"iteration": iteration})
-            self._finish(iteration, train_state, start)
-            self.saves[-1]["blocked_ms"] = self.saves[-1]["complete_ms"]
+            self._finish(iteration, train_state, start, record)
+            record["blocked_ms"] = record["complete_ms"]
 
-    def _finish(self, iteration: int, train_state: dict, start: float) -> None:
+    def _finish(self, iteration: int, train_state: dict, start: float, record: dict[str, float]) -> None:
         """Every rank's shards are on disk: rank 0 completes the folder, renames it and moves the tracker."""
-        record = next(r for r in self.saves if r["iteration"] == iteration)
         if self.ps.rank == 0:
             final = finalize_save(Path(self.ck.save), iteration, train_state, run_config_yaml(self.cfg),
                                   self.ck.most_recent_k)
@@ -196,7 +202,7 @@ class Checkpointer:
             pending.future.result()
         except (Exception, CheckpointException) as exc:
             raise self._save_failed(pending.iteration, exc) from exc
-        self._finish(pending.iteration, pending.train_state, pending.started)
+        self._finish(pending.iteration, pending.train_state, pending.started, pending.record)
 
     def _save_failed(self, iteration: int, exc: BaseException) -> CheckpointError:
         return CheckpointError("checkpoint.save", self.ck.save, f"the save of iteration {iteration} failed "
@@ -212,6 +218,9 @@ class Checkpointer:
             iteration = ck.ckpt_step if ck.ckpt_step is not None else read_tracker(ck.load)
             if iteration is not None:
                 folder = iteration_dir(ck.load, iteration)
+                aside = folder.with_name(folder.name + ".old")
+                if not folder.is_dir() and aside.is_dir():  # stopped while re-saving the same iteration
+                    folder = aside
                 if not folder.is_dir():
                     found = saved_iterations(ck.load)
                     raise CheckpointError("checkpoint.load", str(folder), "this iteration's folder does not exist "
@@ -295,6 +304,8 @@ class Checkpointer:
             if f"rng.cuda.rank{self.ps.rank}" in state:
                 torch.cuda.set_rng_state(state[f"rng.cuda.rank{self.ps.rank}"])
         iteration = 0 if weights_only else int(train_state["iteration"])
+        if not weights_only:
+            self._check_data_position(train_state, folder)
         self.load_ms = (time.perf_counter() - start) * 1e3
         if self.ps.rank == 0:
             parts = ["weights"] + (["optimizer"] if want_optim else []) + (["RNG"] if load_rng else [])
@@ -304,6 +315,20 @@ class Checkpointer:
             log.info("loaded checkpoint %s (%s) in %.0f ms; training %s at iteration %d%s", folder,
                      " + ".join(parts), self.load_ms, "starts" if weights_only else "resumes", iteration, why)
         return iteration
+
+    def _check_data_position(self, train_state: dict, folder: Path) -> None:
+        """A resume continues at sample iteration x global batch: only right if the global batch is the same."""
+        saved, now = train_state.get("global_batch_size"), self.cfg.train.global_batch_size
+        if saved is not None and saved != now:
+            raise CheckpointError("train.global_batch_size", now, f"{folder} was trained with global batch {saved}: "
+                                  f"resuming at iteration {train_state['iteration']} with {now} would skip or repeat "
+                                  "samples (batch-size changes are not built).",
+                                  f"resume with -gb {saved}, or start from its weights with checkpoint.finetune=true.")
+        data = dataclasses.asdict(self.cfg.dataset)
+        if train_state.get("dataset", data) != data and self.ps.rank == 0:
+            log.warning("the dataset configuration differs from the checkpoint's (%s, now %s): training continues at "
+                        "sample %d of the new data", train_state.get("dataset"), data,
+                        int(train_state["iteration"]) * now)
 
     def _agree(self, problem: str | None, folder: Path) -> None:
         """Every rank learns of any rank's problem before anyone enters the load's collectives."""

@@ -158,12 +158,18 @@ def finalize_save(base: Path, iteration: int, train_state: dict, run_config: str
     tmp, final = temporary_dir(base, iteration), iteration_dir(base, iteration)
     write_atomic(tmp / TRAIN_STATE, json.dumps(train_state, indent=1, sort_keys=True) + "\n")
     write_atomic(tmp / RUN_CONFIG, run_config)
-    if final.exists():  # the same iteration saved again (a resumed run that stopped at the same step)
-        shutil.rmtree(final)
+    old = None
+    if final.exists():  # the same iteration saved again (a resumed run that stopped at the same step): the old
+        old = base / f"iter_{iteration:07d}.old"  # folder moves aside, so the tracker never names a missing one
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(base)
     write_atomic(base / TRACKER, f"{iteration}\n")
     _fsync_dir(base)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     if keep > 0:
         for old in saved_iterations(base)[:-keep]:
             shutil.rmtree(iteration_dir(base, old), ignore_errors=True)

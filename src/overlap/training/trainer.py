@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from collections import defaultdict
@@ -152,7 +153,8 @@ class Trainer:
         local_loss = loss_sum.clone() if check_nan else None  # before the DP sum mixes the ranks' losses
         loss_handle = comm.all_reduce(loss_sum, ps.dp_group, "dp_loss")
         norm = self.optimizer.grad_norm()
-        if check_nan:  # free unless the norm is not finite (training/stopping.py)
+        if check_nan and not math.isfinite(norm):  # free unless the norm is not finite (training/stopping.py)
+            loss_handle.wait()  # nothing is left in flight when every rank stops here
             check_finite(iteration, norm, local_loss, self._named_params(), ps.rank,
                          self.checkpointer.last_saved if self.checkpointer else None)
         with RECORDER.span("optimizer"):
@@ -196,7 +198,7 @@ class Trainer:
             self.finish_param_sync()
             if self.checkpointer is not None:
                 end = records[-1].iteration + 1 if records else first
-                if not stopped and self.cfg.checkpoint.save and self.checkpointer.last_saved != end and records:
+                if not stopped and self.cfg.checkpoint.save and self.checkpointer.last_requested != end and records:
                     self.checkpointer.save(end)
         finally:
             watch.close()
