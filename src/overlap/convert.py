@@ -31,8 +31,8 @@ from overlap.errors import CheckpointError
 from overlap.hf.config import hf_config_from_model, model_config_from_hf, read_hf_config
 from overlap.hf.names import mappings, to_hf, unfuse_experts
 from overlap.hf.safetensors_io import SafetensorsReader, write_sharded
-from overlap.training.checkpoint_format import (RUN_CONFIG, Chunk, ChunkLoadPlanner, iteration_dir, read_metadata,
-                                                read_tracker)
+from overlap.training.checkpoint_format import (RUN_CONFIG, Chunk, ChunkLoadPlanner, checkpoint_folder,
+                                                iteration_dir, read_metadata)
 
 log = logging.getLogger("overlap.hf")
 HF_CONFIG = "hf_config.json"
@@ -83,18 +83,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, seq_length: int | None = None
     return folder
 
 
-def checkpoint_folder(load: str | Path) -> Path:
-    """An iteration folder, or a base folder's latest (its tracker)."""
-    path = Path(load)
-    if (path / ".metadata").exists():
-        return path
-    iteration = read_tracker(path)
-    if iteration is None:
-        raise CheckpointError("--load", str(path), "neither a checkpoint folder (.metadata) nor a base folder with "
-                              "a tracker file.", "point it at <save> or <save>/iter_NNNNNNN of an overlap run.")
-    return iteration_dir(path, iteration)
-
-
 def saved_model_config(folder: Path) -> ModelConfig:
     """The model section of the checkpoint's run_config.yaml (its architecture; the layout no longer matters)."""
     try:
@@ -118,7 +106,7 @@ def read_full_model(folder: Path) -> dict[str, torch.Tensor]:
 
 def export_hf(load: str | Path, hf_dir: str | Path, dtype: str | None = None) -> list[str]:
     """Our checkpoint -> HF folder (config.json + safetensors, per-expert names); returns the files written."""
-    folder = checkpoint_folder(load)
+    folder = checkpoint_folder(load, "--load")
     cfg = saved_model_config(folder)
     base = json.loads((folder / HF_CONFIG).read_text()) if (folder / HF_CONFIG).exists() else None
     dtype = dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"

@@ -44,9 +44,9 @@ from overlap.optim.adam import STATE_KEYS, ParamStates, keeps_master
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.training.checkpoint_format import (FORMAT_VERSION, Chunk, ChunkLoadPlanner, ChunkSavePlanner,
-                                                check_chunks, check_storage, finalize_save, iteration_dir,
-                                                param_chunk, read_metadata, read_tracker, read_train_state,
-                                                saved_iterations, temporary_dir)
+                                                check_chunks, check_storage, checkpoint_folder, finalize_save,
+                                                iteration_dir, param_chunk, read_metadata, read_tracker,
+                                                read_train_state, saved_iterations, temporary_dir)
 
 log = logging.getLogger("overlap.checkpoint")
 
@@ -241,14 +241,7 @@ class Checkpointer:
         """A base folder (its tracker's latest), an iteration folder, or a Hugging Face folder (config.json)."""
         if (path / "config.json").exists():
             return path
-        if (path / ".metadata").exists():
-            return path
-        iteration = read_tracker(path)
-        if iteration is None:
-            raise CheckpointError("checkpoint.pretrained_checkpoint", str(path), "neither a checkpoint folder "
-                                  "(.metadata) nor a base folder with a tracker file.",
-                                  "point it at <save> or <save>/iter_NNNNNNN of an overlap run.")
-        return iteration_dir(path, iteration)
+        return checkpoint_folder(path, "checkpoint.pretrained_checkpoint")
 
     def load(self) -> int:
         """Load the configured checkpoint into this rank's parameters and optimizer; return the iteration to

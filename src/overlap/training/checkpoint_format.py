@@ -143,6 +143,19 @@ def read_tracker(base: str | os.PathLike) -> int | None:
     return int(text)
 
 
+def checkpoint_folder(path: str | os.PathLike, field: str) -> Path:
+    """An iteration folder as given (it holds `.metadata`), or a base folder's latest (its tracker); `field` names
+    the setting or flag in the error."""
+    path = Path(path)
+    if (path / ".metadata").exists():
+        return path
+    iteration = read_tracker(path)
+    if iteration is None:
+        raise CheckpointError(field, str(path), "neither a checkpoint folder (.metadata) nor a base folder with a "
+                              "tracker file.", "point it at <save> or <save>/iter_NNNNNNN of an overlap run.")
+    return iteration_dir(path, iteration)
+
+
 def saved_iterations(base: str | os.PathLike) -> list[int]:
     """Complete checkpoints in `base` (temporary folders of unfinished saves excluded), oldest first."""
     if not Path(base).is_dir():
