@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from overlap.errors import ConfigError
 from overlap.parallel.kinds import family, parse_families
@@ -374,11 +375,54 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     return out
 
 
-def new_cpu_group() -> ProcessGroup:
-    """A second gloo group over every rank (collective: all ranks call it in the same order). Checkpoints use it:
-    an asynchronous save coordinates its ranks from a background thread, which must not share a communicator with
-    the training's collectives, and on GPUs the DCP control messages need a CPU backend anyway."""
-    return dist.new_group(backend="gloo")
+# Process groups are built once per process and world, then reused by every later job of that process (a test
+# worker, a notebook, `overlap convert` then a run): a gloo group is three threads and a socket per peer that wake to
+# poll even when idle (about 0.08% of a core per group, measured), and it is freed only when every Python reference
+# to it is gone, which the hooks of a finished model's DDP can prevent. Hundreds of leaked groups once cost a test
+# process a fifth of a core while it waited. Building is collective, and every rank builds the same groups in the
+# same order, so every rank finds a group in the cache, or none does. `shutdown` empties the cache.
+_built: dict[tuple, Any] = {}
+_built_for: "weakref.ref[ProcessGroup] | None" = None  # the default group the cache was built under
+
+
+def _cached(key: tuple, build: Callable[[], Any]) -> Any:
+    global _built_for
+    world = dist.group.WORLD
+    if _built_for is None or _built_for() is not world:  # a new world (or the first): nothing cached is valid
+        _built.clear()
+        _built_for = weakref.ref(world)
+    if key not in _built:
+        _built[key] = build()
+    return _built[key]
+
+
+def device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
+    """`init_device_mesh(device_type, shape, mesh_dim_names=names)`, built once per process (see `_cached`)."""
+    return _cached(("mesh", device_type, tuple(shape), tuple(names)),
+                   lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)))
+
+
+def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
+    """A second process group over the same ranks as `mesh`'s `dim` (collective), built once per process: small
+    metadata exchanges (the MoE split sizes) and the backward direction of the pipeline run on their own
+    communicator, so they never queue behind bulk traffic of another micro-batch on the first."""
+    def build() -> ProcessGroup:
+        mine = None
+        axis = mesh.mesh_dim_names.index(dim)
+        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+    return _cached(("twin", mesh.device_type, tuple(mesh.mesh.shape), mesh.mesh_dim_names, dim), build)
+
+
+def cpu_group() -> ProcessGroup:
+    """A second gloo group over every rank (collective: all ranks call it in the same order), built once per
+    process. Checkpoints use it: an asynchronous save coordinates its ranks from a background thread, which must
+    not share a communicator with the training's collectives, and on GPUs the DCP control messages need a CPU
+    backend anyway."""
+    return _cached(("cpu",), lambda: dist.new_group(backend="gloo"))
 
 
 def outstanding() -> list[CommHandle]:
@@ -433,7 +477,7 @@ def shutdown(failing: bool = False) -> None:
         barrier()
     groups = [weakref.ref(g) for g in {dist.group.WORLD, *_group_sizes, *_group_ranks, *_group_backends,
                                        *_group_members}]
-    for cache in (_group_sizes, _group_ranks, _group_backends, _group_members, _link_free_at):
+    for cache in (_group_sizes, _group_ranks, _group_backends, _group_members, _link_free_at, _built):
         cache.clear()
     dist.destroy_process_group()
     if failing:

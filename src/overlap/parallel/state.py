@@ -8,10 +8,11 @@ inside that block, expert-tensor-parallel is fastest, then expert-parallel, then
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.parallel import comm
 
 __all__ = ["ParallelLayout", "ParallelState"]
 
@@ -38,10 +39,12 @@ class ParallelState:
         self.layout = layout
         self.rank = dist.get_rank()
         self.world_size = layout.world_size
-        self.mesh: DeviceMesh = init_device_mesh(
-            device_type, (layout.pp, layout.dp, layout.cp, layout.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-        self.expert_mesh: DeviceMesh = init_device_mesh(
-            device_type, (layout.pp, layout.edp, layout.ep, layout.etp), mesh_dim_names=("pp", "edp", "ep", "etp"))
+        # Built once per process for each layout and reused (`comm.device_mesh`): a process that runs several jobs
+        # (a test worker, a notebook) would otherwise accumulate idle groups that cost threads and CPU.
+        self.mesh: DeviceMesh = comm.device_mesh(
+            device_type, (layout.pp, layout.dp, layout.cp, layout.tp), ("pp", "dp", "cp", "tp"))
+        self.expert_mesh: DeviceMesh = comm.device_mesh(
+            device_type, (layout.pp, layout.edp, layout.ep, layout.etp), ("pp", "edp", "ep", "etp"))
         self.tp_group = self.mesh.get_group("tp")
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
@@ -49,26 +52,14 @@ class ParallelState:
         self.edp_group = self.expert_mesh.get_group("edp")
         self.tp_rank = self.mesh.get_local_rank("tp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        self.ep_meta_group = self._twin_groups(self.expert_mesh, "ep")
+        self.ep_meta_group = comm.twin_group(self.expert_mesh, "ep")
         self.ep_rank = self.expert_mesh.get_local_rank("ep")
         self.pp_rank = self.mesh.get_local_rank("pp")
         # Pipeline neighbours (global ranks) and a second group over the same ranks for the backward direction: the
         # gradients sent down the pipeline never queue behind the activations sent up (with PP=2 both flow between
         # the same two ranks; the reference uses a second communicator for the same reason).
         self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)
-        self.pp_bwd_group = self._twin_groups(self.mesh, "pp") if layout.pp > 1 else self.pp_group
-
-    @staticmethod
-    def _twin_groups(mesh: DeviceMesh, dim: str):
-        """A second process group over the same ranks as `dim`, for small metadata exchanges (the MoE split sizes):
-        on its own group a few bytes never queue behind a bulk all-to-all of another micro-batch in flight."""
-        mine = None
-        axis = mesh.mesh_dim_names.index(dim)
-        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
-        return mine
+        self.pp_bwd_group = comm.twin_group(self.mesh, "pp") if layout.pp > 1 else self.pp_group
 
     @property
     def tp_size(self) -> int:

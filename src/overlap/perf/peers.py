@@ -10,7 +10,6 @@ parallel, so their loss is scaled by 1 / micro-batches only (ours sums, with 1 /
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from overlap.config.container import ConfigContainer
 from overlap.model.gpt import GPTModel
@@ -38,7 +37,7 @@ class PeerTrainer(Trainer):
         else:
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (ps.dp_size,), mesh_dim_names=("dp",))
+            mesh = comm.device_mesh("cpu", (ps.dp_size,), ("dp",))
             for layer in model.layers:
                 fully_shard(layer, mesh=mesh)
             self.model = fully_shard(model, mesh=mesh)

@@ -17,7 +17,7 @@ batch size would skip or repeat samples and is refused; another dataset configur
 Saves go to `iter_N.tmp/`, renamed once every rank's shards and rank 0's metadata are written, then the tracker is
 updated: a job killed mid-save leaves the previous checkpoint as the latest. With `async_save` the state is copied
 to host memory at the step boundary (DCP's stager) and written by a background thread; its rank coordination runs
-on a dedicated gloo group (`comm.new_cpu_group`), apart from the training's collectives, and rank 0 renames the
+on a dedicated gloo group (`comm.cpu_group`), apart from the training's collectives, and rank 0 renames the
 folder once the write has completed - polled at every step boundary, waited for by the next save and at the end.
 DCP's own control messages (plan exchange) go through that group; they are the library's, not ours to trace.
 """
@@ -93,7 +93,7 @@ class Checkpointer:
         self.cfg, self.ps, self.optimizer = cfg, ps, optimizer
         self.ck = cfg.checkpoint
         self.params: dict[str, nn.Parameter] = {n: p for c in chunks for n, p in c.named_parameters()}
-        self.group = comm.new_cpu_group()
+        self.group = comm.cpu_group()
         self.pending: _PendingSave | None = None
         self.last_saved: int | None = None  # the newest complete checkpoint
         self.last_requested: int | None = None  # the newest save started (an asynchronous one may be in flight)
