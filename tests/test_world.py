@@ -1,3 +1,5 @@
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -39,3 +41,25 @@ def test_parallel_state_groups_follow_megatron_order():
 
 def test_uneven_all_to_all():
     assert run_world(2, _uneven_a2a) == [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
+
+
+def _groups_reused():
+    """Two jobs of one layout in one process share their groups (a gloo group is threads that poll while idle);
+    another layout gets its own."""
+    layout = ParallelLayout(world_size=dist.get_world_size(), tp=2)
+    first, second = ParallelState(layout), ParallelState(layout)
+    other = ParallelState(ParallelLayout(world_size=dist.get_world_size(), ep=2))
+    cpu = comm.cpu_group()
+    before = len(os.listdir("/proc/self/task"))  # native threads too: gloo's are not Python threads
+    for _ in range(5):
+        ParallelState(layout)
+        ParallelState(ParallelLayout(world_size=dist.get_world_size(), ep=2))
+    return (first.tp_group is second.tp_group, first.ep_meta_group is second.ep_meta_group,
+            comm.cpu_group() is cpu, other.mesh is not first.mesh,
+            len(os.listdir("/proc/self/task")) - before)
+
+
+def test_parallel_state_reuses_its_groups():
+    for same_tp, same_twin, same_cpu, other_new, new_threads in run_world(2, _groups_reused):
+        assert same_tp and same_twin and same_cpu and other_new
+        assert new_threads == 0
