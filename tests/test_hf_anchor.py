@@ -5,10 +5,11 @@ norm weights around 1, so that attention, routing and the QK norms do real work 
 logit nearly 0 and any comparison trivially small) are saved with `save_pretrained` and loaded into our model:
 
 - logits equal transformers' within atol 1e-4 (fp32; measured max |diff| ~1e-6: only the summation order differs)
-  at one rank, TP2 (+SP), EP2 and TP2 x EP2, every rank loading only its own shards from the files;
+  at one rank, TP2 (+SP), EP2, TP2 x EP2, PP2, TP2 x PP2 and EP2 x PP2, every rank loading only its own shards
+  from the files;
 - the gradients of one backward (mean cross-entropy) equal transformers' within atol 1e-5 at one rank, read back
   into our layout through the same name mapping (from transformers' fused in-memory expert tensors);
-- a Trainer started with `checkpoint.pretrained_checkpoint=<HF folder>` trains at EP2 / TP2 x EP2 like at one rank
+- a Trainer started with `checkpoint.pretrained_checkpoint=<HF folder>` trains at EP2 / PP2 / TP2 x EP2 like at one rank
   (rel 1e-5, as tests/test_training.py), which exercises the Checkpointer hook.
 """
 
@@ -76,7 +77,7 @@ def hf_models(tmp_path_factory):
 
 
 def _build(folder: str, layout: dict):
-    """This rank's model (one chunk) with its shards loaded from the HF folder, and the parallel state."""
+    """This rank's model chunks with their shards loaded from the HF folder, and the parallel state."""
     from overlap.config import ConfigContainer
     from overlap.hf.config import model_config_from_hf, read_hf_config
     from overlap.hf.load import load_hf_weights
@@ -89,18 +90,35 @@ def _build(folder: str, layout: dict):
         setattr(model, k, v)
     cfg = ConfigContainer(model=model)
     ps = ParallelState(cfg.finalize(dist.get_world_size()).layout)
-    (chunk,) = model_chunks(cfg.model, ps)
-    load_hf_weights(cfg.model, dict(chunk.named_parameters()), folder, ps.rank)
-    return cfg, ps, chunk
+    chunks = model_chunks(cfg.model, ps)
+    load_hf_weights(cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, folder, ps.rank)
+    return cfg, ps, chunks
 
 
-def _logits(folder: str, layout: dict) -> torch.Tensor:
-    """[b, s, vocab] logits of our model on the test batch (vocab shards gathered over TP)."""
-    cfg, ps, chunk = _build(folder, layout)
+def _logits(folder: str, layout: dict) -> torch.Tensor | None:
+    """[b, s, vocab] logits of our model on the test batch (vocab shards gathered over TP) on the ranks of the last
+    pipeline stage, None on the others. The stages run one after the other: virtual stage v = chunk x PP + rank
+    receives the hidden state from its predecessor and sends its own to the next."""
+    cfg, ps, chunks = _build(folder, layout)
     tokens, _ = _batch()
+    m = cfg.model
+    seq = SEQ // ps.tp_size if m.sequence_parallel else SEQ
+    hidden, local = torch.empty((seq, BATCH, m.hidden_size)), None  # [s (local under SP), b, h]
     with torch.no_grad():
-        hidden, _ = chunk.stage_body(None, tokens)
-        local = chunk.logits(hidden)  # [s, b, vocab / tp]
+        for virtual in range(ps.pp_size * len(chunks)):
+            if virtual % ps.pp_size != ps.pp_rank:
+                continue
+            chunk = chunks[virtual // ps.pp_size]
+            if not chunk.stage.pre_process:
+                dist.recv(hidden, src=ps.pp_prev, group=ps.pp_group)
+            hidden, _ = chunk.stage_body(hidden, tokens)
+            if chunk.stage.post_process:
+                local = chunk.logits(hidden)  # [s, b, vocab / tp]
+            else:
+                dist.send(hidden.contiguous(), dst=ps.pp_next, group=ps.pp_group)
+                hidden = torch.empty_like(hidden)  # the buffer the next chunk's input arrives in
+    if local is None:
+        return None
     parts = [torch.empty_like(local) for _ in range(ps.tp_size)]
     dist.all_gather(parts, local.contiguous(), group=ps.tp_group)
     return torch.cat(parts, dim=-1).transpose(0, 1)
@@ -108,7 +126,7 @@ def _logits(folder: str, layout: dict) -> torch.Tensor:
 
 def _grads(folder: str) -> tuple[float, dict[str, torch.Tensor]]:
     """One rank: the lm loss and every parameter's gradient."""
-    cfg, ps, chunk = _build(folder, {})
+    cfg, ps, (chunk,) = _build(folder, {})
     tokens, labels = _batch()
     loss, _ = chunk(tokens, labels)
     loss.backward()
@@ -118,14 +136,20 @@ def _grads(folder: str) -> tuple[float, dict[str, torch.Tensor]]:
 LAYOUTS = {"1": (1, {}),
            "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
            "ep2": (2, dict(expert_model_parallel_size=2)),
-           "tp2_ep2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2))}
+           "tp2_ep2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2)),
+           "pp2": (2, dict(pipeline_model_parallel_size=2)),
+           "tp2_pp2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)),
+           "ep2_pp2": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2))}
 
 
-@pytest.mark.parametrize("kind,name", [("moe", n) for n in LAYOUTS] + [("dense", "1"), ("dense", "tp2_sp")])
+@pytest.mark.parametrize("kind,name", [("moe", n) for n in LAYOUTS] + [("dense", n) for n in ("1", "tp2_sp", "pp2")])
 def test_logits_match_transformers(hf_models, kind, name):
     folder, ref = hf_models[kind]
     world, layout = LAYOUTS[name]
-    for got in run_world(world, _logits, str(folder), layout):
+    results = run_world(world, _logits, str(folder), layout)
+    last_stage = [got for got in results if got is not None]
+    assert len(last_stage) == world // layout.get("pipeline_model_parallel_size", 1)
+    for got in last_stage:
         diff = (got - ref["logits"]).abs().max().item()
         assert diff < 1e-4, f"{kind} at {name}: max |logits - transformers| = {diff:.3g}"
 
@@ -165,7 +189,7 @@ def _train(folder: str, layout: list[str]) -> list[float]:
 def test_trainer_from_hf_folder_at_layouts(hf_models):
     folder = str(hf_models["moe"][0])
     ref = run_world(1, _train, folder, [])[0]
-    for world, layout in ((2, ["model.expert_model_parallel_size=2"]),
+    for world, layout in ((2, ["model.expert_model_parallel_size=2"]), (2, ["model.pipeline_model_parallel_size=2"]),
                           (4, ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
                                "model.expert_model_parallel_size=2"])):
         for losses in run_world(world, _train, folder, layout):

@@ -201,6 +201,8 @@ def unpermute(rows: torch.Tensor, token_idx: torch.Tensor, tokens_per_expert: li
 
 
 def _reorder_chunks(rows: torch.Tensor, split_sizes: list[int], order: list[int]) -> torch.Tensor:
+    if order == sorted(order):  # one source rank or one local expert: already in order, nothing to copy
+        return rows
     chunks = rows.split(split_sizes)
     return torch.cat([chunks[i] for i in order])
 

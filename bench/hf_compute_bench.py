@@ -1,0 +1,152 @@
+"""Our single-rank compute next to the reference implementation: forward + backward of one micro-batch, our model vs
+transformers' eager `Qwen3MoeForCausalLM` / `Qwen3ForCausalLM`, with the same weights (saved by transformers with
+`save_pretrained`, loaded into ours through `overlap.hf`), one compute thread, fp32 and bf16.
+
+Each repeat times one step of each implementation, the order alternating between repeats (A B, B A, ...), so
+drift of the machine lands on both; the table gives the median per step and the ratio ours / transformers. The first
+`--warmup` steps of each are not counted. The loss of both is printed once as a check that the weights arrived.
+
+    python bench/hf_compute_bench.py --markdown bench/results/hf_compute.md --json bench/results/hf_compute.json
+
+What it measures is compute only (one rank, no communication): the cost of our layer structure (pieces with autograd
+cut at their boundaries are not used here: the plain model forward), the grouped experts and the loss, against the
+library our users know.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _hf_model(kind: str, args: argparse.Namespace, dtype: torch.dtype):
+    import transformers
+
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  attn_implementation="eager", max_position_embeddings=max(4096, args.seq))
+    torch.manual_seed(0)
+    if kind == "moe":
+        cfg = transformers.Qwen3MoeConfig(**common, moe_intermediate_size=args.moe_ffn, num_experts=args.experts,
+                                          num_experts_per_tok=args.topk, norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    return model.to(dtype)
+
+
+def _ours(folder: Path, seq: int, dtype: torch.dtype):
+    from overlap.config import ConfigContainer
+    from overlap.hf.config import model_config_from_hf, read_hf_config
+    from overlap.hf.load import load_hf_weights
+    from overlap.model.gpt import model_chunks
+    from overlap.parallel.state import ParallelState
+
+    model = model_config_from_hf(read_hf_config(folder), seq_length=seq)
+    model.moe_aux_loss_coeff = 0.0  # transformers computes no aux loss without output_router_logits
+    model.moe_permute_fusion = True  # the vectorised permutation, as the Qwen3 recipes run it (config.json has no say)
+    precision = "bf16_mixed" if dtype == torch.bfloat16 else "fp32"
+    cfg = ConfigContainer(model=model, mixed_precision=precision)
+    ps = ParallelState(cfg.finalize(1).layout)
+    (chunk,) = model_chunks(cfg.model, ps)
+    load_hf_weights(cfg.model, dict(chunk.named_parameters()), folder)
+    return chunk
+
+
+def _step_hf(model, tokens, labels) -> float:
+    logits = model(input_ids=tokens).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    loss.backward()
+    return loss.item()
+
+
+def _step_ours(model, tokens, labels) -> float:
+    loss, _aux = model(tokens, labels)
+    loss.backward()
+    return loss.item()
+
+
+def _measure(kind: str, dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = _hf_model(kind, args, dtype)
+        hf.save_pretrained(tmp)
+        ours = _ours(Path(tmp), args.seq, dtype)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    runs = {"ours": (lambda: _step_ours(ours, tokens, labels)), "transformers": (lambda: _step_hf(hf, tokens, labels))}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    losses = {}
+    for i in range(args.warmup + args.repeats):
+        order = list(runs) if i % 2 == 0 else list(reversed(runs))
+        for name in order:
+            for p in (ours if name == "ours" else hf).parameters():
+                p.grad = None
+            t0 = time.perf_counter()
+            losses[name] = runs[name]()
+            elapsed = time.perf_counter() - t0
+            if i >= args.warmup:
+                times[name].append(elapsed * 1e3)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {"model": kind, "dtype": str(dtype).removeprefix("torch."), "ours_ms": med["ours"],
+            "transformers_ms": med["transformers"], "ratio": med["ours"] / med["transformers"],
+            "ours_min_ms": min(times["ours"]), "transformers_min_ms": min(times["transformers"]),
+            "loss_ours": losses["ours"], "loss_transformers": losses["transformers"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=1536, help="dense MLP width")
+    parser.add_argument("--moe-ffn", type=int, default=384, help="expert MLP width")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--models", default="moe,dense")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rows = [_measure(kind, getattr(torch, dt), args)
+            for kind in args.models.split(",") for dt in args.dtypes.split(",")]
+    dist.destroy_process_group()
+    command = "python bench/hf_compute_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = [f"Command: `{command}`  ",
+             f"Shapes: hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} KV), "
+             f"sequence {args.seq}, micro-batch {args.batch}, vocabulary {args.vocab}; MoE: {args.experts} experts "
+             f"top-{args.topk}, expert width {args.moe_ffn}; dense MLP width {args.ffn}. One thread, "
+             f"{args.repeats} alternated steps each after {args.warmup} warm-up steps; median ms per forward + backward.",
+             "", "| model | dtype | ours ms | transformers ms | ours / transformers | loss ours | loss transformers |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['ours_ms']:.1f} | {r['transformers_ms']:.1f} | "
+                     f"{r['ratio']:.3f} | {r['loss_ours']:.4f} | {r['loss_transformers']:.4f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
