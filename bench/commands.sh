@@ -103,3 +103,9 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
   --config 'interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2' \
   --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
   --ideal --repeats 2 --json $out/pp_schedules_2ranks.json --markdown $out/pp_schedules_2ranks.md model.num_layers=8
+
+# 11. Compute next to transformers (issue 16): our single-rank forward + backward vs transformers' eager Qwen3-MoE /
+#     Qwen3 with the same weights, one thread, alternated (bench/hf_compute_bench.py); fp32 again with more steps.
+python bench/hf_compute_bench.py --repeats 5 --warmup 1 --json $out/hf_compute.json --markdown $out/hf_compute.md
+python bench/hf_compute_bench.py --repeats 20 --warmup 2 --dtypes float32 \
+  --json $out/hf_compute_fp32.json --markdown $out/hf_compute_fp32.md
