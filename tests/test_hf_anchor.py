@@ -4,7 +4,8 @@ A tiny random `Qwen3MoeForCausalLM` and `Qwen3ForCausalLM` (fp32, eager attentio
 norm weights around 1, so that attention, routing and the QK norms do real work - the default 0.02 init makes every
 logit nearly 0 and any comparison trivially small) are saved with `save_pretrained` and loaded into our model:
 
-- logits equal transformers' within atol 1e-4 (fp32; measured max |diff| ~1e-6: only the summation order differs)
+- logits equal transformers' within atol 1e-4 (fp32; measured max |diff| ~1e-6: only the summation order differs;
+  also with norm_topk_prob=false, our model.moe_router_pre_softmax)
   at one rank, TP2 (+SP), EP2, TP2 x EP2, PP2, TP2 x PP2 and EP2 x PP2, every rank loading only its own shards
   from the files;
 - the gradients of one backward (mean cross-entropy) equal transformers' within atol 1e-5 at one rank, read back
@@ -50,10 +51,12 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(kind: str, folder: Path) -> dict:
-    """Save a tiny random HF model to `folder`; return its logits and the grads of the mean cross-entropy."""
+    """Save a tiny random HF model to `folder`; return its logits and the grads of the mean cross-entropy.
+    "moe_unnormalised": the MoE model with norm_topk_prob=false (transformers' default)."""
     torch.manual_seed(0)
-    if kind == "moe":
-        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**COMMON, **MOE))
+    if kind.startswith("moe"):
+        config = transformers.Qwen3MoeConfig(**COMMON, **dict(MOE, norm_topk_prob=kind == "moe"))
+        model = transformers.Qwen3MoeForCausalLM(config)
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON))
     _randomise(model, 1)
@@ -70,7 +73,7 @@ def _reference(kind: str, folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     out = {}
-    for kind in ("moe", "dense"):
+    for kind in ("moe", "dense", "moe_unnormalised"):
         folder = tmp_path_factory.mktemp(f"hf_{kind}")
         out[kind] = (folder, _reference(kind, folder))
     return out
@@ -142,7 +145,8 @@ LAYOUTS = {"1": (1, {}),
            "ep2_pp2": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2))}
 
 
-@pytest.mark.parametrize("kind,name", [("moe", n) for n in LAYOUTS] + [("dense", n) for n in ("1", "tp2_sp", "pp2")])
+@pytest.mark.parametrize("kind,name", [("moe", n) for n in LAYOUTS] + [("dense", n) for n in ("1", "tp2_sp", "pp2")]
+                         + [("moe_unnormalised", n) for n in ("1", "ep2")])
 def test_logits_match_transformers(hf_models, kind, name):
     folder, ref = hf_models[kind]
     world, layout = LAYOUTS[name]
@@ -154,7 +158,7 @@ def test_logits_match_transformers(hf_models, kind, name):
         assert diff < 1e-4, f"{kind} at {name}: max |logits - transformers| = {diff:.3g}"
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense"])
+@pytest.mark.parametrize("kind", ["moe", "dense", "moe_unnormalised"])
 def test_gradients_match_transformers(hf_models, kind):
     from overlap.hf.config import model_config_from_hf, read_hf_config
     from overlap.hf.load import DictSource, read_shard

@@ -131,11 +131,14 @@ def test_config_both_directions():
     assert not model_config_from_hf(dense).is_moe
     every_other = model_config_from_hf({**HF, "mlp_only_layers": [1]})
     assert every_other.moe_layer_freq == 2
+    unnormalised = model_config_from_hf({**HF, "norm_topk_prob": False})
+    assert unnormalised.moe_router_pre_softmax and not cfg.moe_router_pre_softmax
+    assert hf_config_from_model(unnormalised, "float32", None)["norm_topk_prob"] is False
 
 
 @pytest.mark.parametrize("change,field", [
     ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_parameters"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"decoder_sparse_step": 2}, "decoder_sparse_step"),

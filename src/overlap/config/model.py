@@ -54,6 +54,10 @@ class ModelConfig:
     # --- mixture of experts ---------------------------------------------------------------------------------------
     num_moe_experts: int | None = None  # None: dense model
     moe_router_topk: int = 2
+    # False (Megatron's default, Qwen3-30B-A3B's norm_topk_prob=true): the combine weights are a softmax over the k
+    # chosen logits (they sum to 1). True (norm_topk_prob=false): the softmax over all experts, taken at the k
+    # chosen ones (they sum to less than 1).
+    moe_router_pre_softmax: bool = False
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_shared_expert_intermediate_size: int | None = None  # None: no shared expert
     moe_layer_freq: int = 1  # every k-th layer is MoE (1: all layers); the others are dense

@@ -46,7 +46,7 @@ ARCH_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
                "num_moe_experts": "num_moe_experts"}
 MOE_FIELDS = {"moe_router_topk": "moe_router_topk", "moe_ffn_hidden_size": "moe_ffn_size",
-              "moe_layer_freq": "moe_layer_freq",
+              "moe_layer_freq": "moe_layer_freq", "moe_router_pre_softmax": "moe_router_pre_softmax",
               "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"}
 
 
@@ -146,11 +146,10 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
         if not experts:
             raise _refuse("num_experts", experts, "a Qwen3-MoE checkpoint without experts.",
                           "convert it as Qwen3ForCausalLM.")
-        if not hf.get("norm_topk_prob", False):
-            raise _refuse("norm_topk_prob", hf.get("norm_topk_prob", False), "our router always renormalises the "
-                          "top-k weights to sum to 1 (softmax over the chosen logits); without norm_topk_prob "
-                          "transformers uses the unnormalised softmax probabilities, another model.",
-                          "use a checkpoint with norm_topk_prob=true (as Qwen3-30B-A3B).")
+        norm = hf.get("norm_topk_prob", False)  # transformers' default: false
+        if not isinstance(norm, bool):
+            raise _refuse("norm_topk_prob", norm, "expected true or false.", "fix config.json.")
+        cfg.moe_router_pre_softmax = not norm
         cfg.num_moe_experts = int(experts)
         cfg.moe_router_topk = int(hf.get("num_experts_per_tok", 8))
         cfg.moe_ffn_hidden_size = int(hf["moe_intermediate_size"])
@@ -207,7 +206,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None)
     if moe:
         out.pop("num_local_experts", None)
         out.update({"num_experts": cfg.num_moe_experts, "num_experts_per_tok": cfg.moe_router_topk,
-                    "moe_intermediate_size": cfg.moe_ffn_size, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                    "moe_intermediate_size": cfg.moe_ffn_size,
+                    "norm_topk_prob": not cfg.moe_router_pre_softmax, "decoder_sparse_step": 1,
                     "mlp_only_layers": [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)],
                     "router_aux_loss_coef": cfg.moe_aux_loss_coeff})
     return out

@@ -1,7 +1,9 @@
 """Top-k router with the Switch-style load-balancing auxiliary loss.
 
-Routing follows Qwen3-MoE (`norm_topk_prob=True`): the k experts with the largest logits win, and their combine
-weights are a softmax over just those k logits, so they sum to 1 per token. The aux loss needs the full softmax.
+Routing follows Qwen3-MoE: the k experts with the largest logits win. Their combine weights are a softmax over
+just those k logits, so they sum to 1 per token (`norm_topk_prob=True`, Megatron's default), or, with
+`moe_router_pre_softmax` (`norm_topk_prob=False`), the softmax over all experts taken at the k winners. The aux loss
+needs the full softmax.
 Everything runs in fp32 whatever the parameter dtype, because a routing decision flipped by rounding changes which
 expert sees a token, a discontinuity no tolerance covers.
 """
@@ -50,6 +52,7 @@ class TopKRouter(nn.Module):
                               f"the router supports {LOAD_BALANCING_TYPES}.", "pick one of those.")
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
+        self.pre_softmax = config.moe_router_pre_softmax
         self.aux_loss_coeff = (config.moe_aux_loss_coeff
                                if config.moe_router_load_balancing_type == "aux_loss" else 0.0)
         # Under sequence parallel each TP rank routes only its slice of the sequence; the aux-loss statistics must
@@ -64,8 +67,11 @@ class TopKRouter(nn.Module):
         with RECORDER.span("moe.router"):
             tokens = hidden.reshape(-1, hidden.shape[-1])
             logits = F.linear(tokens.float(), self.weight.float())
-            top_logits, topk_idx = logits.topk(self.topk, dim=-1)
-            topk_weights = torch.softmax(top_logits, dim=-1)
+            if self.pre_softmax:  # softmax is monotonic: the same winners as the logits' top-k
+                topk_weights, topk_idx = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
+            else:
+                top_logits, topk_idx = logits.topk(self.topk, dim=-1)
+                topk_weights = torch.softmax(top_logits, dim=-1)
             if not self.aux_loss_coeff:
                 return topk_idx, topk_weights, logits.new_zeros(())
             stats = self._load_statistics(logits, topk_idx)
