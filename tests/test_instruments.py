@@ -141,6 +141,49 @@ def test_modelled_link_holds_completion_back_without_burning_cpu_and_queues_ops(
         assert queued >= 0.2199  # the second op waited for the link behind the first
 
 
+def _modelled_p2p_case():
+    """Rank 1 posts its receive at once; rank 0 sends 1 MB (0.01 + 1e6 / 1e7 = 0.11 s of link) 0.3 s later, then
+    again with the receive posted only after the send. Returns (receive posted -> done, send posted -> done) of
+    each receive, from the host's one monotonic clock (the sender's posting times travel in the reply)."""
+    group = dist.group.WORLD
+    comm.set_network(comm.LinkModel(latency_s=0.01, bandwidth_Bps=1e7, families=("pp",)))
+    try:
+        payload = torch.ones(250_000)
+        if dist.get_rank() == 0:
+            sent = []
+            for delay in (0.3, 0.0):
+                comm.barrier()
+                time.sleep(delay)
+                sent.append(comm.now())
+                (h,) = comm.p2p([("pp_send_fwd", comm.P2P_SEND, payload, 1, 5)], group)
+                h.wait()
+            comm.barrier()
+            return sent
+        out = []
+        for late in (False, True):
+            comm.barrier()
+            if late:
+                time.sleep(0.3)
+            buf = torch.zeros(250_000)
+            (h,) = comm.p2p([("pp_recv_fwd", comm.P2P_RECV, buf, 0, 5)], group)
+            h.wait()
+            out.append((h.event.t_launch, h.event.t_done, buf[0].item()))
+        comm.barrier()
+        return out
+    finally:
+        comm.set_network(None)
+
+
+def test_modelled_p2p_starts_when_both_sides_have_posted():
+    sent, received = run_world(2, _modelled_p2p_case)
+    (early_post, early_done, v1), (late_post, late_done, v2) = received
+    assert v1 == v2 == 1.0
+    # Posted early: the link carries the data only from the send (0.3 s later), never before it.
+    assert early_done - sent[0] >= 0.1099 and early_done - early_post >= 0.3 + 0.1
+    # Posted after the send: from its own posting.
+    assert late_post > sent[1] and late_done - late_post >= 0.1099
+
+
 # ---- --network parsing and the emulated interconnect ----
 
 def test_parse_network():

@@ -20,8 +20,14 @@ compute, so overlap measured against it is credible (see docs/architecture.md, "
 group has a "link free at" clock: two ops in flight on one group queue one behind the other instead of overlapping
 for free.
 
+Point-to-point transfers on a modelled link start when both sides have posted (the sender's posting time travels
+in a one-element stamp ahead of the payload, see `p2p`), so a receive posted early cannot have its transfer
+"happen" before the send exists.
+
 Known limits of the measurement: the link clocks are per process group, so collectives on two different groups over
-the same ranks (e.g. dp and ep) do not queue behind each other as they would on one physical link.
+the same ranks (e.g. dp and ep) do not queue behind each other as they would on one physical link. A collective's
+modelled time runs from this rank's launch, not from the last rank's: where a peer launches late, the rank that
+waited for it gets the link time partly hidden behind that wait (p2p has the stamps; collectives do not yet).
 
 On gloo, a summing reduce-scatter runs as an all-to-all of the chunks plus a local sum (see `reduce_scatter`).
 
@@ -170,12 +176,17 @@ class CommHandle:
     returns the output tensor (if any)."""
 
     def __init__(self, event: CommEvent, work: dist.Work | None, result: torch.Tensor | None,
-                 finish: Callable[[], None] | None = None, deadline: float | None = None) -> None:
+                 finish: Callable[[], None] | None = None, deadline: float | None = None,
+                 deadline_from: Callable[[], float | None] | None = None,
+                 companions: Sequence[dist.Work] = ()) -> None:
         self.event = event
         self._work = work
         self._result = result
         self._finish = finish
         self._deadline = deadline  # modelled completion (set_network); None: the real completion is the completion
+        # A modelled receive learns its deadline only once the sender's stamp is in (`p2p`): None until then.
+        self._deadline_from = deadline_from
+        self._companions = list(companions)  # works that travel with this one (the stamps), waited with it
         self._done = work is None
         # then()'s future: done once `_mark_done` has run. The callback runs on the backend's thread, and on some
         # backends (NCCL) after work.wait() returns; waiting for this future too means a waited handle has nothing
@@ -191,6 +202,10 @@ class CommHandle:
         _outstanding.add(self)
 
     def _mark_done(self, fut: torch.futures.Future) -> None:
+        if self._deadline is None and self._deadline_from is not None:
+            self._deadline = self._deadline_from()  # None while the stamp is not in yet: then at wait()
+            if self._deadline is None:
+                return
         if self.event.t_done is None:
             self.event.t_done = max(now(), self._deadline or 0.0)
 
@@ -213,6 +228,10 @@ class CommHandle:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{self.event.kind}: the completion callback did not run in time")
                 time.sleep(1e-3)
+        for work in self._companions:
+            work.wait()
+        if self._deadline is None and self._deadline_from is not None:
+            self._deadline = self._deadline_from()
         if self._deadline is not None:
             remaining = self._deadline - now()
             if remaining > 0:
@@ -226,15 +245,19 @@ class CommHandle:
             self._finish()
         # Drop the work, its callback future and the finish step: they hold transfer buffers (a reduce-scatter's
         # full-size receive buffer) that callers keeping the handle until the next step must not keep alive.
-        self._work = self._callback = self._finish = None
+        self._work = self._callback = self._finish = self._deadline_from = None
+        self._companions = []
 
 
 def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
             run: Callable[[], dist.Work | None], result: torch.Tensor | None,
             fake: Callable[[], None] | None = None, finish: Callable[[], None] | None = None,
-            payload_bytes: int | None = None, modelled: bool = True) -> CommHandle:
+            payload_bytes: int | None = None, modelled: bool = True,
+            stamp: torch.Tensor | None = None) -> CommHandle:
     """Record and start one op. `payload_bytes` is what the modelled link carries when it differs from `nbytes`
-    (the recorded input size), as for all-gather."""
+    (the recorded input size), as for all-gather. `run` returns the op's work, or (work, companion works) when
+    other transfers travel with it (`p2p`'s stamps); `stamp`: a modelled receive's buffer for the sender's stamp,
+    its first companion, from which the deadline is taken once it is in."""
     event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=now())
     RECORDER.add_comm(event)
     if _is_free(kind) or event.group_size == 1:
@@ -245,7 +268,40 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
     if modelled and _link is not None and _link.applies_to(kind):
         deadline = _reserve_link(group, op, nbytes if payload_bytes is None else payload_bytes, event.group_size,
                                  event.t_launch)
-    return CommHandle(event, run(), result, finish, deadline)
+    started = run()
+    work, companions = started if isinstance(started, tuple) else (started, [])
+    deadline_from = None
+    if stamp is not None:
+        deadline_from = _stamp_deadline(group, nbytes if payload_bytes is None else payload_bytes, event.group_size,
+                                        event.t_launch, stamp, companions[0])
+    return CommHandle(event, work, result, finish, deadline, deadline_from, companions)
+
+
+def _stamp_deadline(group: ProcessGroup, payload_bytes: int, size: int, t_posted: float, stamp: torch.Tensor,
+                    stamp_work: dist.Work) -> Callable[[], float | None]:
+    """A modelled receive's deadline, once the sender's stamp is in (None before): the link carries the payload
+    from the moment both sides had posted, behind what its group's link already carries. Booked once, whichever
+    thread asks first (the completion callback or the waiter)."""
+    lock = threading.Lock()
+    booked: list[float] = []
+
+    def resolve() -> float | None:
+        with lock:
+            if not booked:
+                if not stamp_work.is_completed():
+                    return None
+                booked.append(_reserve_link(group, "p2p", payload_bytes, size, max(float(stamp.item()), t_posted)))
+            return booked[0]
+    return resolve
+
+
+def _with_stamp(post: Callable[[int], dist.Work], payload: int,
+                stamp: int | None) -> dist.Work | tuple[dist.Work, list[dist.Work]]:
+    """Post a p2p op's stamp (if any) and then its payload; see `p2p`."""
+    if stamp is None:
+        return post(payload)
+    stamp_work = post(stamp)
+    return post(payload), [stamp_work]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -490,6 +546,7 @@ def shutdown(failing: bool = False) -> None:
 
 
 P2P_SEND, P2P_RECV = "send", "recv"
+STAMP_TAG = 1 << 24  # a modelled send's stamp travels under its payload's tag + this (pipeline tags stay below it)
 
 
 def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGroup,
@@ -498,36 +555,57 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGr
     received tensor is written in place. The tag names the message (pipeline: direction, chunk, micro-batch), so
     however early a receive is posted it matches exactly its send.
 
-    On a modelled link the receive carries the link time (latency + bytes / bandwidth from its posting): a receive
-    posted early, as the overlapped pipeline schedule does, has its transfer hidden behind the compute in between,
-    one posted just before it is needed pays it all. Sends complete when the data is out. Bytes are recorded on the
-    send only, so a per-iteration byte count is what crossed the links.
+    On a modelled link the receive carries the link time, from the moment both sides have posted (a rendezvous, as
+    NCCL's send/recv): every modelled send is preceded by a one-element stamp with its posting time (same peer, tag
+    + `STAMP_TAG`), and the receive completes at max(stamp, its own posting) + latency + bytes / bandwidth, queued
+    behind what its group's link already carries. A receive posted early, as the overlapped pipeline schedule does,
+    so has its transfer hidden behind whatever the receiver computes after the sender posted, and never before
+    that; one posted just before it is needed pays it all. The ranks share the host's monotonic clock (the modelled
+    link is a single-host emulation). Sends complete when the data is out. Bytes are recorded on the send only, so a
+    per-iteration byte count is what crossed the links.
 
     `together`: the ops are posted as one `batch_isend_irecv` - needed where two ranks exchange with each other at
     once (a ring of two, a pair swap): NCCL pairs each send with its receive only inside one group call, and two
     ranks that each post a send first can otherwise wait on each other. Each op keeps its own handle."""
+    for _kind, op, _t, _peer, _tag in ops:
+        if op not in (P2P_SEND, P2P_RECV):
+            raise ValueError(f"p2p ({_kind}): unknown op {op!r}")
+    stamped = [_link is not None and _link.applies_to(kind) and not _is_free(kind) and group_size(group) > 1
+               for kind, *_ in ops]
+    stamps = [torch.full((1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64, device=tensor.device)
+              if stamp else None for (_k, op, tensor, _p, _t), stamp in zip(ops, stamped)]
+    # Every transfer as posted, stamp first: (op, tensor, peer, tag).
+    posts = []
+    for (_kind, op, tensor, peer, tag), stamp in zip(ops, stamps):
+        if stamp is not None:
+            posts.append((op, stamp, peer, tag + STAMP_TAG))
+        posts.append((op, tensor, peer, tag))
     works: list[dist.Work] = []
 
-    def post_together() -> None:
-        if not works:
-            works.extend(dist.batch_isend_irecv([
-                dist.P2POp(dist.isend if op == P2P_SEND else dist.irecv, t, peer, group, tag)
-                for _kind, op, t, peer, tag in ops]))
+    def post(index: int) -> dist.Work:
+        if together:
+            if not works:
+                works.extend(dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend if op == P2P_SEND else dist.irecv, t, peer, group, tag)
+                    for op, t, peer, tag in posts]))
+            return works[index]
+        op, t, peer, tag = posts[index]
+        return (dist.isend if op == P2P_SEND else dist.irecv)(t, peer, group=group, tag=tag)
 
     handles = []
-    for index, (kind, op, tensor, peer, tag) in enumerate(ops):
-        if op not in (P2P_SEND, P2P_RECV):
-            raise ValueError(f"p2p ({kind}): unknown op {op!r}")
-        if together:
-            run = (lambda i=index: (post_together(), works[i])[1])
-        elif op == P2P_SEND:
-            run = (lambda t=tensor, p=peer, g=tag: dist.isend(t, dst=p, group=group, tag=g))
-        else:
-            run = (lambda t=tensor, p=peer, g=tag: dist.irecv(t, src=p, group=group, tag=g))
+    index = 0
+    for (kind, op, tensor, peer, tag), stamp in zip(ops, stamps):
+        stamp_index = None
+        if stamp is not None:
+            stamp_index, index = index, index + 1
+        payload_index, index = index, index + 1
         if op == P2P_SEND:
-            handles.append(_launch(kind, "p2p", group, _nbytes(tensor), run, None, fake=lambda: None,
-                                   modelled=False))
+            handles.append(_launch(kind, "p2p", group, _nbytes(tensor),
+                                   lambda i=payload_index, s=stamp_index: _with_stamp(post, i, s), None,
+                                   fake=lambda: None, modelled=False))
         else:  # recorded with 0 bytes: counted once, at the send; the link model carries the payload here
-            handles.append(_launch(kind, "p2p", group, 0, run, tensor, fake=tensor.zero_,
-                                   payload_bytes=_nbytes(tensor)))
+            handles.append(_launch(kind, "p2p", group, 0,
+                                   lambda i=payload_index, s=stamp_index: _with_stamp(post, i, s), tensor,
+                                   fake=tensor.zero_, payload_bytes=_nbytes(tensor), modelled=False,
+                                   stamp=stamp))
     return handles
