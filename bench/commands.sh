@@ -109,3 +109,14 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
 python bench/hf_compute_bench.py --repeats 5 --warmup 1 --json $out/hf_compute.json --markdown $out/hf_compute.md
 python bench/hf_compute_bench.py --repeats 20 --warmup 2 --dtypes float32 \
   --json $out/hf_compute_fp32.json --markdown $out/hf_compute_fp32.md
+
+# 12. Pipeline p2p on a modelled link (PP=2 on 2 ranks, one per core; only pp kinds on the link, 1 ms + 10 MB/s):
+#     transfers start when both sides have posted (the stamps of comm.p2p), so this is the regime where the overlapped
+#     receive can hide link time; torch.distributed.pipelining's p2p do not go through our link model, so no peer here
+#     (command 10 compares with it over the emulated interconnect).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --network model:1ms,10MB/s,pp \
+  --config '1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false' \
+  --config '1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true' \
+  --config 'interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2' \
+  --ideal-family pp --repeats 2 --json $out/pp_schedules_modelled.json --markdown $out/pp_schedules_modelled.md \
+  model.num_layers=8
