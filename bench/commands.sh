@@ -120,3 +120,12 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
   --config 'interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2' \
   --ideal-family pp --repeats 2 --json $out/pp_schedules_modelled.json --markdown $out/pp_schedules_modelled.md \
   model.num_layers=8
+
+# 13. Where the bubble dominates: PP=2 on 2 ranks with 2 micro-batches (m = PP), plain loopback: 1F1B vs interleaved
+#     VPP2, ours vs torch.distributed.pipelining, with the no-PP-communication floor for the measured bubble.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 8 -gb 2 -mb 1 \
+  --config '1F1B:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false' \
+  --config '1F1B, torch pipelining:model.pipeline_impl=torch_pipelining' \
+  --config 'interleaved VPP2:model.virtual_pipeline_model_parallel_size=2' \
+  --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
+  --ideal-family pp --repeats 3 --json $out/pp_bubble.json --markdown $out/pp_bubble.md model.num_layers=8
