@@ -1,3 +1,4 @@
+import gc
 import os
 
 import torch
@@ -50,6 +51,7 @@ def _groups_reused():
     first, second = ParallelState(layout), ParallelState(layout)
     other = ParallelState(ParallelLayout(world_size=dist.get_world_size(), ep=2))
     cpu = comm.cpu_group()
+    gc.collect()  # groups leaked by earlier tests' models go now, not while counting
     before = len(os.listdir("/proc/self/task"))  # native threads too: gloo's are not Python threads
     for _ in range(5):
         ParallelState(layout)
@@ -62,4 +64,37 @@ def _groups_reused():
 def test_parallel_state_reuses_its_groups():
     for same_tp, same_twin, same_cpu, other_new, new_threads in run_world(2, _groups_reused):
         assert same_tp and same_twin and same_cpu and other_new
-        assert new_threads == 0
+        assert new_threads <= 0
+
+
+_NEW_WORLD = """
+import torch.distributed as dist
+from overlap.parallel import comm
+
+def world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+world()
+first = comm.cpu_group()
+assert comm.cpu_group() is first
+comm.shutdown()  # empties the cache with the world
+world()
+second = comm.cpu_group()
+comm.forget_groups()
+dist.destroy_process_group()
+world()
+third = comm.cpu_group()
+print(second is not first and third is not second)
+comm.shutdown()
+"""
+
+
+def test_a_new_world_gets_new_groups():
+    """Cached groups belong to the world they were built in: after `shutdown` (or `forget_groups` + destroy) a new
+    world builds its own."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NEW_WORLD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"

@@ -48,6 +48,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
             outbox.put((rank, True, result))
         except BaseException:  # report any failure, including assertion errors, to the test process
             outbox.put((rank, False, traceback.format_exc()))
+    from overlap.parallel import comm
+
+    comm.forget_groups()
     dist.destroy_process_group()
 
 

@@ -31,6 +31,7 @@ from overlap.errors import CheckpointError
 from overlap.hf.config import hf_config_from_model, model_config_from_hf, read_hf_config
 from overlap.hf.names import mappings, to_hf, unfuse_experts
 from overlap.hf.safetensors_io import SafetensorsReader, write_sharded
+from overlap.parallel import comm
 from overlap.training.checkpoint_format import (RUN_CONFIG, Chunk, ChunkLoadPlanner, checkpoint_folder,
                                                 iteration_dir, read_metadata)
 
@@ -48,6 +49,7 @@ def single_process() -> Iterator[None]:
     try:
         yield
     finally:
+        comm.forget_groups()
         dist.destroy_process_group()
 
 

@@ -177,7 +177,7 @@ class CommHandle:
 
     def __init__(self, event: CommEvent, work: dist.Work | None, result: torch.Tensor | None,
                  finish: Callable[[], None] | None = None, deadline: float | None = None,
-                 deadline_from: Callable[[], float | None] | None = None,
+                 deadline_from: Callable[[bool], float | None] | None = None,
                  companions: Sequence[dist.Work] = ()) -> None:
         self.event = event
         self._work = work
@@ -203,7 +203,7 @@ class CommHandle:
 
     def _mark_done(self, fut: torch.futures.Future) -> None:
         if self._deadline is None and self._deadline_from is not None:
-            self._deadline = self._deadline_from()  # None while the stamp is not in yet: then at wait()
+            self._deadline = self._deadline_from(False)  # None while the stamp is not in yet: then at wait()
             if self._deadline is None:
                 return
         if self.event.t_done is None:
@@ -229,9 +229,12 @@ class CommHandle:
                     raise RuntimeError(f"{self.event.kind}: the completion callback did not run in time")
                 time.sleep(1e-3)
         for work in self._companions:
-            work.wait()
+            if deadline is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
         if self._deadline is None and self._deadline_from is not None:
-            self._deadline = self._deadline_from()
+            self._deadline = self._deadline_from(True)
         if self._deadline is not None:
             remaining = self._deadline - now()
             if remaining > 0:
@@ -278,19 +281,22 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
 
 
 def _stamp_deadline(group: ProcessGroup, payload_bytes: int, size: int, t_posted: float, stamp: torch.Tensor,
-                    stamp_work: dist.Work) -> Callable[[], float | None]:
+                    stamp_work: dist.Work) -> Callable[[bool], float | None]:
     """A modelled receive's deadline, once the sender's stamp is in (None before): the link carries the payload
     from the moment both sides had posted, behind what its group's link already carries. Booked once, whichever
-    thread asks first (the completion callback or the waiter)."""
+    thread asks first: the completion callback (`waited` False: only if the stamp is known complete) or the waiter
+    (`waited` True: the stamp's wait has returned, which on NCCL orders this stream after it without completing
+    the work on the host). A stamp later than now (another host's clock) is taken as now: the data is here."""
     lock = threading.Lock()
     booked: list[float] = []
 
-    def resolve() -> float | None:
+    def resolve(waited: bool) -> float | None:
         with lock:
             if not booked:
-                if not stamp_work.is_completed():
+                if not waited and not stamp_work.is_completed():
                     return None
-                booked.append(_reserve_link(group, "p2p", payload_bytes, size, max(float(stamp.item()), t_posted)))
+                sent = min(float(stamp.item()), now())
+                booked.append(_reserve_link(group, "p2p", payload_bytes, size, max(sent, t_posted)))
             return booked[0]
     return resolve
 
@@ -470,7 +476,14 @@ def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
             if dist.get_rank() in ranks:
                 mine = group
         return mine
-    return _cached(("twin", mesh.device_type, tuple(mesh.mesh.shape), mesh.mesh_dim_names, dim), build)
+    return _cached(("twin", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+                    mesh.mesh_dim_names, dim), build)
+
+
+def forget_groups() -> None:
+    """Drop the cached groups (`shutdown` does it too): for code that destroys the default group itself, so that
+    the groups are freed with it, not at interpreter exit."""
+    _built.clear()
 
 
 def cpu_group() -> ProcessGroup:
