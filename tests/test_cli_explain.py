@@ -4,6 +4,7 @@ a traceback for every user mistake."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import pytest
@@ -66,6 +67,7 @@ GUIDE = [*HARNESS, "--moe_a2a_overlap", "false", *HARNESS_OVERRIDES]  # the MoE 
 
 @pytest.mark.parametrize("extra", [[], ["model.moe_permute_fusion=false"]])
 def test_the_guides_command_resolves_with_the_override_winning_loudly(capsys, caplog, extra):
+    caplog.set_level(logging.INFO, logger="overlap.config")
     code, out, err = run([*GUIDE, *extra, "--json"], capsys)
     assert code == 0, err
     doc = json.loads(out)
@@ -76,7 +78,9 @@ def test_the_guides_command_resolves_with_the_override_winning_loudly(capsys, ca
     beaten = {r["field"]: r for r in doc["command_line"]}["comm_overlap.overlap_moe_expert_parallel_comm"]
     assert (beaten["requested"], beaten["effective"], beaten["decided_by"]) == (False, True, "override")
     assert "beats --moe_a2a_overlap false" in beaten["reason"]
-    assert "beats --moe_a2a_overlap false" in caplog.text  # the warning, as the start-up log repeats it
+    # Said in the log, as the start-up log repeats it - at info: the user's own override, not a warning.
+    said = [r for r in caplog.records if "beats --moe_a2a_overlap false" in r.getMessage()]
+    assert said and all(r.levelno == logging.INFO for r in said)
     other = {r["field"]: r for r in doc["other_settings"]}
     assert other["model.moe_permute_fusion"]["value"] is (not extra)
     assert other["model.moe_permute_fusion"]["source"] == ("override" if extra else "recipe")
@@ -257,6 +261,7 @@ def test_tp1_with_sequence_parallel_is_a_logged_decision(capsys, jobs):
 ])
 def test_every_flag_beaten_by_an_override_is_said_and_strict_refuses_it(capsys, caplog, jobs, flag, override, field,
                                                                          value):
+    caplog.set_level(logging.INFO, logger="overlap.config")
     base = "explain -m qwen -mr dense_tiny -ng 4".split() if field == "model.tensor_model_parallel_size" else TINY
     argv = [*base, *flag, override, *(["model.moe_flex_dispatcher_backend=torch"] if "flex" in override else [])]
     code, out, err = run([*argv, "--json"], capsys)
@@ -304,6 +309,7 @@ def test_flex_backend_flag_torch(capsys, jobs):
 
 
 def test_flex_backend_flag_none_means_alltoall_and_an_override_beats_it(capsys, caplog, jobs):
+    caplog.set_level(logging.INFO, logger="overlap.config")
     code, out, err = run([*TINY, "--moe_flex_dispatcher_backend", "None"], capsys)
     assert code == 0, err
     m = jobs[-1].cfg.model

@@ -20,7 +20,7 @@ from overlap.training.metrics import StepRecord, format_iteration, window_iterat
 # The smallest real job: one rank, one layer, short sequences, three iterations (window: iterations 2-3).
 TINY = ("-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "1", "-ms", "3", "-gb", "1", "-mb", "1", "-sl", "32",
         "model.num_layers=1")
-WARNING_MARKS = ("Warning", "warn(")
+WARNING_MARKS = ("Warning", "WARNING", "warn(")
 
 
 def _overlap(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -52,6 +52,21 @@ def test_explain_prints_no_warnings():
     out = _overlap("explain", *TINY)
     assert out.returncode == 0, out.stderr[-3000:]
     assert _warning_lines(out.stderr) == [] and _warning_lines(out.stdout) == [], out.stderr[-3000:]
+
+
+# The MoE guide's harness command, verbatim: its override beats its own --moe_a2a_overlap false on purpose.
+MOE_GUIDE = ("-m", "qwen", "-mr", "qwen3_30b_a3b", "--task", "pretrain", "-g", "h100", "-c", "bf16", "-ng", "16",
+             "-gn", "8", "--max_steps", "8", "--config_variant", "v1", "--cuda_graph_impl", "none",
+             "--moe_flex_dispatcher_backend", "None", "--moe_a2a_overlap", "false", "--tokenizer_type",
+             "NullTokenizer", "comm_overlap.overlap_moe_expert_parallel_comm=true",
+             "comm_overlap.delay_wgrad_compute=false", "model.moe_shared_expert_overlap=false")
+
+
+def test_the_moe_guides_command_is_quiet_and_names_the_beaten_flag():
+    out = _overlap("explain", *MOE_GUIDE)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _warning_lines(out.stderr) == [] and _warning_lines(out.stdout) == [], out.stderr[-3000:]
+    assert "beats --moe_a2a_overlap false" in out.stdout
 
 
 def test_every_trace_file_the_log_names_exists(tiny_run):

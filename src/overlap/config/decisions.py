@@ -82,15 +82,18 @@ class DecisionLog:
         # Decisions outside the overlap table, one section each ("checkpoint", "data"), in recording order.
         self.sections: dict[str, list[Decision]] = {}
 
-    def _check(self, decision: Decision, fix: str | None) -> None:
+    def _check(self, decision: Decision, fix: str | None, warn: bool = True) -> None:
+        """An overridden request: an error under strict, else a warning - or, for a flag the user's own override beat
+        (`warn` False), an info line: that precedence is the reference harness's and the user's choice (the MoE
+        guide's command relies on it), said in the log and the command-line section, not warned about."""
         if decision.overridden:
             if self.strict:
                 raise ConfigError(decision.field, decision.requested,
                                   f"strict mode: this request cannot be honoured: {decision.reason.rstrip('.')}.",
                                   fix or "change the request, or drop --strict / comm_overlap.strict to accept the "
                                          "logged decision.")
-            log.warning("%s: requested %r, using %r (%s)", decision.field, decision.requested, decision.effective,
-                        decision.reason)
+            log.log(logging.WARNING if warn else logging.INFO, "%s: requested %r, using %r (%s)", decision.field,
+                    decision.requested, decision.effective, decision.reason)
 
     def record(self, field: str, requested: Any, effective: Any, decided_by: str, reason: str,
                fix: str | None = None) -> Any:
@@ -105,8 +108,9 @@ class DecisionLog:
         self.sections.setdefault(section, []).append(Decision(field, requested, effective, decided_by, reason))
 
     def record_command_line(self, decision: Decision) -> None:
-        """A flag beaten by an override (warned; an error under strict) or a recipe value derived from the layout."""
-        self._check(decision, "keep either the flag or the override (they disagree), or drop --strict.")
+        """A flag beaten by an override (logged in its section; an error under strict) or a recipe value derived from
+        the layout."""
+        self._check(decision, "keep either the flag or the override (they disagree), or drop --strict.", warn=False)
         self.command_line.append(decision)
 
     def noop(self, field: str, value: Any, why: str, fix: str) -> None:
