@@ -583,15 +583,17 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGr
     for _kind, op, _t, _peer, _tag in ops:
         if op not in (P2P_SEND, P2P_RECV):
             raise ValueError(f"p2p ({_kind}): unknown op {op!r}")
-    stamped = [_link is not None and _link.applies_to(kind) and not _is_free(kind) and group_size(group) > 1
-               for kind, *_ in ops]
-    stamps = [torch.full((1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64, device=tensor.device)
-              if stamp else None for (_k, op, tensor, _p, _t), stamp in zip(ops, stamped)]
-    # Every transfer as posted, stamp first: (op, tensor, peer, tag).
-    posts = []
-    for (_kind, op, tensor, peer, tag), stamp in zip(ops, stamps):
-        if stamp is not None:
+    # Every transfer as posted, a modelled send's (or receive's) stamp right before its payload: (op, tensor, peer,
+    # tag); per op: (stamp buffer or None, its position in `posts` or None, the payload's position).
+    posts: list[tuple[str, torch.Tensor, int, int]] = []
+    slots: list[tuple[torch.Tensor | None, int | None, int]] = []
+    for kind, op, tensor, peer, tag in ops:
+        stamp, stamp_at = None, None
+        if _link is not None and _link.applies_to(kind) and not _is_free(kind) and group_size(group) > 1:
+            stamp = torch.full((1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64, device=tensor.device)
+            stamp_at = len(posts)
             posts.append((op, stamp, peer, tag + STAMP_TAG))
+        slots.append((stamp, stamp_at, len(posts)))
         posts.append((op, tensor, peer, tag))
     works: list[dist.Work] = []
 
@@ -606,19 +608,12 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGr
         return (dist.isend if op == P2P_SEND else dist.irecv)(t, peer, group=group, tag=tag)
 
     handles = []
-    index = 0
-    for (kind, op, tensor, peer, tag), stamp in zip(ops, stamps):
-        stamp_index = None
-        if stamp is not None:
-            stamp_index, index = index, index + 1
-        payload_index, index = index, index + 1
+    for (kind, op, tensor, _peer, _tag), (stamp, stamp_at, payload_at) in zip(ops, slots):
+        run = (lambda i=payload_at, s=stamp_at: _with_stamp(post, i, s))
         if op == P2P_SEND:
-            handles.append(_launch(kind, "p2p", group, _nbytes(tensor),
-                                   lambda i=payload_index, s=stamp_index: _with_stamp(post, i, s), None,
-                                   fake=lambda: None, modelled=False))
+            handles.append(_launch(kind, "p2p", group, _nbytes(tensor), run, None, fake=lambda: None,
+                                   modelled=False))
         else:  # recorded with 0 bytes: counted once, at the send; the link model carries the payload here
-            handles.append(_launch(kind, "p2p", group, 0,
-                                   lambda i=payload_index, s=stamp_index: _with_stamp(post, i, s), tensor,
-                                   fake=tensor.zero_, payload_bytes=_nbytes(tensor), modelled=False,
-                                   stamp=stamp))
+            handles.append(_launch(kind, "p2p", group, 0, run, tensor, fake=tensor.zero_,
+                                   payload_bytes=_nbytes(tensor), modelled=False, stamp=stamp))
     return handles
