@@ -259,6 +259,8 @@ def test_flag_override_contradictions_name_the_flag(capsys):
     (["-ms", "10", "--eval_time_end_step", "20"], "train.eval_time_end_step=20"),
     (["-ms", "10", "--eval_time_start_step", "10"], "train.eval_time_start_step=10"),
     (["model.kv_channels=33"], "model.kv_channels=33"),
+    (["model.vocab_size=-1"], "model.vocab_size=-1"),  # once a traceback from the mock-data decision's ln(vocab)
+    (["--vocab_size", "0"], "model.vocab_size=0"),
 ])
 def test_windows_and_sizes_the_run_would_silently_change(argv, field, capsys):
     refused(["explain", *DENSE, *argv], capsys, field)

@@ -85,6 +85,7 @@ class ConfigContainer:
         for decision in command_line:
             log.record_command_line(decision)
         self._apply_tokenizer()
+        self._check_sizes()
         self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
         self._apply_data(layout, log)
@@ -203,6 +204,16 @@ class ConfigContainer:
                               pp=m.pipeline_model_parallel_size, cp=m.context_parallel_size,
                               ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
 
+    def _check_sizes(self) -> None:
+        """Every model size positive, before any later stage computes with one (the data decisions quote
+        ln(vocab_size), the layout divides by head counts)."""
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "kv_channels",
+                     "ffn_hidden_size", "num_query_groups", "moe_ffn_hidden_size",
+                     "moe_shared_expert_intermediate_size"):
+            value = getattr(self.model, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"model.{name}", value, "it must be positive.", f"set model.{name} >= 1.")
+
     def _validate(self, layout: ParallelLayout) -> None:
         m, t = self.model, self.train
         tp = layout.tp
@@ -211,12 +222,6 @@ class ConfigContainer:
             if value % by:
                 raise ConfigError(field_name, value, f"it must be divisible by {by_name} ({by}).", fix)
 
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "kv_channels",
-                     "ffn_hidden_size", "num_query_groups", "moe_ffn_hidden_size",
-                     "moe_shared_expert_intermediate_size"):
-            value = getattr(m, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"model.{name}", value, "it must be positive.", f"set model.{name} >= 1.")
         if m.kv_channels is None:
             divides("model.hidden_size", m.hidden_size, m.num_attention_heads, "num_attention_heads",
                     "pick hidden_size as a multiple of the head count, or set kv_channels.")
