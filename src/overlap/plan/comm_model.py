@@ -5,14 +5,17 @@ Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; 
 - EP, per micro-batch and MoE layer, four all-to-alls (`ep_dispatch`, `ep_combine`, and their backward mirrors
   `ep_dispatch_bwd`, `ep_combine_bwd`). Alltoall dispatcher: T x k x h x beta bytes each, T = b s / TP tokens (after
   SP); flex (token-deduplicating) dispatch sends a token once per distinct destination rank instead of once per
-  routed expert, R (1 - C(E - E/R, k) / C(E, k)) ranks on average under uniform routing.
+  routed expert, R (1 - C(E - E/R, k) / C(E, k)) ranks on average under uniform routing. Before each dispatch
+  (`ep_counts`) one int64 per expert tells the ranks how many rows follow: latency-bound, synchronous, never
+  hidden; the static-shape mode (`moe_pad_expert_input_to_capacity`) has none.
 - TP with SP, per micro-batch and layer: 4 forward + 6 backward collectives of (t-1)/t x b s h beta (a MoE layer with
   ETP 1 keeps only its attention's: 2 + 3).
 - PP, per micro-batch: one activation (b s h beta, / TP under SP) sent forward and one gradient back per stage
   boundary; VPP v sends v times as often.
 - DP, per step: the distributed optimizer's reduce-scatter of gradients ((d-1)/d x P x beta_grad) and all-gather of
   parameters ((d-1)/d x P x beta_param), or one all-reduce (2 (d-1)/d x P x beta_grad); dense parameters over DP,
-  experts over expert-DP. P is this rank's parameter count (`overlap.launch.resources.estimate_memory`).
+  experts over expert-DP. P is this rank's parameter count (`overlap.launch.resources.estimate_memory`), cut into
+  ceil(P / ddp.bucket_size) equal buckets (one without a bucket size), one collective each.
 
 Time: latency + bytes / bandwidth, where the link depends on how many of the group's members share a node (`g`,
 from the rank order tp-cp-dp-pp, tensor parallel fastest; experts pp-edp-ep-etp): the whole group on one node runs
@@ -95,11 +98,12 @@ class CommPlan:
 
     kinds: dict[str, Collective] = field(default_factory=dict)
     ep_a2a_s: dict[str, float] = field(default_factory=dict)  # per MoE layer and micro-batch, per EP kind
+    ep_counts_s: float = 0.0  # per MoE layer and micro-batch: the split-size exchange before the dispatch
     tp_layer_s: float = 0.0  # per layer and micro-batch, all TP collectives (fwd + bwd)
     tp_fwd_share: float = 0.4  # forward's share of the TP collectives (4 of 10)
-    pp_mb_s: float = 0.0  # per micro-batch: all this stage's p2p (fwd sends + bwd sends)
-    dp_rs_s: float = 0.0  # per step: gradient reduce-scatter / all-reduce (dense + expert)
-    dp_ag_s: float = 0.0  # per step: parameter all-gather (distributed optimizer)
+    pp_send_s: float = 0.0  # one activation (or its gradient) between neighbouring stages
+    dp_rs_s: list[float] = field(default_factory=list)  # per step, per bucket: gradient reduce-scatter / all-reduce
+    dp_ag_s: list[float] = field(default_factory=list)  # per step, per bucket: parameter all-gather (dist. optimizer)
 
     def add(self, kind: str, bytes_each: float, seconds_each: float, count: int) -> None:
         if count and bytes_each > 0:
@@ -124,7 +128,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     moe_here, dense_here = -(-n_moe // pp), -(-(m.num_layers - n_moe) // pp)
     layers_here = moe_here + dense_here
 
-    if m.is_moe and ep > 1 and moe_here:
+    if m.is_moe and ep > 1 and moe_here and cluster.carries("ep"):
         tokens = b * s / (tp if m.sequence_parallel else 1)
         g = members_per_node(ep, max(1, layout.etp), gpn)
         if m.moe_token_dispatcher_type == "flex":
@@ -136,8 +140,12 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         for kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"):
             plan.add(kind, leaving, seconds, moe_here * mb)
             plan.ep_a2a_s[kind] = seconds
+        if not m.moe_pad_expert_input_to_capacity:  # static shapes (capacity + padding) exchange no counts
+            counts = m.num_moe_experts * 8 * (ep - 1) / ep  # one int64 per expert
+            plan.ep_counts_s = alltoall_time_s(counts, ep, g, cluster)
+            plan.add("ep_counts", counts, plan.ep_counts_s, moe_here * mb)
 
-    if tp > 1 and m.sequence_parallel:
+    if tp > 1 and m.sequence_parallel and cluster.carries("tp"):
         full = b * s * h * act
         nbytes = (tp - 1) / tp * full
         t_each = ring_time_s(nbytes, tp, members_per_node(tp, 1, gpn), cluster)
@@ -146,31 +154,33 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         plan.add("tp_rs", nbytes, t_each, (per_layer - per_layer // 2) * mb)
         plan.tp_layer_s = t_each * per_layer / max(1, layers_here)
 
-    if pp > 1:
+    if pp > 1 and cluster.carries("pp"):
         vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)
         nbytes = b * s * h * act / (tp if m.sequence_parallel else 1)
         t_each = ring_time_s(nbytes, 2, members_per_node(2, tp * layout.cp * dp, gpn), cluster)
         sends = 2 * vpp  # an activation forward and a gradient back, per model chunk
         plan.add("pp_send", nbytes, t_each, sends * mb)
-        plan.pp_mb_s = t_each * sends
+        plan.pp_send_s = t_each
 
     est = estimate_memory(cfg, layout, cpu=False)
     grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
     param = 1 if d.fp8_param_gather else _BYTES.get(m.params_dtype, 4)
     for prefix, size, stride, count in (("dp", dp, tp * layout.cp, est.params - est.expert_params),
                                         ("edp", edp, ep * layout.etp, est.expert_params)):
-        if size <= 1 or count <= 0:
+        if size <= 1 or count <= 0 or not cluster.carries(prefix):
             continue
         g = members_per_node(size, stride, gpn)
+        buckets = max(1, -(-count // d.bucket_size)) if d.bucket_size else 1
+        per_bucket = count / buckets
         if d.use_distributed_optimizer:
-            rs = (size - 1) / size * count * grad
-            ag = (size - 1) / size * count * param
-            plan.add(f"{prefix}_rs", rs, ring_time_s(rs, size, g, cluster), 1)
-            plan.add(f"{prefix}_ag", ag, ring_time_s(ag, size, g, cluster), 1)
-            plan.dp_rs_s += ring_time_s(rs, size, g, cluster)
-            plan.dp_ag_s += ring_time_s(ag, size, g, cluster)
+            rs = (size - 1) / size * per_bucket * grad
+            ag = (size - 1) / size * per_bucket * param
+            plan.add(f"{prefix}_rs", rs, ring_time_s(rs, size, g, cluster), buckets)
+            plan.add(f"{prefix}_ag", ag, ring_time_s(ag, size, g, cluster), buckets)
+            plan.dp_rs_s += [ring_time_s(rs, size, g, cluster)] * buckets
+            plan.dp_ag_s += [ring_time_s(ag, size, g, cluster)] * buckets
         else:
-            ar = 2 * (size - 1) / size * count * grad
-            plan.add(f"{prefix}_ar", ar, ring_time_s(ar, size, g, cluster), 1)
-            plan.dp_rs_s += ring_time_s(ar, size, g, cluster)
+            ar = 2 * (size - 1) / size * per_bucket * grad
+            plan.add(f"{prefix}_ar", ar, ring_time_s(ar, size, g, cluster), buckets)
+            plan.dp_rs_s += [ring_time_s(ar, size, g, cluster)] * buckets
     return plan

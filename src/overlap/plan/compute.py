@@ -24,6 +24,7 @@ class MicrobatchCompute:
 
     attention_fwd_s: float  # per layer (linear + core), every layer has one
     moe_fwd_s: float  # per MoE layer (routed + shared experts)
+    shared_expert_fwd_s: float  # per MoE layer: the shared expert's part of moe_fwd_s
     dense_mlp_fwd_s: float  # per dense layer
     logits_fwd_s: float  # this stage's share of the output layer
     moe_layers: int  # MoE layers on this stage
@@ -63,6 +64,7 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
         return total_flops_per_token / max(1, count) / 3.0 * tokens / tp / rate if count else 0.0
 
     return MicrobatchCompute(attention_fwd_s=per_gpu_fwd(f.attention, m.num_layers),
-                             moe_fwd_s=per_gpu_fwd(f.moe, n_moe), dense_mlp_fwd_s=per_gpu_fwd(f.dense_mlp, n_dense),
+                             moe_fwd_s=per_gpu_fwd(f.moe, n_moe),
+                             shared_expert_fwd_s=per_gpu_fwd(f.shared_expert, n_moe), dense_mlp_fwd_s=per_gpu_fwd(f.dense_mlp, n_dense),
                              logits_fwd_s=per_gpu_fwd(f.logits, 1) / pp, moe_layers=-(-n_moe // pp),
                              dense_layers=-(-n_dense // pp), recompute=m.recompute_granularity == "full")

@@ -1,7 +1,11 @@
 """The schedule: how compute and communication of one step line up, and what each overlap switch hides behind what.
 
-- Pipeline bubble (Narayanan et al. 2021, arXiv 2104.04473): 1F1B idles (p - 1) micro-batch times per step,
-  interleaved (p - 1) / v; as a fraction of the m micro-batches, (p - 1) / m and (p - 1) / (m v).
+- Pipeline (`overlap.plan.pipeline_sim`): the rank programs of 1F1B / interleaved 1F1B run as a simulation with
+  the micro-batch's time per chunk, once with free and once with real transfers. With free transfers the idle time
+  is the bubble, (p - 1) / m of the compute for 1F1B and (p - 1) / (m v) interleaved (Narayanan et al. 2021,
+  arXiv 2104.04473; the simulation reproduces both); what real transfers add is the exposed p2p. Overlapped p2p
+  (`model.overlap_p2p_comm`: receives posted early, sends never waited) hides only the transfers off the critical
+  path: at PP = 2 without interleaving almost none.
 - EP overlap (`model.overlap_moe_expert_parallel_comm`): micro-batches run as Megatron-Core's combined 1F1B (ours:
   `overlap.pipeline.combined_1f1b`), F(0) alone, F(i) merged with B(i-1), B(last) alone. Per merged MoE layer
   the four all-to-alls are hidden by a piece of the other micro-batch, in this order (phases run back to back,
@@ -11,14 +15,17 @@
       F experts              hides B's dispatch backward
       B attention backward   hides F's combine
   `delay_wgrad_compute` moves the experts' weight gradient (half the experts' backward) from the second phase to
-  the third, beside F's experts. F(0) and B(last) expose their all-to-alls.
-- DP overlap: the gradient reduce-scatter (or all-reduce) hides behind the last micro-batch's backward
-  (`ddp.overlap_grad_reduce`), the parameter all-gather behind the first micro-batch's forward
-  (`ddp.overlap_param_gather`); what does not fit is exposed.
+  the third, beside F's experts. F(0) and B(last) expose their all-to-alls. The split-size exchange (`ep_counts`)
+  is synchronous and always exposed.
+- Shared-expert overlap (`model.moe_shared_expert_overlap`, without EP overlap): the shared expert's forward runs in
+  two halves, one under the dispatch and one under the combine.
+- DP overlap: bucket by bucket (`bucket_exposure`), the gradient reduce-scatter (or all-reduce) hides behind the
+  last micro-batch's backward (`ddp.overlap_grad_reduce`; the last bucket, ready as the backward ends, never hides),
+  the parameter all-gather behind the first micro-batch's forward (`ddp.overlap_param_gather`; the first bucket is
+  waited for before the forward starts).
 - TP overlap (`model.tp_comm_overlap`): each layer's collectives are split into chunks pipelined with the
   neighbouring GEMMs; one chunk of four stays exposed (Bridge performance guide: num_splits = 4), and what the
   layer's compute cannot cover.
-- PP overlap (`model.overlap_p2p_comm`): the micro-batch's sends run under its own compute; without it they block.
 
 While a piece overlaps communication its compute runs slower: x (1 + slowdown) for the overlapped part
 (`Cluster.overlap_slowdown`, source in `overlap.plan.hardware`). That cost is reported apart from the exposed
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 
 from overlap.plan.comm_model import CommPlan
 from overlap.plan.compute import MicrobatchCompute
+from overlap.plan.pipeline_sim import simulate
 
 TP_SPLITS = 4  # Megatron-Bridge performance guide: num_splits = 4 is best; one chunk stays exposed
 
@@ -65,11 +73,26 @@ class Switches:
     overlap_p2p: bool
     pp: int
     vpp: int
+    vp_group: int | None = None  # microbatch_group_size_per_vp_stage (None: PP)
+    shared_expert_overlap: bool = False
 
 
-def bubble_fraction(pp: int, microbatches: int, vpp: int = 1) -> float:
-    """(p - 1) / (m v): 1F1B at v = 1, interleaved otherwise."""
-    return (pp - 1) / (microbatches * max(1, vpp)) if pp > 1 else 0.0
+def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
+    """Seconds of the buckets' collectives (one link, one after the other) that `window` of compute does not hide.
+    Reduce (gather False): bucket i's gradients are ready at (i + 1) / n of the backward window, so the last bucket
+    is launched as the window ends. Gather: the forward reaches bucket i at i / n of the window and waits for it;
+    bucket 0 is launched as the window starts and each next one when the forward reaches its predecessor (one
+    bucket of look-ahead, `overlap.data_parallel.param_gather`)."""
+    n = len(buckets)
+    link = delay = 0.0
+    for i, seconds in enumerate(buckets):
+        if gather:
+            launch = 0.0 if i == 0 else (i - 1) * window / n + delay
+            link = max(link, launch) + seconds
+            delay = max(delay, link - i * window / n)
+        else:
+            link = max(link, (i + 1) * window / n) + seconds
+    return delay if gather else max(0.0, link - window)
 
 
 def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], sigma: float, delay_wgrad: bool,
@@ -106,9 +129,13 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
             _merged_moe_layer(c, a2a, sigma_ep, sw.delay_wgrad, t, m - 1)
         for kind, seconds in a2a.items():  # F(0) and B(last) run alone: their two transfers each are exposed
             t.expose(kind, seconds * c.moe_layers)
-    else:
+    else:  # with the shared-expert overlap, its two halves run under the dispatch and under the combine (forward)
+        cover = c.shared_expert_fwd_s / 2 if sw.shared_expert_overlap else 0.0
         for kind, seconds in a2a.items():
-            t.expose(kind, seconds * c.moe_layers * m)
+            hidden = min(seconds, cover) if kind in ("ep_dispatch", "ep_combine") else 0.0
+            t.expose(kind, (seconds - hidden) * c.moe_layers * m)
+            t.slowdown_s += hidden * sigma_ep * c.moe_layers * m
+    t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * m)
 
     if comm.tp_layer_s:
         per_mb = comm.tp_layer_s * c.layers
@@ -124,27 +151,29 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
                 t.expose(kind, m * exposed * comm.kinds[kind].count / sum(
                     comm.kinds[k].count for k in ("tp_ag", "tp_rs") if k in comm.kinds))
 
-    per_mb_exposed_pp = 0.0
-    if comm.pp_mb_s:
-        if sw.overlap_p2p:
-            per_mb_exposed_pp = max(0.0, comm.pp_mb_s - c.fwd_bwd_s)
-            t.slowdown_s += m * min(comm.pp_mb_s, c.fwd_bwd_s) * sigma
-        else:
-            per_mb_exposed_pp = comm.pp_mb_s
-        t.expose("pp_send", m * per_mb_exposed_pp)
-
-    per_mb_s = (t.compute_s + t.slowdown_s + sum(t.exposed_s.values())) / m
-    t.bubble_s = bubble_fraction(sw.pp, m, sw.vpp) * m * per_mb_s
+    if sw.pp > 1:  # the pipeline program itself, simulated: its bubble, and the p2p its schedule cannot hide
+        per_mb_s = (t.compute_s + t.slowdown_s + sum(t.exposed_s.values())) / m
+        fwd_share = 1.0 / (1.0 + c.bwd_factor)
+        f, b = per_mb_s * fwd_share / sw.vpp, per_mb_s * (1 - fwd_share) / sw.vpp
+        free = simulate(sw.pp, sw.vpp, m, f, b, 0.0, sw.overlap_p2p, sw.vp_group)
+        t.bubble_s = free.step_s - free.compute_s
+        if comm.pp_send_s:
+            exposed = simulate(sw.pp, sw.vpp, m, f, b, comm.pp_send_s, sw.overlap_p2p, sw.vp_group).step_s - free.step_s
+            t.expose("pp_send", exposed)
+            if sw.overlap_p2p:
+                hidden = max(0.0, comm.kinds["pp_send"].seconds_per_step - exposed)
+                t.slowdown_s += min(hidden, t.compute_s) * sigma
 
     bwd_last, fwd_first = c.fwd_s * c.bwd_factor, c.fwd_s
-    for kinds, seconds, overlapped, window in (
-            (("dp_rs", "edp_rs", "dp_ar", "edp_ar"), comm.dp_rs_s, sw.overlap_grad_reduce, bwd_last),
-            (("dp_ag", "edp_ag"), comm.dp_ag_s, sw.overlap_param_gather, fwd_first)):
-        if not seconds:
+    for kinds, buckets, overlapped, window, gather in (
+            (("dp_rs", "edp_rs", "dp_ar", "edp_ar"), comm.dp_rs_s, sw.overlap_grad_reduce, bwd_last, False),
+            (("dp_ag", "edp_ag"), comm.dp_ag_s, sw.overlap_param_gather, fwd_first, True)):
+        if not buckets:
             continue
-        exposed = max(0.0, seconds - window) if overlapped else seconds
+        seconds = sum(buckets)
+        exposed = bucket_exposure(buckets, window, gather) if overlapped else seconds
         if overlapped:
-            t.slowdown_s += min(seconds, window) * sigma
+            t.slowdown_s += min(seconds - exposed, window) * sigma
         present = [k for k in kinds if k in comm.kinds]
         total = sum(comm.kinds[k].seconds_per_step for k in present)
         for k in present:

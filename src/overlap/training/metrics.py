@@ -32,6 +32,7 @@ class TrainingFlops:
     dense_mlp: float  # dense layers' MLP
     moe: float  # MoE layers: routed top-k experts + the shared expert (the router GEMM is not counted)
     logits: float  # output layer (6 h V); the embedding lookup is free
+    shared_expert: float = 0.0  # of `moe`: the shared expert's part (the work its overlap hides transfers behind)
 
     @property
     def attention(self) -> float:
@@ -51,12 +52,12 @@ def training_flops(m: ModelConfig) -> TrainingFlops:
     n_moe = sum(1 for layer in range(m.num_layers) if m.is_moe_layer(layer))
     n_dense = m.num_layers - n_moe
     moe_layer = m.moe_router_topk * gate * h * m.moe_ffn_size if n_moe else 0
-    if n_moe and m.moe_shared_expert_intermediate_size:
-        moe_layer += gate * h * m.moe_shared_expert_intermediate_size
+    shared = gate * h * m.moe_shared_expert_intermediate_size if n_moe and m.moe_shared_expert_intermediate_size else 0
+    moe_layer += shared
     return TrainingFlops(attention_linear=6.0 * (h * (q + 2 * kv) + q * h) * m.num_layers,
                          attention_core=6.0 * q * s * m.num_layers,  # 6 q/2 x 2 (QK^T and AV), causal
                          dense_mlp=6.0 * gate * h * m.ffn_size * n_dense, moe=6.0 * moe_layer * n_moe,
-                         logits=6.0 * h * m.vocab_size)
+                         logits=6.0 * h * m.vocab_size, shared_expert=6.0 * shared * n_moe)
 
 
 def flops_per_token(m: ModelConfig) -> float:

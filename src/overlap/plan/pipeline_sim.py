@@ -1,0 +1,123 @@
+"""The pipeline schedule run as a discrete-event simulation: the step time of the real program, bubble and p2p
+included, instead of the (p - 1) / (m v) formula alone.
+
+Why simulate: the bubble formula assumes free transfers, and "overlapped p2p hides every transfer behind the
+micro-batch's own compute" is wrong where a transfer sits on the schedule's critical cycle. In non-interleaved 1F1B
+the last stage cannot start micro-batch i + 1 before its activation has arrived, and the stage before it needs the
+gradient back first (at PP = 2 the steady period is f + b + 2c however early the receives are posted; the reason
+Megatron-Core allows `overlap_p2p_comm` only with interleaving). The interleaved schedule has slack there, which is
+what its early receives use. Both facts fall out of running the program.
+
+The programs are the runtime's own (`overlap.pipeline.schedules.pipeline_steps`: Megatron-Core's warm-up /
+steady / cool-down and its interleaved table), with the executor's p2p rules (`PipelineExecutor`):
+- a transfer starts when the send and its receive are both posted (rendezvous, NCCL's and gloo's), queued behind
+  earlier sends of the same rank and direction, and takes `transfer_s`;
+- batched (`batch_p2p_comm`): a task's output is sent with the next task's receive, that receive is posted when the
+  task is about to run and waited at once (sends never block: their link time is the receiver's wait);
+- overlapped (`overlap_p2p_comm`): sends are posted when their tensor exists and never block; the receive of the
+  next forward (and of the next backward) is posted as soon as the previous one of its direction has been consumed.
+
+Every (micro-batch, chunk) task on every rank takes the same forward / backward time (the planner's per-stage
+average). The step ends when the slowest rank is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overlap.pipeline.schedules import Task, pipeline_steps
+
+FWD, BWD = 0, 1
+
+
+@dataclass(frozen=True)
+class PipelineTimes:
+    """Seconds of one step's pipeline program."""
+
+    step_s: float  # the slowest rank's end, its sends complete
+    compute_s: float  # one rank's tasks back to back
+
+
+Message = tuple[int, int, int]  # (direction, receiving virtual stage, micro-batch)
+
+
+def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, transfer_s: float,
+             overlapped: bool, group: int | None = None) -> PipelineTimes:
+    """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one model chunk) and
+    `transfer_s` per activation or gradient; see the module docstring for the p2p rules."""
+    compute = microbatches * vpp * (fwd_s + bwd_s)
+    if pp <= 1:
+        return PipelineTimes(compute, compute)
+    stages = pp * vpp
+    tasks = [[t for step in pipeline_steps(pp, r, vpp, microbatches, group)
+              for t in (step.forward, step.backward) if t is not None] for r in range(pp)]
+
+    def needs(rank: int, task: Task) -> Message | None:
+        v = task.chunk * pp + rank
+        if not task.backward and v > 0:
+            return FWD, v, task.microbatch
+        if task.backward and v < stages - 1:
+            return BWD, v, task.microbatch
+        return None
+
+    def produces(rank: int, task: Task) -> Message | None:
+        v = task.chunk * pp + rank
+        if not task.backward and v < stages - 1:
+            return FWD, v + 1, task.microbatch
+        if task.backward and v > 0:
+            return BWD, v - 1, task.microbatch
+        return None
+
+    sent: dict[Message, float] = {}  # send posted
+    received: dict[Message, float] = {}  # receive posted
+    arrival: dict[Message, float] = {}
+    link_free: dict[tuple[int, int], float] = {}  # (sending rank, direction) -> its queue is free from
+
+    def arrived(key: Message) -> float | None:
+        """The message's arrival once both sides have posted (booked on the sender's queue), else None."""
+        if key not in arrival and key in sent and key in received:
+            direction, v, _mb = key
+            queue = ((v - 1 if direction == FWD else v + 1) % pp, direction)
+            start = max(sent[key], received[key], link_free.get(queue, 0.0))
+            link_free[queue] = arrival[key] = start + transfer_s
+        return arrival.get(key)
+
+    clock = [0.0] * pp
+    index = [0] * pp
+    pending: list[Message | None] = [None] * pp  # batched: an output travelling with the next task's receive
+    consumed = [{False: 0.0, True: 0.0} for _ in range(pp)]  # overlapped: the last receive of each direction used
+
+    def advance(rank: int) -> bool:
+        """Run the rank's next task if it can start; False while it waits for a message whose send is not posted."""
+        task = tasks[rank][index[rank]]
+        want = needs(rank, task)
+        if want is not None:
+            received.setdefault(want, consumed[rank][task.backward] if overlapped else clock[rank])
+            if pending[rank] is not None:  # batched: one exchange with the pending send
+                sent[pending[rank]] = clock[rank]
+                pending[rank] = None
+            at = arrived(want)
+            if at is None:
+                return False
+            clock[rank] = max(clock[rank], at)
+        clock[rank] += bwd_s if task.backward else fwd_s
+        consumed[rank][task.backward] = clock[rank]
+        out = produces(rank, task)
+        following = tasks[rank][index[rank] + 1] if index[rank] + 1 < len(tasks[rank]) else None
+        if out is not None:
+            if overlapped or following is None or needs(rank, following) is None:
+                sent[out] = clock[rank]
+            else:
+                pending[rank] = out
+        index[rank] += 1
+        return True
+
+    while any(index[r] < len(tasks[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while index[r] < len(tasks[r]) and advance(r):
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"pipeline simulation deadlocked (pp={pp}, vpp={vpp}, m={microbatches}, "
+                               f"{'overlapped' if overlapped else 'batched'})")
+    return PipelineTimes(max(clock), compute)
