@@ -129,3 +129,7 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 8 -gb 2 -mb 1 \
   --config 'interleaved VPP2:model.virtual_pipeline_model_parallel_size=2' \
   --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
   --ideal-family pp --repeats 3 --json $out/pp_bubble.json --markdown $out/pp_bubble.md model.num_layers=8
+
+# 14. The planner against the benchmarks above: the loopback probe (2 and 4 ranks), then every committed result with
+#     a floor re-planned on the profile its floor gives (docs/planner.md, tests/test_plan_vs_bench.py).
+python bench/plan_vs_bench.py --probe

@@ -7,8 +7,9 @@ import pytest
 from overlap.cli import main
 from overlap.config.recipes import qwen3_30b_a3b
 from overlap.plan.comm_model import alltoall_time_s, expected_destinations, members_per_node, ring_time_s
-from overlap.plan.hardware import builtin_cluster
-from overlap.plan.schedule import bubble_fraction
+from overlap.plan.hardware import builtin_cluster, load_cluster
+from overlap.plan.pipeline_sim import simulate
+from overlap.plan.schedule import bucket_exposure
 from overlap.training.metrics import flops_per_token, training_flops
 
 H100 = builtin_cluster("h100", "bf16", 8)
@@ -37,10 +38,37 @@ def test_expected_destinations_match_the_reference():
     assert expected_destinations(2, 128, 8) == pytest.approx(1.99, abs=0.01)
 
 
-def test_bubble_fractions():
-    assert bubble_fraction(4, 8) == pytest.approx(3 / 8)
-    assert bubble_fraction(4, 8, 2) == pytest.approx(3 / 16)
-    assert bubble_fraction(1, 8) == 0
+@pytest.mark.parametrize("pp, vpp, m", [(2, 1, 2), (2, 1, 8), (4, 1, 8), (2, 2, 2), (2, 2, 8), (4, 2, 8), (4, 2, 4)])
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_simulated_pipeline_has_the_formulas_bubble_with_free_transfers(pp, vpp, m, overlapped):
+    """Narayanan et al. 2021: idle (p - 1) / (m v) of the compute, 1F1B at v = 1, interleaved otherwise."""
+    t = simulate(pp, vpp, m, 1.0 / vpp, 2.0 / vpp, 0.0, overlapped)
+    assert t.compute_s == pytest.approx(3.0 * m)
+    assert t.step_s / t.compute_s - 1 == pytest.approx((pp - 1) / (m * vpp))
+
+
+def test_overlapped_p2p_hides_little_in_1f1b_at_pp2_and_more_when_interleaved():
+    """At PP = 2 without interleaving each micro-batch's cycle crosses the link twice (activation out, gradient
+    back) whatever is posted early; interleaving gives the transfers slack."""
+    c = 0.2
+    for vpp in (1, 2):
+        free = simulate(2, vpp, 8, 1.0 / vpp, 2.0 / vpp, 0.0, True).step_s
+        batched = simulate(2, vpp, 8, 1.0 / vpp, 2.0 / vpp, c, False).step_s - free
+        overlapped = simulate(2, vpp, 8, 1.0 / vpp, 2.0 / vpp, c, True).step_s - free
+        if vpp == 1:
+            assert overlapped > 0.8 * batched > 0
+        else:
+            assert overlapped < 0.5 * batched
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_bucket_exposure(gather):
+    # one bucket: nothing hides (the reduce is ready as the backward ends; the gather is needed as the forward starts)
+    assert bucket_exposure([1.0], 10.0, gather) == pytest.approx(1.0)
+    # four small buckets under a long window: only one bucket's time shows
+    assert bucket_exposure([0.5] * 4, 10.0, gather) == pytest.approx(0.5)
+    # a link slower than the window: all but the window's share shows
+    assert bucket_exposure([5.0] * 4, 4.0, gather) > 20.0 - 4.0 - 1e-9
 
 
 def _plan(tmp_path, *argv):
@@ -98,3 +126,33 @@ def test_bad_input_is_a_config_error(capsys, argv, field):
     assert main(["plan", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-ng", "16", *argv]) == 2
     err = capsys.readouterr().err
     assert f"overlap: error: {field}" in err and "Traceback" not in err
+
+
+CALIBRATION = ["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "2", "-ms", "3", "-gb", "4", "-mb", "1"]
+
+
+def test_calibrate_writes_a_profile_whose_compute_is_the_measured_floor(tmp_path, capsys):
+    profile = tmp_path / "cpu.json"
+    doc = _plan(tmp_path, *CALIBRATION, "--network", "model:1ms,10MB/s,ep", "--calibrate", "--cluster", str(profile),
+                "--ab", "comm_overlap.overlap_moe_expert_parallel_comm=false,true")
+    cluster = load_cluster(str(profile), "cpu", "bf16", None)
+    assert cluster.link_families == ("ep",) and cluster.nvlink.latency_s == pytest.approx(1e-3)
+    assert cluster.nvlink.bandwidth_Bps == pytest.approx(10e6) and cluster.gpus_per_node == 2
+    floor_ms = float(cluster.efficiency.source.split(" ran ")[1].split(" ms")[0])
+    off, on = doc["configs"]
+    assert off["compute_ms"] == pytest.approx(floor_ms, rel=1e-3)  # the fit: compute = the faked-comm run
+    assert set(off["exposed_comm_ms"]) <= {"ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd",
+                                           "ep_counts", "all"}  # only the link's family is charged
+    assert on["step_time_ms"]["mean"] < off["step_time_ms"]["mean"]
+    assert "wrote the machine profile" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "--calibrate", "--cluster", "x.json"],
+     "--calibrate"),
+    ([*CALIBRATION, "--calibrate"], "--calibrate"),
+    ([*CALIBRATION, "--network", "model:1ms,1GB/s", "--cluster", "x.json"], "--network"),
+])
+def test_calibrate_refusals(argv, field, capsys):
+    assert main(["plan", *argv]) == 2
+    assert f"error: {field}" in capsys.readouterr().err

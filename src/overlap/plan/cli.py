@@ -68,6 +68,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--cluster", default=None, metavar="FILE",
                       help="JSON cluster description replacing the built-in figures (required for -g cpu: the "
                            "machine profile); docs/planner.md")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="-g cpu: measure this machine's profile first (a GEMM probe, the configuration run with "
+                           "its modelled collectives faked, the --network link) and write it to --cluster FILE")
+    plan.add_argument("--network", default=None, metavar="SPEC",
+                      help="with --calibrate: the link to profile, as `overlap run --network` (real | tbf:RATE | "
+                           "model:LATENCY,BANDWIDTH[,FAMILIES])")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -90,6 +96,32 @@ def _cluster(args: argparse.Namespace, cfg):
     return builtin_cluster(args.gpu, precision, args.gpus_per_node)
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    """`--calibrate`: measure the -g cpu machine profile and write it to --cluster (overlap.plan.calibrate)."""
+    from overlap.launch.paths import check_output_file
+    from overlap.perf.bench import common_run_options
+    from overlap.plan.calibrate import calibrate
+
+    if args.gpu != "cpu":
+        raise ConfigError("--calibrate", True, f"calibration runs on this machine's ranks; -g {args.gpu} is not it.",
+                          "calibrate with -g cpu; for a GPU type pass its figures in --cluster (docs/planner.md).")
+    if not args.cluster:
+        raise ConfigError("--calibrate", True, "the profile needs a file to go to.", "add --cluster FILE.")
+    check_output_file("--cluster", args.cluster)
+    args.network = args.network or "real"
+    argv, skip = [], False
+    for item in args.argv[1:]:  # the run's command line: the plan's own flags removed
+        if skip:
+            skip = False
+        elif item == "--cluster":
+            skip = True
+        elif item != "--calibrate" and not item.startswith("--cluster="):
+            argv.append(item)
+    cluster = calibrate(args, _job(args, []), common_run_options(argv, list(args.overrides)))
+    print(f"overlap plan: wrote the machine profile {args.cluster}: peak {cluster.peak_tflops * 1e3:.2f} GFLOP/s, "
+          f"efficiency {cluster.efficiency.value:.4f} ({cluster.efficiency.source}); link {cluster.nvlink.source}")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from overlap.launch.paths import check_output_file
     from overlap.perf.bench import build_configs, parse_ab, parse_named_config
@@ -98,6 +130,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     check_output_file("--json", args.json_out)
     check_output_file("--markdown", args.markdown)
+    if args.network is not None and not args.calibrate:
+        raise ConfigError("--network", args.network, "only --calibrate uses it: a plan's link comes from --cluster.",
+                          "add --calibrate (to profile that link), or drop --network.")
+    if args.calibrate:
+        _calibrate(args)
     if args.ab is not None and args.configs is not None:
         raise ConfigError("--ab/--config", args.ab, "give --ab KEY=V1,V2 or --config NAME:OVERRIDES, not both.",
                           "pass one of the two forms (or neither: every applicable switch off and on).")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from overlap.errors import ConfigError
+from overlap.parallel.kinds import parse_families
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,17 @@ class Cluster:
     efficiency: Efficiency
     overlap_slowdown: dict[str, float] = field(default_factory=lambda: dict(OVERLAP_SLOWDOWN))
     source: str = "built-in table (overlap.plan.hardware)"
+    # Only these kind families' collectives use the links (None: all). The others cost nothing in the plan: a
+    # machine profile of `--network model:LAT,BW,FAMILIES` leaves them on the plain loopback, where the calibration
+    # run measured them as part of the compute.
+    link_families: tuple[str, ...] | None = None
+    slowdown_source: str = SLOWDOWN_SOURCE
 
     def slowdown(self, family: str) -> float:
         return self.overlap_slowdown.get(family, self.overlap_slowdown.get("other", 0.0))
+
+    def carries(self, family: str) -> bool:
+        return self.link_families is None or family in self.link_families
 
     def to_json(self) -> dict:
         return {"gpu": self.gpu, "precision": self.precision, "peak_tflops": self.peak_tflops,
@@ -117,8 +126,9 @@ class Cluster:
                 "nic": {"bandwidth_GBps": self.nic.bandwidth_Bps / 1e9, "latency_us": self.nic.latency_s * 1e6,
                         "source": self.nic.source},
                 "compute_efficiency": self.efficiency.value, "compute_efficiency_source": self.efficiency.source,
-                "overlap_slowdown": dict(self.overlap_slowdown), "overlap_slowdown_source": SLOWDOWN_SOURCE,
-                "source": self.source}
+                "overlap_slowdown": dict(self.overlap_slowdown), "overlap_slowdown_source": self.slowdown_source,
+                "source": self.source,
+                **({"link_families": list(self.link_families)} if self.link_families is not None else {})}
 
 
 def precision_of(model) -> str:
@@ -150,7 +160,8 @@ def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Clus
 
 
 _CLUSTER_KEYS = {"gpu", "gpus_per_node", "peak_tflops", "precision", "nvlink", "nic", "compute_efficiency",
-                 "compute_efficiency_source", "overlap_slowdown", "source", "overlap_slowdown_source"}
+                 "compute_efficiency_source", "overlap_slowdown", "source", "overlap_slowdown_source",
+                 "link_families"}
 
 
 def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None) -> Cluster:
@@ -210,9 +221,17 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
     per_node = gpus_per_node or (int(number("gpus_per_node", doc["gpus_per_node"])) if "gpus_per_node" in doc
                                  else base.gpus_per_node)
     peak = number("peak_tflops", doc["peak_tflops"]) if "peak_tflops" in doc else base.peak_tflops
+    families = doc.get("link_families")
+    if families is not None:
+        if not isinstance(families, list) or not all(isinstance(f, str) for f in families):
+            raise ConfigError("--cluster link_families", families, "expected a list of kind families.",
+                              'e.g. "link_families": ["ep"].')
+        families = parse_families("--cluster link_families", families, ",".join(families))
     cluster = Cluster(gpu=gpu, peak_tflops=peak, precision=precision, gpus_per_node=per_node,
                       nvlink=link("nvlink", base.nvlink if base else None), nic=link("nic", base.nic if base else None),
-                      efficiency=eff, overlap_slowdown=slowdown, source=doc.get("source", f"cluster file {file}"))
+                      efficiency=eff, overlap_slowdown=slowdown, source=doc.get("source", f"cluster file {file}"),
+                      link_families=families,
+                      slowdown_source=doc.get("overlap_slowdown_source", SLOWDOWN_SOURCE))
     return cluster
 
 

@@ -1,0 +1,165 @@
+"""`overlap plan --calibrate`: measure this machine's profile (a `-g cpu` cluster file) in a few steps.
+
+The planner's one fitted number is the compute efficiency; on CPU ranks there is no published peak either, so the
+profile is measured:
+- peak: the rate of one square GEMM in the run's compute dtype on one thread (each local rank computes on one
+  thread, `overlap.launch.local`);
+- efficiency: the configuration itself run with every modelled collective faked (`--comm-mode none`, or
+  `none:FAMILIES` when `--network model:...,FAMILIES` puts only those families on the link): its steady step is
+  the compute the plan must reproduce, so efficiency = predicted compute at the peak / measured step
+  (`fit_efficiency`). Nothing of an overlap switch is fitted: its effect is the communication model's and the
+  schedule's doing;
+- the link: `--network model:LAT,BW[,FAMILIES]` is the modelled link itself (exact, and only those families);
+  `real` and `tbf:RATE` run over loopback, whose per-op latency and bandwidth a short gloo probe measures with the
+  run's number of ranks (`probe_loopback`); under `tbf` every rank's traffic crosses one token bucket, so each rank
+  gets RATE / ranks when all send at once (the collectives of one step do);
+- the overlap slowdown: 0 (gloo's transport threads and a modelled link's sleeps take little CPU from the compute
+  thread; what they do take shows in the validation, `bench/plan_vs_bench.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from overlap.config.container import ConfigContainer
+from overlap.config.layout import ParallelLayout
+from overlap.errors import ConfigError
+from overlap.launch.network import Network
+from overlap.plan.hardware import Cluster, Efficiency, Link
+from overlap.plan.predict import predict
+
+SLOWDOWN_SOURCE = "CPU profile: 0 (transport threads and modelled-link sleeps take little CPU from the compute thread)"
+
+
+def fit_efficiency(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, floor_ms: float,
+                   source: str) -> Cluster:
+    """The cluster whose efficiency makes `cfg`'s predicted compute (every micro-batch's forward and backward on one
+    rank, no communication, no bubble: what a run with faked collectives measures) equal `floor_ms`."""
+    if not floor_ms > 0:
+        raise ConfigError("calibration", floor_ms, "the measured step must be positive.", "re-run the calibration.")
+    at_peak = predict("calibration", [], cfg, layout, replace(cluster, efficiency=Efficiency(1.0, source)))
+    efficiency = at_peak.times.compute_s * 1e3 / floor_ms
+    if efficiency > 1:  # the model outran the GEMM probe (e.g. its GEMMs ran in another dtype): the peak it reached
+        return replace(cluster, peak_tflops=cluster.peak_tflops * efficiency,
+                       efficiency=Efficiency(1.0, f"{source}; the run outran the GEMM probe by x{efficiency:.2f}, so "
+                                                  "the peak is the rate it reached"))
+    return replace(cluster, efficiency=Efficiency(efficiency, source))
+
+
+def cpu_cluster(network: Network, ranks: int, peak_tflops: float, precision: str,
+                loopback: Link | None) -> Cluster:
+    """A -g cpu cluster for `ranks` local ranks on `network` (efficiency still to fit); see the module docstring."""
+    families = None
+    if network.kind == "model":
+        link = Link(network.bandwidth_Bps, network.latency_s, f"--network {network.text} (the modelled link)")
+        families = network.families
+    elif loopback is None:
+        raise ConfigError("--network", network.text, "a loopback link needs its probe.", "run --calibrate.")
+    elif network.kind == "tbf":
+        link = Link(network.rate_Bps / ranks, loopback.latency_s,
+                    f"--network {network.text}: one token bucket shared by {ranks} ranks; latency {loopback.source}")
+    else:
+        link = loopback
+    return Cluster(gpu="cpu", peak_tflops=peak_tflops, precision=precision, gpus_per_node=ranks, nvlink=link,
+                   nic=link, efficiency=Efficiency(1.0, "not fitted yet"), overlap_slowdown={"ep": 0.0, "other": 0.0},
+                   source=f"machine profile: {ranks} local ranks, {network.describe()}", link_families=families,
+                   slowdown_source=SLOWDOWN_SOURCE)
+
+
+def gemm_peak_tflops(precision: str, n: int = 512, seconds: float = 1.0) -> float:
+    """TFLOP/s of an n x n x n GEMM on one thread in the compute dtype (the best of repeated timings)."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * n ** 3 / best / 1e12
+
+
+def _probe_rank(rank: int, world: int, store_path: str, sizes: list[int], repeats: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from overlap.parallel import comm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        times = {}
+        for nbytes in sizes:
+            x = torch.zeros(max(world, nbytes // 4 // world * world), dtype=torch.float32)
+            comm.all_to_all(x, dist.group.WORLD, "dp_probe").wait()
+            runs = []
+            for _ in range(repeats):
+                comm.barrier(dist.group.WORLD)
+                t0 = time.perf_counter()
+                comm.all_to_all(x, dist.group.WORLD, "dp_probe").wait()
+                runs.append(time.perf_counter() - t0)
+            times[nbytes] = statistics.median(runs)
+        if rank == 0:
+            Path(out).write_text(json.dumps(times))
+    finally:
+        comm.shutdown()
+
+
+def probe_loopback(ranks: int, small: int = 1024, large: int = 8 << 20, repeats: int = 10) -> Link:
+    """Latency and bandwidth of a gloo all-to-all over loopback among `ranks` local processes: latency = the small
+    op's time, bandwidth = the extra bytes each rank moves ((n - 1) / n of the large payload) over the extra time."""
+    import torch.multiprocessing as mp
+
+    if ranks < 2:
+        return Link(float("inf"), 0.0, "one rank: no link")
+    with tempfile.TemporaryDirectory(prefix="overlap-probe-") as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.start_processes(_probe_rank, args=(ranks, os.path.join(tmp, "store"), [small, large], repeats, out),
+                           nprocs=ranks, start_method="spawn")
+        times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    extra = (large - small) * (ranks - 1) / ranks
+    bandwidth = extra / max(1e-9, times[large] - times[small])
+    return Link(bandwidth, times[small], f"gloo loopback all-to-all probe, {ranks} ranks: {times[small] * 1e6:.0f} us, "
+                f"{bandwidth / 1e9:.2f} GB/s")
+
+
+def write_profile(cluster: Cluster, path: str) -> None:
+    """The profile as a `--cluster` file (`overlap.plan.hardware.load_cluster` reads it back)."""
+    Path(path).write_text(json.dumps(cluster.to_json(), indent=1) + "\n")
+
+
+def calibrate(args, job, run_options: list[str]) -> Cluster:
+    """Run the calibration for `overlap plan --calibrate` (module docstring) and write the profile to --cluster."""
+    from overlap.launch.network import parse_network
+    from overlap.perf.bench import BenchConfig, run_once
+    from overlap.plan.hardware import precision_of
+
+    network = parse_network(args.network)
+    layout = job.resolution.layout
+    ranks = layout.world_size
+    precision = precision_of(job.cfg.model)
+    mode = "none" if network.kind != "model" or not network.families else "none:" + ",".join(network.families)
+    loopback = probe_loopback(ranks) if network.kind != "model" else None
+    peak = gemm_peak_tflops(precision)
+    with tempfile.TemporaryDirectory(prefix="overlap-calibrate-") as tmp:
+        floor = run_once(run_options, list(args.overrides), BenchConfig("calibration", [], ["--comm-mode", mode]),
+                         Path(tmp) / "floor.jsonl")
+    source = (f"fitted on this machine: the plan's configuration with --comm-mode {mode} ran "
+              f"{floor.step_ms:.1f} ms per step (overlap plan --calibrate)")
+    cluster = fit_efficiency(job.cfg, layout, cpu_cluster(network, ranks, peak, precision, loopback), floor.step_ms,
+                             source)
+    write_profile(cluster, args.cluster)
+    return cluster
