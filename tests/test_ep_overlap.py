@@ -17,7 +17,7 @@ from overlap.model.gpt import GPTModel
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER, CommEvent, now
-from overlap.pipeline.combined_1f1b import combined_1f1b
+from overlap.pipeline.schedules import PipelineExecutor
 from tests.world import run_world
 
 
@@ -50,7 +50,7 @@ def _run(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: int = 3):
     scale = 1.0 / n_mb
     RECORDER.drain()
     if overlap:
-        losses = [float(l) for l, _ in combined_1f1b(model, batches, scale, delay)]
+        losses = [float(l) for l in _merged(model, ps, batches, scale, delay)]
     else:
         losses = []
         for tokens, labels in batches:
@@ -60,6 +60,13 @@ def _run(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: int = 3):
     assert not WGRAD_STORE.queue
     events, spans = RECORDER.drain()
     return losses, _grads(model), events, spans
+
+
+def _merged(model: GPTModel, ps: ParallelState, batches, scale: float, delay: bool) -> list[torch.Tensor]:
+    """The EP-overlap schedule without pipelining: the pipeline executor's PP = 1 program, merged."""
+    shape = (model.config.seq_length, batches[0][0].shape[0], model.config.hidden_size)
+    return PipelineExecutor([model], ps, batches, scale, False, lambda chunk, last: None, shape, torch.float32,
+                            ep_overlap=True, delay_wgrad=delay).run()
 
 
 def _compare(layout: dict, world: int, cfg_kw: dict, delay: bool) -> None:
@@ -171,4 +178,5 @@ def test_waits_are_filled_with_delayed_weight_gradients_and_split_sizes_are_wait
 
 def test_needs_two_micro_batches():
     with pytest.raises(ValueError, match="at least 2 micro-batches"):
-        combined_1f1b(None, [(None, None)], 1.0, False)
+        PipelineExecutor([None], None, [(None, None)], 1.0, False, lambda chunk, last: None, (1,), torch.float32,
+                         ep_overlap=True)

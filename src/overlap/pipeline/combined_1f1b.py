@@ -1,10 +1,14 @@
-"""MoE expert-parallel overlap: forward of micro-batch i interleaved, layer by layer, with backward of i-1.
+"""MoE expert-parallel overlap: the forward of one (micro-batch, model chunk) interleaved, layer piece by layer
+piece, with the backward of another - the merged step of the combined 1F1B schedule.
 
 Every MoE layer is cut into pieces: attention (+ pre-MLP norm, router, shared expert; the router launches the
 split-size exchange), the permutation, the dispatch all-to-all, the experts, the combine all-to-all, and the combine
-postprocessing (un-permute + residual). Dense layers are one piece with empty dispatch/combine. Micro-batches run as
-in Megatron-Core's `combined_1f1b_schedule_for_no_pipelining`: F(0) alone, then F(i) merged with B(i-1), then
-B(last) alone.
+postprocessing (un-permute + residual). Dense layers are one piece with empty dispatch/combine. Which forward is
+merged with which backward is the pipeline program's business (`overlap.pipeline.schedules`: with EP overlap its
+steady steps are merged, and one extra warm-up forward makes room): without pipelining that is Megatron-Core's
+`combined_1f1b_schedule_for_no_pipelining`, F(0) alone, F(i) merged with B(i-1), B(last) alone; with an interleaved
+pipeline the F chunk's layers walk up while the B chunk's walk down, and when their layer counts differ the longer
+one's last pieces run alone at the end.
 
 Per merged layer pair (F walks up, B walks down), the order of work on this rank's one compute thread is:
 
@@ -31,14 +35,14 @@ such rendezvous per layer with nothing to cover it. Hence two rules here:
   delay_wgrad_compute the expert and attention weight GEMMs are queued, not run at fixed slots, so the rank that is
   ahead does its own weight-gradient work while its peer catches up (the reference's third stream of wgrad GEMMs
   beside the communication, 1.13). What a phase leaves fills the next phase's waits; all of it is delivered
-  before the last backward, which keeps the reference's fixed slots (see `combined_1f1b`).
+  before a model chunk's last backward, which keeps the reference's fixed slots (see `PipelineExecutor`).
 - the split sizes leave at routing and are waited for (filling) right before the dispatch; with a padded expert
   capacity they are not exchanged at all.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -152,17 +156,25 @@ class LayerRun:
         return g_x
 
 
-class MicroBatchRun:
-    """One micro-batch: embedding piece, one LayerRun per layer, loss piece."""
+class ChunkRun:
+    """One micro-batch through one model chunk (`GPTModel` with its `Stage`): the embedding piece on the first
+    pipeline stage (else `hidden`, the received activation), one LayerRun per layer, the loss piece on the last stage
+    (else `output`, the activation to send). The backward starts from the loss (last stage) or from `grad_output`,
+    the received gradient, and ends in the embedding (first stage) or in `input_grad`, the gradient to send."""
 
     def __init__(self, model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-                 delay_wgrad: bool) -> None:
+                 delay_wgrad: bool, hidden: torch.Tensor | None = None) -> None:
         self.model = model
         self.loss_scale = loss_scale
-        self.embed = ScheduleNode("embedding", lambda: model.embed(tokens))
-        self.loss_node = ScheduleNode("lm_loss", lambda h: model.lm_loss(h, labels))
+        self.first, self.last = model.stage.pre_process, model.stage.post_process
+        self.embed = ScheduleNode("embedding", lambda: model.embed(tokens)) if self.first else None
+        self.loss_node = ScheduleNode("lm_loss", lambda h: model.lm_loss(h, labels)) if self.last else None
         self.layers = [LayerRun(layer, loss_scale, delay_wgrad) for layer in model.layers]
+        self.hidden = None if hidden is None else hidden.detach().requires_grad_()
         self.lm_loss: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
+        self.grad_output: torch.Tensor | None = None
+        self.input_grad: torch.Tensor | None = None
 
     def aux_total(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32)
@@ -172,10 +184,10 @@ class MicroBatchRun:
         return total
 
 
-def _forward_layers(f: MicroBatchRun) -> Iterator[None]:
+def _forward_layers(f: ChunkRun) -> Iterator[None]:
     """F's steps; each yield is where B's next step runs (B yields 3 times per layer, F 3 times per layer minus one,
     after B's first step was run up front: see `run_merged`)."""
-    (x,) = f.embed.forward()
+    x = f.embed.forward()[0] if f.first else f.hidden
     previous: LayerRun | None = None
     dense_out = None
     for run in f.layers:
@@ -187,16 +199,22 @@ def _forward_layers(f: MicroBatchRun) -> Iterator[None]:
         run.experts_forward()
         yield  # B: wait dispatch backward, attention backward
         previous = run
-    x = previous.combine_forward(dense_out)
-    (loss,) = f.loss_node.forward(x)
-    f.lm_loss = loss
+    if previous is not None:
+        x = previous.combine_forward(dense_out)
+    if f.last:
+        (f.lm_loss,) = f.loss_node.forward(x)
+    else:
+        f.output = x
 
 
-def _backward_layers(b: MicroBatchRun, fixed_wgrad_slots: bool) -> Iterator[None]:
+def _backward_layers(b: ChunkRun, fixed_wgrad_slots: bool) -> Iterator[None]:
     """B's steps, yielding where F's work is interleaved (mirrors `_forward_layers`). Delayed weight gradients are
-    queued here and run inside the waits (`LayerRun`), of this phase or the next (`combined_1f1b`).
+    queued here and run inside the waits (`LayerRun`), of this phase or the next (`PipelineExecutor`).
     `fixed_wgrad_slots`: run them at the reference's fixed slots instead."""
-    (g,) = b.loss_node.backward(torch.full((), b.loss_scale, dtype=torch.float32))
+    if b.last:
+        (g,) = b.loss_node.backward(torch.full((), b.loss_scale, dtype=torch.float32))
+    else:
+        g = b.grad_output
     for i, run in enumerate(reversed(b.layers)):
         if i > 0:
             yield  # F: wait its combine, next attention piece, launch its dispatch
@@ -209,7 +227,10 @@ def _backward_layers(b: MicroBatchRun, fixed_wgrad_slots: bool) -> Iterator[None
             WGRAD_STORE.flush()  # this layer's expert weight gradients, under its dispatch backward
         yield  # F: experts + combine launch
         g = run.attention_backward(dense_grad)
-    b.embed.backward(g)
+    if b.first:
+        b.embed.backward(g)
+    else:
+        b.input_grad = g
 
 
 def _drain(it: Iterator[None]) -> None:
@@ -217,40 +238,21 @@ def _drain(it: Iterator[None]) -> None:
         pass
 
 
-def run_merged(f: MicroBatchRun | None, b: MicroBatchRun | None, fixed_wgrad_slots: bool = False) -> None:
-    """One phase of the schedule: F alone, B alone, or both interleaved step by step."""
-    if f is None or b is None:
-        _drain(_forward_layers(f) if f is not None else _backward_layers(b, fixed_wgrad_slots))
-    else:
-        fwd, bwd = _forward_layers(f), _backward_layers(b, fixed_wgrad_slots)
-        next(bwd, None)  # B: loss backward + first layer's combine backward (launched)
-        for _ in fwd:  # F step, then the matching B step
-            next(bwd, None)
-        _drain(bwd)
-
-
-def combined_1f1b(model: GPTModel, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
-                  delay_wgrad: bool, before_last_backward=lambda: None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Forward and backward of all micro-batches with EP communication overlap; returns (lm_loss, aux_loss) per
-    micro-batch. `before_last_backward` is called right before the last micro-batch's backward starts (the data-
-    parallel layer turns its gradient-reduce hooks on there).
-
-    Delayed weight gradients left at the end of a merged phase fill the next phase's waits (`end_phase`), and all
-    are delivered before the last backward: its data-parallel hooks must see only its own micro-batch. The last
-    backward runs its own at the reference's fixed slots, not inside the waits: each delivered gradient may fire a
-    hook that launches a data-parallel collective, possibly on the same process group as the EP all-to-alls, and
-    collectives must be issued in the same order on every rank. Where a filled wait delivers a gradient depends on
-    timing, which differs between ranks; a fixed slot does not. Earlier backwards only accumulate gradients, so
-    their waits are filled freely."""
-    if len(batches) < 2:
-        raise ValueError("the EP-overlap schedule needs at least 2 micro-batches per step")
-    runs = [MicroBatchRun(model, tokens, labels, loss_scale, delay_wgrad) for tokens, labels in batches]
-    run_merged(runs[0], None)
-    for i in range(1, len(runs)):
-        run_merged(runs[i], runs[i - 1])
-        WGRAD_STORE.end_phase()
-    WGRAD_STORE.flush()
-    before_last_backward()
-    run_merged(None, runs[-1], fixed_wgrad_slots=True)
-    WGRAD_STORE.flush()
-    return [(r.lm_loss, r.aux_total()) for r in runs]
+def run_merged(f: ChunkRun | None, b: ChunkRun | None, fixed_wgrad_slots: bool = False,
+               after_forward: Callable[[], None] = lambda: None) -> None:
+    """One step of the schedule: F alone, B alone, or both interleaved piece by piece. `after_forward` runs as soon as
+    F is done, before B's remaining pieces (the pipeline sends F's output there, under B's tail)."""
+    if f is None:
+        _drain(_backward_layers(b, fixed_wgrad_slots))
+        return
+    fwd = _forward_layers(f)
+    if b is None:
+        _drain(fwd)
+        after_forward()
+        return
+    bwd = _backward_layers(b, fixed_wgrad_slots)
+    next(bwd, None)  # B: loss backward + first layer's combine backward (launched)
+    for _ in fwd:  # F step, then the matching B step
+        next(bwd, None)
+    after_forward()
+    _drain(bwd)

@@ -5,9 +5,10 @@ A schedule is two things kept apart:
 
 1. The program (`pipeline_steps`): a pure function of (PP, this rank, VPP, micro-batches, group size) giving the
    rank's compute in order as `Step`s. Warm-up steps carry one forward, steady steps one forward AND one backward,
-   cool-down steps one backward. The steady step is the unit that EP overlap under PP merges (the forward of one
-   (micro-batch, chunk) and the backward of another, layer piece by layer piece); here its two tasks run one after
-   the other. The interleaved program is Megatron-Core's: a table maps virtual micro-batch k to (micro-batch,
+   cool-down steps one backward. The steady step is the unit that EP overlap merges (the forward of one
+   (micro-batch, chunk) and the backward of another, layer piece by layer piece: `merged=True`, one more warm-up
+   forward, and `PipelineExecutor(ep_overlap=True)` runs each step through `combined_1f1b.run_merged`); without it
+   the two tasks run one after the other. The interleaved program is Megatron-Core's: a table maps virtual micro-batch k to (micro-batch,
    chunk) in groups of `microbatch_group_size_per_vp_stage` micro-batches per chunk; warm-up =
    (PP - rank - 1) x 2 + (VPP - 1) x group forwards (PP - rank - 1 without VPP); backward chunks are mirrored.
    VPP = 1 is the non-interleaved 1F1B: one implementation for both.
@@ -65,10 +66,11 @@ import torch
 from torch.autograd.variable import Variable
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from overlap.layers.wgrad_store import WeightGradStore, arrived
+from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore, arrived
 from overlap.parallel import comm
 from overlap.parallel.comm import P2P_RECV, P2P_SEND, CommHandle
 from overlap.parallel.trace import RECORDER
+from overlap.pipeline.combined_1f1b import ChunkRun, run_merged
 
 FWD, BWD = 0, 1
 
@@ -98,12 +100,16 @@ def schedule_table(num_microbatches: int, vpp: int, group: int) -> list[tuple[in
     return table
 
 
-def pipeline_steps(pp: int, rank: int, vpp: int, num_microbatches: int, group: int | None = None) -> list[Step]:
-    """This rank's program: warm-up forwards, steady (forward, backward) pairs, cool-down backwards."""
+def pipeline_steps(pp: int, rank: int, vpp: int, num_microbatches: int, group: int | None = None,
+                   merged: bool = False) -> list[Step]:
+    """This rank's program: warm-up forwards, steady (forward, backward) pairs, cool-down backwards. `merged` (EP
+    overlap runs each steady pair as one merged step): one more warm-up forward, as Megatron-Core adds, so that a
+    steady step never pairs a backward with its own micro-batch's forward; at PP = 1 this is the combined 1F1B,
+    F(0) alone, F(i) with B(i-1), B(last) alone."""
     table = schedule_table(num_microbatches, vpp, group or pp)
     total = len(table)
     warmup = pp - rank - 1 if vpp == 1 else (pp - rank - 1) * 2 + (vpp - 1) * (group or pp)
-    warmup = min(warmup, total)
+    warmup = min(warmup + merged, total)
     forwards = [Task(False, mb, chunk) for mb, chunk in table]
     backwards = [Task(True, mb, vpp - 1 - chunk) for mb, chunk in table]
     steps = [Step(forwards[k], None) for k in range(warmup)]
@@ -112,9 +118,10 @@ def pipeline_steps(pp: int, rank: int, vpp: int, num_microbatches: int, group: i
     return steps
 
 
-def program_tasks(pp: int, rank: int, vpp: int, num_microbatches: int, group: int | None = None) -> list[Task]:
+def program_tasks(pp: int, rank: int, vpp: int, num_microbatches: int, group: int | None = None,
+                  merged: bool = False) -> list[Task]:
     """The rank's tasks in the order it runs them (the steps flattened: a steady step's forward, then its backward)."""
-    return [t for s in pipeline_steps(pp, rank, vpp, num_microbatches, group) for t in (s.forward, s.backward)
+    return [t for s in pipeline_steps(pp, rank, vpp, num_microbatches, group, merged) for t in (s.forward, s.backward)
             if t is not None]
 
 
@@ -163,14 +170,19 @@ class PipelineExecutor:
                  scale: float, overlap_p2p: bool, before_backward: Callable[[int, bool], None],
                  shape: tuple[int, ...], dtype: torch.dtype, microbatch_group: int | None = None, *,
                  deallocate_outputs: bool = False, defer_output_wgrad: bool = False,
-                 wgrad_deferral_limit: int | None = None, memory: PipelineMemory | None = None) -> None:
+                 wgrad_deferral_limit: int | None = None, memory: PipelineMemory | None = None,
+                 ep_overlap: bool = False, delay_wgrad: bool = False) -> None:
         self.chunks, self.ps, self.batches, self.scale = chunks, ps, batches, scale
+        self.ep_overlap, self.delay_wgrad = ep_overlap, delay_wgrad
+        if ep_overlap and len(batches) < 2:
+            raise ValueError("the EP-overlap schedule needs at least 2 micro-batches per step")
+        self.runs: dict[tuple[int, int], ChunkRun] = {}  # EP overlap: (micro-batch, chunk) -> its forward's pieces
         self.overlap = overlap_p2p
         self.before_backward = before_backward
         self.shape, self.dtype = shape, dtype
         self.pp, self.rank, self.vpp = ps.pp_size, ps.pp_rank, len(chunks)
         self.num_micro = len(batches)
-        self.steps = pipeline_steps(self.pp, self.rank, self.vpp, self.num_micro, microbatch_group)
+        self.steps = pipeline_steps(self.pp, self.rank, self.vpp, self.num_micro, microbatch_group, ep_overlap)
         self.tasks = [t for s in self.steps for t in (s.forward, s.backward) if t is not None]
         self.recvs: dict[tuple[int, int, int], CommHandle] = {}  # (direction, virtual stage, micro-batch)
         self.sends: list[CommHandle] = []
@@ -186,7 +198,7 @@ class PipelineExecutor:
         self.positions: dict[int, dict[Task, int]] = {}
         if self.deallocate and self.vpp > 1:  # the causal rule needs the neighbours' programs
             for peer in {(self.rank + 1) % self.pp, (self.rank - 1) % self.pp}:
-                tasks = program_tasks(self.pp, peer, self.vpp, self.num_micro, microbatch_group)
+                tasks = program_tasks(self.pp, peer, self.vpp, self.num_micro, microbatch_group, ep_overlap)
                 self.positions[peer] = {t: i for i, t in enumerate(tasks)}
         # live output bytes (PipelineMemory)
         self.memory = memory
@@ -358,14 +370,10 @@ class PipelineExecutor:
             self.unreleased[(mb, c)] = (out, tag, self._consumer(c, mb))
         self._send(FWD, out, self._virtual(c) + 1, mb, next_task)
 
-    def _backward(self, task: Task, next_task: Task | None) -> None:
+    def _backward_setup(self, task: Task) -> tuple[bool, bool, "WeightGradStore | None"]:
+        """Before a backward: (whether it is its chunk's last micro-batch as data parallelism must see it, whether
+        the output layer's weight gradient is deferred, the deferral store of this chunk or None); tells DP."""
         c, mb = task.chunk, task.microbatch
-        hidden, seeds, grads = self.saved.pop((mb, c))
-        if not self._is_last(c):
-            grads[0] = self._receive((BWD, self._virtual(c), mb))  # with deallocation: the output is released now
-            if (mb, c) in self.unreleased:
-                raise RuntimeError(f"deallocate_pipeline_outputs: micro-batch {mb} chunk {c} reached its backward "
-                                   "with its output not released")
         last = mb == self.num_micro - 1
         defer = False
         if c == self.deferral_chunk:
@@ -374,7 +382,17 @@ class PipelineExecutor:
             if last and not defer and self.deferral_store.queue:
                 last = False  # deferred GEMMs are still to come: DP must not take this as the weight's last grad
         self.before_backward(c, last)
-        store = self.deferral_store if c == self.deferral_chunk else None
+        return last, defer, (self.deferral_store if c == self.deferral_chunk else None)
+
+    def _backward(self, task: Task, next_task: Task | None) -> None:
+        c, mb = task.chunk, task.microbatch
+        hidden, seeds, grads = self.saved.pop((mb, c))
+        if not self._is_last(c):
+            grads[0] = self._receive((BWD, self._virtual(c), mb))  # with deallocation: the output is released now
+            if (mb, c) in self.unreleased:
+                raise RuntimeError(f"deallocate_pipeline_outputs: micro-batch {mb} chunk {c} reached its backward "
+                                   "with its output not released")
+        _last, defer, store = self._backward_setup(task)
         with RECORDER.span("backward"), (store.delaying(defer) if store is not None else nullcontext()):
             if self.deallocate and not self._is_last(c):
                 backward_from_released(seeds, grads)
@@ -382,6 +400,57 @@ class PipelineExecutor:
                 torch.autograd.backward(seeds, grads if grads[0] is not None else None)
         if not self._is_first(c):
             self._send(BWD, hidden.grad, self._virtual(c) - 1, mb, next_task)
+
+    def _merged_step(self, step: Step, next_task: Task | None, position: int) -> None:
+        """EP overlap: the step's forward and backward as one merged step of layer pieces (`run_merged`), or either
+        alone. Both receives are waited before it starts, and the next step's are posted right then (overlapped
+        p2p), to arrive while this step computes; the forward's output is sent as soon as the forward is done, under
+        the backward's remaining pieces, and the backward's input gradient right after it. `position`: the program
+        position of the step's last task. Delayed weight gradients fill the waits of this step and the next (`end_phase`), except
+        around a chunk's last backward: everything queued is delivered before it, and it runs its own at fixed
+        slots, since a delivered gradient may fire a data-parallel collective and collectives must be issued in the
+        same order on every rank (where a filled wait delivers depends on timing). The merged program puts every
+        chunk's last backward in the cool-down, alone (`pipeline_steps(merged=True)`)."""
+        f, b = step.forward, step.backward
+        f_run = b_run = None
+        if f is not None:
+            hidden = None if self._is_first(f.chunk) else self._receive((FWD, self._virtual(f.chunk), f.microbatch))
+            tokens, labels = self.batches[f.microbatch]
+            f_run = ChunkRun(self.chunks[f.chunk], tokens, labels, self.scale, self.delay_wgrad, hidden)
+        defer, store = False, None
+        if b is not None:
+            b_run = self.runs.pop((b.microbatch, b.chunk))
+            if not self._is_last(b.chunk):
+                b_run.grad_output = self._receive((BWD, self._virtual(b.chunk), b.microbatch))
+            if b.microbatch == self.num_micro - 1:
+                if f is not None:
+                    raise RuntimeError(f"EP overlap: chunk {b.chunk}'s last backward is merged with a forward; the "
+                                       "merged program must leave it alone in the cool-down")
+                WGRAD_STORE.flush()
+            _last, defer, store = self._backward_setup(b)
+        self._prefetch(position)
+
+        def forward_done() -> None:
+            if f is None:
+                return
+            if self._is_last(f.chunk):
+                self.losses[f.microbatch] = f_run.lm_loss.detach()
+            else:
+                self._track(f_run.output)
+                self._send(FWD, f_run.output, self._virtual(f.chunk) + 1, f.microbatch, next_task)
+            self.runs[(f.microbatch, f.chunk)] = f_run
+
+        with RECORDER.span("merged" if f_run and b_run else "forward" if f_run else "backward"), \
+                (store.delaying(defer) if store is not None else nullcontext()):
+            run_merged(f_run, b_run, fixed_wgrad_slots=b is not None and b.microbatch == self.num_micro - 1,
+                       after_forward=forward_done)
+        if b is not None:
+            if b.microbatch == self.num_micro - 1:
+                WGRAD_STORE.flush()
+            else:
+                WGRAD_STORE.end_phase()
+            if not self._is_first(b.chunk):
+                self._send(BWD, b_run.input_grad, self._virtual(b.chunk) - 1, b.microbatch, next_task)
 
     def _flush_deferred(self) -> None:
         """The pipeline flush of the output layer's deferred weight gradients, oldest first. Each one reaches the
@@ -395,13 +464,21 @@ class PipelineExecutor:
     def run(self) -> list[torch.Tensor]:
         """The whole program; every send is complete on return. Returns the lm losses (empty off the last stage)."""
         self._prefetch(-1)
-        for i, task in enumerate(self.tasks):
-            following = self.tasks[i + 1] if i + 1 < len(self.tasks) else None
-            (self._backward if task.backward else self._forward)(task, following)
-            self._prefetch(i)
-            if self.deallocate:
-                self._release_sent()
-            self._sample()
+        if self.ep_overlap:
+            position = -1
+            for step in self.steps:
+                position += (step.forward is not None) + (step.backward is not None)
+                following = self.tasks[position + 1] if position + 1 < len(self.tasks) else None
+                self._merged_step(step, following, position)
+                self._sample()
+        else:
+            for i, task in enumerate(self.tasks):
+                following = self.tasks[i + 1] if i + 1 < len(self.tasks) else None
+                (self._backward if task.backward else self._forward)(task, following)
+                self._prefetch(i)
+                if self.deallocate:
+                    self._release_sent()
+                self._sample()
         self._flush_deferred()
         for handle in self._post(self.pending_sends, []) + self.sends:
             handle.wait()

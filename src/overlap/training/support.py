@@ -21,10 +21,10 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
     """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run raises)."""
     m, d = cfg.model, cfg.ddp
     checks = [
-        (m.pipeline_model_parallel_size > 1 and bool(m.overlap_moe_expert_parallel_comm),
-         "model.overlap_moe_expert_parallel_comm", True,
-         "EP all-to-all overlap under pipeline parallelism (the merged forward/backward steps of the interleaved "
-         "schedule)", "use -pp 1 for EP overlap, or turn it off (--moe_a2a_overlap false) with -pp."),
+        (m.pipeline_model_parallel_size > 1 and bool(m.overlap_moe_expert_parallel_comm)
+         and bool(m.deallocate_pipeline_outputs), "model.deallocate_pipeline_outputs", True,
+         "Releasing sent pipeline outputs under EP overlap (the merged steps keep each layer piece's output for its "
+         "own backward)", "set comm_overlap.deallocate_pipeline_outputs=false with EP overlap under -pp."),
         (m.pipeline_impl == "torch_pipelining" and (m.is_moe or m.pipeline_model_parallel_size == 1),
          "model.pipeline_impl", m.pipeline_impl,
          "The torch.distributed.pipelining peer for MoE models (their aux losses) or without pipeline parallelism",
@@ -59,12 +59,10 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "use --cuda_graph_impl none."),
         (bool(m.mtp_num_layers), "model.mtp_num_layers", m.mtp_num_layers, "Multi-token prediction",
          "set model.mtp_num_layers=null."),
-        (m.defer_embedding_wgrad_compute and (m.pipeline_impl == "torch_pipelining"
-                                              or bool(m.overlap_moe_expert_parallel_comm)),
+        (m.defer_embedding_wgrad_compute and m.pipeline_impl == "torch_pipelining",
          "model.defer_embedding_wgrad_compute", True,
-         "Deferred output-layer wgrad outside our pipeline schedule (the torch.distributed.pipelining peer, or the "
-         "EP-overlap schedule)", "set comm_overlap.defer_embedding_wgrad_compute=false, or use "
-         "model.pipeline_impl=overlap without EP overlap."),
+         "Deferred output-layer wgrad outside our pipeline schedule (the torch.distributed.pipelining peer)",
+         "set comm_overlap.defer_embedding_wgrad_compute=false, or use model.pipeline_impl=overlap."),
         (m.gradient_accumulation_fusion, "model.gradient_accumulation_fusion", True,
          "Fused gradient accumulation (a Transformer Engine kernel)", "set model.gradient_accumulation_fusion=false."),
         (m.add_bias_linear or m.add_qkv_bias, "model.add_bias_linear", True, "Linear biases",

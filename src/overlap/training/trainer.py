@@ -31,7 +31,6 @@ from overlap.model.gpt import model_chunks
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
-from overlap.pipeline.combined_1f1b import combined_1f1b
 from overlap.pipeline.schedules import PipelineExecutor, PipelineMemory
 from overlap.pipeline.torch_peer import TorchPipeline
 from overlap.errors import NonFiniteError
@@ -115,14 +114,7 @@ class Trainer:
                                           ps.dp_size)
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
         loss_sum = torch.zeros((), dtype=torch.float32)
-        if self.cfg.model.overlap_moe_expert_parallel_comm:
-            # EP overlap: forward of micro-batch i interleaved with backward of i-1 (pipeline/combined_1f1b.py).
-            self.ddp.set_last_micro_batch(False)
-            losses = combined_1f1b(self.model, batches, scale, bool(self.cfg.model.delay_wgrad_compute),
-                                   before_last_backward=lambda: self.ddp.set_last_micro_batch(True))
-            for lm_loss, _aux in losses:
-                loss_sum += lm_loss.float()
-        elif m.pipeline_impl == "torch_pipelining":  # the PyTorch peer of the schedule below (pipeline/torch_peer.py)
+        if m.pipeline_impl == "torch_pipelining":  # the PyTorch peer of the schedule below (pipeline/torch_peer.py)
             for ddp in self.ddps:
                 ddp.set_last_micro_batch(False)  # its schedule is opaque: every bucket is reduced after it
             if self._torch_pipeline is None:
@@ -130,7 +122,8 @@ class Trainer:
             for lm_loss in self._torch_pipeline.step(batches):
                 loss_sum += lm_loss.float()
         else:
-            # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; pipeline/schedules.py)
+            # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; pipeline/schedules.py).
+            # EP overlap: its steady steps merged, forward and backward piece by piece (pipeline/combined_1f1b.py).
             seq = m.seq_length // ps.tp_size if m.sequence_parallel else m.seq_length
             losses = PipelineExecutor(
                 self.chunks, ps, batches, scale, bool(m.overlap_p2p_comm),
@@ -138,7 +131,8 @@ class Trainer:
                 (seq, t.micro_batch_size, m.hidden_size), params_dtype(m),
                 m.microbatch_group_size_per_vp_stage, deallocate_outputs=bool(m.deallocate_pipeline_outputs),
                 defer_output_wgrad=bool(m.defer_embedding_wgrad_compute),
-                wgrad_deferral_limit=m.wgrad_deferral_limit, memory=self.pipeline_memory).run()
+                wgrad_deferral_limit=m.wgrad_deferral_limit, memory=self.pipeline_memory,
+                ep_overlap=bool(m.overlap_moe_expert_parallel_comm), delay_wgrad=bool(m.delay_wgrad_compute)).run()
             for lm_loss in losses:
                 loss_sum += lm_loss.float()
         with RECORDER.span("grad_reduce"):
