@@ -133,3 +133,15 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 8 -gb 2 -mb 1 \
 # 14. The planner against the benchmarks above: the loopback probe (2 and 4 ranks), then every committed result with
 #     a floor re-planned on the profile its floor gives (docs/planner.md, tests/test_plan_vs_bench.py).
 python bench/plan_vs_bench.py --probe
+
+# 15. EP overlap under the interleaved pipeline (issue 12): qwen3_moe_tiny widened (hidden 256, expert FFN 256) at 4
+#     layers, EP2 x PP2 x VPP2 on 4 ranks (the smallest world of that layout: 2 ranks per core), 16 micro-batches per
+#     DP rank (with 8, the unmerged warm-up / cool-down steps are a third of the tasks), only the EP collectives on a
+#     modelled 1 ms / 2 MB/s link (exposed EP ~40% of the off step): off / on / on + delay_wgrad / no-EP floor.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 4 -gb 32 -mb 1 --network model:1ms,2MB/s,ep \
+  --ideal-family ep --repeats 2 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_pp.json --markdown $out/ep_overlap_pp.md \
+  model.num_layers=4 model.hidden_size=256 model.moe_ffn_hidden_size=256
