@@ -145,3 +145,11 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 4 -g
   --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
   --json $out/ep_overlap_pp.json --markdown $out/ep_overlap_pp.md \
   model.num_layers=4 model.hidden_size=256 model.moe_ffn_hidden_size=256
+# ... and with 8 micro-batches per DP rank (-gb 16 -ms 5): the unmerged warm-up / cool-down share.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 5 -gb 16 -mb 1 --network model:1ms,2MB/s,ep \
+  --ideal-family ep --repeats 2 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_pp_8mb.json --markdown $out/ep_overlap_pp_8mb.md \
+  model.num_layers=4 model.hidden_size=256 model.moe_ffn_hidden_size=256
