@@ -138,8 +138,8 @@ python bench/plan_vs_bench.py --probe
 #     layers, EP2 x PP2 x VPP2 on 4 ranks (the smallest world of that layout: 2 ranks per core), 16 micro-batches per
 #     DP rank (with 8, the unmerged warm-up / cool-down steps are a third of the tasks), only the EP collectives on a
 #     modelled 1 ms / 2 MB/s link (exposed EP ~40% of the off step): off / on / on + delay_wgrad / no-EP floor.
-overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 4 -gb 32 -mb 1 --network model:1ms,2MB/s,ep \
-  --ideal-family ep --repeats 2 \
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 5 -gb 32 -mb 1 --network model:1ms,2MB/s,ep \
+  --ideal-family ep --repeats 3 \
   --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
   --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
   --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
