@@ -4,10 +4,10 @@ The planner's one fitted number is the compute efficiency; on CPU ranks there is
 profile is measured:
 - peak: the rate of one square GEMM in the run's compute dtype on one thread (each local rank computes on one
   thread, `overlap.launch.local`);
-- efficiency: the configuration itself run with every modelled collective faked (`--comm-mode none`, or
-  `none:FAMILIES` when `--network model:...,FAMILIES` puts only those families on the link): its steady step is
-  the compute the plan must reproduce, so efficiency = predicted compute at the peak / measured step
-  (`fit_efficiency`). Nothing of an overlap switch is fitted: its effect is the communication model's and the
+- efficiency: the configuration itself run with the link's collectives faked (`--comm-mode none:FAMILIES`: the
+  families of `--network model:...,FAMILIES`, else all but the one-scalar model-parallel norm sums, which keep the
+  pipeline ranks meeting once per step): its steady step is the floor the plan must reproduce, so efficiency =
+  predicted floor at the peak / measured step (`fit_efficiency`). Nothing of an overlap switch is fitted: its effect is the communication model's and the
   schedule's doing;
 - the link: `--network model:LAT,BW[,FAMILIES]` is the modelled link itself (exact, and only those families);
   `real` and `tbf:RATE` run over loopback, whose per-op latency and bandwidth a short gloo probe measures with the
@@ -31,20 +31,34 @@ from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
 from overlap.launch.network import Network
+from overlap.parallel.kinds import FAMILIES
 from overlap.plan.hardware import Cluster, Efficiency, Link
 from overlap.plan.predict import predict
 
 SLOWDOWN_SOURCE = "CPU profile: 0 (transport threads and modelled-link sleeps take little CPU from the compute thread)"
 
 
-def fit_efficiency(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, floor_ms: float,
-                   source: str) -> Cluster:
-    """The cluster whose efficiency makes `cfg`'s predicted compute (every micro-batch's forward and backward on one
-    rank, no communication, no bubble: what a run with faked collectives measures) equal `floor_ms`."""
+def fit_efficiency(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, floor_ms: float, source: str,
+                   faked: tuple[str, ...] | None = None) -> Cluster:
+    """The cluster whose efficiency makes `cfg`'s predicted floor equal `floor_ms`, the measured step of a run with
+    the `faked` families' collectives faked (None: all). What that run measures on rank 0, and so what is fitted:
+    - every collective faked: no rank waits for another, so pipeline rank 0's compute;
+    - the pipeline's p2p faked but others real: the busiest pipeline rank's compute (the ranks still meet at the
+      step's norm and loss reductions);
+    - the pipeline's p2p real: the whole step without the faked families' communication, the bubble included.
+    All scale as 1 / efficiency."""
     if not floor_ms > 0:
         raise ConfigError("calibration", floor_ms, "the measured step must be positive.", "re-run the calibration.")
-    at_peak = predict("calibration", [], cfg, layout, replace(cluster, efficiency=Efficiency(1.0, source)))
-    efficiency = at_peak.times.compute_s * 1e3 / floor_ms
+    free = replace(cluster, efficiency=Efficiency(1.0, source), link_families=())  # no link charged
+    at_peak = predict("calibration", [], cfg, layout, free)
+    times = at_peak.times
+    if faked is None or layout.pp <= 1:
+        predicted_ms = times.first_rank_compute_s * 1e3
+    elif "pp" in faked:
+        predicted_ms = times.slowest_rank_compute_s * 1e3
+    else:
+        predicted_ms = at_peak.step_ms
+    efficiency = predicted_ms / floor_ms
     if efficiency > 1:  # the model outran the GEMM probe (e.g. its GEMMs ran in another dtype): the peak it reached
         return replace(cluster, peak_tflops=cluster.peak_tflops * efficiency,
                        efficiency=Efficiency(1.0, f"{source}; the run outran the GEMM probe by x{efficiency:.2f}, so "
@@ -151,7 +165,12 @@ def calibrate(args, job, run_options: list[str]) -> Cluster:
     layout = job.resolution.layout
     ranks = layout.world_size
     precision = precision_of(job.cfg.model)
-    mode = "none" if network.kind != "model" or not network.families else "none:" + ",".join(network.families)
+    # Fake the link's families; everything else runs. Without a family-restricted model link that is every family
+    # but the model-parallel norm sums (`mp`, one scalar per step), so the pipeline ranks still meet once per step and
+    # rank 0's step is the busiest rank's compute, not its own.
+    faked = (network.families if network.kind == "model" and network.families
+             else tuple(f for f in FAMILIES if f not in ("mp", "ctl")))
+    mode = "none:" + ",".join(faked)
     loopback = probe_loopback(ranks) if network.kind != "model" else None
     peak = gemm_peak_tflops(precision)
     with tempfile.TemporaryDirectory(prefix="overlap-calibrate-") as tmp:
@@ -160,6 +179,6 @@ def calibrate(args, job, run_options: list[str]) -> Cluster:
     source = (f"fitted on this machine: the plan's configuration with --comm-mode {mode} ran "
               f"{floor.step_ms:.1f} ms per step (overlap plan --calibrate)")
     cluster = fit_efficiency(job.cfg, layout, cpu_cluster(network, ranks, peak, precision, loopback), floor.step_ms,
-                             source)
+                             source, faked)
     write_profile(cluster, args.cluster)
     return cluster

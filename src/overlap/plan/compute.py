@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
+from overlap.config.layout import pipeline_layer_ranges
 from overlap.config.layout import ParallelLayout
 from overlap.plan.hardware import Cluster
 from overlap.training.metrics import training_flops
@@ -30,6 +31,9 @@ class MicrobatchCompute:
     moe_layers: int  # MoE layers on this stage
     dense_layers: int
     recompute: bool  # full recompute: the backward re-runs the forward
+    # Per virtual pipeline stage (v = chunk x PP + rank), its share of the work relative to the average stage: its
+    # own layers, and the output layer on the last one (the embedding lookup is free). (1.0,) without PP.
+    stage_weights: tuple[float, ...] = (1.0,)
 
     @property
     def layers(self) -> int:
@@ -63,8 +67,20 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
         """Forward seconds of one of `count` identical pieces (training FLOPs are 3 x forward)."""
         return total_flops_per_token / max(1, count) / 3.0 * tokens / tp / rate if count else 0.0
 
-    return MicrobatchCompute(attention_fwd_s=per_gpu_fwd(f.attention, m.num_layers),
-                             moe_fwd_s=per_gpu_fwd(f.moe, n_moe),
-                             shared_expert_fwd_s=per_gpu_fwd(f.shared_expert, n_moe), dense_mlp_fwd_s=per_gpu_fwd(f.dense_mlp, n_dense),
-                             logits_fwd_s=per_gpu_fwd(f.logits, 1) / pp, moe_layers=-(-n_moe // pp),
-                             dense_layers=-(-n_dense // pp), recompute=m.recompute_granularity == "full")
+    attention, moe, dense = (per_gpu_fwd(f.attention, m.num_layers), per_gpu_fwd(f.moe, n_moe),
+                             per_gpu_fwd(f.dense_mlp, n_dense))
+    logits = per_gpu_fwd(f.logits, 1)
+    weights = (1.0,)
+    if pp > 1:
+        ranges = pipeline_layer_ranges(m.num_layers, pp, m.virtual_pipeline_model_parallel_size,
+                                       m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage)
+        by_virtual = sorted((c * pp + r, span) for r, chunks in enumerate(ranges) for c, span in enumerate(chunks))
+        stages = [sum(attention + (moe if m.is_moe_layer(layer) else dense) for layer in range(start, end))
+                  for _v, (start, end) in by_virtual]
+        stages[-1] += logits
+        mean = sum(stages) / len(stages)
+        weights = tuple(x / mean for x in stages) if mean > 0 else (1.0,) * len(stages)
+    return MicrobatchCompute(attention_fwd_s=attention, moe_fwd_s=moe,
+                             shared_expert_fwd_s=per_gpu_fwd(f.shared_expert, n_moe), dense_mlp_fwd_s=dense,
+                             logits_fwd_s=logits / pp, moe_layers=-(-n_moe // pp), dense_layers=-(-n_dense // pp),
+                             recompute=m.recompute_granularity == "full", stage_weights=weights)

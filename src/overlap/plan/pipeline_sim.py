@@ -17,8 +17,9 @@ steady / cool-down and its interleaved table), with the executor's p2p rules (`P
 - overlapped (`overlap_p2p_comm`): sends are posted when their tensor exists and never block; the receive of the
   next forward (and of the next backward) is posted as soon as the previous one of its direction has been consumed.
 
-Every (micro-batch, chunk) task on every rank takes the same forward / backward time (the planner's per-stage
-average). The step ends when the slowest rank is done.
+A task's time is the micro-batch's forward / backward time on the average stage, times its virtual stage's weight
+(its layers; the output layer on the last stage), so unequal stages idle the others as they do in the runtime. The
+step ends when the slowest rank is done.
 """
 
 from __future__ import annotations
@@ -42,12 +43,17 @@ Message = tuple[int, int, int]  # (direction, receiving virtual stage, micro-bat
 
 
 def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, transfer_s: float,
-             overlapped: bool, group: int | None = None) -> PipelineTimes:
-    """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one model chunk) and
-    `transfer_s` per activation or gradient; see the module docstring for the p2p rules."""
+             overlapped: bool, group: int | None = None,
+             weights: tuple[float, ...] | None = None) -> PipelineTimes:
+    """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one model chunk of
+    average work; virtual stage v's tasks take `weights[v]` times that) and `transfer_s` per activation or gradient;
+    see the module docstring for the p2p rules. `compute_s` is the average rank's work."""
     compute = microbatches * vpp * (fwd_s + bwd_s)
     if pp <= 1:
         return PipelineTimes(compute, compute)
+    weights = (1.0,) * (pp * vpp) if weights is None else weights
+    if len(weights) != pp * vpp:
+        raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
     stages = pp * vpp
     tasks = [[t for step in pipeline_steps(pp, r, vpp, microbatches, group)
               for t in (step.forward, step.backward) if t is not None] for r in range(pp)]
@@ -100,7 +106,7 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
             if at is None:
                 return False
             clock[rank] = max(clock[rank], at)
-        clock[rank] += bwd_s if task.backward else fwd_s
+        clock[rank] += (bwd_s if task.backward else fwd_s) * weights[task.chunk * pp + rank]
         consumed[rank][task.backward] = clock[rank]
         out = produces(rank, task)
         following = tasks[rank][index[rank] + 1] if index[rank] + 1 < len(tasks[rank]) else None

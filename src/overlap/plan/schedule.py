@@ -15,7 +15,8 @@
       F experts              hides B's dispatch backward
       B attention backward   hides F's combine
   `delay_wgrad_compute` moves the experts' weight gradient (half the experts' backward) from the second phase to
-  the third, beside F's experts. F(0) and B(last) expose their all-to-alls. The split-size exchange (`ep_counts`)
+  the third, beside F's experts. F(0) and B(last) expose their all-to-alls; under an interleaved pipeline the
+  merged program's warm-up forwards and cool-down backwards do (`pipeline_steps(merged=True)`, pipeline rank 0). The split-size exchange (`ep_counts`)
   is synchronous and always exposed.
 - Shared-expert overlap (`model.moe_shared_expert_overlap`, without EP overlap): the shared expert's forward runs in
   two halves, one under the dispatch and one under the combine.
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 
 from overlap.plan.comm_model import CommPlan
 from overlap.plan.compute import MicrobatchCompute
+from overlap.pipeline.schedules import pipeline_steps
 from overlap.plan.pipeline_sim import simulate
 
 TP_SPLITS = 4  # Megatron-Bridge performance guide: num_splits = 4 is best; one chunk stays exposed
@@ -47,7 +49,9 @@ TP_SPLITS = 4  # Megatron-Bridge performance guide: num_splits = 4 is best; one 
 class StepTimes:
     """Seconds of one step, by where they go."""
 
-    compute_s: float = 0.0  # every micro-batch's forward + backward at the calibrated rate, no slowdown
+    compute_s: float = 0.0  # every micro-batch's forward + backward at the calibrated rate, no slowdown (average stage)
+    first_rank_compute_s: float = 0.0  # the same on pipeline rank 0 (what a run with faked communication measures)
+    slowest_rank_compute_s: float = 0.0  # the same on the busiest pipeline rank
     bubble_s: float = 0.0
     exposed_s: dict[str, float] = field(default_factory=dict)  # communication no compute hides, by kind
     slowdown_s: float = 0.0  # compute stretched while it overlapped communication
@@ -123,12 +127,19 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
     sigma_ep = slowdown.get("ep", slowdown.get("other", 0.0))
     sigma = slowdown.get("other", 0.0)
     t.compute_s = m * c.fwd_bwd_s
+    per_rank = [sum(w for v, w in enumerate(c.stage_weights) if v % sw.pp == r) / sw.vpp for r in range(sw.pp)] \
+        if sw.pp > 1 else [1.0]
+    t.first_rank_compute_s = t.compute_s * per_rank[0]
+    t.slowest_rank_compute_s = t.compute_s * max(per_rank)
     a2a = comm.ep_a2a_s
     if a2a and sw.ep_overlap and m > 1:
+        # The merged program's warm-up forwards (as many cool-down backwards) run alone, their all-to-alls exposed:
+        # F(0) and B(last) without PP; under an interleaved pipeline, pipeline rank 0's (the most of any rank).
+        alone = sum(1 for s in pipeline_steps(sw.pp, 0, sw.vpp, m, sw.vp_group, merged=True) if s.backward is None)
         for _ in range(c.moe_layers):
-            _merged_moe_layer(c, a2a, sigma_ep, sw.delay_wgrad, t, m - 1)
-        for kind, seconds in a2a.items():  # F(0) and B(last) run alone: their two transfers each are exposed
-            t.expose(kind, seconds * c.moe_layers)
+            _merged_moe_layer(c, a2a, sigma_ep, sw.delay_wgrad, t, (m * sw.vpp - alone) / sw.vpp)
+        for kind, seconds in a2a.items():
+            t.expose(kind, seconds * c.moe_layers * alone / sw.vpp)
     else:  # with the shared-expert overlap, its two halves run under the dispatch and under the combine (forward)
         cover = c.shared_expert_fwd_s / 2 if sw.shared_expert_overlap else 0.0
         for kind, seconds in a2a.items():
@@ -155,10 +166,11 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
         per_mb_s = (t.compute_s + t.slowdown_s + sum(t.exposed_s.values())) / m
         fwd_share = 1.0 / (1.0 + c.bwd_factor)
         f, b = per_mb_s * fwd_share / sw.vpp, per_mb_s * (1 - fwd_share) / sw.vpp
-        free = simulate(sw.pp, sw.vpp, m, f, b, 0.0, sw.overlap_p2p, sw.vp_group)
-        t.bubble_s = free.step_s - free.compute_s
+        free = simulate(sw.pp, sw.vpp, m, f, b, 0.0, sw.overlap_p2p, sw.vp_group, c.stage_weights)
+        t.bubble_s = free.step_s - free.compute_s  # idle time, unequal stages' included
         if comm.pp_send_s:
-            exposed = simulate(sw.pp, sw.vpp, m, f, b, comm.pp_send_s, sw.overlap_p2p, sw.vp_group).step_s - free.step_s
+            exposed = simulate(sw.pp, sw.vpp, m, f, b, comm.pp_send_s, sw.overlap_p2p, sw.vp_group,
+                               c.stage_weights).step_s - free.step_s
             t.expose("pp_send", exposed)
             if sw.overlap_p2p:
                 hidden = max(0.0, comm.kinds["pp_send"].seconds_per_step - exposed)

@@ -26,7 +26,7 @@ from overlap.plan.predict import predict
 # The committed results (bench/results/NAME.json) the planner is proven against; each has a floor.
 BENCHMARKS = ("ep_overlap", "ep_overlap_2ranks", "ep_overlap_one_rank_per_core", "dp_overlap", "dp_overlap_modelled",
               "pp_schedules", "pp_schedules_2ranks", "pp_schedules_modelled", "pp_bubble", "tp_overlap",
-              "tp_overlap_narrow")
+              "tp_overlap_narrow", "ep_overlap_pp", "ep_overlap_pp_8mb")
 _VALUED = ("--repeats", "--json", "--markdown", "--ideal-family", "--network", "--config", "--ab")
 _PEERS = ("ddp.impl=", "model.pipeline_impl=", "model.tensor_parallel_impl=")
 
@@ -105,7 +105,7 @@ def compare(result: Path, loopback: dict[int, Link]) -> list[Row]:
     cluster = replace(cpu_cluster(network, ranks, 1.0, precision_of(first.cfg.model), loopback.get(ranks)),
                       link_families=families)
     cluster = fit_efficiency(first.cfg, first.resolution.layout, cluster, floor_ms,
-                             f"fitted on the floor of {result.name}")
+                             f"fitted on the floor of {result.name}", families)
     predicted = {name: predict(name, [], job.cfg, job.resolution.layout, cluster).step_ms for name, job in jobs}
     base_m, base_p = measured[jobs[0][0]], predicted[jobs[0][0]]
     return [Row(result.stem, name, measured[name], predicted[name], measured[name] / base_m, predicted[name] / base_p)
