@@ -130,11 +130,7 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 8 -gb 2 -mb 1 \
   --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
   --ideal-family pp --repeats 3 --json $out/pp_bubble.json --markdown $out/pp_bubble.md model.num_layers=8
 
-# 14. The planner against the benchmarks above: the loopback probe (2 and 4 ranks), then every committed result with
-#     a floor re-planned on the profile its floor gives (docs/planner.md, tests/test_plan_vs_bench.py).
-python bench/plan_vs_bench.py --probe
-
-# 15. EP overlap under the interleaved pipeline (issue 12): qwen3_moe_tiny widened (hidden 256, expert FFN 256) at 4
+# 14. EP overlap under the interleaved pipeline (issue 12): qwen3_moe_tiny widened (hidden 256, expert FFN 256) at 4
 #     layers, EP2 x PP2 x VPP2 on 4 ranks (the smallest world of that layout: 2 ranks per core), 16 micro-batches per
 #     DP rank (with 8, the unmerged warm-up / cool-down steps are a third of the tasks), only the EP collectives on a
 #     modelled 1 ms / 2 MB/s link (exposed EP ~40% of the off step): off / on / on + delay_wgrad / no-EP floor.
@@ -153,3 +149,15 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 5 -g
   --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
   --json $out/ep_overlap_pp_8mb.json --markdown $out/ep_overlap_pp_8mb.md \
   model.num_layers=4 model.hidden_size=256 model.moe_ffn_hidden_size=256
+
+# 15. DP overlap with one rank per core (DP=2 on 2 ranks, otherwise command 3): tests whether time-slicing explains
+#     the planner's misses on the 4-rank DP rows (bench/results/plan_vs_bench.md).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -ms 6 -gb 8 -mb 4 --network tbf:1600mbit \
+  --config "dist-opt, no overlap:ddp.use_distributed_optimizer=true;optimizer.use_distributed_optimizer=true;ddp.overlap_grad_reduce=false;ddp.overlap_param_gather=false" \
+  --config "dist-opt, overlap grad reduce + param gather:ddp.use_distributed_optimizer=true;optimizer.use_distributed_optimizer=true;ddp.overlap_grad_reduce=true;ddp.overlap_param_gather=true" \
+  --config "all-reduce, overlap grad reduce:ddp.overlap_grad_reduce=true" \
+  --ideal --repeats 2 --json $out/dp_overlap_2ranks.json --markdown $out/dp_overlap_2ranks.md ddp.bucket_size=500000
+
+# 16. The planner against the benchmarks above: the loopback probe (2 and 4 ranks), then every committed result with
+#     a floor re-planned on the profile its floor gives (docs/planner.md, tests/test_plan_vs_bench.py).
+python bench/plan_vs_bench.py --probe
