@@ -38,7 +38,8 @@ def main() -> None:
     lines = ["Planner vs measured: each committed benchmark's configurations of ours re-planned on the profile fitted "
              "on that benchmark's own floor (`overlap.plan.versus_bench`); nothing of a switch is fitted.  ",
              "Command: `python bench/plan_vs_bench.py` (loopback link: bench/results/loopback_probe.json).  ",
-             "Bounds (tests/test_plan_vs_bench.py): step time within 20%, ratio to the first configuration within 0.08.",
+             "Bounds (tests/test_plan_vs_bench.py): step time within 20%, ratio to the first configuration within "
+             "0.08.",
              "", "| benchmark | config | measured ms | predicted ms | error | measured ratio | predicted ratio | "
              "ratio error | within bounds |", "|---|---|---|---|---|---|---|---|---|"]
     for name in BENCHMARKS:

@@ -63,7 +63,7 @@ def _config(layers: int, pp: int, vpp: int | None, ep: int, **kw) -> ModelConfig
 
 
 def _step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, data_rank: int | None = None, n_mb: int = 4,
-          layers: int = 4):
+          layers: int = 4, overlap_p2p: bool = True):
     """One pipeline step of every micro-batch (fp32, no DP wrapper: gradients land in .grad): (losses, grads).
     Each DP rank draws its own micro-batches (`data_rank`: those of that DP rank instead)."""
     world = dist.get_world_size()
@@ -76,11 +76,17 @@ def _step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, data_rank: int
     gen = torch.Generator().manual_seed(50 + (ps.dp_rank if data_rank is None else data_rank))
     rows = torch.randint(0, 128, (n_mb, 2, 17), generator=gen)
     batches = [(r[:, :-1], r[:, 1:]) for r in rows]
-    losses = PipelineExecutor(chunks, ps, batches, 1.0 / n_mb, True, lambda chunk, last: None,
+    hooks: list[tuple[int, bool, int]] = []  # (chunk, is its last micro-batch, weight gradients still queued)
+    losses = PipelineExecutor(chunks, ps, batches, 1.0 / n_mb, overlap_p2p,
+                              lambda chunk, last: hooks.append((chunk, last, len(WGRAD_STORE.queue))),
                               (cfg.seq_length, 2, cfg.hidden_size), torch.float32,
                               defer_output_wgrad=bool(cfg.defer_embedding_wgrad_compute),
                               ep_overlap=overlap, delay_wgrad=delay).run()
     assert not WGRAD_STORE.queue
+    # data parallelism's rule: every chunk's last backward is announced (again by the flush of deferred output-layer
+    # GEMMs, which completes that weight), and never while delayed weight gradients are still queued
+    assert {c for c, last, _ in hooks if last} == set(range(len(chunks)))
+    assert all(queued == 0 for _, last, queued in hooks if last)
     grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters() if p.grad is not None}
     return [float(x) for x in losses], grads, ps.dp_rank
 
@@ -92,12 +98,13 @@ def _reference(cfg_items: tuple, data_rank: int) -> tuple[float, ...]:
 
 
 CASES = [
-    # (id, world, layout, model fields, delay_wgrad)
+    # (id, world, layout, model fields, delay_wgrad[, overlapped p2p])
     ("ep2_pp2_vpp2", 4, dict(pp=2, vpp=2, ep=2), {}, False),
     ("ep2_pp2_vpp2_delay_wgrad", 4, dict(pp=2, vpp=2, ep=2), {}, True),
     ("ep2_pp2_vpp2_dense_layer_delay_wgrad", 4, dict(pp=2, vpp=2, ep=2), {"moe_layer_freq": 2}, True),
     ("ep2_pp2_vpp2_deferred_output_wgrad", 4, dict(pp=2, vpp=2, ep=2), {"defer_embedding_wgrad_compute": True},
      True),
+    ("ep2_pp2_vpp2_batched_p2p_delay_wgrad", 4, dict(pp=2, vpp=2, ep=2), {}, True, False),
     ("ep2_pp2_vpp2_shared_expert_uneven", 4, dict(pp=2, vpp=2, ep=2),
      {"moe_shared_expert_intermediate_size": 32, "num_layers": 6, "num_layers_in_first_pipeline_stage": 2}, True),
 ]
@@ -105,9 +112,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_ep_overlap_under_pp_matches_off_and_the_single_process_reference(case):
-    _id, world, layout, cfg_kw, delay = case
-    off = run_world(world, _step, False, False, layout, cfg_kw)
-    on = run_world(world, _step, True, delay, layout, cfg_kw)
+    _id, world, layout, cfg_kw, delay, *p2p = case
+    off = run_world(world, _step, False, False, layout, cfg_kw, None, 4, 4, *p2p)
+    on = run_world(world, _step, True, delay, layout, cfg_kw, None, 4, 4, *p2p)
     model_kw = tuple(sorted((k, v) for k, v in cfg_kw.items() if not k.startswith("num_layers_in")))
     for (l_off, g_off, _), (l_on, g_on, dp_rank) in zip(off, on):
         assert l_on == pytest.approx(l_off, rel=1e-6)

@@ -67,8 +67,9 @@ def test_bucket_exposure(gather):
     assert bucket_exposure([1.0], 10.0, gather) == pytest.approx(1.0)
     # four small buckets under a long window: only one bucket's time shows
     assert bucket_exposure([0.5] * 4, 10.0, gather) == pytest.approx(0.5)
-    # a link slower than the window: all but the window's share shows
-    assert bucket_exposure([5.0] * 4, 4.0, gather) > 20.0 - 4.0 - 1e-9
+    # a link slower than the window: the reduce starts when the first bucket is ready (1 of the 4 s) and runs 20 s;
+    # the gather's forward waits for each bucket in turn and computes its last quarter (1 s) after the last one
+    assert bucket_exposure([5.0] * 4, 4.0, gather) == pytest.approx(17.0)
 
 
 def _plan(tmp_path, *argv):
@@ -156,3 +157,63 @@ def test_calibrate_writes_a_profile_whose_compute_is_the_measured_floor(tmp_path
 def test_calibrate_refusals(argv, field, capsys):
     assert main(["plan", *argv]) == 2
     assert f"error: {field}" in capsys.readouterr().err
+
+
+def test_simulated_pipeline_with_unequal_stages_and_groups():
+    even = simulate(2, 2, 8, 0.5, 1.0, 0.0, True)
+    heavy_last = simulate(2, 2, 8, 0.5, 1.0, 0.0, True, weights=(1.0, 1.0, 1.0, 1.5))
+    assert heavy_last.compute_s == even.compute_s and heavy_last.step_s > even.step_s  # the others idle
+    grouped = simulate(4, 2, 8, 0.5, 1.0, 0.0, True, group=8)  # microbatch_group_size_per_vp_stage = m
+    assert grouped.step_s / grouped.compute_s - 1 == pytest.approx(3 / 16)  # the group moves work, not the bubble
+    with pytest.raises(ValueError, match="3 stage weights for 4"):
+        simulate(2, 2, 8, 0.5, 1.0, 0.0, True, weights=(1.0, 1.0, 1.0))
+
+
+def test_the_merged_program_pays_its_coarser_dependencies():
+    for pp, vpp in ((2, 2), (4, 2)):
+        plain = simulate(pp, vpp, 8, 0.5, 1.0, 0.2, True).step_s
+        merged = simulate(pp, vpp, 8, 0.5, 1.0, 0.2, True, merged=True).step_s
+        assert merged > plain
+    assert simulate(1, 1, 4, 1.0, 2.0, 0.0, True, merged=True).step_s == pytest.approx(12.0)
+
+
+def _floor_job(argv: str):
+    import argparse
+
+    from overlap.harness import add_harness_flags, prepare
+
+    parser = argparse.ArgumentParser()
+    add_harness_flags(parser)
+    job = prepare(parser.parse_args(argv.split()), describe_target=True)
+    return job.cfg, job.resolution.layout
+
+
+@pytest.mark.parametrize("faked, measure", [(None, "first_rank_compute_s"), (("pp",), "slowest_rank_compute_s"),
+                                            (("ep",), "step")])
+def test_fit_efficiency_fits_what_the_floor_measured(faked, measure):
+    """Every collective faked: rank 0's compute; the pipeline's p2p faked, the ranks still meeting: the busiest
+    rank's compute; the p2p real: the whole step (bubble included)."""
+    from dataclasses import replace
+
+    from overlap.launch.network import parse_network
+    from overlap.plan.calibrate import cpu_cluster, fit_efficiency
+    from overlap.plan.predict import predict
+
+    cfg, layout = _floor_job("-m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -gb 8 -mb 1 model.num_layers=8")
+    cluster = cpu_cluster(parse_network("model:1ms,10MB/s,ep"), 2, 1.0, "fp32", None)
+    fitted = fit_efficiency(cfg, layout, cluster, 1000.0, "test", faked)
+    times = predict("x", [], cfg, layout, replace(fitted, link_families=())).times
+    got = times.total_s if measure == "step" else getattr(times, measure)
+    assert got * 1e3 == pytest.approx(1000.0, rel=1e-6)
+    assert times.slowest_rank_compute_s > times.first_rank_compute_s  # the last stage holds the output layer
+
+
+def test_the_floor_a_result_is_fitted_on():
+    from overlap.plan.versus_bench import _floor
+
+    doc = {"command": "x", "floors_step_time_ms": {"ideal (no communication)": 1.0, "ideal (no ep communication)": 2.0}}
+    assert _floor(doc, ("ep",)) == (2.0, ("ep",))
+    assert _floor({**doc, "floors_step_time_ms": {"ideal (no communication)": 1.0}}, ("ep",)) == (1.0, None)
+    assert _floor({"command": "x", "floors_step_time_ms": {"ideal (no pp communication)": 3.0}}, None) == (3.0, ("pp",))
+    with pytest.raises(KeyError, match="no floor"):
+        _floor({"command": "x", "floors_step_time_ms": {}}, None)

@@ -176,13 +176,6 @@ class ChunkRun:
         self.grad_output: torch.Tensor | None = None
         self.input_grad: torch.Tensor | None = None
 
-    def aux_total(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32)
-        for run in self.layers:
-            if run.aux_loss is not None:
-                total = total + run.aux_loss.detach().float()
-        return total
-
 
 def _forward_layers(f: ChunkRun) -> Iterator[None]:
     """F's steps; each yield is where B's next step runs (B yields 3 times per layer, F 3 times per layer minus one,

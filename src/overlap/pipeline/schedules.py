@@ -8,8 +8,8 @@ A schedule is two things kept apart:
    cool-down steps one backward. The steady step is the unit that EP overlap merges (the forward of one
    (micro-batch, chunk) and the backward of another, layer piece by layer piece: `merged=True`, one more warm-up
    forward, and `PipelineExecutor(ep_overlap=True)` runs each step through `combined_1f1b.run_merged`); without it
-   the two tasks run one after the other. The interleaved program is Megatron-Core's: a table maps virtual micro-batch k to (micro-batch,
-   chunk) in groups of `microbatch_group_size_per_vp_stage` micro-batches per chunk; warm-up =
+   the two tasks run one after the other. The interleaved program is Megatron-Core's: a table maps virtual
+   micro-batch k to (micro-batch, chunk) in groups of `microbatch_group_size_per_vp_stage` micro-batches per chunk; warm-up =
    (PP - rank - 1) x 2 + (VPP - 1) x group forwards (PP - rank - 1 without VPP); backward chunks are mirrored.
    VPP = 1 is the non-interleaved 1F1B: one implementation for both.
 2. The executor (`PipelineExecutor`): runs the program on this rank's model chunks and moves activations (forward)
@@ -176,6 +176,9 @@ class PipelineExecutor:
         self.ep_overlap, self.delay_wgrad = ep_overlap, delay_wgrad
         if ep_overlap and len(batches) < 2:
             raise ValueError("the EP-overlap schedule needs at least 2 micro-batches per step")
+        if ep_overlap and deallocate_outputs and ps.pp_size > 1:
+            raise ValueError("deallocate_pipeline_outputs is not built for the EP-overlap schedule (the merged "
+                             "pieces keep each output for their own backward)")
         self.runs: dict[tuple[int, int], ChunkRun] = {}  # EP overlap: (micro-batch, chunk) -> its forward's pieces
         self.overlap = overlap_p2p
         self.before_backward = before_backward
@@ -370,9 +373,10 @@ class PipelineExecutor:
             self.unreleased[(mb, c)] = (out, tag, self._consumer(c, mb))
         self._send(FWD, out, self._virtual(c) + 1, mb, next_task)
 
-    def _backward_setup(self, task: Task) -> tuple[bool, bool, "WeightGradStore | None"]:
-        """Before a backward: (whether it is its chunk's last micro-batch as data parallelism must see it, whether
-        the output layer's weight gradient is deferred, the deferral store of this chunk or None); tells DP."""
+    def _backward_setup(self, task: Task) -> tuple[bool, "WeightGradStore | None"]:
+        """Before a backward: tells data parallelism whether it is its chunk's last micro-batch (not while deferred
+        output-layer GEMMs are still to come); returns (whether the output layer's weight gradient is deferred, the
+        deferral store of this chunk or None)."""
         c, mb = task.chunk, task.microbatch
         last = mb == self.num_micro - 1
         defer = False
@@ -382,7 +386,7 @@ class PipelineExecutor:
             if last and not defer and self.deferral_store.queue:
                 last = False  # deferred GEMMs are still to come: DP must not take this as the weight's last grad
         self.before_backward(c, last)
-        return last, defer, (self.deferral_store if c == self.deferral_chunk else None)
+        return defer, (self.deferral_store if c == self.deferral_chunk else None)
 
     def _backward(self, task: Task, next_task: Task | None) -> None:
         c, mb = task.chunk, task.microbatch
@@ -392,7 +396,7 @@ class PipelineExecutor:
             if (mb, c) in self.unreleased:
                 raise RuntimeError(f"deallocate_pipeline_outputs: micro-batch {mb} chunk {c} reached its backward "
                                    "with its output not released")
-        _last, defer, store = self._backward_setup(task)
+        defer, store = self._backward_setup(task)
         with RECORDER.span("backward"), (store.delaying(defer) if store is not None else nullcontext()):
             if self.deallocate and not self._is_last(c):
                 backward_from_released(seeds, grads)
@@ -404,10 +408,11 @@ class PipelineExecutor:
     def _merged_step(self, step: Step, next_task: Task | None, position: int) -> None:
         """EP overlap: the step's forward and backward as one merged step of layer pieces (`run_merged`), or either
         alone. Both receives are waited before it starts, and the next step's are posted right then (overlapped
-        p2p), to arrive while this step computes; the forward's output is sent as soon as the forward is done, under
-        the backward's remaining pieces, and the backward's input gradient right after it. `position`: the program
-        position of the step's last task. Delayed weight gradients fill the waits of this step and the next (`end_phase`), except
-        around a chunk's last backward: everything queued is delivered before it, and it runs its own at fixed
+        p2p), to arrive while this step computes; with overlapped p2p the forward's output is sent as soon as the
+        forward is done, under the backward's remaining pieces, and the backward's input gradient right after it
+        (batched p2p holds both for the next step's first receive, as without EP overlap). `position`: the program
+        position of the step's last task. Delayed weight gradients fill the waits of this step and the next
+        (`end_phase`), except around a chunk's last backward: everything queued is delivered before it, and it runs its own at fixed
         slots, since a delivered gradient may fire a data-parallel collective and collectives must be issued in the
         same order on every rank (where a filled wait delivers depends on timing). The merged program puts every
         chunk's last backward in the cool-down, alone (`pipeline_steps(merged=True)`)."""
@@ -427,7 +432,7 @@ class PipelineExecutor:
                     raise RuntimeError(f"EP overlap: chunk {b.chunk}'s last backward is merged with a forward; the "
                                        "merged program must leave it alone in the cool-down")
                 WGRAD_STORE.flush()
-            _last, defer, store = self._backward_setup(b)
+            defer, store = self._backward_setup(b)
         self._prefetch(position)
 
         def forward_done() -> None:

@@ -7,8 +7,8 @@ profile is measured:
 - efficiency: the configuration itself run with the link's collectives faked (`--comm-mode none:FAMILIES`: the
   families of `--network model:...,FAMILIES`, else all but the one-scalar model-parallel norm sums, which keep the
   pipeline ranks meeting once per step): its steady step is the floor the plan must reproduce, so efficiency =
-  predicted floor at the peak / measured step (`fit_efficiency`). Nothing of an overlap switch is fitted: its effect is the communication model's and the
-  schedule's doing;
+  predicted floor at the peak / measured step (`fit_efficiency`). Nothing of an overlap switch is fitted: its
+  effect is the communication model's and the schedule's doing;
 - the link: `--network model:LAT,BW[,FAMILIES]` is the modelled link itself (exact, and only those families);
   `real` and `tbf:RATE` run over loopback, whose per-op latency and bandwidth a short gloo probe measures with the
   run's number of ranks (`probe_loopback`); under `tbf` every rank's traffic crosses one token bucket, so each rank
@@ -35,7 +35,8 @@ from overlap.parallel.kinds import FAMILIES
 from overlap.plan.hardware import Cluster, Efficiency, Link
 from overlap.plan.predict import predict
 
-SLOWDOWN_SOURCE = "CPU profile: 0 (transport threads and modelled-link sleeps take little CPU from the compute thread)"
+CPU_SLOWDOWN_SOURCE = ("CPU profile: 0 (transport threads and modelled-link sleeps take little CPU from the compute "
+                       "thread)")
 
 
 def fit_efficiency(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, floor_ms: float, source: str,
@@ -83,7 +84,7 @@ def cpu_cluster(network: Network, ranks: int, peak_tflops: float, precision: str
     return Cluster(gpu="cpu", peak_tflops=peak_tflops, precision=precision, gpus_per_node=ranks, nvlink=link,
                    nic=link, efficiency=Efficiency(1.0, "not fitted yet"), overlap_slowdown={"ep": 0.0, "other": 0.0},
                    source=f"machine profile: {ranks} local ranks, {network.describe()}", link_families=families,
-                   slowdown_source=SLOWDOWN_SOURCE)
+                   slowdown_source=CPU_SLOWDOWN_SOURCE)
 
 
 def gemm_peak_tflops(precision: str, n: int = 512, seconds: float = 1.0) -> float:
@@ -144,8 +145,12 @@ def probe_loopback(ranks: int, small: int = 1024, large: int = 8 << 20, repeats:
         mp.start_processes(_probe_rank, args=(ranks, os.path.join(tmp, "store"), [small, large], repeats, out),
                            nprocs=ranks, start_method="spawn")
         times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    if times[large] <= times[small]:
+        raise ConfigError("--network", "real", f"the loopback probe's {large >> 20} MiB all-to-all took no longer than "
+                          f"its {small} B one ({times[large] * 1e3:.2f} vs {times[small] * 1e3:.2f} ms): the machine "
+                          "was busy.", "re-run --calibrate with nothing else running.")
     extra = (large - small) * (ranks - 1) / ranks
-    bandwidth = extra / max(1e-9, times[large] - times[small])
+    bandwidth = extra / (times[large] - times[small])
     return Link(bandwidth, times[small], f"gloo loopback all-to-all probe, {ranks} ranks: {times[small] * 1e6:.0f} us, "
                 f"{bandwidth / 1e9:.2f} GB/s")
 

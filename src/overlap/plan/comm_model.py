@@ -102,8 +102,9 @@ class CommPlan:
     tp_layer_s: float = 0.0  # per layer and micro-batch, all TP collectives (fwd + bwd)
     tp_fwd_share: float = 0.4  # forward's share of the TP collectives (4 of 10)
     pp_send_s: float = 0.0  # one activation (or its gradient) between neighbouring stages
-    dp_rs_s: list[float] = field(default_factory=list)  # per step, per bucket: gradient reduce-scatter / all-reduce
-    dp_ag_s: list[float] = field(default_factory=list)  # per step, per bucket: parameter all-gather (dist. optimizer)
+    # Per step, per gradient buffer ("dp" dense, "edp" experts: their own groups, so their own links), per bucket:
+    dp_rs_s: dict[str, list[float]] = field(default_factory=dict)  # gradient reduce-scatter / all-reduce
+    dp_ag_s: dict[str, list[float]] = field(default_factory=dict)  # parameter all-gather (distributed optimizer)
 
     def add(self, kind: str, bytes_each: float, seconds_each: float, count: int) -> None:
         if count and bytes_each > 0:
@@ -177,10 +178,10 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
             ag = (size - 1) / size * per_bucket * param
             plan.add(f"{prefix}_rs", rs, ring_time_s(rs, size, g, cluster), buckets)
             plan.add(f"{prefix}_ag", ag, ring_time_s(ag, size, g, cluster), buckets)
-            plan.dp_rs_s += [ring_time_s(rs, size, g, cluster)] * buckets
-            plan.dp_ag_s += [ring_time_s(ag, size, g, cluster)] * buckets
+            plan.dp_rs_s[prefix] = [ring_time_s(rs, size, g, cluster)] * buckets
+            plan.dp_ag_s[prefix] = [ring_time_s(ag, size, g, cluster)] * buckets
         else:
             ar = 2 * (size - 1) / size * per_bucket * grad
             plan.add(f"{prefix}_ar", ar, ring_time_s(ar, size, g, cluster), buckets)
-            plan.dp_rs_s += [ring_time_s(ar, size, g, cluster)] * buckets
+            plan.dp_rs_s[prefix] = [ring_time_s(ar, size, g, cluster)] * buckets
     return plan

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import pipeline_layer_ranges
-from overlap.config.layout import ParallelLayout
+from overlap.config.layout import ParallelLayout, pipeline_layer_ranges
 from overlap.plan.hardware import Cluster
 from overlap.training.metrics import training_flops
 

@@ -44,10 +44,11 @@ Message = tuple[int, int, int]  # (direction, receiving virtual stage, micro-bat
 
 def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, transfer_s: float,
              overlapped: bool, group: int | None = None,
-             weights: tuple[float, ...] | None = None) -> PipelineTimes:
+             weights: tuple[float, ...] | None = None, merged: bool = False) -> PipelineTimes:
     """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one model chunk of
     average work; virtual stage v's tasks take `weights[v]` times that) and `transfer_s` per activation or gradient;
-    see the module docstring for the p2p rules. `compute_s` is the average rank's work."""
+    see the module docstring for the p2p rules. `compute_s` is the average rank's work. `merged` (EP overlap): the
+    merged program (one more warm-up forward), each steady step one unit that waits for both its receives first."""
     compute = microbatches * vpp * (fwd_s + bwd_s)
     if pp <= 1:
         return PipelineTimes(compute, compute)
@@ -55,8 +56,10 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
     if len(weights) != pp * vpp:
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
     stages = pp * vpp
-    tasks = [[t for step in pipeline_steps(pp, r, vpp, microbatches, group)
-              for t in (step.forward, step.backward) if t is not None] for r in range(pp)]
+    programs = [pipeline_steps(pp, r, vpp, microbatches, group, merged) for r in range(pp)]
+    tasks = [[t for step in prog for t in (step.forward, step.backward) if t is not None] for prog in programs]
+    # merged: a steady step waits for its backward's receive too before its forward starts
+    partner = [{s.forward: s.backward for s in prog if merged and s.forward and s.backward} for prog in programs]
 
     def needs(rank: int, task: Task) -> Message | None:
         v = task.chunk * pp + rank
@@ -96,16 +99,17 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
     def advance(rank: int) -> bool:
         """Run the rank's next task if it can start; False while it waits for a message whose send is not posted."""
         task = tasks[rank][index[rank]]
-        want = needs(rank, task)
-        if want is not None:
-            received.setdefault(want, consumed[rank][task.backward] if overlapped else clock[rank])
+        wants = [w for w in (needs(rank, task), needs(rank, partner[rank][task]) if task in partner[rank] else None)
+                 if w is not None]
+        for want in wants:
+            received.setdefault(want, consumed[rank][want[0] == BWD] if overlapped else clock[rank])
             if pending[rank] is not None:  # batched: one exchange with the pending send
                 sent[pending[rank]] = clock[rank]
                 pending[rank] = None
-            at = arrived(want)
-            if at is None:
-                return False
-            clock[rank] = max(clock[rank], at)
+        times = [arrived(w) for w in wants]
+        if any(at is None for at in times):
+            return False
+        clock[rank] = max([clock[rank], *times])
         clock[rank] += (bwd_s if task.backward else fwd_s) * weights[task.chunk * pp + rank]
         consumed[rank][task.backward] = clock[rank]
         out = produces(rank, task)

@@ -78,7 +78,7 @@ def _floor(doc: dict, families: tuple[str, ...] | None) -> tuple[float, tuple[st
     faking everything, else a single family's (whose link is then the only one the plan charges)."""
     floors = doc["floors_step_time_ms"]
     wanted = [(f"ideal (no {'+'.join(families)} communication)", families)] if families else []
-    wanted += [("ideal (no communication)", families)]
+    wanted += [("ideal (no communication)", None)]
     wanted += [(name, (name[len("ideal (no "):-len(" communication)")],)) for name in floors
                if name.startswith("ideal (no ") and name != "ideal (no communication)" and not families]
     for name, faked in wanted:
@@ -101,11 +101,13 @@ def compare(result: Path, loopback: dict[int, Link]) -> list[Row]:
     jobs = [(c.name, _job(words, c.overrides)) for c in configs]
     first = jobs[0][1]
     ranks = first.resolution.layout.world_size
-    floor_ms, families = _floor(doc, network.families if network.kind == "model" else None)
-    cluster = replace(cpu_cluster(network, ranks, 1.0, precision_of(first.cfg.model), loopback.get(ranks)),
-                      link_families=families)
+    link_families = network.families if network.kind == "model" else None
+    floor_ms, faked = _floor(doc, link_families)
+    cluster = cpu_cluster(network, ranks, 1.0, precision_of(first.cfg.model), loopback.get(ranks))
+    if faked is not None and link_families is None:  # a single family's floor: only its link is charged
+        cluster = replace(cluster, link_families=faked)
     cluster = fit_efficiency(first.cfg, first.resolution.layout, cluster, floor_ms,
-                             f"fitted on the floor of {result.name}", families)
+                             f"fitted on the floor of {result.name}", faked)
     predicted = {name: predict(name, [], job.cfg, job.resolution.layout, cluster).step_ms for name, job in jobs}
     base_m, base_p = measured[jobs[0][0]], predicted[jobs[0][0]]
     return [Row(result.stem, name, measured[name], predicted[name], measured[name] / base_m, predicted[name] / base_p)
