@@ -54,8 +54,8 @@ BENCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (("--json",), dict(default=None, metavar="FILE", dest="json_out", help="write the results as JSON")),
     (("--markdown",), dict(default=None, metavar="FILE", help="also write the Markdown table to FILE")),
 ]
-_BENCH_OPTIONS_WITH_VALUE = ("--ab", "--config", "--ideal-family", "--repeats", "--json", "--markdown")
-_BENCH_SWITCHES = ("--ideal",)
+BENCH_OPTIONS_WITH_VALUE = ("--ab", "--config", "--ideal-family", "--repeats", "--json", "--markdown")
+BENCH_SWITCHES = ("--ideal",)
 
 
 def parse_ab(text: str) -> tuple[str, list[str]]:
@@ -120,19 +120,22 @@ def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = ()
     return configs
 
 
-def common_run_options(bench_argv: list[str], overrides: list[str]) -> list[str]:
-    """The bench command line (without the word `bench`) minus bench-only flags and minus the positional overrides,
-    which the run command line puts last (argparse reads positionals only as one group)."""
+def common_run_options(bench_argv: list[str], overrides: list[str], with_value: tuple[str, ...] = (),
+                       switches: tuple[str, ...] = ()) -> list[str]:
+    """The bench command line (without the word `bench`) minus bench-only flags (and the caller's own: `with_value`
+    options and `switches`) and minus the positional overrides, which the run command line puts last (argparse reads
+    positionals only as one group)."""
+    valued, flags = BENCH_OPTIONS_WITH_VALUE + with_value, BENCH_SWITCHES + switches
     out: list[str] = []
     pending = list(overrides)
     items = iter(bench_argv)
     for item in items:
-        if item in _BENCH_SWITCHES:
+        if item in flags:
             continue
-        if item in _BENCH_OPTIONS_WITH_VALUE:
+        if item in valued:
             next(items, None)
             continue
-        if item.split("=", 1)[0] in _BENCH_OPTIONS_WITH_VALUE and "=" in item:
+        if item.split("=", 1)[0] in valued and "=" in item:
             continue
         if item in pending:
             pending.remove(item)

@@ -109,15 +109,8 @@ def _calibrate(args: argparse.Namespace) -> None:
         raise ConfigError("--calibrate", True, "the profile needs a file to go to.", "add --cluster FILE.")
     check_output_file("--cluster", args.cluster)
     args.network = args.network or "real"
-    argv, skip = [], False
-    for item in args.argv[1:]:  # the run's command line: the plan's own flags removed
-        if skip:
-            skip = False
-        elif item == "--cluster":
-            skip = True
-        elif item != "--calibrate" and not item.startswith("--cluster="):
-            argv.append(item)
-    cluster = calibrate(args, _job(args, []), common_run_options(argv, list(args.overrides)))
+    run_options = common_run_options(args.argv[1:], list(args.overrides), ("--cluster",), ("--calibrate",))
+    cluster = calibrate(args, _job(args, []), run_options)
     print(f"overlap plan: wrote the machine profile {args.cluster}: peak {cluster.peak_tflops * 1e3:.2f} GFLOP/s, "
           f"efficiency {cluster.efficiency.value:.4f} ({cluster.efficiency.source}); link {cluster.nvlink.source}")
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from overlap.launch.network import parse_network
+from overlap.parallel.kinds import FAMILIES
+from overlap.perf.bench import BENCH_OPTIONS_WITH_VALUE, BENCH_SWITCHES, IDEAL_NAME, family_floor_name
 from overlap.plan.calibrate import cpu_cluster, fit_efficiency
 from overlap.plan.hardware import Link, precision_of
 from overlap.plan.predict import predict
@@ -27,7 +29,7 @@ from overlap.plan.predict import predict
 BENCHMARKS = ("ep_overlap", "ep_overlap_2ranks", "ep_overlap_one_rank_per_core", "dp_overlap", "dp_overlap_modelled",
               "pp_schedules", "pp_schedules_2ranks", "pp_schedules_modelled", "pp_bubble", "tp_overlap",
               "tp_overlap_narrow", "ep_overlap_pp", "ep_overlap_pp_8mb", "dp_overlap_2ranks")
-_VALUED = ("--repeats", "--json", "--markdown", "--ideal-family", "--network", "--config", "--ab")
+_VALUED = BENCH_OPTIONS_WITH_VALUE + ("--network",)
 _PEERS = ("ddp.impl=", "model.pipeline_impl=", "model.tensor_parallel_impl=")
 
 
@@ -60,7 +62,7 @@ def _split(command: str) -> tuple[list[str], list[str], str | None, str]:
             configs += [value] if item == "--config" else []
             ab = value if item == "--ab" else ab
             network = value if item == "--network" else network
-        elif item != "--ideal":
+        elif item not in BENCH_SWITCHES:
             rest.append(item)
     return rest, configs, ab, network
 
@@ -77,10 +79,9 @@ def _floor(doc: dict, families: tuple[str, ...] | None) -> tuple[float, tuple[st
     """(step ms, families faked) of the floor to fit on: the one faking the modelled link's families, else the one
     faking everything, else a single family's (whose link is then the only one the plan charges)."""
     floors = doc["floors_step_time_ms"]
-    wanted = [(f"ideal (no {'+'.join(families)} communication)", families)] if families else []
-    wanted += [("ideal (no communication)", None)]
-    wanted += [(name, (name[len("ideal (no "):-len(" communication)")],)) for name in floors
-               if name.startswith("ideal (no ") and name != "ideal (no communication)" and not families]
+    wanted = [(family_floor_name("+".join(families)), families)] if families else []
+    wanted += [(IDEAL_NAME, None)]
+    wanted += [(family_floor_name(f), (f,)) for f in FAMILIES if not families]
     for name, faked in wanted:
         if name in floors:
             return floors[name], faked
