@@ -141,6 +141,32 @@ def test_modelled_link_holds_completion_back_without_burning_cpu_and_queues_ops(
         assert queued >= 0.2199  # the second op waited for the link behind the first
 
 
+def _modelled_late_peer_case():
+    """Rank 1 launches a 1 MB all-to-all (0.01 + 1/2 x 1e6 / 1e7 = 0.06 s of link at W=2) 0.3 s after rank 0. Returns
+    (launch, done) of each rank's op and the received value."""
+    group = dist.group.WORLD
+    comm.set_network(comm.LinkModel(latency_s=0.01, bandwidth_Bps=1e7))
+    try:
+        comm.barrier()
+        if dist.get_rank() == 1:
+            time.sleep(0.3)
+        h = comm.all_to_all(torch.full((250_000,), float(dist.get_rank() + 1)), group, "ep_dispatch")
+        out = h.wait()
+        comm.barrier()
+        return h.event.t_launch, h.event.t_done, h.event.t_wait_end, (out[0].item(), out[-1].item())
+    finally:
+        comm.set_network(None)
+
+
+def test_modelled_collective_starts_when_the_last_rank_has_launched():
+    (early, early_done, early_end, v0), (late, late_done, late_end, v1) = run_world(2, _modelled_late_peer_case)
+    assert v0 == v1 == (1.0, 2.0)  # the real all-to-all ran: rank 0's half first, then rank 1's
+    assert late - early >= 0.29
+    # Both ranks complete a link time after the late launch: the early rank's wait for its peer hides none of it.
+    for done, end in ((early_done, early_end), (late_done, late_end)):
+        assert done - late >= 0.0599 and end >= done
+
+
 def _modelled_p2p_case():
     """Rank 1 posts its receive at once; rank 0 sends 1 MB (0.01 + 1e6 / 1e7 = 0.11 s of link) 0.3 s later, then
     again with the receive posted only after the send. Returns (receive posted -> done, send posted -> done) of

@@ -20,14 +20,14 @@ compute, so overlap measured against it is credible (see docs/architecture.md, "
 group has a "link free at" clock: two ops in flight on one group queue one behind the other instead of overlapping
 for free.
 
-Point-to-point transfers on a modelled link start when both sides have posted (the sender's posting time travels
-in a one-element stamp ahead of the payload, see `p2p`), so a receive posted early cannot have its transfer
-"happen" before the send exists.
+A transfer on a modelled link starts when every side has posted, as NCCL's do: a point-to-point send's posting
+time travels in a one-element stamp ahead of its payload (see `p2p`), and a collective is preceded by an all-gather
+of every rank's launch time (`_launch`), so its link time runs from the last rank's launch. A receive posted early
+cannot have its transfer "happen" before the send exists, and a rank that waits for a late peer does not get the
+link time hidden behind that wait.
 
-Known limits of the measurement: the link clocks are per process group, so collectives on two different groups over
-the same ranks (e.g. dp and ep) do not queue behind each other as they would on one physical link. A collective's
-modelled time runs from this rank's launch, not from the last rank's: where a peer launches late, the rank that
-waited for it gets the link time partly hidden behind that wait (p2p has the stamps; collectives do not yet).
+Known limit of the measurement: the link clocks are per process group, so collectives on two different groups over
+the same ranks (e.g. dp and ep) do not queue behind each other as they would on one physical link.
 
 On gloo, a summing reduce-scatter runs as an all-to-all of the chunks plus a local sum (see `reduce_scatter`).
 
@@ -176,15 +176,16 @@ class CommHandle:
     returns the output tensor (if any)."""
 
     def __init__(self, event: CommEvent, work: dist.Work | None, result: torch.Tensor | None,
-                 finish: Callable[[], None] | None = None, deadline: float | None = None,
+                 finish: Callable[[], None] | None = None,
                  deadline_from: Callable[[bool], float | None] | None = None,
                  companions: Sequence[dist.Work] = ()) -> None:
         self.event = event
         self._work = work
         self._result = result
         self._finish = finish
-        self._deadline = deadline  # modelled completion (set_network); None: the real completion is the completion
-        # A modelled receive learns its deadline only once the sender's stamp is in (`p2p`): None until then.
+        # Modelled completion (set_network); None: the real completion is the completion. A modelled transfer learns
+        # it only once the stamps are in (`_launch`, `p2p`): from `deadline_from`, None until then.
+        self._deadline: float | None = None
         self._deadline_from = deadline_from
         self._companions = list(companions)  # works that travel with this one (the stamps), waited with it
         self._done = work is None
@@ -259,34 +260,43 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
             stamp: torch.Tensor | None = None) -> CommHandle:
     """Record and start one op. `payload_bytes` is what the modelled link carries when it differs from `nbytes`
     (the recorded input size), as for all-gather. `run` returns the op's work, or (work, companion works) when
-    other transfers travel with it (`p2p`'s stamps); `stamp`: a modelled receive's buffer for the sender's stamp,
-    its first companion, from which the deadline is taken once it is in."""
+    other transfers travel with it (`p2p`'s stamps). On a modelled link (`modelled`: False for p2p, which posts its
+    own stamps) every rank's launch time is gathered ahead of the payload. `stamp`: the buffer the deadline is taken
+    from once it is in, its work the first companion: a modelled receive's sender stamp (given by `p2p`), or the
+    gathered launch times."""
     event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=now())
     RECORDER.add_comm(event)
     if _is_free(kind) or event.group_size == 1:
         if fake is not None:
             fake()  # stands in for the transfer and its `finish` both
         return CommHandle(event, None, result)
-    deadline = None
+    carried = nbytes if payload_bytes is None else payload_bytes
+    launches = None
     if modelled and _link is not None and _link.applies_to(kind):
-        deadline = _reserve_link(group, op, nbytes if payload_bytes is None else payload_bytes, event.group_size,
-                                 event.t_launch)
+        # Every rank's launch time, gathered ahead of the payload (same order on every rank, so the two match):
+        # the transfer starts when the last rank has launched.
+        mine = torch.full((1,), event.t_launch, dtype=torch.float64,
+                          device=result.device if result is not None else "cpu")
+        stamp = mine.new_empty(event.group_size)
+        launches = dist.all_gather_into_tensor(stamp, mine, group=group, async_op=True)
     started = run()
     work, companions = started if isinstance(started, tuple) else (started, [])
+    if launches is not None:
+        companions = [launches, *companions]
     deadline_from = None
     if stamp is not None:
-        deadline_from = _stamp_deadline(group, nbytes if payload_bytes is None else payload_bytes, event.group_size,
-                                        event.t_launch, stamp, companions[0])
-    return CommHandle(event, work, result, finish, deadline, deadline_from, companions)
+        deadline_from = _stamp_deadline(group, op, carried, event.group_size, event.t_launch, stamp, companions[0])
+    return CommHandle(event, work, result, finish, deadline_from, companions)
 
 
-def _stamp_deadline(group: ProcessGroup, payload_bytes: int, size: int, t_posted: float, stamp: torch.Tensor,
-                    stamp_work: dist.Work) -> Callable[[bool], float | None]:
-    """A modelled receive's deadline, once the sender's stamp is in (None before): the link carries the payload
-    from the moment both sides had posted, behind what its group's link already carries. Booked once, whichever
-    thread asks first: the completion callback (`waited` False: only if the stamp is known complete) or the waiter
-    (`waited` True: the stamp's wait has returned, which on NCCL orders this stream after it without completing
-    the work on the host). A stamp later than now (another host's clock) is taken as now: the data is here."""
+def _stamp_deadline(group: ProcessGroup, op: str, payload_bytes: int, size: int, t_posted: float,
+                    stamp: torch.Tensor, stamp_work: dist.Work) -> Callable[[bool], float | None]:
+    """A modelled transfer's deadline, once the stamps are in (None before): a receive's is the sender's posting
+    time, a collective's every rank's launch time. The link carries the payload from the moment every side had
+    posted, behind what its group's link already carries. Booked once, whichever thread asks first: the completion
+    callback (`waited` False: only if the stamp is known complete) or the waiter (`waited` True: the stamp's wait
+    has returned, which on NCCL orders this stream after it without completing the work on the host). A stamp later
+    than now (another host's clock) is taken as now: the data is here."""
     lock = threading.Lock()
     booked: list[float] = []
 
@@ -295,8 +305,8 @@ def _stamp_deadline(group: ProcessGroup, payload_bytes: int, size: int, t_posted
             if not booked:
                 if not waited and not stamp_work.is_completed():
                     return None
-                sent = min(float(stamp.item()), now())
-                booked.append(_reserve_link(group, "p2p", payload_bytes, size, max(sent, t_posted)))
+                sent = min(float(stamp.max()), now())
+                booked.append(_reserve_link(group, op, payload_bytes, size, max(sent, t_posted)))
             return booked[0]
     return resolve
 
