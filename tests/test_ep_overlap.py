@@ -176,6 +176,36 @@ def test_waits_are_filled_with_delayed_weight_gradients_and_split_sizes_are_wait
         assert e.t_wait_start >= piece.t_end
 
 
+def _run_without_delay_on_slow_link(latency_ms: float):
+    comm.set_network(comm.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
+    try:
+        return _run(True, False, {"ep": 2}, {}, n_mb=4)
+    finally:
+        comm.set_network(None)
+
+
+def test_without_delay_wgrad_the_split_sizes_and_the_dispatch_have_backward_pieces_as_cover():
+    """Structural, without delay_wgrad: in the merged steps F's dispatch is in flight while B's experts
+    input-gradient backward runs, and F's split-size exchange while B's expert weight GEMMs of the layer before run
+    (their fixed slot; a step's first layer gets the previous step's last layer's), each launched before that piece
+    starts and waited for after it ends. Only the first merged step's first layer has no weight GEMMs queued before
+    it (the step before it was a forward alone)."""
+    _, _, events, spans = run_world(2, _run_without_delay_on_slow_link, 20.0)[0]
+    merged = [s for s in spans if s.name == "merged"]
+    assert len(merged) == 3
+
+    def covered(kind: str, piece) -> tuple[int, int]:
+        ops = [e for e in events if e.kind == kind and any(m.t_start <= e.t_launch <= m.t_end for m in merged)]
+        hits = [e for e in ops if any(e.t_launch <= s.t_start and s.t_end <= e.t_wait_start for s in spans
+                                      if piece(s.name))]
+        return len(hits), len(ops)
+
+    hits, total = covered("ep_dispatch", lambda name: name.startswith("bwd.layer") and name.endswith(".experts"))
+    assert total == 3 * 3 and hits == total, (hits, total)
+    hits, total = covered("ep_counts", lambda name: name == "bwd.delayed_wgrad")
+    assert total == 3 * 3 and hits == total - 1, (hits, total)
+
+
 def test_needs_two_micro_batches():
     with pytest.raises(ValueError, match="at least 2 micro-batches"):
         PipelineExecutor([None], None, [(None, None)], 1.0, False, lambda chunk, last: None, (1,), torch.float32,

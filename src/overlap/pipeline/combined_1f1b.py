@@ -13,10 +13,12 @@ one's last pieces run alone at the end.
 Per merged layer pair (F walks up, B walks down), the order of work on this rank's one compute thread is:
 
     B  combine-postprocess backward, LAUNCH combine-backward all-to-all
-    F  attention piece (LAUNCH split sizes), WAIT split sizes, permute, LAUNCH dispatch   (hides B's combine-bwd)
-    B  WAIT combine-backward, experts backward, LAUNCH dispatch-backward all-to-all       (hides F's dispatch)
-    F  WAIT dispatch, experts, LAUNCH combine all-to-all                                  (hides B's dispatch-bwd)
-    B  WAIT dispatch-backward, permute + attention backward                               (hides F's combine)
+    F  WAIT previous combine, attention piece (LAUNCH split sizes)                 (hides B's combine-bwd)
+    B  the previous layer's experts weight gradients (at fixed slots)   (hide F's split sizes and B's combine-bwd)
+    F  WAIT split sizes, permute, LAUNCH dispatch
+    B  WAIT combine-backward, experts input-gradient backward, LAUNCH dispatch-bwd (hides F's dispatch)
+    F  WAIT dispatch, experts, LAUNCH combine                                      (hides B's dispatch-bwd)
+    B  WAIT dispatch-backward, permute + attention backward                        (hides F's combine)
     (F's combine is waited for at the start of the next layer's attention piece, after B's next combine backward)
 
 This is the reference's per-layer order (runtime-mechanisms 1.4) translated from two CUDA streams to one host
@@ -25,19 +27,24 @@ here each all-to-all is launched the moment its input exists and waited for only
 all-to-all has a piece of the other micro-batch between its launch and its wait, and no two of them queue on the
 EP link (the pieces are longer than a transfer).
 
-What that order cannot hide is a peer that is late. An all-to-all completes only once every rank has launched it,
-and routing is uneven: per layer one rank's experts get up to 2-3x the rows of the other's, so its expert pieces
-(the backward most: 3x the forward) run tens of ms longer, ten times an all-to-all's link time. The rank that is
-ahead then waits at its next wait for the peer, not for the link; on the issue's benchmark about three quarters of
-all EP wait time was of that kind, and the synchronous split-size exchange inside the attention piece added one
-such rendezvous per layer with nothing to cover it. Hence two rules here:
-- each wait runs queued weight gradients while it would block (`WGRAD_STORE.wait_filling`); with
-  delay_wgrad_compute the expert and attention weight GEMMs are queued, not run at fixed slots, so the rank that is
-  ahead does its own weight-gradient work while its peer catches up (the reference's third stream of wgrad GEMMs
-  beside the communication, 1.13). What a phase leaves fills the next phase's waits; all of it is delivered
-  before a model chunk's last backward, which keeps the reference's fixed slots (see `PipelineExecutor`).
-- the split sizes leave at routing and are waited for (filling) right before the dispatch; with a padded expert
-  capacity they are not exchanged at all.
+Two things differ from a GPU and shape the order. The split-size exchange is a host rendezvous here (gloo's uneven
+all-to-all needs the sizes on the host before the dispatch can be posted), as the reference's device-to-host sync
+is, so it needs a piece of cover of its own between the attention piece and the dispatch: the experts' backward is
+cut into its input-gradient and weight-gradient halves, and the weight GEMMs of one layer run one layer later, under
+the next layer's split sizes. Weight gradients reach their parameters later in the same merged step, in the same
+order, so the numbers are those of the unsplit backward. And ranks drift apart (below), so the longest pieces sit
+where a late peer hurts most: the experts' input-gradient backward, the longest and most uneven piece, covers the
+dispatch, and F's experts cover the dispatch backward that a late B launches.
+
+What no order can hide is a peer that is late. An all-to-all completes only once every rank has launched it, and
+routing is uneven: per layer one rank's experts get up to 2-3x the rows of the other's, so its expert pieces (the
+backward most: 3x the forward) run tens of ms longer, ten times an all-to-all's link time. The rank that is ahead
+then waits at its next wait for the peer, not for the link. With delay_wgrad_compute every wait runs queued weight
+gradients while it would block (`WGRAD_STORE.wait_filling`), expert and attention GEMMs alike, instead of the fixed
+slots: the rank that is ahead does its own weight-gradient work while its peer catches up (the reference's third
+stream of wgrad GEMMs beside the communication, 1.13). What a phase leaves fills the next phase's waits; all of it is
+delivered before a model chunk's last backward, which runs its weight gradients at the fixed slots (see
+`PipelineExecutor`). With a padded expert capacity the split sizes are not exchanged at all.
 """
 
 from __future__ import annotations
@@ -54,6 +61,10 @@ from overlap.parallel.comm import ManyHandle
 from overlap.pipeline.schedule_node import ScheduleNode
 
 
+def _plain_wait(handle: ManyHandle) -> tuple[torch.Tensor, ...]:
+    return handle.wait()
+
+
 def _a2a(tensors: tuple[torch.Tensor, ...], group, kind: str, out_splits: list[int],
          in_splits: list[int]) -> ManyHandle:
     """Launch one raw all-to-all of `tensors` (no autograd link: the schedule runs each piece's backward itself)."""
@@ -63,14 +74,16 @@ def _a2a(tensors: tuple[torch.Tensor, ...], group, kind: str, out_splits: list[i
 class LayerRun:
     """One micro-batch's pass through one transformer layer, as schedulable steps (forward, then backward).
 
-    Every wait goes through `WGRAD_STORE.wait_filling`: queued weight gradients (delay_wgrad_compute) run while the
-    awaited collective is in flight, so the rank that is ahead of its peers computes instead of idling."""
+    With delay_wgrad_compute every wait goes through `WGRAD_STORE.wait_filling`: queued weight gradients run while
+    the awaited collective is in flight, so the rank that is ahead of its peers computes instead of idling. Without
+    it the waits are plain: the experts' queued weight GEMMs then run only at the schedule's fixed slots."""
 
     def __init__(self, layer: TransformerLayer, loss_scale: float, delay_wgrad: bool) -> None:
         self.layer = layer
         self.moe = layer.mlp if layer.is_moe else None
         self.loss_scale = loss_scale
         self.delay_wgrad = delay_wgrad
+        self._wait = WGRAD_STORE.wait_filling if delay_wgrad else _plain_wait
         self.pending_plan: PendingPlan | None = None
         self.plan: DispatchPlan | None = None
         self.pending: ManyHandle | None = None
@@ -78,21 +91,27 @@ class LayerRun:
 
     # ---------------- forward ----------------------------------------------------------------------------------
     def attention_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Dense layer: the whole layer, returns its output. MoE layer: the attention piece (which launches the
-        split-size exchange), the wait for the split sizes, the permutation; launches the dispatch."""
+        """Dense layer: the whole layer, returns its output. MoE layer: the attention piece, which launches the
+        split-size exchange."""
         if self.moe is None:
             self.dense = ScheduleNode(f"layer{self.layer.layer_number}", lambda h: self.layer(h)[0])
             return self.dense.forward(x)[0]
         self.attn = ScheduleNode(f"layer{self.layer.layer_number}.attn", self._attention_piece)
-        h, normed, topk_weights, aux, shared = self.attn.forward(x)
+        h, self.normed, self.topk_weights, aux, shared = self.attn.forward(x)
         self.aux_loss, self.h, self.shared = aux, h, shared
-        self.plan = self.pending_plan.resolve(WGRAD_STORE.wait_filling)
+        return None
+
+    def dispatch_forward(self) -> None:
+        """Wait for the split sizes, permute, launch the dispatch."""
+        if self.moe is None:
+            return
+        self.plan = self.pending_plan.resolve(self._wait)
         self.permute = ScheduleNode(f"layer{self.layer.layer_number}.permute",
                                     lambda n, w: self.moe.permute(n, w, self.plan))
-        rows, weights = self.permute.forward(normed, topk_weights)
+        rows, weights = self.permute.forward(self.normed, self.topk_weights)
+        self.normed = self.topk_weights = None
         self.pending = _a2a((rows, weights), self.moe.dispatcher.group, "ep_dispatch",
                             self.plan.output_splits, self.plan.input_splits)
-        return None
 
     def _attention_piece(self, x: torch.Tensor):
         layer, moe = self.layer, self.moe
@@ -105,7 +124,7 @@ class LayerRun:
         """Wait for the dispatch, run the experts, launch the combine."""
         if self.moe is None:
             return
-        rows, weights = WGRAD_STORE.wait_filling(self.pending)
+        rows, weights = self._wait(self.pending)
         self.experts = ScheduleNode(f"layer{self.layer.layer_number}.experts",
                                     lambda r, w: self.moe.experts_compute(r, w, self.plan))
         (out,) = self.experts.forward(rows, weights)
@@ -116,7 +135,7 @@ class LayerRun:
         """Wait for the combine and add the residual; returns the layer output."""
         if self.moe is None:
             return dense_out
-        (rows,) = WGRAD_STORE.wait_filling(self.pending)
+        (rows,) = self._wait(self.pending)
         self.post = ScheduleNode(f"layer{self.layer.layer_number}.combine",
                                  lambda r, h, s: h + self.moe.combine_postprocess(r, self.plan, s))
         return self.post.forward(rows, self.h, self.shared)[0]
@@ -132,12 +151,13 @@ class LayerRun:
         return None
 
     def experts_backward(self) -> None:
-        """Wait for the combine backward, run the experts' backward (weight grads queued when delayed) and launch
-        the dispatch backward."""
+        """Wait for the combine backward, run the experts' input-gradient backward and launch the dispatch
+        backward. The experts' weight-gradient GEMMs are queued: they run in waits (delay_wgrad_compute) or at the
+        schedule's fixed slots (`_backward_layers`)."""
         if self.moe is None:
             return
-        (g_out,) = WGRAD_STORE.wait_filling(self.pending)
-        with WGRAD_STORE.delaying(self.delay_wgrad):
+        (g_out,) = self._wait(self.pending)
+        with WGRAD_STORE.delaying(True):
             g_rows, g_weights = self.experts.backward(g_out)
         self.pending = _a2a((g_rows, g_weights), self.moe.dispatcher.group, "ep_dispatch_bwd",
                             self.plan.input_splits, self.plan.output_splits)
@@ -147,7 +167,7 @@ class LayerRun:
         layer's input grad."""
         if self.moe is None:
             return dense_grad
-        g_rows, g_weights = WGRAD_STORE.wait_filling(self.pending)
+        g_rows, g_weights = self._wait(self.pending)
         g_normed, g_topk_weights = self.permute.backward(g_rows, g_weights)
         aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
         with WGRAD_STORE.delaying(self.delay_wgrad):  # attention + shared-expert weight GEMMs: queued when delaying
@@ -169,6 +189,7 @@ class ChunkRun:
         self.first, self.last = model.stage.pre_process, model.stage.post_process
         self.embed = ScheduleNode("embedding", lambda: model.embed(tokens)) if self.first else None
         self.loss_node = ScheduleNode("lm_loss", lambda h: model.lm_loss(h, labels)) if self.last else None
+        self.delay_wgrad = delay_wgrad
         self.layers = [LayerRun(layer, loss_scale, delay_wgrad) for layer in model.layers]
         self.hidden = None if hidden is None else hidden.detach().requires_grad_()
         self.lm_loss: torch.Tensor | None = None
@@ -178,17 +199,19 @@ class ChunkRun:
 
 
 def _forward_layers(f: ChunkRun) -> Iterator[None]:
-    """F's steps; each yield is where B's next step runs (B yields 3 times per layer, F 3 times per layer minus one,
-    after B's first step was run up front: see `run_merged`)."""
+    """F's steps; each yield is where B's next step runs (B and F yield 4 times per layer minus one, after B's first
+    step was run up front: see `run_merged`)."""
     x = f.embed.forward()[0] if f.first else f.hidden
     previous: LayerRun | None = None
     dense_out = None
     for run in f.layers:
         if previous is not None:
-            yield  # B: the next layer's combine backward goes first; F's combine keeps flying meanwhile
+            yield  # B: its next combine backward follows its attention backward; F's combine keeps flying
             x = previous.combine_forward(dense_out)
         dense_out = run.attention_forward(x)
-        yield  # B: wait combine-backward, experts backward, launch dispatch backward, delayed expert wgrad
+        yield  # B: the previous layer's expert weight gradients (at fixed slots)
+        run.dispatch_forward()
+        yield  # B: wait combine-backward, experts input-gradient backward, launch dispatch backward
         run.experts_forward()
         yield  # B: wait dispatch backward, attention backward
         previous = run
@@ -201,24 +224,28 @@ def _forward_layers(f: ChunkRun) -> Iterator[None]:
 
 
 def _backward_layers(b: ChunkRun, fixed_wgrad_slots: bool) -> Iterator[None]:
-    """B's steps, yielding where F's work is interleaved (mirrors `_forward_layers`). Delayed weight gradients are
-    queued here and run inside the waits (`LayerRun`), of this phase or the next (`PipelineExecutor`).
-    `fixed_wgrad_slots`: run them at the reference's fixed slots instead."""
+    """B's steps, yielding where F's work is interleaved (mirrors `_forward_layers`). With delay_wgrad_compute the
+    queued weight gradients run inside the waits (`LayerRun`), of this phase or the next (`PipelineExecutor`);
+    without it, or with `fixed_wgrad_slots`, at a fixed slot: everything the previous layer queued (its experts'
+    weight GEMMs; delayed, its attention's too) right after F's attention piece, under F's split sizes and B's own
+    combine backward. What the chunk's last layer queues is left to the caller: `PipelineExecutor` keeps it for
+    the next step's first slot (the first layer has no previous one), and delivers everything before a chunk's last
+    backward."""
+    fixed = fixed_wgrad_slots or not b.delay_wgrad
     if b.last:
         (g,) = b.loss_node.backward(torch.full((), b.loss_scale, dtype=torch.float32))
     else:
         g = b.grad_output
     for i, run in enumerate(reversed(b.layers)):
         if i > 0:
-            yield  # F: wait its combine, next attention piece, launch its dispatch
+            yield  # F: nothing (its experts are done; its combine waits for this combine backward)
         dense_grad = run.combine_backward(g)
-        if fixed_wgrad_slots:
-            WGRAD_STORE.flush()  # the previous layer's attention weight gradients, under this combine backward
-        yield  # F: attention piece + dispatch launch
+        yield  # F: wait its combine, attention piece (launches its split sizes)
+        if fixed:
+            WGRAD_STORE.flush()
+        yield  # F: wait split sizes, permute, launch dispatch
         run.experts_backward()
-        if fixed_wgrad_slots:
-            WGRAD_STORE.flush()  # this layer's expert weight gradients, under its dispatch backward
-        yield  # F: experts + combine launch
+        yield  # F: wait dispatch, experts, launch combine
         g = run.attention_backward(dense_grad)
     if b.first:
         b.embed.backward(g)

@@ -450,12 +450,13 @@ class PipelineExecutor:
             run_merged(f_run, b_run, fixed_wgrad_slots=b is not None and b.microbatch == self.num_micro - 1,
                        after_forward=forward_done)
         if b is not None:
-            if b.microbatch == self.num_micro - 1:
-                WGRAD_STORE.flush()
-            else:
-                WGRAD_STORE.end_phase()
             if not self._is_first(b.chunk):
                 self._send(BWD, b_run.input_grad, self._virtual(b.chunk) - 1, b.microbatch, next_task)
+            if b.microbatch == self.num_micro - 1:
+                WGRAD_STORE.flush()
+            elif self.delay_wgrad:
+                WGRAD_STORE.end_phase()
+            # else (fixed slots): the last layer's expert weight gradients wait for the next step's first slot
 
     def _flush_deferred(self) -> None:
         """The pipeline flush of the output layer's deferred weight gradients, oldest first. Each one reaches the
