@@ -6,8 +6,9 @@ Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; 
   `ep_dispatch_bwd`, `ep_combine_bwd`). Alltoall dispatcher: T x k x h x beta bytes each, T = b s / TP tokens (after
   SP); flex (token-deduplicating) dispatch sends a token once per distinct destination rank instead of once per
   routed expert, R (1 - C(E - E/R, k) / C(E, k)) ranks on average under uniform routing. Before each dispatch
-  (`ep_counts`) one int64 per expert tells the ranks how many rows follow: latency-bound, synchronous, never
-  hidden; the static-shape mode (`moe_pad_expert_input_to_capacity`) has none.
+  (`ep_counts`) one int64 per expert tells the ranks how many rows follow: latency-bound and a rendezvous,
+  hidden only by the EP-overlap schedule (`overlap.plan.schedule`); the static-shape mode
+  (`moe_pad_expert_input_to_capacity`) has none.
 - TP with SP, per micro-batch and layer: 4 forward + 6 backward collectives of (t-1)/t x b s h beta (a MoE layer with
   ETP 1 keeps only its attention's: 2 + 3).
 - PP, per micro-batch: one activation (b s h beta, / TP under SP) sent forward and one gradient back per stage

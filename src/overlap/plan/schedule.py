@@ -8,17 +8,17 @@
   path: at PP = 2 without interleaving almost none.
 - EP overlap (`model.overlap_moe_expert_parallel_comm`): micro-batches run as Megatron-Core's combined 1F1B (ours:
   `overlap.pipeline.combined_1f1b`), F(0) alone, F(i) merged with B(i-1), B(last) alone. Per merged MoE layer
-  the four all-to-alls are hidden by a piece of the other micro-batch, in this order (phases run back to back,
-  each as long as the longer of its compute and its transfer):
-      F attention            hides B's combine backward
-      B experts backward     hides F's dispatch
-      F experts              hides B's dispatch backward
-      B attention backward   hides F's combine
-  `delay_wgrad_compute` moves the experts' weight gradient (half the experts' backward) from the second phase to
-  the third, beside F's experts. F(0) and B(last) expose their all-to-alls; under an interleaved pipeline the
-  merged program's warm-up forwards and cool-down backwards do (`pipeline_steps(merged=True)`, pipeline rank 0).
-  The split-size exchange (`ep_counts`) is charged as exposed with the overlap on too: it is a rendezvous of the
-  ranks per layer and micro-batch, and measured it stays as exposed (`ep_overlap_pp`: 418-611 ms on vs 550 off).
+  each transfer is hidden by the pieces of the other micro-batch between its launch and its wait (each backward
+  counted as half input gradient, half weight gradient), in the runtime's order:
+      F attention + B previous layer's experts weight gradients   hide B's combine backward
+      B previous layer's experts weight gradients                 hide F's split-size exchange (`ep_counts`)
+      B experts input gradient                                    hides F's dispatch
+      F experts                                                   hide B's dispatch backward
+      B attention backward                                        hides F's combine
+  `delay_wgrad_compute` takes the weight gradients out of their fixed places: they fill whatever the other pieces
+  leave exposed. F(0) and B(last) expose their all-to-alls and split-size exchanges; under an interleaved pipeline
+  the merged program's warm-up forwards and cool-down backwards do (`pipeline_steps(merged=True)`, pipeline rank 0).
+  Without EP overlap the split-size exchange is a rendezvous with nothing to hide it.
 - Shared-expert overlap (`model.moe_shared_expert_overlap`, without EP overlap): the shared expert's forward runs in
   two halves, one under the dispatch and one under the combine.
 - DP overlap: bucket by bucket (`bucket_exposure`), the gradient reduce-scatter (or all-reduce) hides behind the
@@ -100,21 +100,35 @@ def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
     return delay if gather else max(0.0, link - window)
 
 
-def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], sigma: float, delay_wgrad: bool,
-                      t: StepTimes, weight: float) -> None:
+def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], counts_s: float, sigma: float,
+                      delay_wgrad: bool, t: StepTimes, weight: float) -> None:
     """Adds to `t` the exposed transfers and the slowdown of `weight` merged MoE layer pairs (F of one micro-batch,
-    B of the other)."""
-    experts_bwd = c.bwd_factor * c.moe_fwd_s
-    wgrad = c.moe_fwd_s if delay_wgrad else 0.0  # the experts' weight gradient: half the backward
-    phases = ((c.attention_fwd_s, "ep_combine_bwd"), (experts_bwd - wgrad, "ep_dispatch"),
-              (c.moe_fwd_s + wgrad, "ep_dispatch_bwd"), (c.bwd_factor * c.attention_fwd_s, "ep_combine"))
-    for compute, kind in phases:
-        transfer = a2a.get(kind, 0.0)
-        stretched = compute * (1 + sigma) if transfer > 0 else compute
-        phase = max(stretched, transfer)
-        exposed = max(0.0, transfer - stretched)
-        t.expose(kind, exposed * weight)
-        t.slowdown_s += (phase - compute - exposed) * weight
+    B of the other), in the runtime's order (`overlap.pipeline.combined_1f1b`). Each backward is half input
+    gradient, half weight gradient; without delay_wgrad the weight halves run at fixed slots, with it they fill the
+    waits (a pool that absorbs what the fixed pieces leave exposed)."""
+    e_wgrad, a_wgrad = c.moe_fwd_s, c.attention_fwd_s
+    e_dgrad, a_dgrad = c.bwd_factor * c.moe_fwd_s - e_wgrad, c.bwd_factor * c.attention_fwd_s - a_wgrad
+    fixed_e, fixed_a = (0.0, 0.0) if delay_wgrad else (e_wgrad, a_wgrad)
+    # The pieces in order (B's combine backward launched before the first): F's attention, B's previous layer's
+    # experts weight gradients, B's experts input gradient, F's experts, B's attention backward. Each transfer is
+    # covered by the pieces between its launch and its wait.
+    pieces = (c.attention_fwd_s, fixed_e, e_dgrad, c.moe_fwd_s, a_dgrad + fixed_a)
+    covers = (("ep_combine_bwd", a2a.get("ep_combine_bwd", 0.0), (0, 1)), ("ep_counts", counts_s, (1,)),
+              ("ep_dispatch", a2a.get("ep_dispatch", 0.0), (2,)),
+              ("ep_dispatch_bwd", a2a.get("ep_dispatch_bwd", 0.0), (3,)),
+              ("ep_combine", a2a.get("ep_combine", 0.0), (4,)))
+    pool = 0.0 if not delay_wgrad else e_wgrad + a_wgrad
+    overlapped_s = pool if any(a2a.values()) or counts_s > 0 else 0.0  # delayed: they run beside the transfers
+    overlapped: set[int] = set()
+    for kind, seconds, window in covers:
+        if seconds <= 0:
+            continue
+        overlapped.update(window)
+        exposed = max(0.0, seconds - sum(pieces[i] for i in window) * (1 + sigma))
+        filled = min(exposed, pool)
+        pool -= filled
+        t.expose(kind, (exposed - filled) * weight)
+    t.slowdown_s += sigma * (sum(pieces[i] for i in overlapped) + overlapped_s) * weight
 
 
 def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches: int,
@@ -135,16 +149,17 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
         # F(0) and B(last) without PP; under an interleaved pipeline, pipeline rank 0's (the most of any rank).
         alone = sum(1 for s in pipeline_steps(sw.pp, 0, sw.vpp, m, sw.vp_group, merged=True) if s.backward is None)
         for _ in range(c.moe_layers):
-            _merged_moe_layer(c, a2a, sigma_ep, sw.delay_wgrad, t, (m * sw.vpp - alone) / sw.vpp)
+            _merged_moe_layer(c, a2a, comm.ep_counts_s, sigma_ep, sw.delay_wgrad, t, (m * sw.vpp - alone) / sw.vpp)
         for kind, seconds in a2a.items():
             t.expose(kind, seconds * c.moe_layers * alone / sw.vpp)
+        t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * alone / sw.vpp)
     else:  # with the shared-expert overlap, its two halves run under the dispatch and under the combine (forward)
         cover = c.shared_expert_fwd_s / 2 if sw.shared_expert_overlap else 0.0
         for kind, seconds in a2a.items():
             hidden = min(seconds, cover) if kind in ("ep_dispatch", "ep_combine") else 0.0
             t.expose(kind, (seconds - hidden) * c.moe_layers * m)
             t.slowdown_s += hidden * sigma_ep * c.moe_layers * m
-    t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * m)
+        t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * m)
 
     if comm.tp_layer_s:
         per_mb = comm.tp_layer_s * c.layers
