@@ -811,3 +811,22 @@ def test_shared_expert_overlap_without_shared_expert_is_a_logged_dishonoured_req
     import pytest
     with pytest.raises(ConfigError, match="moe_shared_expert_overlap"):
         cfg(True).finalize(1)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({}, ["dropless", "exchange split sizes"]),
+    (dict(moe_expert_capacity_factor=1.5), ["1.5", "lowest router weights", "still exchanged",
+                                            "moe_pad_expert_input_to_capacity=true"]),
+    (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="position"),
+     ["latest tokens", "static shapes, no split-size exchange"]),
+])
+def test_expert_capacity_is_a_decision_that_says_what_the_dispatch_exchanges(kw, words):
+    d = build(moe(**kw)).finalize(2).decisions.get("model.moe_expert_capacity_factor")
+    assert d.effective == kw.get("moe_expert_capacity_factor")
+    for word in words:
+        assert word in d.reason, (word, d.reason)
+
+
+def test_a_dense_model_has_no_expert_capacity_decision():
+    with pytest.raises(KeyError):
+        build(dense()).finalize(2).decisions.get("model.moe_expert_capacity_factor")

@@ -307,6 +307,27 @@ def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", l
                        "shared expert computes under the dispatch/combine all-to-all" if shared
                        else "requested off")
     model.moe_shared_expert_overlap = bool(shared)
+    if model.is_moe:
+        _record_expert_capacity(model, log)
+
+
+def _record_expert_capacity(model: "ModelConfig", log: DecisionLog) -> None:
+    """Dropless routing or an expert capacity, said in the table with what it does to the dispatch: only variable
+    shapes need the split-size exchange, the per-layer rendezvous of the EP ranks."""
+    factor = model.moe_expert_capacity_factor
+    if factor is None:
+        log.record("model.moe_expert_capacity_factor", None, None, DEFAULT,
+                   "dropless: every routed row reaches its expert; the EP ranks exchange split sizes per MoE layer "
+                   "and micro-batch (ep_counts)")
+        return
+    dropped = ("the lowest router weights" if model.moe_token_drop_policy == "probs" else "the latest tokens")
+    shapes = ("padded to capacity (moe_pad_expert_input_to_capacity): static shapes, no split-size exchange"
+              if model.moe_pad_expert_input_to_capacity else
+              "not padded: shapes still vary, so the split sizes are still exchanged (add "
+              "model.moe_pad_expert_input_to_capacity=true for static shapes)")
+    log.record("model.moe_expert_capacity_factor", factor, factor, MODEL_CONFIG,
+               f"each expert takes at most ceil(tokens x top-k / experts x {factor}) rows from each rank; rows past "
+               f"it are dropped, {dropped} first (moe_token_drop_policy={model.moe_token_drop_policy}); {shapes}")
 
 
 def _resolve_dp(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", optimizer: "OptimizerConfig",
