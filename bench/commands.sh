@@ -48,6 +48,28 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 2 -ms 6 -gb 32 -mb 1 --netwo
   --ideal --ideal-family ep --repeats 2 --json $out/ep_overlap_2ranks.json --markdown $out/ep_overlap_2ranks.md \
   ddp.overlap_grad_reduce=true ddp.bucket_size=20000
 
+# 4b. Issue 17's command: EP=2 on 2 ranks (one per core), qwen3_moe_tiny widened (hidden 256, expert FFN 256) at 6
+#     layers, 8 micro-batches per rank, only the EP collectives on a modelled 1 ms / 20 MB/s link: off / on /
+#     on + delay_wgrad / no-EP floor. Dropless routing: the untrained router sends one rank's experts up to 2-3x the
+#     rows of the other's in a layer, so the expert pieces of the two ranks differ by tens of ms.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
+  --network model:1ms,20MB/s,ep --ideal-family ep --repeats 2 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_one_rank_per_core.json --markdown $out/ep_overlap_one_rank_per_core.md \
+  model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
+# 4c. The same with static shapes (capacity factor 1.0, padded to capacity): every rank's experts get the same rows,
+#     no split-size exchange; tests whether the routing imbalance explains what 4b leaves exposed.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
+  --network model:1ms,20MB/s,ep --ideal-family ep --repeats 2 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_capacity.json --markdown $out/ep_overlap_capacity.md \
+  model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6 \
+  model.moe_expert_capacity_factor=1.0 model.moe_pad_expert_input_to_capacity=true
+
 # 5. DP overlap on the modelled link (our runtime only: the peers' traffic does not go through the model).
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -ms 6 -gb 16 -mb 4 --network model:200us,100MB/s \
   --config "dist-opt, no overlap:ddp.overlap_grad_reduce=false;ddp.overlap_param_gather=false" \
