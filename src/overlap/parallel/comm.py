@@ -285,7 +285,8 @@ class CommHandle:
         self._result = result
         self._finish = finish
         # Modelled completion (set_network); None: the real completion is the completion. A modelled transfer learns
-        # it only once the stamps are in (`_launch`, `p2p`): from `deadline_from`, None until then.
+        # it only once every side's posting time is known (the launch board, `p2p`'s stamps): from `deadline_from`,
+        # None until then.
         self._deadline: float | None = None
         self._deadline_from = deadline_from
         self._companions = list(companions)  # works that travel with this one (the stamps), waited with it

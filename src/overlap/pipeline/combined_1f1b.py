@@ -49,19 +49,20 @@ delivered before a model chunk's last backward, which runs its weight gradients 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from overlap.layers.moe.dispatcher import DispatchPlan, PendingAllToAll, PendingPlan
 from overlap.layers.recompute import maybe_checkpoint
-from overlap.layers.wgrad_store import WGRAD_STORE
+from overlap.layers.wgrad_store import WGRAD_STORE, InFlight
 from overlap.model.gpt import GPTModel, TransformerLayer
 from overlap.parallel.comm import ManyHandle
 from overlap.pipeline.schedule_node import ScheduleNode
 
 
-def _plain_wait(handle: ManyHandle) -> tuple[torch.Tensor, ...]:
+def _plain_wait(handle: InFlight) -> Any:
+    """A wait that runs nothing meanwhile (without delay_wgrad: the weight GEMMs keep their fixed slots)."""
     return handle.wait()
 
 
