@@ -23,10 +23,11 @@ from overlap.profiling.exposed import ALL, exposure, mean_exposure, subtract, un
 from tests.world import run_world
 
 
-def _ev(kind, launch, done, wait=None):
-    """A hand-made op: launched at `launch`, data complete at `done`, caller blocked over `wait` (start, end)."""
+def _ev(kind, launch, done, wait=None, ready=None):
+    """A hand-made op: launched at `launch`, data complete at `done`, caller blocked over `wait` (start, end), every
+    member posted at `ready` (None: not known, as on a real link)."""
     ws, we = wait if wait else (None, None)
-    return CommEvent(kind, "all_reduce", 2, 1000, launch, done, ws, we)
+    return CommEvent(kind, "all_reduce", 2, 1000, launch, done, ws, we, ready)
 
 
 # ---- interval arithmetic (times in seconds, results in ms) ----
@@ -72,6 +73,22 @@ def test_all_row_unions_kinds_and_mean_over_iterations():
     assert mean["b"].total_ms == pytest.approx(5.0)
 
 
+def test_peer_wait_is_the_exposed_time_before_every_member_posted_with_nothing_on_the_link():
+    # Op 1 waits from 0 to 8 ms for a late peer, then 2 ms on the link; op 2 is on the link from 3 to 5 ms. The rank
+    # computes until 1 ms and waits from 1 ms: of the 9 exposed ms, 1-3 and 5-8 are peer wait (5 ms).
+    events = [_ev("ep_dispatch", 0.0, 0.010, wait=(0.001, 0.010), ready=0.008),
+              _ev("ep_combine", 0.003, 0.005, ready=0.003)]
+    rows = exposure(events, [Span("fwd", 0.0, 0.002)])
+    assert rows["ep_dispatch"].exposed_ms == pytest.approx(9.0)
+    assert rows["ep_dispatch"].peer_wait_ms == pytest.approx(7.0)  # its own kind had nothing on the link
+    assert rows["ep_combine"].peer_wait_ms == pytest.approx(0.0)
+    assert rows[ALL].peer_wait_ms == pytest.approx(5.0)  # the combine's transfer is link time of the union
+    real = exposure([_ev("dp_rs", 0.0, 0.010, wait=(0.0, 0.010))], [])
+    assert real["dp_rs"].peer_wait_ms is None  # unknown on a real link, not zero
+    mean = mean_exposure([rows, {}])
+    assert mean["ep_dispatch"].peer_wait_ms == pytest.approx(3.5) and mean_exposure([real])["dp_rs"].peer_wait_ms is None
+
+
 def test_recorder_sink_and_collector_skip_the_reset_drain(tmp_path):
     rec = Recorder()
     lines = (tmp_path / "c.jsonl").open("w")
@@ -103,6 +120,14 @@ def test_chrome_trace_puts_concurrent_ops_of_one_kind_on_separate_lanes():
     assert [e["tid"] for e in ops] == [lanes["dp_rs"], lanes["dp_rs #2"], lanes["dp_rs"]]
     assert all(e["pid"] == 1 for e in events)
     assert any(e["name"] == "wait dp_rs" and e["tid"] == lanes["compute"] for e in events)
+    assert all("for_late_peer_ms" not in e.get("args", {}) for e in events)  # a real link: not known
+    late = RankTrace(0, "model", [IterationTrace(0, [_ev("ep_dispatch", 0.0, 0.01, wait=(0.002, 0.01), ready=0.006)],
+                                                 [])])
+    events = rank_events(late, origin=0.0)
+    (wait,) = [e for e in events if e["name"] == "wait ep_dispatch"]
+    (op,) = [e for e in events if e["name"] == "all_reduce"]
+    assert wait["args"]["for_late_peer_ms"] == pytest.approx(4.0)
+    assert op["args"]["ready_after_launch_ms"] == pytest.approx(6.0)
 
 
 # ---- modelled link ----
@@ -153,18 +178,26 @@ def _modelled_late_peer_case():
         h = comm.all_to_all(torch.full((250_000,), float(dist.get_rank() + 1)), group, "ep_dispatch")
         out = h.wait()
         comm.barrier()
-        return h.event.t_launch, h.event.t_done, h.event.t_wait_end, (out[0].item(), out[-1].item())
+        return (h.event.t_launch, h.event.t_done, h.event.t_wait_end, (out[0].item(), out[-1].item()),
+                h.event.t_ready, exposure([h.event], [])["ep_dispatch"])
     finally:
         comm.set_network(None)
 
 
 def test_modelled_collective_starts_when_the_last_rank_has_launched():
-    (early, early_done, early_end, v0), (late, late_done, late_end, v1) = run_world(2, _modelled_late_peer_case)
+    ((early, early_done, early_end, v0, ready0, rows0),
+     (late, late_done, late_end, v1, ready1, rows1)) = run_world(2, _modelled_late_peer_case)
     assert v0 == v1 == (1.0, 2.0)  # the real all-to-all ran: rank 0's half first, then rank 1's
     assert late - early >= 0.29
     # Both ranks complete a link time after the late launch: the early rank's wait for its peer hides none of it.
     for done, end in ((early_done, early_end), (late_done, late_end)):
         assert done - late >= 0.0599 and end >= done
+    # Both know when the last member launched; the early rank's exposed time splits into its wait for the peer
+    # and the link's 60 ms, the late rank waited for no one.
+    assert ready0 == ready1 == pytest.approx(late, abs=1e-6)
+    assert rows0.peer_wait_ms == pytest.approx((late - early) * 1e3, abs=1.0)
+    assert rows0.exposed_ms - rows0.peer_wait_ms >= 59.9
+    assert rows1.peer_wait_ms == pytest.approx(0.0, abs=1e-6) and rows1.exposed_ms >= 59.9
 
 
 def _modelled_p2p_case():
@@ -193,7 +226,7 @@ def _modelled_p2p_case():
             buf = torch.zeros(250_000)
             (h,) = comm.p2p([("pp_recv_fwd", comm.P2P_RECV, buf, 0, 5)], group)
             h.wait()
-            out.append((h.event.t_launch, h.event.t_done, buf[0].item()))
+            out.append((h.event.t_launch, h.event.t_done, buf[0].item(), h.event.t_ready))
         comm.barrier()
         return out
     finally:
@@ -202,10 +235,12 @@ def _modelled_p2p_case():
 
 def test_modelled_p2p_starts_when_both_sides_have_posted():
     sent, received = run_world(2, _modelled_p2p_case)
-    (early_post, early_done, v1), (late_post, late_done, v2) = received
+    (early_post, early_done, v1, early_ready), (late_post, late_done, v2, late_ready) = received
     assert v1 == v2 == 1.0
     # Posted early: the link carries the data only from the send (0.3 s later), never before it.
     assert early_done - sent[0] >= 0.1099 and early_done - early_post >= 0.35
+    assert early_ready == pytest.approx(sent[0], abs=0.005)  # ready when the sender posted
+    assert late_ready == late_post  # the send was already there
     # Posted after the send: from its own posting.
     assert late_post > sent[1] and late_done - late_post >= 0.1099
 
@@ -267,12 +302,15 @@ def test_run_with_modelled_link_writes_traces_and_exposure(tmp_path):
                           "--metrics", str(metrics)], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Network: model:100us,1GB/s" in out.stdout + out.stderr and "hidden %" in out.stderr
+    assert "of it peer wait ms" in out.stderr  # the modelled link knows when every member posted
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl.comm.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
     assert rows[1]["total_comm_ms"]["dp_ar"] >= 17.0  # 17.8 MB of grads over a modelled 1 GB/s ring
     assert rows[1]["exposed_comm_ms"]["dp_ar"] <= rows[1]["total_comm_ms"]["dp_ar"]
+    assert 0.0 <= rows[1]["exposed_peer_wait_ms"]["dp_ar"] <= rows[1]["exposed_comm_ms"]["dp_ar"]
     summary = json.loads((tmp_path / "m.jsonl.summary.json").read_text())
     assert summary["network"].startswith("model:100us,1GB/s") and summary["steady_step_ms"] > 0
+    assert set(summary["exposed_peer_wait_ms"]) <= set(summary["exposed_comm_ms"])
     chrome = json.loads((trace / "trace.json").read_text())
     assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1}
     assert any(e.get("name") == "wait dp_ar" for e in chrome["traceEvents"])
@@ -319,6 +357,25 @@ def test_overlap_efficiency_and_summary_table():
     assert on["step_time_ratio_to_first"] == pytest.approx(81 / 101) and on["exposed_comm_ms"] == {"all": 4.0}
     table = bench.format_markdown(doc)
     assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 |" in table and "0.50 |" in table
+
+
+def test_bench_splits_the_modelled_links_exposure_into_peer_wait_and_link():
+    configs = bench.build_configs("x", ["off", "on"], ideal=False)
+    peer = {"ep_dispatch": 30.0, "all": 30.0}
+    off = bench.RunResult(100, {"ep_dispatch": 50.0, "dp_rs": 5.0, "all": 55.0}, {}, 1.0, [1, 4], "model", {}, peer)
+    on = bench.RunResult(90, {"ep_dispatch": 32.0, "dp_rs": 5.0, "all": 37.0}, {}, 1.0, [1, 4], "model", {}, peer)
+    doc = bench.summarize(configs, {"x=off": [off], "x=on": [on]}, "model", "overlap bench ...")
+    row = doc["configs"][1]
+    assert row["exposed_hidden_share_vs_first"] == {"dp": pytest.approx(0.0), "ep": pytest.approx(18 / 50)}
+    # The link exposed 20 ms without and 2 ms with: it hides 90% of the link's part; dp has no known split.
+    assert row["link_exposed_hidden_share_vs_first"] == {"ep": pytest.approx(0.9)}
+    table = bench.format_markdown(doc)
+    assert "| x=on | 32.0 | 30.0 | 2.0 | ep 0.90 |" in table
+    real = bench.summarize(configs, {"x=off": [bench.RunResult(100, {"all": 5.0}, {}, 1.0, [1, 4], "real")],
+                                     "x=on": [bench.RunResult(90, {"all": 4.0}, {}, 1.0, [1, 4], "real")]},
+                           "real", "overlap bench ...")
+    assert "link_exposed_hidden_share_vs_first" not in real["configs"][1]
+    assert "peer wait" not in bench.format_markdown(real)
 
 
 def test_family_floor_gives_its_own_efficiency_column():

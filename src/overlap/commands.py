@@ -343,6 +343,7 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
             "network": network_label, "comm_mode": args.comm_mode, "window_iterations": [first, last],
             "steady_step_ms": summary.steady_step_ms, "peak_mem_mb": summary.peak_memory_mb,
             "exposed_comm_ms": {k: r.exposed_ms for k, r in rows.items()},
+            "exposed_peer_wait_ms": {k: r.peer_wait_ms for k, r in rows.items() if r.peer_wait_ms is not None},
             "total_comm_ms": {k: r.total_ms for k, r in rows.items()},
             "comm_mb": {k: r.nbytes / 1e6 for k, r in rows.items()},
             "first_iteration": summary.first_iteration + 1, "stopped": summary.stopped,

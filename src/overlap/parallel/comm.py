@@ -135,7 +135,7 @@ class _LaunchBoard:
         self.group = group
         self.size, self.rank, self.next = group_size(group), group_rank(group), 0
         self.unbooked: dict[int, tuple[str, int]] = {}  # seq -> (op, payload bytes), launched and not yet booked
-        self.booked: dict[int, float] = {}  # seq -> deadline, until its handle took it
+        self.booked: dict[int, tuple[float, float]] = {}  # seq -> (last launch, deadline), until its handle took it
         self.to_book = 0  # the next op to book on the link
         self.lock = threading.Lock()
         nbytes = self.SLOTS * self.size * 2 * 8
@@ -160,11 +160,12 @@ class _LaunchBoard:
             return None
         return float(row[:, 1].max())
 
-    def deadline(self, seq: int, waited: bool) -> float | None:
-        """Op `seq`'s modelled completion: booked on the link from its last launch, after every earlier op of the
-        group (booked first if they are not yet). Asked once the op's data is in, by the completion callback
-        (`waited` False) or by the waiter, who waits for an entry still missing (a rank can complete before a peer
-        launched only where it receives nothing from it); None if the callback finds one missing."""
+    def deadline(self, seq: int, waited: bool) -> tuple[float, float] | None:
+        """Op `seq`'s (last launch, modelled completion): booked on the link from its last launch, after every
+        earlier op of the group (booked first if they are not yet). Asked once the op's data is in, by the
+        completion callback (`waited` False) or by the waiter, who waits for an entry still missing (a rank can
+        complete before a peer launched only where it receives nothing from it); None if the callback finds one
+        missing."""
         with self.lock:
             while self.to_book <= seq:
                 last = self._last_launch(self.to_book)
@@ -174,7 +175,8 @@ class _LaunchBoard:
                 if last is None:
                     return None
                 op, payload = self.unbooked.pop(self.to_book)
-                self.booked[self.to_book] = _reserve_link(self.group, op, payload, self.size, min(last, now()))
+                ready = min(last, now())
+                self.booked[self.to_book] = ready, _reserve_link(self.group, op, payload, self.size, ready)
                 self.to_book += 1
             return self.booked.pop(seq)
 
@@ -376,11 +378,11 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
     if modelled and _link is not None and _link.applies_to(kind):
         board = _board(group)
         seq = board.post(event.t_launch, op, carried)
-        deadline_from = _once(lambda waited: board.deadline(seq, waited))
+        deadline_from = _once(_readying(event, lambda waited: board.deadline(seq, waited)))
     started = run()
     work, companions = started if isinstance(started, tuple) else (started, [])
     if stamp is not None:
-        deadline_from = _stamp_deadline(group, carried, event.group_size, event.t_launch, stamp, companions[0])
+        deadline_from = _stamp_deadline(group, carried, event, stamp, companions[0])
     return CommHandle(event, work, result, finish, deadline_from, companions)
 
 
@@ -401,19 +403,31 @@ def _once(resolve: Callable[[bool], float | None]) -> Callable[[bool], float | N
     return ask
 
 
-def _stamp_deadline(group: ProcessGroup, payload_bytes: int, size: int, t_posted: float, stamp: torch.Tensor,
+def _readying(event: CommEvent,
+              resolve: Callable[[bool], tuple[float, float] | None]) -> Callable[[bool], float | None]:
+    """`resolve(waited)` -> (ready, deadline) | None turned into a deadline resolver that records `event.t_ready`."""
+    def ask(waited: bool) -> float | None:
+        known = resolve(waited)
+        if known is None:
+            return None
+        event.t_ready, deadline = known
+        return deadline
+    return ask
+
+
+def _stamp_deadline(group: ProcessGroup, payload_bytes: int, event: CommEvent, stamp: torch.Tensor,
                     stamp_work: dist.Work) -> Callable[[bool], float | None]:
     """A modelled receive's deadline, once the sender's stamp is in (None before): the link carries the payload
     from the moment both sides had posted, behind what its group's link already carries. Booked once, whichever
     thread asks first: the completion callback (`waited` False: only if the stamp is known complete) or the waiter
     (`waited` True: the stamp's wait has returned, which on NCCL orders this stream after it without completing
     the work on the host). A stamp later than now (another host's clock) is taken as now: the data is here."""
-    def resolve(waited: bool) -> float | None:
+    def resolve(waited: bool) -> tuple[float, float] | None:
         if not waited and not stamp_work.is_completed():
             return None
-        sent = min(float(stamp.item()), now())
-        return _reserve_link(group, "p2p", payload_bytes, size, max(sent, t_posted))
-    return _once(resolve)
+        ready = max(min(float(stamp.item()), now()), event.t_launch)
+        return ready, _reserve_link(group, "p2p", payload_bytes, event.group_size, ready)
+    return _once(_readying(event, resolve))
 
 
 def _with_stamp(post: Callable[[int], dist.Work], payload: int,

@@ -19,7 +19,11 @@ def now() -> float:
 
 @dataclass
 class CommEvent:
-    """One collective: when it was launched, when its data was complete, and when the caller waited for it."""
+    """One collective: when it was launched, when its data was complete, and when the caller waited for it.
+
+    `t_ready` is when every member had posted it, known on a modelled link only (the launch board for collectives,
+    the sender's stamp for a receive): the link carries the data from then on, so a wait before it waits for a late
+    peer (load imbalance), not for the link. None where it is not known (a real link, a send)."""
 
     kind: str
     op: str
@@ -29,6 +33,7 @@ class CommEvent:
     t_done: float | None = None
     t_wait_start: float | None = None
     t_wait_end: float | None = None
+    t_ready: float | None = None
 
 
 @dataclass

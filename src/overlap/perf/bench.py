@@ -154,6 +154,8 @@ class RunResult:
     steps_window: list[int]
     network: str
     comm_mb: dict[str, float] = field(default_factory=dict)
+    # Of exposed_comm_ms, the peer wait per kind (profiling/exposed.py); only kinds whose link knew it (modelled).
+    exposed_peer_wait_ms: dict[str, float] = field(default_factory=dict)
 
 
 class RunFailed(RuntimeError):
@@ -176,7 +178,7 @@ def run_once(options: list[str], overrides: list[str], config: BenchConfig, metr
         raise RunFailed(config.name, done.returncode, command, done.stdout + done.stderr)
     s = json.loads(Path(f"{metrics}.summary.json").read_text())
     return RunResult(s["steady_step_ms"], s["exposed_comm_ms"], s["total_comm_ms"], s["peak_mem_mb"],
-                     s["window_iterations"], s["network"], s.get("comm_mb", {}))
+                     s["window_iterations"], s["network"], s.get("comm_mb", {}), s.get("exposed_peer_wait_ms", {}))
 
 
 def _mean_by_kind(runs: list[RunResult], attr: str) -> dict[str, float]:
@@ -200,6 +202,7 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
                      "exposed_comm_ms": _mean_by_kind(runs, "exposed_comm_ms"),
                      "total_comm_ms": _mean_by_kind(runs, "total_comm_ms"),
                      "comm_mb_per_iter": _mean_by_kind(runs, "comm_mb"),
+                     "exposed_peer_wait_ms": _mean_by_kind(runs, "exposed_peer_wait_ms"),
                      "peak_mem_mb": max(r.peak_mem_mb for r in runs)})
     floor_names = {c.name for c in configs if c.floor}
     floors = [r for r in rows if r["name"] in floor_names]
@@ -229,12 +232,21 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
         if r["comm_traced"]:
             r["exposed_hidden_share_vs_first"] = hidden_share_by_family(measured[0]["exposed_comm_ms"],
                                                                         r["exposed_comm_ms"])
+            if measured[0]["exposed_peer_wait_ms"] and r["exposed_peer_wait_ms"]:
+                r["link_exposed_hidden_share_vs_first"] = hidden_share_by_family(
+                    _link_exposed(measured[0]), _link_exposed(r))
     first_runs = results[measured[0]["name"]]
     return {"network": network, "window_iterations": first_runs[0].steps_window,
             "repeats": len(first_runs), "order": "alternating", "configs": rows,
             "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency,
             "floors_step_time_ms": {f["name"]: f["step_time_ms"]["mean"] for f in floors},
             "overlap_efficiency_by_floor": by_floor, "not_run": not_run, "command": command}
+
+
+def _link_exposed(row: dict) -> dict[str, float]:
+    """A row's exposed time per kind less its peer wait: what the link itself exposed (kinds whose link knew it)."""
+    peer = row["exposed_peer_wait_ms"]
+    return {k: row["exposed_comm_ms"][k] - ms for k, ms in peer.items() if k in row["exposed_comm_ms"]}
 
 
 def hidden_share_by_family(first: dict[str, float], other: dict[str, float]) -> dict[str, float]:
@@ -306,7 +318,25 @@ def format_markdown(doc: dict) -> str:
         lines.append("\n(no floor run (--ideal / --ideal-family): overlap efficiency needs a floor T_ideal)")
     else:
         lines.append("\neff. vs FLOOR = (T_first - T_config) / (T_first - T_FLOOR), the first config being 'off'.")
-    return "\n".join(lines + _failure_lines(doc))
+    return "\n".join(lines + _peer_wait_lines(doc) + _failure_lines(doc))
+
+
+def _peer_wait_lines(doc: dict) -> list[str]:
+    """Where the modelled link knew when every member had posted: each row's exposed time on that link split into
+    peer wait (a member was late: load imbalance, which no overlap hides) and the link's own exposed time, and the
+    share of the first row's link exposure that each row hides."""
+    rows = [r for r in doc["configs"] if r.get("exposed_peer_wait_ms") and r.get("comm_traced", True)]
+    if not rows:
+        return []
+    lines = ["", "Exposed time of the kinds on the modelled link, split: *peer wait* is time waiting for a member to "
+             "post (a late peer: load imbalance), *link* the rest.", "",
+             "| config | exposed ms | of it peer wait | link | link exposed hidden vs first |", "|---|---|---|---|---|"]
+    for r in rows:
+        peer = sum(ms for k, ms in r["exposed_peer_wait_ms"].items() if k != "all")
+        exposed = sum(r["exposed_comm_ms"].get(k, 0.0) for k in r["exposed_peer_wait_ms"] if k != "all")
+        lines.append(f"| {r['name']} | {exposed:.1f} | {peer:.1f} | {exposed - peer:.1f} | "
+                     f"{_shares(r.get('link_exposed_hidden_share_vs_first'))} |")
+    return lines
 
 
 def _failure_lines(doc: dict) -> list[str]:

@@ -71,12 +71,16 @@ def rank_events(trace: RankTrace, origin: float) -> list[dict]:
         for s in it.spans:
             out.append(_slice(s.name, trace.rank, compute, s.t_start, s.t_end, origin))
         for e in sorted(it.comm, key=lambda e: e.t_launch):
+            # Where the link knew when every member had posted: how long of the wait, and of the op, was for them.
+            ready = {} if e.t_ready is None else {"ready_after_launch_ms": (e.t_ready - e.t_launch) * 1e3}
             if e.t_wait_start is not None and e.t_wait_end is not None:
-                out.append(_slice(f"wait {e.kind}", trace.rank, compute, e.t_wait_start, e.t_wait_end, origin))
+                peer = {} if e.t_ready is None else {
+                    "for_late_peer_ms": max(min(e.t_ready, e.t_wait_end) - e.t_wait_start, 0.0) * 1e3}
+                out.append(_slice(f"wait {e.kind}", trace.rank, compute, e.t_wait_start, e.t_wait_end, origin, **peer))
             interval = comm_interval(e)
             if interval is not None:
                 out.append(_slice(e.op, trace.rank, tracks.lane(e.kind, *interval), *interval, origin, kind=e.kind,
-                                  bytes=e.nbytes, group_size=e.group_size))
+                                  bytes=e.nbytes, group_size=e.group_size, **ready))
     return tracks.metadata() + out
 
 

@@ -75,6 +75,8 @@ class Collector:
             self.comm_metrics.write(json.dumps({
                 "iteration": iteration + 1, "network": self.trace.network,
                 "exposed_comm_ms": {k: round(r.exposed_ms, 4) for k, r in rows.items()},
+                "exposed_peer_wait_ms": {k: round(r.peer_wait_ms, 4) for k, r in rows.items()
+                                         if r.peer_wait_ms is not None},
                 "total_comm_ms": {k: round(r.total_ms, 4) for k, r in rows.items()}}) + "\n")
             self.comm_metrics.flush()
 

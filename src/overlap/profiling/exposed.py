@@ -8,6 +8,12 @@ For one rank and one stretch of time (an iteration):
 So a synchronous collective inside a compute span is fully exposed, an asynchronous one launched before compute and
 waited for after it is hidden for as long as the compute ran, and time outside every span (Python glue that no span
 covers) counts as not busy: an overlap claim never rests on time nobody accounted for.
+
+On a modelled link the events also say when every member had posted an op (`CommEvent.t_ready`). Exposed time of a
+kind during which one of its ops was still waiting for a member to post, and none of its ops was on the link, is
+*peer wait*: the rank sat idle because a peer was behind (load imbalance: an untrained router that gives one rank's
+experts more rows), which no overlap of communication with compute can hide - the run without overlap pays it as a
+wait too. The rest of the exposed time is the link's.
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ class KindExposure:
     exposed_ms: float = 0.0
     count: int = 0
     nbytes: int = 0
+    # The part of exposed_ms spent waiting for a late peer (see the module docstring); None where no op of the kind
+    # knew its ready time (a real link): unknown, not zero.
+    peer_wait_ms: float | None = None
 
     @property
     def hidden_pct(self) -> float:
@@ -84,6 +93,8 @@ class KindExposure:
         self.exposed_ms += other.exposed_ms
         self.count += other.count
         self.nbytes += other.nbytes
+        if other.peer_wait_ms is not None:
+            self.peer_wait_ms = (self.peer_wait_ms or 0.0) + other.peer_wait_ms
 
 
 def exposure(events: Sequence[CommEvent], spans: Sequence[Span]) -> dict[str, KindExposure]:
@@ -99,8 +110,21 @@ def exposure(events: Sequence[CommEvent], spans: Sequence[Span]) -> dict[str, Ki
     for kind, evs in groups:
         occupied = union(iv for iv in map(comm_interval, evs) if iv is not None)
         out[kind] = KindExposure(total_ms=length(occupied) * 1e3, exposed_ms=length(subtract(occupied, busy)) * 1e3,
-                                 count=len(evs), nbytes=sum(e.nbytes for e in evs))
+                                 count=len(evs), nbytes=sum(e.nbytes for e in evs),
+                                 peer_wait_ms=_peer_wait_ms(evs, busy))
     return out
+
+
+def _peer_wait_ms(events: Sequence[CommEvent], busy: Sequence[Interval]) -> float | None:
+    """Exposed time while some op was waiting for a member to post and no op was on the link (module docstring);
+    None if no op knew its ready time."""
+    ready = [e for e in events if e.t_ready is not None]
+    if not ready:
+        return None
+    waiting = union((e.t_launch, e.t_ready) for e in ready)
+    on_link = union(((e.t_ready, iv[1]) if e.t_ready is not None else iv)
+                    for e, iv in ((e, comm_interval(e)) for e in events) if iv is not None)
+    return length(subtract(subtract(waiting, on_link), busy)) * 1e3
 
 
 def mean_exposure(per_iteration: Sequence[dict[str, KindExposure]]) -> dict[str, KindExposure]:
@@ -110,16 +134,21 @@ def mean_exposure(per_iteration: Sequence[dict[str, KindExposure]]) -> dict[str,
         for kind, k in it.items():
             total.setdefault(kind, KindExposure()).add(k)
     n = max(len(per_iteration), 1)
-    return {kind: KindExposure(k.total_ms / n, k.exposed_ms / n, round(k.count / n), round(k.nbytes / n))
+    return {kind: KindExposure(k.total_ms / n, k.exposed_ms / n, round(k.count / n), round(k.nbytes / n),
+                               None if k.peer_wait_ms is None else k.peer_wait_ms / n)
             for kind, k in total.items()}
 
 
 def format_table(rows: dict[str, KindExposure], title: str) -> str:
-    """A table of kind, ops, MB, total ms, exposed ms, hidden %: every column as wide as its header or its widest
-    cell, so it stays aligned for any kind name and any magnitude."""
-    header = ("kind", "ops", "MB", "total ms", "exposed ms", "hidden %")
+    """A table of kind, ops, MB, total ms, exposed ms, hidden % (and, where the link knew when every member had
+    posted, the exposed ms that were peer wait): every column as wide as its header or its widest cell, so it stays
+    aligned for any kind name and any magnitude."""
+    peers = any(r.peer_wait_ms is not None for r in rows.values())
+    header = ("kind", "ops", "MB", "total ms", "exposed ms", "hidden %") + (("of it peer wait ms",) if peers else ())
     body = [(kind, str(r.count), f"{r.nbytes / 1e6:.2f}", f"{r.total_ms:.2f}", f"{r.exposed_ms:.2f}",
-             f"{r.hidden_pct:.0f}%") for kind, r in ((k, rows[k]) for k in sorted(rows, key=lambda k: (k == ALL, k)))]
+             f"{r.hidden_pct:.0f}%")
+            + ((("-" if r.peer_wait_ms is None else f"{r.peer_wait_ms:.2f}"),) if peers else ())
+            for kind, r in ((k, rows[k]) for k in sorted(rows, key=lambda k: (k == ALL, k)))]
     widths = [max(len(row[i]) for row in (header, *body)) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:  # the kind left-aligned, numbers right-aligned
