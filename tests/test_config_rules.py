@@ -830,3 +830,18 @@ def test_expert_capacity_is_a_decision_that_says_what_the_dispatch_exchanges(kw,
 def test_a_dense_model_has_no_expert_capacity_decision():
     with pytest.raises(KeyError):
         build(dense()).finalize(2).decisions.get("model.moe_expert_capacity_factor")
+
+
+def test_forced_load_balancing_is_a_logged_benchmark_mode_and_refuses_a_recompute_that_reroutes():
+    d = build(moe(moe_router_force_load_balancing=True)).finalize(2).decisions.get(
+        "model.moe_router_force_load_balancing")
+    assert d.effective is True and "random logits" in d.reason and "not for training" in d.reason
+    with pytest.raises(KeyError):  # off: nothing to say
+        build(moe()).finalize(2).decisions.get("model.moe_router_force_load_balancing")
+    for kw in (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+               dict(recompute_granularity="selective", recompute_modules=["moe"])):
+        with pytest.raises(ConfigError, match="moe_router_force_load_balancing") as err:
+            build(moe(moe_router_force_load_balancing=True, **kw)).finalize(2)
+        assert "recompute" in err.value.fix
+    build(moe(moe_router_force_load_balancing=True, recompute_granularity="selective",
+              recompute_modules=["core_attn"])).finalize(2)  # the router is not recomputed: fine

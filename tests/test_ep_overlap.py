@@ -88,6 +88,11 @@ def test_ep4_overlap_with_dense_layer_and_shared_expert():
     _compare({"ep": 4}, 4, {"moe_layer_freq": 2, "moe_shared_expert_intermediate_size": 32}, True)
 
 
+def test_ep2_overlap_with_forced_load_balancing_matches_plain_loop():
+    # The random logits come from the router's own generator, so the merged schedule draws what the plain loop does.
+    _compare({"ep": 2}, 2, {"moe_router_force_load_balancing": True}, False)
+
+
 def test_tp2_ep2_overlap_matches_plain_loop():
     _compare({"ep": 2, "tp": 2}, 4, {}, True)
 

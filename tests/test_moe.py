@@ -123,6 +123,34 @@ def test_aux_loss_is_switch_formula_and_none_disables_it():
     assert no_aux(x)[2].item() == 0.0
 
 
+def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_through_gradient():
+    ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=0, tp_rank=0)
+    cfg = _config(num_experts=8, moe_router_force_load_balancing=True)
+    router, twin = TopKRouter(cfg, ps, layer_number=3), TopKRouter(cfg, ps, layer_number=3)
+    torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
+    twin.weight.data.copy_(router.weight.data)
+    x = torch.randn(256, 4, HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    idx, weights, _ = router(x)
+    torch.manual_seed(123)  # the global RNG has no say
+    twin_idx, _, _ = twin(x)
+    assert torch.equal(idx, twin_idx)  # the same layer and token share: the same draws, call by call
+    expected = torch.randn(1024, 8, generator=torch.Generator().manual_seed((3 * 1_000_003) * 1009))
+    assert torch.equal(idx, expected.topk(2, dim=-1).indices)
+    real = (x.reshape(-1, HIDDEN) @ router.weight.T).topk(2, dim=-1).indices
+    assert not torch.equal(idx, real)
+    loads = torch.bincount(idx.reshape(-1), minlength=8).float()
+    assert loads.max() / loads.min() < 1.25  # 2048 assignments over 8 experts: balanced up to sampling noise
+    # The gradient passes straight through the random logits to the router's weight and input.
+    weights.sum().backward()
+    assert router.weight.grad is not None and x.grad is not None
+    assert not torch.equal(router(x)[0], idx)  # the next call draws anew
+    other = TopKRouter(cfg, SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=1, tp_rank=0), layer_number=3)
+    other.weight.data.copy_(router.weight.data)
+    twin2 = TopKRouter(cfg, ps, layer_number=3)
+    twin2.weight.data.copy_(router.weight.data)
+    assert not torch.equal(other(x)[0], twin2(x)[0])  # another data-parallel rank's tokens: other draws
+
+
 def test_experts_must_split_evenly_over_ep():
     with pytest.raises(ValueError, match="num_moe_experts"):
         MoELayer(_config(num_experts=6), SimpleNamespace(ep_size=4), layer_number=0)

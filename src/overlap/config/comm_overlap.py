@@ -309,6 +309,11 @@ def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", l
     model.moe_shared_expert_overlap = bool(shared)
     if model.is_moe:
         _record_expert_capacity(model, log)
+        if model.moe_router_force_load_balancing:
+            log.record("model.moe_router_force_load_balancing", True, True, MODEL_CONFIG,
+                       "benchmark mode: the router routes by random logits (their gradient passes straight through "
+                       "to the real ones), so every expert gets about the same rows; the model does not learn to "
+                       "route - for measuring, not for training")
 
 
 def _record_expert_capacity(model: "ModelConfig", log: DecisionLog) -> None:

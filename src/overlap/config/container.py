@@ -455,6 +455,15 @@ class ConfigContainer:
         if bad:
             raise ConfigError("model.recompute_modules", m.recompute_modules, f"unknown module(s) {bad}.",
                               f"use a subset of {list(RECOMPUTE_MODULES)}.")
+        reroutes = m.recompute_granularity == "full" or (
+            m.recompute_granularity == "selective" and "moe" in (m.recompute_modules or ()))
+        if m.is_moe and m.moe_router_force_load_balancing and reroutes:
+            raise ConfigError("model.moe_router_force_load_balancing", True,
+                              "forced load balancing draws new random logits at every router call, and this recompute "
+                              f"({m.recompute_granularity}) calls the router again in backward, which would route "
+                              "the recomputed tokens differently from the forward.",
+                              "drop the recompute of the MoE layers (full, or selective 'moe'), or the forced "
+                              "balancing.")
 
     def _validate_cuda_graph(self) -> None:
         m = self.model

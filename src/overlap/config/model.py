@@ -67,6 +67,9 @@ class ModelConfig:
     moe_permute_fusion: bool = False  # True: vectorised permutation; False: straightforward per-expert loop
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" | "none"
+    # Benchmarking only (Bridge's perf recipes): routing from random logits, so the experts get balanced loads
+    # whatever the router learnt; its gradient passes straight through to the real logits.
+    moe_router_force_load_balancing: bool = False
     moe_expert_capacity_factor: float | None = None  # None: dropless; else each expert keeps <= ceil(T*k/E*factor)
     moe_pad_expert_input_to_capacity: bool = False  # pad every expert to its capacity: static shapes, no counts
     moe_token_drop_policy: str = "probs"  # past capacity, keep the highest weights ("probs") or earliest tokens

@@ -77,7 +77,7 @@ class MoELayer(nn.Module):
                               "choose an expert parallel size (-ep) that divides num_moe_experts.")
         dispatcher = dispatcher_class(config)
         self.layer_number = layer_number
-        self.router = TopKRouter(config, ps)
+        self.router = TopKRouter(config, ps, layer_number)
         self.dispatcher = dispatcher(config, ps)
         self.experts = GroupedExperts(config, ps)
         self.shared_experts = (MLP(config, ps, ffn_hidden_size=config.moe_shared_expert_intermediate_size,

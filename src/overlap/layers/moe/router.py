@@ -6,6 +6,15 @@ just those k logits, so they sum to 1 per token (`norm_topk_prob=True`, Megatron
 needs the full softmax.
 Everything runs in fp32 whatever the parameter dtype, because a routing decision flipped by rounding changes which
 expert sees a token, a discontinuity no tolerance covers.
+
+`moe_router_force_load_balancing` (a benchmark mode, as in Bridge's perf recipes) routes by standard-normal logits
+instead of the real ones, so the experts' loads are balanced up to sampling noise and a measurement is not skewed by
+an untrained router; the gradient passes straight through to the real logits, so every parameter still receives one.
+The draws come from the router's own generator, seeded from the layer and the rank's share of the tokens (data
+parallel rank, and the tensor-parallel rank under sequence parallel; TP ranks without it route the same tokens and
+draw the same logits), never from the global RNG: the same run draws the same logits whatever the schedule's order.
+The generator is not part of a checkpoint (a resumed run draws from the start again): this mode measures, it does
+not train a model anyone keeps.
 """
 
 from __future__ import annotations
@@ -42,10 +51,22 @@ class _SumOverGroup(torch.autograd.Function):
         return grad, None
 
 
+class _RandomLogits(torch.autograd.Function):
+    """Standard-normal values in place of `logits`, whose gradient passes straight through (identity)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 class TopKRouter(nn.Module):
     """Scores every token against every expert; returns (topk_idx [T, k], topk_weights [T, k] fp32, aux_loss)."""
 
-    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+    def __init__(self, config: ModelConfig, ps: ParallelState, layer_number: int = 1) -> None:
         super().__init__()
         if config.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
             raise ConfigError("model.moe_router_load_balancing_type", config.moe_router_load_balancing_type,
@@ -62,11 +83,21 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size,
                                                dtype=params_dtype(config)))
         self.weight.sequence_parallel = True
+        # Forced load balancing: the seed of the random logits' generator, made on the logits' device at first use.
+        self.random_seed: int | None = None
+        self.random_logits: torch.Generator | None = None
+        if config.moe_router_force_load_balancing:
+            sp_rank = ps.tp_rank if config.sequence_parallel else 0
+            self.random_seed = (layer_number * 1_000_003 + ps.dp_rank) * 1009 + sp_rank
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with RECORDER.span("moe.router"):
             tokens = hidden.reshape(-1, hidden.shape[-1])
             logits = F.linear(tokens.float(), self.weight.float())
+            if self.random_seed is not None:
+                if self.random_logits is None:
+                    self.random_logits = torch.Generator(logits.device).manual_seed(self.random_seed)
+                logits = _RandomLogits.apply(logits, self.random_logits)
             if self.pre_softmax:  # softmax is monotonic: the same winners as the logits' top-k
                 topk_weights, topk_idx = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
             else:
