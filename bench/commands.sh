@@ -52,13 +52,24 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 2 -ms 6 -gb 32 -mb 1 --netwo
 #     layers, 8 micro-batches per rank, only the EP collectives on a modelled 1 ms / 20 MB/s link: off / on /
 #     on + delay_wgrad / no-EP floor. Dropless routing: the untrained router sends one rank's experts up to 2-3x the
 #     rows of the other's in a layer, so the expert pieces of the two ranks differ by tens of ms.
+#     Three repeats: this machine's step times drift by up to 10% between rounds.
 overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
-  --network model:1ms,20MB/s,ep --ideal-family ep --repeats 2 \
+  --network model:1ms,20MB/s,ep --ideal-family ep --repeats 3 \
   --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
   --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
   --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
   --json $out/ep_overlap_one_rank_per_core.json --markdown $out/ep_overlap_one_rank_per_core.md \
   model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
+# 4d. The same, dropless, with the router's load forced balanced (moe_router_force_load_balancing, as Bridge's perf
+#     recipe for this overlap does): tests whether the routing imbalance explains what 4b leaves exposed, without
+#     4c's drops and padding.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
+  --network model:1ms,20MB/s,ep --ideal-family ep --repeats 2 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_balanced.json --markdown $out/ep_overlap_balanced.md \
+  model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6 model.moe_router_force_load_balancing=true
 # 4c. The same with static shapes (capacity factor 1.0, padded to capacity): every rank's experts get the same rows,
 #     no split-size exchange; tests whether the routing imbalance explains what 4b leaves exposed.
 overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
