@@ -182,6 +182,15 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 5 -g
   --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
   --json $out/ep_overlap_pp_8mb.json --markdown $out/ep_overlap_pp_8mb.md \
   model.num_layers=4 model.hidden_size=256 model.moe_ffn_hidden_size=256
+# 14c. Command 14 with the router's load forced balanced (moe_router_force_load_balancing, as Bridge's perf recipe for
+#      this overlap): what the merged schedule hides when no rank's experts are late.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 5 -gb 32 -mb 1 --network model:1ms,2MB/s,ep \
+  --ideal-family ep --repeats 2 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_pp_balanced.json --markdown $out/ep_overlap_pp_balanced.md \
+  model.num_layers=4 model.hidden_size=256 model.moe_ffn_hidden_size=256 model.moe_router_force_load_balancing=true
 
 # 15. DP overlap with one rank per core (DP=2 on 2 ranks, otherwise command 3): tests whether time-slicing explains
 #     the planner's misses on the 4-rank DP rows (bench/results/plan_vs_bench.md).

@@ -26,6 +26,8 @@ TP_CHUNKS = "the TP model (one of four chunks exposed) does not follow the runti
 IMBALANCE = ("4 ranks on 2 cores, and the routing imbalance the planner does not model (its ranks are balanced): the "
              "model's delayed weight gradients fill waits for the link, the runtime's waits are mostly for a late "
              "peer")
+BALANCED_PP_BASE = ("4 ranks on 2 cores; the off row is predicted 12% slower than measured and the overlap rows "
+                    "within 3%, so the ratios miss through the base row (not diagnosed further)")
 KNOWN_MISSES = {
     ("ep_overlap", "EP overlap"): TIME_SLICED,
     ("ep_overlap", "EP overlap + delay_wgrad"): TIME_SLICED,
@@ -33,6 +35,8 @@ KNOWN_MISSES = {
     ("dp_overlap", "dist-opt, overlap grad reduce + param gather"): TIME_SLICED,
     ("dp_overlap", "all-reduce, overlap grad reduce"): TIME_SLICED,
     ("ep_overlap_pp", "EP overlap + delay_wgrad"): IMBALANCE,
+    ("ep_overlap_pp_balanced", "EP overlap"): BALANCED_PP_BASE,
+    ("ep_overlap_pp_balanced", "EP overlap + delay_wgrad"): BALANCED_PP_BASE,
     ("pp_schedules", "1F1B, batched p2p"): RANK0_FLOOR,
     ("pp_schedules", "1F1B, overlapped p2p"): RANK0_FLOOR,
     ("pp_schedules", "interleaved VPP2, overlapped p2p"): RANK0_FLOOR,

@@ -28,7 +28,8 @@ from overlap.plan.predict import predict
 # The committed results (bench/results/NAME.json) the planner is proven against; each has a floor.
 BENCHMARKS = ("ep_overlap", "ep_overlap_2ranks", "ep_overlap_one_rank_per_core", "dp_overlap", "dp_overlap_modelled",
               "pp_schedules", "pp_schedules_2ranks", "pp_schedules_modelled", "pp_bubble", "tp_overlap",
-              "tp_overlap_narrow", "ep_overlap_pp", "ep_overlap_pp_8mb", "dp_overlap_2ranks")
+              "tp_overlap_narrow", "ep_overlap_pp", "ep_overlap_pp_8mb", "dp_overlap_2ranks", "ep_overlap_balanced",
+              "ep_overlap_pp_balanced")
 _VALUED = BENCH_OPTIONS_WITH_VALUE + ("--network",)
 _PEERS = ("ddp.impl=", "model.pipeline_impl=", "model.tensor_parallel_impl=")
 
