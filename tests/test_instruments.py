@@ -359,6 +359,22 @@ def test_overlap_efficiency_and_summary_table():
     assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 |" in table and "0.50 |" in table
 
 
+def test_bench_calls_a_configuration_whose_repeats_spread_noisy():
+    configs = bench.build_configs("x", ["off", "on"], ideal=False)
+
+    def run(ms):
+        return bench.RunResult(ms, {"all": 1.0}, {"all": 1.0}, 1.0, [1, 4], "real")
+
+    # One slow round of "off" (10567 against 7969 / 8290, as measured once on this machine) moves its mean by 8%.
+    doc = bench.summarize(configs, {"x=off": [run(10567), run(8290), run(7969)], "x=on": [run(7027), run(7355)]},
+                          "real", "overlap bench ...")
+    assert doc["noisy"] == {"x=off": pytest.approx((10567 - 7969) / ((10567 + 8290 + 7969) / 3))}
+    table = bench.format_markdown(doc)
+    assert "**NOISY**" in table and "`x=off` 7969-10567 ms (29% of its mean)" in table and "x=on`" not in table
+    quiet = bench.summarize(configs, {"x=off": [run(8000), run(8100)], "x=on": [run(7000)]}, "real", "...")
+    assert quiet["noisy"] == {} and "NOISY" not in bench.format_markdown(quiet)
+
+
 def test_bench_splits_the_modelled_links_exposure_into_peer_wait_and_link():
     configs = bench.build_configs("x", ["off", "on"], ideal=False)
     peer = {"ep_dispatch": 30.0, "all": 30.0}

@@ -237,10 +237,26 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
                     _link_exposed(measured[0]), _link_exposed(r))
     first_runs = results[measured[0]["name"]]
     return {"network": network, "window_iterations": first_runs[0].steps_window,
-            "repeats": len(first_runs), "order": "alternating", "configs": rows,
+            "repeats": len(first_runs), "order": "alternating", "configs": rows, "noisy": noisy_configs(rows),
             "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency,
             "floors_step_time_ms": {f["name"]: f["step_time_ms"]["mean"] for f in floors},
             "overlap_efficiency_by_floor": by_floor, "not_run": not_run, "command": command}
+
+
+NOISY_SPREAD = 0.10  # (max - min) / mean of a configuration's repeats above which its mean is called unreliable
+
+
+def noisy_configs(rows: list[dict]) -> dict[str, float]:
+    """The configurations whose repeats spread by more than NOISY_SPREAD of their mean, with that spread: one slow
+    round (the machine drifting, another load) moves such a mean, and every ratio and efficiency built on it, by more
+    than most overlaps are worth. Said in the table, so that nobody reads a drift as a result."""
+    out = {}
+    for r in rows:
+        st = r["step_time_ms"]
+        spread = (st["max"] - st["min"]) / st["mean"] if st["mean"] > 0 else 0.0
+        if len(st["repeats"]) > 1 and spread > NOISY_SPREAD:
+            out[r["name"]] = spread
+    return out
 
 
 def _link_exposed(row: dict) -> dict[str, float]:
@@ -318,7 +334,19 @@ def format_markdown(doc: dict) -> str:
         lines.append("\n(no floor run (--ideal / --ideal-family): overlap efficiency needs a floor T_ideal)")
     else:
         lines.append("\neff. vs FLOOR = (T_first - T_config) / (T_first - T_FLOOR), the first config being 'off'.")
-    return "\n".join(lines + _peer_wait_lines(doc) + _failure_lines(doc))
+    return "\n".join(lines + _noisy_lines(doc) + _peer_wait_lines(doc) + _failure_lines(doc))
+
+
+def _noisy_lines(doc: dict) -> list[str]:
+    noisy = doc.get("noisy") or {}
+    if not noisy:
+        return []
+    rows = {r["name"]: r["step_time_ms"] for r in doc["configs"]}
+    named = "; ".join(f"`{name}` {rows[name]['min']:.0f}-{rows[name]['max']:.0f} ms ({spread:.0%} of its mean)"
+                      for name, spread in noisy.items())
+    return [f"\n**NOISY**: repeats spread by more than {NOISY_SPREAD:.0%} of their mean: {named}. The machine "
+            "drifted during the benchmark, so the means, ratios and efficiencies above are unreliable: rerun it "
+            "alone, or with more --repeats."]
 
 
 def _peer_wait_lines(doc: dict) -> list[str]:
