@@ -89,7 +89,7 @@ def test_ep4_overlap_with_dense_layer_and_shared_expert():
 
 
 def test_ep2_overlap_with_forced_load_balancing_matches_plain_loop():
-    # The random logits come from the router's own generator, so the merged schedule draws what the plain loop does.
+    # The forced random routing gives the same losses and gradients in the merged schedule as in the plain loop.
     _compare({"ep": 2}, 2, {"moe_router_force_load_balancing": True}, False)
 
 

@@ -365,7 +365,7 @@ def test_bench_calls_a_configuration_whose_repeats_spread_noisy():
     def run(ms):
         return bench.RunResult(ms, {"all": 1.0}, {"all": 1.0}, 1.0, [1, 4], "real")
 
-    # One slow round of "off" (10567 against 7969 / 8290, as measured once on this machine) moves its mean by 8%.
+    # One slow round of "off" (10567 against 7969 / 8290, as measured once on this machine) moves its mean by 10%.
     doc = bench.summarize(configs, {"x=off": [run(10567), run(8290), run(7969)], "x=on": [run(7027), run(7355)]},
                           "real", "overlap bench ...")
     assert doc["noisy"] == {"x=off": pytest.approx((10567 - 7969) / ((10567 + 8290 + 7969) / 3))}

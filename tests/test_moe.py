@@ -140,9 +140,16 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
     assert not torch.equal(idx, real)
     loads = torch.bincount(idx.reshape(-1), minlength=8).float()
     assert loads.max() / loads.min() < 1.25  # 2048 assignments over 8 experts: balanced up to sampling noise
-    # The gradient passes straight through the random logits to the router's weight and input.
-    weights.sum().backward()
-    assert router.weight.grad is not None and x.grad is not None
+    # The gradient passes straight through the random logits: the router's weight gets the gradient w.r.t. the
+    # logits (computed on the same draws, as a leaf) times the tokens, as if the draws had been the logits.
+    coeff = torch.randn(weights.shape, generator=torch.Generator().manual_seed(2))
+    (weights * coeff).sum().backward()
+    drawn = expected.clone().requires_grad_()
+    top, _ = drawn.topk(2, dim=-1)
+    (grad_logits,) = torch.autograd.grad((torch.softmax(top, dim=-1) * coeff).sum(), drawn)
+    assert grad_logits.abs().sum() > 0
+    torch.testing.assert_close(router.weight.grad, grad_logits.T @ x.detach().reshape(-1, HIDDEN))
+    torch.testing.assert_close(x.grad.reshape(-1, HIDDEN), grad_logits @ router.weight.detach())
     assert not torch.equal(router(x)[0], idx)  # the next call draws anew
     other = TopKRouter(cfg, SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=1, tp_rank=0), layer_number=3)
     other.weight.data.copy_(router.weight.data)

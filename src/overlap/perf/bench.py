@@ -356,8 +356,9 @@ def _peer_wait_lines(doc: dict) -> list[str]:
     rows = [r for r in doc["configs"] if r.get("exposed_peer_wait_ms") and r.get("comm_traced", True)]
     if not rows:
         return []
-    lines = ["", "Exposed time of the kinds on the modelled link, split: *peer wait* is time waiting for a member to "
-             "post (a late peer: load imbalance), *link* the rest.", "",
+    lines = ["", "Exposed time of the kinds whose ready time the modelled link knew (collectives and receives, summed "
+             "over kinds), split: *peer wait* is time waiting for a member to post (a late peer: load imbalance), "
+             "*link* the rest.", "",
              "| config | exposed ms | of it peer wait | link | link exposed hidden vs first |", "|---|---|---|---|---|"]
     for r in rows:
         peer = sum(ms for k, ms in r["exposed_peer_wait_ms"].items() if k != "all")

@@ -71,7 +71,9 @@ def rank_events(trace: RankTrace, origin: float) -> list[dict]:
         for s in it.spans:
             out.append(_slice(s.name, trace.rank, compute, s.t_start, s.t_end, origin))
         for e in sorted(it.comm, key=lambda e: e.t_launch):
-            # Where the link knew when every member had posted: how long of the wait, and of the op, was for them.
+            # Where the link knew when every member had posted this op: how long of this wait, and of the op, was for
+            # them. Per op: the exposure report's peer wait is per kind (profiling/exposed.py), net of the time other
+            # ops of the kind were on the link, so these do not add up to it.
             ready = {} if e.t_ready is None else {"ready_after_launch_ms": (e.t_ready - e.t_launch) * 1e3}
             if e.t_wait_start is not None and e.t_wait_end is not None:
                 peer = {} if e.t_ready is None else {

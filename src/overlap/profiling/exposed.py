@@ -117,7 +117,9 @@ def exposure(events: Sequence[CommEvent], spans: Sequence[Span]) -> dict[str, Ki
 
 def _peer_wait_ms(events: Sequence[CommEvent], busy: Sequence[Interval]) -> float | None:
     """Exposed time while some op was waiting for a member to post and no op was on the link (module docstring);
-    None if no op knew its ready time."""
+    None if no op knew its ready time. An op whose ready time is unknown (a send: the receiver's posting time does
+    not travel back) counts as on the link from its launch, so where sends share a kind with receives (the TP ring)
+    or fly beside them (the `all` row), this is a lower bound."""
     ready = [e for e in events if e.t_ready is not None]
     if not ready:
         return None
