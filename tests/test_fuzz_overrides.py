@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from overlap.cli import _Parser, main
@@ -90,6 +90,10 @@ def _run_args(argv: list[str]):
 
 @settings(max_examples=int(os.environ.get("OVERLAP_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base=st.sampled_from(BASES), items=st.lists(override(), min_size=1, max_size=3))
+# Found by this test: the router read a field (dp_rank) that the rank-0 stand-ins (here and in explain's no-op
+# check, which the DP overlap switch runs) did not have.
+@example(base=["-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "2"],
+         items=["model.moe_router_force_load_balancing=true", "ddp.overlap_grad_reduce=true"])
 def test_any_override_exits_0_or_2_and_an_accepted_one_is_usable(base, items):
     argv = [*base, *items]
     code, text = _explain(argv)
@@ -128,8 +132,8 @@ def usable(job) -> None:
         assert start == t.eval_time_start_step  # the window the user asked for, not a silent fallback
     timedelta(seconds=t.comm_timeout_s)
     torch.Generator().manual_seed(t.seed)
-    rank0 = SimpleNamespace(tp_size=lay.tp, tp_rank=0, ep_size=lay.ep, ep_rank=0, dp_size=lay.dp, pp_size=lay.pp,
-                            pp_rank=0, rank=0, world_size=lay.world_size, tp_group=None, ep_group=None,
+    rank0 = SimpleNamespace(tp_size=lay.tp, tp_rank=0, ep_size=lay.ep, ep_rank=0, dp_size=lay.dp, dp_rank=0,
+                            pp_size=lay.pp, pp_rank=0, rank=0, world_size=lay.world_size, tp_group=None, ep_group=None,
                             ep_meta_group=None)
     model = replace(cfg.model, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None)
     with torch.device("meta"):
