@@ -12,9 +12,8 @@ import math
 import os
 import typing
 from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import fields, replace
+from dataclasses import fields
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,11 +113,11 @@ def test_any_override_exits_0_or_2_and_an_accepted_one_is_usable(base, items):
 def usable(job) -> None:
     """Build, in-process, what a rank builds first from the configuration; any exception here is a configuration
     the checks let through but the run cannot use."""
-    from overlap.model.gpt import model_chunks
     from overlap.optim.adam import MixedPrecisionAdam, learning_rate
+    from overlap.training.noops import _meta_chunk_params
     from overlap.training.metrics import steady_window
 
-    cfg, lay = job.cfg, job.resolution.layout
+    cfg = job.cfg
     o, t = cfg.optimizer, cfg.train
     p = torch.nn.Parameter(torch.zeros(2, 2))
     p.main_grad = torch.zeros(2, 2)
@@ -132,12 +131,7 @@ def usable(job) -> None:
         assert start == t.eval_time_start_step  # the window the user asked for, not a silent fallback
     timedelta(seconds=t.comm_timeout_s)
     torch.Generator().manual_seed(t.seed)
-    rank0 = SimpleNamespace(tp_size=lay.tp, tp_rank=0, ep_size=lay.ep, ep_rank=0, dp_size=lay.dp, dp_rank=0,
-                            pp_size=lay.pp, pp_rank=0, rank=0, world_size=lay.world_size, tp_group=None, ep_group=None,
-                            ep_meta_group=None)
-    model = replace(cfg.model, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None)
-    with torch.device("meta"):
-        model_chunks(model, rank0)
+    _meta_chunk_params(cfg, job.resolution)  # rank 0's model chunks, on the meta device, as explain builds them
 
 
 @pytest.mark.parametrize("item", ["optimizer.lr=-1", "optimizer.adam_beta1=1.5", "optimizer.adam_eps=-1",
