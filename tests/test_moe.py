@@ -31,6 +31,7 @@ from overlap.layers.moe.permute import (permute, sort_chunks_by_local_expert, un
                                         unsort_chunks_by_local_expert)
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.parallel.trace import RECORDER
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -266,6 +267,58 @@ def _rank0_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def test_all_to_all_many_is_bit_exact_for_mixed_dtypes_and_uneven_splits():
     for ok in run_world(3, _many_round_trip):
         assert all(ok), ok
+
+
+def _one_rank_exchange() -> tuple:
+    rows, weights = torch.randn(5, 3, requires_grad=True), torch.rand(5, requires_grad=True)
+    RECORDER.discard()
+    sent = (rows * 2, weights + 1)
+    back = comm.all_to_all_many(sent, dist.group.WORLD, "ep_dispatch", [5], [5]).wait()
+    shares = [b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for b, t in zip(back, sent)]
+    return ([b.requires_grad for b in back], shares, [torch.equal(b, t) for b, t in zip(back, sent)],
+            [(e.kind, e.nbytes) for e in RECORDER.drain()[0]])
+
+
+def test_all_to_all_many_in_a_group_of_one_returns_the_tensors_without_copying_and_still_records_the_op():
+    (needs_grad, shares, equal, recorded), = run_world(1, _one_rank_exchange)
+    assert needs_grad == [False, False] and shares == [True, True] and equal == [True, True]
+    assert recorded == [("ep_dispatch", 5 * 3 * 4 + 5 * 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
+    """The grouped kernel (`F.grouped_mm`) and the per-expert loop give the same output, input gradient and weight
+    gradient bit for bit, with empty experts (their weight gradient zeros) and with the weight gradient delayed."""
+    from overlap.layers.wgrad_store import WGRAD_STORE, GroupedLinear, grouped_offsets
+    g = torch.Generator().manual_seed(7)
+    counts = [5, 0, 9, 3, 0, 7]
+    w = torch.nn.Parameter(torch.randn(6, 24, 16, generator=g).to(dtype))
+    rows = torch.randn(sum(counts), 16, generator=g).to(dtype)
+    dy = torch.randn(sum(counts), 24, generator=g).to(dtype)
+    offs = grouped_offsets(counts, rows, (w,))
+    assert offs is not None and offs.tolist() == [5, 5, 14, 17, 17, 24]
+    results = []
+    for kernel_offs in (offs, None):
+        x = rows.clone().requires_grad_()
+        w.grad = None
+        with WGRAD_STORE.delaying(delayed):
+            y = GroupedLinear.apply(x, w, counts, kernel_offs)
+            y.backward(dy)
+        assert (w.grad is None) == delayed
+        WGRAD_STORE.flush()
+        results.append((y.detach(), x.grad, w.grad))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    assert not results[0][2][[1, 4]].any()
+
+
+def test_grouped_gemm_kernel_is_chosen_only_where_its_layout_rule_holds():
+    """16-byte row strides: hidden 8 holds in fp32 (32 bytes), not in bf16 at width 4 (8 bytes)."""
+    from overlap.layers.wgrad_store import grouped_offsets
+    assert grouped_offsets([1, 2], torch.zeros(3, 8), (torch.zeros(2, 4, 8),)) is not None
+    assert grouped_offsets([1, 2], torch.zeros(3, 4, dtype=torch.bfloat16),
+                           (torch.zeros(2, 8, 4, dtype=torch.bfloat16),)) is None
 
 
 def _force_experts_0_and_1(layer: MoELayer) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from overlap.config.model import ModelConfig
 from overlap.layers.init import mark_shard
 from overlap.layers.tensor_parallel import params_dtype
-from overlap.layers.wgrad_store import GroupedLinear
+from overlap.layers.wgrad_store import GroupedLinear, grouped_offsets
 from overlap.parallel.state import ParallelState
 
 
@@ -43,6 +43,7 @@ class GroupedExperts(nn.Module):
 
         The three GEMMs are `GroupedLinear`, whose weight gradients can be delayed (delay_wgrad_compute)."""
         counts = tokens_per_local_expert
-        gate = GroupedLinear.apply(rows, self.gate_weight, counts)
-        up = GroupedLinear.apply(rows, self.up_weight, counts)
-        return GroupedLinear.apply(F.silu(gate) * up, self.down_weight, counts)
+        offs = grouped_offsets(counts, rows, (self.gate_weight, self.down_weight))
+        gate = GroupedLinear.apply(rows, self.gate_weight, counts, offs)
+        up = GroupedLinear.apply(rows, self.up_weight, counts, offs)
+        return GroupedLinear.apply(F.silu(gate) * up, self.down_weight, counts, offs)
