@@ -8,6 +8,15 @@ drift of the machine lands on both; the table gives the median per step and the 
 
     python bench/hf_compute_bench.py --markdown bench/results/hf_compute.md --json bench/results/hf_compute.json
 
+Both run in one process, so each step starts from the heap the other's step left. With glibc's default (a
+large allocation is mmapped below a threshold that moves with what was freed), our step paid 4096 minor page faults
+after every transformers step - the 16 MB embedding gradient's pages, fresh each time, about 20 ms or 2% of the step
+- and 4 when run alone; transformers' step paid none. `--heap fixed` (the default) therefore fixes glibc's mmap
+threshold at its maximum (32 MB) and its trim threshold at 1 GB for the whole process, for both implementations
+alike, so that neither pays for the other's heap (the mmap threshold alone is not enough: fixing it also fixes the
+trim threshold at its 128 KB default, and transformers' step then paid ~12000 faults); `--heap default` leaves the
+allocator alone. The table reports the minor faults per step of each; with the heap fixed, both pay about none.
+
 What it measures is compute only (one rank, no communication): the cost of our layer structure (pieces with autograd
 cut at their boundaries are not used here: the plain model forward), the grouped experts and the loss, against the
 library our users know.
@@ -16,7 +25,9 @@ library our users know.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -75,6 +86,18 @@ def _step_ours(model, tokens, labels) -> float:
     return loss.item()
 
 
+def _fix_heap_thresholds() -> None:
+    """glibc's mallopt: M_MMAP_THRESHOLD 32 MB (allocations up to 32 MB come from the heap, and the threshold stops
+    moving with what was freed) and M_TRIM_THRESHOLD 1 GB (freed heap stays mapped); see the module docstring."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError as err:
+        raise SystemExit(f"--heap fixed needs glibc ({err}); run with --heap default") from err
+    for name, option, value in (("M_MMAP_THRESHOLD", -3, 32 << 20), ("M_TRIM_THRESHOLD", -1, 1 << 30)):
+        if libc.mallopt(option, value) != 1:
+            raise SystemExit(f"--heap fixed: mallopt({name}) was refused; run with --heap default")
+
+
 def _measure(kind: str, dtype: torch.dtype, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hf = _hf_model(kind, args, dtype)
@@ -85,22 +108,30 @@ def _measure(kind: str, dtype: torch.dtype, args: argparse.Namespace) -> dict:
     labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     runs = {"ours": (lambda: _step_ours(ours, tokens, labels)), "transformers": (lambda: _step_hf(hf, tokens, labels))}
     times: dict[str, list[float]] = {name: [] for name in runs}
+    faults: dict[str, list[int]] = {name: [] for name in runs}
     losses = {}
     for i in range(args.warmup + args.repeats):
         order = list(runs) if i % 2 == 0 else list(reversed(runs))
         for name in order:
             for p in (ours if name == "ours" else hf).parameters():
                 p.grad = None
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             losses[name] = runs[name]()
             elapsed = time.perf_counter() - t0
             if i >= args.warmup:
                 times[name].append(elapsed * 1e3)
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     med = {name: statistics.median(t) for name, t in times.items()}
     return {"model": kind, "dtype": str(dtype).removeprefix("torch."), "ours_ms": med["ours"],
             "transformers_ms": med["transformers"], "ratio": med["ours"] / med["transformers"],
             "ours_min_ms": min(times["ours"]), "transformers_min_ms": min(times["transformers"]),
-            "loss_ours": losses["ours"], "loss_transformers": losses["transformers"]}
+            "loss_ours": losses["ours"], "loss_transformers": losses["transformers"],
+            # Each repeat's two steps ran back to back, so their ratio is free of the machine's slower drift.
+            "pair_ratio_median": statistics.median(a / b for a, b in zip(times["ours"], times["transformers"])),
+            "ours_faults_per_step": statistics.median(faults["ours"]),
+            "transformers_faults_per_step": statistics.median(faults["transformers"]),
+            "ours_all_ms": times["ours"], "transformers_all_ms": times["transformers"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,10 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--models", default="moe,dense")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--heap", choices=("fixed", "default"), default="fixed",
+                        help="fixed: glibc's mmap threshold fixed at 32 MB for both (see above); default: as is")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.heap == "fixed":
+        _fix_heap_thresholds()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     rows = [_measure(kind, getattr(torch, dt), args)
             for kind in args.models.split(",") for dt in args.dtypes.split(",")]
@@ -133,12 +168,17 @@ def main(argv: list[str] | None = None) -> int:
              f"Shapes: hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} KV), "
              f"sequence {args.seq}, micro-batch {args.batch}, vocabulary {args.vocab}; MoE: {args.experts} experts "
              f"top-{args.topk}, expert width {args.moe_ffn}; dense MLP width {args.ffn}. One thread, "
-             f"{args.repeats} alternated steps each after {args.warmup} warm-up steps; median ms per forward + backward.",
-             "", "| model | dtype | ours ms | transformers ms | ours / transformers | loss ours | loss transformers |",
-             "|---|---|---|---|---|---|---|"]
+             f"{args.repeats} alternated steps each after {args.warmup} warm-up steps; median ms per forward + backward; "
+             f"\"per pair\": the median of each repeat's ours / transformers (its two steps ran back to back). "
+             f"Heap: {args.heap} (see the script's docstring); faults: median minor page faults per step.",
+             "", "| model | dtype | ours ms | transformers ms | ours / transformers | per pair | loss ours "
+             "| loss transformers | faults ours | faults transformers |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['dtype']} | {r['ours_ms']:.1f} | {r['transformers_ms']:.1f} | "
-                     f"{r['ratio']:.3f} | {r['loss_ours']:.4f} | {r['loss_transformers']:.4f} |")
+                     f"{r['ratio']:.3f} | {r['pair_ratio_median']:.3f} | {r['loss_ours']:.4f} | "
+                     f"{r['loss_transformers']:.4f} | "
+                     f"{r['ours_faults_per_step']:.0f} | {r['transformers_faults_per_step']:.0f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown:
