@@ -166,9 +166,10 @@ def grouped_offsets(counts: list[int], rows: torch.Tensor, weights: Sequence[tor
     """The end row of each expert's group (int32), the grouped GEMM's `offs`, where that kernel takes these tensors;
     None where it does not, and `GroupedLinear` loops over the experts instead.
 
-    The grouped kernel is used on CPU, where it runs every dtype, and only when each operand's row stride is a
-    multiple of 16 bytes (its layout rule: a tiny test model's hidden 8 in bf16 breaks it). On CUDA it is documented
-    for bf16 on SM80+ with its own layout rules, and no GPU has measured it here yet, so CUDA keeps the loop."""
+    The grouped kernel is used on CPU, where it runs fp32, bf16 and fp16 bit-identically to the loop, and only when
+    each operand's row stride is a multiple of 16 bytes (its layout rule: a tiny test model's hidden 4 in bf16 breaks
+    it). On CUDA it is documented for bf16 on SM80+ with its own layout rules, and no GPU has measured it here yet,
+    so CUDA keeps the loop."""
     if rows.device.type != "cpu" or any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
         return None
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
