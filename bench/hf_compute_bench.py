@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="moe,dense")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--heap", choices=("fixed", "default"), default="fixed",
-                        help="fixed: glibc's mmap threshold fixed at 32 MB for both (see above); default: as is")
+                        help="fixed: glibc's mmap (32 MB) and trim (1 GB) thresholds fixed for both (see above); default: as is")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
