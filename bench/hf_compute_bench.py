@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="moe,dense")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--heap", choices=("fixed", "default"), default="fixed",
-                        help="fixed: glibc's mmap (32 MB) and trim (1 GB) thresholds fixed for both (see above); default: as is")
+                        help="fixed: glibc's mmap (32 MB) and trim (1 GB) thresholds fixed for both (see above); "
+                             "default: as is")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
              f"Shapes: hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} KV), "
              f"sequence {args.seq}, micro-batch {args.batch}, vocabulary {args.vocab}; MoE: {args.experts} experts "
              f"top-{args.topk}, expert width {args.moe_ffn}; dense MLP width {args.ffn}. One thread, "
-             f"{args.repeats} alternated steps each after {args.warmup} warm-up steps; median ms per forward + backward; "
+             f"{args.repeats} alternated steps each after {args.warmup} warm-up steps; median ms per forward + "
+             f"backward; "
              f"\"per pair\": the median of each repeat's ours / transformers (its two steps ran back to back). "
              f"Heap: {args.heap} (see the script's docstring); faults: median minor page faults per step.",
              "", "| model | dtype | ours ms | transformers ms | ours / transformers | per pair | loss ours "
