@@ -140,7 +140,10 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
 # 11. Compute next to transformers (issue 16): our single-rank forward + backward vs transformers' eager Qwen3-MoE /
 #     Qwen3 with the same weights, one thread, alternated (bench/hf_compute_bench.py); fp32 again with more steps.
 #     The heap is fixed for both (the script's --heap, default fixed: see its docstring).
-python bench/hf_compute_bench.py --repeats 10 --warmup 2 --json $out/hf_compute.json --markdown $out/hf_compute.md
+#     Ours with attention_backend auto (its CPU rule: unfused in bf16 up to sequence 512) and flash (PyTorch's SDPA
+#     flash kernel), side by side in the same alternation.
+python bench/hf_compute_bench.py --repeats 10 --warmup 2 --attention-backends auto,flash \
+  --json $out/hf_compute.json --markdown $out/hf_compute.md
 python bench/hf_compute_bench.py --repeats 20 --warmup 2 --dtypes float32 \
   --json $out/hf_compute_fp32.json --markdown $out/hf_compute_fp32.md
 

@@ -55,7 +55,7 @@ def _hf_model(kind: str, args: argparse.Namespace, dtype: torch.dtype):
     return model.to(dtype)
 
 
-def _ours(folder: Path, seq: int, dtype: torch.dtype):
+def _ours(folder: Path, seq: int, dtype: torch.dtype, attention_backend: str):
     from overlap.config import ConfigContainer
     from overlap.hf.config import model_config_from_hf, read_hf_config
     from overlap.hf.load import load_hf_weights
@@ -65,6 +65,7 @@ def _ours(folder: Path, seq: int, dtype: torch.dtype):
     model = model_config_from_hf(read_hf_config(folder), seq_length=seq)
     model.moe_aux_loss_coeff = 0.0  # transformers computes no aux loss without output_router_logits
     model.moe_permute_fusion = True  # the vectorised permutation, as the Qwen3 recipes run it (config.json has no say)
+    model.attention_backend = attention_backend
     precision = "bf16_mixed" if dtype == torch.bfloat16 else "fp32"
     cfg = ConfigContainer(model=model, mixed_precision=precision)
     ps = ParallelState(cfg.finalize(1).layout)
@@ -98,40 +99,44 @@ def _fix_heap_thresholds() -> None:
             raise SystemExit(f"--heap fixed: mallopt({name}) was refused; run with --heap default")
 
 
-def _measure(kind: str, dtype: torch.dtype, args: argparse.Namespace) -> dict:
+def _measure(kind: str, dtype: torch.dtype, args: argparse.Namespace) -> list[dict]:
+    """One row per attention backend of ours, each against the same transformers steps (all alternated)."""
+    backends = args.attention_backends.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         hf = _hf_model(kind, args, dtype)
         hf.save_pretrained(tmp)
-        ours = _ours(Path(tmp), args.seq, dtype)
+        models = {"transformers": hf, **{b: _ours(Path(tmp), args.seq, dtype, b) for b in backends}}
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     labels = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    runs = {"ours": (lambda: _step_ours(ours, tokens, labels)), "transformers": (lambda: _step_hf(hf, tokens, labels))}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    faults: dict[str, list[int]] = {name: [] for name in runs}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    faults: dict[str, list[int]] = {name: [] for name in models}
     losses = {}
     for i in range(args.warmup + args.repeats):
-        order = list(runs) if i % 2 == 0 else list(reversed(runs))
+        order = list(models) if i % 2 == 0 else list(reversed(models))
         for name in order:
-            for p in (ours if name == "ours" else hf).parameters():
+            model = models[name]
+            for p in model.parameters():
                 p.grad = None
+            step = _step_hf if name == "transformers" else _step_ours
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
-            losses[name] = runs[name]()
+            losses[name] = step(model, tokens, labels)
             elapsed = time.perf_counter() - t0
             if i >= args.warmup:
                 times[name].append(elapsed * 1e3)
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     med = {name: statistics.median(t) for name, t in times.items()}
-    return {"model": kind, "dtype": str(dtype).removeprefix("torch."), "ours_ms": med["ours"],
-            "transformers_ms": med["transformers"], "ratio": med["ours"] / med["transformers"],
-            "ours_min_ms": min(times["ours"]), "transformers_min_ms": min(times["transformers"]),
-            "loss_ours": losses["ours"], "loss_transformers": losses["transformers"],
-            # Each repeat's two steps ran back to back, so their ratio is free of the machine's slower drift.
-            "pair_ratio_median": statistics.median(a / b for a, b in zip(times["ours"], times["transformers"])),
-            "ours_faults_per_step": statistics.median(faults["ours"]),
-            "transformers_faults_per_step": statistics.median(faults["transformers"]),
-            "ours_all_ms": times["ours"], "transformers_all_ms": times["transformers"]}
+    ref = "transformers"
+    return [{"model": kind, "dtype": str(dtype).removeprefix("torch."), "attention_backend": b,
+             "ours_ms": med[b], "transformers_ms": med[ref], "ratio": med[b] / med[ref],
+             "ours_min_ms": min(times[b]), "transformers_min_ms": min(times[ref]),
+             "loss_ours": losses[b], "loss_transformers": losses[ref],
+             # Each repeat's steps ran back to back, so their ratio is free of the machine's slower drift.
+             "pair_ratio_median": statistics.median(a / r for a, r in zip(times[b], times[ref])),
+             "ours_faults_per_step": statistics.median(faults[b]),
+             "transformers_faults_per_step": statistics.median(faults[ref]),
+             "ours_all_ms": times[b], "transformers_all_ms": times[ref]} for b in backends]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--models", default="moe,dense")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--attention-backends", default="auto",
+                        help="comma-separated model.attention_backend values of ours, each its own row (auto, flash, "
+                             "unfused; see overlap.config.attention)")
     parser.add_argument("--heap", choices=("fixed", "default"), default="fixed",
                         help="fixed: glibc's mmap (32 MB) and trim (1 GB) thresholds fixed for both (see above); "
                              "default: as is")
@@ -161,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.heap == "fixed":
         _fix_heap_thresholds()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    rows = [_measure(kind, getattr(torch, dt), args)
-            for kind in args.models.split(",") for dt in args.dtypes.split(",")]
+    rows = [row for kind in args.models.split(",") for dt in args.dtypes.split(",")
+            for row in _measure(kind, getattr(torch, dt), args)]
     dist.destroy_process_group()
     command = "python bench/hf_compute_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"Command: `{command}`  ",
@@ -171,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
              f"top-{args.topk}, expert width {args.moe_ffn}; dense MLP width {args.ffn}. One thread, "
              f"{args.repeats} alternated steps each after {args.warmup} warm-up steps; median ms per forward + "
              f"backward; "
-             f"\"per pair\": the median of each repeat's ours / transformers (its two steps ran back to back). "
+             f"\"per pair\": the median of each repeat's ours / transformers (the steps of one repeat ran back to back). "
              f"Heap: {args.heap} (see the script's docstring); faults: median minor page faults per step.",
-             "", "| model | dtype | ours ms | transformers ms | ours / transformers | per pair | loss ours "
+             "", "| model | dtype | attention (ours) | ours ms | transformers ms | ours / transformers | per pair | loss ours "
              "| loss transformers | faults ours | faults transformers |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['ours_ms']:.1f} | {r['transformers_ms']:.1f} | "
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['attention_backend']} | {r['ours_ms']:.1f} | {r['transformers_ms']:.1f} | "
                      f"{r['ratio']:.3f} | {r['pair_ratio_median']:.3f} | {r['loss_ours']:.4f} | "
                      f"{r['loss_transformers']:.4f} | "
                      f"{r['ours_faults_per_step']:.0f} | {r['transformers_faults_per_step']:.0f} |")

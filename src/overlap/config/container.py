@@ -1,8 +1,9 @@
 """ConfigContainer: every section of a run, and `finalize(world_size)`, which resolves it in a fixed order.
 
 Order (documented, tested): tokenizer -> mixed precision -> data-parallel size -> data (the tokenizer's padded
-vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint -> flex dispatcher backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that
-snapshot on every call, so calling it twice gives the same result (edits made after the first call are not seen:
+vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint -> flex dispatcher backend -> attention
+backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that snapshot on every
+call, so calling it twice gives the same result (edits made after the first call are not seen:
 build a new container instead).
 """
 
@@ -13,6 +14,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
+from overlap.config.attention import resolve_attention_backend
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, RULE, USER, Decision, DecisionLog
@@ -95,6 +97,7 @@ class ConfigContainer:
         self._validate(layout)
         resolve_checkpoint(self.checkpoint, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
+        resolve_attention_backend(self.model, log, on_cuda=device() is not None)
         return Resolution(world_size, layout, log)
 
     # --- stages ------------------------------------------------------------------------------------------------

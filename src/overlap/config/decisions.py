@@ -123,8 +123,11 @@ class DecisionLog:
     def attribute(self, source: Callable[[str], str]) -> None:
         """Name who set each value the resolution took "directly from the model config": `source(field)` says
         "override", "flag -x" or "recipe" (the harness knows the command line; the resolution does not)."""
-        self.decisions = [replace(d, decided_by=source(d.field)) if d.decided_by == MODEL_CONFIG else d
-                          for d in self.decisions]
+        def named(rows: list[Decision]) -> list[Decision]:
+            return [replace(d, decided_by=source(d.field)) if d.decided_by == MODEL_CONFIG else d for d in rows]
+
+        self.decisions = named(self.decisions)
+        self.sections = {name: named(rows) for name, rows in self.sections.items()}
 
     def get(self, field: str) -> Decision:
         for d in self.decisions:

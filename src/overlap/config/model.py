@@ -35,6 +35,9 @@ class ModelConfig:
     add_qkv_bias: bool = False
     init_method_std: float = 0.02
     share_embeddings_and_output_weights: bool = False
+    # The attention product's kernel (Megatron's AttnBackend names): auto | flash | fused | unfused | local; see
+    # overlap.config.attention for what each runs here and auto's rule.
+    attention_backend: str = "auto"
     gradient_accumulation_fusion: bool = False
     # --- parallel layout ------------------------------------------------------------------------------------------
     tensor_model_parallel_size: int = 1

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from overlap.config.attention import attention_kernel, check_attention_backend
 from overlap.config.tp_overlap import linear_plan
 from overlap.errors import ConfigError
 from overlap.layers.norm import RMSNorm
@@ -20,6 +22,25 @@ from overlap.layers.recompute import maybe_checkpoint, selective_modules
 from overlap.layers.rotary import RotaryEmbedding
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
+
+
+_SDPA_KERNELS = {"flash": [SDPBackend.FLASH_ATTENTION],
+                 "fused": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]}
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention as two batched GEMMs, on [b, heads, s, d] queries and [b, groups, s, d] keys and values:
+    the scores scaled by 1/sqrt(d) with the causal mask added in one `baddbmm`, the softmax in fp32 (as Megatron's
+    unfused attention and transformers' eager one take it), the probabilities cast back to the inputs' dtype for
+    `p v`. Keys and values are repeated per query head so that both products are plain bmm."""
+    b, heads, s, d = q.shape
+    per_group = heads // k.shape[1]
+    k, v = (t.repeat_interleave(per_group, dim=1).reshape(b * heads, s, d) for t in (k, v))
+    mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
+    scores = torch.baddbmm(mask.expand(b * heads, s, s), q.reshape(b * heads, s, d), k.transpose(1, 2),
+                           alpha=d ** -0.5)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, v).view(b, heads, s, d)
 
 
 def _check_heads(config, tp: int) -> None:
@@ -45,6 +66,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, config, ps: ParallelState, layer_number: int) -> None:
         super().__init__()
+        check_attention_backend(config.attention_backend)
         _check_heads(config, ps.tp_size)
         dtype = params_dtype(config)
         self.layer_number = layer_number
@@ -52,6 +74,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.query_groups
         self.local_groups = config.query_groups // ps.tp_size
         self.recompute_core = "core_attn" in selective_modules(config)
+        self.attention_backend = config.attention_backend
         sp = config.sequence_parallel
         qkv_size = config.query_groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, ps, sp, bias=config.add_qkv_bias,
@@ -77,11 +100,19 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         return self.rotary(q), self.rotary(k), v
 
-    @staticmethod
-    def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v; query head i reads key/value group i // heads_per_group."""
-        out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                             is_causal=True, enable_gqa=True)
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v; query head i reads key/value group i // heads_per_group. The kernel is
+        `model.attention_backend`'s on this device (overlap.config.attention)."""
+        q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        kernel, _ = attention_kernel(self.attention_backend, q.is_cuda, str(q.dtype).removeprefix("torch."),
+                                     q.shape[2])
+        if kernel == "unfused":
+            out = unfused_attention(q, k, v)
+        elif kernel == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            with sdpa_kernel(_SDPA_KERNELS[kernel]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         b, heads, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
 
