@@ -138,3 +138,20 @@ def test_attention_layer_refuses_unknown_backend() -> None:
     config = ModelConfig(attention_backend="xformers")
     with pytest.raises(ConfigError):
         SelfAttention(config, None, 0)
+
+
+def test_explain_names_the_kernel_per_target(capsys) -> None:
+    """`explain` resolves for the target -g names: CPU bf16 at the tiny recipe's sequence is unfused, an H100 runs
+    SDPA's own choice, and fused on CPU exits 2 with the field named (no traceback)."""
+    from overlap.cli import main
+
+    base = ["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "4", "-c", "bf16"]
+    assert main([*base, "-g", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("model.attention_backend") and " unfused " in line for line in out.splitlines())
+    assert main([*base, "-g", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("model.attention_backend") and " sdpa " in line for line in out.splitlines())
+    assert main([*base, "-g", "cpu", "model.attention_backend=fused"]) == 2
+    err = capsys.readouterr().err
+    assert "model.attention_backend='fused'" in err and "Traceback" not in err

@@ -355,10 +355,9 @@ def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
     precision = cfg.mixed_precision  # a preset name, or the preset (the flag's or the override's name is recorded)
     precision_name = line.overrides.get("mixed_precision", line.flags["mixed_precision"].value
                                         if "mixed_precision" in line.flags else precision)
-    # explain describes the target -g names; a run uses CUDA unless -g cpu, and then has no GPU whatever it probes.
-    device = (lambda: TARGET_DEVICES[args.gpu]) if describe_target or args.gpu == "cpu" else probe_device
+    device = (lambda: TARGET_DEVICES[args.gpu]) if describe_target else probe_device
     res = cfg.finalize(args.num_gpus, device=device, require_libraries=not describe_target,
-                       command_line=command_line)
+                       command_line=command_line, on_cuda=args.gpu != "cpu")  # as `run` places its ranks
     estimate = check_representable(cfg, res.layout)  # before anything builds even a meta-device model
     if _buckets_need_model(cfg, res, estimate):
         detect_model_noops(cfg, res)

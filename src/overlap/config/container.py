@@ -69,10 +69,11 @@ class ConfigContainer:
     _requested: "ConfigContainer | None" = field(default=None, repr=False, compare=False)
 
     def finalize(self, world_size: int, device=probe_device, require_libraries: bool = True,
-                 command_line: Sequence[Decision] = ()) -> Resolution:
+                 command_line: Sequence[Decision] = (), on_cuda: bool | None = None) -> Resolution:
         """Resolve for `world_size` ranks. `device` says which GPU the flex-dispatcher rules check (this machine's by
         default; `explain` passes the target named by -g), `require_libraries` whether kernel libraries must be
-        importable here, `command_line` the harness's own decisions (flags beaten by overrides), logged first."""
+        importable here, `command_line` the harness's own decisions (flags beaten by overrides), logged first,
+        `on_cuda` whether the ranks compute on CUDA (the attention rule; None: whether `device` finds a GPU)."""
         if world_size < 1:
             raise ConfigError("-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more.")
         if self._requested is None:
@@ -97,7 +98,7 @@ class ConfigContainer:
         self._validate(layout)
         resolve_checkpoint(self.checkpoint, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
-        resolve_attention_backend(self.model, log, on_cuda=device() is not None)
+        resolve_attention_backend(self.model, log, device() is not None if on_cuda is None else on_cuda)
         return Resolution(world_size, layout, log)
 
     # --- stages ------------------------------------------------------------------------------------------------
