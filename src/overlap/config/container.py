@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
+import torch
+
 from overlap.config.attention import resolve_attention_backend
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
@@ -73,7 +75,7 @@ class ConfigContainer:
         """Resolve for `world_size` ranks. `device` says which GPU the flex-dispatcher rules check (this machine's by
         default; `explain` passes the target named by -g), `require_libraries` whether kernel libraries must be
         importable here, `command_line` the harness's own decisions (flags beaten by overrides), logged first,
-        `on_cuda` whether the ranks compute on CUDA (the attention rule; None: whether `device` finds a GPU)."""
+        `on_cuda` whether the ranks compute on CUDA (the attention rule; None: whether CUDA is available here)."""
         if world_size < 1:
             raise ConfigError("-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more.")
         if self._requested is None:
@@ -98,7 +100,7 @@ class ConfigContainer:
         self._validate(layout)
         resolve_checkpoint(self.checkpoint, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
-        resolve_attention_backend(self.model, log, device() is not None if on_cuda is None else on_cuda)
+        resolve_attention_backend(self.model, log, torch.cuda.is_available() if on_cuda is None else on_cuda)
         return Resolution(world_size, layout, log)
 
     # --- stages ------------------------------------------------------------------------------------------------
