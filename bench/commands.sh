@@ -60,6 +60,18 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 
   --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
   --json $out/ep_overlap_one_rank_per_core.json --markdown $out/ep_overlap_one_rank_per_core.md \
   model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
+# 4e. 4b again after this machine's CPU changed (now an AMD EPYC with native bf16: the bf16 compute is ~8x faster, the
+#     no-EP floor 718 ms against 6101 before), at 4b's 20 MB/s and at 60 MB/s, where the link time is nearer the
+#     compute that can cover it (at 20 MB/s the EP communication is ~1250 ms of a 1967 ms off step).
+for bw in 20 60; do
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
+  --network model:1ms,${bw}MB/s,ep --ideal-family ep --repeats 3 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_epyc_${bw}MBs.json --markdown $out/ep_overlap_epyc_${bw}MBs.md \
+  model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
+done
 # 4d. The same, dropless, with the router's load forced balanced (moe_router_force_load_balancing, as Bridge's perf
 #     recipe for this overlap does): tests whether the routing imbalance explains what 4b leaves exposed, without
 #     4c's drops and padding.
