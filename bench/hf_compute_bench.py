@@ -178,16 +178,16 @@ def main(argv: list[str] | None = None) -> int:
              f"sequence {args.seq}, micro-batch {args.batch}, vocabulary {args.vocab}; MoE: {args.experts} experts "
              f"top-{args.topk}, expert width {args.moe_ffn}; dense MLP width {args.ffn}. One thread, "
              f"{args.repeats} alternated steps each after {args.warmup} warm-up steps; median ms per forward + "
-             f"backward; "
-             f"\"per pair\": the median of each repeat's ours / transformers (the steps of one repeat ran back to back). "
-             f"Heap: {args.heap} (see the script's docstring); faults: median minor page faults per step.",
-             "", "| model | dtype | attention (ours) | ours ms | transformers ms | ours / transformers | per pair | loss ours "
-             "| loss transformers | faults ours | faults transformers |",
+             f"backward; \"per pair\": the median of each repeat's ours / transformers (the steps of one repeat ran "
+             f"back to back). Heap: {args.heap} (see the script's docstring); faults: median minor page faults per "
+             f"step.",
+             "", "| model | dtype | attention (ours) | ours ms | transformers ms | ours / transformers | per pair "
+             "| loss ours | loss transformers | faults ours | faults transformers |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['attention_backend']} | {r['ours_ms']:.1f} | {r['transformers_ms']:.1f} | "
-                     f"{r['ratio']:.3f} | {r['pair_ratio_median']:.3f} | {r['loss_ours']:.4f} | "
-                     f"{r['loss_transformers']:.4f} | "
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['attention_backend']} | {r['ours_ms']:.1f} | "
+                     f"{r['transformers_ms']:.1f} | {r['ratio']:.3f} | {r['pair_ratio_median']:.3f} | "
+                     f"{r['loss_ours']:.4f} | {r['loss_transformers']:.4f} | "
                      f"{r['ours_faults_per_step']:.0f} | {r['transformers_faults_per_step']:.0f} |")
     text = "\n".join(lines) + "\n"
     print(text)

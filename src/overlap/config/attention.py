@@ -8,7 +8,7 @@ matmul-softmax-matmul, `auto` lets the runtime choose. Here the kernels are PyTo
   in fp32, `p v` - two batched GEMMs that keep the `[s, s]` scores;
 - `auto`: SDPA with PyTorch's own choice, except on CPU in bf16 at sequences up to `UNFUSED_MAX_SEQ` where it is
   `unfused`. PyTorch's CPU flash kernel's backward is the slow half there: in the model at hidden 512, sequence 256,
-  the unfused product made the whole bf16 step ~10% faster (`bench/hf_compute_bench.py --attention-backends
+  the unfused product made the whole bf16 step 13-15% faster (`bench/hf_compute_bench.py --attention-backends
   auto,flash`, results in `bench/results/hf_compute.md`), while in fp32 the two are within noise and at long
   sequences flash wins by 2x and more (the scores grow with s^2). fp16 on CPU stays on flash: its unfused GEMMs are
   slower still.
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
-# Kernels the layer runs: "sdpa" is PyTorch's own choice among its SDPA kernels.
-KERNELS = ("sdpa", "flash", "fused", "unfused")
 UNFUSED_MAX_SEQ = 512
 
 
@@ -40,7 +38,8 @@ def check_attention_backend(backend: Any) -> None:
 
 
 def attention_kernel(backend: str, on_cuda: bool, params_dtype: str, seq_length: int) -> tuple[str, str]:
-    """The kernel `backend` runs on this device, and why."""
+    """The kernel `backend` runs on this device, and why: "flash", "fused", "unfused", or "sdpa" (PyTorch's own
+    choice among its SDPA kernels)."""
     check_attention_backend(backend)
     if backend == "local":
         return "unfused", "Megatron's local core attention is the unfused one: matmul, softmax in fp32, matmul"
