@@ -264,3 +264,25 @@ def test_flag_override_contradictions_name_the_flag(capsys):
 ])
 def test_windows_and_sizes_the_run_would_silently_change(argv, field, capsys):
     refused(["explain", *DENSE, *argv], capsys, field)
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("[0,1,1]", "one entry per layer (2)"),  # the tiny MoE recipe has 2 layers
+    ("[0,2]", "each 1 (MoE) or 0 (dense)"),
+    ("[0,0]", "no layer is MoE"),
+    ("0", "it must be >= 1"),
+])
+def test_moe_layer_freq_pattern_is_checked(value, needle, capsys):
+    """Megatron's per-layer form of moe_layer_freq: a wrong length, a value other than 0/1, or no MoE layer at all
+    are refused by name before anything is built."""
+    refused(["explain", *MOE, f"model.moe_layer_freq={value}"], capsys, "model.moe_layer_freq=", needle)
+
+
+def test_moe_layer_freq_pattern_counts_like_the_int_form(capsys):
+    """[0, 1] is one MoE and one dense layer, as k=2 ([1, 0]) is: the same parameter count, fewer than all-MoE."""
+    params = {}
+    for value in ("[0,1]", "2", "1"):
+        code, out, err = run(["explain", *MOE, f"model.moe_layer_freq={value}", "--json"], capsys)
+        assert code == 0, err
+        params[value] = json.loads(out)["memory_per_rank"]["params"]
+    assert params["[0,1]"] == params["2"] < params["1"]

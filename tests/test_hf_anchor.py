@@ -5,7 +5,8 @@ norm weights around 1, so that attention, routing and the QK norms do real work 
 logit nearly 0 and any comparison trivially small) are saved with `save_pretrained` and loaded into our model:
 
 - logits equal transformers' within atol 1e-4 (fp32; measured max |diff| ~1e-6: only the summation order differs;
-  also with norm_topk_prob=false, our model.moe_router_pre_softmax)
+  also with norm_topk_prob=false, our model.moe_router_pre_softmax, and with decoder_sparse_step=2, our per-layer
+  model.moe_layer_freq [0, 1])
   at one rank, TP2 (+SP), EP2, TP2 x EP2, PP2, TP2 x PP2 and EP2 x PP2, every rank loading only its own shards
   from the files;
 - the gradients of one backward (mean cross-entropy) equal transformers' within atol 1e-5 at one rank, read back
@@ -52,10 +53,13 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(kind: str, folder: Path) -> dict:
     """Save a tiny random HF model to `folder`; return its logits and the grads of the mean cross-entropy.
-    "moe_unnormalised": the MoE model with norm_topk_prob=false (transformers' default)."""
+    "moe_unnormalised": the MoE model with norm_topk_prob=false (transformers' default); "moe_sparse_step": with
+    decoder_sparse_step=2 (layer 0 dense, layer 1 MoE: our per-layer moe_layer_freq [0, 1])."""
     torch.manual_seed(0)
     if kind.startswith("moe"):
-        config = transformers.Qwen3MoeConfig(**COMMON, **dict(MOE, norm_topk_prob=kind == "moe"))
+        sparse = dict(decoder_sparse_step=2) if kind == "moe_sparse_step" else {}
+        config = transformers.Qwen3MoeConfig(**COMMON, **dict(MOE, norm_topk_prob=kind != "moe_unnormalised"),
+                                             **sparse)
         model = transformers.Qwen3MoeForCausalLM(config)
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON))
@@ -73,7 +77,7 @@ def _reference(kind: str, folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     out = {}
-    for kind in ("moe", "dense", "moe_unnormalised"):
+    for kind in ("moe", "dense", "moe_unnormalised", "moe_sparse_step"):
         folder = tmp_path_factory.mktemp(f"hf_{kind}")
         out[kind] = (folder, _reference(kind, folder))
     return out
@@ -146,7 +150,8 @@ LAYOUTS = {"1": (1, {}),
 
 
 @pytest.mark.parametrize("kind,name", [("moe", n) for n in LAYOUTS] + [("dense", n) for n in ("1", "tp2_sp", "pp2")]
-                         + [("moe_unnormalised", n) for n in ("1", "ep2")])
+                         + [("moe_unnormalised", n) for n in ("1", "ep2")]
+                         + [("moe_sparse_step", n) for n in ("1", "ep2", "pp2")])
 def test_logits_match_transformers(hf_models, kind, name):
     folder, ref = hf_models[kind]
     world, layout = LAYOUTS[name]
@@ -158,7 +163,7 @@ def test_logits_match_transformers(hf_models, kind, name):
         assert diff < 1e-4, f"{kind} at {name}: max |logits - transformers| = {diff:.3g}"
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "moe_unnormalised"])
+@pytest.mark.parametrize("kind", ["moe", "dense", "moe_unnormalised", "moe_sparse_step"])
 def test_gradients_match_transformers(hf_models, kind):
     from overlap.hf.config import model_config_from_hf, read_hf_config
     from overlap.hf.load import DictSource, read_shard

@@ -131,6 +131,12 @@ def test_config_both_directions():
     assert not model_config_from_hf(dense).is_moe
     every_other = model_config_from_hf({**HF, "mlp_only_layers": [1]})
     assert every_other.moe_layer_freq == 2
+    # decoder_sparse_step=2 makes layer 1 (not 0) MoE: no int k says that, the per-layer list does, and it exports
+    # back to the same layers (as mlp_only_layers).
+    odd = model_config_from_hf({**HF, "decoder_sparse_step": 2})
+    assert odd.moe_layer_freq == [0, 1] and [odd.is_moe_layer(i) for i in range(2)] == [False, True]
+    exported = hf_config_from_model(odd, "float32", None)
+    assert exported["mlp_only_layers"] == [0] and model_config_from_hf(exported) == odd
     unnormalised = model_config_from_hf({**HF, "norm_topk_prob": False})
     assert unnormalised.moe_router_pre_softmax and not cfg.moe_router_pre_softmax
     assert hf_config_from_model(unnormalised, "float32", None)["norm_topk_prob"] is False
@@ -141,7 +147,7 @@ def test_config_both_directions():
     ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_parameters"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"decoder_sparse_step": 3}, "decoder_sparse_step"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"use_sliding_window": True}, "use_sliding_window"),

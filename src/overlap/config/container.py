@@ -32,6 +32,21 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
+def _check_moe_layer_freq(m: ModelConfig) -> None:
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != m.num_layers or any(v not in (0, 1) for v in freq):
+            raise ConfigError("model.moe_layer_freq", freq, f"a per-layer pattern has one entry per layer "
+                              f"({m.num_layers}), each 1 (MoE) or 0 (dense).",
+                              f"give {m.num_layers} entries of 0/1, or an int k for every k-th layer.")
+        if not any(freq):
+            raise ConfigError("model.moe_layer_freq", freq, "no layer is MoE, yet num_moe_experts is set.",
+                              "mark at least one layer 1, or drop num_moe_experts for a dense model.")
+    elif freq < 1:
+        raise ConfigError("model.moe_layer_freq", freq, "it must be >= 1.",
+                          "use 1 for all-MoE layers, k for every k-th layer, or a per-layer 0/1 list.")
+
+
 def _hf_checkpoint_vocab(path: str | None) -> int | None:
     """The vocabulary size in a Hugging Face folder's config.json (None: not an HF folder, or no such field)."""
     import json
@@ -275,9 +290,7 @@ class ConfigContainer:
             if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
                 raise NotBuiltError("model.moe_router_load_balancing_type", m.moe_router_load_balancing_type,
                                     "This load-balancing type", "use aux_loss or none.")
-            if m.moe_layer_freq < 1:
-                raise ConfigError("model.moe_layer_freq", m.moe_layer_freq, "it must be >= 1.",
-                                  "use 1 for all-MoE layers, k for every k-th layer.")
+            _check_moe_layer_freq(m)
             if m.moe_expert_capacity_factor is not None and not m.moe_expert_capacity_factor > 0:
                 raise ConfigError("model.moe_expert_capacity_factor", m.moe_expert_capacity_factor,
                                   "an expert capacity factor must be > 0.",

@@ -15,6 +15,16 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def moe_layer_freq_for(moe: list[bool]) -> int | list[int]:
+    """The moe_layer_freq that makes exactly the layers flagged in `moe` MoE: an int k where one does, else the
+    per-layer list."""
+    n = len(moe)
+    for k in range(1, n + 1):
+        if moe == [i % k == 0 for i in range(n)]:
+            return k
+    return [int(flag) for flag in moe]
+
+
 @dataclass
 class ModelConfig:
     # --- transformer dimensions -----------------------------------------------------------------------------------
@@ -63,7 +73,9 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
     moe_shared_expert_intermediate_size: int | None = None  # None: no shared expert
-    moe_layer_freq: int = 1  # every k-th layer is MoE (1: all layers); the others are dense
+    # Megatron's two forms: an int k (layers 0, k, 2k, ... are MoE; 1: all) or one entry per layer, 1 MoE / 0 dense
+    # (e.g. [0, 1, 0, 1]: what a Qwen3-MoE config.json with decoder_sparse_step=2 or mlp_only_layers describes).
+    moe_layer_freq: int | list[int] = 1
     moe_token_dispatcher_type: str = "alltoall"  # "alltoall" | "flex" ("allgather" is the reference's, not built)
     moe_flex_dispatcher_backend: str | None = None  # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
     moe_shared_expert_overlap: bool | None = None  # None: not set (resolved off, logged)
@@ -132,5 +144,16 @@ class ModelConfig:
         return self.moe_ffn_hidden_size or self.ffn_size
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        """Layer numbers count from 0; with moe_layer_freq k, layers 0, k, 2k, ... are MoE (k=1: all)."""
-        return self.is_moe and layer_number % self.moe_layer_freq == 0
+        """Layer numbers count from 0; with moe_layer_freq k, layers 0, k, 2k, ... are MoE (k=1: all); with a list,
+        the layers whose entry is 1."""
+        if not self.is_moe:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            return bool(self.moe_layer_freq[layer_number])
+        return layer_number % self.moe_layer_freq == 0
+
+    @property
+    def moe_layer_pattern(self) -> int | list[int]:
+        """moe_layer_freq in its shortest form: the int k when every k-th layer from 0 is MoE, else the list (so that
+        [1, 0, 1, 0] and 2 compare as the same model)."""
+        return moe_layer_freq_for([self.is_moe_layer(i) for i in range(self.num_layers)])

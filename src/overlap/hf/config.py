@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from overlap.config.model import ModelConfig
+from overlap.config.model import ModelConfig, moe_layer_freq_for
 from overlap.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("overlap.hf")
@@ -46,7 +46,7 @@ ARCH_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
                "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
                "num_moe_experts": "num_moe_experts"}
 MOE_FIELDS = {"moe_router_topk": "moe_router_topk", "moe_ffn_hidden_size": "moe_ffn_size",
-              "moe_layer_freq": "moe_layer_freq", "moe_router_pre_softmax": "moe_router_pre_softmax",
+              "moe_layer_freq": "moe_layer_pattern", "moe_router_pre_softmax": "moe_router_pre_softmax",
               "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"}
 
 
@@ -79,19 +79,19 @@ def rope_theta(hf: dict) -> float:
     return float(theta)
 
 
-def moe_layer_freq(hf: dict, num_layers: int) -> int:
-    """Our moe_layer_freq k (layers 0, k, 2k, ... are MoE) for HF's rule: layer i is MoE iff i is not in
-    mlp_only_layers and (i + 1) % decoder_sparse_step == 0. Refused when no k gives the same set of layers."""
+def moe_layer_freq(hf: dict, num_layers: int) -> int | list[int]:
+    """Our moe_layer_freq for HF's rule (layer i is MoE iff i is not in mlp_only_layers and (i + 1) %
+    decoder_sparse_step == 0): the int k where every k-th layer from 0 is MoE, else the per-layer 0/1 list. Refused
+    when no layer would be MoE (that is a dense model with experts configured)."""
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     dense_only = set(hf.get("mlp_only_layers") or [])
-    theirs = [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
-    for k in range(1, num_layers + 1):
-        if theirs == list(range(0, num_layers, k)):
-            return k
-    raise _refuse("decoder_sparse_step/mlp_only_layers", {"decoder_sparse_step": step,
-                                                          "mlp_only_layers": sorted(dense_only)},
-                  f"these make layers {theirs} MoE; our model.moe_layer_freq k makes layers 0, k, 2k, ... MoE and "
-                  "no k gives that set.", "use a checkpoint whose MoE layers are every k-th layer from layer 0.")
+    moe = [i not in dense_only and (i + 1) % step == 0 for i in range(num_layers)]
+    if not any(moe):
+        raise _refuse("decoder_sparse_step/mlp_only_layers", {"decoder_sparse_step": step,
+                                                              "mlp_only_layers": sorted(dense_only)},
+                      f"these leave none of the {num_layers} layers MoE.",
+                      "use a checkpoint with at least one MoE layer, or a dense Qwen3 one.")
+    return moe_layer_freq_for(moe)
 
 
 def _require(hf: dict, key: str, neutral: Any, why: str) -> None:

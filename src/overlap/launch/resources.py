@@ -114,7 +114,12 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
     dense_mlp = [linear(fused * ffn, h), linear(h, ffn)]
     layers = _stage_layers(m.num_layers, layout.pp, m.num_layers_in_first_pipeline_stage,
                            m.num_layers_in_last_pipeline_stage)
-    n_moe = -(-layers // max(1, m.moe_layer_freq)) if m.is_moe else 0  # layers 0, k, 2k, ... are MoE
+    if not m.is_moe:
+        n_moe = 0
+    elif isinstance(m.moe_layer_freq, list):  # at most all of the stage's layers, at most all MoE layers
+        n_moe = min(layers, sum(m.moe_layer_freq))
+    else:
+        n_moe = -(-layers // max(1, m.moe_layer_freq))  # layers 0, k, 2k, ... are MoE
     n_dense = layers - n_moe
     params = expert = largest = 0
 
