@@ -150,7 +150,7 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
   --ideal --repeats 2 --json $out/pp_schedules_2ranks.json --markdown $out/pp_schedules_2ranks.md model.num_layers=8
 
 # 11. Compute next to transformers (issue 16): our single-rank forward + backward vs transformers' eager Qwen3-MoE /
-#     Qwen3 with the same weights, one thread, alternated (bench/hf_compute_bench.py); fp32 again with more steps.
+#     Qwen3 with the same weights, one thread, alternated (bench/hf_compute_bench.py); each dtype again with more steps.
 #     The heap is fixed for both (the script's --heap, default fixed: see its docstring).
 #     Ours with attention_backend auto (its CPU rule: unfused in bf16 up to sequence 512) and flash (PyTorch's SDPA
 #     flash kernel), side by side in the same alternation.
@@ -158,6 +158,8 @@ python bench/hf_compute_bench.py --repeats 10 --warmup 2 --attention-backends au
   --json $out/hf_compute.json --markdown $out/hf_compute.md
 python bench/hf_compute_bench.py --repeats 20 --warmup 2 --dtypes float32 \
   --json $out/hf_compute_fp32.json --markdown $out/hf_compute_fp32.md
+python bench/hf_compute_bench.py --repeats 20 --warmup 2 --dtypes bfloat16 \
+  --json $out/hf_compute_bf16.json --markdown $out/hf_compute_bf16.md
 
 # 12. Pipeline p2p on a modelled link (PP=2 on 2 ranks, one per core; only pp kinds on the link, 1 ms + 10 MB/s):
 #     transfers start when both sides have posted (the stamps of comm.p2p), so this is the regime where the overlapped
