@@ -8,6 +8,8 @@ import math
 import random
 import struct
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import numpy as np
 import pytest
 import torch.distributed as dist
@@ -182,3 +184,26 @@ def test_preprocess_cli(tmp_path, tokenizer_dir, capsys):
     assert main(["preprocess", "--input", str(source), "--json-keys", "body", "--tokenizer-model",
                  str(tokenizer_dir), "--output-prefix", str(tmp_path / "o2")]) == 2
     assert "--json-keys='body'" in capsys.readouterr().err
+
+
+def _greedy_blend_spec(weights: list[float], num_samples: int) -> np.ndarray:
+    """The reference's rule written as it reads, over numpy arrays: argmax of w * max(k, 1) - taken."""
+    w = np.asarray(weights, dtype=np.float64) / float(sum(weights))
+    taken = np.zeros(len(w), dtype=np.int64)
+    which = np.zeros(num_samples, dtype=np.int64)
+    for k in range(num_samples):
+        which[k] = int(np.argmax(w * max(k, 1.0) - taken))
+        taken[which[k]] += 1
+    return which
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(min_value=0.01, max_value=100.0) | st.sampled_from([1.0, 1.0, 0.5]), min_size=1,
+                max_size=6))
+def test_blending_indices_follow_the_greedy_rule(weights):
+    """The fast loop makes exactly the rule's choices, ties (equal weights) included, and numbers each dataset's
+    samples 0, 1, 2, ... in order."""
+    which, positions = blending_indices(weights, 300)
+    assert np.array_equal(which, _greedy_blend_spec(weights, 300))
+    for i in range(len(weights)):
+        assert positions[which == i].tolist() == list(range(int((which == i).sum())))

@@ -100,16 +100,28 @@ class Blend:
 
 
 def blending_indices(weights: list[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """The reference's greedy blending: each sample goes to the dataset furthest below its share."""
-    w = np.asarray(weights, dtype=np.float64) / float(sum(weights))
-    which = np.zeros(num_samples, dtype=np.int64)
-    positions = np.zeros(num_samples, dtype=np.int64)
-    taken = np.zeros(len(w), dtype=np.int64)
+    """The reference's greedy blending: sample k goes to the dataset furthest below its share, the first of equals
+    (argmax of w_i * max(k, 1) - taken_i).
+
+    Each choice depends on the previous ones, so this is a loop; it runs on Python floats and lists, which cost
+    ~0.7 us per sample against ~4 us for the same loop over numpy scalars (a run of 50M samples: ~40 s instead of
+    ~200 s at start-up). The arithmetic is the same IEEE double arithmetic, so the choices are identical."""
+    total = float(sum(weights))
+    w = [float(x) / total for x in weights]
+    which = [0] * num_samples
+    positions = [0] * num_samples
+    taken = [0] * len(w)
+    others = range(1, len(w))
     for k in range(num_samples):
-        i = int(np.argmax(w * max(k, 1.0) - taken))
-        which[k], positions[k] = i, taken[i]
-        taken[i] += 1
-    return which, positions
+        scale = float(max(k, 1))
+        best, best_gap = 0, w[0] * scale - taken[0]
+        for i in others:
+            gap = w[i] * scale - taken[i]
+            if gap > best_gap:
+                best, best_gap = i, gap
+        which[k], positions[k] = best, taken[best]
+        taken[best] += 1
+    return np.asarray(which, dtype=np.int64), np.asarray(positions, dtype=np.int64)
 
 
 def parse_blend(blend) -> tuple[list[str], list[float]]:
