@@ -14,15 +14,16 @@ hidden], so the sequence dim is 0; torchtitan's [batch, seq, hidden] uses Shard(
 
     self_attention.linear_qkv   ColwiseParallel(input_layouts=Shard(0))   SP all-gather -> column GEMM
     self_attention.linear_proj  RowwiseParallel(output_layouts=Shard(0))  row GEMM -> SP reduce-scatter
-    mlp.linear_fc1              ColwiseParallel(input_layouts=Shard(0))   (gate and up fused, see below)
+    mlp.linear_fc1              PrepareModuleInput(Shard(0) -> Replicate) SP all-gather, once for gate and up
+    mlp.linear_fc1.parts.{0,1}  ColwiseParallel()                         gate, up: column GEMMs (see below)
     mlp.linear_fc2              RowwiseParallel(output_layouts=Shard(0))
 
 Without sequence parallelism the styles keep their default layouts (replicated input: identity forward and
 all-reduce backward; replicated output: all-reduce forward). Both styles return local tensors (`use_local_output`),
 so the attention core, SwiGLU and our norms between them see exactly the local tensors ours do. torchtitan's
-`SequenceParallel` on the norms and `PrepareModuleInput` on the attention / MLP blocks are not used: our norms are
-ours, and since qkv and gate/up are fused GEMMs each block has one column-parallel input, so the all-gather sits in
-that linear's own input layout instead of in a block-level PrepareModuleInput - the same one collective either way.
+`SequenceParallel` on the norms is not used (our norms are ours), and attention's qkv is one fused GEMM, so its
+all-gather sits in that linear's own input layout rather than in a block-level `PrepareModuleInput` - the same one
+collective either way.
 
 The styles are torch's own, applied by `parallelize_module` unmodified (to `nn.Linear`s, which they require). One
 deviation, in parameter storage, for our data-parallel runtime: the styles turn each weight into a DTensor
@@ -36,11 +37,12 @@ the local gradient, so autograd accumulates a plain `.grad` into that parameter 
 same move keeps the layout-independent initialisation (`layers/init.py`: the full tensor per parameter name, each
 rank keeps its slice) exactly ours, so losses match our implementation.
 
-The fused fc1 weight is [2, ffn/tp, hidden] per rank: each rank holds a slice of both gate and up ([gate_r; up_r]).
-It is presented to DTensor as its 2-D view [2*ffn/tp, hidden] with Shard(0), so DTensor's notion of the full fc1
-weight is [gate_0; up_0; gate_1; up_1; ...] (rank-blocked rows) rather than our logical [2, ffn, hidden]: a
-permutation of the same rows that nothing reads, since the output goes back to local tensors at once and SwiGLU
-splits each rank's local [gate_r, up_r] as ours does.
+The gated fc1 is torchtitan's feed-forward input: one `PrepareModuleInput` (the SP all-gather, or the replicated
+entry without SP, once for both) and one ColwiseParallel linear per fused part (its w1 and w3), because ours runs
+gate and up as two GEMMs too (`ColumnParallelLinear(split=True)`): the same GEMMs on the same local shards, so the
+losses stay bit-identical. Our weight is one Parameter [2, ffn/tp, hidden] (each rank holds a slice of both gate and
+up); `FusedColumnPeer` keeps it under its name and each part reads its slice [ffn/tp, hidden] (Shard(0) of the part's
+full [ffn, hidden]) at every forward, so the distributed optimizer's parameter views stay the ones read.
 
 Wiring and scope: the Trainer builds our model chunks, calls `parallelize_layers` on each chunk's layers, then
 initialises the weights and builds DDP and the optimizer as always. Dense models at TP >= 2, with or without
@@ -52,11 +54,14 @@ torch.compile pass on CUDA). `--comm-mode none` and modelled links do not reach 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 
 from overlap.parallel.state import ParallelState
 
@@ -65,41 +70,79 @@ class LocalShardLinear(nn.Linear):
     """`y = x W^T` for a DTensor input, with W kept as this rank's plain local shard (see the module docstring).
 
     Built on the meta device at the full logical size so that a ColwiseParallel / RowwiseParallel style can partition
-    it; `adopt` then swaps in the real local Parameter and remembers the placement the style gave the weight.
+    it; `adopt` then swaps in the real local Parameter (or, for a part of a fused weight, a function returning its
+    slice of the parent's Parameter) and remembers the placement the style gave the weight.
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__(in_features, out_features, bias=False, device="meta", dtype=dtype)
         self.weight_placements: tuple | None = None
+        self._slice: Callable[[], torch.Tensor] | None = None
 
-    def adopt(self, local: nn.Parameter) -> None:
-        """Replace the (meta) DTensor weight the style made with `local`, our shard of the same logical weight."""
+    def adopt(self, local: nn.Parameter | Callable[[], torch.Tensor]) -> None:
+        """Replace the (meta) DTensor weight the style made with `local`, our shard of the same logical weight: a
+        Parameter registered here, or a function returning a slice of a Parameter registered elsewhere."""
         planned = self.weight
         if not isinstance(planned, DTensor):
             raise RuntimeError(f"{type(self).__name__}.adopt: parallelize_module has not partitioned this linear")
-        local_2d = local.reshape(-1, local.shape[-1]).shape
+        tensor = local if isinstance(local, nn.Parameter) else local()
+        local_2d = tensor.reshape(-1, tensor.shape[-1]).shape
         if tuple(planned.to_local().shape) != tuple(local_2d):
             raise RuntimeError(f"{type(self).__name__}.adopt: the style's local weight is "
                                f"{tuple(planned.to_local().shape)}, ours is {tuple(local_2d)} (placements "
                                f"{planned.placements})")
         self.weight_placements = planned.placements
-        self.register_parameter("weight", local)
+        if isinstance(local, nn.Parameter):
+            self.register_parameter("weight", local)
+        else:
+            self.register_parameter("weight", None)
+            self._slice = local
 
     def forward(self, x: DTensor) -> DTensor:
-        weight = self.weight.reshape(-1, self.weight.shape[-1])  # fused fc1: [2, ffn/tp, in] -> its rows [gate_r; up_r]
+        weight = self.weight if self._slice is None else self._slice()
+        weight = weight.reshape(-1, weight.shape[-1])  # a fused qkv weight keeps its own shape
         return F.linear(x, DTensor.from_local(weight, x.device_mesh, self.weight_placements, run_check=False))
 
 
-def layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The `parallelize_module` plan of one transformer layer (module paths relative to the layer)."""
-    sequence = Shard(0)  # activations are [seq, batch, hidden]
-    if sequence_parallel:
-        return {"self_attention.linear_qkv": ColwiseParallel(input_layouts=sequence),
-                "self_attention.linear_proj": RowwiseParallel(output_layouts=sequence),
-                "mlp.linear_fc1": ColwiseParallel(input_layouts=sequence),
-                "mlp.linear_fc2": RowwiseParallel(output_layouts=sequence)}
-    return {"self_attention.linear_qkv": ColwiseParallel(), "self_attention.linear_proj": RowwiseParallel(),
-            "mlp.linear_fc1": ColwiseParallel(), "mlp.linear_fc2": RowwiseParallel()}
+class FusedColumnPeer(nn.Module):
+    """The peer's gated fc1: one ColwiseParallel `LocalShardLinear` per fused part (`parts`, behind the layer plan's
+    PrepareModuleInput), holding our fused Parameter [parts, ffn/tp, hidden] as `weight` (the name and the gradient
+    buckets stay ours); part i reads `weight[i]`."""
+
+    def __init__(self, local: nn.Parameter, tp: int) -> None:
+        super().__init__()
+        parts, out_local, in_features = local.shape
+        self.parts = nn.ModuleList(LocalShardLinear(in_features, out_local * tp, local.dtype) for _ in range(parts))
+
+    def adopt(self, local: nn.Parameter) -> None:
+        self.register_parameter("weight", local)
+        for i, part in enumerate(self.parts):
+            part.adopt(lambda i=i: self.weight[i])
+
+    def forward(self, x: DTensor, split: bool = False) -> tuple[torch.Tensor, ...]:
+        """The parts' outputs one by one: the MLP calls this module with `split=True`, as it calls ours."""
+        if not split:
+            raise ValueError("FusedColumnPeer returns the fused parts' outputs one by one: call it with split=True")
+        return tuple(part(x) for part in self.parts)
+
+
+FC1 = "mlp.linear_fc1"
+
+
+def layer_plan(sequence_parallel: bool, fc1_parts: int = 1) -> dict[str, ParallelStyle]:
+    """The `parallelize_module` plan of one transformer layer (module paths relative to the layer). `fc1_parts`: the
+    fused parts of the MLP's fc1 (2 with a gated linear unit: see `FusedColumnPeer`)."""
+    entry = Shard(0) if sequence_parallel else Replicate()  # activations are [seq, batch, hidden]
+    plan: dict[str, ParallelStyle] = {
+        "self_attention.linear_qkv": ColwiseParallel(input_layouts=entry),
+        "self_attention.linear_proj": RowwiseParallel(output_layouts=entry)}
+    if fc1_parts == 1:
+        plan[FC1] = ColwiseParallel(input_layouts=entry)
+    else:
+        plan[FC1] = PrepareModuleInput(input_layouts=entry, desired_input_layouts=Replicate())
+        plan.update({f"{FC1}.parts.{i}": ColwiseParallel() for i in range(fc1_parts)})
+    plan["mlp.linear_fc2"] = RowwiseParallel(output_layouts=entry)
+    return plan
 
 
 def _full_shape(local: nn.Parameter, style: ParallelStyle, tp: int) -> tuple[int, int]:
@@ -112,20 +155,26 @@ def _full_shape(local: nn.Parameter, style: ParallelStyle, tp: int) -> tuple[int
 
 def parallelize_layers(layers: nn.Module, ps: ParallelState, sequence_parallel: bool) -> None:
     """Hand the TP linears of every (dense) layer in `layers` to DTensor: swap each of our Column/RowParallelLinear
-    for a LocalShardLinear, `parallelize_module` the layer with `layer_plan`, and give each linear back our
-    Parameter. Parameter names and order are unchanged, so initialisation and gradient buckets are ours."""
+    for a LocalShardLinear (the gated fc1 for a FusedColumnPeer), `parallelize_module` the layer with `layer_plan`,
+    and give each linear back our Parameter. Parameter names and order are unchanged, so initialisation and gradient
+    buckets are ours."""
     mesh = ps.mesh["tp"]
     for layer in layers:
-        plan = layer_plan(sequence_parallel)
+        fc1 = layer.get_submodule(FC1).weight
+        plan = layer_plan(sequence_parallel, fc1.shape[0] if fc1.dim() == 3 else 1)
         ours: dict[str, nn.Parameter] = {}
-        for path, style in plan.items():
+        for path in ("self_attention.linear_qkv", "self_attention.linear_proj", FC1, "mlp.linear_fc2"):
             old = layer.get_submodule(path)
             if getattr(old, "bias", None) is not None:  # a dropped bias would be a silently different model
                 raise RuntimeError(f"{path}: the DTensor peer has no linear biases (runtime_refusals refuses them)")
             ours[path] = old.weight
-            out_features, in_features = _full_shape(old.weight, style, ps.tp_size)
+            if path == FC1 and fc1.dim() == 3:
+                new: nn.Module = FusedColumnPeer(old.weight, ps.tp_size)
+            else:
+                out_features, in_features = _full_shape(old.weight, plan[path], ps.tp_size)
+                new = LocalShardLinear(in_features, out_features, old.weight.dtype)
             parent, name = path.rsplit(".", 1)
-            setattr(layer.get_submodule(parent), name, LocalShardLinear(in_features, out_features, old.weight.dtype))
+            setattr(layer.get_submodule(parent), name, new)
         # The weights are ours (layout-independent init), not rank 0's: src_data_rank=None keeps the local (meta)
         # data, so partitioning neither allocates nor communicates.
         parallelize_module(layer, mesh, plan, src_data_rank=None)

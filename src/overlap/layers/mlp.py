@@ -15,8 +15,10 @@ class MLP(nn.Module):
     """[seq_local, batch, hidden] -> [seq_local, batch, hidden]; `forward` returns (y, None) like an MoE layer's
     (y, aux_loss), so a transformer layer treats both alike.
 
-    With `gated_linear_unit`, fc1 fuses the gate and up projections into one GEMM (`num_fused=2`): each TP rank holds
-    [gate_i, up_i], and the logical weight [2, ffn, hidden] is the same at any TP size. `ffn_hidden_size` overrides
+    With `gated_linear_unit`, fc1 fuses the gate and up projections into one weight (`num_fused=2`): each TP rank
+    holds [gate_i, up_i], and the logical weight [2, ffn, hidden] is the same at any TP size. It runs as two GEMMs
+    into contiguous gate and up tensors (`split=True`): SwiGLU on the fused output's strided halves, and the `cat`
+    of their gradients in backward, cost more than the one wider GEMM saves. `ffn_hidden_size` overrides
     the config's width (shared experts use their own). `tp_overlap=False` keeps the plain TP collectives whatever the
     TP-overlap plan (shared experts: the reference disables userbuffers in them, they run beside the dispatch).
     """
@@ -38,11 +40,10 @@ class MLP(nn.Module):
 
     def fc1_and_activation(self, x: torch.Tensor) -> torch.Tensor:
         """The first half (fc1 + SwiGLU/GELU); a separate step so shared-expert overlap can run it under a dispatch."""
-        h = self.linear_fc1(x)
         if self.gated:
-            gate, up = h.chunk(2, dim=-1)
+            gate, up = self.linear_fc1(x, split=True)
             return F.silu(gate) * up
-        return F.gelu(h)
+        return F.gelu(self.linear_fc1(x))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.linear_fc2(self.fc1_and_activation(x)), None

@@ -202,12 +202,15 @@ def scatter_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       group: ProcessGroup, plan: LinearPlan | None = None,
-                      store: WeightGradStore | None = None) -> torch.Tensor:
+                      store: WeightGradStore | None = None,
+                      split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM (overlapped by `plan`, if any).
-    `store`: where the weight gradient may be queued (see `ColumnParallelLinear.wgrad_store`)."""
+    `store`: where the weight gradient may be queued (see `ColumnParallelLinear.wgrad_store`); `split`: a fused
+    weight's outputs one by one (see `ColumnParallelLinear.forward`)."""
     if plan is not None:
-        return all_gather_linear_overlapped(x, weight, bias, group, plan)
-    return linear(gather_from_sp(x, group), weight, bias, store)
+        y = all_gather_linear_overlapped(x, weight, bias, group, plan)
+        return y.chunk(weight.shape[0], dim=-1) if split else y
+    return linear(gather_from_sp(x, group), weight, bias, store, split)
 
 
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
@@ -273,12 +276,19 @@ class ColumnParallelLinear(nn.Module):
             self.bias = mark_shard(nn.Parameter(torch.empty(shape[:-1], dtype=params_dtype)),
                                    shard_dim, ps.tp_rank, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """`split` (num_fused > 1, no gather_output): the fused linears' outputs (this rank's slice of each), one
+        tensor per linear, contiguous, one GEMM each (`linear`'s `split`; SwiGLU's gate and up). Under a TP-overlap
+        plan, whose chunked ring GEMMs fill one fused output, they are that output's views. Called through the
+        module (not a second method) so that forward pre-hooks - the distributed optimizer's parameter all-gather
+        wait - run before the weight is read."""
+        if split and (self.weight.dim() != 3 or self.gather_output):
+            raise ValueError("ColumnParallelLinear(split=True) needs num_fused > 1 and gather_output=False")
         bias = None if self.bias is None else self.bias.reshape(-1)
         if self.sequence_parallel:
-            y = all_gather_linear(x, self.weight, bias, self.group, self.overlap, self.wgrad_store)
+            y = all_gather_linear(x, self.weight, bias, self.group, self.overlap, self.wgrad_store, split)
         else:
-            y = linear(copy_to_tp(x, self.group), self.weight, bias, self.wgrad_store)
+            y = linear(copy_to_tp(x, self.group), self.weight, bias, self.wgrad_store, split)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 

@@ -186,40 +186,76 @@ def _grouped_mm(rows: torch.Tensor, counts: list[int], weights: Sequence[torch.T
 
 class Linear(torch.autograd.Function):
     """y = x W^T + b with W = `weight` viewed as [-1, in] (fused weights keep their own shape); the weight gradient can
-    be delayed through `store` (None: WGRAD_STORE), the input and bias gradients never are."""
+    be delayed through `store` (None: WGRAD_STORE), the input and bias gradients never are.
+
+    `split` (a fused weight [k, out, in]): return the k fused linears' outputs as k contiguous tensors, one GEMM each,
+    instead of one [..., k * out] tensor. Slicing the fused output hands its consumer (SwiGLU) strided halves, and
+    autograd then concatenates their gradients into one [..., k * out] tensor for the backward GEMMs; split, backward
+    takes the k gradients as they come and writes the weight gradient straight into the fused weight's k slices. In
+    bench/hf_compute_bench.py's dense MLP (hidden 512, width 1536, sequence 256) that is 8.3 -> 6.8 ms per layer's
+    forward + backward in bf16, 29.4 -> 27.5 ms in fp32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None,
-                store: WeightGradStore | None) -> torch.Tensor:
+                store: WeightGradStore | None, split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         ctx.save_for_backward(x)
-        ctx.weight, ctx.has_bias, ctx.store = weight, bias is not None, store
-        return torch.nn.functional.linear(x, weight.reshape(-1, weight.shape[-1]), bias)
+        ctx.weight, ctx.has_bias, ctx.store, ctx.split = weight, bias is not None, store, split
+        if split:
+            biases = [None] * weight.shape[0] if bias is None else bias.view(weight.shape[0], -1).unbind(0)
+            return tuple(F.linear(x, w, b) for w, b in zip(weight.unbind(0), biases))
+        return F.linear(x, weight.reshape(-1, weight.shape[-1]), bias)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, *grads: torch.Tensor):
         (x,) = ctx.saved_tensors
         weight = ctx.weight
-        grad_x = grad @ weight.reshape(-1, weight.shape[-1])
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, linear_weight_grad(weight, grad, x, store=ctx.store), grad_bias, None
+        if ctx.split:
+            parts = weight.unbind(0)
+            grad_x = grads[0] @ parts[0]
+            flat = grad_x.view(-1, grad_x.shape[-1])
+            for g, w in zip(grads[1:], parts[1:]):
+                flat.addmm_(g.reshape(-1, g.shape[-1]), w)
+            grad = grads
+        else:
+            (grad,) = grads
+            grad_x = grad @ weight.reshape(-1, weight.shape[-1])
+        grad_bias = None
+        if ctx.has_bias:
+            grad_bias = torch.cat([g.reshape(-1, g.shape[-1]).sum(0) for g in grads])
+        return grad_x, linear_weight_grad(weight, grad, x, store=ctx.store), grad_bias, None, None
 
 
-def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor, inp: torch.Tensor, span: str | None = None,
-                       store: WeightGradStore | None = None) -> torch.Tensor | None:
+def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor | Sequence[torch.Tensor], inp: torch.Tensor,
+                       span: str | None = None, store: WeightGradStore | None = None) -> torch.Tensor | None:
     """A linear's weight gradient grad^T inp (over all leading dims) in the weight's shape, through `store.take`
-    (None: WGRAD_STORE): returned now, or queued while that store is delaying (None). `span` names it on the
-    timeline."""
-    g2, x2 = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
+    (None: WGRAD_STORE): returned now, or queued while that store is delaying (None). `grad` may be a sequence of the
+    k gradients of a fused weight [k, out, in]'s split outputs (`Linear`'s `split`): each GEMM then writes its own
+    slice of the one gradient tensor. `span` names it on the timeline."""
+    x2 = inp.reshape(-1, inp.shape[-1])
+    if isinstance(grad, torch.Tensor):
+        g2 = grad.reshape(-1, grad.shape[-1])
+
+        def compute() -> torch.Tensor:
+            return (g2.t() @ x2).reshape(weight.shape)
+    else:
+        parts = [g.reshape(-1, g.shape[-1]) for g in grad]
+
+        def compute() -> torch.Tensor:
+            out = torch.empty_like(weight)
+            for g2, o in zip(parts, out.unbind(0)):
+                torch.mm(g2.t(), x2, out=o)
+            return out
 
     def weight_grad() -> torch.Tensor:
         if span is None:
-            return (g2.t() @ x2).reshape(weight.shape)
+            return compute()
         with RECORDER.span(span):
-            return (g2.t() @ x2).reshape(weight.shape)
+            return compute()
 
     return (WGRAD_STORE if store is None else store).take(weight, weight_grad)
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None,
-           store: WeightGradStore | None = None) -> torch.Tensor:
-    return Linear.apply(x, weight, bias, store)
+           store: WeightGradStore | None = None, split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """`Linear` (see there for `store` and `split`)."""
+    return Linear.apply(x, weight, bias, store, split)
