@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from overlap.perf.machine import describe_machine, machine_line
+
 
 def _hf_model(kind: str, args: argparse.Namespace, dtype: torch.dtype):
     import transformers
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             for row in _measure(kind, getattr(torch, dt), args)]
     dist.destroy_process_group()
     command = "python bench/hf_compute_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"Command: `{command}`  ",
+    machine = describe_machine()
+    lines = [f"Command: `{command}`  ", f"{machine_line(machine)}  ",
              f"Shapes: hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} KV), "
              f"sequence {args.seq}, micro-batch {args.batch}, vocabulary {args.vocab}; MoE: {args.experts} experts "
              f"top-{args.topk}, expert width {args.moe_ffn}; dense MLP width {args.ffn}. One thread, "
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(text)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=2) + "\n")
     return 0
 
 

@@ -17,6 +17,7 @@ from overlap.launch import network as net
 from overlap.parallel import comm
 from overlap.parallel.trace import CommEvent, Recorder, Span
 from overlap.perf import bench
+from overlap.perf.machine import describe_machine, machine_line
 from overlap.profiling.chrome_trace import rank_events
 from overlap.profiling.collector import Collector, IterationTrace, RankTrace
 from overlap.profiling.exposed import ALL, exposure, mean_exposure, subtract, union
@@ -357,6 +358,19 @@ def test_overlap_efficiency_and_summary_table():
     assert on["step_time_ratio_to_first"] == pytest.approx(81 / 101) and on["exposed_comm_ms"] == {"all": 4.0}
     table = bench.format_markdown(doc)
     assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 |" in table and "0.50 |" in table
+    assert doc["machine"] == describe_machine() and machine_line(doc["machine"]) in table
+
+
+def test_the_machine_description_names_the_cpu_and_its_bf16_flags(tmp_path):
+    """The CPU model and the flags that set bf16 speed, from /proc/cpuinfo's format; unreadable: "unknown"-safe."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: fpu sse avx512_bf16 amx_tile\n")
+    machine = describe_machine(info)
+    assert machine["cpu"] == "Example CPU 9000" and machine["bf16_flags"] == ["avx512_bf16", "amx_tile"]
+    assert machine_line(machine).startswith("Machine: Example CPU 9000, ") and "avx512_bf16, amx_tile" in \
+        machine_line(machine)
+    missing = describe_machine(tmp_path / "absent")
+    assert missing["bf16_flags"] == [] and "bf16 flags: none" in machine_line(missing)
 
 
 def test_bench_calls_a_configuration_whose_repeats_spread_noisy():

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from overlap.errors import ConfigError
 from overlap.parallel.kinds import parse_families
+from overlap.perf.machine import describe_machine, machine_line
 
 IDEAL_NAME = "ideal (no communication)"
 
@@ -211,7 +212,8 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
     if not measured:  # the very first run failed: no baseline, nothing to compare
         return {"network": network, "window_iterations": None, "repeats": 0, "order": "alternating", "configs": [],
                 "ideal_step_time_ms": None, "overlap_efficiency": {}, "floors_step_time_ms": {},
-                "overlap_efficiency_by_floor": {}, "not_run": not_run, "command": command}
+                "overlap_efficiency_by_floor": {}, "not_run": not_run, "command": command,
+                "machine": describe_machine()}
     base = measured[0]["step_time_ms"]["mean"]
     for r in rows:
         r["step_time_ratio_to_first"] = r["step_time_ms"]["mean"] / base
@@ -240,7 +242,8 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
             "repeats": len(first_runs), "order": "alternating", "configs": rows, "noisy": noisy_configs(rows),
             "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency,
             "floors_step_time_ms": {f["name"]: f["step_time_ms"]["mean"] for f in floors},
-            "overlap_efficiency_by_floor": by_floor, "not_run": not_run, "command": command}
+            "overlap_efficiency_by_floor": by_floor, "not_run": not_run, "command": command,
+            "machine": describe_machine()}
 
 
 NOISY_SPREAD = 0.10  # (max - min) / mean of a configuration's repeats above which its mean is called unreliable
@@ -315,7 +318,9 @@ def format_markdown(doc: dict) -> str:
     lines = [f"Network: {doc['network']}  ",
              f"Steady-state window: {window}, {doc['repeats']} alternating "
              "repeats; comm columns are rank 0's mean per iteration in ms, `all` first (union of kinds).  ",
-             f"Command: `{doc['command']}`", "",
+             f"Command: `{doc['command']}`  ",
+             # Results committed before the machine was recorded have no "machine".
+             machine_line(doc["machine"]) if "machine" in doc else "Machine: not recorded", "",
              "| config | step ms (mean) | min | max | vs first | exposed comm ms | total comm ms | MB/iter | peak MB | "
              + "".join(f"eff. vs {name} | " for name in by_floor) + "exposed hidden vs first |",
              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(by_floor) + "---|"]
