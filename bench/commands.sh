@@ -72,6 +72,21 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 
   --json $out/ep_overlap_epyc_${bw}MBs.json --markdown $out/ep_overlap_epyc_${bw}MBs.md \
   model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
 done
+# 4f. 4b on this machine's third CPU (an Intel Xeon with AMX; the no-EP floor ~730 ms), at 4b's 20 MB/s and at
+#     30 MB/s, where the EP link time (~750 ms per step in the off run) is about the compute that can cover it (at
+#     20 MB/s it is ~920 ms, 1.2x the compute); then on a link with no modelled time (0 ms, 100 GB/s: the real gloo
+#     transfers only), which shows what the communication costs the rank's one core when no link time is left to
+#     hide: the floor fakes the EP collectives, so it pays none of it.
+for pair in 20MBs=1ms,20MB/s 30MBs=1ms,30MB/s nolink=0ms,100000MB/s; do
+tag=${pair%%=*} net=${pair#*=}
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
+  --network model:$net,ep --ideal-family ep --repeats 3 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_xeon_$tag.json --markdown $out/ep_overlap_xeon_$tag.md \
+  model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
+done
 # 4d. The same, dropless, with the router's load forced balanced (moe_router_force_load_balancing, as Bridge's perf
 #     recipe for this overlap does): tests whether the routing imbalance explains what 4b leaves exposed, without
 #     4c's drops and padding.
