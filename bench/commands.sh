@@ -225,6 +225,19 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 5 -g
   --json $out/ep_overlap_pp_balanced.json --markdown $out/ep_overlap_pp_balanced.md \
   model.num_layers=4 model.hidden_size=256 model.moe_ffn_hidden_size=256 model.moe_router_force_load_balancing=true
 
+# 14d. Command 14 on this machine's third CPU (Intel Xeon with AMX), where the no-EP floor is ~1.4 s per step: at 14's
+#      2 MB/s the EP link time is ~3.3x the compute that can cover it (the link, not the compute, sets the step), so
+#      also at 8 MB/s, where it is ~1.0x and the exposed EP time still half the off step.
+for bw in 2 8; do
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -pp 2 -vp 2 -ep 2 -ms 5 -gb 32 -mb 1 --network model:1ms,${bw}MB/s,ep \
+  --ideal-family ep --repeats 3 \
+  --config "off:comm_overlap.overlap_moe_expert_parallel_comm=false" \
+  --config "EP overlap:comm_overlap.overlap_moe_expert_parallel_comm=true" \
+  --config "EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/ep_overlap_pp_xeon_${bw}MBs.json --markdown $out/ep_overlap_pp_xeon_${bw}MBs.md \
+  model.num_layers=4 model.hidden_size=256 model.moe_ffn_hidden_size=256
+done
+
 # 15. DP overlap with one rank per core (DP=2 on 2 ranks, otherwise command 3): tests whether time-slicing explains
 #     the planner's misses on the 4-rank DP rows (bench/results/plan_vs_bench.md).
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -ms 6 -gb 8 -mb 4 --network tbf:1600mbit \
