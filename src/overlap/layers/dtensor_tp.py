@@ -129,7 +129,7 @@ class FusedColumnPeer(nn.Module):
 FC1 = "mlp.linear_fc1"
 
 
-def layer_plan(sequence_parallel: bool, fc1_parts: int = 1) -> dict[str, ParallelStyle]:
+def layer_plan(sequence_parallel: bool, fc1_parts: int) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of one transformer layer (module paths relative to the layer). `fc1_parts`: the
     fused parts of the MLP's fc1 (2 with a gated linear unit: see `FusedColumnPeer`)."""
     entry = Shard(0) if sequence_parallel else Replicate()  # activations are [seq, batch, hidden]
