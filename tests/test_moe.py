@@ -425,3 +425,28 @@ def test_no_communication_mode_keeps_shapes():
 def test_shared_expert_matches_reference(world, tp, ep):
     _check_against_reference(world, tp=tp, ep=ep,
                              cfg_overrides=dict(num_experts=4, moe_shared_expert_intermediate_size=48))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows_per_block", [1, 3, 64])
+def test_blocked_row_weighting_is_the_plain_fp32_expression(monkeypatch, dtype, rows_per_block):
+    """`weight_rows` on CPU (a block of rows at a time through one fp32 buffer) gives bit for bit the output and both
+    gradients of `(rows.float() * weights[:, None]).to(dtype)` under autograd, with the last block short."""
+    from overlap.layers.moe import row_weighting
+
+    hidden = 24
+    monkeypatch.setattr(row_weighting, "_BLOCK_BYTES", 4 * hidden * rows_per_block)
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(50, hidden, generator=gen).to(dtype)
+    weights = torch.rand(50, generator=gen)
+    grad = torch.randn(50, hidden, generator=gen).to(dtype)
+    results = []
+    for fn in (row_weighting.weight_rows, lambda r, w: (r.float() * w.unsqueeze(-1)).to(r.dtype)):
+        r, w = rows.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = fn(r, w)
+        out.backward(grad)
+        results.append((out, r.grad, w.grad))
+    (out, g_rows, g_w), (ref, ref_rows, ref_w) = results
+    assert out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, ref) and torch.equal(g_rows, ref_rows)
+    torch.testing.assert_close(g_w, ref_w, rtol=1e-6, atol=0)  # an fp32 dot per row: the sum's order may differ

@@ -142,7 +142,8 @@ def _output_vs_dense_reference(overrides: dict) -> tuple[int, int]:
         ref = torch.zeros_like(tokens)
         for e, pairs in kept.items():
             for t, j in pairs:
-                h = F.silu(ex.gate_weight[e] @ tokens[t]) * (ex.up_weight[e] @ tokens[t])
+                gate, up = (ex.fc1_weight[e] @ tokens[t]).chunk(2)
+                h = F.silu(gate) * up
                 ref[t] += topk_weights[t, j] * (ex.down_weight[e] @ h)
     torch.testing.assert_close(y.reshape(-1, HIDDEN), ref, **TOL)
     return sum(len(p) for p in kept.values()), topk_idx.numel()

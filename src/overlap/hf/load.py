@@ -23,8 +23,8 @@ from torch import nn
 from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError
 from overlap.hf.config import check_model_matches, read_hf_config
-from overlap.hf.names import (EXPERT_KINDS, Mapping, fused_name, mappings, merge_gate_up, merge_qkv, per_expert_name,
-                              split_fused_gate_up, stack_experts)
+from overlap.hf.names import (EXPERT_KINDS, Mapping, fused_name, mappings, merge_gate_up, merge_qkv, per_expert_names,
+                              stack_experts)
 from overlap.hf.safetensors_io import SafetensorsReader
 from overlap.layers.init import Shard
 
@@ -72,7 +72,7 @@ def required_names(maps: list[Mapping], source_names: set[str], cfg: ModelConfig
             if experts_fused(source_names, prefix):
                 out.append(fused_name(prefix, m.kind))
             else:
-                out += [per_expert_name(prefix, m.kind, e) for e in range(cfg.num_moe_experts)]
+                out += [n for e in range(cfg.num_moe_experts) for n in per_expert_names(prefix, m.kind, e)]
         else:
             out += list(m.hf)
     return out
@@ -99,13 +99,9 @@ def read_shard(m: Mapping, source: Source, cfg: ModelConfig, shard: Shard | None
         raise ValueError(f"unknown mapping kind {m.kind!r}")
     prefix = m.hf[0]
     first, stop = _cut(cfg.num_moe_experts, shard)
-    if experts_fused(source.names(), prefix):
-        stacked = source.read(fused_name(prefix, m.kind), 0, first, stop)
-        if m.kind == "expert_down":
-            return stacked
-        gate, up = split_fused_gate_up(stacked)
-        return gate if m.kind == "expert_gate" else up
-    return stack_experts([source.read(per_expert_name(prefix, m.kind, e)) for e in range(first, stop)])
+    if experts_fused(source.names(), prefix):  # transformers 5's fused layout is ours
+        return source.read(fused_name(prefix, m.kind), 0, first, stop)
+    return stack_experts([[source.read(n) for n in per_expert_names(prefix, m.kind, e)] for e in range(first, stop)])
 
 
 def check_source(cfg: ModelConfig, source: Source, folder: str | Path) -> list[Mapping]:

@@ -8,9 +8,10 @@ says which HF tensors make one of our parameters and how (`kind`):
   `SelfAttention.qkv`); HF keeps q_proj / k_proj / v_proj apart, heads group-major (query head i reads kv head
   i // heads_per_group, as `repeat_kv` does), so the merge is an interleave by group;
 - `fc1`: our dense fc1 is [2, ffn, hidden] = [gate; up]; HF has gate_proj and up_proj;
-- `expert_gate` / `expert_up` / `expert_down`: our stacked [num_experts, ...] tensors; HF on disk holds one tensor per
-  expert (`mlp.experts.{e}.gate_proj.weight`, ...), transformers 5 in memory (and some checkpoints on disk) the fused
-  `mlp.experts.gate_up_proj` [E, 2 * I, H] (gate first) and `mlp.experts.down_proj` [E, H, I].
+- `expert_fc1` / `expert_down`: our stacked [num_experts, ...] tensors, fc1 [E, 2 * I, H] with each expert's gate
+  rows first; HF on disk holds one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`),
+  transformers 5 in memory (and some checkpoints on disk) the fused `mlp.experts.gate_up_proj` [E, 2 * I, H] (gate
+  first: our fc1 as it is) and `mlp.experts.down_proj` [E, H, I].
 
 RoPE needs no permutation: ours is rotate-half on [first half, second half] like HF's (`layers/rotary.py`).
 The transforms are pure functions on full tensors; `overlap.hf.load` applies the same functions to the slices a
@@ -38,8 +39,8 @@ class Mapping:
     hf: tuple[str, ...]
 
 
-EXPERT_KINDS = ("expert_gate", "expert_up", "expert_down")
-_PER_EXPERT = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
+EXPERT_KINDS = ("expert_fc1", "expert_down")
+_PER_EXPERT = {"expert_fc1": ("gate_proj", "up_proj"), "expert_down": ("down_proj",)}
 
 
 def mappings(cfg: ModelConfig) -> list[Mapping]:
@@ -58,8 +59,7 @@ def mappings(cfg: ModelConfig) -> list[Mapping]:
         if cfg.is_moe_layer(i):
             experts = (hf + "mlp.experts",)
             out += [Mapping(ours + "mlp.router.weight", "same", (hf + "mlp.gate.weight",)),
-                    Mapping(ours + "mlp.experts.gate_weight", "expert_gate", experts),
-                    Mapping(ours + "mlp.experts.up_weight", "expert_up", experts),
+                    Mapping(ours + "mlp.experts.fc1_weight", "expert_fc1", experts),
                     Mapping(ours + "mlp.experts.down_weight", "expert_down", experts)]
         else:
             out += [Mapping(ours + "mlp.linear_fc1.weight", "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
@@ -69,13 +69,13 @@ def mappings(cfg: ModelConfig) -> list[Mapping]:
     return out
 
 
-def per_expert_name(prefix: str, kind: str, expert: int) -> str:
-    """The on-disk per-expert HF name of expert `expert` (what `save_pretrained` writes)."""
-    return f"{prefix}.{expert}.{_PER_EXPERT[kind]}.weight"
+def per_expert_names(prefix: str, kind: str, expert: int) -> list[str]:
+    """The on-disk per-expert HF names of expert `expert` (what `save_pretrained` writes): gate and up for fc1."""
+    return [f"{prefix}.{expert}.{leaf}.weight" for leaf in _PER_EXPERT[kind]]
 
 
 def fused_name(prefix: str, kind: str) -> str:
-    """The transformers-5 fused name holding this kind for all experts (gate and up share `gate_up_proj`)."""
+    """The transformers-5 fused name holding this kind for all experts."""
     return f"{prefix}.down_proj" if kind == "expert_down" else f"{prefix}.gate_up_proj"
 
 
@@ -106,15 +106,14 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fc1[0].contiguous(), fc1[1].contiguous()
 
 
-def split_fused_gate_up(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers-5 `gate_up_proj` [E, 2 * I, H] (gate rows first) -> our (gate_weight, up_weight) [E, I, H]."""
-    gate, up = gate_up.chunk(2, dim=1)
-    return gate.contiguous(), up.contiguous()
+def stack_experts(per_expert: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Each expert's HF tensors (gate, up for fc1; down), in expert order -> our stacked [E, out, in]."""
+    return torch.stack([torch.cat(parts) for parts in per_expert])
 
 
-def stack_experts(per_expert: list[torch.Tensor]) -> torch.Tensor:
-    """Per-expert [out, in] tensors, in expert order -> our stacked [E, out, in]."""
-    return torch.stack(per_expert)
+def unstack_expert(stacked: torch.Tensor, kind: str, expert: int) -> list[torch.Tensor]:
+    """The inverse of `stack_experts` for one expert: its HF tensors, in `per_expert_names` order."""
+    return [part.contiguous() for part in stacked[expert].chunk(len(_PER_EXPERT[kind]))]
 
 
 def to_hf(mapping: Mapping, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -126,9 +125,15 @@ def to_hf(mapping: Mapping, full: torch.Tensor, cfg: ModelConfig) -> dict[str, t
     if mapping.kind == "fc1":
         return dict(zip(mapping.hf, split_gate_up(full)))
     if mapping.kind in EXPERT_KINDS:
-        return {per_expert_name(mapping.hf[0], mapping.kind, e): full[e].contiguous() for e in range(full.shape[0])}
+        return _per_expert(mapping.hf[0], mapping.kind, full)
     raise ValueError(f"unknown mapping kind {mapping.kind!r}")
 
+
+def _per_expert(prefix: str, kind: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked [E, ...] expert tensor of `kind` (ours, or transformers 5's fused one: the same layout) -> the
+    per-expert HF tensors under their on-disk names."""
+    return {name: part for e in range(stacked.shape[0])
+            for name, part in zip(per_expert_names(prefix, kind, e), unstack_expert(stacked, kind, e))}
 
 
 def unfuse_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -137,8 +142,4 @@ def unfuse_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     prefix, _, leaf = name.rpartition(".")
     if not prefix.endswith(".mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
         return {name: tensor}
-    if leaf == "down_proj":
-        return {per_expert_name(prefix, "expert_down", e): tensor[e].contiguous() for e in range(tensor.shape[0])}
-    gate, up = split_fused_gate_up(tensor)
-    return {**{per_expert_name(prefix, "expert_gate", e): gate[e] for e in range(gate.shape[0])},
-            **{per_expert_name(prefix, "expert_up", e): up[e] for e in range(up.shape[0])}}
+    return _per_expert(prefix, "expert_down" if leaf == "down_proj" else "expert_fc1", tensor)

@@ -41,6 +41,7 @@ from torch.distributed import ProcessGroup
 from overlap.config.model import ModelConfig
 from overlap.layers.moe.permute import (ExpertCapacity, Routing, expert_capacity, expert_counts, gather, route,
                                         sort_chunks_by_local_expert, unpermute, unsort_chunks_by_local_expert)
+from overlap.layers.moe.row_weighting import weight_rows
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
@@ -233,7 +234,7 @@ class AllToAllDispatcher:
                            plan: DispatchPlan) -> torch.Tensor:
         """Weight each expert output row (in fp32) and put rows back in (source rank, local expert) order."""
         with RECORDER.span("moe.sort_chunks"):
-            weighted = (expert_output.float() * weights.unsqueeze(-1)).to(expert_output.dtype)
+            weighted = weight_rows(expert_output, weights)
             return unsort_chunks_by_local_expert(weighted, plan.recv_counts, self.ep_size, self.num_local_experts)
 
     def combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:

@@ -1,5 +1,12 @@
 """This rank's routed experts: SwiGLU MLPs whose weights are stacked along a leading local-expert dimension.
 
+Each expert's gate and up projections are one fused fc1 weight, [2 * ffn, hidden] with the gate rows first, as
+Megatron-Core's grouped experts hold `linear_fc1` and transformers 5 holds `gate_up_proj` (so that layout loads as
+it is). One grouped GEMM of width 2 * ffn instead of two of width ffn: the per-expert GEMMs here are small (tens of
+rows), where the wider one is markedly cheaper, and the input gradient comes out of one GEMM instead of two added
+together - in bench/hf_compute_bench.py's MoE layer (16 experts, hidden 512, expert width 384, 1024 rows) 25.6 ->
+23.6 ms per forward + backward in bf16 on one thread. (Expert tensor parallelism, not built, would cut each half.)
+
 Stacking (rather than a ModuleList of experts) keeps parameter names independent of the EP size, which is what lets
 `init_model_params` give every layout the weights of the single-process model: each stacked tensor is marked as
 shard `ep_rank` of `ep_size` along dim 0 of the full [num_experts, ...] tensor.
@@ -34,16 +41,14 @@ class GroupedExperts(nn.Module):
         h, ffn = config.hidden_size, config.moe_ffn_size
         dtype = params_dtype(config)
         # Filled by init_model_params (full-tensor draw, then this rank's slice).
-        self.gate_weight = _expert_param((self.num_local_experts, ffn, h), dtype, ps)
-        self.up_weight = _expert_param((self.num_local_experts, ffn, h), dtype, ps)
+        self.fc1_weight = _expert_param((self.num_local_experts, 2 * ffn, h), dtype, ps)
         self.down_weight = _expert_param((self.num_local_experts, h, ffn), dtype, ps)
 
     def forward(self, rows: torch.Tensor, tokens_per_local_expert: list[int]) -> torch.Tensor:
         """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in order.
 
-        The three GEMMs are `GroupedLinear`, whose weight gradients can be delayed (delay_wgrad_compute)."""
+        The two GEMMs are `GroupedLinear`, whose weight gradients can be delayed (delay_wgrad_compute)."""
         counts = tokens_per_local_expert
-        offs = grouped_offsets(counts, rows, (self.gate_weight, self.down_weight))
-        gate = GroupedLinear.apply(rows, self.gate_weight, counts, offs)
-        up = GroupedLinear.apply(rows, self.up_weight, counts, offs)
+        offs = grouped_offsets(counts, rows, (self.fc1_weight, self.down_weight))
+        gate, up = GroupedLinear.apply(rows, self.fc1_weight, counts, offs).chunk(2, dim=-1)
         return GroupedLinear.apply(F.silu(gate) * up, self.down_weight, counts, offs)
