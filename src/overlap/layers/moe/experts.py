@@ -2,10 +2,12 @@
 
 Each expert's gate and up projections are one fused fc1 weight, [2 * ffn, hidden] with the gate rows first, as
 Megatron-Core's grouped experts hold `linear_fc1` and transformers 5 holds `gate_up_proj` (so that layout loads as
-it is). One grouped GEMM of width 2 * ffn instead of two of width ffn: the per-expert GEMMs here are small (tens of
-rows), where the wider one is markedly cheaper, and the input gradient comes out of one GEMM instead of two added
-together - in bench/hf_compute_bench.py's MoE layer (16 experts, hidden 512, expert width 384, 1024 rows) 25.6 ->
-23.6 ms per forward + backward in bf16 on one thread. (Expert tensor parallelism, not built, would cut each half.)
+it is). One grouped GEMM of width 2 * ffn instead of two of width ffn: the per-expert GEMMs are small (tens of rows
+at bench/hf_compute_bench.py's shapes), where the wider one is cheaper, and the input gradient comes out of one GEMM
+instead of two added together. With the outputs bit-identical, the experts' forward + backward at those shapes
+(16 experts, hidden 512, width 384, 1024 rows, one thread) took 8% less time in bf16 than as two GEMMs, and the same
+in fp32; the MoE rows of bench/results/hf_compute*.md are the model-level measurement. (Expert tensor parallelism,
+not built, would cut each half.)
 
 Stacking (rather than a ModuleList of experts) keeps parameter names independent of the EP size, which is what lets
 `init_model_params` give every layout the weights of the single-process model: each stacked tensor is marked as
