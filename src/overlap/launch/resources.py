@@ -137,7 +137,7 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
         experts = m.num_moe_experts
         local = experts // ep if experts % ep == 0 else -(-experts // ep)
         add(n_moe, [experts * h])  # router, replicated
-        add(n_moe, [local * m.moe_ffn_size * h] * 3, is_expert=True)
+        add(n_moe, [2 * local * m.moe_ffn_size * h, local * m.moe_ffn_size * h], is_expert=True)  # fc1 (gate; up), fc2
         shared = m.moe_shared_expert_intermediate_size
         if shared:
             add(n_moe, [linear(fused * shared, h), linear(h, shared)])
