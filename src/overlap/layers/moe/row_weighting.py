@@ -10,8 +10,8 @@ bf16 multiply (what transformers does, with the weights rounded to bf16 first).
 On CPU, `weight_rows` therefore runs the same operations a block of rows at a time, with the fp32 intermediates in
 one reused buffer that stays in the core's cache: bit-identical results (tests/test_moe.py), ~1.6 ms for that
 forward + backward (measured in isolation on the Intel AMX CPU of bench/results/hf_compute*.md; blocks of 64 KiB
-gained nothing, 256 KiB and up about the same). Elsewhere (CUDA: kernels, not caches, and a Python loop per block would cost launches) and for
-rows already in fp32 it is the plain expression.
+gained nothing, 256 KiB and up about the same). Elsewhere (CUDA: kernels, not caches, and a Python loop per block
+would cost launches) and for rows already in fp32 it is the plain expression.
 """
 
 from __future__ import annotations
