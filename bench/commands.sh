@@ -246,6 +246,28 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -ms 6 -gb 8 -mb 4 --network tb
   --config "all-reduce, overlap grad reduce:ddp.overlap_grad_reduce=true" \
   --ideal --repeats 2 --json $out/dp_overlap_2ranks.json --markdown $out/dp_overlap_2ranks.md ddp.bucket_size=500000
 
+# 17. Pipeline p2p overlap where the reference allows it (interleaved VPP2; Megatron forbids overlap_p2p_comm without
+#     interleaving because one transfer each way sits on 1F1B's critical cycle, see 12): PP=2 on 2 ranks (one per
+#     core), 16 micro-batches, only pp kinds on a modelled 1 ms / 20 MB/s link (a 256 KB activation takes ~14 ms, a
+#     chunk's forward ~22 ms). Floors: the pp transfers faked (no bubble either: each stage runs alone) and the same
+#     schedule on the plain loopback (--ideal-link: every transfer and wait kept, only the link time gone) - the
+#     denominator of "the share of the p2p time the batched mode exposes that the overlap hid". Five repeats: this
+#     machine's compute alone drifted by up to 25% between rounds.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 16 -mb 1 --network model:1ms,20MB/s,pp \
+  --config 'VPP2, batched p2p:model.virtual_pipeline_model_parallel_size=2;comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false' \
+  --config 'VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2;comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true' \
+  --ideal-link --ideal-family pp --repeats 5 --json $out/pp_p2p_overlap_vpp.json --markdown $out/pp_p2p_overlap_vpp.md \
+  model.num_layers=8
+
+# 18. Ours vs torch.distributed.pipelining per schedule, PP=2 on 2 ranks (one per core), emulated interconnect, four
+#     alternated repeats (command 10 on this machine's CPU, with the peers only).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --network tbf:200mbit \
+  --config '1F1B, ours:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false' \
+  --config '1F1B, torch pipelining:model.pipeline_impl=torch_pipelining' \
+  --config 'interleaved VPP2, ours:model.virtual_pipeline_model_parallel_size=2' \
+  --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
+  --repeats 4 --json $out/pp_vs_torch_2ranks.json --markdown $out/pp_vs_torch_2ranks.md model.num_layers=8
+
 # 16. The planner against the benchmarks above: the loopback probe (2 and 4 ranks), then every committed result with
 #     a floor re-planned on the profile its floor gives (docs/planner.md, tests/test_plan_vs_bench.py).
 python bench/plan_vs_bench.py --probe

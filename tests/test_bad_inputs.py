@@ -174,6 +174,11 @@ def test_bench_config_repeating_a_common_override(capsys):
              "ddp.bucket_size=10"], capsys, "--config='a'", "common overrides set too")
 
 
+def test_bench_link_floor_on_the_plain_loopback(capsys):
+    refused(["bench", *DENSE, "--ab", "ddp.overlap_grad_reduce=false,true", "--ideal-link"], capsys,
+            "--ideal-link", "--network model:")
+
+
 # --- resources ------------------------------------------------------------------------------------------------------
 def test_a_model_that_cannot_fit_this_host(capsys, monkeypatch):
     monkeypatch.delenv(FORCE_ENV, raising=False)

@@ -432,6 +432,27 @@ def test_family_floor_gives_its_own_efficiency_column():
     assert "| 0.50 | 0.67 |" in table
 
 
+def test_link_floor_runs_the_baseline_on_the_plain_loopback():
+    """`--ideal-link`: the baseline again with `--network real`, which replaces the common `--network` (run refuses
+    a flag given twice), every other option kept; it gets its own efficiency column like the other floors."""
+    configs = bench.build_configs("x.y", ["false", "true"], ideal=False, families=["pp"], link=True)
+    floor = configs[-1]
+    assert floor.name == bench.LINK_FLOOR_NAME and floor.floor
+    assert floor.overrides == ["x.y=false"] and floor.run_flags == ["--network", "real"]
+    options = ["-ng", "2", "--network", "model:1ms,10MB/s,pp", "-pp", "2", "--network=tbf:1gbit", "--max_steps", "6"]
+    assert bench._without_options(options, {"--network"}) == ["-ng", "2", "-pp", "2", "--max_steps", "6"]
+    assert bench._without_options(options, set()) == options
+
+    def run(ms):
+        return bench.RunResult(ms, {"all": 1.0}, {"all": 1.0}, 400.0, [1, 4], "real")
+
+    results = {"x.y=false": [run(100)], "x.y=true": [run(80)], "ideal (no pp communication)": [run(60)],
+               bench.LINK_FLOOR_NAME: [run(75)]}
+    doc = bench.summarize(configs, results, "model", "overlap bench ...")
+    assert doc["overlap_efficiency_by_floor"][bench.LINK_FLOOR_NAME] == {"x.y=true": pytest.approx(0.8)}
+    assert "eff. vs ideal (no link time) |" in bench.format_markdown(doc)
+
+
 def test_comm_mode_none_for_one_family_only():
     from overlap.parallel import comm
 

@@ -18,6 +18,12 @@ first configuration's communication cost that the switch removed (1.0: all of it
 dimension can at best remove that dimension's cost, so this floor is the denominator that measures it: with it,
 the efficiency is the share of the exposed EP communication time that the switch hid. Every floor gets its own
 efficiency column; `overlap_efficiency` in the JSON is against the full floor when there is one.
+
+`--ideal-link` adds a floor where nothing is faked: the baseline runs on the plain loopback (`--network real`), so
+every transfer still happens and every dependency between the ranks is kept, only the modelled or emulated link's
+time is gone. Faking a pipeline's point-to-point transfers (`--ideal-family pp`) also removes the stages' waits for
+each other (the bubble; each stage runs alone), so that floor is below anything a pipeline can reach; the link floor
+is the same schedule with free transfers, the denominator for "the share of the link time the overlap hid".
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from overlap.parallel.kinds import parse_families
 from overlap.perf.machine import describe_machine, machine_line
 
 IDEAL_NAME = "ideal (no communication)"
+LINK_FLOOR_NAME = "ideal (no link time)"
 
 BENCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (("--ab",), dict(default=None, metavar="KEY=V1,V2[,V3]",
@@ -51,12 +58,16 @@ BENCH_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (("--ideal-family",), dict(action="append", default=[], metavar="FAMILY", dest="ideal_families",
                                help="also run the baseline with only FAMILY's communication free (e.g. ep: the "
                                     "all-to-alls), the floor for that dimension's overlap efficiency (repeatable)")),
+    (("--ideal-link",), dict(action="store_true",
+                             help="also run the baseline on the plain loopback (--network real): every transfer "
+                                  "and wait between the ranks kept, only the link's time removed (the floor for a "
+                                  "pipeline, whose faked p2p would also remove the bubble)")),
     (("--repeats",), dict(type=int, default=3, help="alternating rounds (default 3)")),
     (("--json",), dict(default=None, metavar="FILE", dest="json_out", help="write the results as JSON")),
     (("--markdown",), dict(default=None, metavar="FILE", help="also write the Markdown table to FILE")),
 ]
 BENCH_OPTIONS_WITH_VALUE = ("--ab", "--config", "--ideal-family", "--repeats", "--json", "--markdown")
-BENCH_SWITCHES = ("--ideal",)
+BENCH_SWITCHES = ("--ideal", "--ideal-link")
 
 
 def parse_ab(text: str) -> tuple[str, list[str]]:
@@ -100,16 +111,19 @@ def parse_named_config(text: str) -> BenchConfig:
     return BenchConfig(name.strip(), overrides)
 
 
-def build_configs(key: str, values: list[str], ideal: bool, families: list[str] = ()) -> list[BenchConfig]:
-    return with_ideal([BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values], ideal, families)
+def build_configs(key: str, values: list[str], ideal: bool, families: list[str] = (),
+                  link: bool = False) -> list[BenchConfig]:
+    return with_ideal([BenchConfig(f"{key}={v}", [f"{key}={v}"]) for v in values], ideal, families, link)
 
 
 def family_floor_name(family: str) -> str:
     return f"ideal (no {family} communication)"
 
 
-def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = ()) -> list[BenchConfig]:
-    """Append the floors: the baseline configuration with all communication (`ideal`) or one family's made free."""
+def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = (),
+               link: bool = False) -> list[BenchConfig]:
+    """Append the floors: the baseline configuration with all communication (`ideal`) or one family's made free,
+    and (`link`) on the plain loopback with every transfer kept."""
     if ideal:
         configs.append(BenchConfig(IDEAL_NAME, list(configs[0].overrides), ["--comm-mode", "none"], floor=True))
     if len(set(families)) != len(families):
@@ -118,6 +132,8 @@ def with_ideal(configs: list[BenchConfig], ideal: bool, families: list[str] = ()
         label = "+".join(parse_families("--ideal-family", family, family))
         configs.append(BenchConfig(family_floor_name(label), list(configs[0].overrides),
                                    ["--comm-mode", f"none:{label}"], floor=True))
+    if link:
+        configs.append(BenchConfig(LINK_FLOOR_NAME, list(configs[0].overrides), ["--network", "real"], floor=True))
     return configs
 
 
@@ -171,9 +187,25 @@ class RunFailed(RuntimeError):
                           lines[-1] if lines else "(no output)")
 
 
+def _without_options(options: list[str], names: set[str]) -> list[str]:
+    """`options` less the valued options `names` (as `--name V` or `--name=V`): a configuration's own run flag
+    replaces the common one (`overlap run` refuses a flag given twice with different values)."""
+    out: list[str] = []
+    skip = False
+    for opt in options:
+        if skip:
+            skip = False
+        elif opt in names:
+            skip = True
+        elif opt.split("=", 1)[0] not in names:
+            out.append(opt)
+    return out
+
+
 def run_once(options: list[str], overrides: list[str], config: BenchConfig, metrics: Path) -> RunResult:
-    command = [sys.executable, "-m", "overlap.cli", "run", *options, "--metrics", str(metrics), *config.run_flags,
-               *overrides, *config.overrides]
+    own = {f for f in config.run_flags if f.startswith("--")}
+    command = [sys.executable, "-m", "overlap.cli", "run", *_without_options(options, own), "--metrics", str(metrics),
+               *config.run_flags, *overrides, *config.overrides]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RunFailed(config.name, done.returncode, command, done.stdout + done.stderr)
@@ -430,12 +462,17 @@ def run_bench_command(args: argparse.Namespace) -> int:
         key, values = parse_ab(args.ab)
         if any(o.split("=", 1)[0] == key for o in args.overrides):
             raise ConfigError("--ab", args.ab, f"{key} is also given as an override.", "remove that override.")
-        configs = build_configs(key, values, args.ideal, args.ideal_families)
+        configs = build_configs(key, values, args.ideal, args.ideal_families, args.ideal_link)
     else:
-        configs = with_ideal([parse_named_config(c) for c in args.configs], args.ideal, args.ideal_families)
+        configs = with_ideal([parse_named_config(c) for c in args.configs], args.ideal, args.ideal_families,
+                             args.ideal_link)
         if sum(not c.floor for c in configs) < 2 or len({c.name for c in configs}) != len(configs):
             raise ConfigError("--config", args.configs, "a comparison needs two or more distinctly named configs.",
                               "repeat --config NAME:OVERRIDES with different names.")
+    if args.ideal_link and parse_network(args.network).kind == "real":
+        raise ConfigError("--ideal-link", True, "the run is on the plain loopback already (--network real), so the "
+                          "link floor would be the baseline itself.", "pass --network model:... or tbf:..., or drop "
+                          "--ideal-link.")
     _validate(args, configs)
     network = parse_network(args.network).describe()
     options = common_run_options(args.argv[1:], args.overrides)
