@@ -152,7 +152,8 @@ def _bench(tmp_path: Path, monkeypatch, fail_at: int) -> tuple[int, dict, str]:
     monkeypatch.setattr(bench, "run_once", run_once)
     monkeypatch.setattr(bench, "_validate", lambda args, configs: None)
     args = argparse.Namespace(ab="ddp.overlap_grad_reduce=false,true", configs=None, overrides=[], ideal=True,
-                              ideal_families=[], repeats=3, network="real", json_out=str(tmp_path / "b.json"),
+                              ideal_families=[], ideal_link=False, repeats=3, network="real",
+                              json_out=str(tmp_path / "b.json"),
                               markdown=str(tmp_path / "b.md"), argv=["bench", "--ab", "..."])
     code = bench.run_bench_command(args)
     return code, json.loads((tmp_path / "b.json").read_text()), (tmp_path / "b.md").read_text()
