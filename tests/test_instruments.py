@@ -440,8 +440,9 @@ def test_link_floor_runs_the_baseline_on_the_plain_loopback():
     assert floor.name == bench.LINK_FLOOR_NAME and floor.floor
     assert floor.overrides == ["x.y=false"] and floor.run_flags == ["--network", "real"]
     options = ["-ng", "2", "--network", "model:1ms,10MB/s,pp", "-pp", "2", "--network=tbf:1gbit", "--max_steps", "6"]
-    assert bench._without_options(options, {"--network"}) == ["-ng", "2", "-pp", "2", "--max_steps", "6"]
-    assert bench._without_options(options, set()) == options
+    assert bench.common_run_options(options, [], with_value=("--network",)) == ["-ng", "2", "-pp", "2",
+                                                                                 "--max_steps", "6"]
+    assert bench.common_run_options(options, []) == options
 
     def run(ms):
         return bench.RunResult(ms, {"all": 1.0}, {"all": 1.0}, 400.0, [1, 4], "real")

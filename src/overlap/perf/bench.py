@@ -187,25 +187,12 @@ class RunFailed(RuntimeError):
                           lines[-1] if lines else "(no output)")
 
 
-def _without_options(options: list[str], names: set[str]) -> list[str]:
-    """`options` less the valued options `names` (as `--name V` or `--name=V`): a configuration's own run flag
-    replaces the common one (`overlap run` refuses a flag given twice with different values)."""
-    out: list[str] = []
-    skip = False
-    for opt in options:
-        if skip:
-            skip = False
-        elif opt in names:
-            skip = True
-        elif opt.split("=", 1)[0] not in names:
-            out.append(opt)
-    return out
-
-
 def run_once(options: list[str], overrides: list[str], config: BenchConfig, metrics: Path) -> RunResult:
-    own = {f for f in config.run_flags if f.startswith("--")}
-    command = [sys.executable, "-m", "overlap.cli", "run", *_without_options(options, own), "--metrics", str(metrics),
-               *config.run_flags, *overrides, *config.overrides]
+    # A configuration's own run flag (the link floor's --network) replaces the common one: `overlap run` refuses a
+    # flag given twice with different values.
+    own = tuple(f for f in config.run_flags if f.startswith("--"))
+    command = [sys.executable, "-m", "overlap.cli", "run", *common_run_options(options, [], with_value=own),
+               "--metrics", str(metrics), *config.run_flags, *overrides, *config.overrides]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RunFailed(config.name, done.returncode, command, done.stdout + done.stderr)
