@@ -357,8 +357,28 @@ def test_overlap_efficiency_and_summary_table():
     assert on["step_time_ms"]["min"] == 80 and on["step_time_ms"]["max"] == 82
     assert on["step_time_ratio_to_first"] == pytest.approx(81 / 101) and on["exposed_comm_ms"] == {"all": 4.0}
     table = bench.format_markdown(doc)
-    assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 |" in table and "0.50 |" in table
+    assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 | 0.802 (0.80-0.80) |" in table and "0.50 |" in table
     assert doc["machine"] == describe_machine() and machine_line(doc["machine"]) in table
+
+
+def test_per_round_ratios_pair_each_repeat_with_the_first_configs_in_the_same_round():
+    """A slow round moves both configurations of that round: the pairs cancel it where the ratio of means does not."""
+    configs = bench.build_configs("x", ["off", "on"], ideal=False)
+
+    def run(ms):
+        return bench.RunResult(ms, {"all": 1.0}, {"all": 1.0}, 1.0, [1, 4], "real")
+
+    # round 2 ran on a machine 3x slower for both; the on configuration is 10% faster in every round
+    doc = bench.summarize(configs, {"x=off": [run(100), run(300), run(100)], "x=on": [run(90), run(270)]}, "real",
+                          "...")
+    on = doc["configs"][1]
+    assert on["step_time_ratio_to_first_per_round"]["rounds"] == pytest.approx([0.9, 0.9])
+    assert on["step_time_ratio_to_first_per_round"]["median"] == pytest.approx(0.9)
+    assert on["step_time_ratio_to_first"] == pytest.approx(180 / (500 / 3))  # the means: 1.08, a slowdown
+    table = bench.format_markdown(doc)
+    assert "| 1.080 | 0.900 (0.90-0.90) |" in table and "read the per-round ratios" in table
+    assert doc["configs"][0]["step_time_ratio_to_first_per_round"]["median"] == pytest.approx(1.0)
+    assert bench._per_round({}) == "-"  # results written before the column
 
 
 def test_the_machine_description_names_the_cpu_and_its_bf16_flags(tmp_path):

@@ -234,8 +234,10 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
                 "overlap_efficiency_by_floor": {}, "not_run": not_run, "command": command,
                 "machine": describe_machine()}
     base = measured[0]["step_time_ms"]["mean"]
+    first_times = measured[0]["step_time_ms"]["repeats"]
     for r in rows:
         r["step_time_ratio_to_first"] = r["step_time_ms"]["mean"] / base
+        r["step_time_ratio_to_first_per_round"] = per_round_ratios(r["step_time_ms"]["repeats"], first_times)
     by_floor = {f["name"]: {r["name"]: overlap_efficiency(base, r["step_time_ms"]["mean"], f["step_time_ms"]["mean"])
                             for r in measured[1:]} for f in floors}
     main_floor = next((f for f in floors if f["name"] == IDEAL_NAME), floors[0] if floors else None)
@@ -263,6 +265,15 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
             "floors_step_time_ms": {f["name"]: f["step_time_ms"]["mean"] for f in floors},
             "overlap_efficiency_by_floor": by_floor, "not_run": not_run, "command": command,
             "machine": describe_machine()}
+
+
+def per_round_ratios(times: list[float], first_times: list[float]) -> dict:
+    """Each round's step time over the first configuration's in the same round, and their median. The rounds
+    alternate the configurations, so a pair ran minutes apart at most: a drift of the machine between rounds (a
+    slow round moves every configuration in it) cancels in the pair where it moves a mean. The median of the pairs
+    is the statistic to read on a noisy machine; the ratio of means is what a steady one gives."""
+    ratios = [t / f for t, f in zip(times, first_times) if f > 0]
+    return {"median": statistics.median(ratios) if ratios else None, "rounds": ratios}
 
 
 NOISY_SPREAD = 0.10  # (max - min) / mean of a configuration's repeats above which its mean is called unreliable
@@ -340,16 +351,18 @@ def format_markdown(doc: dict) -> str:
              f"Command: `{doc['command']}`  ",
              # Results committed before the machine was recorded have no "machine".
              machine_line(doc["machine"]) if "machine" in doc else "Machine: not recorded", "",
-             "| config | step ms (mean) | min | max | vs first | exposed comm ms | total comm ms | MB/iter | peak MB | "
+             "| config | step ms (mean) | min | max | vs first | vs first, per round | exposed comm ms | "
+             "total comm ms | MB/iter | peak MB | "
              + "".join(f"eff. vs {name} | " for name in by_floor) + "exposed hidden vs first |",
-             "|---|---|---|---|---|---|---|---|---|" + "---|" * len(by_floor) + "---|"]
+             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(by_floor) + "---|"]
     for r in doc["configs"]:
         st = r["step_time_ms"]
         effs = "".join(f"{_eff(doc_effs.get(r['name']))} | " for doc_effs in by_floor.values())
         traced = r.get("comm_traced", True)
         untraced = "n/a (peer: torch's collectives are not traced)"
         lines.append(f"| {r['name']} | {st['mean']:.1f} | {st['min']:.1f} | {st['max']:.1f} | "
-                     f"{r['step_time_ratio_to_first']:.3f} | {_kinds(r['exposed_comm_ms']) if traced else untraced} | "
+                     f"{r['step_time_ratio_to_first']:.3f} | {_per_round(r)} | "
+                     f"{_kinds(r['exposed_comm_ms']) if traced else untraced} | "
                      f"{_kinds(r['total_comm_ms']) if traced else untraced} | "
                      f"{format(r['comm_mb_per_iter'].get('all', 0.0), '.2f') if traced else 'n/a'} | "
                      f"{r['peak_mem_mb']:.0f} | {effs}"
@@ -361,6 +374,15 @@ def format_markdown(doc: dict) -> str:
     return "\n".join(lines + _noisy_lines(doc) + _peer_wait_lines(doc) + _failure_lines(doc))
 
 
+def _per_round(row: dict) -> str:
+    """The per-round ratios' median and range, e.g. "0.978 (0.93-1.12)"; results written before them: "-"."""
+    per_round = row.get("step_time_ratio_to_first_per_round") or {}
+    ratios, median = per_round.get("rounds") or [], per_round.get("median")
+    if median is None:
+        return "-"
+    return f"{median:.3f}" if len(ratios) == 1 else f"{median:.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def _noisy_lines(doc: dict) -> list[str]:
     noisy = doc.get("noisy") or {}
     if not noisy:
@@ -369,8 +391,8 @@ def _noisy_lines(doc: dict) -> list[str]:
     named = "; ".join(f"`{name}` {rows[name]['min']:.0f}-{rows[name]['max']:.0f} ms ({spread:.0%} of its mean)"
                       for name, spread in noisy.items())
     return [f"\n**NOISY**: repeats spread by more than {NOISY_SPREAD:.0%} of their mean: {named}. The machine "
-            "drifted during the benchmark, so the means, ratios and efficiencies above are unreliable: rerun it "
-            "alone, or with more --repeats."]
+            "drifted during the benchmark, so the means, ratios of means and efficiencies above are unreliable: read "
+            "the per-round ratios (each round's pair ran back to back), rerun it alone, or with more --repeats."]
 
 
 def _peer_wait_lines(doc: dict) -> list[str]:
