@@ -22,7 +22,6 @@ SHARED_BUCKET = "one tbf token bucket for every rank: the planner charges RATE /
 RANK0_FLOOR = ("the floor faked every collective, so it shows rank 0's compute only; the FLOP-proportional stage "
                "weights make the last stage (the output layer) slower than it is on this CPU"
                + "; and " + SHARED_BUCKET)
-TP_CHUNKS = "the TP model (one of four chunks exposed) does not follow the runtime's per-slot methods"
 IMBALANCE = ("4 ranks on 2 cores, and the routing imbalance the planner does not model (its ranks are balanced): the "
              "model's delayed weight gradients fill waits for the link, the runtime's waits are mostly for a late "
              "peer")
@@ -41,13 +40,9 @@ KNOWN_MISSES = {
     ("pp_schedules", "1F1B, overlapped p2p"): RANK0_FLOOR,
     ("pp_schedules", "interleaved VPP2, overlapped p2p"): RANK0_FLOOR,
     ("pp_schedules_2ranks", "1F1B, batched p2p"): RANK0_FLOOR,
-    ("tp_overlap", "TP overlap (defaults)"): TP_CHUNKS,
-    ("tp_overlap", "no bulk dgrad"): TP_CHUNKS,
-    ("tp_overlap", "bulk only"): TP_CHUNKS,
-    ("tp_overlap", "preset b200 h6144 tp2, no bulk dgrad"): TP_CHUNKS,
     ("tp_overlap_narrow", "off"): SHARED_BUCKET,
-    ("tp_overlap_narrow", "TP overlap (defaults)"): TP_CHUNKS,
-    ("tp_overlap_narrow", "no bulk dgrad"): TP_CHUNKS,
+    ("tp_overlap_narrow", "TP overlap (defaults)"): SHARED_BUCKET,
+    ("tp_overlap_narrow", "no bulk dgrad"): SHARED_BUCKET,
 }
 
 

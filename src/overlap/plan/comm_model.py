@@ -9,8 +9,11 @@ Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; 
   (`ep_counts`) one int64 per expert tells the ranks how many rows follow: latency-bound and a rendezvous,
   hidden only by the EP-overlap schedule (`overlap.plan.schedule`); the static-shape mode
   (`moe_pad_expert_input_to_capacity`) has none.
-- TP with SP, per micro-batch and layer: 4 forward + 6 backward collectives of (t-1)/t x b s h beta (a MoE layer with
-  ETP 1 keeps only its attention's: 2 + 3).
+- TP with SP, per micro-batch and layer: 4 forward + 4 backward collectives of (t-1)/t x b s h beta, plus the input's
+  re-gather for the weight gradient where a bulk dgrad slot keeps only the shard (a MoE layer with ETP 1 keeps only
+  its attention's: 2 + 2 (+ 1)); `overlap.plan.tp_slots` says which GEMM hides each. Per micro-batch, the
+  vocabulary-parallel embedding adds a reduce-scatter (backward: an all-gather) on the first stage and the output
+  layer an all-gather (backward: a reduce-scatter) on the last, never overlapped.
 - PP, per micro-batch: one activation (b s h beta, / TP under SP) sent forward and one gradient back per stage
   boundary; VPP v sends v times as often.
 - DP, per step: the distributed optimizer's reduce-scatter of gradients ((d-1)/d x P x beta_grad) and all-gather of
@@ -33,7 +36,11 @@ from math import comb
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.launch.resources import estimate_memory
-from overlap.plan.hardware import Cluster
+from overlap.config.tp_overlap import SlotPlan, effective_tp_plan
+from overlap.plan.hardware import Cluster, Link
+from overlap.plan.tp_slots import TPGemms, layer_tp
+
+NO_GEMMS = TPGemms(0.0, 0.0, 0.0, 0.0)  # for counting a layer's TP collectives, which the GEMMs do not change
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -45,14 +52,19 @@ def members_per_node(size: int, stride: int, gpus_per_node: int) -> int:
     return max(1, min(size, gpus_per_node // max(1, stride)))
 
 
+def ring_link(size: int, per_node: int, cluster: Cluster) -> Link:
+    """The link a ring collective (all-gather / reduce-scatter / all-reduce) of the group runs at."""
+    if per_node >= size:
+        return cluster.nvlink
+    bandwidth = min(per_node * cluster.nic.bandwidth_Bps, cluster.nvlink.bandwidth_Bps)
+    return Link(bandwidth, cluster.nic.latency_s, f"{per_node} of {size} members per node: the NICs")
+
+
 def ring_time_s(nbytes: float, size: int, per_node: int, cluster: Cluster) -> float:
-    """A ring collective (all-gather / reduce-scatter / all-reduce) moving `nbytes` per GPU over the group."""
+    """A ring collective moving `nbytes` per GPU over the group."""
     if size <= 1 or nbytes <= 0:
         return 0.0
-    if per_node >= size:
-        return cluster.nvlink.time_s(nbytes)
-    bandwidth = min(per_node * cluster.nic.bandwidth_Bps, cluster.nvlink.bandwidth_Bps)
-    return cluster.nic.latency_s + nbytes / bandwidth
+    return ring_link(size, per_node, cluster).time_s(nbytes)
 
 
 def alltoall_time_s(nbytes: float, size: int, per_node: int, cluster: Cluster) -> float:
@@ -100,8 +112,14 @@ class CommPlan:
     kinds: dict[str, Collective] = field(default_factory=dict)
     ep_a2a_s: dict[str, float] = field(default_factory=dict)  # per MoE layer and micro-batch, per EP kind
     ep_counts_s: float = 0.0  # per MoE layer and micro-batch: the split-size exchange before the dispatch
-    tp_layer_s: float = 0.0  # per layer and micro-batch, all TP collectives (fwd + bwd)
-    tp_fwd_share: float = 0.4  # forward's share of the TP collectives (4 of 10)
+    # TP with SP: one collective's bytes per GPU, its link, and the slot plan the runtime runs (`overlap.plan.tp_slots`)
+    tp_bytes: float = 0.0
+    tp_link: Link | None = None
+    tp_size: int = 1
+    tp_plans: dict[str, SlotPlan | None] = field(default_factory=dict)
+    # The embedding's reduce-scatter (its backward: an all-gather) and the output layer's all-gather (backward: a
+    # reduce-scatter), outside any overlap plan: per micro-batch, of each kind, on the average pipeline stage.
+    tp_edges_per_mb: float = 0.0
     pp_send_s: float = 0.0  # one activation (or its gradient) between neighbouring stages
     # Per step, per gradient buffer ("dp" dense, "edp" experts: their own groups, so their own links), per bucket:
     dp_rs_s: dict[str, list[float]] = field(default_factory=dict)  # gradient reduce-scatter / all-reduce
@@ -148,13 +166,17 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
             plan.add("ep_counts", counts, plan.ep_counts_s, moe_here * mb)
 
     if tp > 1 and m.sequence_parallel and cluster.carries("tp"):
-        full = b * s * h * act
-        nbytes = (tp - 1) / tp * full
-        t_each = ring_time_s(nbytes, tp, members_per_node(tp, 1, gpn), cluster)
-        per_layer = 10 * dense_here + 5 * moe_here  # a MoE layer (ETP 1): only the attention's collectives
-        plan.add("tp_ag", nbytes, t_each, per_layer // 2 * mb)
-        plan.add("tp_rs", nbytes, t_each, (per_layer - per_layer // 2) * mb)
-        plan.tp_layer_s = t_each * per_layer / max(1, layers_here)
+        plan.tp_bytes = (tp - 1) / tp * b * s * h * act
+        plan.tp_link, plan.tp_size = ring_link(tp, members_per_node(tp, 1, gpn), cluster), tp
+        plan.tp_plans = effective_tp_plan(m)[0]
+        plan.tp_edges_per_mb = 2.0 / pp
+        dense, moe = (layer_tp(plan.tp_plans, NO_GEMMS, plan.tp_link, plan.tp_bytes, tp, d) for d in (True, False))
+        t_each = plan.tp_link.time_s(plan.tp_bytes)
+        edges = round(plan.tp_edges_per_mb * mb)
+        plan.add("tp_ag", plan.tp_bytes, t_each,
+                 (dense.all_gathers * dense_here + moe.all_gathers * moe_here) * mb + edges)
+        plan.add("tp_rs", plan.tp_bytes, t_each,
+                 (dense.reduce_scatters * dense_here + moe.reduce_scatters * moe_here) * mb + edges)
 
     if pp > 1 and cluster.carries("pp"):
         vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)

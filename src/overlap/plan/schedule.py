@@ -25,9 +25,10 @@
   last micro-batch's backward (`ddp.overlap_grad_reduce`; the last bucket, ready as the backward ends, never hides),
   the parameter all-gather behind the first micro-batch's forward (`ddp.overlap_param_gather`; the first bucket is
   waited for before the forward starts).
-- TP overlap (`model.tp_comm_overlap`): each layer's collectives are split into chunks pipelined with the
-  neighbouring GEMMs; one chunk of four stays exposed (Bridge performance guide: num_splits = 4), and what the
-  layer's compute cannot cover.
+- TP overlap (`model.tp_comm_overlap`): slot by slot (`overlap.plan.tp_slots`), with the plan the runtime runs
+  (`effective_tp_plan`): a ring exchange hides each shard under a 1/TP chunk of its GEMM, a pipelined
+  reduce-scatter exposes its last chunk and what queues behind it, a bulk collective hides under the whole
+  neighbouring GEMM; a slot without a plan exposes its collective, as do the embedding's and the output layer's.
 
 While a piece overlaps communication its compute runs slower: x (1 + slowdown) for the overlapped part
 (`Cluster.overlap_slowdown`, source in `overlap.plan.hardware`). That cost is reported apart from the exposed
@@ -42,8 +43,7 @@ from overlap.plan.comm_model import CommPlan
 from overlap.plan.compute import MicrobatchCompute
 from overlap.pipeline.schedules import pipeline_steps
 from overlap.plan.pipeline_sim import simulate
-
-TP_SPLITS = 4  # Megatron-Bridge performance guide: num_splits = 4 is best; one chunk stays exposed
+from overlap.plan.tp_slots import layer_tp
 
 
 @dataclass
@@ -161,19 +161,16 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
             t.slowdown_s += hidden * sigma_ep * c.moe_layers * m
         t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * m)
 
-    if comm.tp_layer_s:
-        per_mb = comm.tp_layer_s * c.layers
-        if sw.tp_overlap:
-            window = c.fwd_bwd_s - c.logits_fwd_s * (1 + c.bwd_factor)
-            exposed = max(per_mb / TP_SPLITS, per_mb - window)
-            hidden = per_mb - exposed
-            t.slowdown_s += m * min(hidden, window) * sigma
-        else:
-            exposed = per_mb
-        for kind in ("tp_ag", "tp_rs"):
-            if kind in comm.kinds:
-                t.expose(kind, m * exposed * comm.kinds[kind].count / sum(
-                    comm.kinds[k].count for k in ("tp_ag", "tp_rs") if k in comm.kinds))
+    if comm.tp_link is not None:  # slot by slot, as the runtime's plan puts each collective next to a GEMM
+        for dense, layers in ((True, c.dense_layers), (False, c.moe_layers)):
+            if layers:
+                tp = layer_tp(comm.tp_plans, c.tp_gemms, comm.tp_link, comm.tp_bytes, comm.tp_size, dense)
+                t.expose("tp_ag", m * layers * tp.exposed_ag_s)
+                t.expose("tp_rs", m * layers * tp.exposed_rs_s)
+                t.slowdown_s += m * layers * tp.hidden_s * sigma
+        edges = m * comm.tp_edges_per_mb * comm.tp_link.time_s(comm.tp_bytes)
+        t.expose("tp_ag", edges)
+        t.expose("tp_rs", edges)
 
     if sw.pp > 1:  # the pipeline program itself, simulated: its bubble, and the p2p its schedule cannot hide
         per_mb_s = (t.compute_s + t.slowdown_s + sum(t.exposed_s.values())) / m
