@@ -259,14 +259,14 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 16 -mb 1 --net
   --ideal-link --ideal-family pp --repeats 5 --json $out/pp_p2p_overlap_vpp.json --markdown $out/pp_p2p_overlap_vpp.md \
   model.num_layers=8
 
-# 18. Ours vs torch.distributed.pipelining per schedule, PP=2 on 2 ranks (one per core), emulated interconnect, four
+# 18. Ours vs torch.distributed.pipelining per schedule, PP=2 on 2 ranks (one per core), emulated interconnect, ten
 #     alternated repeats (command 10 on this machine's CPU, with the peers only).
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --network tbf:200mbit \
   --config '1F1B, ours:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false' \
   --config '1F1B, torch pipelining:model.pipeline_impl=torch_pipelining' \
   --config 'interleaved VPP2, ours:model.virtual_pipeline_model_parallel_size=2' \
   --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
-  --repeats 4 --json $out/pp_vs_torch_2ranks.json --markdown $out/pp_vs_torch_2ranks.md model.num_layers=8
+  --repeats 10 --json $out/pp_vs_torch_2ranks.json --markdown $out/pp_vs_torch_2ranks.md model.num_layers=8
 
 # 16. The planner against the benchmarks above: the loopback probe (2 and 4 ranks), then every committed result with
 #     a floor re-planned on the profile its floor gives (docs/planner.md, tests/test_plan_vs_bench.py).
