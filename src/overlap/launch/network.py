@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from overlap.errors import ConfigError
-from overlap.parallel.kinds import parse_families
+from overlap.config.kinds import parse_families
 
 log = logging.getLogger("overlap")
 

@@ -60,7 +60,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from overlap.errors import ConfigError
-from overlap.parallel.kinds import family, parse_families
+from overlap.config.kinds import family, parse_families
 from overlap.parallel.trace import RECORDER, CommEvent, now
 
 log = logging.getLogger("overlap.comm")

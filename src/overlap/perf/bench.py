@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overlap.errors import ConfigError
-from overlap.parallel.kinds import parse_families
+from overlap.config.kinds import parse_families
 from overlap.perf.machine import describe_machine, machine_line
 
 IDEAL_NAME = "ideal (no communication)"

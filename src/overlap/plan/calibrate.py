@@ -31,7 +31,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
 from overlap.launch.network import Network
-from overlap.parallel.kinds import FAMILIES
+from overlap.config.kinds import FAMILIES
 from overlap.plan.hardware import Cluster, Efficiency, Link
 from overlap.plan.predict import predict
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from overlap.errors import ConfigError
-from overlap.parallel.kinds import parse_families
+from overlap.config.kinds import parse_families
 
 
 @dataclass(frozen=True)
