@@ -167,15 +167,50 @@ def test_calibrate_writes_a_profile_whose_compute_is_the_measured_floor(tmp_path
     assert "wrote the machine profile" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, field", [
-    (["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "--calibrate", "--cluster", "x.json"],
-     "--calibrate"),
-    ([*CALIBRATION, "--calibrate"], "--calibrate"),
-    ([*CALIBRATION, "--network", "model:1ms,1GB/s", "--cluster", "x.json"], "--network"),
+GPU_PLAN = ["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-ep", "16"]
+
+
+@pytest.mark.parametrize("argv, field, why", [
+    ([*GPU_PLAN, "--calibrate", "--cluster", "x.json"], "--calibrate", "no CUDA device"),
+    ([*GPU_PLAN, "--calibrate", "--cluster", "x.json", "--network", "real"], "--network", "published links"),
+    ([*CALIBRATION, "--calibrate"], "--calibrate", "needs a file"),
+    ([*CALIBRATION, "--network", "model:1ms,1GB/s", "--cluster", "x.json"], "--network", "only --calibrate"),
 ])
-def test_calibrate_refusals(argv, field, capsys):
+def test_calibrate_refusals(argv, field, why, capsys):
+    if "no CUDA" in why:
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU: the calibration would run")
     assert main(["plan", *argv]) == 2
-    assert f"error: {field}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"error: {field}" in err and why in err
+
+
+def test_the_gpu_probe_is_the_plans_configuration_cut_to_one_device(tmp_path):
+    """A GPU type's calibration runs the plan's recipe and overrides on one device: its layout flags and the keys the
+    probe sets are replaced, everything else kept; the cut command line is a valid run (here on CPU), and the fit
+    makes the probe's predicted compute its measured step."""
+    from overlap.launch.network import parse_network
+    from overlap.perf.bench import BenchConfig, run_once
+    from overlap.plan.calibrate import (PROBE_LAYERS, PROBE_MICROBATCHES, PROBE_STEPS, cpu_cluster, fit_efficiency,
+                                        gpu_probe, resolve_run)
+    from overlap.plan.hardware import Link
+    from overlap.plan.predict import predict
+
+    argv = ["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "4", "-tp", "2", "-ep", "2", "-gb", "32",
+            "-mb", "2", "-ms", "100", "--network", "real"]
+    options, overrides = gpu_probe(argv, ["model.num_layers=6", "train.train_iters=50", "model.hidden_size=128"], 2)
+    assert overrides == ["model.hidden_size=128", f"model.num_layers={PROBE_LAYERS}"]
+    assert "--network" not in options and options[options.index("-tp") + 1] == "1" and options.count("-tp") == 1
+    probe = resolve_run(options, overrides)
+    assert probe.resolution.layout.world_size == 1 and probe.cfg.model.num_layers == PROBE_LAYERS
+    assert probe.cfg.train.global_batch_size == PROBE_MICROBATCHES * 2 and probe.cfg.train.train_iters == PROBE_STEPS
+    assert probe.cfg.model.hidden_size == 128
+    run = run_once(options, overrides, BenchConfig("probe", [], []), tmp_path / "probe.jsonl")
+    cluster = cpu_cluster(parse_network("real"), 1, 1.0, "fp32", Link(float("inf"), 0.0, "one rank"))
+    fitted = fit_efficiency(probe.cfg, probe.resolution.layout, cluster, run.step_ms, "test")
+    predicted = predict("probe", [], probe.cfg, probe.resolution.layout, fitted)
+    assert predicted.step_ms == pytest.approx(run.step_ms, rel=1e-6)
 
 
 def test_simulated_pipeline_with_unequal_stages_and_groups():
@@ -197,13 +232,9 @@ def test_the_merged_program_pays_its_coarser_dependencies():
 
 
 def _floor_job(argv: str):
-    import argparse
+    from overlap.plan.calibrate import resolve_run
 
-    from overlap.harness import add_harness_flags, prepare
-
-    parser = argparse.ArgumentParser()
-    add_harness_flags(parser)
-    job = prepare(parser.parse_args(argv.split()), describe_target=True)
+    job = resolve_run(argv.split(), [])
     return job.cfg, job.resolution.layout
 
 

@@ -15,6 +15,14 @@ profile is measured:
   gets RATE / ranks when all send at once (the collectives of one step do);
 - the overlap slowdown: 0 (gloo's transport threads and a modelled link's sleeps take little CPU from the compute
   thread; what they do take shows in the validation, `bench/plan_vs_bench.py`).
+
+With a GPU type (`-g h100 ...`) on a machine with one such GPU (`calibrate_gpu`, `bench/gpu_check.sh`), only the
+efficiency is measured: peak, NVLink and NIC stay the published figures of the built-in table. One GPU cannot hold
+the plan's layout, so the probe is the same recipe and overrides cut to fit it: PROBE_LAYERS layers, no model
+parallelism (every expert local), PROBE_MICROBATCHES micro-batches of the plan's size per step, trained for
+PROBE_STEPS steps; its steady step is fitted as its own predicted compute (one GPU: no communication, no bubble).
+The fitted share of the peak then stands for every GEMM of the plan; the expert GEMMs of an EP run see EP times more
+rows per expert than the probe's, so the probe's efficiency is, if anything, low for them.
 """
 
 from __future__ import annotations
@@ -153,6 +161,64 @@ def probe_loopback(ranks: int, small: int = 1024, large: int = 8 << 20, repeats:
     bandwidth = extra / (times[large] - times[small])
     return Link(bandwidth, times[small], f"gloo loopback all-to-all probe, {ranks} ranks: {times[small] * 1e6:.0f} us, "
                 f"{bandwidth / 1e9:.2f} GB/s")
+
+
+PROBE_LAYERS, PROBE_MICROBATCHES, PROBE_STEPS = 2, 8, 8
+# The one-GPU probe's layout and batch replace these flags and override keys of the plan's command line.
+_PROBE_FLAGS = ("-ng", "--num_gpus", "-gn", "--gpus_per_node", "-tp", "-pp", "-cp", "-ep", "-et", "-vp", "-gb",
+                "--global_batch_size", "-ms", "--max_steps", "--network")
+_PROBE_KEYS = ("model.tensor_model_parallel_size", "model.pipeline_model_parallel_size",
+               "model.context_parallel_size", "model.expert_model_parallel_size", "model.expert_tensor_parallel_size",
+               "model.virtual_pipeline_model_parallel_size", "model.num_layers_in_first_pipeline_stage",
+               "model.num_layers_in_last_pipeline_stage", "model.num_layers", "train.global_batch_size",
+               "train.train_iters")
+
+
+def resolve_run(words: list[str], overrides: list[str]):
+    """The resolved job of an `overlap run` command line (harness flags `words`, then `overrides`), for the `-g`
+    target as given (`prepare(..., describe_target=True)`: this machine is not probed)."""
+    import argparse
+
+    from overlap.harness import add_harness_flags, prepare
+
+    parser = argparse.ArgumentParser()
+    add_harness_flags(parser)
+    return prepare(parser.parse_args(words + overrides), describe_target=True)
+
+
+def gpu_probe(run_options: list[str], overrides: list[str], micro_batch: int) -> tuple[list[str], list[str]]:
+    """(run options, overrides) of the one-GPU probe of a plan's command line (module docstring)."""
+    from overlap.perf.bench import common_run_options
+
+    options = common_run_options(run_options, [], with_value=_PROBE_FLAGS) + [
+        "-ng", "1", "-tp", "1", "-pp", "1", "-cp", "1", "-ep", "1", "-et", "1", "-vp", "None",
+        "-gb", str(PROBE_MICROBATCHES * micro_batch), "-ms", str(PROBE_STEPS)]
+    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in _PROBE_KEYS]
+    return options, kept + [f"model.num_layers={PROBE_LAYERS}"]
+
+
+def calibrate_gpu(args, job, run_options: list[str], cluster: Cluster) -> Cluster:
+    """`overlap plan -g GPU --calibrate`: the compute efficiency of `cluster` (the GPU type's figures) fitted on the
+    one-GPU probe of the plan's configuration, run on this machine's GPU; written to --cluster."""
+    import torch
+
+    from overlap.perf.bench import BenchConfig, run_once
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--calibrate", f"-g {args.gpu}", "a GPU profile is measured on one GPU of that type, and "
+                          "this machine has no CUDA device.", "run it where one is (bench/gpu_check.sh), calibrate "
+                          "-g cpu here, or give the efficiency in --cluster FILE (compute_efficiency).")
+    options, overrides = gpu_probe(run_options, list(args.overrides), job.cfg.train.micro_batch_size)
+    probe = resolve_run(options, overrides)
+    with tempfile.TemporaryDirectory(prefix="overlap-calibrate-") as tmp:
+        run = run_once(options, overrides, BenchConfig("gpu probe", [], []), Path(tmp) / "probe.jsonl")
+    m = probe.cfg.model
+    source = (f"fitted on one {torch.cuda.get_device_name()} of this machine: the plan's recipe at {PROBE_LAYERS} "
+              f"layers, no model parallelism, {PROBE_MICROBATCHES} micro-batches of {probe.cfg.train.micro_batch_size} "
+              f"x {m.seq_length} tokens ran {run.step_ms:.1f} ms per step (overlap plan --calibrate)")
+    fitted = fit_efficiency(probe.cfg, probe.resolution.layout, cluster, run.step_ms, source)
+    write_profile(fitted, args.cluster)
+    return fitted
 
 
 def write_profile(cluster: Cluster, path: str) -> None:

@@ -69,8 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="JSON cluster description replacing the built-in figures (required for -g cpu: the "
                            "machine profile); docs/planner.md")
     plan.add_argument("--calibrate", action="store_true",
-                      help="-g cpu: measure this machine's profile first (a GEMM probe, the configuration run with "
-                           "its modelled collectives faked, the --network link) and write it to --cluster FILE")
+                      help="measure this machine's profile first and write it to --cluster FILE: -g cpu the whole "
+                           "profile (a GEMM probe, the configuration run with its modelled collectives faked, the "
+                           "--network link); a GPU type its compute efficiency, from the configuration cut to one "
+                           "GPU of this machine (bench/gpu_check.sh)")
     plan.add_argument("--network", default=None, metavar="SPEC",
                       help="with --calibrate: the link to profile, as `overlap run --network` (real | tbf:RATE | "
                            "model:LATENCY,BANDWIDTH[,FAMILIES])")
@@ -97,20 +99,29 @@ def _cluster(args: argparse.Namespace, cfg):
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    """`--calibrate`: measure the -g cpu machine profile and write it to --cluster (overlap.plan.calibrate)."""
+    """`--calibrate`: measure the machine profile and write it to --cluster (overlap.plan.calibrate): -g cpu the
+    whole profile of this machine's ranks, a GPU type its compute efficiency on one GPU of this machine."""
     from overlap.launch.paths import check_output_file
     from overlap.perf.bench import common_run_options
-    from overlap.plan.calibrate import calibrate
+    from overlap.plan.calibrate import calibrate, calibrate_gpu
 
-    if args.gpu != "cpu":
-        raise ConfigError("--calibrate", True, f"calibration runs on this machine's ranks; -g {args.gpu} is not it.",
-                          "calibrate with -g cpu; for a GPU type pass its figures in --cluster (docs/planner.md).")
     if not args.cluster:
         raise ConfigError("--calibrate", True, "the profile needs a file to go to.", "add --cluster FILE.")
     check_output_file("--cluster", args.cluster)
-    args.network = args.network or "real"
     run_options = common_run_options(args.argv[1:], list(args.overrides), ("--cluster",), ("--calibrate",))
-    cluster = calibrate(args, _job(args, []), run_options)
+    job = _job(args, [])
+    if args.gpu != "cpu":
+        if args.network is not None:
+            raise ConfigError("--network", args.network, f"a -g {args.gpu} profile keeps the GPU type's published "
+                              "links; only its compute efficiency is measured.", "drop --network (it profiles "
+                              "-g cpu's loopback).")
+        from overlap.plan.hardware import builtin_cluster, precision_of
+
+        cluster = calibrate_gpu(args, job, run_options,
+                                builtin_cluster(args.gpu, precision_of(job.cfg.model), args.gpus_per_node))
+    else:
+        args.network = args.network or "real"
+        cluster = calibrate(args, job, run_options)
     print(f"overlap plan: wrote the machine profile {args.cluster}: peak {cluster.peak_tflops * 1e3:.2f} GFLOP/s, "
           f"efficiency {cluster.efficiency.value:.4f} ({cluster.efficiency.source}); link {cluster.nvlink.source}")
 

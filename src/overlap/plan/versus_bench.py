@@ -12,7 +12,6 @@ This is how the model is proven where we can measure (`bench/plan_vs_bench.py` w
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 from dataclasses import dataclass, replace
@@ -21,7 +20,7 @@ from pathlib import Path
 from overlap.launch.network import parse_network
 from overlap.config.kinds import FAMILIES
 from overlap.perf.bench import BENCH_OPTIONS_WITH_VALUE, BENCH_SWITCHES, IDEAL_NAME, family_floor_name
-from overlap.plan.calibrate import cpu_cluster, fit_efficiency
+from overlap.plan.calibrate import cpu_cluster, fit_efficiency, resolve_run
 from overlap.plan.hardware import Link, precision_of
 from overlap.plan.predict import predict
 
@@ -68,14 +67,6 @@ def _split(command: str) -> tuple[list[str], list[str], str | None, str]:
     return rest, configs, ab, network
 
 
-def _job(words: list[str], extra: list[str]):
-    from overlap.harness import add_harness_flags, prepare
-
-    parser = argparse.ArgumentParser()
-    add_harness_flags(parser)
-    return prepare(parser.parse_args(words + extra), describe_target=True)
-
-
 def _floor(doc: dict, families: tuple[str, ...] | None) -> tuple[float, tuple[str, ...] | None]:
     """(step ms, families faked) of the floor to fit on: the one faking the modelled link's families, else the one
     faking everything, else a single family's (whose link is then the only one the plan charges)."""
@@ -100,7 +91,7 @@ def compare(result: Path, loopback: dict[int, Link]) -> list[Row]:
     configs = build_configs(*parse_ab(ab), False) if ab else [parse_named_config(c) for c in config_texts]
     configs = [c for c in configs if not any(o.startswith(_PEERS) for o in c.overrides)]
     measured = {c["name"]: c["step_time_ms"]["mean"] for c in doc["configs"]}
-    jobs = [(c.name, _job(words, c.overrides)) for c in configs]
+    jobs = [(c.name, resolve_run(words, c.overrides)) for c in configs]
     first = jobs[0][1]
     ranks = first.resolution.layout.world_size
     link_families = network.families if network.kind == "model" else None
