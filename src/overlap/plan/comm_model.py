@@ -35,8 +35,8 @@ from math import comb
 
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
-from overlap.launch.resources import estimate_memory
 from overlap.config.tp_overlap import SlotPlan, effective_tp_plan
+from overlap.launch.resources import estimate_memory
 from overlap.plan.hardware import Cluster, Link
 from overlap.plan.tp_slots import TPGemms, layer_tp
 

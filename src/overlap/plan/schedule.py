@@ -74,7 +74,6 @@ class Switches:
     delay_wgrad: bool
     overlap_grad_reduce: bool
     overlap_param_gather: bool
-    tp_overlap: bool
     overlap_p2p: bool
     pp: int
     vpp: int
