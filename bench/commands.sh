@@ -287,6 +287,20 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
   --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
   --repeats 10 --json $out/pp_vs_torch_2ranks.json --markdown $out/pp_vs_torch_2ranks.md model.num_layers=8
 
+# 18b. VPP2 only, ours vs torch, 10 alternated rounds (run the same morning as 18, before it).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --network tbf:200mbit \
+  --config 'VPP2 ours:model.virtual_pipeline_model_parallel_size=2' \
+  --config 'VPP2 torch:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
+  --repeats 10 --json $out/pp_vs_torch_2ranks_vpp2.json --markdown $out/pp_vs_torch_2ranks_vpp2.md model.num_layers=8
+
+# 18c. CPU time of the same VPP2 run, ours vs torch, 14 steps on the plain loopback, 3 alternated runs each
+#      (bench/results/pp_vs_torch_cpu_time.txt holds what it printed).
+for r in 1 2 3; do for impl in overlap torch_pipelining; do
+/usr/bin/time -f "$impl %U user %S sys %e wall" overlap run -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 14 -gb 8 -mb 1 \
+  model.num_layers=8 model.virtual_pipeline_model_parallel_size=2 model.pipeline_impl=$impl 2>&1 \
+  | grep -E "user|iteration +14" | sed 's/learning rate.*//'
+done; done
+
 # 16. The planner against the benchmarks above: the loopback probe (2 and 4 ranks), then every committed result with
 #     a floor re-planned on the profile its floor gives (docs/planner.md, tests/test_plan_vs_bench.py).
 python bench/plan_vs_bench.py --probe
