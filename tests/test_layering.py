@@ -21,7 +21,10 @@ def _imported_packages(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "overlap":
+            names = [f"overlap.{a.name}" for a in node.names  # from overlap import plan (not __version__)
+                     if (SRC / a.name).is_dir() or (SRC / f"{a.name}.py").is_file()]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]

@@ -186,31 +186,82 @@ def test_calibrate_refusals(argv, field, why, capsys):
     assert f"error: {field}" in err and why in err
 
 
-def test_the_gpu_probe_is_the_plans_configuration_cut_to_one_device(tmp_path):
-    """A GPU type's calibration runs the plan's recipe and overrides on one device: its layout flags and the keys the
-    probe sets are replaced, everything else kept; the cut command line is a valid run (here on CPU), and the fit
-    makes the probe's predicted compute its measured step."""
-    from overlap.launch.network import parse_network
+def test_the_gpu_probe_is_the_plans_model_cut_to_one_device(tmp_path):
+    """A GPU type's calibration runs the plan's model on one device: the layout, the batch, the run's length and
+    window, the overlap switches, --strict and checkpoints are the plan's, not the probe's; the model's shape and
+    numerics are kept (-rl at most the probe's layers). The cut command line is a valid run (here on CPU)."""
     from overlap.perf.bench import BenchConfig, run_once
-    from overlap.plan.calibrate import (PROBE_LAYERS, PROBE_MICROBATCHES, PROBE_STEPS, cpu_cluster, fit_efficiency,
-                                        gpu_probe, resolve_run)
-    from overlap.plan.hardware import Link
-    from overlap.plan.predict import predict
+    from overlap.plan.calibrate import PROBE_MICROBATCHES, PROBE_STEPS, gpu_probe, resolve_run
 
     argv = ["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "4", "-tp", "2", "-ep", "2", "-gb", "32",
-            "-mb", "2", "-ms", "100", "--network", "real"]
-    options, overrides = gpu_probe(argv, ["model.num_layers=6", "train.train_iters=50", "model.hidden_size=128"], 2)
-    assert overrides == ["model.hidden_size=128", f"model.num_layers={PROBE_LAYERS}"]
-    assert "--network" not in options and options[options.index("-tp") + 1] == "1" and options.count("-tp") == 1
-    probe = resolve_run(options, overrides)
-    assert probe.resolution.layout.world_size == 1 and probe.cfg.model.num_layers == PROBE_LAYERS
+            "-mb", "2", "-ms", "100", "--moe_a2a_overlap", "true", "--strict", "-rl", "4",
+            "--eval_time_start_step=50"]
+    overrides = ["model.num_layers=6", "train.train_iters=50", "model.hidden_size=128", "checkpoint.save=/nowhere",
+                 "comm_overlap.delay_wgrad_compute=true", "model.moe_layer_freq=[1,1,1,1,1,1]",
+                 "ddp.overlap_grad_reduce=true", "train.micro_batch_size=2"]
+    options, kept = gpu_probe(argv, overrides, 2, 2)
+    assert kept == ["model.hidden_size=128", "train.micro_batch_size=2", "model.num_layers=2"]
+    assert options[:8] == ["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-mb", "2"]
+    assert options[8:10] == ["-rl", "2"] and "--strict" not in options and "--moe_a2a_overlap" not in options
+    probe = resolve_run(options, kept)
+    assert probe.resolution.layout.world_size == 1 and probe.cfg.model.num_layers == 2
     assert probe.cfg.train.global_batch_size == PROBE_MICROBATCHES * 2 and probe.cfg.train.train_iters == PROBE_STEPS
-    assert probe.cfg.model.hidden_size == 128
-    run = run_once(options, overrides, BenchConfig("probe", [], []), tmp_path / "probe.jsonl")
-    cluster = cpu_cluster(parse_network("real"), 1, 1.0, "fp32", Link(float("inf"), 0.0, "one rank"))
-    fitted = fit_efficiency(probe.cfg, probe.resolution.layout, cluster, run.step_ms, "test")
-    predicted = predict("probe", [], probe.cfg, probe.resolution.layout, fitted)
-    assert predicted.step_ms == pytest.approx(run.step_ms, rel=1e-6)
+    assert probe.cfg.model.hidden_size == 128 and probe.cfg.model.recompute_granularity == "full"
+    run = run_once(options, kept, BenchConfig("probe", [], []), tmp_path / "probe.jsonl")
+    assert run.step_ms > 0
+
+
+def test_gpu_calibration_fits_the_layers_between_the_two_probes(tmp_path, monkeypatch, capsys):
+    """The GPU branch end to end, with this machine's CUDA and the probe runs stood in for (their step times are
+    given: 100 ms + 50 ms per layer): the efficiency is the predicted peak time of the layers between the probes over
+    their measured 100 ms, the output layer and the optimizer step left out; the profile keeps the GPU type's
+    published figures, says where its efficiency came from, and the plan runs on it."""
+    import torch
+
+    from overlap.perf import bench
+    from overlap.plan.calibrate import PROBE_LAYERS, predicted_floor_ms, resolve_run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
+    ran = []
+
+    def run_once(options, overrides, config, metrics):
+        layers = int(next(o for o in overrides if o.startswith("model.num_layers=")).split("=")[1])
+        ran.append((options, overrides))
+        return bench.RunResult(100.0 + 50.0 * layers, {}, {}, 0.0, [2, 8], "real")
+
+    monkeypatch.setattr(bench, "run_once", run_once)
+    profile = tmp_path / "h100.json"
+    doc = _plan(tmp_path, *GPU_PLAN, "--calibrate", "--cluster", str(profile))
+    cluster = load_cluster(str(profile), "h100", "bf16", None)
+    builtin = builtin_cluster("h100", "bf16", None)
+    assert cluster.peak_tflops == builtin.peak_tflops
+    assert cluster.nvlink.bandwidth_Bps == pytest.approx(builtin.nvlink.bandwidth_Bps)
+    assert cluster.nvlink.latency_s == pytest.approx(builtin.nvlink.latency_s)
+    lo, hi = (resolve_run(*run) for run in ran)
+    measured_ms = 50.0 * (PROBE_LAYERS[1] - PROBE_LAYERS[0])
+    expected = (predicted_floor_ms(hi.cfg, hi.resolution.layout, builtin)
+                - predicted_floor_ms(lo.cfg, lo.resolution.layout, builtin)) / measured_ms
+    assert cluster.efficiency.value == pytest.approx(expected, rel=1e-9)
+    assert "Stand-in GPU" in cluster.efficiency.source and "200.0 ms per step at 2 layers" in cluster.efficiency.source
+    assert doc["cluster"]["compute_efficiency"] == pytest.approx(expected, rel=1e-9)
+    assert "TFLOP/s (published)" in capsys.readouterr().out
+
+
+def test_a_failed_calibration_run_is_a_config_error(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from overlap.perf import bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def run_once(options, overrides, config, metrics):
+        raise bench.RunFailed(config.name, 1, ["overlap", "run"], "overlap: error: model.x=1: out of memory")
+
+    monkeypatch.setattr(bench, "run_once", run_once)
+    assert main(["plan", *GPU_PLAN, "--calibrate", "--cluster", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "error: --calibrate" in err and "out of memory" in err and "Traceback" not in err
 
 
 def test_simulated_pipeline_with_unequal_stages_and_groups():

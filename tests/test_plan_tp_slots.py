@@ -77,3 +77,16 @@ def test_a_layers_collectives_follow_the_resolved_plan(overrides, gathers):
         assert layer.hidden_s == 0 and layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(8 * MS)
     else:
         assert layer.hidden_s > 0
+
+
+@pytest.mark.parametrize("recompute, each", [(False, 4), (True, 6)])
+def test_a_shared_expert_and_full_recompute_add_their_collectives(recompute, each):
+    """A MoE layer's shared expert is a plain TP MLP (two collectives each way, none in a plan); full recompute runs
+    the forward's collectives again in the backward."""
+    layer = layer_tp({}, TPGemms(1 * MS, 1 * MS, 0.0, 0.0), LINK, NBYTES, 2, dense=False, shared_expert=True,
+                     recompute=recompute)
+    assert (layer.all_gathers, layer.reduce_scatters) == (each, each)
+    assert layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(2 * each * MS) and layer.hidden_s == 0
+    ring = layer_tp({"qkv_fprop": SlotPlan(RING)}, TPGemms(1 * MS, 0.0, 0.0, 0.0), LINK, NBYTES, 2, dense=False,
+                    recompute=True)
+    assert ring.hidden_s == pytest.approx(2 * 0.5 * MS)  # the recomputed forward hides its ring again

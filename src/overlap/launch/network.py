@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from overlap.errors import ConfigError
 from overlap.config.kinds import parse_families
+from overlap.errors import ConfigError
 
 log = logging.getLogger("overlap")
 

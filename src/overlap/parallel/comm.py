@@ -59,8 +59,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from overlap.errors import ConfigError
 from overlap.config.kinds import family, parse_families
+from overlap.errors import ConfigError
 from overlap.parallel.trace import RECORDER, CommEvent, now
 
 log = logging.getLogger("overlap.comm")

@@ -39,8 +39,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from overlap.errors import ConfigError
 from overlap.config.kinds import parse_families
+from overlap.errors import ConfigError
 from overlap.perf.machine import describe_machine, machine_line
 
 IDEAL_NAME = "ideal (no communication)"

@@ -18,11 +18,13 @@ profile is measured:
 
 With a GPU type (`-g h100 ...`) on a machine with one such GPU (`calibrate_gpu`, `bench/gpu_check.sh`), only the
 efficiency is measured: peak, NVLink and NIC stay the published figures of the built-in table. One GPU cannot hold
-the plan's layout, so the probe is the same recipe and overrides cut to fit it: PROBE_LAYERS layers, no model
-parallelism (every expert local), PROBE_MICROBATCHES micro-batches of the plan's size per step, trained for
-PROBE_STEPS steps; its steady step is fitted as its own predicted compute (one GPU: no communication, no bubble).
-The fitted share of the peak then stands for every GEMM of the plan; the expert GEMMs of an EP run see EP times more
-rows per expert than the probe's, so the probe's efficiency is, if anything, low for them.
+the plan's layout, so the probe is the plan's model cut to fit it (`gpu_probe`): no model parallelism (every expert
+local), PROBE_MICROBATCHES micro-batches of the plan's size per step, PROBE_STEPS steps, without the plan's overlap
+switches, checkpoints and timing window. It runs twice, at each of PROBE_LAYERS layers, and the efficiency is fitted
+on the difference: the layers' own time, without the output layer, the embedding and the optimizer step, which
+would dominate a two-layer model (Qwen3-30B-A3B: logits 1.87 GFLOP per token against 0.44 per layer). The expert
+GEMMs of an EP run see EP times more rows per expert than the probe's, so its efficiency is, if anything, low for
+them.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from overlap.config.container import ConfigContainer
+from overlap.config.kinds import FAMILIES
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
 from overlap.launch.network import Network
-from overlap.config.kinds import FAMILIES
 from overlap.plan.hardware import Cluster, Efficiency, Link
 from overlap.plan.predict import predict
 
@@ -47,27 +49,31 @@ CPU_SLOWDOWN_SOURCE = ("CPU profile: 0 (transport threads and modelled-link slee
                        "thread)")
 
 
-def fit_efficiency(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, floor_ms: float, source: str,
-                   faked: tuple[str, ...] | None = None) -> Cluster:
-    """The cluster whose efficiency makes `cfg`'s predicted floor equal `floor_ms`, the measured step of a run with
-    the `faked` families' collectives faked (None: all). What that run measures on rank 0, and so what is fitted:
+def predicted_floor_ms(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster,
+                       faked: tuple[str, ...] | None = None) -> float:
+    """What a run with the `faked` families' collectives faked (None: all) measures on rank 0, predicted at the
+    cluster's peak with no link charged:
     - every collective faked: no rank waits for another, so pipeline rank 0's compute;
     - the pipeline's p2p faked but others real: the busiest pipeline rank's compute (the ranks still meet at the
       step's norm and loss reductions);
     - the pipeline's p2p real: the whole step without the faked families' communication, the bubble included.
     All scale as 1 / efficiency."""
+    free = replace(cluster, efficiency=Efficiency(1.0, "the peak"), link_families=())  # no link charged
+    times = predict("calibration", [], cfg, layout, free).times
+    if faked is None or layout.pp <= 1:
+        return times.first_rank_compute_s * 1e3
+    if "pp" in faked:
+        return times.slowest_rank_compute_s * 1e3
+    return times.total_s * 1e3
+
+
+def fit_efficiency(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, floor_ms: float, source: str,
+                   faked: tuple[str, ...] | None = None) -> Cluster:
+    """The cluster whose efficiency makes `cfg`'s predicted floor (`predicted_floor_ms`) equal `floor_ms`, the
+    measured step of a run with the `faked` families' collectives faked (None: all)."""
     if not floor_ms > 0:
         raise ConfigError("calibration", floor_ms, "the measured step must be positive.", "re-run the calibration.")
-    free = replace(cluster, efficiency=Efficiency(1.0, source), link_families=())  # no link charged
-    at_peak = predict("calibration", [], cfg, layout, free)
-    times = at_peak.times
-    if faked is None or layout.pp <= 1:
-        predicted_ms = times.first_rank_compute_s * 1e3
-    elif "pp" in faked:
-        predicted_ms = times.slowest_rank_compute_s * 1e3
-    else:
-        predicted_ms = at_peak.step_ms
-    efficiency = predicted_ms / floor_ms
+    efficiency = predicted_floor_ms(cfg, layout, cluster, faked) / floor_ms
     if efficiency > 1:  # the model outran the GEMM probe (e.g. its GEMMs ran in another dtype): the peak it reached
         return replace(cluster, peak_tflops=cluster.peak_tflops * efficiency,
                        efficiency=Efficiency(1.0, f"{source}; the run outran the GEMM probe by x{efficiency:.2f}, so "
@@ -163,15 +169,24 @@ def probe_loopback(ranks: int, small: int = 1024, large: int = 8 << 20, repeats:
                 f"{bandwidth / 1e9:.2f} GB/s")
 
 
-PROBE_LAYERS, PROBE_MICROBATCHES, PROBE_STEPS = 2, 8, 8
-# The one-GPU probe's layout and batch replace these flags and override keys of the plan's command line.
-_PROBE_FLAGS = ("-ng", "--num_gpus", "-gn", "--gpus_per_node", "-tp", "-pp", "-cp", "-ep", "-et", "-vp", "-gb",
-                "--global_batch_size", "-ms", "--max_steps", "--network")
-_PROBE_KEYS = ("model.tensor_model_parallel_size", "model.pipeline_model_parallel_size",
-               "model.context_parallel_size", "model.expert_model_parallel_size", "model.expert_tensor_parallel_size",
-               "model.virtual_pipeline_model_parallel_size", "model.num_layers_in_first_pipeline_stage",
-               "model.num_layers_in_last_pipeline_stage", "model.num_layers", "train.global_batch_size",
-               "train.train_iters")
+PROBE_LAYERS, PROBE_MICROBATCHES, PROBE_STEPS = (2, 4), 8, 8
+# What the one-GPU probe keeps of the plan's command line: the model and its numerics. Flags: these, with their values
+# (`-rl` at most the probe's layers); every other flag (layout, batch, length, timing window, overlap switches,
+# --strict) is the plan's, not the probe's. Overrides: these sections, less the keys the probe sets or cannot run.
+_PROBE_FLAGS = ("-m", "--model_family_name", "-mr", "--model_recipe_name", "--task", "-g", "--gpu", "-c",
+                "--compute_dtype", "-cv", "--config_variant", "-mb", "--micro_batch_size", "-sl", "--seq_length",
+                "--tokenizer_type", "--tokenizer_model", "--vocab_size", "--recompute_modules")
+_RECOMPUTE_LAYERS = ("-rl", "--recompute_num_layers")
+_PROBE_SECTIONS = ("model.", "mixed_precision.", "tokenizer.", "dataset.", "optimizer.", "scheduler.",
+                   "train.micro_batch_size")
+_PROBE_DROPPED = ("model.tensor_model_parallel_size", "model.pipeline_model_parallel_size", "model.pipeline_",
+                  "model.context_parallel_size", "model.expert_model_parallel_size",
+                  "model.expert_tensor_parallel_size", "model.virtual_pipeline_model_parallel_size",
+                  "model.num_layers", "model.microbatch_group_size", "model.moe_layer_freq", "model.overlap_",
+                  "model.batch_p2p_comm", "model.tp_comm_", "model.delay_wgrad_compute",
+                  "model.moe_shared_expert_overlap", "model.defer_embedding_wgrad", "model.wgrad_deferral_limit",
+                  "model.deallocate_pipeline_outputs", "model.moe_token_dispatcher_type",
+                  "model.moe_flex_dispatcher_backend", "model.recompute_num_layers", "model.sequence_parallel")
 
 
 def resolve_run(words: list[str], overrides: list[str]):
@@ -186,20 +201,38 @@ def resolve_run(words: list[str], overrides: list[str]):
     return prepare(parser.parse_args(words + overrides), describe_target=True)
 
 
-def gpu_probe(run_options: list[str], overrides: list[str], micro_batch: int) -> tuple[list[str], list[str]]:
-    """(run options, overrides) of the one-GPU probe of a plan's command line (module docstring)."""
-    from overlap.perf.bench import common_run_options
-
-    options = common_run_options(run_options, [], with_value=_PROBE_FLAGS) + [
-        "-ng", "1", "-tp", "1", "-pp", "1", "-cp", "1", "-ep", "1", "-et", "1", "-vp", "None",
-        "-gb", str(PROBE_MICROBATCHES * micro_batch), "-ms", str(PROBE_STEPS)]
-    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in _PROBE_KEYS]
-    return options, kept + [f"model.num_layers={PROBE_LAYERS}"]
+def gpu_probe(run_options: list[str], overrides: list[str], micro_batch: int,
+              layers: int) -> tuple[list[str], list[str]]:
+    """(run options, overrides) of the one-GPU probe of a plan's command line at `layers` layers (module
+    docstring): what `_PROBE_FLAGS` and `_PROBE_SECTIONS` keep, then the probe's own layout and length."""
+    options: list[str] = []
+    items = iter(run_options)
+    for item in items:
+        flag, eq, value = item.partition("=")
+        if not flag.startswith("-"):
+            continue
+        if flag != "--strict" and not eq:
+            value = next(items, "")
+        if flag in _PROBE_FLAGS:
+            options += [flag, value]
+        elif flag in _RECOMPUTE_LAYERS:
+            options += [flag, str(min(int(value), layers))]
+    options += ["-ng", "1", "-tp", "1", "-pp", "1", "-cp", "1", "-ep", "1", "-et", "1", "-vp", "None",
+                "-gb", str(PROBE_MICROBATCHES * micro_batch), "-ms", str(PROBE_STEPS)]
+    kept = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        key = key.strip()
+        if key == "model.recompute_num_layers" and value.strip().isdigit():
+            kept.append(f"{key}={min(int(value), layers)}")
+        elif key.startswith(_PROBE_SECTIONS) and not key.startswith(_PROBE_DROPPED):
+            kept.append(o)
+    return options, kept + [f"model.num_layers={layers}"]
 
 
 def calibrate_gpu(args, job, run_options: list[str], cluster: Cluster) -> Cluster:
     """`overlap plan -g GPU --calibrate`: the compute efficiency of `cluster` (the GPU type's figures) fitted on the
-    one-GPU probe of the plan's configuration, run on this machine's GPU; written to --cluster."""
+    one-GPU probes of the plan's configuration (module docstring), run on this machine's GPU; written to --cluster."""
     import torch
 
     from overlap.perf.bench import BenchConfig, run_once
@@ -208,15 +241,29 @@ def calibrate_gpu(args, job, run_options: list[str], cluster: Cluster) -> Cluste
         raise ConfigError("--calibrate", f"-g {args.gpu}", "a GPU profile is measured on one GPU of that type, and "
                           "this machine has no CUDA device.", "run it where one is (bench/gpu_check.sh), calibrate "
                           "-g cpu here, or give the efficiency in --cluster FILE (compute_efficiency).")
-    options, overrides = gpu_probe(run_options, list(args.overrides), job.cfg.train.micro_batch_size)
-    probe = resolve_run(options, overrides)
-    with tempfile.TemporaryDirectory(prefix="overlap-calibrate-") as tmp:
-        run = run_once(options, overrides, BenchConfig("gpu probe", [], []), Path(tmp) / "probe.jsonl")
-    m = probe.cfg.model
-    source = (f"fitted on one {torch.cuda.get_device_name()} of this machine: the plan's recipe at {PROBE_LAYERS} "
-              f"layers, no model parallelism, {PROBE_MICROBATCHES} micro-batches of {probe.cfg.train.micro_batch_size} "
-              f"x {m.seq_length} tokens ran {run.step_ms:.1f} ms per step (overlap plan --calibrate)")
-    fitted = fit_efficiency(probe.cfg, probe.resolution.layout, cluster, run.step_ms, source)
+    probes = []
+    for layers in PROBE_LAYERS:
+        options, overrides = gpu_probe(run_options, list(args.overrides), job.cfg.train.micro_batch_size, layers)
+        probe = resolve_run(options, overrides)
+        with tempfile.TemporaryDirectory(prefix="overlap-calibrate-") as tmp:
+            run = run_once(options, overrides, BenchConfig(f"gpu probe, {layers} layers", [], []),
+                           Path(tmp) / "probe.jsonl")
+        probes.append((layers, run.step_ms, predicted_floor_ms(probe.cfg, probe.resolution.layout, cluster)))
+    (lo, lo_ms, lo_peak), (hi, hi_ms, hi_peak) = probes
+    if hi_ms <= lo_ms:
+        raise ConfigError("--calibrate", f"-g {args.gpu}", f"the {hi}-layer probe was not slower than the {lo}-layer "
+                          f"one ({hi_ms:.1f} vs {lo_ms:.1f} ms per step): the GPU was busy.",
+                          "re-run the calibration with nothing else on the GPU.")
+    efficiency = (hi_peak - lo_peak) / (hi_ms - lo_ms)
+    if efficiency > 1:
+        raise ConfigError("-g/--gpu", args.gpu, f"the probe's layers ran at {efficiency:.2f}x the published peak of "
+                          f"{args.gpu} ({cluster.peak_tflops:.0f} TFLOP/s {cluster.precision}).",
+                          "give -g the type of this machine's GPU.")
+    source = (f"fitted on one {torch.cuda.get_device_name()} of this machine: the plan's model without model "
+              f"parallelism, {PROBE_MICROBATCHES} micro-batches of {job.cfg.train.micro_batch_size} x "
+              f"{job.cfg.model.seq_length} tokens per step, {lo_ms:.1f} ms per step at {lo} layers and {hi_ms:.1f} ms "
+              f"at {hi}; the efficiency of the {hi - lo} layers between (overlap plan --calibrate)")
+    fitted = replace(cluster, efficiency=Efficiency(efficiency, source))
     write_profile(fitted, args.cluster)
     return fitted
 

@@ -102,7 +102,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     """`--calibrate`: measure the machine profile and write it to --cluster (overlap.plan.calibrate): -g cpu the
     whole profile of this machine's ranks, a GPU type its compute efficiency on one GPU of this machine."""
     from overlap.launch.paths import check_output_file
-    from overlap.perf.bench import common_run_options
+    from overlap.perf.bench import RunFailed, common_run_options
     from overlap.plan.calibrate import calibrate, calibrate_gpu
 
     if not args.cluster:
@@ -117,12 +117,19 @@ def _calibrate(args: argparse.Namespace) -> None:
                               "-g cpu's loopback).")
         from overlap.plan.hardware import builtin_cluster, precision_of
 
-        cluster = calibrate_gpu(args, job, run_options,
-                                builtin_cluster(args.gpu, precision_of(job.cfg.model), args.gpus_per_node))
+        base = builtin_cluster(args.gpu, precision_of(job.cfg.model), args.gpus_per_node)
     else:
         args.network = args.network or "real"
-        cluster = calibrate(args, job, run_options)
-    print(f"overlap plan: wrote the machine profile {args.cluster}: peak {cluster.peak_tflops * 1e3:.2f} GFLOP/s, "
+    try:
+        cluster = (calibrate_gpu(args, job, run_options, base) if args.gpu != "cpu"
+                   else calibrate(args, job, run_options))
+    except RunFailed as exc:
+        raise ConfigError("--calibrate", exc.error, f"a calibration run failed (exit {exc.code}).",
+                          "fix what that error line says (the same flags with `overlap run` show the whole run).") \
+            from exc
+    peak = (f"{cluster.peak_tflops * 1e3:.2f} GFLOP/s" if args.gpu == "cpu"
+            else f"{cluster.peak_tflops:.1f} TFLOP/s (published), built-in links")
+    print(f"overlap plan: wrote the machine profile {args.cluster}: peak {peak}, "
           f"efficiency {cluster.efficiency.value:.4f} ({cluster.efficiency.source}); link {cluster.nvlink.source}")
 
 

@@ -11,7 +11,8 @@ Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; 
   (`moe_pad_expert_input_to_capacity`) has none.
 - TP with SP, per micro-batch and layer: 4 forward + 4 backward collectives of (t-1)/t x b s h beta, plus the input's
   re-gather for the weight gradient where a bulk dgrad slot keeps only the shard (a MoE layer with ETP 1 keeps only
-  its attention's: 2 + 2 (+ 1)); `overlap.plan.tp_slots` says which GEMM hides each. Per micro-batch, the
+  its attention's: 2 + 2 (+ 1), and its shared expert's 2 + 2; full recompute repeats the forward's);
+  `overlap.plan.tp_slots` says which GEMM hides each. Per micro-batch, the
   vocabulary-parallel embedding adds a reduce-scatter (backward: an all-gather) on the first stage and the output
   layer an all-gather (backward: a reduce-scatter) on the last, never overlapped.
 - PP, per micro-batch: one activation (b s h beta, / TP under SP) sent forward and one gradient back per stage
@@ -31,16 +32,14 @@ on-node share (g - 1) / n crosses NVLink at the same time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import comb
+from math import ceil, comb
 
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.config.tp_overlap import SlotPlan, effective_tp_plan
 from overlap.launch.resources import estimate_memory
 from overlap.plan.hardware import Cluster, Link
-from overlap.plan.tp_slots import TPGemms, layer_tp
-
-NO_GEMMS = TPGemms(0.0, 0.0, 0.0, 0.0)  # for counting a layer's TP collectives, which the GEMMs do not change
+from overlap.plan.tp_slots import NO_GEMMS, layer_tp
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -146,7 +145,6 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
     n_moe = sum(1 for layer in range(m.num_layers) if m.is_moe_layer(layer))
     moe_here, dense_here = -(-n_moe // pp), -(-(m.num_layers - n_moe) // pp)
-    layers_here = moe_here + dense_here
 
     if m.is_moe and ep > 1 and moe_here and cluster.carries("ep"):
         tokens = b * s / (tp if m.sequence_parallel else 1)
@@ -170,9 +168,11 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         plan.tp_link, plan.tp_size = ring_link(tp, members_per_node(tp, 1, gpn), cluster), tp
         plan.tp_plans = effective_tp_plan(m)[0]
         plan.tp_edges_per_mb = 2.0 / pp
-        dense, moe = (layer_tp(plan.tp_plans, NO_GEMMS, plan.tp_link, plan.tp_bytes, tp, d) for d in (True, False))
+        dense, moe = (layer_tp(plan.tp_plans, NO_GEMMS, plan.tp_link, plan.tp_bytes, tp, is_dense,
+                               bool(m.moe_shared_expert_intermediate_size), m.recompute_granularity == "full")
+                      for is_dense in (True, False))
         t_each = plan.tp_link.time_s(plan.tp_bytes)
-        edges = round(plan.tp_edges_per_mb * mb)
+        edges = ceil(plan.tp_edges_per_mb * mb)
         plan.add("tp_ag", plan.tp_bytes, t_each,
                  (dense.all_gathers * dense_here + moe.all_gathers * moe_here) * mb + edges)
         plan.add("tp_rs", plan.tp_bytes, t_each,

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout, pipeline_layer_ranges
 from overlap.plan.hardware import Cluster
-from overlap.plan.tp_slots import TPGemms
-from overlap.training.metrics import training_flops
+from overlap.plan.tp_slots import NO_GEMMS, TPGemms
+from overlap.training.metrics import linear_macs, training_flops
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class MicrobatchCompute:
     # Per virtual pipeline stage (v = chunk x PP + rank), its share of the work relative to the average stage: its
     # own layers, and the output layer on the last one (the embedding lookup is free). (1.0,) without PP.
     stage_weights: tuple[float, ...] = (1.0,)
-    tp_gemms: TPGemms = TPGemms(0.0, 0.0, 0.0, 0.0)  # per layer: the TP linears' GEMMs (`overlap.plan.tp_slots`)
+    tp_gemms: TPGemms = NO_GEMMS  # per layer: the TP linears' forward GEMMs (`overlap.plan.tp_slots`)
 
     @property
     def layers(self) -> int:
@@ -71,13 +71,10 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
     attention, moe, dense = (per_gpu_fwd(f.attention, m.num_layers), per_gpu_fwd(f.moe, n_moe),
                              per_gpu_fwd(f.dense_mlp, n_dense))
     logits = per_gpu_fwd(f.logits, 1)
-    # The TP linears' forward GEMMs (2 FLOPs per multiply-add; training_flops' attention_linear and dense_mlp split by
-    # GEMM), per layer: qkv h x (q + 2 kv), proj q x h, fc1 h x F per up projection (two under SwiGLU), fc2 F x h.
-    hd, h = m.head_dim, m.hidden_size
-    q, kv = m.num_attention_heads * hd, m.query_groups * hd
-    ups = 2 if m.gated_linear_unit else 1
-    gemms = TPGemms(*(2.0 * macs * tokens / tp / rate for macs in (
-        h * (q + 2 * kv), q * h, ups * h * m.ffn_size if n_dense else 0, m.ffn_size * h if n_dense else 0)))
+    # The TP linears' forward GEMMs, 2 FLOPs per multiply-add (the dense MLP's only where a layer has one).
+    qkv, proj, fc1, fc2 = linear_macs(m)
+    gemms = TPGemms(*(2.0 * macs * tokens / tp / rate for macs in (qkv, proj, fc1 if n_dense else 0,
+                                                                    fc2 if n_dense else 0)))
     weights = (1.0,)
     if pp > 1:
         ranges = pipeline_layer_ranges(m.num_layers, pp, m.virtual_pipeline_model_parallel_size,

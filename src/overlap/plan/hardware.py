@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from overlap.errors import ConfigError
 from overlap.config.kinds import parse_families
+from overlap.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
     if comm.tp_link is not None:  # slot by slot, as the runtime's plan puts each collective next to a GEMM
         for dense, layers in ((True, c.dense_layers), (False, c.moe_layers)):
             if layers:
-                tp = layer_tp(comm.tp_plans, c.tp_gemms, comm.tp_link, comm.tp_bytes, comm.tp_size, dense)
+                tp = layer_tp(comm.tp_plans, c.tp_gemms, comm.tp_link, comm.tp_bytes, comm.tp_size, dense,
+                              c.shared_expert_fwd_s > 0, c.recompute)
                 t.expose("tp_ag", m * layers * tp.exposed_ag_s)
                 t.expose("tp_rs", m * layers * tp.exposed_rs_s)
                 t.slowdown_s += m * layers * tp.hidden_s * sigma

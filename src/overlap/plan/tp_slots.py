@@ -12,7 +12,9 @@ layer's activation ([s, b, h], (t-1)/t of it per GPU) per pass; per layer and mi
               (+ the input's all-gather again for the weight gradient, only where a bulk dgrad slot keeps just the
               input shard: without one the forward's gathered input is kept)
 
-and a MoE layer (expert TP 1) has only the attention's. How each slot's collective meets compute:
+A MoE layer (expert TP 1) has only the attention's, plus its shared expert's (a plain MLP outside every plan: two
+forward and two backward collectives, all exposed). Under full recompute the backward re-runs the forward, its
+collectives included, with the same slot methods. How each slot's collective meets compute:
 
 - no plan: the collective runs alone, all exposed;
 - ring exchange (all-gather -> GEMM or GEMM -> reduce-scatter): TP - 1 steps, each one shard's transfer under one
@@ -24,8 +26,9 @@ and a MoE layer (expert TP 1) has only the attention's. How each slot's collecti
 
 The backward's dgrad and wgrad GEMMs each take the forward GEMM's time (`MicrobatchCompute`: backward = 2 x forward).
 Each chunk and step pays the link's latency again: that is what makes a many-way split of a small GEMM lose. A ring
-with `aggregate` (two shards per step after a pair swap) is counted as the plain ring: the same bytes under the same
-GEMM, in half the steps, so it differs only by TP / 2 latencies.
+with `aggregate` (a pair swap, then two shards per step: TP / 2 steps) is counted as the plain ring's TP - 1 steps:
+the same bytes under the same GEMM, TP / 2 - 1 latencies apart. The small TP all-reduces (the cross-entropy's sums, the
+router's statistics) are not modelled: they are latency-bound and a few per micro-batch.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class TPGemms:
     proj: float
     fc1: float
     fc2: float
+
+
+NO_GEMMS = TPGemms(0.0, 0.0, 0.0, 0.0)  # a layer's collectives counted without their compute
 
 
 @dataclass
@@ -108,14 +114,19 @@ def _linear_backward(out: TPLayer, plans: dict[str, SlotPlan | None], name: str,
 
 
 def layer_tp(plans: dict[str, SlotPlan | None], gemms: TPGemms, link: Link, nbytes: float, tp: int,
-             dense: bool) -> TPLayer:
+             dense: bool, shared_expert: bool = False, recompute: bool = False) -> TPLayer:
     """One layer's TP collectives per micro-batch (see the module docstring); `plans` is `effective_tp_plan`'s
-    (empty: TP overlap off), `nbytes` one collective's bytes per GPU, `dense` whether the layer has a TP MLP."""
+    (empty: TP overlap off), `nbytes` one collective's bytes per GPU, `dense` whether the layer has a TP MLP,
+    `shared_expert` whether its MoE block has a shared expert, `recompute` full recompute."""
     out = TPLayer()
     linears = (("qkv", "proj", gemms.qkv, gemms.proj),) + ((("fc1", "fc2", gemms.fc1, gemms.fc2),) if dense else ())
     for up, down, up_s, down_s in linears:
-        out.add("ag", *_under(link, nbytes, plans.get(f"{up}_fprop"), tp, up_s))
-        out.add("rs", *_under(link, nbytes, plans.get(f"{down}_fprop"), tp, down_s))
+        for _ in range(2 if recompute else 1):
+            out.add("ag", *_under(link, nbytes, plans.get(f"{up}_fprop"), tp, up_s))
+            out.add("rs", *_under(link, nbytes, plans.get(f"{down}_fprop"), tp, down_s))
         out.add("ag", *_under(link, nbytes, plans.get(f"{down}_dgrad"), tp, down_s))
         _linear_backward(out, plans, up, link, nbytes, tp, up_s)
+    if shared_expert and not dense:
+        for kind in ("ag", "rs") * (3 if recompute else 2):
+            out.add(kind, *_under(link, nbytes, None, tp, 0.0))
     return out

@@ -43,20 +43,30 @@ class TrainingFlops:
         return self.attention + self.dense_mlp + self.moe + self.logits
 
 
+def linear_macs(m: ModelConfig, ffn: int | None = None) -> tuple[int, int, int, int]:
+    """Multiply-adds per token of one layer's linears (qkv, proj, fc1, fc2): qkv h x (q + 2 kv), proj q x h, fc1
+    h x F per up projection (two under SwiGLU), fc2 F x h, with F = `ffn` (default: the dense MLP's)."""
+    hd, h, f = m.head_dim, m.hidden_size, m.ffn_size if ffn is None else ffn
+    q, kv = m.num_attention_heads * hd, m.query_groups * hd
+    ups = 2 if m.gated_linear_unit else 1
+    return h * (q + 2 * kv), q * h, ups * h * f, f * h
+
+
 def training_flops(m: ModelConfig) -> TrainingFlops:
     """Per-token training FLOPs of `m` by part (see TrainingFlops). Causal attention is halved as Megatron does, the
     router's h x E GEMM is left out as Megatron does (0.4% for Qwen3-30B-A3B), experts count only the top-k."""
-    hd, h, s = m.head_dim, m.hidden_size, m.seq_length
-    q, kv = m.num_attention_heads * hd, m.query_groups * hd
-    gate = 3 if m.gated_linear_unit else 2  # F_exp: SwiGLU has two up projections and one down
+    hd, h = m.head_dim, m.hidden_size
+    q = m.num_attention_heads * hd
+    qkv, proj, _fc1, _fc2 = linear_macs(m)
     n_moe = sum(1 for layer in range(m.num_layers) if m.is_moe_layer(layer))
     n_dense = m.num_layers - n_moe
-    moe_layer = m.moe_router_topk * gate * h * m.moe_ffn_size if n_moe else 0
-    shared = gate * h * m.moe_shared_expert_intermediate_size if n_moe and m.moe_shared_expert_intermediate_size else 0
+    mlp = (lambda ffn: sum(linear_macs(m, ffn)[2:]))  # fc1 + fc2 of an MLP of width ffn
+    moe_layer = m.moe_router_topk * mlp(m.moe_ffn_size) if n_moe else 0
+    shared = mlp(m.moe_shared_expert_intermediate_size) if n_moe and m.moe_shared_expert_intermediate_size else 0
     moe_layer += shared
-    return TrainingFlops(attention_linear=6.0 * (h * (q + 2 * kv) + q * h) * m.num_layers,
-                         attention_core=6.0 * q * s * m.num_layers,  # 6 q/2 x 2 (QK^T and AV), causal
-                         dense_mlp=6.0 * gate * h * m.ffn_size * n_dense, moe=6.0 * moe_layer * n_moe,
+    return TrainingFlops(attention_linear=6.0 * (qkv + proj) * m.num_layers,
+                         attention_core=6.0 * q * m.seq_length * m.num_layers,  # 6 q/2 x 2 (QK^T and AV), causal
+                         dense_mlp=6.0 * mlp(m.ffn_size) * n_dense, moe=6.0 * moe_layer * n_moe,
                          logits=6.0 * h * m.vocab_size, shared_expert=6.0 * shared * n_moe)
 
 
