@@ -191,7 +191,8 @@ def test_the_gpu_probe_is_the_plans_model_cut_to_one_device(tmp_path):
     window, the overlap switches, --strict and checkpoints are the plan's, not the probe's; the model's shape and
     numerics are kept (-rl at most the probe's layers). The cut command line is a valid run (here on CPU)."""
     from overlap.perf.bench import BenchConfig, run_once
-    from overlap.plan.calibrate import PROBE_MICROBATCHES, PROBE_STEPS, gpu_probe, resolve_run
+    from overlap.harness import resolve_run
+    from overlap.plan.calibrate import PROBE_MICROBATCHES, PROBE_STEPS, gpu_probe
 
     argv = ["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "4", "-tp", "2", "-ep", "2", "-gb", "32",
             "-mb", "2", "-ms", "100", "--moe_a2a_overlap", "true", "--strict", "-rl", "4",
@@ -219,7 +220,8 @@ def test_gpu_calibration_fits_the_layers_between_the_two_probes(tmp_path, monkey
     import torch
 
     from overlap.perf import bench
-    from overlap.plan.calibrate import PROBE_LAYERS, predicted_floor_ms, resolve_run
+    from overlap.harness import resolve_run
+    from overlap.plan.calibrate import PROBE_LAYERS, predicted_floor_ms
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Stand-in GPU")
@@ -245,7 +247,14 @@ def test_gpu_calibration_fits_the_layers_between_the_two_probes(tmp_path, monkey
     assert cluster.efficiency.value == pytest.approx(expected, rel=1e-9)
     assert "Stand-in GPU" in cluster.efficiency.source and "200.0 ms per step at 2 layers" in cluster.efficiency.source
     assert doc["cluster"]["compute_efficiency"] == pytest.approx(expected, rel=1e-9)
-    assert "TFLOP/s (published)" in capsys.readouterr().out
+    assert "TFLOP/s (built-in table" in capsys.readouterr().out
+    # calibrating again over that file keeps its figures (a user's own NIC here), only the efficiency is new
+    figures = json.loads(profile.read_text())
+    figures["nic"]["bandwidth_GBps"] = 25.0
+    profile.write_text(json.dumps(figures))
+    _plan(tmp_path, *GPU_PLAN, "--calibrate", "--cluster", str(profile))
+    again = load_cluster(str(profile), "h100", "bf16", None)
+    assert again.nic.bandwidth_Bps == pytest.approx(25e9) and again.efficiency.value == pytest.approx(expected)
 
 
 def test_a_failed_calibration_run_is_a_config_error(tmp_path, monkeypatch, capsys):
@@ -283,7 +292,7 @@ def test_the_merged_program_pays_its_coarser_dependencies():
 
 
 def _floor_job(argv: str):
-    from overlap.plan.calibrate import resolve_run
+    from overlap.harness import resolve_run
 
     job = resolve_run(argv.split(), [])
     return job.cfg, job.resolution.layout

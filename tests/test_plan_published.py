@@ -8,11 +8,9 @@ with the published average (0.189) the on prediction is 11% low and this test fa
 structure, not that parameter. The model has no delay_wgrad effect at this shape (its prediction equals the on run's),
 so the DELAY_MS case is not an independent check either."""
 
-import argparse
-
 import pytest
 
-from overlap.harness import add_harness_flags, prepare
+from overlap.harness import resolve_run
 from overlap.plan.hardware import CALIBRATED_EFFICIENCY, builtin_cluster
 from overlap.plan.predict import calibrate_efficiency, predict
 
@@ -21,10 +19,7 @@ BASE = "-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -tp 1 -pp 1 -gb 10
 
 
 def _job(extra: str):
-    parser = argparse.ArgumentParser()
-    add_harness_flags(parser)
-    args = parser.parse_args(f"{BASE} model.moe_token_dispatcher_type=alltoall {extra}".split())
-    job = prepare(args, describe_target=True)
+    job = resolve_run(f"{BASE} model.moe_token_dispatcher_type=alltoall {extra}".split(), [])
     return job.cfg, job.resolution.layout
 
 

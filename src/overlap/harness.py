@@ -346,6 +346,15 @@ def describe_layout(res: Resolution) -> str:
             "(rank order tp-cp-dp-pp, tensor parallel fastest)")
 
 
+def resolve_run(words: list[str], overrides: list[str]) -> Job:
+    """The resolved job of an `overlap run` command line (harness flags `words`, then `overrides`), for the `-g`
+    target as given (`prepare(..., describe_target=True)`: this machine is not probed): what the planner and its
+    calibration re-plan a run from."""
+    parser = argparse.ArgumentParser()
+    add_harness_flags(parser)
+    return prepare(parser.parse_args(words + overrides), describe_target=True)
+
+
 def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
     """Parse, resolve and check a command line. `describe_target` (explain): resolve for the GPU named by -g instead
     of probing this machine's device, and leave the runtime's own limits to `run` (listed, not raised)."""

@@ -17,14 +17,14 @@ profile is measured:
   thread; what they do take shows in the validation, `bench/plan_vs_bench.py`).
 
 With a GPU type (`-g h100 ...`) on a machine with one such GPU (`calibrate_gpu`, `bench/gpu_check.sh`), only the
-efficiency is measured: peak, NVLink and NIC stay the published figures of the built-in table. One GPU cannot hold
-the plan's layout, so the probe is the plan's model cut to fit it (`gpu_probe`): no model parallelism (every expert
-local), PROBE_MICROBATCHES micro-batches of the plan's size per step, PROBE_STEPS steps, without the plan's overlap
-switches, checkpoints and timing window. It runs twice, at each of PROBE_LAYERS layers, and the efficiency is fitted
-on the difference: the layers' own time, without the output layer, the embedding and the optimizer step, which
-would dominate a two-layer model (Qwen3-30B-A3B: logits 1.87 GFLOP per token against 0.44 per layer). The expert
-GEMMs of an EP run see EP times more rows per expert than the probe's, so its efficiency is, if anything, low for
-them.
+efficiency is measured: peak, NVLink and NIC stay those of --cluster FILE where it exists (a user's own figures),
+else the published figures of the built-in table. One GPU cannot hold the plan's layout, so the probe is the plan's
+model cut to fit it (`gpu_probe`): no model parallelism (every expert local), PROBE_MICROBATCHES micro-batches of
+the plan's size per step, PROBE_STEPS steps, without the plan's overlap switches, checkpoints and timing window. It
+runs twice, at each of PROBE_LAYERS layers, and the efficiency is fitted on the difference: the layers' own time,
+without the output layer, the embedding and the optimizer step, which would dominate a two-layer model
+(Qwen3-30B-A3B: logits 1.87 GFLOP per token against 0.44 per layer). The expert GEMMs of an EP run see EP times
+more rows per expert than the probe's, so its efficiency is, if anything, low for them.
 """
 
 from __future__ import annotations
@@ -189,18 +189,6 @@ _PROBE_DROPPED = ("model.tensor_model_parallel_size", "model.pipeline_model_para
                   "model.moe_flex_dispatcher_backend", "model.recompute_num_layers", "model.sequence_parallel")
 
 
-def resolve_run(words: list[str], overrides: list[str]):
-    """The resolved job of an `overlap run` command line (harness flags `words`, then `overrides`), for the `-g`
-    target as given (`prepare(..., describe_target=True)`: this machine is not probed)."""
-    import argparse
-
-    from overlap.harness import add_harness_flags, prepare
-
-    parser = argparse.ArgumentParser()
-    add_harness_flags(parser)
-    return prepare(parser.parse_args(words + overrides), describe_target=True)
-
-
 def gpu_probe(run_options: list[str], overrides: list[str], micro_batch: int,
               layers: int) -> tuple[list[str], list[str]]:
     """(run options, overrides) of the one-GPU probe of a plan's command line at `layers` layers (module
@@ -235,6 +223,7 @@ def calibrate_gpu(args, job, run_options: list[str], cluster: Cluster) -> Cluste
     one-GPU probes of the plan's configuration (module docstring), run on this machine's GPU; written to --cluster."""
     import torch
 
+    from overlap.harness import resolve_run
     from overlap.perf.bench import BenchConfig, run_once
 
     if not torch.cuda.is_available():

@@ -13,6 +13,7 @@ import copy
 import json
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from overlap.errors import ConfigError
 
@@ -117,7 +118,9 @@ def _calibrate(args: argparse.Namespace) -> None:
                               "-g cpu's loopback).")
         from overlap.plan.hardware import builtin_cluster, precision_of
 
-        base = builtin_cluster(args.gpu, precision_of(job.cfg.model), args.gpus_per_node)
+        # The figures the efficiency joins: an existing --cluster FILE's (a user's own links), else the built-in table.
+        base = (_cluster(args, job.cfg) if Path(args.cluster).is_file()
+                else builtin_cluster(args.gpu, precision_of(job.cfg.model), args.gpus_per_node))
     else:
         args.network = args.network or "real"
     try:
@@ -128,7 +131,7 @@ def _calibrate(args: argparse.Namespace) -> None:
                           "fix what that error line says (the same flags with `overlap run` show the whole run).") \
             from exc
     peak = (f"{cluster.peak_tflops * 1e3:.2f} GFLOP/s" if args.gpu == "cpu"
-            else f"{cluster.peak_tflops:.1f} TFLOP/s (published), built-in links")
+            else f"{cluster.peak_tflops:.1f} TFLOP/s ({cluster.source})")
     print(f"overlap plan: wrote the machine profile {args.cluster}: peak {peak}, "
           f"efficiency {cluster.efficiency.value:.4f} ({cluster.efficiency.source}); link {cluster.nvlink.source}")
 

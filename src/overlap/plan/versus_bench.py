@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from overlap.config.kinds import FAMILIES
+from overlap.harness import resolve_run
 from overlap.launch.network import parse_network
 from overlap.perf.bench import BENCH_OPTIONS_WITH_VALUE, BENCH_SWITCHES, IDEAL_NAME, family_floor_name
-from overlap.plan.calibrate import cpu_cluster, fit_efficiency, resolve_run
+from overlap.plan.calibrate import cpu_cluster, fit_efficiency
 from overlap.plan.hardware import Link, precision_of
 from overlap.plan.predict import predict
 
