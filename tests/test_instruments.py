@@ -357,7 +357,8 @@ def test_overlap_efficiency_and_summary_table():
     assert on["step_time_ms"]["min"] == 80 and on["step_time_ms"]["max"] == 82
     assert on["step_time_ratio_to_first"] == pytest.approx(81 / 101) and on["exposed_comm_ms"] == {"all": 4.0}
     table = bench.format_markdown(doc)
-    assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 | 0.802 (0.80-0.80) |" in table and "0.50 |" in table
+    assert "| ddp.x=true | 81.0 | 80.0 | 82.0 | 0.802 | 0.802 (0.80-0.80) |" in table
+    assert "| 0.50 (per round 0.50) |" in table
     assert doc["machine"] == describe_machine() and machine_line(doc["machine"]) in table
 
 
@@ -371,6 +372,12 @@ def test_per_round_ratios_pair_each_repeat_with_the_first_configs_in_the_same_ro
     # round 2 ran on a machine 3x slower for both; the on configuration is 10% faster in every round
     doc = bench.summarize(configs, {"x=off": [run(100), run(300), run(100)], "x=on": [run(90), run(270)]}, "real",
                           "...")
+    floored = bench.build_configs("x", ["off", "on"], ideal=True)
+    with_floor = bench.summarize(floored, {"x=off": [run(100), run(300)], "x=on": [run(90), run(270)],
+                                           bench.IDEAL_NAME: [run(80), run(240)]}, "real", "...")
+    assert with_floor["overlap_efficiency"]["x=on"] == pytest.approx(40 / 80)  # the means: (200 - 180) / (200 - 160)
+    assert with_floor["overlap_efficiency_by_floor_per_round"][bench.IDEAL_NAME]["x=on"] == pytest.approx(0.5)
+    assert bench.per_round_efficiency([100, 100], [90, 95], [100, 80]) == pytest.approx(0.25)  # round 1 had no cost
     on = doc["configs"][1]
     assert on["step_time_ratio_to_first_per_round"]["rounds"] == pytest.approx([0.9, 0.9])
     assert on["step_time_ratio_to_first_per_round"]["median"] == pytest.approx(0.9)

@@ -240,6 +240,10 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
         r["step_time_ratio_to_first_per_round"] = per_round_ratios(r["step_time_ms"]["repeats"], first_times)
     by_floor = {f["name"]: {r["name"]: overlap_efficiency(base, r["step_time_ms"]["mean"], f["step_time_ms"]["mean"])
                             for r in measured[1:]} for f in floors}
+    # The same per round (each round's off, config and floor ran back to back), median: see per_round_ratios.
+    by_floor_per_round = {f["name"]: {r["name"]: per_round_efficiency(first_times, r["step_time_ms"]["repeats"],
+                                                                      f["step_time_ms"]["repeats"])
+                                      for r in measured[1:]} for f in floors}
     main_floor = next((f for f in floors if f["name"] == IDEAL_NAME), floors[0] if floors else None)
     t_ideal = main_floor["step_time_ms"]["mean"] if main_floor else None
     efficiency = by_floor[main_floor["name"]] if main_floor else {r["name"]: None for r in measured[1:]}
@@ -263,8 +267,8 @@ def summarize(configs: list[BenchConfig], results: dict[str, list[RunResult]], n
             "repeats": len(first_runs), "order": "alternating", "configs": rows, "noisy": noisy_configs(rows),
             "ideal_step_time_ms": t_ideal, "overlap_efficiency": efficiency,
             "floors_step_time_ms": {f["name"]: f["step_time_ms"]["mean"] for f in floors},
-            "overlap_efficiency_by_floor": by_floor, "not_run": not_run, "command": command,
-            "machine": describe_machine()}
+            "overlap_efficiency_by_floor": by_floor, "overlap_efficiency_by_floor_per_round": by_floor_per_round,
+            "not_run": not_run, "command": command, "machine": describe_machine()}
 
 
 def per_round_ratios(times: list[float], first_times: list[float]) -> dict:
@@ -274,6 +278,13 @@ def per_round_ratios(times: list[float], first_times: list[float]) -> dict:
     is the statistic to read on a noisy machine; the ratio of means is what a steady one gives."""
     ratios = [t / f for t, f in zip(times, first_times) if f > 0]
     return {"median": statistics.median(ratios) if ratios else None, "rounds": ratios}
+
+
+def per_round_efficiency(off: list[float], on: list[float], floor: list[float]) -> float | None:
+    """The median over rounds of each round's (T_off - T_on) / (T_off - T_floor); None without a round that had a
+    communication cost to hide."""
+    effs = [e for e in (overlap_efficiency(a, b, c) for a, b, c in zip(off, on, floor)) if e is not None]
+    return statistics.median(effs) if effs else None
 
 
 NOISY_SPREAD = 0.10  # (max - min) / mean of a configuration's repeats above which its mean is called unreliable
@@ -357,7 +368,9 @@ def format_markdown(doc: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(by_floor) + "---|"]
     for r in doc["configs"]:
         st = r["step_time_ms"]
-        effs = "".join(f"{_eff(doc_effs.get(r['name']))} | " for doc_effs in by_floor.values())
+        per_round = doc.get("overlap_efficiency_by_floor_per_round", {}) if doc["repeats"] > 1 else {}
+        effs = "".join(f"{_eff(doc_effs.get(r['name']), per_round.get(floor, {}).get(r['name']))} | "
+                       for floor, doc_effs in by_floor.items())
         traced = r.get("comm_traced", True)
         untraced = "n/a (peer: torch's collectives are not traced)"
         lines.append(f"| {r['name']} | {st['mean']:.1f} | {st['min']:.1f} | {st['max']:.1f} | "
@@ -370,7 +383,8 @@ def format_markdown(doc: dict) -> str:
     if not by_floor:
         lines.append("\n(no floor run (--ideal / --ideal-family): overlap efficiency needs a floor T_ideal)")
     else:
-        lines.append("\neff. vs FLOOR = (T_first - T_config) / (T_first - T_FLOOR), the first config being 'off'.")
+        lines.append("\neff. vs FLOOR = (T_first - T_config) / (T_first - T_FLOOR), the first config being 'off'; "
+                     "per round: the median of that ratio within each round.")
     return "\n".join(lines + _noisy_lines(doc) + _peer_wait_lines(doc) + _failure_lines(doc))
 
 
@@ -427,8 +441,11 @@ def _failure_lines(doc: dict) -> list[str]:
     return lines
 
 
-def _eff(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _eff(value: float | None, per_round: float | None = None) -> str:
+    """The efficiency of the means, and the per-round median where there is one, e.g. "0.59 (per round 0.56)"."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if per_round is None else f"{value:.2f} (per round {per_round:.2f})"
 
 
 def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
