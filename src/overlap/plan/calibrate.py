@@ -179,7 +179,7 @@ _PROBE_FLAGS = ("-m", "--model_family_name", "-mr", "--model_recipe_name", "--ta
 _RECOMPUTE_LAYERS = ("-rl", "--recompute_num_layers")
 _PROBE_SECTIONS = ("model.", "mixed_precision.", "tokenizer.", "dataset.", "optimizer.", "scheduler.",
                    "train.micro_batch_size")
-_PROBE_DROPPED = ("model.tensor_model_parallel_size", "model.pipeline_model_parallel_size", "model.pipeline_",
+_PROBE_DROPPED = ("model.tensor_model_parallel_size", "model.pipeline_",
                   "model.context_parallel_size", "model.expert_model_parallel_size",
                   "model.expert_tensor_parallel_size", "model.virtual_pipeline_model_parallel_size",
                   "model.num_layers", "model.microbatch_group_size", "model.moe_layer_freq", "model.overlap_",
