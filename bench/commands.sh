@@ -194,6 +194,9 @@ python bench/hf_compute_bench.py --repeats 20 --warmup 2 --dtypes float32 \
   --json $out/hf_compute_fp32.json --markdown $out/hf_compute_fp32.md
 python bench/hf_compute_bench.py --repeats 20 --warmup 2 --dtypes bfloat16 \
   --json $out/hf_compute_bf16.json --markdown $out/hf_compute_bf16.md
+# 11b. The target shape (MoE: hidden 512, 16 experts, sequence 256) alone, 40 alternated steps per dtype.
+python bench/hf_compute_bench.py --repeats 40 --warmup 3 --models moe --dtypes float32,bfloat16 \
+  --json $out/hf_compute_moe_40.json --markdown $out/hf_compute_moe_40.md
 
 # 12. Pipeline p2p on a modelled link (PP=2 on 2 ranks, one per core; only pp kinds on the link, 1 ms + 10 MB/s):
 #     transfers start when both sides have posted (the stamps of comm.p2p), so this is the regime where the overlapped
