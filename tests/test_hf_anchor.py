@@ -8,7 +8,7 @@ logit nearly 0 and any comparison trivially small) are saved with `save_pretrain
   also with norm_topk_prob=false, our model.moe_router_pre_softmax, and with decoder_sparse_step=2, our per-layer
   model.moe_layer_freq [0, 1])
   at one rank, TP2 (+SP), EP2, TP2 x EP2, PP2, TP2 x PP2 and EP2 x PP2, every rank loading only its own shards
-  from the files;
+  from the files; a tied dense model (tie_word_embeddings=true) at one rank and TP2 (+SP);
 - the gradients of one backward (mean cross-entropy) equal transformers' within atol 1e-5 at one rank, read back
   into our layout through the same name mapping (from transformers' fused in-memory expert tensors);
 - a Trainer started with `checkpoint.pretrained_checkpoint=<HF folder>` trains at EP2 / PP2 / TP2 x EP2 like at one rank
@@ -54,15 +54,18 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _reference(kind: str, folder: Path) -> dict:
     """Save a tiny random HF model to `folder`; return its logits and the grads of the mean cross-entropy.
     "moe_unnormalised": the MoE model with norm_topk_prob=false (transformers' default); "moe_sparse_step": with
-    decoder_sparse_step=2 (layer 0 dense, layer 1 MoE: our per-layer moe_layer_freq [0, 1])."""
+    decoder_sparse_step=2 (layer 0 dense, layer 1 MoE: our per-layer moe_layer_freq [0, 1]); "dense_tied": the dense
+    model with tie_word_embeddings=true (one tensor for the embedding and the LM head; its gradient is the sum of
+    both uses)."""
     torch.manual_seed(0)
     if kind.startswith("moe"):
         sparse = dict(decoder_sparse_step=2) if kind == "moe_sparse_step" else {}
         config = transformers.Qwen3MoeConfig(**COMMON, **dict(MOE, norm_topk_prob=kind != "moe_unnormalised"),
                                              **sparse)
         model = transformers.Qwen3MoeForCausalLM(config)
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON))
+    else:  # "dense_tied": tie_word_embeddings=true (Qwen3 0.6B-4B), our share_embeddings_and_output_weights
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**dict(COMMON,
+                                                                               tie_word_embeddings=kind == "dense_tied")))
     _randomise(model, 1)
     model.save_pretrained(folder)
     tokens, labels = _batch()
@@ -77,7 +80,7 @@ def _reference(kind: str, folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     out = {}
-    for kind in ("moe", "dense", "moe_unnormalised", "moe_sparse_step"):
+    for kind in ("moe", "dense", "moe_unnormalised", "moe_sparse_step", "dense_tied"):
         folder = tmp_path_factory.mktemp(f"hf_{kind}")
         out[kind] = (folder, _reference(kind, folder))
     return out
@@ -86,7 +89,7 @@ def hf_models(tmp_path_factory):
 def _build(folder: str, layout: dict):
     """This rank's model chunks with their shards loaded from the HF folder, and the parallel state."""
     from overlap.config import ConfigContainer
-    from overlap.hf.config import model_config_from_hf, read_hf_config
+    from overlap.config.hf_config import model_config_from_hf, read_hf_config
     from overlap.hf.load import load_hf_weights
     from overlap.model.gpt import model_chunks
     from overlap.parallel.state import ParallelState
@@ -151,7 +154,8 @@ LAYOUTS = {"1": (1, {}),
 
 @pytest.mark.parametrize("kind,name", [("moe", n) for n in LAYOUTS] + [("dense", n) for n in ("1", "tp2_sp", "pp2")]
                          + [("moe_unnormalised", n) for n in ("1", "ep2")]
-                         + [("moe_sparse_step", n) for n in ("1", "ep2", "pp2")])
+                         + [("moe_sparse_step", n) for n in ("1", "ep2", "pp2")]
+                         + [("dense_tied", n) for n in ("1", "tp2_sp")])
 def test_logits_match_transformers(hf_models, kind, name):
     folder, ref = hf_models[kind]
     world, layout = LAYOUTS[name]
@@ -163,9 +167,9 @@ def test_logits_match_transformers(hf_models, kind, name):
         assert diff < 1e-4, f"{kind} at {name}: max |logits - transformers| = {diff:.3g}"
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "moe_unnormalised", "moe_sparse_step"])
+@pytest.mark.parametrize("kind", ["moe", "dense", "moe_unnormalised", "moe_sparse_step", "dense_tied"])
 def test_gradients_match_transformers(hf_models, kind):
-    from overlap.hf.config import model_config_from_hf, read_hf_config
+    from overlap.config.hf_config import model_config_from_hf, read_hf_config
     from overlap.hf.load import DictSource, read_shard
     from overlap.hf.names import mappings
 
@@ -184,13 +188,9 @@ def _train(folder: str, layout: list[str]) -> list[float]:
     from overlap.parallel.state import ParallelState
     from overlap.training.trainer import Trainer
     from tests.tiny import tiny_config
-    from overlap.hf.config import model_config_from_hf, read_hf_config
 
+    # The tiny recipe's own shape: the run takes the checkpoint's from its config.json (finalize)
     cfg = tiny_config(True, "fp32", 2, layout + [f"checkpoint.pretrained_checkpoint={folder}"], 2)
-    hf_model = model_config_from_hf(read_hf_config(folder), seq_length=SEQ)
-    for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-              "ffn_hidden_size", "vocab_size", "moe_ffn_hidden_size", "num_moe_experts", "moe_router_topk"):
-        setattr(cfg.model, f, getattr(hf_model, f))
     res = cfg.finalize(dist.get_world_size())
     return [r.lm_loss for r in Trainer(cfg, ParallelState(res.layout)).train().records]
 
@@ -209,7 +209,7 @@ def test_fused_layout_on_disk_imports_like_per_expert(hf_models, tmp_path):
     """transformers-5's fused in-memory tensors written as they are (as Qwen3.5-MoE stores them) load the same."""
     from safetensors.torch import save_file
 
-    from overlap.hf.config import model_config_from_hf, read_hf_config
+    from overlap.config.hf_config import model_config_from_hf, read_hf_config
     from overlap.hf.load import check_source, read_shard
     from overlap.hf.safetensors_io import SafetensorsReader
 
@@ -223,9 +223,38 @@ def test_fused_layout_on_disk_imports_like_per_expert(hf_models, tmp_path):
         assert torch.equal(read_shard(m, fused, cfg, None), read_shard(m, per_expert, cfg, None)), m.ours
 
 
+def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
+    """`checkpoint.pretrained_checkpoint=<HF folder>`: every architecture field comes from config.json, whatever the
+    recipe or an override said, each change a decision of the checkpoint section; our own checkpoints (no
+    config.json) leave the configured model alone."""
+    from overlap.config.hf_config import ARCH_FIELDS, MOE_FIELDS, model_config_from_hf, read_hf_config
+    from overlap.errors import ConfigError
+    from tests.tiny import tiny_config
+
+    for kind in ("moe", "dense", "moe_sparse_step"):
+        folder = hf_models[kind][0]
+        theirs = model_config_from_hf(read_hf_config(folder), seq_length=SEQ)
+        cfg = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={folder}", "model.num_layers=6"], 1)
+        decisions = {d.field: d for d in cfg.finalize(1).decisions.sections["checkpoint"]}
+        for field, attr in {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}.items():
+            assert getattr(cfg.model, attr) == getattr(theirs, attr), (kind, field)
+        assert decisions["model.num_layers"].requested == 6
+        assert decisions["model.num_layers"].effective == theirs.num_layers
+        assert "config.json" in decisions["model.num_layers"].reason
+        assert cfg.model.is_moe == theirs.is_moe
+    cfg = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}",
+                                        "tokenizer.vocab_size=100000"], 1)
+    with pytest.raises(ConfigError, match="tokenizer.vocab_size"):
+        cfg.finalize(1)
+    cfg = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path}", "model.num_layers=6"], 1)
+    cfg.finalize(1)
+    assert cfg.model.num_layers == 6 and not any(d.field.startswith("model.")
+                                                 for d in cfg.finalize(1).decisions.sections["checkpoint"])
+
+
 def test_configured_model_must_match_config_json(hf_models):
     from overlap.errors import ConfigError
-    from overlap.hf.config import check_model_matches, model_config_from_hf, read_hf_config
+    from overlap.config.hf_config import check_model_matches, model_config_from_hf, read_hf_config
 
     folder, _ = hf_models["moe"]
     hf = read_hf_config(folder)

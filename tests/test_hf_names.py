@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from overlap.errors import ConfigError
-from overlap.hf.config import hf_config_from_model, model_config_from_hf
+from overlap.config.hf_config import hf_config_from_model, model_config_from_hf
 from overlap.hf.load import DictSource, check_source, read_shard
 from overlap.hf.names import mappings, merge_qkv, split_qkv, to_hf, unfuse_experts
 from overlap.hf.safetensors_io import SafetensorsReader, write_sharded
@@ -143,7 +143,7 @@ def test_config_both_directions():
 
 
 @pytest.mark.parametrize("change,field", [
-    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
     ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_parameters"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),

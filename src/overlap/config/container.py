@@ -1,8 +1,8 @@
 """ConfigContainer: every section of a run, and `finalize(world_size)`, which resolves it in a fixed order.
 
-Order (documented, tested): tokenizer -> mixed precision -> data-parallel size -> data (the tokenizer's padded
-vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint -> flex dispatcher backend -> attention
-backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that snapshot on every
+Order (documented, tested): tokenizer -> pretrained architecture (a Hugging Face `checkpoint.pretrained_checkpoint`'s
+config.json) -> mixed precision -> data-parallel size -> data (the tokenizer's padded vocabulary, the dataset files)
+-> comm overlap -> validation -> checkpoint -> flex dispatcher backend -> attention backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that snapshot on every
 call, so calling it twice gives the same result (edits made after the first call are not seen:
 build a new container instead).
 """
@@ -105,6 +105,7 @@ class ConfigContainer:
         for decision in command_line:
             log.record_command_line(decision)
         self._apply_tokenizer()
+        self._apply_pretrained(log)
         self._check_sizes()
         self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
@@ -139,6 +140,32 @@ class ConfigContainer:
                               "set --tokenizer_type HuggingFaceTokenizer, or drop --tokenizer_model.")
         if tok.vocab_size is not None:
             self.model.vocab_size = tok.vocab_size
+
+    def _apply_pretrained(self, log: DecisionLog) -> None:
+        """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture, as Bridge builds its
+        model provider from the HF config: every field config.json describes (`hf_config.ARCH_FIELDS`, and
+        `MOE_FIELDS` for a Qwen3-MoE) is taken from it, and each value that differs from the recipe's or an
+        override's is a decision of the checkpoint section (start-up log and `overlap explain`). A field config.json
+        has that this runtime cannot honour is refused there (`model_config_from_hf`)."""
+        from pathlib import Path
+
+        from overlap.config.hf_config import ARCH_FIELDS, MOE_FIELDS, model_config_from_hf, read_hf_config
+
+        path = self.checkpoint.pretrained_checkpoint
+        if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+            return  # unset, or one of our checkpoints (its run configuration is checked when it loads)
+        m, theirs = self.model, model_config_from_hf(read_hf_config(path), seq_length=self.model.seq_length)
+        if self.tokenizer.vocab_size is not None and self.tokenizer.vocab_size > theirs.vocab_size:
+            raise ConfigError("tokenizer.vocab_size", self.tokenizer.vocab_size, f"the pretrained checkpoint {path} "
+                              f"has {theirs.vocab_size} embedding rows: larger token ids have no embedding.",
+                              f"drop --vocab_size (the model takes {theirs.vocab_size} from config.json), or use "
+                              "the checkpoint's tokenizer.")
+        for name, attr in {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}.items():
+            before, value = getattr(m, attr), getattr(theirs, attr)
+            if before != value:
+                setattr(m, name, getattr(theirs, name))
+                log.record_in("checkpoint", f"model.{name}", before, value, RULE,
+                              f"from the pretrained checkpoint's config.json ({path})")
 
     def _apply_data(self, layout: ParallelLayout, log: DecisionLog) -> None:
         """The tokenizer's vocabulary (padded as Megatron pads it) and the dataset's files, checked now."""

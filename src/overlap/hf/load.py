@@ -20,9 +20,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from overlap.config.hf_config import check_model_matches, read_hf_config
 from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError
-from overlap.hf.config import check_model_matches, read_hf_config
 from overlap.hf.names import (EXPERT_KINDS, Mapping, fused_name, mappings, merge_gate_up, merge_qkv, per_expert_names,
                               stack_experts)
 from overlap.hf.safetensors_io import SafetensorsReader
@@ -116,6 +116,8 @@ def check_source(cfg: ModelConfig, source: Source, folder: str | Path) -> list[M
                               f"model needs are not in the checkpoint: {', '.join(missing[:4])}"
                               f"{' ...' if len(missing) > 4 else ''}.", "load a checkpoint of this model.")
     extra = sorted(names - set(need))
+    if cfg.share_embeddings_and_output_weights and "lm_head.weight" in extra:
+        extra.remove("lm_head.weight")  # a tied checkpoint's copy of the embedding: transformers ties over it too
     if extra:
         raise CheckpointError("checkpoint.pretrained_checkpoint", str(folder), f"the checkpoint holds tensor(s) "
                               f"this model has no place for: {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}.",

@@ -64,8 +64,9 @@ def mappings(cfg: ModelConfig) -> list[Mapping]:
         else:
             out += [Mapping(ours + "mlp.linear_fc1.weight", "fc1", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
                     Mapping(ours + "mlp.linear_fc2.weight", "same", (hf + "mlp.down_proj.weight",))]
-    out += [Mapping("final_layernorm.weight", "same", ("model.norm.weight",)),
-            Mapping("output_layer.weight", "same", ("lm_head.weight",))]
+    out.append(Mapping("final_layernorm.weight", "same", ("model.norm.weight",)))
+    if not cfg.share_embeddings_and_output_weights:  # tied: the output layer is the embedding (no tensor of its own)
+        out.append(Mapping("output_layer.weight", "same", ("lm_head.weight",)))
     return out
 
 

@@ -104,7 +104,8 @@ class GPTModel(nn.Module):
 
     Every TP rank gets the full micro-batch of tokens. lm_loss is the mean per-token cross-entropy of the micro-batch
     (fp32, identical on every TP rank); aux_loss is the sum of the MoE layers' auxiliary losses (a 0-dim fp32 tensor,
-    zero for a dense model). The output layer is untied from the embedding and vocabulary-parallel; the loss is
+    zero for a dense model). The output layer is vocabulary-parallel, its own weight or, with
+    `share_embeddings_and_output_weights` (Qwen3 0.6B-4B's `tie_word_embeddings`), the embedding's; the loss is
     computed from the vocab-sharded logits without gathering them.
     """
 
@@ -119,10 +120,6 @@ class GPTModel(nn.Module):
             raise ConfigError("model.seq_length", config.seq_length,
                               f"sequence parallelism splits the sequence over tensor_model_parallel_size ({tp}).",
                               "choose a sequence length divisible by -tp.")
-        if config.share_embeddings_and_output_weights:
-            raise ConfigError("model.share_embeddings_and_output_weights", True,
-                              "this model keeps the embedding and the output layer untied (as Qwen3 does).",
-                              "set share_embeddings_and_output_weights=false.")
         self.config = config
         self.ps = ps
         self.stage = stage or Stage(0, config.num_layers, True, True)
@@ -138,8 +135,19 @@ class GPTModel(nn.Module):
             # which the pipeline executor defers to the flush (overlap.pipeline.schedules)
             store = (WeightGradStore("bwd.deferred_output_wgrad") if config.defer_embedding_wgrad_compute
                      else None)
+            tied = config.share_embeddings_and_output_weights
+            if tied:
+                # The output layer reads the embedding's own parameter (both are [vocab / tp, h], cut the same way
+                # over TP), so its two gradients meet in one autograd accumulation and the grad-ready hook fires
+                # once, with their sum. That needs the output layer's share computed in the backward itself: a store
+                # that never delays (delay_wgrad_compute would deliver it later, after data parallelism took the
+                # embedding's share as the whole gradient). Pipeline stages apart, EP overlap's pieces and deferred
+                # output wgrads are refused with a tied model (`training.support`).
+                store = WeightGradStore("bwd.tied_output_wgrad")
             self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, ps, sp,
                                                      params_dtype=dtype, wgrad_store=store)
+            if tied:
+                self.output_layer.weight = self.embedding.weight
         self.layer_chunks = layer_chunks(config, len(self.layers))
 
     def init_weights(self, seed: int) -> None:

@@ -20,6 +20,7 @@ def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
 def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigError]:
     """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run raises)."""
     m, d = cfg.model, cfg.ddp
+    tied = m.share_embeddings_and_output_weights
     checks = [
         (m.pipeline_model_parallel_size > 1 and bool(m.overlap_moe_expert_parallel_comm)
          and bool(m.deallocate_pipeline_outputs), "model.deallocate_pipeline_outputs", True,
@@ -72,8 +73,21 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "and count the expert gradients TP times)", "set model.sequence_parallel=true (-tp sets it for you)."),
         (m.is_moe and not m.gated_linear_unit, "model.gated_linear_unit", False,
          "Non-gated (GELU) routed experts", "use gated_linear_unit=true (SwiGLU experts) for MoE models."),
-        (m.share_embeddings_and_output_weights, "model.share_embeddings_and_output_weights", True,
-         "Tied embedding and output weights", "set model.share_embeddings_and_output_weights=false."),
+        # Tied weights (`overlap.model.gpt`): one parameter whose two gradient shares must meet in one backward
+        (tied and m.pipeline_model_parallel_size > 1, "model.share_embeddings_and_output_weights", True,
+         "Tied embedding and output weights across pipeline stages (the first stage's embedding and the last "
+         "stage's output layer would each hold a copy, their gradients summed between the two stages)",
+         "use -pp 1 with a tied model (Qwen3 0.6B-4B fit), or an untied one."),
+        (tied and bool(m.overlap_moe_expert_parallel_comm), "model.share_embeddings_and_output_weights", True,
+         "Tied embedding and output weights under EP overlap (its schedule runs the output layer's and the "
+         "embedding's backward as separate pieces, so data parallelism would see the first share as the gradient)",
+         "set comm_overlap.overlap_moe_expert_parallel_comm=false, or use an untied model."),
+        (tied and m.defer_embedding_wgrad_compute, "model.defer_embedding_wgrad_compute", True,
+         "Deferring a tied output layer's weight gradient (it is the embedding's too)",
+         "set comm_overlap.defer_embedding_wgrad_compute=false."),
+        (tied and d.impl != "overlap", "model.share_embeddings_and_output_weights", True,
+         f"Tied embedding and output weights with the PyTorch data-parallel peer ddp.impl={d.impl}",
+         "use ddp.impl=overlap with a tied model."),
         (d.average_in_collective, "ddp.average_in_collective", True,
          "Averaging inside the collective (gradients are summed; the loss carries 1 / (micro-batches x DP))",
          "set ddp.average_in_collective=false."),

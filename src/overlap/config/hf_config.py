@@ -124,10 +124,9 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
     if any(t != "full_attention" for t in hf.get("layer_types") or []):
         raise _refuse("layer_types", hf["layer_types"], "only full attention is built.",
                       "use a checkpoint without sliding-window layers.")
-    if hf.get("tie_word_embeddings", False):
-        raise _refuse("tie_word_embeddings", True, "our runtime keeps the embedding and the LM head untied "
-                      "(model.share_embeddings_and_output_weights is refused), so a tied checkpoint cannot be "
-                      "trained as it is.", "use an untied checkpoint (Qwen3 >= 4B and Qwen3-MoE are untied).")
+    tied = hf.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise _refuse("tie_word_embeddings", tied, "expected true or false.", "fix config.json.")
     heads = int(hf["num_attention_heads"])
     layers = int(hf["num_hidden_layers"])
     max_pos = int(hf.get("max_position_embeddings", 4096))
@@ -140,7 +139,7 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
                       layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), rotary_base=rope_theta(hf),
                       qk_layernorm=True, gated_linear_unit=True, add_bias_linear=False, add_qkv_bias=False,
                       init_method_std=float(hf.get("initializer_range", 0.02)),
-                      share_embeddings_and_output_weights=False)
+                      share_embeddings_and_output_weights=tied)
     if kind == "qwen3_moe":
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         if not experts:
@@ -185,9 +184,9 @@ def check_model_matches(model: ModelConfig, hf: dict, folder: str | Path) -> Non
 def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
     """config.json for our model `cfg`. `base` (the config.json an import came from) keeps the fields we do not
     model (token ids, max_position_embeddings, ...); every architecture field is written from `cfg`."""
-    if cfg.share_embeddings_and_output_weights or not cfg.qk_layernorm or not cfg.gated_linear_unit \
+    if not cfg.qk_layernorm or not cfg.gated_linear_unit \
             or cfg.add_bias_linear or cfg.add_qkv_bias or cfg.moe_shared_expert_intermediate_size:
-        raise ConfigError("model", "not Qwen3", "only Qwen3 / Qwen3-MoE models (untied, QK norm, SwiGLU, no biases, "
+        raise ConfigError("model", "not Qwen3", "only Qwen3 / Qwen3-MoE models (QK norm, SwiGLU, no biases, "
                           "no shared expert) have a Hugging Face layout here.", "export a Qwen3-style model.")
     out = dict(base or {})
     moe = cfg.is_moe
@@ -196,7 +195,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None)
                 "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
                 "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
-                "rms_norm_eps": cfg.layernorm_epsilon, "tie_word_embeddings": False, "attention_bias": False,
+                "rms_norm_eps": cfg.layernorm_epsilon,
+                "tie_word_embeddings": cfg.share_embeddings_and_output_weights, "attention_bias": False,
                 "attention_dropout": 0.0, "use_sliding_window": False, "dtype": dtype,
                 "rope_parameters": {"rope_theta": cfg.rotary_base, "rope_type": "default"}})
     out.pop("rope_theta", None)
