@@ -61,6 +61,25 @@ def test_overlapped_p2p_hides_little_in_1f1b_at_pp2_and_more_when_interleaved():
             assert overlapped < 0.5 * batched
 
 
+def test_a_token_bucket_lets_transfers_after_idle_compute_pass_at_the_line_rate():
+    """`--network tbf:RATE`'s bucket (per queue in the simulation): with compute long enough between a queue's
+    transfers to refill it, every transfer passes at the line rate, as free as the bubble-only run at an infinite
+    line; without a burst the same messages cost what a plain link charges."""
+    from overlap.plan.hardware import Link, Transfer
+
+    plain = Link(1e6, 0.0, "1 MB/s")  # 100 KB: 0.1 s
+    bursty = Link(1e6, 0.0, "1 MB/s, 100 KB bucket", burst_bytes=100e3)
+    for overlapped in (False, True):
+        free = simulate(2, 1, 8, 1.0, 2.0, 0.0, overlapped).step_s
+        fixed = simulate(2, 1, 8, 1.0, 2.0, 0.1, overlapped).step_s
+        assert simulate(2, 1, 8, 1.0, 2.0, Transfer(plain, 100e3), overlapped).step_s == pytest.approx(fixed)
+        assert simulate(2, 1, 8, 1.0, 2.0, Transfer(bursty, 100e3), overlapped).step_s == pytest.approx(free)
+        assert fixed > free
+        # twice the bucket per message: the bucket covers half, the rest pays the rate
+        half = simulate(2, 1, 8, 1.0, 2.0, Transfer(bursty, 200e3), overlapped).step_s
+        assert half == pytest.approx(fixed)
+
+
 def test_the_schedules_bound_in_the_p2p_overlap_benchmark():
     """bench/commands.sh 17's regime (README: PP=2, 16 micro-batches, a rank's micro-batch forward 44 ms and
     backward 86 ms as its faked-p2p floor measured, a 256 KB activation on the 1 ms + 20 MB/s link): the share of
@@ -326,3 +345,23 @@ def test_the_floor_a_result_is_fitted_on():
     assert _floor({"command": "x", "floors_step_time_ms": {"ideal (no pp communication)": 3.0}}, None) == (3.0, ("pp",))
     with pytest.raises(KeyError, match="no floor"):
         _floor({"command": "x", "floors_step_time_ms": {}}, None)
+
+
+def test_a_tbf_profile_carries_the_token_bucket_through_its_cluster_file(tmp_path):
+    """`--network tbf:RATE`: each of the ranks gets RATE / ranks and its share of tc's 1 MiB bucket, passing at the
+    loopback's rate; the profile written by --calibrate (Cluster.to_json) reads back with the bucket."""
+    from dataclasses import replace
+
+    from overlap.launch.network import TBF_BURST_BYTES, parse_network
+    from overlap.plan.calibrate import cpu_cluster
+    from overlap.plan.hardware import Link
+
+    loopback = Link(0.6e9, 600e-6, "probe")
+    cluster = cpu_cluster(parse_network("tbf:400mbit"), 2, 1.0, "fp32", loopback)
+    assert cluster.nvlink.bandwidth_Bps == pytest.approx(25e6)
+    assert cluster.nvlink.burst_bytes == TBF_BURST_BYTES / 2 and cluster.nvlink.burst_Bps == 0.6e9
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps(replace(cluster, efficiency=replace(cluster.efficiency, value=0.5)).to_json()))
+    again = load_cluster(str(profile), "cpu", "fp32", None)
+    assert again.nvlink == replace(cluster.nvlink, source=again.nvlink.source)
+    assert again.nic.burst_bytes == TBF_BURST_BYTES / 2

@@ -18,10 +18,8 @@ RESULTS = Path(__file__).parent.parent / "bench" / "results"
 STEP_BOUND, RATIO_BOUND = 0.20, 0.08
 
 TIME_SLICED = "4 ranks on 2 cores: gloo's transfers take CPU from a compute thread sharing the core; the floor has none"
-SHARED_BUCKET = "one tbf token bucket for every rank: the planner charges RATE / ranks per transfer at all times"
-RANK0_FLOOR = ("the floor faked every collective, so it shows rank 0's compute only; the FLOP-proportional stage "
-               "weights make the last stage (the output layer) slower than it is on this CPU"
-               + "; and " + SHARED_BUCKET)
+RANK0_FLOOR = ("4 ranks on 2 cores, and the floor faked every collective, so it shows rank 0's compute only; the "
+               "FLOP-proportional stage weights make the last stage (the output layer) slower than it is on this CPU")
 IMBALANCE = ("4 ranks on 2 cores, and the routing imbalance the planner does not model (its ranks are balanced): the "
              "model's delayed weight gradients fill waits for the link, the runtime's waits are mostly for a late "
              "peer")
@@ -39,10 +37,6 @@ KNOWN_MISSES = {
     ("pp_schedules", "1F1B, batched p2p"): RANK0_FLOOR,
     ("pp_schedules", "1F1B, overlapped p2p"): RANK0_FLOOR,
     ("pp_schedules", "interleaved VPP2, overlapped p2p"): RANK0_FLOOR,
-    ("pp_schedules_2ranks", "1F1B, batched p2p"): RANK0_FLOOR,
-    ("tp_overlap_narrow", "off"): SHARED_BUCKET,
-    ("tp_overlap_narrow", "TP overlap (defaults)"): SHARED_BUCKET,
-    ("tp_overlap_narrow", "no bulk dgrad"): SHARED_BUCKET,
 }
 
 

@@ -200,6 +200,11 @@ def remove_stale_namespaces() -> list[str]:
     return removed
 
 
+# The token bucket's depth: bytes that pass at the line rate after the link has been idle long enough to refill
+# them (tc sizes: "mb" is 1024 x 1024 bytes). The planner models it (`overlap.plan.hardware.TokenBucket`).
+TBF_BURST, TBF_BURST_BYTES = "1mb", 1 << 20
+
+
 @contextmanager
 def emulated_interconnect(rate: str, name: str | None = None) -> Iterator[tuple[str, list[str]]]:
     """Create namespace `name` (default overlap-<pid>) with a rate-limited loopback; yield (name, command prefix that
@@ -211,7 +216,7 @@ def emulated_interconnect(rate: str, name: str | None = None) -> Iterator[tuple[
     _ip("netns", "add", name)
     try:
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        _ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", "1mb",
+        _ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", TBF_BURST,
             "latency", "100ms")
         yield name, ["ip", "netns", "exec", name]
     finally:

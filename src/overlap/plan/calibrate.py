@@ -12,7 +12,8 @@ profile is measured:
 - the link: `--network model:LAT,BW[,FAMILIES]` is the modelled link itself (exact, and only those families);
   `real` and `tbf:RATE` run over loopback, whose per-op latency and bandwidth a short gloo probe measures with the
   run's number of ranks (`probe_loopback`); under `tbf` every rank's traffic crosses one token bucket, so each rank
-  gets RATE / ranks when all send at once (the collectives of one step do);
+  gets RATE / ranks when all send at once (the collectives of one step do), and its share of the bucket's depth
+  (`TBF_BURST_BYTES` / ranks), which an idle link refills and the next transfer spends at the loopback's rate;
 - the overlap slowdown: 0 (gloo's transport threads and a modelled link's sleeps take little CPU from the compute
   thread; what they do take shows in the validation, `bench/plan_vs_bench.py`).
 
@@ -41,7 +42,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.kinds import FAMILIES
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
-from overlap.launch.network import Network
+from overlap.launch.network import TBF_BURST_BYTES, Network
 from overlap.plan.hardware import Cluster, Efficiency, Link
 from overlap.plan.predict import predict
 
@@ -92,7 +93,8 @@ def cpu_cluster(network: Network, ranks: int, peak_tflops: float, precision: str
         raise ConfigError("--network", network.text, "a loopback link needs its probe.", "run --calibrate.")
     elif network.kind == "tbf":
         link = Link(network.rate_Bps / ranks, loopback.latency_s,
-                    f"--network {network.text}: one token bucket shared by {ranks} ranks; latency {loopback.source}")
+                    f"--network {network.text}: one token bucket shared by {ranks} ranks; latency {loopback.source}",
+                    burst_bytes=TBF_BURST_BYTES / ranks, burst_Bps=loopback.bandwidth_Bps)
     else:
         link = loopback
     return Cluster(gpu="cpu", peak_tflops=peak_tflops, precision=precision, gpus_per_node=ranks, nvlink=link,

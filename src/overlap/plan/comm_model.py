@@ -38,7 +38,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.config.tp_overlap import SlotPlan, effective_tp_plan
 from overlap.launch.resources import estimate_memory
-from overlap.plan.hardware import Cluster, Link
+from overlap.plan.hardware import Cluster, Link, Transfer
 from overlap.plan.tp_slots import NO_GEMMS, layer_tp
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -119,7 +119,7 @@ class CommPlan:
     # The embedding's reduce-scatter (its backward: an all-gather) and the output layer's all-gather (backward: a
     # reduce-scatter), outside any overlap plan: per micro-batch, of each kind, on the average pipeline stage.
     tp_edges_per_mb: float = 0.0
-    pp_send_s: float = 0.0  # one activation (or its gradient) between neighbouring stages
+    pp_send: Transfer | None = None  # one activation (or its gradient) between neighbouring stages
     # Per step, per gradient buffer ("dp" dense, "edp" experts: their own groups, so their own links), per bucket:
     dp_rs_s: dict[str, list[float]] = field(default_factory=dict)  # gradient reduce-scatter / all-reduce
     dp_ag_s: dict[str, list[float]] = field(default_factory=dict)  # parameter all-gather (distributed optimizer)
@@ -181,10 +181,10 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     if pp > 1 and cluster.carries("pp"):
         vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)
         nbytes = b * s * h * act / (tp if m.sequence_parallel else 1)
-        t_each = ring_time_s(nbytes, 2, members_per_node(2, tp * layout.cp * dp, gpn), cluster)
+        link = ring_link(2, members_per_node(2, tp * layout.cp * dp, gpn), cluster)
         sends = 2 * vpp  # an activation forward and a gradient back, per model chunk
-        plan.add("pp_send", nbytes, t_each, sends * mb)
-        plan.pp_send_s = t_each
+        plan.add("pp_send", nbytes, link.time_s(nbytes), sends * mb)
+        plan.pp_send = Transfer(link, nbytes)
 
     est = estimate_memory(cfg, layout, cpu=False)
     grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)

@@ -72,9 +72,9 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
                              per_gpu_fwd(f.dense_mlp, n_dense))
     logits = per_gpu_fwd(f.logits, 1)
     # The TP linears' forward GEMMs, 2 FLOPs per multiply-add (the dense MLP's only where a layer has one).
-    qkv, proj, fc1, fc2 = linear_macs(m)
-    gemms = TPGemms(*(2.0 * macs * tokens / tp / rate for macs in (qkv, proj, fc1 if n_dense else 0,
-                                                                    fc2 if n_dense else 0)))
+    qkv, proj, fc1, fc2 = (2.0 * macs * tokens / tp / rate for macs in linear_macs(m))
+    gemms = TPGemms(qkv, proj, fc1 if n_dense else 0.0, fc2 if n_dense else 0.0, core=max(0.0, attention - qkv - proj),
+                    moe=moe)
     weights = (1.0,)
     if pp > 1:
         ranges = pipeline_layer_ranges(m.num_layers, pp, m.virtual_pipeline_model_parallel_size,

@@ -20,14 +20,59 @@ from overlap.errors import ConfigError
 @dataclass(frozen=True)
 class Link:
     """A latency + bandwidth link: a transfer of n bytes (the busbw convention: bytes one GPU moves) takes
-    latency_s + n / bandwidth_Bps."""
+    latency_s + n / bandwidth_Bps.
+
+    A rate-limited link (tc's token bucket, `--network tbf:RATE`) also has a bucket: `burst_bytes` per GPU that fill
+    at `bandwidth_Bps` while the link is idle, up to that depth, and let as many bytes pass at `burst_Bps` (the line
+    under the limiter). A transfer that finds credit in the bucket pays only the rest at the limited rate
+    (`TokenBucket` keeps the credit between transfers)."""
 
     bandwidth_Bps: float
     latency_s: float
     source: str
+    burst_bytes: float = 0.0
+    burst_Bps: float = float("inf")
 
-    def time_s(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth_Bps if nbytes > 0 else 0.0
+    def time_s(self, nbytes: float, credit_bytes: float = 0.0) -> float:
+        """One transfer of `nbytes`, `credit_bytes` of which the bucket covers."""
+        if nbytes <= 0:
+            return 0.0
+        covered = min(nbytes, credit_bytes)
+        return self.latency_s + covered / self.burst_Bps + (nbytes - covered) / self.bandwidth_Bps
+
+    def to_json(self) -> dict:
+        doc = {"bandwidth_GBps": self.bandwidth_Bps / 1e9, "latency_us": self.latency_s * 1e6, "source": self.source}
+        if self.burst_bytes:
+            doc |= {"burst_bytes": self.burst_bytes, "burst_GBps": self.burst_Bps / 1e9}
+        return doc
+
+
+class TokenBucket:
+    """A link's bucket between its transfers, in the order the program makes them: `idle(s)` refills it (the link
+    rate, up to the depth), `send_s(n)` spends what it holds on a transfer and returns the transfer's time. On a link
+    without a bucket (depth 0) every transfer takes `Link.time_s(n)`."""
+
+    def __init__(self, link: Link, full: bool = False) -> None:
+        self.link = link
+        self.credit = link.burst_bytes if full else 0.0
+
+    def idle(self, seconds: float) -> None:
+        if seconds > 0:
+            self.credit = min(self.link.burst_bytes, self.credit + seconds * self.link.bandwidth_Bps)
+
+    def send_s(self, nbytes: float) -> float:
+        used = min(max(nbytes, 0.0), self.credit)
+        self.credit -= used
+        return self.link.time_s(nbytes, used)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message of `nbytes` on `link` (a pipeline activation or its gradient), for a simulation that keeps the
+    link's bucket between messages (`TokenBucket`)."""
+
+    link: Link
+    nbytes: float
 
 
 @dataclass(frozen=True)
@@ -121,10 +166,7 @@ class Cluster:
     def to_json(self) -> dict:
         return {"gpu": self.gpu, "precision": self.precision, "peak_tflops": self.peak_tflops,
                 "gpus_per_node": self.gpus_per_node,
-                "nvlink": {"bandwidth_GBps": self.nvlink.bandwidth_Bps / 1e9, "latency_us": self.nvlink.latency_s * 1e6,
-                           "source": self.nvlink.source},
-                "nic": {"bandwidth_GBps": self.nic.bandwidth_Bps / 1e9, "latency_us": self.nic.latency_s * 1e6,
-                        "source": self.nic.source},
+                "nvlink": self.nvlink.to_json(), "nic": self.nic.to_json(),
                 "compute_efficiency": self.efficiency.value, "compute_efficiency_source": self.efficiency.source,
                 "overlap_slowdown": dict(self.overlap_slowdown), "overlap_slowdown_source": self.slowdown_source,
                 "source": self.source,
@@ -206,8 +248,13 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
         if not isinstance(value, dict) or "bandwidth_GBps" not in value or "latency_us" not in value:
             raise ConfigError(f"--cluster {key}", value, "a link needs bandwidth_GBps and latency_us.",
                               f'e.g. "{key}": {{"bandwidth_GBps": 46, "latency_us": 20}}.')
+        burst = {}
+        if "burst_bytes" in value:  # a token bucket (a calibrated `--network tbf:RATE` profile)
+            burst = {"burst_bytes": number(f"{key}.burst_bytes", value["burst_bytes"]),
+                     "burst_Bps": number(f"{key}.burst_GBps", value.get("burst_GBps"), 0.0) * 1e9}
         return Link(number(f"{key}.bandwidth_GBps", value["bandwidth_GBps"]) * 1e9,
-                    number(f"{key}.latency_us", value["latency_us"], -1e-12) * 1e-6, value.get("source", str(file)))
+                    number(f"{key}.latency_us", value["latency_us"], -1e-12) * 1e-6, value.get("source", str(file)),
+                    **burst)
 
     eff = (Efficiency(number("compute_efficiency", doc["compute_efficiency"]),
                       doc.get("compute_efficiency_source", f"cluster file {file}"))

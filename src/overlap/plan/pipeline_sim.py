@@ -11,7 +11,9 @@ what its early receives use. Both facts fall out of running the program.
 The programs are the runtime's own (`overlap.pipeline.schedules.pipeline_steps`: Megatron-Core's warm-up /
 steady / cool-down and its interleaved table), with the executor's p2p rules (`PipelineExecutor`):
 - a transfer starts when the send and its receive are both posted (rendezvous, NCCL's and gloo's), queued behind
-  earlier sends of the same rank and direction, and takes `transfer_s`;
+  earlier sends of the same rank and direction, and takes `transfer` seconds - or, given as a `Transfer` (bytes on
+  a link), the link's time for them, with a token bucket per queue on a rate-limited link (refilled while that
+  queue is idle, `overlap.plan.hardware.TokenBucket`);
 - batched (`batch_p2p_comm`): a task's output is sent with the next task's receive, that receive is posted when the
   task is about to run and waited at once (sends never block: their link time is the receiver's wait);
 - overlapped (`overlap_p2p_comm`): sends are posted when their tensor exists and never block; the receive of the
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.pipeline.schedules import Task, pipeline_steps
+from overlap.plan.hardware import TokenBucket, Transfer
 
 FWD, BWD = 0, 1
 
@@ -42,11 +45,11 @@ class PipelineTimes:
 Message = tuple[int, int, int]  # (direction, receiving virtual stage, micro-batch)
 
 
-def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, transfer_s: float,
+def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, transfer: float | Transfer,
              overlapped: bool, group: int | None = None,
              weights: tuple[float, ...] | None = None, merged: bool = False) -> PipelineTimes:
     """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one model chunk of
-    average work; virtual stage v's tasks take `weights[v]` times that) and `transfer_s` per activation or gradient;
+    average work; virtual stage v's tasks take `weights[v]` times that) and `transfer` per activation or gradient;
     see the module docstring for the p2p rules. `compute_s` is the average rank's work. `merged` (EP overlap): the
     merged program (one more warm-up forward), each steady step one unit that waits for both its receives first."""
     compute = microbatches * vpp * (fwd_s + bwd_s)
@@ -81,6 +84,7 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
     received: dict[Message, float] = {}  # receive posted
     arrival: dict[Message, float] = {}
     link_free: dict[tuple[int, int], float] = {}  # (sending rank, direction) -> its queue is free from
+    buckets: dict[tuple[int, int], TokenBucket] = {}
 
     def arrived(key: Message) -> float | None:
         """The message's arrival once both sides have posted (booked on the sender's queue), else None."""
@@ -88,7 +92,13 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
             direction, v, _mb = key
             queue = ((v - 1 if direction == FWD else v + 1) % pp, direction)
             start = max(sent[key], received[key], link_free.get(queue, 0.0))
-            link_free[queue] = arrival[key] = start + transfer_s
+            if isinstance(transfer, Transfer):
+                bucket = buckets.setdefault(queue, TokenBucket(transfer.link))
+                bucket.idle(start - link_free.get(queue, 0.0))
+                seconds = bucket.send_s(transfer.nbytes)
+            else:
+                seconds = transfer
+            link_free[queue] = arrival[key] = start + seconds
         return arrival.get(key)
 
     clock = [0.0] * pp

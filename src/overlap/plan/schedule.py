@@ -179,8 +179,8 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
         merged = sw.ep_overlap and bool(comm.ep_a2a_s)
         free = simulate(sw.pp, sw.vpp, m, f, b, 0.0, sw.overlap_p2p, sw.vp_group, c.stage_weights, merged)
         t.bubble_s = free.step_s - free.compute_s  # idle time, unequal stages' included
-        if comm.pp_send_s:
-            exposed = simulate(sw.pp, sw.vpp, m, f, b, comm.pp_send_s, sw.overlap_p2p, sw.vp_group,
+        if comm.pp_send is not None:
+            exposed = simulate(sw.pp, sw.vpp, m, f, b, comm.pp_send, sw.overlap_p2p, sw.vp_group,
                                c.stage_weights, merged).step_s - free.step_s
             t.expose("pp_send", exposed)
             if sw.overlap_p2p:
