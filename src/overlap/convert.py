@@ -8,6 +8,9 @@
   config.json and sharded safetensors with the on-disk per-expert HF names, in the source's dtype.
 - roundtrip: import, export, compare every tensor (names, dtypes, shapes, bits); exit 0 only if all are identical.
   A fused (transformers-5) source is compared in the per-expert naming export writes.
+
+The loaders shared with `overlap run` name that command's settings in their errors (checkpoint.pretrained_checkpoint,
+checkpoint.load, checkpoint.save); here the user typed --hf / --load / --out / --work, so `flag_errors` renames them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from overlap.hf.names import mappings, to_hf, unfuse_experts
 from overlap.hf.safetensors_io import SafetensorsReader, write_sharded
 from overlap.parallel import comm
 from overlap.training.checkpoint_format import (RUN_CONFIG, Chunk, ChunkLoadPlanner, checkpoint_folder,
-                                                iteration_dir, read_metadata)
+                                                check_storage, iteration_dir, read_metadata, saved_iterations)
 
 log = logging.getLogger("overlap.hf")
 HF_CONFIG = "hf_config.json"
@@ -53,6 +56,37 @@ def single_process() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@contextmanager
+def flag_errors(flag: str, *fields: str) -> Iterator[None]:
+    """A CheckpointError naming one of `fields` (a setting of `overlap run`) is re-raised naming `flag`, the flag the
+    user gave this command, so that the message points at something on their command line."""
+    try:
+        yield
+    except CheckpointError as exc:
+        if exc.field not in fields:
+            raise
+        raise CheckpointError(flag, exc.value, exc.why, exc.fix) from exc
+
+
+def output_folder(path: str | Path, flag: str, create: bool = True) -> Path:
+    """`path` as a folder to write, created if missing (with `create=False` only checked, so that a command failing
+    on its input leaves nothing behind): a file in its place or above it, or an unwritable parent, is the user's to
+    fix, said before any work is done rather than as an OSError traceback halfway through."""
+    folder = Path(path)
+    existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise CheckpointError(flag, str(path), f"{existing} is a file, not a folder.",
+                              "give a folder path (new or existing), not a file.")
+    if not create:
+        return folder
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(flag, str(path), f"the folder cannot be created ({type(exc).__name__}: "
+                              f"{exc.strerror}).", "give a folder path you can write.") from None
+    return folder
+
+
 @dataclass
 class _NoOptimizer:
     """What `Checkpointer.save` asks of an optimizer when no optimizer state is saved: the step count (0)."""
@@ -61,8 +95,10 @@ class _NoOptimizer:
         return 0
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, seq_length: int | None = None) -> Path:
-    """HF folder -> our checkpoint in `out` (iteration 0, weights only); returns the iteration folder."""
+def import_hf(hf_dir: str | Path, out: str | Path, seq_length: int | None = None, out_flag: str = "--out") -> Path:
+    """HF folder -> our checkpoint in `out` (iteration 0, weights only); returns the iteration folder. `out` may hold
+    an earlier import (iteration 0 is saved again) but no other iteration: the tracker would then point at the import
+    and a run resuming from that folder would silently restart from these weights."""
     from overlap.config import ConfigContainer
     from overlap.config.checkpoint import CheckpointConfig
     from overlap.hf.load import load_hf_weights
@@ -70,27 +106,36 @@ def import_hf(hf_dir: str | Path, out: str | Path, seq_length: int | None = None
     from overlap.parallel.state import ParallelState
     from overlap.training.checkpoint import Checkpointer
 
-    hf = read_hf_config(hf_dir)
+    with flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
+        hf = read_hf_config(hf_dir)
+    existing = saved_iterations(out) if output_folder(out, out_flag, create=False).is_dir() else []
+    others = [i for i in existing if i != 0]
+    if others:
+        raise CheckpointError(out_flag, str(out), f"the folder holds checkpoints of iterations {others}; importing "
+                              "there would make iteration 0 the latest.", "import into a new or empty folder.")
     cfg = ConfigContainer(model=model_config_from_hf(hf, seq_length),
                           checkpoint=CheckpointConfig(save=str(out), save_optim=False, save_rng=False))
     with single_process():
         ps = ParallelState(cfg.finalize(1).layout)
         chunks = model_chunks(cfg.model, ps)
-        load_hf_weights(cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, hf_dir)
-        checkpointer = Checkpointer(cfg, ps, chunks, _NoOptimizer())
-        checkpointer.save(0)
-        checkpointer.close()
+        with flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
+            load_hf_weights(cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, hf_dir)
+        output_folder(out, out_flag)
+        with flag_errors(out_flag, "checkpoint.save"):
+            checkpointer = Checkpointer(cfg, ps, chunks, _NoOptimizer())
+            checkpointer.save(0)
+            checkpointer.close()
     folder = iteration_dir(out, 0)
     (folder / HF_CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return folder
 
 
-def saved_model_config(folder: Path) -> ModelConfig:
+def saved_model_config(folder: Path, flag: str = "--load") -> ModelConfig:
     """The model section of the checkpoint's run_config.yaml (its architecture; the layout no longer matters)."""
     try:
         section = yaml.safe_load((folder / RUN_CONFIG).read_text())["model"]
     except (OSError, KeyError, TypeError, yaml.YAMLError) as exc:
-        raise CheckpointError("--load", str(folder / RUN_CONFIG), f"the run configuration cannot be read "
+        raise CheckpointError(flag, str(folder / RUN_CONFIG), f"the run configuration cannot be read "
                               f"({type(exc).__name__}).", "export a complete overlap checkpoint.") from None
     known = {f.name for f in fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in section.items() if k in known})
@@ -99,6 +144,7 @@ def saved_model_config(folder: Path) -> ModelConfig:
 def read_full_model(folder: Path) -> dict[str, torch.Tensor]:
     """Every `model.*` tensor of the checkpoint, whole (DCP reads the chunks any layout wrote)."""
     metadata = read_metadata(folder)
+    check_storage(folder, metadata)
     chunks = {key: Chunk.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
               for key, md in metadata.state_dict_metadata.items() if key.startswith("model.")}
     state = {k: c.tensor for k, c in chunks.items()}
@@ -106,27 +152,53 @@ def read_full_model(folder: Path) -> dict[str, torch.Tensor]:
     return {k[len("model."):]: t for k, t in state.items()}
 
 
-def export_hf(load: str | Path, hf_dir: str | Path, dtype: str | None = None) -> list[str]:
+def _source_hf_config(folder: Path, flag: str) -> dict | None:
+    """The `hf_config.json` import kept beside the checkpoint (None for a checkpoint a training run wrote)."""
+    path = folder / HF_CONFIG
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(flag, str(path), f"the imported config.json copy cannot be read "
+                              f"({type(exc).__name__}).", f"delete {path} (export then writes a config.json from "
+                              "the model alone) or import again.") from None
+
+
+def check_no_weights(hf_dir: str | Path, flag: str) -> None:
+    """Refuse an export folder that already holds weights: a stale index or shard beside the new files would be
+    what a loader reads (transformers prefers model.safetensors, our reader the index), silently other weights."""
+    folder = output_folder(hf_dir, flag, create=False)
+    weights = (".safetensors", ".safetensors.index.json")
+    old = sorted(p.name for p in folder.iterdir() if p.name.endswith(weights)) if folder.is_dir() else []
+    if old:
+        raise CheckpointError(flag, str(hf_dir), f"the folder already holds weights ({', '.join(old[:3])}"
+                              f"{' ...' if len(old) > 3 else ''}), which would mix with the export.",
+                              "export into a new or empty folder, or delete those files first.")
+
+
+def export_hf(load: str | Path, hf_dir: str | Path, dtype: str | None = None, load_flag: str = "--load",
+              hf_flag: str = "--hf") -> list[str]:
     """Our checkpoint -> HF folder (config.json + safetensors, per-expert names); returns the files written."""
-    folder = checkpoint_folder(load, "--load")
-    cfg = saved_model_config(folder)
-    base = json.loads((folder / HF_CONFIG).read_text()) if (folder / HF_CONFIG).exists() else None
+    folder = checkpoint_folder(load, load_flag)
+    cfg = saved_model_config(folder, load_flag)
+    base = _source_hf_config(folder, load_flag)
     dtype = dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype") or "float32"
     target = getattr(torch, dtype)
-    with single_process():
+    check_no_weights(hf_dir, hf_flag)
+    with single_process(), flag_errors(load_flag, "checkpoint.load"):
         ours = read_full_model(folder)
     out: dict[str, torch.Tensor] = {}
     for m in mappings(cfg):
         full = ours.pop(m.ours, None)
         if full is None:
-            raise CheckpointError("--load", str(folder), f"tensor model.{m.ours} is missing.",
+            raise CheckpointError(load_flag, str(folder), f"tensor model.{m.ours} is missing.",
                                   "export a complete checkpoint of a Qwen3 / Qwen3-MoE model.")
         out.update({k: v.to(target).contiguous() for k, v in to_hf(m, full, cfg).items()})
     if ours:
-        raise CheckpointError("--load", str(folder), f"tensors without a Hugging Face name: {sorted(ours)[:4]}.",
+        raise CheckpointError(load_flag, str(folder), f"tensors without a Hugging Face name: {sorted(ours)[:4]}.",
                               "export a Qwen3 / Qwen3-MoE model.")
-    Path(hf_dir).mkdir(parents=True, exist_ok=True)
-    files = write_sharded(hf_dir, out)
+    files = write_sharded(output_folder(hf_dir, hf_flag), out)
     config = hf_config_from_model(cfg, dtype, base)
     (Path(hf_dir) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return files + ["config.json"]
@@ -161,10 +233,11 @@ def compare_folders(a: str | Path, b: str | Path) -> list[str]:
 def roundtrip(hf_dir: str | Path, work: str | Path | None = None) -> tuple[int, list[str]]:
     """Import, export, compare: (tensors compared, differences; empty if bit-exact)."""
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(work or tmp)
-        import_hf(hf_dir, base / "ckpt")
-        export_hf(base / "ckpt", base / "hf")
-        return len(per_expert_tensors(hf_dir)), compare_folders(hf_dir, base / "hf")
+        base = output_folder(work or tmp, "--work")
+        import_hf(hf_dir, base / "ckpt", out_flag="--work")
+        export_hf(base / "ckpt", base / "hf", load_flag="--work", hf_flag="--work")
+        with flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
+            return len(per_expert_tensors(hf_dir)), compare_folders(hf_dir, base / "hf")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -196,10 +269,11 @@ def register_convert_command(sub: argparse._SubParsersAction) -> None:
                      help="model.seq_length to record (default: min(4096, max_position_embeddings))")
     exp = actions.add_parser("export", help="overlap checkpoint -> HF folder (per-expert names)")
     exp.add_argument("--load", required=True, help="checkpoint base folder (its latest) or an iter_N folder")
-    exp.add_argument("--hf", required=True, help="folder to write config.json and safetensors into")
+    exp.add_argument("--hf", required=True, help="a new or empty folder to write config.json and safetensors into")
     exp.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                      help="tensor dtype (default: the imported checkpoint's, else float32)")
     rt = actions.add_parser("roundtrip", help="import, export and compare every tensor bit-exactly")
     rt.add_argument("--hf", required=True, help="folder with config.json and safetensors")
-    rt.add_argument("--work", default=None, help="keep the intermediate checkpoint and export here")
+    rt.add_argument("--work", default=None,
+                    help="keep the intermediate checkpoint and export here (a new or empty folder)")
     convert.set_defaults(func=cmd_convert)
