@@ -94,18 +94,17 @@ def test_a_shared_expert_and_full_recompute_add_their_collectives(recompute, eac
 
 def test_a_token_bucket_refills_under_the_compute_between_collectives():
     """A rate-limited link's bucket (`--network tbf:RATE`) fills while the link idles, up to its depth, and the next
-    transfer spends it at the line rate. Plain attention layer, 1 ms GEMMs, one collective's worth of bucket: in
-    the steady state the forward's all-gather follows the last backward GEMM (full bucket), the forward's
-    reduce-scatter follows the qkv and proj GEMMs (full), the backward's reduce-scatter the dgrad GEMMs (full); only
-    the backward's all-gather, right after the forward's reduce-scatter emptied the bucket, pays the rate: 1 ms
-    exposed instead of 4."""
+    transfer spends it at the line rate. Plain attention layer (TP overlap off), 1 ms GEMMs, one collective's worth
+    of bucket: the forward's reduce-scatter follows the qkv and proj GEMMs (a full bucket), the backward's follows
+    the qkv dgrad and wgrad GEMMs (full); each all-gather comes right after a reduce-scatter emptied it (the previous
+    layer's, with only a norm between) and pays the rate: 2 ms exposed instead of 4."""
     gemms = TPGemms(1 * MS, 1 * MS, 0.0, 0.0)
     bursty = Link(1e6, 0.0, "1 MB/s, 1000-byte bucket", burst_bytes=NBYTES)
     plain = layer_tp({}, gemms, LINK, NBYTES, 2, dense=False)
     layer = layer_tp({}, gemms, bursty, NBYTES, 2, dense=False)
     assert plain.exposed_ag_s + plain.exposed_rs_s == pytest.approx(4 * MS)
-    assert (layer.exposed_ag_s, layer.exposed_rs_s) == pytest.approx((1 * MS, 0.0))
-    # GEMMs of half the refill time: the forward's all-gather gets half a bucket (one GEMM before it, the last
-    # wgrad), the reduce-scatters still a full one (two and three GEMMs), the backward's all-gather none
-    half = layer_tp({}, TPGemms(0.5 * MS, 0.5 * MS, 0.0, 0.0), bursty, NBYTES, 2, dense=False)
-    assert (half.exposed_ag_s, half.exposed_rs_s) == pytest.approx((0.5 * MS + 1 * MS, 0.0))
+    assert (layer.exposed_ag_s, layer.exposed_rs_s) == pytest.approx((2 * MS, 0.0))
+    # GEMMs of a quarter of the refill time: the forward's reduce-scatter gets half a bucket (two GEMMs), the
+    # backward's a full one (its all-gather's dgrad and wgrad GEMMs, then the qkv dgrad and wgrad)
+    quarter = layer_tp({}, TPGemms(0.25 * MS, 0.25 * MS, 0.0, 0.0), bursty, NBYTES, 2, dense=False)
+    assert (quarter.exposed_ag_s, quarter.exposed_rs_s) == pytest.approx((2 * MS, 0.5 * MS))

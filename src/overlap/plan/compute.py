@@ -73,8 +73,9 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
     logits = per_gpu_fwd(f.logits, 1)
     # The TP linears' forward GEMMs, 2 FLOPs per multiply-add (the dense MLP's only where a layer has one).
     qkv, proj, fc1, fc2 = (2.0 * macs * tokens / tp / rate for macs in linear_macs(m))
+    # The MoE block refills a rate-limited link's bucket only where no all-to-all crosses that link during it (EP 1)
     gemms = TPGemms(qkv, proj, fc1 if n_dense else 0.0, fc2 if n_dense else 0.0, core=max(0.0, attention - qkv - proj),
-                    moe=moe)
+                    moe=moe if max(1, layout.ep) == 1 else 0.0)
     weights = (1.0,)
     if pp > 1:
         ranges = pipeline_layer_ranges(m.num_layers, pp, m.virtual_pipeline_model_parallel_size,

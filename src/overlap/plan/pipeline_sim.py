@@ -12,8 +12,10 @@ The programs are the runtime's own (`overlap.pipeline.schedules.pipeline_steps`:
 steady / cool-down and its interleaved table), with the executor's p2p rules (`PipelineExecutor`):
 - a transfer starts when the send and its receive are both posted (rendezvous, NCCL's and gloo's), queued behind
   earlier sends of the same rank and direction, and takes `transfer` seconds - or, given as a `Transfer` (bytes on
-  a link), the link's time for them, with a token bucket per queue on a rate-limited link (refilled while that
-  queue is idle, `overlap.plan.hardware.TokenBucket`);
+  a link), the link's time for them, with a rate-limited link's token bucket: each rank's share, refilled while
+  none of its sends is on the link (`overlap.plan.hardware.TokenBucket`; the messages are booked in the order the
+  ranks' programs meet, so a rank's two directions can book slightly out of time order, where no refill is
+  counted);
 - batched (`batch_p2p_comm`): a task's output is sent with the next task's receive, that receive is posted when the
   task is about to run and waited at once (sends never block: their link time is the receiver's wait);
 - overlapped (`overlap_p2p_comm`): sends are posted when their tensor exists and never block; the receive of the
@@ -84,7 +86,8 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
     received: dict[Message, float] = {}  # receive posted
     arrival: dict[Message, float] = {}
     link_free: dict[tuple[int, int], float] = {}  # (sending rank, direction) -> its queue is free from
-    buckets: dict[tuple[int, int], TokenBucket] = {}
+    buckets: dict[int, TokenBucket] = {}  # sending rank -> its share of the link's bucket (both directions)
+    sent_until: dict[int, float] = {}  # sending rank -> when its last transfer so far ended
 
     def arrived(key: Message) -> float | None:
         """The message's arrival once both sides have posted (booked on the sender's queue), else None."""
@@ -93,9 +96,11 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
             queue = ((v - 1 if direction == FWD else v + 1) % pp, direction)
             start = max(sent[key], received[key], link_free.get(queue, 0.0))
             if isinstance(transfer, Transfer):
-                bucket = buckets.setdefault(queue, TokenBucket(transfer.link))
-                bucket.idle(start - link_free.get(queue, 0.0))
+                sender = queue[0]
+                bucket = buckets.setdefault(sender, TokenBucket(transfer.link))
+                bucket.idle(start - sent_until.get(sender, 0.0))
                 seconds = bucket.send_s(transfer.nbytes)
+                sent_until[sender] = max(sent_until.get(sender, 0.0), start + seconds)
             else:
                 seconds = transfer
             link_free[queue] = arrival[key] = start + seconds

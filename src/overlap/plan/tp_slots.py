@@ -49,7 +49,8 @@ from overlap.plan.hardware import Link, TokenBucket
 class TPGemms:
     """Forward seconds of one layer's TP GEMMs on one GPU (fc1 / fc2: 0 on a MoE layer), and of the compute between
     them that no TP collective runs beside: the attention core (between the qkv and proj GEMMs) and a MoE layer's
-    MoE block (between its attention and the next layer's), where a rate-limited link's bucket refills."""
+    MoE block (between its attention and the next layer's; 0 where its all-to-alls use the link), where a
+    rate-limited link's bucket refills."""
 
     qkv: float
     proj: float
@@ -137,17 +138,30 @@ def _linear_backward(out: TPLayer, plans: dict[str, SlotPlan | None], name: str,
                      nbytes: float, tp: int, gemm_s: float) -> None:
     """An all-gather -> GEMM linear's backward (qkv, fc1), its dgrad GEMM then its wgrad GEMM: the dgrad
     reduce-scatter chunked with the dgrad GEMM (pipeline / ring dgrad slot), or whole under the wgrad GEMM (bulk
-    wgrad slot), or alone after the dgrad GEMM; a bulk dgrad slot adds the input's re-gather under the dgrad GEMM."""
+    wgrad slot), or alone between the two GEMMs; a bulk dgrad slot adds the input's re-gather under the dgrad GEMM.
+    A linear without any planned slot runs the plain path (`gather_from_sp`), whose reduce-scatter is the
+    autograd node before the linear's: after both GEMMs."""
     dgrad, wgrad = plans.get(f"{name}_dgrad"), plans.get(f"{name}_wgrad")
+    if dgrad is None and wgrad is None and plans.get(f"{name}_fprop") is None:
+        bucket.idle(gemm_s)  # the dgrad GEMM, then the wgrad GEMM inside _under, then the reduce-scatter
+        out.add("rs", *_under(bucket, nbytes, None, tp, gemm_s, False))
+        return
     if dgrad is not None and dgrad.method == BULK:
-        out.add("ag", *_under(bucket, nbytes, dgrad, tp, gemm_s, True))
-        out.add("rs", *_under(bucket, nbytes, wgrad, tp, gemm_s, False))  # the dgrad GEMM is the re-gather's
+        out.add("ag", *_under(bucket, nbytes, dgrad, tp, gemm_s, True))  # beside the dgrad GEMM
+        if wgrad is not None:
+            out.add("rs", *_under(bucket, nbytes, wgrad, tp, gemm_s, False))  # beside the wgrad GEMM
+        else:  # alone, then the wgrad GEMM
+            out.add("rs", *_under(bucket, nbytes, None, tp, gemm_s, True))
         return
     if dgrad is None and wgrad is not None:  # bulk wgrad: after the dgrad GEMM, beside the wgrad GEMM
         bucket.idle(gemm_s)
         out.add("rs", *_under(bucket, nbytes, wgrad, tp, gemm_s, False))
         return
-    out.add("rs", *_under(bucket, nbytes, dgrad, tp, gemm_s, False))
+    if dgrad is None:  # alone between the dgrad GEMM and the wgrad GEMM
+        bucket.idle(gemm_s)
+        out.add("rs", *_under(bucket, nbytes, None, tp, gemm_s, True))
+        return
+    out.add("rs", *_under(bucket, nbytes, dgrad, tp, gemm_s, False))  # chunked with the dgrad GEMM
     bucket.idle(gemm_s)  # the wgrad GEMM
 
 
