@@ -24,6 +24,7 @@ def resolved(argv: str):
 @pytest.mark.parametrize("argv", [
     "-m qwen -mr dense_tiny -ng 1",
     "-m qwen -mr dense_tiny -ng 2 -tp 2",
+    "-m qwen -mr dense_tiny -ng 2 -tp 2 model.share_embeddings_and_output_weights=true",  # one tensor, counted once
     "-m qwen -mr qwen3_moe_tiny -ng 4 -ep 4",
     "-m qwen -mr qwen3_moe_tiny -ng 4 -tp 2 -ep 2 model.moe_layer_freq=2 model.moe_shared_expert_intermediate_size=64",
     "-m qwen -mr qwen3_30b_a3b -g h100 -ng 16",
