@@ -35,7 +35,7 @@ EXPERT = "model.layers.1.mlp.experts.2.down_proj.weight"
 def hf_models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     """kind -> (save_pretrained folder, the source model's fp32 logits on the anchor batch)."""
     out = {}
-    for kind in ("moe", "dense"):
+    for kind in ("moe", "dense", "dense_tied"):
         folder = tmp_path_factory.mktemp(f"hf_{kind}")
         out[kind] = (folder, _reference(kind, folder)["logits"])
     return out
@@ -93,7 +93,7 @@ def test_roundtrip_fails_and_names_the_tensor_that_differs(hf_models, tmp_path, 
     assert expected in out
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "dense_tied"])
 def test_import_then_export_commands_give_transformers_the_same_logits(hf_models, tmp_path, capsys, kind):
     folder, logits = hf_models[kind]
     ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
@@ -197,3 +197,25 @@ def test_flag_errors_renames_only_the_named_settings() -> None:
         with convert.flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
             raise CheckpointError("checkpoint.load", "/y", "why.", "fix.")
     assert err.value.field == "checkpoint.load"
+
+
+def test_a_tied_folder_roundtrips_and_a_stray_lm_head_must_be_the_embedding(hf_models, tmp_path, capsys):
+    """tie_word_embeddings=true: no lm_head tensor of its own, in and out. A folder that also stores the LM head
+    (some tied checkpoints do) round-trips when that copy is the embedding bit for bit, and fails naming it when not."""
+    from safetensors.torch import load_file, save_file
+
+    source, _logits = hf_models["dense_tied"]
+    assert "lm_head.weight" not in _names(source)
+    assert main(["convert", "roundtrip", "--hf", str(source)]) == 0
+    tensors = load_file(str(source / "model.safetensors"))
+    for name, head in (("copy", tensors["model.embed_tokens.weight"].clone()),
+                       ("other", _one_ulp_up(tensors["model.embed_tokens.weight"]))):
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copy(source / "config.json", folder / "config.json")
+        save_file({**tensors, "lm_head.weight": head}, str(folder / "model.safetensors"))
+        capsys.readouterr()
+        code = main(["convert", "roundtrip", "--hf", str(folder)])
+        out = capsys.readouterr()
+        assert code == (0 if name == "copy" else 1), out
+        assert (name == "other") == ("lm_head.weight is not the tied embedding" in out.out + out.err)

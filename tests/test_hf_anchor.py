@@ -64,8 +64,8 @@ def _reference(kind: str, folder: Path) -> dict:
                                              **sparse)
         model = transformers.Qwen3MoeForCausalLM(config)
     else:  # "dense_tied": tie_word_embeddings=true (Qwen3 0.6B-4B), our share_embeddings_and_output_weights
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**dict(COMMON,
-                                                                               tie_word_embeddings=kind == "dense_tied")))
+        tied = dict(COMMON, tie_word_embeddings=kind == "dense_tied")
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**tied))
     _randomise(model, 1)
     model.save_pretrained(folder)
     tokens, labels = _batch()
@@ -242,14 +242,59 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         assert decisions["model.num_layers"].effective == theirs.num_layers
         assert "config.json" in decisions["model.num_layers"].reason
         assert cfg.model.is_moe == theirs.is_moe
+    # a per-layer MoE pattern of the recipe's own length (3 layers) is replaced whole, not read at the new length
+    cfg = tiny_config(True, "fp32", 3, [f"checkpoint.pretrained_checkpoint={hf_models['moe_sparse_step'][0]}",
+                                        "model.moe_layer_freq=[1,1,1]"], 1)
+    cfg.finalize(1)
+    assert (cfg.model.num_layers, cfg.model.moe_layer_freq) == (2, [0, 1])
     cfg = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}",
                                         "tokenizer.vocab_size=100000"], 1)
     with pytest.raises(ConfigError, match="tokenizer.vocab_size"):
         cfg.finalize(1)
+    # a dense recipe takes the MoE checkpoint's router aux-loss coefficient with its experts
+    dense = tiny_config(False, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}"], 1)
+    dense.finalize(1)
+    assert dense.model.is_moe and dense.model.moe_aux_loss_coeff == theirs_aux(hf_models["moe"][0])
+    # a path that is not on this machine: the recipe's architecture, said in the checkpoint section
+    away = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path / 'elsewhere'}"], 1)
+    rows = away.finalize(1).decisions.sections["checkpoint"]
+    assert any(d.field == "model" and "not on this machine" in d.reason for d in rows)
     cfg = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path}", "model.num_layers=6"], 1)
     cfg.finalize(1)
     assert cfg.model.num_layers == 6 and not any(d.field.startswith("model.")
                                                  for d in cfg.finalize(1).decisions.sections["checkpoint"])
+
+
+def theirs_aux(folder) -> float:
+    from overlap.config.hf_config import model_config_from_hf, read_hf_config
+
+    return model_config_from_hf(read_hf_config(folder)).moe_aux_loss_coeff
+
+
+def test_the_command_line_cannot_contradict_a_pretrained_checkpoint(hf_models, tmp_path, capsys):
+    """An override (or flag) of a field config.json decides is refused naming both values; so is a tokenizer with
+    more tokens than the checkpoint's embedding rows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from overlap.cli import main
+
+    folder = hf_models["moe"][0]
+    base = ["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "1",
+            f"checkpoint.pretrained_checkpoint={folder}"]
+    assert main(base) == 0
+    capsys.readouterr()
+    assert main(base + ["model.num_layers=4"]) == 2
+    err = capsys.readouterr().err
+    assert "model.num_layers=4" in err and "config.json has 2" in err and "Traceback" not in err
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words = [f"w{i}" for i in range(VOCAB + 50)]
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert main(base + ["--tokenizer_type", "HuggingFaceTokenizer", "--tokenizer_model",
+                        str(tmp_path / "tokenizer.json")]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer.tokenizer_model" in err and f"{VOCAB} rows" in err
 
 
 def test_configured_model_must_match_config_json(hf_models):

@@ -216,7 +216,17 @@ def per_expert_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 def compare_folders(a: str | Path, b: str | Path) -> list[str]:
     """What differs between two HF folders' tensors (and the models their config.json files describe)."""
     left, right = per_expert_tensors(a), per_expert_tensors(b)
-    diffs = [f"only in {a}: {n}" for n in sorted(left.keys() - right.keys())]
+    diffs = []
+    for folder, tensors in ((a, left), (b, right)):
+        # A tied model's stray lm_head copy (what import reads over, as transformers does) is not a tensor of its
+        # own: it must be the embedding, bit for bit, and is then left out, as export leaves it out.
+        stray = tensors.get("lm_head.weight")
+        if stray is not None and read_hf_config(folder).get("tie_word_embeddings", False):
+            embedding = tensors.get("model.embed_tokens.weight")
+            if embedding is None or stray.dtype != embedding.dtype or not torch.equal(stray, embedding):
+                diffs.append(f"{folder}: lm_head.weight is not the tied embedding model.embed_tokens.weight")
+            del tensors["lm_head.weight"]
+    diffs += [f"only in {a}: {n}" for n in sorted(left.keys() - right.keys())]
     diffs += [f"only in {b}: {n}" for n in sorted(right.keys() - left.keys())]
     for name in sorted(left.keys() & right.keys()):
         x, y = left[name], right[name]

@@ -24,6 +24,7 @@ from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.config.flex_dispatcher import TARGET_DEVICES, apply_flex_dispatcher_backend, probe_device
+from overlap.config.hf_config import PRETRAINED
 from overlap.config.mixed_precision import get_mixed_precision_config
 from overlap.config.overrides import apply_overrides, check_override_repeats
 from overlap.config.recipes import Recipe, get_recipe
@@ -367,6 +368,7 @@ def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
     device = (lambda: TARGET_DEVICES[args.gpu]) if describe_target else probe_device
     res = cfg.finalize(args.num_gpus, device=device, require_libraries=not describe_target,
                        command_line=command_line, on_cuda=args.gpu != "cpu")  # as `run` places its ranks
+    check_pretrained_overrides(res, line)
     estimate = check_representable(cfg, res.layout)  # before anything builds even a meta-device model
     if _buckets_need_model(cfg, res, estimate):
         detect_model_noops(cfg, res)
@@ -374,6 +376,16 @@ def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
     res.decisions.other = [Decision(key, None, precision_name if key == "mixed_precision" else _get(cfg, key),
                                     line.source(key), "") for key in OTHER_SETTINGS]
     return Job(cfg, res, args, estimate)
+
+
+def check_pretrained_overrides(res: Resolution, line: CommandLine) -> None:
+    """A Hugging Face pretrained checkpoint's config.json replaces the recipe's architecture (finalize); a value the
+    user set on the command line that it would replace is a contradiction, refused rather than silently beaten."""
+    for d in res.decisions.sections.get("checkpoint", []):
+        if d.reason.startswith(PRETRAINED) and (d.field in line.overrides or d.field in line.flags):
+            raise ConfigError(d.field, d.requested, f"the pretrained checkpoint's config.json has {d.effective!r}, and "
+                              "a run from a Hugging Face folder takes its architecture from there.",
+                              f"drop the {line.source(d.field)} of {d.field}, or load a checkpoint of that shape.")
 
 
 def _buckets_need_model(cfg: ConfigContainer, res: Resolution, est: MemoryEstimate) -> bool:

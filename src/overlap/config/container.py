@@ -1,9 +1,10 @@
 """ConfigContainer: every section of a run, and `finalize(world_size)`, which resolves it in a fixed order.
 
-Order (documented, tested): tokenizer -> pretrained architecture (a Hugging Face `checkpoint.pretrained_checkpoint`'s
-config.json) -> mixed precision -> data-parallel size -> data (the tokenizer's padded vocabulary, the dataset files)
--> comm overlap -> validation -> checkpoint -> flex dispatcher backend -> attention backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that snapshot on every
-call, so calling it twice gives the same result (edits made after the first call are not seen:
+Order (documented, tested): tokenizer -> pretrained architecture (a Hugging Face
+`checkpoint.pretrained_checkpoint`'s config.json) -> mixed precision -> data-parallel size -> data (the tokenizer's
+padded vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint -> flex dispatcher backend ->
+attention backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that
+snapshot on every call, so calling it twice gives the same result (edits made after the first call are not seen:
 build a new container instead).
 """
 
@@ -144,28 +145,40 @@ class ConfigContainer:
     def _apply_pretrained(self, log: DecisionLog) -> None:
         """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture, as Bridge builds its
         model provider from the HF config: every field config.json describes (`hf_config.ARCH_FIELDS`, and
-        `MOE_FIELDS` for a Qwen3-MoE) is taken from it, and each value that differs from the recipe's or an
-        override's is a decision of the checkpoint section (start-up log and `overlap explain`). A field config.json
-        has that this runtime cannot honour is refused there (`model_config_from_hf`)."""
+        `MOE_FIELDS` for a Qwen3-MoE) is taken from it, and each value that differs from the recipe's is a decision
+        of the checkpoint section (start-up log and `overlap explain`; the harness refuses one that beats the user's
+        own override or flag, `harness.check_pretrained_overrides`). A recipe without experts also takes the
+        checkpoint's router aux-loss coefficient. A field config.json has that this runtime cannot honour is refused
+        there (`model_config_from_hf`)."""
         from pathlib import Path
 
-        from overlap.config.hf_config import ARCH_FIELDS, MOE_FIELDS, model_config_from_hf, read_hf_config
+        from overlap.config.hf_config import (ARCH_FIELDS, MOE_FIELDS, PRETRAINED, model_config_from_hf,
+                                              read_hf_config)
 
         path = self.checkpoint.pretrained_checkpoint
-        if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
-            return  # unset, or one of our checkpoints (its run configuration is checked when it loads)
+        if not isinstance(path, str) or not path.strip():
+            return  # unset (an empty path is refused by resolve_checkpoint)
+        if not (Path(path) / "config.json").is_file():
+            if not Path(path).exists():  # `explain` for another machine's path: say what it cannot show
+                log.record_in("checkpoint", "model", None, "the recipe's architecture", RULE,
+                              f"{path} is not on this machine, so its config.json (which decides the architecture "
+                              "of a run from a Hugging Face folder) was not read here")
+            return  # one of our checkpoints (its run configuration is checked when it loads)
         m, theirs = self.model, model_config_from_hf(read_hf_config(path), seq_length=self.model.seq_length)
         if self.tokenizer.vocab_size is not None and self.tokenizer.vocab_size > theirs.vocab_size:
             raise ConfigError("tokenizer.vocab_size", self.tokenizer.vocab_size, f"the pretrained checkpoint {path} "
                               f"has {theirs.vocab_size} embedding rows: larger token ids have no embedding.",
                               f"drop --vocab_size (the model takes {theirs.vocab_size} from config.json), or use "
                               "the checkpoint's tokenizer.")
-        for name, attr in {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}.items():
-            before, value = getattr(m, attr), getattr(theirs, attr)
-            if before != value:
+        fields = {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}
+        if theirs.is_moe and not m.is_moe:
+            fields["moe_aux_loss_coeff"] = "moe_aux_loss_coeff"
+        before = {name: getattr(m, attr) for name, attr in fields.items()}  # all read before any is changed
+        for name, attr in fields.items():
+            value = getattr(theirs, attr)
+            if before[name] != value:
                 setattr(m, name, getattr(theirs, name))
-                log.record_in("checkpoint", f"model.{name}", before, value, RULE,
-                              f"from the pretrained checkpoint's config.json ({path})")
+                log.record_in("checkpoint", f"model.{name}", before[name], value, RULE, f"{PRETRAINED} ({path})")
 
     def _apply_data(self, layout: ParallelLayout, log: DecisionLog) -> None:
         """The tokenizer's vocabulary (padded as Megatron pads it) and the dataset's files, checked now."""
@@ -178,7 +191,12 @@ class ConfigContainer:
                 raise ConfigError("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by,
                                   "it must be positive.", "use 128 (Megatron's default).")
             hf_vocab = _hf_checkpoint_vocab(self.checkpoint.pretrained_checkpoint)
-            if hf_vocab is not None and hf_vocab >= hf.vocab_size:
+            if hf_vocab is not None and hf_vocab < hf.vocab_size:
+                raise ConfigError("tokenizer.tokenizer_model", tok.tokenizer_model, f"this tokenizer has "
+                                  f"{hf.vocab_size} tokens, but the pretrained checkpoint's embedding has "
+                                  f"{hf_vocab} rows (its config.json): larger token ids have no embedding.",
+                                  "use the checkpoint's own tokenizer.")
+            if hf_vocab is not None:
                 # A released checkpoint's embedding has its own (already padded) rows: Qwen3's 151936 for the
                 # tokenizer's 151669 tokens. Padding the tokenizer's count again would not match its weights.
                 m.vocab_size = hf_vocab

@@ -50,6 +50,10 @@ MOE_FIELDS = {"moe_router_topk": "moe_router_topk", "moe_ffn_hidden_size": "moe_
               "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size"}
 
 
+# The reason of every architecture decision a Hugging Face pretrained checkpoint makes (ConfigContainer finalize).
+PRETRAINED = "from the pretrained checkpoint's config.json"
+
+
 def _refuse(key: str, value: Any, why: str, fix: str) -> ConfigError:
     return ConfigError(f"config.json:{key}", value, why, fix)
 

@@ -3,10 +3,11 @@
 - Split: `dataset.split` ("9999,8,2": train, validation, test weights) cuts each dataset's documents into contiguous
   ranges with Megatron's rounding; training reads the first range.
 - Samples: every epoch the split's documents are shuffled (numpy RandomState, the reference's generator, seeded by
-  (seed, epoch)) and concatenated (each document already ends with the end-of-document token: `overlap preprocess` appends
-  it unless told --no-append-eod); a sample is `seq_length + 1` consecutive tokens starting every `seq_length` tokens within the epoch
-  (tokens = [:-1], labels = [1:]), and the epoch's samples are shuffled too. Unlike Megatron (one generator over all
-  epochs, the count fixed by the run's length) an epoch does not depend on the run's length.
+  (seed, epoch)) and concatenated (each document already ends with the end-of-document token: `overlap
+  preprocess` appends it unless told --no-append-eod); a sample is `seq_length + 1` consecutive tokens starting
+  every `seq_length` tokens within the epoch (tokens = [:-1], labels = [1:]), and the epoch's samples are shuffled
+  too. Unlike Megatron (one generator over all epochs, the count fixed by the run's length) an epoch does not
+  depend on the run's length.
 - Blend: datasets with weights; global sample k comes from the dataset whose share is most behind, the reference's
   greedy rule (`build_blending_indices`), so every prefix of the sample stream matches the weights as well as a whole
   number of samples can.

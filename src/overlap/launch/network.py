@@ -216,8 +216,8 @@ def emulated_interconnect(rate: str, name: str | None = None) -> Iterator[tuple[
     _ip("netns", "add", name)
     try:
         _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        _ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate, "burst", TBF_BURST,
-            "latency", "100ms")
+        _ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
+            "burst", TBF_BURST, "latency", "100ms")
         yield name, ["ip", "netns", "exec", name]
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overlap.errors import ConfigError
+from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.attention import SelfAttention
 from overlap.layers.init import init_model_params
 from overlap.layers.mlp import MLP
@@ -123,6 +123,9 @@ class GPTModel(nn.Module):
         self.config = config
         self.ps = ps
         self.stage = stage or Stage(0, config.num_layers, True, True)
+        if config.share_embeddings_and_output_weights and not (self.stage.pre_process and self.stage.post_process):
+            raise NotBuiltError("model.share_embeddings_and_output_weights", True, "Tied embedding and output "
+                                "weights on separate pipeline stages", "use -pp 1 with a tied model.")
         dtype = params_dtype(config)
         sp = config.sequence_parallel
         if self.stage.pre_process:
