@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from overlap.cli import _Parser
 from overlap.errors import ConfigError
-from overlap.harness import add_harness_flags, build_config
+from overlap.harness import resolve_run
 from overlap.launch import resources
 from overlap.training.noops import _meta_chunk_params
 
 
 def resolved(argv: str):
-    parser = _Parser(prog="overlap")
-    add_harness_flags(parser)
-    args = parser.parse_args(argv.split())
-    cfg, decisions, _line = build_config(args)
-    res = cfg.finalize(args.num_gpus, device=lambda: None, require_libraries=False, command_line=decisions)
-    return cfg, res
+    job = resolve_run(argv.split(), [])
+    return job.cfg, job.resolution
 
 
 @pytest.mark.parametrize("argv", [
@@ -50,10 +45,10 @@ def test_distributed_optimizer_shards_the_state_and_bf16_adds_masters():
 
 
 def test_absurd_sizes_do_not_overflow():
-    cfg, res = resolved("-m qwen -mr dense_tiny -ng 1 model.hidden_size=100000000000000000000 "
-                        "model.kv_channels=32")
+    """Refused where the command line is resolved (`harness.prepare` runs `check_representable` before anything
+    builds even a meta-device model)."""
     with pytest.raises(ConfigError, match="cannot be represented"):
-        resources.check_representable(cfg, res.layout)
+        resolved("-m qwen -mr dense_tiny -ng 1 model.hidden_size=100000000000000000000 model.kv_channels=32")
 
 
 def test_local_launch_limits():
