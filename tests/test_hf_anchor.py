@@ -255,6 +255,11 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
     dense = tiny_config(False, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}"], 1)
     dense.finalize(1)
     assert dense.model.is_moe and dense.model.moe_aux_loss_coeff == theirs_aux(hf_models["moe"][0])
+    # token dropping on released MoE weights: honoured, and said beside the architecture
+    dropping = tiny_config(True, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}",
+                                             "model.moe_expert_capacity_factor=1.0"], 1)
+    rows = {d.field: d for d in dropping.finalize(1).decisions.sections["checkpoint"]}
+    assert "dropped" in rows["model.moe_expert_capacity_factor"].reason
     # a path that is not on this machine: the recipe's architecture, said in the checkpoint section
     away = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path / 'elsewhere'}"], 1)
     rows = away.finalize(1).decisions.sections["checkpoint"]

@@ -11,6 +11,7 @@ build a new container instead).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
@@ -29,6 +30,7 @@ from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, 
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.config.layout import ParallelLayout, pipeline_layer_ranges
 
+_log = logging.getLogger("overlap.config")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
@@ -179,6 +181,16 @@ class ConfigContainer:
             if before[name] != value:
                 setattr(m, name, getattr(theirs, name))
                 log.record_in("checkpoint", f"model.{name}", before[name], value, RULE, f"{PRETRAINED} ({path})")
+        # Training choices that route the released weights' tokens otherwise than the model was trained (transformers
+        # drops no token and routes by the scores): honoured, and said beside the architecture
+        for name, value, what in (("moe_expert_capacity_factor", m.moe_expert_capacity_factor,
+                                   "tokens beyond each expert's capacity are dropped"),
+                                  ("moe_router_force_load_balancing", m.moe_router_force_load_balancing,
+                                   "routing ignores the router's scores (a benchmark setting)")):
+            if theirs.is_moe and value not in (None, False):
+                log.record_in("checkpoint", f"model.{name}", value, value, USER,
+                              f"{what}: the pretrained MoE is trained differently from how it was released")
+                _log.warning("model.%s=%s with pretrained weights: %s", name, value, what)
 
     def _apply_data(self, layout: ParallelLayout, log: DecisionLog) -> None:
         """The tokenizer's vocabulary (padded as Megatron pads it) and the dataset's files, checked now."""
