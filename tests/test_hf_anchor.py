@@ -8,7 +8,8 @@ logit nearly 0 and any comparison trivially small) are saved with `save_pretrain
   also with norm_topk_prob=false, our model.moe_router_pre_softmax, and with decoder_sparse_step=2, our per-layer
   model.moe_layer_freq [0, 1])
   at one rank, TP2 (+SP), EP2, TP2 x EP2, PP2, TP2 x PP2 and EP2 x PP2, every rank loading only its own shards
-  from the files; a tied dense model (tie_word_embeddings=true) at one rank and TP2 (+SP);
+  from the files; a tied dense model (tie_word_embeddings=true) at one rank, TP2 (+SP), PP2 (the last stage's copy
+  loaded from the embedding's tensor) and TP2 x PP2;
 - the gradients of one backward (mean cross-entropy) equal transformers' within atol 1e-5 at one rank, read back
   into our layout through the same name mapping (from transformers' fused in-memory expert tensors);
 - a Trainer started with `checkpoint.pretrained_checkpoint=<HF folder>` trains at EP2 / PP2 / TP2 x EP2 like at one rank
@@ -155,7 +156,7 @@ LAYOUTS = {"1": (1, {}),
 @pytest.mark.parametrize("kind,name", [("moe", n) for n in LAYOUTS] + [("dense", n) for n in ("1", "tp2_sp", "pp2")]
                          + [("moe_unnormalised", n) for n in ("1", "ep2")]
                          + [("moe_sparse_step", n) for n in ("1", "ep2", "pp2")]
-                         + [("dense_tied", n) for n in ("1", "tp2_sp")])
+                         + [("dense_tied", n) for n in ("1", "tp2_sp", "pp2", "tp2_pp2")])
 def test_logits_match_transformers(hf_models, kind, name):
     folder, ref = hf_models[kind]
     world, layout = LAYOUTS[name]

@@ -9,7 +9,10 @@ Parameters are laid out in reverse registration order, because backward produces
 bucket 0 (the output layer's end of the model) completes first and its reduction starts earliest. A bucket is closed
 once it holds at least `bucket_size` parameters (elements, not bytes; None = one bucket) and its end is padded so that
 its length divides by the group size: each rank's reduce-scatter shard (and all-gather contribution) is then an equal,
-contiguous slice of every bucket.
+contiguous slice of every bucket. A tied embedding under pipeline parallelism (`tied_embedding`: the first stage's
+embedding and the last stage's copy) is a bucket of its own, as Megatron lays it out: padded alike on both stages,
+so that every DP rank's shard covers the same elements of both, and summing the two stages' reduced gradients
+(the trainer, after the DP reduction) is right in every shard.
 """
 
 from __future__ import annotations
@@ -72,10 +75,15 @@ def _cut_buckets(params: list[nn.Parameter], bucket_size: int | None, align: int
     members: list[nn.Parameter] = []
     offset = start = 0
     for p in reversed(params):
+        alone = getattr(p, "tied_embedding", False)
+        if alone and members:  # close the bucket before it
+            end = -(-offset // align) * align
+            cuts.append((members, start, end))
+            members, offset, start = [], end, end
         ranges[p] = (offset, offset + p.numel())
         offset += p.numel()
         members.append(p)
-        if bucket_size is not None and offset - start >= bucket_size:
+        if alone or bucket_size is not None and offset - start >= bucket_size:
             end = -(-offset // align) * align
             cuts.append((members, start, end))
             members, offset, start = [], end, end

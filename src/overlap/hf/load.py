@@ -133,7 +133,7 @@ def load_hf_weights(cfg: ModelConfig, params: dict[str, nn.Parameter], folder: s
     source = SafetensorsReader(folder)
     by_name = {m.ours: m for m in check_source(cfg, source, folder)}
     for name, param in params.items():
-        m = by_name.get(name)
+        m = by_name.get(getattr(param, "tied_to", name))  # a tied embedding's copy on the last stage: the embedding
         if m is None:
             raise CheckpointError("checkpoint.pretrained_checkpoint", str(folder), f"parameter {name!r} has no "
                                   "Hugging Face counterpart.", "load it from an overlap checkpoint instead.")

@@ -141,8 +141,9 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
         shared = m.moe_shared_expert_intermediate_size
         if shared:
             add(n_moe, [linear(fused * shared, h), linear(h, shared)])
-    # embedding, final norm, output layer (first/last stage: both); tied, the output layer is the embedding
-    add(1, [vocab // tp * h, h] + ([] if m.share_embeddings_and_output_weights else [h * vocab // tp]))
+    # embedding, final norm, output layer (first/last stage: both); tied without PP, the output layer is the embedding
+    tied_here = m.share_embeddings_and_output_weights and m.pipeline_model_parallel_size == 1
+    add(1, [vocab // tp * h, h] + ([] if tied_here else [h * vocab // tp]))
 
     p_bytes = _DTYPE_BYTES.get(m.params_dtype, 4)
     g_bytes = 4 if d.grad_reduce_in_fp32 else p_bytes

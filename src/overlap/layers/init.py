@@ -59,7 +59,8 @@ def init_model_params(model: nn.Module, seed: int, std: float) -> None:
         if name.endswith("bias"):
             param.zero_()
             continue
-        gen = torch.Generator().manual_seed(_seed_for(seed, name))
+        # a tied copy (the output layer's on the last pipeline stage) draws the tensor it is a copy of
+        gen = torch.Generator().manual_seed(_seed_for(seed, getattr(param, "tied_to", name)))
         full = torch.empty(full_shape(param), dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen)
         shard: Shard | None = getattr(param, "shard", None)
         if shard is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overlap.errors import ConfigError, NotBuiltError
+from overlap.errors import ConfigError
 from overlap.layers.attention import SelfAttention
 from overlap.layers.init import init_model_params
 from overlap.layers.mlp import MLP
@@ -105,8 +105,9 @@ class GPTModel(nn.Module):
     Every TP rank gets the full micro-batch of tokens. lm_loss is the mean per-token cross-entropy of the micro-batch
     (fp32, identical on every TP rank); aux_loss is the sum of the MoE layers' auxiliary losses (a 0-dim fp32 tensor,
     zero for a dense model). The output layer is vocabulary-parallel, its own weight or, with
-    `share_embeddings_and_output_weights` (Qwen3 0.6B-4B's `tie_word_embeddings`), the embedding's; the loss is
-    computed from the vocab-sharded logits without gathering them.
+    `share_embeddings_and_output_weights` (Qwen3 0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last
+    of several pipeline stages, its copy); the loss is computed from the vocab-sharded logits without gathering
+    them.
     """
 
     def __init__(self, config, ps: ParallelState, stage: Stage | None = None) -> None:
@@ -123,13 +124,13 @@ class GPTModel(nn.Module):
         self.config = config
         self.ps = ps
         self.stage = stage or Stage(0, config.num_layers, True, True)
-        if config.share_embeddings_and_output_weights and not (self.stage.pre_process and self.stage.post_process):
-            raise NotBuiltError("model.share_embeddings_and_output_weights", True, "Tied embedding and output "
-                                "weights on separate pipeline stages", "use -pp 1 with a tied model.")
         dtype = params_dtype(config)
         sp = config.sequence_parallel
+        tied = config.share_embeddings_and_output_weights
         if self.stage.pre_process:
             self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps, sp, dtype)
+            if tied and not self.stage.post_process:
+                self.embedding.weight.tied_embedding = True
         self.layers = LayerStack([TransformerLayer(config, ps, i) for i in range(self.stage.start, self.stage.end)],
                                  self.stage.start)
         if self.stage.post_process:
@@ -138,19 +139,24 @@ class GPTModel(nn.Module):
             # which the pipeline executor defers to the flush (overlap.pipeline.schedules)
             store = (WeightGradStore("bwd.deferred_output_wgrad") if config.defer_embedding_wgrad_compute
                      else None)
-            tied = config.share_embeddings_and_output_weights
             if tied:
-                # The output layer reads the embedding's own parameter (both are [vocab / tp, h], cut the same way
-                # over TP), so its two gradients meet in one autograd accumulation and the grad-ready hook fires
-                # once, with their sum. That needs the output layer's share computed in the backward itself: a store
-                # that never delays (delay_wgrad_compute would deliver it later, after data parallelism took the
-                # embedding's share as the whole gradient). Pipeline stages apart, EP overlap's pieces and deferred
-                # output wgrads are refused with a tied model (`training.support`).
+                # On the embedding's stage the output layer reads the embedding's own parameter (both are
+                # [vocab / tp, h], cut the same way over TP), so its two gradients meet in one autograd accumulation
+                # and the grad-ready hook fires once, with their sum. That needs the output layer's share computed
+                # in the backward itself: a store that never delays (delay_wgrad_compute would deliver it later,
+                # after data parallelism took the embedding's share as the whole gradient). EP overlap's pieces and
+                # deferred output wgrads are refused with a tied model (`training.support`).
                 store = WeightGradStore("bwd.tied_output_wgrad")
             self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, ps, sp,
                                                      params_dtype=dtype, wgrad_store=store)
-            if tied:
+            if tied and self.stage.pre_process:
                 self.output_layer.weight = self.embedding.weight
+            elif tied:
+                # On the last pipeline stage: a copy, drawn, loaded and saved as the embedding (`tied_to`), whose
+                # gradient the trainer sums with the embedding's over the pipeline's ends after the DP reduction
+                # (Megatron's embedding group), so that both take the same steps.
+                self.output_layer.weight.tied_to = "embedding.weight"
+                self.output_layer.weight.tied_embedding = True
         self.layer_chunks = layer_chunks(config, len(self.layers))
 
     def init_weights(self, seed: int) -> None:

@@ -76,6 +76,8 @@ def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tens
     dense = torch.zeros((), dtype=torch.float32)
     expert = torch.zeros((), dtype=torch.float32)
     for s in slots:
+        if hasattr(s.param, "tied_to"):  # the last stage's copy of the tied embedding: counted once, as the embedding
+            continue
         if getattr(s.param, "is_expert", False):
             expert += s.grad.float().pow(2).sum()
         elif hasattr(s.param, "shard") or ps.tp_rank == 0:

@@ -627,6 +627,22 @@ def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
                     mesh.mesh_dim_names, dim), build)
 
 
+def ends_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
+    """The group of the first and the last rank along `mesh`'s `dim` (collective), built once per process: a
+    pipeline's two ends, which hold the tied embedding and its copy on the output layer (Megatron's embedding
+    group). Ranks in between get the group of their own pipeline's ends, which they are not part of."""
+    def build() -> ProcessGroup:
+        mine = None
+        axis = mesh.mesh_dim_names.index(dim)
+        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
+            group = dist.new_group([ranks[0], ranks[-1]])
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+    return _cached(("ends", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+                    mesh.mesh_dim_names, dim), build)
+
+
 def forget_groups() -> None:
     """Drop the cached groups (`shutdown` does it too): for code that destroys the default group itself, so that
     the groups are freed with it, not at interpreter exit."""

@@ -8,6 +8,7 @@ inside that block, expert-tensor-parallel is fastest, then expert-parallel, then
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.config.layout import ParallelLayout
@@ -60,6 +61,11 @@ class ParallelState:
         # the same two ranks; the reference uses a second communicator for the same reason).
         self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)
         self.pp_bwd_group = comm.twin_group(self.mesh, "pp") if layout.pp > 1 else self.pp_group
+
+    def tied_embedding_group(self) -> ProcessGroup:
+        """The first and last pipeline stage of this rank's pipeline (collective: every rank calls it, once a tied
+        model needs it): where the embedding and its copy on the output layer sum their gradients."""
+        return comm.ends_group(self.mesh, "pp")
 
     @property
     def tp_size(self) -> int:

@@ -92,7 +92,10 @@ class Checkpointer:
     def __init__(self, cfg: ConfigContainer, ps: ParallelState, chunks: Sequence[nn.Module], optimizer) -> None:
         self.cfg, self.ps, self.optimizer = cfg, ps, optimizer
         self.ck = cfg.checkpoint
-        self.params: dict[str, nn.Parameter] = {n: p for c in chunks for n, p in c.named_parameters()}
+        # By checkpoint name: a tied embedding's copy on the last pipeline stage is saved and loaded as the embedding
+        # (`tied_to`; both are the same tensor), so the checkpoint is the same at every pipeline size
+        self.params: dict[str, nn.Parameter] = {getattr(p, "tied_to", n): p for c in chunks
+                                                for n, p in c.named_parameters()}
         self.group = comm.cpu_group()
         self.pending: _PendingSave | None = None
         self.last_saved: int | None = None  # the newest complete checkpoint

@@ -74,10 +74,10 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
         (m.is_moe and not m.gated_linear_unit, "model.gated_linear_unit", False,
          "Non-gated (GELU) routed experts", "use gated_linear_unit=true (SwiGLU experts) for MoE models."),
         # Tied weights (`overlap.model.gpt`): one parameter whose two gradient shares must meet in one backward
-        (tied and m.pipeline_model_parallel_size > 1, "model.share_embeddings_and_output_weights", True,
-         "Tied embedding and output weights across pipeline stages (the first stage's embedding and the last "
-         "stage's output layer would each hold a copy, their gradients summed between the two stages)",
-         "use -pp 1 with a tied model (Qwen3 0.6B-4B fit), or an untied one."),
+        (tied and m.pipeline_model_parallel_size > 1 and m.pipeline_impl == "torch_pipelining",
+         "model.share_embeddings_and_output_weights", True,
+         "Tied embedding and output weights in the torch.distributed.pipelining peer",
+         "use model.pipeline_impl=overlap with a tied model."),
         (tied and bool(m.overlap_moe_expert_parallel_comm), "model.share_embeddings_and_output_weights", True,
          "Tied embedding and output weights under EP overlap (its schedule runs the output layer's and the "
          "embedding's backward as separate pieces, so data parallelism would see the first share as the gradient)",

@@ -94,6 +94,13 @@ class Trainer:
             params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
             self.optimizer = LocalOptimizer(params, cfg.optimizer, ps)
         self.data = build_data(cfg)
+        # A tied model under pipeline parallelism: the group of each pipeline's two ends (created by every rank) and
+        # this rank's end of the tie (the embedding on the first stage, its copy on the last), `overlap.model.gpt`
+        self._tied = None
+        if cfg.model.share_embeddings_and_output_weights and ps.pp_size > 1:
+            group = ps.tied_embedding_group()
+            params = [p for _n, p in self._named_params() if getattr(p, "tied_embedding", False)]
+            self._tied = (group, params) if params else None
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self._torch_pipeline = None  # model.pipeline_impl=torch_pipelining: built on the first step
@@ -138,6 +145,10 @@ class Trainer:
         with RECORDER.span("grad_reduce"):
             for ddp in self.ddps:
                 ddp.finish_grad_sync()
+            if self._tied is not None:  # the embedding and its copy on the last stage: one gradient, summed
+                group, params = self._tied
+                for p in params:
+                    comm.all_reduce(p.main_grad, group, "pp_tied_grad").wait()
         # The reported loss is summed over DP now, before the norm's own all-reduce and the optimizer's parameter
         # gather: launched after the step, it queued behind that gather and exposed it. Only the last pipeline
         # stage has losses: the sum over PP (zeros elsewhere) gives every rank, rank 0 included, the same number.
