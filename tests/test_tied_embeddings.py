@@ -54,6 +54,8 @@ def test_the_output_layer_is_the_embedding():
     (4, ["model.pipeline_model_parallel_size=2", "ddp.use_distributed_optimizer=true",
          "optimizer.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
          "ddp.bucket_size=2000"]),
+    (4, ["model.pipeline_model_parallel_size=2", "ddp.use_distributed_optimizer=true",
+         "optimizer.use_distributed_optimizer=true"]),  # the default buckets: the tied tensor cut out of one
     (4, ["model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2",
          "model.sequence_parallel=true"]),
 ])
