@@ -365,3 +365,23 @@ def test_a_tbf_profile_carries_the_token_bucket_through_its_cluster_file(tmp_pat
     again = load_cluster(str(profile), "cpu", "fp32", None)
     assert again.nvlink == replace(cluster.nvlink, source=again.nvlink.source)
     assert again.nic.burst_bytes == TBF_BURST_BYTES / 2
+
+
+def test_a_tied_pipeline_sums_the_embedding_gradient_over_its_ends_once_a_step():
+    """The copy's gradient (vocab / TP x hidden, a 1/DP shard with the distributed optimizer) crosses between the
+    first and the last stage once a step, after the DP reduction: exposed whole; none without PP or untied."""
+    from overlap.plan.comm_model import comm_plan
+    from overlap.plan.predict import predict
+
+    base = "-m qwen -mr dense_tiny -g cpu -ng 8 -pp 2 -tp 2 -gb 8 -mb 1"
+    for extra in ("", " ddp.use_distributed_optimizer=true optimizer.use_distributed_optimizer=true"):
+        cfg, layout = _floor_job(base + " model.share_embeddings_and_output_weights=true" + extra)
+        plan = comm_plan(cfg, layout, H100)
+        shard = layout.dp if extra else 1
+        want = cfg.model.vocab_size // 2 * cfg.model.hidden_size * 4 / shard  # dense_tiny's fp32 gradients
+        assert plan.kinds["pp_tied_grad"].bytes_each == pytest.approx(want)
+        times = predict("x", [], cfg, layout, H100).times
+        assert times.exposed_s["pp_tied_grad"] == pytest.approx(plan.kinds["pp_tied_grad"].seconds_each)
+    for argv in (base, base.replace("-pp 2", "-pp 1") + " model.share_embeddings_and_output_weights=true"):
+        cfg, layout = _floor_job(argv)
+        assert "pp_tied_grad" not in comm_plan(cfg, layout, H100).kinds

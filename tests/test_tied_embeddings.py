@@ -9,6 +9,7 @@ tests/test_hf_anchor.py ("dense_tied": logits and gradients)."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.tiny import tiny_config
@@ -58,6 +59,7 @@ def test_the_output_layer_is_the_embedding():
          "optimizer.use_distributed_optimizer=true"]),  # the default buckets: the tied tensor cut out of one
     (4, ["model.pipeline_model_parallel_size=2", "model.tensor_model_parallel_size=2",
          "model.sequence_parallel=true"]),
+    (4, ["model.pipeline_model_parallel_size=4", "model.num_layers=4"]),  # two stages in between
 ])
 def test_tied_layouts_train_like_one_rank(world, overrides):
     ref = run_world(1, _train, [o for o in overrides if o.startswith("model.num_layers")])[0]
@@ -97,3 +99,27 @@ def test_a_pp2_checkpoint_holds_the_embedding_once_and_resumes_at_pp1(tmp_path):
     assert "model.embedding.weight" in keys and not any(k.endswith("output_layer.weight") for k in keys)
     resumed = run_world(1, _train_saving, [f"checkpoint.load={tmp_path}", "checkpoint.ckpt_step=2"])[0]
     assert resumed == pytest.approx(straight[2:], rel=1e-5)
+
+
+def _tied_tensors(overrides: list[str]) -> dict[str, torch.Tensor]:
+    from overlap.parallel.state import ParallelState
+    from overlap.training.trainer import Trainer
+
+    cfg = tiny_config(False, "bf16_mixed", 2, [TIED, *overrides], 4)
+    trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
+    trainer.train()
+    trainer.finish_param_sync()
+    return {n: p.detach().clone() for n, p in trainer._named_params() if n in ("embedding.weight",
+                                                                               "output_layer.weight")}
+
+
+def test_the_copy_stays_bit_equal_to_the_embedding_in_bf16_with_the_distributed_optimizer():
+    """bf16 parameters, fp32 masters sharded over DP, both DP overlaps: after 4 steps the first stage's embedding
+    and the last stage's copy (ranks 0 and 2 of PP2 x DP2: the same DP coordinate) are the same bits."""
+    got = run_world(4, _tied_tensors, ["model.pipeline_model_parallel_size=2", "ddp.use_distributed_optimizer=true",
+                                       "optimizer.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
+                                       "ddp.overlap_param_gather=true"])
+    embedding, copy = got[0]["embedding.weight"], got[2]["output_layer.weight"]
+    assert embedding.dtype == torch.bfloat16 and torch.equal(embedding, copy)
+    start = run_world(1, _tied_tensors, ["optimizer.lr=0", "optimizer.min_lr=0"])[0]["embedding.weight"]
+    assert not torch.equal(start, embedding)  # it trained

@@ -102,6 +102,16 @@ class DistributedDataParallel:
         """Tell the hooks whether the coming backward is the step's last (the only one that communicates)."""
         self._last_micro_batch = is_last
 
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """What of `param`'s gradient this rank holds reduced after `finish_grad_sync`: all of `main_grad`, or with
+        the distributed optimizer the part of its shard of the bucket (a flat view of the buffer, maybe empty)."""
+        if not self.scatter:
+            return param.main_grad
+        s = self._sync_of[param]
+        lo, hi = s.buffer.local_shard(s.bucket_of[param])
+        p_lo, p_hi = s.buffer.ranges[param]
+        return s.buffer.grad_data[max(lo, p_lo):max(min(hi, p_hi), max(lo, p_lo))]
+
     def finish_grad_sync(self) -> None:
         """Launch every bucket not yet launched, in order, then wait for all; reduced grads are then in main_grad
         (with the distributed optimizer: in this rank's shard of every bucket)."""

@@ -142,7 +142,7 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
         if shared:
             add(n_moe, [linear(fused * shared, h), linear(h, shared)])
     # embedding, final norm, output layer (first/last stage: both); tied without PP, the output layer is the embedding
-    tied_here = m.share_embeddings_and_output_weights and m.pipeline_model_parallel_size == 1
+    tied_here = m.share_embeddings_and_output_weights and layout.pp == 1
     add(1, [vocab // tp * h, h] + ([] if tied_here else [h * vocab // tp]))
 
     p_bytes = _DTYPE_BYTES.get(m.params_dtype, 4)

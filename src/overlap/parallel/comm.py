@@ -630,13 +630,13 @@ def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
 def ends_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
     """The group of the first and the last rank along `mesh`'s `dim` (collective), built once per process: a
     pipeline's two ends, which hold the tied embedding and its copy on the output layer (Megatron's embedding
-    group). Ranks in between get the group of their own pipeline's ends, which they are not part of."""
-    def build() -> ProcessGroup:
+    group). None for a rank in between."""
+    def build() -> ProcessGroup | None:
         mine = None
         axis = mesh.mesh_dim_names.index(dim)
         for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
             group = dist.new_group([ranks[0], ranks[-1]])
-            if dist.get_rank() in ranks:
+            if dist.get_rank() in (ranks[0], ranks[-1]):
                 mine = group
         return mine
     return _cached(("ends", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),

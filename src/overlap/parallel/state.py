@@ -62,9 +62,10 @@ class ParallelState:
         self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)
         self.pp_bwd_group = comm.twin_group(self.mesh, "pp") if layout.pp > 1 else self.pp_group
 
-    def tied_embedding_group(self) -> ProcessGroup:
+    def tied_embedding_group(self) -> ProcessGroup | None:
         """The first and last pipeline stage of this rank's pipeline (collective: every rank calls it, once a tied
-        model needs it): where the embedding and its copy on the output layer sum their gradients."""
+        model needs it; None on a stage in between): where the embedding and its copy on the output layer sum their
+        gradients."""
         return comm.ends_group(self.mesh, "pp")
 
     @property

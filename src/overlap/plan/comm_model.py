@@ -185,6 +185,11 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         sends = 2 * vpp  # an activation forward and a gradient back, per model chunk
         plan.add("pp_send", nbytes, link.time_s(nbytes), sends * mb)
         plan.pp_send = Transfer(link, nbytes)
+        if m.share_embeddings_and_output_weights:  # the tied embedding's gradient summed with its last-stage copy's
+            grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
+            tied = m.vocab_size // tp * h * grad / (dp if d.use_distributed_optimizer else 1)
+            ends = members_per_node(2, tp * layout.cp * dp * (pp - 1), gpn)
+            plan.add("pp_tied_grad", tied, ring_time_s(tied, 2, ends, cluster), 1)
 
     est = estimate_memory(cfg, layout, cpu=False)
     grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)

@@ -187,6 +187,9 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
                 hidden = max(0.0, comm.kinds["pp_send"].seconds_per_step - exposed)
                 t.slowdown_s += min(hidden, t.compute_s) * sigma
 
+    if "pp_tied_grad" in comm.kinds:  # after the DP reduction, before the optimizer: nothing runs beside it
+        t.expose("pp_tied_grad", comm.kinds["pp_tied_grad"].seconds_per_step)
+
     bwd_last, fwd_first = c.fwd_s * c.bwd_factor, c.fwd_s
     for kinds, buffers, overlapped, window, gather in (
             (("rs", "ar"), comm.dp_rs_s, sw.overlap_grad_reduce, bwd_last, False),

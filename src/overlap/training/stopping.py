@@ -65,7 +65,8 @@ def check_finite(iteration: int, norm: float, loss: torch.Tensor, named_params: 
     """Raise NonFiniteError on every rank if the (global) gradient norm is not finite. Collective only then."""
     if math.isfinite(norm):
         return
-    bad = [name for name, p in named_params
+    # a tied embedding's copy on the last stage is named with what it is (its gradient has the embedding's in it)
+    bad = [name if not hasattr(p, "tied_to") else f"{name} (the tied copy of {p.tied_to})" for name, p in named_params
            if getattr(p, "main_grad", None) is not None and not bool(torch.isfinite(p.main_grad).all())]
     mine = []
     if not bool(torch.isfinite(loss).all()):

@@ -78,6 +78,8 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "model.share_embeddings_and_output_weights", True,
          "Tied embedding and output weights in the torch.distributed.pipelining peer",
          "use model.pipeline_impl=overlap with a tied model."),
+        # (EP overlap and the deferred output wgrad: at PP 1 the two uses are one parameter on one rank; the copy's
+        # path under them with a pipeline is not built either)
         (tied and bool(m.overlap_moe_expert_parallel_comm), "model.share_embeddings_and_output_weights", True,
          "Tied embedding and output weights under EP overlap (its schedule runs the output layer's and the "
          "embedding's backward as separate pieces, so data parallelism would see the first share as the gradient)",

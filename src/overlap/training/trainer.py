@@ -96,11 +96,14 @@ class Trainer:
         self.data = build_data(cfg)
         # A tied model under pipeline parallelism: the group of each pipeline's two ends (created by every rank) and
         # this rank's end of the tie (the embedding on the first stage, its copy on the last), `overlap.model.gpt`
+        # (only what the optimizer reads: the DP-reduced part of the gradient, a 1/DP shard with the distributed
+        # optimizer, the same elements on both ends since the tied tensor is a bucket of its own)
         self._tied = None
         if cfg.model.share_embeddings_and_output_weights and ps.pp_size > 1:
             group = ps.tied_embedding_group()
-            params = [p for _n, p in self._named_params() if getattr(p, "tied_embedding", False)]
-            self._tied = (group, params) if params else None
+            grads = [ddp.reduced_grad(p) for c, ddp in zip(self.chunks, self.ddps) for p in c.parameters()
+                     if getattr(p, "tied_embedding", False)]
+            self._tied = (group, grads) if grads else None
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         self._torch_pipeline = None  # model.pipeline_impl=torch_pipelining: built on the first step
@@ -146,9 +149,9 @@ class Trainer:
             for ddp in self.ddps:
                 ddp.finish_grad_sync()
             if self._tied is not None:  # the embedding and its copy on the last stage: one gradient, summed
-                group, params = self._tied
-                for p in params:
-                    comm.all_reduce(p.main_grad, group, "pp_tied_grad").wait()
+                group, grads = self._tied
+                for grad in grads:
+                    comm.all_reduce(grad, group, "pp_tied_grad").wait()
         # The reported loss is summed over DP now, before the norm's own all-reduce and the optimizer's parameter
         # gather: launched after the step, it queued behind that gather and exposed it. Only the last pipeline
         # stage has losses: the sum over PP (zeros elsewhere) gives every rank, rank 0 included, the same number.
