@@ -183,13 +183,12 @@ class ConfigContainer:
                 log.record_in("checkpoint", f"model.{name}", before[name], value, RULE, f"{PRETRAINED} ({path})")
         # Training choices that route the released weights' tokens otherwise than the model was trained (transformers
         # drops no token and routes by the scores): honoured, and said beside the architecture
-        for name, value, on, what in (("moe_expert_capacity_factor", m.moe_expert_capacity_factor,
-                                       m.moe_expert_capacity_factor is not None,
-                                       "tokens beyond each expert's capacity are dropped"),
-                                      ("moe_router_force_load_balancing", m.moe_router_force_load_balancing,
-                                       bool(m.moe_router_force_load_balancing),
-                                       "routing ignores the router's scores (a benchmark setting)")):
+        for name, on, what in (("moe_expert_capacity_factor", m.moe_expert_capacity_factor is not None,
+                                "tokens beyond each expert's capacity are dropped"),
+                               ("moe_router_force_load_balancing", bool(m.moe_router_force_load_balancing),
+                                "routing ignores the router's scores (a benchmark setting)")):
             if theirs.is_moe and on:
+                value = getattr(m, name)
                 log.record_in("checkpoint", f"model.{name}", value, value, USER,
                               f"{what}: the pretrained MoE is trained differently from how it was released")
                 _log.warning("model.%s=%s with pretrained weights: %s", name, value, what)

@@ -110,7 +110,8 @@ class DistributedDataParallel:
         s = self._sync_of[param]
         lo, hi = s.buffer.local_shard(s.bucket_of[param])
         p_lo, p_hi = s.buffer.ranges[param]
-        return s.buffer.grad_data[max(lo, p_lo):max(min(hi, p_hi), max(lo, p_lo))]
+        first = max(lo, p_lo)
+        return s.buffer.grad_data[first:max(first, min(hi, p_hi))]
 
     def finish_grad_sync(self) -> None:
         """Launch every bucket not yet launched, in order, then wait for all; reduced grads are then in main_grad

@@ -74,23 +74,24 @@ def _cut_buckets(params: list[nn.Parameter], bucket_size: int | None, align: int
     cuts: list[tuple[list[nn.Parameter], int, int]] = []
     members: list[nn.Parameter] = []
     offset = start = 0
+
+    def close() -> None:  # the open bucket ends here, padded to the alignment
+        nonlocal members, offset, start
+        end = -(-offset // align) * align
+        cuts.append((members, start, end))
+        members, offset, start = [], end, end
+
     for p in reversed(params):
         alone = getattr(p, "tied_embedding", False)
-        if alone and members:  # close the bucket before it
-            end = -(-offset // align) * align
-            cuts.append((members, start, end))
-            members, offset, start = [], end, end
+        if alone and members:
+            close()
         ranges[p] = (offset, offset + p.numel())
         offset += p.numel()
         members.append(p)
         if alone or bucket_size is not None and offset - start >= bucket_size:
-            end = -(-offset // align) * align
-            cuts.append((members, start, end))
-            members, offset, start = [], end, end
+            close()
     if members:
-        end = -(-offset // align) * align
-        cuts.append((members, start, end))
-        offset = end
+        close()
     return ranges, cuts, offset
 
 

@@ -615,32 +615,31 @@ def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
     """A second process group over the same ranks as `mesh`'s `dim` (collective), built once per process: small
     metadata exchanges (the MoE split sizes) and the backward direction of the pipeline run on their own
     communicator, so they never queue behind bulk traffic of another micro-batch on the first."""
-    def build() -> ProcessGroup:
-        mine = None
-        axis = mesh.mesh_dim_names.index(dim)
-        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
-        return mine
-    return _cached(("twin", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
-                    mesh.mesh_dim_names, dim), build)
+    return _groups_along(mesh, dim, "twin", lambda ranks: ranks)
 
 
-def ends_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
-    """The group of the first and the last rank along `mesh`'s `dim` (collective), built once per process: a
-    pipeline's two ends, which hold the tied embedding and its copy on the output layer (Megatron's embedding
-    group). None for a rank in between."""
+def _groups_along(mesh: DeviceMesh, dim: str, name: str,
+                  members: Callable[[list[int]], list[int]]) -> ProcessGroup | None:
+    """For every line of `mesh` along `dim` (its ranks, in order), a new group of `members(ranks)`, created by every
+    rank in the same order, once per process; this rank's group (None where it is in no group)."""
     def build() -> ProcessGroup | None:
         mine = None
         axis = mesh.mesh_dim_names.index(dim)
         for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
-            group = dist.new_group([ranks[0], ranks[-1]])
-            if dist.get_rank() in (ranks[0], ranks[-1]):
+            chosen = members(ranks)
+            group = dist.new_group(chosen)
+            if dist.get_rank() in chosen:
                 mine = group
         return mine
-    return _cached(("ends", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+    return _cached((name, mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
                     mesh.mesh_dim_names, dim), build)
+
+
+def ends_group(mesh: DeviceMesh, dim: str) -> ProcessGroup | None:
+    """The group of the first and the last rank along `mesh`'s `dim` (collective), built once per process: a
+    pipeline's two ends, which hold the tied embedding and its copy on the output layer (Megatron's embedding
+    group). None for a rank in between."""
+    return _groups_along(mesh, dim, "ends", lambda ranks: [ranks[0], ranks[-1]])
 
 
 def forget_groups() -> None:

@@ -52,9 +52,9 @@ class TokenBucket:
     rate, up to the depth), `send_s(n)` spends what it holds on a transfer and returns the transfer's time. On a link
     without a bucket (depth 0) every transfer takes `Link.time_s(n)`."""
 
-    def __init__(self, link: Link, full: bool = False) -> None:
+    def __init__(self, link: Link) -> None:
         self.link = link
-        self.credit = link.burst_bytes if full else 0.0
+        self.credit = 0.0  # empty: a program's first pass fills it (layer_tp counts the second, the steady state)
 
     def idle(self, seconds: float) -> None:
         if seconds > 0:
