@@ -108,6 +108,32 @@ def run_world(size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
         raise
 
 
+def _under_nccl_rules(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list]:
+    """On a rank: `fn` with comm under NCCL's rules (overlap.parallel.comm.set_nccl_rules); (its result, this rank's
+    recorded program)."""
+    from overlap.parallel import comm
+
+    comm.set_nccl_rules(True)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        entries = comm.PROGRAM.stop()
+        comm.set_nccl_rules(False)
+    return result, entries
+
+
+def run_world_nccl_rules(size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
+    """`run_world` with every rank under NCCL's rules: gloo carries the data, but batches give one work, futures
+    complete at posting and tags are ignored; afterwards the ranks' recorded programs are replayed together with
+    NCCL's streams (`overlap.parallel.program.check`: mismatched collectives, unmatched messages, deadlocks raise
+    ProgramError). Returns the per-rank results."""
+    from overlap.parallel.program import check
+
+    out = run_world(size, _under_nccl_rules, fn, args, kwargs)
+    check({rank: entries for rank, (_result, entries) in enumerate(out)})
+    return [result for result, _entries in out]
+
+
 @atexit.register
 def _close_all() -> None:
     for world in _WORLDS.values():

@@ -18,7 +18,6 @@ import math
 import os
 import sys
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -43,6 +42,11 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
                      help="write per-rank events, a merged Chrome trace (trace.json) and timeline.png into DIR")
     # real | none | none:FAMILY[,FAMILY]: the benchmark floors (`overlap bench --ideal/--ideal-family`); see comm.py
     run.add_argument("--comm-mode", default="real", help=argparse.SUPPRESS)
+    run.add_argument("--nccl-rules", action="store_true",
+                     help="-g cpu: run gloo under NCCL's rules (one work per batch, completion hidden from the host, "
+                          "tags ignored) and replay every rank's communication program with NCCL's streams at the "
+                          "end: a mismatched collective or a program that would hang on GPUs fails here (keep -ms "
+                          "small: every operation of the run is recorded)")
     run.set_defaults(func=cmd_run)
 
     from overlap.perf.bench import BENCH_FLAGS
@@ -125,9 +129,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     env_settings = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars,
                                       os.environ)
     argv = _own_argv(args.argv)
+    if args.gpu != "cpu" and network.kind != "real":
+        raise ConfigError("--network", args.network, f"the {'modelled' if network.kind == 'model' else 'emulated'} "
+                          "link stands in for an interconnect between CPU ranks. On GPUs the collectives run over "
+                          "NCCL on the device, where the GPU timeline measures them; a delay added on the host "
+                          "would measure nothing of the device.",
+                          f"drop --network for -g {args.gpu} (the real network), or compare links with -g cpu.")
+    if args.nccl_rules and args.gpu != "cpu":
+        raise ConfigError("--nccl-rules", True, "it makes gloo follow NCCL's rules on CPU ranks; GPU ranks run NCCL "
+                          "itself.", f"drop --nccl-rules for -g {args.gpu}, or use -g cpu.")
     if args.emit_slurm and network.kind == "tbf":
         raise ConfigError("--network", args.network, "the emulated interconnect is a local (-g cpu) launch feature.",
-                          "on a cluster use the real network (omit --network) or a modelled link (model:LAT,BW).")
+                          "on a cluster use the real network (omit --network); CPU ranks may use a modelled link "
+                          "(model:LAT,BW).")
     check_runtime_support(job.cfg, gpu=args.gpu != "cpu")  # before a script is queued or a rank starts
     slurm = _preflight(job, args)
     if args.emit_slurm:
@@ -218,7 +232,6 @@ def _apply_network(network, comm_mode: str) -> None:
 
 def _run_rank(job, args: argparse.Namespace, network) -> int:
     import torch
-    import torch.distributed as dist
 
     from overlap.harness import describe_layout
     from overlap.parallel.state import ParallelState
@@ -234,6 +247,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         raise ConfigError("-ng/--num_gpus", args.num_gpus, f"the launcher started {world} ranks.",
                           f"pass -ng {world}, or launch {args.num_gpus} ranks.")
     use_cuda = args.gpu != "cpu"
+    device = None
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -242,7 +256,14 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = job.cfg
     _apply_network(network, args.comm_mode)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.train.comm_timeout_s))
+    from overlap.parallel import comm
+    from overlap.parallel.trace import DeviceTimeline
+
+    comm.init_world("nccl" if use_cuda else "gloo", cfg.train.comm_timeout_s, device)
+    if use_cuda:
+        RECORDER.timeline = DeviceTimeline()  # times on the GPU (overlap.parallel.trace)
+    elif args.nccl_rules:
+        comm.set_nccl_rules(True)
     try:
         ps = ParallelState(job.resolution.layout, "cuda" if use_cuda else "cpu")
         if rank == 0:
@@ -270,6 +291,8 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
                 if f is not None:
                     f.close()
         collector.check_iterations(len(summary.records))
+        if args.nccl_rules:
+            _replay_programs(rank)
         if rank == 0:
             _report_exposure(collector, summary, label, args)
         if args.trace:
@@ -295,6 +318,26 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         trainer = ps = None
         comm.shutdown(failing=sys.exc_info()[0] is not None)
     return 0
+
+
+def _replay_programs(rank: int) -> None:
+    """--nccl-rules: every rank's recorded program, replayed with NCCL's streams on every rank (each one stops with
+    the same finding); the findings that would hang or corrupt a GPU run end it with an error."""
+    from overlap.parallel import comm
+    from overlap.errors import ProgramError
+    from overlap.parallel.program import early_send_waits, replay
+
+    entries = comm.PROGRAM.stop()
+    programs = dict(enumerate(comm.all_gather_object(entries)))
+    problems = replay(programs)
+    if problems:
+        raise ProgramError("under NCCL's rules this run would fail on GPUs:\n" + "\n".join(problems))
+    stalls = early_send_waits(programs)
+    if rank == 0:
+        log.info("NCCL's rules: every rank's program (%d operations on rank 0) replays with NCCL's streams: "
+                 "collectives match, every message meets its receive, nothing deadlocks", len(entries))
+        for line in stalls:
+            log.warning("NCCL's rules: %s: the compute stream would wait for that send", line)
 
 
 @contextmanager
@@ -335,12 +378,16 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
     first, last = window_iterations(summary.window)  # 1-based, both included (training/metrics.py)
     rows = collector.window_mean((summary.window[0] - summary.first_iteration,  # the collector counts this run's
                                   summary.window[1] - summary.first_iteration))  # iterations from 0
+    from overlap.parallel.trace import RECORDER
+
+    timeline = RECORDER.timeline.name
     if rows:
         log.info("%s", format_table(rows, f"exposed communication, rank 0, mean per iteration over iterations "
-                                          f"{first}-{last} | network: {network_label}"))
+                                          f"{first}-{last} | network: {network_label} | timeline: {timeline}"))
     if args.metrics:
         Path(f"{args.metrics}.summary.json").write_text(json.dumps({
-            "network": network_label, "comm_mode": args.comm_mode, "window_iterations": [first, last],
+            "network": network_label, "timeline": timeline, "comm_mode": args.comm_mode,
+            "window_iterations": [first, last],
             "steady_step_ms": summary.steady_step_ms, "peak_mem_mb": summary.peak_memory_mb,
             "exposed_comm_ms": {k: r.exposed_ms for k, r in rows.items()},
             "exposed_peer_wait_ms": {k: r.peer_wait_ms for k, r in rows.items() if r.peer_wait_ms is not None},

@@ -39,3 +39,8 @@ class NonFiniteError(ConfigError):
 
 class RankFailure(RuntimeError):
     """A worker rank died or hung; names the rank so the others are not left waiting."""
+
+
+class ProgramError(RuntimeError):
+    """What the ranks' recorded communication programs would do wrong on NCCL (`overlap.parallel.program`: a
+    mismatched collective, an unmatched message, a deadlock), one finding per line."""

@@ -60,9 +60,11 @@ def _gemm(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor | None = None) -> 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group: ProcessGroup, kind: str,
               tag: int) -> list[comm.CommHandle]:
-    """Post one send and one receive of a ring step; the receive's handle comes first."""
-    handles = comm.p2p([(kind, comm.P2P_SEND, send, to, tag), (kind, comm.P2P_RECV, recv, frm, tag)], group,
-                       together=True)  # at TP=2 (and in a pair swap) the two ranks exchange with each other
+    """Post one send and one receive of a ring step as one call (at TP=2, and in a pair swap, the two ranks exchange
+    with each other: on NCCL only a batch lets both sends meet their receives); the receive's handle comes first.
+    Every rank posts its ring steps in the same order, so the k-th message between two ranks is the same step on
+    both sides whatever the tag."""
+    handles = comm.p2p([(kind, comm.P2P_SEND, send, to, tag), (kind, comm.P2P_RECV, recv, frm, tag)], group)
     return [handles[1], handles[0]]
 
 

@@ -6,7 +6,8 @@ In backward, a layer that supports it computes the input gradient at once (the p
 a closure) in a FIFO instead of running it. The schedule drains the queue with `wait_filling(handle)`: while a
 collective it has to wait for is still in flight, the queued GEMMs run one by one, so a wait for a slower peer or a
 slow link becomes weight-gradient work instead of idle time (what the reference gets from a third CUDA stream that
-runs expert wgrad GEMMs beside the communication, runtime-mechanisms 1.13). `end_phase()` lets what is left of one
+runs expert wgrad GEMMs beside the communication, runtime-mechanisms 1.13); on a GPU, where the host cannot see a
+collective complete, every queued GEMM is issued before the wait and the device runs them beside it. `end_phase()` lets what is left of one
 schedule phase fill the next phase's waits (and runs what the phase before left), `flush()` runs everything where
 the schedule needs every gradient delivered. A delayed gradient reaches its parameter through `deliver_weight_grad`,
 which also fires the parameter's grad-ready hooks, so data-parallel reduction sees it after the delayed GEMM, not
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overlap.parallel import comm
 from overlap.parallel.trace import RECORDER, CommEvent, now
 
 
@@ -41,10 +43,11 @@ class InFlight(Protocol):
 
 
 def arrived(handle: InFlight) -> bool:
-    """The collective's data is complete: its completion was observed and (modelled link) its time has come.
-    Read from the handle's event, whose `t_done` comm.py sets from the work's future."""
+    """The collective's data is complete: its completion was observed and (modelled link) its time has come. Read
+    from the handle's event, whose `t_done` comm.py sets from the work's future - on a host timeline only
+    (`comm.completion_visible`); on a device timeline the host never knows, and this is False."""
     done = handle.event.t_done
-    return done is not None and now() >= done
+    return comm.completion_visible() and isinstance(done, float) and now() >= done
 
 
 def register_grad_ready_hook(param: nn.Parameter, hook: Callable[[nn.Parameter], None]) -> None:
@@ -107,7 +110,16 @@ class WeightGradStore:
 
     def wait_filling(self, handle: InFlight) -> Any:
         """Wait for `handle`, running queued weight-gradient GEMMs (oldest first, one at a time) for as long as it is
-        in flight; returns what `handle.wait()` returns. With an empty queue this is a plain wait."""
+        in flight; returns what `handle.wait()` returns. With an empty queue this is a plain wait.
+
+        Where the host sees completion (gloo) it runs them while the collective is not complete. On a device
+        timeline (NCCL: a collective completes on the GPU while the host enqueues ahead, and `wait()` only orders the
+        stream) every queued GEMM is issued before the wait, so the GPU computes them beside the collective, as the
+        reference's weight-gradient stream does; what runs where is then fixed by the program, the same on every
+        rank."""
+        if not comm.completion_visible():
+            while self.queue:
+                self._run_oldest()
         while self.queue and not arrived(handle):
             self._run_oldest()
         return handle.wait()

@@ -61,7 +61,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from overlap.config.kinds import family, parse_families
 from overlap.errors import ConfigError
-from overlap.parallel.trace import RECORDER, CommEvent, now
+from overlap.parallel.program import OpRecord, ProgramRecorder
+from overlap.parallel.trace import RECORDER, CommEvent, HostTimeline, RulesTimeline, now
 
 log = logging.getLogger("overlap.comm")
 
@@ -72,6 +73,10 @@ _group_sizes: dict[ProcessGroup, int] = {}
 _group_ranks: dict[ProcessGroup, int] = {}
 _group_backends: dict[ProcessGroup, str] = {}
 _group_members: dict[ProcessGroup, list[int]] = {}
+
+# NCCL's rules on gloo (`set_nccl_rules`): what the runtime sees of a collective is what it would see on NCCL.
+_nccl_rules = False
+PROGRAM = ProgramRecorder()  # every rank's posts and waits (overlap.parallel.program), while recording
 
 # Bytes a ring moves per byte of the op's payload, as in the usual bus-bandwidth convention. The payload is the full
 # tensor: the input of all-reduce / reduce-scatter / all-to-all, the gathered output of all-gather.
@@ -242,6 +247,81 @@ def set_mode(mode: str) -> None:
     _mode, _free_families = parse_mode(mode)
 
 
+def set_nccl_rules(on: bool) -> None:
+    """Run gloo under NCCL's rules, to find on a CPU what would break on GPUs (tests, `overlap run --nccl-rules`):
+
+    - `batch_isend_irecv` gives ONE work for the whole batch (NCCL's coalescing manager), never one per op;
+    - a work's future is complete as soon as the op is posted (on NCCL it completes at enqueue; `wait()` orders the
+      stream, not the host), so nothing on the host learns when data arrived from it;
+    - point-to-point tags are dropped on the wire: messages between two ranks on a group meet in posting order;
+    - every rank's program is recorded (`PROGRAM`), for `overlap.parallel.program.replay` to play the ranks together
+      with NCCL's streams: rendezvous sends, one stream per communicator in issue order.
+    The data still travel over gloo, so losses are real. The modelled link needs tags and host-visible completion:
+    it is refused here (as it is on NCCL)."""
+    global _nccl_rules
+    if on and _link is not None:
+        raise ConfigError("--network", "model", "the modelled link delays the host, and NCCL's rules hide "
+                          "completion from the host.", "use --network real with the NCCL rules.")
+    _nccl_rules = on
+    RECORDER.timeline = RulesTimeline() if on else HostTimeline()
+    if on:
+        PROGRAM.start()
+    else:
+        PROGRAM.stop()
+
+
+def nccl_rules() -> bool:
+    return _nccl_rules
+
+
+class _Posted:
+    """What one posted call returned: a collective's work, or the works of a batch of point-to-point ops - one per op
+    on gloo, ONE for the whole batch on NCCL (torch's coalescing manager) - so never indexed per op: every op of a
+    batch completes with the batch. Under NCCL's rules (`set_nccl_rules`) its future completes at once, as NCCL's
+    does at enqueue; `works` are still the real ones."""
+
+    def __init__(self, works: Sequence[dist.Work | None]) -> None:
+        self.works = [w for w in works if w is not None]
+        self.enqueued = _nccl_rules
+        self._waited = False
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Wait for every work of the call, once: the ops of a batch share it, and a gloo send's work waited a
+        second time waits for a send that never comes."""
+        if self._waited:
+            return
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        self._waited = True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes with the call (RuntimeError where a work has no future, as some of gloo's)."""
+        if self.enqueued:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+        if len(self.works) == 1:
+            return self.works[0].get_future()
+        return torch.futures.collect_all([w.get_future() for w in self.works])
+
+
+def _group_name(group: ProcessGroup) -> str:
+    return str(getattr(group, "group_name", id(group)))
+
+
+def _record(group: ProcessGroup, ops: Sequence[OpRecord]) -> int | None:
+    return PROGRAM.post(_group_name(group), group_members(group), ops)
+
+
+def _op_record(kind: str, op: str, tensor: torch.Tensor, peer: int | None = None,
+               splits: tuple[Sequence[int], Sequence[int]] | None = None) -> OpRecord:
+    return OpRecord(kind, op, str(tensor.dtype).removeprefix("torch."), tensor.numel(), peer,
+                    None if splits is None else (tuple(splits[0]), tuple(splits[1])))
+
+
 def _is_free(kind: str) -> bool:
     """Whether this op is faked (the benchmark floors). Run control (`ctl_*`: every rank agreeing to stop) and
     checkpoint gathers (`*_ckpt`) are never faked: they carry decisions and state, and faking them would let ranks
@@ -282,15 +362,15 @@ _outstanding: set["CommHandle"] = set()
 
 
 class CommHandle:
-    """An in-flight collective. `wait()` blocks until the data is there and the completion callback has run, and
-    returns the output tensor (if any)."""
+    """An in-flight collective (or one op of a point-to-point call). `wait()` blocks until the data is there (on
+    NCCL: orders the current stream after it) and the completion callback has run, and returns the output tensor (if
+    any). The ops of one point-to-point call share one `_Posted`: waiting for one waits for the call."""
 
-    def __init__(self, event: CommEvent, work: dist.Work | None, result: torch.Tensor | None,
+    def __init__(self, event: CommEvent, posted: _Posted | None, result: torch.Tensor | None,
                  finish: Callable[[], None] | None = None,
-                 deadline_from: Callable[[bool], float | None] | None = None,
-                 companions: Sequence[dist.Work] = ()) -> None:
+                 deadline_from: Callable[[bool], float | None] | None = None, unit: int | None = None) -> None:
         self.event = event
-        self._work = work
+        self._posted = posted
         self._result = result
         self._finish = finish
         # Modelled completion (set_network); None: the real completion is the completion. A modelled transfer learns
@@ -298,19 +378,22 @@ class CommHandle:
         # None until then.
         self._deadline: float | None = None
         self._deadline_from = deadline_from
-        self._companions = list(companions)  # works that travel with this one (the stamps), waited with it
-        self._done = work is None
-        # then()'s future: done once `_mark_done` has run. The callback runs on the backend's thread, and on some
-        # backends (NCCL) after work.wait() returns; waiting for this future too means a waited handle has nothing
-        # left to run on another thread.
+        self._done = posted is None
+        self._unit = unit  # the recorded program's unit (PROGRAM), while recording
+        # then()'s future: done once `_mark_done` has run. The callback runs on the backend's thread; waiting for this
+        # future too means a waited handle has nothing left to run on another thread.
         self._callback: torch.futures.Future | None = None
-        if work is None:
-            event.t_done = now()
+        timeline = RECORDER.timeline
+        if posted is None:
+            event.t_done = timeline.mark()
             return
-        try:
-            self._callback = work.get_future().then(self._mark_done)
-        except RuntimeError:
-            pass  # some gloo ops (reduce_scatter) have no future: completion is then taken at wait()
+        if timeline.host_sees_completion:
+            try:
+                self._callback = posted.get_future().then(self._mark_done)
+            except RuntimeError:
+                pass  # some gloo ops (reduce_scatter) have no future: completion is then taken at wait()
+        else:  # a device timeline: the collective's end on the device, resolved when the recorder drains
+            event.t_done = timeline.done_mark(posted)
         _outstanding.add(self)
 
     def _mark_done(self, fut: torch.futures.Future) -> None:
@@ -329,52 +412,52 @@ class CommHandle:
     def _complete(self, deadline: float | None) -> None:
         """Wait for the op and its callback, then run the finish step. `deadline` (time.monotonic()) bounds the wait
         for the teardown of a failing run; past it, RuntimeError (the op stays outstanding)."""
-        self.event.t_wait_start = now()
+        PROGRAM.wait(self._unit)
+        timeline = RECORDER.timeline
+        self.event.t_wait_start = timeline.mark()
         if deadline is None:
-            self._work.wait()
+            self._posted.wait()
             if self._callback is not None:
                 self._callback.wait()
         else:
-            self._work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            self._posted.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             while self._callback is not None and not self._callback.done():
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{self.event.kind}: the completion callback did not run in time")
                 time.sleep(1e-3)
-        for work in self._companions:
-            if deadline is None:
-                work.wait()
-            else:
-                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
         if self._deadline is None and self._deadline_from is not None:
             self._deadline = self._deadline_from(True)
         if self._deadline is not None:
             remaining = self._deadline - now()
             if remaining > 0:
                 time.sleep(remaining)  # a modelled link is waiting, not work: sleep, never spin
-        self.event.t_wait_end = now()
-        if self.event.t_done is None:  # no future (see __init__): completion is known only now
+        self.event.t_wait_end = timeline.mark()
+        if self.event.t_done is None and timeline.host_sees_completion:  # no future: known only now
             self.event.t_done = max(self.event.t_wait_end, self._deadline or 0.0)
         self._done = True
         _outstanding.discard(self)
         if self._finish is not None:
             self._finish()
-        # Drop the work, its callback future and the finish step: they hold transfer buffers (a reduce-scatter's
+        # Drop the works, the callback future and the finish step: they hold transfer buffers (a reduce-scatter's
         # full-size receive buffer) that callers keeping the handle until the next step must not keep alive.
-        self._work = self._callback = self._finish = self._deadline_from = None
-        self._companions = []
+        self._posted = self._callback = self._finish = self._deadline_from = None
+
+
+def completion_visible() -> bool:
+    """Whether the host learns when a collective's data is complete (gloo) - not on a device timeline (NCCL, or
+    gloo under NCCL's rules), where a collective completes on the device while the host runs ahead. What the
+    schedules decide while something is in flight must not depend on it there."""
+    return RECORDER.timeline.host_sees_completion
 
 
 def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
             run: Callable[[], dist.Work | None], result: torch.Tensor | None,
             fake: Callable[[], None] | None = None, finish: Callable[[], None] | None = None,
-            payload_bytes: int | None = None, modelled: bool = True,
-            stamp: torch.Tensor | None = None) -> CommHandle:
-    """Record and start one op. `payload_bytes` is what the modelled link carries when it differs from `nbytes`
-    (the recorded input size), as for all-gather. `run` returns the op's work, or (work, companion works) when
-    other transfers travel with it (`p2p`'s stamps). On a modelled link (`modelled`: False for p2p, which posts its
-    own stamps) this rank's launch time goes on the group's board first. `stamp`: a modelled receive's buffer for the
-    sender's stamp, its first companion, from which the deadline is taken once it is in."""
-    event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=now())
+            payload_bytes: int | None = None, record: Sequence[OpRecord] = ()) -> CommHandle:
+    """Record and start one collective. `payload_bytes` is what the modelled link carries when it differs from
+    `nbytes` (the recorded input size), as for all-gather. On a modelled link this rank's launch time goes on the
+    group's board first. `record`: the op as the program recorder keeps it."""
+    event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=RECORDER.mark())
     RECORDER.add_comm(event)
     if _is_free(kind) or event.group_size == 1:
         if fake is not None:
@@ -382,15 +465,12 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
         return CommHandle(event, None, result)
     carried = nbytes if payload_bytes is None else payload_bytes
     deadline_from = None
-    if modelled and _link is not None and _link.applies_to(kind):
+    if _link is not None and _link.applies_to(kind):
         board = _board(group)
         seq = board.post(event.t_launch, op, carried)
         deadline_from = _once(_readying(event, lambda waited: board.deadline(seq, waited)))
-    started = run()
-    work, companions = started if isinstance(started, tuple) else (started, [])
-    if stamp is not None:
-        deadline_from = _stamp_deadline(group, carried, event, stamp, companions[0])
-    return CommHandle(event, work, result, finish, deadline_from, companions)
+    posted = _Posted([run()])
+    return CommHandle(event, posted, result, finish, deadline_from, _record(group, record))
 
 
 def _once(resolve: Callable[[bool], float | None]) -> Callable[[bool], float | None]:
@@ -423,27 +503,18 @@ def _readying(event: CommEvent,
 
 
 def _stamp_deadline(group: ProcessGroup, payload_bytes: int, event: CommEvent, stamp: torch.Tensor,
-                    stamp_work: dist.Work) -> Callable[[bool], float | None]:
+                    posted: _Posted) -> Callable[[bool], float | None]:
     """A modelled receive's deadline, once the sender's stamp is in (None before): the link carries the payload
     from the moment both sides had posted, behind what its group's link already carries. Booked once, whichever
-    thread asks first: the completion callback (`waited` False: only if the stamp is known complete) or the waiter
-    (`waited` True: the stamp's wait has returned, which on NCCL orders this stream after it without completing
-    the work on the host). A stamp later than now (another host's clock) is taken as now: the data is here."""
+    thread asks first: the completion callback (`waited` False: only if the call is known complete) or the waiter
+    (`waited` True: the call's wait has returned). A stamp later than now (another host's clock) is taken as now:
+    the data is here."""
     def resolve(waited: bool) -> tuple[float, float] | None:
-        if not waited and not stamp_work.is_completed():
+        if not waited and not posted.is_completed():
             return None
         ready = max(min(float(stamp.item()), now()), event.t_launch)
         return ready, _reserve_link(group, "p2p", payload_bytes, event.group_size, ready)
     return _once(_readying(event, resolve))
-
-
-def _with_stamp(post: Callable[[int], dist.Work], payload: int,
-                stamp: int | None) -> dist.Work | tuple[dist.Work, list[dist.Work]]:
-    """Post a p2p op's stamp (if any) and then its payload; see `p2p`."""
-    if stamp is None:
-        return post(payload)
-    stamp_work = post(stamp)
-    return post(payload), [stamp_work]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -453,7 +524,8 @@ def _nbytes(t: torch.Tensor) -> int:
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceOp = ReduceOp.SUM) -> CommHandle:
     """In-place all-reduce of `tensor` over `group`."""
     return _launch(kind, "all_reduce", group, _nbytes(tensor),
-                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor)
+                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor,
+                   record=[_op_record(kind, "all_reduce", tensor)])
 
 
 def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHandle:
@@ -467,7 +539,7 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHand
 
     return _launch(kind, "all_gather", group, _nbytes(inp),
                    lambda: dist.all_gather_single(out, inp, group=group, async_op=True), out, fake,
-                   payload_bytes=_nbytes(out))
+                   payload_bytes=_nbytes(out), record=[_op_record(kind, "all_gather", inp)])
 
 
 def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceOp = ReduceOp.SUM) -> CommHandle:
@@ -492,9 +564,10 @@ def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: Red
 
         return _launch(kind, "reduce_scatter", group, _nbytes(inp),
                        lambda: dist.all_to_all_single(recv, inp, group=group, async_op=True), out, fake,
-                       finish=reduce_chunks)
+                       finish=reduce_chunks, record=[_op_record(kind, "reduce_scatter", inp)])
     return _launch(kind, "reduce_scatter", group, _nbytes(inp),
-                   lambda: dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True), out, fake)
+                   lambda: dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True), out, fake,
+                   record=[_op_record(kind, "reduce_scatter", inp)])
 
 
 def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
@@ -514,7 +587,9 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
     return _launch(kind, "all_to_all", group, _nbytes(inp),
                    lambda: dist.all_to_all_single(out, inp, output_split_sizes=list(output_split_sizes or []) or None,
                                                   input_split_sizes=list(input_split_sizes or []) or None,
-                                                  group=group, async_op=True), out, fake)
+                                                  group=group, async_op=True), out, fake,
+                   record=[_op_record(kind, "all_to_all", inp, splits=None if input_split_sizes is None else
+                                      (input_split_sizes, output_split_sizes))])
 
 
 class ManyHandle:
@@ -569,6 +644,18 @@ def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: 
     packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     return ManyHandle(all_to_all(packed, group, kind, output_split_sizes, input_split_sizes), tensors,
                       [p.shape[1] for p in parts])
+
+
+def init_world(backend: str, timeout_s: float, device: torch.device | None = None) -> None:
+    """Join the world the launcher set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun, Slurm or our local
+    launcher). With a CUDA device the default group is bound to it (`device_id`), as NCCL wants: its communicator is
+    built now, at start-up, and every group made from it is split from it there and then - not lazily inside the
+    first step's first collective, where a problem would hang a step instead of failing the start - and
+    point-to-point operations run on their group's communicator (the program `overlap.parallel.program` replays)."""
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
@@ -633,6 +720,34 @@ def _groups_along(mesh: DeviceMesh, dim: str, name: str,
         return mine
     return _cached((name, mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
                     mesh.mesh_dim_names, dim), build)
+
+
+def ring_edge_groups(mesh: DeviceMesh, dim: str, wrap: bool) -> dict[tuple[str, int], ProcessGroup]:
+    """Two groups per edge of the ring of ranks along `mesh`'s `dim` (collective), built once per process: for the
+    edge i of each line (its rank i and rank i + 1; the edge from the last rank back to the first only with `wrap`),
+    ("up", i) carries what travels from rank i to rank i + 1 and ("down", i) what travels back. This rank's groups,
+    by (direction, edge index along the line).
+
+    A pipeline's point-to-point messages need them on NCCL: it matches the messages between two ranks on a group in
+    posting order and runs them on one stream per communicator, so a group that carried both directions (PP = 2,
+    where the next and the previous stage are the same rank) or both activations and gradients would need every
+    rank to post them in exactly the order its peer does. On a group of one sender, one receiver and one kind of
+    message, the k-th send is the k-th receive by construction."""
+    size = mesh.size(mesh.mesh_dim_names.index(dim))
+
+    def build() -> dict[tuple[str, int], ProcessGroup]:
+        mine: dict[tuple[str, int], ProcessGroup] = {}
+        axis = mesh.mesh_dim_names.index(dim)
+        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, size).tolist():
+            for i in range(size if wrap else size - 1):
+                pair = [ranks[i], ranks[(i + 1) % size]]
+                for direction in ("up", "down"):
+                    group = dist.new_group(pair)
+                    if dist.get_rank() in pair:
+                        mine[(direction, i)] = group
+        return mine
+    return _cached(("edges", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+                    mesh.mesh_dim_names, dim, wrap), build)
 
 
 def ends_group(mesh: DeviceMesh, dim: str) -> ProcessGroup | None:
@@ -725,58 +840,66 @@ P2P_SEND, P2P_RECV = "send", "recv"
 STAMP_TAG = 1 << 24  # a modelled send's stamp travels under its payload's tag + this (pipeline tags stay below it)
 
 
-def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGroup,
-        together: bool = False) -> list[CommHandle]:
-    """Post point-to-point transfers at once: each op is (kind, "send" | "recv", tensor, peer global rank, tag); a
-    received tensor is written in place. The tag names the message (pipeline: direction, chunk, micro-batch), so
-    however early a receive is posted it matches exactly its send.
+def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGroup) -> list[CommHandle]:
+    """Post point-to-point transfers as ONE call on `group`: each op is (kind, "send" | "recv", tensor, peer global
+    rank, tag); a received tensor is written in place. One op is posted alone, several as one `batch_isend_irecv`
+    (one group call on NCCL: its sends and receives progress together, so two ranks that exchange with each other -
+    a ring of two, a pair swap - never wait on each other). Each op gets its own handle (its own trace event), but
+    they share the call's completion: NCCL returns one work for a whole batch, and waiting for any op waits for all.
+
+    Tags name the message on gloo; NCCL ignores them and meets the k-th send from A to B with the k-th receive at B
+    from A on the group (`overlap.parallel.program`). So callers must post the messages between two ranks on a group
+    in the same order on both sides - the pipeline gives each direction of each edge its own group for that.
 
     On a modelled link the receive carries the link time, from the moment both sides have posted (a rendezvous, as
     NCCL's send/recv): every modelled send is preceded by a one-element stamp with its posting time (same peer, tag
-    + `STAMP_TAG`), and the receive completes at max(stamp, its own posting) + latency + bytes / bandwidth, queued
-    behind what its group's link already carries. A receive posted early, as the overlapped pipeline schedule does,
-    so has its transfer hidden behind whatever the receiver computes after the sender posted, and never before
-    that; one posted just before it is needed pays it all. The ranks share the host's monotonic clock (the modelled
-    link is a single-host emulation). Sends complete when the data is out. Bytes are recorded on the send only, so a
-    per-iteration byte count is what crossed the links.
-
-    `together`: the ops are posted as one `batch_isend_irecv` - needed where two ranks exchange with each other at
-    once (a ring of two, a pair swap): NCCL pairs each send with its receive only inside one group call, and two
-    ranks that each post a send first can otherwise wait on each other. Each op keeps its own handle."""
-    for _kind, op, _t, _peer, _tag in ops:
+    + `STAMP_TAG`, in the same call), and the receive completes at max(stamp, its own posting) + latency + bytes /
+    bandwidth, queued behind what its group's link already carries. A receive posted early, as the overlapped
+    pipeline schedule does, so has its transfer hidden behind whatever the receiver computes after the sender
+    posted, and never before that; one posted just before it is needed pays it all. The ranks share the host's
+    monotonic clock (the modelled link is a single-host emulation). Sends complete when the data is out. Bytes are
+    recorded on the send only, so a per-iteration byte count is what crossed the links."""
+    if not ops:
+        return []
+    for kind, op, _t, _peer, _tag in ops:
         if op not in (P2P_SEND, P2P_RECV):
-            raise ValueError(f"p2p ({_kind}): unknown op {op!r}")
-    # Every transfer as posted, a modelled send's (or receive's) stamp right before its payload: (op, tensor, peer,
-    # tag); per op: (stamp buffer or None, its position in `posts` or None, the payload's position).
-    posts: list[tuple[str, torch.Tensor, int, int]] = []
-    slots: list[tuple[torch.Tensor | None, int | None, int]] = []
-    for kind, op, tensor, peer, tag in ops:
-        stamp, stamp_at = None, None
-        if _link is not None and _link.applies_to(kind) and not _is_free(kind) and group_size(group) > 1:
-            stamp = torch.full((1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64, device=tensor.device)
-            stamp_at = len(posts)
+            raise ValueError(f"p2p ({kind}): unknown op {op!r}")
+    if len({family(kind) for kind, *_rest in ops}) > 1:
+        raise ValueError(f"p2p: one call carries one family's kinds, got {[kind for kind, *_rest in ops]}")
+    size = group_size(group)
+    events = [CommEvent(kind=kind, op="p2p", group_size=size, nbytes=_nbytes(t) if op == P2P_SEND else 0,
+                        t_launch=RECORDER.mark()) for kind, op, t, _peer, _tag in ops]
+    for event in events:  # a receive is recorded with 0 bytes: counted once, at the send
+        RECORDER.add_comm(event)
+    if _is_free(ops[0][0]) or size == 1:
+        for _kind, op, t, _peer, _tag in ops:
+            if op == P2P_RECV:
+                t.zero_()
+        return [CommHandle(event, None, t if op == P2P_RECV else None)
+                for event, (_kind, op, t, _peer, _tag) in zip(events, ops)]
+    modelled = _link is not None and _link.applies_to(ops[0][0])
+    posts: list[tuple[str, torch.Tensor, int, int]] = []  # (op, tensor, peer, tag), a stamp right before its payload
+    stamps: list[torch.Tensor | None] = []
+    for _kind, op, t, peer, tag in ops:
+        stamp = None
+        if modelled:
+            stamp = torch.full((1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64, device=t.device)
             posts.append((op, stamp, peer, tag + STAMP_TAG))
-        slots.append((stamp, stamp_at, len(posts)))
-        posts.append((op, tensor, peer, tag))
-    works: list[dist.Work] = []
-
-    def post(index: int) -> dist.Work:
-        if together:
-            if not works:
-                works.extend(dist.batch_isend_irecv([
-                    dist.P2POp(dist.isend if op == P2P_SEND else dist.irecv, t, peer, group, tag)
-                    for op, t, peer, tag in posts]))
-            return works[index]
-        op, t, peer, tag = posts[index]
-        return (dist.isend if op == P2P_SEND else dist.irecv)(t, peer, group=group, tag=tag)
-
+        stamps.append(stamp)
+        posts.append((op, t, peer, tag))
+    wire = (lambda tag: 0) if _nccl_rules else (lambda tag: tag)  # under NCCL's rules: tags ignored
+    calls = [dist.P2POp(dist.isend if op == P2P_SEND else dist.irecv, t, peer, group, wire(tag))
+             for op, t, peer, tag in posts]
+    if len(calls) == 1:
+        call = calls[0]
+        posted = _Posted([call.op(call.tensor, call.peer, group=group, tag=call.tag)])
+    else:
+        posted = _Posted(dist.batch_isend_irecv(calls))
+    kinds = iter([kind for kind, *_rest in ops for _ in range(2 if modelled else 1)])
+    unit = _record(group, [_op_record(next(kinds), op, t, peer) for op, t, peer, _tag in posts])
     handles = []
-    for (kind, op, tensor, _peer, _tag), (stamp, stamp_at, payload_at) in zip(ops, slots):
-        run = (lambda i=payload_at, s=stamp_at: _with_stamp(post, i, s))
-        if op == P2P_SEND:
-            handles.append(_launch(kind, "p2p", group, _nbytes(tensor), run, None, fake=lambda: None,
-                                   modelled=False))
-        else:  # recorded with 0 bytes: counted once, at the send; the link model carries the payload here
-            handles.append(_launch(kind, "p2p", group, 0, run, tensor, fake=tensor.zero_,
-                                   payload_bytes=_nbytes(tensor), modelled=False, stamp=stamp))
+    for event, (_kind, op, t, _peer, _tag), stamp in zip(events, ops, stamps):
+        deadline_from = (_stamp_deadline(group, _nbytes(t), event, stamp, posted)
+                         if stamp is not None and op == P2P_RECV else None)
+        handles.append(CommHandle(event, posted, t if op == P2P_RECV else None, None, deadline_from, unit))
     return handles

@@ -56,11 +56,19 @@ class ParallelState:
         self.ep_meta_group = comm.twin_group(self.expert_mesh, "ep")
         self.ep_rank = self.expert_mesh.get_local_rank("ep")
         self.pp_rank = self.mesh.get_local_rank("pp")
-        # Pipeline neighbours (global ranks) and a second group over the same ranks for the backward direction: the
-        # gradients sent down the pipeline never queue behind the activations sent up (with PP=2 both flow between
-        # the same two ranks; the reference uses a second communicator for the same reason).
-        self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)
-        self.pp_bwd_group = comm.twin_group(self.mesh, "pp") if layout.pp > 1 else self.pp_group
+        self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)  # pipeline neighbours (global ranks)
+
+    def pipeline_p2p_groups(self, wrap: bool) -> dict[str, ProcessGroup]:
+        """This rank's four pipeline point-to-point groups (collective: every rank calls it, once its schedule
+        needs them), one per direction of travel and kind of message (`comm.ring_edge_groups`): "fwd_out" (its
+        activations to the next stage), "fwd_in" (from the previous), "bwd_out" (its input gradients to the
+        previous stage) and "bwd_in" (from the next). `wrap`: the last stage feeds the first (a virtual pipeline);
+        without it the first stage has no "_in"/"bwd_out" and the last no "fwd_out"/"bwd_in" groups."""
+        edges = comm.ring_edge_groups(self.mesh, "pp", wrap)
+        pp, r = self.layout.pp, self.pp_rank
+        wanted = {"fwd_out": ("up", r), "fwd_in": ("up", (r - 1) % pp), "bwd_out": ("down", (r - 1) % pp),
+                  "bwd_in": ("down", r)}
+        return {name: edges[key] for name, key in wanted.items() if key in edges}
 
     def tied_embedding_group(self) -> ProcessGroup | None:
         """The first and last pipeline stage of this rank's pipeline (collective: every rank calls it, once a tied

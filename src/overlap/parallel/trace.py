@@ -2,6 +2,21 @@
 
 It is always on: one small object per collective and per span costs microseconds, far below the step times we care
 about, and it is what lets a run say how much communication was hidden. Analysis lives in `overlap.profiling`.
+
+Times come from a timeline (`Recorder.timeline`), because what "now" means depends on who runs the work:
+- `HostTimeline` (gloo): the host runs the compute and blocks in `wait()`; a time is the host clock, and a
+  collective's completion is taken from its work's future when it fires.
+- `DeviceTimeline` (CUDA): the host only enqueues. A time is a CUDA event recorded on the current stream, which
+  takes its timestamp when the GPU gets there; a collective's completion is an event recorded, in its future's
+  callback, on the stream that the callback runs on (CUDA futures run callbacks on a stream made to wait for the
+  NCCL kernel), so it times when the collective finished on the GPU, not when the host enqueued it (NCCL's futures
+  complete at enqueue, and `wait()` blocks the stream, not the host). Marks resolve to seconds at `drain`, after one
+  device synchronisation per drain (once per training iteration).
+- `RulesTimeline` (gloo under NCCL's rules, `comm.set_nccl_rules`): the device timeline's code path on the host
+  clock, its completion marks set when gloo's own works complete (what the CUDA events would time), since under the
+  rules the futures the runtime sees complete at posting.
+On the device timelines a collective's completion is not visible to the host before `drain`
+(`Timeline.host_sees_completion` is False): nothing in the runtime may decide on it.
 """
 
 from __future__ import annotations
@@ -9,12 +24,24 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterator, Sequence
 
 
 def now() -> float:
     return time.perf_counter()
+
+
+class Mark:
+    """A time not known yet on the host (a device timeline's event); `Timeline.resolve` turns it into seconds."""
+
+    __slots__ = ("event", "t")
+
+    def __init__(self, event: Any = None, t: float | None = None) -> None:
+        self.event, self.t = event, t
+
+
+Time = float | Mark | None
 
 
 @dataclass
@@ -23,7 +50,8 @@ class CommEvent:
 
     `t_ready` is when every member had posted it, known on a modelled link only (the launch board for collectives,
     the sender's stamp for a receive): the link carries the data from then on, so a wait before it waits for a late
-    peer (load imbalance), not for the link. None where it is not known (a real link, a send)."""
+    peer (load imbalance), not for the link. None where it is not known (a real link, a send). On a device timeline
+    the fields hold `Mark`s until the recorder drains them."""
 
     kind: str
     op: str
@@ -45,7 +73,99 @@ class Span:
     t_end: float
 
 
-DrainSink = Callable[[list[CommEvent], list[Span]], None]
+class HostTimeline:
+    """The host clock (gloo: the host computes, and blocks in waits); completion from the work's future."""
+
+    name = "host clock"
+    host_sees_completion = True
+
+    def mark(self) -> float:
+        return now()
+
+    def done_mark(self, work: Any) -> Mark | None:  # the host timeline takes completion from the future (comm.py)
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+    def resolve(self, value: Time) -> float | None:
+        return value.t if isinstance(value, Mark) else value
+
+
+class DeviceTimeline(HostTimeline):
+    """CUDA events on the current stream, resolved at drain (module docstring). `event_factory` makes an event with
+    `record()` and `elapsed_time(other)` (ms), as `torch.cuda.Event(enable_timing=True)`; tests give stand-ins."""
+
+    name = "GPU timeline (CUDA events)"
+    host_sees_completion = False
+
+    def __init__(self, event_factory: Callable[[], Any] | None = None,
+                 synchronize: Callable[[], None] | None = None) -> None:
+        if event_factory is None:
+            import torch
+
+            event_factory = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            synchronize = synchronize or torch.cuda.synchronize
+        self._new, self._sync = event_factory, synchronize or (lambda: None)
+        self._origin: tuple[Any, float] | None = None  # (reference event, host time when it was recorded)
+
+    def _record(self) -> Any:
+        event = self._new()
+        event.record()
+        if self._origin is None:
+            self._origin = (event, now())
+        return event
+
+    def mark(self) -> Mark:
+        return Mark(self._record())
+
+    def done_mark(self, work: Any) -> Mark | None:
+        """A mark that times the collective's end on the device: an event recorded in its future's callback, on the
+        stream the callback runs on (made to wait for the collective). None when the work has no future."""
+        mark = Mark()
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            return None
+
+        def record(_fut: Any) -> None:
+            mark.event = self._record()
+        future.then(record)
+        return mark
+
+    def synchronize(self) -> None:
+        self._sync()
+
+    def resolve(self, value: Time) -> float | None:
+        if not isinstance(value, Mark):
+            return value
+        if value.event is None or self._origin is None:
+            return None
+        origin, t0 = self._origin
+        return t0 + origin.elapsed_time(value.event) / 1e3
+
+
+class RulesTimeline(HostTimeline):
+    """gloo under NCCL's rules (module docstring): the host clock, and the device timeline's path for completion,
+    set when gloo's own works (`works`, the ones behind what the runtime sees) complete."""
+
+    name = "host clock under NCCL's rules (completion from gloo's works)"
+    host_sees_completion = False
+
+    def done_mark(self, work: Any) -> Mark | None:
+        import torch
+
+        works = getattr(work, "works", [work])
+        try:
+            futures = [w.get_future() for w in works]
+        except RuntimeError:
+            return None  # (a gloo op without a future) completion is known at the wait only
+        mark = Mark()
+
+        def record(_fut: Any) -> None:
+            mark.t = now()
+        torch.futures.collect_all(futures).then(record)  # runs on gloo's thread once every work is done
+        return mark
 
 
 @dataclass
@@ -57,7 +177,11 @@ class Recorder:
     comm: list[CommEvent] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    on_drain: DrainSink | None = None
+    on_drain: Callable[[list[CommEvent], list[Span]], None] | None = None
+    timeline: HostTimeline = field(default_factory=HostTimeline)
+
+    def mark(self) -> Time:
+        return self.timeline.mark()
 
     def add_comm(self, event: CommEvent) -> None:
         with self.lock:
@@ -65,20 +189,32 @@ class Recorder:
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
-        start = now()
+        start = self.timeline.mark()
         try:
             yield
         finally:
-            self.spans.append(Span(name, start, now()))
+            self.spans.append(Span(name, start, self.timeline.mark()))
 
     def drain(self) -> tuple[list[CommEvent], list[Span]]:
-        """Return everything recorded since the last drain and start afresh (one step at a time)."""
+        """Return everything recorded since the last drain and start afresh (one step at a time), every time in
+        seconds (a device timeline's marks resolved after one synchronisation)."""
         with self.lock:
             comm, spans = self.comm, self.spans
             self.comm, self.spans = [], []
+        self._resolve(comm, spans)
         if self.on_drain is not None:
             self.on_drain(comm, spans)
         return comm, spans
+
+    def _resolve(self, comm: Sequence[CommEvent], spans: Sequence[Span]) -> None:
+        if type(self.timeline) is HostTimeline:  # noqa: E721 (exactly the host clock: every time is a float)
+            return
+        self.timeline.synchronize()
+        for item in (*comm, *spans):
+            for f in fields(item):
+                value = getattr(item, f.name)
+                if isinstance(value, Mark):
+                    setattr(item, f.name, self.timeline.resolve(value))
 
     def discard(self) -> None:
         """Forget what was recorded outside the iterations (a checkpoint's gathers between two steps): no step's

@@ -187,12 +187,27 @@ class RunFailed(RuntimeError):
                           lines[-1] if lines else "(no output)")
 
 
-def run_once(options: list[str], overrides: list[str], config: BenchConfig, metrics: Path) -> RunResult:
+def run_command(options: list[str], overrides: list[str], config: BenchConfig, metrics: Path) -> list[str]:
+    """The `overlap run` command line of one run of `config`. CPU ranks start through our local launcher; GPU ranks
+    one per GPU of this machine through torchrun (`overlap run` joins that world), as every GPU run does."""
     # A configuration's own run flag (the link floor's --network) replaces the common one: `overlap run` refuses a
     # flag given twice with different values.
     own = tuple(f for f in config.run_flags if f.startswith("--"))
-    command = [sys.executable, "-m", "overlap.cli", "run", *common_run_options(options, [], with_value=own),
-               "--metrics", str(metrics), *config.run_flags, *overrides, *config.overrides]
+    run = ["run", *common_run_options(options, [], with_value=own), "--metrics", str(metrics), *config.run_flags,
+           *overrides, *config.overrides]
+    from overlap.harness import add_harness_flags
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_harness_flags(parser)
+    known, _rest = parser.parse_known_args(options)
+    if known.gpu == "cpu":
+        return [sys.executable, "-m", "overlap.cli", *run]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={known.num_gpus or 1}",
+            "-m", "overlap.cli", *run]
+
+
+def run_once(options: list[str], overrides: list[str], config: BenchConfig, metrics: Path) -> RunResult:
+    command = run_command(options, overrides, config, metrics)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RunFailed(config.name, done.returncode, command, done.stdout + done.stderr)

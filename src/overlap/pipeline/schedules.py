@@ -14,37 +14,46 @@ A schedule is two things kept apart:
    VPP = 1 is the non-interleaved 1F1B: one implementation for both.
 2. The executor (`PipelineExecutor`): runs the program on this rank's model chunks and moves activations (forward)
    and their gradients (backward) between neighbouring virtual stages. Virtual stage v = chunk x PP + rank, so the
-   next stage is always on rank+1 (mod PP) and the previous on rank-1: a ring. Every message is tagged with its
-   receiving virtual stage, micro-batch and direction, so a receive posted early matches exactly its send.
+   next stage is always on rank+1 (mod PP) and the previous on rank-1: a ring.
+
+Transport: each direction of travel of each edge of the ring has its own process group
+(`ParallelState.pipeline_p2p_groups`): activations from rank r to r + 1 on one, gradients from r + 1 to r on
+another. NCCL matches the messages between two ranks on a group in posting order, ignores tags and runs a
+communicator's operations on one stream in issue order, with sends that wait for their receives. On a group that
+carries one kind of message from one sender to one receiver, the k-th send meets the k-th receive whatever the
+timing (both ranks walk the same schedule table, so their orders agree), and no send can sit behind a receive that
+waits for the peer's send behind its own receive: with PP = 2 and a virtual pipeline both ranks send activations to
+each other, which on one group deadlocks (the reference orders each call's sends and receives by rank parity for
+the same reason). Tags still name every message for gloo and the traces.
 
 p2p modes (the resolution picks one; `explain` shows it):
-- batched (`batch_p2p_comm`): a receive is posted only when its task is about to run, in one exchange with the
-  pending send (Megatron's send_forward_recv_backward / send_backward_recv_forward), and waited at once: the receive
-  is exposed. Sends are waited only at the end of the step: transports with rendezvous sends (NCCL; gloo too) would
-  otherwise deadlock the interleaved schedule, where a neighbour may need a later message first (the reason
-  Megatron forbids unoverlapped interleaving at PP = 2).
-- overlapped (`overlap_p2p_comm`): sends are posted as soon as their tensor exists and waited lazily; the receive
-  for the next forward is posted right after this forward's send, and waited only just before that forward (the same
-  for backward), so its transfer runs while this rank computes. Gradients travel on a second process group over the
-  same ranks (`ParallelState.pp_bwd_group`): with PP = 2 both directions connect the same two ranks and must not
-  queue on one channel.
+- batched (`batch_p2p_comm`): a receive is posted only when its task is about to run, together with the pending
+  send (Megatron's send_forward_recv_backward / send_backward_recv_forward; here on two groups), and waited at once:
+  the receive is exposed.
+- overlapped (`overlap_p2p_comm`): sends are posted as soon as their tensor exists; the receive for the next
+  forward is posted right after this forward's send, and waited only just before that forward (the same for
+  backward), so its transfer runs while this rank computes.
+In both, sends are waited at the end of the step (or, releasing outputs on gloo, where that cannot block): a
+send's completion is never on the compute's critical path.
 
 Memory (`deallocate_pipeline_outputs`, Megatron's deallocate_output_tensor + custom_backward): a stage's output is
 kept for backward only as the root of its autograd graph - nothing in the graph reads its values - so once its send
-has completed its storage is replaced by one element (`out.data = torch.empty((1,))`) and the backward starts from
-it through the autograd engine directly (`torch.autograd.backward` would compare the gradient's shape with the
-now one-element tensor; the engine checks it against the graph's record). The send is waited, and the output freed,
-at the first point where that wait cannot deadlock:
-- without a virtual pipeline at once (after every receive and every task): activations only flow from rank r to
-  r + 1, the last stage sends none, so a rank waiting for its send waits for a downstream rank whose progress never
-  depends on it (Megatron's synchronous send);
-- with a virtual pipeline the last stage feeds rank 0 and a wait could close a cycle, so the executor waits a send
-  only when it is known complete: its completion was observed (`wgrad_store.arrived`: backends whose ops have a
-  completion future, NCCL; gloo's sends have none), or this rank received a message that the consuming rank
-  produced at or after the task that consumes the output (every rank runs its program in order and completes a
-  task's receive before the task) - at the latest the output's own gradient.
-Either way the release happens before that output's backward. `PipelineMemory` measures what it buys: the bytes of
-output storage still alive (weak references to the storages, so a send buffer or the transport holding one counts).
+is posted its storage is replaced by one element (`out.data = torch.empty((1,))`), and the backward starts from it
+through the autograd engine directly (`torch.autograd.backward` would compare the gradient's shape with the now
+one-element tensor; the engine checks it against the graph's record). Who keeps the data alive until the send is
+done depends on the device:
+- CUDA: the output itself is sent, and released right after its send is posted, as the reference does: the caching
+  allocator does not reuse the memory before the send's stream is past it (point-to-point sends record their stream
+  on the tensor), so nothing waits and nothing holds it;
+- CPU (gloo): a detached alias is sent, which the send's work holds until the send is waited; the executor waits it
+  at the first point where that wait cannot deadlock. Without a virtual pipeline at once: activations only flow from
+  rank r to r + 1, the last stage sends none, so a rank waiting for its send waits for a downstream rank whose
+  progress never depends on it (Megatron's synchronous send). With one, the last stage feeds rank 0 and a wait could
+  close a cycle, so a send is waited once this rank received a message that the consuming rank produced at or after
+  the task that consumes the output (every rank runs its program in order and completes a task's receive before the
+  task) - at the latest the output's own gradient. This is decided by causality, never by asking the backend.
+`PipelineMemory` measures what it buys: the bytes of output storage still alive (weak references to the storages, so
+a send buffer not yet released counts).
 
 Deferred output-layer weight gradients (`defer_embedding_wgrad_compute`): on the last virtual stage the output
 layer's weight-gradient GEMMs go into its own `WeightGradStore` (`ColumnParallelLinear.wgrad_store`) instead of
@@ -66,7 +75,7 @@ import torch
 from torch.autograd.variable import Variable
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore, arrived
+from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
 from overlap.parallel import comm
 from overlap.parallel.comm import P2P_RECV, P2P_SEND, CommHandle
 from overlap.parallel.trace import RECORDER
@@ -188,15 +197,17 @@ class PipelineExecutor:
         self.steps = pipeline_steps(self.pp, self.rank, self.vpp, self.num_micro, microbatch_group, ep_overlap)
         self.tasks = [t for s in self.steps for t in (s.forward, s.backward) if t is not None]
         self.recvs: dict[tuple[int, int, int], CommHandle] = {}  # (direction, virtual stage, micro-batch)
-        self.sends: list[CommHandle] = []
+        self.sends: dict[int, CommHandle] = {}  # tag -> its posted send, until waited
         self.pending_sends: list[tuple[int, torch.Tensor, int]] = []  # batched mode: (direction, tensor, tag)
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: dict[int, torch.Tensor] = {}
-        # deallocate_pipeline_outputs
+        self.groups = ps.pipeline_p2p_groups(wrap=self.vpp > 1) if self.pp > 1 else {}
+        # deallocate_pipeline_outputs (module notes): outputs to release once their send is posted, by its tag; on
+        # gloo, the sends of released outputs still to wait, by tag -> (consuming pp rank, position of the consuming
+        # task in its program; -1 without a virtual pipeline: at once)
         self.deallocate = deallocate_outputs
-        self.send_handles: dict[int, CommHandle] = {}  # tag -> its posted send
-        self.unreleased: dict[tuple[int, int], tuple[torch.Tensor, int, tuple[int, int]]] = {}
-        # ^ (micro-batch, chunk) -> (output, tag of its send, (consuming pp rank, position of the consuming task))
+        self.to_release: dict[int, tuple[torch.Tensor, int, int]] = {}  # tag -> (output, chunk, micro-batch)
+        self.unconfirmed: dict[int, tuple[int, int]] = {}
         self.heard: dict[int, int] = {}  # pp rank -> furthest position in its program that a received message left
         self.positions: dict[int, dict[Task, int]] = {}
         if self.deallocate and self.vpp > 1:  # the causal rule needs the neighbours' programs
@@ -246,82 +257,80 @@ class PipelineExecutor:
         return None
 
     # --- p2p ------------------------------------------------------------------------------------------------------
-    def _group(self, direction: int):
-        return self.ps.pp_group if direction == FWD else self.ps.pp_bwd_group
-
-    def _post(self, sends: list[tuple[int, torch.Tensor, int]], recvs: list[tuple[int, int, int]]) -> list[CommHandle]:
+    def _post(self, sends: list[tuple[int, torch.Tensor, int]], recvs: list[tuple[int, int, int]]) -> None:
         """Post sends (direction, tensor, tag) and receives (direction, virtual stage, micro-batch), one p2p call per
-        direction's group; receives are remembered by key, sends by tag. Returns the sends' handles."""
-        handles: list[CommHandle] = []
+        group (module notes); receives are remembered by key, sends kept until known complete."""
         for direction in (FWD, BWD):
             kind = "fwd" if direction == FWD else "bwd"
-            peer_out = self.ps.pp_next if direction == FWD else self.ps.pp_prev
-            peer_in = self.ps.pp_prev if direction == FWD else self.ps.pp_next
             outgoing = [(t, tag) for d, t, tag in sends if d == direction]
-            ops = [(f"pp_send_{kind}", P2P_SEND, t, peer_out, tag) for t, tag in outgoing]
+            if outgoing:
+                peer = self.ps.pp_next if direction == FWD else self.ps.pp_prev
+                posted = comm.p2p([(f"pp_send_{kind}", P2P_SEND, t, peer, tag) for t, tag in outgoing],
+                                  self.groups[f"{kind}_out"])
+                self.sends.update(zip((tag for _t, tag in outgoing), posted))
+                for _t, tag in outgoing:
+                    if tag in self.to_release:
+                        self._release(tag)
             keys = [k for k in recvs if k[0] == direction]
-            ops += [(f"pp_recv_{kind}", P2P_RECV, torch.empty(self.shape, dtype=self.dtype), peer_in,
-                     self._tag(*k)) for k in keys]
-            if not ops:
-                continue
-            posted = comm.p2p(ops, self._group(direction))
-            for (_t, tag), handle in zip(outgoing, posted):
-                self.send_handles[tag] = handle
-                handles.append(handle)
-            for key, handle in zip(keys, posted[len(outgoing):]):
-                self.recvs[key] = handle
-        return handles
+            if keys:
+                peer = self.ps.pp_prev if direction == FWD else self.ps.pp_next
+                posted = comm.p2p([(f"pp_recv_{kind}", P2P_RECV, torch.empty(self.shape, dtype=self.dtype), peer,
+                                    self._tag(*k)) for k in keys], self.groups[f"{kind}_in"])
+                self.recvs.update(zip(keys, posted))
 
     def _send(self, direction: int, tensor: torch.Tensor, virtual_to: int, mb: int, next_task: Task | None) -> None:
-        item = (direction, tensor.detach().contiguous(), self._tag(direction, virtual_to, mb))
+        tag = self._tag(direction, virtual_to, mb)
+        if tag in self.to_release and tensor.is_cuda and tensor.is_contiguous():
+            item = (direction, tensor, tag)  # the output itself: released right after posting (module notes)
+        else:
+            item = (direction, tensor.detach().contiguous(), tag)
         if direction == FWD and item[1].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
             self._track(item[1])  # a non-contiguous output travels as a copy: that copy is output memory too
         if not self.overlap and next_task is not None and self._needs_recv(next_task) is not None:
-            self.pending_sends.append(item)  # travels with the next task's receive, in one batched exchange
+            self.pending_sends.append(item)  # travels with the next task's receive
         else:
-            self.sends += self._post([item], [])
+            self._post([item], [])
 
     def _receive(self, key: tuple[int, int, int]) -> torch.Tensor:
-        if key not in self.recvs:  # batched mode (or not prefetched): one exchange with the pending sends
-            self.sends += self._post(self.pending_sends, [key])
+        if key not in self.recvs:  # batched mode (or not prefetched): posted now, with the pending sends
+            self._post(self.pending_sends, [key])
             self.pending_sends = []
         tensor = self.recvs.pop(key).wait()
-        if self.deallocate:
-            if self.vpp > 1:
-                self._heard(key)
-            self._release_sent()
+        if self.deallocate and self.vpp > 1:
+            rank, task = self._producer(key)
+            self.heard[rank] = max(self.heard.get(rank, -1), self.positions[rank][task])
+            self._wait_released()
         return tensor
 
     # --- deallocate_pipeline_outputs ----------------------------------------------------------------------------
+    def _to_release(self, out: torch.Tensor, chunk: int, mb: int) -> None:
+        """Release `out` once its send is posted (module notes)."""
+        if out._base is not None:  # Megatron's check: freeing a view would free nothing
+            raise RuntimeError(f"deallocate_pipeline_outputs: chunk {chunk}'s output is a view of another tensor")
+        self.to_release[self._tag(FWD, self._virtual(chunk) + 1, mb)] = (out, chunk, mb)
+
+    def _release(self, tag: int) -> None:
+        out, chunk, mb = self.to_release.pop(tag)
+        out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+        if comm.completion_visible():  # gloo: the send's work holds the data until waited (module notes)
+            virtual = self._virtual(chunk) + 1
+            consumer = virtual % self.pp
+            self.unconfirmed[tag] = (consumer, self.positions[consumer][Task(False, mb, virtual // self.pp)]
+                                     if self.vpp > 1 else -1)
+
     def _producer(self, key: tuple[int, int, int]) -> tuple[int, Task]:
         """(pp rank, task) that produced the message `key` (direction, receiving virtual stage, micro-batch)."""
         direction, virtual, mb = key
         source = virtual - 1 if direction == FWD else virtual + 1
         return source % self.pp, Task(direction == BWD, mb, source // self.pp)
 
-    def _heard(self, key: tuple[int, int, int]) -> None:
-        """A message arrived: its producer has run its program up to the producing task."""
-        rank, task = self._producer(key)
-        self.heard[rank] = max(self.heard.get(rank, -1), self.positions[rank][task])
-
-    def _consumer(self, chunk: int, mb: int) -> tuple[int, int]:
-        """(pp rank, position in its program) of the forward that consumes chunk's output of micro-batch mb."""
-        virtual = self._virtual(chunk) + 1
-        rank = virtual % self.pp
-        return rank, (self.positions[rank][Task(False, mb, virtual // self.pp)] if self.vpp > 1 else -1)
-
-    def _release_sent(self) -> None:
-        """Wait the send of every output where that wait cannot deadlock (module notes), then free its storage."""
-        for key, (out, tag, (rank, position)) in list(self.unreleased.items()):
-            handle = self.send_handles.get(tag)
-            if handle is None:
-                continue  # batched mode: it travels with the next task's receive
-            if self.vpp > 1 and self.heard.get(rank, -1) < position and not arrived(handle):
-                continue  # not known to have arrived yet
-            handle.wait()
-            out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
-            del self.unreleased[key]
-        self._sample()
+    def _wait_released(self) -> None:
+        """gloo: wait the sends of released outputs where that cannot deadlock (module notes): at once without a
+        virtual pipeline, else once the consuming rank is known to have run the consuming task."""
+        for tag, (rank, position) in list(self.unconfirmed.items()):
+            if self.heard.get(rank, -1) >= position:
+                self.sends.pop(tag).wait()
+                del self.unconfirmed[tag]
 
     # --- live output bytes (PipelineMemory) -------------------------------------------------------------------
     def _track(self, tensor: torch.Tensor) -> None:
@@ -366,11 +375,8 @@ class PipelineExecutor:
             grads.append(torch.ones_like(aux))
         self.saved[(mb, c)] = (hidden, seeds, grads)
         self._track(out)
-        tag = self._tag(FWD, self._virtual(c) + 1, mb)
         if self.deallocate:
-            if out._base is not None:  # Megatron's check: freeing a view would free nothing
-                raise RuntimeError(f"deallocate_pipeline_outputs: chunk {c}'s output is a view of another tensor")
-            self.unreleased[(mb, c)] = (out, tag, self._consumer(c, mb))
+            self._to_release(out, c, mb)
         self._send(FWD, out, self._virtual(c) + 1, mb, next_task)
 
     def _backward_setup(self, task: Task) -> tuple[bool, "WeightGradStore | None"]:
@@ -392,10 +398,7 @@ class PipelineExecutor:
         c, mb = task.chunk, task.microbatch
         hidden, seeds, grads = self.saved.pop((mb, c))
         if not self._is_last(c):
-            grads[0] = self._receive((BWD, self._virtual(c), mb))  # with deallocation: the output is released now
-            if (mb, c) in self.unreleased:
-                raise RuntimeError(f"deallocate_pipeline_outputs: micro-batch {mb} chunk {c} reached its backward "
-                                   "with its output not released")
+            grads[0] = self._receive((BWD, self._virtual(c), mb))
         defer, store = self._backward_setup(task)
         with RECORDER.span("backward"), (store.delaying(defer) if store is not None else nullcontext()):
             if self.deallocate and not self._is_last(c):
@@ -482,17 +485,17 @@ class PipelineExecutor:
                 following = self.tasks[i + 1] if i + 1 < len(self.tasks) else None
                 (self._backward if task.backward else self._forward)(task, following)
                 self._prefetch(i)
-                if self.deallocate:
-                    self._release_sent()
+                self._wait_released()
                 self._sample()
         self._flush_deferred()
-        for handle in self._post(self.pending_sends, []) + self.sends:
+        self._post(self.pending_sends, [])
+        for handle in self.sends.values():
             handle.wait()
-        self.pending_sends, self.sends = [], []
+        self.pending_sends, self.sends, self.unconfirmed = [], {}, {}
+        if self.to_release:
+            raise RuntimeError(f"deallocate_pipeline_outputs: outputs never sent: {sorted(self.to_release)}")
         if self.recvs:
             raise RuntimeError(f"pipeline: receives posted but never consumed: {sorted(self.recvs)}")
-        if self.unreleased:
-            raise RuntimeError(f"deallocate_pipeline_outputs: outputs never released: {sorted(self.unreleased)}")
         self._sample()
         if self.memory is not None:
             self.memory.step_peaks.append(self.peak_bytes)

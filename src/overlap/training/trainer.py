@@ -224,6 +224,7 @@ class Trainer:
         start = time.perf_counter()
         loss, norm = self.train_step(it)
         step_s = time.perf_counter() - start
+        comm.PROGRAM.step_end()
         events, _spans = RECORDER.drain()
         c_ms, c_bytes = comm_totals(events)
         for k, v in c_ms.items():
