@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# The GPU check, prepared to run in a few minutes on a machine with one CUDA GPU (one GPU cannot host two NCCL ranks,
-# so everything here is single-rank):
-#   1. the model and its layers on CUDA: short single-rank runs of the tiny MoE and dense recipes in bf16;
-#   2. the planner's calibration for this GPU type (docs/planner.md): Qwen3-30B-A3B's model cut to one GPU (every
-#      expert local, 8 micro-batches of 1 x 4096 tokens, at 2 and at 4 layers; `overlap plan --calibrate`), the
-#      layers' measured compute efficiency written with the type's published figures to bench/results/cluster_GPU.json;
-#   3. the MoE guide's plan (EP16 on two nodes of 8) on that profile, with every overlap switch off and on.
-# Usage: bash bench/gpu_check.sh [GPU]   GPU: the -g name of this machine's GPU type (default h100; an H200 has the
-# H100's dense BF16 peak and NVLink, and the harness knows it as h100).
+# The GPU check (bench/gpu_check.py's docstring says what each step checks): one short prepared run on a machine with
+# one CUDA GPU, from this source tree against that machine's own PyTorch (>= 2.11; nothing is pip-installed from the
+# network). Results: $OUT (the device tool's folder) or bench/results/gpu_check: gpu_check.json, gpu_check.log and
+# the files the steps write.
+#   bash bench/gpu_check.sh [GPU]         GPU: the -g name of this machine's GPU type (default h100; an H200 has the
+#                                         H100's dense BF16 peak and NVLink, and the harness knows it as h100)
+#   bash bench/gpu_check.sh cpu           the same steps on CPU ranks (gloo): checks the script itself
+# Packages the machine lacks (its image has no omegaconf): put their wheels in .wheels/ here first (pip download
+# omegaconf antlr4-python3-runtime==4.9.3 -d .wheels; .wheels is git-ignored, so carry it) and they are installed
+# from there, offline.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 gpu=${1:-h100}
-out=bench/results
-overlap run -m qwen -mr qwen3_moe_tiny -g "$gpu" -ng 1 -ms 5 -c bf16
-overlap run -m qwen -mr dense_tiny -g "$gpu" -ng 1 -ms 5 -c bf16
-overlap plan -m qwen -mr qwen3_30b_a3b -g "$gpu" -ng 16 -ep 16 -c bf16 --calibrate --cluster "$out/cluster_$gpu.json" \
-  --json "$out/plan_qwen3_30b_a3b_$gpu.json" --markdown "$out/plan_qwen3_30b_a3b_$gpu.md"
+device=cuda
+if [ "$gpu" = cpu ]; then device=cpu; gpu=h100; fi
+out=${OUT:-bench/results/gpu_check}
+python=${PYTHON:-python3}
+if ! "$python" -c "import omegaconf" 2>/dev/null && [ -d .wheels ]; then
+  "$python" -m pip install -q --no-index --find-links .wheels omegaconf
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+exec "$python" bench/gpu_check.py run --gpu "$gpu" --device "$device" --out "$out"

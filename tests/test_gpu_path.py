@@ -64,3 +64,9 @@ def test_a_cpu_run_under_nccl_rules_replays_its_program():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "replays with NCCL's streams" in out.stderr
     assert "timeline: host clock under NCCL's rules" in out.stderr
+
+
+def test_a_gpu_benchmark_refuses_the_stand_ins_before_any_run():
+    out = _overlap("bench", "-m", "qwen", "-mr", "dense_tiny", "-g", "h100", "-ng", "8", "--ab",
+                   "ddp.overlap_grad_reduce=false,true", "--network", "model:1ms,1GB/s")
+    assert out.returncode == 2 and "--network" in out.stderr and "Traceback" not in out.stderr

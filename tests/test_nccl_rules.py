@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from overlap.parallel.program import check, early_send_waits
 from tests.tiny import tiny_config
-from tests.world import _under_nccl_rules, run_world, run_world_nccl_rules
+from tests.world import _under_nccl_rules, run_world, run_world_in, run_world_nccl_rules
 
 STEPS = 3
 DISTOPT = ["ddp.use_distributed_optimizer=true", "optimizer.use_distributed_optimizer=true",
@@ -146,3 +146,33 @@ def test_delay_wgrad_fills_the_waits_under_nccl_rules():
     runs them beside the collective), not skipped because completion 'arrived' at posting."""
     for filled, total in run_world_nccl_rules(2, _delayed_wgrad_in_waits):
         assert total > 0 and filled >= total // 2, (filled, total)
+
+
+# --- torch's own consistency check --------------------------------------------------------------------------------
+def _debug_level() -> str:
+    return dist.get_debug_level().name
+
+
+DETAIL_LAYOUTS = [
+    ("tp2_sp_tp_overlap_dp2", False, 2, TP_SHAPE + TP2 + ["comm_overlap.tp_comm_overlap=true"]),
+    ("pp2_vpp2_dp2_distopt", False, 4, PP2 + VPP2 + DISTOPT),
+    ("ep2_overlap_delay_wgrad_dp2", True, 2, ["model.expert_model_parallel_size=2"] + EP_OVERLAP),
+    ("ep2_pp2_vpp2_overlap", True, 4, ["model.expert_model_parallel_size=2"] + PP2 + VPP2 + EP_OVERLAP
+     + OVERLAPPED_P2P),
+    ("tied_pp2_dp2_distopt", False, 2, TIED + PP2 + DISTOPT),
+]
+
+
+@pytest.mark.parametrize("case", DETAIL_LAYOUTS, ids=[c[0] for c in DETAIL_LAYOUTS])
+def test_every_layout_passes_torch_distributed_debug_detail(case):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every group in torch's checker, which compares each collective's
+    operation and tensor shapes across the group's ranks before running it: a mismatch raises at once. Four ranks,
+    the layouts we support, the same losses as one rank."""
+    _id, moe, layers, overrides = case
+    precision = "bf16_mixed" if moe else "fp32"
+    shape = tuple(o for group in SHAPES for o in group if o in overrides)
+    ref = _reference(moe, precision, layers, shape)
+    detail = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    assert run_world_in(detail, 4, _debug_level) == ["DETAIL"] * 4
+    for losses in run_world_in(detail, 4, _train, moe, precision, layers, overrides):
+        assert losses == pytest.approx(list(ref), rel=2e-2 if moe else 1e-5)

@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 _CTX = mp.get_context("spawn")
-_WORLDS: dict[int, "_World"] = {}
+_WORLDS: dict[tuple, "_World"] = {}  # (size, environment) -> its world
 RANK_TIMEOUT_S = 240
 
 
@@ -29,7 +29,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: dict[str, str]) -> None:
+    os.environ.update(env)  # before torch.distributed reads it (TORCH_DISTRIBUTED_DEBUG wraps the groups at creation)
     import torch
     import torch.distributed as dist
 
@@ -55,12 +56,13 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
 
 
 class _World:
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, env: dict[str, str]) -> None:
         self.size = size
         port = _free_port()
         self.inboxes = [_CTX.Queue() for _ in range(size)]
         self.outbox = _CTX.Queue()
-        self.procs = [_CTX.Process(target=_worker, args=(r, size, port, self.inboxes[r], self.outbox), daemon=True)
+        self.procs = [_CTX.Process(target=_worker, args=(r, size, port, self.inboxes[r], self.outbox, env),
+                                   daemon=True)
                       for r in range(size)]
         for p in self.procs:
             p.start()
@@ -95,16 +97,22 @@ class _World:
 
 def run_world(size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on every rank of a shared `size`-rank gloo world; return results in rank order."""
-    world = _WORLDS.get(size)
+    return run_world_in({}, size, fn, *args, **kwargs)
+
+
+def run_world_in(env: dict[str, str], size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
+    """`run_world` in a world whose ranks start with `env` set (a world per size and environment, shared too)."""
+    key = (size, tuple(sorted(env.items())))
+    world = _WORLDS.get(key)
     if world is None or not all(p.is_alive() for p in world.procs):
         if world is not None:
             world.close()
-        world = _WORLDS[size] = _World(size)
+        world = _WORLDS[key] = _World(size, env)
     try:
         return world.run(fn, args, kwargs)
     except BaseException:
         world.close()
-        del _WORLDS[size]
+        del _WORLDS[key]
         raise
 
 

@@ -122,19 +122,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":
         logging.getLogger().setLevel(logging.ERROR)  # rank 0 reports the decisions; the others stay quiet
     job = prepare(args)  # resolves and validates before anything starts: a bad config never spawns ranks
-    from overlap.launch.network import parse_network
+    from overlap.launch.network import check_network_for, parse_network
 
     network = parse_network(args.network)
     _check_comm_mode(args.comm_mode)
     env_settings = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars,
                                       os.environ)
     argv = _own_argv(args.argv)
-    if args.gpu != "cpu" and network.kind != "real":
-        raise ConfigError("--network", args.network, f"the {'modelled' if network.kind == 'model' else 'emulated'} "
-                          "link stands in for an interconnect between CPU ranks. On GPUs the collectives run over "
-                          "NCCL on the device, where the GPU timeline measures them; a delay added on the host "
-                          "would measure nothing of the device.",
-                          f"drop --network for -g {args.gpu} (the real network), or compare links with -g cpu.")
+    check_network_for(network, args.gpu)
     if args.nccl_rules and args.gpu != "cpu":
         raise ConfigError("--nccl-rules", True, "it makes gloo follow NCCL's rules on CPU ranks; GPU ranks run NCCL "
                           "itself.", f"drop --nccl-rules for -g {args.gpu}, or use -g cpu.")

@@ -145,6 +145,16 @@ def parse_network(text: str | None) -> Network:
     raise _bad(text, "unknown network kind.")
 
 
+def check_network_for(network: Network, gpu: str) -> None:
+    """The modelled and emulated links stand in for an interconnect between CPU ranks: refused with a GPU type."""
+    if gpu != "cpu" and network.kind != "real":
+        raise ConfigError(FLAG, network.text, f"the {'modelled' if network.kind == 'model' else 'emulated'} link "
+                          "stands in for an interconnect between CPU ranks. On GPUs the collectives run over NCCL on "
+                          "the device, where the GPU timeline measures them; a delay added on the host would "
+                          "measure nothing of the device.",
+                          f"drop --network for -g {gpu} (the real network), or compare links with -g cpu.")
+
+
 def check_netns_support() -> None:
     """Raise a ConfigError naming the fallback if this process cannot build an emulated interconnect."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]

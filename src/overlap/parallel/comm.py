@@ -2,8 +2,14 @@
 
 Every call is asynchronous underneath and returns a `CommHandle`; synchronous callers simply `wait()` at once. Every
 call is named by *kind* (`tp_ag`, `tp_rs`, `tp_ar`, `ep_dispatch`, `ep_combine`, `dp_rs`, `dp_ar`, `dp_ag`, `pp_send`,
-...) and recorded in the tracer with launch, completion (from the work's future, so a transfer that finished long
-before anybody waited is not charged as late) and wait times.
+...) and recorded in the tracer with launch, completion (on the tracer's timeline: the work's future on gloo, so a
+transfer that finished long before anybody waited is not charged as late; a CUDA event on NCCL, see
+`overlap.parallel.trace`) and wait times, and in the program recorder (`PROGRAM`, `overlap.parallel.program`) with
+its group, operation and size. A point-to-point call is one posted unit whose ops share one completion, as NCCL
+gives one work for a whole batch.
+
+NCCL's rules (`set_nccl_rules`): gloo run as NCCL shows itself, with every rank's program recorded for the replay
+under NCCL's streams (docs/gpu.md).
 
 Modes (`set_mode`):
 - "real": the collective runs.

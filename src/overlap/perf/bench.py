@@ -466,8 +466,9 @@ def _eff(value: float | None, per_round: float | None = None) -> str:
 def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
     """Resolve every configuration here first: a bad one fails before any run starts, with the usual message."""
     from overlap.harness import prepare
-    from overlap.launch.network import check_netns_support, parse_network
+    from overlap.launch.network import check_netns_support, check_network_for, parse_network
 
+    check_network_for(parse_network(args.network), args.gpu)
     if parse_network(args.network).kind == "tbf":
         check_netns_support()
     from overlap.launch.paths import check_bench_outputs

@@ -1,0 +1,318 @@
+"""The GPU check: one short prepared run on a machine with one CUDA GPU (bench/gpu_check.sh runs it), from the
+source tree against that machine's own PyTorch (torch >= 2.11), every GPU step started through torchrun as a GPU
+run is. One GPU cannot host two NCCL ranks, so every step is single-rank:
+
+1. env       - the machine: GPU, torch, CUDA, NCCL versions.
+2. nccl      - a one-rank NCCL world (device-bound): `batch_isend_irecv` gives one work for a whole batch (our handles
+               share it), a collective queued behind GEMMs has a future that completes at enqueue and a `wait()` that
+               does not block the host, and the GPU-timeline tracer (CUDA events) times it on the device: launched
+               after the GEMMs, done after its launch, with a positive duration.
+3. sync      - one training step of the tiny MoE recipe (one rank: the all-to-all path without peers) under
+               `torch.cuda.set_sync_debug_mode("warn")`: every host synchronisation by source line, each intended one
+               (the split sizes, the logged loss, the gradient norm) allowed by name; any other fails the step.
+4. moe_tiny  - `overlap run` of the tiny MoE recipe, bf16, 5 steps, with --trace (the GPU timeline's exposure table).
+5. dense_tiny- the same for the dense recipe.
+6. calibrate - `overlap plan --calibrate` for this GPU type on Qwen3-30B-A3B's shapes (docs/planner.md).
+7. plan      - the MoE guide's plan (EP16 on two nodes of 8) with that profile, every overlap switch off and on.
+
+Each step runs with a timeout and the next runs whatever happened. The steps work in a scratch folder; OUT gets
+six files (the device tool brings back eight at most): gpu_check.json (every step's status, seconds and findings,
+the runs' summaries and the plan's predictions), gpu_check.log (every step's output), the calibrated profile, the
+plan, and the tiny MoE run's trace and timeline. `--device cpu` runs the same steps on CPU ranks (gloo; the
+CUDA-only facts not applicable, the sync check and the calibration skipped) to check the script itself; `--dry`
+prints the commands.
+
+Usage: python bench/gpu_check.py run [--gpu h100] [--device cuda|cpu] [--out DIR] [--dry]
+       (the `nccl` and `sync` subcommands are the steps' own, started by `run` under torchrun)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_TIMEOUT_S = {"env": 60, "nccl": 120, "sync": 180, "moe_tiny": 150, "dense_tiny": 150, "calibrate": 300,
+                  "plan": 90}
+INTENDED_SYNCS = {  # (file, function) of the host reads a step needs, and why
+    ("dispatcher.py", "finish"): "the MoE split sizes (NCCL's all-to-all takes them on the host)",
+    ("trainer.py", "train_step"): "the logged loss",
+    ("adam.py", "global_grad_norm"): "the gradient norm (clipping and the log)",
+}
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *args]
+
+
+def _overlap(*args: str) -> list[str]:
+    return [sys.executable, "-m", "overlap.cli", *args]
+
+
+KEPT = {"cluster_{gpu}.json": "cluster_{gpu}.json", "plan_qwen3_30b_a3b_{gpu}.json": "plan_qwen3_30b_a3b_{gpu}.json",
+        "moe_tiny_trace/trace.json": "moe_tiny_trace.json", "moe_tiny_trace/timeline.png": "moe_tiny_timeline.png"}
+# ^ scratch file -> its name in OUT, beside gpu_check.json and gpu_check.log
+FINDINGS = {"moe_tiny": "moe_tiny.jsonl.summary.json", "dense_tiny": "dense_tiny.jsonl.summary.json",
+            "plan": "plan_qwen3_30b_a3b_{gpu}.json"}  # a step's findings file where it is not NAME.json
+
+
+def steps(gpu: str, device: str, out: Path) -> list[tuple[str, list[str] | None, str]]:
+    """(name, command or None, why it is skipped) of every step, in order; `out` is the scratch folder."""
+    cpu = device == "cpu"
+    g = "cpu" if cpu else gpu
+    tiny = ["-g", g, "-ng", "1", *(["-ms", "3", "-c", "fp32"] if cpu else ["-ms", "5", "-c", "bf16"])]
+    plan = ["plan", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", gpu, "-ng", "16", "-gn", "8", "-ep", "16", "-c", "bf16"]
+    cluster = out / f"cluster_{gpu}.json"
+    return [
+        ("env", [sys.executable, __file__, "env", "--out", str(out)], ""),
+        ("nccl", _torchrun(__file__, "nccl", "--device", device, "--out", str(out)), ""),
+        ("sync", None if cpu else _torchrun(__file__, "sync", "--gpu", gpu, "--out", str(out)),
+         "CUDA's sync debug mode needs a GPU"),
+        ("moe_tiny", _torchrun("-m", "overlap.cli", "run", "-m", "qwen", "-mr", "qwen3_moe_tiny", *tiny,
+                               "--metrics", str(out / "moe_tiny.jsonl"), "--trace", str(out / "moe_tiny_trace")), ""),
+        ("dense_tiny", _torchrun("-m", "overlap.cli", "run", "-m", "qwen", "-mr", "dense_tiny", *tiny,
+                                 "--metrics", str(out / "dense_tiny.jsonl")), ""),
+        ("calibrate", None if cpu else _overlap(*plan, "--calibrate", "--cluster", str(cluster)),
+         "a GPU type's efficiency is measured on that GPU"),
+        ("plan", _overlap(*plan, *(["--cluster", str(cluster)] if not cpu else []), "--json",
+                          str(out / f"plan_qwen3_30b_a3b_{gpu}.json")), ""),
+    ]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory(prefix="overlap-gpu-check-") as scratch:
+        work = Path(scratch)
+        plan = steps(args.gpu, args.device, work)
+        if args.dry:
+            for name, command, why in plan:
+                print(f"{name}: {' '.join(command) if command else 'skipped: ' + why}")
+            return 0
+        out.mkdir(parents=True, exist_ok=True)
+        failed = _run_steps(plan, args, work, out)
+        for source, name in KEPT.items():
+            if (work / source.format(gpu=args.gpu)).exists():
+                shutil.copy(work / source.format(gpu=args.gpu), out / name.format(gpu=args.gpu))
+    return 1 if failed else 0
+
+
+def _run_steps(plan: list[tuple[str, list[str] | None, str]], args: argparse.Namespace, work: Path,
+               out: Path) -> list[str]:
+    """Run every step; write OUT/gpu_check.json and .log; the names of the steps that failed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1")
+    results, log = {}, (out / "gpu_check.log").open("w")
+    for name, command, why in plan:
+        if command is None:
+            results[name] = {"status": "skipped", "why": why}
+            continue
+        start = time.monotonic()
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=STEP_TIMEOUT_S[name])
+            status, output = ("pass" if done.returncode == 0 else f"fail (exit {done.returncode})",
+                              done.stdout + done.stderr)
+        except subprocess.TimeoutExpired as exc:
+            status, output = f"fail (timed out after {STEP_TIMEOUT_S[name]} s)", f"{exc.stdout or ''}{exc.stderr or ''}"
+        seconds = round(time.monotonic() - start, 1)
+        log.write(f"===== {name}: {' '.join(command)}\n{output}\n")
+        log.flush()
+        found = work / FINDINGS.get(name, f"{name}.json").format(gpu=args.gpu)
+        results[name] = {"status": status, "seconds": seconds, "command": command,
+                         **({"findings": json.loads(found.read_text())} if found.exists() else {}),
+                         **({"last_lines": output.strip().splitlines()[-15:]} if status != "pass" else {})}
+        if found.exists() and isinstance(results[name]["findings"], dict) and results[name]["findings"].get("failed"):
+            results[name]["status"] = "fail (" + "; ".join(results[name]["findings"]["failed"]) + ")"
+        print(f"{name:<11} {results[name]['status']} ({seconds} s)", flush=True)
+    log.close()
+    (out / "gpu_check.json").write_text(json.dumps({"gpu": args.gpu, "device": args.device, "steps": results},
+                                                   indent=1) + "\n")
+    failed = [n for n, r in results.items() if r["status"].startswith("fail")]
+    print(f"gpu check: {len(results) - len(failed)} of {len(results)} steps passed or skipped"
+          + (f"; failed: {', '.join(failed)}" if failed else "") + f" -> {out / 'gpu_check.json'}")
+    return failed
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info |= {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+                 "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+                 "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    missing = []
+    for module in ("omegaconf", "rich", "numpy", "matplotlib", "tokenizers", "safetensors"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    info["missing_packages"] = missing
+    info["failed"] = [f"missing {', '.join(missing)} (carry their wheels: bench/gpu_check.sh)"] if missing else []
+    Path(args.out, "env.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps(info))
+    return 0
+
+
+def _check(facts: dict, failed: list[str], name: str, ok: bool, value) -> None:
+    facts[name] = value
+    if not ok:
+        failed.append(f"{name}: {value}")
+
+
+def cmd_nccl(args: argparse.Namespace) -> int:
+    """The NCCL facts and the GPU timeline, on a one-rank world (module docstring, step 2)."""
+    import torch
+    import torch.distributed as dist
+
+    from overlap.parallel import comm
+    from overlap.parallel.trace import RECORDER, CommEvent, DeviceTimeline
+
+    cuda = args.device == "cuda"
+    facts, failed = {"device": args.device}, []
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    comm.init_world("nccl" if cuda else "gloo", 60, device)
+    try:
+        # One work per batch: our handles of a call share it, whatever the backend returns.
+        if cuda:  # a send to itself and its receive in one group call (gloo has no send to self)
+            x, y = torch.arange(4.0, device=device), torch.zeros(4, device=device)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, y, 0)])
+            _check(facts, failed, "works_per_batch_of_2", len(works) >= 1, len(works))
+            posted = comm._Posted(works)  # noqa: SLF001 (a one-rank world: comm's own calls skip a group of 1)
+            handles = [comm.CommHandle(CommEvent("pp_send_fwd", "p2p", 1, 16, 0.0), posted, None),
+                       comm.CommHandle(CommEvent("pp_recv_fwd", "p2p", 1, 0, 0.0), posted, y)]
+            got = [h.wait() for h in handles][1]
+            _check(facts, failed, "batched_self_exchange_correct", bool(torch.equal(got, x)), got.tolist())
+        # A collective behind queued GEMMs, traced on the GPU timeline.
+        RECORDER.timeline = DeviceTimeline() if cuda else RECORDER.timeline
+        RECORDER.drain()
+        a = torch.randn((4096, 4096) if cuda else (512, 512), device=device,
+                        dtype=torch.bfloat16 if cuda else torch.float32)
+        inp = torch.randn(1 << (28 if cuda else 20), device=device)
+        outp = torch.empty_like(inp)
+        with RECORDER.span("gemms"):
+            for _ in range(50 if cuda else 2):
+                a = (a @ a).clamp_(-1, 1)
+        event = CommEvent("dp_ag", "all_gather", 1, inp.numel() * 4, RECORDER.mark())
+        RECORDER.add_comm(event)
+        work = dist.all_gather_into_tensor(outp, inp, async_op=True)
+        enqueued_done = work.get_future().done()
+        busy = cuda and not torch.cuda.current_stream().query()
+        handle = comm.CommHandle(event, comm._Posted([work]), outp)  # noqa: SLF001 (as above)
+        t0 = time.perf_counter()
+        handle.wait()
+        host_wait_ms = (time.perf_counter() - t0) * 1e3
+        still_busy = cuda and not torch.cuda.current_stream().query()
+        if cuda:
+            _check(facts, failed, "future_done_at_enqueue_while_gpu_busy", enqueued_done and busy,
+                   {"future_done": enqueued_done, "gpu_busy": busy})
+            _check(facts, failed, "wait_did_not_block_host", still_busy, {"host_wait_ms": round(host_wait_ms, 3),
+                                                                        "gpu_busy_after_wait": still_busy})
+        (traced,), spans = RECORDER.drain()
+        gemms = spans[0]
+        timeline = {"gemms_ms": (gemms.t_end - gemms.t_start) * 1e3,
+                    "launch_after_gemms_ms": (traced.t_launch - gemms.t_end) * 1e3,
+                    "collective_ms": None if traced.t_done is None else (traced.t_done - traced.t_launch) * 1e3,
+                    "wait_ms": (traced.t_wait_end - traced.t_wait_start) * 1e3}
+        ok = (timeline["collective_ms"] is not None and timeline["collective_ms"] > 0
+              and timeline["launch_after_gemms_ms"] >= -1e-3) if cuda else True
+        _check(facts, failed, "gpu_timeline", ok, {k: None if v is None else round(v, 4) for k, v in timeline.items()})
+        facts["gathered_correct"] = bool(torch.equal(outp, inp))
+    except Exception:  # every fact so far is kept; the failure is one of them
+        failed.append(traceback.format_exc(limit=3).strip().splitlines()[-1])
+    finally:
+        facts["failed"] = failed
+        Path(args.out, "nccl.json").write_text(json.dumps(facts, indent=1))
+        comm.shutdown()
+    print(json.dumps(facts))
+    return 0
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    """A tiny MoE training step under CUDA's sync debug mode (module docstring, step 3)."""
+    import warnings
+
+    import torch
+
+    from overlap.harness import resolve_run
+    from overlap.parallel import comm
+    from overlap.parallel.state import ParallelState
+    from overlap.parallel.trace import RECORDER, DeviceTimeline
+    from overlap.training.trainer import Trainer
+
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    torch.set_default_device(device)
+    job = resolve_run(["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", args.gpu, "-ng", "1", "-ms", "2", "-c", "bf16"],
+                      [])
+    comm.init_world("nccl", 60, device)
+    RECORDER.timeline = DeviceTimeline()
+    sites: dict[str, dict] = {}
+
+    def seen(message, category, filename, lineno, file=None, line=None) -> None:
+        """Called by `warnings` while the synchronising op runs: the stack is the op's."""
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack() if f"{os.sep}overlap{os.sep}" in f.filename]
+        where = ours[-1] if ours else traceback.FrameSummary(filename, lineno, "?")
+        key = f"{Path(where.filename).name}:{where.lineno} {where.name}"
+        entry = sites.setdefault(key, {"count": 0,
+                                       "intended": INTENDED_SYNCS.get((Path(where.filename).name, where.name))})
+        entry["count"] += 1
+
+    try:
+        trainer = Trainer(job.cfg, ParallelState(job.resolution.layout, "cuda"))
+        trainer.train_step(0)  # warm-up: first-use allocations and lazy inits are not the step's
+        torch.cuda.synchronize()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = seen
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_step(1)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        comm.shutdown()
+    unintended = sorted(k for k, v in sites.items() if not v["intended"])
+    result = {"syncs": sites, "failed": [f"{len(unintended)} unintended host synchronisation site(s): "
+                                          + ", ".join(unintended)] if unintended else []}
+    Path(args.out, "sync.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="every step, each in its own process")
+    run.add_argument("--gpu", default="h100", help="the -g name of this machine's GPU type (an H200 runs as h100)")
+    run.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    run.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check"),
+                     help="where the six result files go (the steps work in a scratch folder)")
+    run.add_argument("--dry", action="store_true", help="print the steps' commands, run nothing")
+    run.set_defaults(func=cmd_run)
+    for name, func in (("env", cmd_env), ("nccl", cmd_nccl), ("sync", cmd_sync)):
+        p = sub.add_parser(name)
+        p.add_argument("--out", required=True)
+        p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+        p.add_argument("--gpu", default="h100")
+        p.set_defaults(func=func)
+    args = parser.parse_args()
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
