@@ -79,7 +79,11 @@ def test_every_layout_trains_like_one_rank_under_nccl_rules(case):
     precision = "bf16_mixed" if moe else "fp32"
     shape = tuple(o for group in SHAPES for o in group if o in overrides)
     ref = _reference(moe, precision, layers, shape)
-    for losses in run_world_nccl_rules(world, _train, moe, precision, layers, overrides):
+    out = run_world(world, _under_nccl_rules, _train, (moe, precision, layers, overrides), {})
+    programs = {rank: entries for rank, (_losses, entries) in enumerate(out)}
+    check(programs)
+    assert early_send_waits(programs) == []
+    for losses, _entries in out:
         assert losses == pytest.approx(list(ref), rel=2e-2 if moe else 1e-5)
 
 

@@ -42,7 +42,8 @@ backward most: 3x the forward) run tens of ms longer, ten times an all-to-all's 
 then waits at its next wait for the peer, not for the link. With delay_wgrad_compute every wait runs queued weight
 gradients while it would block (`WGRAD_STORE.wait_filling`), expert and attention GEMMs alike, instead of the fixed
 slots: the rank that is ahead does its own weight-gradient work while its peer catches up (the reference's third
-stream of wgrad GEMMs beside the communication, 1.13). What a phase leaves fills the next phase's waits; all of it is
+stream of wgrad GEMMs beside the communication, 1.13). On a GPU, where the host cannot see a collective complete,
+every queued GEMM is issued before the wait instead, and the device runs them beside the collective. What a phase leaves fills the next phase's waits; all of it is
 delivered before a model chunk's last backward, which runs its weight gradients at the fixed slots (see
 `PipelineExecutor`). With a padded expert capacity the split sizes are not exchanged at all.
 """
