@@ -79,7 +79,7 @@ def test_every_layout_trains_like_one_rank_under_nccl_rules(case):
     precision = "bf16_mixed" if moe else "fp32"
     shape = tuple(o for group in SHAPES for o in group if o in overrides)
     ref = _reference(moe, precision, layers, shape)
-    out = run_world(world, _under_nccl_rules, _train, (moe, precision, layers, overrides), {})
+    out = run_world_in({}, world, _under_nccl_rules, _train, (moe, precision, layers, overrides), {})
     programs = {rank: entries for rank, (_losses, entries) in enumerate(out)}
     check(programs)
     assert early_send_waits(programs) == []
@@ -89,7 +89,7 @@ def test_every_layout_trains_like_one_rank_under_nccl_rules(case):
 
 # --- the defects NCCL's rules expose (each failed on the runtime before they were mended) ---------------------------
 def _programs(world: int, moe: bool, precision: str, layers: int, overrides: list[str]) -> dict[int, list]:
-    out = run_world(world, _under_nccl_rules, _train, (moe, precision, layers, overrides), {})
+    out = run_world_in({}, world, _under_nccl_rules, _train, (moe, precision, layers, overrides), {})
     return {rank: entries for rank, (_losses, entries) in enumerate(out)}
 
 

@@ -95,8 +95,15 @@ class _World:
                 p.kill()
 
 
+NCCL_RULES_ENV = "OVERLAP_TEST_NCCL_RULES"  # =1: every run_world job under NCCL's rules, its program replayed
+
+
 def run_world(size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on every rank of a shared `size`-rank gloo world; return results in rank order."""
+    """Run `fn(*args, **kwargs)` on every rank of a shared `size`-rank gloo world; return results in rank order.
+    With OVERLAP_TEST_NCCL_RULES=1 in the test process's environment every job runs as `run_world_nccl_rules`: the
+    layout tests under NCCL's rules (tests that measure gloo's own behaviour are marked `gloo_only`)."""
+    if os.environ.get(NCCL_RULES_ENV) == "1":
+        return run_world_nccl_rules(size, fn, *args, **kwargs)
     return run_world_in({}, size, fn, *args, **kwargs)
 
 
@@ -137,7 +144,7 @@ def run_world_nccl_rules(size: int, fn: Callable, *args: Any, **kwargs: Any) -> 
     ProgramError). Returns the per-rank results."""
     from overlap.parallel.program import check
 
-    out = run_world(size, _under_nccl_rules, fn, args, kwargs)
+    out = run_world_in({}, size, _under_nccl_rules, fn, args, kwargs)
     check({rank: entries for rank, (_result, entries) in enumerate(out)})
     return [result for result, _entries in out]
 
