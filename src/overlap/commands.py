@@ -47,6 +47,15 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
                           "tags ignored) and replay every rank's communication program with NCCL's streams at the "
                           "end: a mismatched collective or a program that would hang on GPUs fails here (keep -ms "
                           "small: every operation of the run is recorded)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="play one rank of this (GPU) layout for one training step in this process, on fake tensors "
+                          "(no GPU, no memory): its communication program, peak memory next to the estimate, device "
+                          "mix-ups and host reads of device data (overlap.perf.dry_run)")
+    run.add_argument("--dry-run-rank", type=int, default=None, metavar="R", help="--dry-run: the rank to play (0)")
+    run.add_argument("--dry-run-microbatches", type=int, default=None, metavar="K",
+                     help="--dry-run: micro-batches to play (default: the fewest that reach the schedule's steady "
+                          "state; the report names the cut)")
+    run.add_argument("--dry-run-json", default=None, metavar="FILE", help="--dry-run: also write the report as JSON")
     run.set_defaults(func=cmd_run)
 
     from overlap.perf.bench import BENCH_FLAGS
@@ -138,6 +147,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                           "on a cluster use the real network (omit --network); CPU ranks may use a modelled link "
                           "(model:LAT,BW).")
     check_runtime_support(job.cfg, gpu=args.gpu != "cpu")  # before a script is queued or a rank starts
+    if args.dry_run:
+        return _dry_run(job, args)
+    for flag, value in (("--dry-run-rank", args.dry_run_rank), ("--dry-run-microbatches", args.dry_run_microbatches),
+                        ("--dry-run-json", args.dry_run_json)):
+        if value is not None:
+            raise ConfigError(flag, value, "it shapes a dry run, and this command trains.",
+                              f"add --dry-run, or drop {flag}.")
     slurm = _preflight(job, args)
     if args.emit_slurm:
         from overlap.launch.slurm import render_sbatch
@@ -191,6 +207,24 @@ def cmd_run(args: argparse.Namespace) -> int:
             launch_local(command, args.num_gpus, worker_env, term_grace_s=grace)
     except RankFailure as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _dry_run(job, args: argparse.Namespace) -> int:
+    """--dry-run: one rank played here, no launcher (overlap.perf.dry_run); its report on stdout, exit 1 with the
+    finding when the step did not run through."""
+    import json
+
+    from overlap.perf.dry_run import check_dry_run, run_dry
+
+    options = check_dry_run(job, args)
+    report = run_dry(job, options)
+    print(report.format(), flush=True)
+    if options.json_path:
+        Path(options.json_path).write_text(json.dumps(report.to_json(), indent=1))
+    if not report.ok:
+        print(f"overlap: error: dry run of rank {report.rank}: {report.finding.line()}", file=sys.stderr)
         return 1
     return 0
 

@@ -43,6 +43,14 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     return torch.bmm(probs, v).view(b, heads, s, d)
 
 
+def fused_attention_on_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The fused kernels (flash, memory-efficient, cuDNN) on meta tensors, which stand for CUDA ones in a dry run.
+    SDPA makes no kernel choice on meta and takes its math path, which keeps the [b, heads, s, s] probabilities for
+    backward; a CUDA rank's fused kernel keeps only its output and a log-sum-exp per row. The flash kernel's meta
+    function has exactly those shapes (grouped keys and values included), so the dry run measures a GPU's memory."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[0]
+
+
 def _check_heads(config, tp: int) -> None:
     heads, groups = config.num_attention_heads, config.query_groups
     if heads % groups:
@@ -104,10 +112,13 @@ class SelfAttention(nn.Module):
         """Causal softmax(q k^T / sqrt(d)) v; query head i reads key/value group i // heads_per_group. The kernel is
         `model.attention_backend`'s on this device (overlap.config.attention)."""
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-        kernel, _ = attention_kernel(self.attention_backend, q.is_cuda, str(q.dtype).removeprefix("torch."),
+        on_meta = q.device.type == "meta"  # a dry run's stand-in for a CUDA rank (overlap.perf.dry_run)
+        kernel, _ = attention_kernel(self.attention_backend, q.is_cuda or on_meta, str(q.dtype).removeprefix("torch."),
                                      q.shape[2])
         if kernel == "unfused":
             out = unfused_attention(q, k, v)
+        elif on_meta:
+            out = fused_attention_on_meta(q, k, v)
         elif kernel == "sdpa":
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:

@@ -42,6 +42,7 @@ from overlap.config.model import ModelConfig
 from overlap.layers.moe.permute import (ExpertCapacity, Routing, expert_capacity, expert_counts, gather, route,
                                         sort_chunks_by_local_expert, unpermute, unsort_chunks_by_local_expert)
 from overlap.layers.moe.row_weighting import weight_rows
+from overlap.layers.moe.split_sizes import BalancedRouting, read_split_sizes
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
@@ -177,10 +178,16 @@ class AllToAllDispatcher:
             # THE host sync of the layer, done once and as late as the dispatch allows: all_to_all needs its split
             # sizes on the host, and so do the chunk sort and the expert loop. One `.tolist()` of every count means
             # no later step blocks the CPU.
-            host = torch.cat([counts, recv]).tolist()
+            host = read_split_sizes(torch.cat([counts, recv]), lambda: self._balanced(topk_idx.shape[0], capacity)
+                                    .alltoall_counts(comm.group_rank(self.group)))
             return self._plan(hidden_shape, routing, False, host[:self.num_experts], host[self.num_experts:])
 
         return PendingPlan(finish)
+
+    def _balanced(self, num_tokens: int, capacity: ExpertCapacity | None) -> BalancedRouting:
+        """The routing a dry run assumes for `num_tokens` local tokens (`overlap.layers.moe.split_sizes`)."""
+        return BalancedRouting(num_tokens, self.topk, self.num_experts, self.ep_size,
+                               None if capacity is None else capacity.capacity)
 
     def _plan(self, hidden_shape: torch.Size, routing: Routing, padded: bool, local: list[int],
               recv_counts: list[int]) -> DispatchPlan:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from overlap.layers.moe.dispatcher import AllToAllDispatcher, PendingPlan, WaitFn
+from overlap.layers.moe.permute import count_per_expert
+from overlap.layers.moe.split_sizes import read_split_sizes
 from overlap.parallel import comm
 from overlap.parallel.trace import RECORDER
 
@@ -68,7 +70,7 @@ class FlexDispatcher(AllToAllDispatcher):
             dest = torch.div(topk_idx, el, rounding_mode="floor")  # [T, k] EP rank of each chosen expert
             on_rank = torch.zeros(ep, num_tokens, dtype=torch.bool, device=topk_idx.device)
             on_rank.scatter_(0, dest.t(), True)  # [ep, T]: token t has at least one expert on rank r
-            pairs = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).view(ep, el)
+            pairs = count_per_expert(topk_idx, self.num_experts).view(ep, el)
             send = torch.cat([on_rank.sum(dim=1, keepdim=True), pairs], dim=1).reshape(-1)  # [ep * (1 + el)]
         handle = comm.all_to_all(send, self.meta_group, "ep_counts", [1 + el] * ep, [1 + el] * ep)
         return PendingPlan(lambda wait: self._finish(wait, wait(handle), send, topk_idx, dest, on_rank,
@@ -80,7 +82,8 @@ class FlexDispatcher(AllToAllDispatcher):
         ep, el, k = self.ep_size, self.num_local_experts, self.topk
         num_tokens = topk_idx.shape[0]
         # THE host sync of the layer (see AllToAllDispatcher.route for why here and only once).
-        counts = torch.cat([send, recv]).view(2, ep, 1 + el).tolist()
+        counts = read_split_sizes(torch.cat([send, recv]).view(2, ep, 1 + el), lambda: self._balanced(
+            num_tokens, None).flex_counts(comm.group_rank(self.group)))
         input_splits = [c[0] for c in counts[0]]
         output_splits = [c[0] for c in counts[1]]
         tokens_per_local_expert = [sum(c[1 + e] for c in counts[1]) for e in range(el)]

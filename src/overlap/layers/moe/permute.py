@@ -70,10 +70,18 @@ class Permutation:
     tokens_per_expert: torch.Tensor  # [E] int64, rows per expert
 
 
+def count_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64: how many entries of `topk_idx` name each expert. Not `torch.bincount`: its output size depends on
+    the values (the largest + 1), so on a GPU it reads them on the host (a sync in every MoE layer) and it cannot run
+    on fake tensors (`overlap run --dry-run`). Adding ones into E fixed slots gives the same integers, shape known."""
+    flat = topk_idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
 def expert_counts(topk_idx: torch.Tensor, num_experts: int, capacity: ExpertCapacity | None = None) -> torch.Tensor:
     """[E] int64 rows each expert gets from this routing (`route`'s `tokens_per_expert`, without the layout): all
     a counts exchange needs, so it can leave before the permutation is laid out."""
-    counts = torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    counts = count_per_expert(topk_idx, num_experts)
     if capacity is None:
         return counts
     return torch.full_like(counts, capacity.capacity) if capacity.pad else counts.clamp(max=capacity.capacity)
@@ -112,7 +120,7 @@ def _route_fused(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts
     flat = topk_idx.reshape(-1)
     # Stable sort: flat position t * k + j grows with t, so equal experts keep token order.
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = count_per_expert(flat, num_experts)
     if capacity is None:
         return Routing(torch.div(order, k, rounding_mode="floor"), order, counts)
     keep = _keep_fused(flat, order, topk_weights.reshape(-1), counts, capacity)

@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
+from overlap.layers.moe.permute import count_per_expert
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
@@ -112,7 +113,7 @@ class TopKRouter(nn.Module):
         """[prob sum per expert (E), routed pairs per expert (E), token count (1)] of this rank's tokens, in one
         vector so that one collective carries them all; only the prob sums carry gradient."""
         probs = torch.softmax(logits, dim=-1)
-        counts = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).to(probs.dtype)
+        counts = count_per_expert(topk_idx, self.num_experts).to(probs.dtype)
         return torch.cat([probs.sum(dim=0), counts, probs.new_full((1,), float(probs.shape[0]))])
 
     def _aux_loss(self, stats: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""The MoE dispatchers' split sizes on the host: the one host read of a layer's micro-batch, and its dry-run answer.
+
+An all-to-all needs its split sizes on the host, so each dispatcher reads the exchanged counts once per layer and
+micro-batch (`read_split_sizes`). In a dry run (`overlap run --dry-run`, `overlap.perf.dry_run`) the tensors are
+fakes with no values and nobody knows the routing, so that read is answered instead by balanced routing
+(`assume_balanced_routing`): each EP rank spreads its T x k routed (token, expert) pairs over the E experts as evenly
+as integers allow, T x k // E per expert, and the remainder goes one extra pair to each of the next
+(T x k) % E experts, starting at a different expert on each EP rank, so that the receivers stay as even as the
+senders. Every EP rank holds the same number of tokens (one micro-batch shape), so each rank can work out what its
+peers send it. A capacity without padding clamps the counts as the routing would. This is the only place that
+answers a read with something else, and only while a dry run has switched it on: it must say so in its report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class BalancedRouting:
+    """Balanced routing of `tokens` tokens per EP rank, `topk` experts each, over `num_experts` experts split in
+    `ep_size` equal blocks (EP rank r owns experts r x E/ep ... (r+1) x E/ep - 1)."""
+
+    tokens: int
+    topk: int
+    num_experts: int
+    ep_size: int
+    capacity: int | None = None  # at most this many rows per expert from one rank (an unpadded capacity)
+
+    def pairs(self, source: int, expert: int) -> int:
+        """Routed (token, expert) pairs EP rank `source` sends to `expert`."""
+        base, extra = divmod(self.tokens * self.topk, self.num_experts)
+        count = base + (1 if (expert - source * extra) % self.num_experts < extra else 0)
+        return count if self.capacity is None else min(count, self.capacity)
+
+    def alltoall_counts(self, ep_rank: int) -> list[int]:
+        """`AllToAllDispatcher`'s host counts on EP rank `ep_rank`: [E] rows it sends per expert, then
+        [ep x E_local] rows it receives per (source rank, local expert)."""
+        el = self.num_experts // self.ep_size
+        sent = [self.pairs(ep_rank, g) for g in range(self.num_experts)]
+        received = [self.pairs(s, ep_rank * el + e) for s in range(self.ep_size) for e in range(el)]
+        return sent + received
+
+    def flex_counts(self, ep_rank: int) -> list[list[list[int]]]:
+        """`FlexDispatcher`'s host counts on EP rank `ep_rank`: [2 (sent, received), ep, 1 + E_local], each entry
+        (rows, pairs per local expert). A token crosses to a rank once whatever number of its experts live there;
+        the pairs a rank gets are taken to come from distinct tokens (at most T), the most rows, so the dry run's
+        bytes are an upper bound for this routing."""
+        el = self.num_experts // self.ep_size
+
+        def entry(source: int, dest: int) -> list[int]:
+            pairs = [self.pairs(source, dest * el + e) for e in range(el)]
+            return [min(self.tokens, sum(pairs)), *pairs]
+
+        return [[entry(ep_rank, r) for r in range(self.ep_size)], [entry(s, ep_rank) for s in range(self.ep_size)]]
+
+
+# None outside a dry run; in one, told of every answered read (`assume_balanced_routing`)
+_answered: Callable[[], None] | None = None
+
+
+def assume_balanced_routing(on_answer: Callable[[], None] | None) -> None:
+    """Dry run only: from now on answer the split-size reads with balanced routing, calling `on_answer()` for each
+    answer so that the report can count them (and name the reading line); None switches it off (the real read)."""
+    global _answered
+    _answered = on_answer
+
+
+def read_split_sizes(counts: torch.Tensor, balanced: Callable[[], list]) -> list:
+    """THE host read of a layer's split sizes: `counts.tolist()`, or, in a dry run, `balanced()` (the same lists,
+    from `BalancedRouting`)."""
+    if _answered is None:
+        return counts.tolist()
+    _answered()
+    return balanced()
