@@ -58,9 +58,9 @@ def test_nccl_rules_are_for_cpu_ranks():
 
 
 def test_a_cpu_run_under_nccl_rules_replays_its_program():
-    """PP2 x VPP2 with EP overlap: the layout that hung on NCCL before its pipeline had a group per direction."""
-    out = _overlap("run", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "4", "-ms", "2", "-pp", "2",
-                   "-vp", "2", "-ep", "2", "--moe_a2a_overlap", "true", "--nccl-rules", "model.num_layers=4")
+    """PP2 x VPP2: the layout that hung on NCCL before its pipeline had a group per direction."""
+    out = _overlap("run", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "2", "-ms", "2", "-pp", "2",
+                   "-vp", "2", "--nccl-rules", "model.num_layers=4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "replays with NCCL's streams" in out.stderr
     assert "timeline: host clock under NCCL's rules" in out.stderr

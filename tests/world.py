@@ -46,9 +46,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: dict[str,
         try:
             result = fn(*args, **kwargs)
             ForkingPickler.dumps(result)  # fail here, with a message, rather than in the queue's feeder thread
-            outbox.put((rank, True, result))
+            outbox.put((rank, True, result, len(dist.distributed_c10d._world.pg_map)))
         except BaseException:  # report any failure, including assertion errors, to the test process
-            outbox.put((rank, False, traceback.format_exc()))
+            outbox.put((rank, False, traceback.format_exc(), 0))
     from overlap.parallel import comm
 
     comm.forget_groups()
@@ -58,6 +58,7 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: dict[str,
 class _World:
     def __init__(self, size: int, env: dict[str, str]) -> None:
         self.size = size
+        self.groups = 0  # process groups a rank held after the last job
         port = _free_port()
         self.inboxes = [_CTX.Queue() for _ in range(size)]
         self.outbox = _CTX.Queue()
@@ -74,7 +75,7 @@ class _World:
         errors: list[str] = []
         for _ in range(self.size):
             try:
-                rank, ok, value = self.outbox.get(timeout=RANK_TIMEOUT_S)
+                rank, ok, value, self.groups = self.outbox.get(timeout=RANK_TIMEOUT_S)
             except Exception:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 raise RuntimeError(f"world of {self.size}: no answer within {RANK_TIMEOUT_S}s (dead ranks: {dead})")
@@ -95,6 +96,11 @@ class _World:
                 p.kill()
 
 
+# Every process group keeps gloo threads that wake every 10 ms (its TCP loop's epoll timeout) for as long as the world
+# lives, and a rank keeps every group it built (comm caches them per layout): a 4-rank world that had held 40 groups
+# burned a quarter of a core doing nothing, slowing every later test. A world whose ranks hold more is retired after
+# its job and the next job starts a fresh one (a few seconds).
+MAX_GROUPS = 32
 NCCL_RULES_ENV = "OVERLAP_TEST_NCCL_RULES"  # =1: every run_world job under NCCL's rules, its program replayed
 
 
@@ -116,11 +122,21 @@ def run_world_in(env: dict[str, str], size: int, fn: Callable, *args: Any, **kwa
             world.close()
         world = _WORLDS[key] = _World(size, env)
     try:
-        return world.run(fn, args, kwargs)
+        results = world.run(fn, args, kwargs)
     except BaseException:
         world.close()
         del _WORLDS[key]
         raise
+    if world.groups > MAX_GROUPS:  # retired: the next job starts a fresh world
+        close_world(size, env)
+    return results
+
+
+def close_world(size: int, env: dict[str, str] | None = None) -> None:
+    """End the shared world of `size` ranks (and `env`) if one is running."""
+    world = _WORLDS.pop((size, tuple(sorted((env or {}).items()))), None)
+    if world is not None:
+        world.close()
 
 
 def _under_nccl_rules(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list]:
