@@ -4,9 +4,10 @@ run is. One GPU cannot host two NCCL ranks, so every step is single-rank:
 
 1. env       - the machine: GPU, torch, CUDA, NCCL versions.
 2. nccl      - a one-rank NCCL world (device-bound): `batch_isend_irecv` gives one work for a whole batch (our handles
-               share it), a collective queued behind GEMMs has a future that completes at enqueue and a `wait()` that
-               does not block the host, and the GPU-timeline tracer (CUDA events) times it on the device: launched
-               after the GEMMs, done after its launch, with a positive duration.
+               share it, the GPU timeline times it, and a send is dropped only once the device reports it complete),
+               a collective queued behind GEMMs has a future that completes at enqueue and a `wait()` that does not
+               block the host, and the GPU-timeline tracer (CUDA events) times it on the device: launched after the
+               GEMMs, done after its launch, with a positive duration.
 3. sync      - one training step of the tiny MoE recipe (one rank: the all-to-all path without peers) under
                `torch.cuda.set_sync_debug_mode("warn")`: every host synchronisation by source line, each intended one
                (the split sizes, the logged loss, the gradient norm) allowed by name; any other fails the step.
@@ -38,8 +39,9 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_TIMEOUT_S = {"env": 60, "nccl": 120, "sync": 180, "moe_tiny": 150, "dense_tiny": 150, "calibrate": 300,
-                  "plan": 90}
+STEP_TIMEOUT_S = {"env": 60, "nccl": 90, "sync": 120, "moe_tiny": 90, "dense_tiny": 90, "calibrate": 200,
+                  "plan": 60}
+DEADLINE_S = 480  # all steps together: the device tool runs one command for 10 minutes at most, 15 in a session
 INTENDED_SYNCS = {  # (file, function) of the host reads a step needs, and why
     ("dispatcher.py", "finish"): "the MoE split sizes (NCCL's all-to-all takes them on the host)",
     ("trainer.py", "train_step"): "the logged loss",
@@ -86,7 +88,6 @@ def steps(gpu: str, device: str, out: Path) -> list[tuple[str, list[str] | None,
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import shutil
     import tempfile
 
     out = Path(args.out)
@@ -99,30 +100,31 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 0
         out.mkdir(parents=True, exist_ok=True)
         failed = _run_steps(plan, args, work, out)
-        for source, name in KEPT.items():
-            if (work / source.format(gpu=args.gpu)).exists():
-                shutil.copy(work / source.format(gpu=args.gpu), out / name.format(gpu=args.gpu))
     return 1 if failed else 0
 
 
 def _run_steps(plan: list[tuple[str, list[str] | None, str]], args: argparse.Namespace, work: Path,
                out: Path) -> list[str]:
-    """Run every step; write OUT/gpu_check.json and .log; the names of the steps that failed."""
+    """Run every step within DEADLINE_S; after each one, OUT/gpu_check.json, .log and the kept files are written (a
+    run killed from outside keeps what it had); the names of the steps that failed."""
+    import shutil
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                PYTHONUNBUFFERED="1")
     results, log = {}, (out / "gpu_check.log").open("w")
+    deadline = time.monotonic() + DEADLINE_S
     for name, command, why in plan:
-        if command is None:
-            results[name] = {"status": "skipped", "why": why}
+        left = deadline - time.monotonic()
+        if command is None or left < 20:
+            results[name] = {"status": "skipped", "why": why if command is None else "out of time (DEADLINE_S)"}
             continue
-        start = time.monotonic()
+        start, timeout = time.monotonic(), min(STEP_TIMEOUT_S[name], left)
         try:
-            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=STEP_TIMEOUT_S[name])
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
             status, output = ("pass" if done.returncode == 0 else f"fail (exit {done.returncode})",
                               done.stdout + done.stderr)
         except subprocess.TimeoutExpired as exc:
-            status, output = f"fail (timed out after {STEP_TIMEOUT_S[name]} s)", f"{exc.stdout or ''}{exc.stderr or ''}"
+            status, output = f"fail (timed out after {timeout:.0f} s)", f"{exc.stdout or ''}{exc.stderr or ''}"
         seconds = round(time.monotonic() - start, 1)
         log.write(f"===== {name}: {' '.join(command)}\n{output}\n")
         log.flush()
@@ -133,6 +135,11 @@ def _run_steps(plan: list[tuple[str, list[str] | None, str]], args: argparse.Nam
         if found.exists() and isinstance(results[name]["findings"], dict) and results[name]["findings"].get("failed"):
             results[name]["status"] = "fail (" + "; ".join(results[name]["findings"]["failed"]) + ")"
         print(f"{name:<11} {results[name]['status']} ({seconds} s)", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps({"gpu": args.gpu, "device": args.device, "steps": results},
+                                                       indent=1) + "\n")
+        for source, kept in KEPT.items():
+            if (work / source.format(gpu=args.gpu)).exists():
+                shutil.copy(work / source.format(gpu=args.gpu), out / kept.format(gpu=args.gpu))
     log.close()
     (out / "gpu_check.json").write_text(json.dumps({"gpu": args.gpu, "device": args.device, "steps": results},
                                                    indent=1) + "\n")
@@ -185,19 +192,33 @@ def cmd_nccl(args: argparse.Namespace) -> int:
         torch.cuda.set_device(device)
     comm.init_world("nccl" if cuda else "gloo", 60, device)
     try:
-        # One work per batch: our handles of a call share it, whatever the backend returns.
-        if cuda:  # a send to itself and its receive in one group call (gloo has no send to self)
-            x, y = torch.arange(4.0, device=device), torch.zeros(4, device=device)
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, y, 0)])
-            _check(facts, failed, "works_per_batch_of_2", len(works) >= 1, len(works))
-            posted = comm._Posted(works)  # noqa: SLF001 (a one-rank world: comm's own calls skip a group of 1)
-            handles = [comm.CommHandle(CommEvent("pp_send_fwd", "p2p", 1, 16, 0.0), posted, None),
-                       comm.CommHandle(CommEvent("pp_recv_fwd", "p2p", 1, 0, 0.0), posted, y)]
-            got = [h.wait() for h in handles][1]
-            _check(facts, failed, "batched_self_exchange_correct", bool(torch.equal(got, x)), got.tolist())
-        # A collective behind queued GEMMs, traced on the GPU timeline.
-        RECORDER.timeline = DeviceTimeline() if cuda else RECORDER.timeline
+        RECORDER.timeline = DeviceTimeline() if cuda else RECORDER.timeline  # what a GPU rank's tracer uses
         RECORDER.drain()
+        # One work per batch: our handles of a call share it (and its future on the GPU timeline); dropped once the
+        # device reports it complete, with a query that never waits.
+        if cuda:  # a send to itself and its receive in one group call (gloo has no send to self)
+            a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+            for _ in range(30):  # the batch queues behind these on its stream
+                a = (a @ a).clamp_(-1, 1)
+            x, y = torch.arange(1 << 20, dtype=torch.float32, device=device), torch.zeros(1 << 20, device=device)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, y, 0)])
+            _check(facts, failed, "works_per_batch_of_2", len(works) == 1, len(works))
+            posted = comm._Posted(works)  # noqa: SLF001 (a one-rank world: comm's own calls skip a group of 1)
+            events = [CommEvent("pp_send_fwd", "p2p", 1, x.numel() * 4, RECORDER.mark()),
+                      CommEvent("pp_recv_fwd", "p2p", 1, 0, RECORDER.mark())]
+            for e in events:
+                RECORDER.add_comm(e)
+            handles = [comm.CommHandle(events[0], posted, None), comm.CommHandle(events[1], posted, y)]
+            reaped_while_busy = handles[0].reap()
+            torch.cuda.synchronize()
+            _check(facts, failed, "send_reaped_only_once_complete", not reaped_while_busy and handles[0].reap(),
+                   {"while_busy": reaped_while_busy})
+            got = handles[1].wait()
+            _check(facts, failed, "batched_self_exchange_correct", bool(torch.equal(got, x)), float(got.sum()))
+            traced, _spans = RECORDER.drain()
+            _check(facts, failed, "batch_done_on_gpu_timeline", all(e.t_done is not None for e in traced),
+                   [None if e.t_done is None else round((e.t_done - e.t_launch) * 1e3, 4) for e in traced])
+        # A collective behind queued GEMMs, traced on the GPU timeline.
         a = torch.randn((4096, 4096) if cuda else (512, 512), device=device,
                         dtype=torch.bfloat16 if cuda else torch.float32)
         inp = torch.randn(1 << (28 if cuda else 20), device=device)

@@ -57,6 +57,17 @@ def test_nccl_rules_are_for_cpu_ranks():
     assert out.returncode == 2 and "--nccl-rules" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("override, field", [
+    (["ddp.impl=torch_ddp"], "ddp.impl"), (["model.pipeline_impl=torch_pipelining"], "model.pipeline_impl"),
+    (["model.tensor_parallel_impl=dtensor"], "model.tensor_parallel_impl"),
+    (["--network", "model:1ms,1GB/s"], "--network")])
+def test_nccl_rules_refuse_what_they_cannot_check(override, field):
+    """The PyTorch peers bypass our comm layer, and the modelled link matches by tag and delays the host: a replay
+    would pass a run it never checked."""
+    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--nccl-rules", *override)
+    assert out.returncode == 2 and field in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 def test_a_cpu_run_under_nccl_rules_replays_its_program():
     """PP2 x VPP2: the layout that hung on NCCL before its pipeline had a group per direction."""
     out = _overlap("run", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "2", "-ms", "2", "-pp", "2",

@@ -165,3 +165,16 @@ def test_a_recorder_on_the_host_clock_resolves_nothing():
         pass
     (span,) = recorder.drain()[1]
     assert isinstance(span.t_start, float) and calls == []
+
+
+def test_a_send_is_dropped_once_the_device_reports_it_complete_without_a_wait(device):
+    """`CommHandle.reap`: the pipeline drops the sends of released outputs this way on NCCL - a query, never a wait
+    (no stream is made to wait on the send)."""
+    clock, _ = device
+    handle, work = _collective(clock, finish_at=None)
+    waited = []
+    work.wait = lambda timeout=None: waited.append(1)
+    assert not handle.reap() and handle in comm.outstanding()
+    work.finish(clock.t + 0.002)
+    assert handle.reap() and handle not in comm.outstanding() and not waited
+    assert handle.reap()  # and it stays dropped

@@ -139,9 +139,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                       os.environ)
     argv = _own_argv(args.argv)
     check_network_for(network, args.gpu)
-    if args.nccl_rules and args.gpu != "cpu":
-        raise ConfigError("--nccl-rules", True, "it makes gloo follow NCCL's rules on CPU ranks; GPU ranks run NCCL "
-                          "itself.", f"drop --nccl-rules for -g {args.gpu}, or use -g cpu.")
+    if args.nccl_rules:
+        _check_nccl_rules(job.cfg, args, network)
     if args.emit_slurm and network.kind == "tbf":
         raise ConfigError("--network", args.network, "the emulated interconnect is a local (-g cpu) launch feature.",
                           "on a cluster use the real network (omit --network); CPU ranks may use a modelled link "
@@ -227,6 +226,26 @@ def _dry_run(job, args: argparse.Namespace) -> int:
         print(f"overlap: error: dry run of rank {report.rank}: {report.finding.line()}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_nccl_rules(cfg, args: argparse.Namespace, network) -> None:
+    """--nccl-rules checks what goes through our comm layer, on CPU ranks, on the real link."""
+    if args.gpu != "cpu":
+        raise ConfigError("--nccl-rules", True, "it makes gloo follow NCCL's rules on CPU ranks; GPU ranks run NCCL "
+                          "itself.", f"drop --nccl-rules for -g {args.gpu}, or use -g cpu.")
+    if network.kind == "model":
+        raise ConfigError("--network", network.text, "the modelled link delays the host and matches messages by tag, "
+                          "and NCCL's rules hide completion from the host and ignore tags.",
+                          "drop --network with --nccl-rules (tbf:RATE and real are fine).")
+    m, d = cfg.model, cfg.ddp
+    for field, value, peer in (("ddp.impl", d.impl, d.impl != "overlap"),
+                               ("model.pipeline_impl", m.pipeline_impl, m.pipeline_impl != "overlap"),
+                               ("model.tensor_parallel_impl", m.tensor_parallel_impl,
+                                m.tensor_parallel_impl != "overlap")):
+        if peer:
+            raise ConfigError(field, value, "the PyTorch peers communicate through torch's own code, which our "
+                              "comm layer neither records nor holds to NCCL's rules: the replay would check only part "
+                              "of the run.", f"drop --nccl-rules, or use {field}=overlap.")
 
 
 def _check_comm_mode(comm_mode: str) -> None:

@@ -256,12 +256,13 @@ def set_mode(mode: str) -> None:
 def set_nccl_rules(on: bool) -> None:
     """Run gloo under NCCL's rules, to find on a CPU what would break on GPUs (tests, `overlap run --nccl-rules`):
 
-    - `batch_isend_irecv` gives ONE work for the whole batch (NCCL's coalescing manager), never one per op;
-    - a work's future is complete as soon as the op is posted (on NCCL it completes at enqueue; `wait()` orders the
-      stream, not the host), so nothing on the host learns when data arrived from it;
+    - the host is not told when a collective completes (the tracer's `RulesTimeline`: on NCCL a work's future
+      completes at enqueue and `wait()` orders the stream, not the host), so the runtime takes the decisions it takes
+      on GPUs, and the tracer the GPU timeline's path, fed by gloo's own completion;
     - point-to-point tags are dropped on the wire: messages between two ranks on a group meet in posting order;
     - every rank's program is recorded (`PROGRAM`), for `overlap.parallel.program.replay` to play the ranks together
       with NCCL's streams: rendezvous sends, one stream per communicator in issue order.
+    (A point-to-point call's ops share one completion on every backend, as NCCL gives one work for a whole batch.)
     The data still travel over gloo, so losses are real. The modelled link needs tags and host-visible completion:
     it is refused here (as it is on NCCL)."""
     global _nccl_rules
@@ -276,24 +277,19 @@ def set_nccl_rules(on: bool) -> None:
         PROGRAM.stop()
 
 
-def nccl_rules() -> bool:
-    return _nccl_rules
-
-
 class _Posted:
     """What one posted call returned: a collective's work, or the works of a batch of point-to-point ops - one per op
     on gloo, ONE for the whole batch on NCCL (torch's coalescing manager) - so never indexed per op: every op of a
-    batch completes with the batch. Under NCCL's rules (`set_nccl_rules`) its future completes at once, as NCCL's
-    does at enqueue; `works` are still the real ones."""
+    batch completes with the batch."""
 
     def __init__(self, works: Sequence[dist.Work | None]) -> None:
         self.works = [w for w in works if w is not None]
-        self.enqueued = _nccl_rules
         self._waited = False
 
     def wait(self, timeout: timedelta | None = None) -> None:
         """Wait for every work of the call, once: the ops of a batch share it, and a gloo send's work waited a
-        second time waits for a send that never comes."""
+        second time waits for a send that never comes. (On NCCL a wait orders the current stream; the runtime waits
+        every op from the compute stream, so one wait orders it for all.)"""
         if self._waited:
             return
         for work in self.works:
@@ -305,10 +301,6 @@ class _Posted:
 
     def get_future(self) -> torch.futures.Future:
         """Completes with the call (RuntimeError where a work has no future, as some of gloo's)."""
-        if self.enqueued:
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(None)
-            return fut
         if len(self.works) == 1:
             return self.works[0].get_future()
         return torch.futures.collect_all([w.get_future() for w in self.works])
@@ -414,6 +406,22 @@ class CommHandle:
         if not self._done:
             self._complete(None)
         return self._result
+
+    def reap(self) -> bool:
+        """If the op is known complete - a query that never blocks (on NCCL the device's own event; gloo knows a
+        send complete only once waited) - drop what it holds without waiting, so no stream is made to wait on it, and
+        return True (also once waited). For sends whose buffers should go as soon as they are out. Ops with a finish
+        step or a modelled deadline are left to `wait`."""
+        if self._done:
+            return True
+        if self._finish is not None or self._deadline_from is not None or not self._posted.is_completed():
+            return False
+        if self._callback is not None and not self._callback.done():
+            return False
+        self._done = True
+        _outstanding.discard(self)
+        self._posted = self._callback = None
+        return True
 
     def _complete(self, deadline: float | None) -> None:
         """Wait for the op and its callback, then run the finish step. `deadline` (time.monotonic()) bounds the wait
@@ -594,8 +602,8 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
                    lambda: dist.all_to_all_single(out, inp, output_split_sizes=list(output_split_sizes or []) or None,
                                                   input_split_sizes=list(input_split_sizes or []) or None,
                                                   group=group, async_op=True), out, fake,
-                   record=[_op_record(kind, "all_to_all", inp, splits=None if input_split_sizes is None else
-                                      (input_split_sizes, output_split_sizes))])
+                   record=[_op_record(kind, "all_to_all", inp, splits=None if input_split_sizes is None
+                                      or output_split_sizes is None else (input_split_sizes, output_split_sizes))])
 
 
 class ManyHandle:
@@ -706,23 +714,24 @@ def device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str]) ->
 
 def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
     """A second process group over the same ranks as `mesh`'s `dim` (collective), built once per process: small
-    metadata exchanges (the MoE split sizes) and the backward direction of the pipeline run on their own
-    communicator, so they never queue behind bulk traffic of another micro-batch on the first."""
-    return _groups_along(mesh, dim, "twin", lambda ranks: ranks)
+    metadata exchanges (the MoE split sizes) run on their own communicator, so they never queue behind bulk traffic
+    of another micro-batch on the first."""
+    return _groups_along(mesh, dim, "twin", lambda ranks: {None: ranks}).get(None)
 
 
 def _groups_along(mesh: DeviceMesh, dim: str, name: str,
-                  members: Callable[[list[int]], list[int]]) -> ProcessGroup | None:
-    """For every line of `mesh` along `dim` (its ranks, in order), a new group of `members(ranks)`, created by every
-    rank in the same order, once per process; this rank's group (None where it is in no group)."""
-    def build() -> ProcessGroup | None:
-        mine = None
+                  groups: Callable[[list[int]], dict[Any, list[int]]]) -> dict[Any, ProcessGroup]:
+    """For every line of `mesh` along `dim` (its ranks, in order), the groups `groups(ranks)` names (key -> members),
+    created by every rank in the same order, once per process; this rank's groups by key (empty where it is in
+    none)."""
+    def build() -> dict[Any, ProcessGroup]:
+        mine = {}
         axis = mesh.mesh_dim_names.index(dim)
         for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
-            chosen = members(ranks)
-            group = dist.new_group(chosen)
-            if dist.get_rank() in chosen:
-                mine = group
+            for key, members in groups(ranks).items():
+                group = dist.new_group(members)
+                if dist.get_rank() in members:
+                    mine[key] = group
         return mine
     return _cached((name, mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
                     mesh.mesh_dim_names, dim), build)
@@ -738,29 +747,20 @@ def ring_edge_groups(mesh: DeviceMesh, dim: str, wrap: bool) -> dict[tuple[str, 
     posting order and runs them on one stream per communicator, so a group that carried both directions (PP = 2,
     where the next and the previous stage are the same rank) or both activations and gradients would need every
     rank to post them in exactly the order its peer does. On a group of one sender, one receiver and one kind of
-    message, the k-th send is the k-th receive by construction."""
-    size = mesh.size(mesh.mesh_dim_names.index(dim))
-
-    def build() -> dict[tuple[str, int], ProcessGroup]:
-        mine: dict[tuple[str, int], ProcessGroup] = {}
-        axis = mesh.mesh_dim_names.index(dim)
-        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, size).tolist():
-            for i in range(size if wrap else size - 1):
-                pair = [ranks[i], ranks[(i + 1) % size]]
-                for direction in ("up", "down"):
-                    group = dist.new_group(pair)
-                    if dist.get_rank() in pair:
-                        mine[(direction, i)] = group
-        return mine
-    return _cached(("edges", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
-                    mesh.mesh_dim_names, dim, wrap), build)
+    message, the k-th send is the k-th receive by construction. (Two members: the group's communicator is also the
+    pair's, whether torch runs a single point-to-point op on the group's or on a two-rank one.)"""
+    def edges(ranks: list[int]) -> dict[tuple[str, int], list[int]]:
+        size = len(ranks)
+        return {(direction, i): [ranks[i], ranks[(i + 1) % size]]
+                for i in range(size if wrap else size - 1) for direction in ("up", "down")}
+    return _groups_along(mesh, dim, f"edges wrap={wrap}", edges)
 
 
 def ends_group(mesh: DeviceMesh, dim: str) -> ProcessGroup | None:
     """The group of the first and the last rank along `mesh`'s `dim` (collective), built once per process: a
     pipeline's two ends, which hold the tied embedding and its copy on the output layer (Megatron's embedding
     group). None for a rank in between."""
-    return _groups_along(mesh, dim, "ends", lambda ranks: [ranks[0], ranks[-1]])
+    return _groups_along(mesh, dim, "ends", lambda ranks: {None: [ranks[0], ranks[-1]]}).get(None)
 
 
 def forget_groups() -> None:

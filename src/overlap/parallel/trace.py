@@ -73,17 +73,15 @@ class Span:
     t_end: float
 
 
-class HostTimeline:
-    """The host clock (gloo: the host computes, and blocks in waits); completion from the work's future."""
+class Timeline:
+    """Where times come from (module docstring): `mark()` now, `resolve()` a mark into seconds after `synchronize()`,
+    `settle()` once a drain has resolved everything."""
 
     name = "host clock"
     host_sees_completion = True
 
-    def mark(self) -> float:
+    def mark(self) -> Time:
         return now()
-
-    def done_mark(self, work: Any) -> Mark | None:  # the host timeline takes completion from the future (comm.py)
-        return None
 
     def synchronize(self) -> None:
         pass
@@ -91,8 +89,15 @@ class HostTimeline:
     def resolve(self, value: Time) -> float | None:
         return value.t if isinstance(value, Mark) else value
 
+    def settle(self) -> None:
+        pass
 
-class DeviceTimeline(HostTimeline):
+
+class HostTimeline(Timeline):
+    """The host clock (gloo: the host computes, and blocks in waits); completion from the work's future (comm.py)."""
+
+
+class DeviceTimeline(Timeline):
     """CUDA events on the current stream, resolved at drain (module docstring). `event_factory` makes an event with
     `record()` and `elapsed_time(other)` (ms), as `torch.cuda.Event(enable_timing=True)`; tests give stand-ins."""
 
@@ -107,7 +112,11 @@ class DeviceTimeline(HostTimeline):
             event_factory = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
             synchronize = synchronize or torch.cuda.synchronize
         self._new, self._sync = event_factory, synchronize or (lambda: None)
-        self._origin: tuple[Any, float] | None = None  # (reference event, host time when it was recorded)
+        # (reference event, its time): the first event recorded, then after each drain the latest one resolved.
+        # Elapsed times between CUDA events are float32 milliseconds, which from one fixed origin would lose
+        # microseconds after minutes of a run (0.5 ms steps after an hour).
+        self._origin: tuple[Any, float] | None = None
+        self._latest: tuple[Any, float] | None = None
 
     def _record(self) -> Any:
         event = self._new()
@@ -142,10 +151,18 @@ class DeviceTimeline(HostTimeline):
         if value.event is None or self._origin is None:
             return None
         origin, t0 = self._origin
-        return t0 + origin.elapsed_time(value.event) / 1e3
+        t = t0 + origin.elapsed_time(value.event) / 1e3
+        if self._latest is None or t > self._latest[1]:
+            self._latest = (value.event, t)
+        return t
+
+    def settle(self) -> None:
+        """Move the origin to the latest event resolved: the next drain's events are measured from close by."""
+        if self._latest is not None:
+            self._origin, self._latest = self._latest, None
 
 
-class RulesTimeline(HostTimeline):
+class RulesTimeline(Timeline):
     """gloo under NCCL's rules (module docstring): the host clock, and the device timeline's path for completion,
     set when gloo's own works (`works`, the ones behind what the runtime sees) complete."""
 
@@ -178,7 +195,7 @@ class Recorder:
     spans: list[Span] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     on_drain: Callable[[list[CommEvent], list[Span]], None] | None = None
-    timeline: HostTimeline = field(default_factory=HostTimeline)
+    timeline: Timeline = field(default_factory=HostTimeline)
 
     def mark(self) -> Time:
         return self.timeline.mark()
@@ -215,6 +232,7 @@ class Recorder:
                 value = getattr(item, f.name)
                 if isinstance(value, Mark):
                     setattr(item, f.name, self.timeline.resolve(value))
+        self.timeline.settle()
 
     def discard(self) -> None:
         """Forget what was recorded outside the iterations (a checkpoint's gathers between two steps): no step's

@@ -33,27 +33,28 @@ p2p modes (the resolution picks one; `explain` shows it):
 - overlapped (`overlap_p2p_comm`): sends are posted as soon as their tensor exists; the receive for the next
   forward is posted right after this forward's send, and waited only just before that forward (the same for
   backward), so its transfer runs while this rank computes.
-In both, sends are waited at the end of the step (or, releasing outputs on gloo, where that cannot block): a
+In both, sends are waited at the end of the step (or dropped earlier when their output is released, below): a
 send's completion is never on the compute's critical path.
 
 Memory (`deallocate_pipeline_outputs`, Megatron's deallocate_output_tensor + custom_backward): a stage's output is
-kept for backward only as the root of its autograd graph - nothing in the graph reads its values - so once its send
-is posted its storage is replaced by one element (`out.data = torch.empty((1,))`), and the backward starts from it
-through the autograd engine directly (`torch.autograd.backward` would compare the gradient's shape with the now
-one-element tensor; the engine checks it against the graph's record). Who keeps the data alive until the send is
-done depends on the device:
-- CUDA: the output itself is sent, and released right after its send is posted, as the reference does: the caching
-  allocator does not reuse the memory before the send's stream is past it (point-to-point sends record their stream
-  on the tensor), so nothing waits and nothing holds it;
-- CPU (gloo): a detached alias is sent, which the send's work holds until the send is waited; the executor waits it
-  at the first point where that wait cannot deadlock. Without a virtual pipeline at once: activations only flow from
-  rank r to r + 1, the last stage sends none, so a rank waiting for its send waits for a downstream rank whose
-  progress never depends on it (Megatron's synchronous send). With one, the last stage feeds rank 0 and a wait could
-  close a cycle, so a send is waited once this rank received a message that the consuming rank produced at or after
-  the task that consumes the output (every rank runs its program in order and completes a task's receive before the
-  task) - at the latest the output's own gradient. This is decided by causality, never by asking the backend.
+kept for backward only as the root of its autograd graph - nothing in the graph reads its values - so as soon as it
+is handed to its send its storage is replaced by one element (`out.data = torch.empty((1,))`), and the backward
+starts from it through the autograd engine directly (`torch.autograd.backward` would compare the gradient's shape
+with the now one-element tensor; the engine checks it against the graph's record). The send carries a detached alias
+of the data, which keeps the memory alive until the send is dropped: swapping the output's storage under a tensor
+the process group holds would hand memory still being sent back to the allocator (torch's NCCL process group keeps
+the tensor object, not the storage, and no longer records its stream on it). The executor drops each such send at
+the first point where that costs nothing, decided without ever blocking the compute on it:
+- where the host sees completion (gloo), by causality: without a virtual pipeline at once (activations only flow
+  from rank r to r + 1, the last stage sends none, so a rank waiting for its send waits for a downstream rank whose
+  progress never depends on it: Megatron's synchronous send); with one, the last stage feeds rank 0 and a wait could
+  close a cycle, so once this rank received a message that the consuming rank produced at or after the task that
+  consumes the output (every rank runs its program in order and completes a task's receive before the task) - at
+  the latest the output's own gradient;
+- on a device timeline (NCCL), once the device reports the send complete (`CommHandle.reap`, a query that never
+  blocks), without a wait: the memory goes back soon after the transfer ends, and no stream waits for it.
 `PipelineMemory` measures what it buys: the bytes of output storage still alive (weak references to the storages, so
-a send buffer not yet released counts).
+a send not yet dropped counts).
 
 Deferred output-layer weight gradients (`defer_embedding_wgrad_compute`): on the last virtual stage the output
 layer's weight-gradient GEMMs go into its own `WeightGradStore` (`ColumnParallelLinear.wgrad_store`) instead of
@@ -202,12 +203,10 @@ class PipelineExecutor:
         self.saved: dict[tuple[int, int], tuple] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.groups = ps.pipeline_p2p_groups(wrap=self.vpp > 1) if self.pp > 1 else {}
-        # deallocate_pipeline_outputs (module notes): outputs to release once their send is posted, by its tag; on
-        # gloo, the sends of released outputs still to wait, by tag -> (consuming pp rank, position of the consuming
-        # task in its program; -1 without a virtual pipeline: at once)
+        # deallocate_pipeline_outputs (module notes): the sends of released outputs still to drop, by tag ->
+        # (consuming pp rank, position of the consuming task in its program; -1 without a virtual pipeline)
         self.deallocate = deallocate_outputs
-        self.to_release: dict[int, tuple[torch.Tensor, int, int]] = {}  # tag -> (output, chunk, micro-batch)
-        self.unconfirmed: dict[int, tuple[int, int]] = {}
+        self.released: dict[int, tuple[int, int]] = {}
         self.heard: dict[int, int] = {}  # pp rank -> furthest position in its program that a received message left
         self.positions: dict[int, dict[Task, int]] = {}
         if self.deallocate and self.vpp > 1:  # the causal rule needs the neighbours' programs
@@ -268,9 +267,6 @@ class PipelineExecutor:
                 posted = comm.p2p([(f"pp_send_{kind}", P2P_SEND, t, peer, tag) for t, tag in outgoing],
                                   self.groups[f"{kind}_out"])
                 self.sends.update(zip((tag for _t, tag in outgoing), posted))
-                for _t, tag in outgoing:
-                    if tag in self.to_release:
-                        self._release(tag)
             keys = [k for k in recvs if k[0] == direction]
             if keys:
                 peer = self.ps.pp_prev if direction == FWD else self.ps.pp_next
@@ -279,11 +275,7 @@ class PipelineExecutor:
                 self.recvs.update(zip(keys, posted))
 
     def _send(self, direction: int, tensor: torch.Tensor, virtual_to: int, mb: int, next_task: Task | None) -> None:
-        tag = self._tag(direction, virtual_to, mb)
-        if tag in self.to_release and tensor.is_cuda and tensor.is_contiguous():
-            item = (direction, tensor, tag)  # the output itself: released right after posting (module notes)
-        else:
-            item = (direction, tensor.detach().contiguous(), tag)
+        item = (direction, tensor.detach().contiguous(), self._tag(direction, virtual_to, mb))
         if direction == FWD and item[1].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
             self._track(item[1])  # a non-contiguous output travels as a copy: that copy is output memory too
         if not self.overlap and next_task is not None and self._needs_recv(next_task) is not None:
@@ -299,24 +291,20 @@ class PipelineExecutor:
         if self.deallocate and self.vpp > 1:
             rank, task = self._producer(key)
             self.heard[rank] = max(self.heard.get(rank, -1), self.positions[rank][task])
-            self._wait_released()
+            self._drop_released()
         return tensor
 
     # --- deallocate_pipeline_outputs ----------------------------------------------------------------------------
-    def _to_release(self, out: torch.Tensor, chunk: int, mb: int) -> None:
-        """Release `out` once its send is posted (module notes)."""
+    def _release(self, out: torch.Tensor, chunk: int, mb: int) -> None:
+        """The output's storage goes now; its send, which holds an alias of the data, is dropped later (module
+        notes)."""
         if out._base is not None:  # Megatron's check: freeing a view would free nothing
             raise RuntimeError(f"deallocate_pipeline_outputs: chunk {chunk}'s output is a view of another tensor")
-        self.to_release[self._tag(FWD, self._virtual(chunk) + 1, mb)] = (out, chunk, mb)
-
-    def _release(self, tag: int) -> None:
-        out, chunk, mb = self.to_release.pop(tag)
         out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
-        if comm.completion_visible():  # gloo: the send's work holds the data until waited (module notes)
-            virtual = self._virtual(chunk) + 1
-            consumer = virtual % self.pp
-            self.unconfirmed[tag] = (consumer, self.positions[consumer][Task(False, mb, virtual // self.pp)]
-                                     if self.vpp > 1 else -1)
+        virtual = self._virtual(chunk) + 1
+        consumer = virtual % self.pp
+        position = self.positions[consumer][Task(False, mb, virtual // self.pp)] if self.vpp > 1 else -1
+        self.released[self._tag(FWD, virtual, mb)] = (consumer, position)
 
     def _producer(self, key: tuple[int, int, int]) -> tuple[int, Task]:
         """(pp rank, task) that produced the message `key` (direction, receiving virtual stage, micro-batch)."""
@@ -324,13 +312,22 @@ class PipelineExecutor:
         source = virtual - 1 if direction == FWD else virtual + 1
         return source % self.pp, Task(direction == BWD, mb, source // self.pp)
 
-    def _wait_released(self) -> None:
-        """gloo: wait the sends of released outputs where that cannot deadlock (module notes): at once without a
-        virtual pipeline, else once the consuming rank is known to have run the consuming task."""
-        for tag, (rank, position) in list(self.unconfirmed.items()):
-            if self.heard.get(rank, -1) >= position:
-                self.sends.pop(tag).wait()
-                del self.unconfirmed[tag]
+    def _drop_released(self) -> None:
+        """Drop the sends of released outputs where that costs nothing (module notes): on gloo wait those whose
+        consumer is known to have run; on a device timeline drop those the device reports complete, without a wait.
+        A send still pending (batched mode: it travels with the next receive) waits for its post."""
+        visible = comm.completion_visible()
+        for tag, (rank, position) in list(self.released.items()):
+            handle = self.sends.get(tag)
+            if handle is None:
+                continue
+            if visible:
+                if self.heard.get(rank, -1) < position:
+                    continue
+                handle.wait()
+            elif not handle.reap():
+                continue
+            del self.sends[tag], self.released[tag]
 
     # --- live output bytes (PipelineMemory) -------------------------------------------------------------------
     def _track(self, tensor: torch.Tensor) -> None:
@@ -375,9 +372,9 @@ class PipelineExecutor:
             grads.append(torch.ones_like(aux))
         self.saved[(mb, c)] = (hidden, seeds, grads)
         self._track(out)
-        if self.deallocate:
-            self._to_release(out, c, mb)
         self._send(FWD, out, self._virtual(c) + 1, mb, next_task)
+        if self.deallocate:
+            self._release(out, c, mb)
 
     def _backward_setup(self, task: Task) -> tuple[bool, "WeightGradStore | None"]:
         """Before a backward: tells data parallelism whether it is its chunk's last micro-batch (not while deferred
@@ -485,15 +482,14 @@ class PipelineExecutor:
                 following = self.tasks[i + 1] if i + 1 < len(self.tasks) else None
                 (self._backward if task.backward else self._forward)(task, following)
                 self._prefetch(i)
-                self._wait_released()
+                if self.deallocate:
+                    self._drop_released()
                 self._sample()
         self._flush_deferred()
         self._post(self.pending_sends, [])
         for handle in self.sends.values():
             handle.wait()
-        self.pending_sends, self.sends, self.unconfirmed = [], {}, {}
-        if self.to_release:
-            raise RuntimeError(f"deallocate_pipeline_outputs: outputs never sent: {sorted(self.to_release)}")
+        self.pending_sends, self.sends, self.released = [], {}, {}
         if self.recvs:
             raise RuntimeError(f"pipeline: receives posted but never consumed: {sorted(self.recvs)}")
         self._sample()

@@ -86,6 +86,9 @@ class Trainer:
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.model = self.chunks[0]  # without pipeline parallelism: the whole model
+        if ps.pp_size > 1 and cfg.model.pipeline_impl != "torch_pipelining":
+            # the pipeline's point-to-point groups, at start-up (collective; on NCCL each one a communicator)
+            ps.pipeline_p2p_groups(wrap=len(self.chunks) > 1)
         self.ddps = [DistributedDataParallel(c, cfg.ddp, ps, cfg.model.sequence_parallel) for c in self.chunks]
         self.ddp = self.ddps[0]
         if cfg.ddp.use_distributed_optimizer:
