@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.optim.optimizer import _get_scalar_dtype
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from overlap.config.training import OptimizerConfig, SchedulerConfig
 from overlap.parallel import comm
@@ -42,7 +44,8 @@ class Slot:
     """One tensor the optimizer updates: an fp32 `master`, its gradient view, and where the update is written.
 
     The plain optimizer has one slot per parameter (`grad` = main_grad, `out` = the parameter); the distributed
-    optimizer has one per (parameter, bucket shard) piece that this rank owns. `param` carries the attributes the
+    optimizer has one per (parameter, bucket shard) piece that this rank owns. `master`, `grad` and `out` share one
+    shape (the step casts, scales and copies back with multi-tensor ops). `param` carries the attributes the
     gradient-norm rule needs (`is_expert`, `shard`); `decay` is False for 1-D parameters (norms), as Megatron.
     """
 
@@ -70,19 +73,31 @@ def keeps_master(param: nn.Parameter) -> bool:
     return param.dtype != torch.float32
 
 
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """The fp32 sum of squares of `grads` from one multi-tensor norm per (device, dtype) group and one reduction:
+    a per-tensor `pow(2).sum()` is two kernels per gradient, thousands per step on a big model. `device` holds the
+    zero of an empty list (a rank without expert gradients still takes part in the expert all-reduce)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    groups = _group_tensors_by_device_and_dtype([grads])
+    norms = [n for ([tensors], _) in groups.values() for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)]
+    return torch.stack(norms).square().sum()
+
+
 def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
     """(dense, expert) local sums of squared gradients, each logical element counted once after reduction:
     tensor-parallel replicas (norms, router) only on TP rank 0, expert shards summed over the expert-parallel group."""
-    dense = torch.zeros((), dtype=torch.float32)
-    expert = torch.zeros((), dtype=torch.float32)
+    dense: list[torch.Tensor] = []
+    expert: list[torch.Tensor] = []
     for s in slots:
         if hasattr(s.param, "tied_to"):  # the last stage's copy of the tied embedding: counted once, as the embedding
             continue
         if getattr(s.param, "is_expert", False):
-            expert += s.grad.float().pow(2).sum()
+            expert.append(s.grad)
         elif hasattr(s.param, "shard") or ps.tp_rank == 0:
-            dense += s.grad.float().pow(2).sum()
-    return dense, expert
+            dense.append(s.grad)
+    device = slots[0].grad.device if slots else None
+    return _sum_of_squares(dense, device), _sum_of_squares(expert, device)
 
 
 def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool) -> float:
@@ -100,9 +115,22 @@ def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool
     return math.sqrt(float(total))
 
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def multi_tensor_impl(params: list[torch.Tensor]) -> dict[str, bool]:
+    """torch.optim's implementation switch for `params`: `fused=True` when every one is a CUDA floating tensor (a
+    handful of kernels for the whole update, `step` kept on the GPU so nothing is read back), else `foreach=True`
+    (CPU and anything else: multi-tensor ops whose per-element arithmetic is that of the single-tensor loop, so CPU
+    results are bit-identical to it)."""
+    if params and all(p.is_cuda and p.dtype in FUSED_DTYPES for p in params):
+        return {"fused": True}
+    return {"foreach": True}
+
+
 class MixedPrecisionAdam:
-    """AdamW over fp32 master slots (torch's single-tensor AdamW, so every element sees the reference's arithmetic
-    whichever way the slots cut the parameters); no weight decay on 1-D parameters."""
+    """AdamW over fp32 master slots (torch's multi-tensor AdamW, elementwise, so every element sees the reference's
+    arithmetic whichever way the slots cut the parameters); no weight decay on 1-D parameters."""
 
     def __init__(self, slots: list[Slot], cfg: OptimizerConfig) -> None:
         if cfg.optimizer != "adam":
@@ -111,7 +139,8 @@ class MixedPrecisionAdam:
         self.opt = torch.optim.AdamW(
             [{"params": [s.master for s in slots if s.decay], "weight_decay": cfg.weight_decay},
              {"params": [s.master for s in slots if not s.decay], "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False)
+            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+            **multi_tensor_impl([s.master for s in slots]))
         self.clip = cfg.clip_grad
 
     @classmethod
@@ -127,6 +156,7 @@ class MixedPrecisionAdam:
         before the others and `then()` runs in between: the distributed optimizer launches the next forward's first
         parameter gather there, so it travels while the rest of the step computes. AdamW skips a parameter without
         a gradient (no update, no step count, no decay), so the two partial steps are exactly one full step."""
+        # The norm is already on the host (global_grad_norm's one read), so the clipping factor costs no sync here.
         scale = min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 else 1.0
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -140,8 +170,10 @@ class MixedPrecisionAdam:
         self._update([s for s, e in zip(self.slots, early) if not e], scale)
 
     def steps_taken(self) -> int:
-        """How many optimizer steps the slots have seen (every slot gets a gradient every step)."""
-        counts = {int(st["step"]) for st in self.opt.state.values() if "step" in st}
+        """How many optimizer steps the slots have seen (every slot gets a gradient every step). The counts are
+        stacked and read once: fused Adam keeps them on the GPU, where a read per slot would sync per slot."""
+        steps = [st["step"] for st in self.opt.state.values() if "step" in st]
+        counts = {int(c) for c in torch.stack(steps).tolist()} if steps else set()
         if len(counts) > 1:
             raise RuntimeError(f"optimizer slots disagree on the step count: {sorted(counts)}")
         return counts.pop() if counts else 0
@@ -172,19 +204,44 @@ class MixedPrecisionAdam:
             self.opt.state.pop(slot.master, None)
             return
         self.opt.state[slot.master] = {
-            "step": torch.tensor(float(step)),
+            "step": self._step_state(step, slot.master),
             "exp_avg": values["exp_avg"].view_as(slot.master).clone(),
             "exp_avg_sq": values["exp_avg_sq"].view_as(slot.master).clone()}
 
+    def _step_state(self, step: int, master: torch.Tensor) -> torch.Tensor:
+        """`step` as torch's Adam creates it (`Adam._init_group`): fp32 on the parameter's device when fused or
+        capturable, else a CPU scalar. Never the default device: a CUDA `step` on the foreach / single-tensor path
+        is read back with `.item()` per slot per step."""
+        fused, capturable = self.opt.defaults["fused"], self.opt.defaults["capturable"]
+        if fused or capturable:
+            return torch.full((), float(step), dtype=_get_scalar_dtype(is_fused=fused), device=master.device)
+        return torch.tensor(float(step), dtype=_get_scalar_dtype(), device="cpu")
+
     def _update(self, slots: list[Slot], scale: float) -> None:
-        for s in slots:
-            grad = s.grad if s.grad.dtype == s.master.dtype else s.grad.float()
-            s.master.grad = grad if scale == 1.0 else grad * scale
+        """One AdamW step over `slots`: their gradients in fp32 times the clipping `scale` (multi-tensor ops, the
+        reduced gradients themselves left untouched), then the updated masters copied into the parameters."""
+        for s, grad in zip(slots, self._scaled_grads(slots, scale)):
+            s.master.grad = grad
         self.opt.step()
         for s in slots:
             s.master.grad = None
-            if s.out is not s.master:
-                s.out.copy_(s.master.view_as(s.out))
+        outs = [s for s in slots if s.out is not s.master]
+        if outs:
+            torch._foreach_copy_([s.out for s in outs], [s.master for s in outs])
+
+    @staticmethod
+    def _scaled_grads(slots: list[Slot], scale: float) -> list[torch.Tensor]:
+        """`float(grad) * scale` per slot, as the masters' gradients: the fp32 gradients themselves when unscaled,
+        else new tensors (main_grad is the reduced gradient, not ours to scale in place). Low-precision gradients
+        are cast by one multi-tensor copy into fp32 tensors, then scaled in place."""
+        grads = [s.grad for s in slots]
+        if all(g.dtype == s.master.dtype for g, s in zip(grads, slots)):
+            return grads if scale == 1.0 else list(torch._foreach_mul(grads, scale))
+        wide = [torch.empty_like(s.master) for s in slots]
+        torch._foreach_copy_(wide, grads)
+        if scale != 1.0:
+            torch._foreach_mul_(wide, scale)
+        return wide
 
 
 class SlotOptimizer:

@@ -17,7 +17,7 @@ from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.data import build_data
-from overlap.optim.adam import learning_rate
+from overlap.optim.adam import learning_rate, multi_tensor_impl
 from overlap.pipeline.schedules import PipelineMemory
 from overlap.training.trainer import Trainer
 
@@ -46,7 +46,7 @@ class PeerTrainer(Trainer):
         no_decay = [p for p in self.model.parameters() if p.dim() <= 1]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, foreach=False)
+            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, **multi_tensor_impl(decay + no_decay))
         self.data = build_data(cfg)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
