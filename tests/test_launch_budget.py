@@ -1,0 +1,77 @@
+"""Launch-count budget (issue 35): the operator calls of one optimizer step, counted by a TorchDispatchMode, may not
+silently grow.
+
+Every aten call below the mode costs a dispatch and most launch a kernel on a GPU; host reads (`_local_scalar_dense`)
+are counted apart. The step
+is what `Trainer.train_step` runs after the gradient reduction: `grad_norm()` (with its one intended host read) and
+`step()` (clipping scale, AdamW, bf16 copy-back), on the tiny model (tests/tiny.py) in a one-rank world, bf16 mixed
+precision, with `clip_grad` small enough that the clipping scale always applies.
+
+Measured before the multi-tensor optimizer (per-slot loops, `foreach=False`: commit b4bc388~1), same cases, as
+aten calls in all (launches + host reads): dense 2 layers 301 (281 + 20, 19 slots), MoE 2 layers 333 (311 + 22, 21
+slots), MoE with the distributed optimizer 333 (311 + 22), dense 4 layers 549 (513 + 36, 35 slots): about 15
+launches per slot. After: 68 / 75 / 75 / 100 in all, of which 29 / 32 / 32 / 29 launches whatever the slot count;
+the rest are torch's foreach path reading each slot's CPU `step` twice (host reads of CPU scalars, no device sync;
+the fused CUDA path keeps `step` on the GPU and reads nothing) and our one read of the norm. Measured with
+`optimizer_step_ops` below run in `run_world(1, ...)` with PYTHONPATH at the old and the new src.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.tiny import tiny_config
+from tests.world import run_world
+
+HOST_READ = "aten._local_scalar_dense.default"
+CLIP = "optimizer.clip_grad=1e-6"  # always below the norm: the clipping scale is applied every step
+
+
+class OpCount(TorchDispatchMode):
+    """Counts every aten call by its overload name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def optimizer_step_ops(moe: bool, layers: int, items: list[str]) -> tuple[dict[str, int], int]:
+    """On a rank: (aten calls by name, slot count) of the third optimizer step (the first two create the Adam state
+    and the gradient buffers' steady state)."""
+    from overlap.parallel.state import ParallelState
+    from overlap.training.trainer import Trainer
+
+    cfg = tiny_config(moe, "bf16_mixed", layers, [CLIP, *items], 3)
+    res = cfg.finalize(dist.get_world_size())
+    trainer = Trainer(cfg, ParallelState(res.layout))
+    trainer.train_step(0)
+    trainer.train_step(1)
+    with OpCount() as count:
+        trainer.optimizer.step(1e-3, trainer.optimizer.grad_norm())
+    return dict(count.ops), len(trainer.optimizer.adam.slots)
+
+
+# (moe, layers, overrides) -> launches (aten calls less host reads) per optimizer step
+LAUNCHES = {
+    (False, 2, ()): 29,
+    (True, 2, ()): 32,
+    (True, 2, ("ddp.use_distributed_optimizer=true",)): 32,
+    (False, 4, ()): 29,  # twice the layers and slots, the same launches
+}
+
+
+@pytest.mark.parametrize("moe,layers,items", list(LAUNCHES), ids=["dense", "moe", "moe_distopt", "dense_4_layers"])
+def test_optimizer_step_launches_do_not_grow_with_the_slots(moe, layers, items):
+    ops, slots = run_world(1, optimizer_step_ops, moe, layers, list(items))[0]
+    reads = ops.get(HOST_READ, 0)
+    assert sum(ops.values()) - reads == LAUNCHES[moe, layers, items], ops
+    assert reads == 2 * slots + 1, ops  # torch's foreach path: 2 CPU `step` reads per slot; ours: the norm

@@ -1,0 +1,52 @@
+"""The Adam state a checkpoint load creates is the state torch's own AdamW would have made (issue 35): `step` on the
+CPU for the foreach path (a `step` on the GPU there makes AdamW read it back with `.item()` per slot per step), fp32
+on the parameter's device for the fused path - whatever the default device and dtype at load time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from overlap.config import OptimizerConfig
+from overlap.optim import adam as adam_mod
+from overlap.optim.adam import MixedPrecisionAdam, Slot
+
+
+def _adam(seed: int) -> tuple[MixedPrecisionAdam, list[nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(4, 3, generator=gen, dtype=torch.float32)),
+              nn.Parameter(torch.randn(5, generator=gen, dtype=torch.float32))]
+    grads = [torch.randn(p.shape, generator=gen, dtype=torch.float32) for p in params]
+    opt = MixedPrecisionAdam([Slot(p, p, g, p, p.dim() > 1) for p, g in zip(params, grads)],
+                             OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0))
+    return opt, params
+
+
+@pytest.mark.parametrize("impl", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_loaded_step_is_what_torch_creates(impl, monkeypatch):
+    """Default dtype float64 tells the two rules apart on the CPU (foreach: the default scalar dtype, fused: fp32);
+    default device meta stands in for CUDA: a `step` created on the default device lands there."""
+    monkeypatch.setattr(adam_mod, "multi_tensor_impl", lambda params: impl)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ran, trained = _adam(0)
+        ran.step(1e-2, grad_norm=4.0)  # torch creates the state
+        loaded, params = _adam(0)
+        with torch.no_grad():  # the checkpoint's weights (an fp32 parameter is its own master)
+            for p, q in zip(params, trained):
+                p.copy_(q)
+        states = {s.param: {k: v.view(s.param.shape) for k, v in ran.export_slot(s).items() if k != "master"}
+                  for s in ran.slots}
+        with torch.device("meta"):
+            loaded.import_param_states({lp: states[rs.param] for lp, rs in zip(params, ran.slots)}, step=1)
+    finally:
+        torch.set_default_dtype(saved)
+    for a, b in zip(ran.slots, loaded.slots):
+        want, got = ran.opt.state[a.master]["step"], loaded.opt.state[b.master]["step"]
+        assert (got.device, got.dtype, float(got)) == (want.device, want.dtype, float(want))
+    ran.step(1e-2, grad_norm=4.0)
+    loaded.step(1e-2, grad_norm=4.0)  # the loaded state continues exactly as the one torch made
+    assert all(torch.equal(a.master, b.master) for a, b in zip(ran.slots, loaded.slots))
+    assert loaded.steps_taken() == ran.steps_taken() == 2
