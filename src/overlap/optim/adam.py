@@ -219,7 +219,10 @@ class MixedPrecisionAdam:
 
     def _update(self, slots: list[Slot], scale: float) -> None:
         """One AdamW step over `slots`: their gradients in fp32 times the clipping `scale` (multi-tensor ops, the
-        reduced gradients themselves left untouched), then the updated masters copied into the parameters."""
+        reduced gradients themselves left untouched), then the updated masters copied into the parameters. A partial
+        step may have no slots (every one selected first): nothing to do, and foreach ops refuse empty lists."""
+        if not slots:
+            return
         for s, grad in zip(slots, self._scaled_grads(slots, scale)):
             s.master.grad = grad
         self.opt.step()
