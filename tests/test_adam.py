@@ -1,6 +1,11 @@
-"""The Adam state a checkpoint load creates is the state torch's own AdamW would have made (issue 35): `step` on the
-CPU for the foreach path (a `step` on the GPU there makes AdamW read it back with `.item()` per slot per step), fp32
-on the parameter's device for the fused path - whatever the default device and dtype at load time."""
+"""The Adam core on torch's multi-tensor paths (issue 35).
+
+- Same arithmetic as the per-slot loop it replaced: torch's single-tensor AdamW on `float(grad) * clip scale`, bit
+  for bit on the CPU, with fp32 and bf16 gradients and bf16 parameters (copy-back).
+- The state a checkpoint load creates is the state torch's own AdamW would have made: `step` on the CPU for the
+  foreach path (a `step` on the GPU there makes AdamW read it back with `.item()` per slot per step), fp32 on the
+  parameter's device for the fused path - whatever the default device and dtype at load time.
+"""
 
 from __future__ import annotations
 
@@ -50,3 +55,29 @@ def test_loaded_step_is_what_torch_creates(impl, monkeypatch):
     loaded.step(1e-2, grad_norm=4.0)  # the loaded state continues exactly as the one torch made
     assert all(torch.equal(a.master, b.master) for a, b in zip(ran.slots, loaded.slots))
     assert loaded.steps_taken() == ran.steps_taken() == 2
+
+
+@pytest.mark.parametrize("grad_dtype,param_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                    (torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16_grads", "bf16_params"])
+def test_multi_tensor_step_is_the_single_tensor_loop(grad_dtype, param_dtype):
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(4, 3), (5,), (2, 2)]
+    params = [nn.Parameter(torch.randn(s, generator=gen).to(param_dtype)) for s in shapes]
+    for p in params:
+        p.main_grad = torch.randn(p.shape, generator=gen).to(grad_dtype)
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
+    opt = MixedPrecisionAdam.for_params(params, cfg)
+    reduced = [p.main_grad.clone() for p in params]
+    masters = [p.detach().float().clone().requires_grad_() for p in params]  # the per-slot loop's reference
+    ref = torch.optim.AdamW([{"params": [m for m in masters if m.dim() > 1], "weight_decay": 0.1},
+                             {"params": [m for m in masters if m.dim() <= 1], "weight_decay": 0.0}],
+                            lr=1e-2, eps=cfg.adam_eps, betas=(cfg.adam_beta1, cfg.adam_beta2), foreach=False)
+    for _ in range(3):
+        opt.step(1e-2, grad_norm=4.0)  # scale 1 / 4
+        for m, p in zip(masters, params):
+            m.grad = p.main_grad.float() * min(1.0, 1.0 / (4.0 + 1e-6))
+        ref.step()
+    assert all(torch.equal(s.master, m) for s, m in zip(opt.slots, masters))
+    assert all(torch.equal(p, m.to(param_dtype)) for p, m in zip(params, masters))
+    assert all(torch.equal(p.main_grad, g) for p, g in zip(params, reduced))  # not scaled in place
