@@ -14,6 +14,9 @@ launches per slot. After: 68 / 75 / 75 / 100 in all, of which 29 / 32 / 32 / 29 
 the rest are torch's foreach path reading each slot's CPU `step` twice (host reads of CPU scalars, no device sync;
 the fused CUDA path keeps `step` on the GPU and reads nothing) and our one read of the norm. Measured with
 `optimizer_step_ops` below run in `run_world(1, ...)` with PYTHONPATH at the old and the new src.
+
+One transformer layer's forward and backward (`layer_ops`) are bounded too: dense 118 / 188 aten calls, MoE (4
+experts, top-2, the default loop permutation) 216 / 250.
 """
 
 from __future__ import annotations
@@ -75,3 +78,35 @@ def test_optimizer_step_launches_do_not_grow_with_the_slots(moe, layers, items):
     reads = ops.get(HOST_READ, 0)
     assert sum(ops.values()) - reads == LAUNCHES[moe, layers, items], ops
     assert reads == 2 * slots + 1, ops  # torch's foreach path: 2 CPU `step` reads per slot; ours: the norm
+
+
+def layer_ops(moe: bool) -> tuple[int, int]:
+    """On a rank: aten calls of one transformer layer's forward, then of its backward (bf16, one micro-batch)."""
+    from overlap.model.gpt import GPTModel
+    from overlap.parallel.state import ParallelState
+
+    cfg = tiny_config(moe, "bf16_mixed", 1, [], 1)
+    res = cfg.finalize(dist.get_world_size())
+    model = GPTModel(cfg.model, ParallelState(res.layout))
+    model.init_weights(cfg.train.seed)
+    tokens = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.long)
+    x = model.embed(tokens).detach().requires_grad_()
+    layer = model.layers[0]
+    with OpCount() as forward:
+        out, aux = layer(x)
+    outputs = [out] if aux is None else [out, aux]
+    grads = [torch.ones_like(t) for t in outputs]
+    with OpCount() as backward:
+        torch.autograd.backward(outputs, grads)
+    return sum(forward.ops.values()), sum(backward.ops.values())
+
+
+# moe -> (forward, backward) aten calls of one layer, measured at a44fc76 (the optimizer work leaves layers alone):
+# upper bounds, so fusing the layers' elementwise chains or the MoE permutation may lower them, not raise them.
+LAYER_OPS = {False: (118, 188), True: (216, 250)}
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_layer_forward_backward_ops_do_not_grow(moe):
+    forward, backward = run_world(1, layer_ops, moe)[0]
+    assert forward <= LAYER_OPS[moe][0] and backward <= LAYER_OPS[moe][1], (forward, backward)
