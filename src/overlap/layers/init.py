@@ -65,14 +65,6 @@ def _slice_seed(base: int, i: int) -> int:
     return (z ^ (z >> 31)) & _SEED_MASK
 
 
-def full_shape(param: nn.Parameter) -> tuple[int, ...]:
-    shape = list(param.shape)
-    shard: Shard | None = getattr(param, "shard", None)
-    if shard is not None:
-        shape[shard.dim] *= shard.count
-    return tuple(shape)
-
-
 @torch.no_grad()
 def init_model_params(model: nn.Module, seed: int, std: float) -> None:
     """Initialise every parameter of `model` with this rank's slices of its full-tensor draw (normal(0, std), biases
