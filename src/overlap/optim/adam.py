@@ -73,8 +73,8 @@ def keeps_master(param: nn.Parameter) -> bool:
 def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
     """(dense, expert) local sums of squared gradients, each logical element counted once after reduction:
     tensor-parallel replicas (norms, router) only on TP rank 0, expert shards summed over the expert-parallel group."""
-    dense = torch.zeros((), dtype=torch.float32)
-    expert = torch.zeros((), dtype=torch.float32)
+    dense = torch.zeros((), dtype=torch.float32, device=ps.device)
+    expert = torch.zeros((), dtype=torch.float32, device=ps.device)
     for s in slots:
         if hasattr(s.param, "tied_to"):  # the last stage's copy of the tied embedding: counted once, as the embedding
             continue
@@ -172,7 +172,7 @@ class MixedPrecisionAdam:
             self.opt.state.pop(slot.master, None)
             return
         self.opt.state[slot.master] = {
-            "step": torch.tensor(float(step)),
+            "step": torch.tensor(float(step), device="cpu"),  # where AdamW keeps it (neither fused nor capturable)
             "exp_avg": values["exp_avg"].view_as(slot.master).clone(),
             "exp_avg_sq": values["exp_avg_sq"].view_as(slot.master).clone()}
 
