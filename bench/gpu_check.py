@@ -275,7 +275,6 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
-    torch.set_default_device(device)
     job = resolve_run(["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", args.gpu, "-ng", "1", "-ms", "2", "-c", "bf16"],
                       [])
     comm.init_world("nccl", 60, device)
@@ -294,7 +293,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         entry["count"] += 1
 
     try:
-        trainer = Trainer(job.cfg, ParallelState(job.resolution.layout, "cuda"))
+        trainer = Trainer(job.cfg, ParallelState(job.resolution.layout, device))
         trainer.train_step(0)  # warm-up: first-use allocations and lazy inits are not the step's
         torch.cuda.synchronize()
         with warnings.catch_warnings():

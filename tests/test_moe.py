@@ -106,7 +106,7 @@ def test_sort_chunks_by_local_expert_and_back(ep_size, num_local_experts, data):
 
 
 def test_aux_loss_is_switch_formula_and_none_disables_it():
-    ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0)
+    ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, device=torch.device("cpu"))
     router = TopKRouter(_config(num_experts=4), ps)
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(1))
@@ -125,7 +125,7 @@ def test_aux_loss_is_switch_formula_and_none_disables_it():
 
 
 def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_through_gradient():
-    ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=0, tp_rank=0)
+    ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=0, tp_rank=0, device=torch.device("cpu"))
     cfg = _config(num_experts=8, moe_router_force_load_balancing=True)
     router, twin = TopKRouter(cfg, ps, layer_number=3), TopKRouter(cfg, ps, layer_number=3)
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
@@ -152,7 +152,8 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
     torch.testing.assert_close(router.weight.grad, grad_logits.T @ x.detach().reshape(-1, HIDDEN))
     torch.testing.assert_close(x.grad.reshape(-1, HIDDEN), grad_logits @ router.weight.detach())
     assert not torch.equal(router(x)[0], idx)  # the next call draws anew
-    other = TopKRouter(cfg, SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=1, tp_rank=0), layer_number=3)
+    other = TopKRouter(cfg, SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=1, tp_rank=0,
+                                                device=torch.device("cpu")), layer_number=3)
     other.weight.data.copy_(router.weight.data)
     twin2 = TopKRouter(cfg, ps, layer_number=3)
     twin2.weight.data.copy_(router.weight.data)

@@ -299,7 +299,6 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        torch.set_default_device(device)
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = job.cfg
@@ -313,7 +312,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     elif args.nccl_rules:
         comm.set_nccl_rules(True)
     try:
-        ps = ParallelState(job.resolution.layout, "cuda" if use_cuda else "cpu")
+        ps = ParallelState(job.resolution.layout, device or "cpu")
         if rank == 0:
             log.info("%s", job.resolution.decisions.format_sections())
             log.info("Parallel layout: %s\n%s", describe_layout(job.resolution), ps.describe())

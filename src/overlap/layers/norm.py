@@ -22,12 +22,12 @@ class RMSNorm(nn.Module):
     parallelism. Such a weight is not marked `sequence_parallel` (the trainer must not sum it again).
     """
 
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool,
-                 params_dtype: torch.dtype = torch.float32, weight_grad_group: ProcessGroup | None = None) -> None:
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, params_dtype: torch.dtype,
+                 device: torch.device, weight_grad_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight_grad_group = weight_grad_group
-        self.weight = mark_ones(nn.Parameter(torch.ones(hidden_size, dtype=params_dtype)))
+        self.weight = mark_ones(nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device)))
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,12 @@ class RotaryEmbedding(nn.Module):
     information of long sequences. Tables are non-persistent buffers: derived data, not part of a checkpoint.
     """
 
-    def __init__(self, head_dim: int, base: float, max_seq_length: int) -> None:
+    def __init__(self, head_dim: int, base: float, max_seq_length: int, device: torch.device) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head dim, got {head_dim}")
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_seq_length, dtype=torch.float32), inv_freq)
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+        angles = torch.outer(torch.arange(max_seq_length, dtype=torch.float32, device=device), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [seq, 1, 1, head_dim]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)

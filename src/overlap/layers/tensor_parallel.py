@@ -271,10 +271,10 @@ class ColumnParallelLinear(nn.Module):
         local = divide(per_linear, tp, "ColumnParallelLinear output size")
         shape = (local, in_features) if num_fused == 1 else (num_fused, local, in_features)
         shard_dim = 0 if num_fused == 1 else 1
-        self.weight = mark_shard(nn.Parameter(torch.empty(shape, dtype=params_dtype)), shard_dim, ps.tp_rank, tp)
+        self.weight = mark_shard(nn.Parameter(torch.empty(shape, dtype=params_dtype, device=ps.device)), shard_dim, ps.tp_rank, tp)
         self.bias = None
         if bias:
-            self.bias = mark_shard(nn.Parameter(torch.empty(shape[:-1], dtype=params_dtype)),
+            self.bias = mark_shard(nn.Parameter(torch.empty(shape[:-1], dtype=params_dtype, device=ps.device)),
                                    shard_dim, ps.tp_rank, tp)
 
     def forward(self, x: torch.Tensor, split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -316,11 +316,11 @@ class RowParallelLinear(nn.Module):
         self.overlap = _sp_only(overlap, sequence_parallel, "RowParallelLinear")
         self.input_is_parallel = input_is_parallel
         local = divide(in_features, ps.tp_size, "RowParallelLinear input size")
-        self.weight = mark_shard(nn.Parameter(torch.empty(out_features, local, dtype=params_dtype)),
+        self.weight = mark_shard(nn.Parameter(torch.empty(out_features, local, dtype=params_dtype, device=ps.device)),
                                  1, ps.tp_rank, ps.tp_size)
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype))
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype, device=ps.device))
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,7 +348,7 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel
         local = divide(num_embeddings, ps.tp_size, "VocabParallelEmbedding vocabulary size")
         self.vocab_start = ps.tp_rank * local
-        self.weight = mark_shard(nn.Parameter(torch.empty(local, embedding_dim, dtype=params_dtype)),
+        self.weight = mark_shard(nn.Parameter(torch.empty(local, embedding_dim, dtype=params_dtype, device=ps.device)),
                                  0, ps.tp_rank, ps.tp_size)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

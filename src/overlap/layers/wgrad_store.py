@@ -184,7 +184,7 @@ def grouped_offsets(counts: list[int], rows: torch.Tensor, weights: Sequence[tor
     so CUDA keeps the loop."""
     if rows.device.type != "cpu" or any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
         return None
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return torch.tensor(counts, dtype=torch.int64, device=rows.device).cumsum(0).to(torch.int32)
 
 
 def _grouped_mm(rows: torch.Tensor, counts: list[int], weights: Sequence[torch.Tensor], width: int) -> torch.Tensor:

@@ -73,7 +73,7 @@ def keeps_master(param: nn.Parameter) -> bool:
     return param.dtype != torch.float32
 
 
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The fp32 sum of squares of `grads` from one multi-tensor norm per (device, dtype) group and one reduction:
     a per-tensor `pow(2).sum()` is two kernels per gradient, thousands per step on a big model. `device` holds the
     zero of an empty list (a rank without expert gradients still takes part in the expert all-reduce)."""
@@ -96,8 +96,7 @@ def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tens
             expert.append(s.grad)
         elif hasattr(s.param, "shard") or ps.tp_rank == 0:
             dense.append(s.grad)
-    device = slots[0].grad.device if slots else None
-    return _sum_of_squares(dense, device), _sum_of_squares(expert, device)
+    return _sum_of_squares(dense, ps.device), _sum_of_squares(expert, ps.device)
 
 
 def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool) -> float:

@@ -7,6 +7,7 @@ inside that block, expert-tensor-parallel is fastest, then expert-parallel, then
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,7 +25,12 @@ class ParallelState:
     Must be constructed by every rank of the default process group in the same order (group creation is collective).
     """
 
-    def __init__(self, layout: ParallelLayout, device_type: str = "cpu") -> None:
+    def __init__(self, layout: ParallelLayout, device: torch.device | str = "cpu",
+                 mesh_device_type: str | None = None) -> None:
+        """`device`: where this rank's parameters and step tensors live. No default device is installed (torch's
+        set_default_device is a TorchFunctionMode that taxes every torch call), so every factory call of the model,
+        the optimizer and the trainer names this device or takes an input's. `mesh_device_type`: the meshes' device
+        type where it is not `device`'s (the dry run's fake CUDA rank on a machine without a GPU)."""
         if layout.cp != 1:
             raise NotBuiltError("model.context_parallel_size", layout.cp, "Context parallelism",
                                 "use context_parallel_size=1 (-cp 1).")
@@ -38,6 +44,8 @@ class ParallelState:
                               f"the layout was resolved for {layout.world_size} ranks.",
                               "launch as many ranks as the configuration was resolved for.")
         self.layout = layout
+        self.device = torch.device(device)
+        device_type = mesh_device_type or self.device.type
         self.rank = dist.get_rank()
         self.world_size = layout.world_size
         # Built once per process for each layout and reused (`comm.device_mesh`): a process that runs several jobs

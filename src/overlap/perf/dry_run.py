@@ -10,7 +10,8 @@ gathers included), with:
   runtime builds exists, with this rank at its place in the world; collectives return at once and move nothing.
   `comm.py` records the rank's communication program (`comm.PROGRAM`) as on a real run. The host cannot see a
   collective complete, as on NCCL (`RulesTimeline`), so the schedules take their GPU decisions.
-- every tensor a FakeTensor (`FakeTensorMode`) on the fake device: "cuda" on a CUDA build of torch (true CUDA
+- every tensor a FakeTensor (`FakeTensorMode`) on the fake device, which the trainer's `ParallelState.device` names
+  as a GPU rank's names its GPU (neither installs a default device): "cuda" on a CUDA build of torch (true CUDA
   fakes), "meta" on a CPU build, where CUDA tensors cannot run autograd. On "meta" the code paths that only run on
   CUDA (an `x.is_cuda` branch) are not exercised, but a CPU tensor meeting a device tensor is still caught.
 - a dispatch mode (`_StepWatch`) over the fakes that measures the live storage bytes on the fake device after every
@@ -545,18 +546,17 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
     # torch names the default backend of a device-mapped world only for plugins it finds under their registered
     # name ("FAKE" is looked up as "fake" and missed), and its teardown then warns that it has none
     dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    saved_timeline, saved_default = RECORDER.timeline, torch.get_default_device()
+    saved_timeline = RECORDER.timeline
     RECORDER.timeline = RulesTimeline()  # the host does not see completion, as on NCCL: the GPU decisions
     watch = _StepWatch(device)
     trainer = ps = None
     try:
-        ps = ParallelState(layout, mesh_device)
+        ps = ParallelState(layout, device, mesh_device)
         played = options.microbatches or default_microbatches(layout, cfg, ps.pp_rank)
         cfg.train.global_batch_size = played * cfg.train.micro_batch_size * layout.dp
         log.info("dry run: rank %d of %d, %d of %d micro-batches, fake device %s", options.rank, layout.world_size,
                  played, per_step, device.type)
         split_sizes.assume_balanced_routing(lambda: watch.record_read(caller(), "balanced routing", SPLIT_SIZES))
-        torch.set_default_device(device)  # as a GPU rank (commands._run_rank)
         with FakeTensorMode(allow_non_fake_inputs=True), watch, warnings.catch_warnings():
             # The pipeline compares storage addresses to count a sent copy in its own memory statistic, which the
             # dry run does not read (it measures every storage itself); fakes have none, and torch warns.
@@ -591,7 +591,6 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
             split_size_reads=split_reads, finding=watch.finding, seconds=time.perf_counter() - started)
     finally:
         split_sizes.assume_balanced_routing(None)
-        torch.set_default_device(None if saved_default.type == "cpu" else saved_default)
         RECORDER.timeline = saved_timeline
         comm.PROGRAM.stop()
         RECORDER.discard()

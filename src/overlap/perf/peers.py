@@ -67,8 +67,8 @@ class PeerTrainer(Trainer):
         t, ps = self.cfg.train, self.ps
         self.optimizer.zero_grad(set_to_none=True)
         batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
-                                          ps.dp_size)
-        loss_sum = torch.zeros((), dtype=torch.float32)
+                                          ps.dp_size, ps.device)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         for i, (tokens, labels) in enumerate(batches):
             with self._sync_gradients(i == len(batches) - 1):
                 with RECORDER.span("forward"):

@@ -235,7 +235,7 @@ def _backward_layers(b: ChunkRun, fixed_wgrad_slots: bool) -> Iterator[None]:
     backward."""
     fixed = fixed_wgrad_slots or not b.delay_wgrad
     if b.last:
-        (g,) = b.loss_node.backward(torch.full((), b.loss_scale, dtype=torch.float32))
+        (g,) = b.loss_node.backward(torch.full((), b.loss_scale, dtype=torch.float32, device=b.model.ps.device))
     else:
         g = b.grad_output
     for i, run in enumerate(reversed(b.layers)):

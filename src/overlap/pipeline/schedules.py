@@ -270,7 +270,7 @@ class PipelineExecutor:
             keys = [k for k in recvs if k[0] == direction]
             if keys:
                 peer = self.ps.pp_prev if direction == FWD else self.ps.pp_next
-                posted = comm.p2p([(f"pp_recv_{kind}", P2P_RECV, torch.empty(self.shape, dtype=self.dtype), peer,
+                posted = comm.p2p([(f"pp_recv_{kind}", P2P_RECV, torch.empty(self.shape, dtype=self.dtype, device=self.ps.device), peer,
                                     self._tag(*k)) for k in keys], self.groups[f"{kind}_in"])
                 self.recvs.update(zip(keys, posted))
 

@@ -23,14 +23,15 @@ class SampleSource(ABC):
         """Sample `index` of iteration `iteration`: seq_length + 1 tokens (the model reads [:-1], predicts [1:])."""
 
     def micro_batches(self, iteration: int, global_batch: int, micro_batch: int, dp_rank: int,
-                      dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This DP rank's micro-batches of one iteration as (tokens [b, s], labels [b, s])."""
+                      dp_size: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's micro-batches of one iteration as (tokens [b, s], labels [b, s]) on `device` (samples are
+        drawn on the host, by the CPU generator, so every device type reads the same tokens)."""
         per_rank = global_batch // dp_size
         first = dp_rank * per_rank
         batches = []
         for start in range(first, first + per_rank, micro_batch):
             rows = torch.stack([self.sample(iteration, i) for i in range(start, start + micro_batch)])
-            rows = rows.to(torch.get_default_device())
+            rows = rows.to(device)
             batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
         return batches
 
@@ -43,7 +44,7 @@ class MockDataset(SampleSource):
 
     def sample(self, iteration: int, index: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + iteration) * 1_000_003 + index)
-        # Drawn on the CPU (the generator's device) whatever the default device, so GPUs see the same samples.
+        # Drawn on the CPU (the generator's device), so GPUs see the same samples.
         return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen, device="cpu")
 
 

@@ -29,12 +29,11 @@ def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch
     lay = res.layout
     rank0 = SimpleNamespace(tp_size=lay.tp, tp_rank=0, ep_size=lay.ep, ep_rank=0, dp_size=lay.dp, dp_rank=0,
                             pp_size=lay.pp, pp_rank=0, rank=0, world_size=lay.world_size, tp_group=None, ep_group=None,
-                            ep_meta_group=None)
+                            ep_meta_group=None, device=torch.device("meta"))
     # Parameters do not depend on the token dispatcher; the stand-in keeps one the runtime builds everywhere, so the
     # count also works for a configuration `run` will refuse (explain still lists its buckets).
     config = replace(cfg.model, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None)
-    with torch.device("meta"):
-        chunks = model_chunks(config, rank0)
+    chunks = model_chunks(config, rank0)
     return [[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks]
 
 

@@ -28,7 +28,9 @@ from overlap.parallel import comm
 
 
 class ExitWatch:
-    def __init__(self, t: TrainConfig) -> None:
+    def __init__(self, t: TrainConfig, device: torch.device) -> None:
+        """`device`: where the exit flags are all-reduced (the rank's device: NCCL reduces only GPU tensors)."""
+        self.device = device
         self.minutes = t.exit_duration_in_mins
         self.handler = t.exit_signal_handler
         self.enabled = self.handler or self.minutes is not None
@@ -46,7 +48,8 @@ class ExitWatch:
         if not self.enabled:
             return None
         elapsed_min = (time.monotonic() - self.start) / 60.0
-        flags = torch.tensor([1.0 if self.signalled is not None else 0.0, elapsed_min], dtype=torch.float64)
+        flags = torch.tensor([1.0 if self.signalled is not None else 0.0, elapsed_min], dtype=torch.float64,
+                             device=self.device)
         comm.all_reduce(flags, dist.group.WORLD, "ctl_exit", dist.ReduceOp.MAX).wait()
         if flags[0] > 0:
             return "SIGTERM received (train.exit_signal_handler)"

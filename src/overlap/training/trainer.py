@@ -124,9 +124,9 @@ class Trainer:
         for ddp in self.ddps:
             ddp.zero_grad()
         batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
-                                          ps.dp_size)
+                                          ps.dp_size, ps.device)
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         if m.pipeline_impl == "torch_pipelining":  # the PyTorch peer of the schedule below (pipeline/torch_peer.py)
             for ddp in self.ddps:
                 ddp.set_last_micro_batch(False)  # its schedule is opaque: every bucket is reduced after it
@@ -188,7 +188,7 @@ class Trainer:
         comm_sum: dict[str, float] = defaultdict(float)
         RECORDER.drain()
         first = self.start_iteration
-        watch = ExitWatch(t)
+        watch = ExitWatch(t, self.ps.device)
         stopped: str | None = None
         try:
             for it in range(first, t.train_iters):

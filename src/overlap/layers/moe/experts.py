@@ -28,7 +28,7 @@ from overlap.parallel.state import ParallelState
 
 
 def _expert_param(shape: tuple[int, ...], dtype: torch.dtype, ps: ParallelState) -> nn.Parameter:
-    param = mark_shard(nn.Parameter(torch.empty(shape, dtype=dtype)), 0, ps.ep_rank, ps.ep_size)
+    param = mark_shard(nn.Parameter(torch.empty(shape, dtype=dtype, device=ps.device)), 0, ps.ep_rank, ps.ep_size)
     # The trainer reduces expert grads over the expert-data-parallel group, not the data-parallel group.
     param.is_expert = True
     return param

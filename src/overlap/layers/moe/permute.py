@@ -187,7 +187,7 @@ def _keep_loop(flat: torch.Tensor, weights: torch.Tensor, capacity: ExpertCapaci
     if capacity.policy == "probs":
         dropped = torch.argsort(weights[flat], descending=True, stable=True)[capacity.capacity:]
     else:
-        dropped = torch.arange(capacity.capacity, flat.numel())
+        dropped = torch.arange(capacity.capacity, flat.numel(), device=flat.device)
     keep[dropped] = False
     return keep
 

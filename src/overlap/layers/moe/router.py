@@ -82,7 +82,7 @@ class TopKRouter(nn.Module):
         self.stats_group = ps.tp_group if config.sequence_parallel and ps.tp_size > 1 else None
         # Filled by init_model_params; replicated on every rank (routing must agree wherever a token goes).
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size,
-                                               dtype=params_dtype(config)))
+                                               dtype=params_dtype(config), device=ps.device))
         self.weight.sequence_parallel = True
         # Forced load balancing: the seed of the random logits' generator, made on the logits' device at first use.
         self.random_seed: int | None = None
