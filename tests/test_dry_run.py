@@ -161,15 +161,26 @@ def test_balanced_routing_respects_an_unpadded_capacity():
 
 
 def test_split_sizes_are_read_for_real_unless_a_dry_run_answers():
-    counts = torch.tensor([3, 1, 4, 1])
-    assert split_sizes.read_split_sizes(counts, lambda: [0]) == [3, 1, 4, 1]
+    # The sent counts, then the received ones (whatever their shape), flattened; the exchange is waited for through
+    # the scheduler's wait in every case. (On CUDA a side stream copies them: not run here, no GPU.)
+    sent, received = torch.tensor([3, 1]), torch.tensor([[4, 1], [5, 9]])
+    waited = []
+
+    def wait(exchange: str) -> torch.Tensor:
+        waited.append(exchange)
+        return received
+
+    host, got = split_sizes.read_split_sizes(sent, "exchange", wait, lambda: [0])
+    assert host == [3, 1, 4, 1, 5, 9] and got is received and waited == ["exchange"]
     asked = []
     split_sizes.assume_balanced_routing(lambda: asked.append(1))
     try:
-        assert split_sizes.read_split_sizes(counts, lambda: [2, 2, 2, 2]) == [2, 2, 2, 2]
+        host, got = split_sizes.read_split_sizes(sent, "exchange", wait, lambda: [2, 2, 2, 2])
+        assert host == [2, 2, 2, 2] and got is received
     finally:
         split_sizes.assume_balanced_routing(None)
-    assert len(asked) == 1 and split_sizes.read_split_sizes(counts, lambda: [0]) == [3, 1, 4, 1]
+    assert len(asked) == 1 and len(waited) == 2
+    assert split_sizes.read_split_sizes(sent, "exchange", wait, lambda: [0])[0] == [3, 1, 4, 1, 5, 9]
 
 
 def test_expert_counts_equal_bincount():

@@ -297,7 +297,7 @@ def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
     w = torch.nn.Parameter(torch.randn(6, 24, 16, generator=g).to(dtype))
     rows = torch.randn(sum(counts), 16, generator=g).to(dtype)
     dy = torch.randn(sum(counts), 24, generator=g).to(dtype)
-    offs = grouped_offsets(counts, rows, (w,))
+    offs = grouped_offsets(torch.tensor(counts), rows, (w,))
     assert offs is not None and offs.tolist() == [5, 5, 14, 17, 17, 24]
     results = []
     for kernel_offs in (offs, None):
@@ -317,8 +317,8 @@ def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
 def test_grouped_gemm_kernel_is_chosen_only_where_its_layout_rule_holds():
     """16-byte row strides: hidden 8 holds in fp32 (32 bytes), not in bf16 at width 4 (8 bytes)."""
     from overlap.layers.wgrad_store import grouped_offsets
-    assert grouped_offsets([1, 2], torch.zeros(3, 8), (torch.zeros(2, 4, 8),)) is not None
-    assert grouped_offsets([1, 2], torch.zeros(3, 4, dtype=torch.bfloat16),
+    assert grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 8), (torch.zeros(2, 4, 8),)) is not None
+    assert grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 4, dtype=torch.bfloat16),
                            (torch.zeros(2, 8, 4, dtype=torch.bfloat16),)) is None
 
 

@@ -25,6 +25,7 @@ from overlap.config.decisions import DEFAULT, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import DTYPES, ModelConfig
+from overlap.config.moe_permute import resolve_moe_permute_fusion
 from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
                                      TrainConfig)
 from overlap.errors import ConfigError, NotBuiltError
@@ -93,7 +94,8 @@ class ConfigContainer:
         """Resolve for `world_size` ranks. `device` says which GPU the flex-dispatcher rules check (this machine's by
         default; `explain` passes the target named by -g), `require_libraries` whether kernel libraries must be
         importable here, `command_line` the harness's own decisions (flags beaten by overrides), logged first,
-        `on_cuda` whether the ranks compute on CUDA (the attention rule; None: whether CUDA is available here)."""
+        `on_cuda` whether the ranks compute on CUDA (the attention and MoE permutation rules; None: whether CUDA is
+        available here)."""
         if world_size < 1:
             raise ConfigError("-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more.")
         if self._requested is None:
@@ -119,7 +121,9 @@ class ConfigContainer:
         self._validate(layout)
         resolve_checkpoint(self.checkpoint, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
-        resolve_attention_backend(self.model, log, torch.cuda.is_available() if on_cuda is None else on_cuda)
+        on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+        resolve_attention_backend(self.model, log, on_cuda)
+        resolve_moe_permute_fusion(self.model, log, on_cuda)
         return Resolution(world_size, layout, log)
 
     # --- stages ------------------------------------------------------------------------------------------------

@@ -79,7 +79,9 @@ class ModelConfig:
     moe_token_dispatcher_type: str = "alltoall"  # "alltoall" | "flex" ("allgather" is the reference's, not built)
     moe_flex_dispatcher_backend: str | None = None  # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
     moe_shared_expert_overlap: bool | None = None  # None: not set (resolved off, logged)
-    moe_permute_fusion: bool = False  # True: vectorised permutation; False: straightforward per-expert loop
+    # True: vectorised permutation; False: straightforward per-expert loop; None: the loop on CPU, fused on CUDA
+    # (config/moe_permute.py: the loop synchronises the host per expert on a GPU)
+    moe_permute_fusion: bool | None = None
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" | "none"
     # Benchmarking only (Bridge's perf recipes): routing from random logits, so the experts get balanced loads

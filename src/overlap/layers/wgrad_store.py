@@ -174,9 +174,14 @@ class GroupedLinear(torch.autograd.Function):
         return grad_rows, WGRAD_STORE.take(weight, weight_grad), None, None
 
 
-def grouped_offsets(counts: list[int], rows: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def grouped_offsets(counts: torch.Tensor, rows: torch.Tensor,
+                    weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The end row of each expert's group (int32), the grouped GEMM's `offs`, where that kernel takes these tensors;
     None where it does not, and `GroupedLinear` loops over the experts instead.
+
+    `counts` [E] are the rows per expert as a tensor on the rows' device (the dispatch plan's
+    `local_expert_counts`), not the host list: a tensor made from Python ints is a host-to-device copy from pageable
+    memory on a GPU, which waits for the queue; the cumulative sum of the device counts needs no host at all.
 
     The grouped kernel is used on CPU, where it runs fp32, bf16 and fp16 bit-identically to the loop, and only when
     each operand's row stride is a multiple of 16 bytes (its layout rule: a tiny test model's hidden 4 in bf16 breaks
@@ -184,7 +189,7 @@ def grouped_offsets(counts: list[int], rows: torch.Tensor, weights: Sequence[tor
     so CUDA keeps the loop."""
     if rows.device.type != "cpu" or any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
         return None
-    return torch.tensor(counts, dtype=torch.int64, device=rows.device).cumsum(0).to(torch.int32)
+    return counts.cumsum(0).to(torch.int32)
 
 
 def _grouped_mm(rows: torch.Tensor, counts: list[int], weights: Sequence[torch.Tensor], width: int) -> torch.Tensor:

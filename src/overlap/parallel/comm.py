@@ -407,6 +407,18 @@ class CommHandle:
             self._complete(None)
         return self._result
 
+    def output_on(self, stream: torch.cuda.Stream) -> torch.Tensor | None:
+        """The op's output tensor, with `stream` made to wait for the op on the device, the host not waiting (a
+        work's `wait()` on NCCL orders the current stream): for a reader on another stream than the one `wait()` will
+        order, which then waits for this op and for nothing queued on that one. Call it before `wait()` (which drops
+        the works), and `wait()` is still owed."""
+        if self._posted is None:
+            raise RuntimeError(f"{self.event.kind}: output_on after wait(): the op's works are gone")
+        with torch.cuda.stream(stream):
+            for work in self._posted.works:
+                work.wait()
+        return self._result
+
     def reap(self) -> bool:
         """If the op is known complete - a query that never blocks (on NCCL the device's own event; gloo knows a
         send complete only once waited) - drop what it holds without waiting, so no stream is made to wait on it, and

@@ -64,7 +64,9 @@ from overlap.pipeline.schedules import pipeline_steps
 log = logging.getLogger("overlap")
 
 PACKAGE = Path(__file__).resolve().parent.parent  # src/overlap: "our code" when a read is traced to its line
-_OWN_FILES = {str(Path(__file__).resolve()), str(Path(split_sizes.__file__).resolve())}
+# the watchers (this module, the host-sync recorder) and the split-size hook: not the code a read is traced to
+_OWN_FILES = {str(Path(__file__).resolve()), str(Path(__file__).with_name("host_syncs.py").resolve()),
+              str(Path(split_sizes.__file__).resolve())}
 # torch's own machinery between an op and the code that called it: not what a reader wants named as the caller
 _TORCH_PLUMBING = ("torch/_subclasses/", "torch/utils/", "torch/_ops.py", "torch/_compile.py", "torch/_dynamo/",
                    "torch/overrides.py", "torch/_tensor.py")

@@ -39,6 +39,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from overlap.config.model import ModelConfig
+from overlap.config.moe_permute import permute_fused
 from overlap.layers.moe.permute import (ExpertCapacity, Routing, expert_capacity, expert_counts, gather, route,
                                         sort_chunks_by_local_expert, unpermute, unsort_chunks_by_local_expert)
 from overlap.layers.moe.row_weighting import weight_rows
@@ -130,6 +131,7 @@ class DispatchPlan:
     output_splits: list[int]  # [ep] rows received from each EP rank
     recv_counts: list[int]  # [ep * E_local] rows received, indexed (source rank, local expert)
     tokens_per_local_expert: list[int]  # [E_local] rows each local expert processes
+    local_expert_counts: torch.Tensor  # the same [E_local] as int64 on the device (the grouped GEMM's offsets)
 
 
 class AllToAllDispatcher:
@@ -142,10 +144,15 @@ class AllToAllDispatcher:
         self.num_local_experts = config.num_moe_experts // ps.ep_size
         self.group = ps.ep_group
         self.meta_group = ps.ep_meta_group  # split sizes travel apart from the bulk all-to-alls
-        self.fused = config.moe_permute_fusion
+        self.permute_fusion = config.moe_permute_fusion  # None: by device (`fused`)
         self.capacity_factor = config.moe_expert_capacity_factor
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.drop_policy = config.moe_token_drop_policy
+
+    def fused(self, t: torch.Tensor) -> bool:
+        """Whether the fused permutation runs for tensors on `t`'s device (`overlap.config.moe_permute`: unset, the
+        loop only on the CPU, where its data-dependent shapes cost no host sync)."""
+        return permute_fused(self.permute_fusion, t.device.type == "cpu")[0]
 
     def capacity(self, num_tokens: int) -> ExpertCapacity | None:
         """The expert capacity for `num_tokens` local tokens, or None (dropless)."""
@@ -161,9 +168,11 @@ class AllToAllDispatcher:
         capacity = self.capacity(topk_idx.shape[0])
         if capacity is not None and capacity.pad:
             with RECORDER.span("moe.permute"):
-                routing = route(topk_idx, topk_weights, self.num_experts, self.fused, capacity)
+                routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity)
             static = [capacity.capacity] * self.num_experts
-            plan = self._plan(hidden_shape, routing, True, static, static)
+            on_device = torch.full((self.num_local_experts,), capacity.capacity * self.ep_size, dtype=torch.int64,
+                                   device=topk_idx.device)
+            plan = self._plan(hidden_shape, routing, True, static, static, on_device)
             return PendingPlan(lambda wait: plan)
         # Counts per (destination rank, local expert) go out first; what comes back is, per source rank, how many
         # rows it will send for each of our local experts.
@@ -171,16 +180,16 @@ class AllToAllDispatcher:
         counts = expert_counts(topk_idx, self.num_experts, capacity)
         handle = comm.all_to_all(counts, self.meta_group, "ep_counts", [el] * self.ep_size, [el] * self.ep_size)
         with RECORDER.span("moe.permute"):
-            routing = route(topk_idx, topk_weights, self.num_experts, self.fused, capacity)
+            routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity)
 
         def finish(wait: WaitFn) -> DispatchPlan:
-            recv = wait(handle)
             # THE host sync of the layer, done once and as late as the dispatch allows: all_to_all needs its split
-            # sizes on the host, and so do the chunk sort and the expert loop. One `.tolist()` of every count means
-            # no later step blocks the CPU.
-            host = read_split_sizes(torch.cat([counts, recv]), lambda: self._balanced(topk_idx.shape[0], capacity)
-                                    .alltoall_counts(comm.group_rank(self.group)))
-            return self._plan(hidden_shape, routing, False, host[:self.num_experts], host[self.num_experts:])
+            # sizes on the host, and so do the chunk sort and the expert loop. One read of every count means no later
+            # step blocks the CPU (on CUDA a pinned copy that waits for the exchange only: `split_sizes`).
+            host, recv = read_split_sizes(counts, handle, wait, lambda: self._balanced(topk_idx.shape[0], capacity)
+                                          .alltoall_counts(comm.group_rank(self.group)))
+            return self._plan(hidden_shape, routing, False, host[:self.num_experts], host[self.num_experts:],
+                              recv.view(self.ep_size, el).sum(0))
 
         return PendingPlan(finish)
 
@@ -190,9 +199,10 @@ class AllToAllDispatcher:
                                None if capacity is None else capacity.capacity)
 
     def _plan(self, hidden_shape: torch.Size, routing: Routing, padded: bool, local: list[int],
-              recv_counts: list[int]) -> DispatchPlan:
+              recv_counts: list[int], local_expert_counts: torch.Tensor) -> DispatchPlan:
         """The plan from host counts: `local` [E] rows sent per expert, `recv_counts` [ep * E_local] received per
-        (source rank, local expert). Rows past the sent total (capacity drops) are cut off here."""
+        (source rank, local expert), and `local_expert_counts` [E_local], the rows of each local expert summed over
+        the source ranks, on the device. Rows past the sent total (capacity drops) are cut off here."""
         el, sent = self.num_local_experts, sum(local)
         return DispatchPlan(
             hidden_shape=hidden_shape,
@@ -204,6 +214,7 @@ class AllToAllDispatcher:
             output_splits=[sum(recv_counts[r * el:(r + 1) * el]) for r in range(self.ep_size)],
             recv_counts=recv_counts,
             tokens_per_local_expert=[sum(recv_counts[r * el + e] for r in range(self.ep_size)) for e in range(el)],
+            local_expert_counts=local_expert_counts,
         )
 
     def permute_rows(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
@@ -257,5 +268,5 @@ class AllToAllDispatcher:
         """Sum each token's returned (already weighted) rows back into a tensor shaped like the layer input."""
         with RECORDER.span("moe.unpermute"):
             out = unpermute(rows, plan.token_idx, plan.tokens_per_expert, plan.hidden_shape[:-1].numel(),
-                            self.fused)
+                            self.fused(rows))
             return out.reshape(plan.hidden_shape)

@@ -46,11 +46,14 @@ class GroupedExperts(nn.Module):
         self.fc1_weight = _expert_param((self.num_local_experts, 2 * ffn, h), dtype, ps)
         self.down_weight = _expert_param((self.num_local_experts, h, ffn), dtype, ps)
 
-    def forward(self, rows: torch.Tensor, tokens_per_local_expert: list[int]) -> torch.Tensor:
-        """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in order.
+    def forward(self, rows: torch.Tensor, tokens_per_local_expert: list[int],
+                local_expert_counts: torch.Tensor) -> torch.Tensor:
+        """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in order;
+        `local_expert_counts` are the same counts as an int64 tensor on the rows' device (the grouped kernel's
+        offsets are computed from it there, `grouped_offsets`).
 
         The two GEMMs are `GroupedLinear`, whose weight gradients can be delayed (delay_wgrad_compute)."""
         counts = tokens_per_local_expert
-        offs = grouped_offsets(counts, rows, (self.fc1_weight, self.down_weight))
+        offs = grouped_offsets(local_expert_counts, rows, (self.fc1_weight, self.down_weight))
         gate, up = GroupedLinear.apply(rows, self.fc1_weight, counts, offs).chunk(2, dim=-1)
         return GroupedLinear.apply(F.silu(gate) * up, self.down_weight, counts, offs)

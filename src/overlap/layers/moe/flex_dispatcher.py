@@ -23,7 +23,7 @@ Steps and their API are those of `AllToAllDispatcher` (the EP-overlap schedule r
 The metadata (how many rows go to each rank, how many (row, expert) pairs each local expert gets, and each row's
 local expert ids) moves before the dispatch, through `resolve`'s wait, so `dispatch` carries only the tensors that
 need gradients and a scheduler can launch it without any host sync. Every index is built on the device from counts
-the host already knows, so there is no data-dependent shape (and no hidden sync) after the one `.tolist()`. Expert
+the host already knows, so there is no data-dependent shape (and no hidden sync) after the one split-size read. Expert
 capacity is not built for this dispatcher (`dispatcher_class` refuses it).
 """
 
@@ -49,6 +49,7 @@ class FlexDispatchPlan:
     input_splits: list[int]  # [ep] rows sent to each EP rank
     output_splits: list[int]  # [ep] rows received from each EP rank
     tokens_per_local_expert: list[int]  # [E_local] (row, expert) pairs each local expert processes
+    local_expert_counts: torch.Tensor  # the same [E_local] as int64 on the device (the grouped GEMM's offsets)
     pair_row: torch.Tensor  # [P] received row feeding each expert input row (grouped by local expert)
     pair_slot: torch.Tensor  # [P] position of that pair in the received weights, flattened [M * k]
     on_row_rank: torch.Tensor  # [N, k] bool: the row's j-th expert lives on its destination rank
@@ -73,17 +74,19 @@ class FlexDispatcher(AllToAllDispatcher):
             pairs = count_per_expert(topk_idx, self.num_experts).view(ep, el)
             send = torch.cat([on_rank.sum(dim=1, keepdim=True), pairs], dim=1).reshape(-1)  # [ep * (1 + el)]
         handle = comm.all_to_all(send, self.meta_group, "ep_counts", [1 + el] * ep, [1 + el] * ep)
-        return PendingPlan(lambda wait: self._finish(wait, wait(handle), send, topk_idx, dest, on_rank,
-                                                     hidden_shape))
+        return PendingPlan(lambda wait: self._finish(wait, handle, send, topk_idx, dest, on_rank, hidden_shape))
 
-    def _finish(self, wait: WaitFn, recv: torch.Tensor, send: torch.Tensor, topk_idx: torch.Tensor,
+    def _finish(self, wait: WaitFn, handle: comm.CommHandle, send: torch.Tensor, topk_idx: torch.Tensor,
                 dest: torch.Tensor, on_rank: torch.Tensor, hidden_shape: torch.Size) -> FlexDispatchPlan:
-        """Select the rows, exchange their local expert ids and build the fan-out indices."""
+        """Wait for the counts `handle` exchanges, select the rows, exchange their local expert ids and build the
+        fan-out indices."""
         ep, el, k = self.ep_size, self.num_local_experts, self.topk
         num_tokens = topk_idx.shape[0]
         # THE host sync of the layer (see AllToAllDispatcher.route for why here and only once).
-        counts = read_split_sizes(torch.cat([send, recv]).view(2, ep, 1 + el), lambda: self._balanced(
-            num_tokens, None).flex_counts(comm.group_rank(self.group)))
+        flat, recv = read_split_sizes(send, handle, wait, lambda: [n for side in self._balanced(num_tokens, None)
+                                                                   .flex_counts(comm.group_rank(self.group))
+                                                                   for entry in side for n in entry])
+        counts = [[flat[(s * ep + r) * (1 + el):(s * ep + r + 1) * (1 + el)] for r in range(ep)] for s in (0, 1)]
         input_splits = [c[0] for c in counts[0]]
         output_splits = [c[0] for c in counts[1]]
         tokens_per_local_expert = [sum(c[1 + e] for c in counts[1]) for e in range(el)]
@@ -107,6 +110,7 @@ class FlexDispatcher(AllToAllDispatcher):
             pair_row = torch.div(pair_slot, k, rounding_mode="floor")
         return FlexDispatchPlan(hidden_shape=hidden_shape, row_token=row_token, input_splits=input_splits,
                                 output_splits=output_splits, tokens_per_local_expert=tokens_per_local_expert,
+                                local_expert_counts=recv.view(ep, 1 + el)[:, 1:].sum(0),
                                 pair_row=pair_row, pair_slot=pair_slot, on_row_rank=on_row_rank)
 
     def permute_rows(self, hidden: torch.Tensor, topk_weights: torch.Tensor,

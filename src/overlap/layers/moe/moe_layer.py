@@ -113,7 +113,7 @@ class MoELayer(nn.Module):
         """Received rows and weights (source-rank order) -> weighted expert outputs in the same order."""
         rows, weights = self.dispatcher.sort_received(rows, weights, plan)
         with RECORDER.span("moe.experts"):
-            out = self.experts(rows, plan.tokens_per_local_expert)
+            out = self.experts(rows, plan.tokens_per_local_expert, plan.local_expert_counts)
         return self.dispatcher.combine_preprocess(out, weights, plan)
 
     def combine(self, rows: torch.Tensor, plan: Plan) -> PendingAllToAll:

@@ -17,7 +17,8 @@ the kept total, which needs no data-dependent shape (no host sync) here. With `p
 padding row has `slot_idx = T * k` and `token_idx = T`, one past the real ones, which `gather` maps to a zero row with
 weight 0 and `unpermute` to a scratch row that is dropped. Every shape is then fixed by the configuration alone.
 
-Two implementations, chosen by `config.moe_permute_fusion`:
+Two implementations, chosen by `config.moe_permute_fusion` (unset: the loop on CPU, the fused one on CUDA, where the
+loop's data-dependent shapes make the host wait for the GPU; `overlap.config.moe_permute`):
 - fused (True): stable argsorts of the flattened routing plus index_select / scatter / index_add; no Python loop over
   experts, so its cost does not grow with the expert count (the role TE's fused kernels play in Megatron).
 - loop (False): one `torch.where` per expert; easy to read and check, and the reference the fused path is tested

@@ -9,6 +9,13 @@ as integers allow, T x k // E per expert, and the remainder goes one extra pair 
 senders. Every EP rank holds the same number of tokens (one micro-batch shape), so each rank can work out what its
 peers send it. A capacity without padding clamps the counts as the routing would. This is the only place that
 answers a read with something else, and only while a dry run has switched it on: it must say so in its report.
+
+On CUDA the read must not wait for more than the counts: a plain `.tolist()` copies on the current stream, so it waits
+for everything queued there - in the EP-overlap step, the other micro-batch's weight-gradient GEMMs issued as cover
+before the counts' wait. So the counts go to pinned host memory on a side stream that waits for the counts exchange
+itself (`CommHandle.output_on`: the exchange's input was written before its launch, its output by the exchange),
+queued before the scheduler's wait issues that cover, and the host waits for that copy's event only. (Not yet run on
+a GPU.)
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from overlap.parallel import comm
 
 
 @dataclass(frozen=True)
@@ -69,10 +78,39 @@ def assume_balanced_routing(on_answer: Callable[[], None] | None) -> None:
     _answered = on_answer
 
 
-def read_split_sizes(counts: torch.Tensor, balanced: Callable[[], list]) -> list:
-    """THE host read of a layer's split sizes: `counts.tolist()`, or, in a dry run, `balanced()` (the same lists,
-    from `BalancedRouting`)."""
-    if _answered is None:
-        return counts.tolist()
-    _answered()
-    return balanced()
+def read_split_sizes(sent: torch.Tensor, exchange: comm.CommHandle,
+                     wait: Callable[[comm.CommHandle], torch.Tensor],
+                     balanced: Callable[[], list[int]]) -> tuple[list[int], torch.Tensor]:
+    """THE host read of a layer's split sizes: waits for the counts `exchange` (by the scheduler's `wait`) and
+    returns (the int64 counts `sent` then those received, flattened, as host ints - in a dry run `balanced()`, the
+    same list from `BalancedRouting` -, the received counts tensor)."""
+    if _answered is not None:
+        _answered()
+        return balanced(), wait(exchange)
+    if sent.is_cuda:
+        copied, host = _copy_on_side_stream(sent, exchange)
+        received = wait(exchange)
+        copied.synchronize()
+        return host.tolist(), received
+    received = wait(exchange)
+    return torch.cat([sent.reshape(-1), received.reshape(-1)]).tolist(), received
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_on_side_stream(sent: torch.Tensor, exchange: comm.CommHandle) -> tuple[torch.cuda.Event, torch.Tensor]:
+    """CUDA: queue the copy of `sent` and of what `exchange` receives into pinned host memory on a side stream
+    ordered after the exchange alone (module docstring); returns (the copy's event, the host tensor it fills)."""
+    side = _side_streams.get(sent.device)
+    if side is None:
+        side = _side_streams[sent.device] = torch.cuda.Stream(sent.device)
+    received = exchange.output_on(side)
+    host = torch.empty(sent.numel() + received.numel(), dtype=torch.int64, pin_memory=True)
+    with torch.cuda.stream(side):
+        for t, part in ((sent, host[:sent.numel()]), (received, host[sent.numel():])):
+            t.record_stream(side)  # made on the current stream, read here: not reused before this copy is done
+            part.copy_(t.reshape(-1), non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(side)
+    return copied, host
