@@ -5,7 +5,7 @@ recorded by name (`overlap.perf.host_syncs`), holds exactly the reads the step n
   NCCL's all-to-all takes);
 - the padded static-shape path (`moe_expert_capacity_factor` + `moe_pad_expert_input_to_capacity`): none;
 - per step: the logged loss and the gradient norm (`dry_run.INTENDED_READS`), once each, and torch's AdamW reading
-  each parameter's step count, a CPU tensor on a GPU run too (no device sync: named to the recorder);
+  each parameter's step count, a CPU tensor on a GPU run too (no device sync: named to the recorder, not counted);
 - nothing else. A new `.item()`, `.tolist()`, `nonzero`, boolean mask, `torch.tensor(list)` or `bincount` in the step
   fails here, named by its line.
 
@@ -55,7 +55,10 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
 def test_a_training_step_syncs_only_for_the_split_sizes_the_loss_and_the_grad_norm(world, ep, overrides, per_layer):
     for by_kind, unneeded, microbatches, adam_steps in run_world(world, _step, overrides, ep):
         assert not unneeded, "host syncs the step should not have:\n" + "\n".join(unneeded)
-        expected = {LOSS: 1, GRAD_NORM: 1, HOST_TENSOR: adam_steps}
+        # AdamW's reads of its step counts: CPU tensors on a GPU run too, read however often torch's Adam path does
+        # (twice per slot on the foreach path, none on fused), never a device sync
+        assert 0 < by_kind.pop(HOST_TENSOR) <= 2 * adam_steps
+        expected = {LOSS: 1, GRAD_NORM: 1}
         if per_layer:
             expected[SPLIT_SIZES] = per_layer * LAYERS * microbatches
         assert by_kind == expected
@@ -81,6 +84,7 @@ def test_the_recorder_names_each_class_of_sync_by_its_line():
         torch.where(t > 0)
         _ = t[t > 0]
         torch.tensor([1, 2])
+        torch.tensor(1.0, device="cpu")  # a host tensor on a GPU run too: no copy
         t.repeat_interleave(t)
         t.repeat_interleave(t, output_size=3)  # the size given: no read
         t.repeat_interleave(2)  # a host count: no read

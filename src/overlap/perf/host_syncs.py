@@ -115,7 +115,10 @@ class _FunctionWatch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         reason = _HOST_COPIES.get(func)
-        if reason is None and func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor):
+        # `device="cpu"` spelled out makes a host tensor on a GPU run too (torch's foreach Adam wraps its step
+        # increment so): no copy. A device taken from a tensor is the GPU there, whatever it is here.
+        if (reason is None and func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor)
+                and kwargs.get("device") != "cpu"):
             reason = "a tensor from Python data: a host-to-device copy from pageable memory"
         if reason is None:
             return func(*args, **kwargs)
