@@ -43,7 +43,7 @@ STEP_TIMEOUT_S = {"env": 60, "nccl": 90, "sync": 120, "moe_tiny": 90, "dense_tin
                   "plan": 60}
 DEADLINE_S = 480  # all steps together: the device tool runs one command for 10 minutes at most, 15 in a session
 INTENDED_SYNCS = {  # (file, function) of the host reads a step needs, and why
-    ("dispatcher.py", "finish"): "the MoE split sizes (NCCL's all-to-all takes them on the host)",
+    ("split_sizes.py", "read_split_sizes"): "the MoE split sizes (NCCL's all-to-all takes them on the host)",
     ("trainer.py", "train_step"): "the logged loss",
     ("adam.py", "global_grad_norm"): "the gradient norm (clipping and the log)",
 }
