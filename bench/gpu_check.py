@@ -2,7 +2,8 @@
 source tree against that machine's own PyTorch (torch >= 2.11), every GPU step started through torchrun as a GPU
 run is. One GPU cannot host two NCCL ranks, so every step is single-rank:
 
-1. env       - the machine: GPU, torch, CUDA, NCCL versions.
+1. env       - the machine: GPU, torch, CUDA, NCCL versions; the experts' grouped GEMM against their per-expert
+               loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local experts): agreement and ms each.
 2. nccl      - a one-rank NCCL world (device-bound): `batch_isend_irecv` gives one work for a whole batch (our handles
                share it, the GPU timeline times it, and a send is dropped only once the device reports it complete),
                a collective queued behind GEMMs has a future that completes at enqueue and a `wait()` that does not
@@ -72,7 +73,7 @@ def steps(gpu: str, device: str, out: Path) -> list[tuple[str, list[str] | None,
     plan = ["plan", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", gpu, "-ng", "16", "-gn", "8", "-ep", "16", "-c", "bf16"]
     cluster = out / f"cluster_{gpu}.json"
     return [
-        ("env", [sys.executable, __file__, "env", "--out", str(out)], ""),
+        ("env", [sys.executable, __file__, "env", "--device", device, "--out", str(out)], ""),
         ("nccl", _torchrun(__file__, "nccl", "--device", device, "--out", str(out)), ""),
         ("sync", None if cpu else _torchrun(__file__, "sync", "--gpu", gpu, "--out", str(out)),
          "CUDA's sync debug mode needs a GPU"),
@@ -166,9 +167,66 @@ def cmd_env(args: argparse.Namespace) -> int:
             missing.append(module)
     info["missing_packages"] = missing
     info["failed"] = [f"missing {', '.join(missing)} (carry their wheels: bench/gpu_check.sh)"] if missing else []
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    info["grouped_gemm"] = _grouped_vs_loop(device, info["failed"])
     Path(args.out, "env.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
     return 0
+
+
+def _grouped_vs_loop(device, failed: list[str]) -> dict:
+    """The experts' grouped GEMM (`F.grouped_mm`, what `grouped_offsets` picks on CUDA in bf16) against the per-expert
+    loop, forward + backward at one Qwen3-30B-A3B fc1 of 8 local experts (4096 routed rows, uneven, one expert
+    empty): the largest difference relative to the loop's largest value, and the median ms of each (CUDA events;
+    host clock on CPU, where the shape is cut 8x so the CPU check stays short)."""
+    import torch
+
+    from overlap.layers.wgrad_store import GroupedLinear, grouped_offsets
+
+    cut = 1 if device.type == "cuda" else 8
+    experts, hidden, width = 8, 2048 // cut, 2 * 768 // cut
+    counts = [0, 900, 300, 700, 500, 800, 296, 600]
+    counts = [c // cut for c in counts]
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(sum(counts), hidden, generator=gen).to(device, torch.bfloat16)
+    weight = (torch.randn(experts, width, hidden, generator=gen) * 0.02).to(device, torch.bfloat16)
+    grad = torch.randn(sum(counts), width, generator=gen).to(device, torch.bfloat16)
+    offs = grouped_offsets(torch.tensor(counts, device=device), rows, (weight,))
+    if offs is None:
+        failed.append(f"grouped_gemm: grouped_offsets picks the loop on {device} in bf16")
+        return {"device": str(device), "grouped": False}
+
+    def run(kernel_offs):
+        x, w = rows.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = GroupedLinear.apply(x, w, counts, kernel_offs)
+        out.backward(grad)
+        return out.detach(), x.grad, w.grad
+
+    def timed(kernel_offs) -> float:
+        times = []
+        for _ in range(10):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run(kernel_offs)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                run(kernel_offs)
+                times.append((time.perf_counter() - t0) * 1e3)
+        return round(sorted(times)[len(times) // 2], 3)
+
+    worst = 0.0
+    for name, a, b in zip(("out", "grad_rows", "grad_weight"), run(offs), run(None)):
+        worst = max(worst, float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)))
+    result = {"device": str(device), "grouped": True, "shape": [experts, sum(counts), hidden, width],
+              "max_rel_diff": worst, "grouped_ms": timed(offs), "loop_ms": timed(None)}
+    if worst > 2e-2:  # bf16 GEMMs of different kernels: a few units of bf16's 2^-8 at most
+        failed.append(f"grouped_gemm: grouped and loop differ by {worst:.3g} of the largest value")
+    return result
+
 
 
 def _check(facts: dict, failed: list[str], name: str, ok: bool, value) -> None:

@@ -183,13 +183,22 @@ def grouped_offsets(counts: torch.Tensor, rows: torch.Tensor,
     `local_expert_counts`), not the host list: a tensor made from Python ints is a host-to-device copy from pageable
     memory on a GPU, which waits for the queue; the cumulative sum of the device counts needs no host at all.
 
-    The grouped kernel is used on CPU, where it runs fp32, bf16 and fp16 bit-identically to the loop, and only when
-    each operand's row stride is a multiple of 16 bytes (its layout rule: a tiny test model's hidden 4 in bf16 breaks
-    it). On CUDA it is documented for bf16 on SM80+ with its own layout rules, and no GPU has measured it here yet,
-    so CUDA keeps the loop."""
-    if rows.device.type != "cpu" or any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
+    The grouped kernel is used where torch documents it, and only when each operand's row stride is a multiple of 16
+    bytes (its layout rule: a tiny test model's hidden 4 in bf16 breaks it): on CPU, where it runs fp32, bf16 and
+    fp16 bit-identically to the loop, and on CUDA for bf16 on SM80+ (the loop there is one kernel launch and a Python
+    iteration per expert, 128 experts in Qwen3-30B-A3B). On CUDA its agreement with the loop and what it buys are
+    the device script's to measure (`bench/gpu_check.py`, step env: `grouped_gemm`); elsewhere (fake "meta" tensors,
+    other CUDA dtypes) the loop."""
+    if not _grouped_kernel_takes(rows) or any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
         return None
     return counts.cumsum(0).to(torch.int32)
+
+
+def _grouped_kernel_takes(rows: torch.Tensor) -> bool:
+    if rows.device.type == "cpu":
+        return True
+    return (rows.device.type == "cuda" and rows.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(rows.device) >= (8, 0))
 
 
 def _grouped_mm(rows: torch.Tensor, counts: list[int], weights: Sequence[torch.Tensor], width: int) -> torch.Tensor:
