@@ -25,6 +25,7 @@ from overlap.config.decisions import DEFAULT, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import DTYPES, ModelConfig
+from overlap.config.fusion import resolve_elementwise_fusion
 from overlap.config.moe_permute import resolve_moe_permute_fusion
 from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
                                      TrainConfig)
@@ -124,6 +125,7 @@ class ConfigContainer:
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
         resolve_attention_backend(self.model, log, on_cuda)
         resolve_moe_permute_fusion(self.model, log, on_cuda)
+        resolve_elementwise_fusion(self.model, log, on_cuda)
         return Resolution(world_size, layout, log)
 
     # --- stages ------------------------------------------------------------------------------------------------

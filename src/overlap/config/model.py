@@ -49,6 +49,10 @@ class ModelConfig:
     # overlap.config.attention for what each runs here and auto's rule.
     attention_backend: str = "auto"
     gradient_accumulation_fusion: bool = False
+    # Elementwise chains compiled by torch.compile (overlap.config.fusion); None: on for CUDA, off on the CPU.
+    rms_norm_fusion: bool | None = None  # RMSNorm (ours: Megatron fuses norms inside Transformer Engine)
+    apply_rope_fusion: bool | None = None  # RoPE
+    bias_activation_fusion: bool | None = None  # SwiGLU and the MoE row weighting
     # --- parallel layout ------------------------------------------------------------------------------------------
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1

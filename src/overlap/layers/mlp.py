@@ -7,8 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap.config.tp_overlap import linear_plan
+from overlap.layers import fused
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: the chain `model.bias_activation_fusion` compiles (here and in the routed experts)."""
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -21,6 +27,7 @@ class MLP(nn.Module):
     of their gradients in backward, cost more than the one wider GEMM saves. `ffn_hidden_size` overrides
     the config's width (shared experts use their own). `tp_overlap=False` keeps the plain TP collectives whatever the
     TP-overlap plan (shared experts: the reference disables userbuffers in them, they run beside the dispatch).
+    SwiGLU runs through `fused.run` (`model.bias_activation_fusion`); GELU is one kernel already.
     """
 
     def __init__(self, config, ps: ParallelState, ffn_hidden_size: int | None = None,
@@ -29,6 +36,7 @@ class MLP(nn.Module):
         ffn = ffn_hidden_size or config.ffn_size
         dtype = params_dtype(config)
         self.gated = config.gated_linear_unit
+        self.fusion = config.bias_activation_fusion
         fused = 2 if self.gated else 1
         sp = config.sequence_parallel
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fused * ffn, ps, sp, bias=config.add_bias_linear,
@@ -42,7 +50,7 @@ class MLP(nn.Module):
         """The first half (fc1 + SwiGLU/GELU); a separate step so shared-expert overlap can run it under a dispatch."""
         if self.gated:
             gate, up = self.linear_fc1(x, split=True)
-            return F.silu(gate) * up
+            return fused.run(swiglu, self.fusion, gate, up)
         return F.gelu(self.linear_fc1(x))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from overlap.layers import fused
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[x1, x2] -> [-x2, x1] over the last dim: pairs feature i with feature i + d/2."""
@@ -12,15 +14,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in fp32, back in x's dtype: the chain `model.apply_rope_fusion` compiles."""
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to [seq, batch, heads, head_dim] tensors whose positions are 0..seq-1.
 
     The cos/sin tables are built once in fp32 and the rotation runs in fp32, because bf16 angles lose the position
     information of long sequences. Tables are non-persistent buffers: derived data, not part of a checkpoint.
+    `fusion` is `model.apply_rope_fusion` (None: by device, `overlap.config.fusion`).
     """
 
-    def __init__(self, head_dim: int, base: float, max_seq_length: int, device: torch.device) -> None:
+    def __init__(self, head_dim: int, base: float, max_seq_length: int, device: torch.device,
+                 fusion: bool | None = None) -> None:
         super().__init__()
+        self.fusion = fusion
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head dim, got {head_dim}")
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -33,5 +44,4 @@ class RotaryEmbedding(nn.Module):
         seq = x.shape[0]
         if seq > self.cos.shape[0]:
             raise ValueError(f"sequence length {seq} exceeds the rotary table ({self.cos.shape[0]}, model.seq_length)")
-        xf = x.float()
-        return (xf * self.cos[:seq] + rotate_half(xf) * self.sin[:seq]).to(x.dtype)
+        return fused.run(apply_rope, self.fusion, x, self.cos[:seq], self.sin[:seq])

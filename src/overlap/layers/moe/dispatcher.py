@@ -145,6 +145,7 @@ class AllToAllDispatcher:
         self.group = ps.ep_group
         self.meta_group = ps.ep_meta_group  # split sizes travel apart from the bulk all-to-alls
         self.permute_fusion = config.moe_permute_fusion  # None: by device (`fused`)
+        self.weighting_fusion = config.bias_activation_fusion  # None: by device (`overlap.config.fusion`)
         self.capacity_factor = config.moe_expert_capacity_factor
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.drop_policy = config.moe_token_drop_policy
@@ -252,7 +253,7 @@ class AllToAllDispatcher:
                            plan: DispatchPlan) -> torch.Tensor:
         """Weight each expert output row (in fp32) and put rows back in (source rank, local expert) order."""
         with RECORDER.span("moe.sort_chunks"):
-            weighted = weight_rows(expert_output, weights)
+            weighted = weight_rows(expert_output, weights, self.weighting_fusion)
             return unsort_chunks_by_local_expert(weighted, plan.recv_counts, self.ep_size, self.num_local_experts)
 
     def combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:

@@ -17,11 +17,12 @@ shard `ep_rank` of `ep_size` along dim 0 of the full [num_experts, ...] tensor.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from overlap.config.model import ModelConfig
+from overlap.layers import fused
 from overlap.layers.init import mark_shard
+from overlap.layers.mlp import swiglu
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.layers.wgrad_store import GroupedLinear, grouped_offsets
 from overlap.parallel.state import ParallelState
@@ -42,6 +43,7 @@ class GroupedExperts(nn.Module):
         self.num_local_experts = config.num_moe_experts // ps.ep_size
         h, ffn = config.hidden_size, config.moe_ffn_size
         dtype = params_dtype(config)
+        self.fusion = config.bias_activation_fusion
         # Filled by init_model_params (full-tensor draw, then this rank's slice).
         self.fc1_weight = _expert_param((self.num_local_experts, 2 * ffn, h), dtype, ps)
         self.down_weight = _expert_param((self.num_local_experts, h, ffn), dtype, ps)
@@ -56,4 +58,4 @@ class GroupedExperts(nn.Module):
         counts = tokens_per_local_expert
         offs = grouped_offsets(local_expert_counts, rows, (self.fc1_weight, self.down_weight))
         gate, up = GroupedLinear.apply(rows, self.fc1_weight, counts, offs).chunk(2, dim=-1)
-        return GroupedLinear.apply(F.silu(gate) * up, self.down_weight, counts, offs)
+        return GroupedLinear.apply(fused.run(swiglu, self.fusion, gate, up), self.down_weight, counts, offs)

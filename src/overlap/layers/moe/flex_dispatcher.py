@@ -33,11 +33,21 @@ from dataclasses import dataclass
 
 import torch
 
+from overlap.layers import fused
 from overlap.layers.moe.dispatcher import AllToAllDispatcher, PendingPlan, WaitFn
 from overlap.layers.moe.permute import count_per_expert
 from overlap.layers.moe.split_sizes import read_split_sizes
 from overlap.parallel import comm
 from overlap.parallel.trace import RECORDER
+
+
+def weight_and_sum_rows(rows: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+                        num_rows: int) -> torch.Tensor:
+    """rows [P, h] times their fp32 weights [P], summed in fp32 into `num_rows` rows by `index`, back in the rows'
+    dtype: the flex path's row weighting, the chain `model.bias_activation_fusion` compiles."""
+    weighted = rows.float() * weights.unsqueeze(-1)
+    summed = weighted.new_zeros((num_rows, weighted.shape[-1]))
+    return summed.index_add(0, index, weighted).to(rows.dtype)
 
 
 @dataclass
@@ -134,9 +144,8 @@ class FlexDispatcher(AllToAllDispatcher):
         """Weight each expert output row and sum the rows of one received row: returns [M, h], one row per token
         and source rank. The sum runs in fp32 (one rounding per returned row instead of one per expert)."""
         with RECORDER.span("moe.sort_chunks"):
-            weighted = expert_output.float() * weights.unsqueeze(-1)
-            summed = weighted.new_zeros((sum(plan.output_splits), weighted.shape[-1]))
-            return summed.index_add(0, plan.pair_row, weighted).to(expert_output.dtype)
+            return fused.run(weight_and_sum_rows, self.weighting_fusion, expert_output, weights, plan.pair_row,
+                             sum(plan.output_splits))
 
     def unpermute_returned(self, rows: torch.Tensor, plan: FlexDispatchPlan) -> torch.Tensor:
         """Sum each token's returned rows (one per destination rank) back into a tensor shaped like the input."""
