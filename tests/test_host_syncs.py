@@ -33,6 +33,11 @@ OVERLAP = ["comm_overlap.overlap_moe_expert_parallel_comm=true", "comm_overlap.d
 PADDED = ["model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"]
 FUSED = ["model.moe_permute_fusion=true"]  # what a CUDA run takes unset (the loop is the CPU's reference)
 FLEX = ["model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=torch"]
+# the compiled elementwise chains (on for CUDA unset): the warm-up step compiles them; under the
+# recorder their eager ops run (dynamo does not trace under a dispatch mode), and
+# test_fused_elementwise checks the compiled graphs' ops
+ELEMENTWISE = ["model.rms_norm_fusion=true", "model.apply_rope_fusion=true",
+               "model.bias_activation_fusion=true"]
 LOSS, GRAD_NORM = (why for _path, _fn, _code, why in INTENDED_READS)
 
 
@@ -50,8 +55,10 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
 
 
 @pytest.mark.parametrize("world, ep, overrides, per_layer", [
-    (1, 1, FUSED, 1), (2, 2, FUSED, 1), (2, 2, FUSED + FLEX, 1), (2, 2, FUSED + PADDED, 0), (1, 1, FUSED + PADDED, 0)],
-    ids=["ep1", "ep2-overlap", "ep2-overlap-flex", "ep2-overlap-padded", "ep1-padded"])
+    (1, 1, FUSED, 1), (2, 2, FUSED, 1), (2, 2, FUSED + FLEX, 1), (2, 2, FUSED + PADDED, 0), (1, 1, FUSED + PADDED, 0),
+    (1, 1, FUSED + ELEMENTWISE, 1)],
+    ids=["ep1", "ep2-overlap", "ep2-overlap-flex", "ep2-overlap-padded", "ep1-padded",
+         "ep1-fused-elementwise"])
 def test_a_training_step_syncs_only_for_the_split_sizes_the_loss_and_the_grad_norm(world, ep, overrides, per_layer):
     for by_kind, unneeded, microbatches, adam_steps in run_world(world, _step, overrides, ep):
         assert not unneeded, "host syncs the step should not have:\n" + "\n".join(unneeded)

@@ -1,19 +1,22 @@
-"""The elementwise fusions: `model.rms_norm_fusion`, `model.apply_rope_fusion`, `model.bias_activation_fusion`.
+"""The elementwise fusions: `model.rms_norm_fusion`, `model.apply_rope_fusion`,
+`model.bias_activation_fusion`.
 
-Each elementwise chain of the model - RMSNorm, RoPE, SwiGLU and the MoE row weighting (expert outputs times their
-router probabilities) - is one pure function that runs as written (eager: one kernel per op, each going through
-memory) or compiled by `torch.compile` (inductor: one fused kernel forward and one backward); `overlap.layers.fused`
-runs it. Megatron-Core names two of these switches (`apply_rope_fusion`, `bias_activation_fusion`, whose weighted
-form in the experts also multiplies by the router probabilities, hence the row weighting here); it fuses its
-norms inside Transformer Engine, so the norm's switch is ours.
+Each elementwise chain of the model - RMSNorm, RoPE, SwiGLU and the MoE row weighting (expert
+outputs times their router probabilities) - is one pure function that runs as written (eager: one
+kernel per op, each going through memory) or compiled by `torch.compile` (inductor: one fused kernel
+forward and one backward); `overlap.layers.fused` runs it. Megatron-Core names two of these switches
+(`apply_rope_fusion`, `bias_activation_fusion`, whose weighted form in the experts also multiplies
+by the router probabilities, hence the row weighting here); it fuses its norms inside Transformer
+Engine, so the norm's switch is ours.
 
-Unset (None), a fusion is on where the ranks compute on CUDA and off on the CPU. On CUDA each chain is memory-bound
-and its eager form moves its tensor through memory once per op; Megatron's recipes run these fused. That default is
-numerically tested against the eager path on the CPU (tests/test_fused_elementwise.py), where inductor's C++
-backend compiles the same graphs; it has not been timed on a GPU here. On the CPU, compiling each graph takes tens of
-seconds, which a CPU-sized run does not win back. Set, a fusion is honoured on any device; set but unable to take
-effect (torch.compile unsupported, no Triton for CUDA, no C++ compiler for the CPU, or nothing to fuse), it is said
-as a no-op switch (an error under strict) and the eager function runs.
+Unset (None), a fusion is on where the ranks compute on CUDA and off on the CPU. On CUDA each chain
+is memory-bound and its eager form moves its tensor through memory once per op; Megatron's recipes
+run these fused. That default is numerically tested against the eager path on the CPU
+(tests/test_fused_elementwise.py), where inductor's C++ backend compiles the same graphs; it has not
+been timed on a GPU here. On the CPU, compiling each graph takes tens of seconds, which a CPU-sized
+run does not win back. Set, a fusion is honoured on any device; set but unable to take effect
+(torch.compile unsupported, no Triton for CUDA, no C++ compiler for the CPU, or nothing to fuse), it
+is said as a no-op switch (an error under strict) and the eager function runs.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ FUSIONS = {
 }
 """Each switch (a ModelConfig field) -> the chains it compiles."""
 
-CPU_DEFAULT = ("CPU: eager; compiling each chain takes tens of seconds, which a CPU-sized run does not win back "
-               "(set it true to compile anyway)")
-CUDA_DEFAULT = ("CUDA: compiled (torch.compile, one fused kernel per chain, as Megatron's recipes run them); "
-                "tested against eager on the CPU, not timed on a GPU here")
+CPU_DEFAULT = ("CPU: eager; compiling each chain takes tens of seconds, which a CPU-sized run "
+               "does not win back (set it true to compile anyway)")
+CUDA_DEFAULT = ("CUDA: compiled (torch.compile, one fused kernel per chain, as Megatron's recipes "
+                "run them); tested against eager on the CPU, not timed on a GPU here")
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +53,7 @@ def compile_unavailable(device_type: str) -> str | None:
     if device_type == "cuda":
         from torch.utils._triton import has_triton
 
-        return None if has_triton() else "inductor needs Triton for CUDA kernels and it is not installed"
+        return None if has_triton() else "inductor needs Triton for CUDA kernels, not installed"
     if device_type == "cpu":
         from torch._inductor import config as inductor_config
 
@@ -62,7 +65,8 @@ def compile_unavailable(device_type: str) -> str | None:
 
 
 def fusion_on(requested: bool | None, device_type: str) -> tuple[bool, str]:
-    """Whether a chain whose switch is `requested` (None: unset) runs compiled on `device_type` tensors, and why."""
+    """Whether a chain whose switch is `requested` (None: unset) runs compiled on `device_type`
+    tensors, and why."""
     if requested is False:
         return False, "as asked: eager"
     if requested is None and device_type != "cuda":
@@ -80,9 +84,10 @@ def _nothing_to_fuse(model: "ModelConfig", field: str) -> str | None:
 
 
 def resolve_elementwise_fusion(model: "ModelConfig", decisions: DecisionLog, on_cuda: bool) -> None:
-    """Record, in the "model" section, whether each fusion runs on the run's device (the model keeps the requested
-    values; the layers apply the same rule at call time). A fusion asked for that cannot take effect is a no-op
-    switch: warned (and in `overlap explain`), or an error under strict."""
+    """Record, in the "model" section, whether each fusion runs on the run's device (the model keeps
+    the requested values; the layers apply the same rule at call time). A fusion asked for that
+    cannot take effect is a no-op switch: warned (and in `overlap explain`), or an error under
+    strict."""
     device_type = "cuda" if on_cuda else "cpu"
     for field, chains in FUSIONS.items():
         requested = getattr(model, field)
@@ -94,4 +99,5 @@ def resolve_elementwise_fusion(model: "ModelConfig", decisions: DecisionLog, on_
                             DEFAULT if requested is None else MODEL_CONFIG, f"{chains}: {why}")
         if requested and not on:
             decisions.noop(f"model.{field}", True, f"{chains} cannot be compiled: {why}",
-                           f"set model.{field}=false (or leave it unset), or make torch.compile available.")
+                           f"set model.{field}=false (or leave it unset), or make torch.compile "
+                           "available.")

@@ -49,8 +49,9 @@ class ModelConfig:
     # overlap.config.attention for what each runs here and auto's rule.
     attention_backend: str = "auto"
     gradient_accumulation_fusion: bool = False
-    # Elementwise chains compiled by torch.compile (overlap.config.fusion); None: on for CUDA, off on the CPU.
-    rms_norm_fusion: bool | None = None  # RMSNorm (ours: Megatron fuses norms inside Transformer Engine)
+    # Elementwise chains compiled by torch.compile (overlap.config.fusion); None: on for CUDA, off
+    # on the CPU. The norm's switch is ours (Megatron fuses norms inside Transformer Engine).
+    rms_norm_fusion: bool | None = None  # RMSNorm
     apply_rope_fusion: bool | None = None  # RoPE
     bias_activation_fusion: bool | None = None  # SwiGLU and the MoE row weighting
     # --- parallel layout ------------------------------------------------------------------------------------------

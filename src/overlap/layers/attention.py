@@ -89,12 +89,12 @@ class SelfAttention(nn.Module):
                                                params_dtype=dtype, overlap=linear_plan(config, "qkv"))
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
-            self.q_layernorm = RMSNorm(self.head_dim, config.layernorm_epsilon, False, dtype, ps.device, ps.tp_group,
-                                       config.rms_norm_fusion)
-            self.k_layernorm = RMSNorm(self.head_dim, config.layernorm_epsilon, False, dtype, ps.device, ps.tp_group,
-                                       config.rms_norm_fusion)
-        self.rotary = RotaryEmbedding(self.head_dim, config.rotary_base, config.seq_length, ps.device,
-                                      config.apply_rope_fusion)
+            qk_norm = (self.head_dim, config.layernorm_epsilon, False, dtype, ps.device,
+                       ps.tp_group, config.rms_norm_fusion)
+            self.q_layernorm = RMSNorm(*qk_norm)
+            self.k_layernorm = RMSNorm(*qk_norm)
+        self.rotary = RotaryEmbedding(self.head_dim, config.rotary_base, config.seq_length,
+                                      ps.device, config.apply_rope_fusion)
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, ps, sp,
                                              bias=config.add_bias_linear, params_dtype=dtype,
                                              overlap=linear_plan(config, "proj"))

@@ -13,7 +13,8 @@ from overlap.parallel.state import ParallelState
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up: the chain `model.bias_activation_fusion` compiles (here and in the routed experts)."""
+    """silu(gate) * up: the chain `model.bias_activation_fusion` compiles (here and in the routed
+    experts)."""
     return F.silu(gate) * up
 
 

@@ -12,8 +12,8 @@ from overlap.layers.tensor_parallel import copy_to_tp
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim, the statistics in fp32 and the product in the weight's promotion with
-    x's dtype: the chain `model.rms_norm_fusion` compiles."""
+    """x / rms(x) * weight over the last dim, the statistics in fp32 and the product in the weight's
+    promotion with x's dtype: the chain `model.rms_norm_fusion` compiles."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype) * weight
 

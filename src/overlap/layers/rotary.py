@@ -15,7 +15,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in fp32, back in x's dtype: the chain `model.apply_rope_fusion` compiles."""
+    """x * cos + rotate_half(x) * sin in fp32, back in x's dtype: the chain
+    `model.apply_rope_fusion` compiles."""
     xf = x.float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 

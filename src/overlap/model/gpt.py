@@ -43,11 +43,12 @@ class TransformerLayer(nn.Module):
         recompute = selective_modules(config)
         self.recompute_norm = "layernorm" in recompute
         self.recompute_mlp = ("moe" if self.is_moe else "mlp") in recompute
-        self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype, ps.device,
-                                       fusion=config.rms_norm_fusion)
+        norm = dict(hidden_size=config.hidden_size, eps=config.layernorm_epsilon,
+                    sequence_parallel=sp, params_dtype=dtype, device=ps.device,
+                    fusion=config.rms_norm_fusion)
+        self.input_layernorm = RMSNorm(**norm)
         self.self_attention = SelfAttention(config, ps, layer_number)
-        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype, ps.device,
-                                         fusion=config.rms_norm_fusion)
+        self.pre_mlp_layernorm = RMSNorm(**norm)
         if self.is_moe:
             from overlap.layers.moe.moe_layer import MoELayer  # only MoE models need (and import) the MoE package
 
@@ -136,8 +137,8 @@ class GPTModel(nn.Module):
         self.layers = LayerStack([TransformerLayer(config, ps, i) for i in range(self.stage.start, self.stage.end)],
                                  self.stage.start)
         if self.stage.post_process:
-            self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype, ps.device,
-                                           fusion=config.rms_norm_fusion)
+            self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype,
+                                           ps.device, fusion=config.rms_norm_fusion)
             # defer_embedding_wgrad_compute: the output layer's weight gradients go through a store of their own,
             # which the pipeline executor defers to the flush (overlap.pipeline.schedules)
             store = (WeightGradStore("bwd.deferred_output_wgrad") if config.defer_embedding_wgrad_compute

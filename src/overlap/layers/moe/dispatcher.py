@@ -145,7 +145,7 @@ class AllToAllDispatcher:
         self.group = ps.ep_group
         self.meta_group = ps.ep_meta_group  # split sizes travel apart from the bulk all-to-alls
         self.permute_fusion = config.moe_permute_fusion  # None: by device (`fused`)
-        self.weighting_fusion = config.bias_activation_fusion  # None: by device (`overlap.config.fusion`)
+        self.weighting_fusion = config.bias_activation_fusion  # None: by device (config/fusion.py)
         self.capacity_factor = config.moe_expert_capacity_factor
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.drop_policy = config.moe_token_drop_policy

@@ -58,4 +58,5 @@ class GroupedExperts(nn.Module):
         counts = tokens_per_local_expert
         offs = grouped_offsets(local_expert_counts, rows, (self.fc1_weight, self.down_weight))
         gate, up = GroupedLinear.apply(rows, self.fc1_weight, counts, offs).chunk(2, dim=-1)
-        return GroupedLinear.apply(fused.run(swiglu, self.fusion, gate, up), self.down_weight, counts, offs)
+        hidden = fused.run(swiglu, self.fusion, gate, up)
+        return GroupedLinear.apply(hidden, self.down_weight, counts, offs)

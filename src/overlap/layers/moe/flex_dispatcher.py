@@ -43,8 +43,9 @@ from overlap.parallel.trace import RECORDER
 
 def weight_and_sum_rows(rows: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
                         num_rows: int) -> torch.Tensor:
-    """rows [P, h] times their fp32 weights [P], summed in fp32 into `num_rows` rows by `index`, back in the rows'
-    dtype: the flex path's row weighting, the chain `model.bias_activation_fusion` compiles."""
+    """rows [P, h] times their fp32 weights [P], summed in fp32 into `num_rows` rows by `index`,
+    back in the rows' dtype: the flex path's row weighting, the chain `model.bias_activation_fusion`
+    compiles."""
     weighted = rows.float() * weights.unsqueeze(-1)
     summed = weighted.new_zeros((num_rows, weighted.shape[-1]))
     return summed.index_add(0, index, weighted).to(rows.dtype)
@@ -144,8 +145,8 @@ class FlexDispatcher(AllToAllDispatcher):
         """Weight each expert output row and sum the rows of one received row: returns [M, h], one row per token
         and source rank. The sum runs in fp32 (one rounding per returned row instead of one per expert)."""
         with RECORDER.span("moe.sort_chunks"):
-            return fused.run(weight_and_sum_rows, self.weighting_fusion, expert_output, weights, plan.pair_row,
-                             sum(plan.output_splits))
+            return fused.run(weight_and_sum_rows, self.weighting_fusion, expert_output, weights,
+                             plan.pair_row, sum(plan.output_splits))
 
     def unpermute_returned(self, rows: torch.Tensor, plan: FlexDispatchPlan) -> torch.Tensor:
         """Sum each token's returned rows (one per destination rank) back into a tensor shaped like the input."""

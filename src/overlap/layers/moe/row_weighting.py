@@ -11,9 +11,9 @@ On CPU, `weight_rows` therefore runs the same operations a block of rows at a ti
 one reused buffer that stays in the core's cache: bit-identical results (tests/test_moe.py), ~1.6 ms for that
 forward + backward (measured in isolation on the Intel AMX CPU of bench/results/hf_compute*.md; blocks of 64 KiB
 gained nothing, 256 KiB and up about the same). Elsewhere (CUDA: kernels, not caches, and a Python loop per block
-would cost launches) and for rows already in fp32 it is the plain expression, `scale_rows`. With
-`model.bias_activation_fusion` on (`overlap.config.fusion`) `scale_rows` runs compiled instead, on any device: one
-kernel forward and one backward, the fp32 intermediates in registers.
+would cost launches) and for rows already in fp32 it is the plain expression, `scale_rows`.
+With `model.bias_activation_fusion` on (`overlap.config.fusion`) `scale_rows` runs compiled
+instead, on any device: one kernel forward and one backward, the fp32 intermediates in registers.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ _BLOCK_BYTES = 1 << 19
 
 
 def scale_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The plain expression of `weight_rows`, and the chain `model.bias_activation_fusion` compiles."""
+    """The plain expression of `weight_rows`: the chain `model.bias_activation_fusion` compiles."""
     return (rows.float() * weights.unsqueeze(-1)).to(rows.dtype)
 
 
-def weight_rows(rows: torch.Tensor, weights: torch.Tensor, fusion: bool | None = None) -> torch.Tensor:
-    """rows [R, h] (any float dtype) x fp32 weights [R] -> [R, h] in the rows' dtype, the product taken in fp32;
-    `fusion` is `model.bias_activation_fusion` (None: by device)."""
+def weight_rows(rows: torch.Tensor, weights: torch.Tensor,
+                fusion: bool | None = None) -> torch.Tensor:
+    """rows [R, h] (any float dtype) x fp32 weights [R] -> [R, h] in the rows' dtype, the product
+    taken in fp32; `fusion` is `model.bias_activation_fusion` (None: by device)."""
     if fused.compiling(fusion, rows):
         return fused.compiled(scale_rows)(rows, weights)
     if rows.device.type != "cpu" or rows.dtype == torch.float32:
