@@ -4,7 +4,7 @@ recorded by name (`overlap.perf.host_syncs`), holds exactly the reads the step n
 - the all-to-all path: one split-size read per MoE layer per micro-batch (`read_split_sizes`, the host split sizes
   NCCL's all-to-all takes);
 - the padded static-shape path (`moe_expert_capacity_factor` + `moe_pad_expert_input_to_capacity`): none;
-- per step: the logged loss and the gradient norm (`dry_run.INTENDED_READS`), once each, and torch's AdamW reading
+- per step: the logged loss and the gradient norm (`host_syncs.INTENDED_READS`), once each, and torch's AdamW reading
   each parameter's step count, a CPU tensor on a GPU run too (no device sync: named to the recorder, not counted);
 - nothing else. A new `.item()`, `.tolist()`, `nonzero`, boolean mask, `torch.tensor(list)` or `bincount` in the step
   fails here, named by its line.
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from overlap.config.moe_permute import LOOP_ON_CUDA, permute_fused
 from overlap.parallel.state import ParallelState
-from overlap.perf.dry_run import HOST_TENSOR, INTENDED_READS
-from overlap.perf.host_syncs import SPLIT_SIZES, HostSyncRecorder, sync_reason
+from overlap.perf.host_syncs import (HOST_TENSOR, INTENDED_READS, SPLIT_SIZES, HostSyncRecorder,
+                                     sync_reason)
 from overlap.training.trainer import Trainer
 from tests.tiny import tiny_config
 from tests.world import run_world

@@ -32,7 +32,6 @@ micro-batch program repeats after that, and the activations alive at once are th
 from __future__ import annotations
 
 import argparse
-import linecache
 import logging
 import os
 import sys
@@ -42,7 +41,6 @@ import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,27 +57,13 @@ from overlap.layers.moe import split_sizes
 from overlap.parallel import comm
 from overlap.parallel.program import Post, summarize
 from overlap.parallel.trace import RECORDER, RulesTimeline
+from overlap.perf.host_syncs import (HOST_TENSOR, caller, host_copy, intended_read, our_frame,
+                                     package_path)
 from overlap.pipeline.schedules import pipeline_steps
 
 log = logging.getLogger("overlap")
 
-PACKAGE = Path(__file__).resolve().parent.parent  # src/overlap: "our code" when a read is traced to its line
-# the watchers (this module, the host-sync recorder) and the split-size hook: not the code a read is traced to
-_OWN_FILES = {str(Path(__file__).resolve()), str(Path(__file__).with_name("host_syncs.py").resolve()),
-              str(Path(split_sizes.__file__).resolve())}
-# torch's own machinery between an op and the code that called it: not what a reader wants named as the caller
-_TORCH_PLUMBING = ("torch/_subclasses/", "torch/utils/", "torch/_ops.py", "torch/_compile.py", "torch/_dynamo/",
-                   "torch/overrides.py", "torch/_tensor.py")
-
-# The host reads a step is meant to make, by (file in the package, function, text of the line): anything else the
-# dry run finds is listed as unintended (input for the host-sync budget). The MoE split sizes are answered by
-# balanced routing instead (`overlap.layers.moe.split_sizes`) and are intended by construction.
-INTENDED_READS = (
-    ("training/trainer.py", "train_step", "float(loss_sum)", "the logged loss"),
-    ("optim/adam.py", "global_grad_norm", "float(total)", "the gradient norm (clipping and the log)"),
-)
 SPLIT_SIZES = "the MoE split sizes, needed by the all-to-all (routing assumed balanced)"
-HOST_TENSOR = "a host tensor's value (no device synchronisation; unknown to the dry run)"
 
 PEAK_SITES_SHOWN = 8
 _STAND_INS = {"float": 1.0, "int": 0, "bool": True}  # what a fake host read returns, by the scalar's kind
@@ -361,50 +345,6 @@ def _fake_errors() -> tuple[type, type, tuple[type, ...]]:
             (DynamicOutputShapeException, UnsupportedOperatorException))
 
 
-_relative_names: dict[str, str | None] = {}  # a code object's file -> overlap/... when it is our code, else None
-
-
-def _relative(filename: str) -> str | None:
-    """`filename` as overlap/..., or None when it is not our code (this module and the split-size hook are not:
-    they only watch)."""
-    if filename not in _relative_names:
-        path = Path(filename).resolve()
-        ours = path.is_relative_to(PACKAGE) and str(path) not in _OWN_FILES
-        _relative_names[filename] = str(path.relative_to(PACKAGE.parent)) if ours else None
-    return _relative_names[filename]
-
-
-def _our_frame(frame):
-    """The innermost frame of our code from `frame` outwards, or None (autograd's own threads have none)."""
-    while frame is not None and _relative(frame.f_code.co_filename) is None:
-        frame = frame.f_back
-    return frame
-
-
-def caller(frame=None) -> tuple[str, str, str, str | None] | None:
-    """(file:line, function, line text, torch function in between) of the innermost frame of our code on the
-    current stack, or None when there is none."""
-    frame = frame or sys._getframe(1)
-    ours = _our_frame(frame)
-    if ours is None:
-        return None
-    via = None
-    while frame is not ours:
-        name = frame.f_code.co_filename
-        if via is None and "torch/" in name and not any(p in name for p in _TORCH_PLUMBING):
-            via = f"{name.split('site-packages/')[-1]}:{frame.f_code.co_name}"
-        frame = frame.f_back
-    name, line = ours.f_code.co_filename, ours.f_lineno
-    return f"{_relative(name)}:{line}", ours.f_code.co_name, linecache.getline(name, line).strip(), via
-
-
-def _intended(site: str, function: str, code: str) -> str | None:
-    for path, fn, text, why in INTENDED_READS:
-        if site.startswith(f"overlap/{path}:") and function == fn and text in code:
-            return why
-    return None
-
-
 class _StepWatch(TorchDispatchMode):
     """Entered inside the FakeTensorMode: sees every op before the fakes run it (module docstring)."""
 
@@ -425,7 +365,6 @@ class _StepWatch(TorchDispatchMode):
         self.local_scalar = torch.ops.aten._local_scalar_dense.default
         self.equal = torch.ops.aten.equal.default
         self.device_op = torch.ops.prim.device.default
-        self.to_copy, self.copy = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -438,7 +377,7 @@ class _StepWatch(TorchDispatchMode):
                 return func(*args, **kwargs)
         if func is self.local_scalar or func is self.equal:
             return self._answer(func, args[0])
-        if self._to_host(func, args, kwargs):
+        if host_copy(func, args, kwargs):
             self.record_read(caller(), "copied (fake data)")
         try:
             out = func(*args, **kwargs)
@@ -455,13 +394,6 @@ class _StepWatch(TorchDispatchMode):
                 self._track(t.untyped_storage(), func)
         return out
 
-    def _to_host(self, func, args, kwargs) -> bool:
-        """A copy of device data into host memory: on a GPU the host waits for it (a read without `.item()`)."""
-        if func is self.to_copy:
-            target = kwargs.get("device")
-            return target is not None and torch.device(target).type == "cpu" and args[0].device.type != "cpu"
-        return func is self.copy and args[0].device.type == "cpu" and args[1].device.type != "cpu"
-
     def _on_host(self, args, kwargs) -> bool:
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         target = kwargs.get("device")
@@ -473,8 +405,8 @@ class _StepWatch(TorchDispatchMode):
         if key in self.live:
             return
         nbytes = storage.nbytes()
-        frame = _our_frame(sys._getframe(2))
-        site = (f"{_relative(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = our_frame(sys._getframe(2))
+        site = (f"{package_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
                 if frame is not None else f"autograd ({func.name()})")
         self.live[key] = (nbytes, site)
         self.by_site[site] += nbytes
@@ -505,7 +437,7 @@ class _StepWatch(TorchDispatchMode):
         if read is None:
             read = self.reads[(self.phase, site, function)] = HostRead(
                 site, function, self.phase, code, answer=answer, via=via,
-                intended=intended or _intended(site, function, code))
+                intended=intended or intended_read(site, function, code))
         read.count += 1
 
     def _found(self, kind: str, func, message: str) -> None:
@@ -604,7 +536,7 @@ def _failure(exc: BaseException) -> Finding:
     """Any other failure of the step, named by the innermost line of our code in its traceback."""
     site = function = None
     for frame, line in traceback.walk_tb(exc.__traceback__):
-        if _relative(frame.f_code.co_filename) is not None:
-            site, function = f"{_relative(frame.f_code.co_filename)}:{line}", frame.f_code.co_name
+        if package_path(frame.f_code.co_filename) is not None:
+            site, function = f"{package_path(frame.f_code.co_filename)}:{line}", frame.f_code.co_name
     message = str(exc).splitlines()[0] if str(exc) else ""
     return Finding("failure", None, site, function, f"{type(exc).__name__}: {message}")

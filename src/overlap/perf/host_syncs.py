@@ -7,22 +7,24 @@ On a GPU the host must stay ahead of the device for overlap to work: each read o
 Python data copied to the device (a pageable host-to-device copy). On a CPU these ops run without waiting for
 anything, so timing cannot find them: `HostSyncRecorder` classifies by the op's name (`sync_reason`), from a
 dispatch mode (what aten runs) and a function mode (what never reaches aten: `Tensor.tolist`, `Tensor.cpu`,
-`Tensor.numpy`, `torch.tensor(list)`), and names our line that asked for it (`dry_run.caller`, the source-line
-attribution `overlap run --dry-run` uses for its host reads).
+`Tensor.numpy`, `torch.tensor(list)`), and names our line that asked for it (`caller`, the source-line
+attribution `overlap run --dry-run` uses for its host reads too).
 
 Each record says which of the step's needed reads it is (`HostSync.kind`): the MoE split sizes
-(`overlap.layers.moe.split_sizes.read_split_sizes`, the one read an all-to-all needs), one of the dry run's
+(`overlap.layers.moe.split_sizes.read_split_sizes`, the one read an all-to-all needs), one of
 `INTENDED_READS` (the logged loss, the gradient norm), a tensor the caller names as living on the host on a GPU run
-too (`host_tensors`: torch's Adam keeps its step counts on the CPU and reads them, no device sync; the dry run's
-`HOST_TENSOR`), or None: a sync the step should not have. The host-sync budget
-test (tests/test_host_syncs.py) holds a training step to its exact count.
+too (`host_tensors`: torch's Adam keeps its step counts on the CPU and reads them, no device sync:
+`HOST_TENSOR`), or None: a sync the step should not have. The host-sync budget test
+(tests/test_host_syncs.py) holds a training step to its exact count.
 """
 
 from __future__ import annotations
 
+import linecache
 import sys
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any, Iterable
 
@@ -31,10 +33,27 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from overlap.layers.moe import split_sizes
 from overlap.layers.moe.split_sizes import read_split_sizes
-from overlap.perf.dry_run import HOST_TENSOR, _intended, caller
 
 SPLIT_SIZES = "the MoE split sizes"
+HOST_TENSOR = "a host tensor's value (no device synchronisation; unknown to the dry run)"
+
+PACKAGE = Path(__file__).resolve().parent.parent  # src/overlap: "our code" when a read is traced to its line
+# the watchers (this module, the dry run) and the split-size hook: not the code a read is traced to
+_OWN_FILES = {str(Path(__file__).resolve()), str(Path(__file__).with_name("dry_run.py").resolve()),
+              str(Path(split_sizes.__file__).resolve())}
+# torch's own machinery between an op and the code that called it: not what a reader wants named as the caller
+_TORCH_PLUMBING = ("torch/_subclasses/", "torch/utils/", "torch/_ops.py", "torch/_compile.py", "torch/_dynamo/",
+                   "torch/overrides.py", "torch/_tensor.py")
+
+# The host reads a step is meant to make, by (file in the package, function, text of the line): anything else the
+# dry run or the recorder finds is unintended (the host-sync budget). The MoE split sizes are answered by
+# balanced routing instead (`overlap.layers.moe.split_sizes`) and are intended by construction.
+INTENDED_READS = (
+    ("training/trainer.py", "train_step", "float(loss_sum)", "the logged loss"),
+    ("optim/adam.py", "global_grad_norm", "float(total)", "the gradient norm (clipping and the log)"),
+)
 
 _aten = torch.ops.aten
 # aten ops that read device data on the host whatever their arguments (the packet: every overload)
@@ -71,12 +90,62 @@ def sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str |
     if func is _aten.repeat_interleave.Tensor or func is _aten.repeat_interleave.self_Tensor:
         if kwargs.get("output_size") is None:
             return "repeat_interleave of a tensor of repeats without output_size: the output size is read"
+    if host_copy(func, args, kwargs):
+        return "a copy to the host"
+    return None
+
+
+def host_copy(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Whether aten op `func` copies device data into host memory (on a GPU the host waits for it: a read
+    without `.item()`)."""
     if func is _aten._to_copy.default:
         target = kwargs.get("device")
-        if target is not None and torch.device(target).type == "cpu" and args[0].device.type != "cpu":
-            return "a copy to the host"
-    if func is _aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
-        return "a copy to the host"
+        return target is not None and torch.device(target).type == "cpu" and args[0].device.type != "cpu"
+    return func is _aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu"
+
+
+_relative_names: dict[str, str | None] = {}  # a code object's file -> overlap/... when it is our code, else None
+
+
+def package_path(filename: str) -> str | None:
+    """`filename` as overlap/..., or None when it is not our code (this module and the split-size hook are not:
+    they only watch)."""
+    if filename not in _relative_names:
+        path = Path(filename).resolve()
+        ours = path.is_relative_to(PACKAGE) and str(path) not in _OWN_FILES
+        _relative_names[filename] = str(path.relative_to(PACKAGE.parent)) if ours else None
+    return _relative_names[filename]
+
+
+def our_frame(frame):
+    """The innermost frame of our code from `frame` outwards, or None (autograd's own threads have none)."""
+    while frame is not None and package_path(frame.f_code.co_filename) is None:
+        frame = frame.f_back
+    return frame
+
+
+def caller(frame=None) -> tuple[str, str, str, str | None] | None:
+    """(file:line, function, line text, torch function in between) of the innermost frame of our code on the
+    current stack, or None when there is none."""
+    frame = frame or sys._getframe(1)
+    ours = our_frame(frame)
+    if ours is None:
+        return None
+    via = None
+    while frame is not ours:
+        name = frame.f_code.co_filename
+        if via is None and "torch/" in name and not any(p in name for p in _TORCH_PLUMBING):
+            via = f"{name.split('site-packages/')[-1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    name, line = ours.f_code.co_filename, ours.f_lineno
+    return f"{package_path(name)}:{line}", ours.f_code.co_name, linecache.getline(name, line).strip(), via
+
+
+def intended_read(site: str, function: str, code: str) -> str | None:
+    """Why the read at this line is one the step needs (`INTENDED_READS`), or None."""
+    for path, fn, text, why in INTENDED_READS:
+        if site.startswith(f"overlap/{path}:") and function == fn and text in code:
+            return why
     return None
 
 
@@ -163,7 +232,7 @@ class HostSyncRecorder(TorchDispatchMode):
 
     def record(self, frame: FrameType, op: str, reason: str, kind: str | None = None) -> None:
         site, function, code, via = caller(frame) or ("(no line of ours on the stack)", "-", "", None)
-        kind = kind or (SPLIT_SIZES if _split_size_read(frame) else _intended(site, function, code))
+        kind = kind or (SPLIT_SIZES if _split_size_read(frame) else intended_read(site, function, code))
         self.syncs.append(HostSync(site, function, code, op, reason, via, kind))
 
     def by_kind(self) -> Counter:
