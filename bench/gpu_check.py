@@ -3,7 +3,9 @@ source tree against that machine's own PyTorch (torch >= 2.11), every GPU step s
 run is. One GPU cannot host two NCCL ranks, so every step is single-rank:
 
 1. env       - the machine: GPU, torch, CUDA, NCCL versions; the experts' grouped GEMM against their per-expert
-               loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local experts): agreement and ms each.
+               loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local experts): agreement and ms each;
+               each elementwise chain compiled (torch.compile, inductor) against eager at Qwen3-30B-A3B's shapes
+               in bf16 (forward + backward): agreement and ms each (the evidence for the fusions' CUDA default).
 2. nccl      - a one-rank NCCL world (device-bound): `batch_isend_irecv` gives one work for a whole batch (our handles
                share it, the GPU timeline times it, and a send is dropped only once the device reports it complete),
                a collective queued behind GEMMs has a future that completes at enqueue and a `wait()` that does not
@@ -40,7 +42,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_TIMEOUT_S = {"env": 60, "nccl": 90, "sync": 120, "moe_tiny": 90, "dense_tiny": 90, "calibrate": 200,
+STEP_TIMEOUT_S = {"env": 150, "nccl": 90, "sync": 120, "moe_tiny": 90, "dense_tiny": 90, "calibrate": 200,
                   "plan": 60}
 DEADLINE_S = 480  # all steps together: the device tool runs one command for 10 minutes at most, 15 in a session
 INTENDED_SYNCS = {  # (file, function) of the host reads a step needs, and why
@@ -169,6 +171,7 @@ def cmd_env(args: argparse.Namespace) -> int:
     info["failed"] = [f"missing {', '.join(missing)} (carry their wheels: bench/gpu_check.sh)"] if missing else []
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     info["grouped_gemm"] = _grouped_vs_loop(device, info["failed"])
+    info["fused_elementwise"] = _fused_vs_eager(device, info["failed"])
     Path(args.out, "env.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
     return 0
@@ -203,20 +206,7 @@ def _grouped_vs_loop(device, failed: list[str]) -> dict:
         return out.detach(), x.grad, w.grad
 
     def timed(kernel_offs) -> float:
-        times = []
-        for _ in range(10):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run(kernel_offs)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                run(kernel_offs)
-                times.append((time.perf_counter() - t0) * 1e3)
-        return round(sorted(times)[len(times) // 2], 3)
+        return _timed_ms(device, lambda: run(kernel_offs))
 
     worst = 0.0
     for name, a, b in zip(("out", "grad_rows", "grad_weight"), run(offs), run(None)):
@@ -227,6 +217,84 @@ def _grouped_vs_loop(device, failed: list[str]) -> dict:
         failed.append(f"grouped_gemm: grouped and loop differ by {worst:.3g} of the largest value")
     return result
 
+
+
+def _timed_ms(device, fn, reps: int = 10) -> float:
+    """Median ms of `fn()` over `reps` runs (CUDA events on a GPU, the host clock on the CPU)."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return round(sorted(times)[len(times) // 2], 3)
+
+
+def _fused_vs_eager(device, failed: list[str]) -> dict:
+    """Each elementwise chain (`overlap.config.fusion`) compiled as the layers compile it against its eager
+    function, forward + backward in bf16 at Qwen3-30B-A3B's shapes (4096 tokens, hidden 2048, 32 heads of 128,
+    top-8 of experts 768 wide): the largest difference relative to eager's largest value, and the median ms of
+    each. On the CPU (the script's own check) the shapes are cut 16x and the graphs go through "aot_eager"
+    (captured whole, not compiled: inductor's CPU compile is tests/test_fused_elementwise.py's)."""
+    import torch
+
+    from overlap.layers import fused
+    from overlap.layers.mlp import swiglu
+    from overlap.layers.moe.flex_dispatcher import weight_and_sum_rows
+    from overlap.layers.moe.row_weighting import scale_rows
+    from overlap.layers.norm import rms_norm
+    from overlap.layers.rotary import apply_rope
+
+    cuda = device.type == "cuda"
+    cut, backend = (1, fused.BACKEND) if cuda else (16, "aot_eager")
+    tokens, hidden, rows, ffn = 4096 // cut, 2048 // cut, 8 * 4096 // cut, 768 // cut
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=torch.bfloat16, grad=True):
+        return torch.randn(*shape, generator=gen).to(device, dtype).requires_grad_(grad)
+
+    angles = torch.rand(tokens, 1, 1, 128, generator=gen).to(device) * 6
+    chains = {
+        "rms_norm": (rms_norm, (rand(tokens, 1, hidden), rand(hidden), 1e-6)),
+        "apply_rope": (apply_rope, (rand(tokens, 1, 32, 128), angles.cos(), angles.sin())),
+        "swiglu": (swiglu, (rand(rows, ffn), rand(rows, ffn))),
+        "scale_rows": (scale_rows, (rand(rows, hidden), rand(rows, dtype=torch.float32))),
+        "weight_and_sum_rows": (weight_and_sum_rows, (
+            rand(rows, hidden), rand(rows, dtype=torch.float32),
+            torch.randint(0, tokens, (rows,), generator=gen).to(device), tokens)),
+    }
+    result = {"device": str(device), "backend": backend, "tokens": tokens, "hidden": hidden}
+    for name, (fn, args) in chains.items():
+        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        out = fn(*args)
+        grad = torch.randn(out.shape, generator=gen).to(device, out.dtype)
+
+        def run(f):
+            y = f(*args)
+            return (y.detach(), *torch.autograd.grad(y, inputs, grad))
+
+        compiled = fused.compiled(fn, backend)
+        try:
+            got, want = run(compiled), run(fn)
+        except Exception as exc:  # a chain that cannot compile here is a finding, not the end of the step
+            failed.append(f"fused_elementwise: {name} did not compile: {type(exc).__name__}: {exc}"[:300])
+            continue
+        worst = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+                    for a, b in zip(got, want))
+        result[name] = {"max_rel_diff": worst, "compiled_ms": _timed_ms(device, lambda: run(compiled)),
+                        "eager_ms": _timed_ms(device, lambda: run(fn))}
+        if worst > 2e-2:  # bf16 roundings placed differently: a few units of bf16's 2^-8 at most
+            failed.append(f"fused_elementwise: {name} compiled and eager differ by {worst:.3g}")
+    return result
 
 
 def _check(facts: dict, failed: list[str], name: str, ok: bool, value) -> None:
