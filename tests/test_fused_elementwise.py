@@ -6,7 +6,8 @@ fusion off; the compiled graphs hold no op that syncs the host; and the switches
 Tolerances (inputs of unit scale; eager and compiled both compute in fp32 inside, inductor fuses the
 roundings): fp32 outputs and gradients within rtol 1e-5 / atol 1e-5 (reduction order); bf16 within
 rtol 2e-2 / atol 2e-2 (two bf16 ulps: eager rounds SwiGLU's silu to bf16 before the product, the
-fused kernel does not). The model: losses and grad norms over three steps within rtol 1e-4 in fp32.
+fused kernel does not). The model: losses and grad norms over three steps within rtol 1e-5 in fp32,
+5e-3 in bf16 (seen: 2e-7 and 7e-4).
 
 Compiling takes seconds per graph on a CPU, so each function is compiled once per dtype here and the
 model test reuses the on-disk graph cache.
@@ -122,26 +123,28 @@ def test_the_compiled_graphs_hold_no_host_sync(name):
     assert [str(op) for op, a, k in ops if sync_reason(op, a, k)] == []
 
 
-def _train(overrides: list[str], steps: int) -> tuple[list[float], list[float], dict, int]:
-    """Losses and grad norms of `steps` steps of the tiny MoE, and the dynamo counters."""
+def _train(overrides: list[str], steps: int, precision: str) -> tuple[list, list, dict, int]:
+    """Losses and grad norms of `steps` steps of the tiny model (an MoE layer, then a dense one), and
+    the dynamo counters."""
     counters.clear()
-    cfg = tiny_config(True, "fp32", 2, overrides + ["model.moe_layer_freq=[1,1]"], steps)
+    cfg = tiny_config(True, precision, 2, overrides + ["model.moe_layer_freq=[1,0]"], steps)
     trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
     records = trainer.train().records
     return ([r.lm_loss for r in records], [r.grad_norm for r in records],
             dict(counters["graph_break"]), counters["stats"]["unique_graphs"])
 
 
-def test_a_tiny_model_trains_the_same_with_every_fusion_on_and_off():
-    off_losses, off_norms, _breaks, off_graphs = run_world(1, _train, ALL_OFF, 3)[0]
-    on_losses, on_norms, breaks, graphs = run_world(1, _train, ALL_ON, 3)[0]
+@pytest.mark.parametrize("precision, rtol", [("fp32", 1e-5), ("bf16_mixed", 5e-3)])
+def test_a_tiny_model_trains_the_same_with_every_fusion_on_and_off(precision, rtol):
+    off_losses, off_norms, _breaks, off_graphs = run_world(1, _train, ALL_OFF, 3, precision)[0]
+    on_losses, on_norms, breaks, graphs = run_world(1, _train, ALL_ON, 3, precision)[0]
     assert off_graphs == 0, "fusion off compiles nothing"
     # rms_norm (hidden and the QK heads' width: one dynamic graph), RoPE, SwiGLU (dense and
     # experts), the row weighting; the routing changes the experts' row counts every step without
     # a recompile per count
     assert not breaks and 0 < graphs <= 2 * len(CHAINS)
-    torch.testing.assert_close(on_losses, off_losses, rtol=1e-4, atol=0)
-    torch.testing.assert_close(on_norms, off_norms, rtol=1e-4, atol=0)
+    torch.testing.assert_close(on_losses, off_losses, rtol=rtol, atol=0)
+    torch.testing.assert_close(on_norms, off_norms, rtol=rtol, atol=0)
 
 
 # --- the switches ---------------------------------------------------------------------------------
