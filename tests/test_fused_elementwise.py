@@ -124,8 +124,8 @@ def test_the_compiled_graphs_hold_no_host_sync(name):
 
 
 def _train(overrides: list[str], steps: int, precision: str) -> tuple[list, list, dict, int]:
-    """Losses and grad norms of `steps` steps of the tiny model (an MoE layer, then a dense one), and
-    the dynamo counters."""
+    """Losses and grad norms of `steps` steps of the tiny model (an MoE layer, then a dense one),
+    and the dynamo counters."""
     counters.clear()
     cfg = tiny_config(True, precision, 2, overrides + ["model.moe_layer_freq=[1,0]"], steps)
     trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
@@ -175,6 +175,9 @@ def test_a_fusion_that_cannot_take_effect_is_a_noop_switch(monkeypatch, caplog):
     assert [n.field for n in res.decisions.noops] == ["model.apply_rope_fusion"]
     assert "inductor needs Triton" in caplog.text
     assert not fused.compiling(True, torch.zeros(1))  # the layers take the same rule: eager
+    # described for another machine (`explain -g h100` here): this machine's Triton is not its
+    rows, res = _model_decisions(cfg, on_cuda=True, require_libraries=False)
+    assert rows["model.apply_rope_fusion"].effective is True and not res.decisions.noops
     strict = tiny_config(True, "bf16_mixed", 1,
                          ["model.apply_rope_fusion=true", "comm_overlap.strict=true"], 1)
     with pytest.raises(ConfigError, match="apply_rope_fusion"):

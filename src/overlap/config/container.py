@@ -125,7 +125,7 @@ class ConfigContainer:
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
         resolve_attention_backend(self.model, log, on_cuda)
         resolve_moe_permute_fusion(self.model, log, on_cuda)
-        resolve_elementwise_fusion(self.model, log, on_cuda)
+        resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
         return Resolution(world_size, layout, log)
 
     # --- stages ------------------------------------------------------------------------------------------------

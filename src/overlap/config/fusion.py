@@ -64,14 +64,16 @@ def compile_unavailable(device_type: str) -> str | None:
     return f"no compiled kernels for {device_type} tensors (the eager ops run)"
 
 
-def fusion_on(requested: bool | None, device_type: str) -> tuple[bool, str]:
+def fusion_on(requested: bool | None, device_type: str,
+              check_here: bool = True) -> tuple[bool, str]:
     """Whether a chain whose switch is `requested` (None: unset) runs compiled on `device_type`
-    tensors, and why."""
+    tensors, and why. `check_here=False` describes another machine (`explain -g` for a GPU target):
+    compile's requirements are not checked on this one."""
     if requested is False:
         return False, "as asked: eager"
     if requested is None and device_type != "cuda":
         return False, CPU_DEFAULT
-    missing = compile_unavailable(device_type)
+    missing = compile_unavailable(device_type) if check_here else None
     if missing is not None:
         return False, missing
     return True, "as asked: compiled" if requested else CUDA_DEFAULT
@@ -83,15 +85,16 @@ def _nothing_to_fuse(model: "ModelConfig", field: str) -> str | None:
     return None
 
 
-def resolve_elementwise_fusion(model: "ModelConfig", decisions: DecisionLog, on_cuda: bool) -> None:
+def resolve_elementwise_fusion(model: "ModelConfig", decisions: DecisionLog, on_cuda: bool,
+                               check_here: bool = True) -> None:
     """Record, in the "model" section, whether each fusion runs on the run's device (the model keeps
     the requested values; the layers apply the same rule at call time). A fusion asked for that
     cannot take effect is a no-op switch: warned (and in `overlap explain`), or an error under
-    strict."""
+    strict. `check_here=False`: the run is described for another machine (`fusion_on`)."""
     device_type = "cuda" if on_cuda else "cpu"
     for field, chains in FUSIONS.items():
         requested = getattr(model, field)
-        on, why = fusion_on(requested, device_type)
+        on, why = fusion_on(requested, device_type, check_here)
         idle = _nothing_to_fuse(model, field)
         if idle is not None:
             on, why = False, idle
