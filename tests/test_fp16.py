@@ -3,7 +3,8 @@
 - The scaler's rules, alone: hysteresis, back-off to the floor, growth after a window, a static scale.
 - An injected overflow (one element of one rank's expert gradient set to inf before the reduction, at iterations 2
   and 3) skips exactly those steps on every rank: parameters and Adam's step count unchanged, the scale halved at the
-  second (hysteresis 2), the learning-rate schedule held, the NaN check not tripped; then training goes on.
+  second (hysteresis 2), the learning-rate schedule held, the NaN check not tripped; then training goes on. Under
+  NCCL's rules the ranks' collectives still match.
 - Losses of fp16 runs (initial scale 4096: no step skipped) follow the bf16 run of the same tiny recipe over 6
   iterations: |fp16 - bf16| <= 1e-3 per iteration (losses ~5.5; measured <= 4.3e-4), and, where fp32 can run,
   |fp16 - fp32| <= 3e-4 (measured <= 1.1e-4: fp16's 10-bit mantissa is closer to fp32 than bf16's 7 bits, whose
@@ -27,7 +28,7 @@ from overlap.errors import ConfigError
 from overlap.optim.loss_scaler import LossScaler
 from overlap.training.metrics import StepRecord, format_iteration
 from tests.tiny import tiny_config
-from tests.world import run_world
+from tests.world import run_world, run_world_nccl_rules
 
 ITERS = 6
 SCALE = ["mixed_precision.initial_loss_scale=4096"]  # 2^32 would skip the first ~20 steps of a tiny run
@@ -163,6 +164,13 @@ def test_an_injected_overflow_skips_exactly_that_step_on_every_rank_and_backs_th
     assert [(m["loss_scale"], m["skipped"]) for m in lines] == [(s[0], not s[1]) for s in steps]
     assert state == {"skipped_iterations": 2,
                      "loss_scaler": {"scale": 2048.0, "growth_tracker": 2, "hysteresis_tracker": 0}}
+
+
+def test_a_skipped_step_keeps_the_ranks_collectives_matched_under_nccl_rules():
+    """The skip is decided alike on every rank, so no rank waits in a collective (the parameter gather) that its
+    peers skipped: the recorded programs replay together under NCCL's rules."""
+    results = run_world_nccl_rules(2, _overflow_run)
+    assert [not s[1] for s in results[0][0]] == [i in POISONED for i in range(ITERS)]
 
 
 # --- fp16 follows bf16 -------------------------------------------------------------------------------------------
