@@ -1,15 +1,17 @@
 """FP16 training with Megatron's loss scaling (`overlap.optim.loss_scaler`).
 
-- The scaler's rules, alone: hysteresis, back-off to the floor, growth after a window, a static scale.
-- An injected overflow (one element of one rank's expert gradient set to inf before the reduction, at iterations 2
-  and 3) skips exactly those steps on every rank: parameters and Adam's step count unchanged, the scale halved at the
-  second (hysteresis 2), the learning-rate schedule held, the NaN check not tripped; then training goes on. Under
-  NCCL's rules the ranks' collectives still match.
-- Losses of fp16 runs (initial scale 4096: no step skipped) follow the bf16 run of the same tiny recipe over 6
-  iterations: |fp16 - bf16| <= 1e-3 per iteration (losses ~5.5; measured <= 4.3e-4), and, where fp32 can run,
-  |fp16 - fp32| <= 3e-4 (measured <= 1.1e-4: fp16's 10-bit mantissa is closer to fp32 than bf16's 7 bits, whose
-  own distance to fp32 is up to 3.9e-4), under DP 2 with the distributed optimizer (overlapped), EP 2 with EP
-  overlap + delay_wgrad + the distributed optimizer, TP 2 with sequence parallelism (MoE) and PP 2 x VPP 2.
+- The scaler's rules, alone: hysteresis, back-off to the floor, growth after a window, a static
+  scale.
+- An injected overflow (one element of one rank's expert gradient set to inf before the reduction,
+  at iterations 2 and 3) skips exactly those steps on every rank: parameters and Adam's step count
+  unchanged, the scale halved at the second (hysteresis 2), the learning-rate schedule held, the
+  NaN check not tripped; then training goes on. Under NCCL's rules the ranks' collectives match.
+- Losses of fp16 runs (initial scale 4096: no step skipped) follow the bf16 run of the same tiny
+  recipe over 6 iterations: |fp16 - bf16| <= 1e-3 per iteration (losses ~5.5; measured <= 4.3e-4)
+  and, where fp32 can run, |fp16 - fp32| <= 3e-4 (measured <= 1.1e-4: fp16's 10-bit mantissa is
+  closer to fp32 than bf16's 7 bits, whose own distance to fp32 is up to 3.9e-4), under DP 2 with
+  the distributed optimizer (overlapped), EP 2 with EP overlap + delay_wgrad + the distributed
+  optimizer, TP 2 with sequence parallelism (MoE) and PP 2 x VPP 2.
 - A checkpoint of an fp16 run resumes exactly (losses and parameters ==), scaler state included.
 - Bad values get one ConfigError naming the field; the decision table shows the scaler.
 """
@@ -31,8 +33,9 @@ from tests.tiny import tiny_config
 from tests.world import run_world, run_world_nccl_rules
 
 ITERS = 6
-SCALE = ["mixed_precision.initial_loss_scale=4096"]  # 2^32 would skip the first ~20 steps of a tiny run
-EP2_OVERLAP = ["model.expert_model_parallel_size=2", "comm_overlap.overlap_moe_expert_parallel_comm=true",
+SCALE = ["mixed_precision.initial_loss_scale=4096"]  # 2^32 skips the first ~20 steps of a tiny run
+EP2_OVERLAP = ["model.expert_model_parallel_size=2",
+               "comm_overlap.overlap_moe_expert_parallel_comm=true",
                "comm_overlap.delay_wgrad_compute=true", "ddp.use_distributed_optimizer=true"]
 
 
@@ -44,16 +47,18 @@ def _trainer(moe: bool, precision: str, items: list[str], iters: int = ITERS, la
     return Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
 
 
-# --- the scaler's rules ------------------------------------------------------------------------------------------
+# --- the scaler's rules --------------------------------------------------------------------------
 def test_dynamic_scaler_backs_off_after_the_hysteresis_and_grows_after_a_window():
-    cfg = OptimizerConfig(fp16=True, initial_loss_scale=8.0, min_loss_scale=2.0, loss_scale_window=3, hysteresis=2)
+    cfg = OptimizerConfig(fp16=True, initial_loss_scale=8.0, min_loss_scale=2.0,
+                          loss_scale_window=3, hysteresis=2)
     s = LossScaler.from_config(cfg)
     seen = []
     for overflow in (True, False, True, True, True, False, False, False, True):
         s.update(overflow)
         seen.append(s.scale)
-    # 1st overflow: tolerated; 2nd (not consecutive: Megatron counts since the last growth): 8 -> 4; every later
-    # one halves, floored at 2; three clean steps double and re-arm the hysteresis (the next overflow is tolerated)
+    # 1st overflow: tolerated; 2nd (not consecutive: Megatron counts since the last growth):
+    # 8 -> 4; every later one halves, floored at 2; three clean steps double and re-arm the
+    # hysteresis (the next overflow is tolerated)
     assert seen == [8.0, 8.0, 4.0, 2.0, 2.0, 2.0, 2.0, 4.0, 4.0]
     restored = LossScaler.from_config(cfg)
     restored.load_state_dict(json.loads(json.dumps(s.state_dict())))
@@ -74,17 +79,17 @@ def test_the_iteration_line_shows_the_scale_and_a_skip():
     rec = StepRecord(2, 5.5, float("inf"), 10.0, 1e-3, 1024.0, 512.0)
     line = format_iteration(rec, TrainConfig(), 100.0, 0.0, on_gpu=False)
     assert "| loss scale: 1024.0 | grad norm: inf | skipped: overflow, scale -> 512.0" in line
-    assert "loss scale" not in format_iteration(StepRecord(2, 5.5, 1.0, 10.0, 1e-3), TrainConfig(), 100.0, 0.0,
-                                                on_gpu=False)
+    plain = StepRecord(2, 5.5, 1.0, 10.0, 1e-3)
+    assert "loss scale" not in format_iteration(plain, TrainConfig(), 100.0, 0.0, on_gpu=False)
 
 
-# --- configuration -----------------------------------------------------------------------------------------------
+# --- configuration --------------------------------------------------------------------------------
 @pytest.mark.parametrize("item, field", [
     ("mixed_precision.loss_scale=0", "mixed_precision.loss_scale"),
     ("mixed_precision.loss_scale=-4", "mixed_precision.loss_scale"),
     ("mixed_precision.initial_loss_scale=0", "mixed_precision.initial_loss_scale"),
     ("mixed_precision.min_loss_scale=-1", "mixed_precision.min_loss_scale"),
-    ("mixed_precision.min_loss_scale=8192", "mixed_precision.min_loss_scale"),  # above the initial 4096
+    ("mixed_precision.min_loss_scale=8192", "mixed_precision.min_loss_scale"),  # above 4096
     ("mixed_precision.loss_scale_window=0", "mixed_precision.loss_scale_window"),
     ("mixed_precision.hysteresis=0", "mixed_precision.hysteresis"),
 ])
@@ -114,15 +119,16 @@ def test_the_decision_table_shows_the_scaler():
     assert (decision.requested, decision.effective, cfg.optimizer.hysteresis) == (5, 2, 2)
 
 
-# --- an injected overflow ----------------------------------------------------------------------------------------
+# --- an injected overflow -------------------------------------------------------------------------
 POISONED = (2, 3)
 
 
 def _overflow_run():
-    """EP 2 with EP overlap, delay_wgrad and the distributed optimizer; rank 1 poisons one element of its own expert
-    gradient (reduced over nobody: expert-DP is 1) before the reduction at POISONED iterations. Per step: (scale
-    used, parameters changed, Adam steps after, lr); the metrics lines of rank 0."""
-    trainer = _trainer(True, "fp16_mixed", SCALE + EP2_OVERLAP + ["ddp.check_for_nan_in_grad=true"], iters=ITERS)
+    """EP 2 with EP overlap, delay_wgrad and the distributed optimizer; rank 1 poisons one element
+    of its own expert gradient (reduced over nobody: expert-DP is 1) before the reduction at
+    POISONED iterations. Per step: (scale used, stepped, parameters changed, Adam steps after,
+    lr); the losses, the metrics lines and the scaling state."""
+    trainer = _trainer(True, "fp16_mixed", SCALE + EP2_OVERLAP + ["ddp.check_for_nan_in_grad=true"])
     ddp, opt = trainer.ddps[0], trainer.optimizer
     expert = next(p for p in trainer.model.parameters() if getattr(p, "is_expert", False))
     finish, step = ddp.finish_grad_sync, opt.step
@@ -137,7 +143,8 @@ def _overflow_run():
     def watched_step(lr, norm):
         before = [p.detach().clone() for p in trainer.model.parameters()]
         scale, stepped = opt.loss_scale, step(lr, norm)
-        changed = any(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+        after = trainer.model.parameters()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, after))
         out.append((scale, stepped, changed, opt.steps_taken(), lr))
         return stepped
 
@@ -151,14 +158,16 @@ def test_an_injected_overflow_skips_exactly_that_step_on_every_rank_and_backs_th
     from overlap.optim.adam import learning_rate
 
     results = run_world(2, _overflow_run)
-    assert results[0][0] == results[1][0]  # every rank took the same decisions, with the same scale and lr
+    assert results[0][0] == results[1][0]  # every rank decided alike, with the same scale and lr
     steps, losses, metrics, state = results[0]
-    assert [s[0] for s in steps] == [4096.0] * 4 + [2048.0] * 2  # halved at the second overflow (hysteresis 2)
+    # halved at the second overflow (hysteresis 2)
+    assert [s[0] for s in steps] == [4096.0] * 4 + [2048.0] * 2
     assert [(s[1], s[2]) for s in steps] == [(i not in POISONED,) * 2 for i in range(ITERS)]
     assert [s[3] for s in steps] == [1, 2, 2, 2, 3, 4]  # Adam's step count held while skipping
     cfg = tiny_config(True, "fp16_mixed", 2, SCALE, ITERS)
     held = [0, 1, 2, 2, 2, 3]  # the schedule's position: skipped steps do not advance it
-    assert [s[4] for s in steps] == [learning_rate(i, cfg.optimizer, cfg.scheduler, ITERS) for i in held]
+    assert [s[4] for s in steps] == [learning_rate(i, cfg.optimizer, cfg.scheduler, ITERS)
+                                     for i in held]
     assert all(torch.isfinite(torch.tensor(losses)))
     lines = [json.loads(line) for line in metrics.splitlines()]
     assert [(m["loss_scale"], m["skipped"]) for m in lines] == [(s[0], not s[1]) for s in steps]
@@ -167,13 +176,13 @@ def test_an_injected_overflow_skips_exactly_that_step_on_every_rank_and_backs_th
 
 
 def test_a_skipped_step_keeps_the_ranks_collectives_matched_under_nccl_rules():
-    """The skip is decided alike on every rank, so no rank waits in a collective (the parameter gather) that its
-    peers skipped: the recorded programs replay together under NCCL's rules."""
+    """The skip is decided alike on every rank, so no rank waits in a collective (the parameter
+    gather) that its peers skipped: the recorded programs replay together under NCCL's rules."""
     results = run_world_nccl_rules(2, _overflow_run)
     assert [not s[1] for s in results[0][0]] == [i in POISONED for i in range(ITERS)]
 
 
-# --- fp16 follows bf16 -------------------------------------------------------------------------------------------
+# --- fp16 follows bf16 ----------------------------------------------------------------------------
 LAYOUTS = {  # name: (moe, layers, settings)
     "dp2-distopt": (False, 2, ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
                                "ddp.overlap_param_gather=true", "ddp.bucket_size=3000"]),
@@ -185,7 +194,8 @@ LAYOUTS = {  # name: (moe, layers, settings)
 
 
 def _losses(moe: bool, layers: int, precision: str, items: list[str]):
-    trainer = _trainer(moe, precision, (SCALE if precision == "fp16_mixed" else []) + items, layers=layers)
+    scaling = SCALE if precision == "fp16_mixed" else []
+    trainer = _trainer(moe, precision, scaling + items, layers=layers)
     summary = trainer.train()
     return [r.lm_loss for r in summary.records], trainer.optimizer.skipped
 
@@ -208,10 +218,12 @@ def test_fp16_losses_follow_the_bf16_run(name):
         assert apart(fp16, fp32) <= 3e-4, (fp16, fp32)
 
 
-# --- checkpoints -------------------------------------------------------------------------------------------------
-# A window of 1 doubles the scale after every clean step: by iteration 4 the scale overflows and backs off, so the
-# checkpoint at K = 3 holds a scaler state that a fresh one would not have.
-GROWING = SCALE + EP2_OVERLAP + ["mixed_precision.loss_scale_window=1", "mixed_precision.hysteresis=1"]
+# --- checkpoints ----------------------------------------------------------------------------------
+# From 2^20, with a window of 1 and hysteresis 1, the tiny MoE's fp16 gradients really overflow at
+# every other step (2^20 overflows, 2^19 does not, one clean step doubles it back): the checkpoint
+# at K = 3 holds a scale and a skipped-step count (the schedule's position) that a fresh run lacks.
+GROWING = EP2_OVERLAP + ["mixed_precision.initial_loss_scale=1048576",
+                         "mixed_precision.loss_scale_window=1", "mixed_precision.hysteresis=1"]
 K = 3
 
 
@@ -224,14 +236,19 @@ def _resumable(items: list[str]):
 
 
 def test_an_fp16_checkpoint_resumes_exactly_with_the_scaler_state(tmp_path):
-    straight = run_world(2, _resumable, [f"checkpoint.save={tmp_path}", f"checkpoint.save_interval={K}"])
+    straight = run_world(2, _resumable,
+                         [f"checkpoint.save={tmp_path}", f"checkpoint.save_interval={K}"])
     saved = json.loads((tmp_path / f"iter_{K:07d}" / "train_state.json").read_text())
-    assert saved["loss_scaler"]["scale"] == straight[0][1][K]  # the scale iteration K+1 trains with
-    assert saved["loss_scaler"]["scale"] != 4096.0
-    resumed = run_world(2, _resumable, [f"checkpoint.load={tmp_path}", f"checkpoint.ckpt_step={K}"])
-    for (s_losses, s_scales, s_params, s_state), (r_losses, r_scales, r_params, r_state) in zip(straight, resumed):
+    assert straight[0][1] == [2.0**20, 2.0**19] * 3
+    assert straight[0][3]["skipped_iterations"] == 3
+    # the scale iteration K + 1 trains with, and the skips before it
+    assert (saved["loss_scaler"]["scale"], saved["skipped_iterations"]) == (2.0**19, 2)
+    resumed = run_world(2, _resumable,
+                        [f"checkpoint.load={tmp_path}", f"checkpoint.ckpt_step={K}"])
+    for straight_rank, resumed_rank in zip(straight, resumed):
+        s_losses, s_scales, s_params, s_state = straight_rank
+        r_losses, r_scales, r_params, r_state = resumed_rank
         assert r_losses == s_losses[K:] and r_scales == s_scales[K:] and r_state == s_state
         assert r_params.keys() == s_params.keys()
         for n in s_params:
             assert torch.equal(r_params[n], s_params[n]), n
-    assert None not in straight[0][1] and any(a != b for a, b in zip(straight[0][1], straight[0][1][1:]))

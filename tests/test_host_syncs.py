@@ -54,7 +54,8 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
 @pytest.mark.parametrize("world, ep, overrides, per_layer", [
     (1, 1, FUSED, 1), (2, 2, FUSED, 1), (2, 2, FUSED + FLEX, 1), (2, 2, FUSED + PADDED, 0), (1, 1, FUSED + PADDED, 0),
     (2, 2, FP16 + FUSED, 1)],
-    ids=["ep1", "ep2-overlap", "ep2-overlap-flex", "ep2-overlap-padded", "ep1-padded", "ep2-overlap-fp16"])
+    ids=["ep1", "ep2-overlap", "ep2-overlap-flex", "ep2-overlap-padded", "ep1-padded",
+         "ep2-overlap-fp16"])
 def test_a_training_step_syncs_only_for_the_split_sizes_the_loss_and_the_grad_norm(world, ep, overrides, per_layer):
     for by_kind, unneeded, microbatches, adam_steps in run_world(world, _step, overrides, ep):
         assert not unneeded, "host syncs the step should not have:\n" + "\n".join(unneeded)

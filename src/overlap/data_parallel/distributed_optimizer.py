@@ -60,11 +60,12 @@ class DistributedOptimizer(SlotOptimizer):
         return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)
 
     def _step(self, lr: float, grad_norm: float, unscale: float) -> None:
-        """The update, then the gather of the new shards (a step skipped for an overflow gathers nothing: every
-        replica still holds the parameters it had)."""
+        """The update, then the gather of the new shards (a step skipped for an overflow gathers
+        nothing: every replica still holds the parameters it had)."""
         early = self.gather.early_params()
         if early:
-            self.adam.step(lr, grad_norm, first=(lambda s: s.param in early, self.gather.start), unscale=unscale)
+            self.adam.step(lr, grad_norm, first=(lambda s: s.param in early, self.gather.start),
+                           unscale=unscale)
         else:
             self.adam.step(lr, grad_norm, unscale=unscale)
             self.gather.start()

@@ -1,11 +1,13 @@
 """Adam with fp32 main parameters, global-norm gradient clipping and the warm-up + decay learning-rate schedule.
 
-Gradients arrive in `param.main_grad` (already reduced across data parallel). With bf16 / fp16 parameters the
-optimizer keeps fp32 master copies and writes the update back in the parameters' dtype; with fp32 parameters the
-master *is* the parameter. Under loss scaling (`loss_scaler.py`) the gradients arrive multiplied by the loss scale:
-the norm is divided by it, the step multiplies the gradients by (clipping factor / loss scale) as it widens them
-to fp32, and an overflowed step is skipped. The
-Adam core works on "slots" so that the distributed optimizer (`overlap.data_parallel.distributed_optimizer`) reuses it
+Gradients arrive in `param.main_grad` (already reduced across data parallel). With bf16 / fp16
+parameters the optimizer keeps fp32 master copies and writes the update back in the parameters'
+dtype; with fp32 parameters the master *is* the parameter. Under loss scaling (`loss_scaler.py`)
+the gradients arrive multiplied by the loss scale: the norm is divided by it, the step multiplies
+the gradients by (clipping factor / loss scale) as it widens them to fp32, and an overflowed step
+is skipped.
+
+The Adam core works on "slots" so that the distributed optimizer (`overlap.data_parallel.distributed_optimizer`) reuses it
 on the shards a rank owns. The gradient norm counts every logical parameter once: tensor-parallel replicas (norms,
 router) only on TP rank 0, expert shards summed over the expert-parallel group.
 """
@@ -154,13 +156,14 @@ class MixedPrecisionAdam:
 
     @torch.no_grad()
     def step(self, lr: float, grad_norm: float,
-             first: tuple[Callable[[Slot], bool], Callable[[], None]] | None = None, unscale: float = 1.0) -> None:
+             first: tuple[Callable[[Slot], bool], Callable[[], None]] | None = None,
+             unscale: float = 1.0) -> None:
         """Update every slot. With `first = (select, then)`, the selected slots are updated (and written out)
         before the others and `then()` runs in between: the distributed optimizer launches the next forward's first
         parameter gather there, so it travels while the rest of the step computes. AdamW skips a parameter without
         a gradient (no update, no step count, no decay), so the two partial steps are exactly one full step.
-        `grad_norm` is the norm of the true gradients, `unscale` what the stored ones are multiplied by to get them
-        (1 / loss scale)."""
+        `grad_norm` is the norm of the true gradients, `unscale` what the stored ones are multiplied
+        by to get them (1 / loss scale)."""
         # The norm is already on the host (global_grad_norm's one read), so the clipping factor costs no sync here.
         scale = (min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 else 1.0) * unscale
         for group in self.opt.param_groups:
@@ -253,16 +256,17 @@ class MixedPrecisionAdam:
 
 
 class SlotOptimizer:
-    """What both optimizers share around their `MixedPrecisionAdam`: loss scaling and the overflow skip, loading a
-    checkpoint's parameter-space state (every slot takes its own elements of it) and the step count. A subclass
-    gives `_grad_norm` (of the gradients as stored) and `_step` (the update itself)."""
+    """What both optimizers share around their `MixedPrecisionAdam`: loss scaling and the overflow
+    skip, loading a checkpoint's parameter-space state (every slot takes its own elements of it)
+    and the step count. A subclass gives `_grad_norm` (of the gradients as stored) and `_step`
+    (the update itself)."""
 
     adam: MixedPrecisionAdam
     ps: ParallelState
 
     def __init__(self, cfg: OptimizerConfig) -> None:
         self.scaler = LossScaler.from_config(cfg)
-        self.skipped = 0  # steps skipped for an overflow (the learning-rate schedule counts only the others)
+        self.skipped = 0  # steps skipped for an overflow (the lr schedule counts only the others)
         self.overflowed = False  # whether the last step was skipped
 
     @property
@@ -271,12 +275,14 @@ class SlotOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def grad_norm(self) -> float:
-        """The global L2 norm of the true (unscaled) gradients: non-finite if any rank's gradients overflowed."""
+        """The global L2 norm of the true (unscaled) gradients: non-finite if any rank's gradients
+        overflowed."""
         return self._grad_norm() / self.loss_scale
 
     def step(self, lr: float, grad_norm: float) -> bool:
-        """Clip and update, or, under loss scaling with a non-finite `grad_norm` (the same on every rank, see
-        `loss_scaler.py`), skip the step and let the scaler back off. Returns whether the parameters changed."""
+        """Clip and update, or, under loss scaling with a non-finite `grad_norm` (the same on every
+        rank, see `loss_scaler.py`), skip the step and let the scaler back off. Returns whether the
+        parameters changed."""
         unscale = 1.0 / self.loss_scale
         self.overflowed = self.scaler is not None and not math.isfinite(grad_norm)
         if self.scaler is not None:
@@ -299,8 +305,9 @@ class SlotOptimizer:
                 "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_scaling_state(self, state: dict, with_scaler: bool) -> None:
-        """Resume the skipped-step count (the schedule's position) and, with `with_scaler` (the optimizer state is
-        loaded), the scaler's state; a checkpoint without one (another precision) leaves the scaler fresh."""
+        """Resume the skipped-step count (the schedule's position) and, with `with_scaler` (the
+        optimizer state is loaded), the scaler's state; a checkpoint without one (another
+        precision) leaves the scaler fresh."""
         self.skipped = int(state.get("skipped_iterations", 0))
         saved = state.get("loss_scaler")
         if with_scaler and saved is not None and self.scaler is not None:

@@ -12,9 +12,10 @@ attribution `overlap run --dry-run` uses for its host reads).
 
 Each record says which of the step's needed reads it is (`HostSync.kind`): the MoE split sizes
 (`overlap.layers.moe.split_sizes.read_split_sizes`, the one read an all-to-all needs), one of the dry run's
-`INTENDED_READS` (the logged loss, the gradient norm - also fp16's overflow check: a non-finite norm skips the
-step, `overlap.optim.loss_scaler`), a tensor the caller names as living on the host on a GPU run
-too (`host_tensors`: torch's Adam keeps its step counts on the CPU and reads them, no device sync; the dry run's
+`INTENDED_READS` (the logged loss, the gradient norm - also fp16's overflow check: a
+non-finite norm skips the step, `overlap.optim.loss_scaler`), a tensor the caller names as living
+on the host on a GPU run too
+(`host_tensors`: torch's Adam keeps its step counts on the CPU and reads them, no device sync; the dry run's
 `HOST_TENSOR`), or None: a sync the step should not have. The host-sync budget
 test (tests/test_host_syncs.py) holds a training step to its exact count.
 """

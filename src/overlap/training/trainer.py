@@ -8,9 +8,11 @@ the next forward with overlap_param_gather, which is why `train()` ends with `fi
 
 Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size) before backward, so
 the reduced gradients equal the single-process gradient of the mean loss over the whole global batch, and the
-reported lm loss is that mean (all-reduced over data parallel for the log only). Under loss scaling (fp16) the
-backward's seed also carries the optimizer's loss scale; the optimizer divides it out, and skips a step whose
-gradients overflowed (`overlap.optim.loss_scaler`): the learning-rate schedule then does not advance, as Megatron's.
+reported lm loss is that mean (all-reduced over data parallel for the log only).
+
+Under loss scaling (fp16) the backward's seed also carries the optimizer's loss scale; the
+optimizer divides it out, and skips a step whose gradients overflowed (`overlap.optim.loss_scaler`):
+the learning-rate schedule then does not advance, as Megatron's.
 """
 
 from __future__ import annotations
@@ -134,8 +136,9 @@ class Trainer:
             for ddp in self.ddps:
                 ddp.set_last_micro_batch(False)  # its schedule is opaque: every bucket is reduced after it
             if self._torch_pipeline is None:
-                self._torch_pipeline = TorchPipeline(self.chunks, ps, self.num_micro_batches, grad_scale)
-            self._torch_pipeline.scale = grad_scale  # the loss scale may have changed since the last step
+                self._torch_pipeline = TorchPipeline(self.chunks, ps, self.num_micro_batches,
+                                                     grad_scale)
+            self._torch_pipeline.scale = grad_scale  # the loss scale changes between steps
             for lm_loss in self._torch_pipeline.step(batches):
                 loss_sum += lm_loss.float()
         else:
@@ -179,10 +182,10 @@ class Trainer:
         return float(loss_sum) * scale, norm
 
     def learning_rate(self, iteration: int) -> float:
-        """The schedule's rate for `iteration`; steps skipped for an overflow do not advance it (Megatron's
-        scheduler steps only with the optimizer)."""
-        return learning_rate(iteration - self.optimizer.skipped, self.cfg.optimizer, self.cfg.scheduler,
-                             self.cfg.train.train_iters)
+        """The schedule's rate for `iteration`; steps skipped for an overflow do not advance it
+        (Megatron's scheduler steps only with the optimizer)."""
+        return learning_rate(iteration - self.optimizer.skipped, self.cfg.optimizer,
+                             self.cfg.scheduler, self.cfg.train.train_iters)
 
     def _named_params(self):
         return ((n, p) for c in self.chunks for n, p in c.named_parameters())
@@ -251,14 +254,15 @@ class Trainer:
         tokens_per_s = tokens_per_step / step_s / self.ps.world_size
         tflops = flops_step / step_s / self.ps.world_size / 1e12
         if self.ps.rank == 0:
-            if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters or rec.skipped_to is not None:
+            skipped = rec.skipped_to is not None
+            if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters or skipped:
                 log.info(format_iteration(rec, t, tokens_per_s, tflops, on_gpu=self.ps.mesh.device_type == "cuda"))
             if metrics is not None:
                 metrics.write(json.dumps({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
                                           "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,
                                           "tflops_per_rank": tflops, "lr": rec.lr, "comm_ms": c_ms,
                                           "comm_bytes": c_bytes,
-                                          **({"loss_scale": loss_scale, "skipped": rec.skipped_to is not None}
+                                          **({"loss_scale": loss_scale, "skipped": skipped}
                                              if scaling else {})}) + "\n")
                 metrics.flush()
             if progress is not None:
