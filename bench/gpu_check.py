@@ -48,7 +48,7 @@ DEADLINE_S = 480  # all steps together: the device tool runs one command for 10 
 INTENDED_SYNCS = {  # (file, function) of the host reads a step needs, and why
     ("split_sizes.py", "read_split_sizes"): "the MoE split sizes (NCCL's all-to-all takes them on the host)",
     ("trainer.py", "train_step"): "the logged loss",
-    ("adam.py", "global_grad_norm"): "the gradient norm (clipping and the log)",
+    ("adam.py", "global_grad_norm"): "the gradient norm (clipping, the log, the fp16 overflow skip)",
 }
 
 

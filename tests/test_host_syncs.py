@@ -38,6 +38,8 @@ FLEX = ["model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backe
 # test_fused_elementwise checks the compiled graphs' ops
 ELEMENTWISE = ["model.rms_norm_fusion=true", "model.apply_rope_fusion=true",
                "model.bias_activation_fusion=true"]
+# fp16: the loss scaler's overflow check is the gradient-norm read (no read of its own)
+FP16 = ["mixed_precision=fp16_mixed", "mixed_precision.initial_loss_scale=4096"]
 LOSS, GRAD_NORM = (why for _path, _fn, _code, why in INTENDED_READS)
 
 
@@ -56,9 +58,9 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
 
 @pytest.mark.parametrize("world, ep, overrides, per_layer", [
     (1, 1, FUSED, 1), (2, 2, FUSED, 1), (2, 2, FUSED + FLEX, 1), (2, 2, FUSED + PADDED, 0), (1, 1, FUSED + PADDED, 0),
-    (1, 1, FUSED + ELEMENTWISE, 1)],
+    (1, 1, FUSED + ELEMENTWISE, 1), (2, 2, FP16 + FUSED, 1)],
     ids=["ep1", "ep2-overlap", "ep2-overlap-flex", "ep2-overlap-padded", "ep1-padded",
-         "ep1-fused-elementwise"])
+         "ep1-fused-elementwise", "ep2-overlap-fp16"])
 def test_a_training_step_syncs_only_for_the_split_sizes_the_loss_and_the_grad_norm(world, ep, overrides, per_layer):
     for by_kind, unneeded, microbatches, adam_steps in run_world(world, _step, overrides, ep):
         assert not unneeded, "host syncs the step should not have:\n" + "\n".join(unneeded)

@@ -23,7 +23,8 @@ from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
-from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
+from overlap.config.mixed_precision import (MixedPrecisionConfig, get_mixed_precision_config,
+                                            resolve_loss_scaling)
 from overlap.config.model import DTYPES, ModelConfig
 from overlap.config.fusion import resolve_elementwise_fusion
 from overlap.config.moe_permute import resolve_moe_permute_fusion
@@ -256,9 +257,10 @@ class ConfigContainer:
             self.ddp.grad_reduce_in_fp32 = bool(self.ddp.grad_reduce_in_fp32)
             self.ddp.fp8_param_gather = bool(self.ddp.fp8_param_gather)
             self.optimizer.bf16, self.optimizer.fp16 = self.model.bf16, self.model.fp16
-            return
-        mp.finalize()
-        mp.setup(self.model, self.ddp, self.optimizer, log)
+        else:
+            mp.finalize()
+            mp.setup(self.model, self.ddp, self.optimizer, log)
+        resolve_loss_scaling(self.optimizer, mp, log)
 
     def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:
         m = self.model

@@ -39,6 +39,13 @@ class OptimizerConfig:
     overlap_param_gather_with_optimizer_step: bool | None = None
     bf16: bool = False  # written by mixed precision
     fp16: bool = False
+    # Loss scaling (Megatron's names; mixed precision owns and writes them; None: not set). A
+    # static `loss_scale` replaces the dynamic scaler that fp16 gets (optim/loss_scaler.py).
+    loss_scale: float | None = None
+    initial_loss_scale: float | None = None
+    min_loss_scale: float | None = None
+    loss_scale_window: int | None = None
+    hysteresis: int | None = None
 
 
 @dataclass

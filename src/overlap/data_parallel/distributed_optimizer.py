@@ -49,21 +49,25 @@ class DistributedOptimizer(SlotOptimizer):
         """`chunks` are this rank's model chunks in forward order (one without a virtual pipeline), `ddps` their
         data-parallel wrappers: each chunk's buckets are sharded and gathered bucket by bucket, in forward order
         across chunks, so the first forward's chunk is gathered first."""
+        super().__init__(cfg)
         self.ps = ps
         self.buffers = [b for ddp in ddps for b in ddp.buffers]
         self.adam = MixedPrecisionAdam([s for ddp in ddps for s in shard_slots(ddp)], cfg)
         self.gather = ParamGather(self.buffers, chunks, bool(ddp_cfg.overlap_param_gather),
                                   bool(ddp_cfg.fp8_param_gather), bool(ddp_cfg.align_param_gather))
 
-    def grad_norm(self) -> float:
+    def _grad_norm(self) -> float:
         return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)
 
-    def step(self, lr: float, grad_norm: float) -> None:
+    def _step(self, lr: float, grad_norm: float, unscale: float) -> None:
+        """The update, then the gather of the new shards (a step skipped for an overflow gathers
+        nothing: every replica still holds the parameters it had)."""
         early = self.gather.early_params()
         if early:
-            self.adam.step(lr, grad_norm, first=(lambda s: s.param in early, self.gather.start))
+            self.adam.step(lr, grad_norm, first=(lambda s: s.param in early, self.gather.start),
+                           unscale=unscale)
         else:
-            self.adam.step(lr, grad_norm)
+            self.adam.step(lr, grad_norm, unscale=unscale)
             self.gather.start()
 
     def finish_param_sync(self) -> None:

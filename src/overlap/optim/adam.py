@@ -1,8 +1,13 @@
 """Adam with fp32 main parameters, global-norm gradient clipping and the warm-up + decay learning-rate schedule.
 
-Gradients arrive in `param.main_grad` (already reduced across data parallel). With bf16 parameters the optimizer
-keeps fp32 master copies and writes the update back in bf16; with fp32 parameters the master *is* the parameter. The
-Adam core works on "slots" so that the distributed optimizer (`overlap.data_parallel.distributed_optimizer`) reuses it
+Gradients arrive in `param.main_grad` (already reduced across data parallel). With bf16 / fp16
+parameters the optimizer keeps fp32 master copies and writes the update back in the parameters'
+dtype; with fp32 parameters the master *is* the parameter. Under loss scaling (`loss_scaler.py`)
+the gradients arrive multiplied by the loss scale: the norm is divided by it, the step multiplies
+the gradients by (clipping factor / loss scale) as it widens them to fp32, and an overflowed step
+is skipped.
+
+The Adam core works on "slots" so that the distributed optimizer (`overlap.data_parallel.distributed_optimizer`) reuses it
 on the shards a rank owns. The gradient norm counts every logical parameter once: tensor-parallel replicas (norms,
 router) only on TP rank 0, expert shards summed over the expert-parallel group.
 """
@@ -19,6 +24,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from overlap.config.training import OptimizerConfig, SchedulerConfig
+from overlap.optim.loss_scaler import LossScaler
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 
@@ -150,13 +156,16 @@ class MixedPrecisionAdam:
 
     @torch.no_grad()
     def step(self, lr: float, grad_norm: float,
-             first: tuple[Callable[[Slot], bool], Callable[[], None]] | None = None) -> None:
+             first: tuple[Callable[[Slot], bool], Callable[[], None]] | None = None,
+             unscale: float = 1.0) -> None:
         """Update every slot. With `first = (select, then)`, the selected slots are updated (and written out)
         before the others and `then()` runs in between: the distributed optimizer launches the next forward's first
         parameter gather there, so it travels while the rest of the step computes. AdamW skips a parameter without
-        a gradient (no update, no step count, no decay), so the two partial steps are exactly one full step."""
+        a gradient (no update, no step count, no decay), so the two partial steps are exactly one full step.
+        `grad_norm` is the norm of the true gradients, `unscale` what the stored ones are multiplied
+        by to get them (1 / loss scale)."""
         # The norm is already on the host (global_grad_norm's one read), so the clipping factor costs no sync here.
-        scale = min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 else 1.0
+        scale = (min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 else 1.0) * unscale
         for group in self.opt.param_groups:
             group["lr"] = lr
         if first is None:
@@ -247,10 +256,62 @@ class MixedPrecisionAdam:
 
 
 class SlotOptimizer:
-    """What both optimizers share around their `MixedPrecisionAdam`: loading a checkpoint's parameter-space state
-    (every slot takes its own elements of it) and the step count."""
+    """What both optimizers share around their `MixedPrecisionAdam`: loss scaling and the overflow
+    skip, loading a checkpoint's parameter-space state (every slot takes its own elements of it)
+    and the step count. A subclass gives `_grad_norm` (of the gradients as stored) and `_step`
+    (the update itself)."""
 
     adam: MixedPrecisionAdam
+    ps: ParallelState
+
+    def __init__(self, cfg: OptimizerConfig) -> None:
+        self.scaler = LossScaler.from_config(cfg)
+        self.skipped = 0  # steps skipped for an overflow (the lr schedule counts only the others)
+        self.overflowed = False  # whether the last step was skipped
+
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 without a scaler)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the true (unscaled) gradients: non-finite if any rank's gradients
+        overflowed."""
+        return self._grad_norm() / self.loss_scale
+
+    def step(self, lr: float, grad_norm: float) -> bool:
+        """Clip and update, or, under loss scaling with a non-finite `grad_norm` (the same on every
+        rank, see `loss_scaler.py`), skip the step and let the scaler back off. Returns whether the
+        parameters changed."""
+        unscale = 1.0 / self.loss_scale
+        self.overflowed = self.scaler is not None and not math.isfinite(grad_norm)
+        if self.scaler is not None:
+            self.scaler.update(self.overflowed)
+        if self.overflowed:
+            self.skipped += 1
+            return False
+        self._step(lr, grad_norm, unscale)
+        return True
+
+    def _grad_norm(self) -> float:
+        raise NotImplementedError
+
+    def _step(self, lr: float, grad_norm: float, unscale: float) -> None:
+        raise NotImplementedError
+
+    def scaling_state(self) -> dict:
+        """The loss scaler's state and the skipped-step count, for a checkpoint's train state."""
+        return {"skipped_iterations": self.skipped,
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_scaling_state(self, state: dict, with_scaler: bool) -> None:
+        """Resume the skipped-step count (the schedule's position) and, with `with_scaler` (the
+        optimizer state is loaded), the scaler's state; a checkpoint without one (another
+        precision) leaves the scaler fresh."""
+        self.skipped = int(state.get("skipped_iterations", 0))
+        saved = state.get("loss_scaler")
+        if with_scaler and saved is not None and self.scaler is not None:
+            self.scaler.load_state_dict(saved)
 
     def load_param_states(self, states: ParamStates, step: int) -> None:
         self.adam.import_param_states(states, step)
@@ -263,14 +324,15 @@ class LocalOptimizer(SlotOptimizer):
     """The non-distributed optimizer: every rank updates every parameter from the all-reduced gradients."""
 
     def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, ps: ParallelState) -> None:
+        super().__init__(cfg)
         self.ps = ps
         self.adam = MixedPrecisionAdam.for_params(params, cfg)
 
-    def grad_norm(self) -> float:
+    def _grad_norm(self) -> float:
         return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=False)
 
-    def step(self, lr: float, grad_norm: float) -> None:
-        self.adam.step(lr, grad_norm)
+    def _step(self, lr: float, grad_norm: float, unscale: float) -> None:
+        self.adam.step(lr, grad_norm, unscale=unscale)
 
     def finish_param_sync(self) -> None:
         """Nothing to gather: parameters are updated in place on every rank."""

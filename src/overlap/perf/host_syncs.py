@@ -52,7 +52,8 @@ _TORCH_PLUMBING = ("torch/_subclasses/", "torch/utils/", "torch/_ops.py", "torch
 # balanced routing instead (`overlap.layers.moe.split_sizes`) and are intended by construction.
 INTENDED_READS = (
     ("training/trainer.py", "train_step", "float(loss_sum)", "the logged loss"),
-    ("optim/adam.py", "global_grad_norm", "float(total)", "the gradient norm (clipping and the log)"),
+    ("optim/adam.py", "global_grad_norm", "float(total)", 
+     "the gradient norm (clipping, the log, the fp16 overflow skip: overlap.optim.loss_scaler)"),
 )
 
 _aten = torch.ops.aten

@@ -8,7 +8,8 @@ What is saved (every tensor under its layout-independent name, as a chunk of its
   master only where the parameter is not fp32 itself;
 - `rng.torch.rank<r>` (and `rng.cuda.rank<r>`): every rank's generator states, restored only at the same layout
   (Bridge ignores RNG state after a TP/PP change too);
-- `train_state.json`: iteration, consumed samples, optimizer steps, the layout; `run_config.yaml`.
+- `train_state.json`: iteration, consumed samples, optimizer steps, the layout, the loss
+  scaler's state and the count of steps skipped for an overflow (fp16); `run_config.yaml`.
 The data position needs nothing more: sample i of iteration k is the data's sample k x global batch + i (mock data:
 a function of (seed, k, i); real data: of the files, split, seed and sequence length, not of the run's length), so a
 run resumed at iteration K reads exactly the samples the uninterrupted run reads at K. A resume with another global
@@ -164,7 +165,8 @@ class Checkpointer:
                        "optimizer_steps": self.optimizer.steps_taken(), "layout": self._layout(),
                        "has_optimizer": self.ck.save_optim, "has_rng": self.ck.save_rng,
                        "seed": t.seed, "global_batch_size": t.global_batch_size, "torch": torch.__version__,
-                       "dataset": dataclasses.asdict(self.cfg.dataset)}
+                       "dataset": dataclasses.asdict(self.cfg.dataset),
+                       **self.optimizer.scaling_state()}
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         planner = ChunkSavePlanner(chunks)
         if self.ck.async_save:
@@ -295,6 +297,8 @@ class Checkpointer:
                                   "load another iteration.") from exc
         step = int(train_state.get("optimizer_steps", 0)) if want_optim else 0
         self.optimizer.load_param_states(states, step)  # without optimizer state: masters from the loaded weights
+        if not weights_only:
+            self.optimizer.load_scaling_state(train_state, with_scaler=want_optim)
         if load_rng:
             torch.set_rng_state(state[f"rng.torch.rank{self.ps.rank}"])
             if f"rng.cuda.rank{self.ps.rank}" in state:

@@ -102,6 +102,8 @@ class StepRecord:
     grad_norm: float
     step_time_ms: float
     lr: float
+    loss_scale: float | None = None  # the scale the step's backward used (None: no loss scaling)
+    skipped_to: float | None = None  # a step skipped for an overflow: the scale it backed off to
 
 
 def format_iteration(r: StepRecord, cfg: TrainConfig, tokens_per_s: float, tflops: float, *, on_gpu: bool) -> str:
@@ -112,7 +114,11 @@ def format_iteration(r: StepRecord, cfg: TrainConfig, tokens_per_s: float, tflop
             else f"tokens/s per rank: {tokens_per_s:.0f}")
     return (f"iteration {r.iteration + 1:>6}/{cfg.train_iters:<6} | elapsed time per iteration (ms): "
             f"{r.step_time_ms:.1f} | {rate} | learning rate: {r.lr:.6E} | global batch size: "
-            f"{cfg.global_batch_size:>5} | lm loss: {r.lm_loss:.6E} | grad norm: {r.grad_norm:.4f}")
+            f"{cfg.global_batch_size:>5} | lm loss: {r.lm_loss:.6E} | "
+            + (f"loss scale: {r.loss_scale:.1f} | " if r.loss_scale is not None else "")
+            + f"grad norm: {r.grad_norm:.4f}"
+            + ("" if r.skipped_to is None
+               else f" | skipped: overflow, scale -> {r.skipped_to:.1f}"))
 
 
 def steady_mean_ms(records: list[StepRecord], window: tuple[int, int]) -> float:

@@ -8,6 +8,9 @@ when one of the two is configured), so all ranks stop after the same iteration, 
 NaN/Inf (`ddp.check_for_nan_in_grad`): the global gradient norm is all-reduced anyway, so a non-finite value anywhere
 shows on every rank at no extra cost; then (only then) the ranks exchange which of them hold the non-finite values,
 and every rank stops before the optimizer step with one message naming the iteration, the ranks and the tensors.
+Under loss scaling (fp16) a non-finite gradient is an overflow that the loss scaler handles by
+skipping the step; the check then stops the run only if the loss itself is not finite (which no
+loss scale can fix).
 """
 
 from __future__ import annotations
@@ -64,20 +67,25 @@ class ExitWatch:
 
 
 def check_finite(iteration: int, norm: float, loss: torch.Tensor, named_params: Iterable[tuple[str, nn.Parameter]],
-                 rank: int, last_checkpoint: int | None) -> None:
-    """Raise NonFiniteError on every rank if the (global) gradient norm is not finite. Collective only then."""
+                 rank: int, last_checkpoint: int | None, loss_scaling: bool = False) -> None:
+    """Raise NonFiniteError on every rank if the (global) gradient norm is not finite - with
+    `loss_scaling`, only if some rank's loss is not finite either. Collective only then."""
     if math.isfinite(norm):
         return
     # a tied embedding's copy on the last stage is named with what it is (its gradient has the embedding's in it)
     bad = [name if not hasattr(p, "tied_to") else f"{name} (the tied copy of {p.tied_to})" for name, p in named_params
            if getattr(p, "main_grad", None) is not None and not bool(torch.isfinite(p.main_grad).all())]
     mine = []
-    if not bool(torch.isfinite(loss).all()):
+    loss_bad = not bool(torch.isfinite(loss).all())
+    if loss_bad:
         mine.append("the lm loss")
     if bad:
         mine.append("gradients of " + ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
-    reports = comm.all_gather_object((rank, "; ".join(mine)), None)
-    where = "; ".join(f"rank {r}: {what}" for r, what in reports if what) or "no rank holds a non-finite gradient (the norm itself overflowed)"
+    reports = comm.all_gather_object((rank, "; ".join(mine), loss_bad), None)
+    if loss_scaling and not any(lost for _r, _what, lost in reports):
+        return  # a gradient overflow: the loss scaler skips the step
+    where = ("; ".join(f"rank {r}: {what}" for r, what, _lost in reports if what)
+             or "no rank holds a non-finite gradient (the norm itself overflowed)")
     kept = (f"the last checkpoint (iteration {last_checkpoint}) is untouched" if last_checkpoint is not None else
             "no checkpoint was written")
     raise NonFiniteError("ddp.check_for_nan_in_grad", True,

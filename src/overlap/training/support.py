@@ -55,7 +55,6 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "FP8 parameter gather without the distributed optimizer (only its parameter all-gather is quantised)",
          "set ddp.use_distributed_optimizer=true and optimizer.use_distributed_optimizer=true, or "
          "mixed_precision.fp8_param_gather=false."),
-        (m.fp16, "mixed_precision", "fp16_mixed", "fp16 training (dynamic loss scaling)", "use -c bf16 or -c fp32."),
         (m.cuda_graph_impl != "none", "model.cuda_graph_impl", m.cuda_graph_impl, "CUDA-graph capture",
          "use --cuda_graph_impl none."),
         (bool(m.mtp_num_layers), "model.mtp_num_layers", m.mtp_num_layers, "Multi-token prediction",

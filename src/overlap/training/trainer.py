@@ -9,6 +9,10 @@ the next forward with overlap_param_gather, which is why `train()` ends with `fi
 Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size) before backward, so
 the reduced gradients equal the single-process gradient of the mean loss over the whole global batch, and the
 reported lm loss is that mean (all-reduced over data parallel for the log only).
+
+Under loss scaling (fp16) the backward's seed also carries the optimizer's loss scale; the
+optimizer divides it out, and skips a step whose gradients overflowed (`overlap.optim.loss_scaler`):
+the learning-rate schedule then does not advance, as Megatron's.
 """
 
 from __future__ import annotations
@@ -126,12 +130,15 @@ class Trainer:
         batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
                                           ps.dp_size, ps.device)
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
+        grad_scale = scale * self.optimizer.loss_scale  # what the backward is seeded with
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         if m.pipeline_impl == "torch_pipelining":  # the PyTorch peer of the schedule below (pipeline/torch_peer.py)
             for ddp in self.ddps:
                 ddp.set_last_micro_batch(False)  # its schedule is opaque: every bucket is reduced after it
             if self._torch_pipeline is None:
-                self._torch_pipeline = TorchPipeline(self.chunks, ps, self.num_micro_batches, scale)
+                self._torch_pipeline = TorchPipeline(self.chunks, ps, self.num_micro_batches,
+                                                     grad_scale)
+            self._torch_pipeline.scale = grad_scale  # the loss scale changes between steps
             for lm_loss in self._torch_pipeline.step(batches):
                 loss_sum += lm_loss.float()
         else:
@@ -139,7 +146,7 @@ class Trainer:
             # EP overlap: its steady steps merged, forward and backward piece by piece (pipeline/combined_1f1b.py).
             seq = m.seq_length // ps.tp_size if m.sequence_parallel else m.seq_length
             losses = PipelineExecutor(
-                self.chunks, ps, batches, scale, bool(m.overlap_p2p_comm),
+                self.chunks, ps, batches, grad_scale, bool(m.overlap_p2p_comm),
                 lambda chunk, last: self.ddps[chunk].set_last_micro_batch(last),
                 (seq, t.micro_batch_size, m.hidden_size), params_dtype(m),
                 m.microbatch_group_size_per_vp_stage, deallocate_outputs=bool(m.deallocate_pipeline_outputs),
@@ -167,11 +174,18 @@ class Trainer:
         if check_nan and not math.isfinite(norm):  # free unless the norm is not finite (training/stopping.py)
             loss_handle.wait()  # nothing is left in flight when every rank stops here
             check_finite(iteration, norm, local_loss, self._named_params(), ps.rank,
-                         self.checkpointer.last_saved if self.checkpointer else None)
+                         self.checkpointer.last_saved if self.checkpointer else None,
+                         loss_scaling=self.optimizer.scaler is not None)
         with RECORDER.span("optimizer"):
-            self.optimizer.step(learning_rate(iteration, self.cfg.optimizer, self.cfg.scheduler, t.train_iters), norm)
+            self.optimizer.step(self.learning_rate(iteration), norm)
         loss_handle.wait()
         return float(loss_sum) * scale, norm
+
+    def learning_rate(self, iteration: int) -> float:
+        """The schedule's rate for `iteration`; steps skipped for an overflow do not advance it
+        (Megatron's scheduler steps only with the optimizer)."""
+        return learning_rate(iteration - self.optimizer.skipped, self.cfg.optimizer,
+                             self.cfg.scheduler, self.cfg.train.train_iters)
 
     def _named_params(self):
         return ((n, p) for c in self.chunks for n, p in c.named_parameters())
@@ -224,6 +238,7 @@ class Trainer:
                    comm_sum: dict[str, float], metrics: IO[str] | None, progress) -> None:
         """One logged training iteration."""
         t = self.cfg.train
+        lr, loss_scale = self.learning_rate(it), self.optimizer.loss_scale
         start = time.perf_counter()
         loss, norm = self.train_step(it)
         step_s = time.perf_counter() - start
@@ -232,19 +247,23 @@ class Trainer:
         c_ms, c_bytes = comm_totals(events)
         for k, v in c_ms.items():
             comm_sum[k] += v
-        rec = StepRecord(it, loss, norm, step_s * 1e3,
-                         learning_rate(it, self.cfg.optimizer, self.cfg.scheduler, t.train_iters))
+        scaling = self.optimizer.scaler is not None
+        rec = StepRecord(it, loss, norm, step_s * 1e3, lr, loss_scale if scaling else None,
+                         self.optimizer.loss_scale if self.optimizer.overflowed else None)
         records.append(rec)
         tokens_per_s = tokens_per_step / step_s / self.ps.world_size
         tflops = flops_step / step_s / self.ps.world_size / 1e12
         if self.ps.rank == 0:
-            if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters:
+            skipped = rec.skipped_to is not None
+            if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters or skipped:
                 log.info(format_iteration(rec, t, tokens_per_s, tflops, on_gpu=self.ps.mesh.device_type == "cuda"))
             if metrics is not None:
                 metrics.write(json.dumps({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
                                           "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,
                                           "tflops_per_rank": tflops, "lr": rec.lr, "comm_ms": c_ms,
-                                          "comm_bytes": c_bytes}) + "\n")
+                                          "comm_bytes": c_bytes,
+                                          **({"loss_scale": loss_scale, "skipped": skipped}
+                                             if scaling else {})}) + "\n")
                 metrics.flush()
             if progress is not None:
                 progress(it + 1, t.train_iters, loss)
