@@ -19,6 +19,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+
 import torch
 
 from overlap.config.container import ConfigContainer
