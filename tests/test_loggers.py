@@ -1,5 +1,6 @@
-"""Experiment logging: TensorBoard and W&B get the `--metrics` scalars, read back from what they wrote; W&B's mode;
-a missing extra and the logger section's mistakes are one clear error before training."""
+"""Experiment logging: TensorBoard and W&B get the `--metrics` scalars, read back from what they
+wrote; W&B's mode; a missing extra and the logger section's mistakes are one clear error before
+training."""
 
 import json
 import os
@@ -17,7 +18,8 @@ from overlap.errors import ConfigError
 
 
 def _flat(record: dict, prefix: str = "") -> dict[str, float]:
-    """The test's own reading of a JSON line: every number, nested keys joined by "/", not the iteration."""
+    """The test's own reading of a JSON line: every number, nested keys joined by "/", not the
+    iteration."""
     out = {}
     for key, value in record.items():
         if isinstance(value, dict):
@@ -50,9 +52,9 @@ def _tensorboard(log_dir: Path) -> dict[int, dict[str, float]]:
 
 
 def _wandb_records(path: Path) -> list[bytes]:
-    """The records of a W&B transaction log (.wandb): a 7-byte header (":W&B", magic, version), then 32 KiB blocks of
-    chunks, each with a 7-byte header (CRC, length, type: 1 full, 2 first, 3 middle, 4 last); a block's tail too
-    short for a header is padding."""
+    """The records of a W&B transaction log (.wandb): a 7-byte header (":W&B", magic, version), then
+    32 KiB blocks of chunks, each with a 7-byte header (CRC, length, type: 1 full, 2 first, 3
+    middle, 4 last); a block's tail too short for a header is padding."""
     data, block, pos = path.read_bytes(), 32768, 7
     assert data[:4] == b":W&B"
     records, pending = [], b""
@@ -60,11 +62,11 @@ def _wandb_records(path: Path) -> list[bytes]:
         if block - pos % block < 7:
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:  # zero padding to the end of the block
             pos += block - pos % block
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             records.append(pending)
@@ -73,7 +75,8 @@ def _wandb_records(path: Path) -> list[bytes]:
 
 
 def _wandb_history(save_dir: Path) -> dict[int, dict[str, float]]:
-    """The logged rows of the one offline run under `save_dir`, read with W&B's own record definitions."""
+    """The logged rows of the one offline run under `save_dir`, read with W&B's own record
+    definitions."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = save_dir.glob("wandb/offline-run-*/run-*.wandb")
@@ -83,8 +86,13 @@ def _wandb_history(save_dir: Path) -> dict[int, dict[str, float]]:
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") != "history":
             continue
-        row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-        steps.setdefault(row["_step"], {}).update({k: float(v) for k, v in row.items() if not k.startswith("_")})
+        row = {
+            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for item in record.history.item
+        }
+        steps.setdefault(row["_step"], {}).update(
+            {k: float(v) for k, v in row.items() if not k.startswith("_")}
+        )
     return steps
 
 
@@ -98,17 +106,52 @@ def test_tensorboard_and_wandb_get_the_metrics_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     metrics, tb, wb = tmp_path / "m.jsonl", tmp_path / "tb", tmp_path / "wb"
-    out = subprocess.run([sys.executable, "-m", "overlap.cli", "run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu",
-                          "-ng", "2", "-ms", "3", "--metrics", str(metrics), f"logger.tensorboard_dir={tb}",
-                          "logger.tensorboard_log_interval=2", "logger.wandb_project=overlap-test",
-                          "logger.wandb_exp_name=tiny", f"logger.wandb_save_dir={wb}"],
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path, env=_offline_env(tmp_path))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "overlap.cli",
+            "run",
+            "-m",
+            "qwen",
+            "-mr",
+            "dense_tiny",
+            "-g",
+            "cpu",
+            "-ng",
+            "2",
+            "-ms",
+            "3",
+            "--metrics",
+            str(metrics),
+            f"logger.tensorboard_dir={tb}",
+            "logger.tensorboard_log_interval=2",
+            "logger.wandb_project=overlap-test",
+            "logger.wandb_exp_name=tiny",
+            f"logger.wandb_save_dir={wb}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        env=_offline_env(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mode offline" in out.stderr and "W&B run 'tiny' (offline" in out.stderr
     expected = _expected(metrics)
     assert sorted(expected) == [1, 2, 3]
-    for name in ("lm_loss", "grad_norm", "lr", "step_time_ms", "tokens_per_s", "peak_mem_mb", "comm_ms/dp_ar",
-                 "comm_bytes/dp_ar", "exposed_comm_ms/dp_ar", "total_comm_ms/dp_ar"):
+    for name in (
+        "lm_loss",
+        "grad_norm",
+        "lr",
+        "step_time_ms",
+        "tokens_per_s",
+        "peak_mem_mb",
+        "comm_ms/dp_ar",
+        "comm_bytes/dp_ar",
+        "exposed_comm_ms/dp_ar",
+        "total_comm_ms/dp_ar",
+    ):
         assert name in expected[2], name
     due = {2: expected[2], 3: expected[3]}  # every 2nd iteration, and the last
     board = _tensorboard(tb)
@@ -122,22 +165,54 @@ def test_tensorboard_and_wandb_get_the_metrics_scalars(tmp_path):
 def test_a_missing_extra_is_one_error_naming_the_field_and_the_install(monkeypatch):
     for field, module in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb")):
         cfg = ConfigContainer()
-        apply_overrides(cfg, [f"logger.{field}=x", "logger.wandb_exp_name=e"] if module == "wandb"
-                        else [f"logger.{field}=x"])
+        apply_overrides(
+            cfg,
+            [f"logger.{field}=x", "logger.wandb_exp_name=e"]
+            if module == "wandb"
+            else [f"logger.{field}=x"],
+        )
         with monkeypatch.context() as m:
             m.setitem(sys.modules, module, None)  # as if not installed
-            with pytest.raises(ConfigError, match=rf"logger\.{field}='x': it needs the {module} package") as err:
+            with pytest.raises(
+                ConfigError, match=rf"logger\.{field}='x': it needs the {module} package"
+            ) as err:
                 cfg.finalize(1, require_libraries=True)
             assert f"pip install 'overlap[{module}]'" in str(err.value)
-            res = ConfigContainer(logger=cfg.logger).finalize(1, require_libraries=False)  # explain: said, not raised
-            assert any(f"needs overlap[{module}]" in d.reason for d in res.decisions.sections["logger"])
+            res = ConfigContainer(logger=cfg.logger).finalize(
+                1, require_libraries=False
+            )  # explain: said, not raised
+            assert any(
+                f"needs overlap[{module}]" in d.reason for d in res.decisions.sections["logger"]
+            )
 
 
 def test_run_without_the_extra_exits_2_before_any_rank_starts(tmp_path):
-    code = ("import sys; sys.modules['wandb'] = None; from overlap.cli import main; sys.exit(main(sys.argv[1:]))")
-    out = subprocess.run([sys.executable, "-c", code, "run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng",
-                          "2", "logger.wandb_project=p", "logger.wandb_exp_name=e"], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    code = (
+        "import sys; sys.modules['wandb'] = None; from overlap.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "run",
+            "-m",
+            "qwen",
+            "-mr",
+            "dense_tiny",
+            "-g",
+            "cpu",
+            "-ng",
+            "2",
+            "logger.wandb_project=p",
+            "logger.wandb_exp_name=e",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "logger.wandb_project='p'" in out.stderr and "pip install 'overlap[wandb]'" in out.stderr
     assert "Traceback" not in out.stderr and "Launch environment" not in out.stdout
@@ -147,7 +222,9 @@ def test_wandb_mode_offline_without_a_key(tmp_path):
     none = str(tmp_path / "absent")
     assert wandb_mode({"NETRC": none})[0] == "offline"
     assert wandb_mode({"NETRC": none, "WANDB_API_KEY": "k"})[0] == "online"
-    assert wandb_mode({"NETRC": none, "WANDB_API_KEY": "k", "WANDB_MODE": "offline"})[0] == "offline"
+    assert (
+        wandb_mode({"NETRC": none, "WANDB_API_KEY": "k", "WANDB_MODE": "offline"})[0] == "offline"
+    )
     assert wandb_mode({"NETRC": none, "WANDB_MODE": "dryrun"})[0] == "offline"
     netrc = tmp_path / "netrc"
     netrc.write_text("machine api.wandb.ai\n  login user\n  password k\n")
@@ -157,12 +234,15 @@ def test_wandb_mode_offline_without_a_key(tmp_path):
         wandb_mode({"WANDB_MODE": "sometimes"})
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (["logger.wandb_project=p"], "logger.wandb_exp_name"),  # Bridge refuses a nameless run too
-    (["logger.tensorboard_dir=''"], "logger.tensorboard_dir"),
-    (["logger.log_interval=0"], "logger.log_interval"),
-    (["logger.tensorboard_log_interval=0"], "logger.tensorboard_log_interval"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["logger.wandb_project=p"], "logger.wandb_exp_name"),  # Bridge refuses a nameless run too
+        (["logger.tensorboard_dir=''"], "logger.tensorboard_dir"),
+        (["logger.log_interval=0"], "logger.log_interval"),
+        (["logger.tensorboard_log_interval=0"], "logger.tensorboard_log_interval"),
+    ],
+)
 def test_logger_mistakes_name_the_field(overrides, field):
     cfg = ConfigContainer()
     apply_overrides(cfg, overrides)
@@ -181,7 +261,9 @@ def test_bridge_logger_names_we_do_not_carry_are_refused():
 
 def test_wandb_folder_follows_bridge_and_settings_without_a_sink_are_noops():
     cfg = ConfigContainer()
-    apply_overrides(cfg, ["logger.wandb_project=p", "logger.wandb_exp_name=e", "checkpoint.save=/ck"])
+    apply_overrides(
+        cfg, ["logger.wandb_project=p", "logger.wandb_exp_name=e", "checkpoint.save=/ck"]
+    )
     res = cfg.finalize(1, require_libraries=False)
     assert cfg.logger.wandb_save_dir == "/ck/wandb"
     assert any(d.field == "logger.wandb_save_dir" for d in res.decisions.sections["logger"])

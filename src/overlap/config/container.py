@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Sequence
 
 import torch
@@ -66,6 +66,20 @@ def _hf_checkpoint_vocab(path: str | None) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def plain_value(value: Any) -> Any:
+    """A configuration value as YAML and JSON can hold it (dataclasses to mappings without their private fields,
+    anything exotic to its text)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_value(getattr(value, f.name)) for f in fields(value) if not f.name.startswith("_")}
+    if isinstance(value, dict):
+        return {str(k): plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
 @dataclass
 class Resolution:
     """What finalize decided: the decision log and the parallel layout."""
@@ -90,6 +104,10 @@ class ConfigContainer:
     comm_overlap: CommOverlapConfig | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
     _requested: "ConfigContainer | None" = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's config."""
+        return plain_value(self)
 
     def finalize(self, world_size: int, device=probe_device, require_libraries: bool = True,
                  command_line: Sequence[Decision] = (), on_cuda: bool | None = None) -> Resolution:

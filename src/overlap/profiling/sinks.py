@@ -1,25 +1,21 @@
 """Where rank 0's per-iteration numbers go: one record, many sinks.
 
-Two producers write one record (a JSON-able dict with an "iteration", numbered from 1) per iteration: the trainer
-(loss, grad norm, learning rate, step time, throughput, communication time and bytes by kind, peak memory) and the
-exposure collector (exposed and total communication by kind). Each record goes, unchanged, to every sink of its
-stream: the `--metrics` JSON-lines files (`FILE` and `FILE.comm.jsonl`), TensorBoard and Weights & Biases. The last
-two are shared by both streams and get the record's numbers as scalars, nested keys joined by "/" (`comm_ms/dp_ar`),
-at step = the iteration; strings (the network label) stay in the JSON lines only.
-"""
+Two producers write one record (a JSON-able dict with an "iteration", numbered from 1) per
+iteration: the trainer (loss, grad norm, learning rate, step time, throughput, communication time
+and bytes by kind, peak memory) and the exposure collector (exposed and total communication by
+kind). Each record goes, unchanged, to every sink of its stream: the `--metrics` JSON-lines files
+(`FILE` and `FILE.comm.jsonl`), TensorBoard and Weights & Biases. The last two are shared by both
+streams and get the record's numbers as scalars, nested keys joined by "/" (`comm_ms/dp_ar`), at
+step = the iteration; strings (the network label) stay in the JSON lines only."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from overlap.config.logger import LoggerConfig, check_extra, wandb_mode
-
-log = logging.getLogger("overlap")
-
+from overlap.config.logger import LoggerConfig, wandb_mode
 
 class MetricsSink(Protocol):
     def write(self, record: dict[str, Any]) -> None:
@@ -34,19 +30,22 @@ class _Owned(MetricsSink, Protocol):
 
 
 def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """The record's numbers, nested keys joined by "/"; the iteration (the step) and non-numbers are left out."""
+    """The record's numbers, nested keys joined by "/"; the iteration (the step) and non-numbers are
+    left out."""
     out: dict[str, float] = {}
     for key, value in record.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             out.update(scalars(value, f"{name}/"))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and name != "iteration":
+        elif (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and name != "iteration"
+        ):
             out[name] = value
     return out
 
 
 class JsonLines:
-    """One JSON object per line, flushed each time, so a crashed run keeps every finished iteration."""
+    """One JSON object per line, flushed each time: a crashed run keeps every finished iteration."""
 
     def __init__(self, path: str) -> None:
         self.where = path
@@ -89,8 +88,8 @@ class TensorBoard(_ScalarSink):
 
 
 class WandbRun(_ScalarSink):
-    """A W&B run named by the logger section, its config the run's configuration (as Bridge); the mode is
-    `wandb_mode()` of this process's environment, offline without a key."""
+    """A W&B run named by the logger section, its config the run's configuration (as Bridge); the
+    mode is `wandb_mode()` of this process's environment, offline without a key."""
 
     def __init__(self, lg: LoggerConfig, last: int, run_config: dict[str, Any]) -> None:
         super().__init__(lg.tensorboard_log_interval, last)
@@ -98,10 +97,18 @@ class WandbRun(_ScalarSink):
 
         self.mode, why = wandb_mode()
         os.makedirs(lg.wandb_save_dir, exist_ok=True)
-        self.run = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name, entity=lg.wandb_entity,
-                              dir=lg.wandb_save_dir, config=run_config, mode=self.mode,
-                              settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
-        self.where = f"W&B run {lg.wandb_exp_name!r} ({self.mode}: {why}) in {os.path.dirname(self.run.dir)}"
+        self.run = wandb.init(
+            project=lg.wandb_project,
+            name=lg.wandb_exp_name,
+            entity=lg.wandb_entity,
+            dir=lg.wandb_save_dir,
+            config=run_config,
+            mode=self.mode,
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )
+        self.where = (
+            f"W&B run {lg.wandb_exp_name!r} ({self.mode}: {why}) in {os.path.dirname(self.run.dir)}"
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         step = record["iteration"]
@@ -125,7 +132,7 @@ class FanOut:
 
 @dataclass
 class RunSinks:
-    """Rank 0's two streams (None: nothing takes them) and every sink they feed, closed once each."""
+    """Rank 0's two streams (None: nothing takes them) and every sink they feed, closed once."""
 
     metrics: FanOut | None = None
     comm: FanOut | None = None
@@ -140,8 +147,8 @@ class RunSinks:
 
 
 def open_sinks(cfg, metrics_path: str | None) -> RunSinks:
-    """Rank 0's sinks: `metrics_path` (--metrics) and its `.comm.jsonl` sibling, and the logger section's
-    TensorBoard and W&B. Their packages were checked at start-up; checked again here, where the rank runs."""
+    """Rank 0's sinks: `metrics_path` (--metrics) and its `.comm.jsonl` sibling, and the logger
+    section's TensorBoard and W&B (their packages were checked by finalize, on this rank too)."""
     lg: LoggerConfig = cfg.logger
     last = cfg.train.train_iters
     files: list[_Owned | None] = [None, None]
@@ -150,11 +157,9 @@ def open_sinks(cfg, metrics_path: str | None) -> RunSinks:
         if metrics_path:
             files = [JsonLines(metrics_path), JsonLines(f"{metrics_path}.comm.jsonl")]
         if lg.tensorboard_dir is not None:
-            check_extra("tensorboard_dir", lg.tensorboard_dir)
             shared.append(TensorBoard(lg, last))
         if lg.wandb_project is not None:
-            check_extra("wandb_project", lg.wandb_project)
-            shared.append(WandbRun(lg, last, _plain_config(cfg)))
+            shared.append(WandbRun(lg, last, cfg.to_dict()))
     except BaseException:
         RunSinks(owned=[f for f in files if f is not None] + shared).close()
         raise
@@ -163,9 +168,3 @@ def open_sinks(cfg, metrics_path: str | None) -> RunSinks:
         return RunSinks()
     metrics, comm = (FanOut([f] + shared if f is not None else shared) for f in files)
     return RunSinks(metrics, comm, owned)
-
-
-def _plain_config(cfg) -> dict[str, Any]:
-    """The run's configuration as plain data (the W&B run's config)."""
-    return {f.name: asdict(v) if is_dataclass(v := getattr(cfg, f.name)) else v
-            for f in fields(cfg) if not f.name.startswith("_")}
