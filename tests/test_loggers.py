@@ -103,8 +103,6 @@ def _offline_env(home: Path) -> dict[str, str]:
 
 
 def test_tensorboard_and_wandb_get_the_metrics_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("wandb")
     metrics, tb, wb = tmp_path / "m.jsonl", tmp_path / "tb", tmp_path / "wb"
     out = subprocess.run(
         [
@@ -271,3 +269,21 @@ def test_wandb_folder_follows_bridge_and_settings_without_a_sink_are_noops():
     apply_overrides(cfg, ["logger.wandb_entity=team", "logger.tensorboard_queue_size=10"])
     noops = {n.field for n in cfg.finalize(1, require_libraries=False).decisions.noops}
     assert {"logger.wandb_entity", "logger.tensorboard_queue_size"} <= noops
+
+
+def test_tensorboard_alone_takes_both_streams_without_metrics_files(tmp_path):
+    from overlap.profiling.sinks import open_sinks
+
+    cfg = ConfigContainer()
+    apply_overrides(cfg, [f"logger.tensorboard_dir={tmp_path / 'tb'}", "train.train_iters=3"])
+    cfg.finalize(1)
+    sinks = open_sinks(cfg, None)
+    assert len(sinks.owned) == 1 and sinks.describe().startswith("TensorBoard")
+    for it in (1, 2, 3):
+        sinks.comm.write({"iteration": it, "network": "real", "total_comm_ms": {"dp_ar": it / 8}})
+        sinks.metrics.write({"iteration": it, "lm_loss": 2.5 - it, "comm_bytes": {"dp_ar": 1024}})
+    sinks.close()
+    assert list(tmp_path.iterdir()) == [tmp_path / "tb"]  # no JSON lines without --metrics
+    board = _tensorboard(tmp_path / "tb")
+    assert board == {it: {"lm_loss": 2.5 - it, "comm_bytes/dp_ar": 1024.0, "total_comm_ms/dp_ar": it / 8}
+                     for it in (1, 2, 3)}  # exact in float32; the network label stays out
