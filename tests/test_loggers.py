@@ -285,5 +285,8 @@ def test_tensorboard_alone_takes_both_streams_without_metrics_files(tmp_path):
     sinks.close()
     assert list(tmp_path.iterdir()) == [tmp_path / "tb"]  # no JSON lines without --metrics
     board = _tensorboard(tmp_path / "tb")
-    assert board == {it: {"lm_loss": 2.5 - it, "comm_bytes/dp_ar": 1024.0, "total_comm_ms/dp_ar": it / 8}
-                     for it in (1, 2, 3)}  # exact in float32; the network label stays out
+    expected = {
+        it: {"lm_loss": 2.5 - it, "comm_bytes/dp_ar": 1024.0, "total_comm_ms/dp_ar": it / 8}
+        for it in (1, 2, 3)
+    }
+    assert board == expected  # exact in float32; the network label stays out
