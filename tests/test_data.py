@@ -195,7 +195,7 @@ def test_a_tiny_model_learns_real_text(stdlib_corpus):
     tokenizer, prefix = stdlib_corpus
     losses = run_world(1, _train_real, tokenizer, prefix,
                        ["optimizer.lr=3e-3", "scheduler.lr_warmup_iters=20", "train.global_batch_size=16",
-                        "train.micro_batch_size=16", "model.seq_length=128", "train.log_interval=1000"], 300)[0]
+                        "train.micro_batch_size=16", "model.seq_length=128", "logger.log_interval=1000"], 300)[0]
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()

@@ -21,6 +21,7 @@ from overlap.perf.machine import describe_machine, machine_line
 from overlap.profiling.chrome_trace import rank_events
 from overlap.profiling.collector import Collector, IterationTrace, RankTrace
 from overlap.profiling.exposed import ALL, exposure, mean_exposure, subtract, union
+from overlap.profiling.sinks import JsonLines
 from tests.world import run_world
 
 
@@ -92,7 +93,7 @@ def test_peer_wait_is_the_exposed_time_before_every_member_posted_with_nothing_o
 
 def test_recorder_sink_and_collector_skip_the_reset_drain(tmp_path):
     rec = Recorder()
-    lines = (tmp_path / "c.jsonl").open("w")
+    lines = JsonLines(str(tmp_path / "c.jsonl"))
     col = Collector(0, "real", keep_events=True, comm_metrics=lines)
     rec.on_drain = col
     rec.add_comm(_ev("x", 0.0, 0.001))

@@ -111,14 +111,15 @@ def _script_only(name: str) -> bool:
 def _preflight(job, args: argparse.Namespace) -> dict:
     """Before a script is written or a rank starts: every output path (overlap.launch.paths), what this host or
     device can hold (overlap.launch.resources), and the Slurm script's own options (returned)."""
-    from overlap.launch.paths import check_checkpoint_paths, check_run_outputs
+    from overlap.launch.paths import check_checkpoint_paths, check_logger_paths, check_run_outputs
     from overlap.launch.resources import check_run_resources
     from overlap.launch.slurm import slurm_options
 
     slurm = slurm_options(args)
     check_run_outputs(args)
-    if not args.emit_slurm:  # a Slurm job's checkpoint folders are paths on the cluster
+    if not args.emit_slurm:  # a Slurm job's checkpoint and logging folders are paths on the cluster
         check_checkpoint_paths(job.cfg.checkpoint)
+        check_logger_paths(job.cfg.logger)
     check_run_resources(job.cfg, job.resolution.layout, args)
     return slurm
 
@@ -285,6 +286,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     from overlap.parallel.state import ParallelState
     from overlap.parallel.trace import RECORDER
     from overlap.profiling.collector import Collector
+    from overlap.profiling.sinks import RunSinks, open_sinks
     from overlap.training.trainer import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -325,18 +327,18 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         label = _network_label(network, args.comm_mode)
         if rank == 0:
             log.info("Network: %s", label)
-        metrics = open(args.metrics, "w") if args.metrics and rank == 0 else None
-        comm_metrics = open(f"{args.metrics}.comm.jsonl", "w") if metrics is not None else None
-        collector = Collector(rank, label, keep_events=args.trace is not None, comm_metrics=comm_metrics)
+        sinks = open_sinks(cfg, args.metrics) if rank == 0 else RunSinks()  # --metrics, TensorBoard, W&B
+        if rank == 0:
+            log.info("Metrics (rank 0) go to: %s", sinks.describe())
+        collector = Collector(rank, label, keep_events=args.trace is not None, comm_metrics=sinks.comm,
+                              first_iteration=trainer.start_iteration)
         RECORDER.on_drain = collector
         try:
             with _progress(rank == 0, cfg.train.train_iters) as advance:
-                summary = trainer.train(metrics, advance)
+                summary = trainer.train(sinks.metrics, advance)
         finally:
             RECORDER.on_drain = None
-            for f in (metrics, comm_metrics):
-                if f is not None:
-                    f.close()
+            sinks.close()
         collector.check_iterations(len(summary.records))
         if args.nccl_rules:
             _replay_programs(rank)

@@ -2,8 +2,8 @@
 
 Order (documented, tested): tokenizer -> pretrained architecture (a Hugging Face
 `checkpoint.pretrained_checkpoint`'s config.json) -> mixed precision -> data-parallel size -> data (the tokenizer's
-padded vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint -> flex dispatcher backend ->
-attention backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that
+padded vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint -> logger -> flex dispatcher
+backend -> attention backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that
 snapshot on every call, so calling it twice gives the same result (edits made after the first call are not seen:
 build a new container instead).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Sequence
 
 import torch
@@ -32,6 +32,7 @@ from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, 
                                      TrainConfig)
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.config.layout import ParallelLayout, pipeline_layer_ranges
+from overlap.config.logger import LoggerConfig, resolve_logger
 
 _log = logging.getLogger("overlap.config")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
@@ -67,6 +68,20 @@ def _hf_checkpoint_vocab(path: str | None) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def plain_value(value: Any) -> Any:
+    """A configuration value as YAML and JSON can hold it (dataclasses to mappings without their private fields,
+    anything exotic to its text)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_value(getattr(value, f.name)) for f in fields(value) if not f.name.startswith("_")}
+    if isinstance(value, dict):
+        return {str(k): plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
 @dataclass
 class Resolution:
     """What finalize decided: the decision log and the parallel layout."""
@@ -86,10 +101,15 @@ class ConfigContainer:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     mixed_precision: MixedPrecisionConfig | str | None = None
     comm_overlap: CommOverlapConfig | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
     _requested: "ConfigContainer | None" = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's config."""
+        return plain_value(self)
 
     def finalize(self, world_size: int, device=probe_device, require_libraries: bool = True,
                  command_line: Sequence[Decision] = (), on_cuda: bool | None = None) -> Resolution:
@@ -122,6 +142,7 @@ class ConfigContainer:
         resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
         self._validate(layout)
         resolve_checkpoint(self.checkpoint, log)
+        resolve_logger(self.logger, self.checkpoint.save, log, require_libraries)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
         resolve_attention_backend(self.model, log, on_cuda)
@@ -401,9 +422,6 @@ class ConfigContainer:
         if sc.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError("scheduler.lr_decay_style", sc.lr_decay_style, "unknown decay style.",
                               "use cosine, linear or constant.")
-        if t.log_interval < 1:
-            raise ConfigError("train.log_interval", t.log_interval, "log every N >= 1 iterations.",
-                              "set train.log_interval=1 or more.")
         if not t.comm_timeout_s > 0:
             raise ConfigError("train.comm_timeout_s", t.comm_timeout_s, "a timeout must be positive.",
                               "set train.comm_timeout_s to a number of seconds, e.g. 300.")

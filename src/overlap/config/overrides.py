@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from overlap.config.checkpoint import CheckpointConfig
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer
+from overlap.config.logger import NOT_CARRIED, LoggerConfig
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import ModelConfig
 from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
@@ -26,6 +27,7 @@ from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, 
 from overlap.errors import ConfigError
 
 _SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
+_MOVED = {"train.log_interval": "logger.log_interval"}  # where Bridge keeps it
 
 
 def parse_value(key: str, raw: str) -> Any:
@@ -136,6 +138,12 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
     target = getattr(cfg, section)
     hints = typing.get_type_hints(type(target))
     names = [f.name for f in fields(target)]
+    if key in _MOVED:
+        raise ConfigError(key, value, f"this setting is {_MOVED[key]} (Megatron-Bridge's name).",
+                          f"write {_MOVED[key]}={raw}.")
+    if section == "logger" and parts[1] in NOT_CARRIED:
+        raise ConfigError(key, value, f"Bridge's switch is not carried: {NOT_CARRIED[parts[1]]}.",
+                          "drop it.")
     if parts[1] not in names:
         raise _unknown(key, parts[1], names)
     value = _coerce(key, value, hints[parts[1]])
@@ -174,7 +182,7 @@ def list_override_keys() -> list[str]:
     rows = []
     for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("optimizer", OptimizerConfig),
                          ("scheduler", SchedulerConfig), ("ddp", DDPConfig), ("tokenizer", TokenizerConfig),
-                         ("checkpoint", CheckpointConfig), ("dataset", DatasetConfig),
+                         ("checkpoint", CheckpointConfig), ("logger", LoggerConfig), ("dataset", DatasetConfig),
                          ("mixed_precision", MixedPrecisionConfig), ("comm_overlap", CommOverlapConfig)):
         hints = typing.get_type_hints(cls)
         for f in fields(cls):

@@ -61,7 +61,6 @@ class TrainConfig:
     micro_batch_size: int = 1
     train_iters: int = 10
     seed: int = 1234
-    log_interval: int = 1
     eval_time_start_step: int | None = None  # steady-state window start (iteration index, 0-based); None: auto
     eval_time_end_step: int | None = None
     skip_first_percent_time: float = 0.1  # window start when eval_time_start_step is None (0.1 as the library)

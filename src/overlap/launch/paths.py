@@ -7,6 +7,7 @@ Rules (one per kind of output):
   leave new folders behind, and the fix (`mkdir -p`) is one command, named in the message;
 - a DIR flag (`--trace DIR`): the folder is made (with its parents) when missing, as `mkdir -p` would, because
   writing a set of files into a new folder is what it asks for; an existing file there is an error;
+- the logging folders (`logger.tensorboard_dir`, `logger.wandb_save_dir`) are DIRs;
 - a checkpoint folder (`checkpoint.save`) is a DIR: made when missing; the folders read (`checkpoint.load`,
   `checkpoint.pretrained_checkpoint`) must be folders - a missing `load` folder is a fresh start (save and load
   usually name one folder), unless `checkpoint.exit_on_missing_checkpoint`; a missing pretrained one is an error;
@@ -157,6 +158,13 @@ def check_checkpoint_paths(ck) -> None:
                          f"point {field} at the folder given as checkpoint.save, or at one of its iter_* folders.")
         if required and not target.exists():
             raise _error(field, path, "the folder does not exist.", f"point {field} at an existing checkpoint.")
+
+
+def check_logger_paths(lg) -> None:
+    """`overlap run` with TensorBoard or W&B on (config.logger.LoggerConfig): their folders are DIRs."""
+    check_output_dir("logger.tensorboard_dir", lg.tensorboard_dir)
+    if lg.wandb_project is not None:
+        check_output_dir("logger.wandb_save_dir", lg.wandb_save_dir)
 
 
 def check_bench_outputs(args) -> None:

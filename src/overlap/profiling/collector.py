@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
-
 from overlap.parallel.trace import CommEvent, Span
 from overlap.profiling.exposed import KindExposure, exposure, mean_exposure
+from overlap.profiling.sinks import MetricsSink
 
 
 @dataclass
@@ -52,13 +51,16 @@ class RankTrace:
 
 
 class Collector:
-    """The recorder sink: per-iteration exposure (always), events kept for tracing (when asked), and one JSON line
-    per iteration to `comm_metrics` (when given)."""
+    """The recorder sink: per-iteration exposure (always), events kept for tracing (when asked), and one record per
+    iteration to `comm_metrics` (when given: `FILE.comm.jsonl`, TensorBoard, W&B), its iteration counted from
+    `first_iteration` (a resumed run's checkpoint) + 1 as the trainer's."""
 
-    def __init__(self, rank: int, network: str, keep_events: bool, comm_metrics: IO[str] | None = None) -> None:
+    def __init__(self, rank: int, network: str, keep_events: bool, comm_metrics: MetricsSink | None = None,
+                 first_iteration: int = 0) -> None:
         self.trace = RankTrace(rank, network)
         self.keep_events = keep_events
         self.comm_metrics = comm_metrics
+        self.first_iteration = first_iteration
         self.per_iteration: list[dict[str, KindExposure]] = []
         self._reset_seen = False
 
@@ -72,13 +74,12 @@ class Collector:
         if self.keep_events:
             self.trace.iterations.append(IterationTrace(iteration, events, spans))
         if self.comm_metrics is not None:
-            self.comm_metrics.write(json.dumps({
-                "iteration": iteration + 1, "network": self.trace.network,
+            self.comm_metrics.write({
+                "iteration": self.first_iteration + iteration + 1, "network": self.trace.network,
                 "exposed_comm_ms": {k: round(r.exposed_ms, 4) for k, r in rows.items()},
                 "exposed_peer_wait_ms": {k: round(r.peer_wait_ms, 4) for k, r in rows.items()
                                          if r.peer_wait_ms is not None},
-                "total_comm_ms": {k: round(r.total_ms, 4) for k, r in rows.items()}}) + "\n")
-            self.comm_metrics.flush()
+                "total_comm_ms": {k: round(r.total_ms, 4) for k, r in rows.items()}})
 
     def check_iterations(self, expected: int) -> None:
         if len(self.per_iteration) != expected:

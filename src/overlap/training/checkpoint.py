@@ -52,19 +52,6 @@ from overlap.training.checkpoint_format import (FORMAT_VERSION, Chunk, ChunkLoad
 log = logging.getLogger("overlap.checkpoint")
 
 
-def _plain(value: Any) -> Any:
-    """A configuration value as YAML can hold it (dataclasses to mappings, anything exotic to its text)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.name.startswith("_")}
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def _cause(exc: BaseException) -> str:
     """One line per failing rank: DCP's CheckpointException carries {rank: (exception, traceback)}."""
     failures = getattr(exc, "failures", None)
@@ -75,7 +62,7 @@ def _cause(exc: BaseException) -> str:
 
 
 def run_config_yaml(cfg: ConfigContainer) -> str:
-    return yaml.safe_dump(_plain(cfg), sort_keys=False)
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 @dataclasses.dataclass

@@ -17,14 +17,12 @@ the learning-rate schedule then does not advance, as Megatron's.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import IO
 
 import torch
 
@@ -37,6 +35,7 @@ from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.pipeline.schedules import PipelineExecutor, PipelineMemory
 from overlap.pipeline.torch_peer import TorchPipeline
+from overlap.profiling.sinks import MetricsSink
 from overlap.errors import NonFiniteError
 from overlap.training.checkpoint import Checkpointer
 from overlap.training.data import build_data
@@ -194,7 +193,7 @@ class Trainer:
         """Complete any parameter all-gather still deferred into a next forward (overlap_param_gather)."""
         self.optimizer.finish_param_sync()
 
-    def train(self, metrics: IO[str] | None = None, progress=None) -> RunSummary:
+    def train(self, metrics: MetricsSink | None = None, progress=None) -> RunSummary:
         t, m = self.cfg.train, self.cfg.model
         tokens_per_step = t.global_batch_size * m.seq_length
         flops_step = flops_per_token(m) * tokens_per_step
@@ -235,7 +234,7 @@ class Trainer:
                           self.pipeline_memory.peak_bytes)
 
     def _iteration(self, it: int, tokens_per_step: int, flops_step: float, records: list[StepRecord],
-                   comm_sum: dict[str, float], metrics: IO[str] | None, progress) -> None:
+                   comm_sum: dict[str, float], metrics: MetricsSink | None, progress) -> None:
         """One logged training iteration."""
         t = self.cfg.train
         lr, loss_scale = self.learning_rate(it), self.optimizer.loss_scale
@@ -255,15 +254,13 @@ class Trainer:
         tflops = flops_step / step_s / self.ps.world_size / 1e12
         if self.ps.rank == 0:
             skipped = rec.skipped_to is not None
-            if (it + 1) % t.log_interval == 0 or it + 1 == t.train_iters or skipped:
+            if (it + 1) % self.cfg.logger.log_interval == 0 or it + 1 == t.train_iters or skipped:
                 log.info(format_iteration(rec, t, tokens_per_s, tflops, on_gpu=self.ps.mesh.device_type == "cuda"))
-            if metrics is not None:
-                metrics.write(json.dumps({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
-                                          "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,
-                                          "tflops_per_rank": tflops, "lr": rec.lr, "comm_ms": c_ms,
-                                          "comm_bytes": c_bytes,
-                                          **({"loss_scale": loss_scale, "skipped": skipped}
-                                             if scaling else {})}) + "\n")
-                metrics.flush()
+            if metrics is not None:  # --metrics, TensorBoard, W&B (profiling/sinks.py)
+                metrics.write({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
+                               "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,
+                               "tflops_per_rank": tflops, "lr": rec.lr, "comm_ms": c_ms, "comm_bytes": c_bytes,
+                               "peak_mem_mb": peak_memory_mb(),
+                               **({"loss_scale": loss_scale, "skipped": skipped} if scaling else {})})
             if progress is not None:
                 progress(it + 1, t.train_iters, loss)
