@@ -328,7 +328,6 @@ class Checkpointer:
         resume = train_state is not None and not weights_only
         if resume:
             self._check_data_position(train_state, folder)
-            self._check_schedule(train_state, folder)
             self.lineage = str(train_state.get("lineage") or self.lineage)
             if self.ck.save and folder.parent.resolve() == Path(self.ck.save).resolve():
                 self.protect = (int(train_state["iteration"]),)
@@ -374,6 +373,8 @@ class Checkpointer:
                                   f"({_cause(exc)}); the "
                                   "files are corrupt or were written by another build.",
                                   "load another iteration.") from exc
+        if not weights_only:
+            self._check_schedule(train_state, folder)
         step = int(train_state.get("optimizer_steps", 0)) if want_optim else 0
         self.optimizer.load_param_states(states, step)  # without optimizer state: masters from the loaded weights
         if load_rng:
