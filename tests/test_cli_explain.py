@@ -561,3 +561,15 @@ def test_user_mistakes_exit_2_without_traceback(capsys, argv):
 def test_malformed_override_value_exits_2_without_traceback(capsys):
     code, out, err = run([*TINY, "model.num_layers=[1,2"], capsys)
     assert code == 2
+
+
+@pytest.mark.parametrize("mine, other", [("ddp", "optimizer"), ("optimizer", "ddp")])
+def test_an_explicit_false_distributed_optimizer_flipped_warns_and_strict_refuses(capsys, caplog, mine, other):
+    args = ["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2", f"{other}.use_distributed_optimizer=true",
+            f"{mine}.use_distributed_optimizer=false"]
+    with caplog.at_level("WARNING", logger="overlap"):
+        code, out, err = run(args, capsys)
+    assert code == 0, err
+    assert f"{mine}.use_distributed_optimizer=false: {other}.use_distributed_optimizer is true" in caplog.text
+    code, out, err = run([*args, "--strict"], capsys)
+    assert code == 2 and f"{mine}.use_distributed_optimizer=False" in err and "kept in sync" in err
