@@ -217,7 +217,7 @@ def test_truncated_and_corrupt_files_are_named(small_ckpt, tmp_path):
     data[:64] = b"\x00" * 64
     shard.write_bytes(bytes(data))
     (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}"])
-    assert "reading the shards failed" in msg and "iter_0000001" in msg
+    assert "reading the shards failed" in msg and "iter_0000001/__0_0.distcp" in msg and "tensor 'model." in msg
 
 
 def test_missing_checkpoint_folder_rules(tmp_path, small_ckpt):

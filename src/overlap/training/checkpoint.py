@@ -47,9 +47,9 @@ from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.training.checkpoint_format import (FORMAT_VERSION, TRAIN_STATE, Chunk, ChunkLoadPlanner,
                                                 ChunkSavePlanner, check_chunks, check_storage, checkpoint_folder,
-                                                complete_iterations, finalize_save, iteration_dir,
-                                                locate_checkpoint, named_iteration, param_chunk, read_metadata,
-                                                read_train_state, saved_iterations, temporary_dir)
+                                                complete_iterations, finalize_save, find_corrupt_shard,
+                                                iteration_dir, locate_checkpoint, named_iteration, param_chunk,
+                                                read_metadata, read_train_state, saved_iterations, temporary_dir)
 from overlap.training.save_lock import SaveFolderLock
 
 log = logging.getLogger("overlap.checkpoint")
@@ -369,7 +369,8 @@ class Checkpointer:
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), planner=ChunkLoadPlanner(chunks),
                      process_group=self.group)
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError("checkpoint.load", str(folder), f"reading the shards failed "
+            bad = find_corrupt_shard(folder, metadata)
+            raise CheckpointError("checkpoint.load", bad or str(folder), f"reading the shards failed "
                                   f"({_cause(exc)}); the "
                                   "files are corrupt or were written by another build.",
                                   "load another iteration.") from exc

@@ -19,6 +19,7 @@ one device mesh per pipeline stage and expert group; the two planners below add 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -299,6 +300,23 @@ def check_storage(folder: Path, metadata: Metadata) -> None:
         if path.stat().st_size < size:
             raise CheckpointError("checkpoint.load", str(path), f"the shard file is truncated ({path.stat().st_size} "
                                   f"of {size} bytes).", "copy the whole iteration folder, or load another iteration.")
+
+
+def find_corrupt_shard(folder: Path, metadata: Metadata) -> str | None:
+    """After a load failed: the first stored tensor whose bytes do not deserialise, as "<file> (tensor <key>)", so
+    the error names the file; None if every one reads (the failure was elsewhere). Only on the failure path: it
+    reads the whole checkpoint."""
+    for index, info in (metadata.storage_data or {}).items():
+        if getattr(info, "transform_descriptors", None):
+            continue  # stored through a transform (compression): not ours to decode by hand
+        path = folder / info.relative_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+        except Exception:  # noqa: BLE001 - any failure to read it back is the corruption we look for
+            return f"{path} (tensor {index.fqn!r})"
+    return None
 
 
 def check_chunks(folder: Path, metadata: Metadata, chunks: dict[str, Chunk]) -> str | None:
