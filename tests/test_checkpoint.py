@@ -164,7 +164,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_latest_and_loadable(tmp_pa
     failures = run_world(2, _save_then_fail, str(tmp_path), where)
     # writing: DCP reports rank 1's failure on every rank; renaming: rank 0 (the renamer) fails, rank 1 trains on
     # (under the launcher it would be stopped once rank 0 is gone)
-    assert failures == (["CheckpointError"] * 2 if where == "writing" else ["OSError", "no failure"])
+    assert failures == (["CheckpointError"] * 2 if where == "writing" else ["CheckpointError", "no failure"])
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert not (tmp_path / "iter_0000004").exists() and (tmp_path / "iter_0000004.tmp").exists()
     losses = run_world(2, _train, False, [f"checkpoint.load={tmp_path}", f"checkpoint.save={tmp_path}"])[0][0]
@@ -217,16 +217,20 @@ def test_truncated_and_corrupt_files_are_named(small_ckpt, tmp_path):
     data[:64] = b"\x00" * 64
     shard.write_bytes(bytes(data))
     (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}"])
-    assert "reading the shards failed" in msg and "iter_0000001" in msg
+    assert "reading the shards failed" in msg and "iter_0000001/__0_0.distcp" in msg and "tensor 'model." in msg
 
 
 def test_missing_checkpoint_folder_rules(tmp_path, small_ckpt):
-    assert run_world(1, _load_error, [f"checkpoint.load={tmp_path}"])[0] == "loaded"  # empty: fresh start
+    # empty: a fresh start only as the run's own save folder (a restartable job), else an error
+    own = tmp_path / "own"
+    assert run_world(1, _load_error, [f"checkpoint.load={own}", f"checkpoint.save={own}"])[0] == "loaded"
+    (msg,) = run_world(1, _load_error, [f"checkpoint.load={tmp_path / 'other'}"])
+    assert "holds no checkpoint" in msg and "checkpoint.save folder" in msg
     (msg,) = run_world(1, _load_error, [f"checkpoint.load={tmp_path}", "checkpoint.exit_on_missing_checkpoint=true"])
     assert "no checkpoint there" in msg
     (msg,) = run_world(1, _load_error, [f"checkpoint.load={small_ckpt}", "checkpoint.ckpt_step=7"])
     assert "iter_0000007" in msg and "[1]" in msg
-    base = _copy(small_ckpt, tmp_path / "noopt")
+    base = tmp_path / "noopt"
     run_world(1, _train, False, [f"checkpoint.save={base}", "checkpoint.save_optim=false", "train.train_iters=1"])
     (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}"])
     assert "load_optim=false" in msg

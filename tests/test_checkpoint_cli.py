@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 import uuid
+
+import pytest
 from pathlib import Path
 
 MARK = "OVERLAP_TEST_MARK"
@@ -82,8 +84,52 @@ def test_a_rank_killed_mid_run_is_named_and_the_resume_matches_the_uninterrupted
     assert 2 <= last < 6
     resumed = tmp_path / "resumed.jsonl"
     done = subprocess.run([sys.executable, "-m", "overlap.cli", *BASE, "-ms", "6", f"checkpoint.load={ckpt}",
-                           "--metrics", str(resumed)], capture_output=True, text=True, timeout=240)
+                           # the killed run's schedule was built for 500 iterations: this run's is taken, on purpose
+                           "scheduler.override_opt_param_scheduler=true", "--metrics", str(resumed)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumes at iteration {last}" in done.stderr
     want = {it: loss for it, loss in _losses(ref).items() if it > last}
     assert _losses(resumed) == want
+
+
+def _cli(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "overlap.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_second_writer_a_reached_max_steps_and_a_full_disk_each_end_with_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from overlap.training.save_lock import "
+                               f"SaveFolderLock; lock = SaveFolderLock({str(ckpt)!r}); lock.acquire(); print('held', flush=True); "
+                               "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = _cli(BASE + ["-ms", "1", f"checkpoint.save={ckpt}"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert done.returncode == 1
+    errors = [ln for ln in done.stderr.splitlines() if "overlap: error:" in ln]
+    assert len(errors) == 1 and f"pid {holder.pid} on host" in errors[0] and errors[0].count("another run is saving") == 1
+    # the holder was killed: its lock is stale and taken over; the run saves
+    done = _cli(BASE + ["-ms", "1", f"checkpoint.save={ckpt}"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stale lock" in done.stderr and not (ckpt / ".overlap_save.lock").exists()
+    # a resume whose max_steps is reached: said, exit 0, no step time of nothing
+    done = _cli(BASE + ["-ms", "1", f"checkpoint.save={ckpt}", f"checkpoint.load={ckpt}"])
+    assert done.returncode == 0 and "nothing to train: the checkpoint is at iteration 1" in done.stderr
+    assert "nan ms" not in done.stderr
+    # a full disk: a 2 MiB tmpfs
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}): the full-disk case needs one")
+    try:
+        done = _cli(BASE + ["-ms", "1", f"checkpoint.save={disk}"])
+    finally:
+        subprocess.run(["umount", str(disk)])
+    errors = [ln for ln in done.stderr.splitlines() if "overlap: error:" in ln]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-2000:]
+    assert "no space left on device" in errors[0] and str(disk) in errors[0] and "bytes free" in errors[0]
+    assert "SIGABRT" not in errors[0] and "inline_container" not in errors[0]

@@ -342,9 +342,11 @@ def test_compute_dtype_flag_does_not_silently_drop_mixed_precision_override(caps
     assert rows["ddp.grad_reduce_in_fp32"]["effective"] is False
 
 
-def test_flex_backend_flag_on_dense_recipe_is_exit_2(capsys):
-    code, out, err = run(["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2",
-                          "--moe_flex_dispatcher_backend", "deepep"], capsys)
+def test_flex_backend_flag_on_dense_recipe_falls_back_and_strict_refuses(capsys):
+    args = ["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2", "--moe_flex_dispatcher_backend", "deepep"]
+    code, out, err = run(args, capsys)
+    assert code == 0, err  # the fallback is a decision row (tests/test_config_flex.py checks its reason)
+    code, out, err = run([*args, "--strict"], capsys)
     assert code == 2
     assert "MoE" in err
 
@@ -364,7 +366,10 @@ def test_explain_describes_the_target_gpu_not_this_machine(capsys, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine: no GPU, no deep_ep
     code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", gpu, "-ng", "16",
                           "--moe_flex_dispatcher_backend", backend], capsys)
-    if not ok:
+    if not ok:  # the reference's fallback to alltoall, said; refused under --strict
+        assert code == 0, err
+        code, out, err = run(["explain", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", gpu, "-ng", "16",
+                              "--moe_flex_dispatcher_backend", backend, "--strict"], capsys)
         assert code == 2 and "supported for" in err
         return
     assert code == 0, err
@@ -378,10 +383,10 @@ class _Props:
         self.name, self.major = name, major
 
 
-def test_flex_deepep_on_volta_is_exit_2(capsys, monkeypatch):
+def test_flex_deepep_on_volta_is_exit_2_under_strict(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props("Tesla V100-SXM2-32GB", 7))
-    code, out, err = run(["run", *TINY[1:], "--moe_flex_dispatcher_backend", "deepep"], capsys)
+    code, out, err = run(["run", *TINY[1:], "--moe_flex_dispatcher_backend", "deepep", "--strict"], capsys)
     assert code == 2
     assert "DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs" in err
 
@@ -556,3 +561,15 @@ def test_user_mistakes_exit_2_without_traceback(capsys, argv):
 def test_malformed_override_value_exits_2_without_traceback(capsys):
     code, out, err = run([*TINY, "model.num_layers=[1,2"], capsys)
     assert code == 2
+
+
+@pytest.mark.parametrize("mine, other", [("ddp", "optimizer"), ("optimizer", "ddp")])
+def test_an_explicit_false_distributed_optimizer_flipped_warns_and_strict_refuses(capsys, caplog, mine, other):
+    args = ["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2", f"{other}.use_distributed_optimizer=true",
+            f"{mine}.use_distributed_optimizer=false"]
+    with caplog.at_level("WARNING", logger="overlap"):
+        code, out, err = run(args, capsys)
+    assert code == 0, err
+    assert f"{mine}.use_distributed_optimizer=false: {other}.use_distributed_optimizer is true" in caplog.text
+    code, out, err = run([*args, "--strict"], capsys)
+    assert code == 2 and f"{mine}.use_distributed_optimizer=False" in err and "kept in sync" in err

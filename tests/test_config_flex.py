@@ -1,8 +1,9 @@
 """Flex token dispatch: apply_flex_dispatcher_backend, validate_flex_dispatcher_backend, and the GPU/library gates.
 
 Covers the reference suite test_deepep.py (bridge-compat.md section 8.2) with a fake device probe passed as `device=`,
-adapted to our decisions: no silent fallback to alltoall on an unsupported GPU (a clear error instead), and the
-backend set without flex dispatch is a logged inactive decision rather than a silent no-op.
+adapted to our decisions: flex on a dense model or on an unsupported GPU falls back to alltoall as in the reference,
+but as a logged decision with a warning (an error under strict mode), and the backend set without flex dispatch is a
+logged inactive decision rather than a silent no-op.
 """
 
 from __future__ import annotations
@@ -120,13 +121,21 @@ def test_apply_unknown_backend_is_error():
 
 
 @pytest.mark.parametrize("experts", [None, 0])
-def test_apply_on_dense_model_is_error(experts):
+def test_flex_on_a_dense_model_falls_back_with_a_warning_and_strict_refuses(experts, caplog):
     m = moe(num_moe_experts=experts, expert_model_parallel_size=1)
+    apply_flex_dispatcher_backend(m, "deepep")
+    cfg = container(m)
+    probe = Probe(HOPPER)
+    with caplog.at_level(logging.WARNING, logger="overlap.config"):
+        res = cfg.finalize(1, device=probe)
+    assert cfg.model.moe_token_dispatcher_type == "alltoall" and cfg.model.moe_flex_dispatcher_backend is None
+    assert "only to MoE models" in res.decisions.get("model.moe_flex_dispatcher_backend").reason
+    assert "only to MoE models" in caplog.text and probe.calls == 0
+    m = moe(num_moe_experts=experts, expert_model_parallel_size=1)
+    apply_flex_dispatcher_backend(m, "deepep")
     with pytest.raises(ConfigError) as exc:
-        apply_flex_dispatcher_backend(m, "deepep")
-    assert exc.value.field == "model.moe_flex_dispatcher_backend"
-    assert "MoE" in str(exc.value)
-    assert m.moe_token_dispatcher_type == "alltoall" and m.moe_flex_dispatcher_backend is None
+        container(m, strict=True).finalize(1, device=Probe(HOPPER))
+    assert exc.value.field == "model.moe_flex_dispatcher_backend" and "MoE" in str(exc.value)
 
 
 # --- validate: inactive backend and missing backend ---------------------------------------------------------------
@@ -217,20 +226,29 @@ def _gpu(backend: str) -> ConfigContainer:
 
 
 @pytest.mark.parametrize("dev", [VOLTA, PASCAL, GB200, WEIRD], ids=["volta", "pascal", "gb200", "major200"])
-def test_deepep_on_unsupported_gpu_is_error(dev, with_deep_ep):
+def test_deepep_on_unsupported_gpu_falls_back_and_strict_refuses(dev, with_deep_ep, caplog):
     probe = Probe(dev)
+    cfg = _gpu("deepep")
+    with caplog.at_level(logging.WARNING, logger="overlap.config"):
+        res = cfg.finalize(2, device=probe)
+    assert cfg.model.moe_token_dispatcher_type == "alltoall" and probe.calls == 1
+    reason = res.decisions.get("model.moe_flex_dispatcher_backend").reason
+    assert DEEPEP_MSG in reason and f"Current GPU: {dev.name}" in reason and "alltoall" in caplog.text
     with pytest.raises(ConfigError) as exc:
-        _gpu("deepep").finalize(2, device=probe)
-    assert exc.value.field == "model.moe_flex_dispatcher_backend"
-    assert DEEPEP_MSG in str(exc.value)
-    assert f"Current GPU: {dev.name}" in str(exc.value)
-    assert probe.calls == 1
+        container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"),
+                  strict=True).finalize(2, device=Probe(dev))
+    assert exc.value.field == "model.moe_flex_dispatcher_backend" and DEEPEP_MSG in str(exc.value)
 
 
 @pytest.mark.parametrize("dev", [VOLTA, FUTURE], ids=["volta", "major11"])
-def test_hybridep_on_unsupported_gpu_is_error(dev, with_deep_ep):
+def test_hybridep_on_unsupported_gpu_falls_back_and_strict_refuses(dev, with_deep_ep):
+    cfg = _gpu("hybridep")
+    res = cfg.finalize(2, device=Probe(dev))
+    assert cfg.model.moe_token_dispatcher_type == "alltoall"
+    assert HYBRIDEP_MSG in res.decisions.get("model.moe_flex_dispatcher_backend").reason
     with pytest.raises(ConfigError) as exc:
-        _gpu("hybridep").finalize(2, device=Probe(dev))
+        container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep"),
+                  strict=True).finalize(2, device=Probe(dev))
     assert HYBRIDEP_MSG in str(exc.value)
 
 

@@ -667,6 +667,14 @@ def test_delay_wgrad_cuda_graph_attn_requires_grad_accum_fusion():
     assert "gradient_accumulation_fusion" in str(exc.value)
 
 
+def test_delay_wgrad_cuda_graph_attn_is_checked_whatever_the_graph_impl():
+    # the reference checks the module list even with cuda_graph_impl none
+    cfg = build(moe(cuda_graph_impl="none", cuda_graph_scope=["attn"]), co=ep_on(delay_wgrad_compute=True))
+    with pytest.raises(ConfigError) as exc:
+        cfg.finalize(2)
+    assert exc.value.field == "model.gradient_accumulation_fusion"
+
+
 @pytest.mark.parametrize("bias", ["add_bias_linear", "add_qkv_bias"])
 def test_delay_wgrad_cuda_graph_attn_rejects_attention_bias(bias):
     model = _graph_moe(cuda_graph_scope=["attn"], gradient_accumulation_fusion=True, **{bias: True})
@@ -729,13 +737,6 @@ def test_delay_wgrad_router_scope_without_shared_expert_is_fine():
 def test_delay_wgrad_full_or_empty_scope_adds_no_constraint(scope):
     impl = "local" if scope == ["full_iteration"] else "transformer_engine"
     cfg = build(moe(cuda_graph_impl=impl, cuda_graph_scope=scope), co=ep_on(delay_wgrad_compute=True))
-    cfg.finalize(2)
-    assert cfg.model.delay_wgrad_compute is True
-
-
-def test_delay_wgrad_graph_scope_ignored_without_graphs():
-    cfg = build(moe(cuda_graph_impl="none", cuda_graph_scope=["attn"], add_bias_linear=True),
-                co=ep_on(delay_wgrad_compute=True))
     cfg.finalize(2)
     assert cfg.model.delay_wgrad_compute is True
 

@@ -346,7 +346,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
             _report_exposure(collector, summary, label, args)
         if args.trace:
             _write_traces(collector, Path(args.trace), rank, world)
-        if rank == 0:
+        if rank == 0 and summary.records:
             start, end = summary.window
             log.info("steady-state step time over iterations %d-%d: %.1f ms (Step Time : %.3fs) | peak memory "
                      "(rank 0): %.0f MB", start + 1, end, summary.steady_step_ms, summary.steady_step_ms / 1e3,

@@ -199,7 +199,24 @@ def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decisi
     line.overrides = apply_overrides(cfg, args.overrides)
     decisions = _reconcile(cfg, line)
     decisions += _apply_recipe_rules(cfg, recipe, args.num_gpus, line)
+    decisions += _explicit_false_distributed_optimizer(cfg, line)
     return cfg, decisions, line
+
+
+def _explicit_false_distributed_optimizer(cfg: ConfigContainer, line: CommandLine) -> list[Decision]:
+    """ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer are kept in sync (either true makes
+    both true, as the reference): a `false` the user typed for one while the other is true is a request that is
+    not honoured - a warning, an error under --strict (config/decisions.py)."""
+    out = []
+    for mine, other in (("ddp", "optimizer"), ("optimizer", "ddp")):
+        key = f"{mine}.use_distributed_optimizer"
+        if line.overrides.get(key, True) is False and _get(cfg, f"{other}.use_distributed_optimizer"):
+            why = (f"{other}.use_distributed_optimizer is true and the two are kept in sync: the distributed "
+                   "optimizer is on")
+            if not (cfg.comm_overlap and cfg.comm_overlap.strict):  # strict: the decision log refuses it
+                log.warning("%s=false: %s", key, why)
+            out.append(Decision(key, False, True, OVERRIDE, why))
+    return out
 
 
 def _reconcile(cfg: ConfigContainer, line: CommandLine) -> list[Decision]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
+from overlap.config.training import SchedulerConfig
 from overlap.errors import ConfigError, NotBuiltError
 
 FORMATS = ("torch_dist",)
@@ -36,10 +37,17 @@ class CheckpointConfig:
     finetune: bool = False  # load weights only and start at iteration 0
     pretrained_checkpoint: str | None = None  # weights to start from when `load` holds no checkpoint
     exit_on_missing_checkpoint: bool = False  # `load` set but empty: fail instead of starting from scratch
+    # Ours, not the reference's: save into a folder whose checkpoints are another model's (refused by default)
+    allow_other_model_in_save: bool = False
 
 
-def resolve_checkpoint(ck: CheckpointConfig, log: DecisionLog) -> None:
-    """Check the section and record what a run will do with it."""
+def resolve_checkpoint(ck: CheckpointConfig, log: DecisionLog, sched: SchedulerConfig | None = None) -> None:
+    """Check the section (and the scheduler's resume switches) and record what a run will do with it."""
+    sched = sched or SchedulerConfig()
+    if sched.override_opt_param_scheduler and sched.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("scheduler.use_checkpoint_opt_param_scheduler", True, "it contradicts "
+                          "scheduler.override_opt_param_scheduler=true (the checkpoint's schedule or this run's).",
+                          "set at most one of the two.")
     if ck.ckpt_format not in FORMATS:
         if ck.ckpt_format in REFERENCE_FORMATS:
             raise NotBuiltError("checkpoint.ckpt_format", ck.ckpt_format,
@@ -68,9 +76,14 @@ def resolve_checkpoint(ck: CheckpointConfig, log: DecisionLog) -> None:
             if getattr(ck, name) not in (None, False):
                 log.noop(f"checkpoint.{name}", getattr(ck, name), "nothing is saved without checkpoint.save",
                          "set checkpoint.save=/path/to/folder, or drop it.")
-        if ck.most_recent_k != -1:
-            log.noop("checkpoint.most_recent_k", ck.most_recent_k, "nothing is saved without checkpoint.save",
-                     "set checkpoint.save=/path/to/folder, or drop it.")
+        for name in ("most_recent_k", "allow_other_model_in_save"):
+            if getattr(ck, name) not in (-1, False):
+                log.noop(f"checkpoint.{name}", getattr(ck, name), "nothing is saved without checkpoint.save",
+                         "set checkpoint.save=/path/to/folder, or drop it.")
+    for name in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
+        if getattr(sched, name) and (ck.load is None or ck.finetune):
+            log.noop(f"scheduler.{name}", True, "it decides a resume's learning-rate schedule, and this run "
+                     "resumes nothing (checkpoint.load unset, or finetune)", f"drop scheduler.{name}.")
     if ck.load is None and ck.finetune:
         if ck.pretrained_checkpoint is None:
             log.noop("checkpoint.finetune", True, "there is nothing to load (checkpoint.load and "
@@ -94,15 +107,31 @@ def resolve_checkpoint(ck: CheckpointConfig, log: DecisionLog) -> None:
             "model weights" + "".join(f" + {p} state" for p in parts) + " + training state")
         if ck.most_recent_k > 0:
             rec("checkpoint.most_recent_k", ck.most_recent_k, ck.most_recent_k, USER,
-                f"older checkpoints than the newest {ck.most_recent_k} are deleted after each save")
+                f"after each save, this run's lineage keeps its {ck.most_recent_k} newest written checkpoints; "
+                "the one just saved, the one loaded and other runs' are never deleted")
+        rec("checkpoint.allow_other_model_in_save", ck.allow_other_model_in_save or None,
+            ck.allow_other_model_in_save, USER if ck.allow_other_model_in_save else DEFAULT,
+            "the folder is locked while this run owns it; checkpoints newer than where it starts are refused, and "
+            + ("another model's are kept beside this run's" if ck.allow_other_model_in_save else
+               "so are another model's"))
     if ck.load is not None:
         weights_only = ck.finetune
         rec("checkpoint.load", ck.load, ck.load, USER,
             ("weights only, training starts at iteration 0 (finetune)" if weights_only else
              "resume: weights" + (" + optimizer" if ck.load_optim else "") + (" + RNG (same layout only)"
                                                                                if ck.load_rng else "")
-             + " + iteration; an empty folder " + ("is an error (exit_on_missing_checkpoint)"
-                                                   if ck.exit_on_missing_checkpoint else "starts from scratch")))
+             + " + iteration; a base folder (its tracker, else its newest complete iter_*) or an iter_* "
+             "folder; one holding no checkpoint " + ("is an error (exit_on_missing_checkpoint)"
+                                                    if ck.exit_on_missing_checkpoint else
+                                                    "starts from scratch only if it is checkpoint.save")))
+        if not weights_only:
+            rule = ("this run's values (override_opt_param_scheduler)" if sched.override_opt_param_scheduler else
+                    "the checkpoint's values (use_checkpoint_opt_param_scheduler)"
+                    if sched.use_checkpoint_opt_param_scheduler else
+                    "must equal the checkpoint's: a difference is refused")
+            rec("scheduler.override_opt_param_scheduler", sched.override_opt_param_scheduler or None,
+                sched.override_opt_param_scheduler, USER if sched.override_opt_param_scheduler else DEFAULT,
+                f"resume: the learning-rate schedule (lr, min_lr, warm-up, decay iterations and style) {rule}")
     if ck.pretrained_checkpoint is not None:
         rec("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint, ck.pretrained_checkpoint, USER,
             "initial weights (weights only, iteration 0), used when checkpoint.load holds no checkpoint")

@@ -273,7 +273,7 @@ def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", l
             raise ConfigError("comm_overlap.delay_wgrad_compute", True,
                               "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute.",
                               "also set comm_overlap.overlap_moe_expert_parallel_comm=true, or drop delay_wgrad.")
-        scope = _graph_scope(model) if model.cuda_graph_impl != "none" else set()
+        scope = _graph_scope(model)  # checked whatever cuda_graph_impl says, as the reference
         attn = "attn" in scope
         router = ("moe_router" in scope and model.moe_shared_expert_intermediate_size is not None
                   and not model.moe_shared_expert_overlap)

@@ -141,7 +141,7 @@ class ConfigContainer:
             self.comm_overlap.data_parallel_size = layout.dp
         resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
         self._validate(layout)
-        resolve_checkpoint(self.checkpoint, log)
+        resolve_checkpoint(self.checkpoint, log, self.scheduler)
         resolve_logger(self.logger, self.checkpoint.save, log, require_libraries)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda

@@ -72,15 +72,13 @@ def hybridep_supported(dev: DeviceInfo) -> bool:
 def apply_flex_dispatcher_backend(model: "ModelConfig", backend: str | None) -> None:
     """What the `--moe_flex_dispatcher_backend` flag does: select flex dispatch with `backend` (None: alltoall).
 
-    Unlike the reference, an unsupported GPU does not silently fall back here; the validation raises a clear error.
+    As the reference, a dense model or an unsupported GPU falls back to the alltoall dispatcher - decided in the
+    validation (`validate_flex_dispatcher_backend`), where it is a logged decision with a warning, an error under
+    strict mode.
     """
     if backend is not None and backend not in FLEX_BACKENDS:
         raise ConfigError("model.moe_flex_dispatcher_backend", backend, "unknown flex dispatcher backend.",
                           f"use one of {', '.join(FLEX_BACKENDS)} or None.")
-    if not model.is_moe:
-        raise ConfigError("model.moe_flex_dispatcher_backend", backend,
-                          "flex dispatch only applies to MoE models (num_moe_experts is not set).",
-                          "use a MoE recipe, or drop --moe_flex_dispatcher_backend.")
     model.moe_flex_dispatcher_backend = backend
     if backend is None:
         model.moe_token_dispatcher_type = "alltoall"
@@ -105,6 +103,9 @@ def validate_flex_dispatcher_backend(model: "ModelConfig", log_: DecisionLog,
                         fix="also set model.moe_token_dispatcher_type=flex (or use --moe_flex_dispatcher_backend).")
             model.moe_flex_dispatcher_backend = None
         return
+    if not model.is_moe:
+        return _fall_back(model, log_, "flex dispatch applies only to MoE models (num_moe_experts is not set)",
+                          "use a MoE recipe, or drop the flex dispatcher settings.")
     if backend is None:
         model.moe_token_dispatcher_type = log_.record(
             "model.moe_token_dispatcher_type", "flex", "alltoall", RULE,
@@ -121,15 +122,23 @@ def validate_flex_dispatcher_backend(model: "ModelConfig", log_: DecisionLog,
                               f"{backend} runs DeepEP GPU kernels and needs a CUDA GPU; none is visible.",
                               "use moe_flex_dispatcher_backend=torch on CPU, or run on a supported GPU.")
         if backend == "deepep" and not deepep_supported(dev):
-            raise ConfigError("model.moe_flex_dispatcher_backend", backend,
-                              f"DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs. "
-                              f"Current GPU: {dev.name}.", "use moe_flex_dispatcher_backend=torch or hybridep.")
+            return _fall_back(model, log_, "DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs. "
+                              f"Current GPU: {dev.name}", "use moe_flex_dispatcher_backend=torch or hybridep.")
         if backend == "hybridep" and not hybridep_supported(dev):
-            raise ConfigError("model.moe_flex_dispatcher_backend", backend,
-                              "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, B200 and "
-                              f"B300 GPUs. Current GPU: {dev.name}.", "use moe_flex_dispatcher_backend=torch.")
+            return _fall_back(model, log_, "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, "
+                              f"B200 and B300 GPUs. Current GPU: {dev.name}", "use moe_flex_dispatcher_backend=torch.")
         if require_libraries and importlib.util.find_spec("deep_ep") is None:
             raise ConfigError("model.moe_flex_dispatcher_backend", backend,
                               f"{backend} needs the DeepEP library (python module deep_ep), which is not installed.",
                               "install DeepEP, or use moe_flex_dispatcher_backend=torch.")
     log_.record("model.moe_token_dispatcher_type", "flex", "flex", RULE, f"flex dispatch with backend '{backend}'")
+
+
+def _fall_back(model: "ModelConfig", log_: DecisionLog, why: str, fix: str) -> None:
+    """Flex dispatch that cannot run here: the alltoall dispatcher, as the reference - a decision with a warning,
+    an error under strict mode."""
+    backend = model.moe_flex_dispatcher_backend
+    field, asked, got = (("model.moe_flex_dispatcher_backend", backend, None) if backend is not None else
+                         ("model.moe_token_dispatcher_type", "flex", "alltoall"))
+    log_.record(field, asked, got, RULE, f"{why}: falling back to the alltoall dispatcher", fix=fix)
+    model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend = "alltoall", None

@@ -53,6 +53,9 @@ class SchedulerConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: train_iters
     lr_decay_style: str = "cosine"  # "cosine" | "linear" | "constant"
+    # A resume whose schedule differs from the checkpoint's is refused unless one of these says whose to use
+    override_opt_param_scheduler: bool = False  # this run's values
+    use_checkpoint_opt_param_scheduler: bool = False  # the checkpoint's values
 
 
 @dataclass

@@ -62,8 +62,10 @@ COLLATERAL = re.compile(r"Connection closed by peer|Connection reset by peer|Bro
 
 _RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")  # torch prefixes an uncaught exception's lines with "[rank0]: "
 _RANK_PREFIX_TEXT = re.compile(r"^\[rank\d+\]:\s?")
-# Where a rank's output may turn into a failure report: held back until the rank's fate is known.
-_HOLD_FROM = re.compile(rb"Traceback \(most recent call last\)|\[overlap rank \d+\] (ERROR|WARNING teardown)")
+# Where a rank's output may turn into a failure report: held back until the rank's fate is known (a rank's own
+# one-line error too: the launcher's account of the failure carries it, once).
+_HOLD_FROM = re.compile(rb"Traceback \(most recent call last\)|\[overlap rank \d+\] (ERROR|WARNING teardown)|"
+                        rb"overlap: error: ")
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")  # gloo's "[/.../pair.cc:537] "
 
 
@@ -325,8 +327,11 @@ def describe_failure(ranks: list[_Rank], world: int) -> str:
     if not others:
         return f"{head}; the other ranks were stopped" if world > 1 else head
     kinds: dict[str, list[int]] = {}
+    said = {rk.last_error() for rk in cause}
     for rk in others:
-        what = "" if rk.killed_by_us else _shorten(rk.last_error() or _code_text(rk.code))
+        err = rk.last_error()
+        what = ("" if rk.killed_by_us else "the same error" if err and err in said else
+                _shorten(err or _code_text(rk.code)))
         kinds.setdefault(what, []).append(rk.rank)
     summary = "; ".join(f"{_ranks(rs)} then failed: {what}" if what else
                         f"{_ranks(rs)} still running, stopped by the launcher" for what, rs in kinds.items())
@@ -340,7 +345,8 @@ def _account(rk: _Rank, world: int) -> str:
     if rk.code is not None and rk.code < 0:
         return f"{who} killed by {signal_name(-rk.code)}"
     err = rk.last_error()
-    return f"{who} failed ({_code_text(rk.code)})" + (f": {_shorten(err, 300)}" if err else "")
+    # the cause in full: the rank's own line was held back, so this is where it is said
+    return f"{who} failed ({_code_text(rk.code)})" + (f": {_shorten(err, 2000)}" if err else "")
 
 
 def _code_text(code: int | None) -> str:

@@ -9,8 +9,9 @@ Rules (one per kind of output):
   writing a set of files into a new folder is what it asks for; an existing file there is an error;
 - the logging folders (`logger.tensorboard_dir`, `logger.wandb_save_dir`) are DIRs;
 - a checkpoint folder (`checkpoint.save`) is a DIR: made when missing; the folders read (`checkpoint.load`,
-  `checkpoint.pretrained_checkpoint`) must be folders - a missing `load` folder is a fresh start (save and load
-  usually name one folder), unless `checkpoint.exit_on_missing_checkpoint`; a missing pretrained one is an error;
+  `checkpoint.pretrained_checkpoint`) must be folders - a missing `load` folder is a fresh start only when it is
+  the `save` folder (a restartable job's first start) or a pretrained checkpoint is set, and never under
+  `checkpoint.exit_on_missing_checkpoint`; a missing pretrained one is an error;
 - an empty value (`--metrics=`) is an error, never "no output";
 - two flags may not name the same file.
 
@@ -148,7 +149,10 @@ def check_run_outputs(args) -> None:
 def check_checkpoint_paths(ck) -> None:
     """`overlap run` with a `checkpoint` section (config.checkpoint.CheckpointConfig); see the module docstring."""
     check_output_dir("checkpoint.save", ck.save)
-    for field, path, required in (("checkpoint.load", ck.load, ck.exit_on_missing_checkpoint),
+    own = ck.load is not None and ck.save is not None and \
+        Path(ck.load).expanduser().resolve() == Path(ck.save).expanduser().resolve()
+    load_required = ck.exit_on_missing_checkpoint or not (own or ck.pretrained_checkpoint)
+    for field, path, required in (("checkpoint.load", ck.load, load_required),
                                   ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint, True)):
         if path is None:
             continue
@@ -157,7 +161,9 @@ def check_checkpoint_paths(ck) -> None:
             raise _error(field, path, "this is a file; a checkpoint is a folder.",
                          f"point {field} at the folder given as checkpoint.save, or at one of its iter_* folders.")
         if required and not target.exists():
-            raise _error(field, path, "the folder does not exist.", f"point {field} at an existing checkpoint.")
+            raise _error(field, path, "the folder does not exist.", f"point {field} at an existing checkpoint"
+                         + (", or set it to the checkpoint.save folder (a restartable job)."
+                            if field == "checkpoint.load" else "."))
 
 
 def check_logger_paths(lg) -> None:

@@ -26,9 +26,11 @@ DCP's own control messages (plan exchange) go through that group; they are the l
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import shutil
 import time
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Sequence
@@ -44,10 +46,12 @@ from overlap.errors import CheckpointError
 from overlap.optim.adam import STATE_KEYS, ParamStates, keeps_master
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
-from overlap.training.checkpoint_format import (FORMAT_VERSION, Chunk, ChunkLoadPlanner, ChunkSavePlanner,
-                                                check_chunks, check_storage, checkpoint_folder, finalize_save,
-                                                iteration_dir, param_chunk, read_metadata, read_tracker,
-                                                read_train_state, saved_iterations, temporary_dir)
+from overlap.training.checkpoint_format import (FORMAT_VERSION, TRAIN_STATE, Chunk, ChunkLoadPlanner,
+                                                ChunkSavePlanner, check_chunks, check_storage, checkpoint_folder,
+                                                complete_iterations, finalize_save, find_corrupt_shard,
+                                                iteration_dir, locate_checkpoint, named_iteration, param_chunk,
+                                                read_metadata, read_train_state, saved_iterations, temporary_dir)
+from overlap.training.save_lock import SaveFolderLock
 
 log = logging.getLogger("overlap.checkpoint")
 
@@ -59,6 +63,19 @@ def _cause(exc: BaseException) -> str:
         return "; ".join(f"rank {r}: {_cause(e[0] if isinstance(e, tuple) else e)}" for r, e in sorted(failures.items()))
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _no_space(exc: BaseException) -> bool:
+    """A full disk anywhere in a (DCP) failure: ENOSPC, or the torch writer's short-write enforce that it becomes."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        return any(_no_space(e[0] if isinstance(e, tuple) else e) for e in failures.values())
+    while exc is not None:
+        if getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc) or \
+                "unexpected pos" in str(exc) or "file write failed" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def run_config_yaml(cfg: ConfigContainer) -> str:
@@ -92,13 +109,19 @@ class Checkpointer:
         # training thread was blocked and the time until the checkpoint was complete, and its size on disk.
         self.saves: list[dict[str, float]] = []
         self.load_ms: float | None = None
-        if self.ck.save and ps.rank == 0:
-            stale = [p for p in Path(self.ck.save).glob("iter_*.tmp") if p.is_dir()]
-            for p in stale:
-                log.warning("removing %s: a save that never completed (the job stopped while writing it)", p)
-                shutil.rmtree(p, ignore_errors=True)
+        # Retention deletes only this lineage's checkpoints (a fresh run starts one; a resume continues the loaded
+        # checkpoint's), and never the one this run loaded (`protect`).
+        self.lineage = uuid.uuid4().hex
+        self.protect: tuple[int, ...] = ()
+        self.lock = SaveFolderLock(self.ck.save) if self.ck.save and ps.rank == 0 else None
 
     # --- what is saved -------------------------------------------------------------------------------------------
+    def _state_bytes(self) -> int:
+        """What this rank writes per checkpoint (weights and optimizer state), in bytes."""
+        def states(p) -> int:
+            return (len(STATE_KEYS) - (0 if keeps_master(p) else 1)) if self.ck.save_optim else 0
+        return sum(p.numel() * (p.element_size() + 4 * states(p)) for p in self.params.values())
+
     def _model_chunks(self) -> dict[str, Chunk]:
         return {f"model.{name}": param_chunk(p) for name, p in self.params.items()}
 
@@ -147,7 +170,8 @@ class Checkpointer:
         record: dict[str, float] = {"iteration": iteration}
         self.saves.append(record)
         t = self.cfg.train
-        train_state = {"format_version": FORMAT_VERSION, "iteration": iteration,
+        train_state = {"format_version": FORMAT_VERSION, "iteration": iteration, "lineage": self.lineage,
+                       "written_at": time.time(), "schedule": self._schedule(),
                        "consumed_train_samples": iteration * t.global_batch_size,
                        "optimizer_steps": self.optimizer.steps_taken(), "layout": self._layout(),
                        "has_optimizer": self.ck.save_optim, "has_rng": self.ck.save_rng,
@@ -171,8 +195,11 @@ class Checkpointer:
     def _finish(self, iteration: int, train_state: dict, start: float, record: dict[str, float]) -> None:
         """Every rank's shards are on disk: rank 0 completes the folder, renames it and moves the tracker."""
         if self.ps.rank == 0:
-            final = finalize_save(Path(self.ck.save), iteration, train_state, run_config_yaml(self.cfg),
-                                  self.ck.most_recent_k)
+            try:
+                final = finalize_save(Path(self.ck.save), iteration, train_state, run_config_yaml(self.cfg),
+                                      self.ck.most_recent_k, self.protect)
+            except OSError as exc:
+                raise self._save_failed(iteration, exc) from exc
             record["size_mb"] = sum(f.stat().st_size for f in final.iterdir()) / 1e6
         record["complete_ms"] = (time.perf_counter() - start) * 1e3
         if self.ps.rank == 0:
@@ -197,6 +224,16 @@ class Checkpointer:
         self._finish(pending.iteration, pending.train_state, pending.started, pending.record)
 
     def _save_failed(self, iteration: int, exc: BaseException) -> CheckpointError:
+        if _no_space(exc):
+            base = Path(self.ck.save)
+            free = shutil.disk_usage(base).free
+            sizes = [r["size_mb"] * 1e6 for r in self.saves if "size_mb" in r]
+            need = (f"a checkpoint of this run takes {int(sizes[-1])} bytes" if sizes else
+                    f"this rank holds {self._state_bytes()} bytes of it")
+            return CheckpointError("checkpoint.save", self.ck.save, f"no space left on device: the save of iteration "
+                                   f"{iteration} into {base} failed ({need}; {free} bytes free there); the previous "
+                                   "checkpoint stays the latest.", "free space there or save to a larger folder, "
+                                   "then resume.")
         return CheckpointError("checkpoint.save", self.ck.save, f"the save of iteration {iteration} failed "
                                f"({_cause(exc)}); "
                                f"its temporary folder is left incomplete and the previous checkpoint stays the "
@@ -204,17 +241,31 @@ class Checkpointer:
 
     # --- loading -------------------------------------------------------------------------------------------------
     def _source(self) -> tuple[Path, bool] | None:
-        """(iteration folder, weights only) to start from, or None (fresh start)."""
+        """(iteration folder, weights only) to start from, or None (fresh start).
+
+        `checkpoint.load` is a base folder (its tracker's iteration, or `ckpt_step`; without a tracker its newest
+        complete checkpoint) or a checkpoint folder itself. One that holds no checkpoint is a fresh start only when
+        it is this run's save folder (a restartable job's first start) or `pretrained_checkpoint` is set; else an
+        error, so a wrong path never silently trains from scratch."""
         ck = self.ck
         if ck.load is not None:
-            iteration = ck.ckpt_step if ck.ckpt_step is not None else read_tracker(ck.load)
-            if iteration is not None:
-                folder = iteration_dir(ck.load, iteration)
+            load = Path(ck.load)
+            if ck.ckpt_step is None:
+                folder = locate_checkpoint(load, "checkpoint.load")
+            elif (load / ".metadata").exists():
+                if named_iteration(load) != ck.ckpt_step:
+                    raise CheckpointError("checkpoint.ckpt_step", ck.ckpt_step, f"checkpoint.load={load} is itself "
+                                          "a checkpoint folder; ckpt_step picks iter_<ckpt_step> inside a base folder.",
+                                          f"set checkpoint.load={load.parent} to use ckpt_step, or drop ckpt_step.")
+                folder = load
+            else:
+                folder = iteration_dir(load, ck.ckpt_step)
+            if folder is not None:
                 aside = folder.with_name(folder.name + ".old")
                 if not folder.is_dir() and aside.is_dir():  # stopped while re-saving the same iteration
                     folder = aside
                 if not folder.is_dir():
-                    found = saved_iterations(ck.load)
+                    found = saved_iterations(folder.parent)
                     raise CheckpointError("checkpoint.load", str(folder), "this iteration's folder does not exist "
                                           f"(saved iterations there: {found or 'none'}).",
                                           "set checkpoint.ckpt_step to one of them, or fix the tracker file.")
@@ -223,6 +274,12 @@ class Checkpointer:
                 raise CheckpointError("checkpoint.load", ck.load, "no checkpoint there (no tracker file) and "
                                       "checkpoint.exit_on_missing_checkpoint is set.",
                                       "point checkpoint.load at a folder with a checkpoint, or unset the flag.")
+            own = ck.save is not None and Path(ck.save).resolve() == load.resolve()
+            if not own and ck.pretrained_checkpoint is None:
+                raise CheckpointError("checkpoint.load", ck.load, "it holds no checkpoint (no .metadata, tracker file "
+                                      "or iter_* folder) and is not this run's checkpoint.save, so nothing would be "
+                                      "resumed.", "point it at <save> or <save>/iter_NNNNNNN of a run, set it to the "
+                                      "checkpoint.save folder (a restartable job), or unset it to start from scratch.")
         if ck.pretrained_checkpoint is not None:
             return self._pretrained(Path(ck.pretrained_checkpoint)), True
         if ck.load is not None and self.ps.rank == 0:
@@ -236,21 +293,44 @@ class Checkpointer:
         return checkpoint_folder(path, "checkpoint.pretrained_checkpoint")
 
     def load(self) -> int:
-        """Load the configured checkpoint into this rank's parameters and optimizer; return the iteration to
-        continue from (0 for a fresh start or a weights-only load)."""
+        """Claim the save folder and load the configured checkpoint into this rank's parameters and optimizer;
+        return the iteration to continue from (0 for a fresh start or a weights-only load). On any failure the
+        save folder's lock is given back."""
+        try:
+            return self._load()
+        except BaseException:
+            self.release()
+            raise
+
+    def _load(self) -> int:
         source = self._source()
-        if source is None:
+        folder, weights_only = source if source is not None else (None, True)
+        hf = folder is not None and (folder / "config.json").exists()
+        train_state = read_train_state(folder) if folder is not None and not hf else None
+        if train_state is not None:
+            named = named_iteration(folder)
+            if named is not None and named != int(train_state["iteration"]):
+                raise CheckpointError("checkpoint.load", str(folder), f"its {TRAIN_STATE} says iteration "
+                                      f"{train_state['iteration']} but the folder's name says {named} (a renamed "
+                                      "or mixed-up folder).", "restore the folder's own files, or load another "
+                                      "iteration.")
+        resume = train_state is not None and not weights_only
+        if resume:
+            self._check_data_position(train_state, folder)
+            self.lineage = str(train_state.get("lineage") or self.lineage)
+            if self.ck.save and folder.parent.resolve() == Path(self.ck.save).resolve():
+                self.protect = (int(train_state["iteration"]),)
+        self._claim_save_folder(int(train_state["iteration"]) if resume else 0)
+        if folder is None:
             return 0
         start = time.perf_counter()
-        folder, weights_only = source
-        if (folder / "config.json").exists():  # Hugging Face weights (overlap.hf): weights only, iteration 0
+        if hf:  # Hugging Face weights (overlap.hf): weights only, iteration 0
             from overlap.hf.load import load_hf_weights
 
             load_hf_weights(self.cfg.model, self.params, folder, self.ps.rank)
             self.optimizer.load_param_states({}, 0)  # the masters from the loaded weights
             self.load_ms = (time.perf_counter() - start) * 1e3
             return 0
-        train_state = read_train_state(folder)
         metadata = read_metadata(folder)
         check_storage(folder, metadata)
         chunks = self._model_chunks()
@@ -278,10 +358,13 @@ class Checkpointer:
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), planner=ChunkLoadPlanner(chunks),
                      process_group=self.group)
         except (Exception, CheckpointException) as exc:
-            raise CheckpointError("checkpoint.load", str(folder), f"reading the shards failed "
+            bad = find_corrupt_shard(folder, metadata)
+            raise CheckpointError("checkpoint.load", bad or str(folder), f"reading the shards failed "
                                   f"({_cause(exc)}); the "
                                   "files are corrupt or were written by another build.",
                                   "load another iteration.") from exc
+        if not weights_only:
+            self._check_schedule(train_state, folder)
         step = int(train_state.get("optimizer_steps", 0)) if want_optim else 0
         self.optimizer.load_param_states(states, step)  # without optimizer state: masters from the loaded weights
         if not weights_only:
@@ -291,8 +374,6 @@ class Checkpointer:
             if f"rng.cuda.rank{self.ps.rank}" in state:
                 torch.cuda.set_rng_state(state[f"rng.cuda.rank{self.ps.rank}"])
         iteration = 0 if weights_only else int(train_state["iteration"])
-        if not weights_only:
-            self._check_data_position(train_state, folder)
         self.load_ms = (time.perf_counter() - start) * 1e3
         if self.ps.rank == 0:
             parts = ["weights"] + (["optimizer"] if want_optim else []) + (["RNG"] if load_rng else [])
@@ -302,6 +383,112 @@ class Checkpointer:
             log.info("loaded checkpoint %s (%s) in %.0f ms; training %s at iteration %d%s", folder,
                      " + ".join(parts), self.load_ms, "starts" if weights_only else "resumes", iteration, why)
         return iteration
+
+    # --- the save folder -----------------------------------------------------------------------------------------
+    def _claim_save_folder(self, start: int) -> None:
+        """Collective. Rank 0 takes the save folder's lock, checks that saving there from iteration `start` loses
+        nothing (`_check_save_folder`) and removes the temporary folders of saves that never completed; any rank's
+        refusal is raised on every rank."""
+        if not self.ck.save:
+            return
+        shapes = {k: c.global_shape for k, c in self._model_chunks().items()}
+        gathered = comm.all_gather_object(shapes, self.group)
+        error: CheckpointError | None = None
+        if self.ps.rank == 0:
+            try:
+                self.lock.acquire()
+                self._check_save_folder(start, {k: v for d in gathered for k, v in d.items()})
+                for p in Path(self.ck.save).glob("iter_*.tmp"):
+                    if p.is_dir():
+                        log.warning("removing %s: a save that never completed (the job stopped while writing it)", p)
+                        shutil.rmtree(p, ignore_errors=True)
+            except CheckpointError as exc:
+                error = exc
+        reports = comm.all_gather_object(None if error is None else (error.field, error.value, error.why, error.fix),
+                                          self.group)
+        first = next((r for r in reports if r is not None), None)
+        if first is not None:
+            raise CheckpointError(*first)
+
+    def _check_save_folder(self, start: int, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Saving into `checkpoint.save` from iteration `start` deletes or overwrites nothing a user saved: no
+        checkpoint folder there is newer than `start` (this run would overwrite it and move the tracker back), and
+        the newest checkpoint there is of this model (unless `checkpoint.allow_other_model_in_save`)."""
+        base = Path(self.ck.save)
+        newer = [iteration_dir(base, i).name for i in saved_iterations(base) if i > start]
+        if newer:
+            fix = ("set checkpoint.load to this folder to resume them, or save into another (empty) folder"
+                   if start == 0 else "save this run into another checkpoint.save folder, or move them away if "
+                   "they are unwanted")
+            raise CheckpointError("checkpoint.save", str(base), f"it holds checkpoints newer than iteration {start}, "
+                                  f"where this run starts: {', '.join(newer)}; saving here would overwrite them and "
+                                  "move the tracker back.", f"{fix}.")
+        existing = complete_iterations(base)
+        if not existing:
+            return
+        folder = iteration_dir(base, existing[-1])
+        theirs = {k: tuple(md.size) for k, md in read_metadata(folder).state_dict_metadata.items()
+                  if k.startswith("model.") and hasattr(md, "size")}
+        differ = sorted(set(theirs) ^ set(shapes)) or sorted(k for k in shapes if tuple(shapes[k]) != theirs[k])
+        if not differ:
+            return
+        key = differ[0]
+        what = (f"tensor {key!r} is {theirs[key] if key in theirs else 'absent'} there and "
+                f"{tuple(shapes[key]) if key in shapes else 'absent'} in this model")
+        if self.ck.allow_other_model_in_save:
+            log.warning("checkpoint.save=%s holds another model's checkpoints (%s: %s); saving beside them "
+                        "(checkpoint.allow_other_model_in_save; retention never deletes them)", base, folder.name,
+                        what)
+            return
+        raise CheckpointError("checkpoint.save", str(base), f"it holds checkpoints of another model ({folder.name}: "
+                              f"{what}); saving here would put two models in one folder and move its tracker.",
+                              "use another checkpoint.save folder, or set checkpoint.allow_other_model_in_save=true "
+                              "to save beside them.")
+
+    # --- the learning-rate schedule ------------------------------------------------------------------------------
+    def _schedule(self) -> dict[str, Any]:
+        """What the learning rate of every iteration is computed from (optim.adam.learning_rate)."""
+        o, sc = self.cfg.optimizer, self.cfg.scheduler
+        out = {"lr": o.lr, "lr_warmup_iters": sc.lr_warmup_iters, "lr_decay_style": sc.lr_decay_style}
+        if sc.lr_decay_style != "constant":
+            out.update(min_lr=o.min_lr, lr_decay_iters=sc.lr_decay_iters or self.cfg.train.train_iters)
+        return out
+
+    def _check_schedule(self, train_state: dict, folder: Path) -> None:
+        """A resume keeps the checkpoint's learning-rate schedule unless told otherwise (Megatron's rule and
+        names): a mismatch is refused; `override_opt_param_scheduler` takes this run's values,
+        `use_checkpoint_opt_param_scheduler` the checkpoint's."""
+        saved, now = train_state.get("schedule"), self._schedule()
+        if saved is None or saved == now:
+            return
+        diff = ", ".join(f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+                         if saved.get(k) != now.get(k))
+        sc = self.cfg.scheduler
+        if sc.override_opt_param_scheduler:
+            if self.ps.rank == 0:
+                log.warning("the learning-rate schedule differs from the checkpoint's (%s): this run's is used "
+                            "(scheduler.override_opt_param_scheduler)", diff)
+            return
+        if sc.use_checkpoint_opt_param_scheduler:
+            o = self.cfg.optimizer
+            o.lr, sc.lr_warmup_iters, sc.lr_decay_style = saved["lr"], saved["lr_warmup_iters"], saved["lr_decay_style"]
+            o.min_lr = saved.get("min_lr", o.min_lr)
+            sc.lr_decay_iters = saved.get("lr_decay_iters", sc.lr_decay_iters)
+            if self.ps.rank == 0:
+                log.warning("the learning-rate schedule differs from the checkpoint's (%s): the checkpoint's is used "
+                            "(scheduler.use_checkpoint_opt_param_scheduler)", diff)
+            return
+        keep = (f" (to train longer on the same schedule keep its decay length: scheduler.lr_decay_iters="
+                f"{saved['lr_decay_iters']})" if "lr_decay_iters" in saved else "")
+        key = next(k for k in sorted(now) if saved.get(k) != now[k]) if set(now) <= set(saved) else "lr_decay_style"
+        field = {"lr": "optimizer.lr", "min_lr": "optimizer.min_lr"}.get(key, f"scheduler.{key}")
+        if key == "lr_decay_iters" and sc.lr_decay_iters is None:
+            field = "train.train_iters"  # the decay length follows it
+        raise CheckpointError(field, now[key], f"{folder} was trained with another learning-rate schedule "
+                              f"({diff}); resuming would change it mid-run.",
+                              f"resume with the checkpoint's values{keep}, or set "
+                              "scheduler.override_opt_param_scheduler=true (this run's schedule from here on) or "
+                              "scheduler.use_checkpoint_opt_param_scheduler=true (the checkpoint's).")
 
     def _check_data_position(self, train_state: dict, folder: Path) -> None:
         """A resume continues at sample iteration x global batch: only right if the global batch is the same."""
@@ -337,6 +524,11 @@ class Checkpointer:
     def close(self) -> None:
         """The end of the run: an asynchronous save in flight completes before the process group goes."""
         self.wait()
+
+    def release(self) -> None:
+        """Give the save folder's lock back (every exit path of the run; idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
 
     def report(self) -> dict[str, Any]:
         """The run summary's `checkpoint` entry."""

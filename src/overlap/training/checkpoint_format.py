@@ -19,7 +19,9 @@ one device mesh per pipeline stage and expert group; the two planners below add 
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -42,6 +44,9 @@ TRAIN_STATE = "train_state.json"
 RUN_CONFIG = "run_config.yaml"
 FORMAT_VERSION = 1
 _ITER = re.compile(r"^iter_(\d{7})$")
+_NAMED = re.compile(r"^iter_(\d{7})(?:\.old)?$")
+
+log = logging.getLogger("overlap.checkpoint")
 
 
 def iteration_dir(base: str | os.PathLike, iteration: int) -> Path:
@@ -144,30 +149,67 @@ def read_tracker(base: str | os.PathLike) -> int | None:
 
 
 def checkpoint_folder(path: str | os.PathLike, field: str) -> Path:
-    """An iteration folder as given (it holds `.metadata`), or a base folder's latest (its tracker); `field` names
-    the setting or flag in the error."""
+    """What a checkpoint path names (`locate_checkpoint`), or an error saying what it must be; `field` names the
+    setting or flag in the error."""
+    folder = locate_checkpoint(path, field)
+    if folder is None:
+        raise CheckpointError(field, str(path), "neither a checkpoint folder (.metadata) nor a base folder with a "
+                              "checkpoint.", "point it at <save> or <save>/iter_NNNNNNN of an overlap run.")
+    return folder
+
+
+def locate_checkpoint(path: str | os.PathLike, field: str) -> Path | None:
+    """The checkpoint a path names: an iteration folder as given (it holds `.metadata`); a base folder's tracker
+    iteration; a base folder without its tracker: its newest complete `iter_*` (said in a warning - a lost tracker
+    must not make a run start afresh over its checkpoints). None when the path holds no checkpoint at all."""
     path = Path(path)
     if (path / ".metadata").exists():
         return path
     iteration = read_tracker(path)
-    if iteration is None:
-        raise CheckpointError(field, str(path), "neither a checkpoint folder (.metadata) nor a base folder with a "
-                              "tracker file.", "point it at <save> or <save>/iter_NNNNNNN of an overlap run.")
-    return iteration_dir(path, iteration)
+    if iteration is not None:
+        return iteration_dir(path, iteration)
+    complete = complete_iterations(path)
+    if complete:
+        log.warning("%s has no tracker file (%s) but complete checkpoints %s: using the newest, iteration %d",
+                    path, TRACKER, [iteration_dir(path, i).name for i in complete], complete[-1])
+        return iteration_dir(path, complete[-1])
+    partial = saved_iterations(path)
+    if partial:
+        raise CheckpointError(field, str(path), f"it has no tracker file and none of its checkpoint folders "
+                              f"{[iteration_dir(path, i).name for i in partial]} is complete (.metadata and "
+                              f"{TRAIN_STATE}).", "restore the missing files, or point it at another checkpoint.")
+    return None
 
 
 def saved_iterations(base: str | os.PathLike) -> list[int]:
-    """Complete checkpoints in `base` (temporary folders of unfinished saves excluded), oldest first."""
+    """Checkpoint folders in `base` (temporary folders of unfinished saves excluded), oldest first."""
     if not Path(base).is_dir():
         return []
     found = (_ITER.match(p.name) for p in Path(base).iterdir() if p.is_dir())
     return sorted(int(m.group(1)) for m in found if m)
 
 
-def finalize_save(base: Path, iteration: int, train_state: dict, run_config: str, keep: int) -> Path:
+def is_complete(folder: Path) -> bool:
+    return (folder / ".metadata").is_file() and (folder / TRAIN_STATE).is_file()
+
+
+def complete_iterations(base: str | os.PathLike) -> list[int]:
+    """Checkpoints in `base` that hold their index and training state, oldest first."""
+    return [i for i in saved_iterations(base) if is_complete(iteration_dir(base, i))]
+
+
+def named_iteration(folder: Path) -> int | None:
+    """The iteration a checkpoint folder's name says (`iter_0000010`, or its `.old` copy), None for another name."""
+    m = _NAMED.match(folder.name)
+    return int(m.group(1)) if m else None
+
+
+def finalize_save(base: Path, iteration: int, train_state: dict, run_config: str, keep: int,
+                  protect: tuple[int, ...] = ()) -> Path:
     """Rank 0, after every rank's shards are written: the training state and configuration into the temporary
     folder, the folder renamed to its final name, then the tracker - so an interrupted save never replaces the
-    previous checkpoint, and the tracker only ever names a complete one. Returns the final folder."""
+    previous checkpoint, and the tracker only ever names a complete one. Then retention (`prune`). Returns the
+    final folder."""
     tmp, final = temporary_dir(base, iteration), iteration_dir(base, iteration)
     write_atomic(tmp / TRAIN_STATE, json.dumps(train_state, indent=1, sort_keys=True) + "\n")
     write_atomic(tmp / RUN_CONFIG, run_config)
@@ -184,9 +226,27 @@ def finalize_save(base: Path, iteration: int, train_state: dict, run_config: str
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep > 0:
-        for old in saved_iterations(base)[:-keep]:
-            shutil.rmtree(iteration_dir(base, old), ignore_errors=True)
+        prune(base, keep, train_state["lineage"], (iteration, *protect))
     return final
+
+
+def prune(base: Path, keep: int, lineage: str, protect: tuple[int, ...]) -> list[int]:
+    """Retention (`checkpoint.most_recent_k`): of the complete checkpoints in `base` that belong to `lineage` (this
+    run and the runs it resumed), keep the `keep` newest by when they were written and delete the rest - never one
+    in `protect` (the one just saved, the one this run loaded), never another run's. Returns the deleted
+    iterations."""
+    ours = []
+    for it in complete_iterations(base):
+        try:
+            state = json.loads((iteration_dir(base, it) / TRAIN_STATE).read_text())
+        except (OSError, ValueError):
+            continue  # unreadable: not provably ours, so kept
+        if state.get("lineage") == lineage:
+            ours.append((float(state.get("written_at", 0.0)), it))
+    doomed = [it for _, it in sorted(ours)[:-keep] if it not in protect]
+    for it in doomed:
+        shutil.rmtree(iteration_dir(base, it), ignore_errors=True)
+    return doomed
 
 
 def _fsync_dir(path: Path) -> None:
@@ -240,6 +300,23 @@ def check_storage(folder: Path, metadata: Metadata) -> None:
         if path.stat().st_size < size:
             raise CheckpointError("checkpoint.load", str(path), f"the shard file is truncated ({path.stat().st_size} "
                                   f"of {size} bytes).", "copy the whole iteration folder, or load another iteration.")
+
+
+def find_corrupt_shard(folder: Path, metadata: Metadata) -> str | None:
+    """After a load failed: the first stored tensor whose bytes do not deserialise, as "<file> (tensor <key>)", so
+    the error names the file; None if every one reads (the failure was elsewhere). Only on the failure path: it
+    reads the whole checkpoint."""
+    for index, info in (metadata.storage_data or {}).items():
+        if getattr(info, "transform_descriptors", None):
+            continue  # stored through a transform (compression): not ours to decode by hand
+        path = folder / info.relative_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+        except Exception:  # noqa: BLE001 - any failure to read it back is the corruption we look for
+            return f"{path} (tensor {index.fqn!r})"
+    return None
 
 
 def check_chunks(folder: Path, metadata: Metadata, chunks: dict[str, Chunk]) -> str | None:

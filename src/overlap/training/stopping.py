@@ -15,6 +15,7 @@ loss scale can fix).
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import threading
@@ -28,6 +29,8 @@ from torch import nn
 from overlap.config.training import TrainConfig
 from overlap.errors import NonFiniteError
 from overlap.parallel import comm
+
+log = logging.getLogger("overlap.train")
 
 
 class ExitWatch:
@@ -93,3 +96,27 @@ def check_finite(iteration: int, norm: float, loss: torch.Tensor, named_params: 
                          f"the optimizer step (nothing was updated); {kept}.",
                          "resume from the last checkpoint with a lower learning rate (or more warm-up), check the "
                          "data; set ddp.check_for_nan_in_grad=false only to train through it.")
+
+
+class NonFiniteCount:
+    """Training on through NaN/Inf (`ddp.check_for_nan_in_grad=false`) is the user's choice, but never a silent one:
+    the first non-finite loss or gradient norm is warned about at once, and the run's count at its end. The loss and
+    norm are the host numbers the iteration logs anyway: no extra device sync."""
+
+    def __init__(self, checked: bool, rank: int) -> None:
+        self.quiet = checked or rank != 0  # checked: the first one stops the run (check_finite)
+        self.iterations: list[int] = []
+
+    def see(self, iteration: int, loss: float, norm: float) -> None:
+        if self.quiet or (math.isfinite(loss) and math.isfinite(norm)):
+            return
+        if not self.iterations:
+            log.warning("iteration %d: lm loss %s, gradient norm %s - training goes on because "
+                        "ddp.check_for_nan_in_grad=false (the parameters may now be NaN); set it to true to stop "
+                        "at the first one", iteration + 1, loss, norm)
+        self.iterations.append(iteration + 1)
+
+    def report(self) -> None:
+        if self.iterations:
+            log.warning("%d iteration(s) had a non-finite lm loss or gradient norm (first: %d, last: %d)",
+                        len(self.iterations), self.iterations[0], self.iterations[-1])

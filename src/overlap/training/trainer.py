@@ -39,7 +39,7 @@ from overlap.profiling.sinks import MetricsSink
 from overlap.errors import NonFiniteError
 from overlap.training.checkpoint import Checkpointer
 from overlap.training.data import build_data
-from overlap.training.stopping import ExitWatch, check_finite
+from overlap.training.stopping import ExitWatch, NonFiniteCount, check_finite
 from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
                                       steady_mean_ms, steady_window)
 from overlap.optim.adam import LocalOptimizer, learning_rate
@@ -201,6 +201,10 @@ class Trainer:
         comm_sum: dict[str, float] = defaultdict(float)
         RECORDER.drain()
         first = self.start_iteration
+        if first >= t.train_iters and self.ps.rank == 0:
+            log.info("nothing to train: the checkpoint is at iteration %d and train.train_iters=%d is reached "
+                     "(raise -ms/--max_steps to train on)", first, t.train_iters)
+        self.nonfinite = NonFiniteCount(self.cfg.ddp.check_for_nan_in_grad, self.ps.rank)
         watch = ExitWatch(t, self.ps.device)
         stopped: str | None = None
         try:
@@ -226,8 +230,13 @@ class Trainer:
                     self.checkpointer.save(end)
         finally:
             watch.close()
-            if self.checkpointer is not None and sys.exc_info()[0] in (None, NonFiniteError):
-                self.checkpointer.close()  # a save in flight completes (every rank is here: no peer is gone)
+            if self.checkpointer is not None:
+                try:
+                    if sys.exc_info()[0] in (None, NonFiniteError):
+                        self.checkpointer.close()  # a save in flight completes (every rank is here: no peer is gone)
+                finally:
+                    self.checkpointer.release()
+            self.nonfinite.report()
         window = steady_window(t, first)
         return RunSummary(records, window, steady_mean_ms(records, window), peak_memory_mb(), dict(comm_sum),
                           first, stopped, self.checkpointer.report() if self.checkpointer is not None else None,
@@ -241,6 +250,7 @@ class Trainer:
         start = time.perf_counter()
         loss, norm = self.train_step(it)
         step_s = time.perf_counter() - start
+        self.nonfinite.see(it, loss, norm)
         comm.PROGRAM.step_end()
         events, _spans = RECORDER.drain()
         c_ms, c_bytes = comm_totals(events)
