@@ -72,24 +72,25 @@ def launch(nodes, tmp_path):
     """Start torchrun on both nodes; whatever a test leaves running is killed at its end."""
     started: list[Node] = []
 
-    def start(args: list[str], per_node: int = 1, endpoint: str | None = None,
-              local_addr: bool = True) -> list[Node]:
+    def start(args: list[str], per_node: int = 1, endpoint: str | None = None, local_addr: bool = True,
+              only: tuple[int, ...] = (0, 1), rdzv_conf: tuple[str, ...] = ()) -> list[Node]:
         port, run_id = next(_ports), uuid.uuid4().hex[:8]
-        for k in range(2):
+        for k in only:
+            conf = ",".join((*(["is_host=1"] if k == 0 else []), *rdzv_conf))
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                         "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", endpoint or f"{ADDRESSES[0]}:{port}", "--rdzv-id", run_id,
                         # this machine's host name resolves to loopback: each node names its own address, as
                         # on a cluster whose /etc/hosts gets it right
                         *(["--local-addr", ADDRESSES[k]] if local_addr else []),
-                        *(["--rdzv-conf", "is_host=1"] if k == 0 else [])]
+                        *(["--rdzv-conf", conf] if conf else [])]
             log = tmp_path / f"node{k}.log"
             with open(log, "wb") as out:
                 proc = subprocess.Popen([*nodes.prefixes[k], *torchrun, "-m", "overlap.cli", "run", *args],
                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                         env={**os.environ, "OMP_NUM_THREADS": "1"})
             started.append(Node(proc, log))
-        return started[-2:]
+        return started[-len(only):]
 
     yield start
     for node in started:
@@ -170,3 +171,14 @@ def test_a_rendezvous_host_that_resolves_to_loopback_is_one_clear_error(launch):
         assert len(errors) == 1, text[-3000:]
         assert "it resolves to this node's loopback" in errors[0] and "--local-addr" in errors[0]
         assert "Gloo connectFullMesh failed" not in text  # stopped before any connection was tried
+
+
+def test_a_rendezvous_endpoint_nobody_serves_fails_in_bounded_time(launch):
+    # torchrun's own check, before any overlap rank exists: bounded by the c10d store's read timeout (two tries).
+    started = time.monotonic()
+    (node,) = launch([*TINY, "-ng", "2", "-ms", "3"], endpoint=f"{ADDRESSES[0]}:{next(_ports)}", only=(1,),
+                     rdzv_conf=("read_timeout=5",))
+    assert _wait([node], 45) == [1] and time.monotonic() - started < 45
+    text = node.text()
+    assert "RendezvousConnectionError: The connection to the C10d store has failed" in text, text[-3000:]
+    assert "Launch environment" not in text  # no rank was started
