@@ -41,3 +41,9 @@ def test_a_lost_peer_is_named_by_its_ranks():
         "rank 1 of 4 lost its connection to ranks 2, 3 on 10.77.0.2 (Connection reset by peer): ")
     assert "the peer at 10.77.0.2" in lost_peer(error, 1, 4, {})
     assert lost_peer("RuntimeError: shapes do not match", 1, 4, hosts) is None
+
+
+def test_a_silent_peer_names_the_timeout():
+    error = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"
+    assert lost_peer(error, 0, 2, {}).startswith(
+        "rank 0 of 2 got no answer from its peers for train.comm_timeout_s=5 s (a recv never completed): ")

@@ -182,3 +182,24 @@ def test_a_rendezvous_endpoint_nobody_serves_fails_in_bounded_time(launch):
     text = node.text()
     assert "RendezvousConnectionError: The connection to the C10d store has failed" in text, text[-3000:]
     assert "Launch environment" not in text  # no rank was started
+
+
+def test_a_node_cut_off_from_the_network_is_bounded_by_the_comm_timeout(launch, nodes, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    pair = launch([*TINY, "-ng", "2", "-ms", "400", "train.comm_timeout_s=5", "--metrics", str(metrics)])
+    until = time.monotonic() + 60
+    while time.monotonic() < until and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert all(n.proc.poll() is None for n in pair), pair[0].text()[-3000:] + pair[1].text()[-3000:]
+        time.sleep(0.2)
+    ip("-n", nodes.names[1], "link", "set", "node1", "down")  # no FIN, no RST: the peer just goes silent
+    try:
+        cut_at = time.monotonic()
+        code = _wait(pair[:1], 60)[0]
+        assert code != 0 and time.monotonic() - cut_at < 60
+    finally:
+        ip("-n", nodes.names[1], "link", "set", "node1", "up")
+    text = pair[0].text()
+    errors = [line for line in text.splitlines() if line.startswith("overlap: error:")]
+    assert len(errors) == 1, text[-3000:]
+    assert errors[0].startswith("overlap: error: rank 0 of 2 got no answer from its peers for "
+                                "train.comm_timeout_s=5 s"), errors[0]

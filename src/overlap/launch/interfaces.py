@@ -145,12 +145,19 @@ def gloo_interface(env: Mapping[str, str]) -> Interface | None:
 # gloo's words when the other end of a connection went away, and the peer it names: "[10.0.0.2]:49304".
 _PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused")
 _PEER = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
+# ... and when nothing came back within the process group's timeout (train.comm_timeout_s)
+_SILENT = re.compile(r"Timed out waiting (\d+)ms for (\w+) operation")
 
 
 def lost_peer(error: str, rank: int, world: int, hosts: Mapping[str, list[int]]) -> str | None:
-    """One line for a rank whose collective failed because a peer's end of the connection went away (its process or
-    its node died), naming the ranks at that address when `hosts` (address -> ranks, gathered at start-up) knows
-    them; None when `error` is something else."""
+    """One line for a rank whose collective failed because a peer went away (its process or its node died: the
+    ranks at that address are named when `hosts`, address -> ranks gathered at start-up, knows them) or went silent
+    past the communication timeout; None when `error` is something else."""
+    silent = _SILENT.search(error)
+    if silent is not None:
+        return (f"rank {rank} of {world} got no answer from its peers for train.comm_timeout_s="
+                f"{int(silent.group(1)) / 1000:g} s (a {silent.group(2)} never completed): a rank or its node hung, "
+                "stopped or was cut off from the network; see the other nodes' logs")
     gone = _PEER_GONE.search(error)
     if gone is None:
         return None
