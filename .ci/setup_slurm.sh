@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# What tests/test_slurm_cluster.py needs: the Debian packages slurm-wlm (slurmctld, slurmd, sbatch) and munge,
-# installed when missing and this is root. Bounded in time, and never fails CI: where they cannot be installed the
-# tests skip, naming what is missing, and this script says why here. The test itself configures and starts the
-# one-node cluster (and munged) in a temporary folder.
+# What tests/test_slurm_cluster.py needs: the Debian packages slurm-wlm (slurmctld, slurmd,
+# sbatch) and munge, installed when missing and this is root. Bounded in time, and never fails
+# CI: where they cannot be installed the tests skip, naming what is missing, and this script says
+# why here. The test itself configures and starts the one-node cluster (and munged) in a
+# temporary folder.
 set -u
 missing=()
 for tool in slurmctld slurmd sbatch munged; do

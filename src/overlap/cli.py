@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 2
-    except RankFailure as exc:  # a rank under torchrun whose peer died: the cause, not a transport traceback
+    except RankFailure as exc:  # a rank under torchrun whose peer died: the cause, no traceback
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 1
     except ProgramError as exc:  # --nccl-rules found what would fail on GPUs: the finding, not a traceback

@@ -279,21 +279,22 @@ def _apply_network(network, comm_mode: str) -> None:
 
 
 def _choose_gloo_interface() -> str | None:
-    """CPU ranks across nodes: set GLOO_SOCKET_IFNAME before the process group reads it (overlap.launch.interfaces);
-    returns this rank's address on it (None: one node, or the user's own GLOO_SOCKET_IFNAME)."""
+    """CPU ranks across nodes: set GLOO_SOCKET_IFNAME before the process group reads it
+    (overlap.launch.interfaces); returns this rank's address on it (None: one node, or the user's
+    own GLOO_SOCKET_IFNAME)."""
     from overlap.launch.interfaces import GLOO_IFNAME, gloo_interface
 
     chosen = gloo_interface(os.environ)
     if chosen is None:
         return None
     os.environ[GLOO_IFNAME] = chosen.name
-    log.info("%s=%s: %s", GLOO_IFNAME, chosen.name, chosen.reason)  # rank 0 only: the others log warnings
+    log.info("%s=%s: %s", GLOO_IFNAME, chosen.name, chosen.reason)  # shown by rank 0 only
     return chosen.address
 
 
 def _rank_hosts(address: str | None) -> dict[str, list[int]]:
-    """Address -> ranks there, gathered once at start-up (a control message), so that a lost connection can name
-    the ranks it led to."""
+    """Address -> ranks there, gathered once at start-up (a control message), so that a lost
+    connection can name the ranks it led to."""
     from overlap.parallel import comm
 
     if address is None:
@@ -389,9 +390,10 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     except RuntimeError as exc:
         from overlap.launch.interfaces import lost_peer
 
-        # Under torchrun or srun a peer's death reaches this rank as a transport error: said in one line. Under our
-        # own launcher the launcher names the cause for all ranks at once.
-        line = None if os.environ.get("OVERLAP_LAUNCHED") else lost_peer(str(exc), rank, world, hosts)
+        # Under torchrun or srun a peer's death reaches this rank as a transport error: said in one
+        # line. Under our own launcher the launcher names the cause for all ranks at once.
+        ours = os.environ.get("OVERLAP_LAUNCHED")
+        line = None if ours else lost_peer(str(exc), rank, world, hosts)
         if line is None:
             raise
         raise RankFailure(line) from exc

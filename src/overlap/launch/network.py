@@ -187,8 +187,10 @@ def _launcher_alive(pid: int) -> bool:
 
 
 def kill_inside(name: str) -> int:
-    """SIGKILL every process in namespace `name` (as a machine that dies takes its processes); returns how many."""
-    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    """SIGKILL every process in namespace `name` (as a machine that dies takes its processes);
+    returns how many."""
+    listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+    pids = listed.stdout.split()
     for pid in pids:
         try:
             os.kill(int(pid), signal.SIGKILL)
@@ -199,9 +201,10 @@ def kill_inside(name: str) -> int:
 
 def remove_stale_namespaces(prefix: str = NETNS_PREFIX,
                             owner_alive: Callable[[int], bool] = _launcher_alive) -> list[str]:
-    """Delete the namespaces an earlier owner made and could not remove (it was killed with SIGKILL): named
-    <prefix><pid> or <prefix><pid>-<suffix>, with that pid no longer `owner_alive`. Processes still inside one are
-    orphaned ranks and are killed first. Returns the names removed; each is logged."""
+    """Delete the namespaces an earlier owner made and could not remove (it was killed with
+    SIGKILL): named <prefix><pid> or <prefix><pid>-<suffix>, with that pid no longer `owner_alive`.
+    Processes still inside one are orphaned ranks and are killed first. Returns the names removed;
+    each is logged."""
     ours = re.compile(re.escape(prefix) + r"(\d+)(?:-[A-Za-z0-9]+)?")
     done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     removed = []
@@ -213,15 +216,17 @@ def remove_stale_namespaces(prefix: str = NETNS_PREFIX,
         killed = kill_inside(name)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         removed.append(name)
-        log.warning("removed stale network namespace %s: its owner (pid %s) is gone%s", name, m.group(1),
-                    f"; killed {killed} orphaned process(es) still inside it" if killed else "")
+        orphans = f"; killed {killed} orphaned process(es) inside it" if killed else ""
+        log.warning("removed stale network namespace %s: its owner (pid %s) is gone%s", name,
+                    m.group(1), orphans)
     return removed
 
 
 @contextmanager
 def network_namespace(name: str) -> Iterator[list[str]]:
-    """Create namespace `name` with its loopback up; yield the command prefix that runs a process inside it. On exit,
-    also when the body fails, what still runs inside is killed and the namespace deleted."""
+    """Create namespace `name` with its loopback up; yield the command prefix that runs a process
+    inside it. On exit, also when the body fails, what still runs inside is killed and the
+    namespace deleted."""
     ip("netns", "add", name)
     try:
         ip("-n", name, "link", "set", "lo", "up")
@@ -245,6 +250,6 @@ def emulated_interconnect(rate: str, name: str | None = None) -> Iterator[tuple[
     remove_stale_namespaces()
     name = name or f"{NETNS_PREFIX}{os.getpid()}"
     with network_namespace(name) as prefix:
-        ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
-           "burst", TBF_BURST, "latency", "100ms")
+        ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
+           "rate", rate, "burst", TBF_BURST, "latency", "100ms")
         yield name, prefix
