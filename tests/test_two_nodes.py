@@ -36,18 +36,7 @@ from overlap.launch.network import (
 # ovl2n-<pid of the test process>-<node>: unique per run, swept once that process is gone
 PREFIX = "ovl2n-"
 ADDRESSES = ("10.77.0.1", "10.77.0.2")  # inside our own namespaces only
-TINY = [
-    "-m",
-    "qwen",
-    "-mr",
-    "dense_tiny",
-    "-g",
-    "cpu",
-    "model.num_layers=1",
-    "model.hidden_size=64",
-    "-sl",
-    "32",
-]
+TINY = "-m qwen -mr dense_tiny -g cpu model.num_layers=1 model.hidden_size=64 -sl 32".split()
 _ports = count(29611)
 
 
@@ -71,20 +60,8 @@ def nodes():
     names = tuple(f"{PREFIX}{os.getpid()}-{k}" for k in range(2))
     with ExitStack() as stack:  # deleted on every way out, the veth pair with them
         prefixes = tuple(stack.enter_context(network_namespace(name)) for name in names)
-        ip(
-            "-n",
-            names[0],
-            "link",
-            "add",
-            "node0",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "node1",
-            "netns",
-            names[1],
-        )
+        veth = f"link add node0 type veth peer name node1 netns {names[1]}"
+        ip("-n", names[0], *veth.split())
         for k, name in enumerate(names):
             ip("-n", name, "addr", "add", f"{ADDRESSES[k]}/24", "dev", f"node{k}")
             ip("-n", name, "link", "set", f"node{k}", "up")
@@ -116,20 +93,10 @@ def launch(nodes, tmp_path):
         port, run_id = next(_ports), uuid.uuid4().hex[:8]
         for k in only:
             conf = ",".join((*(["is_host=1"] if k == 0 else []), *rdzv_conf))
+            rdzv = f"--rdzv-backend c10d --rdzv-endpoint {endpoint or f'{ADDRESSES[0]}:{port}'}"
             torchrun = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                str(per_node),
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                endpoint or f"{ADDRESSES[0]}:{port}",
-                "--rdzv-id",
-                run_id,
+                *f"{sys.executable} -m torch.distributed.run --nnodes 2".split(),
+                *f"--nproc-per-node {per_node} {rdzv} --rdzv-id {run_id}".split(),
                 # this machine's host name resolves to loopback: each node names its own address, as
                 # on a cluster whose /etc/hosts gets it right
                 *(["--local-addr", ADDRESSES[k]] if local_addr else []),
@@ -169,6 +136,16 @@ def _wait(pair: list[Node], timeout: float) -> list[int]:
     return codes
 
 
+def _training(pair: list[Node], metrics: Path) -> None:
+    """Wait until rank 0 has logged two iterations: the world formed and trains."""
+    until = time.monotonic() + 60
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.monotonic() < until and all(n.proc.poll() is None for n in pair), (
+            pair[0].text()[-3000:] + pair[1].text()[-3000:]
+        )
+        time.sleep(0.2)
+
+
 def _losses(path: Path) -> list[float]:
     return [json.loads(line)["lm_loss"] for line in path.read_text().splitlines()]
 
@@ -191,24 +168,7 @@ def _single_host(args: list[str], metrics: Path) -> list[float]:
         ("dp", [*TINY, "-ng", "2", "-ms", "3"], 1),
         # expert parallel over 4 ranks, 2 per node (LOCAL_RANK 0 and 1 on each), all-to-all
         # overlapped
-        (
-            "ep",
-            [
-                "-m",
-                "qwen",
-                "-mr",
-                "qwen3_moe_tiny",
-                "-g",
-                "cpu",
-                "-ng",
-                "4",
-                "-ms",
-                "3",
-                "--moe_a2a_overlap",
-                "true",
-            ],
-            2,
-        ),
+        ("ep", "-m qwen -mr qwen3_moe_tiny -g cpu -ng 4 -ms 3 --moe_a2a_overlap true".split(), 2),
     ],
 )
 def test_losses_across_two_nodes_equal_the_single_host_run(launch, tmp_path, case, args, per_node):
@@ -216,9 +176,8 @@ def test_losses_across_two_nodes_equal_the_single_host_run(launch, tmp_path, cas
     pair = launch([*args, "--metrics", str(metrics)], per_node=per_node)
     assert _wait(pair, 90) == [0, 0], pair[0].text()[-3000:] + pair[1].text()[-3000:]
     head = pair[0].text()
-    assert (
-        "GLOO_SOCKET_IFNAME=node0: the route to MASTER_ADDR=10.77.0.1 leaves through node0" in head
-    )
+    chosen = "GLOO_SOCKET_IFNAME=node0: the route to MASTER_ADDR=10.77.0.1 leaves through node0"
+    assert chosen in head
     if case == "ep":
         assert "EP 4" in head
     want = _single_host(args, tmp_path / "single.jsonl")
@@ -228,14 +187,7 @@ def test_losses_across_two_nodes_equal_the_single_host_run(launch, tmp_path, cas
 def test_a_node_that_dies_stops_every_rank_with_the_cause_named(launch, nodes, tmp_path):
     metrics = tmp_path / "m.jsonl"
     pair = launch([*TINY, "-ng", "2", "-ms", "400", "--metrics", str(metrics)])
-    until = time.monotonic() + 60
-    while time.monotonic() < until and not (
-        metrics.exists() and len(metrics.read_text().splitlines()) >= 2
-    ):
-        assert all(n.proc.poll() is None for n in pair), (
-            pair[0].text()[-3000:] + pair[1].text()[-3000:]
-        )
-        time.sleep(0.2)
+    _training(pair, metrics)
     killed_at = time.monotonic()
     assert kill_inside(nodes.names[1]) >= 2  # node 1 dies: its torchrun and its rank, at once
     code = _wait(pair[:1], 60)[0]
@@ -273,9 +225,8 @@ def test_a_rendezvous_endpoint_nobody_serves_fails_in_bounded_time(launch):
     )
     assert _wait([node], 45) == [1] and time.monotonic() - started < 45
     text = node.text()
-    assert "RendezvousConnectionError: The connection to the C10d store has failed" in text, text[
-        -3000:
-    ]
+    failed = "RendezvousConnectionError: The connection to the C10d store has failed"
+    assert failed in text, text[-3000:]
     assert "Launch environment" not in text  # no rank was started
 
 
@@ -284,17 +235,9 @@ def test_a_node_cut_off_from_the_network_is_bounded_by_the_comm_timeout(launch, 
     pair = launch(
         [*TINY, "-ng", "2", "-ms", "400", "train.comm_timeout_s=5", "--metrics", str(metrics)]
     )
-    until = time.monotonic() + 60
-    while time.monotonic() < until and not (
-        metrics.exists() and len(metrics.read_text().splitlines()) >= 2
-    ):
-        assert all(n.proc.poll() is None for n in pair), (
-            pair[0].text()[-3000:] + pair[1].text()[-3000:]
-        )
-        time.sleep(0.2)
-    ip(
-        "-n", nodes.names[1], "link", "set", "node1", "down"
-    )  # no FIN, no RST: the peer just goes silent
+    _training(pair, metrics)
+    # no FIN, no RST: the peer just goes silent
+    ip("-n", nodes.names[1], "link", "set", "node1", "down")
     try:
         cut_at = time.monotonic()
         code = _wait(pair[:1], 60)[0]
@@ -305,5 +248,5 @@ def test_a_node_cut_off_from_the_network_is_bounded_by_the_comm_timeout(launch, 
     errors = [line for line in text.splitlines() if line.startswith("overlap: error:")]
     assert len(errors) == 1, text[-3000:]
     assert errors[0].startswith(
-        "overlap: error: rank 0 of 2 got no answer from its peers for " "train.comm_timeout_s=5 s"
+        "overlap: error: rank 0 of 2 got no answer from its peers for train.comm_timeout_s=5 s"
     ), errors[0]
