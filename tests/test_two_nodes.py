@@ -250,3 +250,16 @@ def test_a_node_cut_off_from_the_network_is_bounded_by_the_comm_timeout(launch, 
     assert errors[0].startswith(
         "overlap: error: rank 0 of 2 got no answer from its peers for train.comm_timeout_s=5 s"
     ), errors[0]
+
+
+def test_namespaces_of_a_test_run_that_was_killed_are_swept(nodes):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{PREFIX}{dead.pid}-0"
+    ip("netns", "add", stale)
+    try:
+        assert stale in remove_stale_namespaces(PREFIX, _pid_alive)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in listed and all(name in listed for name in nodes.names)  # ours kept
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
