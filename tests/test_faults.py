@@ -182,7 +182,8 @@ def test_stale_namespaces_are_removed_and_live_ones_kept(caplog):
             removed = remove_stale_namespaces()
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert stale in removed and stale not in listed and live in listed
-        assert f"removed stale network namespace {stale}: its launcher (pid {dead.pid}) is gone" in caplog.text
+        gone = f"removed stale network namespace {stale}: its owner (pid {dead.pid}) is gone"
+        assert gone in caplog.text
     finally:
         keeper.kill()
         keeper.wait()

@@ -18,7 +18,7 @@ import signal
 import sys
 from collections import Counter
 
-from overlap.errors import ConfigError, ProgramError
+from overlap.errors import ConfigError, ProgramError, RankFailure
 from overlap.harness import add_harness_flags, describe_layout, launch_env_inputs, prepare
 from overlap.launch.env import compute_launch_env, format_launch_env
 
@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 2
+    except RankFailure as exc:  # a rank under torchrun whose peer died: the cause, no traceback
+        print(f"overlap: error: {exc}", file=sys.stderr)
+        return 1
     except ProgramError as exc:  # --nccl-rules found what would fail on GPUs: the finding, not a traceback
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 1

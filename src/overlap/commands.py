@@ -279,6 +279,33 @@ def _apply_network(network, comm_mode: str) -> None:
                      if network.kind == "model" else None)
 
 
+def _choose_gloo_interface() -> str | None:
+    """CPU ranks across nodes: set GLOO_SOCKET_IFNAME before the process group reads it
+    (overlap.launch.interfaces); returns this rank's address on it (None: one node, or the user's
+    own GLOO_SOCKET_IFNAME)."""
+    from overlap.launch.interfaces import GLOO_IFNAME, gloo_interface
+
+    chosen = gloo_interface(os.environ)
+    if chosen is None:
+        return None
+    os.environ[GLOO_IFNAME] = chosen.name
+    log.info("%s=%s: %s", GLOO_IFNAME, chosen.name, chosen.reason)  # shown by rank 0 only
+    return chosen.address
+
+
+def _rank_hosts(address: str | None) -> dict[str, list[int]]:
+    """Address -> ranks there, gathered once at start-up (a control message), so that a lost
+    connection can name the ranks it led to."""
+    from overlap.parallel import comm
+
+    if address is None:
+        return {}
+    hosts: dict[str, list[int]] = {}
+    for r, addr in enumerate(comm.all_gather_object(address)):
+        hosts.setdefault(addr, []).append(r)
+    return hosts
+
+
 def _run_rank(job, args: argparse.Namespace, network) -> int:
     import torch
 
@@ -297,12 +324,13 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         raise ConfigError("-ng/--num_gpus", args.num_gpus, f"the launcher started {world} ranks.",
                           f"pass -ng {world}, or launch {args.num_gpus} ranks.")
     use_cuda = args.gpu != "cpu"
-    device = None
+    device, address = None, None
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        address = _choose_gloo_interface()
     cfg = job.cfg
     _apply_network(network, args.comm_mode)
     from overlap.parallel import comm
@@ -313,7 +341,9 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         RECORDER.timeline = DeviceTimeline()  # times on the GPU (overlap.parallel.trace)
     elif args.nccl_rules:
         comm.set_nccl_rules(True)
+    hosts: dict[str, list[int]] = {}
     try:
+        hosts = _rank_hosts(address)
         ps = ParallelState(job.resolution.layout, device or "cpu")
         if rank == 0:
             log.info("%s", job.resolution.decisions.format_sections())
@@ -359,6 +389,16 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
             if summary.comm_ms:
                 log.info("communication time by kind over the run (ms, launch to completion): %s",
                          ", ".join(f"{k} {v:.0f}" for k, v in sorted(summary.comm_ms.items())))
+    except RuntimeError as exc:
+        from overlap.launch.interfaces import lost_peer
+
+        # Under torchrun or srun a peer's death reaches this rank as a transport error: said in one
+        # line. Under our own launcher the launcher names the cause for all ranks at once.
+        ours = os.environ.get("OVERLAP_LAUNCHED")
+        line = None if ours else lost_peer(str(exc), rank, world, hosts)
+        if line is None:
+            raise
+        raise RankFailure(line) from exc
     finally:
         from overlap.parallel import comm
 

@@ -21,7 +21,7 @@ import re
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -166,7 +166,8 @@ def check_netns_support() -> None:
                           f"run as root, or use the modelled link instead: {MODEL_FALLBACK}.")
 
 
-def _ip(*args: str) -> None:
+def ip(*args: str) -> None:
+    """Run `ip ARGS`; a failure is a ConfigError naming the command and the fallback."""
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise ConfigError(FLAG, "tbf", f"`ip {' '.join(args)}` failed: {done.stderr.strip() or done.returncode}.",
@@ -174,7 +175,6 @@ def _ip(*args: str) -> None:
 
 
 NETNS_PREFIX = "overlap-"  # our namespaces are named overlap-<pid of the launcher that made them>
-_OURS = re.compile(re.escape(NETNS_PREFIX) + r"(\d+)")
 
 
 def _launcher_alive(pid: int) -> bool:
@@ -186,28 +186,54 @@ def _launcher_alive(pid: int) -> bool:
     return b"overlap" in cmdline
 
 
-def remove_stale_namespaces() -> list[str]:
-    """Delete the namespaces an earlier launcher made and could not remove (it was killed with SIGKILL): named
-    overlap-<pid> with that pid gone. Processes still inside one are orphaned ranks and are killed first. Returns
-    the names removed; each is logged."""
+def kill_inside(name: str) -> int:
+    """SIGKILL every process in namespace `name` (as a machine that dies takes its processes);
+    returns how many."""
+    listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+    pids = listed.stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+    return len(pids)
+
+
+def remove_stale_namespaces(prefix: str = NETNS_PREFIX,
+                            owner_alive: Callable[[int], bool] = _launcher_alive) -> list[str]:
+    """Delete the namespaces an earlier owner made and could not remove (it was killed with
+    SIGKILL): named <prefix><pid> or <prefix><pid>-<suffix>, with that pid no longer `owner_alive`.
+    Processes still inside one are orphaned ranks and are killed first. Returns the names removed;
+    each is logged."""
+    ours = re.compile(re.escape(prefix) + r"(\d+)(?:-[A-Za-z0-9]+)?")
     done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     removed = []
     for line in done.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        m = _OURS.fullmatch(name)
-        if not m or int(m.group(1)) == os.getpid() or _launcher_alive(int(m.group(1))):
+        m = ours.fullmatch(name)
+        if not m or int(m.group(1)) == os.getpid() or owner_alive(int(m.group(1))):
             continue
-        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (OSError, ValueError):
-                pass
+        killed = kill_inside(name)
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         removed.append(name)
-        log.warning("removed stale network namespace %s: its launcher (pid %s) is gone%s", name, m.group(1),
-                    f"; killed {len(pids)} orphaned process(es) still inside it" if pids else "")
+        orphans = f"; killed {killed} orphaned process(es) inside it" if killed else ""
+        log.warning("removed stale network namespace %s: its owner (pid %s) is gone%s", name,
+                    m.group(1), orphans)
     return removed
+
+
+@contextmanager
+def network_namespace(name: str) -> Iterator[list[str]]:
+    """Create namespace `name` with its loopback up; yield the command prefix that runs a process
+    inside it. On exit, also when the body fails, what still runs inside is killed and the
+    namespace deleted."""
+    ip("netns", "add", name)
+    try:
+        ip("-n", name, "link", "set", "lo", "up")
+        yield ["ip", "netns", "exec", name]
+    finally:
+        kill_inside(name)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 # The token bucket's depth: bytes that pass at the line rate after the link has been idle long enough to refill
@@ -223,11 +249,7 @@ def emulated_interconnect(rate: str, name: str | None = None) -> Iterator[tuple[
     check_netns_support()
     remove_stale_namespaces()
     name = name or f"{NETNS_PREFIX}{os.getpid()}"
-    _ip("netns", "add", name)
-    try:
-        _ip("netns", "exec", name, "ip", "link", "set", "lo", "up")
-        _ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
-            "burst", TBF_BURST, "latency", "100ms")
-        yield name, ["ip", "netns", "exec", name]
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    with network_namespace(name) as prefix:
+        ip("netns", "exec", name, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
+           "rate", rate, "burst", TBF_BURST, "latency", "100ms")
+        yield name, prefix
