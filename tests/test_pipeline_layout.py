@@ -122,6 +122,30 @@ def test_plan_resolves_the_235b_recipe_layout(capsys):
     assert "| as given |" in capsys.readouterr().out
 
 
+def test_the_planner_weighs_and_the_memory_estimate_sizes_the_uneven_stages():
+    from overlap.config.recipes import qwen3_235b_a22b
+    from overlap.launch.resources import estimate_memory
+    from overlap.plan.compute import microbatch_compute
+    from overlap.plan.hardware import builtin_cluster
+
+    cfg = qwen3_235b_a22b(256)
+    cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size = 2, 8
+    cfg.model.virtual_pipeline_model_parallel_size, cfg.model.expert_model_parallel_size = 4, 32
+    cfg.model.sequence_parallel = True
+    cfg.train.global_batch_size = 8192
+    res = cfg.finalize(256, require_libraries=False, on_cuda=True)
+    weights = microbatch_compute(cfg, res.layout, builtin_cluster("h100", "bf16", 8)).stage_weights
+    assert len(weights) == 32
+    # 2 layers (+ the free embedding) first, 3 in the middle, 2 + the output layer last
+    assert weights[1] == pytest.approx(weights[30]) and weights[0] < weights[1] < weights[31]
+    assert weights[0] == pytest.approx(weights[1] * 2 / 3)
+    # the memory estimate: moe_act keeps less of the routed experts' activations, the same parameters
+    one = estimate_memory(cfg, res.layout)
+    cfg.model.recompute_granularity, cfg.model.recompute_modules = "selective", ["moe_act"]
+    assert estimate_memory(cfg, res.layout).activation_bytes < one.activation_bytes
+    assert one.params == estimate_memory(cfg, res.layout).params
+
+
 def test_the_runtime_refuses_a_layout_with_mtp_by_name():
     from overlap.training.support import runtime_refusals
 
@@ -136,12 +160,14 @@ def test_the_runtime_refuses_a_layout_with_mtp_by_name():
 STEPS = 3
 
 
-def _train(layers: int, layout: dict) -> tuple[list[float], list[int]]:
+def _train(layers: int, layout: dict) -> tuple[list[float], list[int], set[str]]:
+    """(losses, this rank's chunk sizes, its parameter names: the names checkpoints and HF loading go by)."""
     cfg = tiny_config(False, "fp32", layers, [], STEPS, **layout)
     res = cfg.finalize(dist.get_world_size())
     trainer = Trainer(cfg, ParallelState(res.layout))
     sizes = [len(chunk.layers) for chunk in trainer.chunks]
-    return [r.lm_loss for r in trainer.train().records], sizes
+    names = {name for chunk in trainer.chunks for name, _ in chunk.named_parameters()}
+    return [r.lm_loss for r in trainer.train().records], sizes, names
 
 
 UNEVEN = [
@@ -153,16 +179,21 @@ UNEVEN = [
      ([1, 1], [2, 1])),
     ("embedding_and_loss_alone", 4, dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="E|tt|tt|L"),
      ([0, 2], [2, 0])),
+    ("empty_chunk", 4, dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett||tt|L"),
+     ([2, 2], [0, 0])),
 ]
 
 
 @pytest.mark.parametrize("case", UNEVEN, ids=[c[0] for c in UNEVEN])
 def test_an_uneven_virtual_pipeline_matches_single_process_fp32(case):
     """PP2 x VPP2 with chunks of unequal size: the losses of 3 steps (forward, backward and optimizer through
-    every chunk) equal the single-process run's within fp32 rounding (rel 1e-5)."""
+    every chunk) equal the single-process run's within fp32 rounding (rel 1e-5), and the ranks' parameters are the
+    single-process model's, by name."""
     _id, layers, layout, sizes = case
-    ref, _ = run_world(1, _train, layers, {})[0]
+    ref, _, ref_names = run_world(1, _train, layers, {})[0]
     got = run_world(2, _train, layers, layout)
-    for rank, (losses, chunk_sizes) in enumerate(got):
+    for rank, (losses, chunk_sizes, _names) in enumerate(got):
         assert losses == pytest.approx(ref, rel=1e-5)
         assert chunk_sizes == sizes[rank]
+    # every parameter once, under its global layer number (checkpoints and HF weights load by these names)
+    assert got[0][2] | got[1][2] == ref_names and not got[0][2] & got[1][2]

@@ -79,6 +79,12 @@ class PipelineLayout:
         """Transformer layers each pipeline rank holds (all its chunks)."""
         return [sum(s.num_layers for s in self.rank_stages(r)) for r in range(self.pp)]
 
+    def busiest_rank_layers(self) -> list[int]:
+        """The global transformer-layer numbers of the pipeline rank holding the most (all its chunks): the rank
+        the memory estimate and the planner's per-stage layer counts size for."""
+        held = [[i for s in self.rank_stages(r) for i in range(s.start, s.end)] for r in range(self.pp)]
+        return max(held, key=len)
+
     def ranges(self) -> list[list[tuple[int, int]]]:
         """[pp_rank][chunk] -> (start, end) of that chunk's transformer layers."""
         return [[(s.start, s.end) for s in self.rank_stages(r)] for r in range(self.pp)]

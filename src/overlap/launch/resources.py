@@ -105,10 +105,8 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
     proj = linear(h, heads * hd)
     attention = [qkv, proj, 2 * h] + ([2 * hd] if m.qk_layernorm else [])
     dense_mlp = [linear(fused * ffn, h), linear(h, ffn)]
-    # The pipeline rank holding the most transformer layers (all its chunks; the shared layout resolution), with
-    # its MoE layers counted one by one
-    held = [[i for s in pipe.rank_stages(r) for i in range(s.start, s.end)] for r in range(pipe.pp)]
-    busiest = max(held, key=len)
+    # The pipeline rank holding the most transformer layers (all its chunks), its MoE layers counted one by one
+    busiest = pipe.busiest_rank_layers()
     layers = len(busiest)
     n_moe = sum(1 for i in busiest if m.is_moe_layer(i))
     n_dense = layers - n_moe
