@@ -114,3 +114,20 @@ def test_the_full_reference_list_resolves_where_the_model_has_it():
     res = ConfigContainer(model=ModelConfig(**MOE, recompute_granularity="selective",
                                             recompute_modules=["moe", "moe_act"])).finalize(1)
     assert [n.field for n in res.decisions.noops] == ["model.recompute_modules"]  # 'moe' covers 'moe_act'
+
+
+def test_moe_act_under_ep2_overlap_and_delayed_wgrad_matches_the_plain_loop():
+    """The merged EP-overlap schedule with delayed weight gradients (the experts' fc2 wgrad then reads the
+    recomputed activation later) against the plain loop without recompute: same losses and gradients (rel 1e-6,
+    the tolerance of the EP-overlap tests)."""
+    from tests.test_ep_overlap import _run
+
+    recompute = dict(recompute_granularity="selective", recompute_modules=["moe_act", "shared_experts"],
+                     moe_shared_expert_intermediate_size=32)
+    plain = run_world(2, _run, False, False, {"ep": 2}, {"moe_shared_expert_intermediate_size": 32})
+    merged = run_world(2, _run, True, True, {"ep": 2}, recompute)
+    for (l_off, g_off, _, _), (l_on, g_on, _, _) in zip(plain, merged):
+        assert l_on == pytest.approx(l_off, rel=1e-6)
+        assert g_on.keys() == g_off.keys()
+        for name in g_off:
+            torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-6, atol=1e-6, msg=name)
