@@ -172,7 +172,7 @@ def resolve_pipeline_layout(model: Any, pp: int) -> PipelineLayout:
                               "drop those fields, or drop the layout.")
         stages = parse_layout(spec, pp)
         found = len(stages) // pp
-        if vpp is not None and vpp != found and not (vpp == 1 and found == 1):
+        if vpp is not None and vpp != found:
             raise ConfigError("model.virtual_pipeline_model_parallel_size", vpp,
                               f"the layout has {len(stages)} stages = PP {pp} x VPP {found}.",
                               f"use -vp {found if found > 1 else 'None'} (or leave it unset: the layout decides it).")
@@ -209,12 +209,8 @@ def resolve_pipeline_layout(model: Any, pp: int) -> PipelineLayout:
         count = per_chunk[v % pp]
         head = EMBEDDING if v == 0 else ""
         tail = LOSS if v == pp * vpp - 1 else ""
+        # the embedding / loss takes a layer's place (every chunk holds >= 1 here, the only chunk >= 2 + n)
         count -= (bool(embed) and v == 0) + (bool(loss) and v == pp * vpp - 1)
-        if count < 0:
-            raise ConfigError("model.account_for_embedding_in_pipeline_split" if v == 0 else
-                              "model.account_for_loss_in_pipeline_split", True,
-                              "the embedding and the loss would share one single-layer model chunk.",
-                              "use fewer pipeline stages, or a pipeline_model_parallel_layout.")
         stages.append(head + DECODER * count + tail)
     if model.mtp_num_layers:
         stages[-1] = stages[-1][:-1] + MTP * model.mtp_num_layers + LOSS  # with the loss, as Megatron places it
