@@ -197,3 +197,11 @@ def test_an_uneven_virtual_pipeline_matches_single_process_fp32(case):
         assert chunk_sizes == sizes[rank]
     # every parameter once, under its global layer number (checkpoints and HF weights load by these names)
     assert got[0][2] | got[1][2] == ref_names and not got[0][2] & got[1][2]
+
+
+def test_the_torch_pipelining_peer_trains_an_uneven_layout_to_the_same_losses():
+    """torch.distributed.pipelining's interleaved schedule on the same uneven chunks (fp32, rel 1e-5)."""
+    _id, layers, layout, _sizes = UNEVEN[1]
+    ours = run_world(2, _train, layers, layout)[0][0]
+    peer = run_world(2, _train, layers, {**layout, "pipeline_impl": "torch_pipelining"})[0][0]
+    assert peer == pytest.approx(ours, rel=1e-5)
