@@ -3,6 +3,8 @@ Qwen3-235B recipe's layout, and the runtime training an uneven virtual pipeline 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch.distributed as dist
 
@@ -117,9 +119,13 @@ def test_explain_shows_the_235b_recipe_layout_and_takes_it_spelt_out(capsys):
     assert "the layout's stages / PP = 32 / 8" in capsys.readouterr().out
 
 
-def test_plan_resolves_the_235b_recipe_layout(capsys):
-    assert main(["plan", *QWEN235, "--recompute_modules", "layernorm,moe_act"]) == 0
-    assert "| as given |" in capsys.readouterr().out
+def test_plan_resolves_the_235b_recipe_layout(tmp_path):
+    report = tmp_path / "plan.json"
+    assert main(["plan", *QWEN235, "--recompute_modules", "layernorm,moe_act", "--ab",
+                 "model.recompute_granularity=selective,null", "--json", str(report)]) == 0
+    with_act, without = json.loads(report.read_text())["configs"]
+    assert with_act["peak_mem_gb"] < without["peak_mem_gb"]  # moe_act keeps less of the experts' activations
+    assert with_act["bubble_ms"] > 0
 
 
 def test_the_planner_weighs_and_the_memory_estimate_sizes_the_uneven_stages():
