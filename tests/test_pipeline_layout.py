@@ -109,6 +109,16 @@ def test_the_layout_decides_vpp_and_a_contradicting_vp_is_refused():
     assert err.value.field == "model.virtual_pipeline_model_parallel_size" and "-vp 2" in str(err.value)
 
 
+@pytest.mark.parametrize("override", ["model.pipeline_model_parallel_layout=Et|t*2|t|tL",
+                                      "model.pipeline_model_parallel_layout=[[embedding,decoder],[decoder,decoder],"
+                                      "[decoder],[decoder,loss]]"])
+def test_both_forms_come_through_an_override(override):
+    cfg = tiny_config(False, "fp32", 5, [override], 1, pipeline_model_parallel_size=2)
+    cfg.finalize(2)
+    lay = resolve_pipeline_layout(cfg.model, 2)
+    assert lay.as_string() == "Et|tt|t|tL" and cfg.model.virtual_pipeline_model_parallel_size == 2
+
+
 def test_explain_shows_the_235b_recipe_layout_and_takes_it_spelt_out(capsys):
     assert main(["explain", *QWEN235, "--recompute_modules", "layernorm,moe_act"]) == 0
     out = capsys.readouterr().out
