@@ -92,7 +92,7 @@ def test_qwen3_235b_tp2_ep32_pp8_vpp4(tmp_path):
     for kind in ("tp_ag", "tp_rs", "ep_dispatch", "ep_combine_bwd", "pp_send_fwd", "pp_recv_bwd", "dp_rs", "dp_ag"):
         assert program[kind]["ops"] > 0, kind
     assert program["ep_dispatch"]["groups"] == [list(range(32))]
-    assert "model.num_layers=30" in out.stdout  # the depth the dry run played is said where it is used
+    assert "model.num_layers=30" in out.stdout  # the depth played is said where it is used
 
 
 def test_a_device_mix_up_is_found_with_its_line(tmp_path):

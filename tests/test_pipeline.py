@@ -28,10 +28,12 @@ STEPS = 3
 
 
 # --- the split ---------------------------------------------------------------------------------------------------
-def _ranges(layers: int, pp: int, vpp: int | None = None, first: int | None = None, last: int | None = None):
-    return pipeline_layer_ranges(ModelConfig(num_layers=layers, virtual_pipeline_model_parallel_size=vpp,
-                                             num_layers_in_first_pipeline_stage=first,
-                                             num_layers_in_last_pipeline_stage=last), pp)
+def _ranges(layers: int, pp: int, vpp: int | None = None, first: int | None = None,
+            last: int | None = None):
+    model = ModelConfig(num_layers=layers, virtual_pipeline_model_parallel_size=vpp,
+                        num_layers_in_first_pipeline_stage=first,
+                        num_layers_in_last_pipeline_stage=last)
+    return pipeline_layer_ranges(model, pp)
 
 
 def test_layers_are_assigned_as_megatron_does():

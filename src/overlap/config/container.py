@@ -33,14 +33,16 @@ from overlap.config.layout import ParallelLayout
 from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 
 _log = logging.getLogger("overlap.config")
-# Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime does not build are
-# refused by name (`_validate_recompute`), the rest run (overlap.layers.recompute)
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-UNBUILT_RECOMPUTE = {"mla_up_proj": "Multi-latent attention (MLA), whose up projection mla_up_proj recomputes,",
-                     "gdn_norm_out": "The gated delta net (gdn_norm_out recomputes its output norm)",
-                     "gdp_in_proj": "The gated delta product (gdp_in_proj recomputes its input projection)",
-                     "gdp_qkv": "The gated delta product (gdp_qkv recomputes its convolution and QKV)",
-                     "mhc": "Hyper-connections (mhc recomputes their activations)"}
+# Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime
+# does not build are refused by name (`_validate_recompute`), the rest run (layers/recompute.py)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts")
+UNBUILT_RECOMPUTE = {
+    "mla_up_proj": "Multi-latent attention (MLA), whose up projection mla_up_proj recomputes,",
+    "gdn_norm_out": "The gated delta net (gdn_norm_out recomputes its output norm)",
+    "gdp_in_proj": "The gated delta product (gdp_in_proj recomputes its input projection)",
+    "gdp_qkv": "The gated delta product (gdp_qkv recomputes its convolution and QKV)",
+    "mhc": "Hyper-connections (mhc recomputes their activations)"}
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
@@ -298,28 +300,31 @@ class ConfigContainer:
                               ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
 
     def _apply_pipeline_layout(self, layout: ParallelLayout, log: DecisionLog) -> None:
-        """A pipeline_model_parallel_layout decides VPP (its stages / PP), as Megatron-Core derives it; the layout
-        every stage gets (whichever field decided it) is logged for `overlap explain`."""
+        """A pipeline_model_parallel_layout decides VPP (its stages / PP), as Megatron-Core derives
+        it; the layout every stage gets (whichever field decided it) is logged for `explain`."""
         m = self.model
-        if m.pipeline_model_parallel_layout is not None:
-            found = len(parse_layout(m.pipeline_model_parallel_layout, layout.pp)) // layout.pp
+        spec = m.pipeline_model_parallel_layout
+        if spec is not None:
+            found = len(parse_layout(spec, layout.pp)) // layout.pp
             if found > 1 and layout.pp == 1:
-                raise ConfigError(LAYOUT_FIELD, m.pipeline_model_parallel_layout,
-                                  f"{found} stages need pipeline parallelism (a virtual pipeline of {found} chunks "
-                                  "needs PP >= 2).", f"use -pp with stages = PP x VPP, or one stage for -pp 1.")
+                raise ConfigError(LAYOUT_FIELD, spec,
+                                  f"{found} stages need pipeline parallelism (a virtual "
+                                  f"pipeline of {found} chunks needs PP >= 2).",
+                                  "use -pp with stages = PP x VPP, or one stage for -pp 1.")
             if m.virtual_pipeline_model_parallel_size is None and found > 1:
                 m.virtual_pipeline_model_parallel_size = found
-                log.record_in("pipeline", "model.virtual_pipeline_model_parallel_size", None, found, RULE,
-                              f"the layout's stages / PP = {found * layout.pp} / {layout.pp}")
-        if m.virtual_pipeline_model_parallel_size is not None and (
-                m.virtual_pipeline_model_parallel_size < 1 or layout.pp == 1):
-            raise ConfigError("model.virtual_pipeline_model_parallel_size", m.virtual_pipeline_model_parallel_size,
-                              "a virtual pipeline needs pipeline_model_parallel_size > 1 and a size >= 1.",
-                              "use -vp None, or -pp 2 or more.")
+                log.record_in("pipeline", "model.virtual_pipeline_model_parallel_size", None, found,
+                              RULE, f"the layout's stages / PP = {found * layout.pp} / {layout.pp}")
+        vpp = m.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or layout.pp == 1):
+            raise ConfigError("model.virtual_pipeline_model_parallel_size", vpp,
+                              "a virtual pipeline needs pipeline_model_parallel_size > 1 and "
+                              "a size >= 1.", "use -vp None, or -pp 2 or more.")
         resolved = resolve_pipeline_layout(m, layout.pp)
-        if layout.pp > 1 or m.pipeline_model_parallel_layout is not None:
-            by = {"even split": DEFAULT, "pipeline_model_parallel_layout": MODEL_CONFIG}.get(resolved.source, RULE)
-            log.record_in("pipeline", LAYOUT_FIELD, m.pipeline_model_parallel_layout, resolved.as_string(), by,
+        if layout.pp > 1 or spec is not None:
+            by = {"even split": DEFAULT,
+                  "pipeline_model_parallel_layout": MODEL_CONFIG}.get(resolved.source, RULE)
+            log.record_in("pipeline", LAYOUT_FIELD, spec, resolved.as_string(), by,
                           resolved.describe())
 
     def _check_sizes(self) -> None:
@@ -561,28 +566,33 @@ class ConfigContainer:
                               "recompute_method / recompute_num_layers only apply to recompute_granularity=full.",
                               "set recompute_granularity=full, or clear them.")
         modules = m.recompute_modules or []
+        field = "model.recompute_modules"
         for name in modules:
             if name in UNBUILT_RECOMPUTE:
-                raise NotBuiltError("model.recompute_modules", m.recompute_modules, UNBUILT_RECOMPUTE[name],
+                raise NotBuiltError(field, modules, UNBUILT_RECOMPUTE[name],
                                     f"drop {name} from recompute_modules.")
         bad = [x for x in modules if x not in RECOMPUTE_MODULES]
         if bad:
-            raise ConfigError("model.recompute_modules", m.recompute_modules, f"unknown module(s) {bad}.",
-                              f"use a subset of {[x for x in RECOMPUTE_MODULES if x not in UNBUILT_RECOMPUTE]}.")
+            built = [x for x in RECOMPUTE_MODULES if x not in UNBUILT_RECOMPUTE]
+            raise ConfigError(field, modules, f"unknown module(s) {bad}.",
+                              f"use a subset of {built}.")
         selective = modules if m.recompute_granularity == "selective" else []
         if "moe_act" in selective and not m.is_moe:
-            raise ConfigError("model.recompute_modules", m.recompute_modules, "moe_act recomputes the routed "
-                              "experts' activation function, and this model has no experts.",
+            raise ConfigError(field, modules, "moe_act recomputes the routed experts' activation "
+                              "function, and this model has no experts.",
                               "drop moe_act (a dense MLP recomputes with 'mlp').")
-        if "shared_experts" in selective and not (m.is_moe and m.moe_shared_expert_intermediate_size):
-            raise ConfigError("model.recompute_modules", m.recompute_modules, "shared_experts recomputes the MoE "
-                              "layers' shared expert, and this model has none.",
-                              "drop shared_experts, or set model.moe_shared_expert_intermediate_size.")
+        shared = m.is_moe and m.moe_shared_expert_intermediate_size
+        if "shared_experts" in selective and not shared:
+            raise ConfigError(field, modules, "shared_experts recomputes the MoE layers' shared "
+                              "expert, and this model has none.",
+                              "drop shared_experts, or set "
+                              "model.moe_shared_expert_intermediate_size.")
         if "shared_experts" in selective and m.moe_shared_expert_overlap:
-            raise ConfigError("model.recompute_modules", m.recompute_modules, "shared_experts recompute cannot work "
-                              "with moe_shared_expert_overlap (Megatron-Core's rule: the overlap runs the shared "
-                              "expert in two halves around the all-to-alls).",
-                              "drop shared_experts from recompute_modules, or set moe_shared_expert_overlap=false.")
+            raise ConfigError(field, modules, "shared_experts recompute cannot work with "
+                              "moe_shared_expert_overlap (Megatron-Core's rule: the overlap runs "
+                              "the shared expert in two halves around the all-to-alls).",
+                              "drop shared_experts from recompute_modules, or set "
+                              "moe_shared_expert_overlap=false.")
         reroutes = m.recompute_granularity == "full" or (
             m.recompute_granularity == "selective" and "moe" in (m.recompute_modules or ()))
         if m.is_moe and m.moe_router_force_load_balancing and reroutes:
@@ -594,14 +604,17 @@ class ConfigContainer:
                               "balancing.")
 
     def _covered_recompute(self, log: DecisionLog) -> None:
-        """'moe' recomputes whole MoE layers, which holds what 'moe_act' and 'shared_experts' would recompute of
-        them: said as a no-op rather than run twice (a recompute inside a recompute keeps its input alive)."""
+        """'moe' recomputes whole MoE layers, which holds what 'moe_act' and 'shared_experts'
+        would recompute of them: said as a no-op rather than run twice (a recompute inside a
+        recompute keeps its input alive)."""
         m = self.model
-        modules = (m.recompute_modules or []) if m.recompute_granularity == "selective" else []
+        selective = m.recompute_granularity == "selective"
+        modules = (m.recompute_modules or []) if selective else []
         for part in ("moe_act", "shared_experts"):
             if part in modules and "moe" in modules:
-                log.noop("model.recompute_modules", m.recompute_modules, f"'moe' recomputes whole MoE layers, "
-                         f"'{part}' included", f"drop {part} (or moe) from recompute_modules.")
+                log.noop("model.recompute_modules", m.recompute_modules,
+                         f"'moe' recomputes whole MoE layers, '{part}' included",
+                         f"drop {part} (or moe) from recompute_modules.")
 
     def _validate_cuda_graph(self) -> None:
         m = self.model

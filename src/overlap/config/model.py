@@ -64,8 +64,8 @@ class ModelConfig:
     # The embedding / loss counts as one layer when the layers are divided evenly over the pipeline
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
-    # Every stage spelt out (Megatron's grammar, e.g. "Et*3|(tt|)*29,m|L", or a list of lists of layer names); its
-    # stage count decides VPP. See overlap.config.pipeline_layout.
+    # Every stage spelt out (Megatron's grammar, e.g. "Et*3|(tt|)*29,m|L", or a list of lists of
+    # layer names); its stage count decides VPP. See overlap.config.pipeline_layout.
     pipeline_model_parallel_layout: str | list[list[str]] | None = None
     microbatch_group_size_per_vp_stage: int | None = None  # interleaved schedule; None: PP (depth-first)
     deallocate_pipeline_outputs: bool = False  # free a sent activation's storage once the send completed

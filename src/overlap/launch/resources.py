@@ -9,8 +9,9 @@ builds (`overlap.model.gpt`; `tests/test_resources.py` checks it against the met
 - the optimizer state: Adam's two fp32 moments, plus an fp32 master copy for 16-bit parameters; the distributed
   optimizer shards both over data parallel (dense) / expert-data parallel (experts);
 - a rough activation term for one micro-batch (Korthikanti et al.'s ~34 s b h bytes per layer in 16 bit, doubled for
-  fp32, divided by TP under sequence parallel, plus the routed experts' rows (less with selective `moe_act` / `moe`
-  recompute) and the logits) - rough on purpose: it is there to refuse what cannot fit, not to plan;
+  fp32, divided by TP under sequence parallel, plus the routed experts' rows (less with selective
+  `moe_act` / `moe` recompute) and the logits) - rough on purpose: it is there to refuse what
+  cannot fit, not to plan;
 - on CPU ranks, the Python + torch runtime itself (~0.25 GiB per process, measured ~0.33 GiB for a tiny rank).
 
 `schedule=True` (the planner, `overlap plan`) adds what the schedule keeps alive on top of that one micro-batch, as
@@ -105,7 +106,8 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
     proj = linear(h, heads * hd)
     attention = [qkv, proj, 2 * h] + ([2 * hd] if m.qk_layernorm else [])
     dense_mlp = [linear(fused * ffn, h), linear(h, ffn)]
-    # The pipeline rank holding the most transformer layers (all its chunks), its MoE layers counted one by one
+    # The pipeline rank holding the most transformer layers (all its chunks), its MoE layers counted
+    # one by one
     busiest = pipe.busiest_rank_layers()
     layers = len(busiest)
     n_moe = sum(1 for i in busiest if m.is_moe_layer(i))
@@ -148,10 +150,12 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
     if m.sequence_parallel and tp > 1:
         per_layer //= tp
     if m.is_moe and m.recompute_granularity != "full":
-        # The routed experts' activations (balanced routing: top-k rows per local token on every EP rank): fc1's
-        # output (2 ffn), the activation's intermediate and its output (1 ffn each); selective "moe_act" keeps only
-        # fc1's output, "moe" none of them (the layer's input is the residual, already counted)
-        modules = set(m.recompute_modules or ["core_attn"]) if m.recompute_granularity == "selective" else set()
+        # The routed experts' activations (balanced routing: top-k rows per local token on every EP
+        # rank): fc1's output (2 ffn), the activation's intermediate and its output (1 ffn each);
+        # selective "moe_act" keeps only fc1's output, "moe" none of them (the layer's input is the
+        # residual, already counted)
+        selective = m.recompute_granularity == "selective"
+        modules = set(m.recompute_modules or ["core_attn"]) if selective else set()
         widths = 0 if "moe" in modules else 2 if "moe_act" in modules else 4
         rows = s * b // (tp if m.sequence_parallel else 1) * m.moe_router_topk
         per_layer += rows * m.moe_ffn_size * widths * act_bytes * n_moe // max(1, layers)

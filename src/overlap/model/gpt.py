@@ -218,11 +218,11 @@ class GPTModel(nn.Module):
 
 
 def model_chunks(config, ps: ParallelState) -> list[GPTModel]:
-    """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual pipeline, each holding
-    the layers its virtual stage gets (`overlap.config.pipeline_layout`: an even split, uneven first/last stages,
-    the embedding and loss counted as layers, or a layout spelt out); chunks may differ in size."""
+    """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
+    pipeline, each holding the layers its virtual stage gets (`overlap.config.pipeline_layout`: an
+    even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
+    spelt out); chunks may differ in size."""
     from overlap.config.pipeline_layout import resolve_pipeline_layout
 
     stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
-    return [GPTModel(config, ps, Stage(s.start, s.end, pre_process=s.embedding, post_process=s.loss))
-            for s in stages]
+    return [GPTModel(config, ps, Stage(s.start, s.end, s.embedding, s.loss)) for s in stages]

@@ -79,10 +79,11 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
                     moe=moe if max(1, layout.ep) == 1 else 0.0)
     weights = (1.0,)
     if pp > 1:
-        # Each virtual stage's own layers (the shared resolution: an uneven layout weighs its stages unevenly), and
-        # the output layer where the loss is
-        stages = [sum(attention + (moe if m.is_moe_layer(layer) else dense) for layer in range(s.start, s.end))
-                  + (logits if s.loss else 0.0) for s in resolve_pipeline_layout(m, pp).stages]
+        # Each virtual stage's own layers (the shared resolution: an uneven layout weighs its
+        # stages unevenly), and the output layer where the loss is
+        stages = [sum(attention + (moe if m.is_moe_layer(layer) else dense)
+                      for layer in range(s.start, s.end)) + (logits if s.loss else 0.0)
+                  for s in resolve_pipeline_layout(m, pp).stages]
         mean = sum(stages) / len(stages)
         weights = tuple(x / mean for x in stages) if mean > 0 else (1.0,) * len(stages)
     return MicrobatchCompute(attention_fwd_s=attention, moe_fwd_s=moe,

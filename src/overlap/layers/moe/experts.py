@@ -46,8 +46,8 @@ class GroupedExperts(nn.Module):
         # Filled by init_model_params (full-tensor draw, then this rank's slice).
         self.fc1_weight = _expert_param((self.num_local_experts, 2 * ffn, h), dtype, ps)
         self.down_weight = _expert_param((self.num_local_experts, h, ffn), dtype, ps)
-        # selective "moe_act": the SwiGLU's intermediate and output are recomputed in backward from fc1's output
-        # (not when "moe" recomputes the whole layer already)
+        # selective "moe_act": the SwiGLU's intermediate and output are recomputed in backward from
+        # fc1's output (not when "moe" recomputes the whole layer already)
         modules = selective_modules(config)
         self.recompute_act = "moe_act" in modules and "moe" not in modules
 

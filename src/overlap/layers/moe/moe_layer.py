@@ -85,7 +85,8 @@ class MoELayer(nn.Module):
                                    tp_overlap=False)
                                if config.moe_shared_expert_intermediate_size else None)
         self.shared_expert_overlap = config.moe_shared_expert_overlap and self.shared_experts is not None
-        modules = selective_modules(config)  # selective "shared_experts" (the config refuses it with the overlap)
+        # selective "shared_experts" (the config refuses it with moe_shared_expert_overlap)
+        modules = selective_modules(config)
         self.recompute_shared = "shared_experts" in modules and "moe" not in modules
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, PendingPlan[Plan], torch.Tensor]:
