@@ -187,6 +187,8 @@ def test_explain_shows_the_235b_recipe_layout_and_takes_it_spelt_out(capsys):
     assert main(["explain", *QWEN235, "--recompute_modules", "layernorm,moe_act"]) == 0
     out = capsys.readouterr().out
     assert "Ett|(t*3|)*30ttL" in out and "11-12 transformer layers per rank" in out
+    assert "PP rank 0       Ett | t*3 | t*3 | t*3" in out
+    assert "PP rank 7       t*3 | t*3 | t*3 | ttL" in out
     spelt = [
         "model.account_for_embedding_in_pipeline_split=false",
         "model.account_for_loss_in_pipeline_split=false",
@@ -194,6 +196,9 @@ def test_explain_shows_the_235b_recipe_layout_and_takes_it_spelt_out(capsys):
     ]
     assert main(["explain", *[a for a in QWEN235 if a not in ("-vp", "4")], *spelt]) == 0
     assert "the layout's stages / PP = 32 / 8" in capsys.readouterr().out
+    tiny = ["-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "-pp", "2", "--json"]
+    assert main(["explain", *tiny, "model.pipeline_model_parallel_layout=E|t*2|t*2|L"]) == 0
+    assert json.loads(capsys.readouterr().out)["pipeline_stages"] == [["E", "tt"], ["tt", "L"]]
 
 
 def test_plan_resolves_the_235b_recipe_layout(tmp_path):

@@ -122,6 +122,19 @@ class PipelineLayout:
             i += n
         return "".join(out)
 
+    def table(self) -> list[str]:
+        """What each pipeline rank holds, chunk by chunk, equal neighbouring ranks on one line (as
+        Megatron-Core prints a parsed layout): `PP rank 1-6   t*3 | t*3 | t*3 | t*3`."""
+        rows = [" | ".join(_fold(s.symbols) or "(empty)" for s in self.rank_stages(r))
+                for r in range(self.pp)]
+        out, first = [], 0
+        for r in range(1, self.pp + 1):
+            if r == self.pp or rows[r] != rows[first]:
+                ranks = f"{first}" if r - 1 == first else f"{first}-{r - 1}"
+                out.append(f"PP rank {ranks:<7} {rows[first]}")
+                first = r
+        return out
+
     def describe(self) -> str:
         """One line for people: who decided it, PP x VPP, and the transformer layers per rank."""
         per_rank = self.layers_per_rank()
