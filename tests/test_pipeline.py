@@ -15,7 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from overlap.config import ConfigContainer, ModelConfig, OptimizerConfig, SchedulerConfig, TrainConfig
-from overlap.config.layout import pipeline_layer_ranges
+
+from overlap.config.pipeline_layout import pipeline_layer_ranges
 from overlap.errors import ConfigError
 from overlap.parallel.state import ParallelState
 from overlap.pipeline.schedules import pipeline_steps, schedule_table
@@ -27,13 +28,21 @@ STEPS = 3
 
 
 # --- the split ---------------------------------------------------------------------------------------------------
+def _ranges(layers: int, pp: int, vpp: int | None = None, first: int | None = None,
+            last: int | None = None):
+    model = ModelConfig(num_layers=layers, virtual_pipeline_model_parallel_size=vpp,
+                        num_layers_in_first_pipeline_stage=first,
+                        num_layers_in_last_pipeline_stage=last)
+    return pipeline_layer_ranges(model, pp)
+
+
 def test_layers_are_assigned_as_megatron_does():
-    assert pipeline_layer_ranges(8, 2) == [[(0, 4)], [(4, 8)]]
+    assert _ranges(8, 2) == [[(0, 4)], [(4, 8)]]
     # virtual stage v = chunk x PP + rank: rank 0 holds layers 0-1 and 4-5
-    assert pipeline_layer_ranges(8, 2, 2) == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
-    assert pipeline_layer_ranges(8, 4, 2)[1] == [(1, 2), (5, 6)]
-    assert pipeline_layer_ranges(6, 3, None, 1, 1) == [[(0, 1)], [(1, 5)], [(5, 6)]]
-    assert pipeline_layer_ranges(7, 3, None, 3) == [[(0, 3)], [(3, 5)], [(5, 7)]]
+    assert _ranges(8, 2, 2) == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    assert _ranges(8, 4, 2)[1] == [(1, 2), (5, 6)]
+    assert _ranges(6, 3, None, 1, 1) == [[(0, 1)], [(1, 5)], [(5, 6)]]
+    assert _ranges(7, 3, None, 3) == [[(0, 3)], [(3, 5)], [(5, 7)]]
 
 
 @pytest.mark.parametrize("args, field", [((6, 4), "model.num_layers"), ((8, 2, 3), "virtual_pipeline"),
@@ -42,7 +51,7 @@ def test_layers_are_assigned_as_megatron_does():
                                          ((8, 2, None, 0), "first_pipeline_stage")])
 def test_an_indivisible_split_names_the_fields(args, field):
     with pytest.raises(ConfigError) as err:
-        pipeline_layer_ranges(*args)
+        _ranges(*args)
     assert field in str(err.value)
 
 

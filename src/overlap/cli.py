@@ -147,17 +147,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
         print("\n".join(list_override_keys()))
         return 0
+    from overlap.config.pipeline_layout import resolve_pipeline_layout
     from overlap.training.support import runtime_refusals
 
     job = prepare(args, describe_target=True)
     env = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ)
     refusals = runtime_refusals(job.cfg, gpu=args.gpu != "cpu")
     lay = job.resolution.layout
+    stages = resolve_pipeline_layout(job.cfg.model, lay.pp)
     memory = _memory_estimate(job, args, refusals)
     if args.json:
         doc = {"recipe": args.model_recipe_name, "world_size": args.num_gpus, "gpu": args.gpu,
                "layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
                           "edp": lay.edp, "vpp": job.cfg.model.virtual_pipeline_model_parallel_size},
+               # [pp rank][chunk] -> what that model chunk holds ("Ett": embedding + 2 layers)
+               "pipeline_stages": [[s.symbols for s in stages.rank_stages(r)]
+                                   for r in range(lay.pp)],
                **job.resolution.decisions.to_json(),
                "launch_env": [{"name": e.name, "value": e.value, "source": e.source, "reason": e.reason} for e in env],
                "memory_per_rank": memory,
@@ -167,6 +172,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return 0
     print(f"recipe {args.model_recipe_name} on {args.num_gpus} x {args.gpu}")
     print(f"\nParallel layout: {describe_layout(job.resolution)}")
+    if lay.pp > 1:  # which layers each rank's chunks hold (chunk 0 first; E embedding, L loss)
+        print("  " + "\n  ".join(stages.table()))
     print("\n" + job.resolution.decisions.format_sections())
     print("\nLaunch environment:\n" + format_launch_env(env))
     print(f"\nMemory estimate (rank 0, rough): {memory['summary']}")

@@ -21,7 +21,7 @@ import torch
 from overlap.config.attention import resolve_attention_backend
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
-from overlap.config.decisions import DEFAULT, RULE, USER, Decision, DecisionLog
+from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
 from overlap.config.mixed_precision import (MixedPrecisionConfig, get_mixed_precision_config,
                                             resolve_loss_scaling)
@@ -31,11 +31,21 @@ from overlap.config.moe_permute import resolve_moe_permute_fusion
 from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
                                      TrainConfig)
 from overlap.errors import ConfigError, NotBuiltError
-from overlap.config.layout import ParallelLayout, pipeline_layer_ranges
+from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
+from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 
 _log = logging.getLogger("overlap.config")
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
+# Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime
+# does not build are refused by name (`_validate_recompute`), the rest run (layers/recompute.py)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts")
+UNBUILT_RECOMPUTE = {
+    "mla_up_proj": "Multi-latent attention (MLA), whose up projection mla_up_proj recomputes,",
+    "gdn_norm_out": "The gated delta net (gdn_norm_out recomputes its output norm)",
+    "gdp_in_proj": "The gated delta product (gdp_in_proj recomputes its input projection)",
+    "gdp_qkv": "The gated delta product (gdp_qkv recomputes its convolution and QKV)",
+    "mhc": "Hyper-connections (mhc recomputes their activations)"}
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
@@ -136,11 +146,13 @@ class ConfigContainer:
         self._check_sizes()
         self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
+        self._apply_pipeline_layout(layout, log)
         self._apply_data(layout, log)
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = layout.dp
         resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
         self._validate(layout)
+        self._covered_recompute(log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
         resolve_logger(self.logger, self.checkpoint.save, log, require_libraries)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
@@ -312,6 +324,34 @@ class ConfigContainer:
                               pp=m.pipeline_model_parallel_size, cp=m.context_parallel_size,
                               ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
 
+    def _apply_pipeline_layout(self, layout: ParallelLayout, log: DecisionLog) -> None:
+        """A pipeline_model_parallel_layout decides VPP (its stages / PP), as Megatron-Core derives
+        it; the layout every stage gets (whichever field decided it) is logged for `explain`."""
+        m = self.model
+        spec = m.pipeline_model_parallel_layout
+        if spec is not None:
+            found = len(parse_layout(spec, layout.pp)) // layout.pp
+            if found > 1 and layout.pp == 1:
+                raise ConfigError(LAYOUT_FIELD, spec,
+                                  f"{found} stages need pipeline parallelism (a virtual "
+                                  f"pipeline of {found} chunks needs PP >= 2).",
+                                  "use -pp with stages = PP x VPP, or one stage for -pp 1.")
+            if m.virtual_pipeline_model_parallel_size is None and found > 1:
+                m.virtual_pipeline_model_parallel_size = found
+                log.record_in("pipeline", "model.virtual_pipeline_model_parallel_size", None, found,
+                              RULE, f"the layout's stages / PP = {found * layout.pp} / {layout.pp}")
+        vpp = m.virtual_pipeline_model_parallel_size
+        if vpp is not None and (vpp < 1 or layout.pp == 1):
+            raise ConfigError("model.virtual_pipeline_model_parallel_size", vpp,
+                              "a virtual pipeline needs pipeline_model_parallel_size > 1 and "
+                              "a size >= 1.", "use -vp None, or -pp 2 or more.")
+        resolved = resolve_pipeline_layout(m, layout.pp)
+        if layout.pp > 1 or spec is not None:
+            by = {"even split": DEFAULT,
+                  "pipeline_model_parallel_layout": MODEL_CONFIG}.get(resolved.source, RULE)
+            log.record_in("pipeline", LAYOUT_FIELD, spec, resolved.as_string(), by,
+                          resolved.describe())
+
     def _check_sizes(self) -> None:
         """Every model size positive, before any later stage computes with one (the data decisions quote
         ln(vocab_size), the layout divides by head counts)."""
@@ -345,13 +385,6 @@ class ConfigContainer:
         if m.sequence_parallel:
             divides("model.seq_length", m.seq_length, tp, "tensor_model_parallel_size (sequence parallel)",
                     "use -sl divisible by -tp.")
-        vpp = m.virtual_pipeline_model_parallel_size
-        if vpp is not None and (vpp < 1 or layout.pp == 1):
-            raise ConfigError("model.virtual_pipeline_model_parallel_size", vpp,
-                              "a virtual pipeline needs pipeline_model_parallel_size > 1 and a size >= 1.",
-                              "use -vp None, or -pp 2 or more.")
-        pipeline_layer_ranges(m.num_layers, layout.pp, vpp, m.num_layers_in_first_pipeline_stage,
-                              m.num_layers_in_last_pipeline_stage)  # a ConfigError for an indivisible split
         if m.pipeline_impl not in ("overlap", "torch_pipelining"):
             raise ConfigError("model.pipeline_impl", m.pipeline_impl, "unknown pipeline implementation.",
                               "use overlap (ours) or torch_pipelining (the PyTorch peer).")
@@ -554,10 +587,34 @@ class ConfigContainer:
             raise ConfigError("model.recompute_method", m.recompute_method,
                               "recompute_method / recompute_num_layers only apply to recompute_granularity=full.",
                               "set recompute_granularity=full, or clear them.")
-        bad = [x for x in (m.recompute_modules or []) if x not in RECOMPUTE_MODULES]
+        modules = m.recompute_modules or []
+        field = "model.recompute_modules"
+        for name in modules:
+            if name in UNBUILT_RECOMPUTE:
+                raise NotBuiltError(field, modules, UNBUILT_RECOMPUTE[name],
+                                    f"drop {name} from recompute_modules.")
+        bad = [x for x in modules if x not in RECOMPUTE_MODULES]
         if bad:
-            raise ConfigError("model.recompute_modules", m.recompute_modules, f"unknown module(s) {bad}.",
-                              f"use a subset of {list(RECOMPUTE_MODULES)}.")
+            built = [x for x in RECOMPUTE_MODULES if x not in UNBUILT_RECOMPUTE]
+            raise ConfigError(field, modules, f"unknown module(s) {bad}.",
+                              f"use a subset of {built}.")
+        selective = modules if m.recompute_granularity == "selective" else []
+        if "moe_act" in selective and not m.is_moe:
+            raise ConfigError(field, modules, "moe_act recomputes the routed experts' activation "
+                              "function, and this model has no experts.",
+                              "drop moe_act (a dense MLP recomputes with 'mlp').")
+        shared = m.is_moe and m.moe_shared_expert_intermediate_size
+        if "shared_experts" in selective and not shared:
+            raise ConfigError(field, modules, "shared_experts recomputes the MoE layers' shared "
+                              "expert, and this model has none.",
+                              "drop shared_experts, or set "
+                              "model.moe_shared_expert_intermediate_size.")
+        if "shared_experts" in selective and m.moe_shared_expert_overlap:
+            raise ConfigError(field, modules, "shared_experts recompute cannot work with "
+                              "moe_shared_expert_overlap (Megatron-Core's rule: the overlap runs "
+                              "the shared expert in two halves around the all-to-alls).",
+                              "drop shared_experts from recompute_modules, or set "
+                              "moe_shared_expert_overlap=false.")
         reroutes = m.recompute_granularity == "full" or (
             m.recompute_granularity == "selective" and "moe" in (m.recompute_modules or ()))
         if m.is_moe and m.moe_router_force_load_balancing and reroutes:
@@ -567,6 +624,19 @@ class ConfigContainer:
                               "the recomputed tokens differently from the forward.",
                               "drop the recompute of the MoE layers (full, or selective 'moe'), or the forced "
                               "balancing.")
+
+    def _covered_recompute(self, log: DecisionLog) -> None:
+        """'moe' recomputes whole MoE layers, which holds what 'moe_act' and 'shared_experts'
+        would recompute of them: said as a no-op rather than run twice (a recompute inside a
+        recompute keeps its input alive)."""
+        m = self.model
+        selective = m.recompute_granularity == "selective"
+        modules = (m.recompute_modules or []) if selective else []
+        for part in ("moe_act", "shared_experts"):
+            if part in modules and "moe" in modules:
+                log.noop("model.recompute_modules", m.recompute_modules,
+                         f"'moe' recomputes whole MoE layers, '{part}' included",
+                         f"drop {part} (or moe) from recompute_modules.")
 
     def _validate_cuda_graph(self) -> None:
         m = self.model

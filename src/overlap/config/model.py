@@ -66,6 +66,12 @@ class ModelConfig:
     # --- pipeline (Megatron-Core / Bridge names) ------------------------------------------------------------------
     num_layers_in_first_pipeline_stage: int | None = None  # None: an even split
     num_layers_in_last_pipeline_stage: int | None = None
+    # The embedding / loss counts as one layer when the layers are divided evenly over the pipeline
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    # Every stage spelt out (Megatron's grammar, e.g. "Et*3|(tt|)*29,m|L", or a list of lists of
+    # layer names); its stage count decides VPP. See overlap.config.pipeline_layout.
+    pipeline_model_parallel_layout: str | list[list[str]] | None = None
     microbatch_group_size_per_vp_stage: int | None = None  # interleaved schedule; None: PP (depth-first)
     deallocate_pipeline_outputs: bool = False  # free a sent activation's storage once the send completed
     pipeline_impl: str = "overlap"  # "overlap" (ours) | "torch_pipelining" (the PyTorch peer)
@@ -99,7 +105,8 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
     recompute_num_layers: int | None = None
-    recompute_modules: list[str] | None = None  # with selective: subset of {"core_attn", "mlp", "moe", "layernorm"}
+    # with selective: a subset of overlap.config.container.RECOMPUTE_MODULES (None: ["core_attn"])
+    recompute_modules: list[str] | None = None
     # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs) -------------------------------
     cuda_graph_impl: str = "none"  # "none" | "local" | "transformer_engine"
     cuda_graph_scope: list[str] | None = None

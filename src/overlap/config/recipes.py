@@ -85,10 +85,15 @@ def _cluster_recipe(model: ModelConfig, global_batch: int) -> ConfigContainer:
 
 def qwen3_235b_a22b(num_gpus: int) -> ConfigContainer:
     """Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B config.json): 94 layers, hidden 4096, 64 query / 4 KV heads of 128,
-    128 experts of 1536 top-8, no shared expert."""
+    128 experts of 1536 top-8, no shared expert. As the Bridge recipe, the embedding and the loss
+    count as one layer each in the pipeline split: 94 + 2 = 96 layers divide over PP 2/4/8/16
+    (x VPP), and at the published TP2 x PP8 x VPP4 x EP32 that is the layout "Ett|(t*3|)*30ttL"
+    (its first chunk 2 layers + embedding, its last 2 + loss)."""
     cfg = qwen3_30b_a3b(num_gpus)  # same family: 4 KV groups of 128, 128 experts top-8, vocabulary, rotary base
     cfg.model = replace(cfg.model, num_layers=94, hidden_size=4096, num_attention_heads=64, ffn_hidden_size=12288,
-                        moe_ffn_hidden_size=1536, expert_model_parallel_size=math.gcd(num_gpus, 32))
+                        moe_ffn_hidden_size=1536, expert_model_parallel_size=math.gcd(num_gpus, 32),
+                        account_for_embedding_in_pipeline_split=True,
+                        account_for_loss_in_pipeline_split=True)
     cfg.train.global_batch_size = 2048
     return cfg
 

@@ -9,7 +9,8 @@ builds (`overlap.model.gpt`; `tests/test_resources.py` checks it against the met
 - the optimizer state: Adam's two fp32 moments, plus an fp32 master copy for 16-bit parameters; the distributed
   optimizer shards both over data parallel (dense) / expert-data parallel (experts);
 - a rough activation term for one micro-batch (Korthikanti et al.'s ~34 s b h bytes per layer in 16 bit, doubled for
-  fp32, divided by TP under sequence parallel, plus the logits) - rough on purpose: it is there to refuse what
+  fp32, divided by TP under sequence parallel, plus the routed experts' rows (less with selective
+  `moe_act` / `moe` recompute) and the logits) - rough on purpose: it is there to refuse what
   cannot fit, not to plan;
 - on CPU ranks, the Python + torch runtime itself (~0.25 GiB per process, measured ~0.33 GiB for a tiny rank).
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
+from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.errors import ConfigError
 
 FORCE_ENV = "OVERLAP_FORCE_RESOURCES"
@@ -84,15 +86,6 @@ def _count(n: int) -> str:
     return f"{n:.2e}" if n >= 10**15 else f"{n:,}"
 
 
-def _stage_layers(num_layers: int, pp: int, first: int | None, last: int | None) -> int:
-    """How many layers the pipeline stage with the most layers holds."""
-    if pp <= 1:
-        return num_layers
-    middle = max(1, pp - (first is not None) - (last is not None))
-    per_stage = -(-max(0, num_layers - (first or 0) - (last or 0)) // middle)
-    return min(num_layers, max(per_stage, first or 0, last or 0))
-
-
 def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = True,
                     schedule: bool = False) -> MemoryEstimate:
     """Per-rank memory of rank 0 (its pipeline stage, TP / EP shard) for this configuration; pure arithmetic.
@@ -100,6 +93,7 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
     m, t, d = cfg.model, cfg.train, cfg.ddp
     tp, ep, dp = max(1, layout.tp), max(1, layout.ep), max(1, layout.dp)
     edp = max(1, layout.edp)
+    pipe = resolve_pipeline_layout(m, max(1, layout.pp))
     h, hd, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
     ffn, fused = m.ffn_size, 2 if m.gated_linear_unit else 1
     vocab = m.vocab_size
@@ -112,14 +106,11 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
     proj = linear(h, heads * hd)
     attention = [qkv, proj, 2 * h] + ([2 * hd] if m.qk_layernorm else [])
     dense_mlp = [linear(fused * ffn, h), linear(h, ffn)]
-    layers = _stage_layers(m.num_layers, layout.pp, m.num_layers_in_first_pipeline_stage,
-                           m.num_layers_in_last_pipeline_stage)
-    if not m.is_moe:
-        n_moe = 0
-    elif isinstance(m.moe_layer_freq, list):  # at most all of the stage's layers, at most all MoE layers
-        n_moe = min(layers, sum(m.moe_layer_freq))
-    else:
-        n_moe = -(-layers // max(1, m.moe_layer_freq))  # layers 0, k, 2k, ... are MoE
+    # The pipeline rank holding the most transformer layers (all its chunks), its MoE layers counted
+    # one by one
+    busiest = pipe.busiest_rank_layers()
+    layers = len(busiest)
+    n_moe = sum(1 for i in busiest if m.is_moe_layer(i))
     n_dense = layers - n_moe
     params = expert = largest = 0
 
@@ -158,6 +149,16 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
     per_layer = s * b * h * 17 * act_bytes  # ~34 s b h bytes in 16 bit
     if m.sequence_parallel and tp > 1:
         per_layer //= tp
+    if m.is_moe and m.recompute_granularity != "full":
+        # The routed experts' activations (balanced routing: top-k rows per local token on every EP
+        # rank): fc1's output (2 ffn), the activation's intermediate and its output (1 ffn each);
+        # selective "moe_act" keeps only fc1's output, "moe" none of them (the layer's input is the
+        # residual, already counted)
+        selective = m.recompute_granularity == "selective"
+        modules = set(m.recompute_modules or ["core_attn"]) if selective else set()
+        widths = 0 if "moe" in modules else 2 if "moe_act" in modules else 4
+        rows = s * b // (tp if m.sequence_parallel else 1) * m.moe_router_topk
+        per_layer += rows * m.moe_ffn_size * widths * act_bytes * n_moe // max(1, layers)
     if m.recompute_granularity == "full":
         per_layer = s * b * h * act_bytes  # only the layer inputs are kept (plus one layer being recomputed)
         activations = per_layer * layers + s * b * h * 17 * act_bytes

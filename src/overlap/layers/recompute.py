@@ -2,7 +2,11 @@
 
 - selective (`recompute_granularity="selective"`): only the parts named in `recompute_modules` drop their
   activations and recompute them in backward: "core_attn" (the attention product), "mlp" (a dense MLP), "moe" (a
-  whole MoE layer, dispatch and combine included), "layernorm" (the input and pre-MLP norms).
+  whole MoE layer, dispatch and combine included), "layernorm" (the input and pre-MLP norms),
+  "moe_act" (the routed experts' SwiGLU: neither its intermediate nor its output is kept,
+  `discarding_output`), "shared_experts" (the MoE layers' shared expert). "mla_up_proj" and the
+  other modules of architectures not built here are refused by the configuration
+  (`ConfigContainer._validate_recompute`).
 - full (`recompute_granularity="full"`): whole layers. "uniform" checkpoints consecutive chunks of
   `recompute_num_layers` layers (only each chunk's input is kept); "block" checkpoints each of the first
   `recompute_num_layers` layers and keeps the rest.
@@ -13,8 +17,11 @@ it replays the collectives of the recomputed region in backward in the same orde
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
+import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 from overlap.config.container import RECOMPUTE_MODULES as SELECTIVE_MODULES  # one list, owned by the config
@@ -26,6 +33,41 @@ def maybe_checkpoint(enabled: bool, fn: Callable[..., Any], *args: Any) -> Any:
     if enabled:
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
+
+
+class _Recomputed:
+    """What a consumer saved in place of `fn(x)`: the recipe to make it again."""
+
+    __slots__ = ("fn", "x")
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+        self.fn, self.x = fn, x
+
+
+def discarding_output(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                      consumer: Callable[[torch.Tensor], Any]) -> Any:
+    """`consumer(fn(x))` keeping neither `fn`'s intermediates nor its output for backward, only `x`
+    (Megatron's output-discarding checkpoint, for a cheap elementwise `fn` between two GEMMs).
+
+    `fn` runs under a non-reentrant checkpoint (its backward recomputes it from `x`), and where the
+    consumer saves `fn(x)` for its own backward (a GEMM keeps its input for the weight gradient) a
+    saved-tensor hook stores the recipe instead, which its backward turns back into the tensor. The
+    recomputation repeats the forward's operations, so values and gradients are bit-identical to
+    the plain `consumer(fn(x))`."""
+    out = checkpoint(fn, x, use_reentrant=False)
+    target = weakref.ref(out)  # the saved tensor keeps its hooks, so they must not keep `out` alive
+
+    def pack(t: torch.Tensor) -> Any:
+        return _Recomputed(fn, x) if t is target() else t
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Recomputed):
+            with torch.no_grad():
+                return saved.fn(saved.x.detach())
+        return saved
+
+    with saved_tensors_hooks(pack, unpack):
+        return consumer(out)
 
 
 def selective_modules(config) -> frozenset[str]:

@@ -222,15 +222,11 @@ class GPTModel(nn.Module):
 
 
 def model_chunks(config, ps: ParallelState) -> list[GPTModel]:
-    """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual pipeline, each holding
-    the layers Megatron-Core assigns its virtual stage (`overlap.config.layout.pipeline_layer_ranges`)."""
-    from overlap.config.layout import pipeline_layer_ranges
+    """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
+    pipeline, each holding the layers its virtual stage gets (`overlap.config.pipeline_layout`: an
+    even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
+    spelt out); chunks may differ in size."""
+    from overlap.config.pipeline_layout import resolve_pipeline_layout
 
-    pp, rank = ps.pp_size, ps.pp_rank
-    ranges = pipeline_layer_ranges(config.num_layers, pp, config.virtual_pipeline_model_parallel_size,
-                                   config.num_layers_in_first_pipeline_stage,
-                                   config.num_layers_in_last_pipeline_stage)[rank]
-    last = len(ranges) * pp - 1
-    return [GPTModel(config, ps, Stage(start, end, pre_process=c * pp + rank == 0,
-                                       post_process=c * pp + rank == last))
-            for c, (start, end) in enumerate(ranges)]
+    stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
+    return [GPTModel(config, ps, Stage(s.start, s.end, s.embedding, s.loss)) for s in stages]

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout, pipeline_layer_ranges
+from overlap.config.layout import ParallelLayout
+from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.plan.hardware import Cluster
 from overlap.plan.tp_slots import NO_GEMMS, TPGemms
 from overlap.training.metrics import linear_macs, training_flops
@@ -78,12 +79,11 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
                     moe=moe if max(1, layout.ep) == 1 else 0.0)
     weights = (1.0,)
     if pp > 1:
-        ranges = pipeline_layer_ranges(m.num_layers, pp, m.virtual_pipeline_model_parallel_size,
-                                       m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage)
-        by_virtual = sorted((c * pp + r, span) for r, chunks in enumerate(ranges) for c, span in enumerate(chunks))
-        stages = [sum(attention + (moe if m.is_moe_layer(layer) else dense) for layer in range(start, end))
-                  for _v, (start, end) in by_virtual]
-        stages[-1] += logits
+        # Each virtual stage's own layers (the shared resolution: an uneven layout weighs its
+        # stages unevenly), and the output layer where the loss is
+        stages = [sum(attention + (moe if m.is_moe_layer(layer) else dense)
+                      for layer in range(s.start, s.end)) + (logits if s.loss else 0.0)
+                  for s in resolve_pipeline_layout(m, pp).stages]
         mean = sum(stages) / len(stages)
         weights = tuple(x / mean for x in stages) if mean > 0 else (1.0,) * len(stages)
     return MicrobatchCompute(attention_fwd_s=attention, moe_fwd_s=moe,

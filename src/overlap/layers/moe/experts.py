@@ -23,6 +23,7 @@ from overlap.config.model import ModelConfig
 from overlap.layers import fused
 from overlap.layers.init import mark_shard
 from overlap.layers.mlp import swiglu
+from overlap.layers.recompute import discarding_output, selective_modules
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.layers.wgrad_store import GroupedLinear, grouped_offsets
 from overlap.parallel.state import ParallelState
@@ -47,6 +48,10 @@ class GroupedExperts(nn.Module):
         # Filled by init_model_params (full-tensor draw, then this rank's slice).
         self.fc1_weight = _expert_param((self.num_local_experts, 2 * ffn, h), dtype, ps)
         self.down_weight = _expert_param((self.num_local_experts, h, ffn), dtype, ps)
+        # selective "moe_act": the SwiGLU's intermediate and output are recomputed in backward from
+        # fc1's output (not when "moe" recomputes the whole layer already)
+        modules = selective_modules(config)
+        self.recompute_act = "moe_act" in modules and "moe" not in modules
 
     def forward(self, rows: torch.Tensor, tokens_per_local_expert: list[int],
                 local_expert_counts: torch.Tensor) -> torch.Tensor:
@@ -57,6 +62,16 @@ class GroupedExperts(nn.Module):
         The two GEMMs are `GroupedLinear`, whose weight gradients can be delayed (delay_wgrad_compute)."""
         counts = tokens_per_local_expert
         offs = grouped_offsets(local_expert_counts, rows, (self.fc1_weight, self.down_weight))
-        gate, up = GroupedLinear.apply(rows, self.fc1_weight, counts, offs).chunk(2, dim=-1)
-        hidden = fused.run(swiglu, self.fusion, gate, up)
-        return GroupedLinear.apply(hidden, self.down_weight, counts, offs)
+        fc1_out = GroupedLinear.apply(rows, self.fc1_weight, counts, offs)
+
+        def fc2(act: torch.Tensor) -> torch.Tensor:
+            return GroupedLinear.apply(act, self.down_weight, counts, offs)
+
+        if self.recompute_act:
+            return discarding_output(self._activation, fc1_out, fc2)
+        return fc2(self._activation(fc1_out))
+
+    def _activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of fc1's fused [gate; up] output (compiled where the fusion is on)."""
+        gate, up = fc1_out.chunk(2, dim=-1)
+        return fused.run(swiglu, self.fusion, gate, up)

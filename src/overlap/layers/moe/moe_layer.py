@@ -36,6 +36,7 @@ from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, Pend
 from overlap.layers.moe.experts import GroupedExperts
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher, FlexDispatchPlan
 from overlap.layers.moe.router import TopKRouter
+from overlap.layers.recompute import maybe_checkpoint, selective_modules
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 
@@ -84,6 +85,9 @@ class MoELayer(nn.Module):
                                    tp_overlap=False)
                                if config.moe_shared_expert_intermediate_size else None)
         self.shared_expert_overlap = config.moe_shared_expert_overlap and self.shared_experts is not None
+        # selective "shared_experts" (the config refuses it with moe_shared_expert_overlap)
+        modules = selective_modules(config)
+        self.recompute_shared = "shared_experts" in modules and "moe" not in modules
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, PendingPlan[Plan], torch.Tensor]:
         """Route `x`; returns (combine weights [T, k], the plan with its split-size exchange in flight, aux_loss).
@@ -99,7 +103,9 @@ class MoELayer(nn.Module):
     def shared_experts_compute(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's output for `x`, or None without one. Not wrapped in a compute span: under TP it waits
         on its own SP collectives, which a span would wrongly count as compute covering communication."""
-        return None if self.shared_experts is None else self.shared_experts(x)[0]
+        if self.shared_experts is None:
+            return None
+        return maybe_checkpoint(self.recompute_shared, self.shared_experts, x)[0]
 
     def dispatch(self, rows: torch.Tensor, weights: torch.Tensor, plan: Plan) -> PendingAllToAll:
         """Launch the dispatch all-to-all (rows and weights); returns at once."""
