@@ -1,13 +1,14 @@
 """The planner against published runs (`overlap.plan.validate`): Megatron-Bridge's performance summary and the MoE
-comm-overlap skill's on/off pairs, each predicted by a compute efficiency fitted on the other runs of its GPU group
-(leave-one-out; an on/off pair left out whole).
+comm-overlap skill's on/off pairs, each predicted by a compute efficiency fitted on the other runs
+of its GPU group (leave-one-out; an on/off pair left out whole).
 
 What is held here:
-- the stored fit (`overlap.plan.fitted`) is what the fit code gives: a few rows' own efficiencies re-solved, the
-  group efficiencies re-derived from the stored ones;
-- every published on/off pair within 20% of step time and 0.08 of the on/off ratio (the HybridEP pair included);
-- the share of rows within 20% is what docs/planner.md states (9 of 15 today, short of the 80% goal; each miss is
-  explained there), and the table in docs/planner.md is the generated one;
+- the stored fit (`overlap.plan.fitted`) is what the fit code gives: a few rows' own efficiencies
+  re-solved, the group efficiencies re-derived from the stored ones;
+- every published on/off pair within 20% of step time and 0.08 of the on/off ratio (the HybridEP
+  pair included);
+- the share of rows within 20% is what docs/planner.md states (9 of 15 today, short of the 80% goal;
+  each miss is explained there), and the table in docs/planner.md is the generated one;
 - the flex dispatcher's hierarchy: DeepEP / HybridEP bytes against the reference's own arithmetic.
 """
 
@@ -82,7 +83,8 @@ def test_docs_carry_the_generated_table(table):
 
 
 def test_flex_gpu_dispatch_sends_a_token_once_per_node_and_rank():
-    # the reference's arithmetic: top-8 of 128 experts over 2 nodes reaches 1.99 nodes, over EP16 6.6 ranks
+    # the reference's arithmetic: top-8 of 128 experts over 2 nodes reaches 1.99 nodes, over EP16
+    # 6.6 ranks
     assert expected_destinations(2, 128, 8) == pytest.approx(1.99, abs=0.01)
     assert expected_destinations(16, 128, 8) == pytest.approx(6.6, abs=0.05)
     assert hit_probability(128, 64, 8) == pytest.approx(1 - comb(64, 8) / comb(128, 8))
@@ -99,7 +101,8 @@ def test_flex_gpu_dispatch_sends_a_token_once_per_node_and_rank():
     dispatch = plans["hybridep"].kinds["ep_dispatch"]
     assert dispatch.bytes_each == pytest.approx(rdma + nvlink)
     assert dispatch.seconds_each == pytest.approx(20e-6 + max(rdma / 46e9, nvlink / 370e9))
-    # the plain all-to-all sends k copies, half of them off the node: 4x HybridEP's RDMA bytes and more
+    # the plain all-to-all sends k copies, half of them off the node: 4x HybridEP's RDMA bytes and
+    # more
     a2a = plans["a2a"].kinds["ep_dispatch"]
     assert a2a.bytes_each == pytest.approx(tokens * 8 * h * 2 * 15 / 16)
     assert a2a.seconds_each > 3.5 * dispatch.seconds_each

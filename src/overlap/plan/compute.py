@@ -1,27 +1,30 @@
 """Compute time of one micro-batch on one GPU, by piece, from the shapes of its kernels.
 
-One micro-batch of b x s tokens is processed by the TP x PP GPUs of one model replica (CP is not built), so each GPU
-does 1 / (TP x PP) of its FLOPs; expert parallelism moves tokens, not FLOPs (with balanced routing every EP rank
-computes as many expert rows as it sends). The backward is twice the forward (dgrad + wgrad, half each), and full
-recompute adds one more forward to the backward.
+One micro-batch of b x s tokens is processed by the TP x PP GPUs of one model replica (CP is not
+built), so each GPU does 1 / (TP x PP) of its FLOPs; expert parallelism moves tokens, not FLOPs
+(with balanced routing every EP rank computes as many expert rows as it sends). The backward is
+twice the forward (dgrad + wgrad, half each), and full recompute adds one more forward to the
+backward.
 
-Each piece's ideal time on the GPU type (`Cluster`: peaks, HBM bandwidth, SMs), divided by the one fitted number,
-the compute efficiency (`overlap.plan.validate` fits it per GPU type on published runs):
-- a GEMM (M x N x K): the roofline max(2 M N K / (peak x wave), operand and result bytes / HBM), at the plan's
-  precision (BF16, FP8, MXFP8: FP8 operands are one byte). `wave` is the last wave's quantization: ceil(M / 128) x
-  ceil(N / 256) output tiles (the Hopper/Blackwell GEMMs' tile) spread over the SMs; a grouped expert GEMM counts the
-  tiles of all its local experts together. The expert GEMMs have T k EP / E rows per local expert (balanced
-  routing);
-- the attention core (FlashAttention): its causal FLOPs at the BF16 peak (the reference's FP8 recipes keep dot
-  product attention in BF16) times 0.75, the share of the peak FlashAttention-3 reaches on H100 (740 of 989 TFLOP/s
-  BF16 forward, arXiv 2407.08608);
-- the per-layer glue, memory-bound: the bytes its elementwise kernels read and write per token (norms, residual
-  adds, rotary embedding, QK norms, the gated activation, the MoE permutation and un-permutation, the router's
-  softmax, the cross-entropy's logits passes, and under FP8 each GEMM input's cast: 2 bytes read, 1 written) over
-  the HBM bandwidth; the router's h x E GEMM too (Megatron's FLOPs count leaves it out, the GPU does not);
+Each piece's ideal time on the GPU type (`Cluster`: peaks, HBM bandwidth, SMs), divided by the one
+fitted number, the compute efficiency (`overlap.plan.validate` fits it per GPU type on published
+runs):
+- a GEMM (M x N x K): the roofline max(2 M N K / (peak x wave), operand and result bytes / HBM), at
+  the plan's precision (BF16, FP8, MXFP8: FP8 operands are one byte). `wave` is the last wave's
+  quantization: ceil(M / 128) x ceil(N / 256) output tiles (the Hopper/Blackwell GEMMs' tile) spread
+  over the SMs; a grouped expert GEMM counts the tiles of all its local experts together. The expert
+  GEMMs have T k EP / E rows per local expert (balanced routing);
+- the attention core (FlashAttention): its causal FLOPs at the BF16 peak (the reference's FP8
+  recipes keep dot product attention in BF16) times 0.75, the share of the peak FlashAttention-3
+  reaches on H100 (740 of 989 TFLOP/s BF16 forward, arXiv 2407.08608);
+- the per-layer glue, memory-bound: the bytes its elementwise kernels read and write per token
+  (norms, residual adds, rotary embedding, QK norms, the gated activation, the MoE permutation and
+  un-permutation, the router's softmax, the cross-entropy's logits passes, and under FP8 each GEMM
+  input's cast: 2 bytes read, 1 written) over the HBM bandwidth; the router's h x E GEMM too
+  (Megatron's FLOPs count leaves it out, the GPU does not);
 - the output layer's GEMM in BF16 (Megatron's output layer is not an FP8 module).
-A -g cpu profile has no HBM or SM figures: there every FLOP costs the same (peak x efficiency) and glue is free, as
-the CPU calibration measures it inside the efficiency.
+A -g cpu profile has no HBM or SM figures: there every FLOP costs the same (peak x efficiency) and
+glue is free, as the CPU calibration measures it inside the efficiency.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ class MicrobatchCompute:
     moe_layers: int  # MoE layers on this stage
     dense_layers: int
     recompute: bool  # full recompute: the backward re-runs the forward
-    # Per virtual pipeline stage (v = chunk x PP + rank), its share of the work relative to the average stage: its
-    # own layers, and the output layer on the last one (the embedding lookup is free). (1.0,) without PP.
+    # Per virtual pipeline stage (v = chunk x PP + rank), its share of the work relative to the
+    # average stage: its own layers, and the output layer on the last one (the embedding lookup is
+    # free). (1.0,) without PP.
     stage_weights: tuple[float, ...] = (1.0,)
     tp_gemms: TPGemms = NO_GEMMS  # per layer: the TP linears' forward GEMMs (`overlap.plan.tp_slots`)
 

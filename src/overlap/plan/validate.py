@@ -1,22 +1,23 @@
 """The planner against published runs: one compute efficiency per GPU type, fitted on stated rows, and every row
 predicted by a fit that did not see it.
 
-`python -m overlap.plan.validate` prints the table docs/planner.md carries, from the rows' own efficiencies stored
-in `overlap.plan.fitted`; `--write` first solves them again (a few minutes) and regenerates that module (the fits
-`overlap plan` uses, with their expected error).
+`python -m overlap.plan.validate` prints the table docs/planner.md carries, from the rows' own
+efficiencies stored in `overlap.plan.fitted`; `--write` first solves them again (a few minutes) and
+regenerates that module (the fits `overlap plan` uses, with their expected error).
 
-Rows (`ROWS`): Megatron-Bridge's performance summary (step time = GBS x seq / (tokens/s/GPU x GPUs)) and the MoE
-comm-overlap skill's measured on/off pairs. Each row says what we assumed where the source does not say it
-(dispatcher, EP overlap) and how it is expressed; a row the configuration cannot express (yet) is listed with the
-reason and not predicted.
+Rows (`ROWS`): Megatron-Bridge's performance summary (step time = GBS x seq / (tokens/s/GPU x GPUs))
+and the MoE comm-overlap skill's measured on/off pairs. Each row says what we assumed where the
+source does not say it (dispatcher, EP overlap) and how it is expressed; a row the configuration
+cannot express (yet) is listed with the reason and not predicted.
 
-Fitted: one compute efficiency per group (`overlap.plan.compute`). For each row, the efficiency at which its
-predicted step equals the published one (`row_efficiency`, a secant solve: the step is close to a + b /
-efficiency); a group's fit is their median (least absolute deviation in log efficiency: robust to a run from an
-older software release). Groups: `h100` (H100 rows) and `blackwell` (B200 and GB200 rows: one die, their
-peaks already differ). Validation: leave-one-out within the group, the efficiency re-fitted without the row (the
-runs of an on/off pair are left out together, so a pair's ratio is predicted by rows that include none of it); the
-shipped fit uses all the group's rows.
+Fitted: one compute efficiency per group (`overlap.plan.compute`). For each row, the efficiency at
+which its predicted step equals the published one (`row_efficiency`, a secant solve: the step is
+close to a + b / efficiency); a group's fit is their median (least absolute deviation in log
+efficiency: robust to a run from an older software release). Groups: `h100` (H100 rows) and
+`blackwell` (B200 and GB200 rows: one die, their peaks already differ). Validation: leave-one-out
+within the group, the efficiency re-fitted without the row (the runs of an on/off pair are left out
+together, so a pair's ratio is predicted by rows that include none of it); the shipped fit uses all
+the group's rows.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ RATIO_WITHIN = 0.08  # an on/off pair's ratio within 0.08 of the published one
 GROUPS = {"h100": "h100", "b200": "blackwell", "gb200": "blackwell"}
 _QWEN30 = "-m qwen -mr qwen3_30b_a3b"
 _QWEN235 = "-m qwen -mr qwen3_235b_a22b"
-# GPT-OSS-120B (openai/gpt-oss-120b config.json) on the Qwen3-MoE recipe's structure: 36 layers, hidden 2880, 64
-# query / 8 KV heads of 64, 128 experts of 2880 top-4, vocabulary 201088, no QK norm. Its sliding-window layers and
-# attention sinks are not expressed (Megatron's FLOPs count, which the published TFLOP/s use, ignores them too).
+# GPT-OSS-120B (openai/gpt-oss-120b config.json) on the Qwen3-MoE recipe's structure: 36 layers,
+# hidden 2880, 64 query / 8 KV heads of 64, 128 experts of 2880 top-4, vocabulary 201088, no QK
+# norm. Its sliding-window layers and attention sinks are not expressed (Megatron's FLOPs count,
+# which the published TFLOP/s use, ignores them too).
 _GPT_OSS = ("model.num_layers=36 model.hidden_size=2880 model.num_attention_heads=64 model.num_query_groups=8 "
             "model.kv_channels=64 model.ffn_hidden_size=2880 model.moe_ffn_hidden_size=2880 model.moe_router_topk=4 "
             "model.vocab_size=201088 model.qk_layernorm=false")
@@ -147,7 +149,8 @@ def predicted_s(row: Row, efficiency: float, config=None) -> float:
 
 def row_efficiency(row: Row, config=None, tol: float = 1e-4) -> float:
     """The efficiency at which the row's predicted step equals the published one:
-    a secant solve on the model step = a + b / efficiency (exact when no overlap window changes; a few rounds
+    a secant solve on the model step = a + b / efficiency (exact when no overlap window changes; a
+    few rounds
     otherwise). A row whose published step is shorter than the part no efficiency shrinks raises ValueError."""
     config = config or _config(row)
     e0, e1 = 0.3, 0.6
