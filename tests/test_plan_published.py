@@ -1,6 +1,6 @@
-"""The planner against published runs (`overlap.plan.validate`): Megatron-Bridge's performance summary and the MoE
-comm-overlap skill's on/off pairs, each predicted by a compute efficiency fitted on the other runs
-of its GPU group (leave-one-out; an on/off pair left out whole).
+"""The planner against published runs (`overlap.plan.validate`): Megatron-Bridge's performance
+summary and the MoE comm-overlap skill's on/off pairs, each predicted by a compute efficiency fitted
+on the other runs of its GPU group (leave-one-out; an on/off pair left out whole).
 
 What is held here:
 - the stored fit (`overlap.plan.fitted`) is what the fit code gives: a few rows' own efficiencies
@@ -40,7 +40,8 @@ def table():
 def test_stored_own_efficiencies_are_the_fit_codes(name):
     row = next(r for r in validate.ROWS if r.name == name)
     assert validate.row_efficiency(row) == pytest.approx(OWN_EFFICIENCY[name], rel=1e-3)
-    assert validate.predicted_s(row, OWN_EFFICIENCY[name]) == pytest.approx(row.published_s, rel=1e-3)
+    predicted = validate.predicted_s(row, OWN_EFFICIENCY[name])
+    assert predicted == pytest.approx(row.published_s, rel=1e-3)
 
 
 def test_shipped_efficiencies_are_the_group_fits(table):
@@ -57,7 +58,8 @@ def test_no_row_predicts_itself(table):
         assert r.row.name not in r.fit_rows
         if r.row.pair:
             assert not any(o.pair == r.row.pair for o in validate.ROWS if o.name in r.fit_rows)
-        assert r.loo_efficiency == pytest.approx(validate.center([OWN_EFFICIENCY[n] for n in r.fit_rows]))
+        fit = validate.center([OWN_EFFICIENCY[n] for n in r.fit_rows])
+        assert r.loo_efficiency == pytest.approx(fit)
 
 
 def test_every_on_off_pair_within_20_percent_and_0_08_of_its_ratio(table):
@@ -88,7 +90,8 @@ def test_flex_gpu_dispatch_sends_a_token_once_per_node_and_rank():
     assert expected_destinations(2, 128, 8) == pytest.approx(1.99, abs=0.01)
     assert expected_destinations(16, 128, 8) == pytest.approx(6.6, abs=0.05)
     assert hit_probability(128, 64, 8) == pytest.approx(1 - comb(64, 8) / comb(128, 8))
-    base = "-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -tp 1 -pp 1 -gb 1024 -mb 1 -sl 4096 -c bf16"
+    base = ("-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -tp 1 -pp 1 -gb 1024 -mb 1 "
+            "-sl 4096 -c bf16")
     cluster = builtin_cluster("h100", "bf16", 8)
     plans = {}
     for name, extra in (("a2a", "model.moe_token_dispatcher_type=alltoall"),
@@ -106,12 +109,13 @@ def test_flex_gpu_dispatch_sends_a_token_once_per_node_and_rank():
     a2a = plans["a2a"].kinds["ep_dispatch"]
     assert a2a.bytes_each == pytest.approx(tokens * 8 * h * 2 * 15 / 16)
     assert a2a.seconds_each > 3.5 * dispatch.seconds_each
-    assert plans["hybridep"].ep_sm_share == pytest.approx(32 / 132) and plans["a2a"].ep_sm_share == 0
+    assert plans["hybridep"].ep_sm_share == pytest.approx(32 / 132)
+    assert plans["a2a"].ep_sm_share == 0
 
 
 def test_fp8_plans_move_fp8_dispatch_and_run_gemms_at_the_fp8_rate():
-    job = resolve_run("-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -gb 1024 -mb 1 -sl 4096 -c bf16 "
-                      "--moe_flex_dispatcher_backend deepep".split(), [])
+    job = resolve_run("-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -gb 1024 -mb 1 "
+                      "-sl 4096 -c bf16 --moe_flex_dispatcher_backend deepep".split(), [])
     bf16, fp8 = (builtin_cluster("h100", p, 8) for p in ("bf16", "fp8"))
     b, f = (comm_plan(job.cfg, job.resolution.layout, c) for c in (bf16, fp8))
     assert f.kinds["ep_dispatch"].bytes_each == pytest.approx(b.kinds["ep_dispatch"].bytes_each / 2)

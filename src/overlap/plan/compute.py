@@ -44,8 +44,8 @@ FP8_PRECISIONS = ("fp8", "mxfp8")
 
 @dataclass(frozen=True)
 class MicrobatchCompute:
-    """Forward seconds of one micro-batch on one GPU (its pipeline stage's share), by piece. Backward = 2 x forward
-    (+ 1 x forward recomputed under full recompute)."""
+    """Forward seconds of one micro-batch on one GPU (its pipeline stage's share), by piece.
+    Backward = 2 x forward (+ 1 x forward recomputed under full recompute)."""
 
     attention_fwd_s: float  # per layer (linear + core), every layer has one
     moe_fwd_s: float  # per MoE layer (routed + shared experts)
@@ -59,7 +59,8 @@ class MicrobatchCompute:
     # average stage: its own layers, and the output layer on the last one (the embedding lookup is
     # free). (1.0,) without PP.
     stage_weights: tuple[float, ...] = (1.0,)
-    tp_gemms: TPGemms = NO_GEMMS  # per layer: the TP linears' forward GEMMs (`overlap.plan.tp_slots`)
+    # per layer: the TP linears' forward GEMMs (`overlap.plan.tp_slots`)
+    tp_gemms: TPGemms = NO_GEMMS
 
     @property
     def layers(self) -> int:
@@ -80,7 +81,8 @@ class MicrobatchCompute:
 
 
 class KernelCosts:
-    """Ideal seconds of the kernels one GPU runs, on `cluster` (see the module docstring); divide by the efficiency."""
+    """Ideal seconds of the kernels one GPU runs, on `cluster` (see the module docstring); divide
+    by the efficiency."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.peak = cluster.peak_tflops * 1e12
@@ -107,7 +109,9 @@ class KernelCosts:
         return max(flops / (peak * wave), nbytes / self.hbm)
 
     def attention_core(self, flops: float) -> float:
-        return flops / (self.bf16_peak * FLASH_ATTENTION_SHARE) if self.shaped else flops / self.peak
+        if not self.shaped:
+            return flops / self.peak
+        return flops / (self.bf16_peak * FLASH_ATTENTION_SHARE)
 
     def glue(self, nbytes: float) -> float:
         return nbytes / self.hbm if self.shaped else 0.0
@@ -117,8 +121,10 @@ class KernelCosts:
         return self.glue(3.0 * elements) if self.fp8 else 0.0
 
 
-def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) -> MicrobatchCompute:
-    """Per-piece forward times of one micro-batch on one GPU of the layout (the pipeline stage's layers)."""
+def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout,
+                       cluster: Cluster) -> MicrobatchCompute:
+    """Per-piece forward times of one micro-batch on one GPU of the layout (the pipeline stage's
+    layers)."""
     m = cfg.model
     k = KernelCosts(cluster)
     eff = cluster.efficiency.value
@@ -129,23 +135,29 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
     h, hd = m.hidden_size, m.head_dim
     q, kv = m.num_attention_heads * hd, m.query_groups * hd
     ups = 2 if m.gated_linear_unit else 1
-    sp = tp if m.sequence_parallel else 1  # the norms and residual adds see 1 / TP of the tokens under SP
+    sp = tp if m.sequence_parallel else 1  # under SP the norms and residual adds see 1 / TP of them
     act = 2.0  # bytes per activation element (BF16)
 
     def mlp_glue(rows: float, ffn: float) -> float:
-        """Gated activation (reads ups x F, writes F) and the FP8 casts of fc1's and fc2's inputs."""
+        """Gated activation (reads ups x F, writes F) and the FP8 casts of fc1's and fc2's
+        inputs."""
         return k.glue(act * rows * (ups + 1) * ffn) + k.casts(rows * (h + ffn))
 
     qkv_s = k.gemm(tokens, (q + 2 * kv) / tp, h)
     proj_s = k.gemm(tokens, h, q / tp)
-    core_s = k.attention_core(2.0 * q * m.seq_length * tokens / tp)  # causal: 2 q s per token forward
-    norm_residual = act * tokens / sp * 5 * h  # a norm (read + write) and a residual add (2 reads + 1 write)
-    rotary = act * tokens * 2 * (q + 2 * kv) / tp * (2 if m.qk_layernorm else 1)  # q and k (+ their norms)
-    attention = (qkv_s + proj_s + core_s + k.glue(norm_residual + rotary) + k.casts(tokens * (h + q / tp))) / eff
+    core_s = k.attention_core(2.0 * q * m.seq_length * tokens / tp)  # causal: 2 q s per token
+    # a norm (read + write) and a residual add (2 reads + 1 write) per block
+    norm_residual = act * tokens / sp * 5 * h
+    # rotary embedding of q and k (+ their norms): read + write
+    rotary = act * tokens * 2 * (q + 2 * kv) / tp * (2 if m.qk_layernorm else 1)
+    attention_glue = k.glue(norm_residual + rotary) + k.casts(tokens * (h + q / tp))
+    attention = (qkv_s + proj_s + core_s + attention_glue) / eff
 
     fc1_s = k.gemm(tokens, ups * m.ffn_size / tp, h)
     fc2_s = k.gemm(tokens, h, m.ffn_size / tp)
-    dense = (fc1_s + fc2_s + k.glue(norm_residual) + mlp_glue(tokens, m.ffn_size / tp)) / eff if n_dense else 0.0
+    dense = 0.0
+    if n_dense:
+        dense = (fc1_s + fc2_s + k.glue(norm_residual) + mlp_glue(tokens, m.ffn_size / tp)) / eff
 
     moe = shared = 0.0
     if n_moe:
@@ -156,30 +168,37 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cl
         routed = k.gemm(rows, ups * f_moe, h, local) + k.gemm(rows, h, f_moe, local)
         router = (k.gemm(moe_tokens, experts, h, bf16=True) + k.glue(act * moe_tokens * 4 * experts)
                   if k.shaped else 0.0)
-        permute = k.glue(act * moe_tokens * 2 * (h + topk * h))  # permute and un-permute: h in, k h out (and back)
+        # permute and un-permute: h in, k h out (and back)
+        permute = k.glue(act * moe_tokens * 2 * (h + topk * h))
         routed += mlp_glue(moe_tokens * topk, f_moe)
         if m.moe_shared_expert_intermediate_size:
             f_sh = m.moe_shared_expert_intermediate_size
             shared = (k.gemm(moe_tokens, ups * f_sh, h) + k.gemm(moe_tokens, h, f_sh)
                       + mlp_glue(moe_tokens, f_sh)) / eff
         moe = (routed + router + permute + k.glue(norm_residual)) / eff + shared
-    vocab_s = k.gemm(tokens, m.vocab_size / tp, h, bf16=True) + k.glue(4.0 * 3 * tokens * m.vocab_size / tp)
+    cross_entropy = k.glue(4.0 * 3 * tokens * m.vocab_size / tp)  # three FP32 logits passes
+    vocab_s = k.gemm(tokens, m.vocab_size / tp, h, bf16=True) + cross_entropy
     logits = vocab_s / eff
     # The TP linears' forward GEMMs (the dense MLP's only where a layer has one).
-    gemms = TPGemms(qkv_s / eff, proj_s / eff, fc1_s / eff if n_dense else 0.0, fc2_s / eff if n_dense else 0.0,
+    fc1_fwd, fc2_fwd = (fc1_s / eff, fc2_s / eff) if n_dense else (0.0, 0.0)
+    gemms = TPGemms(qkv_s / eff, proj_s / eff, fc1_fwd, fc2_fwd,
                     core=max(0.0, attention - (qkv_s + proj_s) / eff),
-                    moe=moe if ep == 1 else 0.0)  # refills a rate-limited link's bucket only without all-to-alls
+                    # refills a rate-limited link's bucket only without all-to-alls
+                    moe=moe if ep == 1 else 0.0)
     weights = (1.0,)
     if pp > 1:
         ranges = pipeline_layer_ranges(m.num_layers, pp, m.virtual_pipeline_model_parallel_size,
-                                       m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage)
-        by_virtual = sorted((c * pp + r, span) for r, chunks in enumerate(ranges) for c, span in enumerate(chunks))
-        stages = [sum(attention + (moe if m.is_moe_layer(layer) else dense) for layer in range(start, end))
-                  for _v, (start, end) in by_virtual]
+                                       m.num_layers_in_first_pipeline_stage,
+                                       m.num_layers_in_last_pipeline_stage)
+        by_virtual = sorted((c * pp + r, span) for r, chunks in enumerate(ranges)
+                            for c, span in enumerate(chunks))
+        stages = [sum(attention + (moe if m.is_moe_layer(layer) else dense)
+                      for layer in range(start, end)) for _v, (start, end) in by_virtual]
         stages[-1] += logits
         mean = sum(stages) / len(stages)
         weights = tuple(x / mean for x in stages) if mean > 0 else (1.0,) * len(stages)
     return MicrobatchCompute(attention_fwd_s=attention, moe_fwd_s=moe, shared_expert_fwd_s=shared,
-                             dense_mlp_fwd_s=dense, logits_fwd_s=logits / pp, moe_layers=-(-n_moe // pp),
-                             dense_layers=-(-n_dense // pp), recompute=m.recompute_granularity == "full",
-                             stage_weights=weights, tp_gemms=gemms)
+                             dense_mlp_fwd_s=dense, logits_fwd_s=logits / pp,
+                             moe_layers=-(-n_moe // pp), dense_layers=-(-n_dense // pp),
+                             recompute=m.recompute_granularity == "full", stage_weights=weights,
+                             tp_gemms=gemms)
