@@ -77,8 +77,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """Published dense (no sparsity) peaks, memory bandwidth, SM count and the node's NVLink domain of one GPU
-    type (what the shape-aware compute model of `overlap.plan.compute` needs)."""
+    """Published dense (no sparsity) peaks, memory bandwidth, SM count and the node's NVLink domain
+    of one GPU type (what the shape-aware compute model of `overlap.plan.compute` needs)."""
 
     name: str
     peak_tflops: dict[str, float]  # precision ("bf16", "fp8", "mxfp8", "fp32") -> dense TFLOP/s
@@ -89,30 +89,36 @@ class GpuSpec:
     sms: int = 0  # streaming multiprocessors
 
 
-# Section 2.1 of the planner reference (glennklockwood.com processor pages; torchtitan get_peak_flops agrees).
-# NVLink effective: NVLink4 ~370 GB/s busbw of 450 line rate (sjeaugey, NVIDIA/nccl-tests#212); NVLink5 (900 line
-# rate) ~740 GB/s as DeepEP V2 measured on SM100 (deepseek-ai/DeepEP README: 726/740 GB/s).
-# fp32 is not a tensor-core training precision on these parts: plans at fp32 use the TF32 dense rate, half of bf16.
-# HBM: the same pages (H100 3.35 TB/s, H200 4.8, B200 / GB200 8). SMs: H100 132 (glennklockwood.com); Blackwell
-# B200 148 (NVIDIA's Blackwell datasheet; GB200's GPUs are the same die). MXFP8 (block-scaled FP8) runs at the FP8
-# rate on Blackwell and does not exist on Hopper.
+# Section 2.1 of the planner reference (glennklockwood.com processor pages; torchtitan
+# get_peak_flops agrees). NVLink effective: NVLink4 ~370 GB/s busbw of 450 line rate (sjeaugey,
+# NVIDIA/nccl-tests#212); NVLink5 (900 line rate) ~740 GB/s as DeepEP V2 measured on SM100
+# (deepseek-ai/DeepEP README: 726/740 GB/s). fp32 is not a tensor-core training precision on these
+# parts: plans at fp32 use the TF32 dense rate, half of bf16. HBM: the same pages (H100 3.35 TB/s,
+# H200 4.8, B200 / GB200 8). SMs: H100 132 (glennklockwood.com); Blackwell B200 148 (NVIDIA's
+# Blackwell datasheet; GB200's GPUs are the same die). MXFP8 (block-scaled FP8) runs at the FP8 rate
+# on Blackwell and does not exist on Hopper.
+_NVLINK4 = "NVLink4 busbw: NVIDIA/nccl-tests#212"
+_NVLINK5 = "NVLink5: deepseek-ai/DeepEP README (SM100)"
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("NVIDIA H100 SXM", {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7}, 370.0, 8,
-                    "glennklockwood.com/garden/processors/h100; NVLink4 busbw: NVIDIA/nccl-tests#212", 3.35, 132),
-    "h200": GpuSpec("NVIDIA H200 SXM", {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 494.5}, 370.0, 8,
-                    "lzwjava.github.io/nvidia-h200-gpu-specs-en; NVLink4 busbw: NVIDIA/nccl-tests#212", 4.8, 132),
+    "h100": GpuSpec("NVIDIA H100 SXM", {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
+                    370.0, 8, f"glennklockwood.com/garden/processors/h100; {_NVLINK4}", 3.35, 132),
+    "h200": GpuSpec("NVIDIA H200 SXM", {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 494.5},
+                    370.0, 8, f"lzwjava.github.io/nvidia-h200-gpu-specs-en; {_NVLINK4}", 4.8, 132),
     "b200": GpuSpec("NVIDIA B200 (HGX, 1000 W)",
-                    {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0, "fp32": 1125.0}, 740.0, 8,
-                    "glennklockwood.com/garden/processors/B200; NVLink5: deepseek-ai/DeepEP README (SM100)", 8.0, 148),
+                    {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0,
+                     "fp32": 1125.0},
+                    740.0, 8, f"glennklockwood.com/garden/processors/B200; {_NVLINK5}", 8.0, 148),
     "gb200": GpuSpec("NVIDIA GB200",
-                     {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "fp32": 1250.0}, 740.0, 72,
-                     "glennklockwood.com/garden/processors/B200 (GB200); NVLink5: deepseek-ai/DeepEP README (SM100)",
+                     {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0,
+                      "fp32": 1250.0},
+                     740.0, 72, f"glennklockwood.com/garden/processors/B200 (GB200); {_NVLINK5}",
                      8.0, 148),
 }
 
-# Streaming multiprocessors the flex dispatcher's kernels hold while they run (the GEMMs beside them get the rest):
-# DeepEP's normal kernels 20 by default (deepseek-ai/DeepEP docs/legacy.md, DeepSeek's trace: 10 channels);
-# HybridEP `moe_hybridep_num_sms` = 32, what Megatron-Bridge's perf harness sets.
+# Streaming multiprocessors the flex dispatcher's kernels hold while they run (the GEMMs beside them
+# get the rest): DeepEP's normal kernels 20 by default (deepseek-ai/DeepEP docs/legacy.md,
+# DeepSeek's trace: 10 channels); HybridEP `moe_hybridep_num_sms` = 32, what Megatron-Bridge's perf
+# harness sets.
 EP_BACKEND_SMS = {"deepep": 20, "hybridep": 32}
 
 # One NDR 400 Gb/s NIC (ConnectX-7) per GPU, through NCCL: 46-48 GB/s (AddyLaddy, NVIDIA/nccl-tests#290); we take
@@ -141,7 +147,8 @@ class Efficiency:
 
 
 def expected_error(gpu: str) -> tuple[float, float] | None:
-    """(median, worst) relative step-time error of the GPU type's fit under leave-one-out (`overlap.plan.fitted`)."""
+    """(median, worst) relative step-time error of the GPU type's fit under leave-one-out
+    (`overlap.plan.fitted`)."""
     from overlap.plan.fitted import FITTED
 
     fit = FITTED.get("h100" if gpu == "h200" else gpu)
@@ -149,9 +156,10 @@ def expected_error(gpu: str) -> tuple[float, float] | None:
 
 
 def calibrated_efficiency(gpu: str) -> Efficiency | None:
-    """The GPU type's fitted compute efficiency (`overlap.plan.fitted`, written by `python -m overlap.plan.validate
-    --write`: a least-squares fit on the published runs it names), or None for a type without one. H200 has the
-    H100's compute die and clocks, so it takes the H100's, and says so."""
+    """The GPU type's fitted compute efficiency (`overlap.plan.fitted`, written by `python -m
+    overlap.plan.validate --write`: the median in log of the efficiencies of the published runs it
+    names), or None for a type without one. H200 has the H100's compute die and clocks, so it takes
+    the H100's, and says so."""
     from overlap.plan.fitted import FITTED
 
     key = "h100" if gpu == "h200" else gpu
@@ -159,8 +167,9 @@ def calibrated_efficiency(gpu: str) -> Efficiency | None:
     if fit is None:
         return None
     borrowed = " (H200: the H100's, same compute die)" if gpu != key else ""
-    return Efficiency(fit["efficiency"], f"fitted on {len(fit['fit_rows'])} published {fit['group']} runs"
-                                         f"{borrowed}, docs/planner.md 'Validation'")
+    runs = f"{len(fit['fit_rows'])} published {fit['group']} runs"
+    return Efficiency(fit["efficiency"],
+                      f"fitted on {runs}{borrowed}, docs/planner.md 'Validation'")
 
 
 @dataclass(frozen=True)
@@ -182,13 +191,15 @@ class Cluster:
     # run measured them as part of the compute.
     link_families: tuple[str, ...] | None = None
     slowdown_source: str = SLOWDOWN_SOURCE
-    # The shape-aware compute model's figures (`overlap.plan.compute`); 0 where unknown (a -g cpu profile): then every
-    # FLOP costs the same, peak x efficiency.
-    bf16_peak_tflops: float = 0.0  # the attention core's rate (the reference's FP8 recipes keep it in BF16)
+    # The shape-aware compute model's figures (`overlap.plan.compute`); 0 where unknown (a -g cpu
+    # profile): then every FLOP costs the same, peak x efficiency.
+    # the attention core's rate (the reference's FP8 recipes keep it in BF16)
+    bf16_peak_tflops: float = 0.0
     hbm_Bps: float = 0.0
     sms: int = 0
-    # The step-time error to expect, (median, worst) of the leave-one-out validation on published runs
-    # (`overlap.plan.validate`); None where the efficiency is not that fit's (a cluster file, a -g cpu profile).
+    # The step-time error to expect, (median, worst) of the leave-one-out validation on published
+    # runs (`overlap.plan.validate`); None where the efficiency is not that fit's (a cluster file, a
+    # -g cpu profile).
     expected_error: tuple[float, float] | None = None
 
     def slowdown(self, family: str) -> float:
@@ -213,9 +224,9 @@ def precision_of(model) -> str:
     return "bf16" if model.bf16 else "fp16" if model.fp16 else "fp32"
 
 
-# `overlap plan -c`: the reference's FP8 recipes, planned at the FP8 rate (the runtime refuses FP8 compute, so such
-# a plan predicts the reference system's run): per-tensor / delayed / sub-channel scaling -> "fp8", MX block
-# scaling -> "mxfp8" (Blackwell only).
+# `overlap plan -c`: the reference's FP8 recipes, planned at the FP8 rate (the runtime refuses FP8
+# compute, so such a plan predicts the reference system's run): per-tensor / delayed / sub-channel
+# scaling -> "fp8", MX block scaling -> "mxfp8" (Blackwell only).
 PLAN_FP8 = {"fp8_cs": "fp8", "fp8_ds": "fp8", "fp8_sc": "fp8", "fp8_mx": "mxfp8"}
 
 
@@ -232,17 +243,19 @@ def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Clus
                           f"(it knows {known}).", "pick one of those, or describe the GPU in --cluster FILE "
                           "(peak_tflops, nvlink, nic, gpus_per_node; docs/planner.md).")
     if precision not in spec.peak_tflops:
-        raise ConfigError("-c/--compute_dtype", precision, f"{spec.name} has no {precision} tensor cores.",
+        raise ConfigError("-c/--compute_dtype", precision,
+                          f"{spec.name} has no {precision} tensor cores.",
                           f"plan it with one of {', '.join(spec.peak_tflops)}.")
     eff = calibrated_efficiency(gpu)
-    if eff is None:  # never reached for the built-in types: every one has a fit (or borrows the H100's)
+    if eff is None:  # a GPU type added to GPUS without a validated fit
         raise ConfigError("-g/--gpu", gpu, "no fitted compute efficiency for it.",
                           "give compute_efficiency in --cluster FILE.")
     return Cluster(gpu=gpu, peak_tflops=spec.peak_tflops[precision], precision=precision,
                    gpus_per_node=gpus_per_node or spec.gpus_per_node,
                    nvlink=Link(spec.nvlink_GBps * 1e9, NVLINK_LATENCY_S, spec.source), nic=NIC, efficiency=eff,
-                   source=f"built-in table: {spec.source}", bf16_peak_tflops=spec.peak_tflops["bf16"],
-                   hbm_Bps=spec.hbm_TBps * 1e12, sms=spec.sms, expected_error=expected_error(gpu))
+                   source=f"built-in table: {spec.source}",
+                   bf16_peak_tflops=spec.peak_tflops["bf16"], hbm_Bps=spec.hbm_TBps * 1e12,
+                   sms=spec.sms, expected_error=expected_error(gpu))
 
 
 _CLUSTER_KEYS = {"gpu", "gpus_per_node", "peak_tflops", "precision", "nvlink", "nic", "compute_efficiency",
@@ -326,7 +339,8 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
                       **({} if base is None else {"bf16_peak_tflops": base.bf16_peak_tflops,
                                                   "hbm_Bps": base.hbm_Bps, "sms": base.sms}),
                       # the validation's error holds only for the validated efficiency
-                      expected_error=None if base is None or "compute_efficiency" in doc else base.expected_error)
+                      expected_error=(None if base is None or "compute_efficiency" in doc
+                                      else base.expected_error))
     return cluster
 
 

@@ -100,15 +100,17 @@ def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
 
 
 def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], counts_s: float, sigma: float,
-                      delay_wgrad: bool, t: StepTimes, weight: float, sm_share: float = 0.0) -> None:
+                      delay_wgrad: bool, t: StepTimes, weight: float,
+                      sm_share: float = 0.0) -> None:
     """Adds to `t` the exposed transfers and the slowdown of `weight` merged MoE layer pairs (F of one micro-batch,
     B of the other), in the runtime's order (`overlap.pipeline.combined_1f1b`). Each backward is half input
     gradient, half weight gradient; without delay_wgrad the weight halves run at fixed slots, with it they fill the
     waits (a pool that absorbs what the fixed pieces leave exposed).
 
-    NCCL's all-to-alls (`sm_share` 0) stretch the whole window they overlap by 1 + sigma. DeepEP / HybridEP hold a
-    fixed share u of the SMs only while they run: a window of W seconds beside a t-second transfer runs at 1 - u of
-    its speed for the transfer's time, so it takes W + u t when it outlasts the transfer, and the transfer exposes
+    NCCL's all-to-alls (`sm_share` 0) stretch the whole window they overlap by 1 + sigma. DeepEP /
+    HybridEP hold a fixed share u of the SMs only while they run: a window of W seconds beside a
+    t-second transfer runs at 1 - u of its speed for the transfer's time, so it takes W + u t when
+    it outlasts the transfer, and the transfer exposes
     t - W / (1 - u) past it otherwise."""
     e_wgrad, a_wgrad = c.moe_fwd_s, c.attention_fwd_s
     e_dgrad, a_dgrad = c.bwd_factor * c.moe_fwd_s - e_wgrad, c.bwd_factor * c.attention_fwd_s - a_wgrad
@@ -159,8 +161,8 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
         # F(0) and B(last) without PP; under an interleaved pipeline, pipeline rank 0's (the most of any rank).
         alone = sum(1 for s in pipeline_steps(sw.pp, 0, sw.vpp, m, sw.vp_group, merged=True) if s.backward is None)
         for _ in range(c.moe_layers):
-            _merged_moe_layer(c, a2a, comm.ep_counts_s, sigma_ep, sw.delay_wgrad, t, (m * sw.vpp - alone) / sw.vpp,
-                              comm.ep_sm_share)
+            _merged_moe_layer(c, a2a, comm.ep_counts_s, sigma_ep, sw.delay_wgrad, t,
+                              (m * sw.vpp - alone) / sw.vpp, comm.ep_sm_share)
         for kind, seconds in a2a.items():
             t.expose(kind, seconds * c.moe_layers * alone / sw.vpp)
         t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * alone / sw.vpp)
