@@ -7,6 +7,7 @@ import pytest
 from overlap.cli import main
 from overlap.config.recipes import qwen3_30b_a3b
 from overlap.plan.comm_model import alltoall_time_s, expected_destinations, members_per_node, ring_time_s
+from overlap.plan.fitted import FITTED
 from overlap.plan.hardware import builtin_cluster, load_cluster
 from overlap.plan.pipeline_sim import simulate
 from overlap.plan.schedule import bucket_exposure
@@ -122,9 +123,40 @@ def test_plan_json_mirrors_bench_and_gives_verdicts(tmp_path):
     for key in ("name", "overrides", "step_time_ms", "tflops_per_gpu", "compute_ms", "bubble_ms", "exposed_comm_ms",
                 "total_comm_ms", "bytes_per_iter", "peak_mem_gb"):
         assert key in row
-    assert doc["cluster"]["gpu"] == "h100" and "calibrated" in doc["cluster"]["compute_efficiency_source"]
+    assert doc["cluster"]["gpu"] == "h100"
+    assert "fitted on" in doc["cluster"]["compute_efficiency_source"]
+    # every prediction carries the GPU group's leave-one-out error on published runs
+    expected = (FITTED["h100"]["median_error"], FITTED["h100"]["worst_error"])
+    assert (doc["expected_error"]["median"], doc["expected_error"]["worst"]) == expected
+    for c in doc["configs"]:
+        assert (c["expected_error"]["median"], c["expected_error"]["worst"]) == expected
     verdicts = " | ".join(doc["verdicts"])
     assert "EP overlap: -" in verdicts and "pays" in verdicts and "TP overlap: not applicable at TP=1" in verdicts
+
+
+def test_fp8_plans_the_reference_run_and_says_so(tmp_path, capsys):
+    common = ["-m", "llama", "-mr", "llama3_8b", "-g", "h100", "-ng", "8", "-gb", "128"]
+    bf16 = _plan(tmp_path, *common, "-c", "bf16", "--config", "a:", "--config", "b:")
+    fp8 = _plan(tmp_path, *common, "-c", "fp8_cs", "--config", "a:", "--config", "b:")
+    assert fp8["cluster"]["precision"] == "fp8"
+    assert fp8["cluster"]["peak_tflops"] == pytest.approx(1978.9)
+    assert "reference system's FP8 run" in fp8["expected_error"]["text"]
+    # FP8 GEMMs at twice the rate; attention, glue and the output layer are not: faster, but not
+    # twice
+    ratio = fp8["configs"][0]["compute_ms"] / bf16["configs"][0]["compute_ms"]
+    assert 0.5 < ratio < 0.8
+    for dtype in ("nvfp4", "fp8_mx"):  # no FP4 figures; no MXFP8 on an H100
+        assert main(["plan", *common, "-c", dtype]) == 2
+        assert "-c/--compute_dtype" in capsys.readouterr().err
+
+
+def test_a_cluster_files_own_efficiency_is_not_validated(tmp_path):
+    cluster = tmp_path / "c.json"
+    cluster.write_text(json.dumps({"gpu": "h100", "compute_efficiency": 0.3}))
+    doc = _plan(tmp_path, "-m", "llama", "-mr", "llama3_8b", "-g", "h100", "-ng", "8",
+                "--cluster", str(cluster))
+    assert doc["expected_error"]["median"] is None
+    assert "not validated" in doc["expected_error"]["text"]
 
 
 def test_ab_uses_bench_semantics(tmp_path):

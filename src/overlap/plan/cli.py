@@ -90,10 +90,28 @@ def _job(args: argparse.Namespace, extra: list[str], replace_keys: bool = False)
     return prepare(ns, describe_target=True)
 
 
+def _plan_precision(args: argparse.Namespace) -> str | None:
+    """`-c fp8_*`: the precision the plan prices (the configuration itself resolves at bf16, as the
+    reference's FP8 recipes keep BF16 parameters and attention); None for the precisions the
+    runtime runs."""
+    from overlap.plan.hardware import PLAN_FP8
+
+    if args.compute_dtype == "nvfp4":
+        raise ConfigError("-c/--compute_dtype", args.compute_dtype,
+                          "the planner has no FP4 figures or validated runs.",
+                          "plan with -c bf16, fp8_cs, fp8_ds, fp8_sc or fp8_mx.")
+    precision = PLAN_FP8.get(args.compute_dtype or "")
+    if precision and args.calibrate:
+        raise ConfigError("-c/--compute_dtype", args.compute_dtype,
+                          "--calibrate runs the configuration, and the runtime does not run FP8 "
+                          "compute.", "calibrate at -c bf16.")
+    return precision
+
+
 def _cluster(args: argparse.Namespace, cfg):
     from overlap.plan.hardware import builtin_cluster, load_cluster, precision_of
 
-    precision = precision_of(cfg.model)
+    precision = getattr(args, "plan_precision", None) or precision_of(cfg.model)
     if args.cluster:
         return load_cluster(args.cluster, args.gpu, precision, args.gpus_per_node)
     return builtin_cluster(args.gpu, precision, args.gpus_per_node)
@@ -144,6 +162,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     check_output_file("--json", args.json_out)
     check_output_file("--markdown", args.markdown)
+    args.plan_precision = _plan_precision(args)
+    fp8_note = ""
+    if args.plan_precision:
+        fp8_note = (f"; -c {args.compute_dtype} predicts the reference system's FP8 run "
+                    "(Megatron-Bridge with Transformer Engine): this runtime refuses FP8 compute")
+        # the configuration resolves as the runtime would run it; the plan prices FP8
+        args.compute_dtype = "bf16"
     if args.network is not None and not args.calibrate:
         raise ConfigError("--network", args.network, "only --calibrate uses it: a plan's link comes from --cluster.",
                           "add --calibrate (to profile that link), or drop --network.")
@@ -187,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 verdicts.append(verdict(case.label, *pair))
             else:
                 verdicts.append(f"{case.label}: {reason}")
-    doc = plan_json(cluster, predictions, verdicts, shlex.join(["overlap", *args.argv]))
+    doc = plan_json(cluster, predictions, verdicts, shlex.join(["overlap", *args.argv]), fp8_note)
     table = format_markdown(doc)
     print(table)
     if args.markdown:

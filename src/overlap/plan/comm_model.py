@@ -9,6 +9,14 @@ Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; 
   (`ep_counts`) one int64 per expert tells the ranks how many rows follow: latency-bound and a rendezvous,
   hidden only by the EP-overlap schedule (`overlap.plan.schedule`); the static-shape mode
   (`moe_pad_expert_input_to_capacity`) has none.
+- EP with DeepEP or HybridEP (flex dispatcher, `flex_gpu_a2a`): hierarchical. A token crosses the
+  network once per destination node (to the GPU of the same index there) and NVLink once per
+  destination rank within a node, the receiving GPU fanning it out to the other ranks of its node:
+  per token, (nodes - 1) x P(node) RDMA copies and nodes x (g - 1) x P(rank) NVLink copies, P(node)
+  / P(rank) the chance that top-k of E experts hit a given node / rank, 1 - C(E - E_there, k) / C(E,
+  k). The RDMA and NVLink parts run at once (time: the slower). Under an FP8 recipe the forward
+  dispatch moves FP8 (1 byte per element), its combine and the backward BF16 (DeepEP's setting). The
+  kernels hold a fixed number of SMs (`EP_BACKEND_SMS`), `ep_sm_share` of the GPU.
 - TP with SP, per micro-batch and layer: 4 forward + 4 backward collectives of (t-1)/t x b s h beta, plus the input's
   re-gather for the weight gradient where a bulk dgrad slot keeps only the shard (a MoE layer with ETP 1 keeps only
   its attention's: 2 + 2 (+ 1), and its shared expert's 2 + 2; full recompute repeats the forward's);
@@ -38,7 +46,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.config.tp_overlap import SlotPlan, effective_tp_plan
 from overlap.launch.resources import estimate_memory
-from overlap.plan.hardware import Cluster, Link, Transfer
+from overlap.plan.hardware import EP_BACKEND_SMS, Cluster, Link, Transfer
 from overlap.plan.tp_slots import NO_GEMMS, layer_tp
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -77,6 +85,31 @@ def alltoall_time_s(nbytes: float, size: int, per_node: int, cluster: Cluster) -
     return cluster.nic.latency_s + max(off_node / cluster.nic.bandwidth_Bps, on_node / cluster.nvlink.bandwidth_Bps)
 
 
+def hit_probability(experts: int, there: int, topk: int) -> float:
+    """The chance that a token routed uniformly to top-k of `experts` picks at least one of the
+    `there` experts."""
+    if there >= experts:
+        return 1.0
+    return 1 - comb(experts - there, topk) / comb(experts, topk)
+
+
+def flex_gpu_a2a(tokens: float, hidden_bytes: float, ep: int, per_node: int, experts: int,
+                 topk: int, cluster: Cluster) -> tuple[float, float]:
+    """(bytes leaving this GPU, seconds) of one DeepEP / HybridEP dispatch or combine (module
+    docstring)."""
+    nodes = -(-ep // per_node)
+    p_node = hit_probability(experts, experts * per_node // ep, topk)
+    p_rank = hit_probability(experts, experts // ep, topk)
+    rdma = tokens * (nodes - 1) * p_node * hidden_bytes
+    nvlink = tokens * nodes * (per_node - 1) * p_rank * hidden_bytes
+    if rdma > 0:
+        slower = max(rdma / cluster.nic.bandwidth_Bps, nvlink / cluster.nvlink.bandwidth_Bps)
+        seconds = cluster.nic.latency_s + slower
+    else:
+        seconds = cluster.nvlink.time_s(nvlink)
+    return rdma + nvlink, seconds
+
+
 def expected_destinations(groups: int, experts: int, topk: int) -> float:
     """Distinct destination groups (ranks or nodes) of one token routed uniformly to top-k of `experts` spread over
     `groups` groups: R (1 - C(E - E/R, k) / C(E, k)) (planner reference section 4.2)."""
@@ -111,6 +144,8 @@ class CommPlan:
     kinds: dict[str, Collective] = field(default_factory=dict)
     ep_a2a_s: dict[str, float] = field(default_factory=dict)  # per MoE layer and micro-batch, per EP kind
     ep_counts_s: float = 0.0  # per MoE layer and micro-batch: the split-size exchange before the dispatch
+    # DeepEP / HybridEP: the share of the GPU's SMs their kernels hold (0: NCCL's all-to-all)
+    ep_sm_share: float = 0.0
     # TP with SP: one collective's bytes per GPU, its link, and the slot plan the runtime runs (`overlap.plan.tp_slots`)
     tp_bytes: float = 0.0
     tp_link: Link | None = None
@@ -149,13 +184,19 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     if m.is_moe and ep > 1 and moe_here and cluster.carries("ep"):
         tokens = b * s / (tp if m.sequence_parallel else 1)
         g = members_per_node(ep, max(1, layout.etp), gpn)
-        if m.moe_token_dispatcher_type == "flex":
-            copies = expected_destinations(ep, m.num_moe_experts, m.moe_router_topk)
-        else:
-            copies = float(m.moe_router_topk)
-        leaving = tokens * copies * h * act * (ep - 1) / ep
-        seconds = alltoall_time_s(leaving, ep, g, cluster)
+        backend = m.moe_flex_dispatcher_backend if m.moe_token_dispatcher_type == "flex" else None
         for kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"):
+            if backend in EP_BACKEND_SMS:
+                fp8 = kind == "ep_dispatch" and cluster.precision in ("fp8", "mxfp8")
+                leaving, seconds = flex_gpu_a2a(tokens, h * (1 if fp8 else act), ep, g,
+                                                m.num_moe_experts, m.moe_router_topk, cluster)
+                if cluster.sms:
+                    plan.ep_sm_share = EP_BACKEND_SMS[backend] / cluster.sms
+            else:
+                copies = (expected_destinations(ep, m.num_moe_experts, m.moe_router_topk) if backend
+                          else float(m.moe_router_topk))
+                leaving = tokens * copies * h * act * (ep - 1) / ep
+                seconds = alltoall_time_s(leaving, ep, g, cluster)
             plan.add(kind, leaving, seconds, moe_here * mb)
             plan.ep_a2a_s[kind] = seconds
         if not m.moe_pad_expert_input_to_capacity:  # static shapes (capacity + padding) exchange no counts

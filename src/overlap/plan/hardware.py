@@ -77,29 +77,49 @@ class Transfer:
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """Published dense (no sparsity) peaks and the node's NVLink domain of one GPU type."""
+    """Published dense (no sparsity) peaks, memory bandwidth, SM count and the node's NVLink domain
+    of one GPU type (what the shape-aware compute model of `overlap.plan.compute` needs)."""
 
     name: str
-    peak_tflops: dict[str, float]  # precision ("bf16", "fp8", "fp32") -> dense TFLOP/s
+    peak_tflops: dict[str, float]  # precision ("bf16", "fp8", "mxfp8", "fp32") -> dense TFLOP/s
     nvlink_GBps: float  # effective NVLink bus bandwidth per GPU (ring, non-allreduce ops), GB/s
     gpus_per_node: int
     source: str
+    hbm_TBps: float = 0.0  # HBM bandwidth, TB/s
+    sms: int = 0  # streaming multiprocessors
 
 
-# Section 2.1 of the planner reference (glennklockwood.com processor pages; torchtitan get_peak_flops agrees).
-# NVLink effective: NVLink4 ~370 GB/s busbw of 450 line rate (sjeaugey, NVIDIA/nccl-tests#212); NVLink5 (900 line
-# rate) ~740 GB/s as DeepEP V2 measured on SM100 (deepseek-ai/DeepEP README: 726/740 GB/s).
-# fp32 is not a tensor-core training precision on these parts: plans at fp32 use the TF32 dense rate, half of bf16.
+# Section 2.1 of the planner reference (glennklockwood.com processor pages; torchtitan
+# get_peak_flops agrees). NVLink effective: NVLink4 ~370 GB/s busbw of 450 line rate (sjeaugey,
+# NVIDIA/nccl-tests#212); NVLink5 (900 line rate) ~740 GB/s as DeepEP V2 measured on SM100
+# (deepseek-ai/DeepEP README: 726/740 GB/s). fp32 is not a tensor-core training precision on these
+# parts: plans at fp32 use the TF32 dense rate, half of bf16. HBM: the same pages (H100 3.35 TB/s,
+# H200 4.8, B200 / GB200 8). SMs: H100 132 (glennklockwood.com); Blackwell B200 148 (NVIDIA's
+# Blackwell datasheet; GB200's GPUs are the same die). MXFP8 (block-scaled FP8) runs at the FP8 rate
+# on Blackwell and does not exist on Hopper.
+_NVLINK4 = "NVLink4 busbw: NVIDIA/nccl-tests#212"
+_NVLINK5 = "NVLink5: deepseek-ai/DeepEP README (SM100)"
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("NVIDIA H100 SXM", {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7}, 370.0, 8,
-                    "glennklockwood.com/garden/processors/h100; NVLink4 busbw: NVIDIA/nccl-tests#212"),
-    "h200": GpuSpec("NVIDIA H200 SXM", {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 494.5}, 370.0, 8,
-                    "lzwjava.github.io/nvidia-h200-gpu-specs-en; NVLink4 busbw: NVIDIA/nccl-tests#212"),
-    "b200": GpuSpec("NVIDIA B200 (HGX, 1000 W)", {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "fp32": 1125.0},
-                    740.0, 8, "glennklockwood.com/garden/processors/B200; NVLink5: deepseek-ai/DeepEP README (SM100)"),
-    "gb200": GpuSpec("NVIDIA GB200", {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "fp32": 1250.0}, 740.0, 72,
-                     "glennklockwood.com/garden/processors/B200 (GB200); NVLink5: deepseek-ai/DeepEP README (SM100)"),
+    "h100": GpuSpec("NVIDIA H100 SXM", {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
+                    370.0, 8, f"glennklockwood.com/garden/processors/h100; {_NVLINK4}", 3.35, 132),
+    "h200": GpuSpec("NVIDIA H200 SXM", {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 494.5},
+                    370.0, 8, f"lzwjava.github.io/nvidia-h200-gpu-specs-en; {_NVLINK4}", 4.8, 132),
+    "b200": GpuSpec("NVIDIA B200 (HGX, 1000 W)",
+                    {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "mxfp8": 4500.0,
+                     "fp32": 1125.0},
+                    740.0, 8, f"glennklockwood.com/garden/processors/B200; {_NVLINK5}", 8.0, 148),
+    "gb200": GpuSpec("NVIDIA GB200",
+                     {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0,
+                      "fp32": 1250.0},
+                     740.0, 72, f"glennklockwood.com/garden/processors/B200 (GB200); {_NVLINK5}",
+                     8.0, 148),
 }
+
+# Streaming multiprocessors the flex dispatcher's kernels hold while they run (the GEMMs beside them
+# get the rest): DeepEP's normal kernels 20 by default (deepseek-ai/DeepEP docs/legacy.md,
+# DeepSeek's trace: 10 channels); HybridEP `moe_hybridep_num_sms` = 32, what Megatron-Bridge's perf
+# harness sets.
+EP_BACKEND_SMS = {"deepep": 20, "hybridep": 32}
 
 # One NDR 400 Gb/s NIC (ConnectX-7) per GPU, through NCCL: 46-48 GB/s (AddyLaddy, NVIDIA/nccl-tests#290); we take
 # the low end. Latencies: Calculon's H100 system (systems/h100_80g_nvl8.json): NVLink 10 us, InfiniBand 20 us.
@@ -126,15 +146,30 @@ class Efficiency:
     source: str
 
 
-# The one calibrated parameter. H100 BF16: solved so that the planner reproduces the MoE guide's run without EP
-# overlap (Qwen3-30B-A3B, 16 x H100, EP16, GBS 1024, MBS 1, seq 4096: 41.25 s; Megatron-Bridge
-# skills/nemo-mbridge-perf-moe-comm-overlap). tests/test_plan_published.py re-derives it from that run and checks
-# this value; H200 shares the H100's compute die and clocks. Other GPU types have no measured run here: they borrow
-# this share (stated in the output) until a run calibrates them (`--cluster` with compute_efficiency).
-CALIBRATED_EFFICIENCY = {
-    ("h100", "bf16"): Efficiency(0.2642, "calibrated: Qwen3-30B-A3B 16 x H100 EP16 without EP overlap, 41.25 s "
-                                         "(Megatron-Bridge MoE comm-overlap guide)"),
-}
+def expected_error(gpu: str) -> tuple[float, float] | None:
+    """(median, worst) relative step-time error of the GPU type's fit under leave-one-out
+    (`overlap.plan.fitted`)."""
+    from overlap.plan.fitted import FITTED
+
+    fit = FITTED.get("h100" if gpu == "h200" else gpu)
+    return None if fit is None else (fit["median_error"], fit["worst_error"])
+
+
+def calibrated_efficiency(gpu: str) -> Efficiency | None:
+    """The GPU type's fitted compute efficiency (`overlap.plan.fitted`, written by `python -m
+    overlap.plan.validate --write`: the median in log of the efficiencies of the published runs it
+    names), or None for a type without one. H200 has the H100's compute die and clocks, so it takes
+    the H100's, and says so."""
+    from overlap.plan.fitted import FITTED
+
+    key = "h100" if gpu == "h200" else gpu
+    fit = FITTED.get(key)
+    if fit is None:
+        return None
+    borrowed = " (H200: the H100's, same compute die)" if gpu != key else ""
+    runs = f"{len(fit['fit_rows'])} published {fit['group']} runs"
+    return Efficiency(fit["efficiency"],
+                      f"fitted on {runs}{borrowed}, docs/planner.md 'Validation'")
 
 
 @dataclass(frozen=True)
@@ -156,6 +191,16 @@ class Cluster:
     # run measured them as part of the compute.
     link_families: tuple[str, ...] | None = None
     slowdown_source: str = SLOWDOWN_SOURCE
+    # The shape-aware compute model's figures (`overlap.plan.compute`); 0 where unknown (a -g cpu
+    # profile): then every FLOP costs the same, peak x efficiency.
+    # the attention core's rate (the reference's FP8 recipes keep it in BF16)
+    bf16_peak_tflops: float = 0.0
+    hbm_Bps: float = 0.0
+    sms: int = 0
+    # The step-time error to expect, (median, worst) of the leave-one-out validation on published
+    # runs (`overlap.plan.validate`); None where the efficiency is not that fit's (a cluster file, a
+    # -g cpu profile).
+    expected_error: tuple[float, float] | None = None
 
     def slowdown(self, family: str) -> float:
         return self.overlap_slowdown.get(family, self.overlap_slowdown.get("other", 0.0))
@@ -175,8 +220,14 @@ class Cluster:
 
 def precision_of(model) -> str:
     """The compute precision of the resolved model config: bf16 / fp16 mixed precision, else fp32 (FP8 compute is
-    refused by the harness: `-c fp8_*` is not built)."""
+    refused by the harness: `-c fp8_*` is not built; `overlap plan` plans it, `PLAN_FP8`)."""
     return "bf16" if model.bf16 else "fp16" if model.fp16 else "fp32"
+
+
+# `overlap plan -c`: the reference's FP8 recipes, planned at the FP8 rate (the runtime refuses FP8
+# compute, so such a plan predicts the reference system's run): per-tensor / delayed / sub-channel
+# scaling -> "fp8", MX block scaling -> "mxfp8" (Blackwell only).
+PLAN_FP8 = {"fp8_cs": "fp8", "fp8_ds": "fp8", "fp8_sc": "fp8", "fp8_mx": "mxfp8"}
 
 
 def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Cluster:
@@ -191,14 +242,20 @@ def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Clus
         raise ConfigError("-g/--gpu", gpu, f"the planner has no published peak FLOP/s and NVLink figures for it "
                           f"(it knows {known}).", "pick one of those, or describe the GPU in --cluster FILE "
                           "(peak_tflops, nvlink, nic, gpus_per_node; docs/planner.md).")
-    eff = CALIBRATED_EFFICIENCY.get((gpu, precision))
-    if eff is None:  # borrow H100 BF16's share, and say so
-        base = CALIBRATED_EFFICIENCY[("h100", "bf16")]
-        eff = Efficiency(base.value, f"borrowed from H100 BF16 (no measured {gpu} {precision} run): {base.source}")
+    if precision not in spec.peak_tflops:
+        raise ConfigError("-c/--compute_dtype", precision,
+                          f"{spec.name} has no {precision} tensor cores.",
+                          f"plan it with one of {', '.join(spec.peak_tflops)}.")
+    eff = calibrated_efficiency(gpu)
+    if eff is None:  # a GPU type added to GPUS without a validated fit
+        raise ConfigError("-g/--gpu", gpu, "no fitted compute efficiency for it.",
+                          "give compute_efficiency in --cluster FILE.")
     return Cluster(gpu=gpu, peak_tflops=spec.peak_tflops[precision], precision=precision,
                    gpus_per_node=gpus_per_node or spec.gpus_per_node,
                    nvlink=Link(spec.nvlink_GBps * 1e9, NVLINK_LATENCY_S, spec.source), nic=NIC, efficiency=eff,
-                   source=f"built-in table: {spec.source}")
+                   source=f"built-in table: {spec.source}",
+                   bf16_peak_tflops=spec.peak_tflops["bf16"], hbm_Bps=spec.hbm_TBps * 1e12,
+                   sms=spec.sms, expected_error=expected_error(gpu))
 
 
 _CLUSTER_KEYS = {"gpu", "gpus_per_node", "peak_tflops", "precision", "nvlink", "nic", "compute_efficiency",
@@ -278,7 +335,12 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
                       nvlink=link("nvlink", base.nvlink if base else None), nic=link("nic", base.nic if base else None),
                       efficiency=eff, overlap_slowdown=slowdown, source=doc.get("source", f"cluster file {file}"),
                       link_families=families,
-                      slowdown_source=doc.get("overlap_slowdown_source", SLOWDOWN_SOURCE))
+                      slowdown_source=doc.get("overlap_slowdown_source", SLOWDOWN_SOURCE),
+                      **({} if base is None else {"bf16_peak_tflops": base.bf16_peak_tflops,
+                                                  "hbm_Bps": base.hbm_Bps, "sms": base.sms}),
+                      # the validation's error holds only for the validated efficiency
+                      expected_error=(None if base is None or "compute_efficiency" in doc
+                                      else base.expected_error))
     return cluster
 
 

@@ -25,11 +25,33 @@ def config_json(p: Prediction) -> dict:
             "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "edp": lay.edp, "vpp": p.switches.vpp}}
 
 
-def plan_json(cluster: Cluster, predictions: list[Prediction], verdicts: list[str], command: str) -> dict:
+def expected_error(cluster: Cluster, fp8_note: str = "") -> dict:
+    """What error to expect of the plan's step times: the GPU type's leave-one-out validation on
+    published runs (`overlap.plan.validate`), or why there is none."""
+    if cluster.expected_error is None:
+        if cluster.gpu == "cpu":
+            why = ("not validated: the compute efficiency is this machine's calibration (the CPU "
+                   "proof is bench/results/plan_vs_bench.md)")
+        else:
+            why = "not validated: the compute efficiency comes from the cluster file"
+        return {"median": None, "worst": None, "short": "n/a", "text": why + fp8_note}
+    median, worst = cluster.expected_error
+    where = (f"leave-one-out over published Megatron-Bridge runs on {cluster.gpu}'s GPU group, "
+             "docs/planner.md 'Validation'")
+    return {"median": median, "worst": worst,
+            "short": f"±{100 * median:.0f}% (worst ±{100 * worst:.0f}%)",
+            "text": f"±{100 * median:.0f}% median, ±{100 * worst:.0f}% worst ({where})" + fp8_note}
+
+
+def plan_json(cluster: Cluster, predictions: list[Prediction], verdicts: list[str], command: str,
+              fp8_note: str = "") -> dict:
     base = predictions[0].step_ms
-    configs = [config_json(p) | {"step_time_ratio_to_first": p.step_ms / base} for p in predictions]
+    error = expected_error(cluster, fp8_note)
+    per_config = {"median": error["median"], "worst": error["worst"]}
+    configs = [config_json(p) | {"step_time_ratio_to_first": p.step_ms / base,
+                                 "expected_error": per_config} for p in predictions]
     return {"cluster": cluster.to_json(), "configs": configs, "verdicts": verdicts, "command": command,
-            "predicted": True}
+            "predicted": True, "expected_error": error}
 
 
 def verdict(label: str, off: Prediction, on: Prediction) -> str:
@@ -47,16 +69,20 @@ def _kinds(by_kind: dict[str, float]) -> str:
 
 def format_markdown(doc: dict) -> str:
     c = doc["cluster"]
+    error = doc["expected_error"]
     lines = [f"Predicted (nothing was run) for {c['gpus_per_node']} x {c['gpu']} per node, {c['precision']} peak "
              f"{c['peak_tflops']:g} TFLOP/s; NVLink {c['nvlink']['bandwidth_GBps']:g} GB/s, NIC "
              f"{c['nic']['bandwidth_GBps']:g} GB/s.  ",
+             f"Expected error of every step time below: {error['text']}.  ",
              f"Compute efficiency {c['compute_efficiency']:.4f} of peak ({c['compute_efficiency_source']}); overlap "
              f"slowdown {c['overlap_slowdown']} ({c['overlap_slowdown_source']}).  ",
              f"Command: `{doc['command']}`", "",
-             "| config | step ms | vs first | TFLOP/s/GPU | compute ms | bubble ms | slowdown ms | exposed comm ms | "
-             "total comm ms | GB/iter | peak GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | step ms | expected error | vs first | TFLOP/s/GPU | compute ms | "
+             "bubble ms | slowdown ms | exposed comm ms | total comm ms | GB/iter | peak GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["configs"]:
-        lines.append(f"| {r['name']} | {r['step_time_ms']['mean']:.1f} | {r['step_time_ratio_to_first']:.3f} | "
+        lines.append(f"| {r['name']} | {r['step_time_ms']['mean']:.1f} | {error['short']} | "
+                     f"{r['step_time_ratio_to_first']:.3f} | "
                      f"{r['tflops_per_gpu']:.1f} | {r['compute_ms']:.1f} | {r['bubble_ms']:.1f} | "
                      f"{r['overlap_slowdown_ms']:.1f} | {_kinds(r['exposed_comm_ms'])} | "
                      f"{_kinds(r['total_comm_ms'])} | {r['bytes_per_iter']['all'] / 1e9:.2f} | "

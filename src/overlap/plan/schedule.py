@@ -100,11 +100,18 @@ def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
 
 
 def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], counts_s: float, sigma: float,
-                      delay_wgrad: bool, t: StepTimes, weight: float) -> None:
+                      delay_wgrad: bool, t: StepTimes, weight: float,
+                      sm_share: float = 0.0) -> None:
     """Adds to `t` the exposed transfers and the slowdown of `weight` merged MoE layer pairs (F of one micro-batch,
     B of the other), in the runtime's order (`overlap.pipeline.combined_1f1b`). Each backward is half input
     gradient, half weight gradient; without delay_wgrad the weight halves run at fixed slots, with it they fill the
-    waits (a pool that absorbs what the fixed pieces leave exposed)."""
+    waits (a pool that absorbs what the fixed pieces leave exposed).
+
+    NCCL's all-to-alls (`sm_share` 0) stretch the whole window they overlap by 1 + sigma. DeepEP /
+    HybridEP hold a fixed share u of the SMs only while they run: a window of W seconds beside a
+    t-second transfer runs at 1 - u of its speed for the transfer's time, so it takes W + u t when
+    it outlasts the transfer, and the transfer exposes
+    t - W / (1 - u) past it otherwise."""
     e_wgrad, a_wgrad = c.moe_fwd_s, c.attention_fwd_s
     e_dgrad, a_dgrad = c.bwd_factor * c.moe_fwd_s - e_wgrad, c.bwd_factor * c.attention_fwd_s - a_wgrad
     fixed_e, fixed_a = (0.0, 0.0) if delay_wgrad else (e_wgrad, a_wgrad)
@@ -122,12 +129,18 @@ def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], counts_s: flo
     for kind, seconds, window in covers:
         if seconds <= 0:
             continue
+        if sm_share > 0:
+            room = sum(pieces[i] for i in window) / (1 - sm_share)
+            t.slowdown_s += sm_share * min(seconds, room) * weight
+            t.expose(kind, max(0.0, seconds - room) * weight)
+            continue
         overlapped.update(window)
         exposed = max(0.0, seconds - sum(pieces[i] for i in window) * (1 + sigma))
         filled = min(exposed, pool)
         pool -= filled
         t.expose(kind, (exposed - filled) * weight)
-    t.slowdown_s += sigma * (sum(pieces[i] for i in overlapped) + overlapped_s) * weight
+    if not sm_share:
+        t.slowdown_s += sigma * (sum(pieces[i] for i in overlapped) + overlapped_s) * weight
 
 
 def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches: int,
@@ -148,7 +161,8 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
         # F(0) and B(last) without PP; under an interleaved pipeline, pipeline rank 0's (the most of any rank).
         alone = sum(1 for s in pipeline_steps(sw.pp, 0, sw.vpp, m, sw.vp_group, merged=True) if s.backward is None)
         for _ in range(c.moe_layers):
-            _merged_moe_layer(c, a2a, comm.ep_counts_s, sigma_ep, sw.delay_wgrad, t, (m * sw.vpp - alone) / sw.vpp)
+            _merged_moe_layer(c, a2a, comm.ep_counts_s, sigma_ep, sw.delay_wgrad, t,
+                              (m * sw.vpp - alone) / sw.vpp, comm.ep_sm_share)
         for kind, seconds in a2a.items():
             t.expose(kind, seconds * c.moe_layers * alone / sw.vpp)
         t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * alone / sw.vpp)
