@@ -4,7 +4,7 @@ efficiency of each GPU type, fitted on the published runs named here
 efficiency."""
 
 FITTED = {'h100': {'efficiency': 0.4085,
-          'median_error': 0.151,
+          'median_error': 0.155,
           'worst_error': 0.587,
           'group': 'h100',
           'fit_rows': ['Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off',
@@ -19,25 +19,25 @@ FITTED = {'h100': {'efficiency': 0.4085,
                        'GPT-OSS-120B 64xH100 BF16 PP4 EP8',
                        'Llama3-8B 8xH100 FP8-CS FSDP',
                        'Llama3-70B 64xH100 FP8 TP4 PP8 VP5'],
-          'expected_error': 'median 15%, worst 59%, 8 of 12 runs within 20% (leave-one-out over '
+          'expected_error': 'median 16%, worst 59%, 8 of 12 runs within 20% (leave-one-out over '
                             'published runs, docs/planner.md)'},
  'b200': {'efficiency': 0.6198,
-          'median_error': 0.346,
-          'worst_error': 0.349,
+          'median_error': 0.287,
+          'worst_error': 0.332,
           'group': 'blackwell',
           'fit_rows': ['Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8',
                        'Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8',
                        'Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32'],
-          'expected_error': 'median 35%, worst 35%, 1 of 3 runs within 20% (leave-one-out over '
+          'expected_error': 'median 29%, worst 33%, 1 of 3 runs within 20% (leave-one-out over '
                             'published runs, docs/planner.md)'},
  'gb200': {'efficiency': 0.6198,
-           'median_error': 0.346,
-           'worst_error': 0.349,
+           'median_error': 0.287,
+           'worst_error': 0.332,
            'group': 'blackwell',
            'fit_rows': ['Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8',
                         'Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8',
                         'Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32'],
-           'expected_error': 'median 35%, worst 35%, 1 of 3 runs within 20% (leave-one-out over '
+           'expected_error': 'median 29%, worst 33%, 1 of 3 runs within 20% (leave-one-out over '
                              'published runs, docs/planner.md)'}}
 
 OWN_EFFICIENCY = {'Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off': 0.406291,
@@ -48,10 +48,10 @@ OWN_EFFICIENCY = {'Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off': 0.40629
  'Qwen3-30B-A3B 16xH100 FP8 EP16': 0.287064,
  'Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8': 0.32747,
  'Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8': 0.189094,
- 'Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32': 0.356178,
+ 'Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32': 0.338776,
  'GPT-OSS-120B 64xH100 BF16 PP4 EP8': 0.408556,
  'Llama3-8B 8xH100 FP8-CS FSDP': 0.618155,
  'Llama3-70B 64xH100 FP8 TP4 PP8 VP5': 0.680118,
  'Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8': 0.407252,
  'Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8': 0.619788,
- 'Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32': 0.736474}
+ 'Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32': 0.693142}

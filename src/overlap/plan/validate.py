@@ -84,8 +84,11 @@ _SKILL = "Bridge MoE comm-overlap skill (HybridEP pair)"
 _NOT_SAID = "dispatcher and EP overlap not published: the recipe's"
 _H100_30B = ("not published: the 16-GPU H100 perf recipe's HybridEP and EP overlap (on in its "
              "perf variant, which sets CUDA_DEVICE_MAX_CONNECTIONS=32 for it)")
-_EVEN_235 = ("94 layers need Megatron's uneven pipeline layout; approximated by an even split of "
-             "96 layers (+2% FLOPs, the output layer on a full last chunk)")
+# the recipe counts the embedding and the loss as layers: 94 + 2 split evenly over the virtual stages
+_SELECTIVE_235 = ("model.recompute_granularity=selective "
+                  "model.recompute_modules=[layernorm,moe_act]")
+_UNEVEN_235 = ("the recipe's uneven layout (embedding and loss accounted as layers); selective "
+               "recompute's extra backward compute not priced")
 
 ROWS: tuple[Row, ...] = (
     _row("Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off", "h100", "bf16", 16, 1024, 1, 4096,
@@ -106,9 +109,9 @@ ROWS: tuple[Row, ...] = (
     _row("Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8", "h100", "fp8", 16, 512, 2, 4096, 1, 2,
          24, 8, 24.85, _QWEN30, f"{_HYBRID} {_EP_ON}", assumed=_H100_30B),
     _row("Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32", "h100", "fp8", 256, 8192, 1, 4096, 2, 8,
-         4, 32, 76.56, _QWEN235, f"{_DEEPEP} {_EP_ON} model.num_layers=96",
+         4, 32, 76.56, _QWEN235, f"{_DEEPEP} {_EP_ON} {_SELECTIVE_235}",
          assumed="DeepEP; EP overlap on (its perf recipe sets CUDA_DEVICE_MAX_CONNECTIONS=8 for "
-                 f"it); {_EVEN_235}; selective recompute not expressed"),
+                 f"it); {_UNEVEN_235}"),
     _row("GPT-OSS-120B 64xH100 BF16 PP4 EP8", "h100", "bf16", 64, 1280, 1, 4096, 1, 4, None, 8,
          14.07, _QWEN30, f"{_A2A} {_EP_OFF} {_GPT_OSS}",
          assumed="alltoall, EP overlap off; sliding windows not expressed"),
@@ -131,8 +134,8 @@ ROWS: tuple[Row, ...] = (
          6.44, _QWEN30, f"{_HYBRID} {_EP_OFF}",
          assumed=f"{_NOT_SAID}: HybridEP (NVL72), EP overlap off"),
     _row("Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32", "gb200", "mxfp8", 256, 8192, 1, 4096, 1, 8,
-         3, 32, 18.00, _QWEN235, f"{_HYBRID} {_EP_OFF} model.num_layers=96",
-         assumed=f"HybridEP (NVL72), EP overlap off; {_EVEN_235}; 64 GPUs per NVLink domain"),
+         3, 32, 18.00, _QWEN235, f"{_HYBRID} {_EP_OFF}",
+         assumed=f"HybridEP (NVL72), EP overlap off; {_UNEVEN_235}; 64 GPUs per NVLink domain"),
     _row("DeepSeek-V3 256xGB200 MXFP8 PP4 VP4 EP64", "gb200", "mxfp8", 256, 4096, 1, 4096, 1, 4, 4,
          64, 13.34, _QWEN30,
          not_expressible="multi-latent attention and MTP are not in the model config"),
