@@ -160,6 +160,16 @@ def test_the_full_reference_list_resolves_where_the_model_has_it():
     ]  # 'moe' covers 'moe_act'
 
 
+def test_modules_without_selective_granularity_are_said_to_do_nothing():
+    """Megatron reads recompute_modules only under selective granularity: a list set without it
+    is a no-op the decision table says, not a setting silently ignored."""
+    for granularity in (None, "full"):
+        extra = dict(recompute_method="uniform", recompute_num_layers=1) if granularity else {}
+        res = ConfigContainer(model=ModelConfig(
+            **MOE, recompute_granularity=granularity, recompute_modules=["moe_act"], **extra)).finalize(1)
+        assert [n.field for n in res.decisions.noops] == ["model.recompute_modules"], granularity
+
+
 def test_moe_act_under_ep2_overlap_and_delayed_wgrad_matches_the_plain_loop():
     """The merged EP-overlap schedule with delayed weight gradients (the experts' fc2 wgrad then
     reads the recomputed activation later) against the plain loop without recompute: same losses

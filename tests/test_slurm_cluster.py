@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from overlap.launch.local import free_port
+from tests.local_run import metrics_losses, run_locally
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "squeue", "sinfo")
 MUNGE_SOCKET_DIR = Path("/run/munge")
@@ -228,21 +229,6 @@ def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else "(nothing written)"
 
 
-def _losses(path: Path) -> dict[int, float]:
-    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, path.read_text().splitlines())}
-
-
-def _local(args: list[str], metrics: Path) -> dict[int, float]:
-    done = subprocess.run(
-        [sys.executable, "-m", "overlap.cli", "run", *args, "--metrics", str(metrics)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return _losses(metrics)
-
-
 def test_the_emitted_script_trains_under_slurm(cluster, tmp_path):
     args = [*RECIPE, "-ms", "3", "--metrics", str(tmp_path / "job.jsonl")]
     out = tmp_path / "job.out"
@@ -253,8 +239,8 @@ def test_the_emitted_script_trains_under_slurm(cluster, tmp_path):
     assert "exposed communication" in text
     summary = json.loads((tmp_path / "job.jsonl.summary.json").read_text())
     assert summary["window_iterations"] == [2, 3] and summary["stopped"] is None
-    want = _local(RECIPE + ["-ms", "3"], tmp_path / "local.jsonl")
-    assert _losses(tmp_path / "job.jsonl") == want  # tolerance 0: the same ranks and operations
+    want = run_locally(RECIPE + ["-ms", "3"], tmp_path / "local.jsonl")
+    assert metrics_losses(tmp_path / "job.jsonl") == want  # tolerance 0: the same ranks and operations
 
 
 def test_scancel_preempts_with_a_checkpoint_and_the_resubmitted_job_continues_exactly(
@@ -281,14 +267,14 @@ def test_scancel_preempts_with_a_checkpoint_and_the_resubmitted_job_continues_ex
         f"stopping after iteration {saved} of {total}: SIGTERM received "
         f"(train.exit_signal_handler); checkpoint of iteration {saved} in {ckpt}"
     ) in text
-    before = _losses(metrics)
+    before = metrics_losses(metrics)
 
     second = tmp_path / "second.out"
     job = _sbatch(cluster, script, second)  # the same script: it loads what the first job saved
     assert _wait_gone(cluster, job, second) == "COMPLETED", second.read_text()[-3000:]
     assert f"training resumes at iteration {saved}" in second.read_text()
-    want = _local(RECIPE + ["-ms", str(total)], tmp_path / "uninterrupted.jsonl")
+    want = run_locally(RECIPE + ["-ms", str(total)], tmp_path / "uninterrupted.jsonl")
     assert {it: before[it] for it in range(1, saved + 1)} == {
         it: want[it] for it in range(1, saved + 1)
     }
-    assert _losses(metrics) == {it: loss for it, loss in want.items() if it > saved}  # tolerance 0
+    assert metrics_losses(metrics) == {it: loss for it, loss in want.items() if it > saved}  # tolerance 0

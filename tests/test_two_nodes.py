@@ -10,7 +10,6 @@ address that cannot work gets one clear error; both in bounded time. Needs root 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -32,6 +31,7 @@ from overlap.launch.network import (
     network_namespace,
     remove_stale_namespaces,
 )
+from tests.local_run import metrics_losses, run_locally
 
 # ovl2n-<pid of the test process>-<node>: unique per run, swept once that process is gone
 PREFIX = "ovl2n-"
@@ -146,21 +146,6 @@ def _training(pair: list[Node], metrics: Path) -> None:
         time.sleep(0.2)
 
 
-def _losses(path: Path) -> list[float]:
-    return [json.loads(line)["lm_loss"] for line in path.read_text().splitlines()]
-
-
-def _single_host(args: list[str], metrics: Path) -> list[float]:
-    done = subprocess.run(
-        [sys.executable, "-m", "overlap.cli", "run", *args, "--metrics", str(metrics)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return _losses(metrics)
-
-
 @pytest.mark.parametrize(
     "case, args, per_node",
     [
@@ -180,8 +165,8 @@ def test_losses_across_two_nodes_equal_the_single_host_run(launch, tmp_path, cas
     assert chosen in head
     if case == "ep":
         assert "EP 4" in head
-    want = _single_host(args, tmp_path / "single.jsonl")
-    assert _losses(metrics) == want  # tolerance 0: the same operations in the same order
+    want = run_locally(args, tmp_path / "single.jsonl")
+    assert metrics_losses(metrics) == want  # tolerance 0: the same operations in the same order
 
 
 def test_a_node_that_dies_stops_every_rank_with_the_cause_named(launch, nodes, tmp_path):

@@ -89,10 +89,14 @@ def output_folder(path: str | Path, flag: str, create: bool = True) -> Path:
 
 @dataclass
 class _NoOptimizer:
-    """What `Checkpointer.save` asks of an optimizer when no optimizer state is saved: the step count (0)."""
+    """What `Checkpointer.save` asks of an optimizer when no optimizer state is saved: the step count (0) and the
+    loss-scaling state (none: an import has taken no step)."""
 
     def steps_taken(self) -> int:
         return 0
+
+    def scaling_state(self) -> dict:
+        return {"skipped_iterations": 0, "loss_scaler": None}
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, seq_length: int | None = None, out_flag: str = "--out") -> Path:

@@ -626,11 +626,17 @@ class ConfigContainer:
                               "balancing.")
 
     def _covered_recompute(self, log: DecisionLog) -> None:
-        """'moe' recomputes whole MoE layers, which holds what 'moe_act' and 'shared_experts'
-        would recompute of them: said as a no-op rather than run twice (a recompute inside a
-        recompute keeps its input alive)."""
+        """Modules without selective granularity do nothing (said, not ignored). 'moe' recomputes
+        whole MoE layers, which holds what 'moe_act' and 'shared_experts' would recompute of them:
+        said as a no-op rather than run twice (a recompute inside a recompute keeps its input
+        alive)."""
         m = self.model
         selective = m.recompute_granularity == "selective"
+        if m.recompute_modules and not selective:
+            log.noop("model.recompute_modules", m.recompute_modules,
+                     "recompute_modules only apply to recompute_granularity=selective (it is "
+                     f"{m.recompute_granularity})",
+                     "set model.recompute_granularity=selective, or clear recompute_modules.")
         modules = (m.recompute_modules or []) if selective else []
         for part in ("moe_act", "shared_experts"):
             if part in modules and "moe" in modules:
