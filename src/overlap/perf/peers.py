@@ -57,6 +57,13 @@ class PeerTrainer(Trainer):
     def finish_param_sync(self) -> None:
         """Peers keep their parameters in sync themselves."""
 
+    def learning_rate(self, iteration: int) -> float:
+        """Peers train fp32 (support.runtime_refusals): no step is ever skipped for an overflow."""
+        return learning_rate(iteration, self.cfg.optimizer, self.cfg.scheduler, self.cfg.train.train_iters)
+
+    def loss_scaling(self) -> tuple[float | None, bool]:
+        return None, False
+
     def _sync_gradients(self, last: bool):
         if self.impl == "torch_ddp":
             return torch.enable_grad() if last else self.model.no_sync()
@@ -80,7 +87,7 @@ class PeerTrainer(Trainer):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(iteration, self.cfg.optimizer, self.cfg.scheduler, t.train_iters)
+            group["lr"] = self.learning_rate(iteration)
         with RECORDER.span("optimizer"):
             self.optimizer.step()
         comm.all_reduce(loss_sum, ps.dp_group, "dp_loss").wait()

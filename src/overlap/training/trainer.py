@@ -186,6 +186,12 @@ class Trainer:
         return learning_rate(iteration - self.optimizer.skipped, self.cfg.optimizer,
                              self.cfg.scheduler, self.cfg.train.train_iters)
 
+    def loss_scaling(self) -> tuple[float | None, bool]:
+        """(the loss scale, whether the last step overflowed and was skipped); (None, False) where
+        the precision needs no loss scaling."""
+        o = self.optimizer
+        return (o.loss_scale if o.scaler is not None else None), o.overflowed
+
     def _named_params(self):
         return ((n, p) for c in self.chunks for n, p in c.named_parameters())
 
@@ -246,7 +252,7 @@ class Trainer:
                    comm_sum: dict[str, float], metrics: MetricsSink | None, progress) -> None:
         """One logged training iteration."""
         t = self.cfg.train
-        lr, loss_scale = self.learning_rate(it), self.optimizer.loss_scale
+        lr, (loss_scale, _) = self.learning_rate(it), self.loss_scaling()
         start = time.perf_counter()
         loss, norm = self.train_step(it)
         step_s = time.perf_counter() - start
@@ -256,9 +262,9 @@ class Trainer:
         c_ms, c_bytes = comm_totals(events)
         for k, v in c_ms.items():
             comm_sum[k] += v
-        scaling = self.optimizer.scaler is not None
-        rec = StepRecord(it, loss, norm, step_s * 1e3, lr, loss_scale if scaling else None,
-                         self.optimizer.loss_scale if self.optimizer.overflowed else None)
+        scaling = loss_scale is not None
+        scale_after, overflowed = self.loss_scaling()
+        rec = StepRecord(it, loss, norm, step_s * 1e3, lr, loss_scale, scale_after if overflowed else None)
         records.append(rec)
         tokens_per_s = tokens_per_step / step_s / self.ps.world_size
         tflops = flops_step / step_s / self.ps.world_size / 1e12
