@@ -11,7 +11,6 @@ layouts of the single-process reference, see test_training.py).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch.distributed as dist
 
-from overlap.config import ConfigContainer, ModelConfig, OptimizerConfig, SchedulerConfig, TrainConfig
+from overlap.config import ConfigContainer, ModelConfig, TrainConfig
 
 from overlap.config.pipeline_layout import pipeline_layer_ranges
 from overlap.errors import ConfigError

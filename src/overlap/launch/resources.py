@@ -97,7 +97,6 @@ def estimate_memory(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = Tr
     h, hd, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
     ffn, fused = m.ffn_size, 2 if m.gated_linear_unit else 1
     vocab = m.vocab_size
-    shapes: list[tuple[int, bool]] = []  # (elements, is_expert) of this rank's parameters, one entry per kind
 
     def linear(out: int, inp: int) -> int:
         return out * inp // tp
