@@ -257,3 +257,26 @@ def test_an_fp16_checkpoint_resumes_exactly_with_the_scaler_state(tmp_path):
         assert r_params.keys() == s_params.keys()
         for n in s_params:
             assert torch.equal(r_params[n], s_params[n]), n
+
+
+def test_the_run_summary_lists_the_steps_an_overflow_skipped(tmp_path):
+    """At the default initial scale (2^32) a tiny fp16 run's gradients overflow for its first steps (as a
+    Megatron run's do); the summary file lists exactly the iterations the metrics mark as skipped, and the
+    bf16 run none."""
+    import subprocess
+    import sys
+
+    for precision, scale in (("fp16", []), ("fp16", ["mixed_precision.initial_loss_scale=4096"]), ("bf16", [])):
+        metrics = tmp_path / f"{precision}{len(scale)}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "overlap.cli", "run", "-m", "qwen", "-mr", "dense_tiny",
+                               "-g", "cpu", "-ng", "1", "-c", precision, "-ms", "3", "--metrics", str(metrics),
+                               *scale], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+        marked = [m["iteration"] for m in lines if m.get("skipped")]
+        summary = json.loads(metrics.with_name(metrics.name + ".summary.json").read_text())
+        assert summary["overflow_skipped_iterations"] == marked
+        if precision == "bf16" or scale:
+            assert marked == []
+        else:
+            assert marked == [1, 2, 3]

@@ -483,6 +483,8 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
             "total_comm_ms": {k: r.total_ms for k, r in rows.items()},
             "comm_mb": {k: r.nbytes / 1e6 for k, r in rows.items()},
             "first_iteration": summary.first_iteration + 1, "stopped": summary.stopped,
+            # fp16: the iterations whose step a gradient overflow skipped (optim/loss_scaler.py)
+            "overflow_skipped_iterations": [r.iteration + 1 for r in summary.records if r.skipped_to is not None],
             "checkpoint": summary.checkpoint, "pipeline_output_peak_bytes": summary.pipeline_output_peak_bytes},
             indent=1))
 
