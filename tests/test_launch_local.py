@@ -43,3 +43,30 @@ def test_sigterm_stops_the_ranks_and_unwinds(tmp_path):
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     assert marker.read_text() == "ok"
+
+
+def test_a_full_disk_line_is_the_cause_over_a_writer_that_aborted(tmp_path):
+    """A full disk aborts a rank whose C++ stream writer hits it (SIGABRT, with no line of its own) while another
+    rank says it in Python: the one line names the disk, not the abort, whichever died first."""
+    import subprocess
+    import sys
+    import time
+
+    from overlap.launch.local import _Rank, describe_failure
+
+    said = "overlap: error: checkpoint.save='/d': no space left on device: 4096 bytes free in /d"
+    codes = ("import os; os.abort()", f"import sys, time; time.sleep(0.3); print({said!r}); sys.exit(1)")
+    ranks = []
+    for r, code in enumerate(codes):
+        log = tmp_path / f"rank{r}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
+        rk = _Rank(r, proc, log)
+        rk.start_waiter()
+        ranks.append(rk)
+    deadline = time.monotonic() + 30
+    while any(rk.code is None for rk in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = describe_failure(ranks, 2)
+    assert line.startswith("rank 1 of 2 failed (exit code 1): checkpoint.save='/d': no space left on device"), line
+    assert "rank 0 then failed: killed by SIGABRT" in line

@@ -12,6 +12,7 @@ until its rank's fate is known (forwarded if the rank carries on or ends well; e
 is removed after a clean run and kept (and named) after a failure.
 
 Which rank caused a failure, in this order:
+0. a rank whose own error says the disk is full (a rank writing to that disk from C++ may die of SIGABRT first);
 1. a rank killed by a signal the launcher did not send ("rank 1 of 4 killed by SIGKILL"), if it died within
    `SIGNAL_TIE_S` of the first failure (the others only fail because it is gone);
 2. a rank that stopped making progress: still running (or stopped, e.g. by SIGSTOP) after the others failed, when
@@ -47,6 +48,7 @@ from overlap.errors import RankFailure
 GRACE_S = 10.0  # after a failure, how long the other ranks get to notice and exit before they are killed
 STOPPED_GRACE_S = 1.0  # once only stopped/hung ranks are left, how long before they are killed
 SIGNAL_TIE_S = 1.0
+DISK_FULL = re.compile(r"no space left on device", re.I)
 HOLD_S = 3.0  # a traceback the rank survives this long was only logged: forward it after all
 STOP_S = 3.0  # after Ctrl-C / SIGTERM, how long the ranks get to exit before SIGKILL
 POLL_S = 0.05
@@ -316,7 +318,12 @@ def describe_failure(ranks: list[_Rank], world: int) -> str:
     signalled = [rk for rk in failed if rk.code < 0 and first is not None
                  and rk.exited_at - first.exited_at <= SIGNAL_TIE_S]
     own_errors = [rk for rk in failed if rk.code > 0 and not COLLATERAL.search(rk.last_error() or "")]
-    if signalled:
+    # A full disk is every writer's cause: a rank whose C++ stream writer hits it aborts (SIGABRT) in a destructor,
+    # while another rank says it in Python - that line, not the abort, is the cause.
+    disk_full = [rk for rk in own_errors if DISK_FULL.search(rk.last_error() or "")]
+    if disk_full:
+        cause = disk_full[:1]
+    elif signalled:
         cause = [signalled[0]]
     elif hung and not own_errors:
         cause = hung
