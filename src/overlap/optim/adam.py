@@ -14,6 +14,8 @@ router) only on TP rank 0, expert shards summed over the expert-parallel group.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -255,7 +257,7 @@ class MixedPrecisionAdam:
         return wide
 
 
-class SlotOptimizer:
+class SlotOptimizer(ABC):
     """What both optimizers share around their `MixedPrecisionAdam`: loss scaling and the overflow
     skip, loading a checkpoint's parameter-space state (every slot takes its own elements of it)
     and the step count. A subclass gives `_grad_norm` (of the gradients as stored) and `_step`
@@ -293,11 +295,13 @@ class SlotOptimizer:
         self._step(lr, grad_norm, unscale)
         return True
 
+    @abstractmethod
     def _grad_norm(self) -> float:
-        raise NotImplementedError
+        """The global L2 norm of the gradients as stored (scaled)."""
 
+    @abstractmethod
     def _step(self, lr: float, grad_norm: float, unscale: float) -> None:
-        raise NotImplementedError
+        """Clip, unscale and apply the update."""
 
     def scaling_state(self) -> dict:
         """The loss scaler's state and the skipped-step count, for a checkpoint's train state."""
