@@ -1,4 +1,4 @@
-"""Checkpoint save / load time and size, synchronous vs asynchronous saves, alternated (issue 14).
+"""Checkpoint save / load time and size, synchronous vs asynchronous saves, alternated.
 
 For each workload, each repeat runs `overlap run` twice per mode (sync, then async, then sync ... alternated):
 1. train `ITERS` iterations saving every `INTERVAL`: the run summary (`--metrics F` -> `F.summary.json`) has, per save,

@@ -1,10 +1,11 @@
-"""The planner against the committed benchmarks (issue: prove the model where we can measure).
+"""The planner against the committed benchmarks: prove the model where we can measure.
 
-    python bench/plan_vs_bench.py [--probe]
+    python bench/plan_vs_bench.py --probe    # bench/commands.sh 38: writes bench/results/loopback_probe.json
+    python bench/plan_vs_bench.py            # bench/commands.sh 39: writes bench/results/plan_vs_bench.md
 
---probe first measures the loopback link with 2 and 4 local ranks (`overlap.plan.calibrate.probe_loopback`) into
-bench/results/loopback_probe.json; run it alone on the machine, like every benchmark. Then, for every committed
-result with a floor, each configuration of ours is re-planned on the profile that floor gives
+--probe measures the loopback link with 2 and 4 local ranks (`overlap.plan.calibrate.probe_loopback`) into
+bench/results/loopback_probe.json and stops; run it alone on the machine, like every benchmark. Without it, for
+every committed result with a floor, each configuration of ours is re-planned on the profile that floor gives
 (`overlap.plan.versus_bench`) and bench/results/plan_vs_bench.md gets the table: predicted vs measured step time and
 on/off ratio, against the bounds (20% and 0.08) that tests/test_plan_vs_bench.py holds.
 """
@@ -34,6 +35,7 @@ def main() -> None:
     logging.disable(logging.WARNING)  # the resolution's notes on each re-planned configuration
     if "--probe" in sys.argv[1:]:
         probe()
+        return
     loopback = load_loopback(RESULTS / "loopback_probe.json")
     lines = ["Planner vs measured: each committed benchmark's configurations of ours re-planned on the profile fitted "
              "on that benchmark's own floor (`overlap.plan.versus_bench`); nothing of a switch is fitted.  ",
