@@ -316,11 +316,16 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
 
 # 30. -> pp_vs_torch_cpu_time.txt. CPU time of the same VPP2 run, ours vs torch, 14 steps on the plain loopback, 3
 #     alternated runs each.
+{
+echo "# bench/commands.sh 30: CPU time (user + sys of the launcher and both ranks, /usr/bin/time) and wall time of 14"
+echo "# steps of interleaved VPP2, PP2 on 2 ranks, plain loopback, ours vs torch.distributed.pipelining, alternated 3"
+echo "# times. Printed by the loop (the iteration-14 log line cut after the tokens/s):"
 for r in 1 2 3; do for impl in overlap torch_pipelining; do
 /usr/bin/time -f "$impl %U user %S sys %e wall" overlap run -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 14 -gb 8 -mb 1 \
   model.num_layers=8 model.virtual_pipeline_model_parallel_size=2 model.pipeline_impl=$impl 2>&1 \
   | grep -E "user|iteration +14" | sed 's/learning rate.*//'
-done; done > $out/pp_vs_torch_cpu_time.txt
+done; done
+} > $out/pp_vs_torch_cpu_time.txt
 
 # ------------------------------------------------------------------------------------------------------ TP overlap
 
