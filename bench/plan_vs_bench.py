@@ -1,13 +1,15 @@
 """The planner against the committed benchmarks: prove the model where we can measure.
 
-    python bench/plan_vs_bench.py --probe    # bench/commands.sh 38: writes bench/results/loopback_probe.json
-    python bench/plan_vs_bench.py            # bench/commands.sh 39: writes bench/results/plan_vs_bench.md
+    python bench/plan_vs_bench.py --probe    # command 38: writes bench/results/loopback_probe.json
+    python bench/plan_vs_bench.py            # command 39: writes bench/results/plan_vs_bench.md
 
---probe measures the loopback link with 2 and 4 local ranks (`overlap.plan.calibrate.probe_loopback`) into
-bench/results/loopback_probe.json and stops; run it alone on the machine, like every benchmark. Without it, for
-every committed result with a floor, each configuration of ours is re-planned on the profile that floor gives
-(`overlap.plan.versus_bench`) and bench/results/plan_vs_bench.md gets the table: predicted vs measured step time and
-on/off ratio, against the bounds (20% and 0.08) that tests/test_plan_vs_bench.py holds.
+--probe measures the loopback link with 2 and 4 local ranks
+(`overlap.plan.calibrate.probe_loopback`) into bench/results/loopback_probe.json and stops; run it
+alone on the machine, like every benchmark. Without it, for every committed result with a floor,
+each configuration of ours is re-planned on the profile that floor gives
+(`overlap.plan.versus_bench`) and bench/results/plan_vs_bench.md gets the table: predicted vs
+measured step time and on/off ratio, against the bounds (20% and 0.08) that
+tests/test_plan_vs_bench.py holds.
 """
 
 import json

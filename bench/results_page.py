@@ -1,13 +1,14 @@
 """Write docs/results.md from the committed results, so the page cannot drift from the data.
 
     python bench/results_page.py            # rewrites docs/results.md
-    python bench/results_page.py --check    # exit 1 if docs/results.md differs from what it would write
+    python bench/results_page.py --check    # exit 1 if docs/results.md is not what it would write
 
-Inputs: every file in bench/results/ (the JSON of `overlap bench`, `hf_compute_bench.py` and `checkpoint_bench.py`,
-and the text / Markdown outputs of the other commands), bench/commands.sh (which numbered command writes which
-file: its `# N. -> FILE` headers) and bench/results_notes.md (the analysis: one `## KEY` section per page section
-or result, KEY being a section key below or a result's file stem). The page has one part per result: a table,
-the command that made it, its number in bench/commands.sh, and its note.
+Inputs: every file in bench/results/ (the JSON of `overlap bench`, `hf_compute_bench.py` and
+`checkpoint_bench.py`, and the text / Markdown outputs of the other commands), bench/commands.sh
+(which numbered command writes which file: its `# N. -> FILE` headers) and bench/results_notes.md
+(the analysis: one `## KEY` section per page section or result, KEY being a section key below or a
+result's file stem). The page has one part per result: a table, the command that made it, its
+number in bench/commands.sh, and its note.
 """
 
 import json
@@ -24,26 +25,69 @@ COMMANDS = ROOT / "bench" / "commands.sh"
 NOTES = ROOT / "bench" / "results_notes.md"
 PAGE = ROOT / "docs" / "results.md"
 
-# (section key, title, result stems in page order). A result file in bench/results/ that no section names is an
-# error (see `missing_results`), so a new result cannot be committed without a place on the page.
+# (section key, title, result stems in page order). A result file in bench/results/ that no section
+# names is an error (see `missing_results`), so a new result cannot be committed without a place on
+# the page.
 SECTIONS = (
     ("summary", "Summary", ()),
-    ("ep", "EP overlap", ("ep_overlap", "ep_overlap_2ranks", "ep_overlap_one_rank_per_core",
-                          "ep_overlap_balanced", "ep_overlap_capacity", "flex_vs_alltoall")),
-    ("ep_cpus", "EP overlap on CPUs with fast bf16", (
-        "ep_overlap_epyc_20MBs", "ep_overlap_epyc_60MBs", "ep_overlap_epyc_30MBs_linkfloor",
-        "ep_overlap_epyc_30MBs", "ep_overlap_xeon_20MBs", "ep_overlap_xeon_30MBs", "ep_overlap_xeon_nolink")),
-    ("ep_pp", "EP overlap under the interleaved pipeline", (
-        "ep_overlap_pp", "ep_overlap_pp_8mb", "ep_overlap_pp_balanced", "ep_overlap_pp_xeon_2MBs",
-        "ep_overlap_pp_xeon_8MBs")),
+    (
+        "ep",
+        "EP overlap",
+        (
+            "ep_overlap",
+            "ep_overlap_2ranks",
+            "ep_overlap_one_rank_per_core",
+            "ep_overlap_balanced",
+            "ep_overlap_capacity",
+            "flex_vs_alltoall",
+        ),
+    ),
+    (
+        "ep_cpus",
+        "EP overlap on CPUs with fast bf16",
+        (
+            "ep_overlap_epyc_20MBs",
+            "ep_overlap_epyc_60MBs",
+            "ep_overlap_epyc_30MBs_linkfloor",
+            "ep_overlap_epyc_30MBs",
+            "ep_overlap_xeon_20MBs",
+            "ep_overlap_xeon_30MBs",
+            "ep_overlap_xeon_nolink",
+        ),
+    ),
+    (
+        "ep_pp",
+        "EP overlap under the interleaved pipeline",
+        (
+            "ep_overlap_pp",
+            "ep_overlap_pp_8mb",
+            "ep_overlap_pp_balanced",
+            "ep_overlap_pp_xeon_2MBs",
+            "ep_overlap_pp_xeon_8MBs",
+        ),
+    ),
     ("dp", "DP overlap", ("dp_overlap", "dp_overlap_modelled", "dp_overlap_2ranks")),
-    ("pp", "Pipeline schedules and p2p overlap", (
-        "pp_schedules", "pp_schedules_2ranks", "pp_schedules_modelled", "pp_bubble", "pp_p2p_overlap_vpp",
-        "pp_vs_torch_2ranks", "pp_vs_torch_2ranks_vpp2", "pp_vs_torch_cpu_time")),
+    (
+        "pp",
+        "Pipeline schedules and p2p overlap",
+        (
+            "pp_schedules",
+            "pp_schedules_2ranks",
+            "pp_schedules_modelled",
+            "pp_bubble",
+            "pp_p2p_overlap_vpp",
+            "pp_vs_torch_2ranks",
+            "pp_vs_torch_2ranks_vpp2",
+            "pp_vs_torch_cpu_time",
+        ),
+    ),
     ("tp", "TP overlap", ("tp_overlap", "tp_overlap_narrow")),
     ("checkpoints", "Checkpoints", ("checkpoint",)),
-    ("compute", "Compute next to transformers", (
-        "hf_compute", "hf_compute_fp32", "hf_compute_bf16", "hf_compute_moe_40")),
+    (
+        "compute",
+        "Compute next to transformers",
+        ("hf_compute", "hf_compute_fp32", "hf_compute_bf16", "hf_compute_moe_40"),
+    ),
     ("costs", "What gloo costs on this machine", ("gloo_costs",)),
     ("planner", "The planner against these results", ("loopback_probe", "plan_vs_bench")),
 )
@@ -52,8 +96,8 @@ _HEADER = re.compile(r"^# (\d+)\. -> (\S+?)(?:\.json/\.md|\.json|\.md|\.txt)?\. 
 
 
 def commands(text: str) -> dict[str, tuple[int, str]]:
-    """Result stem -> (number, description) of the bench/commands.sh command that writes it: the `# N. -> FILE.`
-    header and the comment lines that continue it."""
+    """Result stem -> (number, description) of the bench/commands.sh command that writes it: the
+    `# N. -> FILE.` header and the comment lines that continue it."""
     out: dict[str, tuple[int, str]] = {}
     stem = None
     for line in text.splitlines():
@@ -84,7 +128,9 @@ def notes(text: str) -> dict[str, str]:
         elif key is not None:
             out[key] += line + "\n"
         elif line.strip() and not line.startswith("# "):
-            raise ValueError(f"bench/results_notes.md: text before the first '## KEY' section: {line!r}")
+            raise ValueError(
+                f"bench/results_notes.md: text before the first '## KEY' section: {line!r}"
+            )
     return {k: v.strip() for k, v in out.items()}
 
 
@@ -118,13 +164,20 @@ def _bench_table(doc: dict) -> list[str]:
         st = c["step_time_ms"]
         name = c["name"] + (" (**NOISY**)" if _noisy(st) else "")
         traced = c.get("comm_traced", True)
-        row = [name, _f(st["mean"]), f"{st['min']:.0f}-{st['max']:.0f}", _f(c["step_time_ratio_to_first"], 3)]
+        row = [
+            name,
+            _f(st["mean"]),
+            f"{st['min']:.0f}-{st['max']:.0f}",
+            _f(c["step_time_ratio_to_first"], 3),
+        ]
         if per_round:
             pr = c.get("step_time_ratio_to_first_per_round")
             row.append(_f(pr["median"], 3) if pr else "")
-        row += [_f(c["exposed_comm_ms"]["all"]) if traced else "n/a",
-                _f(c["total_comm_ms"]["all"]) if traced else "n/a",
-                _f(c["comm_mb_per_iter"]["all"], 2) if traced else "n/a"]
+        row += [
+            _f(c["exposed_comm_ms"]["all"]) if traced else "n/a",
+            _f(c["total_comm_ms"]["all"]) if traced else "n/a",
+            _f(c["comm_mb_per_iter"]["all"], 2) if traced else "n/a",
+        ]
         row += [_f(by_floor.get(f, {}).get(c["name"]), 2) for f in floors]
         if hidden:
             share = c.get("exposed_hidden_share_vs_first", {})
@@ -134,43 +187,72 @@ def _bench_table(doc: dict) -> list[str]:
 
 
 def _noisy(step: dict) -> bool:
-    """`overlap bench`'s rule, applied to every result alike (some predate the flag in the JSON): repeats that
-    spread by more than 10% of their mean make the mean unreliable."""
+    """`overlap bench`'s rule, applied to every result alike (some predate the flag in the JSON):
+    repeats that spread by more than 10% of their mean make the mean unreliable."""
     return step["max"] - step["min"] > 0.10 * step["mean"]
 
 
 def _bench_header(doc: dict) -> list[str]:
     first, last = window_of(doc)
-    facts = [f"Network: {doc['network'].split(' (')[0]}", f"{doc['repeats']} {doc['order']} repeats",
-             f"steady-state window: iterations {first}-{last}"]
+    facts = [
+        f"Network: {doc['network'].split(' (')[0]}",
+        f"{doc['repeats']} {doc['order']} repeats",
+        f"steady-state window: iterations {first}-{last}",
+    ]
     lines = ["; ".join(facts) + ". Communication columns are rank 0's mean per iteration."]
     if any(_noisy(c["step_time_ms"]) for c in doc["configs"]):
-        lines += ["", "**NOISY**: that configuration's repeats spread by more than 10% of their mean; the machine "
-                  "drifted, so read its per-round ratios where they are given, not its mean."]
+        lines += [
+            "",
+            "**NOISY**: that configuration's repeats spread by more than 10% of their mean; the "
+            "machine drifted, so read its per-round ratios where they are given, not its mean.",
+        ]
     return lines
 
 
 def _hf_table(doc: dict) -> list[str]:
-    lines = ["| model | dtype | attention (ours) | ours ms | transformers ms | ours / transformers | per pair | "
-             "loss ours | loss transformers |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | dtype | attention (ours) | ours ms | transformers ms | ours / transformers "
+        "| per pair | loss ours | loss transformers |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["rows"]:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['attention_backend']} | {r['ours_ms']:.1f} | "
-                     f"{r['transformers_ms']:.1f} | {r['ratio']:.3f} | {r['pair_ratio_median']:.3f} | "
-                     f"{r['loss_ours']:.4f} | {r['loss_transformers']:.4f} |")
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['attention_backend']} | {r['ours_ms']:.1f} | "
+            f"{r['transformers_ms']:.1f} | {r['ratio']:.3f} | {r['pair_ratio_median']:.3f} | "
+            f"{r['loss_ours']:.4f} | {r['loss_transformers']:.4f} |"
+        )
     return lines
 
 
 def _checkpoint_table(doc: dict) -> list[str]:
-    cols = ("size_mb", "blocked_ms", "complete_ms", "step_no_save_ms", "step_after_save_ms", "load_ms")
-    lines = ["| workload | mode | size MB | save blocks training ms | save complete ms | step, no save ms | "
-             "step during an async write ms | load ms |", "|---|---|---|---|---|---|---|---|"]
+    cols = (
+        "size_mb",
+        "blocked_ms",
+        "complete_ms",
+        "step_no_save_ms",
+        "step_after_save_ms",
+        "load_ms",
+    )
+    lines = [
+        "| workload | mode | size MB | save blocks training ms | save complete ms "
+        "| step, no save ms | "
+        "step during an async write ms | load ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for workload, modes in doc["results"].items():
         for mode, runs in modes.items():
             means = [statistics.fmean(r[c] for r in runs) for c in cols]
-            lines.append(f"| {workload} | {mode} | {means[0]:.1f} | "
-                         + " | ".join(f"{m:.0f}" for m in means[1:]) + " |")
-    return [f"{doc['iters']} iterations, a save every {doc['interval']}, then a load + 1 iteration; means over "
-            f"the saves and {doc['repeats']} alternated repeats.", ""] + lines
+            lines.append(
+                f"| {workload} | {mode} | {means[0]:.1f} | "
+                + " | ".join(f"{m:.0f}" for m in means[1:])
+                + " |"
+            )
+    return [
+        f"{doc['iters']} iterations, a save every {doc['interval']}, then a load + 1 iteration; "
+        "means over "
+        f"the saves and {doc['repeats']} alternated repeats.",
+        "",
+    ] + lines
 
 
 def _probe_table(doc: dict) -> list[str]:
@@ -190,7 +272,9 @@ def _machine(doc: dict) -> str:
 
 def _result(stem: str, command: tuple[int, str] | None, note: str) -> list[str]:
     if command is None:
-        raise ValueError(f"bench/commands.sh has no '# N. -> {stem}...' command for bench/results/{stem}")
+        raise ValueError(
+            f"bench/commands.sh has no '# N. -> {stem}...' command for bench/results/{stem}"
+        )
     number, description = command
     out = [f"### {stem}", "", description, ""]
     cmd_line = f"Command {number} in [bench/commands.sh](../bench/commands.sh)"
@@ -221,8 +305,14 @@ def _result(stem: str, command: tuple[int, str] | None, note: str) -> list[str]:
         if path.suffix == ".md":
             out += [text, "", f"{cmd_line}.", ""]
         else:
-            out += ["```", text, "```", "", f"{cmd_line} ([bench/results/{path.name}]"
-                    f"(../bench/results/{path.name})).", ""]
+            out += [
+                "```",
+                text,
+                "```",
+                "",
+                f"{cmd_line} ([bench/results/{path.name}](../bench/results/{path.name})).",
+                "",
+            ]
     if note:
         out += [note, ""]
     return out
@@ -231,19 +321,29 @@ def _result(stem: str, command: tuple[int, str] | None, note: str) -> list[str]:
 def render() -> str:
     missing = missing_results()
     if missing:
-        raise ValueError(f"bench/results_page.py: no section places {sorted(missing)}; add them to SECTIONS")
+        raise ValueError(
+            f"bench/results_page.py: no section places {sorted(missing)}; add them to SECTIONS"
+        )
     made_by = commands(COMMANDS.read_text())
     texts = notes(NOTES.read_text())
     known = {k for k, _, _ in SECTIONS} | {s for _, _, stems in SECTIONS for s in stems}
     stray = set(texts) - known
     if stray:
-        raise ValueError(f"bench/results_notes.md: sections {sorted(stray)} name no result or page section")
-    out = ["# Measured results", "",
-           "Generated by `python bench/results_page.py` from bench/results/ (the data), bench/commands.sh (the "
-           "commands) and bench/results_notes.md (the analysis); `tests/test_results_page.py` fails if this page "
-           "and its generator's output differ. Step times are steady-state means in ms; efficiency is "
-           "`(T_off - T_on) / (T_off - T_floor)` with the first configuration as off; columns are explained in "
-           "[bench/README.md](../bench/README.md).", ""]
+        raise ValueError(
+            f"bench/results_notes.md: sections {sorted(stray)} name no result or page section"
+        )
+    out = [
+        "# Measured results",
+        "",
+        "Generated by `python bench/results_page.py` from bench/results/ (the data), "
+        "bench/commands.sh (the commands) and bench/results_notes.md (the analysis); "
+        "`tests/test_results_page.py` fails if this page "
+        "and its generator's output differ. Step times are steady-state means in ms; efficiency is "
+        "`(T_off - T_on) / (T_off - T_floor)` with the first configuration as off; columns are "
+        "explained in "
+        "[bench/README.md](../bench/README.md).",
+        "",
+    ]
     for key, title, stems in SECTIONS:
         out += [f"## {title}", ""]
         if texts.get(key):
