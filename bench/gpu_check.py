@@ -308,7 +308,7 @@ def cmd_nccl(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from overlap.parallel import comm
+    from overlap.parallel import comm, groups, teardown
     from overlap.parallel.trace import RECORDER, CommEvent, DeviceTimeline
 
     cuda = args.device == "cuda"
@@ -316,7 +316,7 @@ def cmd_nccl(args: argparse.Namespace) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    comm.init_world("nccl" if cuda else "gloo", 60, device)
+    groups.init_world("nccl" if cuda else "gloo", 60, device)
     try:
         RECORDER.timeline = DeviceTimeline() if cuda else RECORDER.timeline  # what a GPU rank's tracer uses
         RECORDER.drain()
@@ -382,7 +382,7 @@ def cmd_nccl(args: argparse.Namespace) -> int:
     finally:
         facts["failed"] = failed
         Path(args.out, "nccl.json").write_text(json.dumps(facts, indent=1))
-        comm.shutdown()
+        teardown.shutdown()
     print(json.dumps(facts))
     return 0
 
@@ -394,7 +394,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     import torch
 
     from overlap.harness import resolve_run
-    from overlap.parallel import comm
+    from overlap.parallel import groups, teardown
     from overlap.parallel.state import ParallelState
     from overlap.parallel.trace import RECORDER, DeviceTimeline
     from overlap.training.trainer import Trainer
@@ -403,7 +403,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     torch.cuda.set_device(device)
     job = resolve_run(["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", args.gpu, "-ng", "1", "-ms", "2", "-c", "bf16"],
                       [])
-    comm.init_world("nccl", 60, device)
+    groups.init_world("nccl", 60, device)
     RECORDER.timeline = DeviceTimeline()
     sites: dict[str, dict] = {}
 
@@ -431,7 +431,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
-        comm.shutdown()
+        teardown.shutdown()
     unintended = sorted(k for k, v in sites.items() if not v["intended"])
     result = {"syncs": sites, "failed": [f"{len(unintended)} unintended host synchronisation site(s): "
                                           + ", ".join(unintended)] if unintended else []}

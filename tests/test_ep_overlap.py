@@ -14,7 +14,7 @@ import torch.distributed as dist
 from overlap.config import ModelConfig
 from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
 from overlap.model.gpt import GPTModel
-from overlap.parallel import comm
+from overlap.parallel import link_model
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER, CommEvent, now
 from overlap.pipeline.schedules import PipelineExecutor
@@ -156,11 +156,11 @@ def test_a_phase_leaves_its_weight_gradients_to_the_next_phase_only():
 def _run_on_slow_link(latency_ms: float):
     """The merged schedule with delay_wgrad on a modelled link slow enough that every all-to-all is still in flight
     when the rank reaches its wait."""
-    comm.set_network(comm.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
+    link_model.set_network(link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
     try:
         return _run(True, True, {"ep": 2}, {})
     finally:
-        comm.set_network(None)
+        link_model.set_network(None)
 
 
 def test_waits_are_filled_with_delayed_weight_gradients_and_split_sizes_are_waited_outside_attention():
@@ -182,11 +182,11 @@ def test_waits_are_filled_with_delayed_weight_gradients_and_split_sizes_are_wait
 
 
 def _run_without_delay_on_slow_link(latency_ms: float):
-    comm.set_network(comm.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
+    link_model.set_network(link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
     try:
         return _run(True, False, {"ep": 2}, {}, n_mb=4)
     finally:
-        comm.set_network(None)
+        link_model.set_network(None)
 
 
 def test_without_delay_wgrad_the_split_sizes_and_the_dispatch_have_backward_pieces_as_cover():

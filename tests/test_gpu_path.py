@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from overlap.parallel import comm
+from overlap.parallel import groups
 from overlap.perf.bench import BenchConfig, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,12 +25,12 @@ def _overlap(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 def test_a_cuda_world_binds_its_device(monkeypatch):
     """device_id: NCCL builds its communicators at start-up, not inside the first step's first collective."""
     seen = {}
-    monkeypatch.setattr(comm.dist, "init_process_group", lambda **kw: seen.update(kw))
-    comm.init_world("nccl", 30, torch.device("cuda", 3))
+    monkeypatch.setattr(groups.dist, "init_process_group", lambda **kw: seen.update(kw))
+    groups.init_world("nccl", 30, torch.device("cuda", 3))
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 3)
     assert seen["timeout"].total_seconds() == 30
     seen.clear()
-    comm.init_world("gloo", 30, None)
+    groups.init_world("gloo", 30, None)
     assert "device_id" not in seen
 
 

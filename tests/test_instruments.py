@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from overlap.errors import ConfigError
 from overlap.launch import network as net
-from overlap.parallel import comm
+from overlap.parallel import comm, link_model
 from overlap.parallel.trace import CommEvent, Recorder, Span
 from overlap.perf import bench
 from overlap.perf.machine import describe_machine, machine_line
@@ -136,7 +136,7 @@ def test_chrome_trace_puts_concurrent_ops_of_one_kind_on_separate_lanes():
 
 def _modelled_link_case():
     group = dist.group.WORLD
-    comm.set_network(comm.LinkModel(latency_s=0.01, bandwidth_Bps=1e7))
+    link_model.set_network(link_model.LinkModel(latency_s=0.01, bandwidth_Bps=1e7))
     try:
         x = torch.full((250_000,), float(dist.get_rank() + 1))  # 1 MB: 0.01 + 1 x 1e6 / 1e7 = 0.11 s (W=2)
         wall, cpu = time.perf_counter(), time.process_time()
@@ -149,14 +149,15 @@ def _modelled_link_case():
         h2.wait()
         h1.wait()
         queued = h2.event.t_done - h1.event.t_launch
-        comm.set_network(comm.LinkModel(latency_s=0.5, bandwidth_Bps=1e7, families=("ep",)))
+        link_model.set_network(link_model.LinkModel(latency_s=0.5, bandwidth_Bps=1e7,
+                                                    families=("ep",)))
         h_dp, h_ep = comm.all_reduce(torch.ones(4), group, "dp_ar"), comm.all_reduce(torch.ones(4), group, "ep_x")
         h_dp.wait()
         h_ep.wait()
         scoped = (h_dp.event.t_done - h_dp.event.t_launch, h_ep.event.t_done - h_ep.event.t_launch)
         return single, wall, cpu, queued, x[0].item(), b[0].item(), scoped
     finally:
-        comm.set_network(None)
+        link_model.set_network(None)
 
 
 def test_modelled_link_holds_completion_back_without_burning_cpu_and_queues_ops():
@@ -172,7 +173,7 @@ def _modelled_late_peer_case():
     """Rank 1 launches a 1 MB all-to-all (0.01 + 1/2 x 1e6 / 1e7 = 0.06 s of link at W=2) 0.3 s after rank 0. Returns
     (launch, done) of each rank's op and the received value."""
     group = dist.group.WORLD
-    comm.set_network(comm.LinkModel(latency_s=0.01, bandwidth_Bps=1e7))
+    link_model.set_network(link_model.LinkModel(latency_s=0.01, bandwidth_Bps=1e7))
     try:
         comm.barrier()
         if dist.get_rank() == 1:
@@ -183,7 +184,7 @@ def _modelled_late_peer_case():
         return (h.event.t_launch, h.event.t_done, h.event.t_wait_end, (out[0].item(), out[-1].item()),
                 h.event.t_ready, exposure([h.event], [])["ep_dispatch"])
     finally:
-        comm.set_network(None)
+        link_model.set_network(None)
 
 
 def test_modelled_collective_starts_when_the_last_rank_has_launched():
@@ -207,7 +208,8 @@ def _modelled_p2p_case():
     again with the receive posted only after the send. Returns (receive posted -> done, send posted -> done) of
     each receive, from the host's one monotonic clock (the sender's posting times travel in the reply)."""
     group = dist.group.WORLD
-    comm.set_network(comm.LinkModel(latency_s=0.01, bandwidth_Bps=1e7, families=("pp",)))
+    link_model.set_network(link_model.LinkModel(latency_s=0.01, bandwidth_Bps=1e7,
+                                                families=("pp",)))
     try:
         payload = torch.ones(250_000)
         if dist.get_rank() == 0:
@@ -232,7 +234,7 @@ def _modelled_p2p_case():
         comm.barrier()
         return out
     finally:
-        comm.set_network(None)
+        link_model.set_network(None)
 
 
 def test_modelled_p2p_starts_when_both_sides_have_posted():

@@ -8,7 +8,7 @@ dies with "terminate called without an active exception" (exit -6) after a run t
 Two kinds of test:
 - the mechanism, deterministic and fast (a shared world): a waited handle has run its completion callback, even a
   slow one; `drain_outstanding` waits for handles nobody waited for, and a bounded drain gives up on them;
-- the stress: `comm.shutdown` as `overlap run` reaches it, for each overlap mode (DP all-reduce overlap, distributed
+- the stress: the teardown as `overlap run` reaches it, for each overlap mode (DP all-reduce overlap, distributed
   optimizer with both overlaps, EP overlap), on the modelled link and, where the machine allows, on tbf. Starting
   ranks costs seconds, so each launch is ONE pair of rank processes that runs `overlap run` in-process REPEATS times
   (modes in turn, one step each, a fresh process group each time: init -> train -> shutdown) and then exits. Every

@@ -25,7 +25,7 @@ from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLine
 from overlap.model import GPTModel
 from overlap.layers.tp_overlap import (pipelined_matmul_reduce_scatter, ring_all_gather_matmul,
                                        ring_matmul_reduce_scatter)
-from overlap.parallel import comm
+from overlap.parallel import comm, link_model
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.trainer import Trainer
@@ -314,7 +314,8 @@ def _in_flight_under_gemms() -> dict[str, int]:
     cfg = _config(False, ON, tensor_model_parallel_size=2, sequence_parallel=True)
     cfg.train.train_iters = 1
     res = cfg.finalize(2)
-    comm.set_network(comm.LinkModel(latency_s=2e-3, bandwidth_Bps=1e9, families=("tp",)))
+    link_model.set_network(link_model.LinkModel(latency_s=2e-3, bandwidth_Bps=1e9,
+                                                families=("tp",)))
     try:
         trainer = Trainer(cfg, ParallelState(res.layout))
         RECORDER.drain()
@@ -323,7 +324,7 @@ def _in_flight_under_gemms() -> dict[str, int]:
         trainer.train()
     finally:
         RECORDER.on_drain = None
-        comm.set_network(None)
+        link_model.set_network(None)
     counts = {}
     for label, span, match in (("ring_ag", "tp.gemm", lambda e: e.kind == "tp_ag" and e.op == "p2p"),
                                ("pipeline_rs", "tp.gemm", lambda e: e.kind == "tp_rs" and e.op == "reduce_scatter"),

@@ -4,7 +4,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from overlap.parallel import comm
+from overlap.parallel import comm, groups
 from overlap.parallel.state import ParallelLayout, ParallelState
 from tests.world import run_world
 
@@ -50,14 +50,14 @@ def _groups_reused():
     layout = ParallelLayout(world_size=dist.get_world_size(), tp=2)
     first, second = ParallelState(layout), ParallelState(layout)
     other = ParallelState(ParallelLayout(world_size=dist.get_world_size(), ep=2))
-    cpu = comm.cpu_group()
+    cpu = groups.cpu_group()
     gc.collect()  # groups leaked by earlier tests' models go now, not while counting
     before = len(os.listdir("/proc/self/task"))  # native threads too: gloo's are not Python threads
     for _ in range(5):
         ParallelState(layout)
         ParallelState(ParallelLayout(world_size=dist.get_world_size(), ep=2))
     return (first.tp_group is second.tp_group, first.ep_meta_group is second.ep_meta_group,
-            comm.cpu_group() is cpu, other.mesh is not first.mesh,
+            groups.cpu_group() is cpu, other.mesh is not first.mesh,
             len(os.listdir("/proc/self/task")) - before)
 
 
@@ -69,23 +69,23 @@ def test_parallel_state_reuses_its_groups():
 
 _NEW_WORLD = """
 import torch.distributed as dist
-from overlap.parallel import comm
+from overlap.parallel import groups, teardown
 
 def world():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 world()
-first = comm.cpu_group()
-assert comm.cpu_group() is first
-comm.shutdown()  # empties the cache with the world
+first = groups.cpu_group()
+assert groups.cpu_group() is first
+teardown.shutdown()  # empties the cache with the world
 world()
-second = comm.cpu_group()
-comm.forget_groups()
+second = groups.cpu_group()
+groups.forget_groups()
 dist.destroy_process_group()
 world()
-third = comm.cpu_group()
+third = groups.cpu_group()
 print(second is not first and third is not second)
-comm.shutdown()
+teardown.shutdown()
 """
 
 

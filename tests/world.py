@@ -49,9 +49,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: dict[str,
             outbox.put((rank, True, result, len(dist.distributed_c10d._world.pg_map)))
         except BaseException:  # report any failure, including assertion errors, to the test process
             outbox.put((rank, False, traceback.format_exc(), 0))
-    from overlap.parallel import comm
+    from overlap.parallel import groups
 
-    comm.forget_groups()
+    groups.forget_groups()
     dist.destroy_process_group()
 
 

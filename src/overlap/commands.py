@@ -268,15 +268,16 @@ def _network_label(network, comm_mode: str) -> str:
 def _apply_network(network, comm_mode: str) -> None:
     """Configure comm.py on this rank for the chosen link and mode."""
     from overlap.launch.network import NETNS_ENV
-    from overlap.parallel import comm
+    from overlap.parallel import comm, link_model
 
     if network.kind == "tbf" and NETNS_ENV not in os.environ:
         raise ConfigError("--network", network.text, "this rank is not inside the emulated interconnect: only the "
                           "local launcher (-g cpu, no torchrun) builds the network namespace.",
                           "launch with -g cpu without torchrun, or use a modelled link (model:LAT,BW).")
     comm.set_mode(comm_mode)
-    comm.set_network(comm.LinkModel(network.latency_s, network.bandwidth_Bps, network.families)
-                     if network.kind == "model" else None)
+    link_model.set_network(link_model.LinkModel(network.latency_s, network.bandwidth_Bps,
+                                                network.families)
+                           if network.kind == "model" else None)
 
 
 def _choose_gloo_interface() -> str | None:
@@ -333,10 +334,10 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         address = _choose_gloo_interface()
     cfg = job.cfg
     _apply_network(network, args.comm_mode)
-    from overlap.parallel import comm
+    from overlap.parallel import comm, groups
     from overlap.parallel.trace import DeviceTimeline
 
-    comm.init_world("nccl" if use_cuda else "gloo", cfg.train.comm_timeout_s, device)
+    groups.init_world("nccl" if use_cuda else "gloo", cfg.train.comm_timeout_s, device)
     if use_cuda:
         RECORDER.timeline = DeviceTimeline()  # times on the GPU (overlap.parallel.trace)
     elif args.nccl_rules:
@@ -400,12 +401,13 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
             raise
         raise RankFailure(line) from exc
     finally:
-        from overlap.parallel import comm
+        from overlap.parallel import teardown
 
-        # The trainer and the parallel state hold the process groups: dropped here, so that comm.shutdown() can free
-        # the groups (which joins gloo's worker threads) once nothing else holds them. The order: comm.shutdown.
+        # The trainer and the parallel state hold the process groups: dropped here, so that
+        # teardown.shutdown() can free the groups (which joins gloo's worker threads) once nothing
+        # else holds them. The order: teardown.shutdown.
         trainer = ps = None
-        comm.shutdown(failing=sys.exc_info()[0] is not None)
+        teardown.shutdown(failing=sys.exc_info()[0] is not None)
     return 0
 
 

@@ -34,7 +34,7 @@ from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError
 from overlap.hf.names import mappings, to_hf, unfuse_experts
 from overlap.hf.safetensors_io import SafetensorsReader, write_sharded
-from overlap.parallel import comm
+from overlap.parallel import groups
 from overlap.training.checkpoint_format import (RUN_CONFIG, Chunk, ChunkLoadPlanner, checkpoint_folder,
                                                 check_storage, iteration_dir, read_metadata, saved_iterations)
 
@@ -52,7 +52,7 @@ def single_process() -> Iterator[None]:
     try:
         yield
     finally:
-        comm.forget_groups()
+        groups.forget_groups()
         dist.destroy_process_group()
 
 

@@ -82,7 +82,7 @@ class DistributedDataParallel:
         """The grad-ready hook through a weak reference: a parameter hook holding this object would keep it, the
         parallel state and its process groups alive for good (the garbage collector does not see through
         post-accumulate-grad hooks), and gloo's worker threads live as long as their group does - past interpreter
-        shutdown, where freeing a finished op aborts the process (see `comm.shutdown`)."""
+        shutdown, where freeing a finished op aborts the process (see `teardown.shutdown`)."""
         ref = weakref.WeakMethod(self._on_grad_ready)
 
         def hook(param: nn.Parameter) -> None:

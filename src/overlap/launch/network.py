@@ -6,7 +6,8 @@
   by a token bucket (`tc ... tbf`). Traffic then really waits on a slow link, at little CPU cost, so an overlapped
   schedule can hide it the way it would hide a real interconnect. Needs root and iproute2 (`ip`, `tc`);
 - `model:LATENCY,BANDWIDTH` (e.g. `model:100us,1GB/s`): the fallback where a namespace cannot be made. Collectives
-  run for real and `comm.py` holds each one's completion back by a modelled time (see `overlap.parallel.comm`).
+  run for real and `comm.py` holds each one's completion back by a modelled time (see
+  `overlap.parallel.link_model`).
 
 Units: latency s / ms / us / ns; bandwidth B/s, KB/s, MB/s, GB/s (powers of 1000, as link speeds are quoted), KiB/s,
 MiB/s, GiB/s, or bit rates kbit / mbit / gbit (per second). The tbf RATE is passed to `tc` as written (tc syntax:
@@ -48,7 +49,8 @@ class Network:
 
     kind: str  # "real" | "model" | "tbf"
     text: str  # as the user wrote it
-    latency_s: float | None = None  # kind "model" (comm.LinkModel's fields; kept torch-free for the launcher)
+    # kind "model" (link_model.LinkModel's fields; kept torch-free for the launcher)
+    latency_s: float | None = None
     bandwidth_Bps: float | None = None  # kind "model"
     rate: str | None = None  # kind "tbf", in tc syntax
     rate_Bps: float | None = None  # kind "tbf", for the record

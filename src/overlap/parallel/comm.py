@@ -1,250 +1,81 @@
-"""The one place that calls torch.distributed collectives.
+"""The one place that calls torch.distributed collectives and point-to-point operations.
 
-Every call is asynchronous underneath and returns a `CommHandle`; synchronous callers simply `wait()` at once. Every
-call is named by *kind* (`tp_ag`, `tp_rs`, `tp_ar`, `ep_dispatch`, `ep_combine`, `dp_rs`, `dp_ar`, `dp_ag`, `pp_send`,
-...) and recorded in the tracer with launch, completion (on the tracer's timeline: the work's future on gloo, so a
-transfer that finished long before anybody waited is not charged as late; a CUDA event on NCCL, see
-`overlap.parallel.trace`) and wait times, and in the program recorder (`PROGRAM`, `overlap.parallel.program`) with
-its group, operation and size. A point-to-point call is one posted unit whose ops share one completion, as NCCL
+Every call is asynchronous underneath and returns a `CommHandle`; synchronous callers simply
+`wait()` at once. Every call is named by *kind* (`tp_ag`, `tp_rs`, `tp_ar`, `ep_dispatch`,
+`ep_combine`, `dp_rs`, `dp_ar`, `dp_ag`, `pp_send`, ...) and recorded in the tracer with launch,
+completion (on the tracer's timeline: the work's future on gloo, so a transfer that finished long
+before anybody waited is not charged as late; a CUDA event on NCCL, see `overlap.parallel.trace`)
+and wait times, and in the program recorder (`PROGRAM`, `overlap.parallel.program`) with its group,
+operation and size. A point-to-point call is one posted unit whose ops share one completion, as NCCL
 gives one work for a whole batch.
 
-NCCL's rules (`set_nccl_rules`): gloo run as NCCL shows itself, with every rank's program recorded for the replay
-under NCCL's streams (docs/gpu.md).
+NCCL's rules (`set_nccl_rules`): gloo run as NCCL shows itself, with every rank's program recorded
+for the replay under NCCL's streams (docs/gpu.md).
 
 Modes (`set_mode`):
 - "real": the collective runs.
-- "none": no transfer at all; outputs keep the right shapes (inputs are echoed). Losses are meaningless in this mode;
-  its only use is the compute-only floor of a benchmark (`T_ideal`).
-- "none:FAMILY[,FAMILY]" (e.g. "none:ep"): only the kinds of those families (the kind's prefix before "_") are free,
-  the rest run for real: the floor that isolates one parallel dimension's communication from the others'.
+- "none": no transfer at all; outputs keep the right shapes (inputs are echoed). Losses are
+  meaningless in this mode; its only use is the compute-only floor of a benchmark (`T_ideal`).
+- "none:FAMILY[,FAMILY]" (e.g. "none:ep"): only the kinds of those families (the kind's prefix
+  before "_") are free, the rest run for real: the floor that isolates one parallel dimension's
+  communication from the others'.
 
-Modelled link (`set_network(LinkModel(...))`, the `--network model:LATENCY,BANDWIDTH` fallback when no emulated
-interconnect can be set up): the collective still runs for real, so the data stays correct, but its completion is held
-back to `max(real completion, start + modelled time)`. Real gloo traffic on a small CPU box is CPU work that fights
-the compute for the cores; a modelled delay is pure waiting, which is what a fast interconnect looks like to the
-compute, so overlap measured against it is credible (see docs/architecture.md, "Measuring overlap honestly"). Each
-group has a "link free at" clock: two ops in flight on one group queue one behind the other instead of overlapping
-for free.
+On a modelled link (`overlap.parallel.link_model.set_network`) a collective still runs for real, and
+its handle's completion is held back to the link's deadline.
 
-A transfer on a modelled link starts when every side has posted, as NCCL's do: a point-to-point send's posting
-time travels in a one-element stamp ahead of its payload (see `p2p`), and every rank writes a collective's launch
-time into a table in shared memory (`_LaunchBoard`), read once the collective's data is in, so its link time runs
-from the last rank's launch. A receive posted early cannot have its transfer "happen" before the send exists, and a
-rank that waits for a late peer does not get the link time hidden behind that wait. The modelled link is a
-single-host emulation (one clock, one shared memory): a group spanning hosts is refused.
+On gloo, a summing reduce-scatter runs as an all-to-all of the chunks plus a local sum (see
+`reduce_scatter`).
 
-Known limit of the measurement: the link clocks are per process group, so collectives on two different groups over
-the same ranks (e.g. dp and ep) do not queue behind each other as they would on one physical link.
+Every op launched here is registered until it has been waited for, completion callback included
+(`outstanding`, `drain_outstanding`), so the end of a run can drain whatever is still in flight
+before the groups go (`overlap.parallel.teardown`).
 
-On gloo, a summing reduce-scatter runs as an all-to-all of the chunks plus a local sum (see `reduce_scatter`).
-
-Teardown (`shutdown`): every op launched here is registered until it has been waited for, completion callback
-included, so the end of a run can drain whatever is still in flight before the groups go; see `shutdown` for the order
-and for why the groups themselves must be freed before the interpreter exits.
+Around it: `overlap.parallel.groups` creates the groups, `overlap.parallel.ring` passes chunks
+around a group's ring with the point-to-point calls here.
 """
 
 from __future__ import annotations
 
-import gc
-import logging
 import math
-import mmap
-import os
 import socket
-import tempfile
-import threading
 import time
-import uuid
-import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from overlap.config.kinds import family, parse_families
 from overlap.errors import ConfigError
+from overlap.parallel import link_model
 from overlap.parallel.program import OpRecord, ProgramRecorder
 from overlap.parallel.trace import RECORDER, CommEvent, HostTimeline, RulesTimeline, now
 
-log = logging.getLogger("overlap.comm")
-
 _MODES = ("real", "none")
 _mode = "real"
-_free_families: frozenset[str] | None = None  # mode "none": the families made free (None: all)
+# mode "none": the families made free (None: all)
+_free_families: frozenset[str] | None = None
 _group_sizes: dict[ProcessGroup, int] = {}
 _group_ranks: dict[ProcessGroup, int] = {}
 _group_backends: dict[ProcessGroup, str] = {}
 _group_members: dict[ProcessGroup, list[int]] = {}
 
-# NCCL's rules on gloo (`set_nccl_rules`): what the runtime sees of a collective is what it would see on NCCL.
+# NCCL's rules on gloo (`set_nccl_rules`): what the runtime sees of a collective is what it would
+# see on NCCL.
 _nccl_rules = False
-PROGRAM = ProgramRecorder()  # every rank's posts and waits (overlap.parallel.program), while recording
-
-# Bytes a ring moves per byte of the op's payload, as in the usual bus-bandwidth convention. The payload is the full
-# tensor: the input of all-reduce / reduce-scatter / all-to-all, the gathered output of all-gather.
-_LINK_FACTORS: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "p2p": lambda n: 1.0,
-}
-
-
-@dataclass(frozen=True)
-class LinkModel:
-    """A modelled interconnect: each op costs `latency + factor x payload / bandwidth` seconds on its group's link.
-    `families` (e.g. ("ep",)) limits it to those kinds' families; the others complete when their data is there, so a
-    benchmark of one dimension's overlap is not mixed with another dimension's link time."""
-
-    latency_s: float
-    bandwidth_Bps: float
-    families: tuple[str, ...] | None = None
-
-    def applies_to(self, kind: str) -> bool:
-        return self.families is None or family(kind) in self.families
-
-    def seconds(self, op: str, payload_bytes: int, group_size: int) -> float:
-        factor = _LINK_FACTORS.get(op, _LINK_FACTORS["p2p"])(group_size)
-        return self.latency_s + factor * payload_bytes / self.bandwidth_Bps
-
-
-_link: LinkModel | None = None
-_link_free_at: dict[ProcessGroup, float] = {}
-_link_lock = threading.Lock()
-
-
-class _LaunchBoard:
-    """Every rank's launch time of each modelled collective on one group, for the link to start at the last one.
-
-    A table [SLOTS, group size] of (sequence number, time) in a file in shared memory that the group's ranks map:
-    a rank writes its entry when it launches the collective, before the collective can complete anywhere, so once
-    the data is in every entry is there to read, at no cost in communication (gathering the times over the group
-    instead cost a small collective per op, about 5% of an EP step here). Collectives are launched in the same
-    order on every rank, so the n-th launch on the group is the same op everywhere, and they are booked on the
-    group's link in that order, whichever completes first here. Built collectively at the group's first modelled
-    collective (the first member names the file)."""
-
-    SLOTS = 4096  # a rank runs at most this many collectives ahead of a peer on one group
-
-    def __init__(self, group: ProcessGroup) -> None:
-        hosts = all_gather_object(socket.gethostname(), group)
-        if len(set(hosts)) > 1:
-            raise ConfigError("--network", f"model:{_link.latency_s * 1e3:g}ms,{_link.bandwidth_Bps:g}B/s",
-                              f"the modelled link is a single-host emulation (one clock, one shared memory), and "
-                              f"this group spans hosts {sorted(set(hosts))}.",
-                              "use --network real (or tbf:RATE on one host).")
-        name = [f"overlap-link-{os.getpid()}-{uuid.uuid4().hex}"]
-        dist.broadcast_object_list(name, src=group_members(group)[0], group=group)
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.path = os.path.join(folder, name[0])
-        self.group = group
-        self.size, self.rank, self.next = group_size(group), group_rank(group), 0
-        self.unbooked: dict[int, tuple[str, int]] = {}  # seq -> (op, payload bytes), launched and not yet booked
-        self.booked: dict[int, tuple[float, float]] = {}  # seq -> (last launch, deadline), until its handle took it
-        self.to_book = 0  # the next op to book on the link
-        self.lock = threading.Lock()
-        nbytes = self.SLOTS * self.size * 2 * 8
-        with open(self.path, "a+b") as f:
-            os.ftruncate(f.fileno(), nbytes)  # every member, same size: creates it or leaves it as it is
-            self._map = mmap.mmap(f.fileno(), nbytes)
-        # Entry (slot, rank) is the doubles [2 (slot x size + rank)] (sequence number + 1) and [... + 1] (launch time).
-        # A plain memoryview, not a tensor: this is read on the completion path of every op, where a tensor's
-        # indexing and reductions cost ~75 us of the core the rank computes on, the memoryview ~4 us.
-        self.table = memoryview(self._map).cast("d")
-
-    def post(self, t_launch: float, op: str, payload_bytes: int) -> int:
-        """Write this rank's launch time of its next collective on the group; returns the op's sequence number."""
-        with self.lock:
-            seq, self.next = self.next, self.next + 1
-            self.unbooked[seq] = (op, payload_bytes)
-        entry = 2 * ((seq % self.SLOTS) * self.size + self.rank)
-        self.table[entry + 1] = t_launch
-        # Written last: the entry is whole once this is there. This relies on the host keeping stores (and loads) in
-        # program order, as x86 does; a weakly ordered CPU (ARM) would need a fence here and in _last_launch.
-        self.table[entry] = seq + 1
-        return seq
-
-    def _last_launch(self, seq: int) -> float | None:
-        """The latest launch time of op `seq` over the group, or None while a rank's entry is not in yet."""
-        first = 2 * (seq % self.SLOTS) * self.size
-        row = self.table[first:first + 2 * self.size].tolist()  # each entry's number is read before its time
-        if any(number != seq + 1 for number in row[0::2]):
-            return None
-        return max(row[1::2])
-
-    def deadline(self, seq: int, waited: bool) -> tuple[float, float] | None:
-        """Op `seq`'s (last launch, modelled completion): booked on the link from its last launch, after every
-        earlier op of the group (booked first if they are not yet). Asked once the op's data is in, by the
-        completion callback (`waited` False) or by the waiter, who waits for an entry still missing (a rank can
-        complete before a peer launched only where it receives nothing from it); None if the callback finds one
-        missing."""
-        with self.lock:
-            while self.to_book <= seq:
-                last = self._last_launch(self.to_book)
-                while last is None and waited:
-                    time.sleep(1e-4)
-                    last = self._last_launch(self.to_book)
-                if last is None:
-                    return None
-                op, payload = self.unbooked.pop(self.to_book)
-                ready = min(last, now())
-                self.booked[self.to_book] = ready, _reserve_link(self.group, op, payload, self.size, ready)
-                self.to_book += 1
-            return self.booked.pop(seq)
-
-    def close(self) -> None:
-        self.table.release()
-        self._map.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass  # another member unlinked it first
-
-
-_boards: dict[ProcessGroup, _LaunchBoard] = {}
-
-
-def _board(group: ProcessGroup) -> _LaunchBoard:
-    if group not in _boards:
-        _boards[group] = _LaunchBoard(group)
-    return _boards[group]
-
-
-def set_network(link: LinkModel | None) -> None:
-    """Hold every later collective's completion back by `link`'s modelled time (None: real completion only)."""
-    global _link
-    _link = link
-    _link_free_at.clear()
-    _close_boards()
-
-
-def _close_boards() -> None:
-    for board in _boards.values():
-        board.close()
-    _boards.clear()
-
-
-def _reserve_link(group: ProcessGroup, op: str, payload_bytes: int, size: int, t_launch: float) -> float:
-    """Book the op on its group's link after whatever is already queued there; return its modelled completion."""
-    with _link_lock:
-        start = max(t_launch, _link_free_at.get(group, 0.0))
-        deadline = start + _link.seconds(op, payload_bytes, size)
-        _link_free_at[group] = deadline
-    return deadline
+# every rank's posts and waits (overlap.parallel.program), while recording
+PROGRAM = ProgramRecorder()
 
 
 def parse_mode(mode: str) -> tuple[str, frozenset[str] | None]:
-    """"real" | "none" | "none:ep,dp" -> (mode, families made free; None = every family). A ConfigError (field
-    --comm-mode) for anything else, unknown family names included: a typo must not make a "floor" a real run."""
+    """"real" | "none" | "none:ep,dp" -> (mode, families made free; None = every family). A
+    ConfigError (field --comm-mode) for anything else, unknown family names included: a typo must
+    not make a "floor" a real run."""
     base, sep, rest = mode.partition(":")
     if base not in _MODES or (sep and base != "none"):
-        raise ConfigError("--comm-mode", mode, "expected real, none or none:FAMILY[,FAMILY].", "e.g. none:ep.")
+        raise ConfigError("--comm-mode", mode, "expected real, none or none:FAMILY[,FAMILY].",
+                          "e.g. none:ep.")
     return base, (frozenset(parse_families("--comm-mode", mode, rest)) if sep else None)
 
 
@@ -254,21 +85,26 @@ def set_mode(mode: str) -> None:
 
 
 def set_nccl_rules(on: bool) -> None:
-    """Run gloo under NCCL's rules, to find on a CPU what would break on GPUs (tests, `overlap run --nccl-rules`):
+    """Run gloo under NCCL's rules, to find on a CPU what would break on GPUs (tests,
+    `overlap run --nccl-rules`):
 
-    - the host is not told when a collective completes (the tracer's `RulesTimeline`: on NCCL a work's future
-      completes at enqueue and `wait()` orders the stream, not the host), so the runtime takes the decisions it takes
-      on GPUs, and the tracer the GPU timeline's path, fed by gloo's own completion;
-    - point-to-point tags are dropped on the wire: messages between two ranks on a group meet in posting order;
-    - every rank's program is recorded (`PROGRAM`), for `overlap.parallel.program.replay` to play the ranks together
-      with NCCL's streams: rendezvous sends, one stream per communicator in issue order.
-    (A point-to-point call's ops share one completion on every backend, as NCCL gives one work for a whole batch.)
-    The data still travel over gloo, so losses are real. The modelled link needs tags and host-visible completion:
-    it is refused here (as it is on NCCL)."""
+    - the host is not told when a collective completes (the tracer's `RulesTimeline`: on NCCL a
+      work's future completes at enqueue and `wait()` orders the stream, not the host), so the
+      runtime takes the decisions it takes on GPUs, and the tracer the GPU timeline's path, fed by
+      gloo's own completion;
+    - point-to-point tags are dropped on the wire: messages between two ranks on a group meet in
+      posting order;
+    - every rank's program is recorded (`PROGRAM`), for `overlap.parallel.program.replay` to play
+      the ranks together with NCCL's streams: rendezvous sends, one stream per communicator in issue
+      order.
+    (A point-to-point call's ops share one completion on every backend, as NCCL gives one work for a
+    whole batch.) The data still travel over gloo, so losses are real. The modelled link needs tags
+    and host-visible completion: it is refused here (as it is on NCCL)."""
     global _nccl_rules
-    if on and _link is not None:
-        raise ConfigError("--network", "model", "the modelled link delays the host, and NCCL's rules hide "
-                          "completion from the host.", "use --network real with the NCCL rules.")
+    if on and link_model.current() is not None:
+        raise ConfigError("--network", "model", "the modelled link delays the host, and NCCL's "
+                          "rules hide completion from the host.",
+                          "use --network real with the NCCL rules.")
     _nccl_rules = on
     RECORDER.timeline = RulesTimeline() if on else HostTimeline()
     if on:
@@ -278,18 +114,19 @@ def set_nccl_rules(on: bool) -> None:
 
 
 class _Posted:
-    """What one posted call returned: a collective's work, or the works of a batch of point-to-point ops - one per op
-    on gloo, ONE for the whole batch on NCCL (torch's coalescing manager) - so never indexed per op: every op of a
-    batch completes with the batch."""
+    """What one posted call returned: a collective's work, or the works of a batch of point-to-point
+    ops - one per op on gloo, ONE for the whole batch on NCCL (torch's coalescing manager) - so
+    never indexed per op: every op of a batch completes with the batch."""
 
     def __init__(self, works: Sequence[dist.Work | None]) -> None:
         self.works = [w for w in works if w is not None]
         self._waited = False
 
     def wait(self, timeout: timedelta | None = None) -> None:
-        """Wait for every work of the call, once: the ops of a batch share it, and a gloo send's work waited a
-        second time waits for a send that never comes. (On NCCL a wait orders the current stream; the runtime waits
-        every op from the compute stream, so one wait orders it for all.)"""
+        """Wait for every work of the call, once: the ops of a batch share it, and a gloo send's
+        work waited a second time waits for a send that never comes. (On NCCL a wait orders the
+        current stream; the runtime waits every op from the compute stream, so one wait orders it
+        for all.)"""
         if self._waited:
             return
         for work in self.works:
@@ -321,9 +158,10 @@ def _op_record(kind: str, op: str, tensor: torch.Tensor, peer: int | None = None
 
 
 def _is_free(kind: str) -> bool:
-    """Whether this op is faked (the benchmark floors). Run control (`ctl_*`: every rank agreeing to stop) and
-    checkpoint gathers (`*_ckpt`) are never faked: they carry decisions and state, and faking them would let ranks
-    disagree (a save at different iterations hangs) or write one rank's shard as everyone's."""
+    """Whether this op is faked (the benchmark floors). Run control (`ctl_*`: every rank agreeing to
+    stop) and checkpoint gathers (`*_ckpt`) are never faked: they carry decisions and state, and
+    faking them would let ranks disagree (a save at different iterations hangs) or write one rank's
+    shard as everyone's."""
     if family(kind) == "ctl" or kind.endswith("_ckpt"):
         return False
     return _mode == "none" and (_free_families is None or family(kind) in _free_families)
@@ -342,7 +180,8 @@ def _backend(group: ProcessGroup) -> str:
 
 
 def group_members(group: ProcessGroup) -> list[int]:
-    """The global ranks of `group`, in group-rank order (point-to-point peers are named by global rank)."""
+    """The global ranks of `group`, in group-rank order (point-to-point peers are named by global
+    rank)."""
     if group not in _group_members:
         _group_members[group] = dist.get_process_group_ranks(group)
     return _group_members[group]
@@ -354,32 +193,45 @@ def group_rank(group: ProcessGroup) -> int:
     return _group_ranks[group]
 
 
-# Ops launched and not yet waited for, completion callback included (strong references: an op nobody waited for
-# keeps its buffers until `drain_outstanding`, as the transfer may still be writing into them).
+def forget_lookups() -> set[ProcessGroup]:
+    """Drop every group's looked-up size, rank, members and backend (teardown); returns the groups
+    they named."""
+    known = {*_group_sizes, *_group_ranks, *_group_backends, *_group_members}
+    for cache in (_group_sizes, _group_ranks, _group_backends, _group_members):
+        cache.clear()
+    return known
+
+
+# Ops launched and not yet waited for, completion callback included (strong references: an op nobody
+# waited for keeps its buffers until `drain_outstanding`, as the transfer may still be writing into
+# them).
 _outstanding: set["CommHandle"] = set()
 
 
 class CommHandle:
-    """An in-flight collective (or one op of a point-to-point call). `wait()` blocks until the data is there (on
-    NCCL: orders the current stream after it) and the completion callback has run, and returns the output tensor (if
-    any). The ops of one point-to-point call share one `_Posted`: waiting for one waits for the call."""
+    """An in-flight collective (or one op of a point-to-point call). `wait()` blocks until the data
+    is there (on NCCL: orders the current stream after it) and the completion callback has run, and
+    returns the output tensor (if any). The ops of one point-to-point call share one `_Posted`:
+    waiting for one waits for the call."""
 
     def __init__(self, event: CommEvent, posted: _Posted | None, result: torch.Tensor | None,
                  finish: Callable[[], None] | None = None,
-                 deadline_from: Callable[[bool], float | None] | None = None, unit: int | None = None) -> None:
+                 deadline_from: link_model.Resolver | None = None,
+                 unit: int | None = None) -> None:
         self.event = event
         self._posted = posted
         self._result = result
         self._finish = finish
-        # Modelled completion (set_network); None: the real completion is the completion. A modelled transfer learns
-        # it only once every side's posting time is known (the launch board, `p2p`'s stamps): from `deadline_from`,
-        # None until then.
+        # Modelled completion (set_network); None: the real completion is the completion. A modelled
+        # transfer learns it only once every side's posting time is known (the launch board, `p2p`'s
+        # stamps): from `deadline_from`, None until then.
         self._deadline: float | None = None
         self._deadline_from = deadline_from
         self._done = posted is None
         self._unit = unit  # the recorded program's unit (PROGRAM), while recording
-        # then()'s future: done once `_mark_done` has run. The callback runs on the backend's thread; waiting for this
-        # future too means a waited handle has nothing left to run on another thread.
+        # then()'s future: done once `_mark_done` has run. The callback runs on the backend's
+        # thread; waiting for this future too means a waited handle has nothing left to run on
+        # another thread.
         self._callback: torch.futures.Future | None = None
         timeline = RECORDER.timeline
         if posted is None:
@@ -389,14 +241,18 @@ class CommHandle:
             try:
                 self._callback = posted.get_future().then(self._mark_done)
             except RuntimeError:
-                pass  # some gloo ops (reduce_scatter) have no future: completion is then taken at wait()
-        else:  # a device timeline: the collective's end on the device, resolved when the recorder drains
+                # some gloo ops (reduce_scatter) have no future: completion is then taken at wait()
+                pass
+        else:
+            # a device timeline: the collective's end on the device, resolved when the recorder
+            # drains
             event.t_done = timeline.done_mark(posted)
         _outstanding.add(self)
 
     def _mark_done(self, fut: torch.futures.Future) -> None:
         if self._deadline is None and self._deadline_from is not None:
-            self._deadline = self._deadline_from(False)  # None while the stamp is not in yet: then at wait()
+            # None while the stamp is not in yet: then at wait()
+            self._deadline = self._deadline_from(False)
             if self._deadline is None:
                 return
         if self.event.t_done is None:
@@ -408,25 +264,28 @@ class CommHandle:
         return self._result
 
     def output_on(self, stream: torch.cuda.Stream) -> torch.Tensor | None:
-        """The op's output tensor, with `stream` made to wait for the op on the device, the host not waiting (a
-        work's `wait()` on NCCL orders the current stream): for a reader on another stream than the one `wait()` will
-        order, which then waits for this op and for nothing queued on that one. Call it before `wait()` (which drops
-        the works), and `wait()` is still owed."""
+        """The op's output tensor, with `stream` made to wait for the op on the device, the host not
+        waiting (a work's `wait()` on NCCL orders the current stream): for a reader on another
+        stream than the one `wait()` will order, which then waits for this op and for nothing queued
+        on that one. Call it before `wait()` (which drops the works), and `wait()` is still owed."""
         if self._posted is None:
-            raise RuntimeError(f"{self.event.kind}: output_on after wait(): the op's works are gone")
+            raise RuntimeError(f"{self.event.kind}: output_on after wait(): the op's works are "
+                               "gone")
         with torch.cuda.stream(stream):
             for work in self._posted.works:
                 work.wait()
         return self._result
 
     def reap(self) -> bool:
-        """If the op is known complete - a query that never blocks (on NCCL the device's own event; gloo knows a
-        send complete only once waited) - drop what it holds without waiting, so no stream is made to wait on it, and
-        return True (also once waited). For sends whose buffers should go as soon as they are out. Ops with a finish
-        step or a modelled deadline are left to `wait`."""
+        """If the op is known complete - a query that never blocks (on NCCL the device's own event;
+        gloo knows a send complete only once waited) - drop what it holds without waiting, so no
+        stream is made to wait on it, and return True (also once waited). For sends whose buffers
+        should go as soon as they are out. Ops with a finish step or a modelled deadline are left to
+        `wait`."""
         if self._done:
             return True
-        if self._finish is not None or self._deadline_from is not None or not self._posted.is_completed():
+        if (self._finish is not None or self._deadline_from is not None
+                or not self._posted.is_completed()):
             return False
         if self._callback is not None and not self._callback.done():
             return False
@@ -436,8 +295,9 @@ class CommHandle:
         return True
 
     def _complete(self, deadline: float | None) -> None:
-        """Wait for the op and its callback, then run the finish step. `deadline` (time.monotonic()) bounds the wait
-        for the teardown of a failing run; past it, RuntimeError (the op stays outstanding)."""
+        """Wait for the op and its callback, then run the finish step. `deadline` (time.monotonic())
+        bounds the wait for the teardown of a failing run; past it, RuntimeError (the op stays
+        outstanding)."""
         PROGRAM.wait(self._unit)
         timeline = RECORDER.timeline
         self.event.t_wait_start = timeline.mark()
@@ -449,7 +309,8 @@ class CommHandle:
             self._posted.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             while self._callback is not None and not self._callback.done():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.event.kind}: the completion callback did not run in time")
+                    raise RuntimeError(f"{self.event.kind}: the completion callback did not run "
+                                       "in time")
                 time.sleep(1e-3)
         if self._deadline is None and self._deadline_from is not None:
             self._deadline = self._deadline_from(True)
@@ -464,15 +325,17 @@ class CommHandle:
         _outstanding.discard(self)
         if self._finish is not None:
             self._finish()
-        # Drop the works, the callback future and the finish step: they hold transfer buffers (a reduce-scatter's
-        # full-size receive buffer) that callers keeping the handle until the next step must not keep alive.
+        # Drop the works, the callback future and the finish step: they hold transfer buffers (a
+        # reduce-scatter's full-size receive buffer) that callers keeping the handle until the next
+        # step must not keep alive.
         self._posted = self._callback = self._finish = self._deadline_from = None
 
 
 def completion_visible() -> bool:
-    """Whether the host learns when a collective's data is complete (gloo) - not on a device timeline (NCCL, or
-    gloo under NCCL's rules), where a collective completes on the device while the host runs ahead. What the
-    schedules decide while something is in flight must not depend on it there."""
+    """Whether the host learns when a collective's data is complete (gloo) - not on a device
+    timeline (NCCL, or gloo under NCCL's rules), where a collective completes on the device while
+    the host runs ahead. What the schedules decide while something is in flight must not depend on
+    it there."""
     return RECORDER.timeline.host_sees_completion
 
 
@@ -480,10 +343,12 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
             run: Callable[[], dist.Work | None], result: torch.Tensor | None,
             fake: Callable[[], None] | None = None, finish: Callable[[], None] | None = None,
             payload_bytes: int | None = None, record: Sequence[OpRecord] = ()) -> CommHandle:
-    """Record and start one collective. `payload_bytes` is what the modelled link carries when it differs from
-    `nbytes` (the recorded input size), as for all-gather. On a modelled link this rank's launch time goes on the
-    group's board first. `record`: the op as the program recorder keeps it."""
-    event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=RECORDER.mark())
+    """Record and start one collective. `payload_bytes` is what the modelled link carries when it
+    differs from `nbytes` (the recorded input size), as for all-gather. On a modelled link this
+    rank's launch time goes on the group's board first. `record`: the op as the program recorder
+    keeps it."""
+    event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes,
+                      t_launch=RECORDER.mark())
     RECORDER.add_comm(event)
     if _is_free(kind) or event.group_size == 1:
         if fake is not None:
@@ -491,63 +356,30 @@ def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
         return CommHandle(event, None, result)
     carried = nbytes if payload_bytes is None else payload_bytes
     deadline_from = None
-    if _link is not None and _link.applies_to(kind):
-        board = _board(group)
-        seq = board.post(event.t_launch, op, carried)
-        deadline_from = _once(_readying(event, lambda waited: board.deadline(seq, waited)))
+    if link_model.models(kind):
+        deadline_from = link_model.collective_deadline(_launch_board(group), event, op, carried)
     posted = _Posted([run()])
     return CommHandle(event, posted, result, finish, deadline_from, _record(group, record))
 
 
-def _once(resolve: Callable[[bool], float | None]) -> Callable[[bool], float | None]:
-    """`resolve(waited)` asked until it gives a deadline, which is then kept (the callback and the waiter may both
-    ask, from two threads)."""
-    lock = threading.Lock()
-    known: list[float] = []
-
-    def ask(waited: bool) -> float | None:
-        with lock:
-            if not known:
-                deadline = resolve(waited)
-                if deadline is None:
-                    return None
-                known.append(deadline)
-            return known[0]
-    return ask
-
-
-def _readying(event: CommEvent,
-              resolve: Callable[[bool], tuple[float, float] | None]) -> Callable[[bool], float | None]:
-    """`resolve(waited)` -> (ready, deadline) | None turned into a deadline resolver that records `event.t_ready`."""
-    def ask(waited: bool) -> float | None:
-        known = resolve(waited)
-        if known is None:
-            return None
-        event.t_ready, deadline = known
-        return deadline
-    return ask
-
-
-def _stamp_deadline(group: ProcessGroup, payload_bytes: int, event: CommEvent, stamp: torch.Tensor,
-                    posted: _Posted) -> Callable[[bool], float | None]:
-    """A modelled receive's deadline, once the sender's stamp is in (None before): the link carries the payload
-    from the moment both sides had posted, behind what its group's link already carries. Booked once, whichever
-    thread asks first: the completion callback (`waited` False: only if the call is known complete) or the waiter
-    (`waited` True: the call's wait has returned). A stamp later than now (another host's clock) is taken as now:
-    the data is here."""
-    def resolve(waited: bool) -> tuple[float, float] | None:
-        if not waited and not posted.is_completed():
-            return None
-        ready = max(min(float(stamp.item()), now()), event.t_launch)
-        return ready, _reserve_link(group, "p2p", payload_bytes, event.group_size, ready)
-    return _once(_readying(event, resolve))
+def _launch_board(group: ProcessGroup) -> link_model.LaunchBoard:
+    """`group`'s launch board on the modelled link, opened collectively at its first modelled
+    collective: the members check that they share one host, and the first member names the file."""
+    board = link_model.board(group)
+    if board is None:
+        link_model.check_one_host(all_gather_object(socket.gethostname(), group))
+        name = [link_model.board_file_name()]
+        dist.broadcast_object_list(name, src=group_members(group)[0], group=group)
+        board = link_model.open_board(group, name[0], group_size(group), group_rank(group))
+    return board
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceOp = ReduceOp.SUM) -> CommHandle:
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup, kind: str,
+               op: ReduceOp = ReduceOp.SUM) -> CommHandle:
     """In-place all-reduce of `tensor` over `group`."""
     return _launch(kind, "all_reduce", group, _nbytes(tensor),
                    lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor,
@@ -555,7 +387,8 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceO
 
 
 def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHandle:
-    """Concatenate every rank's `tensor` along dim 0 (rank order); the handle returns the gathered tensor."""
+    """Concatenate every rank's `tensor` along dim 0 (rank order); the handle returns the gathered
+    tensor."""
     size = group_size(group)
     inp = tensor.contiguous()
     out = inp.new_empty((inp.shape[0] * size, *inp.shape[1:]))
@@ -568,38 +401,43 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHand
                    payload_bytes=_nbytes(out), record=[_op_record(kind, "all_gather", inp)])
 
 
-def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceOp = ReduceOp.SUM) -> CommHandle:
+def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str,
+                   op: ReduceOp = ReduceOp.SUM) -> CommHandle:
     """Reduce `tensor` over `group` and keep this rank's 1/size slice of dim 0."""
     size = group_size(group)
     inp = tensor.contiguous()
     if inp.shape[0] % size:
-        raise ValueError(f"reduce_scatter ({kind}): dim 0 ({inp.shape[0]}) not divisible by group size {size}")
+        raise ValueError(f"reduce_scatter ({kind}): dim 0 ({inp.shape[0]}) not divisible by group "
+                         f"size {size}")
     out = inp.new_empty((inp.shape[0] // size, *inp.shape[1:]))
 
     def fake() -> None:
         out.copy_(inp.chunk(size)[group_rank(group)])
 
     if op == ReduceOp.SUM and _backend(group) == "gloo":
-        # gloo's reduce-scatter costs ~3x the wall time and ~2.7x the CPU of an all-to-all of the chunks plus a
-        # local sum (bench/results/gloo_costs.txt, 4 ranks, 11 MB fp32: 35 vs 14 ms), and gives no future, so its
-        # completion cannot be observed. Same bytes on the wire: (n-1)/n of the payload per rank.
+        # gloo's reduce-scatter costs ~3x the wall time and ~2.7x the CPU of an all-to-all of the
+        # chunks plus a local sum (bench/results/gloo_costs.txt, 4 ranks, 11 MB fp32: 35 vs 14 ms),
+        # and gives no future, so its completion cannot be observed. Same bytes on the wire: (n-1)/n
+        # of the payload per rank.
         recv = torch.empty_like(inp)
 
         def reduce_chunks() -> None:
             torch.sum(recv.view(size, *out.shape), dim=0, out=out)
 
         return _launch(kind, "reduce_scatter", group, _nbytes(inp),
-                       lambda: dist.all_to_all_single(recv, inp, group=group, async_op=True), out, fake,
-                       finish=reduce_chunks, record=[_op_record(kind, "reduce_scatter", inp)])
+                       lambda: dist.all_to_all_single(recv, inp, group=group, async_op=True),
+                       out, fake, finish=reduce_chunks,
+                       record=[_op_record(kind, "reduce_scatter", inp)])
     return _launch(kind, "reduce_scatter", group, _nbytes(inp),
-                   lambda: dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True), out, fake,
+                   lambda: dist.reduce_scatter_single(out, inp, op=op, group=group,
+                                                      async_op=True), out, fake,
                    record=[_op_record(kind, "reduce_scatter", inp)])
 
 
 def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
                output_split_sizes: Sequence[int] | None = None,
                input_split_sizes: Sequence[int] | None = None) -> CommHandle:
-    """All-to-all along dim 0 with optional uneven splits; the handle returns the received tensor."""
+    """All-to-all along dim 0 with optional uneven splits; the handle returns what was received."""
     inp = tensor.contiguous()
     rows = sum(output_split_sizes) if output_split_sizes is not None else inp.shape[0]
     out = inp.new_empty((rows, *inp.shape[1:]))
@@ -610,21 +448,26 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
         else:
             out.zero_()
 
+    out_splits = list(output_split_sizes or []) or None
+    in_splits = list(input_split_sizes or []) or None
+    splits = (None if input_split_sizes is None or output_split_sizes is None
+              else (input_split_sizes, output_split_sizes))
     return _launch(kind, "all_to_all", group, _nbytes(inp),
-                   lambda: dist.all_to_all_single(out, inp, output_split_sizes=list(output_split_sizes or []) or None,
-                                                  input_split_sizes=list(input_split_sizes or []) or None,
-                                                  group=group, async_op=True), out, fake,
-                   record=[_op_record(kind, "all_to_all", inp, splits=None if input_split_sizes is None
-                                      or output_split_sizes is None else (input_split_sizes, output_split_sizes))])
+                   lambda: dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                                                  input_split_sizes=in_splits, group=group,
+                                                  async_op=True), out, fake,
+                   record=[_op_record(kind, "all_to_all", inp, splits=splits)])
 
 
 class ManyHandle:
-    """Several tensors in flight in one all-to-all (`all_to_all_many`); `wait()` returns them, as sent."""
+    """Several tensors in flight in one all-to-all (`all_to_all_many`); `wait()` returns them, as
+    sent."""
 
     def __init__(self, handle: CommHandle, like: Sequence[torch.Tensor], widths: list[int],
                  kept: tuple[torch.Tensor, ...] | None = None) -> None:
         self.handle = handle
-        self._like = [(t.dtype, t.shape[1:]) for t in like]  # metadata only: the sent tensors are not kept alive
+        # metadata only: the sent tensors are not kept alive
+        self._like = [(t.dtype, t.shape[1:]) for t in like]
         self._widths = widths
         self._kept = kept  # a group of one: the tensors themselves, which never left
 
@@ -642,46 +485,40 @@ class ManyHandle:
             return (packed.view(dtype).reshape(packed.shape[0], *shape),)
         out, offset = [], 0
         for (dtype, shape), width in zip(self._like, self._widths):
-            # A real copy with offset 0: a one-row slice counts as contiguous, and viewing it in place as a wider
-            # dtype would fail on its byte offset.
-            piece = packed[:, offset:offset + width].clone(memory_format=torch.contiguous_format).view(dtype)
+            # A real copy with offset 0: a one-row slice counts as contiguous, and viewing it in
+            # place as a wider dtype would fail on its byte offset.
+            piece = packed[:, offset:offset + width].clone(memory_format=torch.contiguous_format)
+            piece = piece.view(dtype)
             out.append(piece.reshape(packed.shape[0], *shape))
             offset += width
         return tuple(out)
 
 
 def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: str,
-                    output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]) -> ManyHandle:
-    """All-to-all of several tensors that share their row splits (an MoE dispatch: rows and their combine weights)
-    as ONE collective: each row's bytes travel side by side, bit-exact, whatever the dtypes. The bytes on the wire
-    are the same as two all-to-alls; what is saved is a whole collective: its latency, its launch, and on gloo its
-    fixed CPU cost (~0.8 ms per rank for a 1-64 KB all-to-all with 4 ranks on 2 cores, bench/results/gloo_costs.txt)."""
+                    output_split_sizes: Sequence[int],
+                    input_split_sizes: Sequence[int]) -> ManyHandle:
+    """All-to-all of several tensors that share their row splits (an MoE dispatch: rows and their
+    combine weights) as ONE collective: each row's bytes travel side by side, bit-exact, whatever
+    the dtypes. The bytes on the wire are the same as two all-to-alls; what is saved is a whole
+    collective: its latency, its launch, and on gloo its fixed CPU cost (~0.8 ms per rank for a
+    1-64 KB all-to-all with 4 ranks on 2 cores, bench/results/gloo_costs.txt)."""
     rows = tensors[0].shape[0]
     if any(t.shape[0] != rows for t in tensors):
         raise ValueError(f"all_to_all_many ({kind}): the tensors have different row counts "
                          f"{[t.shape[0] for t in tensors]}")
     if group_size(group) == 1:
-        # Nothing leaves the rank (EP = 1): the op is recorded, but the tensors come back as they are, without the
-        # packing, the copy and the unpacking, each a pass over every row (about 6 ms per step, 0.6%, in
-        # bench/hf_compute_bench.py's MoE model, where no other cost separates us from transformers).
-        handle = _launch(kind, "all_to_all", group, sum(_nbytes(t) for t in tensors), lambda: None, None)
+        # Nothing leaves the rank (EP = 1): the op is recorded, but the tensors come back as they
+        # are, without the packing, the copy and the unpacking, each a pass over every row (about
+        # 6 ms per step, 0.6%, in bench/hf_compute_bench.py's MoE model, where no other cost
+        # separates us from transformers).
+        handle = _launch(kind, "all_to_all", group, sum(_nbytes(t) for t in tensors),
+                         lambda: None, None)
         return ManyHandle(handle, tensors, [], kept=tuple(t.detach() for t in tensors))
-    parts = [t.detach().reshape(rows, math.prod(t.shape[1:])).contiguous().view(torch.uint8) for t in tensors]
+    parts = [t.detach().reshape(rows, math.prod(t.shape[1:])).contiguous().view(torch.uint8)
+             for t in tensors]
     packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    return ManyHandle(all_to_all(packed, group, kind, output_split_sizes, input_split_sizes), tensors,
-                      [p.shape[1] for p in parts])
-
-
-def init_world(backend: str, timeout_s: float, device: torch.device | None = None) -> None:
-    """Join the world the launcher set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun, Slurm or our local
-    launcher). With a CUDA device the default group is bound to it (`device_id`), as NCCL wants: its communicator is
-    built now, at start-up, and every group made from it is split from it there and then - not lazily inside the
-    first step's first collective, where a problem would hang a step instead of failing the start - and
-    point-to-point operations run on their group's communicator (the program `overlap.parallel.program` replays)."""
-    kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
-    if device is not None and device.type == "cuda":
-        kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
+    handle = all_to_all(packed, group, kind, output_split_sizes, input_split_sizes)
+    return ManyHandle(handle, tensors, [p.shape[1] for p in parts])
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
@@ -690,103 +527,11 @@ def barrier(group: ProcessGroup | None = None) -> None:
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
-    """Every rank's picklable `obj`, in rank order (control messages only - checkpoint key lists, error reports -
-    never training tensors; not traced)."""
+    """Every rank's picklable `obj`, in rank order (control messages only - checkpoint key lists,
+    error reports - never training tensors; not traced)."""
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-# Process groups are built once per process and world, then reused by every later job of that process (a test
-# worker, a notebook, `overlap convert` then a run): a gloo group is three threads and a socket per peer that wake to
-# poll even when idle (about 0.08% of a core per group, measured), and it is freed only when every Python reference
-# to it is gone, which the hooks of a finished model's DDP can prevent. Hundreds of leaked groups once cost a test
-# process a fifth of a core while it waited. Building is collective, and every rank builds the same groups in the
-# same order, so every rank finds a group in the cache, or none does. `shutdown` empties the cache.
-_built: dict[tuple, Any] = {}
-_built_for: "weakref.ref[ProcessGroup] | None" = None  # the default group the cache was built under
-
-
-def _cached(key: tuple, build: Callable[[], Any]) -> Any:
-    global _built_for
-    world = dist.group.WORLD
-    if _built_for is None or _built_for() is not world:  # a new world (or the first): nothing cached is valid
-        _built.clear()
-        _built_for = weakref.ref(world)
-    if key not in _built:
-        _built[key] = build()
-    return _built[key]
-
-
-def device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
-    """`init_device_mesh(device_type, shape, mesh_dim_names=names)`, built once per process (see `_cached`)."""
-    return _cached(("mesh", device_type, tuple(shape), tuple(names)),
-                   lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)))
-
-
-def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
-    """A second process group over the same ranks as `mesh`'s `dim` (collective), built once per process: small
-    metadata exchanges (the MoE split sizes) run on their own communicator, so they never queue behind bulk traffic
-    of another micro-batch on the first."""
-    return _groups_along(mesh, dim, "twin", lambda ranks: {None: ranks}).get(None)
-
-
-def _groups_along(mesh: DeviceMesh, dim: str, name: str,
-                  groups: Callable[[list[int]], dict[Any, list[int]]]) -> dict[Any, ProcessGroup]:
-    """For every line of `mesh` along `dim` (its ranks, in order), the groups `groups(ranks)` names (key -> members),
-    created by every rank in the same order, once per process; this rank's groups by key (empty where it is in
-    none)."""
-    def build() -> dict[Any, ProcessGroup]:
-        mine = {}
-        axis = mesh.mesh_dim_names.index(dim)
-        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
-            for key, members in groups(ranks).items():
-                group = dist.new_group(members)
-                if dist.get_rank() in members:
-                    mine[key] = group
-        return mine
-    return _cached((name, mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
-                    mesh.mesh_dim_names, dim), build)
-
-
-def ring_edge_groups(mesh: DeviceMesh, dim: str, wrap: bool) -> dict[tuple[str, int], ProcessGroup]:
-    """Two groups per edge of the ring of ranks along `mesh`'s `dim` (collective), built once per process: for the
-    edge i of each line (its rank i and rank i + 1; the edge from the last rank back to the first only with `wrap`),
-    ("up", i) carries what travels from rank i to rank i + 1 and ("down", i) what travels back. This rank's groups,
-    by (direction, edge index along the line).
-
-    A pipeline's point-to-point messages need them on NCCL: it matches the messages between two ranks on a group in
-    posting order and runs them on one stream per communicator, so a group that carried both directions (PP = 2,
-    where the next and the previous stage are the same rank) or both activations and gradients would need every
-    rank to post them in exactly the order its peer does. On a group of one sender, one receiver and one kind of
-    message, the k-th send is the k-th receive by construction. (Two members: the group's communicator is also the
-    pair's, whether torch runs a single point-to-point op on the group's or on a two-rank one.)"""
-    def edges(ranks: list[int]) -> dict[tuple[str, int], list[int]]:
-        size = len(ranks)
-        return {(direction, i): [ranks[i], ranks[(i + 1) % size]]
-                for i in range(size if wrap else size - 1) for direction in ("up", "down")}
-    return _groups_along(mesh, dim, f"edges wrap={wrap}", edges)
-
-
-def ends_group(mesh: DeviceMesh, dim: str) -> ProcessGroup | None:
-    """The group of the first and the last rank along `mesh`'s `dim` (collective), built once per process: a
-    pipeline's two ends, which hold the tied embedding and its copy on the output layer (Megatron's embedding
-    group). None for a rank in between."""
-    return _groups_along(mesh, dim, "ends", lambda ranks: {None: [ranks[0], ranks[-1]]}).get(None)
-
-
-def forget_groups() -> None:
-    """Drop the cached groups (`shutdown` does it too): for code that destroys the default group itself, so that
-    the groups are freed with it, not at interpreter exit."""
-    _built.clear()
-
-
-def cpu_group() -> ProcessGroup:
-    """A second gloo group over every rank (collective: all ranks call it in the same order), built once per
-    process. Checkpoints use it: an asynchronous save coordinates its ranks from a background thread, which must
-    not share a communicator with the training's collectives, and on GPUs the DCP control messages need a CPU
-    backend anyway."""
-    return _cached(("cpu",), lambda: dist.new_group(backend="gloo"))
 
 
 def outstanding() -> list[CommHandle]:
@@ -795,9 +540,10 @@ def outstanding() -> list[CommHandle]:
 
 
 def drain_outstanding(timeout_s: float | None = None) -> list[str]:
-    """Wait, in launch order, for every op launched and not yet waited for, and for its completion callback.
-    `timeout_s` bounds the whole drain (a failing run: a dead peer never completes its side); the kinds of the ops
-    given up on are returned and they are forgotten. None: wait as long as the process group's own timeout."""
+    """Wait, in launch order, for every op launched and not yet waited for, and for its completion
+    callback. `timeout_s` bounds the whole drain (a failing run: a dead peer never completes its
+    side); the kinds of the ops given up on are returned and they are forgotten. None: wait as long
+    as the process group's own timeout."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     abandoned: list[str] = []
     for handle in outstanding():
@@ -811,82 +557,46 @@ def drain_outstanding(timeout_s: float | None = None) -> list[str]:
     return abandoned
 
 
-FAILING_DRAIN_S = 5.0  # how long a failing rank waits for its outstanding ops at teardown (the launcher's grace: 10 s)
-
-
-def shutdown(failing: bool = False) -> None:
-    """Tear this rank's distributed world down, in the one order that is safe at exit (issue 18):
-
-    1. wait for every outstanding op and its completion callback (`drain_outstanding`); while `failing` (an
-       exception is on its way out) for at most FAILING_DRAIN_S, since a peer that died never completes its side;
-    2. barrier (not while failing: the peers may be gone), so no rank frees its groups while a peer still talks to it;
-    3. forget this module's references to the groups, `dist.destroy_process_group()`, and collect garbage, so that
-       groups nobody else references are freed now (not while failing: joining a worker stuck on a dead peer hangs).
-
-    Why: after wait() returns, gloo's worker thread may still hold the last reference to the finished op; releasing
-    it frees the op's tensors, which takes the GIL. If that happens once the interpreter has begun to finalize,
-    CPython ends the thread with pthread_exit, whose unwind through a noexcept C++ frame aborts the process
-    ("terminate called without an active exception", exit -6). The barrier gives such a worker the GIL (the main
-    thread releases it while it waits) before the rank can leave; a freed group's destructor joins its workers.
-    destroy_process_group() alone joins nothing: gloo's threads live as long as a Python reference to their group.
-    The caller should drop its own references (parallel state, model) first. Groups still alive afterwards are
-    logged at debug level: today every run's are, since torch's garbage collector cannot see through the
-    post-accumulate-grad hooks of DistributedDataParallel, which keep the model, and through it the groups, alive.
-    """
-    abandoned = drain_outstanding(FAILING_DRAIN_S if failing else None)
-    if abandoned:
-        log.warning("teardown: gave up waiting for %d op(s) still in flight (%s)", len(abandoned),
-                    ", ".join(sorted(set(abandoned))))
-    if not failing:
-        barrier()
-    groups = [weakref.ref(g) for g in {dist.group.WORLD, *_group_sizes, *_group_ranks, *_group_backends,
-                                       *_group_members}]
-    _close_boards()
-    for cache in (_group_sizes, _group_ranks, _group_backends, _group_members, _link_free_at, _built):
-        cache.clear()
-    dist.destroy_process_group()
-    if failing:
-        return
-    gc.collect()
-    alive = sum(ref() is not None for ref in groups)
-    if alive:  # debug: today DDP's hooks keep every group (see above), nothing a user can act on
-        log.debug("teardown: %d process group(s) still referenced after shutdown; their worker threads stay alive "
-                  "until those references go", alive)
-
-
 P2P_SEND, P2P_RECV = "send", "recv"
-STAMP_TAG = 1 << 24  # a modelled send's stamp travels under its payload's tag + this (pipeline tags stay below it)
+# a modelled send's stamp travels under its payload's tag + this (pipeline tags stay below it)
+STAMP_TAG = 1 << 24
 
 
-def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGroup) -> list[CommHandle]:
-    """Post point-to-point transfers as ONE call on `group`: each op is (kind, "send" | "recv", tensor, peer global
-    rank, tag); a received tensor is written in place. One op is posted alone, several as one `batch_isend_irecv`
-    (one group call on NCCL: its sends and receives progress together, so two ranks that exchange with each other -
-    a ring of two, a pair swap - never wait on each other). Each op gets its own handle (its own trace event), but
-    they share the call's completion: NCCL returns one work for a whole batch, and waiting for any op waits for all.
+def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]],
+        group: ProcessGroup) -> list[CommHandle]:
+    """Post point-to-point transfers as ONE call on `group`: each op is (kind, "send" | "recv",
+    tensor, peer global rank, tag); a received tensor is written in place. One op is posted alone,
+    several as one `batch_isend_irecv` (one group call on NCCL: its sends and receives progress
+    together, so two ranks that exchange with each other - a ring of two, a pair swap - never wait
+    on each other). Each op gets its own handle (its own trace event), but they share the call's
+    completion: NCCL returns one work for a whole batch, and waiting for any op waits for all.
 
-    Tags name the message on gloo; NCCL ignores them and meets the k-th send from A to B with the k-th receive at B
-    from A on the group (`overlap.parallel.program`). So callers must post the messages between two ranks on a group
-    in the same order on both sides - the pipeline gives each direction of each edge its own group for that.
+    Tags name the message on gloo; NCCL ignores them and meets the k-th send from A to B with the
+    k-th receive at B from A on the group (`overlap.parallel.program`). So callers must post the
+    messages between two ranks on a group in the same order on both sides - the pipeline gives each
+    direction of each edge its own group for that.
 
-    On a modelled link the receive carries the link time, from the moment both sides have posted (a rendezvous, as
-    NCCL's send/recv): every modelled send is preceded by a one-element stamp with its posting time (same peer, tag
-    + `STAMP_TAG`, in the same call), and the receive completes at max(stamp, its own posting) + latency + bytes /
-    bandwidth, queued behind what its group's link already carries. A receive posted early, as the overlapped
-    pipeline schedule does, so has its transfer hidden behind whatever the receiver computes after the sender
-    posted, and never before that; one posted just before it is needed pays it all. The ranks share the host's
-    monotonic clock (the modelled link is a single-host emulation). Sends complete when the data is out. Bytes are
-    recorded on the send only, so a per-iteration byte count is what crossed the links."""
+    On a modelled link the receive carries the link time, from the moment both sides have posted (a
+    rendezvous, as NCCL's send/recv): every modelled send is preceded by a one-element stamp with
+    its posting time (same peer, tag + `STAMP_TAG`, in the same call), and the receive completes at
+    max(stamp, its own posting) + latency + bytes / bandwidth, queued behind what its group's link
+    already carries. A receive posted early, as the overlapped pipeline schedule does, so has its
+    transfer hidden behind whatever the receiver computes after the sender posted, and never before
+    that; one posted just before it is needed pays it all. The ranks share the host's monotonic
+    clock (the modelled link is a single-host emulation). Sends complete when the data is out. Bytes
+    are recorded on the send only, so a per-iteration byte count is what crossed the links."""
     if not ops:
         return []
     for kind, op, _t, _peer, _tag in ops:
         if op not in (P2P_SEND, P2P_RECV):
             raise ValueError(f"p2p ({kind}): unknown op {op!r}")
     if len({family(kind) for kind, *_rest in ops}) > 1:
-        raise ValueError(f"p2p: one call carries one family's kinds, got {[kind for kind, *_rest in ops]}")
+        raise ValueError(f"p2p: one call carries one family's kinds, got "
+                         f"{[kind for kind, *_rest in ops]}")
     size = group_size(group)
-    events = [CommEvent(kind=kind, op="p2p", group_size=size, nbytes=_nbytes(t) if op == P2P_SEND else 0,
-                        t_launch=RECORDER.mark()) for kind, op, t, _peer, _tag in ops]
+    events = [CommEvent(kind=kind, op="p2p", group_size=size,
+                        nbytes=_nbytes(t) if op == P2P_SEND else 0, t_launch=RECORDER.mark())
+              for kind, op, t, _peer, _tag in ops]
     for event in events:  # a receive is recorded with 0 bytes: counted once, at the send
         RECORDER.add_comm(event)
     if _is_free(ops[0][0]) or size == 1:
@@ -895,13 +605,15 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGr
                 t.zero_()
         return [CommHandle(event, None, t if op == P2P_RECV else None)
                 for event, (_kind, op, t, _peer, _tag) in zip(events, ops)]
-    modelled = _link is not None and _link.applies_to(ops[0][0])
-    posts: list[tuple[str, torch.Tensor, int, int]] = []  # (op, tensor, peer, tag), a stamp right before its payload
+    modelled = link_model.models(ops[0][0])
+    # (op, tensor, peer, tag), a stamp right before its payload
+    posts: list[tuple[str, torch.Tensor, int, int]] = []
     stamps: list[torch.Tensor | None] = []
     for _kind, op, t, peer, tag in ops:
         stamp = None
         if modelled:
-            stamp = torch.full((1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64, device=t.device)
+            stamp = torch.full((1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64,
+                               device=t.device)
             posts.append((op, stamp, peer, tag + STAMP_TAG))
         stamps.append(stamp)
         posts.append((op, t, peer, tag))
@@ -917,7 +629,10 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGr
     unit = _record(group, [_op_record(next(kinds), op, t, peer) for op, t, peer, _tag in posts])
     handles = []
     for event, (_kind, op, t, _peer, _tag), stamp in zip(events, ops, stamps):
-        deadline_from = (_stamp_deadline(group, _nbytes(t), event, stamp, posted)
-                         if stamp is not None and op == P2P_RECV else None)
-        handles.append(CommHandle(event, posted, t if op == P2P_RECV else None, None, deadline_from, unit))
+        deadline_from = None
+        if stamp is not None and op == P2P_RECV:
+            deadline_from = link_model.receive_deadline(group, _nbytes(t), event, stamp,
+                                                        posted.is_completed)
+        handles.append(CommHandle(event, posted, t if op == P2P_RECV else None, None,
+                                  deadline_from, unit))
     return handles

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError, NotBuiltError
-from overlap.parallel import comm
+from overlap.parallel import groups
 
 __all__ = ["ParallelLayout", "ParallelState"]
 
@@ -48,11 +48,12 @@ class ParallelState:
         device_type = mesh_device_type or self.device.type
         self.rank = dist.get_rank()
         self.world_size = layout.world_size
-        # Built once per process for each layout and reused (`comm.device_mesh`): a process that runs several jobs
-        # (a test worker, a notebook) would otherwise accumulate idle groups that cost threads and CPU.
-        self.mesh: DeviceMesh = comm.device_mesh(
+        # Built once per process for each layout and reused (`groups.device_mesh`): a process that
+        # runs several jobs (a test worker, a notebook) would otherwise accumulate idle groups that
+        # cost threads and CPU.
+        self.mesh: DeviceMesh = groups.device_mesh(
             device_type, (layout.pp, layout.dp, layout.cp, layout.tp), ("pp", "dp", "cp", "tp"))
-        self.expert_mesh: DeviceMesh = comm.device_mesh(
+        self.expert_mesh: DeviceMesh = groups.device_mesh(
             device_type, (layout.pp, layout.edp, layout.ep, layout.etp), ("pp", "edp", "ep", "etp"))
         self.tp_group = self.mesh.get_group("tp")
         self.pp_group = self.mesh.get_group("pp")
@@ -61,18 +62,19 @@ class ParallelState:
         self.edp_group = self.expert_mesh.get_group("edp")
         self.tp_rank = self.mesh.get_local_rank("tp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        self.ep_meta_group = comm.twin_group(self.expert_mesh, "ep")
+        self.ep_meta_group = groups.twin_group(self.expert_mesh, "ep")
         self.ep_rank = self.expert_mesh.get_local_rank("ep")
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)  # pipeline neighbours (global ranks)
 
     def pipeline_p2p_groups(self, wrap: bool) -> dict[str, ProcessGroup]:
-        """This rank's four pipeline point-to-point groups (collective: every rank calls it, once its schedule
-        needs them), one per direction of travel and kind of message (`comm.ring_edge_groups`): "fwd_out" (its
-        activations to the next stage), "fwd_in" (from the previous), "bwd_out" (its input gradients to the
-        previous stage) and "bwd_in" (from the next). `wrap`: the last stage feeds the first (a virtual pipeline);
-        without it the first stage has no "_in"/"bwd_out" and the last no "fwd_out"/"bwd_in" groups."""
-        edges = comm.ring_edge_groups(self.mesh, "pp", wrap)
+        """This rank's four pipeline point-to-point groups (collective: every rank calls it, once
+        its schedule needs them), one per direction of travel and kind of message
+        (`groups.ring_edge_groups`): "fwd_out" (its activations to the next stage), "fwd_in" (from
+        the previous), "bwd_out" (its input gradients to the previous stage) and "bwd_in" (from the
+        next). `wrap`: the last stage feeds the first (a virtual pipeline); without it the first
+        stage has no "_in"/"bwd_out" and the last no "fwd_out"/"bwd_in" groups."""
+        edges = groups.ring_edge_groups(self.mesh, "pp", wrap)
         pp, r = self.layout.pp, self.pp_rank
         wanted = {"fwd_out": ("up", r), "fwd_in": ("up", (r - 1) % pp), "bwd_out": ("down", (r - 1) % pp),
                   "bwd_in": ("down", r)}
@@ -82,7 +84,7 @@ class ParallelState:
         """The first and last pipeline stage of this rank's pipeline (collective: every rank calls it, once a tied
         model needs it; None on a stage in between): where the embedding and its copy on the output layer sum their
         gradients."""
-        return comm.ends_group(self.mesh, "pp")
+        return groups.ends_group(self.mesh, "pp")
 
     @property
     def tp_size(self) -> int:

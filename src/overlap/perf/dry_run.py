@@ -54,7 +54,7 @@ from overlap.errors import ConfigError
 from overlap.harness import Job, describe_layout
 from overlap.launch.resources import MemoryEstimate, estimate_memory
 from overlap.layers.moe import split_sizes
-from overlap.parallel import comm
+from overlap.parallel import comm, teardown
 from overlap.parallel.program import Post, summarize
 from overlap.parallel.trace import RECORDER, RulesTimeline
 from overlap.perf.host_syncs import (HOST_TENSOR, caller, host_copy, intended_read, our_frame,
@@ -529,7 +529,7 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
         comm.PROGRAM.stop()
         RECORDER.discard()
         trainer = ps = None
-        comm.shutdown(failing=sys.exc_info()[0] is not None)
+        teardown.shutdown(failing=sys.exc_info()[0] is not None)
 
 
 def _failure(exc: BaseException) -> Finding:

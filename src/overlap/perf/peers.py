@@ -13,7 +13,7 @@ import torch
 
 from overlap.config.container import ConfigContainer
 from overlap.model.gpt import GPTModel
-from overlap.parallel import comm
+from overlap.parallel import comm, groups
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.data import build_data
@@ -37,7 +37,7 @@ class PeerTrainer(Trainer):
         else:
             from torch.distributed.fsdp import fully_shard
 
-            mesh = comm.device_mesh("cpu", (ps.dp_size,), ("dp",))
+            mesh = groups.device_mesh("cpu", (ps.dp_size,), ("dp",))
             for layer in model.layers:
                 fully_shard(layer, mesh=mesh)
             self.model = fully_shard(model, mesh=mesh)

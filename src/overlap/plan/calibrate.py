@@ -127,7 +127,7 @@ def _probe_rank(rank: int, world: int, store_path: str, sizes: list[int], repeat
     import torch
     import torch.distributed as dist
 
-    from overlap.parallel import comm
+    from overlap.parallel import comm, teardown
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -146,7 +146,7 @@ def _probe_rank(rank: int, world: int, store_path: str, sizes: list[int], repeat
         if rank == 0:
             Path(out).write_text(json.dumps(times))
     finally:
-        comm.shutdown()
+        teardown.shutdown()
 
 
 def probe_loopback(ranks: int, small: int = 1024, large: int = 8 << 20, repeats: int = 10) -> Link:

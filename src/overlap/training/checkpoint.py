@@ -18,7 +18,7 @@ batch size would skip or repeat samples and is refused; another dataset configur
 Saves go to `iter_N.tmp/`, renamed once every rank's shards and rank 0's metadata are written, then the tracker is
 updated: a job killed mid-save leaves the previous checkpoint as the latest. With `async_save` the state is copied
 to host memory at the step boundary (DCP's stager) and written by a background thread; its rank coordination runs
-on a dedicated gloo group (`comm.cpu_group`), apart from the training's collectives, and rank 0 renames the
+on a dedicated gloo group (`groups.cpu_group`), apart from the training's collectives, and rank 0 renames the
 folder once the write has completed - polled at every step boundary, waited for by the next save and at the end.
 DCP's own control messages (plan exchange) go through that group; they are the library's, not ours to trace.
 """
@@ -44,7 +44,7 @@ from torch import nn
 from overlap.config.container import ConfigContainer
 from overlap.errors import CheckpointError
 from overlap.optim.adam import STATE_KEYS, ParamStates, keeps_master
-from overlap.parallel import comm
+from overlap.parallel import comm, groups
 from overlap.parallel.state import ParallelState
 from overlap.training.checkpoint_format import (FORMAT_VERSION, TRAIN_STATE, Chunk, ChunkLoadPlanner,
                                                 ChunkSavePlanner, check_chunks, check_storage, checkpoint_folder,
@@ -101,7 +101,7 @@ class Checkpointer:
         # (`tied_to`; both are the same tensor), so the checkpoint is the same at every pipeline size
         self.params: dict[str, nn.Parameter] = {getattr(p, "tied_to", n): p for c in chunks
                                                 for n, p in c.named_parameters()}
-        self.group = comm.cpu_group()
+        self.group = groups.cpu_group()
         self.pending: _PendingSave | None = None
         self.last_saved: int | None = None  # the newest complete checkpoint
         self.last_requested: int | None = None  # the newest save started (an asynchronous one may be in flight)
