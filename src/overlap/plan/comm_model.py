@@ -7,7 +7,7 @@ Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; 
   SP); flex (token-deduplicating) dispatch sends a token once per distinct destination rank instead of once per
   routed expert, R (1 - C(E - E/R, k) / C(E, k)) ranks on average under uniform routing. Before each dispatch
   (`ep_counts`) one int64 per expert tells the ranks how many rows follow: latency-bound and a rendezvous,
-  hidden only by the EP-overlap schedule (`overlap.plan.schedule`); the static-shape mode
+  hidden only by the EP-overlap schedule (`overlap.plan.step_times`); the static-shape mode
   (`moe_pad_expert_input_to_capacity`) has none.
 - EP with DeepEP or HybridEP (flex dispatcher, `flex_gpu_a2a`): hierarchical. A token crosses the
   network once per destination node (to the GPU of the same index there) and NVLink once per

@@ -1,4 +1,5 @@
-"""The schedule: how compute and communication of one step line up, and what each overlap switch hides behind what.
+"""Where one step's time goes: how compute and communication line up, and what each overlap
+switch hides behind what.
 
 - Pipeline (`overlap.plan.pipeline_sim`): the rank programs of 1F1B / interleaved 1F1B run as a simulation with
   the micro-batch's time per chunk, once with free and once with real transfers. With free transfers the idle time
