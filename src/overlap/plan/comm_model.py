@@ -44,6 +44,7 @@ from math import ceil, comb
 
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
+from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.tp_overlap import SlotPlan, effective_tp_plan
 from overlap.launch.resources import estimate_memory
 from overlap.plan.hardware import EP_BACKEND_SMS, Cluster, Link, Transfer
@@ -178,8 +179,10 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     mb = microbatches(cfg, layout)
     act = 2 if m.bf16 or m.fp16 else 4  # activation bytes (beta)
     b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
-    n_moe = sum(1 for layer in range(m.num_layers) if m.is_moe_layer(layer))
-    moe_here, dense_here = -(-n_moe // pp), -(-(m.num_layers - n_moe) // pp)
+    # the layers of the pipeline rank holding the most (the real per-stage layout)
+    held = resolve_pipeline_layout(m, pp).busiest_rank_layers()
+    moe_here = sum(1 for layer in held if m.is_moe_layer(layer))
+    dense_here = len(held) - moe_here
 
     if m.is_moe and ep > 1 and moe_here and cluster.carries("ep"):
         tokens = b * s / (tp if m.sequence_parallel else 1)

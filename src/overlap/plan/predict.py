@@ -1,8 +1,9 @@
 """One configuration's predicted step: compute (compute.py) + communication (comm_model.py) laid out by the schedule
 (step_times.py), plus the per-GPU memory (`overlap.launch.resources.estimate_memory`, with the schedule's terms).
 
-`calibrate_efficiency` is the planner's only fit: the compute efficiency that makes one measured configuration's
-predicted step time equal its measured one (bisection; the step time falls monotonically with the efficiency).
+`calibrate_efficiency` fits one measured run: the compute efficiency (the per-kernel overhead
+kept) that makes the configuration's predicted step time equal its measured one (bisection; the
+step time falls monotonically with the efficiency).
 Everything an overlap switch changes is then the communication model's and the schedule's doing.
 """
 
