@@ -50,8 +50,8 @@ def test_a_cuda_graph_scope_removes_its_pieces_launch_overhead():
     # Qwen3's attention adds QK norms: 7 launches
     assert plain.attention_fwd_s - attn.attention_fwd_s == pytest.approx(7 * tau, rel=1e-9)
     # a full-iteration graph leaves only the ideal times
-    full, *_ = plan_of(QWEN + " model.cuda_graph_impl=local model.cuda_graph_scope=[full_iteration]",
-                       tau)
+    whole = " model.cuda_graph_impl=local model.cuda_graph_scope=[full_iteration]"
+    full, *_ = plan_of(QWEN + whole, tau)
     none, *_ = plan_of(QWEN)
     assert full.fwd_bwd_s == pytest.approx(none.fwd_bwd_s, rel=1e-12)
 
