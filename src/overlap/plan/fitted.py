@@ -26,24 +26,24 @@ FITTED = {'h100': {'efficiency': 0.6671,
  'b200': {'efficiency': 0.8633,
           'kernel_overhead_us': 28.304,
           'kernel_overhead_from': 'h100',
-          'median_error': 0.307,
+          'median_error': 0.27,
           'worst_error': 0.372,
           'group': 'blackwell',
           'fit_rows': ['Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8',
                        'Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8',
                        'Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32'],
-          'expected_error': 'median 31%, worst 37%, 1 of 3 runs within 20% (leave-one-out over '
+          'expected_error': 'median 27%, worst 37%, 1 of 3 runs within 20% (leave-one-out over '
                             'published runs, docs/planner.md)'},
  'gb200': {'efficiency': 0.8633,
            'kernel_overhead_us': 28.304,
            'kernel_overhead_from': 'h100',
-           'median_error': 0.307,
+           'median_error': 0.27,
            'worst_error': 0.372,
            'group': 'blackwell',
            'fit_rows': ['Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8',
                         'Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8',
                         'Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32'],
-           'expected_error': 'median 31%, worst 37%, 1 of 3 runs within 20% (leave-one-out over '
+           'expected_error': 'median 27%, worst 37%, 1 of 3 runs within 20% (leave-one-out over '
                              'published runs, docs/planner.md)'}}
 
 LINEAR = {'Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off': (18.2402215, 9.35123913, 305152.0),

@@ -227,7 +227,7 @@ def fit_group(points: list[tuple[Linear, float]],
     Both free: the minimum of a sum of absolute deviations lies where two rows are met exactly
     (or one, the overhead held at 0), so every such point is tried. The overhead given: the
     efficiency alone, the median of the rows' own ones (each row met exactly at it), which is
-    that minimum in one dimension."""
+    that minimum in one dimension, at most 1 (a share of the peak)."""
     def x_at(lin: Linear, published: float, tau: float) -> float:
         return (published - lin.a - lin.c * tau) / lin.b
 
@@ -235,7 +235,7 @@ def fit_group(points: list[tuple[Linear, float]],
         xs = [x_at(lin, p, kernel_overhead_s) for lin, p in points]
         if min(xs) <= 0:
             raise ValueError("a row's published step is shorter than what no efficiency shrinks")
-        return center([1 / x for x in xs]), kernel_overhead_s
+        return min(1.0, center([1 / x for x in xs])), kernel_overhead_s
     candidates = [(x_at(lin, p, 0.0), 0.0) for lin, p in points]
     for i, (li, pi) in enumerate(points):
         for lj, pj in points[i + 1:]:
