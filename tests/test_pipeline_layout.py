@@ -239,9 +239,9 @@ def test_the_planner_weighs_and_the_memory_estimate_sizes_the_uneven_stages():
     res = cfg.finalize(256, require_libraries=False, on_cuda=True)
     weights = microbatch_compute(cfg, res.layout, builtin_cluster("h100", "bf16", 8)).stage_weights
     assert len(weights) == 32
-    # 2 layers (+ the free embedding) first, 3 in the middle, 2 + the output layer last
+    # 2 layers (+ the embedding, a few % of a layer) first, 3 in the middle, 2 + the output layer
     assert weights[1] == pytest.approx(weights[30]) and weights[0] < weights[1] < weights[31]
-    assert weights[0] == pytest.approx(weights[1] * 2 / 3)
+    assert weights[0] == pytest.approx(weights[1] * 2 / 3, rel=0.03)
     # the memory estimate: moe_act keeps less of the routed experts' activations, the same
     # parameters
     one = estimate_memory(cfg, res.layout)

@@ -1,7 +1,8 @@
 """`overlap plan --calibrate`: measure this machine's profile (a `-g cpu` cluster file) in a few steps.
 
-The planner's one fitted number is the compute efficiency; on CPU ranks there is no published peak either, so the
-profile is measured:
+On a GPU type the planner's fitted numbers are the compute efficiency and a per-kernel overhead;
+on CPU ranks there is no published peak either, launches cost nothing apart, and the profile is
+measured:
 - peak: the rate of one square GEMM in the run's compute dtype on one thread (each local rank computes on one
   thread, `overlap.launch.local`);
 - efficiency: the configuration itself run with the link's collectives faked (`--comm-mode none:FAMILIES`: the

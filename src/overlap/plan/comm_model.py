@@ -7,7 +7,7 @@ Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; 
   SP); flex (token-deduplicating) dispatch sends a token once per distinct destination rank instead of once per
   routed expert, R (1 - C(E - E/R, k) / C(E, k)) ranks on average under uniform routing. Before each dispatch
   (`ep_counts`) one int64 per expert tells the ranks how many rows follow: latency-bound and a rendezvous,
-  hidden only by the EP-overlap schedule (`overlap.plan.schedule`); the static-shape mode
+  hidden only by the EP-overlap schedule (`overlap.plan.step_times`); the static-shape mode
   (`moe_pad_expert_input_to_capacity`) has none.
 - EP with DeepEP or HybridEP (flex dispatcher, `flex_gpu_a2a`): hierarchical. A token crosses the
   network once per destination node (to the GPU of the same index there) and NVLink once per
@@ -44,6 +44,7 @@ from math import ceil, comb
 
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
+from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.tp_overlap import SlotPlan, effective_tp_plan
 from overlap.launch.resources import estimate_memory
 from overlap.plan.hardware import EP_BACKEND_SMS, Cluster, Link, Transfer
@@ -178,8 +179,10 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     mb = microbatches(cfg, layout)
     act = 2 if m.bf16 or m.fp16 else 4  # activation bytes (beta)
     b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
-    n_moe = sum(1 for layer in range(m.num_layers) if m.is_moe_layer(layer))
-    moe_here, dense_here = -(-n_moe // pp), -(-(m.num_layers - n_moe) // pp)
+    # the layers of the pipeline rank holding the most (the real per-stage layout)
+    held = resolve_pipeline_layout(m, pp).busiest_rank_layers()
+    moe_here = sum(1 for layer in held if m.is_moe_layer(layer))
+    dense_here = len(held) - moe_here
 
     if m.is_moe and ep > 1 and moe_here and cluster.carries("ep"):
         tokens = b * s / (tp if m.sequence_parallel else 1)

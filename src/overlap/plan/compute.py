@@ -1,30 +1,37 @@
 """Compute time of one micro-batch on one GPU, by piece, from the shapes of its kernels.
 
 One micro-batch of b x s tokens is processed by the TP x PP GPUs of one model replica (CP is not
-built), so each GPU does 1 / (TP x PP) of its FLOPs; expert parallelism moves tokens, not FLOPs
-(with balanced routing every EP rank computes as many expert rows as it sends). The backward is
-twice the forward (dgrad + wgrad, half each), and full recompute adds one more forward to the
-backward.
+built), so each GPU does 1 / TP of the FLOPs of the layers its pipeline stages hold (the real
+per-stage layout, `overlap.config.pipeline_layout`: uneven stages, the embedding and the loss where
+the layout puts them); expert parallelism moves tokens, not FLOPs (with balanced routing every EP
+rank computes as many expert rows as it sends). The backward is twice the forward (dgrad + wgrad,
+half each); full recompute adds one more forward to it, selective recompute the forward of the
+modules it names (`recompute_modules`: `core_attn`, `layernorm`, `moe_act`, `mlp`, `moe`,
+`shared_experts`).
 
-Each piece's ideal time on the GPU type (`Cluster`: peaks, HBM bandwidth, SMs), divided by the one
-fitted number, the compute efficiency (`overlap.plan.validate` fits it per GPU type on published
-runs):
+Each kernel's ideal time on the GPU type (`Cluster`: peaks, HBM bandwidth, SMs) is divided by the
+fitted compute efficiency, and every kernel launch adds a fixed cost, the fitted per-kernel
+overhead (`Efficiency.kernel_overhead_s`: the launch gap and host-side work each kernel of an eager
+run leaves on the GPU's timeline, which no efficiency shrinks and no precision halves;
+`overlap.plan.validate` fits both per GPU type on published runs). The kernels:
 - a GEMM (M x N x K): the roofline max(2 M N K / (peak x wave), operand and result bytes / HBM), at
   the plan's precision (BF16, FP8, MXFP8: FP8 operands are one byte). `wave` is the last wave's
   quantization: ceil(M / 128) x ceil(N / 256) output tiles (the Hopper/Blackwell GEMMs' tile) spread
-  over the SMs; a grouped expert GEMM counts the tiles of all its local experts together. The expert
-  GEMMs have T k EP / E rows per local expert (balanced routing);
+  over the SMs; a grouped expert GEMM counts the tiles of all its local experts together, and one
+  launch per local expert (TE's grouped linear runs one GEMM per expert). The expert GEMMs have
+  T k EP / E rows per local expert (balanced routing);
 - the attention core (FlashAttention): its causal FLOPs at the BF16 peak (the reference's FP8
   recipes keep dot product attention in BF16) times 0.75, the share of the peak FlashAttention-3
   reaches on H100 (740 of 989 TFLOP/s BF16 forward, arXiv 2407.08608);
 - the per-layer glue, memory-bound: the bytes its elementwise kernels read and write per token
   (norms, residual adds, rotary embedding, QK norms, the gated activation, the MoE permutation and
-  un-permutation, the router's softmax, the cross-entropy's logits passes, and under FP8 each GEMM
-  input's cast: 2 bytes read, 1 written) over the HBM bandwidth; the router's h x E GEMM too
-  (Megatron's FLOPs count leaves it out, the GPU does not);
+  un-permutation, the router's softmax and top-k, the cross-entropy's logits passes, the embedding's
+  lookup and its gradient's accumulation, and under FP8 each GEMM input's cast: 2 bytes read, 1
+  written) over the HBM bandwidth; the router's h x E GEMM too (Megatron's FLOPs count leaves it
+  out, the GPU does not);
 - the output layer's GEMM in BF16 (Megatron's output layer is not an FP8 module).
-A -g cpu profile has no HBM or SM figures: there every FLOP costs the same (peak x efficiency) and
-glue is free, as the CPU calibration measures it inside the efficiency.
+A -g cpu profile has no HBM or SM figures: there every FLOP costs the same (peak x efficiency),
+glue and launches are free, as the CPU calibration measures them inside the efficiency.
 """
 
 from __future__ import annotations
@@ -41,30 +48,53 @@ from overlap.plan.tp_slots import NO_GEMMS, TPGemms
 FLASH_ATTENTION_SHARE = 0.75  # FlashAttention-3 on H100: 740 of 989 TFLOP/s (arXiv 2407.08608)
 TILE_M, TILE_N = 128, 256  # a GEMM's output tile
 FP8_PRECISIONS = ("fp8", "mxfp8")
+ROUTER_KERNELS = 4  # softmax, top-k, the load-balancing loss's reduction, the routing map
+ALL_SCOPES = frozenset({"attn", "mlp", "moe", "moe_router", "moe_preprocess", ""})
+
+
+def graphed_scopes(model) -> frozenset[str]:
+    """The pieces whose kernels run inside CUDA graphs (`cuda_graph_impl` / `cuda_graph_scope`):
+    a full-iteration graph holds every piece, the output layer and embedding ("") included; a
+    scope list those pieces of every layer (forward and backward); no scope whole layers."""
+    scope = set(model.cuda_graph_scope or ())
+    if model.cuda_graph_impl == "none":
+        return frozenset()
+    if "full_iteration" in scope:
+        return ALL_SCOPES
+    return frozenset(scope) if scope else ALL_SCOPES - {""}
 
 
 @dataclass(frozen=True)
 class MicrobatchCompute:
-    """Forward seconds of one micro-batch on one GPU (its pipeline stage's share), by piece.
-    Backward = 2 x forward (+ 1 x forward recomputed under full recompute)."""
+    """Forward seconds of one micro-batch on one GPU (the average pipeline rank's share), by piece.
+    Backward = 2 x forward (+ 1 x forward under full recompute, + the recomputed modules' forward
+    under selective recompute)."""
 
     attention_fwd_s: float  # per layer (linear + core), every layer has one
     moe_fwd_s: float  # per MoE layer (routed + shared experts)
     shared_expert_fwd_s: float  # per MoE layer: the shared expert's part of moe_fwd_s
     dense_mlp_fwd_s: float  # per dense layer
-    logits_fwd_s: float  # this stage's share of the output layer
-    moe_layers: int  # MoE layers on this stage
-    dense_layers: int
+    logits_fwd_s: float  # the average rank's share of the output layer and the embedding
+    # MoE / dense layers on the average pipeline rank (the layout's layers / PP: a fraction when
+    # the stages are uneven; the stage weights say which rank holds more)
+    moe_layers: float
+    dense_layers: float
     recompute: bool  # full recompute: the backward re-runs the forward
     # Per virtual pipeline stage (v = chunk x PP + rank), its share of the work relative to the
-    # average stage: its own layers, and the output layer on the last one (the embedding lookup is
-    # free). (1.0,) without PP.
+    # average stage: its own layers, the embedding on the first and the output layer on the last.
+    # (1.0,) without PP.
     stage_weights: tuple[float, ...] = (1.0,)
     # per layer: the TP linears' forward GEMMs (`overlap.plan.tp_slots`)
     tp_gemms: TPGemms = NO_GEMMS
+    # per layer, selective recompute: the forward seconds its backward re-runs
+    attention_recompute_s: float = 0.0
+    moe_recompute_s: float = 0.0
+    dense_recompute_s: float = 0.0
+    # the embedding's backward (its gradient accumulated into the table), the average rank's share
+    embedding_bwd_s: float = 0.0
 
     @property
-    def layers(self) -> int:
+    def layers(self) -> float:
         return self.moe_layers + self.dense_layers
 
     @property
@@ -77,13 +107,24 @@ class MicrobatchCompute:
         return 3.0 if self.recompute else 2.0
 
     @property
+    def recompute_s(self) -> float:
+        """Selective recompute's extra backward seconds per micro-batch."""
+        return (self.attention_recompute_s * self.layers + self.moe_recompute_s * self.moe_layers
+                + self.dense_recompute_s * self.dense_layers)
+
+    @property
+    def bwd_s(self) -> float:
+        return self.fwd_s * self.bwd_factor + self.recompute_s + self.embedding_bwd_s
+
+    @property
     def fwd_bwd_s(self) -> float:
-        return self.fwd_s * (1.0 + self.bwd_factor)
+        return self.fwd_s + self.bwd_s
 
 
 class KernelCosts:
-    """Ideal seconds of the kernels one GPU runs, on `cluster` (see the module docstring); divide
-    by the efficiency."""
+    """Ideal seconds of the kernels one GPU runs, on `cluster` (see the module docstring), and how
+    many launches they took (`launched`): a piece costs ideal / efficiency + launches x the
+    per-kernel overhead."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.peak = cluster.peak_tflops * 1e12
@@ -92,11 +133,18 @@ class KernelCosts:
         self.sms = cluster.sms
         self.fp8 = cluster.precision in FP8_PRECISIONS
         self.shaped = self.hbm > 0
+        self.launches = 0
+
+    def launched(self) -> int:
+        """Launches since the last call."""
+        n, self.launches = self.launches, 0
+        return n
 
     def gemm(self, m: float, n: float, k: float, groups: int = 1, bf16: bool = False) -> float:
         """`groups` GEMMs of m x n x k (a grouped expert GEMM: one per local expert)."""
         if m <= 0 or n <= 0 or k <= 0 or groups <= 0:
             return 0.0
+        self.launches += groups
         peak = self.bf16_peak if bf16 else self.peak
         flops = 2.0 * m * n * k * groups
         if not self.shaped:
@@ -110,93 +158,130 @@ class KernelCosts:
         return max(flops / (peak * wave), nbytes / self.hbm)
 
     def attention_core(self, flops: float) -> float:
+        self.launches += 1
         if not self.shaped:
             return flops / self.peak
         return flops / (self.bf16_peak * FLASH_ATTENTION_SHARE)
 
-    def glue(self, nbytes: float) -> float:
-        return nbytes / self.hbm if self.shaped else 0.0
+    def glue(self, nbytes: float, kernels: int = 1) -> float:
+        """`kernels` memory-bound kernels moving `nbytes` in all."""
+        if not self.shaped or nbytes <= 0:
+            return 0.0
+        self.launches += kernels
+        return nbytes / self.hbm
 
-    def casts(self, elements: float) -> float:
+    def casts(self, elements: float, kernels: int = 1) -> float:
         """FP8 casts of GEMM inputs (2 bytes read, 1 written each); nothing at BF16."""
-        return self.glue(3.0 * elements) if self.fp8 else 0.0
+        return self.glue(3.0 * elements, kernels) if self.fp8 else 0.0
 
 
 def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout,
                        cluster: Cluster) -> MicrobatchCompute:
-    """Per-piece forward times of one micro-batch on one GPU of the layout (the pipeline stage's
-    layers)."""
+    """Per-piece forward times of one micro-batch on one GPU of the layout (the average pipeline
+    rank's layers; the stage weights carry the real stages' differences)."""
     m = cfg.model
     k = KernelCosts(cluster)
     eff = cluster.efficiency.value
+    tau = cluster.efficiency.kernel_overhead_s if k.shaped else 0.0
+
+    graphed = graphed_scopes(m)
+
+    def cost(ideal: float, scope: str) -> float:
+        """A piece's seconds: its kernels' ideal time / efficiency + their launches' overhead (none
+        inside a CUDA graph: the graph replays them without the host)."""
+        launches = k.launched()
+        return ideal / eff + (0.0 if scope in graphed else launches * tau)
+
     tokens = cfg.train.micro_batch_size * m.seq_length
-    n_moe = sum(1 for layer in range(m.num_layers) if m.is_moe_layer(layer))
-    n_dense = m.num_layers - n_moe
+    moe_layer = [m.is_moe_layer(layer) for layer in range(m.num_layers)]
     pp, tp, ep = max(1, layout.pp), max(1, layout.tp), max(1, layout.ep)
     h, hd = m.hidden_size, m.head_dim
     q, kv = m.num_attention_heads * hd, m.query_groups * hd
     ups = 2 if m.gated_linear_unit else 1
     sp = tp if m.sequence_parallel else 1  # under SP the norms and residual adds see 1 / TP of them
     act = 2.0  # bytes per activation element (BF16)
+    selective = set(m.recompute_modules or ()) if m.recompute_granularity == "selective" else set()
+    norm_bytes = act * tokens / sp * 2 * h  # one norm: read + write
 
     def mlp_glue(rows: float, ffn: float) -> float:
         """Gated activation (reads ups x F, writes F) and the FP8 casts of fc1's and fc2's
         inputs."""
-        return k.glue(act * rows * (ups + 1) * ffn) + k.casts(rows * (h + ffn))
+        return k.glue(act * rows * (ups + 1) * ffn) + k.casts(rows * (h + ffn), 2)
 
-    qkv_s = k.gemm(tokens, (q + 2 * kv) / tp, h)
-    proj_s = k.gemm(tokens, h, q / tp)
-    core_s = k.attention_core(2.0 * q * m.seq_length * tokens / tp)  # causal: 2 q s per token
+    qkv_s = cost(k.gemm(tokens, (q + 2 * kv) / tp, h), "attn")
+    proj_s = cost(k.gemm(tokens, h, q / tp), "attn")
+    core_s = cost(k.attention_core(2.0 * q * m.seq_length * tokens / tp), "attn")  # causal: 2 q s
     # a norm (read + write) and a residual add (2 reads + 1 write) per block
     norm_residual = act * tokens / sp * 5 * h
     # rotary embedding of q and k (+ their norms): read + write
     rotary = act * tokens * 2 * (q + 2 * kv) / tp * (2 if m.qk_layernorm else 1)
-    attention_glue = k.glue(norm_residual + rotary) + k.casts(tokens * (h + q / tp))
-    attention = (qkv_s + proj_s + core_s + attention_glue) / eff
+    attention_glue = cost(k.glue(norm_residual, 2) + k.glue(rotary, 2 if m.qk_layernorm else 1)
+                          + k.casts(tokens * (h + q / tp), 2), "attn")
+    attention = qkv_s + proj_s + core_s + attention_glue
+    norm_s = cost(k.glue(norm_bytes), "attn")  # one norm alone (what `layernorm` recompute re-runs)
+    attention_recompute = (core_s if "core_attn" in selective else 0.0) + (
+        norm_s if "layernorm" in selective else 0.0)
 
-    fc1_s = k.gemm(tokens, ups * m.ffn_size / tp, h)
-    fc2_s = k.gemm(tokens, h, m.ffn_size / tp)
-    dense = 0.0
-    if n_dense:
-        dense = (fc1_s + fc2_s + k.glue(norm_residual) + mlp_glue(tokens, m.ffn_size / tp)) / eff
+    dense = dense_recompute = fc1_s = fc2_s = 0.0
+    if not all(moe_layer):
+        fc1_s = cost(k.gemm(tokens, ups * m.ffn_size / tp, h), "mlp")
+        fc2_s = cost(k.gemm(tokens, h, m.ffn_size / tp), "mlp")
+        dense = fc1_s + fc2_s + cost(k.glue(norm_residual, 2)
+                                     + mlp_glue(tokens, m.ffn_size / tp), "mlp")
+        dense_recompute = (dense if "mlp" in selective else
+                           norm_s if "layernorm" in selective else 0.0)
 
-    moe = shared = 0.0
-    if n_moe:
+    moe = shared = moe_recompute = 0.0
+    if any(moe_layer):
         moe_tokens = tokens / tp  # expert TP 1: the dispatcher splits the tokens over the TP ranks
         experts, topk, f_moe = m.num_moe_experts, m.moe_router_topk, m.moe_ffn_size
         local = max(1, experts // ep)
         rows = moe_tokens * topk * ep / experts  # per local expert, balanced routing
-        routed = k.gemm(rows, ups * f_moe, h, local) + k.gemm(rows, h, f_moe, local)
-        router = (k.gemm(moe_tokens, experts, h, bf16=True) + k.glue(act * moe_tokens * 4 * experts)
-                  if k.shaped else 0.0)
-        # permute and un-permute: h in, k h out (and back)
-        permute = k.glue(act * moe_tokens * 2 * (h + topk * h))
-        routed += mlp_glue(moe_tokens * topk, f_moe)
+        routed = cost(k.gemm(rows, ups * f_moe, h, local) + k.gemm(rows, h, f_moe, local), "moe")
+        # the gated activation alone (what `moe_act` recompute re-runs), then the casts
+        act_s = cost(k.glue(act * moe_tokens * topk * (ups + 1) * f_moe), "moe")
+        # TE quantizes a grouped GEMM's inputs with one multi-tensor kernel
+        routed += act_s + cost(k.casts(moe_tokens * topk * (h + f_moe), 2), "moe")
+        # the pre-MLP norm with the router (TE's moe_router graph holds both), then the residual
+        router = cost(k.gemm(moe_tokens, experts, h, bf16=True) + k.glue(norm_bytes)
+                      + k.glue(act * moe_tokens * 4 * experts, ROUTER_KERNELS), "moe_router")
+        # permute (the dispatch's preprocessing) and un-permute: h in, k h out (and back)
+        permute = (cost(k.glue(act * moe_tokens * (h + topk * h)), "moe_preprocess")
+                   + cost(k.glue(act * moe_tokens * (h + topk * h)), "moe"))
         if m.moe_shared_expert_intermediate_size:
             f_sh = m.moe_shared_expert_intermediate_size
-            shared = (k.gemm(moe_tokens, ups * f_sh, h) + k.gemm(moe_tokens, h, f_sh)
-                      + mlp_glue(moe_tokens, f_sh)) / eff
-        moe = (routed + router + permute + k.glue(norm_residual)) / eff + shared
-    cross_entropy = k.glue(4.0 * 3 * tokens * m.vocab_size / tp)  # three FP32 logits passes
-    vocab_s = k.gemm(tokens, m.vocab_size / tp, h, bf16=True) + cross_entropy
-    logits = vocab_s / eff
+            shared = cost(k.gemm(moe_tokens, ups * f_sh, h) + k.gemm(moe_tokens, h, f_sh)
+                          + mlp_glue(moe_tokens, f_sh), "moe")
+        moe = routed + router + permute + cost(k.glue(norm_residual - norm_bytes), "moe") + shared
+        moe_recompute = (moe if "moe" in selective else
+                         (act_s if "moe_act" in selective else 0.0)
+                         + (shared if "shared_experts" in selective else 0.0)
+                         + (norm_s if "layernorm" in selective else 0.0))
+    cross_entropy = k.glue(4.0 * 3 * tokens * m.vocab_size / tp, 3)  # three FP32 logits passes
+    logits = cost(k.gemm(tokens, m.vocab_size / tp, h, bf16=True) + cross_entropy, "")
+    # the embedding: its lookup (a row written per token) and, in the backward, its gradient
+    # accumulated into the vocabulary-parallel table's (read, add, write in FP32)
+    embedding = cost(k.glue(act * tokens * h), "")
+    embedding_bwd = cost(k.glue((act + 8.0) * tokens * h), "")
     # The TP linears' forward GEMMs (the dense MLP's only where a layer has one).
-    fc1_fwd, fc2_fwd = (fc1_s / eff, fc2_s / eff) if n_dense else (0.0, 0.0)
-    gemms = TPGemms(qkv_s / eff, proj_s / eff, fc1_fwd, fc2_fwd,
-                    core=max(0.0, attention - (qkv_s + proj_s) / eff),
+    gemms = TPGemms(qkv_s, proj_s, fc1_s, fc2_s, core=max(0.0, attention - qkv_s - proj_s),
                     # refills a rate-limited link's bucket only without all-to-alls
                     moe=moe if ep == 1 else 0.0)
-    weights = (1.0,)
-    if pp > 1:
-        # Each virtual stage's own layers (the shared resolution: an uneven layout weighs its
-        # stages unevenly), and the output layer where the loss is
-        stages = [sum(attention + (moe if m.is_moe_layer(layer) else dense)
-                      for layer in range(s.start, s.end)) + (logits if s.loss else 0.0)
-                  for s in resolve_pipeline_layout(m, pp).stages]
-        mean = sum(stages) / len(stages)
-        weights = tuple(x / mean for x in stages) if mean > 0 else (1.0,) * len(stages)
+    factor = 3.0 if m.recompute_granularity == "full" else 2.0
+    layer_s = [attention * (1 + factor) + attention_recompute
+               + ((moe * (1 + factor) + moe_recompute) if is_moe
+                  else dense * (1 + factor) + dense_recompute)
+               for is_moe in moe_layer]
+    stages = resolve_pipeline_layout(m, pp).stages
+    work = [sum(layer_s[s.start:s.end]) + (logits * (1 + factor) if s.loss else 0.0)
+            + (embedding * (1 + factor) + embedding_bwd if s.embedding else 0.0) for s in stages]
+    mean = sum(work) / len(work)
+    weights = tuple(x / mean for x in work) if pp > 1 and mean > 0 else (1.0,)
+    n_moe = sum(moe_layer)
     return MicrobatchCompute(attention_fwd_s=attention, moe_fwd_s=moe, shared_expert_fwd_s=shared,
-                             dense_mlp_fwd_s=dense, logits_fwd_s=logits / pp,
-                             moe_layers=-(-n_moe // pp), dense_layers=-(-n_dense // pp),
+                             dense_mlp_fwd_s=dense, logits_fwd_s=(logits + embedding) / pp,
+                             moe_layers=n_moe / pp, dense_layers=(m.num_layers - n_moe) / pp,
                              recompute=m.recompute_granularity == "full", stage_weights=weights,
-                             tp_gemms=gemms)
+                             tp_gemms=gemms, attention_recompute_s=attention_recompute,
+                             moe_recompute_s=moe_recompute, dense_recompute_s=dense_recompute,
+                             embedding_bwd_s=embedding_bwd / pp)

@@ -1,9 +1,11 @@
 """What a cluster can do: per-GPU peak FLOP/s, the two links (NVLink inside a node, the NIC between nodes), and the
-planner's two documented behaviour parameters (compute efficiency, compute slowdown while overlapping).
+planner's documented behaviour parameters (compute efficiency and per-kernel overhead, compute
+slowdown while overlapping).
 
 Every figure carries its source. The peaks and bandwidths are published or measured by others
-(`../shared/reference/planner.md` sections 2.1-2.3 quote them); the compute efficiency is ours, calibrated on one
-measured run and named in every plan's output. A `--cluster FILE` (JSON, `load_cluster`) replaces any of them; for
+(`../shared/reference/planner.md` sections 2.1-2.3 quote them); the compute efficiency and the
+per-kernel overhead are ours, fitted on published runs (`overlap.plan.validate`) and named in every
+plan's output. A `--cluster FILE` (JSON, `load_cluster`) replaces any of them; for
 `-g cpu` it is required: our own CPU ranks have no published figures, only a measured machine profile.
 """
 
@@ -144,6 +146,9 @@ class Efficiency:
 
     value: float
     source: str
+    # seconds every kernel launch adds on the GPU's timeline (launch gap and host work of an eager
+    # run), fitted with `value` on the same runs; 0 where the efficiency alone was calibrated
+    kernel_overhead_s: float = 0.0
 
 
 def expected_error(gpu: str) -> tuple[float, float] | None:
@@ -169,7 +174,8 @@ def calibrated_efficiency(gpu: str) -> Efficiency | None:
     borrowed = " (H200: the H100's, same compute die)" if gpu != key else ""
     runs = f"{len(fit['fit_rows'])} published {fit['group']} runs"
     return Efficiency(fit["efficiency"],
-                      f"fitted on {runs}{borrowed}, docs/planner.md 'Validation'")
+                      f"fitted on {runs}{borrowed}, docs/planner.md 'Validation'",
+                      fit["kernel_overhead_us"] * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,7 @@ class Cluster:
                 "gpus_per_node": self.gpus_per_node,
                 "nvlink": self.nvlink.to_json(), "nic": self.nic.to_json(),
                 "compute_efficiency": self.efficiency.value, "compute_efficiency_source": self.efficiency.source,
+                "kernel_overhead_us": self.efficiency.kernel_overhead_s * 1e6,
                 "overlap_slowdown": dict(self.overlap_slowdown), "overlap_slowdown_source": self.slowdown_source,
                 "source": self.source,
                 **({"link_families": list(self.link_families)} if self.link_families is not None else {})}
@@ -260,7 +267,7 @@ def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Clus
 
 _CLUSTER_KEYS = {"gpu", "gpus_per_node", "peak_tflops", "precision", "nvlink", "nic", "compute_efficiency",
                  "compute_efficiency_source", "overlap_slowdown", "source", "overlap_slowdown_source",
-                 "link_families"}
+                 "link_families", "kernel_overhead_us"}
 
 
 def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None) -> Cluster:
@@ -313,9 +320,13 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
                     number(f"{key}.latency_us", value["latency_us"], -1e-12) * 1e-6, value.get("source", str(file)),
                     **burst)
 
+    # without its own, a file's efficiency keeps the built-in per-kernel overhead (a calibration
+    # fits the efficiency beside it)
+    tau = (number("kernel_overhead_us", doc["kernel_overhead_us"], -1e-12) * 1e-6
+           if "kernel_overhead_us" in doc else base.efficiency.kernel_overhead_s if base else 0.0)
     eff = (Efficiency(number("compute_efficiency", doc["compute_efficiency"]),
-                      doc.get("compute_efficiency_source", f"cluster file {file}"))
-           if "compute_efficiency" in doc else base.efficiency)
+                      doc.get("compute_efficiency_source", f"cluster file {file}"), tau)
+           if "compute_efficiency" in doc else replace(base.efficiency, kernel_overhead_s=tau))
     if eff.value > 1:
         raise ConfigError("--cluster compute_efficiency", eff.value, "a share of the peak is at most 1.",
                           "give the achieved share of peak_tflops (e.g. 0.4).")
@@ -340,9 +351,13 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
                                                   "hbm_Bps": base.hbm_Bps, "sms": base.sms}),
                       # the validation's error holds only for the validated efficiency
                       expected_error=(None if base is None or "compute_efficiency" in doc
+                                      or "kernel_overhead_us" in doc
                                       else base.expected_error))
     return cluster
 
 
-def with_efficiency(cluster: Cluster, value: float, source: str) -> Cluster:
-    return replace(cluster, efficiency=Efficiency(value, source))
+def with_efficiency(cluster: Cluster, value: float, source: str,
+                    kernel_overhead_s: float | None = None) -> Cluster:
+    """The cluster at another efficiency (and per-kernel overhead: None keeps the cluster's)."""
+    tau = cluster.efficiency.kernel_overhead_s if kernel_overhead_s is None else kernel_overhead_s
+    return replace(cluster, efficiency=Efficiency(value, source, tau))

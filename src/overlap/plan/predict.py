@@ -1,8 +1,9 @@
 """One configuration's predicted step: compute (compute.py) + communication (comm_model.py) laid out by the schedule
-(schedule.py), plus the per-GPU memory (`overlap.launch.resources.estimate_memory`, with the schedule's terms).
+(step_times.py), plus the per-GPU memory (`overlap.launch.resources.estimate_memory`, with the schedule's terms).
 
-`calibrate_efficiency` is the planner's only fit: the compute efficiency that makes one measured configuration's
-predicted step time equal its measured one (bisection; the step time falls monotonically with the efficiency).
+`calibrate_efficiency` fits one measured run: the compute efficiency (the per-kernel overhead
+kept) that makes the configuration's predicted step time equal its measured one (bisection; the
+step time falls monotonically with the efficiency).
 Everything an overlap switch changes is then the communication model's and the schedule's doing.
 """
 
@@ -17,7 +18,7 @@ from overlap.launch.resources import estimate_memory
 from overlap.plan.comm_model import CommPlan, comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute
 from overlap.plan.hardware import Cluster, with_efficiency
-from overlap.plan.schedule import StepTimes, Switches, step_times
+from overlap.plan.step_times import StepTimes, Switches, step_times
 from overlap.training.metrics import flops_per_token
 
 

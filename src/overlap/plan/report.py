@@ -67,6 +67,11 @@ def _kinds(by_kind: dict[str, float]) -> str:
     return f"{by_kind.get('all', 0.0):.1f}" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def overhead(us: float) -> str:
+    """The per-kernel overhead beside the efficiency (nothing where none is modelled)."""
+    return f", plus {us:.1f} us per kernel launch outside CUDA graphs" if us else ""
+
+
 def format_markdown(doc: dict) -> str:
     c = doc["cluster"]
     error = doc["expected_error"]
@@ -74,7 +79,8 @@ def format_markdown(doc: dict) -> str:
              f"{c['peak_tflops']:g} TFLOP/s; NVLink {c['nvlink']['bandwidth_GBps']:g} GB/s, NIC "
              f"{c['nic']['bandwidth_GBps']:g} GB/s.  ",
              f"Expected error of every step time below: {error['text']}.  ",
-             f"Compute efficiency {c['compute_efficiency']:.4f} of peak ({c['compute_efficiency_source']}); overlap "
+             f"Compute efficiency {c['compute_efficiency']:.4f} of peak"
+             f"{overhead(c['kernel_overhead_us'])} ({c['compute_efficiency_source']}); overlap "
              f"slowdown {c['overlap_slowdown']} ({c['overlap_slowdown_source']}).  ",
              f"Command: `{doc['command']}`", "",
              "| config | step ms | expected error | vs first | TFLOP/s/GPU | compute ms | "

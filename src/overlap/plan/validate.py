@@ -1,23 +1,26 @@
-"""The planner against published runs: one compute efficiency per GPU type, fitted on stated rows,
-and every row predicted by a fit that did not see it.
+"""The planner against published runs: two numbers per GPU type, fitted on stated rows, and every
+row predicted by a fit that did not see it.
 
-`python -m overlap.plan.validate` prints the table docs/planner.md carries, from the rows' own
-efficiencies stored in `overlap.plan.fitted`; `--write` first solves them again (a few minutes) and
+`python -m overlap.plan.validate` prints the table docs/planner.md carries, from the rows' linear
+models stored in `overlap.plan.fitted`; `--write` first takes them again (under a minute) and
 regenerates that module (the fits `overlap plan` uses, with their expected error).
 
 Rows (`ROWS`): Megatron-Bridge's performance summary (step time = GBS x seq / (tokens/s/GPU x GPUs))
 and the MoE comm-overlap skill's measured on/off pairs. Each row says what we assumed where the
-source does not say it (dispatcher, EP overlap) and how it is expressed; a row the configuration
-cannot express (yet) is listed with the reason and not predicted.
+source does not say it (dispatcher, EP overlap, CUDA graphs) and how it is expressed; a row the
+configuration cannot express is listed with the reason and not predicted.
 
-Fitted: one compute efficiency per group (`overlap.plan.compute`). For each row, the efficiency at
-which its predicted step equals the published one (`row_efficiency`, a secant solve: the step is
-close to a + b / efficiency); a group's fit is their median (least absolute deviation in log
-efficiency: robust to a run from an older software release). Groups: `h100` (H100 rows) and
-`blackwell` (B200 and GB200 rows: one die, their peaks already differ). Validation: leave-one-out
-within the group, the efficiency re-fitted without the row (the runs of an on/off pair are left out
-together, so a pair's ratio is predicted by rows that include none of it); the shipped fit uses all
-the group's rows.
+Fitted (`overlap.plan.compute`): the compute efficiency and the per-kernel overhead. Near a point a
+row's predicted step is a + b / efficiency + c x overhead (`Linear`, by finite differences, taken
+at its group's fit); a group's fit minimizes the sum of |log(predicted / published)| over its rows
+(least absolute deviation: robust to a run from an older software release). Groups: `h100` (H100
+rows) and `blackwell` (B200 and GB200 rows: one die, their peaks already differ). Three Blackwell
+rows cannot fit two numbers apart from their test, so Blackwell takes the per-kernel overhead of
+the H100 fit on all H100 rows (`OVERHEAD_FROM`; a host-side cost, fitted on no Blackwell row) and
+fits its efficiency alone, the median of its rows' own. Validation: leave-one-out within the group,
+both numbers re-fitted without the row (the runs of an on/off pair are left out together, so a
+pair's ratio is predicted by rows that include none of it), and the row predicted by the full
+model at that fit; the shipped fit uses all the group's rows.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from overlap.plan.predict import predict
 WITHIN = 0.20  # a row is "within" when |predicted / published - 1| <= 20%
 RATIO_WITHIN = 0.08  # an on/off pair's ratio within 0.08 of the published one
 GROUPS = {"h100": "h100", "b200": "blackwell", "gb200": "blackwell"}
+# Where each group's per-kernel overhead is fitted: with its efficiency on its own rows, or (too
+# few rows to fit two numbers apart) taken from another group's fit on all that group's rows.
+OVERHEAD_FROM = {"h100": "h100", "blackwell": "h100"}
+START = (0.6, 10e-6)  # (efficiency, per-kernel overhead) of the first linearization
+TAU_STEP_S = 5e-6  # the finite difference in the overhead
 _QWEN30 = "-m qwen -mr qwen3_30b_a3b"
 _QWEN235 = "-m qwen -mr qwen3_235b_a22b"
 # GPT-OSS-120B (openai/gpt-oss-120b config.json) on the Qwen3-MoE recipe's structure: 36 layers,
@@ -68,7 +76,8 @@ class Row:
 
 
 def _row(name, gpu, prec, n, gbs, mbs, seq, tp, pp, vp, ep, step, model, extra="", **kw) -> Row:
-    gpn = 72 if gpu == "gb200" and n % 72 == 0 else 8
+    # GB200 NVL72 racks run 64 of their GPUs in these recipes
+    gpn = (72 if n % 72 == 0 else 64 if n % 64 == 0 else 8) if gpu == "gb200" else 8
     flags = (f"{model} -g {gpu} -ng {n} -gn {gpn} -tp {tp} -pp {pp} -vp {vp or 'None'} -ep {ep} "
              f"-gb {gbs} -mb {mbs} -sl {seq}")
     return Row(name, gpu, prec, step, flags, extra, **kw)
@@ -78,17 +87,20 @@ _EP_OFF = "comm_overlap.overlap_moe_expert_parallel_comm=false"
 _EP_ON = "comm_overlap.overlap_moe_expert_parallel_comm=true"
 _A2A = "model.moe_token_dispatcher_type=alltoall"
 _HYBRID = "--moe_flex_dispatcher_backend hybridep"
-_DEEPEP = "--moe_flex_dispatcher_backend deepep"
 _GUIDE = "Bridge MoE comm-overlap skill (alltoall pair)"
 _SKILL = "Bridge MoE comm-overlap skill (HybridEP pair)"
-_NOT_SAID = "dispatcher and EP overlap not published: the recipe's"
-_H100_30B = ("not published: the 16-GPU H100 perf recipe's HybridEP and EP overlap (on in its "
-             "perf variant, which sets CUDA_DEVICE_MAX_CONNECTIONS=32 for it)")
-# the recipe counts the embedding and the loss as layers: 94 + 2 split evenly over the virtual stages
+# What Bridge's perf harness sets per GPU and precision (Megatron-Bridge
+# scripts/performance/configs/qwen/qwen3_workload_base_configs.py): dispatcher, EP overlap
+# (moe_a2a_overlap) and TE's scoped CUDA graphs.
+_WORKLOAD = "Bridge's workload config for it"
+_GRAPHS = "model.cuda_graph_impl=transformer_engine model.cuda_graph_scope="
+_GRAPH_ROUTER = f"{_GRAPHS}[moe_router,moe_preprocess]"
+_GRAPH_ATTN = f"{_GRAPHS}[attn,moe_router,moe_preprocess]"
+_H100_30B_FP8 = (f"{_WORKLOAD} (FP8 H100, 16 GPUs): HybridEP, EP overlap off, no CUDA graphs; "
+                 "the same assumed for the older releases' PP2 layouts")
 _SELECTIVE_235 = ("model.recompute_granularity=selective "
                   "model.recompute_modules=[layernorm,moe_act]")
-_UNEVEN_235 = ("the recipe's uneven layout (embedding and loss accounted as layers); selective "
-               "recompute's extra backward compute not priced")
+_UNEVEN_235 = "the recipe's uneven layout (embedding and loss accounted as layers)"
 
 ROWS: tuple[Row, ...] = (
     _row("Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off", "h100", "bf16", 16, 1024, 1, 4096,
@@ -99,19 +111,21 @@ ROWS: tuple[Row, ...] = (
          1, 4096, 1, 1, None, 16, 31.20, _QWEN30,
          f"{_A2A} {_EP_ON} comm_overlap.delay_wgrad_compute=true", source=_GUIDE, pair="guide"),
     _row("Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap off", "h100", "bf16", 16, 1024, 1, 4096,
-         1, 1, None, 16, 24.714, _QWEN30, f"{_HYBRID} {_EP_OFF}", source=_SKILL, pair="hybridep"),
+         1, 1, None, 16, 24.714, _QWEN30, f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}", source=_SKILL,
+         pair="hybridep", assumed=f"{_WORKLOAD} (BF16 H100): router and preprocess CUDA graphs"),
     _row("Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on", "h100", "bf16", 16, 1024, 1, 4096, 1,
-         1, None, 16, 20.992, _QWEN30, f"{_HYBRID} {_EP_ON}", source=_SKILL, pair="hybridep"),
+         1, None, 16, 20.992, _QWEN30, f"{_HYBRID} {_EP_ON} {_GRAPH_ROUTER}", source=_SKILL,
+         pair="hybridep", assumed=f"{_WORKLOAD} (BF16 H100): router and preprocess CUDA graphs"),
     _row("Qwen3-30B-A3B 16xH100 FP8 EP16", "h100", "fp8", 16, 1024, 1, 4096, 1, 1, None, 16, 29.26,
-         _QWEN30, f"{_HYBRID} {_EP_ON}", assumed=_H100_30B),
+         _QWEN30, f"{_HYBRID} {_EP_OFF}", assumed=_H100_30B_FP8),
     _row("Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8", "h100", "fp8", 16, 1024, 1, 4096, 1, 2, 12, 8,
-         28.94, _QWEN30, f"{_HYBRID} {_EP_ON}", assumed=_H100_30B),
+         28.94, _QWEN30, f"{_HYBRID} {_EP_OFF}", assumed=_H100_30B_FP8),
     _row("Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8", "h100", "fp8", 16, 512, 2, 4096, 1, 2,
-         24, 8, 24.85, _QWEN30, f"{_HYBRID} {_EP_ON}", assumed=_H100_30B),
+         24, 8, 24.85, _QWEN30, f"{_HYBRID} {_EP_OFF}", assumed=_H100_30B_FP8),
     _row("Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32", "h100", "fp8", 256, 8192, 1, 4096, 2, 8,
-         4, 32, 76.56, _QWEN235, f"{_DEEPEP} {_EP_ON} {_SELECTIVE_235}",
-         assumed="DeepEP; EP overlap on (its perf recipe sets CUDA_DEVICE_MAX_CONNECTIONS=8 for "
-                 f"it); {_UNEVEN_235}"),
+         4, 32, 76.56, _QWEN235, f"{_A2A} {_EP_ON} {_SELECTIVE_235}",
+         assumed=f"{_WORKLOAD} (FP8 H100): alltoall, EP overlap on, no CUDA graphs; selective "
+                 f"recompute of layernorm and moe_act; {_UNEVEN_235}"),
     _row("GPT-OSS-120B 64xH100 BF16 PP4 EP8", "h100", "bf16", 64, 1280, 1, 4096, 1, 4, None, 8,
          14.07, _QWEN30, f"{_A2A} {_EP_OFF} {_GPT_OSS}",
          assumed="alltoall, EP overlap off; sliding windows not expressed"),
@@ -128,14 +142,17 @@ ROWS: tuple[Row, ...] = (
          64, 25.26, _QWEN30,
          not_expressible="multi-latent attention and MTP are not in the model config"),
     _row("Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8", "b200", "mxfp8", 8, 512, 4, 4096, 1, 1, None, 8,
-         9.66, _QWEN30, f"{_HYBRID} {_EP_OFF}",
-         assumed=f"{_NOT_SAID}: HybridEP (Bridge's perf harness), EP overlap off"),
+         9.66, _QWEN30, f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
+         assumed=f"{_WORKLOAD}: HybridEP, EP overlap off, attention, router and preprocess CUDA "
+                 "graphs"),
     _row("Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8", "gb200", "mxfp8", 8, 512, 4, 4096, 1, 1, None, 8,
-         6.44, _QWEN30, f"{_HYBRID} {_EP_OFF}",
-         assumed=f"{_NOT_SAID}: HybridEP (NVL72), EP overlap off"),
+         6.44, _QWEN30, f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
+         assumed=f"{_WORKLOAD} (MXFP8): HybridEP, EP overlap off, router and preprocess CUDA "
+                 "graphs"),
     _row("Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32", "gb200", "mxfp8", 256, 8192, 1, 4096, 1, 8,
-         3, 32, 18.00, _QWEN235, f"{_HYBRID} {_EP_OFF}",
-         assumed=f"HybridEP (NVL72), EP overlap off; {_UNEVEN_235}; 64 GPUs per NVLink domain"),
+         3, 32, 18.00, _QWEN235, f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
+         assumed=f"{_WORKLOAD}: HybridEP, EP overlap off, attention, router and preprocess CUDA "
+                 f"graphs; {_UNEVEN_235}; 64 GPUs per NVLink domain"),
     _row("DeepSeek-V3 256xGB200 MXFP8 PP4 VP4 EP64", "gb200", "mxfp8", 256, 4096, 1, 4096, 1, 4, 4,
          64, 13.34, _QWEN30,
          not_expressible="multi-latent attention and MTP are not in the model config"),
@@ -149,83 +166,170 @@ def _config(row: Row):
     return job.cfg, job.resolution.layout
 
 
-def _cluster(row: Row, efficiency: float):
-    return with_efficiency(builtin_cluster(row.gpu, row.precision, None), efficiency, "validation")
+def _cluster(row: Row, efficiency: float, kernel_overhead_s: float):
+    cluster = builtin_cluster(row.gpu, row.precision, None)
+    return with_efficiency(cluster, efficiency, "validation", kernel_overhead_s)
 
 
-def predicted_s(row: Row, efficiency: float, config=None) -> float:
+def predicted_s(row: Row, efficiency: float, kernel_overhead_s: float, config=None) -> float:
     cfg, layout = config or _config(row)
-    return predict(row.name, [], cfg, layout, _cluster(row, efficiency)).step_ms / 1e3
+    cluster = _cluster(row, efficiency, kernel_overhead_s)
+    return predict(row.name, [], cfg, layout, cluster).step_ms / 1e3
 
 
-def row_efficiency(row: Row, config=None, tol: float = 1e-4) -> float:
-    """The efficiency at which the row's predicted step equals the published one:
-    a secant solve on the model step = a + b / efficiency (exact when no overlap window changes; a
-    few rounds
-    otherwise). A row whose published step is shorter than the part no efficiency shrinks raises
-    ValueError."""
+@dataclass(frozen=True)
+class Linear:
+    """A row's predicted step near one point of the two fitted numbers: a + b x + c tau, x = 1 /
+    efficiency, tau the per-kernel overhead in seconds (exact while no overlap window changes
+    which side is longer; the fit re-linearizes at its own result)."""
+
+    a: float
+    b: float
+    c: float
+
+    def step_s(self, efficiency: float, kernel_overhead_s: float) -> float:
+        return self.a + self.b / efficiency + self.c * kernel_overhead_s
+
+
+def linearize(row: Row, efficiency: float, kernel_overhead_s: float, config=None) -> Linear:
+    """The row's `Linear` at (efficiency, per-kernel overhead), by finite differences."""
     config = config or _config(row)
-    e0, e1 = 0.3, 0.6
-    s0, s1 = (predicted_s(row, e, config) for e in (e0, e1))
-    for _ in range(20):
-        b = (s0 - s1) / (1 / e0 - 1 / e1)
-        a = s1 - b / e1
-        if b <= 0 or row.published_s <= a:
-            raise ValueError(f"{row.name}: the part no efficiency shrinks exceeds the published "
-                             "step")
-        e2 = b / (row.published_s - a)
-        s2 = predicted_s(row, e2, config)
-        if abs(s2 / row.published_s - 1) < tol:
-            return e2
-        e0, s0, e1, s1 = e1, s1, e2, s2
-    raise ValueError(f"{row.name}: the efficiency solve did not converge")
+    x0, tau0 = 1 / efficiency, kernel_overhead_s
+    s0 = predicted_s(row, efficiency, tau0, config)
+    b = (predicted_s(row, 1 / (1.25 * x0), tau0, config) - s0) / (0.25 * x0)
+    c = (predicted_s(row, efficiency, tau0 + TAU_STEP_S, config) - s0) / TAU_STEP_S
+    return Linear(s0 - b * x0 - c * tau0, b, c)
+
+
+def _loss(points: list[tuple[Linear, float]], x: float, tau: float) -> float:
+    """Sum of |log(predicted / published)| (least absolute deviation: one run from another
+    software release cannot drag the fit, as it would a mean of squares)."""
+    total = 0.0
+    for lin, published in points:
+        step = lin.a + lin.b * x + lin.c * tau
+        if step <= 0:
+            return math.inf
+        total += abs(math.log(step / published))
+    return total
+
+
+def center(values: list[float]) -> float:
+    """The median in log (of an even count, the middle of the two middle ones)."""
+    logs = sorted(math.log(v) for v in values)
+    mid = len(logs) // 2
+    return math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2)
+
+
+def fit_group(points: list[tuple[Linear, float]],
+              kernel_overhead_s: float | None = None) -> tuple[float, float]:
+    """(efficiency, per-kernel overhead) minimizing `_loss` over the rows' linear models.
+
+    Both free: the minimum of a sum of absolute deviations lies where two rows are met exactly
+    (or one, the overhead held at 0), so every such point is tried. The overhead given: the
+    efficiency alone, the median of the rows' own ones (each row met exactly at it), which is
+    that minimum in one dimension, at most 1 (a share of the peak)."""
+    def x_at(lin: Linear, published: float, tau: float) -> float:
+        return (published - lin.a - lin.c * tau) / lin.b
+
+    if kernel_overhead_s is not None:
+        xs = [x_at(lin, p, kernel_overhead_s) for lin, p in points]
+        if min(xs) <= 0:
+            raise ValueError("a row's published step is shorter than what no efficiency shrinks")
+        return min(1.0, center([1 / x for x in xs])), kernel_overhead_s
+    candidates = [(x_at(lin, p, 0.0), 0.0) for lin, p in points]
+    for i, (li, pi) in enumerate(points):
+        for lj, pj in points[i + 1:]:
+            det = li.b * lj.c - lj.b * li.c
+            if abs(det) < 1e-12 * max(abs(li.b * lj.c), abs(lj.b * li.c), 1e-30):
+                continue
+            x = ((pi - li.a) * lj.c - (pj - lj.a) * li.c) / det
+            tau = (li.b * (pj - lj.a) - lj.b * (pi - li.a)) / det
+            candidates.append((x, tau))
+    usable = [(x, tau) for x, tau in candidates if x >= 1.0 and tau >= 0.0]
+    if not usable:
+        raise ValueError("no efficiency <= 1 and overhead >= 0 fits these rows")
+    x, tau = min(usable, key=lambda xt: (_loss(points, *xt), xt))
+    return 1 / x, tau
 
 
 @dataclass
 class Result:
     row: Row
-    own_efficiency: float  # the row alone, fitted
     loo_efficiency: float  # fitted on the group's other rows (pair partners left out too)
-    predicted_s: float  # at loo_efficiency
+    loo_overhead_s: float  # the per-kernel overhead of that fit
+    predicted_s: float  # at that fit
     fit_rows: tuple[str, ...]
+    own_efficiency: float  # the efficiency at which this row alone is met, at the fit's overhead
 
     @property
     def error(self) -> float:
         return self.predicted_s / self.row.published_s - 1
 
 
-def center(values: list[float]) -> float:
-    """The fit of a group's efficiencies: their median in log (least absolute deviation: one run
-    from another software release cannot drag the fit, as it would a mean)."""
-    logs = sorted(math.log(v) for v in values)
-    mid = len(logs) // 2
-    return math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2)
+def _group(row: Row) -> str:
+    return GROUPS[row.gpu]
 
 
-def solve_own(rows: tuple[Row, ...] = ROWS) -> dict[str, float]:
-    """Every expressible row's own efficiency."""
-    return {r.name: row_efficiency(r) for r in rows if not r.not_expressible}
+def solve_linear(rows: tuple[Row, ...] = ROWS) -> tuple[dict[str, Linear], dict[str, tuple]]:
+    """Every expressible row's `Linear`, taken at its group's fit on all its rows (found from a
+    first linearization at a common start); and the points they were taken at, by group."""
+    usable = [r for r in rows if not r.not_expressible]
+    configs = {r.name: _config(r) for r in usable}
+    at = {g: START for g in set(GROUPS.values())}
+    lins = {}
+    for _ in range(2):
+        lins = {r.name: linearize(r, *at[_group(r)], configs[r.name]) for r in usable}
+        at = _group_fits(usable, lins)
+    lins = {r.name: linearize(r, *at[_group(r)], configs[r.name]) for r in usable}
+    return lins, at
 
 
-def fit(own: dict[str, float],
+def _group_fits(usable: list[Row], lins: dict[str, Linear],
+                leave_out: Row | None = None) -> dict[str, tuple[float, float]]:
+    """Each group's (efficiency, overhead) on its rows (less `leave_out` and its pair partners).
+    The overhead is fitted where OVERHEAD_FROM says; a group fitted elsewhere takes that group's
+    overhead on all its rows (none of which is this group's)."""
+    def points(group: str, skip: Row | None) -> list[tuple[Linear, float]]:
+        return [(lins[r.name], r.published_s) for r in usable if _group(r) == group
+                and not (skip and (r is skip or (skip.pair and r.pair == skip.pair)))]
+
+    out = {}
+    for group in sorted(set(GROUPS.values()), key=lambda g: OVERHEAD_FROM[g] != g):
+        source = OVERHEAD_FROM[group]
+        skip = leave_out if leave_out is not None and _group(leave_out) == group else None
+        if source == group:
+            out[group] = fit_group(points(group, skip))
+        else:
+            tau = fit_group(points(source, None))[1]
+            out[group] = fit_group(points(group, skip), tau)
+    return out
+
+
+def fit(lins: dict[str, Linear],
         rows: tuple[Row, ...] = ROWS) -> tuple[list[Result], dict[str, dict]]:
     """Leave-one-out results for every expressible row and each group's fit on all its rows, from
-    the rows' own efficiencies (`solve_own`)."""
+    the rows' linear models (`solve_linear`); each row's prediction is the full model's at the fit
+    that did not see it."""
     usable = [r for r in rows if not r.not_expressible]
     results = []
     for r in usable:
-        others = [o.name for o in usable
-                  if GROUPS[o.gpu] == GROUPS[r.gpu] and o is not r
-                  and not (r.pair and o.pair == r.pair)]
-        eff = center([own[n] for n in others])
-        results.append(Result(r, own[r.name], eff, predicted_s(r, eff), tuple(others)))
+        eff, tau = _group_fits(usable, lins, leave_out=r)[_group(r)]
+        others = tuple(o.name for o in usable if _group(o) == _group(r) and o is not r
+                       and not (r.pair and o.pair == r.pair))
+        lin = lins[r.name]
+        own = lin.b / (r.published_s - lin.a - lin.c * tau)
+        results.append(Result(r, eff, tau, predicted_s(r, eff, tau), others, own))
+    fits = _group_fits(usable, lins)
     groups = {}
     for group in sorted(set(GROUPS.values())):
-        members = [r for r in results if GROUPS[r.row.gpu] == group]
+        members = [r for r in results if _group(r.row) == group]
         errors = sorted(abs(r.error) for r in members)
         within = sum(e <= WITHIN for e in errors)
+        source = OVERHEAD_FROM[group]
         groups[group] = {
-            "efficiency": round(center([r.own_efficiency for r in members]), 4),
+            "efficiency": round(fits[group][0], 4),
+            "kernel_overhead_us": round(fits[group][1] * 1e6, 3),
+            "kernel_overhead_from": source,
             "median_error": round(errors[len(errors) // 2], 3), "worst_error": round(errors[-1], 3),
             "group": group, "fit_rows": [r.row.name for r in members],
             "expected_error": (f"median {100 * errors[len(errors) // 2]:.0f}%, worst "
@@ -251,59 +355,66 @@ def pairs(results: list[Result]) -> list[tuple[Result, Result, float, float]]:
 def markdown(results: list[Result], groups: dict[str, dict], rows: tuple[Row, ...] = ROWS) -> str:
     """The table docs/planner.md carries (generated: `python -m overlap.plan.validate`)."""
     lines = ["| run | GPU | precision | published s | predicted s | error | own eff. | fit eff. | "
-             "assumed |", "|---|---|---|---|---|---|---|---|---|"]
+             "fit overhead us | assumed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.row.name} | {r.row.gpu} | {r.row.precision} | "
-                     f"{r.row.published_s:.2f} | "
-                     f"{r.predicted_s:.2f} | {100 * r.error:+.0f}% | {r.own_efficiency:.3f} | "
-                     f"{r.loo_efficiency:.3f} | {r.row.assumed or '-'} |")
+                     f"{r.row.published_s:.2f} | {r.predicted_s:.2f} | {100 * r.error:+.0f}% | "
+                     f"{r.own_efficiency:.3f} | {r.loo_efficiency:.3f} | "
+                     f"{r.loo_overhead_s * 1e6:.1f} | {r.row.assumed or '-'} |")
     for row in rows:
         if row.not_expressible:
             lines.append(f"| {row.name} | {row.gpu} | {row.precision} | {row.published_s:.2f} | "
-                         "- | not "
-                         f"expressed | - | - | {row.not_expressible} |")
+                         f"- | not expressed | - | - | - | {row.not_expressible} |")
     within = sum(abs(r.error) <= WITHIN for r in results)
     lines += ["", f"{within} of {len(results)} expressible runs within {100 * WITHIN:.0f}% "
                   f"(leave-one-out; {len(rows) - len(results)} not expressible).", "",
               "| pair | published on/off | predicted on/off | on step error |", "|---|---|---|---|"]
     for off, on, pub, pred in pairs(results):
         lines.append(f"| {on.row.name} | {pub:.3f} | {pred:.3f} | {100 * on.error:+.0f}% |")
-    lines += ["", "| group | efficiency (all its rows) | expected error |", "|---|---|---|"]
+    lines += ["", "| group | efficiency (all its rows) | per-kernel overhead us (fitted on) | "
+                  "expected error |", "|---|---|---|---|"]
     for name, g in groups.items():
-        lines.append(f"| {name} | {g['efficiency']:.4f} | {g['expected_error']} |")
+        lines.append(f"| {name} | {g['efficiency']:.4f} | {g['kernel_overhead_us']:.1f} "
+                     f"({g['kernel_overhead_from']} rows) | {g['expected_error']} |")
     return "\n".join(lines)
 
 
-def write_fitted(groups: dict[str, dict], own: dict[str, float], path: Path) -> None:
-    """`overlap.plan.fitted`: each GPU type's group fit and the rows' own efficiencies (so a test
-    re-derives the fit from them and re-solves a few rows to check them)."""
+def write_fitted(groups: dict[str, dict], lins: dict[str, Linear],
+                 at: dict[str, tuple[float, float]], path: Path) -> None:
+    """`overlap.plan.fitted`: each GPU type's group fit, the rows' linear models and the points
+    they were taken at (so a test re-derives the fits from them and re-linearizes a few rows)."""
     by_gpu = {gpu: groups[group] for gpu, group in GROUPS.items()}
     header = ('"""Generated by `python -m overlap.plan.validate --write` (do not edit): '
-              "the compute\nefficiency of each GPU type, fitted on the published runs named here\n"
-              "(`overlap.plan.validate`), its leave-one-out step-time error, and each run's own\n"
-              'efficiency."""')
-    own_rounded = {n: round(v, 6) for n, v in own.items()}
+              "the compute\nefficiency and per-kernel overhead of each GPU type, fitted on the "
+              "published runs\nnamed here (`overlap.plan.validate`), its leave-one-out step-time "
+              "error, and each\nrun's linear model (a, b, c: step = a + b / efficiency + c x "
+              'overhead), taken at LINEARIZED_AT."""')
+    linear = {n: tuple(float(f"{v:.9g}") for v in (x.a, x.b, x.c)) for n, x in lins.items()}
     lines = [header, "", f"FITTED = {pformat(by_gpu, width=100, sort_dicts=False)}", "",
-             f"OWN_EFFICIENCY = {pformat(own_rounded, width=100, sort_dicts=False)}", ""]
+             f"LINEAR = {pformat(linear, width=100, sort_dicts=False)}", "",
+             f"LINEARIZED_AT = {pformat(at, width=100, sort_dicts=True)}", ""]
     path.write_text("\n".join(lines))
+
+
+def stored_linear() -> dict[str, Linear]:
+    from overlap.plan.fitted import LINEAR
+
+    return {name: Linear(*abc) for name, abc in LINEAR.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m overlap.plan.validate",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true",
-                        help="re-solve every row and regenerate src/overlap/plan/fitted.py")
+                        help="re-linearize every row and regenerate src/overlap/plan/fitted.py")
     args = parser.parse_args(argv)
     # the rows' resolution notes (e.g. a single DP bucket) are not the point here
     logging.getLogger("overlap").setLevel(logging.ERROR)
     logging.getLogger("overlap.config").setLevel(logging.ERROR)
+    lins, at = solve_linear() if args.write else (stored_linear(), None)
+    results, groups = fit(lins)
     if args.write:
-        own = solve_own()
-    else:
-        from overlap.plan.fitted import OWN_EFFICIENCY as own
-    results, groups = fit(own)
-    if args.write:
-        write_fitted(groups, own, Path(__file__).with_name("fitted.py"))
+        write_fitted(groups, lins, at, Path(__file__).with_name("fitted.py"))
     print(markdown(results, groups))
     return 0
 

@@ -1,4 +1,5 @@
-"""The schedule: how compute and communication of one step line up, and what each overlap switch hides behind what.
+"""Where one step's time goes: how compute and communication line up, and what each overlap
+switch hides behind what.
 
 - Pipeline (`overlap.plan.pipeline_sim`): the rank programs of 1F1B / interleaved 1F1B run as a simulation with
   the micro-batch's time per chunk, once with free and once with real transfers. With free transfers the idle time
@@ -113,7 +114,8 @@ def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], counts_s: flo
     it outlasts the transfer, and the transfer exposes
     t - W / (1 - u) past it otherwise."""
     e_wgrad, a_wgrad = c.moe_fwd_s, c.attention_fwd_s
-    e_dgrad, a_dgrad = c.bwd_factor * c.moe_fwd_s - e_wgrad, c.bwd_factor * c.attention_fwd_s - a_wgrad
+    e_dgrad = c.bwd_factor * c.moe_fwd_s + c.moe_recompute_s - e_wgrad
+    a_dgrad = c.bwd_factor * c.attention_fwd_s + c.attention_recompute_s - a_wgrad
     fixed_e, fixed_a = (0.0, 0.0) if delay_wgrad else (e_wgrad, a_wgrad)
     # The pieces in order (B's combine backward launched before the first): F's attention, B's previous layer's
     # experts weight gradients, B's experts input gradient, F's experts, B's attention backward. Each transfer is
@@ -160,9 +162,8 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
         # The merged program's warm-up forwards (as many cool-down backwards) run alone, their all-to-alls exposed:
         # F(0) and B(last) without PP; under an interleaved pipeline, pipeline rank 0's (the most of any rank).
         alone = sum(1 for s in pipeline_steps(sw.pp, 0, sw.vpp, m, sw.vp_group, merged=True) if s.backward is None)
-        for _ in range(c.moe_layers):
-            _merged_moe_layer(c, a2a, comm.ep_counts_s, sigma_ep, sw.delay_wgrad, t,
-                              (m * sw.vpp - alone) / sw.vpp, comm.ep_sm_share)
+        _merged_moe_layer(c, a2a, comm.ep_counts_s, sigma_ep, sw.delay_wgrad, t,
+                          c.moe_layers * (m * sw.vpp - alone) / sw.vpp, comm.ep_sm_share)
         for kind, seconds in a2a.items():
             t.expose(kind, seconds * c.moe_layers * alone / sw.vpp)
         t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * alone / sw.vpp)
@@ -188,7 +189,7 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
 
     if sw.pp > 1:  # the pipeline program itself, simulated: its bubble, and the p2p its schedule cannot hide
         per_mb_s = (t.compute_s + t.slowdown_s + sum(t.exposed_s.values())) / m
-        fwd_share = 1.0 / (1.0 + c.bwd_factor)
+        fwd_share = c.fwd_s / c.fwd_bwd_s
         f, b = per_mb_s * fwd_share / sw.vpp, per_mb_s * (1 - fwd_share) / sw.vpp
         merged = sw.ep_overlap and bool(comm.ep_a2a_s)
         free = simulate(sw.pp, sw.vpp, m, f, b, 0.0, sw.overlap_p2p, sw.vp_group, c.stage_weights, merged)
@@ -204,7 +205,7 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
     if "pp_tied_grad" in comm.kinds:  # after the DP reduction, before the optimizer: nothing runs beside it
         t.expose("pp_tied_grad", comm.kinds["pp_tied_grad"].seconds_per_step)
 
-    bwd_last, fwd_first = c.fwd_s * c.bwd_factor, c.fwd_s
+    bwd_last, fwd_first = c.bwd_s, c.fwd_s
     for kinds, buffers, overlapped, window, gather in (
             (("rs", "ar"), comm.dp_rs_s, sw.overlap_grad_reduce, bwd_last, False),
             (("ag",), comm.dp_ag_s, sw.overlap_param_gather, fwd_first, True)):
