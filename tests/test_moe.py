@@ -291,7 +291,8 @@ def test_all_to_all_many_in_a_group_of_one_returns_the_tensors_without_copying_a
 def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
     """The grouped kernel (`F.grouped_mm`) and the per-expert loop give the same output, input gradient and weight
     gradient bit for bit, with empty experts (their weight gradient zeros) and with the weight gradient delayed."""
-    from overlap.layers.wgrad_store import WGRAD_STORE, GroupedLinear, grouped_offsets
+    from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
+    from overlap.layers.wgrad_store import WGRAD_STORE
     g = torch.Generator().manual_seed(7)
     counts = [5, 0, 9, 3, 0, 7]
     w = torch.nn.Parameter(torch.randn(6, 24, 16, generator=g).to(dtype))
@@ -316,7 +317,7 @@ def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
 
 def test_grouped_gemm_kernel_is_chosen_only_where_its_layout_rule_holds():
     """16-byte row strides: hidden 8 holds in fp32 (32 bytes), not in bf16 at width 4 (8 bytes)."""
-    from overlap.layers.wgrad_store import grouped_offsets
+    from overlap.layers.linear_functions import grouped_offsets
     assert grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 8), (torch.zeros(2, 4, 8),)) is not None
     assert grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 4, dtype=torch.bfloat16),
                            (torch.zeros(2, 8, 4, dtype=torch.bfloat16),)) is None

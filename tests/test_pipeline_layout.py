@@ -251,7 +251,7 @@ def test_the_planner_weighs_and_the_memory_estimate_sizes_the_uneven_stages():
 
 
 def test_the_runtime_refuses_a_layout_with_mtp_by_name():
-    from overlap.training.support import runtime_refusals
+    from overlap.training.runtime_refusals import runtime_refusals
 
     cfg = tiny_config(
         False,

@@ -27,7 +27,7 @@ from overlap.config import ConfigContainer, ModelConfig, OptimizerConfig, Schedu
 from overlap.config.overrides import apply_overrides
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
-from overlap.training.support import runtime_refusals
+from overlap.training.runtime_refusals import runtime_refusals
 from overlap.training.trainer import Trainer
 from tests.world import run_world
 
