@@ -188,8 +188,10 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
     hidden.requires_grad_()
     topk_weights.requires_grad_()
 
-    rows, weights, plan = dispatcher.preprocess(hidden, topk_idx, topk_weights)
-    expert_rows, expert_weights = dispatcher.postprocess_dispatch(dispatcher.dispatch(rows, weights, plan), plan)
+    plan = dispatcher.route(topk_idx, topk_weights, hidden.shape).resolve()
+    rows, weights = dispatcher.dispatch_preprocess(hidden, topk_weights, plan)
+    expert_rows, expert_weights = dispatcher.dispatch_postprocess(
+        *dispatcher.token_dispatch(rows, weights, plan).wait(), plan)
 
     # Every rank can rebuild every rank's routing: the rows of local expert e must be, source rank by source rank,
     # that rank's tokens routed to e, in token order.
@@ -207,7 +209,8 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
 
     # Identity experts: what comes back is each token scaled by the sum of its combine weights.
     out_rows = dispatcher.combine_preprocess(expert_rows, expert_weights, plan)
-    y = dispatcher.postprocess_combine(dispatcher.combine(out_rows, plan), plan)
+    (returned,) = dispatcher.token_combine(out_rows, plan).wait()
+    y = dispatcher.combine_postprocess(returned, plan)
     torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))
     # And the backward all-to-alls (swapped splits) bring the gradients home.
     y.sum().backward()

@@ -123,11 +123,14 @@ def _flex_round_trip_with_identity_experts() -> None:
     hidden, topk_idx, topk_weights = _rank_routing(rank, 4, 4 // ep)
     hidden.requires_grad_()
     topk_weights.requires_grad_()
-    rows, weights, plan = dispatcher.preprocess(hidden, topk_idx, topk_weights)
-    expert_rows, pair_weights = dispatcher.postprocess_dispatch(dispatcher.dispatch(rows, weights, plan), plan)
+    plan = dispatcher.route(topk_idx, topk_weights, hidden.shape).resolve()
+    rows, weights = dispatcher.dispatch_preprocess(hidden, topk_weights, plan)
+    expert_rows, pair_weights = dispatcher.dispatch_postprocess(
+        *dispatcher.token_dispatch(rows, weights, plan).wait(), plan)
     assert expert_rows.shape[0] == sum(plan.tokens_per_local_expert)
-    y = dispatcher.postprocess_combine(
-        dispatcher.combine(dispatcher.combine_preprocess(expert_rows, pair_weights, plan), plan), plan)
+    out_rows = dispatcher.combine_preprocess(expert_rows, pair_weights, plan)
+    (returned,) = dispatcher.token_combine(out_rows, plan).wait()
+    y = dispatcher.combine_postprocess(returned, plan)
     torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))
     y.sum().backward()
     torch.testing.assert_close(hidden.grad, topk_weights.detach().sum(dim=1, keepdim=True).expand_as(hidden))
