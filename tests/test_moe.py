@@ -32,6 +32,7 @@ from overlap.layers.moe.permute import (permute, sort_chunks_by_local_expert, un
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
+from tests.configs import moe_layer_model
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -40,11 +41,9 @@ INIT_STD = 0.2  # large enough that outputs are O(1), so an absolute tolerance m
 
 
 def _config(num_experts: int = 8, tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=num_experts, moe_router_topk=2,
-                  moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, params_dtype="float32",
-                  tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    fields = dict(num_moe_experts=num_experts, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                  sequence_parallel=tp > 1)
+    return moe_layer_model(**{**fields, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from overlap.layers.moe import MoELayer
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
+from tests.configs import moe_layer_model
 from tests.test_ep_overlap import _compare
 from tests.test_moe import _rank_routing
 from tests.world import run_world
@@ -37,11 +38,8 @@ FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch
 
 
 def _config(tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
-                  moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, params_dtype="float32",
-                  tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    fields = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    return moe_layer_model(**{**fields, **overrides})
 
 
 def _layer(cfg: ModelConfig, ps: ParallelState, skewed: bool) -> MoELayer:

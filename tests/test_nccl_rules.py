@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from overlap.parallel.program import check, early_send_waits
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import _under_nccl_rules, close_world, run_world, run_world_in, run_world_nccl_rules
 
 STEPS = 3

@@ -16,7 +16,7 @@ from overlap.config.pipeline_layout import parse_layout, resolve_pipeline_layout
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.parallel.state import ParallelState
 from overlap.training.trainer import Trainer
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 TIED = "model.share_embeddings_and_output_weights=true"
