@@ -14,8 +14,8 @@ Every builder takes model fields as keywords, which replace its own values.
 
 from __future__ import annotations
 
-from overlap.config import (CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig, OptimizerConfig,
-                            SchedulerConfig, TrainConfig)
+from overlap.config import (CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig,
+                            OptimizerConfig, SchedulerConfig, TrainConfig)
 
 
 def dense_model(**fields) -> ModelConfig:
@@ -34,8 +34,9 @@ def container(model: ModelConfig | None = None, co: CommOverlapConfig | None = N
               mp: str | None = "bf16_mixed", ddp: DDPConfig | None = None,
               optimizer: OptimizerConfig | None = None,
               train: TrainConfig | None = None) -> ConfigContainer:
-    """A run configuration around `model` (None: `dense_model()`): bf16 mixed precision, global batch
-    16, the default DDP and optimizer sections, no comm_overlap section unless `co` is given."""
+    """A run configuration around `model` (None: `dense_model()`): bf16 mixed precision, global
+    batch 16, the default DDP and optimizer sections, no comm_overlap section unless `co` is
+    given."""
     return ConfigContainer(model=model or dense_model(), comm_overlap=co, mixed_precision=mp,
                            ddp=ddp or DDPConfig(), optimizer=optimizer or OptimizerConfig(),
                            train=train or TrainConfig(global_batch_size=16))
@@ -43,7 +44,8 @@ def container(model: ModelConfig | None = None, co: CommOverlapConfig | None = N
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
             ffn_hidden_size=128, vocab_size=256, seq_length=16, qk_layernorm=True)
-TINY_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2)
+TINY_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                moe_aux_loss_coeff=1e-2)
 
 
 def tiny_config(moe: bool, precision: str | None, layers: int, overrides: list[str], iters: int,
@@ -66,10 +68,10 @@ def tiny_config(moe: bool, precision: str | None, layers: int, overrides: list[s
 
 def ep_overlap_model(**fields) -> ModelConfig:
     """The EP-overlap tests' MoE model: 3 layers, 32 wide, 4 experts top-2, init std 0.1."""
-    base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-                ffn_hidden_size=64, vocab_size=128, seq_length=16, qk_layernorm=True,
-                num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2,
-                init_method_std=0.1)
+    base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                kv_channels=8, ffn_hidden_size=64, vocab_size=128, seq_length=16, qk_layernorm=True,
+                num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                moe_aux_loss_coeff=1e-2, init_method_std=0.1)
     return ModelConfig(**{**base, **fields})
 
 

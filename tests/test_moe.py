@@ -41,8 +41,8 @@ INIT_STD = 0.2  # large enough that outputs are O(1), so an absolute tolerance m
 
 
 def _config(num_experts: int = 8, tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(num_moe_experts=num_experts, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                  sequence_parallel=tp > 1)
+    fields = dict(num_moe_experts=num_experts, tensor_model_parallel_size=tp,
+                  expert_model_parallel_size=ep, sequence_parallel=tp > 1)
     return moe_layer_model(**{**fields, **overrides})
 
 

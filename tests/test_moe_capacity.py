@@ -113,7 +113,8 @@ def test_capacity_is_ceil_of_tokens_times_topk_over_experts_times_factor():
 
 
 def _config(ep: int = 1, **overrides) -> ModelConfig:
-    return moe_layer_model(**{"expert_model_parallel_size": ep, "moe_permute_fusion": True, **overrides})
+    fields = dict(expert_model_parallel_size=ep, moe_permute_fusion=True)
+    return moe_layer_model(**{**fields, **overrides})
 
 
 def _capacity(factor: float, pad: bool, policy: str = "probs") -> dict:

@@ -38,7 +38,8 @@ FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch
 
 
 def _config(tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    fields = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                  sequence_parallel=tp > 1)
     return moe_layer_model(**{**fields, **overrides})
 
 

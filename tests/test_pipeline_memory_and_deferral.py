@@ -43,7 +43,7 @@ PP2_VPP2 = PP2 + (("virtual_pipeline_model_parallel_size", 2),)
 
 
 def _config(overrides: tuple[str, ...], layout: tuple, moe: bool = False) -> ConfigContainer:
-    fields = dict(layout)  # (field, value) pairs: hashable, so runs can be cached by their arguments
+    fields = dict(layout)  # (field, value) pairs: hashable, so runs are cached by their arguments
     return tiny_config(moe, "fp32", fields.pop("num_layers", 4), list(overrides), STEPS, **fields)
 
 

@@ -1,6 +1,7 @@
 """The linear layers' autograd functions, whose weight gradient can be deferred through a
 `WeightGradStore` (`overlap.layers.wgrad_store`): `Linear` (attention, MLP and shared-expert GEMMs;
-`linear`) and `GroupedLinear` (the routed experts' grouped GEMM; `grouped_offsets` picks its kernel).
+`linear`) and `GroupedLinear` (the routed experts' grouped GEMM; `grouped_offsets` picks its
+kernel).
 
 Each computes its input gradient in backward at once and hands its weight gradient to a store, which
 runs it now or queues it (`WeightGradStore.take`).
@@ -19,16 +20,16 @@ from overlap.parallel.trace import RECORDER
 
 
 class GroupedLinear(torch.autograd.Function):
-    """rows [R, in] grouped by expert (`counts`) x stacked weight [E, out, in] -> [R, out]; the weight
-    gradient can be delayed through WGRAD_STORE.
+    """rows [R, in] grouped by expert (`counts`) x stacked weight [E, out, in] -> [R, out]; the
+    weight gradient can be delayed through WGRAD_STORE.
 
-    `offs` (`grouped_offsets`) selects the kernel: PyTorch's grouped GEMM (`F.grouped_mm`, one call for
-    every expert and the expert loop in C++), or, where it is None, one `torch.mm` per expert written
-    straight into its rows of a preallocated output (and into its slice of one [E, out, in] weight
-    gradient), never a `cat` of per-expert results (which would copy every activation and gradient once
-    more). Both give bit-identical results on CPU (tests/test_moe.py); the grouped kernel saves the
-    Python loop, ~1 ms per GEMM's forward + backward at hidden 512 with 16 experts (about 1% of
-    bench/hf_compute_bench.py's MoE step)."""
+    `offs` (`grouped_offsets`) selects the kernel: PyTorch's grouped GEMM (`F.grouped_mm`, one call
+    for every expert and the expert loop in C++), or, where it is None, one `torch.mm` per expert
+    written straight into its rows of a preallocated output (and into its slice of one [E, out, in]
+    weight gradient), never a `cat` of per-expert results (which would copy every activation and
+    gradient once more). Both give bit-identical results on CPU (tests/test_moe.py); the grouped
+    kernel saves the Python loop, ~1 ms per GEMM's forward + backward at hidden 512 with 16 experts
+    (about 1% of bench/hf_compute_bench.py's MoE step)."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: nn.Parameter, counts: list[int],
@@ -50,7 +51,8 @@ class GroupedLinear(torch.autograd.Function):
             grad_rows = _grouped_mm(grad, counts, weight.unbind(0), weight.shape[2])
 
         def weight_grad() -> torch.Tensor:
-            if offs is not None:  # [out, R] x [R, in] cut along R: an expert without rows gets zeros
+            if offs is not None:
+                # [out, R] x [R, in] cut along R: an expert without rows gets zeros
                 return F.grouped_mm(grad.t(), rows, offs=offs)
             out = torch.empty_like(weight)
             for g, x, o in zip(grad.split(counts), rows.split(counts), out.unbind(0)):
@@ -63,21 +65,21 @@ class GroupedLinear(torch.autograd.Function):
 
 def grouped_offsets(counts: torch.Tensor, rows: torch.Tensor,
                     weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The end row of each expert's group (int32), the grouped GEMM's `offs`, where that kernel takes
-    these tensors; None where it does not, and `GroupedLinear` loops over the experts instead.
+    """The end row of each expert's group (int32), the grouped GEMM's `offs`, where that kernel
+    takes these tensors; None where it does not, and `GroupedLinear` loops over the experts instead.
 
     `counts` [E] are the rows per expert as a tensor on the rows' device (the dispatch plan's
-    `local_expert_counts`), not the host list: a tensor made from Python ints is a host-to-device copy
-    from pageable memory on a GPU, which waits for the queue; the cumulative sum of the device counts
-    needs no host at all.
+    `local_expert_counts`), not the host list: a tensor made from Python ints is a host-to-device
+    copy from pageable memory on a GPU, which waits for the queue; the cumulative sum of the device
+    counts needs no host at all.
 
-    The grouped kernel is used where torch documents it, and only when each operand's row stride is a
-    multiple of 16 bytes (its layout rule: a tiny test model's hidden 4 in bf16 breaks it): on CPU,
-    where it runs fp32, bf16 and fp16 bit-identically to the loop, and on CUDA for bf16 on SM80+ (the
-    loop there is one kernel launch and a Python iteration per expert, 128 experts in Qwen3-30B-A3B).
-    On CUDA its agreement with the loop and what it buys are the device script's to measure
-    (`bench/gpu_check.py`, step env: `grouped_gemm`); elsewhere (fake "meta" tensors, other CUDA
-    dtypes) the loop."""
+    The grouped kernel is used where torch documents it, and only when each operand's row stride is
+    a multiple of 16 bytes (its layout rule: a tiny test model's hidden 4 in bf16 breaks it): on
+    CPU, where it runs fp32, bf16 and fp16 bit-identically to the loop, and on CUDA for bf16 on
+    SM80+ (the loop there is one kernel launch and a Python iteration per expert, 128 experts in
+    Qwen3-30B-A3B). On CUDA its agreement with the loop and what it buys are the device script's to
+    measure (`bench/gpu_check.py`, step env: `grouped_gemm`); elsewhere (fake "meta" tensors, other
+    CUDA dtypes) the loop."""
     if not _grouped_kernel_takes(rows):
         return None
     if any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
@@ -108,13 +110,13 @@ class Linear(torch.autograd.Function):
     weight gradient can be delayed through `store` (None: WGRAD_STORE), the input and bias gradients
     never are.
 
-    `split` (a fused weight [k, out, in]): return the k fused linears' outputs as k contiguous tensors,
-    one GEMM each, instead of one [..., k * out] tensor. Slicing the fused output hands its consumer
-    (SwiGLU) strided halves, and autograd then concatenates their gradients into one [..., k * out]
-    tensor for the backward GEMMs; split, backward takes the k gradients as they come and writes the
-    weight gradient straight into the fused weight's k slices. In bench/hf_compute_bench.py's dense MLP
-    (hidden 512, width 1536, sequence 256) that is 8.3 -> 6.8 ms per layer's forward + backward in
-    bf16, 29.4 -> 27.5 ms in fp32."""
+    `split` (a fused weight [k, out, in]): return the k fused linears' outputs as k contiguous
+    tensors, one GEMM each, instead of one [..., k * out] tensor. Slicing the fused output hands its
+    consumer (SwiGLU) strided halves, and autograd then concatenates their gradients into one
+    [..., k * out] tensor for the backward GEMMs; split, backward takes the k gradients as they come
+    and writes the weight gradient straight into the fused weight's k slices. In
+    bench/hf_compute_bench.py's dense MLP (hidden 512, width 1536, sequence 256) that is
+    8.3 -> 6.8 ms per layer's forward + backward in bf16, 29.4 -> 27.5 ms in fp32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None,
@@ -154,8 +156,8 @@ def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor | Sequence[torch
     """A linear's weight gradient grad^T inp (over all leading dims) in the weight's shape, through
     `store.take` (None: WGRAD_STORE): returned now, or queued while that store is delaying (None).
     `grad` may be a sequence of the k gradients of a fused weight [k, out, in]'s split outputs
-    (`Linear`'s `split`): each GEMM then writes its own slice of the one gradient tensor. `span` names
-    it on the timeline."""
+    (`Linear`'s `split`): each GEMM then writes its own slice of the one gradient tensor. `span`
+    names it on the timeline."""
     x2 = inp.reshape(-1, inp.shape[-1])
     if isinstance(grad, torch.Tensor):
         g2 = grad.reshape(-1, grad.shape[-1])
