@@ -1,9 +1,10 @@
 """Flex token dispatch: apply_flex_dispatcher_backend, validate_flex_dispatcher_backend, and the GPU/library gates.
 
-Covers the reference suite test_deepep.py (bridge-compat.md section 8.2) with a fake device probe passed as `device=`,
-adapted to our decisions: flex on a dense model or on an unsupported GPU falls back to alltoall as in the reference,
-but as a logged decision with a warning (an error under strict mode), and the backend set without flex dispatch is a
-logged inactive decision rather than a silent no-op.
+Covers Megatron-Bridge's suite `tests/unit_tests/training/test_deepep.py` with a fake device probe
+passed as `device=`, adapted to our decisions: flex on a dense model or on an unsupported GPU falls
+back to alltoall as in the reference, but as a logged decision with a warning (an error under strict
+mode), and the backend set without flex dispatch is a logged inactive decision rather than a silent
+no-op.
 """
 
 from __future__ import annotations

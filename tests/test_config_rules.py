@@ -1,8 +1,9 @@
 """The overlap rules of ConfigContainer.finalize, one test per rule and per decided quirk.
 
-Covers the reference suite (bridge-compat.md section 8.1: TP gate, PP selection, DP defaults, EP-overlap asserts,
-delay-wgrad asserts, preset -> dict conversion) plus the places where we deliberately differ from it (precedence,
-logged decisions, distributed-optimizer sync, honouring an explicit overlap_grad_reduce).
+Covers Megatron-Bridge's suite `tests/unit_tests/training/test_comm_overlap.py` (TP gate, PP
+selection, DP defaults, EP-overlap asserts, delay-wgrad asserts, preset -> dict conversion) plus the
+places where we deliberately differ from it (precedence, logged decisions, distributed-optimizer
+sync, honouring an explicit overlap_grad_reduce).
 """
 
 from __future__ import annotations
