@@ -184,7 +184,7 @@ def _grouped_vs_loop(device, failed: list[str]) -> dict:
     host clock on CPU, where the shape is cut 8x so the CPU check stays short)."""
     import torch
 
-    from overlap.layers.wgrad_store import GroupedLinear, grouped_offsets
+    from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
 
     cut = 1 if device.type == "cuda" else 8
     experts, hidden, width = 8, 2048 // cut, 2 * 768 // cut

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from overlap.config import ConfigContainer
 from overlap.errors import CheckpointError, NonFiniteError
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 N, K = 4, 2

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from overlap.errors import CheckpointError, ConfigError
 from overlap.training.save_lock import LOCK_NAME, SaveFolderLock
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 CONSTANT = ["scheduler.lr_decay_style=constant"]  # the schedule does not depend on train_iters: runs may extend

@@ -1,9 +1,10 @@
 """Flex token dispatch: apply_flex_dispatcher_backend, validate_flex_dispatcher_backend, and the GPU/library gates.
 
-Covers the reference suite test_deepep.py (bridge-compat.md section 8.2) with a fake device probe passed as `device=`,
-adapted to our decisions: flex on a dense model or on an unsupported GPU falls back to alltoall as in the reference,
-but as a logged decision with a warning (an error under strict mode), and the backend set without flex dispatch is a
-logged inactive decision rather than a silent no-op.
+Covers Megatron-Bridge's suite `tests/unit_tests/training/test_deepep.py` with a fake device probe
+passed as `device=`, adapted to our decisions: flex on a dense model or on an unsupported GPU falls
+back to alltoall as in the reference, but as a logged decision with a warning (an error under strict
+mode), and the backend set without flex dispatch is a logged inactive decision rather than a silent
+no-op.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from overlap.config import (CommOverlapConfig, ConfigContainer, ModelConfig, Tra
 from overlap.config.decisions import DecisionLog
 from overlap.config.flex_dispatcher import DeviceInfo, deepep_supported, hybridep_supported
 from overlap.errors import ConfigError
+from tests import configs
+from tests.configs import moe_model
 
 AMPERE = DeviceInfo("NVIDIA A100-SXM4-80GB", 8)
 HOPPER = DeviceInfo("NVIDIA H100 80GB HBM3", 9)
@@ -35,16 +38,12 @@ HYBRIDEP_MSG = "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere
 
 
 def moe(**kw) -> ModelConfig:
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64,
-                num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=2)
-    base.update(kw)
-    return ModelConfig(**base)
+    return moe_model(**{"num_layers": 2, "num_attention_heads": 4, **kw})
 
 
 def container(model: ModelConfig, strict: bool = False) -> ConfigContainer:
     co = CommOverlapConfig(tp_comm_overlap=False, strict=True) if strict else None
-    return ConfigContainer(model=model, comm_overlap=co, mixed_precision="bf16_mixed",
-                           train=TrainConfig(global_batch_size=8))
+    return configs.container(model, co=co, train=TrainConfig(global_batch_size=8))
 
 
 class Probe:

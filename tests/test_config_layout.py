@@ -7,23 +7,19 @@ import pytest
 from overlap.config import ConfigContainer, ModelConfig, TrainConfig
 from overlap.config.recipes import RECIPES, get_recipe, qwen3_30b_a3b
 from overlap.errors import ConfigError, NotBuiltError
+from tests.configs import container, dense_model, moe_model
 
 
 def model(**kw) -> ModelConfig:
-    base = dict(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=512, seq_length=64)
-    base.update(kw)
-    return ModelConfig(**base)
+    return dense_model(**{"num_layers": 4, **kw})
 
 
 def moe(**kw) -> ModelConfig:
-    base = dict(num_moe_experts=8, moe_router_topk=2, expert_model_parallel_size=2)
-    base.update(kw)
-    return model(**base)
+    return moe_model(**{"num_layers": 4, "num_moe_experts": 8, **kw})
 
 
 def build(m: ModelConfig, gbs: int = 16, mbs: int = 1) -> ConfigContainer:
-    return ConfigContainer(model=m, mixed_precision="bf16_mixed",
-                           train=TrainConfig(global_batch_size=gbs, micro_batch_size=mbs))
+    return container(m, train=TrainConfig(global_batch_size=gbs, micro_batch_size=mbs))
 
 
 def error(cfg: ConfigContainer, world: int) -> ConfigError:

@@ -8,27 +8,14 @@ import logging
 
 import pytest
 
-from overlap.config import CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig, OptimizerConfig, TrainConfig
+from overlap.config import CommOverlapConfig, ConfigContainer, DDPConfig
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.mixed_precision import MixedPrecisionConfig
 from overlap.config.overrides import apply_overrides
 from overlap.errors import ConfigError
-
-
-def model(**kw) -> ModelConfig:
-    base = dict(num_layers=8, hidden_size=64, num_attention_heads=8, vocab_size=512, seq_length=64)
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def moe(**kw) -> ModelConfig:
-    return model(num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=2, **kw)
-
-
-def build(m: ModelConfig | None = None, co: CommOverlapConfig | None = None, mp="bf16_mixed",
-          ddp: DDPConfig | None = None, optimizer: OptimizerConfig | None = None) -> ConfigContainer:
-    return ConfigContainer(model=m or model(), comm_overlap=co, mixed_precision=mp, ddp=ddp or DDPConfig(),
-                           optimizer=optimizer or OptimizerConfig(), train=TrainConfig(global_batch_size=16))
+from tests.configs import container as build
+from tests.configs import dense_model as model
+from tests.configs import moe_model as moe
 
 
 def co(**kw) -> CommOverlapConfig:

@@ -1,8 +1,9 @@
 """The overlap rules of ConfigContainer.finalize, one test per rule and per decided quirk.
 
-Covers the reference suite (bridge-compat.md section 8.1: TP gate, PP selection, DP defaults, EP-overlap asserts,
-delay-wgrad asserts, preset -> dict conversion) plus the places where we deliberately differ from it (precedence,
-logged decisions, distributed-optimizer sync, honouring an explicit overlap_grad_reduce).
+Covers Megatron-Bridge's suite `tests/unit_tests/training/test_comm_overlap.py` (TP gate, PP
+selection, DP defaults, EP-overlap asserts, delay-wgrad asserts, preset -> dict conversion) plus the
+places where we deliberately differ from it (precedence, logged decisions, distributed-optimizer
+sync, honouring an explicit overlap_grad_reduce).
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import logging
 import pytest
 import torch
 
-from overlap.config import (BulkOverlapCfg, CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig,
-                            OptimizerConfig, PipelineOverlapCfg, RingExchangeOverlapCfg, TrainConfig,
+from overlap.config import (BulkOverlapCfg, CommOverlapConfig, DDPConfig, ModelConfig,
+                            OptimizerConfig, PipelineOverlapCfg, RingExchangeOverlapCfg,
                             TransformerLayerTPOverlapCfg)
 from overlap.config.comm_overlap import BRIDGE_DP_BUCKET_SIZE
 from overlap.config.mixed_precision import MIXED_PRECISION_PRESETS, MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.tp_overlap import get_tp_overlap_preset
 from overlap.errors import ConfigError
+from tests.configs import container as build
+from tests.configs import dense_model as dense
+from tests.configs import moe_model as moe
 
 TP_SIZE_MSG = "Disabling tensor parallel communication overlap due to TP size < 2."
 TP_NO_SP_MSG = "Disabling tensor parallel communication overlap due to sequence_parallel=False."
@@ -30,25 +34,6 @@ LORA_70B = "userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora"
 
 
 # --- helpers -------------------------------------------------------------------------------------------------------
-def dense(**kw) -> ModelConfig:
-    base = dict(num_layers=8, hidden_size=64, num_attention_heads=8, vocab_size=512, seq_length=64)
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def moe(**kw) -> ModelConfig:
-    base = dict(num_moe_experts=4, moe_router_topk=2, expert_model_parallel_size=2)
-    base.update(kw)
-    return dense(**base)
-
-
-def build(model: ModelConfig | None = None, co: CommOverlapConfig | None = None, mp="bf16_mixed",
-          ddp: DDPConfig | None = None, optimizer: OptimizerConfig | None = None,
-          train: TrainConfig | None = None) -> ConfigContainer:
-    return ConfigContainer(model=model or dense(), comm_overlap=co, mixed_precision=mp, ddp=ddp or DDPConfig(),
-                           optimizer=optimizer or OptimizerConfig(), train=train or TrainConfig(global_batch_size=16))
-
-
 def ep_on(**kw) -> CommOverlapConfig:
     return CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, **kw)
 

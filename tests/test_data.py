@@ -18,7 +18,7 @@ import torch.distributed as dist
 from overlap.data.gpt_dataset import GPTDataset, blending_indices, parse_blend, split_ranges
 from overlap.data.indexed import IndexedDataset, IndexedDatasetWriter
 from overlap.errors import ConfigError
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.data.indexed import IndexedDatasetWriter
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 N, K = 4, 2

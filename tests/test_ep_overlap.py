@@ -11,22 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config import ModelConfig
 from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
 from overlap.model.gpt import GPTModel
 from overlap.parallel import link_model
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER, CommEvent, now
 from overlap.pipeline.schedules import PipelineExecutor
+from tests.configs import ep_overlap_model
 from tests.world import run_world
-
-
-def _config(**kw) -> ModelConfig:
-    base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-                ffn_hidden_size=64, vocab_size=128, seq_length=16, qk_layernorm=True, num_moe_experts=4,
-                moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, init_method_std=0.1)
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -41,7 +33,7 @@ def _grads(model: GPTModel) -> dict[str, torch.Tensor]:
 
 def _run(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: int = 3):
     world = dist.get_world_size()
-    cfg = _config(**cfg_kw, expert_model_parallel_size=layout.get("ep", 1),
+    cfg = ep_overlap_model(**cfg_kw, expert_model_parallel_size=layout.get("ep", 1),
                   tensor_model_parallel_size=layout.get("tp", 1), sequence_parallel=layout.get("tp", 1) > 1)
     ps = ParallelState(ParallelLayout(world_size=world, tp=layout.get("tp", 1), ep=layout.get("ep", 1)))
     model = GPTModel(cfg, ps)

@@ -24,7 +24,7 @@ from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.pipeline.schedules import PipelineExecutor, pipeline_steps
 from overlap.training.trainer import Trainer
-from tests.tiny import tiny_config
+from tests.configs import ep_overlap_model, tiny_config
 from tests.world import run_world
 
 STEPS = 3
@@ -53,13 +53,9 @@ def test_the_merged_program_leaves_every_chunks_last_backward_alone_and_never_me
 
 
 def _config(layers: int, pp: int, vpp: int | None, ep: int, **kw) -> ModelConfig:
-    base = dict(num_layers=layers, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-                ffn_hidden_size=64, vocab_size=128, seq_length=16, qk_layernorm=True, num_moe_experts=4,
-                moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2, init_method_std=0.1,
-                pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                expert_model_parallel_size=ep)
-    base.update(kw)
-    return ModelConfig(**base)
+    return ep_overlap_model(**{"num_layers": layers, "pipeline_model_parallel_size": pp,
+                               "virtual_pipeline_model_parallel_size": vpp,
+                               "expert_model_parallel_size": ep, **kw})
 
 
 def _step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, data_rank: int | None = None, n_mb: int = 4,

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 import overlap
 from overlap.parallel.state import ParallelState
 from overlap.training.trainer import Trainer
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 SOURCE = Path(overlap.__file__).parent

@@ -28,7 +28,7 @@ from overlap.config.training import OptimizerConfig
 from overlap.errors import ConfigError
 from overlap.optim.loss_scaler import LossScaler
 from overlap.training.metrics import StepRecord, format_iteration
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world, run_world_nccl_rules
 
 ITERS = 6

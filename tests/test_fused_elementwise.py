@@ -37,7 +37,7 @@ from overlap.layers.rotary import apply_rope
 from overlap.parallel.state import ParallelState
 from overlap.perf.host_syncs import sync_reason
 from overlap.training.trainer import Trainer
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 ALL_ON = [f"model.{field}=true" for field in FUSIONS]

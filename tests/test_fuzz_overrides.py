@@ -28,7 +28,7 @@ from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig,
 from overlap.errors import ConfigError
 from overlap.harness import add_harness_flags, prepare
 from overlap.launch.resources import check_local_launch
-from overlap.training.support import check_runtime_support
+from overlap.training.runtime_refusals import check_runtime_support
 
 SECTIONS = (("model", ModelConfig), ("train", TrainConfig), ("optimizer", OptimizerConfig),
             ("scheduler", SchedulerConfig), ("ddp", DDPConfig), ("tokenizer", TokenizerConfig),
@@ -114,7 +114,7 @@ def usable(job) -> None:
     """Build, in-process, what a rank builds first from the configuration; any exception here is a configuration
     the checks let through but the run cannot use."""
     from overlap.optim.adam import MixedPrecisionAdam, learning_rate
-    from overlap.training.noops import _meta_chunk_params
+    from overlap.training.dp_overlap_noops import _meta_chunk_params
     from overlap.training.metrics import steady_window
 
     cfg = job.cfg

@@ -188,7 +188,7 @@ def test_gradients_match_transformers(hf_models, kind):
 def _train(folder: str, layout: list[str]) -> list[float]:
     from overlap.parallel.state import ParallelState
     from overlap.training.trainer import Trainer
-    from tests.tiny import tiny_config
+    from tests.configs import tiny_config
 
     # The tiny recipe's own shape: the run takes the checkpoint's from its config.json (finalize)
     cfg = tiny_config(True, "fp32", 2, layout + [f"checkpoint.pretrained_checkpoint={folder}"], 2)
@@ -230,7 +230,7 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
     config.json) leave the configured model alone."""
     from overlap.config.hf_config import ARCH_FIELDS, MOE_FIELDS, model_config_from_hf, read_hf_config
     from overlap.errors import ConfigError
-    from tests.tiny import tiny_config
+    from tests.configs import tiny_config
 
     for kind in ("moe", "dense", "moe_sparse_step"):
         folder = hf_models[kind][0]

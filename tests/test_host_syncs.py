@@ -25,7 +25,7 @@ from overlap.parallel.state import ParallelState
 from overlap.perf.host_syncs import (HOST_TENSOR, INTENDED_READS, SPLIT_SIZES, HostSyncRecorder,
                                      sync_reason)
 from overlap.training.trainer import Trainer
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 LAYERS = 2

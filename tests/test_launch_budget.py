@@ -4,7 +4,7 @@ silently grow.
 Every aten call below the mode costs a dispatch and most launch a kernel on a GPU; host reads (`_local_scalar_dense`)
 are counted apart. The step
 is what `Trainer.train_step` runs after the gradient reduction: `grad_norm()` (with its one intended host read) and
-`step()` (clipping scale, AdamW, bf16 copy-back), on the tiny model (tests/tiny.py) in a one-rank world, bf16 mixed
+`step()` (clipping scale, AdamW, bf16 copy-back), on the tiny model (tests/configs.py) in a one-rank world, bf16 mixed
 precision, with `clip_grad` small enough that the clipping scale always applies.
 
 Measured before the multi-tensor optimizer (per-slot loops, `foreach=False`: commit b4bc388~1), same cases, as
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 HOST_READ = "aten._local_scalar_dense.default"

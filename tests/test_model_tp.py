@@ -219,7 +219,8 @@ def test_split_fused_linear_matches_the_fused_gemm(delayed):
     fused GEMM cut in halves gives: output, input, weight and bias gradients against a float64 run of the fused path
     within 1e-6 relative (fp32; the two paths sum the input gradient in a different order), contiguous outputs, and
     the weight gradient delayed through WGRAD_STORE like any other."""
-    from overlap.layers.wgrad_store import WGRAD_STORE, linear
+    from overlap.layers.linear_functions import linear
+    from overlap.layers.wgrad_store import WGRAD_STORE
     g = torch.Generator().manual_seed(3)
     x0, w0, b0 = torch.randn(6, 2, 16, generator=g), torch.randn(2, 12, 16, generator=g), torch.randn(24, generator=g)
 

@@ -32,6 +32,7 @@ from overlap.layers.moe.permute import (permute, sort_chunks_by_local_expert, un
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
+from tests.configs import moe_layer_model
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -40,11 +41,9 @@ INIT_STD = 0.2  # large enough that outputs are O(1), so an absolute tolerance m
 
 
 def _config(num_experts: int = 8, tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=num_experts, moe_router_topk=2,
-                  moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, params_dtype="float32",
-                  tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    fields = dict(num_moe_experts=num_experts, tensor_model_parallel_size=tp,
+                  expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    return moe_layer_model(**{**fields, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -188,8 +187,10 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
     hidden.requires_grad_()
     topk_weights.requires_grad_()
 
-    rows, weights, plan = dispatcher.preprocess(hidden, topk_idx, topk_weights)
-    expert_rows, expert_weights = dispatcher.postprocess_dispatch(dispatcher.dispatch(rows, weights, plan), plan)
+    plan = dispatcher.route(topk_idx, topk_weights, hidden.shape).resolve()
+    rows, weights = dispatcher.dispatch_preprocess(hidden, topk_weights, plan)
+    expert_rows, expert_weights = dispatcher.dispatch_postprocess(
+        *dispatcher.token_dispatch(rows, weights, plan).wait(), plan)
 
     # Every rank can rebuild every rank's routing: the rows of local expert e must be, source rank by source rank,
     # that rank's tokens routed to e, in token order.
@@ -207,7 +208,8 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
 
     # Identity experts: what comes back is each token scaled by the sum of its combine weights.
     out_rows = dispatcher.combine_preprocess(expert_rows, expert_weights, plan)
-    y = dispatcher.postprocess_combine(dispatcher.combine(out_rows, plan), plan)
+    (returned,) = dispatcher.token_combine(out_rows, plan).wait()
+    y = dispatcher.combine_postprocess(returned, plan)
     torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))
     # And the backward all-to-alls (swapped splits) bring the gradients home.
     y.sum().backward()
@@ -291,7 +293,8 @@ def test_all_to_all_many_in_a_group_of_one_returns_the_tensors_without_copying_a
 def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
     """The grouped kernel (`F.grouped_mm`) and the per-expert loop give the same output, input gradient and weight
     gradient bit for bit, with empty experts (their weight gradient zeros) and with the weight gradient delayed."""
-    from overlap.layers.wgrad_store import WGRAD_STORE, GroupedLinear, grouped_offsets
+    from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
+    from overlap.layers.wgrad_store import WGRAD_STORE
     g = torch.Generator().manual_seed(7)
     counts = [5, 0, 9, 3, 0, 7]
     w = torch.nn.Parameter(torch.randn(6, 24, 16, generator=g).to(dtype))
@@ -316,7 +319,7 @@ def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
 
 def test_grouped_gemm_kernel_is_chosen_only_where_its_layout_rule_holds():
     """16-byte row strides: hidden 8 holds in fp32 (32 bytes), not in bf16 at width 4 (8 bytes)."""
-    from overlap.layers.wgrad_store import grouped_offsets
+    from overlap.layers.linear_functions import grouped_offsets
     assert grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 8), (torch.zeros(2, 4, 8),)) is not None
     assert grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 4, dtype=torch.bfloat16),
                            (torch.zeros(2, 8, 4, dtype=torch.bfloat16),)) is None

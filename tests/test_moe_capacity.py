@@ -34,7 +34,7 @@ from overlap.layers.moe import MoELayer
 from overlap.layers.moe.permute import ExpertCapacity, expert_capacity, expert_counts, permute
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
-from tests.test_config_rules import build, moe
+from tests.configs import container, moe_layer_model, moe_model
 from tests.test_ep_overlap import _compare
 from tests.test_moe import _check_against_reference
 from tests.world import run_world
@@ -113,11 +113,8 @@ def test_capacity_is_ceil_of_tokens_times_topk_over_experts_times_factor():
 
 
 def _config(ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
-                  moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, params_dtype="float32",
-                  expert_model_parallel_size=ep, moe_permute_fusion=True)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    fields = dict(expert_model_parallel_size=ep, moe_permute_fusion=True)
+    return moe_layer_model(**{**fields, **overrides})
 
 
 def _capacity(factor: float, pad: bool, policy: str = "probs") -> dict:
@@ -212,12 +209,12 @@ def test_ep_overlap_with_padded_capacity_matches_plain_loop(policy):
 ])
 def test_invalid_capacity_settings_name_the_field(fields, field):
     with pytest.raises(ConfigError) as exc:
-        build(moe(**fields)).finalize(2)
+        container(moe_model(**fields)).finalize(2)
     assert exc.value.field == field
 
 
 def test_valid_capacity_settings_resolve():
-    build(moe(**_capacity(1.25, True, "position"))).finalize(2)
+    container(moe_model(**_capacity(1.25, True, "position"))).finalize(2)
 
 
 def test_capacity_with_flex_dispatcher_is_refused_by_name():

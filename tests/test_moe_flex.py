@@ -26,6 +26,7 @@ from overlap.layers.moe import MoELayer
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
+from tests.configs import moe_layer_model
 from tests.test_ep_overlap import _compare
 from tests.test_moe import _rank_routing
 from tests.world import run_world
@@ -37,11 +38,9 @@ FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch
 
 
 def _config(tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
-                  moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, params_dtype="float32",
-                  tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    fields = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                  sequence_parallel=tp > 1)
+    return moe_layer_model(**{**fields, **overrides})
 
 
 def _layer(cfg: ModelConfig, ps: ParallelState, skewed: bool) -> MoELayer:
@@ -123,11 +122,14 @@ def _flex_round_trip_with_identity_experts() -> None:
     hidden, topk_idx, topk_weights = _rank_routing(rank, 4, 4 // ep)
     hidden.requires_grad_()
     topk_weights.requires_grad_()
-    rows, weights, plan = dispatcher.preprocess(hidden, topk_idx, topk_weights)
-    expert_rows, pair_weights = dispatcher.postprocess_dispatch(dispatcher.dispatch(rows, weights, plan), plan)
+    plan = dispatcher.route(topk_idx, topk_weights, hidden.shape).resolve()
+    rows, weights = dispatcher.dispatch_preprocess(hidden, topk_weights, plan)
+    expert_rows, pair_weights = dispatcher.dispatch_postprocess(
+        *dispatcher.token_dispatch(rows, weights, plan).wait(), plan)
     assert expert_rows.shape[0] == sum(plan.tokens_per_local_expert)
-    y = dispatcher.postprocess_combine(
-        dispatcher.combine(dispatcher.combine_preprocess(expert_rows, pair_weights, plan), plan), plan)
+    out_rows = dispatcher.combine_preprocess(expert_rows, pair_weights, plan)
+    (returned,) = dispatcher.token_combine(out_rows, plan).wait()
+    y = dispatcher.combine_postprocess(returned, plan)
     torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))
     y.sum().backward()
     torch.testing.assert_close(hidden.grad, topk_weights.detach().sum(dim=1, keepdim=True).expand_as(hidden))

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from overlap.parallel.program import check, early_send_waits
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import _under_nccl_rules, close_world, run_world, run_world_in, run_world_nccl_rules
 
 STEPS = 3
@@ -30,7 +30,7 @@ BATCHED_P2P = ["comm_overlap.overlap_p2p_comm=false", "comm_overlap.batch_p2p_co
 
 def _train(moe: bool, precision: str, layers: int, overrides: list[str]) -> list[float]:
     from overlap.parallel.state import ParallelState
-    from overlap.training.support import check_runtime_support
+    from overlap.training.runtime_refusals import check_runtime_support
     from overlap.training.trainer import Trainer
 
     cfg = tiny_config(moe, precision, layers, overrides, STEPS)

@@ -21,7 +21,7 @@ from overlap.errors import ConfigError
 from overlap.parallel.state import ParallelState
 from overlap.pipeline.schedules import pipeline_steps, schedule_table
 from overlap.training.trainer import Trainer
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 STEPS = 3

@@ -16,7 +16,7 @@ from overlap.config.pipeline_layout import parse_layout, resolve_pipeline_layout
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.parallel.state import ParallelState
 from overlap.training.trainer import Trainer
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 
@@ -251,7 +251,7 @@ def test_the_planner_weighs_and_the_memory_estimate_sizes_the_uneven_stages():
 
 
 def test_the_runtime_refuses_a_layout_with_mtp_by_name():
-    from overlap.training.support import runtime_refusals
+    from overlap.training.runtime_refusals import runtime_refusals
 
     cfg = tiny_config(
         False,

@@ -23,16 +23,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config import ConfigContainer, ModelConfig, OptimizerConfig, SchedulerConfig, TrainConfig
-from overlap.config.overrides import apply_overrides
+from overlap.config import ConfigContainer
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
-from overlap.training.support import runtime_refusals
+from overlap.training.runtime_refusals import runtime_refusals
 from overlap.training.trainer import Trainer
+from tests.configs import TINY, tiny_config
 from tests.world import run_world
 
 STEPS = 2
-SEQ, HIDDEN = 16, 64
+SEQ, HIDDEN = TINY["seq_length"], TINY["hidden_size"]
 OUTPUT_BYTES = SEQ * 1 * HIDDEN * 4  # one stage output: [seq, micro-batch 1, hidden] fp32
 BATCHED = ("comm_overlap.batch_p2p_comm=true", "comm_overlap.overlap_p2p_comm=false")
 OVERLAPPED = ("comm_overlap.batch_p2p_comm=false", "comm_overlap.overlap_p2p_comm=true")
@@ -43,17 +43,8 @@ PP2_VPP2 = PP2 + (("virtual_pipeline_model_parallel_size", 2),)
 
 
 def _config(overrides: tuple[str, ...], layout: tuple, moe: bool = False) -> ConfigContainer:
-    model = ModelConfig(hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                        ffn_hidden_size=128, vocab_size=256, seq_length=SEQ, qk_layernorm=True,
-                        **(dict(num_layers=4) | dict(layout)))
-    if moe:
-        model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size = 4, 2, 32
-        model.moe_aux_loss_coeff = 1e-2
-    cfg = ConfigContainer(model=model, train=TrainConfig(global_batch_size=8, micro_batch_size=1, train_iters=STEPS),
-                          optimizer=OptimizerConfig(lr=1e-3), scheduler=SchedulerConfig(lr_warmup_iters=1),
-                          mixed_precision="fp32")
-    apply_overrides(cfg, list(overrides))
-    return cfg
+    fields = dict(layout)  # (field, value) pairs: hashable, so runs are cached by their arguments
+    return tiny_config(moe, "fp32", fields.pop("num_layers", 4), list(overrides), STEPS, **fields)
 
 
 def _train(overrides: tuple[str, ...], layout: tuple, moe: bool = False) -> dict:

@@ -8,7 +8,7 @@ import pytest
 from overlap.errors import ConfigError
 from overlap.harness import resolve_run
 from overlap.launch import resources
-from overlap.training.noops import _meta_chunk_params
+from overlap.training.dp_overlap_noops import _meta_chunk_params
 
 
 def resolved(argv: str):

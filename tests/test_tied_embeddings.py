@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.tiny import tiny_config
+from tests.configs import tiny_config
 from tests.world import run_world
 
 TIED = "model.share_embeddings_and_output_weights=true"
@@ -21,7 +21,7 @@ TIED = "model.share_embeddings_and_output_weights=true"
 def _train(overrides: list[str]) -> list[float]:
     """Each step's loss and gradient norm (the tied tensor counted once at every layout)."""
     from overlap.parallel.state import ParallelState
-    from overlap.training.support import check_runtime_support
+    from overlap.training.runtime_refusals import check_runtime_support
     from overlap.training.trainer import Trainer
 
     cfg = tiny_config(False, "fp32", 2, [TIED, *overrides], 3)
@@ -74,7 +74,7 @@ def test_tied_layouts_train_like_one_rank(world, overrides):
 ])
 def test_what_a_tied_model_cannot_run_is_refused_by_name(override, field):
     from overlap.errors import NotBuiltError
-    from overlap.training.support import runtime_refusals
+    from overlap.training.runtime_refusals import runtime_refusals
 
     cfg = tiny_config(False, "fp32", 2, [TIED, override, "model.pipeline_model_parallel_size=2"], 1)
     assert any(isinstance(e, NotBuiltError) and e.field == field for e in runtime_refusals(cfg))

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config import ConfigContainer, ModelConfig, OptimizerConfig, SchedulerConfig, TrainConfig
+from overlap.config import ConfigContainer, ModelConfig, TrainConfig
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.tp_overlap import (MIN_CHUNK_ROWS, LinearPlan, SlotPlan, effective_tp_plan, linear_plan)
 from overlap.errors import ConfigError
@@ -29,6 +29,7 @@ from overlap.parallel import comm, link_model
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.trainer import Trainer
+from tests.configs import tiny_config
 from tests.world import run_world
 
 ATOL, RTOL, LOSS_RTOL = 1e-5, 1e-4, 1e-5
@@ -230,20 +231,11 @@ def test_overlapped_layers_match_the_plain_layers_forward_and_backward(world, ki
 
 # --- training ----------------------------------------------------------------------------------------------------
 def _config(moe: bool, overrides: list[str], **layout) -> ConfigContainer:
-    from overlap.config.overrides import apply_overrides
-
-    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16,
-                        ffn_hidden_size=128, vocab_size=256, seq_length=256, qk_layernorm=True, init_method_std=0.1,
-                        **layout)
-    if moe:
-        model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size = 4, 2, 32
-        model.moe_aux_loss_coeff = 1e-2
-        model.moe_shared_expert_intermediate_size = 32
-    cfg = ConfigContainer(model=model, train=TrainConfig(global_batch_size=4, micro_batch_size=1, train_iters=STEPS),
-                          optimizer=OptimizerConfig(lr=1e-3), scheduler=SchedulerConfig(lr_warmup_iters=1),
-                          mixed_precision="fp32")
-    apply_overrides(cfg, overrides)
-    return cfg
+    """The tiny model at sequence 256 with 4 query groups and init std 0.1 (a shared expert beside
+    the experts), global batch 4."""
+    shared = dict(moe_shared_expert_intermediate_size=32) if moe else {}
+    return tiny_config(moe, "fp32", 2, overrides, STEPS, global_batch_size=4, num_query_groups=4,
+                       seq_length=256, init_method_std=0.1, **shared, **layout)
 
 
 def _train_many(moe: bool, variants: dict[str, list[str]], layout: dict) -> dict[str, list[float]]:

@@ -10,27 +10,17 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from overlap.config import ConfigContainer, ModelConfig, OptimizerConfig, SchedulerConfig, TrainConfig
+from overlap.config import OptimizerConfig
 from overlap.parallel.state import ParallelState
 from overlap.training.trainer import Trainer
+from tests.configs import tiny_config
 from tests.world import run_world
 
 STEPS = 3
 
 
-def _config(moe: bool, precision: str, **layout) -> ConfigContainer:
-    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                        ffn_hidden_size=128, vocab_size=256, seq_length=16, qk_layernorm=True, **layout)
-    if moe:
-        model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size = 4, 2, 32
-        model.moe_aux_loss_coeff = 1e-2
-    return ConfigContainer(model=model, train=TrainConfig(global_batch_size=8, micro_batch_size=2, train_iters=STEPS),
-                           optimizer=OptimizerConfig(lr=1e-3), scheduler=SchedulerConfig(lr_warmup_iters=1),
-                           mixed_precision=precision)
-
-
 def _train(moe: bool, precision: str, layout: dict) -> list[float]:
-    cfg = _config(moe, precision, **layout)
+    cfg = tiny_config(moe, precision, 2, [], STEPS, micro_batch_size=2, **layout)
     res = cfg.finalize(dist.get_world_size())
     summary = Trainer(cfg, ParallelState(res.layout)).train()
     return [r.lm_loss for r in summary.records]
@@ -70,7 +60,7 @@ def test_losses_decrease_is_not_required_but_losses_are_finite():
 def _train_cfg(cfg_overrides: list[str], layout: dict) -> list[float]:
     from overlap.config.overrides import apply_overrides
 
-    cfg = _config(True, "bf16_mixed", **layout)
+    cfg = tiny_config(True, "bf16_mixed", 2, [], STEPS, micro_batch_size=2, **layout)
     apply_overrides(cfg, cfg_overrides)
     res = cfg.finalize(dist.get_world_size())
     return [r.lm_loss for r in Trainer(cfg, ParallelState(res.layout)).train().records]

@@ -148,7 +148,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print("\n".join(list_override_keys()))
         return 0
     from overlap.config.pipeline_layout import resolve_pipeline_layout
-    from overlap.training.support import runtime_refusals
+    from overlap.training.runtime_refusals import runtime_refusals
 
     job = prepare(args, describe_target=True)
     env = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ)

@@ -127,7 +127,7 @@ def _preflight(job, args: argparse.Namespace) -> dict:
 def cmd_run(args: argparse.Namespace) -> int:
     from overlap.harness import launch_env_inputs, prepare
     from overlap.launch.env import apply_launch_env, compute_launch_env, default_gpus_per_node, format_launch_env
-    from overlap.training.support import check_runtime_support
+    from overlap.training.runtime_refusals import check_runtime_support
 
     if os.environ.get("RANK", "0") != "0":
         logging.getLogger().setLevel(logging.ERROR)  # rank 0 reports the decisions; the others stay quiet

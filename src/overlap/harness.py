@@ -376,7 +376,7 @@ def resolve_run(words: list[str], overrides: list[str]) -> Job:
 def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
     """Parse, resolve and check a command line. `describe_target` (explain): resolve for the GPU named by -g instead
     of probing this machine's device, and leave the runtime's own limits to `run` (listed, not raised)."""
-    from overlap.training.noops import detect_model_noops
+    from overlap.training.dp_overlap_noops import detect_model_noops
 
     cfg, command_line, line = build_config(args)
     precision = cfg.mixed_precision  # a preset name, or the preset (the flag's or the override's name is recorded)

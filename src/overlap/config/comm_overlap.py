@@ -94,7 +94,7 @@ def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", d
 
 def _detect_noops(model: "ModelConfig", ddp: "DDPConfig", dp_size: int, log: DecisionLog) -> None:
     """Switches left on by the resolution that cannot do anything in this layout (the model-dependent ones, such as a
-    DP overlap with a single bucket, are found by `overlap.training.noops`)."""
+    DP overlap with a single bucket, are found by `overlap.training.dp_overlap_noops`)."""
     pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
     if model.moe_shared_expert_overlap and model.expert_model_parallel_size == 1:
         log.noop("model.moe_shared_expert_overlap", True,

@@ -23,8 +23,9 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from overlap.config.tp_overlap import LinearPlan
 from overlap.layers.init import mark_shard
+from overlap.layers.linear_functions import linear
 from overlap.layers.tp_overlap import all_gather_linear_overlapped, linear_reduce_scatter_overlapped
-from overlap.layers.wgrad_store import WeightGradStore, linear
+from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 

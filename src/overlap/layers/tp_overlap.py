@@ -39,7 +39,8 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
 from overlap.config.tp_overlap import BULK, PIPELINE, RING, LinearPlan, SlotPlan
-from overlap.layers.wgrad_store import WGRAD_STORE, linear_weight_grad
+from overlap.layers.linear_functions import linear_weight_grad
+from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.parallel import comm
 from overlap.parallel.ring import Ring, Shift, exchange
 from overlap.parallel.trace import RECORDER

@@ -1,33 +1,37 @@
-"""Delayed weight-gradient computation (`delay_wgrad_compute`) for the linear layers (`Linear`: attention, MLP and
-shared-expert GEMMs) and the routed experts (`GroupedLinear`).
+"""The store of deferred weight-gradient GEMMs: delayed weight-gradient computation
+(`delay_wgrad_compute`) for the linear layers and routed experts of
+`overlap.layers.linear_functions` (`Linear`: attention, MLP and shared-expert GEMMs;
+`GroupedLinear`: the routed experts), and the grad-ready hooks a delayed gradient fires.
 
-In backward, a layer that supports it computes the input gradient at once (the previous layer waits for it) and, while
-`WGRAD_STORE.delaying(True)` is active, queues the weight-gradient GEMM (its inputs and output grad are captured by
-a closure) in a FIFO instead of running it. The schedule drains the queue with `wait_filling(handle)`: while a
-collective it has to wait for is still in flight, the queued GEMMs run one by one, so a wait for a slower peer or a
-slow link becomes weight-gradient work instead of idle time (what the reference gets from a third CUDA stream that
-runs expert wgrad GEMMs beside the communication, runtime-mechanisms 1.13); on a GPU, where the host cannot see a
-collective complete, every queued GEMM is issued before the wait and the device runs them beside it. `end_phase()` lets what is left of one
-schedule phase fill the next phase's waits (and runs what the phase before left), `flush()` runs everything where
-the schedule needs every gradient delivered. A delayed gradient reaches its parameter through `deliver_weight_grad`,
-which also fires the parameter's grad-ready hooks, so data-parallel reduction sees it after the delayed GEMM, not
-before.
+In backward, a layer that supports it computes the input gradient at once (the previous layer waits
+for it) and, while `WGRAD_STORE.delaying(True)` is active, queues the weight-gradient GEMM (its
+inputs and output grad are captured by a closure) in a FIFO instead of running it. The schedule
+drains the queue with `wait_filling(handle)`: while a collective it has to wait for is still in
+flight, the queued GEMMs run one by one, so a wait for a slower peer or a slow link becomes
+weight-gradient work instead of idle time (what the reference systems get from a CUDA stream of
+their own that runs the expert wgrad GEMMs beside the communication); on a GPU, where the host
+cannot see a collective complete, every queued GEMM is issued before the wait and the device runs
+them beside it. `end_phase()` lets what is left of one schedule phase fill the next phase's waits
+(and runs what the phase before left), `flush()` runs everything where the schedule needs every
+gradient delivered. A delayed gradient reaches its parameter through `deliver_weight_grad`, which
+also fires the parameter's grad-ready hooks, so data-parallel reduction sees it after the delayed
+GEMM, not before.
 
-The same store, as a second instance, defers the output layer's weight gradients to the pipeline flush
-(`defer_embedding_wgrad_compute`): a `Linear` takes the store it queues into at forward time (`linear(..., store=)`;
-default: the `WGRAD_STORE` of `delay_wgrad_compute`), so the pipeline executor can switch deferral on for the output
-layer alone and drain it with `flush(before_each=...)`, which lets it decide, GEMM by GEMM, when data parallelism may
-treat the weight's gradient as complete.
+The same store, as a second instance, defers the output layer's weight gradients to the pipeline
+flush (`defer_embedding_wgrad_compute`): a `Linear` takes the store it queues into at forward time
+(`linear(..., store=)`; default: the `WGRAD_STORE` of `delay_wgrad_compute`), so the pipeline
+executor can switch deferral on for the output layer alone and drain it with
+`flush(before_each=...)`, which lets it decide, GEMM by GEMM, when data parallelism may treat the
+weight's gradient as complete.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from overlap.parallel import comm
@@ -131,157 +135,3 @@ class WeightGradStore:
 
 
 WGRAD_STORE = WeightGradStore()
-
-
-class GroupedLinear(torch.autograd.Function):
-    """rows [R, in] grouped by expert (`counts`) x stacked weight [E, out, in] -> [R, out]; the weight gradient can
-    be delayed through WGRAD_STORE.
-
-    `offs` (`grouped_offsets`) selects the kernel: PyTorch's grouped GEMM (`F.grouped_mm`, one call for every expert
-    and the expert loop in C++), or, where it is None, one `torch.mm` per expert written straight into its rows of a
-    preallocated output (and into its slice of one [E, out, in] weight gradient), never a `cat` of per-expert results
-    (which would copy every activation and gradient once more). Both give bit-identical results on CPU
-    (tests/test_moe.py); the grouped kernel saves the Python loop, ~1 ms per GEMM's forward + backward at hidden 512
-    with 16 experts (about 1% of bench/hf_compute_bench.py's MoE step)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: nn.Parameter, counts: list[int],
-                offs: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(rows)
-        ctx.weight, ctx.counts, ctx.offs = weight, counts, offs
-        if offs is not None:
-            return F.grouped_mm(rows, weight.transpose(1, 2), offs=offs)
-        return _grouped_mm(rows, counts, [w.t() for w in weight.unbind(0)], weight.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (rows,) = ctx.saved_tensors
-        weight, counts, offs = ctx.weight, ctx.counts, ctx.offs
-        grad = grad.contiguous()
-        if offs is not None:
-            grad_rows = F.grouped_mm(grad, weight, offs=offs)
-        else:
-            grad_rows = _grouped_mm(grad, counts, weight.unbind(0), weight.shape[2])
-
-        def weight_grad() -> torch.Tensor:
-            if offs is not None:  # [out, R] x [R, in] cut along R: an expert without rows gets zeros
-                return F.grouped_mm(grad.t(), rows, offs=offs)
-            out = torch.empty_like(weight)
-            for g, x, o in zip(grad.split(counts), rows.split(counts), out.unbind(0)):
-                torch.mm(g.t(), x, out=o)  # an expert without rows gets zeros (a GEMM over an empty dimension)
-            return out
-
-        return grad_rows, WGRAD_STORE.take(weight, weight_grad), None, None
-
-
-def grouped_offsets(counts: torch.Tensor, rows: torch.Tensor,
-                    weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The end row of each expert's group (int32), the grouped GEMM's `offs`, where that kernel takes these tensors;
-    None where it does not, and `GroupedLinear` loops over the experts instead.
-
-    `counts` [E] are the rows per expert as a tensor on the rows' device (the dispatch plan's
-    `local_expert_counts`), not the host list: a tensor made from Python ints is a host-to-device copy from pageable
-    memory on a GPU, which waits for the queue; the cumulative sum of the device counts needs no host at all.
-
-    The grouped kernel is used where torch documents it, and only when each operand's row stride is a multiple of 16
-    bytes (its layout rule: a tiny test model's hidden 4 in bf16 breaks it): on CPU, where it runs fp32, bf16 and
-    fp16 bit-identically to the loop, and on CUDA for bf16 on SM80+ (the loop there is one kernel launch and a Python
-    iteration per expert, 128 experts in Qwen3-30B-A3B). On CUDA its agreement with the loop and what it buys are
-    the device script's to measure (`bench/gpu_check.py`, step env: `grouped_gemm`); elsewhere (fake "meta" tensors,
-    other CUDA dtypes) the loop."""
-    if not _grouped_kernel_takes(rows) or any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
-        return None
-    return counts.cumsum(0).to(torch.int32)
-
-
-def _grouped_kernel_takes(rows: torch.Tensor) -> bool:
-    if rows.device.type == "cpu":
-        return True
-    return (rows.device.type == "cuda" and rows.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(rows.device) >= (8, 0))
-
-
-def _grouped_mm(rows: torch.Tensor, counts: list[int], weights: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """[R, width]: the `counts[e]` rows of expert e (after those of experts < e) times `weights[e]`."""
-    rows = rows.contiguous()
-    out = rows.new_empty((rows.shape[0], width))
-    for x, w, o in zip(rows.split(counts), weights, out.split(counts)):
-        torch.mm(x, w, out=o)
-    return out
-
-
-class Linear(torch.autograd.Function):
-    """y = x W^T + b with W = `weight` viewed as [-1, in] (fused weights keep their own shape); the weight gradient can
-    be delayed through `store` (None: WGRAD_STORE), the input and bias gradients never are.
-
-    `split` (a fused weight [k, out, in]): return the k fused linears' outputs as k contiguous tensors, one GEMM each,
-    instead of one [..., k * out] tensor. Slicing the fused output hands its consumer (SwiGLU) strided halves, and
-    autograd then concatenates their gradients into one [..., k * out] tensor for the backward GEMMs; split, backward
-    takes the k gradients as they come and writes the weight gradient straight into the fused weight's k slices. In
-    bench/hf_compute_bench.py's dense MLP (hidden 512, width 1536, sequence 256) that is 8.3 -> 6.8 ms per layer's
-    forward + backward in bf16, 29.4 -> 27.5 ms in fp32."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None,
-                store: WeightGradStore | None, split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.has_bias, ctx.store, ctx.split = weight, bias is not None, store, split
-        if split:
-            biases = [None] * weight.shape[0] if bias is None else bias.view(weight.shape[0], -1).unbind(0)
-            return tuple(F.linear(x, w, b) for w, b in zip(weight.unbind(0), biases))
-        return F.linear(x, weight.reshape(-1, weight.shape[-1]), bias)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        weight = ctx.weight
-        if ctx.split:
-            parts = weight.unbind(0)
-            grad_x = grads[0] @ parts[0]
-            flat = grad_x.view(-1, grad_x.shape[-1])
-            for g, w in zip(grads[1:], parts[1:]):
-                flat.addmm_(g.reshape(-1, g.shape[-1]), w)
-            grad = grads
-        else:
-            (grad,) = grads
-            grad_x = grad @ weight.reshape(-1, weight.shape[-1])
-        grad_bias = None
-        if ctx.has_bias:
-            grad_bias = torch.cat([g.reshape(-1, g.shape[-1]).sum(0) for g in grads])
-        return grad_x, linear_weight_grad(weight, grad, x, store=ctx.store), grad_bias, None, None
-
-
-def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor | Sequence[torch.Tensor], inp: torch.Tensor,
-                       span: str | None = None, store: WeightGradStore | None = None) -> torch.Tensor | None:
-    """A linear's weight gradient grad^T inp (over all leading dims) in the weight's shape, through `store.take`
-    (None: WGRAD_STORE): returned now, or queued while that store is delaying (None). `grad` may be a sequence of the
-    k gradients of a fused weight [k, out, in]'s split outputs (`Linear`'s `split`): each GEMM then writes its own
-    slice of the one gradient tensor. `span` names it on the timeline."""
-    x2 = inp.reshape(-1, inp.shape[-1])
-    if isinstance(grad, torch.Tensor):
-        g2 = grad.reshape(-1, grad.shape[-1])
-
-        def compute() -> torch.Tensor:
-            return (g2.t() @ x2).reshape(weight.shape)
-    else:
-        parts = [g.reshape(-1, g.shape[-1]) for g in grad]
-
-        def compute() -> torch.Tensor:
-            out = torch.empty_like(weight)
-            for g2, o in zip(parts, out.unbind(0)):
-                torch.mm(g2.t(), x2, out=o)
-            return out
-
-    def weight_grad() -> torch.Tensor:
-        if span is None:
-            return compute()
-        with RECORDER.span(span):
-            return compute()
-
-    return (WGRAD_STORE if store is None else store).take(weight, weight_grad)
-
-
-def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None,
-           store: WeightGradStore | None = None, split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """`Linear` (see there for `store` and `split`)."""
-    return Linear.apply(x, weight, bias, store, split)

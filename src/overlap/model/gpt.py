@@ -149,7 +149,7 @@ class GPTModel(nn.Module):
                 # and the grad-ready hook fires once, with their sum. That needs the output layer's share computed
                 # in the backward itself: a store that never delays (delay_wgrad_compute would deliver it later,
                 # after data parallelism took the embedding's share as the whole gradient). EP overlap's pieces and
-                # deferred output wgrads are refused with a tied model (`training.support`).
+                # deferred output wgrads are refused with a tied model (`runtime_refusals`).
                 store = WeightGradStore("bwd.tied_output_wgrad")
             self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, ps, sp,
                                                      params_dtype=dtype, wgrad_store=store)

@@ -473,7 +473,7 @@ def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
         check_netns_support()
     from overlap.launch.paths import check_bench_outputs
     from overlap.launch.resources import check_run_resources
-    from overlap.training.support import check_runtime_support
+    from overlap.training.runtime_refusals import check_runtime_support
 
     if args.repeats < 1:
         raise ConfigError("--repeats", args.repeats, "at least one round is needed.", "pass --repeats 1 or more.")

@@ -112,8 +112,7 @@ class LayerRun:
                                     lambda n, w: self.moe.permute(n, w, self.plan))
         rows, weights = self.permute.forward(self.normed, self.topk_weights)
         self.normed = self.topk_weights = None
-        self.pending = _a2a((rows, weights), self.moe.dispatcher.group, "ep_dispatch",
-                            self.plan.output_splits, self.plan.input_splits)
+        self.pending = self.moe.dispatch(rows, weights, self.plan).handle
 
     def _attention_piece(self, x: torch.Tensor):
         layer, moe = self.layer, self.moe
@@ -130,8 +129,7 @@ class LayerRun:
         self.experts = ScheduleNode(f"layer{self.layer.layer_number}.experts",
                                     lambda r, w: self.moe.experts_compute(r, w, self.plan))
         (out,) = self.experts.forward(rows, weights)
-        self.pending = _a2a((out,), self.moe.dispatcher.group, "ep_combine", self.plan.input_splits,
-                            self.plan.output_splits)
+        self.pending = self.moe.combine(out, self.plan).handle
 
     def combine_forward(self, dense_out: torch.Tensor | None) -> torch.Tensor:
         """Wait for the combine and add the residual; returns the layer output."""

@@ -1,25 +1,28 @@
 """All-to-all token dispatcher for expert parallelism (Megatron's `MoEAlltoAllTokenDispatcher`, ETP = 1).
 
-The trip of one micro-batch's tokens is cut into separate steps so that a scheduler can run other work between a
-launch and its wait (the EP-overlap schedule interleaves two micro-batches this way):
+The trip of one micro-batch's tokens is cut into separate steps so that a scheduler can run other
+work between a launch and its wait (the EP-overlap schedule interleaves two micro-batches this way).
+After the plan, the six steps are Megatron-Core's
+(`megatron/core/transformer/moe/token_dispatcher.py`), named in mirror pairs; the two token steps
+launch and return a `PendingAllToAll`, whose `wait()` gives what the postprocess step takes:
 
-    route                 routing -> permuted layout; LAUNCH the per-expert counts exchange    -> PendingPlan
-    PendingPlan.resolve   wait for the counts (one host sync of the split sizes)                -> DispatchPlan
-    permute_rows          gather the rows and their combine weights in that layout (autograd)
-    dispatch              launch the all-to-all of rows and combine weights  -> PendingAllToAll (one op)
-    postprocess_dispatch  wait, sort rows by local expert                    -> rows for the experts
+    route                 routing -> permuted layout; LAUNCH the counts exchange -> PendingPlan
+    PendingPlan.resolve   wait for the counts (one host sync of the split sizes)  -> DispatchPlan
+    dispatch_preprocess   gather the rows and their combine weights in that layout (autograd)
+    token_dispatch        launch the all-to-all of rows and combine weights -> PendingAllToAll
+    dispatch_postprocess  sort the received rows by local expert            -> rows for the experts
     (experts)
     combine_preprocess    weight the expert outputs, undo the local-expert sort
-    combine               launch the all-to-all back                         -> PendingAllToAll
-    postprocess_combine   wait, un-permute (sum each token's rows)           -> [..., h] like the input
+    token_combine         launch the all-to-all back                        -> PendingAllToAll
+    combine_postprocess   un-permute (sum each token's rows)                -> shaped like the input
 
-`preprocess` runs the first three in plain order. The counts leave as soon as routing is known and are waited for
-only when the dispatch needs them: the exchange is a collective, so its wait is where a rank that is ahead waits for
-its peers, and a scheduler wants that wait as late as possible and filled with other work (`resolve(wait)` takes
-the scheduler's wait). With a static expert capacity (`moe_expert_capacity_factor` with
-`moe_pad_expert_input_to_capacity`) every rank sends exactly `capacity` rows per expert, so every split size is fixed
-by the configuration and no counts are exchanged at all; without padding the capacity only drops rows, and the
-(smaller) counts still travel.
+The counts leave as soon as routing is known and are waited for only when the dispatch needs them:
+the exchange is a collective, so its wait is where a rank that is ahead waits for its peers, and a
+scheduler wants that wait as late as possible and filled with other work (`resolve(wait)` takes the
+scheduler's wait). With a static expert capacity (`moe_expert_capacity_factor` with
+`moe_pad_expert_input_to_capacity`) every rank sends exactly `capacity` rows per expert, so every
+split size is fixed by the configuration and no counts are exchanged at all; without padding the
+capacity only drops rows, and the (smaller) counts still travel.
 
 Combine weights are applied on the expert side, before the combine all-to-all: the rows sent back are already
 weighted, so the source rank only has to sum a token's rows, and the weights never travel back. They do travel out,
@@ -53,8 +56,9 @@ class _AwaitAllToAll(torch.autograd.Function):
     """Autograd node of an all-to-all launched earlier: forward waits for its outputs, backward sends their gradients
     the opposite way (one all-to-all for all of them, input and output split sizes swapped).
 
-    The launch happens outside autograd (in `dispatch` / `combine`) so that it can return at once with a handle;
-    this node links the received tensors to the sent ones when the scheduler decides to wait.
+    The launch happens outside autograd (in `token_dispatch` / `token_combine`) so that it can
+    return at once with a handle; this node links the received tensors to the sent ones when the
+    scheduler decides to wait.
     """
 
     @staticmethod
@@ -122,7 +126,7 @@ class PendingPlan(Generic[PlanT]):
 class DispatchPlan:
     """Routing metadata of one micro-batch, fixed by `PendingPlan.resolve` (all split sizes are host ints)."""
 
-    hidden_shape: torch.Size  # shape of the layer input, restored by postprocess_combine
+    hidden_shape: torch.Size  # shape of the layer input, restored by combine_postprocess
     token_idx: torch.Tensor  # [R] token position of each sent row (T: padding)
     slot_idx: torch.Tensor  # [R] position of each sent row in the flattened [T * k] routing (T * k: padding)
     padded: bool  # rows are padded to the expert capacity
@@ -218,55 +222,46 @@ class AllToAllDispatcher:
             local_expert_counts=local_expert_counts,
         )
 
-    def permute_rows(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                     plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [R, h] of `hidden` [..., h] and their combine weights [R] in the plan's order (differentiable)."""
+    def dispatch_preprocess(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                            plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [R, h] of `hidden` [..., h] and their combine weights [R] in the plan's order
+        (differentiable)."""
         with RECORDER.span("moe.permute"):
-            return gather(hidden.reshape(-1, hidden.shape[-1]), topk_weights, plan.token_idx, plan.slot_idx,
-                          plan.padded)
+            return gather(hidden.reshape(-1, hidden.shape[-1]), topk_weights, plan.token_idx,
+                          plan.slot_idx, plan.padded)
 
-    def preprocess(self, hidden: torch.Tensor, topk_idx: torch.Tensor,
-                   topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
-        """`route`, `resolve` and `permute_rows` in plain order: returns (rows [R, h], row weights [R], plan)."""
-        plan = self.route(topk_idx, topk_weights, hidden.shape).resolve()
-        return (*self.permute_rows(hidden, topk_weights, plan), plan)
-
-    def dispatch(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
+    def token_dispatch(self, rows: torch.Tensor, weights: torch.Tensor,
+                       plan: DispatchPlan) -> PendingAllToAll:
         """Launch the all-to-all of the permuted rows and their combine weights; does not wait."""
         return PendingAllToAll.launch((rows, weights), self.group, "ep_dispatch",
                                       plan.output_splits, plan.input_splits)
 
-    def postprocess_dispatch(self, pending: PendingAllToAll,
+    def dispatch_postprocess(self, rows: torch.Tensor, weights: torch.Tensor,
                              plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Wait for the dispatch; returns (rows, weights) grouped by local expert (`plan.tokens_per_local_expert`)."""
-        rows, weights = pending.wait()
-        return self.sort_received(rows, weights, plan)
-
-    def sort_received(self, rows: torch.Tensor, weights: torch.Tensor,
-                      plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Received rows/weights, (source rank, local expert) order -> grouped by local expert."""
+        """Received rows/weights, (source rank, local expert) order -> grouped by local expert
+        (`plan.tokens_per_local_expert`)."""
+        el = self.num_local_experts
         with RECORDER.span("moe.sort_chunks"):
-            return (sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep_size, self.num_local_experts),
-                    sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, self.num_local_experts))
+            return (sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep_size, el),
+                    sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, el))
 
     def combine_preprocess(self, expert_output: torch.Tensor, weights: torch.Tensor,
                            plan: DispatchPlan) -> torch.Tensor:
-        """Weight each expert output row (in fp32) and put rows back in (source rank, local expert) order."""
+        """Weight each expert output row (in fp32) and put rows back in (source rank, local expert)
+        order."""
         with RECORDER.span("moe.sort_chunks"):
             weighted = weight_rows(expert_output, weights, self.weighting_fusion)
-            return unsort_chunks_by_local_expert(weighted, plan.recv_counts, self.ep_size, self.num_local_experts)
+            return unsort_chunks_by_local_expert(weighted, plan.recv_counts, self.ep_size,
+                                                 self.num_local_experts)
 
-    def combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
+    def token_combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
         """Launch the all-to-all that returns weighted rows to their source ranks; does not wait."""
-        return PendingAllToAll.launch((rows,), self.group, "ep_combine", plan.input_splits, plan.output_splits)
+        return PendingAllToAll.launch((rows,), self.group, "ep_combine", plan.input_splits,
+                                      plan.output_splits)
 
-    def postprocess_combine(self, pending: PendingAllToAll, plan: DispatchPlan) -> torch.Tensor:
-        """Wait for the combine and sum each token's rows; returns a tensor shaped like the layer input."""
-        (rows,) = pending.wait()
-        return self.unpermute_returned(rows, plan)
-
-    def unpermute_returned(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        """Sum each token's returned (already weighted) rows back into a tensor shaped like the layer input."""
+    def combine_postprocess(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Sum each token's returned (already weighted) rows back into a tensor shaped like the
+        layer input."""
         with RECORDER.span("moe.unpermute"):
             out = unpermute(rows, plan.token_idx, plan.tokens_per_expert, plan.hidden_shape[:-1].numel(),
                             self.fused(rows))

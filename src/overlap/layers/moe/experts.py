@@ -25,7 +25,7 @@ from overlap.layers.init import mark_shard
 from overlap.layers.mlp import swiglu
 from overlap.layers.recompute import discarding_output, selective_modules
 from overlap.layers.tensor_parallel import params_dtype
-from overlap.layers.wgrad_store import GroupedLinear, grouped_offsets
+from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
 from overlap.parallel.state import ParallelState
 
 

@@ -7,24 +7,28 @@ its local experts, and sums that token's weighted local expert outputs into one 
 rows a token would have sent twice, which grows with top-k and with the number of experts per rank. This is the
 data movement of Megatron's flex dispatcher (DeepEP), built from plain all-to-alls so it runs on gloo and NCCL alike.
 
-Steps and their API are those of `AllToAllDispatcher` (the EP-overlap schedule runs either unchanged):
+Steps and their API are those of `AllToAllDispatcher` (the EP-overlap schedule runs either
+unchanged); this dispatcher overrides the plan and the four pre/postprocess steps, and takes
+`token_dispatch` and `token_combine` as they are:
 
-    route                 rows per destination rank and expert counts; LAUNCH their exchange  -> PendingPlan
-    PendingPlan.resolve   wait for the counts (ONE host sync), select the rows, exchange each row's local expert
-                          ids, fan-out indices                                       -> FlexDispatchPlan
-    permute_rows          gather one row and k weights per (token, destination rank)
-    dispatch              launch the all-to-all of rows [N, h] and weights [N, k]   -> PendingAllToAll
-    sort_received         fan each received row out to its local experts, grouped by local expert
+    route                 rows per destination rank and expert counts; LAUNCH their exchange
+                                                                            -> PendingPlan
+    PendingPlan.resolve   wait for the counts (ONE host sync), select the rows, exchange each row's
+                          local expert ids, fan-out indices                 -> FlexDispatchPlan
+    dispatch_preprocess   gather one row and k weights per (token, destination rank)
+    token_dispatch        launch the all-to-all of rows [N, h] and weights [N, k] -> PendingAllToAll
+    dispatch_postprocess  fan each received row out to its local experts, grouped by local expert
     (experts)
     combine_preprocess    weight the expert outputs and sum them per received row
-    combine               launch the all-to-all back                                 -> PendingAllToAll
-    unpermute_returned    sum each token's returned rows (one per destination rank)
+    token_combine         launch the all-to-all back                        -> PendingAllToAll
+    combine_postprocess   sum each token's returned rows (one per destination rank)
 
-The metadata (how many rows go to each rank, how many (row, expert) pairs each local expert gets, and each row's
-local expert ids) moves before the dispatch, through `resolve`'s wait, so `dispatch` carries only the tensors that
-need gradients and a scheduler can launch it without any host sync. Every index is built on the device from counts
-the host already knows, so there is no data-dependent shape (and no hidden sync) after the one split-size read. Expert
-capacity is not built for this dispatcher (`dispatcher_class` refuses it).
+The metadata (how many rows go to each rank, how many (row, expert) pairs each local expert gets,
+and each row's local expert ids) moves before the dispatch, through `resolve`'s wait, so
+`token_dispatch` carries only the tensors that need gradients and a scheduler can launch it without
+any host sync. Every index is built on the device from counts the host already knows, so there is no
+data-dependent shape (and no hidden sync) after the one split-size read. Expert capacity is not
+built for this dispatcher (`dispatcher_class` refuses it).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def weight_and_sum_rows(rows: torch.Tensor, weights: torch.Tensor, index: torch.
 class FlexDispatchPlan:
     """Routing metadata of one micro-batch, fixed by `PendingPlan.resolve` (split sizes are host ints)."""
 
-    hidden_shape: torch.Size  # shape of the layer input, restored by unpermute_returned
+    hidden_shape: torch.Size  # shape of the layer input, restored by combine_postprocess
     row_token: torch.Tensor  # [N] token position of each sent row (rows ordered by destination rank, then token)
     input_splits: list[int]  # [ep] rows sent to each EP rank
     output_splits: list[int]  # [ep] rows received from each EP rank
@@ -69,8 +73,8 @@ class FlexDispatchPlan:
 class FlexDispatcher(AllToAllDispatcher):
     """Moves each routed token once to every EP rank that owns one of its experts, and its summed output back.
 
-    `dispatch`, `postprocess_dispatch`, `combine` and `postprocess_combine` are the all-to-all dispatcher's: only
-    what is sent (one row per destination rank, k weights per row) and how rows are fanned out and summed differ.
+    `token_dispatch` and `token_combine` are the all-to-all dispatcher's: only what is sent (one row
+    per destination rank, k weights per row) and how rows are fanned out and summed differ.
     """
 
     def route(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -124,8 +128,8 @@ class FlexDispatcher(AllToAllDispatcher):
                                 local_expert_counts=recv.view(ep, 1 + el)[:, 1:].sum(0),
                                 pair_row=pair_row, pair_slot=pair_slot, on_row_rank=on_row_rank)
 
-    def permute_rows(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                     plan: FlexDispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch_preprocess(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                            plan: FlexDispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """One row per (token, destination rank) and its k combine weights, 0 where the expert lives elsewhere, so
         the receiver's weighted sum covers exactly its own experts (differentiable)."""
         with RECORDER.span("moe.permute"):
@@ -133,8 +137,8 @@ class FlexDispatcher(AllToAllDispatcher):
             weights = torch.where(plan.on_row_rank, topk_weights.index_select(0, plan.row_token), 0.0)
         return rows, weights
 
-    def sort_received(self, rows: torch.Tensor, weights: torch.Tensor,
-                      plan: FlexDispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch_postprocess(self, rows: torch.Tensor, weights: torch.Tensor,
+                             plan: FlexDispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Received rows [M, h] and weights [M, k] -> one row and one weight per (row, local expert) pair, grouped
         by local expert (`plan.tokens_per_local_expert`)."""
         with RECORDER.span("moe.sort_chunks"):
@@ -148,7 +152,7 @@ class FlexDispatcher(AllToAllDispatcher):
             return fused.run(weight_and_sum_rows, self.weighting_fusion, expert_output, weights,
                              plan.pair_row, sum(plan.output_splits))
 
-    def unpermute_returned(self, rows: torch.Tensor, plan: FlexDispatchPlan) -> torch.Tensor:
+    def combine_postprocess(self, rows: torch.Tensor, plan: FlexDispatchPlan) -> torch.Tensor:
         """Sum each token's returned rows (one per destination rank) back into a tensor shaped like the input."""
         with RECORDER.span("moe.unpermute"):
             out = rows.new_zeros((plan.hidden_shape[:-1].numel(), rows.shape[-1]))

@@ -98,7 +98,7 @@ class MoELayer(nn.Module):
     def permute(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of `x` to dispatch and their combine weights, in the plan's order."""
-        return self.dispatcher.permute_rows(x, topk_weights, plan)
+        return self.dispatcher.dispatch_preprocess(x, topk_weights, plan)
 
     def shared_experts_compute(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared expert's output for `x`, or None without one. Not wrapped in a compute span: under TP it waits
@@ -109,7 +109,7 @@ class MoELayer(nn.Module):
 
     def dispatch(self, rows: torch.Tensor, weights: torch.Tensor, plan: Plan) -> PendingAllToAll:
         """Launch the dispatch all-to-all (rows and weights); returns at once."""
-        return self.dispatcher.dispatch(rows, weights, plan)
+        return self.dispatcher.token_dispatch(rows, weights, plan)
 
     def routed_experts_compute(self, pending: PendingAllToAll, plan: Plan) -> torch.Tensor:
         """Wait for the dispatch, run the local experts, and return their weighted outputs ready for combine."""
@@ -117,14 +117,14 @@ class MoELayer(nn.Module):
 
     def experts_compute(self, rows: torch.Tensor, weights: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Received rows and weights (source-rank order) -> weighted expert outputs in the same order."""
-        rows, weights = self.dispatcher.sort_received(rows, weights, plan)
+        rows, weights = self.dispatcher.dispatch_postprocess(rows, weights, plan)
         with RECORDER.span("moe.experts"):
             out = self.experts(rows, plan.tokens_per_local_expert, plan.local_expert_counts)
         return self.dispatcher.combine_preprocess(out, weights, plan)
 
     def combine(self, rows: torch.Tensor, plan: Plan) -> PendingAllToAll:
         """Launch the combine all-to-all; returns at once."""
-        return self.dispatcher.combine(rows, plan)
+        return self.dispatcher.token_combine(rows, plan)
 
     def postprocess(self, pending: PendingAllToAll, plan: Plan,
                     shared_output: torch.Tensor | None) -> torch.Tensor:
@@ -135,7 +135,7 @@ class MoELayer(nn.Module):
     def combine_postprocess(self, rows: torch.Tensor, plan: Plan,
                             shared_output: torch.Tensor | None) -> torch.Tensor:
         """Returned rows -> [s_local, b, h], plus the shared expert's output."""
-        y = self.dispatcher.unpermute_returned(rows, plan)
+        y = self.dispatcher.combine_postprocess(rows, plan)
         return y if shared_output is None else y + shared_output
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
