@@ -354,7 +354,8 @@ def launch_env_inputs(cfg: ConfigContainer, res: Resolution, accelerator: str) -
                            context_parallel_size=res.layout.cp, pipeline_model_parallel_size=res.layout.pp,
                            data_parallel_size=res.layout.dp, moe_flex_dispatcher_backend=m.moe_flex_dispatcher_backend,
                            moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-                           overlap_moe_expert_parallel_comm=bool(m.overlap_moe_expert_parallel_comm))
+                           overlap_moe_expert_parallel_comm=(
+                               res.overlap.overlap_moe_expert_parallel_comm))
 
 
 def describe_layout(res: Resolution) -> str:

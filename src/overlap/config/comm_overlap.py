@@ -9,7 +9,7 @@ overlap are always errors, as in the reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,9 +80,45 @@ def _choose(log: DecisionLog, field: str, user: Any, direct: Any, auto: Any, aut
     return log.record(field, None, auto, auto_by, auto_reason)
 
 
+@dataclass(frozen=True, kw_only=True)
+class OverlapPlan:
+    """Every overlap switch of a finalized run as a plain value: what the runtime reads (never the
+    `None`-able request fields of the configs, which say only what was asked). Defaults: all off."""
+
+    # TP collectives overlapped with the GEMMs (the per-GEMM plan: tp_overlap.py)
+    tp_comm_overlap: bool = False
+    overlap_p2p_comm: bool = False  # pipeline receives posted early, sends not waited on
+    batch_p2p_comm: bool = False  # pipeline sends and receives batched into one call
+    # EP all-to-alls under another micro-batch's compute
+    overlap_moe_expert_parallel_comm: bool = False
+    # weight-gradient GEMMs deferred out of the EP-overlapped backward
+    delay_wgrad_compute: bool = False
+    # the output layer's weight gradient deferred to the pipeline flush
+    defer_embedding_wgrad_compute: bool = False
+    wgrad_deferral_limit: int = -1  # how many output wgrads may wait (-1: automatic)
+    # the shared expert computes under the dispatch/combine all-to-all
+    moe_shared_expert_overlap: bool = False
+    overlap_grad_reduce: bool = False  # DP gradient reduce bucket by bucket in the backward
+    overlap_param_gather: bool = False  # DP parameter all-gather bucket by bucket
+    align_param_gather: bool = False  # all pipeline stages launch their gathers together
+    bucket_size: int | None = None  # parameters per DP bucket (None: one bucket)
+    # the first parameter gather launched inside the optimizer step
+    overlap_param_gather_with_optimizer_step: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            plain = bool if f.type == "bool" else int
+            if not isinstance(value, plain) and not (value is None and f.name == "bucket_size"):
+                raise TypeError(f"OverlapPlan.{f.name} resolved to {value!r}, "
+                                f"not a plain {plain.__name__}")
+
+
 def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", ddp: "DDPConfig",
-                         optimizer: "OptimizerConfig", dp_size: int, log: DecisionLog) -> None:
-    """Resolve every overlap field onto the model / DDP / optimizer configs (in place), recording each decision."""
+                         optimizer: "OptimizerConfig", dp_size: int,
+                         log: DecisionLog) -> OverlapPlan:
+    """Resolve every overlap field onto the model / DDP / optimizer configs (in place),
+    recording each decision; returns the resolved switches as the frozen plan the runtime reads."""
     u = user if user is not None else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
     _resolve_tp(u, model, log)
     _resolve_pp(u, model, log)
@@ -90,6 +126,17 @@ def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", d
     _resolve_tp_plan(model, log)
     _resolve_dp(u, model, ddp, optimizer, dp_size, log)
     _detect_noops(model, ddp, dp_size, log)
+    return OverlapPlan(
+        tp_comm_overlap=model.tp_comm_overlap, overlap_p2p_comm=model.overlap_p2p_comm,
+        batch_p2p_comm=model.batch_p2p_comm,
+        overlap_moe_expert_parallel_comm=model.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=model.delay_wgrad_compute,
+        defer_embedding_wgrad_compute=model.defer_embedding_wgrad_compute,
+        wgrad_deferral_limit=model.wgrad_deferral_limit,
+        moe_shared_expert_overlap=model.moe_shared_expert_overlap,
+        overlap_grad_reduce=ddp.overlap_grad_reduce, overlap_param_gather=ddp.overlap_param_gather,
+        align_param_gather=ddp.align_param_gather, bucket_size=ddp.bucket_size,
+        overlap_param_gather_with_optimizer_step=optimizer.overlap_param_gather_with_optimizer_step)
 
 
 def _detect_noops(model: "ModelConfig", ddp: "DDPConfig", dp_size: int, log: DecisionLog) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from overlap.config.attention import resolve_attention_backend
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
-from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
+from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
 from overlap.config.mixed_precision import (MixedPrecisionConfig, get_mixed_precision_config,
@@ -92,12 +92,14 @@ def plain_value(value: Any) -> Any:
     return str(value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resolution:
-    """What finalize decided: the decision log and the parallel layout."""
+    """What finalize decided, frozen: the parallel layout, every overlap switch as a plain value
+    (what the runtime reads) and the decision log (who decided each value, and why)."""
 
     world_size: int
     layout: ParallelLayout
+    overlap: OverlapPlan
     decisions: DecisionLog
 
 
@@ -116,6 +118,15 @@ class ConfigContainer:
     comm_overlap: CommOverlapConfig | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
     _requested: "ConfigContainer | None" = field(default=None, repr=False, compare=False)
+    _resolution: Resolution | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def resolved(self) -> Resolution:
+        """The last `finalize`'s result: what the runtime reads (the overlap plan, the layout)."""
+        if self._resolution is None:
+            raise ConfigError("config", "not finalized", "the runtime reads the resolved run, "
+                              "which finalize produces.", "call cfg.finalize(world_size) first.")
+        return self._resolution
 
     def to_dict(self) -> dict[str, Any]:
         """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's config."""
@@ -134,8 +145,9 @@ class ConfigContainer:
             self._requested = copy.deepcopy(self)
         fresh = copy.deepcopy(self._requested)
         for f in fields(self):
-            if f.name != "_requested":
+            if f.name not in ("_requested", "_resolution"):
                 setattr(self, f.name, getattr(fresh, f.name))
+        self._resolution = None
 
         strict = bool(self.comm_overlap and self.comm_overlap.strict)
         log = DecisionLog(strict)
@@ -150,7 +162,8 @@ class ConfigContainer:
         self._apply_data(layout, log)
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = layout.dp
-        resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
+        plan = resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer,
+                                    layout.dp, log)
         self._validate(layout)
         self._covered_recompute(log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
@@ -160,7 +173,8 @@ class ConfigContainer:
         resolve_attention_backend(self.model, log, on_cuda)
         resolve_moe_permute_fusion(self.model, log, on_cuda)
         resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
-        return Resolution(world_size, layout, log)
+        self._resolution = Resolution(world_size, layout, plan, log)
+        return self._resolution
 
     # --- stages ------------------------------------------------------------------------------------------------
     def _apply_tokenizer(self) -> None:
