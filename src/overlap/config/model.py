@@ -8,11 +8,27 @@ and logs who decided and why. Derived sizes (kv_channels, ffn_hidden_size, ...) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+from overlap.errors import ConfigError, NotBuiltError, check_rules
+
 # Precision flags are set by the mixed-precision stage; params_dtype is a string so overrides stay plain YAML.
 DTYPES = ("float32", "bfloat16", "float16")
+# Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime
+# does not build are refused by name (`ModelConfig._validate_recompute`), the rest run
+# (layers/recompute.py)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                     "shared_experts")
+UNBUILT_RECOMPUTE = {
+    "mla_up_proj": "Multi-latent attention (MLA), whose up projection mla_up_proj recomputes,",
+    "gdn_norm_out": "The gated delta net (gdn_norm_out recomputes its output norm)",
+    "gdp_in_proj": "The gated delta product (gdp_in_proj recomputes its input projection)",
+    "gdp_qkv": "The gated delta product (gdp_qkv recomputes its convolution and QKV)",
+    "mhc": "Hyper-connections (mhc recomputes their activations)"}
+CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess",
+                     "mamba")
 
 
 def moe_layer_freq_for(moe: list[bool]) -> int | list[int]:
@@ -105,7 +121,7 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
     recompute_num_layers: int | None = None
-    # with selective: a subset of overlap.config.container.RECOMPUTE_MODULES (None: ["core_attn"])
+    # with selective: a subset of RECOMPUTE_MODULES (None: ["core_attn"])
     recompute_modules: list[str] | None = None
     # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs) -------------------------------
     cuda_graph_impl: str = "none"  # "none" | "local" | "transformer_engine"
@@ -171,3 +187,209 @@ class ModelConfig:
         """moe_layer_freq in its shortest form: the int k when every k-th layer from 0 is MoE, else the list (so that
         [1, 0, 1, 0] and 2 compare as the same model)."""
         return moe_layer_freq_for([self.is_moe_layer(i) for i in range(self.num_layers)])
+
+    # --- checks of this section alone (ConfigContainer.finalize runs them once resolved) ---------
+    def validate(self) -> None:
+        """Every rule that needs only the model's own fields, in a fixed order (the first broken
+        one is the error); the rules that need the layout or other sections are the container's."""
+        self._validate_impls()
+        if self.is_moe:
+            self._validate_moe()
+        self._validate_dispatch_and_dtype()
+        self._validate_recompute()
+        self._validate_cuda_graph()
+        self._validate_precision()
+        self._validate_ranges()
+
+    def _validate_impls(self) -> None:
+        if self.pipeline_impl not in ("overlap", "torch_pipelining"):
+            raise ConfigError("model.pipeline_impl", self.pipeline_impl,
+                              "unknown pipeline implementation.",
+                              "use overlap (ours) or torch_pipelining (the PyTorch peer).")
+        if self.tensor_parallel_impl not in ("overlap", "dtensor"):
+            raise ConfigError("model.tensor_parallel_impl", self.tensor_parallel_impl,
+                              "unknown tensor-parallel implementation.",
+                              "use overlap (ours) or dtensor (the PyTorch-native peer).")
+
+    def _validate_moe(self) -> None:
+        if self.num_moe_experts < 1:
+            raise ConfigError("model.num_moe_experts", self.num_moe_experts,
+                              "a MoE model needs experts.",
+                              "set num_moe_experts >= 1, or null for a dense model.")
+        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ConfigError("model.moe_router_topk", self.moe_router_topk,
+                              "top-k must be between 1 and num_moe_experts "
+                              f"({self.num_moe_experts}).",
+                              "choose a smaller moe_router_topk.")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
+            raise NotBuiltError("model.moe_router_load_balancing_type",
+                                self.moe_router_load_balancing_type, "This load-balancing type",
+                                "use aux_loss or none.")
+        self._validate_moe_layer_freq()
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and not factor > 0:
+            raise ConfigError("model.moe_expert_capacity_factor", factor,
+                              "an expert capacity factor must be > 0.",
+                              "use e.g. 1.0 (null: dropless, no capacity).")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            raise ConfigError("model.moe_pad_expert_input_to_capacity", True,
+                              "padding to the expert capacity needs a capacity.",
+                              "also set model.moe_expert_capacity_factor (e.g. 1.0), or drop the "
+                              "padding.")
+        if self.moe_token_drop_policy not in ("probs", "position"):
+            raise ConfigError("model.moe_token_drop_policy", self.moe_token_drop_policy,
+                              "unknown token drop policy.", "use probs or position.")
+
+    def _validate_moe_layer_freq(self) -> None:
+        freq, n = self.moe_layer_freq, self.num_layers
+        if isinstance(freq, list):
+            if len(freq) != n or any(v not in (0, 1) for v in freq):
+                raise ConfigError("model.moe_layer_freq", freq, f"a per-layer pattern has one "
+                                  f"entry per layer ({n}), each 1 (MoE) or 0 (dense).",
+                                  f"give {n} entries of 0/1, or an int k for every k-th layer.")
+            if not any(freq):
+                raise ConfigError("model.moe_layer_freq", freq,
+                                  "no layer is MoE, yet num_moe_experts is set.",
+                                  "mark at least one layer 1, or drop num_moe_experts for a dense "
+                                  "model.")
+        elif freq < 1:
+            raise ConfigError("model.moe_layer_freq", freq, "it must be >= 1.",
+                              "use 1 for all-MoE layers, k for every k-th layer, or a per-layer "
+                              "0/1 list.")
+
+    def _validate_dispatch_and_dtype(self) -> None:
+        if self.moe_token_dispatcher_type not in ("alltoall", "flex", "allgather"):
+            raise ConfigError("model.moe_token_dispatcher_type", self.moe_token_dispatcher_type,
+                              "unknown token dispatcher.", "use alltoall or flex.")
+        if self.params_dtype not in DTYPES:
+            raise ConfigError("model.params_dtype", self.params_dtype, "unknown dtype.",
+                              f"use one of {DTYPES}.")
+
+    def _validate_recompute(self) -> None:
+        granularity = self.recompute_granularity
+        if granularity not in (None, "selective", "full"):
+            raise ConfigError("model.recompute_granularity", granularity, "unknown granularity.",
+                              "use selective, full, or null.")
+        if granularity == "full":
+            if self.recompute_method not in ("uniform", "block"):
+                raise ConfigError("model.recompute_method", self.recompute_method,
+                                  "full recompute needs a method.",
+                                  "set recompute_method to uniform or block.")
+            if not self.recompute_num_layers or self.recompute_num_layers < 1:
+                raise ConfigError("model.recompute_num_layers", self.recompute_num_layers,
+                                  "full recompute needs a layer count.",
+                                  "set recompute_num_layers (e.g. -rl 1).")
+        elif self.recompute_method is not None or self.recompute_num_layers is not None:
+            raise ConfigError("model.recompute_method", self.recompute_method,
+                              "recompute_method / recompute_num_layers only apply to "
+                              "recompute_granularity=full.",
+                              "set recompute_granularity=full, or clear them.")
+        self._validate_recompute_modules()
+        reroutes = granularity == "full" or (
+            granularity == "selective" and "moe" in (self.recompute_modules or ()))
+        if self.is_moe and self.moe_router_force_load_balancing and reroutes:
+            raise ConfigError("model.moe_router_force_load_balancing", True,
+                              "forced load balancing draws new random logits at every router call, "
+                              f"and this recompute ({granularity}) calls the router again in "
+                              "backward, which would route the recomputed tokens differently from "
+                              "the forward.",
+                              "drop the recompute of the MoE layers (full, or selective 'moe'), or "
+                              "the forced balancing.")
+
+    def _validate_recompute_modules(self) -> None:
+        modules = self.recompute_modules or []
+        field = "model.recompute_modules"
+        for name in modules:
+            if name in UNBUILT_RECOMPUTE:
+                raise NotBuiltError(field, modules, UNBUILT_RECOMPUTE[name],
+                                    f"drop {name} from recompute_modules.")
+        bad = [x for x in modules if x not in RECOMPUTE_MODULES]
+        if bad:
+            built = [x for x in RECOMPUTE_MODULES if x not in UNBUILT_RECOMPUTE]
+            raise ConfigError(field, modules, f"unknown module(s) {bad}.",
+                              f"use a subset of {built}.")
+        selective = modules if self.recompute_granularity == "selective" else []
+        if "moe_act" in selective and not self.is_moe:
+            raise ConfigError(field, modules, "moe_act recomputes the routed experts' activation "
+                              "function, and this model has no experts.",
+                              "drop moe_act (a dense MLP recomputes with 'mlp').")
+        shared = self.is_moe and self.moe_shared_expert_intermediate_size
+        if "shared_experts" in selective and not shared:
+            raise ConfigError(field, modules, "shared_experts recomputes the MoE layers' shared "
+                              "expert, and this model has none.",
+                              "drop shared_experts, or set "
+                              "model.moe_shared_expert_intermediate_size.")
+        if "shared_experts" in selective and self.moe_shared_expert_overlap:
+            raise ConfigError(field, modules, "shared_experts recompute cannot work with "
+                              "moe_shared_expert_overlap (Megatron-Core's rule: the overlap runs "
+                              "the shared expert in two halves around the all-to-alls).",
+                              "drop shared_experts from recompute_modules, or set "
+                              "moe_shared_expert_overlap=false.")
+
+    def _validate_cuda_graph(self) -> None:
+        impl = self.cuda_graph_impl
+        if impl not in ("none", "local", "transformer_engine"):
+            raise ConfigError("model.cuda_graph_impl", impl, "unknown CUDA-graph implementation.",
+                              "use none, local or transformer_engine.")
+        scope = self.cuda_graph_scope or []
+        scope = scope.split(",") if isinstance(scope, str) else scope
+        bad = [s for s in scope if s not in CUDA_GRAPH_SCOPES + ("full",)]
+        if bad:
+            raise ConfigError("model.cuda_graph_scope", self.cuda_graph_scope,
+                              f"unknown scope(s) {bad}.",
+                              f"use a subset of {list(CUDA_GRAPH_SCOPES)}.")
+        if impl == "local" and scope and set(scope) != {"full_iteration"}:
+            raise ConfigError("model.cuda_graph_scope", self.cuda_graph_scope,
+                              "cuda_graph_impl=local only captures full iterations; scoped graphs "
+                              "need transformer_engine.",
+                              "use --cuda_graph_scope full_iteration or the TE impl.")
+        if "full_iteration" in scope and impl == "transformer_engine":
+            raise ConfigError("model.cuda_graph_scope", self.cuda_graph_scope,
+                              "full_iteration graphs are not captured by the transformer_engine "
+                              "impl.",
+                              "use --cuda_graph_impl local for full_iteration.")
+
+    def _validate_precision(self) -> None:
+        dtype = self.params_dtype
+        if (self.bf16, self.fp16) != (dtype == "bfloat16", dtype == "float16"):
+            raise ConfigError("model.params_dtype", self.params_dtype,
+                              f"it contradicts model.bf16={self.bf16} / model.fp16={self.fp16}.",
+                              "set precision with -c or "
+                              "mixed_precision=bf16_mixed|fp16_mixed|fp32, not piecemeal.")
+
+    def _validate_ranges(self) -> None:
+        """Values the type check lets through but the model cannot use (NaN fails each rule, and a
+        float rule also refuses infinity)."""
+        fin = math.isfinite
+        eps, std, aux = self.layernorm_epsilon, self.init_method_std, self.moe_aux_loss_coeff
+        factor, rl = self.moe_expert_capacity_factor, self.recompute_num_layers
+        mtp = self.mtp_num_layers
+        limit = self.wgrad_deferral_limit
+        check_rules([
+            ("model.layernorm_epsilon", eps, fin(eps) and eps > 0, "the norm epsilon must be > 0.",
+             "use e.g. model.layernorm_epsilon=1e-6."),
+            ("model.rotary_base", self.rotary_base, fin(self.rotary_base) and self.rotary_base > 1,
+             "the rotary base must be > 1.", "use e.g. model.rotary_base=10000."),
+            ("model.kv_channels" if self.kv_channels else "model.hidden_size",
+             self.kv_channels or self.hidden_size, self.head_dim % 2 == 0,
+             "rotary embeddings rotate pairs of channels, so the head dim must be even (it is "
+             f"{self.head_dim}"
+             f"{'' if self.kv_channels else ' = hidden_size / num_attention_heads'}).",
+             "use an even kv_channels (head dim), e.g. 64 or 128."),
+            ("model.init_method_std", std, fin(std) and std >= 0,
+             "the initialisation standard deviation must be >= 0.",
+             "use e.g. model.init_method_std=0.02."),
+            ("model.moe_aux_loss_coeff", aux, fin(aux) and aux >= 0,
+             "the auxiliary-loss coefficient must be >= 0 (0: none).",
+             "use e.g. model.moe_aux_loss_coeff=1e-3."),
+            ("model.moe_expert_capacity_factor", factor, factor is None or fin(factor),
+             "an expert capacity factor must be finite.",
+             "use e.g. 1.0 (null: dropless, no capacity)."),
+            ("model.recompute_num_layers", rl, rl is None or rl <= self.num_layers,
+             f"it cannot exceed num_layers ({self.num_layers}).",
+             f"use -rl between 1 and {self.num_layers}."),
+            ("model.mtp_num_layers", mtp, mtp is None or mtp >= 0, "a layer count must be >= 0.",
+             "set model.mtp_num_layers=null."),
+            ("model.wgrad_deferral_limit", limit, limit is None or limit >= -1,
+             "the deferral limit is -1 (automatic) or a count >= 0.", "use -1."),
+        ])
