@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from overlap.config import (BulkOverlapCfg, CommOverlapConfig, ConfigContainer, DDPConfig,
-                            ModelConfig, OptimizerConfig, PipelineOverlapCfg, RingExchangeOverlapCfg,
-                            SchedulerConfig, TrainConfig, TransformerLayerTPOverlapCfg)
+                            ModelConfig, OptimizerConfig, PipelineOverlapCfg,
+                            RingExchangeOverlapCfg, SchedulerConfig, TrainConfig,
+                            TransformerLayerTPOverlapCfg)
 from overlap.config.comm_overlap import BRIDGE_DP_BUCKET_SIZE
 from overlap.config.mixed_precision import MIXED_PRECISION_PRESETS, MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.tp_overlap import get_tp_overlap_preset
