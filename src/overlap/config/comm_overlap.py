@@ -40,20 +40,34 @@ class CommOverlapConfig:
     for it and means "not requested" (used when a harness flag creates the object on the user's behalf).
     """
 
+    # TP collectives overlapped with the GEMMs (needs TP >= 2 and sequence parallel)
     tp_comm_overlap: bool | None
+    # per-GEMM TP overlap plan: a userbuffers_* preset name or its dataclass
     tp_comm_overlap_cfg: TransformerLayerTPOverlapCfg | str | None = None
+    # TP overlap bootstrap backend (Bridge's; recorded, nccl by default)
     tp_comm_bootstrap_backend: str | None = "nccl"
+    # pipeline p2p overlapped with compute (beats model.overlap_p2p_comm)
     overlap_p2p_comm: bool | None = None
+    # pipeline sends/receives batched (beats model.batch_p2p_comm)
     batch_p2p_comm: bool | None = None
+    # DP gradient reduce overlapped with the backward (beats ddp's)
     overlap_grad_reduce: bool | None = None
+    # DP parameter gather overlapped with the forward (beats ddp's)
     overlap_param_gather: bool | None = None
+    # first param gather in the optimizer step (beats optimizer's)
     overlap_param_gather_with_optimizer_step: bool | None = None
+    # pipeline stages launch their param gathers together (beats ddp's)
     align_param_gather: bool | None = None
+    # parameters per DP bucket (beats ddp.bucket_size); None: the DP rule
     bucket_size: int | None = None
+    # output wgrad deferred to the pipeline flush (beats model's)
     defer_embedding_wgrad_compute: bool | None = None
+    # deferred output wgrads that may wait, -1: automatic (beats model's)
     wgrad_deferral_limit: int | None = None
-    data_parallel_size: int | None = None  # filled in by ConfigContainer.finalize
+    data_parallel_size: int | None = None  # the DP size, filled in by finalize (not a setting)
+    # EP all-to-alls under another micro-batch's compute (beats model's)
     overlap_moe_expert_parallel_comm: bool | None = None
+    # EP overlap: wgrad GEMMs deferred out of the backward (beats model's)
     delay_wgrad_compute: bool | None = None
     strict: bool = False  # ours: any request that cannot be honoured is an error instead of a logged decision
 

@@ -31,14 +31,14 @@ class LoggerConfig:
 
     # the iteration line every N iterations (Bridge's default is 100; --metrics is per step)
     log_interval: int = 1
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | None = None  # TensorBoard event folder; None: no TensorBoard
     tensorboard_log_interval: int = 1  # TensorBoard and W&B get every N-th iteration and the last
     tensorboard_queue_size: int = 1000  # events buffered before the writer flushes (max_queue)
-    wandb_project: str | None = None
-    wandb_exp_name: str | None = None
-    # None: <checkpoint.save>/wandb (Bridge's rule), else the working folder
+    wandb_project: str | None = None  # Weights & Biases project; None: no W&B
+    wandb_exp_name: str | None = None  # W&B run name
+    # W&B files; None: <checkpoint.save>/wandb (Bridge's rule), else the working folder
     wandb_save_dir: str | None = None
-    wandb_entity: str | None = None
+    wandb_entity: str | None = None  # W&B team or user
 
 
 _FIXED_SET = (

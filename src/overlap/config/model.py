@@ -44,72 +44,82 @@ def moe_layer_freq_for(moe: list[bool]) -> int | list[int]:
 @dataclass
 class ModelConfig:
     # --- transformer dimensions -----------------------------------------------------------------------------------
-    num_layers: int = 2
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None  # None: multi-head attention (= num_attention_heads)
+    num_layers: int = 2  # transformer layers
+    hidden_size: int = 256  # width of the residual stream
+    num_attention_heads: int = 4  # query heads per layer
+    num_query_groups: int | None = None  # KV heads (GQA); None: = num_attention_heads
     kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
     ffn_hidden_size: int | None = None  # dense MLP width; None: 4 * hidden_size
-    vocab_size: int = 32000
+    vocab_size: int = 32000  # embedding rows (a tokenizer or pretrained checkpoint replaces it)
     make_vocab_size_divisible_by: int = 128  # a real tokenizer's vocabulary is padded to a multiple of this x TP
-    seq_length: int = 256
-    layernorm_epsilon: float = 1e-6
-    rotary_base: float = 10000.0
-    qk_layernorm: bool = False
-    gated_linear_unit: bool = True  # SwiGLU
-    add_bias_linear: bool = False
-    add_qkv_bias: bool = False
-    init_method_std: float = 0.02
+    seq_length: int = 256  # tokens per sequence
+    layernorm_epsilon: float = 1e-6  # epsilon of every RMSNorm
+    rotary_base: float = 10000.0  # RoPE base frequency
+    qk_layernorm: bool = False  # RMSNorm on each head's queries and keys
+    gated_linear_unit: bool = True  # a gated MLP (SwiGLU) instead of GELU
+    add_bias_linear: bool = False  # biases in the linear layers (refused by the runtime)
+    add_qkv_bias: bool = False  # biases in the QKV projection only (refused by the runtime)
+    init_method_std: float = 0.02  # standard deviation of the normal weight initialisation
+    # the output layer reuses the input embedding's weight
     share_embeddings_and_output_weights: bool = False
     # The attention product's kernel (Megatron's AttnBackend names): auto | flash | fused | unfused | local; see
     # overlap.config.attention for what each runs here and auto's rule.
     attention_backend: str = "auto"
+    # Transformer Engine's fused wgrad accumulation (refused by the runtime)
     gradient_accumulation_fusion: bool = False
     # Elementwise chains compiled by torch.compile (overlap.config.fusion); None: on for CUDA, off
     # on the CPU. The norm's switch is ours (Megatron fuses norms inside Transformer Engine).
-    rms_norm_fusion: bool | None = None  # RMSNorm
-    apply_rope_fusion: bool | None = None  # RoPE
-    bias_activation_fusion: bool | None = None  # SwiGLU and the MoE row weighting
+    rms_norm_fusion: bool | None = None  # compile RMSNorm; None: on for CUDA, off on the CPU
+    apply_rope_fusion: bool | None = None  # compile RoPE; None: on for CUDA, off on the CPU
+    # compile SwiGLU and the MoE row weighting; None: on for CUDA, off on the CPU
+    bias_activation_fusion: bool | None = None
     # --- parallel layout ------------------------------------------------------------------------------------------
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # TP: ranks each layer's linears are split over (-tp)
+    pipeline_model_parallel_size: int = 1  # PP: pipeline stages (-pp)
+    # VPP: model chunks per pipeline rank (-vp); None: one
     virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
+    context_parallel_size: int = 1  # CP: ranks the sequence is split over (refused by the runtime)
+    expert_model_parallel_size: int = 1  # EP: ranks the routed experts are split over (-ep)
+    # ETP: TP inside each expert (refused by the runtime above 1)
     expert_tensor_parallel_size: int = 1
+    # activations outside the TP linears sharded over TP along the sequence
     sequence_parallel: bool = False
     tensor_parallel_impl: str = "overlap"  # "overlap" (ours) | "dtensor" (the PyTorch-native peer: DTensor plans)
     # --- pipeline (Megatron-Core / Bridge names) ------------------------------------------------------------------
-    num_layers_in_first_pipeline_stage: int | None = None  # None: an even split
+    num_layers_in_first_pipeline_stage: int | None = None  # layers on the first stage; None: even
+    # layers on the last stage; None: an even split
     num_layers_in_last_pipeline_stage: int | None = None
     # The embedding / loss counts as one layer when the layers are divided evenly over the pipeline
     account_for_embedding_in_pipeline_split: bool = False
+    # the loss counts as one layer when the layers are divided
     account_for_loss_in_pipeline_split: bool = False
     # Every stage spelt out (Megatron's grammar, e.g. "Et*3|(tt|)*29,m|L", or a list of lists of
     # layer names); its stage count decides VPP. See overlap.config.pipeline_layout.
     pipeline_model_parallel_layout: str | list[list[str]] | None = None
-    microbatch_group_size_per_vp_stage: int | None = None  # interleaved schedule; None: PP (depth-first)
+    # micro-batches per group in the interleaved schedule; None: PP (depth-first)
+    microbatch_group_size_per_vp_stage: int | None = None
     deallocate_pipeline_outputs: bool = False  # free a sent activation's storage once the send completed
     pipeline_impl: str = "overlap"  # "overlap" (ours) | "torch_pipelining" (the PyTorch peer)
     # --- mixture of experts ---------------------------------------------------------------------------------------
-    num_moe_experts: int | None = None  # None: dense model
-    moe_router_topk: int = 2
+    num_moe_experts: int | None = None  # routed experts per MoE layer; None: a dense model
+    moe_router_topk: int = 2  # experts each token is routed to
     # False (Megatron's default, Qwen3-30B-A3B's norm_topk_prob=true): the combine weights are a softmax over the k
     # chosen logits (they sum to 1). True (norm_topk_prob=false): the softmax over all experts, taken at the k
     # chosen ones (they sum to less than 1).
     moe_router_pre_softmax: bool = False
-    moe_ffn_hidden_size: int | None = None  # None: ffn_hidden_size
-    moe_shared_expert_intermediate_size: int | None = None  # None: no shared expert
+    moe_ffn_hidden_size: int | None = None  # routed expert width; None: ffn_hidden_size
+    moe_shared_expert_intermediate_size: int | None = None  # shared expert width; None: none
     # Megatron's two forms: an int k (layers 0, k, 2k, ... are MoE; 1: all) or one entry per layer, 1 MoE / 0 dense
     # (e.g. [0, 1, 0, 1]: what a Qwen3-MoE config.json with decoder_sparse_step=2 or mlp_only_layers describes).
     moe_layer_freq: int | list[int] = 1
     moe_token_dispatcher_type: str = "alltoall"  # "alltoall" | "flex" ("allgather" is the reference's, not built)
     moe_flex_dispatcher_backend: str | None = None  # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
-    moe_shared_expert_overlap: bool | None = None  # None: not set (resolved off, logged)
+    # the shared expert computes under the dispatch/combine all-to-all; None: off (logged)
+    moe_shared_expert_overlap: bool | None = None
     # True: vectorised permutation; False: straightforward per-expert loop; None: the loop on CPU, fused on CUDA
     # (config/moe_permute.py: the loop synchronises the host per expert on a GPU)
     moe_permute_fusion: bool | None = None
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = 0.0  # weight of the router's load-balancing loss (0: none)
     moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" | "none"
     # Benchmarking only (Bridge's perf recipes): routing from random logits, so the experts get balanced loads
     # whatever the router learnt; its gradient passes straight through to the real logits.
@@ -120,21 +130,26 @@ class ModelConfig:
     # --- recompute (activation checkpointing) ---------------------------------------------------------------------
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
+    # with full recompute: layers per chunk (uniform) or recomputed (block)
     recompute_num_layers: int | None = None
     # with selective: a subset of RECOMPUTE_MODULES (None: ["core_attn"])
     recompute_modules: list[str] | None = None
     # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs) -------------------------------
     cuda_graph_impl: str = "none"  # "none" | "local" | "transformer_engine"
+    # modules a scoped CUDA graph would cover (compatibility surface)
     cuda_graph_scope: list[str] | None = None
     # --- multi-token prediction (compatibility surface) -----------------------------------------------------------
+    # multi-token prediction layers (refused by the runtime; None or 0: none)
     mtp_num_layers: int | None = None
     # --- precision (written by the mixed-precision stage) ---------------------------------------------------------
-    bf16: bool = False
-    fp16: bool = False
-    params_dtype: str = "float32"
+    bf16: bool = False  # bfloat16 compute (written by mixed precision)
+    fp16: bool = False  # float16 compute (written by mixed precision)
+    params_dtype: str = "float32"  # dtype of the parameters (written by mixed precision)
     # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user) -------------------------
+    # TP overlap requested here (comm_overlap.tp_comm_overlap beats it); None: off
     tp_comm_overlap: bool | None = None
     tp_comm_overlap_cfg: Any = None  # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
+    # TP overlap's bootstrap backend, kept for Bridge (resolution writes it)
     tp_comm_bootstrap_backend: str | None = None
     # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults); they narrow the
     # per-GEMM plan, see overlap.config.tp_overlap.effective_tp_plan.
@@ -145,11 +160,17 @@ class ModelConfig:
     tp_comm_overlap_rs_dgrad: bool = False  # qkv/fc1 dgrad reduce-scatter chunked with the dgrad GEMM instead
     tp_comm_overlap_disable_qkv: bool = False  # no overlap in the QKV linear
     tp_comm_overlap_disable_fc1: bool = False  # no overlap in the FC1 linear
+    # pipeline p2p overlapped with compute (comm_overlap's beats it); None: PP rule
     overlap_p2p_comm: bool | None = None
+    # pipeline sends/receives batched in one call (comm_overlap's beats it); None: rule
     batch_p2p_comm: bool | None = None
+    # EP all-to-alls under another micro-batch (comm_overlap's beats it)
     overlap_moe_expert_parallel_comm: bool | None = None
+    # EP overlap: weight gradients deferred (comm_overlap's beats it); None: off
     delay_wgrad_compute: bool | None = None
+    # output layer's wgrad deferred to the pipeline flush; None: off
     defer_embedding_wgrad_compute: bool | None = None
+    # deferred output wgrads that may wait (-1: automatic); None: -1
     wgrad_deferral_limit: int | None = None
 
     # --- derived values -----------------------------------------------------------------------------------------

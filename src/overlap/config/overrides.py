@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from overlap.config.checkpoint import CheckpointConfig
 from overlap.config.comm_overlap import CommOverlapConfig
+from overlap.config.field_docs import field_docs
 from overlap.config.container import ConfigContainer
 from overlap.config.logger import NOT_CARRIED, LoggerConfig
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
@@ -177,21 +178,33 @@ def check_override_repeats(items: list[str]) -> None:
         seen[key] = item
 
 
-def list_override_keys() -> list[str]:
-    """Every `section.field` an override can set, with its type and default (`overlap explain --list-keys`)."""
+def override_key_rows() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every `section.field` an override can set; the
+    description is the field's comment in its dataclass (`overlap.config.field_docs`)."""
     rows = []
     for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("optimizer", OptimizerConfig),
                          ("scheduler", SchedulerConfig), ("ddp", DDPConfig), ("tokenizer", TokenizerConfig),
                          ("checkpoint", CheckpointConfig), ("logger", LoggerConfig), ("dataset", DatasetConfig),
                          ("mixed_precision", MixedPrecisionConfig), ("comm_overlap", CommOverlapConfig)):
         hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
         for f in fields(cls):
             if f.name.startswith("_"):
                 continue
             default = repr(f.default) if f.default is not MISSING else "(required)" if f.default_factory is MISSING \
                 else repr(f.default_factory())
-            rows.append((f"{section}.{f.name}", _hint_name(hints[f.name]), default))
-    rows.append(("mixed_precision", "preset name", "bf16_mixed | fp16_mixed | fp32 (replaces the whole section)"))
-    rows.append(("env_vars.NAME", "str", "an environment variable for the workers"))
-    width = [max(len(r[i]) for r in rows) for i in range(2)]
-    return [f"{k:<{width[0]}}  {t:<{width[1]}}  {d}" for k, t, d in rows]
+            rows.append((f"{section}.{f.name}", _hint_name(hints[f.name]), default,
+                         docs.get(f.name, "")))
+    rows.append(("mixed_precision", "preset name", "bf16_mixed | fp16_mixed | fp32",
+                 "a preset that replaces the whole section"))
+    rows.append(("env_vars.NAME", "str", "", "an environment variable for the workers"))
+    return rows
+
+
+def list_override_keys() -> list[str]:
+    """Every `section.field` an override can set, with its type, default and description
+    (`overlap explain --list-keys`)."""
+    rows = override_key_rows()
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    return [f"{k:<{width[0]}}  {t:<{width[1]}}  {d:<{width[2]}}  {doc}".rstrip()
+            for k, t, d, doc in rows]
