@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
+from overlap.config.refusals import unbuilt
 from overlap.config.training import SchedulerConfig
 from overlap.errors import ConfigError, NotBuiltError
 
 FORMATS = ("torch_dist",)
-REFERENCE_FORMATS = ("torch", "torch_dcp", "fsdp_dtensor", "zarr")
 
 
 @dataclass
@@ -50,10 +50,11 @@ def resolve_checkpoint(ck: CheckpointConfig, log: DecisionLog, sched: SchedulerC
                           "scheduler.override_opt_param_scheduler=true (the checkpoint's schedule or this run's).",
                           "set at most one of the two.")
     if ck.ckpt_format not in FORMATS:
-        if ck.ckpt_format in REFERENCE_FORMATS:
-            raise NotBuiltError("checkpoint.ckpt_format", ck.ckpt_format,
-                                f"The {ck.ckpt_format!r} checkpoint format",
-                                "use checkpoint.ckpt_format=torch_dist (DCP shards, loadable at any layout).")
+        what = unbuilt("checkpoint.ckpt_format", ck.ckpt_format)
+        if what:
+            raise NotBuiltError("checkpoint.ckpt_format", ck.ckpt_format, what,
+                                "use checkpoint.ckpt_format=torch_dist (DCP shards, loadable at "
+                                "any layout).")
         raise ConfigError("checkpoint.ckpt_format", ck.ckpt_format, "unknown checkpoint format.",
                           "use checkpoint.ckpt_format=torch_dist.")
     for name in ("save", "load", "pretrained_checkpoint"):

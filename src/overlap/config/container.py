@@ -34,6 +34,7 @@ from overlap.errors import ConfigError, NotBuiltError
 from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
+from overlap.config.refusals import unbuilt
 
 _log = logging.getLogger("overlap.config")
 
@@ -154,9 +155,11 @@ class ConfigContainer:
     def _apply_tokenizer(self) -> None:
         tok = self.tokenizer
         if tok.tokenizer_type not in ("NullTokenizer", "HuggingFaceTokenizer"):
-            if tok.tokenizer_type == "SentencePieceTokenizer":
-                raise NotBuiltError("tokenizer.tokenizer_type", tok.tokenizer_type, "The SentencePiece tokenizer",
-                                    "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a tokenizer.json.")
+            what = unbuilt("tokenizer.tokenizer_type", tok.tokenizer_type)
+            if what:
+                raise NotBuiltError("tokenizer.tokenizer_type", tok.tokenizer_type, what,
+                                    "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a "
+                                    "tokenizer.json.")
             raise ConfigError("tokenizer.tokenizer_type", tok.tokenizer_type, "unknown tokenizer type.",
                               "use NullTokenizer or HuggingFaceTokenizer.")
         if tok.tokenizer_type == "HuggingFaceTokenizer":

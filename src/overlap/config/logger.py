@@ -10,7 +10,7 @@ key still gets its run on disk, to upload later with `wandb sync`.
 
 Bridge's switches that choose which extra scalars go to TensorBoard are not carried (the set is
 fixed: the `--metrics` scalars, always); setting one is refused with the reason, never silently
-ignored (`NOT_CARRIED`)."""
+ignored (`overlap.config.refusals.NOT_CARRIED`)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from overlap.errors import ConfigError
 
 @dataclass
 class LoggerConfig:
-    """Bridge's LoggerConfig fields that the runtime honours (the others: NOT_CARRIED)."""
+    """Bridge's LoggerConfig fields that the runtime honours (the others are refused:
+    `overlap.config.refusals.NOT_CARRIED`)."""
 
     # the iteration line every N iterations (Bridge's default is 100; --metrics is per step)
     log_interval: int = 1
@@ -40,33 +41,6 @@ class LoggerConfig:
     wandb_save_dir: str | None = None
     wandb_entity: str | None = None  # W&B team or user
 
-
-_FIXED_SET = (
-    "TensorBoard and W&B always get the --metrics scalars (loss, grad norm, learning rate, "
-    "step time, throughput, communication by kind, peak memory), and only those"
-)
-NOT_CARRIED = {
-    name: _FIXED_SET
-    for name in (
-        "log_timers_to_tensorboard",
-        "log_memory_to_tensorboard",
-        "log_throughput",
-        "log_throughput_to_tensorboard",
-        "log_params_norm",
-        "log_num_zeros_in_grad",
-        "log_loss_scale_to_tensorboard",
-        "log_validation_ppl_to_tensorboard",
-        "log_world_size_to_tensorboard",
-        "log_l2_norm_grad_to_tensorboard",
-        "log_runtime_to_tensorboard",
-        "log_energy",
-        "log_progress",
-        "timing_log_level",
-        "timing_log_option",
-        "throughput_window_size",
-        "memory_keys",
-    )
-}
 
 # Which package each sink needs, and the extra that installs it.
 EXTRAS = {"tensorboard_dir": ("tensorboard", "tensorboard"), "wandb_project": ("wandb", "wandb")}

@@ -12,21 +12,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from overlap.config.refusals import unbuilt
 from overlap.errors import ConfigError, NotBuiltError, check_rules
 
 # Precision flags are set by the mixed-precision stage; params_dtype is a string so overrides stay plain YAML.
 DTYPES = ("float32", "bfloat16", "float16")
 # Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime
-# does not build are refused by name (`ModelConfig._validate_recompute`), the rest run
-# (layers/recompute.py)
+# does not build are refused by name (`overlap.config.refusals`), the rest run (layers/recompute.py)
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
                      "shared_experts")
-UNBUILT_RECOMPUTE = {
-    "mla_up_proj": "Multi-latent attention (MLA), whose up projection mla_up_proj recomputes,",
-    "gdn_norm_out": "The gated delta net (gdn_norm_out recomputes its output norm)",
-    "gdp_in_proj": "The gated delta product (gdp_in_proj recomputes its input projection)",
-    "gdp_qkv": "The gated delta product (gdp_qkv recomputes its convolution and QKV)",
-    "mhc": "Hyper-connections (mhc recomputes their activations)"}
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess",
                      "mamba")
 
@@ -321,12 +315,12 @@ class ModelConfig:
         modules = self.recompute_modules or []
         field = "model.recompute_modules"
         for name in modules:
-            if name in UNBUILT_RECOMPUTE:
-                raise NotBuiltError(field, modules, UNBUILT_RECOMPUTE[name],
-                                    f"drop {name} from recompute_modules.")
+            what = unbuilt(field, name)
+            if what:
+                raise NotBuiltError(field, modules, what, f"drop {name} from recompute_modules.")
         bad = [x for x in modules if x not in RECOMPUTE_MODULES]
         if bad:
-            built = [x for x in RECOMPUTE_MODULES if x not in UNBUILT_RECOMPUTE]
+            built = [x for x in RECOMPUTE_MODULES if not unbuilt(field, x)]
             raise ConfigError(field, modules, f"unknown module(s) {bad}.",
                               f"use a subset of {built}.")
         selective = modules if self.recompute_granularity == "selective" else []

@@ -20,17 +20,15 @@ from overlap.config.checkpoint import CheckpointConfig
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.field_docs import field_docs
 from overlap.config.container import ConfigContainer
-from overlap.config.logger import NOT_CARRIED, LoggerConfig
+from overlap.config.logger import LoggerConfig
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import ModelConfig
+from overlap.config.refusals import MOVED, NOT_CARRIED, refusal_rows
 from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
                                      TrainConfig)
 from overlap.errors import ConfigError
 
 _SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
-_MOVED = {"train.log_interval": "logger.log_interval"}  # where Bridge keeps it
-
-
 def parse_value(key: str, raw: str) -> Any:
     try:
         parsed = OmegaConf.create({"v": None})
@@ -139,11 +137,11 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
     target = getattr(cfg, section)
     hints = typing.get_type_hints(type(target))
     names = [f.name for f in fields(target)]
-    if key in _MOVED:
-        raise ConfigError(key, value, f"this setting is {_MOVED[key]} (Megatron-Bridge's name).",
-                          f"write {_MOVED[key]}={raw}.")
-    if section == "logger" and parts[1] in NOT_CARRIED:
-        raise ConfigError(key, value, f"Bridge's switch is not carried: {NOT_CARRIED[parts[1]]}.",
+    if key in MOVED:
+        raise ConfigError(key, value, f"this setting is {MOVED[key]} (Megatron-Bridge's name).",
+                          f"write {MOVED[key]}={raw}.")
+    if key in NOT_CARRIED:
+        raise ConfigError(key, value, f"Bridge's switch is not carried: {NOT_CARRIED[key]}.",
                           "drop it.")
     if parts[1] not in names:
         raise _unknown(key, parts[1], names)
@@ -198,6 +196,7 @@ def override_key_rows() -> list[tuple[str, str, str, str]]:
     rows.append(("mixed_precision", "preset name", "bf16_mixed | fp16_mixed | fp32",
                  "a preset that replaces the whole section"))
     rows.append(("env_vars.NAME", "str", "", "an environment variable for the workers"))
+    rows += [(key, "refused", "", why) for key, why in refusal_rows()]
     return rows
 
 
