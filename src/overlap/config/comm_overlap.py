@@ -259,7 +259,9 @@ def _resolve_pp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) ->
 
 
 def _ep_overlap_prerequisites(model: "ModelConfig") -> list[tuple[str, Any, bool, str, str]]:
-    """(field, value, ok, why, fix) for every prerequisite of the MoE expert-parallel overlap (reference 5.1)."""
+    """(field, value, ok, why, fix) for every prerequisite of the MoE expert-parallel overlap (the
+    asserts of Megatron-Bridge's CommOverlapConfig, which mirror Megatron-Core's
+    TransformerConfig.__post_init__)."""
     modules = model.recompute_modules or []
     torch_ok = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
     scope = _graph_scope(model) if model.cuda_graph_impl == "transformer_engine" else set()
@@ -305,7 +307,8 @@ def _ep_overlap_prerequisites(model: "ModelConfig") -> list[tuple[str, Any, bool
 
 
 def _graph_scope(model: "ModelConfig") -> set[str]:
-    """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (reference 5.2)."""
+    """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (as
+    the delay_wgrad_compute checks of Megatron-Bridge's CommOverlapConfig read it)."""
     scope = model.cuda_graph_scope or []
     if isinstance(scope, str):
         scope = scope.split(",")
