@@ -370,3 +370,24 @@ def test_an_overlap_plan_refuses_a_value_that_is_not_plain():
 
     with pytest.raises(TypeError, match="overlap_grad_reduce"):
         OverlapPlan(overlap_grad_reduce=None)
+
+
+def test_each_overlap_switch_has_one_direct_spelling():
+    """Every comm_overlap switch names the one section that holds its Bridge spelling (the harness's
+    flag/override reconciliation and the resolution both read this table)."""
+    from overlap.config.comm_overlap import DIRECT_SECTION, OverlapPlan
+    from overlap.harness import _twins
+
+    sections = {"model": ModelConfig, "ddp": DDPConfig, "optimizer": OptimizerConfig}
+    switches = ({f.name for f in dataclasses.fields(CommOverlapConfig)}
+                - {"strict", "data_parallel_size"})
+    assert set(DIRECT_SECTION) == switches
+    for name, section in DIRECT_SECTION.items():
+        holders = [s for s, cls in sections.items()
+                   if name in {f.name for f in dataclasses.fields(cls)}]
+        assert holders == [section], name
+        assert _twins(f"comm_overlap.{name}") == [f"{section}.{name}"]
+        assert _twins(f"{section}.{name}") == [f"comm_overlap.{name}"]
+    assert _twins("model.sequence_parallel") == [] and _twins("ddp.use_distributed_optimizer") == []
+    plan = {f.name for f in dataclasses.fields(OverlapPlan)}
+    assert plan - set(DIRECT_SECTION) == {"moe_shared_expert_overlap"}

@@ -72,6 +72,19 @@ class CommOverlapConfig:
     strict: bool = False  # ours: any request that cannot be honoured is an error instead of a logged decision
 
 
+# Where each comm_overlap switch's Bridge spelling lives when it is set directly (by a recipe or an
+# override): the resolution reads it there below comm_overlap's value and writes the result back.
+DIRECT_SECTION = {
+    "tp_comm_overlap": "model", "tp_comm_overlap_cfg": "model",
+    "tp_comm_bootstrap_backend": "model",
+    "overlap_p2p_comm": "model", "batch_p2p_comm": "model",
+    "defer_embedding_wgrad_compute": "model", "wgrad_deferral_limit": "model",
+    "overlap_moe_expert_parallel_comm": "model", "delay_wgrad_compute": "model",
+    "overlap_grad_reduce": "ddp", "overlap_param_gather": "ddp", "align_param_gather": "ddp",
+    "bucket_size": "ddp", "overlap_param_gather_with_optimizer_step": "optimizer",
+}
+
+
 def _requested(user: Any, direct: Any) -> Any:
     return user if user is not None else direct
 
@@ -140,17 +153,11 @@ def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", d
     _resolve_tp_plan(model, log)
     _resolve_dp(u, model, ddp, optimizer, dp_size, log)
     _detect_noops(model, ddp, dp_size, log)
-    return OverlapPlan(
-        tp_comm_overlap=model.tp_comm_overlap, overlap_p2p_comm=model.overlap_p2p_comm,
-        batch_p2p_comm=model.batch_p2p_comm,
-        overlap_moe_expert_parallel_comm=model.overlap_moe_expert_parallel_comm,
-        delay_wgrad_compute=model.delay_wgrad_compute,
-        defer_embedding_wgrad_compute=model.defer_embedding_wgrad_compute,
-        wgrad_deferral_limit=model.wgrad_deferral_limit,
-        moe_shared_expert_overlap=model.moe_shared_expert_overlap,
-        overlap_grad_reduce=ddp.overlap_grad_reduce, overlap_param_gather=ddp.overlap_param_gather,
-        align_param_gather=ddp.align_param_gather, bucket_size=ddp.bucket_size,
-        overlap_param_gather_with_optimizer_step=optimizer.overlap_param_gather_with_optimizer_step)
+    holders = {"model": model, "ddp": ddp, "optimizer": optimizer}
+    planned = {f.name for f in fields(OverlapPlan)}
+    return OverlapPlan(moe_shared_expert_overlap=model.moe_shared_expert_overlap,
+                       **{name: getattr(holders[section], name)
+                          for name, section in DIRECT_SECTION.items() if name in planned})
 
 
 def _detect_noops(model: "ModelConfig", ddp: "DDPConfig", dp_size: int, log: DecisionLog) -> None:
