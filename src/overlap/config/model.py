@@ -1,9 +1,13 @@
 """ModelConfig: the transformer / MoE model, its parallel layout, recompute, precision, and the overlap fields that the
 resolution in `comm_overlap.py` writes.
 
-Field names and meanings follow Megatron-Core's TransformerConfig, which our users already speak. Overlap fields
-default to `None`, meaning "not set by the user": `ConfigContainer.finalize` resolves each of them to a concrete value
-and logs who decided and why. Derived sizes (kv_channels, ffn_hidden_size, ...) are filled by `finalize_dims`.
+Field names and meanings follow Megatron-Core's TransformerConfig, which our users already speak.
+Overlap fields default to `None`, meaning "not set by the user": they are Bridge's direct spelling
+of a comm_overlap switch (`comm_overlap.DIRECT_SECTION`), read by the resolution below
+comm_overlap's value, then overwritten with the resolved value (which the model's layers read when
+they are built).
+The training loop, DDP and the optimizer read the frozen `cfg.resolved.overlap` (`OverlapPlan`).
+Derived sizes (head_dim, ffn_size, ...) are properties.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from overlap.errors import ConfigError, NotBuiltError, check_rules
 
 @dataclass
 class DDPConfig:
-    """Data-parallel gradient reduction and parameter gather. `None` = not set: resolved by finalize and logged."""
+    """Data-parallel gradient reduction and parameter gather. `None` = not set: resolved by finalize
+    and logged; the runtime reads the resolved overlap switches from `cfg.resolved.overlap`."""
 
     # shard optimizer state over DP (kept in sync with optimizer's)
     use_distributed_optimizer: bool = False
