@@ -347,7 +347,7 @@ def test_the_resolved_run_is_frozen_and_holds_plain_switches():
                     overlap_p2p_comm=False),
                 co(overlap_p2p_comm=True, batch_p2p_comm=False, overlap_grad_reduce=True),
                 ddp=DDPConfig(use_distributed_optimizer=True))
-    with pytest.raises(ConfigError, match="finalize"):
+    with pytest.raises(RuntimeError, match="finalize"):
         cfg.resolved
     res = cfg.finalize(8)
     assert cfg.resolved is res
