@@ -97,11 +97,11 @@ class ConfigContainer:
 
     @property
     def resolved(self) -> Resolution:
-        """The last `finalize`'s result: what the runtime reads (the overlap plan, the layout). Reading
-        it before finalize is a bug in the caller, not a user mistake."""
+        """The last `finalize`'s result: what the runtime reads (the overlap plan, the layout).
+        Reading it before finalize is a bug in the caller, not a user mistake."""
         if self._resolution is None:
-            raise RuntimeError("cfg.resolved before cfg.finalize(world_size): the runtime reads the "
-                               "resolved run, which finalize produces")
+            raise RuntimeError("cfg.resolved before cfg.finalize(world_size): the runtime reads "
+                               "the resolved run, which finalize produces")
         return self._resolution
 
     def to_dict(self) -> dict[str, Any]:
