@@ -260,3 +260,59 @@ def test_override_then_finalize_validates():
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(1)
     assert exc.value.field == "model.recompute_modules"
+
+
+def test_every_listed_key_has_a_description():
+    """`overlap explain --list-keys` prints each key's description (its field's comment)."""
+    from overlap.config.overrides import list_override_keys, override_key_rows
+
+    rows = override_key_rows()
+    assert [key for key, _, _, doc in rows if not doc.strip()] == []
+    lines = list_override_keys()
+    assert len(lines) == len(rows)
+    for line, (key, _, _, doc) in zip(lines, rows):
+        assert line.startswith(key) and line.endswith(doc), line
+    assert dict((r[0], r[3]) for r in rows)["train.train_iters"] == "optimizer steps to run (-ms)"
+
+
+def test_field_docs_read_the_inline_comment_or_the_block_above():
+    from dataclasses import dataclass
+
+    from overlap.config.field_docs import field_docs
+
+    @dataclass
+    class Example:
+        # --- a heading, not a description ---
+        plain: int = 1
+        inline: int = 2  # said inline
+        # said above,
+        # over two lines
+        above: int = 3
+
+    assert field_docs(Example) == {"inline": "said inline", "above": "said above, over two lines"}
+
+
+def test_the_refusal_table_is_what_the_overrides_and_checks_refuse():
+    """Every compatibility-only knob is refused by name from one table, and listed by
+    --list-keys."""
+    from overlap.config.overrides import list_override_keys
+    from overlap.config.refusals import MOVED, NOT_CARRIED, UNBUILT_VALUES
+    from overlap.errors import NotBuiltError
+
+    listed = {line.split()[0] for line in list_override_keys()}
+    for key in [*MOVED, *NOT_CARRIED]:
+        assert key in listed
+        with pytest.raises(ConfigError) as exc:
+            apply_overrides(ConfigContainer(), [f"{key}=1"])
+        assert exc.value.field == key
+    for key, values in UNBUILT_VALUES.items():
+        for value in values:
+            assert f"{key}={value}" in listed
+            section, name = key.split(".")
+            cfg = ConfigContainer()
+            if key == "model.recompute_modules":
+                value, cfg.model.recompute_granularity = [value], "selective"
+            setattr(getattr(cfg, section), name, value)
+            with pytest.raises(NotBuiltError) as exc:
+                cfg.finalize(1, require_libraries=False)
+            assert exc.value.field == key

@@ -325,3 +325,56 @@ def test_finalize_order_flex_validation_after_rules():
 def test_finalize_rejects_world_size_below_one():
     with pytest.raises(ConfigError):
         build().finalize(0)
+
+
+def test_the_resolved_run_is_frozen_and_holds_plain_switches():
+    """finalize's Resolution is what the runtime reads: every overlap switch a plain value (the
+    user's comm_overlap beats the model field, the rule fills the rest), and nothing can edit it."""
+    cfg = build(moe(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                    overlap_p2p_comm=False),
+                co(overlap_p2p_comm=True, batch_p2p_comm=False, overlap_grad_reduce=True),
+                ddp=DDPConfig(use_distributed_optimizer=True))
+    with pytest.raises(RuntimeError, match="finalize"):
+        cfg.resolved
+    res = cfg.finalize(8)
+    assert cfg.resolved is res
+    plan = res.overlap
+    assert (plan.overlap_p2p_comm, plan.batch_p2p_comm, plan.overlap_grad_reduce) == (True, False, True)
+    assert plan.overlap_param_gather is True and plan.align_param_gather is True  # DP 2, PP 2, VPP 2
+    assert plan.overlap_moe_expert_parallel_comm is False and plan.wgrad_deferral_limit == -1
+    for f in dataclasses.fields(plan):
+        value = getattr(plan, f.name)
+        assert value is None or type(value) in (bool, int), (f.name, value)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.overlap_p2p_comm = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.layout = None
+    assert cfg.finalize(8).overlap == plan  # re-resolved from the request: the same plan
+
+
+def test_an_overlap_plan_refuses_a_value_that_is_not_plain():
+    from overlap.config.comm_overlap import OverlapPlan
+
+    with pytest.raises(TypeError, match="overlap_grad_reduce"):
+        OverlapPlan(overlap_grad_reduce=None)
+
+
+def test_each_overlap_switch_has_one_direct_spelling():
+    """Every comm_overlap switch names the one section that holds its Bridge spelling (the harness's
+    flag/override reconciliation and the resolution both read this table)."""
+    from overlap.config.comm_overlap import DIRECT_SECTION, OverlapPlan
+    from overlap.harness import _twins
+
+    sections = {"model": ModelConfig, "ddp": DDPConfig, "optimizer": OptimizerConfig}
+    switches = ({f.name for f in dataclasses.fields(CommOverlapConfig)}
+                - {"strict", "data_parallel_size"})
+    assert set(DIRECT_SECTION) == switches
+    for name, section in DIRECT_SECTION.items():
+        holders = [s for s, cls in sections.items()
+                   if name in {f.name for f in dataclasses.fields(cls)}]
+        assert holders == [section], name
+        assert _twins(f"comm_overlap.{name}") == [f"{section}.{name}"]
+        assert _twins(f"{section}.{name}") == [f"comm_overlap.{name}"]
+    assert _twins("model.sequence_parallel") == [] and _twins("ddp.use_distributed_optimizer") == []
+    plan = {f.name for f in dataclasses.fields(OverlapPlan)}
+    assert plan - set(DIRECT_SECTION) == {"moe_shared_expert_overlap"}

@@ -14,8 +14,9 @@ import logging
 import pytest
 import torch
 
-from overlap.config import (BulkOverlapCfg, CommOverlapConfig, DDPConfig, ModelConfig,
-                            OptimizerConfig, PipelineOverlapCfg, RingExchangeOverlapCfg,
+from overlap.config import (BulkOverlapCfg, CommOverlapConfig, DDPConfig,
+                            ModelConfig, OptimizerConfig, PipelineOverlapCfg,
+                            RingExchangeOverlapCfg, SchedulerConfig, TrainConfig,
                             TransformerLayerTPOverlapCfg)
 from overlap.config.comm_overlap import BRIDGE_DP_BUCKET_SIZE
 from overlap.config.mixed_precision import MIXED_PRECISION_PRESETS, MixedPrecisionConfig, get_mixed_precision_config
@@ -831,3 +832,39 @@ def test_forced_load_balancing_is_a_logged_benchmark_mode_and_refuses_a_recomput
         assert "recompute" in err.value.fix
     build(moe(moe_router_force_load_balancing=True, recompute_granularity="selective",
               recompute_modules=["core_attn"])).finalize(2)  # the router is not recomputed: fine
+
+
+@pytest.mark.parametrize("section, field", [
+    (lambda: OptimizerConfig(lr=float("nan")), "optimizer.lr"),
+    (lambda: OptimizerConfig(optimizer="sgd"), "optimizer.optimizer"),
+    (lambda: SchedulerConfig(lr_decay_style="step"), "scheduler.lr_decay_style"),
+    (lambda: TrainConfig(train_iters=0), "train.train_iters"),
+    (lambda: TrainConfig(eval_time_start_step=3, eval_time_end_step=3), "train.eval_time_end_step"),
+    (lambda: ModelConfig(params_dtype="int8"), "model.params_dtype"),
+    (lambda: ModelConfig(num_moe_experts=4, moe_router_topk=5), "model.moe_router_topk"),
+    (lambda: ModelConfig(recompute_modules=["mla_up_proj"]), "model.recompute_modules"),
+    (lambda: ModelConfig(cuda_graph_impl="local", cuda_graph_scope=["attn"]),
+     "model.cuda_graph_scope"),
+])
+def test_each_section_checks_its_own_fields(section, field):
+    """A section's own rules run from the section (`validate()`), without a container or layout."""
+    with pytest.raises(ConfigError) as exc:
+        section().validate()
+    assert exc.value.field == field
+
+
+def test_every_default_section_is_valid():
+    for section in (ModelConfig(), OptimizerConfig(), SchedulerConfig(), TrainConfig()):
+        section.validate()
+
+
+def test_the_layout_checks_itself_with_the_flag_names():
+    """One layout check (ParallelLayout's), worded with the flags that set the sizes."""
+    from overlap.config.layout import ParallelLayout
+
+    with pytest.raises(ConfigError) as exc:
+        ParallelLayout(world_size=6, tp=4)
+    assert exc.value.field == "-ng/--num_gpus" and "TP x PP x CP" in exc.value.why
+    with pytest.raises(ConfigError) as exc:
+        ParallelLayout(world_size=4, pp=0)
+    assert exc.value.field == "model.pipeline_model_parallel_size"

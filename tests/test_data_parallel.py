@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap.config import ConfigContainer
+from overlap.config.comm_overlap import OverlapPlan
 from overlap.config.model import ModelConfig
 from overlap.config.training import DDPConfig, TrainConfig
 from overlap.data_parallel import DistributedDataParallel
@@ -181,7 +182,8 @@ def _shared_weight() -> tuple[int, int, bool]:
     model = nn.Linear(4, 4, bias=False)
     fires = []
     model.weight.register_post_accumulate_grad_hook(lambda p: fires.append(1))
-    ddp = DistributedDataParallel(model, DDPConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True), ps, False)
+    ddp = DistributedDataParallel(model, DDPConfig(grad_reduce_in_fp32=True),
+                                  OverlapPlan(overlap_grad_reduce=True), ps, False)
     x = torch.ones(2, 4)
     ddp.zero_grad()
     RECORDER.drain()

@@ -7,7 +7,7 @@ and keeps its traceback.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 
 class ConfigError(ValueError):
@@ -26,6 +26,13 @@ class NotBuiltError(ConfigError):
 
     def __init__(self, field: str, value: Any, what: str, fix: str) -> None:
         super().__init__(field, value, f"{what} is not built in the overlap runtime yet.", fix)
+
+
+def check_rules(rules: Iterable[tuple[str, Any, bool, str, str]]) -> None:
+    """Raise the first broken row of a rule table, each row (field, value, ok, why, fix)."""
+    for name, value, ok, why, fix in rules:
+        if not ok:
+            raise ConfigError(name, value, why, fix)
 
 
 class CheckpointError(ConfigError):

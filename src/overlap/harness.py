@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from overlap.config.comm_overlap import CommOverlapConfig
+from overlap.config.comm_overlap import DIRECT_SECTION, CommOverlapConfig
 from overlap.config.container import ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.config.flex_dispatcher import TARGET_DEVICES, apply_flex_dispatcher_backend, probe_device
@@ -166,11 +166,14 @@ def _set(cfg: ConfigContainer, key: str, value: Any) -> None:
 
 
 def _twins(key: str) -> list[str]:
-    """`comm_overlap.X` and the model/ddp/optimizer field that the overlap resolution reads after it."""
+    """`comm_overlap.X` and the model/ddp/optimizer field that the overlap resolution reads after it
+    (`DIRECT_SECTION`): one knob, two spellings."""
     section, _, name = key.partition(".")
-    if section == "comm_overlap":
-        return [f"{s}.{name}" for s in ("model", "ddp", "optimizer")]
-    return [f"comm_overlap.{name}"] if section in ("model", "ddp", "optimizer") else []
+    direct = DIRECT_SECTION.get(name)
+    if direct is None:
+        return []
+    return [f"{direct}.{name}"] if section == "comm_overlap" else \
+        [f"comm_overlap.{name}"] if section == direct else []
 
 
 def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decision], CommandLine]:
@@ -354,7 +357,8 @@ def launch_env_inputs(cfg: ConfigContainer, res: Resolution, accelerator: str) -
                            context_parallel_size=res.layout.cp, pipeline_model_parallel_size=res.layout.pp,
                            data_parallel_size=res.layout.dp, moe_flex_dispatcher_backend=m.moe_flex_dispatcher_backend,
                            moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-                           overlap_moe_expert_parallel_comm=bool(m.overlap_moe_expert_parallel_comm))
+                           overlap_moe_expert_parallel_comm=(
+                               res.overlap.overlap_moe_expert_parallel_comm))
 
 
 def describe_layout(res: Resolution) -> str:

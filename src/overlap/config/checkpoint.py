@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
+from overlap.config.refusals import unbuilt
 from overlap.config.training import SchedulerConfig
 from overlap.errors import ConfigError, NotBuiltError
 
 FORMATS = ("torch_dist",)
-REFERENCE_FORMATS = ("torch", "torch_dcp", "fsdp_dtensor", "zarr")
 
 
 @dataclass
@@ -23,17 +23,18 @@ class CheckpointConfig:
     """Where and when checkpoints are written and read. Directories are base folders (`<save>/iter_0000010/` inside),
     as in Megatron; `load` is usually the same folder as `save`, so a restarted job resumes where it stopped."""
 
-    save: str | None = None
-    load: str | None = None
+    save: str | None = None  # base folder checkpoints are written to; None: no saving
+    load: str | None = None  # base folder to resume from; None: start from scratch
     save_interval: int | None = None  # iterations between saves (None: only at the end of training)
     most_recent_k: int = -1  # keep only the k newest checkpoints of `save` (-1: keep all)
+    # torch_dist (DCP shards, loadable at any layout); others are refused
     ckpt_format: str = "torch_dist"
     ckpt_step: int | None = None  # load iter_<ckpt_step> instead of the tracker's latest
-    async_save: bool = False
-    save_optim: bool = True
-    load_optim: bool = True
-    save_rng: bool = True
-    load_rng: bool = True
+    async_save: bool = False  # write checkpoints in the background while training goes on
+    save_optim: bool = True  # save the optimizer state
+    load_optim: bool = True  # load the optimizer state
+    save_rng: bool = True  # save the random-number generator states
+    load_rng: bool = True  # load the random-number generator states
     finetune: bool = False  # load weights only and start at iteration 0
     pretrained_checkpoint: str | None = None  # weights to start from when `load` holds no checkpoint
     exit_on_missing_checkpoint: bool = False  # `load` set but empty: fail instead of starting from scratch
@@ -49,10 +50,11 @@ def resolve_checkpoint(ck: CheckpointConfig, log: DecisionLog, sched: SchedulerC
                           "scheduler.override_opt_param_scheduler=true (the checkpoint's schedule or this run's).",
                           "set at most one of the two.")
     if ck.ckpt_format not in FORMATS:
-        if ck.ckpt_format in REFERENCE_FORMATS:
-            raise NotBuiltError("checkpoint.ckpt_format", ck.ckpt_format,
-                                f"The {ck.ckpt_format!r} checkpoint format",
-                                "use checkpoint.ckpt_format=torch_dist (DCP shards, loadable at any layout).")
+        what = unbuilt("checkpoint.ckpt_format", ck.ckpt_format)
+        if what:
+            raise NotBuiltError("checkpoint.ckpt_format", ck.ckpt_format, what,
+                                "use checkpoint.ckpt_format=torch_dist (DCP shards, loadable at "
+                                "any layout).")
         raise ConfigError("checkpoint.ckpt_format", ck.ckpt_format, "unknown checkpoint format.",
                           "use checkpoint.ckpt_format=torch_dist.")
     for name in ("save", "load", "pretrained_checkpoint"):

@@ -9,7 +9,7 @@ overlap are always errors, as in the reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,22 +40,49 @@ class CommOverlapConfig:
     for it and means "not requested" (used when a harness flag creates the object on the user's behalf).
     """
 
+    # TP collectives overlapped with the GEMMs (needs TP >= 2 and sequence parallel)
     tp_comm_overlap: bool | None
+    # per-GEMM TP overlap plan: a userbuffers_* preset name or its dataclass
     tp_comm_overlap_cfg: TransformerLayerTPOverlapCfg | str | None = None
+    # TP overlap bootstrap backend (Bridge's; recorded, nccl by default)
     tp_comm_bootstrap_backend: str | None = "nccl"
+    # pipeline p2p overlapped with compute (beats model.overlap_p2p_comm)
     overlap_p2p_comm: bool | None = None
+    # pipeline sends/receives batched (beats model.batch_p2p_comm)
     batch_p2p_comm: bool | None = None
+    # DP gradient reduce overlapped with the backward (beats ddp's)
     overlap_grad_reduce: bool | None = None
+    # DP parameter gather overlapped with the forward (beats ddp's)
     overlap_param_gather: bool | None = None
+    # first param gather in the optimizer step (beats optimizer's)
     overlap_param_gather_with_optimizer_step: bool | None = None
+    # pipeline stages launch their param gathers together (beats ddp's)
     align_param_gather: bool | None = None
+    # parameters per DP bucket (beats ddp.bucket_size); None: the DP rule
     bucket_size: int | None = None
+    # output wgrad deferred to the pipeline flush (beats model's)
     defer_embedding_wgrad_compute: bool | None = None
+    # deferred output wgrads that may wait, -1: automatic (beats model's)
     wgrad_deferral_limit: int | None = None
-    data_parallel_size: int | None = None  # filled in by ConfigContainer.finalize
+    data_parallel_size: int | None = None  # the DP size, filled in by finalize (not a setting)
+    # EP all-to-alls under another micro-batch's compute (beats model's)
     overlap_moe_expert_parallel_comm: bool | None = None
+    # EP overlap: wgrad GEMMs deferred out of the backward (beats model's)
     delay_wgrad_compute: bool | None = None
     strict: bool = False  # ours: any request that cannot be honoured is an error instead of a logged decision
+
+
+# Where each comm_overlap switch's Bridge spelling lives when it is set directly (by a recipe or an
+# override): the resolution reads it there below comm_overlap's value and writes the result back.
+DIRECT_SECTION = {
+    "tp_comm_overlap": "model", "tp_comm_overlap_cfg": "model",
+    "tp_comm_bootstrap_backend": "model",
+    "overlap_p2p_comm": "model", "batch_p2p_comm": "model",
+    "defer_embedding_wgrad_compute": "model", "wgrad_deferral_limit": "model",
+    "overlap_moe_expert_parallel_comm": "model", "delay_wgrad_compute": "model",
+    "overlap_grad_reduce": "ddp", "overlap_param_gather": "ddp", "align_param_gather": "ddp",
+    "bucket_size": "ddp", "overlap_param_gather_with_optimizer_step": "optimizer",
+}
 
 
 def _requested(user: Any, direct: Any) -> Any:
@@ -80,9 +107,45 @@ def _choose(log: DecisionLog, field: str, user: Any, direct: Any, auto: Any, aut
     return log.record(field, None, auto, auto_by, auto_reason)
 
 
+@dataclass(frozen=True, kw_only=True)
+class OverlapPlan:
+    """Every overlap switch of a finalized run as a plain value: what the runtime reads (never the
+    `None`-able request fields of the configs, which say only what was asked). Defaults: all off."""
+
+    # TP collectives overlapped with the GEMMs (the per-GEMM plan: tp_overlap.py)
+    tp_comm_overlap: bool = False
+    overlap_p2p_comm: bool = False  # pipeline receives posted early, sends not waited on
+    batch_p2p_comm: bool = False  # pipeline sends and receives batched into one call
+    # EP all-to-alls under another micro-batch's compute
+    overlap_moe_expert_parallel_comm: bool = False
+    # weight-gradient GEMMs deferred out of the EP-overlapped backward
+    delay_wgrad_compute: bool = False
+    # the output layer's weight gradient deferred to the pipeline flush
+    defer_embedding_wgrad_compute: bool = False
+    wgrad_deferral_limit: int = -1  # how many output wgrads may wait (-1: automatic)
+    # the shared expert computes under the dispatch/combine all-to-all
+    moe_shared_expert_overlap: bool = False
+    overlap_grad_reduce: bool = False  # DP gradient reduce bucket by bucket in the backward
+    overlap_param_gather: bool = False  # DP parameter all-gather bucket by bucket
+    align_param_gather: bool = False  # all pipeline stages launch their gathers together
+    bucket_size: int | None = None  # parameters per DP bucket (None: one bucket)
+    # the first parameter gather launched inside the optimizer step
+    overlap_param_gather_with_optimizer_step: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            plain = bool if f.type == "bool" else int
+            if not isinstance(value, plain) and not (value is None and f.name == "bucket_size"):
+                raise TypeError(f"OverlapPlan.{f.name} resolved to {value!r}, "
+                                f"not a plain {plain.__name__}")
+
+
 def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", ddp: "DDPConfig",
-                         optimizer: "OptimizerConfig", dp_size: int, log: DecisionLog) -> None:
-    """Resolve every overlap field onto the model / DDP / optimizer configs (in place), recording each decision."""
+                         optimizer: "OptimizerConfig", dp_size: int,
+                         log: DecisionLog) -> OverlapPlan:
+    """Resolve every overlap field onto the model / DDP / optimizer configs (in place),
+    recording each decision; returns the resolved switches as the frozen plan the runtime reads."""
     u = user if user is not None else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
     _resolve_tp(u, model, log)
     _resolve_pp(u, model, log)
@@ -90,6 +153,11 @@ def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", d
     _resolve_tp_plan(model, log)
     _resolve_dp(u, model, ddp, optimizer, dp_size, log)
     _detect_noops(model, ddp, dp_size, log)
+    holders = {"model": model, "ddp": ddp, "optimizer": optimizer}
+    planned = {f.name for f in fields(OverlapPlan)}
+    return OverlapPlan(moe_shared_expert_overlap=model.moe_shared_expert_overlap,
+                       **{name: getattr(holders[section], name)
+                          for name, section in DIRECT_SECTION.items() if name in planned})
 
 
 def _detect_noops(model: "ModelConfig", ddp: "DDPConfig", dp_size: int, log: DecisionLog) -> None:
@@ -198,7 +266,9 @@ def _resolve_pp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) ->
 
 
 def _ep_overlap_prerequisites(model: "ModelConfig") -> list[tuple[str, Any, bool, str, str]]:
-    """(field, value, ok, why, fix) for every prerequisite of the MoE expert-parallel overlap (reference 5.1)."""
+    """(field, value, ok, why, fix) for every prerequisite of the MoE expert-parallel overlap (the
+    asserts of Megatron-Bridge's CommOverlapConfig, which mirror Megatron-Core's
+    TransformerConfig.__post_init__)."""
     modules = model.recompute_modules or []
     torch_ok = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
     scope = _graph_scope(model) if model.cuda_graph_impl == "transformer_engine" else set()
@@ -244,7 +314,8 @@ def _ep_overlap_prerequisites(model: "ModelConfig") -> list[tuple[str, Any, bool
 
 
 def _graph_scope(model: "ModelConfig") -> set[str]:
-    """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (reference 5.2)."""
+    """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (as
+    the delay_wgrad_compute checks of Megatron-Bridge's CommOverlapConfig read it)."""
     scope = model.cuda_graph_scope or []
     if isinstance(scope, str):
         scope = scope.split(",")

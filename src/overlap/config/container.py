@@ -20,12 +20,12 @@ import torch
 
 from overlap.config.attention import resolve_attention_backend
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
-from overlap.config.comm_overlap import CommOverlapConfig, resolve_comm_overlap
+from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
 from overlap.config.mixed_precision import (MixedPrecisionConfig, get_mixed_precision_config,
                                             resolve_loss_scaling)
-from overlap.config.model import DTYPES, ModelConfig
+from overlap.config.model import ModelConfig
 from overlap.config.fusion import resolve_elementwise_fusion
 from overlap.config.moe_permute import resolve_moe_permute_fusion
 from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
@@ -34,34 +34,9 @@ from overlap.errors import ConfigError, NotBuiltError
 from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
+from overlap.config.refusals import unbuilt
 
 _log = logging.getLogger("overlap.config")
-# Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime
-# does not build are refused by name (`_validate_recompute`), the rest run (layers/recompute.py)
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
-                     "shared_experts")
-UNBUILT_RECOMPUTE = {
-    "mla_up_proj": "Multi-latent attention (MLA), whose up projection mla_up_proj recomputes,",
-    "gdn_norm_out": "The gated delta net (gdn_norm_out recomputes its output norm)",
-    "gdp_in_proj": "The gated delta product (gdp_in_proj recomputes its input projection)",
-    "gdp_qkv": "The gated delta product (gdp_qkv recomputes its convolution and QKV)",
-    "mhc": "Hyper-connections (mhc recomputes their activations)"}
-CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
-
-
-def _check_moe_layer_freq(m: ModelConfig) -> None:
-    freq = m.moe_layer_freq
-    if isinstance(freq, list):
-        if len(freq) != m.num_layers or any(v not in (0, 1) for v in freq):
-            raise ConfigError("model.moe_layer_freq", freq, f"a per-layer pattern has one entry per layer "
-                              f"({m.num_layers}), each 1 (MoE) or 0 (dense).",
-                              f"give {m.num_layers} entries of 0/1, or an int k for every k-th layer.")
-        if not any(freq):
-            raise ConfigError("model.moe_layer_freq", freq, "no layer is MoE, yet num_moe_experts is set.",
-                              "mark at least one layer 1, or drop num_moe_experts for a dense model.")
-    elif freq < 1:
-        raise ConfigError("model.moe_layer_freq", freq, "it must be >= 1.",
-                          "use 1 for all-MoE layers, k for every k-th layer, or a per-layer 0/1 list.")
 
 
 def _hf_checkpoint_vocab(path: str | None) -> int | None:
@@ -92,12 +67,14 @@ def plain_value(value: Any) -> Any:
     return str(value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resolution:
-    """What finalize decided: the decision log and the parallel layout."""
+    """What finalize decided, frozen: the parallel layout, every overlap switch as a plain value
+    (what the runtime reads) and the decision log (who decided each value, and why)."""
 
     world_size: int
     layout: ParallelLayout
+    overlap: OverlapPlan
     decisions: DecisionLog
 
 
@@ -116,6 +93,16 @@ class ConfigContainer:
     comm_overlap: CommOverlapConfig | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
     _requested: "ConfigContainer | None" = field(default=None, repr=False, compare=False)
+    _resolution: Resolution | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def resolved(self) -> Resolution:
+        """The last `finalize`'s result: what the runtime reads (the overlap plan, the layout).
+        Reading it before finalize is a bug in the caller, not a user mistake."""
+        if self._resolution is None:
+            raise RuntimeError("cfg.resolved before cfg.finalize(world_size): the runtime reads "
+                               "the resolved run, which finalize produces")
+        return self._resolution
 
     def to_dict(self) -> dict[str, Any]:
         """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's config."""
@@ -134,8 +121,9 @@ class ConfigContainer:
             self._requested = copy.deepcopy(self)
         fresh = copy.deepcopy(self._requested)
         for f in fields(self):
-            if f.name != "_requested":
+            if f.name not in ("_requested", "_resolution"):
                 setattr(self, f.name, getattr(fresh, f.name))
+        self._resolution = None
 
         strict = bool(self.comm_overlap and self.comm_overlap.strict)
         log = DecisionLog(strict)
@@ -150,7 +138,8 @@ class ConfigContainer:
         self._apply_data(layout, log)
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = layout.dp
-        resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log)
+        plan = resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer,
+                                    layout.dp, log)
         self._validate(layout)
         self._covered_recompute(log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
@@ -160,15 +149,18 @@ class ConfigContainer:
         resolve_attention_backend(self.model, log, on_cuda)
         resolve_moe_permute_fusion(self.model, log, on_cuda)
         resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
-        return Resolution(world_size, layout, log)
+        self._resolution = Resolution(world_size, layout, plan, log)
+        return self._resolution
 
     # --- stages ------------------------------------------------------------------------------------------------
     def _apply_tokenizer(self) -> None:
         tok = self.tokenizer
         if tok.tokenizer_type not in ("NullTokenizer", "HuggingFaceTokenizer"):
-            if tok.tokenizer_type == "SentencePieceTokenizer":
-                raise NotBuiltError("tokenizer.tokenizer_type", tok.tokenizer_type, "The SentencePiece tokenizer",
-                                    "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a tokenizer.json.")
+            what = unbuilt("tokenizer.tokenizer_type", tok.tokenizer_type)
+            if what:
+                raise NotBuiltError("tokenizer.tokenizer_type", tok.tokenizer_type, what,
+                                    "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a "
+                                    "tokenizer.json.")
             raise ConfigError("tokenizer.tokenizer_type", tok.tokenizer_type, "unknown tokenizer type.",
                               "use NullTokenizer or HuggingFaceTokenizer.")
         if tok.tokenizer_type == "HuggingFaceTokenizer":
@@ -296,33 +288,17 @@ class ConfigContainer:
         resolve_loss_scaling(self.optimizer, mp, log)
 
     def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:
+        """The layout the model's sizes describe (checked by `ParallelLayout` itself); sequence
+        parallelism without a tensor-parallel group is turned off, said in the log."""
         m = self.model
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "expert_model_parallel_size", "expert_tensor_parallel_size"):
-            if getattr(m, name) < 1:
-                raise ConfigError(f"model.{name}", getattr(m, name), "parallel sizes are at least 1.",
-                                  f"set model.{name} to 1 or more.")
-        block = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-        if world_size % block:
-            raise ConfigError("-ng/--num_gpus", world_size,
-                              f"the world size must be a multiple of TP x PP x CP = {m.tensor_model_parallel_size} x "
-                              f"{m.pipeline_model_parallel_size} x {m.context_parallel_size} = {block}.",
-                              f"use a multiple of {block} ranks, or smaller -tp/-pp/-cp.")
-        if m.sequence_parallel and m.tensor_model_parallel_size == 1:
+        layout = ParallelLayout(world_size=world_size, tp=m.tensor_model_parallel_size,
+                                pp=m.pipeline_model_parallel_size, cp=m.context_parallel_size,
+                                ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
+        if m.sequence_parallel and layout.tp == 1:
             m.sequence_parallel = log.record("model.sequence_parallel", True, False, RULE,
                                              "TP=1: there is no tensor-parallel group to shard the sequence over",
                                              fix="use -tp 2 or more, or drop sequence_parallel.")
-        dp = world_size // block
-        ep_block = m.expert_model_parallel_size * m.expert_tensor_parallel_size
-        if (m.tensor_model_parallel_size * m.context_parallel_size * dp) % ep_block:
-            raise ConfigError("model.expert_model_parallel_size", m.expert_model_parallel_size,
-                              f"EP x ETP = {ep_block} must divide TP x CP x DP = "
-                              f"{m.tensor_model_parallel_size * m.context_parallel_size * dp} (experts are carved out "
-                              "of the data-parallel ranks of each pipeline stage).",
-                              "choose -ep so that it divides the ranks per pipeline stage.")
-        return ParallelLayout(world_size=world_size, tp=m.tensor_model_parallel_size,
-                              pp=m.pipeline_model_parallel_size, cp=m.context_parallel_size,
-                              ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
+        return layout
 
     def _apply_pipeline_layout(self, layout: ParallelLayout, log: DecisionLog) -> None:
         """A pipeline_model_parallel_layout decides VPP (its stages / PP), as Megatron-Core derives
@@ -363,108 +339,90 @@ class ConfigContainer:
                 raise ConfigError(f"model.{name}", value, "it must be positive.", f"set model.{name} >= 1.")
 
     def _validate(self, layout: ParallelLayout) -> None:
-        m, t = self.model, self.train
-        tp = layout.tp
+        """Each section's own rules, then those across sections (the first broken one is the
+        error)."""
+        self._validate_tp_divisibility(layout)
+        self.model.validate()
+        self._validate_experts(layout)
+        self._validate_batch(layout)
+        self._validate_pipeline_schedule(layout)
+        self._validate_ep_overlap_batch(layout)
+        self.optimizer.validate()
+        self.scheduler.validate()
+        self.train.validate()
+        self._validate_shared_expert_width(layout)
+
+    def _validate_tp_divisibility(self, layout: ParallelLayout) -> None:
+        """The sizes tensor parallelism splits must be divisible by it (heads by their groups
+        too)."""
+        m, tp = self.model, layout.tp
 
         def divides(field_name: str, value: int, by: int, by_name: str, fix: str) -> None:
             if value % by:
-                raise ConfigError(field_name, value, f"it must be divisible by {by_name} ({by}).", fix)
+                raise ConfigError(field_name, value, f"it must be divisible by {by_name} ({by}).",
+                                  fix)
 
         if m.kv_channels is None:
             divides("model.hidden_size", m.hidden_size, m.num_attention_heads, "num_attention_heads",
                     "pick hidden_size as a multiple of the head count, or set kv_channels.")
         divides("model.num_attention_heads", m.num_attention_heads, tp, "tensor_model_parallel_size",
                 "use a -tp that divides the head count.")
-        divides("model.num_attention_heads", m.num_attention_heads, m.query_groups, "num_query_groups",
-                "use num_query_groups that divides num_attention_heads.")
+        divides("model.num_attention_heads", m.num_attention_heads, m.query_groups,
+                "num_query_groups", "use num_query_groups that divides num_attention_heads.")
         divides("model.num_query_groups", m.query_groups, tp, "tensor_model_parallel_size",
                 "use a -tp that divides num_query_groups.")
-        divides("model.ffn_hidden_size", m.ffn_size, tp, "tensor_model_parallel_size", "use a -tp that divides it.")
+        divides("model.ffn_hidden_size", m.ffn_size, tp, "tensor_model_parallel_size",
+                "use a -tp that divides it.")
         divides("model.vocab_size", m.vocab_size, tp, "tensor_model_parallel_size",
                 "use a vocabulary size divisible by -tp (e.g. --vocab_size rounded up).")
         if m.sequence_parallel:
-            divides("model.seq_length", m.seq_length, tp, "tensor_model_parallel_size (sequence parallel)",
-                    "use -sl divisible by -tp.")
-        if m.pipeline_impl not in ("overlap", "torch_pipelining"):
-            raise ConfigError("model.pipeline_impl", m.pipeline_impl, "unknown pipeline implementation.",
-                              "use overlap (ours) or torch_pipelining (the PyTorch peer).")
-        if m.tensor_parallel_impl not in ("overlap", "dtensor"):
-            raise ConfigError("model.tensor_parallel_impl", m.tensor_parallel_impl,
-                              "unknown tensor-parallel implementation.",
-                              "use overlap (ours) or dtensor (the PyTorch-native peer).")
-        if m.is_moe:
-            if m.num_moe_experts < 1:
-                raise ConfigError("model.num_moe_experts", m.num_moe_experts, "a MoE model needs experts.",
-                                  "set num_moe_experts >= 1, or null for a dense model.")
-            divides("model.num_moe_experts", m.num_moe_experts, layout.ep, "expert_model_parallel_size",
-                    "use -ep that divides the expert count.")
-            if not 1 <= m.moe_router_topk <= m.num_moe_experts:
-                raise ConfigError("model.moe_router_topk", m.moe_router_topk,
-                                  f"top-k must be between 1 and num_moe_experts ({m.num_moe_experts}).",
-                                  "choose a smaller moe_router_topk.")
-            if tp > 1 and layout.ep > 1 and not m.sequence_parallel:
-                raise ConfigError("model.sequence_parallel", False,
-                                  "when using expert parallelism and tensor parallelism, sequence parallelism must "
-                                  "be used (as Megatron-Core requires).",
-                                  "set model.sequence_parallel=true (-tp sets it for you).")
-            if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
-                raise NotBuiltError("model.moe_router_load_balancing_type", m.moe_router_load_balancing_type,
-                                    "This load-balancing type", "use aux_loss or none.")
-            _check_moe_layer_freq(m)
-            if m.moe_expert_capacity_factor is not None and not m.moe_expert_capacity_factor > 0:
-                raise ConfigError("model.moe_expert_capacity_factor", m.moe_expert_capacity_factor,
-                                  "an expert capacity factor must be > 0.",
-                                  "use e.g. 1.0 (null: dropless, no capacity).")
-            if m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is None:
-                raise ConfigError("model.moe_pad_expert_input_to_capacity", True,
-                                  "padding to the expert capacity needs a capacity.",
-                                  "also set model.moe_expert_capacity_factor (e.g. 1.0), or drop the padding.")
-            if m.moe_token_drop_policy not in ("probs", "position"):
-                raise ConfigError("model.moe_token_drop_policy", m.moe_token_drop_policy,
-                                  "unknown token drop policy.", "use probs or position.")
-        elif layout.ep > 1:
-            raise ConfigError("model.expert_model_parallel_size", layout.ep, "a dense model has no experts to shard.",
-                              "use -ep 1 or a MoE recipe.")
-        if m.moe_token_dispatcher_type not in ("alltoall", "flex", "allgather"):
-            raise ConfigError("model.moe_token_dispatcher_type", m.moe_token_dispatcher_type,
-                              "unknown token dispatcher.", "use alltoall or flex.")
-        if m.params_dtype not in DTYPES:
-            raise ConfigError("model.params_dtype", m.params_dtype, "unknown dtype.", f"use one of {DTYPES}.")
-        self._validate_recompute()
-        self._validate_cuda_graph()
+            divides("model.seq_length", m.seq_length, tp,
+                    "tensor_model_parallel_size (sequence parallel)", "use -sl divisible by -tp.")
+
+    def _validate_experts(self, layout: ParallelLayout) -> None:
+        """Experts are sharded over expert parallelism: a MoE model's count must divide, a dense
+        model has none to shard."""
+        m = self.model
+        if not m.is_moe:
+            if layout.ep > 1:
+                raise ConfigError("model.expert_model_parallel_size", layout.ep,
+                                  "a dense model has no experts to shard.",
+                                  "use -ep 1 or a MoE recipe.")
+            return
+        if m.num_moe_experts % layout.ep:
+            raise ConfigError("model.num_moe_experts", m.num_moe_experts,
+                              f"it must be divisible by expert_model_parallel_size ({layout.ep}).",
+                              "use -ep that divides the expert count.")
+        if layout.tp > 1 and layout.ep > 1 and not m.sequence_parallel:
+            raise ConfigError("model.sequence_parallel", False,
+                              "when using expert parallelism and tensor parallelism, sequence "
+                              "parallelism must be used (as Megatron-Core requires).",
+                              "set model.sequence_parallel=true (-tp sets it for you).")
+
+    def _validate_batch(self, layout: ParallelLayout) -> None:
+        """A global batch of whole micro-batches on every data-parallel rank."""
+        t = self.train
         if t.micro_batch_size < 1:
-            raise ConfigError("train.micro_batch_size", t.micro_batch_size, "a micro-batch holds at least one sequence.",
-                              "use -mb 1 or more.")
+            raise ConfigError("train.micro_batch_size", t.micro_batch_size,
+                              "a micro-batch holds at least one sequence.", "use -mb 1 or more.")
         if t.global_batch_size < 1:
-            raise ConfigError("train.global_batch_size", t.global_batch_size, "a step needs at least one sequence.",
+            raise ConfigError("train.global_batch_size", t.global_batch_size,
+                              "a step needs at least one sequence.",
                               f"use -gb {t.micro_batch_size * layout.dp} or a multiple of it.")
         if t.global_batch_size % (t.micro_batch_size * layout.dp):
             raise ConfigError("train.global_batch_size", t.global_batch_size,
                               f"it must be a multiple of micro_batch_size x data-parallel size = "
                               f"{t.micro_batch_size} x {layout.dp}.", "adjust -gb or -mb.")
-        self._validate_pipeline_schedule(layout)
-        if m.overlap_moe_expert_parallel_comm and t.global_batch_size // (t.micro_batch_size * layout.dp) < 2:
+
+    def _validate_ep_overlap_batch(self, layout: ParallelLayout) -> None:
+        t = self.train
+        micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+        if self.model.overlap_moe_expert_parallel_comm and micro < 2:
             raise ConfigError("train.global_batch_size", t.global_batch_size,
-                              "EP overlap interleaves the forward of one micro-batch with the backward of another, so "
-                              f"each data-parallel rank needs at least 2 micro-batches per step (it has "
-                              f"{t.global_batch_size // (t.micro_batch_size * layout.dp)}).",
+                              "EP overlap interleaves the forward of one micro-batch with the "
+                              "backward of another, so each data-parallel rank needs at least 2 "
+                              f"micro-batches per step (it has {micro}).",
                               f"use -gb >= {2 * t.micro_batch_size * layout.dp} or a smaller -mb.")
-        o, sc = self.optimizer, self.scheduler
-        if o.optimizer != "adam":
-            raise NotBuiltError("optimizer.optimizer", o.optimizer, "This optimizer", "use optimizer.optimizer=adam.")
-        if sc.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise ConfigError("scheduler.lr_decay_style", sc.lr_decay_style, "unknown decay style.",
-                              "use cosine, linear or constant.")
-        if not t.comm_timeout_s > 0:
-            raise ConfigError("train.comm_timeout_s", t.comm_timeout_s, "a timeout must be positive.",
-                              "set train.comm_timeout_s to a number of seconds, e.g. 300.")
-        if (m.bf16, m.fp16) != (m.params_dtype == "bfloat16", m.params_dtype == "float16"):
-            raise ConfigError("model.params_dtype", m.params_dtype,
-                              f"it contradicts model.bf16={m.bf16} / model.fp16={m.fp16}.",
-                              "set precision with -c or mixed_precision=bf16_mixed|fp16_mixed|fp32, not piecemeal.")
-        if t.train_iters < 1:
-            raise ConfigError("train.train_iters", t.train_iters, "a run needs at least one step.", "use -ms 1 or more.")
-        self._validate_ranges(layout)
 
     def _validate_pipeline_schedule(self, layout: ParallelLayout) -> None:
         """The interleaved schedule's rules (Megatron-Core): micro-batches come in groups of
@@ -492,138 +450,14 @@ class ConfigContainer:
                               f"(micro batch x DP)) to be a multiple of PP ({layout.pp}).",
                               f"use -gb as a multiple of {layout.pp * t.micro_batch_size * layout.dp}.")
 
-    def _validate_ranges(self, layout: ParallelLayout) -> None:
-        """Values the type check lets through but the run cannot use (or would silently clamp): one table, checked
-        in order; NaN fails every rule, and a float rule also refuses infinity."""
-        o, sc, t, m = self.optimizer, self.scheduler, self.train, self.model
-        n = t.train_iters
-        start, end = t.eval_time_start_step, t.eval_time_end_step
-        fin = math.isfinite
-        tp = layout.tp
-        shared = m.moe_shared_expert_intermediate_size
-        rules: list[tuple[str, Any, bool, str, str]] = [
-            # (field, value, ok, why, fix)
-            ("optimizer.lr", o.lr, fin(o.lr) and o.lr >= 0, "the learning rate must be a finite number >= 0.",
-             "use e.g. optimizer.lr=3e-4."),
-            ("optimizer.min_lr", o.min_lr, fin(o.min_lr) and 0 <= o.min_lr <= o.lr,
-             f"the decay floor must be between 0 and optimizer.lr ({o.lr:g}).",
-             f"use optimizer.min_lr <= {o.lr:g}, e.g. a tenth of it."),
-            ("optimizer.adam_beta1", o.adam_beta1, 0 <= o.adam_beta1 < 1, "Adam's beta1 must be in [0, 1).",
-             "use e.g. optimizer.adam_beta1=0.9."),
-            ("optimizer.adam_beta2", o.adam_beta2, 0 <= o.adam_beta2 < 1, "Adam's beta2 must be in [0, 1).",
-             "use e.g. optimizer.adam_beta2=0.95."),
-            ("optimizer.adam_eps", o.adam_eps, fin(o.adam_eps) and o.adam_eps > 0, "Adam's epsilon must be > 0.",
-             "use e.g. optimizer.adam_eps=1e-8."),
-            ("optimizer.weight_decay", o.weight_decay, fin(o.weight_decay) and o.weight_decay >= 0,
-             "weight decay must be >= 0 (0: none).", "use e.g. optimizer.weight_decay=0.1, or 0."),
-            ("optimizer.clip_grad", o.clip_grad, fin(o.clip_grad) and o.clip_grad >= 0,
-             "the gradient-norm clip must be >= 0 (0: no clipping).", "use e.g. optimizer.clip_grad=1.0, or 0."),
-            ("scheduler.lr_warmup_iters", sc.lr_warmup_iters, sc.lr_warmup_iters >= 0,
-             "warm-up iterations must be >= 0 (0: no warm-up).", "use e.g. scheduler.lr_warmup_iters=0."),
-            ("scheduler.lr_decay_iters", sc.lr_decay_iters, sc.lr_decay_iters is None or sc.lr_decay_iters >= 1,
-             "decay iterations must be >= 1 (null: train_iters).", "use scheduler.lr_decay_iters=null."),
-            ("train.skip_first_percent_time", t.skip_first_percent_time,
-             0 <= t.skip_first_percent_time < 1,
-             "the skipped share of the steps is a fraction in [0, 1) (0.1 skips the first 10%), not a percentage.",
-             "use e.g. --skip_first_percent_time 0.1."),
-            ("train.eval_time_start_step", start, start is None or 0 <= start < n,
-             f"the steady-state window starts at a 0-based step index in [0, train_iters={n}).",
-             f"use --eval_time_start_step between 0 and {n - 1}, or raise -ms."),
-            ("train.eval_time_end_step", end, end is None or 1 <= end <= n,
-             f"the steady-state window ends (exclusive) at a step in [1, train_iters={n}].",
-             f"use --eval_time_end_step between 1 and {n}, or raise -ms."),
-            ("train.eval_time_end_step", end, start is None or end is None or start < end,
-             f"the window end must come after its start (--eval_time_start_step {start}); an empty window would "
-             "silently fall back to the whole run, warm-up included.",
-             f"use --eval_time_end_step {(start or 0) + 1} or more."),
-            ("train.seed", t.seed, 0 <= t.seed < 2**63, "the seed must be in [0, 2^63).", "use e.g. train.seed=1234."),
-            ("train.comm_timeout_s", t.comm_timeout_s, fin(t.comm_timeout_s) and t.comm_timeout_s <= 7 * 86400,
-             "a timeout must be a finite number of seconds (at most a week).",
-             "set train.comm_timeout_s to a number of seconds, e.g. 300."),
-            ("model.layernorm_epsilon", m.layernorm_epsilon, fin(m.layernorm_epsilon) and m.layernorm_epsilon > 0,
-             "the norm epsilon must be > 0.", "use e.g. model.layernorm_epsilon=1e-6."),
-            ("model.rotary_base", m.rotary_base, fin(m.rotary_base) and m.rotary_base > 1,
-             "the rotary base must be > 1.", "use e.g. model.rotary_base=10000."),
-            ("model.kv_channels" if m.kv_channels else "model.hidden_size", m.kv_channels or m.hidden_size,
-             m.head_dim % 2 == 0, f"rotary embeddings rotate pairs of channels, so the head dim must be even (it is "
-             f"{m.head_dim}{'' if m.kv_channels else ' = hidden_size / num_attention_heads'}).",
-             "use an even kv_channels (head dim), e.g. 64 or 128."),
-            ("model.moe_shared_expert_intermediate_size", shared, not m.is_moe or not shared or shared % tp == 0,
-             f"the shared expert is split over tensor parallelism, so its width must be divisible by "
-             f"tensor_model_parallel_size ({tp}).", "use a multiple of -tp."),
-            ("model.init_method_std", m.init_method_std, fin(m.init_method_std) and m.init_method_std >= 0,
-             "the initialisation standard deviation must be >= 0.", "use e.g. model.init_method_std=0.02."),
-            ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, fin(m.moe_aux_loss_coeff) and m.moe_aux_loss_coeff >= 0,
-             "the auxiliary-loss coefficient must be >= 0 (0: none).", "use e.g. model.moe_aux_loss_coeff=1e-3."),
-            ("model.moe_expert_capacity_factor", m.moe_expert_capacity_factor,
-             m.moe_expert_capacity_factor is None or fin(m.moe_expert_capacity_factor),
-             "an expert capacity factor must be finite.", "use e.g. 1.0 (null: dropless, no capacity)."),
-            ("model.recompute_num_layers", m.recompute_num_layers,
-             m.recompute_num_layers is None or m.recompute_num_layers <= m.num_layers,
-             f"it cannot exceed num_layers ({m.num_layers}).", f"use -rl between 1 and {m.num_layers}."),
-            ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers is None or m.mtp_num_layers >= 0,
-             "a layer count must be >= 0.", "set model.mtp_num_layers=null."),
-            ("model.wgrad_deferral_limit", m.wgrad_deferral_limit,
-             m.wgrad_deferral_limit is None or m.wgrad_deferral_limit >= -1,
-             "the deferral limit is -1 (automatic) or a count >= 0.", "use -1."),
-        ]
-        for name, value, ok, why, fix in rules:
-            if not ok:
-                raise ConfigError(name, value, why, fix)
-
-    def _validate_recompute(self) -> None:
-        m = self.model
-        if m.recompute_granularity not in (None, "selective", "full"):
-            raise ConfigError("model.recompute_granularity", m.recompute_granularity, "unknown granularity.",
-                              "use selective, full, or null.")
-        if m.recompute_granularity == "full":
-            if m.recompute_method not in ("uniform", "block"):
-                raise ConfigError("model.recompute_method", m.recompute_method,
-                                  "full recompute needs a method.", "set recompute_method to uniform or block.")
-            if not m.recompute_num_layers or m.recompute_num_layers < 1:
-                raise ConfigError("model.recompute_num_layers", m.recompute_num_layers,
-                                  "full recompute needs a layer count.", "set recompute_num_layers (e.g. -rl 1).")
-        elif m.recompute_method is not None or m.recompute_num_layers is not None:
-            raise ConfigError("model.recompute_method", m.recompute_method,
-                              "recompute_method / recompute_num_layers only apply to recompute_granularity=full.",
-                              "set recompute_granularity=full, or clear them.")
-        modules = m.recompute_modules or []
-        field = "model.recompute_modules"
-        for name in modules:
-            if name in UNBUILT_RECOMPUTE:
-                raise NotBuiltError(field, modules, UNBUILT_RECOMPUTE[name],
-                                    f"drop {name} from recompute_modules.")
-        bad = [x for x in modules if x not in RECOMPUTE_MODULES]
-        if bad:
-            built = [x for x in RECOMPUTE_MODULES if x not in UNBUILT_RECOMPUTE]
-            raise ConfigError(field, modules, f"unknown module(s) {bad}.",
-                              f"use a subset of {built}.")
-        selective = modules if m.recompute_granularity == "selective" else []
-        if "moe_act" in selective and not m.is_moe:
-            raise ConfigError(field, modules, "moe_act recomputes the routed experts' activation "
-                              "function, and this model has no experts.",
-                              "drop moe_act (a dense MLP recomputes with 'mlp').")
-        shared = m.is_moe and m.moe_shared_expert_intermediate_size
-        if "shared_experts" in selective and not shared:
-            raise ConfigError(field, modules, "shared_experts recomputes the MoE layers' shared "
-                              "expert, and this model has none.",
-                              "drop shared_experts, or set "
-                              "model.moe_shared_expert_intermediate_size.")
-        if "shared_experts" in selective and m.moe_shared_expert_overlap:
-            raise ConfigError(field, modules, "shared_experts recompute cannot work with "
-                              "moe_shared_expert_overlap (Megatron-Core's rule: the overlap runs "
-                              "the shared expert in two halves around the all-to-alls).",
-                              "drop shared_experts from recompute_modules, or set "
-                              "moe_shared_expert_overlap=false.")
-        reroutes = m.recompute_granularity == "full" or (
-            m.recompute_granularity == "selective" and "moe" in (m.recompute_modules or ()))
-        if m.is_moe and m.moe_router_force_load_balancing and reroutes:
-            raise ConfigError("model.moe_router_force_load_balancing", True,
-                              "forced load balancing draws new random logits at every router call, and this recompute "
-                              f"({m.recompute_granularity}) calls the router again in backward, which would route "
-                              "the recomputed tokens differently from the forward.",
-                              "drop the recompute of the MoE layers (full, or selective 'moe'), or the forced "
-                              "balancing.")
+    def _validate_shared_expert_width(self, layout: ParallelLayout) -> None:
+        m, shared = self.model, self.model.moe_shared_expert_intermediate_size
+        if m.is_moe and shared and shared % layout.tp:
+            raise ConfigError("model.moe_shared_expert_intermediate_size", shared,
+                              "the shared expert is split over tensor parallelism, so its width "
+                              "must be divisible by tensor_model_parallel_size "
+                              f"({layout.tp}).",
+                              "use a multiple of -tp.")
 
     def _covered_recompute(self, log: DecisionLog) -> None:
         """Modules without selective granularity do nothing (said, not ignored). 'moe' recomputes
@@ -643,23 +477,3 @@ class ConfigContainer:
                 log.noop("model.recompute_modules", m.recompute_modules,
                          f"'moe' recomputes whole MoE layers, '{part}' included",
                          f"drop {part} (or moe) from recompute_modules.")
-
-    def _validate_cuda_graph(self) -> None:
-        m = self.model
-        if m.cuda_graph_impl not in ("none", "local", "transformer_engine"):
-            raise ConfigError("model.cuda_graph_impl", m.cuda_graph_impl, "unknown CUDA-graph implementation.",
-                              "use none, local or transformer_engine.")
-        scope = m.cuda_graph_scope or []
-        scope = scope.split(",") if isinstance(scope, str) else scope
-        bad = [s for s in scope if s not in CUDA_GRAPH_SCOPES + ("full",)]
-        if bad:
-            raise ConfigError("model.cuda_graph_scope", m.cuda_graph_scope, f"unknown scope(s) {bad}.",
-                              f"use a subset of {list(CUDA_GRAPH_SCOPES)}.")
-        if m.cuda_graph_impl == "local" and scope and set(scope) != {"full_iteration"}:
-            raise ConfigError("model.cuda_graph_scope", m.cuda_graph_scope,
-                              "cuda_graph_impl=local only captures full iterations; scoped graphs need "
-                              "transformer_engine.", "use --cuda_graph_scope full_iteration or the TE impl.")
-        if "full_iteration" in scope and m.cuda_graph_impl == "transformer_engine":
-            raise ConfigError("model.cuda_graph_scope", m.cuda_graph_scope,
-                              "full_iteration graphs are not captured by the transformer_engine impl.",
-                              "use --cuda_graph_impl local for full_iteration.")

@@ -23,20 +23,27 @@ class ParallelLayout:
     etp: int = 1
 
     def __post_init__(self) -> None:
+        """The layout's own rules, named by the model fields and flags that set them (the one
+        check of a layout: `ConfigContainer.finalize` builds its layout here)."""
+        sizes = (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp),
+                 ("context_parallel_size", self.cp), ("expert_model_parallel_size", self.ep),
+                 ("expert_tensor_parallel_size", self.etp))
+        for name, size in sizes:
+            if size < 1:
+                raise ConfigError(f"model.{name}", size, "parallel sizes are at least 1.",
+                                  f"set model.{name} to 1 or more.")
         block = self.tp * self.pp * self.cp
         if self.world_size % block:
-            raise ConfigError(
-                "world size", self.world_size,
-                f"it must be a multiple of tensor x pipeline x context parallel = {self.tp}x{self.pp}x{self.cp} = {block}.",
-                "change -ng/--num_gpus or the -tp/-pp/-cp sizes so that they divide the world size.",
-            )
+            raise ConfigError("-ng/--num_gpus", self.world_size,
+                              f"the world size must be a multiple of TP x PP x CP = {self.tp} x "
+                              f"{self.pp} x {self.cp} = {block}.",
+                              f"use a multiple of {block} ranks, or smaller -tp/-pp/-cp.")
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
-            raise ConfigError(
-                "model.expert_model_parallel_size", self.ep,
-                f"expert parallel x expert tensor parallel ({self.ep}x{self.etp}) must divide "
-                f"tensor x context x data parallel ({self.tp}x{self.cp}x{self.dp}); experts are carved out of that block.",
-                "choose -ep so that it divides the number of ranks per pipeline stage.",
-            )
+            raise ConfigError("model.expert_model_parallel_size", self.ep,
+                              f"EP x ETP = {self.ep * self.etp} must divide TP x CP x DP = "
+                              f"{self.tp * self.cp * self.dp} (experts are carved out of the "
+                              "data-parallel ranks of each pipeline stage).",
+                              "choose -ep so that it divides the ranks per pipeline stage.")
 
     @property
     def dp(self) -> int:

@@ -10,7 +10,7 @@ key still gets its run on disk, to upload later with `wandb sync`.
 
 Bridge's switches that choose which extra scalars go to TensorBoard are not carried (the set is
 fixed: the `--metrics` scalars, always); setting one is refused with the reason, never silently
-ignored (`NOT_CARRIED`)."""
+ignored (`overlap.config.refusals.NOT_CARRIED`)."""
 
 from __future__ import annotations
 
@@ -27,46 +27,20 @@ from overlap.errors import ConfigError
 
 @dataclass
 class LoggerConfig:
-    """Bridge's LoggerConfig fields that the runtime honours (the others: NOT_CARRIED)."""
+    """Bridge's LoggerConfig fields that the runtime honours (the others are refused:
+    `overlap.config.refusals.NOT_CARRIED`)."""
 
     # the iteration line every N iterations (Bridge's default is 100; --metrics is per step)
     log_interval: int = 1
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | None = None  # TensorBoard event folder; None: no TensorBoard
     tensorboard_log_interval: int = 1  # TensorBoard and W&B get every N-th iteration and the last
     tensorboard_queue_size: int = 1000  # events buffered before the writer flushes (max_queue)
-    wandb_project: str | None = None
-    wandb_exp_name: str | None = None
-    # None: <checkpoint.save>/wandb (Bridge's rule), else the working folder
+    wandb_project: str | None = None  # Weights & Biases project; None: no W&B
+    wandb_exp_name: str | None = None  # W&B run name
+    # W&B files; None: <checkpoint.save>/wandb (Bridge's rule), else the working folder
     wandb_save_dir: str | None = None
-    wandb_entity: str | None = None
+    wandb_entity: str | None = None  # W&B team or user
 
-
-_FIXED_SET = (
-    "TensorBoard and W&B always get the --metrics scalars (loss, grad norm, learning rate, "
-    "step time, throughput, communication by kind, peak memory), and only those"
-)
-NOT_CARRIED = {
-    name: _FIXED_SET
-    for name in (
-        "log_timers_to_tensorboard",
-        "log_memory_to_tensorboard",
-        "log_throughput",
-        "log_throughput_to_tensorboard",
-        "log_params_norm",
-        "log_num_zeros_in_grad",
-        "log_loss_scale_to_tensorboard",
-        "log_validation_ppl_to_tensorboard",
-        "log_world_size_to_tensorboard",
-        "log_l2_norm_grad_to_tensorboard",
-        "log_runtime_to_tensorboard",
-        "log_energy",
-        "log_progress",
-        "timing_log_level",
-        "timing_log_option",
-        "throughput_window_size",
-        "memory_keys",
-    )
-}
 
 # Which package each sink needs, and the extra that installs it.
 EXTRAS = {"tensorboard_dir": ("tensorboard", "tensorboard"), "wandb_project": ("wandb", "wandb")}

@@ -21,16 +21,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class MixedPrecisionConfig:
-    bf16: bool = False
-    fp16: bool = False
-    params_dtype: str = "float32"
-    grad_reduce_in_fp32: bool = False
+    bf16: bool = False  # bfloat16 compute
+    fp16: bool = False  # float16 compute (with loss scaling)
+    params_dtype: str = "float32"  # dtype of the parameters (must agree with bf16 / fp16)
+    grad_reduce_in_fp32: bool = False  # reduce gradients in float32 whatever the compute dtype
     fp8_param_gather: bool = False  # all-gather parameters in float8 (e4m3 + scale) and dequantise
     loss_scale: float | None = None  # static, any precision; None: dynamic for fp16
     initial_loss_scale: float = 2.0**32  # fp16 only: dynamic loss scaling
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    min_loss_scale: float = 1.0  # fp16 dynamic loss scaling: the scale never goes below this
+    loss_scale_window: int = 1000  # fp16 dynamic loss scaling: clean steps before the scale grows
+    hysteresis: int = 2  # fp16 dynamic loss scaling: overflows tolerated before the scale shrinks
 
     def finalize(self) -> None:
         if self.bf16 and self.fp16:

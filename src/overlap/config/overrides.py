@@ -18,18 +18,17 @@ from omegaconf.errors import OmegaConfBaseException
 
 from overlap.config.checkpoint import CheckpointConfig
 from overlap.config.comm_overlap import CommOverlapConfig
+from overlap.config.field_docs import field_docs
 from overlap.config.container import ConfigContainer
-from overlap.config.logger import NOT_CARRIED, LoggerConfig
+from overlap.config.logger import LoggerConfig
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import ModelConfig
+from overlap.config.refusals import MOVED, NOT_CARRIED, refusal_rows
 from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
                                      TrainConfig)
 from overlap.errors import ConfigError
 
 _SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
-_MOVED = {"train.log_interval": "logger.log_interval"}  # where Bridge keeps it
-
-
 def parse_value(key: str, raw: str) -> Any:
     try:
         parsed = OmegaConf.create({"v": None})
@@ -138,11 +137,11 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
     target = getattr(cfg, section)
     hints = typing.get_type_hints(type(target))
     names = [f.name for f in fields(target)]
-    if key in _MOVED:
-        raise ConfigError(key, value, f"this setting is {_MOVED[key]} (Megatron-Bridge's name).",
-                          f"write {_MOVED[key]}={raw}.")
-    if section == "logger" and parts[1] in NOT_CARRIED:
-        raise ConfigError(key, value, f"Bridge's switch is not carried: {NOT_CARRIED[parts[1]]}.",
+    if key in MOVED:
+        raise ConfigError(key, value, f"this setting is {MOVED[key]} (Megatron-Bridge's name).",
+                          f"write {MOVED[key]}={raw}.")
+    if key in NOT_CARRIED:
+        raise ConfigError(key, value, f"Bridge's switch is not carried: {NOT_CARRIED[key]}.",
                           "drop it.")
     if parts[1] not in names:
         raise _unknown(key, parts[1], names)
@@ -177,21 +176,34 @@ def check_override_repeats(items: list[str]) -> None:
         seen[key] = item
 
 
-def list_override_keys() -> list[str]:
-    """Every `section.field` an override can set, with its type and default (`overlap explain --list-keys`)."""
+def override_key_rows() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every `section.field` an override can set; the
+    description is the field's comment in its dataclass (`overlap.config.field_docs`)."""
     rows = []
     for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("optimizer", OptimizerConfig),
                          ("scheduler", SchedulerConfig), ("ddp", DDPConfig), ("tokenizer", TokenizerConfig),
                          ("checkpoint", CheckpointConfig), ("logger", LoggerConfig), ("dataset", DatasetConfig),
                          ("mixed_precision", MixedPrecisionConfig), ("comm_overlap", CommOverlapConfig)):
         hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
         for f in fields(cls):
             if f.name.startswith("_"):
                 continue
             default = repr(f.default) if f.default is not MISSING else "(required)" if f.default_factory is MISSING \
                 else repr(f.default_factory())
-            rows.append((f"{section}.{f.name}", _hint_name(hints[f.name]), default))
-    rows.append(("mixed_precision", "preset name", "bf16_mixed | fp16_mixed | fp32 (replaces the whole section)"))
-    rows.append(("env_vars.NAME", "str", "an environment variable for the workers"))
-    width = [max(len(r[i]) for r in rows) for i in range(2)]
-    return [f"{k:<{width[0]}}  {t:<{width[1]}}  {d}" for k, t, d in rows]
+            rows.append((f"{section}.{f.name}", _hint_name(hints[f.name]), default,
+                         docs.get(f.name, "")))
+    rows.append(("mixed_precision", "preset name", "bf16_mixed | fp16_mixed | fp32",
+                 "a preset that replaces the whole section"))
+    rows.append(("env_vars.NAME", "str", "", "an environment variable for the workers"))
+    rows += [(key, "refused", "", why) for key, why in refusal_rows()]
+    return rows
+
+
+def list_override_keys() -> list[str]:
+    """Every `section.field` an override can set, with its type, default and description
+    (`overlap explain --list-keys`)."""
+    rows = override_key_rows()
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    return [f"{k:<{width[0]}}  {t:<{width[1]}}  {d:<{width[2]}}  {doc}".rstrip()
+            for k, t, d, doc in rows]

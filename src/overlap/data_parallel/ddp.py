@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from overlap.config.comm_overlap import OverlapPlan
 from overlap.config.training import DDPConfig
 from overlap.data_parallel.grad_buffer import Bucket, GradBuffer, build_buffer
 from overlap.layers.wgrad_store import register_grad_ready_hook
@@ -62,15 +63,17 @@ def buffer_members(params: list[nn.Parameter]) -> list[tuple[str, list[nn.Parame
 class DistributedDataParallel:
     """Owns the gradient buffers and their reduction; the trainer marks the last micro-batch and finishes the sync."""
 
-    def __init__(self, model: nn.Module, cfg: DDPConfig, ps: ParallelState, sequence_parallel: bool) -> None:
+    def __init__(self, model: nn.Module, cfg: DDPConfig, plan: OverlapPlan, ps: ParallelState,
+                 sequence_parallel: bool) -> None:
         self.ps = ps
-        self.overlap = bool(cfg.overlap_grad_reduce)
+        self.overlap = plan.overlap_grad_reduce
         self.scatter = cfg.use_distributed_optimizer
         self.reduce_sp_over_tp = sequence_parallel and ps.tp_size > 1
         params = [p for p in model.parameters() if p.requires_grad]
         groups = {"dp": ps.dp_group, "edp": ps.edp_group}
         self.buffers: list[GradBuffer] = [
-            build_buffer(same, torch.float32 if cfg.grad_reduce_in_fp32 else same[0].dtype, cfg.bucket_size,
+            build_buffer(same, torch.float32 if cfg.grad_reduce_in_fp32 else same[0].dtype,
+                         plan.bucket_size,
                          groups[prefix], prefix) for prefix, same in buffer_members(params)]
         self._syncs = [_BufferSync(b) for b in self.buffers]
         self._sync_of = {p: s for s in self._syncs for p in s.bucket_of}

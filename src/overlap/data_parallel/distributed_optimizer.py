@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from overlap.config.comm_overlap import OverlapPlan
 from overlap.config.training import DDPConfig, OptimizerConfig
 from overlap.data_parallel.ddp import DistributedDataParallel
 from overlap.data_parallel.param_gather import ParamGather
@@ -45,7 +46,7 @@ class DistributedOptimizer(SlotOptimizer):
     """Adam on this rank's shards, then the parameter all-gather; the same interface as `LocalOptimizer`."""
 
     def __init__(self, chunks: Sequence[nn.Module], ddps: Sequence[DistributedDataParallel], cfg: OptimizerConfig,
-                 ddp_cfg: DDPConfig, ps: ParallelState) -> None:
+                 ddp_cfg: DDPConfig, plan: OverlapPlan, ps: ParallelState) -> None:
         """`chunks` are this rank's model chunks in forward order (one without a virtual pipeline), `ddps` their
         data-parallel wrappers: each chunk's buckets are sharded and gathered bucket by bucket, in forward order
         across chunks, so the first forward's chunk is gathered first."""
@@ -53,8 +54,8 @@ class DistributedOptimizer(SlotOptimizer):
         self.ps = ps
         self.buffers = [b for ddp in ddps for b in ddp.buffers]
         self.adam = MixedPrecisionAdam([s for ddp in ddps for s in shard_slots(ddp)], cfg)
-        self.gather = ParamGather(self.buffers, chunks, bool(ddp_cfg.overlap_param_gather),
-                                  bool(ddp_cfg.fp8_param_gather), bool(ddp_cfg.align_param_gather))
+        self.gather = ParamGather(self.buffers, chunks, plan.overlap_param_gather,
+                                  ddp_cfg.fp8_param_gather, plan.align_param_gather)
 
     def _grad_norm(self) -> float:
         return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)

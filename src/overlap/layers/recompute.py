@@ -6,7 +6,7 @@
   "moe_act" (the routed experts' SwiGLU: neither its intermediate nor its output is kept,
   `discarding_output`), "shared_experts" (the MoE layers' shared expert). "mla_up_proj" and the
   other modules of architectures not built here are refused by the configuration
-  (`ConfigContainer._validate_recompute`).
+  (`ModelConfig.validate`).
 - full (`recompute_granularity="full"`): whole layers. "uniform" checkpoints consecutive chunks of
   `recompute_num_layers` layers (only each chunk's input is kept); "block" checkpoints each of the first
   `recompute_num_layers` layers and keeps the rest.
@@ -24,7 +24,8 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from overlap.config.container import RECOMPUTE_MODULES as SELECTIVE_MODULES  # one list, owned by the config
+# one list, owned by the config
+from overlap.config.model import RECOMPUTE_MODULES as SELECTIVE_MODULES
 from overlap.errors import ConfigError
 
 

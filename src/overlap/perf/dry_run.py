@@ -256,7 +256,7 @@ def _in_flight(layout: ParallelLayout, cfg: ConfigContainer, pp_rank: int, micro
     """Most (micro-batch, chunk) forwards whose backward has not run yet, over the rank's pipeline program: what
     the schedule keeps alive at its high-water mark (`pipeline.schedules.pipeline_steps`)."""
     steps = pipeline_steps(layout.pp, pp_rank, _vpp(cfg), microbatches, cfg.model.microbatch_group_size_per_vp_stage,
-                           bool(cfg.model.overlap_moe_expert_parallel_comm))
+                           cfg.resolved.overlap.overlap_moe_expert_parallel_comm)
     alive = most = 0
     for step in steps:
         alive += step.forward is not None
@@ -269,7 +269,7 @@ def _microbatch_problem(layout: ParallelLayout, cfg: ConfigContainer, k: int, pe
     """Why `k` micro-batches cannot stand for this step's schedule, or None."""
     if not 1 <= k <= per_step:
         return f"a step of this layout has {per_step} micro-batch(es) per data-parallel rank."
-    if cfg.model.overlap_moe_expert_parallel_comm and k < 2:
+    if cfg.resolved.overlap.overlap_moe_expert_parallel_comm and k < 2:
         return "EP overlap interleaves two micro-batches: it needs at least 2."
     if layout.pp > 1 and _vpp(cfg) > 1:
         group = cfg.model.microbatch_group_size_per_vp_stage or layout.pp

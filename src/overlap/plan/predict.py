@@ -42,13 +42,14 @@ class Prediction:
 
 
 def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
-    m, d = cfg.model, cfg.ddp
-    return Switches(ep_overlap=bool(m.overlap_moe_expert_parallel_comm), delay_wgrad=bool(m.delay_wgrad_compute),
-                    overlap_grad_reduce=bool(d.overlap_grad_reduce), overlap_param_gather=bool(d.overlap_param_gather),
-                    overlap_p2p=bool(m.overlap_p2p_comm), pp=max(1, layout.pp),
+    m, o = cfg.model, cfg.resolved.overlap
+    return Switches(ep_overlap=o.overlap_moe_expert_parallel_comm,
+                    delay_wgrad=o.delay_wgrad_compute, overlap_grad_reduce=o.overlap_grad_reduce,
+                    overlap_param_gather=o.overlap_param_gather,
+                    overlap_p2p=o.overlap_p2p_comm, pp=max(1, layout.pp),
                     vpp=max(1, m.virtual_pipeline_model_parallel_size or 1),
                     vp_group=m.microbatch_group_size_per_vp_stage,
-                    shared_expert_overlap=bool(m.moe_shared_expert_overlap))
+                    shared_expert_overlap=o.moe_shared_expert_overlap)
 
 
 def predict(name: str, overrides: list[str], cfg: ConfigContainer, layout: ParallelLayout,

@@ -40,8 +40,9 @@ def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch
 def detect_model_noops(cfg: ConfigContainer, res: Resolution) -> None:
     """Record a no-op for each DP overlap switch whose buffers (per model chunk) all have one bucket (rank 0's view:
     the first pipeline stage; the others are alike or smaller)."""
-    d = cfg.ddp
-    switches = [name for name in ("overlap_grad_reduce", "overlap_param_gather") if getattr(d, name)]
+    d, plan = cfg.ddp, res.overlap
+    switches = [name for name in ("overlap_grad_reduce", "overlap_param_gather")
+                if getattr(plan, name)]
     if not switches or d.impl != "overlap":
         return
     sizes = {"dp": res.layout.dp, "edp": res.layout.edp}
@@ -50,7 +51,7 @@ def detect_model_noops(cfg: ConfigContainer, res: Resolution) -> None:
     for c, params in enumerate(chunks):
         for prefix, members in buffer_members(params):
             if sizes[prefix] > 1:  # a buffer over one rank communicates nothing, overlapped or not
-                buckets = bucket_sizes(members, d.bucket_size, sizes[prefix])
+                buckets = bucket_sizes(members, plan.bucket_size, sizes[prefix])
                 name = f"chunk {c} {prefix}" if len(chunks) > 1 else prefix
                 buffers.append((name, members[0].dtype, len(buckets), sum(p.numel() for p in members)))
     described = "; ".join(f"{name} {str(dtype).removeprefix('torch.')}: {n} bucket{'s' * (n != 1)} of "
@@ -64,7 +65,7 @@ def detect_model_noops(cfg: ConfigContainer, res: Resolution) -> None:
         what = ("the reduction can only start after the last gradient is ready" if name == "overlap_grad_reduce"
                 else "the next forward needs the only bucket's parameters before it can compute anything")
         res.decisions.noop(f"ddp.{name}", True,
-                           f"ddp.bucket_size={d.bucket_size} leaves a single bucket ({described}): {what}, so "
-                           "nothing overlaps",
+                           f"ddp.bucket_size={plan.bucket_size} leaves a single bucket "
+                           f"({described}): {what}, so nothing overlaps",
                            f"set ddp.bucket_size={suggestion} (about {_TARGET_BUCKETS} buckets per buffer), or turn "
                            f"ddp.{name} off.")

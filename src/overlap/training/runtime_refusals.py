@@ -22,8 +22,8 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
     m, d = cfg.model, cfg.ddp
     tied = m.share_embeddings_and_output_weights
     checks = [
-        (m.pipeline_model_parallel_size > 1 and bool(m.overlap_moe_expert_parallel_comm)
-         and bool(m.deallocate_pipeline_outputs), "model.deallocate_pipeline_outputs", True,
+        (m.pipeline_model_parallel_size > 1 and m.overlap_moe_expert_parallel_comm
+         and m.deallocate_pipeline_outputs, "model.deallocate_pipeline_outputs", True,
          "Releasing sent pipeline outputs under EP overlap (the merged steps keep each layer piece's output for its "
          "own backward)", "set comm_overlap.deallocate_pipeline_outputs=false with EP overlap under -pp."),
         (m.pipeline_impl == "torch_pipelining" and (m.is_moe or m.pipeline_model_parallel_size == 1),
@@ -34,7 +34,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "The PyTorch-native (DTensor) TP peer for MoE models (its plan covers the dense layers' attention and MLP "
          "linears, not the router, routed experts or shared experts)",
          "use it with a dense model (-mr dense_tiny), or model.tensor_parallel_impl=overlap."),
-        (m.tensor_parallel_impl == "dtensor" and bool(m.tp_comm_overlap), "model.tp_comm_overlap", True,
+        (m.tensor_parallel_impl == "dtensor" and m.tp_comm_overlap, "model.tp_comm_overlap", True,
          "TP communication overlap in the DTensor peer (parallelize_module runs each collective whole before or "
          "after its GEMM; PyTorch's async TP is a torch.compile pass on CUDA symmetric memory)",
          "set comm_overlap.tp_comm_overlap=false to run the peer, or model.tensor_parallel_impl=overlap."),
@@ -80,7 +80,8 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
          "use model.pipeline_impl=overlap with a tied model."),
         # (EP overlap and the deferred output wgrad: at PP 1 the two uses are one parameter on one rank; the copy's
         # path under them with a pipeline is not built either)
-        (tied and bool(m.overlap_moe_expert_parallel_comm), "model.share_embeddings_and_output_weights", True,
+        (tied and m.overlap_moe_expert_parallel_comm, "model.share_embeddings_and_output_weights",
+         True,
          "Tied embedding and output weights under EP overlap (its schedule runs the output layer's and the "
          "embedding's backward as separate pieces, so data parallelism would see the first share as the gradient)",
          "set comm_overlap.overlap_moe_expert_parallel_comm=false, or use an untied model."),

@@ -92,10 +92,13 @@ class Trainer:
         if ps.pp_size > 1 and cfg.model.pipeline_impl != "torch_pipelining":
             # the pipeline's point-to-point groups, at start-up (collective; on NCCL each one a communicator)
             ps.pipeline_p2p_groups(wrap=len(self.chunks) > 1)
-        self.ddps = [DistributedDataParallel(c, cfg.ddp, ps, cfg.model.sequence_parallel) for c in self.chunks]
+        plan = cfg.resolved.overlap
+        self.ddps = [DistributedDataParallel(c, cfg.ddp, plan, ps, cfg.model.sequence_parallel)
+                     for c in self.chunks]
         self.ddp = self.ddps[0]
         if cfg.ddp.use_distributed_optimizer:
-            self.optimizer = DistributedOptimizer(self.chunks, self.ddps, cfg.optimizer, cfg.ddp, ps)
+            self.optimizer = DistributedOptimizer(self.chunks, self.ddps, cfg.optimizer, cfg.ddp,
+                                                  plan, ps)
         else:
             params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
             self.optimizer = LocalOptimizer(params, cfg.optimizer, ps)
@@ -144,14 +147,17 @@ class Trainer:
             # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; pipeline/schedules.py).
             # EP overlap: its steady steps merged, forward and backward piece by piece (pipeline/combined_1f1b.py).
             seq = m.seq_length // ps.tp_size if m.sequence_parallel else m.seq_length
+            plan = self.cfg.resolved.overlap
             losses = PipelineExecutor(
-                self.chunks, ps, batches, grad_scale, bool(m.overlap_p2p_comm),
+                self.chunks, ps, batches, grad_scale, plan.overlap_p2p_comm,
                 lambda chunk, last: self.ddps[chunk].set_last_micro_batch(last),
                 (seq, t.micro_batch_size, m.hidden_size), params_dtype(m),
-                m.microbatch_group_size_per_vp_stage, deallocate_outputs=bool(m.deallocate_pipeline_outputs),
-                defer_output_wgrad=bool(m.defer_embedding_wgrad_compute),
-                wgrad_deferral_limit=m.wgrad_deferral_limit, memory=self.pipeline_memory,
-                ep_overlap=bool(m.overlap_moe_expert_parallel_comm), delay_wgrad=bool(m.delay_wgrad_compute)).run()
+                m.microbatch_group_size_per_vp_stage,
+                deallocate_outputs=m.deallocate_pipeline_outputs,
+                defer_output_wgrad=plan.defer_embedding_wgrad_compute,
+                wgrad_deferral_limit=plan.wgrad_deferral_limit, memory=self.pipeline_memory,
+                ep_overlap=plan.overlap_moe_expert_parallel_comm,
+                delay_wgrad=plan.delay_wgrad_compute).run()
             for lm_loss in losses:
                 loss_sum += lm_loss.float()
         with RECORDER.span("grad_reduce"):

@@ -1,0 +1,50 @@
+"""One line per configuration field, read from the comment that documents it in its dataclass.
+
+A field's description is its inline comment (`name: int = 1  # what it is`), else the comment lines
+right above it (a `# --- section ---` rule is a heading, not a description). Keeping the text in the
+source beside the field, as Megatron-Core's config dataclasses do, means one place to edit;
+`overlap explain --list-keys` prints it next to the key.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import io
+import textwrap
+import tokenize
+from dataclasses import fields
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """`{field name: description}` for the dataclass `cls` (fields without a comment are absent)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}  # line number (1-based, in `source`) -> comment text
+    code_lines: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                              tokenize.ENDMARKER):
+            code_lines.add(tok.start[0])
+    lines = {node.target.id: node.lineno
+             for node in ast.parse(source).body[0].body
+             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    names = {f.name for f in fields(cls)}
+    out = {}
+    for name, line in lines.items():
+        if name not in names:
+            continue
+        if line in comments:
+            out[name] = comments[line]
+            continue
+        above = []
+        row = line - 1
+        while row in comments and row not in code_lines and not comments[row].startswith("---"):
+            above.insert(0, comments[row])
+            row -= 1
+        if above:
+            out[name] = " ".join(above)
+    return out
