@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from overlap.config import CommOverlapConfig, ConfigContainer, DDPConfig
+from overlap.config import CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig, OptimizerConfig
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.mixed_precision import MixedPrecisionConfig
 from overlap.config.overrides import apply_overrides
