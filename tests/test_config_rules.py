@@ -410,8 +410,18 @@ def test_overlap_param_gather_with_optimizer_step_honoured_with_pp_vpp():
     cfg = build(dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ddp=dist_opt(),
                 optimizer=dist_optimizer(),
                 co=CommOverlapConfig(tp_comm_overlap=False, overlap_param_gather_with_optimizer_step=True))
-    cfg.finalize(4)
+    res = cfg.finalize(4)
     assert cfg.optimizer.overlap_param_gather_with_optimizer_step is True
+    # Honoured, but our overlapped param gather already launches its first bucket inside the step: a no-op row,
+    # and an error under strict.
+    noop = {n.field: n for n in res.decisions.noops}["optimizer.overlap_param_gather_with_optimizer_step"]
+    assert "already launches the first bucket" in noop.why
+    strict = build(dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                   ddp=dist_opt(), optimizer=dist_optimizer(),
+                   co=CommOverlapConfig(tp_comm_overlap=False, strict=True,
+                                        overlap_param_gather_with_optimizer_step=True))
+    with pytest.raises(ConfigError, match="on but does nothing"):
+        strict.finalize(4)
 
 
 def test_overlap_param_gather_with_optimizer_step_dishonoured_without_pp():

@@ -467,3 +467,11 @@ def _resolve_dp(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", op
         optimizer.overlap_param_gather_with_optimizer_step = _choose(
             log, "optimizer.overlap_param_gather_with_optimizer_step", u.overlap_param_gather_with_optimizer_step,
             optimizer.overlap_param_gather_with_optimizer_step, False, DEFAULT, "never turned on automatically")
+    if optimizer.overlap_param_gather_with_optimizer_step:
+        # Megatron launches the first bucket's gather inside the optimizer step only with this switch; our
+        # overlapped gather always does (data_parallel/param_gather.py), and without it gathers right after the step.
+        already = ("ddp.overlap_param_gather already launches the first bucket's all-gather inside the optimizer "
+                   "step" if ddp.overlap_param_gather else
+                   "without ddp.overlap_param_gather every bucket is gathered right after the step")
+        log.noop("optimizer.overlap_param_gather_with_optimizer_step", True, already,
+                 "drop it: ddp.overlap_param_gather=true gives the overlap it asks for.")
