@@ -249,7 +249,7 @@ class ColumnParallelLinear(nn.Module):
 
     `wgrad_store`: a store of its own that the weight gradient goes through (None: the shared `WGRAD_STORE` of
     delay_wgrad_compute). The output layer gets one with `defer_embedding_wgrad_compute` (the pipeline executor
-    defers its weight-gradient GEMMs to the flush through it, `overlap.pipeline.schedules`), and one that never
+    defers its weight-gradient GEMMs to the flush through it, `overlap.pipeline.output_wgrad`), and one that never
     delays when it is tied to the embedding (`overlap.model.gpt`).
     """
 
