@@ -78,12 +78,14 @@ def _step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, data_rank: int
     rows = torch.randint(0, 128, (n_mb, 2, 17), generator=gen)
     batches = [(r[:, :-1], r[:, 1:]) for r in rows]
     hooks: list[tuple[int, bool, int]] = []  # (chunk, is its last micro-batch, weight gradients still queued)
-    options = ExecutorOptions((cfg.seq_length, 2, cfg.hidden_size), torch.float32, overlap_p2p=overlap_p2p,
-                              defer_output_wgrad=bool(cfg.defer_embedding_wgrad_compute),
-                              ep_overlap=overlap, delay_wgrad=delay)
-    losses = PipelineExecutor(chunks, ps, options,
-                              lambda chunk, last: hooks.append((chunk, last, len(WGRAD_STORE.queue)))
-                              ).step(batches, 1.0 / n_mb)
+    options = ExecutorOptions((cfg.seq_length, 2, cfg.hidden_size), torch.float32,
+                              overlap_p2p=overlap_p2p, ep_overlap=overlap, delay_wgrad=delay,
+                              defer_output_wgrad=bool(cfg.defer_embedding_wgrad_compute))
+
+    def before_backward(chunk: int, last: bool) -> None:
+        hooks.append((chunk, last, len(WGRAD_STORE.queue)))
+
+    losses = PipelineExecutor(chunks, ps, options, before_backward).step(batches, 1.0 / n_mb)
     assert not WGRAD_STORE.queue
     # data parallelism's rule: every chunk's last backward is announced (again by the flush of deferred output-layer
     # GEMMs, which completes that weight), and never while delayed weight gradients are still queued

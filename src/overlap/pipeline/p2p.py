@@ -21,9 +21,10 @@ Modes (the resolution picks one; `explain` shows it):
   groups), and waited at once: the receive is exposed.
 - overlapped (`overlap_p2p_comm`): sends are posted as soon as their tensor exists; the receives of
   the next forward and backward are posted early (`prefetch`), and waited only just before their
-  task, so their transfer runs while this rank computes. In both, sends are waited at the end of the
-  step (`finish`), or dropped earlier by the output-release policy
-  (`overlap.pipeline.output_memory`): a send's completion is never on the compute's critical path.
+  task, so their transfer runs while this rank computes.
+In both, sends are waited at the end of the step (`finish`), or dropped earlier by the
+output-release policy (`overlap.pipeline.output_memory`): a send's completion is never on the
+compute's critical path.
 """
 
 from __future__ import annotations

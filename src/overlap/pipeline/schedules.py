@@ -8,9 +8,9 @@ merges (the forward of one (micro-batch, chunk) and the backward of another, lay
 piece: `merged=True`, one more warm-up forward, and the executor runs each step through
 `combined_1f1b.run_merged`); without it the two tasks run one after the other. The interleaved
 program is Megatron-Core's: a table maps virtual micro-batch k to (micro-batch, chunk) in groups of
-`microbatch_group_size_per_vp_stage` micro-batches per chunk; warm-up = (PP - rank - 1) x 2 + (VPP -
-1) x group forwards (PP - rank - 1 without VPP); backward chunks are mirrored. VPP = 1 is the
-non-interleaved 1F1B: one implementation for both.
+`microbatch_group_size_per_vp_stage` micro-batches per chunk; warm-up =
+(PP - rank - 1) x 2 + (VPP - 1) x group forwards (PP - rank - 1 without VPP); backward chunks are
+mirrored. VPP = 1 is the non-interleaved 1F1B: one implementation for both.
 
 `StageRing` places a rank's chunks among the virtual stages: virtual stage v = chunk x PP + rank, so
 the next stage is always on rank + 1 (mod PP) and the previous on rank - 1: a ring. It names the

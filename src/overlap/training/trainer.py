@@ -78,16 +78,19 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # This rank's model chunks (one without a virtual pipeline); each has its own gradient buffers and buckets.
         self.chunks = model_chunks(cfg.model, ps)
-        apply_tensor_parallel_impl(self.chunks, ps, cfg.model)  # model.tensor_parallel_impl: ours or DTensor's
+        # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
+        apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.model = self.chunks[0]  # without pipeline parallelism: the whole model
-        # The micro-batch schedule (model.pipeline_impl: ours, PP = 1 included, or torch's pipelining peer), built
-        # now: ours creates the pipeline's point-to-point groups (collective; on NCCL each one a communicator).
-        self.pipeline_memory = PipelineMemory()  # live stage-output bytes per step (pipeline/output_memory.py)
-        self.pipeline = build_pipeline(cfg, self.chunks, ps,
-                                       lambda chunk, last: self.ddps[chunk].set_last_micro_batch(last),
-                                       self.pipeline_memory)
+        # The micro-batch schedule (model.pipeline_impl: ours, PP = 1 included, or torch's
+        # pipelining peer), built now: ours creates the pipeline's point-to-point groups
+        # (collective; on NCCL each one a communicator). pipeline_memory: live stage-output bytes
+        # per step (ours measures them).
+        self.pipeline_memory = PipelineMemory()
+        self.pipeline = build_pipeline(
+            cfg, self.chunks, ps, lambda c, last: self.ddps[c].set_last_micro_batch(last),
+            self.pipeline_memory)
         self.ddps = [DistributedDataParallel(c, cfg.ddp, ps, cfg.model.sequence_parallel) for c in self.chunks]
         self.ddp = self.ddps[0]
         if cfg.ddp.use_distributed_optimizer:
@@ -125,8 +128,8 @@ class Trainer:
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
         grad_scale = scale * self.optimizer.loss_scale  # what the backward is seeded with
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
-        # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; with EP overlap its
-        # steady steps merged, forward and backward piece by piece): pipeline/executor.py, or torch's peer.
+        # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; with EP
+        # overlap its steady steps merged, piece by piece): pipeline/executor.py, or torch's peer.
         for lm_loss in self.pipeline.step(batches, grad_scale):
             loss_sum += lm_loss.float()
         with RECORDER.span("grad_reduce"):
