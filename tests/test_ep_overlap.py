@@ -7,6 +7,8 @@ at piece boundaries instead of inside one autograd graph).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +18,7 @@ from overlap.model.gpt import GPTModel
 from overlap.parallel import link_model
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER, CommEvent, now
-from overlap.pipeline.schedules import PipelineExecutor
+from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
 from tests.configs import ep_overlap_model
 from tests.world import run_world
 
@@ -57,8 +59,8 @@ def _run(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: int = 3):
 def _merged(model: GPTModel, ps: ParallelState, batches, scale: float, delay: bool) -> list[torch.Tensor]:
     """The EP-overlap schedule without pipelining: the pipeline executor's PP = 1 program, merged."""
     shape = (model.config.seq_length, batches[0][0].shape[0], model.config.hidden_size)
-    return PipelineExecutor([model], ps, batches, scale, False, lambda chunk, last: None, shape, torch.float32,
-                            ep_overlap=True, delay_wgrad=delay).run()
+    options = ExecutorOptions(shape, torch.float32, ep_overlap=True, delay_wgrad=delay)
+    return PipelineExecutor([model], ps, options, lambda chunk, last: None).step(batches, scale)
 
 
 def _compare(layout: dict, world: int, cfg_kw: dict, delay: bool) -> None:
@@ -205,5 +207,7 @@ def test_without_delay_wgrad_the_split_sizes_and_the_dispatch_have_backward_piec
 
 def test_needs_two_micro_batches():
     with pytest.raises(ValueError, match="at least 2 micro-batches"):
-        PipelineExecutor([None], None, [(None, None)], 1.0, False, lambda chunk, last: None, (1,), torch.float32,
-                         ep_overlap=True)
+        one_stage = SimpleNamespace(pp_size=1, pp_rank=0)
+        options = ExecutorOptions((1,), torch.float32, ep_overlap=True)
+        executor = PipelineExecutor([None], one_stage, options, lambda chunk, last: None)
+        executor.step([(None, None)], 1.0)

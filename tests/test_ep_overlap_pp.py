@@ -1,6 +1,6 @@
 """EP all-to-all overlap under interleaved pipeline parallelism: the steady steps of the interleaved 1F1B program
 merged, forward of one (micro-batch, chunk) and backward of another, layer piece by layer piece
-(`PipelineExecutor(ep_overlap=True)`, the same merged step the PP = 1 schedule runs).
+(`ExecutorOptions(ep_overlap=True)`, the same merged step the PP = 1 schedule runs).
 
 Tolerances: fp32 (the executor driven directly), EP overlap on vs off rel 1e-6 on the losses and rtol / atol 1e-6
 on every gradient (the pieces run the same operations; only gradient accumulation order differs, at piece
@@ -22,7 +22,8 @@ from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.model.gpt import model_chunks
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
-from overlap.pipeline.schedules import PipelineExecutor, pipeline_steps
+from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
+from overlap.pipeline.schedules import pipeline_steps
 from overlap.training.trainer import Trainer
 from tests.configs import ep_overlap_model, tiny_config
 from tests.world import run_world
@@ -73,11 +74,14 @@ def _step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, data_rank: int
     rows = torch.randint(0, 128, (n_mb, 2, 17), generator=gen)
     batches = [(r[:, :-1], r[:, 1:]) for r in rows]
     hooks: list[tuple[int, bool, int]] = []  # (chunk, is its last micro-batch, weight gradients still queued)
-    losses = PipelineExecutor(chunks, ps, batches, 1.0 / n_mb, overlap_p2p,
-                              lambda chunk, last: hooks.append((chunk, last, len(WGRAD_STORE.queue))),
-                              (cfg.seq_length, 2, cfg.hidden_size), torch.float32,
-                              defer_output_wgrad=bool(cfg.defer_embedding_wgrad_compute),
-                              ep_overlap=overlap, delay_wgrad=delay).run()
+    options = ExecutorOptions((cfg.seq_length, 2, cfg.hidden_size), torch.float32,
+                              overlap_p2p=overlap_p2p, ep_overlap=overlap, delay_wgrad=delay,
+                              defer_output_wgrad=bool(cfg.defer_embedding_wgrad_compute))
+
+    def before_backward(chunk: int, last: bool) -> None:
+        hooks.append((chunk, last, len(WGRAD_STORE.queue)))
+
+    losses = PipelineExecutor(chunks, ps, options, before_backward).step(batches, 1.0 / n_mb)
     assert not WGRAD_STORE.queue
     # data parallelism's rule: every chunk's last backward is announced (again by the flush of deferred output-layer
     # GEMMs, which completes that weight), and never while delayed weight gradients are still queued

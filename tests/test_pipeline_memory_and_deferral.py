@@ -12,7 +12,7 @@ Tolerances:
   element, losses rel 1e-6.
 
 Memory is measured by the executor on the output storages themselves (`Trainer.pipeline_memory`, see
-`overlap.pipeline.schedules.PipelineMemory`): bytes of stage outputs alive, peak per step.
+`overlap.pipeline.output_memory.PipelineMemory`): bytes of stage outputs alive, peak per step.
 """
 
 from __future__ import annotations

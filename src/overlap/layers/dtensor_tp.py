@@ -44,12 +44,14 @@ losses stay bit-identical. Our weight is one Parameter [2, ffn/tp, hidden] (each
 up); `FusedColumnPeer` keeps it under its name and each part reads its slice [ffn/tp, hidden] (Shard(0) of the part's
 full [ffn, hidden]) at every forward, so the distributed optimizer's parameter views stay the ones read.
 
-Wiring and scope: the Trainer builds our model chunks, calls `parallelize_layers` on each chunk's layers, then
-initialises the weights and builds DDP and the optimizer as always. Dense models at TP >= 2, with or without
-sequence parallelism, under DP (our DDP and distributed optimizer, both overlaps), PP (both pipeline runtimes) and
-activation recompute. `training/runtime_refusals.py` refuses MoE models (the plan has no experts or router), TP = 1 (nothing
-to hand over) and `tp_comm_overlap` (parallelize_module runs each collective whole; torch's async TP is a
-torch.compile pass on CUDA). `--comm-mode none` and modelled links do not reach the peer's collectives.
+Wiring and scope: the Trainer builds our model chunks, `model/tensor_parallel_impl.py` calls
+`parallelize_layers` on each chunk's layers, then the Trainer initialises the weights and builds DDP
+and the optimizer as always. Dense models at TP >= 2, with or without sequence parallelism, under DP
+(our DDP and distributed optimizer, both overlaps), PP (both pipeline runtimes) and activation
+recompute. `training/runtime_refusals.py` refuses MoE models (the plan has no experts or router), TP = 1
+(nothing to hand over) and `tp_comm_overlap` (parallelize_module runs each collective whole; torch's
+async TP is a torch.compile pass on CUDA). `--comm-mode none` and modelled links do not reach the
+peer's collectives.
 """
 
 from __future__ import annotations

@@ -250,8 +250,8 @@ class ColumnParallelLinear(nn.Module):
 
     `wgrad_store`: a store of its own that the weight gradient goes through (None: the shared `WGRAD_STORE` of
     delay_wgrad_compute). The output layer gets one with `defer_embedding_wgrad_compute` (the pipeline executor
-    defers its weight-gradient GEMMs to the flush through it, `overlap.pipeline.schedules`), and one that never
-    delays when it is tied to the embedding (`overlap.model.gpt`).
+    defers its weight-gradient GEMMs to the flush through it, `overlap.pipeline.output_wgrad`), and one
+    that never delays when it is tied to the embedding (`overlap.model.gpt`).
     """
 
     def __init__(self, in_features: int, out_features: int, ps: ParallelState, sequence_parallel: bool,

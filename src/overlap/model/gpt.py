@@ -140,7 +140,7 @@ class GPTModel(nn.Module):
             self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype,
                                            ps.device, fusion=config.rms_norm_fusion)
             # defer_embedding_wgrad_compute: the output layer's weight gradients go through a store of their own,
-            # which the pipeline executor defers to the flush (overlap.pipeline.schedules)
+            # which the pipeline executor defers to the flush (overlap.pipeline.output_wgrad)
             store = (WeightGradStore("bwd.deferred_output_wgrad") if config.defer_embedding_wgrad_compute
                      else None)
             if tied:

@@ -18,7 +18,7 @@ from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.data import build_data
 from overlap.optim.adam import learning_rate, multi_tensor_impl
-from overlap.pipeline.schedules import PipelineMemory
+from overlap.pipeline.output_memory import PipelineMemory
 from overlap.training.trainer import Trainer
 
 

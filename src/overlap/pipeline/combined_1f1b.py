@@ -21,31 +21,38 @@ Per merged layer pair (F walks up, B walks down), the order of work on this rank
     B  WAIT dispatch-backward, permute + attention backward                        (hides F's combine)
     (F's combine is waited for at the start of the next layer's attention piece, after B's next combine backward)
 
-This is the reference's per-layer order (runtime-mechanisms 1.4) translated from two CUDA streams to one host
-thread: on a GPU a communication kernel starts as soon as its inputs are ready, whatever the host issue order, so
-here each all-to-all is launched the moment its input exists and waited for only when its output is needed. Every
-all-to-all has a piece of the other micro-batch between its launch and its wait, and no two of them queue on the
-EP link (the pieces are longer than a transfer).
+This is Megatron-Core's per-layer order (`TransformerLayerSchedulePlan.run` in
+`megatron/core/models/common/model_chunk_schedule_plan.py`) translated from two CUDA streams to one
+host thread: on a GPU a communication kernel starts as soon as its inputs are ready, whatever the
+host issue order, so here each all-to-all is launched the moment its input exists and waited for
+only when its output is needed. Every all-to-all has a piece of the other micro-batch between its
+launch and its wait, and no two of them queue on the EP link (the pieces are longer than a
+transfer).
 
-Two things differ from a GPU and shape the order. The split-size exchange is a host rendezvous here (gloo's uneven
-all-to-all needs the sizes on the host before the dispatch can be posted), as the reference's device-to-host sync
-is, so it needs a piece of cover of its own between the attention piece and the dispatch: the experts' backward is
-cut into its input-gradient and weight-gradient halves, and the weight GEMMs of one layer run one layer later, under
-the next layer's split sizes. Weight gradients reach their parameters later in the same merged step, in the same
-order, so the numbers are those of the unsplit backward. And ranks drift apart (below), so the longest pieces sit
-where a late peer hurts most: the experts' input-gradient backward, the longest and most uneven piece, covers the
-dispatch, and F's experts cover the dispatch backward that a late B launches.
+Two things differ from a GPU and shape the order. The split-size exchange is a host rendezvous here
+(gloo's uneven all-to-all needs the sizes on the host before the dispatch can be posted), as
+Megatron-Core's device-to-host sync is, so it needs a piece of cover of its own between the
+attention piece and the dispatch: the experts' backward is cut into its input-gradient and
+weight-gradient halves, and the weight GEMMs of one layer run one layer later, under the next
+layer's split sizes. Weight gradients reach their parameters later in the same merged step, in the
+same order, so the numbers are those of the unsplit backward. And ranks drift apart (below), so the
+longest pieces sit where a late peer hurts most: the experts' input-gradient backward, the longest
+and most uneven piece, covers the dispatch, and F's experts cover the dispatch backward that a late
+B launches.
 
-What no order can hide is a peer that is late. An all-to-all completes only once every rank has launched it, and
-routing is uneven: per layer one rank's experts get up to 2-3x the rows of the other's, so its expert pieces (the
-backward most: 3x the forward) run tens of ms longer, ten times an all-to-all's link time. The rank that is ahead
-then waits at its next wait for the peer, not for the link. With delay_wgrad_compute every wait runs queued weight
-gradients while it would block (`WGRAD_STORE.wait_filling`), expert and attention GEMMs alike, instead of the fixed
-slots: the rank that is ahead does its own weight-gradient work while its peer catches up (the reference's third
-stream of wgrad GEMMs beside the communication, 1.13). On a GPU, where the host cannot see a collective complete,
-every queued GEMM is issued before the wait instead, and the device runs them beside the collective. What a phase leaves fills the next phase's waits; all of it is
-delivered before a model chunk's last backward, which runs its weight gradients at the fixed slots (see
-`PipelineExecutor`). With a padded expert capacity the split sizes are not exchanged at all.
+What no order can hide is a peer that is late. An all-to-all completes only once every rank has
+launched it, and routing is uneven: per layer one rank's experts get up to 2-3x the rows of the
+other's, so its expert pieces (the backward most: 3x the forward) run tens of ms longer, ten times
+an all-to-all's link time. The rank that is ahead then waits at its next wait for the peer, not for
+the link. With delay_wgrad_compute every wait runs queued weight gradients while it would block
+(`WGRAD_STORE.wait_filling`), expert and attention GEMMs alike, instead of the fixed slots: the rank
+that is ahead does its own weight-gradient work while its peer catches up (DeepSeek's published
+training trace runs its expert weight-gradient GEMMs on a third stream beside the communication the
+same way). On a GPU, where the host cannot see a collective complete, every queued GEMM is issued
+before the wait instead, and the device runs them beside the collective. What a phase leaves fills
+the next phase's waits; all of it is delivered before a model chunk's last backward, which runs its
+weight gradients at the fixed slots (see `PipelineExecutor`). With a padded expert capacity the
+split sizes are not exchanged at all.
 """
 
 from __future__ import annotations

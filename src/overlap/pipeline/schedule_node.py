@@ -1,10 +1,12 @@
 """A schedulable piece of one micro-batch's model, with autograd cut at its boundary.
 
-`forward(*inputs)` runs the piece on detached copies of its inputs (gradients still flow into those copies) and
-keeps the outputs; `backward(*grads)` runs autograd over just this piece and returns the gradients of its inputs,
-which the schedule hands to the previous piece whenever it chooses. That is what lets a schedule run micro-batch
-i's forward pieces between micro-batch i-1's backward pieces (runtime-mechanisms 1.3). Parameter gradients
-accumulate as usual, so data-parallel gradient hooks fire as the pieces finish.
+`forward(*inputs)` runs the piece on detached copies of its inputs (gradients still flow into those
+copies) and keeps the outputs; `backward(*grads)` runs autograd over just this piece and returns the
+gradients of its inputs, which the schedule hands to the previous piece whenever it chooses. That is
+what lets a schedule run micro-batch i's forward pieces between micro-batch i-1's backward pieces
+(Megatron-Core's `ScheduleNode`, `megatron/core/pipeline_parallel/utils.py`, cuts autograd the same
+way). Parameter gradients accumulate as usual, so data-parallel gradient hooks fire as the pieces
+finish.
 """
 
 from __future__ import annotations

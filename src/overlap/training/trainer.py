@@ -28,13 +28,13 @@ import torch
 
 from overlap.config.container import ConfigContainer
 from overlap.data_parallel import DistributedDataParallel, DistributedOptimizer
-from overlap.layers.tensor_parallel import params_dtype
 from overlap.model.gpt import model_chunks
+from overlap.model.tensor_parallel_impl import apply_tensor_parallel_impl
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
-from overlap.pipeline.schedules import PipelineExecutor, PipelineMemory
-from overlap.pipeline.torch_peer import TorchPipeline
+from overlap.pipeline.output_memory import PipelineMemory
+from overlap.pipeline.runner import build_pipeline
 from overlap.profiling.sinks import MetricsSink
 from overlap.errors import NonFiniteError
 from overlap.training.checkpoint import Checkpointer
@@ -78,20 +78,19 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # This rank's model chunks (one without a virtual pipeline); each has its own gradient buffers and buckets.
         self.chunks = model_chunks(cfg.model, ps)
-        if cfg.model.tensor_parallel_impl == "dtensor":  # the PyTorch-native TP peer (layers/dtensor_tp.py)
-            from overlap.layers.dtensor_tp import parallelize_layers  # DTensor costs ~1 s of import: peer only
-
-            for chunk in self.chunks:
-                parallelize_layers(chunk.layers, ps, cfg.model.sequence_parallel)
-            if ps.rank == 0:
-                log.info("model.tensor_parallel_impl=dtensor: the layers' TP linears communicate through DTensor "
-                         "(parallelize_module), which the communication tables below do not see")
+        # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
+        apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.model = self.chunks[0]  # without pipeline parallelism: the whole model
-        if ps.pp_size > 1 and cfg.model.pipeline_impl != "torch_pipelining":
-            # the pipeline's point-to-point groups, at start-up (collective; on NCCL each one a communicator)
-            ps.pipeline_p2p_groups(wrap=len(self.chunks) > 1)
+        # The micro-batch schedule (model.pipeline_impl: ours, PP = 1 included, or torch's
+        # pipelining peer), built now: ours creates the pipeline's point-to-point groups
+        # (collective; on NCCL each one a communicator). pipeline_memory: live stage-output bytes
+        # per step (ours measures them).
+        self.pipeline_memory = PipelineMemory()
+        self.pipeline = build_pipeline(
+            cfg, self.chunks, ps, lambda c, last: self.ddps[c].set_last_micro_batch(last),
+            self.pipeline_memory)
         plan = cfg.resolved.overlap
         self.ddps = [DistributedDataParallel(c, cfg.ddp, plan, ps, cfg.model.sequence_parallel)
                      for c in self.chunks]
@@ -115,8 +114,6 @@ class Trainer:
             self._tied = (group, grads) if grads else None
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
-        self._torch_pipeline = None  # model.pipeline_impl=torch_pipelining: built on the first step
-        self.pipeline_memory = PipelineMemory()  # live stage-output bytes per step (pipeline/schedules.py)
         ck = cfg.checkpoint
         # Checkpoints (training/checkpoint.py): loaded now, into the parameters (views into the DDP buffers) and the
         # optimizer built above; `start_iteration` is where a resumed run continues.
@@ -126,7 +123,7 @@ class Trainer:
 
     def train_step(self, iteration: int) -> tuple[float, float]:
         """One optimizer step over the global batch; returns (mean lm loss, grad norm)."""
-        t, ps, m = self.cfg.train, self.ps, self.cfg.model
+        t, ps = self.cfg.train, self.ps
         for ddp in self.ddps:
             ddp.zero_grad()
         batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
@@ -134,32 +131,10 @@ class Trainer:
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
         grad_scale = scale * self.optimizer.loss_scale  # what the backward is seeded with
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
-        if m.pipeline_impl == "torch_pipelining":  # the PyTorch peer of the schedule below (pipeline/torch_peer.py)
-            for ddp in self.ddps:
-                ddp.set_last_micro_batch(False)  # its schedule is opaque: every bucket is reduced after it
-            if self._torch_pipeline is None:
-                self._torch_pipeline = TorchPipeline(self.chunks, ps, self.num_micro_batches,
-                                                     grad_scale)
-            self._torch_pipeline.scale = grad_scale  # the loss scale changes between steps
-            for lm_loss in self._torch_pipeline.step(batches):
-                loss_sum += lm_loss.float()
-        else:
-            # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; pipeline/schedules.py).
-            # EP overlap: its steady steps merged, forward and backward piece by piece (pipeline/combined_1f1b.py).
-            seq = m.seq_length // ps.tp_size if m.sequence_parallel else m.seq_length
-            plan = self.cfg.resolved.overlap
-            losses = PipelineExecutor(
-                self.chunks, ps, batches, grad_scale, plan.overlap_p2p_comm,
-                lambda chunk, last: self.ddps[chunk].set_last_micro_batch(last),
-                (seq, t.micro_batch_size, m.hidden_size), params_dtype(m),
-                m.microbatch_group_size_per_vp_stage,
-                deallocate_outputs=m.deallocate_pipeline_outputs,
-                defer_output_wgrad=plan.defer_embedding_wgrad_compute,
-                wgrad_deferral_limit=plan.wgrad_deferral_limit, memory=self.pipeline_memory,
-                ep_overlap=plan.overlap_moe_expert_parallel_comm,
-                delay_wgrad=plan.delay_wgrad_compute).run()
-            for lm_loss in losses:
-                loss_sum += lm_loss.float()
+        # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; with EP
+        # overlap its steady steps merged, piece by piece): pipeline/executor.py, or torch's peer.
+        for lm_loss in self.pipeline.step(batches, grad_scale):
+            loss_sum += lm_loss.float()
         with RECORDER.span("grad_reduce"):
             for ddp in self.ddps:
                 ddp.finish_grad_sync()
