@@ -1,30 +1,39 @@
-"""The GPU check: one short prepared run on a machine with one CUDA GPU (bench/gpu_check.sh runs it), from the
-source tree against that machine's own PyTorch (torch >= 2.11), every GPU step started through torchrun as a GPU
-run is. One GPU cannot host two NCCL ranks, so every step is single-rank:
+"""The GPU check: one short prepared run on a machine with one CUDA GPU (bench/gpu_check.sh runs
+it), from the source tree against that machine's own PyTorch (torch >= 2.11), every GPU step started
+through torchrun as a GPU run is. One GPU cannot host two NCCL ranks, so every step is single-rank:
 
-1. env       - the machine: GPU, torch, CUDA, NCCL versions; the experts' grouped GEMM against their per-expert
-               loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local experts): agreement and ms each;
-               each elementwise chain compiled (torch.compile, inductor) against eager at Qwen3-30B-A3B's shapes
-               in bf16 (forward + backward): agreement and ms each (the evidence for the fusions' CUDA default).
-2. nccl      - a one-rank NCCL world (device-bound): `batch_isend_irecv` gives one work for a whole batch (our handles
-               share it, the GPU timeline times it, and a send is dropped only once the device reports it complete),
-               a collective queued behind GEMMs has a future that completes at enqueue and a `wait()` that does not
-               block the host, and the GPU-timeline tracer (CUDA events) times it on the device: launched after the
-               GEMMs, done after its launch, with a positive duration.
-3. sync      - one training step of the tiny MoE recipe (one rank: the all-to-all path without peers) under
-               `torch.cuda.set_sync_debug_mode("warn")`: every host synchronisation by source line, each intended one
-               (the split sizes, the logged loss, the gradient norm) allowed by name; any other fails the step.
-4. moe_tiny  - `overlap run` of the tiny MoE recipe, bf16, 5 steps, with --trace (the GPU timeline's exposure table).
+1. env       - the machine: GPU, torch, CUDA, NCCL versions; the experts' grouped GEMM against their
+   per-expert
+               loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local experts):
+               agreement and ms each; each elementwise chain compiled (torch.compile, inductor)
+               against eager at Qwen3-30B-A3B's shapes in bf16 (forward + backward): agreement and
+               ms each (the evidence for the fusions' CUDA default).
+2. nccl      - a one-rank NCCL world (device-bound): `batch_isend_irecv` gives one work for a whole
+   batch (our handles
+               share it, the GPU timeline times it, and a send is dropped only once the device
+               reports it complete), a collective queued behind GEMMs has a future that completes at
+               enqueue and a `wait()` that does not block the host, and the GPU-timeline tracer
+               (CUDA events) times it on the device: launched after the GEMMs, done after its
+               launch, with a positive duration.
+3. sync      - one training step of the tiny MoE recipe (one rank: the all-to-all path without
+   peers) under
+               `torch.cuda.set_sync_debug_mode("warn")`: every host synchronisation by source line,
+               each intended one (the split sizes, the logged loss, the gradient norm) allowed by
+               name; any other fails the step.
+4. moe_tiny  - `overlap run` of the tiny MoE recipe, bf16, 5 steps, with --trace (the GPU timeline's
+   exposure table).
 5. dense_tiny- the same for the dense recipe.
-6. calibrate - `overlap plan --calibrate` for this GPU type on Qwen3-30B-A3B's shapes (docs/planner.md).
-7. plan      - the MoE guide's plan (EP16 on two nodes of 8) with that profile, every overlap switch off and on.
+6. calibrate - `overlap plan --calibrate` for this GPU type on Qwen3-30B-A3B's shapes
+   (docs/planner.md).
+7. plan      - the MoE guide's plan (EP16 on two nodes of 8) with that profile, every overlap switch
+   off and on.
 
-Each step runs with a timeout and the next runs whatever happened. The steps work in a scratch folder; OUT gets
-six files (the device tool brings back eight at most): gpu_check.json (every step's status, seconds and findings,
-the runs' summaries and the plan's predictions), gpu_check.log (every step's output), the calibrated profile, the
-plan, and the tiny MoE run's trace and timeline. `--device cpu` runs the same steps on CPU ranks (gloo; the
-CUDA-only facts not applicable, the sync check and the calibration skipped) to check the script itself; `--dry`
-prints the commands.
+Each step runs with a timeout and the next runs whatever happened. The steps work in a scratch
+folder; OUT gets six files (the device tool brings back eight at most): gpu_check.json (every step's
+status, seconds and findings, the runs' summaries and the plan's predictions), gpu_check.log (every
+step's output), the calibrated profile, the plan, and the tiny MoE run's trace and timeline.
+`--device cpu` runs the same steps on CPU ranks (gloo; the CUDA-only facts not applicable, the sync
+check and the calibration skipped) to check the script itself; `--dry` prints the commands.
 
 Usage: python bench/gpu_check.py run [--gpu h100] [--device cuda|cpu] [--out DIR] [--dry]
        (the `nccl` and `sync` subcommands are the steps' own, started by `run` under torchrun)
@@ -42,51 +51,146 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_TIMEOUT_S = {"env": 150, "nccl": 90, "sync": 120, "moe_tiny": 90, "dense_tiny": 90, "calibrate": 200,
-                  "plan": 60}
-DEADLINE_S = 480  # all steps together: the device tool runs one command for 10 minutes at most, 15 in a session
+STEP_TIMEOUT_S = {
+    "env": 150,
+    "nccl": 90,
+    "sync": 120,
+    "moe_tiny": 90,
+    "dense_tiny": 90,
+    "calibrate": 200,
+    "plan": 60,
+}
+# all steps together: the device tool runs one command for 10 minutes at most, 15 in a session
+DEADLINE_S = 480
 INTENDED_SYNCS = {  # (file, function) of the host reads a step needs, and why
-    ("split_sizes.py", "read_split_sizes"): "the MoE split sizes (NCCL's all-to-all takes them on the host)",
+    (
+        "split_sizes.py",
+        "read_split_sizes",
+    ): "the MoE split sizes (NCCL's all-to-all takes them on the host)",
     ("trainer.py", "train_step"): "the logged loss",
-    ("adam.py", "global_grad_norm"): "the gradient norm (clipping, the log, the fp16 overflow skip)",
+    (
+        "adam.py",
+        "global_grad_norm",
+    ): "the gradient norm (clipping, the log, the fp16 overflow skip)",
 }
 
 
 def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        *args,
+    ]
 
 
 def _overlap(*args: str) -> list[str]:
     return [sys.executable, "-m", "overlap.cli", *args]
 
 
-KEPT = {"cluster_{gpu}.json": "cluster_{gpu}.json", "plan_qwen3_30b_a3b_{gpu}.json": "plan_qwen3_30b_a3b_{gpu}.json",
-        "moe_tiny_trace/trace.json": "moe_tiny_trace.json", "moe_tiny_trace/timeline.png": "moe_tiny_timeline.png"}
+KEPT = {
+    "cluster_{gpu}.json": "cluster_{gpu}.json",
+    "plan_qwen3_30b_a3b_{gpu}.json": "plan_qwen3_30b_a3b_{gpu}.json",
+    "moe_tiny_trace/trace.json": "moe_tiny_trace.json",
+    "moe_tiny_trace/timeline.png": "moe_tiny_timeline.png",
+}
 # ^ scratch file -> its name in OUT, beside gpu_check.json and gpu_check.log
-FINDINGS = {"moe_tiny": "moe_tiny.jsonl.summary.json", "dense_tiny": "dense_tiny.jsonl.summary.json",
-            "plan": "plan_qwen3_30b_a3b_{gpu}.json"}  # a step's findings file where it is not NAME.json
+FINDINGS = {
+    "moe_tiny": "moe_tiny.jsonl.summary.json",
+    "dense_tiny": "dense_tiny.jsonl.summary.json",
+    "plan": "plan_qwen3_30b_a3b_{gpu}.json",
+}  # a step's findings file where it is not NAME.json
 
 
 def steps(gpu: str, device: str, out: Path) -> list[tuple[str, list[str] | None, str]]:
-    """(name, command or None, why it is skipped) of every step, in order; `out` is the scratch folder."""
+    """(name, command or None, why it is skipped) of every step, in order; `out` is the scratch
+    folder."""
     cpu = device == "cpu"
     g = "cpu" if cpu else gpu
-    tiny = ["-g", g, "-ng", "1", *(["-ms", "3", "-c", "fp32"] if cpu else ["-ms", "5", "-c", "bf16"])]
-    plan = ["plan", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", gpu, "-ng", "16", "-gn", "8", "-ep", "16", "-c", "bf16"]
+    tiny = [
+        "-g",
+        g,
+        "-ng",
+        "1",
+        *(["-ms", "3", "-c", "fp32"] if cpu else ["-ms", "5", "-c", "bf16"]),
+    ]
+    plan = [
+        "plan",
+        "-m",
+        "qwen",
+        "-mr",
+        "qwen3_30b_a3b",
+        "-g",
+        gpu,
+        "-ng",
+        "16",
+        "-gn",
+        "8",
+        "-ep",
+        "16",
+        "-c",
+        "bf16",
+    ]
     cluster = out / f"cluster_{gpu}.json"
     return [
         ("env", [sys.executable, __file__, "env", "--device", device, "--out", str(out)], ""),
         ("nccl", _torchrun(__file__, "nccl", "--device", device, "--out", str(out)), ""),
-        ("sync", None if cpu else _torchrun(__file__, "sync", "--gpu", gpu, "--out", str(out)),
-         "CUDA's sync debug mode needs a GPU"),
-        ("moe_tiny", _torchrun("-m", "overlap.cli", "run", "-m", "qwen", "-mr", "qwen3_moe_tiny", *tiny,
-                               "--metrics", str(out / "moe_tiny.jsonl"), "--trace", str(out / "moe_tiny_trace")), ""),
-        ("dense_tiny", _torchrun("-m", "overlap.cli", "run", "-m", "qwen", "-mr", "dense_tiny", *tiny,
-                                 "--metrics", str(out / "dense_tiny.jsonl")), ""),
-        ("calibrate", None if cpu else _overlap(*plan, "--calibrate", "--cluster", str(cluster)),
-         "a GPU type's efficiency is measured on that GPU"),
-        ("plan", _overlap(*plan, *(["--cluster", str(cluster)] if not cpu else []), "--json",
-                          str(out / f"plan_qwen3_30b_a3b_{gpu}.json")), ""),
+        (
+            "sync",
+            None if cpu else _torchrun(__file__, "sync", "--gpu", gpu, "--out", str(out)),
+            "CUDA's sync debug mode needs a GPU",
+        ),
+        (
+            "moe_tiny",
+            _torchrun(
+                "-m",
+                "overlap.cli",
+                "run",
+                "-m",
+                "qwen",
+                "-mr",
+                "qwen3_moe_tiny",
+                *tiny,
+                "--metrics",
+                str(out / "moe_tiny.jsonl"),
+                "--trace",
+                str(out / "moe_tiny_trace"),
+            ),
+            "",
+        ),
+        (
+            "dense_tiny",
+            _torchrun(
+                "-m",
+                "overlap.cli",
+                "run",
+                "-m",
+                "qwen",
+                "-mr",
+                "dense_tiny",
+                *tiny,
+                "--metrics",
+                str(out / "dense_tiny.jsonl"),
+            ),
+            "",
+        ),
+        (
+            "calibrate",
+            None if cpu else _overlap(*plan, "--calibrate", "--cluster", str(cluster)),
+            "a GPU type's efficiency is measured on that GPU",
+        ),
+        (
+            "plan",
+            _overlap(
+                *plan,
+                *(["--cluster", str(cluster)] if not cpu else []),
+                "--json",
+                str(out / f"plan_qwen3_30b_a3b_{gpu}.json"),
+            ),
+            "",
+        ),
     ]
 
 
@@ -106,61 +210,98 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _run_steps(plan: list[tuple[str, list[str] | None, str]], args: argparse.Namespace, work: Path,
-               out: Path) -> list[str]:
-    """Run every step within DEADLINE_S; after each one, OUT/gpu_check.json, .log and the kept files are written (a
-    run killed from outside keeps what it had); the names of the steps that failed."""
+def _run_steps(
+    plan: list[tuple[str, list[str] | None, str]], args: argparse.Namespace, work: Path, out: Path
+) -> list[str]:
+    """Run every step within DEADLINE_S; after each one, OUT/gpu_check.json, .log and the kept files
+    are written (a run killed from outside keeps what it had); the names of the steps that
+    failed."""
     import shutil
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",
+    )
     results, log = {}, (out / "gpu_check.log").open("w")
     deadline = time.monotonic() + DEADLINE_S
     for name, command, why in plan:
         left = deadline - time.monotonic()
         if command is None or left < 20:
-            results[name] = {"status": "skipped", "why": why if command is None else "out of time (DEADLINE_S)"}
+            results[name] = {
+                "status": "skipped",
+                "why": why if command is None else "out of time (DEADLINE_S)",
+            }
             continue
         start, timeout = time.monotonic(), min(STEP_TIMEOUT_S[name], left)
         try:
-            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            status, output = ("pass" if done.returncode == 0 else f"fail (exit {done.returncode})",
-                              done.stdout + done.stderr)
+            done = subprocess.run(
+                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            )
+            status, output = (
+                "pass" if done.returncode == 0 else f"fail (exit {done.returncode})",
+                done.stdout + done.stderr,
+            )
         except subprocess.TimeoutExpired as exc:
-            status, output = f"fail (timed out after {timeout:.0f} s)", f"{exc.stdout or ''}{exc.stderr or ''}"
+            status, output = (
+                f"fail (timed out after {timeout:.0f} s)",
+                f"{exc.stdout or ''}{exc.stderr or ''}",
+            )
         seconds = round(time.monotonic() - start, 1)
         log.write(f"===== {name}: {' '.join(command)}\n{output}\n")
         log.flush()
         found = work / FINDINGS.get(name, f"{name}.json").format(gpu=args.gpu)
-        results[name] = {"status": status, "seconds": seconds, "command": command,
-                         **({"findings": json.loads(found.read_text())} if found.exists() else {}),
-                         **({"last_lines": output.strip().splitlines()[-15:]} if status != "pass" else {})}
-        if found.exists() and isinstance(results[name]["findings"], dict) and results[name]["findings"].get("failed"):
-            results[name]["status"] = "fail (" + "; ".join(results[name]["findings"]["failed"]) + ")"
+        results[name] = {
+            "status": status,
+            "seconds": seconds,
+            "command": command,
+            **({"findings": json.loads(found.read_text())} if found.exists() else {}),
+            **({"last_lines": output.strip().splitlines()[-15:]} if status != "pass" else {}),
+        }
+        if (
+            found.exists()
+            and isinstance(results[name]["findings"], dict)
+            and results[name]["findings"].get("failed")
+        ):
+            results[name]["status"] = (
+                "fail (" + "; ".join(results[name]["findings"]["failed"]) + ")"
+            )
         print(f"{name:<11} {results[name]['status']} ({seconds} s)", flush=True)
-        (out / "gpu_check.json").write_text(json.dumps({"gpu": args.gpu, "device": args.device, "steps": results},
-                                                       indent=1) + "\n")
+        (out / "gpu_check.json").write_text(
+            json.dumps({"gpu": args.gpu, "device": args.device, "steps": results}, indent=1) + "\n"
+        )
         for source, kept in KEPT.items():
             if (work / source.format(gpu=args.gpu)).exists():
                 shutil.copy(work / source.format(gpu=args.gpu), out / kept.format(gpu=args.gpu))
     log.close()
-    (out / "gpu_check.json").write_text(json.dumps({"gpu": args.gpu, "device": args.device, "steps": results},
-                                                   indent=1) + "\n")
+    (out / "gpu_check.json").write_text(
+        json.dumps({"gpu": args.gpu, "device": args.device, "steps": results}, indent=1) + "\n"
+    )
     failed = [n for n, r in results.items() if r["status"].startswith("fail")]
-    print(f"gpu check: {len(results) - len(failed)} of {len(results)} steps passed or skipped"
-          + (f"; failed: {', '.join(failed)}" if failed else "") + f" -> {out / 'gpu_check.json'}")
+    print(
+        f"gpu check: {len(results) - len(failed)} of {len(results)} steps passed or skipped"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+        + f" -> {out / 'gpu_check.json'}"
+    )
     return failed
 
 
 def cmd_env(args: argparse.Namespace) -> int:
     import torch
 
-    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cuda_available": torch.cuda.is_available()}
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
-        info |= {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-                 "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-                 "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+        info |= {
+            "gpu": torch.cuda.get_device_name(),
+            "capability": list(torch.cuda.get_device_capability()),
+            "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        }
     missing = []
     for module in ("omegaconf", "rich", "numpy", "matplotlib", "tokenizers", "safetensors"):
         try:
@@ -168,7 +309,11 @@ def cmd_env(args: argparse.Namespace) -> int:
         except ImportError:
             missing.append(module)
     info["missing_packages"] = missing
-    info["failed"] = [f"missing {', '.join(missing)} (carry their wheels: bench/gpu_check.sh)"] if missing else []
+    info["failed"] = (
+        [f"missing {', '.join(missing)} (carry their wheels: bench/gpu_check.sh)"]
+        if missing
+        else []
+    )
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     info["grouped_gemm"] = _grouped_vs_loop(device, info["failed"])
     info["fused_elementwise"] = _fused_vs_eager(device, info["failed"])
@@ -178,10 +323,11 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def _grouped_vs_loop(device, failed: list[str]) -> dict:
-    """The experts' grouped GEMM (`F.grouped_mm`, what `grouped_offsets` picks on CUDA in bf16) against the per-expert
-    loop, forward + backward at one Qwen3-30B-A3B fc1 of 8 local experts (4096 routed rows, uneven, one expert
-    empty): the largest difference relative to the loop's largest value, and the median ms of each (CUDA events;
-    host clock on CPU, where the shape is cut 8x so the CPU check stays short)."""
+    """The experts' grouped GEMM (`F.grouped_mm`, what `grouped_offsets` picks on CUDA in bf16)
+    against the per-expert loop, forward + backward at one Qwen3-30B-A3B fc1 of 8 local experts
+    (4096 routed rows, uneven, one expert empty): the largest difference relative to the loop's
+    largest value, and the median ms of each (CUDA events; host clock on CPU, where the shape is cut
+    8x so the CPU check stays short)."""
     import torch
 
     from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
@@ -209,14 +355,22 @@ def _grouped_vs_loop(device, failed: list[str]) -> dict:
         return _timed_ms(device, lambda: run(kernel_offs))
 
     worst = 0.0
-    for name, a, b in zip(("out", "grad_rows", "grad_weight"), run(offs), run(None)):
-        worst = max(worst, float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)))
-    result = {"device": str(device), "grouped": True, "shape": [experts, sum(counts), hidden, width],
-              "max_rel_diff": worst, "grouped_ms": timed(offs), "loop_ms": timed(None)}
+    for a, b in zip(run(offs), run(None)):  # out, grad_rows, grad_weight
+        worst = max(
+            worst,
+            float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)),
+        )
+    result = {
+        "device": str(device),
+        "grouped": True,
+        "shape": [experts, sum(counts), hidden, width],
+        "max_rel_diff": worst,
+        "grouped_ms": timed(offs),
+        "loop_ms": timed(None),
+    }
     if worst > 2e-2:  # bf16 GEMMs of different kernels: a few units of bf16's 2^-8 at most
         failed.append(f"grouped_gemm: grouped and loop differ by {worst:.3g} of the largest value")
     return result
-
 
 
 def _timed_ms(device, fn, reps: int = 10) -> float:
@@ -240,11 +394,12 @@ def _timed_ms(device, fn, reps: int = 10) -> float:
 
 
 def _fused_vs_eager(device, failed: list[str]) -> dict:
-    """Each elementwise chain (`overlap.config.fusion`) compiled as the layers compile it against its eager
-    function, forward + backward in bf16 at Qwen3-30B-A3B's shapes (4096 tokens, hidden 2048, 32 heads of 128,
-    top-8 of experts 768 wide): the largest difference relative to eager's largest value, and the median ms of
-    each. On the CPU (the script's own check) the shapes are cut 16x and the graphs go through "aot_eager"
-    (captured whole, not compiled: inductor's CPU compile is tests/test_fused_elementwise.py's)."""
+    """Each elementwise chain (`overlap.config.fusion`) compiled as the layers compile it against
+    its eager function, forward + backward in bf16 at Qwen3-30B-A3B's shapes (4096 tokens, hidden
+    2048, 32 heads of 128, top-8 of experts 768 wide): the largest difference relative to eager's
+    largest value, and the median ms of each. On the CPU (the script's own check) the shapes are cut
+    16x and the graphs go through "aot_eager" (captured whole, not compiled: inductor's CPU compile
+    is tests/test_fused_elementwise.py's)."""
     import torch
 
     from overlap.layers import fused
@@ -268,9 +423,15 @@ def _fused_vs_eager(device, failed: list[str]) -> dict:
         "apply_rope": (apply_rope, (rand(tokens, 1, 32, 128), angles.cos(), angles.sin())),
         "swiglu": (swiglu, (rand(rows, ffn), rand(rows, ffn))),
         "scale_rows": (scale_rows, (rand(rows, hidden), rand(rows, dtype=torch.float32))),
-        "weight_and_sum_rows": (weight_and_sum_rows, (
-            rand(rows, hidden), rand(rows, dtype=torch.float32),
-            torch.randint(0, tokens, (rows,), generator=gen).to(device), tokens)),
+        "weight_and_sum_rows": (
+            weight_and_sum_rows,
+            (
+                rand(rows, hidden),
+                rand(rows, dtype=torch.float32),
+                torch.randint(0, tokens, (rows,), generator=gen).to(device),
+                tokens,
+            ),
+        ),
     }
     result = {"device": str(device), "backend": backend, "tokens": tokens, "hidden": hidden}
     for name, (fn, args) in chains.items():
@@ -278,20 +439,28 @@ def _fused_vs_eager(device, failed: list[str]) -> dict:
         out = fn(*args)
         grad = torch.randn(out.shape, generator=gen).to(device, out.dtype)
 
-        def run(f):
+        def run(f, args=args, inputs=inputs, grad=grad):
             y = f(*args)
             return (y.detach(), *torch.autograd.grad(y, inputs, grad))
 
         compiled = fused.compiled(fn, backend)
         try:
             got, want = run(compiled), run(fn)
-        except Exception as exc:  # a chain that cannot compile here is a finding, not the end of the step
-            failed.append(f"fused_elementwise: {name} did not compile: {type(exc).__name__}: {exc}"[:300])
+        # a chain that cannot compile here is a finding, not the end of the step
+        except Exception as exc:
+            failed.append(
+                f"fused_elementwise: {name} did not compile: {type(exc).__name__}: {exc}"[:300]
+            )
             continue
-        worst = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
-                    for a, b in zip(got, want))
-        result[name] = {"max_rel_diff": worst, "compiled_ms": _timed_ms(device, lambda: run(compiled)),
-                        "eager_ms": _timed_ms(device, lambda: run(fn))}
+        worst = max(
+            float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+            for a, b in zip(got, want)
+        )
+        result[name] = {
+            "max_rel_diff": worst,
+            "compiled_ms": _timed_ms(device, lambda compiled=compiled: run(compiled)),
+            "eager_ms": _timed_ms(device, lambda fn=fn: run(fn)),
+        }
         if worst > 2e-2:  # bf16 roundings placed differently: a few units of bf16's 2^-8 at most
             failed.append(f"fused_elementwise: {name} compiled and eager differ by {worst:.3g}")
     return result
@@ -313,40 +482,76 @@ def cmd_nccl(args: argparse.Namespace) -> int:
 
     cuda = args.device == "cuda"
     facts, failed = {"device": args.device}, []
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    )
     if cuda:
         torch.cuda.set_device(device)
     groups.init_world("nccl" if cuda else "gloo", 60, device)
     try:
-        RECORDER.timeline = DeviceTimeline() if cuda else RECORDER.timeline  # what a GPU rank's tracer uses
+        # what a GPU rank's tracer uses
+        RECORDER.timeline = DeviceTimeline() if cuda else RECORDER.timeline
         RECORDER.drain()
-        # One work per batch: our handles of a call share it (and its future on the GPU timeline); dropped once the
-        # device reports it complete, with a query that never waits.
+        # One work per batch: our handles of a call share it (and its future on the GPU timeline);
+        # dropped once the device reports it complete, with a query that never waits.
         if cuda:  # a send to itself and its receive in one group call (gloo has no send to self)
             a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
             for _ in range(30):  # the batch queues behind these on its stream
                 a = (a @ a).clamp_(-1, 1)
-            x, y = torch.arange(1 << 20, dtype=torch.float32, device=device), torch.zeros(1 << 20, device=device)
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, y, 0)])
+            x, y = (
+                torch.arange(1 << 20, dtype=torch.float32, device=device),
+                torch.zeros(1 << 20, device=device),
+            )
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, y, 0)]
+            )
             _check(facts, failed, "works_per_batch_of_2", len(works) == 1, len(works))
-            posted = comm._Posted(works)  # noqa: SLF001 (a one-rank world: comm's own calls skip a group of 1)
-            events = [CommEvent("pp_send_fwd", "p2p", 1, x.numel() * 4, RECORDER.mark()),
-                      CommEvent("pp_recv_fwd", "p2p", 1, 0, RECORDER.mark())]
+            # comm's private handle: in a one-rank world comm's own calls skip a group of 1
+            posted = comm._Posted(works)
+            events = [
+                CommEvent("pp_send_fwd", "p2p", 1, x.numel() * 4, RECORDER.mark()),
+                CommEvent("pp_recv_fwd", "p2p", 1, 0, RECORDER.mark()),
+            ]
             for e in events:
                 RECORDER.add_comm(e)
-            handles = [comm.CommHandle(events[0], posted, None), comm.CommHandle(events[1], posted, y)]
+            handles = [
+                comm.CommHandle(events[0], posted, None),
+                comm.CommHandle(events[1], posted, y),
+            ]
             reaped_while_busy = handles[0].reap()
             torch.cuda.synchronize()
-            _check(facts, failed, "send_reaped_only_once_complete", not reaped_while_busy and handles[0].reap(),
-                   {"while_busy": reaped_while_busy})
+            _check(
+                facts,
+                failed,
+                "send_reaped_only_once_complete",
+                not reaped_while_busy and handles[0].reap(),
+                {"while_busy": reaped_while_busy},
+            )
             got = handles[1].wait()
-            _check(facts, failed, "batched_self_exchange_correct", bool(torch.equal(got, x)), float(got.sum()))
+            _check(
+                facts,
+                failed,
+                "batched_self_exchange_correct",
+                bool(torch.equal(got, x)),
+                float(got.sum()),
+            )
             traced, _spans = RECORDER.drain()
-            _check(facts, failed, "batch_done_on_gpu_timeline", all(e.t_done is not None for e in traced),
-                   [None if e.t_done is None else round((e.t_done - e.t_launch) * 1e3, 4) for e in traced])
+            _check(
+                facts,
+                failed,
+                "batch_done_on_gpu_timeline",
+                all(e.t_done is not None for e in traced),
+                [
+                    None if e.t_done is None else round((e.t_done - e.t_launch) * 1e3, 4)
+                    for e in traced
+                ],
+            )
         # A collective behind queued GEMMs, traced on the GPU timeline.
-        a = torch.randn((4096, 4096) if cuda else (512, 512), device=device,
-                        dtype=torch.bfloat16 if cuda else torch.float32)
+        a = torch.randn(
+            (4096, 4096) if cuda else (512, 512),
+            device=device,
+            dtype=torch.bfloat16 if cuda else torch.float32,
+        )
         inp = torch.randn(1 << (28 if cuda else 20), device=device)
         outp = torch.empty_like(inp)
         with RECORDER.span("gemms"):
@@ -363,19 +568,46 @@ def cmd_nccl(args: argparse.Namespace) -> int:
         host_wait_ms = (time.perf_counter() - t0) * 1e3
         still_busy = cuda and not torch.cuda.current_stream().query()
         if cuda:
-            _check(facts, failed, "future_done_at_enqueue_while_gpu_busy", enqueued_done and busy,
-                   {"future_done": enqueued_done, "gpu_busy": busy})
-            _check(facts, failed, "wait_did_not_block_host", still_busy, {"host_wait_ms": round(host_wait_ms, 3),
-                                                                        "gpu_busy_after_wait": still_busy})
+            _check(
+                facts,
+                failed,
+                "future_done_at_enqueue_while_gpu_busy",
+                enqueued_done and busy,
+                {"future_done": enqueued_done, "gpu_busy": busy},
+            )
+            _check(
+                facts,
+                failed,
+                "wait_did_not_block_host",
+                still_busy,
+                {"host_wait_ms": round(host_wait_ms, 3), "gpu_busy_after_wait": still_busy},
+            )
         (traced,), spans = RECORDER.drain()
         gemms = spans[0]
-        timeline = {"gemms_ms": (gemms.t_end - gemms.t_start) * 1e3,
-                    "launch_after_gemms_ms": (traced.t_launch - gemms.t_end) * 1e3,
-                    "collective_ms": None if traced.t_done is None else (traced.t_done - traced.t_launch) * 1e3,
-                    "wait_ms": (traced.t_wait_end - traced.t_wait_start) * 1e3}
-        ok = (timeline["collective_ms"] is not None and timeline["collective_ms"] > 0
-              and timeline["launch_after_gemms_ms"] >= -1e-3) if cuda else True
-        _check(facts, failed, "gpu_timeline", ok, {k: None if v is None else round(v, 4) for k, v in timeline.items()})
+        timeline = {
+            "gemms_ms": (gemms.t_end - gemms.t_start) * 1e3,
+            "launch_after_gemms_ms": (traced.t_launch - gemms.t_end) * 1e3,
+            "collective_ms": None
+            if traced.t_done is None
+            else (traced.t_done - traced.t_launch) * 1e3,
+            "wait_ms": (traced.t_wait_end - traced.t_wait_start) * 1e3,
+        }
+        ok = (
+            (
+                timeline["collective_ms"] is not None
+                and timeline["collective_ms"] > 0
+                and timeline["launch_after_gemms_ms"] >= -1e-3
+            )
+            if cuda
+            else True
+        )
+        _check(
+            facts,
+            failed,
+            "gpu_timeline",
+            ok,
+            {k: None if v is None else round(v, 4) for k, v in timeline.items()},
+        )
         facts["gathered_correct"] = bool(torch.equal(outp, inp))
     except Exception:  # every fact so far is kept; the failure is one of them
         failed.append(traceback.format_exc(limit=3).strip().splitlines()[-1])
@@ -401,8 +633,23 @@ def cmd_sync(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
-    job = resolve_run(["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", args.gpu, "-ng", "1", "-ms", "2", "-c", "bf16"],
-                      [])
+    job = resolve_run(
+        [
+            "-m",
+            "qwen",
+            "-mr",
+            "qwen3_moe_tiny",
+            "-g",
+            args.gpu,
+            "-ng",
+            "1",
+            "-ms",
+            "2",
+            "-c",
+            "bf16",
+        ],
+        [],
+    )
     groups.init_world("nccl", 60, device)
     RECORDER.timeline = DeviceTimeline()
     sites: dict[str, dict] = {}
@@ -414,8 +661,10 @@ def cmd_sync(args: argparse.Namespace) -> int:
         ours = [f for f in traceback.extract_stack() if f"{os.sep}overlap{os.sep}" in f.filename]
         where = ours[-1] if ours else traceback.FrameSummary(filename, lineno, "?")
         key = f"{Path(where.filename).name}:{where.lineno} {where.name}"
-        entry = sites.setdefault(key, {"count": 0,
-                                       "intended": INTENDED_SYNCS.get((Path(where.filename).name, where.name))})
+        entry = sites.setdefault(
+            key,
+            {"count": 0, "intended": INTENDED_SYNCS.get((Path(where.filename).name, where.name))},
+        )
         entry["count"] += 1
 
     try:
@@ -433,8 +682,14 @@ def cmd_sync(args: argparse.Namespace) -> int:
     finally:
         teardown.shutdown()
     unintended = sorted(k for k, v in sites.items() if not v["intended"])
-    result = {"syncs": sites, "failed": [f"{len(unintended)} unintended host synchronisation site(s): "
-                                          + ", ".join(unintended)] if unintended else []}
+    result = {
+        "syncs": sites,
+        "failed": [
+            f"{len(unintended)} unintended host synchronisation site(s): " + ", ".join(unintended)
+        ]
+        if unintended
+        else [],
+    }
     Path(args.out, "sync.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
     return 0
@@ -444,10 +699,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="every step, each in its own process")
-    run.add_argument("--gpu", default="h100", help="the -g name of this machine's GPU type (an H200 runs as h100)")
+    run.add_argument(
+        "--gpu",
+        default="h100",
+        help="the -g name of this machine's GPU type (an H200 runs as h100)",
+    )
     run.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    run.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check"),
-                     help="where the six result files go (the steps work in a scratch folder)")
+    run.add_argument(
+        "--out",
+        default=str(ROOT / "bench" / "results" / "gpu_check"),
+        help="where the six result files go (the steps work in a scratch folder)",
+    )
     run.add_argument("--dry", action="store_true", help="print the steps' commands, run nothing")
     run.set_defaults(func=cmd_run)
     for name, func in (("env", cmd_env), ("nccl", cmd_nccl), ("sync", cmd_sync)):

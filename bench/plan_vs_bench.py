@@ -28,8 +28,11 @@ def probe() -> None:
     doc = {}
     for ranks in (2, 4):
         link = probe_loopback(ranks)
-        doc[str(ranks)] = {"bandwidth_GBps": link.bandwidth_Bps / 1e9, "latency_us": link.latency_s * 1e6,
-                           "source": link.source}
+        doc[str(ranks)] = {
+            "bandwidth_GBps": link.bandwidth_Bps / 1e9,
+            "latency_us": link.latency_s * 1e6,
+            "source": link.source,
+        }
     (RESULTS / "loopback_probe.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
@@ -39,19 +42,27 @@ def main() -> None:
         probe()
         return
     loopback = load_loopback(RESULTS / "loopback_probe.json")
-    lines = ["Planner vs measured: each committed benchmark's configurations of ours re-planned on the profile fitted "
-             "on that benchmark's own floor (`overlap.plan.versus_bench`); nothing of a switch is fitted.  ",
-             "Command: `python bench/plan_vs_bench.py` (loopback link: bench/results/loopback_probe.json).  ",
-             "Bounds (tests/test_plan_vs_bench.py): step time within 20%, ratio to the first configuration within "
-             "0.08.",
-             "", "| benchmark | config | measured ms | predicted ms | error | measured ratio | predicted ratio | "
-             "ratio error | within bounds |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "Planner vs measured: each committed benchmark's configurations of ours re-planned on the "
+        "profile fitted on that benchmark's own floor (`overlap.plan.versus_bench`); nothing of a "
+        "switch is fitted.  ",
+        "Command: `python bench/plan_vs_bench.py` (loopback link: "
+        "bench/results/loopback_probe.json).  ",
+        "Bounds (tests/test_plan_vs_bench.py): step time within 20%, ratio to the first "
+        "configuration within 0.08.",
+        "",
+        "| benchmark | config | measured ms | predicted ms | error | measured ratio | predicted "
+        "ratio | ratio error | within bounds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in BENCHMARKS:
         for r in compare(RESULTS / f"{name}.json", loopback):
             ok = abs(r.error) <= 0.20 and abs(r.ratio_error) <= 0.08
-            lines.append(f"| {r.benchmark} | {r.config} | {r.measured_ms:.0f} | {r.predicted_ms:.0f} | "
-                         f"{r.error:+.1%} | {r.measured_ratio:.3f} | {r.predicted_ratio:.3f} | "
-                         f"{r.ratio_error:+.3f} | {'yes' if ok else '**no**'} |")
+            lines.append(
+                f"| {r.benchmark} | {r.config} | {r.measured_ms:.0f} | {r.predicted_ms:.0f} | "
+                f"{r.error:+.1%} | {r.measured_ratio:.3f} | {r.predicted_ratio:.3f} | "
+                f"{r.ratio_error:+.3f} | {'yes' if ok else '**no**'} |"
+            )
     (RESULTS / "plan_vs_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

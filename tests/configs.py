@@ -14,8 +14,15 @@ Every builder takes model fields as keywords, which replace its own values.
 
 from __future__ import annotations
 
-from overlap.config import (CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig,
-                            OptimizerConfig, SchedulerConfig, TrainConfig)
+from overlap.config import (
+    CommOverlapConfig,
+    ConfigContainer,
+    DDPConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TrainConfig,
+)
 
 
 def dense_model(**fields) -> ModelConfig:
@@ -30,27 +37,52 @@ def moe_model(**fields) -> ModelConfig:
     return dense_model(**{**base, **fields})
 
 
-def container(model: ModelConfig | None = None, co: CommOverlapConfig | None = None,
-              mp: str | None = "bf16_mixed", ddp: DDPConfig | None = None,
-              optimizer: OptimizerConfig | None = None,
-              train: TrainConfig | None = None) -> ConfigContainer:
+def container(
+    model: ModelConfig | None = None,
+    co: CommOverlapConfig | None = None,
+    mp: str | None = "bf16_mixed",
+    ddp: DDPConfig | None = None,
+    optimizer: OptimizerConfig | None = None,
+    train: TrainConfig | None = None,
+) -> ConfigContainer:
     """A run configuration around `model` (None: `dense_model()`): bf16 mixed precision, global
     batch 16, the default DDP and optimizer sections, no comm_overlap section unless `co` is
     given."""
-    return ConfigContainer(model=model or dense_model(), comm_overlap=co, mixed_precision=mp,
-                           ddp=ddp or DDPConfig(), optimizer=optimizer or OptimizerConfig(),
-                           train=train or TrainConfig(global_batch_size=16))
+    return ConfigContainer(
+        model=model or dense_model(),
+        comm_overlap=co,
+        mixed_precision=mp,
+        ddp=ddp or DDPConfig(),
+        optimizer=optimizer or OptimizerConfig(),
+        train=train or TrainConfig(global_batch_size=16),
+    )
 
 
-TINY = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-            ffn_hidden_size=128, vocab_size=256, seq_length=16, qk_layernorm=True)
-TINY_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-                moe_aux_loss_coeff=1e-2)
+TINY = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=16,
+    ffn_hidden_size=128,
+    vocab_size=256,
+    seq_length=16,
+    qk_layernorm=True,
+)
+TINY_MOE = dict(
+    num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=1e-2
+)
 
 
-def tiny_config(moe: bool, precision: str | None, layers: int, overrides: list[str], iters: int,
-                global_batch_size: int = 8, micro_batch_size: int = 1,
-                **fields) -> ConfigContainer:
+def tiny_config(
+    moe: bool,
+    precision: str | None,
+    layers: int,
+    overrides: list[str],
+    iters: int,
+    global_batch_size: int = 8,
+    micro_batch_size: int = 1,
+    **fields,
+) -> ConfigContainer:
     """The tiny model (`TINY`, with `TINY_MOE`'s experts if `moe`) with `layers` layers as a run of
     `iters` iterations: AdamW at lr 1e-3 after one warm-up iteration, `precision` (a mixed-precision
     preset name, or None: fp32); `fields` set model fields (layout, sizes), then the `overrides`
@@ -58,25 +90,50 @@ def tiny_config(moe: bool, precision: str | None, layers: int, overrides: list[s
     from overlap.config.overrides import apply_overrides
 
     model = ModelConfig(num_layers=layers, **{**TINY, **(TINY_MOE if moe else {}), **fields})
-    train = TrainConfig(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
-                        train_iters=iters)
-    cfg = ConfigContainer(model=model, train=train, optimizer=OptimizerConfig(lr=1e-3),
-                          scheduler=SchedulerConfig(lr_warmup_iters=1), mixed_precision=precision)
+    train = TrainConfig(
+        global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, train_iters=iters
+    )
+    cfg = ConfigContainer(
+        model=model,
+        train=train,
+        optimizer=OptimizerConfig(lr=1e-3),
+        scheduler=SchedulerConfig(lr_warmup_iters=1),
+        mixed_precision=precision,
+    )
     apply_overrides(cfg, overrides)
     return cfg
 
 
 def ep_overlap_model(**fields) -> ModelConfig:
     """The EP-overlap tests' MoE model: 3 layers, 32 wide, 4 experts top-2, init std 0.1."""
-    base = dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                kv_channels=8, ffn_hidden_size=64, vocab_size=128, seq_length=16, qk_layernorm=True,
-                num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-                moe_aux_loss_coeff=1e-2, init_method_std=0.1)
+    base = dict(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=8,
+        ffn_hidden_size=64,
+        vocab_size=128,
+        seq_length=16,
+        qk_layernorm=True,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        moe_aux_loss_coeff=1e-2,
+        init_method_std=0.1,
+    )
     return ModelConfig(**{**base, **fields})
 
 
 def moe_layer_model(**fields) -> ModelConfig:
     """One MoE layer's configuration: 32 wide, 8 experts top-2 (64 wide each), fp32 parameters."""
-    base = dict(hidden_size=32, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
-                moe_ffn_hidden_size=64, moe_aux_loss_coeff=1e-2, params_dtype="float32")
+    base = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        moe_aux_loss_coeff=1e-2,
+        params_dtype="float32",
+    )
     return ModelConfig(**{**base, **fields})

@@ -9,8 +9,11 @@ os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "gloo_only(reason): measures gloo's own behaviour (the host clock, a modelled "
-                                       "link, the memory a gloo send holds); skipped under OVERLAP_TEST_NCCL_RULES=1")
+    config.addinivalue_line(
+        "markers",
+        "gloo_only(reason): measures gloo's own behaviour (the host clock, a modelled link, the "
+        "memory a gloo send holds); skipped under OVERLAP_TEST_NCCL_RULES=1",
+    )
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -21,4 +24,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         marker = item.get_closest_marker("gloo_only")
         if marker is not None:
-            item.add_marker(pytest.mark.skip(reason=f"gloo only: {marker.kwargs.get('reason', '')}"))
+            item.add_marker(
+                pytest.mark.skip(reason=f"gloo only: {marker.kwargs.get('reason', '')}")
+            )

@@ -1,5 +1,5 @@
-"""One `overlap run` on this host, read back from its `--metrics` file: the reference the multi-host tests
-(two nodes, Slurm) compare their losses with."""
+"""One `overlap run` on this host, read back from its `--metrics` file: the reference the multi-host
+tests (two nodes, Slurm) compare their losses with."""
 
 from __future__ import annotations
 
@@ -16,7 +16,11 @@ def metrics_losses(path: Path) -> dict[int, float]:
 
 def run_locally(args: list[str], metrics: Path) -> dict[int, float]:
     """`overlap run ARGS --metrics METRICS` here; its losses by iteration."""
-    done = subprocess.run([sys.executable, "-m", "overlap.cli", "run", *args, "--metrics", str(metrics)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "overlap.cli", "run", *args, "--metrics", str(metrics)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return metrics_losses(metrics)

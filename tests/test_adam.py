@@ -1,10 +1,11 @@
 """The Adam core on torch's multi-tensor paths (issue 35).
 
-- Same arithmetic as the per-slot loop it replaced: torch's single-tensor AdamW on `float(grad) * clip scale`, bit
-  for bit on the CPU, with fp32 and bf16 gradients and bf16 parameters (copy-back).
-- The state a checkpoint load creates is the state torch's own AdamW would have made: `step` on the CPU for the
-  foreach path (a `step` on the GPU there makes AdamW read it back with `.item()` per slot per step), fp32 on the
-  parameter's device for the fused path - whatever the default device and dtype at load time.
+- Same arithmetic as the per-slot loop it replaced: torch's single-tensor AdamW on `float(grad) *
+  clip scale`, bit for bit on the CPU, with fp32 and bf16 gradients and bf16 parameters (copy-back).
+- The state a checkpoint load creates is the state torch's own AdamW would have made: `step` on the
+  CPU for the foreach path (a `step` on the GPU there makes AdamW read it back with `.item()` per
+  slot per step), fp32 on the parameter's device for the fused path - whatever the default device
+  and dtype at load time.
 """
 
 from __future__ import annotations
@@ -20,18 +21,23 @@ from overlap.optim.adam import MixedPrecisionAdam, Slot
 
 def _adam(seed: int) -> tuple[MixedPrecisionAdam, list[nn.Parameter]]:
     gen = torch.Generator().manual_seed(seed)
-    params = [nn.Parameter(torch.randn(4, 3, generator=gen, dtype=torch.float32)),
-              nn.Parameter(torch.randn(5, generator=gen, dtype=torch.float32))]
+    params = [
+        nn.Parameter(torch.randn(4, 3, generator=gen, dtype=torch.float32)),
+        nn.Parameter(torch.randn(5, generator=gen, dtype=torch.float32)),
+    ]
     grads = [torch.randn(p.shape, generator=gen, dtype=torch.float32) for p in params]
-    opt = MixedPrecisionAdam([Slot(p, p, g, p, p.dim() > 1) for p, g in zip(params, grads)],
-                             OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0))
+    opt = MixedPrecisionAdam(
+        [Slot(p, p, g, p, p.dim() > 1) for p, g in zip(params, grads)],
+        OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0),
+    )
     return opt, params
 
 
 @pytest.mark.parametrize("impl", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
 def test_loaded_step_is_what_torch_creates(impl, monkeypatch):
-    """Default dtype float64 tells the two rules apart on the CPU (foreach: the default scalar dtype, fused: fp32);
-    default device meta stands in for CUDA: a `step` created on the default device lands there."""
+    """Default dtype float64 tells the two rules apart on the CPU (foreach: the default scalar
+    dtype, fused: fp32); default device meta stands in for CUDA: a `step` created on the default
+    device lands there."""
     monkeypatch.setattr(adam_mod, "multi_tensor_impl", lambda params: impl)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -42,10 +48,16 @@ def test_loaded_step_is_what_torch_creates(impl, monkeypatch):
         with torch.no_grad():  # the checkpoint's weights (an fp32 parameter is its own master)
             for p, q in zip(params, trained):
                 p.copy_(q)
-        states = {s.param: {k: v.view(s.param.shape) for k, v in ran.export_slot(s).items() if k != "master"}
-                  for s in ran.slots}
+        states = {
+            s.param: {
+                k: v.view(s.param.shape) for k, v in ran.export_slot(s).items() if k != "master"
+            }
+            for s in ran.slots
+        }
         with torch.device("meta"):
-            loaded.import_param_states({lp: states[rs.param] for lp, rs in zip(params, ran.slots)}, step=1)
+            loaded.import_param_states(
+                {lp: states[rs.param] for lp, rs in zip(params, ran.slots)}, step=1
+            )
     finally:
         torch.set_default_dtype(saved)
     for a, b in zip(ran.slots, loaded.slots):
@@ -57,9 +69,15 @@ def test_loaded_step_is_what_torch_creates(impl, monkeypatch):
     assert loaded.steps_taken() == ran.steps_taken() == 2
 
 
-@pytest.mark.parametrize("grad_dtype,param_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                                    (torch.float32, torch.bfloat16)],
-                         ids=["fp32", "bf16_grads", "bf16_params"])
+@pytest.mark.parametrize(
+    "grad_dtype,param_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
+    ids=["fp32", "bf16_grads", "bf16_params"],
+)
 def test_multi_tensor_step_is_the_single_tensor_loop(grad_dtype, param_dtype):
     gen = torch.Generator().manual_seed(1)
     shapes = [(4, 3), (5,), (2, 2)]
@@ -69,10 +87,18 @@ def test_multi_tensor_step_is_the_single_tensor_loop(grad_dtype, param_dtype):
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
     opt = MixedPrecisionAdam.for_params(params, cfg)
     reduced = [p.main_grad.clone() for p in params]
-    masters = [p.detach().float().clone().requires_grad_() for p in params]  # the per-slot loop's reference
-    ref = torch.optim.AdamW([{"params": [m for m in masters if m.dim() > 1], "weight_decay": 0.1},
-                             {"params": [m for m in masters if m.dim() <= 1], "weight_decay": 0.0}],
-                            lr=1e-2, eps=cfg.adam_eps, betas=(cfg.adam_beta1, cfg.adam_beta2), foreach=False)
+    # the per-slot loop's reference
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    ref = torch.optim.AdamW(
+        [
+            {"params": [m for m in masters if m.dim() > 1], "weight_decay": 0.1},
+            {"params": [m for m in masters if m.dim() <= 1], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        eps=cfg.adam_eps,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        foreach=False,
+    )
     for _ in range(3):
         opt.step(1e-2, grad_norm=4.0)  # scale 1 / 4
         for m, p in zip(masters, params):

@@ -1,9 +1,11 @@
-"""`model.attention_backend`: the unfused kernel computes what SDPA computes, the rule picks the kernel it documents,
-bad values are refused by name, and the choice is a decision in the "model" section.
+"""`model.attention_backend`: the unfused kernel computes what SDPA computes, the rule picks the
+kernel it documents, bad values are refused by name, and the choice is a decision in the "model"
+section.
 
-Tolerances: fp32, the same product summed in another order (two GEMMs and a softmax vs SDPA's blocked online
-softmax): 1e-5 absolute on O(1) outputs and gradients (measured ~1e-6). bf16: both round the probabilities to bf16
-before `p v` at different points; 2e-2 absolute (measured 1.6e-2 at worst over [1, 8, 256, 64], one bf16 ulp at 2-4).
+Tolerances: fp32, the same product summed in another order (two GEMMs and a softmax vs SDPA's
+blocked online softmax): 1e-5 absolute on O(1) outputs and gradients (measured ~1e-6). bf16: both
+round the probabilities to bf16 before `p v` at different points; 2e-2 absolute (measured 1.6e-2 at
+worst over [1, 8, 256, 64], one bf16 ulp at 2-4).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ BF16_ATOL = 2e-2
 
 def _qkv(heads: int, groups: int, seq: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, n, seq, 16, generator=gen).to(dtype).requires_grad_() for n in (heads, groups, groups)]
+    return [
+        torch.randn(2, n, seq, 16, generator=gen).to(dtype).requires_grad_()
+        for n in (heads, groups, groups)
+    ]
 
 
 @pytest.mark.parametrize("heads,groups", [(4, 4), (8, 2), (6, 3)])
@@ -53,7 +58,8 @@ def test_unfused_equals_sdpa_bf16() -> None:
 
 
 def test_unfused_is_causal() -> None:
-    """A later key or value never reaches an earlier query: changing the last position changes only the last row."""
+    """A later key or value never reaches an earlier query: changing the last position changes only
+    the last row."""
     q, k, v = (t.detach() for t in _qkv(4, 2, 10, torch.float32))
     k2, v2 = k.clone(), v.clone()
     k2[:, :, -1] += 5.0
@@ -63,19 +69,22 @@ def test_unfused_is_causal() -> None:
     assert not torch.allclose(a[:, :, -1], b[:, :, -1])
 
 
-@pytest.mark.parametrize("backend,on_cuda,dtype,seq,kernel", [
-    ("auto", False, "bfloat16", 256, "unfused"),
-    ("auto", False, "bfloat16", UNFUSED_MAX_SEQ, "unfused"),
-    ("auto", False, "bfloat16", UNFUSED_MAX_SEQ + 1, "sdpa"),
-    ("auto", False, "float32", 256, "sdpa"),
-    ("auto", False, "float16", 256, "sdpa"),
-    ("auto", True, "bfloat16", 256, "sdpa"),
-    ("flash", False, "bfloat16", 256, "flash"),
-    ("flash", True, "float32", 4096, "flash"),
-    ("fused", True, "bfloat16", 4096, "fused"),
-    ("unfused", True, "float32", 4096, "unfused"),
-    ("local", False, "float32", 256, "unfused"),
-])
+@pytest.mark.parametrize(
+    "backend,on_cuda,dtype,seq,kernel",
+    [
+        ("auto", False, "bfloat16", 256, "unfused"),
+        ("auto", False, "bfloat16", UNFUSED_MAX_SEQ, "unfused"),
+        ("auto", False, "bfloat16", UNFUSED_MAX_SEQ + 1, "sdpa"),
+        ("auto", False, "float32", 256, "sdpa"),
+        ("auto", False, "float16", 256, "sdpa"),
+        ("auto", True, "bfloat16", 256, "sdpa"),
+        ("flash", False, "bfloat16", 256, "flash"),
+        ("flash", True, "float32", 4096, "flash"),
+        ("fused", True, "bfloat16", 4096, "fused"),
+        ("unfused", True, "float32", 4096, "unfused"),
+        ("local", False, "float32", 256, "unfused"),
+    ],
+)
 def test_kernel_rule(backend: str, on_cuda: bool, dtype: str, seq: int, kernel: str) -> None:
     assert attention_kernel(backend, on_cuda, dtype, seq)[0] == kernel
 
@@ -94,12 +103,18 @@ def test_unknown_backend_is_refused_at_finalize() -> None:
     assert "unfused" in str(err.value)
 
 
-@pytest.mark.parametrize("backend,requested,effective", [
-    ("auto", None, "unfused"), ("flash", "flash", "flash"), ("local", "local", "local")])
+@pytest.mark.parametrize(
+    "backend,requested,effective",
+    [("auto", None, "unfused"), ("flash", "flash", "flash"), ("local", "local", "local")],
+)
 def test_decision_in_model_section(backend: str, requested, effective) -> None:
-    cfg = ConfigContainer(model=ModelConfig(attention_backend=backend, seq_length=256), mixed_precision="bf16_mixed")
+    cfg = ConfigContainer(
+        model=ModelConfig(attention_backend=backend, seq_length=256), mixed_precision="bf16_mixed"
+    )
     res = cfg.finalize(1, device=lambda: None)
-    (decision,) = [d for d in res.decisions.sections["model"] if d.field == "model.attention_backend"]
+    (decision,) = [
+        d for d in res.decisions.sections["model"] if d.field == "model.attention_backend"
+    ]
     assert (decision.requested, decision.effective) == (requested, effective)
     if backend == "local":
         assert "unfused" in decision.reason
@@ -107,31 +122,48 @@ def test_decision_in_model_section(backend: str, requested, effective) -> None:
 
 
 def _model_backends(backends: list[str]) -> dict[str, dict]:
-    """The tiny dense model's loss and gradients with each backend, same weights and tokens (rank side)."""
+    """The tiny dense model's loss and gradients with each backend, same weights and tokens (rank
+    side)."""
     ps = ParallelState(ParallelLayout(world_size=1))
     out = {}
     for backend in backends:
-        config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                             ffn_hidden_size=128, vocab_size=256, seq_length=32, qk_layernorm=True,
-                             init_method_std=0.1, attention_backend=backend,
-                             recompute_granularity="selective", recompute_modules=["core_attn"])
+        config = ModelConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=128,
+            vocab_size=256,
+            seq_length=32,
+            qk_layernorm=True,
+            init_method_std=0.1,
+            attention_backend=backend,
+            recompute_granularity="selective",
+            recompute_modules=["core_attn"],
+        )
         model = GPTModel(config, ps)
         model.init_weights(1234)
         data = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(7))
         loss, _ = model(data[:, :-1], data[:, 1:])
         loss.backward()
-        out[backend] = {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+        out[backend] = {
+            "loss": loss.item(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        }
     return out
 
 
 def test_model_backends_agree() -> None:
-    """The whole model (selective recompute of the core attention included) trains the same through each kernel."""
+    """The whole model (selective recompute of the core attention included) trains the same through
+    each kernel."""
     (res,) = run_world(1, _model_backends, ["flash", "unfused", "auto"])
     ref = res["flash"]
     for backend in ("unfused", "auto"):
         assert res[backend]["loss"] == pytest.approx(ref["loss"], rel=1e-6)
         for name, grad in res[backend]["grads"].items():
-            torch.testing.assert_close(grad, ref["grads"][name], atol=FP32_ATOL, rtol=1e-4, msg=name)
+            torch.testing.assert_close(
+                grad, ref["grads"][name], atol=FP32_ATOL, rtol=1e-4, msg=name
+            )
 
 
 def test_attention_layer_refuses_unknown_backend() -> None:
@@ -141,17 +173,23 @@ def test_attention_layer_refuses_unknown_backend() -> None:
 
 
 def test_explain_names_the_kernel_per_target(capsys) -> None:
-    """`explain` resolves for the target -g names: CPU bf16 at the tiny recipe's sequence is unfused, an H100 runs
-    SDPA's own choice, and fused on CPU exits 2 with the field named (no traceback)."""
+    """`explain` resolves for the target -g names: CPU bf16 at the tiny recipe's sequence is
+    unfused, an H100 runs SDPA's own choice, and fused on CPU exits 2 with the field named (no
+    traceback)."""
     from overlap.cli import main
 
     base = ["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "4", "-c", "bf16"]
     assert main([*base, "-g", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert any(line.startswith("model.attention_backend") and " unfused " in line for line in out.splitlines())
+    assert any(
+        line.startswith("model.attention_backend") and " unfused " in line
+        for line in out.splitlines()
+    )
     assert main([*base, "-g", "h100"]) == 0
     out = capsys.readouterr().out
-    assert any(line.startswith("model.attention_backend") and " sdpa " in line for line in out.splitlines())
+    assert any(
+        line.startswith("model.attention_backend") and " sdpa " in line for line in out.splitlines()
+    )
     assert main([*base, "-g", "cpu", "model.attention_backend=fused"]) == 2
     err = capsys.readouterr().err
     assert "model.attention_backend='fused'" in err and "Traceback" not in err

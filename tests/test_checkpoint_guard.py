@@ -1,6 +1,7 @@
-"""Checkpoints a user saved are never deleted or overwritten without their say: retention within a run's lineage,
-a lost tracker, iter_* load paths, the guarded and locked save folder, and what a resume refuses (another
-learning-rate schedule, a renamed folder). Real files and real 1-2 rank worlds of the tiny dense model."""
+"""Checkpoints a user saved are never deleted or overwritten without their say: retention within a
+run's lineage, a lost tracker, iter_* load paths, the guarded and locked save folder, and what a
+resume refuses (another learning-rate schedule, a renamed folder). Real files and real 1-2 rank
+worlds of the tiny dense model."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from overlap.training.save_lock import LOCK_NAME, SaveFolderLock
 from tests.configs import tiny_config
 from tests.world import run_world
 
-CONSTANT = ["scheduler.lr_decay_style=constant"]  # the schedule does not depend on train_iters: runs may extend
+# the schedule does not depend on train_iters: runs may extend
+CONSTANT = ["scheduler.lr_decay_style=constant"]
 
 
 def _run(items: list[str], iters: int):
@@ -44,7 +46,12 @@ def _iters(folder) -> list[str]:
 
 def test_retention_keeps_the_lineage_newest_and_the_loaded_one_and_refuses_older_resumes(tmp_path):
     a = tmp_path / "a"
-    keep = [f"checkpoint.save={a}", "checkpoint.save_interval=1", "checkpoint.most_recent_k=2", *CONSTANT]
+    keep = [
+        f"checkpoint.save={a}",
+        "checkpoint.save_interval=1",
+        "checkpoint.most_recent_k=2",
+        *CONSTANT,
+    ]
     run_world(1, _run, keep, 4)
     assert _iters(a) == ["iter_0000003", "iter_0000004"]
     # another run's checkpoint in the same folder (same model) is never pruned
@@ -54,12 +61,15 @@ def test_retention_keeps_the_lineage_newest_and_the_loaded_one_and_refuses_older
     (a / "iter_0000001" / "train_state.json").write_text(json.dumps(state))
     first, _ = run_world(1, _run, keep + [f"checkpoint.load={a}"], 6)[0]
     assert first == 4
-    # the loaded iter 4 stays (this run's fallback), the lineage's 2 newest are kept, the other run's iter 1 too
+    # the loaded iter 4 stays (this run's fallback), the lineage's 2 newest are kept, the other
+    # run's iter 1 too
     assert _iters(a) == ["iter_0000001", "iter_0000004", "iter_0000005", "iter_0000006"]
     assert (a / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     # resuming an older checkpoint into the folder: refused, naming the newer ones; nothing deleted
     msg = run_world(1, _run, keep + [f"checkpoint.load={a}", "checkpoint.ckpt_step=4"], 6)[0]
-    assert "newer than iteration 4" in msg and "iter_0000005, iter_0000006" in msg and "another" in msg
+    assert (
+        "newer than iteration 4" in msg and "iter_0000005, iter_0000006" in msg and "another" in msg
+    )
     assert _iters(a) == ["iter_0000001", "iter_0000004", "iter_0000005", "iter_0000006"]
     # a fresh run into a folder with checkpoints is refused the same way
     msg = run_world(1, _run, [f"checkpoint.save={a}", *CONSTANT], 2)[0]
@@ -74,7 +84,9 @@ def test_a_lost_tracker_and_an_iteration_folder_both_resume(tmp_path):
     (b / "iter_0000003" / "train_state.json").unlink()  # an incomplete newest folder is passed over
     assert run_world(1, _run, [f"checkpoint.load={b}", *CONSTANT], 4)[0][0] == 2
     assert run_world(1, _run, [f"checkpoint.load={b}/iter_0000001", *CONSTANT], 4)[0][0] == 1
-    msg = run_world(1, _run, [f"checkpoint.load={b}/iter_0000001", "checkpoint.ckpt_step=2", *CONSTANT], 4)[0]
+    msg = run_world(
+        1, _run, [f"checkpoint.load={b}/iter_0000001", "checkpoint.ckpt_step=2", *CONSTANT], 4
+    )[0]
     assert "itself a checkpoint folder" in msg
     # a folder whose train_state disagrees with its name
     shutil.copytree(b / "iter_0000002", b / "iter_0000009")
@@ -92,7 +104,12 @@ def test_another_models_folder_is_refused_unless_allowed(tmp_path):
     theirs, mine = tmp_path / "theirs", tmp_path / "mine"
     run_world(1, _run, [f"checkpoint.save={theirs}", *CONSTANT], 1)
     run_world(1, _run, [f"checkpoint.save={mine}", "model.ffn_hidden_size=256", *CONSTANT], 1)
-    items = [f"checkpoint.load={mine}", f"checkpoint.save={theirs}", "model.ffn_hidden_size=256", *CONSTANT]
+    items = [
+        f"checkpoint.load={mine}",
+        f"checkpoint.save={theirs}",
+        "model.ffn_hidden_size=256",
+        *CONSTANT,
+    ]
     msg = run_world(1, _run, items, 2)[0]
     assert "checkpoints of another model" in msg and "allow_other_model_in_save=true" in msg
     assert _iters(theirs) == ["iter_0000001"]
@@ -113,7 +130,9 @@ def test_the_lock_refuses_a_second_writer_and_a_stale_one_is_taken_over(tmp_path
     assert not (folder / LOCK_NAME).exists()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (folder / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": 0}))
+    (folder / LOCK_NAME).write_text(
+        json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": 0})
+    )
     with caplog.at_level(logging.WARNING, logger="overlap.checkpoint"):
         lock.acquire()
     lock.release()
@@ -132,17 +151,37 @@ def test_a_resume_keeps_the_learning_rate_schedule_unless_told(tmp_path):
     assert "scheduler.lr_decay_iters=6" in msg  # the fix that trains on along the same schedule
     msg = run_world(1, _run, [f"checkpoint.load={c}", "optimizer.lr=0.01"], 6)[0]
     assert msg.startswith("optimizer.lr=0.01") and "override_opt_param_scheduler" in msg
-    # the same schedule through an explicit decay length: the resumed learning rates are the uninterrupted run's
+    # the same schedule through an explicit decay length: the resumed learning rates are the
+    # uninterrupted run's
     first, lrs = run_world(1, _run, [f"checkpoint.load={c}", "scheduler.lr_decay_iters=6"], 6)[0]
     assert first == 3 and lrs == full[3:]
-    first, lrs = run_world(1, _run, [f"checkpoint.load={c}", "scheduler.use_checkpoint_opt_param_scheduler=true",
-                                     "optimizer.lr=0.5"], 6)[0]
+    first, lrs = run_world(
+        1,
+        _run,
+        [
+            f"checkpoint.load={c}",
+            "scheduler.use_checkpoint_opt_param_scheduler=true",
+            "optimizer.lr=0.5",
+        ],
+        6,
+    )[0]
     assert lrs == full[3:]
-    first, lrs = run_world(1, _run, [f"checkpoint.load={c}", "scheduler.override_opt_param_scheduler=true"], 8)[0]
+    first, lrs = run_world(
+        1, _run, [f"checkpoint.load={c}", "scheduler.override_opt_param_scheduler=true"], 8
+    )[0]
     assert first == 3 and lrs[0] != full[3]
     with pytest.raises(ConfigError) as err:
-        tiny_config(False, "fp32", 2, [f"checkpoint.load={c}", "scheduler.override_opt_param_scheduler=true",
-                                       "scheduler.use_checkpoint_opt_param_scheduler=true"], 6).finalize(1)
+        tiny_config(
+            False,
+            "fp32",
+            2,
+            [
+                f"checkpoint.load={c}",
+                "scheduler.override_opt_param_scheduler=true",
+                "scheduler.use_checkpoint_opt_param_scheduler=true",
+            ],
+            6,
+        ).finalize(1)
     assert err.value.field == "scheduler.use_checkpoint_opt_param_scheduler"
 
 
@@ -156,5 +195,11 @@ def test_training_through_nan_is_warned_once_with_a_count(caplog):
             count.see(it, float("nan"), float("nan"))
         count.report()
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and lines[0].startswith("iteration 4: lm loss nan") and "check_for_nan_in_grad" in lines[0]
-    assert lines[1].startswith("3 iteration(s) had a non-finite") and "first: 4, last: 8" in lines[1]
+    assert (
+        len(lines) == 2
+        and lines[0].startswith("iteration 4: lm loss nan")
+        and "check_for_nan_in_grad" in lines[0]
+    )
+    assert (
+        lines[1].startswith("3 iteration(s) had a non-finite") and "first: 4, last: 8" in lines[1]
+    )

@@ -1,6 +1,6 @@
-"""A clean run is quiet and honest: no warnings on stderr, no claimed file that is missing, a table that stays aligned,
-no GPU number on CPU ranks, and one iteration numbering (1-based, window [first, last]) in the log, the summary file
-and the bench table."""
+"""A clean run is quiet and honest: no warnings on stderr, no claimed file that is missing, a table
+that stays aligned, no GPU number on CPU ranks, and one iteration numbering (1-based, window [first,
+last]) in the log, the summary file and the bench table."""
 
 import json
 import logging
@@ -17,15 +17,37 @@ from overlap.profiling.collector import Collector
 from overlap.profiling.exposed import ALL, KindExposure, format_table
 from overlap.training.metrics import StepRecord, format_iteration, window_iterations
 
-# The smallest real job: one rank, one layer, short sequences, three iterations (window: iterations 2-3).
-TINY = ("-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "1", "-ms", "3", "-gb", "1", "-mb", "1", "-sl", "32",
-        "model.num_layers=1")
+# The smallest real job: one rank, one layer, short sequences, three iterations (window: iterations
+# 2-3).
+TINY = (
+    "-m",
+    "qwen",
+    "-mr",
+    "dense_tiny",
+    "-g",
+    "cpu",
+    "-ng",
+    "1",
+    "-ms",
+    "3",
+    "-gb",
+    "1",
+    "-mb",
+    "1",
+    "-sl",
+    "32",
+    "model.num_layers=1",
+)
 WARNING_MARKS = ("Warning", "WARNING", "warn(")
 
 
 def _overlap(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "overlap.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "overlap.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _warning_lines(stderr: str) -> list[str]:
@@ -54,12 +76,39 @@ def test_explain_prints_no_warnings():
     assert _warning_lines(out.stderr) == [] and _warning_lines(out.stdout) == [], out.stderr[-3000:]
 
 
-# The MoE guide's harness command, verbatim: its override beats its own --moe_a2a_overlap false on purpose.
-MOE_GUIDE = ("-m", "qwen", "-mr", "qwen3_30b_a3b", "--task", "pretrain", "-g", "h100", "-c", "bf16", "-ng", "16",
-             "-gn", "8", "--max_steps", "8", "--config_variant", "v1", "--cuda_graph_impl", "none",
-             "--moe_flex_dispatcher_backend", "None", "--moe_a2a_overlap", "false", "--tokenizer_type",
-             "NullTokenizer", "comm_overlap.overlap_moe_expert_parallel_comm=true",
-             "comm_overlap.delay_wgrad_compute=false", "model.moe_shared_expert_overlap=false")
+# The MoE guide's harness command, verbatim: its override beats its own --moe_a2a_overlap false on
+# purpose.
+MOE_GUIDE = (
+    "-m",
+    "qwen",
+    "-mr",
+    "qwen3_30b_a3b",
+    "--task",
+    "pretrain",
+    "-g",
+    "h100",
+    "-c",
+    "bf16",
+    "-ng",
+    "16",
+    "-gn",
+    "8",
+    "--max_steps",
+    "8",
+    "--config_variant",
+    "v1",
+    "--cuda_graph_impl",
+    "none",
+    "--moe_flex_dispatcher_backend",
+    "None",
+    "--moe_a2a_overlap",
+    "false",
+    "--tokenizer_type",
+    "NullTokenizer",
+    "comm_overlap.overlap_moe_expert_parallel_comm=true",
+    "comm_overlap.delay_wgrad_compute=false",
+    "model.moe_shared_expert_overlap=false",
+)
 
 
 def test_the_moe_guides_command_is_quiet_and_names_the_beaten_flag():
@@ -71,10 +120,13 @@ def test_the_moe_guides_command_is_quiet_and_names_the_beaten_flag():
 
 def test_every_trace_file_the_log_names_exists(tiny_run):
     out, _, trace = tiny_run
-    lines = [line.split("trace: ", 1)[1] for line in out.stderr.splitlines() if "INFO trace: " in line]
+    lines = [
+        line.split("trace: ", 1)[1] for line in out.stderr.splitlines() if "INFO trace: " in line
+    ]
     assert len(lines) == 1, out.stderr[-3000:]
     claimed = re.findall(r"(\S+\.(?:json|png))\b", lines[0])
-    assert str(trace / "trace.json") in claimed and str(trace / "timeline.png") in claimed  # matplotlib is installed
+    # matplotlib is installed
+    assert str(trace / "trace.json") in claimed and str(trace / "timeline.png") in claimed
     assert all((trace / p.rsplit("/", 1)[-1]).exists() for p in claimed)
     assert (trace / "timeline.png").stat().st_size > 1000
 
@@ -102,32 +154,57 @@ def test_trace_log_does_not_claim_a_timeline_it_could_not_draw(tmp_path, monkeyp
 
 
 def test_exposure_table_columns_stay_aligned_for_long_kind_names():
-    rows = {"dp_loss": KindExposure(0.1, 0.1, 1, 4), "ep_dispatch_bwd": KindExposure(12.5, 4.25, 10, 123_456_789),
-            "ep_combine_bwd": KindExposure(1.0, 0.0, 3, 1000),
-            "some_future_kind_with_a_long_name": KindExposure(12345.678, 12.0, 12345, 9_876_543_210),
-            ALL: KindExposure(12359.0, 16.0, 12359, 9_999_999_999)}
+    rows = {
+        "dp_loss": KindExposure(0.1, 0.1, 1, 4),
+        "ep_dispatch_bwd": KindExposure(12.5, 4.25, 10, 123_456_789),
+        "ep_combine_bwd": KindExposure(1.0, 0.0, 3, 1000),
+        "some_future_kind_with_a_long_name": KindExposure(12345.678, 12.0, 12345, 9_876_543_210),
+        ALL: KindExposure(12359.0, 16.0, 12359, 9_999_999_999),
+    }
     lines = format_table(rows, "title").splitlines()
     assert lines[0] == "title"
     header, body = lines[1], lines[2:]
     assert len({len(line) for line in lines[1:]}) == 1  # every row as wide as the header
-    assert [line.split()[0] for line in body] == ["dp_loss", "ep_combine_bwd", "ep_dispatch_bwd",
-                                                  "some_future_kind_with_a_long_name", ALL]
-    for name in ("ops", "MB", "total ms", "exposed ms", "hidden %"):  # numbers end where their header ends
+    assert [line.split()[0] for line in body] == [
+        "dp_loss",
+        "ep_combine_bwd",
+        "ep_dispatch_bwd",
+        "some_future_kind_with_a_long_name",
+        ALL,
+    ]
+    for name in (
+        "ops",
+        "MB",
+        "total ms",
+        "exposed ms",
+        "hidden %",
+    ):  # numbers end where their header ends
         end = header.index(name) + len(name)
-        assert all(line[end - 1] != " " and (end == len(line) or line[end] == " ") for line in body), name
-    width = len("some_future_kind_with_a_long_name")  # the kind column: left-aligned, as wide as the longest name
-    assert all(line[width] == " " and line[:width] == line.split()[0].ljust(width) for line in [header, *body])
+        assert all(
+            line[end - 1] != " " and (end == len(line) or line[end] == " ") for line in body
+        ), name
+    # the kind column: left-aligned, as wide as the longest name
+    width = len("some_future_kind_with_a_long_name")
+    assert all(
+        line[width] == " " and line[:width] == line.split()[0].ljust(width)
+        for line in [header, *body]
+    )
 
 
 def test_cpu_iteration_lines_quote_no_gpu_number(tiny_run):
-    record, cfg = StepRecord(0, 6.9, 1.0, 12.0, 1e-4), TrainConfig(global_batch_size=2, train_iters=3)
+    record, cfg = (
+        StepRecord(0, 6.9, 1.0, 12.0, 1e-4),
+        TrainConfig(global_batch_size=2, train_iters=3),
+    )
     cpu = format_iteration(record, cfg, 1000.0, 0.001, on_gpu=False)
     assert "TFLOP/s" not in cpu and "per GPU" not in cpu and "tokens/s per rank: 1000" in cpu
     assert cpu.startswith("iteration      1/3")
     gpu = format_iteration(record, cfg, 1000.0, 0.001, on_gpu=True)
     assert "throughput per GPU (TFLOP/s/GPU): 0.0010" in gpu and "tokens/s per GPU: 1000" in gpu
     out, _, _ = tiny_run
-    iteration_lines = [line for line in out.stderr.splitlines() if "elapsed time per iteration" in line]
+    iteration_lines = [
+        line for line in out.stderr.splitlines() if "elapsed time per iteration" in line
+    ]
     assert len(iteration_lines) == 3 and not any("TFLOP/s/GPU" in line for line in iteration_lines)
 
 
@@ -139,8 +216,11 @@ def test_one_iteration_numbering_in_log_summary_and_bench(tiny_run, monkeypatch)
     assert window_iterations((1, 3)) == (2, 3)
     assert "steady-state step time over iterations 2-3:" in out.stderr
     assert "mean per iteration over iterations 2-3 |" in out.stderr
-    # `overlap bench` reads the same file (its subprocess replaced by the run above) and prints the same numbers
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    # `overlap bench` reads the same file (its subprocess replaced by the run above) and prints the
+    # same numbers
+    monkeypatch.setattr(
+        bench.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", "")
+    )
     config = bench.BenchConfig("only", [])
     result = bench.run_once([], [], config, metrics)
     doc = bench.summarize([config], {"only": [result]}, summary["network"], "overlap bench ...")

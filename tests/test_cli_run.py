@@ -1,4 +1,5 @@
-"""`overlap run` end to end: the README's main job trains, and user mistakes exit 2 without a traceback."""
+"""`overlap run` end to end: the README's main job trains, and user mistakes exit 2 without a
+traceback."""
 
 import json
 import subprocess
@@ -6,14 +7,33 @@ import sys
 
 
 def _overlap(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "overlap.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "overlap.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_main_job_trains_moe_on_four_ranks(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    out = _overlap("run", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "4", "-ms", "3",
-                   "--moe_a2a_overlap", "true", "--metrics", str(metrics))
+    out = _overlap(
+        "run",
+        "-m",
+        "qwen",
+        "-mr",
+        "qwen3_moe_tiny",
+        "-g",
+        "cpu",
+        "-ng",
+        "4",
+        "-ms",
+        "3",
+        "--moe_a2a_overlap",
+        "true",
+        "--metrics",
+        str(metrics),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
@@ -27,7 +47,9 @@ def test_main_job_trains_moe_on_four_ranks(tmp_path):
 def test_bad_layout_exits_2_with_message():
     out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "3", "-tp", "2")
     assert out.returncode == 2
-    assert "-ng/--num_gpus=3" in out.stderr and "Fix:" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        "-ng/--num_gpus=3" in out.stderr and "Fix:" in out.stderr and "Traceback" not in out.stderr
+    )
 
 
 def test_unbuilt_feature_exits_2_before_starting_ranks():
@@ -38,8 +60,21 @@ def test_unbuilt_feature_exits_2_before_starting_ranks():
 
 def test_emit_slurm_writes_a_script(tmp_path):
     path = tmp_path / "job.sbatch"
-    out = _overlap("run", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-gn", "8",
-                   "--emit-slurm", str(path))
+    out = _overlap(
+        "run",
+        "-m",
+        "qwen",
+        "-mr",
+        "qwen3_30b_a3b",
+        "-g",
+        "h100",
+        "-ng",
+        "16",
+        "-gn",
+        "8",
+        "--emit-slurm",
+        str(path),
+    )
     assert out.returncode == 0, out.stderr
     text = path.read_text()
     assert "#SBATCH --nodes=2" in text and "torchrun" in text and "--emit-slurm" not in text
@@ -54,8 +89,25 @@ def test_context_parallel_exits_2_not_built():
 
 
 def test_benchmark_floor_mistakes_exit_2_before_any_run():
-    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--comm-mode", "none:epp")
+    out = _overlap(
+        "run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--comm-mode", "none:epp"
+    )
     assert out.returncode == 2 and "--comm-mode" in out.stderr and "Traceback" not in out.stderr
-    out = _overlap("bench", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--ab",
-                   "ddp.overlap_grad_reduce=false,true", "--ideal-family", "ep", "--ideal-family", "ep")
+    out = _overlap(
+        "bench",
+        "-m",
+        "qwen",
+        "-mr",
+        "dense_tiny",
+        "-g",
+        "cpu",
+        "-ng",
+        "2",
+        "--ab",
+        "ddp.overlap_grad_reduce=false,true",
+        "--ideal-family",
+        "ep",
+        "--ideal-family",
+        "ep",
+    )
     assert out.returncode == 2 and "--ideal-family" in out.stderr and "Traceback" not in out.stderr

@@ -1,4 +1,5 @@
-"""Flex token dispatch: apply_flex_dispatcher_backend, validate_flex_dispatcher_backend, and the GPU/library gates.
+"""Flex token dispatch: apply_flex_dispatcher_backend, validate_flex_dispatcher_backend, and the
+GPU/library gates.
 
 Covers Megatron-Bridge's suite `tests/unit_tests/training/test_deepep.py` with a fake device probe
 passed as `device=`, adapted to our decisions: flex on a dense model or on an unsupported GPU falls
@@ -15,8 +16,14 @@ import logging
 import pytest
 
 import overlap.config.flex_dispatcher as flex
-from overlap.config import (CommOverlapConfig, ConfigContainer, ModelConfig, TrainConfig,
-                            apply_flex_dispatcher_backend, validate_flex_dispatcher_backend)
+from overlap.config import (
+    CommOverlapConfig,
+    ConfigContainer,
+    ModelConfig,
+    TrainConfig,
+    apply_flex_dispatcher_backend,
+    validate_flex_dispatcher_backend,
+)
 from overlap.config.decisions import DecisionLog
 from overlap.config.flex_dispatcher import DeviceInfo, deepep_supported, hybridep_supported
 from overlap.errors import ConfigError
@@ -34,7 +41,9 @@ FUTURE = DeviceInfo("NVIDIA R100", 11)
 WEIRD = DeviceInfo("NVIDIA X", 200)
 
 DEEPEP_MSG = "DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs"
-HYBRIDEP_MSG = "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, B200 and B300 GPUs"
+HYBRIDEP_MSG = (
+    "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, B200 and B300 GPUs"
+)
 
 
 def moe(**kw) -> ModelConfig:
@@ -61,23 +70,33 @@ class Probe:
 @pytest.fixture
 def no_deep_ep(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(flex.importlib.util, "find_spec",
-                        lambda name, *a, **k: None if name == "deep_ep" else real(name, *a, **k))
+    monkeypatch.setattr(
+        flex.importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == "deep_ep" else real(name, *a, **k),
+    )
 
 
 @pytest.fixture
 def with_deep_ep(monkeypatch):
     real = importlib.util.find_spec
     fake = object()
-    monkeypatch.setattr(flex.importlib.util, "find_spec",
-                        lambda name, *a, **k: fake if name == "deep_ep" else real(name, *a, **k))
+    monkeypatch.setattr(
+        flex.importlib.util,
+        "find_spec",
+        lambda name, *a, **k: fake if name == "deep_ep" else real(name, *a, **k),
+    )
 
 
-# --- apply_flex_dispatcher_backend ---------------------------------------------------------------------------------
+# --- apply_flex_dispatcher_backend
+# ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["torch", "deepep", "hybridep"])
 def test_apply_sets_flex_backend_and_disables_shared_overlap(backend):
-    m = moe(moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=True,
-            moe_shared_expert_intermediate_size=32)
+    m = moe(
+        moe_token_dispatcher_type="alltoall",
+        moe_shared_expert_overlap=True,
+        moe_shared_expert_intermediate_size=32,
+    )
     apply_flex_dispatcher_backend(m, backend)
     assert m.moe_token_dispatcher_type == "flex"
     assert m.moe_flex_dispatcher_backend == backend
@@ -98,7 +117,8 @@ def test_apply_logs_when_turning_shared_overlap_off(caplog):
 
 
 def test_apply_needs_no_device():
-    # Like the reference on CPU (#5732): building a deepep recipe does not probe the GPU; validation does.
+    # Like the reference on CPU (#5732): building a deepep recipe does not probe the GPU; validation
+    # does.
     m = moe()
     apply_flex_dispatcher_backend(m, "hybridep")
     assert m.moe_token_dispatcher_type == "flex"
@@ -127,7 +147,10 @@ def test_flex_on_a_dense_model_falls_back_with_a_warning_and_strict_refuses(expe
     probe = Probe(HOPPER)
     with caplog.at_level(logging.WARNING, logger="overlap.config"):
         res = cfg.finalize(1, device=probe)
-    assert cfg.model.moe_token_dispatcher_type == "alltoall" and cfg.model.moe_flex_dispatcher_backend is None
+    assert (
+        cfg.model.moe_token_dispatcher_type == "alltoall"
+        and cfg.model.moe_flex_dispatcher_backend is None
+    )
     assert "only to MoE models" in res.decisions.get("model.moe_flex_dispatcher_backend").reason
     assert "only to MoE models" in caplog.text and probe.calls == 0
     m = moe(num_moe_experts=experts, expert_model_parallel_size=1)
@@ -137,7 +160,8 @@ def test_flex_on_a_dense_model_falls_back_with_a_warning_and_strict_refuses(expe
     assert exc.value.field == "model.moe_flex_dispatcher_backend" and "MoE" in str(exc.value)
 
 
-# --- validate: inactive backend and missing backend ---------------------------------------------------------------
+# --- validate: inactive backend and missing backend
+# ---------------------------------------------------------------
 def test_backend_alone_does_not_enable_flex(caplog):
     cfg = container(moe(moe_flex_dispatcher_backend="torch"))
     probe = Probe(HOPPER)
@@ -154,13 +178,16 @@ def test_backend_alone_does_not_enable_flex(caplog):
 
 def test_backend_alone_is_error_in_strict_mode():
     with pytest.raises(ConfigError) as exc:
-        container(moe(moe_flex_dispatcher_backend="deepep"), strict=True).finalize(2, device=Probe(VOLTA))
+        container(moe(moe_flex_dispatcher_backend="deepep"), strict=True).finalize(
+            2, device=Probe(VOLTA)
+        )
     assert exc.value.field == "model.moe_flex_dispatcher_backend"
     assert "moe_token_dispatcher_type=flex" in exc.value.fix
 
 
 def test_non_flex_type_with_gpu_backend_never_probes_device():
-    # Reference TestValidateDeepEP (13): type alltoall with backend deepep on Volta -> no error, no probe.
+    # Reference TestValidateDeepEP (13): type alltoall with backend deepep on Volta -> no error, no
+    # probe.
     probe = Probe(VOLTA)
     m = moe(moe_flex_dispatcher_backend="deepep")
     validate_flex_dispatcher_backend(m, DecisionLog(strict=False), probe)
@@ -179,12 +206,15 @@ def test_flex_without_backend_falls_back_to_alltoall(caplog):
 
 def test_flex_without_backend_is_error_in_strict_mode():
     with pytest.raises(ConfigError) as exc:
-        container(moe(moe_token_dispatcher_type="flex"), strict=True).finalize(2, device=Probe(None))
+        container(moe(moe_token_dispatcher_type="flex"), strict=True).finalize(
+            2, device=Probe(None)
+        )
     assert exc.value.field == "model.moe_token_dispatcher_type"
 
 
 def test_clearing_backend_after_apply_restores_alltoall():
-    # Reference TestFlexDispatcherFallback (9): apply deepep, clear the backend, validate -> alltoall.
+    # Reference TestFlexDispatcherFallback (9): apply deepep, clear the backend, validate ->
+    # alltoall.
     m = moe()
     apply_flex_dispatcher_backend(m, "deepep")
     m.moe_flex_dispatcher_backend = None
@@ -192,7 +222,8 @@ def test_clearing_backend_after_apply_restores_alltoall():
     assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("alltoall", None)
 
 
-# --- validate: torch backend ------------------------------------------------------------------------------------------
+# --- validate: torch backend
+# ------------------------------------------------------------------------------------------
 def test_torch_backend_is_fine_without_gpu():
     probe = Probe(None)
     cfg = container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch"))
@@ -209,22 +240,29 @@ def test_torch_backend_through_apply_then_finalize():
     apply_flex_dispatcher_backend(m, "torch")
     cfg = container(m, strict=True)
     cfg.finalize(2, device=Probe(None))
-    assert (cfg.model.moe_token_dispatcher_type, cfg.model.moe_flex_dispatcher_backend) == ("flex", "torch")
+    assert (cfg.model.moe_token_dispatcher_type, cfg.model.moe_flex_dispatcher_backend) == (
+        "flex",
+        "torch",
+    )
 
 
 def test_unknown_backend_in_validation_is_error():
     with pytest.raises(ConfigError) as exc:
-        container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="magic")).finalize(
-            2, device=Probe(HOPPER))
+        container(
+            moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="magic")
+        ).finalize(2, device=Probe(HOPPER))
     assert exc.value.field == "model.moe_flex_dispatcher_backend"
 
 
-# --- validate: GPU backends -------------------------------------------------------------------------------------------
+# --- validate: GPU backends
+# -------------------------------------------------------------------------------------------
 def _gpu(backend: str) -> ConfigContainer:
     return container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend))
 
 
-@pytest.mark.parametrize("dev", [VOLTA, PASCAL, GB200, WEIRD], ids=["volta", "pascal", "gb200", "major200"])
+@pytest.mark.parametrize(
+    "dev", [VOLTA, PASCAL, GB200, WEIRD], ids=["volta", "pascal", "gb200", "major200"]
+)
 def test_deepep_on_unsupported_gpu_falls_back_and_strict_refuses(dev, with_deep_ep, caplog):
     probe = Probe(dev)
     cfg = _gpu("deepep")
@@ -232,10 +270,13 @@ def test_deepep_on_unsupported_gpu_falls_back_and_strict_refuses(dev, with_deep_
         res = cfg.finalize(2, device=probe)
     assert cfg.model.moe_token_dispatcher_type == "alltoall" and probe.calls == 1
     reason = res.decisions.get("model.moe_flex_dispatcher_backend").reason
-    assert DEEPEP_MSG in reason and f"Current GPU: {dev.name}" in reason and "alltoall" in caplog.text
+    assert (
+        DEEPEP_MSG in reason and f"Current GPU: {dev.name}" in reason and "alltoall" in caplog.text
+    )
     with pytest.raises(ConfigError) as exc:
-        container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"),
-                  strict=True).finalize(2, device=Probe(dev))
+        container(
+            moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"), strict=True
+        ).finalize(2, device=Probe(dev))
     assert exc.value.field == "model.moe_flex_dispatcher_backend" and DEEPEP_MSG in str(exc.value)
 
 
@@ -246,8 +287,10 @@ def test_hybridep_on_unsupported_gpu_falls_back_and_strict_refuses(dev, with_dee
     assert cfg.model.moe_token_dispatcher_type == "alltoall"
     assert HYBRIDEP_MSG in res.decisions.get("model.moe_flex_dispatcher_backend").reason
     with pytest.raises(ConfigError) as exc:
-        container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep"),
-                  strict=True).finalize(2, device=Probe(dev))
+        container(
+            moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep"),
+            strict=True,
+        ).finalize(2, device=Probe(dev))
     assert HYBRIDEP_MSG in str(exc.value)
 
 
@@ -268,8 +311,18 @@ def test_gpu_backend_without_any_gpu_is_error(backend, with_deep_ep):
     assert "needs a CUDA GPU" in str(exc.value)
 
 
-@pytest.mark.parametrize("backend,dev", [("deepep", AMPERE), ("deepep", HOPPER), ("deepep", B200), ("deepep", B300),
-                                         ("hybridep", AMPERE), ("hybridep", HOPPER), ("hybridep", GB200)])
+@pytest.mark.parametrize(
+    "backend,dev",
+    [
+        ("deepep", AMPERE),
+        ("deepep", HOPPER),
+        ("deepep", B200),
+        ("deepep", B300),
+        ("hybridep", AMPERE),
+        ("hybridep", HOPPER),
+        ("hybridep", GB200),
+    ],
+)
 def test_gpu_backend_on_supported_gpu_with_library(backend, dev, with_deep_ep):
     probe = Probe(dev)
     cfg = _gpu(backend)
@@ -292,14 +345,18 @@ def test_device_error_propagates():
 def test_device_support_tables():
     assert deepep_supported(AMPERE) and deepep_supported(HOPPER)
     assert deepep_supported(B200) and deepep_supported(B300)
-    assert not deepep_supported(GB200) and not deepep_supported(VOLTA) and not deepep_supported(WEIRD)
+    assert (
+        not deepep_supported(GB200) and not deepep_supported(VOLTA) and not deepep_supported(WEIRD)
+    )
     assert all(hybridep_supported(d) for d in (AMPERE, HOPPER, B200, GB200))
     assert not hybridep_supported(VOLTA) and not hybridep_supported(FUTURE)
 
 
 def test_flex_with_ep_overlap_and_strict():
     cfg = container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch"))
-    cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, strict=True)
+    cfg.comm_overlap = CommOverlapConfig(
+        tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, strict=True
+    )
     cfg.finalize(2, device=Probe(None))
     assert cfg.model.overlap_moe_expert_parallel_comm is True
     assert cfg.model.moe_token_dispatcher_type == "flex"

@@ -1,4 +1,5 @@
-"""Layout and model validation in ConfigContainer.finalize, and the recipes (Qwen3-30B-A3B reference dimensions)."""
+"""Layout and model validation in ConfigContainer.finalize, and the recipes (Qwen3-30B-A3B reference
+dimensions)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,17 @@ def error(cfg: ConfigContainer, world: int) -> ConfigError:
     return exc.value
 
 
-# --- layout ----------------------------------------------------------------------------------------------------------
+# --- layout
+# --------------------------------------------------------------------------------------------------
 def test_world_not_divisible_by_tp_pp_cp():
-    err = error(build(model(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)), 6)
+    err = error(
+        build(
+            model(
+                tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2
+            )
+        ),
+        6,
+    )
     assert err.field == "-ng/--num_gpus"
     assert err.value == 6
     assert "TP x PP x CP" in err.why and "= 4" in err.why
@@ -54,14 +63,25 @@ def test_experts_not_divisible_by_ep():
 
 
 def test_heads_not_divisible_by_tp():
-    err = error(build(model(num_attention_heads=6, hidden_size=96, tensor_model_parallel_size=4,
-                            sequence_parallel=True)), 4)
+    err = error(
+        build(
+            model(
+                num_attention_heads=6,
+                hidden_size=96,
+                tensor_model_parallel_size=4,
+                sequence_parallel=True,
+            )
+        ),
+        4,
+    )
     assert err.field == "model.num_attention_heads"
     assert "tensor_model_parallel_size" in err.why
 
 
 def test_query_groups_not_divisible_by_tp():
-    err = error(build(model(num_query_groups=2, tensor_model_parallel_size=4, sequence_parallel=True)), 4)
+    err = error(
+        build(model(num_query_groups=2, tensor_model_parallel_size=4, sequence_parallel=True)), 4
+    )
     assert err.field == "model.num_query_groups"
 
 
@@ -77,8 +97,16 @@ def test_vpp_with_pp1_is_error():
 
 
 def test_layers_not_divisible_by_pp_times_vpp():
-    # 2 layers per stage cannot make 4 virtual-pipeline chunks: the split names the VPP field (and the counts)
-    err = error(build(model(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4)), 2)
+    # 2 layers per stage cannot make 4 virtual-pipeline chunks: the split names the VPP field (and
+    # the counts)
+    err = error(
+        build(
+            model(
+                num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4
+            )
+        ),
+        2,
+    )
     assert err.field == "model.virtual_pipeline_model_parallel_size" and "2 layers" in err.why
     err = error(build(model(num_layers=5, pipeline_model_parallel_size=2)), 2)
     assert err.field == "model.num_layers"
@@ -102,26 +130,49 @@ def test_context_parallel_is_fine_for_explain():
     assert (res.layout.cp, res.layout.dp, res.layout.ep) == (2, 2, 2)
 
 
-@pytest.mark.parametrize("name", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                  "context_parallel_size", "expert_model_parallel_size",
-                                  "expert_tensor_parallel_size"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+    ],
+)
 def test_parallel_sizes_must_be_positive(name):
     err = error(build(moe(**{name: 0})), 2)
     assert err.field == f"model.{name}"
 
 
 def test_unknown_dispatcher_and_recompute_and_graph_values():
-    assert error(build(moe(moe_token_dispatcher_type="ring")), 2).field == "model.moe_token_dispatcher_type"
+    assert (
+        error(build(moe(moe_token_dispatcher_type="ring")), 2).field
+        == "model.moe_token_dispatcher_type"
+    )
     assert error(build(moe(recompute_granularity="half")), 2).field == "model.recompute_granularity"
     assert error(build(moe(recompute_granularity="full")), 2).field == "model.recompute_method"
-    assert error(build(moe(recompute_granularity="full", recompute_method="uniform")), 2).field == \
-        "model.recompute_num_layers"
+    assert (
+        error(build(moe(recompute_granularity="full", recompute_method="uniform")), 2).field
+        == "model.recompute_num_layers"
+    )
     assert error(build(moe(cuda_graph_impl="cudnn")), 2).field == "model.cuda_graph_impl"
-    assert error(build(moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "bogus"])), 2).field == \
-        "model.cuda_graph_scope"
-    assert error(build(moe(cuda_graph_impl="local", cuda_graph_scope=["attn"])), 2).field == "model.cuda_graph_scope"
-    assert error(build(moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=["full_iteration"])), 2).field == \
-        "model.cuda_graph_scope"
+    assert (
+        error(
+            build(moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "bogus"])), 2
+        ).field
+        == "model.cuda_graph_scope"
+    )
+    assert (
+        error(build(moe(cuda_graph_impl="local", cuda_graph_scope=["attn"])), 2).field
+        == "model.cuda_graph_scope"
+    )
+    assert (
+        error(
+            build(moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=["full_iteration"])), 2
+        ).field
+        == "model.cuda_graph_scope"
+    )
 
 
 def test_topk_must_fit_expert_count():
@@ -129,7 +180,8 @@ def test_topk_must_fit_expert_count():
 
 
 def test_tokenizer_types():
-    """HuggingFaceTokenizer needs its file (tests/test_data.py loads one); SentencePiece is not built."""
+    """HuggingFaceTokenizer needs its file (tests/test_data.py loads one); SentencePiece is not
+    built."""
     cfg = build(model())
     cfg.tokenizer.tokenizer_type = "HuggingFaceTokenizer"
     with pytest.raises(ConfigError) as exc:
@@ -142,7 +194,8 @@ def test_tokenizer_types():
     assert "not built" in str(exc.value)
 
 
-# --- recipes ---------------------------------------------------------------------------------------------------------
+# --- recipes
+# --------------------------------------------------------------------------------------------------
 def test_qwen3_30b_a3b_reference_dimensions():
     m = qwen3_30b_a3b(16).model
     assert m.num_layers == 48
@@ -180,7 +233,8 @@ def test_qwen3_30b_a3b_16gpu_layout_and_overlap_off():
     assert cfg.model.virtual_pipeline_model_parallel_size is None
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (1024, 1)
     assert cfg.mixed_precision == "bf16_mixed"
-    assert cfg.comm_overlap is None  # many recipes ship with MoE overlap off: it must be enabled explicitly
+    # many recipes ship with MoE overlap off: it must be enabled explicitly
+    assert cfg.comm_overlap is None
     res = cfg.finalize(16)
     assert cfg.model.overlap_moe_expert_parallel_comm is False
     assert (res.layout.dp, res.layout.ep) == (16, 16)
@@ -207,7 +261,8 @@ def test_recipe_builds_are_independent():
     assert qwen3_30b_a3b(16).model.num_layers == 48
 
 
-# --- sizes must be positive ------------------------------------------------------------------------------------------
+# --- sizes must be positive
+# ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("gbs", [0, -8])
 def test_global_batch_size_must_be_positive(gbs):
     # 0 and -8 are multiples of micro_batch_size x DP, but no step can be built from them.
@@ -215,10 +270,17 @@ def test_global_batch_size_must_be_positive(gbs):
     assert err.field == "train.global_batch_size"
 
 
-@pytest.mark.parametrize("kw", [dict(kv_channels=-16), dict(ffn_hidden_size=-4), dict(num_query_groups=-2),
-                                dict(moe_ffn_hidden_size=-1, num_moe_experts=8),
-                                dict(moe_shared_expert_intermediate_size=-5, num_moe_experts=8)],
-                         ids=lambda kw: next(iter(kw)))
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(kv_channels=-16),
+        dict(ffn_hidden_size=-4),
+        dict(num_query_groups=-2),
+        dict(moe_ffn_hidden_size=-1, num_moe_experts=8),
+        dict(moe_shared_expert_intermediate_size=-5, num_moe_experts=8),
+    ],
+    ids=lambda kw: next(iter(kw)),
+)
 def test_negative_model_sizes_are_config_errors(kw):
     name = next(iter(kw))
     err = error(build(model(**kw)), 1)

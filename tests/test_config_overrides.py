@@ -1,4 +1,5 @@
-"""`section.field=value` overrides: parsing, type checks, did-you-mean, special sections, and clear errors."""
+"""`section.field=value` overrides: parsing, type checks, did-you-mean, special sections, and clear
+errors."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def error_of(cfg: ConfigContainer, item: str) -> ConfigError:
     return exc.value
 
 
-# --- unknown keys --------------------------------------------------------------------------------------------------
+# --- unknown keys
+# --------------------------------------------------------------------------------------------------
 def test_unknown_section_suggests_the_closest(cfg):
     err = error_of(cfg, "modle.num_layers=4")
     assert err.field == "modle.num_layers"
@@ -55,17 +57,21 @@ def test_too_deep_key_is_rejected(cfg):
     assert "section.field=value" in err.fix
 
 
-# --- types -----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("item,expected_type", [
-    ("model.num_layers=abc", "int"),
-    ("model.num_layers=4.5", "int"),
-    ("model.num_layers=true", "int"),
-    ("model.bf16=3", "bool"),
-    ("model.bf16=yes_please", "bool"),
-    ("train.global_batch_size=null", "int"),
-    ("model.recompute_modules=5", "list"),
-    ("optimizer.lr=fast", "float"),
-])
+# --- types
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "item,expected_type",
+    [
+        ("model.num_layers=abc", "int"),
+        ("model.num_layers=4.5", "int"),
+        ("model.num_layers=true", "int"),
+        ("model.bf16=3", "bool"),
+        ("model.bf16=yes_please", "bool"),
+        ("train.global_batch_size=null", "int"),
+        ("model.recompute_modules=5", "list"),
+        ("optimizer.lr=fast", "float"),
+    ],
+)
 def test_wrong_type_is_config_error(cfg, item, expected_type):
     before = ModelConfig()
     err = error_of(cfg, item)
@@ -99,10 +105,13 @@ def test_string_value(cfg):
     assert cfg.model.moe_token_dispatcher_type == "flex"
 
 
-# --- lists and null --------------------------------------------------------------------------------------------------
+# --- lists and null
+# --------------------------------------------------------------------------------------------------
 def test_list_parsing(cfg):
-    assert apply_override(cfg, "model.recompute_modules=[core_attn,mlp]") == ("model.recompute_modules",
-                                                                               ["core_attn", "mlp"])
+    assert apply_override(cfg, "model.recompute_modules=[core_attn,mlp]") == (
+        "model.recompute_modules",
+        ["core_attn", "mlp"],
+    )
     assert cfg.model.recompute_modules == ["core_attn", "mlp"]
 
 
@@ -129,7 +138,8 @@ def test_optional_int_accepts_int(cfg):
     assert cfg.model.virtual_pipeline_model_parallel_size == 2
 
 
-# --- special sections ------------------------------------------------------------------------------------------------
+# --- special sections
+# ------------------------------------------------------------------------------------------------
 def test_env_vars_value_is_text(cfg):
     assert apply_override(cfg, "env_vars.X=1") == ("env_vars.X", "1")
     assert cfg.env_vars == {"X": "1"}
@@ -179,7 +189,8 @@ def test_comm_overlap_override_creates_the_object(cfg):
     apply_override(cfg, "comm_overlap.overlap_moe_expert_parallel_comm=true")
     assert isinstance(cfg.comm_overlap, CommOverlapConfig)
     assert cfg.comm_overlap.overlap_moe_expert_parallel_comm is True
-    assert cfg.comm_overlap.tp_comm_overlap is None  # created on the user's behalf: TP overlap not requested
+    # created on the user's behalf: TP overlap not requested
+    assert cfg.comm_overlap.tp_comm_overlap is None
     assert cfg.comm_overlap.delay_wgrad_compute is None
 
 
@@ -198,13 +209,20 @@ def test_comm_overlap_created_by_override_resolves_tp_as_not_requested(cfg):
 
 
 def test_tp_preset_by_name(cfg):
-    apply_override(cfg, "comm_overlap.tp_comm_overlap_cfg=userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048")
-    assert cfg.comm_overlap.tp_comm_overlap_cfg == "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048"
+    apply_override(
+        cfg, "comm_overlap.tp_comm_overlap_cfg=userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048"
+    )
+    assert (
+        cfg.comm_overlap.tp_comm_overlap_cfg == "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048"
+    )
 
 
-# --- syntax ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("item", ["+model.num_layers=3", "++model.num_layers=3", "~model.num_layers",
-                                  "~model.num_layers=3"])
+# --- syntax
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "item",
+    ["+model.num_layers=3", "++model.num_layers=3", "~model.num_layers", "~model.num_layers=3"],
+)
 def test_hydra_prefixes_rejected(cfg, item):
     err = error_of(cfg, item)
     assert err.field == "override"
@@ -228,22 +246,43 @@ def test_unresolvable_interpolation_is_config_error(cfg):
 
 @pytest.mark.parametrize("raw", ["[1,2", "{a", "]", "'abc", "*a", "%x", "@x"])
 def test_malformed_value_is_config_error(cfg, raw):
-    # A value that is not valid YAML must be reported as a ConfigError naming the key, like every other mistake,
-    # so that the command line exits with status 2 and no traceback.
+    # A value that is not valid YAML must be reported as a ConfigError naming the key, like every
+    # other mistake, so that the command line exits with status 2 and no traceback.
     err = error_of(cfg, f"model.num_layers={raw}")
     assert err.field == "model.num_layers"
 
 
-@pytest.mark.parametrize("raw,value", [("3", 3), ("0.5", 0.5), ("true", True), ("null", None), ("name", "name"),
-                                       ("[a,b]", ["a", "b"]), ("'quoted'", "quoted")])
+@pytest.mark.parametrize(
+    "raw,value",
+    [
+        ("3", 3),
+        ("0.5", 0.5),
+        ("true", True),
+        ("null", None),
+        ("name", "name"),
+        ("[a,b]", ["a", "b"]),
+        ("'quoted'", "quoted"),
+    ],
+)
 def test_parse_value(raw, value):
     assert parse_value("k", raw) == value
 
 
 def test_apply_overrides_returns_what_was_set_in_order(cfg):
-    out = apply_overrides(cfg, ["model.num_layers=4", "comm_overlap.overlap_moe_expert_parallel_comm=true",
-                                "model.num_layers=6", "env_vars.A=x"])
-    assert out == {"model.num_layers": 6, "comm_overlap.overlap_moe_expert_parallel_comm": True, "env_vars.A": "x"}
+    out = apply_overrides(
+        cfg,
+        [
+            "model.num_layers=4",
+            "comm_overlap.overlap_moe_expert_parallel_comm=true",
+            "model.num_layers=6",
+            "env_vars.A=x",
+        ],
+    )
+    assert out == {
+        "model.num_layers": 6,
+        "comm_overlap.overlap_moe_expert_parallel_comm": True,
+        "env_vars.A": "x",
+    }
     assert cfg.model.num_layers == 6
 
 
@@ -256,7 +295,9 @@ def test_apply_overrides_stops_at_first_error(cfg):
 
 def test_override_then_finalize_validates():
     cfg = ConfigContainer()
-    apply_overrides(cfg, ["model.recompute_modules=[core_attn,bogus]", "model.recompute_granularity=selective"])
+    apply_overrides(
+        cfg, ["model.recompute_modules=[core_attn,bogus]", "model.recompute_granularity=selective"]
+    )
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(1)
     assert exc.value.field == "model.recompute_modules"

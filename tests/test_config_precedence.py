@@ -1,4 +1,5 @@
-"""Precedence (user > model/ddp config > rule), decided_by labels, strict mode, idempotent finalize and its order."""
+"""Precedence (user > model/ddp config > rule), decided_by labels, strict mode, idempotent finalize
+and its order."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import logging
 
 import pytest
 
-from overlap.config import CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig, OptimizerConfig
+from overlap.config import (
+    CommOverlapConfig,
+    ConfigContainer,
+    DDPConfig,
+    ModelConfig,
+    OptimizerConfig,
+)
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.mixed_precision import MixedPrecisionConfig
 from overlap.config.overrides import apply_overrides
@@ -26,7 +33,8 @@ def test_decided_by_labels():
     assert (USER, MODEL_CONFIG, RULE, DEFAULT) == ("user", "model config", "rule", "default")
 
 
-# --- user > model config > rule ----------------------------------------------------------------------------------
+# --- user > model config > rule
+# ----------------------------------------------------------------------------------
 def test_pp_rule_then_model_config_then_user():
     # Rule only.
     cfg = build(model(pipeline_model_parallel_size=2))
@@ -38,22 +46,37 @@ def test_pp_rule_then_model_config_then_user():
     assert (d.requested, d.effective, d.decided_by) == (False, False, "model config")
     assert cfg.model.batch_p2p_comm is False
     # A value on CommOverlapConfig wins over the model config.
-    cfg = build(model(pipeline_model_parallel_size=2, batch_p2p_comm=False), co=co(batch_p2p_comm=True))
+    cfg = build(
+        model(pipeline_model_parallel_size=2, batch_p2p_comm=False), co=co(batch_p2p_comm=True)
+    )
     d = cfg.finalize(2).decisions.get("model.batch_p2p_comm")
     assert (d.requested, d.effective, d.decided_by) == (True, True, "user")
     assert cfg.model.batch_p2p_comm is True
 
 
 def test_model_level_values_survive_comm_overlap_object():
-    # Quirk fixed on purpose: in the reference, auto-defaults overwrote values set directly on the model as soon as
-    # comm_overlap was set. Here the model value stands unless CommOverlapConfig says otherwise.
-    cfg = build(model(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, overlap_p2p_comm=False,
-                      defer_embedding_wgrad_compute=True, wgrad_deferral_limit=5), co=co())
+    # Quirk fixed on purpose: in the reference, auto-defaults overwrote values set directly on the
+    # model as soon as comm_overlap was set. Here the model value stands unless CommOverlapConfig
+    # says otherwise.
+    cfg = build(
+        model(
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            overlap_p2p_comm=False,
+            defer_embedding_wgrad_compute=True,
+            wgrad_deferral_limit=5,
+        ),
+        co=co(),
+    )
     res = cfg.finalize(2)
     assert cfg.model.overlap_p2p_comm is False
     assert cfg.model.defer_embedding_wgrad_compute is True
     assert cfg.model.wgrad_deferral_limit == 5
-    for name in ("model.overlap_p2p_comm", "model.defer_embedding_wgrad_compute", "model.wgrad_deferral_limit"):
+    for name in (
+        "model.overlap_p2p_comm",
+        "model.defer_embedding_wgrad_compute",
+        "model.wgrad_deferral_limit",
+    ):
         assert res.decisions.get(name).decided_by == "model config"
 
 
@@ -75,8 +98,10 @@ def test_ddp_rule_then_ddp_config_then_user():
 
 
 def test_user_false_beats_ddp_true_for_param_gather():
-    cfg = build(ddp=DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True),
-                co=co(overlap_param_gather=False))
+    cfg = build(
+        ddp=DDPConfig(use_distributed_optimizer=True, overlap_param_gather=True),
+        co=co(overlap_param_gather=False),
+    )
     d = cfg.finalize(4).decisions.get("ddp.overlap_param_gather")
     assert (d.requested, d.effective, d.decided_by) == (False, False, "user")
 
@@ -86,14 +111,18 @@ def test_bucket_size_precedence():
     cfg = build(ddp=dist)
     d = cfg.finalize(4).decisions.get("ddp.bucket_size")
     assert (d.effective, d.decided_by) == (5000, "model config")
-    cfg = build(ddp=DDPConfig(use_distributed_optimizer=True, bucket_size=5000), co=co(bucket_size=7000))
+    cfg = build(
+        ddp=DDPConfig(use_distributed_optimizer=True, bucket_size=5000), co=co(bucket_size=7000)
+    )
     d = cfg.finalize(4).decisions.get("ddp.bucket_size")
     assert (d.effective, d.decided_by) == (7000, "user")
 
 
 def test_ep_overlap_user_false_beats_model_true():
-    cfg = build(moe(overlap_moe_expert_parallel_comm=True, mtp_num_layers=5),
-                co=co(overlap_moe_expert_parallel_comm=False))
+    cfg = build(
+        moe(overlap_moe_expert_parallel_comm=True, mtp_num_layers=5),
+        co=co(overlap_moe_expert_parallel_comm=False),
+    )
     res = cfg.finalize(2)  # prerequisites are not checked when the effective value is off
     d = res.decisions.get("model.overlap_moe_expert_parallel_comm")
     assert (d.requested, d.effective, d.decided_by) == (False, False, "user")
@@ -102,8 +131,13 @@ def test_ep_overlap_user_false_beats_model_true():
 
 def test_default_label_for_untouched_fields():
     res = build().finalize(1)
-    for name in ("model.tp_comm_overlap", "model.overlap_moe_expert_parallel_comm", "model.delay_wgrad_compute",
-                 "model.defer_embedding_wgrad_compute", "optimizer.overlap_param_gather_with_optimizer_step"):
+    for name in (
+        "model.tp_comm_overlap",
+        "model.overlap_moe_expert_parallel_comm",
+        "model.delay_wgrad_compute",
+        "model.defer_embedding_wgrad_compute",
+        "optimizer.overlap_param_gather_with_optimizer_step",
+    ):
         assert res.decisions.get(name).decided_by == "default", name
 
 
@@ -114,12 +148,15 @@ def test_tp_request_on_model_config_is_labelled_model_config():
 
 
 def test_tp_requested_off_by_user():
-    cfg = build(model(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True), co=co())
+    cfg = build(
+        model(tensor_model_parallel_size=2, sequence_parallel=True, tp_comm_overlap=True), co=co()
+    )
     d = cfg.finalize(2).decisions.get("model.tp_comm_overlap")
     assert (d.requested, d.effective, d.decided_by) == (False, False, "user")
 
 
-# --- strict mode ------------------------------------------------------------------------------------------------------
+# --- strict mode
+# --------------------------------------------------------------------------------------------------
 def test_strict_tp_overlap_at_tp1_is_error():
     cfg = build(co=CommOverlapConfig(tp_comm_overlap=True, strict=True))
     with pytest.raises(ConfigError) as exc:
@@ -193,10 +230,18 @@ def test_strict_sequence_parallel_at_tp1_is_error():
 
 
 def test_strict_mode_accepts_honoured_requests():
-    cfg = build(moe(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-                ddp=DDPConfig(use_distributed_optimizer=True),
-                co=co(strict=True, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True,
-                      overlap_grad_reduce=True, overlap_param_gather=True, overlap_p2p_comm=True))
+    cfg = build(
+        moe(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        ddp=DDPConfig(use_distributed_optimizer=True),
+        co=co(
+            strict=True,
+            overlap_moe_expert_parallel_comm=True,
+            delay_wgrad_compute=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            overlap_p2p_comm=True,
+        ),
+    )
     res = cfg.finalize(4)
     assert not any(d.overridden for d in res.decisions.decisions)
     assert res.decisions.strict is True
@@ -243,19 +288,31 @@ def test_decision_json_and_table():
     assert "model.tp_comm_overlap" in lines[2] and " - " in lines[2]
 
 
-# --- finalize: idempotent, snapshot, order ----------------------------------------------------------------------------
+# --- finalize: idempotent, snapshot, order
+# ----------------------------------------------------------------------------
 def _state(cfg: ConfigContainer):
-    return (dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.ddp), dataclasses.asdict(cfg.optimizer),
-            dataclasses.asdict(cfg.comm_overlap) if cfg.comm_overlap else None,
-            dataclasses.asdict(cfg.mixed_precision), dict(cfg.env_vars))
+    return (
+        dataclasses.asdict(cfg.model),
+        dataclasses.asdict(cfg.ddp),
+        dataclasses.asdict(cfg.optimizer),
+        dataclasses.asdict(cfg.comm_overlap) if cfg.comm_overlap else None,
+        dataclasses.asdict(cfg.mixed_precision),
+        dict(cfg.env_vars),
+    )
 
 
 @pytest.mark.parametrize("setup", ["moe_pp", "dp", "tp_request"])
 def test_finalize_twice_gives_identical_decisions_and_configs(setup):
     if setup == "moe_pp":
-        cfg = build(moe(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                        moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch"),
-                    co=co(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
+        cfg = build(
+            moe(
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                moe_token_dispatcher_type="flex",
+                moe_flex_dispatcher_backend="torch",
+            ),
+            co=co(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True),
+        )
         world = 4
     elif setup == "dp":
         cfg = build(ddp=DDPConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False))
@@ -286,7 +343,8 @@ def test_finalize_does_not_change_user_comm_overlap_fields():
     cfg = build(co=co(overlap_grad_reduce=True))
     cfg.finalize(4)
     assert cfg.comm_overlap.overlap_grad_reduce is True
-    assert cfg.comm_overlap.overlap_p2p_comm is None  # the rule's value lands on the model, not on the request
+    # the rule's value lands on the model, not on the request
+    assert cfg.comm_overlap.overlap_p2p_comm is None
 
 
 def test_finalize_order_mixed_precision_before_ep_check():
@@ -299,23 +357,30 @@ def test_finalize_order_mixed_precision_before_ep_check():
 
 def test_finalize_order_layout_before_rules():
     # The DP size used by the DP rule comes from the layout stage: world 8 / (TP 2 x PP 2) = 2.
-    cfg = build(model(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2),
-                ddp=DDPConfig(use_distributed_optimizer=True))
+    cfg = build(
+        model(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2),
+        ddp=DDPConfig(use_distributed_optimizer=True),
+    )
     res = cfg.finalize(8)
     assert res.layout.dp == 2
     assert cfg.ddp.overlap_grad_reduce is True
 
 
 def test_finalize_order_flex_validation_after_rules():
-    # The flex backend check runs last: an EP-overlap prerequisite error is reported before a device problem.
+    # The flex backend check runs last: an EP-overlap prerequisite error is reported before a device
+    # problem.
     calls = []
 
     def device():
         calls.append(1)
         return None
 
-    cfg = build(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", mtp_num_layers=2),
-                co=co(overlap_moe_expert_parallel_comm=True))
+    cfg = build(
+        moe(
+            moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", mtp_num_layers=2
+        ),
+        co=co(overlap_moe_expert_parallel_comm=True),
+    )
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(2, device=device)
     assert exc.value.field == "model.mtp_num_layers"
@@ -330,17 +395,27 @@ def test_finalize_rejects_world_size_below_one():
 def test_the_resolved_run_is_frozen_and_holds_plain_switches():
     """finalize's Resolution is what the runtime reads: every overlap switch a plain value (the
     user's comm_overlap beats the model field, the rule fills the rest), and nothing can edit it."""
-    cfg = build(moe(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                    overlap_p2p_comm=False),
-                co(overlap_p2p_comm=True, batch_p2p_comm=False, overlap_grad_reduce=True),
-                ddp=DDPConfig(use_distributed_optimizer=True))
+    cfg = build(
+        moe(
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            overlap_p2p_comm=False,
+        ),
+        co(overlap_p2p_comm=True, batch_p2p_comm=False, overlap_grad_reduce=True),
+        ddp=DDPConfig(use_distributed_optimizer=True),
+    )
     with pytest.raises(RuntimeError, match="finalize"):
-        cfg.resolved
+        _ = cfg.resolved
     res = cfg.finalize(8)
     assert cfg.resolved is res
     plan = res.overlap
-    assert (plan.overlap_p2p_comm, plan.batch_p2p_comm, plan.overlap_grad_reduce) == (True, False, True)
-    assert plan.overlap_param_gather is True and plan.align_param_gather is True  # DP 2, PP 2, VPP 2
+    assert (plan.overlap_p2p_comm, plan.batch_p2p_comm, plan.overlap_grad_reduce) == (
+        True,
+        False,
+        True,
+    )
+    # DP 2, PP 2, VPP 2
+    assert plan.overlap_param_gather is True and plan.align_param_gather is True
     assert plan.overlap_moe_expert_parallel_comm is False and plan.wgrad_deferral_limit == -1
     for f in dataclasses.fields(plan):
         value = getattr(plan, f.name)
@@ -366,12 +441,15 @@ def test_each_overlap_switch_has_one_direct_spelling():
     from overlap.harness import _twins
 
     sections = {"model": ModelConfig, "ddp": DDPConfig, "optimizer": OptimizerConfig}
-    switches = ({f.name for f in dataclasses.fields(CommOverlapConfig)}
-                - {"strict", "data_parallel_size"})
+    switches = {f.name for f in dataclasses.fields(CommOverlapConfig)} - {
+        "strict",
+        "data_parallel_size",
+    }
     assert set(DIRECT_SECTION) == switches
     for name, section in DIRECT_SECTION.items():
-        holders = [s for s, cls in sections.items()
-                   if name in {f.name for f in dataclasses.fields(cls)}]
+        holders = [
+            s for s, cls in sections.items() if name in {f.name for f in dataclasses.fields(cls)}
+        ]
         assert holders == [section], name
         assert _twins(f"comm_overlap.{name}") == [f"{section}.{name}"]
         assert _twins(f"{section}.{name}") == [f"comm_overlap.{name}"]

@@ -1,40 +1,102 @@
-"""Property-based: random small configurations either resolve (and then satisfy the overlap invariants) or fail with
-the clear ConfigError, never with another exception."""
+"""Property-based: random small configurations either resolve (and then satisfy the overlap
+invariants) or fail with the clear ConfigError, never with another exception."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overlap.config import (CommOverlapConfig, ConfigContainer, DDPConfig, ModelConfig, OptimizerConfig,
-                            TrainConfig)
+from overlap.config import (
+    CommOverlapConfig,
+    ConfigContainer,
+    DDPConfig,
+    ModelConfig,
+    OptimizerConfig,
+    TrainConfig,
+)
 from overlap.config.flex_dispatcher import DeviceInfo
 from overlap.config.overrides import apply_override
 from overlap.errors import ConfigError
 
-DEVICES = [None, DeviceInfo("NVIDIA H100 80GB HBM3", 9), DeviceInfo("Tesla V100-SXM2-32GB", 7),
-           DeviceInfo("NVIDIA GB200", 10), DeviceInfo("NVIDIA B200", 10)]
+DEVICES = [
+    None,
+    DeviceInfo("NVIDIA H100 80GB HBM3", 9),
+    DeviceInfo("Tesla V100-SXM2-32GB", 7),
+    DeviceInfo("NVIDIA GB200", 10),
+    DeviceInfo("NVIDIA B200", 10),
+]
 
 maybe_bool = st.sampled_from([None, None, True, False])
 
-# A valid baseline is drawn first, then up to two faults are injected, so that about half of the examples resolve and
-# the others fail for one or two reasons at a time (every reason the validation knows appears among the faults).
-FAULTS = ("world", "ep", "experts", "topk", "layers", "heads", "seq", "sp", "vpp_pp1", "recompute", "graph",
-          "dispatch", "precision", "gbs", "grad_fp32", "bucket", "preset", "mtp", "shared_overlap", "mbs")
-VALID_RECOMPUTE = [(None, None, None, None), (None, None, None, None), ("selective", None, None, ["core_attn", "mlp"]),
-                   ("selective", None, None, ["moe"]), ("full", "uniform", 1, None), ("full", "block", 2, None)]
-BAD_RECOMPUTE = [(None, "uniform", None, None), (None, None, 1, None), ("selective", None, None, ["bogus"]),
-                 ("half", None, None, None), ("full", None, None, None), ("full", "uniform", 0, None)]
-VALID_GRAPHS = [("none", None), ("none", None), ("none", ["attn"]), ("transformer_engine", ["attn"]),
-                ("transformer_engine", ["moe_router", "moe_preprocess"]), ("transformer_engine", ["moe"]),
-                ("transformer_engine", "attn,mlp"), ("transformer_engine", ""), ("local", ["full_iteration"])]
-BAD_GRAPHS = [("local", ["attn"]), ("transformer_engine", ["full_iteration"]), ("cudnn", None),
-              ("transformer_engine", ["bogus"])]
-VALID_DISPATCH = [("alltoall", None), ("alltoall", None), ("flex", "torch"), ("flex", None), ("alltoall", "torch"),
-                  ("flex", "deepep"), ("flex", "hybridep")]
+# A valid baseline is drawn first, then up to two faults are injected, so that about half of the
+# examples resolve and the others fail for one or two reasons at a time (every reason the validation
+# knows appears among the faults).
+FAULTS = (
+    "world",
+    "ep",
+    "experts",
+    "topk",
+    "layers",
+    "heads",
+    "seq",
+    "sp",
+    "vpp_pp1",
+    "recompute",
+    "graph",
+    "dispatch",
+    "precision",
+    "gbs",
+    "grad_fp32",
+    "bucket",
+    "preset",
+    "mtp",
+    "shared_overlap",
+    "mbs",
+)
+VALID_RECOMPUTE = [
+    (None, None, None, None),
+    (None, None, None, None),
+    ("selective", None, None, ["core_attn", "mlp"]),
+    ("selective", None, None, ["moe"]),
+    ("full", "uniform", 1, None),
+    ("full", "block", 2, None),
+]
+BAD_RECOMPUTE = [
+    (None, "uniform", None, None),
+    (None, None, 1, None),
+    ("selective", None, None, ["bogus"]),
+    ("half", None, None, None),
+    ("full", None, None, None),
+    ("full", "uniform", 0, None),
+]
+VALID_GRAPHS = [
+    ("none", None),
+    ("none", None),
+    ("none", ["attn"]),
+    ("transformer_engine", ["attn"]),
+    ("transformer_engine", ["moe_router", "moe_preprocess"]),
+    ("transformer_engine", ["moe"]),
+    ("transformer_engine", "attn,mlp"),
+    ("transformer_engine", ""),
+    ("local", ["full_iteration"]),
+]
+BAD_GRAPHS = [
+    ("local", ["attn"]),
+    ("transformer_engine", ["full_iteration"]),
+    ("cudnn", None),
+    ("transformer_engine", ["bogus"]),
+]
+VALID_DISPATCH = [
+    ("alltoall", None),
+    ("alltoall", None),
+    ("flex", "torch"),
+    ("flex", None),
+    ("alltoall", "torch"),
+    ("flex", "deepep"),
+    ("flex", "hybridep"),
+]
 BAD_DISPATCH = [("allgather", None), ("bogus", None), ("flex", "magic"), ("alltoall", "deepep")]
 
 
@@ -64,7 +126,8 @@ def configs(draw):
     dispatch = draw(st.sampled_from(BAD_DISPATCH if "dispatch" in faults else VALID_DISPATCH))
     mbs = 0 if "mbs" in faults else draw(st.sampled_from([1, 2]))
     model = ModelConfig(
-        num_layers=pp * (vp or 1) * draw(st.sampled_from([1, 2])) + (1 if "layers" in faults else 0),
+        num_layers=pp * (vp or 1) * draw(st.sampled_from([1, 2]))
+        + (1 if "layers" in faults else 0),
         hidden_size=96 if "heads" in faults else 64,
         num_attention_heads=6 if "heads" in faults else 8,
         num_query_groups=draw(st.sampled_from([None, 2, 4])),
@@ -101,14 +164,24 @@ def configs(draw):
     if draw(st.booleans()):
         co = CommOverlapConfig(
             tp_comm_overlap=draw(maybe_bool),
-            tp_comm_overlap_cfg="nope" if "preset" in faults else draw(st.sampled_from(
-                [None, "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048",
-                 "userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora"])),
+            tp_comm_overlap_cfg="nope"
+            if "preset" in faults
+            else draw(
+                st.sampled_from(
+                    [
+                        None,
+                        "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048",
+                        "userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora",
+                    ]
+                )
+            ),
             overlap_p2p_comm=draw(st.sampled_from([None, None, None, True, False])),
             batch_p2p_comm=draw(st.sampled_from([None, None, None, True, False])),
             overlap_grad_reduce=draw(maybe_bool),
             overlap_param_gather=draw(maybe_bool),
-            overlap_param_gather_with_optimizer_step=draw(st.sampled_from([None, None, True, False])),
+            overlap_param_gather_with_optimizer_step=draw(
+                st.sampled_from([None, None, True, False])
+            ),
             bucket_size=0 if "bucket" in faults else draw(st.sampled_from([None, None, 1000])),
             overlap_moe_expert_parallel_comm=draw(st.sampled_from([None, True, True, False])),
             delay_wgrad_compute=draw(st.sampled_from([None, None, None, True, False])),
@@ -120,13 +193,20 @@ def configs(draw):
     cfg = ConfigContainer(
         model=model,
         comm_overlap=co,
-        mixed_precision="bf17" if "precision" in faults else draw(st.sampled_from(
-            ["bf16_mixed", "bf16_mixed", "fp16_mixed", "fp32", None])),
-        ddp=DDPConfig(use_distributed_optimizer=dist, overlap_grad_reduce=draw(maybe_bool),
-                      grad_reduce_in_fp32=draw(st.booleans()) if "grad_fp32" in faults else None),
+        mixed_precision="bf17"
+        if "precision" in faults
+        else draw(st.sampled_from(["bf16_mixed", "bf16_mixed", "fp16_mixed", "fp32", None])),
+        ddp=DDPConfig(
+            use_distributed_optimizer=dist,
+            overlap_grad_reduce=draw(maybe_bool),
+            grad_reduce_in_fp32=draw(st.booleans()) if "grad_fp32" in faults else None,
+        ),
         optimizer=OptimizerConfig(use_distributed_optimizer=dist or draw(st.booleans())),
-        train=TrainConfig(global_batch_size=max(mbs, 1) * dp * draw(st.sampled_from([1, 2, 4]))
-                          + (1 if "gbs" in faults else 0), micro_batch_size=mbs),
+        train=TrainConfig(
+            global_batch_size=max(mbs, 1) * dp * draw(st.sampled_from([1, 2, 4]))
+            + (1 if "gbs" in faults else 0),
+            micro_batch_size=mbs,
+        ),
     )
     return cfg, world, draw(st.sampled_from(DEVICES))
 
@@ -135,10 +215,21 @@ def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
     m, ddp = cfg.model, cfg.ddp
     lay = res.layout
     assert lay.tp * lay.pp * lay.cp * lay.dp == world
-    for name in ("tp_comm_overlap", "overlap_p2p_comm", "batch_p2p_comm", "overlap_moe_expert_parallel_comm",
-                 "delay_wgrad_compute", "defer_embedding_wgrad_compute"):
+    for name in (
+        "tp_comm_overlap",
+        "overlap_p2p_comm",
+        "batch_p2p_comm",
+        "overlap_moe_expert_parallel_comm",
+        "delay_wgrad_compute",
+        "defer_embedding_wgrad_compute",
+    ):
         assert isinstance(getattr(m, name), bool), name
-    for name in ("overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "use_distributed_optimizer"):
+    for name in (
+        "overlap_grad_reduce",
+        "overlap_param_gather",
+        "align_param_gather",
+        "use_distributed_optimizer",
+    ):
         assert isinstance(getattr(ddp, name), bool), name
     assert not (m.overlap_p2p_comm and m.batch_p2p_comm)
     assert ddp.use_distributed_optimizer == cfg.optimizer.use_distributed_optimizer
@@ -184,9 +275,20 @@ def test_random_configs_resolve_or_raise_config_error(case):
     assert again.decisions.decisions == res.decisions.decisions
 
 
-OVERRIDE_KEYS = ["model.num_layers", "model.bf16", "model.recompute_modules", "model.num_moe_experts",
-                 "optimizer.lr", "comm_overlap.overlap_moe_expert_parallel_comm", "env_vars.X", "mixed_precision",
-                 "mixed_precision.grad_reduce_in_fp32", "model.cuda_graph_scope", "modle.x", "ddp.bucket_size"]
+OVERRIDE_KEYS = [
+    "model.num_layers",
+    "model.bf16",
+    "model.recompute_modules",
+    "model.num_moe_experts",
+    "optimizer.lr",
+    "comm_overlap.overlap_moe_expert_parallel_comm",
+    "env_vars.X",
+    "mixed_precision",
+    "mixed_precision.grad_reduce_in_fp32",
+    "model.cuda_graph_scope",
+    "modle.x",
+    "ddp.bucket_size",
+]
 
 
 @settings(max_examples=200, deadline=None)

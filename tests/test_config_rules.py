@@ -14,12 +14,24 @@ import logging
 import pytest
 import torch
 
-from overlap.config import (BulkOverlapCfg, CommOverlapConfig, DDPConfig,
-                            ModelConfig, OptimizerConfig, PipelineOverlapCfg,
-                            RingExchangeOverlapCfg, SchedulerConfig, TrainConfig,
-                            TransformerLayerTPOverlapCfg)
+from overlap.config import (
+    BulkOverlapCfg,
+    CommOverlapConfig,
+    DDPConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PipelineOverlapCfg,
+    RingExchangeOverlapCfg,
+    SchedulerConfig,
+    TrainConfig,
+    TransformerLayerTPOverlapCfg,
+)
 from overlap.config.comm_overlap import BRIDGE_DP_BUCKET_SIZE
-from overlap.config.mixed_precision import MIXED_PRECISION_PRESETS, MixedPrecisionConfig, get_mixed_precision_config
+from overlap.config.mixed_precision import (
+    MIXED_PRECISION_PRESETS,
+    MixedPrecisionConfig,
+    get_mixed_precision_config,
+)
 from overlap.config.tp_overlap import get_tp_overlap_preset
 from overlap.errors import ConfigError
 from tests.configs import container as build
@@ -28,13 +40,16 @@ from tests.configs import moe_model as moe
 
 TP_SIZE_MSG = "Disabling tensor parallel communication overlap due to TP size < 2."
 TP_NO_SP_MSG = "Disabling tensor parallel communication overlap due to sequence_parallel=False."
-TP_NO_PRESET_MSG = ("Tensor parallel overlap: No overlap config provided. "
-                    "Initializing TP comm overlap with the default config.")
+TP_NO_PRESET_MSG = (
+    "Tensor parallel overlap: No overlap config provided. Initializing TP comm overlap with the "
+    "default config."
+)
 H12288 = "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048"
 LORA_70B = "userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora"
 
 
-# --- helpers -------------------------------------------------------------------------------------------------------
+# --- helpers
+# --------------------------------------------------------------------------------------------------
 def ep_on(**kw) -> CommOverlapConfig:
     return CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, **kw)
 
@@ -47,7 +62,8 @@ def dist_optimizer() -> OptimizerConfig:
     return OptimizerConfig(use_distributed_optimizer=True)
 
 
-# --- CommOverlapConfig surface --------------------------------------------------------------------------------------
+# --- CommOverlapConfig surface
+# --------------------------------------------------------------------------------------
 def test_comm_overlap_config_requires_tp_comm_overlap_keyword():
     with pytest.raises(TypeError):
         CommOverlapConfig()  # type: ignore[call-arg]
@@ -59,8 +75,11 @@ def test_comm_overlap_config_defaults_are_auto():
     c = CommOverlapConfig(tp_comm_overlap=False)
     assert c.tp_comm_bootstrap_backend == "nccl"
     assert c.strict is False
-    auto = [f.name for f in dataclasses.fields(c)
-            if f.name not in ("tp_comm_overlap", "tp_comm_bootstrap_backend", "strict")]
+    auto = [
+        f.name
+        for f in dataclasses.fields(c)
+        if f.name not in ("tp_comm_overlap", "tp_comm_bootstrap_backend", "strict")
+    ]
     assert len(auto) == 13
     assert all(getattr(c, name) is None for name in auto)
 
@@ -75,13 +94,22 @@ def test_finalize_fills_data_parallel_size():
 def test_finalize_without_comm_overlap_still_records_every_decision():
     res = build(co=None).finalize(1)
     fields = [d.field for d in res.decisions.decisions]
-    for name in ("model.tp_comm_overlap", "model.overlap_p2p_comm", "model.batch_p2p_comm",
-                 "model.overlap_moe_expert_parallel_comm", "model.delay_wgrad_compute", "ddp.overlap_grad_reduce",
-                 "ddp.overlap_param_gather", "ddp.align_param_gather", "ddp.bucket_size"):
+    for name in (
+        "model.tp_comm_overlap",
+        "model.overlap_p2p_comm",
+        "model.batch_p2p_comm",
+        "model.overlap_moe_expert_parallel_comm",
+        "model.delay_wgrad_compute",
+        "ddp.overlap_grad_reduce",
+        "ddp.overlap_param_gather",
+        "ddp.align_param_gather",
+        "ddp.bucket_size",
+    ):
         assert name in fields
 
 
-# --- TP gate -------------------------------------------------------------------------------------------------------
+# --- TP gate
+# --------------------------------------------------------------------------------------------------
 def test_tp_overlap_not_requested_is_off_by_default():
     cfg = build()
     res = cfg.finalize(1)
@@ -113,25 +141,33 @@ def test_tp_overlap_disabled_without_sequence_parallel(caplog):
 
 
 def test_tp_gate_checks_run_in_reference_order():
-    # TP size is checked before sequence parallel (the reference then checks for Transformer Engine; our runtime's
-    # overlap needs no extra backend).
+    # TP size is checked before sequence parallel (the reference then checks for Transformer Engine;
+    # our runtime's overlap needs no extra backend).
     res = build(dense(), co=CommOverlapConfig(tp_comm_overlap=True)).finalize(1)
     assert res.decisions.get("model.tp_comm_overlap").reason == TP_SIZE_MSG
-    res = build(dense(tensor_model_parallel_size=2), co=CommOverlapConfig(tp_comm_overlap=True)).finalize(2)
+    res = build(
+        dense(tensor_model_parallel_size=2), co=CommOverlapConfig(tp_comm_overlap=True)
+    ).finalize(2)
     assert res.decisions.get("model.tp_comm_overlap").reason == TP_NO_SP_MSG
 
 
 def test_tp_overlap_enabled_with_preset_name():
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
-                co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288))
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288),
+    )
     res = cfg.finalize(2)
     d = res.decisions.get("model.tp_comm_overlap")
     assert (d.requested, d.effective, d.decided_by) == (True, True, "user")
     assert cfg.model.tp_comm_overlap is True
     assert isinstance(cfg.model.tp_comm_overlap_cfg, dict)
     assert cfg.model.tp_comm_overlap_cfg == get_tp_overlap_preset(H12288).to_dict()
-    assert cfg.model.tp_comm_overlap_cfg["qkv_dgrad"] == {"num_sm": 4, "cga_size": 2, "set_sm_margin": False,
-                                                           "method": "bulk"}
+    assert cfg.model.tp_comm_overlap_cfg["qkv_dgrad"] == {
+        "num_sm": 4,
+        "cga_size": 2,
+        "set_sm_margin": False,
+        "method": "bulk",
+    }
     assert cfg.model.tp_comm_overlap_cfg["proj_fprop"]["method"] == "pipeline"
     assert cfg.model.tp_comm_bootstrap_backend == "nccl"
     plan = res.decisions.get("model.tp_comm_overlap_cfg")
@@ -140,8 +176,10 @@ def test_tp_overlap_enabled_with_preset_name():
 
 def test_tp_overlap_enabled_with_preset_object_converts_to_dict():
     preset = get_tp_overlap_preset(H12288)
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
-                co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=preset))
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=preset),
+    )
     cfg.finalize(2)
     out = cfg.model.tp_comm_overlap_cfg
     assert isinstance(out, dict)
@@ -153,8 +191,10 @@ def test_tp_overlap_enabled_with_preset_object_converts_to_dict():
 
 
 def test_tp_overlap_dict_drops_top_level_none_only():
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
-                co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=LORA_70B))
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=LORA_70B),
+    )
     cfg.finalize(2)
     out = cfg.model.tp_comm_overlap_cfg
     assert "qkv_wgrad" not in out and "fc1_wgrad" not in out
@@ -164,18 +204,31 @@ def test_tp_overlap_dict_drops_top_level_none_only():
 
 def test_tp_overlap_arbitrary_preset_filters_none():
     custom = TransformerLayerTPOverlapCfg(
-        qkv_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False), qkv_wgrad=None, fc1_dgrad=None,
-        fc1_wgrad=None, qkv_fprop=RingExchangeOverlapCfg(), proj_dgrad=None, fc1_fprop=None, fc2_dgrad=None,
-        proj_fprop=PipelineOverlapCfg(num_sm=8, cga_size=2, num_splits=4, set_sm_margin=True), fc2_fprop=None)
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
-                co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=custom))
+        qkv_dgrad=BulkOverlapCfg(num_sm=2, cga_size=2, set_sm_margin=False),
+        qkv_wgrad=None,
+        fc1_dgrad=None,
+        fc1_wgrad=None,
+        qkv_fprop=RingExchangeOverlapCfg(),
+        proj_dgrad=None,
+        fc1_fprop=None,
+        fc2_dgrad=None,
+        proj_fprop=PipelineOverlapCfg(num_sm=8, cga_size=2, num_splits=4, set_sm_margin=True),
+        fc2_fprop=None,
+    )
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=custom),
+    )
     cfg.finalize(2)
     assert set(cfg.model.tp_comm_overlap_cfg) == {"qkv_dgrad", "qkv_fprop", "proj_fprop"}
     assert cfg.model.tp_comm_overlap_cfg["proj_fprop"]["num_splits"] == 4
 
 
 def test_tp_overlap_without_preset_uses_default_config():
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True), co=CommOverlapConfig(tp_comm_overlap=True))
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True),
+    )
     res = cfg.finalize(2)
     plan = res.decisions.get("model.tp_comm_overlap_cfg")
     assert plan.reason == TP_NO_PRESET_MSG
@@ -186,23 +239,29 @@ def test_tp_overlap_without_preset_uses_default_config():
 
 
 def test_tp_bootstrap_backend_user_value_is_kept():
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
-                co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_bootstrap_backend="mpi"))
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_bootstrap_backend="mpi"),
+    )
     cfg.finalize(2)
     assert cfg.model.tp_comm_bootstrap_backend == "mpi"
 
 
 def test_tp_overlap_unknown_preset_name_is_config_error():
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
-                co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg="userbuffers_nope"))
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg="userbuffers_nope"),
+    )
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(2)
     assert exc.value.field == "comm_overlap.tp_comm_overlap_cfg"
 
 
 def test_tp_overlap_plan_of_wrong_type_is_config_error():
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True),
-                co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg={"qkv_dgrad": {}}))  # type: ignore
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg={"qkv_dgrad": {}}),
+    )  # type: ignore
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(2)
     assert exc.value.field == "comm_overlap.tp_comm_overlap_cfg"
@@ -217,8 +276,9 @@ def test_tp_overlap_off_clears_plan_and_backend():
 
 
 def test_finalize_keeps_user_request_and_preset_in_snapshot():
-    # Reference test_finalize: the wrapper and the snapshot keep tp_comm_overlap True and the preset object.
-    # Quirk decided differently from the reference: the TP downgrade is NOT written back into the user's object.
+    # Reference test_finalize: the wrapper and the snapshot keep tp_comm_overlap True and the preset
+    # object. Quirk decided differently from the reference: the TP downgrade is NOT written back
+    # into the user's object.
     preset = get_tp_overlap_preset(H12288)
     cfg = build(dense(), co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=preset))
     cfg.finalize(1)
@@ -228,7 +288,8 @@ def test_finalize_keeps_user_request_and_preset_in_snapshot():
     assert cfg.model.tp_comm_overlap is False
 
 
-# --- PP selection ----------------------------------------------------------------------------------------------------
+# --- PP selection
+# --------------------------------------------------------------------------------------------------
 def test_pp1_turns_both_p2p_flags_off():
     cfg = build()
     res = cfg.finalize(1)
@@ -257,8 +318,10 @@ def test_pp_vpp_one_counts_as_no_virtual_pipeline():
 
 
 def test_pp_user_override_wins():
-    cfg = build(dense(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2),
-                co=CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=False, batch_p2p_comm=False))
+    cfg = build(
+        dense(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2),
+        co=CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=False, batch_p2p_comm=False),
+    )
     res = cfg.finalize(8)
     assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (False, False)
     assert res.decisions.get("model.overlap_p2p_comm").decided_by == "user"
@@ -267,24 +330,30 @@ def test_pp_user_override_wins():
 
 def test_pp_user_none_keeps_rule_value():
     # Reference test_override_user_cfgs: None user values keep the default (batch_p2p stays True).
-    cfg = build(dense(pipeline_model_parallel_size=2), co=CommOverlapConfig(tp_comm_overlap=False,
-                                                                           overlap_p2p_comm=False))
+    cfg = build(
+        dense(pipeline_model_parallel_size=2),
+        co=CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=False),
+    )
     res = cfg.finalize(2)
     assert cfg.model.batch_p2p_comm is True
     assert res.decisions.get("model.batch_p2p_comm").decided_by == "rule"
 
 
 def test_pp_both_p2p_flags_true_is_error():
-    cfg = build(dense(pipeline_model_parallel_size=2),
-                co=CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=True, batch_p2p_comm=True))
+    cfg = build(
+        dense(pipeline_model_parallel_size=2),
+        co=CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=True, batch_p2p_comm=True),
+    )
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(2)
     assert "batch_p2p_comm" in exc.value.field
 
 
 def test_pp_user_batch_on_with_rule_overlap_on_is_error():
-    cfg = build(dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-                co=CommOverlapConfig(tp_comm_overlap=False, batch_p2p_comm=True))
+    cfg = build(
+        dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        co=CommOverlapConfig(tp_comm_overlap=False, batch_p2p_comm=True),
+    )
     with pytest.raises(ConfigError):
         cfg.finalize(2)
 
@@ -297,14 +366,18 @@ def test_embedding_wgrad_defaults():
 
 
 def test_embedding_wgrad_user_values():
-    cfg = build(co=CommOverlapConfig(tp_comm_overlap=False, defer_embedding_wgrad_compute=True,
-                                     wgrad_deferral_limit=3))
+    cfg = build(
+        co=CommOverlapConfig(
+            tp_comm_overlap=False, defer_embedding_wgrad_compute=True, wgrad_deferral_limit=3
+        )
+    )
     cfg.finalize(1)
     assert cfg.model.defer_embedding_wgrad_compute is True
     assert cfg.model.wgrad_deferral_limit == 3
 
 
-# --- DP defaults -----------------------------------------------------------------------------------------------------
+# --- DP defaults
+# --------------------------------------------------------------------------------------------------
 def test_dp_defaults_with_distributed_optimizer():
     cfg = build(ddp=dist_opt(), optimizer=dist_optimizer())
     res = cfg.finalize(4)
@@ -327,8 +400,11 @@ def test_dp_one_with_distributed_optimizer_has_no_overlap():
 
 
 def test_dp_align_param_gather_with_pp_and_vpp():
-    cfg = build(dense(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2),
-                ddp=dist_opt(), optimizer=dist_optimizer())
+    cfg = build(
+        dense(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2),
+        ddp=dist_opt(),
+        optimizer=dist_optimizer(),
+    )
     res = cfg.finalize(16)
     assert res.layout.dp == 4
     assert cfg.ddp.align_param_gather is True
@@ -352,7 +428,11 @@ def test_dp_defaults_do_not_apply_without_distributed_optimizer():
 
 @pytest.mark.parametrize("where", ["comm_overlap", "ddp"])
 def test_explicit_overlap_grad_reduce_honoured_without_distributed_optimizer(where):
-    co = CommOverlapConfig(tp_comm_overlap=False, overlap_grad_reduce=True) if where == "comm_overlap" else None
+    co = (
+        CommOverlapConfig(tp_comm_overlap=False, overlap_grad_reduce=True)
+        if where == "comm_overlap"
+        else None
+    )
     ddp = DDPConfig(overlap_grad_reduce=True) if where == "ddp" else DDPConfig()
     cfg = build(co=co, ddp=ddp)
     res = cfg.finalize(4)
@@ -360,7 +440,8 @@ def test_explicit_overlap_grad_reduce_honoured_without_distributed_optimizer(whe
     assert (d.requested, d.effective) == (True, True)
     assert d.decided_by == ("user" if where == "comm_overlap" else "model config")
     assert cfg.ddp.overlap_grad_reduce is True
-    assert cfg.ddp.bucket_size == 40_000_000  # Megatron DDP default bucket, not the 128M of the DP rule
+    # Megatron DDP default bucket, not the 128M of the DP rule
+    assert cfg.ddp.bucket_size == 40_000_000
     assert cfg.ddp.overlap_param_gather is False
 
 
@@ -394,39 +475,55 @@ def test_distributed_optimizer_sync_between_ddp_and_optimizer(which):
     other = "optimizer" if which == "ddp" else "ddp"
     d = res.decisions.get(f"{other}.use_distributed_optimizer")
     assert (d.effective, d.decided_by) == (True, "rule")
-    # Quirk fixed on purpose: the reference skipped the DP defaults when only the optimizer had it on.
+    # Quirk fixed on purpose: the reference skipped the DP defaults when only the optimizer had it
+    # on.
     assert cfg.ddp.overlap_grad_reduce is True
     assert cfg.ddp.bucket_size == BRIDGE_DP_BUCKET_SIZE
 
 
 def test_overlap_param_gather_with_optimizer_step_never_automatic():
-    cfg = build(dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ddp=dist_opt(),
-                optimizer=dist_optimizer())
+    cfg = build(
+        dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        ddp=dist_opt(),
+        optimizer=dist_optimizer(),
+    )
     cfg.finalize(4)
     assert cfg.optimizer.overlap_param_gather_with_optimizer_step is False
 
 
 def test_overlap_param_gather_with_optimizer_step_honoured_with_pp_vpp():
-    cfg = build(dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ddp=dist_opt(),
-                optimizer=dist_optimizer(),
-                co=CommOverlapConfig(tp_comm_overlap=False, overlap_param_gather_with_optimizer_step=True))
+    cfg = build(
+        dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        ddp=dist_opt(),
+        optimizer=dist_optimizer(),
+        co=CommOverlapConfig(tp_comm_overlap=False, overlap_param_gather_with_optimizer_step=True),
+    )
     res = cfg.finalize(4)
     assert cfg.optimizer.overlap_param_gather_with_optimizer_step is True
-    # Honoured, but our overlapped param gather already launches its first bucket inside the step: a no-op row,
-    # and an error under strict.
-    noop = {n.field: n for n in res.decisions.noops}["optimizer.overlap_param_gather_with_optimizer_step"]
+    # Honoured, but our overlapped param gather already launches its first bucket inside the step: a
+    # no-op row, and an error under strict.
+    noop = {n.field: n for n in res.decisions.noops}[
+        "optimizer.overlap_param_gather_with_optimizer_step"
+    ]
     assert "already launches the first bucket" in noop.why
-    strict = build(dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-                   ddp=dist_opt(), optimizer=dist_optimizer(),
-                   co=CommOverlapConfig(tp_comm_overlap=False, strict=True,
-                                        overlap_param_gather_with_optimizer_step=True))
+    strict = build(
+        dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        ddp=dist_opt(),
+        optimizer=dist_optimizer(),
+        co=CommOverlapConfig(
+            tp_comm_overlap=False, strict=True, overlap_param_gather_with_optimizer_step=True
+        ),
+    )
     with pytest.raises(ConfigError, match="on but does nothing"):
         strict.finalize(4)
 
 
 def test_overlap_param_gather_with_optimizer_step_dishonoured_without_pp():
-    cfg = build(ddp=dist_opt(), optimizer=dist_optimizer(),
-                co=CommOverlapConfig(tp_comm_overlap=False, overlap_param_gather_with_optimizer_step=True))
+    cfg = build(
+        ddp=dist_opt(),
+        optimizer=dist_optimizer(),
+        co=CommOverlapConfig(tp_comm_overlap=False, overlap_param_gather_with_optimizer_step=True),
+    )
     res = cfg.finalize(4)
     d = res.decisions.get("optimizer.overlap_param_gather_with_optimizer_step")
     assert (d.requested, d.effective) == (True, False)
@@ -438,14 +535,20 @@ def test_user_bucket_size_wins_and_must_be_positive():
     assert cfg.ddp.bucket_size == 1000
     assert res.decisions.get("ddp.bucket_size").decided_by == "user"
     with pytest.raises(ConfigError) as exc:
-        build(ddp=dist_opt(), co=CommOverlapConfig(tp_comm_overlap=False, bucket_size=0)).finalize(4)
+        build(ddp=dist_opt(), co=CommOverlapConfig(tp_comm_overlap=False, bucket_size=0)).finalize(
+            4
+        )
     assert exc.value.field == "ddp.bucket_size"
 
 
 def test_setup_complete_tp_dp():
     # Reference test_setup_method_complete: TP4+SP, preset, DP4, distributed optimizer.
-    cfg = build(dense(tensor_model_parallel_size=4, sequence_parallel=True), ddp=dist_opt(),
-                optimizer=dist_optimizer(), co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288))
+    cfg = build(
+        dense(tensor_model_parallel_size=4, sequence_parallel=True),
+        ddp=dist_opt(),
+        optimizer=dist_optimizer(),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288),
+    )
     cfg.finalize(16)
     assert cfg.model.tp_comm_overlap is True
     assert isinstance(cfg.model.tp_comm_overlap_cfg, dict)
@@ -455,15 +558,21 @@ def test_setup_complete_tp_dp():
 
 
 def test_setup_tp_off_dp_on():
-    # Reference test_setup_with_t5_config: TP2+SP, tp overlap False, DP2 -> TP off, DDP param gather on.
-    cfg = build(dense(tensor_model_parallel_size=2, sequence_parallel=True), ddp=dist_opt(),
-                optimizer=dist_optimizer(), co=CommOverlapConfig(tp_comm_overlap=False))
+    # Reference test_setup_with_t5_config: TP2+SP, tp overlap False, DP2 -> TP off, DDP param gather
+    # on.
+    cfg = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        ddp=dist_opt(),
+        optimizer=dist_optimizer(),
+        co=CommOverlapConfig(tp_comm_overlap=False),
+    )
     cfg.finalize(4)
     assert cfg.model.tp_comm_overlap is False
     assert cfg.ddp.overlap_param_gather is True
 
 
-# --- EP overlap prerequisites ----------------------------------------------------------------------------------------
+# --- EP overlap prerequisites
+# ----------------------------------------------------------------------------------------
 def _ep_case(world=2, mp="bf16_mixed", **model_kw):
     return build(moe(**model_kw), co=ep_on(), mp=mp), world
 
@@ -485,37 +594,111 @@ def test_ep_overlap_off_by_default():
 
 EP_PREREQ_CASES = [
     # (id, model kwargs, world, mixed precision, expected field, message fragment)
-    ("ep1", dict(expert_model_parallel_size=1), 2, "bf16_mixed", "model.expert_model_parallel_size",
-     "expert_model_parallel_size > 1"),
-    ("one_expert", dict(num_moe_experts=1, moe_router_topk=1), 2, "bf16_mixed", "model.num_moe_experts",
-     "num_moe_experts > 1"),
-    ("dense", dict(num_moe_experts=None), 2, "bf16_mixed", "model.num_moe_experts", "num_moe_experts > 1"),
-    ("allgather", dict(moe_token_dispatcher_type="allgather"), 2, "bf16_mixed", "model.moe_token_dispatcher_type",
-     "'alltoall' or 'flex'"),
+    (
+        "ep1",
+        dict(expert_model_parallel_size=1),
+        2,
+        "bf16_mixed",
+        "model.expert_model_parallel_size",
+        "expert_model_parallel_size > 1",
+    ),
+    (
+        "one_expert",
+        dict(num_moe_experts=1, moe_router_topk=1),
+        2,
+        "bf16_mixed",
+        "model.num_moe_experts",
+        "num_moe_experts > 1",
+    ),
+    (
+        "dense",
+        dict(num_moe_experts=None),
+        2,
+        "bf16_mixed",
+        "model.num_moe_experts",
+        "num_moe_experts > 1",
+    ),
+    (
+        "allgather",
+        dict(moe_token_dispatcher_type="allgather"),
+        2,
+        "bf16_mixed",
+        "model.moe_token_dispatcher_type",
+        "'alltoall' or 'flex'",
+    ),
     ("fp32", dict(), 2, "fp32", "model.bf16", "bf16 or fp16"),
-    ("pp_without_vpp", dict(pipeline_model_parallel_size=2), 4, "bf16_mixed",
-     "model.virtual_pipeline_model_parallel_size",
-     "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1"),
-    ("full_recompute", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), 2,
-     "bf16_mixed", "model.recompute_granularity", "disable full recomputation"),
-    ("recompute_method", dict(recompute_method="uniform"), 2, "bf16_mixed", "model.recompute_method",
-     "disable recomputation method"),
-    ("recompute_num_layers", dict(recompute_num_layers=1), 2, "bf16_mixed", "model.recompute_num_layers",
-     "recompute_num_layers must be None"),
-    ("moe_recompute", dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]), 2,
-     "bf16_mixed", "model.recompute_modules", "disable moe in recompute_modules"),
-    ("shared_overlap", dict(moe_shared_expert_overlap=True, moe_shared_expert_intermediate_size=32), 2,
-     "bf16_mixed", "model.moe_shared_expert_overlap", "disable moe_shared_expert_overlap"),
+    (
+        "pp_without_vpp",
+        dict(pipeline_model_parallel_size=2),
+        4,
+        "bf16_mixed",
+        "model.virtual_pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size "
+        "> 1",
+    ),
+    (
+        "full_recompute",
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        2,
+        "bf16_mixed",
+        "model.recompute_granularity",
+        "disable full recomputation",
+    ),
+    (
+        "recompute_method",
+        dict(recompute_method="uniform"),
+        2,
+        "bf16_mixed",
+        "model.recompute_method",
+        "disable recomputation method",
+    ),
+    (
+        "recompute_num_layers",
+        dict(recompute_num_layers=1),
+        2,
+        "bf16_mixed",
+        "model.recompute_num_layers",
+        "recompute_num_layers must be None",
+    ),
+    (
+        "moe_recompute",
+        dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe"]),
+        2,
+        "bf16_mixed",
+        "model.recompute_modules",
+        "disable moe in recompute_modules",
+    ),
+    (
+        "shared_overlap",
+        dict(moe_shared_expert_overlap=True, moe_shared_expert_intermediate_size=32),
+        2,
+        "bf16_mixed",
+        "model.moe_shared_expert_overlap",
+        "disable moe_shared_expert_overlap",
+    ),
     ("mtp2", dict(mtp_num_layers=2), 2, "bf16_mixed", "model.mtp_num_layers", "at most one layer"),
-    ("graph_moe", dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe"]), 2, "bf16_mixed",
-     "model.cuda_graph_scope", "moe"),
-    ("graph_mlp", dict(cuda_graph_impl="transformer_engine", cuda_graph_scope="attn,mlp"), 2, "bf16_mixed",
-     "model.cuda_graph_scope", "mlp"),
+    (
+        "graph_moe",
+        dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe"]),
+        2,
+        "bf16_mixed",
+        "model.cuda_graph_scope",
+        "moe",
+    ),
+    (
+        "graph_mlp",
+        dict(cuda_graph_impl="transformer_engine", cuda_graph_scope="attn,mlp"),
+        2,
+        "bf16_mixed",
+        "model.cuda_graph_scope",
+        "mlp",
+    ),
 ]
 
 
-@pytest.mark.parametrize("case_id,model_kw,world,mp,field,fragment", EP_PREREQ_CASES,
-                         ids=[c[0] for c in EP_PREREQ_CASES])
+@pytest.mark.parametrize(
+    "case_id,model_kw,world,mp,field,fragment", EP_PREREQ_CASES, ids=[c[0] for c in EP_PREREQ_CASES]
+)
 def test_ep_overlap_prerequisite_fails_naming_field(case_id, model_kw, world, mp, field, fragment):
     cfg, world = _ep_case(world=world, mp=mp, **model_kw)
     with pytest.raises(ConfigError) as exc:
@@ -553,13 +736,17 @@ def test_ep_overlap_accepts_mtp_none_zero_one(mtp):
 
 
 def test_ep_overlap_with_pp_and_vpp_is_fine():
-    cfg, world = _ep_case(world=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    cfg, world = _ep_case(
+        world=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
     cfg.finalize(world)
     assert cfg.model.overlap_moe_expert_parallel_comm is True
 
 
 def test_ep_overlap_with_selective_recompute_is_fine():
-    cfg, world = _ep_case(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"])
+    cfg, world = _ep_case(
+        recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"]
+    )
     cfg.finalize(world)
     assert cfg.model.overlap_moe_expert_parallel_comm is True
 
@@ -583,8 +770,11 @@ def test_ep_overlap_prerequisites_are_errors_even_without_strict():
 
 
 def test_ep_overlap_requested_on_model_config_is_checked_and_kept():
-    # Quirk fixed on purpose: the reference reset a model-level EP flag to False once comm_overlap was set.
-    cfg = build(moe(overlap_moe_expert_parallel_comm=True), co=CommOverlapConfig(tp_comm_overlap=False))
+    # Quirk fixed on purpose: the reference reset a model-level EP flag to False once comm_overlap
+    # was set.
+    cfg = build(
+        moe(overlap_moe_expert_parallel_comm=True), co=CommOverlapConfig(tp_comm_overlap=False)
+    )
     res = cfg.finalize(2)
     d = res.decisions.get("model.overlap_moe_expert_parallel_comm")
     assert (d.effective, d.decided_by) == (True, "model config")
@@ -593,8 +783,8 @@ def test_ep_overlap_requested_on_model_config_is_checked_and_kept():
 
 
 def test_ep_overlap_precision_check_sees_mixed_precision():
-    # Finalize order: mixed precision runs before the EP precision check, so bf16_mixed satisfies it even though
-    # the model itself was built with bf16=False; fp16 satisfies it too.
+    # Finalize order: mixed precision runs before the EP precision check, so bf16_mixed satisfies it
+    # even though the model itself was built with bf16=False; fp16 satisfies it too.
     for mp in ("bf16_mixed", "fp16_mixed"):
         cfg = build(moe(bf16=False), co=ep_on(), mp=mp)
         cfg.finalize(2)
@@ -608,7 +798,8 @@ def test_ep_overlap_precision_check_sees_mixed_precision():
     assert exc.value.field == "model.bf16"
 
 
-# --- delay_wgrad_compute ---------------------------------------------------------------------------------------------
+# --- delay_wgrad_compute
+# ---------------------------------------------------------------------------------------------
 def test_delay_wgrad_requires_ep_overlap():
     cfg = build(moe(), co=CommOverlapConfig(tp_comm_overlap=False, delay_wgrad_compute=True))
     with pytest.raises(ConfigError) as exc:
@@ -630,8 +821,11 @@ def test_delay_wgrad_with_ep_overlap():
 
 
 def test_delay_wgrad_with_overlap_grad_reduce_and_grad_accum_fusion():
-    cfg = build(moe(gradient_accumulation_fusion=True), co=ep_on(delay_wgrad_compute=True),
-                ddp=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True))
+    cfg = build(
+        moe(gradient_accumulation_fusion=True),
+        co=ep_on(delay_wgrad_compute=True),
+        ddp=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True),
+    )
     cfg.finalize(2)
     assert cfg.model.delay_wgrad_compute is True
     assert cfg.ddp.overlap_grad_reduce is True
@@ -665,7 +859,9 @@ def test_delay_wgrad_cuda_graph_attn_requires_grad_accum_fusion():
 
 def test_delay_wgrad_cuda_graph_attn_is_checked_whatever_the_graph_impl():
     # the reference checks the module list even with cuda_graph_impl none
-    cfg = build(moe(cuda_graph_impl="none", cuda_graph_scope=["attn"]), co=ep_on(delay_wgrad_compute=True))
+    cfg = build(
+        moe(cuda_graph_impl="none", cuda_graph_scope=["attn"]), co=ep_on(delay_wgrad_compute=True)
+    )
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(2)
     assert exc.value.field == "model.gradient_accumulation_fusion"
@@ -683,19 +879,25 @@ def test_delay_wgrad_cuda_graph_attn_rejects_attention_bias(bias):
 
 def test_delay_wgrad_attention_bias_error_names_the_field_that_is_set():
     # The error must name the bias field that is actually on, with its real value.
-    model = _graph_moe(cuda_graph_scope=["attn"], gradient_accumulation_fusion=True, add_qkv_bias=True)
+    model = _graph_moe(
+        cuda_graph_scope=["attn"], gradient_accumulation_fusion=True, add_qkv_bias=True
+    )
     cfg = build(model, co=ep_on(delay_wgrad_compute=True))
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(2)
     section, name = exc.value.field.split(".")
     assert section == "model"
     assert getattr(model, name) == exc.value.value, (
-        f"error reports {exc.value.field}={exc.value.value!r}, but the config has {name}={getattr(model, name)!r}")
+        f"error reports {exc.value.field}={exc.value.value!r}, but the config has "
+        f"{name}={getattr(model, name)!r}"
+    )
 
 
 def test_delay_wgrad_cuda_graph_attn_with_supported_settings():
-    cfg = build(_graph_moe(cuda_graph_scope=["attn"], gradient_accumulation_fusion=True),
-                co=ep_on(delay_wgrad_compute=True))
+    cfg = build(
+        _graph_moe(cuda_graph_scope=["attn"], gradient_accumulation_fusion=True),
+        co=ep_on(delay_wgrad_compute=True),
+    )
     cfg.finalize(2)
     assert cfg.model.delay_wgrad_compute is True
 
@@ -708,23 +910,34 @@ def test_delay_wgrad_cuda_graph_attn_scope_as_comma_string():
 
 
 def test_delay_wgrad_router_scope_with_shared_expert_requires_grad_accum_fusion():
-    cfg = build(_graph_moe(cuda_graph_scope=["moe_router"], moe_shared_expert_intermediate_size=32),
-                co=ep_on(delay_wgrad_compute=True))
+    cfg = build(
+        _graph_moe(cuda_graph_scope=["moe_router"], moe_shared_expert_intermediate_size=32),
+        co=ep_on(delay_wgrad_compute=True),
+    )
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(2)
     assert exc.value.field == "model.gradient_accumulation_fusion"
 
 
 def test_delay_wgrad_router_scope_with_shared_expert_and_fusion_is_fine():
-    cfg = build(_graph_moe(cuda_graph_scope=["moe_router"], moe_shared_expert_intermediate_size=32,
-                           gradient_accumulation_fusion=True, add_bias_linear=True),
-                co=ep_on(delay_wgrad_compute=True))
+    cfg = build(
+        _graph_moe(
+            cuda_graph_scope=["moe_router"],
+            moe_shared_expert_intermediate_size=32,
+            gradient_accumulation_fusion=True,
+            add_bias_linear=True,
+        ),
+        co=ep_on(delay_wgrad_compute=True),
+    )
     cfg.finalize(2)  # the bias restriction is for the attn scope only
     assert cfg.model.delay_wgrad_compute is True
 
 
 def test_delay_wgrad_router_scope_without_shared_expert_is_fine():
-    cfg = build(_graph_moe(cuda_graph_scope=["moe_router", "moe_preprocess"]), co=ep_on(delay_wgrad_compute=True))
+    cfg = build(
+        _graph_moe(cuda_graph_scope=["moe_router", "moe_preprocess"]),
+        co=ep_on(delay_wgrad_compute=True),
+    )
     cfg.finalize(2)
     assert cfg.model.delay_wgrad_compute is True
 
@@ -732,21 +945,39 @@ def test_delay_wgrad_router_scope_without_shared_expert_is_fine():
 @pytest.mark.parametrize("scope", [["full_iteration"], "full", ""])
 def test_delay_wgrad_full_or_empty_scope_adds_no_constraint(scope):
     impl = "local" if scope == ["full_iteration"] else "transformer_engine"
-    cfg = build(moe(cuda_graph_impl=impl, cuda_graph_scope=scope), co=ep_on(delay_wgrad_compute=True))
+    cfg = build(
+        moe(cuda_graph_impl=impl, cuda_graph_scope=scope), co=ep_on(delay_wgrad_compute=True)
+    )
     cfg.finalize(2)
     assert cfg.model.delay_wgrad_compute is True
 
 
-# --- mixed precision -----------------------------------------------------------------------------------------------
+# --- mixed precision
+# -----------------------------------------------------------------------------------------------
 def test_mixed_precision_preset_values():
     assert set(MIXED_PRECISION_PRESETS) == {"bf16_mixed", "fp16_mixed", "fp32"}
     bf16 = get_mixed_precision_config("bf16_mixed")
-    assert (bf16.bf16, bf16.fp16, bf16.params_dtype, bf16.grad_reduce_in_fp32, bf16.fp8_param_gather) == \
-        (True, False, "bfloat16", True, False)
+    assert (
+        bf16.bf16,
+        bf16.fp16,
+        bf16.params_dtype,
+        bf16.grad_reduce_in_fp32,
+        bf16.fp8_param_gather,
+    ) == (True, False, "bfloat16", True, False)
     fp16 = get_mixed_precision_config("fp16_mixed")
-    assert (fp16.bf16, fp16.fp16, fp16.params_dtype, fp16.grad_reduce_in_fp32) == (False, True, "float16", False)
+    assert (fp16.bf16, fp16.fp16, fp16.params_dtype, fp16.grad_reduce_in_fp32) == (
+        False,
+        True,
+        "float16",
+        False,
+    )
     fp32 = get_mixed_precision_config("fp32")
-    assert (fp32.bf16, fp32.fp16, fp32.params_dtype, fp32.grad_reduce_in_fp32) == (False, False, "float32", False)
+    assert (fp32.bf16, fp32.fp16, fp32.params_dtype, fp32.grad_reduce_in_fp32) == (
+        False,
+        False,
+        "float32",
+        False,
+    )
 
 
 def test_mixed_precision_preset_is_a_copy():
@@ -798,6 +1029,7 @@ def test_shared_expert_overlap_without_shared_expert_is_a_logged_dishonoured_req
         c = ConfigContainer(model=ModelConfig(num_moe_experts=4, moe_shared_expert_overlap=True))
         if strict:
             from overlap.config import CommOverlapConfig
+
             c.comm_overlap = CommOverlapConfig(tp_comm_overlap=None, strict=True)
         return c
 
@@ -806,17 +1038,34 @@ def test_shared_expert_overlap_without_shared_expert_is_a_logged_dishonoured_req
     assert d.requested is True and d.effective is False and "no shared expert" in d.reason
     assert c.model.moe_shared_expert_overlap is False
     import pytest
+
     with pytest.raises(ConfigError, match="moe_shared_expert_overlap"):
         cfg(True).finalize(1)
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({}, ["dropless", "exchange split sizes"]),
-    (dict(moe_expert_capacity_factor=1.5), ["1.5", "lowest router weights", "still exchanged",
-                                            "moe_pad_expert_input_to_capacity=true"]),
-    (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True, moe_token_drop_policy="position"),
-     ["latest tokens", "static shapes, no split-size exchange"]),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({}, ["dropless", "exchange split sizes"]),
+        (
+            dict(moe_expert_capacity_factor=1.5),
+            [
+                "1.5",
+                "lowest router weights",
+                "still exchanged",
+                "moe_pad_expert_input_to_capacity=true",
+            ],
+        ),
+        (
+            dict(
+                moe_expert_capacity_factor=1.0,
+                moe_pad_expert_input_to_capacity=True,
+                moe_token_drop_policy="position",
+            ),
+            ["latest tokens", "static shapes, no split-size exchange"],
+        ),
+    ],
+)
 def test_expert_capacity_is_a_decision_that_says_what_the_dispatch_exchanges(kw, words):
     d = build(moe(**kw)).finalize(2).decisions.get("model.moe_expert_capacity_factor")
     assert d.effective == kw.get("moe_expert_capacity_factor")
@@ -830,32 +1079,50 @@ def test_a_dense_model_has_no_expert_capacity_decision():
 
 
 def test_forced_load_balancing_is_a_logged_benchmark_mode_and_refuses_a_recompute_that_reroutes():
-    d = build(moe(moe_router_force_load_balancing=True)).finalize(2).decisions.get(
-        "model.moe_router_force_load_balancing")
+    d = (
+        build(moe(moe_router_force_load_balancing=True))
+        .finalize(2)
+        .decisions.get("model.moe_router_force_load_balancing")
+    )
     assert d.effective is True and "random logits" in d.reason and "not for training" in d.reason
     with pytest.raises(KeyError):  # off: nothing to say
         build(moe()).finalize(2).decisions.get("model.moe_router_force_load_balancing")
-    for kw in (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-               dict(recompute_granularity="selective", recompute_modules=["moe"])):
+    for kw in (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+        dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    ):
         with pytest.raises(ConfigError, match="moe_router_force_load_balancing") as err:
             build(moe(moe_router_force_load_balancing=True, **kw)).finalize(2)
         assert "recompute" in err.value.fix
-    build(moe(moe_router_force_load_balancing=True, recompute_granularity="selective",
-              recompute_modules=["core_attn"])).finalize(2)  # the router is not recomputed: fine
+    build(
+        moe(
+            moe_router_force_load_balancing=True,
+            recompute_granularity="selective",
+            recompute_modules=["core_attn"],
+        )
+    ).finalize(2)  # the router is not recomputed: fine
 
 
-@pytest.mark.parametrize("section, field", [
-    (lambda: OptimizerConfig(lr=float("nan")), "optimizer.lr"),
-    (lambda: OptimizerConfig(optimizer="sgd"), "optimizer.optimizer"),
-    (lambda: SchedulerConfig(lr_decay_style="step"), "scheduler.lr_decay_style"),
-    (lambda: TrainConfig(train_iters=0), "train.train_iters"),
-    (lambda: TrainConfig(eval_time_start_step=3, eval_time_end_step=3), "train.eval_time_end_step"),
-    (lambda: ModelConfig(params_dtype="int8"), "model.params_dtype"),
-    (lambda: ModelConfig(num_moe_experts=4, moe_router_topk=5), "model.moe_router_topk"),
-    (lambda: ModelConfig(recompute_modules=["mla_up_proj"]), "model.recompute_modules"),
-    (lambda: ModelConfig(cuda_graph_impl="local", cuda_graph_scope=["attn"]),
-     "model.cuda_graph_scope"),
-])
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        (lambda: OptimizerConfig(lr=float("nan")), "optimizer.lr"),
+        (lambda: OptimizerConfig(optimizer="sgd"), "optimizer.optimizer"),
+        (lambda: SchedulerConfig(lr_decay_style="step"), "scheduler.lr_decay_style"),
+        (lambda: TrainConfig(train_iters=0), "train.train_iters"),
+        (
+            lambda: TrainConfig(eval_time_start_step=3, eval_time_end_step=3),
+            "train.eval_time_end_step",
+        ),
+        (lambda: ModelConfig(params_dtype="int8"), "model.params_dtype"),
+        (lambda: ModelConfig(num_moe_experts=4, moe_router_topk=5), "model.moe_router_topk"),
+        (lambda: ModelConfig(recompute_modules=["mla_up_proj"]), "model.recompute_modules"),
+        (
+            lambda: ModelConfig(cuda_graph_impl="local", cuda_graph_scope=["attn"]),
+            "model.cuda_graph_scope",
+        ),
+    ],
+)
 def test_each_section_checks_its_own_fields(section, field):
     """A section's own rules run from the section (`validate()`), without a container or layout."""
     with pytest.raises(ConfigError) as exc:

@@ -1,14 +1,17 @@
-"""`overlap convert import | export | roundtrip` as a user runs them (in-process through `overlap.cli.main`).
+"""`overlap convert import | export | roundtrip` as a user runs them (in-process through
+`overlap.cli.main`).
 
-- roundtrip fails (exit 1, the tensor named) when the export really differs from the source by one ulp in one tensor
-  or lacks one: the comparison is not a formality;
-- import then export as two commands: transformers loads the exported folder (no missing or unexpected keys) and
-  computes bit-identical fp32 logits to the source model's, for a tiny Qwen3 and Qwen3-MoE, and the files hold
-  exactly the source's per-expert tensor names;
+- roundtrip fails (exit 1, the tensor named) when the export really differs from the source by one
+  ulp in one tensor or lacks one: the comparison is not a formality;
+- import then export as two commands: transformers loads the exported folder (no missing or
+  unexpected keys) and computes bit-identical fp32 logits to the source model's, for a tiny Qwen3
+  and Qwen3-MoE, and the files hold exactly the source's per-expert tensor names;
 - a sharded `save_pretrained` folder (index + several shards) imports and round-trips bit-exactly;
-- a bad --hf / --load / --out / --work is a one-paragraph error naming that flag (not the `overlap run` setting the
-  shared loaders name), with exit 2 and no traceback, and leaves no output folder behind.
-The models are the anchor test's tiny random ones (tests/test_hf_anchor.py: hidden 32, 2 layers, 4 experts).
+- a bad --hf / --load / --out / --work is a one-paragraph error naming that flag (not the `overlap
+  run` setting the shared loaders name), with exit 2 and no traceback, and leaves no output folder
+  behind.
+The models are the anchor test's tiny random ones (tests/test_hf_anchor.py: hidden 32, 2 layers, 4
+experts).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def imported(hf_models, tmp_path_factory) -> Path:
-    """The MoE model imported once (a checkpoint base folder), for the tests that damage a copy of it."""
+    """The MoE model imported once (a checkpoint base folder), for the tests that damage a copy of
+    it."""
     base = tmp_path_factory.mktemp("imported") / "ckpt"
     convert.import_hf(hf_models["moe"][0], base)
     return base
@@ -65,13 +69,18 @@ def _one_ulp_up(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_bits(folder: Path, name: str) -> torch.Tensor:
-    """The source file's tensor `name` as its float32 bit patterns (int64, so that differences do not wrap)."""
+    """The source file's tensor `name` as its float32 bit patterns (int64, so that differences do
+    not wrap)."""
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         return f.get_tensor(name).view(torch.int32).long()
 
 
-@pytest.mark.parametrize("name,change", [(EXPERT, "ulp"), ("model.norm.weight", "ulp"), (EXPERT, "drop")])
-def test_roundtrip_fails_and_names_the_tensor_that_differs(hf_models, tmp_path, monkeypatch, capsys, name, change):
+@pytest.mark.parametrize(
+    "name,change", [(EXPERT, "ulp"), ("model.norm.weight", "ulp"), (EXPERT, "drop")]
+)
+def test_roundtrip_fails_and_names_the_tensor_that_differs(
+    hf_models, tmp_path, monkeypatch, capsys, name, change
+):
     folder, _ = hf_models["moe"]
     original = convert.write_sharded
 
@@ -94,7 +103,9 @@ def test_roundtrip_fails_and_names_the_tensor_that_differs(hf_models, tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe", "dense_tied"])
-def test_import_then_export_commands_give_transformers_the_same_logits(hf_models, tmp_path, capsys, kind):
+def test_import_then_export_commands_give_transformers_the_same_logits(
+    hf_models, tmp_path, capsys, kind
+):
     folder, logits = hf_models[kind]
     ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
     assert main(["convert", "import", "--hf", str(folder), "--out", str(ckpt)]) == 0
@@ -103,8 +114,9 @@ def test_import_then_export_commands_give_transformers_the_same_logits(hf_models
     assert _names(exported) == _names(folder)  # per-expert names, as save_pretrained wrote them
     if kind == "moe":
         assert EXPERT in _names(exported) and not any("gate_up_proj" in n for n in _names(exported))
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(exported, attn_implementation="eager",
-                                                                    output_loading_info=True)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        exported, attn_implementation="eager", output_loading_info=True
+    )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert type(model).__name__ == ("Qwen3MoeForCausalLM" if kind == "moe" else "Qwen3ForCausalLM")
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -116,13 +128,20 @@ def test_import_then_export_commands_give_transformers_the_same_logits(hf_models
 def test_sharded_folder_imports_and_roundtrips_bit_exact(hf_models, tmp_path, capsys):
     source, logits = hf_models["moe"]
     sharded = tmp_path / "sharded"
-    transformers.AutoModelForCausalLM.from_pretrained(source).save_pretrained(sharded, max_shard_size="20KB")
+    transformers.AutoModelForCausalLM.from_pretrained(source).save_pretrained(
+        sharded, max_shard_size="20KB"
+    )
     index = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
     assert not (sharded / "model.safetensors").exists() and len(set(index.values())) >= 3
-    assert main(["convert", "roundtrip", "--hf", str(sharded), "--work", str(tmp_path / "work")]) == 0
+    assert (
+        main(["convert", "roundtrip", "--hf", str(sharded), "--work", str(tmp_path / "work")]) == 0
+    )
     assert f"all {len(index)} tensors bit-identical" in capsys.readouterr().out
-    assert _names(tmp_path / "work" / "hf") == set(index)  # every shard's tensors went through the checkpoint
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "work" / "hf", attn_implementation="eager")
+    # every shard's tensors went through the checkpoint
+    assert _names(tmp_path / "work" / "hf") == set(index)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "work" / "hf", attn_implementation="eager"
+    )
     with torch.no_grad():
         assert torch.equal(model(input_ids=_batch()[0]).logits, logits)
 
@@ -141,24 +160,81 @@ def _later_iteration(ckpt: Path) -> None:
     (ckpt / "latest_checkpointed_iteration.txt").write_text("5\n")
 
 
-# (argv with {hf} the MoE folder, {ckpt} a damaged copy of its import, {tmp} a scratch folder; the damage; the flag
-# the error must name; its value)
+# (argv with {hf} the MoE folder, {ckpt} a damaged copy of its import, {tmp} a scratch folder; the
+# damage; the flag the error must name; its value)
 BAD = {
-    "missing --hf (import)": (["import", "--hf", "{tmp}/absent", "--out", "{tmp}/out"], None, "--hf", "{tmp}/absent"),
-    "missing --hf (roundtrip)": (["roundtrip", "--hf", "{tmp}/absent"], None, "--hf", "{tmp}/absent"),
-    "--hf without weights": (["import", "--hf", "{tmp}/config_only", "--out", "{tmp}/out"], None, "--hf",
-                             "{tmp}/config_only"),
-    "missing --load": (["export", "--load", "{tmp}/absent", "--hf", "{tmp}/out"], None, "--load", "{tmp}/absent"),
-    "corrupt --load index": (["export", "--load", "{ckpt}", "--hf", "{tmp}/out"], _corrupt_index, "--load",
-                             "{ckpt}/iter_0000000/.metadata"),
-    "--load shard missing": (["export", "--load", "{ckpt}", "--hf", "{tmp}/out"], _drop_shard, "--load",
-                             "{ckpt}/iter_0000000/__0_0.distcp"),
-    "--out is a file": (["import", "--hf", "{hf}", "--out", "{tmp}/file"], None, "--out", "{tmp}/file"),
-    "--out under a file": (["import", "--hf", "{hf}", "--out", "{tmp}/file/out"], None, "--out", "{tmp}/file/out"),
-    "--out holds a run": (["import", "--hf", "{hf}", "--out", "{ckpt}"], _later_iteration, "--out", "{ckpt}"),
-    "export --hf is a file": (["export", "--load", "{ckpt}", "--hf", "{tmp}/file"], None, "--hf", "{tmp}/file"),
-    "export --hf holds weights": (["export", "--load", "{ckpt}", "--hf", "{hf}"], None, "--hf", "{hf}"),
-    "--work is a file": (["roundtrip", "--hf", "{hf}", "--work", "{tmp}/file"], None, "--work", "{tmp}/file"),
+    "missing --hf (import)": (
+        ["import", "--hf", "{tmp}/absent", "--out", "{tmp}/out"],
+        None,
+        "--hf",
+        "{tmp}/absent",
+    ),
+    "missing --hf (roundtrip)": (
+        ["roundtrip", "--hf", "{tmp}/absent"],
+        None,
+        "--hf",
+        "{tmp}/absent",
+    ),
+    "--hf without weights": (
+        ["import", "--hf", "{tmp}/config_only", "--out", "{tmp}/out"],
+        None,
+        "--hf",
+        "{tmp}/config_only",
+    ),
+    "missing --load": (
+        ["export", "--load", "{tmp}/absent", "--hf", "{tmp}/out"],
+        None,
+        "--load",
+        "{tmp}/absent",
+    ),
+    "corrupt --load index": (
+        ["export", "--load", "{ckpt}", "--hf", "{tmp}/out"],
+        _corrupt_index,
+        "--load",
+        "{ckpt}/iter_0000000/.metadata",
+    ),
+    "--load shard missing": (
+        ["export", "--load", "{ckpt}", "--hf", "{tmp}/out"],
+        _drop_shard,
+        "--load",
+        "{ckpt}/iter_0000000/__0_0.distcp",
+    ),
+    "--out is a file": (
+        ["import", "--hf", "{hf}", "--out", "{tmp}/file"],
+        None,
+        "--out",
+        "{tmp}/file",
+    ),
+    "--out under a file": (
+        ["import", "--hf", "{hf}", "--out", "{tmp}/file/out"],
+        None,
+        "--out",
+        "{tmp}/file/out",
+    ),
+    "--out holds a run": (
+        ["import", "--hf", "{hf}", "--out", "{ckpt}"],
+        _later_iteration,
+        "--out",
+        "{ckpt}",
+    ),
+    "export --hf is a file": (
+        ["export", "--load", "{ckpt}", "--hf", "{tmp}/file"],
+        None,
+        "--hf",
+        "{tmp}/file",
+    ),
+    "export --hf holds weights": (
+        ["export", "--load", "{ckpt}", "--hf", "{hf}"],
+        None,
+        "--hf",
+        "{hf}",
+    ),
+    "--work is a file": (
+        ["roundtrip", "--hf", "{hf}", "--work", "{tmp}/file"],
+        None,
+        "--work",
+        "{tmp}/file",
+    ),
 }
 
 
@@ -180,7 +256,9 @@ def test_bad_paths_name_the_flag(hf_models, imported, tmp_path, capsys, case):
 
     assert main(["convert", *map(fill, words)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"overlap: error: {flag}=") and "Fix:" in err and "Traceback" not in err, err
+    assert (
+        err.startswith(f"overlap: error: {flag}=") and "Fix:" in err and "Traceback" not in err
+    ), err
     assert fill(value) in err
     for setting in ("checkpoint.pretrained_checkpoint", "checkpoint.load", "checkpoint.save"):
         assert setting not in err
@@ -192,24 +270,34 @@ def test_flag_errors_renames_only_the_named_settings() -> None:
     with pytest.raises(CheckpointError) as err:
         with convert.flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
             raise CheckpointError("checkpoint.pretrained_checkpoint", "/x", "why.", "fix.")
-    assert (err.value.field, err.value.value, err.value.why, err.value.fix) == ("--hf", "/x", "why.", "fix.")
+    assert (err.value.field, err.value.value, err.value.why, err.value.fix) == (
+        "--hf",
+        "/x",
+        "why.",
+        "fix.",
+    )
     with pytest.raises(CheckpointError) as err:
         with convert.flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
             raise CheckpointError("checkpoint.load", "/y", "why.", "fix.")
     assert err.value.field == "checkpoint.load"
 
 
-def test_a_tied_folder_roundtrips_and_a_stray_lm_head_must_be_the_embedding(hf_models, tmp_path, capsys):
-    """tie_word_embeddings=true: no lm_head tensor of its own, in and out. A folder that also stores the LM head
-    (some tied checkpoints do) round-trips when that copy is the embedding bit for bit, and fails naming it when not."""
+def test_a_tied_folder_roundtrips_and_a_stray_lm_head_must_be_the_embedding(
+    hf_models, tmp_path, capsys
+):
+    """tie_word_embeddings=true: no lm_head tensor of its own, in and out. A folder that also stores
+    the LM head (some tied checkpoints do) round-trips when that copy is the embedding bit for bit,
+    and fails naming it when not."""
     from safetensors.torch import load_file, save_file
 
     source, _logits = hf_models["dense_tied"]
     assert "lm_head.weight" not in _names(source)
     assert main(["convert", "roundtrip", "--hf", str(source)]) == 0
     tensors = load_file(str(source / "model.safetensors"))
-    for name, head in (("copy", tensors["model.embed_tokens.weight"].clone()),
-                       ("other", _one_ulp_up(tensors["model.embed_tokens.weight"]))):
+    for name, head in (
+        ("copy", tensors["model.embed_tokens.weight"].clone()),
+        ("other", _one_ulp_up(tensors["model.embed_tokens.weight"])),
+    ):
         folder = tmp_path / name
         folder.mkdir()
         shutil.copy(source / "config.json", folder / "config.json")
@@ -218,4 +306,6 @@ def test_a_tied_folder_roundtrips_and_a_stray_lm_head_must_be_the_embedding(hf_m
         code = main(["convert", "roundtrip", "--hf", str(folder)])
         out = capsys.readouterr()
         assert code == (0 if name == "copy" else 1), out
-        assert (name == "other") == ("lm_head.weight is not the tied embedding" in out.out + out.err)
+        assert (name == "other") == (
+            "lm_head.weight is not the tied embedding" in out.out + out.err
+        )

@@ -1,5 +1,6 @@
-"""Real data (issue 16): the indexed-dataset files byte for byte, GPT sample construction and blending, the HF
-tokenizer with Megatron's vocabulary padding, `overlap preprocess`, and a tiny model that learns from real text."""
+"""Real data (issue 16): the indexed-dataset files byte for byte, GPT sample construction and
+blending, the HF tokenizer with Megatron's vocabulary padding, `overlap preprocess`, and a tiny
+model that learns from real text."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import random
 import struct
 from pathlib import Path
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import numpy as np
 import pytest
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from overlap.data.gpt_dataset import GPTDataset, blending_indices, parse_blend, split_ranges
 from overlap.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -25,12 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def corpus(n: int, seed: int = 0) -> list[str]:
-    """Sentences from a small grammar (the file-format, padding and layout tests' data; the learning test reads
-    real text, `stdlib_corpus`)."""
+    """Sentences from a small grammar (the file-format, padding and layout tests' data; the learning
+    test reads real text, `stdlib_corpus`)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        subject = f"{rng.choice(['the', 'a'])} {rng.choice(['small', 'big', 'red'])} {rng.choice(['cat', 'dog', 'bird'])}"
+        subject = (
+            f"{rng.choice(['the', 'a'])} {rng.choice(['small', 'big', 'red'])} "
+            f"{rng.choice(['cat', 'dog', 'bird'])}"
+        )
         verb = rng.choice(["sat", "ran", "flew"])
         place = f"{rng.choice(['on', 'under', 'over'])} the {rng.choice(['mat', 'tree', 'house'])}"
         out.append(f"{subject} {verb} {place} and then slept.")
@@ -44,7 +48,9 @@ def tokenizer_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.train_from_iterator(corpus(200), trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.train_from_iterator(
+        corpus(200), trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>"])
+    )
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     return folder
@@ -56,8 +62,12 @@ def dataset_prefix(tmp_path_factory, tokenizer_dir):
 
     folder = tmp_path_factory.mktemp("data")
     source = folder / "corpus.jsonl"
-    source.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(corpus(2000, seed=1))))
-    counts = preprocess(str(source), ["text"], str(tokenizer_dir), str(folder / "corpus"), append_eod=True)
+    source.write_text(
+        "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(corpus(2000, seed=1)))
+    )
+    counts = preprocess(
+        str(source), ["text"], str(tokenizer_dir), str(folder / "corpus"), append_eod=True
+    )
     assert counts["text"]["documents"] == 2000
     return str(folder / "corpus_text_document")
 
@@ -67,9 +77,16 @@ def test_index_file_is_the_documented_layout_byte_for_byte(tmp_path):
     for doc in ([5, 6, 7], [8], [9, 10]):
         w.add_document(doc)
     w.finalize()
-    expected = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8) + struct.pack("<Q", 3)
-                + struct.pack("<Q", 4) + struct.pack("<3i", 3, 1, 2) + struct.pack("<3q", 0, 6, 8)
-                + struct.pack("<4q", 0, 1, 2, 3))
+    expected = (
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<Q", 1)
+        + struct.pack("<B", 8)
+        + struct.pack("<Q", 3)
+        + struct.pack("<Q", 4)
+        + struct.pack("<3i", 3, 1, 2)
+        + struct.pack("<3q", 0, 6, 8)
+        + struct.pack("<4q", 0, 1, 2, 3)
+    )
     assert (tmp_path / "d.idx").read_bytes() == expected
     assert (tmp_path / "d.bin").read_bytes() == struct.pack("<6H", 5, 6, 7, 8, 9, 10)
     data = IndexedDataset(tmp_path / "d")
@@ -99,7 +116,8 @@ def test_split_blend_and_sample_construction(tmp_path):
         split_ranges("a,b", 10)
     which, positions = blending_indices([0.7, 0.3], 1000)
     assert abs((which == 0).sum() - 700) <= 1
-    assert all(abs((which[:k] == 0).sum() - 0.7 * k) <= 1.0 for k in range(1, 1000))  # every prefix on share
+    # every prefix on share
+    assert all(abs((which[:k] == 0).sum() - 0.7 * k) <= 1.0 for k in range(1, 1000))
     assert positions[which == 1].tolist() == list(range((which == 1).sum()))
     assert parse_blend([["a", "b"], None]) == (["a", "b"], [1.0, 1.0])
     assert parse_blend([30, "a", 70, "b"]) == (["a", "b"], [30.0, 70.0])
@@ -115,7 +133,8 @@ def test_split_blend_and_sample_construction(tmp_path):
         assert ds.per_epoch == (len(stream) - 1) // 8
         for j in range(ds.per_epoch):
             first = int(shuffle[j]) * 8
-            assert ds[e * ds.per_epoch + j].tolist() == stream[first:first + 9].tolist()  # across documents
+            # across documents
+            assert ds[e * ds.per_epoch + j].tolist() == stream[first : first + 9].tolist()
     again = GPTDataset(IndexedDataset(tmp_path / "s"), "1", 8, 1234)
     assert [again[k].tolist() for k in range(40, 45)] == [ds[k].tolist() for k in range(40, 45)]
     other = GPTDataset(IndexedDataset(tmp_path / "s"), "1", 8, 4321)
@@ -123,14 +142,27 @@ def test_split_blend_and_sample_construction(tmp_path):
 
 
 def _data_cfg(tokenizer_dir, prefix, items, iters, world):
-    cfg = tiny_config(False, "fp32", 2, ["tokenizer.tokenizer_type=HuggingFaceTokenizer",
-                                         f"tokenizer.tokenizer_model={tokenizer_dir}", f"dataset.blend=[{prefix}]",
-                                         "model.seq_length=32", "model.make_vocab_size_divisible_by=16", *items], iters)
+    cfg = tiny_config(
+        False,
+        "fp32",
+        2,
+        [
+            "tokenizer.tokenizer_type=HuggingFaceTokenizer",
+            f"tokenizer.tokenizer_model={tokenizer_dir}",
+            f"dataset.blend=[{prefix}]",
+            "model.seq_length=32",
+            "model.make_vocab_size_divisible_by=16",
+            *items,
+        ],
+        iters,
+    )
     return cfg, cfg.finalize(world)
 
 
 def test_tokenizer_padding_and_data_decisions(tokenizer_dir, dataset_prefix):
-    cfg, res = _data_cfg(tokenizer_dir, dataset_prefix, ["model.tensor_model_parallel_size=2"], 2, 2)
+    cfg, res = _data_cfg(
+        tokenizer_dir, dataset_prefix, ["model.tensor_model_parallel_size=2"], 2, 2
+    )
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
@@ -140,11 +172,13 @@ def test_tokenizer_padding_and_data_decisions(tokenizer_dir, dataset_prefix):
     assert "1998 of 2000 documents in the training split (9999,8,2)" in text
     mock = tiny_config(False, "fp32", 2, [], 2)
     assert "mock data" in mock.finalize(1).decisions.format_sections()
-    for items, field in [(["tokenizer.tokenizer_type=HuggingFaceTokenizer"], "tokenizer.tokenizer_model"),
-                         (["tokenizer.tokenizer_type=SentencePieceTokenizer"], "tokenizer.tokenizer_type"),
-                         ([f"tokenizer.tokenizer_model={tokenizer_dir}"], "tokenizer.tokenizer_model"),
-                         (["dataset.blend=[/nonexistent/prefix]"], "dataset.blend"),
-                         (["dataset.blend=[[a,b],[1]]"], "dataset.blend")]:
+    for items, field in [
+        (["tokenizer.tokenizer_type=HuggingFaceTokenizer"], "tokenizer.tokenizer_model"),
+        (["tokenizer.tokenizer_type=SentencePieceTokenizer"], "tokenizer.tokenizer_type"),
+        ([f"tokenizer.tokenizer_model={tokenizer_dir}"], "tokenizer.tokenizer_model"),
+        (["dataset.blend=[/nonexistent/prefix]"], "dataset.blend"),
+        (["dataset.blend=[[a,b],[1]]"], "dataset.blend"),
+    ]:
         with pytest.raises(ConfigError) as err:
             tiny_config(False, "fp32", 2, items, 2).finalize(1)
         assert err.value.field == field
@@ -160,25 +194,44 @@ def _train_real(tokenizer_dir, prefix, items, iters):
 
 @pytest.fixture(scope="module")
 def stdlib_corpus(tmp_path_factory):
-    """examples/stdlib_corpus.py's corpus (the standard library's docstrings, real English, ~450 KB, ~1,460
-    documents) and its 1024-token byte-level BPE, preprocessed by `overlap preprocess` as the README says."""
+    """examples/stdlib_corpus.py's corpus (the standard library's docstrings, real English, ~450 KB,
+    ~1,460 documents) and its 1024-token byte-level BPE, preprocessed by `overlap preprocess` as the
+    README says."""
     import importlib.util
 
     from overlap.cli import main
 
-    spec = importlib.util.spec_from_file_location("stdlib_corpus", ROOT / "examples" / "stdlib_corpus.py")
+    spec = importlib.util.spec_from_file_location(
+        "stdlib_corpus", ROOT / "examples" / "stdlib_corpus.py"
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     folder = tmp_path_factory.mktemp("stdlib")
     jsonl, tokenizer = example.write_corpus(folder)
     (folder / "data").mkdir()
-    assert main(["preprocess", "--input", str(jsonl), "--json-keys", "text", "--tokenizer-model", str(tokenizer),
-                 "--output-prefix", str(folder / "data" / "corpus"), "--append-eod"]) == 0
+    assert (
+        main(
+            [
+                "preprocess",
+                "--input",
+                str(jsonl),
+                "--json-keys",
+                "text",
+                "--tokenizer-model",
+                str(tokenizer),
+                "--output-prefix",
+                str(folder / "data" / "corpus"),
+                "--append-eod",
+            ]
+        )
+        == 0
+    )
     return tokenizer, str(folder / "data" / "corpus_text_document")
 
 
 def _unigram_entropy(prefix: str) -> float:
-    """The loss of the best model that ignores context: the entropy of the corpus's token frequencies (nats)."""
+    """The loss of the best model that ignores context: the entropy of the corpus's token
+    frequencies (nats)."""
     data = IndexedDataset(prefix)
     counts = np.bincount(np.concatenate([data.document(i) for i in range(len(data))]))
     p = counts[counts > 0] / counts.sum()
@@ -186,22 +239,36 @@ def _unigram_entropy(prefix: str) -> float:
 
 
 def test_a_tiny_model_learns_real_text(stdlib_corpus):
-    """300 steps of a 2-layer, 64-wide model (16 x 128 tokens a step, lr 3e-3) on the standard library's docstrings
-    (~167k tokens, so ~81 steps an epoch) with a 1024-token BPE: the loss starts at ln(vocab) = 6.93 and its last 20
-    steps' mean must be under 0.65 x ln(vocab) = 4.51 (measured 3.91; mock data cannot go below ln(vocab)).
-    The corpus's unigram entropy is 5.99: a model that only learned token frequencies stays above it. Steps 60-79,
-    still in the first pass over the corpus (no sample seen twice), must already be under it (measured 5.26):
-    what it learned carries to text it has not seen."""
+    """300 steps of a 2-layer, 64-wide model (16 x 128 tokens a step, lr 3e-3) on the standard
+    library's docstrings (~167k tokens, so ~81 steps an epoch) with a 1024-token BPE: the loss
+    starts at ln(vocab) = 6.93 and its last 20 steps' mean must be under 0.65 x ln(vocab) = 4.51
+    (measured 3.91; mock data cannot go below ln(vocab)). The corpus's unigram entropy is 5.99: a
+    model that only learned token frequencies stays above it. Steps 60-79, still in the first pass
+    over the corpus (no sample seen twice), must already be under it (measured 5.26): what it
+    learned carries to text it has not seen."""
     tokenizer, prefix = stdlib_corpus
-    losses = run_world(1, _train_real, tokenizer, prefix,
-                       ["optimizer.lr=3e-3", "scheduler.lr_warmup_iters=20", "train.global_batch_size=16",
-                        "train.micro_batch_size=16", "model.seq_length=128", "logger.log_interval=1000"], 300)[0]
+    losses = run_world(
+        1,
+        _train_real,
+        tokenizer,
+        prefix,
+        [
+            "optimizer.lr=3e-3",
+            "scheduler.lr_warmup_iters=20",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=16",
+            "model.seq_length=128",
+            "logger.log_interval=1000",
+        ],
+        300,
+    )[0]
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
     assert vocab == 1024  # a multiple of 16 already: the padded vocabulary is the same
     unigram = _unigram_entropy(prefix)
-    assert 0.65 * math.log(vocab) < unigram - 1.0 < math.log(vocab)  # the threshold asks for context, not counts
+    # the threshold asks for context, not counts
+    assert 0.65 * math.log(vocab) < unigram - 1.0 < math.log(vocab)
     assert losses[0] > 0.95 * math.log(vocab)
     assert sum(losses[60:80]) / 20 < unigram
     assert sum(losses[-20:]) / 20 < 0.65 * math.log(vocab)
@@ -209,7 +276,9 @@ def test_a_tiny_model_learns_real_text(stdlib_corpus):
 
 def test_real_data_is_layout_independent(tokenizer_dir, dataset_prefix):
     ref = run_world(1, _train_real, tokenizer_dir, dataset_prefix, [], 3)[0]
-    got = run_world(2, _train_real, tokenizer_dir, dataset_prefix, ["model.tensor_model_parallel_size=2"], 3)
+    got = run_world(
+        2, _train_real, tokenizer_dir, dataset_prefix, ["model.tensor_model_parallel_size=2"], 3
+    )
     for losses in got:
         assert losses == pytest.approx(ref, rel=1e-5)
 
@@ -218,19 +287,50 @@ def test_preprocess_cli(tmp_path, tokenizer_dir, capsys):
     from overlap.cli import main
 
     source = tmp_path / "c.jsonl"
-    source.write_text(json.dumps({"text": "the cat sat"}) + "\n" + json.dumps({"text": "a dog ran"}) + "\n")
-    assert main(["preprocess", "--input", str(source), "--tokenizer-model", str(tokenizer_dir),
-                 "--output-prefix", str(tmp_path / "out"), "--append-eod"]) == 0
+    source.write_text(
+        json.dumps({"text": "the cat sat"}) + "\n" + json.dumps({"text": "a dog ran"}) + "\n"
+    )
+    assert (
+        main(
+            [
+                "preprocess",
+                "--input",
+                str(source),
+                "--tokenizer-model",
+                str(tokenizer_dir),
+                "--output-prefix",
+                str(tmp_path / "out"),
+                "--append-eod",
+            ]
+        )
+        == 0
+    )
     assert "2 documents, 8 tokens" in capsys.readouterr().out
     data = IndexedDataset(tmp_path / "out_text_document")
-    assert len(data) == 2 and data.document(0).tolist()[-1] == data.document(1).tolist()[-1]  # both end with EOD
-    assert main(["preprocess", "--input", str(source), "--json-keys", "body", "--tokenizer-model",
-                 str(tokenizer_dir), "--output-prefix", str(tmp_path / "o2")]) == 2
+    # both end with EOD
+    assert len(data) == 2 and data.document(0).tolist()[-1] == data.document(1).tolist()[-1]
+    assert (
+        main(
+            [
+                "preprocess",
+                "--input",
+                str(source),
+                "--json-keys",
+                "body",
+                "--tokenizer-model",
+                str(tokenizer_dir),
+                "--output-prefix",
+                str(tmp_path / "o2"),
+            ]
+        )
+        == 2
+    )
     assert "--json-keys='body'" in capsys.readouterr().err
 
 
 def _greedy_blend_spec(weights: list[float], num_samples: int) -> np.ndarray:
-    """The reference's rule written as it reads, over numpy arrays: argmax of w * max(k, 1) - taken."""
+    """The reference's rule written as it reads, over numpy arrays: argmax of w * max(k, 1) -
+    taken."""
     w = np.asarray(weights, dtype=np.float64) / float(sum(weights))
     taken = np.zeros(len(w), dtype=np.int64)
     which = np.zeros(num_samples, dtype=np.int64)
@@ -241,11 +341,16 @@ def _greedy_blend_spec(weights: list[float], num_samples: int) -> np.ndarray:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(min_value=0.01, max_value=100.0) | st.sampled_from([1.0, 1.0, 0.5]), min_size=1,
-                max_size=6))
+@given(
+    st.lists(
+        st.floats(min_value=0.01, max_value=100.0) | st.sampled_from([1.0, 1.0, 0.5]),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_blending_indices_follow_the_greedy_rule(weights):
-    """The fast loop makes exactly the rule's choices, ties (equal weights) included, and numbers each dataset's
-    samples 0, 1, 2, ... in order."""
+    """The fast loop makes exactly the rule's choices, ties (equal weights) included, and numbers
+    each dataset's samples 0, 1, 2, ... in order."""
     which, positions = blending_indices(weights, 300)
     assert np.array_equal(which, _greedy_blend_spec(weights, 300))
     for i in range(len(weights)):

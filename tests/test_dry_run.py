@@ -1,9 +1,10 @@
 """`overlap run --dry-run`: one rank of a cluster layout played in one CPU process on fake tensors.
 
-The three layouts of the guides (Qwen3-30B-A3B at EP16, Llama-3-70B at TP4 x PP4 x VPP2, Qwen3-235B-A22B at TP2 x EP32
-x PP8 x VPP4) run at their real widths, sequence lengths and world sizes; only the depth and the micro-batches are cut
-(a fake op costs the same at any size, so time goes with the number of layers and micro-batches played). Each runs in
-its own process, as a user would run it: the dry run owns that process's torch.distributed world.
+The three layouts of the guides (Qwen3-30B-A3B at EP16, Llama-3-70B at TP4 x PP4 x VPP2,
+Qwen3-235B-A22B at TP2 x EP32 x PP8 x VPP4) run at their real widths, sequence lengths and world
+sizes; only the depth and the micro-batches are cut (a fake op costs the same at any size, so time
+goes with the number of layers and micro-batches played). Each runs in its own process, as a user
+would run it: the dry run owns that process's torch.distributed world.
 """
 
 from __future__ import annotations
@@ -20,28 +21,85 @@ from overlap.layers.moe import split_sizes
 from overlap.layers.moe.permute import count_per_expert
 from overlap.layers.moe.split_sizes import BalancedRouting
 
-QWEN30 = ["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-ep", "16", "model.num_layers=2"]
-LLAMA70 = ["-m", "llama", "-mr", "llama3_70b", "-g", "h100", "-ng", "32", "-tp", "4", "-pp", "4", "-vp", "2",
-           "model.num_layers=8", "--dry-run-microbatches", "4"]
-QWEN235 = ["-m", "qwen", "-mr", "qwen3_235b_a22b", "-g", "h100", "-ng", "256", "-tp", "2", "-ep", "32", "-pp", "8",
-           "-vp", "4", "model.num_layers=30", "--dry-run-microbatches", "8"]
+QWEN30 = [
+    "-m",
+    "qwen",
+    "-mr",
+    "qwen3_30b_a3b",
+    "-g",
+    "h100",
+    "-ng",
+    "16",
+    "-ep",
+    "16",
+    "model.num_layers=2",
+]
+LLAMA70 = [
+    "-m",
+    "llama",
+    "-mr",
+    "llama3_70b",
+    "-g",
+    "h100",
+    "-ng",
+    "32",
+    "-tp",
+    "4",
+    "-pp",
+    "4",
+    "-vp",
+    "2",
+    "model.num_layers=8",
+    "--dry-run-microbatches",
+    "4",
+]
+QWEN235 = [
+    "-m",
+    "qwen",
+    "-mr",
+    "qwen3_235b_a22b",
+    "-g",
+    "h100",
+    "-ng",
+    "256",
+    "-tp",
+    "2",
+    "-ep",
+    "32",
+    "-pp",
+    "8",
+    "-vp",
+    "4",
+    "model.num_layers=30",
+    "--dry-run-microbatches",
+    "8",
+]
 
-# Peak over `overlap explain`'s estimate, measured on these cut layouts: 1.06 (30B), 0.94 (70B), 2.82 (235B); at full
-# depth 1.39, 2.12 and 4.81. The estimate is rough by design: ~34 s b h bytes of activations per layer for ONE
-# micro-batch. An MoE layer at top-8 keeps far more (its dispatched rows are 8 x the tokens, kept in several forms
-# for backward), and an interleaved pipeline rank keeps up to 2 (PP - 1) + (VPP - 1) x PP + 1 (micro-batch, chunk)
-# forwards alive, which explain leaves to `overlap plan` (the report shows both). So the 235B layout, MoE and
-# interleaved, lands far above; the dense and PP = 1 ones near 1. Half to four times still catches a measurement that
+# Peak over `overlap explain`'s estimate, measured on these cut layouts: 1.06 (30B), 0.94 (70B),
+# 2.82 (235B); at full depth 1.39, 2.12 and 4.81. The estimate is rough by design: ~34 s b h bytes
+# of activations per layer for ONE micro-batch. An MoE layer at top-8 keeps far more (its dispatched
+# rows are 8 x the tokens, kept in several forms for backward), and an interleaved pipeline rank
+# keeps up to 2 (PP - 1) + (VPP - 1) x PP + 1 (micro-batch, chunk) forwards alive, which explain
+# leaves to `overlap plan` (the report shows both). So the 235B layout, MoE and interleaved, lands
+# far above; the dense and PP = 1 ones near 1. Half to four times still catches a measurement that
 # lost a whole part (no parameters, no activations) or counts a part many times over.
 PEAK_OVER_ESTIMATE = (0.5, 4.0)
 
 
-def _dry_run(tmp_path, *args: str, code: str | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """`overlap run --dry-run ARGS` in a fresh process (after running `code`, a test's patch); its JSON report."""
+def _dry_run(
+    tmp_path, *args: str, code: str | None = None
+) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """`overlap run --dry-run ARGS` in a fresh process (after running `code`, a test's patch); its
+    JSON report."""
     report = tmp_path / "dry.json"
     argv = ["run", *args, "--dry-run", "--dry-run-json", str(report)]
-    script = f"{textwrap.dedent(code or '')}\nimport sys\nfrom overlap.cli import main\nsys.exit(main({argv!r}))\n"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    script = (
+        f"{textwrap.dedent(code or '')}\nimport sys\nfrom overlap.cli import "
+        f"main\nsys.exit(main({argv!r}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     return out, json.loads(report.read_text()) if report.exists() else None
 
 
@@ -61,14 +119,24 @@ def test_qwen3_30b_ep16(tmp_path):
     out, doc = _dry_run(tmp_path, *QWEN30)
     _check_common(out, doc)
     kinds = set(doc["program"])
-    assert {"ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd", "ep_counts", "dp_rs", "dp_ag"} <= kinds
+    assert {
+        "ep_dispatch",
+        "ep_combine",
+        "ep_dispatch_bwd",
+        "ep_combine_bwd",
+        "ep_counts",
+        "dp_rs",
+        "dp_ag",
+    } <= kinds
     assert not any(k.startswith(("tp_", "pp_")) for k in kinds), kinds
     assert doc["program"]["ep_dispatch"]["groups"] == [list(range(16))]
     # 2 MoE layers x 2 micro-batches (the default: the step's 64 cut to the steady state of PP = 1)
     assert (doc["microbatches_played"], doc["microbatches_per_step"]) == (2, 64)
     assert doc["program"]["ep_dispatch"]["ops"] == 4
     assert doc["split_size_reads"] == 4 and "routing assumed balanced" in out.stdout
-    split = [r for r in doc["host_reads"] if r["site"].startswith("overlap/layers/moe/dispatcher.py")]
+    split = [
+        r for r in doc["host_reads"] if r["site"].startswith("overlap/layers/moe/dispatcher.py")
+    ]
     assert split and split[0]["answer"] == "balanced routing"
 
 
@@ -76,11 +144,20 @@ def test_llama3_70b_tp4_pp4_vpp2(tmp_path):
     out, doc = _dry_run(tmp_path, *LLAMA70)
     _check_common(out, doc)
     program = doc["program"]
-    assert {"tp_ag", "tp_rs", "pp_send_fwd", "pp_recv_fwd", "pp_send_bwd", "pp_recv_bwd", "dp_rs", "dp_ag"} <= set(
-        program)
+    assert {
+        "tp_ag",
+        "tp_rs",
+        "pp_send_fwd",
+        "pp_recv_fwd",
+        "pp_send_bwd",
+        "pp_recv_bwd",
+        "dp_rs",
+        "dp_ag",
+    } <= set(program)
     assert not any(k.startswith("ep_") for k in program)
     assert program["tp_ag"]["groups"] == [[0, 1, 2, 3]]
-    # rank 0 is the first of four stages in a ring (a virtual pipeline wraps): next stage rank 8, previous rank 24
+    # rank 0 is the first of four stages in a ring (a virtual pipeline wraps): next stage rank 8,
+    # previous rank 24
     assert program["pp_send_fwd"]["peers"] == [8] and program["pp_recv_fwd"]["peers"] == [24]
     assert doc["split_size_reads"] == 0 and doc["microbatches_played"] == 4
 
@@ -89,14 +166,24 @@ def test_qwen3_235b_tp2_ep32_pp8_vpp4(tmp_path):
     out, doc = _dry_run(tmp_path, *QWEN235)
     _check_common(out, doc)
     program = doc["program"]
-    for kind in ("tp_ag", "tp_rs", "ep_dispatch", "ep_combine_bwd", "pp_send_fwd", "pp_recv_bwd", "dp_rs", "dp_ag"):
+    for kind in (
+        "tp_ag",
+        "tp_rs",
+        "ep_dispatch",
+        "ep_combine_bwd",
+        "pp_send_fwd",
+        "pp_recv_bwd",
+        "dp_rs",
+        "dp_ag",
+    ):
         assert program[kind]["ops"] > 0, kind
     assert program["ep_dispatch"]["groups"] == [list(range(32))]
     assert "model.num_layers=30" in out.stdout  # the depth played is said where it is used
 
 
 def test_a_device_mix_up_is_found_with_its_line(tmp_path):
-    # The bug: rotary tables made on the CPU; the first forward multiplies them with device activations.
+    # The bug: rotary tables made on the CPU; the first forward multiplies them with device
+    # activations.
     patch = """
         from overlap.layers.rotary import RotaryEmbedding
         built = RotaryEmbedding.__init__
@@ -111,15 +198,24 @@ def test_a_device_mix_up_is_found_with_its_line(tmp_path):
     error = out.stderr.strip().splitlines()[-1]
     assert error.startswith("overlap: error: dry run of rank 0: device mix-up"), error
     assert "overlap/layers/rotary.py:" in error and "(apply_rope)" in error
-    assert doc["finding"]["kind"] == "device mix-up" and doc["finding"]["site"].startswith("overlap/layers/rotary.py")
+    assert doc["finding"]["kind"] == "device mix-up" and doc["finding"]["site"].startswith(
+        "overlap/layers/rotary.py"
+    )
 
 
-@pytest.mark.parametrize("args,env,message", [
-    (QWEN30, {"RANK": "0", "WORLD_SIZE": "16"}, "one process plays one rank"),
-    (["-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2"], {}, "runs for real here"),
-    ([*QWEN30, "checkpoint.save=/tmp/x"], {}, "a dry run has no weights"),
-    ([*QWEN30, "--dry-run-microbatches", "65"], {}, "64 micro-batch(es) per data-parallel rank"),
-])
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (QWEN30, {"RANK": "0", "WORLD_SIZE": "16"}, "one process plays one rank"),
+        (["-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2"], {}, "runs for real here"),
+        ([*QWEN30, "checkpoint.save=/tmp/x"], {}, "a dry run has no weights"),
+        (
+            [*QWEN30, "--dry-run-microbatches", "65"],
+            {},
+            "64 micro-batch(es) per data-parallel rank",
+        ),
+    ],
+)
 def test_refusals_exit_2_before_anything_is_built(args, env, message, monkeypatch, capsys):
     from overlap.cli import main
 
@@ -137,7 +233,9 @@ def test_dry_run_flags_need_dry_run(capsys):
     assert "--dry-run-rank=3: it shapes a dry run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("tokens,topk,experts,ep", [(4096, 8, 128, 16), (7, 3, 8, 4), (1, 1, 4, 2), (10, 2, 6, 3)])
+@pytest.mark.parametrize(
+    "tokens,topk,experts,ep", [(4096, 8, 128, 16), (7, 3, 8, 4), (1, 1, 4, 2), (10, 2, 6, 3)]
+)
 def test_balanced_routing_split_sizes(tokens, topk, experts, ep):
     routing = BalancedRouting(tokens, topk, experts, ep)
     el = experts // ep
@@ -147,22 +245,24 @@ def test_balanced_routing_split_sizes(tokens, topk, experts, ep):
         assert sum(sent) == tokens * topk  # every routed pair goes somewhere
         assert max(sent) - min(sent) <= 1  # as even as integers allow
         for s in range(ep):  # what rank s sends to rank r's experts is what r expects from s
-            assert received[s * el:(s + 1) * el] == counts[s][r * el:(r + 1) * el]
+            assert received[s * el : (s + 1) * el] == counts[s][r * el : (r + 1) * el]
     per_rank = [sum(counts[r][experts:]) for r in range(ep)]
     assert max(per_rank) - min(per_rank) <= el  # the remainders rotate: no rank gets them all
     flex = routing.flex_counts(1)
-    assert [row[1:] for row in flex[0]] == [counts[1][r * el:(r + 1) * el] for r in range(ep)]
+    assert [row[1:] for row in flex[0]] == [counts[1][r * el : (r + 1) * el] for r in range(ep)]
     assert all(row[0] == min(tokens, sum(row[1:])) for row in flex[0] + flex[1])
 
 
 def test_balanced_routing_respects_an_unpadded_capacity():
     routing = BalancedRouting(100, 4, 8, 2, capacity=40)
-    assert max(routing.alltoall_counts(0)) == 40  # 50 pairs per expert, clamped as the routing would drop them
+    # 50 pairs per expert, clamped as the routing would drop them
+    assert max(routing.alltoall_counts(0)) == 40
 
 
 def test_split_sizes_are_read_for_real_unless_a_dry_run_answers():
-    # The sent counts, then the received ones (whatever their shape), flattened; the exchange is waited for through
-    # the scheduler's wait in every case. (On CUDA a side stream copies them: not run here, no GPU.)
+    # The sent counts, then the received ones (whatever their shape), flattened; the exchange is
+    # waited for through the scheduler's wait in every case. (On CUDA a side stream copies them: not
+    # run here, no GPU.)
     sent, received = torch.tensor([3, 1]), torch.tensor([[4, 1], [5, 9]])
     waited = []
 
@@ -180,11 +280,20 @@ def test_split_sizes_are_read_for_real_unless_a_dry_run_answers():
     finally:
         split_sizes.assume_balanced_routing(None)
     assert len(asked) == 1 and len(waited) == 2
-    assert split_sizes.read_split_sizes(sent, "exchange", wait, lambda: [0])[0] == [3, 1, 4, 1, 5, 9]
+    assert split_sizes.read_split_sizes(sent, "exchange", wait, lambda: [0])[0] == [
+        3,
+        1,
+        4,
+        1,
+        5,
+        9,
+    ]
 
 
 def test_expert_counts_equal_bincount():
     gen = torch.Generator().manual_seed(0)
     for experts in (1, 5, 64):
         idx = torch.randint(0, experts, (37, 3), generator=gen)
-        assert torch.equal(count_per_expert(idx, experts), torch.bincount(idx.reshape(-1), minlength=experts))
+        assert torch.equal(
+            count_per_expert(idx, experts), torch.bincount(idx.reshape(-1), minlength=experts)
+        )

@@ -1,8 +1,9 @@
-"""EP-overlap schedule (combined 1F1B): same math as the plain micro-batch loop, and the all-to-alls really overlap.
+"""EP-overlap schedule (combined 1F1B): same math as the plain micro-batch loop, and the all-to-alls
+really overlap.
 
-Tolerance: fp32, rtol 1e-6 / atol 1e-6 on gradients. The pieces run the same operations as the plain model forward,
-so losses are identical; gradients differ only in accumulation order (the aux-loss and residual branches are summed
-at piece boundaries instead of inside one autograd graph).
+Tolerance: fp32, rtol 1e-6 / atol 1e-6 on gradients. The pieces run the same operations as the plain
+model forward, so losses are identical; gradients differ only in accumulation order (the aux-loss
+and residual branches are summed at piece boundaries instead of inside one autograd graph).
 """
 
 from __future__ import annotations
@@ -35,16 +36,22 @@ def _grads(model: GPTModel) -> dict[str, torch.Tensor]:
 
 def _run(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: int = 3):
     world = dist.get_world_size()
-    cfg = ep_overlap_model(**cfg_kw, expert_model_parallel_size=layout.get("ep", 1),
-                  tensor_model_parallel_size=layout.get("tp", 1), sequence_parallel=layout.get("tp", 1) > 1)
-    ps = ParallelState(ParallelLayout(world_size=world, tp=layout.get("tp", 1), ep=layout.get("ep", 1)))
+    cfg = ep_overlap_model(
+        **cfg_kw,
+        expert_model_parallel_size=layout.get("ep", 1),
+        tensor_model_parallel_size=layout.get("tp", 1),
+        sequence_parallel=layout.get("tp", 1) > 1,
+    )
+    ps = ParallelState(
+        ParallelLayout(world_size=world, tp=layout.get("tp", 1), ep=layout.get("ep", 1))
+    )
     model = GPTModel(cfg, ps)
     model.init_weights(7)
     batches = _batches(ps.dp_rank, n_mb)
     scale = 1.0 / n_mb
     RECORDER.drain()
     if overlap:
-        losses = [float(l) for l in _merged(model, ps, batches, scale, delay)]
+        losses = [float(loss) for loss in _merged(model, ps, batches, scale, delay)]
     else:
         losses = []
         for tokens, labels in batches:
@@ -56,8 +63,11 @@ def _run(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: int = 3):
     return losses, _grads(model), events, spans
 
 
-def _merged(model: GPTModel, ps: ParallelState, batches, scale: float, delay: bool) -> list[torch.Tensor]:
-    """The EP-overlap schedule without pipelining: the pipeline executor's PP = 1 program, merged."""
+def _merged(
+    model: GPTModel, ps: ParallelState, batches, scale: float, delay: bool
+) -> list[torch.Tensor]:
+    """The EP-overlap schedule without pipelining: the pipeline executor's PP = 1 program,
+    merged."""
     shape = (model.config.seq_length, batches[0][0].shape[0], model.config.hidden_size)
     options = ExecutorOptions(shape, torch.float32, ep_overlap=True, delay_wgrad=delay)
     return PipelineExecutor([model], ps, options, lambda chunk, last: None).step(batches, scale)
@@ -83,7 +93,8 @@ def test_ep4_overlap_with_dense_layer_and_shared_expert():
 
 
 def test_ep2_overlap_with_forced_load_balancing_matches_plain_loop():
-    # The forced random routing gives the same losses and gradients in the merged schedule as in the plain loop.
+    # The forced random routing gives the same losses and gradients in the merged schedule as in the
+    # plain loop.
     _compare({"ep": 2}, 2, {"moe_router_force_load_balancing": True}, False)
 
 
@@ -92,17 +103,25 @@ def test_tp2_ep2_overlap_matches_plain_loop():
 
 
 def test_all_to_alls_are_in_flight_while_the_other_micro_batch_computes():
-    """Structural: in merged phases, every dispatch / combine (forward or backward) is launched before, and completes
-    after the start of, a compute span that belongs to the other micro-batch's work (the interleave really happens)."""
+    """Structural: in merged phases, every dispatch / combine (forward or backward) is launched
+    before, and completes after the start of, a compute span that belongs to the other micro-batch's
+    work (the interleave really happens)."""
     _, _, events, spans = run_world(2, _run, True, True, {"ep": 2}, {})[0]
-    a2a = [e for e in events if e.kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd")]
-    compute = [s for s in spans if s.name.startswith(("fwd.layer", "bwd.layer", "bwd.delayed_wgrad"))]
+    a2a = [
+        e
+        for e in events
+        if e.kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd")
+    ]
+    compute = [
+        s for s in spans if s.name.startswith(("fwd.layer", "bwd.layer", "bwd.delayed_wgrad"))
+    ]
     covered = 0
     for e in a2a:
         end = e.t_wait_start if e.t_wait_start is not None else e.t_done
         if any(s.t_start >= e.t_launch and s.t_start < end for s in compute):
             covered += 1
-    # Only the first micro-batch's forward and the last one's backward run alone (no partner to overlap with).
+    # Only the first micro-batch's forward and the last one's backward run alone (no partner to
+    # overlap with).
     assert covered >= len(a2a) // 2, (covered, len(a2a))
     kinds = {e.kind for e in a2a}
     assert kinds == {"ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"}
@@ -112,7 +131,9 @@ class _FakeHandle:
     """A collective that arrives when `arrive()` is called."""
 
     def __init__(self) -> None:
-        self.event = CommEvent(kind="ep_dispatch", op="all_to_all", group_size=2, nbytes=0, t_launch=now())
+        self.event = CommEvent(
+            kind="ep_dispatch", op="all_to_all", group_size=2, nbytes=0, t_launch=now()
+        )
         self.waited = False
 
     def arrive(self) -> None:
@@ -148,8 +169,8 @@ def test_a_phase_leaves_its_weight_gradients_to_the_next_phase_only():
 
 
 def _run_on_slow_link(latency_ms: float):
-    """The merged schedule with delay_wgrad on a modelled link slow enough that every all-to-all is still in flight
-    when the rank reaches its wait."""
+    """The merged schedule with delay_wgrad on a modelled link slow enough that every all-to-all is
+    still in flight when the rank reaches its wait."""
     link_model.set_network(link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
     try:
         return _run(True, True, {"ep": 2}, {})
@@ -157,15 +178,19 @@ def _run_on_slow_link(latency_ms: float):
         link_model.set_network(None)
 
 
-def test_waits_are_filled_with_delayed_weight_gradients_and_split_sizes_are_waited_outside_attention():
-    """Structural, from the tracer: (1) delayed weight-gradient GEMMs run inside waits, i.e. each starts after some
-    collective was launched, while it was still in flight, and before this rank waited on it; (2) the split-size
-    exchange is launched inside the attention piece and waited for only after that piece ended."""
+def test_waits_are_filled_with_delayed_wgrads_and_split_sizes_are_waited_outside_attention():
+    """Structural, from the tracer: (1) delayed weight-gradient GEMMs run inside waits, i.e. each
+    starts after some collective was launched, while it was still in flight, and before this rank
+    waited on it; (2) the split-size exchange is launched inside the attention piece and waited for
+    only after that piece ended."""
     _, _, events, spans = run_world(2, _run_on_slow_link, 20.0)[0]
     wgrad = [s for s in spans if s.name == "bwd.delayed_wgrad"]
     ops = [e for e in events if e.t_wait_start is not None]
-    in_waits = [s for s in wgrad if any(e.t_launch <= s.t_start < e.t_done and s.t_end <= e.t_wait_start
-                                        for e in ops)]
+    in_waits = [
+        s
+        for s in wgrad
+        if any(e.t_launch <= s.t_start < e.t_done and s.t_end <= e.t_wait_start for e in ops)
+    ]
     assert len(in_waits) >= len(wgrad) // 2, (len(in_waits), len(wgrad))
     attention = [s for s in spans if s.name.startswith("fwd.layer") and s.name.endswith(".attn")]
     counts = [e for e in events if e.kind == "ep_counts"]
@@ -184,22 +209,36 @@ def _run_without_delay_on_slow_link(latency_ms: float):
 
 
 def test_without_delay_wgrad_the_split_sizes_and_the_dispatch_have_backward_pieces_as_cover():
-    """Structural, without delay_wgrad: in the merged steps F's dispatch is in flight while B's experts
-    input-gradient backward runs, and F's split-size exchange while B's expert weight GEMMs of the layer before run
-    (their fixed slot; a step's first layer gets the previous step's last layer's), each launched before that piece
-    starts and waited for after it ends. Only the first merged step's first layer has no weight GEMMs queued before
-    it (the step before it was a forward alone)."""
+    """Structural, without delay_wgrad: in the merged steps F's dispatch is in flight while B's
+    experts input-gradient backward runs, and F's split-size exchange while B's expert weight GEMMs
+    of the layer before run (their fixed slot; a step's first layer gets the previous step's last
+    layer's), each launched before that piece starts and waited for after it ends. Only the first
+    merged step's first layer has no weight GEMMs queued before it (the step before it was a forward
+    alone)."""
     _, _, events, spans = run_world(2, _run_without_delay_on_slow_link, 20.0)[0]
     merged = [s for s in spans if s.name == "merged"]
     assert len(merged) == 3
 
     def covered(kind: str, piece) -> tuple[int, int]:
-        ops = [e for e in events if e.kind == kind and any(m.t_start <= e.t_launch <= m.t_end for m in merged)]
-        hits = [e for e in ops if any(e.t_launch <= s.t_start and s.t_end <= e.t_wait_start for s in spans
-                                      if piece(s.name))]
+        ops = [
+            e
+            for e in events
+            if e.kind == kind and any(m.t_start <= e.t_launch <= m.t_end for m in merged)
+        ]
+        hits = [
+            e
+            for e in ops
+            if any(
+                e.t_launch <= s.t_start and s.t_end <= e.t_wait_start
+                for s in spans
+                if piece(s.name)
+            )
+        ]
         return len(hits), len(ops)
 
-    hits, total = covered("ep_dispatch", lambda name: name.startswith("bwd.layer") and name.endswith(".experts"))
+    hits, total = covered(
+        "ep_dispatch", lambda name: name.startswith("bwd.layer") and name.endswith(".experts")
+    )
     assert total == 3 * 3 and hits == total, (hits, total)
     hits, total = covered("ep_counts", lambda name: name == "bwd.delayed_wgrad")
     assert total == 3 * 3 and hits == total - 1, (hits, total)

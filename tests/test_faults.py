@@ -1,10 +1,12 @@
-"""Every fault ends with one clear answer (issue 13): a rank killed, a rank hung, the launcher told to stop or killed.
+"""Every fault ends with one clear answer (issue 13): a rank killed, a rank hung, the launcher told
+to stop or killed.
 
-Most cases run the real launcher (`overlap.launch.local`) over stub ranks (small Python scripts that fail the way
-ranks fail: a SIGKILL, a SIGSTOP, a collateral "Connection closed by peer" traceback), which takes a second each;
-the signal handling of `overlap run` itself is checked through `overlap.cli.main` with stub ranks; and two cases
-inject the fault into a real local world of tiny models (a third, a real rank stopped with SIGSTOP, waits out a
-collective timeout: run it with OVERLAP_SLOW_TESTS=1). Every test asserts that no process is left behind.
+Most cases run the real launcher (`overlap.launch.local`) over stub ranks (small Python scripts that
+fail the way ranks fail: a SIGKILL, a SIGSTOP, a collateral "Connection closed by peer" traceback),
+which takes a second each; the signal handling of `overlap run` itself is checked through
+`overlap.cli.main` with stub ranks; and two cases inject the fault into a real local world of tiny
+models (a third, a real rank stopped with SIGSTOP, waits out a collective timeout: run it with
+OVERLAP_SLOW_TESTS=1). Every test asserts that no process is left behind.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ MARK = "OVERLAP_TEST_MARK"
 
 
 def procs_with(mark: str) -> list[int]:
-    """Live processes whose environment carries MARK=mark (the launcher and every rank it started)."""
+    """Live processes whose environment carries MARK=mark (the launcher and every rank it
+    started)."""
     found = []
     needle = f"{MARK}={mark}".encode()
     for d in Path("/proc").iterdir():
@@ -60,7 +63,9 @@ def stub(body: str) -> list[str]:
 
 COLLATERAL = """
     time.sleep(1.0)
-    raise RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection closed by peer")
+    raise RuntimeError(
+        "[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection closed by peer"
+    )
 """
 
 
@@ -71,17 +76,24 @@ def fast(monkeypatch):
 
 
 def test_a_killed_rank_is_named_by_its_signal_and_the_others_are_summarised(tmp_path, fast, capfd):
-    body = "if rank == 1:\n    time.sleep(0.3)\n    os.kill(os.getpid(), signal.SIGKILL)\nprint('training', rank)\n" \
-           + textwrap.dedent(COLLATERAL)
+    body = (
+        "if rank == 1:\n    time.sleep(0.3)\n    os.kill(os.getpid(), "
+        "signal.SIGKILL)\nprint('training', rank)\n" + textwrap.dedent(COLLATERAL)
+    )
     mark = uuid.uuid4().hex
     with pytest.raises(RankFailure) as info:
         local.launch_local(stub(body), 3, {"PATH": "/usr/bin:/bin", MARK: mark}, log_dir=tmp_path)
     text = str(info.value)
-    assert text.startswith("rank 1 of 3 killed by SIGKILL (ranks 0, 2 then failed: RuntimeError: Read error")
-    assert "Connection closed by peer" in text and "pair.cc" not in text and "exit code -9" not in text
+    assert text.startswith(
+        "rank 1 of 3 killed by SIGKILL (ranks 0, 2 then failed: RuntimeError: Read error"
+    )
+    assert (
+        "Connection closed by peer" in text and "pair.cc" not in text and "exit code -9" not in text
+    )
     assert str(tmp_path / "overlap-rank<r>.log") in text
     err = capfd.readouterr().err
-    assert "Traceback" not in err and "training 0" in err  # live output forwarded; collateral tracebacks not
+    # live output forwarded; collateral tracebacks not
+    assert "Traceback" not in err and "training 0" in err
     assert "Traceback" in (tmp_path / "overlap-rank0.log").read_text()
     assert wait_gone(mark) == []
 
@@ -98,19 +110,26 @@ def test_a_stopped_rank_is_the_one_named(tmp_path, fast, capfd):
     with pytest.raises(RankFailure) as info:
         local.launch_local(stub(body), 3, {"PATH": "/usr/bin:/bin", MARK: mark}, log_dir=tmp_path)
     text = str(info.value)
-    assert text.startswith("rank 2 of 3 stopped making progress (its process was stopped, e.g. by SIGSTOP); the "
-                           "launcher killed it (ranks 0, 1 then failed: RuntimeError: Timed out"), text
+    assert text.startswith(
+        "rank 2 of 3 stopped making progress (its process was stopped, e.g. by SIGSTOP); the "
+        "launcher killed it (ranks 0, 1 then failed: RuntimeError: Timed out"
+    ), text
     assert time.monotonic() - start < 15
     assert "Traceback" not in capfd.readouterr().err
     assert wait_gone(mark) == []
 
 
-def test_a_traceback_the_rank_survives_is_forwarded_and_a_clean_run_leaves_no_logs(tmp_path, monkeypatch, capfd):
+def test_a_traceback_the_rank_survives_is_forwarded_and_a_clean_run_leaves_no_logs(
+    tmp_path, monkeypatch, capfd
+):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)
-    body = "import traceback\ntry:\n    1 / 0\nexcept ZeroDivisionError:\n    traceback.print_exc()\nprint('done', rank)\n"
+    body = (
+        "import traceback\ntry:\n    1 / 0\nexcept ZeroDivisionError:\n    "
+        "traceback.print_exc()\nprint('done', rank)\n"
+    )
     local.launch_local(stub(body), 2, {"PATH": "/usr/bin:/bin"})
     err = capfd.readouterr().err
     assert err.count("ZeroDivisionError") == 2 and "done 0" in err and "done 1" in err
@@ -119,9 +138,11 @@ def test_a_traceback_the_rank_survives_is_forwarded_and_a_clean_run_leaves_no_lo
 
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     mark = uuid.uuid4().hex
-    code = ("import sys\nfrom overlap.launch import local\n"
-            "local.launch_local([sys.executable, '-c', 'import time; time.sleep(120)'], 2, "
-            f"{{'PATH': '/usr/bin:/bin', '{MARK}': '{mark}'}})\n")
+    code = (
+        "import sys\nfrom overlap.launch import local\nlocal.launch_local([sys.executable, '-c', "
+        "'import time; time.sleep(120)'], 2, "
+        f"{{'PATH': '/usr/bin:/bin', '{MARK}': '{mark}'}})\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, MARK: mark})
     until = time.monotonic() + 30
     while len(procs_with(mark)) < 3 and time.monotonic() < until:
@@ -138,7 +159,8 @@ import overlap.commands as commands
 from overlap.launch import local
 
 def cmd_run(args):
-    local.launch_local([sys.executable, '-c', 'import time; print("rank up", flush=True); time.sleep(120)'], 2,
+    script = 'import time; print("rank up", flush=True); time.sleep(120)'
+    local.launch_local([sys.executable, '-c', script], 2,
                        {'PATH': '/usr/bin:/bin', 'OVERLAP_TEST_MARK': sys.argv[1]})
     return 0
 
@@ -148,26 +170,42 @@ sys.exit(main(['run', '-m', 'qwen', '-mr', 'dense_tiny', '-ng', '2']))
 """
 
 
-@pytest.mark.parametrize("sig, code, line", [
-    (signal.SIGTERM, 143, "overlap: stopped by SIGTERM; ranks stopped"),
-    (signal.SIGINT, 130, "overlap: interrupted (Ctrl-C); ranks stopped"),
-])
+@pytest.mark.parametrize(
+    "sig, code, line",
+    [
+        (signal.SIGTERM, 143, "overlap: stopped by SIGTERM; ranks stopped"),
+        (signal.SIGINT, 130, "overlap: interrupted (Ctrl-C); ranks stopped"),
+    ],
+)
 def test_the_launcher_told_to_stop_says_so_once_with_the_right_code(sig, code, line):
     mark = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-c", RUN_WITH_STUB_RANKS, mark], env={**os.environ, MARK: mark},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUN_WITH_STUB_RANKS, mark],
+        env={**os.environ, MARK: mark},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     until = time.monotonic() + 60
     while len(procs_with(mark)) < 3 and time.monotonic() < until:
         time.sleep(0.1)
     time.sleep(0.5)
-    os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)  # Ctrl-C reaches the whole group
+    # Ctrl-C reaches the whole group
+    os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == code, err
-    assert err.strip().splitlines()[-1] == line and err.count("overlap:") == 1 and "Traceback" not in err
+    assert (
+        err.strip().splitlines()[-1] == line
+        and err.count("overlap:") == 1
+        and "Traceback" not in err
+    )
     assert wait_gone(mark) == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root + ip")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root + ip"
+)
 def test_stale_namespaces_are_removed_and_live_ones_kept(caplog):
     from overlap.launch.network import remove_stale_namespaces
 
@@ -191,16 +229,34 @@ def test_stale_namespaces_are_removed_and_live_ones_kept(caplog):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-# --- faults injected into a real local world (tiny models; each takes a few seconds of torch start-up) ---------------
-TINY = ["-m", "qwen", "-mr", "dense_tiny", "-ng", "2", "model.num_layers=1", "model.hidden_size=64", "-sl", "32",
-        "-ms", "400"]
+# --- faults injected into a real local world (tiny models; each takes a few seconds of torch
+# start-up) ---------------
+TINY = [
+    "-m",
+    "qwen",
+    "-mr",
+    "dense_tiny",
+    "-ng",
+    "2",
+    "model.num_layers=1",
+    "model.hidden_size=64",
+    "-sl",
+    "32",
+    "-ms",
+    "400",
+]
 
 
 def _start_real(tmp_path, *extra: str):
     mark = uuid.uuid4().hex
     env = {**os.environ, MARK: mark, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "overlap.cli", "run", *TINY, *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overlap.cli", "run", *TINY, *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     until = time.monotonic() + 180
     while time.monotonic() < until and proc.poll() is None:  # training: rank 0 logged an iteration
         logs = list(tmp_path.glob("overlap-run-*/overlap-rank0.log"))
@@ -213,7 +269,9 @@ def _start_real(tmp_path, *extra: str):
         rank = [e for e in env_items if e.startswith(b"RANK=")]
         if rank:
             ranks[int(rank[0][5:])] = pid
-    assert proc.poll() is None and len(ranks) == 2, proc.stderr.read() if proc.poll() is not None else ranks
+    assert proc.poll() is None and len(ranks) == 2, (
+        proc.stderr.read() if proc.poll() is not None else ranks
+    )
     return proc, ranks, mark
 
 
@@ -223,16 +281,23 @@ def test_real_world_rank_killed(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     last = err.strip().splitlines()[-1]
-    assert last.startswith("overlap: error: rank 1 of 2 killed by SIGKILL (rank 0 then failed: RuntimeError:"), last
+    assert last.startswith(
+        "overlap: error: rank 1 of 2 killed by SIGKILL (rank 0 then failed: RuntimeError:"
+    ), last
     assert "Traceback" not in err and "exit code -9" not in last
     log = re.search(r"Rank logs: (\S+)", last).group(1).replace("<r>", "0")
-    assert "Traceback" in Path(log).read_text(errors="replace")  # rank 0's collateral traceback, kept in its log
+    # rank 0's collateral traceback, kept in its log
+    assert "Traceback" in Path(log).read_text(errors="replace")
     assert wait_gone(mark) == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-                    reason="the emulated interconnect needs root + iproute2")
-def test_real_world_launcher_killed_takes_ranks_and_leaves_a_namespace_the_next_run_removes(tmp_path):
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="the emulated interconnect needs root + iproute2",
+)
+def test_real_world_launcher_killed_takes_ranks_and_leaves_a_namespace_the_next_run_removes(
+    tmp_path,
+):
     from overlap.launch.network import remove_stale_namespaces
 
     proc, ranks, mark = _start_real(tmp_path, "--network", "tbf:800mbit")
@@ -244,14 +309,18 @@ def test_real_world_launcher_killed_takes_ranks_and_leaves_a_namespace_the_next_
     assert name in remove_stale_namespaces()
 
 
-@pytest.mark.skipif(os.environ.get("OVERLAP_SLOW_TESTS") != "1", reason="waits out a collective timeout; "
-                    "OVERLAP_SLOW_TESTS=1 runs it")
+@pytest.mark.skipif(
+    os.environ.get("OVERLAP_SLOW_TESTS") != "1",
+    reason="waits out a collective timeout; OVERLAP_SLOW_TESTS=1 runs it",
+)
 def test_real_world_rank_stopped(tmp_path):
     proc, ranks, mark = _start_real(tmp_path, "train.comm_timeout_s=8")
     os.kill(ranks[1], signal.SIGSTOP)
     out, err = proc.communicate(timeout=120)
     last = err.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in err
-    assert last.startswith("overlap: error: rank 1 of 2 stopped making progress (its process was stopped"), last
+    assert last.startswith(
+        "overlap: error: rank 1 of 2 stopped making progress (its process was stopped"
+    ), last
     assert "rank 0 then failed: RuntimeError: Timed out" in last
     assert wait_gone(mark) == []

@@ -33,9 +33,12 @@ from tests.world import run_world, run_world_nccl_rules
 
 ITERS = 6
 SCALE = ["mixed_precision.initial_loss_scale=4096"]  # 2^32 skips the first ~20 steps of a tiny run
-EP2_OVERLAP = ["model.expert_model_parallel_size=2",
-               "comm_overlap.overlap_moe_expert_parallel_comm=true",
-               "comm_overlap.delay_wgrad_compute=true", "ddp.use_distributed_optimizer=true"]
+EP2_OVERLAP = [
+    "model.expert_model_parallel_size=2",
+    "comm_overlap.overlap_moe_expert_parallel_comm=true",
+    "comm_overlap.delay_wgrad_compute=true",
+    "ddp.use_distributed_optimizer=true",
+]
 
 
 def _trainer(moe: bool, precision: str, items: list[str], iters: int = ITERS, layers: int = 2):
@@ -48,8 +51,9 @@ def _trainer(moe: bool, precision: str, items: list[str], iters: int = ITERS, la
 
 # --- the scaler's rules --------------------------------------------------------------------------
 def test_dynamic_scaler_backs_off_after_the_hysteresis_and_grows_after_a_window():
-    cfg = OptimizerConfig(fp16=True, initial_loss_scale=8.0, min_loss_scale=2.0,
-                          loss_scale_window=3, hysteresis=2)
+    cfg = OptimizerConfig(
+        fp16=True, initial_loss_scale=8.0, min_loss_scale=2.0, loss_scale_window=3, hysteresis=2
+    )
     s = LossScaler.from_config(cfg)
     seen = []
     for overflow in (True, False, True, True, True, False, False, False, True):
@@ -83,15 +87,18 @@ def test_the_iteration_line_shows_the_scale_and_a_skip():
 
 
 # --- configuration --------------------------------------------------------------------------------
-@pytest.mark.parametrize("item, field", [
-    ("mixed_precision.loss_scale=0", "mixed_precision.loss_scale"),
-    ("mixed_precision.loss_scale=-4", "mixed_precision.loss_scale"),
-    ("mixed_precision.initial_loss_scale=0", "mixed_precision.initial_loss_scale"),
-    ("mixed_precision.min_loss_scale=-1", "mixed_precision.min_loss_scale"),
-    ("mixed_precision.min_loss_scale=8192", "mixed_precision.min_loss_scale"),  # above 4096
-    ("mixed_precision.loss_scale_window=0", "mixed_precision.loss_scale_window"),
-    ("mixed_precision.hysteresis=0", "mixed_precision.hysteresis"),
-])
+@pytest.mark.parametrize(
+    "item, field",
+    [
+        ("mixed_precision.loss_scale=0", "mixed_precision.loss_scale"),
+        ("mixed_precision.loss_scale=-4", "mixed_precision.loss_scale"),
+        ("mixed_precision.initial_loss_scale=0", "mixed_precision.initial_loss_scale"),
+        ("mixed_precision.min_loss_scale=-1", "mixed_precision.min_loss_scale"),
+        ("mixed_precision.min_loss_scale=8192", "mixed_precision.min_loss_scale"),  # above 4096
+        ("mixed_precision.loss_scale_window=0", "mixed_precision.loss_scale_window"),
+        ("mixed_precision.hysteresis=0", "mixed_precision.hysteresis"),
+    ],
+)
 def test_bad_loss_scaling_values_get_one_clear_error(item, field):
     with pytest.raises(ConfigError) as err:
         tiny_config(False, "fp16_mixed", 1, SCALE + [item], 1).finalize(1)
@@ -101,7 +108,7 @@ def test_bad_loss_scaling_values_get_one_clear_error(item, field):
 def test_the_decision_table_shows_the_scaler():
     def scaler(precision: str, items: list[str]):
         res = tiny_config(False, precision, 1, items, 1).finalize(1)
-        row, = res.decisions.sections["precision"]
+        (row,) = res.decisions.sections["precision"]
         return row.effective, res.decisions
 
     effective, decisions = scaler("fp16_mixed", [])
@@ -172,12 +179,15 @@ def test_an_injected_overflow_skips_exactly_that_step_on_every_rank_and_backs_th
     assert [s[3] for s in steps] == [1, 2, 2, 2, 3, 4]  # Adam's step count held while skipping
     cfg = tiny_config(True, "fp16_mixed", 2, SCALE, ITERS)
     held = [0, 1, 2, 2, 2, 3]  # the schedule's position: skipped steps do not advance it
-    assert [s[4] for s in steps] == [learning_rate(i, cfg.optimizer, cfg.scheduler, ITERS)
-                                     for i in held]
+    assert [s[4] for s in steps] == [
+        learning_rate(i, cfg.optimizer, cfg.scheduler, ITERS) for i in held
+    ]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert [(m["loss_scale"], m["skipped"]) for m in metrics] == [(s[0], not s[1]) for s in steps]
-    assert state == {"skipped_iterations": 2,
-                     "loss_scaler": {"scale": 2048.0, "growth_tracker": 2, "hysteresis_tracker": 0}}
+    assert state == {
+        "skipped_iterations": 2,
+        "loss_scaler": {"scale": 2048.0, "growth_tracker": 2, "hysteresis_tracker": 0},
+    }
 
 
 def test_a_skipped_step_keeps_the_ranks_collectives_matched_under_nccl_rules():
@@ -189,12 +199,23 @@ def test_a_skipped_step_keeps_the_ranks_collectives_matched_under_nccl_rules():
 
 # --- fp16 follows bf16 ----------------------------------------------------------------------------
 LAYOUTS = {  # name: (moe, layers, settings)
-    "dp2-distopt": (False, 2, ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true",
-                               "ddp.overlap_param_gather=true", "ddp.bucket_size=3000"]),
+    "dp2-distopt": (
+        False,
+        2,
+        [
+            "ddp.use_distributed_optimizer=true",
+            "ddp.overlap_grad_reduce=true",
+            "ddp.overlap_param_gather=true",
+            "ddp.bucket_size=3000",
+        ],
+    ),
     "ep2-overlap-delay-distopt": (True, 2, EP2_OVERLAP),
     "tp2-sp": (True, 2, ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]),
-    "pp2-vpp2": (False, 4, ["model.pipeline_model_parallel_size=2",
-                            "model.virtual_pipeline_model_parallel_size=2"]),
+    "pp2-vpp2": (
+        False,
+        4,
+        ["model.pipeline_model_parallel_size=2", "model.virtual_pipeline_model_parallel_size=2"],
+    ),
 }
 
 
@@ -227,8 +248,11 @@ def test_fp16_losses_follow_the_bf16_run(name):
 # From 2^20, with a window of 1 and hysteresis 1, the tiny MoE's fp16 gradients really overflow at
 # every other step (2^20 overflows, 2^19 does not, one clean step doubles it back): the checkpoint
 # at K = 3 holds a scale and a skipped-step count (the schedule's position) that a fresh run lacks.
-GROWING = EP2_OVERLAP + ["mixed_precision.initial_loss_scale=1048576",
-                         "mixed_precision.loss_scale_window=1", "mixed_precision.hysteresis=1"]
+GROWING = EP2_OVERLAP + [
+    "mixed_precision.initial_loss_scale=1048576",
+    "mixed_precision.loss_scale_window=1",
+    "mixed_precision.hysteresis=1",
+]
 K = 3
 
 
@@ -241,15 +265,15 @@ def _resumable(items: list[str]):
 
 
 def test_an_fp16_checkpoint_resumes_exactly_with_the_scaler_state(tmp_path):
-    straight = run_world(2, _resumable,
-                         [f"checkpoint.save={tmp_path}", f"checkpoint.save_interval={K}"])
+    straight = run_world(
+        2, _resumable, [f"checkpoint.save={tmp_path}", f"checkpoint.save_interval={K}"]
+    )
     saved = json.loads((tmp_path / f"iter_{K:07d}" / "train_state.json").read_text())
     assert straight[0][1] == [2.0**20, 2.0**19] * 3
     assert straight[0][3]["skipped_iterations"] == 3
     # the scale iteration K + 1 trains with, and the skips before it
     assert (saved["loss_scaler"]["scale"], saved["skipped_iterations"]) == (2.0**19, 2)
-    resumed = run_world(2, _resumable,
-                        [f"checkpoint.load={tmp_path}", f"checkpoint.ckpt_step={K}"])
+    resumed = run_world(2, _resumable, [f"checkpoint.load={tmp_path}", f"checkpoint.ckpt_step={K}"])
     for straight_rank, resumed_rank in zip(straight, resumed):
         s_losses, s_scales, s_params, s_state = straight_rank
         r_losses, r_scales, r_params, r_state = resumed_rank
@@ -260,17 +284,44 @@ def test_an_fp16_checkpoint_resumes_exactly_with_the_scaler_state(tmp_path):
 
 
 def test_the_run_summary_lists_the_steps_an_overflow_skipped(tmp_path):
-    """At the default initial scale (2^32) a tiny fp16 run's gradients overflow for its first steps (as a
-    Megatron run's do); the summary file lists exactly the iterations the metrics mark as skipped, and the
-    bf16 run none."""
+    """At the default initial scale (2^32) a tiny fp16 run's gradients overflow for its first steps
+    (as a Megatron run's do); the summary file lists exactly the iterations the metrics mark as
+    skipped, and the bf16 run none."""
     import subprocess
     import sys
 
-    for precision, scale in (("fp16", []), ("fp16", ["mixed_precision.initial_loss_scale=4096"]), ("bf16", [])):
+    for precision, scale in (
+        ("fp16", []),
+        ("fp16", ["mixed_precision.initial_loss_scale=4096"]),
+        ("bf16", []),
+    ):
         metrics = tmp_path / f"{precision}{len(scale)}.jsonl"
-        done = subprocess.run([sys.executable, "-m", "overlap.cli", "run", "-m", "qwen", "-mr", "dense_tiny",
-                               "-g", "cpu", "-ng", "1", "-c", precision, "-ms", "3", "--metrics", str(metrics),
-                               *scale], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "overlap.cli",
+                "run",
+                "-m",
+                "qwen",
+                "-mr",
+                "dense_tiny",
+                "-g",
+                "cpu",
+                "-ng",
+                "1",
+                "-c",
+                precision,
+                "-ms",
+                "3",
+                "--metrics",
+                str(metrics),
+                *scale,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         lines = [json.loads(line) for line in metrics.read_text().splitlines()]
         marked = [m["iteration"] for m in lines if m.get("skipped")]

@@ -65,13 +65,20 @@ def _inputs(name: str, rows: int, dtype: torch.dtype) -> tuple[tuple, tuple[int,
     return (t(rows, 40), t(rows, dt=torch.float32), index, max(1, rows // 2)), (0, 1)
 
 
-CHAINS = {"rms_norm": rms_norm, "apply_rope": apply_rope, "swiglu": swiglu,
-          "scale_rows": scale_rows, "weight_and_sum_rows": weight_and_sum_rows}
+CHAINS = {
+    "rms_norm": rms_norm,
+    "apply_rope": apply_rope,
+    "swiglu": swiglu,
+    "scale_rows": scale_rows,
+    "weight_and_sum_rows": weight_and_sum_rows,
+}
 
 
 def _fwd_bwd(fn, args, diff):
-    args = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                 for a in args)
+    args = tuple(
+        a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
     out = fn(*args)
     grad_out = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.dtype)
     grads = torch.autograd.grad(out, [args[i] for i in diff], grad_out)
@@ -130,8 +137,12 @@ def _train(overrides: list[str], steps: int, precision: str) -> tuple[list, list
     cfg = tiny_config(True, precision, 2, overrides + ["model.moe_layer_freq=[1,0]"], steps)
     trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
     records = trainer.train().records
-    return ([r.lm_loss for r in records], [r.grad_norm for r in records],
-            dict(counters["graph_break"]), counters["stats"]["unique_graphs"])
+    return (
+        [r.lm_loss for r in records],
+        [r.grad_norm for r in records],
+        dict(counters["graph_break"]),
+        counters["stats"]["unique_graphs"],
+    )
 
 
 @pytest.mark.parametrize("precision, rtol", [("fp32", 1e-5), ("bf16_mixed", 5e-3)])
@@ -178,15 +189,17 @@ def test_a_fusion_that_cannot_take_effect_is_a_noop_switch(monkeypatch, caplog):
     # described for another machine (`explain -g h100` here): this machine's Triton is not its
     rows, res = _model_decisions(cfg, on_cuda=True, require_libraries=False)
     assert rows["model.apply_rope_fusion"].effective is True and not res.decisions.noops
-    strict = tiny_config(True, "bf16_mixed", 1,
-                         ["model.apply_rope_fusion=true", "comm_overlap.strict=true"], 1)
+    strict = tiny_config(
+        True, "bf16_mixed", 1, ["model.apply_rope_fusion=true", "comm_overlap.strict=true"], 1
+    )
     with pytest.raises(ConfigError, match="apply_rope_fusion"):
         strict.finalize(1, on_cuda=True)
 
 
 def test_bias_activation_fusion_on_a_dense_gelu_model_has_nothing_to_fuse():
-    cfg = tiny_config(False, "fp32", 1,
-                      ["model.gated_linear_unit=false", "model.bias_activation_fusion=true"], 1)
+    cfg = tiny_config(
+        False, "fp32", 1, ["model.gated_linear_unit=false", "model.bias_activation_fusion=true"], 1
+    )
     rows, res = _model_decisions(cfg, on_cuda=False)
     assert rows["model.bias_activation_fusion"].effective is False
     assert "GELU" in res.decisions.noops[0].why

@@ -1,6 +1,6 @@
-"""bench/gpu_check.sh, the device script, checked on CPU before it ever meets a GPU: the shell is valid, every GPU
-step starts through torchrun against the source tree, and the whole script runs end to end on CPU ranks (gloo),
-writing the files the device tool brings back."""
+"""bench/gpu_check.sh, the device script, checked on CPU before it ever meets a GPU: the shell is
+valid, every GPU step starts through torchrun against the source tree, and the whole script runs end
+to end on CPU ranks (gloo), writing the files the device tool brings back."""
 
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ def test_the_shell_wrapper_is_valid_bash():
 
 
 def test_every_gpu_step_starts_through_torchrun():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "run", "--dry", "--gpu", "h100"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "run", "--dry", "--gpu", "h100"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     commands = dict(line.split(": ", 1) for line in out.strip().splitlines())
     assert list(commands) == ["env", "nccl", "sync", "moe_tiny", "dense_tiny", "calibrate", "plan"]
     for step in ("nccl", "sync", "moe_tiny", "dense_tiny"):
@@ -30,14 +34,25 @@ def test_every_gpu_step_starts_through_torchrun():
 
 def test_the_script_runs_end_to_end_on_cpu_ranks(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)  # the machine's python3 there
-    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "cpu"], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) <= 8 and "gpu_check.json" in files and "gpu_check.log" in files, files
     steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
     assert {n: s["status"] for n, s in steps.items()} == {
-        "env": "pass", "nccl": "pass", "sync": "skipped", "moe_tiny": "pass", "dense_tiny": "pass",
-        "calibrate": "skipped", "plan": "pass"}
+        "env": "pass",
+        "nccl": "pass",
+        "sync": "skipped",
+        "moe_tiny": "pass",
+        "dense_tiny": "pass",
+        "calibrate": "skipped",
+        "plan": "pass",
+    }
     assert steps["moe_tiny"]["findings"]["steady_step_ms"] > 0
     assert steps["nccl"]["findings"]["gathered_correct"] is True

@@ -1,19 +1,22 @@
-"""The correctness anchor (issue 16): our Qwen3 / Qwen3-MoE computes what transformers computes, at every layout.
+"""The correctness anchor (issue 16): our Qwen3 / Qwen3-MoE computes what transformers computes, at
+every layout.
 
-A tiny random `Qwen3MoeForCausalLM` and `Qwen3ForCausalLM` (fp32, eager attention; weights redrawn at std 0.2 and
-norm weights around 1, so that attention, routing and the QK norms do real work - the default 0.02 init makes every
-logit nearly 0 and any comparison trivially small) are saved with `save_pretrained` and loaded into our model:
+A tiny random `Qwen3MoeForCausalLM` and `Qwen3ForCausalLM` (fp32, eager attention; weights redrawn
+at std 0.2 and norm weights around 1, so that attention, routing and the QK norms do real work - the
+default 0.02 init makes every logit nearly 0 and any comparison trivially small) are saved with
+`save_pretrained` and loaded into our model:
 
-- logits equal transformers' within atol 1e-4 (fp32; measured max |diff| ~1e-6: only the summation order differs;
-  also with norm_topk_prob=false, our model.moe_router_pre_softmax, and with decoder_sparse_step=2, our per-layer
-  model.moe_layer_freq [0, 1])
-  at one rank, TP2 (+SP), EP2, TP2 x EP2, PP2, TP2 x PP2 and EP2 x PP2, every rank loading only its own shards
-  from the files; a tied dense model (tie_word_embeddings=true) at one rank, TP2 (+SP), PP2 (the last stage's copy
-  loaded from the embedding's tensor) and TP2 x PP2;
-- the gradients of one backward (mean cross-entropy) equal transformers' within atol 1e-5 at one rank, read back
-  into our layout through the same name mapping (from transformers' fused in-memory expert tensors);
-- a Trainer started with `checkpoint.pretrained_checkpoint=<HF folder>` trains at EP2 / PP2 / TP2 x EP2 like at one rank
-  (rel 1e-5, as tests/test_training.py), which exercises the Checkpointer hook.
+- logits equal transformers' within atol 1e-4 (fp32; measured max |diff| ~1e-6: only the summation
+  order differs; also with norm_topk_prob=false, our model.moe_router_pre_softmax, and with
+  decoder_sparse_step=2, our per-layer model.moe_layer_freq [0, 1])
+  at one rank, TP2 (+SP), EP2, TP2 x EP2, PP2, TP2 x PP2 and EP2 x PP2, every rank loading only its
+  own shards from the files; a tied dense model (tie_word_embeddings=true) at one rank, TP2 (+SP),
+  PP2 (the last stage's copy loaded from the embedding's tensor) and TP2 x PP2;
+- the gradients of one backward (mean cross-entropy) equal transformers' within atol 1e-5 at one
+  rank, read back into our layout through the same name mapping (from transformers' fused in-memory
+  expert tensors);
+- a Trainer started with `checkpoint.pretrained_checkpoint=<HF folder>` trains at EP2 / PP2 / TP2 x
+  EP2 like at one rank (rel 1e-5, as tests/test_training.py), which exercises the Checkpointer hook.
 """
 
 from __future__ import annotations
@@ -30,9 +33,18 @@ from tests.world import run_world
 transformers = pytest.importorskip("transformers")
 
 SEQ, BATCH, VOCAB = 16, 2, 128
-COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16,  # head_dim != hidden / heads, as in Qwen3-30B-A3B
-              rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="eager")
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,  # head_dim != hidden / heads, as in Qwen3-30B-A3B
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    attn_implementation="eager",
+)
 MOE = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
 
 
@@ -48,23 +60,28 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen))
+    return (
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen),
+    )
 
 
 def _reference(kind: str, folder: Path) -> dict:
-    """Save a tiny random HF model to `folder`; return its logits and the grads of the mean cross-entropy.
-    "moe_unnormalised": the MoE model with norm_topk_prob=false (transformers' default); "moe_sparse_step": with
-    decoder_sparse_step=2 (layer 0 dense, layer 1 MoE: our per-layer moe_layer_freq [0, 1]); "dense_tied": the dense
-    model with tie_word_embeddings=true (one tensor for the embedding and the LM head; its gradient is the sum of
-    both uses)."""
+    """Save a tiny random HF model to `folder`; return its logits and the grads of the mean
+    cross-entropy. "moe_unnormalised": the MoE model with norm_topk_prob=false (transformers'
+    default); "moe_sparse_step": with decoder_sparse_step=2 (layer 0 dense, layer 1 MoE: our
+    per-layer moe_layer_freq [0, 1]); "dense_tied": the dense model with tie_word_embeddings=true
+    (one tensor for the embedding and the LM head; its gradient is the sum of both uses)."""
     torch.manual_seed(0)
     if kind.startswith("moe"):
         sparse = dict(decoder_sparse_step=2) if kind == "moe_sparse_step" else {}
-        config = transformers.Qwen3MoeConfig(**COMMON, **dict(MOE, norm_topk_prob=kind != "moe_unnormalised"),
-                                             **sparse)
+        config = transformers.Qwen3MoeConfig(
+            **COMMON, **dict(MOE, norm_topk_prob=kind != "moe_unnormalised"), **sparse
+        )
         model = transformers.Qwen3MoeForCausalLM(config)
-    else:  # "dense_tied": tie_word_embeddings=true (Qwen3 0.6B-4B), our share_embeddings_and_output_weights
+    # "dense_tied": tie_word_embeddings=true (Qwen3 0.6B-4B), our
+    # share_embeddings_and_output_weights
+    else:
         tied = dict(COMMON, tie_word_embeddings=kind == "dense_tied")
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**tied))
     _randomise(model, 1)
@@ -73,9 +90,12 @@ def _reference(kind: str, folder: Path) -> dict:
     logits = model(input_ids=tokens).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
     loss.backward()
-    return {"logits": logits.detach(), "loss": loss.item(),
-            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-            "state": {n: t.detach().clone() for n, t in model.state_dict().items()}}
+    return {
+        "logits": logits.detach(),
+        "loss": loss.item(),
+        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+        "state": {n: t.detach().clone() for n, t in model.state_dict().items()},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +108,8 @@ def hf_models(tmp_path_factory):
 
 
 def _build(folder: str, layout: dict):
-    """This rank's model chunks with their shards loaded from the HF folder, and the parallel state."""
+    """This rank's model chunks with their shards loaded from the HF folder, and the parallel
+    state."""
     from overlap.config import ConfigContainer
     from overlap.config.hf_config import model_config_from_hf, read_hf_config
     from overlap.hf.load import load_hf_weights
@@ -102,14 +123,17 @@ def _build(folder: str, layout: dict):
     cfg = ConfigContainer(model=model)
     ps = ParallelState(cfg.finalize(dist.get_world_size()).layout)
     chunks = model_chunks(cfg.model, ps)
-    load_hf_weights(cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, folder, ps.rank)
+    load_hf_weights(
+        cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, folder, ps.rank
+    )
     return cfg, ps, chunks
 
 
 def _logits(folder: str, layout: dict) -> torch.Tensor | None:
-    """[b, s, vocab] logits of our model on the test batch (vocab shards gathered over TP) on the ranks of the last
-    pipeline stage, None on the others. The stages run one after the other: virtual stage v = chunk x PP + rank
-    receives the hidden state from its predecessor and sends its own to the next."""
+    """[b, s, vocab] logits of our model on the test batch (vocab shards gathered over TP) on the
+    ranks of the last pipeline stage, None on the others. The stages run one after the other:
+    virtual stage v = chunk x PP + rank receives the hidden state from its predecessor and sends its
+    own to the next."""
     cfg, ps, chunks = _build(folder, layout)
     tokens, _ = _batch()
     m = cfg.model
@@ -144,19 +168,31 @@ def _grads(folder: str) -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), {n: p.grad.detach().clone() for n, p in chunk.named_parameters()}
 
 
-LAYOUTS = {"1": (1, {}),
-           "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
-           "ep2": (2, dict(expert_model_parallel_size=2)),
-           "tp2_ep2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2)),
-           "pp2": (2, dict(pipeline_model_parallel_size=2)),
-           "tp2_pp2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)),
-           "ep2_pp2": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2))}
+LAYOUTS = {
+    "1": (1, {}),
+    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "ep2": (2, dict(expert_model_parallel_size=2)),
+    "tp2_ep2": (
+        4,
+        dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
+    ),
+    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "tp2_pp2": (
+        4,
+        dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2),
+    ),
+    "ep2_pp2": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2)),
+}
 
 
-@pytest.mark.parametrize("kind,name", [("moe", n) for n in LAYOUTS] + [("dense", n) for n in ("1", "tp2_sp", "pp2")]
-                         + [("moe_unnormalised", n) for n in ("1", "ep2")]
-                         + [("moe_sparse_step", n) for n in ("1", "ep2", "pp2")]
-                         + [("dense_tied", n) for n in ("1", "tp2_sp", "pp2", "tp2_pp2")])
+@pytest.mark.parametrize(
+    "kind,name",
+    [("moe", n) for n in LAYOUTS]
+    + [("dense", n) for n in ("1", "tp2_sp", "pp2")]
+    + [("moe_unnormalised", n) for n in ("1", "ep2")]
+    + [("moe_sparse_step", n) for n in ("1", "ep2", "pp2")]
+    + [("dense_tied", n) for n in ("1", "tp2_sp", "pp2", "tp2_pp2")],
+)
 def test_logits_match_transformers(hf_models, kind, name):
     folder, ref = hf_models[kind]
     world, layout = LAYOUTS[name]
@@ -168,7 +204,9 @@ def test_logits_match_transformers(hf_models, kind, name):
         assert diff < 1e-4, f"{kind} at {name}: max |logits - transformers| = {diff:.3g}"
 
 
-@pytest.mark.parametrize("kind", ["moe", "dense", "moe_unnormalised", "moe_sparse_step", "dense_tied"])
+@pytest.mark.parametrize(
+    "kind", ["moe", "dense", "moe_unnormalised", "moe_sparse_step", "dense_tied"]
+)
 def test_gradients_match_transformers(hf_models, kind):
     from overlap.config.hf_config import model_config_from_hf, read_hf_config
     from overlap.hf.load import DictSource, read_shard
@@ -199,15 +237,25 @@ def _train(folder: str, layout: list[str]) -> list[float]:
 def test_trainer_from_hf_folder_at_layouts(hf_models):
     folder = str(hf_models["moe"][0])
     ref = run_world(1, _train, folder, [])[0]
-    for world, layout in ((2, ["model.expert_model_parallel_size=2"]), (2, ["model.pipeline_model_parallel_size=2"]),
-                          (4, ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
-                               "model.expert_model_parallel_size=2"])):
+    for world, layout in (
+        (2, ["model.expert_model_parallel_size=2"]),
+        (2, ["model.pipeline_model_parallel_size=2"]),
+        (
+            4,
+            [
+                "model.tensor_model_parallel_size=2",
+                "model.sequence_parallel=true",
+                "model.expert_model_parallel_size=2",
+            ],
+        ),
+    ):
         for losses in run_world(world, _train, folder, layout):
             assert losses == pytest.approx(ref, rel=1e-5)
 
 
 def test_fused_layout_on_disk_imports_like_per_expert(hf_models, tmp_path):
-    """transformers-5's fused in-memory tensors written as they are (as Qwen3.5-MoE stores them) load the same."""
+    """transformers-5's fused in-memory tensors written as they are (as Qwen3.5-MoE stores them)
+    load the same."""
     from safetensors.torch import save_file
 
     from overlap.config.hf_config import model_config_from_hf, read_hf_config
@@ -216,26 +264,37 @@ def test_fused_layout_on_disk_imports_like_per_expert(hf_models, tmp_path):
 
     folder, ref = hf_models["moe"]
     assert any(n.endswith("experts.gate_up_proj") for n in ref["state"])
-    save_file({n: t.contiguous() for n, t in ref["state"].items()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {n: t.contiguous() for n, t in ref["state"].items()}, str(tmp_path / "model.safetensors")
+    )
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     cfg = model_config_from_hf(read_hf_config(folder))
     fused, per_expert = SafetensorsReader(tmp_path), SafetensorsReader(folder)
     for m in check_source(cfg, fused, tmp_path):
-        assert torch.equal(read_shard(m, fused, cfg, None), read_shard(m, per_expert, cfg, None)), m.ours
+        assert torch.equal(read_shard(m, fused, cfg, None), read_shard(m, per_expert, cfg, None)), (
+            m.ours
+        )
 
 
 def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
-    """`checkpoint.pretrained_checkpoint=<HF folder>`: every architecture field comes from config.json, whatever the
-    recipe or an override said, each change a decision of the checkpoint section; our own checkpoints (no
-    config.json) leave the configured model alone."""
-    from overlap.config.hf_config import ARCH_FIELDS, MOE_FIELDS, model_config_from_hf, read_hf_config
+    """`checkpoint.pretrained_checkpoint=<HF folder>`: every architecture field comes from
+    config.json, whatever the recipe or an override said, each change a decision of the checkpoint
+    section; our own checkpoints (no config.json) leave the configured model alone."""
+    from overlap.config.hf_config import (
+        ARCH_FIELDS,
+        MOE_FIELDS,
+        model_config_from_hf,
+        read_hf_config,
+    )
     from overlap.errors import ConfigError
     from tests.configs import tiny_config
 
     for kind in ("moe", "dense", "moe_sparse_step"):
         folder = hf_models[kind][0]
         theirs = model_config_from_hf(read_hf_config(folder), seq_length=SEQ)
-        cfg = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={folder}", "model.num_layers=6"], 1)
+        cfg = tiny_config(
+            True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={folder}", "model.num_layers=6"], 1
+        )
         decisions = {d.field: d for d in cfg.finalize(1).decisions.sections["checkpoint"]}
         for field, attr in {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}.items():
             assert getattr(cfg.model, attr) == getattr(theirs, attr), (kind, field)
@@ -243,32 +302,61 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         assert decisions["model.num_layers"].effective == theirs.num_layers
         assert "config.json" in decisions["model.num_layers"].reason
         assert cfg.model.is_moe == theirs.is_moe
-    # a per-layer MoE pattern of the recipe's own length (3 layers) is replaced whole, not read at the new length
-    cfg = tiny_config(True, "fp32", 3, [f"checkpoint.pretrained_checkpoint={hf_models['moe_sparse_step'][0]}",
-                                        "model.moe_layer_freq=[1,1,1]"], 1)
+    # a per-layer MoE pattern of the recipe's own length (3 layers) is replaced whole, not read at
+    # the new length
+    cfg = tiny_config(
+        True,
+        "fp32",
+        3,
+        [
+            f"checkpoint.pretrained_checkpoint={hf_models['moe_sparse_step'][0]}",
+            "model.moe_layer_freq=[1,1,1]",
+        ],
+        1,
+    )
     cfg.finalize(1)
     assert (cfg.model.num_layers, cfg.model.moe_layer_freq) == (2, [0, 1])
-    cfg = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}",
-                                        "tokenizer.vocab_size=100000"], 1)
+    cfg = tiny_config(
+        True,
+        "fp32",
+        1,
+        [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}", "tokenizer.vocab_size=100000"],
+        1,
+    )
     with pytest.raises(ConfigError, match="tokenizer.vocab_size"):
         cfg.finalize(1)
     # a dense recipe takes the MoE checkpoint's router aux-loss coefficient with its experts
-    dense = tiny_config(False, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}"], 1)
+    dense = tiny_config(
+        False, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}"], 1
+    )
     dense.finalize(1)
     assert dense.model.is_moe and dense.model.moe_aux_loss_coeff == theirs_aux(hf_models["moe"][0])
     # token dropping on released MoE weights: honoured, and said beside the architecture
-    dropping = tiny_config(True, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}",
-                                             "model.moe_expert_capacity_factor=1.0"], 1)
+    dropping = tiny_config(
+        True,
+        "fp32",
+        2,
+        [
+            f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}",
+            "model.moe_expert_capacity_factor=1.0",
+        ],
+        1,
+    )
     rows = {d.field: d for d in dropping.finalize(1).decisions.sections["checkpoint"]}
     assert "dropped" in rows["model.moe_expert_capacity_factor"].reason
     # a path that is not on this machine: the recipe's architecture, said in the checkpoint section
-    away = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path / 'elsewhere'}"], 1)
+    away = tiny_config(
+        True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path / 'elsewhere'}"], 1
+    )
     rows = away.finalize(1).decisions.sections["checkpoint"]
     assert any(d.field == "model" and "not on this machine" in d.reason for d in rows)
-    cfg = tiny_config(True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path}", "model.num_layers=6"], 1)
+    cfg = tiny_config(
+        True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path}", "model.num_layers=6"], 1
+    )
     cfg.finalize(1)
-    assert cfg.model.num_layers == 6 and not any(d.field.startswith("model.")
-                                                 for d in cfg.finalize(1).decisions.sections["checkpoint"])
+    assert cfg.model.num_layers == 6 and not any(
+        d.field.startswith("model.") for d in cfg.finalize(1).decisions.sections["checkpoint"]
+    )
 
 
 def theirs_aux(folder) -> float:
@@ -278,15 +366,25 @@ def theirs_aux(folder) -> float:
 
 
 def test_the_command_line_cannot_contradict_a_pretrained_checkpoint(hf_models, tmp_path, capsys):
-    """An override (or flag) of a field config.json decides is refused naming both values; so is a tokenizer with
-    more tokens than the checkpoint's embedding rows."""
+    """An override (or flag) of a field config.json decides is refused naming both values; so is a
+    tokenizer with more tokens than the checkpoint's embedding rows."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from overlap.cli import main
 
     folder = hf_models["moe"][0]
-    base = ["explain", "-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", "cpu", "-ng", "1",
-            f"checkpoint.pretrained_checkpoint={folder}"]
+    base = [
+        "explain",
+        "-m",
+        "qwen",
+        "-mr",
+        "qwen3_moe_tiny",
+        "-g",
+        "cpu",
+        "-ng",
+        "1",
+        f"checkpoint.pretrained_checkpoint={folder}",
+    ]
     assert main(base) == 0
     capsys.readouterr()
     assert main(base + ["model.num_layers=4"]) == 2
@@ -295,17 +393,29 @@ def test_the_command_line_cannot_contradict_a_pretrained_checkpoint(hf_models, t
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     words = [f"w{i}" for i in range(VOCAB + 50)]
-    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.train_from_iterator(
+        [" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>"])
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
-    assert main(base + ["--tokenizer_type", "HuggingFaceTokenizer", "--tokenizer_model",
-                        str(tmp_path / "tokenizer.json")]) == 2
+    assert (
+        main(
+            base
+            + [
+                "--tokenizer_type",
+                "HuggingFaceTokenizer",
+                "--tokenizer_model",
+                str(tmp_path / "tokenizer.json"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "tokenizer.tokenizer_model" in err and f"{VOCAB} rows" in err
 
 
 def test_configured_model_must_match_config_json(hf_models):
-    from overlap.errors import ConfigError
     from overlap.config.hf_config import check_model_matches, model_config_from_hf, read_hf_config
+    from overlap.errors import ConfigError
 
     folder, _ = hf_models["moe"]
     hf = read_hf_config(folder)

@@ -1,4 +1,5 @@
-"""Local-shard initialisation (`overlap.layers.init`): a rank's draw is its slice of the unsharded draw."""
+"""Local-shard initialisation (`overlap.layers.init`): a rank's draw is its slice of the unsharded
+draw."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from overlap.layers import init
 from overlap.layers.init import init_model_params, mark_shard
 
 
-def _module(shape: tuple[int, ...], dim: int | None, index: int = 0, count: int = 1,
-            dtype: torch.dtype = torch.float32) -> nn.Module:
+def _module(
+    shape: tuple[int, ...],
+    dim: int | None,
+    index: int = 0,
+    count: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     m = nn.Module()
     m.w = nn.Parameter(torch.empty(shape, dtype=dtype))
     if dim is not None:
@@ -34,7 +40,11 @@ def test_every_shard_is_its_slice_of_the_whole(dim: int, monkeypatch: pytest.Mon
 
 
 def test_unsharded_params_draw_by_dim0_rows_and_cast() -> None:
-    """No shard: dim-0 slices, as a dim-0 shard of one; the parameter's dtype is a cast of the fp32 draw."""
+    """No shard: dim-0 slices, as a dim-0 shard of one; the parameter's dtype is a cast of the fp32
+    draw."""
     assert torch.equal(_module((6, 5), None).w, _module((6, 5), 0).w)
-    assert torch.equal(_module((6, 5), None, dtype=torch.bfloat16).w, _module((6, 5), None).w.bfloat16())
-    assert not torch.equal(_module((6, 5), None).w, _module((6, 5), 1).w)  # the dim is part of the definition
+    assert torch.equal(
+        _module((6, 5), None, dtype=torch.bfloat16).w, _module((6, 5), None).w.bfloat16()
+    )
+    # the dim is part of the definition
+    assert not torch.equal(_module((6, 5), None).w, _module((6, 5), 1).w)

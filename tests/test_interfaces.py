@@ -47,9 +47,8 @@ def test_values_a_multi_node_world_cannot_use_are_named(env, field):
 
 def test_a_lost_peer_is_named_by_its_ranks():
     error = (
-        "[../gloo/transport/tcp/pair.cc:537] Read error [10.77.0.2]:49304: "
-        "Connection reset by peer. This is "
-        "typically caused by a remote worker hanging"
+        "[../gloo/transport/tcp/pair.cc:537] Read error [10.77.0.2]:49304: Connection reset by "
+        "peer. This is typically caused by a remote worker hanging"
     )
     hosts = {"10.77.0.1": [0, 1], "10.77.0.2": [2, 3]}
     assert lost_peer(error, 1, 4, hosts).startswith(
@@ -61,10 +60,10 @@ def test_a_lost_peer_is_named_by_its_ranks():
 
 def test_a_silent_peer_names_the_timeout():
     error = (
-        "[../gloo/transport/tcp/unbound_buffer.cc:78] "
-        "Timed out waiting 5000ms for recv operation to complete"
+        "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation "
+        "to complete"
     )
     assert lost_peer(error, 0, 2, {}).startswith(
-        "rank 0 of 2 got no answer from its peers for train.comm_timeout_s=5 s "
-        "(a recv never completed): "
+        "rank 0 of 2 got no answer from its peers for train.comm_timeout_s=5 s (a recv never "
+        "completed): "
     )

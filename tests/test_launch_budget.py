@@ -1,22 +1,24 @@
-"""Launch-count budget (issue 35): the operator calls of one optimizer step, counted by a TorchDispatchMode, may not
-silently grow.
+"""Launch-count budget (issue 35): the operator calls of one optimizer step, counted by a
+TorchDispatchMode, may not silently grow.
 
-Every aten call below the mode costs a dispatch and most launch a kernel on a GPU; host reads (`_local_scalar_dense`)
-are counted apart. The step
-is what `Trainer.train_step` runs after the gradient reduction: `grad_norm()` (with its one intended host read) and
-`step()` (clipping scale, AdamW, bf16 copy-back), on the tiny model (tests/configs.py) in a one-rank world, bf16 mixed
-precision, with `clip_grad` small enough that the clipping scale always applies.
+Every aten call below the mode costs a dispatch and most launch a kernel on a GPU; host reads
+(`_local_scalar_dense`) are counted apart. The step
+is what `Trainer.train_step` runs after the gradient reduction: `grad_norm()` (with its one intended
+host read) and `step()` (clipping scale, AdamW, bf16 copy-back), on the tiny model
+(tests/configs.py) in a one-rank world, bf16 mixed precision, with `clip_grad` small enough that the
+clipping scale always applies.
 
-Measured before the multi-tensor optimizer (per-slot loops, `foreach=False`: commit b4bc388~1), same cases, as
-aten calls in all (launches + host reads): dense 2 layers 301 (281 + 20, 19 slots), MoE 2 layers 333 (311 + 22, 21
-slots), MoE with the distributed optimizer 333 (311 + 22), dense 4 layers 549 (513 + 36, 35 slots): about 15
-launches per slot. After: 68 / 75 / 75 / 100 in all, of which 29 / 32 / 32 / 29 launches whatever the slot count;
-the rest are torch's foreach path reading each slot's CPU `step` twice (host reads of CPU scalars, no device sync;
-the fused CUDA path keeps `step` on the GPU and reads nothing) and our one read of the norm. Measured with
-`optimizer_step_ops` below run in `run_world(1, ...)` with PYTHONPATH at the old and the new src.
+Measured before the multi-tensor optimizer (per-slot loops, `foreach=False`: commit b4bc388~1), same
+cases, as aten calls in all (launches + host reads): dense 2 layers 301 (281 + 20, 19 slots), MoE 2
+layers 333 (311 + 22, 21 slots), MoE with the distributed optimizer 333 (311 + 22), dense 4 layers
+549 (513 + 36, 35 slots): about 15 launches per slot. After: 68 / 75 / 75 / 100 in all, of which 29
+/ 32 / 32 / 29 launches whatever the slot count; the rest are torch's foreach path reading each
+slot's CPU `step` twice (host reads of CPU scalars, no device sync; the fused CUDA path keeps `step`
+on the GPU and reads nothing) and our one read of the norm. Measured with `optimizer_step_ops` below
+run in `run_world(1, ...)` with PYTHONPATH at the old and the new src.
 
-One transformer layer's forward and backward (`layer_ops`) are bounded too: dense 118 / 188 aten calls, MoE (4
-experts, top-2, the default loop permutation) 216 / 250.
+One transformer layer's forward and backward (`layer_ops`) are bounded too: dense 118 / 188 aten
+calls, MoE (4 experts, top-2, the default loop permutation) 216 / 250.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ class OpCount(TorchDispatchMode):
 
 
 def optimizer_step_ops(moe: bool, layers: int, items: list[str]) -> tuple[dict[str, int], int]:
-    """On a rank: (aten calls by name, slot count) of the third optimizer step (the first two create the Adam state
-    and the gradient buffers' steady state)."""
+    """On a rank: (aten calls by name, slot count) of the third optimizer step (the first two create
+    the Adam state and the gradient buffers' steady state)."""
     from overlap.parallel.state import ParallelState
     from overlap.training.trainer import Trainer
 
@@ -72,16 +74,20 @@ LAUNCHES = {
 }
 
 
-@pytest.mark.parametrize("moe,layers,items", list(LAUNCHES), ids=["dense", "moe", "moe_distopt", "dense_4_layers"])
+@pytest.mark.parametrize(
+    "moe,layers,items", list(LAUNCHES), ids=["dense", "moe", "moe_distopt", "dense_4_layers"]
+)
 def test_optimizer_step_launches_do_not_grow_with_the_slots(moe, layers, items):
     ops, slots = run_world(1, optimizer_step_ops, moe, layers, list(items))[0]
     reads = ops.get(HOST_READ, 0)
     assert sum(ops.values()) - reads == LAUNCHES[moe, layers, items], ops
-    assert reads == 2 * slots + 1, ops  # torch's foreach path: 2 CPU `step` reads per slot; ours: the norm
+    # torch's foreach path: 2 CPU `step` reads per slot; ours: the norm
+    assert reads == 2 * slots + 1, ops
 
 
 def layer_ops(moe: bool) -> tuple[int, int]:
-    """On a rank: aten calls of one transformer layer's forward, then of its backward (bf16, one micro-batch)."""
+    """On a rank: aten calls of one transformer layer's forward, then of its backward (bf16, one
+    micro-batch)."""
     from overlap.model.gpt import GPTModel
     from overlap.parallel.state import ParallelState
 
@@ -101,10 +107,11 @@ def layer_ops(moe: bool) -> tuple[int, int]:
     return sum(forward.ops.values()), sum(backward.ops.values())
 
 
-# moe -> (forward, backward) aten calls of one layer, measured at a44fc76 (the optimizer work leaves layers alone),
-# then MoE forward 216 -> 219 when the grouped GEMM's offsets came from the dispatch plan's device counts instead of
-# a tensor made from the host list (three device ops in place of a host-to-device copy that waits for the queue):
-# upper bounds, so fusing the layers' elementwise chains or the MoE permutation may lower them, not raise them.
+# moe -> (forward, backward) aten calls of one layer, measured at a44fc76 (the optimizer work leaves
+# layers alone), then MoE forward 216 -> 219 when the grouped GEMM's offsets came from the dispatch
+# plan's device counts instead of a tensor made from the host list (three device ops in place of a
+# host-to-device copy that waits for the queue): upper bounds, so fusing the layers' elementwise
+# chains or the MoE permutation may lower them, not raise them.
 LAYER_OPS = {False: (118, 188), True: (219, 250)}
 
 

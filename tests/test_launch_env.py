@@ -1,4 +1,5 @@
-"""Launch-environment rules (Bridge HEAD, reference/bridge-compat.md section 9(d)): one test per rule row."""
+"""Launch-environment rules (Bridge HEAD, reference/bridge-compat.md section 9(d)): one test per
+rule row."""
 
 from __future__ import annotations
 
@@ -54,7 +55,11 @@ def values(settings):
 def test_default_is_8_connections_and_margin_16():
     settings = compute_launch_env(inputs())
     assert [s.name for s in settings] == list(RULE_VARIABLES)
-    assert values(settings) == {CDMC: "8", NVTE_FWD_LAYERNORM_SM_MARGIN: "16", NVTE_BWD_LAYERNORM_SM_MARGIN: "16"}
+    assert values(settings) == {
+        CDMC: "8",
+        NVTE_FWD_LAYERNORM_SM_MARGIN: "16",
+        NVTE_BWD_LAYERNORM_SM_MARGIN: "16",
+    }
     assert all(s.source == "rule" and s.reason for s in settings)
 
 
@@ -69,12 +74,17 @@ def test_flex_fast_backend_gives_32_connections_and_margin_20(backend):
 
 def test_backend_without_flex_dispatcher_keeps_defaults():
     settings = values(compute_launch_env(inputs(backend="deepep", dispatcher="alltoall")))
-    assert settings == {CDMC: "8", NVTE_FWD_LAYERNORM_SM_MARGIN: "16", NVTE_BWD_LAYERNORM_SM_MARGIN: "16"}
+    assert settings == {
+        CDMC: "8",
+        NVTE_FWD_LAYERNORM_SM_MARGIN: "16",
+        NVTE_BWD_LAYERNORM_SM_MARGIN: "16",
+    }
 
 
 @pytest.mark.parametrize("accelerator", ["b200", "b300", "gb200", "gb300", "vr200"])
 def test_sm100_class_gives_32_even_with_tp(accelerator):
-    # HEAD rule: unconditional on these GPUs (unlike the older run_plugins variant that also required DP or PP > 1).
+    # HEAD rule: unconditional on these GPUs (unlike the older run_plugins variant that also
+    # required DP or PP > 1).
     settings = by_name(compute_launch_env(inputs(accelerator=accelerator, tp=8, dp=1)))
     assert settings[CDMC].value == "32"
     assert "SM100" in settings[CDMC].reason
@@ -100,14 +110,17 @@ def test_h100_tp_with_a2a_overlap_stays_8():
 
 
 def test_h100_tp_with_deepep_and_no_a2a_overlap_gives_1():
-    # The TP/CP rule runs after the backend rule and replaces its 32; the margins keep the deepep value.
+    # The TP/CP rule runs after the backend rule and replaces its 32; the margins keep the deepep
+    # value.
     settings = by_name(compute_launch_env(inputs(tp=2, backend="deepep", dispatcher="flex")))
     assert settings[CDMC].value == "1"
     assert settings[NVTE_FWD_LAYERNORM_SM_MARGIN].value == "20"
 
 
 def test_cpu_leaves_everything_unset_with_reason():
-    settings = compute_launch_env(inputs(accelerator="cpu", tp=2, backend="deepep", dispatcher="flex"))
+    settings = compute_launch_env(
+        inputs(accelerator="cpu", tp=2, backend="deepep", dispatcher="flex")
+    )
     assert [s.name for s in settings] == list(RULE_VARIABLES)
     for s in settings:
         assert s.value is None
@@ -119,14 +132,26 @@ def test_cpu_leaves_everything_unset_with_reason():
 
 
 def test_recipe_env_replaces_rule_value_and_adds_sorted_extras():
-    recipe = {"TORCH_NCCL_HIGH_PRIORITY": "1", CDMC: "32", "NCCL_NVLS_ENABLE": "0", NVTE_FWD_LAYERNORM_SM_MARGIN: 10}
+    recipe = {
+        "TORCH_NCCL_HIGH_PRIORITY": "1",
+        CDMC: "32",
+        "NCCL_NVLS_ENABLE": "0",
+        NVTE_FWD_LAYERNORM_SM_MARGIN: 10,
+    }
     settings = compute_launch_env(inputs(tp=2), recipe_env=recipe)
-    assert [s.name for s in settings] == [*RULE_VARIABLES, "NCCL_NVLS_ENABLE", "TORCH_NCCL_HIGH_PRIORITY"]
+    assert [s.name for s in settings] == [
+        *RULE_VARIABLES,
+        "NCCL_NVLS_ENABLE",
+        "TORCH_NCCL_HIGH_PRIORITY",
+    ]
     named = by_name(settings)
     assert (named[CDMC].value, named[CDMC].source) == ("32", "recipe")
     assert "replaces the rule value 1" in named[CDMC].reason
     assert named[NVTE_FWD_LAYERNORM_SM_MARGIN].value == "10"
-    assert (named[NVTE_BWD_LAYERNORM_SM_MARGIN].value, named[NVTE_BWD_LAYERNORM_SM_MARGIN].source) == ("16", "rule")
+    assert (
+        named[NVTE_BWD_LAYERNORM_SM_MARGIN].value,
+        named[NVTE_BWD_LAYERNORM_SM_MARGIN].source,
+    ) == ("16", "rule")
     assert (named["NCCL_NVLS_ENABLE"].value, named["NCCL_NVLS_ENABLE"].source) == ("0", "recipe")
 
 
@@ -150,7 +175,8 @@ def test_user_env_wins_and_apply_never_overwrites():
 
     worker_env = {CDMC: "3", "PATH": "/usr/bin"}
     apply_launch_env(settings, worker_env)
-    assert worker_env[CDMC] == "3"  # already present: never overwritten, even by a user-environment setting
+    # already present: never overwritten, even by a user-environment setting
+    assert worker_env[CDMC] == "3"
     assert worker_env["PATH"] == "/usr/bin"
     assert worker_env["NCCL_NVLS_ENABLE"] == "1"
     assert worker_env["TORCH_NCCL_HIGH_PRIORITY"] == "1"
@@ -165,7 +191,9 @@ def test_user_env_wins_on_cpu_too():
 
 def test_format_launch_env_lists_every_name_aligned():
     settings = compute_launch_env(
-        inputs(tp=2), recipe_env={"TORCH_NCCL_HIGH_PRIORITY": "1"}, user_env={NVTE_BWD_LAYERNORM_SM_MARGIN: "8"}
+        inputs(tp=2),
+        recipe_env={"TORCH_NCCL_HIGH_PRIORITY": "1"},
+        user_env={NVTE_BWD_LAYERNORM_SM_MARGIN: "8"},
     )
     text = format_launch_env(settings)
     lines = text.splitlines()

@@ -8,7 +8,10 @@ import pytest
 from overlap.errors import RankFailure
 from overlap.launch import local
 
-SCRIPT = "import os, sys, time\nr = int(os.environ['RANK'])\nsys.exit(3) if r == 1 else time.sleep(120)\n"
+SCRIPT = (
+    "import os, sys, time\nr = int(os.environ['RANK'])\nsys.exit(3) if r == 1 else "
+    "time.sleep(120)\n"
+)
 
 
 def test_dead_rank_stops_the_others_and_is_named(monkeypatch):
@@ -21,7 +24,12 @@ def test_dead_rank_stops_the_others_and_is_named(monkeypatch):
 
 def test_ranks_get_torchrun_style_environment():
     env = local.rank_env({"X": "1"}, 2, 4, "127.0.0.1", 1234)
-    assert env["RANK"] == "2" and env["WORLD_SIZE"] == "4" and env["MASTER_PORT"] == "1234" and env["X"] == "1"
+    assert (
+        env["RANK"] == "2"
+        and env["WORLD_SIZE"] == "4"
+        and env["MASTER_PORT"] == "1234"
+        and env["X"] == "1"
+    )
     assert env["OMP_NUM_THREADS"] == "1"
 
 
@@ -30,14 +38,17 @@ def test_successful_ranks_return_normally():
 
 
 def test_sigterm_stops_the_ranks_and_unwinds(tmp_path):
-    """A SIGTERM to the launcher (timeout, Slurm) stops every rank and unwinds through the caller's cleanup."""
+    """A SIGTERM to the launcher (timeout, Slurm) stops every rank and unwinds through the caller's
+    cleanup."""
     import signal
     import subprocess
 
     marker = tmp_path / "cleaned"
-    code = ("import sys, pathlib\nfrom overlap.launch import local\nlocal.GRACE_S = 1.0\n"
-            "try:\n    local.launch_local([sys.executable, '-c', 'import time; time.sleep(120)'], 2, "
-            "{'PATH': '/usr/bin:/bin'})\nfinally:\n    pathlib.Path(sys.argv[1]).write_text('ok')\n")
+    code = (
+        "import sys, pathlib\nfrom overlap.launch import local\nlocal.GRACE_S = 1.0\ntry:\n    "
+        "local.launch_local([sys.executable, '-c', 'import time; time.sleep(120)'], 2, {'PATH': "
+        "'/usr/bin:/bin'})\nfinally:\n    pathlib.Path(sys.argv[1]).write_text('ok')\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(marker)])
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
@@ -46,8 +57,9 @@ def test_sigterm_stops_the_ranks_and_unwinds(tmp_path):
 
 
 def test_a_full_disk_line_is_the_cause_over_a_writer_that_aborted(tmp_path):
-    """A full disk aborts a rank whose C++ stream writer hits it (SIGABRT, with no line of its own) while another
-    rank says it in Python: the one line names the disk, not the abort, whichever died first."""
+    """A full disk aborts a rank whose C++ stream writer hits it (SIGABRT, with no line of its own)
+    while another rank says it in Python: the one line names the disk, not the abort, whichever died
+    first."""
     import subprocess
     import sys
     import time
@@ -55,12 +67,17 @@ def test_a_full_disk_line_is_the_cause_over_a_writer_that_aborted(tmp_path):
     from overlap.launch.local import _Rank, describe_failure
 
     said = "overlap: error: checkpoint.save='/d': no space left on device: 4096 bytes free in /d"
-    codes = ("import os; os.abort()", f"import sys, time; time.sleep(0.3); print({said!r}); sys.exit(1)")
+    codes = (
+        "import os; os.abort()",
+        f"import sys, time; time.sleep(0.3); print({said!r}); sys.exit(1)",
+    )
     ranks = []
     for r, code in enumerate(codes):
         log = tmp_path / f"rank{r}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT
+            )
         rk = _Rank(r, proc, log)
         rk.start_waiter()
         ranks.append(rk)
@@ -68,5 +85,7 @@ def test_a_full_disk_line_is_the_cause_over_a_writer_that_aborted(tmp_path):
     while any(rk.code is None for rk in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
     line = describe_failure(ranks, 2)
-    assert line.startswith("rank 1 of 2 failed (exit code 1): checkpoint.save='/d': no space left on device"), line
+    assert line.startswith(
+        "rank 1 of 2 failed (exit code 1): checkpoint.save='/d': no space left on device"
+    ), line
     assert "rank 0 then failed: killed by SIGABRT" in line

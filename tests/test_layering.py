@@ -1,5 +1,6 @@
-"""Data flows one way through the packages: each may import only from the packages below it, never from above (no
-arrows up, so no import cycles between packages). A new package must take its place in LAYERS.
+"""Data flows one way through the packages: each may import only from the packages below it, never
+from above (no arrows up, so no import cycles between packages). A new package must take its place
+in LAYERS.
 
 Inside `parallel/` the modules have an order of their own (PARALLEL), and only named modules may
 use what torch.distributed offers to communicate or to build groups (DIST_RULES): collectives and
@@ -13,10 +14,30 @@ import pytest
 
 SRC = Path(__file__).parent.parent / "src" / "overlap"
 
-# Lowest first: config (and the data readers it validates with) -> launch -> parallel -> layers / model -> data
-# parallelism, HF weights -> pipeline schedules -> training -> the harness -> perf / plan -> the commands.
-LAYERS = ("errors", "data", "config", "launch", "parallel", "profiling", "layers", "optim", "model", "data_parallel",
-          "hf", "pipeline", "training", "harness", "perf", "plan", "convert", "commands", "cli")
+# Lowest first: config (and the data readers it validates with) -> launch -> parallel -> layers /
+# model -> data parallelism, HF weights -> pipeline schedules -> training -> the harness -> perf /
+# plan -> the commands.
+LAYERS = (
+    "errors",
+    "data",
+    "config",
+    "launch",
+    "parallel",
+    "profiling",
+    "layers",
+    "optim",
+    "model",
+    "data_parallel",
+    "hf",
+    "pipeline",
+    "training",
+    "harness",
+    "perf",
+    "plan",
+    "convert",
+    "commands",
+    "cli",
+)
 
 
 def _package(path: Path) -> str:
@@ -29,8 +50,11 @@ def _imported_packages(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "overlap":
-            names = [f"overlap.{a.name}" for a in node.names  # from overlap import plan (not __version__)
-                     if (SRC / a.name).is_dir() or (SRC / f"{a.name}.py").is_file()]
+            names = [
+                f"overlap.{a.name}"
+                for a in node.names  # from overlap import plan (not __version__)
+                if (SRC / a.name).is_dir() or (SRC / f"{a.name}.py").is_file()
+            ]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         elif isinstance(node, ast.Import):
@@ -66,20 +90,54 @@ PARALLEL = ("trace", "program", "link_model", "groups", "comm", "ring", "state",
 # commands that own a private one: `overlap convert`'s one-rank world, the calibration probe's, the
 # dry run's fake backend.
 COLLECTIVES = (
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_coalesced",
-    "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
-    "broadcast", "broadcast_object_list", "reduce", "gather", "gather_object", "scatter",
-    "scatter_object_list", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
-    "batch_isend_irecv", "P2POp", "send_object_list", "recv_object_list")
-GROUP_BUILDERS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
-                  "init_device_mesh")
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "P2POp",
+    "send_object_list",
+    "recv_object_list",
+)
+GROUP_BUILDERS = (
+    "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
+    "split_group",
+    "init_device_mesh",
+)
 WORLD = ("init_process_group", "destroy_process_group")
 DIST_RULES = {
     COLLECTIVES: {"parallel/comm.py"},
     GROUP_BUILDERS: {"parallel/groups.py"},
-    WORLD: {"parallel/groups.py", "parallel/teardown.py", "convert.py", "plan/calibrate.py",
-            "perf/dry_run.py"},
+    WORLD: {
+        "parallel/groups.py",
+        "parallel/teardown.py",
+        "convert.py",
+        "plan/calibrate.py",
+        "perf/dry_run.py",
+    },
 }
 
 
@@ -95,17 +153,20 @@ def _parallel_imports(tree: ast.AST) -> set[str]:
             elif module.startswith("overlap.parallel."):
                 out.add(module.split(".")[2])
         elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[2] for a in node.names
-                    if a.name.startswith("overlap.parallel.")}
+            out |= {
+                a.name.split(".")[2] for a in node.names if a.name.startswith("overlap.parallel.")
+            }
     return out
 
 
 def _parallel_violations(module: str, source: str) -> list[str]:
     """Imports of parallel/`module` from parallel/ modules above it (or not placed in PARALLEL)."""
     rank = {name: i for i, name in enumerate(PARALLEL)}
-    return [f"parallel/{module}.py imports overlap.parallel.{dep}"
-            for dep in sorted(_parallel_imports(ast.parse(source)) - {module})
-            if rank.get(dep, len(PARALLEL)) > rank[module]]
+    return [
+        f"parallel/{module}.py imports overlap.parallel.{dep}"
+        for dep in sorted(_parallel_imports(ast.parse(source)) - {module})
+        if rank.get(dep, len(PARALLEL)) > rank[module]
+    ]
 
 
 def _dist_names(source: str) -> set[str]:
@@ -116,8 +177,9 @@ def _dist_names(source: str) -> set[str]:
     used: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            aliases |= {a.asname for a in node.names
-                        if a.asname and a.name.startswith("torch.distributed")}
+            aliases |= {
+                a.asname for a in node.names if a.asname and a.name.startswith("torch.distributed")
+            }
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             if node.module.startswith("torch.distributed"):
                 used |= {a.name for a in node.names}
@@ -137,9 +199,12 @@ def _dist_violations(path: str, source: str) -> list[str]:
     """The torch.distributed names `path` (under src/overlap) uses that DIST_RULES keeps to other
     modules."""
     used = _dist_names(source)
-    return [f"{path} uses torch.distributed.{name} (only {', '.join(sorted(allowed))} may)"
-            for names, allowed in DIST_RULES.items() if path not in allowed
-            for name in sorted(used & set(names))]
+    return [
+        f"{path} uses torch.distributed.{name} (only {', '.join(sorted(allowed))} may)"
+        for names, allowed in DIST_RULES.items()
+        if path not in allowed
+        for name in sorted(used & set(names))
+    ]
 
 
 def test_every_parallel_module_has_a_place():
@@ -148,28 +213,37 @@ def test_every_parallel_module_has_a_place():
 
 
 def test_no_parallel_module_imports_from_one_above_it():
-    upward = [v for name in PARALLEL
-              for v in _parallel_violations(name, (SRC / "parallel" / f"{name}.py").read_text())]
+    upward = [
+        v
+        for name in PARALLEL
+        for v in _parallel_violations(name, (SRC / "parallel" / f"{name}.py").read_text())
+    ]
     assert not upward, "arrows up: " + "; ".join(upward)
 
 
 def test_only_the_named_modules_use_torch_distributed_to_communicate_or_build_groups():
-    found = [v for path in sorted(SRC.rglob("*.py"))
-             for v in _dist_violations(path.relative_to(SRC).as_posix(), path.read_text())]
+    found = [
+        v
+        for path in sorted(SRC.rglob("*.py"))
+        for v in _dist_violations(path.relative_to(SRC).as_posix(), path.read_text())
+    ]
     assert not found, "; ".join(found)
     for allowed in DIST_RULES.values():  # every rule names real modules: a rename cannot void it
         assert all((SRC / p).is_file() for p in allowed), sorted(allowed)
 
 
-@pytest.mark.parametrize("source", [
-    "import torch.distributed as dist\ndist.all_reduce(t)",
-    "import torch.distributed as d\nop = d.isend",
-    "import torch\ntorch.distributed.barrier()",
-    "from torch import distributed\ndistributed.batch_isend_irecv([])",
-    "from torch.distributed import all_to_all_single",
-    "from torch.distributed.device_mesh import init_device_mesh",
-    "import torch.distributed as dist\ndist.new_group([0, 1])",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed as dist\ndist.all_reduce(t)",
+        "import torch.distributed as d\nop = d.isend",
+        "import torch\ntorch.distributed.barrier()",
+        "from torch import distributed\ndistributed.batch_isend_irecv([])",
+        "from torch.distributed import all_to_all_single",
+        "from torch.distributed.device_mesh import init_device_mesh",
+        "import torch.distributed as dist\ndist.new_group([0, 1])",
+    ],
+)
 def test_the_rule_catches_a_module_that_communicates_itself(source):
     assert _dist_violations("layers/mlp.py", source)
 

@@ -176,9 +176,8 @@ def test_a_missing_extra_is_one_error_naming_the_field_and_the_install(monkeypat
             ) as err:
                 cfg.finalize(1, require_libraries=True)
             assert f"pip install 'overlap[{module}]'" in str(err.value)
-            res = ConfigContainer(logger=cfg.logger).finalize(
-                1, require_libraries=False
-            )  # explain: said, not raised
+            # explain: said, not raised
+            res = ConfigContainer(logger=cfg.logger).finalize(1, require_libraries=False)
             assert any(
                 f"needs overlap[{module}]" in d.reason for d in res.decisions.sections["logger"]
             )

@@ -1,9 +1,10 @@
 """Numerical tests of the tensor-parallel layers and the dense GPT model.
 
-Same model, data and seed in every layout: TP=2 with and without sequence parallelism must match the single-process
-reference (run_world(1, ...)), recompute must not change a bit, and the vocab-parallel cross-entropy must equal
-F.cross_entropy. All TP=2 model runs happen in one call to the shared 2-rank world, all references in one call to the
-1-rank world; the tests compare the cached results.
+Same model, data and seed in every layout: TP=2 with and without sequence parallelism must match the
+single-process reference (run_world(1, ...)), recompute must not change a bit, and the
+vocab-parallel cross-entropy must equal F.cross_entropy. All TP=2 model runs happen in one call to
+the shared 2-rank world, all references in one call to the 1-rank world; the tests compare the
+cached results.
 """
 
 from __future__ import annotations
@@ -17,51 +18,80 @@ from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
 from overlap.layers.attention import SelfAttention
 from overlap.layers.init import init_model_params
-from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+from overlap.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    vocab_parallel_cross_entropy,
+)
 from overlap.model import GPTModel
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
 from tests.world import run_world
 
-# fp32, different reduction order (TP splits GEMM reductions and sums partials over ranks): agreement to a few ulps
-# of the accumulated values, far below any real bug (a wrong shard or a missing reduction is off by O(1)).
+# fp32, different reduction order (TP splits GEMM reductions and sums partials over ranks):
+# agreement to a few ulps of the accumulated values, far below any real bug (a wrong shard or a
+# missing reduction is off by O(1)).
 LOSS_RTOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-5, 1e-4
-# bf16 has an 8-bit mantissa (~4e-3 relative per rounding) and TP rounds the row-parallel partial sums to bf16 before
-# adding them, which the reference never does. The loss (fp32 cross-entropy of bf16 logits) must agree to 1e-3 relative
-# (measured 1.3e-4); each gradient is compared by its relative error in norm, 5e-2 (worst measured 1.8e-2).
+# bf16 has an 8-bit mantissa (~4e-3 relative per rounding) and TP rounds the row-parallel partial
+# sums to bf16 before adding them, which the reference never does. The loss (fp32 cross-entropy of
+# bf16 logits) must agree to 1e-3 relative (measured 1.3e-4); each gradient is compared by its
+# relative error in norm, 5e-2 (worst measured 1.8e-2).
 BF16_LOSS_RTOL = 1e-3
 BF16_GRAD_REL_NORM = 5e-2
 
 BATCH = 2
-# init std 0.1 (not 0.02) so attention is far from uniform and a head/shard mix-up shows in the numbers.
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-            vocab_size=256, seq_length=32, qk_layernorm=True, init_method_std=0.1)
+# init std 0.1 (not 0.02) so attention is far from uniform and a head/shard mix-up shows in the
+# numbers.
+TINY = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=128,
+    vocab_size=256,
+    seq_length=32,
+    qk_layernorm=True,
+    init_method_std=0.1,
+)
 
 CASES_TP2 = {
     "sp": dict(sequence_parallel=True),
     "no_sp": dict(sequence_parallel=False),
-    "selective": dict(sequence_parallel=True, recompute_granularity="selective",
-                      recompute_modules=["core_attn", "mlp", "layernorm"]),
-    "full_uniform": dict(sequence_parallel=True, recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=1),
-    "full_block": dict(sequence_parallel=True, recompute_granularity="full", recompute_method="block",
-                       recompute_num_layers=1),
+    "selective": dict(
+        sequence_parallel=True,
+        recompute_granularity="selective",
+        recompute_modules=["core_attn", "mlp", "layernorm"],
+    ),
+    "full_uniform": dict(
+        sequence_parallel=True,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+    ),
+    "full_block": dict(
+        sequence_parallel=True,
+        recompute_granularity="full",
+        recompute_method="block",
+        recompute_num_layers=1,
+    ),
     "bf16": dict(sequence_parallel=True, params_dtype="bfloat16"),
 }
 CASES_REF = {"ref": {}, "ref_bf16": dict(params_dtype="bfloat16")}
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rank-side helpers (module-level so the world can run them)
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _state() -> ParallelState:
     return ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=dist.get_world_size()))
 
 
-def _full_grad(param: torch.nn.Parameter, ps: ParallelState, sequence_parallel: bool) -> torch.Tensor:
+def _full_grad(
+    param: torch.nn.Parameter, ps: ParallelState, sequence_parallel: bool
+) -> torch.Tensor:
     """The gradient of the logical (unsharded) parameter, identical on every rank."""
     grad = param.grad.detach().float().clone()
     if sequence_parallel and getattr(param, "sequence_parallel", False):
@@ -69,7 +99,11 @@ def _full_grad(param: torch.nn.Parameter, ps: ParallelState, sequence_parallel: 
     shard = getattr(param, "shard", None)
     if shard is not None:
         assert shard.count == ps.tp_size
-        grad = comm.all_gather(grad.movedim(shard.dim, 0), ps.tp_group, "test").wait().movedim(0, shard.dim)
+        grad = (
+            comm.all_gather(grad.movedim(shard.dim, 0), ps.tp_group, "test")
+            .wait()
+            .movedim(0, shard.dim)
+        )
     return grad
 
 
@@ -81,8 +115,15 @@ def _run_model(ps: ParallelState, overrides: dict) -> dict:
     data = torch.randint(0, config.vocab_size, (BATCH, config.seq_length + 1), generator=gen)
     loss, aux_loss = model(data[:, :-1], data[:, 1:])
     (loss + aux_loss).backward()
-    grads = {name: _full_grad(p, ps, config.sequence_parallel) for name, p in model.named_parameters()}
-    return {"loss": loss.item(), "aux": aux_loss.item(), "loss_dtype": str(loss.dtype), "grads": grads}
+    grads = {
+        name: _full_grad(p, ps, config.sequence_parallel) for name, p in model.named_parameters()
+    }
+    return {
+        "loss": loss.item(),
+        "aux": aux_loss.item(),
+        "loss_dtype": str(loss.dtype),
+        "grads": grads,
+    }
 
 
 def _run_cases(cases: dict) -> dict:
@@ -91,7 +132,8 @@ def _run_cases(cases: dict) -> dict:
 
 
 def _cross_entropy_check() -> tuple[float, float]:
-    """Max |difference| of the per-token loss and of the logits gradient vs F.cross_entropy on the full logits."""
+    """Max |difference| of the per-token loss and of the logits gradient vs F.cross_entropy on the
+    full logits."""
     ps = _state()
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(8, 3, 256, generator=gen) * 4
@@ -108,8 +150,8 @@ def _cross_entropy_check() -> tuple[float, float]:
 
 
 def _linear_pair_check() -> float:
-    """Column(gather_output) -> Row(input_is_parallel=False) vs the same two dense GEMMs; max |difference| over the
-    output and the input gradient."""
+    """Column(gather_output) -> Row(input_is_parallel=False) vs the same two dense GEMMs; max
+    |difference| over the output and the input gradient."""
     ps = _state()
     col = ColumnParallelLinear(16, 24, ps, sequence_parallel=False, gather_output=True, bias=True)
     row = RowParallelLinear(24, 8, ps, sequence_parallel=False, input_is_parallel=False, bias=True)
@@ -128,7 +170,11 @@ def _linear_pair_check() -> float:
 def _full_value(param: torch.nn.Parameter, ps: ParallelState) -> torch.Tensor:
     """The full value (not gradient) of a sharded parameter."""
     shard = param.shard
-    return comm.all_gather(param.detach().movedim(shard.dim, 0), ps.tp_group, "test").wait().movedim(0, shard.dim)
+    return (
+        comm.all_gather(param.detach().movedim(shard.dim, 0), ps.tp_group, "test")
+        .wait()
+        .movedim(0, shard.dim)
+    )
 
 
 def _attention_error() -> str:
@@ -141,9 +187,9 @@ def _attention_error() -> str:
     return ""
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Tests
-# ----------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +223,15 @@ def test_tp2_matches_reference(tp2, ref, case):
 
 def test_reference_parameter_names(ref):
     names = set(ref["ref"]["grads"])
-    assert {"embedding.weight", "output_layer.weight", "final_layernorm.weight",
-            "layers.0.self_attention.linear_qkv.weight", "layers.0.self_attention.q_layernorm.weight",
-            "layers.1.mlp.linear_fc1.weight", "layers.1.mlp.linear_fc2.weight"} <= names
+    assert {
+        "embedding.weight",
+        "output_layer.weight",
+        "final_layernorm.weight",
+        "layers.0.self_attention.linear_qkv.weight",
+        "layers.0.self_attention.q_layernorm.weight",
+        "layers.1.mlp.linear_fc1.weight",
+        "layers.1.mlp.linear_fc2.weight",
+    } <= names
     assert ref["ref"]["grads"]["layers.0.mlp.linear_fc1.weight"].shape == (2, 128, 64)
 
 
@@ -193,7 +245,8 @@ def test_recompute_is_bit_identical(tp2, case):
 def test_bf16_tp2_matches_bf16_reference(tp2, ref):
     got, want = tp2["bf16"], ref["ref_bf16"]
     assert got["loss"] == pytest.approx(want["loss"], rel=BF16_LOSS_RTOL)
-    assert got["loss_dtype"] == "torch.float32"  # the cross-entropy runs in fp32 whatever the compute dtype
+    # the cross-entropy runs in fp32 whatever the compute dtype
+    assert got["loss_dtype"] == "torch.float32"
     for name, g in want["grads"].items():
         rel = (got["grads"][name] - g).norm() / g.norm().clamp_min(1e-12)
         assert rel < BF16_GRAD_REL_NORM, f"{name}: relative error {rel:.3g}"
@@ -215,14 +268,20 @@ def test_attention_rejects_groups_not_divisible_by_tp():
 
 @pytest.mark.parametrize("delayed", [False, True])
 def test_split_fused_linear_matches_the_fused_gemm(delayed):
-    """`linear(..., split=True)` (SwiGLU's gate and up as two GEMMs on the fused weight's slices) gives what the one
-    fused GEMM cut in halves gives: output, input, weight and bias gradients against a float64 run of the fused path
-    within 1e-6 relative (fp32; the two paths sum the input gradient in a different order), contiguous outputs, and
-    the weight gradient delayed through WGRAD_STORE like any other."""
+    """`linear(..., split=True)` (SwiGLU's gate and up as two GEMMs on the fused weight's slices)
+    gives what the one fused GEMM cut in halves gives: output, input, weight and bias gradients
+    against a float64 run of the fused path within 1e-6 relative (fp32; the two paths sum the input
+    gradient in a different order), contiguous outputs, and the weight gradient delayed through
+    WGRAD_STORE like any other."""
     from overlap.layers.linear_functions import linear
     from overlap.layers.wgrad_store import WGRAD_STORE
+
     g = torch.Generator().manual_seed(3)
-    x0, w0, b0 = torch.randn(6, 2, 16, generator=g), torch.randn(2, 12, 16, generator=g), torch.randn(24, generator=g)
+    x0, w0, b0 = (
+        torch.randn(6, 2, 16, generator=g),
+        torch.randn(2, 12, 16, generator=g),
+        torch.randn(24, generator=g),
+    )
 
     def run(split: bool, dtype: torch.dtype):
         x, w, b = (t.to(dtype).requires_grad_() for t in (x0, w0, b0))
@@ -231,10 +290,16 @@ def test_split_fused_linear_matches_the_fused_gemm(delayed):
             (F.silu(outs[0]) * outs[1]).square().sum().backward()
         assert (w.grad is None) == (delayed and split)
         WGRAD_STORE.flush()
-        return [o.detach() for o in outs], [t.grad for t in (x, w, b)], all(o.is_contiguous() for o in outs)
+        return (
+            [o.detach() for o in outs],
+            [t.grad for t in (x, w, b)],
+            all(o.is_contiguous() for o in outs),
+        )
 
     want_out, want_grads, _ = run(False, torch.float64)
     got_out, got_grads, contiguous = run(True, torch.float32)
     assert contiguous
     for got, want in zip(got_out + got_grads, want_out + want_grads):
-        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+        torch.testing.assert_close(
+            got.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item()
+        )

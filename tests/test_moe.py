@@ -1,16 +1,18 @@
-"""MoE tests: permutation paths, the all-to-all dispatcher, and the MoE layer in EP and TP x EP layouts against a
-single-process reference.
+"""MoE tests: permutation paths, the all-to-all dispatcher, and the MoE layer in EP and TP x EP
+layouts against a single-process reference.
 
-Reference: `run_world(1, ...)` builds the same layer with every expert local and runs, one after another, the batches
-that the ranks of the parallel run process at the same time; its gradients therefore accumulate over all batches, and
-are compared with the parallel run's gradients summed over ranks (router, shared expert shards) or gathered over EP
-(expert slices, after summing the expert-data-parallel replicas).
+Reference: `run_world(1, ...)` builds the same layer with every expert local and runs, one after
+another, the batches that the ranks of the parallel run process at the same time; its gradients
+therefore accumulate over all batches, and are compared with the parallel run's gradients summed
+over ranks (router, shared expert shards) or gathered over EP (expert slices, after summing the
+expert-data-parallel replicas).
 
-Tolerance (fp32): atol = rtol = 1e-5. Routing decisions are identical in every layout (same logits from the same
-weights and tokens), and every per-token value is computed by the same operations; what differs is that an expert's
-GEMM sees a different number of rows (tokens from several ranks), and BLAS may block its K-reduction differently with
-M, plus gradient sums over ranks in a different order. Those are rounding-level (~1e-7 relative) differences; 1e-5 is
-ample for that and tight enough to catch any wrong row, weight or split (errors of O(1)).
+Tolerance (fp32): atol = rtol = 1e-5. Routing decisions are identical in every layout (same logits
+from the same weights and tokens), and every per-token value is computed by the same operations;
+what differs is that an expert's GEMM sees a different number of rows (tokens from several ranks),
+and BLAS may block its K-reduction differently with M, plus gradient sums over ranks in a different
+order. Those are rounding-level (~1e-7 relative) differences; 1e-5 is ample for that and tight
+enough to catch any wrong row, weight or split (errors of O(1)).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlap.config.model import ModelConfig
-from overlap.errors import ConfigError
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import AllToAllDispatcher, MoELayer, TopKRouter
-from overlap.layers.moe.permute import (permute, sort_chunks_by_local_expert, unpermute,
-                                        unsort_chunks_by_local_expert)
+from overlap.layers.moe.permute import (
+    permute,
+    sort_chunks_by_local_expert,
+    unpermute,
+    unsort_chunks_by_local_expert,
+)
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
@@ -41,20 +46,24 @@ INIT_STD = 0.2  # large enough that outputs are O(1), so an absolute tolerance m
 
 
 def _config(num_experts: int = 8, tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(num_moe_experts=num_experts, tensor_model_parallel_size=tp,
-                  expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    fields = dict(
+        num_moe_experts=num_experts,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=tp > 1,
+    )
     return moe_layer_model(**{**fields, **overrides})
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Permutation (single process)
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @st.composite
 def routings(draw):
-    """A random routing of T tokens to k distinct experts each, restricted to a random subset of the experts so
-    that empty experts are common; T = 0 included."""
+    """A random routing of T tokens to k distinct experts each, restricted to a random subset of the
+    experts so that empty experts are common; T = 0 included."""
     num_experts = draw(st.integers(1, 8))
     topk = draw(st.integers(1, min(3, num_experts)))
     num_active = draw(st.integers(topk, num_experts))
@@ -62,8 +71,12 @@ def routings(draw):
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     active = torch.randperm(num_experts, generator=g)[:num_active]
     topk_idx = active[torch.rand(num_tokens, num_active, generator=g).argsort(dim=1)[:, :topk]]
-    return (torch.randn(num_tokens, 5, generator=g), topk_idx, torch.rand(num_tokens, topk, generator=g),
-            num_experts)
+    return (
+        torch.randn(num_tokens, 5, generator=g),
+        topk_idx,
+        torch.rand(num_tokens, topk, generator=g),
+        num_experts,
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -78,30 +91,49 @@ def test_permutation_paths_agree_and_group_by_expert(routing):
     # Grouped by expert ascending, token order inside an expert.
     pairs = sorted((e, t, j) for t, row in enumerate(topk_idx.tolist()) for j, e in enumerate(row))
     assert fused.token_idx.tolist() == [t for _, t, _ in pairs]
-    assert torch.equal(fused.weights, torch.tensor([topk_weights[t, j].item() for _, t, j in pairs]))
-    assert fused.tokens_per_expert.tolist() == [sum(1 for e, _, _ in pairs if e == x) for x in range(num_experts)]
+    assert torch.equal(
+        fused.weights, torch.tensor([topk_weights[t, j].item() for _, t, j in pairs])
+    )
+    assert fused.tokens_per_expert.tolist() == [
+        sum(1 for e, _, _ in pairs if e == x) for x in range(num_experts)
+    ]
 
     rows = fused.tokens * fused.weights.unsqueeze(-1)
     counts = fused.tokens_per_expert.tolist()
     back_fused = unpermute(rows, fused.token_idx, counts, hidden.shape[0], fused=True)
     back_loop = unpermute(rows, loop.token_idx, counts, hidden.shape[0], fused=False)
     assert torch.equal(back_fused, back_loop)
-    torch.testing.assert_close(back_fused, (hidden.unsqueeze(1) * topk_weights.unsqueeze(-1)).sum(dim=1))
+    torch.testing.assert_close(
+        back_fused, (hidden.unsqueeze(1) * topk_weights.unsqueeze(-1)).sum(dim=1)
+    )
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 4), st.integers(1, 3), st.data())
 def test_sort_chunks_by_local_expert_and_back(ep_size, num_local_experts, data):
-    counts = data.draw(st.lists(st.integers(0, 3), min_size=ep_size * num_local_experts,
-                                max_size=ep_size * num_local_experts))
+    counts = data.draw(
+        st.lists(
+            st.integers(0, 3),
+            min_size=ep_size * num_local_experts,
+            max_size=ep_size * num_local_experts,
+        )
+    )
     rows = torch.arange(sum(counts), dtype=torch.float32).unsqueeze(-1)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    # Chunk (source s, expert e) holds rows starts[i] .. starts[i] + counts[i], i = s * num_local_experts + e.
-    expected = [starts[i] + r for e in range(num_local_experts) for s in range(ep_size)
-                for i in [s * num_local_experts + e] for r in range(counts[i])]
+    # Chunk (source s, expert e) holds rows starts[i] .. starts[i] + counts[i], i = s *
+    # num_local_experts + e.
+    expected = [
+        starts[i] + r
+        for e in range(num_local_experts)
+        for s in range(ep_size)
+        for i in [s * num_local_experts + e]
+        for r in range(counts[i])
+    ]
     by_expert = sort_chunks_by_local_expert(rows, counts, ep_size, num_local_experts)
     assert by_expert.squeeze(-1).tolist() == expected
-    assert torch.equal(unsort_chunks_by_local_expert(by_expert, counts, ep_size, num_local_experts), rows)
+    assert torch.equal(
+        unsort_chunks_by_local_expert(by_expert, counts, ep_size, num_local_experts), rows
+    )
 
 
 def test_aux_loss_is_switch_formula_and_none_disables_it():
@@ -124,7 +156,9 @@ def test_aux_loss_is_switch_formula_and_none_disables_it():
 
 
 def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_through_gradient():
-    ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=0, tp_rank=0, device=torch.device("cpu"))
+    ps = SimpleNamespace(
+        tp_size=1, ep_size=1, ep_rank=0, dp_rank=0, tp_rank=0, device=torch.device("cpu")
+    )
     cfg = _config(num_experts=8, moe_router_force_load_balancing=True)
     router, twin = TopKRouter(cfg, ps, layer_number=3), TopKRouter(cfg, ps, layer_number=3)
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
@@ -133,15 +167,18 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
     idx, weights, _ = router(x)
     torch.manual_seed(123)  # the global RNG has no say
     twin_idx, _, _ = twin(x)
-    assert torch.equal(idx, twin_idx)  # the same layer and token share: the same draws, call by call
+    # the same layer and token share: the same draws, call by call
+    assert torch.equal(idx, twin_idx)
     expected = torch.randn(1024, 8, generator=torch.Generator().manual_seed((3 * 1_000_003) * 1009))
     assert torch.equal(idx, expected.topk(2, dim=-1).indices)
     real = (x.reshape(-1, HIDDEN) @ router.weight.T).topk(2, dim=-1).indices
     assert not torch.equal(idx, real)
     loads = torch.bincount(idx.reshape(-1), minlength=8).float()
-    assert loads.max() / loads.min() < 1.25  # 2048 assignments over 8 experts: balanced up to sampling noise
-    # The gradient passes straight through the random logits: the router's weight gets the gradient w.r.t. the
-    # logits (computed on the same draws, as a leaf) times the tokens, as if the draws had been the logits.
+    # 2048 assignments over 8 experts: balanced up to sampling noise
+    assert loads.max() / loads.min() < 1.25
+    # The gradient passes straight through the random logits: the router's weight gets the gradient
+    # w.r.t. the logits (computed on the same draws, as a leaf) times the tokens, as if the draws
+    # had been the logits.
     coeff = torch.randn(weights.shape, generator=torch.Generator().manual_seed(2))
     (weights * coeff).sum().backward()
     drawn = expected.clone().requires_grad_()
@@ -151,12 +188,18 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
     torch.testing.assert_close(router.weight.grad, grad_logits.T @ x.detach().reshape(-1, HIDDEN))
     torch.testing.assert_close(x.grad.reshape(-1, HIDDEN), grad_logits @ router.weight.detach())
     assert not torch.equal(router(x)[0], idx)  # the next call draws anew
-    other = TopKRouter(cfg, SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, dp_rank=1, tp_rank=0,
-                                                device=torch.device("cpu")), layer_number=3)
+    other = TopKRouter(
+        cfg,
+        SimpleNamespace(
+            tp_size=1, ep_size=1, ep_rank=0, dp_rank=1, tp_rank=0, device=torch.device("cpu")
+        ),
+        layer_number=3,
+    )
     other.weight.data.copy_(router.weight.data)
     twin2 = TopKRouter(cfg, ps, layer_number=3)
     twin2.weight.data.copy_(router.weight.data)
-    assert not torch.equal(other(x)[0], twin2(x)[0])  # another data-parallel rank's tokens: other draws
+    # another data-parallel rank's tokens: other draws
+    assert not torch.equal(other(x)[0], twin2(x)[0])
 
 
 def test_experts_must_split_evenly_over_ep():
@@ -164,18 +207,23 @@ def test_experts_must_split_evenly_over_ep():
         MoELayer(_config(num_experts=6), SimpleNamespace(ep_size=4), layer_number=0)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Dispatcher round trip (multi-process)
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _rank_routing(rank: int, num_experts: int, num_local_experts: int):
-    """Rank r's tokens; rank 1 has none, and nobody routes to the last EP rank's experts (zero-size splits)."""
+    """Rank r's tokens; rank 1 has none, and nobody routes to the last EP rank's experts (zero-size
+    splits)."""
     num_tokens = [6, 0, 5, 7][rank]
     g = torch.Generator().manual_seed(7 + rank)
     allowed = num_experts - num_local_experts
     topk_idx = torch.rand(num_tokens, allowed, generator=g).argsort(dim=1)[:, :2]
-    return torch.randn(num_tokens, HIDDEN, generator=g), topk_idx, torch.rand(num_tokens, 2, generator=g)
+    return (
+        torch.randn(num_tokens, HIDDEN, generator=g),
+        topk_idx,
+        torch.rand(num_tokens, 2, generator=g),
+    )
 
 
 def _dispatch_round_trip(num_experts: int, fused: bool):
@@ -190,10 +238,11 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
     plan = dispatcher.route(topk_idx, topk_weights, hidden.shape).resolve()
     rows, weights = dispatcher.dispatch_preprocess(hidden, topk_weights, plan)
     expert_rows, expert_weights = dispatcher.dispatch_postprocess(
-        *dispatcher.token_dispatch(rows, weights, plan).wait(), plan)
+        *dispatcher.token_dispatch(rows, weights, plan).wait(), plan
+    )
 
-    # Every rank can rebuild every rank's routing: the rows of local expert e must be, source rank by source rank,
-    # that rank's tokens routed to e, in token order.
+    # Every rank can rebuild every rank's routing: the rows of local expert e must be, source rank
+    # by source rank, that rank's tokens routed to e, in token order.
     expected_rows, expected_counts = [], []
     for e in range(ps.ep_rank * el, (ps.ep_rank + 1) * el):
         count = 0
@@ -213,25 +262,31 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
     torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))
     # And the backward all-to-alls (swapped splits) bring the gradients home.
     y.sum().backward()
-    torch.testing.assert_close(hidden.grad, topk_weights.detach().sum(dim=1, keepdim=True).expand_as(hidden))
-    torch.testing.assert_close(topk_weights.grad, hidden.detach().sum(dim=1, keepdim=True).expand(-1, 2))
+    torch.testing.assert_close(
+        hidden.grad, topk_weights.detach().sum(dim=1, keepdim=True).expand_as(hidden)
+    )
+    torch.testing.assert_close(
+        topk_weights.grad, hidden.detach().sum(dim=1, keepdim=True).expand(-1, 2)
+    )
     return sum(plan.output_splits)
 
 
 @pytest.mark.parametrize("world, num_experts, fused", [(2, 4, True), (4, 8, False)])
 def test_dispatcher_round_trip_with_identity_experts(world, num_experts, fused):
     received = run_world(world, _dispatch_round_trip, num_experts, fused)
-    assert received[-1] == 0 and sum(received) > 0  # the last rank's experts got nothing, the others did
+    # the last rank's experts got nothing, the others did
+    assert received[-1] == 0 and sum(received) > 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # MoE layer: parallel layouts vs the single-process reference
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _many_round_trip() -> list[bool]:
-    """Rank side: bf16 rows, fp32 weights [N] and int64 ids [N, 3] in one all-to-all with uneven splits (rank r sends
-    r + j rows to rank j, rank 0 sends none to itself), then back; everything must arrive bit-exact."""
+    """Rank side: bf16 rows, fp32 weights [N] and int64 ids [N, 3] in one all-to-all with uneven
+    splits (rank r sends r + j rows to rank j, rank 0 sends none to itself), then back; everything
+    must arrive bit-exact."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
     send = [rank + j for j in range(world)]
@@ -240,18 +295,27 @@ def _many_round_trip() -> list[bool]:
     gen = torch.Generator().manual_seed(rank)
     rows = torch.randn(n, 5, generator=gen).to(torch.bfloat16)
     weights = torch.rand(n, generator=gen)
-    ids = torch.randint(-2**40, 2**40, (n, 3), generator=gen)
+    ids = torch.randint(-(2**40), 2**40, (n, 3), generator=gen)
     handle = comm.all_to_all_many((rows, weights, ids), group, "ep_dispatch", recv, send)
     got_rows, got_weights, got_ids = handle.wait()
-    ok = [got_rows.dtype == torch.bfloat16 and got_rows.shape == (sum(recv), 5),
-          got_weights.shape == (sum(recv),) and got_ids.shape == (sum(recv), 3)]
-    back = comm.all_to_all_many((got_rows, got_weights, got_ids), group, "ep_combine", send, recv).wait()
+    ok = [
+        got_rows.dtype == torch.bfloat16 and got_rows.shape == (sum(recv), 5),
+        got_weights.shape == (sum(recv),) and got_ids.shape == (sum(recv), 3),
+    ]
+    back = comm.all_to_all_many(
+        (got_rows, got_weights, got_ids), group, "ep_combine", send, recv
+    ).wait()
     ok += [torch.equal(a, b) for a, b in zip(back, (rows, weights, ids))]
     # One row from rank 0 to rank 1, nothing else: ranks receive 1 or 0 rows, and most send none.
     send = [int(rank == 0 and j == 1) for j in range(world)]
     recv = [int(j == 0 and rank == 1) for j in range(world)]
-    one = comm.all_to_all_many((rows[:sum(send)], weights[:sum(send)], ids[:sum(send)]), group, "ep_dispatch",
-                               recv, send).wait()
+    one = comm.all_to_all_many(
+        (rows[: sum(send)], weights[: sum(send)], ids[: sum(send)]),
+        group,
+        "ep_dispatch",
+        recv,
+        send,
+    ).wait()
     ok.append([t.shape[0] for t in one] == [sum(recv)] * 3)
     if rank == 1:
         ok.append(all(torch.equal(a, b) for a, b in zip(one, _rank0_tensors())))
@@ -261,9 +325,10 @@ def _many_round_trip() -> list[bool]:
 def _rank0_tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rank 0's first row of each tensor in `_many_round_trip` (same generator, same draws)."""
     gen = torch.Generator().manual_seed(0)
-    rows = torch.randn(3, 5, generator=gen).to(torch.bfloat16)  # rank 0 sends 0 + 1 + 2 = 3 rows on 3 ranks
+    # rank 0 sends 0 + 1 + 2 = 3 rows on 3 ranks
+    rows = torch.randn(3, 5, generator=gen).to(torch.bfloat16)
     weights = torch.rand(3, generator=gen)
-    ids = torch.randint(-2**40, 2**40, (3, 3), generator=gen)
+    ids = torch.randint(-(2**40), 2**40, (3, 3), generator=gen)
     return rows[:1], weights[:1], ids[:1]
 
 
@@ -277,13 +342,19 @@ def _one_rank_exchange() -> tuple:
     RECORDER.discard()
     sent = (rows * 2, weights + 1)
     back = comm.all_to_all_many(sent, dist.group.WORLD, "ep_dispatch", [5], [5]).wait()
-    shares = [b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for b, t in zip(back, sent)]
-    return ([b.requires_grad for b in back], shares, [torch.equal(b, t) for b, t in zip(back, sent)],
-            [(e.kind, e.nbytes) for e in RECORDER.drain()[0]])
+    shares = [
+        b.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for b, t in zip(back, sent)
+    ]
+    return (
+        [b.requires_grad for b in back],
+        shares,
+        [torch.equal(b, t) for b, t in zip(back, sent)],
+        [(e.kind, e.nbytes) for e in RECORDER.drain()[0]],
+    )
 
 
-def test_all_to_all_many_in_a_group_of_one_returns_the_tensors_without_copying_and_still_records_the_op():
-    (needs_grad, shares, equal, recorded), = run_world(1, _one_rank_exchange)
+def test_all_to_all_many_in_a_group_of_one_returns_tensors_uncopied_and_still_records_the_op():
+    ((needs_grad, shares, equal, recorded),) = run_world(1, _one_rank_exchange)
     assert needs_grad == [False, False] and shares == [True, True] and equal == [True, True]
     assert recorded == [("ep_dispatch", 5 * 3 * 4 + 5 * 4)]
 
@@ -291,10 +362,12 @@ def test_all_to_all_many_in_a_group_of_one_returns_the_tensors_without_copying_a
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delayed", [False, True])
 def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
-    """The grouped kernel (`F.grouped_mm`) and the per-expert loop give the same output, input gradient and weight
-    gradient bit for bit, with empty experts (their weight gradient zeros) and with the weight gradient delayed."""
+    """The grouped kernel (`F.grouped_mm`) and the per-expert loop give the same output, input
+    gradient and weight gradient bit for bit, with empty experts (their weight gradient zeros) and
+    with the weight gradient delayed."""
     from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
     from overlap.layers.wgrad_store import WGRAD_STORE
+
     g = torch.Generator().manual_seed(7)
     counts = [5, 0, 9, 3, 0, 7]
     w = torch.nn.Parameter(torch.randn(6, 24, 16, generator=g).to(dtype))
@@ -320,13 +393,24 @@ def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
 def test_grouped_gemm_kernel_is_chosen_only_where_its_layout_rule_holds():
     """16-byte row strides: hidden 8 holds in fp32 (32 bytes), not in bf16 at width 4 (8 bytes)."""
     from overlap.layers.linear_functions import grouped_offsets
-    assert grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 8), (torch.zeros(2, 4, 8),)) is not None
-    assert grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 4, dtype=torch.bfloat16),
-                           (torch.zeros(2, 8, 4, dtype=torch.bfloat16),)) is None
+
+    assert (
+        grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 8), (torch.zeros(2, 4, 8),))
+        is not None
+    )
+    assert (
+        grouped_offsets(
+            torch.tensor([1, 2]),
+            torch.zeros(3, 4, dtype=torch.bfloat16),
+            (torch.zeros(2, 8, 4, dtype=torch.bfloat16),),
+        )
+        is None
+    )
 
 
 def _force_experts_0_and_1(layer: MoELayer) -> None:
-    """With positive inputs, positive router rows 0 and 1 and negative others, every token picks experts 0 and 1."""
+    """With positive inputs, positive router rows 0 and 1 and negative others, every token picks
+    experts 0 and 1."""
     with torch.no_grad():
         w = layer.router.weight
         w.abs_()
@@ -336,20 +420,25 @@ def _force_experts_0_and_1(layer: MoELayer) -> None:
 def _batch(seed: int, positive: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The full [s, b, h] input of one micro-batch and the output gradient its loss uses."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.rand(SEQ, BATCH, HIDDEN, generator=g) + 0.1 if positive else torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    x = (
+        torch.rand(SEQ, BATCH, HIDDEN, generator=g) + 0.1
+        if positive
+        else torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    )
     return x, torch.randn(SEQ, BATCH, HIDDEN, generator=g)
 
 
 def _moe_run(tp: int, ep: int, cfg_overrides: dict, seeds: list[int], uneven: bool = False) -> dict:
-    """Forward + backward of one MoE layer; this rank processes its data-parallel share of `seeds` (all of them in
-    the single-process reference), under sequence parallel only its TP slice of each sequence."""
+    """Forward + backward of one MoE layer; this rank processes its data-parallel share of `seeds`
+    (all of them in the single-process reference), under sequence parallel only its TP slice of each
+    sequence."""
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
     layer = MoELayer(_config(tp=tp, ep=ep, **cfg_overrides), ps, layer_number=0)
     init_model_params(layer, seed=1234, std=INIT_STD)
     if uneven:
         _force_experts_0_and_1(layer)
     outs = []
-    for seed in seeds[ps.dp_rank::ps.dp_size]:
+    for seed in seeds[ps.dp_rank :: ps.dp_size]:
         x, dy = (t.chunk(tp)[ps.tp_rank] for t in _batch(seed, positive=uneven))
         x.requires_grad_()
         y, aux = layer(x)
@@ -363,25 +452,33 @@ def _moe_run(tp: int, ep: int, cfg_overrides: dict, seeds: list[int], uneven: bo
 
 
 def _full_grads(results: list[dict]) -> dict[str, torch.Tensor]:
-    """Logical full gradients: shards are reassembled along their dim, each the sum over the ranks holding it
-    (expert-data-parallel replicas, or TP ranks that saw different tokens); replicated parameters sum over all."""
+    """Logical full gradients: shards are reassembled along their dim, each the sum over the ranks
+    holding it (expert-data-parallel replicas, or TP ranks that saw different tokens); replicated
+    parameters sum over all."""
     full = {}
     for name, (_, shard) in results[0]["grads"].items():
         if shard is None:
             full[name] = sum(r["grads"][name][0] for r in results)
             continue
         dim, _, count = shard
-        full[name] = torch.cat([sum(r["grads"][name][0] for r in results if r["grads"][name][1][1] == i)
-                                for i in range(count)], dim=dim)
+        full[name] = torch.cat(
+            [
+                sum(r["grads"][name][0] for r in results if r["grads"][name][1][1] == i)
+                for i in range(count)
+            ],
+            dim=dim,
+        )
     return full
 
 
-def _check_against_reference(world: int, tp: int, ep: int, cfg_overrides: dict, uneven: bool = False) -> None:
+def _check_against_reference(
+    world: int, tp: int, ep: int, cfg_overrides: dict, uneven: bool = False
+) -> None:
     seeds = [100 + d for d in range(world // tp)]
     ref = run_world(1, _moe_run, 1, 1, cfg_overrides, seeds, uneven)[0]
     par = run_world(world, _moe_run, tp, ep, cfg_overrides, seeds, uneven)
     for r in par:
-        (y, aux, dx), = r["outs"]
+        ((y, aux, dx),) = r["outs"]
         ref_y, ref_aux, ref_dx = ref["outs"][r["dp_rank"]]
         torch.testing.assert_close(y, ref_y.chunk(tp)[r["tp_rank"]], **TOL)
         torch.testing.assert_close(aux, ref_aux, **TOL)
@@ -389,16 +486,21 @@ def _check_against_reference(world: int, tp: int, ep: int, cfg_overrides: dict, 
     ref_grads, par_grads = _full_grads([ref]), _full_grads(par)
     assert ref_grads.keys() == par_grads.keys()
     for name, g in ref_grads.items():
-        torch.testing.assert_close(par_grads[name], g, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            par_grads[name], g, **TOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("world, fused", [(2, True), (4, False)])
 def test_expert_parallel_matches_reference(world, fused):
-    _check_against_reference(world, tp=1, ep=world, cfg_overrides=dict(num_experts=8, moe_permute_fusion=fused))
+    _check_against_reference(
+        world, tp=1, ep=world, cfg_overrides=dict(num_experts=8, moe_permute_fusion=fused)
+    )
 
 
 def test_uneven_routing_to_two_experts_matches_reference():
-    # 4 experts on EP=2: experts 0 and 1 live on rank 0, so rank 1 receives no rows and its experts stay idle.
+    # 4 experts on EP=2: experts 0 and 1 live on rank 0, so rank 1 receives no rows and its experts
+    # stay idle.
     _check_against_reference(2, tp=1, ep=2, cfg_overrides=dict(num_experts=4), uneven=True)
 
 
@@ -424,18 +526,24 @@ def test_no_communication_mode_keeps_shapes():
     assert run_world(2, _none_mode_step) == [(SEQ, BATCH, HIDDEN)] * 2
 
 
-# Last: the shared expert uses the dense MLP (its own module), under plain EP and under TP x EP sequence parallel.
+# Last: the shared expert uses the dense MLP (its own module), under plain EP and under TP x EP
+# sequence parallel.
 @pytest.mark.parametrize("world, tp, ep", [(2, 1, 2), (4, 2, 2)])
 def test_shared_expert_matches_reference(world, tp, ep):
-    _check_against_reference(world, tp=tp, ep=ep,
-                             cfg_overrides=dict(num_experts=4, moe_shared_expert_intermediate_size=48))
+    _check_against_reference(
+        world,
+        tp=tp,
+        ep=ep,
+        cfg_overrides=dict(num_experts=4, moe_shared_expert_intermediate_size=48),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows_per_block", [1, 3, 64])
 def test_blocked_row_weighting_is_the_plain_fp32_expression(monkeypatch, dtype, rows_per_block):
-    """`weight_rows` on CPU (a block of rows at a time through one fp32 buffer) gives bit for bit the output and both
-    gradients of `(rows.float() * weights[:, None]).to(dtype)` under autograd, with the last block short."""
+    """`weight_rows` on CPU (a block of rows at a time through one fp32 buffer) gives bit for bit
+    the output and both gradients of `(rows.float() * weights[:, None]).to(dtype)` under autograd,
+    with the last block short."""
     from overlap.layers.moe import row_weighting
 
     hidden = 24
@@ -453,4 +561,5 @@ def test_blocked_row_weighting_is_the_plain_fp32_expression(monkeypatch, dtype, 
     (out, g_rows, g_w), (ref, ref_rows, ref_w) = results
     assert out.dtype == dtype and out.is_contiguous()
     assert torch.equal(out, ref) and torch.equal(g_rows, ref_rows)
-    torch.testing.assert_close(g_w, ref_w, rtol=1e-6, atol=0)  # an fp32 dot per row: the sum's order may differ
+    # an fp32 dot per row: the sum's order may differ
+    torch.testing.assert_close(g_w, ref_w, rtol=1e-6, atol=0)

@@ -1,19 +1,24 @@
-"""Expert capacity (`moe_expert_capacity_factor`, `moe_pad_expert_input_to_capacity`, `moe_token_drop_policy`).
+"""Expert capacity (`moe_expert_capacity_factor`, `moe_pad_expert_input_to_capacity`,
+`moe_token_drop_policy`).
 
 What is checked:
-- the permutation keeps exactly the assignments the drop policy names (a brute-force reference written from the
-  policy's definition: "probs" keeps each expert's highest combine weights, ties to the earlier token; "position"
-  keeps its earliest tokens), in the dropless layout, and the fused and loop paths agree bit for bit;
+- the permutation keeps exactly the assignments the drop policy names (a brute-force reference
+  written from the policy's definition: "probs" keeps each expert's highest combine weights, ties to
+  the earlier token; "position" keeps its earliest tokens), in the dropless layout, and the fused
+  and loop paths agree bit for bit;
 - the MoE layer's output is the sum over KEPT assignments only (a dense single-process reference);
-- EP=2 with drops matches the single-process layer (the capacity is per rank and micro-batch, so the reference,
-  which runs each rank's micro-batch on its own, drops the same assignments);
-- a capacity no expert reaches gives the dropless run: bit for bit without padding (same rows), within fp32
-  tolerance with padding (zero rows change the GEMMs' row count, so BLAS may block differently);
+- EP=2 with drops matches the single-process layer (the capacity is per rank and micro-batch, so the
+  reference, which runs each rank's micro-batch on its own, drops the same assignments);
+- a capacity no expert reaches gives the dropless run: bit for bit without padding (same rows),
+  within fp32 tolerance with padding (zero rows change the GEMMs' row count, so BLAS may block
+  differently);
 - with padding no split sizes are exchanged at all (static shapes);
-- the EP-overlap schedule with padded capacity matches the plain loop within test_ep_overlap's tolerance;
+- the EP-overlap schedule with padded capacity matches the plain loop within test_ep_overlap's
+  tolerance;
 - the configuration errors name the field.
 
-Tolerance: fp32, atol = rtol = 1e-5 as in test_moe.py (rounding-level differences; a wrong row or weight is O(1)).
+Tolerance: fp32, atol = rtol = 1e-5 as in test_moe.py (rounding-level differences; a wrong row or
+weight is O(1)).
 """
 
 from __future__ import annotations
@@ -43,12 +48,19 @@ SEQ, BATCH, HIDDEN = 8, 2, 32
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _kept_by_policy(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, capacity: int,
-                    policy: str) -> dict[int, list[tuple[int, int]]]:
-    """Per expert, the (token, slot) assignments it keeps, in token order: the policy's definition, by brute force."""
+def _kept_by_policy(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, capacity: int, policy: str
+) -> dict[int, list[tuple[int, int]]]:
+    """Per expert, the (token, slot) assignments it keeps, in token order: the policy's definition,
+    by brute force."""
     kept = {}
     for e in range(num_experts):
-        pairs = [(t, j) for t in range(topk_idx.shape[0]) for j in range(topk_idx.shape[1]) if topk_idx[t, j] == e]
+        pairs = [
+            (t, j)
+            for t in range(topk_idx.shape[0])
+            for j in range(topk_idx.shape[1])
+            if topk_idx[t, j] == e
+        ]
         if policy == "probs":
             pairs.sort(key=lambda p: (-float(topk_weights[p]), p[0]))
         kept[e] = sorted(pairs[:capacity])
@@ -57,16 +69,22 @@ def _kept_by_policy(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_expe
 
 @st.composite
 def capped_routings(draw):
-    """A random routing (often uneven, weights with ties) and a capacity that usually drops something."""
+    """A random routing (often uneven, weights with ties) and a capacity that usually drops
+    something."""
     num_experts = draw(st.integers(1, 6))
     topk = draw(st.integers(1, min(3, num_experts)))
     num_tokens = draw(st.integers(0, 12))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    hot = torch.rand(num_experts, generator=g) ** 3  # skewed preference: some experts get far more tokens
-    topk_idx = (torch.rand(num_tokens, num_experts, generator=g) * hot).argsort(dim=1, descending=True)[:, :topk]
-    topk_weights = torch.randint(1, 4, (num_tokens, topk), generator=g).float() / 4  # ties are common
-    capacity = ExpertCapacity(draw(st.integers(0, 6)), draw(st.booleans()),
-                              draw(st.sampled_from(["probs", "position"])))
+    # skewed preference: some experts get far more tokens
+    hot = torch.rand(num_experts, generator=g) ** 3
+    topk_idx = (torch.rand(num_tokens, num_experts, generator=g) * hot).argsort(
+        dim=1, descending=True
+    )[:, :topk]
+    # ties are common
+    topk_weights = torch.randint(1, 4, (num_tokens, topk), generator=g).float() / 4
+    capacity = ExpertCapacity(
+        draw(st.integers(0, 6)), draw(st.booleans()), draw(st.sampled_from(["probs", "position"]))
+    )
     return torch.randn(num_tokens, 3, generator=g), topk_idx, topk_weights, num_experts, capacity
 
 
@@ -91,13 +109,16 @@ def test_permutation_keeps_what_the_drop_policy_says(routing):
     rows = len(expected_tokens)
     assert fused.token_idx[:rows].tolist() == expected_tokens
     assert fused.weights[:rows].tolist() == expected_weights
-    assert fused.tokens_per_expert.tolist() == [c if capacity.pad else len(kept[e]) for e in range(num_experts)]
+    assert fused.tokens_per_expert.tolist() == [
+        c if capacity.pad else len(kept[e]) for e in range(num_experts)
+    ]
     assert torch.equal(expert_counts(topk_idx, num_experts, capacity), fused.tokens_per_expert)
     padded_hidden = torch.cat([hidden, hidden.new_zeros(1, 3)])
     assert torch.equal(fused.tokens[:rows], padded_hidden[expected_tokens])
     if capacity.pad:
         assert fused.token_idx.numel() == num_experts * c
-    else:  # the dropped assignments follow, to be cut off by the dispatcher once it knows the kept total
+    # the dropped assignments follow, to be cut off by the dispatcher once it knows the kept total
+    else:
         assert fused.token_idx.numel() == topk_idx.numel()
 
 
@@ -107,9 +128,9 @@ def test_capacity_is_ceil_of_tokens_times_topk_over_experts_times_factor():
     assert expert_capacity(0, 2, 8, 1.0) == 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The MoE layer
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _config(ep: int = 1, **overrides) -> ModelConfig:
@@ -118,12 +139,16 @@ def _config(ep: int = 1, **overrides) -> ModelConfig:
 
 
 def _capacity(factor: float, pad: bool, policy: str = "probs") -> dict:
-    return dict(moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=pad, moe_token_drop_policy=policy)
+    return dict(
+        moe_expert_capacity_factor=factor,
+        moe_pad_expert_input_to_capacity=pad,
+        moe_token_drop_policy=policy,
+    )
 
 
 def _output_vs_dense_reference(overrides: dict) -> tuple[int, int]:
-    """Single process: the layer's output against sum over kept assignments of weight x expert(token). Returns
-    (kept assignments, all assignments)."""
+    """Single process: the layer's output against sum over kept assignments of weight x
+    expert(token). Returns (kept assignments, all assignments)."""
     ps = ParallelState(ParallelLayout(world_size=1))
     cfg = _config(**overrides)
     layer = MoELayer(cfg, ps, layer_number=0)
@@ -133,8 +158,15 @@ def _output_vs_dense_reference(overrides: dict) -> tuple[int, int]:
         y, _ = layer(x)
         tokens = x.reshape(-1, HIDDEN)
         topk_idx, topk_weights, _ = layer.router(x)
-        c = expert_capacity(tokens.shape[0], cfg.moe_router_topk, cfg.num_moe_experts, cfg.moe_expert_capacity_factor)
-        kept = _kept_by_policy(topk_idx, topk_weights, cfg.num_moe_experts, c, cfg.moe_token_drop_policy)
+        c = expert_capacity(
+            tokens.shape[0],
+            cfg.moe_router_topk,
+            cfg.num_moe_experts,
+            cfg.moe_expert_capacity_factor,
+        )
+        kept = _kept_by_policy(
+            topk_idx, topk_weights, cfg.num_moe_experts, c, cfg.moe_token_drop_policy
+        )
         ex = layer.experts
         ref = torch.zeros_like(tokens)
         for e, pairs in kept.items():
@@ -156,14 +188,20 @@ def test_layer_output_sums_only_the_kept_assignments(pad, policy):
 @pytest.mark.parametrize("pad", [False, True], ids=["drop", "drop+pad"])
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_ep2_with_drops_matches_single_process_reference(pad, policy):
-    _check_against_reference(2, tp=1, ep=2, cfg_overrides=dict(num_experts=8, **_capacity(0.5, pad, policy)))
+    _check_against_reference(
+        2, tp=1, ep=2, cfg_overrides=dict(num_experts=8, **_capacity(0.5, pad, policy))
+    )
 
 
 def _capacity_vs_dropless(pad: bool) -> tuple[dict, dict, list[str]]:
-    """EP=2: the same layer and tokens dropless and with a capacity no expert can reach (factor E: capacity T * k)."""
+    """EP=2: the same layer and tokens dropless and with a capacity no expert can reach (factor E:
+    capacity T * k)."""
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), ep=dist.get_world_size()))
     g = torch.Generator().manual_seed(40 + dist.get_rank())
-    x, dy = torch.randn(SEQ, BATCH, HIDDEN, generator=g), torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    x, dy = (
+        torch.randn(SEQ, BATCH, HIDDEN, generator=g),
+        torch.randn(SEQ, BATCH, HIDDEN, generator=g),
+    )
     results, kinds = {}, []
     for name, overrides in (("dropless", {}), ("capacity", _capacity(8.0, pad))):
         layer = MoELayer(_config(ep=ps.ep_size, **overrides), ps, layer_number=0)
@@ -173,7 +211,11 @@ def _capacity_vs_dropless(pad: bool) -> tuple[dict, dict, list[str]]:
         y, aux = layer(xi)
         ((y * dy).sum() + aux).backward()
         kinds = sorted({e.kind for e in RECORDER.drain()[0]})
-        results[name] = {"y": y.detach(), "dx": xi.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+        results[name] = {
+            "y": y.detach(),
+            "dx": xi.grad,
+            **{n: p.grad for n, p in layer.named_parameters()},
+        }
     return results["dropless"], results["capacity"], kinds
 
 
@@ -187,8 +229,11 @@ def test_unreached_capacity_without_padding_is_the_dropless_run_bit_for_bit():
 def test_unreached_padded_capacity_matches_dropless_and_exchanges_no_split_sizes():
     for dropless, capped, kinds in run_world(2, _capacity_vs_dropless, True):
         for key, ref in dropless.items():
-            torch.testing.assert_close(capped[key], ref, **TOL, msg=lambda m: f"{key}: {m}")
-        assert "ep_counts" not in kinds and "ep_dispatch" in kinds  # static shapes: nothing to exchange
+            torch.testing.assert_close(
+                capped[key], ref, **TOL, msg=lambda m, key=key: f"{key}: {m}"
+            )
+        # static shapes: nothing to exchange
+        assert "ep_counts" not in kinds and "ep_dispatch" in kinds
 
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
@@ -196,17 +241,23 @@ def test_ep_overlap_with_padded_capacity_matches_plain_loop(policy):
     _compare({"ep": 2}, 2, _capacity(0.75, True, policy), True)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Configuration
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fields, field", [
-    (dict(moe_expert_capacity_factor=0.0), "model.moe_expert_capacity_factor"),
-    (dict(moe_expert_capacity_factor=-1.0), "model.moe_expert_capacity_factor"),
-    (dict(moe_pad_expert_input_to_capacity=True), "model.moe_pad_expert_input_to_capacity"),
-    (dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="random"), "model.moe_token_drop_policy"),
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(moe_expert_capacity_factor=0.0), "model.moe_expert_capacity_factor"),
+        (dict(moe_expert_capacity_factor=-1.0), "model.moe_expert_capacity_factor"),
+        (dict(moe_pad_expert_input_to_capacity=True), "model.moe_pad_expert_input_to_capacity"),
+        (
+            dict(moe_expert_capacity_factor=1.0, moe_token_drop_policy="random"),
+            "model.moe_token_drop_policy",
+        ),
+    ],
+)
 def test_invalid_capacity_settings_name_the_field(fields, field):
     with pytest.raises(ConfigError) as exc:
         container(moe_model(**fields)).finalize(2)
@@ -218,6 +269,10 @@ def test_valid_capacity_settings_resolve():
 
 
 def test_capacity_with_flex_dispatcher_is_refused_by_name():
-    cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch", moe_expert_capacity_factor=1.0)
+    cfg = _config(
+        moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend="torch",
+        moe_expert_capacity_factor=1.0,
+    )
     with pytest.raises(NotBuiltError, match="moe_expert_capacity_factor"):
         MoELayer(cfg, SimpleNamespace(ep_size=1), layer_number=0)

@@ -1,14 +1,15 @@
 """Flex token dispatch (backend "torch") and shared-expert overlap.
 
-Flex vs all-to-all: the same layer (same weights, same tokens, same routing) with either dispatcher. The experts see
-the same rows in the same order, so their outputs are bitwise equal; what differs is where a token's expert outputs
-are summed (partly on the expert rank, in fp32, then over destination ranks at home, instead of all at home in
-expert order), so outputs and gradients agree to rounding: fp32, atol = rtol = 1e-5 as in test_moe.py (O(1) values,
-rounding-level differences ~1e-7; a wrong row, weight or split gives O(1) errors).
+Flex vs all-to-all: the same layer (same weights, same tokens, same routing) with either dispatcher.
+The experts see the same rows in the same order, so their outputs are bitwise equal; what differs is
+where a token's expert outputs are summed (partly on the expert rank, in fp32, then over destination
+ranks at home, instead of all at home in expert order), so outputs and gradients agree to rounding:
+fp32, atol = rtol = 1e-5 as in test_moe.py (O(1) values, rounding-level differences ~1e-7; a wrong
+row, weight or split gives O(1) errors).
 
-Shared-expert overlap on vs off runs the same operations with the same final add, so outputs and gradients are
-compared bitwise (they are identical: each gradient is the same sum of the same contributions, accumulated in the
-same order).
+Shared-expert overlap on vs off runs the same operations with the same final add, so outputs and
+gradients are compared bitwise (they are identical: each gradient is the same sum of the same
+contributions, accumulated in the same order).
 """
 
 from __future__ import annotations
@@ -38,28 +39,36 @@ FLEX = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch
 
 
 def _config(tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                  sequence_parallel=tp > 1)
+    fields = dict(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1
+    )
     return moe_layer_model(**{**fields, **overrides})
 
 
 def _layer(cfg: ModelConfig, ps: ParallelState, skewed: bool) -> MoELayer:
-    """Same logical weights in every layout. `skewed` (with positive inputs): router rows 0..k-1 positive, the others
-    negative, so every token picks experts 0..k-1, all on the first EP rank(s); the last ranks receive nothing."""
+    """Same logical weights in every layout. `skewed` (with positive inputs): router rows 0..k-1
+    positive, the others negative, so every token picks experts 0..k-1, all on the first EP rank(s);
+    the last ranks receive nothing."""
     layer = MoELayer(cfg, ps, layer_number=0)
     init_model_params(layer, seed=1234, std=INIT_STD)
     if skewed:
         with torch.no_grad():
             layer.router.weight.abs_()
-            layer.router.weight[cfg.moe_router_topk:].neg_()
+            layer.router.weight[cfg.moe_router_topk :].neg_()
     return layer
 
 
 def _inputs(seed: int, positive: bool, tp: int, tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This TP rank's sequence shard of one micro-batch's input and output gradient."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.rand(SEQ, BATCH, HIDDEN, generator=g) + 0.1 if positive else torch.randn(SEQ, BATCH, HIDDEN, generator=g)
-    return x.chunk(tp)[tp_rank].clone(), torch.randn(SEQ, BATCH, HIDDEN, generator=g).chunk(tp)[tp_rank]
+    x = (
+        torch.rand(SEQ, BATCH, HIDDEN, generator=g) + 0.1
+        if positive
+        else torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    )
+    return x.chunk(tp)[tp_rank].clone(), torch.randn(SEQ, BATCH, HIDDEN, generator=g).chunk(tp)[
+        tp_rank
+    ]
 
 
 def _step(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -73,15 +82,16 @@ def _step(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor) -> dict[str, torch
 
 
 def _traffic(events) -> tuple[int, int]:
-    """(bytes of the forward dispatch + combine all-to-alls, rows this rank returned in the combine)."""
+    """(bytes of the forward dispatch + combine all-to-alls, rows this rank returned in the
+    combine)."""
     moved = sum(e.nbytes for e in events if e.kind in ("ep_dispatch", "ep_combine"))
     returned = sum(e.nbytes for e in events if e.kind == "ep_combine") // (HIDDEN * 4)
     return moved, returned
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Flex vs all-to-all
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _flex_vs_alltoall(topk: int, skewed: bool) -> dict[str, tuple[int, int]]:
@@ -96,7 +106,9 @@ def _flex_vs_alltoall(topk: int, skewed: bool) -> dict[str, tuple[int, int]]:
         traffic[name] = _traffic(RECORDER.drain()[0])
     assert isinstance(layer.dispatcher, FlexDispatcher)
     for key, ref in results["alltoall"].items():
-        torch.testing.assert_close(results["flex"][key], ref, **TOL, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            results["flex"][key], ref, **TOL, msg=lambda m, key=key: f"{key}: {m}"
+        )
     return traffic
 
 
@@ -115,7 +127,8 @@ def test_flex_matches_alltoall_and_sends_fewer_rows(world, topk, skewed):
 
 
 def _flex_round_trip_with_identity_experts() -> None:
-    """Dispatcher steps alone, rank 1 without tokens and the last rank's experts unused (zero-size splits)."""
+    """Dispatcher steps alone, rank 1 without tokens and the last rank's experts unused (zero-size
+    splits)."""
     ep, rank = dist.get_world_size(), dist.get_rank()
     ps = ParallelState(ParallelLayout(world_size=ep, ep=ep))
     dispatcher = FlexDispatcher(_config(ep=ep, num_moe_experts=4, **FLEX), ps)
@@ -125,15 +138,20 @@ def _flex_round_trip_with_identity_experts() -> None:
     plan = dispatcher.route(topk_idx, topk_weights, hidden.shape).resolve()
     rows, weights = dispatcher.dispatch_preprocess(hidden, topk_weights, plan)
     expert_rows, pair_weights = dispatcher.dispatch_postprocess(
-        *dispatcher.token_dispatch(rows, weights, plan).wait(), plan)
+        *dispatcher.token_dispatch(rows, weights, plan).wait(), plan
+    )
     assert expert_rows.shape[0] == sum(plan.tokens_per_local_expert)
     out_rows = dispatcher.combine_preprocess(expert_rows, pair_weights, plan)
     (returned,) = dispatcher.token_combine(out_rows, plan).wait()
     y = dispatcher.combine_postprocess(returned, plan)
     torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))
     y.sum().backward()
-    torch.testing.assert_close(hidden.grad, topk_weights.detach().sum(dim=1, keepdim=True).expand_as(hidden))
-    torch.testing.assert_close(topk_weights.grad, hidden.detach().sum(dim=1, keepdim=True).expand(-1, 2))
+    torch.testing.assert_close(
+        hidden.grad, topk_weights.detach().sum(dim=1, keepdim=True).expand_as(hidden)
+    )
+    torch.testing.assert_close(
+        topk_weights.grad, hidden.detach().sum(dim=1, keepdim=True).expand(-1, 2)
+    )
 
 
 def test_flex_round_trip_with_empty_rank_and_idle_experts():
@@ -153,12 +171,14 @@ def test_gpu_flex_backends_are_refused_by_name(backend):
 
 def test_flex_without_backend_is_refused():
     with pytest.raises(ConfigError, match="moe_flex_dispatcher_backend"):
-        MoELayer(_config(moe_token_dispatcher_type="flex"), SimpleNamespace(ep_size=1), layer_number=0)
+        MoELayer(
+            _config(moe_token_dispatcher_type="flex"), SimpleNamespace(ep_size=1), layer_number=0
+        )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Shared-expert overlap
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _shared_overlap_on_vs_off(tp: int, ep: int) -> tuple[list, list]:
@@ -166,16 +186,23 @@ def _shared_overlap_on_vs_off(tp: int, ep: int) -> tuple[list, list]:
     x, dy = _inputs(200 + ps.dp_rank, False, tp, ps.tp_rank)
     results = {}
     for overlap in (False, True):
-        cfg = _config(tp=tp, ep=ep, num_moe_experts=4, moe_shared_expert_intermediate_size=48,
-                      moe_shared_expert_overlap=overlap)
+        cfg = _config(
+            tp=tp,
+            ep=ep,
+            num_moe_experts=4,
+            moe_shared_expert_intermediate_size=48,
+            moe_shared_expert_overlap=overlap,
+        )
         layer = _layer(cfg, ps, skewed=False)
         RECORDER.drain()
         results[overlap] = _step(layer, x, dy)
         events, spans = RECORDER.drain()
     for key, ref in results[False].items():
         assert torch.equal(results[True][key], ref), key
-    return ([e for e in events if e.kind == "ep_dispatch"],
-            [s for s in spans if s.name in ("moe.shared_fc1", "moe.shared_fc2")])
+    return (
+        [e for e in events if e.kind == "ep_dispatch"],
+        [s for s in spans if s.name in ("moe.shared_fc1", "moe.shared_fc2")],
+    )
 
 
 @pytest.mark.parametrize("world, tp, ep", [(2, 1, 2), (4, 2, 2)])

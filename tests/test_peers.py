@@ -1,5 +1,6 @@
-"""The PyTorch peers (torch DDP, FSDP2) train the same model with the same arithmetic as our Trainer, so a benchmark
-against them compares runtimes, not different maths. fp32; rel 1e-5 (averaging vs summing over DP reorders sums)."""
+"""The PyTorch peers (torch DDP, FSDP2) train the same model with the same arithmetic as our
+Trainer, so a benchmark against them compares runtimes, not different maths. fp32; rel 1e-5
+(averaging vs summing over DP reorders sums)."""
 
 import pytest
 import torch.distributed as dist
@@ -12,10 +13,19 @@ from tests.world import run_world
 
 
 def _losses(impl: str) -> list[float]:
-    cfg = ConfigContainer(model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                                            ffn_hidden_size=128, vocab_size=256, seq_length=16),
-                          train=TrainConfig(global_batch_size=8, micro_batch_size=2, train_iters=3),
-                          optimizer=OptimizerConfig(lr=1e-3, clip_grad=0.5))
+    cfg = ConfigContainer(
+        model=ModelConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=128,
+            vocab_size=256,
+            seq_length=16,
+        ),
+        train=TrainConfig(global_batch_size=8, micro_batch_size=2, train_iters=3),
+        optimizer=OptimizerConfig(lr=1e-3, clip_grad=0.5),
+    )
     cfg.ddp.impl = impl
     res = cfg.finalize(dist.get_world_size())
     trainer = (Trainer if impl == "overlap" else PeerTrainer)(cfg, ParallelState(res.layout))

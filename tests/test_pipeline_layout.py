@@ -172,8 +172,7 @@ def test_the_layout_decides_vpp_and_a_contradicting_vp_is_refused():
     "override",
     [
         "model.pipeline_model_parallel_layout=Et|t*2|t|tL",
-        "model.pipeline_model_parallel_layout=[[embedding,decoder],[decoder,decoder],"
-        "[decoder],[decoder,loss]]",
+        "model.pipeline_model_parallel_layout=[[embedding,decoder],[decoder,decoder],[decoder],[decoder,loss]]",
     ],
 )
 def test_both_forms_come_through_an_override(override):
@@ -219,9 +218,8 @@ def test_plan_resolves_the_235b_recipe_layout(tmp_path):
         == 0
     )
     with_act, without = json.loads(report.read_text())["configs"]
-    assert (
-        with_act["peak_mem_gb"] < without["peak_mem_gb"]
-    )  # moe_act keeps less of the experts' activations
+    # moe_act keeps less of the experts' activations
+    assert with_act["peak_mem_gb"] < without["peak_mem_gb"]
     assert with_act["bubble_ms"] > 0
 
 

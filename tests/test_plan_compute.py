@@ -76,8 +76,10 @@ def test_selective_recompute_adds_the_named_modules_forward_to_the_backward():
 
 
 def test_the_stages_are_the_layouts_and_the_embedding_is_priced():
-    flags = ("-m qwen -mr qwen3_235b_a22b -g h100 -ng 256 -tp 2 -pp 8 -vp 4 -ep 32 -gb 8192 "
-             "-mb 1 -sl 4096 -c bf16")
+    flags = (
+        "-m qwen -mr qwen3_235b_a22b -g h100 -ng 256 -tp 2 -pp 8 -vp 4 -ep 32 -gb 8192 -mb 1 -sl "
+        "4096 -c bf16"
+    )
     c, *_ = plan_of(flags)
     # 94 layers over 8 ranks: the average rank's 11.75, not 12 (the stage weights carry the rest)
     assert c.moe_layers == pytest.approx(94 / 8) and c.dense_layers == 0

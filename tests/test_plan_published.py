@@ -38,9 +38,14 @@ def table():
     return lins, results, groups
 
 
-@pytest.mark.parametrize("name", ["Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off",
-                                  "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on",
-                                  "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off",
+        "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on",
+        "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8",
+    ],
+)
 def test_stored_linear_models_are_the_fit_codes(table, name):
     lins, _results, _groups = table
     row = ROWS[name]
@@ -52,8 +57,10 @@ def test_stored_linear_models_are_the_fit_codes(table, name):
 
 def test_the_linear_models_hold_at_the_shipped_fit(table):
     lins, _results, groups = table
-    for name in ("Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on",
-                 "Llama3-70B 64xH100 FP8 TP4 PP8 VP5"):
+    for name in (
+        "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on",
+        "Llama3-70B 64xH100 FP8 TP4 PP8 VP5",
+    ):
         row = ROWS[name]
         g = groups[validate.GROUPS[row.gpu]]
         eff, tau = g["efficiency"], g["kernel_overhead_us"] * 1e-6
@@ -68,7 +75,8 @@ def test_shipped_fits_are_the_group_fits(table):
         efficiency = builtin_cluster(gpu, "bf16", None).efficiency
         assert efficiency.value == groups[group]["efficiency"]
         assert efficiency.kernel_overhead_s * 1e6 == pytest.approx(
-            groups[group]["kernel_overhead_us"])
+            groups[group]["kernel_overhead_us"]
+        )
     assert builtin_cluster("h200", "bf16", None).efficiency.value == FITTED["h100"]["efficiency"]
     # Blackwell's overhead is the H100 fit's, on H100 rows only
     assert FITTED["gb200"]["kernel_overhead_from"] == "h100"
@@ -85,8 +93,11 @@ def test_no_row_predicts_itself(table):
         if validate.GROUPS[r.row.gpu] == "h100":
             fit = validate.fit_group(points)
         else:  # the overhead from all H100 rows, the efficiency from the other Blackwell rows
-            h100 = [(lins[n], o.published_s) for n, o in ROWS.items()
-                    if o.gpu == "h100" and not o.not_expressible]
+            h100 = [
+                (lins[n], o.published_s)
+                for n, o in ROWS.items()
+                if o.gpu == "h100" and not o.not_expressible
+            ]
             fit = validate.fit_group(points, validate.fit_group(h100)[1])
         assert (r.loo_efficiency, r.loo_overhead_s) == pytest.approx(fit)
         assert r.predicted_s == pytest.approx(validate.predicted_s(r.row, *fit))
@@ -96,8 +107,11 @@ def test_the_fit_meets_two_rows_exactly_and_minimizes_the_deviation():
     # three rows made from a known (efficiency, overhead), one of them off by 30%: the fit finds the
     # two that agree and ignores the third
     truth = (0.5, 20e-6)
-    rows = [validate.Linear(1.0, 10.0, 1e5), validate.Linear(2.0, 5.0, 3e5),
-            validate.Linear(0.5, 8.0, 2e5)]
+    rows = [
+        validate.Linear(1.0, 10.0, 1e5),
+        validate.Linear(2.0, 5.0, 3e5),
+        validate.Linear(0.5, 8.0, 2e5),
+    ]
     points = [(lin, lin.step_s(*truth) * (1.3 if i == 2 else 1.0)) for i, lin in enumerate(rows)]
     assert validate.fit_group(points) == pytest.approx(truth)
     # the overhead given: the efficiency is the median of the rows' own
@@ -135,12 +149,16 @@ def test_flex_gpu_dispatch_sends_a_token_once_per_node_and_rank():
     assert expected_destinations(2, 128, 8) == pytest.approx(1.99, abs=0.01)
     assert expected_destinations(16, 128, 8) == pytest.approx(6.6, abs=0.05)
     assert hit_probability(128, 64, 8) == pytest.approx(1 - comb(64, 8) / comb(128, 8))
-    base = ("-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -tp 1 -pp 1 -gb 1024 -mb 1 "
-            "-sl 4096 -c bf16")
+    base = (
+        "-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -tp 1 -pp 1 -gb 1024 -mb 1 -sl 4096 "
+        "-c bf16"
+    )
     cluster = builtin_cluster("h100", "bf16", 8)
     plans = {}
-    for name, extra in (("a2a", "model.moe_token_dispatcher_type=alltoall"),
-                        ("hybridep", "--moe_flex_dispatcher_backend hybridep")):
+    for name, extra in (
+        ("a2a", "model.moe_token_dispatcher_type=alltoall"),
+        ("hybridep", "--moe_flex_dispatcher_backend hybridep"),
+    ):
         job = resolve_run(f"{base} {extra}".split(), [])
         plans[name] = comm_plan(job.cfg, job.resolution.layout, cluster)
     tokens, h = 4096, 2048
@@ -159,8 +177,11 @@ def test_flex_gpu_dispatch_sends_a_token_once_per_node_and_rank():
 
 
 def test_fp8_plans_move_fp8_dispatch_and_run_gemms_at_the_fp8_rate():
-    job = resolve_run("-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -gb 1024 -mb 1 "
-                      "-sl 4096 -c bf16 --moe_flex_dispatcher_backend deepep".split(), [])
+    job = resolve_run(
+        "-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 -ep 16 -gb 1024 -mb 1 "
+        "-sl 4096 -c bf16 --moe_flex_dispatcher_backend deepep".split(),
+        [],
+    )
     bf16, fp8 = (builtin_cluster("h100", p, 8) for p in ("bf16", "fp8"))
     b, f = (comm_plan(job.cfg, job.resolution.layout, c) for c in (bf16, fp8))
     assert f.kinds["ep_dispatch"].bytes_each == pytest.approx(b.kinds["ep_dispatch"].bytes_each / 2)

@@ -1,5 +1,6 @@
-"""The planner's TP model, slot by slot (`overlap.plan.tp_slots`): each method's exposure, the collectives a layer
-runs under each plan, and the plan read from the same resolution the runtime uses."""
+"""The planner's TP model, slot by slot (`overlap.plan.tp_slots`): each method's exposure, the
+collectives a layer runs under each plan, and the plan read from the same resolution the runtime
+uses."""
 
 import pytest
 
@@ -14,18 +15,22 @@ NBYTES = 1000.0
 
 
 def _attention_layer(plans, qkv_s, tp=2):
-    """A MoE layer (only the attention's TP linears: four collectives of 1 ms without a plan): (exposed, hidden)."""
+    """A MoE layer (only the attention's TP linears: four collectives of 1 ms without a plan):
+    (exposed, hidden)."""
     layer = layer_tp(plans, TPGemms(qkv_s, 0.0, 0.0, 0.0), LINK, NBYTES, tp, dense=False)
     return layer.exposed_ag_s + layer.exposed_rs_s, layer.hidden_s
 
 
 def test_a_ring_hides_each_shard_under_one_chunk_of_the_gemm():
     ring = {"qkv_fprop": SlotPlan(RING)}
-    # TP 2: one step, one shard (the whole 1 ms) under half the GEMM; the other three collectives alone
+    # TP 2: one step, one shard (the whole 1 ms) under half the GEMM; the other three collectives
+    # alone
     assert _attention_layer(ring, 1.0 * MS) == pytest.approx((3.5 * MS, 0.5 * MS))
     assert _attention_layer(ring, 4.0 * MS) == pytest.approx((3.0 * MS, 1.0 * MS))
     # TP 4: three steps of a third of the bytes each, under a quarter of the GEMM each
-    assert _attention_layer(ring, 1.0 * MS, tp=4)[0] == pytest.approx(3 * MS + 3 * (MS / 3 - MS / 4))
+    assert _attention_layer(ring, 1.0 * MS, tp=4)[0] == pytest.approx(
+        3 * MS + 3 * (MS / 3 - MS / 4)
+    )
 
 
 def test_a_pipelined_reduce_scatter_exposes_its_last_chunk_and_the_queue():
@@ -34,18 +39,21 @@ def test_a_pipelined_reduce_scatter_exposes_its_last_chunk_and_the_queue():
         layer = layer_tp(plans, TPGemms(0.0, gemm_s, 0.0, 0.0), link, NBYTES, 2, dense=False)
         return layer.exposed_rs_s - link.time_s(NBYTES)  # less the (unplanned) dgrad reduce-scatter
 
-    assert exposed(4, 1.0 * MS) == pytest.approx(0.25 * MS)  # chunks keep pace with the GEMM: the last one is left
-    assert exposed(4, 0.4 * MS) == pytest.approx(1.0 * MS - 0.3 * MS)  # the link is the bottleneck: 1.1 ms - 0.4
+    # chunks keep pace with the GEMM: the last one is left
+    assert exposed(4, 1.0 * MS) == pytest.approx(0.25 * MS)
+    # the link is the bottleneck: 1.1 ms - 0.4
+    assert exposed(4, 0.4 * MS) == pytest.approx(1.0 * MS - 0.3 * MS)
     latency = Link(1e6, 0.1 * MS, "with latency")
-    assert exposed(4, 1.0 * MS, latency) == pytest.approx(0.35 * MS + 0.3 * MS)  # each chunk pays the latency
+    # each chunk pays the latency
+    assert exposed(4, 1.0 * MS, latency) == pytest.approx(0.35 * MS + 0.3 * MS)
 
 
 def test_bulk_slots_hide_the_whole_collective_beside_the_whole_gemm():
     dense = TPGemms(0.3 * MS, 0.3 * MS, 2.0 * MS, 2.0 * MS)
     plans = {"fc1_dgrad": SlotPlan(BULK), "fc1_wgrad": SlotPlan(BULK)}
     layer = layer_tp(plans, dense, LINK, NBYTES, 2, dense=True)
-    # fc1's input re-gather under its dgrad GEMM, its reduce-scatter under its wgrad GEMM: both hidden; the other
-    # seven collectives have no plan
+    # fc1's input re-gather under its dgrad GEMM, its reduce-scatter under its wgrad GEMM: both
+    # hidden; the other seven collectives have no plan
     assert (layer.all_gathers, layer.reduce_scatters) == (5, 4)
     assert layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(7 * MS)
     assert layer.hidden_s == pytest.approx(2 * MS)
@@ -55,17 +63,24 @@ def test_a_chunked_dgrad_slot_takes_the_reduce_scatter():
     plans = {"qkv_dgrad": SlotPlan(PIPELINE, 2)}
     layer = layer_tp(plans, TPGemms(2.0 * MS, 0.0, 0.0, 0.0), LINK, NBYTES, 2, dense=False)
     assert (layer.all_gathers, layer.reduce_scatters) == (2, 2)  # kept input: no re-gather
-    assert layer.exposed_rs_s == pytest.approx(1 * MS + 0.5 * MS)  # proj's forward alone, qkv's last chunk
+    # proj's forward alone, qkv's last chunk
+    assert layer.exposed_rs_s == pytest.approx(1 * MS + 0.5 * MS)
 
 
-@pytest.mark.parametrize("overrides, gathers", [
-    ({}, 4),  # TP overlap off: the plain path keeps the gathered input for the weight gradient
-    ({"tp_comm_overlap": True}, 6),  # Transformer Engine's defaults: bulk dgrad re-gathers qkv's and fc1's input
-    ({"tp_comm_overlap": True, "tp_comm_bulk_dgrad": False}, 4),
-])
+@pytest.mark.parametrize(
+    "overrides, gathers",
+    [
+        ({}, 4),  # TP overlap off: the plain path keeps the gathered input for the weight gradient
+        (
+            {"tp_comm_overlap": True},
+            6,
+        ),  # Transformer Engine's defaults: bulk dgrad re-gathers qkv's and fc1's input
+        ({"tp_comm_overlap": True, "tp_comm_bulk_dgrad": False}, 4),
+    ],
+)
 def test_a_layers_collectives_follow_the_resolved_plan(overrides, gathers):
-    """The counts the committed TP benchmark measured (bench/results/tp_overlap.json: 37.75 vs 54.53 MB of all-gather
-    per iteration over 4 layers and 2 edge collectives, i.e. 4 vs 6 per layer)."""
+    """The counts the committed TP benchmark measured (bench/results/tp_overlap.json: 37.75 vs 54.53
+    MB of all-gather per iteration over 4 layers and 2 edge collectives, i.e. 4 vs 6 per layer)."""
     m = dense_tiny(1).model
     m.tensor_model_parallel_size, m.sequence_parallel = 2, True
     for key, value in overrides.items():
@@ -74,37 +89,60 @@ def test_a_layers_collectives_follow_the_resolved_plan(overrides, gathers):
     layer = layer_tp(plans, TPGemms(1 * MS, 1 * MS, 1 * MS, 1 * MS), LINK, NBYTES, 2, dense=True)
     assert (layer.all_gathers, layer.reduce_scatters) == (gathers, 4)
     if not overrides:
-        assert layer.hidden_s == 0 and layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(8 * MS)
+        assert layer.hidden_s == 0 and layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(
+            8 * MS
+        )
     else:
         assert layer.hidden_s > 0
 
 
 @pytest.mark.parametrize("recompute, each", [(False, 4), (True, 6)])
 def test_a_shared_expert_and_full_recompute_add_their_collectives(recompute, each):
-    """A MoE layer's shared expert is a plain TP MLP (two collectives each way, none in a plan); full recompute runs
-    the forward's collectives again in the backward."""
-    layer = layer_tp({}, TPGemms(1 * MS, 1 * MS, 0.0, 0.0), LINK, NBYTES, 2, dense=False, shared_expert=True,
-                     recompute=recompute)
+    """A MoE layer's shared expert is a plain TP MLP (two collectives each way, none in a plan);
+    full recompute runs the forward's collectives again in the backward."""
+    layer = layer_tp(
+        {},
+        TPGemms(1 * MS, 1 * MS, 0.0, 0.0),
+        LINK,
+        NBYTES,
+        2,
+        dense=False,
+        shared_expert=True,
+        recompute=recompute,
+    )
     assert (layer.all_gathers, layer.reduce_scatters) == (each, each)
-    assert layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(2 * each * MS) and layer.hidden_s == 0
-    ring = layer_tp({"qkv_fprop": SlotPlan(RING)}, TPGemms(1 * MS, 0.0, 0.0, 0.0), LINK, NBYTES, 2, dense=False,
-                    recompute=True)
-    assert ring.hidden_s == pytest.approx(2 * 0.5 * MS)  # the recomputed forward hides its ring again
+    assert (
+        layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(2 * each * MS)
+        and layer.hidden_s == 0
+    )
+    ring = layer_tp(
+        {"qkv_fprop": SlotPlan(RING)},
+        TPGemms(1 * MS, 0.0, 0.0, 0.0),
+        LINK,
+        NBYTES,
+        2,
+        dense=False,
+        recompute=True,
+    )
+    # the recomputed forward hides its ring again
+    assert ring.hidden_s == pytest.approx(2 * 0.5 * MS)
 
 
 def test_a_token_bucket_refills_under_the_compute_between_collectives():
-    """A rate-limited link's bucket (`--network tbf:RATE`) fills while the link idles, up to its depth, and the next
-    transfer spends it at the line rate. Plain attention layer (TP overlap off), 1 ms GEMMs, one collective's worth
-    of bucket: the forward's reduce-scatter follows the qkv and proj GEMMs (a full bucket), the backward's follows
-    the qkv dgrad and wgrad GEMMs (full); each all-gather comes right after a reduce-scatter emptied it (the previous
-    layer's, with only a norm between) and pays the rate: 2 ms exposed instead of 4."""
+    """A rate-limited link's bucket (`--network tbf:RATE`) fills while the link idles, up to its
+    depth, and the next transfer spends it at the line rate. Plain attention layer (TP overlap off),
+    1 ms GEMMs, one collective's worth of bucket: the forward's reduce-scatter follows the qkv and
+    proj GEMMs (a full bucket), the backward's follows the qkv dgrad and wgrad GEMMs (full); each
+    all-gather comes right after a reduce-scatter emptied it (the previous layer's, with only a norm
+    between) and pays the rate: 2 ms exposed instead of 4."""
     gemms = TPGemms(1 * MS, 1 * MS, 0.0, 0.0)
     bursty = Link(1e6, 0.0, "1 MB/s, 1000-byte bucket", burst_bytes=NBYTES)
     plain = layer_tp({}, gemms, LINK, NBYTES, 2, dense=False)
     layer = layer_tp({}, gemms, bursty, NBYTES, 2, dense=False)
     assert plain.exposed_ag_s + plain.exposed_rs_s == pytest.approx(4 * MS)
     assert (layer.exposed_ag_s, layer.exposed_rs_s) == pytest.approx((2 * MS, 0.0))
-    # GEMMs of a quarter of the refill time: the forward's reduce-scatter gets half a bucket (two GEMMs), the
-    # backward's a full one (its all-gather's dgrad and wgrad GEMMs, then the qkv dgrad and wgrad)
+    # GEMMs of a quarter of the refill time: the forward's reduce-scatter gets half a bucket (two
+    # GEMMs), the backward's a full one (its all-gather's dgrad and wgrad GEMMs, then the qkv dgrad
+    # and wgrad)
     quarter = layer_tp({}, TPGemms(0.25 * MS, 0.25 * MS, 0.0, 0.0), bursty, NBYTES, 2, dense=False)
     assert (quarter.exposed_ag_s, quarter.exposed_rs_s) == pytest.approx((2 * MS, 0.5 * MS))

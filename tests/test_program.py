@@ -1,11 +1,20 @@
-"""The replay of recorded communication programs under NCCL's rules (`overlap.parallel.program`), on programs written
-by hand: each rule (collectives by position, messages in order per pair with tags ignored, rendezvous sends, one
-stream per communicator, batches progress together) found where it is broken and not where it holds."""
+"""The replay of recorded communication programs under NCCL's rules (`overlap.parallel.program`), on
+programs written by hand: each rule (collectives by position, messages in order per pair with tags
+ignored, rendezvous sends, one stream per communicator, batches progress together) found where it is
+broken and not where it holds."""
 
 from __future__ import annotations
 
-from overlap.parallel.program import (OpRecord, Post, ProgramRecorder, StepEnd, Wait, early_send_waits, replay,
-                                      summarize)
+from overlap.parallel.program import (
+    OpRecord,
+    Post,
+    ProgramRecorder,
+    StepEnd,
+    Wait,
+    early_send_waits,
+    replay,
+    summarize,
+)
 
 
 def send(peer: int, n: int = 8, kind: str = "pp_send_fwd") -> OpRecord:
@@ -16,7 +25,9 @@ def recv(peer: int, n: int = 8, kind: str = "pp_recv_fwd") -> OpRecord:
     return OpRecord(kind, "recv", "float32", n, peer)
 
 
-def coll(kind: str = "dp_ar", op: str = "all_reduce", n: int = 16, dtype: str = "float32") -> OpRecord:
+def coll(
+    kind: str = "dp_ar", op: str = "all_reduce", n: int = 16, dtype: str = "float32"
+) -> OpRecord:
     return OpRecord(kind, op, dtype, n)
 
 
@@ -25,10 +36,12 @@ def post(unit: int, group: str, *ops: OpRecord, members=(0, 1)) -> Post:
 
 
 def test_two_ranks_that_each_send_first_on_one_group_deadlock():
-    """PP = 2 with a virtual pipeline, both directions on one group: each send sits in front of the receive its peer's
-    send needs."""
-    programs = {0: [post(0, "pp", send(1)), post(1, "pp", recv(1)), Wait(1)],
-                1: [post(0, "pp", send(0)), post(1, "pp", recv(0)), Wait(1)]}
+    """PP = 2 with a virtual pipeline, both directions on one group: each send sits in front of the
+    receive its peer's send needs."""
+    programs = {
+        0: [post(0, "pp", send(1)), post(1, "pp", recv(1)), Wait(1)],
+        1: [post(0, "pp", send(0)), post(1, "pp", recv(0)), Wait(1)],
+    }
     problems = replay(programs)
     assert problems and problems[0].startswith("deadlock")
     assert any("queued behind" in line for line in problems)
@@ -37,42 +50,64 @@ def test_two_ranks_that_each_send_first_on_one_group_deadlock():
 def test_the_same_exchange_as_one_batch_or_on_a_group_per_direction_completes():
     batched = {r: [post(0, "pp", send(1 - r), recv(1 - r)), Wait(0)] for r in (0, 1)}
     assert replay(batched) == []
-    split = {0: [post(0, "up", send(1)), post(1, "down", recv(1)), Wait(1), Wait(0)],
-             1: [post(0, "down", send(0)), post(1, "up", recv(0)), Wait(1), Wait(0)]}
+    split = {
+        0: [post(0, "up", send(1)), post(1, "down", recv(1)), Wait(1), Wait(0)],
+        1: [post(0, "down", send(0)), post(1, "up", recv(0)), Wait(1), Wait(0)],
+    }
     assert replay(split) == []
 
 
 def test_a_ring_of_batches_completes_and_unbatched_sends_first_deadlock():
-    ring = {r: [post(0, "tp", send((r + 1) % 3), recv((r - 1) % 3), members=(0, 1, 2)), Wait(0)] for r in range(3)}
+    ring = {
+        r: [post(0, "tp", send((r + 1) % 3), recv((r - 1) % 3), members=(0, 1, 2)), Wait(0)]
+        for r in range(3)
+    }
     assert replay(ring) == []
-    unbatched = {r: [post(0, "tp", send((r + 1) % 3), members=(0, 1, 2)),
-                     post(1, "tp", recv((r - 1) % 3), members=(0, 1, 2)), Wait(1)] for r in range(3)}
+    unbatched = {
+        r: [
+            post(0, "tp", send((r + 1) % 3), members=(0, 1, 2)),
+            post(1, "tp", recv((r - 1) % 3), members=(0, 1, 2)),
+            Wait(1),
+        ]
+        for r in range(3)
+    }
     assert replay(unbatched)[0].startswith("deadlock")
 
 
 def test_a_wait_before_the_peer_can_post_deadlocks_across_groups():
-    """Rank 0 waits for its send on one group before posting the collective rank 1 waits for first."""
-    programs = {0: [post(0, "pp", send(1)), Wait(0), post(1, "dp", coll())],
-                1: [post(0, "dp", coll()), Wait(0), post(1, "pp", recv(0)), Wait(1)]}
+    """Rank 0 waits for its send on one group before posting the collective rank 1 waits for
+    first."""
+    programs = {
+        0: [post(0, "pp", send(1)), Wait(0), post(1, "dp", coll())],
+        1: [post(0, "dp", coll()), Wait(0), post(1, "pp", recv(0)), Wait(1)],
+    }
     assert replay(programs)[0].startswith("deadlock")
 
 
 def test_collectives_must_match_by_position():
     assert replay({r: [post(0, "dp", coll()), Wait(0)] for r in (0, 1)}) == []
-    swapped = {0: [post(0, "dp", coll(n=16)), post(1, "dp", coll(n=32))],
-               1: [post(0, "dp", coll(n=32)), post(1, "dp", coll(n=16))]}
+    swapped = {
+        0: [post(0, "dp", coll(n=16)), post(1, "dp", coll(n=32))],
+        1: [post(0, "dp", coll(n=32)), post(1, "dp", coll(n=16))],
+    }
     (problem,) = replay(swapped)
     assert "collective #0 differs" in problem and "rank 0" in problem and "rank 1" in problem
-    kinds = {0: [post(0, "dp", coll(kind="dp_rs", op="reduce_scatter"))], 1: [post(0, "dp", coll(kind="dp_ar"))]}
+    kinds = {
+        0: [post(0, "dp", coll(kind="dp_rs", op="reduce_scatter"))],
+        1: [post(0, "dp", coll(kind="dp_ar"))],
+    }
     assert "differs" in replay(kinds)[0]
     missing = {0: [post(0, "dp", coll()), post(1, "dp", coll())], 1: [post(0, "dp", coll())]}
     assert "never by ranks [1]" in replay(missing)[0]
 
 
 def test_messages_meet_in_order_whatever_their_tags():
-    """The k-th send meets the k-th receive: sizes that differ in that order are a finding, not a tag match."""
-    programs = {0: [post(0, "pp", send(1, 8)), post(1, "pp", send(1, 4))],
-                1: [post(0, "pp", recv(0, 4)), post(1, "pp", recv(0, 8)), Wait(0), Wait(1)]}
+    """The k-th send meets the k-th receive: sizes that differ in that order are a finding, not a
+    tag match."""
+    programs = {
+        0: [post(0, "pp", send(1, 8)), post(1, "pp", send(1, 4))],
+        1: [post(0, "pp", recv(0, 4)), post(1, "pp", recv(0, 8)), Wait(0), Wait(1)],
+    }
     problems = replay(programs)
     assert "message #0 from rank 0 to rank 1" in problems[0] and "tags are ignored" in problems[0]
 
@@ -84,7 +119,10 @@ def test_an_unmatched_send_is_named():
 
 def test_all_to_all_splits_must_agree():
     def a2a(inp, out):
-        return OpRecord("ep_dispatch", "all_to_all", "bfloat16", sum(inp) * 4, None, (tuple(inp), tuple(out)))
+        return OpRecord(
+            "ep_dispatch", "all_to_all", "bfloat16", sum(inp) * 4, None, (tuple(inp), tuple(out))
+        )
+
     good = {0: [post(0, "ep", a2a([2, 3], [2, 1]))], 1: [post(0, "ep", a2a([1, 4], [3, 4]))]}
     assert replay(good) == []
     bad = {0: [post(0, "ep", a2a([2, 3], [2, 1]))], 1: [post(0, "ep", a2a([1, 4], [2, 4]))]}
@@ -96,16 +134,38 @@ def test_a_rank_not_recorded_is_taken_as_taking_part():
 
 
 def test_a_send_waited_before_it_is_known_to_have_arrived_is_found():
-    """Rank 0 waits its send at once, before the gradient that proves rank 1 consumed it: on NCCL the send's whole
-    transfer is then on the compute stream. Waited after that gradient (or at the step's end, after its last
-    receive) it costs nothing."""
-    early = {0: [post(0, "up", send(1)), Wait(0), post(1, "down", recv(1, kind="pp_recv_bwd")), Wait(1), StepEnd()],
-             1: [post(0, "up", recv(0)), Wait(0), post(1, "down", send(0, kind="pp_send_bwd")), Wait(1), StepEnd()]}
+    """Rank 0 waits its send at once, before the gradient that proves rank 1 consumed it: on NCCL
+    the send's whole transfer is then on the compute stream. Waited after that gradient (or at the
+    step's end, after its last receive) it costs nothing."""
+    early = {
+        0: [
+            post(0, "up", send(1)),
+            Wait(0),
+            post(1, "down", recv(1, kind="pp_recv_bwd")),
+            Wait(1),
+            StepEnd(),
+        ],
+        1: [
+            post(0, "up", recv(0)),
+            Wait(0),
+            post(1, "down", send(0, kind="pp_send_bwd")),
+            Wait(1),
+            StepEnd(),
+        ],
+    }
     assert replay(early) == []
     (finding,) = early_send_waits(early)
     assert finding.startswith("rank 0 waits for pp_send_fwd")
-    late = {0: [post(0, "up", send(1)), post(1, "down", recv(1, kind="pp_recv_bwd")), Wait(1), Wait(0), StepEnd()],
-            1: early[1]}
+    late = {
+        0: [
+            post(0, "up", send(1)),
+            post(1, "down", recv(1, kind="pp_recv_bwd")),
+            Wait(1),
+            Wait(0),
+            StepEnd(),
+        ],
+        1: early[1],
+    }
     assert early_send_waits(late) == []
 
 

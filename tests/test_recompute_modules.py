@@ -155,9 +155,8 @@ def test_the_full_reference_list_resolves_where_the_model_has_it():
             **MOE, recompute_granularity="selective", recompute_modules=["moe", "moe_act"]
         )
     ).finalize(1)
-    assert [n.field for n in res.decisions.noops] == [
-        "model.recompute_modules"
-    ]  # 'moe' covers 'moe_act'
+    # 'moe' covers 'moe_act'
+    assert [n.field for n in res.decisions.noops] == ["model.recompute_modules"]
 
 
 def test_modules_without_selective_granularity_are_said_to_do_nothing():
@@ -165,8 +164,11 @@ def test_modules_without_selective_granularity_are_said_to_do_nothing():
     is a no-op the decision table says, not a setting silently ignored."""
     for granularity in (None, "full"):
         extra = dict(recompute_method="uniform", recompute_num_layers=1) if granularity else {}
-        res = ConfigContainer(model=ModelConfig(
-            **MOE, recompute_granularity=granularity, recompute_modules=["moe_act"], **extra)).finalize(1)
+        res = ConfigContainer(
+            model=ModelConfig(
+                **MOE, recompute_granularity=granularity, recompute_modules=["moe_act"], **extra
+            )
+        ).finalize(1)
         assert [n.field for n in res.decisions.noops] == ["model.recompute_modules"], granularity
 
 

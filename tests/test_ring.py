@@ -48,8 +48,9 @@ def _rotations() -> list[str]:
             bad.append(f"k/v after {step} shifts are not rank {ring.origin(step)}'s")
 
     if n % 2 == 0:
-        swapped = exchange(_chunk(r), torch.empty_like(_chunk(r)), r ^ 1, r ^ 1, group,
-                           "cp_kv").wait()
+        swapped = exchange(
+            _chunk(r), torch.empty_like(_chunk(r)), r ^ 1, r ^ 1, group, "cp_kv"
+        ).wait()
         if not torch.equal(swapped, _chunk(r ^ 1)):
             bad.append(f"the pair swap gave {swapped.tolist()}")
     if n == 4:
@@ -69,7 +70,8 @@ def _rotations() -> list[str]:
     posts = [e for e in entries if isinstance(e, Post)]
     members = comm.group_members(group)
     if len(posts) != 1 or sorted((op.op, op.peer) for op in posts[0].ops) != sorted(
-            [("send", members[ring.ahead]), ("recv", members[ring.behind])]):
+        [("send", members[ring.ahead]), ("recv", members[ring.behind])]
+    ):
         bad.append(f"one shift posted {posts}")
     return bad
 

@@ -1,4 +1,5 @@
-"""The sbatch script writer: layout, torchrun arguments, quoting, validation, and that bash parses the result."""
+"""The sbatch script writer: layout, torchrun arguments, quoting, validation, and that bash parses
+the result."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def test_args_with_spaces_and_metacharacters_are_quoted():
     tricky = ["--name", "my run; rm -rf /", "model.note=$(whoami) `id`", "it's"]
     script = render(overlap_args=tricky, env={"NOTE": "a b $HOME"})
     words = shlex.split(srun_line(script))
-    assert words[-len(tricky):] == tricky
+    assert words[-len(tricky) :] == tricky
     assert "export NOTE='a b $HOME'" in script
 
 
@@ -105,7 +106,9 @@ def test_script_words_reach_srun_unchanged(tmp_path):
         stub.chmod(0o755)
     args = ["--name", "my run; echo pwned", "x=$(id)", "it's"]
     path = tmp_path / "job.sbatch"
-    path.write_text(render(overlap_args=args, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NOTE": "a b"}))
+    path.write_text(
+        render(overlap_args=args, env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NOTE": "a b"})
+    )
     out = tmp_path / "srun-args"
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",

@@ -240,7 +240,8 @@ def test_the_emitted_script_trains_under_slurm(cluster, tmp_path):
     summary = json.loads((tmp_path / "job.jsonl.summary.json").read_text())
     assert summary["window_iterations"] == [2, 3] and summary["stopped"] is None
     want = run_locally(RECIPE + ["-ms", "3"], tmp_path / "local.jsonl")
-    assert metrics_losses(tmp_path / "job.jsonl") == want  # tolerance 0: the same ranks and operations
+    # tolerance 0: the same ranks and operations
+    assert metrics_losses(tmp_path / "job.jsonl") == want
 
 
 def test_scancel_preempts_with_a_checkpoint_and_the_resubmitted_job_continues_exactly(
@@ -277,4 +278,6 @@ def test_scancel_preempts_with_a_checkpoint_and_the_resubmitted_job_continues_ex
     assert {it: before[it] for it in range(1, saved + 1)} == {
         it: want[it] for it in range(1, saved + 1)
     }
-    assert metrics_losses(metrics) == {it: loss for it, loss in want.items() if it > saved}  # tolerance 0
+    assert metrics_losses(metrics) == {
+        it: loss for it, loss in want.items() if it > saved
+    }  # tolerance 0

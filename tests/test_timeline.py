@@ -1,9 +1,11 @@
-"""The tracer's device timeline (`overlap.parallel.trace.DeviceTimeline`) with stand-in CUDA events: marks resolve to
-the device's times after one synchronisation per drain, a collective's completion is the event recorded in its
-future's callback (on CUDA: on a stream made to wait for the collective), and the exposure analysis reads the same
-from it as from the host clock. The GPU path itself runs in bench/gpu_check.sh.
+"""The tracer's device timeline (`overlap.parallel.trace.DeviceTimeline`) with stand-in CUDA events:
+marks resolve to the device's times after one synchronisation per drain, a collective's completion
+is the event recorded in its future's callback (on CUDA: on a stream made to wait for the
+collective), and the exposure analysis reads the same from it as from the host clock. The GPU path
+itself runs in bench/gpu_check.sh.
 
-Times are exact (the stand-in clock is set by the test), so the checks are equalities up to float rounding."""
+Times are exact (the stand-in clock is set by the test), so the checks are equalities up to float
+rounding."""
 
 from __future__ import annotations
 
@@ -32,13 +34,13 @@ class StandInEvent:
     def record(self) -> None:
         self.t = self.clock.t
 
-    def elapsed_time(self, other: "StandInEvent") -> float:
+    def elapsed_time(self, other: StandInEvent) -> float:
         return (other.t - self.t) * 1e3
 
 
 class StandInWork:
-    """A collective's work: its future completes when the test says the collective finished on the device; wait()
-    (the stream waiting) moves the device's clock to that moment if it is later."""
+    """A collective's work: its future completes when the test says the collective finished on the
+    device; wait() (the stream waiting) moves the device's clock to that moment if it is later."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock, self.future, self.done_at = clock, torch.futures.Future(), None
@@ -73,7 +75,9 @@ def device():
 
 
 def _collective(clock: Clock, finish_at: float | None) -> tuple[comm.CommHandle, StandInWork]:
-    event = CommEvent(kind="ep_dispatch", op="all_to_all", group_size=2, nbytes=64, t_launch=RECORDER.mark())
+    event = CommEvent(
+        kind="ep_dispatch", op="all_to_all", group_size=2, nbytes=64, t_launch=RECORDER.mark()
+    )
     RECORDER.add_comm(event)
     work = StandInWork(clock)
     handle = comm.CommHandle(event, work, None)
@@ -89,7 +93,8 @@ def test_marks_resolve_to_device_times_after_one_synchronisation(device):
     clock.t += 0.005
     with RECORDER.span("backward"):
         clock.t += 0.020
-    assert isinstance(RECORDER.spans[0].t_start, Mark)  # nothing is known on the host before the drain
+    # nothing is known on the host before the drain
+    assert isinstance(RECORDER.spans[0].t_start, Mark)
     _comm, spans = RECORDER.drain()
     assert synced == [1]
     (fwd, bwd) = spans
@@ -102,7 +107,8 @@ def test_a_collective_hidden_behind_compute_reads_hidden(device):
     clock, _ = device
     start = clock.t
     with RECORDER.span("forward"):
-        handle, work = _collective(clock, finish_at=start + 0.006)  # done on the device under the compute
+        # done on the device under the compute
+        handle, work = _collective(clock, finish_at=start + 0.006)
         clock.t += 0.010
     handle.wait()
     (event,), spans = RECORDER.drain()
@@ -118,7 +124,8 @@ def test_a_collective_longer_than_the_compute_is_exposed_for_the_rest(device):
     with RECORDER.span("forward"):
         handle, work = _collective(clock, finish_at=None)
         clock.t += 0.010
-    work.finish(start + 0.015)  # the host enqueued the wait long before: the device finishes it at +15 ms
+    # the host enqueued the wait long before: the device finishes it at +15 ms
+    work.finish(start + 0.015)
     handle.wait()
     (event,), spans = RECORDER.drain()
     assert event.t_done - event.t_launch == pytest.approx(0.015)
@@ -134,7 +141,9 @@ def test_without_a_future_the_completion_is_the_end_of_the_wait(device):
         def get_future(self):
             raise RuntimeError("Work::getFuture not implemented.")
 
-    event = CommEvent(kind="dp_rs", op="reduce_scatter", group_size=2, nbytes=8, t_launch=RECORDER.mark())
+    event = CommEvent(
+        kind="dp_rs", op="reduce_scatter", group_size=2, nbytes=8, t_launch=RECORDER.mark()
+    )
     RECORDER.add_comm(event)
     work = NoFuture(clock)
     handle = comm.CommHandle(event, work, None)
@@ -146,8 +155,8 @@ def test_without_a_future_the_completion_is_the_end_of_the_wait(device):
 
 
 def test_the_host_never_decides_on_completion_on_a_device_timeline(device):
-    """delay_wgrad on a device timeline: every queued weight GEMM is issued before the wait (the GPU runs them beside
-    the collective), even for a collective that already finished on the device."""
+    """delay_wgrad on a device timeline: every queued weight GEMM is issued before the wait (the GPU
+    runs them beside the collective), even for a collective that already finished on the device."""
     clock, _ = device
     assert not comm.completion_visible()
     handle, _work = _collective(clock, finish_at=clock.t)
@@ -168,8 +177,8 @@ def test_a_recorder_on_the_host_clock_resolves_nothing():
 
 
 def test_a_send_is_dropped_once_the_device_reports_it_complete_without_a_wait(device):
-    """`CommHandle.reap`: the pipeline drops the sends of released outputs this way on NCCL - a query, never a wait
-    (no stream is made to wait on the send)."""
+    """`CommHandle.reap`: the pipeline drops the sends of released outputs this way on NCCL - a
+    query, never a wait (no stream is made to wait on the send)."""
     clock, _ = device
     handle, work = _collective(clock, finish_at=None)
     waited = []

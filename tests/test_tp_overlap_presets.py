@@ -1,4 +1,5 @@
-"""The 19 tensor-parallel overlap presets match the reference table value by value (bridge-compat.md section 2.3)."""
+"""The 19 tensor-parallel overlap presets match the reference table value by value (bridge-compat.md
+section 2.3)."""
 
 from __future__ import annotations
 
@@ -25,31 +26,158 @@ SIX = ("qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad", "proj_fprop", "fc2_fp
 MIDDLE = ("qkv_fprop", "proj_dgrad", "fc1_fprop", "fc2_dgrad")
 
 TABLE: dict[str, tuple[str | None, ...]] = {
-    "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192": ("B4,2", "B24,2", "B2,2", "B4,2", "P24,2,4 m", "P16,2,4 m"),
-    "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192": ("B4,2", "B24,2", "B2,2", "B4,2", "R m", "R m"),
-    "userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192": ("B16,2", "B24,2", "B2,2", "B4,2", "P32,2,4 m", "P16,2,4 m"),
-    "userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192": ("B4,2", "B24,2", "B2,2", "B4,2", "R m", "R m"),
-    "userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192": ("B2,2", "B24,2", "B2,2", "B2,2", "P24,2,4 m", "P8,2,4 m"),
-    "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192": ("B2,2", "B24,2", "B2,2", "B2,2", "R m", "R m"),
-    "userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192": ("B8,2", "B24,2", "B2,2", "B2,2", "P32,2,4 m", "P8,2,4 m"),
-    "userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192": ("B8,2", "B32,2", "B2,2", "B8,2", "R m", "R m"),
+    "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192": (
+        "B4,2",
+        "B24,2",
+        "B2,2",
+        "B4,2",
+        "P24,2,4 m",
+        "P16,2,4 m",
+    ),
+    "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192": (
+        "B4,2",
+        "B24,2",
+        "B2,2",
+        "B4,2",
+        "R m",
+        "R m",
+    ),
+    "userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192": (
+        "B16,2",
+        "B24,2",
+        "B2,2",
+        "B4,2",
+        "P32,2,4 m",
+        "P16,2,4 m",
+    ),
+    "userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192": (
+        "B4,2",
+        "B24,2",
+        "B2,2",
+        "B4,2",
+        "R m",
+        "R m",
+    ),
+    "userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192": (
+        "B2,2",
+        "B24,2",
+        "B2,2",
+        "B2,2",
+        "P24,2,4 m",
+        "P8,2,4 m",
+    ),
+    "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192": (
+        "B2,2",
+        "B24,2",
+        "B2,2",
+        "B2,2",
+        "R m",
+        "R m",
+    ),
+    "userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192": (
+        "B8,2",
+        "B24,2",
+        "B2,2",
+        "B2,2",
+        "P32,2,4 m",
+        "P8,2,4 m",
+    ),
+    "userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192": (
+        "B8,2",
+        "B32,2",
+        "B2,2",
+        "B8,2",
+        "R m",
+        "R m",
+    ),
     "userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora": (
-        "B2,2", None, "P16,2,4 m f8", None, "R cga2 m f8", "R cga2 m f8",
+        "B2,2",
+        None,
+        "P16,2,4 m f8",
+        None,
+        "R cga2 m f8",
+        "R cga2 m f8",
     ),
     "userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora": (
-        "B2,2", None, "P16,2,4 m f8", None, "P32,2,4 m f8", "P16,2,4 m f8",
+        "B2,2",
+        None,
+        "P16,2,4 m f8",
+        None,
+        "P32,2,4 m f8",
+        "P16,2,4 m f8",
     ),
-    "userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048": ("B8,2", "B16,2", "B4,2", "B16,2", "P16,2,4 m", "P24,2,4 m"),
+    "userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048": (
+        "B8,2",
+        "B16,2",
+        "B4,2",
+        "B16,2",
+        "P16,2,4 m",
+        "P24,2,4 m",
+    ),
     "userbuffers_fp8_h100_h6144_tp2_mbs2_seqlen2048": (
-        "B8,2", "B16,2", "B4,2", "B16,2", "P16,2,4 m f8", "P24,2,4 m f8",
+        "B8,2",
+        "B16,2",
+        "B4,2",
+        "B16,2",
+        "P16,2,4 m f8",
+        "P24,2,4 m f8",
     ),
-    "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048": ("B4,2", "B4,2", "B2,2", "B4,2", "P24,2,4 m", "R m"),
-    "userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048": ("B4,2", "B4,2", "B2,2", "B4,2", "R m", "R m"),
-    "userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048": ("B4,2", "B16,2", "B2,2", "B8,2", "R m", "R m"),
-    "userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048": ("B4,2", "B16,2", "B2,2", "B8,2", "R m", "R m"),
-    "userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096": ("B8,2", "B32,2", "B2,2", "B8,2", "R m", "R m"),
-    "userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096": ("B8,2", "B32,2", "B2,2", "B8,2", "R m", "P24,2,4 m"),
-    "userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096": ("B8,2", "B32,2", "B2,2", "B8,2", "R m", "R m"),
+    "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048": (
+        "B4,2",
+        "B4,2",
+        "B2,2",
+        "B4,2",
+        "P24,2,4 m",
+        "R m",
+    ),
+    "userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048": (
+        "B4,2",
+        "B4,2",
+        "B2,2",
+        "B4,2",
+        "R m",
+        "R m",
+    ),
+    "userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048": (
+        "B4,2",
+        "B16,2",
+        "B2,2",
+        "B8,2",
+        "R m",
+        "R m",
+    ),
+    "userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048": (
+        "B4,2",
+        "B16,2",
+        "B2,2",
+        "B8,2",
+        "R m",
+        "R m",
+    ),
+    "userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096": (
+        "B8,2",
+        "B32,2",
+        "B2,2",
+        "B8,2",
+        "R m",
+        "R m",
+    ),
+    "userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096": (
+        "B8,2",
+        "B32,2",
+        "B2,2",
+        "B8,2",
+        "R m",
+        "P24,2,4 m",
+    ),
+    "userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096": (
+        "B8,2",
+        "B32,2",
+        "B2,2",
+        "B8,2",
+        "R m",
+        "R m",
+    ),
 }
 
 # The four middle layers: plain "R" everywhere except the two LoRA presets.
@@ -74,10 +202,15 @@ def _expected(spec: str | None) -> object:
         return BulkOverlapCfg(num_sm=num_sm, cga_size=cga, set_sm_margin=margin)
     if kind == "P":
         num_sm, cga, splits = numbers
-        return PipelineOverlapCfg(num_sm=num_sm, cga_size=cga, num_splits=splits, set_sm_margin=margin, fp8_buf=fp8)
+        return PipelineOverlapCfg(
+            num_sm=num_sm, cga_size=cga, num_splits=splits, set_sm_margin=margin, fp8_buf=fp8
+        )
     assert kind == "R" and not numbers
     return RingExchangeOverlapCfg(
-        aggregate="agg" in flags, set_sm_margin=margin, fp8_buf=fp8, cga_size=2 if "cga2" in flags else 1
+        aggregate="agg" in flags,
+        set_sm_margin=margin,
+        fp8_buf=fp8,
+        cga_size=2 if "cga2" in flags else 1,
     )
 
 
@@ -90,7 +223,12 @@ def test_exactly_19_presets_all_exported():
         assert isinstance(preset, TransformerLayerTPOverlapCfg)
     module_presets = {n for n in dir(tpo) if n.startswith("userbuffers_")}
     assert module_presets == set(TABLE)
-    for name in ("TP_OVERLAP_PRESETS", "get_tp_overlap_preset", "TransformerLayerTPOverlapCfg", "TPOverlapCfg"):
+    for name in (
+        "TP_OVERLAP_PRESETS",
+        "get_tp_overlap_preset",
+        "TransformerLayerTPOverlapCfg",
+        "TPOverlapCfg",
+    ):
         assert name in tpo.__all__
 
 
@@ -149,17 +287,35 @@ def test_layer_requires_all_fields():
 
 
 def test_per_gemm_field_order_and_defaults():
+    # fmt: skip
     assert [f.name for f in dataclasses.fields(PipelineOverlapCfg)] == [
-        "num_sm", "cga_size", "num_splits", "set_sm_margin", "fp8_buf", "atomic_gemm", "method",
-    ]  # fmt: skip
+        "num_sm",
+        "cga_size",
+        "num_splits",
+        "set_sm_margin",
+        "fp8_buf",
+        "atomic_gemm",
+        "method",
+    ]
+    # fmt: skip
     assert [f.name for f in dataclasses.fields(RingExchangeOverlapCfg)] == [
-        "aggregate", "method", "num_sm", "cga_size", "set_sm_margin", "fp8_buf", "atomic_gemm",
-    ]  # fmt: skip
-    assert [f.name for f in dataclasses.fields(BulkOverlapCfg)] == ["num_sm", "cga_size", "set_sm_margin", "method"]
+        "aggregate",
+        "method",
+        "num_sm",
+        "cga_size",
+        "set_sm_margin",
+        "fp8_buf",
+        "atomic_gemm",
+    ]
+    assert [f.name for f in dataclasses.fields(BulkOverlapCfg)] == [
+        "num_sm",
+        "cga_size",
+        "set_sm_margin",
+        "method",
+    ]
     ring = RingExchangeOverlapCfg()
-    assert (ring.aggregate, ring.num_sm, ring.cga_size, ring.set_sm_margin, ring.fp8_buf, ring.atomic_gemm) == (
-        False, 1, 1, False, False, False,
-    )  # fmt: skip
+    fields = (ring.aggregate, ring.num_sm, ring.cga_size, ring.set_sm_margin, ring.fp8_buf)
+    assert fields + (ring.atomic_gemm,) == (False, 1, 1, False, False, False)
     with pytest.raises(TypeError):
         PipelineOverlapCfg(num_sm=1, cga_size=1, num_splits=1)  # set_sm_margin is required
     with pytest.raises(TypeError):
@@ -183,7 +339,10 @@ def test_pipeline_fp8_buf_default_is_plain_false():
 
 
 def test_method_strings():
-    assert PipelineOverlapCfg(num_sm=1, cga_size=1, num_splits=1, set_sm_margin=False).method == "pipeline"
+    assert (
+        PipelineOverlapCfg(num_sm=1, cga_size=1, num_splits=1, set_sm_margin=False).method
+        == "pipeline"
+    )
     assert RingExchangeOverlapCfg().method == "ring_exchange"
     assert BulkOverlapCfg(num_sm=1, cga_size=1, set_sm_margin=False).method == "bulk"
     methods = {
@@ -221,8 +380,12 @@ def test_to_dict_drops_top_level_none_only():
     d = tpo.userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora.to_dict()
     assert d["qkv_fprop"]["aggregate"] is True and d["qkv_fprop"]["set_sm_margin"] is False
     # A nested value that is None stays; only whole-GEMM Nones go.
-    layer = TransformerLayerTPOverlapCfg(*([None] * 9), BulkOverlapCfg(num_sm=None, cga_size=2, set_sm_margin=False))
-    assert layer.to_dict() == {"fc2_fprop": {"num_sm": None, "cga_size": 2, "set_sm_margin": False, "method": "bulk"}}
+    layer = TransformerLayerTPOverlapCfg(
+        *([None] * 9), BulkOverlapCfg(num_sm=None, cga_size=2, set_sm_margin=False)
+    )
+    assert layer.to_dict() == {
+        "fc2_fprop": {"num_sm": None, "cga_size": 2, "set_sm_margin": False, "method": "bulk"}
+    }
 
 
 def test_to_dict_does_not_alias_the_preset():

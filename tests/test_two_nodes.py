@@ -132,7 +132,7 @@ def _wait(pair: list[Node], timeout: float) -> list[int]:
         except subprocess.TimeoutExpired:
             raise AssertionError(
                 f"not done within {timeout:.0f} s:\n" + "\n".join(n.text()[-3000:] for n in pair)
-            )
+            ) from None
     return codes
 
 

@@ -17,8 +17,12 @@ def _ranks_and_sum():
 
 def _groups(tp, ep):
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
-    return (dist.get_process_group_ranks(ps.tp_group), dist.get_process_group_ranks(ps.dp_group),
-            dist.get_process_group_ranks(ps.ep_group), dist.get_process_group_ranks(ps.edp_group))
+    return (
+        dist.get_process_group_ranks(ps.tp_group),
+        dist.get_process_group_ranks(ps.dp_group),
+        dist.get_process_group_ranks(ps.ep_group),
+        dist.get_process_group_ranks(ps.edp_group),
+    )
 
 
 def _uneven_a2a():
@@ -45,8 +49,8 @@ def test_uneven_all_to_all():
 
 
 def _groups_reused():
-    """Two jobs of one layout in one process share their groups (a gloo group is threads that poll while idle);
-    another layout gets its own."""
+    """Two jobs of one layout in one process share their groups (a gloo group is threads that poll
+    while idle); another layout gets its own."""
     layout = ParallelLayout(world_size=dist.get_world_size(), tp=2)
     first, second = ParallelState(layout), ParallelState(layout)
     other = ParallelState(ParallelLayout(world_size=dist.get_world_size(), ep=2))
@@ -56,9 +60,13 @@ def _groups_reused():
     for _ in range(5):
         ParallelState(layout)
         ParallelState(ParallelLayout(world_size=dist.get_world_size(), ep=2))
-    return (first.tp_group is second.tp_group, first.ep_meta_group is second.ep_meta_group,
-            groups.cpu_group() is cpu, other.mesh is not first.mesh,
-            len(os.listdir("/proc/self/task")) - before)
+    return (
+        first.tp_group is second.tp_group,
+        first.ep_meta_group is second.ep_meta_group,
+        groups.cpu_group() is cpu,
+        other.mesh is not first.mesh,
+        len(os.listdir("/proc/self/task")) - before,
+    )
 
 
 def test_parallel_state_reuses_its_groups():
@@ -90,11 +98,13 @@ teardown.shutdown()
 
 
 def test_a_new_world_gets_new_groups():
-    """Cached groups belong to the world they were built in: after `shutdown` (or `forget_groups` + destroy) a new
-    world builds its own."""
+    """Cached groups belong to the world they were built in: after `shutdown` (or `forget_groups` +
+    destroy) a new world builds its own."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _NEW_WORLD], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _NEW_WORLD], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"

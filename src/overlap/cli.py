@@ -1,10 +1,12 @@
-"""Command line: `overlap explain | run | bench | plan | preprocess | convert` with the reference harness flags plus `section.field=value` overrides.
+"""Command line: `overlap explain | run | bench | plan | preprocess | convert` with the reference
+harness flags plus `section.field=value` overrides.
 
-Flags follow Megatron-Bridge's `run_script.py` (see `overlap.harness`: recipe, then flags, then overrides, so an
-override beats a flag, said aloud). Overrides may come anywhere among the flags, as with the reference (whatever
-argparse does not know is an override there). A user mistake exits with status 2 and a one-paragraph message, no
-traceback: also a flag given twice with different values, and an unknown flag (with the one it was probably meant
-to be). SIGTERM / SIGHUP / Ctrl-C end a command with one line and exit 128 + the signal number (143, 129, 130).
+Flags follow Megatron-Bridge's `run_script.py` (see `overlap.harness`: recipe, then flags, then
+overrides, so an override beats a flag, said aloud). Overrides may come anywhere among the flags, as
+with the reference (whatever argparse does not know is an override there). A user mistake exits with
+status 2 and a one-paragraph message, no traceback: also a flag given twice with different values,
+and an unknown flag (with the one it was probably meant to be). SIGTERM / SIGHUP / Ctrl-C end a
+command with one line and exit 128 + the signal number (143, 129, 130).
 """
 
 from __future__ import annotations
@@ -32,16 +34,20 @@ class _UsageError(Exception):
 
 
 class _StoreOnce(argparse._StoreAction):
-    """A flag given twice with different values is an error naming both (argparse lets the last one win, silently);
-    the same value twice is harmless. Aliases count as one flag (-ms 2 --max_steps 3)."""
+    """A flag given twice with different values is an error naming both (argparse lets the last one
+    win, silently); the same value twice is harmless. Aliases count as one flag (-ms 2 --max_steps
+    3)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string is not None:
             given = namespace.__dict__.setdefault("_flags_given", {})
             earlier = given.get(self.dest)
             if earlier is not None and earlier[1] != values:
-                raise argparse.ArgumentError(self, f"given twice with different values ({earlier[0]} {earlier[2]} "
-                                                   f"and {option_string} {_typed(values)}); keep the one you mean")
+                raise argparse.ArgumentError(
+                    self,
+                    f"given twice with different values ({earlier[0]} {earlier[2]} and "
+                    f"{option_string} {_typed(values)}); keep the one you mean",
+                )
             given[self.dest] = (option_string, values, _typed(values))
         super().__call__(parser, namespace, values, option_string)
 
@@ -67,8 +73,9 @@ def _looks_like_override(token: str) -> bool:
 
 
 def _merge_overrides(args: argparse.Namespace, extras: list[str], words: list[str]) -> list[str]:
-    """Overrides may be mixed with the flags, as with the reference harness (its overrides are whatever argparse
-    does not know): the ones argparse left over join the positional ones, in command-line order. Returns the rest."""
+    """Overrides may be mixed with the flags, as with the reference harness (its overrides are
+    whatever argparse does not know): the ones argparse left over join the positional ones, in
+    command-line order. Returns the rest."""
     stray = [t for t in extras if not _looks_like_override(t)]
     late = [t for t in extras if _looks_like_override(t)]
     if late and hasattr(args, "overrides"):
@@ -84,10 +91,13 @@ def _merge_overrides(args: argparse.Namespace, extras: list[str], words: list[st
     return stray
 
 
-def _unrecognized(stray: list[str], parser: argparse.ArgumentParser | None,
-                  others: dict[str, argparse.ArgumentParser] | None = None) -> str:
-    """argparse's message for unknown words, with the flag each one was probably meant to be (in this command, or
-    the other command that has it)."""
+def _unrecognized(
+    stray: list[str],
+    parser: argparse.ArgumentParser | None,
+    others: dict[str, argparse.ArgumentParser] | None = None,
+) -> str:
+    """argparse's message for unknown words, with the flag each one was probably meant to be (in
+    this command, or the other command that has it)."""
     options = sorted(parser._option_string_actions) if parser is not None else []
     hints = []
 
@@ -151,23 +161,41 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from overlap.training.runtime_refusals import runtime_refusals
 
     job = prepare(args, describe_target=True)
-    env = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ)
+    env = compute_launch_env(
+        launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ
+    )
     refusals = runtime_refusals(job.cfg, gpu=args.gpu != "cpu")
     lay = job.resolution.layout
     stages = resolve_pipeline_layout(job.cfg.model, lay.pp)
     memory = _memory_estimate(job, args, refusals)
     if args.json:
-        doc = {"recipe": args.model_recipe_name, "world_size": args.num_gpus, "gpu": args.gpu,
-               "layout": {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp, "ep": lay.ep, "etp": lay.etp,
-                          "edp": lay.edp, "vpp": job.cfg.model.virtual_pipeline_model_parallel_size},
-               # [pp rank][chunk] -> what that model chunk holds ("Ett": embedding + 2 layers)
-               "pipeline_stages": [[s.symbols for s in stages.rank_stages(r)]
-                                   for r in range(lay.pp)],
-               **job.resolution.decisions.to_json(),
-               "launch_env": [{"name": e.name, "value": e.value, "source": e.source, "reason": e.reason} for e in env],
-               "memory_per_rank": memory,
-               "run_refuses": [{"field": r.field, "value": str(r.value), "why": r.why, "fix": r.fix}
-                               for r in refusals]}
+        doc = {
+            "recipe": args.model_recipe_name,
+            "world_size": args.num_gpus,
+            "gpu": args.gpu,
+            "layout": {
+                "tp": lay.tp,
+                "pp": lay.pp,
+                "cp": lay.cp,
+                "dp": lay.dp,
+                "ep": lay.ep,
+                "etp": lay.etp,
+                "edp": lay.edp,
+                "vpp": job.cfg.model.virtual_pipeline_model_parallel_size,
+            },
+            # [pp rank][chunk] -> what that model chunk holds ("Ett": embedding + 2 layers)
+            "pipeline_stages": [[s.symbols for s in stages.rank_stages(r)] for r in range(lay.pp)],
+            **job.resolution.decisions.to_json(),
+            "launch_env": [
+                {"name": e.name, "value": e.value, "source": e.source, "reason": e.reason}
+                for e in env
+            ],
+            "memory_per_rank": memory,
+            "run_refuses": [
+                {"field": r.field, "value": str(r.value), "why": r.why, "fix": r.fix}
+                for r in refusals
+            ],
+        }
         print(json.dumps(doc, indent=2))
         return 0
     print(f"recipe {args.model_recipe_name} on {args.num_gpus} x {args.gpu}")
@@ -178,40 +206,64 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print("\nLaunch environment:\n" + format_launch_env(env))
     print(f"\nMemory estimate (rank 0, rough): {memory['summary']}")
     if refusals:
-        print("\nValid configuration, but `overlap run` will refuse it today:\n" +
-              "\n".join(f"  {r.field}={r.value!r}: {r.why} Fix: {r.fix}" for r in refusals))
+        print(
+            "\nValid configuration, but `overlap run` will refuse it today:\n"
+            + "\n".join(f"  {r.field}={r.value!r}: {r.why} Fix: {r.fix}" for r in refusals)
+        )
     return 0
 
 
 def _memory_estimate(job, args: argparse.Namespace, refusals: list) -> dict:
-    """The per-rank estimate (overlap.launch.resources); for -g cpu also what `run` would refuse on this host."""
+    """The per-rank estimate (overlap.launch.resources); for -g cpu also what `run` would refuse on
+    this host."""
     from overlap.launch.resources import check_local_launch, estimate_memory
 
     cpu = args.gpu == "cpu"
     est = estimate_memory(job.cfg, job.resolution.layout, cpu=cpu)
     if cpu:
         try:
-            check_local_launch(job.cfg, job.resolution.layout, args.num_gpus, recipe=args.model_recipe_name)
+            check_local_launch(
+                job.cfg, job.resolution.layout, args.num_gpus, recipe=args.model_recipe_name
+            )
         except ConfigError as exc:
             refusals.append(exc)
-    return {"summary": est.describe(), "total_bytes": est.total, "params": est.params,
-            "param_bytes": est.param_bytes, "grad_bytes": est.grad_bytes, "optimizer_bytes": est.optimizer_bytes,
-            "activation_bytes": est.activation_bytes, "runtime_bytes": est.runtime_bytes}
+    return {
+        "summary": est.describe(),
+        "total_bytes": est.total,
+        "params": est.params,
+        "param_bytes": est.param_bytes,
+        "grad_bytes": est.grad_bytes,
+        "optimizer_bytes": est.optimizer_bytes,
+        "activation_bytes": est.activation_bytes,
+        "runtime_bytes": est.runtime_bytes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[overlap] %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="[overlap] %(levelname)s %(message)s", stream=sys.stderr
+    )
     parser = _Parser(prog="overlap", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"overlap {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    explain = sub.add_parser("explain", help="resolve the configuration and print every overlap decision")
+    explain = sub.add_parser(
+        "explain", help="resolve the configuration and print every overlap decision"
+    )
     add_harness_flags(explain)
-    explain.add_argument("--json", action="store_true",
-                         help="print the layout, decisions, no-ops, other settings, launch environment and what run "
-                              "would refuse as one JSON object")
-    explain.add_argument("--list-recipes", action="store_true", help="list the recipes (-m/-mr) and exit")
-    explain.add_argument("--list-keys", action="store_true",
-                         help="list every section.field override key with its type and default, and exit")
+    explain.add_argument(
+        "--json",
+        action="store_true",
+        help="print the layout, decisions, no-ops, other settings, launch environment and what run "
+        "would refuse as one JSON object",
+    )
+    explain.add_argument(
+        "--list-recipes", action="store_true", help="list the recipes (-m/-mr) and exit"
+    )
+    explain.add_argument(
+        "--list-keys",
+        action="store_true",
+        help="list every section.field override key with its type and default, and exit",
+    )
     explain.set_defaults(func=cmd_explain)
     from overlap.commands import register_commands
 
@@ -222,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     previous = {}
     if rank:
         _join_launcher()
-    elif "RANK" not in os.environ and threading_main():  # a rank under torchrun keeps torchrun's signal protocol
-        # SIGTERM / SIGHUP end the command like Ctrl-C: cleanup runs on the way out, one line, exit 128 + signal.
+    # a rank under torchrun keeps torchrun's signal protocol
+    elif "RANK" not in os.environ and threading_main():
+        # SIGTERM / SIGHUP end the command like Ctrl-C: cleanup runs on the way out, one line, exit
+        # 128 + signal.
         previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         args, extras = parser.parse_known_args(words)
@@ -233,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = words
         return args.func(args)
     except _UsageError as exc:
-        print(f"overlap: error: {exc}\nRun 'overlap {command} --help'.".replace("  ", " "), file=sys.stderr)
+        print(
+            f"overlap: error: {exc}\nRun 'overlap {command} --help'.".replace("  ", " "),
+            file=sys.stderr,
+        )
         return 2
     except ConfigError as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
@@ -241,13 +298,17 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailure as exc:  # a rank under torchrun whose peer died: the cause, no traceback
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 1
-    except ProgramError as exc:  # --nccl-rules found what would fail on GPUs: the finding, not a traceback
+    except ProgramError as exc:  # --nccl-rules found what fails on GPUs: a finding, not a traceback
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP: cleanup ran on the way out
         signum = getattr(exc, "signum", signal.SIGINT)
         if not rank:  # a rank's launcher says it once, for all of them
-            what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            what = (
+                "interrupted (Ctrl-C)"
+                if signum == signal.SIGINT
+                else f"stopped by {signal.Signals(signum).name}"
+            )
             stopped = "; ranks stopped" if getattr(exc, "ranks_stopped", False) else ""
             print(f"overlap: {what}{stopped}", file=sys.stderr)
         return 128 + signum
@@ -263,8 +324,8 @@ def threading_main() -> bool:
 
 
 def _join_launcher() -> None:
-    """A rank of our local launcher: end with the launcher even if the parent-death signal was missed (the launcher
-    died before the rank could arm it)."""
+    """A rank of our local launcher: end with the launcher even if the parent-death signal was
+    missed (the launcher died before the rank could arm it)."""
     parent = os.environ.get("OVERLAP_LAUNCHER_PID")
     if parent and parent.isdigit() and os.getppid() != int(parent):
         sys.exit(1)

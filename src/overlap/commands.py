@@ -1,13 +1,15 @@
-"""`overlap run`: launch local ranks, join an external torchrun world, or write a Slurm script; then train.
-`overlap bench`: A/B runs of `overlap run` alternating configurations, with exposed communication and overlap efficiency.
+"""`overlap run`: launch local ranks, join an external torchrun world, or write a Slurm script; then
+train. `overlap bench`: A/B runs of `overlap run` alternating configurations, with exposed
+communication and overlap efficiency.
 
-Instruments of `overlap run` (every rank): `--network` picks the link (real, emulated `tbf:RATE`, modelled
-`model:LAT,BW`, see `overlap.launch.network`); a `Collector` on the tracer measures exposed communication per
-iteration, and rank 0 prints its table for the steady-state window. `--metrics FILE` also writes
-`FILE.comm.jsonl` (per iteration: exposed_comm_ms / total_comm_ms by kind, rank 0's view) and `FILE.summary.json`
-(window means, peak memory, network: what `overlap bench` reads). `--trace DIR`: every rank writes
-`DIR/rank<r>.events.json` (its raw events by iteration); after a barrier rank 0 merges them into `DIR/trace.json`
-(Chrome trace, one process per rank) and draws `DIR/timeline.png` (last iteration).
+Instruments of `overlap run` (every rank): `--network` picks the link (real, emulated `tbf:RATE`,
+modelled `model:LAT,BW`, see `overlap.launch.network`); a `Collector` on the tracer measures exposed
+communication per iteration, and rank 0 prints its table for the steady-state window. `--metrics
+FILE` also writes `FILE.comm.jsonl` (per iteration: exposed_comm_ms / total_comm_ms by kind, rank
+0's view) and `FILE.summary.json` (window means, peak memory, network: what `overlap bench` reads).
+`--trace DIR`: every rank writes `DIR/rank<r>.events.json` (its raw events by iteration); after a
+barrier rank 0 merges them into `DIR/trace.json` (Chrome trace, one process per rank) and draws
+`DIR/timeline.png` (last iteration).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 from overlap.errors import ConfigError, RankFailure
 
@@ -29,38 +31,76 @@ log = logging.getLogger("overlap")
 def register_commands(sub: argparse._SubParsersAction) -> None:
     from overlap.harness import add_harness_flags
 
-    run = sub.add_parser("run", help="train: -g cpu -ng N starts N local ranks; under torchrun joins that world")
+    run = sub.add_parser(
+        "run", help="train: -g cpu -ng N starts N local ranks; under torchrun joins that world"
+    )
     add_harness_flags(run)
-    run.add_argument("--metrics", default=None, help="write one JSON object per iteration to this file (rank 0)")
-    run.add_argument("--emit-slurm", default=None, metavar="FILE", help="write an sbatch script instead of running")
+    run.add_argument(
+        "--metrics", default=None, help="write one JSON object per iteration to this file (rank 0)"
+    )
+    run.add_argument(
+        "--emit-slurm",
+        default=None,
+        metavar="FILE",
+        help="write an sbatch script instead of running",
+    )
     from overlap.launch.slurm import SLURM_FLAGS
 
     for flags, kwargs in SLURM_FLAGS:
         run.add_argument(*flags, **kwargs)
     _add_instrument_flags(run)
-    run.add_argument("--trace", default=None, metavar="DIR",
-                     help="write per-rank events, a merged Chrome trace (trace.json) and timeline.png into DIR")
-    # real | none | none:FAMILY[,FAMILY]: the benchmark floors (`overlap bench --ideal/--ideal-family`); see comm.py
+    run.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="write per-rank events, a merged Chrome trace (trace.json) and timeline.png into DIR",
+    )
+    # real | none | none:FAMILY[,FAMILY]: the benchmark floors (`overlap bench
+    # --ideal/--ideal-family`); see comm.py
     run.add_argument("--comm-mode", default="real", help=argparse.SUPPRESS)
-    run.add_argument("--nccl-rules", action="store_true",
-                     help="-g cpu: run gloo under NCCL's rules (one work per batch, completion hidden from the host, "
-                          "tags ignored) and replay every rank's communication program with NCCL's streams at the "
-                          "end: a mismatched collective or a program that would hang on GPUs fails here (keep -ms "
-                          "small: every operation of the run is recorded)")
-    run.add_argument("--dry-run", action="store_true",
-                     help="play one rank of this (GPU) layout for one training step in this process, on fake tensors "
-                          "(no GPU, no memory): its communication program, peak memory next to the estimate, device "
-                          "mix-ups and host reads of device data (overlap.perf.dry_run)")
-    run.add_argument("--dry-run-rank", type=int, default=None, metavar="R", help="--dry-run: the rank to play (0)")
-    run.add_argument("--dry-run-microbatches", type=int, default=None, metavar="K",
-                     help="--dry-run: micro-batches to play (default: the fewest that reach the schedule's steady "
-                          "state; the report names the cut)")
-    run.add_argument("--dry-run-json", default=None, metavar="FILE", help="--dry-run: also write the report as JSON")
+    run.add_argument(
+        "--nccl-rules",
+        action="store_true",
+        help="-g cpu: run gloo under NCCL's rules (one work per batch, completion hidden from the "
+        "host, tags ignored) and replay every rank's communication program with NCCL's streams at "
+        "the end: a mismatched collective or a program that would hang on GPUs fails here (keep "
+        "-ms small: every operation of the run is recorded)",
+    )
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="play one rank of this (GPU) layout for one training step in this process, on fake "
+        "tensors (no GPU, no memory): its communication program, peak memory next to the estimate, "
+        "device mix-ups and host reads of device data (overlap.perf.dry_run)",
+    )
+    run.add_argument(
+        "--dry-run-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="--dry-run: the rank to play (0)",
+    )
+    run.add_argument(
+        "--dry-run-microbatches",
+        type=int,
+        default=None,
+        metavar="K",
+        help="--dry-run: micro-batches to play (default: the fewest that reach the schedule's "
+        "steady state; the report names the cut)",
+    )
+    run.add_argument(
+        "--dry-run-json",
+        default=None,
+        metavar="FILE",
+        help="--dry-run: also write the report as JSON",
+    )
     run.set_defaults(func=cmd_run)
 
     from overlap.perf.bench import BENCH_FLAGS
 
-    bench = sub.add_parser("bench", help="A/B benchmark: alternate `overlap run` over the values of one setting")
+    bench = sub.add_parser(
+        "bench", help="A/B benchmark: alternate `overlap run` over the values of one setting"
+    )
     add_harness_flags(bench)
     _add_instrument_flags(bench)
     for flags, kwargs in BENCH_FLAGS:
@@ -78,17 +118,22 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_instrument_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--network", default="real", metavar="SPEC",
-                   help="real (default) | tbf:RATE (ranks in a netns with a rate-limited loopback, e.g. tbf:800mbit; "
-                        "root + iproute2) | model:LATENCY,BANDWIDTH[,FAMILIES] (modelled link, e.g. model:100us,1GB/s; "
-                        "model:1ms,10MB/s,ep: only the ep collectives use it)")
+    p.add_argument(
+        "--network",
+        default="real",
+        metavar="SPEC",
+        help="real (default) | tbf:RATE (ranks in a netns with a rate-limited loopback, e.g. "
+        "tbf:800mbit; root + iproute2) | model:LATENCY,BANDWIDTH[,FAMILIES] (modelled link, e.g. "
+        "model:100us,1GB/s; model:1ms,10MB/s,ep: only the ep collectives use it)",
+    )
 
 
 _SCRIPT_ONLY = ("--emit-slurm", "-t", "--time_limit", "-a", "--account", "-p", "--partition")
 
 
 def _own_argv(argv: list[str]) -> list[str]:
-    """The command line minus --emit-slurm and the script's own options (the ranks must not re-emit)."""
+    """The command line minus --emit-slurm and the script's own options (the ranks must not
+    re-emit)."""
     out, skip = [], False
     for item in argv:
         if skip:
@@ -103,14 +148,19 @@ def _own_argv(argv: list[str]) -> list[str]:
 
 
 def _script_only(name: str) -> bool:
-    """`name` is one of _SCRIPT_ONLY, or an abbreviation argparse accepted for one (--emit for --emit-slurm)."""
-    return name in _SCRIPT_ONLY or (name.startswith("--") and len(name) > 3 and
-                                    any(o.startswith(name) for o in _SCRIPT_ONLY if o.startswith("--")))
+    """`name` is one of _SCRIPT_ONLY, or an abbreviation argparse accepted for one (--emit for
+    --emit-slurm)."""
+    return name in _SCRIPT_ONLY or (
+        name.startswith("--")
+        and len(name) > 3
+        and any(o.startswith(name) for o in _SCRIPT_ONLY if o.startswith("--"))
+    )
 
 
 def _preflight(job, args: argparse.Namespace) -> dict:
-    """Before a script is written or a rank starts: every output path (overlap.launch.paths), what this host or
-    device can hold (overlap.launch.resources), and the Slurm script's own options (returned)."""
+    """Before a script is written or a rank starts: every output path (overlap.launch.paths), what
+    this host or device can hold (overlap.launch.resources), and the Slurm script's own options
+    (returned)."""
     from overlap.launch.paths import check_checkpoint_paths, check_logger_paths, check_run_outputs
     from overlap.launch.resources import check_run_resources
     from overlap.launch.slurm import slurm_options
@@ -126,73 +176,122 @@ def _preflight(job, args: argparse.Namespace) -> dict:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from overlap.harness import launch_env_inputs, prepare
-    from overlap.launch.env import apply_launch_env, compute_launch_env, default_gpus_per_node, format_launch_env
+    from overlap.launch.env import (
+        apply_launch_env,
+        compute_launch_env,
+        default_gpus_per_node,
+        format_launch_env,
+    )
     from overlap.training.runtime_refusals import check_runtime_support
 
     if os.environ.get("RANK", "0") != "0":
-        logging.getLogger().setLevel(logging.ERROR)  # rank 0 reports the decisions; the others stay quiet
-    job = prepare(args)  # resolves and validates before anything starts: a bad config never spawns ranks
+        # rank 0 reports the decisions; the others stay quiet
+        logging.getLogger().setLevel(logging.ERROR)
+    # resolves and validates before anything starts: a bad config never spawns ranks
+    job = prepare(args)
     from overlap.launch.network import check_network_for, parse_network
 
     network = parse_network(args.network)
     _check_comm_mode(args.comm_mode)
-    env_settings = compute_launch_env(launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars,
-                                      os.environ)
+    env_settings = compute_launch_env(
+        launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ
+    )
     argv = _own_argv(args.argv)
     check_network_for(network, args.gpu)
     if args.nccl_rules:
         _check_nccl_rules(job.cfg, args, network)
     if args.emit_slurm and network.kind == "tbf":
-        raise ConfigError("--network", args.network, "the emulated interconnect is a local (-g cpu) launch feature.",
-                          "on a cluster use the real network (omit --network); CPU ranks may use a modelled link "
-                          "(model:LAT,BW).")
-    check_runtime_support(job.cfg, gpu=args.gpu != "cpu")  # before a script is queued or a rank starts
+        raise ConfigError(
+            "--network",
+            args.network,
+            "the emulated interconnect is a local (-g cpu) launch feature.",
+            "on a cluster use the real network (omit --network); CPU ranks may use a modelled link "
+            "(model:LAT,BW).",
+        )
+    # before a script is queued or a rank starts
+    check_runtime_support(job.cfg, gpu=args.gpu != "cpu")
     if args.dry_run:
         return _dry_run(job, args)
-    for flag, value in (("--dry-run-rank", args.dry_run_rank), ("--dry-run-microbatches", args.dry_run_microbatches),
-                        ("--dry-run-json", args.dry_run_json)):
+    for flag, value in (
+        ("--dry-run-rank", args.dry_run_rank),
+        ("--dry-run-microbatches", args.dry_run_microbatches),
+        ("--dry-run-json", args.dry_run_json),
+    ):
         if value is not None:
-            raise ConfigError(flag, value, "it shapes a dry run, and this command trains.",
-                              f"add --dry-run, or drop {flag}.")
+            raise ConfigError(
+                flag,
+                value,
+                "it shapes a dry run, and this command trains.",
+                f"add --dry-run, or drop {flag}.",
+            )
     slurm = _preflight(job, args)
     if args.emit_slurm:
         from overlap.launch.slurm import render_sbatch
 
         per_node = args.gpus_per_node or default_gpus_per_node(args.gpu, args.num_gpus)
         if args.num_gpus % per_node:
-            raise ConfigError("-ng/--num_gpus", args.num_gpus, f"a Slurm job runs whole nodes of {per_node} ranks.",
-                              f"use a multiple of {per_node} ranks, or set -gn/--gpus_per_node to divide -ng.")
-        env = {s.name: s.value for s in env_settings if s.value is not None and s.source != "user environment"}
-        script = render_sbatch(job_name=f"overlap-{args.model_recipe_name}",
-                               num_nodes=math.ceil(args.num_gpus / per_node), gpus_per_node=per_node,
-                               overlap_args=argv[1:], env=env, gpus=args.gpu != "cpu", **slurm)
+            raise ConfigError(
+                "-ng/--num_gpus",
+                args.num_gpus,
+                f"a Slurm job runs whole nodes of {per_node} ranks.",
+                f"use a multiple of {per_node} ranks, or set -gn/--gpus_per_node to divide -ng.",
+            )
+        env = {
+            s.name: s.value
+            for s in env_settings
+            if s.value is not None and s.source != "user environment"
+        }
+        script = render_sbatch(
+            job_name=f"overlap-{args.model_recipe_name}",
+            num_nodes=math.ceil(args.num_gpus / per_node),
+            gpus_per_node=per_node,
+            overlap_args=argv[1:],
+            env=env,
+            gpus=args.gpu != "cpu",
+            **slurm,
+        )
         Path(args.emit_slurm).write_text(script)
         print(f"wrote {args.emit_slurm}: submit it with sbatch")
         return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if os.environ["RANK"] == "0" and "OVERLAP_LAUNCHED" not in os.environ:
-            # Under an external launcher (torchrun, srun) the environment was fixed before we started: show what
-            # the rules ask for and what is in effect, so a missing CUDA_DEVICE_MAX_CONNECTIONS is not silent.
-            log.info("Launch environment (rules; set them in the launching environment, e.g. with --emit-slurm):"
-                     "\n%s", format_launch_env(env_settings))
+            # Under an external launcher (torchrun, srun) the environment was fixed before we
+            # started: show what the rules ask for and what is in effect, so a missing
+            # CUDA_DEVICE_MAX_CONNECTIONS is not silent.
+            log.info(
+                "Launch environment (rules; set them in the launching environment, e.g. with "
+                "--emit-slurm):\n%s",
+                format_launch_env(env_settings),
+            )
             for s in env_settings:
                 if s.value is not None and os.environ.get(s.name) != s.value:
-                    log.warning("%s is %r here but the launch rules ask for %r (%s)", s.name,
-                                os.environ.get(s.name), s.value, s.reason)
+                    log.warning(
+                        "%s is %r here but the launch rules ask for %r (%s)",
+                        s.name,
+                        os.environ.get(s.name),
+                        s.value,
+                        s.reason,
+                    )
         return _run_rank(job, args, network)
     if args.gpu != "cpu":
-        raise ConfigError("-g/--gpu", args.gpu, "GPU runs are started by torchrun or Slurm, one process per GPU.",
-                          "run under torchrun (torchrun --nproc-per-node=N -m overlap.cli run ...), write a Slurm "
-                          "script with --emit-slurm FILE, or use -g cpu for local CPU ranks.")
+        raise ConfigError(
+            "-g/--gpu",
+            args.gpu,
+            "GPU runs are started by torchrun or Slurm, one process per GPU.",
+            "run under torchrun (torchrun --nproc-per-node=N -m overlap.cli run ...), write a "
+            "Slurm script with --emit-slurm FILE, or use -g cpu for local CPU ranks.",
+        )
     from overlap.launch.local import launch_local, python_module_command
 
     print(f"Launch environment:\n{format_launch_env(env_settings)}", flush=True)
     worker_env = dict(os.environ)
     apply_launch_env(env_settings, worker_env)
-    worker_env["OVERLAP_LAUNCHED"] = "1"  # our own launcher already applied and printed the launch environment
+    worker_env["OVERLAP_LAUNCHED"] = (
+        "1"  # our own launcher already applied and printed the launch environment
+    )
     command = python_module_command("overlap.cli", argv)
-    # train.exit_signal_handler: a SIGTERM to us is a preemption the ranks answer with a checkpoint (they get the
-    # communication timeout to save and exit) rather than a stop.
+    # train.exit_signal_handler: a SIGTERM to us is a preemption the ranks answer with a checkpoint
+    # (they get the communication timeout to save and exit) rather than a stop.
     grace = job.cfg.train.comm_timeout_s if job.cfg.train.exit_signal_handler else None
     try:
         if network.kind == "tbf":
@@ -212,8 +311,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _dry_run(job, args: argparse.Namespace) -> int:
-    """--dry-run: one rank played here, no launcher (overlap.perf.dry_run); its report on stdout, exit 1 with the
-    finding when the step did not run through."""
+    """--dry-run: one rank played here, no launcher (overlap.perf.dry_run); its report on stdout,
+    exit 1 with the finding when the step did not run through."""
     import json
 
     from overlap.perf.dry_run import check_dry_run, run_dry
@@ -224,7 +323,10 @@ def _dry_run(job, args: argparse.Namespace) -> int:
     if options.json_path:
         Path(options.json_path).write_text(json.dumps(report.to_json(), indent=1))
     if not report.ok:
-        print(f"overlap: error: dry run of rank {report.rank}: {report.finding.line()}", file=sys.stderr)
+        print(
+            f"overlap: error: dry run of rank {report.rank}: {report.finding.line()}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -232,21 +334,35 @@ def _dry_run(job, args: argparse.Namespace) -> int:
 def _check_nccl_rules(cfg, args: argparse.Namespace, network) -> None:
     """--nccl-rules checks what goes through our comm layer, on CPU ranks, on the real link."""
     if args.gpu != "cpu":
-        raise ConfigError("--nccl-rules", True, "it makes gloo follow NCCL's rules on CPU ranks; GPU ranks run NCCL "
-                          "itself.", f"drop --nccl-rules for -g {args.gpu}, or use -g cpu.")
+        raise ConfigError(
+            "--nccl-rules",
+            True,
+            "it makes gloo follow NCCL's rules on CPU ranks; GPU ranks run NCCL itself.",
+            f"drop --nccl-rules for -g {args.gpu}, or use -g cpu.",
+        )
     if network.kind == "model":
-        raise ConfigError("--network", network.text, "the modelled link delays the host and matches messages by tag, "
-                          "and NCCL's rules hide completion from the host and ignore tags.",
-                          "drop --network with --nccl-rules (tbf:RATE and real are fine).")
+        raise ConfigError(
+            "--network",
+            network.text,
+            "the modelled link delays the host and matches messages by tag, and NCCL's rules hide "
+            "completion from the host and ignore tags.",
+            "drop --network with --nccl-rules (tbf:RATE and real are fine).",
+        )
     m, d = cfg.model, cfg.ddp
-    for field, value, peer in (("ddp.impl", d.impl, d.impl != "overlap"),
-                               ("model.pipeline_impl", m.pipeline_impl, m.pipeline_impl != "overlap"),
-                               ("model.tensor_parallel_impl", m.tensor_parallel_impl,
-                                m.tensor_parallel_impl != "overlap")):
+    for field, value, peer in (
+        ("ddp.impl", d.impl, d.impl != "overlap"),
+        ("model.pipeline_impl", m.pipeline_impl, m.pipeline_impl != "overlap"),
+        ("model.tensor_parallel_impl", m.tensor_parallel_impl, m.tensor_parallel_impl != "overlap"),
+    ):
         if peer:
-            raise ConfigError(field, value, "the PyTorch peers communicate through torch's own code, which our "
-                              "comm layer neither records nor holds to NCCL's rules: the replay would check only part "
-                              "of the run.", f"drop --nccl-rules, or use {field}=overlap.")
+            raise ConfigError(
+                field,
+                value,
+                "the PyTorch peers communicate through torch's own code, which our comm layer "
+                "neither records nor holds to NCCL's rules: the replay would check only part of "
+                "the run.",
+                f"drop --nccl-rules, or use {field}=overlap.",
+            )
 
 
 def _check_comm_mode(comm_mode: str) -> None:
@@ -260,8 +376,11 @@ def _network_label(network, comm_mode: str) -> str:
         return "none (comm mode none: no transfers, the compute-only floor; losses meaningless)"
     if comm_mode.startswith("none:"):
         families = comm_mode.partition(":")[2]
-        return (f"{network.describe()}; {families} communication free (comm mode {comm_mode}: the floor without "
-                f"it; losses meaningless)")
+        return (
+            f"{network.describe()}; {families} communication free (comm mode {comm_mode}: the "
+            "floor without "
+            f"it; losses meaningless)"
+        )
     return network.describe()
 
 
@@ -271,13 +390,19 @@ def _apply_network(network, comm_mode: str) -> None:
     from overlap.parallel import comm, link_model
 
     if network.kind == "tbf" and NETNS_ENV not in os.environ:
-        raise ConfigError("--network", network.text, "this rank is not inside the emulated interconnect: only the "
-                          "local launcher (-g cpu, no torchrun) builds the network namespace.",
-                          "launch with -g cpu without torchrun, or use a modelled link (model:LAT,BW).")
+        raise ConfigError(
+            "--network",
+            network.text,
+            "this rank is not inside the emulated interconnect: only the local launcher (-g cpu, "
+            "no torchrun) builds the network namespace.",
+            "launch with -g cpu without torchrun, or use a modelled link (model:LAT,BW).",
+        )
     comm.set_mode(comm_mode)
-    link_model.set_network(link_model.LinkModel(network.latency_s, network.bandwidth_Bps,
-                                                network.families)
-                           if network.kind == "model" else None)
+    link_model.set_network(
+        link_model.LinkModel(network.latency_s, network.bandwidth_Bps, network.families)
+        if network.kind == "model"
+        else None
+    )
 
 
 def _choose_gloo_interface() -> str | None:
@@ -318,12 +443,18 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     from overlap.training.trainer import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    logging.getLogger().handlers[0].setFormatter(logging.Formatter(f"[overlap rank {rank}] %(levelname)s %(message)s"))
+    logging.getLogger().handlers[0].setFormatter(
+        logging.Formatter(f"[overlap rank {rank}] %(levelname)s %(message)s")
+    )
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     if world != args.num_gpus:
-        raise ConfigError("-ng/--num_gpus", args.num_gpus, f"the launcher started {world} ranks.",
-                          f"pass -ng {world}, or launch {args.num_gpus} ranks.")
+        raise ConfigError(
+            "-ng/--num_gpus",
+            args.num_gpus,
+            f"the launcher started {world} ranks.",
+            f"pass -ng {world}, or launch {args.num_gpus} ranks.",
+        )
     use_cuda = args.gpu != "cpu"
     device, address = None, None
     if use_cuda:
@@ -358,11 +489,17 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         label = _network_label(network, args.comm_mode)
         if rank == 0:
             log.info("Network: %s", label)
-        sinks = open_sinks(cfg, args.metrics) if rank == 0 else RunSinks()  # --metrics, TensorBoard, W&B
+        # --metrics, TensorBoard, W&B
+        sinks = open_sinks(cfg, args.metrics) if rank == 0 else RunSinks()
         if rank == 0:
             log.info("Metrics (rank 0) go to: %s", sinks.describe())
-        collector = Collector(rank, label, keep_events=args.trace is not None, comm_metrics=sinks.comm,
-                              first_iteration=trainer.start_iteration)
+        collector = Collector(
+            rank,
+            label,
+            keep_events=args.trace is not None,
+            comm_metrics=sinks.comm,
+            first_iteration=trainer.start_iteration,
+        )
         RECORDER.on_drain = collector
         try:
             with _progress(rank == 0, cfg.train.train_iters) as advance:
@@ -379,17 +516,29 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
             _write_traces(collector, Path(args.trace), rank, world)
         if rank == 0 and summary.records:
             start, end = summary.window
-            log.info("steady-state step time over iterations %d-%d: %.1f ms (Step Time : %.3fs) | peak memory "
-                     "(rank 0): %.0f MB", start + 1, end, summary.steady_step_ms, summary.steady_step_ms / 1e3,
-                     summary.peak_memory_mb)  # 0-based [start, end) -> 1-based first-last (training/metrics.py)
+            log.info(
+                "steady-state step time over iterations %d-%d: %.1f ms (Step Time : %.3fs) | peak "
+                "memory (rank 0): %.0f MB",
+                start + 1,
+                end,
+                summary.steady_step_ms,
+                summary.steady_step_ms / 1e3,
+                summary.peak_memory_mb,
+            )  # 0-based [start, end) -> 1-based first-last (training/metrics.py)
             if summary.pipeline_output_peak_bytes:
-                log.info("pipeline stage outputs alive at once (rank 0, max over steps): %.1f KB (%s)",
-                         summary.pipeline_output_peak_bytes / 1e3,
-                         "released once sent: model.deallocate_pipeline_outputs" if cfg.model.deallocate_pipeline_outputs
-                         else "kept until their backward; model.deallocate_pipeline_outputs=true releases them")
+                log.info(
+                    "pipeline stage outputs alive at once (rank 0, max over steps): %.1f KB (%s)",
+                    summary.pipeline_output_peak_bytes / 1e3,
+                    "released once sent: model.deallocate_pipeline_outputs"
+                    if cfg.model.deallocate_pipeline_outputs
+                    else "kept until their backward; model.deallocate_pipeline_outputs=true "
+                    "releases them",
+                )
             if summary.comm_ms:
-                log.info("communication time by kind over the run (ms, launch to completion): %s",
-                         ", ".join(f"{k} {v:.0f}" for k, v in sorted(summary.comm_ms.items())))
+                log.info(
+                    "communication time by kind over the run (ms, launch to completion): %s",
+                    ", ".join(f"{k} {v:.0f}" for k, v in sorted(summary.comm_ms.items())),
+                )
     except RuntimeError as exc:
         from overlap.launch.interfaces import lost_peer
 
@@ -412,30 +561,37 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
 
 
 def _replay_programs(rank: int) -> None:
-    """--nccl-rules: every rank's recorded program, replayed with NCCL's streams on every rank (each one stops with
-    the same finding); the findings that would hang or corrupt a GPU run end it with an error."""
-    from overlap.parallel import comm
+    """--nccl-rules: every rank's recorded program, replayed with NCCL's streams on every rank (each
+    one stops with the same finding); the findings that would hang or corrupt a GPU run end it with
+    an error."""
     from overlap.errors import ProgramError
+    from overlap.parallel import comm
     from overlap.parallel.program import early_send_waits, replay
 
     entries = comm.PROGRAM.stop()
     programs = dict(enumerate(comm.all_gather_object(entries)))
     problems = replay(programs)
     if problems:
-        raise ProgramError("under NCCL's rules this run would fail on GPUs:\n" + "\n".join(problems))
+        raise ProgramError(
+            "under NCCL's rules this run would fail on GPUs:\n" + "\n".join(problems)
+        )
     stalls = early_send_waits(programs)
     if rank == 0:
-        log.info("NCCL's rules: every rank's program (%d operations on rank 0) replays with NCCL's streams: "
-                 "collectives match, every message meets its receive, nothing deadlocks", len(entries))
+        log.info(
+            "NCCL's rules: every rank's program (%d operations on rank 0) replays with NCCL's "
+            "streams: collectives match, every message meets its receive, nothing deadlocks",
+            len(entries),
+        )
         for line in stalls:
             log.warning("NCCL's rules: %s: the compute stream would wait for that send", line)
 
 
 @contextmanager
 def _progress(show: bool, total: int) -> Iterator[Callable[[int, int, float], None] | None]:
-    """A live progress bar on rank 0 when stderr is a terminal; logs then go through the same rich console, so the
-    bar and the iteration lines never garble each other. Other ranks log only warnings, as whole lines. Under the
-    local launcher stderr is the rank's log file, which the launcher forwards to its terminal (STDERR_TTY_ENV)."""
+    """A live progress bar on rank 0 when stderr is a terminal; logs then go through the same rich
+    console, so the bar and the iteration lines never garble each other. Other ranks log only
+    warnings, as whole lines. Under the local launcher stderr is the rank's log file, which the
+    launcher forwards to its terminal (STDERR_TTY_ENV)."""
     from overlap.launch.local import STDERR_TTY_ENV
 
     forwarded = os.environ.get(STDERR_TTY_ENV) == "1"
@@ -444,15 +600,28 @@ def _progress(show: bool, total: int) -> Iterator[Callable[[int, int, float], No
         return
     from rich.console import Console
     from rich.logging import RichHandler
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     console = Console(stderr=True, force_terminal=True if forwarded else None)
     root = logging.getLogger()
     saved = root.handlers[:]
     root.handlers = [RichHandler(console=console, show_path=False, show_time=False)]
     try:
-        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                      TextColumn("lm loss {task.fields[loss]}"), console=console, transient=True) as bar:
+        with Progress(
+            TextColumn("training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("lm loss {task.fields[loss]}"),
+            console=console,
+            transient=True,
+        ) as bar:
             task = bar.add_task("train", total=total, loss="-")
             yield lambda done, _total, loss: bar.update(task, completed=done, loss=f"{loss:.4f}")
     finally:
@@ -460,40 +629,67 @@ def _progress(show: bool, total: int) -> Iterator[Callable[[int, int, float], No
 
 
 def _report_exposure(collector, summary, network_label: str, args: argparse.Namespace) -> None:
-    """Rank 0: the exposed-communication table for the steady-state window, and the run summary file."""
+    """Rank 0: the exposed-communication table for the steady-state window, and the run summary
+    file."""
     import json
 
     from overlap.profiling.exposed import format_table
     from overlap.training.metrics import window_iterations
 
     first, last = window_iterations(summary.window)  # 1-based, both included (training/metrics.py)
-    rows = collector.window_mean((summary.window[0] - summary.first_iteration,  # the collector counts this run's
-                                  summary.window[1] - summary.first_iteration))  # iterations from 0
+    rows = collector.window_mean(
+        (
+            summary.window[0] - summary.first_iteration,  # the collector counts this run's
+            summary.window[1] - summary.first_iteration,
+        )
+    )  # iterations from 0
     from overlap.parallel.trace import RECORDER
 
     timeline = RECORDER.timeline.name
     if rows:
-        log.info("%s", format_table(rows, f"exposed communication, rank 0, mean per iteration over iterations "
-                                          f"{first}-{last} | network: {network_label} | timeline: {timeline}"))
+        log.info(
+            "%s",
+            format_table(
+                rows,
+                f"exposed communication, rank 0, mean per iteration over iterations {first}-{last} "
+                f"| network: {network_label} | timeline: {timeline}",
+            ),
+        )
     if args.metrics:
-        Path(f"{args.metrics}.summary.json").write_text(json.dumps({
-            "network": network_label, "timeline": timeline, "comm_mode": args.comm_mode,
-            "window_iterations": [first, last],
-            "steady_step_ms": summary.steady_step_ms, "peak_mem_mb": summary.peak_memory_mb,
-            "exposed_comm_ms": {k: r.exposed_ms for k, r in rows.items()},
-            "exposed_peer_wait_ms": {k: r.peer_wait_ms for k, r in rows.items() if r.peer_wait_ms is not None},
-            "total_comm_ms": {k: r.total_ms for k, r in rows.items()},
-            "comm_mb": {k: r.nbytes / 1e6 for k, r in rows.items()},
-            "first_iteration": summary.first_iteration + 1, "stopped": summary.stopped,
-            # fp16: the iterations whose step a gradient overflow skipped (optim/loss_scaler.py)
-            "overflow_skipped_iterations": [r.iteration + 1 for r in summary.records if r.skipped_to is not None],
-            "checkpoint": summary.checkpoint, "pipeline_output_peak_bytes": summary.pipeline_output_peak_bytes},
-            indent=1))
+        Path(f"{args.metrics}.summary.json").write_text(
+            json.dumps(
+                {
+                    "network": network_label,
+                    "timeline": timeline,
+                    "comm_mode": args.comm_mode,
+                    "window_iterations": [first, last],
+                    "steady_step_ms": summary.steady_step_ms,
+                    "peak_mem_mb": summary.peak_memory_mb,
+                    "exposed_comm_ms": {k: r.exposed_ms for k, r in rows.items()},
+                    "exposed_peer_wait_ms": {
+                        k: r.peer_wait_ms for k, r in rows.items() if r.peer_wait_ms is not None
+                    },
+                    "total_comm_ms": {k: r.total_ms for k, r in rows.items()},
+                    "comm_mb": {k: r.nbytes / 1e6 for k, r in rows.items()},
+                    "first_iteration": summary.first_iteration + 1,
+                    "stopped": summary.stopped,
+                    # fp16: the iterations whose step a gradient overflow skipped
+                    # (optim/loss_scaler.py)
+                    "overflow_skipped_iterations": [
+                        r.iteration + 1 for r in summary.records if r.skipped_to is not None
+                    ],
+                    "checkpoint": summary.checkpoint,
+                    "pipeline_output_peak_bytes": summary.pipeline_output_peak_bytes,
+                },
+                indent=1,
+            )
+        )
 
 
 def _write_traces(collector, trace_dir: Path, rank: int, world: int) -> None:
-    """Every rank writes its events; after a barrier rank 0 merges whatever rank files it can see (on several nodes
-    DIR must be shared storage, else it says which ranks are missing) into trace.json and timeline.png."""
+    """Every rank writes its events; after a barrier rank 0 merges whatever rank files it can see
+    (on several nodes DIR must be shared storage, else it says which ranks are missing) into
+    trace.json and timeline.png."""
     from overlap.parallel import comm
     from overlap.profiling.chrome_trace import write_chrome_trace
     from overlap.profiling.collector import RankTrace
@@ -507,16 +703,24 @@ def _write_traces(collector, trace_dir: Path, rank: int, world: int) -> None:
     paths = [trace_dir / f"rank{r}.events.json" for r in range(world)]
     missing = [r for r, p in enumerate(paths) if not p.exists()]
     if missing:
-        log.warning("trace: no event files from ranks %s in %s (not shared storage?); merging the others",
-                    missing, trace_dir)
+        log.warning(
+            "trace: no event files from ranks %s in %s (not shared storage?); merging the others",
+            missing,
+            trace_dir,
+        )
     traces = [RankTrace.read(p) for p in paths if p.exists()]
     write_chrome_trace(traces, trace_dir / "trace.json")
     written = [f"{trace_dir / 'trace.json'} (open in https://ui.perfetto.dev or chrome://tracing)"]
     timeline = trace_dir / "timeline.png"
-    timeline.unlink(missing_ok=True)  # a picture left by an earlier run must not pass for this one's
+    # a picture left by an earlier run must not pass for this one's
+    timeline.unlink(missing_ok=True)
     try:
-        plot_timeline(traces, timeline,
-                      title=f"last iteration, {len(traces)} ranks | network: {traces[0].network.split(' (')[0]}")
+        plot_timeline(
+            traces,
+            timeline,
+            title=f"last iteration, {len(traces)} ranks | network: "
+            f"{traces[0].network.split(' (')[0]}",
+        )
     except MissingPlotting as exc:
         log.error("timeline.png not drawn: %s", exc)
     if timeline.exists():

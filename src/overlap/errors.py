@@ -1,17 +1,19 @@
 """User-facing errors.
 
-A user mistake (bad field value, impossible layout, unmet prerequisite) is reported as one paragraph that names the
-field, the value and the fix, and the command line exits with status 2 without a traceback. Everything else is a bug
-and keeps its traceback.
+A user mistake (bad field value, impossible layout, unmet prerequisite) is reported as one paragraph
+that names the field, the value and the fix, and the command line exits with status 2 without a
+traceback. Everything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 class ConfigError(ValueError):
-    """A configuration the user can fix: names the field, the offending value, why it is wrong and how to fix it."""
+    """A configuration the user can fix: names the field, the offending value, why it is wrong and
+    how to fix it."""
 
     def __init__(self, field: str, value: Any, why: str, fix: str) -> None:
         self.field = field
@@ -22,7 +24,8 @@ class ConfigError(ValueError):
 
 
 class NotBuiltError(ConfigError):
-    """A valid request for a capability the overlap runtime does not implement yet. Never faked, always said."""
+    """A valid request for a capability the overlap runtime does not implement yet. Never faked,
+    always said."""
 
     def __init__(self, field: str, value: Any, what: str, fix: str) -> None:
         super().__init__(field, value, f"{what} is not built in the overlap runtime yet.", fix)
@@ -36,12 +39,13 @@ def check_rules(rules: Iterable[tuple[str, Any, bool, str, str]]) -> None:
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint that cannot be written or honoured (missing, truncated, another model's): names the folder or
-    file, and the tensor where one is at fault."""
+    """A checkpoint that cannot be written or honoured (missing, truncated, another model's): names
+    the folder or file, and the tensor where one is at fault."""
 
 
 class NonFiniteError(ConfigError):
-    """Training stopped on a NaN/Inf loss or gradient (ddp.check_for_nan_in_grad), before anything was updated."""
+    """Training stopped on a NaN/Inf loss or gradient (ddp.check_for_nan_in_grad), before anything
+    was updated."""
 
 
 class RankFailure(RuntimeError):
@@ -49,5 +53,6 @@ class RankFailure(RuntimeError):
 
 
 class ProgramError(RuntimeError):
-    """What the ranks' recorded communication programs would do wrong on NCCL (`overlap.parallel.program`: a
-    mismatched collective, an unmatched message, a deadlock), one finding per line."""
+    """What the ranks' recorded communication programs would do wrong on NCCL
+    (`overlap.parallel.program`: a mismatched collective, an unmatched message, a deadlock), one
+    finding per line."""

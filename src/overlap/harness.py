@@ -1,16 +1,18 @@
-"""The harness command line (Megatron-Bridge `run_script.py` flags + `section.field=value` overrides) -> a resolved job.
+"""The harness command line (Megatron-Bridge `run_script.py` flags + `section.field=value`
+overrides) -> a resolved job.
 
-Shared by every subcommand (`explain`, `run`, `bench`), so it lives below all of them: it imports only the
-configuration and the launch-environment rules.
+Shared by every subcommand (`explain`, `run`, `bench`), so it lives below all of them: it imports
+only the configuration and the launch-environment rules.
 
-Order of application, as in the reference harness: recipe, then the flags, then the overrides - so an override beats a
-flag. Unlike the reference, the disagreement is never silent: every flag/override pair that set one field (or its
-`comm_overlap` twin) to different values is a "command line" decision ("the override beats --moe_a2a_overlap false"),
-logged at start-up, shown by `explain`, and an error under `--strict`. Two reference flaws are fixed on purpose:
-`--moe_a2a_overlap false` really turns EP overlap off, and `--moe_a2a_overlap true` turns on EP overlap and nothing
-else (the reference also switched on delay_wgrad_compute). The same override key twice is an error, not "the last
-one wins" (`check_override_repeats`); `prepare` refuses sizes no machine can represent before anything is built
-(`overlap.launch.resources`).
+Order of application, as in the reference harness: recipe, then the flags, then the overrides - so
+an override beats a flag. Unlike the reference, the disagreement is never silent: every
+flag/override pair that set one field (or its `comm_overlap` twin) to different values is a "command
+line" decision ("the override beats --moe_a2a_overlap false"), logged at start-up, shown by
+`explain`, and an error under `--strict`. Two reference flaws are fixed on purpose:
+`--moe_a2a_overlap false` really turns EP overlap off, and `--moe_a2a_overlap true` turns on EP
+overlap and nothing else (the reference also switched on delay_wgrad_compute). The same override key
+twice is an error, not "the last one wins" (`check_override_repeats`); `prepare` refuses sizes no
+machine can represent before anything is built (`overlap.launch.resources`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from typing import Any
 from overlap.config.comm_overlap import DIRECT_SECTION, CommOverlapConfig
 from overlap.config.container import ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
-from overlap.config.flex_dispatcher import TARGET_DEVICES, apply_flex_dispatcher_backend, probe_device
+from overlap.config.flex_dispatcher import (
+    TARGET_DEVICES,
+    apply_flex_dispatcher_backend,
+    probe_device,
+)
 from overlap.config.hf_config import PRETRAINED
 from overlap.config.mixed_precision import get_mixed_precision_config
 from overlap.config.overrides import apply_overrides, check_override_repeats
@@ -35,17 +41,30 @@ from overlap.launch.resources import MemoryEstimate, check_representable
 log = logging.getLogger("overlap")
 
 _KEEP = object()  # "flag not given": keep the recipe's value
-MAX_WORLD_SIZE = 2**20  # a world size past this is a typo, not a cluster (and would be allocated per rank)
+# a world size past this is a typo, not a cluster (and would be allocated per rank)
+MAX_WORLD_SIZE = 2**20
 COMPUTE_DTYPES = {"bf16": "bf16_mixed", "fp16": "fp16_mixed", "fp32": "fp32"}
 REFERENCE_FP8_DTYPES = ("fp8_cs", "fp8_mx", "fp8_sc", "fp8_ds", "nvfp4")
 
-# Settings that change what the runtime does but are not overlap decisions: `explain` lists them with their source.
-OTHER_SETTINGS = ("mixed_precision", "model.sequence_parallel", "model.moe_token_dispatcher_type",
-                  "model.moe_permute_fusion", "model.recompute_granularity", "model.recompute_modules",
-                  "model.recompute_num_layers", "ddp.use_distributed_optimizer", "ddp.grad_reduce_in_fp32",
-                  "train.global_batch_size", "train.micro_batch_size",
-                  # which implementation runs: ours, or a PyTorch peer (whose collectives the tracer does not see)
-                  "model.tensor_parallel_impl", "model.pipeline_impl", "ddp.impl")
+# Settings that change what the runtime does but are not overlap decisions: `explain` lists them
+# with their source.
+OTHER_SETTINGS = (
+    "mixed_precision",
+    "model.sequence_parallel",
+    "model.moe_token_dispatcher_type",
+    "model.moe_permute_fusion",
+    "model.recompute_granularity",
+    "model.recompute_modules",
+    "model.recompute_num_layers",
+    "ddp.use_distributed_optimizer",
+    "ddp.grad_reduce_in_fp32",
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    # which implementation runs: ours, or a PyTorch peer (whose collectives the tracer does not see)
+    "model.tensor_parallel_impl",
+    "model.pipeline_impl",
+    "ddp.impl",
+)
 
 
 def bool_arg(text: str) -> bool:
@@ -62,59 +81,149 @@ def int_or_none(text: str) -> int | None:
 
 
 def add_harness_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("harness flags (Megatron-Bridge run_script.py compatible; overrides given after them win)")
+    g = p.add_argument_group(
+        "harness flags (Megatron-Bridge run_script.py compatible; overrides given after them win)"
+    )
     g.add_argument("-m", "--model_family_name", type=str.lower, help="model family, e.g. qwen")
-    g.add_argument("-mr", "--model_recipe_name", type=str.lower,
-                   help="recipe, e.g. qwen3_30b_a3b, qwen3_moe_tiny, dense_tiny (overlap explain --list-recipes)")
-    g.add_argument("--task", default="pretrain", choices=("pretrain", "sft", "peft"),
-                   help="pretrain (sft/peft are not built)")
-    g.add_argument("-g", "--gpu", default="cpu", type=str.lower, choices=VALID_ACCELERATORS,
-                   help="accelerator type; cpu = local CPU ranks over gloo. explain describes this target; run checks "
-                        "the device it actually has")
-    g.add_argument("-c", "--compute_dtype", default=None, type=str.lower,
-                   help="bf16 | fp16 | fp32 (default: the recipe's precision)")
+    g.add_argument(
+        "-mr",
+        "--model_recipe_name",
+        type=str.lower,
+        help="recipe, e.g. qwen3_30b_a3b, qwen3_moe_tiny, dense_tiny (overlap explain "
+        "--list-recipes)",
+    )
+    g.add_argument(
+        "--task",
+        default="pretrain",
+        choices=("pretrain", "sft", "peft"),
+        help="pretrain (sft/peft are not built)",
+    )
+    g.add_argument(
+        "-g",
+        "--gpu",
+        default="cpu",
+        type=str.lower,
+        choices=VALID_ACCELERATORS,
+        help="accelerator type; cpu = local CPU ranks over gloo. explain describes this target; "
+        "run checks the device it actually has",
+    )
+    g.add_argument(
+        "-c",
+        "--compute_dtype",
+        default=None,
+        type=str.lower,
+        help="bf16 | fp16 | fp32 (default: the recipe's precision)",
+    )
     g.add_argument("-ng", "--num_gpus", type=int, help="world size (ranks)")
-    g.add_argument("-gn", "--gpus_per_node", type=int, default=None,
-                   help="ranks per node (default: the GPU's standard node; Slurm scripts)")
-    g.add_argument("-ms", "--max_steps", type=int, default=None, help="training iterations (train.train_iters)")
-    g.add_argument("-cv", "--config_variant", default=None, help="v1 | v2 (both: the canonical recipe)")
-    g.add_argument("--cuda_graph_impl", choices=("none", "local", "transformer_engine"), default=None,
-                   help="CUDA-graph implementation (none: no graphs; the runtime does not capture graphs yet)")
-    g.add_argument("--cuda_graph_scope", default=None, help="comma list of CUDA-graph scopes (model.cuda_graph_scope)")
-    g.add_argument("--moe_flex_dispatcher_backend", default=_KEEP,
-                   help="torch | deepep | hybridep | None (None: alltoall dispatch)")
-    g.add_argument("--moe_a2a_overlap", type=bool_arg, default=None,
-                   help="true/false: EP all-to-all overlap on/off (and nothing else)")
-    g.add_argument("--tokenizer_type", default=None,
-                   choices=("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"),
-                   help="NullTokenizer: mock data (uniform random tokens)")
-    g.add_argument("--tokenizer_model", default=None,
-                   help="HuggingFaceTokenizer: a tokenizer.json or its folder (tokenizer.tokenizer_model)")
-    g.add_argument("--vocab_size", type=int, default=None, help="NullTokenizer vocabulary (model.vocab_size)")
-    for flag, dest, what in (("-tp", "tensor_model_parallel_size", "tensor-parallel size (implies sequence parallel)"),
-                             ("-pp", "pipeline_model_parallel_size", "pipeline-parallel size"),
-                             ("-cp", "context_parallel_size", "context-parallel size"),
-                             ("-ep", "expert_model_parallel_size", "expert-parallel size"),
-                             ("-et", "expert_tensor_parallel_size", "expert tensor-parallel size")):
+    g.add_argument(
+        "-gn",
+        "--gpus_per_node",
+        type=int,
+        default=None,
+        help="ranks per node (default: the GPU's standard node; Slurm scripts)",
+    )
+    g.add_argument(
+        "-ms", "--max_steps", type=int, default=None, help="training iterations (train.train_iters)"
+    )
+    g.add_argument(
+        "-cv", "--config_variant", default=None, help="v1 | v2 (both: the canonical recipe)"
+    )
+    g.add_argument(
+        "--cuda_graph_impl",
+        choices=("none", "local", "transformer_engine"),
+        default=None,
+        help="CUDA-graph implementation (none: no graphs; the runtime does not capture graphs yet)",
+    )
+    g.add_argument(
+        "--cuda_graph_scope",
+        default=None,
+        help="comma list of CUDA-graph scopes (model.cuda_graph_scope)",
+    )
+    g.add_argument(
+        "--moe_flex_dispatcher_backend",
+        default=_KEEP,
+        help="torch | deepep | hybridep | None (None: alltoall dispatch)",
+    )
+    g.add_argument(
+        "--moe_a2a_overlap",
+        type=bool_arg,
+        default=None,
+        help="true/false: EP all-to-all overlap on/off (and nothing else)",
+    )
+    g.add_argument(
+        "--tokenizer_type",
+        default=None,
+        choices=("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"),
+        help="NullTokenizer: mock data (uniform random tokens)",
+    )
+    g.add_argument(
+        "--tokenizer_model",
+        default=None,
+        help="HuggingFaceTokenizer: a tokenizer.json or its folder (tokenizer.tokenizer_model)",
+    )
+    g.add_argument(
+        "--vocab_size", type=int, default=None, help="NullTokenizer vocabulary (model.vocab_size)"
+    )
+    for flag, dest, what in (
+        ("-tp", "tensor_model_parallel_size", "tensor-parallel size (implies sequence parallel)"),
+        ("-pp", "pipeline_model_parallel_size", "pipeline-parallel size"),
+        ("-cp", "context_parallel_size", "context-parallel size"),
+        ("-ep", "expert_model_parallel_size", "expert-parallel size"),
+        ("-et", "expert_tensor_parallel_size", "expert tensor-parallel size"),
+    ):
         g.add_argument(flag, dest=dest, type=int, default=None, help=what)
-    g.add_argument("-vp", dest="virtual_pipeline_model_parallel_size", type=int_or_none, default=_KEEP,
-                   help="virtual pipeline size per rank, or None")
-    g.add_argument("-gb", "--global_batch_size", type=int, default=None, help="sequences per optimizer step")
-    g.add_argument("-mb", "--micro_batch_size", type=int, default=None, help="sequences per micro-batch")
+    g.add_argument(
+        "-vp",
+        dest="virtual_pipeline_model_parallel_size",
+        type=int_or_none,
+        default=_KEEP,
+        help="virtual pipeline size per rank, or None",
+    )
+    g.add_argument(
+        "-gb", "--global_batch_size", type=int, default=None, help="sequences per optimizer step"
+    )
+    g.add_argument(
+        "-mb", "--micro_batch_size", type=int, default=None, help="sequences per micro-batch"
+    )
     g.add_argument("-sl", "--seq_length", type=int, default=None, help="tokens per sequence")
-    g.add_argument("-rl", "--recompute_num_layers", type=int, default=None,
-                   help="full recompute of this many layers per chunk (uniform)")
+    g.add_argument(
+        "-rl",
+        "--recompute_num_layers",
+        type=int,
+        default=None,
+        help="full recompute of this many layers per chunk (uniform)",
+    )
     g.add_argument("--recompute_modules", default=None, help="comma list: selective recompute")
-    g.add_argument("--eval_time_start_step", type=int, default=None,
-                   help="first step (0-based index) of the steady-state timing window")
-    g.add_argument("--eval_time_end_step", type=int, default=None, help="end (exclusive, 0-based) of that window")
-    g.add_argument("--skip_first_percent_time", type=float, default=None,
-                   help="window start as a fraction of the steps when --eval_time_start_step is not given")
-    g.add_argument("--strict", action="store_true",
-                   help="any overlap request that cannot be honoured, any switch that would do nothing and any "
-                        "flag beaten by an override is an error")
-    p.add_argument("overrides", nargs="*", help="section.field=value overrides (e.g. model.num_layers=4); "
-                                                "overlap explain --list-keys lists them")
+    g.add_argument(
+        "--eval_time_start_step",
+        type=int,
+        default=None,
+        help="first step (0-based index) of the steady-state timing window",
+    )
+    g.add_argument(
+        "--eval_time_end_step",
+        type=int,
+        default=None,
+        help="end (exclusive, 0-based) of that window",
+    )
+    g.add_argument(
+        "--skip_first_percent_time",
+        type=float,
+        default=None,
+        help="window start as a fraction of the steps when --eval_time_start_step is not given",
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        help="any overlap request that cannot be honoured, any switch that would do nothing and "
+        "any flag beaten by an override is an error",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="section.field=value overrides (e.g. model.num_layers=4); overlap explain --list-keys "
+        "lists them",
+    )
 
 
 @dataclass
@@ -131,14 +240,19 @@ class Job:
 class _FlagWrite:
     flag: str
     value: Any
-    before: Any  # the field's value before the flag wrote it (restored when an override of its twin wins)
-    implied: bool  # a value the flag implies (SP from -tp), which an explicit override refines without dispute
-    typed: Any = _KEEP  # the flag's value as the user typed it, when that is not the field's value (-c bf16)
+    # the field's value before the flag wrote it (restored when an override of its twin wins)
+    before: Any
+    # a value the flag implies (SP from -tp), which an explicit override refines without dispute
+    implied: bool
+    typed: Any = (
+        _KEEP  # the flag's value as the user typed it, when that is not the field's value (-c bf16)
+    )
 
 
 @dataclass
 class CommandLine:
-    """What the flags wrote, and what the overrides set, for provenance and flag/override reconciliation."""
+    """What the flags wrote, and what the overrides set, for provenance and flag/override
+    reconciliation."""
 
     flags: dict[str, _FlagWrite] = field(default_factory=dict)
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -172,28 +286,50 @@ def _twins(key: str) -> list[str]:
     direct = DIRECT_SECTION.get(name)
     if direct is None:
         return []
-    return [f"{direct}.{name}"] if section == "comm_overlap" else \
-        [f"comm_overlap.{name}"] if section == direct else []
+    return (
+        [f"{direct}.{name}"]
+        if section == "comm_overlap"
+        else [f"comm_overlap.{name}"]
+        if section == direct
+        else []
+    )
 
 
 def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decision], CommandLine]:
-    """Recipe -> flags -> overrides; returns the config, the command-line decisions and the provenance."""
+    """Recipe -> flags -> overrides; returns the config, the command-line decisions and the
+    provenance."""
     if not args.model_family_name or not args.model_recipe_name:
-        raise ConfigError("-m/-mr", None, "a model family and recipe are required.",
-                          "pass e.g. -m qwen -mr qwen3_moe_tiny (overlap explain --list-recipes lists them).")
+        raise ConfigError(
+            "-m/-mr",
+            None,
+            "a model family and recipe are required.",
+            "pass e.g. -m qwen -mr qwen3_moe_tiny (overlap explain --list-recipes lists them).",
+        )
     if args.num_gpus is None:
         raise ConfigError("-ng/--num_gpus", None, "the world size is required.", "pass e.g. -ng 4.")
     if args.num_gpus > MAX_WORLD_SIZE:
-        raise ConfigError("-ng/--num_gpus", args.num_gpus, f"more than {MAX_WORLD_SIZE:,} ranks: no cluster has that "
-                          "many (a typo?).", "pass the number of GPUs (or local CPU ranks) the job uses.")
+        raise ConfigError(
+            "-ng/--num_gpus",
+            args.num_gpus,
+            f"more than {MAX_WORLD_SIZE:,} ranks: no cluster has that many (a typo?).",
+            "pass the number of GPUs (or local CPU ranks) the job uses.",
+        )
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
-        raise ConfigError("-gn/--gpus_per_node", args.gpus_per_node, "a node runs at least one rank.",
-                          "pass -gn 1 or more (e.g. -gn 8), or omit -gn for the GPU's standard node.")
+        raise ConfigError(
+            "-gn/--gpus_per_node",
+            args.gpus_per_node,
+            "a node runs at least one rank.",
+            "pass -gn 1 or more (e.g. -gn 8), or omit -gn for the GPU's standard node.",
+        )
     if args.task != "pretrain":
         raise NotBuiltError("--task", args.task, "Fine-tuning (sft/peft)", "use --task pretrain.")
     if args.config_variant not in (None, "v1", "v2"):
-        raise ConfigError("-cv/--config_variant", args.config_variant, "recipes here have one canonical variant.",
-                          "omit -cv, or use v1/v2 (both mean the canonical recipe).")
+        raise ConfigError(
+            "-cv/--config_variant",
+            args.config_variant,
+            "recipes here have one canonical variant.",
+            "omit -cv, or use v1/v2 (both mean the canonical recipe).",
+        )
     recipe = get_recipe(args.model_family_name, args.model_recipe_name)
     cfg = recipe.build(args.num_gpus)
     line = CommandLine()
@@ -206,61 +342,107 @@ def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decisi
     return cfg, decisions, line
 
 
-def _explicit_false_distributed_optimizer(cfg: ConfigContainer, line: CommandLine) -> list[Decision]:
-    """ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer are kept in sync (either true makes
-    both true, as the reference): a `false` the user typed for one while the other is true is a request that is
-    not honoured - a warning, an error under --strict (config/decisions.py)."""
+def _explicit_false_distributed_optimizer(
+    cfg: ConfigContainer, line: CommandLine
+) -> list[Decision]:
+    """ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer are kept in sync
+    (either true makes both true, as the reference): a `false` the user typed for one while the
+    other is true is a request that is not honoured - a warning, an error under --strict
+    (config/decisions.py)."""
     out = []
     for mine, other in (("ddp", "optimizer"), ("optimizer", "ddp")):
         key = f"{mine}.use_distributed_optimizer"
-        if line.overrides.get(key, True) is False and _get(cfg, f"{other}.use_distributed_optimizer"):
-            why = (f"{other}.use_distributed_optimizer is true and the two are kept in sync: the distributed "
-                   "optimizer is on")
-            if not (cfg.comm_overlap and cfg.comm_overlap.strict):  # strict: the decision log refuses it
+        if line.overrides.get(key, True) is False and _get(
+            cfg, f"{other}.use_distributed_optimizer"
+        ):
+            why = (
+                f"{other}.use_distributed_optimizer is true and the two are kept in sync: the "
+                "distributed optimizer is on"
+            )
+            # strict: the decision log refuses it
+            if not (cfg.comm_overlap and cfg.comm_overlap.strict):
                 log.warning("%s=false: %s", key, why)
             out.append(Decision(key, False, True, OVERRIDE, why))
     return out
 
 
 def _reconcile(cfg: ConfigContainer, line: CommandLine) -> list[Decision]:
-    """Every field a flag wrote and an override set differently: the override wins (it came later), said aloud."""
+    """Every field a flag wrote and an override set differently: the override wins (it came later),
+    said aloud."""
     out = []
     for key, write in line.flags.items():
         for other in (key, *_twins(key)):
             if other not in line.overrides or line.overrides[other] == write.value:
                 continue
             value = line.overrides[other]
-            if other != key:  # the twin is read after comm_overlap: undo the flag so the override takes effect
+            # the twin is read after comm_overlap: undo the flag so the override takes effect
+            if other != key:
                 _set(cfg, key, write.before)
             typed = write.value if write.typed is _KEEP else write.typed
-            sets = "" if _word(typed) == _word(write.value) else f", which set {key}={_word(write.value)}"
+            sets = (
+                ""
+                if _word(typed) == _word(write.value)
+                else f", which set {key}={_word(write.value)}"
+            )
             if write.implied:
                 shown = write.flag if write.typed is _KEEP else f"{write.flag} {_word(typed)}"
-                out.append(Decision(key, None, value, OVERRIDE,
-                                    f"{shown} implies {key}={_word(write.value)}; the explicit "
-                                    f"override {other}={_word(value)} refines it"))
+                out.append(
+                    Decision(
+                        key,
+                        None,
+                        value,
+                        OVERRIDE,
+                        f"{shown} implies {key}={_word(write.value)}; the explicit override "
+                        f"{other}={_word(value)} refines it",
+                    )
+                )
                 continue
             dropped = ""
-            if write.flag == "--moe_flex_dispatcher_backend" and key == "model.moe_token_dispatcher_type":
-                # The flag asked for flex dispatch with a backend; the override chose another dispatcher, so the
-                # backend goes with the flag (left in place it would only be reported as "inactive").
+            if (
+                write.flag == "--moe_flex_dispatcher_backend"
+                and key == "model.moe_token_dispatcher_type"
+            ):
+                # The flag asked for flex dispatch with a backend; the override chose another
+                # dispatcher, so the backend goes with the flag (left in place it would only be
+                # reported as "inactive").
                 backend = line.flags.get("model.moe_flex_dispatcher_backend")
-                if backend is not None and "model.moe_flex_dispatcher_backend" not in line.overrides:
+                if (
+                    backend is not None
+                    and "model.moe_flex_dispatcher_backend" not in line.overrides
+                ):
                     _set(cfg, "model.moe_flex_dispatcher_backend", backend.before)
                     dropped = f"; the backend {_word(typed)} is dropped with it"
-            out.append(Decision(key, write.value, value, OVERRIDE,
-                                f"the override {other}={_word(value)} beats {write.flag} {_word(typed)}{sets}"
-                                f"{dropped} (flags apply first, overrides after, as in the reference harness)"))
+            out.append(
+                Decision(
+                    key,
+                    write.value,
+                    value,
+                    OVERRIDE,
+                    f"the override {other}={_word(value)} beats {write.flag} {_word(typed)}{sets}"
+                    f"{dropped} (flags apply first, overrides after, as in the reference harness)",
+                )
+            )
     return out
 
 
 def _word(value: Any) -> str:
     """A value as the user typed it on the command line."""
-    return "true" if value is True else "false" if value is False else "null" if value is None else str(value)
+    return (
+        "true"
+        if value is True
+        else "false"
+        if value is False
+        else "null"
+        if value is None
+        else str(value)
+    )
 
 
-def _apply_recipe_rules(cfg: ConfigContainer, recipe: Recipe, world: int, line: CommandLine) -> list[Decision]:
-    """Recipe values that depend on the layout, re-derived once the flags and overrides have fixed it."""
+def _apply_recipe_rules(
+    cfg: ConfigContainer, recipe: Recipe, world: int, line: CommandLine
+) -> list[Decision]:
+    """Recipe values that depend on the layout, re-derived once the flags and overrides have fixed
+    it."""
     key = "model.expert_model_parallel_size"
     if recipe.max_ep is None or key in line.flags or key in line.overrides:
         return []
@@ -268,13 +450,24 @@ def _apply_recipe_rules(cfg: ConfigContainer, recipe: Recipe, world: int, line: 
     per_stage = max(1, world // pp)
     ep = recipe.ep_for(per_stage)
     cfg.model.expert_model_parallel_size = ep
-    return [Decision(key, None, ep, RECIPE,
-                     f"recipe {recipe.name}: EP = gcd(ranks per pipeline stage {per_stage}, {recipe.max_ep}) = {ep} "
-                     "(experts are carved out of each stage's ranks); override with -ep")]
+    return [
+        Decision(
+            key,
+            None,
+            ep,
+            RECIPE,
+            f"recipe {recipe.name}: EP = gcd(ranks per pipeline stage {per_stage}, "
+            f"{recipe.max_ep}) "
+            ""
+            f"= {ep} "
+            "(experts are carved out of each stage's ranks); override with -ep",
+        )
+    ]
 
 
 def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine) -> None:
-    """Write every given flag into the config, remembering each write for provenance and reconciliation."""
+    """Write every given flag into the config, remembering each write for provenance and
+    reconciliation."""
 
     def put(key: str, value: Any, flag: str, implied: bool = False, typed: Any = _KEEP) -> None:
         line.flags[key] = _FlagWrite(flag, value, _get(cfg, key), implied, typed)
@@ -282,52 +475,94 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
 
     if a.compute_dtype is not None:
         if a.compute_dtype in REFERENCE_FP8_DTYPES:
-            raise NotBuiltError("-c/--compute_dtype", a.compute_dtype, "FP8/FP4 compute (Transformer Engine kernels)",
-                                "use -c bf16, fp16 or fp32.")
+            raise NotBuiltError(
+                "-c/--compute_dtype",
+                a.compute_dtype,
+                "FP8/FP4 compute (Transformer Engine kernels)",
+                "use -c bf16, fp16 or fp32.",
+            )
         if a.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError("-c/--compute_dtype", a.compute_dtype, "unknown compute dtype.",
-                              f"use one of {', '.join(COMPUTE_DTYPES)}.")
-        put("mixed_precision", get_mixed_precision_config(COMPUTE_DTYPES[a.compute_dtype]), "-c",
-            typed=a.compute_dtype)
-        line.flags["mixed_precision"].value = COMPUTE_DTYPES[a.compute_dtype]  # compared with a preset name
+            raise ConfigError(
+                "-c/--compute_dtype",
+                a.compute_dtype,
+                "unknown compute dtype.",
+                f"use one of {', '.join(COMPUTE_DTYPES)}.",
+            )
+        put(
+            "mixed_precision",
+            get_mixed_precision_config(COMPUTE_DTYPES[a.compute_dtype]),
+            "-c",
+            typed=a.compute_dtype,
+        )
+        # compared with a preset name
+        line.flags["mixed_precision"].value = COMPUTE_DTYPES[a.compute_dtype]
     if a.tensor_model_parallel_size is not None:
         put("model.tensor_model_parallel_size", a.tensor_model_parallel_size, "-tp")
-        put("model.sequence_parallel", a.tensor_model_parallel_size > 1, "-tp", implied=True,
-            typed=a.tensor_model_parallel_size)
-    for name, flag in (("pipeline_model_parallel_size", "-pp"), ("context_parallel_size", "-cp"),
-                       ("expert_model_parallel_size", "-ep"), ("expert_tensor_parallel_size", "-et"),
-                       ("seq_length", "-sl")):
+        put(
+            "model.sequence_parallel",
+            a.tensor_model_parallel_size > 1,
+            "-tp",
+            implied=True,
+            typed=a.tensor_model_parallel_size,
+        )
+    for name, flag in (
+        ("pipeline_model_parallel_size", "-pp"),
+        ("context_parallel_size", "-cp"),
+        ("expert_model_parallel_size", "-ep"),
+        ("expert_tensor_parallel_size", "-et"),
+        ("seq_length", "-sl"),
+    ):
         if getattr(a, name) is not None:
             put(f"model.{name}", getattr(a, name), flag)
     if a.virtual_pipeline_model_parallel_size is not _KEEP:
-        put("model.virtual_pipeline_model_parallel_size", a.virtual_pipeline_model_parallel_size, "-vp")
+        put(
+            "model.virtual_pipeline_model_parallel_size",
+            a.virtual_pipeline_model_parallel_size,
+            "-vp",
+        )
     if a.cuda_graph_impl is not None:
         put("model.cuda_graph_impl", a.cuda_graph_impl, "--cuda_graph_impl")
         if a.cuda_graph_impl == "none":
             put("model.cuda_graph_scope", None, "--cuda_graph_impl", implied=True)
     if a.cuda_graph_scope is not None:
-        put("model.cuda_graph_scope", [s.strip() for s in a.cuda_graph_scope.split(",") if s.strip()],
-            "--cuda_graph_scope")
+        put(
+            "model.cuda_graph_scope",
+            [s.strip() for s in a.cuda_graph_scope.split(",") if s.strip()],
+            "--cuda_graph_scope",
+        )
     if a.recompute_num_layers is not None:
         put("model.recompute_granularity", "full", "-rl", implied=True)
         put("model.recompute_method", "uniform", "-rl", implied=True)
         put("model.recompute_num_layers", a.recompute_num_layers, "-rl")
     if a.recompute_modules is not None:
         put("model.recompute_granularity", "selective", "--recompute_modules", implied=True)
-        put("model.recompute_modules", [s.strip() for s in a.recompute_modules.split(",") if s.strip()],
-            "--recompute_modules")
+        put(
+            "model.recompute_modules",
+            [s.strip() for s in a.recompute_modules.split(",") if s.strip()],
+            "--recompute_modules",
+        )
     if a.moe_flex_dispatcher_backend is not _KEEP:
         backend = a.moe_flex_dispatcher_backend
         backend = None if backend in (None, "None", "none") else backend
-        if backend is not None or cfg.model.is_moe:  # "None" on a dense model asks for nothing: no dispatcher
+        # "None" on a dense model asks for nothing: no dispatcher
+        if backend is not None or cfg.model.is_moe:
             flag = "--moe_flex_dispatcher_backend"
-            before = {k: _get(cfg, k) for k in ("model.moe_flex_dispatcher_backend", "model.moe_token_dispatcher_type",
-                                                "model.moe_shared_expert_overlap")}
+            before = {
+                k: _get(cfg, k)
+                for k in (
+                    "model.moe_flex_dispatcher_backend",
+                    "model.moe_token_dispatcher_type",
+                    "model.moe_shared_expert_overlap",
+                )
+            }
             apply_flex_dispatcher_backend(cfg.model, backend)
             for key, old in before.items():
-                line.flags[key] = _FlagWrite(flag, _get(cfg, key), old, implied=key.endswith("overlap"),
-                                             typed=_word(backend))
-            if before["model.moe_shared_expert_overlap"] == _get(cfg, "model.moe_shared_expert_overlap"):
+                line.flags[key] = _FlagWrite(
+                    flag, _get(cfg, key), old, implied=key.endswith("overlap"), typed=_word(backend)
+                )
+            if before["model.moe_shared_expert_overlap"] == _get(
+                cfg, "model.moe_shared_expert_overlap"
+            ):
                 del line.flags["model.moe_shared_expert_overlap"]  # untouched: not the flag's
     if a.moe_a2a_overlap is not None:
         if cfg.comm_overlap is None:
@@ -338,81 +573,112 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
             cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)
         put("comm_overlap.strict", True, "--strict")
     for key, value, flag in (
-            ("tokenizer.tokenizer_type", a.tokenizer_type, "--tokenizer_type"),
-            ("tokenizer.tokenizer_model", a.tokenizer_model, "--tokenizer_model"),
-            ("tokenizer.vocab_size", a.vocab_size, "--vocab_size"),
-            ("train.global_batch_size", a.global_batch_size, "-gb"),
-            ("train.micro_batch_size", a.micro_batch_size, "-mb"),
-            ("train.train_iters", a.max_steps, "-ms/--max_steps"),
-            ("train.eval_time_start_step", a.eval_time_start_step, "--eval_time_start_step"),
-            ("train.eval_time_end_step", a.eval_time_end_step, "--eval_time_end_step"),
-            ("train.skip_first_percent_time", a.skip_first_percent_time, "--skip_first_percent_time")):
+        ("tokenizer.tokenizer_type", a.tokenizer_type, "--tokenizer_type"),
+        ("tokenizer.tokenizer_model", a.tokenizer_model, "--tokenizer_model"),
+        ("tokenizer.vocab_size", a.vocab_size, "--vocab_size"),
+        ("train.global_batch_size", a.global_batch_size, "-gb"),
+        ("train.micro_batch_size", a.micro_batch_size, "-mb"),
+        ("train.train_iters", a.max_steps, "-ms/--max_steps"),
+        ("train.eval_time_start_step", a.eval_time_start_step, "--eval_time_start_step"),
+        ("train.eval_time_end_step", a.eval_time_end_step, "--eval_time_end_step"),
+        ("train.skip_first_percent_time", a.skip_first_percent_time, "--skip_first_percent_time"),
+    ):
         if value is not None:
             put(key, value, flag)
 
 
 def launch_env_inputs(cfg: ConfigContainer, res: Resolution, accelerator: str) -> LaunchEnvInputs:
     m = cfg.model
-    return LaunchEnvInputs(accelerator=accelerator, tensor_model_parallel_size=res.layout.tp,
-                           context_parallel_size=res.layout.cp, pipeline_model_parallel_size=res.layout.pp,
-                           data_parallel_size=res.layout.dp, moe_flex_dispatcher_backend=m.moe_flex_dispatcher_backend,
-                           moe_token_dispatcher_type=m.moe_token_dispatcher_type,
-                           overlap_moe_expert_parallel_comm=(
-                               res.overlap.overlap_moe_expert_parallel_comm))
+    return LaunchEnvInputs(
+        accelerator=accelerator,
+        tensor_model_parallel_size=res.layout.tp,
+        context_parallel_size=res.layout.cp,
+        pipeline_model_parallel_size=res.layout.pp,
+        data_parallel_size=res.layout.dp,
+        moe_flex_dispatcher_backend=m.moe_flex_dispatcher_backend,
+        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        overlap_moe_expert_parallel_comm=(res.overlap.overlap_moe_expert_parallel_comm),
+    )
 
 
 def describe_layout(res: Resolution) -> str:
     lay = res.layout
-    return (f"world {lay.world_size} = TP {lay.tp} x CP {lay.cp} x DP {lay.dp} x PP {lay.pp}; "
-            f"experts: EP {lay.ep} x ETP {lay.etp} x expert-DP {lay.edp} per pipeline stage "
-            "(rank order tp-cp-dp-pp, tensor parallel fastest)")
+    return (
+        f"world {lay.world_size} = TP {lay.tp} x CP {lay.cp} x DP {lay.dp} x PP {lay.pp}; experts: "
+        f"EP {lay.ep} x ETP {lay.etp} x expert-DP {lay.edp} per pipeline stage "
+        "(rank order tp-cp-dp-pp, tensor parallel fastest)"
+    )
 
 
 def resolve_run(words: list[str], overrides: list[str]) -> Job:
-    """The resolved job of an `overlap run` command line (harness flags `words`, then `overrides`), for the `-g`
-    target as given (`prepare(..., describe_target=True)`: this machine is not probed): what the planner and its
-    calibration re-plan a run from."""
+    """The resolved job of an `overlap run` command line (harness flags `words`, then `overrides`),
+    for the `-g` target as given (`prepare(..., describe_target=True)`: this machine is not probed):
+    what the planner and its calibration re-plan a run from."""
     parser = argparse.ArgumentParser()
     add_harness_flags(parser)
     return prepare(parser.parse_args(words + overrides), describe_target=True)
 
 
 def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
-    """Parse, resolve and check a command line. `describe_target` (explain): resolve for the GPU named by -g instead
-    of probing this machine's device, and leave the runtime's own limits to `run` (listed, not raised)."""
+    """Parse, resolve and check a command line. `describe_target` (explain): resolve for the GPU
+    named by -g instead of probing this machine's device, and leave the runtime's own limits to
+    `run` (listed, not raised)."""
     from overlap.training.dp_overlap_noops import detect_model_noops
 
     cfg, command_line, line = build_config(args)
-    precision = cfg.mixed_precision  # a preset name, or the preset (the flag's or the override's name is recorded)
-    precision_name = line.overrides.get("mixed_precision", line.flags["mixed_precision"].value
-                                        if "mixed_precision" in line.flags else precision)
+    # a preset name, or the preset (the flag's or the override's name is recorded)
+    precision = cfg.mixed_precision
+    precision_name = line.overrides.get(
+        "mixed_precision",
+        line.flags["mixed_precision"].value if "mixed_precision" in line.flags else precision,
+    )
     device = (lambda: TARGET_DEVICES[args.gpu]) if describe_target else probe_device
-    res = cfg.finalize(args.num_gpus, device=device, require_libraries=not describe_target,
-                       command_line=command_line, on_cuda=args.gpu != "cpu")  # as `run` places its ranks
+    res = cfg.finalize(
+        args.num_gpus,
+        device=device,
+        require_libraries=not describe_target,
+        command_line=command_line,
+        on_cuda=args.gpu != "cpu",
+    )  # as `run` places its ranks
     check_pretrained_overrides(res, line)
-    estimate = check_representable(cfg, res.layout)  # before anything builds even a meta-device model
+    # before anything builds even a meta-device model
+    estimate = check_representable(cfg, res.layout)
     if _buckets_need_model(cfg, res, estimate):
         detect_model_noops(cfg, res)
     res.decisions.attribute(line.source)
-    res.decisions.other = [Decision(key, None, precision_name if key == "mixed_precision" else _get(cfg, key),
-                                    line.source(key), "") for key in OTHER_SETTINGS]
+    res.decisions.other = [
+        Decision(
+            key,
+            None,
+            precision_name if key == "mixed_precision" else _get(cfg, key),
+            line.source(key),
+            "",
+        )
+        for key in OTHER_SETTINGS
+    ]
     return Job(cfg, res, args, estimate)
 
 
 def check_pretrained_overrides(res: Resolution, line: CommandLine) -> None:
-    """A Hugging Face pretrained checkpoint's config.json replaces the recipe's architecture (finalize); a value the
-    user set on the command line that it would replace is a contradiction, refused rather than silently beaten."""
+    """A Hugging Face pretrained checkpoint's config.json replaces the recipe's architecture
+    (finalize); a value the user set on the command line that it would replace is a contradiction,
+    refused rather than silently beaten."""
     for d in res.decisions.sections.get("checkpoint", []):
         if d.reason.startswith(PRETRAINED) and (d.field in line.overrides or d.field in line.flags):
-            raise ConfigError(d.field, d.requested, f"the pretrained checkpoint's config.json has {d.effective!r}, and "
-                              "a run from a Hugging Face folder takes its architecture from there.",
-                              f"drop the {line.source(d.field)} of {d.field}, or load a checkpoint of that shape.")
+            raise ConfigError(
+                d.field,
+                d.requested,
+                f"the pretrained checkpoint's config.json has {d.effective!r}, and "
+                "a run from a Hugging Face folder takes its architecture from there.",
+                f"drop the {line.source(d.field)} of {d.field}, or load a checkpoint of that "
+                "shape.",
+            )
 
 
 def _buckets_need_model(cfg: ConfigContainer, res: Resolution, est: MemoryEstimate) -> bool:
-    """Whether the single-bucket no-op check must build the (meta) model: not when a communicating buffer is
-    certainly cut into several buckets (the switch then does something), which the estimate's counts settle without
-    building an absurdly deep model layer by layer."""
+    """Whether the single-bucket no-op check must build the (meta) model: not when a communicating
+    buffer is certainly cut into several buckets (the switch then does something), which the
+    estimate's counts settle without building an absurdly deep model layer by layer."""
     bucket = cfg.ddp.bucket_size
     if bucket is None:
         return True

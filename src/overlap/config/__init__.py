@@ -1,19 +1,50 @@
-"""Configuration: Megatron-Bridge-compatible dataclasses, overlap resolution with logged decisions, recipes."""
+"""Configuration: Megatron-Bridge-compatible dataclasses, overlap resolution with logged decisions,
+recipes."""
 
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer, Resolution
 from overlap.config.decisions import Decision, DecisionLog
-from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend, validate_flex_dispatcher_backend
+from overlap.config.flex_dispatcher import (
+    apply_flex_dispatcher_backend,
+    validate_flex_dispatcher_backend,
+)
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import ModelConfig
-from overlap.config.tp_overlap import *  # noqa: F401,F403  (the 19 userbuffers_* presets, star-importable)
-from overlap.config.tp_overlap import (BulkOverlapCfg, PipelineOverlapCfg, RingExchangeOverlapCfg,
-                                       TransformerLayerTPOverlapCfg)
-from overlap.config.training import DDPConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig, TrainConfig
+
+# the 19 userbuffers_* presets, star-importable
+from overlap.config.tp_overlap import *  # noqa: F403
+from overlap.config.tp_overlap import (
+    BulkOverlapCfg,
+    PipelineOverlapCfg,
+    RingExchangeOverlapCfg,
+    TransformerLayerTPOverlapCfg,
+)
+from overlap.config.training import (
+    DDPConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
 
 __all__ = [
-    "BulkOverlapCfg", "CommOverlapConfig", "ConfigContainer", "DDPConfig", "Decision", "DecisionLog",
-    "MixedPrecisionConfig", "ModelConfig", "OptimizerConfig", "PipelineOverlapCfg", "Resolution",
-    "RingExchangeOverlapCfg", "SchedulerConfig", "TokenizerConfig", "TrainConfig", "TransformerLayerTPOverlapCfg",
-    "apply_flex_dispatcher_backend", "get_mixed_precision_config", "validate_flex_dispatcher_backend",
+    "BulkOverlapCfg",
+    "CommOverlapConfig",
+    "ConfigContainer",
+    "DDPConfig",
+    "Decision",
+    "DecisionLog",
+    "MixedPrecisionConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PipelineOverlapCfg",
+    "Resolution",
+    "RingExchangeOverlapCfg",
+    "SchedulerConfig",
+    "TokenizerConfig",
+    "TrainConfig",
+    "TransformerLayerTPOverlapCfg",
+    "apply_flex_dispatcher_backend",
+    "get_mixed_precision_config",
+    "validate_flex_dispatcher_backend",
 ]

@@ -1,10 +1,11 @@
 """CommOverlapConfig and the rules that decide which communication overlap is on.
 
-Precedence, deliberately better than Megatron-Bridge's (where auto-defaults silently overwrite values set on the
-model): a value set on `CommOverlapConfig` (the user) wins; then a value set directly on the model / DDP / optimizer
-config (a recipe or an override); then the rule's automatic default. Every field gets a logged decision record, a
-request that cannot be honoured is logged as such (an error in strict mode), and unmet prerequisites of the MoE
-overlap are always errors, as in the reference.
+Precedence, deliberately better than Megatron-Bridge's (where auto-defaults silently overwrite
+values set on the model): a value set on `CommOverlapConfig` (the user) wins; then a value set
+directly on the model / DDP / optimizer config (a recipe or an override); then the rule's automatic
+default. Every field gets a logged decision record, a request that cannot be honoured is logged as
+such (an error in strict mode), and unmet prerequisites of the MoE overlap are always errors, as in
+the reference.
 """
 
 from __future__ import annotations
@@ -15,29 +16,38 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
-from overlap.config.tp_overlap import (TransformerLayerTPOverlapCfg, effective_tp_plan, get_tp_overlap_preset,
-                                       kernel_knobs)
+from overlap.config.tp_overlap import (
+    TransformerLayerTPOverlapCfg,
+    effective_tp_plan,
+    get_tp_overlap_preset,
+    kernel_knobs,
+)
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
     from overlap.config.training import DDPConfig, OptimizerConfig
 
-# Megatron-Bridge's DP bucket when DP > 1 with the distributed optimizer: a count of parameters, not bytes.
+# Megatron-Bridge's DP bucket when DP > 1 with the distributed optimizer: a count of parameters, not
+# bytes.
 BRIDGE_DP_BUCKET_SIZE = 128 * 1024 * 1024
 
 TP_DISABLE_TP_SIZE = "Disabling tensor parallel communication overlap due to TP size < 2."
 TP_DISABLE_NO_SP = "Disabling tensor parallel communication overlap due to sequence_parallel=False."
-TP_NO_PRESET = ("Tensor parallel overlap: No overlap config provided. "
-                "Initializing TP comm overlap with the default config.")
+TP_NO_PRESET = (
+    "Tensor parallel overlap: No overlap config provided. Initializing TP comm overlap with the "
+    "default config."
+)
 
 
 @dataclass(kw_only=True)
 class CommOverlapConfig:
-    """User-facing overlap switches (Megatron-Bridge names). `None` means "decide for me"; every decision is logged.
+    """User-facing overlap switches (Megatron-Bridge names). `None` means "decide for me"; every
+    decision is logged.
 
-    `tp_comm_overlap` is required, as in the reference (`CommOverlapConfig()` raises TypeError); `None` is accepted
-    for it and means "not requested" (used when a harness flag creates the object on the user's behalf).
+    `tp_comm_overlap` is required, as in the reference (`CommOverlapConfig()` raises TypeError);
+    `None` is accepted for it and means "not requested" (used when a harness flag creates the object
+    on the user's behalf).
     """
 
     # TP collectives overlapped with the GEMMs (needs TP >= 2 and sequence parallel)
@@ -69,19 +79,28 @@ class CommOverlapConfig:
     overlap_moe_expert_parallel_comm: bool | None = None
     # EP overlap: wgrad GEMMs deferred out of the backward (beats model's)
     delay_wgrad_compute: bool | None = None
-    strict: bool = False  # ours: any request that cannot be honoured is an error instead of a logged decision
+    strict: bool = (
+        False  # ours: any request that cannot be honoured is an error instead of a logged decision
+    )
 
 
 # Where each comm_overlap switch's Bridge spelling lives when it is set directly (by a recipe or an
 # override): the resolution reads it there below comm_overlap's value and writes the result back.
 DIRECT_SECTION = {
-    "tp_comm_overlap": "model", "tp_comm_overlap_cfg": "model",
+    "tp_comm_overlap": "model",
+    "tp_comm_overlap_cfg": "model",
     "tp_comm_bootstrap_backend": "model",
-    "overlap_p2p_comm": "model", "batch_p2p_comm": "model",
-    "defer_embedding_wgrad_compute": "model", "wgrad_deferral_limit": "model",
-    "overlap_moe_expert_parallel_comm": "model", "delay_wgrad_compute": "model",
-    "overlap_grad_reduce": "ddp", "overlap_param_gather": "ddp", "align_param_gather": "ddp",
-    "bucket_size": "ddp", "overlap_param_gather_with_optimizer_step": "optimizer",
+    "overlap_p2p_comm": "model",
+    "batch_p2p_comm": "model",
+    "defer_embedding_wgrad_compute": "model",
+    "wgrad_deferral_limit": "model",
+    "overlap_moe_expert_parallel_comm": "model",
+    "delay_wgrad_compute": "model",
+    "overlap_grad_reduce": "ddp",
+    "overlap_param_gather": "ddp",
+    "align_param_gather": "ddp",
+    "bucket_size": "ddp",
+    "overlap_param_gather_with_optimizer_step": "optimizer",
 }
 
 
@@ -97,13 +116,17 @@ def _source(user: Any, direct: Any) -> str | None:
     return None
 
 
-def _choose(log: DecisionLog, field: str, user: Any, direct: Any, auto: Any, auto_by: str, auto_reason: str) -> Any:
+def _choose(
+    log: DecisionLog, field: str, user: Any, direct: Any, auto: Any, auto_by: str, auto_reason: str
+) -> Any:
     """Apply the precedence user > direct config > automatic, and record the decision."""
     src = _source(user, direct)
     if src == USER:
         return log.record(field, user, user, USER, "set on comm_overlap")
     if src == MODEL_CONFIG:
-        return log.record(field, direct, direct, MODEL_CONFIG, f"set directly on {field.split('.')[0]}")
+        return log.record(
+            field, direct, direct, MODEL_CONFIG, f"set directly on {field.split('.')[0]}"
+        )
     return log.record(field, None, auto, auto_by, auto_reason)
 
 
@@ -137,16 +160,26 @@ class OverlapPlan:
             value = getattr(self, f.name)
             plain = bool if f.type == "bool" else int
             if not isinstance(value, plain) and not (value is None and f.name == "bucket_size"):
-                raise TypeError(f"OverlapPlan.{f.name} resolved to {value!r}, "
-                                f"not a plain {plain.__name__}")
+                raise TypeError(
+                    f"OverlapPlan.{f.name} resolved to {value!r}, not a plain {plain.__name__}"
+                )
 
 
-def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", ddp: "DDPConfig",
-                         optimizer: "OptimizerConfig", dp_size: int,
-                         log: DecisionLog) -> OverlapPlan:
+def resolve_comm_overlap(
+    user: CommOverlapConfig | None,
+    model: ModelConfig,
+    ddp: DDPConfig,
+    optimizer: OptimizerConfig,
+    dp_size: int,
+    log: DecisionLog,
+) -> OverlapPlan:
     """Resolve every overlap field onto the model / DDP / optimizer configs (in place),
     recording each decision; returns the resolved switches as the frozen plan the runtime reads."""
-    u = user if user is not None else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
+    u = (
+        user
+        if user is not None
+        else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
+    )
     _resolve_tp(u, model, log)
     _resolve_pp(u, model, log)
     _resolve_moe(u, model, ddp, log, dp_size)
@@ -155,54 +188,90 @@ def resolve_comm_overlap(user: CommOverlapConfig | None, model: "ModelConfig", d
     _detect_noops(model, ddp, dp_size, log)
     holders = {"model": model, "ddp": ddp, "optimizer": optimizer}
     planned = {f.name for f in fields(OverlapPlan)}
-    return OverlapPlan(moe_shared_expert_overlap=model.moe_shared_expert_overlap,
-                       **{name: getattr(holders[section], name)
-                          for name, section in DIRECT_SECTION.items() if name in planned})
+    return OverlapPlan(
+        moe_shared_expert_overlap=model.moe_shared_expert_overlap,
+        **{
+            name: getattr(holders[section], name)
+            for name, section in DIRECT_SECTION.items()
+            if name in planned
+        },
+    )
 
 
-def _detect_noops(model: "ModelConfig", ddp: "DDPConfig", dp_size: int, log: DecisionLog) -> None:
-    """Switches left on by the resolution that cannot do anything in this layout (the model-dependent ones, such as a
-    DP overlap with a single bucket, are found by `overlap.training.dp_overlap_noops`)."""
+def _detect_noops(model: ModelConfig, ddp: DDPConfig, dp_size: int, log: DecisionLog) -> None:
+    """Switches left on by the resolution that cannot do anything in this layout (the
+    model-dependent ones, such as a DP overlap with a single bucket, are found by
+    `overlap.training.dp_overlap_noops`)."""
     pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
     if model.moe_shared_expert_overlap and model.expert_model_parallel_size == 1:
-        log.noop("model.moe_shared_expert_overlap", True,
-                 "EP=1: every token stays on its rank, so there is no dispatch/combine all-to-all for the shared "
-                 "expert to compute under", "use -ep 2 or more, or drop moe_shared_expert_overlap.")
+        log.noop(
+            "model.moe_shared_expert_overlap",
+            True,
+            "EP=1: every token stays on its rank, so there is no dispatch/combine all-to-all for "
+            "the shared expert to compute under",
+            "use -ep 2 or more, or drop moe_shared_expert_overlap.",
+        )
     for name in ("overlap_p2p_comm", "batch_p2p_comm", "deallocate_pipeline_outputs"):
         if getattr(model, name) and pp == 1:
-            log.noop(f"model.{name}", True, "PP=1: there is no pipeline send/receive", "use -pp 2 or more, or drop it.")
-    if ddp.align_param_gather and not (dp_size > 1 and ddp.use_distributed_optimizer and pp > 1 and vp > 1):
-        log.noop("ddp.align_param_gather", True, "it aligns the parameter gathers of pipeline stages, which needs DP>1, "
-                 "the distributed optimizer, PP>1 and VPP", "drop ddp.align_param_gather.")
+            log.noop(
+                f"model.{name}",
+                True,
+                "PP=1: there is no pipeline send/receive",
+                "use -pp 2 or more, or drop it.",
+            )
+    if ddp.align_param_gather and not (
+        dp_size > 1 and ddp.use_distributed_optimizer and pp > 1 and vp > 1
+    ):
+        log.noop(
+            "ddp.align_param_gather",
+            True,
+            "it aligns the parameter gathers of pipeline stages, which needs DP>1, the distributed "
+            "optimizer, PP>1 and VPP",
+            "drop ddp.align_param_gather.",
+        )
     elif ddp.align_param_gather and not ddp.overlap_param_gather:
-        log.noop("ddp.align_param_gather", True, "without ddp.overlap_param_gather every parameter gather runs at "
-                 "the optimizer step anyway", "set ddp.overlap_param_gather=true, or drop ddp.align_param_gather.")
+        log.noop(
+            "ddp.align_param_gather",
+            True,
+            "without ddp.overlap_param_gather every parameter gather runs at the optimizer step "
+            "anyway",
+            "set ddp.overlap_param_gather=true, or drop ddp.align_param_gather.",
+        )
 
 
-def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) -> None:
+def _resolve_tp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog) -> None:
     requested = _requested(u.tp_comm_overlap, model.tp_comm_overlap)
     src = _source(u.tp_comm_overlap, model.tp_comm_overlap)
     if requested:
         fix = None
         if model.tensor_model_parallel_size < 2:
             effective, by, reason = False, RULE, TP_DISABLE_TP_SIZE
-            fix = "use -tp 2 or more (it turns sequence parallel on), or do not request tp_comm_overlap."
+            fix = (
+                "use -tp 2 or more (it turns sequence parallel on), or do not request "
+                "tp_comm_overlap."
+            )
         elif not model.sequence_parallel:
             effective, by, reason = False, RULE, TP_DISABLE_NO_SP
-            fix = "set model.sequence_parallel=true (or drop the override that turned it off), or do not request " \
-                  "tp_comm_overlap."
+            fix = (
+                "set model.sequence_parallel=true (or drop the override that turned it off), or do "
+                "not request tp_comm_overlap."
+            )
         else:
-            # The reference also needs Transformer Engine here; our runtime's overlap (layers/tp_overlap.py) runs on
-            # every backend.
+            # The reference also needs Transformer Engine here; our runtime's overlap
+            # (layers/tp_overlap.py) runs on every backend.
             effective, by, reason = True, src, "requested; TP>=2 and sequence parallel"
     else:
         effective, fix = False, None
         by, reason = (src, "requested off") if src else (DEFAULT, "not requested")
-    model.tp_comm_overlap = log.record("model.tp_comm_overlap", requested, effective, by, reason, fix=fix)
+    model.tp_comm_overlap = log.record(
+        "model.tp_comm_overlap", requested, effective, by, reason, fix=fix
+    )
 
     plan = _requested(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg)
     if not effective:
-        model.tp_comm_overlap_cfg = log.record("model.tp_comm_overlap_cfg", None, None, RULE, "TP overlap is off")
+        model.tp_comm_overlap_cfg = log.record(
+            "model.tp_comm_overlap_cfg", None, None, RULE, "TP overlap is off"
+        )
         model.tp_comm_bootstrap_backend = None
         return
     if plan is None:
@@ -211,61 +280,112 @@ def _resolve_tp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) ->
     else:
         preset = get_tp_overlap_preset(plan) if isinstance(plan, str) else plan
         if not isinstance(preset, TransformerLayerTPOverlapCfg):
-            raise ConfigError("comm_overlap.tp_comm_overlap_cfg", plan,
-                              "it must be a TransformerLayerTPOverlapCfg or the name of a userbuffers_* preset.",
-                              "pass a preset name such as userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048.")
+            raise ConfigError(
+                "comm_overlap.tp_comm_overlap_cfg",
+                plan,
+                "it must be a TransformerLayerTPOverlapCfg or the name of a userbuffers_* preset.",
+                "pass a preset name such as userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048.",
+            )
         label = plan if isinstance(plan, str) else "TransformerLayerTPOverlapCfg"
-        log.record("model.tp_comm_overlap_cfg", label, label, _source(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg),
-                   "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped")
+        log.record(
+            "model.tp_comm_overlap_cfg",
+            label,
+            label,
+            _source(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg),
+            "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped",
+        )
         model.tp_comm_overlap_cfg = preset.to_dict()
-    model.tp_comm_bootstrap_backend = u.tp_comm_bootstrap_backend or model.tp_comm_bootstrap_backend or "nccl"
+    model.tp_comm_bootstrap_backend = (
+        u.tp_comm_bootstrap_backend or model.tp_comm_bootstrap_backend or "nccl"
+    )
 
 
-def _resolve_tp_plan(model: "ModelConfig", log: DecisionLog) -> None:
-    """With TP overlap on, one decision per GEMM slot (what runs there, and why: the plan, a default, a Megatron
-    switch or a runtime rule), after delay_wgrad_compute is known (it takes the wgrad slots). The layers execute
-    the same `effective_tp_plan`. The plan's GPU-kernel knobs are listed, recorded without effect."""
+def _resolve_tp_plan(model: ModelConfig, log: DecisionLog) -> None:
+    """With TP overlap on, one decision per GEMM slot (what runs there, and why: the plan, a
+    default, a Megatron switch or a runtime rule), after delay_wgrad_compute is known (it takes the
+    wgrad slots). The layers execute the same `effective_tp_plan`. The plan's GPU-kernel knobs are
+    listed, recorded without effect."""
     _plans, slots = effective_tp_plan(model)
     for d in slots:
-        log.record(f"model.tp_comm_overlap_cfg.{d.slot}", d.requested, d.effective, d.decided_by, d.reason,
-                   fix="drop --strict to accept the rule, or change the plan/shape it names (e.g. a longer sequence "
-                       "for the size rule, num_splits that divide the shard).")
+        log.record(
+            f"model.tp_comm_overlap_cfg.{d.slot}",
+            d.requested,
+            d.effective,
+            d.decided_by,
+            d.reason,
+            fix="drop --strict to accept the rule, or change the plan/shape it names (e.g. a "
+            "longer sequence for the size rule, num_splits that divide the shard).",
+        )
     knobs = kernel_knobs(model.tp_comm_overlap_cfg) if model.tp_comm_overlap else {}
     if knobs:
         names = sorted({k for kv in knobs.values() for k in kv})
         shown = f"{', '.join(names)} (set in {len(knobs)} slot{'s' if len(knobs) > 1 else ''})"
-        # A decision, not a no-op: every preset carries them, and nothing the user could change would make them act.
-        log.record("model.tp_comm_overlap_cfg.gpu_kernel_knobs", None, shown, RULE,
-                   "recorded without effect: num_sm, cga_size, set_sm_margin, use_ce, atomic_gemm, fp8_buf and the "
-                   "priorities tune Transformer Engine's userbuffers kernels; this runtime overlaps with async "
-                   "collectives and point-to-point transfers (method, num_splits and aggregate are honoured)")
+        # A decision, not a no-op: every preset carries them, and nothing the user could change
+        # would make them act.
+        log.record(
+            "model.tp_comm_overlap_cfg.gpu_kernel_knobs",
+            None,
+            shown,
+            RULE,
+            "recorded without effect: num_sm, cga_size, set_sm_margin, use_ce, atomic_gemm, "
+            "fp8_buf and the priorities tune Transformer Engine's userbuffers kernels; this "
+            "runtime overlaps with async collectives and point-to-point transfers (method, "
+            "num_splits and aggregate are honoured)",
+        )
 
 
-def _resolve_pp(u: CommOverlapConfig, model: "ModelConfig", log: DecisionLog) -> None:
+def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog) -> None:
     pp = model.pipeline_model_parallel_size
     vp = model.virtual_pipeline_model_parallel_size or 1
     if pp > 1 and vp > 1:
         auto, why = (True, False), "PP>1 with virtual pipeline: overlap p2p with compute, unbatched"
     elif pp > 1:
-        auto, why = (False, True), "PP>1 without virtual pipeline: batched isend/irecv, no p2p overlap"
+        auto, why = (
+            (False, True),
+            "PP>1 without virtual pipeline: batched isend/irecv, no p2p overlap",
+        )
     else:
         auto, why = (False, False), "PP=1: no pipeline communication"
-    model.overlap_p2p_comm = _choose(log, "model.overlap_p2p_comm", u.overlap_p2p_comm, model.overlap_p2p_comm,
-                                     auto[0], RULE, why)
-    model.batch_p2p_comm = _choose(log, "model.batch_p2p_comm", u.batch_p2p_comm, model.batch_p2p_comm,
-                                   auto[1], RULE, why)
+    model.overlap_p2p_comm = _choose(
+        log,
+        "model.overlap_p2p_comm",
+        u.overlap_p2p_comm,
+        model.overlap_p2p_comm,
+        auto[0],
+        RULE,
+        why,
+    )
+    model.batch_p2p_comm = _choose(
+        log, "model.batch_p2p_comm", u.batch_p2p_comm, model.batch_p2p_comm, auto[1], RULE, why
+    )
     if model.overlap_p2p_comm and model.batch_p2p_comm:
-        raise ConfigError("comm_overlap.batch_p2p_comm", True,
-                          "overlap_p2p_comm and batch_p2p_comm cannot both be on (overlapped p2p is unbatched).",
-                          "set one of them to false, or leave both unset for the PP rule.")
+        raise ConfigError(
+            "comm_overlap.batch_p2p_comm",
+            True,
+            "overlap_p2p_comm and batch_p2p_comm cannot both be on (overlapped p2p is unbatched).",
+            "set one of them to false, or leave both unset for the PP rule.",
+        )
     model.defer_embedding_wgrad_compute = _choose(
-        log, "model.defer_embedding_wgrad_compute", u.defer_embedding_wgrad_compute,
-        model.defer_embedding_wgrad_compute, False, DEFAULT, "off unless requested")
-    model.wgrad_deferral_limit = _choose(log, "model.wgrad_deferral_limit", u.wgrad_deferral_limit,
-                                         model.wgrad_deferral_limit, -1, DEFAULT, "Bridge auto default")
+        log,
+        "model.defer_embedding_wgrad_compute",
+        u.defer_embedding_wgrad_compute,
+        model.defer_embedding_wgrad_compute,
+        False,
+        DEFAULT,
+        "off unless requested",
+    )
+    model.wgrad_deferral_limit = _choose(
+        log,
+        "model.wgrad_deferral_limit",
+        u.wgrad_deferral_limit,
+        model.wgrad_deferral_limit,
+        -1,
+        DEFAULT,
+        "Bridge auto default",
+    )
 
 
-def _ep_overlap_prerequisites(model: "ModelConfig") -> list[tuple[str, Any, bool, str, str]]:
+def _ep_overlap_prerequisites(model: ModelConfig) -> list[tuple[str, Any, bool, str, str]]:
     """(field, value, ok, why, fix) for every prerequisite of the MoE expert-parallel overlap (the
     asserts of Megatron-Bridge's CommOverlapConfig, which mirror Megatron-Core's
     TransformerConfig.__post_init__)."""
@@ -273,47 +393,106 @@ def _ep_overlap_prerequisites(model: "ModelConfig") -> list[tuple[str, Any, bool
     torch_ok = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
     scope = _graph_scope(model) if model.cuda_graph_impl == "transformer_engine" else set()
     return [
-        ("model.expert_model_parallel_size", model.expert_model_parallel_size, model.expert_model_parallel_size > 1,
-         "EP overlap is only supported when expert_model_parallel_size > 1.", "use -ep 2 or more."),
-        ("model.num_moe_experts", model.num_moe_experts, (model.num_moe_experts or 0) > 1,
-         "EP overlap is only supported when num_moe_experts > 1.", "use a MoE recipe (e.g. -mr qwen3_moe_tiny)."),
-        ("model.moe_token_dispatcher_type", model.moe_token_dispatcher_type,
-         model.moe_token_dispatcher_type in ("alltoall", "flex"),
-         "EP overlap is only supported when moe_token_dispatcher_type == 'alltoall' or 'flex'.",
-         "set model.moe_token_dispatcher_type=alltoall."),
-        ("model.bf16", model.bf16, model.bf16 or model.fp16,
-         "EP overlap is only supported when using bf16 or fp16 models.", "use -c bf16 (mixed_precision=bf16_mixed)."),
-        ("torch", torch.__version__, torch_ok, "A2A overlap encounters hang issue with torch version < 2.6.0.",
-         "install torch >= 2.6."),
-        ("model.virtual_pipeline_model_parallel_size", model.virtual_pipeline_model_parallel_size,
-         model.pipeline_model_parallel_size == 1 or model.virtual_pipeline_model_parallel_size is not None,
-         "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1 "
-         "(PP without VPP cannot interleave the overlap schedule).", "set -vp 2 (or more), or -pp 1."),
-        ("model.recompute_granularity", model.recompute_granularity, model.recompute_granularity != "full",
-         "disable full recomputation when enabling overlap_moe_expert_parallel_comm.",
-         "use recompute_granularity=selective (without 'moe') or no recompute."),
-        ("model.recompute_method", model.recompute_method, model.recompute_method is None,
-         "disable recomputation method when enabling overlap_moe_expert_parallel_comm.",
-         "set model.recompute_method=null."),
-        ("model.recompute_num_layers", model.recompute_num_layers, model.recompute_num_layers is None,
-         "recompute_num_layers must be None when enabling overlap_moe_expert_parallel_comm.",
-         "set model.recompute_num_layers=null."),
-        ("model.recompute_modules", model.recompute_modules, "moe" not in modules,
-         "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm.",
-         "remove 'moe' from recompute_modules."),
-        ("model.moe_shared_expert_overlap", model.moe_shared_expert_overlap, not model.moe_shared_expert_overlap,
-         "disable moe_shared_expert_overlap when enabling overlap_moe_expert_parallel_comm (they conflict).",
-         "set model.moe_shared_expert_overlap=false."),
-        ("model.mtp_num_layers", model.mtp_num_layers, model.mtp_num_layers in (None, 0, 1),
-         "MTP supports at most one layer when enabling overlap_moe_expert_parallel_comm.",
-         "set model.mtp_num_layers to 0 or 1."),
-        ("model.cuda_graph_scope", model.cuda_graph_scope, not (scope & {"moe", "mlp"}),
-         "CUDA-graph scope must not cover 'moe' or 'mlp' with EP overlap (the schedule splits those parts).",
-         "drop moe/mlp from cuda_graph_scope."),
+        (
+            "model.expert_model_parallel_size",
+            model.expert_model_parallel_size,
+            model.expert_model_parallel_size > 1,
+            "EP overlap is only supported when expert_model_parallel_size > 1.",
+            "use -ep 2 or more.",
+        ),
+        (
+            "model.num_moe_experts",
+            model.num_moe_experts,
+            (model.num_moe_experts or 0) > 1,
+            "EP overlap is only supported when num_moe_experts > 1.",
+            "use a MoE recipe (e.g. -mr qwen3_moe_tiny).",
+        ),
+        (
+            "model.moe_token_dispatcher_type",
+            model.moe_token_dispatcher_type,
+            model.moe_token_dispatcher_type in ("alltoall", "flex"),
+            "EP overlap is only supported when moe_token_dispatcher_type == 'alltoall' or 'flex'.",
+            "set model.moe_token_dispatcher_type=alltoall.",
+        ),
+        (
+            "model.bf16",
+            model.bf16,
+            model.bf16 or model.fp16,
+            "EP overlap is only supported when using bf16 or fp16 models.",
+            "use -c bf16 (mixed_precision=bf16_mixed).",
+        ),
+        (
+            "torch",
+            torch.__version__,
+            torch_ok,
+            "A2A overlap encounters hang issue with torch version < 2.6.0.",
+            "install torch >= 2.6.",
+        ),
+        (
+            "model.virtual_pipeline_model_parallel_size",
+            model.virtual_pipeline_model_parallel_size,
+            model.pipeline_model_parallel_size == 1
+            or model.virtual_pipeline_model_parallel_size is not None,
+            "virtual_pipeline_model_parallel_size must be specified when "
+            "pipeline_model_parallel_size > 1 (PP without VPP cannot interleave the overlap "
+            "schedule).",
+            "set -vp 2 (or more), or -pp 1.",
+        ),
+        (
+            "model.recompute_granularity",
+            model.recompute_granularity,
+            model.recompute_granularity != "full",
+            "disable full recomputation when enabling overlap_moe_expert_parallel_comm.",
+            "use recompute_granularity=selective (without 'moe') or no recompute.",
+        ),
+        (
+            "model.recompute_method",
+            model.recompute_method,
+            model.recompute_method is None,
+            "disable recomputation method when enabling overlap_moe_expert_parallel_comm.",
+            "set model.recompute_method=null.",
+        ),
+        (
+            "model.recompute_num_layers",
+            model.recompute_num_layers,
+            model.recompute_num_layers is None,
+            "recompute_num_layers must be None when enabling overlap_moe_expert_parallel_comm.",
+            "set model.recompute_num_layers=null.",
+        ),
+        (
+            "model.recompute_modules",
+            model.recompute_modules,
+            "moe" not in modules,
+            "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm.",
+            "remove 'moe' from recompute_modules.",
+        ),
+        (
+            "model.moe_shared_expert_overlap",
+            model.moe_shared_expert_overlap,
+            not model.moe_shared_expert_overlap,
+            "disable moe_shared_expert_overlap when enabling overlap_moe_expert_parallel_comm "
+            "(they conflict).",
+            "set model.moe_shared_expert_overlap=false.",
+        ),
+        (
+            "model.mtp_num_layers",
+            model.mtp_num_layers,
+            model.mtp_num_layers in (None, 0, 1),
+            "MTP supports at most one layer when enabling overlap_moe_expert_parallel_comm.",
+            "set model.mtp_num_layers to 0 or 1.",
+        ),
+        (
+            "model.cuda_graph_scope",
+            model.cuda_graph_scope,
+            not (scope & {"moe", "mlp"}),
+            "CUDA-graph scope must not cover 'moe' or 'mlp' with EP overlap (the schedule splits "
+            "those parts).",
+            "drop moe/mlp from cuda_graph_scope.",
+        ),
     ]
 
 
-def _graph_scope(model: "ModelConfig") -> set[str]:
+def _graph_scope(model: ModelConfig) -> set[str]:
     """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (as
     the delay_wgrad_compute checks of Megatron-Bridge's CommOverlapConfig read it)."""
     scope = model.cuda_graph_scope or []
@@ -322,156 +501,313 @@ def _graph_scope(model: "ModelConfig") -> set[str]:
     return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
 
 
-def _resolve_moe(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", log: DecisionLog,
-                 dp_size: int = 1) -> None:
-    ep_on = _choose(log, "model.overlap_moe_expert_parallel_comm", u.overlap_moe_expert_parallel_comm,
-                    model.overlap_moe_expert_parallel_comm, False, DEFAULT, "off unless requested")
+def _resolve_moe(
+    u: CommOverlapConfig, model: ModelConfig, ddp: DDPConfig, log: DecisionLog, dp_size: int = 1
+) -> None:
+    ep_on = _choose(
+        log,
+        "model.overlap_moe_expert_parallel_comm",
+        u.overlap_moe_expert_parallel_comm,
+        model.overlap_moe_expert_parallel_comm,
+        False,
+        DEFAULT,
+        "off unless requested",
+    )
     if ep_on:
         per_stage = model.tensor_model_parallel_size * model.context_parallel_size * dp_size
         for field, value, ok, why, fix in _ep_overlap_prerequisites(model):
             if not ok:
                 if field == "model.expert_model_parallel_size" and per_stage < 2:
-                    # -ep 2 is impossible here: experts are carved out of the ranks of one pipeline stage.
-                    fix = (f"expert parallelism needs at least 2 ranks per pipeline stage and this layout has "
-                           f"{per_stage}: use -ng 2 -ep 2 or more, or drop --moe_a2a_overlap / "
-                           "comm_overlap.overlap_moe_expert_parallel_comm.")
+                    # -ep 2 is impossible here: experts are carved out of the ranks of one pipeline
+                    # stage.
+                    fix = (
+                        "expert parallelism needs at least 2 ranks per pipeline stage and this "
+                        "layout has "
+                        f"{per_stage}: use -ng 2 -ep 2 or more, or drop --moe_a2a_overlap / "
+                        "comm_overlap.overlap_moe_expert_parallel_comm."
+                    )
                 raise ConfigError(field, value, why, fix)
     model.overlap_moe_expert_parallel_comm = ep_on
 
     delay = _requested(u.delay_wgrad_compute, model.delay_wgrad_compute)
     if delay:
         if not ep_on:
-            raise ConfigError("comm_overlap.delay_wgrad_compute", True,
-                              "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute.",
-                              "also set comm_overlap.overlap_moe_expert_parallel_comm=true, or drop delay_wgrad.")
+            raise ConfigError(
+                "comm_overlap.delay_wgrad_compute",
+                True,
+                "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute.",
+                "also set comm_overlap.overlap_moe_expert_parallel_comm=true, or drop delay_wgrad.",
+            )
         scope = _graph_scope(model)  # checked whatever cuda_graph_impl says, as the reference
         attn = "attn" in scope
-        router = ("moe_router" in scope and model.moe_shared_expert_intermediate_size is not None
-                  and not model.moe_shared_expert_overlap)
+        router = (
+            "moe_router" in scope
+            and model.moe_shared_expert_intermediate_size is not None
+            and not model.moe_shared_expert_overlap
+        )
         if (attn or router) and not model.gradient_accumulation_fusion:
-            raise ConfigError("model.gradient_accumulation_fusion", False,
-                              "CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion (the "
-                              "captured weight-gradient GEMMs need static memory addresses).",
-                              "set model.gradient_accumulation_fusion=true or remove attn/moe_router from "
-                              "cuda_graph_scope.")
+            raise ConfigError(
+                "model.gradient_accumulation_fusion",
+                False,
+                "CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion (the "
+                "captured weight-gradient GEMMs need static memory addresses).",
+                "set model.gradient_accumulation_fusion=true or remove attn/moe_router from "
+                "cuda_graph_scope.",
+            )
         if attn and (model.add_bias_linear or model.add_qkv_bias):
-            raise ConfigError("model.add_bias_linear" if model.add_bias_linear else "model.add_qkv_bias", True,
-                              "CUDA graph with delay_wgrad_compute does not support attention bias for now.",
-                              "set model.add_bias_linear=false and model.add_qkv_bias=false.")
-    model.delay_wgrad_compute = _choose(log, "model.delay_wgrad_compute", u.delay_wgrad_compute,
-                                        model.delay_wgrad_compute, False, DEFAULT, "off unless requested")
+            raise ConfigError(
+                "model.add_bias_linear" if model.add_bias_linear else "model.add_qkv_bias",
+                True,
+                "CUDA graph with delay_wgrad_compute does not support attention bias for now.",
+                "set model.add_bias_linear=false and model.add_qkv_bias=false.",
+            )
+    model.delay_wgrad_compute = _choose(
+        log,
+        "model.delay_wgrad_compute",
+        u.delay_wgrad_compute,
+        model.delay_wgrad_compute,
+        False,
+        DEFAULT,
+        "off unless requested",
+    )
     shared = model.moe_shared_expert_overlap
     if model.is_moe:
         if shared and not model.moe_shared_expert_intermediate_size:
             shared = log.record(
-                "model.moe_shared_expert_overlap", True, False, RULE,
-                "the model has no shared expert (moe_shared_expert_intermediate_size is not set): nothing to overlap",
-                fix="set model.moe_shared_expert_intermediate_size, or drop moe_shared_expert_overlap.")
+                "model.moe_shared_expert_overlap",
+                True,
+                False,
+                RULE,
+                "the model has no shared expert (moe_shared_expert_intermediate_size is not set): "
+                "nothing to overlap",
+                fix="set model.moe_shared_expert_intermediate_size, or drop "
+                "moe_shared_expert_overlap.",
+            )
         elif shared and model.moe_token_dispatcher_type == "flex":
-            shared = log.record("model.moe_shared_expert_overlap", True, False, RULE,
-                                "the flex dispatcher does not support shared-expert overlap",
-                                fix="use moe_token_dispatcher_type=alltoall, or drop moe_shared_expert_overlap.")
+            shared = log.record(
+                "model.moe_shared_expert_overlap",
+                True,
+                False,
+                RULE,
+                "the flex dispatcher does not support shared-expert overlap",
+                fix="use moe_token_dispatcher_type=alltoall, or drop moe_shared_expert_overlap.",
+            )
         elif shared is None:
-            shared = log.record("model.moe_shared_expert_overlap", None, False, DEFAULT, "off unless requested")
+            shared = log.record(
+                "model.moe_shared_expert_overlap", None, False, DEFAULT, "off unless requested"
+            )
         else:
-            log.record("model.moe_shared_expert_overlap", shared, shared, MODEL_CONFIG,
-                       "shared expert computes under the dispatch/combine all-to-all" if shared
-                       else "requested off")
+            log.record(
+                "model.moe_shared_expert_overlap",
+                shared,
+                shared,
+                MODEL_CONFIG,
+                "shared expert computes under the dispatch/combine all-to-all"
+                if shared
+                else "requested off",
+            )
     model.moe_shared_expert_overlap = bool(shared)
     if model.is_moe:
         _record_expert_capacity(model, log)
         if model.moe_router_force_load_balancing:
-            log.record("model.moe_router_force_load_balancing", True, True, MODEL_CONFIG,
-                       "benchmark mode: the router routes by random logits (their gradient passes straight through "
-                       "to the real ones), so every expert gets about the same rows; the model does not learn to "
-                       "route - for measuring, not for training")
+            log.record(
+                "model.moe_router_force_load_balancing",
+                True,
+                True,
+                MODEL_CONFIG,
+                "benchmark mode: the router routes by random logits (their gradient passes "
+                "straight through to the real ones), so every expert gets about the same rows; the "
+                "model does not learn to route - for measuring, not for training",
+            )
 
 
-def _record_expert_capacity(model: "ModelConfig", log: DecisionLog) -> None:
-    """Dropless routing or an expert capacity, said in the table with what it does to the dispatch: only variable
-    shapes need the split-size exchange, the per-layer rendezvous of the EP ranks."""
+def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
+    """Dropless routing or an expert capacity, said in the table with what it does to the dispatch:
+    only variable shapes need the split-size exchange, the per-layer rendezvous of the EP ranks."""
     factor = model.moe_expert_capacity_factor
     if factor is None:
-        log.record("model.moe_expert_capacity_factor", None, None, DEFAULT,
-                   "dropless: every routed row reaches its expert; the EP ranks exchange split sizes per MoE layer "
-                   "and micro-batch (ep_counts)")
+        log.record(
+            "model.moe_expert_capacity_factor",
+            None,
+            None,
+            DEFAULT,
+            "dropless: every routed row reaches its expert; the EP ranks exchange split sizes per "
+            "MoE layer and micro-batch (ep_counts)",
+        )
         return
-    dropped = ("the lowest router weights" if model.moe_token_drop_policy == "probs" else "the latest tokens")
-    shapes = ("padded to capacity (moe_pad_expert_input_to_capacity): static shapes, no split-size exchange"
-              if model.moe_pad_expert_input_to_capacity else
-              "not padded: shapes still vary, so the split sizes are still exchanged (add "
-              "model.moe_pad_expert_input_to_capacity=true for static shapes)")
-    log.record("model.moe_expert_capacity_factor", factor, factor, MODEL_CONFIG,
-               f"each expert takes at most ceil(tokens x top-k / experts x {factor}) rows from each rank; rows past "
-               f"it are dropped, {dropped} first (moe_token_drop_policy={model.moe_token_drop_policy}); {shapes}")
+    dropped = (
+        "the lowest router weights"
+        if model.moe_token_drop_policy == "probs"
+        else "the latest tokens"
+    )
+    shapes = (
+        "padded to capacity (moe_pad_expert_input_to_capacity): static shapes, no split-size "
+        "exchange"
+        if model.moe_pad_expert_input_to_capacity
+        else "not padded: shapes still vary, so the split sizes are still exchanged (add "
+        "model.moe_pad_expert_input_to_capacity=true for static shapes)"
+    )
+    log.record(
+        "model.moe_expert_capacity_factor",
+        factor,
+        factor,
+        MODEL_CONFIG,
+        f"each expert takes at most ceil(tokens x top-k / experts x {factor}) rows from each rank; "
+        "rows past "
+        f"it are dropped, {dropped} first (moe_token_drop_policy={model.moe_token_drop_policy}); "
+        f"{shapes}",
+    )
 
 
-def _resolve_dp(u: CommOverlapConfig, model: "ModelConfig", ddp: "DDPConfig", optimizer: "OptimizerConfig",
-                dp_size: int, log: DecisionLog) -> None:
+def _resolve_dp(
+    u: CommOverlapConfig,
+    model: ModelConfig,
+    ddp: DDPConfig,
+    optimizer: OptimizerConfig,
+    dp_size: int,
+    log: DecisionLog,
+) -> None:
     if ddp.use_distributed_optimizer != optimizer.use_distributed_optimizer:
         which = "ddp" if not ddp.use_distributed_optimizer else "optimizer"
-        log.record(f"{which}.use_distributed_optimizer", None, True, RULE,
-                   "the distributed optimizer is on in one of ddp/optimizer; both must agree")
+        log.record(
+            f"{which}.use_distributed_optimizer",
+            None,
+            True,
+            RULE,
+            "the distributed optimizer is on in one of ddp/optimizer; both must agree",
+        )
         ddp.use_distributed_optimizer = optimizer.use_distributed_optimizer = True
     dist_opt = ddp.use_distributed_optimizer
     pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
     many = dp_size > 1
 
-    # overlap_grad_reduce: Bridge turns it on only for DP>1 with the distributed optimizer; we honour an explicit
-    # request without the distributed optimizer too (bucketed all-reduce instead of reduce-scatter).
+    # overlap_grad_reduce: Bridge turns it on only for DP>1 with the distributed optimizer; we
+    # honour an explicit request without the distributed optimizer too (bucketed all-reduce instead
+    # of reduce-scatter).
     want = _requested(u.overlap_grad_reduce, ddp.overlap_grad_reduce)
     if want and not many:
-        ddp.overlap_grad_reduce = log.record("ddp.overlap_grad_reduce", want, False, RULE,
-                                             "DP=1: there is no gradient reduction to overlap",
-                                             fix="use more data-parallel ranks, or do not request it.")
+        ddp.overlap_grad_reduce = log.record(
+            "ddp.overlap_grad_reduce",
+            want,
+            False,
+            RULE,
+            "DP=1: there is no gradient reduction to overlap",
+            fix="use more data-parallel ranks, or do not request it.",
+        )
     else:
         ddp.overlap_grad_reduce = _choose(
-            log, "ddp.overlap_grad_reduce", u.overlap_grad_reduce, ddp.overlap_grad_reduce, many and dist_opt, RULE,
-            "DP>1 with the distributed optimizer" if many and dist_opt else
-            "DP=1" if not many else "DP defaults apply only with the distributed optimizer (as Bridge)")
+            log,
+            "ddp.overlap_grad_reduce",
+            u.overlap_grad_reduce,
+            ddp.overlap_grad_reduce,
+            many and dist_opt,
+            RULE,
+            "DP>1 with the distributed optimizer"
+            if many and dist_opt
+            else "DP=1"
+            if not many
+            else "DP defaults apply only with the distributed optimizer (as Bridge)",
+        )
 
     want = _requested(u.overlap_param_gather, ddp.overlap_param_gather)
     if want and not (many and dist_opt):
-        why = "DP=1: no parameter gather" if not many else \
-            "parameters are only gathered with the distributed optimizer"
-        ddp.overlap_param_gather = log.record("ddp.overlap_param_gather", want, False, RULE, why,
-                                              fix="set ddp.use_distributed_optimizer=true with DP>1.")
+        why = (
+            "DP=1: no parameter gather"
+            if not many
+            else "parameters are only gathered with the distributed optimizer"
+        )
+        ddp.overlap_param_gather = log.record(
+            "ddp.overlap_param_gather",
+            want,
+            False,
+            RULE,
+            why,
+            fix="set ddp.use_distributed_optimizer=true with DP>1.",
+        )
     else:
         ddp.overlap_param_gather = _choose(
-            log, "ddp.overlap_param_gather", u.overlap_param_gather, ddp.overlap_param_gather, many and dist_opt,
-            RULE, "DP>1 with the distributed optimizer" if many and dist_opt else "no distributed parameter gather")
+            log,
+            "ddp.overlap_param_gather",
+            u.overlap_param_gather,
+            ddp.overlap_param_gather,
+            many and dist_opt,
+            RULE,
+            "DP>1 with the distributed optimizer"
+            if many and dist_opt
+            else "no distributed parameter gather",
+        )
 
     ddp.align_param_gather = _choose(
-        log, "ddp.align_param_gather", u.align_param_gather, ddp.align_param_gather,
-        many and dist_opt and pp > 1 and vp > 1, RULE, "all PP stages launch the param gather together with VPP"
-        if many and dist_opt and pp > 1 and vp > 1 else "only with DP>1, distributed optimizer, PP>1 and VPP")
+        log,
+        "ddp.align_param_gather",
+        u.align_param_gather,
+        ddp.align_param_gather,
+        many and dist_opt and pp > 1 and vp > 1,
+        RULE,
+        "all PP stages launch the param gather together with VPP"
+        if many and dist_opt and pp > 1 and vp > 1
+        else "only with DP>1, distributed optimizer, PP>1 and VPP",
+    )
 
     if many and dist_opt:
-        auto, why = BRIDGE_DP_BUCKET_SIZE, "DP>1 with the distributed optimizer: 128M parameters (Bridge)"
+        auto, why = (
+            BRIDGE_DP_BUCKET_SIZE,
+            "DP>1 with the distributed optimizer: 128M parameters (Bridge)",
+        )
     elif ddp.overlap_grad_reduce:
-        auto, why = max(40_000_000, 1_000_000 * dp_size), "overlapped reduce: Megatron DDP default bucket"
+        auto, why = (
+            max(40_000_000, 1_000_000 * dp_size),
+            "overlapped reduce: Megatron DDP default bucket",
+        )
     else:
         auto, why = None, "no overlapped reduce: one bucket"
-    ddp.bucket_size = _choose(log, "ddp.bucket_size", u.bucket_size, ddp.bucket_size, auto, RULE, why)
+    ddp.bucket_size = _choose(
+        log, "ddp.bucket_size", u.bucket_size, ddp.bucket_size, auto, RULE, why
+    )
     if ddp.bucket_size is not None and ddp.bucket_size < 1:
-        raise ConfigError("ddp.bucket_size", ddp.bucket_size, "a bucket holds at least one parameter.",
-                          "use a positive count of parameters (not bytes), or null for one bucket.")
+        raise ConfigError(
+            "ddp.bucket_size",
+            ddp.bucket_size,
+            "a bucket holds at least one parameter.",
+            "use a positive count of parameters (not bytes), or null for one bucket.",
+        )
 
-    want = _requested(u.overlap_param_gather_with_optimizer_step, optimizer.overlap_param_gather_with_optimizer_step)
+    want = _requested(
+        u.overlap_param_gather_with_optimizer_step,
+        optimizer.overlap_param_gather_with_optimizer_step,
+    )
     if want and not (dist_opt and pp > 1 and vp > 1):
         optimizer.overlap_param_gather_with_optimizer_step = log.record(
-            "optimizer.overlap_param_gather_with_optimizer_step", want, False, RULE,
-            "needs the distributed optimizer with PP>1 and VPP", fix="use it only with -pp >1 -vp >1 and the "
-            "distributed optimizer.")
+            "optimizer.overlap_param_gather_with_optimizer_step",
+            want,
+            False,
+            RULE,
+            "needs the distributed optimizer with PP>1 and VPP",
+            fix="use it only with -pp >1 -vp >1 and the distributed optimizer.",
+        )
     else:
         optimizer.overlap_param_gather_with_optimizer_step = _choose(
-            log, "optimizer.overlap_param_gather_with_optimizer_step", u.overlap_param_gather_with_optimizer_step,
-            optimizer.overlap_param_gather_with_optimizer_step, False, DEFAULT, "never turned on automatically")
+            log,
+            "optimizer.overlap_param_gather_with_optimizer_step",
+            u.overlap_param_gather_with_optimizer_step,
+            optimizer.overlap_param_gather_with_optimizer_step,
+            False,
+            DEFAULT,
+            "never turned on automatically",
+        )
     if optimizer.overlap_param_gather_with_optimizer_step:
-        # Megatron launches the first bucket's gather inside the optimizer step only with this switch; our
-        # overlapped gather always does (data_parallel/param_gather.py), and without it gathers right after the step.
-        already = ("ddp.overlap_param_gather already launches the first bucket's all-gather inside the optimizer "
-                   "step" if ddp.overlap_param_gather else
-                   "without ddp.overlap_param_gather every bucket is gathered right after the step")
-        log.noop("optimizer.overlap_param_gather_with_optimizer_step", True, already,
-                 "drop it: ddp.overlap_param_gather=true gives the overlap it asks for.")
+        # Megatron launches the first bucket's gather inside the optimizer step only with this
+        # switch; our overlapped gather always does (data_parallel/param_gather.py), and without it
+        # gathers right after the step.
+        already = (
+            "ddp.overlap_param_gather already launches the first bucket's all-gather inside the "
+            "optimizer step"
+            if ddp.overlap_param_gather
+            else "without ddp.overlap_param_gather every bucket is gathered right after the step"
+        )
+        log.noop(
+            "optimizer.overlap_param_gather_with_optimizer_step",
+            True,
+            already,
+            "drop it: ddp.overlap_param_gather=true gives the overlap it asks for.",
+        )

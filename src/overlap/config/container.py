@@ -1,11 +1,12 @@
-"""ConfigContainer: every section of a run, and `finalize(world_size)`, which resolves it in a fixed order.
+"""ConfigContainer: every section of a run, and `finalize(world_size)`, which resolves it in a fixed
+order.
 
 Order (documented, tested): tokenizer -> pretrained architecture (a Hugging Face
-`checkpoint.pretrained_checkpoint`'s config.json) -> mixed precision -> data-parallel size -> data (the tokenizer's
-padded vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint -> logger -> flex dispatcher
-backend -> attention backend. `finalize` snapshots what the user asked for on its first call and re-resolves from that
-snapshot on every call, so calling it twice gives the same result (edits made after the first call are not seen:
-build a new container instead).
+`checkpoint.pretrained_checkpoint`'s config.json) -> mixed precision -> data-parallel size -> data
+(the tokenizer's padded vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint
+-> logger -> flex dispatcher backend -> attention backend. `finalize` snapshots what the user asked
+for on its first call and re-resolves from that snapshot on every call, so calling it twice gives
+the same result (edits made after the first call are not seen: build a new container instead).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -23,24 +25,34 @@ from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
-from overlap.config.mixed_precision import (MixedPrecisionConfig, get_mixed_precision_config,
-                                            resolve_loss_scaling)
-from overlap.config.model import ModelConfig
 from overlap.config.fusion import resolve_elementwise_fusion
-from overlap.config.moe_permute import resolve_moe_permute_fusion
-from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
-                                     TrainConfig)
-from overlap.errors import ConfigError, NotBuiltError
 from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
+from overlap.config.mixed_precision import (
+    MixedPrecisionConfig,
+    get_mixed_precision_config,
+    resolve_loss_scaling,
+)
+from overlap.config.model import ModelConfig
+from overlap.config.moe_permute import resolve_moe_permute_fusion
 from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 from overlap.config.refusals import unbuilt
+from overlap.config.training import (
+    DatasetConfig,
+    DDPConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
+from overlap.errors import ConfigError, NotBuiltError
 
 _log = logging.getLogger("overlap.config")
 
 
 def _hf_checkpoint_vocab(path: str | None) -> int | None:
-    """The vocabulary size in a Hugging Face folder's config.json (None: not an HF folder, or no such field)."""
+    """The vocabulary size in a Hugging Face folder's config.json (None: not an HF folder, or no
+    such field)."""
     import json
     from pathlib import Path
 
@@ -54,10 +66,14 @@ def _hf_checkpoint_vocab(path: str | None) -> int | None:
 
 
 def plain_value(value: Any) -> Any:
-    """A configuration value as YAML and JSON can hold it (dataclasses to mappings without their private fields,
-    anything exotic to its text)."""
+    """A configuration value as YAML and JSON can hold it (dataclasses to mappings without their
+    private fields, anything exotic to its text)."""
     if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain_value(getattr(value, f.name)) for f in fields(value) if not f.name.startswith("_")}
+        return {
+            f.name: plain_value(getattr(value, f.name))
+            for f in fields(value)
+            if not f.name.startswith("_")
+        }
     if isinstance(value, dict):
         return {str(k): plain_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -92,7 +108,7 @@ class ConfigContainer:
     mixed_precision: MixedPrecisionConfig | str | None = None
     comm_overlap: CommOverlapConfig | None = None
     env_vars: dict[str, str] = field(default_factory=dict)
-    _requested: "ConfigContainer | None" = field(default=None, repr=False, compare=False)
+    _requested: ConfigContainer | None = field(default=None, repr=False, compare=False)
     _resolution: Resolution | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -100,23 +116,34 @@ class ConfigContainer:
         """The last `finalize`'s result: what the runtime reads (the overlap plan, the layout).
         Reading it before finalize is a bug in the caller, not a user mistake."""
         if self._resolution is None:
-            raise RuntimeError("cfg.resolved before cfg.finalize(world_size): the runtime reads "
-                               "the resolved run, which finalize produces")
+            raise RuntimeError(
+                "cfg.resolved before cfg.finalize(world_size): the runtime reads the resolved run, "
+                "which finalize produces"
+            )
         return self._resolution
 
     def to_dict(self) -> dict[str, Any]:
-        """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's config."""
+        """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's
+        config."""
         return plain_value(self)
 
-    def finalize(self, world_size: int, device=probe_device, require_libraries: bool = True,
-                 command_line: Sequence[Decision] = (), on_cuda: bool | None = None) -> Resolution:
-        """Resolve for `world_size` ranks. `device` says which GPU the flex-dispatcher rules check (this machine's by
-        default; `explain` passes the target named by -g), `require_libraries` whether kernel libraries must be
-        importable here, `command_line` the harness's own decisions (flags beaten by overrides), logged first,
-        `on_cuda` whether the ranks compute on CUDA (the attention and MoE permutation rules; None: whether CUDA is
-        available here)."""
+    def finalize(
+        self,
+        world_size: int,
+        device=probe_device,
+        require_libraries: bool = True,
+        command_line: Sequence[Decision] = (),
+        on_cuda: bool | None = None,
+    ) -> Resolution:
+        """Resolve for `world_size` ranks. `device` says which GPU the flex-dispatcher rules check
+        (this machine's by default; `explain` passes the target named by -g), `require_libraries`
+        whether kernel libraries must be importable here, `command_line` the harness's own decisions
+        (flags beaten by overrides), logged first, `on_cuda` whether the ranks compute on CUDA (the
+        attention and MoE permutation rules; None: whether CUDA is available here)."""
         if world_size < 1:
-            raise ConfigError("-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more.")
+            raise ConfigError(
+                "-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more."
+            )
         if self._requested is None:
             self._requested = copy.deepcopy(self)
         fresh = copy.deepcopy(self._requested)
@@ -138,8 +165,9 @@ class ConfigContainer:
         self._apply_data(layout, log)
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = layout.dp
-        plan = resolve_comm_overlap(self.comm_overlap, self.model, self.ddp, self.optimizer,
-                                    layout.dp, log)
+        plan = resolve_comm_overlap(
+            self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log
+        )
         self._validate(layout)
         self._covered_recompute(log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
@@ -152,112 +180,206 @@ class ConfigContainer:
         self._resolution = Resolution(world_size, layout, plan, log)
         return self._resolution
 
-    # --- stages ------------------------------------------------------------------------------------------------
+    # --- stages
+    # ----------------------------------------------------------------------------------------------
     def _apply_tokenizer(self) -> None:
         tok = self.tokenizer
         if tok.tokenizer_type not in ("NullTokenizer", "HuggingFaceTokenizer"):
             what = unbuilt("tokenizer.tokenizer_type", tok.tokenizer_type)
             if what:
-                raise NotBuiltError("tokenizer.tokenizer_type", tok.tokenizer_type, what,
-                                    "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a "
-                                    "tokenizer.json.")
-            raise ConfigError("tokenizer.tokenizer_type", tok.tokenizer_type, "unknown tokenizer type.",
-                              "use NullTokenizer or HuggingFaceTokenizer.")
+                raise NotBuiltError(
+                    "tokenizer.tokenizer_type",
+                    tok.tokenizer_type,
+                    what,
+                    "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a tokenizer.json.",
+                )
+            raise ConfigError(
+                "tokenizer.tokenizer_type",
+                tok.tokenizer_type,
+                "unknown tokenizer type.",
+                "use NullTokenizer or HuggingFaceTokenizer.",
+            )
         if tok.tokenizer_type == "HuggingFaceTokenizer":
             if not tok.tokenizer_model:
-                raise ConfigError("tokenizer.tokenizer_model", tok.tokenizer_model, "HuggingFaceTokenizer reads a "
-                                  "tokenizer.json.", "set --tokenizer_model PATH (a tokenizer.json or its folder).")
+                raise ConfigError(
+                    "tokenizer.tokenizer_model",
+                    tok.tokenizer_model,
+                    "HuggingFaceTokenizer reads a tokenizer.json.",
+                    "set --tokenizer_model PATH (a tokenizer.json or its folder).",
+                )
             if tok.vocab_size is not None:
-                raise ConfigError("tokenizer.vocab_size", tok.vocab_size, "the vocabulary comes from the "
-                                  "tokenizer; vocab_size is the NullTokenizer's.", "drop --vocab_size.")
+                raise ConfigError(
+                    "tokenizer.vocab_size",
+                    tok.vocab_size,
+                    "the vocabulary comes from the tokenizer; vocab_size is the NullTokenizer's.",
+                    "drop --vocab_size.",
+                )
         elif tok.tokenizer_model:
-            raise ConfigError("tokenizer.tokenizer_model", tok.tokenizer_model, "the NullTokenizer reads no file.",
-                              "set --tokenizer_type HuggingFaceTokenizer, or drop --tokenizer_model.")
+            raise ConfigError(
+                "tokenizer.tokenizer_model",
+                tok.tokenizer_model,
+                "the NullTokenizer reads no file.",
+                "set --tokenizer_type HuggingFaceTokenizer, or drop --tokenizer_model.",
+            )
         if tok.vocab_size is not None:
             self.model.vocab_size = tok.vocab_size
 
     def _apply_pretrained(self, log: DecisionLog) -> None:
-        """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture, as Bridge builds its
-        model provider from the HF config: every field config.json describes (`hf_config.ARCH_FIELDS`, and
-        `MOE_FIELDS` for a Qwen3-MoE) is taken from it, and each value that differs from the recipe's is a decision
-        of the checkpoint section (start-up log and `overlap explain`; the harness refuses one that beats the user's
-        own override or flag, `harness.check_pretrained_overrides`). A recipe without experts also takes the
-        checkpoint's router aux-loss coefficient. A field config.json has that this runtime cannot honour is refused
-        there (`model_config_from_hf`)."""
+        """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture, as
+        Bridge builds its model provider from the HF config: every field config.json describes
+        (`hf_config.ARCH_FIELDS`, and `MOE_FIELDS` for a Qwen3-MoE) is taken from it, and each value
+        that differs from the recipe's is a decision of the checkpoint section (start-up log and
+        `overlap explain`; the harness refuses one that beats the user's own override or flag,
+        `harness.check_pretrained_overrides`). A recipe without experts also takes the checkpoint's
+        router aux-loss coefficient. A field config.json has that this runtime cannot honour is
+        refused there (`model_config_from_hf`)."""
         from pathlib import Path
 
-        from overlap.config.hf_config import (ARCH_FIELDS, MOE_FIELDS, PRETRAINED, model_config_from_hf,
-                                              read_hf_config)
+        from overlap.config.hf_config import (
+            ARCH_FIELDS,
+            MOE_FIELDS,
+            PRETRAINED,
+            model_config_from_hf,
+            read_hf_config,
+        )
 
         path = self.checkpoint.pretrained_checkpoint
         if not isinstance(path, str) or not path.strip():
             return  # unset (an empty path is refused by resolve_checkpoint)
         if not (Path(path) / "config.json").is_file():
-            if not Path(path).exists():  # `explain` for another machine's path: say what it cannot show
-                log.record_in("checkpoint", "model", None, "the recipe's architecture", RULE,
-                              f"{path} is not on this machine, so its config.json (which decides the architecture "
-                              "of a run from a Hugging Face folder) was not read here")
+            # `explain` for another machine's path: say what it cannot show
+            if not Path(path).exists():
+                log.record_in(
+                    "checkpoint",
+                    "model",
+                    None,
+                    "the recipe's architecture",
+                    RULE,
+                    f"{path} is not on this machine, so its config.json (which decides the "
+                    "architecture of a run from a Hugging Face folder) was not read here",
+                )
             return  # one of our checkpoints (its run configuration is checked when it loads)
-        m, theirs = self.model, model_config_from_hf(read_hf_config(path), seq_length=self.model.seq_length)
+        m, theirs = (
+            self.model,
+            model_config_from_hf(read_hf_config(path), seq_length=self.model.seq_length),
+        )
         if self.tokenizer.vocab_size is not None and self.tokenizer.vocab_size > theirs.vocab_size:
-            raise ConfigError("tokenizer.vocab_size", self.tokenizer.vocab_size, f"the pretrained checkpoint {path} "
-                              f"has {theirs.vocab_size} embedding rows: larger token ids have no embedding.",
-                              f"drop --vocab_size (the model takes {theirs.vocab_size} from config.json), or use "
-                              "the checkpoint's tokenizer.")
+            raise ConfigError(
+                "tokenizer.vocab_size",
+                self.tokenizer.vocab_size,
+                f"the pretrained checkpoint {path} has {theirs.vocab_size} embedding rows: larger "
+                "token ids have no embedding.",
+                f"drop --vocab_size (the model takes {theirs.vocab_size} from config.json), or use "
+                "the checkpoint's tokenizer.",
+            )
         fields = {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}
         if theirs.is_moe and not m.is_moe:
             fields["moe_aux_loss_coeff"] = "moe_aux_loss_coeff"
-        before = {name: getattr(m, attr) for name, attr in fields.items()}  # all read before any is changed
+        before = {
+            name: getattr(m, attr) for name, attr in fields.items()
+        }  # all read before any is changed
         for name, attr in fields.items():
             value = getattr(theirs, attr)
             if before[name] != value:
                 setattr(m, name, getattr(theirs, name))
-                log.record_in("checkpoint", f"model.{name}", before[name], value, RULE, f"{PRETRAINED} ({path})")
-        # Training choices that route the released weights' tokens otherwise than the model was trained (transformers
-        # drops no token and routes by the scores): honoured, and said beside the architecture
-        for name, on, what in (("moe_expert_capacity_factor", m.moe_expert_capacity_factor is not None,
-                                "tokens beyond each expert's capacity are dropped"),
-                               ("moe_router_force_load_balancing", bool(m.moe_router_force_load_balancing),
-                                "routing ignores the router's scores (a benchmark setting)")):
+                log.record_in(
+                    "checkpoint",
+                    f"model.{name}",
+                    before[name],
+                    value,
+                    RULE,
+                    f"{PRETRAINED} ({path})",
+                )
+        # Training choices that route the released weights' tokens otherwise than the model was
+        # trained (transformers drops no token and routes by the scores): honoured, and said beside
+        # the architecture
+        for name, on, what in (
+            (
+                "moe_expert_capacity_factor",
+                m.moe_expert_capacity_factor is not None,
+                "tokens beyond each expert's capacity are dropped",
+            ),
+            (
+                "moe_router_force_load_balancing",
+                bool(m.moe_router_force_load_balancing),
+                "routing ignores the router's scores (a benchmark setting)",
+            ),
+        ):
             if theirs.is_moe and on:
                 value = getattr(m, name)
-                log.record_in("checkpoint", f"model.{name}", value, value, USER,
-                              f"{what}: the pretrained MoE is trained differently from how it was released")
+                log.record_in(
+                    "checkpoint",
+                    f"model.{name}",
+                    value,
+                    value,
+                    USER,
+                    f"{what}: the pretrained MoE is trained differently from how it was released",
+                )
                 _log.warning("model.%s=%s with pretrained weights: %s", name, value, what)
 
     def _apply_data(self, layout: ParallelLayout, log: DecisionLog) -> None:
-        """The tokenizer's vocabulary (padded as Megatron pads it) and the dataset's files, checked now."""
+        """The tokenizer's vocabulary (padded as Megatron pads it) and the dataset's files, checked
+        now."""
         tok, data, m = self.tokenizer, self.dataset, self.model
         if tok.tokenizer_type == "HuggingFaceTokenizer":
             from overlap.data.tokenizer import HFTokenizer, padded_vocab_size
 
             hf = HFTokenizer(tok.tokenizer_model)
             if m.make_vocab_size_divisible_by < 1:
-                raise ConfigError("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by,
-                                  "it must be positive.", "use 128 (Megatron's default).")
+                raise ConfigError(
+                    "model.make_vocab_size_divisible_by",
+                    m.make_vocab_size_divisible_by,
+                    "it must be positive.",
+                    "use 128 (Megatron's default).",
+                )
             hf_vocab = _hf_checkpoint_vocab(self.checkpoint.pretrained_checkpoint)
             if hf_vocab is not None and hf_vocab < hf.vocab_size:
-                raise ConfigError("tokenizer.tokenizer_model", tok.tokenizer_model, f"this tokenizer has "
-                                  f"{hf.vocab_size} tokens, but the pretrained checkpoint's embedding has "
-                                  f"{hf_vocab} rows (its config.json): larger token ids have no embedding.",
-                                  "use the checkpoint's own tokenizer.")
+                raise ConfigError(
+                    "tokenizer.tokenizer_model",
+                    tok.tokenizer_model,
+                    f"this tokenizer has {hf.vocab_size} tokens, but the pretrained checkpoint's "
+                    f"embedding has {hf_vocab} rows (its config.json): larger token ids have no "
+                    "embedding.",
+                    "use the checkpoint's own tokenizer.",
+                )
             if hf_vocab is not None:
-                # A released checkpoint's embedding has its own (already padded) rows: Qwen3's 151936 for the
-                # tokenizer's 151669 tokens. Padding the tokenizer's count again would not match its weights.
+                # A released checkpoint's embedding has its own (already padded) rows: Qwen3's
+                # 151936 for the tokenizer's 151669 tokens. Padding the tokenizer's count again
+                # would not match its weights.
                 m.vocab_size = hf_vocab
-                log.record_in("data", "model.vocab_size", None, m.vocab_size, RULE,
-                              f"the pretrained checkpoint's vocabulary (its config.json), which holds the "
-                              f"tokenizer's {hf.vocab_size} tokens; end of document = token {hf.eod}")
+                log.record_in(
+                    "data",
+                    "model.vocab_size",
+                    None,
+                    m.vocab_size,
+                    RULE,
+                    f"the pretrained checkpoint's vocabulary (its config.json), which holds the "
+                    f"tokenizer's {hf.vocab_size} tokens; end of document = token {hf.eod}",
+                )
             else:
-                m.vocab_size = padded_vocab_size(hf.vocab_size, m.make_vocab_size_divisible_by, layout.tp)
-                log.record_in("data", "model.vocab_size", None, m.vocab_size, RULE,
-                              f"the tokenizer's {hf.vocab_size} tokens padded to a multiple of "
-                              f"make_vocab_size_divisible_by x TP = {m.make_vocab_size_divisible_by} x {layout.tp}; "
-                              f"end of document = token {hf.eod}")
+                m.vocab_size = padded_vocab_size(
+                    hf.vocab_size, m.make_vocab_size_divisible_by, layout.tp
+                )
+                log.record_in(
+                    "data",
+                    "model.vocab_size",
+                    None,
+                    m.vocab_size,
+                    RULE,
+                    f"the tokenizer's {hf.vocab_size} tokens padded to a multiple of "
+                    f"make_vocab_size_divisible_by x TP = {m.make_vocab_size_divisible_by} x "
+                    f"{layout.tp}; end of document = token {hf.eod}",
+                )
         if data.blend is None:
-            log.record_in("data", "dataset.blend", None, None, DEFAULT,
-                          "not set: mock data (random tokens from the seed; the loss cannot fall below "
-                          f"ln(vocab) = {math.log(m.vocab_size):.2f})")
+            log.record_in(
+                "data",
+                "dataset.blend",
+                None,
+                None,
+                DEFAULT,
+                "not set: mock data (random tokens from the seed; the loss cannot fall below "
+                f"ln(vocab) = {math.log(m.vocab_size):.2f})",
+            )
             return
         from overlap.data.gpt_dataset import parse_blend, split_ranges
         from overlap.data.indexed import IndexedDataset
@@ -268,10 +390,17 @@ class ConfigContainer:
             files = IndexedDataset(prefix)
             start, end = split_ranges(data.split, len(files))[0]
             tokens = int(files.lengths[start:end].sum())
-            log.record_in("data", "dataset.blend", prefix, prefix, USER,
-                          f"weight {weight / share:.3f}: {end - start} of {len(files)} documents in the training "
-                          f"split ({data.split}), {tokens:,} tokens ({files.dtype.name}); shuffled with seed "
-                          f"{data.random_seed}")
+            log.record_in(
+                "data",
+                "dataset.blend",
+                prefix,
+                prefix,
+                USER,
+                f"weight {weight / share:.3f}: {end - start} of {len(files)} documents in the "
+                "training "
+                f"split ({data.split}), {tokens:,} tokens ({files.dtype.name}); shuffled with seed "
+                f"{data.random_seed}",
+            )
 
     def _apply_mixed_precision(self, log: DecisionLog) -> None:
         mp = self.mixed_precision
@@ -291,13 +420,23 @@ class ConfigContainer:
         """The layout the model's sizes describe (checked by `ParallelLayout` itself); sequence
         parallelism without a tensor-parallel group is turned off, said in the log."""
         m = self.model
-        layout = ParallelLayout(world_size=world_size, tp=m.tensor_model_parallel_size,
-                                pp=m.pipeline_model_parallel_size, cp=m.context_parallel_size,
-                                ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
+        layout = ParallelLayout(
+            world_size=world_size,
+            tp=m.tensor_model_parallel_size,
+            pp=m.pipeline_model_parallel_size,
+            cp=m.context_parallel_size,
+            ep=m.expert_model_parallel_size,
+            etp=m.expert_tensor_parallel_size,
+        )
         if m.sequence_parallel and layout.tp == 1:
-            m.sequence_parallel = log.record("model.sequence_parallel", True, False, RULE,
-                                             "TP=1: there is no tensor-parallel group to shard the sequence over",
-                                             fix="use -tp 2 or more, or drop sequence_parallel.")
+            m.sequence_parallel = log.record(
+                "model.sequence_parallel",
+                True,
+                False,
+                RULE,
+                "TP=1: there is no tensor-parallel group to shard the sequence over",
+                fix="use -tp 2 or more, or drop sequence_parallel.",
+            )
         return layout
 
     def _apply_pipeline_layout(self, layout: ParallelLayout, log: DecisionLog) -> None:
@@ -308,35 +447,60 @@ class ConfigContainer:
         if spec is not None:
             found = len(parse_layout(spec, layout.pp)) // layout.pp
             if found > 1 and layout.pp == 1:
-                raise ConfigError(LAYOUT_FIELD, spec,
-                                  f"{found} stages need pipeline parallelism (a virtual "
-                                  f"pipeline of {found} chunks needs PP >= 2).",
-                                  "use -pp with stages = PP x VPP, or one stage for -pp 1.")
+                raise ConfigError(
+                    LAYOUT_FIELD,
+                    spec,
+                    f"{found} stages need pipeline parallelism (a virtual pipeline of {found} "
+                    "chunks needs PP >= 2).",
+                    "use -pp with stages = PP x VPP, or one stage for -pp 1.",
+                )
             if m.virtual_pipeline_model_parallel_size is None and found > 1:
                 m.virtual_pipeline_model_parallel_size = found
-                log.record_in("pipeline", "model.virtual_pipeline_model_parallel_size", None, found,
-                              RULE, f"the layout's stages / PP = {found * layout.pp} / {layout.pp}")
+                log.record_in(
+                    "pipeline",
+                    "model.virtual_pipeline_model_parallel_size",
+                    None,
+                    found,
+                    RULE,
+                    f"the layout's stages / PP = {found * layout.pp} / {layout.pp}",
+                )
         vpp = m.virtual_pipeline_model_parallel_size
         if vpp is not None and (vpp < 1 or layout.pp == 1):
-            raise ConfigError("model.virtual_pipeline_model_parallel_size", vpp,
-                              "a virtual pipeline needs pipeline_model_parallel_size > 1 and "
-                              "a size >= 1.", "use -vp None, or -pp 2 or more.")
+            raise ConfigError(
+                "model.virtual_pipeline_model_parallel_size",
+                vpp,
+                "a virtual pipeline needs pipeline_model_parallel_size > 1 and a size >= 1.",
+                "use -vp None, or -pp 2 or more.",
+            )
         resolved = resolve_pipeline_layout(m, layout.pp)
         if layout.pp > 1 or spec is not None:
-            by = {"even split": DEFAULT,
-                  "pipeline_model_parallel_layout": MODEL_CONFIG}.get(resolved.source, RULE)
-            log.record_in("pipeline", LAYOUT_FIELD, spec, resolved.as_string(), by,
-                          resolved.describe())
+            by = {"even split": DEFAULT, "pipeline_model_parallel_layout": MODEL_CONFIG}.get(
+                resolved.source, RULE
+            )
+            log.record_in(
+                "pipeline", LAYOUT_FIELD, spec, resolved.as_string(), by, resolved.describe()
+            )
 
     def _check_sizes(self) -> None:
-        """Every model size positive, before any later stage computes with one (the data decisions quote
-        ln(vocab_size), the layout divides by head counts)."""
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "kv_channels",
-                     "ffn_hidden_size", "num_query_groups", "moe_ffn_hidden_size",
-                     "moe_shared_expert_intermediate_size"):
+        """Every model size positive, before any later stage computes with one (the data decisions
+        quote ln(vocab_size), the layout divides by head counts)."""
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "seq_length",
+            "kv_channels",
+            "ffn_hidden_size",
+            "num_query_groups",
+            "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size",
+        ):
             value = getattr(self.model, name)
             if value is not None and value < 1:
-                raise ConfigError(f"model.{name}", value, "it must be positive.", f"set model.{name} >= 1.")
+                raise ConfigError(
+                    f"model.{name}", value, "it must be positive.", f"set model.{name} >= 1."
+                )
 
     def _validate(self, layout: ParallelLayout) -> None:
         """Each section's own rules, then those across sections (the first broken one is the
@@ -359,25 +523,61 @@ class ConfigContainer:
 
         def divides(field_name: str, value: int, by: int, by_name: str, fix: str) -> None:
             if value % by:
-                raise ConfigError(field_name, value, f"it must be divisible by {by_name} ({by}).",
-                                  fix)
+                raise ConfigError(
+                    field_name, value, f"it must be divisible by {by_name} ({by}).", fix
+                )
 
         if m.kv_channels is None:
-            divides("model.hidden_size", m.hidden_size, m.num_attention_heads, "num_attention_heads",
-                    "pick hidden_size as a multiple of the head count, or set kv_channels.")
-        divides("model.num_attention_heads", m.num_attention_heads, tp, "tensor_model_parallel_size",
-                "use a -tp that divides the head count.")
-        divides("model.num_attention_heads", m.num_attention_heads, m.query_groups,
-                "num_query_groups", "use num_query_groups that divides num_attention_heads.")
-        divides("model.num_query_groups", m.query_groups, tp, "tensor_model_parallel_size",
-                "use a -tp that divides num_query_groups.")
-        divides("model.ffn_hidden_size", m.ffn_size, tp, "tensor_model_parallel_size",
-                "use a -tp that divides it.")
-        divides("model.vocab_size", m.vocab_size, tp, "tensor_model_parallel_size",
-                "use a vocabulary size divisible by -tp (e.g. --vocab_size rounded up).")
+            divides(
+                "model.hidden_size",
+                m.hidden_size,
+                m.num_attention_heads,
+                "num_attention_heads",
+                "pick hidden_size as a multiple of the head count, or set kv_channels.",
+            )
+        divides(
+            "model.num_attention_heads",
+            m.num_attention_heads,
+            tp,
+            "tensor_model_parallel_size",
+            "use a -tp that divides the head count.",
+        )
+        divides(
+            "model.num_attention_heads",
+            m.num_attention_heads,
+            m.query_groups,
+            "num_query_groups",
+            "use num_query_groups that divides num_attention_heads.",
+        )
+        divides(
+            "model.num_query_groups",
+            m.query_groups,
+            tp,
+            "tensor_model_parallel_size",
+            "use a -tp that divides num_query_groups.",
+        )
+        divides(
+            "model.ffn_hidden_size",
+            m.ffn_size,
+            tp,
+            "tensor_model_parallel_size",
+            "use a -tp that divides it.",
+        )
+        divides(
+            "model.vocab_size",
+            m.vocab_size,
+            tp,
+            "tensor_model_parallel_size",
+            "use a vocabulary size divisible by -tp (e.g. --vocab_size rounded up).",
+        )
         if m.sequence_parallel:
-            divides("model.seq_length", m.seq_length, tp,
-                    "tensor_model_parallel_size (sequence parallel)", "use -sl divisible by -tp.")
+            divides(
+                "model.seq_length",
+                m.seq_length,
+                tp,
+                "tensor_model_parallel_size (sequence parallel)",
+                "use -sl divisible by -tp.",
+            )
 
     def _validate_experts(self, layout: ParallelLayout) -> None:
         """Experts are sharded over expert parallelism: a MoE model's count must divide, a dense
@@ -385,79 +585,117 @@ class ConfigContainer:
         m = self.model
         if not m.is_moe:
             if layout.ep > 1:
-                raise ConfigError("model.expert_model_parallel_size", layout.ep,
-                                  "a dense model has no experts to shard.",
-                                  "use -ep 1 or a MoE recipe.")
+                raise ConfigError(
+                    "model.expert_model_parallel_size",
+                    layout.ep,
+                    "a dense model has no experts to shard.",
+                    "use -ep 1 or a MoE recipe.",
+                )
             return
         if m.num_moe_experts % layout.ep:
-            raise ConfigError("model.num_moe_experts", m.num_moe_experts,
-                              f"it must be divisible by expert_model_parallel_size ({layout.ep}).",
-                              "use -ep that divides the expert count.")
+            raise ConfigError(
+                "model.num_moe_experts",
+                m.num_moe_experts,
+                f"it must be divisible by expert_model_parallel_size ({layout.ep}).",
+                "use -ep that divides the expert count.",
+            )
         if layout.tp > 1 and layout.ep > 1 and not m.sequence_parallel:
-            raise ConfigError("model.sequence_parallel", False,
-                              "when using expert parallelism and tensor parallelism, sequence "
-                              "parallelism must be used (as Megatron-Core requires).",
-                              "set model.sequence_parallel=true (-tp sets it for you).")
+            raise ConfigError(
+                "model.sequence_parallel",
+                False,
+                "when using expert parallelism and tensor parallelism, sequence parallelism must "
+                "be used (as Megatron-Core requires).",
+                "set model.sequence_parallel=true (-tp sets it for you).",
+            )
 
     def _validate_batch(self, layout: ParallelLayout) -> None:
         """A global batch of whole micro-batches on every data-parallel rank."""
         t = self.train
         if t.micro_batch_size < 1:
-            raise ConfigError("train.micro_batch_size", t.micro_batch_size,
-                              "a micro-batch holds at least one sequence.", "use -mb 1 or more.")
+            raise ConfigError(
+                "train.micro_batch_size",
+                t.micro_batch_size,
+                "a micro-batch holds at least one sequence.",
+                "use -mb 1 or more.",
+            )
         if t.global_batch_size < 1:
-            raise ConfigError("train.global_batch_size", t.global_batch_size,
-                              "a step needs at least one sequence.",
-                              f"use -gb {t.micro_batch_size * layout.dp} or a multiple of it.")
+            raise ConfigError(
+                "train.global_batch_size",
+                t.global_batch_size,
+                "a step needs at least one sequence.",
+                f"use -gb {t.micro_batch_size * layout.dp} or a multiple of it.",
+            )
         if t.global_batch_size % (t.micro_batch_size * layout.dp):
-            raise ConfigError("train.global_batch_size", t.global_batch_size,
-                              f"it must be a multiple of micro_batch_size x data-parallel size = "
-                              f"{t.micro_batch_size} x {layout.dp}.", "adjust -gb or -mb.")
+            raise ConfigError(
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"it must be a multiple of micro_batch_size x data-parallel size = "
+                f"{t.micro_batch_size} x {layout.dp}.",
+                "adjust -gb or -mb.",
+            )
 
     def _validate_ep_overlap_batch(self, layout: ParallelLayout) -> None:
         t = self.train
         micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
         if self.model.overlap_moe_expert_parallel_comm and micro < 2:
-            raise ConfigError("train.global_batch_size", t.global_batch_size,
-                              "EP overlap interleaves the forward of one micro-batch with the "
-                              "backward of another, so each data-parallel rank needs at least 2 "
-                              f"micro-batches per step (it has {micro}).",
-                              f"use -gb >= {2 * t.micro_batch_size * layout.dp} or a smaller -mb.")
+            raise ConfigError(
+                "train.global_batch_size",
+                t.global_batch_size,
+                "EP overlap interleaves the forward of one micro-batch with the backward of "
+                "another, so each data-parallel rank needs at least 2 "
+                f"micro-batches per step (it has {micro}).",
+                f"use -gb >= {2 * t.micro_batch_size * layout.dp} or a smaller -mb.",
+            )
 
     def _validate_pipeline_schedule(self, layout: ParallelLayout) -> None:
         """The interleaved schedule's rules (Megatron-Core): micro-batches come in groups of
-        `microbatch_group_size_per_vp_stage` (default PP) per virtual stage, a group size in [PP, micro-batches],
-        and a micro-batch count divisible by PP so every group is whole."""
+        `microbatch_group_size_per_vp_stage` (default PP) per virtual stage, a group size in [PP,
+        micro-batches], and a micro-batch count divisible by PP so every group is whole."""
         m, t = self.model, self.train
         group = m.microbatch_group_size_per_vp_stage
         if group is not None and (layout.pp == 1 or not m.virtual_pipeline_model_parallel_size):
-            raise ConfigError("model.microbatch_group_size_per_vp_stage", group,
-                              "it shapes the interleaved (virtual pipeline) schedule only.",
-                              "use it with -pp 2+ and -vp 2+, or drop it.")
+            raise ConfigError(
+                "model.microbatch_group_size_per_vp_stage",
+                group,
+                "it shapes the interleaved (virtual pipeline) schedule only.",
+                "use it with -pp 2+ and -vp 2+, or drop it.",
+            )
         vpp = m.virtual_pipeline_model_parallel_size or 1
         if layout.pp == 1 or vpp == 1:
             return
         micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
         group = group or layout.pp
         if not layout.pp <= group <= micro:
-            raise ConfigError("model.microbatch_group_size_per_vp_stage", group,
-                              f"the interleaved schedule needs PP ({layout.pp}) <= group size <= micro-batches per "
-                              f"step ({micro}).", f"use -gb >= {layout.pp * t.micro_batch_size * layout.dp} or a "
-                              "group size in that range.")
+            raise ConfigError(
+                "model.microbatch_group_size_per_vp_stage",
+                group,
+                f"the interleaved schedule needs PP ({layout.pp}) <= group size <= micro-batches "
+                "per "
+                f"step ({micro}).",
+                f"use -gb >= {layout.pp * t.micro_batch_size * layout.dp} or a "
+                "group size in that range.",
+            )
         if micro % layout.pp:
-            raise ConfigError("train.global_batch_size", t.global_batch_size,
-                              f"the interleaved schedule needs the micro-batches per step ({micro} = global batch / "
-                              f"(micro batch x DP)) to be a multiple of PP ({layout.pp}).",
-                              f"use -gb as a multiple of {layout.pp * t.micro_batch_size * layout.dp}.")
+            raise ConfigError(
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"the interleaved schedule needs the micro-batches per step ({micro} = global "
+                "batch / "
+                f"(micro batch x DP)) to be a multiple of PP ({layout.pp}).",
+                f"use -gb as a multiple of {layout.pp * t.micro_batch_size * layout.dp}.",
+            )
 
     def _validate_shared_expert_width(self, layout: ParallelLayout) -> None:
         m, shared = self.model, self.model.moe_shared_expert_intermediate_size
         if m.is_moe and shared and shared % layout.tp:
-            raise ConfigError("model.moe_shared_expert_intermediate_size", shared,
-                              "the shared expert is split over tensor parallelism, so its width "
-                              "must be divisible by tensor_model_parallel_size "
-                              f"({layout.tp}).",
-                              "use a multiple of -tp.")
+            raise ConfigError(
+                "model.moe_shared_expert_intermediate_size",
+                shared,
+                "the shared expert is split over tensor parallelism, so its width must be "
+                "divisible by tensor_model_parallel_size "
+                f"({layout.tp}).",
+                "use a multiple of -tp.",
+            )
 
     def _covered_recompute(self, log: DecisionLog) -> None:
         """Modules without selective granularity do nothing (said, not ignored). 'moe' recomputes
@@ -467,13 +705,19 @@ class ConfigContainer:
         m = self.model
         selective = m.recompute_granularity == "selective"
         if m.recompute_modules and not selective:
-            log.noop("model.recompute_modules", m.recompute_modules,
-                     "recompute_modules only apply to recompute_granularity=selective (it is "
-                     f"{m.recompute_granularity})",
-                     "set model.recompute_granularity=selective, or clear recompute_modules.")
+            log.noop(
+                "model.recompute_modules",
+                m.recompute_modules,
+                "recompute_modules only apply to recompute_granularity=selective (it is "
+                f"{m.recompute_granularity})",
+                "set model.recompute_granularity=selective, or clear recompute_modules.",
+            )
         modules = (m.recompute_modules or []) if selective else []
         for part in ("moe_act", "shared_experts"):
             if part in modules and "moe" in modules:
-                log.noop("model.recompute_modules", m.recompute_modules,
-                         f"'moe' recomputes whole MoE layers, '{part}' included",
-                         f"drop {part} (or moe) from recompute_modules.")
+                log.noop(
+                    "model.recompute_modules",
+                    m.recompute_modules,
+                    f"'moe' recomputes whole MoE layers, '{part}' included",
+                    f"drop {part} (or moe) from recompute_modules.",
+                )

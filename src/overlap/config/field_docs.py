@@ -26,12 +26,19 @@ def field_docs(cls: type) -> dict[str, str]:
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-                              tokenize.ENDMARKER):
+        elif tok.type not in (
+            tokenize.NL,
+            tokenize.NEWLINE,
+            tokenize.INDENT,
+            tokenize.DEDENT,
+            tokenize.ENDMARKER,
+        ):
             code_lines.add(tok.start[0])
-    lines = {node.target.id: node.lineno
-             for node in ast.parse(source).body[0].body
-             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    lines = {
+        node.target.id: node.lineno
+        for node in ast.parse(source).body[0].body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
     names = {f.name for f in fields(cls)}
     out = {}
     for name, line in lines.items():

@@ -1,19 +1,22 @@
 """Flex token dispatch: `moe_token_dispatcher_type="flex"` plus a backend.
 
-Pitfall the reference's users hit: setting `moe_flex_dispatcher_backend` alone does NOT switch the dispatcher. Here
-that case is a logged decision (an error in strict mode), not a silent no-op. Backends:
-- "torch": ours, pure torch.distributed, runs everywhere (CPU/gloo and GPU/NCCL): each token crosses the network once
-  per destination rank instead of once per chosen expert, and the receiving rank fans it out to its local experts.
-- "deepep" / "hybridep": DeepEP's GPU kernels; they need the `deep_ep` library and a supported GPU, otherwise a
-  clear error (never a silent fallback to all-to-all).
+Pitfall the reference's users hit: setting `moe_flex_dispatcher_backend` alone does NOT switch the
+dispatcher. Here that case is a logged decision (an error in strict mode), not a silent no-op.
+Backends:
+- "torch": ours, pure torch.distributed, runs everywhere (CPU/gloo and GPU/NCCL): each token crosses
+  the network once per destination rank instead of once per chosen expert, and the receiving rank
+  fans it out to its local experts.
+- "deepep" / "hybridep": DeepEP's GPU kernels; they need the `deep_ep` library and a supported GPU,
+  otherwise a clear error (never a silent fallback to all-to-all).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from overlap.config.decisions import RULE, DecisionLog
 from overlap.errors import ConfigError
@@ -45,9 +48,10 @@ def probe_device() -> DeviceInfo | None:
     return DeviceInfo(props.name, props.major)
 
 
-# What `overlap explain -g GPU` checks the flex-dispatcher rules against: the device each -g names, as CUDA reports it
-# (name prefix and compute-capability major). explain describes the target cluster, not the machine it runs on;
-# `overlap run` probes the device it actually has. Rubin (vr200, r100) is the generation after Blackwell (major 11).
+# What `overlap explain -g GPU` checks the flex-dispatcher rules against: the device each -g names,
+# as CUDA reports it (name prefix and compute-capability major). explain describes the target
+# cluster, not the machine it runs on; `overlap run` probes the device it actually has. Rubin
+# (vr200, r100) is the generation after Blackwell (major 11).
 TARGET_DEVICES: dict[str, DeviceInfo | None] = {
     "cpu": None,
     "h100": DeviceInfo("NVIDIA H100", 9),
@@ -69,76 +73,134 @@ def hybridep_supported(dev: DeviceInfo) -> bool:
     return dev.major in (8, 9, 10)
 
 
-def apply_flex_dispatcher_backend(model: "ModelConfig", backend: str | None) -> None:
-    """What the `--moe_flex_dispatcher_backend` flag does: select flex dispatch with `backend` (None: alltoall).
+def apply_flex_dispatcher_backend(model: ModelConfig, backend: str | None) -> None:
+    """What the `--moe_flex_dispatcher_backend` flag does: select flex dispatch with `backend`
+    (None: alltoall).
 
-    As the reference, a dense model or an unsupported GPU falls back to the alltoall dispatcher - decided in the
-    validation (`validate_flex_dispatcher_backend`), where it is a logged decision with a warning, an error under
-    strict mode.
+    As the reference, a dense model or an unsupported GPU falls back to the alltoall dispatcher -
+    decided in the validation (`validate_flex_dispatcher_backend`), where it is a logged decision
+    with a warning, an error under strict mode.
     """
     if backend is not None and backend not in FLEX_BACKENDS:
-        raise ConfigError("model.moe_flex_dispatcher_backend", backend, "unknown flex dispatcher backend.",
-                          f"use one of {', '.join(FLEX_BACKENDS)} or None.")
+        raise ConfigError(
+            "model.moe_flex_dispatcher_backend",
+            backend,
+            "unknown flex dispatcher backend.",
+            f"use one of {', '.join(FLEX_BACKENDS)} or None.",
+        )
     model.moe_flex_dispatcher_backend = backend
     if backend is None:
         model.moe_token_dispatcher_type = "alltoall"
         return
     model.moe_token_dispatcher_type = "flex"
     if model.moe_shared_expert_overlap:
-        log.warning("flex dispatch: turning moe_shared_expert_overlap off (the flex dispatcher does not support it)")
+        log.warning(
+            "flex dispatch: turning moe_shared_expert_overlap off (the flex dispatcher does not "
+            "support it)"
+        )
         model.moe_shared_expert_overlap = False
 
 
-def validate_flex_dispatcher_backend(model: "ModelConfig", log_: DecisionLog,
-                                     device: Callable[[], DeviceInfo | None] = probe_device,
-                                     require_libraries: bool = True) -> None:
-    """Final check (last step of finalize): flex needs a backend; GPU backends need their device and (unless a target
-    is only being described: `require_libraries=False`) their library importable here."""
+def validate_flex_dispatcher_backend(
+    model: ModelConfig,
+    log_: DecisionLog,
+    device: Callable[[], DeviceInfo | None] = probe_device,
+    require_libraries: bool = True,
+) -> None:
+    """Final check (last step of finalize): flex needs a backend; GPU backends need their device and
+    (unless a target is only being described: `require_libraries=False`) their library importable
+    here."""
     backend = model.moe_flex_dispatcher_backend
     if model.moe_token_dispatcher_type != "flex":
         if backend is not None:
-            log_.record("model.moe_flex_dispatcher_backend", backend, None, RULE,
-                        f"inactive: moe_token_dispatcher_type is '{model.moe_token_dispatcher_type}'; the backend "
-                        "alone does not switch to flex dispatch",
-                        fix="also set model.moe_token_dispatcher_type=flex (or use --moe_flex_dispatcher_backend).")
+            log_.record(
+                "model.moe_flex_dispatcher_backend",
+                backend,
+                None,
+                RULE,
+                f"inactive: moe_token_dispatcher_type is '{model.moe_token_dispatcher_type}'; the "
+                "backend alone does not switch to flex dispatch",
+                fix="also set model.moe_token_dispatcher_type=flex (or use "
+                "--moe_flex_dispatcher_backend).",
+            )
             model.moe_flex_dispatcher_backend = None
         return
     if not model.is_moe:
-        return _fall_back(model, log_, "flex dispatch applies only to MoE models (num_moe_experts is not set)",
-                          "use a MoE recipe, or drop the flex dispatcher settings.")
+        return _fall_back(
+            model,
+            log_,
+            "flex dispatch applies only to MoE models (num_moe_experts is not set)",
+            "use a MoE recipe, or drop the flex dispatcher settings.",
+        )
     if backend is None:
         model.moe_token_dispatcher_type = log_.record(
-            "model.moe_token_dispatcher_type", "flex", "alltoall", RULE,
+            "model.moe_token_dispatcher_type",
+            "flex",
+            "alltoall",
+            RULE,
             "flex dispatch without a backend falls back to alltoall",
-            fix="set model.moe_flex_dispatcher_backend=torch (runs everywhere), deepep or hybridep.")
+            fix=(
+                "set model.moe_flex_dispatcher_backend=torch (runs everywhere), deepep or hybridep."
+            ),
+        )
         return
     if backend not in FLEX_BACKENDS:
-        raise ConfigError("model.moe_flex_dispatcher_backend", backend, "unknown flex dispatcher backend.",
-                          f"use one of {', '.join(FLEX_BACKENDS)}.")
+        raise ConfigError(
+            "model.moe_flex_dispatcher_backend",
+            backend,
+            "unknown flex dispatcher backend.",
+            f"use one of {', '.join(FLEX_BACKENDS)}.",
+        )
     if backend in GPU_BACKENDS:
         dev = device()
         if dev is None:
-            raise ConfigError("model.moe_flex_dispatcher_backend", backend,
-                              f"{backend} runs DeepEP GPU kernels and needs a CUDA GPU; none is visible.",
-                              "use moe_flex_dispatcher_backend=torch on CPU, or run on a supported GPU.")
+            raise ConfigError(
+                "model.moe_flex_dispatcher_backend",
+                backend,
+                f"{backend} runs DeepEP GPU kernels and needs a CUDA GPU; none is visible.",
+                "use moe_flex_dispatcher_backend=torch on CPU, or run on a supported GPU.",
+            )
         if backend == "deepep" and not deepep_supported(dev):
-            return _fall_back(model, log_, "DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs. "
-                              f"Current GPU: {dev.name}", "use moe_flex_dispatcher_backend=torch or hybridep.")
+            return _fall_back(
+                model,
+                log_,
+                "DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs. "
+                f"Current GPU: {dev.name}",
+                "use moe_flex_dispatcher_backend=torch or hybridep.",
+            )
         if backend == "hybridep" and not hybridep_supported(dev):
-            return _fall_back(model, log_, "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, "
-                              f"B200 and B300 GPUs. Current GPU: {dev.name}", "use moe_flex_dispatcher_backend=torch.")
+            return _fall_back(
+                model,
+                log_,
+                "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, "
+                f"B200 and B300 GPUs. Current GPU: {dev.name}",
+                "use moe_flex_dispatcher_backend=torch.",
+            )
         if require_libraries and importlib.util.find_spec("deep_ep") is None:
-            raise ConfigError("model.moe_flex_dispatcher_backend", backend,
-                              f"{backend} needs the DeepEP library (python module deep_ep), which is not installed.",
-                              "install DeepEP, or use moe_flex_dispatcher_backend=torch.")
-    log_.record("model.moe_token_dispatcher_type", "flex", "flex", RULE, f"flex dispatch with backend '{backend}'")
+            raise ConfigError(
+                "model.moe_flex_dispatcher_backend",
+                backend,
+                f"{backend} needs the DeepEP library (python module deep_ep), which is not "
+                "installed.",
+                "install DeepEP, or use moe_flex_dispatcher_backend=torch.",
+            )
+    log_.record(
+        "model.moe_token_dispatcher_type",
+        "flex",
+        "flex",
+        RULE,
+        f"flex dispatch with backend '{backend}'",
+    )
 
 
-def _fall_back(model: "ModelConfig", log_: DecisionLog, why: str, fix: str) -> None:
-    """Flex dispatch that cannot run here: the alltoall dispatcher, as the reference - a decision with a warning,
-    an error under strict mode."""
+def _fall_back(model: ModelConfig, log_: DecisionLog, why: str, fix: str) -> None:
+    """Flex dispatch that cannot run here: the alltoall dispatcher, as the reference - a decision
+    with a warning, an error under strict mode."""
     backend = model.moe_flex_dispatcher_backend
-    field, asked, got = (("model.moe_flex_dispatcher_backend", backend, None) if backend is not None else
-                         ("model.moe_token_dispatcher_type", "flex", "alltoall"))
+    field, asked, got = (
+        ("model.moe_flex_dispatcher_backend", backend, None)
+        if backend is not None
+        else ("model.moe_token_dispatcher_type", "flex", "alltoall")
+    )
     log_.record(field, asked, got, RULE, f"{why}: falling back to the alltoall dispatcher", fix=fix)
     model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend = "alltoall", None

@@ -39,13 +39,17 @@ FUSIONS = {
 }
 """Each switch (a ModelConfig field) -> the chains it compiles."""
 
-CPU_DEFAULT = ("CPU: eager; compiling each chain takes tens of seconds, which a CPU-sized run "
-               "does not win back (set it true to compile anyway)")
-CUDA_DEFAULT = ("CUDA: compiled (torch.compile, one fused kernel per chain, as Megatron's recipes "
-                "run them); tested against eager on the CPU, not timed on a GPU here")
+CPU_DEFAULT = (
+    "CPU: eager; compiling each chain takes tens of seconds, which a CPU-sized run does not win "
+    "back (set it true to compile anyway)"
+)
+CUDA_DEFAULT = (
+    "CUDA: compiled (torch.compile, one fused kernel per chain, as Megatron's recipes run them); "
+    "tested against eager on the CPU, not timed on a GPU here"
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compile_unavailable(device_type: str) -> str | None:
     """Why torch.compile cannot fuse chains on `device_type` tensors here, or None when it can."""
     if not torch._dynamo.is_dynamo_supported():
@@ -64,8 +68,9 @@ def compile_unavailable(device_type: str) -> str | None:
     return f"no compiled kernels for {device_type} tensors (the eager ops run)"
 
 
-def fusion_on(requested: bool | None, device_type: str,
-              check_here: bool = True) -> tuple[bool, str]:
+def fusion_on(
+    requested: bool | None, device_type: str, check_here: bool = True
+) -> tuple[bool, str]:
     """Whether a chain whose switch is `requested` (None: unset) runs compiled on `device_type`
     tensors, and why. `check_here=False` describes another machine (`explain -g` for a GPU target):
     compile's requirements are not checked on this one."""
@@ -79,14 +84,15 @@ def fusion_on(requested: bool | None, device_type: str,
     return True, "as asked: compiled" if requested else CUDA_DEFAULT
 
 
-def _nothing_to_fuse(model: "ModelConfig", field: str) -> str | None:
+def _nothing_to_fuse(model: ModelConfig, field: str) -> str | None:
     if field == "bias_activation_fusion" and not model.gated_linear_unit and not model.is_moe:
         return "a dense GELU MLP has no chain to fuse (GELU is one kernel already)"
     return None
 
 
-def resolve_elementwise_fusion(model: "ModelConfig", decisions: DecisionLog, on_cuda: bool,
-                               check_here: bool = True) -> None:
+def resolve_elementwise_fusion(
+    model: ModelConfig, decisions: DecisionLog, on_cuda: bool, check_here: bool = True
+) -> None:
     """Record, in the "model" section, whether each fusion runs on the run's device (the model keeps
     the requested values; the layers apply the same rule at call time). A fusion asked for that
     cannot take effect is a no-op switch: warned (and in `overlap explain`), or an error under
@@ -98,9 +104,18 @@ def resolve_elementwise_fusion(model: "ModelConfig", decisions: DecisionLog, on_
         idle = _nothing_to_fuse(model, field)
         if idle is not None:
             on, why = False, idle
-        decisions.record_in("model", f"model.{field}", requested, on,
-                            DEFAULT if requested is None else MODEL_CONFIG, f"{chains}: {why}")
+        decisions.record_in(
+            "model",
+            f"model.{field}",
+            requested,
+            on,
+            DEFAULT if requested is None else MODEL_CONFIG,
+            f"{chains}: {why}",
+        )
         if requested and not on:
-            decisions.noop(f"model.{field}", True, f"{chains} cannot be compiled: {why}",
-                           f"set model.{field}=false (or leave it unset), or make torch.compile "
-                           "available.")
+            decisions.noop(
+                f"model.{field}",
+                True,
+                f"{chains} cannot be compiled: {why}",
+                f"set model.{field}=false (or leave it unset), or make torch.compile available.",
+            )

@@ -1,7 +1,7 @@
 """The parallel layout as configuration: the sizes of every dimension, checked for consistency.
 
-It lives with the configuration because `finalize` resolves it; `overlap.parallel.state` builds the process groups of
-a layout (and re-exports it for its users).
+It lives with the configuration because `finalize` resolves it; `overlap.parallel.state` builds the
+process groups of a layout (and re-exports it for its users).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from overlap.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Sizes of every parallel dimension; `world_size = tp * cp * dp * pp`, and `ep * etp` divides `tp * cp * dp`."""
+    """Sizes of every parallel dimension; `world_size = tp * cp * dp * pp`, and `ep * etp` divides
+    `tp * cp * dp`."""
 
     world_size: int
     tp: int = 1
@@ -25,25 +26,39 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         """The layout's own rules, named by the model fields and flags that set them (the one
         check of a layout: `ConfigContainer.finalize` builds its layout here)."""
-        sizes = (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp),
-                 ("context_parallel_size", self.cp), ("expert_model_parallel_size", self.ep),
-                 ("expert_tensor_parallel_size", self.etp))
+        sizes = (
+            ("tensor_model_parallel_size", self.tp),
+            ("pipeline_model_parallel_size", self.pp),
+            ("context_parallel_size", self.cp),
+            ("expert_model_parallel_size", self.ep),
+            ("expert_tensor_parallel_size", self.etp),
+        )
         for name, size in sizes:
             if size < 1:
-                raise ConfigError(f"model.{name}", size, "parallel sizes are at least 1.",
-                                  f"set model.{name} to 1 or more.")
+                raise ConfigError(
+                    f"model.{name}",
+                    size,
+                    "parallel sizes are at least 1.",
+                    f"set model.{name} to 1 or more.",
+                )
         block = self.tp * self.pp * self.cp
         if self.world_size % block:
-            raise ConfigError("-ng/--num_gpus", self.world_size,
-                              f"the world size must be a multiple of TP x PP x CP = {self.tp} x "
-                              f"{self.pp} x {self.cp} = {block}.",
-                              f"use a multiple of {block} ranks, or smaller -tp/-pp/-cp.")
+            raise ConfigError(
+                "-ng/--num_gpus",
+                self.world_size,
+                f"the world size must be a multiple of TP x PP x CP = {self.tp} x {self.pp} x "
+                f"{self.cp} = {block}.",
+                f"use a multiple of {block} ranks, or smaller -tp/-pp/-cp.",
+            )
         if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
-            raise ConfigError("model.expert_model_parallel_size", self.ep,
-                              f"EP x ETP = {self.ep * self.etp} must divide TP x CP x DP = "
-                              f"{self.tp * self.cp * self.dp} (experts are carved out of the "
-                              "data-parallel ranks of each pipeline stage).",
-                              "choose -ep so that it divides the ranks per pipeline stage.")
+            raise ConfigError(
+                "model.expert_model_parallel_size",
+                self.ep,
+                f"EP x ETP = {self.ep * self.etp} must divide TP x CP x DP = "
+                f"{self.tp * self.cp * self.dp} (experts are carved out of the "
+                "data-parallel ranks of each pipeline stage).",
+                "choose -ep so that it divides the ranks per pipeline stage.",
+            )
 
     @property
     def dp(self) -> int:
@@ -51,6 +66,6 @@ class ParallelLayout:
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size: replicas of each expert's weights inside one pipeline stage."""
+        """Expert-data-parallel size: replicas of each expert's weights inside one pipeline
+        stage."""
         return (self.tp * self.cp * self.dp) // (self.ep * self.etp)
-

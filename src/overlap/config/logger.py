@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib.util
 import netrc
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 from urllib.parse import urlparse
 
 from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
@@ -138,8 +138,8 @@ def resolve_logger(
         None,
         lg.log_interval,
         DEFAULT if lg.log_interval == 1 else USER,
-        "the iteration line of rank 0's log every N iterations (and the last); --metrics FILE "
-        "gets every iteration",
+        "the iteration line of rank 0's log every N iterations (and the last); --metrics FILE gets "
+        "every iteration",
     )
     every = (
         "every iteration"

@@ -1,8 +1,9 @@
 """Mixed precision: named presets and their propagation onto the model, DDP and optimizer configs.
 
-As in Megatron-Bridge, `grad_reduce_in_fp32` and `fp8_param_gather` are mixed-precision settings that the DDP config
-receives; unlike Bridge, a different value set directly on `ddp` is not overwritten silently: the decision is logged.
-The loss-scaling fields go to the optimizer config the same way.
+As in Megatron-Bridge, `grad_reduce_in_fp32` and `fp8_param_gather` are mixed-precision settings
+that the DDP config receives; unlike Bridge, a different value set directly on `ddp` is not
+overwritten silently: the decision is logged. The loss-scaling fields go to the optimizer config the
+same way.
 """
 
 from __future__ import annotations
@@ -34,33 +35,55 @@ class MixedPrecisionConfig:
 
     def finalize(self) -> None:
         if self.bf16 and self.fp16:
-            raise ConfigError("mixed_precision.bf16", True, "bf16 and fp16 cannot both be on.",
-                              "pick one preset: bf16_mixed or fp16_mixed.")
+            raise ConfigError(
+                "mixed_precision.bf16",
+                True,
+                "bf16 and fp16 cannot both be on.",
+                "pick one preset: bf16_mixed or fp16_mixed.",
+            )
         want = "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
         if self.params_dtype != want:
-            raise ConfigError("mixed_precision.params_dtype", self.params_dtype,
-                              f"it contradicts bf16={self.bf16}, fp16={self.fp16}.", f"use params_dtype={want}.")
+            raise ConfigError(
+                "mixed_precision.params_dtype",
+                self.params_dtype,
+                f"it contradicts bf16={self.bf16}, fp16={self.fp16}.",
+                f"use params_dtype={want}.",
+            )
 
-    def setup(self, model: "ModelConfig", ddp: "DDPConfig", optimizer: "OptimizerConfig", log: DecisionLog) -> None:
-        """Copy precision onto the model and optimizer; grad_reduce_in_fp32 / fp8_param_gather onto DDP (logged)."""
+    def setup(
+        self, model: ModelConfig, ddp: DDPConfig, optimizer: OptimizerConfig, log: DecisionLog
+    ) -> None:
+        """Copy precision onto the model and optimizer; grad_reduce_in_fp32 / fp8_param_gather onto
+        DDP (logged)."""
         model.bf16, model.fp16, model.params_dtype = self.bf16, self.fp16, self.params_dtype
         optimizer.bf16, optimizer.fp16 = self.bf16, self.fp16
         for name in ("grad_reduce_in_fp32", "fp8_param_gather"):
             requested = getattr(ddp, name)
             effective = getattr(self, name)
-            log.record(f"ddp.{name}", requested, effective, RULE,
-                       f"set through mixed_precision.{name} (the mixed-precision preset owns it)",
-                       fix=f"set mixed_precision.{name}={requested} instead of ddp.{name}.")
+            log.record(
+                f"ddp.{name}",
+                requested,
+                effective,
+                RULE,
+                f"set through mixed_precision.{name} (the mixed-precision preset owns it)",
+                fix=f"set mixed_precision.{name}={requested} instead of ddp.{name}.",
+            )
             setattr(ddp, name, effective)
 
 
-LOSS_SCALING = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                "hysteresis")
+LOSS_SCALING = (
+    "loss_scale",
+    "initial_loss_scale",
+    "min_loss_scale",
+    "loss_scale_window",
+    "hysteresis",
+)
 DYNAMIC_FIELDS = LOSS_SCALING[1:]
 
 
-def resolve_loss_scaling(optimizer: "OptimizerConfig", mp: MixedPrecisionConfig | None,
-                         log: DecisionLog) -> None:
+def resolve_loss_scaling(
+    optimizer: OptimizerConfig, mp: MixedPrecisionConfig | None, log: DecisionLog
+) -> None:
     """Write the loss-scaling fields onto the optimizer config (Megatron's optimizer owns the
     scaler), check them and record which scaler trains in the "precision" section. With a preset,
     the preset owns the fields (a different value set on `optimizer` is logged, as the DDP fields
@@ -74,73 +97,119 @@ def resolve_loss_scaling(optimizer: "OptimizerConfig", mp: MixedPrecisionConfig 
         else:
             effective = getattr(mp, name)
             if requested is not None:
-                log.record(f"optimizer.{name}", requested, effective, RULE,
-                           f"set through mixed_precision.{name} (the preset owns it)",
-                           fix=f"set mixed_precision.{name}={requested}, not optimizer.{name}.")
+                log.record(
+                    f"optimizer.{name}",
+                    requested,
+                    effective,
+                    RULE,
+                    f"set through mixed_precision.{name} (the preset owns it)",
+                    fix=f"set mixed_precision.{name}={requested}, not optimizer.{name}.",
+                )
         setattr(optimizer, name, effective)
     _check_loss_scaling(optimizer, owner)
     o = optimizer
     if o.loss_scale is not None:
-        log.record_in("precision", "loss scaler", None, f"static {o.loss_scale:g}", USER,
-                      f"{owner}.loss_scale is set: the loss is multiplied by it before backward "
-                      "and the gradients divided by it; a step whose gradients overflow is "
-                      "skipped, the scale never changes")
+        log.record_in(
+            "precision",
+            "loss scaler",
+            None,
+            f"static {o.loss_scale:g}",
+            USER,
+            f"{owner}.loss_scale is set: the loss is multiplied by it before backward "
+            "and the gradients divided by it; a step whose gradients overflow is skipped, the "
+            "scale never changes",
+        )
     elif o.fp16:
-        log.record_in("precision", "loss scaler", None,
-                      f"dynamic from {o.initial_loss_scale:.10g} (min {o.min_loss_scale:g}, "
-                      f"window {o.loss_scale_window}, hysteresis {o.hysteresis})", RULE,
-                      "fp16 gradients underflow unscaled: a step whose gradients overflow is "
-                      "skipped (parameters and Adam state untouched); after "
-                      f"{o.hysteresis} overflows every overflow halves the scale, "
-                      f"{o.loss_scale_window} clean steps in a row double it")
+        log.record_in(
+            "precision",
+            "loss scaler",
+            None,
+            f"dynamic from {o.initial_loss_scale:.10g} (min {o.min_loss_scale:g}, window "
+            f"{o.loss_scale_window}, hysteresis {o.hysteresis})",
+            RULE,
+            "fp16 gradients underflow unscaled: a step whose gradients overflow is skipped "
+            "(parameters and Adam state untouched); after "
+            f"{o.hysteresis} overflows every overflow halves the scale, {o.loss_scale_window} "
+            "clean "
+            "steps in a row double it",
+        )
     else:
-        log.record_in("precision", "loss scaler", None, "off", DEFAULT,
-                      f"{'bf16' if o.bf16 else 'fp32'} gradients have fp32's exponent range: "
-                      "nothing to rescue from underflow")
+        log.record_in(
+            "precision",
+            "loss scaler",
+            None,
+            "off",
+            DEFAULT,
+            f"{'bf16' if o.bf16 else 'fp32'} gradients have fp32's exponent range: "
+            "nothing to rescue from underflow",
+        )
     if o.fp16 and o.loss_scale is None:
         return
     for name in DYNAMIC_FIELDS:
         if getattr(o, name) != getattr(defaults, name):
-            log.noop(f"{owner}.{name}", getattr(o, name),
-                     "the dynamic loss scaler trains only fp16 models without a static loss_scale",
-                     f"drop {owner}.{name}, or train with fp16_mixed and {owner}.loss_scale=null.")
+            log.noop(
+                f"{owner}.{name}",
+                getattr(o, name),
+                "the dynamic loss scaler trains only fp16 models without a static loss_scale",
+                f"drop {owner}.{name}, or train with fp16_mixed and {owner}.loss_scale=null.",
+            )
 
 
-def _check_loss_scaling(o: "OptimizerConfig", owner: str) -> None:
+def _check_loss_scaling(o: OptimizerConfig, owner: str) -> None:
     """One clear error per impossible value (Megatron asserts the same bounds)."""
     for name in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
         value = getattr(o, name)
         finite = isinstance(value, (int, float)) and math.isfinite(value)
         if value is not None and not (finite and value > 0):
             default = getattr(MixedPrecisionConfig, name)
-            raise ConfigError(f"{owner}.{name}", value, "a loss scale must be finite and above 0.",
-                              f"set {owner}.{name} > 0 (e.g. 65536), or null for dynamic scaling."
-                              if default is None else
-                              f"set {owner}.{name} > 0 (default {default:.10g}).")
+            raise ConfigError(
+                f"{owner}.{name}",
+                value,
+                "a loss scale must be finite and above 0.",
+                f"set {owner}.{name} > 0 (e.g. 65536), or null for dynamic scaling."
+                if default is None
+                else f"set {owner}.{name} > 0 (default {default:.10g}).",
+            )
     if o.min_loss_scale > o.initial_loss_scale:
-        raise ConfigError(f"{owner}.min_loss_scale", o.min_loss_scale,
-                          f"it is above initial_loss_scale={o.initial_loss_scale:g}: the scale "
-                          "would start below its floor.",
-                          f"set {owner}.min_loss_scale <= {owner}.initial_loss_scale.")
-    for name, what in (("loss_scale_window", "clean steps before the scale doubles"),
-                       ("hysteresis", "overflows before the scale backs off")):
+        raise ConfigError(
+            f"{owner}.min_loss_scale",
+            o.min_loss_scale,
+            f"it is above initial_loss_scale={o.initial_loss_scale:g}: the scale "
+            "would start below its floor.",
+            f"set {owner}.min_loss_scale <= {owner}.initial_loss_scale.",
+        )
+    for name, what in (
+        ("loss_scale_window", "clean steps before the scale doubles"),
+        ("hysteresis", "overflows before the scale backs off"),
+    ):
         value = getattr(o, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             default = getattr(MixedPrecisionConfig, name)
-            raise ConfigError(f"{owner}.{name}", value,
-                              f"it counts {what}: a whole number of at least 1.",
-                              f"set {owner}.{name} to 1 or more (default {default}).")
+            raise ConfigError(
+                f"{owner}.{name}",
+                value,
+                f"it counts {what}: a whole number of at least 1.",
+                f"set {owner}.{name} to 1 or more (default {default}).",
+            )
 
 
 MIXED_PRECISION_PRESETS: dict[str, MixedPrecisionConfig] = {
-    "bf16_mixed": MixedPrecisionConfig(bf16=True, params_dtype="bfloat16", grad_reduce_in_fp32=True),
-    "fp16_mixed": MixedPrecisionConfig(fp16=True, params_dtype="float16", grad_reduce_in_fp32=False),
+    "bf16_mixed": MixedPrecisionConfig(
+        bf16=True, params_dtype="bfloat16", grad_reduce_in_fp32=True
+    ),
+    "fp16_mixed": MixedPrecisionConfig(
+        fp16=True, params_dtype="float16", grad_reduce_in_fp32=False
+    ),
     "fp32": MixedPrecisionConfig(),
 }
 
 
 def get_mixed_precision_config(name: str) -> MixedPrecisionConfig:
     if name not in MIXED_PRECISION_PRESETS:
-        raise ConfigError("mixed_precision", name, "unknown mixed-precision preset.",
-                          f"use one of: {', '.join(MIXED_PRECISION_PRESETS)}.")
+        raise ConfigError(
+            "mixed_precision",
+            name,
+            "unknown mixed-precision preset.",
+            f"use one of: {', '.join(MIXED_PRECISION_PRESETS)}.",
+        )
     return replace(MIXED_PRECISION_PRESETS[name])

@@ -1,5 +1,5 @@
-"""ModelConfig: the transformer / MoE model, its parallel layout, recompute, precision, and the overlap fields that the
-resolution in `comm_overlap.py` writes.
+"""ModelConfig: the transformer / MoE model, its parallel layout, recompute, precision, and the
+overlap fields that the resolution in `comm_overlap.py` writes.
 
 Field names and meanings follow Megatron-Core's TransformerConfig, which our users already speak.
 Overlap fields default to `None`, meaning "not set by the user": they are Bridge's direct spelling
@@ -19,19 +19,34 @@ from typing import Any
 from overlap.config.refusals import unbuilt
 from overlap.errors import ConfigError, NotBuiltError, check_rules
 
-# Precision flags are set by the mixed-precision stage; params_dtype is a string so overrides stay plain YAML.
+# Precision flags are set by the mixed-precision stage; params_dtype is a string so overrides stay
+# plain YAML.
 DTYPES = ("float32", "bfloat16", "float16")
 # Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime
 # does not build are refused by name (`overlap.config.refusals`), the rest run (layers/recompute.py)
-RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
-                     "shared_experts")
-CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess",
-                     "mamba")
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
+CUDA_GRAPH_SCOPES = (
+    "full_iteration",
+    "attn",
+    "mlp",
+    "moe",
+    "moe_router",
+    "moe_preprocess",
+    "mamba",
+)
 
 
 def moe_layer_freq_for(moe: list[bool]) -> int | list[int]:
-    """The moe_layer_freq that makes exactly the layers flagged in `moe` MoE: an int k where one does, else the
-    per-layer list."""
+    """The moe_layer_freq that makes exactly the layers flagged in `moe` MoE: an int k where one
+    does, else the per-layer list."""
     n = len(moe)
     for k in range(1, n + 1):
         if moe == [i % k == 0 for i in range(n)]:
@@ -41,7 +56,8 @@ def moe_layer_freq_for(moe: list[bool]) -> int | list[int]:
 
 @dataclass
 class ModelConfig:
-    # --- transformer dimensions -----------------------------------------------------------------------------------
+    # --- transformer dimensions
+    # -----------------------------------------------------------------------------------
     num_layers: int = 2  # transformer layers
     hidden_size: int = 256  # width of the residual stream
     num_attention_heads: int = 4  # query heads per layer
@@ -49,7 +65,9 @@ class ModelConfig:
     kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
     ffn_hidden_size: int | None = None  # dense MLP width; None: 4 * hidden_size
     vocab_size: int = 32000  # embedding rows (a tokenizer or pretrained checkpoint replaces it)
-    make_vocab_size_divisible_by: int = 128  # a real tokenizer's vocabulary is padded to a multiple of this x TP
+    make_vocab_size_divisible_by: int = (
+        128  # a real tokenizer's vocabulary is padded to a multiple of this x TP
+    )
     seq_length: int = 256  # tokens per sequence
     layernorm_epsilon: float = 1e-6  # epsilon of every RMSNorm
     rotary_base: float = 10000.0  # RoPE base frequency
@@ -60,8 +78,8 @@ class ModelConfig:
     init_method_std: float = 0.02  # standard deviation of the normal weight initialisation
     # the output layer reuses the input embedding's weight
     share_embeddings_and_output_weights: bool = False
-    # The attention product's kernel (Megatron's AttnBackend names): auto | flash | fused | unfused | local; see
-    # overlap.config.attention for what each runs here and auto's rule.
+    # The attention product's kernel (Megatron's AttnBackend names): auto | flash | fused | unfused
+    # | local; see overlap.config.attention for what each runs here and auto's rule.
     attention_backend: str = "auto"
     # Transformer Engine's fused wgrad accumulation (refused by the runtime)
     gradient_accumulation_fusion: bool = False
@@ -71,7 +89,8 @@ class ModelConfig:
     apply_rope_fusion: bool | None = None  # compile RoPE; None: on for CUDA, off on the CPU
     # compile SwiGLU and the MoE row weighting; None: on for CUDA, off on the CPU
     bias_activation_fusion: bool | None = None
-    # --- parallel layout ------------------------------------------------------------------------------------------
+    # --- parallel layout
+    # ------------------------------------------------------------------------------------------
     tensor_model_parallel_size: int = 1  # TP: ranks each layer's linears are split over (-tp)
     pipeline_model_parallel_size: int = 1  # PP: pipeline stages (-pp)
     # VPP: model chunks per pipeline rank (-vp); None: one
@@ -82,8 +101,11 @@ class ModelConfig:
     expert_tensor_parallel_size: int = 1
     # activations outside the TP linears sharded over TP along the sequence
     sequence_parallel: bool = False
-    tensor_parallel_impl: str = "overlap"  # "overlap" (ours) | "dtensor" (the PyTorch-native peer: DTensor plans)
-    # --- pipeline (Megatron-Core / Bridge names) ------------------------------------------------------------------
+    tensor_parallel_impl: str = (
+        "overlap"  # "overlap" (ours) | "dtensor" (the PyTorch-native peer: DTensor plans)
+    )
+    # --- pipeline (Megatron-Core / Bridge names)
+    # ------------------------------------------------------------------
     num_layers_in_first_pipeline_stage: int | None = None  # layers on the first stage; None: even
     # layers on the last stage; None: an even split
     num_layers_in_last_pipeline_stage: int | None = None
@@ -96,66 +118,92 @@ class ModelConfig:
     pipeline_model_parallel_layout: str | list[list[str]] | None = None
     # micro-batches per group in the interleaved schedule; None: PP (depth-first)
     microbatch_group_size_per_vp_stage: int | None = None
-    deallocate_pipeline_outputs: bool = False  # free a sent activation's storage once the send completed
+    deallocate_pipeline_outputs: bool = (
+        False  # free a sent activation's storage once the send completed
+    )
     pipeline_impl: str = "overlap"  # "overlap" (ours) | "torch_pipelining" (the PyTorch peer)
-    # --- mixture of experts ---------------------------------------------------------------------------------------
+    # --- mixture of experts
+    # ---------------------------------------------------------------------------------------
     num_moe_experts: int | None = None  # routed experts per MoE layer; None: a dense model
     moe_router_topk: int = 2  # experts each token is routed to
-    # False (Megatron's default, Qwen3-30B-A3B's norm_topk_prob=true): the combine weights are a softmax over the k
-    # chosen logits (they sum to 1). True (norm_topk_prob=false): the softmax over all experts, taken at the k
-    # chosen ones (they sum to less than 1).
+    # False (Megatron's default, Qwen3-30B-A3B's norm_topk_prob=true): the combine weights are a
+    # softmax over the k chosen logits (they sum to 1). True (norm_topk_prob=false): the softmax
+    # over all experts, taken at the k chosen ones (they sum to less than 1).
     moe_router_pre_softmax: bool = False
     moe_ffn_hidden_size: int | None = None  # routed expert width; None: ffn_hidden_size
     moe_shared_expert_intermediate_size: int | None = None  # shared expert width; None: none
-    # Megatron's two forms: an int k (layers 0, k, 2k, ... are MoE; 1: all) or one entry per layer, 1 MoE / 0 dense
-    # (e.g. [0, 1, 0, 1]: what a Qwen3-MoE config.json with decoder_sparse_step=2 or mlp_only_layers describes).
+    # Megatron's two forms: an int k (layers 0, k, 2k, ... are MoE; 1: all) or one entry per layer,
+    # 1 MoE / 0 dense (e.g. [0, 1, 0, 1]: what a Qwen3-MoE config.json with decoder_sparse_step=2 or
+    # mlp_only_layers describes).
     moe_layer_freq: int | list[int] = 1
-    moe_token_dispatcher_type: str = "alltoall"  # "alltoall" | "flex" ("allgather" is the reference's, not built)
-    moe_flex_dispatcher_backend: str | None = None  # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
+    moe_token_dispatcher_type: str = (
+        "alltoall"  # "alltoall" | "flex" ("allgather" is the reference's, not built)
+    )
+    moe_flex_dispatcher_backend: str | None = (
+        None  # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
+    )
     # the shared expert computes under the dispatch/combine all-to-all; None: off (logged)
     moe_shared_expert_overlap: bool | None = None
-    # True: vectorised permutation; False: straightforward per-expert loop; None: the loop on CPU, fused on CUDA
-    # (config/moe_permute.py: the loop synchronises the host per expert on a GPU)
+    # True: vectorised permutation; False: straightforward per-expert loop; None: the loop on CPU,
+    # fused on CUDA (config/moe_permute.py: the loop synchronises the host per expert on a GPU)
     moe_permute_fusion: bool | None = None
     moe_aux_loss_coeff: float = 0.0  # weight of the router's load-balancing loss (0: none)
     moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" | "none"
-    # Benchmarking only (Bridge's perf recipes): routing from random logits, so the experts get balanced loads
-    # whatever the router learnt; its gradient passes straight through to the real logits.
+    # Benchmarking only (Bridge's perf recipes): routing from random logits, so the experts get
+    # balanced loads whatever the router learnt; its gradient passes straight through to the real
+    # logits.
     moe_router_force_load_balancing: bool = False
-    moe_expert_capacity_factor: float | None = None  # None: dropless; else each expert keeps <= ceil(T*k/E*factor)
-    moe_pad_expert_input_to_capacity: bool = False  # pad every expert to its capacity: static shapes, no counts
-    moe_token_drop_policy: str = "probs"  # past capacity, keep the highest weights ("probs") or earliest tokens
-    # --- recompute (activation checkpointing) ---------------------------------------------------------------------
+    moe_expert_capacity_factor: float | None = (
+        None  # None: dropless; else each expert keeps <= ceil(T*k/E*factor)
+    )
+    moe_pad_expert_input_to_capacity: bool = (
+        False  # pad every expert to its capacity: static shapes, no counts
+    )
+    moe_token_drop_policy: str = (
+        "probs"  # past capacity, keep the highest weights ("probs") or earliest tokens
+    )
+    # --- recompute (activation checkpointing)
+    # ---------------------------------------------------------------------
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
     # with full recompute: layers per chunk (uniform) or recomputed (block)
     recompute_num_layers: int | None = None
     # with selective: a subset of RECOMPUTE_MODULES (None: ["core_attn"])
     recompute_modules: list[str] | None = None
-    # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs) -------------------------------
+    # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs)
+    # -------------------------------
     cuda_graph_impl: str = "none"  # "none" | "local" | "transformer_engine"
     # modules a scoped CUDA graph would cover (compatibility surface)
     cuda_graph_scope: list[str] | None = None
-    # --- multi-token prediction (compatibility surface) -----------------------------------------------------------
-    # multi-token prediction layers (refused by the runtime; None or 0: none)
+    # --- multi-token prediction (compatibility surface)
+    # ----------------------------------------------------------- multi-token prediction layers
+    # (refused by the runtime; None or 0: none)
     mtp_num_layers: int | None = None
-    # --- precision (written by the mixed-precision stage) ---------------------------------------------------------
+    # --- precision (written by the mixed-precision stage)
+    # ---------------------------------------------------------
     bf16: bool = False  # bfloat16 compute (written by mixed precision)
     fp16: bool = False  # float16 compute (written by mixed precision)
     params_dtype: str = "float32"  # dtype of the parameters (written by mixed precision)
-    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user) -------------------------
-    # TP overlap requested here (comm_overlap.tp_comm_overlap beats it); None: off
+    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user)
+    # ------------------------- TP overlap requested here (comm_overlap.tp_comm_overlap beats it);
+    # None: off
     tp_comm_overlap: bool | None = None
-    tp_comm_overlap_cfg: Any = None  # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
+    tp_comm_overlap_cfg: Any = (
+        None  # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
+    )
     # TP overlap's bootstrap backend, kept for Bridge (resolution writes it)
     tp_comm_bootstrap_backend: str | None = None
-    # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults); they narrow the
-    # per-GEMM plan, see overlap.config.tp_overlap.effective_tp_plan.
+    # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults);
+    # they narrow the per-GEMM plan, see overlap.config.tp_overlap.effective_tp_plan.
     tp_comm_overlap_ag: bool = True  # AG -> GEMM slots: qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad
     tp_comm_overlap_rs: bool = True  # GEMM -> RS slots: proj_fprop, fc2_fprop
     tp_comm_bulk_dgrad: bool = True  # qkv_dgrad, fc1_dgrad: input all-gather under the dgrad GEMM
-    tp_comm_bulk_wgrad: bool = True  # qkv_wgrad, fc1_wgrad: dgrad reduce-scatter under the wgrad GEMM
-    tp_comm_overlap_rs_dgrad: bool = False  # qkv/fc1 dgrad reduce-scatter chunked with the dgrad GEMM instead
+    tp_comm_bulk_wgrad: bool = (
+        True  # qkv_wgrad, fc1_wgrad: dgrad reduce-scatter under the wgrad GEMM
+    )
+    tp_comm_overlap_rs_dgrad: bool = (
+        False  # qkv/fc1 dgrad reduce-scatter chunked with the dgrad GEMM instead
+    )
     tp_comm_overlap_disable_qkv: bool = False  # no overlap in the QKV linear
     tp_comm_overlap_disable_fc1: bool = False  # no overlap in the FC1 linear
     # pipeline p2p overlapped with compute (comm_overlap's beats it); None: PP rule
@@ -171,7 +219,8 @@ class ModelConfig:
     # deferred output wgrads that may wait (-1: automatic); None: -1
     wgrad_deferral_limit: int | None = None
 
-    # --- derived values -----------------------------------------------------------------------------------------
+    # --- derived values
+    # -----------------------------------------------------------------------------------------
     @property
     def is_moe(self) -> bool:
         return bool(self.num_moe_experts)
@@ -193,8 +242,8 @@ class ModelConfig:
         return self.moe_ffn_hidden_size or self.ffn_size
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        """Layer numbers count from 0; with moe_layer_freq k, layers 0, k, 2k, ... are MoE (k=1: all); with a list,
-        the layers whose entry is 1."""
+        """Layer numbers count from 0; with moe_layer_freq k, layers 0, k, 2k, ... are MoE (k=1:
+        all); with a list, the layers whose entry is 1."""
         if not self.is_moe:
             return False
         if isinstance(self.moe_layer_freq, list):
@@ -203,8 +252,8 @@ class ModelConfig:
 
     @property
     def moe_layer_pattern(self) -> int | list[int]:
-        """moe_layer_freq in its shortest form: the int k when every k-th layer from 0 is MoE, else the list (so that
-        [1, 0, 1, 0] and 2 compare as the same model)."""
+        """moe_layer_freq in its shortest form: the int k when every k-th layer from 0 is MoE, else
+        the list (so that [1, 0, 1, 0] and 2 compare as the same model)."""
         return moe_layer_freq_for([self.is_moe_layer(i) for i in range(self.num_layers)])
 
     # --- checks of this section alone (ConfigContainer.finalize runs them once resolved) ---------
@@ -222,98 +271,150 @@ class ModelConfig:
 
     def _validate_impls(self) -> None:
         if self.pipeline_impl not in ("overlap", "torch_pipelining"):
-            raise ConfigError("model.pipeline_impl", self.pipeline_impl,
-                              "unknown pipeline implementation.",
-                              "use overlap (ours) or torch_pipelining (the PyTorch peer).")
+            raise ConfigError(
+                "model.pipeline_impl",
+                self.pipeline_impl,
+                "unknown pipeline implementation.",
+                "use overlap (ours) or torch_pipelining (the PyTorch peer).",
+            )
         if self.tensor_parallel_impl not in ("overlap", "dtensor"):
-            raise ConfigError("model.tensor_parallel_impl", self.tensor_parallel_impl,
-                              "unknown tensor-parallel implementation.",
-                              "use overlap (ours) or dtensor (the PyTorch-native peer).")
+            raise ConfigError(
+                "model.tensor_parallel_impl",
+                self.tensor_parallel_impl,
+                "unknown tensor-parallel implementation.",
+                "use overlap (ours) or dtensor (the PyTorch-native peer).",
+            )
 
     def _validate_moe(self) -> None:
         if self.num_moe_experts < 1:
-            raise ConfigError("model.num_moe_experts", self.num_moe_experts,
-                              "a MoE model needs experts.",
-                              "set num_moe_experts >= 1, or null for a dense model.")
+            raise ConfigError(
+                "model.num_moe_experts",
+                self.num_moe_experts,
+                "a MoE model needs experts.",
+                "set num_moe_experts >= 1, or null for a dense model.",
+            )
         if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-            raise ConfigError("model.moe_router_topk", self.moe_router_topk,
-                              "top-k must be between 1 and num_moe_experts "
-                              f"({self.num_moe_experts}).",
-                              "choose a smaller moe_router_topk.")
+            raise ConfigError(
+                "model.moe_router_topk",
+                self.moe_router_topk,
+                f"top-k must be between 1 and num_moe_experts ({self.num_moe_experts}).",
+                "choose a smaller moe_router_topk.",
+            )
         if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
-            raise NotBuiltError("model.moe_router_load_balancing_type",
-                                self.moe_router_load_balancing_type, "This load-balancing type",
-                                "use aux_loss or none.")
+            raise NotBuiltError(
+                "model.moe_router_load_balancing_type",
+                self.moe_router_load_balancing_type,
+                "This load-balancing type",
+                "use aux_loss or none.",
+            )
         self._validate_moe_layer_freq()
         factor = self.moe_expert_capacity_factor
         if factor is not None and not factor > 0:
-            raise ConfigError("model.moe_expert_capacity_factor", factor,
-                              "an expert capacity factor must be > 0.",
-                              "use e.g. 1.0 (null: dropless, no capacity).")
+            raise ConfigError(
+                "model.moe_expert_capacity_factor",
+                factor,
+                "an expert capacity factor must be > 0.",
+                "use e.g. 1.0 (null: dropless, no capacity).",
+            )
         if self.moe_pad_expert_input_to_capacity and factor is None:
-            raise ConfigError("model.moe_pad_expert_input_to_capacity", True,
-                              "padding to the expert capacity needs a capacity.",
-                              "also set model.moe_expert_capacity_factor (e.g. 1.0), or drop the "
-                              "padding.")
+            raise ConfigError(
+                "model.moe_pad_expert_input_to_capacity",
+                True,
+                "padding to the expert capacity needs a capacity.",
+                "also set model.moe_expert_capacity_factor (e.g. 1.0), or drop the padding.",
+            )
         if self.moe_token_drop_policy not in ("probs", "position"):
-            raise ConfigError("model.moe_token_drop_policy", self.moe_token_drop_policy,
-                              "unknown token drop policy.", "use probs or position.")
+            raise ConfigError(
+                "model.moe_token_drop_policy",
+                self.moe_token_drop_policy,
+                "unknown token drop policy.",
+                "use probs or position.",
+            )
 
     def _validate_moe_layer_freq(self) -> None:
         freq, n = self.moe_layer_freq, self.num_layers
         if isinstance(freq, list):
             if len(freq) != n or any(v not in (0, 1) for v in freq):
-                raise ConfigError("model.moe_layer_freq", freq, f"a per-layer pattern has one "
-                                  f"entry per layer ({n}), each 1 (MoE) or 0 (dense).",
-                                  f"give {n} entries of 0/1, or an int k for every k-th layer.")
+                raise ConfigError(
+                    "model.moe_layer_freq",
+                    freq,
+                    f"a per-layer pattern has one entry per layer ({n}), each 1 (MoE) or 0 "
+                    "(dense).",
+                    f"give {n} entries of 0/1, or an int k for every k-th layer.",
+                )
             if not any(freq):
-                raise ConfigError("model.moe_layer_freq", freq,
-                                  "no layer is MoE, yet num_moe_experts is set.",
-                                  "mark at least one layer 1, or drop num_moe_experts for a dense "
-                                  "model.")
+                raise ConfigError(
+                    "model.moe_layer_freq",
+                    freq,
+                    "no layer is MoE, yet num_moe_experts is set.",
+                    "mark at least one layer 1, or drop num_moe_experts for a dense model.",
+                )
         elif freq < 1:
-            raise ConfigError("model.moe_layer_freq", freq, "it must be >= 1.",
-                              "use 1 for all-MoE layers, k for every k-th layer, or a per-layer "
-                              "0/1 list.")
+            raise ConfigError(
+                "model.moe_layer_freq",
+                freq,
+                "it must be >= 1.",
+                "use 1 for all-MoE layers, k for every k-th layer, or a per-layer 0/1 list.",
+            )
 
     def _validate_dispatch_and_dtype(self) -> None:
         if self.moe_token_dispatcher_type not in ("alltoall", "flex", "allgather"):
-            raise ConfigError("model.moe_token_dispatcher_type", self.moe_token_dispatcher_type,
-                              "unknown token dispatcher.", "use alltoall or flex.")
+            raise ConfigError(
+                "model.moe_token_dispatcher_type",
+                self.moe_token_dispatcher_type,
+                "unknown token dispatcher.",
+                "use alltoall or flex.",
+            )
         if self.params_dtype not in DTYPES:
-            raise ConfigError("model.params_dtype", self.params_dtype, "unknown dtype.",
-                              f"use one of {DTYPES}.")
+            raise ConfigError(
+                "model.params_dtype", self.params_dtype, "unknown dtype.", f"use one of {DTYPES}."
+            )
 
     def _validate_recompute(self) -> None:
         granularity = self.recompute_granularity
         if granularity not in (None, "selective", "full"):
-            raise ConfigError("model.recompute_granularity", granularity, "unknown granularity.",
-                              "use selective, full, or null.")
+            raise ConfigError(
+                "model.recompute_granularity",
+                granularity,
+                "unknown granularity.",
+                "use selective, full, or null.",
+            )
         if granularity == "full":
             if self.recompute_method not in ("uniform", "block"):
-                raise ConfigError("model.recompute_method", self.recompute_method,
-                                  "full recompute needs a method.",
-                                  "set recompute_method to uniform or block.")
+                raise ConfigError(
+                    "model.recompute_method",
+                    self.recompute_method,
+                    "full recompute needs a method.",
+                    "set recompute_method to uniform or block.",
+                )
             if not self.recompute_num_layers or self.recompute_num_layers < 1:
-                raise ConfigError("model.recompute_num_layers", self.recompute_num_layers,
-                                  "full recompute needs a layer count.",
-                                  "set recompute_num_layers (e.g. -rl 1).")
+                raise ConfigError(
+                    "model.recompute_num_layers",
+                    self.recompute_num_layers,
+                    "full recompute needs a layer count.",
+                    "set recompute_num_layers (e.g. -rl 1).",
+                )
         elif self.recompute_method is not None or self.recompute_num_layers is not None:
-            raise ConfigError("model.recompute_method", self.recompute_method,
-                              "recompute_method / recompute_num_layers only apply to "
-                              "recompute_granularity=full.",
-                              "set recompute_granularity=full, or clear them.")
+            raise ConfigError(
+                "model.recompute_method",
+                self.recompute_method,
+                "recompute_method / recompute_num_layers only apply to recompute_granularity=full.",
+                "set recompute_granularity=full, or clear them.",
+            )
         self._validate_recompute_modules()
         reroutes = granularity == "full" or (
-            granularity == "selective" and "moe" in (self.recompute_modules or ()))
+            granularity == "selective" and "moe" in (self.recompute_modules or ())
+        )
         if self.is_moe and self.moe_router_force_load_balancing and reroutes:
-            raise ConfigError("model.moe_router_force_load_balancing", True,
-                              "forced load balancing draws new random logits at every router call, "
-                              f"and this recompute ({granularity}) calls the router again in "
-                              "backward, which would route the recomputed tokens differently from "
-                              "the forward.",
-                              "drop the recompute of the MoE layers (full, or selective 'moe'), or "
-                              "the forced balancing.")
+            raise ConfigError(
+                "model.moe_router_force_load_balancing",
+                True,
+                "forced load balancing draws new random logits at every router call, "
+                f"and this recompute ({granularity}) calls the router again in "
+                "backward, which would route the recomputed tokens differently from the forward.",
+                "drop the recompute of the MoE layers (full, or selective 'moe'), or the forced "
+                "balancing.",
+            )
 
     def _validate_recompute_modules(self) -> None:
         modules = self.recompute_modules or []
@@ -325,56 +426,82 @@ class ModelConfig:
         bad = [x for x in modules if x not in RECOMPUTE_MODULES]
         if bad:
             built = [x for x in RECOMPUTE_MODULES if not unbuilt(field, x)]
-            raise ConfigError(field, modules, f"unknown module(s) {bad}.",
-                              f"use a subset of {built}.")
+            raise ConfigError(
+                field, modules, f"unknown module(s) {bad}.", f"use a subset of {built}."
+            )
         selective = modules if self.recompute_granularity == "selective" else []
         if "moe_act" in selective and not self.is_moe:
-            raise ConfigError(field, modules, "moe_act recomputes the routed experts' activation "
-                              "function, and this model has no experts.",
-                              "drop moe_act (a dense MLP recomputes with 'mlp').")
+            raise ConfigError(
+                field,
+                modules,
+                "moe_act recomputes the routed experts' activation function, and this model has no "
+                "experts.",
+                "drop moe_act (a dense MLP recomputes with 'mlp').",
+            )
         shared = self.is_moe and self.moe_shared_expert_intermediate_size
         if "shared_experts" in selective and not shared:
-            raise ConfigError(field, modules, "shared_experts recomputes the MoE layers' shared "
-                              "expert, and this model has none.",
-                              "drop shared_experts, or set "
-                              "model.moe_shared_expert_intermediate_size.")
+            raise ConfigError(
+                field,
+                modules,
+                "shared_experts recomputes the MoE layers' shared expert, and this model has none.",
+                "drop shared_experts, or set model.moe_shared_expert_intermediate_size.",
+            )
         if "shared_experts" in selective and self.moe_shared_expert_overlap:
-            raise ConfigError(field, modules, "shared_experts recompute cannot work with "
-                              "moe_shared_expert_overlap (Megatron-Core's rule: the overlap runs "
-                              "the shared expert in two halves around the all-to-alls).",
-                              "drop shared_experts from recompute_modules, or set "
-                              "moe_shared_expert_overlap=false.")
+            raise ConfigError(
+                field,
+                modules,
+                "shared_experts recompute cannot work with moe_shared_expert_overlap "
+                "(Megatron-Core's rule: the overlap runs the shared expert in two halves around "
+                "the all-to-alls).",
+                "drop shared_experts from recompute_modules, or set "
+                "moe_shared_expert_overlap=false.",
+            )
 
     def _validate_cuda_graph(self) -> None:
         impl = self.cuda_graph_impl
         if impl not in ("none", "local", "transformer_engine"):
-            raise ConfigError("model.cuda_graph_impl", impl, "unknown CUDA-graph implementation.",
-                              "use none, local or transformer_engine.")
+            raise ConfigError(
+                "model.cuda_graph_impl",
+                impl,
+                "unknown CUDA-graph implementation.",
+                "use none, local or transformer_engine.",
+            )
         scope = self.cuda_graph_scope or []
         scope = scope.split(",") if isinstance(scope, str) else scope
         bad = [s for s in scope if s not in CUDA_GRAPH_SCOPES + ("full",)]
         if bad:
-            raise ConfigError("model.cuda_graph_scope", self.cuda_graph_scope,
-                              f"unknown scope(s) {bad}.",
-                              f"use a subset of {list(CUDA_GRAPH_SCOPES)}.")
+            raise ConfigError(
+                "model.cuda_graph_scope",
+                self.cuda_graph_scope,
+                f"unknown scope(s) {bad}.",
+                f"use a subset of {list(CUDA_GRAPH_SCOPES)}.",
+            )
         if impl == "local" and scope and set(scope) != {"full_iteration"}:
-            raise ConfigError("model.cuda_graph_scope", self.cuda_graph_scope,
-                              "cuda_graph_impl=local only captures full iterations; scoped graphs "
-                              "need transformer_engine.",
-                              "use --cuda_graph_scope full_iteration or the TE impl.")
+            raise ConfigError(
+                "model.cuda_graph_scope",
+                self.cuda_graph_scope,
+                "cuda_graph_impl=local only captures full iterations; scoped graphs need "
+                "transformer_engine.",
+                "use --cuda_graph_scope full_iteration or the TE impl.",
+            )
         if "full_iteration" in scope and impl == "transformer_engine":
-            raise ConfigError("model.cuda_graph_scope", self.cuda_graph_scope,
-                              "full_iteration graphs are not captured by the transformer_engine "
-                              "impl.",
-                              "use --cuda_graph_impl local for full_iteration.")
+            raise ConfigError(
+                "model.cuda_graph_scope",
+                self.cuda_graph_scope,
+                "full_iteration graphs are not captured by the transformer_engine impl.",
+                "use --cuda_graph_impl local for full_iteration.",
+            )
 
     def _validate_precision(self) -> None:
         dtype = self.params_dtype
         if (self.bf16, self.fp16) != (dtype == "bfloat16", dtype == "float16"):
-            raise ConfigError("model.params_dtype", self.params_dtype,
-                              f"it contradicts model.bf16={self.bf16} / model.fp16={self.fp16}.",
-                              "set precision with -c or "
-                              "mixed_precision=bf16_mixed|fp16_mixed|fp32, not piecemeal.")
+            raise ConfigError(
+                "model.params_dtype",
+                self.params_dtype,
+                f"it contradicts model.bf16={self.bf16} / model.fp16={self.fp16}.",
+                "set precision with -c or mixed_precision=bf16_mixed|fp16_mixed|fp32, not "
+                "piecemeal.",
+            )
 
     def _validate_ranges(self) -> None:
         """Values the type check lets through but the model cannot use (NaN fails each rule, and a
@@ -384,31 +511,72 @@ class ModelConfig:
         factor, rl = self.moe_expert_capacity_factor, self.recompute_num_layers
         mtp = self.mtp_num_layers
         limit = self.wgrad_deferral_limit
-        check_rules([
-            ("model.layernorm_epsilon", eps, fin(eps) and eps > 0, "the norm epsilon must be > 0.",
-             "use e.g. model.layernorm_epsilon=1e-6."),
-            ("model.rotary_base", self.rotary_base, fin(self.rotary_base) and self.rotary_base > 1,
-             "the rotary base must be > 1.", "use e.g. model.rotary_base=10000."),
-            ("model.kv_channels" if self.kv_channels else "model.hidden_size",
-             self.kv_channels or self.hidden_size, self.head_dim % 2 == 0,
-             "rotary embeddings rotate pairs of channels, so the head dim must be even (it is "
-             f"{self.head_dim}"
-             f"{'' if self.kv_channels else ' = hidden_size / num_attention_heads'}).",
-             "use an even kv_channels (head dim), e.g. 64 or 128."),
-            ("model.init_method_std", std, fin(std) and std >= 0,
-             "the initialisation standard deviation must be >= 0.",
-             "use e.g. model.init_method_std=0.02."),
-            ("model.moe_aux_loss_coeff", aux, fin(aux) and aux >= 0,
-             "the auxiliary-loss coefficient must be >= 0 (0: none).",
-             "use e.g. model.moe_aux_loss_coeff=1e-3."),
-            ("model.moe_expert_capacity_factor", factor, factor is None or fin(factor),
-             "an expert capacity factor must be finite.",
-             "use e.g. 1.0 (null: dropless, no capacity)."),
-            ("model.recompute_num_layers", rl, rl is None or rl <= self.num_layers,
-             f"it cannot exceed num_layers ({self.num_layers}).",
-             f"use -rl between 1 and {self.num_layers}."),
-            ("model.mtp_num_layers", mtp, mtp is None or mtp >= 0, "a layer count must be >= 0.",
-             "set model.mtp_num_layers=null."),
-            ("model.wgrad_deferral_limit", limit, limit is None or limit >= -1,
-             "the deferral limit is -1 (automatic) or a count >= 0.", "use -1."),
-        ])
+        check_rules(
+            [
+                (
+                    "model.layernorm_epsilon",
+                    eps,
+                    fin(eps) and eps > 0,
+                    "the norm epsilon must be > 0.",
+                    "use e.g. model.layernorm_epsilon=1e-6.",
+                ),
+                (
+                    "model.rotary_base",
+                    self.rotary_base,
+                    fin(self.rotary_base) and self.rotary_base > 1,
+                    "the rotary base must be > 1.",
+                    "use e.g. model.rotary_base=10000.",
+                ),
+                (
+                    "model.kv_channels" if self.kv_channels else "model.hidden_size",
+                    self.kv_channels or self.hidden_size,
+                    self.head_dim % 2 == 0,
+                    "rotary embeddings rotate pairs of channels, so the head dim must be even (it "
+                    f"is {self.head_dim}"
+                    f"{'' if self.kv_channels else ' = hidden_size / num_attention_heads'}).",
+                    "use an even kv_channels (head dim), e.g. 64 or 128.",
+                ),
+                (
+                    "model.init_method_std",
+                    std,
+                    fin(std) and std >= 0,
+                    "the initialisation standard deviation must be >= 0.",
+                    "use e.g. model.init_method_std=0.02.",
+                ),
+                (
+                    "model.moe_aux_loss_coeff",
+                    aux,
+                    fin(aux) and aux >= 0,
+                    "the auxiliary-loss coefficient must be >= 0 (0: none).",
+                    "use e.g. model.moe_aux_loss_coeff=1e-3.",
+                ),
+                (
+                    "model.moe_expert_capacity_factor",
+                    factor,
+                    factor is None or fin(factor),
+                    "an expert capacity factor must be finite.",
+                    "use e.g. 1.0 (null: dropless, no capacity).",
+                ),
+                (
+                    "model.recompute_num_layers",
+                    rl,
+                    rl is None or rl <= self.num_layers,
+                    f"it cannot exceed num_layers ({self.num_layers}).",
+                    f"use -rl between 1 and {self.num_layers}.",
+                ),
+                (
+                    "model.mtp_num_layers",
+                    mtp,
+                    mtp is None or mtp >= 0,
+                    "a layer count must be >= 0.",
+                    "set model.mtp_num_layers=null.",
+                ),
+                (
+                    "model.wgrad_deferral_limit",
+                    limit,
+                    limit is None or limit >= -1,
+                    "the deferral limit is -1 (automatic) or a count >= 0.",
+                    "use -1.",
+                ),
+            ]
+        )

@@ -1,7 +1,8 @@
 """`section.field=value` overrides (the Hydra-style tail of a harness command line).
 
-omegaconf parses each value with YAML rules (numbers, booleans, null, lists); we then check it against the dataclass
-field's type, so a typo or a wrong type is a clear error naming the key, never a silently ignored setting.
+omegaconf parses each value with YAML rules (numbers, booleans, null, lists); we then check it
+against the dataclass field's type, so a typo or a wrong type is a clear error naming the key, never
+a silently ignored setting.
 """
 
 from __future__ import annotations
@@ -18,26 +19,38 @@ from omegaconf.errors import OmegaConfBaseException
 
 from overlap.config.checkpoint import CheckpointConfig
 from overlap.config.comm_overlap import CommOverlapConfig
-from overlap.config.field_docs import field_docs
 from overlap.config.container import ConfigContainer
+from overlap.config.field_docs import field_docs
 from overlap.config.logger import LoggerConfig
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import ModelConfig
 from overlap.config.refusals import MOVED, NOT_CARRIED, refusal_rows
-from overlap.config.training import (DDPConfig, DatasetConfig, OptimizerConfig, SchedulerConfig, TokenizerConfig,
-                                     TrainConfig)
+from overlap.config.training import (
+    DatasetConfig,
+    DDPConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TokenizerConfig,
+    TrainConfig,
+)
 from overlap.errors import ConfigError
 
 _SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
+
+
 def parse_value(key: str, raw: str) -> Any:
     try:
         parsed = OmegaConf.create({"v": None})
         parsed.merge_with_dotlist([f"v={raw}"])
         value = parsed["v"]
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
-        raise ConfigError(key, raw, f"the value cannot be parsed ({exc.__class__.__name__}).",
-                          "write it as YAML: 3, 0.5, true, null, name or [a,b] (quote strings with odd characters)."
-                          ) from None
+        raise ConfigError(
+            key,
+            raw,
+            f"the value cannot be parsed ({exc.__class__.__name__}).",
+            "write it as YAML: 3, 0.5, true, null, name or [a,b] (quote strings with odd "
+            "characters).",
+        ) from None
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
@@ -57,7 +70,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
                 return _coerce(key, value, option)
             except ConfigError as exc:
                 errors.append(exc)
-        raise ConfigError(key, value, f"expected {_hint_name(hint)}.", f"give a value of type {_hint_name(hint)}.")
+        raise ConfigError(
+            key, value, f"expected {_hint_name(hint)}.", f"give a value of type {_hint_name(hint)}."
+        )
     if origin is list:
         (item,) = typing.get_args(hint) or (Any,)
         if isinstance(value, str):
@@ -86,7 +101,9 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     elif is_dataclass(hint):
         if isinstance(value, hint):
             return value
-    raise ConfigError(key, value, f"expected {_hint_name(hint)}.", f"give a value of type {_hint_name(hint)}.")
+    raise ConfigError(
+        key, value, f"expected {_hint_name(hint)}.", f"give a value of type {_hint_name(hint)}."
+    )
 
 
 def _hint_name(hint: Any) -> str:
@@ -106,8 +123,13 @@ def _unknown(key: str, name: str, choices: list[str]) -> ConfigError:
 def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
     """Apply one override; return (key, value) so later flags can detect a contradiction with it."""
     if "=" not in item or item.startswith(("+", "~")):
-        raise ConfigError("override", item, "overrides have the form section.field=value (Hydra's +, ++ and ~ "
-                          "prefixes are not supported).", "write e.g. model.num_layers=4.")
+        raise ConfigError(
+            "override",
+            item,
+            "overrides have the form section.field=value (Hydra's +, ++ and ~ prefixes are not "
+            "supported).",
+            "write e.g. model.num_layers=4.",
+        )
     key, raw = item.split("=", 1)
     key = key.strip()
     parts = key.split(".")
@@ -117,16 +139,22 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
     value = parse_value(key, raw)
     if section == "env_vars":
         if len(parts) != 2:
-            raise ConfigError(key, raw, "environment overrides name one variable.", "write env_vars.NAME=value.")
+            raise ConfigError(
+                key, raw, "environment overrides name one variable.", "write env_vars.NAME=value."
+            )
         cfg.env_vars[parts[1]] = str(value)
         return key, str(value)
     if section == "mixed_precision" and len(parts) == 1:
         if not isinstance(value, str) and value is not None:
-            raise ConfigError(key, value, "expected a preset name.", "use bf16_mixed, fp16_mixed or fp32.")
+            raise ConfigError(
+                key, value, "expected a preset name.", "use bf16_mixed, fp16_mixed or fp32."
+            )
         cfg.mixed_precision = None if value is None else get_mixed_precision_config(value)
         return key, value
     if len(parts) != 2:
-        raise ConfigError(key, raw, "overrides address one field of one section.", "write section.field=value.")
+        raise ConfigError(
+            key, raw, "overrides address one field of one section.", "write section.field=value."
+        )
     if section == "comm_overlap" and cfg.comm_overlap is None:
         cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)
     if section == "mixed_precision":
@@ -138,11 +166,16 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
     hints = typing.get_type_hints(type(target))
     names = [f.name for f in fields(target)]
     if key in MOVED:
-        raise ConfigError(key, value, f"this setting is {MOVED[key]} (Megatron-Bridge's name).",
-                          f"write {MOVED[key]}={raw}.")
+        raise ConfigError(
+            key,
+            value,
+            f"this setting is {MOVED[key]} (Megatron-Bridge's name).",
+            f"write {MOVED[key]}={raw}.",
+        )
     if key in NOT_CARRIED:
-        raise ConfigError(key, value, f"Bridge's switch is not carried: {NOT_CARRIED[key]}.",
-                          "drop it.")
+        raise ConfigError(
+            key, value, f"Bridge's switch is not carried: {NOT_CARRIED[key]}.", "drop it."
+        )
     if parts[1] not in names:
         raise _unknown(key, parts[1], names)
     value = _coerce(key, value, hints[parts[1]])
@@ -151,28 +184,37 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
 
 
 def apply_overrides(cfg: ConfigContainer, items: list[str]) -> dict[str, Any]:
-    """Apply overrides in order (a later one for the same key wins); return {key: value} of what they set. The
-    command line refuses such repeats first (`check_override_repeats`)."""
+    """Apply overrides in order (a later one for the same key wins); return {key: value} of what
+    they set. The command line refuses such repeats first (`check_override_repeats`)."""
     return dict(apply_override(cfg, item) for item in items)
 
 
 def check_override_repeats(items: list[str]) -> None:
-    """A command line's overrides: the same key twice is an error naming both (the reference lets the last one win,
-    silently), and so is a `mixed_precision=PRESET` after a `mixed_precision.FIELD=...`: the preset replaces the
-    whole section and would drop the field."""
+    """A command line's overrides: the same key twice is an error naming both (the reference lets
+    the last one win, silently), and so is a `mixed_precision=PRESET` after a
+    `mixed_precision.FIELD=...`: the preset replaces the whole section and would drop the field."""
     seen: dict[str, str] = {}
     for item in items:
         key = item.split("=", 1)[0].strip()
         if key in seen:
-            raise ConfigError(key, item.split("=", 1)[1] if "=" in item else item,
-                              f"this key is given twice ({seen[key]} and {item}); one of them would be silently "
-                              "dropped.", "keep only the one you mean.")
+            raise ConfigError(
+                key,
+                item.split("=", 1)[1] if "=" in item else item,
+                f"this key is given twice ({seen[key]} and {item}); one of them would be silently "
+                "dropped.",
+                "keep only the one you mean.",
+            )
         if key == "mixed_precision":
             fields_before = [v for k, v in seen.items() if k.startswith("mixed_precision.")]
             if fields_before:
-                raise ConfigError(key, item.split("=", 1)[1], f"the preset replaces the whole mixed_precision section, dropping the "
-                                  f"earlier {fields_before[0]}.", "put mixed_precision=PRESET before the "
-                                  "mixed_precision.FIELD overrides that refine it.")
+                raise ConfigError(
+                    key,
+                    item.split("=", 1)[1],
+                    "the preset replaces the whole mixed_precision section, dropping the earlier "
+                    f"{fields_before[0]}.",
+                    "put mixed_precision=PRESET before the mixed_precision.FIELD overrides that "
+                    "refine it.",
+                )
         seen[key] = item
 
 
@@ -180,21 +222,42 @@ def override_key_rows() -> list[tuple[str, str, str, str]]:
     """(key, type, default, description) for every `section.field` an override can set; the
     description is the field's comment in its dataclass (`overlap.config.field_docs`)."""
     rows = []
-    for section, cls in (("model", ModelConfig), ("train", TrainConfig), ("optimizer", OptimizerConfig),
-                         ("scheduler", SchedulerConfig), ("ddp", DDPConfig), ("tokenizer", TokenizerConfig),
-                         ("checkpoint", CheckpointConfig), ("logger", LoggerConfig), ("dataset", DatasetConfig),
-                         ("mixed_precision", MixedPrecisionConfig), ("comm_overlap", CommOverlapConfig)):
+    for section, cls in (
+        ("model", ModelConfig),
+        ("train", TrainConfig),
+        ("optimizer", OptimizerConfig),
+        ("scheduler", SchedulerConfig),
+        ("ddp", DDPConfig),
+        ("tokenizer", TokenizerConfig),
+        ("checkpoint", CheckpointConfig),
+        ("logger", LoggerConfig),
+        ("dataset", DatasetConfig),
+        ("mixed_precision", MixedPrecisionConfig),
+        ("comm_overlap", CommOverlapConfig),
+    ):
         hints = typing.get_type_hints(cls)
         docs = field_docs(cls)
         for f in fields(cls):
             if f.name.startswith("_"):
                 continue
-            default = repr(f.default) if f.default is not MISSING else "(required)" if f.default_factory is MISSING \
+            default = (
+                repr(f.default)
+                if f.default is not MISSING
+                else "(required)"
+                if f.default_factory is MISSING
                 else repr(f.default_factory())
-            rows.append((f"{section}.{f.name}", _hint_name(hints[f.name]), default,
-                         docs.get(f.name, "")))
-    rows.append(("mixed_precision", "preset name", "bf16_mixed | fp16_mixed | fp32",
-                 "a preset that replaces the whole section"))
+            )
+            rows.append(
+                (f"{section}.{f.name}", _hint_name(hints[f.name]), default, docs.get(f.name, ""))
+            )
+    rows.append(
+        (
+            "mixed_precision",
+            "preset name",
+            "bf16_mixed | fp16_mixed | fp32",
+            "a preset that replaces the whole section",
+        )
+    )
     rows.append(("env_vars.NAME", "str", "", "an environment variable for the workers"))
     rows += [(key, "refused", "", why) for key, why in refusal_rows()]
     return rows
@@ -205,5 +268,7 @@ def list_override_keys() -> list[str]:
     (`overlap explain --list-keys`)."""
     rows = override_key_rows()
     width = [max(len(r[i]) for r in rows) for i in range(3)]
-    return [f"{k:<{width[0]}}  {t:<{width[1]}}  {d:<{width[2]}}  {doc}".rstrip()
-            for k, t, d, doc in rows]
+    return [
+        f"{k:<{width[0]}}  {t:<{width[1]}}  {d:<{width[2]}}  {doc}".rstrip()
+        for k, t, d, doc in rows
+    ]

@@ -107,9 +107,8 @@ class PipelineLayout:
         parts = [_fold(s.symbols) for s in self.stages]
         out: list[str] = []
         i = 0
-        while i < len(
-            parts
-        ):  # the last stage holds the loss, so no run of equal stages includes it
+        # the last stage holds the loss, so no run of equal stages includes it
+        while i < len(parts):
             n = 1
             while i + n < len(parts) and parts[i + n] == parts[i]:
                 n += 1
@@ -125,8 +124,10 @@ class PipelineLayout:
     def table(self) -> list[str]:
         """What each pipeline rank holds, chunk by chunk, equal neighbouring ranks on one line (as
         Megatron-Core prints a parsed layout): `PP rank 1-6   t*3 | t*3 | t*3 | t*3`."""
-        rows = [" | ".join(_fold(s.symbols) or "(empty)" for s in self.rank_stages(r))
-                for r in range(self.pp)]
+        rows = [
+            " | ".join(_fold(s.symbols) or "(empty)" for s in self.rank_stages(r))
+            for r in range(self.pp)
+        ]
         out, first = [], 0
         for r in range(1, self.pp + 1):
             if r == self.pp or rows[r] != rows[first]:
@@ -143,8 +144,10 @@ class PipelineLayout:
             if min(per_rank) != max(per_rank)
             else f"{per_rank[0]}"
         )
-        return (f"from {self.source}: PP {self.pp} x VPP {self.vpp}, {spread} transformer layers "
-                "per rank")
+        return (
+            f"from {self.source}: PP {self.pp} x VPP {self.vpp}, {spread} transformer layers "
+            "per rank"
+        )
 
 
 def _fold(symbols: str) -> str:
@@ -201,8 +204,9 @@ def parse_layout(spec: str | list, pp: int) -> list[str]:
         raise ConfigError(
             LAYOUT_FIELD,
             spec,
-            f"it has {len(stages)} stage(s), not a multiple of "
-            f"pipeline_model_parallel_size ({pp}); stages = PP x VPP.",
+            f"it has {len(stages)} stage(s), not a multiple of pipeline_model_parallel_size "
+            f"({pp}); "
+            "stages = PP x VPP.",
             f"give PP x VPP stages separated by '|' (e.g. {pp} or {2 * pp}), or change -pp.",
         )
     return stages
@@ -254,8 +258,8 @@ def resolve_pipeline_layout(model: Any, pp: int) -> PipelineLayout:
                 else "model.account_for_loss_in_pipeline_split"
             ),
             True,
-            "it cannot be combined with num_layers_in_first/last_pipeline_stage "
-            "(Megatron-Core's rule: both decide the first and last stages' sizes).",
+            "it cannot be combined with num_layers_in_first/last_pipeline_stage (Megatron-Core's "
+            "rule: both decide the first and last stages' sizes).",
             "use one of the two ways, or a pipeline_model_parallel_layout.",
         )
     if first is not None or last is not None:
@@ -298,9 +302,8 @@ def resolve_pipeline_layout(model: Any, pp: int) -> PipelineLayout:
         count -= (bool(embed) and v == 0) + (bool(loss) and v == pp * vpp - 1)
         stages.append(head + DECODER * count + tail)
     if model.mtp_num_layers:
-        stages[-1] = (
-            stages[-1][:-1] + MTP * model.mtp_num_layers + LOSS
-        )  # with the loss, as Megatron places it
+        # with the loss, as Megatron places it
+        stages[-1] = stages[-1][:-1] + MTP * model.mtp_num_layers + LOSS
     return _checked(stages, pp, n, model.mtp_num_layers, source, None)
 
 
@@ -311,15 +314,15 @@ def _first_last_split(n: int, pp: int, vpp: int, first: int | None, last: int | 
             "model.num_layers_in_first_pipeline_stage",
             first if first is not None else last,
             "uneven first/last pipeline stages need pipeline parallelism.",
-            "use -pp 2 or more, or "
-            "drop num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage.",
+            "use -pp 2 or more, or drop num_layers_in_first_pipeline_stage / "
+            "num_layers_in_last_pipeline_stage.",
         )
     for name, value in (("first", first), ("last", last)):
         if value is not None and value < 1:
             raise ConfigError(
                 f"model.num_layers_in_{name}_pipeline_stage",
                 value,
-                "a stage holds at least one " "layer.",
+                "a stage holds at least one layer.",
                 "use 1 or more, or null for an even split.",
             )
     middle_stages = pp - (first is not None) - (last is not None)
@@ -350,8 +353,8 @@ def _first_last_split(n: int, pp: int, vpp: int, first: int | None, last: int | 
                 vpp,
                 f"pipeline stage {rank} has {count} layers, which do not split into {vpp} equal "
                 "virtual-pipeline chunks.",
-                "choose -pp/-vp (and the first/last stage sizes) so that every stage's layer "
-                "count is a multiple of VPP, or spell the stages out with "
+                "choose -pp/-vp (and the first/last stage sizes) so that every stage's layer count "
+                "is a multiple of VPP, or spell the stages out with "
                 "pipeline_model_parallel_layout.",
             )
     return per_rank
@@ -374,23 +377,22 @@ def _checked(
         raise ConfigError(
             field,
             shown,
-            "the embedding (E) opens the first stage and the loss (L) closes the last "
-            "(the first virtual stage reads the tokens, the last one computes the loss).",
+            "the embedding (E) opens the first stage and the loss (L) closes the last (the first "
+            "virtual stage reads the tokens, the last one computes the loss).",
             "move E to the front of the first stage and L to the end of the last.",
         )
     if flat.count(DECODER) != n:
         raise ConfigError(
             field,
             shown,
-            f"it places {flat.count(DECODER)} transformer layers (t), but "
-            f"model.num_layers is {n}.",
+            f"it places {flat.count(DECODER)} transformer layers (t), but model.num_layers is {n}.",
             f"give exactly {n} t's, or change model.num_layers.",
         )
     if flat.count(MTP) != (mtp or 0):
         raise ConfigError(
             field,
             shown,
-            f"it places {flat.count(MTP)} MTP layer(s) (m), but model.mtp_num_layers is " f"{mtp}.",
+            f"it places {flat.count(MTP)} MTP layer(s) (m), but model.mtp_num_layers is {mtp}.",
             "make the m's match model.mtp_num_layers.",
         )
     if MTP in flat and DECODER in flat[flat.index(MTP) :]:

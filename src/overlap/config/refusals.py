@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 _FIXED_SET = (
-    "TensorBoard and W&B always get the --metrics scalars (loss, grad norm, learning rate, "
-    "step time, throughput, communication by kind, peak memory), and only those"
+    "TensorBoard and W&B always get the --metrics scalars (loss, grad norm, learning rate, step "
+    "time, throughput, communication by kind, peak memory), and only those"
 )
 
 # key -> the key that holds the setting here
@@ -50,10 +50,12 @@ UNBUILT_VALUES: dict[str, dict[Any, str]] = {
         "gdn_norm_out": "The gated delta net (gdn_norm_out recomputes its output norm)",
         "gdp_in_proj": "The gated delta product (gdp_in_proj recomputes its input projection)",
         "gdp_qkv": "The gated delta product (gdp_qkv recomputes its convolution and QKV)",
-        "mhc": "Hyper-connections (mhc recomputes their activations)"},
+        "mhc": "Hyper-connections (mhc recomputes their activations)",
+    },
     "checkpoint.ckpt_format": {
         name: f"The {name!r} checkpoint format"
-        for name in ("torch", "torch_dcp", "fsdp_dtensor", "zarr")},
+        for name in ("torch", "torch_dcp", "fsdp_dtensor", "zarr")
+    },
     "tokenizer.tokenizer_type": {"SentencePieceTokenizer": "The SentencePiece tokenizer"},
 }
 
@@ -67,6 +69,9 @@ def refusal_rows() -> list[tuple[str, str]]:
     """(key or key=value, why it is refused) for every entry of the table, for `--list-keys`."""
     rows = [(key, f"the setting is {where} here") for key, where in MOVED.items()]
     rows += [(key, f"not carried: {why}") for key, why in NOT_CARRIED.items()]
-    rows += [(f"{key}={value}", f"{what.rstrip(',')} is not built")
-             for key, values in UNBUILT_VALUES.items() for value, what in values.items()]
+    rows += [
+        (f"{key}={value}", f"{what.rstrip(',')} is not built")
+        for key, values in UNBUILT_VALUES.items()
+        for value, what in values.items()
+    ]
     return rows

@@ -1,20 +1,25 @@
 """Tensor-parallel communication-overlap plans ("userbuffers presets").
 
-A plan says, for every tensor-parallel GEMM of one transformer layer, how its collective is hidden behind compute:
+A plan says, for every tensor-parallel GEMM of one transformer layer, how its collective is hidden
+behind compute:
 
-* ``method="ring_exchange"``: the GEMM is split along the ring and each chunk is exchanged point-to-point;
-* ``method="pipeline"``: the GEMM is cut into ``num_splits`` chunks whose reduce-scatter overlaps the next chunk;
+* ``method="ring_exchange"``: the GEMM is split along the ring and each chunk is exchanged
+  point-to-point;
+* ``method="pipeline"``: the GEMM is cut into ``num_splits`` chunks whose reduce-scatter overlaps
+  the next chunk;
 * ``method="bulk"``: the whole collective runs concurrently with an independent GEMM;
 
-plus how many SMs (``num_sm``) and which CGA size the communication kernels may use, and whether the layernorm kernels
-keep an SM margin for them (``set_sm_margin``).
+plus how many SMs (``num_sm``) and which CGA size the communication kernels may use, and whether the
+layernorm kernels keep an SM margin for them (``set_sm_margin``).
 
-The class names, field names and order, ``method`` strings and the 19 preset names follow Megatron-Bridge's
-``comm_overlap.py`` so that configurations written for it keep working. :meth:`TransformerLayerTPOverlapCfg.to_dict`
-gives the nested dict Bridge hands to the model (``model.tp_comm_overlap_cfg``). :func:`effective_tp_plan` turns that
-dict (or the defaults), the Megatron switches (``tp_comm_overlap_ag`` ...) and the size rule into the plan our runtime
-(``overlap.layers.tp_overlap``) executes: one method per GEMM slot, or none. The resolution logs every slot's outcome;
-the layers call the same function, so what the decision table says is what runs.
+The class names, field names and order, ``method`` strings and the 19 preset names follow
+Megatron-Bridge's ``comm_overlap.py`` so that configurations written for it keep working.
+:meth:`TransformerLayerTPOverlapCfg.to_dict` gives the nested dict Bridge hands to the model
+(``model.tp_comm_overlap_cfg``). :func:`effective_tp_plan` turns that dict (or the defaults), the
+Megatron switches (``tp_comm_overlap_ag`` ...) and the size rule into the plan our runtime
+(``overlap.layers.tp_overlap``) executes: one method per GEMM slot, or none. The resolution logs
+every slot's outcome; the layers call the same function, so what the decision table says is what
+runs.
 """
 
 from __future__ import annotations
@@ -65,9 +70,9 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Per-GEMM plans
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -77,11 +82,13 @@ class TPOverlapCfg:
 
 @dataclass
 class PipelineOverlapCfg(TPOverlapCfg):
-    """Chunked ("pipeline") overlap: the GEMM is cut into ``num_splits`` pieces whose collective overlaps the next one.
+    """Chunked ("pipeline") overlap: the GEMM is cut into ``num_splits`` pieces whose collective
+    overlaps the next one.
 
-    Deliberate difference from Megatron-Bridge: there the ``fp8_buf`` default is the 1-tuple ``(False,)`` (a
-    trailing-comma bug). A tuple is truthy, so in FP8 runs every pipeline-method GEMM that does not set ``fp8_buf``
-    explicitly would claim an FP8 communication buffer. Ours is the plain ``False``.
+    Deliberate difference from Megatron-Bridge: there the ``fp8_buf`` default is the 1-tuple
+    ``(False,)`` (a trailing-comma bug). A tuple is truthy, so in FP8 runs every pipeline-method
+    GEMM that does not set ``fp8_buf`` explicitly would claim an FP8 communication buffer. Ours is
+    the plain ``False``.
     """
 
     num_sm: int
@@ -95,7 +102,8 @@ class PipelineOverlapCfg(TPOverlapCfg):
 
 @dataclass
 class RingExchangeOverlapCfg(TPOverlapCfg):
-    """Ring-exchange overlap: chunks travel point-to-point around the TP ring while the local chunk is multiplied."""
+    """Ring-exchange overlap: chunks travel point-to-point around the TP ring while the local chunk
+    is multiplied."""
 
     aggregate: bool = False
     method: str = "ring_exchange"
@@ -116,16 +124,17 @@ class BulkOverlapCfg(TPOverlapCfg):
     method: str = "bulk"
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Per-layer plan
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class TransformerLayerTPOverlapCfg:
-    """The overlap plan of every TP GEMM of one transformer layer. ``None`` leaves the GEMM out of the plan: Bridge
-    drops it from the dict and Transformer Engine (and our runtime) then use the slot's default method; switch a slot
-    off with Megatron's switches (``tp_comm_overlap_ag`` ...)."""
+    """The overlap plan of every TP GEMM of one transformer layer. ``None`` leaves the GEMM out of
+    the plan: Bridge drops it from the dict and Transformer Engine (and our runtime) then use the
+    slot's default method; switch a slot off with Megatron's switches (``tp_comm_overlap_ag``
+    ...)."""
 
     qkv_dgrad: TPOverlapCfg | None
     qkv_wgrad: TPOverlapCfg | None
@@ -141,15 +150,18 @@ class TransformerLayerTPOverlapCfg:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Nested-dict form (``dataclasses.asdict``) with the top-level ``None`` entries dropped.
 
-        Example: ``{"qkv_dgrad": {"num_sm": 4, "cga_size": 2, "set_sm_margin": False, "method": "bulk"}, ...}``.
-        Only whole-GEMM ``None`` entries are removed; values inside the nested dicts are kept as they are.
+        Example: ``{"qkv_dgrad": {"num_sm": 4, "cga_size": 2, "set_sm_margin": False, "method":
+        "bulk"}, ...}``. Only whole-GEMM ``None`` entries are removed; values inside the nested
+        dicts are kept as they are.
         """
-        return {name: value for name, value in dataclasses.asdict(self).items() if value is not None}
+        return {
+            name: value for name, value in dataclasses.asdict(self).items() if value is not None
+        }
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Private constructors keeping the preset table readable
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _bulk(num_sm: int, cga_size: int = 2) -> BulkOverlapCfg:
@@ -157,7 +169,9 @@ def _bulk(num_sm: int, cga_size: int = 2) -> BulkOverlapCfg:
     return BulkOverlapCfg(num_sm=num_sm, cga_size=cga_size, set_sm_margin=False)
 
 
-def _pipe(num_sm: int, cga_size: int = 2, num_splits: int = 4, *, fp8_buf: bool = False) -> PipelineOverlapCfg:
+def _pipe(
+    num_sm: int, cga_size: int = 2, num_splits: int = 4, *, fp8_buf: bool = False
+) -> PipelineOverlapCfg:
     """Pipeline plan; every preset's pipeline entry keeps an SM margin."""
     return PipelineOverlapCfg(
         num_sm=num_sm, cga_size=cga_size, num_splits=num_splits, set_sm_margin=True, fp8_buf=fp8_buf
@@ -168,7 +182,9 @@ def _ring(
     *, margin: bool = False, aggregate: bool = False, fp8_buf: bool = False, cga_size: int = 1
 ) -> RingExchangeOverlapCfg:
     """Ring-exchange plan with the defaults except what is named."""
-    return RingExchangeOverlapCfg(aggregate=aggregate, set_sm_margin=margin, fp8_buf=fp8_buf, cga_size=cga_size)
+    return RingExchangeOverlapCfg(
+        aggregate=aggregate, set_sm_margin=margin, fp8_buf=fp8_buf, cga_size=cga_size
+    )
 
 
 def _layer(
@@ -183,8 +199,9 @@ def _layer(
 ) -> TransformerLayerTPOverlapCfg:
     """One layer plan in the column order of the reference table.
 
-    The four "middle" GEMMs (qkv_fprop, proj_dgrad, fc1_fprop, fc2_dgrad) are ring exchange in every preset; ``middle``
-    holds the keyword arguments of :func:`_ring` for them (plain defaults when omitted). Each GEMM gets its own object.
+    The four "middle" GEMMs (qkv_fprop, proj_dgrad, fc1_fprop, fc2_dgrad) are ring exchange in every
+    preset; ``middle`` holds the keyword arguments of :func:`_ring` for them (plain defaults when
+    omitted). Each GEMM gets its own object.
     """
     ring_kwargs = middle or {}
     return TransformerLayerTPOverlapCfg(
@@ -201,9 +218,9 @@ def _layer(
     )
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Presets. Columns: qkv_dgrad, qkv_wgrad, fc1_dgrad, fc1_wgrad, proj_fprop, fc2_fprop.
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 # Llama 70B
 userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 = _layer(
@@ -297,9 +314,11 @@ TP_OVERLAP_PRESETS: dict[str, TransformerLayerTPOverlapCfg] = {
 
 
 def get_tp_overlap_preset(name: str) -> TransformerLayerTPOverlapCfg:
-    """The preset called ``name``; a :class:`~overlap.errors.ConfigError` naming the valid choices otherwise.
+    """The preset called ``name``; a :class:`~overlap.errors.ConfigError` naming the valid choices
+    otherwise.
 
-    The returned object is the shared module-level preset: copy it (``copy.deepcopy``) before mutating it.
+    The returned object is the shared module-level preset: copy it (``copy.deepcopy``) before
+    mutating it.
     """
     try:
         return TP_OVERLAP_PRESETS[name]
@@ -312,44 +331,62 @@ def get_tp_overlap_preset(name: str) -> TransformerLayerTPOverlapCfg:
         ) from None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The plan the runtime executes
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 RING, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
 
-# The ten GEMM slots of one layer, per TP linear ("ub_name" in Megatron): what each slot's collective is, and which
-# methods can hide it. An all-gather feeding a GEMM can only be split along the ring (Transformer Engine: "pipeline is
-# not allowed for AG"); a GEMM feeding a reduce-scatter can be chunked (pipeline) or ring-reduced; the column-parallel
-# backward's two collectives can each run whole beside the other GEMM (bulk), or the dgrad's reduce-scatter can be
-# chunked with the dgrad GEMM (Megatron's tp_comm_overlap_rs_dgrad), which leaves the wgrad GEMM nothing to hide.
+# The ten GEMM slots of one layer, per TP linear ("ub_name" in Megatron): what each slot's
+# collective is, and which methods can hide it. An all-gather feeding a GEMM can only be split along
+# the ring (Transformer Engine: "pipeline is not allowed for AG"); a GEMM feeding a reduce-scatter
+# can be chunked (pipeline) or ring-reduced; the column-parallel backward's two collectives can each
+# run whole beside the other GEMM (bulk), or the dgrad's reduce-scatter can be chunked with the
+# dgrad GEMM (Megatron's tp_comm_overlap_rs_dgrad), which leaves the wgrad GEMM nothing to hide.
 SLOT_METHODS: dict[str, tuple[str, ...]] = {
-    "qkv_fprop": (RING,), "fc1_fprop": (RING,), "proj_dgrad": (RING,), "fc2_dgrad": (RING,),
-    "proj_fprop": (PIPELINE, RING), "fc2_fprop": (PIPELINE, RING),
-    "qkv_dgrad": (BULK, PIPELINE, RING), "fc1_dgrad": (BULK, PIPELINE, RING),
-    "qkv_wgrad": (BULK,), "fc1_wgrad": (BULK,),
+    "qkv_fprop": (RING,),
+    "fc1_fprop": (RING,),
+    "proj_dgrad": (RING,),
+    "fc2_dgrad": (RING,),
+    "proj_fprop": (PIPELINE, RING),
+    "fc2_fprop": (PIPELINE, RING),
+    "qkv_dgrad": (BULK, PIPELINE, RING),
+    "fc1_dgrad": (BULK, PIPELINE, RING),
+    "qkv_wgrad": (BULK,),
+    "fc1_wgrad": (BULK,),
 }
 DEFAULT_SPLITS = 4  # Transformer Engine's pipeline default
 # Transformer Engine's default method per slot (initialize_ub), used where no plan names the slot.
 _DEFAULT_METHOD = {slot: methods[0] for slot, methods in SLOT_METHODS.items()}
 
-# The size rule: a GEMM chunk of fewer sequence rows than this is not made (a micro-batch of b sequences has b tokens
-# per row; the rule counts rows so that every layer can apply it from the model configuration alone). Each extra chunk
-# costs one more collective launch (tens of microseconds on NCCL, 0.1-0.8 ms on gloo; bench/results/gloo_costs.txt)
-# while a GEMM of so few rows takes about as long, so splitting further exposes more than it hides; torch's
-# micro-pipeline TP skips shards below 1024 features for the same reason. Pipeline splits are lowered until each chunk
-# has at least this many rows (and off below two chunks); ring exchange, whose chunk is a whole shard, is off below it.
+# The size rule: a GEMM chunk of fewer sequence rows than this is not made (a micro-batch of b
+# sequences has b tokens per row; the rule counts rows so that every layer can apply it from the
+# model configuration alone). Each extra chunk costs one more collective launch (tens of
+# microseconds on NCCL, 0.1-0.8 ms on gloo; bench/results/gloo_costs.txt) while a GEMM of so few
+# rows takes about as long, so splitting further exposes more than it hides; torch's micro-pipeline
+# TP skips shards below 1024 features for the same reason. Pipeline splits are lowered until each
+# chunk has at least this many rows (and off below two chunks); ring exchange, whose chunk is a
+# whole shard, is off below it.
 MIN_CHUNK_ROWS = 32
 
-# Userbuffers knobs that tune Transformer Engine's GPU kernels: recorded, shown, without effect in this runtime.
-_KERNEL_KNOBS = ("num_sm", "cga_size", "set_sm_margin", "use_ce", "atomic_gemm", "fp8_buf", "comm_priority",
-                 "gemm_priority")
+# Userbuffers knobs that tune Transformer Engine's GPU kernels: recorded, shown, without effect in
+# this runtime.
+_KERNEL_KNOBS = (
+    "num_sm",
+    "cga_size",
+    "set_sm_margin",
+    "use_ce",
+    "atomic_gemm",
+    "fp8_buf",
+    "comm_priority",
+    "gemm_priority",
+)
 
 
 @dataclass(frozen=True)
 class SlotPlan:
-    """How one GEMM slot hides its collective: ``method`` (ring_exchange | pipeline | bulk), ``num_splits`` chunks
-    for pipeline, ``aggregate`` (ring exchange moves two chunks per step)."""
+    """How one GEMM slot hides its collective: ``method`` (ring_exchange | pipeline | bulk),
+    ``num_splits`` chunks for pipeline, ``aggregate`` (ring exchange moves two chunks per step)."""
 
     method: str
     num_splits: int = 1
@@ -363,7 +400,8 @@ class SlotPlan:
 
 @dataclass(frozen=True)
 class LinearPlan:
-    """The slots of one TP linear: forward GEMM, input-gradient GEMM, weight-gradient GEMM (None: no overlap)."""
+    """The slots of one TP linear: forward GEMM, input-gradient GEMM, weight-gradient GEMM (None: no
+    overlap)."""
 
     fprop: SlotPlan | None
     dgrad: SlotPlan | None
@@ -372,7 +410,8 @@ class LinearPlan:
 
 @dataclass(frozen=True)
 class SlotDecision:
-    """One slot's outcome for the decision table: asked (None when only the defaults asked), in effect, by, why."""
+    """One slot's outcome for the decision table: asked (None when only the defaults asked), in
+    effect, by, why."""
 
     slot: str
     requested: str | None
@@ -392,43 +431,63 @@ AG_SLOTS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")  # an all-gathe
 
 
 def _slot_from_entry(slot: str, entry: dict[str, Any]) -> SlotPlan:
-    """A plan entry checked against what the slot can run: its method, an integer num_splits >= 2 for pipeline, and
-    aggregate (a bool) only where a ring all-gathers."""
+    """A plan entry checked against what the slot can run: its method, an integer num_splits >= 2
+    for pipeline, and aggregate (a bool) only where a ring all-gathers."""
     field = f"comm_overlap.tp_comm_overlap_cfg.{slot}"
     method = entry.get("method")
     if method not in SLOT_METHODS[slot]:
-        raise ConfigError(f"{field}.method", method, f"{slot} supports {' or '.join(SLOT_METHODS[slot])}.",
-                          f"use method={SLOT_METHODS[slot][0]} for {slot}, or leave the slot out for its default.")
+        raise ConfigError(
+            f"{field}.method",
+            method,
+            f"{slot} supports {' or '.join(SLOT_METHODS[slot])}.",
+            f"use method={SLOT_METHODS[slot][0]} for {slot}, or leave the slot out for its "
+            "default.",
+        )
     splits = entry.get("num_splits", DEFAULT_SPLITS) if method == PIPELINE else 1
-    if method == PIPELINE and (isinstance(splits, bool) or not isinstance(splits, int) or splits < 2):
-        raise ConfigError(f"{field}.num_splits", splits, "a pipeline needs an integer number of chunks >= 2.",
-                          "use num_splits=2 or more (one chunk would overlap nothing).")
+    if method == PIPELINE and (
+        isinstance(splits, bool) or not isinstance(splits, int) or splits < 2
+    ):
+        raise ConfigError(
+            f"{field}.num_splits",
+            splits,
+            "a pipeline needs an integer number of chunks >= 2.",
+            "use num_splits=2 or more (one chunk would overlap nothing).",
+        )
     aggregate = entry.get("aggregate", False)
     if not isinstance(aggregate, bool):
-        raise ConfigError(f"{field}.aggregate", aggregate, "it must be true or false.", "use aggregate=false.")
+        raise ConfigError(
+            f"{field}.aggregate", aggregate, "it must be true or false.", "use aggregate=false."
+        )
     if aggregate and (method != RING or slot not in AG_SLOTS):
-        raise ConfigError(f"{field}.aggregate", aggregate,
-                          "aggregate pairs the chunks of a ring all-gather; this slot does not all-gather.",
-                          f"set aggregate=false for {slot} (it is honoured on {', '.join(AG_SLOTS)}).")
+        raise ConfigError(
+            f"{field}.aggregate",
+            aggregate,
+            "aggregate pairs the chunks of a ring all-gather; this slot does not all-gather.",
+            f"set aggregate=false for {slot} (it is honoured on {', '.join(AG_SLOTS)}).",
+        )
     return SlotPlan(method, splits, aggregate)
 
 
 def _largest_split(rows: int, wanted: int) -> int:
-    """The largest split <= wanted that divides the shard's sequence rows into chunks of >= MIN_CHUNK_ROWS rows."""
+    """The largest split <= wanted that divides the shard's sequence rows into chunks of >=
+    MIN_CHUNK_ROWS rows."""
     for n in range(wanted, 0, -1):
         if rows % n == 0 and rows // n >= MIN_CHUNK_ROWS:
             return n
     return 0
 
 
-def effective_tp_plan(model: "ModelConfig") -> tuple[dict[str, SlotPlan | None], list[SlotDecision]]:
+def effective_tp_plan(
+    model: ModelConfig,
+) -> tuple[dict[str, SlotPlan | None], list[SlotDecision]]:
     """Every slot's plan in this run, and why. Empty when TP overlap is off.
 
-    Order of the rules: the plan's method (the preset's, or Transformer Engine's default), the Megatron switches
-    (a user's choice: honoured as asked), then the runtime's rules (the request is changed, and said so):
-    delay_wgrad_compute takes the wgrad slots (the weight-gradient GEMM runs later, so the reduce-scatter cannot hide
-    under it; the reference refuses the pair), a chunked dgrad reduce-scatter takes its wgrad bulk slot, aggregate
-    needs an even TP of 4 or more, and the size rule (MIN_CHUNK_ROWS)."""
+    Order of the rules: the plan's method (the preset's, or Transformer Engine's default), the
+    Megatron switches (a user's choice: honoured as asked), then the runtime's rules (the request is
+    changed, and said so): delay_wgrad_compute takes the wgrad slots (the weight-gradient GEMM runs
+    later, so the reduce-scatter cannot hide under it; the reference refuses the pair), a chunked
+    dgrad reduce-scatter takes its wgrad bulk slot, aggregate needs an even TP of 4 or more, and the
+    size rule (MIN_CHUNK_ROWS)."""
     if not model.tp_comm_overlap:
         return {}, []
     tp = model.tensor_model_parallel_size
@@ -449,23 +508,45 @@ def effective_tp_plan(model: "ModelConfig") -> tuple[dict[str, SlotPlan | None],
         if entry is not None:
             plan = _slot_from_entry(slot, entry)
             requested, by, reason = str(plan), "plan", "from the overlap plan"
-        else:  # not in the plan (Bridge drops a preset's None entries): Transformer Engine then uses its default
+        # not in the plan (Bridge drops a preset's None entries): Transformer Engine then uses its
+        # default
+        else:
             method = _DEFAULT_METHOD[slot]
             plan = SlotPlan(method, DEFAULT_SPLITS if method == PIPELINE else 1)
-            requested, by, reason = None, "default", "Transformer Engine's default method for this slot"
+            requested, by, reason = (
+                None,
+                "default",
+                "Transformer Engine's default method for this slot",
+            )
         if linear in ("fc1", "fc2") and not dense_mlp:
-            plan, requested, by = None, None, "rule"  # these GEMMs do not exist here: nothing asked for is lost
+            plan, requested, by = (
+                None,
+                None,
+                "rule",
+            )  # these GEMMs do not exist here: nothing asked for is lost
             reason = "every layer is MoE: no dense MLP runs these GEMMs (experts go through EP)"
         # The user's switches: what they ask for is what they get (the request follows them).
-        if slot in ("qkv_dgrad", "fc1_dgrad") and model.tp_comm_overlap_rs_dgrad and plan is not None \
-                and plan.method == BULK:
+        if (
+            slot in ("qkv_dgrad", "fc1_dgrad")
+            and model.tp_comm_overlap_rs_dgrad
+            and plan is not None
+            and plan.method == BULK
+        ):
             plan, by = SlotPlan(PIPELINE, DEFAULT_SPLITS), "model.tp_comm_overlap_rs_dgrad=true"
             requested, reason = str(plan), "the dgrad reduce-scatter is chunked with the dgrad GEMM"
         for switch, slots in switches.items():
-            if slot in slots and not getattr(model, switch) and plan is not None and \
-                    (switch != "tp_comm_bulk_dgrad" or plan.method == BULK):
+            if (
+                slot in slots
+                and not getattr(model, switch)
+                and plan is not None
+                and (switch != "tp_comm_bulk_dgrad" or plan.method == BULK)
+            ):
                 plan, requested, by, reason = None, "off", f"model.{switch}=false", "switched off"
-        if linear in ("qkv", "fc1") and getattr(model, f"tp_comm_overlap_disable_{linear}") and plan is not None:
+        if (
+            linear in ("qkv", "fc1")
+            and getattr(model, f"tp_comm_overlap_disable_{linear}")
+            and plan is not None
+        ):
             plan, requested, by = None, "off", f"model.tp_comm_overlap_disable_{linear}=true"
             reason = "switched off"
         # The runtime's rules: a request changed here is said (and refused under strict).
@@ -473,40 +554,58 @@ def effective_tp_plan(model: "ModelConfig") -> tuple[dict[str, SlotPlan | None],
             dgrad = plans.get(f"{linear}_dgrad")
             if model.delay_wgrad_compute:
                 plan, by = None, "rule"
-                reason = ("delay_wgrad_compute runs the weight-gradient GEMM later, so the dgrad reduce-scatter has "
-                          "nothing to hide under (the reference refuses bulk wgrad overlap with it)")
+                reason = (
+                    "delay_wgrad_compute runs the weight-gradient GEMM later, so the dgrad "
+                    "reduce-scatter has nothing to hide under (the reference refuses bulk wgrad "
+                    "overlap with it)"
+                )
             elif dgrad is not None and dgrad.method != BULK:
                 plan, by = None, "rule"
-                reason = f"{linear}_dgrad already chunks the dgrad reduce-scatter ({dgrad}); nothing is left to hide"
+                reason = (
+                    f"{linear}_dgrad already chunks the dgrad reduce-scatter ({dgrad}); "
+                    "nothing is left to hide"
+                )
         if plan is not None and plan.aggregate and (tp < 4 or tp % 2):
             plan, by = SlotPlan(RING), "rule"
-            reason = f"aggregate pairs the ring's chunks, which needs an even TP of 4 or more (TP={tp})"
+            reason = (
+                f"aggregate pairs the ring's chunks, which needs an even TP of 4 or more (TP={tp})"
+            )
         if plan is not None and plan.method == PIPELINE:
             splits = _largest_split(rows, plan.num_splits)
             if splits != plan.num_splits:
                 by = "rule"
-                reason = (f"size rule: the split must divide the shard's {rows} sequence rows (seq_length "
-                          f"{model.seq_length} / TP {tp}) into chunks of >= {MIN_CHUNK_ROWS} rows")
+                reason = (
+                    f"size rule: the split must divide the shard's {rows} sequence rows "
+                    "(seq_length "
+                    f"{model.seq_length} / TP {tp}) into chunks of >= {MIN_CHUNK_ROWS} rows"
+                )
                 plan = SlotPlan(PIPELINE, splits) if splits >= 2 else None
         elif plan is not None and plan.method == RING and rows < MIN_CHUNK_ROWS:
             plan, by = None, "rule"
-            reason = (f"size rule: a ring step's chunk (one shard: {rows} sequence rows) has fewer than "
-                      f"{MIN_CHUNK_ROWS}")
+            reason = (
+                f"size rule: a ring step's chunk (one shard: {rows} sequence rows) has fewer than "
+                f"{MIN_CHUNK_ROWS}"
+            )
         plans[slot] = plan
-        decisions.append(SlotDecision(slot, requested, "off" if plan is None else str(plan), by, reason))
+        decisions.append(
+            SlotDecision(slot, requested, "off" if plan is None else str(plan), by, reason)
+        )
     return plans, decisions
 
 
-def linear_plan(model: "ModelConfig", name: str) -> LinearPlan | None:
+def linear_plan(model: ModelConfig, name: str) -> LinearPlan | None:
     """The slots of the TP linear `name` (qkv, proj, fc1, fc2); None when none of them overlaps."""
     plans, _ = effective_tp_plan(model)
-    plan = LinearPlan(plans.get(f"{name}_fprop"), plans.get(f"{name}_dgrad"), plans.get(f"{name}_wgrad"))
+    plan = LinearPlan(
+        plans.get(f"{name}_fprop"), plans.get(f"{name}_dgrad"), plans.get(f"{name}_wgrad")
+    )
     return None if plan == LinearPlan(None, None, None) else plan
 
 
 def kernel_knobs(cfg: Any) -> dict[str, dict[str, Any]]:
-    """Per slot, the plan's GPU-kernel knobs that are set to something other than off (num_sm, cga_size, ...):
-    Transformer Engine's userbuffers kernels read them; this runtime's async collectives have nothing to tune."""
+    """Per slot, the plan's GPU-kernel knobs that are set to something other than off (num_sm,
+    cga_size, ...): Transformer Engine's userbuffers kernels read them; this runtime's async
+    collectives have nothing to tune."""
     out: dict[str, dict[str, Any]] = {}
     for slot in SLOT_METHODS:
         entry = _entry(cfg, slot) or {}

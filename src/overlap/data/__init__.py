@@ -1,1 +1,2 @@
-"""Real pretraining data: tokenizers, Megatron's indexed dataset files, GPT sample construction and blending."""
+"""Real pretraining data: tokenizers, Megatron's indexed dataset files, GPT sample construction and
+blending."""

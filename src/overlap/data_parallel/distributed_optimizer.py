@@ -1,17 +1,20 @@
-"""The distributed optimizer (ZeRO-1, as Megatron's): fp32 master weights and Adam states sharded over data parallel.
+"""The distributed optimizer (ZeRO-1, as Megatron's): fp32 master weights and Adam states sharded
+over data parallel.
 
-Every rank owns the same contiguous share of every bucket (dense buckets over DP, expert buckets over expert-DP) and
-keeps master weights and Adam moments only for that share, cut into one slot per (parameter, bucket shard) piece so
-that weight decay still follows the parameter's shape and every element sees the reference's arithmetic. After the
-gradient reduce-scatter the reduced gradient of exactly that share is in the buffer; the updated shares are then
-all-gathered back into every replica (`ParamGather`): right after the step, or overlapped - the first bucket the next
-forward needs is updated first and its gather launched in the middle of the step, the others from the next forward.
-The clipping norm is summed from the shards (then over DP / expert-DP), so it equals the non-distributed norm.
+Every rank owns the same contiguous share of every bucket (dense buckets over DP, expert buckets
+over expert-DP) and keeps master weights and Adam moments only for that share, cut into one slot per
+(parameter, bucket shard) piece so that weight decay still follows the parameter's shape and every
+element sees the reference's arithmetic. After the gradient reduce-scatter the reduced gradient of
+exactly that share is in the buffer; the updated shares are then all-gathered back into every
+replica (`ParamGather`): right after the step, or overlapped - the first bucket the next forward
+needs is updated first and its gather launched in the middle of the step, the others from the next
+forward. The clipping norm is summed from the shards (then over DP / expert-DP), so it equals the
+non-distributed norm.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -20,10 +23,17 @@ from overlap.config.comm_overlap import OverlapPlan
 from overlap.config.training import DDPConfig, OptimizerConfig
 from overlap.data_parallel.ddp import DistributedDataParallel
 from overlap.data_parallel.param_gather import ParamGather
+from overlap.optim.adam import (
+    STATE_KEYS,
+    MixedPrecisionAdam,
+    ParamStates,
+    Slot,
+    SlotOptimizer,
+    global_grad_norm,
+    keeps_master,
+)
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
-from overlap.optim.adam import (STATE_KEYS, MixedPrecisionAdam, ParamStates, Slot, SlotOptimizer, global_grad_norm,
-                                keeps_master)
 
 
 def shard_slots(ddp: DistributedDataParallel) -> list[Slot]:
@@ -37,25 +47,46 @@ def shard_slots(ddp: DistributedDataParallel) -> list[Slot]:
                 a, b = max(start, lo), min(end, hi)
                 if a < b:
                     out = buf.param_data[a:b]
-                    slots.append(Slot(p, out.detach().float().clone(), buf.grad_data[a:b], out, p.dim() > 1,
-                                      span=(a - start, b - start)))
+                    slots.append(
+                        Slot(
+                            p,
+                            out.detach().float().clone(),
+                            buf.grad_data[a:b],
+                            out,
+                            p.dim() > 1,
+                            span=(a - start, b - start),
+                        )
+                    )
     return slots
 
 
 class DistributedOptimizer(SlotOptimizer):
-    """Adam on this rank's shards, then the parameter all-gather; the same interface as `LocalOptimizer`."""
+    """Adam on this rank's shards, then the parameter all-gather; the same interface as
+    `LocalOptimizer`."""
 
-    def __init__(self, chunks: Sequence[nn.Module], ddps: Sequence[DistributedDataParallel], cfg: OptimizerConfig,
-                 ddp_cfg: DDPConfig, plan: OverlapPlan, ps: ParallelState) -> None:
-        """`chunks` are this rank's model chunks in forward order (one without a virtual pipeline), `ddps` their
-        data-parallel wrappers: each chunk's buckets are sharded and gathered bucket by bucket, in forward order
-        across chunks, so the first forward's chunk is gathered first."""
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        ddps: Sequence[DistributedDataParallel],
+        cfg: OptimizerConfig,
+        ddp_cfg: DDPConfig,
+        plan: OverlapPlan,
+        ps: ParallelState,
+    ) -> None:
+        """`chunks` are this rank's model chunks in forward order (one without a virtual pipeline),
+        `ddps` their data-parallel wrappers: each chunk's buckets are sharded and gathered bucket by
+        bucket, in forward order across chunks, so the first forward's chunk is gathered first."""
         super().__init__(cfg)
         self.ps = ps
         self.buffers = [b for ddp in ddps for b in ddp.buffers]
         self.adam = MixedPrecisionAdam([s for ddp in ddps for s in shard_slots(ddp)], cfg)
-        self.gather = ParamGather(self.buffers, chunks, plan.overlap_param_gather,
-                                  ddp_cfg.fp8_param_gather, plan.align_param_gather)
+        self.gather = ParamGather(
+            self.buffers,
+            chunks,
+            plan.overlap_param_gather,
+            ddp_cfg.fp8_param_gather,
+            plan.align_param_gather,
+        )
 
     def _grad_norm(self) -> float:
         return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)
@@ -65,41 +96,58 @@ class DistributedOptimizer(SlotOptimizer):
         nothing: every replica still holds the parameters it had)."""
         early = self.gather.early_params()
         if early:
-            self.adam.step(lr, grad_norm, first=(lambda s: s.param in early, self.gather.start),
-                           unscale=unscale)
+            self.adam.step(
+                lr,
+                grad_norm,
+                first=(lambda s: s.param in early, self.gather.start),
+                unscale=unscale,
+            )
         else:
             self.adam.step(lr, grad_norm, unscale=unscale)
             self.gather.start()
 
     def finish_param_sync(self) -> None:
-        """Complete a gather deferred to the next forward (call before reading parameters outside training)."""
+        """Complete a gather deferred to the next forward (call before reading parameters outside
+        training)."""
         self.gather.finish()
 
     def param_states(self) -> ParamStates:
-        """Every parameter's optimizer state in parameter space (Megatron's "fully reshardable" form): each rank's
-        bucket shards of master / exp_avg / exp_avg_sq are all-gathered over the bucket's group, so every replica
-        holds the whole state of its own (TP/EP) parameter shards. Costs three fp32 copies of the parameters while a
-        checkpoint is written."""
+        """Every parameter's optimizer state in parameter space (Megatron's "fully reshardable"
+        form): each rank's bucket shards of master / exp_avg / exp_avg_sq are all-gathered over the
+        bucket's group, so every replica holds the whole state of its own (TP/EP) parameter shards.
+        Costs three fp32 copies of the parameters while a checkpoint is written."""
         owner = {p: buf for buf in self.buffers for p in buf.ranges}
-        flats = {id(buf): torch.zeros(len(STATE_KEYS), buf.param_data.numel(), dtype=torch.float32,
-                                      device=buf.param_data.device) for buf in self.buffers}
+        flats = {
+            id(buf): torch.zeros(
+                len(STATE_KEYS),
+                buf.param_data.numel(),
+                dtype=torch.float32,
+                device=buf.param_data.device,
+            )
+            for buf in self.buffers
+        }
         for slot in self.adam.slots:
             buf = owner[slot.param]
             base = buf.ranges[slot.param][0]
             lo, hi = slot.elements
             exported = self.adam.export_slot(slot)
             for row, key in enumerate(STATE_KEYS):
-                flats[id(buf)][row, base + lo:base + hi] = exported[key]
+                flats[id(buf)][row, base + lo : base + hi] = exported[key]
         for buf in self.buffers:
             flat = flats[id(buf)]
             for bucket in buf.buckets:
                 lo, hi = buf.local_shard(bucket)
-                gathered = comm.all_gather(flat[:, lo:hi].t().contiguous(), buf.group, f"{buf.prefix}_ckpt").wait()
-                flat[:, bucket.start:bucket.end] = gathered.t()
+                gathered = comm.all_gather(
+                    flat[:, lo:hi].t().contiguous(), buf.group, f"{buf.prefix}_ckpt"
+                ).wait()
+                flat[:, bucket.start : bucket.end] = gathered.t()
         out: ParamStates = {}
         for buf in self.buffers:
             for p, (start, end) in buf.ranges.items():
                 rows = flats[id(buf)][:, start:end]
-                out[p] = {k: rows[i].view(p.shape) for i, k in enumerate(STATE_KEYS)
-                          if k != "master" or keeps_master(p)}
+                out[p] = {
+                    k: rows[i].view(p.shape)
+                    for i, k in enumerate(STATE_KEYS)
+                    if k != "master" or keeps_master(p)
+                }
         return out

@@ -1,9 +1,13 @@
 """Hugging Face Qwen3 / Qwen3-MoE checkpoints in and out (see docs/hf.md).
 
-- (`overlap.config.hf_config`: config.json <-> ModelConfig, refusing every field this runtime cannot honour; it
-  sits with the configuration, whose resolution takes a pretrained checkpoint's architecture from it;)
-- `names`: our parameter names <-> HF names, and the tensor transforms (pure functions on full tensors);
-- `safetensors_io`: lazy, sliced reads of single-file or sharded safetensors; sharded writes with an index;
-- `load`: an HF folder straight into any layout's shards (`checkpoint.pretrained_checkpoint=<HF folder>`);
+- (`overlap.config.hf_config`: config.json <-> ModelConfig, refusing every field this runtime cannot
+  honour; it sits with the configuration, whose resolution takes a pretrained checkpoint's
+  architecture from it;)
+- `names`: our parameter names <-> HF names, and the tensor transforms (pure functions on full
+  tensors);
+- `safetensors_io`: lazy, sliced reads of single-file or sharded safetensors; sharded writes with an
+  index;
+- `load`: an HF folder straight into any layout's shards (`checkpoint.pretrained_checkpoint=<HF
+  folder>`);
 - `convert`: `overlap convert import | export | roundtrip`.
 """

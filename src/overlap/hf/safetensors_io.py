@@ -1,9 +1,10 @@
 """safetensors files of a Hugging Face folder: lazy, sliced reads; sharded writes with an index.
 
-A rank of a parallel run needs only its TP / EP slices, so reads go through `safe_open(...).get_slice`, which maps
-the file and copies just the requested rows / columns: a rank never materialises a tensor it holds a fraction of.
-Both layouts `save_pretrained` writes are read: one `model.safetensors`, or shards named by
-`model.safetensors.index.json` (`weight_map`: tensor name -> file).
+A rank of a parallel run needs only its TP / EP slices, so reads go through
+`safe_open(...).get_slice`, which maps the file and copies just the requested rows / columns: a rank
+never materialises a tensor it holds a fraction of. Both layouts `save_pretrained` writes are read:
+one `model.safetensors`, or shards named by `model.safetensors.index.json` (`weight_map`: tensor
+name -> file).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ INDEX = "model.safetensors.index.json"
 
 
 class SafetensorsReader:
-    """Every tensor of an HF folder by name, read lazily (one file handle per shard file, opened on first use)."""
+    """Every tensor of an HF folder by name, read lazily (one file handle per shard file, opened on
+    first use)."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
@@ -31,20 +33,31 @@ class SafetensorsReader:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError) as exc:
-                raise CheckpointError("checkpoint.pretrained_checkpoint", str(index), f"the shard index cannot be "
-                                      f"read ({type(exc).__name__}: {exc}).", "re-download the checkpoint.") from None
+                raise CheckpointError(
+                    "checkpoint.pretrained_checkpoint",
+                    str(index),
+                    f"the shard index cannot be read ({type(exc).__name__}: {exc}).",
+                    "re-download the checkpoint.",
+                ) from None
             self.files = {name: self.folder / file for name, file in weight_map.items()}
         elif single.exists():
             with safe_open(str(single), framework="pt") as f:
                 self.files = {name: single for name in f.keys()}
         else:
-            raise CheckpointError("checkpoint.pretrained_checkpoint", str(self.folder), f"no {SINGLE} and no "
-                                  f"{INDEX}: not a Hugging Face safetensors checkpoint.",
-                                  "point it at the folder save_pretrained wrote (config.json + safetensors).")
+            raise CheckpointError(
+                "checkpoint.pretrained_checkpoint",
+                str(self.folder),
+                f"no {SINGLE} and no {INDEX}: not a Hugging Face safetensors checkpoint.",
+                "point it at the folder save_pretrained wrote (config.json + safetensors).",
+            )
         missing = sorted({str(p) for p in self.files.values() if not p.exists()})
         if missing:
-            raise CheckpointError("checkpoint.pretrained_checkpoint", missing[0], "a shard file named by the index "
-                                  "is missing.", "copy the whole checkpoint folder.")
+            raise CheckpointError(
+                "checkpoint.pretrained_checkpoint",
+                missing[0],
+                "a shard file named by the index is missing.",
+                "copy the whole checkpoint folder.",
+            )
         self._handles: dict[Path, object] = {}
 
     def names(self) -> set[str]:
@@ -53,8 +66,12 @@ class SafetensorsReader:
     def _handle(self, name: str):
         path = self.files.get(name)
         if path is None:
-            raise CheckpointError("checkpoint.pretrained_checkpoint", str(self.folder), f"tensor {name!r} is not in "
-                                  "the checkpoint.", "load a checkpoint of this model configuration.")
+            raise CheckpointError(
+                "checkpoint.pretrained_checkpoint",
+                str(self.folder),
+                f"tensor {name!r} is not in the checkpoint.",
+                "load a checkpoint of this model configuration.",
+            )
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
         return self._handles[path]
@@ -62,17 +79,23 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The tensor `name`, or only [start, stop) along `dim` (read from the file without the rest)."""
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
+        """The tensor `name`, or only [start, stop) along `dim` (read from the file without the
+        rest)."""
         view = self._handle(name).get_slice(name)
         if dim is None:
             return view[:]
         return view[(slice(None),) * dim + (slice(start, stop),)]
 
 
-def write_sharded(folder: str | Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int = 2 << 30) -> list[str]:
-    """Write `tensors` (name -> contiguous CPU tensor) as `save_pretrained` does: `model.safetensors` if they fit in
-    one shard, else `model-0000i-of-0000n.safetensors` files and an index. Returns the files written."""
+def write_sharded(
+    folder: str | Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int = 2 << 30
+) -> list[str]:
+    """Write `tensors` (name -> contiguous CPU tensor) as `save_pretrained` does:
+    `model.safetensors` if they fit in one shard, else `model-0000i-of-0000n.safetensors` files and
+    an index. Returns the files written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -94,6 +117,10 @@ def write_sharded(folder: str | Path, tensors: dict[str, torch.Tensor], max_shar
         files.append(file)
         weight_map.update({name: file for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                           indent=2, sort_keys=True) + "\n")
+    (folder / INDEX).write_text(
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True
+        )
+        + "\n"
+    )
     return files + [INDEX]

@@ -1,23 +1,28 @@
 """Launch-time environment for worker processes: which variables, which values, and who decided.
 
-Why this lives in the launcher and not in the training config: CUDA reads ``CUDA_DEVICE_MAX_CONNECTIONS`` once, when a
-process creates its CUDA context. Setting it from Python inside a worker that already touched CUDA has no effect, which
-is why Megatron-Bridge removed the ``os.environ`` writes from ``CommOverlapConfig.setup()`` (PR #925). The variables
-here are therefore computed by the launcher and written into the worker environment *before* the workers start.
+Why this lives in the launcher and not in the training config: CUDA reads
+``CUDA_DEVICE_MAX_CONNECTIONS`` once, when a process creates its CUDA context. Setting it from
+Python inside a worker that already touched CUDA has no effect, which is why Megatron-Bridge removed
+the ``os.environ`` writes from ``CommOverlapConfig.setup()`` (PR #925). The variables here are
+therefore computed by the launcher and written into the worker environment *before* the workers
+start.
 
-The rules follow Bridge HEAD (``run_script.py::_apply_flat_cli_environment_compatibility``, the same logic as the perf
-``PerfEnvPlugin``), see ``reference/bridge-compat.md`` section 9:
+The rules follow Bridge HEAD (``run_script.py::_apply_flat_cli_environment_compatibility``, the same
+logic as the perf ``PerfEnvPlugin``), see ``reference/bridge-compat.md`` section 9:
 
-- ``CUDA_DEVICE_MAX_CONNECTIONS`` starts at 8; 32 with flex dispatch on the deepep/hybridep backends; then 32 on
-  SM100-class GPUs (b200, b300, gb200, gb300, vr200); otherwise 1 when TP>1 or CP>1 and MoE all-to-all overlap is off.
-- ``NVTE_FWD_LAYERNORM_SM_MARGIN`` / ``NVTE_BWD_LAYERNORM_SM_MARGIN``: 20 with deepep/hybridep flex dispatch, else 16.
+- ``CUDA_DEVICE_MAX_CONNECTIONS`` starts at 8; 32 with flex dispatch on the deepep/hybridep
+  backends; then 32 on SM100-class GPUs (b200, b300, gb200, gb300, vr200); otherwise 1 when TP>1 or
+  CP>1 and MoE all-to-all overlap is off.
+- ``NVTE_FWD_LAYERNORM_SM_MARGIN`` / ``NVTE_BWD_LAYERNORM_SM_MARGIN``: 20 with deepep/hybridep flex
+  dispatch, else 16.
 
-Precedence, lowest to highest: rule, recipe (the config's ``env_vars``), user environment. A variable already set in
-the environment the user launched from is never overridden: it is the only way to override a rule without editing a
-recipe, and silently replacing it would hide the user's own experiment.
+Precedence, lowest to highest: rule, recipe (the config's ``env_vars``), user environment. A
+variable already set in the environment the user launched from is never overridden: it is the only
+way to override a rule without editing a recipe, and silently replacing it would hide the user's own
+experiment.
 
-Everything here is a pure function of plain values (no torch, no config package), so the launcher can print the plan
-before anything starts.
+Everything here is a pure function of plain values (no torch, no config package), so the launcher
+can print the plan before anything starts.
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ NVTE_FWD_LAYERNORM_SM_MARGIN = "NVTE_FWD_LAYERNORM_SM_MARGIN"
 NVTE_BWD_LAYERNORM_SM_MARGIN = "NVTE_BWD_LAYERNORM_SM_MARGIN"
 
 #: The variables the rules decide, in output order.
-RULE_VARIABLES = (CUDA_DEVICE_MAX_CONNECTIONS, NVTE_FWD_LAYERNORM_SM_MARGIN, NVTE_BWD_LAYERNORM_SM_MARGIN)
+RULE_VARIABLES = (
+    CUDA_DEVICE_MAX_CONNECTIONS,
+    NVTE_FWD_LAYERNORM_SM_MARGIN,
+    NVTE_BWD_LAYERNORM_SM_MARGIN,
+)
 
 #: Values of ``-g/--gpu``. "cpu" runs all ranks on the local machine over gloo.
 VALID_ACCELERATORS = ("cpu", "h100", "b200", "b300", "gb200", "gb300", "vr200", "r100")
@@ -43,8 +52,8 @@ SM100_CLASS_ACCELERATORS = frozenset({"b200", "b300", "gb200", "gb300", "vr200"}
 #: Flex-dispatcher backends whose communication kernels want more hardware queues and more free SMs.
 FAST_FLEX_BACKENDS = frozenset({"deepep", "hybridep"})
 
-# GPUs per node of the standard systems (Bridge ``-gn`` inference): DGX H100/B200/B300 have 8, GB200/GB300/VR200
-# NVL trays 4, R100 is counted per GPU.
+# GPUs per node of the standard systems (Bridge ``-gn`` inference): DGX H100/B200/B300 have 8,
+# GB200/GB300/VR200 NVL trays 4, R100 is counted per GPU.
 _GPUS_PER_NODE = {"h100": 8, "b200": 8, "b300": 8, "gb200": 4, "gb300": 4, "vr200": 4, "r100": 1}
 
 _USER_ENV_REASON = "set in the launching environment; never overridden"
@@ -65,7 +74,8 @@ class EnvSetting:
 
 @dataclass(frozen=True)
 class LaunchEnvInputs:
-    """What the rules look at, as plain values so this module does not depend on the config package."""
+    """What the rules look at, as plain values so this module does not depend on the config
+    package."""
 
     accelerator: str
     tensor_model_parallel_size: int
@@ -83,31 +93,39 @@ def _check_accelerator(accelerator: str) -> str:
         raise ConfigError(
             field="--gpu",
             value=accelerator,
-            why="unknown accelerator; the launch rules and node layout are defined per accelerator.",
+            why=(
+                "unknown accelerator; the launch rules and node layout are defined per accelerator."
+            ),
             fix=f"pass -g/--gpu with one of: {', '.join(VALID_ACCELERATORS)}.",
         )
     return name
 
 
 def _fast_flex_backend(inp: LaunchEnvInputs) -> str | None:
-    """The deepep/hybridep backend name when tokens go through the flex dispatcher with it, else None."""
+    """The deepep/hybridep backend name when tokens go through the flex dispatcher with it, else
+    None."""
     backend = (inp.moe_flex_dispatcher_backend or "").lower()
     if inp.moe_token_dispatcher_type == "flex" and backend in FAST_FLEX_BACKENDS:
         return backend
     return None
 
 
-def _connections_rule(inp: LaunchEnvInputs, accelerator: str, flex_backend: str | None) -> EnvSetting:
+def _connections_rule(
+    inp: LaunchEnvInputs, accelerator: str, flex_backend: str | None
+) -> EnvSetting:
     """CUDA_DEVICE_MAX_CONNECTIONS: the number of hardware work queues CUDA uses per device."""
     if flex_backend is not None:
         value = "32"
         reason = (
-            f"flex dispatcher with the {flex_backend} backend: 32 connections so its dispatch/combine kernels are "
-            "not serialized behind compute streams"
+            f"flex dispatcher with the {flex_backend} backend: 32 connections so its "
+            "dispatch/combine kernels are not serialized behind compute streams"
         )
     else:
         value = "8"
-        reason = "default: 8 connections (the CUDA default) let compute and communication streams run concurrently"
+        reason = (
+            "default: 8 connections (the CUDA default) let compute and communication streams run "
+            "concurrently"
+        )
 
     sizes = (("TP", inp.tensor_model_parallel_size), ("CP", inp.context_parallel_size))
     labels = [label for label, size in sizes if size > 1]
@@ -121,35 +139,41 @@ def _connections_rule(inp: LaunchEnvInputs, accelerator: str, flex_backend: str 
     elif tp_or_cp and not inp.overlap_moe_expert_parallel_comm:
         value = "1"
         reason = (
-            f"{' and '.join(tp_or_cp)} without EP overlap on {accelerator} (pre-SM100 rule): 1 connection keeps "
+            f"{' and '.join(tp_or_cp)} without EP overlap on {accelerator} (pre-SM100 rule): 1 "
+            "connection keeps "
             f"kernel queue order = launch order so the {'/'.join(labels)} comm "
             "kernel is scheduled before the overlapping GEMM"
         )
     elif tp_or_cp:
         reason += (
-            f"; kept with {' and '.join(tp_or_cp)} because MoE all-to-all overlap is on and needs its communication "
-            "and compute streams to run concurrently, which a single connection would serialize"
+            f"; kept with {' and '.join(tp_or_cp)} because MoE all-to-all overlap is on and needs "
+            "its communication and compute streams to run concurrently, which a single connection "
+            "would serialize"
         )
     return EnvSetting(CUDA_DEVICE_MAX_CONNECTIONS, value, "rule", reason)
 
 
 def _layernorm_margin_rules(flex_backend: str | None) -> list[EnvSetting]:
-    """Transformer Engine LayerNorm SM margins: SMs the LayerNorm kernels leave free for overlapping communication."""
+    """Transformer Engine LayerNorm SM margins: SMs the LayerNorm kernels leave free for overlapping
+    communication."""
     if flex_backend is not None:
         value = "20"
         reason = (
-            f"leave 20 SMs free while LayerNorm runs: DP communication overlap plus {flex_backend} dispatch kernels "
-            "need SMs of their own"
+            f"leave 20 SMs free while LayerNorm runs: DP communication overlap plus {flex_backend} "
+            "dispatch kernels need SMs of their own"
         )
     else:
         value = "16"
         reason = "leave 16 SMs free while LayerNorm runs, for DP communication overlap"
-    return [EnvSetting(name, value, "rule", reason)
-            for name in (NVTE_FWD_LAYERNORM_SM_MARGIN, NVTE_BWD_LAYERNORM_SM_MARGIN)]
+    return [
+        EnvSetting(name, value, "rule", reason)
+        for name in (NVTE_FWD_LAYERNORM_SM_MARGIN, NVTE_BWD_LAYERNORM_SM_MARGIN)
+    ]
 
 
 def _recipe_value(name: str, value: object) -> str:
-    # Hydra overrides such as env_vars.CUDA_DEVICE_MAX_CONNECTIONS=32 can arrive as int; the environment holds text.
+    # Hydra overrides such as env_vars.CUDA_DEVICE_MAX_CONNECTIONS=32 can arrive as int; the
+    # environment holds text.
     if isinstance(value, str):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
@@ -167,14 +191,16 @@ def compute_launch_env(
     recipe_env: Mapping[str, str] | None = None,
     user_env: Mapping[str, str] | None = None,
 ) -> list[EnvSetting]:
-    """Decide the worker environment: rule values, replaced by the recipe's ``env_vars``, then by the user's env.
+    """Decide the worker environment: rule values, replaced by the recipe's ``env_vars``, then by
+    the user's env.
 
-    ``user_env`` is the environment the launcher was started from (normally ``os.environ``); any variable named by a
-    rule or the recipe that is already set there keeps the user's value. Output order is stable: the three rule
-    variables first, then the recipe's other variables sorted by name.
+    ``user_env`` is the environment the launcher was started from (normally ``os.environ``); any
+    variable named by a rule or the recipe that is already set there keeps the user's value. Output
+    order is stable: the three rule variables first, then the recipe's other variables sorted by
+    name.
 
-    On "cpu" the three rule variables are CUDA / Transformer Engine settings with no effect, so they are reported with
-    value None (left unset) rather than silently omitted.
+    On "cpu" the three rule variables are CUDA / Transformer Engine settings with no effect, so they
+    are reported with value None (left unset) rather than silently omitted.
     """
     accelerator = _check_accelerator(inp.accelerator)
 
@@ -182,7 +208,9 @@ def compute_launch_env(
     if accelerator == "cpu":
         for name in RULE_VARIABLES:
             settings[name] = EnvSetting(
-                name, None, "rule",
+                name,
+                None,
+                "rule",
                 "CUDA/Transformer Engine setting, not applicable on CPU (gloo); left unset",
             )
     else:
@@ -204,7 +232,9 @@ def compute_launch_env(
     if user_env:
         for name in list(settings):
             if name in user_env:
-                settings[name] = EnvSetting(name, user_env[name], "user environment", _USER_ENV_REASON)
+                settings[name] = EnvSetting(
+                    name, user_env[name], "user environment", _USER_ENV_REASON
+                )
 
     extra = sorted(name for name in settings if name not in RULE_VARIABLES)
     return [settings[name] for name in (*RULE_VARIABLES, *extra)]
@@ -213,8 +243,9 @@ def compute_launch_env(
 def apply_launch_env(settings: Iterable[EnvSetting], env: MutableMapping[str, str]) -> None:
     """Write the decided values into a worker environment ``env`` before the workers are started.
 
-    Settings with value None are skipped, and a name already present in ``env`` is never overwritten: the worker
-    environment is normally a copy of the launcher's own, where the user's values must win.
+    Settings with value None are skipped, and a name already present in ``env`` is never
+    overwritten: the worker environment is normally a copy of the launcher's own, where the user's
+    values must win.
     """
     for setting in settings:
         if setting.value is None or setting.name in env:
@@ -225,7 +256,9 @@ def apply_launch_env(settings: Iterable[EnvSetting], env: MutableMapping[str, st
 def format_launch_env(settings: Iterable[EnvSetting]) -> str:
     """An aligned text table (variable, value, source, reason) for the start-up log."""
     rows = [("variable", "value", "source", "reason")]
-    rows += [(s.name, "(unset)" if s.value is None else s.value, s.source, s.reason) for s in settings]
+    rows += [
+        (s.name, "(unset)" if s.value is None else s.value, s.source, s.reason) for s in settings
+    ]
     widths = [max(len(row[col]) for row in rows) for col in range(3)]
     lines = []
     for row in rows:
@@ -237,8 +270,9 @@ def format_launch_env(settings: Iterable[EnvSetting]) -> str:
 def default_gpus_per_node(accelerator: str, num_gpus: int) -> int:
     """Ranks per node when ``-gn/--gpus_per_node`` is not given.
 
-    GPU systems use the node size of the standard machine (h100/b200/b300: 8; gb200/gb300/vr200: 4; r100: 1), as Bridge
-    infers it. On "cpu" every rank runs on the local machine, so the answer is ``num_gpus`` itself.
+    GPU systems use the node size of the standard machine (h100/b200/b300: 8; gb200/gb300/vr200: 4;
+    r100: 1), as Bridge infers it. On "cpu" every rank runs on the local machine, so the answer is
+    ``num_gpus`` itself.
     """
     name = _check_accelerator(accelerator)
     if name == "cpu":

@@ -77,8 +77,8 @@ def _route_source(host: str, port: int) -> str:
             "MASTER_ADDR",
             host,
             f"the rendezvous host does not resolve here ({exc.strerror}).",
-            "give torchrun an --rdzv-endpoint (or --master-addr) that every node can resolve, "
-            "e.g. the first node's address.",
+            "give torchrun an --rdzv-endpoint (or --master-addr) that every node can resolve, e.g. "
+            "the first node's address.",
         ) from None
     errors = []
     for family, _, _, _, sockaddr in infos:

@@ -1,29 +1,35 @@
-"""Start N local ranks (one process each) and watch them: every fault ends the job with one line that names its cause.
+"""Start N local ranks (one process each) and watch them: every fault ends the job with one line
+that names its cause.
 
-Each rank is the same `overlap run ...` command line with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, exactly
-what torchrun would give it, so local and cluster runs share one code path.
+Each rank is the same `overlap run ...` command line with RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT set, exactly what torchrun would give it, so local and cluster runs share one code path.
 
-Output: each rank's stdout and stderr go to its own log file, `<log dir>/overlap-rank<r>.log` (a fresh
-`overlap-run-*` folder in the temporary directory), and the launcher forwards them to its stderr as they come, so a
-healthy run looks as it always did. Once a rank has failed, nothing more is forwarded: the other ranks' collateral
-errors (a peer's connection closed, a collective timed out) stay in their logs, and the launcher prints one line -
-the cause first, then a summary of the collateral failures and where the logs are. A Python traceback is held back
-until its rank's fate is known (forwarded if the rank carries on or ends well; else left in the log). The log folder
-is removed after a clean run and kept (and named) after a failure.
+Output: each rank's stdout and stderr go to its own log file, `<log dir>/overlap-rank<r>.log` (a
+fresh `overlap-run-*` folder in the temporary directory), and the launcher forwards them to its
+stderr as they come, so a healthy run looks as it always did. Once a rank has failed, nothing more
+is forwarded: the other ranks' collateral errors (a peer's connection closed, a collective timed
+out) stay in their logs, and the launcher prints one line - the cause first, then a summary of the
+collateral failures and where the logs are. A Python traceback is held back until its rank's fate is
+known (forwarded if the rank carries on or ends well; else left in the log). The log folder is
+removed after a clean run and kept (and named) after a failure.
 
 Which rank caused a failure, in this order:
-0. a rank whose own error says the disk is full (a rank writing to that disk from C++ may die of SIGABRT first);
-1. a rank killed by a signal the launcher did not send ("rank 1 of 4 killed by SIGKILL"), if it died within
-   `SIGNAL_TIE_S` of the first failure (the others only fail because it is gone);
-2. a rank that stopped making progress: still running (or stopped, e.g. by SIGSTOP) after the others failed, when
-   their errors are only collateral (timeouts, closed connections) - the launcher kills it and names it;
+0. a rank whose own error says the disk is full (a rank writing to that disk from C++ may die of
+   SIGABRT first);
+1. a rank killed by a signal the launcher did not send ("rank 1 of 4 killed by SIGKILL"), if it died
+   within `SIGNAL_TIE_S` of the first failure (the others only fail because it is gone);
+2. a rank that stopped making progress: still running (or stopped, e.g. by SIGSTOP) after the others
+   failed, when their errors are only collateral (timeouts, closed connections) - the launcher kills
+   it and names it;
 3. otherwise the first rank to fail.
-Exit times come from one waiter thread per rank, so "first" is when the rank died, not when the launcher looked.
+Exit times come from one waiter thread per rank, so "first" is when the rank died, not when the
+launcher looked.
 
-The ranks die with the launcher: on Linux each rank is started with the parent-death signal set (prctl
-PR_SET_PDEATHSIG = SIGKILL), so a launcher killed with SIGKILL takes its ranks with it instead of leaving them
-training as orphans. SIGTERM (and SIGHUP) to the launcher unwind like Ctrl-C (`Interrupted`, carrying the signal:
-`overlap` exits 128 + signal number, 143 for SIGTERM, 130 for Ctrl-C, with one line).
+The ranks die with the launcher: on Linux each rank is started with the parent-death signal set
+(prctl PR_SET_PDEATHSIG = SIGKILL), so a launcher killed with SIGKILL takes its ranks with it
+instead of leaving them training as orphans. SIGTERM (and SIGHUP) to the launcher unwind like Ctrl-C
+(`Interrupted`, carrying the signal: `overlap` exits 128 + signal number, 143 for SIGTERM, 130 for
+Ctrl-C, with one line).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ from pathlib import Path
 
 from overlap.errors import RankFailure
 
-GRACE_S = 10.0  # after a failure, how long the other ranks get to notice and exit before they are killed
+GRACE_S = (
+    10.0  # after a failure, how long the other ranks get to notice and exit before they are killed
+)
 STOPPED_GRACE_S = 1.0  # once only stopped/hung ranks are left, how long before they are killed
 SIGNAL_TIE_S = 1.0
 DISK_FULL = re.compile(r"no space left on device", re.I)
@@ -53,26 +61,38 @@ HOLD_S = 3.0  # a traceback the rank survives this long was only logged: forward
 STOP_S = 3.0  # after Ctrl-C / SIGTERM, how long the ranks get to exit before SIGKILL
 POLL_S = 0.05
 LOG_NAME = "overlap-rank{rank}.log"
-STDERR_TTY_ENV = "OVERLAP_STDERR_TTY"  # the launcher's stderr, where rank output is forwarded, is a terminal
-LAUNCHER_PID_ENV = "OVERLAP_LAUNCHER_PID"  # a rank whose parent is no longer this pid exits (cli._join_launcher)
+STDERR_TTY_ENV = (
+    "OVERLAP_STDERR_TTY"  # the launcher's stderr, where rank output is forwarded, is a terminal
+)
+LAUNCHER_PID_ENV = (
+    "OVERLAP_LAUNCHER_PID"  # a rank whose parent is no longer this pid exits (cli._join_launcher)
+)
 
 # Errors a rank raises because a peer is gone or silent, not because of its own fault.
-COLLATERAL = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|[Tt]imed out|[Tt]imeout|"
-                        r"ECONNRESET|EPIPE|ECONNREFUSED|Connection refused|peer .*(closed|died|gone)|"
-                        r"NCCL communicator was aborted|interrupted|KeyboardInterrupt", re.I)
+COLLATERAL = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|[Tt]imed out|[Tt]imeout|"
+    r"ECONNRESET|EPIPE|ECONNREFUSED|Connection refused|peer .*(closed|died|gone)|"
+    r"NCCL communicator was aborted|interrupted|KeyboardInterrupt",
+    re.I,
+)
 
 
-_RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")  # torch prefixes an uncaught exception's lines with "[rank0]: "
+# torch prefixes an uncaught exception's lines with "[rank0]: "
+_RANK_PREFIX = re.compile(rb"^\[rank\d+\]:\s?")
 _RANK_PREFIX_TEXT = re.compile(r"^\[rank\d+\]:\s?")
-# Where a rank's output may turn into a failure report: held back until the rank's fate is known (a rank's own
-# one-line error too: the launcher's account of the failure carries it, once).
-_HOLD_FROM = re.compile(rb"Traceback \(most recent call last\)|\[overlap rank \d+\] (ERROR|WARNING teardown)|"
-                        rb"overlap: error: ")
-_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")  # gloo's "[/.../pair.cc:537] "
+# Where a rank's output may turn into a failure report: held back until the rank's fate is known (a
+# rank's own one-line error too: the launcher's account of the failure carries it, once).
+_HOLD_FROM = re.compile(
+    rb"Traceback \(most recent call last\)|\[overlap rank \d+\] (ERROR|WARNING teardown)|"
+    rb"overlap: error: "
+)
+# gloo's "[/.../pair.cc:537] "
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
 class Interrupted(KeyboardInterrupt):
-    """The launcher was told to stop (Ctrl-C, SIGTERM, SIGHUP); `signum` says by what. The ranks were stopped."""
+    """The launcher was told to stop (Ctrl-C, SIGTERM, SIGHUP); `signum` says by what. The ranks
+    were stopped."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -86,12 +106,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def rank_env(base: Mapping[str, str], rank: int, world: int, addr: str, port: int) -> dict[str, str]:
+def rank_env(
+    base: Mapping[str, str], rank: int, world: int, addr: str, port: int
+) -> dict[str, str]:
     env = dict(base)
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR=addr, MASTER_PORT=str(port))
-    env.setdefault("OMP_NUM_THREADS", "1")  # one compute thread per rank: ranks share the machine's cores
-    env.setdefault("PYTHONUNBUFFERED", "1")  # the rank's output reaches its log (and the terminal) as it happens
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+    # one compute thread per rank: ranks share the machine's cores
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # the rank's output reaches its log (and the terminal) as it happens
+    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
@@ -102,7 +132,8 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-# --- ranks die with their launcher ------------------------------------------------------------------------------------
+# --- ranks die with their launcher
+# ------------------------------------------------------------------------------------
 _PR_SET_PDEATHSIG = 1
 try:
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
@@ -111,15 +142,19 @@ except (OSError, AttributeError):  # pragma: no cover - no libc prctl
 
 
 def _die_with_parent(parent: int):
-    """A preexec_fn: the child gets SIGKILL when the launcher dies (looked up before fork: nothing to import)."""
+    """A preexec_fn: the child gets SIGKILL when the launcher dies (looked up before fork: nothing
+    to import)."""
+
     def preexec() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:  # the launcher died between fork and prctl
             os._exit(1)
+
     return preexec if _PRCTL is not None else None
 
 
-# --- one rank ---------------------------------------------------------------------------------------------------------
+# --- one rank
+# --------------------------------------------------------------------------------------------------
 @dataclass
 class _Rank:
     rank: int
@@ -129,14 +164,18 @@ class _Rank:
     killed_by_us: bool = False
     hung: str | None = None  # why it is blamed for stopping, when it is
     _log: object = None
-    _pending: bytes = b""  # bytes read but not yet forwarded (an unfinished line, or a held traceback)
-    _held: list[bytes] = field(default_factory=list)  # a traceback being held back until the rank's fate is known
+    _pending: bytes = (
+        b""  # bytes read but not yet forwarded (an unfinished line, or a held traceback)
+    )
+    # a traceback being held back until the rank's fate is known
+    _held: list[bytes] = field(default_factory=list)
     _held_since: float = 0.0
 
     def start_waiter(self) -> None:
         def wait() -> None:
             self.proc.wait()
             self.exited_at = time.monotonic()
+
         threading.Thread(target=wait, name=f"overlap-rank{self.rank}-waiter", daemon=True).start()
 
     @property
@@ -157,8 +196,9 @@ class _Rank:
         return self._log.read()
 
     def forward(self, out, live: bool) -> None:
-        """Forward what the rank wrote since last time (`live`), holding back everything from a traceback on until
-        the rank's fate is known (`release_held`), or until it has carried on for HOLD_S."""
+        """Forward what the rank wrote since last time (`live`), holding back everything from a
+        traceback on until the rank's fate is known (`release_held`), or until it has carried on for
+        HOLD_S."""
         data = self._pending + self.read_new()
         lines = data.split(b"\n")
         self._pending = lines.pop()
@@ -171,11 +211,21 @@ class _Rank:
                 self._held.append(line)
             elif live:
                 out.write(line)
-        if live and self._held and time.monotonic() - self._held_since > HOLD_S and self.code is None:
+        if (
+            live
+            and self._held
+            and time.monotonic() - self._held_since > HOLD_S
+            and self.code is None
+        ):
             self.release_held(out)  # a logged traceback the rank survived
         head = _RANK_PREFIX.sub(b"", self._pending)[:9]
-        if live and self._pending and not self._held and not b"Traceback".startswith(head) and \
-                not b"[rank".startswith(self._pending[:5]):
+        if (
+            live
+            and self._pending
+            and not self._held
+            and not b"Traceback".startswith(head)
+            and not b"[rank".startswith(self._pending[:5])
+        ):
             out.write(self._pending)  # an unfinished line (a progress bar) goes out now
             self._pending = b""
 
@@ -189,7 +239,8 @@ class _Rank:
             self._log.close()
 
     def last_error(self) -> str:
-        """The last line that reads like an error in this rank's log (the exception of its traceback)."""
+        """The last line that reads like an error in this rank's log (the exception of its
+        traceback)."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
@@ -197,22 +248,35 @@ class _Rank:
         lines = [_RANK_PREFIX_TEXT.sub("", ln).strip() for ln in text.splitlines()]
         lines = [ln for ln in lines if ln]
         for line in reversed(lines):
-            if re.match(r"^(overlap: error:|[A-Za-z_.]*(Error|Exception|Interrupt)\b|torch\.\S+Error|"
-                        r"terminate called|RuntimeError)", line):
+            if re.match(
+                r"^(overlap: error:|[A-Za-z_.]*(Error|Exception|Interrupt)\b|torch\.\S+Error|"
+                r"terminate called|RuntimeError)",
+                line,
+            ):
                 return _SOURCE_LOCATION.sub("", line.removeprefix("overlap: error: "))
         return ""
 
 
-# --- the launcher -----------------------------------------------------------------------------------------------------
-def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], addr: str = "127.0.0.1",
-                 prefix: Sequence[str] = (), log_dir: str | os.PathLike | None = None,
-                 term_grace_s: float | None = None) -> None:
-    """Run `prefix + command` once per rank and wait; raise RankFailure with the one-line account of a failure.
+# --- the launcher
+# --------------------------------------------------------------------------------------------------
+def launch_local(
+    command: Sequence[str],
+    world: int,
+    env: Mapping[str, str],
+    addr: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+    log_dir: str | os.PathLike | None = None,
+    term_grace_s: float | None = None,
+) -> None:
+    """Run `prefix + command` once per rank and wait; raise RankFailure with the one-line account of
+    a failure.
 
-    `term_grace_s` (the ranks handle SIGTERM: `train.exit_signal_handler`): a SIGTERM to the launcher is forwarded
-    and the ranks get that long to save a checkpoint and exit; if every rank then exits 0 the launch ends normally
-    (a preemption handled, not a failure) instead of raising `Interrupted`."""
-    port = free_port()  # free here; a fresh network namespace (prefix) has an empty port space anyway
+    `term_grace_s` (the ranks handle SIGTERM: `train.exit_signal_handler`): a SIGTERM to the
+    launcher is forwarded and the ranks get that long to save a checkpoint and exit; if every rank
+    then exits 0 the launch ends normally (a preemption handled, not a failure) instead of raising
+    `Interrupted`."""
+    # free here; a fresh network namespace (prefix) has an empty port space anyway
+    port = free_port()
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="overlap-run-"))
     logs.mkdir(parents=True, exist_ok=True)
     out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
@@ -222,23 +286,31 @@ def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], add
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
     if sys.stderr.isatty():
-        env[STDERR_TTY_ENV] = "1"  # rank 0 may draw its progress bar: its output reaches this terminal
+        env[STDERR_TTY_ENV] = (
+            "1"  # rank 0 may draw its progress bar: its output reaches this terminal
+        )
     try:
         preexec = _die_with_parent(os.getpid())
         for r in range(world):
             path = logs / LOG_NAME.format(rank=r)
             with open(path, "wb") as sink:
-                proc = subprocess.Popen([*prefix, *command], env=rank_env(env, r, world, addr, port), stdout=sink,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=preexec)
+                proc = subprocess.Popen(
+                    [*prefix, *command],
+                    env=rank_env(env, r, world, addr, port),
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=preexec,
+                )
             ranks.append(_Rank(r, proc, path))
         for rk in ranks:
             rk.start_waiter()
         failure = _watch(ranks, world, out)
     except KeyboardInterrupt as exc:
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        # SIGTERM: a rank without a handler ends at once, wherever it is (a Ctrl-C in a terminal has already
-        # reached every rank as SIGINT; whatever they print while unwinding stays in their logs). With the exit
-        # handler, the ranks stop at the next step boundary, save, and exit 0.
+        # SIGTERM: a rank without a handler ends at once, wherever it is (a Ctrl-C in a terminal has
+        # already reached every rank as SIGINT; whatever they print while unwinding stays in their
+        # logs). With the exit handler, the ranks stop at the next step boundary, save, and exit 0.
         handled = term_grace_s is not None and interrupted.signum == signal.SIGTERM
         _stop(ranks, signal.SIGTERM, term_grace_s if handled else STOP_S)
         interrupted.ranks_stopped = True
@@ -263,14 +335,16 @@ def launch_local(command: Sequence[str], world: int, env: Mapping[str, str], add
     if failure is not None:
         raise RankFailure(f"{failure}. Rank logs: {logs / LOG_NAME.format(rank='<r>')}")
     if log_dir is None:
-        shutil.rmtree(logs, ignore_errors=True)  # a clean run or an interruption: nothing to look at
+        # a clean run or an interruption: nothing to look at
+        shutil.rmtree(logs, ignore_errors=True)
     if interrupted is not None:
         raise interrupted
 
 
 def _watch(ranks: list[_Rank], world: int, out) -> str | None:
-    """Forward output until every rank has exited; on a failure stop forwarding, give the others GRACE_S to notice,
-    kill what is left, and return the one-line account (None: all ranks ended well)."""
+    """Forward output until every rank has exited; on a failure stop forwarding, give the others
+    GRACE_S to notice, kill what is left, and return the one-line account (None: all ranks ended
+    well)."""
     first_fail: float | None = None
     deadline: float | None = None
     while True:
@@ -289,16 +363,21 @@ def _watch(ranks: list[_Rank], world: int, out) -> str | None:
         if not alive:
             break
         if first_fail is not None:
-            # Only stopped (or unresponsive) ranks left while the others have failed: they are the ones that stopped
-            # making progress; no need to sit out the whole grace period.
-            if all(rk.state() == "T" for rk in alive) and now - max(rk.exited_at for rk in ranks
-                                                                   if rk.exited_at) > STOPPED_GRACE_S:
+            # Only stopped (or unresponsive) ranks left while the others have failed: they are the
+            # ones that stopped making progress; no need to sit out the whole grace period.
+            if (
+                all(rk.state() == "T" for rk in alive)
+                and now - max(rk.exited_at for rk in ranks if rk.exited_at) > STOPPED_GRACE_S
+            ):
                 deadline = now
             if now >= deadline:
                 for rk in alive:
                     state = rk.state()
-                    rk.hung = ("its process was stopped, e.g. by SIGSTOP" if state == "T" else
-                               f"still running {GRACE_S:.0f} s after the others failed")
+                    rk.hung = (
+                        "its process was stopped, e.g. by SIGSTOP"
+                        if state == "T"
+                        else f"still running {GRACE_S:.0f} s after the others failed"
+                    )
                     rk.killed_by_us = True
                     rk.proc.kill()
                 _join(ranks, 5.0)
@@ -311,15 +390,23 @@ def _watch(ranks: list[_Rank], world: int, out) -> str | None:
 
 def describe_failure(ranks: list[_Rank], world: int) -> str:
     """The one line: the cause first, then the collateral failures summarised."""
-    failed = sorted((rk for rk in ranks if rk.code not in (None, 0) and not rk.killed_by_us),
-                    key=lambda rk: rk.exited_at)
+    failed = sorted(
+        (rk for rk in ranks if rk.code not in (None, 0) and not rk.killed_by_us),
+        key=lambda rk: rk.exited_at,
+    )
     hung = [rk for rk in ranks if rk.hung]
     first = failed[0] if failed else None
-    signalled = [rk for rk in failed if rk.code < 0 and first is not None
-                 and rk.exited_at - first.exited_at <= SIGNAL_TIE_S]
-    own_errors = [rk for rk in failed if rk.code > 0 and not COLLATERAL.search(rk.last_error() or "")]
-    # A full disk is every writer's cause: a rank whose C++ stream writer hits it aborts (SIGABRT) in a destructor,
-    # while another rank says it in Python - that line, not the abort, is the cause.
+    signalled = [
+        rk
+        for rk in failed
+        if rk.code < 0 and first is not None and rk.exited_at - first.exited_at <= SIGNAL_TIE_S
+    ]
+    own_errors = [
+        rk for rk in failed if rk.code > 0 and not COLLATERAL.search(rk.last_error() or "")
+    ]
+    # A full disk is every writer's cause: a rank whose C++ stream writer hits it aborts (SIGABRT)
+    # in a destructor, while another rank says it in Python - that line, not the abort, is the
+    # cause.
     disk_full = [rk for rk in own_errors if DISK_FULL.search(rk.last_error() or "")]
     if disk_full:
         cause = disk_full[:1]
@@ -337,11 +424,20 @@ def describe_failure(ranks: list[_Rank], world: int) -> str:
     said = {rk.last_error() for rk in cause}
     for rk in others:
         err = rk.last_error()
-        what = ("" if rk.killed_by_us else "the same error" if err and err in said else
-                _shorten(err or _code_text(rk.code)))
+        what = (
+            ""
+            if rk.killed_by_us
+            else "the same error"
+            if err and err in said
+            else _shorten(err or _code_text(rk.code))
+        )
         kinds.setdefault(what, []).append(rk.rank)
-    summary = "; ".join(f"{_ranks(rs)} then failed: {what}" if what else
-                        f"{_ranks(rs)} still running, stopped by the launcher" for what, rs in kinds.items())
+    summary = "; ".join(
+        f"{_ranks(rs)} then failed: {what}"
+        if what
+        else f"{_ranks(rs)} still running, stopped by the launcher"
+        for what, rs in kinds.items()
+    )
     return f"{head} ({summary})"
 
 
@@ -368,7 +464,7 @@ def _ranks(rs: list[int]) -> str:
 
 def _shorten(text: str, limit: int = 160) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _join(ranks: list[_Rank], timeout: float) -> None:
@@ -381,8 +477,8 @@ def _join(ranks: list[_Rank], timeout: float) -> None:
 
 
 def _stop(ranks: list[_Rank], sig: int | None, wait_s: float) -> None:
-    """Send `sig` to the live ranks and give them `wait_s` to exit, then SIGKILL (sig None: SIGKILL at once). A
-    second Ctrl-C or SIGTERM while waiting kills at once."""
+    """Send `sig` to the live ranks and give them `wait_s` to exit, then SIGKILL (sig None: SIGKILL
+    at once). A second Ctrl-C or SIGTERM while waiting kills at once."""
     live = [rk for rk in ranks if rk.proc.poll() is None]
     if not live:
         return

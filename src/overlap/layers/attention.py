@@ -1,10 +1,11 @@
 """Grouped-query self-attention with QK RMSNorm and RoPE (Qwen3), tensor-parallel over query groups.
 
-The fused QKV weight is laid out group by group: for each query group g, the rows of its query heads, then its key
-head, then its value head ([q heads of g | k_g | v_g]). TP shards that logical weight by whole groups along its rows,
-so a rank holds complete groups and its local weight is a contiguous slice: the logical full weight is the same at
-any TP size, which lets a TP run start from exactly the reference weights. Query heads are numbered group-major, so
-the output projection's input columns (heads x head_dim) are sharded consistently by the same contiguous cut.
+The fused QKV weight is laid out group by group: for each query group g, the rows of its query
+heads, then its key head, then its value head ([q heads of g | k_g | v_g]). TP shards that logical
+weight by whole groups along its rows, so a rank holds complete groups and its local weight is a
+contiguous slice: the logical full weight is the same at any TP size, which lets a TP run start from
+exactly the reference weights. Query heads are numbered group-major, so the output projection's
+input columns (heads x head_dim) are sharded consistently by the same contiguous cut.
 """
 
 from __future__ import annotations
@@ -23,53 +24,64 @@ from overlap.layers.rotary import RotaryEmbedding
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
 
-
-_SDPA_KERNELS = {"flash": [SDPBackend.FLASH_ATTENTION],
-                 "fused": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]}
+_SDPA_KERNELS = {
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "fused": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION],
+}
 
 
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention as two batched GEMMs, on [b, heads, s, d] queries and [b, groups, s, d] keys and values:
-    the scores scaled by 1/sqrt(d) with the causal mask added in one `baddbmm`, the softmax in fp32 (as Megatron's
-    unfused attention and transformers' eager one take it), the probabilities cast back to the inputs' dtype for
-    `p v`. Keys and values are repeated per query head so that both products are plain bmm."""
+    """Causal attention as two batched GEMMs, on [b, heads, s, d] queries and [b, groups, s, d] keys
+    and values: the scores scaled by 1/sqrt(d) with the causal mask added in one `baddbmm`, the
+    softmax in fp32 (as Megatron's unfused attention and transformers' eager one take it), the
+    probabilities cast back to the inputs' dtype for `p v`. Keys and values are repeated per query
+    head so that both products are plain bmm."""
     b, heads, s, d = q.shape
     per_group = heads // k.shape[1]
     k, v = (t.repeat_interleave(per_group, dim=1).reshape(b * heads, s, d) for t in (k, v))
     mask = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)
-    scores = torch.baddbmm(mask.expand(b * heads, s, s), q.reshape(b * heads, s, d), k.transpose(1, 2),
-                           alpha=d ** -0.5)
+    scores = torch.baddbmm(
+        mask.expand(b * heads, s, s), q.reshape(b * heads, s, d), k.transpose(1, 2), alpha=d**-0.5
+    )
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs, v).view(b, heads, s, d)
 
 
 def fused_attention_on_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The fused kernels (flash, memory-efficient, cuDNN) on meta tensors, which stand for CUDA ones in a dry run.
-    SDPA makes no kernel choice on meta and takes its math path, which keeps the [b, heads, s, s] probabilities for
-    backward; a CUDA rank's fused kernel keeps only its output and a log-sum-exp per row. The flash kernel's meta
-    function has exactly those shapes (grouped keys and values included), so the dry run measures a GPU's memory."""
+    """The fused kernels (flash, memory-efficient, cuDNN) on meta tensors, which stand for CUDA ones
+    in a dry run. SDPA makes no kernel choice on meta and takes its math path, which keeps the [b,
+    heads, s, s] probabilities for backward; a CUDA rank's fused kernel keeps only its output and a
+    log-sum-exp per row. The flash kernel's meta function has exactly those shapes (grouped keys and
+    values included), so the dry run measures a GPU's memory."""
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[0]
 
 
 def _check_heads(config, tp: int) -> None:
     heads, groups = config.num_attention_heads, config.query_groups
     if heads % groups:
-        raise ConfigError("model.num_query_groups", groups,
-                          f"num_attention_heads ({heads}) must be a multiple of the number of query groups.",
-                          "choose num_query_groups dividing num_attention_heads.")
+        raise ConfigError(
+            "model.num_query_groups",
+            groups,
+            f"num_attention_heads ({heads}) must be a multiple of the number of query groups.",
+            "choose num_query_groups dividing num_attention_heads.",
+        )
     if groups % tp:
-        raise ConfigError("model.num_query_groups", groups,
-                          f"query groups are split over tensor parallelism, so they must be divisible by "
-                          f"tensor_model_parallel_size ({tp}).",
-                          "choose -tp dividing num_query_groups, or more query groups.")
+        raise ConfigError(
+            "model.num_query_groups",
+            groups,
+            f"query groups are split over tensor parallelism, so they must be divisible by "
+            f"tensor_model_parallel_size ({tp}).",
+            "choose -tp dividing num_query_groups, or more query groups.",
+        )
 
 
 class SelfAttention(nn.Module):
     """Causal self-attention on [seq_local, batch, hidden] -> [seq_local, batch, hidden].
 
-    Parts, so that recompute (and later schedules) can address them: `linear_qkv` (column-parallel; all-gathers the
-    sequence under SP), `q_layernorm`/`k_layernorm`, rotary, `core_attention` (the attention product; selective
-    recompute "core_attn"), `linear_proj` (row-parallel; reduce-scatters under SP).
+    Parts, so that recompute (and later schedules) can address them: `linear_qkv` (column-parallel;
+    all-gathers the sequence under SP), `q_layernorm`/`k_layernorm`, rotary, `core_attention` (the
+    attention product; selective recompute "core_attn"), `linear_proj` (row-parallel;
+    reduce-scatters under SP).
     """
 
     def __init__(self, config, ps: ParallelState, layer_number: int) -> None:
@@ -85,26 +97,52 @@ class SelfAttention(nn.Module):
         self.attention_backend = config.attention_backend
         sp = config.sequence_parallel
         qkv_size = config.query_groups * (self.heads_per_group + 2) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, ps, sp, bias=config.add_qkv_bias,
-                                               params_dtype=dtype, overlap=linear_plan(config, "qkv"))
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            qkv_size,
+            ps,
+            sp,
+            bias=config.add_qkv_bias,
+            params_dtype=dtype,
+            overlap=linear_plan(config, "qkv"),
+        )
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
-            qk_norm = (self.head_dim, config.layernorm_epsilon, False, dtype, ps.device,
-                       ps.tp_group, config.rms_norm_fusion)
+            qk_norm = (
+                self.head_dim,
+                config.layernorm_epsilon,
+                False,
+                dtype,
+                ps.device,
+                ps.tp_group,
+                config.rms_norm_fusion,
+            )
             self.q_layernorm = RMSNorm(*qk_norm)
             self.k_layernorm = RMSNorm(*qk_norm)
-        self.rotary = RotaryEmbedding(self.head_dim, config.rotary_base, config.seq_length,
-                                      ps.device, config.apply_rope_fusion)
-        self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, ps, sp,
-                                             bias=config.add_bias_linear, params_dtype=dtype,
-                                             overlap=linear_plan(config, "proj"))
+        self.rotary = RotaryEmbedding(
+            self.head_dim,
+            config.rotary_base,
+            config.seq_length,
+            ps.device,
+            config.apply_rope_fusion,
+        )
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            ps,
+            sp,
+            bias=config.add_bias_linear,
+            params_dtype=dtype,
+            overlap=linear_plan(config, "proj"),
+        )
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project, split per group, normalise and rotate: q [s, b, local heads, d], k and v [s, b, local groups, d]."""
+        """Project, split per group, normalise and rotate: q [s, b, local heads, d], k and v [s, b,
+        local groups, d]."""
         mixed = self.linear_qkv(x)
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q = mixed[:, :, :, :self.heads_per_group].reshape(s, b, -1, self.head_dim)
+        q = mixed[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)
         k = mixed[:, :, :, self.heads_per_group]
         v = mixed[:, :, :, self.heads_per_group + 1]
         if self.q_layernorm is not None:
@@ -112,12 +150,18 @@ class SelfAttention(nn.Module):
         return self.rotary(q), self.rotary(k), v
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v; query head i reads key/value group i // heads_per_group. The kernel is
-        `model.attention_backend`'s on this device (overlap.config.attention)."""
+        """Causal softmax(q k^T / sqrt(d)) v; query head i reads key/value group i //
+        heads_per_group. The kernel is `model.attention_backend`'s on this device
+        (overlap.config.attention)."""
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-        on_meta = q.device.type == "meta"  # a dry run's stand-in for a CUDA rank (overlap.perf.dry_run)
-        kernel, _ = attention_kernel(self.attention_backend, q.is_cuda or on_meta, str(q.dtype).removeprefix("torch."),
-                                     q.shape[2])
+        # a dry run's stand-in for a CUDA rank (overlap.perf.dry_run)
+        on_meta = q.device.type == "meta"
+        kernel, _ = attention_kernel(
+            self.attention_backend,
+            q.is_cuda or on_meta,
+            str(q.dtype).removeprefix("torch."),
+            q.shape[2],
+        )
         if kernel == "unfused":
             out = unfused_attention(q, k, v)
         elif on_meta:

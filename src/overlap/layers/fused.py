@@ -15,7 +15,8 @@ is there to see (the compiled graph is made of them).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode

@@ -9,7 +9,7 @@ runs it now or queues it (`WeightGradStore.take`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +32,9 @@ class GroupedLinear(torch.autograd.Function):
     (about 1% of bench/hf_compute_bench.py's MoE step)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: nn.Parameter, counts: list[int],
-                offs: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx, rows: torch.Tensor, weight: nn.Parameter, counts: list[int], offs: torch.Tensor | None
+    ) -> torch.Tensor:
         ctx.save_for_backward(rows)
         ctx.weight, ctx.counts, ctx.offs = weight, counts, offs
         if offs is not None:
@@ -63,8 +64,9 @@ class GroupedLinear(torch.autograd.Function):
         return grad_rows, WGRAD_STORE.take(weight, weight_grad), None, None
 
 
-def grouped_offsets(counts: torch.Tensor, rows: torch.Tensor,
-                    weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+def grouped_offsets(
+    counts: torch.Tensor, rows: torch.Tensor, weights: Sequence[torch.Tensor]
+) -> torch.Tensor | None:
     """The end row of each expert's group (int32), the grouped GEMM's `offs`, where that kernel
     takes these tensors; None where it does not, and `GroupedLinear` loops over the experts instead.
 
@@ -90,12 +92,16 @@ def grouped_offsets(counts: torch.Tensor, rows: torch.Tensor,
 def _grouped_kernel_takes(rows: torch.Tensor) -> bool:
     if rows.device.type == "cpu":
         return True
-    return (rows.device.type == "cuda" and rows.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(rows.device) >= (8, 0))
+    return (
+        rows.device.type == "cuda"
+        and rows.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(rows.device) >= (8, 0)
+    )
 
 
-def _grouped_mm(rows: torch.Tensor, counts: list[int], weights: Sequence[torch.Tensor],
-                width: int) -> torch.Tensor:
+def _grouped_mm(
+    rows: torch.Tensor, counts: list[int], weights: Sequence[torch.Tensor], width: int
+) -> torch.Tensor:
     """[R, width]: the `counts[e]` rows of expert e (after those of experts < e) times
     `weights[e]`."""
     rows = rows.contiguous()
@@ -119,9 +125,14 @@ class Linear(torch.autograd.Function):
     8.3 -> 6.8 ms per layer's forward + backward in bf16, 29.4 -> 27.5 ms in fp32."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None,
-                store: WeightGradStore | None,
-                split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: nn.Parameter,
+        bias: torch.Tensor | None,
+        store: WeightGradStore | None,
+        split: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         ctx.save_for_backward(x)
         ctx.weight, ctx.has_bias, ctx.store, ctx.split = weight, bias is not None, store, split
         if split:
@@ -150,9 +161,13 @@ class Linear(torch.autograd.Function):
         return grad_x, linear_weight_grad(weight, grad, x, store=ctx.store), grad_bias, None, None
 
 
-def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor | Sequence[torch.Tensor],
-                       inp: torch.Tensor, span: str | None = None,
-                       store: WeightGradStore | None = None) -> torch.Tensor | None:
+def linear_weight_grad(
+    weight: nn.Parameter,
+    grad: torch.Tensor | Sequence[torch.Tensor],
+    inp: torch.Tensor,
+    span: str | None = None,
+    store: WeightGradStore | None = None,
+) -> torch.Tensor | None:
     """A linear's weight gradient grad^T inp (over all leading dims) in the weight's shape, through
     `store.take` (None: WGRAD_STORE): returned now, or queued while that store is delaying (None).
     `grad` may be a sequence of the k gradients of a fused weight [k, out, in]'s split outputs
@@ -182,8 +197,12 @@ def linear_weight_grad(weight: nn.Parameter, grad: torch.Tensor | Sequence[torch
     return (WGRAD_STORE if store is None else store).take(weight, weight_grad)
 
 
-def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None = None,
-           store: WeightGradStore | None = None,
-           split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+def linear(
+    x: torch.Tensor,
+    weight: nn.Parameter,
+    bias: torch.Tensor | None = None,
+    store: WeightGradStore | None = None,
+    split: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """`Linear` (see there for `store` and `split`)."""
     return Linear.apply(x, weight, bias, store, split)

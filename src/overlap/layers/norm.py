@@ -19,27 +19,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight over the last dim; the statistics are computed in fp32 whatever the compute dtype.
+    """y = x / rms(x) * weight over the last dim; the statistics are computed in fp32 whatever the
+    compute dtype.
 
-    `sequence_parallel` marks the weight for the trainer: under sequence parallelism each TP rank normalises only its
-    sequence shard, so the weight's gradient is partial and gets summed over TP.
+    `sequence_parallel` marks the weight for the trainer: under sequence parallelism each TP rank
+    normalises only its sequence shard, so the weight's gradient is partial and gets summed over TP.
 
-    `weight_grad_group` is for a norm applied to a tensor-parallel slice of heads (the QK norms, which run on the
-    full sequence after the QKV all-gather but on this rank's heads only): the weight enters through `copy_to_tp`, so
-    its gradient is summed over that group inside backward and is complete on every rank, with or without sequence
-    parallelism. Such a weight is not marked `sequence_parallel` (the trainer must not sum it again).
+    `weight_grad_group` is for a norm applied to a tensor-parallel slice of heads (the QK norms,
+    which run on the full sequence after the QKV all-gather but on this rank's heads only): the
+    weight enters through `copy_to_tp`, so its gradient is summed over that group inside backward
+    and is complete on every rank, with or without sequence parallelism. Such a weight is not marked
+    `sequence_parallel` (the trainer must not sum it again).
 
     `fusion` is `model.rms_norm_fusion` (None: by device, `overlap.config.fusion`).
     """
 
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, params_dtype: torch.dtype,
-                 device: torch.device, weight_grad_group: ProcessGroup | None = None,
-                 fusion: bool | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        sequence_parallel: bool,
+        params_dtype: torch.dtype,
+        device: torch.device,
+        weight_grad_group: ProcessGroup | None = None,
+        fusion: bool | None = None,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.fusion = fusion
         self.weight_grad_group = weight_grad_group
-        self.weight = mark_ones(nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device)))
+        self.weight = mark_ones(
+            nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device))
+        )
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

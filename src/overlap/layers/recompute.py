@@ -1,24 +1,26 @@
 """Activation recomputation (checkpointing), Megatron-style.
 
-- selective (`recompute_granularity="selective"`): only the parts named in `recompute_modules` drop their
-  activations and recompute them in backward: "core_attn" (the attention product), "mlp" (a dense MLP), "moe" (a
-  whole MoE layer, dispatch and combine included), "layernorm" (the input and pre-MLP norms),
-  "moe_act" (the routed experts' SwiGLU: neither its intermediate nor its output is kept,
-  `discarding_output`), "shared_experts" (the MoE layers' shared expert). "mla_up_proj" and the
-  other modules of architectures not built here are refused by the configuration
+- selective (`recompute_granularity="selective"`): only the parts named in `recompute_modules` drop
+  their activations and recompute them in backward: "core_attn" (the attention product), "mlp" (a
+  dense MLP), "moe" (a whole MoE layer, dispatch and combine included), "layernorm" (the input and
+  pre-MLP norms), "moe_act" (the routed experts' SwiGLU: neither its intermediate nor its output is
+  kept, `discarding_output`), "shared_experts" (the MoE layers' shared expert). "mla_up_proj" and
+  the other modules of architectures not built here are refused by the configuration
   (`ModelConfig.validate`).
 - full (`recompute_granularity="full"`): whole layers. "uniform" checkpoints consecutive chunks of
-  `recompute_num_layers` layers (only each chunk's input is kept); "block" checkpoints each of the first
-  `recompute_num_layers` layers and keeps the rest.
+  `recompute_num_layers` layers (only each chunk's input is kept); "block" checkpoints each of the
+  first `recompute_num_layers` layers and keeps the rest.
 
-Non-reentrant checkpointing is used: it supports outputs that need no gradient (a None aux loss) and nested use, and
-it replays the collectives of the recomputed region in backward in the same order on every rank.
+Non-reentrant checkpointing is used: it supports outputs that need no gradient (a None aux loss) and
+nested use, and it replays the collectives of the recomputed region in backward in the same order on
+every rank.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -30,7 +32,8 @@ from overlap.errors import ConfigError
 
 
 def maybe_checkpoint(enabled: bool, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)`, recomputed in backward instead of keeping its inner activations when `enabled`."""
+    """`fn(*args)`, recomputed in backward instead of keeping its inner activations when
+    `enabled`."""
     if enabled:
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
@@ -45,8 +48,11 @@ class _Recomputed:
         self.fn, self.x = fn, x
 
 
-def discarding_output(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                      consumer: Callable[[torch.Tensor], Any]) -> Any:
+def discarding_output(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    consumer: Callable[[torch.Tensor], Any],
+) -> Any:
     """`consumer(fn(x))` keeping neither `fn`'s intermediates nor its output for backward, only `x`
     (Megatron's output-discarding checkpoint, for a cheap elementwise `fn` between two GEMMs).
 
@@ -74,15 +80,23 @@ def discarding_output(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
 def selective_modules(config) -> frozenset[str]:
     """The parts a layer recomputes under selective recompute (empty for any other granularity)."""
     if config.recompute_granularity not in (None, "selective", "full"):
-        raise ConfigError("model.recompute_granularity", config.recompute_granularity,
-                          "it must be null, 'selective' or 'full'.", "pick one of those.")
+        raise ConfigError(
+            "model.recompute_granularity",
+            config.recompute_granularity,
+            "it must be null, 'selective' or 'full'.",
+            "pick one of those.",
+        )
     if config.recompute_granularity != "selective":
         return frozenset()
     modules = frozenset(config.recompute_modules or ("core_attn",))
     unknown = sorted(modules - set(SELECTIVE_MODULES))
     if unknown:
-        raise ConfigError("model.recompute_modules", config.recompute_modules,
-                          f"unknown module(s) {unknown}.", f"use a subset of {list(SELECTIVE_MODULES)}.")
+        raise ConfigError(
+            "model.recompute_modules",
+            config.recompute_modules,
+            f"unknown module(s) {unknown}.",
+            f"use a subset of {list(SELECTIVE_MODULES)}.",
+        )
     return modules
 
 
@@ -95,11 +109,19 @@ def layer_chunks(config, num_layers: int) -> list[tuple[int, int, bool]]:
         return [(0, num_layers, False)]
     n = config.recompute_num_layers
     if not n or n < 1:
-        raise ConfigError("model.recompute_num_layers", n, "full recompute needs a positive layer count.",
-                          "set model.recompute_num_layers (e.g. 1).")
+        raise ConfigError(
+            "model.recompute_num_layers",
+            n,
+            "full recompute needs a positive layer count.",
+            "set model.recompute_num_layers (e.g. 1).",
+        )
     if config.recompute_method == "uniform":
         return [(start, min(start + n, num_layers), True) for start in range(0, num_layers, n)]
     if config.recompute_method == "block":
         return [(i, i + 1, i < n) for i in range(num_layers)]
-    raise ConfigError("model.recompute_method", config.recompute_method,
-                      "full recompute needs method 'uniform' or 'block'.", "set model.recompute_method.")
+    raise ConfigError(
+        "model.recompute_method",
+        config.recompute_method,
+        "full recompute needs method 'uniform' or 'block'.",
+        "set model.recompute_method.",
+    )

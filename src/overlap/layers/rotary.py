@@ -24,19 +24,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to [seq, batch, heads, head_dim] tensors whose positions are 0..seq-1.
 
-    The cos/sin tables are built once in fp32 and the rotation runs in fp32, because bf16 angles lose the position
-    information of long sequences. Tables are non-persistent buffers: derived data, not part of a checkpoint.
-    `fusion` is `model.apply_rope_fusion` (None: by device, `overlap.config.fusion`).
+    The cos/sin tables are built once in fp32 and the rotation runs in fp32, because bf16 angles
+    lose the position information of long sequences. Tables are non-persistent buffers: derived
+    data, not part of a checkpoint. `fusion` is `model.apply_rope_fusion` (None: by device,
+    `overlap.config.fusion`).
     """
 
-    def __init__(self, head_dim: int, base: float, max_seq_length: int, device: torch.device,
-                 fusion: bool | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        max_seq_length: int,
+        device: torch.device,
+        fusion: bool | None = None,
+    ) -> None:
         super().__init__()
         self.fusion = fusion
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head dim, got {head_dim}")
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-        angles = torch.outer(torch.arange(max_seq_length, dtype=torch.float32, device=device), inv_freq)
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+        )
+        angles = torch.outer(
+            torch.arange(max_seq_length, dtype=torch.float32, device=device), inv_freq
+        )
         angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [seq, 1, 1, head_dim]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -44,5 +55,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[0]
         if seq > self.cos.shape[0]:
-            raise ValueError(f"sequence length {seq} exceeds the rotary table ({self.cos.shape[0]}, model.seq_length)")
+            raise ValueError(
+                f"sequence length {seq} exceeds the rotary table ({self.cos.shape[0]}, "
+                "model.seq_length)"
+            )
         return fused.run(apply_rope, self.fusion, x, self.cos[:seq], self.sin[:seq])

@@ -1,16 +1,19 @@
 """Tensor-parallel (TP) and sequence-parallel (SP) building blocks, in Megatron-Core's vocabulary.
 
-Activations are [seq, batch, hidden]. Under sequence parallelism every TP rank holds a 1/tp slice of the sequence
-(dim 0) outside the TP regions, so the SP collectives are comm's dim-0 all-gather / reduce-scatter.
+Activations are [seq, batch, hidden]. Under sequence parallelism every TP rank holds a 1/tp slice of
+the sequence (dim 0) outside the TP regions, so the SP collectives are comm's dim-0 all-gather /
+reduce-scatter.
 
-The mappings are autograd functions whose backward is the adjoint of their forward (identity <-> all-reduce,
-all-gather <-> reduce-scatter, slice <-> all-gather). Every collective goes through `overlap.parallel.comm`. Over a
-group of one rank each mapping is the identity, so the same model code runs at TP=1 without tracing empty collectives.
+The mappings are autograd functions whose backward is the adjoint of their forward (identity <->
+all-reduce, all-gather <-> reduce-scatter, slice <-> all-gather). Every collective goes through
+`overlap.parallel.comm`. Over a group of one rank each mapping is the identity, so the same model
+code runs at TP=1 without tracing empty collectives.
 
-The two spots where a collective meets a GEMM are one function each: `all_gather_linear` (SP all-gather feeding the
-column-parallel GEMM) and `linear_reduce_scatter` (row-parallel GEMM feeding the SP reduce-scatter). With
-`tp_comm_overlap` a linear carries its slots' plan (`overlap.config.tp_overlap.LinearPlan`) and these two functions
-hand over to the chunked, overlapped versions in `overlap.layers.tp_overlap`.
+The two spots where a collective meets a GEMM are one function each: `all_gather_linear` (SP
+all-gather feeding the column-parallel GEMM) and `linear_reduce_scatter` (row-parallel GEMM feeding
+the SP reduce-scatter). With `tp_comm_overlap` a linear carries its slots' plan
+(`overlap.config.tp_overlap.LinearPlan`) and these two functions hand over to the chunked,
+overlapped versions in `overlap.layers.tp_overlap`.
 """
 
 from __future__ import annotations
@@ -36,15 +39,16 @@ def params_dtype(config) -> torch.dtype:
 
 
 def divide(size: int, parts: int, what: str) -> int:
-    """`size // parts`, refusing a remainder: a silently truncated shard would give a wrong model, not an error."""
+    """`size // parts`, refusing a remainder: a silently truncated shard would give a wrong model,
+    not an error."""
     if size % parts:
         raise ValueError(f"{what} ({size}) must be divisible by the tensor-parallel size ({parts})")
     return size // parts
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Collectives over the TP group (the identity on a group of one)
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _all_reduce(t: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
@@ -55,8 +59,8 @@ def _all_reduce(t: torch.Tensor, group: ProcessGroup, op: ReduceOp = ReduceOp.SU
 
 
 def _all_reduce_copy(t: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """All-reduce of a copy: autograd may share `t` with other consumers (a residual add passes one gradient tensor
-    to both branches), so it must not change in place."""
+    """All-reduce of a copy: autograd may share `t` with other consumers (a residual add passes one
+    gradient tensor to both branches), so it must not change in place."""
     if comm.group_size(group) == 1:
         return t
     return _all_reduce(t.clone(memory_format=torch.contiguous_format), group)
@@ -82,14 +86,16 @@ def _own_slice(t: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     return t.chunk(size, dim)[comm.group_rank(group)].contiguous()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Autograd mappings (the functions below them skip the autograd node on a group of one: an identity both ways, and
-# two Python nodes per layer on the TP=1 path, ~2 ms per step in bench/hf_compute_bench.py's dense model)
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Autograd mappings (the functions below them skip the autograd node on a group of one: an identity
+# both ways, and two Python nodes per layer on the TP=1 path, ~2 ms per step in
+# bench/hf_compute_bench.py's dense model)
+# --------------------------------------------------------------------------------------------------
 
 
 class _CopyToTP(Function):
-    """Enter a TP region with a replicated input: each rank's input-gradient is partial, so backward sums them."""
+    """Enter a TP region with a replicated input: each rank's input-gradient is partial, so backward
+    sums them."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -102,7 +108,8 @@ class _CopyToTP(Function):
 
 
 class _ReduceFromTP(Function):
-    """Leave a TP region by summing the ranks' partial outputs; the gradient of a sum is replicated as is."""
+    """Leave a TP region by summing the ranks' partial outputs; the gradient of a sum is replicated
+    as is."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -114,8 +121,8 @@ class _ReduceFromTP(Function):
 
 
 class _GatherFromSP(Function):
-    """Sequence shards -> full sequence for a TP GEMM; the GEMM's input-gradient is partial, so backward
-    reduce-scatters it back to the sequence shards."""
+    """Sequence shards -> full sequence for a TP GEMM; the GEMM's input-gradient is partial, so
+    backward reduce-scatters it back to the sequence shards."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -128,7 +135,8 @@ class _GatherFromSP(Function):
 
 
 class _ReduceScatterToSP(Function):
-    """Partial full-sequence outputs -> summed sequence shards; backward all-gathers the shard gradients."""
+    """Partial full-sequence outputs -> summed sequence shards; backward all-gathers the shard
+    gradients."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -141,7 +149,8 @@ class _ReduceScatterToSP(Function):
 
 
 class _Split(Function):
-    """Keep this rank's slice of a replicated tensor along `dim`; backward reassembles the full gradient."""
+    """Keep this rank's slice of a replicated tensor along `dim`; backward reassembles the full
+    gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
@@ -154,7 +163,8 @@ class _Split(Function):
 
 
 class _Gather(Function):
-    """Concatenate the ranks' slices along `dim` into a replicated tensor; backward keeps this rank's slice."""
+    """Concatenate the ranks' slices along `dim` into a replicated tensor; backward keeps this
+    rank's slice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
@@ -196,132 +206,193 @@ def scatter_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x if comm.group_size(group) == 1 else _Split.apply(x, group, -1)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Collective + GEMM pairs: the two functions TP overlap replaces
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
-def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      group: ProcessGroup, plan: LinearPlan | None = None,
-                      store: WeightGradStore | None = None,
-                      split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM (overlapped by `plan`, if any).
-    `store`: where the weight gradient may be queued (see `ColumnParallelLinear.wgrad_store`); `split`: a fused
-    weight's outputs one by one (see `ColumnParallelLinear.forward`)."""
+def all_gather_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: ProcessGroup,
+    plan: LinearPlan | None = None,
+    store: WeightGradStore | None = None,
+    split: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Sequence-parallel all-gather of `x` followed by the column-parallel GEMM (overlapped by
+    `plan`, if any). `store`: where the weight gradient may be queued (see
+    `ColumnParallelLinear.wgrad_store`); `split`: a fused weight's outputs one by one (see
+    `ColumnParallelLinear.forward`)."""
     if plan is not None:
         y = all_gather_linear_overlapped(x, weight, bias, group, plan)
         return y.chunk(weight.shape[0], dim=-1) if split else y
     return linear(gather_from_sp(x, group), weight, bias, store, split)
 
 
-def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
-                          plan: LinearPlan | None = None) -> torch.Tensor:
-    """Row-parallel GEMM followed by the sequence-parallel reduce-scatter of its partial sums (overlapped by `plan`,
-    if any)."""
+def linear_reduce_scatter(
+    x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup, plan: LinearPlan | None = None
+) -> torch.Tensor:
+    """Row-parallel GEMM followed by the sequence-parallel reduce-scatter of its partial sums
+    (overlapped by `plan`, if any)."""
     if plan is not None:
         return linear_reduce_scatter_overlapped(x, weight, group, plan)
     return reduce_scatter_to_sp(linear(x, weight), group)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Layers
-# ---------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def _sp_only(plan: LinearPlan | None, sequence_parallel: bool, layer: str) -> LinearPlan | None:
-    """TP overlap hides the sequence-parallel collectives; without sequence parallelism there are none to hide (the
-    configuration gate refuses the combination, so this only guards direct construction)."""
+    """TP overlap hides the sequence-parallel collectives; without sequence parallelism there are
+    none to hide (the configuration gate refuses the combination, so this only guards direct
+    construction)."""
     if plan is not None and not sequence_parallel:
         raise ValueError(f"{layer}: a TP-overlap plan needs sequence parallelism")
     return plan
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W split along its output rows over TP (each rank computes out/tp output features).
+    """y = x W^T + b with W split along its output rows over TP (each rank computes out/tp output
+    features).
 
-    With sequence parallelism the input is this rank's sequence shard and is all-gathered first; without it the input
-    is replicated and enters through `copy_to_tp`. The output stays feature-sharded unless `gather_output`.
+    With sequence parallelism the input is this rank's sequence shard and is all-gathered first;
+    without it the input is replicated and enters through `copy_to_tp`. The output stays
+    feature-sharded unless `gather_output`.
 
-    `num_fused` > 1 fuses that many equally sized linears into one GEMM (SwiGLU's gate and up projections). The weight
-    is then [num_fused, out/(num_fused*tp), in], sharded along dim 1, so every rank holds a slice of *each* fused
-    linear and the logical full weight [num_fused, out/num_fused, in] does not depend on TP.
+    `num_fused` > 1 fuses that many equally sized linears into one GEMM (SwiGLU's gate and up
+    projections). The weight is then [num_fused, out/(num_fused*tp), in], sharded along dim 1, so
+    every rank holds a slice of *each* fused linear and the logical full weight [num_fused,
+    out/num_fused, in] does not depend on TP.
 
-    `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see `all_gather_linear`).
+    `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see
+    `all_gather_linear`).
 
-    `wgrad_store`: a store of its own that the weight gradient goes through (None: the shared `WGRAD_STORE` of
-    delay_wgrad_compute). The output layer gets one with `defer_embedding_wgrad_compute` (the pipeline executor
-    defers its weight-gradient GEMMs to the flush through it, `overlap.pipeline.output_wgrad`), and one
-    that never delays when it is tied to the embedding (`overlap.model.gpt`).
+    `wgrad_store`: a store of its own that the weight gradient goes through (None: the shared
+    `WGRAD_STORE` of delay_wgrad_compute). The output layer gets one with
+    `defer_embedding_wgrad_compute` (the pipeline executor defers its weight-gradient GEMMs to the
+    flush through it, `overlap.pipeline.output_wgrad`), and one that never delays when it is tied to
+    the embedding (`overlap.model.gpt`).
     """
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, sequence_parallel: bool,
-                 gather_output: bool = False, bias: bool = False, num_fused: int = 1,
-                 params_dtype: torch.dtype = torch.float32, overlap: LinearPlan | None = None,
-                 wgrad_store: WeightGradStore | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ps: ParallelState,
+        sequence_parallel: bool,
+        gather_output: bool = False,
+        bias: bool = False,
+        num_fused: int = 1,
+        params_dtype: torch.dtype = torch.float32,
+        overlap: LinearPlan | None = None,
+        wgrad_store: WeightGradStore | None = None,
+    ) -> None:
         super().__init__()
         if overlap is not None and wgrad_store is not None:
-            raise ValueError("ColumnParallelLinear: a TP-overlap plan computes its weight gradient in its own slots; "
-                             "it cannot also defer it through a wgrad_store")
+            raise ValueError(
+                "ColumnParallelLinear: a TP-overlap plan computes its weight gradient in its own "
+                "slots; it cannot also defer it through a wgrad_store"
+            )
         self.group = ps.tp_group
         self.sequence_parallel = sequence_parallel
         self.overlap = _sp_only(overlap, sequence_parallel, "ColumnParallelLinear")
         self.wgrad_store = wgrad_store
         self.gather_output = gather_output
         tp = ps.tp_size
-        per_linear = divide(out_features, num_fused, "ColumnParallelLinear output size over num_fused")
+        per_linear = divide(
+            out_features, num_fused, "ColumnParallelLinear output size over num_fused"
+        )
         local = divide(per_linear, tp, "ColumnParallelLinear output size")
         shape = (local, in_features) if num_fused == 1 else (num_fused, local, in_features)
         shard_dim = 0 if num_fused == 1 else 1
-        self.weight = mark_shard(nn.Parameter(torch.empty(shape, dtype=params_dtype, device=ps.device)), shard_dim, ps.tp_rank, tp)
+        self.weight = mark_shard(
+            nn.Parameter(torch.empty(shape, dtype=params_dtype, device=ps.device)),
+            shard_dim,
+            ps.tp_rank,
+            tp,
+        )
         self.bias = None
         if bias:
-            self.bias = mark_shard(nn.Parameter(torch.empty(shape[:-1], dtype=params_dtype, device=ps.device)),
-                                   shard_dim, ps.tp_rank, tp)
+            self.bias = mark_shard(
+                nn.Parameter(torch.empty(shape[:-1], dtype=params_dtype, device=ps.device)),
+                shard_dim,
+                ps.tp_rank,
+                tp,
+            )
 
-    def forward(self, x: torch.Tensor, split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """`split` (num_fused > 1, no gather_output): the fused linears' outputs (this rank's slice of each), one
-        tensor per linear, contiguous, one GEMM each (`linear`'s `split`; SwiGLU's gate and up). Under a TP-overlap
-        plan, whose chunked ring GEMMs fill one fused output, they are that output's views. Called through the
-        module (not a second method) so that forward pre-hooks - the distributed optimizer's parameter all-gather
-        wait - run before the weight is read."""
+    def forward(
+        self, x: torch.Tensor, split: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """`split` (num_fused > 1, no gather_output): the fused linears' outputs (this rank's slice
+        of each), one tensor per linear, contiguous, one GEMM each (`linear`'s `split`; SwiGLU's
+        gate and up). Under a TP-overlap plan, whose chunked ring GEMMs fill one fused output, they
+        are that output's views. Called through the module (not a second method) so that forward
+        pre-hooks - the distributed optimizer's parameter all-gather wait - run before the weight is
+        read."""
         if split and (self.weight.dim() != 3 or self.gather_output):
-            raise ValueError("ColumnParallelLinear(split=True) needs num_fused > 1 and gather_output=False")
+            raise ValueError(
+                "ColumnParallelLinear(split=True) needs num_fused > 1 and gather_output=False"
+            )
         bias = None if self.bias is None else self.bias.reshape(-1)
         if self.sequence_parallel:
-            y = all_gather_linear(x, self.weight, bias, self.group, self.overlap, self.wgrad_store, split)
+            y = all_gather_linear(
+                x, self.weight, bias, self.group, self.overlap, self.wgrad_store, split
+            )
         else:
             y = linear(copy_to_tp(x, self.group), self.weight, bias, self.wgrad_store, split)
         return gather_from_tp(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W split along its input columns over TP: each rank's GEMM yields a partial sum.
+    """y = x W^T + b with W split along its input columns over TP: each rank's GEMM yields a partial
+    sum.
 
-    The partial sums are reduce-scattered along the sequence under sequence parallelism, all-reduced otherwise. The
-    input is normally already feature-sharded (the output of a ColumnParallelLinear); `input_is_parallel=False` takes
-    a replicated input and keeps this rank's slice. The bias is added once, after the reduction; under sequence
-    parallelism each rank's bias gradient covers only its sequence shard, hence `bias.sequence_parallel`.
+    The partial sums are reduce-scattered along the sequence under sequence parallelism, all-reduced
+    otherwise. The input is normally already feature-sharded (the output of a ColumnParallelLinear);
+    `input_is_parallel=False` takes a replicated input and keeps this rank's slice. The bias is
+    added once, after the reduction; under sequence parallelism each rank's bias gradient covers
+    only its sequence shard, hence `bias.sequence_parallel`.
 
-    `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see `linear_reduce_scatter`).
+    `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see
+    `linear_reduce_scatter`).
     """
 
-    def __init__(self, in_features: int, out_features: int, ps: ParallelState, sequence_parallel: bool,
-                 input_is_parallel: bool = True, bias: bool = False,
-                 params_dtype: torch.dtype = torch.float32, overlap: LinearPlan | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ps: ParallelState,
+        sequence_parallel: bool,
+        input_is_parallel: bool = True,
+        bias: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+        overlap: LinearPlan | None = None,
+    ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear with sequence parallelism needs a feature-sharded input "
-                             "(input_is_parallel=True)")
+            raise ValueError(
+                "RowParallelLinear with sequence parallelism needs a feature-sharded input "
+                "(input_is_parallel=True)"
+            )
         self.group = ps.tp_group
         self.sequence_parallel = sequence_parallel
         self.overlap = _sp_only(overlap, sequence_parallel, "RowParallelLinear")
         self.input_is_parallel = input_is_parallel
         local = divide(in_features, ps.tp_size, "RowParallelLinear input size")
-        self.weight = mark_shard(nn.Parameter(torch.empty(out_features, local, dtype=params_dtype, device=ps.device)),
-                                 1, ps.tp_rank, ps.tp_size)
+        self.weight = mark_shard(
+            nn.Parameter(torch.empty(out_features, local, dtype=params_dtype, device=ps.device)),
+            1,
+            ps.tp_rank,
+            ps.tp_size,
+        )
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype, device=ps.device))
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=params_dtype, device=ps.device)
+            )
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -337,27 +408,40 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with the vocabulary rows split over TP.
 
-    Each rank looks up the tokens that fall in its vocabulary range and writes zeros for the others; summing over
-    TP (an all-reduce, or a reduce-scatter along the sequence under sequence parallelism) completes every row.
-    Input token ids are [seq, batch] so the sequence-parallel reduce-scatter cuts dim 0.
+    Each rank looks up the tokens that fall in its vocabulary range and writes zeros for the others;
+    summing over TP (an all-reduce, or a reduce-scatter along the sequence under sequence
+    parallelism) completes every row. Input token ids are [seq, batch] so the sequence-parallel
+    reduce-scatter cuts dim 0.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, ps: ParallelState, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        ps: ParallelState,
+        sequence_parallel: bool = False,
+        params_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.group = ps.tp_group
         self.sequence_parallel = sequence_parallel
         local = divide(num_embeddings, ps.tp_size, "VocabParallelEmbedding vocabulary size")
         self.vocab_start = ps.tp_rank * local
-        self.weight = mark_shard(nn.Parameter(torch.empty(local, embedding_dim, dtype=params_dtype, device=ps.device)),
-                                 0, ps.tp_rank, ps.tp_size)
+        self.weight = mark_shard(
+            nn.Parameter(torch.empty(local, embedding_dim, dtype=params_dtype, device=ps.device)),
+            0,
+            ps.tp_rank,
+            ps.tp_size,
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if comm.group_size(self.group) == 1:
             return F.embedding(tokens, self.weight)
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(
+            outside.unsqueeze(-1), 0.0
+        )
         if self.sequence_parallel:
             return reduce_scatter_to_sp(out, self.group)
         return reduce_from_tp(out, self.group)
@@ -366,14 +450,15 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCrossEntropy(Function):
     """Per-token cross-entropy from vocab-sharded logits, in fp32.
 
-    Only three per-token statistics cross ranks: the max logit (for a stable softmax), the target logit (held by the
-    one rank owning the label) and the sum of exponentials. The gradient, softmax - onehot(label), is local to each
-    rank's vocabulary slice, so backward needs no communication.
+    Only three per-token statistics cross ranks: the max logit (for a stable softmax), the target
+    logit (held by the one rank owning the label) and the sum of exponentials. The gradient, softmax
+    - onehot(label), is local to each rank's vocabulary slice, so backward needs no communication.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup,
-                vocab_start: int) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup, vocab_start: int
+    ) -> torch.Tensor:
         ctx.logits_dtype = logits.dtype
         logits = logits.float()
         max_logit = _all_reduce(logits.max(dim=-1).values, group, ReduceOp.MAX)
@@ -383,7 +468,8 @@ class _VocabParallelCrossEntropy(Function):
         local = local.masked_fill(outside, 0)
         target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
-        stats = _all_reduce(torch.stack([target, exp.sum(dim=-1)]), group)  # one collective for both sums
+        # one collective for both sums
+        stats = _all_reduce(torch.stack([target, exp.sum(dim=-1)]), group)
         target, sum_exp = stats[0], stats[1]
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
         return sum_exp.log() - target
@@ -391,21 +477,29 @@ class _VocabParallelCrossEntropy(Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         softmax, local, outside = ctx.saved_tensors
-        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), (~outside).unsqueeze(-1).float())
+        onehot = torch.zeros_like(softmax).scatter_(
+            -1, local.unsqueeze(-1), (~outside).unsqueeze(-1).float()
+        )
         grad = (softmax - onehot) * grad_loss.unsqueeze(-1)
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """Per-token loss (fp32, shape of `labels`) from this rank's vocabulary slice of the logits [..., vocab/tp].
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, labels: torch.Tensor, ps: ParallelState
+) -> torch.Tensor:
+    """Per-token loss (fp32, shape of `labels`) from this rank's vocabulary slice of the logits
+    [..., vocab/tp].
 
-    Equals `F.cross_entropy(full_logits, labels, reduction="none")` on the full logits, on every TP rank; without
-    tensor parallelism it is that call (fused log-softmax and gather: one pass fewer over the logits, the largest
-    activation of a small model).
+    Equals `F.cross_entropy(full_logits, labels, reduction="none")` on the full logits, on every TP
+    rank; without tensor parallelism it is that call (fused log-softmax and gather: one pass fewer
+    over the logits, the largest activation of a small model).
     """
     if ps.tp_size == 1:
-        flat = F.cross_entropy(logits_shard.float().reshape(-1, logits_shard.shape[-1]), labels.reshape(-1),
-                               reduction="none")
+        flat = F.cross_entropy(
+            logits_shard.float().reshape(-1, logits_shard.shape[-1]),
+            labels.reshape(-1),
+            reduction="none",
+        )
         return flat.view(labels.shape)
     vocab_start = ps.tp_rank * logits_shard.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits_shard, labels, ps.tp_group, vocab_start)

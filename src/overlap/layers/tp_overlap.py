@@ -60,8 +60,9 @@ def _gemm(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor | None = None) -> 
         return out
 
 
-def ring_all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
-                           aggregate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_all_gather_matmul(
+    shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup, aggregate: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(all_gather(shard) @ m, all_gather(shard)) with the gather's transfers hidden behind the
     chunk GEMMs (a `Ring` of the TP group).
 
@@ -70,8 +71,10 @@ def ring_all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessG
     step's wait is for one shard's transfer, which the step's GEMM covers."""
     tp, r = comm.group_size(group), comm.group_rank(group)
     if aggregate and (tp < 4 or tp % 2):
-        raise ValueError(f"ring all-gather: aggregate pairs the shards, which needs an even TP "
-                         f"of 4 or more (TP={tp})")
+        raise ValueError(
+            "ring all-gather: aggregate pairs the shards, which needs an even TP of 4 or more "
+            f"(TP={tp})"
+        )
     gathered = shard.new_empty((tp, *shard.shape))
     gathered[r].copy_(shard)
     out = shard.new_empty((tp, *shard.shape[:-1], m.shape[-1]))
@@ -88,8 +91,9 @@ def ring_all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessG
     return out.flatten(0, 1), gathered.flatten(0, 1)
 
 
-def _ring_aggregated(gathered: torch.Tensor, out: torch.Tensor, m: torch.Tensor,
-                     group: ProcessGroup, r: int) -> None:
+def _ring_aggregated(
+    gathered: torch.Tensor, out: torch.Tensor, m: torch.Tensor, group: ProcessGroup, r: int
+) -> None:
     """`aggregate`: swap shards with the pair partner (r xor 1) under the own shard's GEMM, then
     move the pair's two shards together around the ring of pairs (a stride-2 ring: TP/2 - 1 steps),
     one two-shard GEMM per step."""
@@ -101,8 +105,11 @@ def _ring_aggregated(gathered: torch.Tensor, out: torch.Tensor, m: torch.Tensor,
     for step in range(ring.steps):
         here, arriving = ring.origin(step) // 2, ring.origin(step + 1) // 2
         block = slice(2 * here, 2 * here + 2)
-        shift = (ring.shift(gathered[block], gathered[2 * arriving:2 * arriving + 2])
-                 if step < ring.steps - 1 else None)
+        shift = (
+            ring.shift(gathered[block], gathered[2 * arriving : 2 * arriving + 2])
+            if step < ring.steps - 1
+            else None
+        )
         if step == 0:
             _gemm(gathered[partner], m, out[partner])  # the own shard's GEMM ran during the swap
         else:
@@ -111,8 +118,9 @@ def _ring_aggregated(gathered: torch.Tensor, out: torch.Tensor, m: torch.Tensor,
             shift.wait()
 
 
-def ring_matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor,
-                               group: ProcessGroup) -> torch.Tensor:
+def ring_matmul_reduce_scatter(
+    x: torch.Tensor, m: torch.Tensor, group: ProcessGroup
+) -> torch.Tensor:
     """reduce_scatter(x @ m) along dim 0 with the partial sums passed around the ring (a `Ring` of
     the TP group) under the next GEMM.
 
@@ -132,8 +140,9 @@ def ring_matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor,
     return part
 
 
-def pipelined_matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
-                                    num_splits: int) -> torch.Tensor:
+def pipelined_matmul_reduce_scatter(
+    x: torch.Tensor, m: torch.Tensor, group: ProcessGroup, num_splits: int
+) -> torch.Tensor:
     """reduce_scatter(x @ m) along dim 0, cut into `num_splits` GEMM chunks whose reduce-scatters
     overlap the next chunk's GEMM. Chunk i is sub-chunk i of every rank's rows, so its
     reduce-scatter yields this rank's sub-chunk i."""
@@ -148,8 +157,9 @@ def pipelined_matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: Pro
     return torch.cat([h.wait() for h in handles])
 
 
-def _matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
-                           plan: SlotPlan | None) -> torch.Tensor:
+def _matmul_reduce_scatter(
+    x: torch.Tensor, m: torch.Tensor, group: ProcessGroup, plan: SlotPlan | None
+) -> torch.Tensor:
     """reduce_scatter(x @ m) by the slot's method (none: the GEMM, then one whole
     reduce-scatter)."""
     if plan is None:
@@ -158,12 +168,14 @@ def _matmul_reduce_scatter(x: torch.Tensor, m: torch.Tensor, group: ProcessGroup
         return ring_matmul_reduce_scatter(x, m, group)
     if plan.method == PIPELINE:
         return pipelined_matmul_reduce_scatter(x, m, group, plan.num_splits)
-    raise ValueError(f"a GEMM -> reduce-scatter slot runs ring_exchange or pipeline, not "
-                     f"{plan.method}")
+    raise ValueError(
+        f"a GEMM -> reduce-scatter slot runs ring_exchange or pipeline, not {plan.method}"
+    )
 
 
-def _all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup,
-                       plan: SlotPlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _all_gather_matmul(
+    shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup, plan: SlotPlan | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(all_gather(shard) @ m, all_gather(shard)) by the slot's method (none: one whole all-gather,
     then the GEMM)."""
     if plan is None:
@@ -174,8 +186,9 @@ def _all_gather_matmul(shard: torch.Tensor, m: torch.Tensor, group: ProcessGroup
     return ring_all_gather_matmul(shard, m, group, plan.aggregate)
 
 
-def _overlapped_dgrad(shard: torch.Tensor, grad: torch.Tensor, w2: torch.Tensor,
-                      group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def _overlapped_dgrad(
+    shard: torch.Tensor, grad: torch.Tensor, w2: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Bulk dgrad: (grad @ w2, all_gather(shard)) with the all-gather in flight during the GEMM."""
     gather = comm.all_gather(shard.contiguous(), group, AG_KIND)
     grad_x_full = _gemm(grad, w2)
@@ -187,8 +200,9 @@ def _check_rows(x: torch.Tensor, parts: int, what: str) -> None:
         raise ValueError(f"{what}: dim 0 ({x.shape[0]} rows) is not divisible by {parts}")
 
 
-def _weight_grad(weight: torch.Tensor, grad: torch.Tensor,
-                 inp: torch.Tensor) -> torch.Tensor | None:
+def _weight_grad(
+    weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor
+) -> torch.Tensor | None:
     """The weight gradient, a `tp.wgrad` span (None when delay_wgrad_compute queued it)."""
     return linear_weight_grad(weight, grad, inp, "tp.wgrad")
 
@@ -204,8 +218,14 @@ class _AllGatherLinear(Function):
     pipeline / ring dgrad slot), or whole after it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                group: ProcessGroup, plan: LinearPlan) -> torch.Tensor:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: ProcessGroup,
+        plan: LinearPlan,
+    ) -> torch.Tensor:
         w2 = weight.reshape(-1, weight.shape[-1])
         y, gathered = _all_gather_matmul(x.contiguous(), w2.t(), group, plan.fprop)
         if bias is not None:
@@ -250,8 +270,9 @@ class _LinearReduceScatter(Function):
     gradient feeds the weight gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
-                plan: LinearPlan) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup, plan: LinearPlan
+    ) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.weight, ctx.group, ctx.plan = weight, group, plan
         return _matmul_reduce_scatter(x.contiguous(), weight.t(), group, plan.fprop)
@@ -264,13 +285,19 @@ class _LinearReduceScatter(Function):
         return grad_x, _weight_grad(weight, grad_full, x), None, None
 
 
-def all_gather_linear_overlapped(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                 group: ProcessGroup, plan: LinearPlan) -> torch.Tensor:
+def all_gather_linear_overlapped(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: ProcessGroup,
+    plan: LinearPlan,
+) -> torch.Tensor:
     """`tensor_parallel.all_gather_linear` with the plan's overlap."""
     return _AllGatherLinear.apply(x, weight, bias, group, plan)
 
 
-def linear_reduce_scatter_overlapped(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup,
-                                     plan: LinearPlan) -> torch.Tensor:
+def linear_reduce_scatter_overlapped(
+    x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup, plan: LinearPlan
+) -> torch.Tensor:
     """`tensor_parallel.linear_reduce_scatter` with the plan's overlap."""
     return _LinearReduceScatter.apply(x, weight, group, plan)

@@ -28,8 +28,9 @@ weight's gradient as complete.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -47,16 +48,17 @@ class InFlight(Protocol):
 
 
 def arrived(handle: InFlight) -> bool:
-    """The collective's data is complete: its completion was observed and (modelled link) its time has come. Read
-    from the handle's event, whose `t_done` comm.py sets from the work's future - on a host timeline only
-    (`comm.completion_visible`); on a device timeline the host never knows, and this is False."""
+    """The collective's data is complete: its completion was observed and (modelled link) its time
+    has come. Read from the handle's event, whose `t_done` comm.py sets from the work's future - on
+    a host timeline only (`comm.completion_visible`); on a device timeline the host never knows, and
+    this is False."""
     done = handle.event.t_done
     return comm.completion_visible() and isinstance(done, float) and now() >= done
 
 
 def register_grad_ready_hook(param: nn.Parameter, hook: Callable[[nn.Parameter], None]) -> None:
-    """Register `hook` to run after a gradient has been accumulated into `param.grad` - by autograd, or by a
-    delayed weight-gradient GEMM (which autograd does not see)."""
+    """Register `hook` to run after a gradient has been accumulated into `param.grad` - by autograd,
+    or by a delayed weight-gradient GEMM (which autograd does not see)."""
     param.register_post_accumulate_grad_hook(hook)
     if not hasattr(param, "grad_ready_hooks"):
         param.grad_ready_hooks = []
@@ -75,7 +77,9 @@ class WeightGradStore:
         self.queue: deque[Callable[[], None]] = deque()
         self.active = False
         self.span = span  # the timeline name of each queued GEMM when it runs
-        self._carried = 0  # how many of the oldest queued items a previous phase left (see end_phase)
+        self._carried = (
+            0  # how many of the oldest queued items a previous phase left (see end_phase)
+        )
 
     @contextmanager
     def delaying(self, on: bool) -> Iterator[None]:
@@ -88,39 +92,44 @@ class WeightGradStore:
     def put(self, fn: Callable[[], None]) -> None:
         self.queue.append(fn)
 
-    def take(self, weight: nn.Parameter, weight_grad: Callable[[], torch.Tensor]) -> torch.Tensor | None:
-        """A backward's weight gradient: computed now and returned (autograd accumulates it), or, while delaying,
-        queued - it reaches `weight` later through `deliver_weight_grad` - and None returned."""
+    def take(
+        self, weight: nn.Parameter, weight_grad: Callable[[], torch.Tensor]
+    ) -> torch.Tensor | None:
+        """A backward's weight gradient: computed now and returned (autograd accumulates it), or,
+        while delaying, queued - it reaches `weight` later through `deliver_weight_grad` - and None
+        returned."""
         if self.active:
             self.put(lambda: deliver_weight_grad(weight, weight_grad()))
             return None
         return weight_grad()
 
     def flush(self, before_each: Callable[[int], None] | None = None) -> None:
-        """Run every queued weight-gradient GEMM, oldest first. `before_each(left)`, if given, is called before each
-        one with the number of GEMMs left, this one included (1: the last)."""
+        """Run every queued weight-gradient GEMM, oldest first. `before_each(left)`, if given, is
+        called before each one with the number of GEMMs left, this one included (1: the last)."""
         while self.queue:
             if before_each is not None:
                 before_each(len(self.queue))
             self._run_oldest()
 
     def end_phase(self) -> None:
-        """End of a schedule phase: run what the previous phase left, keep this phase's leftovers for the next
-        phase's waits. A rank that was behind its peers all phase then does not pay its whole backlog at the
-        boundary, where the peers would wait for it; memory stays bounded to two phases' worth of queued GEMMs."""
+        """End of a schedule phase: run what the previous phase left, keep this phase's leftovers
+        for the next phase's waits. A rank that was behind its peers all phase then does not pay its
+        whole backlog at the boundary, where the peers would wait for it; memory stays bounded to
+        two phases' worth of queued GEMMs."""
         while self._carried:
             self._run_oldest()
         self._carried = len(self.queue)
 
     def wait_filling(self, handle: InFlight) -> Any:
-        """Wait for `handle`, running queued weight-gradient GEMMs (oldest first, one at a time) for as long as it is
-        in flight; returns what `handle.wait()` returns. With an empty queue this is a plain wait.
+        """Wait for `handle`, running queued weight-gradient GEMMs (oldest first, one at a time) for
+        as long as it is in flight; returns what `handle.wait()` returns. With an empty queue this
+        is a plain wait.
 
-        Where the host sees completion (gloo) it runs them while the collective is not complete. On a device
-        timeline (NCCL: a collective completes on the GPU while the host enqueues ahead, and `wait()` only orders the
-        stream) every queued GEMM is issued before the wait, so the GPU computes them beside the collective, as the
-        reference's weight-gradient stream does; what runs where is then fixed by the program, the same on every
-        rank."""
+        Where the host sees completion (gloo) it runs them while the collective is not complete. On
+        a device timeline (NCCL: a collective completes on the GPU while the host enqueues ahead,
+        and `wait()` only orders the stream) every queued GEMM is issued before the wait, so the GPU
+        computes them beside the collective, as the reference's weight-gradient stream does; what
+        runs where is then fixed by the program, the same on every rank."""
         if not comm.completion_visible():
             while self.queue:
                 self._run_oldest()

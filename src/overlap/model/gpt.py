@@ -1,10 +1,12 @@
-"""The Qwen3-style GPT model: token embedding, pre-norm transformer layers (dense MLP or MoE), final norm, LM head.
+"""The Qwen3-style GPT model: token embedding, pre-norm transformer layers (dense MLP or MoE), final
+norm, LM head.
 
-Tensors between layers are [seq, batch, hidden]; under sequence parallelism every TP rank holds its 1/tp slice of
-the sequence between the TP regions. Parameter names are the same in every parallel layout, which is what lets
-`init_weights` give every layout the reference model's weights: under pipeline parallelism a model chunk (`Stage`)
-holds a range of layers registered under their global numbers (`layers.5.` on whichever rank holds layer 5), the
-embedding only on the first virtual stage, the final norm and output layer only on the last.
+Tensors between layers are [seq, batch, hidden]; under sequence parallelism every TP rank holds its
+1/tp slice of the sequence between the TP regions. Parameter names are the same in every parallel
+layout, which is what lets `init_weights` give every layout the reference model's weights: under
+pipeline parallelism a model chunk (`Stage`) holds a range of layers registered under their global
+numbers (`layers.5.` on whichever rank holds layer 5), the embedding only on the first virtual
+stage, the final norm and output layer only on the last.
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ from overlap.layers.init import init_model_params
 from overlap.layers.mlp import MLP
 from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import layer_chunks, maybe_checkpoint, selective_modules
-from overlap.layers.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, params_dtype,
-                                            vocab_parallel_cross_entropy)
+from overlap.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    params_dtype,
+    vocab_parallel_cross_entropy,
+)
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
@@ -30,8 +36,8 @@ from overlap.parallel.trace import RECORDER
 class TransformerLayer(nn.Module):
     """x -> x + attn(norm(x)) -> h + mlp(norm(h)), where mlp is a dense MLP or an MoE layer.
 
-    The two halves are separate methods (`attention_block`, `mlp_block`) so that schedules can run them apart;
-    `forward` is simply one after the other and returns (hidden, aux_loss or None).
+    The two halves are separate methods (`attention_block`, `mlp_block`) so that schedules can run
+    them apart; `forward` is simply one after the other and returns (hidden, aux_loss or None).
     """
 
     def __init__(self, config, ps: ParallelState, layer_number: int) -> None:
@@ -43,14 +49,20 @@ class TransformerLayer(nn.Module):
         recompute = selective_modules(config)
         self.recompute_norm = "layernorm" in recompute
         self.recompute_mlp = ("moe" if self.is_moe else "mlp") in recompute
-        norm = dict(hidden_size=config.hidden_size, eps=config.layernorm_epsilon,
-                    sequence_parallel=sp, params_dtype=dtype, device=ps.device,
-                    fusion=config.rms_norm_fusion)
+        norm = dict(
+            hidden_size=config.hidden_size,
+            eps=config.layernorm_epsilon,
+            sequence_parallel=sp,
+            params_dtype=dtype,
+            device=ps.device,
+            fusion=config.rms_norm_fusion,
+        )
         self.input_layernorm = RMSNorm(**norm)
         self.self_attention = SelfAttention(config, ps, layer_number)
         self.pre_mlp_layernorm = RMSNorm(**norm)
         if self.is_moe:
-            from overlap.layers.moe.moe_layer import MoELayer  # only MoE models need (and import) the MoE package
+            # only MoE models need (and import) the MoE package
+            from overlap.layers.moe.moe_layer import MoELayer
 
             self.mlp = MoELayer(config, ps, layer_number)
         else:
@@ -62,7 +74,8 @@ class TransformerLayer(nn.Module):
         return x + self.self_attention(normed)
 
     def mlp_block(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Residual + MLP/MoE of the pre-MLP-normalised hidden state; also returns the MoE aux loss (None if dense)."""
+        """Residual + MLP/MoE of the pre-MLP-normalised hidden state; also returns the MoE aux loss
+        (None if dense)."""
         normed = maybe_checkpoint(self.recompute_norm, self.pre_mlp_layernorm, x)
         out, aux_loss = maybe_checkpoint(self.recompute_mlp, self.mlp, normed)
         return x + out, aux_loss
@@ -73,8 +86,8 @@ class TransformerLayer(nn.Module):
 
 @dataclass(frozen=True)
 class Stage:
-    """What one model chunk holds: layers [start, end) and whether it embeds (first virtual pipeline stage) and/or
-    computes the loss (last)."""
+    """What one model chunk holds: layers [start, end) and whether it embeds (first virtual pipeline
+    stage) and/or computes the loss (last)."""
 
     start: int
     end: int
@@ -83,8 +96,8 @@ class Stage:
 
 
 class LayerStack(nn.Module):
-    """A run of consecutive layers registered under their global layer numbers (so parameter names match every
-    layout); indexed and iterated like a ModuleList, by position within the run."""
+    """A run of consecutive layers registered under their global layer numbers (so parameter names
+    match every layout); indexed and iterated like a ModuleList, by position within the run."""
 
     def __init__(self, layers: list[nn.Module], first: int) -> None:
         super().__init__()
@@ -105,25 +118,32 @@ class LayerStack(nn.Module):
 class GPTModel(nn.Module):
     """`forward(tokens [b, s], labels [b, s]) -> (lm_loss, aux_loss)`.
 
-    Every TP rank gets the full micro-batch of tokens. lm_loss is the mean per-token cross-entropy of the micro-batch
-    (fp32, identical on every TP rank); aux_loss is the sum of the MoE layers' auxiliary losses (a 0-dim fp32 tensor,
-    zero for a dense model). The output layer is vocabulary-parallel, its own weight or, with
-    `share_embeddings_and_output_weights` (Qwen3 0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last
-    of several pipeline stages, its copy); the loss is computed from the vocab-sharded logits without gathering
-    them.
+    Every TP rank gets the full micro-batch of tokens. lm_loss is the mean per-token cross-entropy
+    of the micro-batch (fp32, identical on every TP rank); aux_loss is the sum of the MoE layers'
+    auxiliary losses (a 0-dim fp32 tensor, zero for a dense model). The output layer is
+    vocabulary-parallel, its own weight or, with `share_embeddings_and_output_weights` (Qwen3
+    0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last of several pipeline stages,
+    its copy); the loss is computed from the vocab-sharded logits without gathering them.
     """
 
     def __init__(self, config, ps: ParallelState, stage: Stage | None = None) -> None:
         super().__init__()
         tp = ps.tp_size
         if config.vocab_size % tp:
-            raise ConfigError("model.vocab_size", config.vocab_size,
-                              f"the vocabulary is split over tensor parallelism, so it must be divisible by "
-                              f"tensor_model_parallel_size ({tp}).", "pad the vocabulary to a multiple of -tp.")
+            raise ConfigError(
+                "model.vocab_size",
+                config.vocab_size,
+                f"the vocabulary is split over tensor parallelism, so it must be divisible by "
+                f"tensor_model_parallel_size ({tp}).",
+                "pad the vocabulary to a multiple of -tp.",
+            )
         if config.sequence_parallel and config.seq_length % tp:
-            raise ConfigError("model.seq_length", config.seq_length,
-                              f"sequence parallelism splits the sequence over tensor_model_parallel_size ({tp}).",
-                              "choose a sequence length divisible by -tp.")
+            raise ConfigError(
+                "model.seq_length",
+                config.seq_length,
+                f"sequence parallelism splits the sequence over tensor_model_parallel_size ({tp}).",
+                "choose a sequence length divisible by -tp.",
+            )
         self.config = config
         self.ps = ps
         self.stage = stage or Stage(0, config.num_layers, True, True)
@@ -131,49 +151,70 @@ class GPTModel(nn.Module):
         sp = config.sequence_parallel
         tied = config.share_embeddings_and_output_weights
         if self.stage.pre_process:
-            self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps, sp, dtype)
+            self.embedding = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, ps, sp, dtype
+            )
             if tied and not self.stage.post_process:
                 self.embedding.weight.tied_embedding = True
-        self.layers = LayerStack([TransformerLayer(config, ps, i) for i in range(self.stage.start, self.stage.end)],
-                                 self.stage.start)
+        self.layers = LayerStack(
+            [TransformerLayer(config, ps, i) for i in range(self.stage.start, self.stage.end)],
+            self.stage.start,
+        )
         if self.stage.post_process:
-            self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, sp, dtype,
-                                           ps.device, fusion=config.rms_norm_fusion)
-            # defer_embedding_wgrad_compute: the output layer's weight gradients go through a store of their own,
-            # which the pipeline executor defers to the flush (overlap.pipeline.output_wgrad)
-            store = (WeightGradStore("bwd.deferred_output_wgrad") if config.defer_embedding_wgrad_compute
-                     else None)
+            self.final_layernorm = RMSNorm(
+                config.hidden_size,
+                config.layernorm_epsilon,
+                sp,
+                dtype,
+                ps.device,
+                fusion=config.rms_norm_fusion,
+            )
+            # defer_embedding_wgrad_compute: the output layer's weight gradients go through a store
+            # of their own, which the pipeline executor defers to the flush
+            # (overlap.pipeline.output_wgrad)
+            store = (
+                WeightGradStore("bwd.deferred_output_wgrad")
+                if config.defer_embedding_wgrad_compute
+                else None
+            )
             if tied:
-                # On the embedding's stage the output layer reads the embedding's own parameter (both are
-                # [vocab / tp, h], cut the same way over TP), so its two gradients meet in one autograd accumulation
-                # and the grad-ready hook fires once, with their sum. That needs the output layer's share computed
-                # in the backward itself: a store that never delays (delay_wgrad_compute would deliver it later,
-                # after data parallelism took the embedding's share as the whole gradient). EP overlap's pieces and
-                # deferred output wgrads are refused with a tied model (`runtime_refusals`).
+                # On the embedding's stage the output layer reads the embedding's own parameter
+                # (both are [vocab / tp, h], cut the same way over TP), so its two gradients meet in
+                # one autograd accumulation and the grad-ready hook fires once, with their sum. That
+                # needs the output layer's share computed in the backward itself: a store that never
+                # delays (delay_wgrad_compute would deliver it later, after data parallelism took
+                # the embedding's share as the whole gradient). EP overlap's pieces and deferred
+                # output wgrads are refused with a tied model (`runtime_refusals`).
                 store = WeightGradStore("bwd.tied_output_wgrad")
-            self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, ps, sp,
-                                                     params_dtype=dtype, wgrad_store=store)
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.vocab_size, ps, sp, params_dtype=dtype, wgrad_store=store
+            )
             if tied and self.stage.pre_process:
                 self.output_layer.weight = self.embedding.weight
             elif tied:
-                # On the last pipeline stage: a copy, drawn, loaded and saved as the embedding (`tied_to`), whose
-                # gradient the trainer sums with the embedding's over the pipeline's ends after the DP reduction
-                # (Megatron's embedding group), so that both take the same steps.
+                # On the last pipeline stage: a copy, drawn, loaded and saved as the embedding
+                # (`tied_to`), whose gradient the trainer sums with the embedding's over the
+                # pipeline's ends after the DP reduction (Megatron's embedding group), so that both
+                # take the same steps.
                 self.output_layer.weight.tied_to = "embedding.weight"
                 self.output_layer.weight.tied_embedding = True
         self.layer_chunks = layer_chunks(config, len(self.layers))
 
     def init_weights(self, seed: int) -> None:
-        """Give this rank its slice of the layout-independent initial weights (see `overlap.layers.init`)."""
+        """Give this rank its slice of the layout-independent initial weights (see
+        `overlap.layers.init`)."""
         init_model_params(self, seed, self.config.init_method_std)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> hidden [s_local, b, h] (this rank's sequence shard under sequence parallelism)."""
+        """tokens [b, s] -> hidden [s_local, b, h] (this rank's sequence shard under sequence
+        parallelism)."""
         return self.embedding(tokens.t())
 
-    def run_layers(self, hidden: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This chunk's layers [start, end) (positions in the chunk) on `hidden`; returns the output and the sum of
-        their aux losses (None if all dense)."""
+    def run_layers(
+        self, hidden: torch.Tensor, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This chunk's layers [start, end) (positions in the chunk) on `hidden`; returns the output
+        and the sum of their aux losses (None if all dense)."""
         aux_total = None
         for i in range(start, end):
             layer = self.layers[i]
@@ -194,14 +235,18 @@ class GPTModel(nn.Module):
     def lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_from_logits(self.logits(hidden), labels)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.stage_forward(None, tokens, labels)
 
-    def stage_forward(self, hidden: torch.Tensor | None, tokens: torch.Tensor,
-                      labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This chunk's part of the model: embed `tokens` (first stage) or continue from the received `hidden`, run
-        the layers, and end with (lm_loss, aux_loss) on the last stage or (hidden, aux_loss) before it. aux_loss is
-        the sum of this chunk's MoE aux losses (a 0-dim fp32 tensor, zero without MoE layers)."""
+    def stage_forward(
+        self, hidden: torch.Tensor | None, tokens: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This chunk's part of the model: embed `tokens` (first stage) or continue from the
+        received `hidden`, run the layers, and end with (lm_loss, aux_loss) on the last stage or
+        (hidden, aux_loss) before it. aux_loss is the sum of this chunk's MoE aux losses (a 0-dim
+        fp32 tensor, zero without MoE layers)."""
         hidden, aux_loss = self.stage_body(hidden, tokens)
         if not self.stage.post_process:
             return hidden, aux_loss
@@ -209,7 +254,9 @@ class GPTModel(nn.Module):
             loss = self.lm_loss(hidden, labels)
         return loss, aux_loss
 
-    def stage_body(self, hidden: torch.Tensor | None, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage_body(
+        self, hidden: torch.Tensor | None, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding (first stage) and this chunk's layers: (hidden, summed aux loss)."""
         if self.stage.pre_process:
             hidden = self.embed(tokens)

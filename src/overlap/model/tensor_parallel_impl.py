@@ -12,7 +12,8 @@ before their weights are initialised.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelState

@@ -1,4 +1,5 @@
-"""Adam with fp32 main parameters, global-norm gradient clipping and the warm-up + decay learning-rate schedule.
+"""Adam with fp32 main parameters, global-norm gradient clipping and the warm-up + decay
+learning-rate schedule.
 
 Gradients arrive in `param.main_grad` (already reduced across data parallel). With bf16 / fp16
 parameters the optimizer keeps fp32 master copies and writes the update back in the parameters'
@@ -7,18 +8,18 @@ the gradients arrive multiplied by the loss scale: the norm is divided by it, th
 the gradients by (clipping factor / loss scale) as it widens them to fp32, and an overflowed step
 is skipped.
 
-The Adam core works on "slots" so that the distributed optimizer (`overlap.data_parallel.distributed_optimizer`) reuses it
-on the shards a rank owns. The gradient norm counts every logical parameter once: tensor-parallel replicas (norms,
-router) only on TP rank 0, expert shards summed over the expert-parallel group.
+The Adam core works on "slots" so that the distributed optimizer
+(`overlap.data_parallel.distributed_optimizer`) reuses it on the shards a rank owns. The gradient
+norm counts every logical parameter once: tensor-parallel replicas (norms, router) only on TP rank
+0, expert shards summed over the expert-parallel group.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -32,7 +33,8 @@ from overlap.parallel.state import ParallelState
 
 
 def learning_rate(it: int, opt: OptimizerConfig, sched: SchedulerConfig, train_iters: int) -> float:
-    """Linear warm-up to `lr`, then cosine / linear decay to `min_lr` (Megatron's schedule); `it` counts from 0."""
+    """Linear warm-up to `lr`, then cosine / linear decay to `min_lr` (Megatron's schedule); `it`
+    counts from 0."""
     warm = sched.lr_warmup_iters
     if warm and it < warm:
         return opt.lr * (it + 1) / warm
@@ -49,12 +51,14 @@ def learning_rate(it: int, opt: OptimizerConfig, sched: SchedulerConfig, train_i
 
 @dataclass
 class Slot:
-    """One tensor the optimizer updates: an fp32 `master`, its gradient view, and where the update is written.
+    """One tensor the optimizer updates: an fp32 `master`, its gradient view, and where the update
+    is written.
 
-    The plain optimizer has one slot per parameter (`grad` = main_grad, `out` = the parameter); the distributed
-    optimizer has one per (parameter, bucket shard) piece that this rank owns. `master`, `grad` and `out` share one
-    shape (the step casts, scales and copies back with multi-tensor ops). `param` carries the attributes the
-    gradient-norm rule needs (`is_expert`, `shard`); `decay` is False for 1-D parameters (norms), as Megatron.
+    The plain optimizer has one slot per parameter (`grad` = main_grad, `out` = the parameter); the
+    distributed optimizer has one per (parameter, bucket shard) piece that this rank owns. `master`,
+    `grad` and `out` share one shape (the step casts, scales and copies back with multi-tensor ops).
+    `param` carries the attributes the gradient-norm rule needs (`is_expert`, `shard`); `decay` is
+    False for 1-D parameters (norms), as Megatron.
     """
 
     param: nn.Parameter
@@ -62,17 +66,20 @@ class Slot:
     grad: torch.Tensor
     out: torch.Tensor
     decay: bool
-    span: tuple[int, int] | None = None  # the slot's elements of the flattened parameter (None: all of it)
+    span: tuple[int, int] | None = (
+        None  # the slot's elements of the flattened parameter (None: all of it)
+    )
 
     @property
     def elements(self) -> tuple[int, int]:
         return self.span if self.span is not None else (0, self.param.numel())
 
 
-# The optimizer state a checkpoint keeps per parameter, in the parameter's own (this rank's TP/EP shard) shape:
-# "exp_avg" and "exp_avg_sq" always, "master" only for parameters that are not fp32 themselves (an fp32 parameter is
-# its own master). Keeping it in parameter space, not in the distributed optimizer's bucket shards, is what lets a
-# checkpoint load at another data-parallel size or with the distributed optimizer switched on or off.
+# The optimizer state a checkpoint keeps per parameter, in the parameter's own (this rank's TP/EP
+# shard) shape: "exp_avg" and "exp_avg_sq" always, "master" only for parameters that are not fp32
+# themselves (an fp32 parameter is its own master). Keeping it in parameter space, not in the
+# distributed optimizer's bucket shards, is what lets a checkpoint load at another data-parallel
+# size or with the distributed optimizer switched on or off.
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 ParamStates = dict[nn.Parameter, dict[str, torch.Tensor]]
 
@@ -82,23 +89,30 @@ def keeps_master(param: nn.Parameter) -> bool:
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The fp32 sum of squares of `grads` from one multi-tensor norm per (device, dtype) group and one reduction:
-    a per-tensor `pow(2).sum()` is two kernels per gradient, thousands per step on a big model. `device` holds the
-    zero of an empty list (a rank without expert gradients still takes part in the expert all-reduce)."""
+    """The fp32 sum of squares of `grads` from one multi-tensor norm per (device, dtype) group and
+    one reduction: a per-tensor `pow(2).sum()` is two kernels per gradient, thousands per step on a
+    big model. `device` holds the zero of an empty list (a rank without expert gradients still takes
+    part in the expert all-reduce)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     groups = _group_tensors_by_device_and_dtype([grads])
-    norms = [n for ([tensors], _) in groups.values() for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)]
+    norms = [
+        n
+        for ([tensors], _) in groups.values()
+        for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    ]
     return torch.stack(norms).square().sum()
 
 
 def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dense, expert) local sums of squared gradients, each logical element counted once after reduction:
-    tensor-parallel replicas (norms, router) only on TP rank 0, expert shards summed over the expert-parallel group."""
+    """(dense, expert) local sums of squared gradients, each logical element counted once after
+    reduction: tensor-parallel replicas (norms, router) only on TP rank 0, expert shards summed over
+    the expert-parallel group."""
     dense: list[torch.Tensor] = []
     expert: list[torch.Tensor] = []
     for s in slots:
-        if hasattr(s.param, "tied_to"):  # the last stage's copy of the tied embedding: counted once, as the embedding
+        # the last stage's copy of the tied embedding: counted once, as the embedding
+        if hasattr(s.param, "tied_to"):
             continue
         if getattr(s.param, "is_expert", False):
             expert.append(s.grad)
@@ -108,8 +122,9 @@ def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tens
 
 
 def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool) -> float:
-    """The global L2 norm; with `sharded_over_dp` each rank holds only its DP (dense) / expert-DP (expert) shard of
-    every gradient, so those partial sums are first added up over DP / expert-DP."""
+    """The global L2 norm; with `sharded_over_dp` each rank holds only its DP (dense) / expert-DP
+    (expert) shard of every gradient, so those partial sums are first added up over DP /
+    expert-DP."""
     dense, expert = grad_norm_sq_local(slots, ps)
     if sharded_over_dp:
         comm.all_reduce(dense, ps.dp_group, "dp_norm").wait()
@@ -126,47 +141,70 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def multi_tensor_impl(params: list[torch.Tensor]) -> dict[str, bool]:
-    """torch.optim's implementation switch for `params`: `fused=True` when every one is a CUDA floating tensor (a
-    handful of kernels for the whole update, `step` kept on the GPU so nothing is read back), else `foreach=True`
-    (CPU and anything else: multi-tensor ops whose per-element arithmetic is that of the single-tensor loop, so CPU
-    results are bit-identical to it)."""
+    """torch.optim's implementation switch for `params`: `fused=True` when every one is a CUDA
+    floating tensor (a handful of kernels for the whole update, `step` kept on the GPU so nothing is
+    read back), else `foreach=True` (CPU and anything else: multi-tensor ops whose per-element
+    arithmetic is that of the single-tensor loop, so CPU results are bit-identical to it)."""
     if params and all(p.is_cuda and p.dtype in FUSED_DTYPES for p in params):
         return {"fused": True}
     return {"foreach": True}
 
 
 class MixedPrecisionAdam:
-    """AdamW over fp32 master slots (torch's multi-tensor AdamW, elementwise, so every element sees the reference's
-    arithmetic whichever way the slots cut the parameters); no weight decay on 1-D parameters."""
+    """AdamW over fp32 master slots (torch's multi-tensor AdamW, elementwise, so every element sees
+    the reference's arithmetic whichever way the slots cut the parameters); no weight decay on 1-D
+    parameters."""
 
     def __init__(self, slots: list[Slot], cfg: OptimizerConfig) -> None:
         if cfg.optimizer != "adam":
             raise ValueError(f"optimizer.optimizer={cfg.optimizer!r}: only adam is built")
         self.slots = slots
         self.opt = torch.optim.AdamW(
-            [{"params": [s.master for s in slots if s.decay], "weight_decay": cfg.weight_decay},
-             {"params": [s.master for s in slots if not s.decay], "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-            **multi_tensor_impl([s.master for s in slots]))
+            [
+                {"params": [s.master for s in slots if s.decay], "weight_decay": cfg.weight_decay},
+                {"params": [s.master for s in slots if not s.decay], "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps,
+            **multi_tensor_impl([s.master for s in slots]),
+        )
         self.clip = cfg.clip_grad
 
     @classmethod
-    def for_params(cls, params: list[nn.Parameter], cfg: OptimizerConfig) -> "MixedPrecisionAdam":
+    def for_params(cls, params: list[nn.Parameter], cfg: OptimizerConfig) -> MixedPrecisionAdam:
         """One slot per parameter; an fp32 parameter is its own master."""
-        return cls([Slot(p, p if p.dtype == torch.float32 else p.detach().float(), p.main_grad, p, p.dim() > 1)
-                    for p in params], cfg)
+        return cls(
+            [
+                Slot(
+                    p,
+                    p if p.dtype == torch.float32 else p.detach().float(),
+                    p.main_grad,
+                    p,
+                    p.dim() > 1,
+                )
+                for p in params
+            ],
+            cfg,
+        )
 
     @torch.no_grad()
-    def step(self, lr: float, grad_norm: float,
-             first: tuple[Callable[[Slot], bool], Callable[[], None]] | None = None,
-             unscale: float = 1.0) -> None:
-        """Update every slot. With `first = (select, then)`, the selected slots are updated (and written out)
-        before the others and `then()` runs in between: the distributed optimizer launches the next forward's first
-        parameter gather there, so it travels while the rest of the step computes. AdamW skips a parameter without
-        a gradient (no update, no step count, no decay), so the two partial steps are exactly one full step.
-        `grad_norm` is the norm of the true gradients, `unscale` what the stored ones are multiplied
-        by to get them (1 / loss scale)."""
-        # The norm is already on the host (global_grad_norm's one read), so the clipping factor costs no sync here.
+    def step(
+        self,
+        lr: float,
+        grad_norm: float,
+        first: tuple[Callable[[Slot], bool], Callable[[], None]] | None = None,
+        unscale: float = 1.0,
+    ) -> None:
+        """Update every slot. With `first = (select, then)`, the selected slots are updated (and
+        written out) before the others and `then()` runs in between: the distributed optimizer
+        launches the next forward's first parameter gather there, so it travels while the rest of
+        the step computes. AdamW skips a parameter without a gradient (no update, no step count, no
+        decay), so the two partial steps are exactly one full step. `grad_norm` is the norm of the
+        true gradients, `unscale` what the stored ones are multiplied by to get them (1 / loss
+        scale)."""
+        # The norm is already on the host (global_grad_norm's one read), so the clipping factor
+        # costs no sync here.
         scale = (min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 else 1.0) * unscale
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -180,8 +218,9 @@ class MixedPrecisionAdam:
         self._update([s for s, e in zip(self.slots, early) if not e], scale)
 
     def steps_taken(self) -> int:
-        """How many optimizer steps the slots have seen (every slot gets a gradient every step). The counts are
-        stacked and read once: fused Adam keeps them on the GPU, where a read per slot would sync per slot."""
+        """How many optimizer steps the slots have seen (every slot gets a gradient every step). The
+        counts are stacked and read once: fused Adam keeps them on the GPU, where a read per slot
+        would sync per slot."""
         steps = [st["step"] for st in self.opt.state.values() if "step" in st]
         counts = {int(c) for c in torch.stack(steps).tolist()} if steps else set()
         if len(counts) > 1:
@@ -189,19 +228,25 @@ class MixedPrecisionAdam:
         return counts.pop() if counts else 0
 
     def export_slot(self, slot: Slot) -> dict[str, torch.Tensor]:
-        """The slot's fp32 state (flattened): master, exp_avg, exp_avg_sq (zeros before the first step)."""
+        """The slot's fp32 state (flattened): master, exp_avg, exp_avg_sq (zeros before the first
+        step)."""
         state = self.opt.state.get(slot.master, {})
         zeros = torch.zeros_like(slot.master, dtype=torch.float32)
-        return {"master": slot.master.detach().float().reshape(-1),
-                "exp_avg": state.get("exp_avg", zeros).reshape(-1),
-                "exp_avg_sq": state.get("exp_avg_sq", zeros).reshape(-1)}
+        return {
+            "master": slot.master.detach().float().reshape(-1),
+            "exp_avg": state.get("exp_avg", zeros).reshape(-1),
+            "exp_avg_sq": state.get("exp_avg_sq", zeros).reshape(-1),
+        }
 
     def import_param_states(self, states: ParamStates, step: int) -> None:
-        """Set every slot from parameter-space states (`STATE_KEYS`, each in its parameter's shape): a missing
-        master is taken from the (just loaded) parameter, missing moments reset the state (weights-only loads)."""
+        """Set every slot from parameter-space states (`STATE_KEYS`, each in its parameter's shape):
+        a missing master is taken from the (just loaded) parameter, missing moments reset the state
+        (weights-only loads)."""
         for slot in self.slots:
             lo, hi = slot.elements
-            values = {k: v.reshape(-1)[lo:hi].float() for k, v in states.get(slot.param, {}).items()}
+            values = {
+                k: v.reshape(-1)[lo:hi].float() for k, v in states.get(slot.param, {}).items()
+            }
             values.setdefault("master", slot.param.detach().float().reshape(-1)[lo:hi])
             self._import_slot(slot, values, step)
 
@@ -216,21 +261,25 @@ class MixedPrecisionAdam:
         self.opt.state[slot.master] = {
             "step": self._step_state(step, slot.master),
             "exp_avg": values["exp_avg"].view_as(slot.master).clone(),
-            "exp_avg_sq": values["exp_avg_sq"].view_as(slot.master).clone()}
+            "exp_avg_sq": values["exp_avg_sq"].view_as(slot.master).clone(),
+        }
 
     def _step_state(self, step: int, master: torch.Tensor) -> torch.Tensor:
-        """`step` as torch's Adam creates it (`Adam._init_group`): fp32 on the parameter's device when fused or
-        capturable, else a CPU scalar. Never the default device: a CUDA `step` on the foreach / single-tensor path
-        is read back with `.item()` per slot per step."""
+        """`step` as torch's Adam creates it (`Adam._init_group`): fp32 on the parameter's device
+        when fused or capturable, else a CPU scalar. Never the default device: a CUDA `step` on the
+        foreach / single-tensor path is read back with `.item()` per slot per step."""
         fused, capturable = self.opt.defaults["fused"], self.opt.defaults["capturable"]
         if fused or capturable:
-            return torch.full((), float(step), dtype=_get_scalar_dtype(is_fused=fused), device=master.device)
+            return torch.full(
+                (), float(step), dtype=_get_scalar_dtype(is_fused=fused), device=master.device
+            )
         return torch.tensor(float(step), dtype=_get_scalar_dtype(), device="cpu")
 
     def _update(self, slots: list[Slot], scale: float) -> None:
-        """One AdamW step over `slots`: their gradients in fp32 times the clipping `scale` (multi-tensor ops, the
-        reduced gradients themselves left untouched), then the updated masters copied into the parameters. A partial
-        step may have no slots (every one selected first): nothing to do, and foreach ops refuse empty lists."""
+        """One AdamW step over `slots`: their gradients in fp32 times the clipping `scale`
+        (multi-tensor ops, the reduced gradients themselves left untouched), then the updated
+        masters copied into the parameters. A partial step may have no slots (every one selected
+        first): nothing to do, and foreach ops refuse empty lists."""
         if not slots:
             return
         for s, grad in zip(slots, self._scaled_grads(slots, scale)):
@@ -244,9 +293,10 @@ class MixedPrecisionAdam:
 
     @staticmethod
     def _scaled_grads(slots: list[Slot], scale: float) -> list[torch.Tensor]:
-        """`float(grad) * scale` per slot, as the masters' gradients: the fp32 gradients themselves when unscaled,
-        else new tensors (main_grad is the reduced gradient, not ours to scale in place). Low-precision gradients
-        are cast by one multi-tensor copy into fp32 tensors, then scaled in place."""
+        """`float(grad) * scale` per slot, as the masters' gradients: the fp32 gradients themselves
+        when unscaled, else new tensors (main_grad is the reduced gradient, not ours to scale in
+        place). Low-precision gradients are cast by one multi-tensor copy into fp32 tensors, then
+        scaled in place."""
         grads = [s.grad for s in slots]
         if all(g.dtype == s.master.dtype for g, s in zip(grads, slots)):
             return grads if scale == 1.0 else list(torch._foreach_mul(grads, scale))
@@ -305,8 +355,10 @@ class SlotOptimizer(ABC):
 
     def scaling_state(self) -> dict:
         """The loss scaler's state and the skipped-step count, for a checkpoint's train state."""
-        return {"skipped_iterations": self.skipped,
-                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "skipped_iterations": self.skipped,
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def load_scaling_state(self, state: dict, with_scaler: bool) -> None:
         """Resume the skipped-step count (the schedule's position) and, with `with_scaler` (the
@@ -325,7 +377,8 @@ class SlotOptimizer(ABC):
 
 
 class LocalOptimizer(SlotOptimizer):
-    """The non-distributed optimizer: every rank updates every parameter from the all-reduced gradients."""
+    """The non-distributed optimizer: every rank updates every parameter from the all-reduced
+    gradients."""
 
     def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, ps: ParallelState) -> None:
         super().__init__(cfg)
@@ -346,6 +399,9 @@ class LocalOptimizer(SlotOptimizer):
         out: ParamStates = {}
         for s in self.adam.slots:
             flat = self.adam.export_slot(s)
-            out[s.param] = {k: v.view(s.param.shape) for k, v in flat.items()
-                            if k != "master" or keeps_master(s.param)}
+            out[s.param] = {
+                k: v.view(s.param.shape)
+                for k, v in flat.items()
+                if k != "master" or keeps_master(s.param)
+            }
         return out

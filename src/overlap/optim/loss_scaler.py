@@ -37,15 +37,22 @@ class LossScaler:
     hysteresis_tracker: int = 2  # overflows still tolerated before the scale backs off
 
     @classmethod
-    def from_config(cls, cfg: OptimizerConfig) -> "LossScaler | None":
+    def from_config(cls, cfg: OptimizerConfig) -> LossScaler | None:
         """The scaler `cfg` asks for: static with `loss_scale`, dynamic for fp16, else none (bf16
         and fp32 keep fp32's exponent range: nothing underflows that scaling would save)."""
         if cfg.loss_scale is not None:
             return cls(float(cfg.loss_scale), dynamic=False)
         if not cfg.fp16:
             return None
-        return cls(float(cfg.initial_loss_scale), True, float(cfg.min_loss_scale),
-                   int(cfg.loss_scale_window), int(cfg.hysteresis), 0, int(cfg.hysteresis))
+        return cls(
+            float(cfg.initial_loss_scale),
+            True,
+            float(cfg.min_loss_scale),
+            int(cfg.loss_scale_window),
+            int(cfg.hysteresis),
+            0,
+            int(cfg.hysteresis),
+        )
 
     def update(self, overflow: bool) -> None:
         """After a step's gradients were checked: back off on overflow (after the hysteresis), grow
@@ -67,8 +74,11 @@ class LossScaler:
     def state_dict(self) -> dict[str, float | int]:
         """What a checkpoint keeps (JSON numbers: a float's repr reads back to the same float, so a
         resume is exact)."""
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         """A static scale stays the configured one (Megatron's constant scaler keeps no state)."""

@@ -39,8 +39,9 @@ from __future__ import annotations
 import math
 import socket
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,13 +70,14 @@ PROGRAM = ProgramRecorder()
 
 
 def parse_mode(mode: str) -> tuple[str, frozenset[str] | None]:
-    """"real" | "none" | "none:ep,dp" -> (mode, families made free; None = every family). A
+    """ "real" | "none" | "none:ep,dp" -> (mode, families made free; None = every family). A
     ConfigError (field --comm-mode) for anything else, unknown family names included: a typo must
     not make a "floor" a real run."""
     base, sep, rest = mode.partition(":")
     if base not in _MODES or (sep and base != "none"):
-        raise ConfigError("--comm-mode", mode, "expected real, none or none:FAMILY[,FAMILY].",
-                          "e.g. none:ep.")
+        raise ConfigError(
+            "--comm-mode", mode, "expected real, none or none:FAMILY[,FAMILY].", "e.g. none:ep."
+        )
     return base, (frozenset(parse_families("--comm-mode", mode, rest)) if sep else None)
 
 
@@ -102,9 +104,12 @@ def set_nccl_rules(on: bool) -> None:
     and host-visible completion: it is refused here (as it is on NCCL)."""
     global _nccl_rules
     if on and link_model.current() is not None:
-        raise ConfigError("--network", "model", "the modelled link delays the host, and NCCL's "
-                          "rules hide completion from the host.",
-                          "use --network real with the NCCL rules.")
+        raise ConfigError(
+            "--network",
+            "model",
+            "the modelled link delays the host, and NCCL's rules hide completion from the host.",
+            "use --network real with the NCCL rules.",
+        )
     _nccl_rules = on
     RECORDER.timeline = RulesTimeline() if on else HostTimeline()
     if on:
@@ -151,10 +156,21 @@ def _record(group: ProcessGroup, ops: Sequence[OpRecord]) -> int | None:
     return PROGRAM.post(_group_name(group), group_members(group), ops)
 
 
-def _op_record(kind: str, op: str, tensor: torch.Tensor, peer: int | None = None,
-               splits: tuple[Sequence[int], Sequence[int]] | None = None) -> OpRecord:
-    return OpRecord(kind, op, str(tensor.dtype).removeprefix("torch."), tensor.numel(), peer,
-                    None if splits is None else (tuple(splits[0]), tuple(splits[1])))
+def _op_record(
+    kind: str,
+    op: str,
+    tensor: torch.Tensor,
+    peer: int | None = None,
+    splits: tuple[Sequence[int], Sequence[int]] | None = None,
+) -> OpRecord:
+    return OpRecord(
+        kind,
+        op,
+        str(tensor.dtype).removeprefix("torch."),
+        tensor.numel(),
+        peer,
+        None if splits is None else (tuple(splits[0]), tuple(splits[1])),
+    )
 
 
 def _is_free(kind: str) -> bool:
@@ -205,7 +221,7 @@ def forget_lookups() -> set[ProcessGroup]:
 # Ops launched and not yet waited for, completion callback included (strong references: an op nobody
 # waited for keeps its buffers until `drain_outstanding`, as the transfer may still be writing into
 # them).
-_outstanding: set["CommHandle"] = set()
+_outstanding: set[CommHandle] = set()
 
 
 class CommHandle:
@@ -214,10 +230,15 @@ class CommHandle:
     returns the output tensor (if any). The ops of one point-to-point call share one `_Posted`:
     waiting for one waits for the call."""
 
-    def __init__(self, event: CommEvent, posted: _Posted | None, result: torch.Tensor | None,
-                 finish: Callable[[], None] | None = None,
-                 deadline_from: link_model.Resolver | None = None,
-                 unit: int | None = None) -> None:
+    def __init__(
+        self,
+        event: CommEvent,
+        posted: _Posted | None,
+        result: torch.Tensor | None,
+        finish: Callable[[], None] | None = None,
+        deadline_from: link_model.Resolver | None = None,
+        unit: int | None = None,
+    ) -> None:
         self.event = event
         self._posted = posted
         self._result = result
@@ -269,8 +290,9 @@ class CommHandle:
         stream than the one `wait()` will order, which then waits for this op and for nothing queued
         on that one. Call it before `wait()` (which drops the works), and `wait()` is still owed."""
         if self._posted is None:
-            raise RuntimeError(f"{self.event.kind}: output_on after wait(): the op's works are "
-                               "gone")
+            raise RuntimeError(
+                f"{self.event.kind}: output_on after wait(): the op's works are gone"
+            )
         with torch.cuda.stream(stream):
             for work in self._posted.works:
                 work.wait()
@@ -284,8 +306,11 @@ class CommHandle:
         `wait`."""
         if self._done:
             return True
-        if (self._finish is not None or self._deadline_from is not None
-                or not self._posted.is_completed()):
+        if (
+            self._finish is not None
+            or self._deadline_from is not None
+            or not self._posted.is_completed()
+        ):
             return False
         if self._callback is not None and not self._callback.done():
             return False
@@ -309,8 +334,9 @@ class CommHandle:
             self._posted.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             while self._callback is not None and not self._callback.done():
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.event.kind}: the completion callback did not run "
-                                       "in time")
+                    raise RuntimeError(
+                        f"{self.event.kind}: the completion callback did not run in time"
+                    )
                 time.sleep(1e-3)
         if self._deadline is None and self._deadline_from is not None:
             self._deadline = self._deadline_from(True)
@@ -339,16 +365,25 @@ def completion_visible() -> bool:
     return RECORDER.timeline.host_sees_completion
 
 
-def _launch(kind: str, op: str, group: ProcessGroup, nbytes: int,
-            run: Callable[[], dist.Work | None], result: torch.Tensor | None,
-            fake: Callable[[], None] | None = None, finish: Callable[[], None] | None = None,
-            payload_bytes: int | None = None, record: Sequence[OpRecord] = ()) -> CommHandle:
+def _launch(
+    kind: str,
+    op: str,
+    group: ProcessGroup,
+    nbytes: int,
+    run: Callable[[], dist.Work | None],
+    result: torch.Tensor | None,
+    fake: Callable[[], None] | None = None,
+    finish: Callable[[], None] | None = None,
+    payload_bytes: int | None = None,
+    record: Sequence[OpRecord] = (),
+) -> CommHandle:
     """Record and start one collective. `payload_bytes` is what the modelled link carries when it
     differs from `nbytes` (the recorded input size), as for all-gather. On a modelled link this
     rank's launch time goes on the group's board first. `record`: the op as the program recorder
     keeps it."""
-    event = CommEvent(kind=kind, op=op, group_size=group_size(group), nbytes=nbytes,
-                      t_launch=RECORDER.mark())
+    event = CommEvent(
+        kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=RECORDER.mark()
+    )
     RECORDER.add_comm(event)
     if _is_free(kind) or event.group_size == 1:
         if fake is not None:
@@ -378,12 +413,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup, kind: str,
-               op: ReduceOp = ReduceOp.SUM) -> CommHandle:
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceOp = ReduceOp.SUM
+) -> CommHandle:
     """In-place all-reduce of `tensor` over `group`."""
-    return _launch(kind, "all_reduce", group, _nbytes(tensor),
-                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor,
-                   record=[_op_record(kind, "all_reduce", tensor)])
+    return _launch(
+        kind,
+        "all_reduce",
+        group,
+        _nbytes(tensor),
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        tensor,
+        record=[_op_record(kind, "all_reduce", tensor)],
+    )
 
 
 def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHandle:
@@ -396,19 +438,29 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHand
     def fake() -> None:
         out.copy_(inp.repeat((size,) + (1,) * (inp.dim() - 1)))
 
-    return _launch(kind, "all_gather", group, _nbytes(inp),
-                   lambda: dist.all_gather_single(out, inp, group=group, async_op=True), out, fake,
-                   payload_bytes=_nbytes(out), record=[_op_record(kind, "all_gather", inp)])
+    return _launch(
+        kind,
+        "all_gather",
+        group,
+        _nbytes(inp),
+        lambda: dist.all_gather_single(out, inp, group=group, async_op=True),
+        out,
+        fake,
+        payload_bytes=_nbytes(out),
+        record=[_op_record(kind, "all_gather", inp)],
+    )
 
 
-def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str,
-                   op: ReduceOp = ReduceOp.SUM) -> CommHandle:
+def reduce_scatter(
+    tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceOp = ReduceOp.SUM
+) -> CommHandle:
     """Reduce `tensor` over `group` and keep this rank's 1/size slice of dim 0."""
     size = group_size(group)
     inp = tensor.contiguous()
     if inp.shape[0] % size:
-        raise ValueError(f"reduce_scatter ({kind}): dim 0 ({inp.shape[0]}) not divisible by group "
-                         f"size {size}")
+        raise ValueError(
+            f"reduce_scatter ({kind}): dim 0 ({inp.shape[0]}) not divisible by group size {size}"
+        )
     out = inp.new_empty((inp.shape[0] // size, *inp.shape[1:]))
 
     def fake() -> None:
@@ -424,19 +476,36 @@ def reduce_scatter(tensor: torch.Tensor, group: ProcessGroup, kind: str,
         def reduce_chunks() -> None:
             torch.sum(recv.view(size, *out.shape), dim=0, out=out)
 
-        return _launch(kind, "reduce_scatter", group, _nbytes(inp),
-                       lambda: dist.all_to_all_single(recv, inp, group=group, async_op=True),
-                       out, fake, finish=reduce_chunks,
-                       record=[_op_record(kind, "reduce_scatter", inp)])
-    return _launch(kind, "reduce_scatter", group, _nbytes(inp),
-                   lambda: dist.reduce_scatter_single(out, inp, op=op, group=group,
-                                                      async_op=True), out, fake,
-                   record=[_op_record(kind, "reduce_scatter", inp)])
+        return _launch(
+            kind,
+            "reduce_scatter",
+            group,
+            _nbytes(inp),
+            lambda: dist.all_to_all_single(recv, inp, group=group, async_op=True),
+            out,
+            fake,
+            finish=reduce_chunks,
+            record=[_op_record(kind, "reduce_scatter", inp)],
+        )
+    return _launch(
+        kind,
+        "reduce_scatter",
+        group,
+        _nbytes(inp),
+        lambda: dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True),
+        out,
+        fake,
+        record=[_op_record(kind, "reduce_scatter", inp)],
+    )
 
 
-def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
-               output_split_sizes: Sequence[int] | None = None,
-               input_split_sizes: Sequence[int] | None = None) -> CommHandle:
+def all_to_all(
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    kind: str,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+) -> CommHandle:
     """All-to-all along dim 0 with optional uneven splits; the handle returns what was received."""
     inp = tensor.contiguous()
     rows = sum(output_split_sizes) if output_split_sizes is not None else inp.shape[0]
@@ -450,21 +519,41 @@ def all_to_all(tensor: torch.Tensor, group: ProcessGroup, kind: str,
 
     out_splits = list(output_split_sizes or []) or None
     in_splits = list(input_split_sizes or []) or None
-    splits = (None if input_split_sizes is None or output_split_sizes is None
-              else (input_split_sizes, output_split_sizes))
-    return _launch(kind, "all_to_all", group, _nbytes(inp),
-                   lambda: dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
-                                                  input_split_sizes=in_splits, group=group,
-                                                  async_op=True), out, fake,
-                   record=[_op_record(kind, "all_to_all", inp, splits=splits)])
+    splits = (
+        None
+        if input_split_sizes is None or output_split_sizes is None
+        else (input_split_sizes, output_split_sizes)
+    )
+    return _launch(
+        kind,
+        "all_to_all",
+        group,
+        _nbytes(inp),
+        lambda: dist.all_to_all_single(
+            out,
+            inp,
+            output_split_sizes=out_splits,
+            input_split_sizes=in_splits,
+            group=group,
+            async_op=True,
+        ),
+        out,
+        fake,
+        record=[_op_record(kind, "all_to_all", inp, splits=splits)],
+    )
 
 
 class ManyHandle:
     """Several tensors in flight in one all-to-all (`all_to_all_many`); `wait()` returns them, as
     sent."""
 
-    def __init__(self, handle: CommHandle, like: Sequence[torch.Tensor], widths: list[int],
-                 kept: tuple[torch.Tensor, ...] | None = None) -> None:
+    def __init__(
+        self,
+        handle: CommHandle,
+        like: Sequence[torch.Tensor],
+        widths: list[int],
+        kept: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
         self.handle = handle
         # metadata only: the sent tensors are not kept alive
         self._like = [(t.dtype, t.shape[1:]) for t in like]
@@ -487,16 +576,20 @@ class ManyHandle:
         for (dtype, shape), width in zip(self._like, self._widths):
             # A real copy with offset 0: a one-row slice counts as contiguous, and viewing it in
             # place as a wider dtype would fail on its byte offset.
-            piece = packed[:, offset:offset + width].clone(memory_format=torch.contiguous_format)
+            piece = packed[:, offset : offset + width].clone(memory_format=torch.contiguous_format)
             piece = piece.view(dtype)
             out.append(piece.reshape(packed.shape[0], *shape))
             offset += width
         return tuple(out)
 
 
-def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: str,
-                    output_split_sizes: Sequence[int],
-                    input_split_sizes: Sequence[int]) -> ManyHandle:
+def all_to_all_many(
+    tensors: Sequence[torch.Tensor],
+    group: ProcessGroup,
+    kind: str,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+) -> ManyHandle:
     """All-to-all of several tensors that share their row splits (an MoE dispatch: rows and their
     combine weights) as ONE collective: each row's bytes travel side by side, bit-exact, whatever
     the dtypes. The bytes on the wire are the same as two all-to-alls; what is saved is a whole
@@ -504,18 +597,23 @@ def all_to_all_many(tensors: Sequence[torch.Tensor], group: ProcessGroup, kind: 
     1-64 KB all-to-all with 4 ranks on 2 cores, bench/results/gloo_costs.txt)."""
     rows = tensors[0].shape[0]
     if any(t.shape[0] != rows for t in tensors):
-        raise ValueError(f"all_to_all_many ({kind}): the tensors have different row counts "
-                         f"{[t.shape[0] for t in tensors]}")
+        raise ValueError(
+            f"all_to_all_many ({kind}): the tensors have different row counts "
+            f"{[t.shape[0] for t in tensors]}"
+        )
     if group_size(group) == 1:
         # Nothing leaves the rank (EP = 1): the op is recorded, but the tensors come back as they
         # are, without the packing, the copy and the unpacking, each a pass over every row (about
         # 6 ms per step, 0.6%, in bench/hf_compute_bench.py's MoE model, where no other cost
         # separates us from transformers).
-        handle = _launch(kind, "all_to_all", group, sum(_nbytes(t) for t in tensors),
-                         lambda: None, None)
+        handle = _launch(
+            kind, "all_to_all", group, sum(_nbytes(t) for t in tensors), lambda: None, None
+        )
         return ManyHandle(handle, tensors, [], kept=tuple(t.detach() for t in tensors))
-    parts = [t.detach().reshape(rows, math.prod(t.shape[1:])).contiguous().view(torch.uint8)
-             for t in tensors]
+    parts = [
+        t.detach().reshape(rows, math.prod(t.shape[1:])).contiguous().view(torch.uint8)
+        for t in tensors
+    ]
     packed = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     handle = all_to_all(packed, group, kind, output_split_sizes, input_split_sizes)
     return ManyHandle(handle, tensors, [p.shape[1] for p in parts])
@@ -562,8 +660,9 @@ P2P_SEND, P2P_RECV = "send", "recv"
 STAMP_TAG = 1 << 24
 
 
-def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]],
-        group: ProcessGroup) -> list[CommHandle]:
+def p2p(
+    ops: Sequence[tuple[str, str, torch.Tensor, int, int]], group: ProcessGroup
+) -> list[CommHandle]:
     """Post point-to-point transfers as ONE call on `group`: each op is (kind, "send" | "recv",
     tensor, peer global rank, tag); a received tensor is written in place. One op is posted alone,
     several as one `batch_isend_irecv` (one group call on NCCL: its sends and receives progress
@@ -591,20 +690,30 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]],
         if op not in (P2P_SEND, P2P_RECV):
             raise ValueError(f"p2p ({kind}): unknown op {op!r}")
     if len({family(kind) for kind, *_rest in ops}) > 1:
-        raise ValueError(f"p2p: one call carries one family's kinds, got "
-                         f"{[kind for kind, *_rest in ops]}")
+        raise ValueError(
+            f"p2p: one call carries one family's kinds, got {[kind for kind, *_rest in ops]}"
+        )
     size = group_size(group)
-    events = [CommEvent(kind=kind, op="p2p", group_size=size,
-                        nbytes=_nbytes(t) if op == P2P_SEND else 0, t_launch=RECORDER.mark())
-              for kind, op, t, _peer, _tag in ops]
+    events = [
+        CommEvent(
+            kind=kind,
+            op="p2p",
+            group_size=size,
+            nbytes=_nbytes(t) if op == P2P_SEND else 0,
+            t_launch=RECORDER.mark(),
+        )
+        for kind, op, t, _peer, _tag in ops
+    ]
     for event in events:  # a receive is recorded with 0 bytes: counted once, at the send
         RECORDER.add_comm(event)
     if _is_free(ops[0][0]) or size == 1:
         for _kind, op, t, _peer, _tag in ops:
             if op == P2P_RECV:
                 t.zero_()
-        return [CommHandle(event, None, t if op == P2P_RECV else None)
-                for event, (_kind, op, t, _peer, _tag) in zip(events, ops)]
+        return [
+            CommHandle(event, None, t if op == P2P_RECV else None)
+            for event, (_kind, op, t, _peer, _tag) in zip(events, ops)
+        ]
     modelled = link_model.models(ops[0][0])
     # (op, tensor, peer, tag), a stamp right before its payload
     posts: list[tuple[str, torch.Tensor, int, int]] = []
@@ -612,14 +721,17 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]],
     for _kind, op, t, peer, tag in ops:
         stamp = None
         if modelled:
-            stamp = torch.full((1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64,
-                               device=t.device)
+            stamp = torch.full(
+                (1,), now() if op == P2P_SEND else 0.0, dtype=torch.float64, device=t.device
+            )
             posts.append((op, stamp, peer, tag + STAMP_TAG))
         stamps.append(stamp)
         posts.append((op, t, peer, tag))
     wire = (lambda tag: 0) if _nccl_rules else (lambda tag: tag)  # under NCCL's rules: tags ignored
-    calls = [dist.P2POp(dist.isend if op == P2P_SEND else dist.irecv, t, peer, group, wire(tag))
-             for op, t, peer, tag in posts]
+    calls = [
+        dist.P2POp(dist.isend if op == P2P_SEND else dist.irecv, t, peer, group, wire(tag))
+        for op, t, peer, tag in posts
+    ]
     if len(calls) == 1:
         call = calls[0]
         posted = _Posted([call.op(call.tensor, call.peer, group=group, tag=call.tag)])
@@ -631,8 +743,10 @@ def p2p(ops: Sequence[tuple[str, str, torch.Tensor, int, int]],
     for event, (_kind, op, t, _peer, _tag), stamp in zip(events, ops, stamps):
         deadline_from = None
         if stamp is not None and op == P2P_RECV:
-            deadline_from = link_model.receive_deadline(group, _nbytes(t), event, stamp,
-                                                        posted.is_completed)
-        handles.append(CommHandle(event, posted, t if op == P2P_RECV else None, None,
-                                  deadline_from, unit))
+            deadline_from = link_model.receive_deadline(
+                group, _nbytes(t), event, stamp, posted.is_completed
+            )
+        handles.append(
+            CommHandle(event, posted, t if op == P2P_RECV else None, None, deadline_from, unit)
+        )
     return handles

@@ -15,8 +15,9 @@ The only module that creates process groups; collectives on them go through `ove
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ def init_world(backend: str, timeout_s: float, device: torch.device | None = Non
 
 _built: dict[tuple, Any] = {}
 # the default group the cache was built under
-_built_for: "weakref.ref[ProcessGroup] | None" = None
+_built_for: weakref.ref[ProcessGroup] | None = None
 
 
 def _cached(key: tuple, build: Callable[[], Any]) -> Any:
@@ -62,8 +63,10 @@ def forget_groups() -> None:
 
 def device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
     """`init_device_mesh(device_type, shape, mesh_dim_names=names)`, built once per process."""
-    return _cached(("mesh", device_type, tuple(shape), tuple(names)),
-                   lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)))
+    return _cached(
+        ("mesh", device_type, tuple(shape), tuple(names)),
+        lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)),
+    )
 
 
 def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
@@ -73,11 +76,13 @@ def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
     return _groups_along(mesh, dim, "twin", lambda ranks: {None: ranks}).get(None)
 
 
-def _groups_along(mesh: DeviceMesh, dim: str, name: str,
-                  groups: Callable[[list[int]], dict[Any, list[int]]]) -> dict[Any, ProcessGroup]:
+def _groups_along(
+    mesh: DeviceMesh, dim: str, name: str, groups: Callable[[list[int]], dict[Any, list[int]]]
+) -> dict[Any, ProcessGroup]:
     """For every line of `mesh` along `dim` (its ranks, in order), the groups `groups(ranks)` names
     (key -> members), created by every rank in the same order, once per process; this rank's groups
     by key (empty where it is in none)."""
+
     def build() -> dict[Any, ProcessGroup]:
         mine = {}
         axis = mesh.mesh_dim_names.index(dim)
@@ -87,8 +92,18 @@ def _groups_along(mesh: DeviceMesh, dim: str, name: str,
                 if dist.get_rank() in members:
                     mine[key] = group
         return mine
-    return _cached((name, mesh.device_type, tuple(mesh.mesh.flatten().tolist()),
-                    tuple(mesh.mesh.shape), mesh.mesh_dim_names, dim), build)
+
+    return _cached(
+        (
+            name,
+            mesh.device_type,
+            tuple(mesh.mesh.flatten().tolist()),
+            tuple(mesh.mesh.shape),
+            mesh.mesh_dim_names,
+            dim,
+        ),
+        build,
+    )
 
 
 def ring_edge_groups(mesh: DeviceMesh, dim: str, wrap: bool) -> dict[tuple[str, int], ProcessGroup]:
@@ -105,10 +120,15 @@ def ring_edge_groups(mesh: DeviceMesh, dim: str, wrap: bool) -> dict[tuple[str, 
     does. On a group of one sender, one receiver and one kind of message, the k-th send is the k-th
     receive by construction. (Two members: the group's communicator is also the pair's, whether
     torch runs a single point-to-point op on the group's or on a two-rank one.)"""
+
     def edges(ranks: list[int]) -> dict[tuple[str, int], list[int]]:
         size = len(ranks)
-        return {(direction, i): [ranks[i], ranks[(i + 1) % size]]
-                for i in range(size if wrap else size - 1) for direction in ("up", "down")}
+        return {
+            (direction, i): [ranks[i], ranks[(i + 1) % size]]
+            for i in range(size if wrap else size - 1)
+            for direction in ("up", "down")
+        }
+
     return _groups_along(mesh, dim, f"edges wrap={wrap}", edges)
 
 

@@ -33,8 +33,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.distributed import ProcessGroup
@@ -176,7 +176,7 @@ class LaunchBoard:
         yet."""
         first = 2 * (seq % self.SLOTS) * self.size
         # each entry's number is read before its time
-        row = self.table[first:first + 2 * self.size].tolist()
+        row = self.table[first : first + 2 * self.size].tolist()
         if any(number != seq + 1 for number in row[0::2]):
             return None
         return max(row[1::2])
@@ -229,10 +229,13 @@ def check_one_host(hosts: list[str]) -> None:
     the modelled link's one clock and one shared memory need."""
     if len(set(hosts)) > 1:
         value = f"model:{_link.latency_s * 1e3:g}ms,{_link.bandwidth_Bps:g}B/s"
-        raise ConfigError("--network", value,
-                          f"the modelled link is a single-host emulation (one clock, one shared "
-                          f"memory), and this group spans hosts {sorted(set(hosts))}.",
-                          "use --network real (or tbf:RATE on one host).")
+        raise ConfigError(
+            "--network",
+            value,
+            "the modelled link is a single-host emulation (one clock, one shared memory), and this "
+            f"group spans hosts {sorted(set(hosts))}.",
+            "use --network real (or tbf:RATE on one host).",
+        )
 
 
 def open_board(group: ProcessGroup, name: str, size: int, rank: int) -> LaunchBoard:
@@ -241,26 +244,34 @@ def open_board(group: ProcessGroup, name: str, size: int, rank: int) -> LaunchBo
     return _boards[group]
 
 
-def collective_deadline(board: LaunchBoard, event: CommEvent, op: str,
-                        payload_bytes: int) -> Resolver:
+def collective_deadline(
+    board: LaunchBoard, event: CommEvent, op: str, payload_bytes: int
+) -> Resolver:
     """Post this rank's launch of a collective (`event`) on its group's board; the resolver of its
     modelled completion, which books it on the link from the last rank's launch."""
     seq = board.post(event.t_launch, op, payload_bytes)
     return _once(_readying(event, lambda waited: board.deadline(seq, waited)))
 
 
-def receive_deadline(group: ProcessGroup, payload_bytes: int, event: CommEvent,
-                     stamp: torch.Tensor, complete: Callable[[], bool]) -> Resolver:
+def receive_deadline(
+    group: ProcessGroup,
+    payload_bytes: int,
+    event: CommEvent,
+    stamp: torch.Tensor,
+    complete: Callable[[], bool],
+) -> Resolver:
     """A modelled receive's deadline, once the sender's stamp is in (None before): the link carries
     the payload from the moment both sides had posted, behind what its group's link already carries.
     Booked once, whichever thread asks first: the completion callback (`waited` False: only if
     `complete()`, the call being known complete) or the waiter (`waited` True: the call's wait has
     returned). A stamp later than now (another host's clock) is taken as now: the data is here."""
+
     def resolve(waited: bool) -> tuple[float, float] | None:
         if not waited and not complete():
             return None
         ready = max(min(float(stamp.item()), now()), event.t_launch)
         return ready, reserve(group, "p2p", payload_bytes, event.group_size, ready)
+
     return _once(_readying(event, resolve))
 
 
@@ -278,17 +289,19 @@ def _once(resolve: Resolver) -> Resolver:
                     return None
                 known.append(deadline)
             return known[0]
+
     return ask
 
 
-def _readying(event: CommEvent,
-              resolve: Callable[[bool], tuple[float, float] | None]) -> Resolver:
+def _readying(event: CommEvent, resolve: Callable[[bool], tuple[float, float] | None]) -> Resolver:
     """`resolve(waited)` -> (ready, deadline) | None turned into a deadline resolver that records
     `event.t_ready`."""
+
     def ask(waited: bool) -> float | None:
         known = resolve(waited)
         if known is None:
             return None
         event.t_ready, deadline = known
         return deadline
+
     return ask

@@ -1,34 +1,39 @@
-"""Every rank's communication program, recorded at the one choke point (`comm.py`), and its replay under NCCL's rules.
+"""Every rank's communication program, recorded at the one choke point (`comm.py`), and its replay
+under NCCL's rules.
 
-On a GPU, NCCL runs each communicator's operations on one CUDA stream per rank, in the order the host issued them
-(torch builds one communicator per process group; since the groups are created with the rank's device bound,
-point-to-point operations use the group's communicator too). That stream and the matching rules are where a program
-that runs on gloo can still hang or corrupt data on NCCL:
+On a GPU, NCCL runs each communicator's operations on one CUDA stream per rank, in the order the
+host issued them (torch builds one communicator per process group; since the groups are created with
+the rank's device bound, point-to-point operations use the group's communicator too). That stream
+and the matching rules are where a program that runs on gloo can still hang or corrupt data on NCCL:
 
-- collectives of a group are matched by position: the n-th collective on a group is one operation on every member,
-  so every member must issue the same sequence (same operation, kind, dtype and size) - gloo is as strict, but a
-  mismatch of equal sizes (two buckets swapped) passes silently on both;
-- point-to-point operations are matched in order per (group, sender, receiver), tags ignored: the k-th send from A
-  to B is the k-th receive at B from A, whatever the tags say;
-- a send completes only once its receive runs (rendezvous: never rely on buffering), and an operation runs only when
-  everything issued before it on its stream has completed, so a send queued behind a receive that waits for the
-  peer's send, which is itself queued behind the peer's own receive, never runs (head-of-line deadlock);
-- a batch (`batch_isend_irecv`) is one group call: its operations progress together, each with its own peer;
-- `wait()` blocks the compute stream (not the host), and every operation issued after it waits for it: for the
-  replay, a rank's program simply stops at a wait until the awaited operation has completed.
+- collectives of a group are matched by position: the n-th collective on a group is one operation on
+  every member, so every member must issue the same sequence (same operation, kind, dtype and size)
+  - gloo is as strict, but a mismatch of equal sizes (two buckets swapped) passes silently on both;
+- point-to-point operations are matched in order per (group, sender, receiver), tags ignored: the
+  k-th send from A to B is the k-th receive at B from A, whatever the tags say;
+- a send completes only once its receive runs (rendezvous: never rely on buffering), and an
+  operation runs only when everything issued before it on its stream has completed, so a send queued
+  behind a receive that waits for the peer's send, which is itself queued behind the peer's own
+  receive, never runs (head-of-line deadlock);
+- a batch (`batch_isend_irecv`) is one group call: its operations progress together, each with its
+  own peer;
+- `wait()` blocks the compute stream (not the host), and every operation issued after it waits for
+  it: for the replay, a rank's program simply stops at a wait until the awaited operation has
+  completed.
 
-`ProgramRecorder` keeps, per rank, the sequence of posts (one unit: a collective, a single point-to-point operation
-or a batch) and waits. `replay` plays all ranks' programs together under the rules above and returns what would go
-wrong on NCCL: mismatched collectives, unmatched or mis-sized point-to-point messages, and deadlocks, each said with
-the ranks, the group and the operations involved.
+`ProgramRecorder` keeps, per rank, the sequence of posts (one unit: a collective, a single
+point-to-point operation or a batch) and waits. `replay` plays all ranks' programs together under
+the rules above and returns what would go wrong on NCCL: mismatched collectives, unmatched or
+mis-sized point-to-point messages, and deadlocks, each said with the ranks, the group and the
+operations involved.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from overlap.errors import ProgramError
 
@@ -37,8 +42,9 @@ SEND, RECV = "send", "recv"
 
 @dataclass(frozen=True)
 class OpRecord:
-    """One operation of a posted unit. `numel`: elements sent (a collective's input, a send) or received (a
-    receive); `splits`: an all-to-all's (input splits, output splits) in rows, when uneven."""
+    """One operation of a posted unit. `numel`: elements sent (a collective's input, a send) or
+    received (a receive); `splits`: an all-to-all's (input splits, output splits) in rows, when
+    uneven."""
 
     kind: str
     op: str  # all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | send | recv
@@ -48,13 +54,18 @@ class OpRecord:
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def describe(self) -> str:
-        where = "" if self.peer is None else (f" to rank {self.peer}" if self.op == SEND else f" from rank {self.peer}")
+        where = (
+            ""
+            if self.peer is None
+            else (f" to rank {self.peer}" if self.op == SEND else f" from rank {self.peer}")
+        )
         return f"{self.kind} ({self.op}{where}, {self.numel} x {self.dtype})"
 
 
 @dataclass(frozen=True)
 class Post:
-    """A unit posted on a group's communicator: one collective, one point-to-point operation, or a batch."""
+    """A unit posted on a group's communicator: one collective, one point-to-point operation, or a
+    batch."""
 
     unit: int
     group: str  # the process group's name (the same on every member)
@@ -71,7 +82,8 @@ class Wait:
 
 @dataclass(frozen=True)
 class StepEnd:
-    """The end of a training step (`ProgramRecorder.step_end`): what the analyses take as one step's program."""
+    """The end of a training step (`ProgramRecorder.step_end`): what the analyses take as one step's
+    program."""
 
 
 Entry = Post | Wait | StepEnd
@@ -117,7 +129,8 @@ class ProgramRecorder:
                 self.entries.append(StepEnd())
 
 
-# --- the replay ---------------------------------------------------------------------------------------------------
+# --- the replay
+# --------------------------------------------------------------------------------------------------
 OpKey = tuple[int, int, int]  # (rank, unit, index of the op in the unit)
 
 
@@ -129,7 +142,9 @@ def _match(programs: dict[int, list[Entry]]) -> tuple[dict[OpKey, list[OpKey]], 
     """Which operations meet which (module docstring); problems found on the way."""
     problems: list[str] = []
     partners: dict[OpKey, list[OpKey]] = defaultdict(list)
-    collectives: dict[str, dict[int, list[tuple[OpKey, OpRecord]]]] = defaultdict(lambda: defaultdict(list))
+    collectives: dict[str, dict[int, list[tuple[OpKey, OpRecord]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     members_of: dict[str, tuple[int, ...]] = {}
     sends: dict[tuple[str, int, int], list[tuple[OpKey, OpRecord]]] = defaultdict(list)
     recvs: dict[tuple[str, int, int], list[tuple[OpKey, OpRecord]]] = defaultdict(list)
@@ -155,23 +170,34 @@ def _match(programs: dict[int, list[Entry]]) -> tuple[dict[OpKey, list[OpKey]], 
             missing = sorted(r for r in counts if n >= counts[r])
             if missing and not absent:
                 first = next(iter(issued.values()))[1]
-                problems.append(f"group {group} {list(members)}: collective #{n} {first.describe()} is issued by ranks "
-                                f"{sorted(issued)} but never by ranks {missing}")
+                problems.append(
+                    f"group {group} {list(members)}: collective #{n} {first.describe()} is issued "
+                    "by ranks "
+                    f"{sorted(issued)} but never by ranks {missing}"
+                )
                 break
             signatures = {r: _collective_signature(op) for r, (_k, op) in issued.items()}
             if len(set(signatures.values())) > 1:
                 seen = "; ".join(f"rank {r}: {issued[r][1].describe()}" for r in sorted(issued))
-                problems.append(f"group {group} {list(members)}: collective #{n} differs between ranks ({seen})")
+                problems.append(
+                    f"group {group} {list(members)}: collective #{n} differs between ranks ({seen})"
+                )
                 break
-            a2a = [op for _k, op in issued.values() if op.op == "all_to_all" and op.splits is not None]
+            a2a = [
+                op for _k, op in issued.values() if op.op == "all_to_all" and op.splits is not None
+            ]
             if len(a2a) == len(issued) == len(members):
                 index = {r: i for i, r in enumerate(members)}
                 for r, (_k, op) in issued.items():
                     for s, (_k2, other) in issued.items():
                         sent, got = op.splits[0][index[s]], other.splits[1][index[r]]
                         if sent != got:
-                            problems.append(f"group {group}: all-to-all #{n} ({op.kind}): rank {r} sends {sent} rows "
-                                            f"to rank {s}, which expects {got}")
+                            problems.append(
+                                f"group {group}: all-to-all #{n} ({op.kind}): rank {r} sends "
+                                f"{sent} "
+                                "rows "
+                                f"to rank {s}, which expects {got}"
+                            )
             keys = [k for k, _op in issued.values()]
             for k in keys:
                 partners[k] = [o for o in keys if o != k]
@@ -180,24 +206,32 @@ def _match(programs: dict[int, list[Entry]]) -> tuple[dict[OpKey, list[OpKey]], 
         out, into = sends.get(pair, []), recvs.get(pair, [])
         for n, ((skey, sop), (rkey, rop)) in enumerate(zip(out, into)):
             if (sop.dtype, sop.numel) != (rop.dtype, rop.numel):
-                problems.append(f"group {group}: message #{n} from rank {src} to rank {dst} is sent as "
-                                f"{sop.describe()} and received as {rop.describe()} (tags are ignored: the k-th send "
-                                "meets the k-th receive)")
+                problems.append(
+                    f"group {group}: message #{n} from rank {src} to rank {dst} is sent as "
+                    f"{sop.describe()} and received as {rop.describe()} (tags are ignored: the "
+                    "k-th send meets the k-th receive)"
+                )
             partners[skey].append(rkey)
             partners[rkey].append(skey)
-        for key, op in out[len(into):]:
+        for _, op in out[len(into) :]:
             if dst in programs:
-                problems.append(f"group {group}: rank {src} sends {op.describe()} that rank {dst} never receives")
-        for key, op in into[len(out):]:
+                problems.append(
+                    f"group {group}: rank {src} sends {op.describe()} that rank {dst} never "
+                    "receives"
+                )
+        for _, op in into[len(out) :]:
             if src in programs:
-                problems.append(f"group {group}: rank {dst} receives {op.describe()} that rank {src} never sends")
+                problems.append(
+                    f"group {group}: rank {dst} receives {op.describe()} that rank {src} never "
+                    "sends"
+                )
     return partners, problems
 
 
 def replay(programs: dict[int, list[Entry]]) -> list[str]:
-    """Play every rank's program (rank -> entries) under NCCL's rules (module docstring); the problems found, empty
-    when the programs match and complete. Ranks absent from `programs` are taken as not recorded: operations with
-    them are not checked."""
+    """Play every rank's program (rank -> entries) under NCCL's rules (module docstring); the
+    problems found, empty when the programs match and complete. Ranks absent from `programs` are
+    taken as not recorded: operations with them are not checked."""
     partners, problems = _match(programs)
     if problems:
         return problems
@@ -230,7 +264,7 @@ def replay(programs: dict[int, list[Entry]]) -> list[str]:
                     break
                 position[rank] += 1
                 progressed = True
-        for (rank, group), queue in queues.items():
+        for (rank, _group), queue in queues.items():
             while queue:
                 unit = queue[0]
                 post = units[(rank, unit)]
@@ -244,36 +278,61 @@ def replay(programs: dict[int, list[Entry]]) -> list[str]:
                 queue.popleft()
                 done_units.add((rank, unit))
                 progressed = True
-    stuck = {rank: entries[position[rank]] for rank, entries in programs.items() if position[rank] < len(entries)}
+    stuck = {
+        rank: entries[position[rank]]
+        for rank, entries in programs.items()
+        if position[rank] < len(entries)
+    }
     pending = {key: queue for key, queue in queues.items() if queue}
     if not stuck and not pending:
         return []
-    lines = ["deadlock under NCCL's rules (one stream per communicator in issue order, sends wait for their "
-             "receives, tags ignored):"]
+    lines = [
+        "deadlock under NCCL's rules (one stream per communicator in issue order, sends wait for "
+        "their receives, tags ignored):"
+    ]
     for rank in sorted(stuck):
         waited = units[(rank, stuck[rank].unit)]
-        lines.append(f"  rank {rank} waits for {_unit(waited)} on group {waited.group} {list(waited.members)}")
+        lines.append(
+            f"  rank {rank} waits for {_unit(waited)} on group {waited.group} "
+            f"{list(waited.members)}"
+        )
     for (rank, group), queue in sorted(pending.items()):
         head = units[(rank, queue[0])]
-        missing = [p for i in range(len(head.ops)) if (rank, queue[0], i) not in done_ops
-                   for p in partners.get((rank, queue[0], i), []) if not at_head(p)]
-        behind = "; ".join(f"rank {p[0]} has {_unit(units[(p[0], p[1])])} queued behind "
-                           f"{_unit(units[(p[0], queues[(p[0], group)][0])]) if queues[(p[0], group)] else 'nothing'}"
-                           for p in missing[:2])
-        lines.append(f"  rank {rank} group {group}: {_unit(head)} cannot run ({len(queue)} queued){': ' + behind if behind else ''}")
+        missing = [
+            p
+            for i in range(len(head.ops))
+            if (rank, queue[0], i) not in done_ops
+            for p in partners.get((rank, queue[0], i), [])
+            if not at_head(p)
+        ]
+
+        def front(peer: int, group: str = group) -> str:
+            waiting = queues[(peer, group)]
+            return _unit(units[(peer, waiting[0])]) if waiting else "nothing"
+
+        behind = "; ".join(
+            f"rank {p[0]} has {_unit(units[(p[0], p[1])])} queued behind {front(p[0])}"
+            for p in missing[:2]
+        )
+        lines.append(
+            f"  rank {rank} group {group}: {_unit(head)} cannot run ({len(queue)} "
+            f"queued){': ' + behind if behind else ''}"
+        )
     return lines
 
 
 def early_send_waits(programs: dict[int, list[Entry]]) -> list[str]:
-    """Waits on sends that can stall the compute: a wait on a unit of sends only, before the rank's last wait on a
-    receive of that step (`StepEnd`), that is not known to be free - known free when the rank has already waited for something its peer
-    posted after that peer waited for the send's receive (then the data are there). On NCCL such a wait puts the
-    send's whole transfer - and the peer's readiness to receive - on the compute stream's critical path."""
+    """Waits on sends that can stall the compute: a wait on a unit of sends only, before the rank's
+    last wait on a receive of that step (`StepEnd`), that is not known to be free - known free when
+    the rank has already waited for something its peer posted after that peer waited for the send's
+    receive (then the data are there). On NCCL such a wait puts the send's whole transfer - and the
+    peer's readiness to receive - on the compute stream's critical path."""
     partners, problems = _match(programs)
     if problems:
         return problems
     units: dict[tuple[int, int], Post] = {}
-    posted_at: dict[tuple[int, int], int] = {}  # (rank, unit) -> index of its post in the rank's program
+    # (rank, unit) -> index of its post in the rank's program
+    posted_at: dict[tuple[int, int], int] = {}
     first_wait: dict[tuple[int, int], int] = {}  # (rank, unit) -> index of its first wait
     for rank, entries in programs.items():
         for i, entry in enumerate(entries):
@@ -284,33 +343,53 @@ def early_send_waits(programs: dict[int, list[Entry]]) -> list[str]:
                 first_wait.setdefault((rank, entry.unit), i)
     found = []
     for rank, entries in programs.items():
-        last_receive, step_last = -1, {}  # index of an entry -> index of its step's last wait on a receive
+        last_receive, step_last = (
+            -1,
+            {},
+        )  # index of an entry -> index of its step's last wait on a receive
         for i in range(len(entries) - 1, -1, -1):
             entry = entries[i]
             if isinstance(entry, StepEnd):
                 last_receive = -1
-            elif (isinstance(entry, Wait) and last_receive < 0
-                  and any(op.op == RECV for op in units[(rank, entry.unit)].ops)):
+            elif (
+                isinstance(entry, Wait)
+                and last_receive < 0
+                and any(op.op == RECV for op in units[(rank, entry.unit)].ops)
+            ):
                 last_receive = i
             step_last[i] = last_receive
         for i, entry in enumerate(entries):
-            if not isinstance(entry, Wait) or first_wait[(rank, entry.unit)] != i or i >= step_last[i]:
+            if (
+                not isinstance(entry, Wait)
+                or first_wait[(rank, entry.unit)] != i
+                or i >= step_last[i]
+            ):
                 continue
             post = units[(rank, entry.unit)]
             if not all(op.op == SEND for op in post.ops):
                 continue
             for n, op in enumerate(post.ops):
                 peer = op.peer
-                received = [first_wait.get((r, u)) for r, u, _i in partners.get((rank, entry.unit, n), [])]
+                received = [
+                    first_wait.get((r, u)) for r, u, _i in partners.get((rank, entry.unit, n), [])
+                ]
                 if peer not in programs or not received or received[0] is None:
                     continue
-                proven = any(isinstance(e, Wait) and any(
-                    p[0] == peer and posted_at[(peer, p[1])] > received[0]
-                    for k in range(len(units[(rank, e.unit)].ops)) for p in partners.get((rank, e.unit, k), []))
-                    for e in entries[:i])
+                proven = any(
+                    isinstance(e, Wait)
+                    and any(
+                        p[0] == peer and posted_at[(peer, p[1])] > received[0]
+                        for k in range(len(units[(rank, e.unit)].ops))
+                        for p in partners.get((rank, e.unit, k), [])
+                    )
+                    for e in entries[:i]
+                )
                 if not proven:
-                    found.append(f"rank {rank} waits for {op.describe()} (program entry {i}) before its last "
-                                 f"receive, before it knows rank {peer} received it")
+                    found.append(
+                        f"rank {rank} waits for {op.describe()} (program entry {i}) before its "
+                        "last "
+                        f"receive, before it knows rank {peer} received it"
+                    )
     return found
 
 
@@ -326,7 +405,8 @@ def check(programs: dict[int, list[Entry]]) -> None:
 
 
 def summarize(entries: Iterable[Entry]) -> dict[str, dict[str, int]]:
-    """Per kind: operations posted and elements moved (a rank's program, e.g. for the dry run's report)."""
+    """Per kind: operations posted and elements moved (a rank's program, e.g. for the dry run's
+    report)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"ops": 0, "elements": 0})
     for entry in entries:
         if isinstance(entry, Post):

@@ -33,7 +33,7 @@ so the timeline shows which compute each step's transfer hides behind.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -60,8 +60,9 @@ class Shift:
         return tuple(self._received)
 
 
-def exchange(send: Chunks, recv: Chunks, to: int, frm: int, group: ProcessGroup,
-             kind: str) -> Shift:
+def exchange(
+    send: Chunks, recv: Chunks, to: int, frm: int, group: ProcessGroup, kind: str
+) -> Shift:
     """Send `send` to group rank `to` and receive `recv` (filled in place) from group rank `frm`, as
     one batched call: a ring step (`Ring.shift`), or a pair swap where `to` and `frm` are the same
     partner. Tensors (or equal-length sequences of them) whose shapes and dtypes match the
@@ -73,7 +74,7 @@ def exchange(send: Chunks, recv: Chunks, to: int, frm: int, group: ProcessGroup,
     ops += [(kind, comm.P2P_RECV, t, members[frm], 0) for t in recvs]
     handles = comm.p2p(ops, group)
     # the receives' handles first: a wait ends with the data here, then the sends' (same batch)
-    return Shift(handles[len(sends):] + handles[:len(sends)], recv)
+    return Shift(handles[len(sends) :] + handles[: len(sends)], recv)
 
 
 class Ring:
@@ -88,8 +89,9 @@ class Ring:
         self.group, self.kind, self.stride = group, kind, stride
         self.size, self.rank = comm.group_size(group), comm.group_rank(group)
         if stride < 1 or self.size % stride:
-            raise ValueError(f"ring ({kind}): stride {stride} does not divide the group size "
-                             f"{self.size}")
+            raise ValueError(
+                f"ring ({kind}): stride {stride} does not divide the group size {self.size}"
+            )
         self.steps = self.size // stride
         self.ahead = (self.rank + stride) % self.size  # group rank a shift sends to
         self.behind = (self.rank - stride) % self.size  # group rank a shift receives from

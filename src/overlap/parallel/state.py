@@ -1,8 +1,9 @@
 """Parallel state: the process groups of one training job, built on DeviceMesh.
 
-Rank order follows Megatron-Core ("tp-cp-dp-pp", tensor parallel fastest), so a user's mental map of which ranks
-share a node carries over. Expert parallelism is carved out of the (dp x cp x tp) block of each pipeline stage:
-inside that block, expert-tensor-parallel is fastest, then expert-parallel, then expert-data-parallel.
+Rank order follows Megatron-Core ("tp-cp-dp-pp", tensor parallel fastest), so a user's mental map of
+which ranks share a node carries over. Expert parallelism is carved out of the (dp x cp x tp) block
+of each pipeline stage: inside that block, expert-tensor-parallel is fastest, then expert-parallel,
+then expert-data-parallel.
 """
 
 from __future__ import annotations
@@ -22,27 +23,44 @@ __all__ = ["ParallelLayout", "ParallelState"]
 class ParallelState:
     """Process groups and rank coordinates of this rank for one layout.
 
-    Must be constructed by every rank of the default process group in the same order (group creation is collective).
+    Must be constructed by every rank of the default process group in the same order (group creation
+    is collective).
     """
 
-    def __init__(self, layout: ParallelLayout, device: torch.device | str = "cpu",
-                 mesh_device_type: str | None = None) -> None:
-        """`device`: where this rank's parameters and step tensors live. No default device is installed (torch's
-        set_default_device is a TorchFunctionMode that taxes every torch call), so every factory call of the model,
-        the optimizer and the trainer names this device or takes an input's. `mesh_device_type`: the meshes' device
-        type where it is not `device`'s (the dry run's fake CUDA rank on a machine without a GPU)."""
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        device: torch.device | str = "cpu",
+        mesh_device_type: str | None = None,
+    ) -> None:
+        """`device`: where this rank's parameters and step tensors live. No default device is
+        installed (torch's set_default_device is a TorchFunctionMode that taxes every torch call),
+        so every factory call of the model, the optimizer and the trainer names this device or takes
+        an input's. `mesh_device_type`: the meshes' device type where it is not `device`'s (the dry
+        run's fake CUDA rank on a machine without a GPU)."""
         if layout.cp != 1:
-            raise NotBuiltError("model.context_parallel_size", layout.cp, "Context parallelism",
-                                "use context_parallel_size=1 (-cp 1).")
+            raise NotBuiltError(
+                "model.context_parallel_size",
+                layout.cp,
+                "Context parallelism",
+                "use context_parallel_size=1 (-cp 1).",
+            )
         if layout.etp != 1:
-            raise NotBuiltError("model.expert_tensor_parallel_size", layout.etp, "Expert tensor parallelism",
-                                "use expert_tensor_parallel_size=1 (-et 1).")
+            raise NotBuiltError(
+                "model.expert_tensor_parallel_size",
+                layout.etp,
+                "Expert tensor parallelism",
+                "use expert_tensor_parallel_size=1 (-et 1).",
+            )
         if not dist.is_initialized():
             raise RuntimeError("ParallelState needs torch.distributed to be initialised first")
         if dist.get_world_size() != layout.world_size:
-            raise ConfigError("world size", dist.get_world_size(),
-                              f"the layout was resolved for {layout.world_size} ranks.",
-                              "launch as many ranks as the configuration was resolved for.")
+            raise ConfigError(
+                "world size",
+                dist.get_world_size(),
+                f"the layout was resolved for {layout.world_size} ranks.",
+                "launch as many ranks as the configuration was resolved for.",
+            )
         self.layout = layout
         self.device = torch.device(device)
         device_type = mesh_device_type or self.device.type
@@ -52,9 +70,11 @@ class ParallelState:
         # runs several jobs (a test worker, a notebook) would otherwise accumulate idle groups that
         # cost threads and CPU.
         self.mesh: DeviceMesh = groups.device_mesh(
-            device_type, (layout.pp, layout.dp, layout.cp, layout.tp), ("pp", "dp", "cp", "tp"))
+            device_type, (layout.pp, layout.dp, layout.cp, layout.tp), ("pp", "dp", "cp", "tp")
+        )
         self.expert_mesh: DeviceMesh = groups.device_mesh(
-            device_type, (layout.pp, layout.edp, layout.ep, layout.etp), ("pp", "edp", "ep", "etp"))
+            device_type, (layout.pp, layout.edp, layout.ep, layout.etp), ("pp", "edp", "ep", "etp")
+        )
         self.tp_group = self.mesh.get_group("tp")
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
@@ -65,7 +85,8 @@ class ParallelState:
         self.ep_meta_group = groups.twin_group(self.expert_mesh, "ep")
         self.ep_rank = self.expert_mesh.get_local_rank("ep")
         self.pp_rank = self.mesh.get_local_rank("pp")
-        self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)  # pipeline neighbours (global ranks)
+        # pipeline neighbours (global ranks)
+        self.pp_ranks: list[int] = dist.get_process_group_ranks(self.pp_group)
 
     def pipeline_p2p_groups(self, wrap: bool) -> dict[str, ProcessGroup]:
         """This rank's four pipeline point-to-point groups (collective: every rank calls it, once
@@ -76,14 +97,18 @@ class ParallelState:
         stage has no "_in"/"bwd_out" and the last no "fwd_out"/"bwd_in" groups."""
         edges = groups.ring_edge_groups(self.mesh, "pp", wrap)
         pp, r = self.layout.pp, self.pp_rank
-        wanted = {"fwd_out": ("up", r), "fwd_in": ("up", (r - 1) % pp), "bwd_out": ("down", (r - 1) % pp),
-                  "bwd_in": ("down", r)}
+        wanted = {
+            "fwd_out": ("up", r),
+            "fwd_in": ("up", (r - 1) % pp),
+            "bwd_out": ("down", (r - 1) % pp),
+            "bwd_in": ("down", r),
+        }
         return {name: edges[key] for name, key in wanted.items() if key in edges}
 
     def tied_embedding_group(self) -> ProcessGroup | None:
-        """The first and last pipeline stage of this rank's pipeline (collective: every rank calls it, once a tied
-        model needs it; None on a stage in between): where the embedding and its copy on the output layer sum their
-        gradients."""
+        """The first and last pipeline stage of this rank's pipeline (collective: every rank calls
+        it, once a tied model needs it; None on a stage in between): where the embedding and its
+        copy on the output layer sum their gradients."""
         return groups.ends_group(self.mesh, "pp")
 
     @property
@@ -96,7 +121,8 @@ class ParallelState:
 
     @property
     def pp_next(self) -> int:
-        """Global rank of the next pipeline stage (the ring wraps: the last stage feeds chunk c+1 of the first)."""
+        """Global rank of the next pipeline stage (the ring wraps: the last stage feeds chunk c+1 of
+        the first)."""
         return self.pp_ranks[(self.pp_rank + 1) % self.layout.pp]
 
     @property
@@ -112,10 +138,16 @@ class ParallelState:
         return self.layout.ep
 
     def describe(self) -> str:
-        """One line per dimension for start-up logs: size, this rank's coordinate, and the ranks it talks to."""
+        """One line per dimension for start-up logs: size, this rank's coordinate, and the ranks it
+        talks to."""
         lines = [f"rank {self.rank}/{self.world_size}"]
-        for mesh, dims in ((self.mesh, ("tp", "cp", "dp", "pp")), (self.expert_mesh, ("ep", "edp"))):
+        for mesh, dims in (
+            (self.mesh, ("tp", "cp", "dp", "pp")),
+            (self.expert_mesh, ("ep", "edp")),
+        ):
             for dim in dims:
                 ranks = dist.get_process_group_ranks(mesh.get_group(dim))
-                lines.append(f"  {dim:<3} size {len(ranks)} coord {mesh.get_local_rank(dim)} ranks {ranks}")
+                lines.append(
+                    f"  {dim:<3} size {len(ranks)} coord {mesh.get_local_rank(dim)} ranks {ranks}"
+                )
         return "\n".join(lines)

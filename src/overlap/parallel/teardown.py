@@ -48,8 +48,11 @@ def shutdown(failing: bool = False) -> None:
     """
     abandoned = comm.drain_outstanding(FAILING_DRAIN_S if failing else None)
     if abandoned:
-        log.warning("teardown: gave up waiting for %d op(s) still in flight (%s)", len(abandoned),
-                    ", ".join(sorted(set(abandoned))))
+        log.warning(
+            "teardown: gave up waiting for %d op(s) still in flight (%s)",
+            len(abandoned),
+            ", ".join(sorted(set(abandoned))),
+        )
     if not failing:
         comm.barrier()
     known = [weakref.ref(g) for g in {dist.group.WORLD, *comm.forget_lookups()}]
@@ -61,5 +64,8 @@ def shutdown(failing: bool = False) -> None:
     gc.collect()
     alive = sum(ref() is not None for ref in known)
     if alive:  # debug: today DDP's hooks keep every group (see above), nothing a user can act on
-        log.debug("teardown: %d process group(s) still referenced after shutdown; their worker "
-                  "threads stay alive until those references go", alive)
+        log.debug(
+            "teardown: %d process group(s) still referenced after shutdown; their worker threads "
+            "stay alive until those references go",
+            alive,
+        )

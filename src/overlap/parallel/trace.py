@@ -1,20 +1,24 @@
-"""A lightweight recorder of communication events and compute spans, fed by `comm.py` and the schedules.
+"""A lightweight recorder of communication events and compute spans, fed by `comm.py` and the
+schedules.
 
-It is always on: one small object per collective and per span costs microseconds, far below the step times we care
-about, and it is what lets a run say how much communication was hidden. Analysis lives in `overlap.profiling`.
+It is always on: one small object per collective and per span costs microseconds, far below the step
+times we care about, and it is what lets a run say how much communication was hidden. Analysis lives
+in `overlap.profiling`.
 
-Times come from a timeline (`Recorder.timeline`), because what "now" means depends on who runs the work:
-- `HostTimeline` (gloo): the host runs the compute and blocks in `wait()`; a time is the host clock, and a
-  collective's completion is taken from its work's future when it fires.
-- `DeviceTimeline` (CUDA): the host only enqueues. A time is a CUDA event recorded on the current stream, which
-  takes its timestamp when the GPU gets there; a collective's completion is an event recorded, in its future's
-  callback, on the stream that the callback runs on (CUDA futures run callbacks on a stream made to wait for the
-  NCCL kernel), so it times when the collective finished on the GPU, not when the host enqueued it (NCCL's futures
-  complete at enqueue, and `wait()` blocks the stream, not the host). Marks resolve to seconds at `drain`, after one
-  device synchronisation per drain (once per training iteration).
-- `RulesTimeline` (gloo under NCCL's rules, `comm.set_nccl_rules`): the device timeline's code path on the host
-  clock, its completion marks set when gloo's own works complete (what the CUDA events would time), since under the
-  rules the futures the runtime sees complete at posting.
+Times come from a timeline (`Recorder.timeline`), because what "now" means depends on who runs the
+work:
+- `HostTimeline` (gloo): the host runs the compute and blocks in `wait()`; a time is the host clock,
+  and a collective's completion is taken from its work's future when it fires.
+- `DeviceTimeline` (CUDA): the host only enqueues. A time is a CUDA event recorded on the current
+  stream, which takes its timestamp when the GPU gets there; a collective's completion is an event
+  recorded, in its future's callback, on the stream that the callback runs on (CUDA futures run
+  callbacks on a stream made to wait for the NCCL kernel), so it times when the collective finished
+  on the GPU, not when the host enqueued it (NCCL's futures complete at enqueue, and `wait()` blocks
+  the stream, not the host). Marks resolve to seconds at `drain`, after one device synchronisation
+  per drain (once per training iteration).
+- `RulesTimeline` (gloo under NCCL's rules, `comm.set_nccl_rules`): the device timeline's code path
+  on the host clock, its completion marks set when gloo's own works complete (what the CUDA events
+  would time), since under the rules the futures the runtime sees complete at posting.
 On the device timelines a collective's completion is not visible to the host before `drain`
 (`Timeline.host_sees_completion` is False): nothing in the runtime may decide on it.
 """
@@ -23,9 +27,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 
 def now() -> float:
@@ -33,7 +38,8 @@ def now() -> float:
 
 
 class Mark:
-    """A time not known yet on the host (a device timeline's event); `Timeline.resolve` turns it into seconds."""
+    """A time not known yet on the host (a device timeline's event); `Timeline.resolve` turns it
+    into seconds."""
 
     __slots__ = ("event", "t")
 
@@ -46,12 +52,14 @@ Time = float | Mark | None
 
 @dataclass
 class CommEvent:
-    """One collective: when it was launched, when its data was complete, and when the caller waited for it.
+    """One collective: when it was launched, when its data was complete, and when the caller waited
+    for it.
 
-    `t_ready` is when every member had posted it, known on a modelled link only (the launch board for collectives,
-    the sender's stamp for a receive): the link carries the data from then on, so a wait before it waits for a late
-    peer (load imbalance), not for the link. None where it is not known (a real link, a send). On a device timeline
-    the fields hold `Mark`s until the recorder drains them."""
+    `t_ready` is when every member had posted it, known on a modelled link only (the launch board
+    for collectives, the sender's stamp for a receive): the link carries the data from then on, so a
+    wait before it waits for a late peer (load imbalance), not for the link. None where it is not
+    known (a real link, a send). On a device timeline the fields hold `Mark`s until the recorder
+    drains them."""
 
     kind: str
     op: str
@@ -74,8 +82,8 @@ class Span:
 
 
 class Timeline:
-    """Where times come from (module docstring): `mark()` now, `resolve()` a mark into seconds after `synchronize()`,
-    `settle()` once a drain has resolved everything."""
+    """Where times come from (module docstring): `mark()` now, `resolve()` a mark into seconds after
+    `synchronize()`, `settle()` once a drain has resolved everything."""
 
     name = "host clock"
     host_sees_completion = True
@@ -94,27 +102,32 @@ class Timeline:
 
 
 class HostTimeline(Timeline):
-    """The host clock (gloo: the host computes, and blocks in waits); completion from the work's future (comm.py)."""
+    """The host clock (gloo: the host computes, and blocks in waits); completion from the work's
+    future (comm.py)."""
 
 
 class DeviceTimeline(Timeline):
-    """CUDA events on the current stream, resolved at drain (module docstring). `event_factory` makes an event with
-    `record()` and `elapsed_time(other)` (ms), as `torch.cuda.Event(enable_timing=True)`; tests give stand-ins."""
+    """CUDA events on the current stream, resolved at drain (module docstring). `event_factory`
+    makes an event with `record()` and `elapsed_time(other)` (ms), as
+    `torch.cuda.Event(enable_timing=True)`; tests give stand-ins."""
 
     name = "GPU timeline (CUDA events)"
     host_sees_completion = False
 
-    def __init__(self, event_factory: Callable[[], Any] | None = None,
-                 synchronize: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        event_factory: Callable[[], Any] | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> None:
         if event_factory is None:
             import torch
 
             event_factory = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
             synchronize = synchronize or torch.cuda.synchronize
         self._new, self._sync = event_factory, synchronize or (lambda: None)
-        # (reference event, its time): the first event recorded, then after each drain the latest one resolved.
-        # Elapsed times between CUDA events are float32 milliseconds, which from one fixed origin would lose
-        # microseconds after minutes of a run (0.5 ms steps after an hour).
+        # (reference event, its time): the first event recorded, then after each drain the latest
+        # one resolved. Elapsed times between CUDA events are float32 milliseconds, which from one
+        # fixed origin would lose microseconds after minutes of a run (0.5 ms steps after an hour).
         self._origin: tuple[Any, float] | None = None
         self._latest: tuple[Any, float] | None = None
 
@@ -129,8 +142,9 @@ class DeviceTimeline(Timeline):
         return Mark(self._record())
 
     def done_mark(self, work: Any) -> Mark | None:
-        """A mark that times the collective's end on the device: an event recorded in its future's callback, on the
-        stream the callback runs on (made to wait for the collective). None when the work has no future."""
+        """A mark that times the collective's end on the device: an event recorded in its future's
+        callback, on the stream the callback runs on (made to wait for the collective). None when
+        the work has no future."""
         mark = Mark()
         try:
             future = work.get_future()
@@ -139,6 +153,7 @@ class DeviceTimeline(Timeline):
 
         def record(_fut: Any) -> None:
             mark.event = self._record()
+
         future.then(record)
         return mark
 
@@ -157,14 +172,16 @@ class DeviceTimeline(Timeline):
         return t
 
     def settle(self) -> None:
-        """Move the origin to the latest event resolved: the next drain's events are measured from close by."""
+        """Move the origin to the latest event resolved: the next drain's events are measured from
+        close by."""
         if self._latest is not None:
             self._origin, self._latest = self._latest, None
 
 
 class RulesTimeline(Timeline):
-    """gloo under NCCL's rules (module docstring): the host clock, and the device timeline's path for completion,
-    set when gloo's own works (`works`, the ones behind what the runtime sees) complete."""
+    """gloo under NCCL's rules (module docstring): the host clock, and the device timeline's path
+    for completion, set when gloo's own works (`works`, the ones behind what the runtime sees)
+    complete."""
 
     name = "host clock under NCCL's rules (completion from gloo's works)"
     host_sees_completion = False
@@ -181,15 +198,18 @@ class RulesTimeline(Timeline):
 
         def record(_fut: Any) -> None:
             mark.t = now()
-        torch.futures.collect_all(futures).then(record)  # runs on gloo's thread once every work is done
+
+        # runs on gloo's thread once every work is done
+        torch.futures.collect_all(futures).then(record)
         return mark
 
 
 @dataclass
 class Recorder:
-    """Collects events until drained. `on_drain`, when set, receives every drained batch: the trainer drains once
-    before its first iteration (a reset) and then once per iteration, so an instrument that sets a sink (the
-    `overlap run --trace/--metrics` exposure report) sees each iteration's events without the trainer knowing it."""
+    """Collects events until drained. `on_drain`, when set, receives every drained batch: the
+    trainer drains once before its first iteration (a reset) and then once per iteration, so an
+    instrument that sets a sink (the `overlap run --trace/--metrics` exposure report) sees each
+    iteration's events without the trainer knowing it."""
 
     comm: list[CommEvent] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
@@ -213,8 +233,8 @@ class Recorder:
             self.spans.append(Span(name, start, self.timeline.mark()))
 
     def drain(self) -> tuple[list[CommEvent], list[Span]]:
-        """Return everything recorded since the last drain and start afresh (one step at a time), every time in
-        seconds (a device timeline's marks resolved after one synchronisation)."""
+        """Return everything recorded since the last drain and start afresh (one step at a time),
+        every time in seconds (a device timeline's marks resolved after one synchronisation)."""
         with self.lock:
             comm, spans = self.comm, self.spans
             self.comm, self.spans = [], []
@@ -224,7 +244,8 @@ class Recorder:
         return comm, spans
 
     def _resolve(self, comm: Sequence[CommEvent], spans: Sequence[Span]) -> None:
-        if type(self.timeline) is HostTimeline:  # noqa: E721 (exactly the host clock: every time is a float)
+        # exactly the host clock: every time is a float
+        if type(self.timeline) is HostTimeline:
             return
         self.timeline.synchronize()
         for item in (*comm, *spans):
@@ -235,8 +256,9 @@ class Recorder:
         self.timeline.settle()
 
     def discard(self) -> None:
-        """Forget what was recorded outside the iterations (a checkpoint's gathers between two steps): no step's
-        communication table should count it, and the per-iteration consumers (`on_drain`) never see it."""
+        """Forget what was recorded outside the iterations (a checkpoint's gathers between two
+        steps): no step's communication table should count it, and the per-iteration consumers
+        (`on_drain`) never see it."""
         with self.lock:
             self.comm, self.spans = [], []
 

@@ -1,32 +1,37 @@
-"""`overlap run --dry-run`: play one rank of a real cluster layout for one training step, in this process, on fake
-tensors - no GPU, no memory, no peers - and report what that rank would do.
+"""`overlap run --dry-run`: play one rank of a real cluster layout for one training step, in this
+process, on fake tensors - no GPU, no memory, no peers - and report what that rank would do.
 
-Why: a layout that is wrong for the model (a device mix-up, a host sync in the step, a rank that does not fit) should
-be found on a laptop, before a cluster is booked. The rank runs the runtime's own code: the trainer builds the model
-chunks, DDP, the optimizer and the mock data at the real shapes, and plays one step (its deferred parameter
-gathers included), with:
+Why: a layout that is wrong for the model (a device mix-up, a host sync in the step, a rank that
+does not fit) should be found on a laptop, before a cluster is booked. The rank runs the runtime's
+own code: the trainer builds the model chunks, DDP, the optimizer and the mock data at the real
+shapes, and plays one step (its deferred parameter gathers included), with:
 
-- torch.distributed on the fake backend (`torch.testing._internal.distributed.fake_pg`): every process group the
-  runtime builds exists, with this rank at its place in the world; collectives return at once and move nothing.
-  `comm.py` records the rank's communication program (`comm.PROGRAM`) as on a real run. The host cannot see a
-  collective complete, as on NCCL (`RulesTimeline`), so the schedules take their GPU decisions.
-- every tensor a FakeTensor (`FakeTensorMode`) on the fake device, which the trainer's `ParallelState.device` names
-  as a GPU rank's names its GPU (neither installs a default device): "cuda" on a CUDA build of torch (true CUDA
-  fakes), "meta" on a CPU build, where CUDA tensors cannot run autograd. On "meta" the code paths that only run on
-  CUDA (an `x.is_cuda` branch) are not exercised, but a CPU tensor meeting a device tensor is still caught.
-- a dispatch mode (`_StepWatch`) over the fakes that measures the live storage bytes on the fake device after every
-  op (the peak is the rank's memory high-water mark: parameters, gradient buffers, optimizer states, activations),
-  catches a device mix-up with its op and our source line, and answers every host read of device data (`.item()`,
-  `.tolist()`, `float(t)`, `bool(t)`: each one a host synchronisation on a GPU) with a stand-in value, recording
-  where in our code it was asked. The MoE split sizes are the one read answered otherwise, by balanced routing
-  (`overlap.layers.moe.split_sizes`): the all-to-alls then carry the bytes a balanced router would send.
+- torch.distributed on the fake backend (`torch.testing._internal.distributed.fake_pg`): every
+  process group the runtime builds exists, with this rank at its place in the world; collectives
+  return at once and move nothing. `comm.py` records the rank's communication program
+  (`comm.PROGRAM`) as on a real run. The host cannot see a collective complete, as on NCCL
+  (`RulesTimeline`), so the schedules take their GPU decisions.
+- every tensor a FakeTensor (`FakeTensorMode`) on the fake device, which the trainer's
+  `ParallelState.device` names as a GPU rank's names its GPU (neither installs a default device):
+  "cuda" on a CUDA build of torch (true CUDA fakes), "meta" on a CPU build, where CUDA tensors
+  cannot run autograd. On "meta" the code paths that only run on CUDA (an `x.is_cuda` branch) are
+  not exercised, but a CPU tensor meeting a device tensor is still caught.
+- a dispatch mode (`_StepWatch`) over the fakes that measures the live storage bytes on the fake
+  device after every op (the peak is the rank's memory high-water mark: parameters, gradient
+  buffers, optimizer states, activations), catches a device mix-up with its op and our source line,
+  and answers every host read of device data (`.item()`, `.tolist()`, `float(t)`, `bool(t)`: each
+  one a host synchronisation on a GPU) with a stand-in value, recording where in our code it was
+  asked. The MoE split sizes are the one read answered otherwise, by balanced routing
+  (`overlap.layers.moe.split_sizes`): the all-to-alls then carry the bytes a balanced router would
+  send.
 
-Attention on "meta" takes CUDA's kernel choice (the layer treats a meta tensor as the CUDA one it stands for), and
-the fused kernels' memory: `overlap.layers.attention.fused_attention_on_meta`.
+Attention on "meta" takes CUDA's kernel choice (the layer treats a meta tensor as the CUDA one it
+stands for), and the fused kernels' memory: `overlap.layers.attention.fused_attention_on_meta`.
 
-A real step can have hundreds of micro-batches, and a fake op costs a few hundred microseconds here, so by default the
-rank plays the fewest micro-batches that reach its schedule's steady state (`default_microbatches`): the per
-micro-batch program repeats after that, and the activations alive at once are those of the full step.
+A real step can have hundreds of micro-batches, and a fake op costs a few hundred microseconds here,
+so by default the rank plays the fewest micro-batches that reach its schedule's steady state
+(`default_microbatches`): the per micro-batch program repeats after that, and the activations alive
+at once are those of the full step.
 """
 
 from __future__ import annotations
@@ -57,8 +62,14 @@ from overlap.layers.moe import split_sizes
 from overlap.parallel import comm, teardown
 from overlap.parallel.program import Post, summarize
 from overlap.parallel.trace import RECORDER, RulesTimeline
-from overlap.perf.host_syncs import (HOST_TENSOR, caller, host_copy, intended_read, our_frame,
-                                     package_path)
+from overlap.perf.host_syncs import (
+    HOST_TENSOR,
+    caller,
+    host_copy,
+    intended_read,
+    our_frame,
+    package_path,
+)
 from overlap.pipeline.schedules import pipeline_steps
 
 log = logging.getLogger("overlap")
@@ -66,12 +77,17 @@ log = logging.getLogger("overlap")
 SPLIT_SIZES = "the MoE split sizes, needed by the all-to-all (routing assumed balanced)"
 
 PEAK_SITES_SHOWN = 8
-_STAND_INS = {"float": 1.0, "int": 0, "bool": True}  # what a fake host read returns, by the scalar's kind
+_STAND_INS = {
+    "float": 1.0,
+    "int": 0,
+    "bool": True,
+}  # what a fake host read returns, by the scalar's kind
 
 
 @dataclass(frozen=True)
 class DryRunOptions:
-    """The --dry-run flags: which rank, how many micro-batches (None: `default_microbatches`), the JSON file."""
+    """The --dry-run flags: which rank, how many micro-batches (None: `default_microbatches`), the
+    JSON file."""
 
     rank: int = 0
     microbatches: int | None = None
@@ -88,17 +104,23 @@ class HostRead:
     code: str  # the line's text
     count: int = 0
     answer: str = ""  # what the dry run gave back
-    via: str | None = None  # the torch function that read, when our line calls into torch (an optimizer step)
+    via: str | None = (
+        None  # the torch function that read, when our line calls into torch (an optimizer step)
+    )
     intended: str | None = None  # why the step needs it, or None: unintended
 
     def describe(self) -> str:
         via = f" via {self.via}" if self.via else ""
-        return f"{self.phase} {self.site} ({self.function}) x{self.count}: {self.code}{via} -> {self.answer}"
+        return (
+            f"{self.phase} {self.site} ({self.function}) x{self.count}: {self.code}{via} -> "
+            f"{self.answer}"
+        )
 
 
 @dataclass
 class Finding:
-    """What stopped the step: a device mix-up, an op the dry run cannot answer, or any other failure."""
+    """What stopped the step: a device mix-up, an op the dry run cannot answer, or any other
+    failure."""
 
     kind: str  # "device mix-up" | "unanswerable op" | "failure"
     op: str | None
@@ -114,7 +136,8 @@ class Finding:
 
 @dataclass
 class KindTraffic:
-    """One kind of the rank's program: operations, bytes it sends (receives for a receive), who it talks to."""
+    """One kind of the rank's program: operations, bytes it sends (receives for a receive), who it
+    talks to."""
 
     ops: int = 0
     bytes: int = 0
@@ -135,12 +158,16 @@ class DryRunReport:
     microbatches_chosen_by: str
     overrides: list[str]
     program: dict[str, KindTraffic]
-    start_bytes: int  # live on the device when the step starts (parameters, gradient buffers, master weights)
+    # live on the device when the step starts (parameters, gradient buffers, master weights)
+    start_bytes: int
     peak_bytes: int
-    peak_by_site: list[tuple[str, int]]  # alive at the peak, by the line of our code that made it, largest first
+    # alive at the peak, by the line of our code that made it, largest first
+    peak_by_site: list[tuple[str, int]]
     end_bytes: int | None  # None: the step did not get there
     estimate: MemoryEstimate  # overlap explain's (one micro-batch's activations)
-    scheduled_estimate: MemoryEstimate  # overlap plan's: with the micro-batches the schedule keeps alive
+    scheduled_estimate: (
+        MemoryEstimate  # overlap plan's: with the micro-batches the schedule keeps alive
+    )
     host_reads: list[HostRead]
     split_size_reads: int
     finding: Finding | None
@@ -160,49 +187,88 @@ class DryRunReport:
         return doc
 
     def format(self) -> str:
-        lines = [f"Dry run: rank {self.rank} of {self.world_size}, one training step, on fake tensors "
-                 f"({self.seconds:.0f} s)",
-                 f"  layout: {self.layout}",
-                 *(f"  {line}" for line in self.groups.splitlines()[1:]),
-                 f"  fake device: {self.fake_device}" + (
-                     " (a CPU build of torch: CUDA-only code paths, e.g. `x.is_cuda` branches, are not exercised; "
-                     "device mix-ups with the CPU are still caught; attention takes CUDA's kernel choice, with the "
-                     "fused kernel's memory)" if self.fake_device == "meta" else ""),
-                 f"  process groups: the fake backend, meshes on device type {self.mesh_device}",
-                 f"  micro-batches: {self.microbatches_played} of the step's {self.microbatches_per_step} played"
-                 + (f" ({self.microbatches_chosen_by}; the tp/ep/pp operations repeat per micro-batch, so a full "
-                    "step has about "
-                    f"{self.microbatches_per_step / self.microbatches_played:.3g}x those)"
-                    if self.microbatches_played < self.microbatches_per_step else "")]
+        lines = [
+            f"Dry run: rank {self.rank} of {self.world_size}, one training step, on fake tensors "
+            f"({self.seconds:.0f} s)",
+            f"  layout: {self.layout}",
+            *(f"  {line}" for line in self.groups.splitlines()[1:]),
+            f"  fake device: {self.fake_device}"
+            + (
+                " (a CPU build of torch: CUDA-only code paths, e.g. `x.is_cuda` branches, are not "
+                "exercised; device mix-ups with the CPU are still caught; attention takes CUDA's "
+                "kernel choice, with the fused kernel's memory)"
+                if self.fake_device == "meta"
+                else ""
+            ),
+            f"  process groups: the fake backend, meshes on device type {self.mesh_device}",
+            f"  micro-batches: {self.microbatches_played} of the step's "
+            f"{self.microbatches_per_step} played"
+            + (
+                f" ({self.microbatches_chosen_by}; the tp/ep/pp operations repeat per micro-batch, "
+                "so a full step has about "
+                f"{self.microbatches_per_step / self.microbatches_played:.3g}x those)"
+                if self.microbatches_played < self.microbatches_per_step
+                else ""
+            ),
+        ]
         if self.overrides:
-            lines.append(f"  overrides: {' '.join(self.overrides)} (the dry run plays the model as overridden)")
+            lines.append(
+                f"  overrides: {' '.join(self.overrides)} (the dry run plays the model as "
+                "overridden)"
+            )
         if self.split_size_reads:
-            lines.append(f"  routing assumed balanced: {self.split_size_reads} MoE split-size reads answered with "
-                         "balanced routing (each expert gets tokens x topk / experts rows)")
-        lines += ["", "Communication program (this rank; bytes sent, received for a receive):",
-                  f"  {'kind':<20} {'ops':>6} {'bytes':>11}  with"]
+            lines.append(
+                f"  routing assumed balanced: {self.split_size_reads} MoE split-size reads "
+                "answered with balanced routing (each expert gets tokens x topk / experts rows)"
+            )
+        lines += [
+            "",
+            "Communication program (this rank; bytes sent, received for a receive):",
+            f"  {'kind':<20} {'ops':>6} {'bytes':>11}  with",
+        ]
         for kind, t in sorted(self.program.items()):
             lines.append(f"  {kind:<20} {t.ops:>6} {_size(t.bytes):>11}  {_partners(t)}")
         est = self.estimate
         ratio = f" ({self.peak_bytes / est.total:.2f}x the estimate)"
-        lines += ["", "Memory (live storage on the fake device):",
-                  f"  at the step's start {_size(self.start_bytes)} (parameters, gradient buffers, master weights)",
-                  f"  peak during the step {_size(self.peak_bytes)}{ratio}, made by:",
-                  *(f"    {_size(n):>11}  {site}" for site, n in self.peak_by_site[:PEAK_SITES_SHOWN]),
-                  f"  at the step's end {_size(self.end_bytes)} (+ optimizer states)" if self.end_bytes is not None
-                  else "  at the step's end: not reached",
-                  f"  overlap explain's estimate{'' if self.rank == 0 else ' (for rank 0)'}: {est.describe()}",
-                  f"  with the schedule's micro-batches in flight (overlap plan's): "
-                  f"{self.scheduled_estimate.describe()}"]
-        lines += ["", "Host reads of device data (each a host synchronisation on a GPU), building the trainer and "
-                      "in the step:"]
+        lines += [
+            "",
+            "Memory (live storage on the fake device):",
+            f"  at the step's start {_size(self.start_bytes)} (parameters, gradient buffers, "
+            "master weights)",
+            f"  peak during the step {_size(self.peak_bytes)}{ratio}, made by:",
+            *(f"    {_size(n):>11}  {site}" for site, n in self.peak_by_site[:PEAK_SITES_SHOWN]),
+            f"  at the step's end {_size(self.end_bytes)} (+ optimizer states)"
+            if self.end_bytes is not None
+            else "  at the step's end: not reached",
+            f"  overlap explain's estimate{'' if self.rank == 0 else ' (for rank 0)'}: "
+            f"{est.describe()}",
+            f"  with the schedule's micro-batches in flight (overlap plan's): "
+            f"{self.scheduled_estimate.describe()}",
+        ]
+        lines += [
+            "",
+            "Host reads of device data (each a host synchronisation on a GPU), building the "
+            "trainer and in the step:",
+        ]
         for r in self.host_reads:
-            label = "UNINTENDED" if r.intended is None else "host" if r.intended == HOST_TENSOR else "intended"
-            lines.append(f"  {label:<10} {r.describe()}" + (f" [{r.intended}]" if r.intended else ""))
+            label = (
+                "UNINTENDED"
+                if r.intended is None
+                else "host"
+                if r.intended == HOST_TENSOR
+                else "intended"
+            )
+            lines.append(
+                f"  {label:<10} {r.describe()}" + (f" [{r.intended}]" if r.intended else "")
+            )
         if not self.host_reads:
             lines.append("  none")
-        lines += ["", f"Result: {self.finding.line()}" if self.finding else
-                  "Result: the step ran; no device mix-up found"]
+        lines += [
+            "",
+            f"Result: {self.finding.line()}"
+            if self.finding
+            else "Result: the step ran; no device mix-up found",
+        ]
         return "\n".join(lines)
 
 
@@ -223,13 +289,16 @@ def _ranks(members: list[int]) -> str:
 
 
 def _partners(t: KindTraffic) -> str:
-    parts = [f"peer{'s' if len(t.peers) > 1 else ''} {','.join(map(str, t.peers))}"] if t.peers else []
+    parts = (
+        [f"peer{'s' if len(t.peers) > 1 else ''} {','.join(map(str, t.peers))}"] if t.peers else []
+    )
     parts += [f"group of {len(g)} ({_ranks(g)})" for g in t.groups]
     return "; ".join(parts)
 
 
 def program_traffic(entries: list) -> dict[str, KindTraffic]:
-    """Per kind: `program.summarize`'s operation counts, with bytes and the groups / peers from the posts."""
+    """Per kind: `program.summarize`'s operation counts, with bytes and the groups / peers from the
+    posts."""
     out = {kind: KindTraffic(ops=s["ops"]) for kind, s in summarize(entries).items()}
     for entry in entries:
         if not isinstance(entry, Post):
@@ -247,16 +316,26 @@ def program_traffic(entries: list) -> dict[str, KindTraffic]:
     return out
 
 
-# --- which micro-batches ------------------------------------------------------------------------------------------
+# --- which micro-batches
+# ------------------------------------------------------------------------------------------
 def _vpp(cfg: ConfigContainer) -> int:
     return cfg.model.virtual_pipeline_model_parallel_size or 1
 
 
-def _in_flight(layout: ParallelLayout, cfg: ConfigContainer, pp_rank: int, microbatches: int) -> int:
-    """Most (micro-batch, chunk) forwards whose backward has not run yet, over the rank's pipeline program: what
-    the schedule keeps alive at its high-water mark (`pipeline.schedules.pipeline_steps`)."""
-    steps = pipeline_steps(layout.pp, pp_rank, _vpp(cfg), microbatches, cfg.model.microbatch_group_size_per_vp_stage,
-                           cfg.resolved.overlap.overlap_moe_expert_parallel_comm)
+def _in_flight(
+    layout: ParallelLayout, cfg: ConfigContainer, pp_rank: int, microbatches: int
+) -> int:
+    """Most (micro-batch, chunk) forwards whose backward has not run yet, over the rank's pipeline
+    program: what the schedule keeps alive at its high-water mark
+    (`pipeline.schedules.pipeline_steps`)."""
+    steps = pipeline_steps(
+        layout.pp,
+        pp_rank,
+        _vpp(cfg),
+        microbatches,
+        cfg.model.microbatch_group_size_per_vp_stage,
+        cfg.resolved.overlap.overlap_moe_expert_parallel_comm,
+    )
     alive = most = 0
     for step in steps:
         alive += step.forward is not None
@@ -265,7 +344,9 @@ def _in_flight(layout: ParallelLayout, cfg: ConfigContainer, pp_rank: int, micro
     return most
 
 
-def _microbatch_problem(layout: ParallelLayout, cfg: ConfigContainer, k: int, per_step: int) -> str | None:
+def _microbatch_problem(
+    layout: ParallelLayout, cfg: ConfigContainer, k: int, per_step: int
+) -> str | None:
     """Why `k` micro-batches cannot stand for this step's schedule, or None."""
     if not 1 <= k <= per_step:
         return f"a step of this layout has {per_step} micro-batch(es) per data-parallel rank."
@@ -274,19 +355,25 @@ def _microbatch_problem(layout: ParallelLayout, cfg: ConfigContainer, k: int, pe
     if layout.pp > 1 and _vpp(cfg) > 1:
         group = cfg.model.microbatch_group_size_per_vp_stage or layout.pp
         if k % layout.pp or k < group:
-            return (f"the interleaved schedule needs a multiple of PP ({layout.pp}) and at least the group size "
-                    f"({group}).")
+            return (
+                f"the interleaved schedule needs a multiple of PP ({layout.pp}) and at least the "
+                "group size "
+                f"({group})."
+            )
     return None
 
 
 def default_microbatches(layout: ParallelLayout, cfg: ConfigContainer, pp_rank: int) -> int:
-    """The fewest micro-batches (at least 2 when the step has 2) that the schedule accepts and whose pipeline
-    program keeps as many forwards alive as the full step's: the activation high-water mark is then the real one,
-    and every later micro-batch repeats the same program."""
+    """The fewest micro-batches (at least 2 when the step has 2) that the schedule accepts and whose
+    pipeline program keeps as many forwards alive as the full step's: the activation high-water mark
+    is then the real one, and every later micro-batch repeats the same program."""
     per_step = microbatches_per_step(layout, cfg)
     target = _in_flight(layout, cfg, pp_rank, per_step)
     for k in range(min(2, per_step), per_step):
-        if _microbatch_problem(layout, cfg, k, per_step) is None and _in_flight(layout, cfg, pp_rank, k) == target:
+        if (
+            _microbatch_problem(layout, cfg, k, per_step) is None
+            and _in_flight(layout, cfg, pp_rank, k) == target
+        ):
             return k
     return per_step
 
@@ -296,64 +383,116 @@ def microbatches_per_step(layout: ParallelLayout, cfg: ConfigContainer) -> int:
     return t.global_batch_size // (t.micro_batch_size * layout.dp)
 
 
-# --- refusals -----------------------------------------------------------------------------------------------------
+# --- refusals
+# --------------------------------------------------------------------------------------------------
 def check_dry_run(job: Job, args: argparse.Namespace, env=os.environ) -> DryRunOptions:
-    """What a dry run cannot be combined with, each a ConfigError before anything is built; the options."""
+    """What a dry run cannot be combined with, each a ConfigError before anything is built; the
+    options."""
     layout, cfg = job.resolution.layout, job.cfg
     if "RANK" in env and "WORLD_SIZE" in env:
-        raise ConfigError("--dry-run", True, "one process plays one rank of the layout; under torchrun or srun every "
-                          "process would play one.", "run `overlap run ... --dry-run` alone, without a launcher.")
+        raise ConfigError(
+            "--dry-run",
+            True,
+            "one process plays one rank of the layout; under torchrun or srun every process would "
+            "play one.",
+            "run `overlap run ... --dry-run` alone, without a launcher.",
+        )
     if args.gpu == "cpu":
-        raise ConfigError("--dry-run", True, "it plays a GPU rank on this machine, and a -g cpu layout runs for real "
-                          "here.", "name the cluster's GPU (-g h100, ...), or drop --dry-run.")
-    for flag, given in (("--emit-slurm", args.emit_slurm), ("--metrics", args.metrics), ("--trace", args.trace),
-                        ("--nccl-rules", args.nccl_rules or None)):
+        raise ConfigError(
+            "--dry-run",
+            True,
+            "it plays a GPU rank on this machine, and a -g cpu layout runs for real here.",
+            "name the cluster's GPU (-g h100, ...), or drop --dry-run.",
+        )
+    for flag, given in (
+        ("--emit-slurm", args.emit_slurm),
+        ("--metrics", args.metrics),
+        ("--trace", args.trace),
+        ("--nccl-rules", args.nccl_rules or None),
+    ):
         if given is not None:
-            raise ConfigError(flag, given, "a dry run trains nothing and times nothing: it writes its report (and "
-                              "--dry-run-json FILE).", f"drop {flag} with --dry-run.")
+            raise ConfigError(
+                flag,
+                given,
+                "a dry run trains nothing and times nothing: it writes its report (and "
+                "--dry-run-json FILE).",
+                f"drop {flag} with --dry-run.",
+            )
     if args.comm_mode != "real":
-        raise ConfigError("--comm-mode", args.comm_mode, "the dry run records the communication program, which a free "
-                          "communication mode would leave out.", "drop --comm-mode with --dry-run.")
+        raise ConfigError(
+            "--comm-mode",
+            args.comm_mode,
+            "the dry run records the communication program, which a free communication mode would "
+            "leave out.",
+            "drop --comm-mode with --dry-run.",
+        )
     ck = cfg.checkpoint
-    for key, value in (("checkpoint.load", ck.load), ("checkpoint.save", ck.save),
-                       ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint)):
+    for key, value in (
+        ("checkpoint.load", ck.load),
+        ("checkpoint.save", ck.save),
+        ("checkpoint.pretrained_checkpoint", ck.pretrained_checkpoint),
+    ):
         if value:
-            raise ConfigError(key, value, "a dry run has no weights: fake tensors hold no values to load or save.",
-                              f"drop {key} for the dry run (the shapes come from the recipe and the overrides).")
+            raise ConfigError(
+                key,
+                value,
+                "a dry run has no weights: fake tensors hold no values to load or save.",
+                f"drop {key} for the dry run (the shapes come from the recipe and the overrides).",
+            )
     rank = args.dry_run_rank or 0
     if not 0 <= rank < layout.world_size:
-        raise ConfigError("--dry-run-rank", rank, f"the layout has ranks 0-{layout.world_size - 1}.",
-                          f"pick a rank in 0-{layout.world_size - 1}.")
+        raise ConfigError(
+            "--dry-run-rank",
+            rank,
+            f"the layout has ranks 0-{layout.world_size - 1}.",
+            f"pick a rank in 0-{layout.world_size - 1}.",
+        )
     k = args.dry_run_microbatches
     if k is not None:
         problem = _microbatch_problem(layout, cfg, k, microbatches_per_step(layout, cfg))
         if problem:
-            raise ConfigError("--dry-run-microbatches", k, problem, "choose a count the step's schedule accepts, or "
-                              "omit the flag (the default reaches the schedule's steady state).")
+            raise ConfigError(
+                "--dry-run-microbatches",
+                k,
+                problem,
+                "choose a count the step's schedule accepts, or omit the flag (the default reaches "
+                "the schedule's steady state).",
+            )
     from overlap.launch.paths import check_output_file
 
     check_output_file("--dry-run-json", args.dry_run_json)
     return DryRunOptions(rank, k, args.dry_run_json)
 
 
-# --- the watch over the step's ops --------------------------------------------------------------------------------
+# --- the watch over the step's ops
+# --------------------------------------------------------------------------------
 def _fake_errors() -> tuple[type, type, tuple[type, ...]]:
-    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                               FakeTensorDeviceMismatchError, UnsupportedOperatorException)
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorDeviceMismatchError,
+        UnsupportedOperatorException,
+    )
 
-    return (FakeTensorDeviceMismatchError, DataDependentOutputException,
-            (DynamicOutputShapeException, UnsupportedOperatorException))
+    return (
+        FakeTensorDeviceMismatchError,
+        DataDependentOutputException,
+        (DynamicOutputShapeException, UnsupportedOperatorException),
+    )
 
 
 class _StepWatch(TorchDispatchMode):
-    """Entered inside the FakeTensorMode: sees every op before the fakes run it (module docstring)."""
+    """Entered inside the FakeTensorMode: sees every op before the fakes run it (module
+    docstring)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device_type = device.type
-        self.live: dict[int, tuple[int, str]] = {}  # id of a live storage on the fake device -> (bytes, made where)
+        # id of a live storage on the fake device -> (bytes, made where)
+        self.live: dict[int, tuple[int, str]] = {}
         self.current = self.peak = 0
-        self.by_site: dict[str, int] = defaultdict(int)  # live bytes by the line of our code that made them
+        # live bytes by the line of our code that made them
+        self.by_site: dict[str, int] = defaultdict(int)
         self.peak_by_site: dict[str, int] = {}
         self.reads: dict[tuple[str, str, str], HostRead] = {}
         self.phase = "build"
@@ -368,11 +507,13 @@ class _StepWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is self.device_op:  # autograd asks for every tensor's device: the hot path, nothing to watch
+        # autograd asks for every tensor's device: the hot path, nothing to watch
+        if func is self.device_op:
             return func(*args, **kwargs)
         if self._on_host(args, kwargs):
-            # Only real host tensors (a device mesh's table of ranks, made before the fakes; a literal such as
-            # torch.tensor(0.0) on the CPU) and staying there: host values, computed for real
+            # Only real host tensors (a device mesh's table of ranks, made before the fakes; a
+            # literal such as torch.tensor(0.0) on the CPU) and staying there: host values, computed
+            # for real
             with _disable_current_modes():
                 return func(*args, **kwargs)
         if func is self.local_scalar or func is self.equal:
@@ -382,12 +523,20 @@ class _StepWatch(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except self.mismatch as exc:
-            self._found("device mix-up", func, f"a {exc.device} tensor meets a {exc.common_device} tensor "
-                        "(on a GPU: the same error, mid-step)")
+            self._found(
+                "device mix-up",
+                func,
+                f"a {exc.device} tensor meets a {exc.common_device} tensor "
+                "(on a GPU: the same error, mid-step)",
+            )
             raise
         except (self.data_dependent, *self.unanswerable) as exc:
-            self._found("unanswerable op", func, f"{type(exc).__name__}: its result depends on the values (on a GPU "
-                        "a host synchronisation); the dry run cannot answer it")
+            self._found(
+                "unanswerable op",
+                func,
+                f"{type(exc).__name__}: its result depends on the values (on a GPU "
+                "a host synchronisation); the dry run cannot answer it",
+            )
             raise
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
@@ -397,8 +546,11 @@ class _StepWatch(TorchDispatchMode):
     def _on_host(self, args, kwargs) -> bool:
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         target = kwargs.get("device")
-        return (bool(tensors) and (target is None or torch.device(target).type == "cpu")
-                and all(not isinstance(t, self.fake) and t.device.type == "cpu" for t in tensors))
+        return (
+            bool(tensors)
+            and (target is None or torch.device(target).type == "cpu")
+            and all(not isinstance(t, self.fake) and t.device.type == "cpu" for t in tensors)
+        )
 
     def _track(self, storage, func) -> None:
         key = id(storage)
@@ -406,8 +558,11 @@ class _StepWatch(TorchDispatchMode):
             return
         nbytes = storage.nbytes()
         frame = our_frame(sys._getframe(2))
-        site = (f"{package_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
-                if frame is not None else f"autograd ({func.name()})")
+        site = (
+            f"{package_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+            if frame is not None
+            else f"autograd ({func.name()})"
+        )
         self.live[key] = (nbytes, site)
         self.by_site[site] += nbytes
         self.current += nbytes
@@ -424,20 +579,35 @@ class _StepWatch(TorchDispatchMode):
         self.peak, self.peak_by_site = self.current, dict(self.by_site)
 
     def _answer(self, func, tensor: torch.Tensor):
-        kind = "bool" if tensor.dtype == torch.bool or func is self.equal else (
-            "float" if tensor.dtype.is_floating_point or tensor.dtype.is_complex else "int")
+        kind = (
+            "bool"
+            if tensor.dtype == torch.bool or func is self.equal
+            else ("float" if tensor.dtype.is_floating_point or tensor.dtype.is_complex else "int")
+        )
         value = _STAND_INS[kind]
-        self.record_read(caller(), f"stand-in {value!r}", HOST_TENSOR if tensor.device.type == "cpu" else None)
+        self.record_read(
+            caller(), f"stand-in {value!r}", HOST_TENSOR if tensor.device.type == "cpu" else None
+        )
         return value
 
-    def record_read(self, where: tuple[str, str, str, str | None] | None, answer: str,
-                    intended: str | None = None) -> None:
+    def record_read(
+        self,
+        where: tuple[str, str, str, str | None] | None,
+        answer: str,
+        intended: str | None = None,
+    ) -> None:
         site, function, code, via = where or ("(no line of ours on the stack)", "-", "", None)
         read = self.reads.get((self.phase, site, function))
         if read is None:
             read = self.reads[(self.phase, site, function)] = HostRead(
-                site, function, self.phase, code, answer=answer, via=via,
-                intended=intended or intended_read(site, function, code))
+                site,
+                function,
+                self.phase,
+                code,
+                answer=answer,
+                via=via,
+                intended=intended or intended_read(site, function, code),
+            )
         read.count += 1
 
     def _found(self, kind: str, func, message: str) -> None:
@@ -446,14 +616,16 @@ class _StepWatch(TorchDispatchMode):
             self.finding = Finding(kind, str(func), site, function, message)
 
 
-# --- the run ------------------------------------------------------------------------------------------------------
+# --- the run
+# --------------------------------------------------------------------------------------------------
 def fake_device() -> torch.device:
-    """"cuda" fakes on a CUDA build of torch; "meta" on a CPU build (module docstring)."""
+    """ "cuda" fakes on a CUDA build of torch; "meta" on a CPU build (module docstring)."""
     return torch.device("cuda", 0) if torch.backends.cuda.is_built() else torch.device("meta")
 
 
 def _mesh_device(device: torch.device) -> str:
-    """The meshes' device type: a CUDA mesh needs a GPU to bind, and without one only its groups matter here."""
+    """The meshes' device type: a CUDA mesh needs a GPU to bind, and without one only its groups
+    matter here."""
     if device.type == "cuda":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device.type
@@ -468,32 +640,49 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
     from overlap.training.trainer import Trainer
 
     cfg, layout = job.cfg, job.resolution.layout
-    estimate = estimate_memory(cfg, layout, cpu=False)  # what `overlap explain` shows for this GPU layout
-    scheduled = estimate_memory(cfg, layout, cpu=False, schedule=True)  # before the micro-batches are cut
+    # what `overlap explain` shows for this GPU layout
+    estimate = estimate_memory(cfg, layout, cpu=False)
+    # before the micro-batches are cut
+    scheduled = estimate_memory(cfg, layout, cpu=False, schedule=True)
     per_step = microbatches_per_step(layout, cfg)
     device = fake_device()
     mesh_device = _mesh_device(device)
     started = time.perf_counter()
     # meta:fake too: point-to-point batches of meta tensors look their backend up by device type
-    dist.init_process_group("cpu:fake,cuda:fake,meta:fake", store=FakeStore(), rank=options.rank,
-                            world_size=layout.world_size)
-    # torch names the default backend of a device-mapped world only for plugins it finds under their registered
-    # name ("FAKE" is looked up as "fake" and missed), and its teardown then warns that it has none
+    dist.init_process_group(
+        "cpu:fake,cuda:fake,meta:fake",
+        store=FakeStore(),
+        rank=options.rank,
+        world_size=layout.world_size,
+    )
+    # torch names the default backend of a device-mapped world only for plugins it finds under their
+    # registered name ("FAKE" is looked up as "fake" and missed), and its teardown then warns that
+    # it has none
     dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     saved_timeline = RECORDER.timeline
-    RECORDER.timeline = RulesTimeline()  # the host does not see completion, as on NCCL: the GPU decisions
+    # the host does not see completion, as on NCCL: the GPU decisions
+    RECORDER.timeline = RulesTimeline()
     watch = _StepWatch(device)
     trainer = ps = None
     try:
         ps = ParallelState(layout, device, mesh_device)
         played = options.microbatches or default_microbatches(layout, cfg, ps.pp_rank)
         cfg.train.global_batch_size = played * cfg.train.micro_batch_size * layout.dp
-        log.info("dry run: rank %d of %d, %d of %d micro-batches, fake device %s", options.rank, layout.world_size,
-                 played, per_step, device.type)
-        split_sizes.assume_balanced_routing(lambda: watch.record_read(caller(), "balanced routing", SPLIT_SIZES))
+        log.info(
+            "dry run: rank %d of %d, %d of %d micro-batches, fake device %s",
+            options.rank,
+            layout.world_size,
+            played,
+            per_step,
+            device.type,
+        )
+        split_sizes.assume_balanced_routing(
+            lambda: watch.record_read(caller(), "balanced routing", SPLIT_SIZES)
+        )
         with FakeTensorMode(allow_non_fake_inputs=True), watch, warnings.catch_warnings():
-            # The pipeline compares storage addresses to count a sent copy in its own memory statistic, which the
-            # dry run does not read (it measures every storage itself); fakes have none, and torch warns.
+            # The pipeline compares storage addresses to count a sent copy in its own memory
+            # statistic, which the dry run does not read (it measures every storage itself); fakes
+            # have none, and torch warns.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             start, end = 0, None
             try:
@@ -503,26 +692,44 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
                 start = watch.current
                 watch.reset_peak()
                 trainer.train_step(0)
-                trainer.finish_param_sync()  # the step's parameter gathers deferred into the next forward
+                # the step's parameter gathers deferred into the next forward
+                trainer.finish_param_sync()
                 end = watch.current
             except ConfigError:
                 raise  # a user's mistake the runtime found while building: exit 2, as a real run
-            except Exception as exc:  # noqa: BLE001 - any other failure of the step is the report's finding
+            except Exception as exc:  # any other failure of the step is the report's finding
                 watch.finding = watch.finding or _failure(exc)
             entries = comm.PROGRAM.stop()
         reads = sorted(watch.reads.values(), key=lambda r: (r.intended is None, r.phase, r.site))
         split_reads = sum(r.count for r in reads if r.intended == SPLIT_SIZES)
         return DryRunReport(
-            rank=options.rank, world_size=layout.world_size, layout=describe_layout(job.resolution),
-            groups=ps.describe(), fake_device=device.type, mesh_device=mesh_device, microbatches_played=played,
+            rank=options.rank,
+            world_size=layout.world_size,
+            layout=describe_layout(job.resolution),
+            groups=ps.describe(),
+            fake_device=device.type,
+            mesh_device=mesh_device,
+            microbatches_played=played,
             microbatches_per_step=per_step,
-            microbatches_chosen_by="--dry-run-microbatches" if options.microbatches else
-            "the default: the fewest that reach the schedule's steady state, as many activations alive",
+            microbatches_chosen_by="--dry-run-microbatches"
+            if options.microbatches
+            else "the default: the fewest that reach the schedule's steady state, as many "
+            "activations alive",
             overrides=list(getattr(job.args, "overrides", None) or []),
-            program=program_traffic(entries), start_bytes=start, peak_bytes=watch.peak,
-            peak_by_site=sorted(((k, n) for k, n in watch.peak_by_site.items() if n), key=lambda kv: -kv[1]),
-            end_bytes=end, estimate=estimate, scheduled_estimate=scheduled, host_reads=reads,
-            split_size_reads=split_reads, finding=watch.finding, seconds=time.perf_counter() - started)
+            program=program_traffic(entries),
+            start_bytes=start,
+            peak_bytes=watch.peak,
+            peak_by_site=sorted(
+                ((k, n) for k, n in watch.peak_by_site.items() if n), key=lambda kv: -kv[1]
+            ),
+            end_bytes=end,
+            estimate=estimate,
+            scheduled_estimate=scheduled,
+            host_reads=reads,
+            split_size_reads=split_reads,
+            finding=watch.finding,
+            seconds=time.perf_counter() - started,
+        )
     finally:
         split_sizes.assume_balanced_routing(None)
         RECORDER.timeline = saved_timeline
@@ -537,6 +744,9 @@ def _failure(exc: BaseException) -> Finding:
     site = function = None
     for frame, line in traceback.walk_tb(exc.__traceback__):
         if package_path(frame.f_code.co_filename) is not None:
-            site, function = f"{package_path(frame.f_code.co_filename)}:{line}", frame.f_code.co_name
+            site, function = (
+                f"{package_path(frame.f_code.co_filename)}:{line}",
+                frame.f_code.co_name,
+            )
     message = str(exc).splitlines()[0] if str(exc) else ""
     return Finding("failure", None, site, function, f"{type(exc).__name__}: {message}")

@@ -1,10 +1,10 @@
 """What machine a benchmark ran on, recorded beside its results.
 
-This project's CPU machines have changed under the same name three times (an older CPU where bf16 was ~15x slower
-than fp32, an AMD EPYC with native bf16, an Intel Xeon with AMX), and each change moved every compute-bound number
-and the regime of every modelled-link benchmark. A result that does not say which CPU made it cannot be compared
-with a later run, so `overlap bench` and `bench/hf_compute_bench.py` write this description into their JSON and
-markdown.
+This project's CPU machines have changed under the same name three times (an older CPU where bf16
+was ~15x slower than fp32, an AMD EPYC with native bf16, an Intel Xeon with AMX), and each change
+moved every compute-bound number and the regime of every modelled-link benchmark. A result that does
+not say which CPU made it cannot be compared with a later run, so `overlap bench` and
+`bench/hf_compute_bench.py` write this description into their JSON and markdown.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
-    """{"cpu": model name, "cores": usable cores, "bf16_flags": [...], "torch": version} (the CPU fields are
-    "unknown" / [] where /proc/cpuinfo cannot be read, e.g. off Linux)."""
+    """{"cpu": model name, "cores": usable cores, "bf16_flags": [...], "torch": version} (the CPU
+    fields are "unknown" / [] where /proc/cpuinfo cannot be read, e.g. off Linux)."""
     model, flags = platform.processor() or "unknown", set()
     try:
         text = cpuinfo.read_text()
@@ -33,11 +33,18 @@ def describe_machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
         elif key.strip() == "flags":
             flags = set(value.split())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": model, "cores": cores, "bf16_flags": [f for f in BF16_FLAGS if f in flags],
-            "torch": version("torch")}  # no torch import: the bench driver does not need one
+    return {
+        "cpu": model,
+        "cores": cores,
+        "bf16_flags": [f for f in BF16_FLAGS if f in flags],
+        "torch": version("torch"),
+    }  # no torch import: the bench driver does not need one
 
 
 def machine_line(machine: dict) -> str:
     """One markdown line naming the machine."""
     flags = ", ".join(machine["bf16_flags"]) or "none"
-    return f"Machine: {machine['cpu']}, {machine['cores']} cores (bf16 flags: {flags}), torch {machine['torch']}"
+    return (
+        f"Machine: {machine['cpu']}, {machine['cores']} cores (bf16 flags: {flags}), torch "
+        f"{machine['torch']}"
+    )

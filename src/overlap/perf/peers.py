@@ -1,10 +1,12 @@
-"""PyTorch's own data-parallel runtimes as peers: the same model, data, schedule and optimizer arithmetic as our
-Trainer, with gradient reduction done by `torch.nn.parallel.DistributedDataParallel` or FSDP2 (`fully_shard`).
+"""PyTorch's own data-parallel runtimes as peers: the same model, data, schedule and optimizer
+arithmetic as our Trainer, with gradient reduction done by
+`torch.nn.parallel.DistributedDataParallel` or FSDP2 (`fully_shard`).
 
-Peers reduce with torch's own collectives, not through `overlap.parallel.comm`, so the modelled link does not slow
-them and the tracer does not see their traffic: compare against them on the emulated interconnect (`--network
-tbf:RATE`), where every byte of every runtime crosses the same rate-limited link. Both average gradients over data
-parallel, so their loss is scaled by 1 / micro-batches only (ours sums, with 1 / (micro-batches x DP)).
+Peers reduce with torch's own collectives, not through `overlap.parallel.comm`, so the modelled link
+does not slow them and the tracer does not see their traffic: compare against them on the emulated
+interconnect (`--network tbf:RATE`), where every byte of every runtime crosses the same rate-limited
+link. Both average gradients over data parallel, so their loss is scaled by 1 / micro-batches only
+(ours sums, with 1 / (micro-batches x DP)).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import torch
 
 from overlap.config.container import ConfigContainer
 from overlap.model.gpt import GPTModel
+from overlap.optim.adam import learning_rate, multi_tensor_impl
 from overlap.parallel import comm, groups
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
-from overlap.training.data import build_data
-from overlap.optim.adam import learning_rate, multi_tensor_impl
 from overlap.pipeline.output_memory import PipelineMemory
+from overlap.training.data import build_data
 from overlap.training.trainer import Trainer
 
 
@@ -32,8 +34,9 @@ class PeerTrainer(Trainer):
         model.init_weights(cfg.train.seed)
         if self.impl == "torch_ddp":
             bucket_mb = 25 if cfg.ddp.bucket_size is None else cfg.ddp.bucket_size * 4 / 2**20
-            self.model = torch.nn.parallel.DistributedDataParallel(model, process_group=ps.dp_group,
-                                                                   bucket_cap_mb=bucket_mb)
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                model, process_group=ps.dp_group, bucket_cap_mb=bucket_mb
+            )
         else:
             from torch.distributed.fsdp import fully_shard
 
@@ -45,12 +48,20 @@ class PeerTrainer(Trainer):
         decay = [p for p in self.model.parameters() if p.dim() > 1]
         no_decay = [p for p in self.model.parameters() if p.dim() <= 1]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, **multi_tensor_impl(decay + no_decay))
+            [
+                {"params": decay, "weight_decay": o.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=o.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            **multi_tensor_impl(decay + no_decay),
+        )
         self.data = build_data(cfg)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
-        # What Trainer.train reads: peers do not checkpoint (runtime_refusals says so) and do not pipeline.
+        # What Trainer.train reads: peers do not checkpoint (runtime_refusals says so) and do not
+        # pipeline.
         self.checkpointer, self.start_iteration = None, 0
         self.pipeline_memory = PipelineMemory()
 
@@ -59,7 +70,9 @@ class PeerTrainer(Trainer):
 
     def learning_rate(self, iteration: int) -> float:
         """Peers train fp32 (support.runtime_refusals): no step is ever skipped for an overflow."""
-        return learning_rate(iteration, self.cfg.optimizer, self.cfg.scheduler, self.cfg.train.train_iters)
+        return learning_rate(
+            iteration, self.cfg.optimizer, self.cfg.scheduler, self.cfg.train.train_iters
+        )
 
     def loss_scaling(self) -> tuple[float | None, bool]:
         return None, False
@@ -73,8 +86,9 @@ class PeerTrainer(Trainer):
     def train_step(self, iteration: int) -> tuple[float, float]:
         t, ps = self.cfg.train, self.ps
         self.optimizer.zero_grad(set_to_none=True)
-        batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
-                                          ps.dp_size, ps.device)
+        batches = self.data.micro_batches(
+            iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device
+        )
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         for i, (tokens, labels) in enumerate(batches):
             with self._sync_gradients(i == len(batches) - 1):
@@ -84,7 +98,9 @@ class PeerTrainer(Trainer):
                     ((lm_loss + aux_loss) / self.num_micro_batches).backward()
             loss_sum += lm_loss.detach().float()
         clip = self.cfg.optimizer.clip_grad
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), clip if clip > 0 else float("inf")
+        )
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(iteration)

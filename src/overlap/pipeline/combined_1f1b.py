@@ -1,25 +1,28 @@
-"""MoE expert-parallel overlap: the forward of one (micro-batch, model chunk) interleaved, layer piece by layer
-piece, with the backward of another - the merged step of the combined 1F1B schedule.
+"""MoE expert-parallel overlap: the forward of one (micro-batch, model chunk) interleaved, layer
+piece by layer piece, with the backward of another - the merged step of the combined 1F1B schedule.
 
-Every MoE layer is cut into pieces: attention (+ pre-MLP norm, router, shared expert; the router launches the
-split-size exchange), the permutation, the dispatch all-to-all, the experts, the combine all-to-all, and the combine
-postprocessing (un-permute + residual). Dense layers are one piece with empty dispatch/combine. Which forward is
-merged with which backward is the pipeline program's business (`overlap.pipeline.schedules`: with EP overlap its
-steady steps are merged, and one extra warm-up forward makes room): without pipelining that is Megatron-Core's
-`combined_1f1b_schedule_for_no_pipelining`, F(0) alone, F(i) merged with B(i-1), B(last) alone; with an interleaved
-pipeline the F chunk's layers walk up while the B chunk's walk down, and when their layer counts differ the longer
-one's last pieces run alone at the end.
+Every MoE layer is cut into pieces: attention (+ pre-MLP norm, router, shared expert; the router
+launches the split-size exchange), the permutation, the dispatch all-to-all, the experts, the
+combine all-to-all, and the combine postprocessing (un-permute + residual). Dense layers are one
+piece with empty dispatch/combine. Which forward is merged with which backward is the pipeline
+program's business (`overlap.pipeline.schedules`: with EP overlap its steady steps are merged, and
+one extra warm-up forward makes room): without pipelining that is Megatron-Core's
+`combined_1f1b_schedule_for_no_pipelining`, F(0) alone, F(i) merged with B(i-1), B(last) alone; with
+an interleaved pipeline the F chunk's layers walk up while the B chunk's walk down, and when their
+layer counts differ the longer one's last pieces run alone at the end.
 
-Per merged layer pair (F walks up, B walks down), the order of work on this rank's one compute thread is:
+Per merged layer pair (F walks up, B walks down), the order of work on this rank's one compute
+thread is:
 
     B  combine-postprocess backward, LAUNCH combine-backward all-to-all
-    F  WAIT previous combine, attention piece (LAUNCH split sizes)                 (hides B's combine-bwd)
-    B  the previous layer's experts weight gradients (at fixed slots)   (hide F's split sizes and B's combine-bwd)
-    F  WAIT split sizes, permute, LAUNCH dispatch
-    B  WAIT combine-backward, experts input-gradient backward, LAUNCH dispatch-bwd (hides F's dispatch)
-    F  WAIT dispatch, experts, LAUNCH combine                                      (hides B's dispatch-bwd)
-    B  WAIT dispatch-backward, permute + attention backward                        (hides F's combine)
-    (F's combine is waited for at the start of the next layer's attention piece, after B's next combine backward)
+    F  WAIT previous combine, attention piece (LAUNCH split sizes)                 (hides B's
+    combine-bwd) B  the previous layer's experts weight gradients (at fixed slots)   (hide F's split
+    sizes and B's combine-bwd) F  WAIT split sizes, permute, LAUNCH dispatch
+    B  WAIT combine-backward, experts input-gradient backward, LAUNCH dispatch-bwd (hides F's
+    dispatch) F  WAIT dispatch, experts, LAUNCH combine                                      (hides
+    B's dispatch-bwd) B  WAIT dispatch-backward, permute + attention backward
+    (hides F's combine) (F's combine is waited for at the start of the next layer's attention piece,
+    after B's next combine backward)
 
 This is Megatron-Core's per-layer order (`TransformerLayerSchedulePlan.run` in
 `megatron/core/models/common/model_chunk_schedule_plan.py`) translated from two CUDA streams to one
@@ -57,7 +60,8 @@ split sizes are not exchanged at all.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -70,22 +74,27 @@ from overlap.pipeline.schedule_node import ScheduleNode
 
 
 def _plain_wait(handle: InFlight) -> Any:
-    """A wait that runs nothing meanwhile (without delay_wgrad: the weight GEMMs keep their fixed slots)."""
+    """A wait that runs nothing meanwhile (without delay_wgrad: the weight GEMMs keep their fixed
+    slots)."""
     return handle.wait()
 
 
-def _a2a(tensors: tuple[torch.Tensor, ...], group, kind: str, out_splits: list[int],
-         in_splits: list[int]) -> ManyHandle:
-    """Launch one raw all-to-all of `tensors` (no autograd link: the schedule runs each piece's backward itself)."""
+def _a2a(
+    tensors: tuple[torch.Tensor, ...], group, kind: str, out_splits: list[int], in_splits: list[int]
+) -> ManyHandle:
+    """Launch one raw all-to-all of `tensors` (no autograd link: the schedule runs each piece's
+    backward itself)."""
     return PendingAllToAll.launch(tensors, group, kind, out_splits, in_splits).handle
 
 
 class LayerRun:
-    """One micro-batch's pass through one transformer layer, as schedulable steps (forward, then backward).
+    """One micro-batch's pass through one transformer layer, as schedulable steps (forward, then
+    backward).
 
-    With delay_wgrad_compute every wait goes through `WGRAD_STORE.wait_filling`: queued weight gradients run while
-    the awaited collective is in flight, so the rank that is ahead of its peers computes instead of idling. Without
-    it the waits are plain: the experts' queued weight GEMMs then run only at the schedule's fixed slots."""
+    With delay_wgrad_compute every wait goes through `WGRAD_STORE.wait_filling`: queued weight
+    gradients run while the awaited collective is in flight, so the rank that is ahead of its peers
+    computes instead of idling. Without it the waits are plain: the experts' queued weight GEMMs
+    then run only at the schedule's fixed slots."""
 
     def __init__(self, layer: TransformerLayer, loss_scale: float, delay_wgrad: bool) -> None:
         self.layer = layer
@@ -98,10 +107,11 @@ class LayerRun:
         self.pending: ManyHandle | None = None
         self.aux_loss: torch.Tensor | None = None
 
-    # ---------------- forward ----------------------------------------------------------------------------------
+    # ---------------- forward
+    # ----------------------------------------------------------------------------------
     def attention_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Dense layer: the whole layer, returns its output. MoE layer: the attention piece, which launches the
-        split-size exchange."""
+        """Dense layer: the whole layer, returns its output. MoE layer: the attention piece, which
+        launches the split-size exchange."""
         if self.moe is None:
             self.dense = ScheduleNode(f"layer{self.layer.layer_number}", lambda h: self.layer(h)[0])
             return self.dense.forward(x)[0]
@@ -115,8 +125,10 @@ class LayerRun:
         if self.moe is None:
             return
         self.plan = self.pending_plan.resolve(self._wait)
-        self.permute = ScheduleNode(f"layer{self.layer.layer_number}.permute",
-                                    lambda n, w: self.moe.permute(n, w, self.plan))
+        self.permute = ScheduleNode(
+            f"layer{self.layer.layer_number}.permute",
+            lambda n, w: self.moe.permute(n, w, self.plan),
+        )
         rows, weights = self.permute.forward(self.normed, self.topk_weights)
         self.normed = self.topk_weights = None
         self.pending = self.moe.dispatch(rows, weights, self.plan).handle
@@ -125,7 +137,8 @@ class LayerRun:
         layer, moe = self.layer, self.moe
         h = layer.attention_block(x)
         normed = maybe_checkpoint(layer.recompute_norm, layer.pre_mlp_layernorm, h)
-        topk_weights, self.pending_plan, aux = moe.route(normed)  # the split sizes travel from here on
+        # the split sizes travel from here on
+        topk_weights, self.pending_plan, aux = moe.route(normed)
         return h, normed, topk_weights, aux, moe.shared_experts_compute(normed)
 
     def experts_forward(self) -> None:
@@ -133,8 +146,10 @@ class LayerRun:
         if self.moe is None:
             return
         rows, weights = self._wait(self.pending)
-        self.experts = ScheduleNode(f"layer{self.layer.layer_number}.experts",
-                                    lambda r, w: self.moe.experts_compute(r, w, self.plan))
+        self.experts = ScheduleNode(
+            f"layer{self.layer.layer_number}.experts",
+            lambda r, w: self.moe.experts_compute(r, w, self.plan),
+        )
         (out,) = self.experts.forward(rows, weights)
         self.pending = self.moe.combine(out, self.plan).handle
 
@@ -143,59 +158,84 @@ class LayerRun:
         if self.moe is None:
             return dense_out
         (rows,) = self._wait(self.pending)
-        self.post = ScheduleNode(f"layer{self.layer.layer_number}.combine",
-                                 lambda r, h, s: h + self.moe.combine_postprocess(r, self.plan, s))
+        self.post = ScheduleNode(
+            f"layer{self.layer.layer_number}.combine",
+            lambda r, h, s: h + self.moe.combine_postprocess(r, self.plan, s),
+        )
         return self.post.forward(rows, self.h, self.shared)[0]
 
-    # ---------------- backward ---------------------------------------------------------------------------------
+    # ---------------- backward
+    # ---------------------------------------------------------------------------------
     def combine_backward(self, grad_y: torch.Tensor) -> torch.Tensor | None:
-        """Dense layer: the whole layer's backward, returns its input grad. MoE: launches the combine backward."""
+        """Dense layer: the whole layer's backward, returns its input grad. MoE: launches the
+        combine backward."""
         if self.moe is None:
             return self.dense.backward(grad_y)[0]
         g_rows, self.g_h, self.g_shared = self.post.backward(grad_y)
-        self.pending = _a2a((g_rows,), self.moe.dispatcher.group, "ep_combine_bwd", self.plan.output_splits,
-                            self.plan.input_splits)
+        self.pending = _a2a(
+            (g_rows,),
+            self.moe.dispatcher.group,
+            "ep_combine_bwd",
+            self.plan.output_splits,
+            self.plan.input_splits,
+        )
         return None
 
     def experts_backward(self) -> None:
-        """Wait for the combine backward, run the experts' input-gradient backward and launch the dispatch
-        backward. The experts' weight-gradient GEMMs are queued: they run in waits (delay_wgrad_compute) or at the
-        schedule's fixed slots (`_backward_layers`)."""
+        """Wait for the combine backward, run the experts' input-gradient backward and launch the
+        dispatch backward. The experts' weight-gradient GEMMs are queued: they run in waits
+        (delay_wgrad_compute) or at the schedule's fixed slots (`_backward_layers`)."""
         if self.moe is None:
             return
         (g_out,) = self._wait(self.pending)
         with WGRAD_STORE.delaying(True):
             g_rows, g_weights = self.experts.backward(g_out)
-        self.pending = _a2a((g_rows, g_weights), self.moe.dispatcher.group, "ep_dispatch_bwd",
-                            self.plan.input_splits, self.plan.output_splits)
+        self.pending = _a2a(
+            (g_rows, g_weights),
+            self.moe.dispatcher.group,
+            "ep_dispatch_bwd",
+            self.plan.input_splits,
+            self.plan.output_splits,
+        )
 
     def attention_backward(self, dense_grad: torch.Tensor | None) -> torch.Tensor:
-        """Wait for the dispatch backward and run the permutation's and the attention piece's backward; returns the
-        layer's input grad."""
+        """Wait for the dispatch backward and run the permutation's and the attention piece's
+        backward; returns the layer's input grad."""
         if self.moe is None:
             return dense_grad
         g_rows, g_weights = self._wait(self.pending)
         g_normed, g_topk_weights = self.permute.backward(g_rows, g_weights)
         aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
-        with WGRAD_STORE.delaying(self.delay_wgrad):  # attention + shared-expert weight GEMMs: queued when delaying
+        # attention + shared-expert weight GEMMs: queued when delaying
+        with WGRAD_STORE.delaying(self.delay_wgrad):
             (g_x,) = self.attn.backward(self.g_h, g_normed, g_topk_weights, aux_grad, self.g_shared)
         self.plan = self.pending_plan = self.h = self.shared = self.g_h = self.g_shared = None
         return g_x
 
 
 class ChunkRun:
-    """One micro-batch through one model chunk (`GPTModel` with its `Stage`): the embedding piece on the first
-    pipeline stage (else `hidden`, the received activation), one LayerRun per layer, the loss piece on the last stage
-    (else `output`, the activation to send). The backward starts from the loss (last stage) or from `grad_output`,
-    the received gradient, and ends in the embedding (first stage) or in `input_grad`, the gradient to send."""
+    """One micro-batch through one model chunk (`GPTModel` with its `Stage`): the embedding piece on
+    the first pipeline stage (else `hidden`, the received activation), one LayerRun per layer, the
+    loss piece on the last stage (else `output`, the activation to send). The backward starts from
+    the loss (last stage) or from `grad_output`, the received gradient, and ends in the embedding
+    (first stage) or in `input_grad`, the gradient to send."""
 
-    def __init__(self, model: GPTModel, tokens: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-                 delay_wgrad: bool, hidden: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        model: GPTModel,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        loss_scale: float,
+        delay_wgrad: bool,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         self.model = model
         self.loss_scale = loss_scale
         self.first, self.last = model.stage.pre_process, model.stage.post_process
         self.embed = ScheduleNode("embedding", lambda: model.embed(tokens)) if self.first else None
-        self.loss_node = ScheduleNode("lm_loss", lambda h: model.lm_loss(h, labels)) if self.last else None
+        self.loss_node = (
+            ScheduleNode("lm_loss", lambda h: model.lm_loss(h, labels)) if self.last else None
+        )
         self.delay_wgrad = delay_wgrad
         self.layers = [LayerRun(layer, loss_scale, delay_wgrad) for layer in model.layers]
         self.hidden = None if hidden is None else hidden.detach().requires_grad_()
@@ -206,14 +246,15 @@ class ChunkRun:
 
 
 def _forward_layers(f: ChunkRun) -> Iterator[None]:
-    """F's steps; each yield is where B's next step runs (B and F yield 4 times per layer minus one, after B's first
-    step was run up front: see `run_merged`)."""
+    """F's steps; each yield is where B's next step runs (B and F yield 4 times per layer minus one,
+    after B's first step was run up front: see `run_merged`)."""
     x = f.embed.forward()[0] if f.first else f.hidden
     previous: LayerRun | None = None
     dense_out = None
     for run in f.layers:
         if previous is not None:
-            yield  # B: its next combine backward follows its attention backward; F's combine keeps flying
+            # B: its next combine backward follows its attention backward; F's combine keeps flying
+            yield
             x = previous.combine_forward(dense_out)
         dense_out = run.attention_forward(x)
         yield  # B: the previous layer's expert weight gradients (at fixed slots)
@@ -231,16 +272,19 @@ def _forward_layers(f: ChunkRun) -> Iterator[None]:
 
 
 def _backward_layers(b: ChunkRun, fixed_wgrad_slots: bool) -> Iterator[None]:
-    """B's steps, yielding where F's work is interleaved (mirrors `_forward_layers`). With delay_wgrad_compute the
-    queued weight gradients run inside the waits (`LayerRun`), of this phase or the next (`PipelineExecutor`);
-    without it, or with `fixed_wgrad_slots`, at a fixed slot: everything the previous layer queued (its experts'
-    weight GEMMs; delayed, its attention's too) right after F's attention piece, under F's split sizes and B's own
-    combine backward. What the chunk's last layer queues is left to the caller: `PipelineExecutor` keeps it for
-    the next step's first slot (the first layer has no previous one), and delivers everything before a chunk's last
+    """B's steps, yielding where F's work is interleaved (mirrors `_forward_layers`). With
+    delay_wgrad_compute the queued weight gradients run inside the waits (`LayerRun`), of this phase
+    or the next (`PipelineExecutor`); without it, or with `fixed_wgrad_slots`, at a fixed slot:
+    everything the previous layer queued (its experts' weight GEMMs; delayed, its attention's too)
+    right after F's attention piece, under F's split sizes and B's own combine backward. What the
+    chunk's last layer queues is left to the caller: `PipelineExecutor` keeps it for the next step's
+    first slot (the first layer has no previous one), and delivers everything before a chunk's last
     backward."""
     fixed = fixed_wgrad_slots or not b.delay_wgrad
     if b.last:
-        (g,) = b.loss_node.backward(torch.full((), b.loss_scale, dtype=torch.float32, device=b.model.ps.device))
+        (g,) = b.loss_node.backward(
+            torch.full((), b.loss_scale, dtype=torch.float32, device=b.model.ps.device)
+        )
     else:
         g = b.grad_output
     for i, run in enumerate(reversed(b.layers)):
@@ -265,10 +309,15 @@ def _drain(it: Iterator[None]) -> None:
         pass
 
 
-def run_merged(f: ChunkRun | None, b: ChunkRun | None, fixed_wgrad_slots: bool = False,
-               after_forward: Callable[[], None] = lambda: None) -> None:
-    """One step of the schedule: F alone, B alone, or both interleaved piece by piece. `after_forward` runs as soon as
-    F is done, before B's remaining pieces (the pipeline sends F's output there, under B's tail)."""
+def run_merged(
+    f: ChunkRun | None,
+    b: ChunkRun | None,
+    fixed_wgrad_slots: bool = False,
+    after_forward: Callable[[], None] = lambda: None,
+) -> None:
+    """One step of the schedule: F alone, B alone, or both interleaved piece by piece.
+    `after_forward` runs as soon as F is done, before B's remaining pieces (the pipeline sends F's
+    output there, under B's tail)."""
     if f is None:
         _drain(_backward_layers(b, fixed_wgrad_slots))
         return

@@ -13,9 +13,9 @@ weight gradients (`overlap.pipeline.output_wgrad`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 

@@ -29,7 +29,7 @@ the most bytes alive at once into `PipelineMemory` - what the release buys.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.autograd.variable import Variable

@@ -13,8 +13,8 @@ that backward is not reported as the last one (the chunk's buckets are then redu
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable, Sequence
 
 import torch
 
@@ -48,8 +48,8 @@ class OutputWgradDeferral:
             store = getattr(chunks[last[0]].output_layer, "wgrad_store", None)
             if store is None:
                 raise RuntimeError(
-                    "defer_embedding_wgrad_compute: the output layer has no weight-gradient "
-                    "store; build the model with model.defer_embedding_wgrad_compute=true"
+                    "defer_embedding_wgrad_compute: the output layer has no weight-gradient store; "
+                    "build the model with model.defer_embedding_wgrad_compute=true"
                 )
             if store.queue:
                 raise RuntimeError(

@@ -29,7 +29,7 @@ compute's critical path.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed import ProcessGroup

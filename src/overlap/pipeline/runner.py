@@ -6,7 +6,8 @@ implementation `model.pipeline_impl` names: ours (`PipelineExecutor`, PP = 1 inc
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 

@@ -11,7 +11,8 @@ finish.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,7 +33,8 @@ class ScheduleNode:
         self.outputs: tuple[Any, ...] = ()
 
     def forward(self, *inputs: Any) -> tuple[Any, ...]:
-        """Run on detached inputs; returns the outputs (detached: the next piece owns its own graph)."""
+        """Run on detached inputs; returns the outputs (detached: the next piece owns its own
+        graph)."""
         self.inputs = tuple(_detach(x) for x in inputs)
         with RECORDER.span(f"fwd.{self.name}"), torch.enable_grad():
             out = self.fn(*self.inputs)
@@ -40,12 +42,19 @@ class ScheduleNode:
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in self.outputs)
 
     def backward(self, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        """Backpropagate `grads` (one per output; None = no gradient) through this piece; returns input grads."""
-        pairs = [(o, g) for o, g in zip(self.outputs, grads)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        """Backpropagate `grads` (one per output; None = no gradient) through this piece; returns
+        input grads."""
+        pairs = [
+            (o, g)
+            for o, g in zip(self.outputs, grads)
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
         if pairs:
             with RECORDER.span(f"bwd.{self.name}"):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         result = tuple(x.grad if isinstance(x, torch.Tensor) else None for x in self.inputs)
-        self.inputs, self.outputs = (), ()  # free this piece's activations as soon as its backward is done
+        self.inputs, self.outputs = (
+            (),
+            (),
+        )  # free this piece's activations as soon as its backward is done
         return result

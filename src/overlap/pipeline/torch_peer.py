@@ -14,7 +14,7 @@ schedule to rescale.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -97,7 +97,7 @@ class TorchPipeline:
             self.schedule = self._build(len(batches))
         self.scale = scale
         args = (torch.cat([t for t, _ in batches]),) if self.first else ()
-        labels = torch.cat([l for _, l in batches]) if self.last is not None else None
+        labels = torch.cat([label for _, label in batches]) if self.last is not None else None
         losses: list[torch.Tensor] = []
         self.schedule.step(
             *args,

@@ -1,14 +1,16 @@
 """Bytes per communication kind and their time on the cluster's links.
 
-Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; planner reference section 4.2):
+Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; planner reference
+section 4.2):
 
-- EP, per micro-batch and MoE layer, four all-to-alls (`ep_dispatch`, `ep_combine`, and their backward mirrors
-  `ep_dispatch_bwd`, `ep_combine_bwd`). Alltoall dispatcher: T x k x h x beta bytes each, T = b s / TP tokens (after
-  SP); flex (token-deduplicating) dispatch sends a token once per distinct destination rank instead of once per
-  routed expert, R (1 - C(E - E/R, k) / C(E, k)) ranks on average under uniform routing. Before each dispatch
-  (`ep_counts`) one int64 per expert tells the ranks how many rows follow: latency-bound and a rendezvous,
-  hidden only by the EP-overlap schedule (`overlap.plan.step_times`); the static-shape mode
-  (`moe_pad_expert_input_to_capacity`) has none.
+- EP, per micro-batch and MoE layer, four all-to-alls (`ep_dispatch`, `ep_combine`, and their
+  backward mirrors `ep_dispatch_bwd`, `ep_combine_bwd`). Alltoall dispatcher: T x k x h x beta bytes
+  each, T = b s / TP tokens (after SP); flex (token-deduplicating) dispatch sends a token once per
+  distinct destination rank instead of once per routed expert, R (1 - C(E - E/R, k) / C(E, k)) ranks
+  on average under uniform routing. Before each dispatch (`ep_counts`) one int64 per expert tells
+  the ranks how many rows follow: latency-bound and a rendezvous, hidden only by the EP-overlap
+  schedule (`overlap.plan.step_times`); the static-shape mode (`moe_pad_expert_input_to_capacity`)
+  has none.
 - EP with DeepEP or HybridEP (flex dispatcher, `flex_gpu_a2a`): hierarchical. A token crosses the
   network once per destination node (to the GPU of the same index there) and NVLink once per
   destination rank within a node, the receiving GPU fanning it out to the other ranks of its node:
@@ -17,24 +19,27 @@ Bytes (per GPU, the busbw convention of `NVIDIA/nccl-tests:doc/PERFORMANCE.md`; 
   k). The RDMA and NVLink parts run at once (time: the slower). Under an FP8 recipe the forward
   dispatch moves FP8 (1 byte per element), its combine and the backward BF16 (DeepEP's setting). The
   kernels hold a fixed number of SMs (`EP_BACKEND_SMS`), `ep_sm_share` of the GPU.
-- TP with SP, per micro-batch and layer: 4 forward + 4 backward collectives of (t-1)/t x b s h beta, plus the input's
-  re-gather for the weight gradient where a bulk dgrad slot keeps only the shard (a MoE layer with ETP 1 keeps only
-  its attention's: 2 + 2 (+ 1), and its shared expert's 2 + 2; full recompute repeats the forward's);
-  `overlap.plan.tp_slots` says which GEMM hides each. Per micro-batch, the
-  vocabulary-parallel embedding adds a reduce-scatter (backward: an all-gather) on the first stage and the output
-  layer an all-gather (backward: a reduce-scatter) on the last, never overlapped.
-- PP, per micro-batch: one activation (b s h beta, / TP under SP) sent forward and one gradient back per stage
-  boundary; VPP v sends v times as often.
-- DP, per step: the distributed optimizer's reduce-scatter of gradients ((d-1)/d x P x beta_grad) and all-gather of
-  parameters ((d-1)/d x P x beta_param), or one all-reduce (2 (d-1)/d x P x beta_grad); dense parameters over DP,
-  experts over expert-DP. P is this rank's parameter count (`overlap.launch.resources.estimate_memory`), cut into
-  ceil(P / ddp.bucket_size) equal buckets (one without a bucket size), one collective each.
+- TP with SP, per micro-batch and layer: 4 forward + 4 backward collectives of (t-1)/t x b s h beta,
+  plus the input's re-gather for the weight gradient where a bulk dgrad slot keeps only the shard (a
+  MoE layer with ETP 1 keeps only its attention's: 2 + 2 (+ 1), and its shared expert's 2 + 2; full
+  recompute repeats the forward's); `overlap.plan.tp_slots` says which GEMM hides each. Per
+  micro-batch, the vocabulary-parallel embedding adds a reduce-scatter (backward: an all-gather) on
+  the first stage and the output layer an all-gather (backward: a reduce-scatter) on the last, never
+  overlapped.
+- PP, per micro-batch: one activation (b s h beta, / TP under SP) sent forward and one gradient back
+  per stage boundary; VPP v sends v times as often.
+- DP, per step: the distributed optimizer's reduce-scatter of gradients ((d-1)/d x P x beta_grad)
+  and all-gather of parameters ((d-1)/d x P x beta_param), or one all-reduce (2 (d-1)/d x P x
+  beta_grad); dense parameters over DP, experts over expert-DP. P is this rank's parameter count
+  (`overlap.launch.resources.estimate_memory`), cut into ceil(P / ddp.bucket_size) equal buckets
+  (one without a bucket size), one collective each.
 
-Time: latency + bytes / bandwidth, where the link depends on how many of the group's members share a node (`g`,
-from the rank order tp-cp-dp-pp, tensor parallel fastest; experts pp-edp-ep-etp): the whole group on one node runs
-at NVLink speed; a ring spanning nodes is NIC-bound at min(g x NIC, NVLink) (rings run rail-parallel, one NIC per
-member on the node); an all-to-all sends its off-node share (n - g) / n through this GPU's own NIC while the
-on-node share (g - 1) / n crosses NVLink at the same time.
+Time: latency + bytes / bandwidth, where the link depends on how many of the group's members share a
+node (`g`, from the rank order tp-cp-dp-pp, tensor parallel fastest; experts pp-edp-ep-etp): the
+whole group on one node runs at NVLink speed; a ring spanning nodes is NIC-bound at min(g x NIC,
+NVLink) (rings run rail-parallel, one NIC per member on the node); an all-to-all sends its off-node
+share (n - g) / n through this GPU's own NIC while the on-node share (g - 1) / n crosses NVLink at
+the same time.
 """
 
 from __future__ import annotations
@@ -54,18 +59,22 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def members_per_node(size: int, stride: int, gpus_per_node: int) -> int:
-    """How many of a group's `size` members (ranks `stride` apart) share one node of `gpus_per_node`."""
+    """How many of a group's `size` members (ranks `stride` apart) share one node of
+    `gpus_per_node`."""
     if size <= 1:
         return 1
     return max(1, min(size, gpus_per_node // max(1, stride)))
 
 
 def ring_link(size: int, per_node: int, cluster: Cluster) -> Link:
-    """The link a ring collective (all-gather / reduce-scatter / all-reduce) of the group runs at."""
+    """The link a ring collective (all-gather / reduce-scatter / all-reduce) of the group runs
+    at."""
     if per_node >= size:
         return cluster.nvlink
     bandwidth = min(per_node * cluster.nic.bandwidth_Bps, cluster.nvlink.bandwidth_Bps)
-    return Link(bandwidth, cluster.nic.latency_s, f"{per_node} of {size} members per node: the NICs")
+    return Link(
+        bandwidth, cluster.nic.latency_s, f"{per_node} of {size} members per node: the NICs"
+    )
 
 
 def ring_time_s(nbytes: float, size: int, per_node: int, cluster: Cluster) -> float:
@@ -76,14 +85,17 @@ def ring_time_s(nbytes: float, size: int, per_node: int, cluster: Cluster) -> fl
 
 
 def alltoall_time_s(nbytes: float, size: int, per_node: int, cluster: Cluster) -> float:
-    """An all-to-all where `nbytes` leave this GPU for the other members, spread evenly over them."""
+    """An all-to-all where `nbytes` leave this GPU for the other members, spread evenly over
+    them."""
     if size <= 1 or nbytes <= 0:
         return 0.0
     off_node = nbytes * (size - per_node) / (size - 1)
     on_node = nbytes - off_node
     if off_node <= 0:
         return cluster.nvlink.time_s(on_node)
-    return cluster.nic.latency_s + max(off_node / cluster.nic.bandwidth_Bps, on_node / cluster.nvlink.bandwidth_Bps)
+    return cluster.nic.latency_s + max(
+        off_node / cluster.nic.bandwidth_Bps, on_node / cluster.nvlink.bandwidth_Bps
+    )
 
 
 def hit_probability(experts: int, there: int, topk: int) -> float:
@@ -94,8 +106,15 @@ def hit_probability(experts: int, there: int, topk: int) -> float:
     return 1 - comb(experts - there, topk) / comb(experts, topk)
 
 
-def flex_gpu_a2a(tokens: float, hidden_bytes: float, ep: int, per_node: int, experts: int,
-                 topk: int, cluster: Cluster) -> tuple[float, float]:
+def flex_gpu_a2a(
+    tokens: float,
+    hidden_bytes: float,
+    ep: int,
+    per_node: int,
+    experts: int,
+    topk: int,
+    cluster: Cluster,
+) -> tuple[float, float]:
     """(bytes leaving this GPU, seconds) of one DeepEP / HybridEP dispatch or combine (module
     docstring)."""
     nodes = -(-ep // per_node)
@@ -112,8 +131,9 @@ def flex_gpu_a2a(tokens: float, hidden_bytes: float, ep: int, per_node: int, exp
 
 
 def expected_destinations(groups: int, experts: int, topk: int) -> float:
-    """Distinct destination groups (ranks or nodes) of one token routed uniformly to top-k of `experts` spread over
-    `groups` groups: R (1 - C(E - E/R, k) / C(E, k)) (planner reference section 4.2)."""
+    """Distinct destination groups (ranks or nodes) of one token routed uniformly to top-k of
+    `experts` spread over `groups` groups: R (1 - C(E - E/R, k) / C(E, k)) (planner reference
+    section 4.2)."""
     if groups <= 1:
         return 1.0
     per = experts // groups
@@ -140,25 +160,34 @@ class Collective:
 
 @dataclass
 class CommPlan:
-    """All collectives of a step, by kind, plus the pieces the schedule needs per micro-batch and per layer."""
+    """All collectives of a step, by kind, plus the pieces the schedule needs per micro-batch and
+    per layer."""
 
     kinds: dict[str, Collective] = field(default_factory=dict)
-    ep_a2a_s: dict[str, float] = field(default_factory=dict)  # per MoE layer and micro-batch, per EP kind
-    ep_counts_s: float = 0.0  # per MoE layer and micro-batch: the split-size exchange before the dispatch
+    # per MoE layer and micro-batch, per EP kind
+    ep_a2a_s: dict[str, float] = field(default_factory=dict)
+    ep_counts_s: float = (
+        0.0  # per MoE layer and micro-batch: the split-size exchange before the dispatch
+    )
     # DeepEP / HybridEP: the share of the GPU's SMs their kernels hold (0: NCCL's all-to-all)
     ep_sm_share: float = 0.0
-    # TP with SP: one collective's bytes per GPU, its link, and the slot plan the runtime runs (`overlap.plan.tp_slots`)
+    # TP with SP: one collective's bytes per GPU, its link, and the slot plan the runtime runs
+    # (`overlap.plan.tp_slots`)
     tp_bytes: float = 0.0
     tp_link: Link | None = None
     tp_size: int = 1
     tp_plans: dict[str, SlotPlan | None] = field(default_factory=dict)
-    # The embedding's reduce-scatter (its backward: an all-gather) and the output layer's all-gather (backward: a
-    # reduce-scatter), outside any overlap plan: per micro-batch, of each kind, on the average pipeline stage.
+    # The embedding's reduce-scatter (its backward: an all-gather) and the output layer's all-gather
+    # (backward: a reduce-scatter), outside any overlap plan: per micro-batch, of each kind, on the
+    # average pipeline stage.
     tp_edges_per_mb: float = 0.0
     pp_send: Transfer | None = None  # one activation (or its gradient) between neighbouring stages
-    # Per step, per gradient buffer ("dp" dense, "edp" experts: their own groups, so their own links), per bucket:
-    dp_rs_s: dict[str, list[float]] = field(default_factory=dict)  # gradient reduce-scatter / all-reduce
-    dp_ag_s: dict[str, list[float]] = field(default_factory=dict)  # parameter all-gather (distributed optimizer)
+    # Per step, per gradient buffer ("dp" dense, "edp" experts: their own groups, so their own
+    # links), per bucket:
+    # gradient reduce-scatter / all-reduce
+    dp_rs_s: dict[str, list[float]] = field(default_factory=dict)
+    # parameter all-gather (distributed optimizer)
+    dp_ag_s: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, kind: str, bytes_each: float, seconds_each: float, count: int) -> None:
         if count and bytes_each > 0:
@@ -174,7 +203,9 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     """Every collective of one step of `cfg` on `layout`, with its bytes and time on `cluster`."""
     m, d = cfg.model, cfg.ddp
     plan = CommPlan()
-    tp, pp, ep, dp, edp = (max(1, x) for x in (layout.tp, layout.pp, layout.ep, layout.dp, layout.edp))
+    tp, pp, ep, dp, edp = (
+        max(1, x) for x in (layout.tp, layout.pp, layout.ep, layout.dp, layout.edp)
+    )
     gpn = cluster.gpus_per_node
     mb = microbatches(cfg, layout)
     act = 2 if m.bf16 or m.fp16 else 4  # activation bytes (beta)
@@ -191,18 +222,29 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         for kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"):
             if backend in EP_BACKEND_SMS:
                 fp8 = kind == "ep_dispatch" and cluster.precision in ("fp8", "mxfp8")
-                leaving, seconds = flex_gpu_a2a(tokens, h * (1 if fp8 else act), ep, g,
-                                                m.num_moe_experts, m.moe_router_topk, cluster)
+                leaving, seconds = flex_gpu_a2a(
+                    tokens,
+                    h * (1 if fp8 else act),
+                    ep,
+                    g,
+                    m.num_moe_experts,
+                    m.moe_router_topk,
+                    cluster,
+                )
                 if cluster.sms:
                     plan.ep_sm_share = EP_BACKEND_SMS[backend] / cluster.sms
             else:
-                copies = (expected_destinations(ep, m.num_moe_experts, m.moe_router_topk) if backend
-                          else float(m.moe_router_topk))
+                copies = (
+                    expected_destinations(ep, m.num_moe_experts, m.moe_router_topk)
+                    if backend
+                    else float(m.moe_router_topk)
+                )
                 leaving = tokens * copies * h * act * (ep - 1) / ep
                 seconds = alltoall_time_s(leaving, ep, g, cluster)
             plan.add(kind, leaving, seconds, moe_here * mb)
             plan.ep_a2a_s[kind] = seconds
-        if not m.moe_pad_expert_input_to_capacity:  # static shapes (capacity + padding) exchange no counts
+        # static shapes (capacity + padding) exchange no counts
+        if not m.moe_pad_expert_input_to_capacity:
             counts = m.num_moe_experts * 8 * (ep - 1) / ep  # one int64 per expert
             plan.ep_counts_s = alltoall_time_s(counts, ep, g, cluster)
             plan.add("ep_counts", counts, plan.ep_counts_s, moe_here * mb)
@@ -212,15 +254,33 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         plan.tp_link, plan.tp_size = ring_link(tp, members_per_node(tp, 1, gpn), cluster), tp
         plan.tp_plans = effective_tp_plan(m)[0]
         plan.tp_edges_per_mb = 2.0 / pp
-        dense, moe = (layer_tp(plan.tp_plans, NO_GEMMS, plan.tp_link, plan.tp_bytes, tp, is_dense,
-                               bool(m.moe_shared_expert_intermediate_size), m.recompute_granularity == "full")
-                      for is_dense in (True, False))
+        dense, moe = (
+            layer_tp(
+                plan.tp_plans,
+                NO_GEMMS,
+                plan.tp_link,
+                plan.tp_bytes,
+                tp,
+                is_dense,
+                bool(m.moe_shared_expert_intermediate_size),
+                m.recompute_granularity == "full",
+            )
+            for is_dense in (True, False)
+        )
         t_each = plan.tp_link.time_s(plan.tp_bytes)
         edges = ceil(plan.tp_edges_per_mb * mb)
-        plan.add("tp_ag", plan.tp_bytes, t_each,
-                 (dense.all_gathers * dense_here + moe.all_gathers * moe_here) * mb + edges)
-        plan.add("tp_rs", plan.tp_bytes, t_each,
-                 (dense.reduce_scatters * dense_here + moe.reduce_scatters * moe_here) * mb + edges)
+        plan.add(
+            "tp_ag",
+            plan.tp_bytes,
+            t_each,
+            (dense.all_gathers * dense_here + moe.all_gathers * moe_here) * mb + edges,
+        )
+        plan.add(
+            "tp_rs",
+            plan.tp_bytes,
+            t_each,
+            (dense.reduce_scatters * dense_here + moe.reduce_scatters * moe_here) * mb + edges,
+        )
 
     if pp > 1 and cluster.carries("pp"):
         vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)
@@ -229,7 +289,8 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         sends = 2 * vpp  # an activation forward and a gradient back, per model chunk
         plan.add("pp_send", nbytes, link.time_s(nbytes), sends * mb)
         plan.pp_send = Transfer(link, nbytes)
-        if m.share_embeddings_and_output_weights:  # the tied embedding's gradient summed with its last-stage copy's
+        # the tied embedding's gradient summed with its last-stage copy's
+        if m.share_embeddings_and_output_weights:
             grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
             tied = m.vocab_size // tp * h * grad / (dp if d.use_distributed_optimizer else 1)
             ends = members_per_node(2, tp * layout.cp * dp * (pp - 1), gpn)
@@ -238,8 +299,10 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     est = estimate_memory(cfg, layout, cpu=False)
     grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
     param = 1 if d.fp8_param_gather else _BYTES.get(m.params_dtype, 4)
-    for prefix, size, stride, count in (("dp", dp, tp * layout.cp, est.params - est.expert_params),
-                                        ("edp", edp, ep * layout.etp, est.expert_params)):
+    for prefix, size, stride, count in (
+        ("dp", dp, tp * layout.cp, est.params - est.expert_params),
+        ("edp", edp, ep * layout.etp, est.expert_params),
+    ):
         if size <= 1 or count <= 0 or not cluster.carries(prefix):
             continue
         g = members_per_node(size, stride, gpn)

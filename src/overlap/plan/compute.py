@@ -99,8 +99,12 @@ class MicrobatchCompute:
 
     @property
     def fwd_s(self) -> float:
-        return (self.attention_fwd_s * self.layers + self.moe_fwd_s * self.moe_layers
-                + self.dense_mlp_fwd_s * self.dense_layers + self.logits_fwd_s)
+        return (
+            self.attention_fwd_s * self.layers
+            + self.moe_fwd_s * self.moe_layers
+            + self.dense_mlp_fwd_s * self.dense_layers
+            + self.logits_fwd_s
+        )
 
     @property
     def bwd_factor(self) -> float:
@@ -109,8 +113,11 @@ class MicrobatchCompute:
     @property
     def recompute_s(self) -> float:
         """Selective recompute's extra backward seconds per micro-batch."""
-        return (self.attention_recompute_s * self.layers + self.moe_recompute_s * self.moe_layers
-                + self.dense_recompute_s * self.dense_layers)
+        return (
+            self.attention_recompute_s * self.layers
+            + self.moe_recompute_s * self.moe_layers
+            + self.dense_recompute_s * self.dense_layers
+        )
 
     @property
     def bwd_s(self) -> float:
@@ -175,8 +182,9 @@ class KernelCosts:
         return self.glue(3.0 * elements, kernels) if self.fp8 else 0.0
 
 
-def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout,
-                       cluster: Cluster) -> MicrobatchCompute:
+def microbatch_compute(
+    cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster
+) -> MicrobatchCompute:
     """Per-piece forward times of one micro-batch on one GPU of the layout (the average pipeline
     rank's layers; the stage weights carry the real stages' differences)."""
     m = cfg.model
@@ -215,21 +223,30 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout,
     norm_residual = act * tokens / sp * 5 * h
     # rotary embedding of q and k (+ their norms): read + write
     rotary = act * tokens * 2 * (q + 2 * kv) / tp * (2 if m.qk_layernorm else 1)
-    attention_glue = cost(k.glue(norm_residual, 2) + k.glue(rotary, 2 if m.qk_layernorm else 1)
-                          + k.casts(tokens * (h + q / tp), 2), "attn")
+    attention_glue = cost(
+        k.glue(norm_residual, 2)
+        + k.glue(rotary, 2 if m.qk_layernorm else 1)
+        + k.casts(tokens * (h + q / tp), 2),
+        "attn",
+    )
     attention = qkv_s + proj_s + core_s + attention_glue
     norm_s = cost(k.glue(norm_bytes), "attn")  # one norm alone (what `layernorm` recompute re-runs)
     attention_recompute = (core_s if "core_attn" in selective else 0.0) + (
-        norm_s if "layernorm" in selective else 0.0)
+        norm_s if "layernorm" in selective else 0.0
+    )
 
     dense = dense_recompute = fc1_s = fc2_s = 0.0
     if not all(moe_layer):
         fc1_s = cost(k.gemm(tokens, ups * m.ffn_size / tp, h), "mlp")
         fc2_s = cost(k.gemm(tokens, h, m.ffn_size / tp), "mlp")
-        dense = fc1_s + fc2_s + cost(k.glue(norm_residual, 2)
-                                     + mlp_glue(tokens, m.ffn_size / tp), "mlp")
-        dense_recompute = (dense if "mlp" in selective else
-                           norm_s if "layernorm" in selective else 0.0)
+        dense = (
+            fc1_s
+            + fc2_s
+            + cost(k.glue(norm_residual, 2) + mlp_glue(tokens, m.ffn_size / tp), "mlp")
+        )
+        dense_recompute = (
+            dense if "mlp" in selective else norm_s if "layernorm" in selective else 0.0
+        )
 
     moe = shared = moe_recompute = 0.0
     if any(moe_layer):
@@ -243,20 +260,32 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout,
         # TE quantizes a grouped GEMM's inputs with one multi-tensor kernel
         routed += act_s + cost(k.casts(moe_tokens * topk * (h + f_moe), 2), "moe")
         # the pre-MLP norm with the router (TE's moe_router graph holds both), then the residual
-        router = cost(k.gemm(moe_tokens, experts, h, bf16=True) + k.glue(norm_bytes)
-                      + k.glue(act * moe_tokens * 4 * experts, ROUTER_KERNELS), "moe_router")
+        router = cost(
+            k.gemm(moe_tokens, experts, h, bf16=True)
+            + k.glue(norm_bytes)
+            + k.glue(act * moe_tokens * 4 * experts, ROUTER_KERNELS),
+            "moe_router",
+        )
         # permute (the dispatch's preprocessing) and un-permute: h in, k h out (and back)
-        permute = (cost(k.glue(act * moe_tokens * (h + topk * h)), "moe_preprocess")
-                   + cost(k.glue(act * moe_tokens * (h + topk * h)), "moe"))
+        permute = cost(k.glue(act * moe_tokens * (h + topk * h)), "moe_preprocess") + cost(
+            k.glue(act * moe_tokens * (h + topk * h)), "moe"
+        )
         if m.moe_shared_expert_intermediate_size:
             f_sh = m.moe_shared_expert_intermediate_size
-            shared = cost(k.gemm(moe_tokens, ups * f_sh, h) + k.gemm(moe_tokens, h, f_sh)
-                          + mlp_glue(moe_tokens, f_sh), "moe")
+            shared = cost(
+                k.gemm(moe_tokens, ups * f_sh, h)
+                + k.gemm(moe_tokens, h, f_sh)
+                + mlp_glue(moe_tokens, f_sh),
+                "moe",
+            )
         moe = routed + router + permute + cost(k.glue(norm_residual - norm_bytes), "moe") + shared
-        moe_recompute = (moe if "moe" in selective else
-                         (act_s if "moe_act" in selective else 0.0)
-                         + (shared if "shared_experts" in selective else 0.0)
-                         + (norm_s if "layernorm" in selective else 0.0))
+        moe_recompute = (
+            moe
+            if "moe" in selective
+            else (act_s if "moe_act" in selective else 0.0)
+            + (shared if "shared_experts" in selective else 0.0)
+            + (norm_s if "layernorm" in selective else 0.0)
+        )
     cross_entropy = k.glue(4.0 * 3 * tokens * m.vocab_size / tp, 3)  # three FP32 logits passes
     logits = cost(k.gemm(tokens, m.vocab_size / tp, h, bf16=True) + cross_entropy, "")
     # the embedding: its lookup (a row written per token) and, in the backward, its gradient
@@ -264,24 +293,49 @@ def microbatch_compute(cfg: ConfigContainer, layout: ParallelLayout,
     embedding = cost(k.glue(act * tokens * h), "")
     embedding_bwd = cost(k.glue((act + 8.0) * tokens * h), "")
     # The TP linears' forward GEMMs (the dense MLP's only where a layer has one).
-    gemms = TPGemms(qkv_s, proj_s, fc1_s, fc2_s, core=max(0.0, attention - qkv_s - proj_s),
-                    # refills a rate-limited link's bucket only without all-to-alls
-                    moe=moe if ep == 1 else 0.0)
+    gemms = TPGemms(
+        qkv_s,
+        proj_s,
+        fc1_s,
+        fc2_s,
+        core=max(0.0, attention - qkv_s - proj_s),
+        # refills a rate-limited link's bucket only without all-to-alls
+        moe=moe if ep == 1 else 0.0,
+    )
     factor = 3.0 if m.recompute_granularity == "full" else 2.0
-    layer_s = [attention * (1 + factor) + attention_recompute
-               + ((moe * (1 + factor) + moe_recompute) if is_moe
-                  else dense * (1 + factor) + dense_recompute)
-               for is_moe in moe_layer]
+    layer_s = [
+        attention * (1 + factor)
+        + attention_recompute
+        + (
+            (moe * (1 + factor) + moe_recompute)
+            if is_moe
+            else dense * (1 + factor) + dense_recompute
+        )
+        for is_moe in moe_layer
+    ]
     stages = resolve_pipeline_layout(m, pp).stages
-    work = [sum(layer_s[s.start:s.end]) + (logits * (1 + factor) if s.loss else 0.0)
-            + (embedding * (1 + factor) + embedding_bwd if s.embedding else 0.0) for s in stages]
+    work = [
+        sum(layer_s[s.start : s.end])
+        + (logits * (1 + factor) if s.loss else 0.0)
+        + (embedding * (1 + factor) + embedding_bwd if s.embedding else 0.0)
+        for s in stages
+    ]
     mean = sum(work) / len(work)
     weights = tuple(x / mean for x in work) if pp > 1 and mean > 0 else (1.0,)
     n_moe = sum(moe_layer)
-    return MicrobatchCompute(attention_fwd_s=attention, moe_fwd_s=moe, shared_expert_fwd_s=shared,
-                             dense_mlp_fwd_s=dense, logits_fwd_s=(logits + embedding) / pp,
-                             moe_layers=n_moe / pp, dense_layers=(m.num_layers - n_moe) / pp,
-                             recompute=m.recompute_granularity == "full", stage_weights=weights,
-                             tp_gemms=gemms, attention_recompute_s=attention_recompute,
-                             moe_recompute_s=moe_recompute, dense_recompute_s=dense_recompute,
-                             embedding_bwd_s=embedding_bwd / pp)
+    return MicrobatchCompute(
+        attention_fwd_s=attention,
+        moe_fwd_s=moe,
+        shared_expert_fwd_s=shared,
+        dense_mlp_fwd_s=dense,
+        logits_fwd_s=(logits + embedding) / pp,
+        moe_layers=n_moe / pp,
+        dense_layers=(m.num_layers - n_moe) / pp,
+        recompute=m.recompute_granularity == "full",
+        stage_weights=weights,
+        tp_gemms=gemms,
+        attention_recompute_s=attention_recompute,
+        moe_recompute_s=moe_recompute,
+        dense_recompute_s=dense_recompute,
+        embedding_bwd_s=embedding_bwd / pp,
+    )

@@ -1,29 +1,33 @@
-"""The pipeline schedule run as a discrete-event simulation: the step time of the real program, bubble and p2p
-included, instead of the (p - 1) / (m v) formula alone.
+"""The pipeline schedule run as a discrete-event simulation: the step time of the real program,
+bubble and p2p included, instead of the (p - 1) / (m v) formula alone.
 
-Why simulate: the bubble formula assumes free transfers, and "overlapped p2p hides every transfer behind the
-micro-batch's own compute" is wrong where a transfer sits on the schedule's critical cycle. In non-interleaved 1F1B
-the last stage cannot start micro-batch i + 1 before its activation has arrived, and the stage before it needs the
-gradient back first (at PP = 2 the steady period is f + b + 2c however early the receives are posted; the reason
-Megatron-Core allows `overlap_p2p_comm` only with interleaving). The interleaved schedule has slack there, which is
+Why simulate: the bubble formula assumes free transfers, and "overlapped p2p hides every transfer
+behind the micro-batch's own compute" is wrong where a transfer sits on the schedule's critical
+cycle. In non-interleaved 1F1B the last stage cannot start micro-batch i + 1 before its activation
+has arrived, and the stage before it needs the gradient back first (at PP = 2 the steady period is f
++ b + 2c however early the receives are posted; the reason Megatron-Core allows `overlap_p2p_comm`
+  only with interleaving). The interleaved schedule has slack there, which is
 what its early receives use. Both facts fall out of running the program.
 
-The programs are the runtime's own (`overlap.pipeline.schedules.pipeline_steps`: Megatron-Core's warm-up /
-steady / cool-down and its interleaved table), with the executor's p2p rules (`PipelineExecutor`):
-- a transfer starts when the send and its receive are both posted (rendezvous, NCCL's and gloo's), queued behind
-  earlier sends of the same rank and direction, and takes `transfer` seconds - or, given as a `Transfer` (bytes on
-  a link), the link's time for them, with a rate-limited link's token bucket: each rank's share, refilled while
-  none of its sends is on the link (`overlap.plan.hardware.TokenBucket`; the messages are booked in the order the
-  ranks' programs meet, so a rank's two directions can book slightly out of time order, where no refill is
-  counted);
-- batched (`batch_p2p_comm`): a task's output is sent with the next task's receive, that receive is posted when the
-  task is about to run and waited at once (sends never block: their link time is the receiver's wait);
-- overlapped (`overlap_p2p_comm`): sends are posted when their tensor exists and never block; the receive of the
-  next forward (and of the next backward) is posted as soon as the previous one of its direction has been consumed.
+The programs are the runtime's own (`overlap.pipeline.schedules.pipeline_steps`: Megatron-Core's
+warm-up / steady / cool-down and its interleaved table), with the executor's p2p rules
+(`PipelineExecutor`):
+- a transfer starts when the send and its receive are both posted (rendezvous, NCCL's and gloo's),
+  queued behind earlier sends of the same rank and direction, and takes `transfer` seconds - or,
+  given as a `Transfer` (bytes on a link), the link's time for them, with a rate-limited link's
+  token bucket: each rank's share, refilled while none of its sends is on the link
+  (`overlap.plan.hardware.TokenBucket`; the messages are booked in the order the ranks' programs
+  meet, so a rank's two directions can book slightly out of time order, where no refill is counted);
+- batched (`batch_p2p_comm`): a task's output is sent with the next task's receive, that receive is
+  posted when the task is about to run and waited at once (sends never block: their link time is the
+  receiver's wait);
+- overlapped (`overlap_p2p_comm`): sends are posted when their tensor exists and never block; the
+  receive of the next forward (and of the next backward) is posted as soon as the previous one of
+  its direction has been consumed.
 
-A task's time is the micro-batch's forward / backward time on the average stage, times its virtual stage's weight
-(its layers; the output layer on the last stage), so unequal stages idle the others as they do in the runtime. The
-step ends when the slowest rank is done.
+A task's time is the micro-batch's forward / backward time on the average stage, times its virtual
+stage's weight (its layers; the output layer on the last stage), so unequal stages idle the others
+as they do in the runtime. The step ends when the slowest rank is done.
 """
 
 from __future__ import annotations
@@ -47,13 +51,23 @@ class PipelineTimes:
 Message = tuple[int, int, int]  # (direction, receiving virtual stage, micro-batch)
 
 
-def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, transfer: float | Transfer,
-             overlapped: bool, group: int | None = None,
-             weights: tuple[float, ...] | None = None, merged: bool = False) -> PipelineTimes:
-    """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one model chunk of
-    average work; virtual stage v's tasks take `weights[v]` times that) and `transfer` per activation or gradient;
-    see the module docstring for the p2p rules. `compute_s` is the average rank's work. `merged` (EP overlap): the
-    merged program (one more warm-up forward), each steady step one unit that waits for both its receives first."""
+def simulate(
+    pp: int,
+    vpp: int,
+    microbatches: int,
+    fwd_s: float,
+    bwd_s: float,
+    transfer: float | Transfer,
+    overlapped: bool,
+    group: int | None = None,
+    weights: tuple[float, ...] | None = None,
+    merged: bool = False,
+) -> PipelineTimes:
+    """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one
+    model chunk of average work; virtual stage v's tasks take `weights[v]` times that) and
+    `transfer` per activation or gradient; see the module docstring for the p2p rules. `compute_s`
+    is the average rank's work. `merged` (EP overlap): the merged program (one more warm-up
+    forward), each steady step one unit that waits for both its receives first."""
     compute = microbatches * vpp * (fwd_s + bwd_s)
     if pp <= 1:
         return PipelineTimes(compute, compute)
@@ -62,9 +76,15 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
     stages = pp * vpp
     programs = [pipeline_steps(pp, r, vpp, microbatches, group, merged) for r in range(pp)]
-    tasks = [[t for step in prog for t in (step.forward, step.backward) if t is not None] for prog in programs]
+    tasks = [
+        [t for step in prog for t in (step.forward, step.backward) if t is not None]
+        for prog in programs
+    ]
     # merged: a steady step waits for its backward's receive too before its forward starts
-    partner = [{s.forward: s.backward for s in prog if merged and s.forward and s.backward} for prog in programs]
+    partner = [
+        {s.forward: s.backward for s in prog if merged and s.forward and s.backward}
+        for prog in programs
+    ]
 
     def needs(rank: int, task: Task) -> Message | None:
         v = task.chunk * pp + rank
@@ -85,12 +105,15 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
     sent: dict[Message, float] = {}  # send posted
     received: dict[Message, float] = {}  # receive posted
     arrival: dict[Message, float] = {}
-    link_free: dict[tuple[int, int], float] = {}  # (sending rank, direction) -> its queue is free from
-    buckets: dict[int, TokenBucket] = {}  # sending rank -> its share of the link's bucket (both directions)
+    # (sending rank, direction) -> its queue is free from
+    link_free: dict[tuple[int, int], float] = {}
+    # sending rank -> its share of the link's bucket (both directions)
+    buckets: dict[int, TokenBucket] = {}
     sent_until: dict[int, float] = {}  # sending rank -> when its last transfer so far ended
 
     def arrived(key: Message) -> float | None:
-        """The message's arrival once both sides have posted (booked on the sender's queue), else None."""
+        """The message's arrival once both sides have posted (booked on the sender's queue), else
+        None."""
         if key not in arrival and key in sent and key in received:
             direction, v, _mb = key
             queue = ((v - 1 if direction == FWD else v + 1) % pp, direction)
@@ -108,14 +131,23 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
 
     clock = [0.0] * pp
     index = [0] * pp
-    pending: list[Message | None] = [None] * pp  # batched: an output travelling with the next task's receive
-    consumed = [{False: 0.0, True: 0.0} for _ in range(pp)]  # overlapped: the last receive of each direction used
+    # batched: an output travelling with the next task's receive
+    pending: list[Message | None] = [None] * pp
+    # overlapped: the last receive of each direction used
+    consumed = [{False: 0.0, True: 0.0} for _ in range(pp)]
 
     def advance(rank: int) -> bool:
-        """Run the rank's next task if it can start; False while it waits for a message whose send is not posted."""
+        """Run the rank's next task if it can start; False while it waits for a message whose send
+        is not posted."""
         task = tasks[rank][index[rank]]
-        wants = [w for w in (needs(rank, task), needs(rank, partner[rank][task]) if task in partner[rank] else None)
-                 if w is not None]
+        wants = [
+            w
+            for w in (
+                needs(rank, task),
+                needs(rank, partner[rank][task]) if task in partner[rank] else None,
+            )
+            if w is not None
+        ]
         for want in wants:
             received.setdefault(want, consumed[rank][want[0] == BWD] if overlapped else clock[rank])
             if pending[rank] is not None:  # batched: one exchange with the pending send
@@ -143,6 +175,8 @@ def simulate(pp: int, vpp: int, microbatches: int, fwd_s: float, bwd_s: float, t
             while index[r] < len(tasks[r]) and advance(r):
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"pipeline simulation deadlocked (pp={pp}, vpp={vpp}, m={microbatches}, "
-                               f"{'overlapped' if overlapped else 'batched'})")
+            raise RuntimeError(
+                f"pipeline simulation deadlocked (pp={pp}, vpp={vpp}, m={microbatches}, "
+                f"{'overlapped' if overlapped else 'batched'})"
+            )
     return PipelineTimes(max(clock), compute)

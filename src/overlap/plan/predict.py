@@ -1,5 +1,6 @@
-"""One configuration's predicted step: compute (compute.py) + communication (comm_model.py) laid out by the schedule
-(step_times.py), plus the per-GPU memory (`overlap.launch.resources.estimate_memory`, with the schedule's terms).
+"""One configuration's predicted step: compute (compute.py) + communication (comm_model.py) laid out
+by the schedule (step_times.py), plus the per-GPU memory
+(`overlap.launch.resources.estimate_memory`, with the schedule's terms).
 
 `calibrate_efficiency` fits one measured run: the compute efficiency (the per-kernel overhead
 kept) that makes the configuration's predicted step time equal its measured one (bisection; the
@@ -43,22 +44,30 @@ class Prediction:
 
 def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
     m, o = cfg.model, cfg.resolved.overlap
-    return Switches(ep_overlap=o.overlap_moe_expert_parallel_comm,
-                    delay_wgrad=o.delay_wgrad_compute, overlap_grad_reduce=o.overlap_grad_reduce,
-                    overlap_param_gather=o.overlap_param_gather,
-                    overlap_p2p=o.overlap_p2p_comm, pp=max(1, layout.pp),
-                    vpp=max(1, m.virtual_pipeline_model_parallel_size or 1),
-                    vp_group=m.microbatch_group_size_per_vp_stage,
-                    shared_expert_overlap=o.moe_shared_expert_overlap)
+    return Switches(
+        ep_overlap=o.overlap_moe_expert_parallel_comm,
+        delay_wgrad=o.delay_wgrad_compute,
+        overlap_grad_reduce=o.overlap_grad_reduce,
+        overlap_param_gather=o.overlap_param_gather,
+        overlap_p2p=o.overlap_p2p_comm,
+        pp=max(1, layout.pp),
+        vpp=max(1, m.virtual_pipeline_model_parallel_size or 1),
+        vp_group=m.microbatch_group_size_per_vp_stage,
+        shared_expert_overlap=o.moe_shared_expert_overlap,
+    )
 
 
-def predict(name: str, overrides: list[str], cfg: ConfigContainer, layout: ParallelLayout,
-            cluster: Cluster) -> Prediction:
+def predict(
+    name: str, overrides: list[str], cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster
+) -> Prediction:
     """The predicted step of `cfg` on `layout` and `cluster`."""
     if cfg.model.context_parallel_size > 1:
-        raise ConfigError("model.context_parallel_size", cfg.model.context_parallel_size,
-                          "the planner does not model context parallelism (nor does the runtime build it).",
-                          "plan with -cp 1.")
+        raise ConfigError(
+            "model.context_parallel_size",
+            cfg.model.context_parallel_size,
+            "the planner does not model context parallelism (nor does the runtime build it).",
+            "plan with -cp 1.",
+        )
     compute = microbatch_compute(cfg, layout, cluster)
     comm = comm_plan(cfg, layout, cluster)
     sw = switches_of(cfg, layout)
@@ -70,17 +79,26 @@ def predict(name: str, overrides: list[str], cfg: ConfigContainer, layout: Paral
     return Prediction(name, overrides, times, comm, sw, tflops, memory.total, layout, m)
 
 
-def calibrate_efficiency(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, measured_ms: float,
-                         source: str) -> Cluster:
-    """The cluster with the compute efficiency at which `cfg`'s predicted step equals `measured_ms`."""
+def calibrate_efficiency(
+    cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster, measured_ms: float, source: str
+) -> Cluster:
+    """The cluster with the compute efficiency at which `cfg`'s predicted step equals
+    `measured_ms`."""
+
     def step_ms(eff: float) -> float:
-        return predict("calibration", [], cfg, layout, with_efficiency(cluster, eff, source)).step_ms
+        return predict(
+            "calibration", [], cfg, layout, with_efficiency(cluster, eff, source)
+        ).step_ms
 
     lo, hi = 1e-6, 1.0
     if step_ms(hi) > measured_ms:
-        raise ConfigError("calibration", measured_ms, "even at 100% of the peak the predicted step is longer: the "
-                          "communication model alone exceeds the measured time.",
-                          "check the cluster's link figures (--cluster) against the measured run.")
+        raise ConfigError(
+            "calibration",
+            measured_ms,
+            "even at 100% of the peak the predicted step is longer: the communication model alone "
+            "exceeds the measured time.",
+            "check the cluster's link figures (--cluster) against the measured run.",
+        )
     for _ in range(60):
         mid = (lo * hi) ** 0.5
         if step_ms(mid) > measured_ms:

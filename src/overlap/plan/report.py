@@ -1,6 +1,7 @@
-"""What `overlap plan` prints and writes: a table per configuration, one verdict line per overlap switch, and a JSON
-document shaped like `overlap bench`'s (`configs[].name / overrides / step_time_ms.mean / exposed_comm_ms /
-total_comm_ms`) so one script reads a plan and a measurement alike."""
+"""What `overlap plan` prints and writes: a table per configuration, one verdict line per overlap
+switch, and a JSON document shaped like `overlap bench`'s (`configs[].name / overrides /
+step_time_ms.mean / exposed_comm_ms / total_comm_ms`) so one script reads a plan and a measurement
+alike."""
 
 from __future__ import annotations
 
@@ -16,13 +17,31 @@ def config_json(p: Prediction) -> dict:
     exposed = {k: v * 1e3 for k, v in sorted(t.exposed_s.items())}
     nbytes = {k: c.bytes_per_step for k, c in sorted(p.comm.kinds.items())}
     for by_kind in (total, exposed, nbytes):
-        by_kind["all"] = sum(by_kind.values())  # bench's `all` key (there: the union of kinds; here: their sum)
+        # bench's `all` key (there: the union of kinds; here: their sum)
+        by_kind["all"] = sum(by_kind.values())
     lay = p.layout
-    return {"name": p.name, "overrides": list(p.overrides), "step_time_ms": {"mean": p.step_ms},
-            "tflops_per_gpu": p.tflops_per_gpu, "compute_ms": t.compute_s * 1e3, "bubble_ms": t.bubble_s * 1e3,
-            "overlap_slowdown_ms": t.slowdown_s * 1e3, "exposed_comm_ms": exposed, "total_comm_ms": total,
-            "bytes_per_iter": nbytes, "peak_mem_gb": p.peak_mem_bytes / 1e9, "microbatches": p.microbatches,
-            "layout": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep, "edp": lay.edp, "vpp": p.switches.vpp}}
+    return {
+        "name": p.name,
+        "overrides": list(p.overrides),
+        "step_time_ms": {"mean": p.step_ms},
+        "tflops_per_gpu": p.tflops_per_gpu,
+        "compute_ms": t.compute_s * 1e3,
+        "bubble_ms": t.bubble_s * 1e3,
+        "overlap_slowdown_ms": t.slowdown_s * 1e3,
+        "exposed_comm_ms": exposed,
+        "total_comm_ms": total,
+        "bytes_per_iter": nbytes,
+        "peak_mem_gb": p.peak_mem_bytes / 1e9,
+        "microbatches": p.microbatches,
+        "layout": {
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "ep": lay.ep,
+            "edp": lay.edp,
+            "vpp": p.switches.vpp,
+        },
+    }
 
 
 def expected_error(cluster: Cluster, fp8_note: str = "") -> dict:
@@ -30,32 +49,53 @@ def expected_error(cluster: Cluster, fp8_note: str = "") -> dict:
     published runs (`overlap.plan.validate`), or why there is none."""
     if cluster.expected_error is None:
         if cluster.gpu == "cpu":
-            why = ("not validated: the compute efficiency is this machine's calibration (the CPU "
-                   "proof is bench/results/plan_vs_bench.md)")
+            why = (
+                "not validated: the compute efficiency is this machine's calibration (the CPU "
+                "proof is bench/results/plan_vs_bench.md)"
+            )
         else:
             why = "not validated: the compute efficiency comes from the cluster file"
         return {"median": None, "worst": None, "short": "n/a", "text": why + fp8_note}
     median, worst = cluster.expected_error
-    where = (f"leave-one-out over published Megatron-Bridge runs on {cluster.gpu}'s GPU group, "
-             "docs/planner.md 'Validation'")
-    return {"median": median, "worst": worst,
-            "short": f"±{100 * median:.0f}% (worst ±{100 * worst:.0f}%)",
-            "text": f"±{100 * median:.0f}% median, ±{100 * worst:.0f}% worst ({where})" + fp8_note}
+    where = (
+        f"leave-one-out over published Megatron-Bridge runs on {cluster.gpu}'s GPU group, "
+        "docs/planner.md 'Validation'"
+    )
+    return {
+        "median": median,
+        "worst": worst,
+        "short": f"±{100 * median:.0f}% (worst ±{100 * worst:.0f}%)",
+        "text": f"±{100 * median:.0f}% median, ±{100 * worst:.0f}% worst ({where})" + fp8_note,
+    }
 
 
-def plan_json(cluster: Cluster, predictions: list[Prediction], verdicts: list[str], command: str,
-              fp8_note: str = "") -> dict:
+def plan_json(
+    cluster: Cluster,
+    predictions: list[Prediction],
+    verdicts: list[str],
+    command: str,
+    fp8_note: str = "",
+) -> dict:
     base = predictions[0].step_ms
     error = expected_error(cluster, fp8_note)
     per_config = {"median": error["median"], "worst": error["worst"]}
-    configs = [config_json(p) | {"step_time_ratio_to_first": p.step_ms / base,
-                                 "expected_error": per_config} for p in predictions]
-    return {"cluster": cluster.to_json(), "configs": configs, "verdicts": verdicts, "command": command,
-            "predicted": True, "expected_error": error}
+    configs = [
+        config_json(p)
+        | {"step_time_ratio_to_first": p.step_ms / base, "expected_error": per_config}
+        for p in predictions
+    ]
+    return {
+        "cluster": cluster.to_json(),
+        "configs": configs,
+        "verdicts": verdicts,
+        "command": command,
+        "predicted": True,
+        "expected_error": error,
+    }
 
 
 def verdict(label: str, off: Prediction, on: Prediction) -> str:
-    """"EP overlap: -24% step time: pays" / "delay_wgrad: within 1%" / "...: costs"."""
+    """ "EP overlap: -24% step time: pays" / "delay_wgrad: within 1%" / "...: costs"."""
     change = on.step_ms / off.step_ms - 1
     if abs(change) <= PAYS:
         return f"{label}: within 1% ({change:+.1%})"
@@ -75,23 +115,27 @@ def overhead(us: float) -> str:
 def format_markdown(doc: dict) -> str:
     c = doc["cluster"]
     error = doc["expected_error"]
-    lines = [f"Predicted (nothing was run) for {c['gpus_per_node']} x {c['gpu']} per node, {c['precision']} peak "
-             f"{c['peak_tflops']:g} TFLOP/s; NVLink {c['nvlink']['bandwidth_GBps']:g} GB/s, NIC "
-             f"{c['nic']['bandwidth_GBps']:g} GB/s.  ",
-             f"Expected error of every step time below: {error['text']}.  ",
-             f"Compute efficiency {c['compute_efficiency']:.4f} of peak"
-             f"{overhead(c['kernel_overhead_us'])} ({c['compute_efficiency_source']}); overlap "
-             f"slowdown {c['overlap_slowdown']} ({c['overlap_slowdown_source']}).  ",
-             f"Command: `{doc['command']}`", "",
-             "| config | step ms | expected error | vs first | TFLOP/s/GPU | compute ms | "
-             "bubble ms | slowdown ms | exposed comm ms | total comm ms | GB/iter | peak GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Predicted (nothing was run) for {c['gpus_per_node']} x {c['gpu']} per node, "
+        f"{c['precision']} peak {c['peak_tflops']:g} TFLOP/s; NVLink "
+        f"{c['nvlink']['bandwidth_GBps']:g} GB/s, NIC {c['nic']['bandwidth_GBps']:g} GB/s.  ",
+        f"Expected error of every step time below: {error['text']}.  ",
+        f"Compute efficiency {c['compute_efficiency']:.4f} of "
+        f"peak{overhead(c['kernel_overhead_us'])} ({c['compute_efficiency_source']}); overlap "
+        f"slowdown {c['overlap_slowdown']} ({c['overlap_slowdown_source']}).  ",
+        f"Command: `{doc['command']}`",
+        "",
+        "| config | step ms | expected error | vs first | TFLOP/s/GPU | compute ms | bubble ms | "
+        "slowdown ms | exposed comm ms | total comm ms | GB/iter | peak GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["configs"]:
-        lines.append(f"| {r['name']} | {r['step_time_ms']['mean']:.1f} | {error['short']} | "
-                     f"{r['step_time_ratio_to_first']:.3f} | "
-                     f"{r['tflops_per_gpu']:.1f} | {r['compute_ms']:.1f} | {r['bubble_ms']:.1f} | "
-                     f"{r['overlap_slowdown_ms']:.1f} | {_kinds(r['exposed_comm_ms'])} | "
-                     f"{_kinds(r['total_comm_ms'])} | {r['bytes_per_iter']['all'] / 1e9:.2f} | "
-                     f"{r['peak_mem_gb']:.1f} |")
+        lines.append(
+            f"| {r['name']} | {r['step_time_ms']['mean']:.1f} | {error['short']} | "
+            f"{r['step_time_ratio_to_first']:.3f} | {r['tflops_per_gpu']:.1f} | "
+            f"{r['compute_ms']:.1f} | {r['bubble_ms']:.1f} | {r['overlap_slowdown_ms']:.1f} | "
+            f"{_kinds(r['exposed_comm_ms'])} | {_kinds(r['total_comm_ms'])} | "
+            f"{r['bytes_per_iter']['all'] / 1e9:.2f} | {r['peak_mem_gb']:.1f} |"
+        )
     lines += ["", "Verdicts:"] + [f"- {v}" for v in doc["verdicts"]]
     return "\n".join(lines)

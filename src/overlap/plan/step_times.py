@@ -1,48 +1,52 @@
 """Where one step's time goes: how compute and communication line up, and what each overlap
 switch hides behind what.
 
-- Pipeline (`overlap.plan.pipeline_sim`): the rank programs of 1F1B / interleaved 1F1B run as a simulation with
-  the micro-batch's time per chunk, once with free and once with real transfers. With free transfers the idle time
-  is the bubble, (p - 1) / m of the compute for 1F1B and (p - 1) / (m v) interleaved (Narayanan et al. 2021,
-  arXiv 2104.04473; the simulation reproduces both); what real transfers add is the exposed p2p. Overlapped p2p
-  (`model.overlap_p2p_comm`: receives posted early, sends never waited) hides only the transfers off the critical
-  path: at PP = 2 without interleaving almost none.
-- EP overlap (`model.overlap_moe_expert_parallel_comm`): micro-batches run as Megatron-Core's combined 1F1B (ours:
-  `overlap.pipeline.combined_1f1b`), F(0) alone, F(i) merged with B(i-1), B(last) alone. Per merged MoE layer
-  each transfer is hidden by the pieces of the other micro-batch between its launch and its wait (each backward
-  counted as half input gradient, half weight gradient), in the runtime's order:
+- Pipeline (`overlap.plan.pipeline_sim`): the rank programs of 1F1B / interleaved 1F1B run as a
+  simulation with the micro-batch's time per chunk, once with free and once with real transfers.
+  With free transfers the idle time is the bubble, (p - 1) / m of the compute for 1F1B and (p - 1) /
+  (m v) interleaved (Narayanan et al. 2021, arXiv 2104.04473; the simulation reproduces both); what
+  real transfers add is the exposed p2p. Overlapped p2p (`model.overlap_p2p_comm`: receives posted
+  early, sends never waited) hides only the transfers off the critical path: at PP = 2 without
+  interleaving almost none.
+- EP overlap (`model.overlap_moe_expert_parallel_comm`): micro-batches run as Megatron-Core's
+  combined 1F1B (ours: `overlap.pipeline.combined_1f1b`), F(0) alone, F(i) merged with B(i-1),
+  B(last) alone. Per merged MoE layer each transfer is hidden by the pieces of the other micro-batch
+  between its launch and its wait (each backward counted as half input gradient, half weight
+  gradient), in the runtime's order:
       F attention + B previous layer's experts weight gradients   hide B's combine backward
-      B previous layer's experts weight gradients                 hide F's split-size exchange (`ep_counts`)
-      B experts input gradient                                    hides F's dispatch
+      B previous layer's experts weight gradients                 hide F's split-size exchange
+      (`ep_counts`) B experts input gradient                                    hides F's dispatch
       F experts                                                   hide B's dispatch backward
       B attention backward                                        hides F's combine
-  `delay_wgrad_compute` takes the weight gradients out of their fixed places: they fill whatever the other pieces
-  leave exposed. F(0) and B(last) expose their all-to-alls and split-size exchanges; under an interleaved pipeline
-  the merged program's warm-up forwards and cool-down backwards do (`pipeline_steps(merged=True)`, pipeline rank 0).
-  Without EP overlap the split-size exchange is a rendezvous with nothing to hide it.
-- Shared-expert overlap (`model.moe_shared_expert_overlap`, without EP overlap): the shared expert's forward runs in
-  two halves, one under the dispatch and one under the combine.
-- DP overlap: bucket by bucket (`bucket_exposure`), the gradient reduce-scatter (or all-reduce) hides behind the
-  last micro-batch's backward (`ddp.overlap_grad_reduce`; the last bucket, ready as the backward ends, never hides),
-  the parameter all-gather behind the first micro-batch's forward (`ddp.overlap_param_gather`; the first bucket is
-  waited for before the forward starts).
-- TP overlap (`model.tp_comm_overlap`): slot by slot (`overlap.plan.tp_slots`), with the plan the runtime runs
-  (`effective_tp_plan`): a ring exchange hides each shard under a 1/TP chunk of its GEMM, a pipelined
-  reduce-scatter exposes its last chunk and what queues behind it, a bulk collective hides under the whole
-  neighbouring GEMM; a slot without a plan exposes its collective, as do the embedding's and the output layer's.
+  `delay_wgrad_compute` takes the weight gradients out of their fixed places: they fill whatever the
+  other pieces leave exposed. F(0) and B(last) expose their all-to-alls and split-size exchanges;
+  under an interleaved pipeline the merged program's warm-up forwards and cool-down backwards do
+  (`pipeline_steps(merged=True)`, pipeline rank 0). Without EP overlap the split-size exchange is a
+  rendezvous with nothing to hide it.
+- Shared-expert overlap (`model.moe_shared_expert_overlap`, without EP overlap): the shared expert's
+  forward runs in two halves, one under the dispatch and one under the combine.
+- DP overlap: bucket by bucket (`bucket_exposure`), the gradient reduce-scatter (or all-reduce)
+  hides behind the last micro-batch's backward (`ddp.overlap_grad_reduce`; the last bucket, ready as
+  the backward ends, never hides), the parameter all-gather behind the first micro-batch's forward
+  (`ddp.overlap_param_gather`; the first bucket is waited for before the forward starts).
+- TP overlap (`model.tp_comm_overlap`): slot by slot (`overlap.plan.tp_slots`), with the plan the
+  runtime runs (`effective_tp_plan`): a ring exchange hides each shard under a 1/TP chunk of its
+  GEMM, a pipelined reduce-scatter exposes its last chunk and what queues behind it, a bulk
+  collective hides under the whole neighbouring GEMM; a slot without a plan exposes its collective,
+  as do the embedding's and the output layer's.
 
-While a piece overlaps communication its compute runs slower: x (1 + slowdown) for the overlapped part
-(`Cluster.overlap_slowdown`, source in `overlap.plan.hardware`). That cost is reported apart from the exposed
-communication (`overlap_slowdown_ms`).
+While a piece overlaps communication its compute runs slower: x (1 + slowdown) for the overlapped
+part (`Cluster.overlap_slowdown`, source in `overlap.plan.hardware`). That cost is reported apart
+from the exposed communication (`overlap_slowdown_ms`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from overlap.pipeline.schedules import pipeline_steps
 from overlap.plan.comm_model import CommPlan
 from overlap.plan.compute import MicrobatchCompute
-from overlap.pipeline.schedules import pipeline_steps
 from overlap.plan.pipeline_sim import simulate
 from overlap.plan.tp_slots import layer_tp
 
@@ -51,11 +55,15 @@ from overlap.plan.tp_slots import layer_tp
 class StepTimes:
     """Seconds of one step, by where they go."""
 
-    compute_s: float = 0.0  # every micro-batch's forward + backward at the calibrated rate, no slowdown (average stage)
-    first_rank_compute_s: float = 0.0  # the same on pipeline rank 0 (what a run with faked communication measures)
+    # every micro-batch's forward + backward at the calibrated rate, no slowdown (average stage)
+    compute_s: float = 0.0
+    first_rank_compute_s: float = (
+        0.0  # the same on pipeline rank 0 (what a run with faked communication measures)
+    )
     slowest_rank_compute_s: float = 0.0  # the same on the busiest pipeline rank
     bubble_s: float = 0.0
-    exposed_s: dict[str, float] = field(default_factory=dict)  # communication no compute hides, by kind
+    # communication no compute hides, by kind
+    exposed_s: dict[str, float] = field(default_factory=dict)
     slowdown_s: float = 0.0  # compute stretched while it overlapped communication
 
     @property
@@ -83,11 +91,12 @@ class Switches:
 
 
 def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
-    """Seconds of the buckets' collectives (one link, one after the other) that `window` of compute does not hide.
-    Reduce (gather False): bucket i's gradients are ready at (i + 1) / n of the backward window, so the last bucket
-    is launched as the window ends. Gather: the forward reaches bucket i at i / n of the window and waits for it;
-    bucket 0 is launched as the window starts and each next one when the forward reaches its predecessor (one
-    bucket of look-ahead, `overlap.data_parallel.param_gather`)."""
+    """Seconds of the buckets' collectives (one link, one after the other) that `window` of compute
+    does not hide. Reduce (gather False): bucket i's gradients are ready at (i + 1) / n of the
+    backward window, so the last bucket is launched as the window ends. Gather: the forward reaches
+    bucket i at i / n of the window and waits for it; bucket 0 is launched as the window starts and
+    each next one when the forward reaches its predecessor (one bucket of look-ahead,
+    `overlap.data_parallel.param_gather`)."""
     n = len(buckets)
     link = delay = 0.0
     for i, seconds in enumerate(buckets):
@@ -100,13 +109,21 @@ def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
     return delay if gather else max(0.0, link - window)
 
 
-def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], counts_s: float, sigma: float,
-                      delay_wgrad: bool, t: StepTimes, weight: float,
-                      sm_share: float = 0.0) -> None:
-    """Adds to `t` the exposed transfers and the slowdown of `weight` merged MoE layer pairs (F of one micro-batch,
-    B of the other), in the runtime's order (`overlap.pipeline.combined_1f1b`). Each backward is half input
-    gradient, half weight gradient; without delay_wgrad the weight halves run at fixed slots, with it they fill the
-    waits (a pool that absorbs what the fixed pieces leave exposed).
+def _merged_moe_layer(
+    c: MicrobatchCompute,
+    a2a: dict[str, float],
+    counts_s: float,
+    sigma: float,
+    delay_wgrad: bool,
+    t: StepTimes,
+    weight: float,
+    sm_share: float = 0.0,
+) -> None:
+    """Adds to `t` the exposed transfers and the slowdown of `weight` merged MoE layer pairs (F of
+    one micro-batch, B of the other), in the runtime's order (`overlap.pipeline.combined_1f1b`).
+    Each backward is half input gradient, half weight gradient; without delay_wgrad the weight
+    halves run at fixed slots, with it they fill the waits (a pool that absorbs what the fixed
+    pieces leave exposed).
 
     NCCL's all-to-alls (`sm_share` 0) stretch the whole window they overlap by 1 + sigma. DeepEP /
     HybridEP hold a fixed share u of the SMs only while they run: a window of W seconds beside a
@@ -117,16 +134,20 @@ def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], counts_s: flo
     e_dgrad = c.bwd_factor * c.moe_fwd_s + c.moe_recompute_s - e_wgrad
     a_dgrad = c.bwd_factor * c.attention_fwd_s + c.attention_recompute_s - a_wgrad
     fixed_e, fixed_a = (0.0, 0.0) if delay_wgrad else (e_wgrad, a_wgrad)
-    # The pieces in order (B's combine backward launched before the first): F's attention, B's previous layer's
-    # experts weight gradients, B's experts input gradient, F's experts, B's attention backward. Each transfer is
-    # covered by the pieces between its launch and its wait.
+    # The pieces in order (B's combine backward launched before the first): F's attention, B's
+    # previous layer's experts weight gradients, B's experts input gradient, F's experts, B's
+    # attention backward. Each transfer is covered by the pieces between its launch and its wait.
     pieces = (c.attention_fwd_s, fixed_e, e_dgrad, c.moe_fwd_s, a_dgrad + fixed_a)
-    covers = (("ep_combine_bwd", a2a.get("ep_combine_bwd", 0.0), (0, 1)), ("ep_counts", counts_s, (1,)),
-              ("ep_dispatch", a2a.get("ep_dispatch", 0.0), (2,)),
-              ("ep_dispatch_bwd", a2a.get("ep_dispatch_bwd", 0.0), (3,)),
-              ("ep_combine", a2a.get("ep_combine", 0.0), (4,)))
+    covers = (
+        ("ep_combine_bwd", a2a.get("ep_combine_bwd", 0.0), (0, 1)),
+        ("ep_counts", counts_s, (1,)),
+        ("ep_dispatch", a2a.get("ep_dispatch", 0.0), (2,)),
+        ("ep_dispatch_bwd", a2a.get("ep_dispatch_bwd", 0.0), (3,)),
+        ("ep_combine", a2a.get("ep_combine", 0.0), (4,)),
+    )
     pool = 0.0 if not delay_wgrad else e_wgrad + a_wgrad
-    overlapped_s = pool if any(a2a.values()) or counts_s > 0 else 0.0  # delayed: they run beside the transfers
+    # delayed: they run beside the transfers
+    overlapped_s = pool if any(a2a.values()) or counts_s > 0 else 0.0
     overlapped: set[int] = set()
     for kind, seconds, window in covers:
         if seconds <= 0:
@@ -145,29 +166,55 @@ def _merged_moe_layer(c: MicrobatchCompute, a2a: dict[str, float], counts_s: flo
         t.slowdown_s += sigma * (sum(pieces[i] for i in overlapped) + overlapped_s) * weight
 
 
-def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches: int,
-               slowdown: dict[str, float]) -> StepTimes:
+def step_times(
+    c: MicrobatchCompute,
+    comm: CommPlan,
+    sw: Switches,
+    microbatches: int,
+    slowdown: dict[str, float],
+) -> StepTimes:
     """Where one step's time goes for these switches (see the module docstring)."""
     t = StepTimes()
     m = microbatches
     sigma_ep = slowdown.get("ep", slowdown.get("other", 0.0))
     sigma = slowdown.get("other", 0.0)
     t.compute_s = m * c.fwd_bwd_s
-    per_rank = [sum(w for v, w in enumerate(c.stage_weights) if v % sw.pp == r) / sw.vpp for r in range(sw.pp)] \
-        if sw.pp > 1 else [1.0]
+    per_rank = (
+        [
+            sum(w for v, w in enumerate(c.stage_weights) if v % sw.pp == r) / sw.vpp
+            for r in range(sw.pp)
+        ]
+        if sw.pp > 1
+        else [1.0]
+    )
     t.first_rank_compute_s = t.compute_s * per_rank[0]
     t.slowest_rank_compute_s = t.compute_s * max(per_rank)
     a2a = comm.ep_a2a_s
     if a2a and sw.ep_overlap and m > 1:
-        # The merged program's warm-up forwards (as many cool-down backwards) run alone, their all-to-alls exposed:
-        # F(0) and B(last) without PP; under an interleaved pipeline, pipeline rank 0's (the most of any rank).
-        alone = sum(1 for s in pipeline_steps(sw.pp, 0, sw.vpp, m, sw.vp_group, merged=True) if s.backward is None)
-        _merged_moe_layer(c, a2a, comm.ep_counts_s, sigma_ep, sw.delay_wgrad, t,
-                          c.moe_layers * (m * sw.vpp - alone) / sw.vpp, comm.ep_sm_share)
+        # The merged program's warm-up forwards (as many cool-down backwards) run alone, their
+        # all-to-alls exposed: F(0) and B(last) without PP; under an interleaved pipeline, pipeline
+        # rank 0's (the most of any rank).
+        alone = sum(
+            1
+            for s in pipeline_steps(sw.pp, 0, sw.vpp, m, sw.vp_group, merged=True)
+            if s.backward is None
+        )
+        _merged_moe_layer(
+            c,
+            a2a,
+            comm.ep_counts_s,
+            sigma_ep,
+            sw.delay_wgrad,
+            t,
+            c.moe_layers * (m * sw.vpp - alone) / sw.vpp,
+            comm.ep_sm_share,
+        )
         for kind, seconds in a2a.items():
             t.expose(kind, seconds * c.moe_layers * alone / sw.vpp)
         t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * alone / sw.vpp)
-    else:  # with the shared-expert overlap, its two halves run under the dispatch and under the combine (forward)
+    # with the shared-expert overlap, its two halves run under the dispatch and under the combine
+    # (forward)
+    else:
         cover = c.shared_expert_fwd_s / 2 if sw.shared_expert_overlap else 0.0
         for kind, seconds in a2a.items():
             hidden = min(seconds, cover) if kind in ("ep_dispatch", "ep_combine") else 0.0
@@ -175,11 +222,20 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
             t.slowdown_s += hidden * sigma_ep * c.moe_layers * m
         t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * m)
 
-    if comm.tp_link is not None:  # slot by slot, as the runtime's plan puts each collective next to a GEMM
+    # slot by slot, as the runtime's plan puts each collective next to a GEMM
+    if comm.tp_link is not None:
         for dense, layers in ((True, c.dense_layers), (False, c.moe_layers)):
             if layers:
-                tp = layer_tp(comm.tp_plans, c.tp_gemms, comm.tp_link, comm.tp_bytes, comm.tp_size, dense,
-                              c.shared_expert_fwd_s > 0, c.recompute)
+                tp = layer_tp(
+                    comm.tp_plans,
+                    c.tp_gemms,
+                    comm.tp_link,
+                    comm.tp_bytes,
+                    comm.tp_size,
+                    dense,
+                    c.shared_expert_fwd_s > 0,
+                    c.recompute,
+                )
                 t.expose("tp_ag", m * layers * tp.exposed_ag_s)
                 t.expose("tp_rs", m * layers * tp.exposed_rs_s)
                 t.slowdown_s += m * layers * tp.hidden_s * sigma
@@ -187,35 +243,58 @@ def step_times(c: MicrobatchCompute, comm: CommPlan, sw: Switches, microbatches:
         t.expose("tp_ag", edges)
         t.expose("tp_rs", edges)
 
-    if sw.pp > 1:  # the pipeline program itself, simulated: its bubble, and the p2p its schedule cannot hide
+    # the pipeline program itself, simulated: its bubble, and the p2p its schedule cannot hide
+    if sw.pp > 1:
         per_mb_s = (t.compute_s + t.slowdown_s + sum(t.exposed_s.values())) / m
         fwd_share = c.fwd_s / c.fwd_bwd_s
         f, b = per_mb_s * fwd_share / sw.vpp, per_mb_s * (1 - fwd_share) / sw.vpp
         merged = sw.ep_overlap and bool(comm.ep_a2a_s)
-        free = simulate(sw.pp, sw.vpp, m, f, b, 0.0, sw.overlap_p2p, sw.vp_group, c.stage_weights, merged)
+        free = simulate(
+            sw.pp, sw.vpp, m, f, b, 0.0, sw.overlap_p2p, sw.vp_group, c.stage_weights, merged
+        )
         t.bubble_s = free.step_s - free.compute_s  # idle time, unequal stages' included
         if comm.pp_send is not None:
-            exposed = simulate(sw.pp, sw.vpp, m, f, b, comm.pp_send, sw.overlap_p2p, sw.vp_group,
-                               c.stage_weights, merged).step_s - free.step_s
+            exposed = (
+                simulate(
+                    sw.pp,
+                    sw.vpp,
+                    m,
+                    f,
+                    b,
+                    comm.pp_send,
+                    sw.overlap_p2p,
+                    sw.vp_group,
+                    c.stage_weights,
+                    merged,
+                ).step_s
+                - free.step_s
+            )
             t.expose("pp_send", exposed)
             if sw.overlap_p2p:
                 hidden = max(0.0, comm.kinds["pp_send"].seconds_per_step - exposed)
                 t.slowdown_s += min(hidden, t.compute_s) * sigma
 
-    if "pp_tied_grad" in comm.kinds:  # after the DP reduction, before the optimizer: nothing runs beside it
+    # after the DP reduction, before the optimizer: nothing runs beside it
+    if "pp_tied_grad" in comm.kinds:
         t.expose("pp_tied_grad", comm.kinds["pp_tied_grad"].seconds_per_step)
 
     bwd_last, fwd_first = c.bwd_s, c.fwd_s
     for kinds, buffers, overlapped, window, gather in (
-            (("rs", "ar"), comm.dp_rs_s, sw.overlap_grad_reduce, bwd_last, False),
-            (("ag",), comm.dp_ag_s, sw.overlap_param_gather, fwd_first, True)):
-        # Each buffer (dense over DP, experts over expert-DP) has its own group: they run side by side, and the step
-        # waits for the slower one.
-        exposed = {p: bucket_exposure(b, window, gather) if overlapped else sum(b) for p, b in buffers.items()}
+        (("rs", "ar"), comm.dp_rs_s, sw.overlap_grad_reduce, bwd_last, False),
+        (("ag",), comm.dp_ag_s, sw.overlap_param_gather, fwd_first, True),
+    ):
+        # Each buffer (dense over DP, experts over expert-DP) has its own group: they run side by
+        # side, and the step waits for the slower one.
+        exposed = {
+            p: bucket_exposure(b, window, gather) if overlapped else sum(b)
+            for p, b in buffers.items()
+        }
         if not exposed:
             continue
         if overlapped:
-            t.slowdown_s += min(max(sum(b) - exposed[p] for p, b in buffers.items()), window) * sigma
+            t.slowdown_s += (
+                min(max(sum(b) - exposed[p] for p, b in buffers.items()), window) * sigma
+            )
         scale = max(exposed.values()) / sum(exposed.values()) if sum(exposed.values()) > 0 else 0.0
         for prefix, seconds in exposed.items():
             kind = next(f"{prefix}_{k}" for k in kinds if f"{prefix}_{k}" in comm.kinds)

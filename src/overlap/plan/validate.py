@@ -49,10 +49,12 @@ _QWEN235 = "-m qwen -mr qwen3_235b_a22b"
 # hidden 2880, 64 query / 8 KV heads of 64, 128 experts of 2880 top-4, vocabulary 201088, no QK
 # norm. Its sliding-window layers and attention sinks are not expressed (Megatron's FLOPs count,
 # which the published TFLOP/s use, ignores them too).
-_GPT_OSS = ("model.num_layers=36 model.hidden_size=2880 model.num_attention_heads=64 "
-            "model.num_query_groups=8 model.kv_channels=64 model.ffn_hidden_size=2880 "
-            "model.moe_ffn_hidden_size=2880 model.moe_router_topk=4 model.vocab_size=201088 "
-            "model.qk_layernorm=false")
+_GPT_OSS = (
+    "model.num_layers=36 model.hidden_size=2880 model.num_attention_heads=64 "
+    "model.num_query_groups=8 model.kv_channels=64 model.ffn_hidden_size=2880 "
+    "model.moe_ffn_hidden_size=2880 model.moe_router_topk=4 model.vocab_size=201088 "
+    "model.qk_layernorm=false"
+)
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,10 @@ class Row:
 def _row(name, gpu, prec, n, gbs, mbs, seq, tp, pp, vp, ep, step, model, extra="", **kw) -> Row:
     # GB200 NVL72 racks run 64 of their GPUs in these recipes
     gpn = (72 if n % 72 == 0 else 64 if n % 64 == 0 else 8) if gpu == "gb200" else 8
-    flags = (f"{model} -g {gpu} -ng {n} -gn {gpn} -tp {tp} -pp {pp} -vp {vp or 'None'} -ep {ep} "
-             f"-gb {gbs} -mb {mbs} -sl {seq}")
+    flags = (
+        f"{model} -g {gpu} -ng {n} -gn {gpn} -tp {tp} -pp {pp} -vp {vp or 'None'} -ep {ep} -gb "
+        f"{gbs} -mb {mbs} -sl {seq}"
+    )
     return Row(name, gpu, prec, step, flags, extra, **kw)
 
 
@@ -96,66 +100,327 @@ _WORKLOAD = "Bridge's workload config for it"
 _GRAPHS = "model.cuda_graph_impl=transformer_engine model.cuda_graph_scope="
 _GRAPH_ROUTER = f"{_GRAPHS}[moe_router,moe_preprocess]"
 _GRAPH_ATTN = f"{_GRAPHS}[attn,moe_router,moe_preprocess]"
-_H100_30B_FP8 = (f"{_WORKLOAD} (FP8 H100, 16 GPUs): HybridEP, EP overlap off, no CUDA graphs; "
-                 "the same assumed for the older releases' PP2 layouts")
-_SELECTIVE_235 = ("model.recompute_granularity=selective "
-                  "model.recompute_modules=[layernorm,moe_act]")
+_H100_30B_FP8 = (
+    f"{_WORKLOAD} (FP8 H100, 16 GPUs): HybridEP, EP overlap off, no CUDA graphs; "
+    "the same assumed for the older releases' PP2 layouts"
+)
+_SELECTIVE_235 = "model.recompute_granularity=selective model.recompute_modules=[layernorm,moe_act]"
 _UNEVEN_235 = "the recipe's uneven layout (embedding and loss accounted as layers)"
 
 ROWS: tuple[Row, ...] = (
-    _row("Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off", "h100", "bf16", 16, 1024, 1, 4096,
-         1, 1, None, 16, 41.25, _QWEN30, f"{_A2A} {_EP_OFF}", source=_GUIDE, pair="guide"),
-    _row("Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on", "h100", "bf16", 16, 1024, 1, 4096, 1,
-         1, None, 16, 31.31, _QWEN30, f"{_A2A} {_EP_ON}", source=_GUIDE, pair="guide"),
-    _row("Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap + delay_wgrad", "h100", "bf16", 16, 1024,
-         1, 4096, 1, 1, None, 16, 31.20, _QWEN30,
-         f"{_A2A} {_EP_ON} comm_overlap.delay_wgrad_compute=true", source=_GUIDE, pair="guide"),
-    _row("Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap off", "h100", "bf16", 16, 1024, 1, 4096,
-         1, 1, None, 16, 24.714, _QWEN30, f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}", source=_SKILL,
-         pair="hybridep", assumed=f"{_WORKLOAD} (BF16 H100): router and preprocess CUDA graphs"),
-    _row("Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on", "h100", "bf16", 16, 1024, 1, 4096, 1,
-         1, None, 16, 20.992, _QWEN30, f"{_HYBRID} {_EP_ON} {_GRAPH_ROUTER}", source=_SKILL,
-         pair="hybridep", assumed=f"{_WORKLOAD} (BF16 H100): router and preprocess CUDA graphs"),
-    _row("Qwen3-30B-A3B 16xH100 FP8 EP16", "h100", "fp8", 16, 1024, 1, 4096, 1, 1, None, 16, 29.26,
-         _QWEN30, f"{_HYBRID} {_EP_OFF}", assumed=_H100_30B_FP8),
-    _row("Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8", "h100", "fp8", 16, 1024, 1, 4096, 1, 2, 12, 8,
-         28.94, _QWEN30, f"{_HYBRID} {_EP_OFF}", assumed=_H100_30B_FP8),
-    _row("Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8", "h100", "fp8", 16, 512, 2, 4096, 1, 2,
-         24, 8, 24.85, _QWEN30, f"{_HYBRID} {_EP_OFF}", assumed=_H100_30B_FP8),
-    _row("Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32", "h100", "fp8", 256, 8192, 1, 4096, 2, 8,
-         4, 32, 76.56, _QWEN235, f"{_A2A} {_EP_ON} {_SELECTIVE_235}",
-         assumed=f"{_WORKLOAD} (FP8 H100): alltoall, EP overlap on, no CUDA graphs; selective "
-                 f"recompute of layernorm and moe_act; {_UNEVEN_235}"),
-    _row("GPT-OSS-120B 64xH100 BF16 PP4 EP8", "h100", "bf16", 64, 1280, 1, 4096, 1, 4, None, 8,
-         14.07, _QWEN30, f"{_A2A} {_EP_OFF} {_GPT_OSS}",
-         assumed="alltoall, EP overlap off; sliding windows not expressed"),
-    _row("Llama3-8B 8xH100 FP8-CS FSDP", "h100", "fp8", 8, 128, 1, 8192, 1, 1, None, 1, 9.07,
-         "-m llama -mr llama3_8b", assumed="FSDP expressed as the distributed optimizer over DP8"),
-    _row("Llama3-70B 64xH100 FP8 TP4 PP8 VP5", "h100", "fp8", 64, 256, 1, 8192, 4, 8, 5, 1, 19.69,
-         "-m llama -mr llama3_70b", "comm_overlap.tp_comm_overlap=true",
-         assumed="TP overlap on (Bridge's Llama3-70B perf recipe)"),
-    _row("Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8", "h100", "fp8", 1024, 1536, 1, 8192, 8, 8, 8,
-         1, 37.46, "-m llama -mr llama3_70b",
-         not_expressible="context parallelism (CP2) is neither built nor planned, and there is no "
-                         "405B recipe"),
-    _row("DeepSeek-V3 1024xH100 FP8 TP2 PP8 VP4 EP64", "h100", "fp8", 1024, 8192, 1, 4096, 2, 8, 4,
-         64, 25.26, _QWEN30,
-         not_expressible="multi-latent attention and MTP are not in the model config"),
-    _row("Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8", "b200", "mxfp8", 8, 512, 4, 4096, 1, 1, None, 8,
-         9.66, _QWEN30, f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
-         assumed=f"{_WORKLOAD}: HybridEP, EP overlap off, attention, router and preprocess CUDA "
-                 "graphs"),
-    _row("Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8", "gb200", "mxfp8", 8, 512, 4, 4096, 1, 1, None, 8,
-         6.44, _QWEN30, f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
-         assumed=f"{_WORKLOAD} (MXFP8): HybridEP, EP overlap off, router and preprocess CUDA "
-                 "graphs"),
-    _row("Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32", "gb200", "mxfp8", 256, 8192, 1, 4096, 1, 8,
-         3, 32, 18.00, _QWEN235, f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
-         assumed=f"{_WORKLOAD}: HybridEP, EP overlap off, attention, router and preprocess CUDA "
-                 f"graphs; {_UNEVEN_235}; 64 GPUs per NVLink domain"),
-    _row("DeepSeek-V3 256xGB200 MXFP8 PP4 VP4 EP64", "gb200", "mxfp8", 256, 4096, 1, 4096, 1, 4, 4,
-         64, 13.34, _QWEN30,
-         not_expressible="multi-latent attention and MTP are not in the model config"),
+    _row(
+        "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off",
+        "h100",
+        "bf16",
+        16,
+        1024,
+        1,
+        4096,
+        1,
+        1,
+        None,
+        16,
+        41.25,
+        _QWEN30,
+        f"{_A2A} {_EP_OFF}",
+        source=_GUIDE,
+        pair="guide",
+    ),
+    _row(
+        "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on",
+        "h100",
+        "bf16",
+        16,
+        1024,
+        1,
+        4096,
+        1,
+        1,
+        None,
+        16,
+        31.31,
+        _QWEN30,
+        f"{_A2A} {_EP_ON}",
+        source=_GUIDE,
+        pair="guide",
+    ),
+    _row(
+        "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap + delay_wgrad",
+        "h100",
+        "bf16",
+        16,
+        1024,
+        1,
+        4096,
+        1,
+        1,
+        None,
+        16,
+        31.20,
+        _QWEN30,
+        f"{_A2A} {_EP_ON} comm_overlap.delay_wgrad_compute=true",
+        source=_GUIDE,
+        pair="guide",
+    ),
+    _row(
+        "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap off",
+        "h100",
+        "bf16",
+        16,
+        1024,
+        1,
+        4096,
+        1,
+        1,
+        None,
+        16,
+        24.714,
+        _QWEN30,
+        f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
+        source=_SKILL,
+        pair="hybridep",
+        assumed=f"{_WORKLOAD} (BF16 H100): router and preprocess CUDA graphs",
+    ),
+    _row(
+        "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on",
+        "h100",
+        "bf16",
+        16,
+        1024,
+        1,
+        4096,
+        1,
+        1,
+        None,
+        16,
+        20.992,
+        _QWEN30,
+        f"{_HYBRID} {_EP_ON} {_GRAPH_ROUTER}",
+        source=_SKILL,
+        pair="hybridep",
+        assumed=f"{_WORKLOAD} (BF16 H100): router and preprocess CUDA graphs",
+    ),
+    _row(
+        "Qwen3-30B-A3B 16xH100 FP8 EP16",
+        "h100",
+        "fp8",
+        16,
+        1024,
+        1,
+        4096,
+        1,
+        1,
+        None,
+        16,
+        29.26,
+        _QWEN30,
+        f"{_HYBRID} {_EP_OFF}",
+        assumed=_H100_30B_FP8,
+    ),
+    _row(
+        "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8",
+        "h100",
+        "fp8",
+        16,
+        1024,
+        1,
+        4096,
+        1,
+        2,
+        12,
+        8,
+        28.94,
+        _QWEN30,
+        f"{_HYBRID} {_EP_OFF}",
+        assumed=_H100_30B_FP8,
+    ),
+    _row(
+        "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8",
+        "h100",
+        "fp8",
+        16,
+        512,
+        2,
+        4096,
+        1,
+        2,
+        24,
+        8,
+        24.85,
+        _QWEN30,
+        f"{_HYBRID} {_EP_OFF}",
+        assumed=_H100_30B_FP8,
+    ),
+    _row(
+        "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32",
+        "h100",
+        "fp8",
+        256,
+        8192,
+        1,
+        4096,
+        2,
+        8,
+        4,
+        32,
+        76.56,
+        _QWEN235,
+        f"{_A2A} {_EP_ON} {_SELECTIVE_235}",
+        assumed=f"{_WORKLOAD} (FP8 H100): alltoall, EP overlap on, no CUDA graphs; selective "
+        f"recompute of layernorm and moe_act; {_UNEVEN_235}",
+    ),
+    _row(
+        "GPT-OSS-120B 64xH100 BF16 PP4 EP8",
+        "h100",
+        "bf16",
+        64,
+        1280,
+        1,
+        4096,
+        1,
+        4,
+        None,
+        8,
+        14.07,
+        _QWEN30,
+        f"{_A2A} {_EP_OFF} {_GPT_OSS}",
+        assumed="alltoall, EP overlap off; sliding windows not expressed",
+    ),
+    _row(
+        "Llama3-8B 8xH100 FP8-CS FSDP",
+        "h100",
+        "fp8",
+        8,
+        128,
+        1,
+        8192,
+        1,
+        1,
+        None,
+        1,
+        9.07,
+        "-m llama -mr llama3_8b",
+        assumed="FSDP expressed as the distributed optimizer over DP8",
+    ),
+    _row(
+        "Llama3-70B 64xH100 FP8 TP4 PP8 VP5",
+        "h100",
+        "fp8",
+        64,
+        256,
+        1,
+        8192,
+        4,
+        8,
+        5,
+        1,
+        19.69,
+        "-m llama -mr llama3_70b",
+        "comm_overlap.tp_comm_overlap=true",
+        assumed="TP overlap on (Bridge's Llama3-70B perf recipe)",
+    ),
+    _row(
+        "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8",
+        "h100",
+        "fp8",
+        1024,
+        1536,
+        1,
+        8192,
+        8,
+        8,
+        8,
+        1,
+        37.46,
+        "-m llama -mr llama3_70b",
+        not_expressible="context parallelism (CP2) is neither built nor planned, and there is no "
+        "405B recipe",
+    ),
+    _row(
+        "DeepSeek-V3 1024xH100 FP8 TP2 PP8 VP4 EP64",
+        "h100",
+        "fp8",
+        1024,
+        8192,
+        1,
+        4096,
+        2,
+        8,
+        4,
+        64,
+        25.26,
+        _QWEN30,
+        not_expressible="multi-latent attention and MTP are not in the model config",
+    ),
+    _row(
+        "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8",
+        "b200",
+        "mxfp8",
+        8,
+        512,
+        4,
+        4096,
+        1,
+        1,
+        None,
+        8,
+        9.66,
+        _QWEN30,
+        f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
+        assumed=f"{_WORKLOAD}: HybridEP, EP overlap off, attention, router and preprocess CUDA "
+        "graphs",
+    ),
+    _row(
+        "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8",
+        "gb200",
+        "mxfp8",
+        8,
+        512,
+        4,
+        4096,
+        1,
+        1,
+        None,
+        8,
+        6.44,
+        _QWEN30,
+        f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
+        assumed=f"{_WORKLOAD} (MXFP8): HybridEP, EP overlap off, router and preprocess CUDA graphs",
+    ),
+    _row(
+        "Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32",
+        "gb200",
+        "mxfp8",
+        256,
+        8192,
+        1,
+        4096,
+        1,
+        8,
+        3,
+        32,
+        18.00,
+        _QWEN235,
+        f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
+        assumed=f"{_WORKLOAD}: HybridEP, EP overlap off, attention, router and preprocess CUDA "
+        f"graphs; {_UNEVEN_235}; 64 GPUs per NVLink domain",
+    ),
+    _row(
+        "DeepSeek-V3 256xGB200 MXFP8 PP4 VP4 EP64",
+        "gb200",
+        "mxfp8",
+        256,
+        4096,
+        1,
+        4096,
+        1,
+        4,
+        4,
+        64,
+        13.34,
+        _QWEN30,
+        not_expressible="multi-latent attention and MTP are not in the model config",
+    ),
 )
 
 
@@ -220,14 +485,16 @@ def center(values: list[float]) -> float:
     return math.exp(logs[mid] if len(logs) % 2 else (logs[mid - 1] + logs[mid]) / 2)
 
 
-def fit_group(points: list[tuple[Linear, float]],
-              kernel_overhead_s: float | None = None) -> tuple[float, float]:
+def fit_group(
+    points: list[tuple[Linear, float]], kernel_overhead_s: float | None = None
+) -> tuple[float, float]:
     """(efficiency, per-kernel overhead) minimizing `_loss` over the rows' linear models.
 
     Both free: the minimum of a sum of absolute deviations lies where two rows are met exactly
     (or one, the overhead held at 0), so every such point is tried. The overhead given: the
     efficiency alone, the median of the rows' own ones (each row met exactly at it), which is
     that minimum in one dimension, at most 1 (a share of the peak)."""
+
     def x_at(lin: Linear, published: float, tau: float) -> float:
         return (published - lin.a - lin.c * tau) / lin.b
 
@@ -238,7 +505,7 @@ def fit_group(points: list[tuple[Linear, float]],
         return min(1.0, center([1 / x for x in xs])), kernel_overhead_s
     candidates = [(x_at(lin, p, 0.0), 0.0) for lin, p in points]
     for i, (li, pi) in enumerate(points):
-        for lj, pj in points[i + 1:]:
+        for lj, pj in points[i + 1 :]:
             det = li.b * lj.c - lj.b * li.c
             if abs(det) < 1e-12 * max(abs(li.b * lj.c), abs(lj.b * li.c), 1e-30):
                 continue
@@ -284,14 +551,20 @@ def solve_linear(rows: tuple[Row, ...] = ROWS) -> tuple[dict[str, Linear], dict[
     return lins, at
 
 
-def _group_fits(usable: list[Row], lins: dict[str, Linear],
-                leave_out: Row | None = None) -> dict[str, tuple[float, float]]:
+def _group_fits(
+    usable: list[Row], lins: dict[str, Linear], leave_out: Row | None = None
+) -> dict[str, tuple[float, float]]:
     """Each group's (efficiency, overhead) on its rows (less `leave_out` and its pair partners).
     The overhead is fitted where OVERHEAD_FROM says; a group fitted elsewhere takes that group's
     overhead on all its rows (none of which is this group's)."""
+
     def points(group: str, skip: Row | None) -> list[tuple[Linear, float]]:
-        return [(lins[r.name], r.published_s) for r in usable if _group(r) == group
-                and not (skip and (r is skip or (skip.pair and r.pair == skip.pair)))]
+        return [
+            (lins[r.name], r.published_s)
+            for r in usable
+            if _group(r) == group
+            and not (skip and (r is skip or (skip.pair and r.pair == skip.pair)))
+        ]
 
     out = {}
     for group in sorted(set(GROUPS.values()), key=lambda g: OVERHEAD_FROM[g] != g):
@@ -305,8 +578,9 @@ def _group_fits(usable: list[Row], lins: dict[str, Linear],
     return out
 
 
-def fit(lins: dict[str, Linear],
-        rows: tuple[Row, ...] = ROWS) -> tuple[list[Result], dict[str, dict]]:
+def fit(
+    lins: dict[str, Linear], rows: tuple[Row, ...] = ROWS
+) -> tuple[list[Result], dict[str, dict]]:
     """Leave-one-out results for every expressible row and each group's fit on all its rows, from
     the rows' linear models (`solve_linear`); each row's prediction is the full model's at the fit
     that did not see it."""
@@ -314,8 +588,11 @@ def fit(lins: dict[str, Linear],
     results = []
     for r in usable:
         eff, tau = _group_fits(usable, lins, leave_out=r)[_group(r)]
-        others = tuple(o.name for o in usable if _group(o) == _group(r) and o is not r
-                       and not (r.pair and o.pair == r.pair))
+        others = tuple(
+            o.name
+            for o in usable
+            if _group(o) == _group(r) and o is not r and not (r.pair and o.pair == r.pair)
+        )
         lin = lins[r.name]
         own = lin.b / (r.published_s - lin.a - lin.c * tau)
         results.append(Result(r, eff, tau, predicted_s(r, eff, tau), others, own))
@@ -330,12 +607,15 @@ def fit(lins: dict[str, Linear],
             "efficiency": round(fits[group][0], 4),
             "kernel_overhead_us": round(fits[group][1] * 1e6, 3),
             "kernel_overhead_from": source,
-            "median_error": round(errors[len(errors) // 2], 3), "worst_error": round(errors[-1], 3),
-            "group": group, "fit_rows": [r.row.name for r in members],
-            "expected_error": (f"median {100 * errors[len(errors) // 2]:.0f}%, worst "
-                               f"{100 * errors[-1]:.0f}%, {within} of {len(errors)} runs within "
-                               f"{100 * WITHIN:.0f}% (leave-one-out over published runs, "
-                               "docs/planner.md)"),
+            "median_error": round(errors[len(errors) // 2], 3),
+            "worst_error": round(errors[-1], 3),
+            "group": group,
+            "fit_rows": [r.row.name for r in members],
+            "expected_error": (
+                f"median {100 * errors[len(errors) // 2]:.0f}%, worst {100 * errors[-1]:.0f}%, "
+                f"{within} of {len(errors)} runs within {100 * WITHIN:.0f}% (leave-one-out over "
+                "published runs, docs/planner.md)"
+            ),
         }
     return results, groups
 
@@ -354,45 +634,72 @@ def pairs(results: list[Result]) -> list[tuple[Result, Result, float, float]]:
 
 def markdown(results: list[Result], groups: dict[str, dict], rows: tuple[Row, ...] = ROWS) -> str:
     """The table docs/planner.md carries (generated: `python -m overlap.plan.validate`)."""
-    lines = ["| run | GPU | precision | published s | predicted s | error | own eff. | fit eff. | "
-             "fit overhead us | assumed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | GPU | precision | published s | predicted s | error | own eff. | fit eff. | fit "
+        "overhead us | assumed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r.row.name} | {r.row.gpu} | {r.row.precision} | "
-                     f"{r.row.published_s:.2f} | {r.predicted_s:.2f} | {100 * r.error:+.0f}% | "
-                     f"{r.own_efficiency:.3f} | {r.loo_efficiency:.3f} | "
-                     f"{r.loo_overhead_s * 1e6:.1f} | {r.row.assumed or '-'} |")
+        lines.append(
+            f"| {r.row.name} | {r.row.gpu} | {r.row.precision} | {r.row.published_s:.2f} | "
+            f"{r.predicted_s:.2f} | {100 * r.error:+.0f}% | {r.own_efficiency:.3f} | "
+            f"{r.loo_efficiency:.3f} | {r.loo_overhead_s * 1e6:.1f} | {r.row.assumed or '-'} |"
+        )
     for row in rows:
         if row.not_expressible:
-            lines.append(f"| {row.name} | {row.gpu} | {row.precision} | {row.published_s:.2f} | "
-                         f"- | not expressed | - | - | - | {row.not_expressible} |")
+            lines.append(
+                f"| {row.name} | {row.gpu} | {row.precision} | {row.published_s:.2f} | - | not "
+                f"expressed | - | - | - | {row.not_expressible} |"
+            )
     within = sum(abs(r.error) <= WITHIN for r in results)
-    lines += ["", f"{within} of {len(results)} expressible runs within {100 * WITHIN:.0f}% "
-                  f"(leave-one-out; {len(rows) - len(results)} not expressible).", "",
-              "| pair | published on/off | predicted on/off | on step error |", "|---|---|---|---|"]
-    for off, on, pub, pred in pairs(results):
+    lines += [
+        "",
+        f"{within} of {len(results)} expressible runs within {100 * WITHIN:.0f}% (leave-one-out; "
+        f"{len(rows) - len(results)} not expressible).",
+        "",
+        "| pair | published on/off | predicted on/off | on step error |",
+        "|---|---|---|---|",
+    ]
+    for _off, on, pub, pred in pairs(results):
         lines.append(f"| {on.row.name} | {pub:.3f} | {pred:.3f} | {100 * on.error:+.0f}% |")
-    lines += ["", "| group | efficiency (all its rows) | per-kernel overhead us (fitted on) | "
-                  "expected error |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| group | efficiency (all its rows) | per-kernel overhead us (fitted on) | expected error "
+        "|",
+        "|---|---|---|---|",
+    ]
     for name, g in groups.items():
-        lines.append(f"| {name} | {g['efficiency']:.4f} | {g['kernel_overhead_us']:.1f} "
-                     f"({g['kernel_overhead_from']} rows) | {g['expected_error']} |")
+        lines.append(
+            f"| {name} | {g['efficiency']:.4f} | {g['kernel_overhead_us']:.1f} "
+            f"({g['kernel_overhead_from']} rows) | {g['expected_error']} |"
+        )
     return "\n".join(lines)
 
 
-def write_fitted(groups: dict[str, dict], lins: dict[str, Linear],
-                 at: dict[str, tuple[float, float]], path: Path) -> None:
+def write_fitted(
+    groups: dict[str, dict], lins: dict[str, Linear], at: dict[str, tuple[float, float]], path: Path
+) -> None:
     """`overlap.plan.fitted`: each GPU type's group fit, the rows' linear models and the points
     they were taken at (so a test re-derives the fits from them and re-linearizes a few rows)."""
     by_gpu = {gpu: groups[group] for gpu, group in GROUPS.items()}
-    header = ('"""Generated by `python -m overlap.plan.validate --write` (do not edit): '
-              "the compute\nefficiency and per-kernel overhead of each GPU type, fitted on the "
-              "published runs\nnamed here (`overlap.plan.validate`), its leave-one-out step-time "
-              "error, and each\nrun's linear model (a, b, c: step = a + b / efficiency + c x "
-              'overhead), taken at LINEARIZED_AT."""')
+    header = (
+        '"""Generated by `python -m overlap.plan.validate --write` (do not edit): '
+        "the compute\nefficiency and per-kernel overhead of each GPU type, fitted on the published "
+        "runs\nnamed here (`overlap.plan.validate`), its leave-one-out step-time error, and "
+        "each\nrun's linear model (a, b, c: step = a + b / efficiency + c x "
+        'overhead), taken at LINEARIZED_AT."""'
+    )
     linear = {n: tuple(float(f"{v:.9g}") for v in (x.a, x.b, x.c)) for n, x in lins.items()}
-    lines = [header, "", f"FITTED = {pformat(by_gpu, width=100, sort_dicts=False)}", "",
-             f"LINEAR = {pformat(linear, width=100, sort_dicts=False)}", "",
-             f"LINEARIZED_AT = {pformat(at, width=100, sort_dicts=True)}", ""]
+    lines = [
+        header,
+        "",
+        f"FITTED = {pformat(by_gpu, width=100, sort_dicts=False)}",
+        "",
+        f"LINEAR = {pformat(linear, width=100, sort_dicts=False)}",
+        "",
+        f"LINEARIZED_AT = {pformat(at, width=100, sort_dicts=True)}",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
@@ -403,10 +710,14 @@ def stored_linear() -> dict[str, Linear]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m overlap.plan.validate",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true",
-                        help="re-linearize every row and regenerate src/overlap/plan/fitted.py")
+    parser = argparse.ArgumentParser(
+        prog="python -m overlap.plan.validate", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="re-linearize every row and regenerate src/overlap/plan/fitted.py",
+    )
     args = parser.parse_args(argv)
     # the rows' resolution notes (e.g. a single DP bucket) are not the point here
     logging.getLogger("overlap").setLevel(logging.ERROR)

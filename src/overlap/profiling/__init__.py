@@ -1,1 +1,2 @@
-"""What the tracer's events say: exposed communication per kind, Chrome traces and timeline pictures of a run."""
+"""What the tracer's events say: exposed communication per kind, Chrome traces and timeline pictures
+of a run."""

@@ -1,9 +1,11 @@
-"""Per-iteration capture of the tracer's events, for the exposure report, the metrics side file and the traces.
+"""Per-iteration capture of the tracer's events, for the exposure report, the metrics side file and
+the traces.
 
-`Collector` is installed as `RECORDER.on_drain` by `overlap run`. The trainer drains the recorder once before its
-first iteration (a reset: start-up traffic is not part of any iteration) and then once after every iteration, so the
-collector ignores the first drain and numbers the rest 0, 1, 2, ... `check_iterations` compares that count with the
-trainer's own at the end of the run, so a change in the trainer's draining cannot silently shift iterations.
+`Collector` is installed as `RECORDER.on_drain` by `overlap run`. The trainer drains the recorder
+once before its first iteration (a reset: start-up traffic is not part of any iteration) and then
+once after every iteration, so the collector ignores the first drain and numbers the rest 0, 1, 2,
+... `check_iterations` compares that count with the trainer's own at the end of the run, so a change
+in the trainer's draining cannot silently shift iterations.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 from overlap.parallel.trace import CommEvent, Span
 from overlap.profiling.exposed import KindExposure, exposure, mean_exposure
 from overlap.profiling.sinks import MetricsSink
@@ -25,38 +28,64 @@ class IterationTrace:
 
 @dataclass
 class RankTrace:
-    """Everything one rank recorded, by iteration; the input of the Chrome trace and the timeline."""
+    """Everything one rank recorded, by iteration; the input of the Chrome trace and the
+    timeline."""
 
     rank: int
     network: str
     iterations: list[IterationTrace] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "network": self.network,
-                "iterations": [{"iteration": it.iteration, "comm": [asdict(e) for e in it.comm],
-                                "spans": [asdict(s) for s in it.spans]} for it in self.iterations]}
+        return {
+            "rank": self.rank,
+            "network": self.network,
+            "iterations": [
+                {
+                    "iteration": it.iteration,
+                    "comm": [asdict(e) for e in it.comm],
+                    "spans": [asdict(s) for s in it.spans],
+                }
+                for it in self.iterations
+            ],
+        }
 
     @classmethod
-    def from_json(cls, data: dict) -> "RankTrace":
-        return cls(data["rank"], data["network"],
-                   [IterationTrace(it["iteration"], [CommEvent(**e) for e in it["comm"]],
-                                   [Span(**s) for s in it["spans"]]) for it in data["iterations"]])
+    def from_json(cls, data: dict) -> RankTrace:
+        return cls(
+            data["rank"],
+            data["network"],
+            [
+                IterationTrace(
+                    it["iteration"],
+                    [CommEvent(**e) for e in it["comm"]],
+                    [Span(**s) for s in it["spans"]],
+                )
+                for it in data["iterations"]
+            ],
+        )
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_json()))
 
     @classmethod
-    def read(cls, path: Path) -> "RankTrace":
+    def read(cls, path: Path) -> RankTrace:
         return cls.from_json(json.loads(path.read_text()))
 
 
 class Collector:
-    """The recorder sink: per-iteration exposure (always), events kept for tracing (when asked), and one record per
-    iteration to `comm_metrics` (when given: `FILE.comm.jsonl`, TensorBoard, W&B), its iteration counted from
-    `first_iteration` (a resumed run's checkpoint) + 1 as the trainer's."""
+    """The recorder sink: per-iteration exposure (always), events kept for tracing (when asked), and
+    one record per iteration to `comm_metrics` (when given: `FILE.comm.jsonl`, TensorBoard, W&B),
+    its iteration counted from `first_iteration` (a resumed run's checkpoint) + 1 as the
+    trainer's."""
 
-    def __init__(self, rank: int, network: str, keep_events: bool, comm_metrics: MetricsSink | None = None,
-                 first_iteration: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        network: str,
+        keep_events: bool,
+        comm_metrics: MetricsSink | None = None,
+        first_iteration: int = 0,
+    ) -> None:
         self.trace = RankTrace(rank, network)
         self.keep_events = keep_events
         self.comm_metrics = comm_metrics
@@ -74,18 +103,27 @@ class Collector:
         if self.keep_events:
             self.trace.iterations.append(IterationTrace(iteration, events, spans))
         if self.comm_metrics is not None:
-            self.comm_metrics.write({
-                "iteration": self.first_iteration + iteration + 1, "network": self.trace.network,
-                "exposed_comm_ms": {k: round(r.exposed_ms, 4) for k, r in rows.items()},
-                "exposed_peer_wait_ms": {k: round(r.peer_wait_ms, 4) for k, r in rows.items()
-                                         if r.peer_wait_ms is not None},
-                "total_comm_ms": {k: round(r.total_ms, 4) for k, r in rows.items()}})
+            self.comm_metrics.write(
+                {
+                    "iteration": self.first_iteration + iteration + 1,
+                    "network": self.trace.network,
+                    "exposed_comm_ms": {k: round(r.exposed_ms, 4) for k, r in rows.items()},
+                    "exposed_peer_wait_ms": {
+                        k: round(r.peer_wait_ms, 4)
+                        for k, r in rows.items()
+                        if r.peer_wait_ms is not None
+                    },
+                    "total_comm_ms": {k: round(r.total_ms, 4) for k, r in rows.items()},
+                }
+            )
 
     def check_iterations(self, expected: int) -> None:
         if len(self.per_iteration) != expected:
-            raise RuntimeError(f"the exposure collector saw {len(self.per_iteration)} iterations, the trainer ran "
-                               f"{expected}: the trainer's RECORDER.drain() pattern changed (see "
-                               "overlap.profiling.collector)")
+            raise RuntimeError(
+                f"the exposure collector saw {len(self.per_iteration)} iterations, the trainer ran "
+                f"{expected}: the trainer's RECORDER.drain() pattern changed (see "
+                "overlap.profiling.collector)"
+            )
 
     def window_mean(self, window: tuple[int, int]) -> dict[str, KindExposure]:
-        return mean_exposure(self.per_iteration[window[0]:window[1]])
+        return mean_exposure(self.per_iteration[window[0] : window[1]])

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from overlap.config.logger import LoggerConfig, wandb_mode
 
+
 class MetricsSink(Protocol):
     def write(self, record: dict[str, Any]) -> None:
         """Take one iteration's record (it has an "iteration", numbered from 1)."""

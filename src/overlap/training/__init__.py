@@ -1,1 +1,2 @@
-"""The pretraining loop: mock data, micro-batches, gradient reduction, optimizer step, timing and metrics."""
+"""The pretraining loop: mock data, micro-batches, gradient reduction, optimizer step, timing and
+metrics."""

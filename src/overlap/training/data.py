@@ -1,8 +1,10 @@
-"""Pretraining samples: mock data (deterministic random tokens) or real data (`dataset.blend`, overlap.data).
+"""Pretraining samples: mock data (deterministic random tokens) or real data (`dataset.blend`,
+overlap.data).
 
-Sample `i` of iteration `k` depends only on (seed, k, i), never on the parallel layout, so every layout trains on
-exactly the samples of the single-process reference: data-parallel rank d takes its contiguous share of the global
-batch, and micro-batch j of that share holds the next micro_batch_size samples.
+Sample `i` of iteration `k` depends only on (seed, k, i), never on the parallel layout, so every
+layout trains on exactly the samples of the single-process reference: data-parallel rank d takes its
+contiguous share of the global batch, and micro-batch j of that share holds the next
+micro_batch_size samples.
 """
 
 from __future__ import annotations
@@ -20,17 +22,28 @@ class SampleSource(ABC):
 
     @abstractmethod
     def sample(self, iteration: int, index: int) -> torch.Tensor:
-        """Sample `index` of iteration `iteration`: seq_length + 1 tokens (the model reads [:-1], predicts [1:])."""
+        """Sample `index` of iteration `iteration`: seq_length + 1 tokens (the model reads [:-1],
+        predicts [1:])."""
 
-    def micro_batches(self, iteration: int, global_batch: int, micro_batch: int, dp_rank: int,
-                      dp_size: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This DP rank's micro-batches of one iteration as (tokens [b, s], labels [b, s]) on `device` (samples are
-        drawn on the host, by the CPU generator, so every device type reads the same tokens)."""
+    def micro_batches(
+        self,
+        iteration: int,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's micro-batches of one iteration as (tokens [b, s], labels [b, s]) on
+        `device` (samples are drawn on the host, by the CPU generator, so every device type reads
+        the same tokens)."""
         per_rank = global_batch // dp_size
         first = dp_rank * per_rank
         batches = []
         for start in range(first, first + per_rank, micro_batch):
-            rows = torch.stack([self.sample(iteration, i) for i in range(start, start + micro_batch)])
+            rows = torch.stack(
+                [self.sample(iteration, i) for i in range(start, start + micro_batch)]
+            )
             rows = rows.to(device)
             batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
         return batches
@@ -45,29 +58,41 @@ class MockDataset(SampleSource):
     def sample(self, iteration: int, index: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + iteration) * 1_000_003 + index)
         # Drawn on the CPU (the generator's device), so GPUs see the same samples.
-        return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=gen, device="cpu")
+        return torch.randint(
+            0, self.vocab_size, (self.seq_length + 1,), generator=gen, device="cpu"
+        )
 
 
 class TokenDataset(SampleSource):
-    """Real data (`dataset.blend`): sample `index` of iteration `it` is sample `it x global_batch + index` of the
-    blend, i.e. the run consumes the blend's samples in order, whatever the layout."""
+    """Real data (`dataset.blend`): sample `index` of iteration `it` is sample `it x global_batch +
+    index` of the blend, i.e. the run consumes the blend's samples in order, whatever the layout."""
 
     def __init__(self, cfg: ConfigContainer) -> None:
         from overlap.data.gpt_dataset import build_blend
 
         t, d = cfg.train, cfg.dataset
         self.global_batch, self.vocab_size = t.global_batch_size, cfg.model.vocab_size
-        self.blend = build_blend(d.blend, d.split, cfg.model.seq_length, d.random_seed,
-                                 t.train_iters * t.global_batch_size)
+        self.blend = build_blend(
+            d.blend,
+            d.split,
+            cfg.model.seq_length,
+            d.random_seed,
+            t.train_iters * t.global_batch_size,
+        )
 
     def sample(self, iteration: int, index: int) -> torch.Tensor:
         k = iteration * self.global_batch + index
         tokens = torch.from_numpy(self.blend[k].astype("int64"))
         if int(tokens.max()) >= self.vocab_size:
             which = self.blend.datasets[int(self.blend.which[k])].data.prefix
-            raise ConfigError("dataset.blend", which, f"it holds token id {int(tokens.max())}, outside the model's "
-                              f"vocabulary of {self.vocab_size}.", "preprocess it with the tokenizer this run uses "
-                              "(--tokenizer_type / --tokenizer_model), or set the vocabulary to match.")
+            raise ConfigError(
+                "dataset.blend",
+                which,
+                f"it holds token id {int(tokens.max())}, outside the model's vocabulary of "
+                f"{self.vocab_size}.",
+                "preprocess it with the tokenizer this run uses (--tokenizer_type / "
+                "--tokenizer_model), or set the vocabulary to match.",
+            )
         return tokens
 
 

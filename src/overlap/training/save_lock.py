@@ -1,12 +1,13 @@
 """One writer per save folder: a lock file that a run holds while it owns `checkpoint.save`.
 
-Two runs saving into one folder would load and overwrite each other's checkpoints, and each would prune the
-other's. Rank 0 of a run takes `<save>/.overlap_save.lock` before it touches the folder (removing stale temporary
-folders included) and gives it back when the run ends. The lock is an `flock` on that file, so the kernel releases
-it however the process ends (an exception, a signal, SIGKILL); the file also names its holder (pid, host, start
-time), so a second writer is told who holds it. A file left behind by a holder that died is taken over with a
-warning: on this host when its pid no longer runs, elsewhere when nobody holds its `flock`. A live pid on this host
-that the file names is refused even if `flock` succeeded (a filesystem that ignores `flock`).
+Two runs saving into one folder would load and overwrite each other's checkpoints, and each would
+prune the other's. Rank 0 of a run takes `<save>/.overlap_save.lock` before it touches the folder
+(removing stale temporary folders included) and gives it back when the run ends. The lock is an
+`flock` on that file, so the kernel releases it however the process ends (an exception, a signal,
+SIGKILL); the file also names its holder (pid, host, start time), so a second writer is told who
+holds it. A file left behind by a holder that died is taken over with a warning: on this host when
+its pid no longer runs, elsewhere when nobody holds its `flock`. A live pid on this host that the
+file names is refused even if `flock` succeeded (a filesystem that ignores `flock`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class SaveFolderLock:
                 same = False
             if same:
                 break
-            os.close(fd)  # the holder removed the file between our open and our lock: take the new one
+            # the holder removed the file between our open and our lock: take the new one
+            os.close(fd)
         previous = _holder(os.read(fd, 4096).decode(errors="replace"))
         pid = previous.get("pid")
         if isinstance(pid, int) and pid != os.getpid():
@@ -88,20 +90,26 @@ class SaveFolderLock:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
                 raise self._refusal(previous)
-            why = ("no longer runs" if previous.get("host") == host else
-                   "does not hold it any more")
-            log.warning("%s: taking over a stale lock of %s, which %s", self.path, _describe(previous), why)
+            why = "no longer runs" if previous.get("host") == host else "does not hold it any more"
+            log.warning(
+                "%s: taking over a stale lock of %s, which %s", self.path, _describe(previous), why
+            )
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": host, "started": time.time()}).encode(), 0)
+        os.pwrite(
+            fd, json.dumps({"pid": os.getpid(), "host": host, "started": time.time()}).encode(), 0
+        )
         os.fsync(fd)
         self._fd = fd
 
     def _refusal(self, holder: dict) -> CheckpointError:
-        return CheckpointError("checkpoint.save", str(self.folder), f"another run is saving into this folder "
-                               f"({_describe(holder)}; lock file {self.path}): two writers would overwrite and "
-                               "prune each other's checkpoints.",
-                               "wait for that run to end, or use another checkpoint.save folder; if that run is "
-                               f"gone (on another host), delete {self.path}.")
+        return CheckpointError(
+            "checkpoint.save",
+            str(self.folder),
+            f"another run is saving into this folder ({_describe(holder)}; lock file {self.path}): "
+            "two writers would overwrite and prune each other's checkpoints.",
+            "wait for that run to end, or use another checkpoint.save folder; if that run is "
+            f"gone (on another host), delete {self.path}.",
+        )
 
     def release(self) -> None:
         """Give the lock back (idempotent): the file is removed, then unlocked."""

@@ -1,14 +1,16 @@
-"""The pretraining loop, readable top to bottom: build, then for each iteration run the micro-batches, reduce
-gradients, clip, step, log.
+"""The pretraining loop, readable top to bottom: build, then for each iteration run the
+micro-batches, reduce gradients, clip, step, log.
 
-Data parallelism (`overlap.data_parallel`): the DDP object owns the gradient buffers; told which micro-batch is the
-last, it reduces buckets during that backward (overlap_grad_reduce) or all at `finish_grad_sync()`. The optimizer is
-the local one or the distributed one (sharded Adam; its parameter all-gather runs after the step, or is deferred into
-the next forward with overlap_param_gather, which is why `train()` ends with `finish_param_sync()`).
+Data parallelism (`overlap.data_parallel`): the DDP object owns the gradient buffers; told which
+micro-batch is the last, it reduces buckets during that backward (overlap_grad_reduce) or all at
+`finish_grad_sync()`. The optimizer is the local one or the distributed one (sharded Adam; its
+parameter all-gather runs after the step, or is deferred into the next forward with
+overlap_param_gather, which is why `train()` ends with `finish_param_sync()`).
 
-Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size) before backward, so
-the reduced gradients equal the single-process gradient of the mean loss over the whole global batch, and the
-reported lm loss is that mean (all-reduced over data parallel for the log only).
+Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size)
+before backward, so the reduced gradients equal the single-process gradient of the mean loss over
+the whole global batch, and the reported lm loss is that mean (all-reduced over data parallel for
+the log only).
 
 Under loss scaling (fp16) the backward's seed also carries the optimizer's loss scale; the
 optimizer divides it out, and skips a step whose gradients overflowed (`overlap.optim.loss_scaler`):
@@ -28,21 +30,27 @@ import torch
 
 from overlap.config.container import ConfigContainer
 from overlap.data_parallel import DistributedDataParallel, DistributedOptimizer
+from overlap.errors import NonFiniteError
 from overlap.model.gpt import model_chunks
 from overlap.model.tensor_parallel_impl import apply_tensor_parallel_impl
+from overlap.optim.adam import LocalOptimizer, learning_rate
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.pipeline.output_memory import PipelineMemory
 from overlap.pipeline.runner import build_pipeline
 from overlap.profiling.sinks import MetricsSink
-from overlap.errors import NonFiniteError
 from overlap.training.checkpoint import Checkpointer
 from overlap.training.data import build_data
+from overlap.training.metrics import (
+    StepRecord,
+    flops_per_token,
+    format_iteration,
+    peak_memory_mb,
+    steady_mean_ms,
+    steady_window,
+)
 from overlap.training.stopping import ExitWatch, NonFiniteCount, check_finite
-from overlap.training.metrics import (StepRecord, flops_per_token, format_iteration, peak_memory_mb,
-                                      steady_mean_ms, steady_window)
-from overlap.optim.adam import LocalOptimizer, learning_rate
 
 log = logging.getLogger("overlap.train")
 
@@ -57,7 +65,9 @@ class RunSummary:
     first_iteration: int = 0  # > 0: resumed from a checkpoint of that iteration
     stopped: str | None = None  # why the run stopped before train_iters (SIGTERM, time limit)
     checkpoint: dict | None = None  # save / load times and sizes (Checkpointer.report)
-    pipeline_output_peak_bytes: int = 0  # stage outputs alive at once, max over steps (PipelineMemory; PP only)
+    pipeline_output_peak_bytes: int = (
+        0  # stage outputs alive at once, max over steps (PipelineMemory; PP only)
+    )
 
 
 def comm_totals(events) -> tuple[dict[str, float], dict[str, int]]:
@@ -76,7 +86,8 @@ class Trainer:
     def __init__(self, cfg: ConfigContainer, ps: ParallelState) -> None:
         self.cfg, self.ps = cfg, ps
         torch.manual_seed(cfg.train.seed)
-        # This rank's model chunks (one without a virtual pipeline); each has its own gradient buffers and buckets.
+        # This rank's model chunks (one without a virtual pipeline); each has its own gradient
+        # buffers and buckets.
         self.chunks = model_chunks(cfg.model, ps)
         # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
         apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
@@ -89,36 +100,52 @@ class Trainer:
         # per step (ours measures them).
         self.pipeline_memory = PipelineMemory()
         self.pipeline = build_pipeline(
-            cfg, self.chunks, ps, lambda c, last: self.ddps[c].set_last_micro_batch(last),
-            self.pipeline_memory)
+            cfg,
+            self.chunks,
+            ps,
+            lambda c, last: self.ddps[c].set_last_micro_batch(last),
+            self.pipeline_memory,
+        )
         plan = cfg.resolved.overlap
-        self.ddps = [DistributedDataParallel(c, cfg.ddp, plan, ps, cfg.model.sequence_parallel)
-                     for c in self.chunks]
+        self.ddps = [
+            DistributedDataParallel(c, cfg.ddp, plan, ps, cfg.model.sequence_parallel)
+            for c in self.chunks
+        ]
         self.ddp = self.ddps[0]
         if cfg.ddp.use_distributed_optimizer:
-            self.optimizer = DistributedOptimizer(self.chunks, self.ddps, cfg.optimizer, cfg.ddp,
-                                                  plan, ps)
+            self.optimizer = DistributedOptimizer(
+                self.chunks, self.ddps, cfg.optimizer, cfg.ddp, plan, ps
+            )
         else:
             params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
             self.optimizer = LocalOptimizer(params, cfg.optimizer, ps)
         self.data = build_data(cfg)
-        # A tied model under pipeline parallelism: the group of each pipeline's two ends (created by every rank) and
-        # this rank's end of the tie (the embedding on the first stage, its copy on the last), `overlap.model.gpt`
-        # (only what the optimizer reads: the DP-reduced part of the gradient, a 1/DP shard with the distributed
-        # optimizer, the same elements on both ends since the tied tensor is a bucket of its own)
+        # A tied model under pipeline parallelism: the group of each pipeline's two ends (created by
+        # every rank) and this rank's end of the tie (the embedding on the first stage, its copy on
+        # the last), `overlap.model.gpt` (only what the optimizer reads: the DP-reduced part of the
+        # gradient, a 1/DP shard with the distributed optimizer, the same elements on both ends
+        # since the tied tensor is a bucket of its own)
         self._tied = None
         if cfg.model.share_embeddings_and_output_weights and ps.pp_size > 1:
             group = ps.tied_embedding_group()
-            grads = [ddp.reduced_grad(p) for c, ddp in zip(self.chunks, self.ddps) for p in c.parameters()
-                     if getattr(p, "tied_embedding", False)]
+            grads = [
+                ddp.reduced_grad(p)
+                for c, ddp in zip(self.chunks, self.ddps)
+                for p in c.parameters()
+                if getattr(p, "tied_embedding", False)
+            ]
             self._tied = (group, grads) if grads else None
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
         ck = cfg.checkpoint
-        # Checkpoints (training/checkpoint.py): loaded now, into the parameters (views into the DDP buffers) and the
-        # optimizer built above; `start_iteration` is where a resumed run continues.
-        self.checkpointer = (Checkpointer(cfg, ps, self.chunks, self.optimizer)
-                             if ck.save or ck.load or ck.pretrained_checkpoint else None)
+        # Checkpoints (training/checkpoint.py): loaded now, into the parameters (views into the DDP
+        # buffers) and the optimizer built above; `start_iteration` is where a resumed run
+        # continues.
+        self.checkpointer = (
+            Checkpointer(cfg, ps, self.chunks, self.optimizer)
+            if ck.save or ck.load or ck.pretrained_checkpoint
+            else None
+        )
         self.start_iteration = self.checkpointer.load() if self.checkpointer is not None else 0
 
     def train_step(self, iteration: int) -> tuple[float, float]:
@@ -126,8 +153,9 @@ class Trainer:
         t, ps = self.cfg.train, self.ps
         for ddp in self.ddps:
             ddp.zero_grad()
-        batches = self.data.micro_batches(iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank,
-                                          ps.dp_size, ps.device)
+        batches = self.data.micro_batches(
+            iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device
+        )
         scale = 1.0 / (self.num_micro_batches * ps.dp_size)
         grad_scale = scale * self.optimizer.loss_scale  # what the backward is seeded with
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
@@ -138,24 +166,34 @@ class Trainer:
         with RECORDER.span("grad_reduce"):
             for ddp in self.ddps:
                 ddp.finish_grad_sync()
-            if self._tied is not None:  # the embedding and its copy on the last stage: one gradient, summed
+            # the embedding and its copy on the last stage: one gradient, summed
+            if self._tied is not None:
                 group, grads = self._tied
                 for grad in grads:
                     comm.all_reduce(grad, group, "pp_tied_grad").wait()
-        # The reported loss is summed over DP now, before the norm's own all-reduce and the optimizer's parameter
-        # gather: launched after the step, it queued behind that gather and exposed it. Only the last pipeline
-        # stage has losses: the sum over PP (zeros elsewhere) gives every rank, rank 0 included, the same number.
+        # The reported loss is summed over DP now, before the norm's own all-reduce and the
+        # optimizer's parameter gather: launched after the step, it queued behind that gather and
+        # exposed it. Only the last pipeline stage has losses: the sum over PP (zeros elsewhere)
+        # gives every rank, rank 0 included, the same number.
         if ps.pp_size > 1:
             comm.all_reduce(loss_sum, ps.pp_group, "pp_loss").wait()
         check_nan = self.cfg.ddp.check_for_nan_in_grad
-        local_loss = loss_sum.clone() if check_nan else None  # before the DP sum mixes the ranks' losses
+        # before the DP sum mixes the ranks' losses
+        local_loss = loss_sum.clone() if check_nan else None
         loss_handle = comm.all_reduce(loss_sum, ps.dp_group, "dp_loss")
         norm = self.optimizer.grad_norm()
-        if check_nan and not math.isfinite(norm):  # free unless the norm is not finite (training/stopping.py)
+        # free unless the norm is not finite (training/stopping.py)
+        if check_nan and not math.isfinite(norm):
             loss_handle.wait()  # nothing is left in flight when every rank stops here
-            check_finite(iteration, norm, local_loss, self._named_params(), ps.rank,
-                         self.checkpointer.last_saved if self.checkpointer else None,
-                         loss_scaling=self.optimizer.scaler is not None)
+            check_finite(
+                iteration,
+                norm,
+                local_loss,
+                self._named_params(),
+                ps.rank,
+                self.checkpointer.last_saved if self.checkpointer else None,
+                loss_scaling=self.optimizer.scaler is not None,
+            )
         with RECORDER.span("optimizer"):
             self.optimizer.step(self.learning_rate(iteration), norm)
         loss_handle.wait()
@@ -164,8 +202,12 @@ class Trainer:
     def learning_rate(self, iteration: int) -> float:
         """The schedule's rate for `iteration`; steps skipped for an overflow do not advance it
         (Megatron's scheduler steps only with the optimizer)."""
-        return learning_rate(iteration - self.optimizer.skipped, self.cfg.optimizer,
-                             self.cfg.scheduler, self.cfg.train.train_iters)
+        return learning_rate(
+            iteration - self.optimizer.skipped,
+            self.cfg.optimizer,
+            self.cfg.scheduler,
+            self.cfg.train.train_iters,
+        )
 
     def loss_scaling(self) -> tuple[float | None, bool]:
         """(the loss scale, whether the last step overflowed and was skipped); (None, False) where
@@ -177,7 +219,8 @@ class Trainer:
         return ((n, p) for c in self.chunks for n, p in c.named_parameters())
 
     def finish_param_sync(self) -> None:
-        """Complete any parameter all-gather still deferred into a next forward (overlap_param_gather)."""
+        """Complete any parameter all-gather still deferred into a next forward
+        (overlap_param_gather)."""
         self.optimizer.finish_param_sync()
 
     def train(self, metrics: MetricsSink | None = None, progress=None) -> RunSummary:
@@ -189,48 +232,87 @@ class Trainer:
         RECORDER.drain()
         first = self.start_iteration
         if first >= t.train_iters and self.ps.rank == 0:
-            log.info("nothing to train: the checkpoint is at iteration %d and train.train_iters=%d is reached "
-                     "(raise -ms/--max_steps to train on)", first, t.train_iters)
+            log.info(
+                "nothing to train: the checkpoint is at iteration %d and train.train_iters=%d is "
+                "reached (raise -ms/--max_steps to train on)",
+                first,
+                t.train_iters,
+            )
         self.nonfinite = NonFiniteCount(self.cfg.ddp.check_for_nan_in_grad, self.ps.rank)
         watch = ExitWatch(t, self.ps.device)
         stopped: str | None = None
         try:
             for it in range(first, t.train_iters):
-                self._iteration(it, tokens_per_step, flops_step, records, comm_sum, metrics, progress)
+                self._iteration(
+                    it, tokens_per_step, flops_step, records, comm_sum, metrics, progress
+                )
                 stopped = watch.reason()
                 if self.checkpointer is not None:
                     self.checkpointer.poll()
                     if stopped or self.checkpointer.due(it + 1):
-                        self.finish_param_sync()  # the checkpoint holds the updated weights, not a pending gather
+                        # the checkpoint holds the updated weights, not a pending gather
+                        self.finish_param_sync()
                         self.checkpointer.save(it + 1)
-                        RECORDER.discard()  # its gathers belong to no step (their cost: checkpointer.save_times)
+                        # its gathers belong to no step (their cost: checkpointer.save_times)
+                        RECORDER.discard()
                 if stopped:
                     if self.ps.rank == 0:
-                        where = (f"checkpoint of iteration {it + 1} in {self.cfg.checkpoint.save}"
-                                 if self.cfg.checkpoint.save else "no checkpoint (checkpoint.save is not set)")
-                        log.info("stopping after iteration %d of %d: %s; %s", it + 1, t.train_iters, stopped, where)
+                        where = (
+                            f"checkpoint of iteration {it + 1} in {self.cfg.checkpoint.save}"
+                            if self.cfg.checkpoint.save
+                            else "no checkpoint (checkpoint.save is not set)"
+                        )
+                        log.info(
+                            "stopping after iteration %d of %d: %s; %s",
+                            it + 1,
+                            t.train_iters,
+                            stopped,
+                            where,
+                        )
                     break
             self.finish_param_sync()
             if self.checkpointer is not None:
                 end = records[-1].iteration + 1 if records else first
-                if not stopped and self.cfg.checkpoint.save and self.checkpointer.last_requested != end and records:
+                if (
+                    not stopped
+                    and self.cfg.checkpoint.save
+                    and self.checkpointer.last_requested != end
+                    and records
+                ):
                     self.checkpointer.save(end)
         finally:
             watch.close()
             if self.checkpointer is not None:
                 try:
                     if sys.exc_info()[0] in (None, NonFiniteError):
-                        self.checkpointer.close()  # a save in flight completes (every rank is here: no peer is gone)
+                        # a save in flight completes (every rank is here: no peer is gone)
+                        self.checkpointer.close()
                 finally:
                     self.checkpointer.release()
             self.nonfinite.report()
         window = steady_window(t, first)
-        return RunSummary(records, window, steady_mean_ms(records, window), peak_memory_mb(), dict(comm_sum),
-                          first, stopped, self.checkpointer.report() if self.checkpointer is not None else None,
-                          self.pipeline_memory.peak_bytes)
+        return RunSummary(
+            records,
+            window,
+            steady_mean_ms(records, window),
+            peak_memory_mb(),
+            dict(comm_sum),
+            first,
+            stopped,
+            self.checkpointer.report() if self.checkpointer is not None else None,
+            self.pipeline_memory.peak_bytes,
+        )
 
-    def _iteration(self, it: int, tokens_per_step: int, flops_step: float, records: list[StepRecord],
-                   comm_sum: dict[str, float], metrics: MetricsSink | None, progress) -> None:
+    def _iteration(
+        self,
+        it: int,
+        tokens_per_step: int,
+        flops_step: float,
+        records: list[StepRecord],
+        comm_sum: dict[str, float],
+        metrics: MetricsSink | None,
+        progress,
+    ) -> None:
         """One logged training iteration."""
         t = self.cfg.train
         lr, (loss_scale, _) = self.learning_rate(it), self.loss_scaling()
@@ -245,19 +327,35 @@ class Trainer:
             comm_sum[k] += v
         scaling = loss_scale is not None
         scale_after, overflowed = self.loss_scaling()
-        rec = StepRecord(it, loss, norm, step_s * 1e3, lr, loss_scale, scale_after if overflowed else None)
+        rec = StepRecord(
+            it, loss, norm, step_s * 1e3, lr, loss_scale, scale_after if overflowed else None
+        )
         records.append(rec)
         tokens_per_s = tokens_per_step / step_s / self.ps.world_size
         tflops = flops_step / step_s / self.ps.world_size / 1e12
         if self.ps.rank == 0:
             skipped = rec.skipped_to is not None
             if (it + 1) % self.cfg.logger.log_interval == 0 or it + 1 == t.train_iters or skipped:
-                log.info(format_iteration(rec, t, tokens_per_s, tflops, on_gpu=self.ps.mesh.device_type == "cuda"))
+                log.info(
+                    format_iteration(
+                        rec, t, tokens_per_s, tflops, on_gpu=self.ps.mesh.device_type == "cuda"
+                    )
+                )
             if metrics is not None:  # --metrics, TensorBoard, W&B (profiling/sinks.py)
-                metrics.write({"iteration": it + 1, "lm_loss": loss, "grad_norm": norm,
-                               "step_time_ms": rec.step_time_ms, "tokens_per_s": tokens_per_s,
-                               "tflops_per_rank": tflops, "lr": rec.lr, "comm_ms": c_ms, "comm_bytes": c_bytes,
-                               "peak_mem_mb": peak_memory_mb(),
-                               **({"loss_scale": loss_scale, "skipped": skipped} if scaling else {})})
+                metrics.write(
+                    {
+                        "iteration": it + 1,
+                        "lm_loss": loss,
+                        "grad_norm": norm,
+                        "step_time_ms": rec.step_time_ms,
+                        "tokens_per_s": tokens_per_s,
+                        "tflops_per_rank": tflops,
+                        "lr": rec.lr,
+                        "comm_ms": c_ms,
+                        "comm_bytes": c_bytes,
+                        "peak_mem_mb": peak_memory_mb(),
+                        **({"loss_scale": loss_scale, "skipped": skipped} if scaling else {}),
+                    }
+                )
             if progress is not None:
                 progress(it + 1, t.train_iters, loss)

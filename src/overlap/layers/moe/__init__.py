@@ -1,8 +1,16 @@
-"""Mixture of experts: top-k router, token permutation, all-to-all dispatcher (expert parallel), grouped experts."""
+"""Mixture of experts: top-k router, token permutation, all-to-all dispatcher (expert parallel),
+grouped experts."""
 
 from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingAllToAll
 from overlap.layers.moe.experts import GroupedExperts
 from overlap.layers.moe.moe_layer import MoELayer
 from overlap.layers.moe.router import TopKRouter
 
-__all__ = ["AllToAllDispatcher", "DispatchPlan", "GroupedExperts", "MoELayer", "PendingAllToAll", "TopKRouter"]
+__all__ = [
+    "AllToAllDispatcher",
+    "DispatchPlan",
+    "GroupedExperts",
+    "MoELayer",
+    "PendingAllToAll",
+    "TopKRouter",
+]

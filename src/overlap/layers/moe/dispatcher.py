@@ -1,4 +1,5 @@
-"""All-to-all token dispatcher for expert parallelism (Megatron's `MoEAlltoAllTokenDispatcher`, ETP = 1).
+"""All-to-all token dispatcher for expert parallelism (Megatron's `MoEAlltoAllTokenDispatcher`, ETP
+= 1).
 
 The trip of one micro-batch's tokens is cut into separate steps so that a scheduler can run other
 work between a launch and its wait (the EP-overlap schedule interleaves two micro-batches this way).
@@ -24,27 +25,39 @@ scheduler's wait). With a static expert capacity (`moe_expert_capacity_factor` w
 split size is fixed by the configuration and no counts are exchanged at all; without padding the
 capacity only drops rows, and the (smaller) counts still travel.
 
-Combine weights are applied on the expert side, before the combine all-to-all: the rows sent back are already
-weighted, so the source rank only has to sum a token's rows, and the weights never travel back. They do travel out,
-in fp32, as extra bytes of each row in the same all-to-all (`comm.all_to_all_many`: one collective, not two), and
-their gradient comes back the same way with the rows' gradient.
+Combine weights are applied on the expert side, before the combine all-to-all: the rows sent back
+are already weighted, so the source rank only has to sum a token's rows, and the weights never
+travel back. They do travel out, in fp32, as extra bytes of each row in the same all-to-all
+(`comm.all_to_all_many`: one collective, not two), and their gradient comes back the same way with
+the rows' gradient.
 
-Tensors flow through the step arguments and results; `DispatchPlan` holds only the routing metadata (no autograd),
-so a scheduler that cuts autograd at step boundaries knows exactly which tensors to detach.
+Tensors flow through the step arguments and results; `DispatchPlan` holds only the routing metadata
+(no autograd), so a scheduler that cuts autograd at step boundaries knows exactly which tensors to
+detach.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from torch.distributed import ProcessGroup
 
 from overlap.config.model import ModelConfig
 from overlap.config.moe_permute import permute_fused
-from overlap.layers.moe.permute import (ExpertCapacity, Routing, expert_capacity, expert_counts, gather, route,
-                                        sort_chunks_by_local_expert, unpermute, unsort_chunks_by_local_expert)
+from overlap.layers.moe.permute import (
+    ExpertCapacity,
+    Routing,
+    expert_capacity,
+    expert_counts,
+    gather,
+    route,
+    sort_chunks_by_local_expert,
+    unpermute,
+    unsort_chunks_by_local_expert,
+)
 from overlap.layers.moe.row_weighting import weight_rows
 from overlap.layers.moe.split_sizes import BalancedRouting, read_split_sizes
 from overlap.parallel import comm
@@ -53,8 +66,9 @@ from overlap.parallel.trace import RECORDER
 
 
 class _AwaitAllToAll(torch.autograd.Function):
-    """Autograd node of an all-to-all launched earlier: forward waits for its outputs, backward sends their gradients
-    the opposite way (one all-to-all for all of them, input and output split sizes swapped).
+    """Autograd node of an all-to-all launched earlier: forward waits for its outputs, backward
+    sends their gradients the opposite way (one all-to-all for all of them, input and output split
+    sizes swapped).
 
     The launch happens outside autograd (in `token_dispatch` / `token_combine`) so that it can
     return at once with a handle; this node links the received tensors to the sent ones when the
@@ -62,7 +76,7 @@ class _AwaitAllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, pending: "PendingAllToAll", *sent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, pending: PendingAllToAll, *sent: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Keep only metadata: holding `pending` would keep the sent rows alive until backward.
         ctx.group, ctx.kind = pending.group, pending.kind
         ctx.output_splits, ctx.input_splits = pending.output_splits, pending.input_splits
@@ -70,17 +84,24 @@ class _AwaitAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # One node for all the tensors, so every output gets a gradient (zeros where a sent tensor needed none):
-        # a few extra bytes in the one all-to-all back, instead of a second collective.
-        back = comm.all_to_all_many(grads, ctx.group, ctx.kind + "_bwd", output_split_sizes=ctx.input_splits,
-                                    input_split_sizes=ctx.output_splits)
+        # One node for all the tensors, so every output gets a gradient (zeros where a sent tensor
+        # needed none): a few extra bytes in the one all-to-all back, instead of a second
+        # collective.
+        back = comm.all_to_all_many(
+            grads,
+            ctx.group,
+            ctx.kind + "_bwd",
+            output_split_sizes=ctx.input_splits,
+            input_split_sizes=ctx.output_splits,
+        )
         return (None, *back.wait())
 
 
 @dataclass
 class PendingAllToAll:
-    """Tensors with the same splits in flight in one all-to-all. `wait()` (call it once) returns the received
-    tensors, autograd-linked to the sent ones; until then the caller is free to run unrelated work."""
+    """Tensors with the same splits in flight in one all-to-all. `wait()` (call it once) returns the
+    received tensors, autograd-linked to the sent ones; until then the caller is free to run
+    unrelated work."""
 
     sent: tuple[torch.Tensor, ...]
     handle: comm.ManyHandle
@@ -90,8 +111,14 @@ class PendingAllToAll:
     input_splits: list[int]
 
     @classmethod
-    def launch(cls, tensors: tuple[torch.Tensor, ...], group: ProcessGroup, kind: str, output_splits: list[int],
-               input_splits: list[int]) -> "PendingAllToAll":
+    def launch(
+        cls,
+        tensors: tuple[torch.Tensor, ...],
+        group: ProcessGroup,
+        kind: str,
+        output_splits: list[int],
+        input_splits: list[int],
+    ) -> PendingAllToAll:
         handle = comm.all_to_all_many(tensors, group, kind, output_splits, input_splits)
         return cls(tensors, handle, group, kind, output_splits, input_splits)
 
@@ -109,8 +136,9 @@ def wait_now(handle: comm.CommHandle) -> torch.Tensor:
 
 
 class PendingPlan(Generic[PlanT]):
-    """A dispatch plan whose metadata exchange may still be in flight. `resolve(wait)` finishes it once (later calls
-    return the same plan); `wait` is how each metadata handle is waited for, so a scheduler can fill the wait."""
+    """A dispatch plan whose metadata exchange may still be in flight. `resolve(wait)` finishes it
+    once (later calls return the same plan); `wait` is how each metadata handle is waited for, so a
+    scheduler can fill the wait."""
 
     def __init__(self, finish: Callable[[WaitFn], PlanT]) -> None:
         self._finish: Callable[[WaitFn], PlanT] | None = finish
@@ -124,22 +152,26 @@ class PendingPlan(Generic[PlanT]):
 
 @dataclass
 class DispatchPlan:
-    """Routing metadata of one micro-batch, fixed by `PendingPlan.resolve` (all split sizes are host ints)."""
+    """Routing metadata of one micro-batch, fixed by `PendingPlan.resolve` (all split sizes are host
+    ints)."""
 
     hidden_shape: torch.Size  # shape of the layer input, restored by combine_postprocess
     token_idx: torch.Tensor  # [R] token position of each sent row (T: padding)
-    slot_idx: torch.Tensor  # [R] position of each sent row in the flattened [T * k] routing (T * k: padding)
+    # [R] position of each sent row in the flattened [T * k] routing (T * k: padding)
+    slot_idx: torch.Tensor
     padded: bool  # rows are padded to the expert capacity
     tokens_per_expert: list[int]  # [E] rows this rank sends to each (global) expert
     input_splits: list[int]  # [ep] rows sent to each EP rank
     output_splits: list[int]  # [ep] rows received from each EP rank
     recv_counts: list[int]  # [ep * E_local] rows received, indexed (source rank, local expert)
     tokens_per_local_expert: list[int]  # [E_local] rows each local expert processes
-    local_expert_counts: torch.Tensor  # the same [E_local] as int64 on the device (the grouped GEMM's offsets)
+    # the same [E_local] as int64 on the device (the grouped GEMM's offsets)
+    local_expert_counts: torch.Tensor
 
 
 class AllToAllDispatcher:
-    """Moves routed tokens to the EP rank that owns their expert and brings the expert outputs back."""
+    """Moves routed tokens to the EP rank that owns their expert and brings the expert outputs
+    back."""
 
     def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         self.num_experts = config.num_moe_experts
@@ -155,59 +187,101 @@ class AllToAllDispatcher:
         self.drop_policy = config.moe_token_drop_policy
 
     def fused(self, t: torch.Tensor) -> bool:
-        """Whether the fused permutation runs for tensors on `t`'s device (`overlap.config.moe_permute`: unset, the
-        loop only on the CPU, where its data-dependent shapes cost no host sync)."""
+        """Whether the fused permutation runs for tensors on `t`'s device
+        (`overlap.config.moe_permute`: unset, the loop only on the CPU, where its data-dependent
+        shapes cost no host sync)."""
         return permute_fused(self.permute_fusion, t.device.type == "cpu")[0]
 
     def capacity(self, num_tokens: int) -> ExpertCapacity | None:
         """The expert capacity for `num_tokens` local tokens, or None (dropless)."""
         if self.capacity_factor is None:
             return None
-        return ExpertCapacity(expert_capacity(num_tokens, self.topk, self.num_experts, self.capacity_factor),
-                              self.pad_to_capacity, self.drop_policy)
+        return ExpertCapacity(
+            expert_capacity(num_tokens, self.topk, self.num_experts, self.capacity_factor),
+            self.pad_to_capacity,
+            self.drop_policy,
+        )
 
-    def route(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-              hidden_shape: torch.Size) -> PendingPlan[DispatchPlan]:
-        """Launch the counts exchange (none with padded capacity) and lay out the permutation of the routing
-        `topk_idx` [T, k] while the counts travel; returns without waiting."""
+    def route(
+        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden_shape: torch.Size
+    ) -> PendingPlan[DispatchPlan]:
+        """Launch the counts exchange (none with padded capacity) and lay out the permutation of the
+        routing `topk_idx` [T, k] while the counts travel; returns without waiting."""
         capacity = self.capacity(topk_idx.shape[0])
         if capacity is not None and capacity.pad:
             with RECORDER.span("moe.permute"):
-                routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity)
+                routing = route(
+                    topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity
+                )
             static = [capacity.capacity] * self.num_experts
-            on_device = torch.full((self.num_local_experts,), capacity.capacity * self.ep_size, dtype=torch.int64,
-                                   device=topk_idx.device)
+            on_device = torch.full(
+                (self.num_local_experts,),
+                capacity.capacity * self.ep_size,
+                dtype=torch.int64,
+                device=topk_idx.device,
+            )
             plan = self._plan(hidden_shape, routing, True, static, static, on_device)
             return PendingPlan(lambda wait: plan)
-        # Counts per (destination rank, local expert) go out first; what comes back is, per source rank, how many
-        # rows it will send for each of our local experts.
+        # Counts per (destination rank, local expert) go out first; what comes back is, per source
+        # rank, how many rows it will send for each of our local experts.
         el = self.num_local_experts
         counts = expert_counts(topk_idx, self.num_experts, capacity)
-        handle = comm.all_to_all(counts, self.meta_group, "ep_counts", [el] * self.ep_size, [el] * self.ep_size)
+        handle = comm.all_to_all(
+            counts, self.meta_group, "ep_counts", [el] * self.ep_size, [el] * self.ep_size
+        )
         with RECORDER.span("moe.permute"):
-            routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity)
+            routing = route(
+                topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity
+            )
 
         def finish(wait: WaitFn) -> DispatchPlan:
-            # THE host sync of the layer, done once and as late as the dispatch allows: all_to_all needs its split
-            # sizes on the host, and so do the chunk sort and the expert loop. One read of every count means no later
-            # step blocks the CPU (on CUDA a pinned copy that waits for the exchange only: `split_sizes`).
-            host, recv = read_split_sizes(counts, handle, wait, lambda: self._balanced(topk_idx.shape[0], capacity)
-                                          .alltoall_counts(comm.group_rank(self.group)))
-            return self._plan(hidden_shape, routing, False, host[:self.num_experts], host[self.num_experts:],
-                              recv.view(self.ep_size, el).sum(0))
+            # THE host sync of the layer, done once and as late as the dispatch allows: all_to_all
+            # needs its split sizes on the host, and so do the chunk sort and the expert loop. One
+            # read of every count means no later step blocks the CPU (on CUDA a pinned copy that
+            # waits for the exchange only: `split_sizes`).
+            host, recv = read_split_sizes(
+                counts,
+                handle,
+                wait,
+                lambda: self._balanced(topk_idx.shape[0], capacity).alltoall_counts(
+                    comm.group_rank(self.group)
+                ),
+            )
+            return self._plan(
+                hidden_shape,
+                routing,
+                False,
+                host[: self.num_experts],
+                host[self.num_experts :],
+                recv.view(self.ep_size, el).sum(0),
+            )
 
         return PendingPlan(finish)
 
     def _balanced(self, num_tokens: int, capacity: ExpertCapacity | None) -> BalancedRouting:
-        """The routing a dry run assumes for `num_tokens` local tokens (`overlap.layers.moe.split_sizes`)."""
-        return BalancedRouting(num_tokens, self.topk, self.num_experts, self.ep_size,
-                               None if capacity is None else capacity.capacity)
+        """The routing a dry run assumes for `num_tokens` local tokens
+        (`overlap.layers.moe.split_sizes`)."""
+        return BalancedRouting(
+            num_tokens,
+            self.topk,
+            self.num_experts,
+            self.ep_size,
+            None if capacity is None else capacity.capacity,
+        )
 
-    def _plan(self, hidden_shape: torch.Size, routing: Routing, padded: bool, local: list[int],
-              recv_counts: list[int], local_expert_counts: torch.Tensor) -> DispatchPlan:
-        """The plan from host counts: `local` [E] rows sent per expert, `recv_counts` [ep * E_local] received per
-        (source rank, local expert), and `local_expert_counts` [E_local], the rows of each local expert summed over
-        the source ranks, on the device. Rows past the sent total (capacity drops) are cut off here."""
+    def _plan(
+        self,
+        hidden_shape: torch.Size,
+        routing: Routing,
+        padded: bool,
+        local: list[int],
+        recv_counts: list[int],
+        local_expert_counts: torch.Tensor,
+    ) -> DispatchPlan:
+        """The plan from host counts: `local` [E] rows sent per expert, `recv_counts` [ep * E_local]
+        received per (source rank, local expert), and `local_expert_counts` [E_local], the rows of
+        each local expert summed over the source ranks, on the device. Rows past the sent total
+        (capacity drops) are cut off here."""
         el, sent = self.num_local_experts, sum(local)
         return DispatchPlan(
             hidden_shape=hidden_shape,
@@ -215,54 +289,75 @@ class AllToAllDispatcher:
             slot_idx=routing.slot_idx[:sent],
             padded=padded,
             tokens_per_expert=local,
-            input_splits=[sum(local[r * el:(r + 1) * el]) for r in range(self.ep_size)],
-            output_splits=[sum(recv_counts[r * el:(r + 1) * el]) for r in range(self.ep_size)],
+            input_splits=[sum(local[r * el : (r + 1) * el]) for r in range(self.ep_size)],
+            output_splits=[sum(recv_counts[r * el : (r + 1) * el]) for r in range(self.ep_size)],
             recv_counts=recv_counts,
-            tokens_per_local_expert=[sum(recv_counts[r * el + e] for r in range(self.ep_size)) for e in range(el)],
+            tokens_per_local_expert=[
+                sum(recv_counts[r * el + e] for r in range(self.ep_size)) for e in range(el)
+            ],
             local_expert_counts=local_expert_counts,
         )
 
-    def dispatch_preprocess(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                            plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch_preprocess(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, plan: DispatchPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [R, h] of `hidden` [..., h] and their combine weights [R] in the plan's order
         (differentiable)."""
         with RECORDER.span("moe.permute"):
-            return gather(hidden.reshape(-1, hidden.shape[-1]), topk_weights, plan.token_idx,
-                          plan.slot_idx, plan.padded)
+            return gather(
+                hidden.reshape(-1, hidden.shape[-1]),
+                topk_weights,
+                plan.token_idx,
+                plan.slot_idx,
+                plan.padded,
+            )
 
-    def token_dispatch(self, rows: torch.Tensor, weights: torch.Tensor,
-                       plan: DispatchPlan) -> PendingAllToAll:
+    def token_dispatch(
+        self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
+    ) -> PendingAllToAll:
         """Launch the all-to-all of the permuted rows and their combine weights; does not wait."""
-        return PendingAllToAll.launch((rows, weights), self.group, "ep_dispatch",
-                                      plan.output_splits, plan.input_splits)
+        return PendingAllToAll.launch(
+            (rows, weights), self.group, "ep_dispatch", plan.output_splits, plan.input_splits
+        )
 
-    def dispatch_postprocess(self, rows: torch.Tensor, weights: torch.Tensor,
-                             plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch_postprocess(
+        self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Received rows/weights, (source rank, local expert) order -> grouped by local expert
         (`plan.tokens_per_local_expert`)."""
         el = self.num_local_experts
         with RECORDER.span("moe.sort_chunks"):
-            return (sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep_size, el),
-                    sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, el))
+            return (
+                sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep_size, el),
+                sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, el),
+            )
 
-    def combine_preprocess(self, expert_output: torch.Tensor, weights: torch.Tensor,
-                           plan: DispatchPlan) -> torch.Tensor:
+    def combine_preprocess(
+        self, expert_output: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
+    ) -> torch.Tensor:
         """Weight each expert output row (in fp32) and put rows back in (source rank, local expert)
         order."""
         with RECORDER.span("moe.sort_chunks"):
             weighted = weight_rows(expert_output, weights, self.weighting_fusion)
-            return unsort_chunks_by_local_expert(weighted, plan.recv_counts, self.ep_size,
-                                                 self.num_local_experts)
+            return unsort_chunks_by_local_expert(
+                weighted, plan.recv_counts, self.ep_size, self.num_local_experts
+            )
 
     def token_combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:
         """Launch the all-to-all that returns weighted rows to their source ranks; does not wait."""
-        return PendingAllToAll.launch((rows,), self.group, "ep_combine", plan.input_splits,
-                                      plan.output_splits)
+        return PendingAllToAll.launch(
+            (rows,), self.group, "ep_combine", plan.input_splits, plan.output_splits
+        )
 
     def combine_postprocess(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Sum each token's returned (already weighted) rows back into a tensor shaped like the
         layer input."""
         with RECORDER.span("moe.unpermute"):
-            out = unpermute(rows, plan.token_idx, plan.tokens_per_expert, plan.hidden_shape[:-1].numel(),
-                            self.fused(rows))
+            out = unpermute(
+                rows,
+                plan.token_idx,
+                plan.tokens_per_expert,
+                plan.hidden_shape[:-1].numel(),
+                self.fused(rows),
+            )
             return out.reshape(plan.hidden_shape)

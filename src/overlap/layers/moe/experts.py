@@ -1,17 +1,20 @@
-"""This rank's routed experts: SwiGLU MLPs whose weights are stacked along a leading local-expert dimension.
+"""This rank's routed experts: SwiGLU MLPs whose weights are stacked along a leading local-expert
+dimension.
 
-Each expert's gate and up projections are one fused fc1 weight, [2 * ffn, hidden] with the gate rows first, as
-Megatron-Core's grouped experts hold `linear_fc1` and transformers 5 holds `gate_up_proj` (so that layout loads as
-it is). One grouped GEMM of width 2 * ffn instead of two of width ffn: the per-expert GEMMs are small (tens of rows
-at bench/hf_compute_bench.py's shapes), where the wider one is cheaper, and the input gradient comes out of one GEMM
-instead of two added together. With the outputs bit-identical, the experts' forward + backward at those shapes
-(16 experts, hidden 512, width 384, 1024 rows, one thread) took 8% less time in bf16 than as two GEMMs, and the same
-in fp32; the MoE rows of bench/results/hf_compute*.md are the model-level measurement. (Expert tensor parallelism,
-not built, would cut each half.)
+Each expert's gate and up projections are one fused fc1 weight, [2 * ffn, hidden] with the gate rows
+first, as Megatron-Core's grouped experts hold `linear_fc1` and transformers 5 holds `gate_up_proj`
+(so that layout loads as it is). One grouped GEMM of width 2 * ffn instead of two of width ffn: the
+per-expert GEMMs are small (tens of rows at bench/hf_compute_bench.py's shapes), where the wider one
+is cheaper, and the input gradient comes out of one GEMM instead of two added together. With the
+outputs bit-identical, the experts' forward + backward at those shapes (16 experts, hidden 512,
+width 384, 1024 rows, one thread) took 8% less time in bf16 than as two GEMMs, and the same in fp32;
+the MoE rows of bench/results/hf_compute*.md are the model-level measurement. (Expert tensor
+parallelism, not built, would cut each half.)
 
-Stacking (rather than a ModuleList of experts) keeps parameter names independent of the EP size, which is what lets
-`init_model_params` give every layout the weights of the single-process model: each stacked tensor is marked as
-shard `ep_rank` of `ep_size` along dim 0 of the full [num_experts, ...] tensor.
+Stacking (rather than a ModuleList of experts) keeps parameter names independent of the EP size,
+which is what lets `init_model_params` give every layout the weights of the single-process model:
+each stacked tensor is marked as shard `ep_rank` of `ep_size` along dim 0 of the full [num_experts,
+...] tensor.
 """
 
 from __future__ import annotations
@@ -22,16 +25,19 @@ from torch import nn
 from overlap.config.model import ModelConfig
 from overlap.layers import fused
 from overlap.layers.init import mark_shard
+from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
 from overlap.layers.mlp import swiglu
 from overlap.layers.recompute import discarding_output, selective_modules
 from overlap.layers.tensor_parallel import params_dtype
-from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
 from overlap.parallel.state import ParallelState
 
 
 def _expert_param(shape: tuple[int, ...], dtype: torch.dtype, ps: ParallelState) -> nn.Parameter:
-    param = mark_shard(nn.Parameter(torch.empty(shape, dtype=dtype, device=ps.device)), 0, ps.ep_rank, ps.ep_size)
-    # The trainer reduces expert grads over the expert-data-parallel group, not the data-parallel group.
+    param = mark_shard(
+        nn.Parameter(torch.empty(shape, dtype=dtype, device=ps.device)), 0, ps.ep_rank, ps.ep_size
+    )
+    # The trainer reduces expert grads over the expert-data-parallel group, not the data-parallel
+    # group.
     param.is_expert = True
     return param
 
@@ -53,13 +59,18 @@ class GroupedExperts(nn.Module):
         modules = selective_modules(config)
         self.recompute_act = "moe_act" in modules and "moe" not in modules
 
-    def forward(self, rows: torch.Tensor, tokens_per_local_expert: list[int],
-                local_expert_counts: torch.Tensor) -> torch.Tensor:
-        """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in order;
-        `local_expert_counts` are the same counts as an int64 tensor on the rows' device (the grouped kernel's
-        offsets are computed from it there, `grouped_offsets`).
+    def forward(
+        self,
+        rows: torch.Tensor,
+        tokens_per_local_expert: list[int],
+        local_expert_counts: torch.Tensor,
+    ) -> torch.Tensor:
+        """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in
+        order; `local_expert_counts` are the same counts as an int64 tensor on the rows' device (the
+        grouped kernel's offsets are computed from it there, `grouped_offsets`).
 
-        The two GEMMs are `GroupedLinear`, whose weight gradients can be delayed (delay_wgrad_compute)."""
+        The two GEMMs are `GroupedLinear`, whose weight gradients can be delayed
+        (delay_wgrad_compute)."""
         counts = tokens_per_local_expert
         offs = grouped_offsets(local_expert_counts, rows, (self.fc1_weight, self.down_weight))
         fc1_out = GroupedLinear.apply(rows, self.fc1_weight, counts, offs)

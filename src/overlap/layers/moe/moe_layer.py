@@ -1,27 +1,31 @@
-"""The MoE layer: router -> all-to-all dispatch -> routed experts -> all-to-all combine (+ optional shared expert).
+"""The MoE layer: router -> all-to-all dispatch -> routed experts -> all-to-all combine (+ optional
+shared expert).
 
-The dispatcher is chosen by `moe_token_dispatcher_type`: "alltoall" (one row per chosen expert) or "flex" with
-backend "torch" (one row per destination rank, `flex_dispatcher.py`); both have the same steps.
+The dispatcher is chosen by `moe_token_dispatcher_type`: "alltoall" (one row per chosen expert) or
+"flex" with backend "torch" (one row per destination rank, `flex_dispatcher.py`); both have the same
+steps.
 
-`forward` runs the steps in plain order, waiting on each collective at once. The steps are also public methods,
-named after Megatron-Core's `MoELayer`, because the EP-overlap schedule runs them as separate nodes and interleaves
-two micro-batches (one's all-to-all in flight while the other computes):
+`forward` runs the steps in plain order, waiting on each collective at once. The steps are also
+public methods, named after Megatron-Core's `MoELayer`, because the EP-overlap schedule runs them as
+separate nodes and interleaves two micro-batches (one's all-to-all in flight while the other
+computes):
 
     topk_weights, pending_plan, aux = layer.route(x)     # router; launches the split-size exchange
     shared = layer.shared_experts_compute(x)             # None without a shared expert
-    plan = pending_plan.resolve()                        # waits for the split sizes (none with padded capacity)
-    rows, weights = layer.permute(x, topk_weights, plan)
+    plan = pending_plan.resolve()                        # waits for the split sizes (none with
+    padded capacity) rows, weights = layer.permute(x, topk_weights, plan)
     pending = layer.dispatch(rows, weights, plan)        # launch, returns handles
     out_rows = layer.routed_experts_compute(pending, plan)   # wait, sort, experts, weight, unsort
     pending = layer.combine(out_rows, plan)              # launch, returns handles
-    y = layer.postprocess(pending, plan, shared)         # wait, un-permute, add shared expert output
+    y = layer.postprocess(pending, plan, shared)         # wait, un-permute, add shared expert
+    output
 
-`moe_shared_expert_overlap` runs the shared expert inside `forward` in two halves, each while an all-to-all is in
-flight (see `_forward_with_shared_expert_overlap`).
+`moe_shared_expert_overlap` runs the shared expert inside `forward` in two halves, each while an
+all-to-all is in flight (see `_forward_with_shared_expert_overlap`).
 
-Input and output are [s_local, b, h] (s_local = s / tp under sequence parallel). Under sequence parallel every TP
-rank routes and dispatches only its own tokens: the routed path is token-wise, so nothing is gathered for it, and
-only the aux-loss statistics are summed over TP (in the router).
+Input and output are [s_local, b, h] (s_local = s / tp under sequence parallel). Under sequence
+parallel every TP rank routes and dispatches only its own tokens: the routed path is token-wise, so
+nothing is gathered for it, and only the aux-loss statistics are summed over TP (in the router).
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ from torch import nn
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.mlp import MLP
-from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingAllToAll, PendingPlan
+from overlap.layers.moe.dispatcher import (
+    AllToAllDispatcher,
+    DispatchPlan,
+    PendingAllToAll,
+    PendingPlan,
+)
 from overlap.layers.moe.experts import GroupedExperts
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher, FlexDispatchPlan
 from overlap.layers.moe.router import TopKRouter
@@ -44,27 +53,40 @@ Plan = DispatchPlan | FlexDispatchPlan
 
 
 def dispatcher_class(config: ModelConfig) -> type[AllToAllDispatcher]:
-    """The token dispatcher `config` asks for; a request for one this runtime does not build is an error, never a
-    silent fallback to all-to-all."""
+    """The token dispatcher `config` asks for; a request for one this runtime does not build is an
+    error, never a silent fallback to all-to-all."""
     kind, backend = config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend
     if kind == "alltoall":
         return AllToAllDispatcher
     if kind != "flex":
-        raise NotBuiltError("model.moe_token_dispatcher_type", kind, f"The '{kind}' token dispatcher",
-                            "use model.moe_token_dispatcher_type=alltoall or flex.")
+        raise NotBuiltError(
+            "model.moe_token_dispatcher_type",
+            kind,
+            f"The '{kind}' token dispatcher",
+            "use model.moe_token_dispatcher_type=alltoall or flex.",
+        )
     if backend == "torch":
         if config.moe_expert_capacity_factor is not None:
-            raise NotBuiltError("model.moe_expert_capacity_factor", config.moe_expert_capacity_factor,
-                                "Expert capacity with the flex dispatcher",
-                                "use model.moe_token_dispatcher_type=alltoall, or drop the capacity factor.")
+            raise NotBuiltError(
+                "model.moe_expert_capacity_factor",
+                config.moe_expert_capacity_factor,
+                "Expert capacity with the flex dispatcher",
+                "use model.moe_token_dispatcher_type=alltoall, or drop the capacity factor.",
+            )
         return FlexDispatcher
     if backend in ("deepep", "hybridep"):
-        raise NotBuiltError("model.moe_flex_dispatcher_backend", backend,
-                            f"Flex dispatch through the {backend} (DeepEP) kernels",
-                            "use model.moe_flex_dispatcher_backend=torch.")
-    raise ConfigError("model.moe_flex_dispatcher_backend", backend,
-                      "flex dispatch needs a backend (config resolution turns flex without one into alltoall).",
-                      "set model.moe_flex_dispatcher_backend=torch.")
+        raise NotBuiltError(
+            "model.moe_flex_dispatcher_backend",
+            backend,
+            f"Flex dispatch through the {backend} (DeepEP) kernels",
+            "use model.moe_flex_dispatcher_backend=torch.",
+        )
+    raise ConfigError(
+        "model.moe_flex_dispatcher_backend",
+        backend,
+        "flex dispatch needs a backend (config resolution turns flex without one into alltoall).",
+        "set model.moe_flex_dispatcher_backend=torch.",
+    )
 
 
 class MoELayer(nn.Module):
@@ -73,36 +95,51 @@ class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, ps: ParallelState, layer_number: int) -> None:
         super().__init__()
         if config.num_moe_experts % ps.ep_size:
-            raise ConfigError("model.num_moe_experts", config.num_moe_experts,
-                              f"the experts must split evenly over expert parallel size {ps.ep_size}.",
-                              "choose an expert parallel size (-ep) that divides num_moe_experts.")
+            raise ConfigError(
+                "model.num_moe_experts",
+                config.num_moe_experts,
+                f"the experts must split evenly over expert parallel size {ps.ep_size}.",
+                "choose an expert parallel size (-ep) that divides num_moe_experts.",
+            )
         dispatcher = dispatcher_class(config)
         self.layer_number = layer_number
         self.router = TopKRouter(config, ps, layer_number)
         self.dispatcher = dispatcher(config, ps)
         self.experts = GroupedExperts(config, ps)
-        self.shared_experts = (MLP(config, ps, ffn_hidden_size=config.moe_shared_expert_intermediate_size,
-                                   tp_overlap=False)
-                               if config.moe_shared_expert_intermediate_size else None)
-        self.shared_expert_overlap = config.moe_shared_expert_overlap and self.shared_experts is not None
+        self.shared_experts = (
+            MLP(
+                config,
+                ps,
+                ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+                tp_overlap=False,
+            )
+            if config.moe_shared_expert_intermediate_size
+            else None
+        )
+        self.shared_expert_overlap = (
+            config.moe_shared_expert_overlap and self.shared_experts is not None
+        )
         # selective "shared_experts" (the config refuses it with moe_shared_expert_overlap)
         modules = selective_modules(config)
         self.recompute_shared = "shared_experts" in modules and "moe" not in modules
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, PendingPlan[Plan], torch.Tensor]:
-        """Route `x`; returns (combine weights [T, k], the plan with its split-size exchange in flight, aux_loss).
-        Resolving the plan is the layer's one host sync (see `AllToAllDispatcher.route`)."""
+        """Route `x`; returns (combine weights [T, k], the plan with its split-size exchange in
+        flight, aux_loss). Resolving the plan is the layer's one host sync (see
+        `AllToAllDispatcher.route`)."""
         topk_idx, topk_weights, aux_loss = self.router(x)
         return topk_weights, self.dispatcher.route(topk_idx, topk_weights, x.shape), aux_loss
 
-    def permute(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    def permute(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, plan: Plan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of `x` to dispatch and their combine weights, in the plan's order."""
         return self.dispatcher.dispatch_preprocess(x, topk_weights, plan)
 
     def shared_experts_compute(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The shared expert's output for `x`, or None without one. Not wrapped in a compute span: under TP it waits
-        on its own SP collectives, which a span would wrongly count as compute covering communication."""
+        """The shared expert's output for `x`, or None without one. Not wrapped in a compute span:
+        under TP it waits on its own SP collectives, which a span would wrongly count as compute
+        covering communication."""
         if self.shared_experts is None:
             return None
         return maybe_checkpoint(self.recompute_shared, self.shared_experts, x)[0]
@@ -112,11 +149,15 @@ class MoELayer(nn.Module):
         return self.dispatcher.token_dispatch(rows, weights, plan)
 
     def routed_experts_compute(self, pending: PendingAllToAll, plan: Plan) -> torch.Tensor:
-        """Wait for the dispatch, run the local experts, and return their weighted outputs ready for combine."""
+        """Wait for the dispatch, run the local experts, and return their weighted outputs ready for
+        combine."""
         return self.experts_compute(*pending.wait(), plan)
 
-    def experts_compute(self, rows: torch.Tensor, weights: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """Received rows and weights (source-rank order) -> weighted expert outputs in the same order."""
+    def experts_compute(
+        self, rows: torch.Tensor, weights: torch.Tensor, plan: Plan
+    ) -> torch.Tensor:
+        """Received rows and weights (source-rank order) -> weighted expert outputs in the same
+        order."""
         rows, weights = self.dispatcher.dispatch_postprocess(rows, weights, plan)
         with RECORDER.span("moe.experts"):
             out = self.experts(rows, plan.tokens_per_local_expert, plan.local_expert_counts)
@@ -126,14 +167,17 @@ class MoELayer(nn.Module):
         """Launch the combine all-to-all; returns at once."""
         return self.dispatcher.token_combine(rows, plan)
 
-    def postprocess(self, pending: PendingAllToAll, plan: Plan,
-                    shared_output: torch.Tensor | None) -> torch.Tensor:
-        """Wait for the combine, un-permute to [s_local, b, h] and add the shared expert's output."""
+    def postprocess(
+        self, pending: PendingAllToAll, plan: Plan, shared_output: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Wait for the combine, un-permute to [s_local, b, h] and add the shared expert's
+        output."""
         (rows,) = pending.wait()
         return self.combine_postprocess(rows, plan, shared_output)
 
-    def combine_postprocess(self, rows: torch.Tensor, plan: Plan,
-                            shared_output: torch.Tensor | None) -> torch.Tensor:
+    def combine_postprocess(
+        self, rows: torch.Tensor, plan: Plan, shared_output: torch.Tensor | None
+    ) -> torch.Tensor:
         """Returned rows -> [s_local, b, h], plus the shared expert's output."""
         y = self.dispatcher.combine_postprocess(rows, plan)
         return y if shared_output is None else y + shared_output
@@ -149,19 +193,22 @@ class MoELayer(nn.Module):
         expert_rows = self.routed_experts_compute(self.dispatch(rows, weights, plan), plan)
         return self.postprocess(self.combine(expert_rows, plan), plan, shared_output), aux_loss
 
-    def _forward_with_shared_expert_overlap(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
-                                            plan: Plan) -> torch.Tensor:
-        """`moe_shared_expert_overlap`: the shared expert's two halves run while the all-to-alls fly.
+    def _forward_with_shared_expert_overlap(
+        self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, plan: Plan
+    ) -> torch.Tensor:
+        """`moe_shared_expert_overlap`: the shared expert's two halves run while the all-to-alls
+        fly.
 
-            launch dispatch -> shared fc1 + activation -> wait, routed experts -> launch combine -> shared fc2
-            -> wait combine, un-permute, add
+            launch dispatch -> shared fc1 + activation -> wait, routed experts -> launch combine ->
+            shared fc2 -> wait combine, un-permute, add
 
-        The shared expert's computation (including its own SP all-gather / reduce-scatter on the TP group) does not
-        depend on the routed tokens, so it is the work that fills the dispatch and the combine. This overlaps the
-        FORWARD only: the backward runs in autograd's order, whose all-to-alls wait inside their autograd nodes.
-        The math is the plain path's (same ops, same final `routed + shared` add), so outputs are bit-identical.
-        The halves get compute spans although fc1 / fc2 may wait on TP collectives: the exposure report subtracts
-        wait intervals from spans, so those waits are not counted as compute covering communication.
+        The shared expert's computation (including its own SP all-gather / reduce-scatter on the TP
+        group) does not depend on the routed tokens, so it is the work that fills the dispatch and
+        the combine. This overlaps the FORWARD only: the backward runs in autograd's order, whose
+        all-to-alls wait inside their autograd nodes. The math is the plain path's (same ops, same
+        final `routed + shared` add), so outputs are bit-identical. The halves get compute spans
+        although fc1 / fc2 may wait on TP collectives: the exposure report subtracts wait intervals
+        from spans, so those waits are not counted as compute covering communication.
         """
         mlp = self.shared_experts
         pending = self.dispatch(rows, weights, plan)

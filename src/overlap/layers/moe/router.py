@@ -1,20 +1,21 @@
 """Top-k router with the Switch-style load-balancing auxiliary loss.
 
-Routing follows Qwen3-MoE: the k experts with the largest logits win. Their combine weights are a softmax over
-just those k logits, so they sum to 1 per token (`norm_topk_prob=True`, Megatron's default), or, with
-`moe_router_pre_softmax` (`norm_topk_prob=False`), the softmax over all experts taken at the k winners. The aux loss
-needs the full softmax.
-Everything runs in fp32 whatever the parameter dtype, because a routing decision flipped by rounding changes which
-expert sees a token, a discontinuity no tolerance covers.
+Routing follows Qwen3-MoE: the k experts with the largest logits win. Their combine weights are a
+softmax over just those k logits, so they sum to 1 per token (`norm_topk_prob=True`, Megatron's
+default), or, with `moe_router_pre_softmax` (`norm_topk_prob=False`), the softmax over all experts
+taken at the k winners. The aux loss needs the full softmax.
+Everything runs in fp32 whatever the parameter dtype, because a routing decision flipped by rounding
+changes which expert sees a token, a discontinuity no tolerance covers.
 
-`moe_router_force_load_balancing` (a benchmark mode, as in Bridge's perf recipes) routes by standard-normal logits
-instead of the real ones, so the experts' loads are balanced up to sampling noise and a measurement is not skewed by
-an untrained router; the gradient passes straight through to the real logits, so every parameter still receives one.
-The draws come from the router's own generator, seeded from the layer and the rank's share of the tokens (data
-parallel rank, and the tensor-parallel rank under sequence parallel; TP ranks without it route the same tokens and
-draw the same logits), never from the global RNG: the same run draws the same logits whatever the schedule's order.
-The generator is not part of a checkpoint (a resumed run draws from the start again): this mode measures, it does
-not train a model anyone keeps.
+`moe_router_force_load_balancing` (a benchmark mode, as in Bridge's perf recipes) routes by
+standard-normal logits instead of the real ones, so the experts' loads are balanced up to sampling
+noise and a measurement is not skewed by an untrained router; the gradient passes straight through
+to the real logits, so every parameter still receives one. The draws come from the router's own
+generator, seeded from the layer and the rank's share of the tokens (data parallel rank, and the
+tensor-parallel rank under sequence parallel; TP ranks without it route the same tokens and draw the
+same logits), never from the global RNG: the same run draws the same logits whatever the schedule's
+order. The generator is not part of a checkpoint (a resumed run draws from the start again): this
+mode measures, it does not train a model anyone keeps.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ LOAD_BALANCING_TYPES = ("aux_loss", "none")
 class _SumOverGroup(torch.autograd.Function):
     """All-reduce (sum) whose backward is the identity.
 
-    Every rank of the group computes the same loss from the summed statistics and back-propagates it, so each rank
-    owes gradient only to its own contribution: the identity. Summing those per-rank router grads over TP (the
-    trainer does it for `sequence_parallel` parameters) then gives the gradient of the full-batch loss.
+    Every rank of the group computes the same loss from the summed statistics and back-propagates
+    it, so each rank owes gradient only to its own contribution: the identity. Summing those
+    per-rank router grads over TP (the trainer does it for `sequence_parallel` parameters) then
+    gives the gradient of the full-batch loss.
     """
 
     @staticmethod
@@ -53,11 +55,14 @@ class _SumOverGroup(torch.autograd.Function):
 
 
 class _RandomLogits(torch.autograd.Function):
-    """Standard-normal values in place of `logits`, whose gradient passes straight through (identity)."""
+    """Standard-normal values in place of `logits`, whose gradient passes straight through
+    (identity)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return torch.randn(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
+        return torch.randn(
+            logits.shape, generator=generator, dtype=logits.dtype, device=logits.device
+        )
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -65,26 +70,43 @@ class _RandomLogits(torch.autograd.Function):
 
 
 class TopKRouter(nn.Module):
-    """Scores every token against every expert; returns (topk_idx [T, k], topk_weights [T, k] fp32, aux_loss)."""
+    """Scores every token against every expert; returns (topk_idx [T, k], topk_weights [T, k] fp32,
+    aux_loss)."""
 
     def __init__(self, config: ModelConfig, ps: ParallelState, layer_number: int = 1) -> None:
         super().__init__()
         if config.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
-            raise ConfigError("model.moe_router_load_balancing_type", config.moe_router_load_balancing_type,
-                              f"the router supports {LOAD_BALANCING_TYPES}.", "pick one of those.")
+            raise ConfigError(
+                "model.moe_router_load_balancing_type",
+                config.moe_router_load_balancing_type,
+                f"the router supports {LOAD_BALANCING_TYPES}.",
+                "pick one of those.",
+            )
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.pre_softmax = config.moe_router_pre_softmax
-        self.aux_loss_coeff = (config.moe_aux_loss_coeff
-                               if config.moe_router_load_balancing_type == "aux_loss" else 0.0)
-        # Under sequence parallel each TP rank routes only its slice of the sequence; the aux-loss statistics must
-        # still describe the whole micro-batch, so they are summed over the TP group.
+        self.aux_loss_coeff = (
+            config.moe_aux_loss_coeff
+            if config.moe_router_load_balancing_type == "aux_loss"
+            else 0.0
+        )
+        # Under sequence parallel each TP rank routes only its slice of the sequence; the aux-loss
+        # statistics must still describe the whole micro-batch, so they are summed over the TP
+        # group.
         self.stats_group = ps.tp_group if config.sequence_parallel and ps.tp_size > 1 else None
-        # Filled by init_model_params; replicated on every rank (routing must agree wherever a token goes).
-        self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size,
-                                               dtype=params_dtype(config), device=ps.device))
+        # Filled by init_model_params; replicated on every rank (routing must agree wherever a token
+        # goes).
+        self.weight = nn.Parameter(
+            torch.empty(
+                config.num_moe_experts,
+                config.hidden_size,
+                dtype=params_dtype(config),
+                device=ps.device,
+            )
+        )
         self.weight.sequence_parallel = True
-        # Forced load balancing: the seed of the random logits' generator, made on the logits' device at first use.
+        # Forced load balancing: the seed of the random logits' generator, made on the logits'
+        # device at first use.
         self.random_seed: int | None = None
         self.random_logits: torch.Generator | None = None
         if config.moe_router_force_load_balancing:
@@ -97,7 +119,9 @@ class TopKRouter(nn.Module):
             logits = F.linear(tokens.float(), self.weight.float())
             if self.random_seed is not None:
                 if self.random_logits is None:
-                    self.random_logits = torch.Generator(logits.device).manual_seed(self.random_seed)
+                    self.random_logits = torch.Generator(logits.device).manual_seed(
+                        self.random_seed
+                    )
                 logits = _RandomLogits.apply(logits, self.random_logits)
             if self.pre_softmax:  # softmax is monotonic: the same winners as the logits' top-k
                 topk_weights, topk_idx = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
@@ -110,15 +134,16 @@ class TopKRouter(nn.Module):
         return topk_idx, topk_weights, self._aux_loss(stats)
 
     def _load_statistics(self, logits: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
-        """[prob sum per expert (E), routed pairs per expert (E), token count (1)] of this rank's tokens, in one
-        vector so that one collective carries them all; only the prob sums carry gradient."""
+        """[prob sum per expert (E), routed pairs per expert (E), token count (1)] of this rank's
+        tokens, in one vector so that one collective carries them all; only the prob sums carry
+        gradient."""
         probs = torch.softmax(logits, dim=-1)
         counts = count_per_expert(topk_idx, self.num_experts).to(probs.dtype)
         return torch.cat([probs.sum(dim=0), counts, probs.new_full((1,), float(probs.shape[0]))])
 
     def _aux_loss(self, stats: torch.Tensor) -> torch.Tensor:
-        """coeff * E * sum_e f_e * P_e, with f_e the share of routed (token, expert) pairs that went to e and P_e the
-        mean router probability of e, both over the full micro-batch."""
+        """coeff * E * sum_e f_e * P_e, with f_e the share of routed (token, expert) pairs that went
+        to e and P_e the mean router probability of e, both over the full micro-batch."""
         if self.stats_group is not None:
             stats = _SumOverGroup.apply(stats, self.stats_group)
         prob_sums, counts, num_tokens = stats.split([self.num_experts, self.num_experts, 1])

@@ -1,19 +1,22 @@
-"""Expert output rows times their fp32 combine weights, rounded back to the rows' dtype: `weight_rows`.
+"""Expert output rows times their fp32 combine weights, rounded back to the rows' dtype:
+`weight_rows`.
 
-The product is taken in fp32 whatever the activation dtype (the router's weights are fp32, see `router.py`), so in
-bf16 it is `(rows.float() * weights[:, None]).to(bf16)`, and its backward the same passes again plus the weights'
-gradient `sum(grad.float() * rows.float())` per row. Written as those tensor expressions, each pass runs over the
-whole [rows, hidden] tensor and the fp32 intermediates (twice the size of the rows) go out to memory and back: on
-one CPU core, a bandwidth-bound ~2.4 ms per forward + backward at 1024 x 512 in bf16, against ~0.75 ms for a plain
+The product is taken in fp32 whatever the activation dtype (the router's weights are fp32, see
+`router.py`), so in bf16 it is `(rows.float() * weights[:, None]).to(bf16)`, and its backward the
+same passes again plus the weights' gradient `sum(grad.float() * rows.float())` per row. Written as
+those tensor expressions, each pass runs over the whole [rows, hidden] tensor and the fp32
+intermediates (twice the size of the rows) go out to memory and back: on one CPU core, a
+bandwidth-bound ~2.4 ms per forward + backward at 1024 x 512 in bf16, against ~0.75 ms for a plain
 bf16 multiply (what transformers does, with the weights rounded to bf16 first).
 
-On CPU, `weight_rows` therefore runs the same operations a block of rows at a time, with the fp32 intermediates in
-one reused buffer that stays in the core's cache: bit-identical results (tests/test_moe.py), ~1.6 ms for that
-forward + backward (measured in isolation on the Intel AMX CPU of bench/results/hf_compute*.md; blocks of 64 KiB
-gained nothing, 256 KiB and up about the same). Elsewhere (CUDA: kernels, not caches, and a Python loop per block
-would cost launches) and for rows already in fp32 it is the plain expression, `scale_rows`.
-With `model.bias_activation_fusion` on (`overlap.config.fusion`) `scale_rows` runs compiled
-instead, on any device: one kernel forward and one backward, the fp32 intermediates in registers.
+On CPU, `weight_rows` therefore runs the same operations a block of rows at a time, with the fp32
+intermediates in one reused buffer that stays in the core's cache: bit-identical results
+(tests/test_moe.py), ~1.6 ms for that forward + backward (measured in isolation on the Intel AMX CPU
+of bench/results/hf_compute*.md; blocks of 64 KiB gained nothing, 256 KiB and up about the same).
+Elsewhere (CUDA: kernels, not caches, and a Python loop per block would cost launches) and for rows
+already in fp32 it is the plain expression, `scale_rows`. With `model.bias_activation_fusion` on
+(`overlap.config.fusion`) `scale_rows` runs compiled instead, on any device: one kernel forward and
+one backward, the fp32 intermediates in registers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 from overlap.layers import fused
 
 _BLOCK_BYTES = 1 << 19
-"""fp32 bytes of one block's intermediate (512 KiB: a block of 256 rows at hidden 512; backward holds two)."""
+"""fp32 bytes of one block's intermediate (512 KiB: a block of 256 rows at hidden 512; backward
+holds two)."""
 
 
 def scale_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -31,8 +35,9 @@ def scale_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (rows.float() * weights.unsqueeze(-1)).to(rows.dtype)
 
 
-def weight_rows(rows: torch.Tensor, weights: torch.Tensor,
-                fusion: bool | None = None) -> torch.Tensor:
+def weight_rows(
+    rows: torch.Tensor, weights: torch.Tensor, fusion: bool | None = None
+) -> torch.Tensor:
     """rows [R, h] (any float dtype) x fp32 weights [R] -> [R, h] in the rows' dtype, the product
     taken in fp32; `fusion` is `model.bias_activation_fusion` (None: by device)."""
     if fused.compiling(fusion, rows):
@@ -47,7 +52,8 @@ def _blocks(rows: torch.Tensor) -> range:
 
 
 class _BlockedWeighting(torch.autograd.Function):
-    """`(rows.float() * weights[:, None]).to(rows.dtype)` and its autograd backward, a cache-sized block at a time."""
+    """`(rows.float() * weights[:, None]).to(rows.dtype)` and its autograd backward, a cache-sized
+    block at a time."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -58,7 +64,7 @@ class _BlockedWeighting(torch.autograd.Function):
         buf = rows.new_empty((blocks.step, rows.shape[-1]), dtype=torch.float32)
         for s in blocks:
             e = min(s + blocks.step, rows.shape[0])
-            tmp = buf[:e - s]
+            tmp = buf[: e - s]
             tmp.copy_(rows[s:e])
             tmp.mul_(weights[s:e].unsqueeze(-1))
             out[s:e].copy_(tmp)
@@ -75,7 +81,7 @@ class _BlockedWeighting(torch.autograd.Function):
         r_buf = torch.empty_like(g_buf)
         for s in blocks:
             e = min(s + blocks.step, rows.shape[0])
-            g, r = g_buf[:e - s], r_buf[:e - s]
+            g, r = g_buf[: e - s], r_buf[: e - s]
             g.copy_(grad[s:e])
             r.copy_(rows[s:e])
             torch.linalg.vecdot(g, r, out=grad_weights[s:e])

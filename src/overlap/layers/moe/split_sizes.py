@@ -1,27 +1,31 @@
-"""The MoE dispatchers' split sizes on the host: the one host read of a layer's micro-batch, and its dry-run answer.
+"""The MoE dispatchers' split sizes on the host: the one host read of a layer's micro-batch, and its
+dry-run answer.
 
-An all-to-all needs its split sizes on the host, so each dispatcher reads the exchanged counts once per layer and
-micro-batch (`read_split_sizes`). In a dry run (`overlap run --dry-run`, `overlap.perf.dry_run`) the tensors are
-fakes with no values and nobody knows the routing, so that read is answered instead by balanced routing
-(`assume_balanced_routing`): each EP rank spreads its T x k routed (token, expert) pairs over the E experts as evenly
-as integers allow, T x k // E per expert, and the remainder goes one extra pair to each of the next
-(T x k) % E experts, starting at a different expert on each EP rank, so that the receivers stay as even as the
-senders. Every EP rank holds the same number of tokens (one micro-batch shape), so each rank can work out what its
-peers send it. A capacity without padding clamps the counts as the routing would. This is the only place that
-answers a read with something else, and only while a dry run has switched it on: it must say so in its report.
+An all-to-all needs its split sizes on the host, so each dispatcher reads the exchanged counts once
+per layer and micro-batch (`read_split_sizes`). In a dry run (`overlap run --dry-run`,
+`overlap.perf.dry_run`) the tensors are fakes with no values and nobody knows the routing, so that
+read is answered instead by balanced routing (`assume_balanced_routing`): each EP rank spreads its T
+x k routed (token, expert) pairs over the E experts as evenly as integers allow, T x k // E per
+expert, and the remainder goes one extra pair to each of the next (T x k) % E experts, starting at a
+different expert on each EP rank, so that the receivers stay as even as the senders. Every EP rank
+holds the same number of tokens (one micro-batch shape), so each rank can work out what its peers
+send it. A capacity without padding clamps the counts as the routing would. This is the only place
+that answers a read with something else, and only while a dry run has switched it on: it must say so
+in its report.
 
-On CUDA the read must not wait for more than the counts: a plain `.tolist()` copies on the current stream, so it waits
-for everything queued there - in the EP-overlap step, the other micro-batch's weight-gradient GEMMs issued as cover
-before the counts' wait. So the counts go to pinned host memory on a side stream that waits for the counts exchange
-itself (`CommHandle.output_on`: the exchange's input was written before its launch, its output by the exchange),
-queued before the scheduler's wait issues that cover, and the host waits for that copy's event only. (Not yet run on
-a GPU.)
+On CUDA the read must not wait for more than the counts: a plain `.tolist()` copies on the current
+stream, so it waits for everything queued there - in the EP-overlap step, the other micro-batch's
+weight-gradient GEMMs issued as cover before the counts' wait. So the counts go to pinned host
+memory on a side stream that waits for the counts exchange itself (`CommHandle.output_on`: the
+exchange's input was written before its launch, its output by the exchange), queued before the
+scheduler's wait issues that cover, and the host waits for that copy's event only. (Not yet run on a
+GPU.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -30,14 +34,17 @@ from overlap.parallel import comm
 
 @dataclass(frozen=True)
 class BalancedRouting:
-    """Balanced routing of `tokens` tokens per EP rank, `topk` experts each, over `num_experts` experts split in
-    `ep_size` equal blocks (EP rank r owns experts r x E/ep ... (r+1) x E/ep - 1)."""
+    """Balanced routing of `tokens` tokens per EP rank, `topk` experts each, over `num_experts`
+    experts split in `ep_size` equal blocks (EP rank r owns experts r x E/ep ... (r+1) x E/ep -
+    1)."""
 
     tokens: int
     topk: int
     num_experts: int
     ep_size: int
-    capacity: int | None = None  # at most this many rows per expert from one rank (an unpadded capacity)
+    capacity: int | None = (
+        None  # at most this many rows per expert from one rank (an unpadded capacity)
+    )
 
     def pairs(self, source: int, expert: int) -> int:
         """Routed (token, expert) pairs EP rank `source` sends to `expert`."""
@@ -46,25 +53,29 @@ class BalancedRouting:
         return count if self.capacity is None else min(count, self.capacity)
 
     def alltoall_counts(self, ep_rank: int) -> list[int]:
-        """`AllToAllDispatcher`'s host counts on EP rank `ep_rank`: [E] rows it sends per expert, then
-        [ep x E_local] rows it receives per (source rank, local expert)."""
+        """`AllToAllDispatcher`'s host counts on EP rank `ep_rank`: [E] rows it sends per expert,
+        then [ep x E_local] rows it receives per (source rank, local expert)."""
         el = self.num_experts // self.ep_size
         sent = [self.pairs(ep_rank, g) for g in range(self.num_experts)]
         received = [self.pairs(s, ep_rank * el + e) for s in range(self.ep_size) for e in range(el)]
         return sent + received
 
     def flex_counts(self, ep_rank: int) -> list[list[list[int]]]:
-        """`FlexDispatcher`'s host counts on EP rank `ep_rank`: [2 (sent, received), ep, 1 + E_local], each entry
-        (rows, pairs per local expert). A token crosses to a rank once whatever number of its experts live there;
-        the pairs a rank gets are taken to come from distinct tokens (at most T), the most rows, so the dry run's
-        bytes are an upper bound for this routing."""
+        """`FlexDispatcher`'s host counts on EP rank `ep_rank`: [2 (sent, received), ep, 1 +
+        E_local], each entry (rows, pairs per local expert). A token crosses to a rank once whatever
+        number of its experts live there; the pairs a rank gets are taken to come from distinct
+        tokens (at most T), the most rows, so the dry run's bytes are an upper bound for this
+        routing."""
         el = self.num_experts // self.ep_size
 
         def entry(source: int, dest: int) -> list[int]:
             pairs = [self.pairs(source, dest * el + e) for e in range(el)]
             return [min(self.tokens, sum(pairs)), *pairs]
 
-        return [[entry(ep_rank, r) for r in range(self.ep_size)], [entry(s, ep_rank) for s in range(self.ep_size)]]
+        return [
+            [entry(ep_rank, r) for r in range(self.ep_size)],
+            [entry(s, ep_rank) for s in range(self.ep_size)],
+        ]
 
 
 # None outside a dry run; in one, told of every answered read (`assume_balanced_routing`)
@@ -72,18 +83,22 @@ _answered: Callable[[], None] | None = None
 
 
 def assume_balanced_routing(on_answer: Callable[[], None] | None) -> None:
-    """Dry run only: from now on answer the split-size reads with balanced routing, calling `on_answer()` for each
-    answer so that the report can count them (and name the reading line); None switches it off (the real read)."""
+    """Dry run only: from now on answer the split-size reads with balanced routing, calling
+    `on_answer()` for each answer so that the report can count them (and name the reading line);
+    None switches it off (the real read)."""
     global _answered
     _answered = on_answer
 
 
-def read_split_sizes(sent: torch.Tensor, exchange: comm.CommHandle,
-                     wait: Callable[[comm.CommHandle], torch.Tensor],
-                     balanced: Callable[[], list[int]]) -> tuple[list[int], torch.Tensor]:
-    """THE host read of a layer's split sizes: waits for the counts `exchange` (by the scheduler's `wait`) and
-    returns (the int64 counts `sent` then those received, flattened, as host ints - in a dry run `balanced()`, the
-    same list from `BalancedRouting` -, the received counts tensor)."""
+def read_split_sizes(
+    sent: torch.Tensor,
+    exchange: comm.CommHandle,
+    wait: Callable[[comm.CommHandle], torch.Tensor],
+    balanced: Callable[[], list[int]],
+) -> tuple[list[int], torch.Tensor]:
+    """THE host read of a layer's split sizes: waits for the counts `exchange` (by the scheduler's
+    `wait`) and returns (the int64 counts `sent` then those received, flattened, as host ints - in a
+    dry run `balanced()`, the same list from `BalancedRouting` -, the received counts tensor)."""
     if _answered is not None:
         _answered()
         return balanced(), wait(exchange)
@@ -99,17 +114,21 @@ def read_split_sizes(sent: torch.Tensor, exchange: comm.CommHandle,
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _copy_on_side_stream(sent: torch.Tensor, exchange: comm.CommHandle) -> tuple[torch.cuda.Event, torch.Tensor]:
-    """CUDA: queue the copy of `sent` and of what `exchange` receives into pinned host memory on a side stream
-    ordered after the exchange alone (module docstring); returns (the copy's event, the host tensor it fills)."""
+def _copy_on_side_stream(
+    sent: torch.Tensor, exchange: comm.CommHandle
+) -> tuple[torch.cuda.Event, torch.Tensor]:
+    """CUDA: queue the copy of `sent` and of what `exchange` receives into pinned host memory on a
+    side stream ordered after the exchange alone (module docstring); returns (the copy's event, the
+    host tensor it fills)."""
     side = _side_streams.get(sent.device)
     if side is None:
         side = _side_streams[sent.device] = torch.cuda.Stream(sent.device)
     received = exchange.output_on(side)
     host = torch.empty(sent.numel() + received.numel(), dtype=torch.int64, pin_memory=True)
     with torch.cuda.stream(side):
-        for t, part in ((sent, host[:sent.numel()]), (received, host[sent.numel():])):
-            t.record_stream(side)  # made on the current stream, read here: not reused before this copy is done
+        for t, part in ((sent, host[: sent.numel()]), (received, host[sent.numel() :])):
+            # made on the current stream, read here: not reused before this copy is done
+            t.record_stream(side)
             part.copy_(t.reshape(-1), non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(side)
