@@ -86,9 +86,8 @@ def _ours(folder: Path, seq: int, dtype: torch.dtype, attention_backend: str):
 
     model = model_config_from_hf(read_hf_config(folder), seq_length=seq)
     model.moe_aux_loss_coeff = 0.0  # transformers computes no aux loss without output_router_logits
-    model.moe_permute_fusion = (
-        True  # the vectorised permutation, as the Qwen3 recipes run it (config.json has no say)
-    )
+    # the vectorised permutation, as the Qwen3 recipes run it (config.json has no say)
+    model.moe_permute_fusion = True
     model.attention_backend = attention_backend
     precision = "bf16_mixed" if dtype == torch.bfloat16 else "fp32"
     cfg = ConfigContainer(model=model, mixed_precision=precision)

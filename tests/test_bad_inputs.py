@@ -38,8 +38,7 @@ def refused(argv, capsys, *needles):
     return err
 
 
-# --- output paths
-# --------------------------------------------------------------------------------------------------
+# --- output paths ---------------------------------------------------------------------------------
 def test_metrics_into_a_missing_folder(tmp_path, capsys):
     path = tmp_path / "nope" / "m.jsonl"
     refused(
@@ -195,8 +194,7 @@ def test_bench_outputs_checked_before_the_first_run(tmp_path, capsys):
     )
 
 
-# --- duplicates, Slurm options
-# ---------------------------------------------------------------------------------------
+# --- duplicates, Slurm options --------------------------------------------------------------------
 def test_the_same_override_twice(capsys):
     refused(
         ["explain", *DENSE, "model.num_layers=2", "model.num_layers=4"],
@@ -300,8 +298,7 @@ def test_cpu_slurm_script_requests_no_gpus_and_the_time_limit_is_an_option(tmp_p
     )
 
 
-# --- bench checks every configuration first
-# -------------------------------------------------------------------------
+# --- bench checks every configuration first -------------------------------------------------------
 def test_bench_refuses_a_configuration_run_would_refuse_before_any_run(capsys):
     refused(
         ["bench", *DENSE, "--ab", "model.context_parallel_size=1,2"],
@@ -337,8 +334,7 @@ def test_bench_link_floor_on_the_plain_loopback(capsys):
     )
 
 
-# --- resources
-# --------------------------------------------------------------------------------------------------
+# --- resources ------------------------------------------------------------------------------------
 def test_a_model_that_cannot_fit_this_host(capsys, monkeypatch):
     monkeypatch.delenv(FORCE_ENV, raising=False)
     err = refused(
@@ -389,8 +385,7 @@ def test_explain_shows_the_estimate_and_what_run_would_refuse(capsys):
     assert "Memory estimate (rank 0, rough):" in out
 
 
-# --- messages that blamed the wrong thing
-# ---------------------------------------------------------------------------
+# --- messages that blamed the wrong thing ---------------------------------------------------------
 def test_micro_batch_zero_names_the_micro_batch(capsys):
     refused(["explain", *DENSE, "-mb", "0"], capsys, "train.micro_batch_size=0", "-mb 1")
 

@@ -71,8 +71,7 @@ def decisions(argv, capsys) -> dict[str, dict]:
     return {row["field"]: row for row in rows}
 
 
-# --- the reference harness command
-# ---------------------------------------------------------------------------------
+# --- the reference harness command ----------------------------------------------------------------
 GUIDE = [
     *HARNESS,
     "--moe_a2a_overlap",
@@ -209,8 +208,7 @@ def test_model_level_override_beats_the_flag_too(capsys):
     assert "model.overlap_moe_expert_parallel_comm" in err and "--moe_a2a_overlap" in err
 
 
-# --- --moe_a2a_overlap
-# ------------------------------------------------------------------------------------------------
+# --- --moe_a2a_overlap ----------------------------------------------------------------------------
 def test_moe_a2a_overlap_true_turns_on_ep_overlap_only(capsys, jobs):
     rows = decisions([*HARNESS, "--moe_a2a_overlap", "true"], capsys)
     ep = rows["model.overlap_moe_expert_parallel_comm"]
@@ -286,8 +284,7 @@ def test_moe_a2a_overlap_true_with_full_recompute_is_exit_2(capsys):
     assert "model.recompute_granularity" in err
 
 
-# --- other flags
-# --------------------------------------------------------------------------------------------------
+# --- other flags ----------------------------------------------------------------------------------
 def test_tp_flag_sets_sequence_parallel(capsys, jobs):
     code, out, err = run([*TINY, "-tp", "2"], capsys)
     assert code == 0, err
@@ -679,8 +676,7 @@ def test_compute_dtype_bf16_satisfies_ep_precision_check(capsys):
     assert "model.bf16" in err
 
 
-# --- launch environment in explain
-# ------------------------------------------------------------------------------------
+# --- launch environment in explain ----------------------------------------------------------------
 def _env_line(out: str, name: str) -> list[str]:
     return next(row for row in out.splitlines() if row.startswith(name)).split()
 
@@ -746,8 +742,7 @@ def test_explain_launch_env_shows_that_the_user_environment_wins(capsys, monkeyp
     assert _env_line(out, "CUDA_DEVICE_MAX_CONNECTIONS")[1:4] == ["4", "user", "environment"]
 
 
-# --- user mistakes: exit 2, one message, no traceback
-# -----------------------------------------------------------------
+# --- user mistakes: exit 2, one message, no traceback ---------------------------------------------
 def test_list_recipes(capsys):
     code, out, err = run(["explain", "--list-recipes"], capsys)
     assert code == 0

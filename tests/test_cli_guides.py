@@ -29,8 +29,7 @@ def explain_json(argv, capsys) -> dict:
     return json.loads(out)
 
 
-# --- explain describes the target
-# -------------------------------------------------------------------------------------
+# --- explain describes the target -----------------------------------------------------------------
 def test_the_tp_dp_pp_guides_shape_rederives_the_recipes_ep(capsys):
     doc = explain_json("-m qwen -mr qwen3_30b_a3b -g h100 -ng 32 -tp 4 -pp 4 -vp 2".split(), capsys)
     assert doc["layout"]["ep"] == 8 and doc["layout"]["pp"] == 4 and doc["layout"]["vpp"] == 2
@@ -64,8 +63,7 @@ def test_moe_tp_without_sp_with_ep_is_the_references_error(capsys):
     assert code == 2 and "sequence parallelism must be used" in err
 
 
-# --- the decision table is consistent
-# ---------------------------------------------------------------------------------
+# --- the decision table is consistent -------------------------------------------------------------
 def test_explicit_shared_expert_overlap_false_is_the_users_request(capsys):
     doc = explain_json(
         "-m qwen -mr qwen3_moe_tiny -ng 4 model.moe_shared_expert_overlap=false".split(), capsys
@@ -96,8 +94,7 @@ def test_other_settings_name_their_source(capsys):
     assert other["ddp.use_distributed_optimizer"]["source"] == "recipe"
 
 
-# --- no silent no-ops
-# ---------------------------------------------------------------------------------------------
+# --- no silent no-ops -----------------------------------------------------------------------------
 DENSE2 = "-m qwen -mr dense_tiny -ng 2".split()
 
 
@@ -157,8 +154,7 @@ def test_a_working_overlap_reports_no_noop(capsys):
     assert doc["noops"] == []
 
 
-# --- help, version, listings
-# -------------------------------------------------------------------------------------------
+# --- help, version, listings ----------------------------------------------------------------------
 def test_every_harness_flag_has_help():
     parser = argparse.ArgumentParser()
     add_harness_flags(parser)

@@ -88,8 +88,7 @@ def with_deep_ep(monkeypatch):
     )
 
 
-# --- apply_flex_dispatcher_backend
-# ---------------------------------------------------------------------------------
+# --- apply_flex_dispatcher_backend ----------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["torch", "deepep", "hybridep"])
 def test_apply_sets_flex_backend_and_disables_shared_overlap(backend):
     m = moe(
@@ -160,8 +159,7 @@ def test_flex_on_a_dense_model_falls_back_with_a_warning_and_strict_refuses(expe
     assert exc.value.field == "model.moe_flex_dispatcher_backend" and "MoE" in str(exc.value)
 
 
-# --- validate: inactive backend and missing backend
-# ---------------------------------------------------------------
+# --- validate: inactive backend and missing backend -----------------------------------------------
 def test_backend_alone_does_not_enable_flex(caplog):
     cfg = container(moe(moe_flex_dispatcher_backend="torch"))
     probe = Probe(HOPPER)
@@ -222,8 +220,7 @@ def test_clearing_backend_after_apply_restores_alltoall():
     assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("alltoall", None)
 
 
-# --- validate: torch backend
-# ------------------------------------------------------------------------------------------
+# --- validate: torch backend ----------------------------------------------------------------------
 def test_torch_backend_is_fine_without_gpu():
     probe = Probe(None)
     cfg = container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch"))
@@ -254,8 +251,7 @@ def test_unknown_backend_in_validation_is_error():
     assert exc.value.field == "model.moe_flex_dispatcher_backend"
 
 
-# --- validate: GPU backends
-# -------------------------------------------------------------------------------------------
+# --- validate: GPU backends -----------------------------------------------------------------------
 def _gpu(backend: str) -> ConfigContainer:
     return container(moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend))
 

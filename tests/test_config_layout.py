@@ -29,8 +29,7 @@ def error(cfg: ConfigContainer, world: int) -> ConfigError:
     return exc.value
 
 
-# --- layout
-# --------------------------------------------------------------------------------------------------
+# --- layout ---------------------------------------------------------------------------------------
 def test_world_not_divisible_by_tp_pp_cp():
     err = error(
         build(
@@ -194,8 +193,7 @@ def test_tokenizer_types():
     assert "not built" in str(exc.value)
 
 
-# --- recipes
-# --------------------------------------------------------------------------------------------------
+# --- recipes --------------------------------------------------------------------------------------
 def test_qwen3_30b_a3b_reference_dimensions():
     m = qwen3_30b_a3b(16).model
     assert m.num_layers == 48
@@ -261,8 +259,7 @@ def test_recipe_builds_are_independent():
     assert qwen3_30b_a3b(16).model.num_layers == 48
 
 
-# --- sizes must be positive
-# ------------------------------------------------------------------------------------------
+# --- sizes must be positive -----------------------------------------------------------------------
 @pytest.mark.parametrize("gbs", [0, -8])
 def test_global_batch_size_must_be_positive(gbs):
     # 0 and -8 are multiples of micro_batch_size x DP, but no step can be built from them.

@@ -21,8 +21,7 @@ def error_of(cfg: ConfigContainer, item: str) -> ConfigError:
     return exc.value
 
 
-# --- unknown keys
-# --------------------------------------------------------------------------------------------------
+# --- unknown keys ---------------------------------------------------------------------------------
 def test_unknown_section_suggests_the_closest(cfg):
     err = error_of(cfg, "modle.num_layers=4")
     assert err.field == "modle.num_layers"
@@ -57,8 +56,7 @@ def test_too_deep_key_is_rejected(cfg):
     assert "section.field=value" in err.fix
 
 
-# --- types
-# --------------------------------------------------------------------------------------------------
+# --- types ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "item,expected_type",
     [
@@ -105,8 +103,7 @@ def test_string_value(cfg):
     assert cfg.model.moe_token_dispatcher_type == "flex"
 
 
-# --- lists and null
-# --------------------------------------------------------------------------------------------------
+# --- lists and null -------------------------------------------------------------------------------
 def test_list_parsing(cfg):
     assert apply_override(cfg, "model.recompute_modules=[core_attn,mlp]") == (
         "model.recompute_modules",
@@ -138,8 +135,7 @@ def test_optional_int_accepts_int(cfg):
     assert cfg.model.virtual_pipeline_model_parallel_size == 2
 
 
-# --- special sections
-# ------------------------------------------------------------------------------------------------
+# --- special sections -----------------------------------------------------------------------------
 def test_env_vars_value_is_text(cfg):
     assert apply_override(cfg, "env_vars.X=1") == ("env_vars.X", "1")
     assert cfg.env_vars == {"X": "1"}
@@ -217,8 +213,7 @@ def test_tp_preset_by_name(cfg):
     )
 
 
-# --- syntax
-# --------------------------------------------------------------------------------------------------
+# --- syntax ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "item",
     ["+model.num_layers=3", "++model.num_layers=3", "~model.num_layers", "~model.num_layers=3"],

@@ -33,8 +33,7 @@ def test_decided_by_labels():
     assert (USER, MODEL_CONFIG, RULE, DEFAULT) == ("user", "model config", "rule", "default")
 
 
-# --- user > model config > rule
-# ----------------------------------------------------------------------------------
+# --- user > model config > rule -------------------------------------------------------------------
 def test_pp_rule_then_model_config_then_user():
     # Rule only.
     cfg = build(model(pipeline_model_parallel_size=2))
@@ -155,8 +154,7 @@ def test_tp_requested_off_by_user():
     assert (d.requested, d.effective, d.decided_by) == (False, False, "user")
 
 
-# --- strict mode
-# --------------------------------------------------------------------------------------------------
+# --- strict mode ----------------------------------------------------------------------------------
 def test_strict_tp_overlap_at_tp1_is_error():
     cfg = build(co=CommOverlapConfig(tp_comm_overlap=True, strict=True))
     with pytest.raises(ConfigError) as exc:
@@ -288,8 +286,7 @@ def test_decision_json_and_table():
     assert "model.tp_comm_overlap" in lines[2] and " - " in lines[2]
 
 
-# --- finalize: idempotent, snapshot, order
-# ----------------------------------------------------------------------------
+# --- finalize: idempotent, snapshot, order --------------------------------------------------------
 def _state(cfg: ConfigContainer):
     return (
         dataclasses.asdict(cfg.model),

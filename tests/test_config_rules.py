@@ -48,8 +48,7 @@ H12288 = "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048"
 LORA_70B = "userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora"
 
 
-# --- helpers
-# --------------------------------------------------------------------------------------------------
+# --- helpers --------------------------------------------------------------------------------------
 def ep_on(**kw) -> CommOverlapConfig:
     return CommOverlapConfig(tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, **kw)
 
@@ -62,8 +61,7 @@ def dist_optimizer() -> OptimizerConfig:
     return OptimizerConfig(use_distributed_optimizer=True)
 
 
-# --- CommOverlapConfig surface
-# --------------------------------------------------------------------------------------
+# --- CommOverlapConfig surface --------------------------------------------------------------------
 def test_comm_overlap_config_requires_tp_comm_overlap_keyword():
     with pytest.raises(TypeError):
         CommOverlapConfig()  # type: ignore[call-arg]
@@ -108,8 +106,7 @@ def test_finalize_without_comm_overlap_still_records_every_decision():
         assert name in fields
 
 
-# --- TP gate
-# --------------------------------------------------------------------------------------------------
+# --- TP gate --------------------------------------------------------------------------------------
 def test_tp_overlap_not_requested_is_off_by_default():
     cfg = build()
     res = cfg.finalize(1)
@@ -288,8 +285,7 @@ def test_finalize_keeps_user_request_and_preset_in_snapshot():
     assert cfg.model.tp_comm_overlap is False
 
 
-# --- PP selection
-# --------------------------------------------------------------------------------------------------
+# --- PP selection ---------------------------------------------------------------------------------
 def test_pp1_turns_both_p2p_flags_off():
     cfg = build()
     res = cfg.finalize(1)
@@ -376,8 +372,7 @@ def test_embedding_wgrad_user_values():
     assert cfg.model.wgrad_deferral_limit == 3
 
 
-# --- DP defaults
-# --------------------------------------------------------------------------------------------------
+# --- DP defaults ----------------------------------------------------------------------------------
 def test_dp_defaults_with_distributed_optimizer():
     cfg = build(ddp=dist_opt(), optimizer=dist_optimizer())
     res = cfg.finalize(4)
@@ -571,8 +566,7 @@ def test_setup_tp_off_dp_on():
     assert cfg.ddp.overlap_param_gather is True
 
 
-# --- EP overlap prerequisites
-# ----------------------------------------------------------------------------------------
+# --- EP overlap prerequisites ---------------------------------------------------------------------
 def _ep_case(world=2, mp="bf16_mixed", **model_kw):
     return build(moe(**model_kw), co=ep_on(), mp=mp), world
 
@@ -798,8 +792,7 @@ def test_ep_overlap_precision_check_sees_mixed_precision():
     assert exc.value.field == "model.bf16"
 
 
-# --- delay_wgrad_compute
-# ---------------------------------------------------------------------------------------------
+# --- delay_wgrad_compute --------------------------------------------------------------------------
 def test_delay_wgrad_requires_ep_overlap():
     cfg = build(moe(), co=CommOverlapConfig(tp_comm_overlap=False, delay_wgrad_compute=True))
     with pytest.raises(ConfigError) as exc:
@@ -952,8 +945,7 @@ def test_delay_wgrad_full_or_empty_scope_adds_no_constraint(scope):
     assert cfg.model.delay_wgrad_compute is True
 
 
-# --- mixed precision
-# -----------------------------------------------------------------------------------------------
+# --- mixed precision ------------------------------------------------------------------------------
 def test_mixed_precision_preset_values():
     assert set(MIXED_PRECISION_PRESETS) == {"bf16_mixed", "fp16_mixed", "fp32"}
     bf16 = get_mixed_precision_config("bf16_mixed")

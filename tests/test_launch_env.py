@@ -1,4 +1,4 @@
-"""Launch-environment rules (Bridge HEAD, reference/bridge-compat.md section 9(d)): one test per
+"""Launch-environment rules (Bridge HEAD's `run_script.py` environment compatibility): one test per
 rule row."""
 
 from __future__ import annotations

@@ -140,8 +140,7 @@ def test_every_layout_trains_like_one_rank_under_nccl_rules(case):
         assert losses == pytest.approx(list(ref), rel=2e-2 if moe else 1e-5)
 
 
-# --- the defects NCCL's rules expose (each failed on the runtime before they were mended)
-# ---------------------------
+# --- the defects NCCL's rules expose (each failed on the runtime before they were mended) ---------
 def _programs(
     world: int, moe: bool, precision: str, layers: int, overrides: list[str]
 ) -> dict[int, list]:
@@ -223,8 +222,7 @@ def test_delay_wgrad_fills_the_waits_under_nccl_rules():
         assert total > 0 and filled >= total // 2, (filled, total)
 
 
-# --- torch's own consistency check
-# --------------------------------------------------------------------------------
+# --- torch's own consistency check ----------------------------------------------------------------
 def _debug_level() -> str:
     return dist.get_debug_level().name
 

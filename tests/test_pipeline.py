@@ -28,8 +28,7 @@ from tests.world import run_world
 STEPS = 3
 
 
-# --- the split
-# --------------------------------------------------------------------------------------------------
+# --- the split ------------------------------------------------------------------------------------
 def _ranges(
     layers: int, pp: int, vpp: int | None = None, first: int | None = None, last: int | None = None
 ):
@@ -86,8 +85,7 @@ def test_the_config_check_uses_the_split_and_the_interleaving_rules():
         finalize(2, pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=2)
 
 
-# --- the programs
-# --------------------------------------------------------------------------------------------------
+# --- the programs ---------------------------------------------------------------------------------
 def test_schedule_table_groups_micro_batches_per_chunk():
     assert schedule_table(4, 2, 2) == [
         (0, 0),
@@ -167,8 +165,7 @@ def test_every_program_is_complete_and_deadlock_free(pp, vpp, micro, group):
     _simulate(pp, vpp, micro, group)
 
 
-# --- numerics on real worlds
-# ------------------------------------------------------------------------------------------
+# --- numerics on real worlds ----------------------------------------------------------------------
 def _config(
     moe: bool, precision: str, layers: int, overrides: list[str], **layout
 ) -> ConfigContainer:

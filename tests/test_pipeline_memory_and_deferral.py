@@ -85,8 +85,7 @@ def _assert_identical(a: list[dict], b: list[dict]) -> None:
             assert all(torch.equal(x, y) for x, y in zip(step_a["grads"], step_b["grads"]))
 
 
-# --- deallocate_pipeline_outputs
-# ---------------------------------------------------------------------------------
+# --- deallocate_pipeline_outputs ------------------------------------------------------------------
 MEMORY_ON_GLOO = pytest.mark.gloo_only(
     reason="the bytes a sent output holds: under NCCL's rules gloo's send keeps its alias to the "
     "step's end, where on CUDA the allocator frees it at once"
@@ -148,8 +147,7 @@ def test_deeper_pipelines_with_both_features_are_identical(layout, p2p):
         )
 
 
-# --- defer_embedding_wgrad_compute
-# -------------------------------------------------------------------------------
+# --- defer_embedding_wgrad_compute ----------------------------------------------------------------
 @pytest.mark.parametrize("layout", [PP2, PP2_VPP2], ids=["pp2", "pp2_vpp2"])
 def test_deferred_output_wgrad_is_identical_and_runs_at_the_flush(layout):
     base = _run(2, (), layout)
@@ -217,8 +215,7 @@ def test_deferred_output_wgrad_with_overlap_grad_reduce_reduces_after_the_deferr
             assert (x - y).abs().max() <= 1e-6 * x.abs().max()
 
 
-# --- no longer refused
-# ---------------------------------------------------------------------------------------------
+# --- no longer refused ----------------------------------------------------------------------------
 def _refused_fields(overrides: tuple[str, ...]) -> set[str]:
     cfg = _config(overrides, PP2)
     cfg.finalize(2)

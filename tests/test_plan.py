@@ -103,11 +103,11 @@ def test_a_token_bucket_lets_transfers_after_idle_compute_pass_at_the_line_rate(
 
 
 def test_the_schedules_bound_in_the_p2p_overlap_benchmark():
-    """bench/commands.sh 17's regime (README: PP=2, 16 micro-batches, a rank's micro-batch forward
-    44 ms and backward 86 ms as its faked-p2p floor measured, a 256 KB activation on the 1 ms + 20
-    MB/s link): the share of the batched mode's link cost that the overlapped interleaved schedule
-    can hide at best is ~0.88, and 0.76 on the 10 MB/s link where 0.67 was measured; 1F1B hides
-    almost nothing. The 0.8 target is judged where the bound allows it."""
+    """bench/commands.sh 27's regime (pp_p2p_overlap_vpp: PP=2, 16 micro-batches, a micro-batch
+    forward 44 ms and backward 86 ms as its faked-p2p floor measured, a 256 KB activation on the
+    1 ms + 20 MB/s link): the share of the batched mode's link cost that the overlapped interleaved
+    schedule can hide at best is ~0.88, and 0.76 on the 10 MB/s link where 0.67 was measured; 1F1B
+    hides almost nothing. The 0.8 target is judged where the bound allows it."""
 
     def hidden(vpp: int, transfer_s: float) -> float:
         f, b = 0.044 / vpp, 0.086 / vpp

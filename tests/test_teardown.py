@@ -93,8 +93,7 @@ def _can_emulate() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
 
-# --- the mechanism (shared world)
-# ----------------------------------------------------------------------------------
+# --- the mechanism (shared world) -----------------------------------------------------------------
 def _slow_callback_is_finished_at_wait(delay_s: float) -> dict:
     import torch
     import torch.distributed as dist
@@ -185,8 +184,7 @@ def test_bounded_drain_gives_up_and_names_the_op():
     assert r0 == {"abandoned": ["dp_ar"], "bounded": True, "after": 0}
 
 
-# --- a failed run in `overlap bench`
-# -------------------------------------------------------------------------------
+# --- a failed run in `overlap bench` --------------------------------------------------------------
 ABORT_OUTPUT = (
     "iteration 6/6 ...\nterminate called without an active exception\noverlap: error: rank 1 of 2 "
     "failed (exit code -6); the other ranks were stopped\n"
@@ -269,8 +267,7 @@ def test_a_bench_whose_first_run_fails_says_nothing_finished(tmp_path, monkeypat
     assert "Steady-state window: none (no run finished)" in table and "**FAILED**: round 1" in table
 
 
-# --- the stress (fresh rank processes)
-# -----------------------------------------------------------------------------
+# --- the stress (fresh rank processes) ------------------------------------------------------------
 def _rank_main(repeats: int, base_port: int, network: str) -> None:
     """One rank of a stress launch: `overlap run` in-process `repeats` times, the modes in turn,
     each on a fresh process group (MASTER_PORT base_port + i: a finished repeat's store may still

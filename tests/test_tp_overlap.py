@@ -47,8 +47,7 @@ STEPS = 3
 RING, PIPE2, BULK = SlotPlan("ring_exchange"), SlotPlan("pipeline", 2), SlotPlan("bulk")
 
 
-# --- the plan
-# --------------------------------------------------------------------------------------------------
+# --- the plan -------------------------------------------------------------------------------------
 def _resolved(world: int = 2, seq: int = 256, co: dict | None = None, **model) -> ConfigContainer:
     m = ModelConfig(
         num_layers=2,
@@ -221,8 +220,7 @@ def test_at_tp1_the_gate_turns_tp_overlap_off_and_there_is_no_plan():
     assert cfg.model.tp_comm_overlap is False and effective_tp_plan(cfg.model) == ({}, [])
 
 
-# --- the functions, rank side
-# ----------------------------------------------------------------------------------------
+# --- the functions, rank side ---------------------------------------------------------------------
 def _state() -> ParallelState:
     return ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=dist.get_world_size()))
 
@@ -318,8 +316,7 @@ def test_overlapped_layers_match_the_plain_layers_forward_and_backward(world, ki
         assert max(rank.values()) < ATOL, rank
 
 
-# --- training
-# --------------------------------------------------------------------------------------------------
+# --- training -------------------------------------------------------------------------------------
 def _config(moe: bool, overrides: list[str], **layout) -> ConfigContainer:
     """The tiny model at sequence 256 with 4 query groups and init std 0.1 (a shared expert beside
     the experts), global batch 4."""
@@ -427,8 +424,7 @@ def test_moe_tp2_ep2_with_tp_overlap_matches_off_and_the_reference():
         )
 
 
-# --- the timeline
-# ------------------------------------------------------------------------------------------------
+# --- the timeline ---------------------------------------------------------------------------------
 def _in_flight_under_gemms() -> dict[str, int]:
     """One training step with the defaults over a slow modelled link: count the TP transfers (ring
     p2p, pipeline reduce-scatter chunks) that were in flight over a whole chunk GEMM."""

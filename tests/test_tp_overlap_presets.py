@@ -1,5 +1,5 @@
-"""The 19 tensor-parallel overlap presets match the reference table value by value (bridge-compat.md
-section 2.3)."""
+"""The 19 tensor-parallel overlap presets match Megatron-Bridge's table value by value (its
+`comm_overlap.py` `userbuffers_*` presets)."""
 
 from __future__ import annotations
 

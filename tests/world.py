@@ -111,9 +111,8 @@ class _World:
 # test. A world whose ranks hold more is retired after its job and the next job starts a fresh one
 # (a few seconds).
 MAX_GROUPS = 32
-NCCL_RULES_ENV = (
-    "OVERLAP_TEST_NCCL_RULES"  # =1: every run_world job under NCCL's rules, its program replayed
-)
+# =1: every run_world job under NCCL's rules, its program replayed
+NCCL_RULES_ENV = "OVERLAP_TEST_NCCL_RULES"
 
 
 def run_world(size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:

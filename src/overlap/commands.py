@@ -286,9 +286,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"Launch environment:\n{format_launch_env(env_settings)}", flush=True)
     worker_env = dict(os.environ)
     apply_launch_env(env_settings, worker_env)
-    worker_env["OVERLAP_LAUNCHED"] = (
-        "1"  # our own launcher already applied and printed the launch environment
-    )
+    # our own launcher already applied and printed the launch environment
+    worker_env["OVERLAP_LAUNCHED"] = "1"
     command = python_module_command("overlap.cli", argv)
     # train.exit_signal_handler: a SIGTERM to us is a preemption the ranks answer with a checkpoint
     # (they get the communication timeout to save and exit) rather than a stop.

@@ -244,9 +244,8 @@ class _FlagWrite:
     before: Any
     # a value the flag implies (SP from -tp), which an explicit override refines without dispute
     implied: bool
-    typed: Any = (
-        _KEEP  # the flag's value as the user typed it, when that is not the field's value (-c bf16)
-    )
+    # the flag's value as the user typed it, when that is not the field's value (-c bf16)
+    typed: Any = _KEEP
 
 
 @dataclass

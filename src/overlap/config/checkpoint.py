@@ -39,12 +39,10 @@ class CheckpointConfig:
     save_rng: bool = True  # save the random-number generator states
     load_rng: bool = True  # load the random-number generator states
     finetune: bool = False  # load weights only and start at iteration 0
-    pretrained_checkpoint: str | None = (
-        None  # weights to start from when `load` holds no checkpoint
-    )
-    exit_on_missing_checkpoint: bool = (
-        False  # `load` set but empty: fail instead of starting from scratch
-    )
+    # weights to start from when `load` holds no checkpoint
+    pretrained_checkpoint: str | None = None
+    # `load` set but empty: fail instead of starting from scratch
+    exit_on_missing_checkpoint: bool = False
     # Ours, not the reference's: save into a folder whose checkpoints are another model's (refused
     # by default)
     allow_other_model_in_save: bool = False

@@ -79,9 +79,8 @@ class CommOverlapConfig:
     overlap_moe_expert_parallel_comm: bool | None = None
     # EP overlap: wgrad GEMMs deferred out of the backward (beats model's)
     delay_wgrad_compute: bool | None = None
-    strict: bool = (
-        False  # ours: any request that cannot be honoured is an error instead of a logged decision
-    )
+    # ours: any request that cannot be honoured is an error instead of a logged decision
+    strict: bool = False
 
 
 # Where each comm_overlap switch's Bridge spelling lives when it is set directly (by a recipe or an

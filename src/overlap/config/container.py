@@ -180,8 +180,7 @@ class ConfigContainer:
         self._resolution = Resolution(world_size, layout, plan, log)
         return self._resolution
 
-    # --- stages
-    # ----------------------------------------------------------------------------------------------
+    # --- stages -----------------------------------------------------------------------------------
     def _apply_tokenizer(self) -> None:
         tok = self.tokenizer
         if tok.tokenizer_type not in ("NullTokenizer", "HuggingFaceTokenizer"):

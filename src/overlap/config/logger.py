@@ -41,6 +41,32 @@ class LoggerConfig:
     wandb_save_dir: str | None = None
     wandb_entity: str | None = None  # W&B team or user
 
+    def validate(self) -> None:
+        """Intervals of at least one; no empty names or paths."""
+        for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"logger.{name}",
+                    getattr(self, name),
+                    "it must be >= 1.",
+                    f"set logger.{name}=1 or more.",
+                )
+        for name in (
+            "tensorboard_dir",
+            "wandb_project",
+            "wandb_exp_name",
+            "wandb_save_dir",
+            "wandb_entity",
+        ):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ConfigError(
+                    f"logger.{name}",
+                    value,
+                    "an empty name or path says nothing.",
+                    f"give a value, or set logger.{name}=null.",
+                )
+
 
 # Which package each sink needs, and the extra that installs it.
 EXTRAS = {"tensorboard_dir": ("tensorboard", "tensorboard"), "wandb_project": ("wandb", "wandb")}
@@ -106,34 +132,9 @@ def resolve_logger(
     """Check the section, fill in the W&B folder, and record where the metrics go.
     `require_libraries`: a sink's missing package is an error (run); otherwise (explain for another
     machine) it is said in the table."""
-    for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
-        if getattr(lg, name) < 1:
-            raise ConfigError(
-                f"logger.{name}",
-                getattr(lg, name),
-                "it must be >= 1.",
-                f"set logger.{name}=1 or more.",
-            )
-    for name in (
-        "tensorboard_dir",
-        "wandb_project",
-        "wandb_exp_name",
-        "wandb_save_dir",
-        "wandb_entity",
-    ):
-        value = getattr(lg, name)
-        if value is not None and not value.strip():
-            raise ConfigError(
-                f"logger.{name}",
-                value,
-                "an empty name or path says nothing.",
-                f"give a value, or set logger.{name}=null.",
-            )
-
-    def rec(*decision) -> None:
-        log.record_in("logger", *decision)
-
-    rec(
+    lg.validate()
+    log.record_in(
+        "logger",
         "logger.log_interval",
         None,
         lg.log_interval,
@@ -146,31 +147,52 @@ def resolve_logger(
         if lg.tensorboard_log_interval == 1
         else f"every {lg.tensorboard_log_interval} iterations and the last"
     )
-    if lg.tensorboard_dir is None:
-        rec("logger.tensorboard_dir", None, None, DEFAULT, "not set: no TensorBoard event files")
-        if lg.tensorboard_queue_size != 1000:
-            log.noop(
-                "logger.tensorboard_queue_size",
-                lg.tensorboard_queue_size,
-                "no TensorBoard writer without logger.tensorboard_dir",
-                "set logger.tensorboard_dir=DIR, or drop it.",
-            )
-        if lg.tensorboard_log_interval != 1 and lg.wandb_project is None:
-            log.noop(
-                "logger.tensorboard_log_interval",
-                lg.tensorboard_log_interval,
-                "neither TensorBoard nor W&B is on",
-                "set logger.tensorboard_dir or logger.wandb_project, or drop it.",
-            )
-    else:
-        installed = _available("tensorboard_dir", lg.tensorboard_dir, require_libraries)
-        rec(
+    _record_tensorboard(lg, log, require_libraries, every)
+    _record_wandb(lg, checkpoint_save, log, require_libraries, every)
+
+
+def _record_tensorboard(lg: LoggerConfig, log: DecisionLog, require: bool, every: str) -> None:
+    """TensorBoard's row; its knobs are no-ops without a folder."""
+    if lg.tensorboard_dir is not None:
+        installed = _available("tensorboard_dir", lg.tensorboard_dir, require)
+        log.record_in(
+            "logger",
             "logger.tensorboard_dir",
             lg.tensorboard_dir,
             lg.tensorboard_dir,
             USER,
             f"rank 0 writes the --metrics scalars as TensorBoard scalars, {every}{installed}",
         )
+        return
+    log.record_in(
+        "logger",
+        "logger.tensorboard_dir",
+        None,
+        None,
+        DEFAULT,
+        "not set: no TensorBoard event files",
+    )
+    if lg.tensorboard_queue_size != 1000:
+        log.noop(
+            "logger.tensorboard_queue_size",
+            lg.tensorboard_queue_size,
+            "no TensorBoard writer without logger.tensorboard_dir",
+            "set logger.tensorboard_dir=DIR, or drop it.",
+        )
+    if lg.tensorboard_log_interval != 1 and lg.wandb_project is None:
+        log.noop(
+            "logger.tensorboard_log_interval",
+            lg.tensorboard_log_interval,
+            "neither TensorBoard nor W&B is on",
+            "set logger.tensorboard_dir or logger.wandb_project, or drop it.",
+        )
+
+
+def _record_wandb(
+    lg: LoggerConfig, checkpoint_save: str | None, log: DecisionLog, require: bool, every: str
+) -> None:
+    """The W&B rows: its folder (Bridge's rule) and the run; its knobs are no-ops without a
+    project."""
     if lg.wandb_project is None:
         for name in ("wandb_exp_name", "wandb_save_dir", "wandb_entity"):
             if getattr(lg, name) is not None:
@@ -180,42 +202,51 @@ def resolve_logger(
                     "no W&B run without logger.wandb_project",
                     "set logger.wandb_project=NAME, or drop it.",
                 )
-        rec("logger.wandb_project", None, None, DEFAULT, "not set: no Weights & Biases run")
-    else:
-        if not lg.wandb_exp_name:
-            raise ConfigError(
-                "logger.wandb_exp_name",
-                lg.wandb_exp_name,
-                "a W&B run needs a name (as in Bridge).",
-                "set logger.wandb_exp_name=NAME.",
-            )
-        installed = _available("wandb_project", lg.wandb_project, require_libraries)
-        mode, why = wandb_mode()
-        if mode == "disabled":
-            log.noop(
-                "logger.wandb_project",
-                lg.wandb_project,
-                "WANDB_MODE=disabled: W&B writes nothing",
-                "unset WANDB_MODE (or set it to offline or online), or drop logger.wandb_project.",
-            )
-        folder, folder_why = wandb_save_dir(lg, checkpoint_save)
-        rec(
-            "logger.wandb_save_dir",
-            lg.wandb_save_dir,
-            folder,
-            USER if lg.wandb_save_dir else RULE,
-            folder_why,
+        log.record_in(
+            "logger",
+            "logger.wandb_project",
+            None,
+            None,
+            DEFAULT,
+            "not set: no Weights & Biases run",
         )
-        lg.wandb_save_dir = folder
-        entity = f", entity {lg.wandb_entity}" if lg.wandb_entity else ""
-        rec(
+        return
+    if not lg.wandb_exp_name:
+        raise ConfigError(
+            "logger.wandb_exp_name",
+            lg.wandb_exp_name,
+            "a W&B run needs a name (as in Bridge).",
+            "set logger.wandb_exp_name=NAME.",
+        )
+    installed = _available("wandb_project", lg.wandb_project, require)
+    mode, why = wandb_mode()
+    if mode == "disabled":
+        log.noop(
             "logger.wandb_project",
             lg.wandb_project,
-            lg.wandb_project,
-            USER,
-            f"rank 0 logs the --metrics scalars to run {lg.wandb_exp_name!r}{entity}, {every}; "
-            f"mode {mode}: {why} (rank 0's environment decides){installed}",
+            "WANDB_MODE=disabled: W&B writes nothing",
+            "unset WANDB_MODE (or set it to offline or online), or drop logger.wandb_project.",
         )
+    folder, folder_why = wandb_save_dir(lg, checkpoint_save)
+    log.record_in(
+        "logger",
+        "logger.wandb_save_dir",
+        lg.wandb_save_dir,
+        folder,
+        USER if lg.wandb_save_dir else RULE,
+        folder_why,
+    )
+    lg.wandb_save_dir = folder
+    entity = f", entity {lg.wandb_entity}" if lg.wandb_entity else ""
+    log.record_in(
+        "logger",
+        "logger.wandb_project",
+        lg.wandb_project,
+        lg.wandb_project,
+        USER,
+        f"rank 0 logs the --metrics scalars to run {lg.wandb_exp_name!r}{entity}, {every}; "
+        f"mode {mode}: {why} (rank 0's environment decides){installed}",
+    )
 
 
 def _available(field: str, value: str, require: bool) -> str:

@@ -56,8 +56,7 @@ def moe_layer_freq_for(moe: list[bool]) -> int | list[int]:
 
 @dataclass
 class ModelConfig:
-    # --- transformer dimensions
-    # -----------------------------------------------------------------------------------
+    # --- transformer dimensions -------------------------------------------------------------------
     num_layers: int = 2  # transformer layers
     hidden_size: int = 256  # width of the residual stream
     num_attention_heads: int = 4  # query heads per layer
@@ -65,9 +64,8 @@ class ModelConfig:
     kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
     ffn_hidden_size: int | None = None  # dense MLP width; None: 4 * hidden_size
     vocab_size: int = 32000  # embedding rows (a tokenizer or pretrained checkpoint replaces it)
-    make_vocab_size_divisible_by: int = (
-        128  # a real tokenizer's vocabulary is padded to a multiple of this x TP
-    )
+    # a real tokenizer's vocabulary is padded to a multiple of this x TP
+    make_vocab_size_divisible_by: int = 128
     seq_length: int = 256  # tokens per sequence
     layernorm_epsilon: float = 1e-6  # epsilon of every RMSNorm
     rotary_base: float = 10000.0  # RoPE base frequency
@@ -89,8 +87,7 @@ class ModelConfig:
     apply_rope_fusion: bool | None = None  # compile RoPE; None: on for CUDA, off on the CPU
     # compile SwiGLU and the MoE row weighting; None: on for CUDA, off on the CPU
     bias_activation_fusion: bool | None = None
-    # --- parallel layout
-    # ------------------------------------------------------------------------------------------
+    # --- parallel layout --------------------------------------------------------------------------
     tensor_model_parallel_size: int = 1  # TP: ranks each layer's linears are split over (-tp)
     pipeline_model_parallel_size: int = 1  # PP: pipeline stages (-pp)
     # VPP: model chunks per pipeline rank (-vp); None: one
@@ -101,11 +98,9 @@ class ModelConfig:
     expert_tensor_parallel_size: int = 1
     # activations outside the TP linears sharded over TP along the sequence
     sequence_parallel: bool = False
-    tensor_parallel_impl: str = (
-        "overlap"  # "overlap" (ours) | "dtensor" (the PyTorch-native peer: DTensor plans)
-    )
-    # --- pipeline (Megatron-Core / Bridge names)
-    # ------------------------------------------------------------------
+    # "overlap" (ours) | "dtensor" (the PyTorch-native peer: DTensor plans)
+    tensor_parallel_impl: str = "overlap"
+    # --- pipeline (Megatron-Core / Bridge names) --------------------------------------------------
     num_layers_in_first_pipeline_stage: int | None = None  # layers on the first stage; None: even
     # layers on the last stage; None: an even split
     num_layers_in_last_pipeline_stage: int | None = None
@@ -118,12 +113,10 @@ class ModelConfig:
     pipeline_model_parallel_layout: str | list[list[str]] | None = None
     # micro-batches per group in the interleaved schedule; None: PP (depth-first)
     microbatch_group_size_per_vp_stage: int | None = None
-    deallocate_pipeline_outputs: bool = (
-        False  # free a sent activation's storage once the send completed
-    )
+    # free a sent activation's storage once the send completed
+    deallocate_pipeline_outputs: bool = False
     pipeline_impl: str = "overlap"  # "overlap" (ours) | "torch_pipelining" (the PyTorch peer)
-    # --- mixture of experts
-    # ---------------------------------------------------------------------------------------
+    # --- mixture of experts -----------------------------------------------------------------------
     num_moe_experts: int | None = None  # routed experts per MoE layer; None: a dense model
     moe_router_topk: int = 2  # experts each token is routed to
     # False (Megatron's default, Qwen3-30B-A3B's norm_topk_prob=true): the combine weights are a
@@ -136,12 +129,10 @@ class ModelConfig:
     # 1 MoE / 0 dense (e.g. [0, 1, 0, 1]: what a Qwen3-MoE config.json with decoder_sparse_step=2 or
     # mlp_only_layers describes).
     moe_layer_freq: int | list[int] = 1
-    moe_token_dispatcher_type: str = (
-        "alltoall"  # "alltoall" | "flex" ("allgather" is the reference's, not built)
-    )
-    moe_flex_dispatcher_backend: str | None = (
-        None  # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
-    )
+    # "alltoall" | "flex" ("allgather" is the reference's, not built)
+    moe_token_dispatcher_type: str = "alltoall"
+    # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
+    moe_flex_dispatcher_backend: str | None = None
     # the shared expert computes under the dispatch/combine all-to-all; None: off (logged)
     moe_shared_expert_overlap: bool | None = None
     # True: vectorised permutation; False: straightforward per-expert loop; None: the loop on CPU,
@@ -153,44 +144,35 @@ class ModelConfig:
     # balanced loads whatever the router learnt; its gradient passes straight through to the real
     # logits.
     moe_router_force_load_balancing: bool = False
-    moe_expert_capacity_factor: float | None = (
-        None  # None: dropless; else each expert keeps <= ceil(T*k/E*factor)
-    )
-    moe_pad_expert_input_to_capacity: bool = (
-        False  # pad every expert to its capacity: static shapes, no counts
-    )
-    moe_token_drop_policy: str = (
-        "probs"  # past capacity, keep the highest weights ("probs") or earliest tokens
-    )
-    # --- recompute (activation checkpointing)
-    # ---------------------------------------------------------------------
+    # None: dropless; else each expert keeps <= ceil(T*k/E*factor)
+    moe_expert_capacity_factor: float | None = None
+    # pad every expert to its capacity: static shapes, no counts
+    moe_pad_expert_input_to_capacity: bool = False
+    # past capacity, keep the highest weights ("probs") or earliest tokens
+    moe_token_drop_policy: str = "probs"
+    # --- recompute (activation checkpointing) -----------------------------------------------------
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
     # with full recompute: layers per chunk (uniform) or recomputed (block)
     recompute_num_layers: int | None = None
     # with selective: a subset of RECOMPUTE_MODULES (None: ["core_attn"])
     recompute_modules: list[str] | None = None
-    # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs)
-    # -------------------------------
+    # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs) ---------------
     cuda_graph_impl: str = "none"  # "none" | "local" | "transformer_engine"
     # modules a scoped CUDA graph would cover (compatibility surface)
     cuda_graph_scope: list[str] | None = None
-    # --- multi-token prediction (compatibility surface)
-    # ----------------------------------------------------------- multi-token prediction layers
-    # (refused by the runtime; None or 0: none)
+    # --- multi-token prediction (compatibility surface) --------------------------------------
+    # multi-token prediction layers (refused by the runtime; None or 0: none)
     mtp_num_layers: int | None = None
-    # --- precision (written by the mixed-precision stage)
-    # ---------------------------------------------------------
+    # --- precision (written by the mixed-precision stage) -----------------------------------------
     bf16: bool = False  # bfloat16 compute (written by mixed precision)
     fp16: bool = False  # float16 compute (written by mixed precision)
     params_dtype: str = "float32"  # dtype of the parameters (written by mixed precision)
-    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user)
-    # ------------------------- TP overlap requested here (comm_overlap.tp_comm_overlap beats it);
-    # None: off
+    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user) -----
+    # TP overlap requested here (comm_overlap.tp_comm_overlap beats it); None: off
     tp_comm_overlap: bool | None = None
-    tp_comm_overlap_cfg: Any = (
-        None  # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
-    )
+    # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
+    tp_comm_overlap_cfg: Any = None
     # TP overlap's bootstrap backend, kept for Bridge (resolution writes it)
     tp_comm_bootstrap_backend: str | None = None
     # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults);
@@ -198,12 +180,10 @@ class ModelConfig:
     tp_comm_overlap_ag: bool = True  # AG -> GEMM slots: qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad
     tp_comm_overlap_rs: bool = True  # GEMM -> RS slots: proj_fprop, fc2_fprop
     tp_comm_bulk_dgrad: bool = True  # qkv_dgrad, fc1_dgrad: input all-gather under the dgrad GEMM
-    tp_comm_bulk_wgrad: bool = (
-        True  # qkv_wgrad, fc1_wgrad: dgrad reduce-scatter under the wgrad GEMM
-    )
-    tp_comm_overlap_rs_dgrad: bool = (
-        False  # qkv/fc1 dgrad reduce-scatter chunked with the dgrad GEMM instead
-    )
+    # qkv_wgrad, fc1_wgrad: dgrad reduce-scatter under the wgrad GEMM
+    tp_comm_bulk_wgrad: bool = True
+    # qkv/fc1 dgrad reduce-scatter chunked with the dgrad GEMM instead
+    tp_comm_overlap_rs_dgrad: bool = False
     tp_comm_overlap_disable_qkv: bool = False  # no overlap in the QKV linear
     tp_comm_overlap_disable_fc1: bool = False  # no overlap in the FC1 linear
     # pipeline p2p overlapped with compute (comm_overlap's beats it); None: PP rule
@@ -219,8 +199,7 @@ class ModelConfig:
     # deferred output wgrads that may wait (-1: automatic); None: -1
     wgrad_deferral_limit: int | None = None
 
-    # --- derived values
-    # -----------------------------------------------------------------------------------------
+    # --- derived values ---------------------------------------------------------------------------
     @property
     def is_moe(self) -> bool:
         return bool(self.num_moe_experts)

@@ -24,9 +24,8 @@ class DDPConfig:
     # all pipeline stages launch their parameter gathers together; None: rule
     align_param_gather: bool | None = None
     bucket_size: int | None = None  # counted in PARAMETERS, not bytes (as in Megatron-Core)
-    grad_reduce_in_fp32: bool | None = (
-        None  # owned by mixed precision; a different value here is logged
-    )
+    # owned by mixed precision; a different value here is logged
+    grad_reduce_in_fp32: bool | None = None
     fp8_param_gather: bool | None = None  # owned by mixed precision
     # average inside the collective (refused: gradients are summed)
     average_in_collective: bool = False
@@ -49,9 +48,8 @@ class OptimizerConfig:
     adam_beta2: float = 0.95  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
-    use_distributed_optimizer: bool = (
-        False  # kept in sync with ddp.use_distributed_optimizer (logged)
-    )
+    # kept in sync with ddp.use_distributed_optimizer (logged)
+    use_distributed_optimizer: bool = False
     # first param gather inside the optimizer step; None: off
     overlap_param_gather_with_optimizer_step: bool | None = None
     bf16: bool = False  # bfloat16 training (written by mixed precision)
@@ -178,17 +176,14 @@ class TrainConfig:
     micro_batch_size: int = 1  # sequences per forward/backward on one rank (-mb)
     train_iters: int = 10  # optimizer steps to run (-ms)
     seed: int = 1234  # seed of the weight initialisation and of the mock data
-    eval_time_start_step: int | None = (
-        None  # steady-state window start (iteration index, 0-based); None: auto
-    )
+    # steady-state window start (iteration index, 0-based); None: auto
+    eval_time_start_step: int | None = None
     # steady-state window end (exclusive); None: the last step
     eval_time_end_step: int | None = None
-    skip_first_percent_time: float = (
-        0.1  # window start when eval_time_start_step is None (0.1 as the library)
-    )
-    comm_timeout_s: float = (
-        300.0  # a dead or hung rank fails the run after this long instead of 30 minutes
-    )
+    # window start when eval_time_start_step is None (0.1 as the library)
+    skip_first_percent_time: float = 0.1
+    # a dead or hung rank fails the run after this long instead of 30 minutes
+    comm_timeout_s: float = 300.0
     # Leaving early with a checkpoint (Megatron's names): after this many minutes of training, or on
     # SIGTERM (what Slurm sends before a preemption or the time limit) with the handler on, every
     # rank stops at the next step boundary, the run saves (if checkpoint.save is set) and exits 0
@@ -266,9 +261,8 @@ class TrainConfig:
 
 @dataclass
 class TokenizerConfig:
-    tokenizer_type: str = (
-        "NullTokenizer"  # NullTokenizer: token ids as they are (mock data); HuggingFaceTokenizer
-    )
+    # NullTokenizer: token ids as they are (mock data); HuggingFaceTokenizer
+    tokenizer_type: str = "NullTokenizer"
     tokenizer_model: str | None = None  # HuggingFaceTokenizer: a tokenizer.json or its folder
     vocab_size: int | None = None  # NullTokenizer vocabulary; None: keep model.vocab_size
 
@@ -278,8 +272,7 @@ class DatasetConfig:
     """Pretraining data (Bridge's GPTDatasetConfig names). `blend` None: mock data (random tokens),
     said in the decision table - the reference falls back to mock data silently."""
 
-    blend: list[Any] | str | None = (
-        None  # [[prefix, ...], [weight, ...] | null], or [prefix, ...] / [w1, p1, w2, p2]
-    )
+    # [[prefix, ...], [weight, ...] | null], or [prefix, ...] / [w1, p1, w2, p2]
+    blend: list[Any] | str | None = None
     split: str = "9999,8,2"  # train, validation, test document shares (training reads the first)
     random_seed: int = 1234  # document and sample shuffling (numpy RandomState, as the reference)

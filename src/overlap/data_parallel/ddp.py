@@ -153,8 +153,7 @@ class DistributedDataParallel:
                     lo, hi = s.buffer.local_shard(bucket)
                     s.buffer.grad_data[lo:hi].copy_(out)
 
-    # --- hooks and launches
-    # ------------------------------------------------------------------------------------
+    # --- hooks and launches -----------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if param.grad is None:
             # Autograd still runs the hook when a delayed weight-gradient GEMM took this parameter's

@@ -105,8 +105,7 @@ class ParamGather:
         if self.order:
             self._wait_through(len(self.order) - 1)
 
-    # --- internals
-    # ---------------------------------------------------------------------------------------------
+    # --- internals --------------------------------------------------------------------------------
     def _before_forward(self, positions: list[int]) -> None:
         if self.done == len(self.order):
             return

@@ -102,8 +102,7 @@ def fused_name(prefix: str, kind: str) -> str:
     return f"{prefix}.down_proj" if kind == "expert_down" else f"{prefix}.gate_up_proj"
 
 
-# --- transforms (pure, full tensors; also valid on a cut by whole groups / rows / experts)
-# -----------------------
+# --- transforms (pure, full tensors; also valid on a cut by whole groups / rows / experts) --------
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """q [groups * heads_per_group * d, h], k and v [groups * d, h] -> our fused [groups * (hpg + 2)
     * d, h]."""

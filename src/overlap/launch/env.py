@@ -8,7 +8,7 @@ therefore computed by the launcher and written into the worker environment *befo
 start.
 
 The rules follow Bridge HEAD (``run_script.py::_apply_flat_cli_environment_compatibility``, the same
-logic as the perf ``PerfEnvPlugin``), see ``reference/bridge-compat.md`` section 9:
+logic as the perf ``PerfEnvPlugin`` in Bridge's ``scripts/performance``):
 
 - ``CUDA_DEVICE_MAX_CONNECTIONS`` starts at 8; 32 with flex dispatch on the deepep/hybridep
   backends; then 32 on SM100-class GPUs (b200, b300, gb200, gb300, vr200); otherwise 1 when TP>1 or

@@ -51,9 +51,8 @@ from pathlib import Path
 
 from overlap.errors import RankFailure
 
-GRACE_S = (
-    10.0  # after a failure, how long the other ranks get to notice and exit before they are killed
-)
+# after a failure, how long the other ranks get to notice and exit before they are killed
+GRACE_S = 10.0
 STOPPED_GRACE_S = 1.0  # once only stopped/hung ranks are left, how long before they are killed
 SIGNAL_TIE_S = 1.0
 DISK_FULL = re.compile(r"no space left on device", re.I)
@@ -61,12 +60,10 @@ HOLD_S = 3.0  # a traceback the rank survives this long was only logged: forward
 STOP_S = 3.0  # after Ctrl-C / SIGTERM, how long the ranks get to exit before SIGKILL
 POLL_S = 0.05
 LOG_NAME = "overlap-rank{rank}.log"
-STDERR_TTY_ENV = (
-    "OVERLAP_STDERR_TTY"  # the launcher's stderr, where rank output is forwarded, is a terminal
-)
-LAUNCHER_PID_ENV = (
-    "OVERLAP_LAUNCHER_PID"  # a rank whose parent is no longer this pid exits (cli._join_launcher)
-)
+# the launcher's stderr, where rank output is forwarded, is a terminal
+STDERR_TTY_ENV = "OVERLAP_STDERR_TTY"
+# a rank whose parent is no longer this pid exits (cli._join_launcher)
+LAUNCHER_PID_ENV = "OVERLAP_LAUNCHER_PID"
 
 # Errors a rank raises because a peer is gone or silent, not because of its own fault.
 COLLATERAL = re.compile(
@@ -132,8 +129,7 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-# --- ranks die with their launcher
-# ------------------------------------------------------------------------------------
+# --- ranks die with their launcher ----------------------------------------------------------------
 _PR_SET_PDEATHSIG = 1
 try:
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
@@ -153,8 +149,7 @@ def _die_with_parent(parent: int):
     return preexec if _PRCTL is not None else None
 
 
-# --- one rank
-# --------------------------------------------------------------------------------------------------
+# --- one rank -------------------------------------------------------------------------------------
 @dataclass
 class _Rank:
     rank: int
@@ -257,8 +252,7 @@ class _Rank:
         return ""
 
 
-# --- the launcher
-# --------------------------------------------------------------------------------------------------
+# --- the launcher ---------------------------------------------------------------------------------
 def launch_local(
     command: Sequence[str],
     world: int,
@@ -286,9 +280,8 @@ def launch_local(
     previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     env = {**env, LAUNCHER_PID_ENV: str(os.getpid())}
     if sys.stderr.isatty():
-        env[STDERR_TTY_ENV] = (
-            "1"  # rank 0 may draw its progress bar: its output reaches this terminal
-        )
+        # rank 0 may draw its progress bar: its output reaches this terminal
+        env[STDERR_TTY_ENV] = "1"
     try:
         preexec = _die_with_parent(os.getpid())
         for r in range(world):

@@ -63,9 +63,8 @@ class Network:
     bandwidth_Bps: float | None = None  # kind "model"
     rate: str | None = None  # kind "tbf", in tc syntax
     rate_Bps: float | None = None  # kind "tbf", for the record
-    families: tuple[str, ...] | None = (
-        None  # kind "model": only these kinds' families use the link (None: all)
-    )
+    # kind "model": only these kinds' families use the link (None: all)
+    families: tuple[str, ...] | None = None
 
     def describe(self) -> str:
         """One line that every result carries, so no number is read without knowing which link made

@@ -77,9 +77,8 @@ class WeightGradStore:
         self.queue: deque[Callable[[], None]] = deque()
         self.active = False
         self.span = span  # the timeline name of each queued GEMM when it runs
-        self._carried = (
-            0  # how many of the oldest queued items a previous phase left (see end_phase)
-        )
+        # how many of the oldest queued items a previous phase left (see end_phase)
+        self._carried = 0
 
     @contextmanager
     def delaying(self, on: bool) -> Iterator[None]:

@@ -66,9 +66,8 @@ class Slot:
     grad: torch.Tensor
     out: torch.Tensor
     decay: bool
-    span: tuple[int, int] | None = (
-        None  # the slot's elements of the flattened parameter (None: all of it)
-    )
+    # the slot's elements of the flattened parameter (None: all of it)
+    span: tuple[int, int] | None = None
 
     @property
     def elements(self) -> tuple[int, int]:

@@ -129,8 +129,7 @@ class ProgramRecorder:
                 self.entries.append(StepEnd())
 
 
-# --- the replay
-# --------------------------------------------------------------------------------------------------
+# --- the replay -----------------------------------------------------------------------------------
 OpKey = tuple[int, int, int]  # (rank, unit, index of the op in the unit)
 
 

@@ -104,9 +104,8 @@ class HostRead:
     code: str  # the line's text
     count: int = 0
     answer: str = ""  # what the dry run gave back
-    via: str | None = (
-        None  # the torch function that read, when our line calls into torch (an optimizer step)
-    )
+    # the torch function that read, when our line calls into torch (an optimizer step)
+    via: str | None = None
     intended: str | None = None  # why the step needs it, or None: unintended
 
     def describe(self) -> str:
@@ -165,9 +164,8 @@ class DryRunReport:
     peak_by_site: list[tuple[str, int]]
     end_bytes: int | None  # None: the step did not get there
     estimate: MemoryEstimate  # overlap explain's (one micro-batch's activations)
-    scheduled_estimate: (
-        MemoryEstimate  # overlap plan's: with the micro-batches the schedule keeps alive
-    )
+    # overlap plan's: with the micro-batches the schedule keeps alive
+    scheduled_estimate: MemoryEstimate
     host_reads: list[HostRead]
     split_size_reads: int
     finding: Finding | None
@@ -316,8 +314,7 @@ def program_traffic(entries: list) -> dict[str, KindTraffic]:
     return out
 
 
-# --- which micro-batches
-# ------------------------------------------------------------------------------------------
+# --- which micro-batches --------------------------------------------------------------------------
 def _vpp(cfg: ConfigContainer) -> int:
     return cfg.model.virtual_pipeline_model_parallel_size or 1
 
@@ -383,8 +380,7 @@ def microbatches_per_step(layout: ParallelLayout, cfg: ConfigContainer) -> int:
     return t.global_batch_size // (t.micro_batch_size * layout.dp)
 
 
-# --- refusals
-# --------------------------------------------------------------------------------------------------
+# --- refusals -------------------------------------------------------------------------------------
 def check_dry_run(job: Job, args: argparse.Namespace, env=os.environ) -> DryRunOptions:
     """What a dry run cannot be combined with, each a ConfigError before anything is built; the
     options."""
@@ -464,8 +460,7 @@ def check_dry_run(job: Job, args: argparse.Namespace, env=os.environ) -> DryRunO
     return DryRunOptions(rank, k, args.dry_run_json)
 
 
-# --- the watch over the step's ops
-# --------------------------------------------------------------------------------
+# --- the watch over the step's ops ----------------------------------------------------------------
 def _fake_errors() -> tuple[type, type, tuple[type, ...]]:
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
@@ -616,8 +611,7 @@ class _StepWatch(TorchDispatchMode):
             self.finding = Finding(kind, str(func), site, function, message)
 
 
-# --- the run
-# --------------------------------------------------------------------------------------------------
+# --- the run --------------------------------------------------------------------------------------
 def fake_device() -> torch.device:
     """ "cuda" fakes on a CUDA build of torch; "meta" on a CPU build (module docstring)."""
     return torch.device("cuda", 0) if torch.backends.cuda.is_built() else torch.device("meta")

@@ -247,9 +247,8 @@ class _FunctionWatch(TorchFunctionMode):
         if reason is None:
             return func(*args, **kwargs)
         self.recorder.record(sys._getframe(1), getattr(func, "__name__", str(func)), reason)
-        self.recorder.inside += (
-            1  # the aten ops it runs (a copy to the host on a GPU) are this one read
-        )
+        # the aten ops it runs (a copy to the host on a GPU) are this one read
+        self.recorder.inside += 1
         try:
             return func(*args, **kwargs)
         finally:

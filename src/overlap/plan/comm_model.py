@@ -166,9 +166,8 @@ class CommPlan:
     kinds: dict[str, Collective] = field(default_factory=dict)
     # per MoE layer and micro-batch, per EP kind
     ep_a2a_s: dict[str, float] = field(default_factory=dict)
-    ep_counts_s: float = (
-        0.0  # per MoE layer and micro-batch: the split-size exchange before the dispatch
-    )
+    # per MoE layer and micro-batch: the split-size exchange before the dispatch
+    ep_counts_s: float = 0.0
     # DeepEP / HybridEP: the share of the GPU's SMs their kernels hold (0: NCCL's all-to-all)
     ep_sm_share: float = 0.0
     # TP with SP: one collective's bytes per GPU, its link, and the slot plan the runtime runs

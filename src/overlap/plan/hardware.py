@@ -3,7 +3,7 @@ nodes), and the planner's documented behaviour parameters (compute efficiency an
 overhead, compute slowdown while overlapping).
 
 Every figure carries its source. The peaks and bandwidths are published or measured by others
-(`../shared/reference/planner.md` sections 2.1-2.3 quote them); the compute efficiency and the
+(each table entry below names its datasheet or measurement); the compute efficiency and the
 per-kernel overhead are ours, fitted on published runs (`overlap.plan.validate`) and named in every
 plan's output. A `--cluster FILE` (JSON, `load_cluster`) replaces any of them; for
 `-g cpu` it is required: our own CPU ranks have no published figures, only a measured machine

@@ -57,9 +57,8 @@ class StepTimes:
 
     # every micro-batch's forward + backward at the calibrated rate, no slowdown (average stage)
     compute_s: float = 0.0
-    first_rank_compute_s: float = (
-        0.0  # the same on pipeline rank 0 (what a run with faked communication measures)
-    )
+    # the same on pipeline rank 0 (what a run with faked communication measures)
+    first_rank_compute_s: float = 0.0
     slowest_rank_compute_s: float = 0.0  # the same on the busiest pipeline rank
     bubble_s: float = 0.0
     # communication no compute hides, by kind

@@ -140,9 +140,8 @@ class Checkpointer:
         self.group = groups.cpu_group()
         self.pending: _PendingSave | None = None
         self.last_saved: int | None = None  # the newest complete checkpoint
-        self.last_requested: int | None = (
-            None  # the newest save started (an asynchronous one may be in flight)
-        )
+        # the newest save started (an asynchronous one may be in flight)
+        self.last_requested: int | None = None
         # What saving and loading cost (the run summary and `bench/checkpoint.py` report it): per
         # save the time the training thread was blocked and the time until the checkpoint was
         # complete, and its size on disk.
@@ -154,8 +153,7 @@ class Checkpointer:
         self.protect: tuple[int, ...] = ()
         self.lock = SaveFolderLock(self.ck.save) if self.ck.save and ps.rank == 0 else None
 
-    # --- what is saved
-    # -------------------------------------------------------------------------------------------
+    # --- what is saved ----------------------------------------------------------------------------
     def _state_bytes(self) -> int:
         """What this rank writes per checkpoint (weights and optimizer state), in bytes."""
 
@@ -187,8 +185,7 @@ class Checkpointer:
             "vp": self.cfg.model.virtual_pipeline_model_parallel_size or 1,
         }
 
-    # --- saving
-    # ----------------------------------------------------------------------------------------------
+    # --- saving -----------------------------------------------------------------------------------
     def due(self, iteration: int) -> bool:
         """Save after `iteration` completed iterations (the interval; the end of training is the
         trainer's call)."""
@@ -329,8 +326,7 @@ class Checkpointer:
             "check that the folder is writable and has space, then resume.",
         )
 
-    # --- loading
-    # ----------------------------------------------------------------------------------------------
+    # --- loading ----------------------------------------------------------------------------------
     def _source(self) -> tuple[Path, bool] | None:
         """(iteration folder, weights only) to start from, or None (fresh start).
 
@@ -536,8 +532,7 @@ class Checkpointer:
             )
         return iteration
 
-    # --- the save folder
-    # -----------------------------------------------------------------------------------------
+    # --- the save folder --------------------------------------------------------------------------
     def _claim_save_folder(self, start: int) -> None:
         """Collective. Rank 0 takes the save folder's lock, checks that saving there from iteration
         `start` loses nothing (`_check_save_folder`) and removes the temporary folders of saves that
@@ -628,8 +623,7 @@ class Checkpointer:
             "to save beside them.",
         )
 
-    # --- the learning-rate schedule
-    # ------------------------------------------------------------------------------
+    # --- the learning-rate schedule ---------------------------------------------------------------
     def _schedule(self) -> dict[str, Any]:
         """What the learning rate of every iteration is computed from (optim.adam.learning_rate)."""
         o, sc = self.cfg.optimizer, self.cfg.scheduler

@@ -147,8 +147,7 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
-# --- folders, tracker, validation
-# -----------------------------------------------------------------------------------
+# --- folders, tracker, validation -----------------------------------------------------------------
 def write_atomic(path: Path, text: str) -> None:
     """Write a small file so that a reader sees the old content or the new one, never a torn one."""
     tmp = path.with_name(path.name + ".tmp")

@@ -21,9 +21,8 @@ from overlap.config.container import ConfigContainer, Resolution
 from overlap.data_parallel.ddp import buffer_members
 from overlap.data_parallel.grad_buffer import bucket_sizes
 
-_TARGET_BUCKETS = (
-    4  # what a suggested bucket size aims for: enough pieces to pipeline, few enough to stay large
-)
+# what a suggested bucket size aims for: enough pieces to pipeline, few enough to stay large
+_TARGET_BUCKETS = 4
 
 
 def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch.nn.Parameter]]:

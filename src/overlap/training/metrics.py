@@ -36,9 +36,8 @@ class TrainingFlops:
     # MoE layers: routed top-k experts + the shared expert (the router GEMM is not counted)
     moe: float
     logits: float  # output layer (6 h V); the embedding lookup is free
-    shared_expert: float = (
-        0.0  # of `moe`: the shared expert's part (the work its overlap hides transfers behind)
-    )
+    # of `moe`: the shared expert's part (the work its overlap hides transfers behind)
+    shared_expert: float = 0.0
 
     @property
     def attention(self) -> float:

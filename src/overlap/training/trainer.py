@@ -65,9 +65,8 @@ class RunSummary:
     first_iteration: int = 0  # > 0: resumed from a checkpoint of that iteration
     stopped: str | None = None  # why the run stopped before train_iters (SIGTERM, time limit)
     checkpoint: dict | None = None  # save / load times and sizes (Checkpointer.report)
-    pipeline_output_peak_bytes: int = (
-        0  # stage outputs alive at once, max over steps (PipelineMemory; PP only)
-    )
+    # stage outputs alive at once, max over steps (PipelineMemory; PP only)
+    pipeline_output_peak_bytes: int = 0
 
 
 def comm_totals(events) -> tuple[dict[str, float], dict[str, int]]:

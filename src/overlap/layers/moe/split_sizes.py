@@ -42,9 +42,8 @@ class BalancedRouting:
     topk: int
     num_experts: int
     ep_size: int
-    capacity: int | None = (
-        None  # at most this many rows per expert from one rank (an unpadded capacity)
-    )
+    # at most this many rows per expert from one rank (an unpadded capacity)
+    capacity: int | None = None
 
     def pairs(self, source: int, expert: int) -> int:
         """Routed (token, expert) pairs EP rank `source` sends to `expert`."""
