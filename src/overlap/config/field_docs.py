@@ -1,7 +1,8 @@
 """One line per configuration field, read from the comment that documents it in its dataclass.
 
-A field's description is its inline comment (`name: int = 1  # what it is`), else the comment lines
-right above it (a `# --- section ---` rule is a heading, not a description). Keeping the text in the
+A field's description is its inline comment (`name: int = 1  # what it is`; when the formatter
+wraps a long assignment over several lines, the comment inside it), else the comment lines right
+above it (a `# --- section ---` rule is a heading, not a description). Keeping the text in the
 source beside the field, as Megatron-Core's config dataclasses do, means one place to edit;
 `overlap explain --list-keys` prints it next to the key. An inherited field's comment is in the
 class that declares it (ModelConfig's architecture fields are `TransformerArchitecture`'s), so the
@@ -47,18 +48,19 @@ def _declared_docs(cls: type) -> dict[str, str]:
             tokenize.ENDMARKER,
         ):
             code_lines.add(tok.start[0])
-    lines = {
-        node.target.id: node.lineno
+    spans = {
+        node.target.id: range(node.lineno, node.end_lineno + 1)
         for node in ast.parse(source).body[0].body
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
     }
     out = {}
-    for name, line in lines.items():
-        if line in comments:
-            out[name] = comments[line]
+    for name, span in spans.items():
+        inline = [comments[row] for row in span if row in comments]
+        if inline:
+            out[name] = " ".join(inline)
             continue
         above = []
-        row = line - 1
+        row = span.start - 1
         while row in comments and row not in code_lines and not comments[row].startswith("---"):
             above.insert(0, comments[row])
             row -= 1

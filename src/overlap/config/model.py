@@ -136,9 +136,8 @@ class ModelConfig(TransformerArchitecture):
     bf16: bool = False  # bfloat16 compute (written by mixed precision)
     fp16: bool = False  # float16 compute (written by mixed precision)
     params_dtype: str = "float32"  # dtype of the parameters (written by mixed precision)
-    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user)
-    # ------------------------- TP overlap requested here (comm_overlap.tp_comm_overlap beats it);
-    # None: off
+    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user) ---
+    # TP overlap requested here (comm_overlap.tp_comm_overlap beats it); None: off
     tp_comm_overlap: bool | None = None
     tp_comm_overlap_cfg: Any = (
         None  # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
