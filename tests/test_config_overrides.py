@@ -312,6 +312,7 @@ def test_every_listed_key_has_a_description():
 
 
 def test_field_docs_read_the_inline_comment_or_the_block_above():
+    """Also the comment inside an assignment the formatter wrapped over several lines."""
     from dataclasses import dataclass
 
     from overlap.config.field_docs import field_docs
@@ -324,8 +325,15 @@ def test_field_docs_read_the_inline_comment_or_the_block_above():
         # said above,
         # over two lines
         above: int = 3
+        wrapped: int = (
+            4  # said inside the wrap, a comment long enough that the line would not fit in 100
+        )
 
-    assert field_docs(Example) == {"inline": "said inline", "above": "said above, over two lines"}
+    assert field_docs(Example) == {
+        "inline": "said inline",
+        "above": "said above, over two lines",
+        "wrapped": "said inside the wrap, a comment long enough that the line would not fit in 100",
+    }
 
 
 def test_the_refusal_table_is_what_the_overrides_and_checks_refuse():

@@ -325,7 +325,7 @@ def compare_folders(a: str | Path, b: str | Path) -> list[str]:
                 f"{name}: values differ (max abs "
                 f"{(x.double() - y.double()).abs().max().item():.3g})"
             )
-    ca, cb = (model_config_from_hf(read_hf_config(f)) for f in (a, b))
+    ca, cb = (model_config_from_hf(read_hf_config(f)).architecture for f in (a, b))
     if ca != cb:
         diffs.append(f"config.json describes another model: {ca} vs {cb}")
     return diffs

@@ -1,6 +1,7 @@
 """Configuration: Megatron-Bridge-compatible dataclasses, overlap resolution with logged decisions,
 recipes."""
 
+from overlap.config.architecture import TransformerArchitecture
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer, Resolution
 from overlap.config.decisions import Decision, DecisionLog
@@ -43,6 +44,7 @@ __all__ = [
     "SchedulerConfig",
     "TokenizerConfig",
     "TrainConfig",
+    "TransformerArchitecture",
     "TransformerLayerTPOverlapCfg",
     "apply_flex_dispatcher_backend",
     "get_mixed_precision_config",

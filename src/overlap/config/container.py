@@ -158,7 +158,7 @@ class ConfigContainer:
             log.record_command_line(decision)
         self._apply_tokenizer()
         self._apply_pretrained(log)
-        self._check_sizes()
+        self.model.check_sizes()
         self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
         self._apply_pipeline_layout(layout, log)
@@ -479,27 +479,6 @@ class ConfigContainer:
             log.record_in(
                 "pipeline", LAYOUT_FIELD, spec, resolved.as_string(), by, resolved.describe()
             )
-
-    def _check_sizes(self) -> None:
-        """Every model size positive, before any later stage computes with one (the data decisions
-        quote ln(vocab_size), the layout divides by head counts)."""
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "vocab_size",
-            "seq_length",
-            "kv_channels",
-            "ffn_hidden_size",
-            "num_query_groups",
-            "moe_ffn_hidden_size",
-            "moe_shared_expert_intermediate_size",
-        ):
-            value = getattr(self.model, name)
-            if value is not None and value < 1:
-                raise ConfigError(
-                    f"model.{name}", value, "it must be positive.", f"set model.{name} >= 1."
-                )
 
     def _validate(self, layout: ParallelLayout) -> None:
         """Each section's own rules, then those across sections (the first broken one is the

@@ -14,7 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from overlap.config.model import ModelConfig, moe_layer_freq_for
+from overlap.config.architecture import TransformerArchitecture, moe_layer_freq_for
+from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("overlap.hf")
@@ -79,9 +80,9 @@ MAPPED = {
     "shared_expert_intermediate_size",
 }
 
-# The ModelConfig fields that decide the weights' shapes and meaning: what `check_model_matches`
-# compares (by their effective values: kv_channels=None and kv_channels=hidden/heads are the same
-# model).
+# The architecture fields (`TransformerArchitecture`) that config.json decides: what
+# `check_model_matches` compares (by their effective values: kv_channels=None and
+# kv_channels=hidden/heads are the same model).
 ARCH_FIELDS = {
     "num_layers": "num_layers",
     "hidden_size": "hidden_size",
@@ -290,7 +291,7 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
     return cfg
 
 
-def check_model_matches(model: ModelConfig, hf: dict, folder: str | Path) -> None:
+def check_model_matches(model: TransformerArchitecture, hf: dict, folder: str | Path) -> None:
     """`overlap run ... checkpoint.pretrained_checkpoint=<HF folder>`: our configured model must be
     the one in config.json; the first field that differs is named with both values."""
     theirs = model_config_from_hf(hf, seq_length=model.seq_length)

@@ -1,4 +1,9 @@
-"""ModelConfig: the transformer / MoE model, its parallel layout, recompute, precision, and the
+"""ModelConfig: the model section, Megatron-Bridge's flat surface over two parts.
+
+The network itself is `TransformerArchitecture` (`architecture.py`), whose fields ModelConfig
+inherits, so `model.hidden_size=...` and `ModelConfig(hidden_size=...)` work as in Bridge. The
+fields declared here say how a run lays the network out and computes it: parallel layout,
+pipeline, kernels and fusions, MoE dispatch and routing, recompute, CUDA graphs, precision and the
 overlap fields that the resolution in `comm_overlap.py` writes.
 
 Field names and meanings follow Megatron-Core's TransformerConfig, which our users already speak.
@@ -7,7 +12,6 @@ of a comm_overlap switch (`comm_overlap.DIRECT_SECTION`), read by the resolution
 comm_overlap's value, then overwritten with the resolved value (which the model's layers read when
 they are built).
 The training loop, DDP and the optimizer read the frozen `cfg.resolved.overlap` (`OverlapPlan`).
-Derived sizes (head_dim, ffn_size, ...) are properties.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from overlap.config.architecture import TransformerArchitecture
 from overlap.config.refusals import unbuilt
 from overlap.errors import ConfigError, NotBuiltError, check_rules
 
@@ -44,50 +49,11 @@ CUDA_GRAPH_SCOPES = (
 )
 
 
-def moe_layer_freq_for(moe: list[bool]) -> int | list[int]:
-    """The moe_layer_freq that makes exactly the layers flagged in `moe` MoE: an int k where one
-    does, else the per-layer list."""
-    n = len(moe)
-    for k in range(1, n + 1):
-        if moe == [i % k == 0 for i in range(n)]:
-            return k
-    return [int(flag) for flag in moe]
-
-
 @dataclass
-class ModelConfig:
-    # --- transformer dimensions -------------------------------------------------------------------
-    num_layers: int = 2  # transformer layers
-    hidden_size: int = 256  # width of the residual stream
-    num_attention_heads: int = 4  # query heads per layer
-    num_query_groups: int | None = None  # KV heads (GQA); None: = num_attention_heads
-    kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
-    ffn_hidden_size: int | None = None  # dense MLP width; None: 4 * hidden_size
-    vocab_size: int = 32000  # embedding rows (a tokenizer or pretrained checkpoint replaces it)
-    # a real tokenizer's vocabulary is padded to a multiple of this x TP
-    make_vocab_size_divisible_by: int = 128
-    seq_length: int = 256  # tokens per sequence
-    layernorm_epsilon: float = 1e-6  # epsilon of every RMSNorm
-    rotary_base: float = 10000.0  # RoPE base frequency
-    qk_layernorm: bool = False  # RMSNorm on each head's queries and keys
-    gated_linear_unit: bool = True  # a gated MLP (SwiGLU) instead of GELU
-    add_bias_linear: bool = False  # biases in the linear layers (refused by the runtime)
-    add_qkv_bias: bool = False  # biases in the QKV projection only (refused by the runtime)
-    init_method_std: float = 0.02  # standard deviation of the normal weight initialisation
-    # the output layer reuses the input embedding's weight
-    share_embeddings_and_output_weights: bool = False
-    # The attention product's kernel (Megatron's AttnBackend names): auto | flash | fused | unfused
-    # | local; see overlap.config.attention for what each runs here and auto's rule.
-    attention_backend: str = "auto"
-    # Transformer Engine's fused wgrad accumulation (refused by the runtime)
-    gradient_accumulation_fusion: bool = False
-    # Elementwise chains compiled by torch.compile (overlap.config.fusion); None: on for CUDA, off
-    # on the CPU. The norm's switch is ours (Megatron fuses norms inside Transformer Engine).
-    rms_norm_fusion: bool | None = None  # compile RMSNorm; None: on for CUDA, off on the CPU
-    apply_rope_fusion: bool | None = None  # compile RoPE; None: on for CUDA, off on the CPU
-    # compile SwiGLU and the MoE row weighting; None: on for CUDA, off on the CPU
-    bias_activation_fusion: bool | None = None
-    # --- parallel layout --------------------------------------------------------------------------
+class ModelConfig(TransformerArchitecture):
+    """The model section: the network (inherited) and how a run lays it out and computes it."""
+
+    # --- parallel layout ---
     tensor_model_parallel_size: int = 1  # TP: ranks each layer's linears are split over (-tp)
     pipeline_model_parallel_size: int = 1  # PP: pipeline stages (-pp)
     # VPP: model chunks per pipeline rank (-vp); None: one
@@ -100,7 +66,7 @@ class ModelConfig:
     sequence_parallel: bool = False
     # "overlap" (ours) | "dtensor" (the PyTorch-native peer: DTensor plans)
     tensor_parallel_impl: str = "overlap"
-    # --- pipeline (Megatron-Core / Bridge names) --------------------------------------------------
+    # --- pipeline (Megatron-Core / Bridge names) ---
     num_layers_in_first_pipeline_stage: int | None = None  # layers on the first stage; None: even
     # layers on the last stage; None: an even split
     num_layers_in_last_pipeline_stage: int | None = None
@@ -116,25 +82,23 @@ class ModelConfig:
     # free a sent activation's storage once the send completed
     deallocate_pipeline_outputs: bool = False
     pipeline_impl: str = "overlap"  # "overlap" (ours) | "torch_pipelining" (the PyTorch peer)
-    # --- mixture of experts -----------------------------------------------------------------------
-    num_moe_experts: int | None = None  # routed experts per MoE layer; None: a dense model
-    moe_router_topk: int = 2  # experts each token is routed to
-    # False (Megatron's default, Qwen3-30B-A3B's norm_topk_prob=true): the combine weights are a
-    # softmax over the k chosen logits (they sum to 1). True (norm_topk_prob=false): the softmax
-    # over all experts, taken at the k chosen ones (they sum to less than 1).
-    moe_router_pre_softmax: bool = False
-    moe_ffn_hidden_size: int | None = None  # routed expert width; None: ffn_hidden_size
-    moe_shared_expert_intermediate_size: int | None = None  # shared expert width; None: none
-    # Megatron's two forms: an int k (layers 0, k, 2k, ... are MoE; 1: all) or one entry per layer,
-    # 1 MoE / 0 dense (e.g. [0, 1, 0, 1]: what a Qwen3-MoE config.json with decoder_sparse_step=2 or
-    # mlp_only_layers describes).
-    moe_layer_freq: int | list[int] = 1
+    # --- kernels and fusions ---
+    # The attention product's kernel (Megatron's AttnBackend names): auto | flash | fused | unfused
+    # | local; see overlap.config.attention for what each runs here and auto's rule.
+    attention_backend: str = "auto"
+    # Transformer Engine's fused wgrad accumulation (refused by the runtime)
+    gradient_accumulation_fusion: bool = False
+    # Elementwise chains compiled by torch.compile (overlap.config.fusion); None: on for CUDA, off
+    # on the CPU. The norm's switch is ours (Megatron fuses norms inside Transformer Engine).
+    rms_norm_fusion: bool | None = None  # compile RMSNorm; None: on for CUDA, off on the CPU
+    apply_rope_fusion: bool | None = None  # compile RoPE; None: on for CUDA, off on the CPU
+    # compile SwiGLU and the MoE row weighting; None: on for CUDA, off on the CPU
+    bias_activation_fusion: bool | None = None
+    # --- MoE dispatch and routing (training behaviour: how tokens reach the experts) ---
     # "alltoall" | "flex" ("allgather" is the reference's, not built)
     moe_token_dispatcher_type: str = "alltoall"
     # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
     moe_flex_dispatcher_backend: str | None = None
-    # the shared expert computes under the dispatch/combine all-to-all; None: off (logged)
-    moe_shared_expert_overlap: bool | None = None
     # True: vectorised permutation; False: straightforward per-expert loop; None: the loop on CPU,
     # fused on CUDA (config/moe_permute.py: the loop synchronises the host per expert on a GPU)
     moe_permute_fusion: bool | None = None
@@ -150,25 +114,22 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False
     # past capacity, keep the highest weights ("probs") or earliest tokens
     moe_token_drop_policy: str = "probs"
-    # --- recompute (activation checkpointing) -----------------------------------------------------
+    # --- recompute (activation checkpointing) ---
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
     # with full recompute: layers per chunk (uniform) or recomputed (block)
     recompute_num_layers: int | None = None
     # with selective: a subset of RECOMPUTE_MODULES (None: ["core_attn"])
     recompute_modules: list[str] | None = None
-    # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs) ---------------
+    # --- CUDA graphs (a compatibility surface: the runtime does not capture graphs) ---
     cuda_graph_impl: str = "none"  # "none" | "local" | "transformer_engine"
     # modules a scoped CUDA graph would cover (compatibility surface)
     cuda_graph_scope: list[str] | None = None
-    # --- multi-token prediction (compatibility surface) --------------------------------------
-    # multi-token prediction layers (refused by the runtime; None or 0: none)
-    mtp_num_layers: int | None = None
-    # --- precision (written by the mixed-precision stage) -----------------------------------------
+    # --- precision (written by the mixed-precision stage) ---
     bf16: bool = False  # bfloat16 compute (written by mixed precision)
     fp16: bool = False  # float16 compute (written by mixed precision)
     params_dtype: str = "float32"  # dtype of the parameters (written by mixed precision)
-    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user) -----
+    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user) ---
     # TP overlap requested here (comm_overlap.tp_comm_overlap beats it); None: off
     tp_comm_overlap: bool | None = None
     # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
@@ -198,50 +159,18 @@ class ModelConfig:
     defer_embedding_wgrad_compute: bool | None = None
     # deferred output wgrads that may wait (-1: automatic); None: -1
     wgrad_deferral_limit: int | None = None
-
-    # --- derived values ---------------------------------------------------------------------------
-    @property
-    def is_moe(self) -> bool:
-        return bool(self.num_moe_experts)
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def query_groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    @property
-    def moe_ffn_size(self) -> int:
-        return self.moe_ffn_hidden_size or self.ffn_size
-
-    def is_moe_layer(self, layer_number: int) -> bool:
-        """Layer numbers count from 0; with moe_layer_freq k, layers 0, k, 2k, ... are MoE (k=1:
-        all); with a list, the layers whose entry is 1."""
-        if not self.is_moe:
-            return False
-        if isinstance(self.moe_layer_freq, list):
-            return bool(self.moe_layer_freq[layer_number])
-        return layer_number % self.moe_layer_freq == 0
-
-    @property
-    def moe_layer_pattern(self) -> int | list[int]:
-        """moe_layer_freq in its shortest form: the int k when every k-th layer from 0 is MoE, else
-        the list (so that [1, 0, 1, 0] and 2 compare as the same model)."""
-        return moe_layer_freq_for([self.is_moe_layer(i) for i in range(self.num_layers)])
+    # the shared expert computes under the dispatch/combine all-to-all; None: off (logged)
+    moe_shared_expert_overlap: bool | None = None
 
     # --- checks of this section alone (ConfigContainer.finalize runs them once resolved) ---------
     def validate(self) -> None:
         """Every rule that needs only the model's own fields, in a fixed order (the first broken
-        one is the error); the rules that need the layout or other sections are the container's."""
+        one is the error): the network's first (`TransformerArchitecture.validate`), then how it
+        is run; the rules that need the layout or other sections are the container's."""
+        super().validate()
         self._validate_impls()
         if self.is_moe:
-            self._validate_moe()
+            self._validate_routing()
         self._validate_dispatch_and_dtype()
         self._validate_recompute()
         self._validate_cuda_graph()
@@ -264,21 +193,7 @@ class ModelConfig:
                 "use overlap (ours) or dtensor (the PyTorch-native peer).",
             )
 
-    def _validate_moe(self) -> None:
-        if self.num_moe_experts < 1:
-            raise ConfigError(
-                "model.num_moe_experts",
-                self.num_moe_experts,
-                "a MoE model needs experts.",
-                "set num_moe_experts >= 1, or null for a dense model.",
-            )
-        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-            raise ConfigError(
-                "model.moe_router_topk",
-                self.moe_router_topk,
-                f"top-k must be between 1 and num_moe_experts ({self.num_moe_experts}).",
-                "choose a smaller moe_router_topk.",
-            )
+    def _validate_routing(self) -> None:
         if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
             raise NotBuiltError(
                 "model.moe_router_load_balancing_type",
@@ -286,7 +201,6 @@ class ModelConfig:
                 "This load-balancing type",
                 "use aux_loss or none.",
             )
-        self._validate_moe_layer_freq()
         factor = self.moe_expert_capacity_factor
         if factor is not None and not factor > 0:
             raise ConfigError(
@@ -308,32 +222,6 @@ class ModelConfig:
                 self.moe_token_drop_policy,
                 "unknown token drop policy.",
                 "use probs or position.",
-            )
-
-    def _validate_moe_layer_freq(self) -> None:
-        freq, n = self.moe_layer_freq, self.num_layers
-        if isinstance(freq, list):
-            if len(freq) != n or any(v not in (0, 1) for v in freq):
-                raise ConfigError(
-                    "model.moe_layer_freq",
-                    freq,
-                    f"a per-layer pattern has one entry per layer ({n}), each 1 (MoE) or 0 "
-                    "(dense).",
-                    f"give {n} entries of 0/1, or an int k for every k-th layer.",
-                )
-            if not any(freq):
-                raise ConfigError(
-                    "model.moe_layer_freq",
-                    freq,
-                    "no layer is MoE, yet num_moe_experts is set.",
-                    "mark at least one layer 1, or drop num_moe_experts for a dense model.",
-                )
-        elif freq < 1:
-            raise ConfigError(
-                "model.moe_layer_freq",
-                freq,
-                "it must be >= 1.",
-                "use 1 for all-MoE layers, k for every k-th layer, or a per-layer 0/1 list.",
             )
 
     def _validate_dispatch_and_dtype(self) -> None:
@@ -483,45 +371,13 @@ class ModelConfig:
             )
 
     def _validate_ranges(self) -> None:
-        """Values the type check lets through but the model cannot use (NaN fails each rule, and a
-        float rule also refuses infinity)."""
+        """Values the type check lets through but the run cannot use (NaN fails each rule, and a
+        float rule also refuses infinity); the network's own are `TransformerArchitecture`'s."""
         fin = math.isfinite
-        eps, std, aux = self.layernorm_epsilon, self.init_method_std, self.moe_aux_loss_coeff
-        factor, rl = self.moe_expert_capacity_factor, self.recompute_num_layers
-        mtp = self.mtp_num_layers
-        limit = self.wgrad_deferral_limit
+        aux, factor = self.moe_aux_loss_coeff, self.moe_expert_capacity_factor
+        rl, limit = self.recompute_num_layers, self.wgrad_deferral_limit
         check_rules(
             [
-                (
-                    "model.layernorm_epsilon",
-                    eps,
-                    fin(eps) and eps > 0,
-                    "the norm epsilon must be > 0.",
-                    "use e.g. model.layernorm_epsilon=1e-6.",
-                ),
-                (
-                    "model.rotary_base",
-                    self.rotary_base,
-                    fin(self.rotary_base) and self.rotary_base > 1,
-                    "the rotary base must be > 1.",
-                    "use e.g. model.rotary_base=10000.",
-                ),
-                (
-                    "model.kv_channels" if self.kv_channels else "model.hidden_size",
-                    self.kv_channels or self.hidden_size,
-                    self.head_dim % 2 == 0,
-                    "rotary embeddings rotate pairs of channels, so the head dim must be even (it "
-                    f"is {self.head_dim}"
-                    f"{'' if self.kv_channels else ' = hidden_size / num_attention_heads'}).",
-                    "use an even kv_channels (head dim), e.g. 64 or 128.",
-                ),
-                (
-                    "model.init_method_std",
-                    std,
-                    fin(std) and std >= 0,
-                    "the initialisation standard deviation must be >= 0.",
-                    "use e.g. model.init_method_std=0.02.",
-                ),
                 (
                     "model.moe_aux_loss_coeff",
                     aux,
@@ -542,13 +398,6 @@ class ModelConfig:
                     rl is None or rl <= self.num_layers,
                     f"it cannot exceed num_layers ({self.num_layers}).",
                     f"use -rl between 1 and {self.num_layers}.",
-                ),
-                (
-                    "model.mtp_num_layers",
-                    mtp,
-                    mtp is None or mtp >= 0,
-                    "a layer count must be >= 0.",
-                    "set model.mtp_num_layers=null.",
                 ),
                 (
                     "model.wgrad_deferral_limit",

@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from overlap.config.architecture import TransformerArchitecture
 from overlap.config.hf_config import check_model_matches, read_hf_config
-from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError
 from overlap.hf.names import (
     EXPERT_KINDS,
@@ -84,7 +84,9 @@ def experts_fused(names: set[str], prefix: str) -> bool:
     return fused
 
 
-def required_names(maps: list[Mapping], source_names: set[str], cfg: ModelConfig) -> list[str]:
+def required_names(
+    maps: list[Mapping], source_names: set[str], cfg: TransformerArchitecture
+) -> list[str]:
     """The HF tensors the whole model `maps` is made of, in the layout (fused or per-expert) the
     source uses."""
     out = []
@@ -104,7 +106,9 @@ def required_names(maps: list[Mapping], source_names: set[str], cfg: ModelConfig
     return out
 
 
-def read_shard(m: Mapping, source: Source, cfg: ModelConfig, shard: Shard | None) -> torch.Tensor:
+def read_shard(
+    m: Mapping, source: Source, cfg: TransformerArchitecture, shard: Shard | None
+) -> torch.Tensor:
     """Our parameter `m.ours` (its `shard` cut, or whole) read from `source` (see the module
     docstring)."""
     count = 1 if shard is None else shard.count
@@ -135,7 +139,7 @@ def read_shard(m: Mapping, source: Source, cfg: ModelConfig, shard: Shard | None
     )
 
 
-def check_source(cfg: ModelConfig, source: Source, folder: str | Path) -> list[Mapping]:
+def check_source(cfg: TransformerArchitecture, source: Source, folder: str | Path) -> list[Mapping]:
     """The whole model's mappings, after checking that `source` holds every tensor they need and
     nothing else (an unexpected tensor is a model part we would drop: refused, never ignored)."""
     maps = mappings(cfg)
@@ -168,7 +172,7 @@ def check_source(cfg: ModelConfig, source: Source, folder: str | Path) -> list[M
 
 @torch.no_grad()
 def load_hf_weights(
-    cfg: ModelConfig, params: dict[str, nn.Parameter], folder: str | Path, rank: int = 0
+    cfg: TransformerArchitecture, params: dict[str, nn.Parameter], folder: str | Path, rank: int = 0
 ) -> None:
     """Fill this rank's `params` (our names -> parameters, this rank's chunks) from the HF folder,
     after checking that config.json describes the configured model (`check_model_matches`)."""

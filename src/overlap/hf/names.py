@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from overlap.config.model import ModelConfig
+from overlap.config.architecture import TransformerArchitecture
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ EXPERT_KINDS = ("expert_fc1", "expert_down")
 _PER_EXPERT = {"expert_fc1": ("gate_proj", "up_proj"), "expert_down": ("down_proj",)}
 
 
-def mappings(cfg: ModelConfig) -> list[Mapping]:
+def mappings(cfg: TransformerArchitecture) -> list[Mapping]:
     """Every parameter of the whole (unsplit) model `cfg`, in our naming order, with its HF
     source."""
     out = [Mapping("embedding.weight", "same", ("model.embed_tokens.weight",))]
@@ -147,7 +147,9 @@ def unstack_expert(stacked: torch.Tensor, kind: str, expert: int) -> list[torch.
     return [part.contiguous() for part in stacked[expert].chunk(len(_PER_EXPERT[kind]))]
 
 
-def to_hf(mapping: Mapping, full: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def to_hf(
+    mapping: Mapping, full: torch.Tensor, cfg: TransformerArchitecture
+) -> dict[str, torch.Tensor]:
     """Our full tensor -> the HF tensors it is made of, under their on-disk names (per-expert for
     experts)."""
     if mapping.kind == "same":

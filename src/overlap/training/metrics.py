@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from overlap.config.model import ModelConfig
+from overlap.config.architecture import TransformerArchitecture
 from overlap.config.training import TrainConfig
 
 
@@ -48,7 +48,7 @@ class TrainingFlops:
         return self.attention + self.dense_mlp + self.moe + self.logits
 
 
-def linear_macs(m: ModelConfig, ffn: int | None = None) -> tuple[int, int, int, int]:
+def linear_macs(m: TransformerArchitecture, ffn: int | None = None) -> tuple[int, int, int, int]:
     """Multiply-adds per token of one layer's linears (qkv, proj, fc1, fc2): qkv h x (q + 2 kv),
     proj q x h, fc1 h x F per up projection (two under SwiGLU), fc2 F x h, with F = `ffn` (default:
     the dense MLP's)."""
@@ -58,7 +58,7 @@ def linear_macs(m: ModelConfig, ffn: int | None = None) -> tuple[int, int, int, 
     return h * (q + 2 * kv), q * h, ups * h * f, f * h
 
 
-def training_flops(m: ModelConfig) -> TrainingFlops:
+def training_flops(m: TransformerArchitecture) -> TrainingFlops:
     """Per-token training FLOPs of `m` by part (see TrainingFlops). Causal attention is halved as
     Megatron does, the router's h x E GEMM is left out as Megatron does (0.4% for Qwen3-30B-A3B),
     experts count only the top-k."""
@@ -88,7 +88,7 @@ def training_flops(m: ModelConfig) -> TrainingFlops:
     )
 
 
-def flops_per_token(m: ModelConfig) -> float:
+def flops_per_token(m: TransformerArchitecture) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward), Megatron-Core's count
     (training_flops): the trainer's TFLOP/s and the planner's compute time come from this one
     function."""
