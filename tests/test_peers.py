@@ -39,3 +39,14 @@ def test_peer_trains_like_our_trainer(impl):
     for (l_ours, n_ours), (l_peer, n_peer) in zip(ours, peer):
         assert l_peer == pytest.approx(l_ours, rel=1e-5)
         assert n_peer == pytest.approx(n_ours, rel=1e-4)
+
+
+def test_every_implementation_name_the_config_accepts_has_a_runtime_entry():
+    """The config validates `model.pipeline_impl` / `model.tensor_parallel_impl` against its own
+    name lists (config sits below the runtime); the runtime's tables must hold exactly those."""
+    from overlap.config.model import PIPELINE_IMPLS, TENSOR_PARALLEL_IMPLS
+    from overlap.model import tensor_parallel_impl
+    from overlap.pipeline import runner
+
+    assert set(runner.IMPLEMENTATIONS) == set(PIPELINE_IMPLS)
+    assert set(tensor_parallel_impl.IMPLEMENTATIONS) == set(TENSOR_PARALLEL_IMPLS)

@@ -49,6 +49,13 @@ CUDA_GRAPH_SCOPES = (
 )
 
 
+# The implementations `model.pipeline_impl` / `model.tensor_parallel_impl` name: ours and the
+# PyTorch peer measured against it. The runtime's tables (`pipeline.runner.IMPLEMENTATIONS`,
+# `model.tensor_parallel_impl.IMPLEMENTATIONS`) hold one entry per name (tests/test_peers.py).
+PIPELINE_IMPLS = ("overlap", "torch_pipelining")
+TENSOR_PARALLEL_IMPLS = ("overlap", "dtensor")
+
+
 @dataclass
 class ModelConfig(TransformerArchitecture):
     """The model section: the network (inherited) and how a run lays it out and computes it."""
@@ -178,14 +185,14 @@ class ModelConfig(TransformerArchitecture):
         self._validate_ranges()
 
     def _validate_impls(self) -> None:
-        if self.pipeline_impl not in ("overlap", "torch_pipelining"):
+        if self.pipeline_impl not in PIPELINE_IMPLS:
             raise ConfigError(
                 "model.pipeline_impl",
                 self.pipeline_impl,
                 "unknown pipeline implementation.",
                 "use overlap (ours) or torch_pipelining (the PyTorch peer).",
             )
-        if self.tensor_parallel_impl not in ("overlap", "dtensor"):
+        if self.tensor_parallel_impl not in TENSOR_PARALLEL_IMPLS:
             raise ConfigError(
                 "model.tensor_parallel_impl",
                 self.tensor_parallel_impl,
