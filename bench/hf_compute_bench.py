@@ -91,8 +91,9 @@ def _ours(folder: Path, seq: int, dtype: torch.dtype, attention_backend: str):
     model.attention_backend = attention_backend
     precision = "bf16_mixed" if dtype == torch.bfloat16 else "fp32"
     cfg = ConfigContainer(model=model, mixed_precision=precision)
-    ps = ParallelState(cfg.finalize(1).layout)
-    (chunk,) = model_chunks(cfg.model, ps)
+    res = cfg.finalize(1)
+    ps = ParallelState(res.layout)
+    (chunk,) = model_chunks(cfg.model, ps, res.overlap)
     load_hf_weights(cfg.model, dict(chunk.named_parameters()), folder)
     return chunk
 

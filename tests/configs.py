@@ -8,8 +8,10 @@
   loop.
 - `moe_layer_model`: one MoE layer's configuration (32 wide, 8 experts top-2, fp32 parameters), for
   the dispatcher and layer tests.
+- `bare_plan`: the overlap plan a model built from a bare (never finalized) configuration is built
+  with, as a finalized run's layers get `cfg.resolved.overlap`.
 
-Every builder takes model fields as keywords, which replace its own values.
+Every model builder takes model fields as keywords, which replace its own values.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from overlap.config import (
     SchedulerConfig,
     TrainConfig,
 )
+from overlap.config.comm_overlap import OverlapPlan
 
 
 def dense_model(**fields) -> ModelConfig:
@@ -137,3 +140,9 @@ def moe_layer_model(**fields) -> ModelConfig:
         params_dtype="float32",
     )
     return ModelConfig(**{**base, **fields})
+
+
+def bare_plan(**switches) -> OverlapPlan:
+    """The resolved overlap plan for a model a test builds without `finalize` (layer, model and
+    schedule tests): the named switches as given, every other one off."""
+    return OverlapPlan(**switches)

@@ -21,6 +21,7 @@ from overlap.errors import ConfigError
 from overlap.layers.attention import SelfAttention, unfused_attention
 from overlap.model import GPTModel
 from overlap.parallel.state import ParallelLayout, ParallelState
+from tests.configs import bare_plan
 from tests.world import run_world
 
 FP32_ATOL = 1e-5
@@ -141,7 +142,7 @@ def _model_backends(backends: list[str]) -> dict[str, dict]:
             recompute_granularity="selective",
             recompute_modules=["core_attn"],
         )
-        model = GPTModel(config, ps)
+        model = GPTModel(config, ps, bare_plan())
         model.init_weights(1234)
         data = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(7))
         loss, _ = model(data[:, :-1], data[:, 1:])
@@ -169,7 +170,7 @@ def test_model_backends_agree() -> None:
 def test_attention_layer_refuses_unknown_backend() -> None:
     config = ModelConfig(attention_backend="xformers")
     with pytest.raises(ConfigError):
-        SelfAttention(config, None, 0)
+        SelfAttention(config, None, 0, bare_plan())
 
 
 def test_explain_names_the_kernel_per_target(capsys) -> None:

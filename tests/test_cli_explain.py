@@ -222,8 +222,8 @@ def test_moe_a2a_overlap_true_turns_on_ep_overlap_only(capsys, jobs):
     assert cfg.comm_overlap.overlap_moe_expert_parallel_comm is True
     assert cfg.comm_overlap.delay_wgrad_compute is None
     assert cfg.comm_overlap.tp_comm_overlap is None
-    assert cfg.model.delay_wgrad_compute is False
-    assert cfg.model.moe_shared_expert_overlap is False
+    assert cfg.resolved.overlap.delay_wgrad_compute is False
+    assert cfg.resolved.overlap.moe_shared_expert_overlap is False
 
 
 @pytest.mark.parametrize("text", ["true", "1", "t", "yes", "y", "TRUE"])
@@ -405,7 +405,8 @@ def test_parallel_and_batch_flags(capsys, jobs):
         3,
     )
     assert cfg.model.seq_length == 128
-    assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (True, False)
+    plan = cfg.resolved.overlap
+    assert (plan.overlap_p2p_comm, plan.batch_p2p_comm) == (True, False)
 
 
 def test_recompute_flags(capsys, jobs):

@@ -354,5 +354,5 @@ def test_flex_with_ep_overlap_and_strict():
         tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True, strict=True
     )
     cfg.finalize(2, device=Probe(None))
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
     assert cfg.model.moe_token_dispatcher_type == "flex"

@@ -234,7 +234,7 @@ def test_qwen3_30b_a3b_16gpu_layout_and_overlap_off():
     # many recipes ship with MoE overlap off: it must be enabled explicitly
     assert cfg.comm_overlap is None
     res = cfg.finalize(16)
-    assert cfg.model.overlap_moe_expert_parallel_comm is False
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is False
     assert (res.layout.dp, res.layout.ep) == (16, 16)
 
 

@@ -325,9 +325,8 @@ def test_field_docs_read_the_inline_comment_or_the_block_above():
         # said above,
         # over two lines
         above: int = 3
-        wrapped: int = (
-            4  # said inside the wrap, a comment long enough that the line would not fit in 100
-        )
+        # said inside the wrap, a comment long enough that the line would not fit in 100
+        wrapped: int = 4
 
     assert field_docs(Example) == {
         "inline": "said inline",

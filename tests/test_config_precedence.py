@@ -43,14 +43,14 @@ def test_pp_rule_then_model_config_then_user():
     cfg = build(model(pipeline_model_parallel_size=2, batch_p2p_comm=False))
     d = cfg.finalize(2).decisions.get("model.batch_p2p_comm")
     assert (d.requested, d.effective, d.decided_by) == (False, False, "model config")
-    assert cfg.model.batch_p2p_comm is False
+    assert cfg.resolved.overlap.batch_p2p_comm is False
     # A value on CommOverlapConfig wins over the model config.
     cfg = build(
         model(pipeline_model_parallel_size=2, batch_p2p_comm=False), co=co(batch_p2p_comm=True)
     )
     d = cfg.finalize(2).decisions.get("model.batch_p2p_comm")
     assert (d.requested, d.effective, d.decided_by) == (True, True, "user")
-    assert cfg.model.batch_p2p_comm is True
+    assert cfg.resolved.overlap.batch_p2p_comm is True
 
 
 def test_model_level_values_survive_comm_overlap_object():
@@ -68,9 +68,9 @@ def test_model_level_values_survive_comm_overlap_object():
         co=co(),
     )
     res = cfg.finalize(2)
-    assert cfg.model.overlap_p2p_comm is False
-    assert cfg.model.defer_embedding_wgrad_compute is True
-    assert cfg.model.wgrad_deferral_limit == 5
+    assert cfg.resolved.overlap.overlap_p2p_comm is False
+    assert cfg.resolved.overlap.defer_embedding_wgrad_compute is True
+    assert cfg.resolved.overlap.wgrad_deferral_limit == 5
     for name in (
         "model.overlap_p2p_comm",
         "model.defer_embedding_wgrad_compute",
@@ -93,7 +93,7 @@ def test_ddp_rule_then_ddp_config_then_user():
     cfg = build(ddp=DDPConfig(overlap_grad_reduce=False, **dist), co=co(overlap_grad_reduce=True))
     d = cfg.finalize(4).decisions.get("ddp.overlap_grad_reduce")
     assert (d.requested, d.effective, d.decided_by) == (True, True, "user")
-    assert cfg.ddp.overlap_grad_reduce is True
+    assert cfg.resolved.overlap.overlap_grad_reduce is True
 
 
 def test_user_false_beats_ddp_true_for_param_gather():
@@ -125,7 +125,7 @@ def test_ep_overlap_user_false_beats_model_true():
     res = cfg.finalize(2)  # prerequisites are not checked when the effective value is off
     d = res.decisions.get("model.overlap_moe_expert_parallel_comm")
     assert (d.requested, d.effective, d.decided_by) == (False, False, "user")
-    assert cfg.model.overlap_moe_expert_parallel_comm is False
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is False
 
 
 def test_default_label_for_untouched_fields():
@@ -330,18 +330,45 @@ def test_edits_after_finalize_are_not_seen():
     cfg.finalize(2)
     cfg.model.batch_p2p_comm = False
     cfg.finalize(2)
-    assert cfg.model.batch_p2p_comm is True  # re-resolved from the first snapshot
+    assert cfg.resolved.overlap.batch_p2p_comm is True  # re-resolved from the first snapshot
     fresh = build(model(pipeline_model_parallel_size=2, batch_p2p_comm=False))
     fresh.finalize(2)
-    assert fresh.model.batch_p2p_comm is False
+    assert fresh.resolved.overlap.batch_p2p_comm is False
 
 
 def test_finalize_does_not_change_user_comm_overlap_fields():
     cfg = build(co=co(overlap_grad_reduce=True))
     cfg.finalize(4)
     assert cfg.comm_overlap.overlap_grad_reduce is True
-    # the rule's value lands on the model, not on the request
+    # the rule's value lands in the plan, not on the request
     assert cfg.comm_overlap.overlap_p2p_comm is None
+
+
+def test_the_resolved_values_live_only_in_the_plan():
+    """Both spellings are inputs: after finalize the direct fields still hold what was typed (None:
+    not set), and the resolved values are the plan's alone."""
+    cfg = build(
+        model(pipeline_model_parallel_size=2, defer_embedding_wgrad_compute=True),
+        co=co(overlap_grad_reduce=True, bucket_size=1000),
+        ddp=DDPConfig(use_distributed_optimizer=True),
+    )
+    plan = cfg.finalize(4).overlap
+    typed = (
+        cfg.model.batch_p2p_comm,
+        cfg.model.defer_embedding_wgrad_compute,
+        cfg.model.wgrad_deferral_limit,
+        cfg.model.tp_comm_overlap,
+        cfg.ddp.overlap_grad_reduce,
+        cfg.ddp.bucket_size,
+        cfg.optimizer.overlap_param_gather_with_optimizer_step,
+    )
+    assert typed == (None, True, None, None, None, None, None)
+    assert (plan.batch_p2p_comm, plan.defer_embedding_wgrad_compute, plan.wgrad_deferral_limit) == (
+        True,
+        True,
+        -1,
+    )
+    assert (plan.overlap_grad_reduce, plan.bucket_size, plan.tp_comm_overlap) == (True, 1000, False)
 
 
 def test_finalize_order_mixed_precision_before_ep_check():
@@ -349,7 +376,7 @@ def test_finalize_order_mixed_precision_before_ep_check():
     apply_overrides(cfg, ["mixed_precision=bf16_mixed"])
     cfg.finalize(2)
     assert cfg.model.bf16 is True
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 
 def test_finalize_order_layout_before_rules():
@@ -360,7 +387,7 @@ def test_finalize_order_layout_before_rules():
     )
     res = cfg.finalize(8)
     assert res.layout.dp == 2
-    assert cfg.ddp.overlap_grad_reduce is True
+    assert cfg.resolved.overlap.overlap_grad_reduce is True
 
 
 def test_finalize_order_flex_validation_after_rules():
@@ -416,7 +443,7 @@ def test_the_resolved_run_is_frozen_and_holds_plain_switches():
     assert plan.overlap_moe_expert_parallel_comm is False and plan.wgrad_deferral_limit == -1
     for f in dataclasses.fields(plan):
         value = getattr(plan, f.name)
-        assert value is None or type(value) in (bool, int), (f.name, value)
+        assert value is None or type(value) in (bool, int, str, tuple), (f.name, value)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.overlap_p2p_comm = False
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -452,4 +479,6 @@ def test_each_overlap_switch_has_one_direct_spelling():
         assert _twins(f"{section}.{name}") == [f"comm_overlap.{name}"]
     assert _twins("model.sequence_parallel") == [] and _twins("ddp.use_distributed_optimizer") == []
     plan = {f.name for f in dataclasses.fields(OverlapPlan)}
-    assert plan - set(DIRECT_SECTION) == {"moe_shared_expert_overlap"}
+    # the model-only switch, and the per-GEMM plan resolved into what each TP slot runs
+    assert plan - set(DIRECT_SECTION) == {"moe_shared_expert_overlap", "tp_slots"}
+    assert set(DIRECT_SECTION) - plan == {"tp_comm_overlap_cfg"}

@@ -212,48 +212,35 @@ def configs(draw):
 
 
 def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
-    m, ddp = cfg.model, cfg.ddp
+    m, ddp, o = cfg.model, cfg.ddp, res.overlap
     lay = res.layout
     assert lay.tp * lay.pp * lay.cp * lay.dp == world
-    for name in (
-        "tp_comm_overlap",
-        "overlap_p2p_comm",
-        "batch_p2p_comm",
-        "overlap_moe_expert_parallel_comm",
-        "delay_wgrad_compute",
-        "defer_embedding_wgrad_compute",
-    ):
-        assert isinstance(getattr(m, name), bool), name
-    for name in (
-        "overlap_grad_reduce",
-        "overlap_param_gather",
-        "align_param_gather",
-        "use_distributed_optimizer",
-    ):
-        assert isinstance(getattr(ddp, name), bool), name
-    assert not (m.overlap_p2p_comm and m.batch_p2p_comm)
+    assert isinstance(ddp.use_distributed_optimizer, bool)
+    assert not (o.overlap_p2p_comm and o.batch_p2p_comm)
     assert ddp.use_distributed_optimizer == cfg.optimizer.use_distributed_optimizer
-    if m.tp_comm_overlap:
+    if o.tp_comm_overlap:
         assert m.tensor_model_parallel_size >= 2 and m.sequence_parallel
+    else:
+        assert o.tp_slots == ()
     if m.sequence_parallel:
         assert m.tensor_model_parallel_size >= 2
-    if m.delay_wgrad_compute:
-        assert m.overlap_moe_expert_parallel_comm
-    if m.overlap_moe_expert_parallel_comm:
+    if o.delay_wgrad_compute:
+        assert o.overlap_moe_expert_parallel_comm
+    if o.overlap_moe_expert_parallel_comm:
         assert lay.ep > 1 and (m.num_moe_experts or 0) > 1
         assert m.moe_token_dispatcher_type in ("alltoall", "flex")
         assert m.bf16 or m.fp16
         assert m.recompute_granularity != "full" and "moe" not in (m.recompute_modules or [])
-        assert not m.moe_shared_expert_overlap
+        assert not o.moe_shared_expert_overlap
         assert lay.pp == 1 or m.virtual_pipeline_model_parallel_size is not None
     if m.moe_token_dispatcher_type == "flex":
         assert m.moe_flex_dispatcher_backend in ("torch", "deepep", "hybridep")
     else:
         assert m.moe_flex_dispatcher_backend is None
-    if ddp.overlap_param_gather:
+    if o.overlap_param_gather:
         assert ddp.use_distributed_optimizer and lay.dp > 1
-    if ddp.bucket_size is not None:
-        assert ddp.bucket_size >= 1
+    if o.bucket_size is not None:
+        assert o.bucket_size >= 1
     if res.decisions.strict:
         assert not any(d.overridden for d in res.decisions.decisions)
     json.dumps(res.decisions.to_json())

@@ -107,14 +107,25 @@ def test_finalize_without_comm_overlap_still_records_every_decision():
 
 
 # --- TP gate --------------------------------------------------------------------------------------
+def _asked(res) -> dict[str, str | None]:
+    """What the per-GEMM plan asked of each TP slot, as the decision table records it (None: the
+    slot is not in the plan, Transformer Engine's default applies)."""
+    prefix = "model.tp_comm_overlap_cfg."
+    return {
+        d.field.removeprefix(prefix): d.requested
+        for d in res.decisions.decisions
+        if d.field.startswith(prefix) and d.field != prefix + "gpu_kernel_knobs"
+    }
+
+
 def test_tp_overlap_not_requested_is_off_by_default():
     cfg = build()
     res = cfg.finalize(1)
     d = res.decisions.get("model.tp_comm_overlap")
     assert (d.requested, d.effective, d.decided_by) == (None, False, "default")
-    assert cfg.model.tp_comm_overlap is False
-    assert cfg.model.tp_comm_overlap_cfg is None
-    assert cfg.model.tp_comm_bootstrap_backend is None
+    assert cfg.resolved.overlap.tp_comm_overlap is False
+    assert cfg.resolved.overlap.tp_slots == ()
+    assert cfg.resolved.overlap.tp_comm_bootstrap_backend is None
 
 
 def test_tp_overlap_disabled_when_tp_size_below_2(caplog):
@@ -124,7 +135,7 @@ def test_tp_overlap_disabled_when_tp_size_below_2(caplog):
     d = res.decisions.get("model.tp_comm_overlap")
     assert (d.requested, d.effective, d.decided_by) == (True, False, "rule")
     assert d.reason == TP_SIZE_MSG
-    assert cfg.model.tp_comm_overlap is False
+    assert cfg.resolved.overlap.tp_comm_overlap is False
     assert any(TP_SIZE_MSG in r.getMessage() for r in caplog.records)
 
 
@@ -156,17 +167,14 @@ def test_tp_overlap_enabled_with_preset_name():
     res = cfg.finalize(2)
     d = res.decisions.get("model.tp_comm_overlap")
     assert (d.requested, d.effective, d.decided_by) == (True, True, "user")
-    assert cfg.model.tp_comm_overlap is True
-    assert isinstance(cfg.model.tp_comm_overlap_cfg, dict)
-    assert cfg.model.tp_comm_overlap_cfg == get_tp_overlap_preset(H12288).to_dict()
-    assert cfg.model.tp_comm_overlap_cfg["qkv_dgrad"] == {
-        "num_sm": 4,
-        "cga_size": 2,
-        "set_sm_margin": False,
-        "method": "bulk",
-    }
-    assert cfg.model.tp_comm_overlap_cfg["proj_fprop"]["method"] == "pipeline"
-    assert cfg.model.tp_comm_bootstrap_backend == "nccl"
+    assert cfg.resolved.overlap.tp_comm_overlap is True
+    asked = _asked(res)
+    assert asked["qkv_dgrad"] == "bulk" and asked["proj_fprop"].startswith("pipeline")
+    assert None not in asked.values()  # every slot is in this preset
+    knobs = res.decisions.get("model.tp_comm_overlap_cfg.gpu_kernel_knobs").effective
+    assert "num_sm" in knobs and "cga_size" in knobs
+    assert cfg.resolved.overlap.tp_comm_bootstrap_backend == "nccl"
+    assert cfg.model.tp_comm_overlap_cfg is None  # the request was comm_overlap's
     plan = res.decisions.get("model.tp_comm_overlap_cfg")
     assert (plan.requested, plan.effective, plan.decided_by) == (H12288, H12288, "user")
 
@@ -177,12 +185,13 @@ def test_tp_overlap_enabled_with_preset_object_converts_to_dict():
         dense(tensor_model_parallel_size=2, sequence_parallel=True),
         co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=preset),
     )
-    cfg.finalize(2)
-    out = cfg.model.tp_comm_overlap_cfg
-    assert isinstance(out, dict)
-    assert set(out) == {f.name for f in dataclasses.fields(TransformerLayerTPOverlapCfg)}
-    assert "qkv_dgrad" in out and "proj_fprop" in out
-    assert None not in out.values()
+    by_object = _asked(cfg.finalize(2))
+    by_name = build(
+        dense(tensor_model_parallel_size=2, sequence_parallel=True),
+        co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288),
+    ).finalize(2)
+    assert by_object == _asked(by_name)
+    assert set(by_object) == {f.name for f in dataclasses.fields(TransformerLayerTPOverlapCfg)}
     # The shared module-level preset is not mutated by the conversion.
     assert isinstance(get_tp_overlap_preset(H12288).qkv_dgrad, BulkOverlapCfg)
 
@@ -192,11 +201,11 @@ def test_tp_overlap_dict_drops_top_level_none_only():
         dense(tensor_model_parallel_size=2, sequence_parallel=True),
         co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=LORA_70B),
     )
-    cfg.finalize(2)
-    out = cfg.model.tp_comm_overlap_cfg
-    assert "qkv_wgrad" not in out and "fc1_wgrad" not in out
-    assert len(out) == 8
-    assert out["fc1_dgrad"]["fp8_buf"] is True
+    res = cfg.finalize(2)
+    asked = _asked(res)
+    assert {s for s, v in asked.items() if v is None} == {"qkv_wgrad", "fc1_wgrad"}
+    assert len([v for v in asked.values() if v is not None]) == 8
+    assert "fp8_buf" in res.decisions.get("model.tp_comm_overlap_cfg.gpu_kernel_knobs").effective
 
 
 def test_tp_overlap_arbitrary_preset_filters_none():
@@ -216,9 +225,13 @@ def test_tp_overlap_arbitrary_preset_filters_none():
         dense(tensor_model_parallel_size=2, sequence_parallel=True),
         co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=custom),
     )
-    cfg.finalize(2)
-    assert set(cfg.model.tp_comm_overlap_cfg) == {"qkv_dgrad", "qkv_fprop", "proj_fprop"}
-    assert cfg.model.tp_comm_overlap_cfg["proj_fprop"]["num_splits"] == 4
+    asked = _asked(cfg.finalize(2))
+    assert {s for s, v in asked.items() if v is not None} == {
+        "qkv_dgrad",
+        "qkv_fprop",
+        "proj_fprop",
+    }
+    assert asked["proj_fprop"] == "pipeline x4"
 
 
 def test_tp_overlap_without_preset_uses_default_config():
@@ -230,9 +243,9 @@ def test_tp_overlap_without_preset_uses_default_config():
     plan = res.decisions.get("model.tp_comm_overlap_cfg")
     assert plan.reason == TP_NO_PRESET_MSG
     assert plan.effective is None
-    assert cfg.model.tp_comm_overlap is True
-    assert cfg.model.tp_comm_overlap_cfg is None
-    assert cfg.model.tp_comm_bootstrap_backend == "nccl"
+    assert cfg.resolved.overlap.tp_comm_overlap is True
+    assert set(_asked(res).values()) == {None} and cfg.resolved.overlap.tp_slots
+    assert cfg.resolved.overlap.tp_comm_bootstrap_backend == "nccl"
 
 
 def test_tp_bootstrap_backend_user_value_is_kept():
@@ -241,7 +254,7 @@ def test_tp_bootstrap_backend_user_value_is_kept():
         co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_bootstrap_backend="mpi"),
     )
     cfg.finalize(2)
-    assert cfg.model.tp_comm_bootstrap_backend == "mpi"
+    assert cfg.resolved.overlap.tp_comm_bootstrap_backend == "mpi"
 
 
 def test_tp_overlap_unknown_preset_name_is_config_error():
@@ -267,9 +280,9 @@ def test_tp_overlap_plan_of_wrong_type_is_config_error():
 def test_tp_overlap_off_clears_plan_and_backend():
     cfg = build(dense(), co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288))
     cfg.finalize(1)
-    assert cfg.model.tp_comm_overlap is False
-    assert cfg.model.tp_comm_overlap_cfg is None
-    assert cfg.model.tp_comm_bootstrap_backend is None
+    assert cfg.resolved.overlap.tp_comm_overlap is False
+    assert cfg.resolved.overlap.tp_slots == ()
+    assert cfg.resolved.overlap.tp_comm_bootstrap_backend is None
 
 
 def test_finalize_keeps_user_request_and_preset_in_snapshot():
@@ -282,21 +295,26 @@ def test_finalize_keeps_user_request_and_preset_in_snapshot():
     assert cfg.comm_overlap.tp_comm_overlap is True
     assert cfg._requested.comm_overlap.tp_comm_overlap is True
     assert isinstance(cfg._requested.comm_overlap.tp_comm_overlap_cfg, TransformerLayerTPOverlapCfg)
-    assert cfg.model.tp_comm_overlap is False
+    assert cfg.resolved.overlap.tp_comm_overlap is False
 
 
 # --- PP selection ---------------------------------------------------------------------------------
+def _p2p(cfg) -> tuple[bool, bool]:
+    """The resolved (overlap_p2p_comm, batch_p2p_comm)."""
+    return cfg.resolved.overlap.overlap_p2p_comm, cfg.resolved.overlap.batch_p2p_comm
+
+
 def test_pp1_turns_both_p2p_flags_off():
     cfg = build()
     res = cfg.finalize(1)
-    assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (False, False)
+    assert _p2p(cfg) == (False, False)
     assert res.decisions.get("model.overlap_p2p_comm").decided_by == "rule"
 
 
 def test_pp_with_vpp_overlaps_p2p_unbatched():
     cfg = build(dense(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2))
     res = cfg.finalize(4)
-    assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (True, False)
+    assert _p2p(cfg) == (True, False)
     assert res.decisions.get("model.overlap_p2p_comm").decided_by == "rule"
     assert res.decisions.get("model.batch_p2p_comm").decided_by == "rule"
 
@@ -304,13 +322,13 @@ def test_pp_with_vpp_overlaps_p2p_unbatched():
 def test_pp_without_vpp_batches_p2p():
     cfg = build(dense(pipeline_model_parallel_size=4))
     cfg.finalize(4)
-    assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (False, True)
+    assert _p2p(cfg) == (False, True)
 
 
 def test_pp_vpp_one_counts_as_no_virtual_pipeline():
     cfg = build(dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1))
     cfg.finalize(2)
-    assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (False, True)
+    assert _p2p(cfg) == (False, True)
 
 
 def test_pp_user_override_wins():
@@ -319,7 +337,7 @@ def test_pp_user_override_wins():
         co=CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=False, batch_p2p_comm=False),
     )
     res = cfg.finalize(8)
-    assert (cfg.model.overlap_p2p_comm, cfg.model.batch_p2p_comm) == (False, False)
+    assert _p2p(cfg) == (False, False)
     assert res.decisions.get("model.overlap_p2p_comm").decided_by == "user"
     assert res.decisions.get("model.batch_p2p_comm").decided_by == "user"
 
@@ -331,7 +349,7 @@ def test_pp_user_none_keeps_rule_value():
         co=CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=False),
     )
     res = cfg.finalize(2)
-    assert cfg.model.batch_p2p_comm is True
+    assert cfg.resolved.overlap.batch_p2p_comm is True
     assert res.decisions.get("model.batch_p2p_comm").decided_by == "rule"
 
 
@@ -357,8 +375,8 @@ def test_pp_user_batch_on_with_rule_overlap_on_is_error():
 def test_embedding_wgrad_defaults():
     cfg = build()
     cfg.finalize(1)
-    assert cfg.model.defer_embedding_wgrad_compute is False
-    assert cfg.model.wgrad_deferral_limit == -1
+    assert cfg.resolved.overlap.defer_embedding_wgrad_compute is False
+    assert cfg.resolved.overlap.wgrad_deferral_limit == -1
 
 
 def test_embedding_wgrad_user_values():
@@ -368,19 +386,21 @@ def test_embedding_wgrad_user_values():
         )
     )
     cfg.finalize(1)
-    assert cfg.model.defer_embedding_wgrad_compute is True
-    assert cfg.model.wgrad_deferral_limit == 3
+    assert cfg.resolved.overlap.defer_embedding_wgrad_compute is True
+    assert cfg.resolved.overlap.wgrad_deferral_limit == 3
 
 
 # --- DP defaults ----------------------------------------------------------------------------------
 def test_dp_defaults_with_distributed_optimizer():
     cfg = build(ddp=dist_opt(), optimizer=dist_optimizer())
     res = cfg.finalize(4)
-    assert cfg.ddp.bucket_size == 134217728 == BRIDGE_DP_BUCKET_SIZE == 128 * 1024 * 1024
-    assert cfg.ddp.overlap_grad_reduce is True
-    assert cfg.ddp.overlap_param_gather is True
-    assert cfg.ddp.align_param_gather is False
-    assert cfg.optimizer.overlap_param_gather_with_optimizer_step is False
+    assert (
+        cfg.resolved.overlap.bucket_size == 134217728 == BRIDGE_DP_BUCKET_SIZE == 128 * 1024 * 1024
+    )
+    assert cfg.resolved.overlap.overlap_grad_reduce is True
+    assert cfg.resolved.overlap.overlap_param_gather is True
+    assert cfg.resolved.overlap.align_param_gather is False
+    assert cfg.resolved.overlap.overlap_param_gather_with_optimizer_step is False
     for name in ("ddp.bucket_size", "ddp.overlap_grad_reduce", "ddp.overlap_param_gather"):
         assert res.decisions.get(name).decided_by == "rule"
 
@@ -388,10 +408,10 @@ def test_dp_defaults_with_distributed_optimizer():
 def test_dp_one_with_distributed_optimizer_has_no_overlap():
     cfg = build(ddp=dist_opt(), optimizer=dist_optimizer())
     cfg.finalize(1)
-    assert cfg.ddp.bucket_size is None
-    assert cfg.ddp.overlap_grad_reduce is False
-    assert cfg.ddp.overlap_param_gather is False
-    assert cfg.ddp.align_param_gather is False
+    assert cfg.resolved.overlap.bucket_size is None
+    assert cfg.resolved.overlap.overlap_grad_reduce is False
+    assert cfg.resolved.overlap.overlap_param_gather is False
+    assert cfg.resolved.overlap.align_param_gather is False
 
 
 def test_dp_align_param_gather_with_pp_and_vpp():
@@ -402,22 +422,22 @@ def test_dp_align_param_gather_with_pp_and_vpp():
     )
     res = cfg.finalize(16)
     assert res.layout.dp == 4
-    assert cfg.ddp.align_param_gather is True
-    assert cfg.ddp.bucket_size == BRIDGE_DP_BUCKET_SIZE
+    assert cfg.resolved.overlap.align_param_gather is True
+    assert cfg.resolved.overlap.bucket_size == BRIDGE_DP_BUCKET_SIZE
 
 
 def test_dp_no_align_with_pp_but_no_vpp():
     cfg = build(dense(pipeline_model_parallel_size=4), ddp=dist_opt(), optimizer=dist_optimizer())
     cfg.finalize(16)
-    assert cfg.ddp.align_param_gather is False
+    assert cfg.resolved.overlap.align_param_gather is False
 
 
 def test_dp_defaults_do_not_apply_without_distributed_optimizer():
     cfg = build()
     res = cfg.finalize(4)
-    assert cfg.ddp.overlap_grad_reduce is False
-    assert cfg.ddp.overlap_param_gather is False
-    assert cfg.ddp.bucket_size is None
+    assert cfg.resolved.overlap.overlap_grad_reduce is False
+    assert cfg.resolved.overlap.overlap_param_gather is False
+    assert cfg.resolved.overlap.bucket_size is None
     assert "distributed optimizer" in res.decisions.get("ddp.overlap_grad_reduce").reason
 
 
@@ -434,10 +454,10 @@ def test_explicit_overlap_grad_reduce_honoured_without_distributed_optimizer(whe
     d = res.decisions.get("ddp.overlap_grad_reduce")
     assert (d.requested, d.effective) == (True, True)
     assert d.decided_by == ("user" if where == "comm_overlap" else "model config")
-    assert cfg.ddp.overlap_grad_reduce is True
+    assert cfg.resolved.overlap.overlap_grad_reduce is True
     # Megatron DDP default bucket, not the 128M of the DP rule
-    assert cfg.ddp.bucket_size == 40_000_000
-    assert cfg.ddp.overlap_param_gather is False
+    assert cfg.resolved.overlap.bucket_size == 40_000_000
+    assert cfg.resolved.overlap.overlap_param_gather is False
 
 
 def test_overlap_param_gather_without_distributed_optimizer_is_logged_dishonoured(caplog):
@@ -447,7 +467,7 @@ def test_overlap_param_gather_without_distributed_optimizer_is_logged_dishonoure
     d = res.decisions.get("ddp.overlap_param_gather")
     assert (d.requested, d.effective, d.decided_by) == (True, False, "rule")
     assert d.overridden
-    assert cfg.ddp.overlap_param_gather is False
+    assert cfg.resolved.overlap.overlap_param_gather is False
     assert any("ddp.overlap_param_gather" in r.getMessage() for r in caplog.records)
 
 
@@ -456,7 +476,7 @@ def test_overlap_grad_reduce_at_dp1_is_dishonoured():
     res = cfg.finalize(1)
     d = res.decisions.get("ddp.overlap_grad_reduce")
     assert (d.requested, d.effective) == (True, False)
-    assert cfg.ddp.overlap_grad_reduce is False
+    assert cfg.resolved.overlap.overlap_grad_reduce is False
 
 
 @pytest.mark.parametrize("which", ["ddp", "optimizer"])
@@ -472,8 +492,8 @@ def test_distributed_optimizer_sync_between_ddp_and_optimizer(which):
     assert (d.effective, d.decided_by) == (True, "rule")
     # Quirk fixed on purpose: the reference skipped the DP defaults when only the optimizer had it
     # on.
-    assert cfg.ddp.overlap_grad_reduce is True
-    assert cfg.ddp.bucket_size == BRIDGE_DP_BUCKET_SIZE
+    assert cfg.resolved.overlap.overlap_grad_reduce is True
+    assert cfg.resolved.overlap.bucket_size == BRIDGE_DP_BUCKET_SIZE
 
 
 def test_overlap_param_gather_with_optimizer_step_never_automatic():
@@ -483,7 +503,7 @@ def test_overlap_param_gather_with_optimizer_step_never_automatic():
         optimizer=dist_optimizer(),
     )
     cfg.finalize(4)
-    assert cfg.optimizer.overlap_param_gather_with_optimizer_step is False
+    assert cfg.resolved.overlap.overlap_param_gather_with_optimizer_step is False
 
 
 def test_overlap_param_gather_with_optimizer_step_honoured_with_pp_vpp():
@@ -494,7 +514,7 @@ def test_overlap_param_gather_with_optimizer_step_honoured_with_pp_vpp():
         co=CommOverlapConfig(tp_comm_overlap=False, overlap_param_gather_with_optimizer_step=True),
     )
     res = cfg.finalize(4)
-    assert cfg.optimizer.overlap_param_gather_with_optimizer_step is True
+    assert cfg.resolved.overlap.overlap_param_gather_with_optimizer_step is True
     # Honoured, but our overlapped param gather already launches its first bucket inside the step: a
     # no-op row, and an error under strict.
     noop = {n.field: n for n in res.decisions.noops}[
@@ -527,7 +547,7 @@ def test_overlap_param_gather_with_optimizer_step_dishonoured_without_pp():
 def test_user_bucket_size_wins_and_must_be_positive():
     cfg = build(ddp=dist_opt(), co=CommOverlapConfig(tp_comm_overlap=False, bucket_size=1000))
     res = cfg.finalize(4)
-    assert cfg.ddp.bucket_size == 1000
+    assert cfg.resolved.overlap.bucket_size == 1000
     assert res.decisions.get("ddp.bucket_size").decided_by == "user"
     with pytest.raises(ConfigError) as exc:
         build(ddp=dist_opt(), co=CommOverlapConfig(tp_comm_overlap=False, bucket_size=0)).finalize(
@@ -545,11 +565,12 @@ def test_setup_complete_tp_dp():
         co=CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=H12288),
     )
     cfg.finalize(16)
-    assert cfg.model.tp_comm_overlap is True
-    assert isinstance(cfg.model.tp_comm_overlap_cfg, dict)
-    assert cfg.model.tp_comm_bootstrap_backend == "nccl"
-    assert cfg.ddp.overlap_grad_reduce is True and cfg.ddp.overlap_param_gather is True
-    assert cfg.ddp.bucket_size == 128 * 1024 * 1024
+    assert cfg.resolved.overlap.tp_comm_overlap is True
+    assert cfg.resolved.overlap.tp_slots
+    assert cfg.resolved.overlap.tp_comm_bootstrap_backend == "nccl"
+    plan = cfg.resolved.overlap
+    assert plan.overlap_grad_reduce is True and plan.overlap_param_gather is True
+    assert cfg.resolved.overlap.bucket_size == 128 * 1024 * 1024
 
 
 def test_setup_tp_off_dp_on():
@@ -562,8 +583,8 @@ def test_setup_tp_off_dp_on():
         co=CommOverlapConfig(tp_comm_overlap=False),
     )
     cfg.finalize(4)
-    assert cfg.model.tp_comm_overlap is False
-    assert cfg.ddp.overlap_param_gather is True
+    assert cfg.resolved.overlap.tp_comm_overlap is False
+    assert cfg.resolved.overlap.overlap_param_gather is True
 
 
 # --- EP overlap prerequisites ---------------------------------------------------------------------
@@ -576,7 +597,7 @@ def test_ep_overlap_minimal_valid_config():
     res = cfg.finalize(world)
     d = res.decisions.get("model.overlap_moe_expert_parallel_comm")
     assert (d.requested, d.effective, d.decided_by) == (True, True, "user")
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 
 def test_ep_overlap_off_by_default():
@@ -719,14 +740,14 @@ def test_ep_overlap_torch_version_compared_numerically(monkeypatch, version):
     monkeypatch.setattr(torch, "__version__", version)
     cfg, world = _ep_case()
     cfg.finalize(world)
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 
 @pytest.mark.parametrize("mtp", [None, 0, 1])
 def test_ep_overlap_accepts_mtp_none_zero_one(mtp):
     cfg, world = _ep_case(mtp_num_layers=mtp)
     cfg.finalize(world)
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 
 def test_ep_overlap_with_pp_and_vpp_is_fine():
@@ -734,7 +755,7 @@ def test_ep_overlap_with_pp_and_vpp_is_fine():
         world=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
     )
     cfg.finalize(world)
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 
 def test_ep_overlap_with_selective_recompute_is_fine():
@@ -742,19 +763,19 @@ def test_ep_overlap_with_selective_recompute_is_fine():
         recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"]
     )
     cfg.finalize(world)
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 
 def test_ep_overlap_with_flex_dispatcher_is_fine():
     cfg, world = _ep_case(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch")
     cfg.finalize(world)
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 
 def test_ep_overlap_graph_scope_ignored_without_te_graphs():
     cfg, world = _ep_case(cuda_graph_impl="none", cuda_graph_scope=["moe"])
     cfg.finalize(world)
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 
 def test_ep_overlap_prerequisites_are_errors_even_without_strict():
@@ -782,11 +803,11 @@ def test_ep_overlap_precision_check_sees_mixed_precision():
     for mp in ("bf16_mixed", "fp16_mixed"):
         cfg = build(moe(bf16=False), co=ep_on(), mp=mp)
         cfg.finalize(2)
-        assert cfg.model.overlap_moe_expert_parallel_comm is True
+        assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
     # Without a preset the model's own flags stand.
     cfg = build(moe(bf16=True, params_dtype="bfloat16"), co=ep_on(), mp=None)
     cfg.finalize(2)
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
     with pytest.raises(ConfigError) as exc:
         build(moe(), co=ep_on(), mp=None).finalize(2)
     assert exc.value.field == "model.bf16"
@@ -809,7 +830,7 @@ def test_delay_wgrad_requested_on_model_requires_ep_overlap():
 def test_delay_wgrad_with_ep_overlap():
     cfg = build(moe(), co=ep_on(delay_wgrad_compute=True))
     res = cfg.finalize(2)
-    assert cfg.model.delay_wgrad_compute is True
+    assert cfg.resolved.overlap.delay_wgrad_compute is True
     assert res.decisions.get("model.delay_wgrad_compute").decided_by == "user"
 
 
@@ -820,22 +841,22 @@ def test_delay_wgrad_with_overlap_grad_reduce_and_grad_accum_fusion():
         ddp=DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True),
     )
     cfg.finalize(2)
-    assert cfg.model.delay_wgrad_compute is True
-    assert cfg.ddp.overlap_grad_reduce is True
+    assert cfg.resolved.overlap.delay_wgrad_compute is True
+    assert cfg.resolved.overlap.overlap_grad_reduce is True
 
 
 def test_delay_wgrad_model_only_flags_both_kept():
     cfg = build(moe(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True))
     res = cfg.finalize(2)
-    assert cfg.model.overlap_moe_expert_parallel_comm is True
-    assert cfg.model.delay_wgrad_compute is True
+    assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
+    assert cfg.resolved.overlap.delay_wgrad_compute is True
     assert res.decisions.get("model.delay_wgrad_compute").decided_by == "model config"
 
 
 def test_delay_wgrad_off_by_default_even_with_ep_overlap():
     cfg = build(moe(), co=ep_on())
     cfg.finalize(2)
-    assert cfg.model.delay_wgrad_compute is False
+    assert cfg.resolved.overlap.delay_wgrad_compute is False
 
 
 def _graph_moe(**kw) -> ModelConfig:
@@ -892,7 +913,7 @@ def test_delay_wgrad_cuda_graph_attn_with_supported_settings():
         co=ep_on(delay_wgrad_compute=True),
     )
     cfg.finalize(2)
-    assert cfg.model.delay_wgrad_compute is True
+    assert cfg.resolved.overlap.delay_wgrad_compute is True
 
 
 def test_delay_wgrad_cuda_graph_attn_scope_as_comma_string():
@@ -923,7 +944,7 @@ def test_delay_wgrad_router_scope_with_shared_expert_and_fusion_is_fine():
         co=ep_on(delay_wgrad_compute=True),
     )
     cfg.finalize(2)  # the bias restriction is for the attn scope only
-    assert cfg.model.delay_wgrad_compute is True
+    assert cfg.resolved.overlap.delay_wgrad_compute is True
 
 
 def test_delay_wgrad_router_scope_without_shared_expert_is_fine():
@@ -932,7 +953,7 @@ def test_delay_wgrad_router_scope_without_shared_expert_is_fine():
         co=ep_on(delay_wgrad_compute=True),
     )
     cfg.finalize(2)
-    assert cfg.model.delay_wgrad_compute is True
+    assert cfg.resolved.overlap.delay_wgrad_compute is True
 
 
 @pytest.mark.parametrize("scope", [["full_iteration"], "full", ""])
@@ -942,7 +963,7 @@ def test_delay_wgrad_full_or_empty_scope_adds_no_constraint(scope):
         moe(cuda_graph_impl=impl, cuda_graph_scope=scope), co=ep_on(delay_wgrad_compute=True)
     )
     cfg.finalize(2)
-    assert cfg.model.delay_wgrad_compute is True
+    assert cfg.resolved.overlap.delay_wgrad_compute is True
 
 
 # --- mixed precision ------------------------------------------------------------------------------
@@ -1028,7 +1049,7 @@ def test_shared_expert_overlap_without_shared_expert_is_a_logged_dishonoured_req
     c = cfg(False)
     d = c.finalize(1).decisions.get("model.moe_shared_expert_overlap")
     assert d.requested is True and d.effective is False and "no shared expert" in d.reason
-    assert c.model.moe_shared_expert_overlap is False
+    assert c.resolved.overlap.moe_shared_expert_overlap is False
     import pytest
 
     with pytest.raises(ConfigError, match="moe_shared_expert_overlap"):

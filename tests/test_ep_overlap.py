@@ -20,7 +20,7 @@ from overlap.parallel import link_model
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER, CommEvent, now
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
-from tests.configs import ep_overlap_model
+from tests.configs import bare_plan, ep_overlap_model
 from tests.world import run_world
 
 
@@ -45,7 +45,7 @@ def _run(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: int = 3):
     ps = ParallelState(
         ParallelLayout(world_size=world, tp=layout.get("tp", 1), ep=layout.get("ep", 1))
     )
-    model = GPTModel(cfg, ps)
+    model = GPTModel(cfg, ps, bare_plan())
     model.init_weights(7)
     batches = _batches(ps.dp_rank, n_mb)
     scale = 1.0 / n_mb

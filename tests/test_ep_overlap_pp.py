@@ -26,7 +26,7 @@ from overlap.parallel.trace import RECORDER
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
 from overlap.pipeline.schedules import pipeline_steps
 from overlap.training.trainer import Trainer
-from tests.configs import ep_overlap_model, tiny_config
+from tests.configs import bare_plan, ep_overlap_model, tiny_config
 from tests.world import run_world
 
 STEPS = 3
@@ -108,7 +108,8 @@ def _step(
     pp, vpp, ep = layout.get("pp", 1), layout.get("vpp"), layout.get("ep", 1)
     cfg = _config(layers, pp, vpp, ep, **cfg_kw)
     ps = ParallelState(ParallelLayout(world_size=world, pp=pp, ep=ep))
-    chunks = model_chunks(cfg, ps)
+    defer = bool(cfg.defer_embedding_wgrad_compute)
+    chunks = model_chunks(cfg, ps, bare_plan(defer_embedding_wgrad_compute=defer))
     for chunk in chunks:
         chunk.init_weights(7)
     gen = torch.Generator().manual_seed(50 + (ps.dp_rank if data_rank is None else data_rank))
@@ -122,7 +123,7 @@ def _step(
         overlap_p2p=overlap_p2p,
         ep_overlap=overlap,
         delay_wgrad=delay,
-        defer_output_wgrad=bool(cfg.defer_embedding_wgrad_compute),
+        defer_output_wgrad=defer,
     )
 
     def before_backward(chunk: int, last: bool) -> None:

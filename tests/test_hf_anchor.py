@@ -121,8 +121,9 @@ def _build(folder: str, layout: dict):
     for k, v in layout.items():
         setattr(model, k, v)
     cfg = ConfigContainer(model=model)
-    ps = ParallelState(cfg.finalize(dist.get_world_size()).layout)
-    chunks = model_chunks(cfg.model, ps)
+    res = cfg.finalize(dist.get_world_size())
+    ps = ParallelState(res.layout)
+    chunks = model_chunks(cfg.model, ps, res.overlap)
     load_hf_weights(
         cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, folder, ps.rank
     )

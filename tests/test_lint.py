@@ -30,6 +30,6 @@ def test_the_tree_is_formatted_and_lint_clean(command):
         [*_ruff(), *command, "src", "tests", "bench"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, (
-        f"ruff {' '.join(command)} found problems (run `ruff format src tests bench` "
-        f"and `ruff check --fix src tests bench`):\n{result.stdout}{result.stderr}"
+        f"ruff {' '.join(command)} found problems (run `ruff format src tests bench` and `ruff "
+        f"check --fix src tests bench`):\n{result.stdout}{result.stderr}"
     )

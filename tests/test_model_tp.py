@@ -26,6 +26,7 @@ from overlap.layers.tensor_parallel import (
 from overlap.model import GPTModel
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
+from tests.configs import bare_plan
 from tests.world import run_world
 
 # fp32, different reduction order (TP splits GEMM reductions and sums partials over ranks):
@@ -109,7 +110,7 @@ def _full_grad(
 
 def _run_model(ps: ParallelState, overrides: dict) -> dict:
     config = ModelConfig(**TINY, tensor_model_parallel_size=ps.tp_size, **overrides)
-    model = GPTModel(config, ps)
+    model = GPTModel(config, ps, bare_plan())
     model.init_weights(1234)
     gen = torch.Generator().manual_seed(7)  # the same tokens on every rank and in every layout
     data = torch.randint(0, config.vocab_size, (BATCH, config.seq_length + 1), generator=gen)
@@ -181,7 +182,7 @@ def _attention_error() -> str:
     ps = _state()
     config = ModelConfig(**{**TINY, "num_query_groups": 1})
     try:
-        SelfAttention(config, ps, 0)
+        SelfAttention(config, ps, 0, bare_plan())
     except ConfigError as err:
         return str(err)
     return ""

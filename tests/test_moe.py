@@ -37,7 +37,7 @@ from overlap.layers.moe.permute import (
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
-from tests.configs import moe_layer_model
+from tests.configs import bare_plan, moe_layer_model
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -204,7 +204,9 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
 
 def test_experts_must_split_evenly_over_ep():
     with pytest.raises(ValueError, match="num_moe_experts"):
-        MoELayer(_config(num_experts=6), SimpleNamespace(ep_size=4), layer_number=0)
+        MoELayer(
+            _config(num_experts=6), SimpleNamespace(ep_size=4), layer_number=0, overlap=bare_plan()
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -433,7 +435,9 @@ def _moe_run(tp: int, ep: int, cfg_overrides: dict, seeds: list[int], uneven: bo
     (all of them in the single-process reference), under sequence parallel only its TP slice of each
     sequence."""
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
-    layer = MoELayer(_config(tp=tp, ep=ep, **cfg_overrides), ps, layer_number=0)
+    layer = MoELayer(
+        _config(tp=tp, ep=ep, **cfg_overrides), ps, layer_number=0, overlap=bare_plan()
+    )
     init_model_params(layer, seed=1234, std=INIT_STD)
     if uneven:
         _force_experts_0_and_1(layer)
@@ -510,7 +514,7 @@ def test_sequence_parallel_tp2_ep2_matches_full_sequence_reference():
 
 def _none_mode_step() -> tuple[int, ...]:
     ps = ParallelState(ParallelLayout(world_size=2, ep=2))
-    layer = MoELayer(_config(num_experts=4, ep=2), ps, layer_number=0)
+    layer = MoELayer(_config(num_experts=4, ep=2), ps, layer_number=0, overlap=bare_plan())
     init_model_params(layer, seed=0, std=INIT_STD)
     x = _batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
     comm.set_mode("none")

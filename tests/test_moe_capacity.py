@@ -39,7 +39,7 @@ from overlap.layers.moe import MoELayer
 from overlap.layers.moe.permute import ExpertCapacity, expert_capacity, expert_counts, permute
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
-from tests.configs import container, moe_layer_model, moe_model
+from tests.configs import bare_plan, container, moe_layer_model, moe_model
 from tests.test_ep_overlap import _compare
 from tests.test_moe import _check_against_reference
 from tests.world import run_world
@@ -151,7 +151,7 @@ def _output_vs_dense_reference(overrides: dict) -> tuple[int, int]:
     expert(token). Returns (kept assignments, all assignments)."""
     ps = ParallelState(ParallelLayout(world_size=1))
     cfg = _config(**overrides)
-    layer = MoELayer(cfg, ps, layer_number=0)
+    layer = MoELayer(cfg, ps, layer_number=0, overlap=bare_plan())
     init_model_params(layer, seed=1234, std=0.2)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -204,7 +204,9 @@ def _capacity_vs_dropless(pad: bool) -> tuple[dict, dict, list[str]]:
     )
     results, kinds = {}, []
     for name, overrides in (("dropless", {}), ("capacity", _capacity(8.0, pad))):
-        layer = MoELayer(_config(ep=ps.ep_size, **overrides), ps, layer_number=0)
+        layer = MoELayer(
+            _config(ep=ps.ep_size, **overrides), ps, layer_number=0, overlap=bare_plan()
+        )
         init_model_params(layer, seed=1234, std=0.2)
         xi = x.clone().requires_grad_()
         RECORDER.drain()
@@ -275,4 +277,4 @@ def test_capacity_with_flex_dispatcher_is_refused_by_name():
         moe_expert_capacity_factor=1.0,
     )
     with pytest.raises(NotBuiltError, match="moe_expert_capacity_factor"):
-        MoELayer(cfg, SimpleNamespace(ep_size=1), layer_number=0)
+        MoELayer(cfg, SimpleNamespace(ep_size=1), layer_number=0, overlap=bare_plan())

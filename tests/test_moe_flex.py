@@ -27,7 +27,7 @@ from overlap.layers.moe import MoELayer
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
-from tests.configs import moe_layer_model
+from tests.configs import bare_plan, moe_layer_model
 from tests.test_ep_overlap import _compare
 from tests.test_moe import _rank_routing
 from tests.world import run_world
@@ -45,11 +45,14 @@ def _config(tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
     return moe_layer_model(**{**fields, **overrides})
 
 
-def _layer(cfg: ModelConfig, ps: ParallelState, skewed: bool) -> MoELayer:
+def _layer(
+    cfg: ModelConfig, ps: ParallelState, skewed: bool, shared_overlap: bool = False
+) -> MoELayer:
     """Same logical weights in every layout. `skewed` (with positive inputs): router rows 0..k-1
     positive, the others negative, so every token picks experts 0..k-1, all on the first EP rank(s);
-    the last ranks receive nothing."""
-    layer = MoELayer(cfg, ps, layer_number=0)
+    the last ranks receive nothing. `shared_overlap`: the plan's shared-expert overlap."""
+    plan = bare_plan(moe_shared_expert_overlap=shared_overlap)
+    layer = MoELayer(cfg, ps, layer_number=0, overlap=plan)
     init_model_params(layer, seed=1234, std=INIT_STD)
     if skewed:
         with torch.no_grad():
@@ -166,13 +169,16 @@ def test_flex_under_ep_overlap_schedule_matches_plain_loop():
 def test_gpu_flex_backends_are_refused_by_name(backend):
     cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
     with pytest.raises(NotBuiltError, match="moe_flex_dispatcher_backend"):
-        MoELayer(cfg, SimpleNamespace(ep_size=1), layer_number=0)
+        MoELayer(cfg, SimpleNamespace(ep_size=1), layer_number=0, overlap=bare_plan())
 
 
 def test_flex_without_backend_is_refused():
     with pytest.raises(ConfigError, match="moe_flex_dispatcher_backend"):
         MoELayer(
-            _config(moe_token_dispatcher_type="flex"), SimpleNamespace(ep_size=1), layer_number=0
+            _config(moe_token_dispatcher_type="flex"),
+            SimpleNamespace(ep_size=1),
+            layer_number=0,
+            overlap=bare_plan(),
         )
 
 
@@ -186,14 +192,8 @@ def _shared_overlap_on_vs_off(tp: int, ep: int) -> tuple[list, list]:
     x, dy = _inputs(200 + ps.dp_rank, False, tp, ps.tp_rank)
     results = {}
     for overlap in (False, True):
-        cfg = _config(
-            tp=tp,
-            ep=ep,
-            num_moe_experts=4,
-            moe_shared_expert_intermediate_size=48,
-            moe_shared_expert_overlap=overlap,
-        )
-        layer = _layer(cfg, ps, skewed=False)
+        cfg = _config(tp=tp, ep=ep, num_moe_experts=4, moe_shared_expert_intermediate_size=48)
+        layer = _layer(cfg, ps, skewed=False, shared_overlap=overlap)
         RECORDER.drain()
         results[overlap] = _step(layer, x, dy)
         events, spans = RECORDER.drain()

@@ -15,6 +15,7 @@ from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelState
+from tests.configs import bare_plan
 from tests.world import run_world
 
 MOE = dict(
@@ -66,9 +67,8 @@ def _step(
     fields = dict(MOE, moe_shared_expert_intermediate_size=shared)
     if modules:
         fields.update(recompute_granularity="selective", recompute_modules=modules)
-    model = GPTModel(
-        ModelConfig(**fields), ParallelState(ParallelLayout(world_size=dist.get_world_size()))
-    )
+    ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
+    model = GPTModel(ModelConfig(**fields), ps, bare_plan())
     model.init_weights(1234)
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, MOE["vocab_size"], (BATCH, MOE["seq_length"]), generator=gen)

@@ -40,7 +40,8 @@ def _chunk_parameters() -> tuple[bool, list[str]]:
     from overlap.parallel.state import ParallelState
 
     cfg = tiny_config(False, "fp32", 2, [TIED], 1)
-    (chunk,) = model_chunks(cfg.model, ParallelState(cfg.finalize(1).layout))
+    res = cfg.finalize(1)
+    (chunk,) = model_chunks(cfg.model, ParallelState(res.layout), res.overlap)
     return chunk.output_layer.weight is chunk.embedding.weight, list(dict(chunk.named_parameters()))
 
 
@@ -125,8 +126,11 @@ def test_what_a_tied_model_cannot_run_is_refused_by_name(override, field):
     from overlap.training.runtime_refusals import runtime_refusals
 
     cfg = tiny_config(False, "fp32", 2, [TIED, override, "model.pipeline_model_parallel_size=2"], 1)
+    cfg.finalize(2)
     assert any(isinstance(e, NotBuiltError) and e.field == field for e in runtime_refusals(cfg))
-    moe = tiny_config(True, "fp32", 2, [TIED, "model.overlap_moe_expert_parallel_comm=true"], 1)
+    ep_overlap = [TIED, "model.overlap_moe_expert_parallel_comm=true"]
+    moe = tiny_config(True, "bf16_mixed", 2, ep_overlap, 1, expert_model_parallel_size=2)
+    moe.finalize(2)
     assert any(
         e.field == "model.share_embeddings_and_output_weights" for e in runtime_refusals(moe)
     )

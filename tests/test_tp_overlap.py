@@ -71,7 +71,8 @@ def _resolved(world: int = 2, seq: int = 256, co: dict | None = None, **model) -
 
 
 def _slots(cfg: ConfigContainer) -> dict[str, str]:
-    return {d.slot: d.effective for d in effective_tp_plan(cfg.model)[1]}
+    """What each slot runs in the resolved plan, as the decision table says it."""
+    return {s: "off" if p is None else str(p) for s, p in cfg.resolved.overlap.tp_slots}
 
 
 def test_defaults_are_transformer_engines_methods():
@@ -129,7 +130,8 @@ def test_megatron_switches_narrow_the_plan():
     )
     assert (
         linear_plan(
-            _resolved(tp_comm_overlap_disable_fc1=True, tp_comm_overlap_rs=False).model, "fc1"
+            _resolved(tp_comm_overlap_disable_fc1=True, tp_comm_overlap_rs=False).resolved.overlap,
+            "fc1",
         )
         is None
     )
@@ -181,9 +183,7 @@ def test_a_method_a_slot_cannot_use_is_a_config_error():
 
 
 def test_delay_wgrad_takes_the_wgrad_slots():
-    m = _resolved().model
-    m.delay_wgrad_compute = True
-    plans, decisions = effective_tp_plan(m)
+    plans, decisions = effective_tp_plan(_resolved().model, None, delay_wgrad_compute=True)
     assert (
         plans["qkv_wgrad"] is None
         and "delay_wgrad_compute" in {d.slot: d.reason for d in decisions}["qkv_wgrad"]
@@ -197,10 +197,8 @@ def test_bad_plan_values_are_config_errors():
         ({"method": "ring_exchange", "aggregate": True}, "proj_fprop.aggregate"),
         ({"method": "ring_exchange", "aggregate": "False"}, "proj_fprop.aggregate"),
     ):
-        cfg = _resolved()
-        cfg.model.tp_comm_overlap_cfg = {"proj_fprop": entry}
         with pytest.raises(ConfigError) as err:
-            effective_tp_plan(cfg.model)
+            effective_tp_plan(_resolved().model, {"proj_fprop": entry}, delay_wgrad_compute=False)
         assert err.value.field.endswith(field), (entry, err.value.field)
 
 
@@ -216,8 +214,8 @@ def test_an_all_moe_model_has_no_mlp_slots():
 
 
 def test_at_tp1_the_gate_turns_tp_overlap_off_and_there_is_no_plan():
-    cfg = _resolved(world=1, co=None)
-    assert cfg.model.tp_comm_overlap is False and effective_tp_plan(cfg.model) == ({}, [])
+    plan = _resolved(world=1, co=None).resolved.overlap
+    assert plan.tp_comm_overlap is False and plan.tp_slots == ()
 
 
 # --- the functions, rank side ---------------------------------------------------------------------

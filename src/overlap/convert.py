@@ -153,8 +153,9 @@ def import_hf(
         checkpoint=CheckpointConfig(save=str(out), save_optim=False, save_rng=False),
     )
     with single_process():
-        ps = ParallelState(cfg.finalize(1).layout)
-        chunks = model_chunks(cfg.model, ps)
+        res = cfg.finalize(1)
+        ps = ParallelState(res.layout)
+        chunks = model_chunks(cfg.model, ps, res.overlap)
         with flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
             load_hf_weights(
                 cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, hf_dir

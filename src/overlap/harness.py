@@ -678,7 +678,7 @@ def _buckets_need_model(cfg: ConfigContainer, res: Resolution, est: MemoryEstima
     """Whether the single-bucket no-op check must build the (meta) model: not when a communicating
     buffer is certainly cut into several buckets (the switch then does something), which the
     estimate's counts settle without building an absurdly deep model layer by layer."""
-    bucket = cfg.ddp.bucket_size
+    bucket = res.overlap.bucket_size
     if bucket is None:
         return True
     chunks = max(1, cfg.model.virtual_pipeline_model_parallel_size or 1)

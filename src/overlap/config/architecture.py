@@ -45,9 +45,8 @@ class TransformerArchitecture:
     kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
     ffn_hidden_size: int | None = None  # dense MLP width; None: 4 * hidden_size
     vocab_size: int = 32000  # embedding rows (a tokenizer or pretrained checkpoint replaces it)
-    make_vocab_size_divisible_by: int = (
-        128  # a real tokenizer's vocabulary is padded to a multiple of this x TP
-    )
+    # a real tokenizer's vocabulary is padded to a multiple of this x TP
+    make_vocab_size_divisible_by: int = 128
     seq_length: int = 256  # tokens per sequence
     layernorm_epsilon: float = 1e-6  # epsilon of every RMSNorm
     rotary_base: float = 10000.0  # RoPE base frequency

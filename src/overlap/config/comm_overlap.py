@@ -6,6 +6,11 @@ directly on the model / DDP / optimizer config (a recipe or an override); then t
 default. Every field gets a logged decision record, a request that cannot be honoured is logged as
 such (an error in strict mode), and unmet prerequisites of the MoE overlap are always errors, as in
 the reference.
+
+Both spellings are inputs only: the resolution reads them and never writes them back, so after
+`finalize` they still say what the user (or a recipe) typed. The resolved value of every switch has
+one home, the frozen `OverlapPlan` (`cfg.resolved.overlap`), which everything built or planned from
+the run reads: the model and its layers, DDP, the optimizer, the schedules and the planner.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
 from overlap.config.tp_overlap import (
+    SlotPlan,
     TransformerLayerTPOverlapCfg,
     effective_tp_plan,
     get_tp_overlap_preset,
@@ -27,6 +33,8 @@ from overlap.errors import ConfigError
 if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
     from overlap.config.training import DDPConfig, OptimizerConfig
+
+Resolved = dict[str, Any]  # the resolved switches, by OverlapPlan field, while they are decided
 
 # Megatron-Bridge's DP bucket when DP > 1 with the distributed optimizer: a count of parameters, not
 # bytes.
@@ -84,7 +92,7 @@ class CommOverlapConfig:
 
 
 # Where each comm_overlap switch's Bridge spelling lives when it is set directly (by a recipe or an
-# override): the resolution reads it there below comm_overlap's value and writes the result back.
+# override): the resolution reads it there below comm_overlap's value; the result goes to the plan.
 DIRECT_SECTION = {
     "tp_comm_overlap": "model",
     "tp_comm_overlap_cfg": "model",
@@ -131,11 +139,16 @@ def _choose(
 
 @dataclass(frozen=True, kw_only=True)
 class OverlapPlan:
-    """Every overlap switch of a finalized run as a plain value: what the runtime reads (never the
-    `None`-able request fields of the configs, which say only what was asked). Defaults: all off."""
+    """Every overlap switch of a finalized run as a plain value: the one home of the resolved
+    values, which the runtime, the model build and the planner read (never the `None`-able request
+    fields of the configs, which keep only what was asked). Defaults: all off."""
 
     # TP collectives overlapped with the GEMMs (the per-GEMM plan: tp_overlap.py)
     tp_comm_overlap: bool = False
+    # what each TP GEMM slot runs, (slot, plan or None: no overlap) pairs; empty with TP overlap off
+    tp_slots: tuple[tuple[str, SlotPlan | None], ...] = ()
+    # TP overlap's bootstrap backend, kept for Bridge (None with TP overlap off)
+    tp_comm_bootstrap_backend: str | None = None
     overlap_p2p_comm: bool = False  # pipeline receives posted early, sends not waited on
     batch_p2p_comm: bool = False  # pipeline sends and receives batched into one call
     # EP all-to-alls under another micro-batch's compute
@@ -157,11 +170,21 @@ class OverlapPlan:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            plain = bool if f.type == "bool" else int
-            if not isinstance(value, plain) and not (value is None and f.name == "bucket_size"):
-                raise TypeError(
-                    f"OverlapPlan.{f.name} resolved to {value!r}, not a plain {plain.__name__}"
+            if f.name == "tp_slots":
+                plain = "tuple of (slot, SlotPlan or None) pairs"
+                ok = isinstance(value, tuple) and all(
+                    isinstance(pair, tuple)
+                    and len(pair) == 2
+                    and isinstance(pair[0], str)
+                    and isinstance(pair[1], (SlotPlan, type(None)))
+                    for pair in value
                 )
+            else:
+                kind = bool if f.type == "bool" else str if f.type.startswith("str") else int
+                plain = kind.__name__
+                ok = isinstance(value, kind) or (value is None and f.type.endswith("| None"))
+            if not ok:
+                raise TypeError(f"OverlapPlan.{f.name} resolved to {value!r}, not a plain {plain}")
 
 
 def resolve_comm_overlap(
@@ -172,37 +195,33 @@ def resolve_comm_overlap(
     dp_size: int,
     log: DecisionLog,
 ) -> OverlapPlan:
-    """Resolve every overlap field onto the model / DDP / optimizer configs (in place),
-    recording each decision; returns the resolved switches as the frozen plan the runtime reads."""
+    """Resolve every overlap switch from its two spellings (read, never written), recording each
+    decision; returns the resolved switches as the frozen plan everything downstream reads. The
+    model / DDP / optimizer configs are left as typed (only the distributed optimizer's two
+    flags are brought into agreement)."""
     u = (
         user
         if user is not None
         else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
     )
-    _resolve_tp(u, model, log)
-    _resolve_pp(u, model, log)
-    _resolve_moe(u, model, ddp, log, dp_size)
-    _resolve_tp_plan(model, log)
-    _resolve_dp(u, model, ddp, optimizer, dp_size, log)
-    _detect_noops(model, ddp, dp_size, log)
-    holders = {"model": model, "ddp": ddp, "optimizer": optimizer}
-    planned = {f.name for f in fields(OverlapPlan)}
-    return OverlapPlan(
-        moe_shared_expert_overlap=model.moe_shared_expert_overlap,
-        **{
-            name: getattr(holders[section], name)
-            for name, section in DIRECT_SECTION.items()
-            if name in planned
-        },
-    )
+    r: Resolved = {}
+    tp_cfg = _resolve_tp(u, model, log, r)
+    _resolve_pp(u, model, log, r)
+    _resolve_moe(u, model, log, dp_size, r)
+    _resolve_tp_plan(model, tp_cfg, log, r)
+    _resolve_dp(u, model, ddp, optimizer, dp_size, log, r)
+    _detect_noops(model, ddp, dp_size, log, r)
+    return OverlapPlan(**r)
 
 
-def _detect_noops(model: ModelConfig, ddp: DDPConfig, dp_size: int, log: DecisionLog) -> None:
+def _detect_noops(
+    model: ModelConfig, ddp: DDPConfig, dp_size: int, log: DecisionLog, r: Resolved
+) -> None:
     """Switches left on by the resolution that cannot do anything in this layout (the
     model-dependent ones, such as a DP overlap with a single bucket, are found by
     `overlap.training.dp_overlap_noops`)."""
     pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
-    if model.moe_shared_expert_overlap and model.expert_model_parallel_size == 1:
+    if r["moe_shared_expert_overlap"] and model.expert_model_parallel_size == 1:
         log.noop(
             "model.moe_shared_expert_overlap",
             True,
@@ -210,15 +229,20 @@ def _detect_noops(model: ModelConfig, ddp: DDPConfig, dp_size: int, log: Decisio
             "the shared expert to compute under",
             "use -ep 2 or more, or drop moe_shared_expert_overlap.",
         )
-    for name in ("overlap_p2p_comm", "batch_p2p_comm", "deallocate_pipeline_outputs"):
-        if getattr(model, name) and pp == 1:
+    pipeline = {
+        "overlap_p2p_comm": r["overlap_p2p_comm"],
+        "batch_p2p_comm": r["batch_p2p_comm"],
+        "deallocate_pipeline_outputs": model.deallocate_pipeline_outputs,
+    }
+    for name, on in pipeline.items():
+        if on and pp == 1:
             log.noop(
                 f"model.{name}",
                 True,
                 "PP=1: there is no pipeline send/receive",
                 "use -pp 2 or more, or drop it.",
             )
-    if ddp.align_param_gather and not (
+    if r["align_param_gather"] and not (
         dp_size > 1 and ddp.use_distributed_optimizer and pp > 1 and vp > 1
     ):
         log.noop(
@@ -228,7 +252,7 @@ def _detect_noops(model: ModelConfig, ddp: DDPConfig, dp_size: int, log: Decisio
             "optimizer, PP>1 and VPP",
             "drop ddp.align_param_gather.",
         )
-    elif ddp.align_param_gather and not ddp.overlap_param_gather:
+    elif r["align_param_gather"] and not r["overlap_param_gather"]:
         log.noop(
             "ddp.align_param_gather",
             True,
@@ -238,7 +262,11 @@ def _detect_noops(model: ModelConfig, ddp: DDPConfig, dp_size: int, log: Decisio
         )
 
 
-def _resolve_tp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog) -> None:
+def _resolve_tp(
+    u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: Resolved
+) -> dict[str, Any] | None:
+    """TP overlap on or off, and its per-GEMM plan; returns the plan in Bridge's dict form (None:
+    TP overlap off, or no plan given), which `_resolve_tp_plan` turns into the slots."""
     requested = _requested(u.tp_comm_overlap, model.tp_comm_overlap)
     src = _source(u.tp_comm_overlap, model.tp_comm_overlap)
     if requested:
@@ -262,49 +290,52 @@ def _resolve_tp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog) -> N
     else:
         effective, fix = False, None
         by, reason = (src, "requested off") if src else (DEFAULT, "not requested")
-    model.tp_comm_overlap = log.record(
+    r["tp_comm_overlap"] = log.record(
         "model.tp_comm_overlap", requested, effective, by, reason, fix=fix
     )
 
     plan = _requested(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg)
     if not effective:
-        model.tp_comm_overlap_cfg = log.record(
-            "model.tp_comm_overlap_cfg", None, None, RULE, "TP overlap is off"
-        )
-        model.tp_comm_bootstrap_backend = None
-        return
-    if plan is None:
-        log.record("model.tp_comm_overlap_cfg", None, None, DEFAULT, TP_NO_PRESET)
-        model.tp_comm_overlap_cfg = None
-    else:
-        preset = get_tp_overlap_preset(plan) if isinstance(plan, str) else plan
-        if not isinstance(preset, TransformerLayerTPOverlapCfg):
-            raise ConfigError(
-                "comm_overlap.tp_comm_overlap_cfg",
-                plan,
-                "it must be a TransformerLayerTPOverlapCfg or the name of a userbuffers_* preset.",
-                "pass a preset name such as userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048.",
-            )
-        label = plan if isinstance(plan, str) else "TransformerLayerTPOverlapCfg"
-        log.record(
-            "model.tp_comm_overlap_cfg",
-            label,
-            label,
-            _source(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg),
-            "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped",
-        )
-        model.tp_comm_overlap_cfg = preset.to_dict()
-    model.tp_comm_bootstrap_backend = (
+        log.record("model.tp_comm_overlap_cfg", None, None, RULE, "TP overlap is off")
+        r["tp_comm_bootstrap_backend"] = None
+        return None
+    r["tp_comm_bootstrap_backend"] = (
         u.tp_comm_bootstrap_backend or model.tp_comm_bootstrap_backend or "nccl"
     )
+    if plan is None:
+        log.record("model.tp_comm_overlap_cfg", None, None, DEFAULT, TP_NO_PRESET)
+        return None
+    preset = get_tp_overlap_preset(plan) if isinstance(plan, str) else plan
+    if not isinstance(preset, TransformerLayerTPOverlapCfg):
+        raise ConfigError(
+            "comm_overlap.tp_comm_overlap_cfg",
+            plan,
+            "it must be a TransformerLayerTPOverlapCfg or the name of a userbuffers_* preset.",
+            "pass a preset name such as userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048.",
+        )
+    label = plan if isinstance(plan, str) else "TransformerLayerTPOverlapCfg"
+    log.record(
+        "model.tp_comm_overlap_cfg",
+        label,
+        label,
+        _source(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg),
+        "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped",
+    )
+    return preset.to_dict()
 
 
-def _resolve_tp_plan(model: ModelConfig, log: DecisionLog) -> None:
+def _resolve_tp_plan(
+    model: ModelConfig, tp_cfg: dict[str, Any] | None, log: DecisionLog, r: Resolved
+) -> None:
     """With TP overlap on, one decision per GEMM slot (what runs there, and why: the plan, a
     default, a Megatron switch or a runtime rule), after delay_wgrad_compute is known (it takes the
-    wgrad slots). The layers execute the same `effective_tp_plan`. The plan's GPU-kernel knobs are
-    listed, recorded without effect."""
-    _plans, slots = effective_tp_plan(model)
+    wgrad slots); the slots go to the plan, which the layers execute. The plan's GPU-kernel knobs
+    are listed, recorded without effect."""
+    if not r["tp_comm_overlap"]:
+        r["tp_slots"] = ()
+        return
+    plans, slots = effective_tp_plan(model, tp_cfg, r["delay_wgrad_compute"])
+    r["tp_slots"] = tuple(plans.items())
     for d in slots:
         log.record(
             f"model.tp_comm_overlap_cfg.{d.slot}",
@@ -315,7 +346,7 @@ def _resolve_tp_plan(model: ModelConfig, log: DecisionLog) -> None:
             fix="drop --strict to accept the rule, or change the plan/shape it names (e.g. a "
             "longer sequence for the size rule, num_splits that divide the shard).",
         )
-    knobs = kernel_knobs(model.tp_comm_overlap_cfg) if model.tp_comm_overlap else {}
+    knobs = kernel_knobs(tp_cfg)
     if knobs:
         names = sorted({k for kv in knobs.values() for k in kv})
         shown = f"{', '.join(names)} (set in {len(knobs)} slot{'s' if len(knobs) > 1 else ''})"
@@ -333,7 +364,7 @@ def _resolve_tp_plan(model: ModelConfig, log: DecisionLog) -> None:
         )
 
 
-def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog) -> None:
+def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
     pp = model.pipeline_model_parallel_size
     vp = model.virtual_pipeline_model_parallel_size or 1
     if pp > 1 and vp > 1:
@@ -345,7 +376,7 @@ def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog) -> N
         )
     else:
         auto, why = (False, False), "PP=1: no pipeline communication"
-    model.overlap_p2p_comm = _choose(
+    r["overlap_p2p_comm"] = _choose(
         log,
         "model.overlap_p2p_comm",
         u.overlap_p2p_comm,
@@ -354,17 +385,17 @@ def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog) -> N
         RULE,
         why,
     )
-    model.batch_p2p_comm = _choose(
+    r["batch_p2p_comm"] = _choose(
         log, "model.batch_p2p_comm", u.batch_p2p_comm, model.batch_p2p_comm, auto[1], RULE, why
     )
-    if model.overlap_p2p_comm and model.batch_p2p_comm:
+    if r["overlap_p2p_comm"] and r["batch_p2p_comm"]:
         raise ConfigError(
             "comm_overlap.batch_p2p_comm",
             True,
             "overlap_p2p_comm and batch_p2p_comm cannot both be on (overlapped p2p is unbatched).",
             "set one of them to false, or leave both unset for the PP rule.",
         )
-    model.defer_embedding_wgrad_compute = _choose(
+    r["defer_embedding_wgrad_compute"] = _choose(
         log,
         "model.defer_embedding_wgrad_compute",
         u.defer_embedding_wgrad_compute,
@@ -373,7 +404,7 @@ def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog) -> N
         DEFAULT,
         "off unless requested",
     )
-    model.wgrad_deferral_limit = _choose(
+    r["wgrad_deferral_limit"] = _choose(
         log,
         "model.wgrad_deferral_limit",
         u.wgrad_deferral_limit,
@@ -501,7 +532,7 @@ def _graph_scope(model: ModelConfig) -> set[str]:
 
 
 def _resolve_moe(
-    u: CommOverlapConfig, model: ModelConfig, ddp: DDPConfig, log: DecisionLog, dp_size: int = 1
+    u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, dp_size: int, r: Resolved
 ) -> None:
     ep_on = _choose(
         log,
@@ -526,7 +557,7 @@ def _resolve_moe(
                         "comm_overlap.overlap_moe_expert_parallel_comm."
                     )
                 raise ConfigError(field, value, why, fix)
-    model.overlap_moe_expert_parallel_comm = ep_on
+    r["overlap_moe_expert_parallel_comm"] = ep_on
 
     delay = _requested(u.delay_wgrad_compute, model.delay_wgrad_compute)
     if delay:
@@ -560,7 +591,7 @@ def _resolve_moe(
                 "CUDA graph with delay_wgrad_compute does not support attention bias for now.",
                 "set model.add_bias_linear=false and model.add_qkv_bias=false.",
             )
-    model.delay_wgrad_compute = _choose(
+    r["delay_wgrad_compute"] = _choose(
         log,
         "model.delay_wgrad_compute",
         u.delay_wgrad_compute,
@@ -605,7 +636,7 @@ def _resolve_moe(
                 if shared
                 else "requested off",
             )
-    model.moe_shared_expert_overlap = bool(shared)
+    r["moe_shared_expert_overlap"] = bool(shared)
     if model.is_moe:
         _record_expert_capacity(model, log)
         if model.moe_router_force_load_balancing:
@@ -665,6 +696,7 @@ def _resolve_dp(
     optimizer: OptimizerConfig,
     dp_size: int,
     log: DecisionLog,
+    r: Resolved,
 ) -> None:
     if ddp.use_distributed_optimizer != optimizer.use_distributed_optimizer:
         which = "ddp" if not ddp.use_distributed_optimizer else "optimizer"
@@ -685,7 +717,7 @@ def _resolve_dp(
     # of reduce-scatter).
     want = _requested(u.overlap_grad_reduce, ddp.overlap_grad_reduce)
     if want and not many:
-        ddp.overlap_grad_reduce = log.record(
+        r["overlap_grad_reduce"] = log.record(
             "ddp.overlap_grad_reduce",
             want,
             False,
@@ -694,7 +726,7 @@ def _resolve_dp(
             fix="use more data-parallel ranks, or do not request it.",
         )
     else:
-        ddp.overlap_grad_reduce = _choose(
+        r["overlap_grad_reduce"] = _choose(
             log,
             "ddp.overlap_grad_reduce",
             u.overlap_grad_reduce,
@@ -715,7 +747,7 @@ def _resolve_dp(
             if not many
             else "parameters are only gathered with the distributed optimizer"
         )
-        ddp.overlap_param_gather = log.record(
+        r["overlap_param_gather"] = log.record(
             "ddp.overlap_param_gather",
             want,
             False,
@@ -724,7 +756,7 @@ def _resolve_dp(
             fix="set ddp.use_distributed_optimizer=true with DP>1.",
         )
     else:
-        ddp.overlap_param_gather = _choose(
+        r["overlap_param_gather"] = _choose(
             log,
             "ddp.overlap_param_gather",
             u.overlap_param_gather,
@@ -736,7 +768,7 @@ def _resolve_dp(
             else "no distributed parameter gather",
         )
 
-    ddp.align_param_gather = _choose(
+    r["align_param_gather"] = _choose(
         log,
         "ddp.align_param_gather",
         u.align_param_gather,
@@ -753,30 +785,29 @@ def _resolve_dp(
             BRIDGE_DP_BUCKET_SIZE,
             "DP>1 with the distributed optimizer: 128M parameters (Bridge)",
         )
-    elif ddp.overlap_grad_reduce:
+    elif r["overlap_grad_reduce"]:
         auto, why = (
             max(40_000_000, 1_000_000 * dp_size),
             "overlapped reduce: Megatron DDP default bucket",
         )
     else:
         auto, why = None, "no overlapped reduce: one bucket"
-    ddp.bucket_size = _choose(
-        log, "ddp.bucket_size", u.bucket_size, ddp.bucket_size, auto, RULE, why
-    )
-    if ddp.bucket_size is not None and ddp.bucket_size < 1:
+    bucket = _choose(log, "ddp.bucket_size", u.bucket_size, ddp.bucket_size, auto, RULE, why)
+    if bucket is not None and bucket < 1:
         raise ConfigError(
             "ddp.bucket_size",
-            ddp.bucket_size,
+            bucket,
             "a bucket holds at least one parameter.",
             "use a positive count of parameters (not bytes), or null for one bucket.",
         )
+    r["bucket_size"] = bucket
 
     want = _requested(
         u.overlap_param_gather_with_optimizer_step,
         optimizer.overlap_param_gather_with_optimizer_step,
     )
     if want and not (dist_opt and pp > 1 and vp > 1):
-        optimizer.overlap_param_gather_with_optimizer_step = log.record(
+        r["overlap_param_gather_with_optimizer_step"] = log.record(
             "optimizer.overlap_param_gather_with_optimizer_step",
             want,
             False,
@@ -785,7 +816,7 @@ def _resolve_dp(
             fix="use it only with -pp >1 -vp >1 and the distributed optimizer.",
         )
     else:
-        optimizer.overlap_param_gather_with_optimizer_step = _choose(
+        r["overlap_param_gather_with_optimizer_step"] = _choose(
             log,
             "optimizer.overlap_param_gather_with_optimizer_step",
             u.overlap_param_gather_with_optimizer_step,
@@ -794,14 +825,14 @@ def _resolve_dp(
             DEFAULT,
             "never turned on automatically",
         )
-    if optimizer.overlap_param_gather_with_optimizer_step:
+    if r["overlap_param_gather_with_optimizer_step"]:
         # Megatron launches the first bucket's gather inside the optimizer step only with this
         # switch; our overlapped gather always does (data_parallel/param_gather.py), and without it
         # gathers right after the step.
         already = (
             "ddp.overlap_param_gather already launches the first bucket's all-gather inside the "
             "optimizer step"
-            if ddp.overlap_param_gather
+            if r["overlap_param_gather"]
             else "without ddp.overlap_param_gather every bucket is gathered right after the step"
         )
         log.noop(

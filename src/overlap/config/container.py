@@ -15,7 +15,7 @@ import copy
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -124,8 +124,12 @@ class ConfigContainer:
 
     def to_dict(self) -> dict[str, Any]:
         """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's
-        config."""
-        return plain_value(self)
+        config. The sections hold what was asked (their overlap switches as typed); once finalized,
+        `overlap_plan` adds every overlap switch as resolved."""
+        out = plain_value(self)
+        if self._resolution is not None:
+            out["overlap_plan"] = plain_value(self._resolution.overlap)
+        return out
 
     def finalize(
         self,
@@ -168,7 +172,7 @@ class ConfigContainer:
         plan = resolve_comm_overlap(
             self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log
         )
-        self._validate(layout)
+        self._validate(layout, plan)
         self._covered_recompute(log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
         resolve_logger(self.logger, self.checkpoint.save, log, require_libraries)
@@ -480,15 +484,20 @@ class ConfigContainer:
                 "pipeline", LAYOUT_FIELD, spec, resolved.as_string(), by, resolved.describe()
             )
 
-    def _validate(self, layout: ParallelLayout) -> None:
+    def _validate(self, layout: ParallelLayout, plan: OverlapPlan) -> None:
         """Each section's own rules, then those across sections (the first broken one is the
-        error)."""
+        error). The model's rules that involve an overlap switch judge its resolved value (the
+        plan's), not the spelling the model section holds."""
         self._validate_tp_divisibility(layout)
-        self.model.validate()
+        replace(
+            self.model,
+            moe_shared_expert_overlap=plan.moe_shared_expert_overlap,
+            wgrad_deferral_limit=plan.wgrad_deferral_limit,
+        ).validate()
         self._validate_experts(layout)
         self._validate_batch(layout)
         self._validate_pipeline_schedule(layout)
-        self._validate_ep_overlap_batch(layout)
+        self._validate_ep_overlap_batch(layout, plan)
         self.optimizer.validate()
         self.scheduler.validate()
         self.train.validate()
@@ -612,10 +621,10 @@ class ConfigContainer:
                 "adjust -gb or -mb.",
             )
 
-    def _validate_ep_overlap_batch(self, layout: ParallelLayout) -> None:
+    def _validate_ep_overlap_batch(self, layout: ParallelLayout, plan: OverlapPlan) -> None:
         t = self.train
         micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        if self.model.overlap_moe_expert_parallel_comm and micro < 2:
+        if plan.overlap_moe_expert_parallel_comm and micro < 2:
             raise ConfigError(
                 "train.global_batch_size",
                 t.global_batch_size,

@@ -244,8 +244,8 @@ def _record_wandb(
         lg.wandb_project,
         lg.wandb_project,
         USER,
-        f"rank 0 logs the --metrics scalars to run {lg.wandb_exp_name!r}{entity}, {every}; "
-        f"mode {mode}: {why} (rank 0's environment decides){installed}",
+        f"rank 0 logs the --metrics scalars to run {lg.wandb_exp_name!r}{entity}, {every}; mode "
+        f"{mode}: {why} (rank 0's environment decides){installed}",
     )
 
 

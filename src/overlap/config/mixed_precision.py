@@ -130,8 +130,7 @@ def resolve_loss_scaling(
             "fp16 gradients underflow unscaled: a step whose gradients overflow is skipped "
             "(parameters and Adam state untouched); after "
             f"{o.hysteresis} overflows every overflow halves the scale, {o.loss_scale_window} "
-            "clean "
-            "steps in a row double it",
+            "clean steps in a row double it",
         )
     else:
         log.record_in(

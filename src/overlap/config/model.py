@@ -4,14 +4,14 @@ The network itself is `TransformerArchitecture` (`architecture.py`), whose field
 inherits, so `model.hidden_size=...` and `ModelConfig(hidden_size=...)` work as in Bridge. The
 fields declared here say how a run lays the network out and computes it: parallel layout,
 pipeline, kernels and fusions, MoE dispatch and routing, recompute, CUDA graphs, precision and the
-overlap fields that the resolution in `comm_overlap.py` writes.
+overlap fields that the resolution in `comm_overlap.py` reads.
 
 Field names and meanings follow Megatron-Core's TransformerConfig, which our users already speak.
 Overlap fields default to `None`, meaning "not set by the user": they are Bridge's direct spelling
-of a comm_overlap switch (`comm_overlap.DIRECT_SECTION`), read by the resolution below
-comm_overlap's value, then overwritten with the resolved value (which the model's layers read when
-they are built).
-The training loop, DDP and the optimizer read the frozen `cfg.resolved.overlap` (`OverlapPlan`).
+of a comm_overlap switch (`comm_overlap.DIRECT_SECTION`), an input the resolution reads below
+comm_overlap's value and never overwrites, so they keep what the user (or a recipe) typed.
+The resolved values live only in the frozen `cfg.resolved.overlap` (`OverlapPlan`), which the
+model build, the training loop, DDP, the optimizer and the planner read.
 """
 
 from __future__ import annotations
@@ -136,12 +136,12 @@ class ModelConfig(TransformerArchitecture):
     bf16: bool = False  # bfloat16 compute (written by mixed precision)
     fp16: bool = False  # float16 compute (written by mixed precision)
     params_dtype: str = "float32"  # dtype of the parameters (written by mixed precision)
-    # --- overlap fields resolved by ConfigContainer.finalize (None: not set by the user) ---
+    # --- overlap fields: inputs finalize reads and keeps as typed (resolved: cfg.resolved.overlap)
     # TP overlap requested here (comm_overlap.tp_comm_overlap beats it); None: off
     tp_comm_overlap: bool | None = None
-    # preset name, TransformerLayerTPOverlapCfg, or its dict form after resolution
+    # preset name or TransformerLayerTPOverlapCfg (the plan holds the resolved slots)
     tp_comm_overlap_cfg: Any = None
-    # TP overlap's bootstrap backend, kept for Bridge (resolution writes it)
+    # TP overlap's bootstrap backend, kept for Bridge (None: nccl once TP overlap is on)
     tp_comm_bootstrap_backend: str | None = None
     # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults);
     # they narrow the per-GEMM plan, see overlap.config.tp_overlap.effective_tp_plan.
@@ -166,7 +166,8 @@ class ModelConfig(TransformerArchitecture):
     defer_embedding_wgrad_compute: bool | None = None
     # deferred output wgrads that may wait (-1: automatic); None: -1
     wgrad_deferral_limit: int | None = None
-    # the shared expert computes under the dispatch/combine all-to-all; None: off (logged)
+    # the shared expert computes under the dispatch/combine all-to-all; None: off (logged; an
+    # input, the resolved value is cfg.resolved.overlap's)
     moe_shared_expert_overlap: bool | None = None
 
     # --- checks of this section alone (ConfigContainer.finalize runs them once resolved) ---------

@@ -18,8 +18,8 @@ Megatron-Bridge's ``comm_overlap.py`` so that configurations written for it keep
 (``model.tp_comm_overlap_cfg``). :func:`effective_tp_plan` turns that dict (or the defaults), the
 Megatron switches (``tp_comm_overlap_ag`` ...) and the size rule into the plan our runtime
 (``overlap.layers.tp_overlap``) executes: one method per GEMM slot, or none. The resolution logs
-every slot's outcome; the layers call the same function, so what the decision table says is what
-runs.
+every slot's outcome and keeps the slots in the frozen overlap plan (``OverlapPlan.tp_slots``),
+which the layers read (:func:`linear_plan`), so what the decision table says is what runs.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:
+    from overlap.config.comm_overlap import OverlapPlan
     from overlap.config.model import ModelConfig
 
 __all__ = [
@@ -478,9 +479,12 @@ def _largest_split(rows: int, wanted: int) -> int:
 
 
 def effective_tp_plan(
-    model: ModelConfig,
+    model: ModelConfig, tp_comm_overlap_cfg: Any, delay_wgrad_compute: bool
 ) -> tuple[dict[str, SlotPlan | None], list[SlotDecision]]:
-    """Every slot's plan in this run, and why. Empty when TP overlap is off.
+    """Every slot's plan in a run with TP overlap on, and why: the resolution's step (the layers
+    read its outcome from the overlap plan). `tp_comm_overlap_cfg` is the resolved per-GEMM plan
+    (Bridge's dict form; None: Transformer Engine's defaults) and `delay_wgrad_compute` the
+    resolved switch; the layout, the shape and Megatron's switches come from the model.
 
     Order of the rules: the plan's method (the preset's, or Transformer Engine's default), the
     Megatron switches (a user's choice: honoured as asked), then the runtime's rules (the request is
@@ -488,11 +492,9 @@ def effective_tp_plan(
     later, so the reduce-scatter cannot hide under it; the reference refuses the pair), a chunked
     dgrad reduce-scatter takes its wgrad bulk slot, aggregate needs an even TP of 4 or more, and the
     size rule (MIN_CHUNK_ROWS)."""
-    if not model.tp_comm_overlap:
-        return {}, []
     tp = model.tensor_model_parallel_size
     rows = model.seq_length // tp  # sequence rows of one rank's shard
-    cfg = model.tp_comm_overlap_cfg
+    cfg = tp_comm_overlap_cfg
     switches = {
         "tp_comm_overlap_ag": AG_SLOTS,
         "tp_comm_overlap_rs": ("proj_fprop", "fc2_fprop"),
@@ -552,7 +554,7 @@ def effective_tp_plan(
         # The runtime's rules: a request changed here is said (and refused under strict).
         if slot.endswith("_wgrad") and plan is not None:
             dgrad = plans.get(f"{linear}_dgrad")
-            if model.delay_wgrad_compute:
+            if delay_wgrad_compute:
                 plan, by = None, "rule"
                 reason = (
                     "delay_wgrad_compute runs the weight-gradient GEMM later, so the dgrad "
@@ -593,9 +595,10 @@ def effective_tp_plan(
     return plans, decisions
 
 
-def linear_plan(model: ModelConfig, name: str) -> LinearPlan | None:
-    """The slots of the TP linear `name` (qkv, proj, fc1, fc2); None when none of them overlaps."""
-    plans, _ = effective_tp_plan(model)
+def linear_plan(overlap: OverlapPlan, name: str) -> LinearPlan | None:
+    """The slots of the TP linear `name` (qkv, proj, fc1, fc2) in the resolved overlap plan; None
+    when none of them overlaps (TP overlap off included)."""
+    plans = dict(overlap.tp_slots)
     plan = LinearPlan(
         plans.get(f"{name}_fprop"), plans.get(f"{name}_dgrad"), plans.get(f"{name}_wgrad")
     )

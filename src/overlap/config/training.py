@@ -12,8 +12,10 @@ from overlap.errors import ConfigError, NotBuiltError, check_rules
 
 @dataclass
 class DDPConfig:
-    """Data-parallel gradient reduction and parameter gather. `None` = not set: resolved by finalize
-    and logged; the runtime reads the resolved overlap switches from `cfg.resolved.overlap`."""
+    """Data-parallel gradient reduction and parameter gather. The overlap switches here (and the
+    bucket size) are Bridge's direct spelling of comm_overlap's: an input finalize reads below
+    comm_overlap's value and leaves as typed (`None`: not set). The resolved values, logged, live in
+    `cfg.resolved.overlap`, which the runtime reads."""
 
     # shard optimizer state over DP (kept in sync with optimizer's)
     use_distributed_optimizer: bool = False
@@ -50,7 +52,8 @@ class OptimizerConfig:
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
     # kept in sync with ddp.use_distributed_optimizer (logged)
     use_distributed_optimizer: bool = False
-    # first param gather inside the optimizer step; None: off
+    # first param gather inside the optimizer step; None: off (an input: resolved into
+    # cfg.resolved.overlap)
     overlap_param_gather_with_optimizer_step: bool | None = None
     bf16: bool = False  # bfloat16 training (written by mixed precision)
     fp16: bool = False  # float16 training: loss scaling on (written by mixed precision)

@@ -212,7 +212,7 @@ def _scheduled_activations(
         vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)
         in_flight = min(pp, micro)
         one = one * in_flight if vpp == 1 else int(one * in_flight * (1 + (pp - 1) / (pp * vpp)))
-    if m.is_moe and m.overlap_moe_expert_parallel_comm:
+    if m.is_moe and cfg.resolved.overlap.overlap_moe_expert_parallel_comm:
         tokens = (
             m.seq_length * t.micro_batch_size // (max(1, layout.tp) if m.sequence_parallel else 1)
         )

@@ -10,6 +10,8 @@ input columns (heads x head_dim) are sharded consistently by the same contiguous
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,9 @@ from overlap.layers.recompute import maybe_checkpoint, selective_modules
 from overlap.layers.rotary import RotaryEmbedding
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from overlap.config.comm_overlap import OverlapPlan
 
 _SDPA_KERNELS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
@@ -81,10 +86,10 @@ class SelfAttention(nn.Module):
     Parts, so that recompute (and later schedules) can address them: `linear_qkv` (column-parallel;
     all-gathers the sequence under SP), `q_layernorm`/`k_layernorm`, rotary, `core_attention` (the
     attention product; selective recompute "core_attn"), `linear_proj` (row-parallel;
-    reduce-scatters under SP).
+    reduce-scatters under SP). Their TP overlap is the run's resolved plan's (`overlap.tp_slots`).
     """
 
-    def __init__(self, config, ps: ParallelState, layer_number: int) -> None:
+    def __init__(self, config, ps: ParallelState, layer_number: int, overlap: OverlapPlan) -> None:
         super().__init__()
         check_attention_backend(config.attention_backend)
         _check_heads(config, ps.tp_size)
@@ -104,7 +109,7 @@ class SelfAttention(nn.Module):
             sp,
             bias=config.add_qkv_bias,
             params_dtype=dtype,
-            overlap=linear_plan(config, "qkv"),
+            overlap=linear_plan(overlap, "qkv"),
         )
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
@@ -133,7 +138,7 @@ class SelfAttention(nn.Module):
             sp,
             bias=config.add_bias_linear,
             params_dtype=dtype,
-            overlap=linear_plan(config, "proj"),
+            overlap=linear_plan(overlap, "proj"),
         )
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -3,6 +3,8 @@ linear."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +13,9 @@ from overlap.config.tp_overlap import linear_plan
 from overlap.layers import fused
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
+
+if TYPE_CHECKING:
+    from overlap.config.comm_overlap import OverlapPlan
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -27,14 +32,19 @@ class MLP(nn.Module):
     each TP rank holds [gate_i, up_i], and the logical weight [2, ffn, hidden] is the same at any TP
     size. It runs as two GEMMs into contiguous gate and up tensors (`split=True`): SwiGLU on the
     fused output's strided halves, and the `cat` of their gradients in backward, cost more than the
-    one wider GEMM saves. `ffn_hidden_size` overrides the config's width (shared experts use their
-    own). `tp_overlap=False` keeps the plain TP collectives whatever the TP-overlap plan (shared
-    experts: the reference disables userbuffers in them, they run beside the dispatch). SwiGLU runs
-    through `fused.run` (`model.bias_activation_fusion`); GELU is one kernel already.
+    one wider GEMM saves. `overlap` is the run's resolved overlap plan, whose TP slots fc1 and fc2
+    run; None keeps the plain TP collectives whatever the plan (shared experts: the reference
+    disables userbuffers in them, they run beside the dispatch). `ffn_hidden_size` overrides the
+    config's width (shared experts use their own). SwiGLU runs through `fused.run`
+    (`model.bias_activation_fusion`); GELU is one kernel already.
     """
 
     def __init__(
-        self, config, ps: ParallelState, ffn_hidden_size: int | None = None, tp_overlap: bool = True
+        self,
+        config,
+        ps: ParallelState,
+        overlap: OverlapPlan | None,
+        ffn_hidden_size: int | None = None,
     ) -> None:
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_size
@@ -51,7 +61,7 @@ class MLP(nn.Module):
             bias=config.add_bias_linear,
             num_fused=fused,
             params_dtype=dtype,
-            overlap=linear_plan(config, "fc1") if tp_overlap else None,
+            overlap=linear_plan(overlap, "fc1") if overlap is not None else None,
         )
         self.linear_fc2 = RowParallelLinear(
             ffn,
@@ -60,7 +70,7 @@ class MLP(nn.Module):
             sp,
             bias=config.add_bias_linear,
             params_dtype=dtype,
-            overlap=linear_plan(config, "fc2") if tp_overlap else None,
+            overlap=linear_plan(overlap, "fc2") if overlap is not None else None,
         )
 
     def fc1_and_activation(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,16 @@ layout, which is what lets `init_weights` give every layout the reference model'
 pipeline parallelism a model chunk (`Stage`) holds a range of layers registered under their global
 numbers (`layers.5.` on whichever rank holds layer 5), the embedding only on the first virtual
 stage, the final norm and output layer only on the last.
+
+What the model runs overlapped (the TP slots of each linear, the shared expert under the
+all-to-alls, the deferred output-layer wgrad) comes from the resolved overlap plan it is built with
+(`cfg.resolved.overlap`), never from the model section's switches, which keep only what was typed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +37,9 @@ from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 
+if TYPE_CHECKING:
+    from overlap.config.comm_overlap import OverlapPlan
+
 
 class TransformerLayer(nn.Module):
     """x -> x + attn(norm(x)) -> h + mlp(norm(h)), where mlp is a dense MLP or an MoE layer.
@@ -40,7 +48,7 @@ class TransformerLayer(nn.Module):
     them apart; `forward` is simply one after the other and returns (hidden, aux_loss or None).
     """
 
-    def __init__(self, config, ps: ParallelState, layer_number: int) -> None:
+    def __init__(self, config, ps: ParallelState, layer_number: int, overlap: OverlapPlan) -> None:
         super().__init__()
         dtype = params_dtype(config)
         sp = config.sequence_parallel
@@ -58,15 +66,15 @@ class TransformerLayer(nn.Module):
             fusion=config.rms_norm_fusion,
         )
         self.input_layernorm = RMSNorm(**norm)
-        self.self_attention = SelfAttention(config, ps, layer_number)
+        self.self_attention = SelfAttention(config, ps, layer_number, overlap)
         self.pre_mlp_layernorm = RMSNorm(**norm)
         if self.is_moe:
             # only MoE models need (and import) the MoE package
             from overlap.layers.moe.moe_layer import MoELayer
 
-            self.mlp = MoELayer(config, ps, layer_number)
+            self.mlp = MoELayer(config, ps, layer_number, overlap)
         else:
-            self.mlp = MLP(config, ps)
+            self.mlp = MLP(config, ps, overlap)
 
     def attention_block(self, x: torch.Tensor) -> torch.Tensor:
         """Residual + self-attention of the input-normalised hidden state."""
@@ -123,10 +131,13 @@ class GPTModel(nn.Module):
     auxiliary losses (a 0-dim fp32 tensor, zero for a dense model). The output layer is
     vocabulary-parallel, its own weight or, with `share_embeddings_and_output_weights` (Qwen3
     0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last of several pipeline stages,
-    its copy); the loss is computed from the vocab-sharded logits without gathering them.
+    its copy); the loss is computed from the vocab-sharded logits without gathering them. `overlap`
+    is the run's resolved overlap plan (what its layers overlap).
     """
 
-    def __init__(self, config, ps: ParallelState, stage: Stage | None = None) -> None:
+    def __init__(
+        self, config, ps: ParallelState, overlap: OverlapPlan, stage: Stage | None = None
+    ) -> None:
         super().__init__()
         tp = ps.tp_size
         if config.vocab_size % tp:
@@ -157,7 +168,10 @@ class GPTModel(nn.Module):
             if tied and not self.stage.post_process:
                 self.embedding.weight.tied_embedding = True
         self.layers = LayerStack(
-            [TransformerLayer(config, ps, i) for i in range(self.stage.start, self.stage.end)],
+            [
+                TransformerLayer(config, ps, i, overlap)
+                for i in range(self.stage.start, self.stage.end)
+            ],
             self.stage.start,
         )
         if self.stage.post_process:
@@ -174,7 +188,7 @@ class GPTModel(nn.Module):
             # (overlap.pipeline.output_wgrad)
             store = (
                 WeightGradStore("bwd.deferred_output_wgrad")
-                if config.defer_embedding_wgrad_compute
+                if overlap.defer_embedding_wgrad_compute
                 else None
             )
             if tied:
@@ -268,12 +282,14 @@ class GPTModel(nn.Module):
         return hidden, aux_loss
 
 
-def model_chunks(config, ps: ParallelState) -> list[GPTModel]:
+def model_chunks(config, ps: ParallelState, overlap: OverlapPlan) -> list[GPTModel]:
     """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
     pipeline, each holding the layers its virtual stage gets (`overlap.config.pipeline_layout`: an
     even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
-    spelt out); chunks may differ in size."""
+    spelt out); chunks may differ in size. `overlap`: the run's resolved overlap plan."""
     from overlap.config.pipeline_layout import resolve_pipeline_layout
 
     stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
-    return [GPTModel(config, ps, Stage(s.start, s.end, s.embedding, s.loss)) for s in stages]
+    return [
+        GPTModel(config, ps, overlap, Stage(s.start, s.end, s.embedding, s.loss)) for s in stages
+    ]

@@ -30,10 +30,11 @@ class PeerTrainer(Trainer):
     def __init__(self, cfg: ConfigContainer, ps: ParallelState) -> None:
         self.cfg, self.ps, self.impl = cfg, ps, cfg.ddp.impl
         torch.manual_seed(cfg.train.seed)
-        model = GPTModel(cfg.model, ps)
+        model = GPTModel(cfg.model, ps, cfg.resolved.overlap)
         model.init_weights(cfg.train.seed)
         if self.impl == "torch_ddp":
-            bucket_mb = 25 if cfg.ddp.bucket_size is None else cfg.ddp.bucket_size * 4 / 2**20
+            bucket = cfg.resolved.overlap.bucket_size
+            bucket_mb = 25 if bucket is None else bucket * 4 / 2**20
             self.model = torch.nn.parallel.DistributedDataParallel(
                 model, process_group=ps.dp_group, bucket_cap_mb=bucket_mb
             )

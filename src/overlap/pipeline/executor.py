@@ -84,8 +84,8 @@ class PipelineExecutor:
     `chunks[c]` is model chunk c (`GPTModel` with a `Stage`), `before_backward(chunk, is_last)`
     tells data parallelism which backward is a chunk's last micro-batch (its gradients can then be
     reduced), `memory`: where each step's peak of live output bytes is recorded. With
-    `options.defer_output_wgrad` the last stage's model must have been built with
-    `model.defer_embedding_wgrad_compute`, which gives its output layer the store."""
+    `options.defer_output_wgrad` the last stage's model must have been built with an overlap plan
+    whose `defer_embedding_wgrad_compute` is on, which gives its output layer the store."""
 
     def __init__(
         self,

@@ -49,7 +49,7 @@ class OutputWgradDeferral:
             if store is None:
                 raise RuntimeError(
                     "defer_embedding_wgrad_compute: the output layer has no weight-gradient store; "
-                    "build the model with model.defer_embedding_wgrad_compute=true"
+                    "build the model with an overlap plan whose defer_embedding_wgrad_compute is on"
                 )
             if store.queue:
                 raise RuntimeError(

@@ -31,8 +31,8 @@ section 4.2):
 - DP, per step: the distributed optimizer's reduce-scatter of gradients ((d-1)/d x P x beta_grad)
   and all-gather of parameters ((d-1)/d x P x beta_param), or one all-reduce (2 (d-1)/d x P x
   beta_grad); dense parameters over DP, experts over expert-DP. P is this rank's parameter count
-  (`overlap.launch.resources.estimate_memory`), cut into ceil(P / ddp.bucket_size) equal buckets
-  (one without a bucket size), one collective each.
+  (`overlap.launch.resources.estimate_memory`), cut into ceil(P / bucket size) equal buckets (the
+  resolved plan's `bucket_size`; one without a bucket size), one collective each.
 
 Time: latency + bytes / bandwidth, where the link depends on how many of the group's members share a
 node (`g`, from the rank order tp-cp-dp-pp, tensor parallel fastest; experts pp-edp-ep-etp): the
@@ -50,7 +50,7 @@ from math import ceil, comb
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.config.pipeline_layout import resolve_pipeline_layout
-from overlap.config.tp_overlap import SlotPlan, effective_tp_plan
+from overlap.config.tp_overlap import SlotPlan
 from overlap.launch.resources import estimate_memory
 from overlap.plan.hardware import EP_BACKEND_SMS, Cluster, Link, Transfer
 from overlap.plan.tp_slots import NO_GEMMS, layer_tp
@@ -199,8 +199,9 @@ def microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
 
 
 def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) -> CommPlan:
-    """Every collective of one step of `cfg` on `layout`, with its bytes and time on `cluster`."""
-    m, d = cfg.model, cfg.ddp
+    """Every collective of one step of `cfg` on `layout`, with its bytes and time on `cluster`
+    (the overlap switches: the resolved plan's)."""
+    m, d, o = cfg.model, cfg.ddp, cfg.resolved.overlap
     plan = CommPlan()
     tp, pp, ep, dp, edp = (
         max(1, x) for x in (layout.tp, layout.pp, layout.ep, layout.dp, layout.edp)
@@ -251,7 +252,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     if tp > 1 and m.sequence_parallel and cluster.carries("tp"):
         plan.tp_bytes = (tp - 1) / tp * b * s * h * act
         plan.tp_link, plan.tp_size = ring_link(tp, members_per_node(tp, 1, gpn), cluster), tp
-        plan.tp_plans = effective_tp_plan(m)[0]
+        plan.tp_plans = dict(o.tp_slots)
         plan.tp_edges_per_mb = 2.0 / pp
         dense, moe = (
             layer_tp(
@@ -305,7 +306,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         if size <= 1 or count <= 0 or not cluster.carries(prefix):
             continue
         g = members_per_node(size, stride, gpn)
-        buckets = max(1, -(-count // d.bucket_size)) if d.bucket_size else 1
+        buckets = max(1, -(-count // o.bucket_size)) if o.bucket_size else 1
         per_bucket = count / buckets
         if d.use_distributed_optimizer:
             rs = (size - 1) / size * per_bucket * grad

@@ -1,10 +1,11 @@
 """Tensor-parallel communication of one layer, GEMM slot by GEMM slot, as the runtime runs it.
 
 The runtime (`overlap.layers.tp_overlap`) executes the plan
-`overlap.config.tp_overlap.effective_tp_plan` resolves: one method per slot, or none. The planner
-reads the same plan, so a preset, a Megatron switch or a size rule that changes what runs changes
-the prediction too. With sequence parallelism every TP linear moves one collective of the layer's
-activation ([s, b, h], (t-1)/t of it per GPU) per pass; per layer and micro-batch:
+`overlap.config.tp_overlap.effective_tp_plan` resolves (kept as the resolved overlap plan's
+`tp_slots`): one method per slot, or none. The planner reads the same plan, so a preset, a Megatron
+switch or a size rule that changes what runs changes the prediction too. With sequence parallelism
+every TP linear moves one collective of the layer's activation ([s, b, h], (t-1)/t of it per GPU)
+per pass; per layer and micro-batch:
 
     forward:  qkv all-gather -> qkv GEMM;  proj GEMM -> reduce-scatter;  fc1 all-gather -> fc1 GEMM;
               fc2 GEMM -> reduce-scatter
@@ -247,11 +248,11 @@ def layer_tp(
     shared_expert: bool = False,
     recompute: bool = False,
 ) -> TPLayer:
-    """One layer's TP collectives per micro-batch (see the module docstring); `plans` is
-    `effective_tp_plan`'s (empty: TP overlap off), `nbytes` one collective's bytes per GPU, `dense`
-    whether the layer has a TP MLP, `shared_expert` whether its MoE block has a shared expert,
-    `recompute` full recompute. On a link with a token bucket the layer runs twice and the second is
-    counted: the steady state, with the bucket as the layer before left it."""
+    """One layer's TP collectives per micro-batch (see the module docstring); `plans` is the
+    resolved overlap plan's `tp_slots` (empty: TP overlap off), `nbytes` one collective's bytes per
+    GPU, `dense` whether the layer has a TP MLP, `shared_expert` whether its MoE block has a shared
+    expert, `recompute` full recompute. On a link with a token bucket the layer runs twice and the
+    second is counted: the steady state, with the bucket as the layer before left it."""
     bucket = TokenBucket(link)
     if link.burst_bytes:
         _layer_program(TPLayer(), plans, gemms, bucket, nbytes, tp, dense, shared_expert, recompute)

@@ -22,13 +22,13 @@ def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
 
 def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigError]:
     """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run
-    raises)."""
-    m, d = cfg.model, cfg.ddp
+    raises). The overlap switches are the resolved plan's (`cfg.resolved.overlap`)."""
+    m, d, o = cfg.model, cfg.ddp, cfg.resolved.overlap
     tied = m.share_embeddings_and_output_weights
     checks = [
         (
             m.pipeline_model_parallel_size > 1
-            and m.overlap_moe_expert_parallel_comm
+            and o.overlap_moe_expert_parallel_comm
             and m.deallocate_pipeline_outputs,
             "model.deallocate_pipeline_outputs",
             True,
@@ -54,7 +54,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
             "use it with a dense model (-mr dense_tiny), or model.tensor_parallel_impl=overlap.",
         ),
         (
-            m.tensor_parallel_impl == "dtensor" and m.tp_comm_overlap,
+            m.tensor_parallel_impl == "dtensor" and o.tp_comm_overlap,
             "model.tp_comm_overlap",
             True,
             "TP communication overlap in the DTensor peer (parallelize_module runs each collective "
@@ -126,7 +126,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
             "set model.mtp_num_layers=null and drop the m's from the layout.",
         ),
         (
-            m.defer_embedding_wgrad_compute and m.pipeline_impl == "torch_pipelining",
+            o.defer_embedding_wgrad_compute and m.pipeline_impl == "torch_pipelining",
             "model.defer_embedding_wgrad_compute",
             True,
             "Deferred output-layer wgrad outside our pipeline schedule (the "
@@ -175,7 +175,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
         # (EP overlap and the deferred output wgrad: at PP 1 the two uses are one parameter on one
         # rank; the copy's path under them with a pipeline is not built either)
         (
-            tied and m.overlap_moe_expert_parallel_comm,
+            tied and o.overlap_moe_expert_parallel_comm,
             "model.share_embeddings_and_output_weights",
             True,
             "Tied embedding and output weights under EP overlap (its schedule runs the output "
@@ -184,7 +184,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
             "set comm_overlap.overlap_moe_expert_parallel_comm=false, or use an untied model.",
         ),
         (
-            tied and m.defer_embedding_wgrad_compute,
+            tied and o.defer_embedding_wgrad_compute,
             "model.defer_embedding_wgrad_compute",
             True,
             "Deferring a tied output layer's weight gradient (it is the embedding's too)",

@@ -87,7 +87,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # This rank's model chunks (one without a virtual pipeline); each has its own gradient
         # buffers and buckets.
-        self.chunks = model_chunks(cfg.model, ps)
+        self.chunks = model_chunks(cfg.model, ps, cfg.resolved.overlap)
         # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
         apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
         for chunk in self.chunks:

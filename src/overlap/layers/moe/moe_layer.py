@@ -20,8 +20,8 @@ computes):
     y = layer.postprocess(pending, plan, shared)         # wait, un-permute, add shared expert
     output
 
-`moe_shared_expert_overlap` runs the shared expert inside `forward` in two halves, each while an
-all-to-all is in flight (see `_forward_with_shared_expert_overlap`).
+The resolved plan's `moe_shared_expert_overlap` runs the shared expert inside `forward` in two
+halves, each while an all-to-all is in flight (see `_forward_with_shared_expert_overlap`).
 
 Input and output are [s_local, b, h] (s_local = s / tp under sequence parallel). Under sequence
 parallel every TP rank routes and dispatches only its own tokens: the routed path is token-wise, so
@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from overlap.config.comm_overlap import OverlapPlan
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.mlp import MLP
@@ -90,9 +91,13 @@ def dispatcher_class(config: ModelConfig) -> type[AllToAllDispatcher]:
 
 
 class MoELayer(nn.Module):
-    """`forward(x) -> (y, aux_loss)`; aux_loss is a scalar the caller adds to the training loss."""
+    """`forward(x) -> (y, aux_loss)`; aux_loss is a scalar the caller adds to the training loss.
+    `overlap`: the run's resolved overlap plan (whether the shared expert overlaps the
+    all-to-alls)."""
 
-    def __init__(self, config: ModelConfig, ps: ParallelState, layer_number: int) -> None:
+    def __init__(
+        self, config: ModelConfig, ps: ParallelState, layer_number: int, overlap: OverlapPlan
+    ) -> None:
         super().__init__()
         if config.num_moe_experts % ps.ep_size:
             raise ConfigError(
@@ -107,17 +112,12 @@ class MoELayer(nn.Module):
         self.dispatcher = dispatcher(config, ps)
         self.experts = GroupedExperts(config, ps)
         self.shared_experts = (
-            MLP(
-                config,
-                ps,
-                ffn_hidden_size=config.moe_shared_expert_intermediate_size,
-                tp_overlap=False,
-            )
+            MLP(config, ps, None, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
             if config.moe_shared_expert_intermediate_size
             else None
         )
         self.shared_expert_overlap = (
-            config.moe_shared_expert_overlap and self.shared_experts is not None
+            overlap.moe_shared_expert_overlap and self.shared_experts is not None
         )
         # selective "shared_experts" (the config refuses it with moe_shared_expert_overlap)
         modules = selective_modules(config)
