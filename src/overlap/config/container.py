@@ -15,7 +15,7 @@ import copy
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -486,14 +486,10 @@ class ConfigContainer:
 
     def _validate(self, layout: ParallelLayout, plan: OverlapPlan) -> None:
         """Each section's own rules, then those across sections (the first broken one is the
-        error). The model's rules that involve an overlap switch judge its resolved value (the
-        plan's), not the spelling the model section holds."""
+        error)."""
         self._validate_tp_divisibility(layout)
-        replace(
-            self.model,
-            moe_shared_expert_overlap=plan.moe_shared_expert_overlap,
-            wgrad_deferral_limit=plan.wgrad_deferral_limit,
-        ).validate()
+        self.model.validate()
+        self._validate_model_overlap(plan)
         self._validate_experts(layout)
         self._validate_batch(layout)
         self._validate_pipeline_schedule(layout)
@@ -502,6 +498,30 @@ class ConfigContainer:
         self.scheduler.validate()
         self.train.validate()
         self._validate_shared_expert_width(layout)
+
+    def _validate_model_overlap(self, plan: OverlapPlan) -> None:
+        """The model's rules that involve an overlap switch judge its resolved value (the plan's),
+        not the spelling the model section holds."""
+        limit = plan.wgrad_deferral_limit
+        if limit < -1:
+            raise ConfigError(
+                "model.wgrad_deferral_limit",
+                limit,
+                "the deferral limit is -1 (automatic) or a count >= 0.",
+                "use -1.",
+            )
+        modules = self.model.recompute_modules
+        selective = self.model.recompute_granularity == "selective"
+        if selective and "shared_experts" in (modules or ()) and plan.moe_shared_expert_overlap:
+            raise ConfigError(
+                "model.recompute_modules",
+                modules,
+                "shared_experts recompute cannot work with moe_shared_expert_overlap "
+                "(Megatron-Core's rule: the overlap runs the shared expert in two halves around "
+                "the all-to-alls).",
+                "drop shared_experts from recompute_modules, or set "
+                "moe_shared_expert_overlap=false.",
+            )
 
     def _validate_tp_divisibility(self, layout: ParallelLayout) -> None:
         """The sizes tensor parallelism splits must be divisible by it (heads by their groups

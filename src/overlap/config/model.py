@@ -321,16 +321,6 @@ class ModelConfig(TransformerArchitecture):
                 "shared_experts recomputes the MoE layers' shared expert, and this model has none.",
                 "drop shared_experts, or set model.moe_shared_expert_intermediate_size.",
             )
-        if "shared_experts" in selective and self.moe_shared_expert_overlap:
-            raise ConfigError(
-                field,
-                modules,
-                "shared_experts recompute cannot work with moe_shared_expert_overlap "
-                "(Megatron-Core's rule: the overlap runs the shared expert in two halves around "
-                "the all-to-alls).",
-                "drop shared_experts from recompute_modules, or set "
-                "moe_shared_expert_overlap=false.",
-            )
 
     def _validate_cuda_graph(self) -> None:
         impl = self.cuda_graph_impl
@@ -383,7 +373,7 @@ class ModelConfig(TransformerArchitecture):
         float rule also refuses infinity); the network's own are `TransformerArchitecture`'s."""
         fin = math.isfinite
         aux, factor = self.moe_aux_loss_coeff, self.moe_expert_capacity_factor
-        rl, limit = self.recompute_num_layers, self.wgrad_deferral_limit
+        rl = self.recompute_num_layers
         check_rules(
             [
                 (
@@ -406,13 +396,6 @@ class ModelConfig(TransformerArchitecture):
                     rl is None or rl <= self.num_layers,
                     f"it cannot exceed num_layers ({self.num_layers}).",
                     f"use -rl between 1 and {self.num_layers}.",
-                ),
-                (
-                    "model.wgrad_deferral_limit",
-                    limit,
-                    limit is None or limit >= -1,
-                    "the deferral limit is -1 (automatic) or a count >= 0.",
-                    "use -1.",
                 ),
             ]
         )
