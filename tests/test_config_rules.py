@@ -390,6 +390,19 @@ def test_embedding_wgrad_user_values():
     assert cfg.resolved.overlap.wgrad_deferral_limit == 3
 
 
+@pytest.mark.parametrize("where", ["comm_overlap", "model"])
+def test_a_negative_wgrad_deferral_limit_other_than_minus_one_is_refused_in_either_spelling(where):
+    """The rule judges the resolved limit, whichever spelling set it; the error names the model
+    field (Megatron-Core's home of the limit)."""
+    if where == "comm_overlap":
+        cfg = build(co=CommOverlapConfig(tp_comm_overlap=False, wgrad_deferral_limit=-5))
+    else:
+        cfg = build(model=dense(wgrad_deferral_limit=-5))
+    with pytest.raises(ConfigError) as err:
+        cfg.finalize(1)
+    assert err.value.field == "model.wgrad_deferral_limit" and err.value.value == -5
+
+
 # --- DP defaults ----------------------------------------------------------------------------------
 def test_dp_defaults_with_distributed_optimizer():
     cfg = build(ddp=dist_opt(), optimizer=dist_optimizer())
