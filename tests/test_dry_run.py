@@ -197,7 +197,7 @@ def test_a_device_mix_up_is_found_with_its_line(tmp_path):
     assert "Traceback" not in out.stderr
     error = out.stderr.strip().splitlines()[-1]
     assert error.startswith("overlap: error: dry run of rank 0: device mix-up"), error
-    assert "overlap/layers/rotary.py:" in error and "(apply_rope)" in error
+    assert "overlap/layers/rotary.py:" in error and "(_rope_forward)" in error
     assert doc["finding"]["kind"] == "device mix-up" and doc["finding"]["site"].startswith(
         "overlap/layers/rotary.py"
     )

@@ -1,13 +1,16 @@
-"""The elementwise fusions (`overlap.config.fusion`, `overlap.layers.fused`): each chain compiled by
-torch.compile (inductor, whose CPU backend compiles C++ with g++) against its eager function,
-forward and backward, in fp32 and bf16; a tiny MoE model trained with every fusion on against every
-fusion off; the compiled graphs hold no op that syncs the host; and the switches' decisions.
+"""The elementwise chains (`overlap.layers.fused.Chain`) and their fusions
+(`overlap.config.fusion`): each chain against the plain expression it implements under autograd,
+forward and backward; each chain compiled by torch.compile (inductor, whose CPU backend compiles C++
+with g++) against itself eager; what each keeps for backward (only what its backward needs); the
+compiled graphs hold no op that syncs the host; a tiny MoE model trained with every fusion on
+against every fusion off; the switches' decisions, the toolchain check and the bound on compiled
+variants.
 
-Tolerances (inputs of unit scale; eager and compiled both compute in fp32 inside, inductor fuses the
-roundings): fp32 outputs and gradients within rtol 1e-5 / atol 1e-5 (reduction order); bf16 within
-rtol 2e-2 / atol 2e-2 (two bf16 ulps: eager rounds SwiGLU's silu to bf16 before the product, the
-fused kernel does not). The model: losses and grad norms over three steps within rtol 1e-5 in fp32,
-5e-3 in bf16 (seen: 2e-7 and 7e-4).
+Tolerances (inputs of unit scale): the chain and the autograd reference both compute in fp32 inside
+and round once, in a different order: fp32 within rtol 1e-5 / atol 1e-5, bf16 within rtol 2e-2 /
+atol 2e-2 (two bf16 ulps: e.g. the reference's backward rounds silu's gradient to bf16 before the
+product, the chain does not). Compiled against eager, the same. The model: losses and grad norms
+over three steps within rtol 1e-5 in fp32, 5e-3 in bf16 (seen: 2e-7 and 7e-4).
 
 Compiling takes seconds per graph on a CPU, so each function is compiled once per dtype here and the
 model test reuses the on-disk graph cache.
@@ -20,20 +23,20 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import make_boxed_func
+from torch.autograd.graph import saved_tensors_hooks
 from torch.fx.node import map_arg
 
 from overlap.config import fusion
 from overlap.config.fusion import FUSIONS, fusion_on
 from overlap.errors import ConfigError
 from overlap.layers import fused
-from overlap.layers.mlp import swiglu
-from overlap.layers.moe.flex_dispatcher import weight_and_sum_rows
-from overlap.layers.moe.row_weighting import scale_rows
-from overlap.layers.norm import rms_norm
-from overlap.layers.rotary import apply_rope
+from overlap.layers.mlp import SWIGLU
+from overlap.layers.norm import RMS_NORM
+from overlap.layers.rotary import APPLY_ROPE, rotate_half
 from overlap.parallel.state import ParallelState
 from overlap.perf.host_syncs import sync_reason
 from overlap.training.trainer import Trainer
@@ -43,6 +46,31 @@ from tests.world import run_world
 ALL_ON = [f"model.{field}=true" for field in FUSIONS]
 ALL_OFF = [f"model.{field}=false" for field in FUSIONS]
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _rms_norm_ref(x, weight, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def _rope_ref(x, cos, sin):
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+def _swiglu_ref(gate, up, probs):
+    if probs is None:
+        return F.silu(gate) * up
+    return (F.silu(gate.float()) * up.float() * probs.unsqueeze(-1)).to(gate.dtype)
+
+
+# name -> (chain, the plain expression under autograd, the argument positions it saves)
+CHAINS = {
+    "rms_norm": (RMS_NORM, _rms_norm_ref),
+    "apply_rope": (APPLY_ROPE, _rope_ref),
+    "swiglu": (SWIGLU, _swiglu_ref),
+    "weighted_swiglu": (SWIGLU, _swiglu_ref),
+}
 
 
 def _inputs(name: str, rows: int, dtype: torch.dtype) -> tuple[tuple, tuple[int, ...]]:
@@ -58,20 +86,8 @@ def _inputs(name: str, rows: int, dtype: torch.dtype) -> tuple[tuple, tuple[int,
         angles = torch.rand(rows, 1, 1, 16, generator=g) * 6
         return (t(rows, 2, 4, 16), angles.cos(), angles.sin()), (0,)
     if name == "swiglu":
-        return (t(rows, 40), t(rows, 40)), (0, 1)
-    if name == "scale_rows":
-        return (t(rows, 40), t(rows, dt=torch.float32)), (0, 1)
-    index = torch.randint(0, max(1, rows // 2), (rows,), generator=g)
-    return (t(rows, 40), t(rows, dt=torch.float32), index, max(1, rows // 2)), (0, 1)
-
-
-CHAINS = {
-    "rms_norm": rms_norm,
-    "apply_rope": apply_rope,
-    "swiglu": swiglu,
-    "scale_rows": scale_rows,
-    "weight_and_sum_rows": weight_and_sum_rows,
-}
+        return (t(rows, 40), t(rows, 40), None), (0, 1)
+    return (t(rows, 40), t(rows, 40), torch.rand(rows, generator=g).requires_grad_()), (0, 1, 2)
 
 
 def _fwd_bwd(fn, args, diff):
@@ -85,26 +101,62 @@ def _fwd_bwd(fn, args, diff):
     return out, grads
 
 
+def _check_close(got, want, dtype):
+    (out, grads), (ref, ref_grads) = got, want
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    for g, w in zip(grads, ref_grads):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, **TOL[dtype])
+
+
 @pytest.mark.parametrize("name", list(CHAINS))
-def test_each_compiled_chain_matches_its_eager_function_forward_and_backward(name):
-    fn = CHAINS[name]
+def test_each_chain_is_its_plain_expression_eager_and_compiled(name):
+    chain, reference = CHAINS[name]
     counters.clear()
     for dtype in (torch.float32, torch.bfloat16):
-        for rows in (24, 37):  # two sizes, one graph: dynamic shapes, no recompile per token count
+        for rows in (24, 37):  # two sizes, one graph: the row dimension is dynamic
             args, diff = _inputs(name, rows, dtype)
-            out, grads = _fwd_bwd(fused.compiled(fn), args, diff)
-            ref, ref_grads = _fwd_bwd(fn, args, diff)
-            assert out.dtype == ref.dtype and out.shape == ref.shape
-            torch.testing.assert_close(out, ref, **TOL[dtype])
-            for got, want in zip(grads, ref_grads):
-                torch.testing.assert_close(got, want, **TOL[dtype])
+            eager = _fwd_bwd(lambda *a, c=chain: c(False, *a), args, diff)
+            _check_close(eager, _fwd_bwd(reference, args, diff), dtype)
+            _check_close(_fwd_bwd(lambda *a, c=chain: c(True, *a), args, diff), eager, dtype)
     assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] <= 2, "one graph per dtype, whatever the row count"
+    # forward and backward, one graph each per dtype, whatever the row count
+    assert counters["stats"]["unique_graphs"] <= 4
+
+
+def _saved(name: str) -> tuple[list[torch.Tensor], tuple]:
+    """What the chain's node keeps for backward (packed by autograd), and the arguments."""
+    chain, _reference = CHAINS[name]
+    args, _diff = _inputs(name, 8, torch.bfloat16)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        chain(False, *args)
+    return saved, args
+
+
+def test_each_chain_keeps_only_what_its_backward_needs():
+    """RMSNorm: its input, its weight and one fp32 rstd per row; RoPE: only its tables; SwiGLU: its
+    two inputs (and the row weights): never an fp32 copy of an activation or an intermediate."""
+    saved, (x, weight, _eps) = _saved("rms_norm")
+    assert saved[0] is x and saved[1] is weight
+    assert saved[2].dtype == torch.float32 and saved[2].shape == (*x.shape[:-1], 1)
+    assert len(saved) == 3
+    saved, (x, cos, sin) = _saved("apply_rope")
+    assert saved == [cos, sin]
+    saved, (gate, up, _probs) = _saved("swiglu")
+    assert saved[0] is gate and saved[1] is up and len(saved) == 2
+    saved, (gate, up, probs) = _saved("weighted_swiglu")
+    assert saved == [gate, up, probs]
 
 
 def _graph_ops(fn, args) -> list[tuple[torch._ops.OpOverload, tuple, dict]]:
-    """Every aten op of `fn`'s forward and backward graphs as AOTAutograd traces them, with fake
-    arguments."""
+    """Every aten op of `fn`'s graph as AOTAutograd traces it, with fake arguments."""
     ops = []
 
     def collect(gm: torch.fx.GraphModule, _inputs):
@@ -115,17 +167,26 @@ def _graph_ops(fn, args) -> list[tuple[torch._ops.OpOverload, tuple, dict]]:
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=collect, bw_compiler=collect)
-    out = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)(*args)
-    out.sum().backward()
+    with torch.no_grad():
+        torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)(*args)
     return ops
 
 
 @pytest.mark.parametrize("name", list(CHAINS))
 def test_the_compiled_graphs_hold_no_host_sync(name):
-    """The whole chain is one graph (fullgraph: a data-dependent size would break it), and no op of
-    its forward or backward would make the host wait for the GPU (`host_syncs.sync_reason`)."""
+    """Each of the chain's two functions is one graph (fullgraph: a data-dependent size would break
+    it), and no op of either would make the host wait for the GPU (`host_syncs.sync_reason`)."""
+    chain, _reference = CHAINS[name]
     args, _diff = _inputs(name, 24, torch.bfloat16)
-    ops = _graph_ops(CHAINS[name], args)
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    out, *extras = chain.forward(*args)
+    constants = tuple(
+        a for i, a in enumerate(args) if i not in chain.saves and not isinstance(a, torch.Tensor)
+    )
+    saved = (*(args[i] for i in chain.saves), *extras, *constants)
+    ops = _graph_ops(chain.forward, args) + _graph_ops(
+        chain.backward, (torch.ones_like(out), *saved)
+    )
     assert len({op for op, _a, _k in ops}) >= 2
     assert [str(op) for op, a, k in ops if sync_reason(op, a, k)] == []
 
@@ -150,10 +211,10 @@ def test_a_tiny_model_trains_the_same_with_every_fusion_on_and_off(precision, rt
     off_losses, off_norms, _breaks, off_graphs = run_world(1, _train, ALL_OFF, 3, precision)[0]
     on_losses, on_norms, breaks, graphs = run_world(1, _train, ALL_ON, 3, precision)[0]
     assert off_graphs == 0, "fusion off compiles nothing"
-    # rms_norm (hidden and the QK heads' width: one dynamic graph), RoPE, SwiGLU (dense and
-    # experts), the row weighting; the routing changes the experts' row counts every step without
-    # a recompile per count
-    assert not breaks and 0 < graphs <= 2 * len(CHAINS)
+    # forward and backward of rms_norm (hidden and the QK heads' shapes), RoPE (queries and
+    # keys), SwiGLU (dense and weighted in the experts); the routing changes the experts' row
+    # counts every step without a recompile per count
+    assert not breaks and 0 < graphs <= 2 * 7
     torch.testing.assert_close(on_losses, off_losses, rtol=rtol, atol=0)
     torch.testing.assert_close(on_norms, off_norms, rtol=rtol, atol=0)
 
@@ -214,4 +275,38 @@ def test_under_a_dispatch_mode_the_eager_function_runs():
     assert fused.compiling(True, x)
     with HostSyncRecorder():
         assert not fused.compiling(True, x)
-        torch.testing.assert_close(fused.run(swiglu, True, x, x), swiglu(x, x))
+        torch.testing.assert_close(SWIGLU(True, x, x, None), F.silu(x) * x)
+
+
+def test_the_toolchain_triton_needs_is_checked_before_choosing_compiled(monkeypatch):
+    """Triton builds its launcher with a host C compiler against Python's headers at the first
+    kernel: without either, the CUDA default falls back at start-up with the reason."""
+    monkeypatch.setattr(fusion.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    assert "C compiler" in fusion._triton_toolchain_missing()
+    monkeypatch.setattr(fusion.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(fusion.sysconfig, "get_paths", lambda: {"include": "/nonexistent"})
+    assert "Python.h" in fusion._triton_toolchain_missing()
+
+
+def test_small_calls_run_eager_and_variants_past_the_limit_run_eager_with_a_warning(
+    monkeypatch, caplog
+):
+    """Fewer than two rows (dynamo would specialise sizes 0 and 1 into graphs of their own) run
+    eager; once a function has compiled torch's recompile limit of shape variants, a new one runs
+    eager and says so, instead of fullgraph's error mid-run."""
+    calls = []
+    monkeypatch.setattr(fused, "compiled", lambda fn: calls.append(fn) or fn)
+    monkeypatch.setattr(fused, "_variant_limit", lambda: 2)
+    monkeypatch.setattr(fused, "_variants", {})
+
+    def double(x):
+        return x * 2
+
+    fused.run(double, True, torch.ones(1, 4))
+    assert calls == []
+    with caplog.at_level(logging.WARNING, "overlap"):
+        for width in (4, 5, 6):
+            fused.run(double, True, torch.ones(3, width))
+        fused.run(double, True, torch.ones(9, 4))  # a known variant: more rows, no new one
+    assert len(calls) == 3 and "recompile limit" in caplog.text

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
 from overlap.layers.attention import SelfAttention
+from overlap.layers.cross_entropy import cross_entropy
 from overlap.layers.init import init_model_params
 from overlap.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    vocab_parallel_cross_entropy,
 )
 from overlap.model import GPTModel
 from overlap.parallel import comm
@@ -144,7 +144,7 @@ def _cross_entropy_check() -> tuple[float, float]:
     expected = F.cross_entropy(full.flatten(0, 1), labels.flatten(), reduction="none").view(8, 3)
     (expected * weights).sum().backward()
     shard = logits.chunk(ps.tp_size, dim=-1)[ps.tp_rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(shard, labels, ps)
+    loss = cross_entropy(shard, labels, ps.tp_group, ps.tp_rank * shard.shape[-1])
     (loss * weights).sum().backward()
     grad = comm.all_gather(shard.grad.movedim(-1, 0), ps.tp_group, "test").wait().movedim(0, -1)
     return (loss - expected).abs().max().item(), (grad - full.grad).abs().max().item()

@@ -257,8 +257,9 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
     assert plan.tokens_per_local_expert == expected_counts
     assert torch.equal(expert_rows, torch.cat(expected_rows))
 
-    # Identity experts: what comes back is each token scaled by the sum of its combine weights.
-    out_rows = dispatcher.combine_preprocess(expert_rows, expert_weights, plan)
+    # Identity experts (which apply the combine weights, as `GroupedExperts` does): what comes back
+    # is each token scaled by the sum of its combine weights.
+    out_rows = dispatcher.combine_preprocess(expert_rows * expert_weights.unsqueeze(-1), plan)
     (returned,) = dispatcher.token_combine(out_rows, plan).wait()
     y = dispatcher.combine_postprocess(returned, plan)
     torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))
@@ -540,30 +541,3 @@ def test_shared_expert_matches_reference(world, tp, ep):
         ep=ep,
         cfg_overrides=dict(num_experts=4, moe_shared_expert_intermediate_size=48),
     )
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows_per_block", [1, 3, 64])
-def test_blocked_row_weighting_is_the_plain_fp32_expression(monkeypatch, dtype, rows_per_block):
-    """`weight_rows` on CPU (a block of rows at a time through one fp32 buffer) gives bit for bit
-    the output and both gradients of `(rows.float() * weights[:, None]).to(dtype)` under autograd,
-    with the last block short."""
-    from overlap.layers.moe import row_weighting
-
-    hidden = 24
-    monkeypatch.setattr(row_weighting, "_BLOCK_BYTES", 4 * hidden * rows_per_block)
-    gen = torch.Generator().manual_seed(3)
-    rows = torch.randn(50, hidden, generator=gen).to(dtype)
-    weights = torch.rand(50, generator=gen)
-    grad = torch.randn(50, hidden, generator=gen).to(dtype)
-    results = []
-    for fn in (row_weighting.weight_rows, lambda r, w: (r.float() * w.unsqueeze(-1)).to(r.dtype)):
-        r, w = rows.clone().requires_grad_(), weights.clone().requires_grad_()
-        out = fn(r, w)
-        out.backward(grad)
-        results.append((out, r.grad, w.grad))
-    (out, g_rows, g_w), (ref, ref_rows, ref_w) = results
-    assert out.dtype == dtype and out.is_contiguous()
-    assert torch.equal(out, ref) and torch.equal(g_rows, ref_rows)
-    # an fp32 dot per row: the sum's order may differ
-    torch.testing.assert_close(g_w, ref_w, rtol=1e-6, atol=0)

@@ -144,7 +144,8 @@ def _flex_round_trip_with_identity_experts() -> None:
         *dispatcher.token_dispatch(rows, weights, plan).wait(), plan
     )
     assert expert_rows.shape[0] == sum(plan.tokens_per_local_expert)
-    out_rows = dispatcher.combine_preprocess(expert_rows, pair_weights, plan)
+    # identity experts that apply the combine weights, as `GroupedExperts` does
+    out_rows = dispatcher.combine_preprocess(expert_rows * pair_weights.unsqueeze(-1), plan)
     (returned,) = dispatcher.token_combine(out_rows, plan).wait()
     y = dispatcher.combine_postprocess(returned, plan)
     torch.testing.assert_close(y, hidden * topk_weights.sum(dim=1, keepdim=True))

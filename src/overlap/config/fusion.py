@@ -1,13 +1,13 @@
 """The elementwise fusions: `model.rms_norm_fusion`, `model.apply_rope_fusion`,
 `model.bias_activation_fusion`.
 
-Each elementwise chain of the model - RMSNorm, RoPE, SwiGLU and the MoE row weighting (expert
-outputs times their router probabilities) - is one pure function that runs as written (eager: one
-kernel per op, each going through memory) or compiled by `torch.compile` (inductor: one fused kernel
-forward and one backward); `overlap.layers.fused` runs it. Megatron-Core names two of these switches
-(`apply_rope_fusion`, `bias_activation_fusion`, whose weighted form in the experts also multiplies
-by the router probabilities, hence the row weighting here); it fuses its norms inside Transformer
-Engine, so the norm's switch is ours.
+Each elementwise chain of the model - RMSNorm, RoPE, SwiGLU (weighted by the router probabilities in
+the routed experts) - is a pair of pure functions, forward and backward, with the tensors backward
+needs stated (`overlap.layers.fused.Chain`), that run as written (eager: one kernel per op, each
+going through memory) or compiled by `torch.compile` (inductor: one fused kernel forward and one
+backward). Megatron-Core names two of these switches (`apply_rope_fusion`, `bias_activation_fusion`,
+whose weighted form in the experts also multiplies by the router probabilities); it fuses its norms
+inside Transformer Engine, so the norm's switch is ours.
 
 Unset (None), a fusion is on where the ranks compute on CUDA and off on the CPU. On CUDA each chain
 is memory-bound and its eager form moves its tensor through memory once per op; Megatron's recipes
@@ -16,13 +16,18 @@ run these fused. That default is numerically tested against the eager path on th
 been timed on a GPU here. On the CPU, compiling each graph takes tens of seconds, which a CPU-sized
 run does not win back. Set, a fusion is honoured on any device; set but unable to take effect
 (torch.compile unsupported, no Triton for CUDA, no C++ compiler for the CPU, or nothing to fuse), it
-is said as a no-op switch (an error under strict) and the eager function runs.
+is said as a no-op switch (an error under strict) and the eager function runs. On CUDA, inductor's
+Triton kernels need Triton itself and, at the first kernel, a host C compiler and Python's headers
+(Triton builds its launcher): a machine without them falls back here, at start-up, with the reason
+in the decision table, instead of failing inside the first step.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import sysconfig
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +40,7 @@ if TYPE_CHECKING:
 FUSIONS = {
     "rms_norm_fusion": "RMSNorm",
     "apply_rope_fusion": "RoPE",
-    "bias_activation_fusion": "SwiGLU and the MoE row weighting",
+    "bias_activation_fusion": "SwiGLU (weighted in the routed experts)",
 }
 """Each switch (a ModelConfig field) -> the chains it compiles."""
 
@@ -57,7 +62,9 @@ def compile_unavailable(device_type: str) -> str | None:
     if device_type == "cuda":
         from torch.utils._triton import has_triton
 
-        return None if has_triton() else "inductor needs Triton for CUDA kernels, not installed"
+        if not has_triton():
+            return "inductor needs Triton for CUDA kernels, not installed"
+        return _triton_toolchain_missing()
     if device_type == "cpu":
         from torch._inductor import config as inductor_config
 
@@ -66,6 +73,24 @@ def compile_unavailable(device_type: str) -> str | None:
             return "inductor needs a C++ compiler (g++) for CPU kernels and none is on PATH"
         return None
     return f"no compiled kernels for {device_type} tensors (the eager ops run)"
+
+
+def _triton_toolchain_missing() -> str | None:
+    """What Triton needs on the host at its first kernel and this machine lacks, or None: a C
+    compiler ($CC, cc, gcc or clang) and Python's headers (Python.h), with which it builds its
+    launcher."""
+    compilers = [os.environ.get("CC", ""), "cc", "gcc", "clang"]
+    if not any(c and shutil.which(c) for c in compilers):
+        return (
+            "Triton builds its kernel launcher with a C compiler ($CC, cc, gcc, clang): none on "
+            "PATH"
+        )
+    include = sysconfig.get_paths().get("include") or ""
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        return (
+            f"Triton builds its kernel launcher against Python's headers: no Python.h in {include}"
+        )
+    return None
 
 
 def fusion_on(

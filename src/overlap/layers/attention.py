@@ -18,10 +18,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from overlap.config.attention import attention_kernel, check_attention_backend
+from overlap.config.recompute import selective_modules
 from overlap.config.tp_overlap import linear_plan
 from overlap.errors import ConfigError
 from overlap.layers.norm import RMSNorm
-from overlap.layers.recompute import maybe_checkpoint, selective_modules
+from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.rotary import RotaryEmbedding
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
@@ -147,11 +148,19 @@ class SelfAttention(nn.Module):
         mixed = self.linear_qkv(x)
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q = mixed[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)
+        q = mixed[:, :, :, : self.heads_per_group]
         k = mixed[:, :, :, self.heads_per_group]
         v = mixed[:, :, :, self.heads_per_group + 1]
+        # The norms read their slices of the projection in place and keep them (the projection's
+        # output is what backward keeps, v included); only then are the query heads made one
+        # contiguous tensor, as the norm's output already is. Without the norms nothing else
+        # needs the projection's output: v is copied out so that the attention kernel, which
+        # keeps v, does not keep the whole projection alive through it.
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
+        else:
+            v = v.contiguous()
+        q = q.reshape(s, b, -1, self.head_dim)
         return self.rotary(q), self.rotary(k), v
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap.config.tp_overlap import linear_plan
-from overlap.layers import fused
+from overlap.layers.fused import Chain, fp32_copy
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
 
@@ -18,10 +18,41 @@ if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up: the chain `model.bias_activation_fusion` compiles (here and in the routed
-    experts)."""
-    return F.silu(gate) * up
+def _swiglu_forward(
+    gate: torch.Tensor, up: torch.Tensor, probs: torch.Tensor | None
+) -> tuple[torch.Tensor]:
+    """silu(gate) * up; with `probs` (fp32, one per row: the routed experts' combine weights)
+    silu(gate) * up * probs, that product in fp32 and rounded once, as Megatron-Core's weighted
+    SwiGLU applies the router's probabilities inside the experts."""
+    if probs is None:
+        return (F.silu(gate) * up,)
+    act = F.silu(gate.float()) * up.float() * probs.unsqueeze(-1)
+    return (act.to(gate.dtype),)
+
+
+def _swiglu_backward(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, probs: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of gate, up (and probs) from the inputs alone, in fp32: silu(gate) and its
+    derivative sig + silu (1 - sig) are made again from gate, nothing of the forward is kept but its
+    inputs. Written in place where it can be (eager, at most four fp32 rows' widths at once; a
+    compiled kernel keeps none)."""
+    sig = fp32_copy(gate).sigmoid_()
+    silu = fp32_copy(gate).mul_(sig)
+    g = fp32_copy(grad)
+    d_probs = None
+    if probs is not None:
+        d_probs = (g * silu).mul_(up.float()).sum(dim=-1)
+        g.mul_(probs.unsqueeze(-1))
+    d_up = (g * silu).to(up.dtype)
+    d_gate = silu.mul_(1 - sig).add_(sig).mul_(g).mul_(up.float()).to(gate.dtype)
+    return d_gate, d_up, d_probs
+
+
+SWIGLU = Chain("swiglu", _swiglu_forward, _swiglu_backward, saves=(0, 1, 2))
+"""Keeps gate and up (fc1's output) and the row weights if any: the activation's output is kept by
+fc2, its consumer, and nothing in between (Transformer Engine's and Megatron-Core's fused SwiGLU
+keep the same). `model.bias_activation_fusion` compiles it, here and in the routed experts."""
 
 
 class MLP(nn.Module):
@@ -35,7 +66,7 @@ class MLP(nn.Module):
     one wider GEMM saves. `overlap` is the run's resolved overlap plan, whose TP slots fc1 and fc2
     run; None keeps the plain TP collectives whatever the plan (shared experts: the reference
     disables userbuffers in them, they run beside the dispatch). `ffn_hidden_size` overrides the
-    config's width (shared experts use their own). SwiGLU runs through `fused.run`
+    config's width (shared experts use their own). SwiGLU is the `SWIGLU` chain
     (`model.bias_activation_fusion`); GELU is one kernel already.
     """
 
@@ -78,7 +109,7 @@ class MLP(nn.Module):
         under a dispatch."""
         if self.gated:
             gate, up = self.linear_fc1(x, split=True)
-            return fused.run(swiglu, self.fusion, gate, up)
+            return SWIGLU(self.fusion, gate, up, None)
         return F.gelu(self.linear_fc1(x))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from overlap.layers import fused
+from overlap.layers.fused import Chain
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -14,11 +14,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in fp32, back in x's dtype: the chain
-    `model.apply_rope_fusion` compiles."""
+def _rotate_half_back(x: torch.Tensor) -> torch.Tensor:
+    """The transpose of `rotate_half`: [v1, v2] -> [v2, -v1]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x2, -x1), dim=-1)
+
+
+def _rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
+    """x * cos + rotate_half(x) * sin in fp32, back in x's dtype."""
     xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    return ((xf * cos + rotate_half(xf) * sin).to(x.dtype),)
+
+
+def _rope_backward(
+    grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, None, None]:
+    """The rotation is linear in x: its gradient is the transposed rotation of the gradient, which
+    needs only the tables."""
+    gf = grad.float()
+    return (gf * cos + _rotate_half_back(gf * sin)).to(grad.dtype), None, None
+
+
+APPLY_ROPE = Chain("apply_rope", _rope_forward, _rope_backward, saves=(1, 2))
+"""Keeps only the cos / sin tables (buffers, no new memory): the rotated tensors' memory is their
+consumer's."""
 
 
 class RotaryEmbedding(nn.Module):
@@ -59,4 +78,4 @@ class RotaryEmbedding(nn.Module):
                 f"sequence length {seq} exceeds the rotary table ({self.cos.shape[0]}, "
                 "model.seq_length)"
             )
-        return fused.run(apply_rope, self.fusion, x, self.cos[:seq], self.sin[:seq])
+        return APPLY_ROPE(self.fusion, x, self.cos[:seq], self.sin[:seq])

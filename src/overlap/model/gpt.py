@@ -21,17 +21,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from overlap.config.recompute import layer_chunks, selective_modules
 from overlap.errors import ConfigError
 from overlap.layers.attention import SelfAttention
+from overlap.layers.cross_entropy import cross_entropy
 from overlap.layers.init import init_model_params
 from overlap.layers.mlp import MLP
 from overlap.layers.norm import RMSNorm
-from overlap.layers.recompute import layer_chunks, maybe_checkpoint, selective_modules
+from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     params_dtype,
-    vocab_parallel_cross_entropy,
 )
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
@@ -244,7 +245,8 @@ class GPTModel(nn.Module):
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of vocab-sharded logits against labels [b, s]."""
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.ps).mean()
+        vocab_start = self.ps.tp_rank * logits.shape[-1]
+        return cross_entropy(logits, labels.t(), self.ps.tp_group, vocab_start).mean()
 
     def lm_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_from_logits(self.logits(hidden), labels)

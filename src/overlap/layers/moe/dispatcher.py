@@ -12,8 +12,8 @@ launch and return a `PendingAllToAll`, whose `wait()` gives what the postprocess
     dispatch_preprocess   gather the rows and their combine weights in that layout (autograd)
     token_dispatch        launch the all-to-all of rows and combine weights -> PendingAllToAll
     dispatch_postprocess  sort the received rows by local expert            -> rows for the experts
-    (experts)
-    combine_preprocess    weight the expert outputs, undo the local-expert sort
+    (experts)             the expert outputs, weighted by their combine weights
+    combine_preprocess    undo the local-expert sort
     token_combine         launch the all-to-all back                        -> PendingAllToAll
     combine_postprocess   un-permute (sum each token's rows)                -> shaped like the input
 
@@ -25,11 +25,11 @@ scheduler's wait). With a static expert capacity (`moe_expert_capacity_factor` w
 split size is fixed by the configuration and no counts are exchanged at all; without padding the
 capacity only drops rows, and the (smaller) counts still travel.
 
-Combine weights are applied on the expert side, before the combine all-to-all: the rows sent back
-are already weighted, so the source rank only has to sum a token's rows, and the weights never
-travel back. They do travel out, in fp32, as extra bytes of each row in the same all-to-all
-(`comm.all_to_all_many`: one collective, not two), and their gradient comes back the same way with
-the rows' gradient.
+Combine weights are applied on the expert side, inside the experts' activation (`GroupedExperts`):
+the rows sent back are already weighted, so the source rank only has to sum a token's rows, and the
+weights never travel back. They do travel out, in fp32, as extra bytes of each row in the same
+all-to-all (`comm.all_to_all_many`: one collective, not two), and their gradient comes back the same
+way with the rows' gradient.
 
 Tensors flow through the step arguments and results; `DispatchPlan` holds only the routing metadata
 (no autograd), so a scheduler that cuts autograd at step boundaries knows exactly which tensors to
@@ -58,7 +58,6 @@ from overlap.layers.moe.permute import (
     unpermute,
     unsort_chunks_by_local_expert,
 )
-from overlap.layers.moe.row_weighting import weight_rows
 from overlap.layers.moe.split_sizes import BalancedRouting, read_split_sizes
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
@@ -181,7 +180,6 @@ class AllToAllDispatcher:
         self.group = ps.ep_group
         self.meta_group = ps.ep_meta_group  # split sizes travel apart from the bulk all-to-alls
         self.permute_fusion = config.moe_permute_fusion  # None: by device (`fused`)
-        self.weighting_fusion = config.bias_activation_fusion  # None: by device (config/fusion.py)
         self.capacity_factor = config.moe_expert_capacity_factor
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.drop_policy = config.moe_token_drop_policy
@@ -332,15 +330,11 @@ class AllToAllDispatcher:
                 sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, el),
             )
 
-    def combine_preprocess(
-        self, expert_output: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan
-    ) -> torch.Tensor:
-        """Weight each expert output row (in fp32) and put rows back in (source rank, local expert)
-        order."""
+    def combine_preprocess(self, expert_output: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Put the (weighted) expert output rows back in (source rank, local expert) order."""
         with RECORDER.span("moe.sort_chunks"):
-            weighted = weight_rows(expert_output, weights, self.weighting_fusion)
             return unsort_chunks_by_local_expert(
-                weighted, plan.recv_counts, self.ep_size, self.num_local_experts
+                expert_output, plan.recv_counts, self.ep_size, self.num_local_experts
             )
 
     def token_combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:

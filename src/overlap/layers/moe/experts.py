@@ -1,5 +1,11 @@
 """This rank's routed experts: SwiGLU MLPs whose weights are stacked along a leading local-expert
-dimension.
+dimension, each row's output scaled by its combine weight.
+
+The router's probability of each row is applied inside the activation (`SWIGLU` with row weights:
+silu(gate) * up * p, then fc2), as Megatron-Core's grouped experts apply it in their weighted
+SwiGLU: fc2 is linear, so the output is the weighted expert output, and the probability's gradient
+comes from the activation's inputs, which backward keeps anyway. Applying it after fc2 instead
+would keep fc2's output, one more hidden-wide row per routed token, for that gradient alone.
 
 Each expert's gate and up projections are one fused fc1 weight, [2 * ffn, hidden] with the gate rows
 first, as Megatron-Core's grouped experts hold `linear_fc1` and transformers 5 holds `gate_up_proj`
@@ -23,11 +29,11 @@ import torch
 from torch import nn
 
 from overlap.config.model import ModelConfig
-from overlap.layers import fused
+from overlap.config.recompute import selective_modules
 from overlap.layers.init import mark_shard
 from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
-from overlap.layers.mlp import swiglu
-from overlap.layers.recompute import discarding_output, selective_modules
+from overlap.layers.mlp import SWIGLU
+from overlap.layers.recompute import discarding_output
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.parallel.state import ParallelState
 
@@ -43,7 +49,8 @@ def _expert_param(shape: tuple[int, ...], dtype: torch.dtype, ps: ParallelState)
 
 
 class GroupedExperts(nn.Module):
-    """`num_experts / ep_size` SwiGLU experts applied to rows already grouped by local expert."""
+    """`num_experts / ep_size` SwiGLU experts applied to rows already grouped by local expert, each
+    output row weighted by its combine weight."""
 
     def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
@@ -62,12 +69,14 @@ class GroupedExperts(nn.Module):
     def forward(
         self,
         rows: torch.Tensor,
+        probs: torch.Tensor,
         tokens_per_local_expert: list[int],
         local_expert_counts: torch.Tensor,
     ) -> torch.Tensor:
         """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in
-        order; `local_expert_counts` are the same counts as an int64 tensor on the rows' device (the
-        grouped kernel's offsets are computed from it there, `grouped_offsets`).
+        order, `probs` [R] (fp32) their combine weights; `local_expert_counts` are the same counts
+        as an int64 tensor on the rows' device (the grouped kernel's offsets are computed from it
+        there, `grouped_offsets`). Returns the weighted expert outputs [R, h].
 
         The two GEMMs are `GroupedLinear`, whose weight gradients can be delayed
         (delay_wgrad_compute)."""
@@ -79,10 +88,11 @@ class GroupedExperts(nn.Module):
             return GroupedLinear.apply(act, self.down_weight, counts, offs)
 
         if self.recompute_act:
-            return discarding_output(self._activation, fc1_out, fc2)
-        return fc2(self._activation(fc1_out))
+            return discarding_output(self._activation, (fc1_out, probs), fc2)
+        return fc2(self._activation(fc1_out, probs))
 
-    def _activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of fc1's fused [gate; up] output (compiled where the fusion is on)."""
+    def _activation(self, fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up * probs of fc1's fused [gate; up] output (compiled where the fusion is
+        on)."""
         gate, up = fc1_out.chunk(2, dim=-1)
-        return fused.run(swiglu, self.fusion, gate, up)
+        return SWIGLU(self.fusion, gate, up, probs)

@@ -20,8 +20,8 @@ unchanged); this dispatcher overrides the plan and the four pre/postprocess step
     dispatch_preprocess   gather one row and k weights per (token, destination rank)
     token_dispatch        launch the all-to-all of rows [N, h] and weights [N, k] -> PendingAllToAll
     dispatch_postprocess  fan each received row out to its local experts, grouped by local expert
-    (experts)
-    combine_preprocess    weight the expert outputs and sum them per received row
+    (experts)             the expert outputs, weighted by their combine weights
+    combine_preprocess    sum the weighted expert outputs per received row
     token_combine         launch the all-to-all back                        -> PendingAllToAll
     combine_postprocess   sum each token's returned rows (one per destination rank)
 
@@ -39,23 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from overlap.layers import fused
 from overlap.layers.moe.dispatcher import AllToAllDispatcher, PendingPlan, WaitFn
-from overlap.layers.moe.permute import count_per_expert
+from overlap.layers.moe.permute import count_per_expert, sum_rows
 from overlap.layers.moe.split_sizes import read_split_sizes
 from overlap.parallel import comm
 from overlap.parallel.trace import RECORDER
-
-
-def weight_and_sum_rows(
-    rows: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, num_rows: int
-) -> torch.Tensor:
-    """rows [P, h] times their fp32 weights [P], summed in fp32 into `num_rows` rows by `index`,
-    back in the rows' dtype: the flex path's row weighting, the chain `model.bias_activation_fusion`
-    compiles."""
-    weighted = rows.float() * weights.unsqueeze(-1)
-    summed = weighted.new_zeros((num_rows, weighted.shape[-1]))
-    return summed.index_add(0, index, weighted).to(rows.dtype)
 
 
 @dataclass
@@ -204,24 +192,19 @@ class FlexDispatcher(AllToAllDispatcher):
             )
 
     def combine_preprocess(
-        self, expert_output: torch.Tensor, weights: torch.Tensor, plan: FlexDispatchPlan
+        self, expert_output: torch.Tensor, plan: FlexDispatchPlan
     ) -> torch.Tensor:
-        """Weight each expert output row and sum the rows of one received row: returns [M, h], one
-        row per token and source rank. The sum runs in fp32 (one rounding per returned row instead
-        of one per expert)."""
+        """Sum the (weighted) expert output rows of one received row: returns [M, h], one row per
+        token and source rank. The sum runs in fp32 (one rounding per returned row instead of one
+        per expert)."""
         with RECORDER.span("moe.sort_chunks"):
-            return fused.run(
-                weight_and_sum_rows,
-                self.weighting_fusion,
-                expert_output,
-                weights,
-                plan.pair_row,
-                sum(plan.output_splits),
+            return sum_rows(
+                expert_output, plan.pair_row, sum(plan.output_splits), accumulate=torch.float32
             )
 
     def combine_postprocess(self, rows: torch.Tensor, plan: FlexDispatchPlan) -> torch.Tensor:
         """Sum each token's returned rows (one per destination rank) back into a tensor shaped like
         the input."""
         with RECORDER.span("moe.unpermute"):
-            out = rows.new_zeros((plan.hidden_shape[:-1].numel(), rows.shape[-1]))
-            return out.index_add(0, plan.row_token, rows).reshape(plan.hidden_shape)
+            out = sum_rows(rows, plan.row_token, plan.hidden_shape[:-1].numel())
+            return out.reshape(plan.hidden_shape)

@@ -15,7 +15,7 @@ computes):
     plan = pending_plan.resolve()                        # waits for the split sizes (none with
     padded capacity) rows, weights = layer.permute(x, topk_weights, plan)
     pending = layer.dispatch(rows, weights, plan)        # launch, returns handles
-    out_rows = layer.routed_experts_compute(pending, plan)   # wait, sort, experts, weight, unsort
+    out_rows = layer.routed_experts_compute(pending, plan)   # wait, sort, weighted experts, unsort
     pending = layer.combine(out_rows, plan)              # launch, returns handles
     y = layer.postprocess(pending, plan, shared)         # wait, un-permute, add shared expert
     output
@@ -35,6 +35,7 @@ from torch import nn
 
 from overlap.config.comm_overlap import OverlapPlan
 from overlap.config.model import ModelConfig
+from overlap.config.recompute import selective_modules
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.mlp import MLP
 from overlap.layers.moe.dispatcher import (
@@ -46,7 +47,7 @@ from overlap.layers.moe.dispatcher import (
 from overlap.layers.moe.experts import GroupedExperts
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher, FlexDispatchPlan
 from overlap.layers.moe.router import TopKRouter
-from overlap.layers.recompute import maybe_checkpoint, selective_modules
+from overlap.layers.recompute import maybe_checkpoint
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 
@@ -160,8 +161,10 @@ class MoELayer(nn.Module):
         order."""
         rows, weights = self.dispatcher.dispatch_postprocess(rows, weights, plan)
         with RECORDER.span("moe.experts"):
-            out = self.experts(rows, plan.tokens_per_local_expert, plan.local_expert_counts)
-        return self.dispatcher.combine_preprocess(out, weights, plan)
+            out = self.experts(
+                rows, weights, plan.tokens_per_local_expert, plan.local_expert_counts
+            )
+        return self.dispatcher.combine_preprocess(out, plan)
 
     def combine(self, rows: torch.Tensor, plan: Plan) -> PendingAllToAll:
         """Launch the combine all-to-all; returns at once."""

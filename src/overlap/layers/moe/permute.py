@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from overlap.layers.moe import split_sizes
+
 DROP_POLICIES = ("probs", "position")
 
 
@@ -227,8 +229,17 @@ def _route_loop(
     capacity: ExpertCapacity | None,
 ) -> Routing:
     k, n = topk_idx.shape[1], topk_idx.numel()
+    # a dry run's fakes have no values to select by: balanced routing's counts (`split_sizes`)
+    answered = split_sizes.loop_permutation_counts(topk_idx.shape[0], k, num_experts)
     kept, dropped = [], []
     for expert in range(num_experts):
+        if answered is not None:
+            # stand-in positions; the capacity keeps the first ones, as the policy's order would
+            flat = torch.arange(answered[expert], device=topk_idx.device)
+            cut = answered[expert] if capacity is None else min(answered[expert], capacity.capacity)
+            kept.append(flat[:cut])
+            dropped.append(flat[cut:])
+            continue
         tokens, slots = torch.where(topk_idx == expert)  # row-major: token order
         flat = tokens * k + slots
         keep = _keep_loop(flat, topk_weights.reshape(-1), capacity)
@@ -265,6 +276,50 @@ def _keep_loop(
     return keep
 
 
+class _SumRows(torch.autograd.Function):
+    """`out[index[i]] += rows[i]` into `num_rows` zero rows, keeping only `index` for backward: the
+    gradient of a row is the gradient of the row it was added into. (torch's `index_add` keeps its
+    source for backward, which would keep a hidden-wide copy of every routed row alive until
+    then.) `accumulate`: the dtype of the sums (None: the rows'); the result is in the rows' dtype.
+    `loop_splits`: add the rows in these consecutive groups, one `index_add_` each (the loop
+    permutation's reference order) instead of all at once."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        rows: torch.Tensor,
+        index: torch.Tensor,
+        num_rows: int,
+        accumulate: torch.dtype | None,
+        loop_splits: list[int] | None,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        out = rows.new_zeros((num_rows, rows.shape[-1]), dtype=accumulate or rows.dtype)
+        if loop_splits is None:
+            out.index_add_(0, index, rows.to(out.dtype))
+        else:
+            for part, part_index in zip(rows.split(loop_splits), index.split(loop_splits)):
+                out.index_add_(0, part_index, part.to(out.dtype))
+        return out.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None, None, None
+
+
+def sum_rows(
+    rows: torch.Tensor,
+    index: torch.Tensor,
+    num_rows: int,
+    accumulate: torch.dtype | None = None,
+    loop_splits: list[int] | None = None,
+) -> torch.Tensor:
+    """[num_rows, h]: row r is the sum of the `rows` whose `index` is r (differentiable; backward
+    keeps only the index, `_SumRows`)."""
+    return _SumRows.apply(rows, index, num_rows, accumulate, loop_splits)
+
+
 def unpermute(
     rows: torch.Tensor,
     token_idx: torch.Tensor,
@@ -278,13 +333,9 @@ def unpermute(
     Rows are expected to be weighted already. Both paths add a token's rows in the same order
     (ascending expert), so their results are bit-identical on CPU.
     """
-    out = rows.new_zeros((num_tokens + 1, rows.shape[-1]))
-    if fused:
-        return out.index_add(0, token_idx, rows)[:num_tokens]
-    for expert_rows, expert_tokens in zip(
-        rows.split(tokens_per_expert), token_idx.split(tokens_per_expert)
-    ):
-        out = out.index_add(0, expert_tokens, expert_rows)
+    out = sum_rows(
+        rows, token_idx, num_tokens + 1, loop_splits=None if fused else tokens_per_expert
+    )
     return out[:num_tokens]
 
 

@@ -69,6 +69,25 @@ class _RandomLogits(torch.autograd.Function):
         return grad, None
 
 
+class _Fp32Logits(torch.autograd.Function):
+    """`x @ weight^T` taken in fp32 from inputs in their own dtype, keeping those inputs for
+    backward (Megatron-Core's router gating linear): `F.linear(x.float(), weight.float())` would
+    keep the fp32 copy of x, twice the bytes of the bf16 hidden states it comes from."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, weight = ctx.saved_tensors
+        grad = grad.float()
+        d_x = (grad @ weight.float()).to(x.dtype)
+        d_weight = (grad.t() @ x.float()).to(weight.dtype)
+        return d_x, d_weight
+
+
 class TopKRouter(nn.Module):
     """Scores every token against every expert; returns (topk_idx [T, k], topk_weights [T, k] fp32,
     aux_loss)."""
@@ -116,7 +135,7 @@ class TopKRouter(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with RECORDER.span("moe.router"):
             tokens = hidden.reshape(-1, hidden.shape[-1])
-            logits = F.linear(tokens.float(), self.weight.float())
+            logits = _Fp32Logits.apply(tokens, self.weight)
             if self.random_seed is not None:
                 if self.random_logits is None:
                     self.random_logits = torch.Generator(logits.device).manual_seed(

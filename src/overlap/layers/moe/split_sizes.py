@@ -9,9 +9,10 @@ x k routed (token, expert) pairs over the E experts as evenly as integers allow,
 expert, and the remainder goes one extra pair to each of the next (T x k) % E experts, starting at a
 different expert on each EP rank, so that the receivers stay as even as the senders. Every EP rank
 holds the same number of tokens (one micro-batch shape), so each rank can work out what its peers
-send it. A capacity without padding clamps the counts as the routing would. This is the only place
-that answers a read with something else, and only while a dry run has switched it on: it must say so
-in its report.
+send it. A capacity without padding clamps the counts as the routing would. The loop permutation
+(`moe_permute_fusion=false`, one data-dependent `torch.where` per expert, each a host sync on a GPU)
+is answered the same way (`loop_permutation_counts`). This is the only place that answers a read
+with something else, and only while a dry run has switched it on: it must say so in its report.
 
 On CUDA the read must not wait for more than the counts: a plain `.tolist()` copies on the current
 stream, so it waits for everything queued there - in the EP-overlap step, the other micro-batch's
@@ -77,16 +78,37 @@ class BalancedRouting:
         ]
 
 
+SPLIT_SIZE_READ = "split sizes"
+LOOP_PERMUTATION = "loop permutation"
+"""What an answer stood in for: a dispatcher's split-size read, or one expert's data-dependent
+selection in the loop permutation."""
+
 # None outside a dry run; in one, told of every answered read (`assume_balanced_routing`)
-_answered: Callable[[], None] | None = None
+_answered: Callable[[str], None] | None = None
 
 
-def assume_balanced_routing(on_answer: Callable[[], None] | None) -> None:
-    """Dry run only: from now on answer the split-size reads with balanced routing, calling
-    `on_answer()` for each answer so that the report can count them (and name the reading line);
-    None switches it off (the real read)."""
+def assume_balanced_routing(on_answer: Callable[[str], None] | None) -> None:
+    """Dry run only: from now on answer the split-size reads (and the loop permutation's selections)
+    with balanced routing, calling `on_answer(what)` for each answer (`SPLIT_SIZE_READ` or
+    `LOOP_PERMUTATION`) so that the report can count them (and name the reading line); None switches
+    it off (the real read)."""
     global _answered
     _answered = on_answer
+
+
+def loop_permutation_counts(tokens: int, topk: int, num_experts: int) -> list[int] | None:
+    """In a dry run, the rows per expert the loop permutation would select from `tokens` tokens
+    under balanced routing (one answer per expert, as each expert's selection is one read); None
+    outside one. Any EP rank's counts are a rotation of these, so the kept totals a capacity leaves
+    match the dispatcher's own answer."""
+    if _answered is None:
+        return None
+    routing = BalancedRouting(tokens, topk, num_experts, 1)
+    counts = []
+    for expert in range(num_experts):
+        _answered(LOOP_PERMUTATION)
+        counts.append(routing.pairs(0, expert))
+    return counts
 
 
 def read_split_sizes(
@@ -99,7 +121,7 @@ def read_split_sizes(
     `wait`) and returns (the int64 counts `sent` then those received, flattened, as host ints - in a
     dry run `balanced()`, the same list from `BalancedRouting` -, the received counts tensor)."""
     if _answered is not None:
-        _answered()
+        _answered(SPLIT_SIZE_READ)
         return balanced(), wait(exchange)
     if sent.is_cuda:
         copied, host = _copy_on_side_stream(sent, exchange)
