@@ -107,6 +107,14 @@ class LayerRun:
         self.pending: ManyHandle | None = None
         self.aux_loss: torch.Tensor | None = None
 
+    def _take_pending(self) -> Any:
+        """Wait for the all-to-all in flight and let go of its handle: a handle keeps what it
+        received, which would stay alive until the next all-to-all of this layer replaced it (the
+        combine's received rows: until this layer's backward, a hidden-wide row per routed token
+        held per layer per micro-batch in flight)."""
+        pending, self.pending = self.pending, None
+        return self._wait(pending)
+
     # ---------------- forward
     # ----------------------------------------------------------------------------------
     def attention_forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -145,7 +153,7 @@ class LayerRun:
         """Wait for the dispatch, run the experts, launch the combine."""
         if self.moe is None:
             return
-        rows, weights = self._wait(self.pending)
+        rows, weights = self._take_pending()
         self.experts = ScheduleNode(
             f"layer{self.layer.layer_number}.experts",
             lambda r, w: self.moe.experts_compute(r, w, self.plan),
@@ -157,7 +165,7 @@ class LayerRun:
         """Wait for the combine and add the residual; returns the layer output."""
         if self.moe is None:
             return dense_out
-        (rows,) = self._wait(self.pending)
+        (rows,) = self._take_pending()
         self.post = ScheduleNode(
             f"layer{self.layer.layer_number}.combine",
             lambda r, h, s: h + self.moe.combine_postprocess(r, self.plan, s),
@@ -187,7 +195,7 @@ class LayerRun:
         (delay_wgrad_compute) or at the schedule's fixed slots (`_backward_layers`)."""
         if self.moe is None:
             return
-        (g_out,) = self._wait(self.pending)
+        (g_out,) = self._take_pending()
         with WGRAD_STORE.delaying(True):
             g_rows, g_weights = self.experts.backward(g_out)
         self.pending = _a2a(
@@ -203,7 +211,7 @@ class LayerRun:
         backward; returns the layer's input grad."""
         if self.moe is None:
             return dense_grad
-        g_rows, g_weights = self._wait(self.pending)
+        g_rows, g_weights = self._take_pending()
         g_normed, g_topk_weights = self.permute.backward(g_rows, g_weights)
         aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
         # attention + shared-expert weight GEMMs: queued when delaying
