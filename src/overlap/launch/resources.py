@@ -35,12 +35,24 @@ and rank-count refusals (the estimate is only an estimate); the representability
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from overlap.config.attention import attention_kernel
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.config.pipeline_layout import resolve_pipeline_layout
+from overlap.config.recompute import layer_chunks, selective_modules
 from overlap.errors import ConfigError
+from overlap.launch.activations import (
+    INDEX_BYTES,
+    LOSS_CHUNK_BYTES,
+    Block,
+    LayerShape,
+    backward_working_bytes,
+    layer_blocks,
+    layer_bytes,
+)
 
 FORCE_ENV = "OVERLAP_FORCE_RESOURCES"
 MAX_RANKS_PER_CORE = 8
@@ -54,16 +66,28 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-rank bytes by part (see the module docstring)."""
+    """One rank's bytes by part at its peak (module docstring)."""
 
     params: int  # parameter count on this rank
     expert_params: int  # of which routed experts
     largest_tensor: int  # elements of the largest single parameter
     param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int
-    runtime_bytes: int
+    grad_bytes: int  # the gradient buffer (`main_grad`)
+    master_bytes: int  # fp32 master weights (16-bit parameters), sharded by the dist. optimizer
+    moment_bytes: int  # Adam's two fp32 moments, the same shards
+    buffer_bytes: int  # non-parameter buffers (the RoPE tables)
+    activation_bytes: int  # kept for backward at the peak, `in_flight` model chunks' worth
+    transient_bytes: int  # the working set of the backward running at the peak
+    runtime_bytes: int  # CPU ranks: the Python + torch runtime
+    pp_rank: int = 0  # the pipeline rank estimated
+    in_flight: int = 1  # (micro-batch, model chunk) forwards alive at the peak
+    peak_at: str = ""  # which backward runs at the peak
+    tokens: int = 0  # tokens of one micro-batch
+    blocks: tuple[Block, ...] = ()  # one layer's activation bytes per token, by block (MoE if any)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return self.master_bytes + self.moment_bytes
 
     @property
     def total(self) -> int:
@@ -71,16 +95,38 @@ class MemoryEstimate:
             self.param_bytes
             + self.grad_bytes
             + self.optimizer_bytes
+            + self.buffer_bytes
             + self.activation_bytes
+            + self.transient_bytes
             + self.runtime_bytes
         )
+
+    def parts(self) -> list[tuple[str, int]]:
+        """(component, bytes), in the order the table prints them."""
+        parts = [
+            ("parameters", self.param_bytes),
+            ("gradients", self.grad_bytes),
+            ("master weights", self.master_bytes),
+            ("Adam moments", self.moment_bytes),
+            ("buffers (RoPE tables)", self.buffer_bytes),
+            (f"activations ({self.in_flight} chunk forward(s) in flight)", self.activation_bytes),
+            (
+                f"backward working set ({self.peak_at})"
+                if self.peak_at
+                else "backward working set",
+                self.transient_bytes,
+            ),
+        ]
+        if self.runtime_bytes:
+            parts.append(("runtime (Python + torch)", self.runtime_bytes))
+        return parts
 
     def describe(self) -> str:
         parts = [
             ("parameters", gib(self.param_bytes)),
             ("gradients", gib(self.grad_bytes)),
             ("optimizer state", gib(self.optimizer_bytes)),
-            ("activations", f"~{gib(self.activation_bytes)}"),
+            ("activations", gib(self.activation_bytes + self.transient_bytes)),
         ]
         if self.runtime_bytes:
             parts.append(("runtime", gib(self.runtime_bytes)))
@@ -89,6 +135,25 @@ class MemoryEstimate:
             + ", ".join(f"{name} {size}" for name, size in parts)
             + ")"
         )
+
+    def table(self) -> list[str]:
+        """The per-component table, then one layer's activation bytes per token by block, ours and
+        Megatron-Core's accounting (`overlap.launch.activations`)."""
+        lines = [f"  {name:<52} {gib(n):>10}" for name, n in self.parts()]
+        lines.append(
+            f"  {'total (pipeline rank ' + str(self.pp_rank) + ')':<52} {gib(self.total):>10}"
+        )
+        if self.blocks:
+            lines.append(
+                f"  one layer's activations per token ({self.tokens} tokens a micro-batch), "
+                "bytes: ours / Megatron-Core's accounting"
+            )
+            for b in self.blocks:
+                lines.append(f"    {b.name:<18} {b.ours:>10,.0f} {b.megatron:>10,.0f}  {b.kept}")
+            ours = sum(b.ours for b in self.blocks)
+            megatron = sum(b.megatron for b in self.blocks)
+            lines.append(f"    {'layer':<18} {ours:>10,.0f} {megatron:>10,.0f}")
+        return lines
 
 
 def gib(nbytes: int | float) -> str:
@@ -104,16 +169,19 @@ def _count(n: int) -> str:
     return f"{n:.2e}" if n >= 10**15 else f"{n:,}"
 
 
-def estimate_memory(
-    cfg: ConfigContainer, layout: ParallelLayout, cpu: bool = True, schedule: bool = False
-) -> MemoryEstimate:
-    """Per-rank memory of rank 0 (its pipeline stage, TP / EP shard) for this configuration; pure
-    arithmetic. `schedule`: also the micro-batches the pipeline / EP-overlap schedule keeps alive
-    (module docstring)."""
-    m, t, d = cfg.model, cfg.train, cfg.ddp
-    tp, ep, dp = max(1, layout.tp), max(1, layout.ep), max(1, layout.dp)
-    edp = max(1, layout.edp)
-    pipe = resolve_pipeline_layout(m, max(1, layout.pp))
+@dataclass(frozen=True)
+class _RankParams:
+    params: int
+    expert: int
+    largest: int
+    attention_layers: int
+
+
+def _rank_params(cfg: ConfigContainer, layout: ParallelLayout, stages) -> _RankParams:
+    """Parameters of the model chunks `stages` (one pipeline rank's), as the model builds them:
+    TP-sharded where the layers shard them, routed experts divided over EP."""
+    m = cfg.model
+    tp, ep = max(1, layout.tp), max(1, layout.ep)
     h, hd, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
     ffn, fused = m.ffn_size, 2 if m.gated_linear_unit else 1
     vocab = m.vocab_size
@@ -125,11 +193,9 @@ def estimate_memory(
     proj = linear(h, heads * hd)
     attention = [qkv, proj, 2 * h] + ([2 * hd] if m.qk_layernorm else [])
     dense_mlp = [linear(fused * ffn, h), linear(h, ffn)]
-    # The pipeline rank holding the most transformer layers (all its chunks), its MoE layers counted
-    # one by one
-    busiest = pipe.busiest_rank_layers()
-    layers = len(busiest)
-    n_moe = sum(1 for i in busiest if m.is_moe_layer(i))
+    held = [i for s in stages for i in range(s.start, s.end)]
+    layers = len(held)
+    n_moe = sum(1 for i in held if m.is_moe_layer(i))
     n_dense = layers - n_moe
     params = expert = largest = 0
 
@@ -152,74 +218,195 @@ def estimate_memory(
         shared = m.moe_shared_expert_intermediate_size
         if shared:
             add(n_moe, [linear(fused * shared, h), linear(h, shared)])
-    # embedding, final norm, output layer (first/last stage: both); tied without PP, the output
-    # layer is the embedding
-    tied_here = m.share_embeddings_and_output_weights and layout.pp == 1
-    add(1, [vocab // tp * h, h] + ([] if tied_here else [h * vocab // tp]))
+    first = any(s.embedding for s in stages)
+    last = any(s.loss for s in stages)
+    if first:
+        add(1, [vocab // tp * h])
+    if last:
+        # final norm, output layer (tied without PP: the embedding itself)
+        tied_here = m.share_embeddings_and_output_weights and first
+        add(1, [h] + ([] if tied_here else [h * vocab // tp]))
+    return _RankParams(params, expert, largest, layers)
 
+
+Program = Sequence[tuple[int | None, int | None]]
+"""A pipeline rank's steps as (forward chunk or None, backward chunk or None), in order
+(`overlap.pipeline.schedules.pipeline_steps`, which this layer cannot import: the callers pass
+it)."""
+
+
+def estimate_memory(
+    cfg: ConfigContainer,
+    layout: ParallelLayout,
+    cpu: bool = True,
+    program: Program | None = None,
+    merged: bool = False,
+    pp_rank: int | None = None,
+) -> MemoryEstimate:
+    """Peak memory of pipeline rank `pp_rank` (None: the rank whose peak is highest) for this
+    configuration; pure arithmetic (module docstring). `program`: that rank's steps, whose forwards
+    and backwards the activations follow (`overlap.perf.memory_model` passes the real one;
+    None: one micro-batch through every chunk, a lower bound); `merged`: EP overlap runs each
+    steady step's forward and backward together, layer by layer."""
+    pipe = resolve_pipeline_layout(cfg.model, max(1, layout.pp))
+    if pp_rank is None:
+        if program is not None and layout.pp > 1:
+            raise ValueError("estimate_memory: a program is one pipeline rank's; name the rank")
+        estimates = [
+            _estimate_rank(cfg, layout, cpu, pipe, r, program, merged) for r in range(pipe.pp)
+        ]
+        return max(estimates, key=lambda e: e.total)
+    return _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged)
+
+
+def _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged) -> MemoryEstimate:
+    m, t, d = cfg.model, cfg.train, cfg.ddp
+    stages = pipe.rank_stages(pp_rank)
+    counts = _rank_params(cfg, layout, stages)
+    dp, edp = max(1, layout.dp), max(1, layout.edp)
     p_bytes = _DTYPE_BYTES.get(m.params_dtype, 4)
     g_bytes = 4 if d.grad_reduce_in_fp32 else p_bytes
-    state = 8 + (4 if p_bytes != 4 else 0)  # Adam moments (+ fp32 master for 16-bit parameters)
-    dense = params - expert
-    if d.use_distributed_optimizer:
-        optimizer = state * (-(-dense // dp) + -(-expert // edp))
-    else:
-        optimizer = state * params
-    s, b = m.seq_length, t.micro_batch_size
+    dense = counts.params - counts.expert
+    owned = (
+        -(-dense // dp) + -(-counts.expert // edp) if d.use_distributed_optimizer else counts.params
+    )
+    master = 4 * owned if p_bytes != 4 else 0  # an fp32 parameter is its own master
     act_bytes = 2 if p_bytes == 2 else 4
-    per_layer = s * b * h * 17 * act_bytes  # ~34 s b h bytes in 16 bit
-    if m.sequence_parallel and tp > 1:
-        per_layer //= tp
-    if m.is_moe and m.recompute_granularity != "full":
-        # The routed experts' activations (balanced routing: top-k rows per local token on every EP
-        # rank): fc1's output (2 ffn), the activation's intermediate and its output (1 ffn each);
-        # selective "moe_act" keeps only fc1's output, "moe" none of them (the layer's input is the
-        # residual, already counted)
-        selective = m.recompute_granularity == "selective"
-        modules = set(m.recompute_modules or ["core_attn"]) if selective else set()
-        widths = 0 if "moe" in modules else 2 if "moe_act" in modules else 4
-        rows = s * b // (tp if m.sequence_parallel else 1) * m.moe_router_topk
-        per_layer += rows * m.moe_ffn_size * widths * act_bytes * n_moe // max(1, layers)
-    if m.recompute_granularity == "full":
-        # only the layer inputs are kept (plus one layer being recomputed)
-        per_layer = s * b * h * act_bytes
-        activations = per_layer * layers + s * b * h * 17 * act_bytes
-    else:
-        activations = per_layer * layers
-    if schedule:
-        activations = _scheduled_activations(cfg, layout, activations, per_layer, act_bytes)
-    activations += 3 * s * b * (vocab // tp) * 4  # fp32 logits, their softmax and gradient
+    on_cuda = not cpu
+    kernel, _why = attention_kernel(m.attention_backend, on_cuda, m.params_dtype, m.seq_length)
+    shape = LayerShape(
+        tp=max(1, layout.tp),
+        ep=max(1, layout.ep),
+        sequence_parallel=bool(m.sequence_parallel),
+        act_bytes=act_bytes,
+        fused_attention=kernel != "unfused",
+        seq_length=m.seq_length,
+        micro_batch=t.micro_batch_size,
+        recompute=selective_modules(m),
+    )
+    chunks = [_chunk_memory(m, shape, s, max(1, layout.pp)) for s in stages]
+    if program is None:
+        program = [(c, None) for c in range(len(stages))]
+        program += [(None, c) for c in reversed(range(len(stages)))]
+    activations, transient, in_flight, peak_at = _walk(chunks, program, merged)
+    has_moe = any(m.is_moe_layer(i) for s in stages for i in range(s.start, s.end))
     return MemoryEstimate(
-        params=params,
-        expert_params=expert,
-        largest_tensor=largest,
-        param_bytes=params * p_bytes,
-        grad_bytes=params * g_bytes,
-        optimizer_bytes=optimizer,
-        activation_bytes=activations,
+        params=counts.params,
+        expert_params=counts.expert,
+        largest_tensor=counts.largest,
+        param_bytes=counts.params * p_bytes,
+        grad_bytes=counts.params * g_bytes,
+        master_bytes=master,
+        moment_bytes=8 * owned,
+        # RoPE's cos and sin tables, fp32 [seq, head_dim], per attention layer
+        buffer_bytes=counts.attention_layers * 2 * 4 * m.seq_length * m.head_dim,
+        activation_bytes=int(activations),
+        transient_bytes=int(transient),
         runtime_bytes=CPU_RUNTIME_BYTES if cpu else 0,
+        pp_rank=pp_rank,
+        in_flight=in_flight,
+        peak_at=peak_at,
+        tokens=shape.tokens,
+        blocks=tuple(layer_blocks(m, shape, has_moe)) if m.num_layers else (),
     )
 
 
-def _scheduled_activations(
-    cfg: ConfigContainer, layout: ParallelLayout, one: int, per_layer: int, act_bytes: int
-) -> int:
-    """Activations the schedule keeps alive, from those of one micro-batch (`one`) on this stage."""
-    m, t = cfg.model, cfg.train
-    pp = max(1, layout.pp)
-    if pp > 1:
-        micro = max(1, t.global_batch_size // (max(1, layout.dp) * t.micro_batch_size))
-        vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)
-        in_flight = min(pp, micro)
-        one = one * in_flight if vpp == 1 else int(one * in_flight * (1 + (pp - 1) / (pp * vpp)))
-    if m.is_moe and cfg.resolved.overlap.overlap_moe_expert_parallel_comm:
-        tokens = (
-            m.seq_length * t.micro_batch_size // (max(1, layout.tp) if m.sequence_parallel else 1)
-        )
-        # dispatched rows, 2 micro-batches
-        buffers = 2 * 2 * tokens * m.moe_router_topk * m.hidden_size * act_bytes
-        one += per_layer + buffers  # the other micro-batch's layer in flight
-    return one
+@dataclass(frozen=True)
+class _Chunk:
+    """One model chunk's activations for one micro-batch: what its forward leaves for backward, the
+    largest layer's share (what a merged EP-overlap step adds before its backward half frees any),
+    the working set of its layers' backward, and of its loss's (0 off the last stage)."""
+
+    saved: float
+    largest_layer: float
+    working: float
+    loss_working: float
+
+    def transient(self) -> float:
+        return max(self.working, self.loss_working)
+
+
+def _chunk_memory(m, shape: LayerShape, stage, pp: int) -> _Chunk:
+    tokens, h, B = shape.tokens, m.hidden_size, shape.act_bytes
+    per_layer = [
+        layer_bytes(m, shape, m.is_moe_layer(i)) * tokens for i in range(stage.start, stage.end)
+    ]
+    working = max(
+        (
+            backward_working_bytes(m, shape, m.is_moe_layer(i)) * tokens
+            for i in range(stage.start, stage.end)
+        ),
+        default=0.0,
+    )
+    saved = sum(per_layer)
+    if m.recompute_granularity == "full":
+        # only each checkpointed run's input is kept; its backward recomputes the run whole
+        runs = layer_chunks(m, stage.num_layers)
+        kept = 0.0
+        recomputed = 0.0
+        for start, end, checkpointed in runs:
+            run = sum(per_layer[start:end])
+            if checkpointed:
+                kept += B * h * tokens / shape.seq_div
+                recomputed = max(recomputed, run)
+            else:
+                kept += run
+        saved, working = kept, working + recomputed
+    if stage.embedding:
+        saved += INDEX_BYTES * tokens  # the token ids, which the embedding's backward scatters by
+    loss_working = 0.0
+    if stage.loss:
+        vocab = m.vocab_size / shape.tp
+        # the final norm's input and rstd, the output layer's (gathered) input, the logits, and per
+        # token the log-sum-exp, the label and whether this rank holds it
+        saved += tokens * ((B * h + 4) / shape.seq_div + B * h + B * vocab + 4 + INDEX_BYTES + 1)
+        # backward: the logits' gradient, and one chunk of fp32 logits at a time
+        loss_working = tokens * B * vocab + min(LOSS_CHUNK_BYTES, 4 * vocab * tokens)
+    elif pp > 1 and not m.deallocate_pipeline_outputs:
+        # the output sent to the next stage, kept as its graph's root until its backward (released
+        # at once with deallocate_pipeline_outputs)
+        saved += B * h * tokens / shape.seq_div
+    return _Chunk(saved, max(per_layer, default=0.0), working, loss_working)
+
+
+def _walk(chunks: list[_Chunk], program: Program, merged: bool) -> tuple[float, float, int, str]:
+    """Follow the program's forwards (adding their chunk's activations) and backwards (freeing
+    them); the peak is where the activations alive plus the running backward's working set are
+    highest (a loss's backward first, with everything of its chunk alive, then its layers'). A
+    merged step (EP overlap) runs its loss's backward first, then adds its forward's chunk layer
+    by layer while its backward frees the other chunk's: at its peak one layer of the forward is
+    in, and the forward half's working set (its all-to-all buffers, its experts' intermediates)
+    beside the backward half's."""
+    alive = 0.0
+    count = 0
+    best = (0.0, 0.0, 0, "")
+
+    def consider(kept: float, working: float, alive_count: int, where: str) -> None:
+        nonlocal best
+        if kept + working > best[0] + best[1]:
+            best = (kept, working, alive_count, where)
+
+    for forward, backward in program:
+        if merged and forward is not None and backward is not None:
+            f, b = chunks[forward], chunks[backward]
+            consider(alive, b.loss_working, count, "the loss's backward")
+            consider(alive + f.largest_layer, b.working + f.working, count + 1, _at(backward))
+            alive += f.saved - b.saved
+            continue
+        if forward is not None:
+            alive += chunks[forward].saved
+            count += 1
+        if backward is not None:
+            b = chunks[backward]
+            consider(alive, b.loss_working, count, "the loss's backward")
+            consider(alive, b.working, count, _at(backward))
+            alive -= b.saved
+            count -= 1
+    return best
+
+
+def _at(chunk: int) -> str:
+    return f"chunk {chunk}'s layers' backward"
 
 
 def check_representable(cfg: ConfigContainer, layout: ParallelLayout) -> MemoryEstimate:

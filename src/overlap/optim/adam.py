@@ -143,9 +143,15 @@ def multi_tensor_impl(params: list[torch.Tensor]) -> dict[str, bool]:
     """torch.optim's implementation switch for `params`: `fused=True` when every one is a CUDA
     floating tensor (a handful of kernels for the whole update, `step` kept on the GPU so nothing is
     read back), else `foreach=True` (CPU and anything else: multi-tensor ops whose per-element
-    arithmetic is that of the single-tensor loop, so CPU results are bit-identical to it)."""
+    arithmetic is that of the single-tensor loop, so CPU results are bit-identical to it). On
+    `meta`, which stands for CUDA in a dry run (`overlap.perf.dry_run`) and has no fused kernel,
+    the single-tensor loop: its temporaries are one tensor's at a time, as near as torch's
+    implementations come to the fused kernel's none (the multi-tensor ops' are the whole update's,
+    a second copy of the fp32 state the GPU never allocates)."""
     if params and all(p.is_cuda and p.dtype in FUSED_DTYPES for p in params):
         return {"fused": True}
+    if params and all(p.device.type == "meta" for p in params):
+        return {"foreach": False}
     return {"foreach": True}
 
 
@@ -215,6 +221,18 @@ class MixedPrecisionAdam:
         self._update([s for s, e in zip(self.slots, early) if e], scale)
         then()
         self._update([s for s, e in zip(self.slots, early) if not e], scale)
+
+    @torch.no_grad()
+    def create_states(self) -> None:
+        """Give every slot its Adam state now, as its first step would (zero moments, step 0):
+        the memory a steady-state step holds, before any step (the dry run's)."""
+        for slot in self.slots:
+            if slot.master not in self.opt.state:
+                self.opt.state[slot.master] = {
+                    "step": self._step_state(0, slot.master),
+                    "exp_avg": torch.zeros_like(slot.master),
+                    "exp_avg_sq": torch.zeros_like(slot.master),
+                }
 
     def steps_taken(self) -> int:
         """How many optimizer steps the slots have seen (every slot gets a gradient every step). The
@@ -370,6 +388,10 @@ class SlotOptimizer(ABC):
 
     def load_param_states(self, states: ParamStates, step: int) -> None:
         self.adam.import_param_states(states, step)
+
+    def create_states(self) -> None:
+        """Every slot's Adam state, as the first step would make it (`MixedPrecisionAdam`)."""
+        self.adam.create_states()
 
     def steps_taken(self) -> int:
         return self.adam.steps_taken()

@@ -57,7 +57,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
 from overlap.harness import Job, describe_layout
-from overlap.launch.resources import MemoryEstimate, estimate_memory
+from overlap.launch.resources import MemoryEstimate, gib
 from overlap.layers.moe import split_sizes
 from overlap.parallel import comm, teardown
 from overlap.parallel.program import Post, summarize
@@ -75,6 +75,14 @@ from overlap.pipeline.schedules import pipeline_steps
 log = logging.getLogger("overlap")
 
 SPLIT_SIZES = "the MoE split sizes, needed by the all-to-all (routing assumed balanced)"
+LOOP_SELECTIONS = (
+    "the loop permutation's selection of one expert's rows (model.moe_permute_fusion=false: a "
+    "host sync per expert on a GPU; routing assumed balanced)"
+)
+_ANSWER_REASONS = {
+    split_sizes.SPLIT_SIZE_READ: SPLIT_SIZES,
+    split_sizes.LOOP_PERMUTATION: LOOP_SELECTIONS,
+}
 
 PEAK_SITES_SHOWN = 8
 _STAND_INS = {
@@ -163,11 +171,12 @@ class DryRunReport:
     # alive at the peak, by the line of our code that made it, largest first
     peak_by_site: list[tuple[str, int]]
     end_bytes: int | None  # None: the step did not get there
-    estimate: MemoryEstimate  # overlap explain's (one micro-batch's activations)
-    # overlap plan's: with the micro-batches the schedule keeps alive
-    scheduled_estimate: MemoryEstimate
+    # the memory model's for this rank and these micro-batches (`overlap.perf.memory_model`),
+    # which overlap explain and overlap plan show
+    estimate: MemoryEstimate
     host_reads: list[HostRead]
     split_size_reads: int
+    loop_permutation_reads: int  # model.moe_permute_fusion=false: answered selections
     finding: Finding | None
     seconds: float
 
@@ -177,10 +186,8 @@ class DryRunReport:
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
-        for key in ("estimate", "scheduled_estimate"):
-            doc[key] = {"total_bytes": getattr(self, key).total, **asdict(getattr(self, key))}
+        doc["estimate"] = {"total_bytes": self.estimate.total, **asdict(self.estimate)}
         doc["peak_over_estimate"] = self.peak_bytes / self.estimate.total
-        doc["peak_over_scheduled_estimate"] = self.peak_bytes / self.scheduled_estimate.total
         doc["ok"] = self.ok
         return doc
 
@@ -214,9 +221,14 @@ class DryRunReport:
                 f"  overrides: {' '.join(self.overrides)} (the dry run plays the model as "
                 "overridden)"
             )
-        if self.split_size_reads:
+        if self.split_size_reads or self.loop_permutation_reads:
+            loops = (
+                f" and {self.loop_permutation_reads} loop-permutation selections"
+                if self.loop_permutation_reads
+                else ""
+            )
             lines.append(
-                f"  routing assumed balanced: {self.split_size_reads} MoE split-size reads "
+                f"  routing assumed balanced: {self.split_size_reads} MoE split-size reads{loops} "
                 "answered with balanced routing (each expert gets tokens x topk / experts rows)"
             )
         lines += [
@@ -232,16 +244,15 @@ class DryRunReport:
             "",
             "Memory (live storage on the fake device):",
             f"  at the step's start {_size(self.start_bytes)} (parameters, gradient buffers, "
-            "master weights)",
+            "master weights, Adam's moments)",
             f"  peak during the step {_size(self.peak_bytes)}{ratio}, made by:",
             *(f"    {_size(n):>11}  {site}" for site, n in self.peak_by_site[:PEAK_SITES_SHOWN]),
-            f"  at the step's end {_size(self.end_bytes)} (+ optimizer states)"
+            f"  at the step's end {_size(self.end_bytes)}"
             if self.end_bytes is not None
             else "  at the step's end: not reached",
-            f"  overlap explain's estimate{'' if self.rank == 0 else ' (for rank 0)'}: "
-            f"{est.describe()}",
-            f"  with the schedule's micro-batches in flight (overlap plan's): "
-            f"{self.scheduled_estimate.describe()}",
+            f"  the memory model's estimate for this rank (overlap explain's, overlap plan's): "
+            f"{gib(est.total)}",
+            *est.table(),
         ]
         lines += [
             "",
@@ -631,13 +642,10 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from overlap.parallel.state import ParallelState
+    from overlap.perf.memory_model import rank_memory
     from overlap.training.trainer import Trainer
 
     cfg, layout = job.cfg, job.resolution.layout
-    # what `overlap explain` shows for this GPU layout
-    estimate = estimate_memory(cfg, layout, cpu=False)
-    # before the micro-batches are cut
-    scheduled = estimate_memory(cfg, layout, cpu=False, schedule=True)
     per_step = microbatches_per_step(layout, cfg)
     device = fake_device()
     mesh_device = _mesh_device(device)
@@ -661,6 +669,7 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
     try:
         ps = ParallelState(layout, device, mesh_device)
         played = options.microbatches or default_microbatches(layout, cfg, ps.pp_rank)
+        estimate = rank_memory(cfg, layout, pp_rank=ps.pp_rank, microbatches=played)
         cfg.train.global_batch_size = played * cfg.train.micro_batch_size * layout.dp
         log.info(
             "dry run: rank %d of %d, %d of %d micro-batches, fake device %s",
@@ -671,7 +680,7 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
             device.type,
         )
         split_sizes.assume_balanced_routing(
-            lambda: watch.record_read(caller(), "balanced routing", SPLIT_SIZES)
+            lambda what: watch.record_read(caller(), "balanced routing", _ANSWER_REASONS[what])
         )
         with FakeTensorMode(allow_non_fake_inputs=True), watch, warnings.catch_warnings():
             # The pipeline compares storage addresses to count a sent copy in its own memory
@@ -681,6 +690,8 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
             start, end = 0, None
             try:
                 trainer = Trainer(cfg, ps)
+                # a steady-state step's memory: Adam's moments exist from the first step on
+                trainer.optimizer.create_states()
                 comm.PROGRAM.start()
                 watch.phase = "step"
                 start = watch.current
@@ -696,6 +707,7 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
             entries = comm.PROGRAM.stop()
         reads = sorted(watch.reads.values(), key=lambda r: (r.intended is None, r.phase, r.site))
         split_reads = sum(r.count for r in reads if r.intended == SPLIT_SIZES)
+        loop_reads = sum(r.count for r in reads if r.intended == LOOP_SELECTIONS)
         return DryRunReport(
             rank=options.rank,
             world_size=layout.world_size,
@@ -718,9 +730,9 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
             ),
             end_bytes=end,
             estimate=estimate,
-            scheduled_estimate=scheduled,
             host_reads=reads,
             split_size_reads=split_reads,
+            loop_permutation_reads=loop_reads,
             finding=watch.finding,
             seconds=time.perf_counter() - started,
         )

@@ -1,0 +1,304 @@
+"""Activation memory per transformer layer, block by block: what our layers keep for backward, next
+to Megatron-Core's accounting for the same settings.
+
+`layer_blocks` gives, for one layer, each block's bytes per token of the micro-batch on one rank:
+
+- `ours`: what the layers keep (`overlap.layers`: each elementwise chain keeps its inputs and small
+  statistics, `overlap.layers.fused.Chain`; the router takes its fp32 logits from the bf16 input;
+  the permutation keeps index vectors; the router's probabilities weight the experts' activation).
+  The memory model (`overlap.perf.memory_model`) counts these; tests/test_activation_memory.py
+  measures them on real tensors (`overlap.perf.saved_activations`) and holds each to its formula.
+- `megatron`: Megatron-Core's accounting for the same settings with its fused kernels (Transformer
+  Engine's norms, flash attention, the fused permutation, the weighted SwiGLU that applies the
+  router's probabilities in the experts): Korthikanti et al. 2022 (arXiv 2205.05198, table 2, the
+  s^2 terms removed by flash attention; Megatron's `theoretical_memory_usage.py` uses the same
+  `s b h (18 + 4 ffn / h)` per dense layer) and, for the MoE blocks it has no term for, the blocks'
+  own saved tensors: the dispatched rows into the first grouped GEMM, its output (the SwiGLU input,
+  2 x ffn wide), the SwiGLU output, an int32 row map per routed row, the router's fp32
+  probabilities and its boolean routing map.
+
+Where the two differ, `note` says why. One difference is structural: under sequence parallelism
+Megatron's column-parallel linears keep their input before the all-gather (1/tp of it) and gather it
+again in backward; ours keep the gathered input (the QKV projection, the dense MLP's and the shared
+expert's first linear).
+
+Token counts: the norms, the router and the routed blocks see the micro-batch's tokens divided by TP
+under sequence parallelism (each TP rank routes its own tokens), the attention core all of them
+with 1/tp of the heads; everything is given per token of the whole micro-batch so that blocks add.
+Routing is balanced (each local token's k rows land on some EP rank, which receives k rows per
+local token); a padded expert capacity sends E x capacity rows instead of T x k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from overlap.config.model import ModelConfig
+
+NORMS, ATTENTION, MLP, ROUTER, DISPATCH, EXPERTS, COMBINE, SHARED_EXPERT, CHECKPOINTS = (
+    "norms",
+    "attention",
+    "mlp",
+    "router",
+    "dispatch",
+    "experts",
+    "combine",
+    "shared expert",
+    "checkpoint inputs",
+)
+BLOCK_ORDER = (
+    NORMS,
+    ATTENTION,
+    MLP,
+    ROUTER,
+    DISPATCH,
+    EXPERTS,
+    COMBINE,
+    SHARED_EXPERT,
+    CHECKPOINTS,
+)
+
+INDEX_BYTES = 8  # int64 index vectors
+_INDEX = INDEX_BYTES
+_FP32 = 4
+LOSS_CHUNK_BYTES = 1 << 28
+"""fp32 bytes of logits the cross-entropy makes at once (256 MiB: about 440 rows of a 152k
+vocabulary), forward and backward (`overlap.layers.cross_entropy`); the memory model counts one."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of a layer: bytes kept for backward per token of the micro-batch, ours and
+    Megatron-Core's, and what is kept."""
+
+    name: str
+    ours: float
+    megatron: float
+    kept: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What a layer's activations depend on beyond the model's sizes: this rank's TP size and
+    sequence parallelism, the activation dtype's bytes, whether attention is a fused kernel (flash,
+    memory-efficient, cuDNN: output and log-sum-exp) or the unfused product (the s x s scores), the
+    micro-batch's tokens and sequence length, and the recomputed modules."""
+
+    tp: int
+    ep: int
+    sequence_parallel: bool
+    act_bytes: int
+    fused_attention: bool
+    seq_length: int
+    micro_batch: int
+    recompute: frozenset[str] = frozenset()
+
+    @property
+    def seq_div(self) -> int:
+        """What the norms' and the routed blocks' token counts are divided by (SP)."""
+        return self.tp if self.sequence_parallel and self.tp > 1 else 1
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_length * self.micro_batch
+
+
+def routed_rows_per_token(m: ModelConfig, shape: LayerShape) -> float:
+    """Rows the experts of one EP rank process per local token (balanced routing): k, or with a
+    padded capacity E x capacity / T (Megatron's `get_capacity`, as in
+    `overlap.layers.moe.permute`)."""
+    local_tokens = shape.tokens // shape.seq_div
+    if m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity:
+        capacity = math.ceil(
+            local_tokens * m.moe_router_topk / m.num_moe_experts * m.moe_expert_capacity_factor
+        )
+        return m.num_moe_experts * capacity / local_tokens
+    return float(m.moe_router_topk)
+
+
+def _attention(m: ModelConfig, shape: LayerShape) -> Block:
+    B, t, h, d = shape.act_bytes, shape.tp, m.hidden_size, m.head_dim
+    a, g = m.num_attention_heads / t, m.query_groups / t
+    core_recompute = "core_attn" in shape.recompute
+    qkv_in = B * h  # the gathered (or replicated) input of the QKV projection
+    # with QK norms the projection's output is kept (the norms' inputs, v); without, v alone
+    qkv_out = B * (a + 2 * g) * d + _FP32 * (a + g) if m.qk_layernorm else B * g * d
+    megatron = (
+        B * h / shape.seq_div
+        + B * (a + g) * d * (1 if m.qk_layernorm else 0)
+        + B * (a + 2 * g) * d
+        + B * a * d
+        + _FP32 * a
+    )
+    if shape.fused_attention:
+        # rotated q and k (the kernel's inputs), the output (the output projection's input) and
+        # one fp32 log-sum-exp per head; recomputed, the kernel keeps nothing of its own
+        ours = qkv_in + qkv_out + B * (a + g) * d + B * a * d
+        ours += 0.0 if core_recompute else _FP32 * a
+        kept = "QKV input, QKV output (QK-norm inputs, v), rotated q and k, output + LSE"
+    else:
+        s = shape.seq_length
+        # copies of q, of k and v repeated per head, the fp32 probabilities and their bf16 cast
+        # (the s x s scores), the output made contiguous for the projection; recomputed, the
+        # core's inputs instead (rotated q and k, v)
+        core = (
+            B * (a + g) * d + B * g * d if core_recompute else 3 * B * a * d + (_FP32 + B) * a * s
+        )
+        # v's own copy is the core's input when the norms keep the projection's output
+        norms_kept = qkv_out if m.qk_layernorm else 0.0
+        if core_recompute and m.qk_layernorm:
+            core -= B * g * d
+        ours = qkv_in + norms_kept + core + B * a * d
+        kept = "QKV input and output, q/k/v copies, s x s probabilities (fp32 and bf16), output"
+    note = (
+        "ours keeps the all-gathered QKV input (Megatron: its 1/tp shard, gathered again in "
+        "backward)"
+        if shape.seq_div > 1
+        else ""
+    )
+    return Block(ATTENTION, ours, megatron, kept, note)
+
+
+def _norms(m: ModelConfig, shape: LayerShape) -> Block:
+    per = (shape.act_bytes * m.hidden_size + _FP32) / shape.seq_div
+    if "layernorm" in shape.recompute:  # inputs kept by the checkpoints (`_checkpoints`)
+        return Block(NORMS, 0.0, 0.0, "nothing (recomputed)")
+    return Block(NORMS, 2 * per, 2 * per, "each norm's input and fp32 reciprocal RMS")
+
+
+def _dense_mlp(m: ModelConfig, shape: LayerShape) -> Block:
+    B, t, h, f = shape.act_bytes, shape.tp, m.hidden_size, m.ffn_size
+    inner = (3 if m.gated_linear_unit else 2) * B * f / t  # gate and up (or GELU input), fc2 input
+    if "mlp" in shape.recompute:  # its input is kept by the checkpoint (`_checkpoints`)
+        return Block(MLP, 0.0, 0.0, "nothing (recomputed)")
+    return Block(
+        MLP,
+        B * h + inner,
+        B * h / shape.seq_div + inner,
+        "fc1 input, SwiGLU inputs (gate, up), fc2 input",
+        "ours keeps fc1's all-gathered input (Megatron: its shard)" if shape.seq_div > 1 else "",
+    )
+
+
+def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
+    B, h, f, k = shape.act_bytes, m.hidden_size, m.moe_ffn_size, m.moe_router_topk
+    E = m.num_moe_experts
+    div = shape.seq_div
+    rows = routed_rows_per_token(m, shape)
+    if "moe" in shape.recompute:  # its input is kept by the checkpoint (`_checkpoints`)
+        return []
+    aux = bool(m.moe_aux_loss_coeff) and m.moe_router_load_balancing_type == "aux_loss"
+    # pre-softmax: the softmax over every expert, then the top-k of it (indices); otherwise the
+    # top-k of the logits (indices) and the softmax over the k winners; the aux loss takes a
+    # softmax of its own over every expert
+    choose = _FP32 * E + _INDEX * k if m.moe_router_pre_softmax else (_FP32 + _INDEX) * k
+    router = B * h + choose + (_FP32 * E if aux else 0.0)
+    blocks = [
+        Block(
+            ROUTER,
+            router / div,
+            (B * h + _FP32 * E + E) / div,
+            "input, top-k indices and weights, fp32 probabilities (aux loss, pre-softmax)",
+            "Megatron keeps a boolean routing map (E bytes) where ours keeps the top-k indices",
+        )
+    ]
+    if m.moe_token_dispatcher_type == "flex":
+        # one row per (token, destination rank): its token index and its k-wide mask; per routed
+        # pair a row index and a weight slot (destinations per token: at most k, at most EP)
+        sent = min(k, shape.ep)
+        dispatch = (_INDEX + k) * sent + 2 * _INDEX * rows
+        what = "token index and expert mask per sent row, row and slot index per pair (int64)"
+    else:
+        dispatch = 2 * _INDEX * rows  # each row's token and routing slot
+        what = "token and slot index per routed row (int64)"
+    blocks.append(
+        Block(
+            DISPATCH,
+            dispatch / div,
+            4 * rows / div,
+            what,
+            "Megatron's fused permutation keeps one int32 map entry per routed row",
+        )
+    )
+    act = 0.0 if "moe_act" in shape.recompute else B * f
+    experts = rows * (B * h + 2 * B * f + _FP32 + act)
+    blocks.append(
+        Block(
+            EXPERTS,
+            experts / div,
+            experts / div,
+            "dispatched rows, fc1 output (SwiGLU input), row weights, fc2 input",
+        )
+    )
+    blocks.append(
+        Block(COMBINE, 0.0, 0.0, "nothing: the row weights are applied in the experts' SwiGLU")
+    )
+    fs = m.moe_shared_expert_intermediate_size
+    if fs:
+        inner = 0.0 if "shared_experts" in shape.recompute else 3 * B * fs / shape.tp
+        gathered = B * h if div > 1 else 0.0  # at TP 1 its input is the router's
+        blocks.append(
+            Block(
+                SHARED_EXPERT,
+                gathered + inner,
+                inner,
+                "SwiGLU inputs and fc2 input (fc1's input under SP)",
+            )
+        )
+    return blocks
+
+
+def _checkpoints(m: ModelConfig, shape: LayerShape, moe_layer: bool) -> Block | None:
+    """What selective recompute's layer-level checkpoints keep: their inputs (each norm's, the
+    MLP's or MoE layer's: the pre-MLP norm's output); the checkpoints inside a block (the attention
+    core, the experts' activation, the shared expert) are counted in their block."""
+    per_token = shape.act_bytes * m.hidden_size / shape.seq_div
+    kept = 0.0
+    if "layernorm" in shape.recompute:
+        kept += 2 * per_token
+    if ("moe" if moe_layer else "mlp") in shape.recompute:
+        kept += per_token
+    if not kept:
+        return None
+    return Block(CHECKPOINTS, kept, kept, "the recomputed norms' and MLP's inputs")
+
+
+def layer_blocks(m: ModelConfig, shape: LayerShape, moe_layer: bool) -> list[Block]:
+    """One layer's blocks (module docstring). Full recompute is the caller's: a recomputed layer
+    keeps only its input."""
+    blocks = [_norms(m, shape), _attention(m, shape)]
+    blocks += _moe_blocks(m, shape) if moe_layer else [_dense_mlp(m, shape)]
+    checkpoints = _checkpoints(m, shape, moe_layer)
+    return blocks + ([checkpoints] if checkpoints else [])
+
+
+def backward_working_bytes(m: ModelConfig, shape: LayerShape, moe_layer: bool) -> float:
+    """Bytes per token of the micro-batch that one layer's backward holds at its largest beyond its
+    saved tensors, eager (the dry run's, and the CPU's): the SwiGLU backward's fp32 temporaries
+    (four rows' widths at once) with its bf16 results and incoming gradient, in the MLP or, per
+    routed row, in the experts; the norm's (three fp32 copies of its input); the attention
+    gradients. A compiled chain (CUDA) holds less: this bounds it from above."""
+    B, t, h, d = shape.act_bytes, shape.tp, m.hidden_size, m.head_dim
+    a, g = m.num_attention_heads / t, m.query_groups / t
+    norm = (3 * _FP32 + B) * h / shape.seq_div
+    attention = (2 * B + _FP32) * (a + 2 * g) * d
+
+    def swiglu(width: float) -> float:
+        return (4 * _FP32 + 3 * B) * width
+
+    if moe_layer:
+        mlp = routed_rows_per_token(m, shape) * swiglu(m.moe_ffn_size) / shape.seq_div
+        if m.moe_shared_expert_intermediate_size:
+            mlp = max(mlp, swiglu(m.moe_shared_expert_intermediate_size / t))
+    else:
+        mlp = swiglu(m.ffn_size / t) if m.gated_linear_unit else 3 * B * m.ffn_size / t
+    return max(norm, attention, mlp)
+
+
+def layer_bytes(m: ModelConfig, shape: LayerShape, moe_layer: bool) -> float:
+    """Our bytes per token of the micro-batch for one layer."""
+    return sum(b.ours for b in layer_blocks(m, shape, moe_layer))

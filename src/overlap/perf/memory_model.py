@@ -1,0 +1,194 @@
+"""The memory model of `overlap explain`, `overlap plan`, the dry run and the run's own checks: one
+rank's peak, by component, and whether it fits the GPU.
+
+`rank_memory` is `overlap.launch.resources.estimate_memory` fed with the rank's real pipeline
+program (`overlap.pipeline.schedules.pipeline_steps`, merged under EP overlap), which the launch
+layer cannot import: the activations follow the program's forwards and backwards, so the peak counts
+the micro-batches the schedule keeps in flight and the backward running at that moment, as the dry
+run measures it (`tests/test_memory_model.py` holds the two within 10% on the guides' layouts).
+
+`fit` compares the peak, plus a stated reserve, with the GPU's memory, and when it does not fit
+prices what Megatron users reach for: selective recompute modules, the distributed optimizer, bf16
+gradient reduction, a smaller micro-batch, more pipeline stages, a larger expert-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from overlap.config.container import ConfigContainer
+from overlap.config.layout import ParallelLayout
+from overlap.launch.resources import MemoryEstimate, estimate_memory, gib
+from overlap.pipeline.schedules import pipeline_steps
+
+_GIB = 2**30
+
+GPU_MEMORY_BYTES: dict[str, int] = {
+    "h100": 81559 * 2**20,  # H100 SXM 80 GB: what nvidia-smi reports
+    "h200": 143771 * 2**20,  # H200 SXM 141 GB: what nvidia-smi reports
+    "b200": 180 * 10**9,  # DGX B200: 1,440 GB over 8 GPUs
+    "b300": 288 * 10**9,  # DGX B300: 2.3 TB over 8 GPUs
+    "gb200": 186 * 10**9,  # GB200 NVL72: 13.4 TB over 72 GPUs
+    "gb300": 288 * 10**9,  # GB300 NVL72: 20.7 TB over 72 GPUs
+}
+"""Each GPU type's memory (the vendor's figure per GPU; nvidia-smi's total where stated)."""
+
+RESERVE_FIXED = 2 * _GIB
+RESERVE_SHARE = 0.05
+"""What the estimate leaves out and a GPU still holds: the CUDA context, cuBLAS / cuDNN workspaces
+and NCCL's communicator buffers (together about 2 GiB on a Hopper node with a handful of groups),
+and the caching allocator's fragmentation (5% of the peak)."""
+
+
+def program(
+    cfg: ConfigContainer, layout: ParallelLayout, pp_rank: int, microbatches: int | None = None
+) -> list[tuple[int | None, int | None]]:
+    """Pipeline rank `pp_rank`'s steps as (forward chunk, backward chunk) pairs, for `microbatches`
+    micro-batches (None: the step's, global batch / (micro-batch x DP))."""
+    m, t = cfg.model, cfg.train
+    count = microbatches or max(1, t.global_batch_size // (t.micro_batch_size * max(1, layout.dp)))
+    steps = pipeline_steps(
+        max(1, layout.pp),
+        pp_rank,
+        m.virtual_pipeline_model_parallel_size or 1,
+        count,
+        m.microbatch_group_size_per_vp_stage,
+        cfg.resolved.overlap.overlap_moe_expert_parallel_comm,
+    )
+    return [
+        (
+            None if s.forward is None else s.forward.chunk,
+            None if s.backward is None else s.backward.chunk,
+        )
+        for s in steps
+    ]
+
+
+def rank_memory(
+    cfg: ConfigContainer,
+    layout: ParallelLayout,
+    cpu: bool = False,
+    pp_rank: int | None = None,
+    microbatches: int | None = None,
+) -> MemoryEstimate:
+    """The peak of pipeline rank `pp_rank` (None: the rank whose peak is highest) over one step of
+    `microbatches` micro-batches (None: the step's), by component (module docstring)."""
+    merged = cfg.resolved.overlap.overlap_moe_expert_parallel_comm
+    ranks = range(max(1, layout.pp)) if pp_rank is None else (pp_rank,)
+    estimates = [
+        estimate_memory(
+            cfg, layout, cpu, program(cfg, layout, r, microbatches), merged=merged, pp_rank=r
+        )
+        for r in ranks
+    ]
+    return max(estimates, key=lambda e: e.total)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The verdict of one rank's peak against its GPU: the memory, the reserve held back, what is
+    left (negative: short by that much), and what would make it fit (each with what it saves)."""
+
+    gpu: str
+    device_bytes: int
+    peak_bytes: int
+    reserve_bytes: int
+    advice: tuple[str, ...] = ()
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.device_bytes - self.peak_bytes - self.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_bytes >= 0
+
+    def describe(self) -> str:
+        head = (
+            f"{gib(self.peak_bytes)} + a reserve of {gib(self.reserve_bytes)} (CUDA context, "
+            f"NCCL buffers, {RESERVE_SHARE:.0%} allocator fragmentation) on {self.gpu.upper()}'s "
+            f"{gib(self.device_bytes)}: "
+        )
+        if self.fits:
+            return head + f"fits, {gib(self.margin_bytes)} to spare"
+        return (
+            head
+            + f"does NOT fit, short by {gib(-self.margin_bytes)}"
+            + "".join(f"\n    - {a}" for a in self.advice)
+        )
+
+
+def fit(cfg: ConfigContainer, layout: ParallelLayout, gpu: str) -> Fit | None:
+    """`rank_memory`'s peak against `gpu`'s memory (None for a GPU type without a known size, or
+    CPU ranks); the advice prices each alternative with the same model."""
+    device = GPU_MEMORY_BYTES.get(gpu)
+    if device is None:
+        return None
+    est = rank_memory(cfg, layout)
+    reserve = RESERVE_FIXED + int(RESERVE_SHARE * est.total)
+    verdict = Fit(gpu, device, est.total, reserve)
+    if verdict.fits:
+        return verdict
+    return replace(verdict, advice=tuple(_advice(cfg, layout, est)))
+
+
+def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -> list[str]:
+    """Each alternative the model can price on this layout, with the peak it would have; then the
+    layout changes (more pipeline stages, a larger EP group), which need a new layout."""
+    m, d = cfg.model, cfg.ddp
+    options: list[tuple[str, ConfigContainer]] = []
+    recomputed = set(m.recompute_modules or ()) if m.recompute_granularity == "selective" else set()
+    for modules in (["moe_act"], ["moe_act", "layernorm"], ["core_attn", "mlp"]):
+        if m.recompute_granularity == "full" or set(modules) <= recomputed:
+            continue
+        if "moe_act" in modules and not m.is_moe:
+            continue
+        chosen = sorted(recomputed | set(modules))
+        options.append(
+            (
+                "model.recompute_granularity=selective "
+                f"model.recompute_modules=[{','.join(chosen)}]",
+                _with_model(cfg, recompute_granularity="selective", recompute_modules=chosen),
+            )
+        )
+    if not d.use_distributed_optimizer and layout.dp > 1:
+        options.append(("ddp.use_distributed_optimizer=true", _with_ddp(cfg, True, None)))
+    if d.grad_reduce_in_fp32:
+        options.append(("mixed_precision.grad_reduce_in_fp32=false", _with_ddp(cfg, None, False)))
+    if cfg.train.micro_batch_size > 1:
+        cut = replace(cfg.train, micro_batch_size=1)
+        options.append(("-mb 1", _with(cfg, train=cut)))
+    advice = []
+    for flag, alternative in options:
+        peak = rank_memory(alternative, layout).total
+        if peak < est.total:
+            advice.append(f"{flag}: {gib(peak)} (saves {gib(est.total - peak)})")
+    share = est.param_bytes + est.grad_bytes + est.optimizer_bytes + est.activation_bytes
+    advice.append(
+        f"more pipeline stages (-pp): parameters, gradients, optimizer state and activations "
+        f"({gib(share)} here) divide over the stages"
+    )
+    if m.is_moe:
+        advice.append(
+            f"a larger expert-parallel group (-ep): the routed experts' {est.expert_params:,} "
+            "parameters and their gradients and optimizer state divide over it"
+        )
+    return advice
+
+
+def _with(cfg: ConfigContainer, **sections) -> ConfigContainer:
+    """`cfg` with sections replaced, its resolution (the overlap plan) kept."""
+    return replace(cfg, **sections)
+
+
+def _with_model(cfg: ConfigContainer, **fields) -> ConfigContainer:
+    return _with(cfg, model=replace(cfg.model, **fields))
+
+
+def _with_ddp(cfg: ConfigContainer, distributed: bool | None, fp32: bool | None) -> ConfigContainer:
+    ddp = cfg.ddp
+    if distributed is not None:
+        ddp = replace(ddp, use_distributed_optimizer=distributed)
+    if fp32 is not None:
+        ddp = replace(ddp, grad_reduce_in_fp32=fp32)
+    return _with(cfg, ddp=ddp)
