@@ -209,3 +209,21 @@ def test_a_send_is_dropped_once_the_device_reports_it_complete_without_a_wait(de
     work.finish(clock.t + 0.002)
     assert handle.reap() and handle not in comm.outstanding() and not waited
     assert handle.reap()  # and it stays dropped
+
+
+def test_a_step_lasts_until_its_last_collective_ends_on_the_device(device):
+    """Issue 47 item 9: the optimizer step launches the first parameter-gather bucket, which ends on
+    the device after the host finished the step, inside the drain's synchronisation. The step's time
+    runs from its first event to its last (`Recorder.step_seconds`), so that bucket is counted; the
+    host clock alone left it to no step."""
+    clock, _ = device
+    start = RECORDER.mark()
+    with RECORDER.span("optimizer"):
+        clock.t += 0.004
+        handle, work = _collective(clock, None, kind="dp_ag")
+    end = RECORDER.mark()
+    work.finish(clock.t + 0.006)  # on the device, while the host drains
+    events, _spans = RECORDER.drain()
+    assert RECORDER.step_seconds(start, end, events) == pytest.approx(0.010)
+    handle.wait()
+    assert HostTimeline().step_end(1.0, events) == 1.0  # the host clock: the host's own end

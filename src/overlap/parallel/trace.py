@@ -107,6 +107,11 @@ class Timeline:
         here (only a device timeline with one hardware queue does, `_DeviceTiming`)."""
         return False
 
+    def step_end(self, end: float, comm: Sequence[CommEvent]) -> float:
+        """When a step that the host finished at `end` ended: on the host clock, then (what the
+        host still has in flight is waited for, and paid, by the next step)."""
+        return end
+
     def synchronize(self) -> None:
         pass
 
@@ -224,6 +229,13 @@ class DeviceTimeline(_DeviceTiming):
         self._flush()
         self._sync()
 
+    def step_end(self, end: float, comm: Sequence[CommEvent]) -> float:
+        """The latest of the step's last compute event and its collectives' ends: the drain's
+        synchronisation completes whatever the step left in flight (the first parameter-gather
+        bucket, launched in the optimizer step) before the next step starts, so that time belongs
+        to no later step."""
+        return max([end, *(e.t_done for e in comm if e.t_done is not None)])
+
     def resolve(self, value: Time) -> float | None:
         if not isinstance(value, Mark):
             return value
@@ -324,6 +336,13 @@ class Recorder:
                 if isinstance(value, Mark):
                     setattr(item, f.name, self.timeline.resolve(value))
         self.timeline.settle()
+
+    def step_seconds(self, start: Time, end: Time, comm: Sequence[CommEvent]) -> float:
+        """A step's time from its first event to its last (`Timeline.step_end`): `start` and `end`
+        are marks taken around the step's host work, `comm` the step's drained events (call after
+        the drain, which resolved them)."""
+        first, last = self.timeline.resolve(start), self.timeline.resolve(end)
+        return self.timeline.step_end(last, comm) - first
 
     def discard(self) -> None:
         """Forget what was recorded outside the iterations (a checkpoint's gathers between two
