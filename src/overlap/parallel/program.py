@@ -420,8 +420,11 @@ def queue_stalls(programs: dict[int, list[Entry]]) -> list[str]:
     found = []
     for rank, entries in programs.items():
         units = {e.unit: e for e in entries if isinstance(e, Post)}
+        waited: set[int] = set()  # units the compute stream has waited for so far
         for i, entry in enumerate(entries):
-            if not isinstance(entry, Wait) or entry.stream == COMPUTE:
+            if _compute_wait(entry):
+                waited.add(entry.unit)
+            if not isinstance(entry, Wait) or entry.stream == COMPUTE or entry.unit in waited:
                 continue
             held = []
             for later in entries[i + 1 :]:
