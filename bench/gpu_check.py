@@ -2,12 +2,12 @@
 it), from the source tree against that machine's own PyTorch (torch >= 2.11), every GPU step started
 through torchrun as a GPU run is. One GPU cannot host two NCCL ranks, so every step is single-rank:
 
-1. env       - the machine: GPU, torch, CUDA, NCCL versions; the experts' grouped GEMM against their
-   per-expert
-               loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local experts):
-               agreement and ms each; each elementwise chain compiled (torch.compile, inductor)
-               against eager at Qwen3-30B-A3B's shapes in bf16 (forward + backward): agreement and
-               ms each (the evidence for the fusions' CUDA default).
+1. env       - the machine: GPU, torch, CUDA, NCCL versions, the torch APIs the runtime relies on
+               and the path each took (`torch_apis`); the experts' grouped GEMM against their
+               per-expert loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local
+               experts): agreement and ms each; each elementwise chain compiled (torch.compile,
+               inductor) against eager at Qwen3-30B-A3B's shapes in bf16 (forward + backward):
+               agreement and ms each (the evidence for the fusions' CUDA default).
 2. nccl      - a one-rank NCCL world (device-bound): `batch_isend_irecv` gives one work for a whole
    batch (our handles
                share it, the GPU timeline times it, and a send is dropped only once the device
@@ -302,8 +302,9 @@ def cmd_env(args: argparse.Namespace) -> int:
             "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         }
+    info["torch_apis"] = _torch_apis()
     missing = []
-    for module in ("omegaconf", "rich", "numpy", "matplotlib", "tokenizers", "safetensors"):
+    for module in ("omegaconf", "yaml", "rich", "numpy", "matplotlib", "tokenizers", "safetensors"):
         try:
             __import__(module)
         except ImportError:
@@ -320,6 +321,24 @@ def cmd_env(args: argparse.Namespace) -> int:
     Path(args.out, "env.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
     return 0
+
+
+def _torch_apis() -> dict:
+    """The torch APIs the runtime relies on and the path each took on this torch (the supported
+    range is 2.11 up to the pin): the collectives' entry points (`comm.torch_apis`, chosen by
+    feature detection), the experts' grouped GEMM, fused AdamW's `grad_scale`, and the connection
+    count that decides where the tracer times a collective."""
+    import torch.nn.functional as F
+    from torch.optim import adam
+
+    from overlap.parallel import comm, streams
+
+    return {
+        **comm.torch_apis(),
+        "grouped_mm": "torch.nn.functional.grouped_mm" if hasattr(F, "grouped_mm") else None,
+        "adamw_grad_scale": "grad_scale" in adam._fused_adam.__code__.co_varnames,
+        "timing_at": "compute wait (one hardware queue)" if streams.one_queue() else "launch",
+    }
 
 
 def _grouped_vs_loop(device, failed: list[str]) -> dict:
@@ -536,11 +555,13 @@ def cmd_nccl(args: argparse.Namespace) -> int:
                 float(got.sum()),
             )
             traced, _spans = RECORDER.drain()
+            # the timing stream waited for the batch's one work (its future completes empty at
+            # launch): the batch ends after its launch on the device
             _check(
                 facts,
                 failed,
                 "batch_done_on_gpu_timeline",
-                all(e.t_done is not None for e in traced),
+                all(e.t_done is not None and e.t_done >= e.t_launch for e in traced),
                 [
                     None if e.t_done is None else round((e.t_done - e.t_launch) * 1e3, 4)
                     for e in traced
@@ -597,6 +618,7 @@ def cmd_nccl(args: argparse.Namespace) -> int:
                 timeline["collective_ms"] is not None
                 and timeline["collective_ms"] > 0
                 and timeline["launch_after_gemms_ms"] >= -1e-3
+                and traced.t_done >= traced.t_launch
             )
             if cuda
             else True
