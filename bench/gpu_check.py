@@ -2,12 +2,12 @@
 it), from the source tree against that machine's own PyTorch (torch >= 2.11), every GPU step started
 through torchrun as a GPU run is. One GPU cannot host two NCCL ranks, so every step is single-rank:
 
-1. env       - the machine: GPU, torch, CUDA, NCCL versions; the experts' grouped GEMM against their
-   per-expert
-               loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local experts):
-               agreement and ms each; each elementwise chain compiled (torch.compile, inductor)
-               against eager at Qwen3-30B-A3B's shapes in bf16 (forward + backward): agreement and
-               ms each (the evidence for the fusions' CUDA default).
+1. env       - the machine: GPU, torch, CUDA, NCCL versions, the torch APIs the runtime relies on
+               and the path each took (`torch_apis`); the experts' grouped GEMM against their
+               per-expert loop in bf16 (forward + backward, one Qwen3-30B-A3B fc1 of 8 local
+               experts): agreement and ms each; each elementwise chain compiled (torch.compile,
+               inductor) against eager at Qwen3-30B-A3B's shapes in bf16 (forward + backward):
+               agreement and ms each (the evidence for the fusions' CUDA default).
 2. nccl      - a one-rank NCCL world (device-bound): `batch_isend_irecv` gives one work for a whole
    batch (our handles
                share it, the GPU timeline times it, and a send is dropped only once the device
@@ -302,8 +302,9 @@ def cmd_env(args: argparse.Namespace) -> int:
             "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
         }
+    info["torch_apis"] = _torch_apis()
     missing = []
-    for module in ("omegaconf", "rich", "numpy", "matplotlib", "tokenizers", "safetensors"):
+    for module in ("omegaconf", "yaml", "rich", "numpy", "matplotlib", "tokenizers", "safetensors"):
         try:
             __import__(module)
         except ImportError:
@@ -320,6 +321,24 @@ def cmd_env(args: argparse.Namespace) -> int:
     Path(args.out, "env.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
     return 0
+
+
+def _torch_apis() -> dict:
+    """The torch APIs the runtime relies on and the path each took on this torch (the supported
+    range is 2.11 up to the pin): the collectives' entry points (`comm.torch_apis`, chosen by
+    feature detection), the experts' grouped GEMM, fused AdamW's `grad_scale`, and the connection
+    count that decides where the tracer times a collective."""
+    import torch.nn.functional as F
+    from torch.optim import adam
+
+    from overlap.parallel import comm, streams
+
+    return {
+        **comm.torch_apis(),
+        "grouped_mm": "torch.nn.functional.grouped_mm" if hasattr(F, "grouped_mm") else None,
+        "adamw_grad_scale": "grad_scale" in adam._fused_adam.__code__.co_varnames,
+        "timing_at": "compute wait (one hardware queue)" if streams.one_queue() else "launch",
+    }
 
 
 def _grouped_vs_loop(device, failed: list[str]) -> dict:
@@ -394,58 +413,55 @@ def _timed_ms(device, fn, reps: int = 10) -> float:
 
 
 def _fused_vs_eager(device, failed: list[str]) -> dict:
-    """Each elementwise chain (`overlap.config.fusion`) compiled as the layers compile it against
-    its eager function, forward + backward in bf16 at Qwen3-30B-A3B's shapes (4096 tokens, hidden
-    2048, 32 heads of 128, top-8 of experts 768 wide): the largest difference relative to eager's
-    largest value, and the median ms of each. On the CPU (the script's own check) the shapes are cut
-    16x and the graphs go through "aot_eager" (captured whole, not compiled: inductor's CPU compile
-    is tests/test_fused_elementwise.py's)."""
+    """Each elementwise chain (`overlap.layers.fused.Chain`) compiled as the layers compile it
+    against itself eager - its forward and its backward function, in bf16 at Qwen3-30B-A3B's shapes
+    (4096 tokens, hidden 2048, 32 heads of 128, top-8 of experts 768 wide, the experts' SwiGLU
+    weighted by the router's probabilities): the largest difference relative to eager's largest
+    value, and the median ms of each. On the CPU (the script's own check) the shapes are cut 16x and
+    the graphs go through "aot_eager" (captured whole, not compiled: inductor's CPU compile is
+    tests/test_fused_elementwise.py's)."""
     import torch
 
     from overlap.layers import fused
-    from overlap.layers.mlp import swiglu
-    from overlap.layers.moe.flex_dispatcher import weight_and_sum_rows
-    from overlap.layers.moe.row_weighting import scale_rows
-    from overlap.layers.norm import rms_norm
-    from overlap.layers.rotary import apply_rope
+    from overlap.layers.mlp import SWIGLU
+    from overlap.layers.norm import RMS_NORM
+    from overlap.layers.rotary import APPLY_ROPE
 
     cuda = device.type == "cuda"
     cut, backend = (1, fused.BACKEND) if cuda else (16, "aot_eager")
     tokens, hidden, rows, ffn = 4096 // cut, 2048 // cut, 8 * 4096 // cut, 768 // cut
     gen = torch.Generator().manual_seed(0)
 
-    def rand(*shape, dtype=torch.bfloat16, grad=True):
-        return torch.randn(*shape, generator=gen).to(device, dtype).requires_grad_(grad)
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
 
     angles = torch.rand(tokens, 1, 1, 128, generator=gen).to(device) * 6
     chains = {
-        "rms_norm": (rms_norm, (rand(tokens, 1, hidden), rand(hidden), 1e-6)),
-        "apply_rope": (apply_rope, (rand(tokens, 1, 32, 128), angles.cos(), angles.sin())),
-        "swiglu": (swiglu, (rand(rows, ffn), rand(rows, ffn))),
-        "scale_rows": (scale_rows, (rand(rows, hidden), rand(rows, dtype=torch.float32))),
-        "weight_and_sum_rows": (
-            weight_and_sum_rows,
-            (
-                rand(rows, hidden),
-                rand(rows, dtype=torch.float32),
-                torch.randint(0, tokens, (rows,), generator=gen).to(device),
-                tokens,
-            ),
+        "rms_norm": (RMS_NORM, (rand(tokens, 1, hidden), rand(hidden), 1e-6)),
+        "apply_rope": (APPLY_ROPE, (rand(tokens, 1, 32, 128), angles.cos(), angles.sin())),
+        "swiglu": (SWIGLU, (rand(rows, ffn), rand(rows, ffn), None)),
+        "weighted_swiglu": (
+            SWIGLU,
+            (rand(rows, ffn), rand(rows, ffn), rand(rows, dtype=torch.float32)),
         ),
     }
     result = {"device": str(device), "backend": backend, "tokens": tokens, "hidden": hidden}
-    for name, (fn, args) in chains.items():
-        inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        out = fn(*args)
-        grad = torch.randn(out.shape, generator=gen).to(device, out.dtype)
+    for name, (chain, args) in chains.items():
+        out, *extras = chain.forward(*args)
+        constants = tuple(
+            a
+            for i, a in enumerate(args)
+            if i not in chain.saves and not isinstance(a, torch.Tensor)
+        )
+        saved = (*(args[i] for i in chain.saves), *extras, *constants)
+        grad = rand(*out.shape, dtype=out.dtype)
 
-        def run(f, args=args, inputs=inputs, grad=grad):
-            y = f(*args)
-            return (y.detach(), *torch.autograd.grad(y, inputs, grad))
+        def run(forward, backward, args=args, grad=grad, saved=saved):
+            return (*forward(*args), *(g for g in backward(grad, *saved) if g is not None))
 
-        compiled = fused.compiled(fn, backend)
+        compiled = (fused.compiled(chain.forward, backend), fused.compiled(chain.backward, backend))
         try:
-            got, want = run(compiled), run(fn)
+            got, want = run(*compiled), run(chain.forward, chain.backward)
         # a chain that cannot compile here is a finding, not the end of the step
         except Exception as exc:
             failed.append(
@@ -458,8 +474,8 @@ def _fused_vs_eager(device, failed: list[str]) -> dict:
         )
         result[name] = {
             "max_rel_diff": worst,
-            "compiled_ms": _timed_ms(device, lambda compiled=compiled: run(compiled)),
-            "eager_ms": _timed_ms(device, lambda fn=fn: run(fn)),
+            "compiled_ms": _timed_ms(device, lambda compiled=compiled: run(*compiled)),
+            "eager_ms": _timed_ms(device, lambda c=chain: run(c.forward, c.backward)),
         }
         if worst > 2e-2:  # bf16 roundings placed differently: a few units of bf16's 2^-8 at most
             failed.append(f"fused_elementwise: {name} compiled and eager differ by {worst:.3g}")
@@ -536,11 +552,13 @@ def cmd_nccl(args: argparse.Namespace) -> int:
                 float(got.sum()),
             )
             traced, _spans = RECORDER.drain()
+            # the timing stream waited for the batch's one work (its future completes empty at
+            # launch): the batch ends after its launch on the device
             _check(
                 facts,
                 failed,
                 "batch_done_on_gpu_timeline",
-                all(e.t_done is not None for e in traced),
+                all(e.t_done is not None and e.t_done >= e.t_launch for e in traced),
                 [
                     None if e.t_done is None else round((e.t_done - e.t_launch) * 1e3, 4)
                     for e in traced
@@ -597,6 +615,7 @@ def cmd_nccl(args: argparse.Namespace) -> int:
                 timeline["collective_ms"] is not None
                 and timeline["collective_ms"] > 0
                 and timeline["launch_after_gemms_ms"] >= -1e-3
+                and traced.t_done >= traced.t_launch
             )
             if cuda
             else True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlap.config import OptimizerConfig
 from overlap.optim import adam as adam_mod
@@ -63,6 +64,10 @@ def test_loaded_step_is_what_torch_creates(impl, monkeypatch):
     for a, b in zip(ran.slots, loaded.slots):
         want, got = ran.opt.state[a.master]["step"], loaded.opt.state[b.master]["step"]
         assert (got.device, got.dtype, float(got)) == (want.device, want.dtype, float(want))
+    for a, b in zip(
+        ran.slots, loaded.slots
+    ):  # the next step's gradients (the step clipped its own in place)
+        a.grad.copy_(b.grad)
     ran.step(1e-2, grad_norm=4.0)
     loaded.step(1e-2, grad_norm=4.0)  # the loaded state continues exactly as the one torch made
     assert all(torch.equal(a.master, b.master) for a, b in zip(ran.slots, loaded.slots))
@@ -82,11 +87,10 @@ def test_multi_tensor_step_is_the_single_tensor_loop(grad_dtype, param_dtype):
     gen = torch.Generator().manual_seed(1)
     shapes = [(4, 3), (5,), (2, 2)]
     params = [nn.Parameter(torch.randn(s, generator=gen).to(param_dtype)) for s in shapes]
-    for p in params:
-        p.main_grad = torch.randn(p.shape, generator=gen).to(grad_dtype)
     cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0)
+    for p in params:
+        p.main_grad = torch.zeros(p.shape, dtype=grad_dtype)
     opt = MixedPrecisionAdam.for_params(params, cfg)
-    reduced = [p.main_grad.clone() for p in params]
     # the per-slot loop's reference
     masters = [p.detach().float().clone().requires_grad_() for p in params]
     ref = torch.optim.AdamW(
@@ -99,11 +103,57 @@ def test_multi_tensor_step_is_the_single_tensor_loop(grad_dtype, param_dtype):
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         foreach=False,
     )
+    scale = min(1.0, 1.0 / (4.0 + 1e-6))
     for _ in range(3):
+        # a step's reduced gradients, as a backward leaves them in the buffers
+        for p in params:
+            p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+        reduced = [p.main_grad.clone() for p in params]
         opt.step(1e-2, grad_norm=4.0)  # scale 1 / 4
-        for m, p in zip(masters, params):
-            m.grad = p.main_grad.float() * min(1.0, 1.0 / (4.0 + 1e-6))
+        for m, g in zip(masters, reduced):
+            m.grad = g.float() * scale
         ref.step()
+        # fp32 gradients are clipped in place (no copy); low-precision ones are widened first
+        want = [g * scale if grad_dtype == torch.float32 else g for g in reduced]
+        assert all(torch.equal(p.main_grad, w) for p, w in zip(params, want))
     assert all(torch.equal(s.master, m) for s, m in zip(opt.slots, masters))
     assert all(torch.equal(p, m.to(param_dtype)) for p, m in zip(params, masters))
-    assert all(torch.equal(p.main_grad, g) for p, g in zip(params, reduced))  # not scaled in place
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _clipped_step(impl: dict[str, bool], monkeypatch) -> tuple[list[str], list[torch.Tensor]]:
+    """One clipped step (scale 1/4) of fp32 parameters with torch's `impl` path: (the aten ops the
+    step ran, the updated parameters)."""
+    monkeypatch.setattr(adam_mod, "multi_tensor_impl", lambda params: impl)
+    gen = torch.Generator().manual_seed(3)
+    params = [nn.Parameter(torch.randn(s, generator=gen)) for s in [(4, 3), (5,)]]
+    for p in params:
+        p.main_grad = torch.randn(p.shape, generator=gen)
+    opt = MixedPrecisionAdam.for_params(params, OptimizerConfig(lr=1e-2, clip_grad=1.0))
+    with _Ops() as ops:
+        opt.step(1e-2, grad_norm=4.0)
+    return ops.names, [p.detach().clone() for p in params]
+
+
+def test_clipping_makes_no_copy_of_fp32_gradients(monkeypatch):
+    """Issue 47 item 11: with clip x unscale != 1 the fp32 gradients were multiplied into new
+    tensors every step (an fp32 copy of every owned gradient shard). The foreach path scales them in
+    place; fused AdamW takes the factor as its `grad_scale` (torch's CPU fused kernel stands in for
+    CUDA's here) and runs no scaling op of ours at all; both give the same update."""
+    foreach_ops, foreach = _clipped_step({"foreach": True}, monkeypatch)
+    fused_ops, fused = _clipped_step({"fused": True}, monkeypatch)
+    assert "aten._foreach_mul.Scalar" not in foreach_ops  # the out-of-place multiply
+    assert "aten._foreach_mul_.Scalar" in foreach_ops
+    assert not any(name.startswith("aten._foreach_mul") for name in fused_ops)
+    assert not any("empty" in name for name in foreach_ops + fused_ops)
+    for a, b in zip(foreach, fused):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlap.config import ConfigContainer
 from overlap.config.comm_overlap import OverlapPlan
@@ -249,3 +250,49 @@ def _shared_weight() -> tuple[int, int, bool]:
 def test_parameter_used_twice_counts_once():
     for fires, launched, correct in run_world(2, _shared_weight):
         assert (fires, launched, correct) == (1, 1, True)
+
+
+class _BufferCopies(TorchDispatchMode):
+    """Counts the `copy_` ops whose destination lives in one of `storages` (the DDP buffers)."""
+
+    def __init__(self, storages: set[int]) -> None:
+        super().__init__()
+        self.storages, self.count = storages, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.count += args[0].untyped_storage().data_ptr() in self.storages
+        return func(*args, **(kwargs or {}))
+
+
+def _copies_into_buffers(overlap: bool) -> tuple[int, int]:
+    """One step of DP 2 with the distributed optimizer: (copy_ ops into a gradient or parameter
+    buffer, buckets)."""
+    trainer = _build(
+        {
+            "use_distributed_optimizer": True,
+            "overlap_grad_reduce": overlap,
+            "overlap_param_gather": overlap,
+        },
+        {},
+        None,
+    )
+    buffers = [b for ddp in trainer.ddps for b in ddp.buffers]
+    storages = {
+        t.untyped_storage().data_ptr() for b in buffers for t in (b.grad_data, b.param_data)
+    }
+    trainer.train_step(0)
+    with _BufferCopies(storages) as watch:
+        trainer.train_step(1)
+        trainer.finish_param_sync()
+    return watch.count, sum(len(b.buckets) for b in buffers)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_the_reduce_scatter_and_the_parameter_gather_work_in_place(overlap):
+    """Issue 47 item 11: each bucket's reduce-scatter wrote a fresh output that was copied into the
+    gradient buffer, and each parameter gather a fresh buffer copied into the parameters. Now the
+    reduce-scatter writes this rank's shard of the bucket and the gather the bucket itself (as
+    Megatron's): no copy into a buffer."""
+    for copies, buckets in run_world(2, _copies_into_buffers, overlap):
+        assert buckets >= 2 and copies == 0, (copies, buckets)

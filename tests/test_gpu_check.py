@@ -56,3 +56,50 @@ def test_the_script_runs_end_to_end_on_cpu_ranks(tmp_path):
     }
     assert steps["moe_tiny"]["findings"]["steady_step_ms"] > 0
     assert steps["nccl"]["findings"]["gathered_correct"] is True
+
+
+def test_the_documented_wheels_install_on_the_device_images_python(tmp_path):
+    """Issue 47 item 3: `bash bench/gpu_check.sh wheels` downloads for the image's interpreter
+    (Python 3.12), not this machine's 3.11 (whose cp311 PyYAML the image cannot install): a dry
+    install of what the script installs, for Python 3.12 from those wheels alone, resolves."""
+    wheels = tmp_path / "wheels"
+    env = dict(os.environ, WHEELS=str(wheels), PYTHON=sys.executable)
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "wheels"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert any("cp312" in p.name for p in wheels.iterdir()), sorted(wheels.iterdir())
+    dry = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links"]
+        + [str(wheels), "--python-version", "3.12", "--only-binary=:all:"]
+        + ["--target", str(tmp_path / "target"), "omegaconf", "PyYAML"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
+
+
+def test_the_script_goes_on_when_the_optional_install_fails(tmp_path):
+    """An interpreter without omegaconf and a wheel folder that cannot install it: the script says
+    so and runs its steps (here --dry: their commands) instead of ending under `set -e`."""
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True
+    )
+    (tmp_path / "wheels").mkdir()
+    env = dict(
+        os.environ, WHEELS=str(tmp_path / "wheels"), PYTHON=str(tmp_path / "bare/bin/python")
+    )
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "h100", "--dry"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "going on" in done.stderr and "env: " in done.stdout

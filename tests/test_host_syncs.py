@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from overlap.config.moe_permute import LOOP_ON_CUDA, permute_fused
 from overlap.parallel.state import ParallelState
@@ -29,8 +30,10 @@ from overlap.perf.host_syncs import (
     INTENDED_READS,
     SPLIT_SIZES,
     HostSyncRecorder,
+    pageable_upload,
     sync_reason,
 )
+from overlap.training.data import to_device
 from overlap.training.trainer import Trainer
 from tests.configs import tiny_config
 from tests.world import run_world
@@ -146,3 +149,60 @@ def test_the_recorder_names_each_class_of_sync_by_its_line():
         "(no line of ours on the stack)"
     }  # tests are not the package
     assert sync_reason(torch.ops.aten.add.Tensor, (t, t), {}) is None
+
+
+class _PinnedStandIn:
+    """A host tensor's surface as the classifier reads it, page-locked (a CPU build cannot pin)."""
+
+    device = torch.device("cpu")
+
+    def is_pinned(self) -> bool:
+        return True
+
+
+def test_a_pageable_host_to_device_copy_is_a_sync_and_a_pinned_non_blocking_one_is_not():
+    """Issue 47 item 7: a copy from pageable host memory to the device stages through a driver
+    buffer and synchronises the stream (CUDA's `memcpy_and_sync`), blocking or not; "meta" stands
+    for the device here."""
+    host = torch.arange(4)
+    with HostSyncRecorder() as rec:
+        host.to("meta")
+        host.to("meta", non_blocking=True)
+        torch.empty(4, dtype=torch.int64, device="meta").copy_(host)
+        host.to("cpu")  # no copy at all
+    assert [s.op for s in rec.syncs] == ["aten._to_copy.default"] * 2 + ["aten.copy_.default"]
+    assert all("pageable memory" in s.reason for s in rec.syncs)
+    to_copy = torch.ops.aten._to_copy.default
+    pinned = _PinnedStandIn()
+    assert not pageable_upload(to_copy, (pinned,), {"device": "cuda", "non_blocking": True})
+    assert pageable_upload(to_copy, (pinned,), {"device": "cuda"})  # pinned but blocking
+
+
+class _CudaCalls(TorchFunctionMode):
+    """Records what `to_device` asks of a CUDA target, running nothing that needs CUDA: the pin
+    returns a stand-in for page-locked memory, the copy returns its source."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, dict]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:
+            self.calls.append(("pin_memory", {}))
+            return args[0]
+        if func is torch.Tensor.to:
+            self.calls.append(("to", {"device": str(args[1]), **kwargs}))
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def test_the_step_data_goes_to_a_gpu_pinned_and_non_blocking():
+    """The training data's copy onto a CUDA device (`training.data.to_device`): staged in pinned
+    memory and copied non-blocking, so the classifier above finds no sync in it; the CPU keeps its
+    tensor."""
+    rows = torch.arange(6).view(2, 3)
+    with _CudaCalls() as calls:
+        to_device(rows, torch.device("cuda", 0))
+    assert calls.calls == [("pin_memory", {}), ("to", {"device": "cuda:0", "non_blocking": True})]
+    assert to_device(rows, torch.device("cpu")) is rows

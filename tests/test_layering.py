@@ -81,9 +81,20 @@ def test_no_package_imports_from_a_package_above_it():
     assert not upward, "arrows up: " + "; ".join(upward)
 
 
-# parallel/'s modules, lowest first: the tracer and the program recorder, the modelled link, the
+# parallel/'s modules, lowest first: the runtime's own CUDA streams, the tracer and the program
+# recorder, the modelled link, the
 # groups, the collectives, the ring exchange built on them, the parallel state, and the teardown.
-PARALLEL = ("trace", "program", "link_model", "groups", "comm", "ring", "state", "teardown")
+PARALLEL = (
+    "streams",
+    "trace",
+    "program",
+    "link_model",
+    "groups",
+    "comm",
+    "ring",
+    "state",
+    "teardown",
+)
 
 # torch.distributed names (functions, P2POp) by what they do, and the only modules (paths under
 # src/overlap) that may use them, called or passed on. A world is also started or ended by the

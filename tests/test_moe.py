@@ -37,7 +37,7 @@ from overlap.layers.moe.permute import (
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
-from tests.configs import bare_plan, moe_layer_model
+from tests.configs import bare_plan, moe_layer_model, tiny_config
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -541,3 +541,74 @@ def test_shared_expert_matches_reference(world, tp, ep):
         ep=ep,
         cfg_overrides=dict(num_experts=4, moe_shared_expert_intermediate_size=48),
     )
+
+
+class _CudaRows:
+    """The surface `grouped_offsets` reads of the experts' rows, as a CUDA bf16 tensor (a CPU
+    build has none)."""
+
+    device = torch.device("cuda", 0)
+    dtype = torch.bfloat16
+    is_cuda = True
+    shape = (3, 64)
+
+    def element_size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize(
+    "major, grouped", [(8, False), (9, True), (10, False), (12, False)], ids=lambda v: str(v)
+)
+def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped, monkeypatch):
+    """Issue 47 item 10: torch's grouped GEMM only on Hopper in bf16. SM8x: it falls back to a loop
+    after `offs.cpu()` (a host sync per GEMM); SM100+: experts without rows get non-zero weight
+    gradients. Elsewhere the loop, which the table says with the reason."""
+    from overlap.config.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
+    from overlap.layers.linear_functions import grouped_offsets
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    weight = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
+    offs = grouped_offsets(torch.tensor([1, 2]), _CudaRows(), (weight,))
+    assert (offs is not None) == grouped
+    kernel, why = grouped_gemm_kernel("cuda", major, "bfloat16")
+    assert kernel == (GROUPED if grouped else LOOP) and why
+    assert grouped_gemm_kernel("cpu", None, "float32")[0] == GROUPED
+    assert grouped_gemm_kernel("cuda", 9, "float32")[0] == LOOP
+    assert grouped_gemm_kernel("meta", None, "bfloat16")[0] == LOOP
+
+
+@pytest.mark.parametrize("gpu, kernel", [("h100", "grouped"), ("b200", "loop"), ("cpu", "grouped")])
+def test_explain_shows_the_experts_gemm_kernel_for_the_target_gpu(gpu, kernel):
+    from overlap.config.grouped_gemm import ROW
+    from overlap.harness import resolve_run
+
+    job = resolve_run(["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", gpu, "-ng", "1"], [])
+    (row,) = [d for d in job.resolution.decisions.sections["model"] if d.field == ROW]
+    assert row.effective == kernel and row.reason
+
+
+def _train_moe_steps(loop: bool) -> list[float]:
+    """Three steps' losses of the tiny MoE (hidden 64, expert width 32: the grouped kernel's layout
+    rule holds in fp32) on one rank, the experts' GEMMs on torch's grouped kernel or, `loop`, the
+    per-expert loop forced."""
+    from overlap.layers import linear_functions
+    from overlap.parallel.state import ParallelState
+    from overlap.training.trainer import Trainer
+
+    chosen = linear_functions._grouped_kernel_takes
+    if loop:
+        linear_functions._grouped_kernel_takes = lambda rows: False
+    try:
+        cfg = tiny_config(True, None, 2, [], 3)
+        trainer = Trainer(cfg, ParallelState(cfg.finalize(1).layout))
+        return [r.lm_loss for r in trainer.train().records]
+    finally:
+        linear_functions._grouped_kernel_takes = chosen
+
+
+def test_the_loop_fallback_trains_like_the_grouped_kernel():
+    """The fallback the rule picks off Hopper, forced on the CPU, against the grouped kernel the CPU
+    takes: the same losses bit for bit."""
+    (grouped,) = run_world(1, _train_moe_steps, False)
+    (loop,) = run_world(1, _train_moe_steps, True)
+    assert grouped == loop and len(loop) == 3

@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch.distributed as dist
 
-from overlap.parallel.program import check, early_send_waits
+from overlap.parallel.program import check, early_send_waits, queue_stalls
 from tests.configs import tiny_config
 from tests.world import (
     _under_nccl_rules,
@@ -53,6 +53,32 @@ def _train(moe: bool, precision: str, layers: int, overrides: list[str]) -> list
     res = cfg.finalize(dist.get_world_size())
     check_runtime_support(cfg)
     return [r.lm_loss for r in Trainer(cfg, ParallelState(res.layout)).train().records]
+
+
+def _one_queue_by_launch_rule(
+    world: int, moe: bool, precision: str, layers: int, overrides: list[str]
+) -> bool:
+    """Whether the launch rules give this layout one hardware queue on an H100
+    (CUDA_DEVICE_MAX_CONNECTIONS=1: TP > 1 without EP overlap, `overlap.launch.env`)."""
+    from overlap.harness import launch_env_inputs
+    from overlap.launch.env import CUDA_DEVICE_MAX_CONNECTIONS, compute_launch_env
+
+    cfg = tiny_config(moe, precision, layers, overrides, STEPS)
+    res = cfg.finalize(world)
+    settings = compute_launch_env(launch_env_inputs(cfg, res, "h100"), cfg.env_vars, {})
+    return {s.name: s.value for s in settings}[CUDA_DEVICE_MAX_CONNECTIONS] == "1"
+
+
+def _train_as_launched(
+    moe: bool, precision: str, layers: int, overrides: list[str]
+) -> tuple[list[float], bool]:
+    """`_train` under NCCL's rules with the tracer's timing waits placed as the launch rules'
+    connection count makes a GPU run place them; (losses, one hardware queue)."""
+    from overlap.parallel import comm
+
+    one_queue = _one_queue_by_launch_rule(dist.get_world_size(), moe, precision, layers, overrides)
+    comm.set_nccl_rules(True, one_queue=one_queue)
+    return _train(moe, precision, layers, overrides), one_queue
 
 
 @functools.cache
@@ -121,6 +147,15 @@ LAYOUTS = [
     ),
     ("tied_pp2_dp2_distopt", 4, False, 2, TIED + PP2 + DISTOPT),
     ("guide_tp2_pp2_vpp2_dp2", 8, False, 4, TP2 + PP2 + VPP2 + DISTOPT),
+    # the TP/DP/PP guide's shape (TP4 PP4 VPP2, EP8 carved from it) cut to 4 ranks: MoE under TP x
+    # PP x VPP without EP overlap, one hardware queue by the launch rule
+    (
+        "guide_tp2_pp2_vpp2_ep2_moe",
+        4,
+        True,
+        4,
+        TP2 + PP2 + VPP2 + OVERLAPPED_P2P + ["model.expert_model_parallel_size=2"],
+    ),
 ]
 
 
@@ -131,13 +166,32 @@ def test_every_layout_trains_like_one_rank_under_nccl_rules(case):
     shape = tuple(o for group in SHAPES for o in group if o in overrides)
     ref = _reference(moe, precision, layers, shape)
     out = run_world_in(
-        {}, world, _under_nccl_rules, _train, (moe, precision, layers, overrides), {}
+        {}, world, _under_nccl_rules, _train_as_launched, (moe, precision, layers, overrides), {}
     )
-    programs = {rank: entries for rank, (_losses, entries) in enumerate(out)}
+    programs = {rank: entries for rank, (_result, entries) in enumerate(out)}
+    ((_losses, one_queue), _entries) = out[0]
     check(programs)
     assert early_send_waits(programs) == []
-    for losses, _entries in out:
+    if one_queue:
+        # CUDA_DEVICE_MAX_CONNECTIONS=1: every stream of a rank is one hardware queue; no wait of
+        # the timing or side streams holds a post, and nothing deadlocks (issue 47 item 6)
+        check(programs, one_queue=True)
+        assert queue_stalls(programs) == []
+    for (losses, _one), _entries in out:
         assert losses == pytest.approx(list(ref), rel=2e-2 if moe else 1e-5)
+
+
+def test_the_guide_layouts_get_one_hardware_queue_by_the_launch_rule():
+    """The replay above models one queue where a GPU run has one: the TP layouts without EP
+    overlap."""
+    one = {case[0] for case in LAYOUTS if _one_queue_by_launch_rule(case[1], *_shape_args(case))}
+    assert {"tp2_sp_tp_overlap", "guide_tp2_pp2_vpp2_dp2", "guide_tp2_pp2_vpp2_ep2_moe"} <= one
+    assert not one & {"ep2_overlap_delay_wgrad", "pp2_overlapped", "dp2_distopt_overlaps"}
+
+
+def _shape_args(case: tuple) -> tuple:
+    _id, _world, moe, layers, overrides = case
+    return moe, "bf16_mixed" if moe else "fp32", layers, overrides
 
 
 # --- the defects NCCL's rules expose (each failed on the runtime before they were mended) ---------

@@ -6,12 +6,14 @@ broken and not where it holds."""
 from __future__ import annotations
 
 from overlap.parallel.program import (
+    TIMING,
     OpRecord,
     Post,
     ProgramRecorder,
     StepEnd,
     Wait,
     early_send_waits,
+    queue_stalls,
     replay,
     summarize,
 )
@@ -179,3 +181,37 @@ def test_the_recorder_numbers_units_and_records_only_while_on():
     entries = rec.stop()
     assert entries == [Post(0, "g", (0, 1), (coll(),)), Wait(0), StepEnd()]
     assert summarize(entries) == {"dp_ar": {"ops": 1, "elements": 16}}
+
+
+# --- one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), issue 47 item 6 ------------------------
+def _overlapped_exchange(timing_at_launch: bool) -> dict[int, list]:
+    """Two pipeline neighbours on a group per direction, the receive posted early (overlapped p2p),
+    compute, then the send; the tracer's timing waits at launch, or right after the compute stream's
+    own waits."""
+    programs = {}
+    for r, (mine, theirs) in enumerate((("up", "down"), ("down", "up"))):
+        entries = [post(0, theirs, recv(1 - r))]
+        entries += [Wait(0, TIMING)] if timing_at_launch else []
+        entries += [post(1, mine, send(1 - r))]
+        entries += [Wait(1, TIMING)] if timing_at_launch else []
+        entries += [Wait(0), Wait(1)]
+        entries += [] if timing_at_launch else [Wait(0, TIMING), Wait(1, TIMING)]
+        programs[r] = entries
+    return programs
+
+
+def test_a_timing_wait_at_launch_deadlocks_one_hardware_queue_and_stalls_posts():
+    """With one queue, the timing stream's wait for the early receive holds the rank's own send,
+    which the peer's receive needs: both ranks stop. With a queue per stream it blocks nothing."""
+    at_launch = _overlapped_exchange(timing_at_launch=True)
+    assert replay(at_launch) == []
+    problems = replay(at_launch, one_queue=True)
+    assert problems and "one hardware queue" in problems[0]
+    assert any("timing stream waits for pp_recv_fwd" in line for line in problems)
+    assert len(queue_stalls(at_launch)) == 2
+
+
+def test_timing_waits_after_the_compute_waits_hold_nothing_in_one_hardware_queue():
+    after = _overlapped_exchange(timing_at_launch=False)
+    assert replay(after, one_queue=True) == [] and queue_stalls(after) == []
+    assert early_send_waits(after) == []  # the analyses read compute waits only

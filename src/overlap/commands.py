@@ -464,12 +464,16 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         address = _choose_gloo_interface()
     cfg = job.cfg
     _apply_network(network, args.comm_mode)
-    from overlap.parallel import comm, groups
+    from overlap.parallel import comm, groups, streams
     from overlap.parallel.trace import DeviceTimeline
 
     groups.init_world("nccl" if use_cuda else "gloo", cfg.train.comm_timeout_s, device)
+    if rank == 0:
+        comm.log_torch_apis()
     if use_cuda:
-        RECORDER.timeline = DeviceTimeline()  # times on the GPU (overlap.parallel.trace)
+        # times on the GPU (overlap.parallel.trace), placed for one hardware queue where the launch
+        # set CUDA_DEVICE_MAX_CONNECTIONS=1
+        RECORDER.timeline = DeviceTimeline(one_queue=streams.one_queue())
     elif args.nccl_rules:
         comm.set_nccl_rules(True)
     hosts: dict[str, list[int]] = {}

@@ -26,6 +26,7 @@ from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
 from overlap.config.fusion import resolve_elementwise_fusion
+from overlap.config.grouped_gemm import resolve_grouped_gemm
 from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
@@ -180,6 +181,7 @@ class ConfigContainer:
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
         resolve_attention_backend(self.model, log, on_cuda)
         resolve_moe_permute_fusion(self.model, log, on_cuda)
+        resolve_grouped_gemm(self.model, log, on_cuda, device)
         resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
         self._resolution = Resolution(world_size, layout, plan, log)
         return self._resolution

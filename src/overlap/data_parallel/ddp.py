@@ -145,13 +145,9 @@ class DistributedDataParallel:
             while len(s.handles) < len(s.buffer.buckets):
                 self._launch(s)
         for s in self._syncs:
-            for bucket, handle in zip(s.buffer.buckets, s.handles):
-                if handle is None:
-                    continue
-                out = handle.wait()
-                if self.scatter:
-                    lo, hi = s.buffer.local_shard(bucket)
-                    s.buffer.grad_data[lo:hi].copy_(out)
+            for handle in s.handles:
+                if handle is not None:
+                    handle.wait()  # reduced in place (this rank's shard of the bucket)
 
     # --- hooks and launches -----------------------------------------------------------------------
     def _on_grad_ready(self, param: nn.Parameter) -> None:
@@ -177,8 +173,14 @@ class DistributedDataParallel:
         if s.buffer.group_size == 1:
             s.handles.append(None)
         elif self.scatter:
+            lo, hi = s.buffer.local_shard(bucket)
             s.handles.append(
-                comm.reduce_scatter(bucket.grad_data, s.buffer.group, f"{s.buffer.prefix}_rs")
+                comm.reduce_scatter(
+                    bucket.grad_data,
+                    s.buffer.group,
+                    f"{s.buffer.prefix}_rs",
+                    into=s.buffer.grad_data[lo:hi],
+                )
             )
         else:
             s.handles.append(

@@ -125,19 +125,23 @@ class ParamGather:
             bucket = self.order[self.done][1]
             gathered = self.handles[self.done].wait()
             scale = self.scales[self.done]
-            if scale is None:
-                bucket.param_data.copy_(gathered)
-            else:
+            if scale is not None:  # (without fp8 the gather wrote the bucket in place)
                 bucket.param_data.copy_(gathered.view(FP8).float() * scale)
             self.done += 1
 
     def _launch(self, i: int) -> None:
+        """Gather bucket `i`: in place into the bucket's parameters (this rank's shard is a slice of
+        them), or with fp8 as float8 bytes into a fresh buffer, dequantised at the wait."""
         buf, bucket = self.order[i]
         shard = self._shard(buf, bucket)
         scale = self.scales[i]
-        if scale is not None:  # gloo has no float8 type: the bytes travel as uint8
-            shard = (shard.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
-        self.handles[i] = comm.all_gather(shard, buf.group, f"{buf.prefix}_ag")
+        kind = f"{buf.prefix}_ag"
+        if scale is None:
+            self.handles[i] = comm.all_gather(shard, buf.group, kind, into=bucket.param_data)
+            return
+        # gloo has no float8 type: the bytes travel as uint8
+        shard = (shard.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+        self.handles[i] = comm.all_gather(shard, buf.group, kind)
 
     def _agree_on_scales(self) -> None:
         """One MAX all-reduce of the per-bucket shard amaxes per group; scale = amax / 448 (1 for an

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overlap.config.grouped_gemm import GROUPED, grouped_gemm_kernel
 from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
 from overlap.parallel.trace import RECORDER
 
@@ -75,13 +76,12 @@ def grouped_offsets(
     copy from pageable memory on a GPU, which waits for the queue; the cumulative sum of the device
     counts needs no host at all.
 
-    The grouped kernel is used where torch documents it, and only when each operand's row stride is
-    a multiple of 16 bytes (its layout rule: a tiny test model's hidden 4 in bf16 breaks it): on
-    CPU, where it runs fp32, bf16 and fp16 bit-identically to the loop, and on CUDA for bf16 on
-    SM80+ (the loop there is one kernel launch and a Python iteration per expert, 128 experts in
-    Qwen3-30B-A3B). On CUDA its agreement with the loop and what it buys are the device script's to
-    measure (`bench/gpu_check.py`, step env: `grouped_gemm`); elsewhere (fake "meta" tensors, other
-    CUDA dtypes) the loop."""
+    The grouped kernel is used where the architecture rule picks it (`overlap.config.grouped_gemm`:
+    the CPU, Hopper in bf16; the decision table's "model" section shows it for the run's GPU), and
+    only when each operand's row stride is a multiple of 16 bytes (its layout rule: a tiny test
+    model's hidden 4 in bf16 breaks it); elsewhere the loop. On CUDA its agreement with the loop and
+    what it buys are the device script's to measure (`bench/gpu_check.py`, step env:
+    `grouped_gemm`)."""
     if not _grouped_kernel_takes(rows):
         return None
     if any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
@@ -90,13 +90,9 @@ def grouped_offsets(
 
 
 def _grouped_kernel_takes(rows: torch.Tensor) -> bool:
-    if rows.device.type == "cpu":
-        return True
-    return (
-        rows.device.type == "cuda"
-        and rows.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(rows.device) >= (8, 0)
-    )
+    major = torch.cuda.get_device_capability(rows.device)[0] if rows.is_cuda else None
+    dtype = str(rows.dtype).removeprefix("torch.")
+    return grouped_gemm_kernel(rows.device.type, major, dtype)[0] == GROUPED
 
 
 def _grouped_mm(

@@ -5,8 +5,8 @@ Gradients arrive in `param.main_grad` (already reduced across data parallel). Wi
 parameters the optimizer keeps fp32 master copies and writes the update back in the parameters'
 dtype; with fp32 parameters the master *is* the parameter. Under loss scaling (`loss_scaler.py`)
 the gradients arrive multiplied by the loss scale: the norm is divided by it, the step multiplies
-the gradients by (clipping factor / loss scale) as it widens them to fp32, and an overflowed step
-is skipped.
+the gradients by (clipping factor / loss scale) - in place, or inside fused AdamW through its
+`grad_scale`, never into a copy of the fp32 gradients - and an overflowed step is skipped.
 
 The Adam core works on "slots" so that the distributed optimizer
 (`overlap.data_parallel.distributed_optimizer`) reuses it on the shards a rank owns. The gradient
@@ -294,34 +294,47 @@ class MixedPrecisionAdam:
 
     def _update(self, slots: list[Slot], scale: float) -> None:
         """One AdamW step over `slots`: their gradients in fp32 times the clipping `scale`
-        (multi-tensor ops, the reduced gradients themselves left untouched), then the updated
-        masters copied into the parameters. A partial step may have no slots (every one selected
-        first): nothing to do, and foreach ops refuse empty lists."""
+        (`_masters_grads`), then the updated masters copied into the parameters. A partial step may
+        have no slots (every one selected first): nothing to do, and foreach ops refuse empty
+        lists."""
         if not slots:
             return
-        for s, grad in zip(slots, self._scaled_grads(slots, scale)):
+        grads, self.opt.grad_scale = self._masters_grads(slots, scale)
+        for s, grad in zip(slots, grads):
             s.master.grad = grad
-        self.opt.step()
+        try:
+            self.opt.step()
+        finally:
+            self.opt.grad_scale = None
         for s in slots:
             s.master.grad = None
         outs = [s for s in slots if s.out is not s.master]
         if outs:
             torch._foreach_copy_([s.out for s in outs], [s.master for s in outs])
 
-    @staticmethod
-    def _scaled_grads(slots: list[Slot], scale: float) -> list[torch.Tensor]:
-        """`float(grad) * scale` per slot, as the masters' gradients: the fp32 gradients themselves
-        when unscaled, else new tensors (main_grad is the reduced gradient, not ours to scale in
-        place). Low-precision gradients are cast by one multi-tensor copy into fp32 tensors, then
-        scaled in place."""
+    def _masters_grads(
+        self, slots: list[Slot], scale: float
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """(the masters' gradients, fused AdamW's `grad_scale`): `float(grad) * scale` per slot,
+        without a copy of gradients that are fp32 already. Fused AdamW (CUDA) divides them by its
+        `grad_scale` (1 / scale) as it reads them; the foreach path multiplies them in place. Either
+        way the reduced gradients end the step unscaled and clipped, in place: nothing reads them
+        after the step, and the next step zeroes them before its backward. Low-precision gradients
+        are cast by one multi-tensor copy into fp32 tensors (the copy the update needs anyway),
+        then scaled there."""
         grads = [s.grad for s in slots]
-        if all(g.dtype == s.master.dtype for g, s in zip(grads, slots)):
-            return grads if scale == 1.0 else list(torch._foreach_mul(grads, scale))
-        wide = [torch.empty_like(s.master) for s in slots]
-        torch._foreach_copy_(wide, grads)
-        if scale != 1.0:
-            torch._foreach_mul_(wide, scale)
-        return wide
+        if not all(g.dtype == s.master.dtype for g, s in zip(grads, slots)):
+            wide = [torch.empty_like(s.master) for s in slots]
+            torch._foreach_copy_(wide, grads)
+            if scale != 1.0:
+                torch._foreach_mul_(wide, scale)
+            return wide, None
+        if scale == 1.0:
+            return grads, None
+        if self.opt.defaults["fused"]:
+            return grads, torch.full((), 1.0 / scale, dtype=torch.float32, device=grads[0].device)
+        torch._foreach_mul_(grads, scale)
+        return grads, None
 
 
 class SlotOptimizer(ABC):

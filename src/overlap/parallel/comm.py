@@ -36,6 +36,7 @@ around a group's ring with the point-to-point calls here.
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import time
@@ -49,9 +50,57 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from overlap.config.kinds import family, parse_families
 from overlap.errors import ConfigError
-from overlap.parallel import link_model
-from overlap.parallel.program import OpRecord, ProgramRecorder
+from overlap.parallel import link_model, streams
+from overlap.parallel.program import SIDE, TIMING, OpRecord, ProgramRecorder
 from overlap.parallel.trace import RECORDER, CommEvent, HostTimeline, RulesTimeline, now
+
+log = logging.getLogger("overlap.comm")
+
+
+# --- torch's entry points, chosen once by feature detection ---------------------------------------
+# The supported torch range is 2.11 (the GPU machines' build) up to the pin (2.13.0). torch 2.13
+# named the single-tensor gather and reduce-scatter `all_gather_single` / `reduce_scatter_single`
+# and deprecated `all_gather_into_tensor` / `reduce_scatter_tensor`, the only names 2.11 has. Each
+# operation takes the first of its names this torch offers (not a version test: a build that
+# backports or drops a name is still served), and `torch_apis()` says which was taken.
+_TORCH_NAMES = {
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+}
+
+
+def _first_available(namespace: Any, names: Sequence[str]) -> tuple[str, Callable[..., Any]]:
+    """The first of `names` that `namespace` (torch.distributed) has, with the function."""
+    for name in names:
+        fn = getattr(namespace, name, None)
+        if fn is not None:
+            return name, fn
+    raise RuntimeError(
+        f"torch {torch.__version__}: torch.distributed has none of {', '.join(names)} "
+        "(supported: torch >= 2.11, up to the pin in pyproject.toml)"
+    )
+
+
+_API = {op: _first_available(dist, names) for op, names in _TORCH_NAMES.items()}
+
+
+def torch_apis() -> dict[str, str]:
+    """Which torch.distributed function each operation calls here ("all_gather" ->
+    "all_gather_single" on 2.13, "all_gather_into_tensor" on 2.11): the device script's env step
+    and the run's start-up log report it."""
+    return {op: f"torch.distributed.{name}" for op, (name, _fn) in _API.items()}
+
+
+def log_torch_apis() -> None:
+    """Say at start-up which entry points this torch gave: the older ones are a fallback."""
+    older = {op: name for op, name in torch_apis().items() if not name.endswith("_single")}
+    if older:
+        log.info(
+            "torch %s: %s (the older names; torch 2.13 calls them *_single)",
+            torch.__version__,
+            ", ".join(f"{op} via {name}" for op, name in older.items()),
+        )
+
 
 _MODES = ("real", "none")
 _mode = "real"
@@ -86,7 +135,7 @@ def set_mode(mode: str) -> None:
     _mode, _free_families = parse_mode(mode)
 
 
-def set_nccl_rules(on: bool) -> None:
+def set_nccl_rules(on: bool, one_queue: bool = False) -> None:
     """Run gloo under NCCL's rules, to find on a CPU what would break on GPUs (tests,
     `overlap run --nccl-rules`):
 
@@ -101,7 +150,9 @@ def set_nccl_rules(on: bool) -> None:
       order.
     (A point-to-point call's ops share one completion on every backend, as NCCL gives one work for a
     whole batch.) The data still travel over gloo, so losses are real. The modelled link needs tags
-    and host-visible completion: it is refused here (as it is on NCCL)."""
+    and host-visible completion: it is refused here (as it is on NCCL). `one_queue`: the timing
+    waits are placed as with `CUDA_DEVICE_MAX_CONNECTIONS=1` (`overlap.parallel.trace`), for the
+    replay that models one hardware queue."""
     global _nccl_rules
     if on and link_model.current() is not None:
         raise ConfigError(
@@ -111,7 +162,7 @@ def set_nccl_rules(on: bool) -> None:
             "use --network real with the NCCL rules.",
         )
     _nccl_rules = on
-    RECORDER.timeline = RulesTimeline() if on else HostTimeline()
+    RECORDER.timeline = RulesTimeline(one_queue) if on else HostTimeline()
     if on:
         PROGRAM.start()
     else:
@@ -249,6 +300,7 @@ class CommHandle:
         self._deadline: float | None = None
         self._deadline_from = deadline_from
         self._done = posted is None
+        self._local = posted is None  # never left the rank (a group of one, a free kind)
         self._unit = unit  # the recorded program's unit (PROGRAM), while recording
         # then()'s future: done once `_mark_done` has run. The callback runs on the backend's
         # thread; waiting for this future too means a waited handle has nothing left to run on
@@ -265,9 +317,11 @@ class CommHandle:
                 # some gloo ops (reduce_scatter) have no future: completion is then taken at wait()
                 pass
         else:
-            # a device timeline: the collective's end on the device, resolved when the recorder
-            # drains
+            # a device timeline: the collective's end on the device (its timing stream waits for
+            # it, now or at the compute stream's wait), resolved when the recorder drains
             event.t_done = timeline.done_mark(posted)
+            if event.t_done is not None and timeline.times_at_launch:
+                PROGRAM.wait(unit, TIMING)
         _outstanding.add(self)
 
     def _mark_done(self, fut: torch.futures.Future) -> None:
@@ -284,18 +338,26 @@ class CommHandle:
             self._complete(None)
         return self._result
 
-    def output_on(self, stream: torch.cuda.Stream) -> torch.Tensor | None:
+    def output_on(self, stream: Any) -> torch.Tensor | None:
         """The op's output tensor, with `stream` made to wait for the op on the device, the host not
         waiting (a work's `wait()` on NCCL orders the current stream): for a reader on another
         stream than the one `wait()` will order, which then waits for this op and for nothing queued
-        on that one. Call it before `wait()` (which drops the works), and `wait()` is still owed."""
+        on that one. Call it before `wait()` (which drops the works), and `wait()` is still owed.
+
+        An op that never left the rank (a group of one, a free kind) wrote its output on the current
+        stream when it was launched: `stream` then waits for what the current stream has queued."""
+        api = streams.api()
+        if self._local:
+            api.follow_current(stream)
+            return self._result
         if self._posted is None:
             raise RuntimeError(
                 f"{self.event.kind}: output_on after wait(): the op's works are gone"
             )
-        with torch.cuda.stream(stream):
+        with api.use(stream):
             for work in self._posted.works:
                 work.wait()
+        PROGRAM.wait(self._unit, SIDE)
         return self._result
 
     def reap(self) -> bool:
@@ -328,6 +390,8 @@ class CommHandle:
         self.event.t_wait_start = timeline.mark()
         if deadline is None:
             self._posted.wait()
+            if timeline.time_done(self.event.t_done):  # one hardware queue: timed from here
+                PROGRAM.wait(self._unit, TIMING)
             if self._callback is not None:
                 self._callback.wait()
         else:
@@ -428,22 +492,31 @@ def all_reduce(
     )
 
 
-def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHandle:
+def all_gather(
+    tensor: torch.Tensor, group: ProcessGroup, kind: str, into: torch.Tensor | None = None
+) -> CommHandle:
     """Concatenate every rank's `tensor` along dim 0 (rank order); the handle returns the gathered
-    tensor."""
+    tensor. `into`: gather in place into that buffer, whose group-rank-th slice of dim 0 is
+    `tensor` itself (a bucket's parameters and this rank's shard of them, as Megatron gathers): no
+    output is allocated and nothing is copied afterwards."""
     size = group_size(group)
     inp = tensor.contiguous()
-    out = inp.new_empty((inp.shape[0] * size, *inp.shape[1:]))
+    if into is None:
+        out = inp.new_empty((inp.shape[0] * size, *inp.shape[1:]))
+    else:
+        out = into
+        _check_own_slice(kind, "all_gather", out, inp, group_rank(group), size)
 
     def fake() -> None:
         out.copy_(inp.repeat((size,) + (1,) * (inp.dim() - 1)))
 
+    _name, gather = _API["all_gather"]
     return _launch(
         kind,
         "all_gather",
         group,
         _nbytes(inp),
-        lambda: dist.all_gather_single(out, inp, group=group, async_op=True),
+        lambda: gather(out, inp, group=group, async_op=True),
         out,
         fake,
         payload_bytes=_nbytes(out),
@@ -451,26 +524,59 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup, kind: str) -> CommHand
     )
 
 
+def _check_own_slice(
+    kind: str, op: str, whole: torch.Tensor, part: torch.Tensor, rank: int, size: int
+) -> None:
+    """An in-place collective's contract: `part` is exactly slice `rank` of `size` of `whole`'s dim
+    0 (same storage, same layout); anything else would read or write the wrong elements."""
+    rows = whole.shape[0] // size
+    if (
+        whole.shape[0] != rows * size
+        or part.shape != (rows, *whole.shape[1:])
+        or not whole.is_contiguous()
+        or part.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+        or part.storage_offset() != whole.storage_offset() + rank * part.numel()
+    ):
+        raise ValueError(
+            f"{op} ({kind}) in place: the shard must be slice {rank} of {size} of the buffer's "
+            f"dim 0 (buffer {tuple(whole.shape)}, shard {tuple(part.shape)})"
+        )
+
+
 def reduce_scatter(
-    tensor: torch.Tensor, group: ProcessGroup, kind: str, op: ReduceOp = ReduceOp.SUM
+    tensor: torch.Tensor,
+    group: ProcessGroup,
+    kind: str,
+    op: ReduceOp = ReduceOp.SUM,
+    into: torch.Tensor | None = None,
 ) -> CommHandle:
-    """Reduce `tensor` over `group` and keep this rank's 1/size slice of dim 0."""
+    """Reduce `tensor` over `group` and keep this rank's 1/size slice of dim 0. `into`: write that
+    slice there, in place - this rank's slice of `tensor` itself (a bucket's gradients and this
+    rank's shard of them, as Megatron reduces): no output is allocated and nothing is copied
+    afterwards."""
     size = group_size(group)
     inp = tensor.contiguous()
     if inp.shape[0] % size:
         raise ValueError(
             f"reduce_scatter ({kind}): dim 0 ({inp.shape[0]}) not divisible by group size {size}"
         )
-    out = inp.new_empty((inp.shape[0] // size, *inp.shape[1:]))
+    if into is None:
+        out = inp.new_empty((inp.shape[0] // size, *inp.shape[1:]))
+    else:
+        out = into
+        _check_own_slice(kind, "reduce_scatter", inp, out, group_rank(group), size)
 
     def fake() -> None:
-        out.copy_(inp.chunk(size)[group_rank(group)])
+        if into is None:
+            out.copy_(inp.chunk(size)[group_rank(group)])
+        # in place: the unreduced slice is already where the result goes
 
     if op == ReduceOp.SUM and _backend(group) == "gloo":
         # gloo's reduce-scatter costs ~3x the wall time and ~2.7x the CPU of an all-to-all of the
         # chunks plus a local sum (bench/results/gloo_costs.txt, 4 ranks, 11 MB fp32: 35 vs 14 ms),
         # and gives no future, so its completion cannot be observed. Same bytes on the wire: (n-1)/n
-        # of the payload per rank.
+        # of the payload per rank. The sum is written once the chunks are in, so an output inside
+        # the input (in place) is safe.
         recv = torch.empty_like(inp)
 
         def reduce_chunks() -> None:
@@ -487,12 +593,13 @@ def reduce_scatter(
             finish=reduce_chunks,
             record=[_op_record(kind, "reduce_scatter", inp)],
         )
+    _name, scatter = _API["reduce_scatter"]
     return _launch(
         kind,
         "reduce_scatter",
         group,
         _nbytes(inp),
-        lambda: dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=True),
+        lambda: scatter(out, inp, op=op, group=group, async_op=True),
         out,
         fake,
         record=[_op_record(kind, "reduce_scatter", inp)],

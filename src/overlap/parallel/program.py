@@ -19,7 +19,14 @@ and the matching rules are where a program that runs on gloo can still hang or c
   own peer;
 - `wait()` blocks the compute stream (not the host), and every operation issued after it waits for
   it: for the replay, a rank's program simply stops at a wait until the awaited operation has
-  completed.
+  completed;
+- the runtime's other streams wait too: the timing stream for a collective's end (the tracer on a
+  GPU timeline), the side stream that copies the MoE split sizes for the counts exchange. Each
+  stream is its own hardware queue by default, and then such a wait holds nothing else; with
+  `CUDA_DEVICE_MAX_CONNECTIONS=1` every stream of a rank feeds ONE hardware queue in submission
+  order (`overlap.parallel.streams`), so any wait holds every later submission of the rank, posts
+  included: `replay(one_queue=True)` plays that, and `queue_stalls` names each post such a wait
+  would hold before the compute stream itself waits for the same operation (a false dependency).
 
 `ProgramRecorder` keeps, per rank, the sequence of posts (one unit: a collective, a single
 point-to-point operation or a batch) and waits. `replay` plays all ranks' programs together under
@@ -73,11 +80,16 @@ class Post:
     ops: tuple[OpRecord, ...]
 
 
+COMPUTE, TIMING, SIDE = "compute", "timing", "side"
+
+
 @dataclass(frozen=True)
 class Wait:
-    """The rank's compute stream (the host, on gloo) waits for `unit`."""
+    """A stream of the rank waits for `unit`: the compute stream (the host, on gloo), the tracer's
+    timing stream, or the split sizes' side stream."""
 
     unit: int
+    stream: str = COMPUTE
 
 
 @dataclass(frozen=True)
@@ -118,10 +130,10 @@ class ProgramRecorder:
             self.entries.append(Post(unit, group, tuple(members), tuple(ops)))
         return unit
 
-    def wait(self, unit: int | None) -> None:
+    def wait(self, unit: int | None, stream: str = COMPUTE) -> None:
         if self.enabled and unit is not None:
             with self._lock:
-                self.entries.append(Wait(unit))
+                self.entries.append(Wait(unit, stream))
 
     def step_end(self) -> None:
         if self.enabled:
@@ -227,10 +239,18 @@ def _match(programs: dict[int, list[Entry]]) -> tuple[dict[OpKey, list[OpKey]], 
     return partners, problems
 
 
-def replay(programs: dict[int, list[Entry]]) -> list[str]:
+def _blocks(entry: Entry, one_queue: bool) -> bool:
+    """Whether `entry` holds the rank's later posts until its unit completes: a compute-stream wait
+    always, any stream's wait with one hardware queue."""
+    return isinstance(entry, Wait) and (one_queue or entry.stream == COMPUTE)
+
+
+def replay(programs: dict[int, list[Entry]], one_queue: bool = False) -> list[str]:
     """Play every rank's program (rank -> entries) under NCCL's rules (module docstring); the
     problems found, empty when the programs match and complete. Ranks absent from `programs` are
-    taken as not recorded: operations with them are not checked."""
+    taken as not recorded: operations with them are not checked. `one_queue`: every stream of a rank
+    feeds one hardware queue (`CUDA_DEVICE_MAX_CONNECTIONS=1`), so a timing or side stream's wait
+    holds the rank's later posts as a compute wait does."""
     partners, problems = _match(programs)
     if problems:
         return problems
@@ -259,7 +279,7 @@ def replay(programs: dict[int, list[Entry]]) -> list[str]:
                 entry = entries[position[rank]]
                 if isinstance(entry, Post):
                     queues[(rank, entry.group)].append(entry.unit)
-                elif isinstance(entry, Wait) and (rank, entry.unit) not in done_units:
+                elif _blocks(entry, one_queue) and (rank, entry.unit) not in done_units:
                     break
                 position[rank] += 1
                 progressed = True
@@ -287,13 +307,13 @@ def replay(programs: dict[int, list[Entry]]) -> list[str]:
         return []
     lines = [
         "deadlock under NCCL's rules (one stream per communicator in issue order, sends wait for "
-        "their receives, tags ignored):"
+        f"their receives, tags ignored{'; one hardware queue per rank' if one_queue else ''}):"
     ]
     for rank in sorted(stuck):
         waited = units[(rank, stuck[rank].unit)]
         lines.append(
-            f"  rank {rank} waits for {_unit(waited)} on group {waited.group} "
-            f"{list(waited.members)}"
+            f"  rank {rank}'s {stuck[rank].stream} stream waits for {_unit(waited)} on group "
+            f"{waited.group} {list(waited.members)}"
         )
     for (rank, group), queue in sorted(pending.items()):
         head = units[(rank, queue[0])]
@@ -338,7 +358,7 @@ def early_send_waits(programs: dict[int, list[Entry]]) -> list[str]:
             if isinstance(entry, Post):
                 units[(rank, entry.unit)] = entry
                 posted_at[(rank, entry.unit)] = i
-            elif isinstance(entry, Wait):
+            elif _compute_wait(entry):
                 first_wait.setdefault((rank, entry.unit), i)
     found = []
     for rank, entries in programs.items():
@@ -351,18 +371,14 @@ def early_send_waits(programs: dict[int, list[Entry]]) -> list[str]:
             if isinstance(entry, StepEnd):
                 last_receive = -1
             elif (
-                isinstance(entry, Wait)
+                _compute_wait(entry)
                 and last_receive < 0
                 and any(op.op == RECV for op in units[(rank, entry.unit)].ops)
             ):
                 last_receive = i
             step_last[i] = last_receive
         for i, entry in enumerate(entries):
-            if (
-                not isinstance(entry, Wait)
-                or first_wait[(rank, entry.unit)] != i
-                or i >= step_last[i]
-            ):
+            if not _compute_wait(entry) or first_wait[(rank, entry.unit)] != i or i >= step_last[i]:
                 continue
             post = units[(rank, entry.unit)]
             if not all(op.op == SEND for op in post.ops):
@@ -375,7 +391,7 @@ def early_send_waits(programs: dict[int, list[Entry]]) -> list[str]:
                 if peer not in programs or not received or received[0] is None:
                     continue
                 proven = any(
-                    isinstance(e, Wait)
+                    _compute_wait(e)
                     and any(
                         p[0] == peer and posted_at[(peer, p[1])] > received[0]
                         for k in range(len(units[(rank, e.unit)].ops))
@@ -392,13 +408,46 @@ def early_send_waits(programs: dict[int, list[Entry]]) -> list[str]:
     return found
 
 
+def _compute_wait(entry: Entry) -> bool:
+    return isinstance(entry, Wait) and entry.stream == COMPUTE
+
+
+def queue_stalls(programs: dict[int, list[Entry]]) -> list[str]:
+    """With one hardware queue per rank (module docstring): every post a timing or side stream's
+    wait holds before the rank's compute stream waits for the same unit - a false dependency (the
+    post waits for an operation it does not need; across ranks, a possible cycle). Empty when every
+    such wait sits at or after the compute stream's own wait, or no post follows it before that."""
+    found = []
+    for rank, entries in programs.items():
+        units = {e.unit: e for e in entries if isinstance(e, Post)}
+        waited: set[int] = set()  # units the compute stream has waited for so far
+        for i, entry in enumerate(entries):
+            if _compute_wait(entry):
+                waited.add(entry.unit)
+            if not isinstance(entry, Wait) or entry.stream == COMPUTE or entry.unit in waited:
+                continue
+            held = []
+            for later in entries[i + 1 :]:
+                if _compute_wait(later) and later.unit == entry.unit:
+                    break
+                if isinstance(later, Post):
+                    held.append(later)
+            if held:
+                found.append(
+                    f"rank {rank}: the {entry.stream} stream's wait for "
+                    f"{_unit(units[entry.unit])} (program entry {i}) holds {len(held)} later "
+                    f"post(s), first {_unit(held[0])}, that do not wait for it"
+                )
+    return found
+
+
 def _unit(post: Post) -> str:
     return " + ".join(op.describe() for op in post.ops)
 
 
-def check(programs: dict[int, list[Entry]]) -> None:
+def check(programs: dict[int, list[Entry]], one_queue: bool = False) -> None:
     """`replay`, raising ProgramError with every problem when there is one."""
-    problems = replay(programs)
+    problems = replay(programs, one_queue)
     if problems:
         raise ProgramError("\n".join(problems))
 

@@ -10,15 +10,23 @@ work:
 - `HostTimeline` (gloo): the host runs the compute and blocks in `wait()`; a time is the host clock,
   and a collective's completion is taken from its work's future when it fires.
 - `DeviceTimeline` (CUDA): the host only enqueues. A time is a CUDA event recorded on the current
-  stream, which takes its timestamp when the GPU gets there; a collective's completion is an event
-  recorded, in its future's callback, on the stream that the callback runs on (CUDA futures run
-  callbacks on a stream made to wait for the NCCL kernel), so it times when the collective finished
-  on the GPU, not when the host enqueued it (NCCL's futures complete at enqueue, and `wait()` blocks
-  the stream, not the host). Marks resolve to seconds at `drain`, after one device synchronisation
-  per drain (once per training iteration).
+  stream, which takes its timestamp when the GPU gets there. A collective's completion is an event
+  recorded on the runtime's own timing stream after that stream was made to wait for the collective
+  (`work.wait()` there), so it times when the collective finished on the GPU, not when the host
+  enqueued it (NCCL's futures complete at enqueue, and `wait()` blocks the stream, not the host).
+  Not a callback of the work's future: NCCL completes a coalesced batch's future with an empty
+  tensor list, so a callback's stream waits for nothing and a batched p2p would read done at
+  launch; and `Future.then` runs on the low-priority stream pool that NCCL's communicators share
+  (`overlap.parallel.streams`). With one hardware queue (`CUDA_DEVICE_MAX_CONNECTIONS=1`) a wait put
+  on the timing stream at launch would hold every later submission until the collective ended, so
+  there the timing wait is issued where the compute stream waits for the collective anyway (and, for
+  an op never waited, at the drain): exact when the collective ends after that point, an upper bound
+  of a collective that was already hidden. Marks resolve to seconds at `drain`, after one device
+  synchronisation per drain (once per training iteration).
 - `RulesTimeline` (gloo under NCCL's rules, `comm.set_nccl_rules`): the device timeline's code path
   on the host clock, its completion marks set when gloo's own works complete (what the CUDA events
-  would time), since under the rules the futures the runtime sees complete at posting.
+  would time), since under the rules the futures the runtime sees complete at posting; it places
+  its timing waits where the device timeline would, so the recorded program shows them.
 On the device timelines a collective's completion is not visible to the host before `drain`
 (`Timeline.host_sees_completion` is False): nothing in the runtime may decide on it.
 """
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -87,9 +96,21 @@ class Timeline:
 
     name = "host clock"
     host_sees_completion = True
+    # device timelines: whether a collective's end is timed at its launch (`_DeviceTiming`)
+    times_at_launch = True
 
     def mark(self) -> Time:
         return now()
+
+    def time_done(self, mark: Time) -> bool:
+        """The compute stream now waits for the op of `mark`; whether a timing wait was issued
+        here (only a device timeline with one hardware queue does, `_DeviceTiming`)."""
+        return False
+
+    def step_end(self, end: float, comm: Sequence[CommEvent]) -> float:
+        """When a step that the host finished at `end` ended: on the host clock, then (what the
+        host still has in flight is waited for, and paid, by the next step)."""
+        return end
 
     def synchronize(self) -> None:
         pass
@@ -106,19 +127,71 @@ class HostTimeline(Timeline):
     future (comm.py)."""
 
 
-class DeviceTimeline(Timeline):
-    """CUDA events on the current stream, resolved at drain (module docstring). `event_factory`
-    makes an event with `record()` and `elapsed_time(other)` (ms), as
-    `torch.cuda.Event(enable_timing=True)`; tests give stand-ins."""
+class _DeviceTiming(Timeline, ABC):
+    """Where a device timeline times a collective's end (module docstring): at launch, or with one
+    hardware queue (`one_queue`) where the compute stream waits for it (`time_done`) and, for an op
+    never waited, at the drain. `_issue(mark, posted)` times it."""
+
+    host_sees_completion = False
+
+    def __init__(self, one_queue: bool = False) -> None:
+        self.one_queue = one_queue
+        # one queue: the ops whose timing wait is not issued yet, by their mark
+        self._untimed: dict[int, tuple[Mark, Any]] = {}
+
+    @property
+    def times_at_launch(self) -> bool:
+        return not self.one_queue
+
+    def done_mark(self, posted: Any) -> Mark | None:
+        """The mark of `posted`'s end on the device (`posted`: what comm posted, with its `works`),
+        timed now or deferred (class docstring)."""
+        mark = self._arm(posted)
+        if mark is not None:
+            if self.one_queue:
+                self._untimed[id(mark)] = (mark, posted)
+            else:
+                self._issue(mark, posted)
+        return mark
+
+    def time_done(self, mark: Time) -> bool:
+        """The compute stream has just been made to wait for the op of `mark`: with one queue, time
+        it now (no new dependency: everything after this point waits for it anyway). Whether a
+        timing wait was issued."""
+        entry = self._untimed.pop(id(mark), None) if isinstance(mark, Mark) else None
+        if entry is not None:
+            self._issue(*entry)
+        return entry is not None
+
+    def _flush(self) -> None:
+        """The drain: time the ops never waited (sends dropped once complete)."""
+        untimed, self._untimed = self._untimed, {}
+        for mark, posted in untimed.values():
+            self._issue(mark, posted)
+
+    def _arm(self, posted: Any) -> Mark | None:
+        return Mark()
+
+    @abstractmethod
+    def _issue(self, mark: Mark, posted: Any) -> None:
+        """Time `posted`'s end into `mark` (its timing wait is issued here)."""
+
+
+class DeviceTimeline(_DeviceTiming):
+    """CUDA events, resolved at drain (module docstring). `event_factory` makes an event with
+    `record()` (on the current stream) and `elapsed_time(other)` (ms), as
+    `torch.cuda.Event(enable_timing=True)`; a collective's end is timed on the named "timing" stream
+    of `overlap.parallel.streams`, whose CUDA surface tests replace with stand-ins too."""
 
     name = "GPU timeline (CUDA events)"
-    host_sees_completion = False
 
     def __init__(
         self,
         event_factory: Callable[[], Any] | None = None,
         synchronize: Callable[[], None] | None = None,
+        one_queue: bool = False,
     ) -> None:
+        super().__init__(one_queue)
         if event_factory is None:
             import torch
 
@@ -141,24 +214,27 @@ class DeviceTimeline(Timeline):
     def mark(self) -> Mark:
         return Mark(self._record())
 
-    def done_mark(self, work: Any) -> Mark | None:
-        """A mark that times the collective's end on the device: an event recorded in its future's
-        callback, on the stream the callback runs on (made to wait for the collective). None when
-        the work has no future."""
-        mark = Mark()
-        try:
-            future = work.get_future()
-        except RuntimeError:
-            return None
+    def _issue(self, mark: Mark, posted: Any) -> None:
+        """The timing stream waits for every work of the call (one for a whole NCCL batch), then
+        records the mark's event: it fires when the collective has ended on the device."""
+        from overlap.parallel import streams
 
-        def record(_fut: Any) -> None:
+        timing = streams.named("timing", None)
+        with streams.api().use(timing):
+            for work in getattr(posted, "works", [posted]):
+                work.wait()
             mark.event = self._record()
 
-        future.then(record)
-        return mark
-
     def synchronize(self) -> None:
+        self._flush()
         self._sync()
+
+    def step_end(self, end: float, comm: Sequence[CommEvent]) -> float:
+        """The latest of the step's last compute event and its collectives' ends: the drain's
+        synchronisation completes whatever the step left in flight (the first parameter-gather
+        bucket, launched in the optimizer step) before the next step starts, so that time belongs
+        to no later step."""
+        return max([end, *(e.t_done for e in comm if e.t_done is not None)])
 
     def resolve(self, value: Time) -> float | None:
         if not isinstance(value, Mark):
@@ -178,18 +254,18 @@ class DeviceTimeline(Timeline):
             self._origin, self._latest = self._latest, None
 
 
-class RulesTimeline(Timeline):
+class RulesTimeline(_DeviceTiming):
     """gloo under NCCL's rules (module docstring): the host clock, and the device timeline's path
     for completion, set when gloo's own works (`works`, the ones behind what the runtime sees)
-    complete."""
+    complete; its timing waits are placed as the device timeline's (`one_queue`), for the program
+    recorder."""
 
     name = "host clock under NCCL's rules (completion from gloo's works)"
-    host_sees_completion = False
 
-    def done_mark(self, work: Any) -> Mark | None:
+    def _arm(self, posted: Any) -> Mark | None:
         import torch
 
-        works = getattr(work, "works", [work])
+        works = getattr(posted, "works", [posted])
         try:
             futures = [w.get_future() for w in works]
         except RuntimeError:
@@ -199,9 +275,15 @@ class RulesTimeline(Timeline):
         def record(_fut: Any) -> None:
             mark.t = now()
 
-        # runs on gloo's thread once every work is done
+        # runs on gloo's thread once every work is done (host threads: no stream is involved)
         torch.futures.collect_all(futures).then(record)
         return mark
+
+    def _issue(self, mark: Mark, posted: Any) -> None:
+        """Nothing to do on the host clock: gloo's futures set the mark (`_arm`)."""
+
+    def synchronize(self) -> None:
+        self._flush()
 
 
 @dataclass
@@ -254,6 +336,13 @@ class Recorder:
                 if isinstance(value, Mark):
                     setattr(item, f.name, self.timeline.resolve(value))
         self.timeline.settle()
+
+    def step_seconds(self, start: Time, end: Time, comm: Sequence[CommEvent]) -> float:
+        """A step's time from its first event to its last (`Timeline.step_end`): `start` and `end`
+        are marks taken around the step's host work, `comm` the step's drained events (call after
+        the drain, which resolved them)."""
+        first, last = self.timeline.resolve(start), self.timeline.resolve(end)
+        return self.timeline.step_end(last, comm) - first
 
     def discard(self) -> None:
         """Forget what was recorded outside the iterations (a checkpoint's gathers between two

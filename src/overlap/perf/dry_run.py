@@ -472,16 +472,20 @@ def check_dry_run(job: Job, args: argparse.Namespace, env=os.environ) -> DryRunO
 
 
 # --- the watch over the step's ops ----------------------------------------------------------------
-def _fake_errors() -> tuple[type, type, tuple[type, ...]]:
+def _fake_errors() -> tuple[type | tuple[()], type, tuple[type, ...]]:
+    """(the device mix-up's error, the data-dependent op's, the unanswerable ops'). torch 2.11 has
+    no error type of its own for a device mix-up (it raises a plain RuntimeError, "Unhandled
+    FakeTensor Device Propagation ..."): there the mix-up is reported as the step's failure, with
+    that message, instead of as a "device mix-up" finding."""
+    from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import (
         DataDependentOutputException,
         DynamicOutputShapeException,
-        FakeTensorDeviceMismatchError,
         UnsupportedOperatorException,
     )
 
     return (
-        FakeTensorDeviceMismatchError,
+        getattr(fake_tensor, "FakeTensorDeviceMismatchError", ()),
         DataDependentOutputException,
         (DynamicOutputShapeException, UnsupportedOperatorException),
     )

@@ -5,12 +5,14 @@ On a GPU the host must stay ahead of the device for overlap to work: each read o
 host (`.item()`, `.tolist()`, `bool(t)`, a copy to the host) and each op whose output size depends
 on the values (`nonzero`, boolean-mask indexing, `torch.where(cond)` with one argument,
 `masked_select`, `unique`, `bincount`, `repeat_interleave` without `output_size`) waits for
-everything queued before it, and so does a `torch.tensor` of Python data copied to the device (a
-pageable host-to-device copy). On a CPU these ops run without waiting for anything, so timing cannot
-find them: `HostSyncRecorder` classifies by the op's name (`sync_reason`), from a dispatch mode
-(what aten runs) and a function mode (what never reaches aten: `Tensor.tolist`, `Tensor.cpu`,
-`Tensor.numpy`, `torch.tensor(list)`), and names our line that asked for it (`caller`, the
-source-line attribution `overlap run --dry-run` uses for its host reads too).
+everything queued before it, and so does a copy from pageable host memory to the device (a
+`torch.tensor` of Python data made on the device, a host tensor's `.to(device)` that is not pinned
+and non-blocking: CUDA stages it through a driver buffer and synchronises the stream). On a CPU
+these ops run without waiting for anything, so timing cannot find them: `HostSyncRecorder`
+classifies by the op's name (`sync_reason`), from a dispatch mode (what aten runs) and a function
+mode (what never reaches aten: `Tensor.tolist`, `Tensor.cpu`, `Tensor.numpy`,
+`torch.tensor(list)`), and names our line that asked for it (`caller`, the source-line attribution
+`overlap run --dry-run` uses for its host reads too).
 
 Each record says which of the step's needed reads it is (`HostSync.kind`): the MoE split sizes
 (`overlap.layers.moe.split_sizes.read_split_sizes`, the one read an all-to-all needs), one of
@@ -121,7 +123,32 @@ def sync_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str |
             )
     if host_copy(func, args, kwargs):
         return "a copy to the host"
+    if pageable_upload(func, args, kwargs):
+        return (
+            "a host-to-device copy from pageable memory (stage it in pinned memory and copy "
+            "non-blocking)"
+        )
     return None
+
+
+def pageable_upload(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Whether aten op `func` copies host memory to a device synchronously: the source is not
+    page-locked, or the copy is not asked to be non-blocking (CUDA then waits for the stream)."""
+    if func is _aten._to_copy.default:
+        target = kwargs.get("device")
+        source = args[0]
+        blocking = not kwargs.get("non_blocking", False)
+    elif func is _aten.copy_.default:
+        target, source = args[0].device, args[1]
+        blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    else:
+        return False
+    return (
+        target is not None
+        and torch.device(target).type != "cpu"
+        and source.device.type == "cpu"
+        and (blocking or not source.is_pinned())
+    )
 
 
 def host_copy(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -315,12 +314,15 @@ class Trainer:
         """One logged training iteration."""
         t = self.cfg.train
         lr, (loss_scale, _) = self.learning_rate(it), self.loss_scaling()
-        start = time.perf_counter()
+        start = RECORDER.mark()
         loss, norm = self.train_step(it)
-        step_s = time.perf_counter() - start
+        end = RECORDER.mark()
         self.nonfinite.see(it, loss, norm)
         comm.PROGRAM.step_end()
         events, _spans = RECORDER.drain()
+        # event to event: on a GPU the step's last collective can end inside the drain's
+        # synchronisation, after the host finished the step (parallel/trace.py)
+        step_s = RECORDER.step_seconds(start, end, events)
         c_ms, c_bytes = comm_totals(events)
         for k, v in c_ms.items():
             comm_sum[k] += v

@@ -18,19 +18,24 @@ On CUDA the read must not wait for more than the counts: a plain `.tolist()` cop
 stream, so it waits for everything queued there - in the EP-overlap step, the other micro-batch's
 weight-gradient GEMMs issued as cover before the counts' wait. So the counts go to pinned host
 memory on a side stream that waits for the counts exchange itself (`CommHandle.output_on`: the
-exchange's input was written before its launch, its output by the exchange), queued before the
-scheduler's wait issues that cover, and the host waits for that copy's event only. (Not yet run on a
-GPU.)
+exchange's input was written before its launch, its output by the exchange; a counts group of one
+member - EP 1, or the `ep` family made free - exchanges nothing, and the side stream then follows
+the compute stream to where the counts were written), queued before the scheduler's wait issues
+that cover, and the host waits for that copy's event only. The side stream is the process's named
+"split_sizes" stream from the high-priority pool (`overlap.parallel.streams`: a low-priority pool
+stream can be a communicator's). (Not yet run on a GPU; tests run this branch on the CPU with
+stand-in streams.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from overlap.parallel import comm
+from overlap.parallel import comm, streams
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ def read_split_sizes(
     if _answered is not None:
         _answered(SPLIT_SIZE_READ)
         return balanced(), wait(exchange)
-    if sent.is_cuda:
+    if streams.api().on_device(sent):
         copied, host = _copy_on_side_stream(sent, exchange)
         received = wait(exchange)
         copied.synchronize()
@@ -132,25 +137,19 @@ def read_split_sizes(
     return torch.cat([sent.reshape(-1), received.reshape(-1)]).tolist(), received
 
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _copy_on_side_stream(
-    sent: torch.Tensor, exchange: comm.CommHandle
-) -> tuple[torch.cuda.Event, torch.Tensor]:
-    """CUDA: queue the copy of `sent` and of what `exchange` receives into pinned host memory on a
-    side stream ordered after the exchange alone (module docstring); returns (the copy's event, the
+def _copy_on_side_stream(sent: torch.Tensor, exchange: comm.CommHandle) -> tuple[Any, torch.Tensor]:
+    """CUDA: queue the copy of `sent` and of what `exchange` receives into pinned host memory on the
+    side stream, ordered after the exchange alone (module docstring); returns (the copy's event, the
     host tensor it fills)."""
-    side = _side_streams.get(sent.device)
-    if side is None:
-        side = _side_streams[sent.device] = torch.cuda.Stream(sent.device)
+    api = streams.api()
+    side = streams.named("split_sizes", sent.device)
     received = exchange.output_on(side)
-    host = torch.empty(sent.numel() + received.numel(), dtype=torch.int64, pin_memory=True)
-    with torch.cuda.stream(side):
+    host = api.pinned(sent.numel() + received.numel(), torch.int64)
+    with api.use(side):
         for t, part in ((sent, host[: sent.numel()]), (received, host[sent.numel() :])):
             # made on the current stream, read here: not reused before this copy is done
-            t.record_stream(side)
+            api.keep_for(t, side)
             part.copy_(t.reshape(-1), non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = api.event()
         copied.record(side)
     return copied, host

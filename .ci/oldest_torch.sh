@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The distributed part of the suite on the oldest supported torch (2.11, the GPU machines' own build: from the
+# registry, the CUDA 13 wheel, which runs the CPU ranks' tests unchanged), in a venv of its own beside .venv: every
+# collective kind (comm, the ring, the world's groups), TP/SP with TP overlap, DP with the distributed optimizer and
+# both overlaps, PP (1F1B, interleaved, both p2p modes), EP overlap at PP 1 and under PP x VPP, MoE dispatch,
+# checkpoints (resharding resumes, the state gather's memory), the NCCL-rules replays and the CUDA branch of the
+# split-size read. The pinned end (2.13.0) runs the whole suite in .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OLDEST=2.11.0
+python3.11 -m venv .venv-oldest
+.venv-oldest/bin/pip install -q "torch==$OLDEST"
+# the range in pyproject.toml admits it: this keeps the installed torch
+.venv-oldest/bin/pip install -q -e '.[test]'
+.venv-oldest/bin/python -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(not v.startswith('$OLDEST'))"
+.venv-oldest/bin/pytest -q -p no:cacheprovider \
+  tests/test_world.py tests/test_ring.py tests/test_data_parallel.py tests/test_model_tp.py tests/test_tp_overlap.py \
+  tests/test_pipeline.py tests/test_ep_overlap.py tests/test_ep_overlap_pp.py tests/test_moe.py \
+  tests/test_checkpoint.py tests/test_checkpoint_memory.py tests/test_nccl_rules.py \
+  tests/test_split_sizes_cuda_branch.py

@@ -1,0 +1,77 @@
+"""Which kernel the routed experts' GEMMs run, per architecture: torch's grouped GEMM
+(`F.grouped_mm`, one call for every expert) or the per-expert loop (one `torch.mm` per expert, on
+the host counts the dispatch already has).
+
+The grouped kernel is right and fast only where torch built it for: Hopper (SM90) in bf16. On SM8x
+`torch._grouped_mm` falls back to a loop of its own after copying its offsets to the host
+(`offs.cpu()`): a host synchronisation per GEMM, six per MoE layer and micro-batch (forward,
+input gradient and weight gradient of fc1 and fc2), which drain the queue overlap needs - our loop
+needs none. On SM100 and newer its weight gradient gives experts without rows non-zero gradients (an
+open PyTorch issue), where the loop gives them zeros. On the CPU it runs every dtype bit-identically
+to the loop (tests/test_moe.py) without the Python loop. Fake tensors (the dry run's "meta") take
+the loop.
+
+The resolution records the choice for the run's GPU (`overlap explain -g GPU` names the target's
+architecture, `run` probes its own device) in the "model" section; `GroupedLinear`'s caller asks the
+same rule at call time with the tensors' real device (`overlap.layers.linear_functions`), so the
+runtime follows the device it actually has. The rule depends on facts of the machine alone: there is
+no switch to set, and the device script's env step measures both kernels against each other.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from overlap.config.decisions import DEFAULT, DecisionLog
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from overlap.config.flex_dispatcher import DeviceInfo
+    from overlap.config.model import ModelConfig
+
+GROUPED, LOOP = "grouped", "loop"
+ROW = "experts' GEMM kernel (per architecture)"
+
+
+def grouped_gemm_kernel(device_type: str, major: int | None, dtype: str) -> tuple[str, str]:
+    """(GROUPED or LOOP, why) for experts' tensors on `device_type` ("cpu", "cuda", "meta") of
+    compute capability `major` (CUDA) in `dtype` ("bfloat16", ...): module docstring."""
+    if device_type == "cpu":
+        return (
+            GROUPED,
+            "CPU: torch's grouped GEMM, bit-identical to the loop, without its Python loop",
+        )
+    if device_type != "cuda":
+        return LOOP, f"{device_type} tensors (the dry run's stand-ins): the per-expert loop"
+    if dtype != "bfloat16":
+        return LOOP, f"CUDA in {dtype}: torch's grouped GEMM runs bf16 only; the per-expert loop"
+    if major == 9:
+        return GROUPED, "SM90 (Hopper): torch's grouped GEMM, one kernel for every expert"
+    if major is not None and major < 9:
+        return LOOP, (
+            f"SM{major}x: torch's grouped GEMM falls back to a loop after copying its offsets to "
+            "the host (a synchronisation per GEMM, six per MoE layer and micro-batch); the "
+            "per-expert loop runs on the host counts without one"
+        )
+    return LOOP, (
+        f"SM{major}0: torch's grouped GEMM gives experts without rows non-zero weight gradients "
+        "(an open PyTorch issue); the per-expert loop gives them zeros"
+    )
+
+
+def resolve_grouped_gemm(
+    model: ModelConfig,
+    decisions: DecisionLog,
+    on_cuda: bool,
+    device: Callable[[], DeviceInfo | None],
+) -> None:
+    """Record, in the "model" section, the experts' GEMM kernel on the run's GPU (`device`: the
+    target -g names, or this machine's) or on the CPU."""
+    if not model.num_moe_experts:
+        return
+    info = device() if on_cuda else None
+    kernel, why = grouped_gemm_kernel(
+        "cuda" if on_cuda else "cpu", info.major if info is not None else None, model.params_dtype
+    )
+    decisions.record_in("model", ROW, None, kernel, DEFAULT, why)
