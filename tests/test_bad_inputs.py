@@ -382,7 +382,7 @@ def test_explain_shows_the_estimate_and_what_run_would_refuse(capsys):
     assert code == 0 and doc["memory_per_rank"]["total_bytes"] > 2**30
     assert any("GiB on this host" in r["why"] for r in doc["run_refuses"])
     code, out, err = run(["explain", *DENSE], capsys)
-    assert "Memory estimate (rank 0, rough):" in out
+    assert "Memory at the peak of the rank that needs the most" in out
 
 
 # --- messages that blamed the wrong thing ---------------------------------------------------------

@@ -204,7 +204,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print("  " + "\n  ".join(stages.table()))
     print("\n" + job.resolution.decisions.format_sections())
     print("\nLaunch environment:\n" + format_launch_env(env))
-    print(f"\nMemory estimate (rank 0, rough): {memory['summary']}")
+    print(
+        f"\nMemory at the peak of the rank that needs the most (the memory model, "
+        f"overlap.perf.memory_model; the dry run measures it): {memory['summary']}"
+    )
+    print("\n".join(memory["table"]))
+    if memory["fit"]:
+        print(f"  fit: {memory['fit']}")
     if refusals:
         print(
             "\nValid configuration, but `overlap run` will refuse it today:\n"
@@ -214,29 +220,51 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _memory_estimate(job, args: argparse.Namespace, refusals: list) -> dict:
-    """The per-rank estimate (overlap.launch.resources); for -g cpu also what `run` would refuse on
-    this host."""
-    from overlap.launch.resources import check_local_launch, estimate_memory
+    """The memory model's peak for the rank that needs the most (`overlap.perf.memory_model`), by
+    component, and whether it fits the -g GPU; for -g cpu also what `run` would refuse on this
+    host."""
+    from overlap.launch.resources import check_local_launch
+    from overlap.perf.memory_model import fit, rank_memory
 
     cpu = args.gpu == "cpu"
-    est = estimate_memory(job.cfg, job.resolution.layout, cpu=cpu)
+    cfg, layout = job.cfg, job.resolution.layout
+    est = rank_memory(cfg, layout, cpu=cpu)
+    verdict = None if cpu else fit(cfg, layout, args.gpu)
     if cpu:
         try:
-            check_local_launch(
-                job.cfg, job.resolution.layout, args.num_gpus, recipe=args.model_recipe_name
-            )
+            check_local_launch(cfg, layout, args.num_gpus, recipe=args.model_recipe_name, est=est)
         except ConfigError as exc:
             refusals.append(exc)
     return {
         "summary": est.describe(),
+        "table": est.table(),
+        "fit": verdict.describe() if verdict else None,
+        "fits": verdict.fits if verdict else None,
+        "device_bytes": verdict.device_bytes if verdict else None,
+        "reserve_bytes": verdict.reserve_bytes if verdict else None,
         "total_bytes": est.total,
+        "pp_rank": est.pp_rank,
         "params": est.params,
-        "param_bytes": est.param_bytes,
-        "grad_bytes": est.grad_bytes,
-        "optimizer_bytes": est.optimizer_bytes,
-        "activation_bytes": est.activation_bytes,
-        "runtime_bytes": est.runtime_bytes,
+        **{f"{name}_bytes": n for name, n in _component_keys(est)},
+        "blocks": [
+            {"block": b.name, "ours": b.ours, "megatron": b.megatron, "kept": b.kept}
+            for b in est.blocks
+        ],
     }
+
+
+def _component_keys(est) -> list[tuple[str, int]]:
+    return [
+        ("param", est.param_bytes),
+        ("grad", est.grad_bytes),
+        ("master", est.master_bytes),
+        ("moment", est.moment_bytes),
+        ("optimizer", est.optimizer_bytes),
+        ("buffer", est.buffer_bytes),
+        ("activation", est.activation_bytes),
+        ("transient", est.transient_bytes),
+        ("runtime", est.runtime_bytes),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,7 +170,14 @@ def _preflight(job, args: argparse.Namespace) -> dict:
     if not args.emit_slurm:  # a Slurm job's checkpoint and logging folders are paths on the cluster
         check_checkpoint_paths(job.cfg.checkpoint)
         check_logger_paths(job.cfg.logger)
-    check_run_resources(job.cfg, job.resolution.layout, args)
+    from overlap.perf.memory_model import rank_memory
+
+    check_run_resources(
+        job.cfg,
+        job.resolution.layout,
+        args,
+        estimate=lambda cpu: rank_memory(job.cfg, job.resolution.layout, cpu=cpu),
+    )
     return slurm
 
 

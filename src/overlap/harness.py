@@ -4,15 +4,17 @@ overrides) -> a resolved job.
 Shared by every subcommand (`explain`, `run`, `bench`), so it lives below all of them: it imports
 only the configuration and the launch-environment rules.
 
-Order of application, as in the reference harness: recipe, then the flags, then the overrides - so
-an override beats a flag. Unlike the reference, the disagreement is never silent: every
-flag/override pair that set one field (or its `comm_overlap` twin) to different values is a "command
-line" decision ("the override beats --moe_a2a_overlap false"), logged at start-up, shown by
-`explain`, and an error under `--strict`. Two reference flaws are fixed on purpose:
-`--moe_a2a_overlap false` really turns EP overlap off, and `--moe_a2a_overlap true` turns on EP
-overlap and nothing else (the reference also switched on delay_wgrad_compute). The same override key
-twice is an error, not "the last one wins" (`check_override_repeats`); `prepare` refuses sizes no
-machine can represent before anything is built (`overlap.launch.resources`).
+Order of application, as in the reference harness: recipe, then the flags, then the perf recipe of
+Bridge's performance harness for this model, GPU and precision (`overlap.config.perf_recipes`: what
+a flag set stays the flag's), then the overrides - so an override beats a flag. Unlike the
+reference, the disagreement is never silent: every flag/override pair that set one field (or its
+`comm_overlap` twin) to different values is a "command line" decision ("the override beats
+--moe_a2a_overlap false"), logged at start-up, shown by `explain`, and an error under `--strict`.
+Two reference flaws are fixed on purpose: `--moe_a2a_overlap false` really turns EP overlap off, and
+`--moe_a2a_overlap true` turns on EP overlap and nothing else (the reference also switched on
+delay_wgrad_compute). The same override key twice is an error, not "the last one wins"
+(`check_override_repeats`); `prepare` refuses sizes no machine can represent before anything is
+built (`overlap.launch.resources`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from overlap.config.flex_dispatcher import (
 )
 from overlap.config.hf_config import PRETRAINED
 from overlap.config.mixed_precision import get_mixed_precision_config
-from overlap.config.overrides import apply_overrides, check_override_repeats
+from overlap.config.overrides import apply_override, apply_overrides, check_override_repeats
+from overlap.config.perf_recipes import LAYOUT_KEYS, Setting, perf_recipe
+from overlap.config.perf_recipes import SOURCE as PERF_SOURCE
 from overlap.config.recipes import Recipe, get_recipe
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.launch.env import VALID_ACCELERATORS, LaunchEnvInputs
@@ -255,12 +259,18 @@ class CommandLine:
 
     flags: dict[str, _FlagWrite] = field(default_factory=dict)
     overrides: dict[str, Any] = field(default_factory=dict)
+    # key -> the Bridge perf recipe that set it
+    perf: dict[str, str] = field(default_factory=dict)
+    # the perf recipe's section of the decision table
+    perf_rows: list[Decision] = field(default_factory=list)
 
     def source(self, key: str) -> str:
         if key in self.overrides:
             return OVERRIDE
         if key in self.flags:
             return f"{FLAG} {self.flags[key].flag}"
+        if key in self.perf:
+            return f"{PERF_RECIPE} {self.perf[key]}"
         return RECIPE
 
 
@@ -334,11 +344,153 @@ def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decisi
     line = CommandLine()
     _apply_flags(cfg, args, line)
     check_override_repeats(args.overrides)
+    _apply_perf_recipe(cfg, args, line)
     line.overrides = apply_overrides(cfg, args.overrides)
     decisions = _reconcile(cfg, line)
     decisions += _apply_recipe_rules(cfg, recipe, args.num_gpus, line)
     decisions += _explicit_false_distributed_optimizer(cfg, line)
     return cfg, decisions, line
+
+
+PERF_RECIPE = "perf recipe"
+
+
+def _apply_perf_recipe(cfg: ConfigContainer, args: argparse.Namespace, line: CommandLine) -> None:
+    """Bridge's perf recipe for this model, GPU and precision (`overlap.config.perf_recipes`): its
+    settings, after the flags (what a flag set stays the flag's) and before the overrides (which
+    win), each a row of the "perf recipe" section with the recipe it came from; the layout and
+    batch only at the GPU count it was published for; what the runtime cannot carry, listed."""
+    if args.gpu == "cpu":
+        return
+    precision = args.compute_dtype or _PRECISION_NAMES.get(_preset_name(cfg.mixed_precision))
+    found = perf_recipe(args.model_recipe_name, args.gpu, precision, args.num_gpus)
+    if found is None:
+        return
+    overridden = {item.split("=", 1)[0].strip() for item in args.overrides}
+    rows = line.perf_rows
+    rows.append(
+        Decision(
+            "perf recipe",
+            None,
+            found.name,
+            PERF_RECIPE,
+            f"Megatron-Bridge's performance harness for {args.model_recipe_name} on "
+            f"{args.gpu} in {precision} ({PERF_SOURCE}): applied after the flags, before the "
+            "overrides",
+        )
+    )
+    settings = [
+        Setting(key, value, "the published layout and batch") for key, value in found.layout
+    ]
+    chosen = sorted(k for k in LAYOUT_KEYS if k in line.flags or k in overridden)
+    layout_cp = dict(found.layout).get("model.context_parallel_size", "1")
+    why_not = (
+        f"it was published for {found.num_gpus} GPUs and -ng is {args.num_gpus}"
+        if found.num_gpus != args.num_gpus
+        else f"the command line chooses the layout ({', '.join(chosen)})"
+        if chosen
+        else f"it needs context parallelism (CP {layout_cp}), which is not built here"
+        if layout_cp != "1"
+        else None
+    )
+    if why_not is not None:
+        rows.append(
+            Decision(
+                "layout",
+                f"{found.name}'s",
+                "not applied",
+                PERF_RECIPE,
+                f"{why_not}: the model recipe's layout rule stays (set one with "
+                "-tp/-pp/-vp/-cp/-ep)",
+            )
+        )
+        if layout_cp != "1" and not chosen and found.num_gpus == args.num_gpus:
+            log.warning(
+                "perf recipe %s: its layout needs context parallelism (CP %s), which is not built "
+                "here; the model recipe's layout runs instead (set one with -tp/-pp/-vp/-ep)",
+                found.name,
+                layout_cp,
+            )
+        settings = [s for s in settings if s.key not in LAYOUT_KEYS]
+    settings += [Setting(*s) for s in found.settings]
+    for key, value, why, skip in settings:
+        if key in line.flags or key in overridden:
+            continue  # the flag's (or the override's, applied next): said in their rows
+        reason = skip(cfg) if skip is not None else None
+        if reason is not None:
+            rows.append(Decision(key, value, "not applied", PERF_RECIPE, f"{why}; {reason}"))
+            continue
+        applied = apply_override(cfg, f"{key}={value}")[1]
+        line.perf[key] = found.name
+        rows.append(Decision(key, None, applied, PERF_RECIPE, why))
+    hybridep = (
+        cfg.model.moe_token_dispatcher_type == "flex"
+        and cfg.model.moe_flex_dispatcher_backend == "hybridep"
+    )
+    # run_script derives the connections again when -tp, -cp or --moe_a2a_overlap is given
+    rederive = any(
+        key in line.flags
+        for key in (
+            "model.tensor_model_parallel_size",
+            "model.context_parallel_size",
+            "comm_overlap.overlap_moe_expert_parallel_comm",
+        )
+    )
+    env = list(found.env) + (list(found.hybridep_env) if hybridep else [])
+    for name, value in env:
+        key = f"env_vars.{name}"
+        if key in overridden:
+            continue
+        if name == "CUDA_DEVICE_MAX_CONNECTIONS" and rederive:
+            rows.append(
+                Decision(
+                    key,
+                    value,
+                    "the launch rule's",
+                    PERF_RECIPE,
+                    "-tp, -cp or --moe_a2a_overlap is given: the launch rule derives it again, as "
+                    "run_script does",
+                )
+            )
+            continue
+        cfg.env_vars[name] = value
+        line.perf[key] = found.name
+        rows.append(Decision(key, None, value, PERF_RECIPE, "its environment"))
+    if found.hybridep_env and not hybridep:
+        rows.append(
+            Decision(
+                "env_vars (HybridEP)",
+                " ".join(f"{n}={v}" for n, v in found.hybridep_env),
+                "not applied",
+                PERF_RECIPE,
+                "its HybridEP dispatcher's environment; the dispatcher that runs is another "
+                "(the launch rules set the connections for it)",
+            )
+        )
+    for setting, why in found.not_carried:
+        rows.append(Decision(setting, "set", "not applied", PERF_RECIPE, why))
+    log.info(
+        "perf recipe %s (%s): %d settings applied, %d not carried (overlap explain lists them)",
+        found.name,
+        PERF_SOURCE,
+        len(line.perf),
+        len(found.not_carried),
+    )
+
+
+_PRECISION_NAMES = {"bf16_mixed": "bf16", "fp16_mixed": "fp16", "fp32": "fp32"}
+
+
+def _preset_name(precision: Any) -> str | None:
+    """The preset a mixed-precision section was made from (a name, or a preset's config)."""
+    if precision is None or isinstance(precision, str):
+        return precision
+    from overlap.config.mixed_precision import MIXED_PRECISION_PRESETS
+
+    for name, preset in MIXED_PRECISION_PRESETS.items():
+        if preset == precision:
+            return name
+    return None
 
 
 def _explicit_false_distributed_optimizer(
@@ -645,6 +797,8 @@ def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
     if _buckets_need_model(cfg, res, estimate):
         detect_model_noops(cfg, res)
     res.decisions.attribute(line.source)
+    if line.perf_rows:
+        res.decisions.sections["perf recipe"] = line.perf_rows
     res.decisions.other = [
         Decision(
             key,

@@ -278,24 +278,25 @@ def layer_blocks(m: ModelConfig, shape: LayerShape, moe_layer: bool) -> list[Blo
 
 def backward_working_bytes(m: ModelConfig, shape: LayerShape, moe_layer: bool) -> float:
     """Bytes per token of the micro-batch that one layer's backward holds at its largest beyond its
-    saved tensors, eager (the dry run's, and the CPU's): the SwiGLU backward's fp32 temporaries
-    (four rows' widths at once) with its bf16 results and incoming gradient, in the MLP or, per
-    routed row, in the experts; the norm's (three fp32 copies of its input); the attention
-    gradients. A compiled chain (CUDA) holds less: this bounds it from above."""
+    saved tensors, eager (the dry run's, and the CPU's): the SwiGLU backward's temporaries (four
+    rows' widths in the activation dtype; weighted, in the experts, four fp32 ones and three in the
+    activation dtype) per row of the MLP or the experts; the norm's (three fp32 copies of its
+    input); the attention gradients. A compiled chain (CUDA) holds less: this bounds it from
+    above."""
     B, t, h, d = shape.act_bytes, shape.tp, m.hidden_size, m.head_dim
     a, g = m.num_attention_heads / t, m.query_groups / t
     norm = (3 * _FP32 + B) * h / shape.seq_div
     attention = (2 * B + _FP32) * (a + 2 * g) * d
 
-    def swiglu(width: float) -> float:
-        return (4 * _FP32 + 3 * B) * width
+    def swiglu(width: float, weighted: bool) -> float:
+        return ((4 * _FP32 + 3 * B) if weighted else 4 * B) * width
 
     if moe_layer:
-        mlp = routed_rows_per_token(m, shape) * swiglu(m.moe_ffn_size) / shape.seq_div
+        mlp = routed_rows_per_token(m, shape) * swiglu(m.moe_ffn_size, True) / shape.seq_div
         if m.moe_shared_expert_intermediate_size:
-            mlp = max(mlp, swiglu(m.moe_shared_expert_intermediate_size / t))
+            mlp = max(mlp, swiglu(m.moe_shared_expert_intermediate_size / t, False))
     else:
-        mlp = swiglu(m.ffn_size / t) if m.gated_linear_unit else 3 * B * m.ffn_size / t
+        mlp = swiglu(m.ffn_size / t, False) if m.gated_linear_unit else 3 * B * m.ffn_size / t
     return max(norm, attention, mlp)
 
 

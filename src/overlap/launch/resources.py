@@ -35,7 +35,7 @@ and rank-count refusals (the estimate is only an estimate); the representability
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from overlap.config.attention import attention_kernel
@@ -478,11 +478,13 @@ def check_local_launch(
     host_bytes: int | None = None,
     cores: int | None = None,
     recipe: str | None = None,
+    est: MemoryEstimate | None = None,
 ) -> MemoryEstimate:
     """`overlap run -g cpu`: `ranks` processes on this host. Refuse too many ranks for the cores,
     and a memory estimate (x ranks: they share the host) larger than the host, naming the estimate
-    and the way out."""
-    est = estimate_memory(cfg, layout, cpu=True)
+    and the way out. `est`: the memory model's (`overlap.perf.memory_model`, which follows the
+    schedule); None: one micro-batch's (a lower bound)."""
+    est = est or estimate_memory(cfg, layout, cpu=True)
     if forced(env):
         return est
     cores = cores if cores is not None else (os.cpu_count() or 1)
@@ -524,9 +526,11 @@ def check_device(
     *,
     env=os.environ,
     recipe: str | None = None,
+    est: MemoryEstimate | None = None,
 ) -> MemoryEstimate:
-    """A GPU rank: refuse an estimate larger than its device's memory before the model is built."""
-    est = estimate_memory(cfg, layout, cpu=False)
+    """A GPU rank: refuse an estimate larger than its device's memory before the model is built
+    (`est` as `check_local_launch` takes it)."""
+    est = est or estimate_memory(cfg, layout, cpu=False)
     if not forced(env) and est.total > device_bytes:
         key, value = _culprit(cfg, recipe)
         raise ConfigError(
@@ -558,10 +562,15 @@ def _culprit(cfg: ConfigContainer, recipe: str | None) -> tuple[str, object]:
 
 
 def check_run_resources(
-    cfg: ConfigContainer, layout: ParallelLayout, args, env=os.environ
+    cfg: ConfigContainer,
+    layout: ParallelLayout,
+    args,
+    env=os.environ,
+    estimate: Callable[[bool], MemoryEstimate] | None = None,
 ) -> MemoryEstimate | None:
     """`overlap run`, before a rank starts (or, in a rank under torchrun, before the model is
-    built):
+    built), with `estimate(cpu)` (the memory model's, `overlap.perf.memory_model`, which the
+    command passes; None: one micro-batch's lower bound):
 
     - a Slurm script (--emit-slurm): nothing to check here, the cluster's nodes are not this host;
     - a rank of our own local launcher: the launcher already checked;
@@ -589,16 +598,27 @@ def check_run_resources(
                 props.name,
                 env=env,
                 recipe=getattr(args, "model_recipe_name", None),
+                est=estimate(False) if estimate else None,
             )
         local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
-        est = estimate_memory(cfg, layout, cpu=True)
+        est = estimate(True) if estimate else estimate_memory(cfg, layout, cpu=True)
         if not forced(env) and est.total * local > host_memory_bytes():
             return check_local_launch(
-                cfg, layout, local, env=env, recipe=getattr(args, "model_recipe_name", None)
+                cfg,
+                layout,
+                local,
+                env=env,
+                recipe=getattr(args, "model_recipe_name", None),
+                est=est,
             )
         return est
     if gpu:
         return None  # cmd_run refuses a local GPU launch with its own message
     return check_local_launch(
-        cfg, layout, args.num_gpus, env=env, recipe=getattr(args, "model_recipe_name", None)
+        cfg,
+        layout,
+        args.num_gpus,
+        env=env,
+        recipe=getattr(args, "model_recipe_name", None),
+        est=estimate(True) if estimate else None,
     )

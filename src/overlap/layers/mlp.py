@@ -33,19 +33,19 @@ def _swiglu_forward(
 def _swiglu_backward(
     grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, probs: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of gate, up (and probs) from the inputs alone, in fp32: silu(gate) and its
-    derivative sig + silu (1 - sig) are made again from gate, nothing of the forward is kept but its
-    inputs. Written in place where it can be (eager, at most four fp32 rows' widths at once; a
-    compiled kernel keeps none)."""
-    sig = fp32_copy(gate).sigmoid_()
-    silu = fp32_copy(gate).mul_(sig)
+    """Gradients of gate, up (and probs) from the inputs alone: silu(gate) is made again from gate,
+    nothing of the forward is kept but its inputs. Unweighted, the same operations autograd runs
+    for `F.silu(gate) * up` (in the inputs' dtype); weighted, in fp32 as the forward."""
+    if probs is None:
+        d_up = grad * F.silu(gate)
+        return torch.ops.aten.silu_backward(grad * up, gate), d_up, None
+    gate_f, up_f = gate.float(), up.float()
+    silu = F.silu(gate_f)
     g = fp32_copy(grad)
-    d_probs = None
-    if probs is not None:
-        d_probs = (g * silu).mul_(up.float()).sum(dim=-1)
-        g.mul_(probs.unsqueeze(-1))
+    d_probs = (g * silu).mul_(up_f).sum(dim=-1)
+    g.mul_(probs.unsqueeze(-1))
     d_up = (g * silu).to(up.dtype)
-    d_gate = silu.mul_(1 - sig).add_(sig).mul_(g).mul_(up.float()).to(gate.dtype)
+    d_gate = torch.ops.aten.silu_backward(g.mul_(up_f), gate_f).to(gate.dtype)
     return d_gate, d_up, d_probs
 
 

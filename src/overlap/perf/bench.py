@@ -704,6 +704,7 @@ def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
         check_netns_support()
     from overlap.launch.paths import check_bench_outputs
     from overlap.launch.resources import check_run_resources
+    from overlap.perf.memory_model import rank_memory
     from overlap.training.runtime_refusals import check_runtime_support
 
     if args.repeats < 1:
@@ -727,7 +728,12 @@ def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
         job = prepare(ns)
         # What `overlap run` would refuse, for every configuration, before the first one trains.
         check_runtime_support(job.cfg, gpu=args.gpu != "cpu")
-        check_run_resources(job.cfg, job.resolution.layout, ns)
+        check_run_resources(
+            job.cfg,
+            job.resolution.layout,
+            ns,
+            estimate=lambda cpu, job=job: rank_memory(job.cfg, job.resolution.layout, cpu=cpu),
+        )
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -118,13 +118,16 @@ class Fit:
         )
 
 
-def fit(cfg: ConfigContainer, layout: ParallelLayout, gpu: str) -> Fit | None:
-    """`rank_memory`'s peak against `gpu`'s memory (None for a GPU type without a known size, or
-    CPU ranks); the advice prices each alternative with the same model."""
+def fit(
+    cfg: ConfigContainer, layout: ParallelLayout, gpu: str, est: MemoryEstimate | None = None
+) -> Fit | None:
+    """`rank_memory`'s peak (`est`, when the caller has it) against `gpu`'s memory (None for a GPU
+    type without a known size, or CPU ranks); the advice prices each alternative with the same
+    model."""
     device = GPU_MEMORY_BYTES.get(gpu)
     if device is None:
         return None
-    est = rank_memory(cfg, layout)
+    est = est or rank_memory(cfg, layout)
     reserve = RESERVE_FIXED + int(RESERVE_SHARE * est.total)
     verdict = Fit(gpu, device, est.total, reserve)
     if verdict.fits:

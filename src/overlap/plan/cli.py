@@ -33,7 +33,11 @@ class SwitchCase:
 SWITCHES = (
     SwitchCase(
         "EP overlap",
-        ("comm_overlap.overlap_moe_expert_parallel_comm=false",),
+        # delay_wgrad_compute needs EP overlap (a perf recipe may have set it): off goes with it
+        (
+            "comm_overlap.overlap_moe_expert_parallel_comm=false",
+            "comm_overlap.delay_wgrad_compute=false",
+        ),
         ("comm_overlap.overlap_moe_expert_parallel_comm=true",),
     ),
     SwitchCase(

@@ -1,6 +1,6 @@
 """One configuration's predicted step: compute (compute.py) + communication (comm_model.py) laid out
-by the schedule (step_times.py), plus the per-GPU memory
-(`overlap.launch.resources.estimate_memory`, with the schedule's terms).
+by the schedule (step_times.py), plus the per-GPU peak memory (`overlap.perf.memory_model`, the
+model `overlap explain` and the dry run report).
 
 `calibrate_efficiency` fits one measured run: the compute efficiency (the per-kernel overhead
 kept) that makes the configuration's predicted step time equal its measured one (bisection; the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
-from overlap.launch.resources import estimate_memory
+from overlap.perf.memory_model import fit, rank_memory
 from overlap.plan.comm_model import CommPlan, comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute
 from overlap.plan.hardware import Cluster, with_efficiency
@@ -36,6 +36,8 @@ class Prediction:
     peak_mem_bytes: int
     layout: ParallelLayout
     microbatches: int
+    # whether the peak fits the GPU, with its reserve and advice (`overlap.perf.memory_model.fit`)
+    fit: str | None = None
 
     @property
     def step_ms(self) -> float:
@@ -75,8 +77,20 @@ def predict(
     times = step_times(compute, comm, sw, m, cluster.overlap_slowdown)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     tflops = flops_per_token(cfg.model) * tokens / layout.world_size / times.total_s / 1e12
-    memory = estimate_memory(cfg, layout, cpu=cluster.gpu == "cpu", schedule=True)
-    return Prediction(name, overrides, times, comm, sw, tflops, memory.total, layout, m)
+    memory = rank_memory(cfg, layout, cpu=cluster.gpu == "cpu")
+    verdict = fit(cfg, layout, cluster.gpu, memory)
+    return Prediction(
+        name,
+        overrides,
+        times,
+        comm,
+        sw,
+        tflops,
+        memory.total,
+        layout,
+        m,
+        verdict.describe() if verdict else None,
+    )
 
 
 def calibrate_efficiency(

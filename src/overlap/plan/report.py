@@ -32,6 +32,7 @@ def config_json(p: Prediction) -> dict:
         "total_comm_ms": total,
         "bytes_per_iter": nbytes,
         "peak_mem_gb": p.peak_mem_bytes / 1e9,
+        "memory_fit": p.fit,
         "microbatches": p.microbatches,
         "layout": {
             "tp": lay.tp,
@@ -137,5 +138,12 @@ def format_markdown(doc: dict) -> str:
             f"{_kinds(r['exposed_comm_ms'])} | {_kinds(r['total_comm_ms'])} | "
             f"{r['bytes_per_iter']['all'] / 1e9:.2f} | {r['peak_mem_gb']:.1f} |"
         )
+    fits = [f"- {r['name']}: {r['memory_fit']}" for r in doc["configs"] if r.get("memory_fit")]
+    if fits:
+        lines += [
+            "",
+            "Memory (the peak of the rank that needs the most, overlap.perf.memory_model):",
+        ]
+        lines += fits
     lines += ["", "Verdicts:"] + [f"- {v}" for v in doc["verdicts"]]
     return "\n".join(lines)

@@ -59,7 +59,7 @@ class _RandomLogits(torch.autograd.Function):
     (identity)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         return torch.randn(
             logits.shape, generator=generator, dtype=logits.dtype, device=logits.device
         )
@@ -137,7 +137,8 @@ class TopKRouter(nn.Module):
             tokens = hidden.reshape(-1, hidden.shape[-1])
             logits = _Fp32Logits.apply(tokens, self.weight)
             if self.random_seed is not None:
-                if self.random_logits is None:
+                # meta (a dry run's stand-in for CUDA) has no generator, and its draws no values
+                if self.random_logits is None and logits.device.type != "meta":
                     self.random_logits = torch.Generator(logits.device).manual_seed(
                         self.random_seed
                     )
