@@ -112,14 +112,16 @@ def test_the_dtensor_peer_trains_to_our_losses(case):
 
 def test_the_layers_tp_collectives_leave_our_comm():
     """Under SP the peer's layers all-gather and reduce-scatter through DTensor: our tracer sees
-    only the embedding's and the output layer's (one all-gather and one reduce-scatter each per
-    micro-batch, forward and backward together), against four more of each per layer for ours."""
+    only the embedding's and the output layer's per micro-batch, forward and backward together (the
+    embedding's reduce-scatter and all-gather; the output layer's all-gather, its input gathered
+    again for the weight gradient and its reduce-scatter), against per layer six all-gathers (the
+    QKV and fc1 inputs gathered again in backward) and four reduce-scatters more for ours."""
     overrides = TP2 + ("model.sequence_parallel=true",)  # the tp2_sp case: its runs are reused
     ours, peer = _run(2, overrides)[0], _run(2, overrides + (PEER,))[0]
     n = peer["micro_batches"] * STEPS
-    assert peer["traced"] == {"tp_ag": 2 * n, "tp_rs": 2 * n}
+    assert peer["traced"] == {"tp_ag": 3 * n, "tp_rs": 2 * n}
     layers = dense_tiny(2).model.num_layers
-    assert ours["traced"] == {"tp_ag": (2 + 4 * layers) * n, "tp_rs": (2 + 4 * layers) * n}
+    assert ours["traced"] == {"tp_ag": (3 + 6 * layers) * n, "tp_rs": (2 + 4 * layers) * n}
 
 
 DENSE = ["run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "--max_steps", "1"]

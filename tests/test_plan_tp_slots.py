@@ -53,10 +53,11 @@ def test_bulk_slots_hide_the_whole_collective_beside_the_whole_gemm():
     plans = {"fc1_dgrad": SlotPlan(BULK), "fc1_wgrad": SlotPlan(BULK)}
     layer = layer_tp(plans, dense, LINK, NBYTES, 2, dense=True)
     # fc1's input re-gather under its dgrad GEMM, its reduce-scatter under its wgrad GEMM: both
-    # hidden; the other seven collectives have no plan
-    assert (layer.all_gathers, layer.reduce_scatters) == (5, 4)
-    assert layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(7 * MS)
-    assert layer.hidden_s == pytest.approx(2 * MS)
+    # hidden; qkv's plain path does the same beside its 0.3 ms GEMMs (0.7 ms of each exposed); the
+    # forward's four and the row-parallel linears' two backward all-gathers have no plan
+    assert (layer.all_gathers, layer.reduce_scatters) == (6, 4)
+    assert layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(7.4 * MS)
+    assert layer.hidden_s == pytest.approx(2.6 * MS)
 
 
 def test_a_chunked_dgrad_slot_takes_the_reduce_scatter():
@@ -70,7 +71,9 @@ def test_a_chunked_dgrad_slot_takes_the_reduce_scatter():
 @pytest.mark.parametrize(
     "overrides, gathers",
     [
-        ({}, 4),  # TP overlap off: the plain path keeps the gathered input for the weight gradient
+        # TP overlap off: the plain path re-gathers qkv's and fc1's input for the weight gradient
+        # (Megatron's sequence-parallel linear)
+        ({}, 6),
         (
             {"tp_comm_overlap": True},
             6,
@@ -79,8 +82,10 @@ def test_a_chunked_dgrad_slot_takes_the_reduce_scatter():
     ],
 )
 def test_a_layers_collectives_follow_the_resolved_plan(overrides, gathers):
-    """The counts the committed TP benchmark measured (bench/results/tp_overlap.json: 37.75 vs 54.53
-    MB of all-gather per iteration over 4 layers and 2 edge collectives, i.e. 4 vs 6 per layer)."""
+    """Per layer: the forward's two all-gathers, the row-parallel linears' two in backward, and the
+    column-parallel linears' inputs gathered again for their weight gradients (the plain path and a
+    bulk dgrad slot: they keep only the shard); a plan without a bulk dgrad slot keeps the gathered
+    input and gathers nothing again."""
     m = dense_tiny(1).model
     m.tensor_model_parallel_size, m.sequence_parallel = 2, True
     for key, value in overrides.items():
@@ -89,18 +94,19 @@ def test_a_layers_collectives_follow_the_resolved_plan(overrides, gathers):
     plans = effective_tp_plan(m, None, delay_wgrad_compute=False)[0] if m.tp_comm_overlap else {}
     layer = layer_tp(plans, TPGemms(1 * MS, 1 * MS, 1 * MS, 1 * MS), LINK, NBYTES, 2, dense=True)
     assert (layer.all_gathers, layer.reduce_scatters) == (gathers, 4)
-    if not overrides:
-        assert layer.hidden_s == 0 and layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(
-            8 * MS
-        )
+    if not overrides:  # the re-gathers and the backward's reduce-scatters under the 1 ms GEMMs
+        assert layer.hidden_s == pytest.approx(4 * MS)
+        assert layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(6 * MS)
     else:
         assert layer.hidden_s > 0
 
 
-@pytest.mark.parametrize("recompute, each", [(False, 4), (True, 6)])
-def test_a_shared_expert_and_full_recompute_add_their_collectives(recompute, each):
-    """A MoE layer's shared expert is a plain TP MLP (two collectives each way, none in a plan);
-    full recompute runs the forward's collectives again in the backward."""
+@pytest.mark.parametrize("recompute, gathers, scatters", [(False, 6, 4), (True, 8, 6)])
+def test_a_shared_expert_and_full_recompute_add_their_collectives(recompute, gathers, scatters):
+    """A MoE layer's shared expert is a plain TP MLP (two collectives each way, none in a plan, and
+    fc1's input gathered again in backward); full recompute runs the forward's collectives again in
+    the backward. The attention's plain qkv hides its re-gather and reduce-scatter under its 1 ms
+    GEMMs; everything else is exposed."""
     layer = layer_tp(
         {},
         TPGemms(1 * MS, 1 * MS, 0.0, 0.0),
@@ -111,11 +117,9 @@ def test_a_shared_expert_and_full_recompute_add_their_collectives(recompute, eac
         shared_expert=True,
         recompute=recompute,
     )
-    assert (layer.all_gathers, layer.reduce_scatters) == (each, each)
-    assert (
-        layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx(2 * each * MS)
-        and layer.hidden_s == 0
-    )
+    assert (layer.all_gathers, layer.reduce_scatters) == (gathers, scatters)
+    assert layer.exposed_ag_s + layer.exposed_rs_s == pytest.approx((gathers + scatters - 2) * MS)
+    assert layer.hidden_s == pytest.approx(2 * MS)
     ring = layer_tp(
         {"qkv_fprop": SlotPlan(RING)},
         TPGemms(1 * MS, 0.0, 0.0, 0.0),
@@ -132,18 +136,22 @@ def test_a_shared_expert_and_full_recompute_add_their_collectives(recompute, eac
 def test_a_token_bucket_refills_under_the_compute_between_collectives():
     """A rate-limited link's bucket (`--network tbf:RATE`) fills while the link idles, up to its
     depth, and the next transfer spends it at the line rate. Plain attention layer (TP overlap off),
-    1 ms GEMMs, one collective's worth of bucket: the forward's reduce-scatter follows the qkv and
-    proj GEMMs (a full bucket), the backward's follows the qkv dgrad and wgrad GEMMs (full); each
-    all-gather comes right after a reduce-scatter emptied it (the previous layer's, with only a norm
-    between) and pays the rate: 2 ms exposed instead of 4."""
+    1 ms GEMMs, one collective's worth of bucket. On a plain link the forward's all-gather and
+    reduce-scatter and the backward's proj all-gather are exposed (3 ms) and qkv's re-gather and
+    reduce-scatter hide under its dgrad and wgrad GEMMs (2 ms). With the bucket: the forward's
+    reduce-scatter follows the qkv and proj GEMMs (a full bucket), the backward's proj all-gather
+    right after it pays the rate, and the GEMMs after each refill it for the next: 1 ms exposed."""
     gemms = TPGemms(1 * MS, 1 * MS, 0.0, 0.0)
     bursty = Link(1e6, 0.0, "1 MB/s, 1000-byte bucket", burst_bytes=NBYTES)
     plain = layer_tp({}, gemms, LINK, NBYTES, 2, dense=False)
     layer = layer_tp({}, gemms, bursty, NBYTES, 2, dense=False)
-    assert plain.exposed_ag_s + plain.exposed_rs_s == pytest.approx(4 * MS)
-    assert (layer.exposed_ag_s, layer.exposed_rs_s) == pytest.approx((2 * MS, 0.0))
-    # GEMMs of a quarter of the refill time: the forward's reduce-scatter gets half a bucket (two
-    # GEMMs), the backward's a full one (its all-gather's dgrad and wgrad GEMMs, then the qkv dgrad
-    # and wgrad)
-    quarter = layer_tp({}, TPGemms(0.25 * MS, 0.25 * MS, 0.0, 0.0), bursty, NBYTES, 2, dense=False)
-    assert (quarter.exposed_ag_s, quarter.exposed_rs_s) == pytest.approx((2 * MS, 0.5 * MS))
+    assert (plain.exposed_ag_s, plain.exposed_rs_s) == pytest.approx((2 * MS, 1 * MS))
+    assert plain.hidden_s == pytest.approx(2 * MS)
+    assert (layer.exposed_ag_s, layer.exposed_rs_s) == pytest.approx((1 * MS, 0.0))
+    # GEMMs of a quarter of the refill time refill a quarter of the bucket each: half a millisecond
+    # less of each kind than the plain link's
+    quarter = TPGemms(0.25 * MS, 0.25 * MS, 0.0, 0.0)
+    plain = layer_tp({}, quarter, LINK, NBYTES, 2, dense=False)
+    layer = layer_tp({}, quarter, bursty, NBYTES, 2, dense=False)
+    assert (plain.exposed_ag_s, plain.exposed_rs_s) == pytest.approx((2.75 * MS, 1.75 * MS))
+    assert (layer.exposed_ag_s, layer.exposed_rs_s) == pytest.approx((2.25 * MS, 1.25 * MS))

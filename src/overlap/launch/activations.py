@@ -17,10 +17,9 @@ to Megatron-Core's accounting for the same settings.
   2 x ffn wide), the SwiGLU output, an int32 row map per routed row, the router's fp32
   probabilities and its boolean routing map.
 
-Where the two differ, `note` says why. One difference is structural: under sequence parallelism
-Megatron's column-parallel linears keep their input before the all-gather (1/tp of it) and gather it
-again in backward; ours keep the gathered input (the QKV projection, the dense MLP's and the shared
-expert's first linear).
+Where the two differ, `note` says why. Under sequence parallelism the column-parallel linears keep
+their input's shard and gather it again in backward, as Megatron's do - except a TP-overlap slot
+plan whose dgrad slot is not bulk, which keeps the gathered input (`LayerShape.gathered_inputs`).
 
 Token counts: the norms, the router and the routed blocks see the micro-batch's tokens divided by TP
 under sequence parallelism (each TP rank routes its own tokens), the attention core all of them
@@ -96,6 +95,13 @@ class LayerShape:
     seq_length: int
     micro_batch: int
     recompute: frozenset[str] = frozenset()
+    # column-parallel linears ("qkv", "fc1") that keep their all-gathered input (a TP-overlap plan
+    # without a bulk dgrad slot); the others keep their shard
+    gathered_inputs: frozenset[str] = frozenset()
+
+    def linear_input(self, act_bytes_h: float, linear: str) -> float:
+        """What a column-parallel linear keeps of its input, per token of the micro-batch."""
+        return act_bytes_h if linear in self.gathered_inputs else act_bytes_h / self.seq_div
 
     @property
     def seq_div(self) -> int:
@@ -124,7 +130,7 @@ def _attention(m: ModelConfig, shape: LayerShape) -> Block:
     B, t, h, d = shape.act_bytes, shape.tp, m.hidden_size, m.head_dim
     a, g = m.num_attention_heads / t, m.query_groups / t
     core_recompute = "core_attn" in shape.recompute
-    qkv_in = B * h  # the gathered (or replicated) input of the QKV projection
+    qkv_in = shape.linear_input(B * h, "qkv")  # the QKV projection's input (its shard under SP)
     # with QK norms the projection's output is kept (the norms' inputs, v); without, v alone
     qkv_out = B * (a + 2 * g) * d + _FP32 * (a + g) if m.qk_layernorm else B * g * d
     megatron = (
@@ -155,9 +161,8 @@ def _attention(m: ModelConfig, shape: LayerShape) -> Block:
         ours = qkv_in + norms_kept + core + B * a * d
         kept = "QKV input and output, q/k/v copies, s x s probabilities (fp32 and bf16), output"
     note = (
-        "ours keeps the all-gathered QKV input (Megatron: its 1/tp shard, gathered again in "
-        "backward)"
-        if shape.seq_div > 1
+        "the TP-overlap plan keeps the all-gathered QKV input (no bulk dgrad slot)"
+        if "qkv" in shape.gathered_inputs and shape.seq_div > 1
         else ""
     )
     return Block(ATTENTION, ours, megatron, kept, note)
@@ -175,12 +180,15 @@ def _dense_mlp(m: ModelConfig, shape: LayerShape) -> Block:
     inner = (3 if m.gated_linear_unit else 2) * B * f / t  # gate and up (or GELU input), fc2 input
     if "mlp" in shape.recompute:  # its input is kept by the checkpoint (`_checkpoints`)
         return Block(MLP, 0.0, 0.0, "nothing (recomputed)")
+    gathered = "fc1" in shape.gathered_inputs and shape.seq_div > 1
     return Block(
         MLP,
-        B * h + inner,
+        shape.linear_input(B * h, "fc1") + inner,
         B * h / shape.seq_div + inner,
         "fc1 input, SwiGLU inputs (gate, up), fc2 input",
-        "ours keeps fc1's all-gathered input (Megatron: its shard)" if shape.seq_div > 1 else "",
+        "the TP-overlap plan keeps fc1's all-gathered input (no bulk dgrad slot)"
+        if gathered
+        else "",
     )
 
 
@@ -207,10 +215,11 @@ def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
         )
     ]
     if m.moe_token_dispatcher_type == "flex":
-        # one row per (token, destination rank): its token index and its k-wide mask; per routed
-        # pair a row index and a weight slot (destinations per token: at most k, at most EP)
+        # per row sent (one per token and destination rank: at most k, at most EP): its token index,
+        # its k-wide expert mask and, on the receiver, its k weight slots' sort order; per routed
+        # pair its row index
         sent = min(k, shape.ep)
-        dispatch = (_INDEX + k) * sent + 2 * _INDEX * rows
+        dispatch = (_INDEX + k + _INDEX * k) * sent + _INDEX * rows
         what = "token index and expert mask per sent row, row and slot index per pair (int64)"
     else:
         dispatch = 2 * _INDEX * rows  # each row's token and routing slot
@@ -239,16 +248,9 @@ def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
     )
     fs = m.moe_shared_expert_intermediate_size
     if fs:
+        # its input (the shard of the norm's output) is the router's, counted there
         inner = 0.0 if "shared_experts" in shape.recompute else 3 * B * fs / shape.tp
-        gathered = B * h if div > 1 else 0.0  # at TP 1 its input is the router's
-        blocks.append(
-            Block(
-                SHARED_EXPERT,
-                gathered + inner,
-                inner,
-                "SwiGLU inputs and fc2 input (fc1's input under SP)",
-            )
-        )
+        blocks.append(Block(SHARED_EXPERT, inner, inner, "SwiGLU inputs and fc2 input"))
     return blocks
 
 

@@ -43,6 +43,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.recompute import layer_chunks, selective_modules
+from overlap.config.tp_overlap import BULK, linear_plan
 from overlap.errors import ConfigError
 from overlap.launch.activations import (
     INDEX_BYTES,
@@ -283,6 +284,7 @@ def _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged) -> MemoryEs
         seq_length=m.seq_length,
         micro_batch=t.micro_batch_size,
         recompute=selective_modules(m),
+        gathered_inputs=_gathered_inputs(cfg),
     )
     chunks = [_chunk_memory(m, shape, s, max(1, layout.pp)) for s in stages]
     if program is None:
@@ -309,6 +311,17 @@ def _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged) -> MemoryEs
         tokens=shape.tokens,
         blocks=tuple(layer_blocks(m, shape, has_moe)) if m.num_layers else (),
     )
+
+
+def _gathered_inputs(cfg: ConfigContainer) -> frozenset[str]:
+    """The column-parallel linears whose TP-overlap plan keeps the all-gathered input: a plan
+    without a bulk dgrad slot (`overlap.layers.tp_overlap`); every other one keeps its shard."""
+    kept = set()
+    for name in ("qkv", "fc1"):
+        plan = linear_plan(cfg.resolved.overlap, name)
+        if plan is not None and (plan.dgrad is None or plan.dgrad.method != BULK):
+            kept.add(name)
+    return frozenset(kept)
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from overlap.config.grouped_gemm import GROUPED, grouped_gemm_kernel
 from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
+from overlap.parallel import comm
 from overlap.parallel.trace import RECORDER
+
+TP_GATHER, TP_SCATTER = "tp_ag", "tp_rs"  # the sequence-parallel collectives' kinds
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -118,7 +122,13 @@ class Linear(torch.autograd.Function):
     [..., k * out] tensor for the backward GEMMs; split, backward takes the k gradients as they come
     and writes the weight gradient straight into the fused weight's k slices. In
     bench/hf_compute_bench.py's dense MLP (hidden 512, width 1536, sequence 256) that is
-    8.3 -> 6.8 ms per layer's forward + backward in bf16, 29.4 -> 27.5 ms in fp32."""
+    8.3 -> 6.8 ms per layer's forward + backward in bf16, 29.4 -> 27.5 ms in fp32.
+
+    `gather` (sequence parallelism: the TP group): x is this rank's sequence shard, all-gathered
+    along dim 0 before the GEMM. Only the shard is kept for backward (Megatron-Core's and
+    Transformer Engine's sequence-parallel linear: 1/tp of the gathered input's memory), and
+    backward gathers it again in flight under the dgrad GEMM, then reduce-scatters the input
+    gradient in flight under the weight-gradient GEMM."""
 
     @staticmethod
     def forward(
@@ -128,9 +138,13 @@ class Linear(torch.autograd.Function):
         bias: torch.Tensor | None,
         store: WeightGradStore | None,
         split: bool = False,
+        gather: ProcessGroup | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         ctx.save_for_backward(x)
         ctx.weight, ctx.has_bias, ctx.store, ctx.split = weight, bias is not None, store, split
+        ctx.gather = gather
+        if gather is not None:
+            x = comm.all_gather(x.contiguous(), gather, TP_GATHER).wait()
         if split:
             k = weight.shape[0]
             biases = [None] * k if bias is None else bias.view(k, -1).unbind(0)
@@ -140,7 +154,9 @@ class Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         (x,) = ctx.saved_tensors
-        weight = ctx.weight
+        weight, group = ctx.weight, ctx.gather
+        # the input's gather again, in flight under the dgrad GEMM
+        regather = comm.all_gather(x.contiguous(), group, TP_GATHER) if group is not None else None
         if ctx.split:
             parts = weight.unbind(0)
             grad_x = grads[0] @ parts[0]
@@ -151,10 +167,18 @@ class Linear(torch.autograd.Function):
         else:
             (grad,) = grads
             grad_x = grad @ weight.reshape(-1, weight.shape[-1])
+        scatter = None
+        if regather is not None:
+            x = regather.wait()
+            # the input gradient's reduce-scatter, in flight under the weight-gradient GEMM
+            scatter = comm.reduce_scatter(grad_x, group, TP_SCATTER)
         grad_bias = None
         if ctx.has_bias:
             grad_bias = torch.cat([g.reshape(-1, g.shape[-1]).sum(0) for g in grads])
-        return grad_x, linear_weight_grad(weight, grad, x, store=ctx.store), grad_bias, None, None
+        grad_w = linear_weight_grad(weight, grad, x, store=ctx.store)
+        if scatter is not None:
+            grad_x = scatter.wait()
+        return grad_x, grad_w, grad_bias, None, None, None
 
 
 def linear_weight_grad(
@@ -199,6 +223,7 @@ def linear(
     bias: torch.Tensor | None = None,
     store: WeightGradStore | None = None,
     split: bool = False,
+    gather: ProcessGroup | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """`Linear` (see there for `store` and `split`)."""
-    return Linear.apply(x, weight, bias, store, split)
+    """`Linear` (see there for `store`, `split` and `gather`)."""
+    return Linear.apply(x, weight, bias, store, split, gather)

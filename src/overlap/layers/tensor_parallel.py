@@ -10,10 +10,11 @@ all-reduce, all-gather <-> reduce-scatter, slice <-> all-gather). Every collecti
 code runs at TP=1 without tracing empty collectives.
 
 The two spots where a collective meets a GEMM are one function each: `all_gather_linear` (SP
-all-gather feeding the column-parallel GEMM) and `linear_reduce_scatter` (row-parallel GEMM feeding
-the SP reduce-scatter). With `tp_comm_overlap` a linear carries its slots' plan
-(`overlap.config.tp_overlap.LinearPlan`) and these two functions hand over to the chunked,
-overlapped versions in `overlap.layers.tp_overlap`.
+all-gather feeding the column-parallel GEMM, which keeps only the input's shard for backward and
+gathers it again there, under the dgrad GEMM: `linear_functions.Linear`'s `gather`) and
+`linear_reduce_scatter` (row-parallel GEMM feeding the SP reduce-scatter). With `tp_comm_overlap` a
+linear carries its slots' plan (`overlap.config.tp_overlap.LinearPlan`) and these two functions hand
+over to the chunked, overlapped versions in `overlap.layers.tp_overlap`.
 """
 
 from __future__ import annotations
@@ -120,20 +121,6 @@ class _ReduceFromTP(Function):
         return grad, None
 
 
-class _GatherFromSP(Function):
-    """Sequence shards -> full sequence for a TP GEMM; the GEMM's input-gradient is partial, so
-    backward reduce-scatters it back to the sequence shards."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, group, 0)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.group), None
-
-
 class _ReduceScatterToSP(Function):
     """Partial full-sequence outputs -> summed sequence shards; backward all-gathers the shard
     gradients."""
@@ -186,11 +173,6 @@ def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x if comm.group_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def gather_from_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Forward all-gather along the sequence (dim 0), backward reduce-scatter."""
-    return x if comm.group_size(group) == 1 else _GatherFromSP.apply(x, group)
-
-
 def reduce_scatter_to_sp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Forward reduce-scatter along the sequence (dim 0), backward all-gather."""
     return x if comm.group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
@@ -227,7 +209,8 @@ def all_gather_linear(
     if plan is not None:
         y = all_gather_linear_overlapped(x, weight, bias, group, plan)
         return y.chunk(weight.shape[0], dim=-1) if split else y
-    return linear(gather_from_sp(x, group), weight, bias, store, split)
+    gather = group if comm.group_size(group) > 1 else None
+    return linear(x, weight, bias, store, split, gather)
 
 
 def linear_reduce_scatter(

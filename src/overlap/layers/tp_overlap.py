@@ -18,10 +18,11 @@ Three mechanisms (`overlap.config.tp_overlap.SLOT_METHODS` says which slot may u
   `num_splits` chunks along the sequence (chunk i holds sub-chunk i of every rank's shard), and
   chunk i's reduce-scatter is in flight while chunk i+1 is computed.
 * bulk (in `_AllGatherLinear.backward`): with a bulk dgrad slot only the input shard is kept
-  (Megatron's and Transformer Engine's sequence-parallel memory saving) and its all-gather, needed
-  by the weight gradient, runs whole while the dgrad GEMM computes; with a bulk wgrad slot the dgrad
-  reduce-scatter runs whole while the wgrad GEMM computes. Without a bulk dgrad slot the forward's
-  gathered input is kept, as the plain path keeps it.
+  (Megatron's and Transformer Engine's sequence-parallel memory saving, as the plain path does) and
+  its all-gather, needed by the weight gradient, runs whole while the dgrad GEMM computes; with a
+  bulk wgrad slot the dgrad reduce-scatter runs whole while the wgrad GEMM computes. Without a bulk
+  dgrad slot the forward's gathered input is kept: more memory, no second all-gather beside the
+  slot's own ring or pipeline transfers.
 
 The two autograd functions replace `all_gather_linear` / `linear_reduce_scatter` of
 `layers/tensor_parallel.py` when a linear has a plan; their math is the same GEMMs on the same rows,
@@ -213,9 +214,9 @@ class _AllGatherLinear(Function):
     Forward: the fprop slot (ring exchange or none). With a bulk dgrad slot only the shard is saved,
     as Megatron and Transformer Engine do under sequence parallelism (activation memory / TP), and
     backward gathers it again under the dgrad GEMM; otherwise the gathered input of the forward is
-    kept (as the plain path does: more memory, no second all-gather). Backward: dgrad = grad W; its
-    reduce-scatter runs under the wgrad GEMM (bulk wgrad), or chunked with the dgrad GEMM itself (a
-    pipeline / ring dgrad slot), or whole after it."""
+    kept (more memory, no second all-gather beside the slot's own transfers). Backward: dgrad = grad
+    W; its reduce-scatter runs under the wgrad GEMM (bulk wgrad), or chunked with the dgrad GEMM
+    itself (a pipeline / ring dgrad slot), or whole after it."""
 
     @staticmethod
     def forward(

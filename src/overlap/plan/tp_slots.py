@@ -12,15 +12,19 @@ per pass; per layer and micro-batch:
     backward: fc2 all-gather of the output gradient -> dgrad GEMM;  fc1 dgrad GEMM ->
     reduce-scatter;
               proj all-gather -> dgrad GEMM;  qkv dgrad GEMM -> reduce-scatter
-              (+ the input's all-gather again for the weight gradient, only where a bulk dgrad slot
-              keeps just the input shard: without one the forward's gathered input is kept)
+              (+ the input's all-gather again for the weight gradient: the plain path and a bulk
+              dgrad slot keep just the input shard; a plan without a bulk dgrad slot keeps the
+              forward's gathered input)
 
 A MoE layer (expert TP 1) has only the attention's, plus its shared expert's (a plain MLP outside
 every plan: two forward and two backward collectives, all exposed). Under full recompute the
 backward re-runs the forward, its collectives included, with the same slot methods. How each slot's
 collective meets compute:
 
-- no plan: the collective runs alone, all exposed;
+- no plan: the collective runs alone, all exposed - except the column-parallel linears' backward,
+  which runs as Megatron-Core's sequence-parallel linear does (`overlap.layers.linear_functions`):
+  the input's re-gather in flight under the dgrad GEMM, the input gradient's reduce-scatter under
+  the wgrad GEMM (as bulk slots);
 - ring exchange (all-gather -> GEMM or GEMM -> reduce-scatter): TP - 1 steps, each one shard's
   transfer under one 1/TP chunk of the GEMM: exposed (TP - 1) x max(0, shard - GEMM / TP);
 - pipeline (GEMM -> reduce-scatter in `num_splits` chunks): chunk i's reduce-scatter is in flight
@@ -148,6 +152,9 @@ def _under(
     return whole, max(0.0, whole - gemm_s)
 
 
+_PLAIN = SlotPlan(BULK)  # the plain sequence-parallel linear's backward (`_linear_backward`)
+
+
 def _linear_backward(
     out: TPLayer,
     plans: dict[str, SlotPlan | None],
@@ -161,14 +168,11 @@ def _linear_backward(
     dgrad reduce-scatter chunked with the dgrad GEMM (pipeline / ring dgrad slot), or whole under
     the wgrad GEMM (bulk wgrad slot), or alone between the two GEMMs; a bulk dgrad slot adds the
     input's re-gather under the dgrad GEMM. A linear without any planned slot runs the plain path
-    (`gather_from_sp`), whose reduce-scatter is the autograd node before the linear's: after both
-    GEMMs."""
+    (`linear_functions.Linear` with `gather`): the re-gather under the dgrad GEMM, the
+    reduce-scatter under the wgrad GEMM, as two bulk slots."""
     dgrad, wgrad = plans.get(f"{name}_dgrad"), plans.get(f"{name}_wgrad")
     if dgrad is None and wgrad is None and plans.get(f"{name}_fprop") is None:
-        # the dgrad GEMM, then the wgrad GEMM inside _under, then the reduce-scatter
-        bucket.idle(gemm_s)
-        out.add("rs", *_under(bucket, nbytes, None, tp, gemm_s, False))
-        return
+        dgrad = wgrad = _PLAIN
     if dgrad is not None and dgrad.method == BULK:
         out.add("ag", *_under(bucket, nbytes, dgrad, tp, gemm_s, True))  # beside the dgrad GEMM
         if wgrad is not None:
@@ -219,7 +223,7 @@ def _layer_program(
     if recompute:
         forward()
     if not dense:
-        _shared_expert(out, bucket, nbytes, tp, 2 * gemms.moe, shared_expert)
+        _shared_expert(out, bucket, nbytes, tp, 2 * gemms.moe, shared_expert, backward=True)
     for up, down, up_s, down_s, between_s in reversed(pairs):
         out.add("ag", *_under(bucket, nbytes, plans.get(f"{down}_dgrad"), tp, down_s, True))
         bucket.idle(down_s + 2 * between_s)  # the down linear's wgrad GEMM, the core's backward
@@ -227,12 +231,22 @@ def _layer_program(
 
 
 def _shared_expert(
-    out: TPLayer, bucket: TokenBucket, nbytes: float, tp: int, block_s: float, shared_expert: bool
+    out: TPLayer,
+    bucket: TokenBucket,
+    nbytes: float,
+    tp: int,
+    block_s: float,
+    shared_expert: bool,
+    backward: bool = False,
 ) -> None:
     """The MoE block between a layer's attention and the next layer's (`block_s` of compute), with
-    its shared expert's two plain collectives (a TP MLP outside every plan) where it has one."""
+    its shared expert's plain collectives (a TP MLP outside every plan) where it has one: an
+    all-gather and a reduce-scatter each way, and in backward fc1's input gathered again. Its GEMMs
+    are counted in the block, so nothing is taken as hidden beside them."""
     if shared_expert:
         out.add("ag", *_under(bucket, nbytes, None, tp, 0.0, True))
+        if backward:
+            out.add("ag", *_under(bucket, nbytes, None, tp, 0.0, True))
     bucket.idle(block_s)
     if shared_expert:
         out.add("rs", *_under(bucket, nbytes, None, tp, 0.0, False))
