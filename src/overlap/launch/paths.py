@@ -17,7 +17,9 @@ Rules (one per kind of output):
   pretrained checkpoint is set, and never under `checkpoint.exit_on_missing_checkpoint`; a missing
   pretrained one is an error;
 - an empty value (`--metrics=`) is an error, never "no output";
-- two flags may not name the same file.
+- two flags may not name the same file;
+- a FILE that is a symbolic link is an error: outputs are written under a fresh name and renamed
+  (`overlap.files`), never through a link.
 
 Writability is probed by creating (and removing) a temporary file in the folder, so read-only mounts
 and permissions are judged by the system itself (root may write where the mode bits say no). Each
@@ -94,6 +96,14 @@ def check_output_file(flag: str, path: str | None) -> Path | None:
     target = _given(flag, path, "a file name", "run.jsonl")
     if target is None:
         return None
+    if target.is_symlink():
+        raise _error(
+            flag,
+            path,
+            f"it is a symbolic link (to {os.readlink(target)}); a run never writes through a link "
+            "(one planted in a shared folder would make it overwrite any file it can write).",
+            "give the real file's path, or remove the link.",
+        )
     if target.is_dir():
         example = _EXAMPLE_NAMES.get(flag.split(" ")[0], "out")
         raise _error(

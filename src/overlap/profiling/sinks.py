@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from overlap.config.logger import LoggerConfig, wandb_mode
+from overlap.files import create_replacing
 
 
 class MetricsSink(Protocol):
@@ -50,7 +51,7 @@ class JsonLines:
 
     def __init__(self, path: str) -> None:
         self.where = path
-        self._file = open(path, "w")
+        self._file = create_replacing(path)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
