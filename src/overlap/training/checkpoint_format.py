@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -52,6 +51,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from overlap.errors import CheckpointError
+from overlap.files import write_replace
+from overlap.training.dcp_index import ForeignGlobal, RestrictedReader
+from overlap.training.shard_digests import DIGESTS, read_digests, verify_index, verify_items
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TRAIN_STATE = "train_state.json"
@@ -148,16 +150,6 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 
 
 # --- folders, tracker, validation -----------------------------------------------------------------
-def write_atomic(path: Path, text: str) -> None:
-    """Write a small file so that a reader sees the old content or the new one, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def read_tracker(base: str | os.PathLike) -> int | None:
     """The newest complete iteration recorded in `base`, None if the folder holds no checkpoint
     yet."""
@@ -262,8 +254,8 @@ def finalize_save(
     save never replaces the previous checkpoint, and the tracker only ever names a complete one.
     Then retention (`prune`). Returns the final folder."""
     tmp, final = temporary_dir(base, iteration), iteration_dir(base, iteration)
-    write_atomic(tmp / TRAIN_STATE, json.dumps(train_state, indent=1, sort_keys=True) + "\n")
-    write_atomic(tmp / RUN_CONFIG, run_config)
+    write_replace(tmp / TRAIN_STATE, json.dumps(train_state, indent=1, sort_keys=True) + "\n")
+    write_replace(tmp / RUN_CONFIG, run_config)
     old = None
     # the same iteration saved again (a resumed run that stopped at the same step): the old
     if final.exists():
@@ -274,7 +266,7 @@ def finalize_save(
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(base)
-    write_atomic(base / TRACKER, f"{iteration}\n")
+    write_replace(base / TRACKER, f"{iteration}\n")
     _fsync_dir(base)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -340,24 +332,50 @@ def read_train_state(folder: Path) -> dict:
     return state
 
 
-def read_metadata(folder: Path) -> Metadata:
-    """DCP's index of the folder, or a clear error naming the file."""
+def read_metadata(folder: Path, field: str = "checkpoint.load") -> Metadata:
+    """DCP's index of the folder, read without running code from it (`dcp_index`), or a clear error
+    naming the file (and `field`, the setting that named the folder)."""
     try:
-        return FileSystemReader(str(folder)).read_metadata()
+        return RestrictedReader(str(folder)).read_metadata()
+    except ForeignGlobal as exc:
+        raise CheckpointError(
+            field,
+            str(folder / ".metadata"),
+            f"the DCP index names {exc.qualname}, which is no part of a checkpoint index: "
+            "unpickling it would run code, so the folder is refused (nothing of it was run).",
+            "load a checkpoint from a source you trust; delete this one if you did not write it.",
+        ) from None
     except FileNotFoundError:
         raise CheckpointError(
-            "checkpoint.load",
+            field,
             str(folder / ".metadata"),
             "the DCP index is missing.",
             "load another iteration; this folder is not a complete checkpoint.",
         ) from None
     except Exception as exc:  # unpickling a torn or corrupt index raises many kinds
         raise CheckpointError(
-            "checkpoint.load",
+            field,
             str(folder / ".metadata"),
             f"the DCP index is truncated or corrupt ({exc.__class__.__name__}).",
             "load another iteration.",
         ) from None
+
+
+def verify_shards(
+    folder: Path, metadata: Metadata, rank: int, world: int, required: bool
+) -> tuple[bool, str | None]:
+    """(whether the folder has shard checksums, the first problem with this rank's share of them or
+    None); `required`: its training state says they were written, so a missing file is a problem,
+    not an old checkpoint (`shard_digests`)."""
+    try:
+        digests = read_digests(folder)
+    except (OSError, ValueError) as exc:
+        return True, f"{folder / DIGESTS} cannot be read ({exc.__class__.__name__}: {exc})"
+    if digests is None:
+        return False, (f"{folder / DIGESTS} is missing (the save wrote one)" if required else None)
+    return True, verify_index(folder, digests) or verify_items(
+        folder, metadata, digests, rank, world
+    )
 
 
 def check_storage(folder: Path, metadata: Metadata) -> None:
