@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from overlap.errors import ConfigError, RankFailure
+from overlap.files import write_replace
 
 log = logging.getLogger("overlap")
 
@@ -250,7 +251,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             gpus=args.gpu != "cpu",
             **slurm,
         )
-        Path(args.emit_slurm).write_text(script)
+        write_replace(args.emit_slurm, script)
         print(f"wrote {args.emit_slurm}: submit it with sbatch")
         return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -305,7 +306,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             launch_local(command, args.num_gpus, worker_env, term_grace_s=grace)
     except RankFailure as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     return 0
 
 
@@ -320,7 +321,7 @@ def _dry_run(job, args: argparse.Namespace) -> int:
     report = run_dry(job, options)
     print(report.format(), flush=True)
     if options.json_path:
-        Path(options.json_path).write_text(json.dumps(report.to_json(), indent=1))
+        write_replace(options.json_path, json.dumps(report.to_json(), indent=1))
     if not report.ok:
         print(
             f"overlap: error: dry run of rank {report.rank}: {report.finding.line()}",
@@ -655,7 +656,9 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
             ),
         )
     if args.metrics:
-        Path(f"{args.metrics}.summary.json").write_text(
+        # valid JSON or nothing: a NaN here would be a bug to see, not a file readers choke on
+        write_replace(
+            f"{args.metrics}.summary.json",
             json.dumps(
                 {
                     "network": network_label,
@@ -681,7 +684,8 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
                     "pipeline_output_peak_bytes": summary.pipeline_output_peak_bytes,
                 },
                 indent=1,
-            )
+                allow_nan=False,
+            ),
         )
 
 

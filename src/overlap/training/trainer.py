@@ -59,7 +59,7 @@ log = logging.getLogger("overlap.train")
 class RunSummary:
     records: list[StepRecord]
     window: tuple[int, int]
-    steady_step_ms: float
+    steady_step_ms: float | None  # None: no iteration ran (a resume with nothing left to train)
     peak_memory_mb: float
     comm_ms: dict[str, float] = field(default_factory=dict)
     first_iteration: int = 0  # > 0: resumed from a checkpoint of that iteration
@@ -289,7 +289,7 @@ class Trainer:
                 finally:
                     self.checkpointer.release()
             self.nonfinite.report()
-        window = steady_window(t, first)
+        window = steady_window(t, first, records[-1].iteration + 1 if records else None)
         return RunSummary(
             records,
             window,
