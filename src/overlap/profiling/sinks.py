@@ -89,6 +89,13 @@ class TensorBoard(_ScalarSink):
         self.writer.close()
 
 
+WANDB_OWN_DIRS = {
+    "WANDB_CACHE_DIR": "cache",
+    "WANDB_DATA_DIR": "data",
+    "WANDB_ARTIFACT_DIR": "artifacts",
+}
+
+
 class WandbRun(_ScalarSink):
     """A W&B run named by the logger section, its config the run's configuration (as Bridge); the
     mode is `wandb_mode()` of this process's environment, offline without a key."""
@@ -99,6 +106,10 @@ class WandbRun(_ScalarSink):
 
         self.mode, why = wandb_mode()
         os.makedirs(lg.wandb_save_dir, exist_ok=True)
+        # W&B's cache, staging and artifact folders default to the home folder (~/.cache/wandb,
+        # ...): a run keeps them under its own W&B folder instead, unless the user chose them
+        for name, sub in WANDB_OWN_DIRS.items():
+            os.environ.setdefault(name, os.path.join(lg.wandb_save_dir, "wandb", sub))
         self.run = wandb.init(
             project=lg.wandb_project,
             name=lg.wandb_exp_name,

@@ -160,6 +160,8 @@ class Checkpointer:
         # continues the loaded checkpoint's), and never the one this run loaded (`protect`).
         self.lineage = uuid.uuid4().hex
         self.protect: tuple[int, ...] = ()
+        # the checkpoint (or Hugging Face folder) this run started from, None for a fresh start
+        self.loaded_from: Path | None = None
         self.lock = SaveFolderLock(self.ck.save) if self.ck.save and ps.rank == 0 else None
 
     # --- what is saved ----------------------------------------------------------------------------
@@ -202,9 +204,11 @@ class Checkpointer:
             self.ck.save and self.ck.save_interval and iteration % self.ck.save_interval == 0
         )
 
-    def save(self, iteration: int) -> None:
+    def save(self, iteration: int, first_nonfinite: int | None = None) -> None:
         """Write the state after `iteration` completed iterations (parameters must be in sync: no
-        gather pending)."""
+        gather pending). `first_nonfinite`: this run's first iteration with a non-finite loss or
+        gradient norm (1-based; `stopping.NonFiniteCount`), recorded so that retention keeps the
+        last checkpoint saved before it."""
         if not self.ck.save:
             return
         start = time.perf_counter()
@@ -243,6 +247,7 @@ class Checkpointer:
             "torch": torch.__version__,
             "dataset": dataclasses.asdict(self.cfg.dataset),
             "shard_digests": DIGESTS,  # written by the writer (shard_digests.py)
+            "first_nonfinite_iteration": first_nonfinite,
             **self.optimizer.scaling_state(),
         }
         writer = DigestingWriter(str(tmp), sync_files=True)
@@ -276,6 +281,7 @@ class Checkpointer:
                     run_config_yaml(self.cfg),
                     self.ck.most_recent_k,
                     self.protect,
+                    self._suspect(train_state),
                 )
             except OSError as exc:
                 raise self._save_failed(iteration, exc) from exc
@@ -308,6 +314,13 @@ class Checkpointer:
         except (Exception, CheckpointException) as exc:
             raise self._save_failed(pending.iteration, exc) from exc
         self._finish(pending.iteration, pending.train_state, pending.started, pending.record)
+
+    def _suspect(self, train_state: dict) -> int | None:
+        """The checkpoint this run loaded from the save folder when the run went non-finite on its
+        first iteration after it: not a good one to fall back to."""
+        first = train_state["first_nonfinite_iteration"]
+        loaded = self.protect[0] if self.protect else None
+        return loaded if loaded is not None and first == loaded + 1 else None
 
     def _save_failed(self, iteration: int, exc: BaseException) -> CheckpointError | NoSpaceError:
         if _no_space(exc):
@@ -446,6 +459,7 @@ class Checkpointer:
         self._claim_save_folder(int(train_state["iteration"]) if resume else 0)
         if folder is None:
             return 0
+        self.loaded_from = folder
         start = time.perf_counter()
         if hf:  # Hugging Face weights (overlap.hf): weights only, iteration 0
             from overlap.hf.load import load_hf_weights

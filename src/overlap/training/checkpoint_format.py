@@ -248,6 +248,7 @@ def finalize_save(
     run_config: str,
     keep: int,
     protect: tuple[int, ...] = (),
+    suspect: int | None = None,
 ) -> Path:
     """Rank 0, after every rank's shards are written: the training state and configuration into the
     temporary folder, the folder renamed to its final name, then the tracker - so an interrupted
@@ -271,24 +272,40 @@ def finalize_save(
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep > 0:
-        prune(base, keep, train_state["lineage"], (iteration, *protect))
+        prune(base, keep, train_state["lineage"], (iteration, *protect), suspect)
     return final
 
 
-def prune(base: Path, keep: int, lineage: str, protect: tuple[int, ...]) -> list[int]:
+def prune(
+    base: Path, keep: int, lineage: str, protect: tuple[int, ...], suspect: int | None = None
+) -> list[int]:
     """Retention (`checkpoint.most_recent_k`): of the complete checkpoints in `base` that belong to
     `lineage` (this run and the runs it resumed), keep the `keep` newest by when they were written
     and delete the rest - never one in `protect` (the one just saved, the one this run loaded),
-    never another run's. Returns the deleted iterations."""
+    never another run's. Once the newest has been saved after its run went non-finite, the newest
+    one saved before that (its `first_nonfinite_iteration` unset; a checkpoint from before the
+    field counts as good) is kept too - except `suspect`, the one this run loaded and went
+    non-finite right after: retention never leaves only checkpoints of a diverged model. Returns
+    the deleted iterations."""
     ours = []
     for it in complete_iterations(base):
         try:
             state = json.loads((iteration_dir(base, it) / TRAIN_STATE).read_text())
         except (OSError, ValueError):
             continue  # unreadable: not provably ours, so kept
-        if state.get("lineage") == lineage:
-            ours.append((float(state.get("written_at", 0.0)), it))
-    doomed = [it for _, it in sorted(ours)[:-keep] if it not in protect]
+        if isinstance(state, dict) and state.get("lineage") == lineage:
+            finite = state.get("first_nonfinite_iteration") is None
+            ours.append((float(state.get("written_at", 0.0)), it, finite))
+    ours.sort()
+    if ours and not ours[-1][2]:
+        good = [it for _, it, finite in ours if finite and it != suspect]
+        if good:
+            protect = (*protect, good[-1])
+            log.warning(
+                "retention keeps %s: the last checkpoint saved before the run went non-finite",
+                iteration_dir(base, good[-1]).name,
+            )
+    doomed = [it for _, it, _ in ours[:-keep] if it not in protect]
     for it in doomed:
         shutil.rmtree(iteration_dir(base, it), ignore_errors=True)
     return doomed
