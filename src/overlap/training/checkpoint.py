@@ -346,8 +346,9 @@ class Checkpointer:
         )
 
     # --- loading ----------------------------------------------------------------------------------
-    def _source(self) -> tuple[Path, bool] | None:
-        """(iteration folder, weights only) to start from, or None (fresh start).
+    def _source(self) -> tuple[Path, bool, str] | None:
+        """(iteration folder, weights only, the setting that named it) to start from, or None
+        (fresh start).
 
         `checkpoint.load` is a base folder (its tracker's iteration, or `ckpt_step`; without a
         tracker its newest complete checkpoint) or a checkpoint folder itself. One that holds no
@@ -386,7 +387,7 @@ class Checkpointer:
                         f"(saved iterations there: {found or 'none'}).",
                         "set checkpoint.ckpt_step to one of them, or fix the tracker file.",
                     )
-                return folder, ck.finetune
+                return folder, ck.finetune, "checkpoint.load"
             if ck.exit_on_missing_checkpoint:
                 raise CheckpointError(
                     "checkpoint.load",
@@ -407,7 +408,8 @@ class Checkpointer:
                     "scratch.",
                 )
         if ck.pretrained_checkpoint is not None:
-            return self._pretrained(Path(ck.pretrained_checkpoint)), True
+            pretrained = "checkpoint.pretrained_checkpoint"
+            return self._pretrained(Path(ck.pretrained_checkpoint)), True, pretrained
         if ck.load is not None and self.ps.rank == 0:
             log.info(
                 "checkpoint.load=%s holds no checkpoint yet: training starts at iteration 0",
@@ -434,7 +436,7 @@ class Checkpointer:
 
     def _load(self) -> int:
         source = self._source()
-        folder, weights_only = source if source is not None else (None, True)
+        folder, weights_only, field = source if source is not None else (None, True, "")
         hf = folder is not None and (folder / "config.json").exists()
         train_state = read_train_state(folder) if folder is not None and not hf else None
         if train_state is not None:
@@ -451,6 +453,14 @@ class Checkpointer:
         resume = train_state is not None and not weights_only
         # Refusals that the training state alone decides come first, before any shard is read
         if resume:
+            if self.ck.load_optim and not train_state.get("has_optimizer"):
+                raise CheckpointError(
+                    "checkpoint.load_optim",
+                    True,
+                    f"{folder} was saved without optimizer state (checkpoint.save_optim=false).",
+                    "set checkpoint.load_optim=false to load the weights and start the optimizer "
+                    "afresh.",
+                )
             self._check_data_position(train_state, folder)
             self._check_schedule(train_state, folder)
             self.lineage = str(train_state.get("lineage") or self.lineage)
@@ -469,17 +479,9 @@ class Checkpointer:
             self.load_ms = (time.perf_counter() - start) * 1e3
             return 0
         want_optim = self.ck.load_optim and not weights_only
-        if want_optim and not train_state.get("has_optimizer"):
-            raise CheckpointError(
-                "checkpoint.load_optim",
-                True,
-                f"{folder} was saved without optimizer state (checkpoint.save_optim=false).",
-                "set checkpoint.load_optim=false to load the weights and start the optimizer "
-                "afresh.",
-            )
-        metadata = read_metadata(folder)
+        metadata = read_metadata(folder, field)
         check_storage(folder, metadata)
-        self._verify_shards(folder, metadata, train_state)
+        self._verify_shards(folder, metadata, train_state, field)
         chunks = self._model_chunks()
         states: ParamStates = {}
         if want_optim:
@@ -745,7 +747,7 @@ class Checkpointer:
                 int(train_state["iteration"]) * now,
             )
 
-    def _verify_shards(self, folder: Path, metadata, train_state: dict) -> None:
+    def _verify_shards(self, folder: Path, metadata, train_state: dict, field: str) -> None:
         """Every rank checks its share of the shard checksums (`shard_digests`) before any tensor
         is read, and learns of any rank's mismatch; a checkpoint written before checksums were kept
         loads unverified, said once."""
@@ -759,7 +761,7 @@ class Checkpointer:
         problems = [p for p in comm.all_gather_object(problem, self.group) if p]
         if problems:
             raise CheckpointError(
-                "checkpoint.load",
+                field,
                 str(folder),
                 f"{problems[0]}: the checkpoint was corrupted or altered after it was saved "
                 "(nothing of it was loaded).",
