@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from overlap.errors import CheckpointError
-from overlap.training.save_lock import LOCK_NAME, SaveFolderLock, _start_ticks
+from overlap.training.save_lock import LOCK_NAME, SaveFolderLock
 
 BASE = ["run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-gb", "2", "-mb", "1", "-sl", "32"]
 
@@ -190,6 +190,8 @@ def test_a_stale_lock_naming_a_live_unrelated_process_is_taken_over(tmp_path, ca
             lock.acquire()
             lock.release()
         assert caplog.text.count("now belongs to another process") == 2
+        from overlap.training.save_lock import _start_ticks
+
         holder = {"pid": other.pid, "host": here, "pid_start_ticks": _start_ticks(other.pid)}
         (folder / LOCK_NAME).write_text(json.dumps(holder))
         with pytest.raises(CheckpointError, match=f"pid {other.pid} on host"):
