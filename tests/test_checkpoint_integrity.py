@@ -224,10 +224,10 @@ def test_a_checkpoint_from_before_checksums_resumes_and_is_said_unverified(saved
     `.metadata` is DCP's, as ours): such a checkpoint resumes, said to be unverified."""
     old = _copy(saved, tmp_path / "old")
     for it in ("iter_0000001", "iter_0000002"):
-        (old / it / "digests.json").unlink()
+        (old / it / "digests.json").unlink(missing_ok=True)
         state_file = old / it / "train_state.json"
         state = json.loads(state_file.read_text())
-        del state["shard_digests"], state["first_nonfinite_iteration"]
+        state.pop("shard_digests", None), state.pop("first_nonfinite_iteration", None)
         state_file.write_text(json.dumps(state))
     first, losses, lines = run_world(1, _run, [f"checkpoint.load={old}"], 3)[0]
     assert first == 2 and len(losses) == 1
