@@ -20,7 +20,9 @@ another global batch size would skip or repeat samples and is refused; another d
 is allowed and warned about.
 
 Saves go to `iter_N.tmp/`, renamed once every rank's shards and rank 0's metadata are written, then
-the tracker is updated: a job killed mid-save leaves the previous checkpoint as the latest. With
+the tracker is updated: a job killed mid-save leaves the previous checkpoint as the latest. Every
+stored tensor's SHA-256 goes into `digests.json` (`shard_digests.py`), and a load checks them, and
+reads DCP's index without running code (`dcp_index.py`), before it reads any tensor. With
 `async_save` the state is copied to host memory at the step boundary (DCP's stager) and written by a
 background thread; its rank coordination runs on a dedicated gloo group (`groups.cpu_group`), apart
 from the training's collectives, and rank 0 renames the folder once the write has completed - polled
