@@ -25,6 +25,8 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from overlap.files import write_replace
@@ -70,7 +72,7 @@ class _Digested:
 class DigestingWriter(dcp.FileSystemWriter):
     """DCP's writer plus a digest of every stored item in `digests.json` (see the module)."""
 
-    def write_data(self, plan, planner) -> Future:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         results = super().write_data(plan, planner).wait()  # the file system writes synchronously
         root = Path(self.path)
         out = [
@@ -91,7 +93,7 @@ class DigestingWriter(dcp.FileSystemWriter):
         done.set_result(out)
         return done
 
-    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         items = {}
         plain = []
         for rank_results in results:

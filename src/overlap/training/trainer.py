@@ -351,7 +351,6 @@ class Trainer:
         start = time.perf_counter()
         loss, norm = self.train_step(it)
         step_s = time.perf_counter() - start
-        self.nonfinite.see(it, loss, norm, skipped=self.optimizer.overflowed)
         comm.PROGRAM.step_end()
         events, _spans = RECORDER.drain()
         c_ms, c_bytes = comm_totals(events)
@@ -359,6 +358,7 @@ class Trainer:
             comm_sum[k] += v
         scaling = loss_scale is not None
         scale_after, overflowed = self.loss_scaling()
+        self.nonfinite.see(it, loss, norm, skipped=overflowed)
         rec = StepRecord(
             it, loss, norm, step_s * 1e3, lr, loss_scale, scale_after if overflowed else None
         )
