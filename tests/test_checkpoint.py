@@ -255,32 +255,43 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_another_model_shape_is_an_error_naming_the_tensor(small_ckpt):
-    (msg,) = run_world(
-        1, _load_error, [f"checkpoint.load={small_ckpt}", "model.ffn_hidden_size=256"]
-    )
+    # trained for 1 iteration, resumed for 4: this run's schedule is taken, or the schedule
+    # refusal (decided before any shard is read) would come first
+    load = [f"checkpoint.load={small_ckpt}", "scheduler.override_opt_param_scheduler=true"]
+    (msg,) = run_world(1, _load_error, [*load, "model.ffn_hidden_size=256"])
     assert "layers.0.mlp.linear_fc1.weight" in msg and "shape" in msg
-    (msg,) = run_world(1, _load_error, [f"checkpoint.load={small_ckpt}", "model.num_layers=3"])
+    (msg,) = run_world(1, _load_error, [*load, "model.num_layers=3"])
     assert "'model.layers.2." in msg and "not in the checkpoint" in msg
-    (msg,) = run_world(1, _load_error, [f"checkpoint.load={small_ckpt}", "model.num_layers=1"])
+    (msg,) = run_world(1, _load_error, [*load, "model.num_layers=1"])
     assert "does not have: model.layers.1." in msg
 
 
 def test_truncated_and_corrupt_files_are_named(small_ckpt, tmp_path):
+    # (the checkpoint was trained for 1 iteration, these runs for 4: their own schedule is taken,
+    # or the schedule refusal - decided before any shard is read - would come first)
+    load = ["scheduler.override_opt_param_scheduler=true"]
     base = _copy(small_ckpt, tmp_path / "trunc")
     shard = base / "iter_0000001" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])
-    (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}"])
+    (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}", *load])
     assert "__0_0.distcp" in msg and "truncated" in msg
     base = _copy(small_ckpt, tmp_path / "meta")
     (base / "iter_0000001" / ".metadata").write_bytes(b"\x80\x04garbage")
-    (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}"])
+    (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}", *load])
     assert ".metadata" in msg and "corrupt" in msg
     base = _copy(small_ckpt, tmp_path / "bytes")
     shard = base / "iter_0000001" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[:64] = b"\x00" * 64
     shard.write_bytes(bytes(data))
-    (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}"])
+    (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}", *load])
+    assert "iter_0000001/__0_0.distcp (tensor 'model." in msg and "checksum" in msg
+    # a checkpoint from before shard checksums: DCP's failure, then the tensor that does not read
+    (base / "iter_0000001" / "digests.json").unlink()
+    state = json.loads((base / "iter_0000001" / "train_state.json").read_text())
+    del state["shard_digests"]
+    (base / "iter_0000001" / "train_state.json").write_text(json.dumps(state))
+    (msg,) = run_world(1, _load_error, [f"checkpoint.load={base}", *load])
     assert (
         "reading the shards failed" in msg
         and "iter_0000001/__0_0.distcp" in msg

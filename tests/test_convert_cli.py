@@ -309,3 +309,15 @@ def test_a_tied_folder_roundtrips_and_a_stray_lm_head_must_be_the_embedding(
         assert (name == "other") == (
             "lm_head.weight is not the tied embedding" in out.out + out.err
         )
+
+
+def test_export_to_a_full_disk_is_one_line_and_leaves_no_file(imported, tmp_path, capsys):
+    from tests.small_disk import small_disk
+
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        code = main(["convert", "export", "--load", str(imported), "--hf", str(disk / "hf")])
+        left = sorted(p.name for p in (disk / "hf").iterdir())
+    err = capsys.readouterr().err
+    assert code == 1 and left == [], (code, left, err[-2000:])
+    assert err.startswith("overlap: error: no space left on device: --hf ")
+    assert len(err.strip().splitlines()) == 1 and "no file of the export is left" in err

@@ -19,6 +19,7 @@ SRC = Path(__file__).parent.parent / "src" / "overlap"
 # plan -> the commands.
 LAYERS = (
     "errors",
+    "files",
     "data",
     "config",
     "launch",

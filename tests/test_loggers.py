@@ -158,6 +158,8 @@ def test_tensorboard_and_wandb_get_the_metrics_scalars(tmp_path):
         assert board[step] == {k: pytest.approx(v, rel=1e-6, abs=1e-30) for k, v in row.items()}
     history = _wandb_history(wb)
     assert history == due  # JSON numbers both ways: exact
+    # W&B's cache and staging folders are the run's, not the home folder's (HOME is tmp_path)
+    assert not (tmp_path / ".cache" / "wandb").exists() and (wb / "wandb" / "cache").is_dir()
 
 
 def test_a_missing_extra_is_one_error_naming_the_field_and_the_install(monkeypatch):

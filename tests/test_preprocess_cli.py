@@ -190,3 +190,16 @@ def test_help_says_eod_is_on_and_why(capsys):
 def test_a_key_given_twice_is_one_dataset(tmp_path, tokenizer_dir):
     assert _run(_good(tmp_path), tmp_path / "P", tokenizer_dir, keys=("text", "text")) == 0
     assert len(_documents(tmp_path / "P_text_document")) == len(TEXTS)
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_file(tmp_path, tokenizer_dir, capsys):
+    from tests.small_disk import small_disk
+
+    source = _corpus(tmp_path, [json.dumps({"text": t}) for t in TEXTS * 4000])
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        code = _run(source, disk / "corpus", tokenizer_dir)
+        left = _files(disk)
+    err = capsys.readouterr().err
+    assert code == 1 and left == [], (code, left, err[-2000:])
+    assert err.startswith("overlap: error: no space left on device: writing ")
+    assert len(err.strip().splitlines()) == 1 and "bytes free in" in err

@@ -20,7 +20,7 @@ import signal
 import sys
 from collections import Counter
 
-from overlap.errors import ConfigError, ProgramError, RankFailure
+from overlap.errors import ConfigError, NoSpaceError, ProgramError, RankFailure
 from overlap.harness import add_harness_flags, describe_layout, launch_env_inputs, prepare
 from overlap.launch.env import compute_launch_env, format_launch_env
 
@@ -324,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 2
     except RankFailure as exc:  # a rank under torchrun whose peer died: the cause, no traceback
+        print(f"overlap: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except NoSpaceError as exc:  # the disk, not the command: one line, exit 1
         print(f"overlap: error: {exc}", file=sys.stderr)
         return 1
     except ProgramError as exc:  # --nccl-rules found what fails on GPUs: a finding, not a traceback

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from overlap.errors import ConfigError, RankFailure
+from overlap.files import write_replace
 
 log = logging.getLogger("overlap")
 
@@ -157,6 +158,80 @@ def _script_only(name: str) -> bool:
     )
 
 
+# `overlap run`'s flags that name a path: (option, argparse dest); the config's path settings are
+# expanded by `harness.build_config`
+PATH_FLAGS = (("--metrics", "metrics"), ("--trace", "trace"), ("--emit-slurm", "emit_slurm"))
+
+
+def _expand_path_flags(args: argparse.Namespace, flags: tuple[tuple[str, str], ...]) -> None:
+    """Expand a command's path `flags` ((option, dest) pairs) once, as the config's path fields
+    are."""
+    from overlap.config.path_fields import expand_path
+
+    for option, dest in flags:
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and value.strip():
+            setattr(args, dest, expand_path(option, value))
+
+
+def _path_word(key: str, value) -> str:
+    """An override word that sets `key` to `value` exactly (JSON is YAML: quoted strings, lists)."""
+    import json
+
+    from overlap.config.overrides import parse_value
+
+    word = f"{key}={json.dumps(value)}"
+    if parse_value(key, json.dumps(value)) != value:
+        raise ConfigError(
+            key,
+            value,
+            "the expanded path cannot be written back as an override for the ranks.",
+            "use a path without characters that YAML or omegaconf treat specially.",
+        )
+    return word
+
+
+def _expanded_words(words: list[str], cfg, args: argparse.Namespace) -> list[str]:
+    """`words` (a run's command line) with every word that sets a path saying the expanded value:
+    override words of the config's path fields, and the values of the path flags
+    (`--tokenizer_model` included, as the config's value it sets), in any spelling argparse
+    accepts (`--flag V`, `--flag=V`, an unambiguous prefix)."""
+    from overlap.config.path_fields import BLEND_FIELD, PATH_FIELDS
+
+    def config_value(key: str):
+        section, name = key.split(".")
+        return getattr(getattr(cfg, section), name)
+
+    flags = {option: getattr(args, dest, None) for option, dest in PATH_FLAGS}
+    flags["--tokenizer_model"] = cfg.tokenizer.tokenizer_model
+    overrides = set(getattr(args, "overrides", ()))
+    out, pending = [], None
+    for word in words:
+        if pending is not None:
+            out.append(str(flags[pending]))
+            pending = None
+            continue
+        name, eq, _value = word.partition("=")
+        option = _path_option(name, flags) if word.startswith("--") else None
+        if option is not None:
+            out.append(f"{option}={flags[option]}" if eq else option)
+            pending = None if eq else option
+        elif word in overrides and name in (*PATH_FIELDS, BLEND_FIELD):
+            value = config_value(name)
+            out.append(word if value is None else _path_word(name, value))
+        else:
+            out.append(word)
+    return out
+
+
+def _path_option(name: str, flags: dict) -> str | None:
+    """The path flag `name` spells (exactly, or as the unambiguous prefix argparse accepted)."""
+    if name in flags:
+        return name
+    matches = [o for o in flags if len(name) > 3 and o.startswith(name)]
+    return matches[0] if len(matches) == 1 else None
+
+
 def _preflight(job, args: argparse.Namespace) -> dict:
     """Before a script is written or a rank starts: every output path (overlap.launch.paths), what
     this host or device can hold (overlap.launch.resources), and the Slurm script's own options
@@ -194,6 +269,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") != "0":
         # rank 0 reports the decisions; the others stay quiet
         logging.getLogger().setLevel(logging.ERROR)
+    _expand_path_flags(args, PATH_FLAGS)
     # resolves and validates before anything starts: a bad config never spawns ranks
     job = prepare(args)
     from overlap.launch.network import check_network_for, parse_network
@@ -203,7 +279,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     env_settings = compute_launch_env(
         launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ
     )
-    argv = _own_argv(args.argv)
+    # the ranks and a Slurm script get the expanded paths (config/path_fields.py)
+    argv = _expanded_words(_own_argv(args.argv), job.cfg, args)
     check_network_for(network, args.gpu)
     if args.nccl_rules:
         _check_nccl_rules(job.cfg, args, network)
@@ -257,7 +334,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             gpus=args.gpu != "cpu",
             **slurm,
         )
-        Path(args.emit_slurm).write_text(script)
+        write_replace(args.emit_slurm, script)
         print(f"wrote {args.emit_slurm}: submit it with sbatch")
         return 0
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -312,7 +389,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             launch_local(command, args.num_gpus, worker_env, term_grace_s=grace)
     except RankFailure as exc:
         print(f"overlap: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
     return 0
 
 
@@ -327,7 +404,7 @@ def _dry_run(job, args: argparse.Namespace) -> int:
     report = run_dry(job, options)
     print(report.format(), flush=True)
     if options.json_path:
-        Path(options.json_path).write_text(json.dumps(report.to_json(), indent=1))
+        write_replace(options.json_path, json.dumps(report.to_json(), indent=1))
     if not report.ok:
         print(
             f"overlap: error: dry run of rank {report.rank}: {report.finding.line()}",
@@ -666,7 +743,9 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
             ),
         )
     if args.metrics:
-        Path(f"{args.metrics}.summary.json").write_text(
+        # valid JSON or nothing: a NaN here would be a bug to see, not a file readers choke on
+        write_replace(
+            f"{args.metrics}.summary.json",
             json.dumps(
                 {
                     "network": network_label,
@@ -692,7 +771,8 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
                     "pipeline_output_peak_bytes": summary.pipeline_output_peak_bytes,
                 },
                 indent=1,
-            )
+                allow_nan=False,
+            ),
         )
 
 
@@ -740,5 +820,7 @@ def _write_traces(collector, trace_dir: Path, rank: int, world: int) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from overlap.perf.bench import run_bench_command
+
+    _expand_path_flags(args, (("--json", "json_out"), ("--markdown", "markdown")))
 
     return run_bench_command(args)

@@ -36,11 +36,13 @@ import yaml
 from overlap.config.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
 from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError
+from overlap.files import is_no_space, no_space, write_replace
 from overlap.hf.names import mappings, to_hf, unfuse_experts
 from overlap.hf.safetensors_io import SafetensorsReader, write_sharded
 from overlap.parallel import groups
 from overlap.training.checkpoint_format import (
     RUN_CONFIG,
+    TRAIN_STATE,
     Chunk,
     ChunkLoadPlanner,
     check_storage,
@@ -48,7 +50,9 @@ from overlap.training.checkpoint_format import (
     iteration_dir,
     read_metadata,
     saved_iterations,
+    verify_shards,
 )
+from overlap.training.dcp_index import RestrictedReader
 
 log = logging.getLogger("overlap.hf")
 HF_CONFIG = "hf_config.json"
@@ -166,7 +170,7 @@ def import_hf(
             checkpointer.save(0)
             checkpointer.close()
     folder = iteration_dir(out, 0)
-    (folder / HF_CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    write_replace(folder / HF_CONFIG, json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return folder
 
 
@@ -190,16 +194,36 @@ def read_full_model(folder: Path) -> dict[str, torch.Tensor]:
     """Every `model.*` tensor of the checkpoint, whole (DCP reads the chunks any layout wrote)."""
     metadata = read_metadata(folder)
     check_storage(folder, metadata)
+    has, problem = verify_shards(folder, metadata, 0, 1, required=_digests_written(folder))
+    if problem is not None:
+        raise CheckpointError(
+            "checkpoint.load",
+            str(folder),
+            f"{problem}: the checkpoint was corrupted or altered after it was saved.",
+            "export another iteration, or restore the folder from a good copy.",
+        )
+    if not has:
+        log.warning(
+            "%s has no shard checksums (it was saved before they were written): exported "
+            "unverified",
+            folder,
+        )
     chunks = {
         key: Chunk.whole(torch.empty(tuple(md.size), dtype=md.properties.dtype))
         for key, md in metadata.state_dict_metadata.items()
         if key.startswith("model.")
     }
     state = {k: c.tensor for k, c in chunks.items()}
-    dcp.load(
-        state, storage_reader=dcp.FileSystemReader(str(folder)), planner=ChunkLoadPlanner(chunks)
-    )
+    dcp.load(state, storage_reader=RestrictedReader(str(folder)), planner=ChunkLoadPlanner(chunks))
     return {k[len("model.") :]: t for k, t in state.items()}
+
+
+def _digests_written(folder: Path) -> bool:
+    """Whether the checkpoint's training state says its save wrote shard checksums."""
+    try:
+        return bool(json.loads((folder / TRAIN_STATE).read_text()).get("shard_digests"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _source_hf_config(folder: Path, flag: str) -> dict | None:
@@ -276,9 +300,24 @@ def export_hf(
             f"tensors without a Hugging Face name: {sorted(ours)[:4]}.",
             "export a Qwen3 / Qwen3-MoE model.",
         )
-    files = write_sharded(output_folder(hf_dir, hf_flag), out)
     config = hf_config_from_model(cfg, dtype, base)
-    (Path(hf_dir) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    folder_out = output_folder(hf_dir, hf_flag)
+    files: list[str] = []
+    try:
+        files = write_sharded(folder_out, out)
+        write_replace(
+            folder_out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n"
+        )
+    except Exception as exc:  # safetensors' own error type carries a full disk too
+        for name in files:
+            (folder_out / name).unlink(missing_ok=True)
+        if is_no_space(exc):
+            raise no_space(
+                hf_dir,
+                f"{hf_flag} {hf_dir}: writing the export of {folder} failed",
+                "no file of the export is left there.",
+            ) from None
+        raise
     return files + ["config.json"]
 
 

@@ -49,7 +49,18 @@ class NonFiniteError(ConfigError):
 
 
 class RankFailure(RuntimeError):
-    """A worker rank died or hung; names the rank so the others are not left waiting."""
+    """A worker rank died or hung, or refused (a ConfigError found by the ranks: `exit_code` 2, as
+    the same refusal before launch); names the rank so the others are not left waiting."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class NoSpaceError(RuntimeError):
+    """A write that the disk (or a quota) had no room for: the machine's state, not a mistake in
+    the command, so exit 1, but one line that says where and how much is free, never a
+    traceback."""
 
 
 class ProgramError(RuntimeError):

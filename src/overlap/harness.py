@@ -35,6 +35,7 @@ from overlap.config.flex_dispatcher import (
 from overlap.config.hf_config import PRETRAINED
 from overlap.config.mixed_precision import get_mixed_precision_config
 from overlap.config.overrides import apply_override, apply_overrides, check_override_repeats
+from overlap.config.path_fields import expand_path_fields
 from overlap.config.perf_recipes import LAYOUT_KEYS, Setting, perf_recipe
 from overlap.config.perf_recipes import SOURCE as PERF_SOURCE
 from overlap.config.recipes import Recipe, get_recipe
@@ -349,6 +350,7 @@ def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decisi
     decisions = _reconcile(cfg, line)
     decisions += _apply_recipe_rules(cfg, recipe, args.num_gpus, line)
     decisions += _explicit_false_distributed_optimizer(cfg, line)
+    expand_path_fields(cfg)  # once, before anything reads a path (config/path_fields.py)
     return cfg, decisions, line
 
 

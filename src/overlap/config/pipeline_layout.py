@@ -155,6 +155,29 @@ def _fold(symbols: str) -> str:
     return re.sub(r"(.)\1{2,}", lambda run: f"{run.group(1)}*{len(run.group(0))}", symbols)
 
 
+# More symbols than any model has layers: the bound on a layout's expanded length, checked before
+# a repetition is expanded (`t*9999999999` would otherwise fill the memory).
+MAX_SYMBOLS = 1_000_000
+
+
+def _expand_repeats(pattern: re.Pattern, text: str, spec: str) -> str:
+    """`text` with every repetition `pattern` matches written out, refused before anything is built
+    if the result would exceed MAX_SYMBOLS."""
+    size = len(text)
+    for m in pattern.finditer(text):
+        size += len(m.group(1)) * int(m.group(2)) - len(m.group(0))
+        if size > MAX_SYMBOLS:
+            raise ConfigError(
+                LAYOUT_FIELD,
+                spec,
+                f"its repetitions expand to more than {MAX_SYMBOLS:,} symbols "
+                f"({m.group(0)!r} alone is {len(m.group(1)) * int(m.group(2)):,}); a layout "
+                "names each of the model's layers once.",
+                "give counts that add up to model.num_layers (e.g. 'Et*3|t*4|t*4|t*3L').",
+            )
+    return pattern.sub(lambda g: g.group(1) * int(g.group(2)), text)
+
+
 def parse_layout(spec: str | list, pp: int) -> list[str]:
     """A layout in either of Megatron's forms -> one string of symbols per virtual stage (no
     checks against the model: `resolve_pipeline_layout` makes those)."""
@@ -167,8 +190,7 @@ def parse_layout(spec: str | list, pp: int) -> list[str]:
                 "an empty layout.",
                 "spell out the stages, e.g. 'Et*3|t*4|t*4|t*3L', or set it to null.",
             )
-        text = _GROUP.sub(lambda g: g.group(1) * int(g.group(2)), text)
-        text = _SINGLE.sub(lambda g: g.group(1) * int(g.group(2)), text)
+        text = _expand_repeats(_SINGLE, _expand_repeats(_GROUP, text, spec), spec)
         stages = text.split("|")
         bad = sorted({c for c in text if c not in _LETTERS and c != "|"})
         if bad:

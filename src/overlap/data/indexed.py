@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from overlap.errors import ConfigError
+from overlap.files import create_exclusive
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -46,7 +47,8 @@ class IndexedDatasetWriter:
     def __init__(self, prefix: str | Path, dtype: type) -> None:
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
-        self.bin = open(f"{self.prefix}.bin", "wb")
+        # new files only (O_EXCL, no link followed): the caller gives fresh names
+        self.bin = create_exclusive(f"{self.prefix}.bin", binary=True)
         self.lengths: list[int] = []
         self.doc_index: list[int] = [0]
 
@@ -62,7 +64,7 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
             pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self.dtype.itemsize
-        with open(f"{self.prefix}.idx", "wb") as f:
+        with create_exclusive(f"{self.prefix}.idx", binary=True) as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", DTYPE_CODES[self.dtype.type]))

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 from overlap.errors import ConfigError
+from overlap.files import fresh_name, is_no_space, no_space
 
 EOD_HELP = (
     "end every document with the tokenizer's end-of-document token; on by default, unlike "
@@ -87,9 +88,9 @@ def preprocess(
         )
     keys = list(dict.fromkeys(keys))  # a key given twice is one dataset (not its documents twice)
     finals = {key: Path(f"{output_prefix}_{key}_document").expanduser() for key in keys}
-    temps = {
-        key: final.with_name(f".{final.name}.{os.getpid()}.tmp") for key, final in finals.items()
-    }
+    # fresh hidden names beside the outputs (nothing planted there can redirect the writes), each
+    # renamed onto its output only when everything is written
+    temps = {key: fresh_name(final) for key, final in finals.items()}
     writers: dict[str, IndexedDatasetWriter] = {}
     counts = {key: {"documents": 0, "tokens": 0} for key in keys}
     total = source.stat().st_size
@@ -142,11 +143,21 @@ def preprocess(
         for key in keys:
             for suffix in (".bin", ".idx"):
                 os.replace(f"{temps[key]}{suffix}", f"{finals[key]}{suffix}")
-    except BaseException:
+    except BaseException as exc:
         for key, w in writers.items():
-            w.bin.close()
+            try:
+                w.bin.close()  # on a full disk closing flushes, and fails again
+            except OSError:
+                pass
             for suffix in (".bin", ".idx"):
                 Path(f"{temps[key]}{suffix}").unlink(missing_ok=True)
+        if isinstance(exc, OSError) and is_no_space(exc):
+            raise no_space(
+                folder,
+                f"writing {', '.join(f'{f}.bin/.idx' for f in finals.values())} failed",
+                "nothing was written (the partial files were removed) and an earlier dataset "
+                "under that prefix is as it was.",
+            ) from None
         raise
     finally:
         if bar is not None:

@@ -10,6 +10,7 @@ name -> file).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from overlap.errors import CheckpointError
+from overlap.files import create_exclusive, fresh_name
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -95,7 +97,9 @@ def write_sharded(
 ) -> list[str]:
     """Write `tensors` (name -> contiguous CPU tensor) as `save_pretrained` does:
     `model.safetensors` if they fit in one shard, else `model-0000i-of-0000n.safetensors` files and
-    an index. Returns the files written."""
+    an index. Returns the files written. Every file is written under a fresh name (nothing planted
+    at its name is written through) and renamed only once all are written: a failure (a full disk)
+    leaves none of them."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -107,20 +111,33 @@ def write_sharded(
             size = 0
         shards[-1][name] = t.contiguous()
         size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / SINGLE), metadata={"format": "pt"})
-        return [SINGLE]
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
-        files.append(file)
-        weight_map.update({name: file for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (folder / INDEX).write_text(
-        json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True
-        )
-        + "\n"
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    return files + [INDEX]
+    temps: list[tuple[Path, Path]] = []
+    try:
+        for file, shard in zip(names, shards):
+            temps.append((fresh_name(folder / file), folder / file))
+            save_file(shard, str(temps[-1][0]), metadata={"format": "pt"})
+        if len(shards) > 1:
+            weight_map = {name: file for file, shard in zip(names, shards) for name in shard}
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            temps.append((fresh_name(folder / INDEX), folder / INDEX))
+            with create_exclusive(temps[-1][0]) as f:
+                f.write(
+                    json.dumps(
+                        {"metadata": {"total_size": total}, "weight_map": weight_map},
+                        indent=2,
+                        sort_keys=True,
+                    )
+                    + "\n"
+                )
+        for tmp, final in temps:
+            os.replace(tmp, final)
+    except BaseException:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    return [final.name for _, final in temps]

@@ -22,6 +22,8 @@ Which rank caused a failure, in this order:
    failed, when their errors are only collateral (timeouts, closed connections) - the launcher kills
    it and names it;
 3. otherwise the first rank to fail.
+When the cause is a refusal - the ranks exited 2 with one ConfigError, e.g. a checkpoint this run
+cannot resume - the launch ends as that refusal would before launch: its line alone, exit 2.
 Exit times come from one waiter thread per rank, so "first" is when the rank died, not when the
 launcher looked.
 
@@ -59,6 +61,8 @@ DISK_FULL = re.compile(r"no space left on device", re.I)
 HOLD_S = 3.0  # a traceback the rank survives this long was only logged: forward it after all
 STOP_S = 3.0  # after Ctrl-C / SIGTERM, how long the ranks get to exit before SIGKILL
 POLL_S = 0.05
+# a rank's exit status for a refusal (a ConfigError: the command line's convention)
+REFUSAL_CODE = 2
 LOG_NAME = "overlap-rank{rank}.log"
 # the launcher's stderr, where rank output is forwarded, is a terminal
 STDERR_TTY_ENV = "OVERLAP_STDERR_TTY"
@@ -83,6 +87,7 @@ _HOLD_FROM = re.compile(
     rb"Traceback \(most recent call last\)|\[overlap rank \d+\] (ERROR|WARNING teardown)|"
     rb"overlap: error: "
 )
+_FINAL_ERROR = b"overlap: error: "
 # gloo's "[/.../pair.cc:537] "
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
@@ -165,6 +170,9 @@ class _Rank:
     # a traceback being held back until the rank's fate is known
     _held: list[bytes] = field(default_factory=list)
     _held_since: float = 0.0
+    # the held lines include the rank's own final error line ("overlap: error: ..."): the rank is
+    # ending, however long that takes on a loaded machine, and the launcher's account says it
+    _final: bool = False
 
     def start_waiter(self) -> None:
         def wait() -> None:
@@ -199,9 +207,11 @@ class _Rank:
         self._pending = lines.pop()
         for line in lines:
             line += b"\n"
-            opens = _HOLD_FROM.match(_RANK_PREFIX.sub(b"", line)) is not None
+            bare = _RANK_PREFIX.sub(b"", line)
+            opens = _HOLD_FROM.match(bare) is not None
             if not self._held and opens:
                 self._held_since = time.monotonic()
+            self._final = self._final or bare.startswith(_FINAL_ERROR)
             if self._held or opens:
                 self._held.append(line)
             elif live:
@@ -211,6 +221,7 @@ class _Rank:
             and self._held
             and time.monotonic() - self._held_since > HOLD_S
             and self.code is None
+            and not self._final
         ):
             self.release_held(out)  # a logged traceback the rank survived
         head = _RANK_PREFIX.sub(b"", self._pending)[:9]
@@ -228,6 +239,7 @@ class _Rank:
         for line in self._held:
             out.write(line)
         self._held = []
+        self._final = False
 
     def close(self) -> None:
         if self._log is not None:
@@ -325,8 +337,15 @@ def launch_local(
             out.flush()
         for rk in ranks:
             rk.close()
+    if failure is not None and failure.refusal:
+        # the ranks refused (a ConfigError, e.g. a checkpoint that this run cannot resume): said as
+        # the same refusal before launch would be, exit 2; the logs hold nothing more
+        if log_dir is None:
+            shutil.rmtree(logs, ignore_errors=True)
+        raise RankFailure(failure.line, exit_code=2)
     if failure is not None:
-        raise RankFailure(f"{failure}. Rank logs: {logs / LOG_NAME.format(rank='<r>')}")
+        where = f"Rank logs: {logs / LOG_NAME.format(rank='<r>')}"
+        raise RankFailure(f"{failure.line.rstrip('.')}. {where}")
     if log_dir is None:
         # a clean run or an interruption: nothing to look at
         shutil.rmtree(logs, ignore_errors=True)
@@ -334,10 +353,17 @@ def launch_local(
         raise interrupted
 
 
-def _watch(ranks: list[_Rank], world: int, out) -> str | None:
+@dataclass(frozen=True)
+class Failure:
+    """How a launch failed: the one line, and whether the ranks refused (exit 2)."""
+
+    line: str
+    refusal: bool
+
+
+def _watch(ranks: list[_Rank], world: int, out) -> Failure | None:
     """Forward output until every rank has exited; on a failure stop forwarding, give the others
-    GRACE_S to notice, kill what is left, and return the one-line account (None: all ranks ended
-    well)."""
+    GRACE_S to notice, kill what is left, and return the account (None: all ranks ended well)."""
     first_fail: float | None = None
     deadline: float | None = None
     while True:
@@ -378,15 +404,26 @@ def _watch(ranks: list[_Rank], world: int, out) -> str | None:
         time.sleep(POLL_S)
     if first_fail is None:
         return None
-    return describe_failure(ranks, world)
+    cause = _cause(ranks)
+    refused = [rk.last_error() for rk in cause if rk.code == REFUSAL_CODE]
+    if len(refused) == len(cause) and refused[0]:
+        # every rank that ended on its own error refused the same way (the others, waiting for
+        # it, were stopped or failed for lack of it): the refusal, as a pre-launch one reads
+        return Failure(refused[0], refusal=True)
+    return Failure(describe_failure(ranks, world), refusal=False)
 
 
-def describe_failure(ranks: list[_Rank], world: int) -> str:
-    """The one line: the cause first, then the collateral failures summarised."""
-    failed = sorted(
+def _failed(ranks: list[_Rank]) -> list[_Rank]:
+    """Ranks that ended with a failure of their own (not killed by the launcher), first first."""
+    return sorted(
         (rk for rk in ranks if rk.code not in (None, 0) and not rk.killed_by_us),
         key=lambda rk: rk.exited_at,
     )
+
+
+def _cause(ranks: list[_Rank]) -> list[_Rank]:
+    """The rank(s) that caused a failure (the rules in the module docstring)."""
+    failed = _failed(ranks)
     hung = [rk for rk in ranks if rk.hung]
     first = failed[0] if failed else None
     signalled = [
@@ -402,13 +439,19 @@ def describe_failure(ranks: list[_Rank], world: int) -> str:
     # cause.
     disk_full = [rk for rk in own_errors if DISK_FULL.search(rk.last_error() or "")]
     if disk_full:
-        cause = disk_full[:1]
-    elif signalled:
-        cause = [signalled[0]]
-    elif hung and not own_errors:
-        cause = hung
-    else:
-        cause = [own_errors[0] if own_errors else first]
+        return disk_full[:1]
+    if signalled:
+        return [signalled[0]]
+    if hung and not own_errors:
+        return hung
+    return [own_errors[0] if own_errors else first]
+
+
+def describe_failure(ranks: list[_Rank], world: int) -> str:
+    """The one line: the cause first, then the collateral failures summarised."""
+    failed = _failed(ranks)
+    hung = [rk for rk in ranks if rk.hung]
+    cause = _cause(ranks)
     head = "; ".join(_account(rk, world) for rk in cause)
     others = [rk for rk in failed + [h for h in hung if h not in failed] if rk not in cause]
     if not others:

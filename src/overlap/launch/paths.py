@@ -17,7 +17,11 @@ Rules (one per kind of output):
   pretrained checkpoint is set, and never under `checkpoint.exit_on_missing_checkpoint`; a missing
   pretrained one is an error;
 - an empty value (`--metrics=`) is an error, never "no output";
-- two flags may not name the same file.
+- two flags may not name the same file;
+- paths arrive expanded (`~`, `$VAR`, absolute: `overlap.config.path_fields`), so this check and the
+  ranks read the same path;
+- a FILE that is a symbolic link is an error: outputs are written under a fresh name and renamed
+  (`overlap.files`), never through a link.
 
 Writability is probed by creating (and removing) a temporary file in the folder, so read-only mounts
 and permissions are judged by the system itself (root may write where the mode bits say no). Each
@@ -86,7 +90,7 @@ def _given(flag: str, path: str | None, what: str, example: str) -> Path | None:
             "the path is empty, so nothing would be written.",
             f"give {what} (e.g. {flag} {example}), or omit {flag}.",
         )
-    return Path(path).expanduser()
+    return Path(path)
 
 
 def check_output_file(flag: str, path: str | None) -> Path | None:
@@ -94,6 +98,14 @@ def check_output_file(flag: str, path: str | None) -> Path | None:
     target = _given(flag, path, "a file name", "run.jsonl")
     if target is None:
         return None
+    if target.is_symlink():
+        raise _error(
+            flag,
+            path,
+            f"it is a symbolic link (to {os.readlink(target)}); a run never writes through a link "
+            "(one planted in a shared folder would make it overwrite any file it can write).",
+            "give the real file's path, or remove the link.",
+        )
     if target.is_dir():
         example = _EXAMPLE_NAMES.get(flag.split(" ")[0], "out")
         raise _error(
@@ -208,7 +220,7 @@ def check_checkpoint_paths(ck) -> None:
     own = (
         ck.load is not None
         and ck.save is not None
-        and Path(ck.load).expanduser().resolve() == Path(ck.save).expanduser().resolve()
+        and Path(ck.load).resolve() == Path(ck.save).resolve()
     )
     load_required = ck.exit_on_missing_checkpoint or not (own or ck.pretrained_checkpoint)
     for field, path, required in (
@@ -217,7 +229,7 @@ def check_checkpoint_paths(ck) -> None:
     ):
         if path is None:
             continue
-        target = Path(path).expanduser()
+        target = Path(path)
         if target.exists() and not target.is_dir():
             raise _error(
                 field,

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from overlap.config.kinds import parse_families
 from overlap.errors import ConfigError
+from overlap.files import write_replace
 from overlap.perf.machine import describe_machine, machine_line
 
 IDEAL_NAME = "ideal (no communication)"
@@ -790,9 +791,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     table = format_markdown(doc)
     print(table)
     if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        write_replace(args.markdown, table + "\n")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
+        write_replace(args.json_out, json.dumps(doc, indent=1) + "\n")
     return 0 if failed is None else 1
 
 

@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from overlap.files import write_replace
 from overlap.profiling.collector import RankTrace
 from overlap.profiling.exposed import comm_interval
 
@@ -170,12 +171,13 @@ def write_chrome_trace(traces: Sequence[RankTrace], path: Path) -> None:
     origin = _origin(traces)
     events = [ev for t in sorted(traces, key=lambda t: t.rank) for ev in rank_events(t, origin)]
     networks = sorted({t.network for t in traces})
-    path.write_text(
+    write_replace(
+        path,
         json.dumps(
             {
                 "traceEvents": events,
                 "displayTimeUnit": "ms",
                 "otherData": {"network": "; ".join(networks), "ranks": len(traces)},
             }
-        )
+        ),
     )

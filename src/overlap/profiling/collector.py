@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from overlap.files import write_replace
 from overlap.parallel.trace import CommEvent, Span
 from overlap.profiling.exposed import KindExposure, exposure, mean_exposure
 from overlap.profiling.sinks import MetricsSink
@@ -65,7 +66,7 @@ class RankTrace:
         )
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_json()))
+        write_replace(path, json.dumps(self.to_json()))
 
     @classmethod
     def read(cls, path: Path) -> RankTrace:

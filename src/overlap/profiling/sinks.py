@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from overlap.config.logger import LoggerConfig, wandb_mode
+from overlap.files import create_replacing
 
 
 class MetricsSink(Protocol):
@@ -50,7 +51,7 @@ class JsonLines:
 
     def __init__(self, path: str) -> None:
         self.where = path
-        self._file = open(path, "w")
+        self._file = create_replacing(path)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -88,6 +89,13 @@ class TensorBoard(_ScalarSink):
         self.writer.close()
 
 
+WANDB_OWN_DIRS = {
+    "WANDB_CACHE_DIR": "cache",
+    "WANDB_DATA_DIR": "data",
+    "WANDB_ARTIFACT_DIR": "artifacts",
+}
+
+
 class WandbRun(_ScalarSink):
     """A W&B run named by the logger section, its config the run's configuration (as Bridge); the
     mode is `wandb_mode()` of this process's environment, offline without a key."""
@@ -98,6 +106,10 @@ class WandbRun(_ScalarSink):
 
         self.mode, why = wandb_mode()
         os.makedirs(lg.wandb_save_dir, exist_ok=True)
+        # W&B's cache, staging and artifact folders default to the home folder (~/.cache/wandb,
+        # ...): a run keeps them under its own W&B folder instead, unless the user chose them
+        for name, sub in WANDB_OWN_DIRS.items():
+            os.environ.setdefault(name, os.path.join(lg.wandb_save_dir, "wandb", sub))
         self.run = wandb.init(
             project=lg.wandb_project,
             name=lg.wandb_exp_name,

@@ -10,8 +10,10 @@ matplotlib is a dependency of the package, but it is imported only here, when a 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from io import BytesIO
 from pathlib import Path
 
+from overlap.files import write_replace
 from overlap.profiling.collector import IterationTrace, RankTrace
 from overlap.profiling.exposed import busy_intervals, comm_interval, subtract, union
 
@@ -102,5 +104,7 @@ def plot_timeline(
         fontsize="small",
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with BytesIO() as png:
+        fig.savefig(png, format="png", dpi=110)
+        write_replace(path, png.getvalue())
     plt.close(fig)

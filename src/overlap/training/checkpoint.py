@@ -20,7 +20,9 @@ another global batch size would skip or repeat samples and is refused; another d
 is allowed and warned about.
 
 Saves go to `iter_N.tmp/`, renamed once every rank's shards and rank 0's metadata are written, then
-the tracker is updated: a job killed mid-save leaves the previous checkpoint as the latest. With
+the tracker is updated: a job killed mid-save leaves the previous checkpoint as the latest. Every
+stored tensor's SHA-256 goes into `digests.json` (`shard_digests.py`), and a load checks them, and
+reads DCP's index without running code (`dcp_index.py`), before it reads any tensor. With
 `async_save` the state is copied to host memory at the step boundary (DCP's stager) and written by a
 background thread; its rank coordination runs on a dedicated gloo group (`groups.cpu_group`), apart
 from the training's collectives, and rank 0 renames the folder once the write has completed - polled
@@ -31,7 +33,6 @@ exchange) go through that group; they are the library's, not ours to trace.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import shutil
 import time
@@ -48,7 +49,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from overlap.config.container import ConfigContainer
-from overlap.errors import CheckpointError
+from overlap.errors import CheckpointError, NoSpaceError
+from overlap.files import is_no_space, no_space
 from overlap.optim.adam import STATE_KEYS, ParamStates, keeps_master
 from overlap.parallel import comm, groups
 from overlap.parallel.state import ParallelState
@@ -72,8 +74,11 @@ from overlap.training.checkpoint_format import (
     read_train_state,
     saved_iterations,
     temporary_dir,
+    verify_shards,
 )
+from overlap.training.dcp_index import RestrictedReader
 from overlap.training.save_lock import SaveFolderLock
+from overlap.training.shard_digests import DIGESTS, DigestingWriter
 
 log = logging.getLogger("overlap.checkpoint")
 
@@ -97,16 +102,22 @@ def _no_space(exc: BaseException) -> bool:
     failures = getattr(exc, "failures", None)
     if failures:
         return any(_no_space(e[0] if isinstance(e, tuple) else e) for e in failures.values())
+    if is_no_space(exc):
+        return True
     while exc is not None:
-        if (
-            getattr(exc, "errno", None) == errno.ENOSPC
-            or "No space left" in str(exc)
-            or "unexpected pos" in str(exc)
-            or "file write failed" in str(exc)
-        ):
+        if "unexpected pos" in str(exc) or "file write failed" in str(exc):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove what an unfinished save left at `path`: its folder, or a link planted at its name
+    (the link alone: what it points to is not ours)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def run_config_yaml(cfg: ConfigContainer) -> str:
@@ -151,6 +162,8 @@ class Checkpointer:
         # continues the loaded checkpoint's), and never the one this run loaded (`protect`).
         self.lineage = uuid.uuid4().hex
         self.protect: tuple[int, ...] = ()
+        # the checkpoint (or Hugging Face folder) this run started from, None for a fresh start
+        self.loaded_from: Path | None = None
         self.lock = SaveFolderLock(self.ck.save) if self.ck.save and ps.rank == 0 else None
 
     # --- what is saved ----------------------------------------------------------------------------
@@ -193,9 +206,11 @@ class Checkpointer:
             self.ck.save and self.ck.save_interval and iteration % self.ck.save_interval == 0
         )
 
-    def save(self, iteration: int) -> None:
+    def save(self, iteration: int, first_nonfinite: int | None = None) -> None:
         """Write the state after `iteration` completed iterations (parameters must be in sync: no
-        gather pending)."""
+        gather pending). `first_nonfinite`: this run's first iteration with a non-finite loss or
+        gradient norm (1-based; `stopping.NonFiniteCount`), recorded so that retention keeps the
+        last checkpoint saved before it."""
         if not self.ck.save:
             return
         start = time.perf_counter()
@@ -204,9 +219,8 @@ class Checkpointer:
         base = Path(self.ck.save)
         tmp = temporary_dir(base, iteration)
         if self.ps.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+            _remove_stale(tmp)
+            tmp.mkdir(parents=True)  # a fresh folder: fails if anything is still at its name
         # the folder exists (and holds nothing stale) before any rank writes
         comm.barrier(self.group)
         chunks = self._model_chunks()
@@ -234,9 +248,11 @@ class Checkpointer:
             "global_batch_size": t.global_batch_size,
             "torch": torch.__version__,
             "dataset": dataclasses.asdict(self.cfg.dataset),
+            "shard_digests": DIGESTS,  # written by the writer (shard_digests.py)
+            "first_nonfinite_iteration": first_nonfinite,
             **self.optimizer.scaling_state(),
         }
-        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        writer = DigestingWriter(str(tmp), sync_files=True)
         planner = ChunkSavePlanner(chunks)
         if self.ck.async_save:
             future = dcp.async_save(
@@ -267,6 +283,7 @@ class Checkpointer:
                     run_config_yaml(self.cfg),
                     self.ck.most_recent_k,
                     self.protect,
+                    self._suspect(train_state),
                 )
             except OSError as exc:
                 raise self._save_failed(iteration, exc) from exc
@@ -300,23 +317,27 @@ class Checkpointer:
             raise self._save_failed(pending.iteration, exc) from exc
         self._finish(pending.iteration, pending.train_state, pending.started, pending.record)
 
-    def _save_failed(self, iteration: int, exc: BaseException) -> CheckpointError:
+    def _suspect(self, train_state: dict) -> int | None:
+        """The checkpoint this run loaded from the save folder when the run went non-finite on its
+        first iteration after it: not a good one to fall back to."""
+        first = train_state["first_nonfinite_iteration"]
+        loaded = self.protect[0] if self.protect else None
+        return loaded if loaded is not None and first == loaded + 1 else None
+
+    def _save_failed(self, iteration: int, exc: BaseException) -> CheckpointError | NoSpaceError:
         if _no_space(exc):
-            base = Path(self.ck.save)
-            free = shutil.disk_usage(base).free
             sizes = [r["size_mb"] * 1e6 for r in self.saves if "size_mb" in r]
             need = (
                 f"a checkpoint of this run takes {int(sizes[-1])} bytes"
                 if sizes
                 else f"this rank holds {self._state_bytes()} bytes of it"
             )
-            return CheckpointError(
-                "checkpoint.save",
+            return no_space(
                 self.ck.save,
-                f"no space left on device: the save of iteration {iteration} into {base} failed "
-                f"({need}; {free} bytes free there); the previous "
-                "checkpoint stays the latest.",
-                "free space there or save to a larger folder, then resume.",
+                f"checkpoint.save={self.ck.save}: the save of iteration {iteration} failed "
+                f"({need})",
+                "the previous checkpoint stays the latest; free space there or save to a larger "
+                "folder, then resume.",
             )
         return CheckpointError(
             "checkpoint.save",
@@ -327,8 +348,9 @@ class Checkpointer:
         )
 
     # --- loading ----------------------------------------------------------------------------------
-    def _source(self) -> tuple[Path, bool] | None:
-        """(iteration folder, weights only) to start from, or None (fresh start).
+    def _source(self) -> tuple[Path, bool, str] | None:
+        """(iteration folder, weights only, the setting that named it) to start from, or None
+        (fresh start).
 
         `checkpoint.load` is a base folder (its tracker's iteration, or `ckpt_step`; without a
         tracker its newest complete checkpoint) or a checkpoint folder itself. One that holds no
@@ -367,7 +389,7 @@ class Checkpointer:
                         f"(saved iterations there: {found or 'none'}).",
                         "set checkpoint.ckpt_step to one of them, or fix the tracker file.",
                     )
-                return folder, ck.finetune
+                return folder, ck.finetune, "checkpoint.load"
             if ck.exit_on_missing_checkpoint:
                 raise CheckpointError(
                     "checkpoint.load",
@@ -388,7 +410,8 @@ class Checkpointer:
                     "scratch.",
                 )
         if ck.pretrained_checkpoint is not None:
-            return self._pretrained(Path(ck.pretrained_checkpoint)), True
+            pretrained = "checkpoint.pretrained_checkpoint"
+            return self._pretrained(Path(ck.pretrained_checkpoint)), True, pretrained
         if ck.load is not None and self.ps.rank == 0:
             log.info(
                 "checkpoint.load=%s holds no checkpoint yet: training starts at iteration 0",
@@ -415,7 +438,7 @@ class Checkpointer:
 
     def _load(self) -> int:
         source = self._source()
-        folder, weights_only = source if source is not None else (None, True)
+        folder, weights_only, field = source if source is not None else (None, True, "")
         hf = folder is not None and (folder / "config.json").exists()
         train_state = read_train_state(folder) if folder is not None and not hf else None
         if train_state is not None:
@@ -430,14 +453,25 @@ class Checkpointer:
                     "restore the folder's own files, or load another iteration.",
                 )
         resume = train_state is not None and not weights_only
+        # Refusals that the training state alone decides come first, before any shard is read
         if resume:
+            if self.ck.load_optim and not train_state.get("has_optimizer"):
+                raise CheckpointError(
+                    "checkpoint.load_optim",
+                    True,
+                    f"{folder} was saved without optimizer state (checkpoint.save_optim=false).",
+                    "set checkpoint.load_optim=false to load the weights and start the optimizer "
+                    "afresh.",
+                )
             self._check_data_position(train_state, folder)
+            self._check_schedule(train_state, folder)
             self.lineage = str(train_state.get("lineage") or self.lineage)
             if self.ck.save and folder.parent.resolve() == Path(self.ck.save).resolve():
                 self.protect = (int(train_state["iteration"]),)
         self._claim_save_folder(int(train_state["iteration"]) if resume else 0)
         if folder is None:
             return 0
+        self.loaded_from = folder
         start = time.perf_counter()
         if hf:  # Hugging Face weights (overlap.hf): weights only, iteration 0
             from overlap.hf.load import load_hf_weights
@@ -446,18 +480,11 @@ class Checkpointer:
             self.optimizer.load_param_states({}, 0)  # the masters from the loaded weights
             self.load_ms = (time.perf_counter() - start) * 1e3
             return 0
-        metadata = read_metadata(folder)
-        check_storage(folder, metadata)
-        chunks = self._model_chunks()
         want_optim = self.ck.load_optim and not weights_only
-        if want_optim and not train_state.get("has_optimizer"):
-            raise CheckpointError(
-                "checkpoint.load_optim",
-                True,
-                f"{folder} was saved without optimizer state (checkpoint.save_optim=false).",
-                "set checkpoint.load_optim=false to load the weights and start the optimizer "
-                "afresh.",
-            )
+        metadata = read_metadata(folder, field)
+        check_storage(folder, metadata)
+        self._verify_shards(folder, metadata, train_state, field)
+        chunks = self._model_chunks()
         states: ParamStates = {}
         if want_optim:
             for name, p in self.params.items():
@@ -484,7 +511,7 @@ class Checkpointer:
         try:
             dcp.load(
                 state,
-                storage_reader=dcp.FileSystemReader(str(folder)),
+                storage_reader=RestrictedReader(str(folder)),
                 planner=ChunkLoadPlanner(chunks),
                 process_group=self.group,
             )
@@ -497,13 +524,12 @@ class Checkpointer:
                 "files are corrupt or were written by another build.",
                 "load another iteration.",
             ) from exc
-        if not weights_only:
-            self._check_schedule(train_state, folder)
         step = int(train_state.get("optimizer_steps", 0)) if want_optim else 0
         # without optimizer state: masters from the loaded weights
         self.optimizer.load_param_states(states, step)
         if not weights_only:
             self.optimizer.load_scaling_state(train_state, with_scaler=want_optim)
+            self._say_scaler_restart(train_state, want_optim)
         if load_rng:
             torch.set_rng_state(state[f"rng.torch.rank{self.ps.rank}"])
             if f"rng.cuda.rank{self.ps.rank}" in state:
@@ -547,13 +573,12 @@ class Checkpointer:
                 self.lock.acquire()
                 self._check_save_folder(start, {k: v for d in gathered for k, v in d.items()})
                 for p in Path(self.ck.save).glob("iter_*.tmp"):
-                    if p.is_dir():
-                        log.warning(
-                            "removing %s: a save that never completed (the job stopped while "
-                            "writing it)",
-                            p,
-                        )
-                        shutil.rmtree(p, ignore_errors=True)
+                    log.warning(
+                        "removing %s: a save that never completed (the job stopped while writing "
+                        "it)",
+                        p,
+                    )
+                    _remove_stale(p)
             except CheckpointError as exc:
                 error = exc
         reports = comm.all_gather_object(
@@ -592,7 +617,7 @@ class Checkpointer:
         folder = iteration_dir(base, existing[-1])
         theirs = {
             k: tuple(md.size)
-            for k, md in read_metadata(folder).state_dict_metadata.items()
+            for k, md in read_metadata(folder, "checkpoint.save").state_dict_metadata.items()
             if k.startswith("model.") and hasattr(md, "size")
         }
         differ = sorted(set(theirs) ^ set(shapes)) or sorted(
@@ -722,6 +747,54 @@ class Checkpointer:
                 train_state.get("dataset"),
                 data,
                 int(train_state["iteration"]) * now,
+            )
+
+    def _verify_shards(self, folder: Path, metadata, train_state: dict, field: str) -> None:
+        """Every rank checks its share of the shard checksums (`shard_digests`) before any tensor
+        is read, and learns of any rank's mismatch; a checkpoint written before checksums were kept
+        loads unverified, said once."""
+        has, problem = verify_shards(
+            folder,
+            metadata,
+            self.ps.rank,
+            self.ps.world_size,
+            required=bool(train_state.get("shard_digests")),
+        )
+        problems = [p for p in comm.all_gather_object(problem, self.group) if p]
+        if problems:
+            raise CheckpointError(
+                field,
+                str(folder),
+                f"{problems[0]}: the checkpoint was corrupted or altered after it was saved "
+                "(nothing of it was loaded).",
+                "load another iteration (checkpoint.ckpt_step), or restore the folder from a good "
+                "copy.",
+            )
+        if not has and self.ps.rank == 0:
+            log.warning(
+                "%s has no shard checksums (it was saved before they were written): its shards "
+                "are loaded unverified",
+                folder,
+            )
+
+    def _say_scaler_restart(self, train_state: dict, with_scaler: bool) -> None:
+        """fp16 resumed from a checkpoint without the loss scaler's state (another precision, or
+        without optimizer state): the scaler starts afresh, which changes the steps that follow,
+        so it is said."""
+        if self.optimizer.scaler is None or self.ps.rank != 0:
+            return
+        if train_state.get("loss_scaler") is None or not with_scaler:
+            why = (
+                "the checkpoint has no loss-scaler state (it was saved without loss scaling, e.g. "
+                "bf16 or fp32)"
+                if train_state.get("loss_scaler") is None
+                else "its optimizer state is not loaded (checkpoint.load_optim=false)"
+            )
+            log.warning(
+                "%s: the fp16 loss scaler restarts at scale %g, as in a fresh run; steps may be "
+                "skipped for overflows while it settles",
+                why,
+                self.optimizer.loss_scale,
             )
 
     def _agree(self, problem: str | None, folder: Path) -> None:

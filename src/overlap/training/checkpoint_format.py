@@ -2,14 +2,18 @@
 around them.
 
 ```
-<save>/latest_checkpointed_iteration.txt   the tracker (Megatron's name): the newest complete
-iteration, written last <save>/iter_0000010/                       one folder per saved iteration
-(iter_{:07d})
-    __<rank>_0.distcp  .metadata           torch.distributed.checkpoint shards and their index
-    train_state.json                       iteration, consumed samples, optimizer steps, the layout
-    that wrote it run_config.yaml                        the resolved run configuration
-<save>/iter_0000020.tmp/                   a save in progress (renamed when complete; left over if
-the job died) ```
+<save>/latest_checkpointed_iteration.txt  the tracker (Megatron's name): the newest complete
+                                          iteration, written last
+<save>/iter_0000010/                      one folder per saved iteration (iter_{:07d})
+    __<rank>_0.distcp  .metadata          torch.distributed.checkpoint shards and their index
+    digests.json                          a SHA-256 per stored tensor and of .metadata
+                                          (shard_digests.py)
+    train_state.json                      iteration, consumed samples, optimizer steps, the layout
+                                          that wrote it
+    run_config.yaml                       the resolved run configuration
+<save>/iter_0000020.tmp/                  a save in progress (renamed when complete; left over if
+                                          the job died)
+```
 
 Every tensor is stored as a chunk of its *global* tensor: the key is the parameter's name (the same
 in every layout: `layers.5.` on whichever pipeline rank holds layer 5, stacked experts), the global
@@ -33,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -52,6 +55,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from overlap.errors import CheckpointError
+from overlap.files import write_replace
+from overlap.training.dcp_index import ForeignGlobal, RestrictedReader
+from overlap.training.shard_digests import DIGESTS, read_digests, verify_index, verify_items
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TRAIN_STATE = "train_state.json"
@@ -148,16 +154,6 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
 
 
 # --- folders, tracker, validation -----------------------------------------------------------------
-def write_atomic(path: Path, text: str) -> None:
-    """Write a small file so that a reader sees the old content or the new one, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def read_tracker(base: str | os.PathLike) -> int | None:
     """The newest complete iteration recorded in `base`, None if the folder holds no checkpoint
     yet."""
@@ -256,14 +252,15 @@ def finalize_save(
     run_config: str,
     keep: int,
     protect: tuple[int, ...] = (),
+    suspect: int | None = None,
 ) -> Path:
     """Rank 0, after every rank's shards are written: the training state and configuration into the
     temporary folder, the folder renamed to its final name, then the tracker - so an interrupted
     save never replaces the previous checkpoint, and the tracker only ever names a complete one.
     Then retention (`prune`). Returns the final folder."""
     tmp, final = temporary_dir(base, iteration), iteration_dir(base, iteration)
-    write_atomic(tmp / TRAIN_STATE, json.dumps(train_state, indent=1, sort_keys=True) + "\n")
-    write_atomic(tmp / RUN_CONFIG, run_config)
+    write_replace(tmp / TRAIN_STATE, json.dumps(train_state, indent=1, sort_keys=True) + "\n")
+    write_replace(tmp / RUN_CONFIG, run_config)
     old = None
     # the same iteration saved again (a resumed run that stopped at the same step): the old
     if final.exists():
@@ -274,29 +271,45 @@ def finalize_save(
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(base)
-    write_atomic(base / TRACKER, f"{iteration}\n")
+    write_replace(base / TRACKER, f"{iteration}\n")
     _fsync_dir(base)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep > 0:
-        prune(base, keep, train_state["lineage"], (iteration, *protect))
+        prune(base, keep, train_state["lineage"], (iteration, *protect), suspect)
     return final
 
 
-def prune(base: Path, keep: int, lineage: str, protect: tuple[int, ...]) -> list[int]:
+def prune(
+    base: Path, keep: int, lineage: str, protect: tuple[int, ...], suspect: int | None = None
+) -> list[int]:
     """Retention (`checkpoint.most_recent_k`): of the complete checkpoints in `base` that belong to
     `lineage` (this run and the runs it resumed), keep the `keep` newest by when they were written
     and delete the rest - never one in `protect` (the one just saved, the one this run loaded),
-    never another run's. Returns the deleted iterations."""
+    never another run's. Once the newest has been saved after its run went non-finite, the newest
+    one saved before that (its `first_nonfinite_iteration` unset; a checkpoint from before the
+    field counts as good) is kept too - except `suspect`, the one this run loaded and went
+    non-finite right after: retention never leaves only checkpoints of a diverged model. Returns
+    the deleted iterations."""
     ours = []
     for it in complete_iterations(base):
         try:
             state = json.loads((iteration_dir(base, it) / TRAIN_STATE).read_text())
         except (OSError, ValueError):
             continue  # unreadable: not provably ours, so kept
-        if state.get("lineage") == lineage:
-            ours.append((float(state.get("written_at", 0.0)), it))
-    doomed = [it for _, it in sorted(ours)[:-keep] if it not in protect]
+        if isinstance(state, dict) and state.get("lineage") == lineage:
+            finite = state.get("first_nonfinite_iteration") is None
+            ours.append((float(state.get("written_at", 0.0)), it, finite))
+    ours.sort()
+    if ours and not ours[-1][2]:
+        good = [it for _, it, finite in ours if finite and it != suspect]
+        if good:
+            protect = (*protect, good[-1])
+            log.warning(
+                "retention keeps %s: the last checkpoint saved before the run went non-finite",
+                iteration_dir(base, good[-1]).name,
+            )
+    doomed = [it for _, it, _ in ours[:-keep] if it not in protect]
     for it in doomed:
         shutil.rmtree(iteration_dir(base, it), ignore_errors=True)
     return doomed
@@ -340,24 +353,50 @@ def read_train_state(folder: Path) -> dict:
     return state
 
 
-def read_metadata(folder: Path) -> Metadata:
-    """DCP's index of the folder, or a clear error naming the file."""
+def read_metadata(folder: Path, field: str = "checkpoint.load") -> Metadata:
+    """DCP's index of the folder, read without running code from it (`dcp_index`), or a clear error
+    naming the file (and `field`, the setting that named the folder)."""
     try:
-        return FileSystemReader(str(folder)).read_metadata()
+        return RestrictedReader(str(folder)).read_metadata()
+    except ForeignGlobal as exc:
+        raise CheckpointError(
+            field,
+            str(folder / ".metadata"),
+            f"the DCP index names {exc.qualname}, which is no part of a checkpoint index: "
+            "unpickling it would run code, so the folder is refused (nothing of it was run).",
+            "load a checkpoint from a source you trust; delete this one if you did not write it.",
+        ) from None
     except FileNotFoundError:
         raise CheckpointError(
-            "checkpoint.load",
+            field,
             str(folder / ".metadata"),
             "the DCP index is missing.",
             "load another iteration; this folder is not a complete checkpoint.",
         ) from None
     except Exception as exc:  # unpickling a torn or corrupt index raises many kinds
         raise CheckpointError(
-            "checkpoint.load",
+            field,
             str(folder / ".metadata"),
             f"the DCP index is truncated or corrupt ({exc.__class__.__name__}).",
             "load another iteration.",
         ) from None
+
+
+def verify_shards(
+    folder: Path, metadata: Metadata, rank: int, world: int, required: bool
+) -> tuple[bool, str | None]:
+    """(whether the folder has shard checksums, the first problem with this rank's share of them or
+    None); `required`: its training state says they were written, so a missing file is a problem,
+    not an old checkpoint (`shard_digests`)."""
+    try:
+        digests = read_digests(folder)
+    except (OSError, ValueError) as exc:
+        return True, f"{folder / DIGESTS} cannot be read ({exc.__class__.__name__}: {exc})"
+    if digests is None:
+        return False, (f"{folder / DIGESTS} is missing (the save wrote one)" if required else None)
+    return True, verify_index(folder, digests) or verify_items(
+        folder, metadata, digests, rank, world
+    )
 
 
 def check_storage(folder: Path, metadata: Metadata) -> None:

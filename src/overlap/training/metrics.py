@@ -95,12 +95,14 @@ def flops_per_token(m: TransformerArchitecture) -> float:
     return training_flops(m).total
 
 
-def steady_window(cfg: TrainConfig, first: int = 0) -> tuple[int, int]:
+def steady_window(cfg: TrainConfig, first: int = 0, stop: int | None = None) -> tuple[int, int]:
     """Half-open [start, end) of 0-based iteration indices averaged for the steady-state step time
     (reference: skip the first part). Users see it as `window_iterations(...)`. A run resumed at
     iteration `first` skips the first part of its own iterations [first, train_iters) (its first
-    step warms up like any first step)."""
-    n = cfg.train_iters
+    step warms up like any first step); a run that stopped early (SIGTERM, a time limit) after
+    iteration index `stop` - 1 is measured over the iterations it ran, not the ones it never
+    reached."""
+    n = cfg.train_iters if stop is None else stop
     run = n - first
     start = (
         cfg.eval_time_start_step
@@ -151,9 +153,10 @@ def format_iteration(
     )
 
 
-def steady_mean_ms(records: list[StepRecord], window: tuple[int, int]) -> float:
+def steady_mean_ms(records: list[StepRecord], window: tuple[int, int]) -> float | None:
+    """The mean step time over the window; None when no iteration ran in it (nothing to train)."""
     times = [r.step_time_ms for r in records if window[0] <= r.iteration < window[1]]
-    return statistics.fmean(times) if times else float("nan")
+    return statistics.fmean(times) if times else None
 
 
 def peak_memory_mb() -> float:

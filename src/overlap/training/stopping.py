@@ -86,9 +86,11 @@ def check_finite(
     rank: int,
     last_checkpoint: int | None,
     loss_scaling: bool = False,
+    suspect: str = "",
 ) -> None:
     """Raise NonFiniteError on every rank if the (global) gradient norm is not finite - with
-    `loss_scaling`, only if some rank's loss is not finite either. Collective only then."""
+    `loss_scaling`, only if some rank's loss is not finite either. Collective only then.
+    `suspect`: `NonFiniteCount.suspect`'s note for this iteration."""
     if math.isfinite(norm):
         return
     # a tied embedding's copy on the last stage is named with what it is (its gradient has the
@@ -124,7 +126,7 @@ def check_finite(
         "ddp.check_for_nan_in_grad",
         True,
         f"iteration {iteration + 1}: the gradient norm is {norm}: {where}. Training stopped before "
-        f"the optimizer step (nothing was updated); {kept}.",
+        f"the optimizer step (nothing was updated); {kept}{suspect}.",
         "resume from the last checkpoint with a lower learning rate (or more warm-up), check the "
         "data; set ddp.check_for_nan_in_grad=false only to train through it.",
     )
@@ -134,28 +136,59 @@ class NonFiniteCount:
     """Training on through NaN/Inf (`ddp.check_for_nan_in_grad=false`) is the user's choice, but
     never a silent one: the first non-finite loss or gradient norm is warned about at once, and the
     run's count at its end. The loss and norm are the host numbers the iteration logs anyway: no
-    extra device sync."""
+    extra device sync. A non-finite norm on a step the fp16 loss scaler skipped is an overflow
+    handled as designed (nothing was updated), not a non-finite run.
 
-    def __init__(self, checked: bool, rank: int) -> None:
-        self.quiet = checked or rank != 0  # checked: the first one stops the run (check_finite)
+    Every rank counts (the loss and norm are the same everywhere): the first non-finite iteration
+    goes into each checkpoint saved after it, and retention keeps the last one saved before it
+    (`checkpoint_format.prune`). A run that turns non-finite on its first iteration after a load
+    says that the checkpoint is suspect."""
+
+    def __init__(
+        self, checked: bool, rank: int, loaded: str | None = None, first_iteration: int = 0
+    ) -> None:
+        # checked: the first non-finite value stops the run (check_finite); rank 0 speaks
+        self.quiet = checked or rank != 0
+        self.loaded, self.first_iteration = loaded, first_iteration
         self.iterations: list[int] = []
 
-    def see(self, iteration: int, loss: float, norm: float) -> None:
-        if self.quiet or (math.isfinite(loss) and math.isfinite(norm)):
+    @property
+    def first(self) -> int | None:
+        """The first non-finite iteration of this run (1-based), None while it has none."""
+        return self.iterations[0] if self.iterations else None
+
+    def suspect(self, iteration: int) -> str:
+        """What to add to a report of a non-finite `iteration` (0-based): that the checkpoint just
+        loaded is suspect, when it is the first iteration after the load."""
+        if self.loaded is None or iteration != self.first_iteration:
+            return ""
+        return (
+            f"; it is the first iteration after loading {self.loaded}: that checkpoint is suspect "
+            "(corrupt, or saved from a run that was already diverging) - resume from an earlier "
+            "one"
+        )
+
+    def see(self, iteration: int, loss: float, norm: float, skipped: bool = False) -> None:
+        """`skipped`: the loss scaler skipped this step for an overflow (the parameters are as they
+        were)."""
+        if math.isfinite(loss) and (math.isfinite(norm) or skipped):
             return
-        if not self.iterations:
+        if not self.iterations and not self.quiet:
             log.warning(
                 "iteration %d: lm loss %s, gradient norm %s - training goes on because "
-                "ddp.check_for_nan_in_grad=false (the parameters may now be NaN); set it to true "
-                "to stop at the first one",
+                "ddp.check_for_nan_in_grad=false (%s)%s; set it to true to stop at the first one",
                 iteration + 1,
                 loss,
                 norm,
+                "the loss scaler skipped the step: the parameters are unchanged"
+                if skipped
+                else "the parameters may now be NaN",
+                self.suspect(iteration),
             )
         self.iterations.append(iteration + 1)
 
     def report(self) -> None:
-        if self.iterations:
+        if self.iterations and not self.quiet:
             log.warning(
                 "%d iteration(s) had a non-finite lm loss or gradient norm (first: %d, last: %d)",
                 len(self.iterations),

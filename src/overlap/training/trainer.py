@@ -58,7 +58,7 @@ log = logging.getLogger("overlap.train")
 class RunSummary:
     records: list[StepRecord]
     window: tuple[int, int]
-    steady_step_ms: float
+    steady_step_ms: float | None  # None: no iteration ran (a resume with nothing left to train)
     peak_memory_mb: float
     comm_ms: dict[str, float] = field(default_factory=dict)
     first_iteration: int = 0  # > 0: resumed from a checkpoint of that iteration
@@ -191,6 +191,7 @@ class Trainer:
                 ps.rank,
                 self.checkpointer.last_saved if self.checkpointer else None,
                 loss_scaling=self.optimizer.scaler is not None,
+                suspect=self.nonfinite.suspect(iteration),
             )
         with RECORDER.span("optimizer"):
             self.optimizer.step(self.learning_rate(iteration), norm)
@@ -236,7 +237,13 @@ class Trainer:
                 first,
                 t.train_iters,
             )
-        self.nonfinite = NonFiniteCount(self.cfg.ddp.check_for_nan_in_grad, self.ps.rank)
+        loaded = self.checkpointer.loaded_from if self.checkpointer is not None else None
+        self.nonfinite = NonFiniteCount(
+            self.cfg.ddp.check_for_nan_in_grad,
+            self.ps.rank,
+            str(loaded) if loaded is not None else None,
+            first,
+        )
         watch = ExitWatch(t, self.ps.device)
         stopped: str | None = None
         try:
@@ -250,7 +257,7 @@ class Trainer:
                     if stopped or self.checkpointer.due(it + 1):
                         # the checkpoint holds the updated weights, not a pending gather
                         self.finish_param_sync()
-                        self.checkpointer.save(it + 1)
+                        self.checkpointer.save(it + 1, self.nonfinite.first)
                         # its gathers belong to no step (their cost: checkpointer.save_times)
                         RECORDER.discard()
                 if stopped:
@@ -268,6 +275,7 @@ class Trainer:
                             where,
                         )
                     break
+            self._check_some_step_taken(records)
             self.finish_param_sync()
             if self.checkpointer is not None:
                 end = records[-1].iteration + 1 if records else first
@@ -277,7 +285,7 @@ class Trainer:
                     and self.checkpointer.last_requested != end
                     and records
                 ):
-                    self.checkpointer.save(end)
+                    self.checkpointer.save(end, self.nonfinite.first)
         finally:
             watch.close()
             if self.checkpointer is not None:
@@ -288,7 +296,7 @@ class Trainer:
                 finally:
                     self.checkpointer.release()
             self.nonfinite.report()
-        window = steady_window(t, first)
+        window = steady_window(t, first, records[-1].iteration + 1 if records else None)
         return RunSummary(
             records,
             window,
@@ -300,6 +308,31 @@ class Trainer:
             self.checkpointer.report() if self.checkpointer is not None else None,
             self.pipeline_memory.peak_bytes,
         )
+
+    def _check_some_step_taken(self, records: list[StepRecord]) -> None:
+        """A run whose every iteration overflowed and was skipped changed nothing: with a static
+        loss scale it never will (an error, before a checkpoint of the unchanged model is saved);
+        with the dynamic scaler it is still backing off (said)."""
+        if not records or any(r.skipped_to is None for r in records):
+            return
+        o = self.cfg.optimizer
+        if o.loss_scale is not None:
+            raise NonFiniteError(
+                "mixed_precision.loss_scale",
+                o.loss_scale,
+                f"every one of this run's {len(records)} iterations overflowed at this static "
+                "loss scale and was skipped: the optimizer took no step, nothing was trained.",
+                "lower it (e.g. mixed_precision.loss_scale=65536), or unset it for fp16's dynamic "
+                "loss scaling.",
+            )
+        if self.ps.rank == 0:
+            log.warning(
+                "every one of this run's %d iterations overflowed and was skipped while the loss "
+                "scale backed off (now %g): the optimizer took no step; train longer, or start "
+                "lower (mixed_precision.initial_loss_scale)",
+                len(records),
+                self.optimizer.loss_scale,
+            )
 
     def _iteration(
         self,
@@ -317,7 +350,6 @@ class Trainer:
         start = RECORDER.mark()
         loss, norm = self.train_step(it)
         end = RECORDER.mark()
-        self.nonfinite.see(it, loss, norm)
         comm.PROGRAM.step_end()
         events, _spans = RECORDER.drain()
         # event to event: on a GPU the step's last collective can end inside the drain's
@@ -328,6 +360,7 @@ class Trainer:
             comm_sum[k] += v
         scaling = loss_scale is not None
         scale_after, overflowed = self.loss_scaling()
+        self.nonfinite.see(it, loss, norm, skipped=overflowed)
         rec = StepRecord(
             it, loss, norm, step_s * 1e3, lr, loss_scale, scale_after if overflowed else None
         )
