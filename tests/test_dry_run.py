@@ -71,19 +71,13 @@ QWEN235 = [
     "-vp",
     "4",
     "model.num_layers=30",
-    "--dry-run-microbatches",
-    "8",
 ]
 
-# Peak over `overlap explain`'s estimate, measured on these cut layouts: 1.06 (30B), 0.94 (70B),
-# 2.82 (235B); at full depth 1.39, 2.12 and 4.81. The estimate is rough by design: ~34 s b h bytes
-# of activations per layer for ONE micro-batch. An MoE layer at top-8 keeps far more (its dispatched
-# rows are 8 x the tokens, kept in several forms for backward), and an interleaved pipeline rank
-# keeps up to 2 (PP - 1) + (VPP - 1) x PP + 1 (micro-batch, chunk) forwards alive, which explain
-# leaves to `overlap plan` (the report shows both). So the 235B layout, MoE and interleaved, lands
-# far above; the dense and PP = 1 ones near 1. Half to four times still catches a measurement that
-# lost a whole part (no parameters, no activations) or counts a part many times over.
-PEAK_OVER_ESTIMATE = (0.5, 4.0)
+# Peak over the memory model's estimate for the same rank and micro-batches
+# (`overlap.perf.memory_model`, what `overlap explain` and `overlap plan` report): within 10%, the
+# issue's bound (measured on these cut layouts: 1.00 to 1.01; tests/test_memory_model.py holds the
+# guide commands' other variants).
+PEAK_OVER_ESTIMATE = (1 / 1.1, 1.1)
 
 
 def _dry_run(
@@ -103,21 +97,33 @@ def _dry_run(
     return out, json.loads(report.read_text()) if report.exists() else None
 
 
+_REPORTS: dict[tuple[str, ...], dict] = {}
+
+
+def _report(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess | None, dict]:
+    """`_dry_run` of a layout, once per test session (the scaled peaks reuse the layout tests')."""
+    if args not in _REPORTS:
+        out, doc = _dry_run(tmp_path, *args)
+        _check_common(out, doc)
+        _REPORTS[args] = doc
+        return out, doc
+    return None, _REPORTS[args]
+
+
 def _check_common(out: subprocess.CompletedProcess, doc: dict) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert doc["ok"] and doc["finding"] is None
     assert "Result: the step ran; no device mix-up found" in out.stdout
     low, high = PEAK_OVER_ESTIMATE
     assert doc["peak_bytes"] > doc["start_bytes"] > 0
-    assert low < doc["peak_over_estimate"] < high, doc["peak_over_estimate"]
+    assert low <= 1 / doc["peak_over_estimate"] <= high, doc["peak_over_estimate"]
     reads = {r["site"].split(":")[0]: r for r in doc["host_reads"]}
     assert reads["overlap/training/trainer.py"]["intended"] == "the logged loss"
     assert reads["overlap/optim/adam.py"]["intended"].startswith("the gradient norm")
 
 
 def test_qwen3_30b_ep16(tmp_path):
-    out, doc = _dry_run(tmp_path, *QWEN30)
-    _check_common(out, doc)
+    out, doc = _report(tmp_path, *QWEN30)
     kinds = set(doc["program"])
     assert {
         "ep_dispatch",
@@ -163,8 +169,7 @@ def test_llama3_70b_tp4_pp4_vpp2(tmp_path):
 
 
 def test_qwen3_235b_tp2_ep32_pp8_vpp4(tmp_path):
-    out, doc = _dry_run(tmp_path, *QWEN235)
-    _check_common(out, doc)
+    out, doc = _report(tmp_path, *QWEN235)
     program = doc["program"]
     for kind in (
         "tp_ag",
@@ -178,7 +183,43 @@ def test_qwen3_235b_tp2_ep32_pp8_vpp4(tmp_path):
     ):
         assert program[kind]["ops"] > 0, kind
     assert program["ep_dispatch"]["groups"] == [list(range(32))]
-    assert "model.num_layers=30" in out.stdout  # the depth played is said where it is used
+    # the depth played is said where it is used
+    assert out is None or "model.num_layers=30" in out.stdout
+    # rank 0's steady state: 16 of the step's 512 micro-batches (GBS 8192 over DP 16)
+    assert doc["microbatches_played"] == 16
+
+
+_GIB = 2**30
+
+
+def _scaled_peak(tmp_path, layout: list[str], depths: tuple[int, int], full: int) -> float:
+    """The peak of `layout` at depth `full`, from dry runs at two cut depths: the per-layer figure
+    (peak difference over depth difference; parameters, their gradients and optimizer states and
+    every layer's activations grow with the depth, nothing else does) scaled to the full depth."""
+    peaks = []
+    for depth in depths:
+        args = tuple(a for a in layout if not a.startswith("model.num_layers="))
+        _out, doc = _report(tmp_path, *args, f"model.num_layers={depth}")
+        peaks.append(doc["peak_bytes"])
+    per_layer = (peaks[1] - peaks[0]) / (depths[1] - depths[0])
+    return peaks[0] + per_layer * (full - depths[0])
+
+
+def test_qwen3_30b_ep16_fits_where_megatron_measured_62_gib(tmp_path):
+    """The MoE guide's cluster (`-mr qwen3_30b_a3b -g h100 -c bf16 -ng 16 -gn 8 -ep 16`): Megatron
+    measured a 62.2 GiB peak on 80 GB H100s; our rank's steady-state peak (Adam's moments included)
+    must stay within 6% of it. 48 layers, scaled from 2 and 4."""
+    peak = _scaled_peak(tmp_path, QWEN30, (2, 4), 48)
+    assert peak <= 66 * _GIB, peak / _GIB
+
+
+def test_qwen3_235b_fits_an_h100(tmp_path):
+    """Bridge's Qwen3-235B-A22B H100 BF16 layout (TP2 PP8 VPP4 EP32, EP overlap and delayed weight
+    gradients: its perf recipe's), which Megatron runs on 80 GB H100s: at most 72 GiB. Its 94
+    layers and the embedding and loss make 3 slots per virtual stage; 30 and 62 layers make 1 and
+    2, and rank 0's chunks hold 3, 7 and 11 layers."""
+    peak = _scaled_peak(tmp_path, QWEN235, (30, 62), 94)
+    assert peak <= 72 * _GIB, peak / _GIB
 
 
 def test_a_device_mix_up_is_found_with_its_line(tmp_path):

@@ -1,0 +1,165 @@
+"""The memory model (`overlap.perf.memory_model`) against what it models.
+
+- The guide commands' other variants (the MoE guide's command with EP overlap, its fallback with
+  the loop permutation, Llama3-8B's perf layout) dry-run within 10% of the model's estimate for the
+  same rank and micro-batches (tests/test_dry_run.py holds the three layouts of the guides).
+- The dry run's accounting on fake tensors equals the same accounting over a real CPU step of the
+  tiny MoE model (one rank, every expert local: the routing's row total does not depend on it), with
+  the CPU's own kernel choices on both sides.
+- `fit` and `overlap explain`: a rank that does not fit says by how much and what would make it fit,
+  each alternative priced by the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap.cli import main
+from overlap.harness import resolve_run
+from overlap.perf import dry_run
+from overlap.perf.memory_model import GPU_MEMORY_BYTES, fit, rank_memory
+from tests.configs import tiny_config
+from tests.world import run_world
+
+GUIDE_MOE = [
+    "-m", "qwen", "-mr", "qwen3_30b_a3b", "--task", "pretrain", "-g", "h100", "-c", "bf16",
+    "-ng", "16", "-gn", "8", "--max_steps", "8", "--cuda_graph_impl", "none",
+    "--moe_flex_dispatcher_backend", "None", "--moe_a2a_overlap", "false",
+    "--tokenizer_type", "NullTokenizer", "comm_overlap.overlap_moe_expert_parallel_comm=true",
+    "comm_overlap.delay_wgrad_compute=false", "model.moe_shared_expert_overlap=false",
+]  # fmt: skip
+VARIANTS = {
+    "MoE guide, EP overlap": [*GUIDE_MOE, "model.num_layers=2"],
+    "MoE guide, loop permutation": [
+        *GUIDE_MOE, "model.moe_permute_fusion=false", "model.num_layers=2"
+    ],
+    "Llama3-8B perf layout": ["-m", "llama", "-mr", "llama3_8b", "-g", "h100", "-ng", "8",
+                              "model.num_layers=2"],
+}  # fmt: skip
+
+
+def _dry(tmp_path, args: list[str]) -> dict:
+    report = tmp_path / "dry.json"
+    argv = ["run", *args, "--dry-run", "--dry-run-json", str(report)]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys\nfrom overlap.cli import main\nsys.exit(main({argv!r}))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_guide_variant_dry_runs_within_10pct_of_the_model(tmp_path, name):
+    doc = _dry(tmp_path, VARIANTS[name])
+    assert 1 / 1.1 <= doc["estimate"]["total_bytes"] / doc["peak_bytes"] <= 1.1, (
+        doc["peak_bytes"] / 2**30,
+        doc["estimate"]["total_bytes"] / 2**30,
+    )
+    if "loop" in name:  # the fallback plays: its selections answered, each a host sync on a GPU
+        assert doc["loop_permutation_reads"] == 2 * 2 * 128  # layers x micro-batches x experts
+
+
+# --- the accounting, fake against real ------------------------------------------------------------
+def _tiny():
+    return tiny_config(
+        True,
+        "bf16_mixed",
+        2,
+        ["model.moe_permute_fusion=true", "model.attention_backend=flash"],
+        1,
+        global_batch_size=2,
+        micro_batch_size=1,
+    )
+
+
+class _RealWatch(dry_run._StepWatch):
+    """The dry run's accounting over real CPU tensors: every storage an op makes counted until it
+    is freed (the watch's own `_track`), without its host-value and read handling."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._track(t.untyped_storage(), func)
+        return out
+
+
+def _real_peak() -> tuple[int, int, int]:
+    """(start, peak) bytes of one real step of the tiny MoE on this one-rank world, Adam's moments
+    made first as the dry run makes them, and the optimizer's slot count."""
+    from overlap.parallel.state import ParallelState
+    from overlap.training.trainer import Trainer
+
+    cfg = _tiny()
+    ps = ParallelState(cfg.finalize(dist.get_world_size()).layout)
+    watch = _RealWatch(torch.device("cpu"))
+    with watch:
+        trainer = Trainer(cfg, ps)
+        trainer.optimizer.create_states()
+        start = watch.current
+        watch.reset_peak()
+        trainer.train_step(0)
+        trainer.finish_param_sync()
+    return start, watch.peak, len(trainer.optimizer.adam.slots)
+
+
+def test_the_dry_runs_accounting_equals_the_same_accounting_over_real_tensors(monkeypatch):
+    """The dry run played with CPU fakes (the same code paths as a real CPU rank) against a real
+    step: the same live bytes at the step's start and the same peak, but for Adam's step counters
+    (the foreach path keeps one CPU scalar per slot: a host value the dry run computes for real and,
+    rightly, does not count as device memory)."""
+    real_start, real_peak, slots = run_world(1, _real_peak)[0]
+    monkeypatch.setattr(dry_run, "fake_device", lambda: torch.device("cpu"))
+    cfg = _tiny()
+    cfg.finalize(1)
+    job = type("Job", (), {})()
+    job.cfg, job.resolution, job.args = cfg, cfg.resolved, None
+    monkeypatch.setattr(dry_run, "describe_layout", lambda res: "")
+    report = dry_run.run_dry(job, dry_run.DryRunOptions(microbatches=2))
+    assert report.ok, report.finding
+    counters = 4 * slots  # fp32 scalars
+    assert (report.start_bytes, report.peak_bytes) == (real_start - counters, real_peak - counters)
+
+
+# --- fit -----------------------------------------------------------------------------------------
+def test_a_rank_that_does_not_fit_says_by_how_much_and_what_would_fit():
+    """Qwen3-30B-A3B at EP 4 on 4 H100s: every rank holds 32 experts (their fp32 state is not
+    sharded: expert-DP 1), far past 80 GB; the advice prices recompute and the layout changes."""
+    job = resolve_run(["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "4"], [])
+    verdict = fit(job.cfg, job.resolution.layout, "h100")
+    assert not verdict.fits and verdict.margin_bytes < 0
+    assert verdict.device_bytes == GPU_MEMORY_BYTES["h100"]
+    text = verdict.describe()
+    assert "does NOT fit" in text and "short by" in text
+    assert any(a.startswith("model.recompute_granularity=selective") for a in verdict.advice)
+    assert any("expert-parallel group (-ep)" in a for a in verdict.advice)
+    # each priced alternative is below the peak
+    for line in verdict.advice:
+        if "saves" in line:
+            assert "(saves" in line
+
+
+def test_the_guide_cluster_fits_with_its_reserve(capsys):
+    job = resolve_run(GUIDE_MOE, [])
+    est = rank_memory(job.cfg, job.resolution.layout)
+    verdict = fit(job.cfg, job.resolution.layout, "h100", est)
+    assert verdict.fits and est.total <= 66 * 2**30
+    assert main(["explain", *GUIDE_MOE]) == 0
+    out = capsys.readouterr().out
+    assert "Memory at the peak of the rank that needs the most" in out
+    assert "Adam moments" in out and "fit:" in out and "fits," in out
+    for block in ("norms", "attention", "router", "dispatch", "experts", "combine"):
+        assert f"    {block} " in out
