@@ -140,10 +140,9 @@ class MemoryEstimate:
     def table(self) -> list[str]:
         """The per-component table, then one layer's activation bytes per token by block, ours and
         Megatron-Core's accounting (`overlap.launch.activations`)."""
-        lines = [f"  {name:<52} {gib(n):>10}" for name, n in self.parts()]
-        lines.append(
-            f"  {'total (pipeline rank ' + str(self.pp_rank) + ')':<52} {gib(self.total):>10}"
-        )
+        lines = [f"  {name:<52} {n / _GIB:>8.2f} GiB" for name, n in self.parts()]
+        total = f"total (pipeline rank {self.pp_rank})"
+        lines.append(f"  {total:<52} {self.total / _GIB:>8.2f} GiB")
         if self.blocks:
             lines.append(
                 f"  one layer's activations per token ({self.tokens} tokens a micro-batch), "
