@@ -74,6 +74,28 @@ def test_loaded_step_is_what_torch_creates(impl, monkeypatch):
     assert loaded.steps_taken() == ran.steps_taken() == 2
 
 
+def test_loaded_moments_live_on_the_masters_device():
+    """A checkpoint's states are read into host memory (three fp32 copies of every parameter on
+    the device would be a resume's spike): the import puts each slot's moments on its master's
+    device, here meta standing in for CUDA, and never keeps the host tensors."""
+    params = [
+        nn.Parameter(torch.empty(4, 3, device="meta")),
+        nn.Parameter(torch.empty(5, device="meta")),
+    ]
+    opt = MixedPrecisionAdam(
+        [Slot(p, p, torch.empty_like(p), p, p.dim() > 1) for p in params], OptimizerConfig(lr=1e-2)
+    )
+    host = {
+        p: {k: torch.full(p.shape, 1.0) for k in ("master", "exp_avg", "exp_avg_sq")}
+        for p in params
+    }
+    opt.import_param_states(host, step=3)
+    for slot in opt.slots:
+        state = opt.opt.state[slot.master]
+        assert state["exp_avg"].device == state["exp_avg_sq"].device == slot.master.device
+        assert state["exp_avg"].shape == slot.master.shape
+
+
 @pytest.mark.parametrize(
     "grad_dtype,param_dtype",
     [

@@ -256,9 +256,9 @@ class MixedPrecisionAdam:
         }
 
     def import_param_states(self, states: ParamStates, step: int) -> None:
-        """Set every slot from parameter-space states (`STATE_KEYS`, each in its parameter's shape):
-        a missing master is taken from the (just loaded) parameter, missing moments reset the state
-        (weights-only loads)."""
+        """Set every slot from parameter-space states (`STATE_KEYS`, each in its parameter's shape,
+        on any device: a checkpoint's are read into host memory): a missing master is taken from
+        the (just loaded) parameter, missing moments reset the state (weights-only loads)."""
         for slot in self.slots:
             lo, hi = slot.elements
             values = {
@@ -277,8 +277,10 @@ class MixedPrecisionAdam:
             return
         self.opt.state[slot.master] = {
             "step": self._step_state(step, slot.master),
-            "exp_avg": values["exp_avg"].view_as(slot.master).clone(),
-            "exp_avg_sq": values["exp_avg_sq"].view_as(slot.master).clone(),
+            "exp_avg": torch.empty_like(slot.master).copy_(values["exp_avg"].view_as(slot.master)),
+            "exp_avg_sq": torch.empty_like(slot.master).copy_(
+                values["exp_avg_sq"].view_as(slot.master)
+            ),
         }
 
     def _step_state(self, step: int, master: torch.Tensor) -> torch.Tensor:

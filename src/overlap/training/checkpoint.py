@@ -487,11 +487,13 @@ class Checkpointer:
         chunks = self._model_chunks()
         states: ParamStates = {}
         if want_optim:
+            # read into host memory, as the save gathers into it: three fp32 copies of every
+            # local parameter on the device would be the save's spike again (37.5 GiB per rank at
+            # Qwen3-30B-A3B EP16), at resume, beside the model; the optimizer copies its own
+            # slots' pieces to the device
             for name, p in self.params.items():
                 keys = STATE_KEYS if keeps_master(p) else STATE_KEYS[1:]
-                states[p] = {
-                    k: torch.empty(p.shape, dtype=torch.float32, device=p.device) for k in keys
-                }
+                states[p] = {k: torch.empty(p.shape, dtype=torch.float32) for k in keys}
                 if (
                     keeps_master(p)
                     and f"optimizer.master.{name}" not in metadata.state_dict_metadata
