@@ -25,16 +25,20 @@ from overlap.launch.activations import LOSS_CHUNK_BYTES as CHUNK_BYTES
 from overlap.parallel import comm
 
 
-def _fp32_chunks(flat: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
-    """(rows, their fp32 copy) a chunk of `flat`'s rows at a time, every chunk copied into one
-    buffer of at most `CHUNK_BYTES` (the consumer may change it in place)."""
+def _fp32_chunks(
+    flat: torch.Tensor, out: torch.Tensor | None = None
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """(rows, an fp32 space for them) a chunk of `flat`'s rows at a time: `out`'s rows where `out`
+    is fp32 (the gradient of fp32 logits is made in place), else one reused buffer of at most
+    `CHUNK_BYTES`. The consumer writes into it (`torch.sub(flat[rows], ..., out=part)`: the
+    subtraction reads bf16 rows in fp32 as a copy would, without the copy)."""
     step = max(1, CHUNK_BYTES // (4 * max(1, flat.shape[-1])))
-    buffer = flat.new_empty((min(step, flat.shape[0]), flat.shape[-1]), dtype=torch.float32)
+    buffer = None
+    if out is None or out.dtype != torch.float32:
+        buffer = flat.new_empty((min(step, flat.shape[0]), flat.shape[-1]), dtype=torch.float32)
     for start in range(0, flat.shape[0], step):
         rows = slice(start, min(start + step, flat.shape[0]))
-        part = buffer[: rows.stop - start]
-        part.copy_(flat[rows])
-        yield rows, part
+        yield rows, (out[rows] if buffer is None else buffer[: rows.stop - start])
 
 
 def _all_reduce(t: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM) -> torch.Tensor:
@@ -61,7 +65,8 @@ class _CrossEntropy(torch.autograd.Function):
         target = flat.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() - max_logit
         sum_exp = torch.empty_like(max_logit)
         for rows, part in _fp32_chunks(flat):
-            torch.sum(part.sub_(max_logit[rows].unsqueeze(-1)).exp_(), dim=-1, out=sum_exp[rows])
+            torch.sub(flat[rows], max_logit[rows].unsqueeze(-1), out=part).exp_()
+            torch.sum(part, dim=-1, out=sum_exp[rows])
         # one collective for both sums
         stats = _all_reduce(torch.stack([target.masked_fill(outside, 0.0), sum_exp]), group)
         log_sum = stats[1].log()
@@ -77,11 +82,11 @@ class _CrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(flat)
         index = torch.arange(flat.shape[0], device=flat.device)
         inside = (~outside).float()
-        for rows, part in _fp32_chunks(flat):
+        for rows, part in _fp32_chunks(flat, out=grad):
             # the softmax, minus one at the label where this rank holds it, times the loss gradient
-            part.sub_(lse[rows].unsqueeze(-1)).exp_()
+            torch.sub(flat[rows], lse[rows].unsqueeze(-1), out=part).exp_()
             part.index_put_((index[: part.shape[0]], local[rows]), -inside[rows], accumulate=True)
-            grad[rows] = part.mul_(grad_loss[rows].unsqueeze(-1))
+            torch.mul(part, grad_loss[rows].unsqueeze(-1), out=grad[rows])
         return grad.view(logits.shape), None, None, None
 
 

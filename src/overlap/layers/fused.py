@@ -53,6 +53,15 @@ def fp32_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32, copy=True)
 
 
+def fp32_product(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """`t` in fp32 times `other`, a new tensor made in one allocation: a low-precision `t` is
+    converted and multiplied in place, an fp32 one multiplied out of place (no copy to
+    overwrite)."""
+    if t.dtype == torch.float32:
+        return t * other
+    return t.float().mul_(other)
+
+
 def compiled(fn: Callable, backend: str = BACKEND) -> Callable:
     """`fn` compiled whole (fullgraph), made on first use and kept; the row dimension is marked
     dynamic per call (`run`)."""

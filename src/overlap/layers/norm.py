@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from overlap.layers.fused import Chain, fp32_copy
+from overlap.layers.fused import Chain, fp32_product
 from overlap.layers.init import mark_ones
 from overlap.layers.tensor_parallel import copy_to_tp
 
@@ -27,9 +27,9 @@ def _rms_norm_backward(
     """The input's and the weight's gradients from the input and rstd alone (the normalised rows
     are made again, in fp32): d x = rstd (g w - x^ mean(g w x^)), d w = sum over rows of g
     round(x^). In place where it can be (eager, at most three fp32 copies of x at once)."""
-    normed = fp32_copy(x).mul_(rstd)
+    normed = fp32_product(x, rstd)
     dw = (grad.float() * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(dim=0)
-    gw = fp32_copy(grad).mul_(weight.float())
+    gw = fp32_product(grad, weight.float())
     dot = (gw * normed).mean(dim=-1, keepdim=True)
     dx = gw.sub_(normed.mul_(dot)).mul_(rstd)
     return dx.to(x.dtype), dw.to(weight.dtype), None
