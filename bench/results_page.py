@@ -11,6 +11,7 @@ result's file stem). The page has one part per result: a table, the command that
 number in bench/commands.sh, and its note.
 """
 
+import importlib.util
 import json
 import re
 import statistics
@@ -88,6 +89,7 @@ SECTIONS = (
         "Compute next to transformers",
         ("hf_compute", "hf_compute_fp32", "hf_compute_bf16", "hf_compute_moe_40"),
     ),
+    ("memory", "The memory work against the version before it", ("memory_versions_ab",)),
     ("costs", "What gloo costs on this machine", ("gloo_costs",)),
     ("planner", "The planner against these results", ("loopback_probe", "plan_vs_bench")),
 )
@@ -209,6 +211,14 @@ def _bench_header(doc: dict) -> list[str]:
     return lines
 
 
+def _versions_table(doc: dict) -> list[str]:
+    """bench/versions_ab.py's result, in its own words (one renderer for both)."""
+    spec = importlib.util.spec_from_file_location("versions_ab", ROOT / "bench" / "versions_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.table(doc)
+
+
 def _hf_table(doc: dict) -> list[str]:
     lines = [
         "| model | dtype | attention (ours) | ours ms | transformers ms | ours / transformers | "
@@ -282,6 +292,8 @@ def _result(stem: str, command: tuple[int, str] | None, note: str) -> list[str]:
         doc = json.loads(js.read_text())
         if "configs" in doc:
             body = _bench_header(doc) + [""] + _bench_table(doc)
+        elif "a" in doc and "b" in doc:
+            body = _versions_table(doc)
         elif "rows" in doc:
             body = _hf_table(doc)
         elif "workloads" in doc:

@@ -92,6 +92,41 @@ def _run(python: str, words: list[str], timeout: float) -> dict:
     return {"step_ms": summary["steady_step_ms"], "peak_mem_mb": summary["peak_mem_mb"]}
 
 
+def table(doc: dict) -> list[str]:
+    """The result's Markdown: what A and B are, the cases' table and the compute table (also
+    docs/results.md's, through bench/results_page.py)."""
+    lines = [
+        f"A = {doc['a']['commit']}, B = {doc['b']['commit']}; {doc['repeats']} rounds, A and B "
+        "alternated; step time: each run's steady-state window mean; B / A: the median over rounds "
+        "of each round's ratio.",
+        "",
+        "| case | A step ms | B step ms | B / A (median) | B / A per round | A peak MB | "
+        "B peak MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in doc["rows"]:
+        per_round = ", ".join(f"{x:.3f}" for x in row["b_over_a_rounds"])
+        lines.append(
+            f"| {row['case']} | {row['a_step_ms']:.1f} | {row['b_step_ms']:.1f} | "
+            f"{row['b_over_a_median']:.3f} | {per_round} | {row['a_peak_mem_mb']:.0f} | "
+            f"{row['b_peak_mem_mb']:.0f} |"
+        )
+    if doc["hf_compute"]:
+        lines += [
+            "",
+            "Single-rank compute (bench/hf_compute_bench.py of each tree, "
+            f"`{doc['hf_compute_args']}`): ours / transformers on the same weights, the median of "
+            "the rounds' per-pair medians.",
+            "",
+            "| model dtype attention | A: ours / transformers | B: ours / transformers | B / A |",
+            "|---|---|---|---|",
+        ]
+        for c in doc["hf_compute"]:
+            a, b = c["a_ours_over_transformers"], c["b_ours_over_transformers"]
+            lines.append(f"| {c['row']} | {a:.3f} | {b:.3f} | {b / a:.3f} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--a", required=True, help="interpreter of version A (the baseline)")
@@ -159,38 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "rows": rows,
         "hf_compute": compute,
+        "hf_compute_args": args.hf_compute,
     }
     lines = [
         f"Command: `{doc['command']}`  ",
-        f"Machine: {machine_line(doc['machine'])}  ",
-        f"A = {doc['a']['commit']}, B = {doc['b']['commit']}; {args.repeats} rounds, A and B "
-        "alternated; step time: each run's steady-state window mean; B / A: the median over rounds "
-        "of each round's ratio.",
-        "",
-        "| case | A step ms | B step ms | B / A (median) | B / A per round | A peak MB | "
-        "B peak MB |",
-        "|---|---|---|---|---|---|---|",
+        f"{machine_line(doc['machine'])}  ",
+        *table(doc),
     ]
-    for row in rows:
-        per_round = ", ".join(f"{x:.3f}" for x in row["b_over_a_rounds"])
-        lines.append(
-            f"| {row['case']} | {row['a_step_ms']:.1f} | {row['b_step_ms']:.1f} | "
-            f"{row['b_over_a_median']:.3f} | {per_round} | {row['a_peak_mem_mb']:.0f} | "
-            f"{row['b_peak_mem_mb']:.0f} |"
-        )
-    if compute:
-        lines += [
-            "",
-            "Single-rank compute (bench/hf_compute_bench.py of each tree, "
-            f"`{args.hf_compute}`): ours / transformers on the same weights, the median of the "
-            "rounds' per-pair medians.",
-            "",
-            "| model dtype attention | A: ours / transformers | B: ours / transformers | B / A |",
-            "|---|---|---|---|",
-        ]
-        for c in compute:
-            a, b = c["a_ours_over_transformers"], c["b_ours_over_transformers"]
-            lines.append(f"| {c['row']} | {a:.3f} | {b:.3f} | {b / a:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.json:
