@@ -399,9 +399,9 @@ python bench/plan_vs_bench.py
 # 40. -> memory_versions_ab.json/.md. The runtime before the memory work (4d7a037, a worktree with its own venv:
 #     git worktree add ../base 4d7a037 && python3.11 -m venv ../base/.venv && ../base/.venv/bin/pip install -e ../base)
 #     against this one: six 2-rank runs (EP, EP overlap, TP/SP, TP overlap, PP, DP with the distributed optimizer),
-#     each a fresh process, A and B alternated over 3 rounds; and each tree's single-rank compute against
+#     each a fresh process, A and B alternated over 4 rounds; and each tree's single-rank compute against
 #     transformers (bench/hf_compute_bench.py), so the layers' new backward is timed against one reference.
-python bench/versions_ab.py --a ../base/.venv/bin/python --b .venv/bin/python --repeats 3 \
+python bench/versions_ab.py --a ../base/.venv/bin/python --b .venv/bin/python --repeats 4 \
   --case "EP2 (qwen3_moe_tiny widened, bf16):-m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6" \
   --case "EP2, EP overlap:-m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6 comm_overlap.overlap_moe_expert_parallel_comm=true" \
   --case "TP2 SP (dense_tiny, seq 1024):-m qwen -mr dense_tiny -g cpu -ng 2 -tp 2 -sl 1024 -ms 5 -gb 4 -mb 1" \
