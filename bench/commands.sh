@@ -408,5 +408,5 @@ python bench/versions_ab.py --a ../base/.venv/bin/python --b .venv/bin/python --
   --case "TP2 SP, TP overlap:-m qwen -mr dense_tiny -g cpu -ng 2 -tp 2 -sl 1024 -ms 5 -gb 4 -mb 1 comm_overlap.tp_comm_overlap=true" \
   --case "PP2 (dense_tiny, 8 layers):-m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 model.num_layers=8" \
   --case "DP2, distributed optimizer, both overlaps:-m qwen -mr dense_tiny -g cpu -ng 2 -ms 6 -gb 8 -mb 4 ddp.bucket_size=500000 ddp.use_distributed_optimizer=true optimizer.use_distributed_optimizer=true ddp.overlap_grad_reduce=true ddp.overlap_param_gather=true" \
-  --hf-compute "--repeats 6 --warmup 2 --attention-backends auto" \
+  --hf-compute "--repeats 10 --warmup 2 --attention-backends auto" \
   --json $out/memory_versions_ab.json --markdown $out/memory_versions_ab.md

@@ -25,20 +25,26 @@ from overlap.launch.activations import LOSS_CHUNK_BYTES as CHUNK_BYTES
 from overlap.parallel import comm
 
 
-def _fp32_chunks(
-    flat: torch.Tensor, out: torch.Tensor | None = None
+def _shifted_chunks(
+    flat: torch.Tensor, shift: torch.Tensor, out: torch.Tensor | None = None
 ) -> Iterator[tuple[slice, torch.Tensor]]:
-    """(rows, an fp32 space for them) a chunk of `flat`'s rows at a time: `out`'s rows where `out`
-    is fp32 (the gradient of fp32 logits is made in place), else one reused buffer of at most
-    `CHUNK_BYTES`. The consumer writes into it (`torch.sub(flat[rows], ..., out=part)`: the
-    subtraction reads bf16 rows in fp32 as a copy would, without the copy)."""
+    """(rows, those rows in fp32 minus their `shift`) a chunk of `flat`'s rows at a time, in a
+    space the consumer may change in place: `out`'s rows (fp32: the gradient of fp32 logits is
+    made in place), else one reused buffer of at most `CHUNK_BYTES`. fp32 rows are
+    subtracted straight into it; lower-precision ones copied in, then subtracted (a mixed-dtype
+    subtraction runs slower on CPU than the copy and the fp32 one together)."""
     step = max(1, CHUNK_BYTES // (4 * max(1, flat.shape[-1])))
     buffer = None
-    if out is None or out.dtype != torch.float32:
+    if out is None:
         buffer = flat.new_empty((min(step, flat.shape[0]), flat.shape[-1]), dtype=torch.float32)
     for start in range(0, flat.shape[0], step):
         rows = slice(start, min(start + step, flat.shape[0]))
-        yield rows, (out[rows] if buffer is None else buffer[: rows.stop - start])
+        part = out[rows] if buffer is None else buffer[: rows.stop - start]
+        if flat.dtype == torch.float32:
+            torch.sub(flat[rows], shift[rows].unsqueeze(-1), out=part)
+        else:
+            part.copy_(flat[rows]).sub_(shift[rows].unsqueeze(-1))
+        yield rows, part
 
 
 def _all_reduce(t: torch.Tensor, group: ProcessGroup | None, op=ReduceOp.SUM) -> torch.Tensor:
@@ -64,9 +70,8 @@ class _CrossEntropy(torch.autograd.Function):
         max_logit = _all_reduce(flat.max(dim=-1).values.float(), group, ReduceOp.MAX)
         target = flat.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() - max_logit
         sum_exp = torch.empty_like(max_logit)
-        for rows, part in _fp32_chunks(flat):
-            torch.sub(flat[rows], max_logit[rows].unsqueeze(-1), out=part).exp_()
-            torch.sum(part, dim=-1, out=sum_exp[rows])
+        for rows, part in _shifted_chunks(flat, max_logit):
+            torch.sum(part.exp_(), dim=-1, out=sum_exp[rows])
         # one collective for both sums
         stats = _all_reduce(torch.stack([target.masked_fill(outside, 0.0), sum_exp]), group)
         log_sum = stats[1].log()
@@ -82,11 +87,14 @@ class _CrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(flat)
         index = torch.arange(flat.shape[0], device=flat.device)
         inside = (~outside).float()
-        for rows, part in _fp32_chunks(flat, out=grad):
+        in_place = grad.dtype == torch.float32  # fp32 logits: the chunks are the gradient's rows
+        for rows, part in _shifted_chunks(flat, lse, out=grad if in_place else None):
             # the softmax, minus one at the label where this rank holds it, times the loss gradient
-            torch.sub(flat[rows], lse[rows].unsqueeze(-1), out=part).exp_()
+            part.exp_()
             part.index_put_((index[: part.shape[0]], local[rows]), -inside[rows], accumulate=True)
-            torch.mul(part, grad_loss[rows].unsqueeze(-1), out=grad[rows])
+            part.mul_(grad_loss[rows].unsqueeze(-1))
+            if not in_place:
+                grad[rows] = part
         return grad.view(logits.shape), None, None, None
 
 
