@@ -324,6 +324,21 @@ def test_bad_input_is_a_config_error(capsys, argv, field):
     assert f"overlap: error: {field}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag", ["--json", "--markdown"])
+def test_outputs_are_not_written_through_a_planted_link(tmp_path, capsys, flag):
+    """A link at an output's path is refused before anything is planned (the write itself goes to
+    a fresh name renamed into place, so a link planted after the check is replaced, not
+    followed); the link's target, any file the user can write, is left as it was."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    out = tmp_path / "plan.out"
+    out.symlink_to(target)
+    argv = ["plan", "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-ep", "16"]
+    assert main([*argv, flag, str(out)]) == 2
+    assert f"overlap: error: {flag}=" in capsys.readouterr().err
+    assert target.read_text() == "keep me" and out.is_symlink()
+
+
 CALIBRATION = [
     "-m",
     "qwen",

@@ -48,6 +48,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.kinds import FAMILIES
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
+from overlap.files import write_replace
 from overlap.launch.network import TBF_BURST_BYTES, Network
 from overlap.plan.hardware import Cluster, Efficiency, Link
 from overlap.plan.predict import predict
@@ -420,7 +421,7 @@ def calibrate_gpu(args, job, run_options: list[str], cluster: Cluster) -> Cluste
 
 def write_profile(cluster: Cluster, path: str) -> None:
     """The profile as a `--cluster` file (`overlap.plan.hardware.load_cluster` reads it back)."""
-    Path(path).write_text(json.dumps(cluster.to_json(), indent=1) + "\n")
+    write_replace(path, json.dumps(cluster.to_json(), indent=1) + "\n")
 
 
 def calibrate(args, job, run_options: list[str]) -> Cluster:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlap.errors import ConfigError
+from overlap.files import write_replace
 
 
 @dataclass(frozen=True)
@@ -312,10 +313,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     doc = plan_json(cluster, predictions, verdicts, shlex.join(["overlap", *args.argv]), fp8_note)
     table = format_markdown(doc)
     print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
+    if args.markdown:  # fresh names renamed into place: never written through a planted link
+        write_replace(args.markdown, table + "\n")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(json.dumps(doc, indent=1) + "\n")
+        write_replace(args.json_out, json.dumps(doc, indent=1) + "\n")
     return 0

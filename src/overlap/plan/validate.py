@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from pprint import pformat
 
+from overlap.files import write_replace
 from overlap.plan.hardware import builtin_cluster, with_efficiency
 from overlap.plan.predict import predict
 
@@ -700,7 +701,7 @@ def write_fitted(
         f"LINEARIZED_AT = {pformat(at, width=100, sort_dicts=True)}",
         "",
     ]
-    path.write_text("\n".join(lines))
+    write_replace(path, "\n".join(lines))
 
 
 def stored_linear() -> dict[str, Linear]:
