@@ -186,6 +186,10 @@ def test_the_launcher_told_to_stop_says_so_once_with_the_right_code(sig, code, l
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # as a terminal starts it: a suite run as a background job of a non-interactive shell
+        # inherits SIGINT ignored, and Python then installs no Ctrl-C handler in the launcher or
+        # the ranks
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     until = time.monotonic() + 60
     while len(procs_with(mark)) < 3 and time.monotonic() < until:
