@@ -15,8 +15,6 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 MARK = "OVERLAP_TEST_MARK"
 BASE = [
     "run",
@@ -185,20 +183,10 @@ def test_a_second_writer_a_reached_max_steps_and_a_full_disk_each_end_with_one_l
     )
     assert "nan ms" not in done.stderr
     # a full disk: a 2 MiB tmpfs
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(
-            f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}): the full-disk case "
-            "needs one"
-        )
-    try:
+    from tests.small_disk import small_disk
+
+    with small_disk(tmp_path / "disk", "2m") as disk:
         done = _cli(BASE + ["-ms", "1", f"checkpoint.save={disk}"])
-    finally:
-        subprocess.run(["umount", str(disk)])
     errors = [ln for ln in done.stderr.splitlines() if "overlap: error:" in ln]
     assert done.returncode == 1 and len(errors) == 1, done.stderr[-2000:]
     assert (
