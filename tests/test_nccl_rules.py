@@ -113,6 +113,20 @@ LAYOUTS = [
         ],
     ),
     ("pp2_overlapped", 2, False, 4, PP2 + OVERLAPPED_P2P),
+    # overlapped 1F1B's deeper warm-up (its slack) on a chain of 4 and 8 stages and an uneven one
+    ("pp4_overlapped", 4, False, 4, ["model.pipeline_model_parallel_size=4"] + OVERLAPPED_P2P),
+    ("pp8_overlapped", 8, False, 8, ["model.pipeline_model_parallel_size=8"] + OVERLAPPED_P2P),
+    (
+        "pp3_uneven_overlapped",
+        3,
+        False,
+        4,
+        [
+            "model.pipeline_model_parallel_size=3",
+            "model.num_layers_in_first_pipeline_stage=2",
+        ]
+        + OVERLAPPED_P2P,
+    ),
     ("pp2_vpp2_overlapped", 2, False, 4, PP2 + VPP2 + OVERLAPPED_P2P),
     ("pp2_vpp2_batched", 2, False, 4, PP2 + VPP2 + BATCHED_P2P),
     (
@@ -137,6 +151,7 @@ LAYOUTS = [
         ],
     ),
     ("dp2_distopt_overlaps", 2, False, 2, DISTOPT),
+    ("dp2_pp2_overlapped_distopt", 4, False, 4, PP2 + OVERLAPPED_P2P + DISTOPT),
     ("ep2_overlap_delay_wgrad", 2, True, 2, ["model.expert_model_parallel_size=2"] + EP_OVERLAP),
     (
         "ep2_pp2_vpp2_overlap_delay_wgrad",
@@ -206,8 +221,14 @@ def _programs(
 
 @pytest.mark.parametrize(
     "layout",
-    [PP2, PP2 + VPP2, ["model.pipeline_model_parallel_size=4"] + VPP2],
-    ids=["pp2", "pp2_vpp2", "pp4_vpp2"],
+    [
+        PP2,
+        PP2 + OVERLAPPED_P2P,
+        ["model.pipeline_model_parallel_size=4"] + OVERLAPPED_P2P,
+        PP2 + VPP2,
+        ["model.pipeline_model_parallel_size=4"] + VPP2,
+    ],
+    ids=["pp2", "pp2_overlapped", "pp4_overlapped", "pp2_vpp2", "pp4_vpp2"],
 )
 def test_released_outputs_never_put_their_send_on_the_critical_path(layout):
     """deallocate_pipeline_outputs under NCCL's rules: outputs are released right after their send

@@ -225,6 +225,23 @@ PP_CASES = [
         ],
     ),
     (
+        # overlapped p2p: weight gradients delivered after the next task, each with its backward's
+        # last-micro-batch flag for the DP buckets
+        "dp2_pp2_distopt_overlaps_overlapped_p2p",
+        4,
+        4,
+        dict(pipeline_model_parallel_size=2),
+        [
+            "ddp.use_distributed_optimizer=true",
+            "optimizer.use_distributed_optimizer=true",
+            "ddp.overlap_grad_reduce=true",
+            "ddp.overlap_param_gather=true",
+            "ddp.bucket_size=20000",
+            "comm_overlap.overlap_p2p_comm=true",
+            "comm_overlap.batch_p2p_comm=false",
+        ],
+    ),
+    (
         "pp3_uneven",
         3,
         4,
@@ -284,13 +301,19 @@ def test_ep2_pp2_moe_matches_single_process_bf16():
     "layout",
     [
         dict(pipeline_model_parallel_size=2),
+        dict(pipeline_model_parallel_size=4),
+        dict(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=2),
         dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
     ],
-    ids=["1f1b", "interleaved"],
+    ids=["1f1b", "1f1b_pp4", "1f1b_pp3_uneven", "interleaved"],
 )
 def test_batched_and_overlapped_p2p_are_bit_identical(layout):
+    """Overlapped p2p runs each backward's weight-gradient GEMMs after the next task (the executor's
+    notes): the same GEMMs on the same tensors, accumulated in the same micro-batch order, so the
+    same bits."""
+    world = layout["pipeline_model_parallel_size"]
     batched = run_world(
-        2,
+        world,
         _train,
         False,
         "fp32",
@@ -299,7 +322,7 @@ def test_batched_and_overlapped_p2p_are_bit_identical(layout):
         layout,
     )
     overlapped = run_world(
-        2,
+        world,
         _train,
         False,
         "fp32",
@@ -339,6 +362,51 @@ def _recv_in_flight(overlap: bool) -> tuple[int, int]:
         any(e.t_launch <= s.t_start and s.t_end <= e.t_wait_start for s in forwards) for e in recvs
     )
     return covered, len(recvs)
+
+
+def _split_backwards() -> list[tuple[str, float]]:
+    """The last stage of PP2 (it sends gradients) over one overlapped step: its forward, backward
+    and weight-gradient spans and its gradient sends, in time order."""
+    from overlap.parallel.trace import RECORDER
+
+    cfg = _config(
+        False,
+        "fp32",
+        4,
+        ["comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false"],
+        pipeline_model_parallel_size=2,
+    )
+    res = cfg.finalize(dist.get_world_size())
+    trainer = Trainer(cfg, ParallelState(res.layout))
+    trainer.train_step(0)
+    RECORDER.drain()
+    trainer.train_step(1)
+    events, spans = RECORDER.drain()
+    marks = [(s.name, s.t_start) for s in spans if s.name in ("forward", "backward")]
+    # one weight-gradient mark per backward: the first of its GEMMs
+    wgrads = [s for s in spans if s.name == "bwd.delayed_wgrad"]
+    marks += [
+        ("wgrad", s.t_start)
+        for i, s in enumerate(wgrads)
+        if i == 0 or any(wgrads[i - 1].t_end < t < s.t_start for _n, t in marks)
+    ]
+    marks += [("send", e.t_launch) for e in events if e.kind == "pp_send_bwd"]
+    return [name for name, _t in sorted(marks, key=lambda m: m[1])]
+
+
+def test_overlapped_p2p_sends_the_input_gradient_before_the_weight_gradients():
+    """Overlapped 1F1B on the stage that sends gradients: each backward's gradient send is posted,
+    then the next forward runs, then that backward's weight-gradient GEMMs (the last backward's at
+    the step's end): the slack that lets the transfers hide (the executor's notes)."""
+    order = run_world(2, _split_backwards)[1]
+    micro = order.count("backward")
+    assert micro >= 2 and order.count("send") == micro and order.count("wgrad") == micro
+    assert order == ["forward", "backward", "send"] + [
+        "forward",
+        "wgrad",
+        "backward",
+        "send",
+    ] * (micro - 1) + ["wgrad"]
 
 
 def test_overlapped_p2p_keeps_the_next_receive_in_flight_while_computing():

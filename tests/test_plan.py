@@ -58,24 +58,46 @@ def test_expected_destinations_match_the_reference():
 @pytest.mark.parametrize("overlapped", [False, True])
 def test_simulated_pipeline_has_the_formulas_bubble_with_free_transfers(pp, vpp, m, overlapped):
     """Narayanan et al. 2021: idle (p - 1) / (m v) of the compute, 1F1B at v = 1, interleaved
-    otherwise."""
+    otherwise. Overlapped 1F1B runs each backward's weight gradients after the next task, which
+    shortens the drain beyond two stages (the zero-bubble schedules' effect): at most the
+    formula's there."""
     t = simulate(pp, vpp, m, 1.0 / vpp, 2.0 / vpp, 0.0, overlapped)
     assert t.compute_s == pytest.approx(3.0 * m)
-    assert t.step_s / t.compute_s - 1 == pytest.approx((pp - 1) / (m * vpp))
+    bubble = t.step_s / t.compute_s - 1
+    if overlapped and vpp == 1 and pp > 2:
+        assert 0 < bubble < (pp - 1) / (m * vpp)
+    else:
+        assert bubble == pytest.approx((pp - 1) / (m * vpp))
 
 
-def test_overlapped_p2p_hides_little_in_1f1b_at_pp2_and_more_when_interleaved():
-    """At PP = 2 without interleaving each micro-batch's cycle crosses the link twice (activation
-    out, gradient back) whatever is posted early; interleaving gives the transfers slack."""
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_overlapped_1f1b_exposes_at_most_the_fill_and_the_drain(pp):
+    """Overlapped p2p sends each input gradient before the weight gradients and runs those after
+    the next task (the executor's notes): in 1F1B every transfer up to half a backward's weight
+    gradient (here f / 2) hides in the steady state, and at most the pipeline's fill and drain,
+    2 x (PP - 1) transfers, stay on the critical path whatever the micro-batch count (less at
+    PP > 2: the deferred weight gradients shorten the drain). Batched, transfers sit on every
+    micro-batch's cycle: the cost grows with the micro-batches, and so does overlapped's past the
+    bound."""
+    f, b = 1.0, 2.0
+    for m in (8, 16):
+        free = simulate(pp, 1, m, f, b, 0.0, False).step_s
+        for c in (0.1, 0.3, 0.5):
+            overlapped = simulate(pp, 1, m, f, b, c, True).step_s - free
+            batched = simulate(pp, 1, m, f, b, c, False).step_s - free
+            assert overlapped <= 2 * (pp - 1) * c + 1e-9
+            assert batched >= (m - 1) * c
+    past = [simulate(pp, 1, m, f, b, 1.0, True).step_s for m in (8, 16)]
+    assert past[1] - past[0] > 8 * 3.0
+
+
+def test_interleaving_hides_the_transfers_too():
+    """At PP = 2 the interleaved schedule's slack hides most of the batched mode's link cost."""
     c = 0.2
-    for vpp in (1, 2):
-        free = simulate(2, vpp, 8, 1.0 / vpp, 2.0 / vpp, 0.0, True).step_s
-        batched = simulate(2, vpp, 8, 1.0 / vpp, 2.0 / vpp, c, False).step_s - free
-        overlapped = simulate(2, vpp, 8, 1.0 / vpp, 2.0 / vpp, c, True).step_s - free
-        if vpp == 1:
-            assert overlapped > 0.8 * batched > 0
-        else:
-            assert overlapped < 0.5 * batched
+    free = simulate(2, 2, 8, 0.5, 1.0, 0.0, True).step_s
+    batched = simulate(2, 2, 8, 0.5, 1.0, c, False).step_s - free
+    overlapped = simulate(2, 2, 8, 0.5, 1.0, c, True).step_s - free
+    assert overlapped < 0.5 * batched
 
 
 def test_a_token_bucket_lets_transfers_after_idle_compute_pass_at_the_line_rate():
@@ -106,8 +128,9 @@ def test_the_schedules_bound_in_the_p2p_overlap_benchmark():
     """bench/commands.sh 27's regime (pp_p2p_overlap_vpp: PP=2, 16 micro-batches, a micro-batch
     forward 44 ms and backward 86 ms as its faked-p2p floor measured, a 256 KB activation on the
     1 ms + 20 MB/s link): the share of the batched mode's link cost that the overlapped interleaved
-    schedule can hide at best is ~0.88, and 0.76 on the 10 MB/s link where 0.67 was measured; 1F1B
-    hides almost nothing. The 0.8 target is judged where the bound allows it."""
+    schedule can hide at best is ~0.88, and 0.76 on the 10 MB/s link where 0.67 was measured;
+    overlapped 1F1B, its weight gradients after the next task, as much (the transfer, ~14 ms, is
+    under half the weight-gradient time). The 0.8 target is judged where the bound allows it."""
 
     def hidden(vpp: int, transfer_s: float) -> float:
         f, b = 0.044 / vpp, 0.086 / vpp
@@ -119,7 +142,7 @@ def test_the_schedules_bound_in_the_p2p_overlap_benchmark():
     at_20, at_10 = 1e-3 + 262144 / 20e6, 1e-3 + 262144 / 10e6
     assert hidden(2, at_20) == pytest.approx(0.88, abs=0.02)
     assert hidden(2, at_10) == pytest.approx(0.76, abs=0.02)
-    assert hidden(1, at_20) < 0.1
+    assert hidden(1, at_20) == pytest.approx(0.88, abs=0.02)
 
 
 @pytest.mark.parametrize("gather", [False, True])

@@ -15,6 +15,7 @@ the run reads: the model and its layers, DDP, the optimizer, the schedules and t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -124,17 +125,27 @@ def _source(user: Any, direct: Any) -> str | None:
 
 
 def _choose(
-    log: DecisionLog, field: str, user: Any, direct: Any, auto: Any, auto_by: str, auto_reason: str
+    log: DecisionLog,
+    field: str,
+    user: Any,
+    direct: Any,
+    auto: Any,
+    auto_by: str,
+    auto_reason: str,
+    note: Callable[[Any], str | None] = lambda _value: None,
 ) -> Any:
-    """Apply the precedence user > direct config > automatic, and record the decision."""
+    """Apply the precedence user > direct config > automatic, and record the decision; `note`
+    (given the effective value) adds what that value means here to the reason."""
     src = _source(user, direct)
     if src == USER:
-        return log.record(field, user, user, USER, "set on comm_overlap")
-    if src == MODEL_CONFIG:
-        return log.record(
-            field, direct, direct, MODEL_CONFIG, f"set directly on {field.split('.')[0]}"
-        )
-    return log.record(field, None, auto, auto_by, auto_reason)
+        value, requested, by, why = user, user, USER, "set on comm_overlap"
+    elif src == MODEL_CONFIG:
+        value, requested, by = direct, direct, MODEL_CONFIG
+        why = f"set directly on {field.split('.')[0]}"
+    else:
+        value, requested, by, why = auto, None, auto_by, auto_reason
+    extra = note(value)
+    return log.record(field, requested, value, by, why if extra is None else f"{why}; {extra}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -364,6 +375,17 @@ def _resolve_tp_plan(
         )
 
 
+# overlapped p2p in plain 1F1B: what it does beyond the reference, and what it costs
+_P2P_WITHOUT_VPP = (
+    "beyond the reference (Megatron-Core asserts overlap_p2p_comm needs a virtual pipeline, "
+    "where plain 1F1B's steady cycle crosses the link twice however early receives are posted): "
+    "the warm-up doubles to 2 x (PP - rank - 1) forwards, as the interleaved schedule's, so "
+    "transfers up to a micro-batch's forward time hide and only the fill and drain stay exposed; "
+    "cost: PP - rank - 1 more micro-batches' activations alive on pipeline rank r (rank 0: "
+    "2 x PP - 1 instead of PP), counted in the memory estimate"
+)
+
+
 def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
     pp = model.pipeline_model_parallel_size
     vp = model.virtual_pipeline_model_parallel_size or 1
@@ -384,6 +406,7 @@ def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: R
         auto[0],
         RULE,
         why,
+        lambda on: _P2P_WITHOUT_VPP if on and pp > 1 and vp == 1 else None,
     )
     r["batch_p2p_comm"] = _choose(
         log, "model.batch_p2p_comm", u.batch_p2p_comm, model.batch_p2p_comm, auto[1], RULE, why

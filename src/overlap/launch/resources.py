@@ -242,24 +242,30 @@ def estimate_memory(
     program: Program | None = None,
     merged: bool = False,
     pp_rank: int | None = None,
+    late_wgrad: bool = False,
 ) -> MemoryEstimate:
     """Peak memory of pipeline rank `pp_rank` (None: the rank whose peak is highest) for this
     configuration; pure arithmetic (module docstring). `program`: that rank's steps, whose forwards
     and backwards the activations follow (`overlap.perf.memory_model` passes the real one;
     None: one micro-batch through every chunk, a lower bound); `merged`: EP overlap runs each
-    steady step's forward and backward together, layer by layer."""
+    steady step's forward and backward together, layer by layer; `late_wgrad`: each backward's
+    weight gradients run after the next task (overlapped p2p in plain 1F1B,
+    `overlap.pipeline.executor`)."""
     pipe = resolve_pipeline_layout(cfg.model, max(1, layout.pp))
     if pp_rank is None:
         if program is not None and layout.pp > 1:
             raise ValueError("estimate_memory: a program is one pipeline rank's; name the rank")
         estimates = [
-            _estimate_rank(cfg, layout, cpu, pipe, r, program, merged) for r in range(pipe.pp)
+            _estimate_rank(cfg, layout, cpu, pipe, r, program, merged, late_wgrad)
+            for r in range(pipe.pp)
         ]
         return max(estimates, key=lambda e: e.total)
-    return _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged)
+    return _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged, late_wgrad)
 
 
-def _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged) -> MemoryEstimate:
+def _estimate_rank(
+    cfg, layout, cpu, pipe, pp_rank, program, merged, late_wgrad=False
+) -> MemoryEstimate:
     m, t, d = cfg.model, cfg.train, cfg.ddp
     stages = pipe.rank_stages(pp_rank)
     counts = _rank_params(cfg, layout, stages)
@@ -289,7 +295,7 @@ def _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged) -> MemoryEs
     if program is None:
         program = [(c, None) for c in range(len(stages))]
         program += [(None, c) for c in reversed(range(len(stages)))]
-    activations, transient, in_flight, peak_at = _walk(chunks, program, merged)
+    activations, transient, in_flight, peak_at = _walk(chunks, program, merged, late_wgrad)
     has_moe = any(m.is_moe_layer(i) for s in stages for i in range(s.start, s.end))
     return MemoryEstimate(
         params=counts.params,
@@ -381,16 +387,21 @@ def _chunk_memory(m, shape: LayerShape, stage, pp: int) -> _Chunk:
     return _Chunk(saved, max(per_layer, default=0.0), working, loss_working)
 
 
-def _walk(chunks: list[_Chunk], program: Program, merged: bool) -> tuple[float, float, int, str]:
+def _walk(
+    chunks: list[_Chunk], program: Program, merged: bool, late_wgrad: bool = False
+) -> tuple[float, float, int, str]:
     """Follow the program's forwards (adding their chunk's activations) and backwards (freeing
     them); the peak is where the activations alive plus the running backward's working set are
     highest (a loss's backward first, with everything of its chunk alive, then its layers'). A
     merged step (EP overlap) runs its loss's backward first, then adds its forward's chunk layer
     by layer while its backward frees the other chunk's: at its peak one layer of the forward is
     in, and the forward half's working set (its all-to-all buffers, its experts' intermediates)
-    beside the backward half's."""
+    beside the backward half's. `late_wgrad`: a backward's weight gradients run after the rank's
+    next task, and what they read (its linear layers' inputs and output gradients) stays until
+    then, counted as its chunk's saved activations (about as much)."""
     alive = 0.0
     count = 0
+    owed = 0.0  # late_wgrad: the last backward's activations, freed after the next task
     best = (0.0, 0.0, 0, "")
 
     def consider(kept: float, working: float, alive_count: int, where: str) -> None:
@@ -406,13 +417,21 @@ def _walk(chunks: list[_Chunk], program: Program, merged: bool) -> tuple[float, 
             alive += f.saved - b.saved
             continue
         if forward is not None:
+            paying, owed = owed, 0.0
             alive += chunks[forward].saved
             count += 1
+            consider(alive, 0.0, count, f"chunk {forward}'s forward")
+            alive -= paying
         if backward is not None:
+            paying, owed = owed, 0.0
             b = chunks[backward]
             consider(alive, b.loss_working, count, "the loss's backward")
             consider(alive, b.working, count, _at(backward))
-            alive -= b.saved
+            if late_wgrad:
+                owed = b.saved
+            else:
+                alive -= b.saved
+            alive -= paying
             count -= 1
     return best
 

@@ -110,6 +110,12 @@ class WeightGradStore:
                 before_each(len(self.queue))
             self._run_oldest()
 
+    def drain(self, count: int) -> None:
+        """Run the `count` oldest queued weight-gradient GEMMs (what one backward queued, which its
+        caller counted), leaving any queued after them."""
+        for _ in range(min(count, len(self.queue))):
+            self._run_oldest()
+
     def end_phase(self) -> None:
         """End of a schedule phase: run what the previous phase left, keep this phase's leftovers
         for the next phase's waits. A rank that was behind its peers all phase then does not pay its

@@ -73,11 +73,22 @@ def rank_memory(
 ) -> MemoryEstimate:
     """The peak of pipeline rank `pp_rank` (None: the rank whose peak is highest) over one step of
     `microbatches` micro-batches (None: the step's), by component (module docstring)."""
-    merged = cfg.resolved.overlap.overlap_moe_expert_parallel_comm
+    plan = cfg.resolved.overlap
+    merged = plan.overlap_moe_expert_parallel_comm
+    # overlapped p2p in plain 1F1B runs each backward's weight gradients after the next task
+    # (`overlap.pipeline.executor`)
+    vpp = cfg.model.virtual_pipeline_model_parallel_size or 1
+    late = plan.overlap_p2p_comm and layout.pp > 1 and not merged and vpp == 1
     ranks = range(max(1, layout.pp)) if pp_rank is None else (pp_rank,)
     estimates = [
         estimate_memory(
-            cfg, layout, cpu, program(cfg, layout, r, microbatches), merged=merged, pp_rank=r
+            cfg,
+            layout,
+            cpu,
+            program(cfg, layout, r, microbatches),
+            merged=merged,
+            pp_rank=r,
+            late_wgrad=late,
         )
         for r in ranks
     ]

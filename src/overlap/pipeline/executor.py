@@ -9,6 +9,21 @@ last stage's loss, the send of an output or an input gradient. The concerns arou
 their own units: the p2p transport (`overlap.pipeline.p2p`), the release of sent outputs and the
 measure of their memory (`overlap.pipeline.output_memory`), and the deferral of the output layer's
 weight gradients (`overlap.pipeline.output_wgrad`).
+
+Overlapped p2p in plain 1F1B sends each input gradient before its weight gradients: a backward
+runs with its weight-gradient GEMMs queued (`WGRAD_STORE`), posts its gradient's send, and the
+queued GEMMs run after the rank's next task, whose own send (a forward's activation) then goes that
+much earlier too. Why: in 1F1B every stage alternates
+forward and backward, and the gradient of B(k) going down and the activation of a later forward
+coming back up sit on one cycle that stage p + 1's program waits on; posting receives early cannot
+take a transfer off it (at PP = 2 the steady period stays f + b + 2c, the reason Megatron-Core
+allows `overlap_p2p_comm` only with a virtual pipeline). Sending the gradient a weight-gradient time
+earlier, and running that time while both transfers travel, gives the cycle the slack: transfers up
+to about half a backward's weight-gradient time hide, and the pipeline's drain shortens (the
+zero-bubble schedules' split of B and W; the planner's simulation, `overlap.plan.pipeline_sim`,
+runs the same rule). The cost is one backward's weight-gradient inputs (its linear layers' inputs
+and output gradients) kept one task longer. Data parallelism hears of each delayed gradient with
+the last-micro-batch flag of the backward that queued it.
 """
 
 from __future__ import annotations
@@ -136,7 +151,7 @@ class PipelineExecutor:
             self.ps, self.groups, o.shape, o.dtype, self.num_micro, o.overlap_p2p
         )
         self.release = (
-            OutputRelease(ring, self.num_micro, o.microbatch_group, o.ep_overlap)
+            OutputRelease(ring, self.num_micro, o.microbatch_group, o.ep_overlap, o.overlap_p2p)
             if o.deallocate_outputs
             else None
         )
@@ -151,6 +166,10 @@ class PipelineExecutor:
         )
         # by (micro-batch, chunk): a sequential forward's backward roots, a merged forward's pieces
         self.saved: dict[tuple[int, int], tuple] = {}
+        # overlapped p2p: the last backward's queued weight gradients, as (chunk, the
+        # last-micro-batch flag data parallelism was given for it, how many GEMMs), run after the
+        # next task
+        self.owed: tuple[int, bool, int] | None = None
         self.runs: dict[tuple[int, int], ChunkRun] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self._prefetch(-1)
@@ -161,6 +180,7 @@ class PipelineExecutor:
                 self._merged_step(step, position)
             else:
                 self._sequential_step(step, position)
+        self._pay_owed(self.owed)
         self.deferral.flush()
         self.transport.finish()
         self.live.sample()
@@ -229,8 +249,10 @@ class PipelineExecutor:
     def _sequential_step(self, step: Step, last: int) -> None:
         tasks = [t for t in (step.forward, step.backward) if t is not None]
         for position, task in enumerate(tasks, last - len(tasks) + 1):
+            owed, self.owed = self.owed, None
             (self._backward if task.backward else self._forward)(task, position)
             self._prefetch(position)
+            self._pay_owed(owed)
             if self.release is not None:
                 self.release.drop(self.transport)
             self.live.sample()
@@ -260,12 +282,26 @@ class PipelineExecutor:
         if received is not None:
             grads[0] = received
         deferral = self.deferral.before(task)
-        with RECORDER.span("backward"), deferral:
+        # overlapped p2p: the input gradient goes before the weight gradients (module notes)
+        split = self.transport.overlapped and self.ring.pp > 1 and self.ring.vpp == 1
+        queued = len(WGRAD_STORE.queue)
+        with RECORDER.span("backward"), deferral, WGRAD_STORE.delaying(split):
             if self.release is not None and not self.ring.is_last(c):
                 backward_from_released(seeds, grads)
             else:
                 torch.autograd.backward(seeds, grads if grads[0] is not None else None)
         self._backward_done(task, None if hidden is None else hidden.grad, position)
+        if split:
+            self.owed = (c, self.deferral.announced, len(WGRAD_STORE.queue) - queued)
+
+    def _pay_owed(self, owed: tuple[int, bool, int] | None) -> None:
+        """Run the weight gradients a backward queued (`owed`, if any), data parallelism told first
+        whether they are their chunk's last micro-batch's."""
+        if owed is None:
+            return
+        chunk, last, count = owed
+        self.before_backward(chunk, last)
+        WGRAD_STORE.drain(count)
 
     # --- a merged step: forward and backward interleaved piece by piece (EP overlap) --------------
     def _merged_step(self, step: Step, position: int) -> None:

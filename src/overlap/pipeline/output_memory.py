@@ -12,13 +12,15 @@ output's storage under a tensor the process group holds would hand memory still 
 the allocator (torch's NCCL process group keeps the tensor object, not the storage, and no longer
 records its stream on it). `OutputRelease` drops each such send at the first point where that costs
 nothing, decided without ever blocking the compute on it:
-- where the host sees completion (gloo), by causality: without a virtual pipeline at once
-  (activations only flow from rank r to r + 1, the last stage sends none, so a rank waiting for its
-  send waits for a downstream rank whose progress never depends on it: Megatron's synchronous send);
-  with one, the last stage feeds rank 0 and a wait could close a cycle, so once this rank received a
-  message that the consuming rank produced at or after the task that consumes the output (every rank
-  runs its program in order and completes a task's receive before the task) - at the latest the
-  output's own gradient;
+- where the host sees completion (gloo), by causality: with batched p2p and no virtual pipeline at
+  once (activations only flow from rank r to r + 1, the last stage sends none, so a rank waiting for
+  its send waits for a downstream rank whose progress never depends on it: Megatron's synchronous
+  send); otherwise once this rank received a message that the consuming rank produced at or after
+  the task that consumes the output (every rank runs its program in order and completes a task's
+  receive before the task) - at the latest the output's own gradient. With a virtual pipeline the
+  last stage feeds rank 0 and a wait could close a cycle; with overlapped p2p a wait would hold
+  this rank's compute for the transfer itself (a send completes once received), the serialisation
+  the overlap removes;
 - on a device timeline (NCCL), once the device reports the send complete (`CommHandle.reap`, a query
   that never blocks), without a wait: the memory goes back soon after the transfer ends, and no
   stream waits for it.
@@ -96,17 +98,22 @@ def backward_from_released(seeds: Sequence[torch.Tensor], grads: Sequence[torch.
 
 class OutputRelease:
     """`deallocate_pipeline_outputs` over one step: frees each sent output's storage and drops its
-    send where that costs nothing (module notes). With a virtual pipeline the causal rule needs the
-    neighbours' programs: `num_micro`, `group` and `merged` rebuild them (`program_tasks`)."""
+    send where that costs nothing (module notes). The causal rule (a virtual pipeline, or overlapped
+    p2p) needs the neighbours' programs: `num_micro`, `group` and `merged` rebuild them
+    (`program_tasks`)."""
 
-    def __init__(self, ring: StageRing, num_micro: int, group: int | None, merged: bool) -> None:
+    def __init__(
+        self, ring: StageRing, num_micro: int, group: int | None, merged: bool, overlapped: bool
+    ) -> None:
         self.ring = ring
+        # batched without a virtual pipeline: a send is waited at once (module notes)
+        self.at_once = ring.vpp == 1 and not overlapped
         # a released output's send -> (the consuming pp rank, its consuming task's position)
         self.released: dict[Message, tuple[int, int]] = {}
         # pp rank -> the furthest position in its program that a received message left
         self.heard: dict[int, int] = {}
         self.positions: dict[int, dict[Task, int]] = {}
-        if ring.vpp > 1:
+        if not self.at_once:
             for peer in {(ring.rank + 1) % ring.pp, (ring.rank - 1) % ring.pp}:
                 tasks = program_tasks(ring.pp, peer, ring.vpp, num_micro, group, merged)
                 self.positions[peer] = {t: i for i, t in enumerate(tasks)}
@@ -122,16 +129,16 @@ class OutputRelease:
         out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
         consumer = virtual % self.ring.pp
         position = (
-            self.positions[consumer][Task(False, mb, virtual // self.ring.pp)]
-            if self.ring.vpp > 1
-            else -1
+            -1
+            if self.at_once
+            else self.positions[consumer][Task(False, mb, virtual // self.ring.pp)]
         )
         self.released[message] = (consumer, position)
 
     def heard_from(self, message: Message, transport: StageTransport) -> None:
-        """A received `message` tells how far its producer got (virtual pipeline only); drop what
+        """A received `message` tells how far its producer got (the causal rule only); drop what
         that allows."""
-        if self.ring.vpp == 1:
+        if self.at_once:
             return
         rank, task = self.ring.producer(message)
         self.heard[rank] = max(self.heard.get(rank, -1), self.positions[rank][task])

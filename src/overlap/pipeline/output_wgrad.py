@@ -41,6 +41,8 @@ class OutputWgradDeferral:
         self.before_backward = before_backward
         self.limit = limit if limit and limit > 0 else None
         self.deferred = 0  # micro-batches whose output-layer weight gradient is queued this step
+        # the last-micro-batch flag the last backward's announcement gave data parallelism
+        self.announced = False
         self.chunk: int | None = None
         self.store: WeightGradStore | None = None
         last = [c for c in range(ring.vpp) if ring.is_last(c)]
@@ -72,6 +74,7 @@ class OutputWgradDeferral:
                 # deferred GEMMs are still to come: DP must not take this as the weight's last grad
                 last = False
         self.before_backward(c, last)
+        self.announced = last
         return self.store.delaying(defer) if c == self.chunk else nullcontext()
 
     def flush(self) -> None:

@@ -3,11 +3,13 @@ bubble and p2p included, instead of the (p - 1) / (m v) formula alone.
 
 Why simulate: the bubble formula assumes free transfers, and "overlapped p2p hides every transfer
 behind the micro-batch's own compute" is wrong where a transfer sits on the schedule's critical
-cycle. In non-interleaved 1F1B the last stage cannot start micro-batch i + 1 before its activation
-has arrived, and the stage before it needs the gradient back first (at PP = 2 the steady period is f
-+ b + 2c however early the receives are posted; the reason Megatron-Core allows `overlap_p2p_comm`
-  only with interleaving). The interleaved schedule has slack there, which is
-what its early receives use. Both facts fall out of running the program.
+cycle. In plain 1F1B the last stage cannot start micro-batch i + 1 before its activation has
+arrived, and the stage before it needs the gradient back first: the steady period is f + b + 2c
+however early the receives are posted (the reason Megatron-Core allows `overlap_p2p_comm` only with
+interleaving). The interleaved schedule has slack there, which its early receives use; our
+overlapped p2p makes slack in 1F1B too by sending each input gradient before the weight gradients
+(`overlap.pipeline.executor`'s notes), which also shortens the drain. All of this falls out of
+running the program.
 
 The programs are the runtime's own (`overlap.pipeline.schedules.pipeline_steps`: Megatron-Core's
 warm-up / steady / cool-down and its interleaved table), with the executor's p2p rules
@@ -23,7 +25,9 @@ warm-up / steady / cool-down and its interleaved table), with the executor's p2p
   receiver's wait);
 - overlapped (`overlap_p2p_comm`): sends are posted when their tensor exists and never block; the
   receive of the next forward (and of the next backward) is posted as soon as the previous one of
-  its direction has been consumed.
+  its direction has been consumed; in plain 1F1B a backward (not merged) posts its gradient after
+  its input-gradient share (1 - `wgrad_share`) and runs its weight gradients after the rank's next
+  task (the last at the end), which also brings that task's send forward.
 
 A task's time is the micro-batch's forward / backward time on the average stage, times its virtual
 stage's weight (its layers; the output layer on the last stage), so unequal stages idle the others
@@ -62,12 +66,14 @@ def simulate(
     group: int | None = None,
     weights: tuple[float, ...] | None = None,
     merged: bool = False,
+    wgrad_share: float = 0.5,
 ) -> PipelineTimes:
     """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one
     model chunk of average work; virtual stage v's tasks take `weights[v]` times that) and
     `transfer` per activation or gradient; see the module docstring for the p2p rules. `compute_s`
     is the average rank's work. `merged` (EP overlap): the merged program (one more warm-up
-    forward), each steady step one unit that waits for both its receives first."""
+    forward), each steady step one unit that waits for both its receives first. `wgrad_share`: the
+    share of a backward that is weight gradient (the planner's convention: half)."""
     compute = microbatches * vpp * (fwd_s + bwd_s)
     if pp <= 1:
         return PipelineTimes(compute, compute)
@@ -135,6 +141,8 @@ def simulate(
     pending: list[Message | None] = [None] * pp
     # overlapped: the last receive of each direction used
     consumed = [{False: 0.0, True: 0.0} for _ in range(pp)]
+    # overlapped: the weight-gradient seconds a rank's last backward left for after its next task
+    owed = [0.0] * pp
 
     def advance(rank: int) -> bool:
         """Run the rank's next task if it can start; False while it waits for a message whose send
@@ -157,8 +165,12 @@ def simulate(
         if any(at is None for at in times):
             return False
         clock[rank] = max([clock[rank], *times])
-        clock[rank] += (bwd_s if task.backward else fwd_s) * weights[task.chunk * pp + rank]
+        v = task.chunk * pp + rank
+        seconds = (bwd_s if task.backward else fwd_s) * weights[v]
+        split = wgrad_share if overlapped and vpp == 1 and not merged and task.backward else 0.0
+        clock[rank] += seconds * (1 - split)
         consumed[rank][task.backward] = clock[rank]
+        paid, owed[rank] = owed[rank], seconds * split
         out = produces(rank, task)
         following = tasks[rank][index[rank] + 1] if index[rank] + 1 < len(tasks[rank]) else None
         if out is not None:
@@ -167,6 +179,7 @@ def simulate(
             else:
                 pending[rank] = out
         index[rank] += 1
+        clock[rank] += paid + (owed[rank] if index[rank] == len(tasks[rank]) else 0.0)
         return True
 
     while any(index[r] < len(tasks[r]) for r in range(pp)):
