@@ -379,10 +379,10 @@ def _resolve_tp_plan(
 _P2P_WITHOUT_VPP = (
     "beyond the reference (Megatron-Core asserts overlap_p2p_comm needs a virtual pipeline, "
     "where plain 1F1B's steady cycle crosses the link twice however early receives are posted): "
-    "the warm-up doubles to 2 x (PP - rank - 1) forwards, as the interleaved schedule's, so "
-    "transfers up to a micro-batch's forward time hide and only the fill and drain stay exposed; "
-    "cost: PP - rank - 1 more micro-batches' activations alive on pipeline rank r (rank 0: "
-    "2 x PP - 1 instead of PP), counted in the memory estimate"
+    "each backward sends its input gradient first and runs its weight gradients after the next "
+    "task, so transfers up to about half a backward's weight-gradient time hide and the drain "
+    "shortens; cost: one backward's weight-gradient inputs kept one task longer (about one more "
+    "micro-batch's activations, counted in the memory estimate)"
 )
 
 
