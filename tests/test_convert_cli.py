@@ -10,7 +10,7 @@
 - a bad --hf / --load / --out / --work is a one-paragraph error naming that flag (not the `overlap
   run` setting the shared loaders name), with exit 2 and no traceback, and leaves no output folder
   behind.
-The models are the anchor test's tiny random ones (tests/test_hf_anchor.py: hidden 32, 2 layers, 4
+The models are the anchor test's tiny random ones (tests/hf_models.py: hidden 32, 2 layers, 4
 experts).
 """
 
@@ -27,7 +27,7 @@ from safetensors import safe_open
 from overlap import convert
 from overlap.cli import main
 from overlap.errors import CheckpointError
-from tests.test_hf_anchor import _batch, _reference
+from tests.hf_models import anchor_batch, save_reference_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,7 +40,7 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor]]:
     out = {}
     for kind in ("moe", "dense", "dense_tied"):
         folder = tmp_path_factory.mktemp(f"hf_{kind}")
-        out[kind] = (folder, _reference(kind, folder)["logits"])
+        out[kind] = (folder, save_reference_model(kind, folder)["logits"])
     return out
 
 
@@ -121,7 +121,7 @@ def test_import_then_export_commands_give_transformers_the_same_logits(
     assert type(model).__name__ == ("Qwen3MoeForCausalLM" if kind == "moe" else "Qwen3ForCausalLM")
     assert all(p.dtype == torch.float32 for p in model.parameters())
     with torch.no_grad():
-        got = model(input_ids=_batch()[0]).logits
+        got = model(input_ids=anchor_batch()[0]).logits
     assert torch.equal(got, logits)
 
 
@@ -143,7 +143,7 @@ def test_sharded_folder_imports_and_roundtrips_bit_exact(hf_models, tmp_path, ca
         tmp_path / "work" / "hf", attn_implementation="eager"
     )
     with torch.no_grad():
-        assert torch.equal(model(input_ids=_batch()[0]).logits, logits)
+        assert torch.equal(model(input_ids=anchor_batch()[0]).logits, logits)
 
 
 def _corrupt_index(ckpt: Path) -> None:

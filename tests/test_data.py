@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import struct
 from pathlib import Path
 
@@ -20,40 +19,15 @@ from overlap.data.gpt_dataset import GPTDataset, blending_indices, parse_blend, 
 from overlap.data.indexed import IndexedDataset, IndexedDatasetWriter
 from overlap.errors import ConfigError
 from tests.configs import tiny_config
+from tests.word_tokenizer import corpus, save_word_tokenizer
 from tests.world import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def corpus(n: int, seed: int = 0) -> list[str]:
-    """Sentences from a small grammar (the file-format, padding and layout tests' data; the learning
-    test reads real text, `stdlib_corpus`)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        subject = (
-            f"{rng.choice(['the', 'a'])} {rng.choice(['small', 'big', 'red'])} "
-            f"{rng.choice(['cat', 'dog', 'bird'])}"
-        )
-        verb = rng.choice(["sat", "ran", "flew"])
-        place = f"{rng.choice(['on', 'under', 'over'])} the {rng.choice(['mat', 'tree', 'house'])}"
-        out.append(f"{subject} {verb} {place} and then slept.")
-    return out
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    folder = tmp_path_factory.mktemp("tok")
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.train_from_iterator(
-        corpus(200), trainers.WordLevelTrainer(special_tokens=["<unk>", "<|endoftext|>"])
-    )
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    return folder
+    return save_word_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

@@ -12,101 +12,41 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
-from overlap.model.gpt import GPTModel
+from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel import link_model
-from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER, CommEvent, now
+from overlap.parallel.trace import CommEvent, now
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
-from tests.configs import bare_plan, ep_overlap_model
+from tests.ep_overlap_runs import compare_ep_overlap, run_ep_step
 from tests.world import run_world
-
-
-def _batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(50 + rank)
-    rows = torch.randint(0, 128, (n, 2, 17), generator=gen)
-    return [(r[:, :-1], r[:, 1:]) for r in rows]
-
-
-def _grads(model: GPTModel) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _run(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: int = 3):
-    world = dist.get_world_size()
-    cfg = ep_overlap_model(
-        **cfg_kw,
-        expert_model_parallel_size=layout.get("ep", 1),
-        tensor_model_parallel_size=layout.get("tp", 1),
-        sequence_parallel=layout.get("tp", 1) > 1,
-    )
-    ps = ParallelState(
-        ParallelLayout(world_size=world, tp=layout.get("tp", 1), ep=layout.get("ep", 1))
-    )
-    model = GPTModel(cfg, ps, bare_plan())
-    model.init_weights(7)
-    batches = _batches(ps.dp_rank, n_mb)
-    scale = 1.0 / n_mb
-    RECORDER.drain()
-    if overlap:
-        losses = [float(loss) for loss in _merged(model, ps, batches, scale, delay)]
-    else:
-        losses = []
-        for tokens, labels in batches:
-            lm, aux = model(tokens, labels)
-            ((lm + aux) * scale).backward()
-            losses.append(float(lm))
-    assert not WGRAD_STORE.queue
-    events, spans = RECORDER.drain()
-    return losses, _grads(model), events, spans
-
-
-def _merged(
-    model: GPTModel, ps: ParallelState, batches, scale: float, delay: bool
-) -> list[torch.Tensor]:
-    """The EP-overlap schedule without pipelining: the pipeline executor's PP = 1 program,
-    merged."""
-    shape = (model.config.seq_length, batches[0][0].shape[0], model.config.hidden_size)
-    options = ExecutorOptions(shape, torch.float32, ep_overlap=True, delay_wgrad=delay)
-    return PipelineExecutor([model], ps, options, lambda chunk, last: None).step(batches, scale)
-
-
-def _compare(layout: dict, world: int, cfg_kw: dict, delay: bool) -> None:
-    off = run_world(world, _run, False, False, layout, cfg_kw)
-    on = run_world(world, _run, True, delay, layout, cfg_kw)
-    for (l_off, g_off, _, _), (l_on, g_on, _, _) in zip(off, on):
-        assert l_on == pytest.approx(l_off, rel=1e-6)
-        assert g_on.keys() == g_off.keys()
-        for name in g_off:
-            torch.testing.assert_close(g_on[name], g_off[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("delay", [False, True], ids=["overlap", "overlap+delay_wgrad"])
 def test_ep2_overlap_matches_plain_loop(delay):
-    _compare({"ep": 2}, 2, {}, delay)
+    compare_ep_overlap({"ep": 2}, 2, {}, delay)
 
 
 def test_ep4_overlap_with_dense_layer_and_shared_expert():
-    _compare({"ep": 4}, 4, {"moe_layer_freq": 2, "moe_shared_expert_intermediate_size": 32}, True)
+    compare_ep_overlap(
+        {"ep": 4}, 4, {"moe_layer_freq": 2, "moe_shared_expert_intermediate_size": 32}, True
+    )
 
 
 def test_ep2_overlap_with_forced_load_balancing_matches_plain_loop():
     # The forced random routing gives the same losses and gradients in the merged schedule as in the
     # plain loop.
-    _compare({"ep": 2}, 2, {"moe_router_force_load_balancing": True}, False)
+    compare_ep_overlap({"ep": 2}, 2, {"moe_router_force_load_balancing": True}, False)
 
 
 def test_tp2_ep2_overlap_matches_plain_loop():
-    _compare({"ep": 2, "tp": 2}, 4, {}, True)
+    compare_ep_overlap({"ep": 2, "tp": 2}, 4, {}, True)
 
 
 def test_all_to_alls_are_in_flight_while_the_other_micro_batch_computes():
     """Structural: in merged phases, every dispatch / combine (forward or backward) is launched
     before, and completes after the start of, a compute span that belongs to the other micro-batch's
     work (the interleave really happens)."""
-    _, _, events, spans = run_world(2, _run, True, True, {"ep": 2}, {})[0]
+    _, _, events, spans = run_world(2, run_ep_step, True, True, {"ep": 2}, {})[0]
     a2a = [
         e
         for e in events
@@ -173,7 +113,7 @@ def _run_on_slow_link(latency_ms: float):
     still in flight when the rank reaches its wait."""
     link_model.set_network(link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
     try:
-        return _run(True, True, {"ep": 2}, {})
+        return run_ep_step(True, True, {"ep": 2}, {})
     finally:
         link_model.set_network(None)
 
@@ -207,7 +147,7 @@ def test_waits_are_filled_with_delayed_wgrads_and_split_sizes_are_waited_outside
 def _run_without_delay_on_slow_link(latency_ms: float):
     link_model.set_network(link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
     try:
-        return _run(True, False, {"ep": 2}, {}, n_mb=4)
+        return run_ep_step(True, False, {"ep": 2}, {}, n_mb=4)
     finally:
         link_model.set_network(None)
 

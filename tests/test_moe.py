@@ -25,7 +25,6 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlap.config.model import ModelConfig
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import AllToAllDispatcher, MoELayer, TopKRouter
 from overlap.layers.moe.permute import (
@@ -37,23 +36,18 @@ from overlap.layers.moe.permute import (
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
-from tests.configs import bare_plan, moe_layer_model, tiny_config
+from tests.configs import bare_plan, tiny_config
+from tests.moe_layer_runs import (
+    BATCH,
+    HIDDEN,
+    INIT_STD,
+    SEQ,
+    check_against_reference,
+    layer_batch,
+    moe_config,
+    rank_routing,
+)
 from tests.world import run_world
-
-SEQ, BATCH, HIDDEN = 8, 2, 32
-TOL = dict(atol=1e-5, rtol=1e-5)
-INIT_STD = 0.2  # large enough that outputs are O(1), so an absolute tolerance means something
-
-
-def _config(num_experts: int = 8, tp: int = 1, ep: int = 1, **overrides) -> ModelConfig:
-    fields = dict(
-        num_moe_experts=num_experts,
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
-        sequence_parallel=tp > 1,
-    )
-    return moe_layer_model(**{**fields, **overrides})
-
 
 # --------------------------------------------------------------------------------------------------
 # Permutation (single process)
@@ -138,7 +132,7 @@ def test_sort_chunks_by_local_expert_and_back(ep_size, num_local_experts, data):
 
 def test_aux_loss_is_switch_formula_and_none_disables_it():
     ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, device=torch.device("cpu"))
-    router = TopKRouter(_config(num_experts=4), ps)
+    router = TopKRouter(moe_config(num_experts=4), ps)
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(1))
     topk_idx, topk_weights, aux = router(x)
@@ -150,7 +144,7 @@ def test_aux_loss_is_switch_formula_and_none_disables_it():
     share = torch.stack([(idx == e).sum() for e in range(4)]) / idx.numel()
     torch.testing.assert_close(aux, 1e-2 * 4 * (share * torch.softmax(logits, -1).mean(0)).sum())
 
-    no_aux = TopKRouter(_config(num_experts=4, moe_router_load_balancing_type="none"), ps)
+    no_aux = TopKRouter(moe_config(num_experts=4, moe_router_load_balancing_type="none"), ps)
     no_aux.weight.data.copy_(router.weight.data)
     assert no_aux(x)[2].item() == 0.0
 
@@ -159,7 +153,7 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
     ps = SimpleNamespace(
         tp_size=1, ep_size=1, ep_rank=0, dp_rank=0, tp_rank=0, device=torch.device("cpu")
     )
-    cfg = _config(num_experts=8, moe_router_force_load_balancing=True)
+    cfg = moe_config(num_experts=8, moe_router_force_load_balancing=True)
     router, twin = TopKRouter(cfg, ps, layer_number=3), TopKRouter(cfg, ps, layer_number=3)
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
     twin.weight.data.copy_(router.weight.data)
@@ -205,7 +199,10 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
 def test_experts_must_split_evenly_over_ep():
     with pytest.raises(ValueError, match="num_moe_experts"):
         MoELayer(
-            _config(num_experts=6), SimpleNamespace(ep_size=4), layer_number=0, overlap=bare_plan()
+            moe_config(num_experts=6),
+            SimpleNamespace(ep_size=4),
+            layer_number=0,
+            overlap=bare_plan(),
         )
 
 
@@ -214,26 +211,12 @@ def test_experts_must_split_evenly_over_ep():
 # --------------------------------------------------------------------------------------------------
 
 
-def _rank_routing(rank: int, num_experts: int, num_local_experts: int):
-    """Rank r's tokens; rank 1 has none, and nobody routes to the last EP rank's experts (zero-size
-    splits)."""
-    num_tokens = [6, 0, 5, 7][rank]
-    g = torch.Generator().manual_seed(7 + rank)
-    allowed = num_experts - num_local_experts
-    topk_idx = torch.rand(num_tokens, allowed, generator=g).argsort(dim=1)[:, :2]
-    return (
-        torch.randn(num_tokens, HIDDEN, generator=g),
-        topk_idx,
-        torch.rand(num_tokens, 2, generator=g),
-    )
-
-
 def _dispatch_round_trip(num_experts: int, fused: bool):
     ep, rank = dist.get_world_size(), dist.get_rank()
     ps = ParallelState(ParallelLayout(world_size=ep, ep=ep))
     el = num_experts // ep
-    dispatcher = AllToAllDispatcher(_config(num_experts, ep=ep, moe_permute_fusion=fused), ps)
-    hidden, topk_idx, topk_weights = _rank_routing(rank, num_experts, el)
+    dispatcher = AllToAllDispatcher(moe_config(num_experts, ep=ep, moe_permute_fusion=fused), ps)
+    hidden, topk_idx, topk_weights = rank_routing(rank, num_experts, el)
     hidden.requires_grad_()
     topk_weights.requires_grad_()
 
@@ -249,7 +232,7 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
     for e in range(ps.ep_rank * el, (ps.ep_rank + 1) * el):
         count = 0
         for src in range(ep):
-            src_hidden, src_idx, _ = _rank_routing(src, num_experts, el)
+            src_hidden, src_idx, _ = rank_routing(src, num_experts, el)
             tokens = (src_idx == e).any(dim=1).nonzero().flatten()
             expected_rows.append(src_hidden[tokens])
             count += len(tokens)
@@ -411,94 +394,9 @@ def test_grouped_gemm_kernel_is_chosen_only_where_its_layout_rule_holds():
     )
 
 
-def _force_experts_0_and_1(layer: MoELayer) -> None:
-    """With positive inputs, positive router rows 0 and 1 and negative others, every token picks
-    experts 0 and 1."""
-    with torch.no_grad():
-        w = layer.router.weight
-        w.abs_()
-        w[2:].neg_()
-
-
-def _batch(seed: int, positive: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full [s, b, h] input of one micro-batch and the output gradient its loss uses."""
-    g = torch.Generator().manual_seed(seed)
-    x = (
-        torch.rand(SEQ, BATCH, HIDDEN, generator=g) + 0.1
-        if positive
-        else torch.randn(SEQ, BATCH, HIDDEN, generator=g)
-    )
-    return x, torch.randn(SEQ, BATCH, HIDDEN, generator=g)
-
-
-def _moe_run(tp: int, ep: int, cfg_overrides: dict, seeds: list[int], uneven: bool = False) -> dict:
-    """Forward + backward of one MoE layer; this rank processes its data-parallel share of `seeds`
-    (all of them in the single-process reference), under sequence parallel only its TP slice of each
-    sequence."""
-    ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
-    layer = MoELayer(
-        _config(tp=tp, ep=ep, **cfg_overrides), ps, layer_number=0, overlap=bare_plan()
-    )
-    init_model_params(layer, seed=1234, std=INIT_STD)
-    if uneven:
-        _force_experts_0_and_1(layer)
-    outs = []
-    for seed in seeds[ps.dp_rank :: ps.dp_size]:
-        x, dy = (t.chunk(tp)[ps.tp_rank] for t in _batch(seed, positive=uneven))
-        x.requires_grad_()
-        y, aux = layer(x)
-        ((y * dy).sum() + aux).backward()
-        outs.append((y.detach(), aux.detach(), x.grad))
-    grads = {}
-    for name, p in layer.named_parameters():
-        shard = getattr(p, "shard", None)
-        grads[name] = (p.grad, None if shard is None else (shard.dim, shard.index, shard.count))
-    return {"dp_rank": ps.dp_rank, "tp_rank": ps.tp_rank, "outs": outs, "grads": grads}
-
-
-def _full_grads(results: list[dict]) -> dict[str, torch.Tensor]:
-    """Logical full gradients: shards are reassembled along their dim, each the sum over the ranks
-    holding it (expert-data-parallel replicas, or TP ranks that saw different tokens); replicated
-    parameters sum over all."""
-    full = {}
-    for name, (_, shard) in results[0]["grads"].items():
-        if shard is None:
-            full[name] = sum(r["grads"][name][0] for r in results)
-            continue
-        dim, _, count = shard
-        full[name] = torch.cat(
-            [
-                sum(r["grads"][name][0] for r in results if r["grads"][name][1][1] == i)
-                for i in range(count)
-            ],
-            dim=dim,
-        )
-    return full
-
-
-def _check_against_reference(
-    world: int, tp: int, ep: int, cfg_overrides: dict, uneven: bool = False
-) -> None:
-    seeds = [100 + d for d in range(world // tp)]
-    ref = run_world(1, _moe_run, 1, 1, cfg_overrides, seeds, uneven)[0]
-    par = run_world(world, _moe_run, tp, ep, cfg_overrides, seeds, uneven)
-    for r in par:
-        ((y, aux, dx),) = r["outs"]
-        ref_y, ref_aux, ref_dx = ref["outs"][r["dp_rank"]]
-        torch.testing.assert_close(y, ref_y.chunk(tp)[r["tp_rank"]], **TOL)
-        torch.testing.assert_close(aux, ref_aux, **TOL)
-        torch.testing.assert_close(dx, ref_dx.chunk(tp)[r["tp_rank"]], **TOL)
-    ref_grads, par_grads = _full_grads([ref]), _full_grads(par)
-    assert ref_grads.keys() == par_grads.keys()
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(
-            par_grads[name], g, **TOL, msg=lambda m, name=name: f"{name}: {m}"
-        )
-
-
 @pytest.mark.parametrize("world, fused", [(2, True), (4, False)])
 def test_expert_parallel_matches_reference(world, fused):
-    _check_against_reference(
+    check_against_reference(
         world, tp=1, ep=world, cfg_overrides=dict(num_experts=8, moe_permute_fusion=fused)
     )
 
@@ -506,18 +404,18 @@ def test_expert_parallel_matches_reference(world, fused):
 def test_uneven_routing_to_two_experts_matches_reference():
     # 4 experts on EP=2: experts 0 and 1 live on rank 0, so rank 1 receives no rows and its experts
     # stay idle.
-    _check_against_reference(2, tp=1, ep=2, cfg_overrides=dict(num_experts=4), uneven=True)
+    check_against_reference(2, tp=1, ep=2, cfg_overrides=dict(num_experts=4), uneven=True)
 
 
 def test_sequence_parallel_tp2_ep2_matches_full_sequence_reference():
-    _check_against_reference(4, tp=2, ep=2, cfg_overrides=dict(num_experts=4))
+    check_against_reference(4, tp=2, ep=2, cfg_overrides=dict(num_experts=4))
 
 
 def _none_mode_step() -> tuple[int, ...]:
     ps = ParallelState(ParallelLayout(world_size=2, ep=2))
-    layer = MoELayer(_config(num_experts=4, ep=2), ps, layer_number=0, overlap=bare_plan())
+    layer = MoELayer(moe_config(num_experts=4, ep=2), ps, layer_number=0, overlap=bare_plan())
     init_model_params(layer, seed=0, std=INIT_STD)
-    x = _batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
+    x = layer_batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
     comm.set_mode("none")
     try:
         y, aux = layer(x)
@@ -535,7 +433,7 @@ def test_no_communication_mode_keeps_shapes():
 # sequence parallel.
 @pytest.mark.parametrize("world, tp, ep", [(2, 1, 2), (4, 2, 2)])
 def test_shared_expert_matches_reference(world, tp, ep):
-    _check_against_reference(
+    check_against_reference(
         world,
         tp=tp,
         ep=ep,

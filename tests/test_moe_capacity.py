@@ -40,8 +40,8 @@ from overlap.layers.moe.permute import ExpertCapacity, expert_capacity, expert_c
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
 from tests.configs import bare_plan, container, moe_layer_model, moe_model
-from tests.test_ep_overlap import _compare
-from tests.test_moe import _check_against_reference
+from tests.ep_overlap_runs import compare_ep_overlap
+from tests.moe_layer_runs import check_against_reference
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -188,7 +188,7 @@ def test_layer_output_sums_only_the_kept_assignments(pad, policy):
 @pytest.mark.parametrize("pad", [False, True], ids=["drop", "drop+pad"])
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_ep2_with_drops_matches_single_process_reference(pad, policy):
-    _check_against_reference(
+    check_against_reference(
         2, tp=1, ep=2, cfg_overrides=dict(num_experts=8, **_capacity(0.5, pad, policy))
     )
 
@@ -240,7 +240,7 @@ def test_unreached_padded_capacity_matches_dropless_and_exchanges_no_split_sizes
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_ep_overlap_with_padded_capacity_matches_plain_loop(policy):
-    _compare({"ep": 2}, 2, _capacity(0.75, True, policy), True)
+    compare_ep_overlap({"ep": 2}, 2, _capacity(0.75, True, policy), True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from overlap.layers.moe.flex_dispatcher import FlexDispatcher
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
 from tests.configs import bare_plan, moe_layer_model
-from tests.test_ep_overlap import _compare
-from tests.test_moe import _rank_routing
+from tests.ep_overlap_runs import compare_ep_overlap
+from tests.moe_layer_runs import rank_routing
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -135,7 +135,7 @@ def _flex_round_trip_with_identity_experts() -> None:
     ep, rank = dist.get_world_size(), dist.get_rank()
     ps = ParallelState(ParallelLayout(world_size=ep, ep=ep))
     dispatcher = FlexDispatcher(_config(ep=ep, num_moe_experts=4, **FLEX), ps)
-    hidden, topk_idx, topk_weights = _rank_routing(rank, 4, 4 // ep)
+    hidden, topk_idx, topk_weights = rank_routing(rank, 4, 4 // ep)
     hidden.requires_grad_()
     topk_weights.requires_grad_()
     plan = dispatcher.route(topk_idx, topk_weights, hidden.shape).resolve()
@@ -163,7 +163,7 @@ def test_flex_round_trip_with_empty_rank_and_idle_experts():
 
 
 def test_flex_under_ep_overlap_schedule_matches_plain_loop():
-    _compare({"ep": 2}, 2, FLEX, True)
+    compare_ep_overlap({"ep": 2}, 2, FLEX, True)
 
 
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])

@@ -278,9 +278,9 @@ def test_a_wait_for_a_late_peer_is_exposed_under_nccl_rules():
 def _delayed_wgrad_in_waits() -> tuple[int, int]:
     """EP2 overlap with delay_wgrad: (delayed weight-gradient GEMMs issued between a collective's
     launch and the wait for it, all delayed weight-gradient GEMMs)."""
-    from tests.test_ep_overlap import _run
+    from tests.ep_overlap_runs import run_ep_step
 
-    _losses, _grads, events, spans = _run(True, True, {"ep": 2}, {}, n_mb=4)
+    _losses, _grads, events, spans = run_ep_step(True, True, {"ep": 2}, {}, n_mb=4)
     wgrad = [s for s in spans if s.name == "bwd.delayed_wgrad"]
     ops = [e for e in events if e.t_wait_start is not None]
     filled = [

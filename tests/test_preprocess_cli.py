@@ -2,8 +2,8 @@
 none, the `--tokenizer` spelling, and the end-of-document token on by default (`--no-append-eod` to
 leave it out).
 
-The tokenizer is tests/test_data.py's word-level one (its `tokenizer_config.json` names
-`<|endoftext|>` as EOS)."""
+The tokenizer is tests/word_tokenizer.py's word-level one, as in tests/test_data.py (its
+`tokenizer_config.json` names `<|endoftext|>` as EOS)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,13 @@ from tokenizers import Tokenizer
 
 from overlap.cli import main
 from overlap.data.indexed import IndexedDataset
-from tests import test_data
+from tests.word_tokenizer import save_word_tokenizer
 
-tokenizer_dir = test_data.tokenizer_dir  # the module-scoped fixture, shared with test_data
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return save_word_tokenizer(tmp_path_factory.mktemp("tok"))
+
 
 TEXTS = ["the cat sat on the mat", "a dog ran", "the red bird flew over the house and then slept."]
 

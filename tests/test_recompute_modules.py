@@ -176,15 +176,17 @@ def test_moe_act_under_ep2_overlap_and_delayed_wgrad_matches_the_plain_loop():
     """The merged EP-overlap schedule with delayed weight gradients (the experts' fc2 wgrad then
     reads the recomputed activation later) against the plain loop without recompute: same losses
     and gradients (rel 1e-6, the tolerance of the EP-overlap tests)."""
-    from tests.test_ep_overlap import _run
+    from tests.ep_overlap_runs import run_ep_step
 
     recompute = dict(
         recompute_granularity="selective",
         recompute_modules=["moe_act", "shared_experts"],
         moe_shared_expert_intermediate_size=32,
     )
-    plain = run_world(2, _run, False, False, {"ep": 2}, {"moe_shared_expert_intermediate_size": 32})
-    merged = run_world(2, _run, True, True, {"ep": 2}, recompute)
+    plain = run_world(
+        2, run_ep_step, False, False, {"ep": 2}, {"moe_shared_expert_intermediate_size": 32}
+    )
+    merged = run_world(2, run_ep_step, True, True, {"ep": 2}, recompute)
     for (l_off, g_off, _, _), (l_on, g_on, _, _) in zip(plain, merged):
         assert l_on == pytest.approx(l_off, rel=1e-6)
         assert g_on.keys() == g_off.keys()

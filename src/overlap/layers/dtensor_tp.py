@@ -15,12 +15,15 @@ The plan, per transformer layer, on the 1-D "tp" sub-mesh of `ParallelState.mesh
 [seq, batch, hidden], so the sequence dim is 0; torchtitan's [batch, seq, hidden] uses Shard(1) for
 the same thing):
 
-    self_attention.linear_qkv   ColwiseParallel(input_layouts=Shard(0))   SP all-gather -> column
-    GEMM self_attention.linear_proj  RowwiseParallel(output_layouts=Shard(0))  row GEMM -> SP
-    reduce-scatter mlp.linear_fc1              PrepareModuleInput(Shard(0) -> Replicate) SP
-    all-gather, once for gate and up mlp.linear_fc1.parts.{0,1}  ColwiseParallel()
-    gate, up: column GEMMs (see below) mlp.linear_fc2
-    RowwiseParallel(output_layouts=Shard(0))
+    module                      style                                      does
+    self_attention.linear_qkv   ColwiseParallel(input_layouts=Shard(0))    SP all-gather -> GEMM
+    self_attention.linear_proj  RowwiseParallel(output_layouts=Shard(0))   GEMM -> SP reduce-scatter
+    mlp.linear_fc1              PrepareModuleInput(Shard(0) -> Replicate)  one SP all-gather
+    mlp.linear_fc1.parts.{0,1}  ColwiseParallel()                          gate, up: column GEMMs
+    mlp.linear_fc2              RowwiseParallel(output_layouts=Shard(0))   GEMM -> SP reduce-scatter
+
+The two fc1 rows are the gated MLP's (`fc1_parts` 2, see below); an ungated fc1 is one
+ColwiseParallel(input_layouts=Shard(0)), as qkv is.
 
 Without sequence parallelism the styles keep their default layouts (replicated input: identity
 forward and all-reduce backward; replicated output: all-reduce forward). Both styles return local

@@ -14,15 +14,18 @@ layer counts differ the longer one's last pieces run alone at the end.
 Per merged layer pair (F walks up, B walks down), the order of work on this rank's one compute
 thread is:
 
-    B  combine-postprocess backward, LAUNCH combine-backward all-to-all
-    F  WAIT previous combine, attention piece (LAUNCH split sizes)                 (hides B's
-    combine-bwd) B  the previous layer's experts weight gradients (at fixed slots)   (hide F's split
-    sizes and B's combine-bwd) F  WAIT split sizes, permute, LAUNCH dispatch
-    B  WAIT combine-backward, experts input-gradient backward, LAUNCH dispatch-bwd (hides F's
-    dispatch) F  WAIT dispatch, experts, LAUNCH combine                                      (hides
-    B's dispatch-bwd) B  WAIT dispatch-backward, permute + attention backward
-    (hides F's combine) (F's combine is waited for at the start of the next layer's attention piece,
-    after B's next combine backward)
+    step                                                                   hides
+    B  combine-postprocess backward, LAUNCH combine-bwd all-to-all
+    F  WAIT previous combine, attention piece (LAUNCH split sizes)         B's combine-bwd
+    B  the previous layer's experts weight gradients (fixed slot)          F's split sizes,
+                                                                           B's combine-bwd
+    F  WAIT split sizes, permute, LAUNCH dispatch
+    B  WAIT combine-bwd, experts input-gradient bwd, LAUNCH dispatch-bwd   F's dispatch
+    F  WAIT dispatch, experts, LAUNCH combine                              B's dispatch-bwd
+    B  WAIT dispatch-bwd, permute + attention backward                     F's combine
+
+F's combine is waited for at the start of the next layer's attention piece, after B's next combine
+backward.
 
 This is Megatron-Core's per-layer order (`TransformerLayerSchedulePlan.run` in
 `megatron/core/models/common/model_chunk_schedule_plan.py`) translated from two CUDA streams to one

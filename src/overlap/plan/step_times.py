@@ -13,11 +13,13 @@ switch hides behind what.
   B(last) alone. Per merged MoE layer each transfer is hidden by the pieces of the other micro-batch
   between its launch and its wait (each backward counted as half input gradient, half weight
   gradient), in the runtime's order:
+
       F attention + B previous layer's experts weight gradients   hide B's combine backward
-      B previous layer's experts weight gradients                 hide F's split-size exchange
-      (`ep_counts`) B experts input gradient                                    hides F's dispatch
+      B previous layer's experts weight gradients                 hide F's split sizes (`ep_counts`)
+      B experts input gradient                                    hides F's dispatch
       F experts                                                   hide B's dispatch backward
       B attention backward                                        hides F's combine
+
   `delay_wgrad_compute` takes the weight gradients out of their fixed places: they fill whatever the
   other pieces leave exposed. F(0) and B(last) expose their all-to-alls and split-size exchanges;
   under an interleaved pipeline the merged program's warm-up forwards and cool-down backwards do

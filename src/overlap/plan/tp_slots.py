@@ -7,11 +7,14 @@ switch or a size rule that changes what runs changes the prediction too. With se
 every TP linear moves one collective of the layer's activation ([s, b, h], (t-1)/t of it per GPU)
 per pass; per layer and micro-batch:
 
-    forward:  qkv all-gather -> qkv GEMM;  proj GEMM -> reduce-scatter;  fc1 all-gather -> fc1 GEMM;
+    forward:  qkv all-gather -> qkv GEMM
+              proj GEMM -> reduce-scatter
+              fc1 all-gather -> fc1 GEMM
               fc2 GEMM -> reduce-scatter
-    backward: fc2 all-gather of the output gradient -> dgrad GEMM;  fc1 dgrad GEMM ->
-    reduce-scatter;
-              proj all-gather -> dgrad GEMM;  qkv dgrad GEMM -> reduce-scatter
+    backward: fc2 all-gather of the output gradient -> dgrad GEMM
+              fc1 dgrad GEMM -> reduce-scatter
+              proj all-gather of the output gradient -> dgrad GEMM
+              qkv dgrad GEMM -> reduce-scatter
               (+ the input's all-gather again for the weight gradient: the plain path and a bulk
               dgrad slot keep just the input shard; a plan without a bulk dgrad slot keeps the
               forward's gathered input)

@@ -1,19 +1,17 @@
 """How a checkpoint lies on disk: DCP shards addressed by layout-independent names, and the folders
 around them.
 
-```
-<save>/latest_checkpointed_iteration.txt  the tracker (Megatron's name): the newest complete
-                                          iteration, written last
-<save>/iter_0000010/                      one folder per saved iteration (iter_{:07d})
-    __<rank>_0.distcp  .metadata          torch.distributed.checkpoint shards and their index
-    digests.json                          a SHA-256 per stored tensor and of .metadata
-                                          (shard_digests.py)
-    train_state.json                      iteration, consumed samples, optimizer steps, the layout
-                                          that wrote it
-    run_config.yaml                       the resolved run configuration
-<save>/iter_0000020.tmp/                  a save in progress (renamed when complete; left over if
-                                          the job died)
-```
+    <save>/latest_checkpointed_iteration.txt    the tracker (Megatron's name): the newest
+                                                complete iteration, written last
+    <save>/iter_0000010/                        one folder per saved iteration (iter_{:07d})
+        __<rank>_0.distcp  .metadata            torch.distributed.checkpoint shards, their index
+        digests.json                            a SHA-256 per stored tensor and of .metadata
+                                                (shard_digests.py)
+        train_state.json                        iteration, consumed samples, optimizer steps, the
+                                                layout that wrote it (+ fp16: the loss scaler)
+        run_config.yaml                         the resolved run configuration
+    <save>/iter_0000020.tmp/                    a save in progress (renamed when complete; left
+                                                over if the job died)
 
 Every tensor is stored as a chunk of its *global* tensor: the key is the parameter's name (the same
 in every layout: `layers.5.` on whichever pipeline rank holds layer 5, stacked experts), the global

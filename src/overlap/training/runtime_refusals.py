@@ -34,7 +34,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
             True,
             "Releasing sent pipeline outputs under EP overlap (the merged steps keep each layer "
             "piece's output for its own backward)",
-            "set comm_overlap.deallocate_pipeline_outputs=false with EP overlap under -pp.",
+            "set model.deallocate_pipeline_outputs=false with EP overlap under -pp.",
         ),
         (
             m.pipeline_impl == "torch_pipelining"

@@ -10,15 +10,17 @@ public methods, named after Megatron-Core's `MoELayer`, because the EP-overlap s
 separate nodes and interleaves two micro-batches (one's all-to-all in flight while the other
 computes):
 
-    topk_weights, pending_plan, aux = layer.route(x)     # router; launches the split-size exchange
-    shared = layer.shared_experts_compute(x)             # None without a shared expert
-    plan = pending_plan.resolve()                        # waits for the split sizes (none with
-    padded capacity) rows, weights = layer.permute(x, topk_weights, plan)
-    pending = layer.dispatch(rows, weights, plan)        # launch, returns handles
-    out_rows = layer.routed_experts_compute(pending, plan)   # wait, sort, weighted experts, unsort
-    pending = layer.combine(out_rows, plan)              # launch, returns handles
-    y = layer.postprocess(pending, plan, shared)         # wait, un-permute, add shared expert
-    output
+    topk_weights, pending_plan, aux = layer.route(x)        # router; launches the split sizes
+    shared = layer.shared_experts_compute(x)                # None without a shared expert
+    plan = pending_plan.resolve()                           # waits for the split sizes
+    rows, weights = layer.permute(x, topk_weights, plan)
+    pending = layer.dispatch(rows, weights, plan)           # launch, returns handles
+    out_rows = layer.routed_experts_compute(pending, plan)  # wait, sort, weighted experts, unsort
+    pending = layer.combine(out_rows, plan)                 # launch, returns handles
+    y = layer.postprocess(pending, plan, shared)            # wait, un-permute, add shared expert
+
+With a padded expert capacity (`moe_pad_expert_input_to_capacity`) the split sizes are fixed by
+the configuration, none are exchanged and `resolve` waits for nothing.
 
 The resolved plan's `moe_shared_expert_overlap` runs the shared expert inside `forward` in two
 halves, each while an all-to-all is in flight (see `_forward_with_shared_expert_overlap`).
