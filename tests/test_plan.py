@@ -704,3 +704,22 @@ def test_a_tied_pipeline_sums_the_embedding_gradient_over_its_ends_once_a_step()
     ):
         cfg, layout = _floor_job(argv)
         assert "pp_tied_grad" not in comm_plan(cfg, layout, H100).kinds
+
+
+@pytest.mark.parametrize(
+    "pp, vpp, m, c, overlapped, group",
+    [
+        (4, 1, 256, 0.1, False, None),
+        (4, 1, 256, 0.1, True, None),
+        (8, 4, 256, 0.05, True, None),
+        (2, 12, 512, 0.02, True, None),
+        (8, 1, 130, 0.3, True, None),
+        (4, 2, 97, 0.1, True, 6),
+    ],
+)
+def test_a_long_program_extrapolates_from_two_short_ones(pp, vpp, m, c, overlapped, group):
+    """`simulate(exact=False)` (the layout search): past a few pipeline depths every group of
+    micro-batches adds the same time, so the long step is the short one plus that slope."""
+    exact = simulate(pp, vpp, m, 1.0 / vpp, 2.0 / vpp, c, overlapped, group).step_s
+    fast = simulate(pp, vpp, m, 1.0 / vpp, 2.0 / vpp, c, overlapped, group, exact=False).step_s
+    assert fast == pytest.approx(exact, rel=1e-9)

@@ -82,13 +82,15 @@ def simulate(
     if pp <= 1:
         return PipelineTimes(compute, compute)
     if not exact:
-        short = _extrapolated(microbatches, pp, group)
-        if short is not None:
+        whole = _extrapolated(microbatches, pp, group)
+        if whole is not None:
+            # the same last partial group as the long program: its chunks end the table
+            short = whole + microbatches % (group or pp)
             args = (pp, vpp)
             rest = (fwd_s, bwd_s, transfer, overlapped, group, weights, merged, wgrad_share)
             t1 = simulate(*args, short, *rest).step_s
-            t2 = simulate(*args, 2 * short, *rest).step_s
-            return PipelineTimes(t1 + (microbatches - short) * (t2 - t1) / short, compute)
+            t2 = simulate(*args, short + whole, *rest).step_s
+            return PipelineTimes(t1 + (microbatches - short) * (t2 - t1) / whole, compute)
     weights = (1.0,) * (pp * vpp) if weights is None else weights
     if len(weights) != pp * vpp:
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
@@ -208,7 +210,7 @@ def simulate(
 
 
 def _extrapolated(microbatches: int, pp: int, group: int | None) -> int | None:
-    """The short step's micro-batch count for `simulate(exact=False)`: a whole number of the
+    """The whole groups of the short step for `simulate(exact=False)`: a whole number of the
     interleaved table's groups, at least four pipeline depths (the fill, the drain and a settled
     steady state between them); None when the step is not much longer than twice that."""
     size = group or pp
