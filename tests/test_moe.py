@@ -477,10 +477,18 @@ def _full_grads(results: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _check_against_reference(
-    world: int, tp: int, ep: int, cfg_overrides: dict, uneven: bool = False
+    world: int,
+    tp: int,
+    ep: int,
+    cfg_overrides: dict,
+    uneven: bool = False,
+    reference_overrides: dict | None = None,
 ) -> None:
+    """The layer in the layout against the single-process reference layer, built with
+    `reference_overrides` (None: the same `cfg_overrides`)."""
     seeds = [100 + d for d in range(world // tp)]
-    ref = run_world(1, _moe_run, 1, 1, cfg_overrides, seeds, uneven)[0]
+    ref_cfg = cfg_overrides if reference_overrides is None else reference_overrides
+    ref = run_world(1, _moe_run, 1, 1, ref_cfg, seeds, uneven)[0]
     par = run_world(world, _moe_run, tp, ep, cfg_overrides, seeds, uneven)
     for r in par:
         ((y, aux, dx),) = r["outs"]

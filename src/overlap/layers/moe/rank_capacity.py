@@ -1,0 +1,261 @@
+"""Sync-free dropless dispatch (`model.moe_expert_rank_capacity_factor`, Megatron's name): the
+all-to-all dispatcher with every shape fixed by the configuration, and exact dropless results.
+
+The all-to-all dispatcher reads the split sizes on the host once per MoE layer and micro-batch
+(`read_split_sizes`): each read waits for the device. The padded capacity path
+(`moe_expert_capacity_factor` + `moe_pad_expert_input_to_capacity`) reads nothing but drops the rows
+past each expert's capacity, so it trains another model. This dispatcher reads nothing and drops
+nothing that survives the step:
+
+- every EP rank sends each EP peer one block of exactly C = ceil(T x k / EP x factor) rows
+  (`expert_rank_capacity`): the peer's rows in the dropless layout (local expert, then token order)
+  and then padding rows (zero row, weight 0, `permute.gather`). All split sizes are [C] x EP, host
+  ints known from the configuration;
+- the per-(peer, local expert) counts still travel (the `ep_counts` exchange, launched at routing as
+  the dropless path launches it), but only the device reads them: the receiver sorts the EP x C rows
+  it gets by local expert with a stable device sort (padding last), which is the order the dropless
+  path gives its experts (local expert, source rank, token);
+- the experts' grouped GEMM runs on all EP x C rows, its groups' ends computed on the device from
+  the received counts (the padding rows join the last expert's group: zero rows whose output and
+  weight-gradient contributions are zero). The per-expert loop (`GroupedLinear` without offsets)
+  needs host counts and is refused (`GroupedExperts`);
+- combine undoes the sort on the device and sends blocks of C rows back; the source sums each
+  token's rows in ascending expert order as the dropless un-permutation does (padding lands in a
+  scratch row). Backward is autograd's through the same index ops and the same fixed splits.
+
+Overflow: a block needs more than C rows when a rank routes more than C of its (token, expert)
+pairs to one peer's experts. The rows past C are then not sent, and the dispatcher adds the count
+of such blocks into its device counter `overflow`, which nothing reads on the host here. The trainer
+(`overlap.training.trainer`) folds the counters' sum into the step's existing loss and grad-norm
+reductions (`StaticDispatchSteps`), so every rank learns in the grad-norm read it makes anyway
+whether ANY rank overflowed, and if so re-runs the whole forward-backward with these dispatchers
+switched to the dropless path (`AllToAllDispatcher`'s, host split sizes), before the optimizer
+applies anything: the step that counts is then the dropless step, and what it leaves (weights,
+optimizer state, loss scaler, RNG, data position) is what a dropless run's step leaves. With no
+overflow the result equals the dropless step's up to the GEMMs' rounding (the last expert's group
+has padding rows: BLAS may block it otherwise).
+
+The factor trades memory and bandwidth for re-runs: each rank holds and sends EP x C = factor x T x
+k rows per MoE layer and micro-batch where dropless holds T x k on average (factor >= EP never
+overflows: a block then has room for every pair of the rank); a re-run costs one more
+forward-backward of the step. `overlap explain`'s decision table says both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from overlap.config.model import ModelConfig, expert_rank_capacity
+from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingPlan, WaitFn
+from overlap.layers.moe.permute import count_per_expert, route, sum_rows
+from overlap.layers.moe.router import TopKRouter
+from overlap.parallel import comm
+from overlap.parallel.state import ParallelState
+from overlap.parallel.trace import RECORDER
+
+
+@dataclass
+class RankCapacityPlan:
+    """Routing metadata of one micro-batch in fixed blocks: every split size is the block size, and
+    everything that depends on the routing stays on the device."""
+
+    hidden_shape: torch.Size  # shape of the layer input, restored by combine_postprocess
+    # [EP x C] token position of each sent row, block by block (T: padding)
+    token_idx: torch.Tensor
+    # [EP x C] position of each sent row in the flattened [T x k] routing (T x k: padding)
+    slot_idx: torch.Tensor
+    input_splits: list[int]  # [EP] C rows sent to each EP rank
+    output_splits: list[int]  # [EP] C rows received from each EP rank
+    # [EP x C] received row at each expert input row: (local expert, source rank, token), padding
+    # last
+    expert_order: torch.Tensor
+    expert_unorder: torch.Tensor  # [EP x C] its inverse permutation
+    # [E_local] int64 rows of each grouped-GEMM group on the device: the valid rows of each local
+    # expert, the padding rows added to the last one
+    local_expert_counts: torch.Tensor
+    # the grouped GEMM needs no host counts here (GroupedExperts refuses the per-expert loop)
+    tokens_per_local_expert: None = None
+    padded: bool = True  # `permute.gather`: padding rows get a zero row and weight 0
+
+
+class RankCapacityDispatcher(AllToAllDispatcher):
+    """The all-to-all dispatcher in fixed blocks of `expert_rank_capacity` rows per EP peer (module
+    docstring). `dropless = True` switches it to `AllToAllDispatcher`'s path (the re-run of a step
+    that overflowed); `overflow` counts, on the device, the blocks that had no room for all their
+    rows since it was last zeroed."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+        super().__init__(config, ps)
+        self.rank_capacity_factor = config.moe_expert_rank_capacity_factor
+        self.dropless = False
+        self.overflow = torch.zeros((), dtype=torch.int64, device=ps.device)
+
+    def block_rows(self, num_tokens: int) -> int:
+        """C: the rows of one block for `num_tokens` local tokens."""
+        return expert_rank_capacity(num_tokens, self.topk, self.ep_size, self.rank_capacity_factor)
+
+    def route(
+        self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden_shape: torch.Size
+    ) -> PendingPlan[DispatchPlan | RankCapacityPlan]:
+        """Launch the counts exchange and lay out the blocks while it travels; returns without
+        waiting (the dropless path's own `route` while `dropless`)."""
+        if self.dropless:
+            return super().route(topk_idx, topk_weights, hidden_shape)
+        ep, el = self.ep_size, self.num_local_experts
+        num_tokens, pairs = topk_idx.shape[0], topk_idx.numel()
+        c = self.block_rows(num_tokens)
+        counts = count_per_expert(topk_idx, self.num_experts)
+        handle = comm.all_to_all(counts, self.meta_group, "ep_counts", [el] * ep, [el] * ep)
+        with RECORDER.span("moe.permute"):
+            # the dropless layout (expert, then token order): each peer's rows are one run of it
+            routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx))
+            per_peer = counts.view(ep, el).sum(1)
+            self.overflow += (per_peer > c).sum()
+            position = torch.arange(c, device=topk_idx.device)
+            first = per_peer.cumsum(0) - per_peer
+            # [EP, C]: the routing row at each block position, `pairs` (padding) past the peer's
+            # rows; a block over capacity keeps its first C rows
+            source = torch.where(position < per_peer[:, None], first[:, None] + position, pairs)
+            slot_idx = torch.cat([routing.slot_idx, routing.slot_idx.new_full((1,), pairs)])
+            slot_idx = slot_idx.index_select(0, source.reshape(-1))
+        token_idx = torch.div(slot_idx, self.topk, rounding_mode="floor")
+
+        def finish(wait: WaitFn) -> RankCapacityPlan:
+            # a device wait on the counts (a stream wait on NCCL), never a host read
+            received = wait(handle).view(ep, el)
+            with RECORDER.span("moe.permute"):
+                return self._plan_from_counts(hidden_shape, token_idx, slot_idx, received, c)
+
+        return PendingPlan(finish)
+
+    def _plan_from_counts(
+        self,
+        hidden_shape: torch.Size,
+        token_idx: torch.Tensor,
+        slot_idx: torch.Tensor,
+        received: torch.Tensor,
+        c: int,
+    ) -> RankCapacityPlan:
+        """The receiving side's order from `received` [EP, E_local], the rows each source rank
+        routed to each local expert (its block holds the first C of them, local expert by local
+        expert)."""
+        ep = self.ep_size
+        # end of each local expert's rows inside each source's block, cut at the block's end
+        ends = received.cumsum(1).clamp(max=c)
+        position = torch.arange(c, device=received.device).expand(ep, c).contiguous()
+        # [EP, C] local expert of each received row (E_local: padding)
+        expert = torch.searchsorted(ends, position, right=True)
+        order = torch.argsort(expert.reshape(-1), stable=True)
+        unorder = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device)
+        )
+        valid = torch.diff(ends, dim=1, prepend=ends.new_zeros(ep, 1)).sum(0)
+        # the grouped GEMM's groups cover every row: padding joins the last group
+        groups = torch.cat([valid[:-1], (ep * c - valid[:-1].sum()).view(1)])
+        return RankCapacityPlan(
+            hidden_shape=hidden_shape,
+            token_idx=token_idx,
+            slot_idx=slot_idx,
+            input_splits=[c] * ep,
+            output_splits=[c] * ep,
+            expert_order=order,
+            expert_unorder=unorder,
+            local_expert_counts=groups,
+        )
+
+    def dispatch_postprocess(
+        self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan | RankCapacityPlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Received blocks -> rows grouped by local expert, padding last (device sort)."""
+        if isinstance(plan, DispatchPlan):
+            return super().dispatch_postprocess(rows, weights, plan)
+        with RECORDER.span("moe.sort_chunks"):
+            return rows.index_select(0, plan.expert_order), weights.index_select(
+                0, plan.expert_order
+            )
+
+    def combine_preprocess(
+        self, expert_output: torch.Tensor, plan: DispatchPlan | RankCapacityPlan
+    ) -> torch.Tensor:
+        """Expert output rows back into the received blocks' order."""
+        if isinstance(plan, DispatchPlan):
+            return super().combine_preprocess(expert_output, plan)
+        with RECORDER.span("moe.sort_chunks"):
+            return expert_output.index_select(0, plan.expert_unorder)
+
+    def combine_postprocess(
+        self, rows: torch.Tensor, plan: DispatchPlan | RankCapacityPlan
+    ) -> torch.Tensor:
+        """Sum each token's returned rows (ascending expert, as the dropless path adds them; padding
+        into a scratch row) into a tensor shaped like the layer input."""
+        if isinstance(plan, DispatchPlan):
+            return super().combine_postprocess(rows, plan)
+        num_tokens = plan.hidden_shape[:-1].numel()
+        with RECORDER.span("moe.unpermute"):
+            out = sum_rows(rows, plan.token_idx, num_tokens + 1)[:num_tokens]
+            return out.reshape(plan.hidden_shape)
+
+
+class StaticDispatchSteps:
+    """The trainer's handle on a model's `RankCapacityDispatcher`s for one step: `begin()` before
+    the first forward (zero the overflow counters, static blocks on, the random state kept),
+    `overflowed()` the counters' sum on the device after the backward, `rerun()` before a step's
+    dropless re-run (dropless path on, the random state as `begin()` found it, so the re-run draws
+    what the dropless step would have).
+
+    The random state: the global CPU generator, the device's default generator, and the routers'
+    own generators (forced load balancing draws its logits from them)."""
+
+    def __init__(self, dispatchers: list[RankCapacityDispatcher], routers: list[TopKRouter]):
+        self.dispatchers, self.routers = dispatchers, routers
+        self._random: tuple | None = None
+
+    @classmethod
+    def of(cls, modules: Iterable[nn.Module]) -> StaticDispatchSteps | None:
+        """The handle for the MoE layers in `modules` (model chunks), or None without static
+        dispatch."""
+        layers = [
+            m
+            for chunk in modules
+            for m in chunk.modules()
+            if isinstance(getattr(m, "dispatcher", None), RankCapacityDispatcher)
+        ]
+        if not layers:
+            return None
+        return cls([m.dispatcher for m in layers], [m.router for m in layers])
+
+    def begin(self) -> None:
+        for d in self.dispatchers:
+            d.overflow.zero_()
+            d.dropless = False
+        device = self.dispatchers[0].overflow.device
+        self._random = (
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            [
+                None if r.random_logits is None else r.random_logits.get_state()
+                for r in self.routers
+            ],
+        )
+
+    def overflowed(self) -> torch.Tensor:
+        """[1] float32: blocks over capacity on this rank since `begin()` (0: none), on the
+        device."""
+        return torch.stack([d.overflow for d in self.dispatchers]).sum().float().view(1)
+
+    def rerun(self) -> None:
+        cpu, device_state, routers = self._random
+        torch.set_rng_state(cpu)
+        if device_state is not None:
+            torch.cuda.set_rng_state(device_state, self.dispatchers[0].overflow.device)
+        for router, state in zip(self.routers, routers):
+            if state is None:
+                router.random_logits = None  # made (seeded) again at its first use
+            else:
+                router.random_logits.set_state(state)
+        for d in self.dispatchers:
+            d.dropless = True

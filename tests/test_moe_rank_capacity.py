@@ -1,0 +1,238 @@
+"""Sync-free dropless dispatch (`model.moe_expert_rank_capacity_factor`,
+`overlap.layers.moe.rank_capacity`).
+
+What is checked:
+- the MoE layer in fixed blocks equals the DROPLESS single-process layer (outputs, input and
+  parameter gradients) at EP 2 and 4, under TP 2 x EP 2 sequence parallel and with a shared expert,
+  when no block overflows; its overflow counter stays 0 then, and counts the blocks when the factor
+  is too small (the rows past a block are not sent: that output is not the dropless one, which is
+  why the trainer re-runs such a step);
+- training steps (the trainer's re-run included) equal the dropless all-to-all run's losses, grad
+  norms and weights at EP 2 and 4, with EP overlap + delay_wgrad, at PP 2 x VPP 2; with an overflow
+  forced on one rank at a chosen step, that step (only) re-runs and the run stays the dropless one;
+  with a factor small enough that blocks really overflow, every such step re-runs and the run is
+  still the dropless one;
+- the configuration errors name the field.
+
+Tolerance: fp32, atol = rtol = 1e-5 (test_moe.py's: rounding-level differences, the last expert's
+grouped-GEMM group holds the padding rows so BLAS may block it otherwise; a wrong row or weight is
+O(1)).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap.config.model import expert_rank_capacity
+from overlap.errors import ConfigError, NotBuiltError
+from overlap.layers.init import init_model_params
+from overlap.layers.moe import MoELayer
+from overlap.layers.moe.rank_capacity import RankCapacityDispatcher
+from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.training.trainer import Trainer
+from tests.configs import bare_plan, moe_layer_model, moe_model, tiny_config
+from tests.test_moe import _check_against_reference
+from tests.world import run_world
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+# a block for every pair a rank routes whatever the layout (factor >= EP): never overflows
+ROOMY = 4.0
+
+
+# --------------------------------------------------------------------------------------------------
+# The layer
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world, tp, ep, extra",
+    [
+        (2, 1, 2, {}),
+        (4, 1, 4, {}),
+        (4, 2, 2, {}),
+        (2, 1, 2, {"moe_shared_expert_intermediate_size": 48}),
+    ],
+    ids=["ep2", "ep4", "tp2-ep2-sp", "ep2-shared-expert"],
+)
+def test_layer_equals_the_dropless_reference(world, tp, ep, extra):
+    dropless = dict(num_experts=8, moe_permute_fusion=True, **extra)
+    _check_against_reference(
+        world,
+        tp=tp,
+        ep=ep,
+        cfg_overrides=dict(moe_expert_rank_capacity_factor=ROOMY, **dropless),
+        reference_overrides=dropless,
+    )
+
+
+def _overflow_count(factor: float) -> tuple[int, int, int]:
+    """EP 2, one forward + backward: (blocks over capacity, block rows, rows this rank routed to the
+    busiest peer)."""
+    ps = ParallelState(ParallelLayout(world_size=2, ep=2))
+    cfg = moe_layer_model(
+        expert_model_parallel_size=2,
+        moe_expert_rank_capacity_factor=factor,
+        moe_permute_fusion=True,
+    )
+    layer = MoELayer(cfg, ps, layer_number=0, overlap=bare_plan())
+    init_model_params(layer, seed=1234, std=0.2)
+    assert isinstance(layer.dispatcher, RankCapacityDispatcher)
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    x = torch.randn(8, 2, 32, generator=g).requires_grad_()
+    y, aux = layer(x)
+    (y.sum() + aux).backward()
+    topk_idx, _, _ = layer.router(x)
+    per_peer = torch.stack([(topk_idx // 4 == r).sum() for r in range(2)])
+    return int(layer.dispatcher.overflow), layer.dispatcher.block_rows(16), int(per_peer.max())
+
+
+def test_the_overflow_counter_counts_the_blocks_without_room():
+    for blocks, rows, _busiest in run_world(2, _overflow_count, ROOMY):
+        assert blocks == 0 and rows == expert_rank_capacity(16, 2, 2, ROOMY) == 64
+    # factor 0.25: 4 rows a block for 16 pairs over 2 peers: some block overflows on every rank
+    for blocks, rows, busiest in run_world(2, _overflow_count, 0.25):
+        assert rows == 4 and busiest > rows and blocks >= 1
+
+
+def test_the_configuration_errors_name_the_field():
+    with pytest.raises(ConfigError, match="moe_expert_rank_capacity_factor"):
+        moe_model(moe_expert_rank_capacity_factor=0.0).validate()
+    with pytest.raises(ConfigError, match="moe_expert_rank_capacity_factor.*finite"):
+        moe_model(moe_expert_rank_capacity_factor=float("inf")).validate()
+    with pytest.raises(ConfigError, match="exclude each other"):
+        moe_model(moe_expert_rank_capacity_factor=1.5, moe_expert_capacity_factor=1.0).validate()
+
+
+def _flex_refused() -> str:
+    flex = moe_layer_model(
+        moe_expert_rank_capacity_factor=1.5,
+        moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend="torch",
+    )
+    with pytest.raises(NotBuiltError) as info:
+        MoELayer(flex, ParallelState(ParallelLayout(world_size=1)), 0, bare_plan())
+    return str(info.value)
+
+
+def test_flex_dispatch_with_the_factor_is_refused_not_built():
+    (message,) = run_world(1, _flex_refused)
+    assert "model.moe_expert_rank_capacity_factor" in message and "flex" in message
+
+
+# --------------------------------------------------------------------------------------------------
+# Training: the trainer's fold of the overflow into the step's reductions, and the re-run
+# --------------------------------------------------------------------------------------------------
+
+ITERS = 4
+OVERLAP = [
+    "comm_overlap.overlap_moe_expert_parallel_comm=true",
+    "comm_overlap.delay_wgrad_compute=true",
+]
+
+
+def _train(
+    overrides: list[str], fields: dict, force_at: int | None = None, force_rank: int = 1
+) -> tuple[list[tuple[float, float, int]], dict[str, torch.Tensor]]:
+    """ITERS training steps of the tiny MoE (fp32, 2 layers, 4 micro-batches): per step (loss, grad
+    norm, re-runs), and this rank's parameters after them. `force_at`: at that step, rank
+    `force_rank`'s first MoE layer reports an overflow its blocks did not have (the re-run must
+    then leave exactly the dropless step)."""
+    # EP overlap runs bf16 or fp16 models only: bf16 mixed precision there (fp32 master weights)
+    precision = "bf16_mixed" if OVERLAP[0] in overrides else None
+    cfg = tiny_config(
+        True, precision, 2, ["model.moe_permute_fusion=true", *overrides], ITERS, **fields
+    )
+    trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
+    # the static run really dispatches in blocks (and the dropless one does not)
+    static = any("moe_expert_rank_capacity_factor" in o for o in overrides)
+    assert (trainer.static_dispatch is not None) == static
+    steps = []
+    for it in range(ITERS):
+        if it == force_at and dist.get_rank() == force_rank:
+            dispatcher = trainer.static_dispatch.dispatchers[0]
+            route = dispatcher.route
+
+            def forced(*args, dispatcher=dispatcher, route=route):
+                plan = route(*args)
+                dispatcher.overflow += 1
+                return plan
+
+            dispatcher.route = forced
+        loss, norm = trainer.train_step(it)
+        if it == force_at and dist.get_rank() == force_rank:
+            del trainer.static_dispatch.dispatchers[0].route
+        steps.append((loss, norm, trainer.last_step_reruns))
+    params = {
+        f"{i}.{n}": p.detach().clone()
+        for i, c in enumerate(trainer.chunks)
+        for n, p in c.named_parameters()
+    }
+    return steps, params
+
+
+def _same_run(static: list, dropless: list) -> list[int]:
+    """Assert the runs are the same training (fp32 1e-5); returns the static run's re-run count per
+    step (rank 0's; every rank re-runs the same steps)."""
+    for (s_steps, s_params), (d_steps, d_params) in zip(static, dropless):
+        for (s_loss, s_norm, _), (d_loss, d_norm, d_reruns) in zip(s_steps, d_steps):
+            assert d_reruns == 0
+            assert s_loss == pytest.approx(d_loss, rel=1e-5, abs=1e-5)
+            assert s_norm == pytest.approx(d_norm, rel=1e-5, abs=1e-5)
+        assert s_params.keys() == d_params.keys()
+        for name, p in d_params.items():
+            torch.testing.assert_close(s_params[name], p, **TOL, msg=name)
+    reruns = [[r for _, _, r in steps] for steps, _ in static]
+    assert all(r == reruns[0] for r in reruns), reruns
+    return reruns[0]
+
+
+FACTOR = [f"model.moe_expert_rank_capacity_factor={ROOMY}"]
+
+
+@pytest.mark.parametrize(
+    "world, fields, overrides",
+    [
+        (2, {"expert_model_parallel_size": 2}, []),
+        (4, {"expert_model_parallel_size": 4}, []),
+        (2, {"expert_model_parallel_size": 2}, OVERLAP),
+        (
+            4,
+            {
+                "expert_model_parallel_size": 2,
+                "pipeline_model_parallel_size": 2,
+                "virtual_pipeline_model_parallel_size": 2,
+            },
+            [],
+        ),
+    ],
+    ids=["ep2", "ep4", "ep2-overlap-delay_wgrad", "pp2-vpp2-ep2"],
+)
+def test_training_equals_the_dropless_run(world, fields, overrides):
+    layers = 4 if "pipeline_model_parallel_size" in fields else 2
+    static = run_world(world, _train_layers, layers, overrides + FACTOR, fields)
+    dropless = run_world(world, _train_layers, layers, overrides, fields)
+    assert _same_run(static, dropless) == [0] * ITERS
+
+
+def _train_layers(layers: int, overrides: list[str], fields: dict, force_at: int | None = None):
+    """`_train` with `layers` layers (PP 2 x VPP 2 needs 4)."""
+    if layers == 2:
+        return _train(overrides, fields, force_at)
+    return _train([f"model.num_layers={layers}", *overrides], fields, force_at)
+
+
+def test_an_overflow_forced_on_one_rank_reruns_that_step_as_the_dropless_one():
+    fields = {"expert_model_parallel_size": 2}
+    static = run_world(2, _train_layers, 2, OVERLAP + FACTOR, fields, 2)
+    dropless = run_world(2, _train_layers, 2, OVERLAP, fields)
+    assert _same_run(static, dropless) == [0, 0, 1, 0]
+
+
+def test_real_overflows_rerun_and_the_run_stays_the_dropless_one():
+    # factor 0.3 at EP 2: blocks of 0.15 x a rank's pairs where each peer gets about half of them
+    fields = {"expert_model_parallel_size": 2}
+    static = run_world(2, _train_layers, 2, ["model.moe_expert_rank_capacity_factor=0.3"], fields)
+    dropless = run_world(2, _train_layers, 2, [], fields)
+    assert _same_run(static, dropless) == [1] * ITERS
