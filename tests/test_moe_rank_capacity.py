@@ -34,7 +34,7 @@ from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.training.trainer import Trainer
 from tests.configs import bare_plan, moe_layer_model, moe_model, tiny_config
 from tests.test_moe import _check_against_reference
-from tests.world import run_world
+from tests.world import run_world, run_world_nccl_rules
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 # a block for every pair a rank routes whatever the layout (factor >= EP): never overflows
@@ -236,3 +236,25 @@ def test_real_overflows_rerun_and_the_run_stays_the_dropless_one():
     static = run_world(2, _train_layers, 2, ["model.moe_expert_rank_capacity_factor=0.3"], fields)
     dropless = run_world(2, _train_layers, 2, [], fields)
     assert _same_run(static, dropless) == [1] * ITERS
+
+
+PP2_VPP2_EP2 = {
+    "expert_model_parallel_size": 2,
+    "pipeline_model_parallel_size": 2,
+    "virtual_pipeline_model_parallel_size": 2,
+}
+
+
+@pytest.mark.parametrize(
+    "world, layers, fields, overrides",
+    [(2, 2, {"expert_model_parallel_size": 2}, OVERLAP), (4, 4, PP2_VPP2_EP2, [])],
+    ids=["ep2-overlap-delay_wgrad", "pp2-vpp2-ep2"],
+)
+def test_under_nccl_rules_the_blocks_and_the_rerun_are_the_dropless_run(
+    world, layers, fields, overrides
+):
+    """Every rank's program (the blocks' all-to-alls, the counts exchange, the folded reductions,
+    the re-run's dropless collectives) replayed under NCCL's rules, an overflow forced at step 1."""
+    static = run_world_nccl_rules(world, _train_layers, layers, overrides + FACTOR, fields, 1)
+    dropless = run_world(world, _train_layers, layers, overrides, fields)
+    assert _same_run(static, dropless) == [0, 1, 0, 0]
