@@ -150,19 +150,13 @@ def _train(
     assert (trainer.static_dispatch is not None) == static
     steps = []
     for it in range(ITERS):
-        if it == force_at and dist.get_rank() == force_rank:
+        forced = it == force_at and dist.get_rank() == force_rank
+        if forced:
             dispatcher = trainer.static_dispatch.dispatchers[0]
-            route = dispatcher.route
-
-            def forced(*args, dispatcher=dispatcher, route=route):
-                plan = route(*args)
-                dispatcher.overflow += 1
-                return plan
-
-            dispatcher.route = forced
+            dispatcher.route = lambda *args, d=dispatcher: _overflowing(d, args)
         loss, norm = trainer.train_step(it)
-        if it == force_at and dist.get_rank() == force_rank:
-            del trainer.static_dispatch.dispatchers[0].route
+        if forced:
+            del dispatcher.route
         steps.append((loss, norm, trainer.last_step_reruns))
     params = {
         f"{i}.{n}": p.detach().clone()
@@ -223,10 +217,25 @@ def _train_layers(layers: int, overrides: list[str], fields: dict, force_at: int
     return _train([f"model.num_layers={layers}", *overrides], fields, force_at)
 
 
-def test_an_overflow_forced_on_one_rank_reruns_that_step_as_the_dropless_one():
-    fields = {"expert_model_parallel_size": 2}
-    static = run_world(2, _train_layers, 2, OVERLAP + FACTOR, fields, 2)
-    dropless = run_world(2, _train_layers, 2, OVERLAP, fields)
+TP2_EP2 = {
+    "expert_model_parallel_size": 2,
+    "tensor_model_parallel_size": 2,
+    "sequence_parallel": True,
+}
+
+
+@pytest.mark.parametrize(
+    "world, fields, overrides",
+    [(2, {"expert_model_parallel_size": 2}, OVERLAP), (4, TP2_EP2, [])],
+    ids=["ep2-overlap-delay_wgrad", "tp2-ep2-sp"],
+)
+def test_an_overflow_forced_on_one_rank_reruns_that_step_as_the_dropless_one(
+    world, fields, overrides
+):
+    """Rank 1 alone overflows at step 2 (under TP 2 it has a TP peer whose blocks had room: the
+    count reaches it through the grad norm's TP reduction): every rank re-runs that step only."""
+    static = run_world(world, _train_layers, 2, overrides + FACTOR, fields, 2)
+    dropless = run_world(world, _train_layers, 2, overrides, fields)
     assert _same_run(static, dropless) == [0, 0, 1, 0]
 
 
@@ -258,3 +267,71 @@ def test_under_nccl_rules_the_blocks_and_the_rerun_are_the_dropless_run(
     static = run_world_nccl_rules(world, _train_layers, layers, overrides + FACTOR, fields, 1)
     dropless = run_world(world, _train_layers, layers, overrides, fields)
     assert _same_run(static, dropless) == [0, 1, 0, 0]
+
+
+DISTOPT = [
+    "ddp.use_distributed_optimizer=true",
+    "ddp.overlap_grad_reduce=true",
+    "ddp.overlap_param_gather=true",
+]
+
+
+def _train_loop(items: list[str], force_at: int | None) -> tuple[list, dict[str, torch.Tensor]]:
+    """`Trainer.train()` (checkpoints, the log's records) of the tiny MoE at EP 2, the distributed
+    optimizer with overlapped grad reduce and param gather: ([(iteration, loss, re-runs)], this
+    rank's parameters); `force_at`: rank 1 reports an overflow at that iteration."""
+    cfg = tiny_config(
+        True,
+        None,
+        2,
+        ["model.moe_permute_fusion=true", "model.expert_model_parallel_size=2", *DISTOPT, *items],
+        ITERS,
+    )
+    trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
+    if force_at is not None and dist.get_rank() == 1:
+        step = trainer.train_step
+
+        def forced_step(iteration: int) -> tuple[float, float]:
+            if iteration != force_at:
+                return step(iteration)
+            dispatcher = trainer.static_dispatch.dispatchers[-1]
+            dispatcher.route = lambda *args: _overflowing(dispatcher, args)
+            try:
+                return step(iteration)
+            finally:
+                del dispatcher.route
+
+        trainer.train_step = forced_step
+    summary = trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer._named_params()}
+    return [(r.iteration, r.lm_loss, r.moe_reruns) for r in summary.records], params
+
+
+def _overflowing(dispatcher: RankCapacityDispatcher, args: tuple):
+    """The dispatcher's own route, reporting one overflowing block more than it had."""
+    plan = type(dispatcher).route(dispatcher, *args)
+    dispatcher.overflow += 1
+    return plan
+
+
+def test_a_resume_across_a_rerun_stays_the_dropless_run(tmp_path):
+    """Saved before the re-run step and resumed across it (the distributed optimizer, its grad
+    reduce and param gather overlapped): the same losses and weights as the dropless run's."""
+    save = [f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2"]
+    dropless = run_world(2, _train_loop, [], None)
+    static = run_world(2, _train_loop, FACTOR + save, 2)
+    resumed = run_world(
+        2, _train_loop, FACTOR + [f"checkpoint.load={tmp_path}", "checkpoint.ckpt_step=2"], 2
+    )
+    for (d_losses, d_params), (s_losses, s_params), (r_losses, r_params) in zip(
+        dropless, static, resumed
+    ):
+        assert [r for _, _, r in s_losses] == [0, 0, 1, 0]
+        assert [(i, r) for i, _, r in r_losses] == [(2, 1), (3, 0)]
+        for (_, d_loss, _), (_, s_loss, _) in zip(d_losses, s_losses):
+            assert s_loss == pytest.approx(d_loss, rel=1e-5, abs=1e-5)
+        for (_, d_loss, _), (_, r_loss, _) in zip(d_losses[2:], r_losses):
+            assert r_loss == pytest.approx(d_loss, rel=1e-5, abs=1e-5)
+        for name, p in d_params.items():
+            torch.testing.assert_close(s_params[name], p, **TOL, msg=name)
+            torch.testing.assert_close(r_params[name], p, **TOL, msg=name)
