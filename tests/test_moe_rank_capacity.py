@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap.config.flex_dispatcher import TARGET_DEVICES
 from overlap.config.model import expert_rank_capacity
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.init import init_model_params
@@ -32,7 +33,7 @@ from overlap.layers.moe import MoELayer
 from overlap.layers.moe.rank_capacity import RankCapacityDispatcher
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.training.trainer import Trainer
-from tests.configs import bare_plan, moe_layer_model, moe_model, tiny_config
+from tests.configs import bare_plan, container, moe_layer_model, moe_model, tiny_config
 from tests.test_moe import _check_against_reference
 from tests.world import run_world, run_world_nccl_rules
 
@@ -103,6 +104,32 @@ def test_the_configuration_errors_name_the_field():
         moe_model(moe_expert_rank_capacity_factor=float("inf")).validate()
     with pytest.raises(ConfigError, match="exclude each other"):
         moe_model(moe_expert_rank_capacity_factor=1.5, moe_expert_capacity_factor=1.0).validate()
+
+
+def test_the_decision_table_row_states_the_contract():
+    res = container(moe_model(moe_expert_rank_capacity_factor=1.5)).finalize(2, on_cuda=False)
+    row = res.decisions.get("model.moe_expert_rank_capacity_factor")
+    assert row.effective == 1.5
+    for said in ("no host read of split sizes", "re-run dropless before the optimizer", "Memory"):
+        assert said in row.reason, said
+
+
+@pytest.mark.parametrize(
+    "gpu, precision, refused",
+    [("h100", "bfloat16", False), ("b200", "bfloat16", True), ("h100", "float32", True)],
+)
+def test_gpus_whose_experts_take_the_loop_are_refused_at_resolution(gpu, precision, refused):
+    """The experts' per-expert loop needs host counts: the sync-free dispatch is refused, naming
+    the field, where the grouped-GEMM rule gives the loop for the target GPU."""
+    model = moe_model(moe_expert_rank_capacity_factor=1.5)
+    cfg = container(model, mp="bf16_mixed" if precision == "bfloat16" else "fp32")
+    target = TARGET_DEVICES[gpu]
+    if not refused:
+        cfg.finalize(2, device=lambda: target, on_cuda=True, require_libraries=False)
+        return
+    with pytest.raises(NotBuiltError, match="per-expert loop") as info:
+        cfg.finalize(2, device=lambda: target, on_cuda=True, require_libraries=False)
+    assert info.value.field == "model.moe_expert_rank_capacity_factor"
 
 
 def _flex_refused() -> str:

@@ -56,7 +56,6 @@ PIPELINE_IMPLS = ("overlap", "torch_pipelining")
 TENSOR_PARALLEL_IMPLS = ("overlap", "dtensor")
 
 
-
 def expert_rank_capacity(num_tokens: int, topk: int, ep_size: int, factor: float) -> int:
     """Rows of one block of the sync-free dispatch (`moe_expert_rank_capacity_factor`): at most this
     many of a rank's `num_tokens` x `topk` routed pairs go to one EP peer's experts before the step

@@ -66,6 +66,8 @@ class GroupedExperts(nn.Module):
         # fc1's output (not when "moe" recomputes the whole layer already)
         modules = selective_modules(config)
         self.recompute_act = "moe_act" in modules and "moe" not in modules
+        # named by the refusal of a sync-free dispatch the grouped kernel cannot run (`forward`)
+        self.rank_capacity_factor = config.moe_expert_rank_capacity_factor
 
     def forward(
         self,
@@ -84,11 +86,13 @@ class GroupedExperts(nn.Module):
         counts on the device alone (`rank_capacity`): only the grouped kernel, whose offsets come
         from the device counts, can run the GEMMs then."""
         counts = tokens_per_local_expert
-        offs = grouped_offsets(local_expert_counts, rows, (self.fc1_weight, self.down_weight))
+        offs = grouped_offsets(
+            local_expert_counts, rows, (self.fc1_weight, self.down_weight), counts is not None
+        )
         if offs is None and counts is None:
             raise NotBuiltError(
                 "model.moe_expert_rank_capacity_factor",
-                "set",
+                self.rank_capacity_factor,
                 f"The sync-free dispatch on {rows.device.type} in {rows.dtype} with hidden size "
                 f"{rows.shape[-1]} and expert width {self.down_weight.shape[-1]} (the grouped "
                 "GEMM kernel does not take these tensors, and the per-expert loop needs the "
