@@ -32,6 +32,7 @@ from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layers.moe.rank_capacity import RankCapacityDispatcher
 from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.perf import bench
 from overlap.training.trainer import Trainer
 from tests.configs import bare_plan, container, moe_layer_model, moe_model, tiny_config
 from tests.test_moe import _check_against_reference
@@ -362,3 +363,25 @@ def test_a_resume_across_a_rerun_stays_the_dropless_run(tmp_path):
         for name, p in d_params.items():
             torch.testing.assert_close(s_params[name], p, **TOL, msg=name)
             torch.testing.assert_close(r_params[name], p, **TOL, msg=name)
+
+
+def test_the_bench_counts_the_window_steps_that_reran():
+    """`overlap bench` reads each run's re-run iterations (FILE.summary.json) and says, per repeat,
+    how many steps of the window did two forward-backwards."""
+    configs = [bench.BenchConfig("all-to-all", []), bench.BenchConfig("sync-free", FACTOR)]
+    doc = bench.summarize(
+        configs,
+        {
+            "all-to-all": [bench.RunResult(100, {}, {}, 1.0, [2, 6], "real")],
+            "sync-free": [
+                bench.RunResult(90, {}, {}, 1.0, [2, 6], "real", moe_rerun_iterations=[1, 3, 4]),
+                bench.RunResult(95, {}, {}, 1.0, [2, 6], "real"),
+            ],
+        },
+        "real",
+        "overlap bench ...",
+    )
+    assert [r["moe_reruns_in_window"] for r in doc["configs"]] == [[0], [2, 0]]
+    assert "re-run dropless" in bench.format_markdown(doc) and "`sync-free` 2, 0" in (
+        bench.format_markdown(doc)
+    )
