@@ -21,6 +21,10 @@ O(1)).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -245,6 +249,8 @@ def _train_layers(layers: int, overrides: list[str], fields: dict, force_at: int
     return _train([f"model.num_layers={layers}", *overrides], fields, force_at)
 
 
+# the whole MoE layer recomputed in backward: its blocks are laid out (and counted) again there
+RECOMPUTE_MOE = ["model.recompute_granularity=selective", "model.recompute_modules=[moe]"]
 TP2_EP2 = {
     "expert_model_parallel_size": 2,
     "tensor_model_parallel_size": 2,
@@ -254,8 +260,12 @@ TP2_EP2 = {
 
 @pytest.mark.parametrize(
     "world, fields, overrides",
-    [(2, {"expert_model_parallel_size": 2}, OVERLAP), (4, TP2_EP2, [])],
-    ids=["ep2-overlap-delay_wgrad", "tp2-ep2-sp"],
+    [
+        (2, {"expert_model_parallel_size": 2}, OVERLAP),
+        (4, TP2_EP2, []),
+        (2, {"expert_model_parallel_size": 2}, RECOMPUTE_MOE),
+    ],
+    ids=["ep2-overlap-delay_wgrad", "tp2-ep2-sp", "ep2-moe-recomputed"],
 )
 def test_an_overflow_forced_on_one_rank_reruns_that_step_as_the_dropless_one(
     world, fields, overrides
@@ -385,3 +395,41 @@ def test_the_bench_counts_the_window_steps_that_reran():
     assert "re-run dropless" in bench.format_markdown(doc) and "`sync-free` 2, 0" in (
         bench.format_markdown(doc)
     )
+
+
+def test_overlap_run_logs_and_summarises_the_rerun_steps(tmp_path):
+    """`overlap run` at EP 2 with blocks too small for the routing (factor 0.3): every step re-runs,
+    which the log says per iteration, metrics.jsonl marks and FILE.summary.json lists."""
+    metrics = tmp_path / "m.jsonl"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "overlap.cli",
+            "run",
+            "-m",
+            "qwen",
+            "-mr",
+            "qwen3_moe_tiny",
+            "-g",
+            "cpu",
+            "-ng",
+            "2",
+            "-ep",
+            "2",
+            "-ms",
+            "3",
+            "--metrics",
+            str(metrics),
+            "model.moe_expert_rank_capacity_factor=0.3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["moe_reruns"] for m in lines] == [1, 1, 1]
+    summary = json.loads(metrics.with_name(metrics.name + ".summary.json").read_text())
+    assert summary["moe_rerun_iterations"] == [1, 2, 3]
+    assert "iteration 2: a sync-free MoE block overflowed" in done.stdout + done.stderr
