@@ -433,3 +433,20 @@ def test_overlap_run_logs_and_summarises_the_rerun_steps(tmp_path):
     summary = json.loads(metrics.with_name(metrics.name + ".summary.json").read_text())
     assert summary["moe_rerun_iterations"] == [1, 2, 3]
     assert "iteration 2: a sync-free MoE block overflowed" in done.stdout + done.stderr
+
+
+def test_the_planner_prices_the_full_blocks():
+    """`overlap plan`'s EP all-to-alls at Qwen3-30B-A3B EP16: the blocks are full whatever the
+    routing, factor 1.5 -> 1.5x the dropless bytes (its per-layer host read is not priced)."""
+    from overlap.harness import resolve_run
+    from overlap.plan.comm_model import comm_plan
+    from overlap.plan.hardware import builtin_cluster
+
+    cluster = builtin_cluster("h100", "bf16", 8)
+    args = ["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-ep", "16"]
+    jobs = (resolve_run(args, []), resolve_run(args, ["model.moe_expert_rank_capacity_factor=1.5"]))
+    dropless, blocks = (
+        comm_plan(job.cfg, job.resolution.layout, cluster).kinds["ep_dispatch"].bytes_each
+        for job in jobs
+    )
+    assert blocks == pytest.approx(1.5 * dropless, rel=1e-3)
