@@ -148,6 +148,29 @@ def _flex_refused() -> str:
     return str(info.value)
 
 
+def _misaligned_rows_refused() -> str:
+    """hidden 4 in bf16: 8-byte rows, which the grouped kernel does not take (16-byte rule)."""
+    cfg = moe_layer_model(
+        hidden_size=4,
+        num_attention_heads=1,
+        moe_ffn_hidden_size=4,
+        params_dtype="bfloat16",
+        bf16=True,
+        moe_expert_rank_capacity_factor=1.5,
+    )
+    layer = MoELayer(cfg, ParallelState(ParallelLayout(world_size=1)), 0, bare_plan())
+    init_model_params(layer, seed=0, std=0.2)
+    with pytest.raises(NotBuiltError) as info:
+        layer(torch.randn(4, 1, 4, dtype=torch.bfloat16))
+    return str(info.value)
+
+
+def test_experts_the_grouped_kernel_cannot_run_are_refused_not_looped():
+    (message,) = run_world(1, _misaligned_rows_refused)
+    assert "model.moe_expert_rank_capacity_factor=1.5" in message
+    assert "hidden size 4" in message and "per-expert loop needs the split sizes" in message
+
+
 def test_flex_dispatch_with_the_factor_is_refused_not_built():
     (message,) = run_world(1, _flex_refused)
     assert "model.moe_expert_rank_capacity_factor" in message and "flex" in message

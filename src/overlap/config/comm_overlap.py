@@ -680,7 +680,8 @@ def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
             None,
             DEFAULT,
             "dropless: every routed row reaches its expert; the EP ranks exchange split sizes per "
-            "MoE layer and micro-batch (ep_counts)",
+            "MoE layer and micro-batch (ep_counts), each read on the host (a sync on a GPU; "
+            "model.moe_expert_rank_capacity_factor keeps dropless results without the read)",
         )
         return
     dropped = (
