@@ -422,7 +422,8 @@ def test_the_bench_counts_the_window_steps_that_reran():
 
 def test_overlap_run_logs_and_summarises_the_rerun_steps(tmp_path):
     """`overlap run` at EP 2 with blocks too small for the routing (factor 0.3): every step re-runs,
-    which the log says per iteration, metrics.jsonl marks and FILE.summary.json lists."""
+    which the log says per iteration, metrics.jsonl marks and FILE.summary.json lists, with the
+    factor the fullest block would have needed (the run's closing line says both)."""
     metrics = tmp_path / "m.jsonl"
     done = subprocess.run(
         [
@@ -455,7 +456,11 @@ def test_overlap_run_logs_and_summarises_the_rerun_steps(tmp_path):
     assert [m["moe_reruns"] for m in lines] == [1, 1, 1]
     summary = json.loads(metrics.with_name(metrics.name + ".summary.json").read_text())
     assert summary["moe_rerun_iterations"] == [1, 2, 3]
-    assert "iteration 2: a sync-free MoE block overflowed" in done.stdout + done.stderr
+    # every step overflowed its blocks: the fullest needed more than the factor, at most EP
+    assert 0.3 < summary["moe_needed_rank_capacity_factor"] <= 2.0
+    said = done.stdout + done.stderr
+    assert "iteration 2: a sync-free MoE block overflowed" in said
+    assert "3 of 3 iterations re-ran dropless" in said
 
 
 def test_the_planner_prices_the_full_blocks():

@@ -772,6 +772,8 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
                     "moe_rerun_iterations": [
                         r.iteration + 1 for r in summary.records if r.moe_reruns
                     ],
+                    # ... and the largest factor one of its blocks needed (null: not that mode)
+                    "moe_needed_rank_capacity_factor": summary.moe_needed_rank_capacity_factor,
                     "checkpoint": summary.checkpoint,
                     "pipeline_output_peak_bytes": summary.pipeline_output_peak_bytes,
                 },

@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from overlap.config.container import ConfigContainer
 from overlap.data_parallel import DistributedDataParallel, DistributedOptimizer
@@ -67,6 +68,9 @@ class RunSummary:
     checkpoint: dict | None = None  # save / load times and sizes (Checkpointer.report)
     # stage outputs alive at once, max over steps (PipelineMemory; PP only)
     pipeline_output_peak_bytes: int = 0
+    # sync-free MoE dispatch: the largest factor any block needed over the run, on any rank (None:
+    # not that dispatch)
+    moe_needed_rank_capacity_factor: float | None = None
 
 
 def comm_totals(events) -> tuple[dict[str, float], dict[str, int]]:
@@ -326,6 +330,7 @@ class Trainer:
                         )
                     break
             self._check_some_step_taken(records)
+            needed = self._report_static_dispatch(records)
             self.finish_param_sync()
             if self.checkpointer is not None:
                 end = records[-1].iteration + 1 if records else first
@@ -357,7 +362,31 @@ class Trainer:
             stopped,
             self.checkpointer.report() if self.checkpointer is not None else None,
             self.pipeline_memory.peak_bytes,
+            needed,
         )
+
+    def _report_static_dispatch(self, records: list[StepRecord]) -> float | None:
+        """The sync-free MoE dispatch's run in two numbers, said by rank 0: the iterations re-run
+        dropless, and the largest factor a block needed on any rank (one collective and one read
+        after the last step, none in a step): what the factor's memory bought, and what it would
+        have had to be for no re-run. None without that dispatch."""
+        if self.static_dispatch is None:
+            return None
+        needed = self.static_dispatch.needed_factor()
+        comm.all_reduce(needed, dist.group.WORLD, "ctl_moe_blocks", dist.ReduceOp.MAX).wait()
+        RECORDER.discard()  # after the last step: no step's communication
+        needed = float(needed)
+        if self.ps.rank == 0:
+            log.info(
+                "sync-free MoE dispatch (model.moe_expert_rank_capacity_factor=%g): %d of %d "
+                "iterations re-ran dropless (one more forward-backward each); the fullest block "
+                "needed a factor of %.3g",
+                self.cfg.model.moe_expert_rank_capacity_factor,
+                sum(r.moe_reruns for r in records),
+                len(records),
+                needed,
+            )
+        return needed
 
     def _check_some_step_taken(self, records: list[StepRecord]) -> None:
         """A run whose every iteration overflowed and was skipped changed nothing: with a static

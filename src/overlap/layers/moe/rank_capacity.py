@@ -86,13 +86,15 @@ class RankCapacityDispatcher(AllToAllDispatcher):
     """The all-to-all dispatcher in fixed blocks of `expert_rank_capacity` rows per EP peer (module
     docstring). `dropless = True` switches it to `AllToAllDispatcher`'s path (the re-run of a step
     that overflowed); `overflow` counts, on the device, the blocks that had no room for all their
-    rows since it was last zeroed."""
+    rows since it was last zeroed; `needed` is the largest factor a block of this rank has needed
+    so far (its rows over T x k / EP), on the device too, for the run's closing report."""
 
     def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         super().__init__(config, ps)
         self.rank_capacity_factor = config.moe_expert_rank_capacity_factor
         self.dropless = False
         self.overflow = torch.zeros((), dtype=torch.int64, device=ps.device)
+        self.needed = torch.zeros((), dtype=torch.float32, device=ps.device)
 
     def block_rows(self, num_tokens: int) -> int:
         """C: the rows of one block for `num_tokens` local tokens."""
@@ -115,6 +117,9 @@ class RankCapacityDispatcher(AllToAllDispatcher):
             routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx))
             per_peer = counts.view(ep, el).sum(1)
             self.overflow += (per_peer > c).sum()
+            if pairs:
+                fullest = per_peer.max().float() * (ep / pairs)
+                torch.maximum(self.needed, fullest, out=self.needed)
             position = torch.arange(c, device=topk_idx.device)
             first = per_peer.cumsum(0) - per_peer
             # [EP, C]: the routing row at each block position, `pairs` (padding) past the peer's
@@ -241,6 +246,11 @@ class StaticDispatchSteps:
                 for r in self.routers
             ],
         )
+
+    def needed_factor(self) -> torch.Tensor:
+        """[1] float32 on the device: the largest factor any block of this rank has needed in the
+        run so far (the rows the fullest block had over T x k / EP)."""
+        return torch.stack([d.needed for d in self.dispatchers]).max().view(1)
 
     def overflowed(self) -> torch.Tensor:
         """[1] float32: blocks over capacity on this rank since `begin()` (0: none), on the
