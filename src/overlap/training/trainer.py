@@ -230,27 +230,22 @@ class Trainer:
         reductions, the loss's over PP and DP and the norm's over TP, and comes back in the norm's
         one read: the norm is None where its sum over every rank is > 0."""
         ps = self.ps
-        if overflow is not None:
-            carried = torch.cat([loss_sum.view(1), overflow])
-            loss_sum = carried[0]
+        reduced = loss_sum if overflow is None else torch.cat([loss_sum.view(1), overflow])
+        loss_sum = reduced if overflow is None else reduced[0]
         # The reported loss is summed over DP now, before the norm's own all-reduce and the
         # optimizer's parameter gather: launched after the step, it queued behind that gather and
         # exposed it. Only the last pipeline stage has losses: the sum over PP (zeros elsewhere)
         # gives every rank, rank 0 included, the same number.
         if ps.pp_size > 1:
-            comm.all_reduce(
-                loss_sum if overflow is None else carried, ps.pp_group, "pp_loss"
-            ).wait()
+            comm.all_reduce(reduced, ps.pp_group, "pp_loss").wait()
         # before the DP sum mixes the ranks' losses
         local_loss = loss_sum.clone() if self.cfg.ddp.check_for_nan_in_grad else None
-        loss_handle = comm.all_reduce(
-            loss_sum if overflow is None else carried, ps.dp_group, "dp_loss"
-        )
+        loss_handle = comm.all_reduce(reduced, ps.dp_group, "dp_loss")
         if overflow is None:
             return loss_sum, local_loss, loss_handle, self.optimizer.grad_norm()
         # the norm's reductions take the count on from the DP sum (a stream wait on NCCL)
         loss_handle.wait()
-        return loss_sum, local_loss, loss_handle, self.optimizer.grad_norm(carried[1:])
+        return loss_sum, local_loss, loss_handle, self.optimizer.grad_norm(reduced[1:])
 
     def learning_rate(self, iteration: int) -> float:
         """The schedule's rate for `iteration`; steps skipped for an overflow do not advance it
@@ -455,8 +450,7 @@ class Trainer:
         tflops = flops_step / step_s / self.ps.world_size / 1e12
         if self.ps.rank == 0:
             skipped = rec.skipped_to is not None
-            rerun = rec.moe_reruns > 0
-            if rerun:
+            if rec.moe_reruns:
                 log.info(
                     "iteration %d: a sync-free MoE block overflowed (model."
                     "moe_expert_rank_capacity_factor=%g); the step was re-run dropless",
