@@ -38,7 +38,15 @@ has padding rows: BLAS may block it otherwise).
 The factor trades memory and bandwidth for re-runs: each rank holds and sends EP x C = factor x T x
 k rows per MoE layer and micro-batch where dropless holds T x k on average (factor >= EP never
 overflows: a block then has room for every pair of the rank); a re-run costs one more
-forward-backward of the step. `overlap explain`'s decision table says both.
+forward-backward of the step. `overlap explain`'s decision table says both; at the end of a run the
+trainer says how many steps re-ran and the largest factor a block needed (`needed`).
+
+Against the reference (Megatron-LM's paged-stash feature): there the budget sizes HybridEP's
+dispatch buffers and Transformer Engine's fused grouped experts, and its runner re-runs a step once
+without padding when any rank went over budget, as here. Here the blocks are plain NCCL/gloo
+all-to-alls, one fixed block per (source, destination) pair of EP ranks. Not built: paged stashing
+of the experts' activations (`--moe-paged-stash`), this mode with the flex dispatcher (refused by
+`moe_layer.dispatcher_class`), and the CUDA graphs a static-shape step would allow.
 """
 
 from __future__ import annotations
