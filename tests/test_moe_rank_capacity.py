@@ -189,12 +189,13 @@ OVERLAP = [
 
 def _train(
     overrides: list[str], fields: dict, force_at: int | None = None, force_rank: int = 1
-) -> tuple[list[tuple[float, float, int]], dict[str, torch.Tensor]]:
+) -> tuple[list[tuple], dict[str, torch.Tensor]]:
     """ITERS training steps of the tiny MoE (fp32, 2 layers, 4 micro-batches): per step (loss, grad
-    norm, re-runs), and this rank's parameters after them. `force_at`: at that step, rank
-    `force_rank`'s first MoE layer reports an overflow its blocks did not have (the re-run must
-    then leave exactly the dropless step)."""
-    # EP overlap runs bf16 or fp16 models only: bf16 mixed precision there (fp32 master weights)
+    norm, re-runs, (loss scale, skipped)), and this rank's parameters after them. `force_at`: at
+    that step, rank `force_rank`'s first MoE layer reports an overflow its blocks did not have (the
+    re-run must then leave exactly the dropless step)."""
+    # EP overlap runs bf16 or fp16 models only: bf16 mixed precision there (fp32 master weights);
+    # an override may set another
     precision = "bf16_mixed" if OVERLAP[0] in overrides else None
     cfg = tiny_config(
         True, precision, 2, ["model.moe_permute_fusion=true", *overrides], ITERS, **fields
@@ -212,7 +213,7 @@ def _train(
         loss, norm = trainer.train_step(it)
         if forced:
             del dispatcher.route
-        steps.append((loss, norm, trainer.last_step_reruns))
+        steps.append((loss, norm, trainer.last_step_reruns, trainer.loss_scaling()))
     params = {
         f"{i}.{n}": p.detach().clone()
         for i, c in enumerate(trainer.chunks)
@@ -225,14 +226,18 @@ def _same_run(static: list, dropless: list) -> list[int]:
     """Assert the runs are the same training (fp32 1e-5); returns the static run's re-run count per
     step (rank 0's; every rank re-runs the same steps)."""
     for (s_steps, s_params), (d_steps, d_params) in zip(static, dropless):
-        for (s_loss, s_norm, _), (d_loss, d_norm, d_reruns) in zip(s_steps, d_steps):
+        for (s_loss, s_norm, _, s_scaling), (d_loss, d_norm, d_reruns, d_scaling) in zip(
+            s_steps, d_steps
+        ):
             assert d_reruns == 0
             assert s_loss == pytest.approx(d_loss, rel=1e-5, abs=1e-5)
-            assert s_norm == pytest.approx(d_norm, rel=1e-5, abs=1e-5)
+            assert s_norm == pytest.approx(d_norm, rel=1e-5, abs=1e-5, nan_ok=True)
+            # fp16: the same loss scale after the step, and the same overflow skip
+            assert s_scaling == d_scaling
         assert s_params.keys() == d_params.keys()
         for name, p in d_params.items():
             torch.testing.assert_close(s_params[name], p, **TOL, msg=name)
-    reruns = [[r for _, _, r in steps] for steps, _ in static]
+    reruns = [[step[2] for step in steps] for steps, _ in static]
     assert all(r == reruns[0] for r in reruns), reruns
     return reruns[0]
 
@@ -272,6 +277,9 @@ def _train_layers(layers: int, overrides: list[str], fields: dict, force_at: int
     return _train([f"model.num_layers={layers}", *overrides], fields, force_at)
 
 
+# fp16 from a loss scale the first steps overflow at (skipped, the scale backing off): the re-run
+# step must leave the scaler as the dropless step does
+FP16 = ["mixed_precision=fp16_mixed", "mixed_precision.initial_loss_scale=1e20"]
 # the whole MoE layer recomputed in backward: its blocks are laid out (and counted) again there
 RECOMPUTE_MOE = ["model.recompute_granularity=selective", "model.recompute_modules=[moe]"]
 TP2_EP2 = {
@@ -287,8 +295,9 @@ TP2_EP2 = {
         (2, {"expert_model_parallel_size": 2}, OVERLAP),
         (4, TP2_EP2, []),
         (2, {"expert_model_parallel_size": 2}, RECOMPUTE_MOE),
+        (2, {"expert_model_parallel_size": 2}, FP16),
     ],
-    ids=["ep2-overlap-delay_wgrad", "tp2-ep2-sp", "ep2-moe-recomputed"],
+    ids=["ep2-overlap-delay_wgrad", "tp2-ep2-sp", "ep2-moe-recomputed", "ep2-fp16-loss-scaling"],
 )
 def test_an_overflow_forced_on_one_rank_reruns_that_step_as_the_dropless_one(
     world, fields, overrides
@@ -298,6 +307,8 @@ def test_an_overflow_forced_on_one_rank_reruns_that_step_as_the_dropless_one(
     static = run_world(world, _train_layers, 2, overrides + FACTOR, fields, 2)
     dropless = run_world(world, _train_layers, 2, overrides, fields)
     assert _same_run(static, dropless) == [0, 0, 1, 0]
+    if overrides is FP16:  # the scaler really worked: fp16 overflows skipped steps
+        assert any(skipped for *_, (_scale, skipped) in static[0][0])
 
 
 def test_real_overflows_rerun_and_the_run_stays_the_dropless_one():
