@@ -8,11 +8,18 @@ What is checked:
   is too small (the rows past a block are not sent: that output is not the dropless one, which is
   why the trainer re-runs such a step);
 - training steps (the trainer's re-run included) equal the dropless all-to-all run's losses, grad
-  norms and weights at EP 2 and 4, with EP overlap + delay_wgrad, at PP 2 x VPP 2; with an overflow
-  forced on one rank at a chosen step, that step (only) re-runs and the run stays the dropless one;
-  with a factor small enough that blocks really overflow, every such step re-runs and the run is
-  still the dropless one;
-- the configuration errors name the field.
+  norms, loss scales and weights at EP 2 and 4, with EP overlap + delay_wgrad, at PP 2 x VPP 2;
+  with an overflow forced on one rank at a chosen step (EP overlap, TP 2 x EP 2, the MoE layer
+  recomputed, fp16 loss scaling), that step (only) re-runs and the run stays the dropless one; with
+  a factor small enough that blocks really overflow, every step re-runs and the run is still the
+  dropless one; a resume across a re-run step too; all of it again under NCCL's rules (program
+  replay) for EP overlap and PP 2 x VPP 2;
+- the host reads: none per layer in a step without overflow, and what a re-run step adds;
+- `overlap run` logs the re-runs, `metrics.jsonl` marks them, FILE.summary.json lists them with the
+  factor the fullest block needed; `overlap bench` counts them in its window; the planner prices the
+  full blocks;
+- the configuration errors name the field; the flex dispatcher, and GPUs (or rows) whose experts
+  would take the per-expert loop, are refused, never run another way.
 
 Tolerance: fp32, atol = rtol = 1e-5 (test_moe.py's: rounding-level differences, the last expert's
 grouped-GEMM group holds the padding rows so BLAS may block it otherwise; a wrong row or weight is
@@ -37,6 +44,7 @@ from overlap.layers.moe import MoELayer
 from overlap.layers.moe.rank_capacity import RankCapacityDispatcher
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.perf import bench
+from overlap.perf.host_syncs import HOST_TENSOR, INTENDED_READS, SPLIT_SIZES, HostSyncRecorder
 from overlap.training.trainer import Trainer
 from tests.configs import bare_plan, container, moe_layer_model, moe_model, tiny_config
 from tests.test_moe import _check_against_reference
@@ -489,3 +497,43 @@ def test_the_planner_prices_the_full_blocks():
         for job in jobs
     )
     assert blocks == pytest.approx(1.5 * dropless, rel=1e-3)
+
+
+def _recorded_step(force: bool) -> tuple[dict, list[str], int]:
+    """One recorded training step at EP 2 (fused permutation, EP overlap + delay_wgrad, bf16) after
+    a warm-up step; `force`: rank 1 reports an overflow, so the step re-runs dropless. (syncs by
+    kind, the unneeded ones, micro-batches)."""
+    cfg = tiny_config(
+        True,
+        "bf16_mixed",
+        2,
+        ["model.moe_permute_fusion=true", *OVERLAP, "model.moe_expert_rank_capacity_factor=1.5"],
+        2,
+        expert_model_parallel_size=2,
+    )
+    trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
+    trainer.train_step(0)
+    steps = [state["step"] for state in trainer.optimizer.adam.opt.state.values()]
+    dispatcher = trainer.static_dispatch.dispatchers[0]
+    if force and dist.get_rank() == 1:
+        dispatcher.route = lambda *args: _overflowing(dispatcher, args)
+    with HostSyncRecorder(host_tensors=steps) as rec:
+        trainer.train_step(1)
+    assert trainer.last_step_reruns == int(force)
+    by_kind = rec.by_kind()
+    by_kind.pop(HOST_TENSOR, None)
+    return dict(by_kind), rec.unneeded(), trainer.num_micro_batches
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["no-overflow", "re-run"])
+def test_the_host_reads_of_a_step_and_of_its_rerun(force):
+    """The host-sync budget: a step without overflow reads the loss and the grad norm (which
+    carries the overflow count) and nothing per layer; a re-run step reads the norm once more and
+    the dropless path's split sizes, once per MoE layer and micro-batch (what the re-run costs)."""
+    loss, norm = (why for _path, _fn, _code, why in INTENDED_READS)
+    for by_kind, unneeded, microbatches in run_world(2, _recorded_step, force):
+        assert not unneeded, "\n".join(unneeded)
+        expected = (
+            {loss: 1, norm: 2, SPLIT_SIZES: 2 * microbatches} if force else {loss: 1, norm: 1}
+        )
+        assert by_kind == expected
