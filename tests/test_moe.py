@@ -521,9 +521,12 @@ def test_sequence_parallel_tp2_ep2_matches_full_sequence_reference():
     _check_against_reference(4, tp=2, ep=2, cfg_overrides=dict(num_experts=4))
 
 
-def _none_mode_step() -> tuple[int, ...]:
+def _none_mode_step(**overrides) -> tuple[int, ...]:
+    """One forward + backward with no communication at all (`overrides`: model fields)."""
     ps = ParallelState(ParallelLayout(world_size=2, ep=2))
-    layer = MoELayer(_config(num_experts=4, ep=2), ps, layer_number=0, overlap=bare_plan())
+    layer = MoELayer(
+        _config(num_experts=4, ep=2, **overrides), ps, layer_number=0, overlap=bare_plan()
+    )
     init_model_params(layer, seed=0, std=INIT_STD)
     x = _batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
     comm.set_mode("none")

@@ -47,7 +47,7 @@ from overlap.perf import bench
 from overlap.perf.host_syncs import HOST_TENSOR, INTENDED_READS, SPLIT_SIZES, HostSyncRecorder
 from overlap.training.trainer import Trainer
 from tests.configs import bare_plan, container, moe_layer_model, moe_model, tiny_config
-from tests.test_moe import _check_against_reference
+from tests.test_moe import _check_against_reference, _none_mode_step
 from tests.world import run_world, run_world_nccl_rules
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -100,6 +100,13 @@ def _overflow_count(factor: float) -> tuple[int, int, int]:
     topk_idx, _, _ = layer.router(x)
     per_peer = torch.stack([(topk_idx // 4 == r).sum() for r in range(2)])
     return int(layer.dispatcher.overflow), layer.dispatcher.block_rows(16), int(per_peer.max())
+
+
+def test_no_communication_mode_keeps_shapes():
+    """The bench's floors run without communication (`--comm-mode none`): the received counts are
+    then no routing's, and the blocks still give the layer's shapes."""
+    shapes = run_world(2, _none_mode_step, moe_expert_rank_capacity_factor=1.5)
+    assert shapes == [(8, 2, 32)] * 2
 
 
 def test_the_overflow_counter_counts_the_blocks_without_room():
