@@ -663,10 +663,11 @@ def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
             rank_factor,
             MODEL_CONFIG,
             "sync-free dropless dispatch: each rank sends every EP peer one block of "
-            f"ceil(tokens x top-k / EP x {rank_factor}) rows, padded (static shapes: no host read "
-            "of split sizes, the counts stay on the device); the grouped GEMM runs on the padded "
-            "rows. A block that overflows is counted on the device, the count rides the step's "
-            "loss and grad-norm reductions, and a step where any rank overflowed is re-run "
+            f"ceil(tokens x top-k / EP x {rank_factor}) rows, padded, each row with its local "
+            "expert (static shapes: no split-size exchange, no host read of split sizes); the "
+            "grouped GEMM runs on the padded rows. A block that overflows is counted on the "
+            "device, the count rides the step's loss and grad-norm reductions, and a step where "
+            "any rank overflowed is re-run "
             "dropless before the optimizer applies anything (exact: the dropless step's result; "
             "each re-run costs one more forward-backward, logged per iteration). Memory: "
             f"{rank_factor} x tokens x top-k dispatched rows per MoE layer and micro-batch "

@@ -11,8 +11,9 @@ section 4.2):
   the ranks how many rows follow: latency-bound and a rendezvous, hidden only by the EP-overlap
   schedule (`overlap.plan.step_times`); the static-shape mode (`moe_pad_expert_input_to_capacity`)
   has none. The sync-free dispatch (`moe_expert_rank_capacity_factor`) sends EP blocks of C =
-  ceil(T k / EP x factor) rows whatever the routing, (EP - 1) C h beta bytes leaving, and still
-  exchanges its counts (read only on the device: no host read, which the planner does not price).
+  ceil(T k / EP x factor) rows whatever the routing, (EP - 1) C h beta bytes leaving, and has no
+  counts exchange either (each row carries its local expert; the host reads it saves are not
+  priced).
 - EP with DeepEP or HybridEP (flex dispatcher, `flex_gpu_a2a`): hierarchical. A token crosses the
   network once per destination node (to the GPU of the same index there) and NVLink once per
   destination rank within a node, the receiving GPU fanning it out to the other ranks of its node:
@@ -253,8 +254,8 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
                 seconds = alltoall_time_s(leaving, ep, g, cluster)
             plan.add(kind, leaving, seconds, moe_here * mb)
             plan.ep_a2a_s[kind] = seconds
-        # static shapes (capacity + padding) exchange no counts
-        if not m.moe_pad_expert_input_to_capacity:
+        # static shapes (capacity + padding, or the sync-free blocks) exchange no counts
+        if not (m.moe_pad_expert_input_to_capacity or m.moe_expert_rank_capacity_factor):
             counts = m.num_moe_experts * 8 * (ep - 1) / ep  # one int64 per expert
             plan.ep_counts_s = alltoall_time_s(counts, ep, g, cluster)
             plan.add("ep_counts", counts, plan.ep_counts_s, moe_here * mb)

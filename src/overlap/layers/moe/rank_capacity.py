@@ -11,12 +11,13 @@ nothing that survives the step:
   (`expert_rank_capacity`): the peer's rows in the dropless layout (local expert, then token order)
   and then padding rows (zero row, weight 0, `permute.gather`). All split sizes are [C] x EP, host
   ints known from the configuration;
-- the per-(peer, local expert) counts still travel (the `ep_counts` exchange, launched at routing as
-  the dropless path launches it), but only the device reads them: the receiver sorts the EP x C rows
-  it gets by local expert with a stable device sort (padding last), which is the order the dropless
-  path gives its experts (local expert, source rank, token);
+- no counts are exchanged: each row carries its local expert beside its combine weight, in the same
+  all-to-all, and the receiver sorts the EP x C rows it gets by local expert with a stable device
+  sort (padding last), which is the order the dropless path gives its experts (local expert, source
+  rank, token). So no split-size exchange precedes the dispatch (the latency-bound rendezvous
+  `ep_counts` of the other paths is gone too), and nothing waits for metadata;
 - the experts' grouped GEMM runs on all EP x C rows, its groups' ends computed on the device from
-  the received counts (the padding rows join the last expert's group: zero rows whose output and
+  the received experts (the padding rows join the last expert's group: zero rows whose output and
   weight-gradient contributions are zero). The per-expert loop (`GroupedLinear` without offsets)
   needs host counts and is refused (`GroupedExperts`);
 - combine undoes the sort on the device and sends blocks of C rows back; the source sums each
@@ -58,10 +59,9 @@ import torch
 from torch import nn
 
 from overlap.config.model import ModelConfig, expert_rank_capacity
-from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingPlan, WaitFn
+from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingPlan
 from overlap.layers.moe.permute import count_per_expert, route, sum_rows
 from overlap.layers.moe.router import TopKRouter
-from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 
@@ -69,22 +69,26 @@ from overlap.parallel.trace import RECORDER
 @dataclass
 class RankCapacityPlan:
     """Routing metadata of one micro-batch in fixed blocks: every split size is the block size, and
-    everything that depends on the routing stays on the device."""
+    everything that depends on the routing stays on the device. The receiving side's three tensors
+    come from the rows' local experts, which travel with the rows: `dispatch_postprocess` sets them
+    (None before)."""
 
     hidden_shape: torch.Size  # shape of the layer input, restored by combine_postprocess
     # [EP x C] token position of each sent row, block by block (T: padding)
     token_idx: torch.Tensor
     # [EP x C] position of each sent row in the flattened [T x k] routing (T x k: padding)
     slot_idx: torch.Tensor
+    # [EP x C] float32 local expert (on its destination rank) of each sent row (E_local: padding)
+    local_expert: torch.Tensor
     input_splits: list[int]  # [EP] C rows sent to each EP rank
     output_splits: list[int]  # [EP] C rows received from each EP rank
     # [EP x C] received row at each expert input row: (local expert, source rank, token), padding
     # last
-    expert_order: torch.Tensor
-    expert_unorder: torch.Tensor  # [EP x C] its inverse permutation
+    expert_order: torch.Tensor | None = None
+    expert_unorder: torch.Tensor | None = None  # [EP x C] its inverse permutation
     # [E_local] int64 rows of each grouped-GEMM group on the device: the valid rows of each local
     # expert, the padding rows added to the last one
-    local_expert_counts: torch.Tensor
+    local_expert_counts: torch.Tensor | None = None
     # the grouped GEMM needs no host counts here (GroupedExperts refuses the per-expert loop)
     tokens_per_local_expert: None = None
     padded: bool = True  # `permute.gather`: padding rows get a zero row and weight 0
@@ -95,7 +99,12 @@ class RankCapacityDispatcher(AllToAllDispatcher):
     docstring). `dropless = True` switches it to `AllToAllDispatcher`'s path (the re-run of a step
     that overflowed); `overflow` counts, on the device, the blocks that had no room for all their
     rows since it was last zeroed; `needed` is the largest factor a block of this rank has needed
-    so far (its rows over T x k / EP), on the device too, for the run's closing report."""
+    so far (its rows over T x k / EP), on the device too, for the run's closing report.
+
+    The combine weights travel as [R, 2] float32: each row's weight, then its local expert (exact
+    as a float: fewer than 2^24 experts), so the receiver learns the rows' experts from the rows
+    themselves and no counts are exchanged. The second column's gradient is zero (4 bytes a row in
+    the dispatch's backward)."""
 
     def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         super().__init__(config, ps)
@@ -111,19 +120,17 @@ class RankCapacityDispatcher(AllToAllDispatcher):
     def route(
         self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden_shape: torch.Size
     ) -> PendingPlan[DispatchPlan | RankCapacityPlan]:
-        """Launch the counts exchange and lay out the blocks while it travels; returns without
-        waiting (the dropless path's own `route` while `dropless`)."""
+        """Lay out the blocks: nothing is exchanged, nothing waited for (the dropless path's own
+        `route`, with its counts exchange, while `dropless`)."""
         if self.dropless:
             return super().route(topk_idx, topk_weights, hidden_shape)
         ep, el = self.ep_size, self.num_local_experts
         num_tokens, pairs = topk_idx.shape[0], topk_idx.numel()
         c = self.block_rows(num_tokens)
-        counts = count_per_expert(topk_idx, self.num_experts)
-        handle = comm.all_to_all(counts, self.meta_group, "ep_counts", [el] * ep, [el] * ep)
         with RECORDER.span("moe.permute"):
             # the dropless layout (expert, then token order): each peer's rows are one run of it
             routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx))
-            per_peer = counts.view(ep, el).sum(1)
+            per_peer = routing.tokens_per_expert.view(ep, el).sum(1)
             self.overflow += (per_peer > c).sum()
             if pairs:
                 fullest = per_peer.max().float() * (ep / pairs)
@@ -135,61 +142,54 @@ class RankCapacityDispatcher(AllToAllDispatcher):
             source = torch.where(position < per_peer[:, None], first[:, None] + position, pairs)
             slot_idx = torch.cat([routing.slot_idx, routing.slot_idx.new_full((1,), pairs)])
             slot_idx = slot_idx.index_select(0, source.reshape(-1))
-        token_idx = torch.div(slot_idx, self.topk, rounding_mode="floor")
-
-        def finish(wait: WaitFn) -> RankCapacityPlan:
-            # a device wait on the counts (a stream wait on NCCL), never a host read
-            received = wait(handle).view(ep, el)
-            with RECORDER.span("moe.permute"):
-                return self._plan_from_counts(hidden_shape, token_idx, slot_idx, received, c)
-
-        return PendingPlan(finish)
-
-    def _plan_from_counts(
-        self,
-        hidden_shape: torch.Size,
-        token_idx: torch.Tensor,
-        slot_idx: torch.Tensor,
-        received: torch.Tensor,
-        c: int,
-    ) -> RankCapacityPlan:
-        """The receiving side's order from `received` [EP, E_local], the rows each source rank
-        routed to each local expert (its block holds the first C of them, local expert by local
-        expert)."""
-        ep = self.ep_size
-        # end of each local expert's rows inside each source's block, cut at the block's end
-        ends = received.cumsum(1).clamp(max=c)
-        position = torch.arange(c, device=received.device).expand(ep, c).contiguous()
-        # [EP, C] local expert of each received row (E_local: padding)
-        expert = torch.searchsorted(ends, position, right=True)
-        order = torch.argsort(expert.reshape(-1), stable=True)
-        unorder = torch.empty_like(order).scatter_(
-            0, order, torch.arange(order.numel(), device=order.device)
-        )
-        valid = torch.diff(ends, dim=1, prepend=ends.new_zeros(ep, 1)).sum(0)
-        # the grouped GEMM's groups cover every row: padding joins the last group
-        groups = torch.cat([valid[:-1], (ep * c - valid[:-1].sum()).view(1)])
-        return RankCapacityPlan(
+            # each row's expert, local to its destination (padding: E_local)
+            expert = torch.cat([topk_idx.reshape(-1), topk_idx.new_full((1,), -1)])
+            expert = expert.index_select(0, slot_idx)
+            local_expert = torch.where(expert < 0, el, expert % el).float()
+        plan = RankCapacityPlan(
             hidden_shape=hidden_shape,
-            token_idx=token_idx,
+            token_idx=torch.div(slot_idx, self.topk, rounding_mode="floor"),
             slot_idx=slot_idx,
+            local_expert=local_expert,
             input_splits=[c] * ep,
             output_splits=[c] * ep,
-            expert_order=order,
-            expert_unorder=unorder,
-            local_expert_counts=groups,
         )
+        return PendingPlan(lambda wait: plan)
+
+    def dispatch_preprocess(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        plan: DispatchPlan | RankCapacityPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks' rows [EP x C, h] and, per row, [combine weight, local expert] (class
+        docstring; differentiable in the rows and weights)."""
+        rows, weights = super().dispatch_preprocess(hidden, topk_weights, plan)
+        if isinstance(plan, DispatchPlan):
+            return rows, weights
+        return rows, torch.stack([weights, plan.local_expert], dim=1)
 
     def dispatch_postprocess(
         self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan | RankCapacityPlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Received blocks -> rows grouped by local expert, padding last (device sort)."""
+        """Received blocks -> rows and weights grouped by local expert, padding last (a device sort
+        by the local experts that came with the rows); fills the plan's receiving side."""
         if isinstance(plan, DispatchPlan):
             return super().dispatch_postprocess(rows, weights, plan)
+        el = self.num_local_experts
         with RECORDER.span("moe.sort_chunks"):
-            return rows.index_select(0, plan.expert_order), weights.index_select(
-                0, plan.expert_order
+            expert = weights[:, 1].detach().long()
+            order = torch.argsort(expert, stable=True)
+            plan.expert_order = order
+            plan.expert_unorder = torch.empty_like(order).scatter_(
+                0, order, torch.arange(order.numel(), device=order.device)
             )
+            valid = count_per_expert(expert, el + 1)[:el]
+            # the grouped GEMM's groups cover every row: padding joins the last group
+            plan.local_expert_counts = torch.cat(
+                [valid[:-1], (order.numel() - valid[:-1].sum()).view(1)]
+            )
+            return rows.index_select(0, order), weights[:, 0].index_select(0, order)
 
     def combine_preprocess(
         self, expert_output: torch.Tensor, plan: DispatchPlan | RankCapacityPlan
