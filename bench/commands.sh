@@ -414,11 +414,12 @@ python bench/versions_ab.py --a ../base/.venv/bin/python --b .venv/bin/python --
 # ------------------------------------------------------------------------------------- sync-free dropless MoE
 
 # 41. -> moe_sync_free.json/.md. The sync-free dropless dispatch (model.moe_expert_rank_capacity_factor=1.5: fixed
-#     blocks per EP peer, no host read of split sizes, a step where a block overflows re-run dropless) against the
-#     dropless all-to-all (split sizes read on the host per MoE layer and micro-batch), plain and with EP overlap +
-#     delay_wgrad, on command 6's model and emulated link (EP 2, 1 ms / 20 MB/s on the ep collectives). The table
-#     says, per repeat, how many of the window's steps re-ran (each did two forward-backwards). On a CPU the host
-#     reads cost little (the device is the host): this measures the padding's cost, not the reads' saving.
+#     blocks per EP peer, each row with its local expert, no counts exchange and no host read of split sizes, a step
+#     where a block overflows re-run dropless) against the dropless all-to-all (ep_counts exchanged and read on the
+#     host per MoE layer and micro-batch), plain and with EP overlap + delay_wgrad, on command 6's model and modelled
+#     link (EP 2, 1 ms / 20 MB/s on the ep collectives). The table says, per repeat, how many of the window's steps
+#     re-ran (each did two forward-backwards). On a CPU a host read costs little (the device is the host): this
+#     weighs the padding's bytes (1.5x the dispatch) against the counts exchange's latency, not the reads' saving.
 overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
   --network model:1ms,20MB/s,ep --repeats 3 \
   --config "all-to-all:" \
