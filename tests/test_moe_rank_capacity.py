@@ -295,6 +295,7 @@ def _train_layers(layers: int, overrides: list[str], fields: dict, force_at: int
 # fp16 from a loss scale the first steps overflow at (skipped, the scale backing off): the re-run
 # step must leave the scaler as the dropless step does
 FP16 = ["mixed_precision=fp16_mixed", "mixed_precision.initial_loss_scale=1e20"]
+SHARED_EXPERT = ["model.moe_shared_expert_intermediate_size=32"]
 # the whole MoE layer recomputed in backward: its blocks are laid out (and counted) again there
 RECOMPUTE_MOE = ["model.recompute_granularity=selective", "model.recompute_modules=[moe]"]
 TP2_EP2 = {
@@ -311,8 +312,15 @@ TP2_EP2 = {
         (4, TP2_EP2, []),
         (2, {"expert_model_parallel_size": 2}, RECOMPUTE_MOE),
         (2, {"expert_model_parallel_size": 2}, FP16),
+        (2, {"expert_model_parallel_size": 2}, OVERLAP + SHARED_EXPERT),
     ],
-    ids=["ep2-overlap-delay_wgrad", "tp2-ep2-sp", "ep2-moe-recomputed", "ep2-fp16-loss-scaling"],
+    ids=[
+        "ep2-overlap-delay_wgrad",
+        "tp2-ep2-sp",
+        "ep2-moe-recomputed",
+        "ep2-fp16-loss-scaling",
+        "ep2-overlap-shared-expert",
+    ],
 )
 def test_an_overflow_forced_on_one_rank_reruns_that_step_as_the_dropless_one(
     world, fields, overrides
