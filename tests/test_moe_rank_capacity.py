@@ -296,6 +296,9 @@ def _train_layers(layers: int, overrides: list[str], fields: dict, force_at: int
 # step must leave the scaler as the dropless step does
 FP16 = ["mixed_precision=fp16_mixed", "mixed_precision.initial_loss_scale=1e20"]
 SHARED_EXPERT = ["model.moe_shared_expert_intermediate_size=32"]
+# routing by random logits from the routers' own generators: the re-run must draw what the dropless
+# step draws (the generators rewound, `StaticDispatchSteps.rerun`)
+FORCED_BALANCE = ["model.moe_router_force_load_balancing=true"]
 # the whole MoE layer recomputed in backward: its blocks are laid out (and counted) again there
 RECOMPUTE_MOE = ["model.recompute_granularity=selective", "model.recompute_modules=[moe]"]
 TP2_EP2 = {
@@ -313,6 +316,7 @@ TP2_EP2 = {
         (2, {"expert_model_parallel_size": 2}, RECOMPUTE_MOE),
         (2, {"expert_model_parallel_size": 2}, FP16),
         (2, {"expert_model_parallel_size": 2}, OVERLAP + SHARED_EXPERT),
+        (2, {"expert_model_parallel_size": 2}, FORCED_BALANCE),
     ],
     ids=[
         "ep2-overlap-delay_wgrad",
@@ -320,6 +324,7 @@ TP2_EP2 = {
         "ep2-moe-recomputed",
         "ep2-fp16-loss-scaling",
         "ep2-overlap-shared-expert",
+        "ep2-random-routing",
     ],
 )
 def test_an_overflow_forced_on_one_rank_reruns_that_step_as_the_dropless_one(
