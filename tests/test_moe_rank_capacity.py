@@ -557,3 +557,23 @@ def test_the_host_reads_of_a_step_and_of_its_rerun(force):
             {loss: 1, norm: 2, SPLIT_SIZES: 2 * microbatches} if force else {loss: 1, norm: 1}
         )
         assert by_kind == expected
+
+
+def _train_dense_first_stage(overrides: list[str], force_at: int | None) -> tuple:
+    """`_train` at PP 2 x EP 2 with 4 layers, the first stage's two dense (moe_layer_freq [0, 0, 1,
+    1]); the overflow, if any, forced on rank 3 (the second stage's)."""
+    return _train(
+        ["model.num_layers=4", "model.moe_layer_freq=[0,0,1,1]", *overrides],
+        {"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+        force_at,
+        force_rank=3,
+    )
+
+
+def test_a_stage_without_moe_layers_carries_the_count_too():
+    """The first pipeline stage holds no MoE layer: its ranks still carry a count (0) through the
+    same reductions as the MoE stage's, and re-run with them (the collectives match by position;
+    under NCCL's rules the replay would find a mismatch)."""
+    static = run_world_nccl_rules(4, _train_dense_first_stage, FACTOR, 1)
+    dropless = run_world(4, _train_dense_first_stage, [], None)
+    assert _same_run(static, dropless) == [0, 1, 0, 0]

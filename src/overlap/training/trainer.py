@@ -152,7 +152,7 @@ class Trainer:
         self.start_iteration = self.checkpointer.load() if self.checkpointer is not None else 0
         # the sync-free MoE dispatch's per-step handle (None without it), and whether the last
         # step was re-run dropless for an overflow
-        self.static_dispatch = StaticDispatchSteps.of(self.chunks)
+        self.static_dispatch = StaticDispatchSteps.of(cfg.model, self.chunks, ps.device)
         self.last_step_reruns = 0
 
     def train_step(self, iteration: int) -> tuple[float, float]:

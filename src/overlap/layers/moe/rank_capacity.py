@@ -214,41 +214,50 @@ class RankCapacityDispatcher(AllToAllDispatcher):
 
 
 class StaticDispatchSteps:
-    """The trainer's handle on a model's `RankCapacityDispatcher`s for one step: `begin()` before
-    the first forward (zero the overflow counters, static blocks on, the random state kept),
-    `overflowed()` the counters' sum on the device after the backward, `rerun()` before a step's
-    dropless re-run (dropless path on, the random state as `begin()` found it, so the re-run draws
-    what the dropless step would have).
+    """The trainer's handle on a rank's `RankCapacityDispatcher`s for one step: `begin()` before
+    the first forward, `overflowed()` the counters' sum on the device after the backward, `rerun()`
+    before a step's dropless re-run.
 
-    The random state: the global CPU generator, the device's default generator, and the routers'
-    own generators (forced load balancing draws its logits from them)."""
+    The handle exists on every rank of a run in this mode, with the dispatchers of the MoE layers
+    the rank holds - none on a pipeline stage of dense layers only, whose count is then 0: every
+    rank must carry the count through the same reductions (the collectives match by position).
 
-    def __init__(self, dispatchers: list[RankCapacityDispatcher], routers: list[TopKRouter]):
-        self.dispatchers, self.routers = dispatchers, routers
+    The random state kept for the re-run: the global CPU generator, the device's default generator,
+    and the routers' own generators (forced load balancing draws its logits from them)."""
+
+    def __init__(
+        self,
+        dispatchers: list[RankCapacityDispatcher],
+        routers: list[TopKRouter],
+        device: torch.device,
+    ) -> None:
+        self.dispatchers, self.routers, self.device = dispatchers, routers, device
         self._random: tuple | None = None
 
     @classmethod
-    def of(cls, modules: Iterable[nn.Module]) -> StaticDispatchSteps | None:
-        """The handle for the MoE layers in `modules` (model chunks), or None without static
-        dispatch."""
+    def of(
+        cls, config: ModelConfig, modules: Iterable[nn.Module], device: torch.device
+    ) -> StaticDispatchSteps | None:
+        """The handle for a run of `config` whose rank holds `modules` (its model chunks) on
+        `device`, or None where the run is not in this mode."""
+        if config.moe_expert_rank_capacity_factor is None or not config.is_moe:
+            return None
         layers = [
             m
             for chunk in modules
             for m in chunk.modules()
             if isinstance(getattr(m, "dispatcher", None), RankCapacityDispatcher)
         ]
-        if not layers:
-            return None
-        return cls([m.dispatcher for m in layers], [m.router for m in layers])
+        return cls([m.dispatcher for m in layers], [m.router for m in layers], device)
 
     def begin(self) -> None:
+        """Start a step: counters zeroed, the blocks on, the random state kept."""
         for d in self.dispatchers:
             d.overflow.zero_()
             d.dropless = False
-        device = self.dispatchers[0].overflow.device
         self._random = (
             torch.get_rng_state(),
-            torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             [
                 None if r.random_logits is None else r.random_logits.get_state()
                 for r in self.routers
@@ -257,19 +266,21 @@ class StaticDispatchSteps:
 
     def needed_factor(self) -> torch.Tensor:
         """[1] float32 on the device: the largest factor any block of this rank has needed in the
-        run so far (the rows the fullest block had over T x k / EP)."""
-        return torch.stack([d.needed for d in self.dispatchers]).max().view(1)
+        run so far (the rows the fullest block had over T x k / EP; 0 without MoE layers)."""
+        return self._stacked([d.needed for d in self.dispatchers]).max().view(1)
 
     def overflowed(self) -> torch.Tensor:
         """[1] float32: blocks over capacity on this rank since `begin()` (0: none), on the
         device."""
-        return torch.stack([d.overflow for d in self.dispatchers]).sum().float().view(1)
+        return self._stacked([d.overflow.float() for d in self.dispatchers]).sum().view(1)
 
     def rerun(self) -> None:
+        """Before the step's dropless re-run: the random state as `begin()` found it, so the re-run
+        draws what the dropless step would have, and the dropless path on."""
         cpu, device_state, routers = self._random
         torch.set_rng_state(cpu)
         if device_state is not None:
-            torch.cuda.set_rng_state(device_state, self.dispatchers[0].overflow.device)
+            torch.cuda.set_rng_state(device_state, self.device)
         for router, state in zip(self.routers, routers):
             if state is None:
                 router.random_logits = None  # made (seeded) again at its first use
@@ -277,3 +288,9 @@ class StaticDispatchSteps:
                 router.random_logits.set_state(state)
         for d in self.dispatchers:
             d.dropless = True
+
+    def _stacked(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """`values` (scalars) as one float32 vector; a single 0 where the rank has none."""
+        if not values:
+            return torch.zeros(1, dtype=torch.float32, device=self.device)
+        return torch.stack(values)
