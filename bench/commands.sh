@@ -410,3 +410,21 @@ python bench/versions_ab.py --a ../base/.venv/bin/python --b .venv/bin/python --
   --case "DP2, distributed optimizer, both overlaps:-m qwen -mr dense_tiny -g cpu -ng 2 -ms 6 -gb 8 -mb 4 ddp.bucket_size=500000 ddp.use_distributed_optimizer=true optimizer.use_distributed_optimizer=true ddp.overlap_grad_reduce=true ddp.overlap_param_gather=true" \
   --hf-compute "--repeats 10 --warmup 2 --attention-backends auto" \
   --json $out/memory_versions_ab.json --markdown $out/memory_versions_ab.md
+
+# ------------------------------------------------------------------------------------- sync-free dropless MoE
+
+# 41. -> moe_sync_free.json/.md. The sync-free dropless dispatch (model.moe_expert_rank_capacity_factor=1.5: fixed
+#     blocks per EP peer, each row with its local expert, no counts exchange and no host read of split sizes, a step
+#     where a block overflows re-run dropless) against the dropless all-to-all (ep_counts exchanged and read on the
+#     host per MoE layer and micro-batch), plain and with EP overlap + delay_wgrad, on command 6's model and modelled
+#     link (EP 2, 1 ms / 20 MB/s on the ep collectives). The table says, per repeat, how many of the window's steps
+#     re-ran (each did two forward-backwards). On a CPU a host read costs little (the device is the host): this
+#     weighs the padding's bytes (1.5x the dispatch) against the counts exchange's latency, not the reads' saving.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
+  --network model:1ms,20MB/s,ep --repeats 3 \
+  --config "all-to-all:" \
+  --config "sync-free 1.5:model.moe_expert_rank_capacity_factor=1.5" \
+  --config "all-to-all, EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --config "sync-free 1.5, EP overlap + delay_wgrad:model.moe_expert_rank_capacity_factor=1.5;comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/moe_sync_free.json --markdown $out/moe_sync_free.md \
+  model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6

@@ -9,7 +9,9 @@ run measures it (`tests/test_memory_model.py` holds the two within 10% on the gu
 
 `fit` compares the peak, plus a stated reserve, with the GPU's memory, and when it does not fit
 prices what Megatron users reach for: selective recompute modules, the distributed optimizer, bf16
-gradient reduction, a smaller micro-batch, more pipeline stages, a larger expert-parallel group.
+gradient reduction, a smaller micro-batch, the dropless all-to-all instead of the sync-free
+dispatch's padded blocks (`model.moe_expert_rank_capacity_factor`: its rows are factor x the
+dropless average), more pipeline stages, a larger expert-parallel group.
 """
 
 from __future__ import annotations
@@ -191,6 +193,15 @@ def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -
     if cfg.train.micro_batch_size > 1:
         cut = replace(cfg.train, micro_batch_size=1)
         options.append(("-mb 1", _with(cfg, train=cut)))
+    if m.moe_expert_rank_capacity_factor is not None:
+        # the sync-free dispatch's padded blocks: memory bought to avoid the host reads
+        options.append(
+            (
+                "model.moe_expert_rank_capacity_factor=null (dropless all-to-all: unpadded rows, "
+                "the split sizes read on the host per MoE layer and micro-batch)",
+                _with_model(cfg, moe_expert_rank_capacity_factor=None),
+            )
+        )
     advice = []
     for flag, alternative in options:
         peak = rank_memory(alternative, layout).total
