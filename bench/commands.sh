@@ -245,14 +245,16 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -ms 6 -gb 8 -mb 4 --network tb
 # 23. -> pp_schedules.json/.md. dense_tiny at 8 layers, PP=4 on 4 ranks, 8 micro-batches per step (bubble
 #     (p-1)/(m*v): 1F1B 3/8, interleaved VPP2 3/16), emulated interconnect so the activations' p2p is a visible
 #     share of the step. Ours (batched vs overlapped p2p, 1F1B vs interleaved) and torch.distributed.pipelining's
-#     schedules, alternated.
+#     schedules, alternated. Overlapped 1F1B sends each input gradient before its weight gradients (beyond the
+#     reference, docs/pipeline.md). Floors: communication faked (no bubble either), and the batched 1F1B on the
+#     plain loopback (--ideal-link: every wait kept, no link time), whose exposed pp time is the bubble's waits.
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 8 -mb 1 --network tbf:200mbit \
   --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
   --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
   --config "1F1B, torch pipelining:model.pipeline_impl=torch_pipelining" \
   --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
   --config "interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining" \
-  --ideal --repeats 2 --json $out/pp_schedules.json --markdown $out/pp_schedules.md \
+  --ideal --ideal-link --repeats 2 --json $out/pp_schedules.json --markdown $out/pp_schedules.md \
   model.num_layers=8
 
 # 24. -> pp_schedules_2ranks.json/.md. Command 23 with one rank per core (PP=2 on 2 ranks): tests whether
@@ -263,7 +265,8 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
   --config '1F1B, torch pipelining:model.pipeline_impl=torch_pipelining' \
   --config 'interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2' \
   --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
-  --ideal --repeats 2 --json $out/pp_schedules_2ranks.json --markdown $out/pp_schedules_2ranks.md model.num_layers=8
+  --ideal --ideal-link --repeats 2 --json $out/pp_schedules_2ranks.json --markdown $out/pp_schedules_2ranks.md \
+  model.num_layers=8
 
 # 25. -> pp_schedules_modelled.json/.md. Pipeline p2p on a modelled link (PP=2 on 2 ranks, one per core; only pp
 #     kinds on the link, 1 ms + 10 MB/s): transfers start when both sides have posted (the stamps of comm.p2p), so
