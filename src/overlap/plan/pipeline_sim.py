@@ -76,21 +76,21 @@ def simulate(
     forward), each steady step one unit that waits for both its receives first. `wgrad_share`: the
     share of a backward that is weight gradient (the planner's convention: half). `exact=False`
     (the layout search, pricing hundreds of layouts): past a few periods of the schedule the step
-    grows by the same time per micro-batch group, so a long step is extrapolated from two short
-    ones (`_extrapolated`)."""
+    grows by the same time per micro-batch group, so a long step is extrapolated from short ones
+    once three of them show that slope settled (`_extrapolated`; longer ones where it has not)."""
     compute = microbatches * vpp * (fwd_s + bwd_s)
     if pp <= 1:
         return PipelineTimes(compute, compute)
-    if not exact:
-        whole = _extrapolated(microbatches, pp, group)
-        if whole is not None:
-            # the same last partial group as the long program: its chunks end the table
-            short = whole + microbatches % (group or pp)
-            args = (pp, vpp)
-            rest = (fwd_s, bwd_s, transfer, overlapped, group, weights, merged, wgrad_share)
-            t1 = simulate(*args, short, *rest).step_s
-            t2 = simulate(*args, short + whole, *rest).step_s
+    whole = None if exact else _extrapolated(microbatches, pp, group)
+    while whole is not None:
+        # the same last partial group as the long program: its chunks end the table
+        short = whole + microbatches % (group or pp)
+        args = (pp, vpp)
+        rest = (fwd_s, bwd_s, transfer, overlapped, group, weights, merged, wgrad_share)
+        t1, t2, t3 = (simulate(*args, short + k * whole, *rest).step_s for k in range(3))
+        if abs((t3 - t2) - (t2 - t1)) <= 1e-9 * t3:  # settled: every group adds the same
             return PipelineTimes(t1 + (microbatches - short) * (t2 - t1) / whole, compute)
+        whole = 2 * whole if microbatches > 3 * (2 * whole) else None
     weights = (1.0,) * (pp * vpp) if weights is None else weights
     if len(weights) != pp * vpp:
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")

@@ -239,6 +239,7 @@ def candidate_layouts(cfg, gpus: int, gpus_per_node: int) -> Iterator[Layout]:
                 # down to one layer per virtual stage (Bridge runs Qwen3-30B-A3B at PP2 x VP24)
                 vps += [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
             eps = [e for e in _powers_of_two(experts) if experts % e == 0] if experts else [1]
+            # micro-batches ascending: the search skips the larger ones of a layout that did not fit
             for vp, ep, mb in itertools.product(vps, eps, MICRO_BATCHES):
                 if ep > 1 and (tp * dp) % ep:
                     continue
@@ -284,8 +285,13 @@ def search(
         cluster = builtin_cluster(str(gpu), precision, int(gpn))
     result = SearchResult([], words, overrides, cluster)
     scored: list[tuple[float, Layout, Prediction, int]] = []
+    too_big: set[tuple] = set()  # layouts that did not fit at a smaller micro-batch
     for plain in candidate_layouts(base.cfg, gpus, int(gpn)):
         result.considered += 1
+        shape = (plain.tp, plain.pp, plain.vp, plain.ep)
+        if shape in too_big:  # a larger micro-batch only needs more memory
+            result.not_fitting += 1
+            continue
         for modules in recompute_options(base.cfg):
             layout = replace(plain, recompute=modules)
             outcome = _score(result, fixed_words, fixed_overrides, layout, (), cluster)
@@ -295,6 +301,7 @@ def search(
             scored.append(outcome)
         elif outcome == NOT_FITTING:
             result.not_fitting += 1
+            too_big.add(shape)
     scored.sort(key=lambda s: s[0])
     candidates = []
     for rank, (step_s, layout, prediction, margin) in enumerate(scored):
