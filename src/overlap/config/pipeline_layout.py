@@ -234,10 +234,22 @@ def parse_layout(spec: str | list, pp: int) -> list[str]:
     return stages
 
 
+MAX_LAYERS = 100_000
+
+
 def resolve_pipeline_layout(model: Any, pp: int) -> PipelineLayout:
     """The pipeline layout `model` (a ModelConfig) asks for on `pp` pipeline ranks; a ConfigError
     if it cannot be."""
     n, vpp = model.num_layers, model.virtual_pipeline_model_parallel_size
+    if n > MAX_LAYERS:
+        # the stages are spelt out layer by layer (Megatron's layout form): bounded before that
+        raise ConfigError(
+            "model.num_layers",
+            n,
+            f"more than {MAX_LAYERS:,} layers; no model is that deep, and its layout is written "
+            "out layer by layer.",
+            "give the model's real depth (the largest published ones have about 100-130).",
+        )
     first, last = model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
     embed, loss = (
         model.account_for_embedding_in_pipeline_split,

@@ -61,10 +61,11 @@ class PeerTrainer(Trainer):
         self.data = build_data(cfg)
         t = cfg.train
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
-        # What Trainer.train reads: peers do not checkpoint (runtime_refusals says so) and do not
-        # pipeline.
+        # What Trainer.train reads: peers do not checkpoint (runtime_refusals says so), do not
+        # pipeline, and run no sync-free MoE dispatch, so never re-run a step.
         self.checkpointer, self.start_iteration = None, 0
         self.pipeline_memory = PipelineMemory()
+        self.static_dispatch, self.last_step_reruns = None, 0
 
     def finish_param_sync(self) -> None:
         """Peers keep their parameters in sync themselves."""
