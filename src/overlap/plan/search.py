@@ -265,7 +265,6 @@ def search(
     words: list[str],
     overrides: list[str] | None = None,
     cluster: Cluster | None = None,
-    top: int = 5,
     plan_precision: str | None = None,
 ) -> SearchResult:
     """Search the layouts of the `overlap run` command line `words` (harness flags; its layout flags
