@@ -121,12 +121,12 @@ def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tens
 
 
 def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool) -> float:
-    """The global L2 norm; with `sharded_over_dp` each rank holds only its DP (dense) / expert-DP
-    (expert) shard of every gradient, so those partial sums are first added up over DP /
-    expert-DP."""
+    """The global L2 norm; with `sharded_over_dp` each rank holds only its DP x CP (dense) /
+    expert-DP (expert) shard of every gradient, so those partial sums are first added up over
+    them."""
     dense, expert = grad_norm_sq_local(slots, ps)
     if sharded_over_dp:
-        comm.all_reduce(dense, ps.dp_group, "dp_norm").wait()
+        comm.all_reduce(dense, ps.dp_cp_group, "dp_norm").wait()
         comm.all_reduce(expert, ps.edp_group, "dp_norm").wait()
     comm.all_reduce(dense, ps.tp_group, "mp_norm").wait()
     comm.all_reduce(expert, ps.ep_group, "mp_norm").wait()

@@ -14,6 +14,7 @@ The only module that creates process groups; collectives on them go through `ove
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -104,6 +105,27 @@ def _groups_along(
         ),
         build,
     )
+
+
+def merged_group(mesh: DeviceMesh, dims: Sequence[str]) -> ProcessGroup:
+    """This rank's group over several of `mesh`'s dimensions at once (collective), built once per
+    process: for every combination of the other dimensions' coordinates, the ranks that differ only
+    along `dims`, in mesh order. Megatron's data-parallel group with context parallelism (dims
+    "dp", "cp"), over which the dense gradients are reduced."""
+
+    def build() -> ProcessGroup:
+        axes = [mesh.mesh_dim_names.index(d) for d in dims]
+        rest = [a for a in range(mesh.mesh.dim()) if a not in axes]
+        size = math.prod(mesh.size(a) for a in axes)
+        mine = None
+        for ranks in mesh.mesh.permute(*rest, *axes).reshape(-1, size).tolist():
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+
+    key = ("merged", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+    return _cached((*key, mesh.mesh_dim_names, tuple(dims)), build)
 
 
 def ring_edge_groups(mesh: DeviceMesh, dim: str, wrap: bool) -> dict[tuple[str, int], ProcessGroup]:

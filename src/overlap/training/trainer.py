@@ -7,10 +7,11 @@ micro-batch is the last, it reduces buckets during that backward (overlap_grad_r
 parameter all-gather runs after the step, or is deferred into the next forward with
 overlap_param_gather, which is why `train()` ends with `finish_param_sync()`).
 
-Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size)
-before backward, so the reduced gradients equal the single-process gradient of the mean loss over
-the whole global batch, and the reported lm loss is that mean (all-reduced over data parallel for
-the log only).
+Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size x
+context-parallel size) before backward, so the gradients reduced over DP x CP equal the
+single-process gradient of the mean loss over the whole global batch, and the reported lm loss is
+that mean (all-reduced over DP x CP for the log only: a CP rank's loss is the mean over its share
+of each sequence, the same number of tokens on every CP rank).
 
 Under loss scaling (fp16) the backward's seed also carries the optimizer's loss scale; the
 optimizer divides it out, and skips a step whose gradients overflowed (`overlap.optim.loss_scaler`):
@@ -152,9 +153,17 @@ class Trainer:
         for ddp in self.ddps:
             ddp.zero_grad()
         batches = self.data.micro_batches(
-            iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device
+            iteration,
+            t.global_batch_size,
+            t.micro_batch_size,
+            ps.dp_rank,
+            ps.dp_size,
+            ps.device,
+            ps.cp_rank,
+            ps.cp_size,
         )
-        scale = 1.0 / (self.num_micro_batches * ps.dp_size)
+        # each CP rank's loss is the mean over its equal share of the tokens
+        scale = 1.0 / (self.num_micro_batches * ps.dp_cp_size)
         grad_scale = scale * self.optimizer.loss_scale  # what the backward is seeded with
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; with EP
@@ -178,7 +187,7 @@ class Trainer:
         check_nan = self.cfg.ddp.check_for_nan_in_grad
         # before the DP sum mixes the ranks' losses
         local_loss = loss_sum.clone() if check_nan else None
-        loss_handle = comm.all_reduce(loss_sum, ps.dp_group, "dp_loss")
+        loss_handle = comm.all_reduce(loss_sum, ps.dp_cp_group, "dp_loss")
         norm = self.optimizer.grad_norm()
         # free unless the norm is not finite (training/stopping.py)
         if check_nan and not math.isfinite(norm):

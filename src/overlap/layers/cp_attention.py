@@ -1,0 +1,246 @@
+"""Context-parallel attention: each CP rank holds the queries, keys and values of its two
+load-balanced chunks of the sequence (`overlap.parallel.cp_chunks`) and needs every earlier key.
+Megatron's `cp_comm_type` picks how the keys and values meet the queries:
+
+- `p2p` (Transformer Engine's AttnFuncWithCPAndKVP2P): the KV blocks travel around the ring of CP
+  ranks (`overlap.parallel.ring`, kind `cp_kv`). With `cp_comm_overlap` the next block's transfer is
+  posted before the current block's attention and waited after it, so the transfer hides behind the
+  attention; off, every transfer is waited at once (the same messages, serialised: the benchmark's
+  baseline). Blocks merge by log-sum-exp (`overlap.layers.block_attention`). With the load-balanced
+  split, rank r's own block is causal and every other block is half work: from a rank before it
+  (origin o < r) every query sees only the block's early chunk; from a rank after it only the
+  rank's late chunk sees the block (all of it). The backward runs the ring again: the KV blocks
+  travel the same way and each block's key/value gradient travels with it (kind `cp_dkv`), each
+  rank adding its share, until after CP steps it reaches its owner; the dKV a rank receives is
+  waited only after its own block's backward, so it hides there too.
+- `all_gather` (AttnFuncWithCPAndKVAllGather): the keys and values gathered once (`cp_ag`), the
+  local queries attend the whole sequence under their global positions' mask; the key/value
+  gradients reduce-scattered back (`cp_dkv`).
+- `a2a` (Ulysses, AttnFuncWithCPAndQKVOA2A): an all-to-all (`cp_a2a`) trades the sequence split
+  for a head split, each rank runs ordinary causal attention over the whole sequence for heads/CP
+  heads (the layer's own kernel: flash on a GPU), and a second all-to-all trades back.
+
+The p2p and all_gather blocks run `block_attention`'s fp32 arithmetic (what they keep for backward
+is flash's: Q, K, V, the output and its log-sum-exp), on any device. Shapes: [b, heads, s_local,
+d] queries and [b, groups, s_local, d] keys and values, as the layer's kernel takes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.autograd import Function
+
+from overlap.layers.block_attention import (
+    block_backward,
+    block_forward,
+    causal_mask,
+    merge,
+    position_mask,
+)
+from overlap.parallel import comm
+from overlap.parallel.cp_chunks import cp_positions, gathered_positions
+from overlap.parallel.ring import Ring, Shift
+from overlap.parallel.state import ParallelState
+from overlap.parallel.trace import RECORDER
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _fresh(tensors) -> list[torch.Tensor]:
+    """Receive buffers for one ring step (never the buffers being sent)."""
+    return [torch.empty_like(t) for t in tensors]
+
+
+class _Ring:
+    """One ring pass's transfers: `post` a step (its `Shift`; `wait()` it where the result is
+    needed). Serialised (`overlap` off) the step is also waited as it is posted, so no compute runs
+    under it (a second wait returns at once)."""
+
+    def __init__(self, ring: Ring, overlap: bool) -> None:
+        self.ring, self.overlap = ring, overlap
+
+    def post(self, send, recv) -> Shift:
+        shift = self.ring.shift(send, recv)
+        if not self.overlap:
+            shift.wait()
+        return shift
+
+
+class RingAttention(Function):
+    """`cp_comm_type=p2p` (module docstring): forward and backward over the KV ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ps: ParallelState, overlap: bool):
+        ring = Ring(ps.cp_group, "cp_kv")
+        rank, half = ring.rank, q.shape[2] // 2
+        kv_ring = _Ring(ring, overlap)
+        kv = (k.contiguous(), v.contiguous())
+        out = lse = None
+        for step in range(ring.steps):
+            posted = kv_ring.post(kv, _fresh(kv)) if step < ring.steps - 1 else None
+            origin = ring.origin(step)
+            with RECORDER.span("cp.attention"):
+                if origin == rank:
+                    out, lse = block_forward(q, *kv, causal_mask(q.shape[2], q.device))
+                elif origin < rank:
+                    merge(out, lse, *block_forward(q, kv[0][:, :, :half], kv[1][:, :, :half], None))
+                else:
+                    merge(
+                        out[:, :, half:],
+                        lse[:, :, half:],
+                        *block_forward(q[:, :, half:], *kv, None),
+                    )
+            if posted is not None:
+                kv = posted.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ps, ctx.overlap = ps, overlap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        kv_ring = _Ring(Ring(ctx.ps.cp_group, "cp_kv"), ctx.overlap)
+        dkv_ring = _Ring(Ring(ctx.ps.cp_group, "cp_dkv"), ctx.overlap)
+        ring = kv_ring.ring
+        rank, half = ring.rank, q.shape[2] // 2
+        delta = (dout.float() * out.float()).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, dkv_posted = (k.contiguous(), v.contiguous()), None
+        for step in range(ring.steps):
+            kv_posted = kv_ring.post(kv, _fresh(kv)) if step < ring.steps - 1 else None
+            origin = ring.origin(step)
+            dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv)
+            with RECORDER.span("cp.attention_bwd"):
+                if origin == rank:
+                    mask = causal_mask(q.shape[2], q.device)
+                    dq_b, dk[:], dv[:] = block_backward(q, *kv, lse, dout, delta, mask)
+                    dq += dq_b
+                elif origin < rank:
+                    early = (kv[0][:, :, :half], kv[1][:, :, :half])
+                    dq_b, dk[:, :, :half], dv[:, :, :half] = block_backward(
+                        q, *early, lse, dout, delta, None
+                    )
+                    dq += dq_b
+                else:
+                    rows = slice(half, None)
+                    dq_b, dk[:], dv[:] = block_backward(
+                        q[:, :, rows],
+                        *kv,
+                        lse[:, :, rows],
+                        dout[:, :, rows],
+                        delta[:, :, rows],
+                        None,
+                    )
+                    dq[:, :, rows] += dq_b
+            if dkv_posted is not None:  # the block's gradient from the ranks it visited before
+                dk_in, dv_in = dkv_posted.wait()
+                dk += dk_in
+                dv += dv_in
+            dkv_posted = dkv_ring.post((dk, dv), _fresh((dk, dv)))
+            if kv_posted is not None:
+                kv = kv_posted.wait()
+        # after CP steps each block's gradient has visited every rank and is back with its owner
+        dk, dv = dkv_posted.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def _gather_seq(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """[b, g, s_local, d] -> [b, g, CP x s_local, d], the CP ranks' shares in rank order."""
+    seq_first = t.permute(2, 0, 1, 3)
+    gathered = comm.all_gather(seq_first, ps.cp_group, "cp_ag").wait()
+    return gathered.permute(1, 2, 0, 3)
+
+
+def _scatter_seq(t: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """The sum over CP of [b, g, CP x s_local, d] gradients, this rank's share back: the
+    all-gather's transpose."""
+    seq_first = t.permute(2, 0, 1, 3).contiguous()
+    return comm.reduce_scatter(seq_first, ps.cp_group, "cp_dkv").wait().permute(1, 2, 0, 3)
+
+
+class AllGatherAttention(Function):
+    """`cp_comm_type=all_gather` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ps: ParallelState):
+        seq = q.shape[2] * ps.cp_size
+        mask = position_mask(
+            cp_positions(seq, ps.cp_rank, ps.cp_size, q.device),
+            gathered_positions(seq, ps.cp_size, q.device),
+        )
+        k_all, v_all = _gather_seq(k, ps), _gather_seq(v, ps)
+        with RECORDER.span("cp.attention"):
+            out, lse = block_forward(q, k_all, v_all, mask)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.ps = ps
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        # gathered again rather than kept: the backward holds one rank's share, as p2p's does
+        k_all, v_all = _gather_seq(k, ctx.ps), _gather_seq(v, ctx.ps)
+        delta = (dout.float() * out.float()).sum(-1)
+        with RECORDER.span("cp.attention_bwd"):
+            dq, dk_all, dv_all = block_backward(q, k_all, v_all, lse, dout, delta, mask)
+        dk, dv = _scatter_seq(dk_all, ctx.ps), _scatter_seq(dv_all, ctx.ps)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _seq_to_heads(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """[b, h, s_local, d] -> [b, h / CP, CP x s_local, d]: head slice j goes to CP rank j, every
+    rank's share of the sequence comes back (in rank order)."""
+    b, h, s, d = x.shape
+    cp = ps.cp_size
+    out = comm.all_to_all(x.view(b, cp, h // cp, s, d).transpose(0, 1), ps.cp_group, "cp_a2a")
+    return out.wait().permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """The inverse of `_seq_to_heads`: [b, h / CP, CP x s_local, d] -> [b, h, s_local, d]."""
+    b, hc, s_all, d = x.shape
+    cp = ps.cp_size
+    s = s_all // cp
+    out = comm.all_to_all(x.view(b, hc, cp, s, d).permute(2, 0, 1, 3, 4), ps.cp_group, "cp_a2a")
+    return out.wait().transpose(0, 1).reshape(b, hc * cp, s, d)
+
+
+class _SeqToHeads(Function):
+    """`_seq_to_heads` with its inverse as the backward (`to_heads` False: the other way)."""
+
+    @staticmethod
+    def forward(ctx, x, ps: ParallelState, to_heads: bool):
+        ctx.ps, ctx.to_heads = ps, to_heads
+        return _seq_to_heads(x, ps) if to_heads else _heads_to_seq(x, ps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = _heads_to_seq(grad, ctx.ps) if ctx.to_heads else _seq_to_heads(grad, ctx.ps)
+        return back, None, None
+
+
+def a2a_attention(q, k, v, ps: ParallelState, attend: Attend) -> torch.Tensor:
+    """`cp_comm_type=a2a` (module docstring): `attend` is the layer's causal kernel over the whole
+    sequence in position order."""
+    seq = q.shape[2] * ps.cp_size
+    gathered = gathered_positions(seq, ps.cp_size, q.device)  # position of each gathered row
+    order = torch.argsort(gathered)  # gathered rows in position order
+    q, k, v = (_SeqToHeads.apply(t, ps, True).index_select(2, order) for t in (q, k, v))
+    out = attend(q, k, v).index_select(2, gathered)  # back to the gathered (rank) order
+    return _SeqToHeads.apply(out, ps, False)
+
+
+def cp_attention(q, k, v, ps: ParallelState, kind: str, overlap: bool, attend: Attend):
+    """Causal attention of this CP rank's queries over the whole sequence, by `kind`
+    (`cp_comm_type`; `a2a+p2p` is refused before a run starts: `runtime_refusals`)."""
+    if kind == "p2p":
+        return RingAttention.apply(q, k, v, ps, overlap)
+    if kind == "all_gather":
+        return AllGatherAttention.apply(q, k, v, ps)
+    if kind == "a2a":
+        return a2a_attention(q, k, v, ps, attend)
+    raise ValueError(f"cp_attention: cp_comm_type {kind!r} is not built")

@@ -1,0 +1,124 @@
+"""Context parallelism: each cp_comm_type's attention against plain causal attention on the gathered
+sequence (forward and backward), and training at CP 2 and 4, alone and with TP-SP, DP (distributed
+optimizer) and PP-VPP, against the single-process reference; p2p's overlap on vs off.
+
+Tolerances (fp32): the ring merges blocks by log-sum-exp and the all-gather / all-to-all paths sum
+the softmax in another order than the one-rank kernel, so values agree to a few ulps of the
+accumulated sums; losses to 1e-5 relative (as tests/test_model_tp.py), attention outputs and
+gradients to 1e-5 absolute on O(1) values. p2p with the overlap on and off sends the same messages
+and computes the same blocks in the same order: bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap.config.layout import ParallelLayout
+from overlap.layers.attention import unfused_attention
+from overlap.layers.cp_attention import cp_attention
+from overlap.parallel.cp_chunks import cp_positions
+from overlap.parallel.state import ParallelState
+from tests.configs import tiny_config
+from tests.world import run_world
+
+ATOL = 1e-5
+STEPS = 3
+KINDS = ("p2p", "all_gather", "a2a")
+
+
+def _attention_case(kind: str, overlap: bool) -> tuple[torch.Tensor, ...]:
+    """This CP rank's share of the attention output and of q, k, v's gradients, and the reference's
+    (plain causal attention on the whole sequence, the same rows picked out)."""
+    cp = dist.get_world_size()
+    ps = ParallelState(ParallelLayout(cp, cp=cp))
+    gen = torch.Generator().manual_seed(7)
+    # a2a splits the heads and the query groups over CP
+    b, heads, groups, seq, d = 2, 2 * cp, cp, 8 * cp, 8
+    q, k, v = (torch.randn(b, n, seq, d, generator=gen) for n in (heads, groups, groups))
+    dout = torch.randn(b, heads, seq, d, generator=gen)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = unfused_attention(*whole)
+    ref.backward(dout)
+    mine = cp_positions(seq, ps.cp_rank, cp)
+    local = [t.index_select(2, mine).requires_grad_() for t in (q, k, v)]
+    out = cp_attention(*local, ps, kind, overlap, unfused_attention)
+    out.backward(dout.index_select(2, mine))
+    pairs = [(out, ref.index_select(2, mine))]
+    pairs += [(t.grad, w.grad.index_select(2, mine)) for t, w in zip(local, whole)]
+    return tuple(float((a.detach() - r).abs().max()) for a, r in pairs) + (out.detach(),)
+
+
+def _attention_cases() -> dict:
+    return {
+        (kind, overlap): _attention_case(kind, overlap)
+        for kind in KINDS
+        for overlap in ((True, False) if kind == "p2p" else (False,))
+    }
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
+def attention(request):
+    return run_world(request.param, _attention_cases)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cp_attention_matches_plain_attention(attention, kind):
+    for rank in attention:
+        errors = rank[(kind, False if kind != "p2p" else True)][:4]
+        assert max(errors) < ATOL, (kind, errors)
+
+
+def test_p2p_overlap_on_and_off_are_bit_identical(attention):
+    for rank in attention:
+        assert torch.equal(rank[("p2p", True)][4], rank[("p2p", False)][4])
+
+
+def _train(layers: int, overrides: list[str], **fields) -> list[float]:
+    from overlap.training.runtime_refusals import check_runtime_support
+    from overlap.training.trainer import Trainer
+
+    cfg = tiny_config(False, None, layers, overrides, STEPS, **fields)
+    res = cfg.finalize(dist.get_world_size())
+    check_runtime_support(cfg)
+    return [r.lm_loss for r in Trainer(cfg, ParallelState(res.layout)).train().records]
+
+
+CP2 = ["model.context_parallel_size=2"]
+CP4 = ["model.context_parallel_size=4"]
+TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+DISTOPT = [
+    "ddp.use_distributed_optimizer=true",
+    "optimizer.use_distributed_optimizer=true",
+    "ddp.overlap_grad_reduce=true",
+    "ddp.overlap_param_gather=true",
+]
+PP2_VPP2 = [
+    "model.pipeline_model_parallel_size=2",
+    "model.virtual_pipeline_model_parallel_size=2",
+]
+TRAIN_CASES = [
+    # (id, world, layers, overrides)
+    ("cp2_p2p", 2, 2, CP2),
+    ("cp2_p2p_serialised", 2, 2, CP2 + ["model.cp_comm_overlap=false"]),
+    ("cp2_all_gather", 2, 2, CP2 + ["model.cp_comm_type=all_gather"]),
+    ("cp2_a2a", 2, 2, CP2 + ["model.cp_comm_type=a2a"]),
+    ("cp4_p2p", 4, 2, CP4),
+    ("cp4_all_gather", 4, 2, CP4 + ["model.cp_comm_type=all_gather"]),
+    ("cp2_tp2_sp", 4, 2, CP2 + TP2),
+    ("cp2_dp2_distopt", 4, 2, CP2 + DISTOPT),
+    ("cp2_pp2_vpp2", 4, 4, CP2 + PP2_VPP2),
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {layers: run_world(1, _train, layers, [])[0] for layers in (2, 4)}
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
+def test_cp_layouts_train_like_one_rank(case, reference):
+    _id, world, layers, overrides = case
+    for losses in run_world(world, _train, layers, overrides):
+        assert losses == pytest.approx(reference[layers], rel=1e-5)
