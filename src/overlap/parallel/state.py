@@ -81,6 +81,11 @@ class ParallelState:
         self.dp_cp_group = (
             groups.merged_group(self.mesh, ("dp", "cp")) if layout.cp > 1 else self.dp_group
         )
+        # the ranks that hold one sequence's tokens (Megatron's tp-cp group): the MoE router's
+        # load statistics are summed over them
+        self.tp_cp_group = (
+            groups.merged_group(self.mesh, ("cp", "tp")) if layout.cp > 1 else self.tp_group
+        )
         self.ep_group = self.expert_mesh.get_group("ep")
         self.edp_group = self.expert_mesh.get_group("edp")
         self.tp_rank = self.mesh.get_local_rank("tp")
