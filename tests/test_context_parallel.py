@@ -147,3 +147,49 @@ def test_cp_layouts_train_like_one_rank(case, reference):
     for losses in run_world(world, _train, layers, overrides, moe, precision):
         # bf16: the usual MoE tolerance (tests/test_nccl_rules.py)
         assert losses == pytest.approx(ref, rel=2e-2 if precision else 1e-5)
+
+
+def _in_flight_under_attention(overlap: bool) -> dict[str, int]:
+    """One CP2 training step over a slow modelled link: the ring transfers (cp_kv forward and
+    backward, cp_dkv) in flight over a whole block's attention."""
+    from overlap.parallel import link_model
+    from overlap.parallel.trace import RECORDER
+    from overlap.training.trainer import Trainer
+
+    cfg = tiny_config(False, None, 2, CP2 + [f"model.cp_comm_overlap={overlap}".lower()], 1)
+    res = cfg.finalize(2)
+    link_model.set_network(
+        link_model.LinkModel(latency_s=2e-3, bandwidth_Bps=1e9, families=("cp",))
+    )
+    events, spans = [], []
+    try:
+        trainer = Trainer(cfg, ParallelState(res.layout))
+        RECORDER.drain()
+        RECORDER.on_drain = lambda c, s: (events.extend(c), spans.extend(s))
+        trainer.train()
+    finally:
+        RECORDER.on_drain = None
+        link_model.set_network(None)
+    counts = {}
+    for kind, span in (
+        ("cp_kv", "cp.attention"),
+        ("cp_kv", "cp.attention_bwd"),
+        ("cp_dkv", "cp.attention_bwd"),
+    ):
+        blocks = [s for s in spans if s.name == span]
+        counts[f"{kind} under {span}"] = sum(
+            1
+            for e in events
+            if e.kind == kind
+            and e.t_done is not None
+            and any(e.t_launch <= s.t_start and s.t_end <= e.t_done for s in blocks)
+        )
+    return counts
+
+
+@pytest.mark.gloo_only(reason="a modelled link, which NCCL's rules refuse")
+def test_the_tracer_shows_cp_transfers_in_flight_under_block_attention():
+    """Overlapped, every ring transfer hides under a block's attention; serialised, none does."""
+    on, off = (run_world(2, _in_flight_under_attention, overlap)[0] for overlap in (True, False))
+    assert min(on.values()) > 0, on
+    assert max(off.values()) == 0, off
