@@ -98,6 +98,9 @@ class LayerShape:
     # column-parallel linears ("qkv", "fc1") that keep their all-gathered input (a TP-overlap plan
     # without a bulk dgrad slot); the others keep their shard
     gathered_inputs: frozenset[str] = frozenset()
+    # context parallelism (p2p, all_gather): the keys one query row scores at once in a block of
+    # `overlap.layers.block_attention` (0: the layer's own kernel); seq_length is then the rank's
+    cp_block_keys: int = 0
 
     def linear_input(self, act_bytes_h: float, linear: str) -> float:
         """What a column-parallel linear keeps of its input, per token of the micro-batch."""
@@ -289,6 +292,8 @@ def backward_working_bytes(m: ModelConfig, shape: LayerShape, moe_layer: bool) -
     a, g = m.num_attention_heads / t, m.query_groups / t
     norm = (3 * _FP32 + B) * h / shape.seq_div
     attention = (2 * B + _FP32) * (a + 2 * g) * d
+    # a CP block's backward: its fp32 probabilities and their gradient, a row of keys per head
+    attention += 2 * _FP32 * a * shape.cp_block_keys
 
     def swiglu(width: float, weighted: bool) -> float:
         return ((4 * _FP32 + 3 * B) if weighted else 4 * B) * width
