@@ -165,26 +165,32 @@ class AllGatherAttention(Function):
     """`cp_comm_type=all_gather` (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ps: ParallelState):
+    def _mask(q: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+        """This rank's queries against the gathered keys, by global position (made again in
+        backward rather than kept: [s_local, s] per layer)."""
         seq = q.shape[2] * ps.cp_size
-        mask = position_mask(
+        return position_mask(
             cp_positions(seq, ps.cp_rank, ps.cp_size, q.device),
             gathered_positions(seq, ps.cp_size, q.device),
         )
+
+    @staticmethod
+    def forward(ctx, q, k, v, ps: ParallelState):
         k_all, v_all = _gather_seq(k, ps), _gather_seq(v, ps)
         with RECORDER.span("cp.attention"):
-            out, lse = block_forward(q, k_all, v_all, mask)
+            out, lse = block_forward(q, k_all, v_all, AllGatherAttention._mask(q, ps))
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.ps = ps
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, mask = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         # gathered again rather than kept: the backward holds one rank's share, as p2p's does
         k_all, v_all = _gather_seq(k, ctx.ps), _gather_seq(v, ctx.ps)
         delta = (dout.float() * out.float()).sum(-1)
+        mask = AllGatherAttention._mask(q, ctx.ps)
         with RECORDER.span("cp.attention_bwd"):
             dq, dk_all, dv_all = block_backward(q, k_all, v_all, lse, dout, delta, mask)
         dk, dv = _scatter_seq(dk_all, ctx.ps), _scatter_seq(dv_all, ctx.ps)
