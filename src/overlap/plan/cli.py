@@ -67,6 +67,12 @@ SWITCHES = (
         ("comm_overlap.overlap_p2p_comm=false",),
         ("comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false"),
     ),
+    # the KV ring serialised vs overlapped (the exchange itself is the same)
+    SwitchCase(
+        "CP overlap",
+        ("model.cp_comm_type=p2p", "model.cp_comm_overlap=false"),
+        ("model.cp_comm_type=p2p", "model.cp_comm_overlap=true"),
+    ),
 )
 
 
@@ -84,6 +90,8 @@ def not_applicable(label: str, layout, cfg) -> str | None:
         return "not applicable at TP=1"
     if label == "PP overlap" and layout.pp <= 1:
         return "not applicable at PP=1"
+    if label == "CP overlap" and layout.cp <= 1:
+        return "not applicable at CP=1"
     return None
 
 
