@@ -300,6 +300,7 @@ def _estimate_rank(
         recompute=selective_modules(m),
         gathered_inputs=_gathered_inputs(cfg),
         cp_block_keys=block_keys,
+        cp_kept_kv=kind == "p2p",
     )
     chunks = [_chunk_memory(m, shape, s, max(1, layout.pp)) for s in stages]
     if program is None:

@@ -9,10 +9,10 @@ Megatron's `cp_comm_type` picks how the keys and values meet the queries:
   baseline). Blocks merge by log-sum-exp (`overlap.layers.block_attention`). With the load-balanced
   split, rank r's own block is causal and every other block is half work: from a rank before it
   (origin o < r) every query sees only the block's early chunk; from a rank after it only the
-  rank's late chunk sees the block (all of it). The backward runs the ring again: the KV blocks
-  travel the same way and each block's key/value gradient travels with it (kind `cp_dkv`), each
-  rank adding its share, until after CP steps it reaches its owner; the dKV a rank receives is
-  waited only after its own block's backward, so it hides there too.
+  rank's late chunk sees the block (all of it). The backward runs the ring the other way: KV blocks
+  travel back (`cp_kv`), and each block's key/value gradient sum travels with them (kind
+  `cp_dkv`), each rank adding its share, until it reaches its owner (`RingAttention`); every
+  transfer is waited only after the block computed beside it, so it hides there too.
 - `all_gather` (AttnFuncWithCPAndKVAllGather): the keys and values gathered once (`cp_ag`), the
   local queries attend the whole sequence under their global positions' mask; the key/value
   gradients reduce-scattered back (`cp_dkv`).
@@ -58,33 +58,47 @@ class _Ring:
     needed). Serialised (`overlap` off) the step is also waited as it is posted, so no compute runs
     under it (a second wait returns at once)."""
 
-    def __init__(self, ring: Ring, overlap: bool) -> None:
-        self.ring, self.overlap = ring, overlap
+    def __init__(self, ring: Ring, overlap: bool, back: bool) -> None:
+        self.ring, self.overlap, self.back = ring, overlap, back
 
     def post(self, send, recv) -> Shift:
-        shift = self.ring.shift(send, recv)
+        shift = self.ring.shift(send, recv, back=self.back)
         if not self.overlap:
             shift.wait()
         return shift
 
 
+def _block_kind(origin: int, rank: int) -> str:
+    """Which part of a block rank `rank`'s queries attend under the load-balanced split: its own
+    block causally; an earlier rank's block only its early chunk (every query is after it); a
+    later rank's block only from the rank's late chunk (which is after all of it)."""
+    return "own" if origin == rank else "early_kv" if origin < rank else "late_q"
+
+
 class RingAttention(Function):
-    """`cp_comm_type=p2p` (module docstring): forward and backward over the KV ring."""
+    """`cp_comm_type=p2p` (module docstring). The forward visits the blocks in the order they
+    arrive: its own, then the rank behind's, ... ending with the block of the rank ahead, which it
+    keeps (one more KV block per layer). The backward visits them the other way round, starting
+    from that kept block with no transfer to wait for and ending with its own: the KV blocks and
+    the dKV sums travel backwards around the ring (to the rank behind), so each block's dKV sum
+    reaches its owner while the owner computes its own block's backward. Against Transformer
+    Engine's backward (which starts from the own block and leaves the last dKV transfer exposed)
+    the ring sends one KV block fewer and hides every transfer it sends."""
 
     @staticmethod
     def forward(ctx, q, k, v, ps: ParallelState, overlap: bool):
         ring = Ring(ps.cp_group, "cp_kv")
         rank, half = ring.rank, q.shape[2] // 2
-        kv_ring = _Ring(ring, overlap)
+        kv_ring = _Ring(ring, overlap, back=False)
         kv = (k.contiguous(), v.contiguous())
         out = lse = None
         for step in range(ring.steps):
             posted = kv_ring.post(kv, _fresh(kv)) if step < ring.steps - 1 else None
-            origin = ring.origin(step)
+            kind = _block_kind(ring.origin(step), rank)
             with RECORDER.span("cp.attention"):
-                if origin == rank:
+                if kind == "own":
                     out, lse = block_forward(q, *kv, causal_mask(q.shape[2], q.device))
-                elif origin < rank:
+                elif kind == "early_kv":
                     merge(out, lse, *block_forward(q, kv[0][:, :, :half], kv[1][:, :, :half], None))
                 else:
                     merge(
@@ -95,30 +109,33 @@ class RingAttention(Function):
             if posted is not None:
                 kv = posted.wait()
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # kv: the last block received, the rank ahead's: where the backward starts
+        ctx.save_for_backward(q, k, v, *kv, out, lse)
         ctx.ps, ctx.overlap = ps, overlap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        kv_ring = _Ring(Ring(ctx.ps.cp_group, "cp_kv"), ctx.overlap)
-        dkv_ring = _Ring(Ring(ctx.ps.cp_group, "cp_dkv"), ctx.overlap)
+        q, k, v, k_ahead, v_ahead, out, lse = ctx.saved_tensors
+        kv_ring = _Ring(Ring(ctx.ps.cp_group, "cp_kv"), ctx.overlap, back=True)
+        dkv_ring = _Ring(Ring(ctx.ps.cp_group, "cp_dkv"), ctx.overlap, back=True)
         ring = kv_ring.ring
-        rank, half = ring.rank, q.shape[2] // 2
+        rank, steps, half = ring.rank, ring.steps, q.shape[2] // 2
         delta = (dout.float() * out.float()).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv, dkv_posted = (k.contiguous(), v.contiguous()), None
-        for step in range(ring.steps):
-            kv_posted = kv_ring.post(kv, _fresh(kv)) if step < ring.steps - 1 else None
-            origin = ring.origin(step)
+        kv, dkv_posted = (k_ahead, v_ahead), None
+        for step in range(steps):
+            # step s: the block of the rank s + 1 ahead (the last step: this rank's own); the next
+            # one (not this rank's own, which is here) comes from the rank ahead
+            kv_posted = kv_ring.post(kv, _fresh(kv)) if step < steps - 2 else None
+            kind = _block_kind((rank + 1 + step) % steps, rank)
             dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv)
             with RECORDER.span("cp.attention_bwd"):
-                if origin == rank:
+                if kind == "own":
                     mask = causal_mask(q.shape[2], q.device)
                     dq_b, dk[:], dv[:] = block_backward(q, *kv, lse, dout, delta, mask)
                     dq += dq_b
-                elif origin < rank:
+                elif kind == "early_kv":
                     early = (kv[0][:, :, :half], kv[1][:, :, :half])
                     dq_b, dk[:, :, :half], dv[:, :, :half] = block_backward(
                         q, *early, lse, dout, delta, None
@@ -135,15 +152,14 @@ class RingAttention(Function):
                         None,
                     )
                     dq[:, :, rows] += dq_b
-            if dkv_posted is not None:  # the block's gradient from the ranks it visited before
+            if dkv_posted is not None:  # the block's dKV sum from the ranks ahead that had it
                 dk_in, dv_in = dkv_posted.wait()
                 dk += dk_in
                 dv += dv_in
-            dkv_posted = dkv_ring.post((dk, dv), _fresh((dk, dv)))
-            if kv_posted is not None:
-                kv = kv_posted.wait()
-        # after CP steps each block's gradient has visited every rank and is back with its owner
-        dk, dv = dkv_posted.wait()
+            if step < steps - 1:
+                dkv_posted = dkv_ring.post((dk, dv), _fresh((dk, dv)))
+                kv = kv_posted.wait() if kv_posted is not None else (k, v)
+        # the last step's block was this rank's own: dk, dv are its whole gradient
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

@@ -100,8 +100,10 @@ class Ring:
         """The group rank whose chunk this member holds after `shifts` shifts (0: its own)."""
         return (self.rank - shifts * self.stride) % self.size
 
-    def shift(self, send: Chunks, recv: Chunks) -> Shift:
+    def shift(self, send: Chunks, recv: Chunks, back: bool = False) -> Shift:
         """Post one step: `send` goes to the member ahead, `recv` is filled from the member behind,
-        as one batch; wait for it with the returned `Shift`. Every member must call it the same
-        number of times, in the same order."""
-        return exchange(send, recv, self.ahead, self.behind, self.group, self.kind)
+        as one batch (`back`: the other way round, to the member behind from the one ahead); wait
+        for it with the returned `Shift`. Every member must call it the same number of times, in
+        the same order."""
+        to, frm = (self.behind, self.ahead) if back else (self.ahead, self.behind)
+        return exchange(send, recv, to, frm, self.group, self.kind)

@@ -30,8 +30,9 @@ section 4.2):
   per stage boundary; VPP v sends v times as often.
 - CP, per micro-batch and layer, on a CP rank's b s / CP tokens (every other kind above counts those
   too): `p2p` sends its keys and values (2 b s / CP x groups / TP x d x beta) to the next CP rank CP
-  - 1 times forward and again backward (`cp_kv`), and the key/value gradients (fp32, as the runtime
-  sends them) CP times (`cp_dkv`), each step over the CP ring's link; `all_gather` gathers them
+  - 1 times forward and CP - 2 times backward (`cp_kv`; the backward starts from the block the
+  forward kept), and the key/value gradient sums (fp32, as the runtime sends them) CP - 1 times
+  (`cp_dkv`), each step over the CP ring's link; `all_gather` gathers them
   ((CP - 1) x the rank's keys and values, `cp_ag`) forward and again backward, and reduce-scatters
   the gradients (`cp_dkv`); `a2a` trades q, k, v and the output ((CP - 1) / CP of them, `cp_a2a`)
   forward and their gradients backward. Full recompute repeats the forward's.
@@ -360,8 +361,9 @@ def _cp_plan(
         link = ring_link(cp, per_node, cluster)
         plan.cp_ring_s = {"cp_kv": link.time_s(kv), "cp_dkv": link.time_s(dkv)}
         plan.cp_size = cp
-        plan.add("cp_kv", kv, link.time_s(kv), (cp - 1) * (forwards + 1) * layers * mb)
-        plan.add("cp_dkv", dkv, link.time_s(dkv), cp * layers * mb)
+        kv_steps = (cp - 1) * forwards + cp - 2  # the backward starts from the kept block
+        plan.add("cp_kv", kv, link.time_s(kv), kv_steps * layers * mb)
+        plan.add("cp_dkv", dkv, link.time_s(dkv), (cp - 1) * layers * mb)
     elif kind == "all_gather":
         ag, rs = (cp - 1) * kv, (cp - 1) * dkv
         plan.add("cp_ag", ag, ring_time_s(ag, cp, per_node, cluster), (forwards + 1) * layers * mb)

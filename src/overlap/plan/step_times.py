@@ -33,9 +33,9 @@ switch hides behind what.
   (`ddp.overlap_param_gather`; the first bucket is waited for before the forward starts).
 - CP (`model.cp_comm_type`): with `p2p` and `model.cp_comm_overlap` each ring step's transfer hides
   behind one block's attention (1 / CP of the layer's attention core; backward twice that): forward
-  the next KV block; backward the next KV block and the previous block's dKV together on the link,
-  the last dKV after the last block with nothing to hide it (`cp_ring_exposure`). Serialised, and
-  the all_gather / a2a collectives, expose everything.
+  the next KV block; backward the next KV block and the previous block's dKV sum together on the
+  link, the last dKV sum under the rank's own block (`cp_ring_exposure`). Serialised, and the
+  all_gather / a2a collectives, expose everything.
 - TP overlap (`model.tp_comm_overlap`): slot by slot (`overlap.plan.tp_slots`), with the plan the
   runtime runs (`effective_tp_plan`): a ring exchange hides each shard under a 1/TP chunk of its
   GEMM, a pipelined reduce-scatter exposes its last chunk and what queues behind it, a bulk
@@ -120,20 +120,21 @@ def cp_ring_exposure(
     kv: float, dkv: float, cp: int, block_fwd: float, overlap: bool, forwards: int = 1
 ) -> tuple[float, float, float]:
     """(exposed cp_kv seconds, exposed cp_dkv seconds, hidden seconds) of one layer's KV ring for
-    one micro-batch: forward CP - 1 KV steps (`forwards` times: 2 under full recompute), each under
-    a block's forward; backward the steps 0..CP-1 each under a block's backward (twice the
-    forward), step 0 with the next KV block in flight, steps 1..CP-2 with a KV block and the
-    previous dKV, step CP-1 with the previous dKV, then the last dKV alone. Serialised: all of it
-    exposed, nothing hidden."""
+    one micro-batch (`overlap.layers.cp_attention.RingAttention`): forward CP - 1 KV steps
+    (`forwards` times: 2 under full recompute), each under a block's forward; backward CP blocks
+    (each twice a forward block), starting from the block the forward kept: under block s the next
+    KV block travels (s < CP - 2) beside the previous block's dKV sum (s >= 1), the last one under
+    the rank's own block. Serialised: all of it exposed, nothing hidden."""
     if not overlap:
-        return (cp - 1) * kv * (forwards + 1), cp * dkv, 0.0
+        return (cp - 1) * kv * forwards + (cp - 2) * kv, (cp - 1) * dkv, 0.0
     block_bwd = 2 * block_fwd
     fwd = forwards * (cp - 1) * max(0.0, kv - block_fwd)
     hidden = forwards * (cp - 1) * min(kv, block_fwd)
-    loads = [kv] + [kv + dkv] * (cp - 2) + [dkv]  # in flight under each backward block
-    bwd = sum(max(0.0, load - block_bwd) for load in loads) + dkv
+    # in flight under each backward block
+    loads = [(kv if s < cp - 2 else 0.0) + (dkv if s >= 1 else 0.0) for s in range(cp)]
+    bwd = sum(max(0.0, load - block_bwd) for load in loads)
     hidden += sum(min(load, block_bwd) for load in loads)
-    kv_share = (cp - 1) * kv / ((cp - 1) * kv + cp * dkv)  # the backward's exposure, split
+    kv_share = (cp - 2) * kv / ((cp - 2) * kv + (cp - 1) * dkv)  # the backward's exposure, split
     return fwd + bwd * kv_share, bwd * (1 - kv_share), hidden
 
 
