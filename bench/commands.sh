@@ -410,3 +410,16 @@ python bench/versions_ab.py --a ../base/.venv/bin/python --b .venv/bin/python --
   --case "DP2, distributed optimizer, both overlaps:-m qwen -mr dense_tiny -g cpu -ng 2 -ms 6 -gb 8 -mb 4 ddp.bucket_size=500000 ddp.use_distributed_optimizer=true optimizer.use_distributed_optimizer=true ddp.overlap_grad_reduce=true ddp.overlap_param_gather=true" \
   --hf-compute "--repeats 10 --warmup 2 --attention-backends auto" \
   --json $out/memory_versions_ab.json --markdown $out/memory_versions_ab.md
+
+# ------------------------------------------------------------------------------------ context parallelism (CP)
+
+# 41. -> cp_overlap.json/.md. The CP p2p ring overlapped vs the same exchange serialised (model.cp_comm_overlap):
+#     dense_tiny at sequence 4096, CP=2 on 2 ranks (one per core), fp32. Each rank holds 2048 tokens (chunks r and
+#     3-r of 4), where the ring's fp32 block attention (8 heads, 2048 x 2048 scores) outweighs the layer's GEMMs;
+#     each ring step moves 2 MiB (KV forward, the dKV sum backward) across the emulated interconnect (loopback
+#     rate-limited to 25 MB/s by tc tbf, ~0.08 s a step). Floor: the CP transfers free (--ideal-family cp), for
+#     the efficiency (T_off - T_on) / (T_off - T_floor); alternated rounds give the per-round ratios.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -cp 2 -sl 4096 -ms 6 -gb 2 -mb 1 --network tbf:200mbit \
+  --config "serialised:model.cp_comm_overlap=false" \
+  --config "overlapped:model.cp_comm_overlap=true" \
+  --ideal-family cp --repeats 3 --json $out/cp_overlap.json --markdown $out/cp_overlap.md

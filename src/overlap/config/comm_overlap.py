@@ -340,7 +340,7 @@ def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
         model.cp_comm_type,
         "p2p",
         RULE,
-        "CP>1: the KV ring, each block's transfer under the previous block's attention "
+        "CP>1: the KV ring, the next block's transfer under this block's attention "
         "(Megatron's default)",
     )
     if kind in ("a2a", "a2a+p2p"):
