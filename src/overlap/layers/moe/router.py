@@ -118,12 +118,10 @@ class TopKRouter(nn.Module):
         # parallelism each CP rank its chunks; the aux-loss statistics must still describe the
         # whole micro-batch, so they are summed over those ranks (Megatron's tp-cp group).
         sp = config.sequence_parallel and ps.tp_size > 1
-        self.stats_group = {
-            (False, False): None,
-            (True, False): ps.tp_group,
-            (False, True): ps.cp_group,
-            (True, True): ps.tp_cp_group,
-        }[(sp, ps.cp_size > 1)]
+        if ps.cp_size > 1:
+            self.stats_group = ps.tp_cp_group if sp else ps.cp_group
+        else:
+            self.stats_group = ps.tp_group if sp else None
         self.stats_grad_scale = float(ps.cp_size)
         # Filled by init_model_params; replicated on every rank (routing must agree wherever a token
         # goes).
