@@ -172,17 +172,23 @@ def test_cp_layouts_train_like_one_rank(case, reference):
         assert losses == pytest.approx(ref, rel=rel)
 
 
-def _in_flight_under_attention(overlap: bool) -> dict[str, int]:
-    """One CP2 training step over a slow modelled link: the ring transfers (cp_kv forward, cp_dkv
-    backward) in flight over a whole block's attention."""
+def _in_flight_under_attention(
+    overlap: bool, seq: int = 16, latency_s: float = 2e-3
+) -> tuple[dict[str, int], dict[str, float], str]:
+    """One CP2 training step at sequence `seq` over a modelled link of `latency_s`: the ring
+    transfers (cp_kv forward, cp_dkv backward) in flight over a whole block's attention; the
+    exposed milliseconds of each CP kind and the exposed-communication table as a run's report
+    prints it."""
     from overlap.parallel import link_model
     from overlap.parallel.trace import RECORDER
+    from overlap.profiling.exposed import exposure, format_table
     from overlap.training.trainer import Trainer
 
-    cfg = tiny_config(False, None, 2, CP2 + [f"model.cp_comm_overlap={overlap}".lower()], 1)
+    overrides = CP2 + [f"model.seq_length={seq}", f"model.cp_comm_overlap={overlap}".lower()]
+    cfg = tiny_config(False, None, 2, overrides, 1)
     res = cfg.finalize(2)
     link_model.set_network(
-        link_model.LinkModel(latency_s=2e-3, bandwidth_Bps=1e9, families=("cp",))
+        link_model.LinkModel(latency_s=latency_s, bandwidth_Bps=1e9, families=("cp",))
     )
     events, spans = [], []
     try:
@@ -204,12 +210,25 @@ def _in_flight_under_attention(overlap: bool) -> dict[str, int]:
             and e.t_done is not None
             and any(e.t_launch <= s.t_start and s.t_end <= e.t_done for s in blocks)
         )
-    return counts
+    table = exposure(events, spans)
+    exposed = {k: table[k].exposed_ms for k in ("cp_kv", "cp_dkv")}
+    return counts, exposed, format_table(table, "exposed communication")
 
 
 @pytest.mark.gloo_only(reason="a modelled link, which NCCL's rules refuse")
 def test_the_tracer_shows_cp_transfers_in_flight_under_block_attention():
-    """Overlapped, every ring transfer hides under a block's attention; serialised, none does."""
-    on, off = (run_world(2, _in_flight_under_attention, overlap)[0] for overlap in (True, False))
+    """With transfers longer than the blocks (16 tokens, 2 ms a transfer), overlapped, every ring
+    transfer is in flight over a block's attention; serialised, none is. With blocks longer than
+    the transfers (1024 tokens, 0.2 ms), the overlap hides what serialised exposes; the
+    exposed-communication table has the CP kinds."""
+    (on, _, text), (off, _, _) = (
+        run_world(2, _in_flight_under_attention, overlap)[0] for overlap in (True, False)
+    )
     assert min(on.values()) > 0, on
     assert max(off.values()) == 0, off
+    assert "cp_kv" in text and "cp_dkv" in text
+    (_, hidden, _), (_, shown, _) = (
+        run_world(2, _in_flight_under_attention, overlap, 1024, 2e-4)[0]
+        for overlap in (True, False)
+    )
+    assert sum(hidden.values()) < 0.5 * sum(shown.values()), (hidden, shown)
