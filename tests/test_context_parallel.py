@@ -232,3 +232,12 @@ def test_the_tracer_shows_cp_transfers_in_flight_under_block_attention():
         for overlap in (True, False)
     )
     assert sum(hidden.values()) < 0.5 * sum(shown.values()), (hidden, shown)
+
+
+def test_cp4_a2a_trains_like_one_rank():
+    """a2a at CP 4 needs a TP rank's heads and query groups divisible by 4: the tiny model with 4
+    query groups (one per head)."""
+    shape = ["model.num_query_groups=4"]
+    ref = run_world(1, _train, 2, shape)[0]
+    for losses in run_world(4, _train, 2, shape + CP4 + ["model.cp_comm_type=a2a"]):
+        assert losses == pytest.approx(ref, rel=1e-5)
