@@ -81,7 +81,7 @@ def test_emit_slurm_writes_a_script(tmp_path):
     assert "CUDA_DEVICE_MAX_CONNECTIONS" in text
 
 
-def test_hierarchical_context_parallelism_exits_2_not_built():
+def test_context_parallelism_in_a_pytorch_peer_exits_2_not_built():
     out = _overlap(
         "run",
         "-m",
@@ -91,14 +91,15 @@ def test_hierarchical_context_parallelism_exits_2_not_built():
         "-g",
         "cpu",
         "-ng",
+        "4",
+        "-pp",
         "2",
         "-cp",
         "2",
-        "model.cp_comm_type=a2a+p2p",
-        "model.hierarchical_context_parallel_sizes=[1,2]",
+        "model.pipeline_impl=torch_pipelining",
     )
     assert out.returncode == 2
-    assert "model.cp_comm_type='a2a+p2p'" in out.stderr and "not built" in out.stderr
+    assert "model.context_parallel_size=2" in out.stderr and "not built" in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -1214,6 +1214,32 @@ def test_cp_settings_at_cp1_are_noops():
     assert {"model.cp_comm_type", "model.cp_comm_overlap"} <= noops
 
 
+def test_hierarchical_cp_needs_sizes_whose_product_is_cp():
+    ok = build(
+        dense(
+            context_parallel_size=4,
+            cp_comm_type="a2a+p2p",
+            hierarchical_context_parallel_sizes=[2, 2],
+        )
+    ).finalize(4)
+    assert (ok.overlap.cp_comm_type, ok.overlap.cp_comm_overlap) == ("a2a+p2p", True)
+    assert ok.layout.cp_a2a == 2
+    for sizes, field in (
+        (None, "model.hierarchical_context_parallel_sizes"),
+        ([2, 4], "model.hierarchical_context_parallel_sizes"),
+        ([3, 1], "model.hierarchical_context_parallel_sizes"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            build(
+                dense(
+                    context_parallel_size=4,
+                    cp_comm_type="a2a+p2p",
+                    hierarchical_context_parallel_sizes=sizes,
+                )
+            ).finalize(4)
+        assert err.value.field == field, sizes
+
+
 @pytest.mark.parametrize(
     "fields, field, text",
     [

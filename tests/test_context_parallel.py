@@ -27,14 +27,15 @@ from tests.world import run_world
 
 ATOL = 1e-5
 STEPS = 3
-KINDS = ("p2p", "all_gather", "a2a")
+KINDS = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def _attention_case(kind: str, overlap: bool) -> tuple[torch.Tensor, ...]:
     """This CP rank's share of the attention output and of q, k, v's gradients, and the reference's
-    (plain causal attention on the whole sequence, the same rows picked out)."""
+    (plain causal attention on the whole sequence, the same rows picked out). a2a+p2p: all-to-alls
+    inside pairs of CP ranks, the ring across them (at CP 2 a ring of one)."""
     cp = dist.get_world_size()
-    ps = ParallelState(ParallelLayout(cp, cp=cp))
+    ps = ParallelState(ParallelLayout(cp, cp=cp, cp_a2a=2 if kind == "a2a+p2p" else 1))
     gen = torch.Generator().manual_seed(7)
     # a2a splits the heads and the query groups over CP
     b, heads, groups, seq, d = 2, 2 * cp, cp, 8 * cp, 8
@@ -56,7 +57,7 @@ def _attention_cases() -> dict:
     return {
         (kind, overlap): _attention_case(kind, overlap)
         for kind in KINDS
-        for overlap in ((True, False) if kind == "p2p" else (False,))
+        for overlap in ((True, False) if kind in ("p2p", "a2a+p2p") else (False,))
     }
 
 
@@ -68,7 +69,7 @@ def attention(request):
 @pytest.mark.parametrize("kind", KINDS)
 def test_cp_attention_matches_plain_attention(attention, kind):
     for rank in attention:
-        errors = rank[(kind, False if kind != "p2p" else True)][:4]
+        errors = rank[(kind, kind in ("p2p", "a2a+p2p"))][:4]
         assert max(errors) < ATOL, (kind, errors)
 
 
@@ -104,6 +105,8 @@ PP2_VPP2 = [
     "model.pipeline_model_parallel_size=2",
     "model.virtual_pipeline_model_parallel_size=2",
 ]
+# a2a inside pairs of CP ranks, the ring across the two pairs
+HIERARCHICAL = ["model.cp_comm_type=a2a+p2p", "model.hierarchical_context_parallel_sizes=[2,2]"]
 EP2 = ["model.expert_model_parallel_size=2"]
 EP_OVERLAP = [
     "comm_overlap.overlap_moe_expert_parallel_comm=true",
@@ -117,6 +120,8 @@ TRAIN_CASES = [
     ("cp2_a2a", 2, 2, CP2 + ["model.cp_comm_type=a2a"]),
     ("cp4_p2p", 4, 2, CP4),
     ("cp4_all_gather", 4, 2, CP4 + ["model.cp_comm_type=all_gather"]),
+    ("cp4_a2a_p2p", 4, 2, CP4 + HIERARCHICAL),
+    ("cp4_a2a_p2p_serialised", 4, 2, CP4 + HIERARCHICAL + ["model.cp_comm_overlap=false"]),
     ("cp2_tp2_sp", 4, 2, CP2 + TP2),
     ("cp2_dp2_distopt", 4, 2, CP2 + DISTOPT),
     ("cp2_pp2_vpp2", 4, 4, CP2 + PP2_VPP2),

@@ -169,6 +169,17 @@ LAYOUTS = [
     ("cp4_ring", 4, False, 2, ["model.context_parallel_size=4"]),
     ("cp2_all_gather", 2, False, 2, CP2 + ["model.cp_comm_type=all_gather"]),
     ("cp2_a2a", 2, False, 2, CP2 + ["model.cp_comm_type=a2a"]),
+    (
+        "cp4_a2a_p2p",
+        4,
+        False,
+        2,
+        [
+            "model.context_parallel_size=4",
+            "model.cp_comm_type=a2a+p2p",
+            "model.hierarchical_context_parallel_sizes=[2,2]",
+        ],
+    ),
     ("cp2_tp2_sp", 4, False, 2, CP2 + TP2),
     ("cp2_pp2_vpp2_distopt", 8, False, 4, CP2 + PP2 + VPP2 + OVERLAPPED_P2P + DISTOPT),
     ("cp2_ep2_ep_overlap", 2, True, 2, CP2 + ["model.expert_model_parallel_size=2"] + EP_OVERLAP),

@@ -343,8 +343,19 @@ def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
         "CP>1: the KV ring, the next block's transfer under this block's attention "
         "(Megatron's default)",
     )
+    sizes = model.hierarchical_context_parallel_sizes
+    if kind == "a2a+p2p" and (
+        not sizes or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp
+    ):
+        raise ConfigError(
+            "model.hierarchical_context_parallel_sizes",
+            sizes,
+            f"a2a+p2p needs [a2a size, p2p size] whose product is context_parallel_size ({cp}).",
+            f"e.g. model.hierarchical_context_parallel_sizes=[2,{cp // 2}] (a2a inside pairs of "
+            "CP ranks, the ring across them).",
+        )
     if kind in ("a2a", "a2a+p2p"):
-        a2a = cp if kind == "a2a" else (model.hierarchical_context_parallel_sizes or [cp])[0]
+        a2a = cp if kind == "a2a" else sizes[0]
         heads, groups = model.num_attention_heads // tp, model.query_groups // tp
         if heads % a2a or groups % a2a:
             raise ConfigError(
@@ -355,7 +366,7 @@ def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
                 "use model.cp_comm_type=p2p or all_gather, or a CP size dividing the heads.",
             )
     r["cp_comm_type"] = kind
-    if kind == "p2p":
+    if kind in ("p2p", "a2a+p2p"):
         r["cp_comm_overlap"] = _choose(
             log,
             "model.cp_comm_overlap",
@@ -363,7 +374,7 @@ def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
             model.cp_comm_overlap,
             True,
             RULE,
-            "p2p: block k+1's keys and values travel while block k's attention computes",
+            f"{kind}: block k+1's keys and values travel while block k's attention computes",
         )
         return
     if model.cp_comm_overlap:

@@ -287,7 +287,10 @@ def _estimate_rank(
     # at once: the local block (p2p) or the whole gathered sequence (all_gather)
     seq = m.seq_length // cp
     kind = cfg.resolved.overlap.cp_comm_type
-    block_keys = {"p2p": seq, "all_gather": m.seq_length}.get(kind, 0)
+    # (a2a+p2p: a block holds its all-to-all group's tokens, for 1 / A of the heads)
+    block_keys = {"p2p": seq, "all_gather": m.seq_length, "a2a+p2p": seq * layout.cp_a2a}.get(
+        kind, 0
+    )
     kernel, _why = attention_kernel(m.attention_backend, on_cuda, m.params_dtype, m.seq_length)
     shape = LayerShape(
         tp=max(1, layout.tp),
@@ -300,7 +303,7 @@ def _estimate_rank(
         recompute=selective_modules(m),
         gathered_inputs=_gathered_inputs(cfg),
         cp_block_keys=block_keys,
-        cp_kept_kv=kind == "p2p",
+        cp_kept_kv=kind in ("p2p", "a2a+p2p"),
     )
     chunks = [_chunk_memory(m, shape, s, max(1, layout.pp)) for s in stages]
     if program is None:

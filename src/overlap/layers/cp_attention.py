@@ -19,6 +19,8 @@ Megatron's `cp_comm_type` picks how the keys and values meet the queries:
 - `a2a` (Ulysses, AttnFuncWithCPAndQKVOA2A): an all-to-all (`cp_a2a`) trades the sequence split
   for a head split, each rank runs ordinary causal attention over the whole sequence for heads/CP
   heads (the layer's own kernel: flash on a GPU), and a second all-to-all trades back.
+- `a2a+p2p` (hierarchical, `hierarchical_context_parallel_sizes` = [A, P]): the all-to-all inside
+  groups of A consecutive CP ranks, the p2p ring across the P groups (`hierarchical_attention`).
 
 The p2p and all_gather blocks run `block_attention`'s fp32 arithmetic (what they keep for backward
 is flash's: Q, K, V, the output and its log-sum-exp), on any device. Shapes: [b, heads, s_local,
@@ -31,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 from torch.autograd import Function
+from torch.distributed import ProcessGroup
 
 from overlap.layers.block_attention import (
     block_backward,
@@ -86,8 +89,8 @@ class RingAttention(Function):
     the ring sends one KV block fewer and hides every transfer it sends."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ps: ParallelState, overlap: bool):
-        ring = Ring(ps.cp_group, "cp_kv")
+    def forward(ctx, q, k, v, group: ProcessGroup, overlap: bool):
+        ring = Ring(group, "cp_kv")
         rank, half = ring.rank, q.shape[2] // 2
         kv_ring = _Ring(ring, overlap, back=False)
         kv = (k.contiguous(), v.contiguous())
@@ -111,14 +114,14 @@ class RingAttention(Function):
         out = out.to(q.dtype)
         # kv: the last block received, the rank ahead's: where the backward starts
         ctx.save_for_backward(q, k, v, *kv, out, lse)
-        ctx.ps, ctx.overlap = ps, overlap
+        ctx.group, ctx.overlap = group, overlap
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, k_ahead, v_ahead, out, lse = ctx.saved_tensors
-        kv_ring = _Ring(Ring(ctx.ps.cp_group, "cp_kv"), ctx.overlap, back=True)
-        dkv_ring = _Ring(Ring(ctx.ps.cp_group, "cp_dkv"), ctx.overlap, back=True)
+        kv_ring = _Ring(Ring(ctx.group, "cp_kv"), ctx.overlap, back=True)
+        dkv_ring = _Ring(Ring(ctx.group, "cp_dkv"), ctx.overlap, back=True)
         ring = kv_ring.ring
         rank, steps, half = ring.rank, ring.steps, q.shape[2] // 2
         delta = (dout.float() * out.float()).sum(-1)
@@ -213,56 +216,87 @@ class AllGatherAttention(Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
-def _seq_to_heads(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """[b, h, s_local, d] -> [b, h / CP, CP x s_local, d]: head slice j goes to CP rank j, every
-    rank's share of the sequence comes back (in rank order)."""
+def _seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[b, h, s_local, d] -> [b, h / n, n x s_local, d] over the n members of `group`: head slice j
+    goes to member j, every member's share of the sequence comes back (in member order)."""
     b, h, s, d = x.shape
-    cp = ps.cp_size
-    out = comm.all_to_all(x.view(b, cp, h // cp, s, d).transpose(0, 1), ps.cp_group, "cp_a2a")
-    return out.wait().permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+    n = comm.group_size(group)
+    out = comm.all_to_all(x.view(b, n, h // n, s, d).transpose(0, 1), group, "cp_a2a")
+    return out.wait().permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
 
 
-def _heads_to_seq(x: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """The inverse of `_seq_to_heads`: [b, h / CP, CP x s_local, d] -> [b, h, s_local, d]."""
-    b, hc, s_all, d = x.shape
-    cp = ps.cp_size
-    s = s_all // cp
-    out = comm.all_to_all(x.view(b, hc, cp, s, d).permute(2, 0, 1, 3, 4), ps.cp_group, "cp_a2a")
-    return out.wait().transpose(0, 1).reshape(b, hc * cp, s, d)
+def _heads_to_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The inverse of `_seq_to_heads`: [b, h / n, n x s_local, d] -> [b, h, s_local, d]."""
+    b, hn, s_all, d = x.shape
+    n = comm.group_size(group)
+    s = s_all // n
+    out = comm.all_to_all(x.view(b, hn, n, s, d).permute(2, 0, 1, 3, 4), group, "cp_a2a")
+    return out.wait().transpose(0, 1).reshape(b, hn * n, s, d)
 
 
 class _SeqToHeads(Function):
     """`_seq_to_heads` with its inverse as the backward (`to_heads` False: the other way)."""
 
     @staticmethod
-    def forward(ctx, x, ps: ParallelState, to_heads: bool):
-        ctx.ps, ctx.to_heads = ps, to_heads
-        return _seq_to_heads(x, ps) if to_heads else _heads_to_seq(x, ps)
+    def forward(ctx, x, group: ProcessGroup, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        back = _heads_to_seq(grad, ctx.ps) if ctx.to_heads else _seq_to_heads(grad, ctx.ps)
+        back = _heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)
         return back, None, None
+
+
+def _in_position_order(q, k, v, group: ProcessGroup, gathered: torch.Tensor, attend: Attend):
+    """Sequence -> heads over `group`, whose members' shares hold the global positions `gathered`
+    (in member order); `attend` on them sorted by position (their causal order); back again."""
+    order = torch.argsort(gathered)  # the gathered rows in position order
+    q, k, v = (_SeqToHeads.apply(t, group, True).index_select(2, order) for t in (q, k, v))
+    out = attend(q, k, v).index_select(2, torch.argsort(order))  # back to member order
+    return _SeqToHeads.apply(out, group, False)
 
 
 def a2a_attention(q, k, v, ps: ParallelState, attend: Attend) -> torch.Tensor:
     """`cp_comm_type=a2a` (module docstring): `attend` is the layer's causal kernel over the whole
     sequence in position order."""
     seq = q.shape[2] * ps.cp_size
-    gathered = gathered_positions(seq, ps.cp_size, q.device)  # position of each gathered row
-    order = torch.argsort(gathered)  # gathered rows in position order
-    q, k, v = (_SeqToHeads.apply(t, ps, True).index_select(2, order) for t in (q, k, v))
-    out = attend(q, k, v).index_select(2, gathered)  # back to the gathered (rank) order
-    return _SeqToHeads.apply(out, ps, False)
+    gathered = gathered_positions(seq, ps.cp_size, q.device)
+    return _in_position_order(q, k, v, ps.cp_group, gathered, attend)
+
+
+def hierarchical_attention(q, k, v, ps: ParallelState, overlap: bool) -> torch.Tensor:
+    """`cp_comm_type=a2a+p2p`: an all-to-all inside each group of A consecutive CP ranks
+    (`ps.cp_a2a_group`) trades their 2A chunks for 1/A of the heads; sorted by position, the group's
+    chunks are its A early chunks then its A late ones, so the P groups are the members of a
+    load-balanced ring of their own (group g's early chunks all before group g+1's, its late ones
+    all after), and the p2p ring runs across them (`ps.cp_p2p_group`) exactly as `RingAttention`
+    runs across CP ranks; then the all-to-all back. With an all-to-all size of 1 it is the plain
+    ring."""
+    if ps.cp_a2a_group is None:
+        return RingAttention.apply(q, k, v, ps.cp_group, overlap)
+    a2a = comm.group_size(ps.cp_a2a_group)
+    first = ps.cp_rank // a2a * a2a  # the CP rank of this group's first member
+    seq = q.shape[2] * ps.cp_size
+    gathered = torch.cat(
+        [cp_positions(seq, r, ps.cp_size, q.device) for r in range(first, first + a2a)]
+    )
+
+    def ring(q, k, v):
+        return RingAttention.apply(q, k, v, ps.cp_p2p_group, overlap)
+
+    return _in_position_order(q, k, v, ps.cp_a2a_group, gathered, ring)
 
 
 def cp_attention(q, k, v, ps: ParallelState, kind: str, overlap: bool, attend: Attend):
     """Causal attention of this CP rank's queries over the whole sequence, by `kind`
-    (`cp_comm_type`; `a2a+p2p` is refused before a run starts: `runtime_refusals`)."""
+    (`cp_comm_type`)."""
     if kind == "p2p":
-        return RingAttention.apply(q, k, v, ps, overlap)
+        return RingAttention.apply(q, k, v, ps.cp_group, overlap)
     if kind == "all_gather":
         return AllGatherAttention.apply(q, k, v, ps)
     if kind == "a2a":
         return a2a_attention(q, k, v, ps, attend)
-    raise ValueError(f"cp_attention: cp_comm_type {kind!r} is not built")
+    if kind == "a2a+p2p":
+        return hierarchical_attention(q, k, v, ps, overlap)
+    raise ValueError(f"cp_attention: unknown cp_comm_type {kind!r}")

@@ -128,6 +128,24 @@ def merged_group(mesh: DeviceMesh, dims: Sequence[str]) -> ProcessGroup:
     return _cached((*key, mesh.mesh_dim_names, tuple(dims)), build)
 
 
+def split_groups(mesh: DeviceMesh, dim: str, inner: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """Each line of `mesh`'s `dim` cut in two levels (collective), built once per process: groups of
+    `inner` consecutive members, and groups of the members `inner` apart (one from each inner
+    group); this rank's (inner, outer) pair. Hierarchical context parallelism's all-to-all and p2p
+    groups (Megatron's `hierarchical_context_parallel_sizes`: the first level the all-to-all)."""
+
+    def levels(ranks: list[int]) -> dict[tuple[str, int], list[int]]:
+        outer = len(ranks) // inner
+        cut = {("inner", i): ranks[i * inner : (i + 1) * inner] for i in range(outer)}
+        return cut | {("outer", j): ranks[j::inner] for j in range(inner)}
+
+    mine = _groups_along(mesh, dim, f"levels {inner}", levels)
+    return (
+        next(g for (level, _i), g in mine.items() if level == "inner"),
+        next(g for (level, _i), g in mine.items() if level == "outer"),
+    )
+
+
 def ring_edge_groups(mesh: DeviceMesh, dim: str, wrap: bool) -> dict[tuple[str, int], ProcessGroup]:
     """Two groups per edge of the ring of ranks along `mesh`'s `dim` (collective), built once per
     process: for the edge i of each line (its rank i and rank i + 1; the edge from the last rank

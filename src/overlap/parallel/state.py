@@ -81,6 +81,13 @@ class ParallelState:
         self.dp_cp_group = (
             groups.merged_group(self.mesh, ("dp", "cp")) if layout.cp > 1 else self.dp_group
         )
+        # hierarchical CP (a2a+p2p): all-to-all inside groups of cp_a2a consecutive CP ranks, the
+        # KV ring across them (None without the hierarchy)
+        self.cp_a2a_group = self.cp_p2p_group = None
+        if layout.cp_a2a > 1:
+            self.cp_a2a_group, self.cp_p2p_group = groups.split_groups(
+                self.mesh, "cp", layout.cp_a2a
+            )
         # the ranks that hold one sequence's tokens (Megatron's tp-cp group): the MoE router's
         # load statistics are summed over them
         self.tp_cp_group = (

@@ -35,7 +35,9 @@ section 4.2):
   (`cp_dkv`), each step over the CP ring's link; `all_gather` gathers them
   ((CP - 1) x the rank's keys and values, `cp_ag`) forward and again backward, and reduce-scatters
   the gradients (`cp_dkv`); `a2a` trades q, k, v and the output ((CP - 1) / CP of them, `cp_a2a`)
-  forward and their gradients backward. Full recompute repeats the forward's.
+  forward and their gradients backward; `a2a+p2p` ([A, P]) runs `a2a`'s all-to-alls inside groups
+  of A consecutive CP ranks and `p2p`'s ring across the P groups (each step the same bytes as one
+  rank's keys and values). Full recompute repeats the forward's.
 - DP, per step: the distributed optimizer's reduce-scatter of gradients ((d-1)/d x P x beta_grad)
   and all-gather of parameters ((d-1)/d x P x beta_param), or one all-reduce (2 (d-1)/d x P x
   beta_grad); dense parameters over DP, experts over expert-DP. P is this rank's parameter count
@@ -311,7 +313,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
             plan.add("pp_tied_grad", tied, ring_time_s(tied, 2, ends, cluster), 1)
 
     if cp > 1 and cluster.carries("cp"):
-        _cp_plan(cfg, plan, b * s / tp, cp, members_per_node(cp, tp, gpn), len(held), mb, cluster)
+        _cp_plan(cfg, plan, b * s / tp, cp, tp, len(held), mb, cluster)
 
     est = estimate_memory(cfg, layout, cpu=False)
     grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
@@ -345,31 +347,41 @@ def _cp_plan(
     plan: CommPlan,
     rows: float,
     cp: int,
-    per_node: int,
+    tp: int,
     layers: int,
     mb: int,
     cluster: Cluster,
 ) -> None:
     """CP's kinds (module docstring) for `layers` layers x `mb` micro-batches; `rows` = a CP rank's
-    tokens / TP (the heads of one TP rank see all of them)."""
+    tokens / TP (the heads of one TP rank see all of them). The CP ranks are TP apart; a2a+p2p's
+    all-to-all groups are A consecutive CP ranks, its ring's members A x TP apart."""
     m, kind = cfg.model, cfg.resolved.overlap.cp_comm_type
+    gpn = cluster.gpus_per_node
     act = 2 if m.bf16 or m.fp16 else 4
     forwards = 2 if m.recompute_granularity == "full" else 1
     kv = rows * 2 * m.query_groups * m.head_dim * act
     dkv = kv * 4 / act  # the gradients travel in fp32
-    if kind == "p2p":
-        link = ring_link(cp, per_node, cluster)
-        plan.cp_ring_s = {"cp_kv": link.time_s(kv), "cp_dkv": link.time_s(dkv)}
-        plan.cp_size = cp
-        kv_steps = (cp - 1) * forwards + cp - 2  # the backward starts from the kept block
-        plan.add("cp_kv", kv, link.time_s(kv), kv_steps * layers * mb)
-        plan.add("cp_dkv", dkv, link.time_s(dkv), (cp - 1) * layers * mb)
+    a2a_size = (m.hierarchical_context_parallel_sizes or [cp])[0] if kind == "a2a+p2p" else cp
+    if kind in ("a2a", "a2a+p2p") and a2a_size > 1:
+        heads = 2 * m.num_attention_heads + 2 * m.query_groups  # q, k, v in and the output back
+        a2a = (a2a_size - 1) / a2a_size * rows * heads * m.head_dim * act
+        seconds = alltoall_time_s(a2a, a2a_size, members_per_node(a2a_size, tp, gpn), cluster)
+        plan.add("cp_a2a", a2a, seconds, (forwards + 1) * layers * mb)
+    if kind in ("p2p", "a2a+p2p"):
+        # a2a+p2p: a ring of CP / A members, each step a block of A ranks' tokens for 1 / A of the
+        # heads: the same bytes as one rank's keys and values
+        hierarchical = kind == "a2a+p2p"
+        size = cp // a2a_size if hierarchical else cp
+        stride = tp * a2a_size if hierarchical else tp
+        if size > 1:
+            link = ring_link(size, members_per_node(size, stride, gpn), cluster)
+            plan.cp_ring_s = {"cp_kv": link.time_s(kv), "cp_dkv": link.time_s(dkv)}
+            plan.cp_size = size
+            kv_steps = (size - 1) * forwards + size - 2  # the backward starts from the kept block
+            plan.add("cp_kv", kv, link.time_s(kv), kv_steps * layers * mb)
+            plan.add("cp_dkv", dkv, link.time_s(dkv), (size - 1) * layers * mb)
     elif kind == "all_gather":
+        per_node = members_per_node(cp, tp, gpn)
         ag, rs = (cp - 1) * kv, (cp - 1) * dkv
         plan.add("cp_ag", ag, ring_time_s(ag, cp, per_node, cluster), (forwards + 1) * layers * mb)
         plan.add("cp_dkv", rs, ring_time_s(rs, cp, per_node, cluster), layers * mb)
-    elif kind == "a2a":
-        heads = 2 * m.num_attention_heads + 2 * m.query_groups  # q, k, v in and the output back
-        a2a = (cp - 1) / cp * rows * heads * m.head_dim * act
-        seconds = alltoall_time_s(a2a, cp, per_node, cluster)
-        plan.add("cp_a2a", a2a, seconds, (forwards + 1) * layers * mb)

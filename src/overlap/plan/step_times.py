@@ -34,8 +34,9 @@ switch hides behind what.
 - CP (`model.cp_comm_type`): with `p2p` and `model.cp_comm_overlap` each ring step's transfer hides
   behind one block's attention (1 / CP of the layer's attention core; backward twice that): forward
   the next KV block; backward the next KV block and the previous block's dKV sum together on the
-  link, the last dKV sum under the rank's own block (`cp_ring_exposure`). Serialised, and the
-  all_gather / a2a collectives, expose everything.
+  link, the last dKV sum under the rank's own block (`cp_ring_exposure`; a2a+p2p's ring runs
+  across its all-to-all groups). Serialised, and the all_gather / a2a collectives, expose
+  everything.
 - TP overlap (`model.tp_comm_overlap`): slot by slot (`overlap.plan.tp_slots`), with the plan the
   runtime runs (`effective_tp_plan`): a ring exchange hides each shard under a 1/TP chunk of its
   GEMM, a pipelined reduce-scatter exposes its last chunk and what queues behind it, a bulk
@@ -264,10 +265,9 @@ def step_times(
         t.expose("cp_kv", kv_exposed * c.layers * m)
         t.expose("cp_dkv", dkv_exposed * c.layers * m)
         t.slowdown_s += hidden * sigma * c.layers * m
-    else:
-        for kind in ("cp_ag", "cp_dkv", "cp_a2a"):
-            if kind in comm.kinds:
-                t.expose(kind, comm.kinds[kind].seconds_per_step)
+    for kind in ("cp_ag", "cp_a2a") if comm.cp_ring_s else ("cp_ag", "cp_dkv", "cp_a2a"):
+        if kind in comm.kinds:
+            t.expose(kind, comm.kinds[kind].seconds_per_step)
 
     # slot by slot, as the runtime's plan puts each collective next to a GEMM
     if comm.tp_link is not None:

@@ -73,14 +73,6 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
             "model.pipeline_impl=overlap.",
         ),
         (
-            o.cp_comm_type == "a2a+p2p",
-            "model.cp_comm_type",
-            "a2a+p2p",
-            "Hierarchical context parallelism (a2a inside hierarchical_context_parallel_sizes[0], "
-            "a p2p ring across)",
-            "use model.cp_comm_type=p2p (the overlapped ring), a2a or all_gather.",
-        ),
-        (
             m.context_parallel_size > 1
             and (
                 m.pipeline_impl != "overlap"
