@@ -245,14 +245,16 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -ms 6 -gb 8 -mb 4 --network tb
 # 23. -> pp_schedules.json/.md. dense_tiny at 8 layers, PP=4 on 4 ranks, 8 micro-batches per step (bubble
 #     (p-1)/(m*v): 1F1B 3/8, interleaved VPP2 3/16), emulated interconnect so the activations' p2p is a visible
 #     share of the step. Ours (batched vs overlapped p2p, 1F1B vs interleaved) and torch.distributed.pipelining's
-#     schedules, alternated.
+#     schedules, alternated. Overlapped 1F1B sends each input gradient before its weight gradients (beyond the
+#     reference, docs/pipeline.md). Floors: communication faked (no bubble either), and the batched 1F1B on the
+#     plain loopback (--ideal-link: every wait kept, no link time), whose exposed pp time is the bubble's waits.
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 8 -mb 1 --network tbf:200mbit \
   --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
   --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
   --config "1F1B, torch pipelining:model.pipeline_impl=torch_pipelining" \
   --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
   --config "interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining" \
-  --ideal --repeats 2 --json $out/pp_schedules.json --markdown $out/pp_schedules.md \
+  --ideal --ideal-link --repeats 2 --json $out/pp_schedules.json --markdown $out/pp_schedules.md \
   model.num_layers=8
 
 # 24. -> pp_schedules_2ranks.json/.md. Command 23 with one rank per core (PP=2 on 2 ranks): tests whether
@@ -263,7 +265,8 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 8 -mb 1 --netw
   --config '1F1B, torch pipelining:model.pipeline_impl=torch_pipelining' \
   --config 'interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2' \
   --config 'interleaved VPP2, torch pipelining:model.virtual_pipeline_model_parallel_size=2;model.pipeline_impl=torch_pipelining' \
-  --ideal --repeats 2 --json $out/pp_schedules_2ranks.json --markdown $out/pp_schedules_2ranks.md model.num_layers=8
+  --ideal --ideal-link --repeats 2 --json $out/pp_schedules_2ranks.json --markdown $out/pp_schedules_2ranks.md \
+  model.num_layers=8
 
 # 25. -> pp_schedules_modelled.json/.md. Pipeline p2p on a modelled link (PP=2 on 2 ranks, one per core; only pp
 #     kinds on the link, 1 ms + 10 MB/s): transfers start when both sides have posted (the stamps of comm.p2p), so
@@ -411,9 +414,27 @@ python bench/versions_ab.py --a ../base/.venv/bin/python --b .venv/bin/python --
   --hf-compute "--repeats 10 --warmup 2 --attention-backends auto" \
   --json $out/memory_versions_ab.json --markdown $out/memory_versions_ab.md
 
+# ------------------------------------------------------------------------------------- sync-free dropless MoE
+
+# 41. -> moe_sync_free.json/.md. The sync-free dropless dispatch (model.moe_expert_rank_capacity_factor=1.5: fixed
+#     blocks per EP peer, each row with its local expert, no counts exchange and no host read of split sizes, a step
+#     where a block overflows re-run dropless) against the dropless all-to-all (ep_counts exchanged and read on the
+#     host per MoE layer and micro-batch), plain and with EP overlap + delay_wgrad, on command 6's model and modelled
+#     link (EP 2, 1 ms / 20 MB/s on the ep collectives). The table says, per repeat, how many of the window's steps
+#     re-ran (each did two forward-backwards). On a CPU a host read costs little (the device is the host): this
+#     weighs the padding's bytes (1.5x the dispatch) against the counts exchange's latency, not the reads' saving.
+overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
+  --network model:1ms,20MB/s,ep --repeats 3 \
+  --config "all-to-all:" \
+  --config "sync-free 1.5:model.moe_expert_rank_capacity_factor=1.5" \
+  --config "all-to-all, EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --config "sync-free 1.5, EP overlap + delay_wgrad:model.moe_expert_rank_capacity_factor=1.5;comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --json $out/moe_sync_free.json --markdown $out/moe_sync_free.md \
+  model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
+
 # ------------------------------------------------------------------------------------ context parallelism (CP)
 
-# 41. -> cp_overlap.json/.md. The CP p2p ring overlapped vs the same exchange serialised (model.cp_comm_overlap):
+# 42. -> cp_overlap.json/.md. The CP p2p ring overlapped vs the same exchange serialised (model.cp_comm_overlap):
 #     dense_tiny at sequence 4096, CP=2 on 2 ranks (one per core), fp32. Each rank holds 2048 tokens (chunks r and
 #     3-r of 4), where the ring's fp32 block attention (8 heads, 2048 x 2048 scores) outweighs the layer's GEMMs;
 #     each ring step moves 2 MiB (KV forward, the dKV sum backward) across the emulated interconnect (loopback

@@ -27,6 +27,12 @@ through torchrun as a GPU run is. One GPU cannot host two NCCL ranks, so every s
    (docs/planner.md).
 7. plan      - the MoE guide's plan (EP16 on two nodes of 8) with that profile, every overlap switch
    off and on.
+8. sync_free - the sync step again with the sync-free MoE dispatch
+   (`model.moe_expert_rank_capacity_factor=1.5`): no split-size read may show up (only the loss and
+   the grad norm, which carries its overflow count).
+9. moe_sync_free - the moe_tiny run again with that dispatch: its steady step time beside
+   moe_tiny's (the dropless all-to-all's) on the same GPU. Last, so that the original steps keep
+   their time when the deadline is short.
 
 Each step runs with a timeout and the next runs whatever happened. The steps work in a scratch
 folder; OUT gets six files (the device tool brings back eight at most): gpu_check.json (every step's
@@ -59,6 +65,8 @@ STEP_TIMEOUT_S = {
     "dense_tiny": 90,
     "calibrate": 200,
     "plan": 60,
+    "sync_free": 120,
+    "moe_sync_free": 90,
 }
 # all steps together: the device tool runs one command for 10 minutes at most, 15 in a session
 DEADLINE_S = 480
@@ -101,6 +109,7 @@ FINDINGS = {
     "moe_tiny": "moe_tiny.jsonl.summary.json",
     "dense_tiny": "dense_tiny.jsonl.summary.json",
     "plan": "plan_qwen3_30b_a3b_{gpu}.json",
+    "moe_sync_free": "moe_sync_free.jsonl.summary.json",
 }  # a step's findings file where it is not NAME.json
 
 
@@ -134,6 +143,23 @@ def steps(gpu: str, device: str, out: Path) -> list[tuple[str, list[str] | None,
         "bf16",
     ]
     cluster = out / f"cluster_{gpu}.json"
+    sync_free = "model.moe_expert_rank_capacity_factor=1.5"
+
+    def moe_run(name: str, *extra: str) -> list[str]:
+        return _torchrun(
+            "-m",
+            "overlap.cli",
+            "run",
+            "-m",
+            "qwen",
+            "-mr",
+            "qwen3_moe_tiny",
+            *tiny,
+            "--metrics",
+            str(out / f"{name}.jsonl"),
+            *extra,
+        )
+
     return [
         ("env", [sys.executable, __file__, "env", "--device", device, "--out", str(out)], ""),
         ("nccl", _torchrun(__file__, "nccl", "--device", device, "--out", str(out)), ""),
@@ -142,24 +168,7 @@ def steps(gpu: str, device: str, out: Path) -> list[tuple[str, list[str] | None,
             None if cpu else _torchrun(__file__, "sync", "--gpu", gpu, "--out", str(out)),
             "CUDA's sync debug mode needs a GPU",
         ),
-        (
-            "moe_tiny",
-            _torchrun(
-                "-m",
-                "overlap.cli",
-                "run",
-                "-m",
-                "qwen",
-                "-mr",
-                "qwen3_moe_tiny",
-                *tiny,
-                "--metrics",
-                str(out / "moe_tiny.jsonl"),
-                "--trace",
-                str(out / "moe_tiny_trace"),
-            ),
-            "",
-        ),
+        ("moe_tiny", moe_run("moe_tiny", "--trace", str(out / "moe_tiny_trace")), ""),
         (
             "dense_tiny",
             _torchrun(
@@ -191,6 +200,16 @@ def steps(gpu: str, device: str, out: Path) -> list[tuple[str, list[str] | None,
             ),
             "",
         ),
+        (
+            "sync_free",
+            None
+            if cpu
+            else _torchrun(
+                __file__, "sync", "--gpu", gpu, "--out", str(out), "--override", sync_free
+            ),
+            "CUDA's sync debug mode needs a GPU",
+        ),
+        ("moe_sync_free", moe_run("moe_sync_free", sync_free), ""),
     ]
 
 
@@ -667,8 +686,13 @@ def cmd_sync(args: argparse.Namespace) -> int:
             "-c",
             "bf16",
         ],
-        [],
+        args.override,
     )
+    # the sync-free dispatch reads no split sizes: there, that read is not intended
+    sync_free = any(o.startswith("model.moe_expert_rank_capacity_factor=") for o in args.override)
+    intended = {
+        k: v for k, v in INTENDED_SYNCS.items() if not (sync_free and k[1] == "read_split_sizes")
+    }
     groups.init_world("nccl", 60, device)
     RECORDER.timeline = DeviceTimeline()
     sites: dict[str, dict] = {}
@@ -682,7 +706,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         key = f"{Path(where.filename).name}:{where.lineno} {where.name}"
         entry = sites.setdefault(
             key,
-            {"count": 0, "intended": INTENDED_SYNCS.get((Path(where.filename).name, where.name))},
+            {"count": 0, "intended": intended.get((Path(where.filename).name, where.name))},
         )
         entry["count"] += 1
 
@@ -709,7 +733,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
         if unintended
         else [],
     }
-    Path(args.out, "sync.json").write_text(json.dumps(result, indent=1))
+    Path(args.out, "sync_free.json" if sync_free else "sync.json").write_text(
+        json.dumps(result, indent=1)
+    )
     print(json.dumps(result))
     return 0
 
@@ -736,6 +762,9 @@ def main() -> int:
         p.add_argument("--out", required=True)
         p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
         p.add_argument("--gpu", default="h100")
+        p.add_argument(
+            "--override", action="append", default=[], help="a config override for the step"
+        )
         p.set_defaults(func=func)
     args = parser.parse_args()
     return args.func(args)

@@ -111,10 +111,18 @@ def full_grads(results: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def check_against_reference(
-    world: int, tp: int, ep: int, cfg_overrides: dict, uneven: bool = False
+    world: int,
+    tp: int,
+    ep: int,
+    cfg_overrides: dict,
+    uneven: bool = False,
+    reference_overrides: dict | None = None,
 ) -> None:
+    """The layer in the layout against the single-process reference layer, built with
+    `reference_overrides` (None: the same `cfg_overrides`)."""
     seeds = [100 + d for d in range(world // tp)]
-    ref = run_world(1, moe_layer_run, 1, 1, cfg_overrides, seeds, uneven)[0]
+    ref_cfg = cfg_overrides if reference_overrides is None else reference_overrides
+    ref = run_world(1, moe_layer_run, 1, 1, ref_cfg, seeds, uneven)[0]
     par = run_world(world, moe_layer_run, tp, ep, cfg_overrides, seeds, uneven)
     for r in par:
         ((y, aux, dx),) = r["outs"]
@@ -128,3 +136,23 @@ def check_against_reference(
         torch.testing.assert_close(
             par_grads[name], g, **TOL, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def none_mode_step(**overrides) -> tuple[int, ...]:
+    """One forward + backward of an EP2 MoE layer with no communication at all (`overrides`: model
+    fields); the output's shape."""
+    from overlap.parallel import comm
+
+    ps = ParallelState(ParallelLayout(world_size=2, ep=2))
+    layer = MoELayer(
+        moe_config(num_experts=4, ep=2, **overrides), ps, layer_number=0, overlap=bare_plan()
+    )
+    init_model_params(layer, seed=0, std=INIT_STD)
+    x = layer_batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
+    comm.set_mode("none")
+    try:
+        y, aux = layer(x)
+        (y.sum() + aux).backward()
+    finally:
+        comm.set_mode("real")
+    return tuple(y.shape)

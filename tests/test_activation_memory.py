@@ -135,6 +135,13 @@ CASES = {
         ["model.moe_expert_capacity_factor=1.5", "model.moe_pad_expert_input_to_capacity=true"],
         {},
     ),
+    "moe, sync-free dispatch": (
+        1,
+        True,
+        "flash",
+        ["model.moe_expert_rank_capacity_factor=1.5"],
+        {},
+    ),
     "moe, pre-softmax": (1, True, "flash", ["model.moe_router_pre_softmax=true"], {}),
     "moe, no aux loss": (1, True, "flash", [], dict(moe_aux_loss_coeff=0.0)),
 }

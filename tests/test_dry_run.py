@@ -146,6 +146,26 @@ def test_qwen3_30b_ep16(tmp_path):
     assert split and split[0]["answer"] == "balanced routing"
 
 
+def test_qwen3_30b_ep16_sync_free_dispatch_reads_no_split_sizes(tmp_path):
+    """`model.moe_expert_rank_capacity_factor=1.5`: the blocks' all-to-alls (1.5x the dropless
+    bytes at balanced routing: every block is full, each row with its local expert beside its
+    weight), no counts exchange, and no host read but the loss and the grad norm (the overflow
+    count folded into the latter); the memory model sizes the padded rows within the dry run's
+    bound (`_check_common`)."""
+    _, dropless = _report(tmp_path, *QWEN30)
+    out, doc = _report(tmp_path, *QWEN30, "model.moe_expert_rank_capacity_factor=1.5")
+    assert doc["split_size_reads"] == 0 and "routing assumed balanced" not in out.stdout
+    assert sorted(r["intended"].split(" (")[0] for r in doc["host_reads"]) == [
+        "the gradient norm",
+        "the logged loss",
+    ]
+    assert "ep_counts" not in doc["program"] and dropless["program"]["ep_counts"]["ops"] == 4
+    blocks, plain = doc["program"]["ep_dispatch"], dropless["program"]["ep_dispatch"]
+    assert blocks["ops"] == plain["ops"] == 4
+    # rows of 2048 bf16 (4096 bytes) and a weight (4), here with the local expert (4 more)
+    assert blocks["bytes"] == pytest.approx(1.5 * plain["bytes"] * 4104 / 4100, rel=1e-3)
+
+
 def test_llama3_70b_tp4_pp4_vpp2(tmp_path):
     out, doc = _dry_run(tmp_path, *LLAMA70)
     _check_common(out, doc)

@@ -25,11 +25,23 @@ def test_every_gpu_step_starts_through_torchrun():
         check=True,
     ).stdout
     commands = dict(line.split(": ", 1) for line in out.strip().splitlines())
-    assert list(commands) == ["env", "nccl", "sync", "moe_tiny", "dense_tiny", "calibrate", "plan"]
-    for step in ("nccl", "sync", "moe_tiny", "dense_tiny"):
+    assert list(commands) == [
+        "env",
+        "nccl",
+        "sync",
+        "moe_tiny",
+        "dense_tiny",
+        "calibrate",
+        "plan",
+        "sync_free",
+        "moe_sync_free",
+    ]
+    for step in ("nccl", "sync", "moe_tiny", "dense_tiny", "sync_free", "moe_sync_free"):
         assert "-m torch.distributed.run --standalone --nproc-per-node=1" in commands[step], step
     assert "-g h100 -ng 1" in commands["moe_tiny"] and "--trace" in commands["moe_tiny"]
     assert "--calibrate" in commands["calibrate"] and "-g h100" in commands["calibrate"]
+    for step in ("sync_free", "moe_sync_free"):
+        assert "model.moe_expert_rank_capacity_factor=1.5" in commands[step], step
 
 
 def test_the_script_runs_end_to_end_on_cpu_ranks(tmp_path):
@@ -53,8 +65,11 @@ def test_the_script_runs_end_to_end_on_cpu_ranks(tmp_path):
         "dense_tiny": "pass",
         "calibrate": "skipped",
         "plan": "pass",
+        "sync_free": "skipped",
+        "moe_sync_free": "pass",
     }
     assert steps["moe_tiny"]["findings"]["steady_step_ms"] > 0
+    assert steps["moe_sync_free"]["findings"]["steady_step_ms"] > 0
     assert steps["nccl"]["findings"]["gathered_correct"] is True
 
 

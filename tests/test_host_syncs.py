@@ -5,6 +5,9 @@ for a GPU recorded by name (`overlap.perf.host_syncs`), holds exactly the reads 
   host split sizes NCCL's all-to-all takes);
 - the padded static-shape path (`moe_expert_capacity_factor` + `moe_pad_expert_input_to_capacity`):
   none;
+- the sync-free dropless path (`moe_expert_rank_capacity_factor`): none, its overflow count carried
+  by the loss and grad-norm reductions into the grad-norm read (a step without overflow: no re-run,
+  so exactly the two per-step reads);
 - per step: the logged loss and the gradient norm (`host_syncs.INTENDED_READS`), once each, and
   torch's AdamW reading each parameter's step count, a CPU tensor on a GPU run too (no device sync:
   named to the recorder, not counted);
@@ -44,6 +47,8 @@ OVERLAP = [
     "comm_overlap.delay_wgrad_compute=true",
 ]
 PADDED = ["model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"]
+# sync-free dropless dispatch: fixed blocks, its overflow folded into the loss and grad-norm reads
+RANK_CAPACITY = ["model.moe_expert_rank_capacity_factor=1.5"]
 # what a CUDA run takes unset (the loop is the CPU's reference)
 FUSED = ["model.moe_permute_fusion=true"]
 FLEX = ["model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=torch"]
@@ -82,6 +87,8 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
         (2, 2, FUSED, 1),
         (2, 2, FUSED + FLEX, 1),
         (2, 2, FUSED + PADDED, 0),
+        (2, 2, FUSED + RANK_CAPACITY, 0),
+        (1, 1, FUSED + RANK_CAPACITY, 0),
         (1, 1, FUSED + PADDED, 0),
         (1, 1, FUSED + ELEMENTWISE, 1),
         (2, 2, FP16 + FUSED, 1),
@@ -94,6 +101,8 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
         "ep2-overlap",
         "ep2-overlap-flex",
         "ep2-overlap-padded",
+        "ep2-overlap-rank-capacity",
+        "ep1-rank-capacity",
         "ep1-padded",
         "ep1-fused-elementwise",
         "ep2-overlap-fp16",

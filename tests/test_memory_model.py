@@ -167,3 +167,50 @@ def test_the_guide_cluster_fits_with_its_reserve(capsys):
     assert "Adam moments" in out and "fit:" in out and "fits," in out
     for block in ("norms", "attention", "router", "dispatch", "experts", "combine"):
         assert f"    {block} " in out
+
+
+def _walk_peak(chunks, pp, rank, vpp, count, group, merged, late) -> tuple[float, int]:
+    from overlap.launch import resources
+    from overlap.pipeline.schedules import pipeline_steps
+
+    program = [
+        (
+            None if s.forward is None else s.forward.chunk,
+            None if s.backward is None else s.backward.chunk,
+        )
+        for s in pipeline_steps(pp, rank, vpp, count, group, merged)
+    ]
+    kept, working, alive, _where = resources._walk(chunks, program, merged, late)
+    return kept + working, alive
+
+
+def test_the_memory_walk_of_a_long_program_peaks_as_its_short_form():
+    """`steady_microbatches`: a program's walk peaks, in bytes and in forwards alive, exactly as
+    the full program's (the memory model walks the short one)."""
+    import dataclasses
+    import itertools
+
+    from overlap.launch import resources
+    from overlap.perf.memory_model import steady_microbatches
+
+    names = [f.name for f in dataclasses.fields(resources._Chunk)]
+    for pp, vpp, extra, merged, late in itertools.product(
+        (2, 3, 4, 8), (1, 2, 3), (None, 2), (False, True), (False, True)
+    ):
+        if late and (merged or vpp > 1):
+            continue
+        group = None if extra is None else pp + extra
+        chunks = [
+            resources._Chunk(
+                **{n: (1.0 + 0.1 * c if n == "saved" else 0.5 + 0.01 * c) for n in names}
+            )
+            for c in range(vpp)
+        ]
+        for m in (2 * pp * vpp + 5, 64, 131):
+            for rank in range(pp):
+                args = (chunks, pp, rank, vpp)
+                full = _walk_peak(*args, m, group, merged, late)
+                short = _walk_peak(
+                    *args, steady_microbatches(pp, vpp, group, m), group, merged, late
+                )
+                assert short[0] == pytest.approx(full[0]) and short[1] == full[1]

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlap.layers.init import init_model_params
 from overlap.layers.moe import AllToAllDispatcher, MoELayer, TopKRouter
 from overlap.layers.moe.permute import (
     permute,
@@ -43,8 +42,8 @@ from tests.moe_layer_runs import (
     INIT_STD,
     SEQ,
     check_against_reference,
-    layer_batch,
     moe_config,
+    none_mode_step,
     rank_routing,
 )
 from tests.world import run_world
@@ -425,22 +424,8 @@ def test_sequence_parallel_tp2_ep2_matches_full_sequence_reference():
     check_against_reference(4, tp=2, ep=2, cfg_overrides=dict(num_experts=4))
 
 
-def _none_mode_step() -> tuple[int, ...]:
-    ps = ParallelState(ParallelLayout(world_size=2, ep=2))
-    layer = MoELayer(moe_config(num_experts=4, ep=2), ps, layer_number=0, overlap=bare_plan())
-    init_model_params(layer, seed=0, std=INIT_STD)
-    x = layer_batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
-    comm.set_mode("none")
-    try:
-        y, aux = layer(x)
-        (y.sum() + aux).backward()
-    finally:
-        comm.set_mode("real")
-    return tuple(y.shape)
-
-
 def test_no_communication_mode_keeps_shapes():
-    assert run_world(2, _none_mode_step) == [(SEQ, BATCH, HIDDEN)] * 2
+    assert run_world(2, none_mode_step) == [(SEQ, BATCH, HIDDEN)] * 2
 
 
 # Last: the shared expert uses the dense MLP (its own module), under plain EP and under TP x EP

@@ -740,3 +740,24 @@ def test_the_llama3_70b_cp2_perf_layout_is_planned_with_its_cp_kinds(tmp_path):
     }
     assert exposed["on"] < exposed["off"]
     assert any(v.startswith("CP overlap:") for v in doc["verdicts"])
+
+
+@pytest.mark.parametrize(
+    "pp, vpp, m, c, overlapped, group",
+    [
+        (4, 1, 256, 0.1, False, None),
+        (4, 1, 256, 0.1, True, None),
+        (8, 4, 256, 0.05, True, None),
+        (2, 12, 512, 0.02, True, None),
+        (8, 1, 130, 0.3, True, None),
+        (4, 2, 97, 0.1, True, 6),
+        (4, 2, 160, 0.05, False, None),  # settles late: longer short programs
+    ],
+)
+def test_a_long_program_extrapolates_from_two_short_ones(pp, vpp, m, c, overlapped, group):
+    """`simulate(exact=False)` (the layout search): past a few pipeline depths every group of
+    micro-batches adds the same time, so the long step is a short one plus that slope, taken once
+    three short programs agree on it."""
+    exact = simulate(pp, vpp, m, 1.0 / vpp, 2.0 / vpp, c, overlapped, group).step_s
+    fast = simulate(pp, vpp, m, 1.0 / vpp, 2.0 / vpp, c, overlapped, group, exact=False).step_s
+    assert fast == pytest.approx(exact, rel=1e-9)

@@ -767,6 +767,13 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
                     "overflow_skipped_iterations": [
                         r.iteration + 1 for r in summary.records if r.skipped_to is not None
                     ],
+                    # sync-free MoE dispatch (model.moe_expert_rank_capacity_factor): the
+                    # iterations re-run dropless after a block overflowed
+                    "moe_rerun_iterations": [
+                        r.iteration + 1 for r in summary.records if r.moe_reruns
+                    ],
+                    # ... and the largest factor one of its blocks needed (null: not that mode)
+                    "moe_needed_rank_capacity_factor": summary.moe_needed_rank_capacity_factor,
                     "checkpoint": summary.checkpoint,
                     "pipeline_output_peak_bytes": summary.pipeline_output_peak_bytes,
                 },

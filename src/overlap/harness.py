@@ -753,19 +753,24 @@ def describe_layout(res: Resolution) -> str:
     )
 
 
-def resolve_run(words: list[str], overrides: list[str]) -> Job:
+def resolve_run(words: list[str], overrides: list[str], model_noops: bool = True) -> Job:
     """The resolved job of an `overlap run` command line (harness flags `words`, then `overrides`),
     for the `-g` target as given (`prepare(..., describe_target=True)`: this machine is not probed):
-    what the planner and its calibration re-plan a run from."""
+    what the planner and its calibration re-plan a run from. `model_noops`: whether to build the
+    (meta) model to find single-bucket no-op switches (a warning; the planner's layout search, which
+    resolves hundreds of candidates, skips it)."""
     parser = argparse.ArgumentParser()
     add_harness_flags(parser)
-    return prepare(parser.parse_args(words + overrides), describe_target=True)
+    return prepare(parser.parse_args(words + overrides), True, model_noops)
 
 
-def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
+def prepare(
+    args: argparse.Namespace, describe_target: bool = False, model_noops: bool = True
+) -> Job:
     """Parse, resolve and check a command line. `describe_target` (explain): resolve for the GPU
     named by -g instead of probing this machine's device, and leave the runtime's own limits to
-    `run` (listed, not raised)."""
+    `run` (listed, not raised); `model_noops`: build the meta model where the single-bucket no-op
+    check needs it (`resolve_run`)."""
     from overlap.training.dp_overlap_noops import detect_model_noops
 
     cfg, command_line, line = build_config(args)
@@ -786,7 +791,7 @@ def prepare(args: argparse.Namespace, describe_target: bool = False) -> Job:
     check_pretrained_overrides(res, line)
     # before anything builds even a meta-device model
     estimate = check_representable(cfg, res.layout)
-    if _buckets_need_model(cfg, res, estimate):
+    if model_noops and _buckets_need_model(cfg, res, estimate):
         detect_model_noops(cfg, res)
     res.decisions.attribute(line.source)
     if line.perf_rows:

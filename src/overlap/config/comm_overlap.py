@@ -799,6 +799,25 @@ def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
     """Dropless routing or an expert capacity, said in the table with what it does to the dispatch:
     only variable shapes need the split-size exchange, the per-layer rendezvous of the EP ranks."""
     factor = model.moe_expert_capacity_factor
+    rank_factor = model.moe_expert_rank_capacity_factor
+    if rank_factor is not None:
+        log.record(
+            "model.moe_expert_rank_capacity_factor",
+            rank_factor,
+            rank_factor,
+            MODEL_CONFIG,
+            "sync-free dropless dispatch: each rank sends every EP peer one block of "
+            f"ceil(tokens x top-k / EP x {rank_factor}) rows, padded, each row with its local "
+            "expert (static shapes: no split-size exchange, no host read of split sizes); the "
+            "grouped GEMM runs on the padded rows. A block that overflows is counted on the "
+            "device, the count rides the step's loss and grad-norm reductions, and a step where "
+            "any rank overflowed is re-run "
+            "dropless before the optimizer applies anything (exact: the dropless step's result; "
+            "each re-run costs one more forward-backward, logged per iteration). Memory: "
+            f"{rank_factor} x tokens x top-k dispatched rows per MoE layer and micro-batch "
+            f"({rank_factor}x the dropless average); a factor >= EP never overflows",
+        )
+        return
     if factor is None:
         log.record(
             "model.moe_expert_capacity_factor",
@@ -806,7 +825,8 @@ def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
             None,
             DEFAULT,
             "dropless: every routed row reaches its expert; the EP ranks exchange split sizes per "
-            "MoE layer and micro-batch (ep_counts)",
+            "MoE layer and micro-batch (ep_counts), each read on the host (a sync on a GPU; "
+            "model.moe_expert_rank_capacity_factor keeps dropless results without the read)",
         )
         return
     dropped = (

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from overlap.config.decisions import DEFAULT, DecisionLog
+from overlap.errors import NotBuiltError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -75,3 +76,15 @@ def resolve_grouped_gemm(
         "cuda" if on_cuda else "cpu", info.major if info is not None else None, model.params_dtype
     )
     decisions.record_in("model", ROW, None, kernel, DEFAULT, why)
+    factor = model.moe_expert_rank_capacity_factor
+    # the loop cuts the rows by host counts, which the sync-free dispatch never reads; a bf16 run on
+    # a GPU this machine cannot see (a dry run) is left to the experts' own check at first use
+    unknown_gpu = on_cuda and info is None and model.params_dtype == "bfloat16"
+    if factor is not None and kernel == LOOP and not unknown_gpu:
+        raise NotBuiltError(
+            "model.moe_expert_rank_capacity_factor",
+            factor,
+            f"The sync-free dispatch where the experts' GEMMs take the per-expert loop ({why})",
+            "drop model.moe_expert_rank_capacity_factor (the all-to-all reads the split sizes), "
+            "or run on Hopper in bf16 or on the CPU, where the grouped kernel runs.",
+        )

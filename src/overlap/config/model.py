@@ -56,6 +56,14 @@ PIPELINE_IMPLS = ("overlap", "torch_pipelining")
 TENSOR_PARALLEL_IMPLS = ("overlap", "dtensor")
 
 
+def expert_rank_capacity(num_tokens: int, topk: int, ep_size: int, factor: float) -> int:
+    """Rows of one block of the sync-free dispatch (`moe_expert_rank_capacity_factor`): at most this
+    many of a rank's `num_tokens` x `topk` routed pairs go to one EP peer's experts before the step
+    is re-run dropless, ceil(T x k / EP x factor). Here, below every layer that sizes the blocks
+    (the dispatcher, the activation and memory models, the dry run)."""
+    return math.ceil(num_tokens * topk / ep_size * factor)
+
+
 @dataclass
 class ModelConfig(TransformerArchitecture):
     """The model section: the network (inherited) and how a run lays it out and computes it."""
@@ -129,6 +137,9 @@ class ModelConfig(TransformerArchitecture):
     moe_pad_expert_input_to_capacity: bool = False
     # past capacity, keep the highest weights ("probs") or earliest tokens
     moe_token_drop_policy: str = "probs"
+    # None: off; else sync-free dropless dispatch: fixed blocks of ceil(T*k/EP*factor) rows per EP
+    # peer, a step that overflows one is re-run dropless (layers/moe/rank_capacity.py)
+    moe_expert_rank_capacity_factor: float | None = None
     # --- recompute (activation checkpointing) ---
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
@@ -231,6 +242,25 @@ class ModelConfig(TransformerArchitecture):
                 True,
                 "padding to the expert capacity needs a capacity.",
                 "also set model.moe_expert_capacity_factor (e.g. 1.0), or drop the padding.",
+            )
+        rank_factor = self.moe_expert_rank_capacity_factor
+        if rank_factor is not None and not rank_factor > 0:
+            raise ConfigError(
+                "model.moe_expert_rank_capacity_factor",
+                rank_factor,
+                "an expert-rank capacity factor must be > 0.",
+                "use e.g. 1.5 (null: the all-to-all reads the split sizes on the host).",
+            )
+        if rank_factor is not None and factor is not None:
+            raise ConfigError(
+                "model.moe_expert_rank_capacity_factor",
+                rank_factor,
+                "it trains the dropless model (a step that overflows its blocks is re-run "
+                "dropless), while model.moe_expert_capacity_factor="
+                f"{factor} drops the rows past each expert's capacity: the two contracts exclude "
+                "each other.",
+                "drop one of them (null): the expert-rank factor for exact results without a "
+                "host read of split sizes, the expert factor to drop tokens.",
             )
         if self.moe_token_drop_policy not in ("probs", "position"):
             raise ConfigError(
@@ -397,6 +427,14 @@ class ModelConfig(TransformerArchitecture):
                     factor is None or fin(factor),
                     "an expert capacity factor must be finite.",
                     "use e.g. 1.0 (null: dropless, no capacity).",
+                ),
+                (
+                    "model.moe_expert_rank_capacity_factor",
+                    self.moe_expert_rank_capacity_factor,
+                    self.moe_expert_rank_capacity_factor is None
+                    or fin(self.moe_expert_rank_capacity_factor),
+                    "an expert-rank capacity factor must be finite.",
+                    "use e.g. 1.5 (null: the all-to-all reads the split sizes on the host).",
                 ),
                 (
                     "model.recompute_num_layers",

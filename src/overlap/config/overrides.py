@@ -7,7 +7,9 @@ a silently ignored setting.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import types
 import typing
 from dataclasses import MISSING, fields, is_dataclass
@@ -38,19 +40,38 @@ from overlap.errors import ConfigError
 _SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A config dataclass's resolved field types (resolving them parses annotations: once per
+    class, not once per override - the planner's layout search resolves hundreds of command
+    lines)."""
+    return typing.get_type_hints(cls)
+
+
 def parse_value(key: str, raw: str) -> Any:
+    parsed = _parsed(raw)
+    if isinstance(parsed, Exception):
+        raise ConfigError(
+            key,
+            raw,
+            f"the value cannot be parsed ({parsed.__class__.__name__}).",
+            "write it as YAML: 3, 0.5, true, null, name or [a,b] (quote strings with odd "
+            "characters).",
+        ) from None
+    return copy.deepcopy(parsed)  # a list or mapping stays the caller's own
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(raw: str) -> Any:
+    """`raw` read as YAML (OmegaConf's dotlist rules), or the exception that refused it: parsed once
+    per distinct text (the planner's layout search resolves the same overrides hundreds of
+    times)."""
     try:
         parsed = OmegaConf.create({"v": None})
         parsed.merge_with_dotlist([f"v={raw}"])
         value = parsed["v"]
     except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
-        raise ConfigError(
-            key,
-            raw,
-            f"the value cannot be parsed ({exc.__class__.__name__}).",
-            "write it as YAML: 3, 0.5, true, null, name or [a,b] (quote strings with odd "
-            "characters).",
-        ) from None
+        return exc
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
@@ -163,7 +184,7 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
         elif isinstance(cfg.mixed_precision, str):
             cfg.mixed_precision = get_mixed_precision_config(cfg.mixed_precision)
     target = getattr(cfg, section)
-    hints = typing.get_type_hints(type(target))
+    hints = _hints(type(target))
     names = [f.name for f in fields(target)]
     if key in MOVED:
         raise ConfigError(
@@ -235,7 +256,7 @@ def override_key_rows() -> list[tuple[str, str, str, str]]:
         ("mixed_precision", MixedPrecisionConfig),
         ("comm_overlap", CommOverlapConfig),
     ):
-        hints = typing.get_type_hints(cls)
+        hints = _hints(cls)
         docs = field_docs(cls)
         for f in fields(cls):
             if f.name.startswith("_"):

@@ -89,8 +89,8 @@ class DistributedOptimizer(SlotOptimizer):
             plan.align_param_gather,
         )
 
-    def _grad_norm(self) -> float:
-        return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True)
+    def _grad_norm(self, fold: torch.Tensor | None) -> float | None:
+        return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=True, fold=fold)
 
     def _step(self, lr: float, grad_norm: float, unscale: float) -> None:
         """The update, then the gather of the new shards (a step skipped for an overflow gathers

@@ -25,7 +25,8 @@ Token counts: the norms, the router and the routed blocks see the micro-batch's 
 under sequence parallelism (each TP rank routes its own tokens), the attention core all of them
 with 1/tp of the heads; everything is given per token of the whole micro-batch so that blocks add.
 Routing is balanced (each local token's k rows land on some EP rank, which receives k rows per
-local token); a padded expert capacity sends E x capacity rows instead of T x k.
+local token); a padded expert capacity sends E x capacity rows instead of T x k, the sync-free
+dispatch's blocks EP x ceil(T x k / EP x factor).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from overlap.config.model import expert_rank_capacity
 
 if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
@@ -121,8 +124,14 @@ class LayerShape:
 def routed_rows_per_token(m: ModelConfig, shape: LayerShape) -> float:
     """Rows the experts of one EP rank process per local token (balanced routing): k, or with a
     padded capacity E x capacity / T (Megatron's `get_capacity`, as in
-    `overlap.layers.moe.permute`)."""
+    `overlap.layers.moe.permute`), or with the sync-free dispatch's blocks EP x C / T, about k x the
+    factor (`overlap.layers.moe.rank_capacity`: every block is full size, padding included)."""
     local_tokens = shape.tokens // shape.seq_div
+    if m.moe_expert_rank_capacity_factor is not None:
+        block = expert_rank_capacity(
+            local_tokens, m.moe_router_topk, shape.ep, m.moe_expert_rank_capacity_factor
+        )
+        return shape.ep * block / local_tokens
     if m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity:
         capacity = math.ceil(
             local_tokens * m.moe_router_topk / m.num_moe_experts * m.moe_expert_capacity_factor
@@ -229,6 +238,11 @@ def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
         sent = min(k, shape.ep)
         dispatch = (_INDEX + k + _INDEX * k) * sent + _INDEX * rows
         what = "token index and expert mask per sent row, row and slot index per pair (int64)"
+    elif m.moe_expert_rank_capacity_factor is not None:
+        # each block row's token and routing slot (sent), and the received rows' sort by local
+        # expert: one entry per block row each
+        dispatch = 3 * _INDEX * rows
+        what = "token and slot index per block row, the received rows' local-expert order (int64)"
     else:
         dispatch = 2 * _INDEX * rows  # each row's token and routing slot
         what = "token and slot index per routed row (int64)"
@@ -251,9 +265,20 @@ def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
             "dispatched rows, fc1 output (SwiGLU input), row weights, fc2 input",
         )
     )
-    blocks.append(
-        Block(COMBINE, 0.0, 0.0, "nothing: the row weights are applied in the experts' SwiGLU")
-    )
+    if m.moe_expert_rank_capacity_factor is not None:
+        # the sort's inverse, which puts the expert outputs back in block order
+        combine = Block(
+            COMBINE,
+            _INDEX * rows / div,
+            0.0,
+            "the inverse of the local-expert order, per block row (int64)",
+            "Megatron's sync-free path sorts inside its fused kernels",
+        )
+    else:
+        combine = Block(
+            COMBINE, 0.0, 0.0, "nothing: the row weights are applied in the experts' SwiGLU"
+        )
+    blocks.append(combine)
     fs = m.moe_shared_expert_intermediate_size
     if fs:
         # its input (the shard of the norm's output) is the router's, counted there

@@ -70,7 +70,10 @@ class GroupedLinear(torch.autograd.Function):
 
 
 def grouped_offsets(
-    counts: torch.Tensor, rows: torch.Tensor, weights: Sequence[torch.Tensor]
+    counts: torch.Tensor,
+    rows: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    host_counts: bool = True,
 ) -> torch.Tensor | None:
     """The end row of each expert's group (int32), the grouped GEMM's `offs`, where that kernel
     takes these tensors; None where it does not, and `GroupedLinear` loops over the experts instead.
@@ -85,8 +88,13 @@ def grouped_offsets(
     only when each operand's row stride is a multiple of 16 bytes (its layout rule: a tiny test
     model's hidden 4 in bf16 breaks it); elsewhere the loop. On CUDA its agreement with the loop and
     what it buys are the device script's to measure (`bench/gpu_check.py`, step env:
-    `grouped_gemm`)."""
-    if not _grouped_kernel_takes(rows):
+    `grouped_gemm`).
+
+    `host_counts=False`: the dispatch has no host counts for the loop (the sync-free dispatch,
+    `overlap.layers.moe.rank_capacity`, which the resolution refuses where the run's GPU takes the
+    loop): a dry run's stand-in tensors then take the grouped kernel, as the GPU they stand for."""
+    stand_in = rows.device.type == "meta" and not host_counts
+    if not (stand_in or _grouped_kernel_takes(rows)):
         return None
     if any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
         return None

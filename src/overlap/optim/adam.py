@@ -120,11 +120,26 @@ def grad_norm_sq_local(slots: list[Slot], ps: ParallelState) -> tuple[torch.Tens
     return _sum_of_squares(dense, ps.device), _sum_of_squares(expert, ps.device)
 
 
-def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool) -> float:
+def global_grad_norm(
+    slots: list[Slot],
+    ps: ParallelState,
+    sharded_over_dp: bool,
+    fold: torch.Tensor | None = None,
+) -> float | None:
     """The global L2 norm; with `sharded_over_dp` each rank holds only its DP x CP (dense) /
     expert-DP (expert) shard of every gradient, so those partial sums are first added up over
-    them."""
+    them.
+
+    `fold`: a [1] count already summed over data and pipeline parallelism (the trainer's loss
+    reductions carry it: the sync-free MoE dispatch's overflow, `overlap.layers.moe.rank_capacity`),
+    which rides the norm's own reductions as a second element, so every rank learns whether its sum
+    over all ranks is > 0 in the norm's one host read: then None (the norm is not needed, the step
+    is re-run), else the norm. A sum of squares is never negative, so the read carries both as one
+    number: the squares, or -1 where the count is > 0."""
     dense, expert = grad_norm_sq_local(slots, ps)
+    if fold is not None:
+        # over tensor parallelism with the dense squares (the loss reductions had DP and PP)
+        dense, expert = torch.cat([dense.view(1), fold]), torch.cat([expert.view(1), fold * 0])
     if sharded_over_dp:
         comm.all_reduce(dense, ps.dp_cp_group, "dp_norm").wait()
         comm.all_reduce(expert, ps.edp_group, "dp_norm").wait()
@@ -133,7 +148,10 @@ def global_grad_norm(slots: list[Slot], ps: ParallelState, sharded_over_dp: bool
     total = dense + expert
     if ps.pp_size > 1:  # every pipeline stage holds other layers: their squares add up
         comm.all_reduce(total, ps.pp_group, "mp_norm").wait()
-    return math.sqrt(float(total))
+    if fold is not None:
+        total = torch.where(total[1] > 0, -1.0, total[0])
+    total = float(total)
+    return None if total < 0 else math.sqrt(total)
 
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -358,10 +376,12 @@ class SlotOptimizer(ABC):
         """What the loss is multiplied by before backward (1 without a scaler)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, fold: torch.Tensor | None = None) -> float | None:
         """The global L2 norm of the true (unscaled) gradients: non-finite if any rank's gradients
-        overflowed."""
-        return self._grad_norm() / self.loss_scale
+        overflowed. `fold`: a count to sum over every rank in the same reductions and read
+        (`global_grad_norm`); None when that sum is > 0."""
+        norm = self._grad_norm(fold)
+        return None if norm is None else norm / self.loss_scale
 
     def step(self, lr: float, grad_norm: float) -> bool:
         """Clip and update, or, under loss scaling with a non-finite `grad_norm` (the same on every
@@ -378,8 +398,9 @@ class SlotOptimizer(ABC):
         return True
 
     @abstractmethod
-    def _grad_norm(self) -> float:
-        """The global L2 norm of the gradients as stored (scaled)."""
+    def _grad_norm(self, fold: torch.Tensor | None) -> float | None:
+        """The global L2 norm of the gradients as stored (scaled), `fold` as `global_grad_norm`
+        takes it."""
 
     @abstractmethod
     def _step(self, lr: float, grad_norm: float, unscale: float) -> None:
@@ -421,8 +442,8 @@ class LocalOptimizer(SlotOptimizer):
         self.ps = ps
         self.adam = MixedPrecisionAdam.for_params(params, cfg)
 
-    def _grad_norm(self) -> float:
-        return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=False)
+    def _grad_norm(self, fold: torch.Tensor | None) -> float | None:
+        return global_grad_norm(self.adam.slots, self.ps, sharded_over_dp=False, fold=fold)
 
     def _step(self, lr: float, grad_norm: float, unscale: float) -> None:
         self.adam.step(lr, grad_norm, unscale=unscale)

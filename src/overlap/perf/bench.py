@@ -265,6 +265,13 @@ class RunResult:
     # Of exposed_comm_ms, the peer wait per kind (profiling/exposed.py); only kinds whose link knew
     # it (modelled).
     exposed_peer_wait_ms: dict[str, float] = field(default_factory=dict)
+    # iterations (1-based) the sync-free MoE dispatch re-ran dropless after an overflow
+    moe_rerun_iterations: list[int] = field(default_factory=list)
+
+    def window_reruns(self) -> int:
+        """The re-runs inside the steady-state window: steps that did two forward-backwards."""
+        first, last = self.steps_window
+        return sum(first <= i <= last for i in self.moe_rerun_iterations)
 
 
 class RunFailed(RuntimeError):
@@ -338,6 +345,7 @@ def run_once(
         s["network"],
         s.get("comm_mb", {}),
         s.get("exposed_peer_wait_ms", {}),
+        s.get("moe_rerun_iterations", []),
     )
 
 
@@ -373,6 +381,8 @@ def summarize(
                 "comm_mb_per_iter": _mean_by_kind(runs, "comm_mb"),
                 "exposed_peer_wait_ms": _mean_by_kind(runs, "exposed_peer_wait_ms"),
                 "peak_mem_mb": max(r.peak_mem_mb for r in runs),
+                # per repeat: the window's steps re-run dropless (sync-free MoE dispatch)
+                "moe_reruns_in_window": [r.window_reruns() for r in runs],
             }
         )
     floor_names = {c.name for c in configs if c.floor}
@@ -606,7 +616,9 @@ def format_markdown(doc: dict) -> str:
             "\neff. vs FLOOR = (T_first - T_config) / (T_first - T_FLOOR), the first config being "
             "'off'; per round: the median of that ratio within each round."
         )
-    return "\n".join(lines + _noisy_lines(doc) + _peer_wait_lines(doc) + _failure_lines(doc))
+    return "\n".join(
+        lines + _noisy_lines(doc) + _rerun_lines(doc) + _peer_wait_lines(doc) + _failure_lines(doc)
+    )
 
 
 def _per_round(row: dict) -> str:
@@ -621,6 +633,21 @@ def _per_round(row: dict) -> str:
         if len(ratios) == 1
         else f"{median:.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
     )
+
+
+def _rerun_lines(doc: dict) -> list[str]:
+    """The configurations whose steps the sync-free MoE dispatch re-ran dropless inside the window
+    (each such step did two forward-backwards: its time is in the mean), per repeat."""
+    rows = [r for r in doc["configs"] if any(r.get("moe_reruns_in_window", ()))]
+    if not rows:
+        return []
+    named = "; ".join(
+        f"`{r['name']}` {', '.join(map(str, r['moe_reruns_in_window']))}" for r in rows
+    )
+    return [
+        "\nSteps re-run dropless after a sync-free MoE block overflowed "
+        f"(model.moe_expert_rank_capacity_factor), in the window, per repeat: {named}."
+    ]
 
 
 def _noisy_lines(doc: dict) -> list[str]:

@@ -74,7 +74,8 @@ INTENDED_READS = (
         "optim/adam.py",
         "global_grad_norm",
         "float(total)",
-        "the gradient norm (clipping, the log, the fp16 overflow skip: overlap.optim.loss_scaler)",
+        "the gradient norm (clipping, the log, the fp16 overflow skip: overlap.optim.loss_scaler; "
+        "the sync-free MoE dispatch's overflow count: overlap.layers.moe.rank_capacity)",
     ),
 )
 

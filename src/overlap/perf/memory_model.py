@@ -9,7 +9,9 @@ run measures it (`tests/test_memory_model.py` holds the two within 10% on the gu
 
 `fit` compares the peak, plus a stated reserve, with the GPU's memory, and when it does not fit
 prices what Megatron users reach for: selective recompute modules, the distributed optimizer, bf16
-gradient reduction, a smaller micro-batch, more pipeline stages, a larger expert-parallel group.
+gradient reduction, a smaller micro-batch, the dropless all-to-all instead of the sync-free
+dispatch's padded blocks (`model.moe_expert_rank_capacity_factor`: its rows are factor x the
+dropless average), more pipeline stages, a larger expert-parallel group.
 """
 
 from __future__ import annotations
@@ -44,15 +46,18 @@ def program(
     cfg: ConfigContainer, layout: ParallelLayout, pp_rank: int, microbatches: int | None = None
 ) -> list[tuple[int | None, int | None]]:
     """Pipeline rank `pp_rank`'s steps as (forward chunk, backward chunk) pairs, for `microbatches`
-    micro-batches (None: the step's, global batch / (micro-batch x DP))."""
+    micro-batches (None: the step's, global batch / (micro-batch x DP)), or as many as show the
+    same peak (`steady_microbatches`)."""
     m, t = cfg.model, cfg.train
     count = microbatches or max(1, t.global_batch_size // (t.micro_batch_size * max(1, layout.dp)))
+    pp, vpp = max(1, layout.pp), m.virtual_pipeline_model_parallel_size or 1
+    group = m.microbatch_group_size_per_vp_stage
     steps = pipeline_steps(
-        max(1, layout.pp),
+        pp,
         pp_rank,
-        m.virtual_pipeline_model_parallel_size or 1,
-        count,
-        m.microbatch_group_size_per_vp_stage,
+        vpp,
+        steady_microbatches(pp, vpp, group, count),
+        group,
         cfg.resolved.overlap.overlap_moe_expert_parallel_comm,
     )
     return [
@@ -62,6 +67,17 @@ def program(
         )
         for s in steps
     ]
+
+
+def steady_microbatches(pp: int, vpp: int, group: int | None, count: int) -> int:
+    """As few micro-batches as give a `count`-micro-batch program's memory walk the same peak:
+    whole groups of the interleaved table covering the warm-up (at most 2 x PP + (VPP - 1) x group
+    forwards, one more merged) and two groups of steady steps, after which every group repeats the
+    one before, plus the same last partial group as `count` (its chunks end the table)."""
+    size = group or pp
+    warmup = 2 * pp + (vpp - 1) * size + 1
+    short = size * (-(-warmup // size) + 2) + count % size
+    return min(count, short)
 
 
 def rank_memory(
@@ -129,6 +145,12 @@ class Fit:
         )
 
 
+def reserve_bytes(peak: int) -> int:
+    """What is held back beside the peak: the CUDA context, NCCL's buffers, the allocator's
+    fragmentation."""
+    return RESERVE_FIXED + int(RESERVE_SHARE * peak)
+
+
 def fit(
     cfg: ConfigContainer, layout: ParallelLayout, gpu: str, est: MemoryEstimate | None = None
 ) -> Fit | None:
@@ -139,8 +161,7 @@ def fit(
     if device is None:
         return None
     est = est or rank_memory(cfg, layout)
-    reserve = RESERVE_FIXED + int(RESERVE_SHARE * est.total)
-    verdict = Fit(gpu, device, est.total, reserve)
+    verdict = Fit(gpu, device, est.total, reserve_bytes(est.total))
     if verdict.fits:
         return verdict
     return replace(verdict, advice=tuple(_advice(cfg, layout, est)))
@@ -172,6 +193,15 @@ def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -
     if cfg.train.micro_batch_size > 1:
         cut = replace(cfg.train, micro_batch_size=1)
         options.append(("-mb 1", _with(cfg, train=cut)))
+    if m.moe_expert_rank_capacity_factor is not None:
+        # the sync-free dispatch's padded blocks: memory bought to avoid the host reads
+        options.append(
+            (
+                "model.moe_expert_rank_capacity_factor=null (dropless all-to-all: unpadded rows, "
+                "the split sizes read on the host per MoE layer and micro-batch)",
+                _with_model(cfg, moe_expert_rank_capacity_factor=None),
+            )
+        )
     advice = []
     for flag, alternative in options:
         peak = rank_memory(alternative, layout).total

@@ -114,6 +114,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "machine profile); docs/planner.md",
     )
     plan.add_argument(
+        "--search",
+        type=int,
+        default=None,
+        metavar="N",
+        help="search the layouts (TP, PP, VPP, EP, micro-batch, recompute, each overlap switch) "
+        "for this model and cluster and print the N fastest that fit, each with its `overlap run` "
+        "command (overlap.plan.search); the command line's own layout flags are replaced",
+    )
+    plan.add_argument(
         "--calibrate",
         action="store_true",
         help="measure this machine's profile first and write it to --cluster FILE: -g cpu the "
@@ -238,6 +247,47 @@ def _calibrate(args: argparse.Namespace) -> None:
     )
 
 
+def _search(args: argparse.Namespace) -> int:
+    """`--search N`: the N fastest layouts that fit (overlap.plan.search), printed and written as
+    the plan's table is."""
+    from overlap.perf.bench import common_run_options
+    from overlap.plan.report import format_search
+    from overlap.plan.search import search
+
+    for flag, given in (("--ab", args.ab), ("--config", args.configs), ("--calibrate", None)):
+        if given is not None or (flag == "--calibrate" and args.calibrate):
+            raise ConfigError(
+                "--search",
+                args.search,
+                f"a search picks the layout; {flag} prices configurations the user chose.",
+                f"drop {flag} (or --search).",
+            )
+    if args.search < 1:
+        raise ConfigError(
+            "--search", args.search, "it is how many layouts to show.", "give --search 5."
+        )
+    words = common_run_options(
+        args.argv[1:], list(args.overrides), ("--cluster", "--search", "--network"), ()
+    )
+    if args.plan_precision:  # resolved as the runtime runs it; the cluster prices FP8
+        words = [
+            "bf16" if i and words[i - 1] in ("-c", "--compute_dtype") else w
+            for i, w in enumerate(words)
+        ]
+    base = _job(args, [])
+    result = search(
+        words, list(args.overrides), _cluster(args, base.cfg), plan_precision=args.plan_precision
+    )
+    text = format_search(result, args.search, shlex.join(["overlap", *args.argv]))
+    print(text)
+    if args.markdown:
+        write_replace(args.markdown, text + "\n")
+    if args.json_out:
+        doc = {"command": shlex.join(["overlap", *args.argv]), **result.to_json(args.search)}
+        write_replace(args.json_out, json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from overlap.launch.paths import check_output_file
     from overlap.perf.bench import build_configs, parse_ab, parse_named_config
@@ -262,6 +312,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "only --calibrate uses it: a plan's link comes from --cluster.",
             "add --calibrate (to profile that link), or drop --network.",
         )
+    if args.search is not None:
+        return _search(args)
     if args.calibrate:
         _calibrate(args)
     if args.ab is not None and args.configs is not None:

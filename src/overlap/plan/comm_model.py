@@ -10,7 +10,10 @@ section 4.2):
   on average under uniform routing. Before each dispatch (`ep_counts`) one int64 per expert tells
   the ranks how many rows follow: latency-bound and a rendezvous, hidden only by the EP-overlap
   schedule (`overlap.plan.step_times`); the static-shape mode (`moe_pad_expert_input_to_capacity`)
-  has none.
+  has none. The sync-free dispatch (`moe_expert_rank_capacity_factor`) sends EP blocks of C =
+  ceil(T k / EP x factor) rows whatever the routing, (EP - 1) C h beta bytes leaving, and has no
+  counts exchange either (each row carries its local expert; the host reads it saves are not
+  priced).
 - EP with DeepEP or HybridEP (flex dispatcher, `flex_gpu_a2a`): hierarchical. A token crosses the
   network once per destination node (to the GPU of the same index there) and NVLink once per
   destination rank within a node, the receiving GPU fanning it out to the other ranks of its node:
@@ -59,6 +62,7 @@ from math import ceil, comb
 
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
+from overlap.config.model import expert_rank_capacity
 from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.tp_overlap import SlotPlan
 from overlap.launch.resources import estimate_memory
@@ -248,6 +252,13 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
                 )
                 if cluster.sms:
                     plan.ep_sm_share = EP_BACKEND_SMS[backend] / cluster.sms
+            elif m.moe_expert_rank_capacity_factor is not None:
+                # the sync-free dispatch's blocks: EP x C rows a rank, full whatever the routing
+                block = expert_rank_capacity(
+                    round(tokens), m.moe_router_topk, ep, m.moe_expert_rank_capacity_factor
+                )
+                leaving = ep * block * h * act * (ep - 1) / ep
+                seconds = alltoall_time_s(leaving, ep, g, cluster)
             else:
                 copies = (
                     expected_destinations(ep, m.num_moe_experts, m.moe_router_topk)
@@ -258,8 +269,8 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
                 seconds = alltoall_time_s(leaving, ep, g, cluster)
             plan.add(kind, leaving, seconds, moe_here * mb)
             plan.ep_a2a_s[kind] = seconds
-        # static shapes (capacity + padding) exchange no counts
-        if not m.moe_pad_expert_input_to_capacity:
+        # static shapes (capacity + padding, or the sync-free blocks) exchange no counts
+        if not (m.moe_pad_expert_input_to_capacity or m.moe_expert_rank_capacity_factor):
             counts = m.num_moe_experts * 8 * (ep - 1) / ep  # one int64 per expert
             plan.ep_counts_s = alltoall_time_s(counts, ep, g, cluster)
             plan.add("ep_counts", counts, plan.ep_counts_s, moe_here * mb)

@@ -67,16 +67,30 @@ def simulate(
     weights: tuple[float, ...] | None = None,
     merged: bool = False,
     wgrad_share: float = 0.5,
+    exact: bool = True,
 ) -> PipelineTimes:
     """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one
     model chunk of average work; virtual stage v's tasks take `weights[v]` times that) and
     `transfer` per activation or gradient; see the module docstring for the p2p rules. `compute_s`
     is the average rank's work. `merged` (EP overlap): the merged program (one more warm-up
     forward), each steady step one unit that waits for both its receives first. `wgrad_share`: the
-    share of a backward that is weight gradient (the planner's convention: half)."""
+    share of a backward that is weight gradient (the planner's convention: half). `exact=False`
+    (the layout search, pricing hundreds of layouts): past a few periods of the schedule the step
+    grows by the same time per micro-batch group, so a long step is extrapolated from short ones
+    once three of them show that slope settled (`_extrapolated`; longer ones where it has not)."""
     compute = microbatches * vpp * (fwd_s + bwd_s)
     if pp <= 1:
         return PipelineTimes(compute, compute)
+    whole = None if exact else _extrapolated(microbatches, pp, group)
+    while whole is not None:
+        # the same last partial group as the long program: its chunks end the table
+        short = whole + microbatches % (group or pp)
+        args = (pp, vpp)
+        rest = (fwd_s, bwd_s, transfer, overlapped, group, weights, merged, wgrad_share)
+        t1, t2, t3 = (simulate(*args, short + k * whole, *rest).step_s for k in range(3))
+        if abs((t3 - t2) - (t2 - t1)) <= 1e-9 * t3:  # settled: every group adds the same
+            return PipelineTimes(t1 + (microbatches - short) * (t2 - t1) / whole, compute)
+        whole = 2 * whole if microbatches > 3 * (2 * whole) else None
     weights = (1.0,) * (pp * vpp) if weights is None else weights
     if len(weights) != pp * vpp:
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
@@ -193,3 +207,12 @@ def simulate(
                 f"{'overlapped' if overlapped else 'batched'})"
             )
     return PipelineTimes(max(clock), compute)
+
+
+def _extrapolated(microbatches: int, pp: int, group: int | None) -> int | None:
+    """The whole groups of the short step for `simulate(exact=False)`: a whole number of the
+    interleaved table's groups, at least four pipeline depths (the fill, the drain and a settled
+    steady state between them); None when the step is not much longer than twice that."""
+    size = group or pp
+    short = size * -(-4 * pp // size)
+    return short if microbatches > 3 * short else None

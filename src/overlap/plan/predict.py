@@ -61,14 +61,20 @@ def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
 
 
 def predict(
-    name: str, overrides: list[str], cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster
+    name: str,
+    overrides: list[str],
+    cfg: ConfigContainer,
+    layout: ParallelLayout,
+    cluster: Cluster,
+    exact: bool = True,
 ) -> Prediction:
-    """The predicted step of `cfg` on `layout` and `cluster`."""
+    """The predicted step of `cfg` on `layout` and `cluster`; `exact=False` (the layout search)
+    extrapolates a long pipeline program from short ones (`pipeline_sim.simulate`)."""
     compute = microbatch_compute(cfg, layout, cluster)
     comm = comm_plan(cfg, layout, cluster)
     sw = switches_of(cfg, layout)
     m = microbatches(cfg, layout)
-    times = step_times(compute, comm, sw, m, cluster.overlap_slowdown)
+    times = step_times(compute, comm, sw, m, cluster.overlap_slowdown, exact)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     tflops = flops_per_token(cfg.model) * tokens / layout.world_size / times.total_s / 1e12
     memory = rank_memory(cfg, layout, cpu=cluster.gpu == "cpu")

@@ -147,3 +147,45 @@ def format_markdown(doc: dict) -> str:
         lines += fits
     lines += ["", "Verdicts:"] + [f"- {v}" for v in doc["verdicts"]]
     return "\n".join(lines)
+
+
+def format_search(result, top: int, command: str) -> str:
+    """`overlap plan --search N`'s table: the N fastest layouts that fit, what each exposes, its
+    memory margin and command; then why the first beats the second and what was left out."""
+    from overlap.perf.memory_model import gib
+
+    error = expected_error(result.cluster)
+    lines = [
+        f"The {min(top, len(result.ranked))} fastest of {len(result.ranked)} layouts that fit "
+        f"({result.considered} considered, {result.not_fitting} do not fit even with selective "
+        f"recompute, {sum(result.refused.values())} refused by the configuration rules) on "
+        f"{result.cluster.gpus_per_node} x {result.cluster.gpu} per node; predicted, nothing was "
+        f"run. Expected error of each step time: {error['text']}.  ",
+        f"Command: `{command}`",
+        "",
+        "| # | layout | step ms | vs first | TFLOP/s/GPU | bubble ms | exposed comm ms | peak | "
+        "margin | switches flipped |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    first = result.ranked[0].prediction.step_ms if result.ranked else 0.0
+    for i, c in enumerate(result.ranked[:top], 1):
+        p = c.prediction
+        exposed = {k: v * 1e3 for k, v in p.times.exposed_s.items()}
+        exposed["all"] = sum(exposed.values())
+        lines.append(
+            f"| {i} | {c.layout.describe()} | {p.step_ms:.0f} | {p.step_ms / first:.3f} | "
+            f"{p.tflops_per_gpu:.0f} | {p.times.bubble_s * 1e3:.0f} | {_kinds(exposed)} | "
+            f"{gib(p.peak_mem_bytes)} | {gib(c.margin_bytes)} | "
+            f"{' '.join(c.switches) or '-'} |"
+        )
+    lines += ["", f"Why the first: {result.why_best()}.", "", "Commands:"]
+    lines += [
+        f"{i}. `{c.command(result.words, result.overrides)}`"
+        for i, c in enumerate(result.ranked[:top], 1)
+    ]
+    if result.refused:
+        lines += ["", "Refused by the configuration rules (count: field: why):"]
+        lines += [
+            f"- {n}: {why}" for why, n in sorted(result.refused.items(), key=lambda kv: -kv[1])
+        ]
+    return "\n".join(lines)

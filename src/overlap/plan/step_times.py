@@ -202,8 +202,10 @@ def step_times(
     sw: Switches,
     microbatches: int,
     slowdown: dict[str, float],
+    exact: bool = True,
 ) -> StepTimes:
-    """Where one step's time goes for these switches (see the module docstring)."""
+    """Where one step's time goes for these switches (see the module docstring); `exact=False`
+    extrapolates a long pipeline program from short ones (`pipeline_sim.simulate`)."""
     t = StepTimes()
     m = microbatches
     sigma_ep = slowdown.get("ep", slowdown.get("other", 0.0))
@@ -297,7 +299,17 @@ def step_times(
         f, b = per_mb_s * fwd_share / sw.vpp, per_mb_s * (1 - fwd_share) / sw.vpp
         merged = sw.ep_overlap and bool(comm.ep_a2a_s)
         free = simulate(
-            sw.pp, sw.vpp, m, f, b, 0.0, sw.overlap_p2p, sw.vp_group, c.stage_weights, merged
+            sw.pp,
+            sw.vpp,
+            m,
+            f,
+            b,
+            0.0,
+            sw.overlap_p2p,
+            sw.vp_group,
+            c.stage_weights,
+            merged,
+            exact=exact,
         )
         t.bubble_s = free.step_s - free.compute_s  # idle time, unequal stages' included
         if comm.pp_send is not None:
@@ -313,6 +325,7 @@ def step_times(
                     sw.vp_group,
                     c.stage_weights,
                     merged,
+                    exact=exact,
                 ).step_s
                 - free.step_s
             )

@@ -130,6 +130,9 @@ class StepRecord:
     lr: float
     loss_scale: float | None = None  # the scale the step's backward used (None: no loss scaling)
     skipped_to: float | None = None  # a step skipped for an overflow: the scale it backed off to
+    # forward-backward re-runs on the dropless path after a sync-free MoE block overflowed
+    # (model.moe_expert_rank_capacity_factor; 0 or 1)
+    moe_reruns: int = 0
 
 
 def format_iteration(

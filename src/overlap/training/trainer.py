@@ -27,10 +27,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from overlap.config.container import ConfigContainer
 from overlap.data_parallel import DistributedDataParallel, DistributedOptimizer
 from overlap.errors import NonFiniteError
+from overlap.layers.moe.rank_capacity import StaticDispatchSteps
 from overlap.model.gpt import model_chunks
 from overlap.model.tensor_parallel_impl import apply_tensor_parallel_impl
 from overlap.optim.adam import LocalOptimizer, learning_rate
@@ -67,6 +69,9 @@ class RunSummary:
     checkpoint: dict | None = None  # save / load times and sizes (Checkpointer.report)
     # stage outputs alive at once, max over steps (PipelineMemory; PP only)
     pipeline_output_peak_bytes: int = 0
+    # sync-free MoE dispatch: the largest factor any block needed over the run, on any rank (None:
+    # not that dispatch)
+    moe_needed_rank_capacity_factor: float | None = None
 
 
 def comm_totals(events) -> tuple[dict[str, float], dict[str, int]]:
@@ -146,51 +151,37 @@ class Trainer:
             else None
         )
         self.start_iteration = self.checkpointer.load() if self.checkpointer is not None else 0
+        # the sync-free MoE dispatch's per-step handle (None without it), and whether the last
+        # step was re-run dropless for an overflow
+        self.static_dispatch = StaticDispatchSteps.of(cfg.model, self.chunks, ps.device)
+        self.last_step_reruns = 0
 
     def train_step(self, iteration: int) -> tuple[float, float]:
-        """One optimizer step over the global batch; returns (mean lm loss, grad norm)."""
-        t, ps = self.cfg.train, self.ps
-        for ddp in self.ddps:
-            ddp.zero_grad()
-        batches = self.data.micro_batches(
-            iteration,
-            t.global_batch_size,
-            t.micro_batch_size,
-            ps.dp_rank,
-            ps.dp_size,
-            ps.device,
-            ps.cp_rank,
-            ps.cp_size,
-        )
+        """One optimizer step over the global batch; returns (mean lm loss, grad norm).
+
+        With the sync-free MoE dispatch (`model.moe_expert_rank_capacity_factor`) the blocks'
+        overflow count rides the loss and grad-norm reductions (`_reduce`); where any rank
+        overflowed, the forward-backward runs again on the dropless path before the optimizer
+        applies anything (`overlap.layers.moe.rank_capacity`), and `last_step_reruns` says so."""
+        ps = self.ps
         # each CP rank's loss is the mean over its equal share of the tokens
         scale = 1.0 / (self.num_micro_batches * ps.dp_cp_size)
         grad_scale = scale * self.optimizer.loss_scale  # what the backward is seeded with
-        loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
-        # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; with EP
-        # overlap its steady steps merged, piece by piece): pipeline/executor.py, or torch's peer.
-        for lm_loss in self.pipeline.step(batches, grad_scale):
-            loss_sum += lm_loss.float()
-        with RECORDER.span("grad_reduce"):
-            for ddp in self.ddps:
-                ddp.finish_grad_sync()
-            # the embedding and its copy on the last stage: one gradient, summed
-            if self._tied is not None:
-                group, grads = self._tied
-                for grad in grads:
-                    comm.all_reduce(grad, group, "pp_tied_grad").wait()
-        # The reported loss is summed over DP now, before the norm's own all-reduce and the
-        # optimizer's parameter gather: launched after the step, it queued behind that gather and
-        # exposed it. Only the last pipeline stage has losses: the sum over PP (zeros elsewhere)
-        # gives every rank, rank 0 included, the same number.
-        if ps.pp_size > 1:
-            comm.all_reduce(loss_sum, ps.pp_group, "pp_loss").wait()
-        check_nan = self.cfg.ddp.check_for_nan_in_grad
-        # before the DP sum mixes the ranks' losses
-        local_loss = loss_sum.clone() if check_nan else None
-        loss_handle = comm.all_reduce(loss_sum, ps.dp_cp_group, "dp_loss")
-        norm = self.optimizer.grad_norm()
+        static = self.static_dispatch
+        if static is not None:
+            static.begin()
+        loss_sum = self._forward_backward(iteration, grad_scale)
+        loss_sum, local_loss, loss_handle, norm = self._reduce(
+            loss_sum, None if static is None else static.overflowed()
+        )
+        self.last_step_reruns = 0
+        if norm is None:  # a block overflowed somewhere: this step is the dropless one's
+            static.rerun()
+            self.last_step_reruns = 1
+            loss_sum = self._forward_backward(iteration, grad_scale)
+            loss_sum, local_loss, loss_handle, norm = self._reduce(loss_sum, None)
         # free unless the norm is not finite (training/stopping.py)
-        if check_nan and not math.isfinite(norm):
+        if local_loss is not None and not math.isfinite(norm):
             loss_handle.wait()  # nothing is left in flight when every rank stops here
             check_finite(
                 iteration,
@@ -206,6 +197,64 @@ class Trainer:
             self.optimizer.step(self.learning_rate(iteration), norm)
         loss_handle.wait()
         return float(loss_sum) * scale, norm
+
+    def _forward_backward(self, iteration: int, grad_scale: float) -> torch.Tensor:
+        """The micro-batches' forward and backward with the gradients reduced; returns this rank's
+        loss sum (zeros off the last pipeline stage). Run again for a step's re-run: the data of
+        an iteration is drawn from its number, so a re-run reads the same batches."""
+        t, ps = self.cfg.train, self.ps
+        for ddp in self.ddps:
+            ddp.zero_grad()
+        batches = self.data.micro_batches(
+            iteration,
+            t.global_batch_size,
+            t.micro_batch_size,
+            ps.dp_rank,
+            ps.dp_size,
+            ps.device,
+            ps.cp_rank,
+            ps.cp_size,
+        )
+        loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
+        # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; with EP
+        # overlap its steady steps merged, piece by piece): pipeline/executor.py, or torch's peer.
+        for lm_loss in self.pipeline.step(batches, grad_scale):
+            loss_sum += lm_loss.float()
+        with RECORDER.span("grad_reduce"):
+            for ddp in self.ddps:
+                ddp.finish_grad_sync()
+            # the embedding and its copy on the last stage: one gradient, summed
+            if self._tied is not None:
+                group, grads = self._tied
+                for grad in grads:
+                    comm.all_reduce(grad, group, "pp_tied_grad").wait()
+        return loss_sum
+
+    def _reduce(
+        self, loss_sum: torch.Tensor, overflow: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, comm.CommHandle, float | None]:
+        """Sum the loss over PP and (launched, not waited) DP x CP, and read the grad norm: (the
+        loss sum, this rank's loss before the DP sum where NaN checks need it, the DP sum's handle,
+        the norm). `overflow` [1] (the sync-free dispatch's count on this rank) rides the same
+        reductions, the loss's over PP and DP x CP and the norm's over TP, and comes back in the
+        norm's one read: the norm is None where its sum over every rank is > 0."""
+        ps = self.ps
+        reduced = loss_sum if overflow is None else torch.cat([loss_sum.view(1), overflow])
+        loss_sum = reduced if overflow is None else reduced[0]
+        # The reported loss is summed over DP now, before the norm's own all-reduce and the
+        # optimizer's parameter gather: launched after the step, it queued behind that gather and
+        # exposed it. Only the last pipeline stage has losses: the sum over PP (zeros elsewhere)
+        # gives every rank, rank 0 included, the same number.
+        if ps.pp_size > 1:
+            comm.all_reduce(reduced, ps.pp_group, "pp_loss").wait()
+        # before the DP sum mixes the ranks' losses
+        local_loss = loss_sum.clone() if self.cfg.ddp.check_for_nan_in_grad else None
+        loss_handle = comm.all_reduce(reduced, ps.dp_cp_group, "dp_loss")
+        if overflow is None:
+            return loss_sum, local_loss, loss_handle, self.optimizer.grad_norm()
+        # the norm's reductions take the count on from the DP sum (a stream wait on NCCL)
+        loss_handle.wait()
+        return loss_sum, local_loss, loss_handle, self.optimizer.grad_norm(reduced[1:])
 
     def learning_rate(self, iteration: int) -> float:
         """The schedule's rate for `iteration`; steps skipped for an overflow do not advance it
@@ -285,6 +334,7 @@ class Trainer:
                         )
                     break
             self._check_some_step_taken(records)
+            needed = self._report_static_dispatch(records)
             self.finish_param_sync()
             if self.checkpointer is not None:
                 end = records[-1].iteration + 1 if records else first
@@ -316,7 +366,31 @@ class Trainer:
             stopped,
             self.checkpointer.report() if self.checkpointer is not None else None,
             self.pipeline_memory.peak_bytes,
+            needed,
         )
+
+    def _report_static_dispatch(self, records: list[StepRecord]) -> float | None:
+        """The sync-free MoE dispatch's run in two numbers, said by rank 0: the iterations re-run
+        dropless, and the largest factor a block needed on any rank (one collective and one read
+        after the last step, none in a step): what the factor's memory bought, and what it would
+        have had to be for no re-run. None without that dispatch."""
+        if self.static_dispatch is None:
+            return None
+        needed = self.static_dispatch.needed_factor()
+        comm.all_reduce(needed, dist.group.WORLD, "ctl_moe_blocks", dist.ReduceOp.MAX).wait()
+        RECORDER.discard()  # after the last step: no step's communication
+        needed = float(needed)
+        if self.ps.rank == 0:
+            log.info(
+                "sync-free MoE dispatch (model.moe_expert_rank_capacity_factor=%g): %d of %d "
+                "iterations re-ran dropless (one more forward-backward each); the fullest block "
+                "needed a factor of %.3g",
+                self.cfg.model.moe_expert_rank_capacity_factor,
+                sum(r.moe_reruns for r in records),
+                len(records),
+                needed,
+            )
+        return needed
 
     def _check_some_step_taken(self, records: list[StepRecord]) -> None:
         """A run whose every iteration overflowed and was skipped changed nothing: with a static
@@ -371,13 +445,27 @@ class Trainer:
         scale_after, overflowed = self.loss_scaling()
         self.nonfinite.see(it, loss, norm, skipped=overflowed)
         rec = StepRecord(
-            it, loss, norm, step_s * 1e3, lr, loss_scale, scale_after if overflowed else None
+            it,
+            loss,
+            norm,
+            step_s * 1e3,
+            lr,
+            loss_scale,
+            scale_after if overflowed else None,
+            self.last_step_reruns,
         )
         records.append(rec)
         tokens_per_s = tokens_per_step / step_s / self.ps.world_size
         tflops = flops_step / step_s / self.ps.world_size / 1e12
         if self.ps.rank == 0:
             skipped = rec.skipped_to is not None
+            if rec.moe_reruns:
+                log.info(
+                    "iteration %d: a sync-free MoE block overflowed (model."
+                    "moe_expert_rank_capacity_factor=%g); the step was re-run dropless",
+                    it + 1,
+                    self.cfg.model.moe_expert_rank_capacity_factor,
+                )
             if (it + 1) % self.cfg.logger.log_interval == 0 or it + 1 == t.train_iters or skipped:
                 log.info(
                     format_iteration(
@@ -398,6 +486,11 @@ class Trainer:
                         "comm_bytes": c_bytes,
                         "peak_mem_mb": peak_memory_mb(),
                         **({"loss_scale": loss_scale, "skipped": skipped} if scaling else {}),
+                        **(
+                            {"moe_reruns": rec.moe_reruns}
+                            if self.static_dispatch is not None
+                            else {}
+                        ),
                     }
                 )
             if progress is not None:

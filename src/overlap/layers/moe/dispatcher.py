@@ -23,7 +23,9 @@ scheduler wants that wait as late as possible and filled with other work (`resol
 scheduler's wait). With a static expert capacity (`moe_expert_capacity_factor` with
 `moe_pad_expert_input_to_capacity`) every rank sends exactly `capacity` rows per expert, so every
 split size is fixed by the configuration and no counts are exchanged at all; without padding the
-capacity only drops rows, and the (smaller) counts still travel.
+capacity only drops rows, and the (smaller) counts still travel. The sync-free dropless mode
+(`moe_expert_rank_capacity_factor`) is this dispatcher with fixed blocks per EP peer whose counts
+only the device reads (`rank_capacity.RankCapacityDispatcher`).
 
 Combine weights are applied on the expert side, inside the experts' activation (`GroupedExperts`):
 the rows sent back are already weighted, so the source rank only has to sum a token's rows, and the

@@ -30,6 +30,7 @@ from torch import nn
 
 from overlap.config.model import ModelConfig
 from overlap.config.recompute import selective_modules
+from overlap.errors import NotBuiltError
 from overlap.layers.init import mark_shard
 from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
 from overlap.layers.mlp import SWIGLU
@@ -65,12 +66,14 @@ class GroupedExperts(nn.Module):
         # fc1's output (not when "moe" recomputes the whole layer already)
         modules = selective_modules(config)
         self.recompute_act = "moe_act" in modules and "moe" not in modules
+        # named by the refusal of a sync-free dispatch the grouped kernel cannot run (`forward`)
+        self.rank_capacity_factor = config.moe_expert_rank_capacity_factor
 
     def forward(
         self,
         rows: torch.Tensor,
         probs: torch.Tensor,
-        tokens_per_local_expert: list[int],
+        tokens_per_local_expert: list[int] | None,
         local_expert_counts: torch.Tensor,
     ) -> torch.Tensor:
         """`rows` [R, h] holds `tokens_per_local_expert[e]` contiguous rows for local expert e, in
@@ -79,9 +82,24 @@ class GroupedExperts(nn.Module):
         there, `grouped_offsets`). Returns the weighted expert outputs [R, h].
 
         The two GEMMs are `GroupedLinear`, whose weight gradients can be delayed
-        (delay_wgrad_compute)."""
+        (delay_wgrad_compute). `tokens_per_local_expert` is None where the dispatch keeps its
+        counts on the device alone (`rank_capacity`): only the grouped kernel, whose offsets come
+        from the device counts, can run the GEMMs then."""
         counts = tokens_per_local_expert
-        offs = grouped_offsets(local_expert_counts, rows, (self.fc1_weight, self.down_weight))
+        offs = grouped_offsets(
+            local_expert_counts, rows, (self.fc1_weight, self.down_weight), counts is not None
+        )
+        if offs is None and counts is None:
+            raise NotBuiltError(
+                "model.moe_expert_rank_capacity_factor",
+                self.rank_capacity_factor,
+                f"The sync-free dispatch on {rows.device.type} in {rows.dtype} with hidden size "
+                f"{rows.shape[-1]} and expert width {self.down_weight.shape[-1]} (the grouped "
+                "GEMM kernel does not take these tensors, and the per-expert loop needs the "
+                "split sizes on the host)",
+                "drop model.moe_expert_rank_capacity_factor here, or run where the grouped "
+                "kernel is used (the CPU, Hopper in bf16; rows a multiple of 16 bytes).",
+            )
         fc1_out = GroupedLinear.apply(rows, self.fc1_weight, counts, offs)
 
         def fc2(act: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 shared expert).
 
 The dispatcher is chosen by `moe_token_dispatcher_type`: "alltoall" (one row per chosen expert) or
-"flex" with backend "torch" (one row per destination rank, `flex_dispatcher.py`); both have the same
-steps.
+"flex" with backend "torch" (one row per destination rank, `flex_dispatcher.py`); with
+`moe_expert_rank_capacity_factor` the all-to-all in fixed blocks per EP peer, no host read
+(`rank_capacity.py`). All have the same steps.
 
 `forward` runs the steps in plain order, waiting on each collective at once. The steps are also
 public methods, named after Megatron-Core's `MoELayer`, because the EP-overlap schedule runs them as
@@ -48,18 +49,29 @@ from overlap.layers.moe.dispatcher import (
 )
 from overlap.layers.moe.experts import GroupedExperts
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher, FlexDispatchPlan
+from overlap.layers.moe.rank_capacity import RankCapacityDispatcher, RankCapacityPlan
 from overlap.layers.moe.router import TopKRouter
 from overlap.layers.recompute import maybe_checkpoint
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 
-Plan = DispatchPlan | FlexDispatchPlan
+Plan = DispatchPlan | FlexDispatchPlan | RankCapacityPlan
 
 
 def dispatcher_class(config: ModelConfig) -> type[AllToAllDispatcher]:
     """The token dispatcher `config` asks for; a request for one this runtime does not build is an
     error, never a silent fallback to all-to-all."""
     kind, backend = config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend
+    if config.moe_expert_rank_capacity_factor is not None:
+        if kind != "alltoall":
+            raise NotBuiltError(
+                "model.moe_expert_rank_capacity_factor",
+                config.moe_expert_rank_capacity_factor,
+                f"Sync-free fixed-block dispatch with the '{kind}' token dispatcher",
+                "use model.moe_token_dispatcher_type=alltoall, or drop the expert-rank capacity "
+                "factor.",
+            )
+        return RankCapacityDispatcher
     if kind == "alltoall":
         return AllToAllDispatcher
     if kind != "flex":

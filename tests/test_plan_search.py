@@ -1,0 +1,154 @@
+"""`overlap plan --search` (overlap.plan.search): the fastest layouts that fit, each runnable as
+printed, and where the reference's hand-tuned layouts rank among them."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from overlap.cli import main
+from overlap.harness import resolve_run
+from overlap.perf.memory_model import rank_memory, reserve_bytes
+from overlap.plan.hardware import builtin_cluster
+from overlap.plan.predict import predict
+from overlap.plan.search import Layout, search
+from overlap.plan.validate import ROWS
+
+LLAMA8 = "-m llama -mr llama3_8b -g h100 -ng 8 -c bf16 -gb 128 -sl 8192".split()
+
+
+@pytest.fixture(scope="module")
+def llama8():
+    return search(LLAMA8)
+
+
+def test_the_ranking_is_fastest_first_and_every_candidate_fits(llama8):
+    assert llama8.ranked and llama8.considered >= len(llama8.ranked)
+    steps = [c.prediction.step_ms for c in llama8.ranked]
+    assert steps == sorted(steps)
+    for c in llama8.ranked[:5]:
+        assert c.margin_bytes >= 0
+        assert c.prediction.peak_mem_bytes + reserve_bytes(c.prediction.peak_mem_bytes) <= (
+            80 * 2**30
+        )
+
+
+def test_each_printed_command_resolves_to_the_layout_and_step_it_was_ranked_by(llama8):
+    """The command line is what `overlap run` takes: resolved again (exactly, without the search's
+    extrapolated pipeline program) it is the candidate's layout, within 0.1% of its step."""
+    cluster = builtin_cluster("h100", "bf16", 8)
+    for c in llama8.ranked[:3]:
+        words = shlex.split(c.command(llama8.words, llama8.overrides))[2:]
+        job = resolve_run(words, [])
+        layout = job.resolution.layout
+        assert (layout.tp, layout.pp, layout.ep) == (c.layout.tp, c.layout.pp, c.layout.ep)
+        assert job.cfg.train.micro_batch_size == c.layout.mb
+        exact = predict("again", [], job.cfg, layout, cluster)
+        assert exact.step_ms == pytest.approx(c.prediction.step_ms, rel=1e-3)
+        assert rank_memory(job.cfg, layout).total == c.prediction.peak_mem_bytes
+
+
+def test_recompute_is_taken_only_where_a_layout_needs_it_to_fit(llama8):
+    """Recompute never makes a step faster: a layout carries it only when the layout without it
+    does not fit."""
+    for c in llama8.ranked:
+        if not c.layout.recompute:
+            continue
+        plain = Layout(c.layout.tp, c.layout.pp, c.layout.vp, c.layout.ep, c.layout.mb)
+        job = resolve_run(LLAMA8 + plain.words(), [])
+        peak = rank_memory(job.cfg, job.resolution.layout).total
+        assert peak + reserve_bytes(peak) > 80 * 2**30
+
+
+def test_the_cli_prints_the_table_the_commands_and_why_the_first_wins(tmp_path, capsys):
+    out = tmp_path / "search.json"
+    assert main(["plan", *LLAMA8, "--search", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| # | layout | step ms |" in text and "Why the first:" in text
+    assert text.count("`overlap run -m llama -mr llama3_8b") == 3
+    doc = json.loads(out.read_text())
+    assert len(doc["candidates"]) == 3 and doc["considered"] > 3
+    assert (
+        doc["candidates"][0]["step_time_ms"]["mean"] <= doc["candidates"][1]["step_time_ms"]["mean"]
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--search", "0"], "--search"),
+        (["--search", "3", "--ab", "comm_overlap.tp_comm_overlap=false,true"], "--search"),
+    ],
+)
+def test_bad_search_input_is_a_config_error(capsys, argv, field):
+    assert main(["plan", *LLAMA8, *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"overlap: error: {field}" in err and "Traceback" not in err
+
+
+# --- the reference's hand-tuned layouts -----------------------------------------------------------
+# Published runs whose layout the search can reach (CP, the 256-GPU rows and the inexpressible ones
+# aside: docs/planner.md 'Layout search' has every row), with what the search finds. A miss is
+# recorded with its gap, and passes the day the model ranks the reference's choice where it
+# belongs.
+_MISS = {
+    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": "19% behind the model's pick, TP2 x "
+    "EP16 at micro-batch 4 with recompute: its compute 18.7 s against 22.7 s, the fitted "
+    "per-kernel overhead paid once per four sequences",
+    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap + delay_wgrad": "as the EP overlap row",
+    "Qwen3-30B-A3B 16xH100 FP8 EP16": "as the BF16 alltoall rows, at FP8",
+    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": "15% behind the model's pick, PP2 x VP6: its bubble 0.8 s "
+    "against PP4's 2.6 s, and it fits by the memory model (sliding windows are not expressed)",
+    "Llama3-8B 8xH100 FP8-CS FSDP": "the FSDP run is priced as the distributed optimizer, which "
+    "needs recompute to fit (2 s of compute); 18% behind TP2 at micro-batch 2",
+    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": "third, 8% behind TP4 x PP4 x VP20, whose modelled "
+    "bubble is smaller, fitting with about 2 GiB to spare",
+    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": "38% behind the model's pick (as the FP8 EP16 row)",
+    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": "fifth, 10% behind the model's pick (as the "
+    "FP8 EP16 row)",
+}
+_REACHABLE = [
+    r
+    for r in ROWS
+    if not r.not_expressible
+    and not r.name.endswith(" off")
+    and "-ng 256" not in r.flags
+    and "-cp" not in r.args()  # the search does not try CP sizes
+]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(
+            r,
+            marks=[pytest.mark.xfail(reason=_MISS[r.name], strict=True)] if r.name in _MISS else [],
+            id=r.name,
+        )
+        for r in _REACHABLE
+    ],
+)
+def test_the_published_layout_is_in_the_top_five_within_five_percent(row):
+    words = row.args()
+    result = search(words, cluster=builtin_cluster(row.gpu, row.precision, None))
+
+    def flag(name: str) -> str:
+        return words[words.index(name) + 1]
+
+    published = (
+        int(flag("-tp")),
+        int(flag("-pp")),
+        None if flag("-vp") == "None" else int(flag("-vp")),
+        int(flag("-ep")),
+        int(flag("-mb")),
+    )
+    ranks = [
+        i
+        for i, c in enumerate(result.ranked[:5])
+        if (c.layout.tp, c.layout.pp, c.layout.vp, c.layout.ep, c.layout.mb) == published
+    ]
+    assert ranks, f"not in the top 5: {[c.layout.describe() for c in result.ranked[:5]]}"
+    best = result.ranked[0].prediction.step_ms
+    assert result.ranked[ranks[0]].prediction.step_ms <= 1.05 * best
