@@ -53,7 +53,11 @@ def test_bad_layout_exits_2_with_message():
 
 
 def test_unbuilt_feature_exits_2_before_starting_ranks():
-    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "-cp", "2")
+    out = _overlap(
+        "run",
+        *("-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2"),
+        "model.gradient_accumulation_fusion=true",
+    )
     assert out.returncode == 2
     assert "not built" in out.stderr and "Traceback" not in out.stderr
 
