@@ -1,14 +1,15 @@
-"""Context parallelism: each cp_comm_type's attention against plain causal attention on the gathered
-sequence (forward and backward), and training at CP 2 and 4, alone and with TP-SP, DP (distributed
-optimizer) and PP-VPP, against the single-process reference; p2p's overlap on vs off.
+"""Context parallelism: each cp_comm_type's attention (p2p, all_gather, a2a, a2a+p2p) against plain
+causal attention on the gathered sequence (forward and backward), and training at CP 2 and 4, alone
+and with TP-SP, DP (distributed optimizer), PP-VPP, EP (with EP overlap), recompute and bf16,
+against the single-process reference; the ring's overlap on vs off, and what the tracer sees of it.
 
 Tolerances (fp32): the ring merges blocks by log-sum-exp and the all-gather / all-to-all paths sum
 the softmax in another order than the one-rank kernel, so values agree to a few ulps of the
 accumulated sums; losses to 1e-5 relative (as tests/test_model_tp.py), attention outputs and
 gradients to 1e-5 absolute on O(1) values; bf16 losses to 1e-3 dense (as tests/test_model_tp.py)
 and 2e-2 for the MoE case with EP overlap (which needs a 16-bit model), the MoE layouts' usual
-tolerance. p2p with the overlap on and off sends
-the same messages and computes the same blocks in the same order: bit-identical.
+tolerance. p2p with the overlap on and off sends the same messages and computes the same blocks in
+the same order: bit-identical.
 """
 
 from __future__ import annotations
