@@ -431,3 +431,16 @@ overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 
   --config "sync-free 1.5, EP overlap + delay_wgrad:model.moe_expert_rank_capacity_factor=1.5;comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
   --json $out/moe_sync_free.json --markdown $out/moe_sync_free.md \
   model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
+
+# ------------------------------------------------------------------------------------ context parallelism (CP)
+
+# 42. -> cp_overlap.json/.md. The CP p2p ring overlapped vs the same exchange serialised (model.cp_comm_overlap):
+#     dense_tiny at sequence 4096, CP=2 on 2 ranks (one per core), fp32. Each rank holds 2048 tokens (chunks r and
+#     3-r of 4), where the ring's fp32 block attention (8 heads, 2048 x 2048 scores) outweighs the layer's GEMMs;
+#     each ring step moves 2 MiB (KV forward, the dKV sum backward) across the emulated interconnect (loopback
+#     rate-limited to 25 MB/s by tc tbf, ~0.08 s a step). Floor: the CP transfers free (--ideal-family cp), for
+#     the efficiency (T_off - T_on) / (T_off - T_floor); alternated rounds give the per-round ratios.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -cp 2 -sl 4096 -ms 6 -gb 2 -mb 1 --network tbf:200mbit \
+  --config "serialised:model.cp_comm_overlap=false" \
+  --config "overlapped:model.cp_comm_overlap=true" \
+  --ideal-family cp --repeats 3 --json $out/cp_overlap.json --markdown $out/cp_overlap.md

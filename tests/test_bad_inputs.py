@@ -301,7 +301,11 @@ def test_cpu_slurm_script_requests_no_gpus_and_the_time_limit_is_an_option(tmp_p
 # --- bench checks every configuration first -------------------------------------------------------
 def test_bench_refuses_a_configuration_run_would_refuse_before_any_run(capsys):
     refused(
-        ["bench", *DENSE, "--ab", "model.context_parallel_size=1,2"],
+        [
+            "bench",
+            *["-m", "qwen", "-mr", "dense_tiny", "-ng", "4", "-pp", "2", "-cp", "2"],
+            *["--ab", "model.pipeline_impl=overlap,torch_pipelining"],
+        ],
         capsys,
         "model.context_parallel_size=2",
         "not built",

@@ -58,6 +58,7 @@ RESUME_CASES = {  # name: (world, moe, layout and settings)
     "ep4": (4, True, ["model.expert_model_parallel_size=4"]),
     "tp2_dp2": (4, False, ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]),
     "pp2": (2, False, ["model.pipeline_model_parallel_size=2"]),
+    "cp2_dp2_distopt": (4, False, DENSE_DP4 + ["model.context_parallel_size=2"]),
 }
 
 
@@ -103,13 +104,23 @@ RESHARD_CASES = [  # (saved case, world, moe, new layout and settings)
     ("dp4_distopt", 2, False, []),  # distributed optimizer on -> off, DP4 -> DP2
     ("ep4", 4, True, ["model.expert_model_parallel_size=2"]),  # EP4 -> EP2 x DP2
     ("pp2", 1, False, []),  # PP2 -> PP1
+    # the distributed optimizer's shards over DP x CP: DP4 -> CP2 x DP2 and CP2 x DP2 -> DP2 plain
+    ("dp4_distopt", 4, False, DENSE_DP4 + ["model.context_parallel_size=2"]),
+    ("cp2_dp2_distopt", 2, False, []),
 ]
 
 
 @pytest.mark.parametrize(
     "case",
     RESHARD_CASES,
-    ids=["dp4-to-tp2dp2", "distopt-to-plain-dp2", "ep4-to-ep2dp2", "pp2-to-pp1"],
+    ids=[
+        "dp4-to-tp2dp2",
+        "distopt-to-plain-dp2",
+        "ep4-to-ep2dp2",
+        "pp2-to-pp1",
+        "dp4-to-cp2dp2",
+        "cp2dp2-to-plain-dp2",
+    ],
 )
 def test_resharded_load_continues_the_uninterrupted_run(saved, case):
     name, world, moe, items = case

@@ -53,7 +53,11 @@ def test_bad_layout_exits_2_with_message():
 
 
 def test_unbuilt_feature_exits_2_before_starting_ranks():
-    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "-cp", "2")
+    out = _overlap(
+        "run",
+        *("-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2"),
+        "model.gradient_accumulation_fusion=true",
+    )
     assert out.returncode == 2
     assert "not built" in out.stderr and "Traceback" not in out.stderr
 
@@ -81,8 +85,23 @@ def test_emit_slurm_writes_a_script(tmp_path):
     assert "CUDA_DEVICE_MAX_CONNECTIONS" in text
 
 
-def test_context_parallel_exits_2_not_built():
-    out = _overlap("run", "-m", "qwen", "-mr", "dense_tiny", "-g", "cpu", "-ng", "2", "-cp", "2")
+def test_context_parallelism_in_a_pytorch_peer_exits_2_not_built():
+    out = _overlap(
+        "run",
+        "-m",
+        "qwen",
+        "-mr",
+        "dense_tiny",
+        "-g",
+        "cpu",
+        "-ng",
+        "4",
+        "-pp",
+        "2",
+        "-cp",
+        "2",
+        "model.pipeline_impl=torch_pipelining",
+    )
     assert out.returncode == 2
     assert "model.context_parallel_size=2" in out.stderr and "not built" in out.stderr
     assert "Traceback" not in out.stderr

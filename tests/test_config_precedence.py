@@ -479,6 +479,7 @@ def test_each_overlap_switch_has_one_direct_spelling():
         assert _twins(f"{section}.{name}") == [f"comm_overlap.{name}"]
     assert _twins("model.sequence_parallel") == [] and _twins("ddp.use_distributed_optimizer") == []
     plan = {f.name for f in dataclasses.fields(OverlapPlan)}
-    # the model-only switch, and the per-GEMM plan resolved into what each TP slot runs
-    assert plan - set(DIRECT_SECTION) == {"moe_shared_expert_overlap", "tp_slots"}
+    # the model-only switches, and the per-GEMM plan resolved into what each TP slot runs
+    model_only = {"moe_shared_expert_overlap", "cp_comm_type", "cp_comm_overlap"}
+    assert plan - set(DIRECT_SECTION) == model_only | {"tp_slots"}
     assert set(DIRECT_SECTION) - plan == {"tp_comm_overlap_cfg"}

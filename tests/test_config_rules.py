@@ -1171,3 +1171,93 @@ def test_the_layout_checks_itself_with_the_flag_names():
     with pytest.raises(ConfigError) as exc:
         ParallelLayout(world_size=4, pp=0)
     assert exc.value.field == "model.pipeline_model_parallel_size"
+
+
+# --- context parallelism --------------------------------------------------------------------------
+def _decision(res, field: str):
+    return {d.field: d for d in res.decisions.decisions}[field]
+
+
+def test_cp1_records_no_cp_exchange():
+    res = build(dense()).finalize(1)
+    assert _decision(res, "model.cp_comm_type").effective is None
+    assert res.overlap.cp_comm_type is None
+    assert res.overlap.cp_comm_overlap is False
+
+
+def test_cp2_defaults_to_the_overlapped_ring():
+    res = build(dense(context_parallel_size=2)).finalize(2)
+    plan = res.overlap
+    assert (plan.cp_comm_type, plan.cp_comm_overlap) == ("p2p", True)
+    assert _decision(res, "model.cp_comm_type").decided_by == "rule"
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "a2a"])
+def test_cp_collective_kinds_have_no_ring_to_overlap(kind):
+    res = build(dense(context_parallel_size=2, cp_comm_type=kind)).finalize(2)
+    assert (res.overlap.cp_comm_type, res.overlap.cp_comm_overlap) == (
+        kind,
+        False,
+    )
+    on = build(dense(context_parallel_size=2, cp_comm_type=kind, cp_comm_overlap=True))
+    assert "model.cp_comm_overlap" in {n.field for n in on.finalize(2).decisions.noops}
+
+
+def test_cp_serialised_ring_is_a_user_choice():
+    res = build(dense(context_parallel_size=2, cp_comm_overlap=False)).finalize(2)
+    assert res.overlap.cp_comm_overlap is False
+
+
+def test_cp_settings_at_cp1_are_noops():
+    res = build(dense(cp_comm_type="p2p", cp_comm_overlap=True)).finalize(1)
+    noops = {n.field for n in res.decisions.noops}
+    assert {"model.cp_comm_type", "model.cp_comm_overlap"} <= noops
+
+
+def test_hierarchical_cp_needs_sizes_whose_product_is_cp():
+    ok = build(
+        dense(
+            context_parallel_size=4,
+            cp_comm_type="a2a+p2p",
+            hierarchical_context_parallel_sizes=[2, 2],
+        )
+    ).finalize(4)
+    assert (ok.overlap.cp_comm_type, ok.overlap.cp_comm_overlap) == ("a2a+p2p", True)
+    assert ok.layout.cp_a2a == 2
+    for sizes, field in (
+        (None, "model.hierarchical_context_parallel_sizes"),
+        ([2, 4], "model.hierarchical_context_parallel_sizes"),
+        ([3, 1], "model.hierarchical_context_parallel_sizes"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            build(
+                dense(
+                    context_parallel_size=4,
+                    cp_comm_type="a2a+p2p",
+                    hierarchical_context_parallel_sizes=sizes,
+                )
+            ).finalize(4)
+        assert err.value.field == field, sizes
+
+
+@pytest.mark.parametrize(
+    "fields, field, text",
+    [
+        (dict(cp_comm_type="ring"), "model.cp_comm_type", "p2p"),
+        (dict(seq_length=66), "model.seq_length", "2 x CP = 4"),
+        (
+            dict(seq_length=68, tensor_model_parallel_size=4, sequence_parallel=True),
+            "model.seq_length",
+            "CP x TP = 8",
+        ),
+        (
+            dict(cp_comm_type="a2a", num_attention_heads=6, num_query_groups=3),
+            "model.cp_comm_type",
+            "heads",
+        ),
+    ],
+)
+def test_cp_prerequisites_are_config_errors(fields, field, text):
+    with pytest.raises(ConfigError) as err:
+        build(dense(context_parallel_size=2, **fields)).finalize(8)
+    assert err.value.field == field and text in str(err.value)

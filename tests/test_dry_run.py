@@ -188,6 +188,18 @@ def test_llama3_70b_tp4_pp4_vpp2(tmp_path):
     assert doc["split_size_reads"] == 0 and doc["microbatches_played"] == 4
 
 
+def test_llama3_70b_bridge_perf_layout_tp4_pp4_cp2_vpp5(tmp_path):
+    """Bridge's Llama3-70B H100 BF16 perf recipe, its own layout (TP4 PP4 CP2 VPP5, no layout
+    flags), one layer per virtual stage: the KV ring plays with the CP peer (rank 4: TP is
+    fastest, CP next), and the peak is within the memory model's bounds."""
+    args = ("-m", "llama", "-mr", "llama3_70b", "-g", "h100", "-c", "bf16", "-ng", "64")
+    out, doc = _dry_run(tmp_path, *args, "model.num_layers=20")
+    _check_common(out, doc)
+    program = doc["program"]
+    for kind in ("cp_kv", "cp_dkv"):
+        assert program[kind]["peers"] == [4], (kind, program[kind])
+
+
 def test_qwen3_235b_tp2_ep32_pp8_vpp4(tmp_path):
     out, doc = _report(tmp_path, *QWEN235)
     program = doc["program"]

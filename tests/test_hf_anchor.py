@@ -72,14 +72,19 @@ def _build(folder: str, layout: dict):
 
 
 def _logits(folder: str, layout: dict) -> torch.Tensor | None:
-    """[b, s, vocab] logits of our model on the test batch (vocab shards gathered over TP) on the
-    ranks of the last pipeline stage, None on the others. The stages run one after the other:
-    virtual stage v = chunk x PP + rank receives the hidden state from its predecessor and sends its
-    own to the next."""
+    """[b, s, vocab] logits of our model on the test batch (vocab shards gathered over TP, a CP
+    rank's two chunks of the sequence gathered over CP into position order) on the ranks of the
+    last pipeline stage, None on the others. The stages run one after the other: virtual stage v =
+    chunk x PP + rank receives the hidden state from its predecessor and sends its own to the
+    next."""
+    from overlap.parallel.cp_chunks import cp_positions, gathered_positions
+
     cfg, ps, chunks = _build(folder, layout)
     tokens, _ = anchor_batch()
+    tokens = tokens.index_select(1, cp_positions(SEQ, ps.cp_rank, ps.cp_size))
     m = cfg.model
-    seq = SEQ // ps.tp_size if m.sequence_parallel else SEQ
+    seq = SEQ // ps.cp_size
+    seq = seq // ps.tp_size if m.sequence_parallel else seq
     hidden, local = torch.empty((seq, BATCH, m.hidden_size)), None  # [s (local under SP), b, h]
     with torch.no_grad():
         for virtual in range(ps.pp_size * len(chunks)):
@@ -98,7 +103,11 @@ def _logits(folder: str, layout: dict) -> torch.Tensor | None:
         return None
     parts = [torch.empty_like(local) for _ in range(ps.tp_size)]
     dist.all_gather(parts, local.contiguous(), group=ps.tp_group)
-    return torch.cat(parts, dim=-1).transpose(0, 1)
+    mine = torch.cat(parts, dim=-1).transpose(0, 1).contiguous()  # [b, s / CP, vocab]
+    shares = [torch.empty_like(mine) for _ in range(ps.cp_size)]
+    dist.all_gather(shares, mine, group=ps.cp_group)
+    whole = torch.empty(BATCH, SEQ, mine.shape[-1])
+    return whole.index_copy_(1, gathered_positions(SEQ, ps.cp_size), torch.cat(shares, dim=1))
 
 
 def _grads(folder: str) -> tuple[float, dict[str, torch.Tensor]]:
@@ -124,13 +133,21 @@ LAYOUTS = {
         dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2),
     ),
     "ep2_pp2": (4, dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2)),
+    # context parallelism: the KV ring, and the experts over CP (EP2 carved from CP2)
+    "cp2": (2, dict(context_parallel_size=2)),
+    "cp2_ep2": (2, dict(context_parallel_size=2, expert_model_parallel_size=2)),
+    "cp2_a2a": (2, dict(context_parallel_size=2, cp_comm_type="a2a")),
+    "cp2_tp2": (
+        4,
+        dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
+    ),
 }
 
 
 @pytest.mark.parametrize(
     "kind,name",
     [("moe", n) for n in LAYOUTS]
-    + [("dense", n) for n in ("1", "tp2_sp", "pp2")]
+    + [("dense", n) for n in ("1", "tp2_sp", "pp2", "cp2")]
     + [("moe_unnormalised", n) for n in ("1", "ep2")]
     + [("moe_sparse_step", n) for n in ("1", "ep2", "pp2")]
     + [("dense_tied", n) for n in ("1", "tp2_sp", "pp2", "tp2_pp2")],
@@ -182,6 +199,7 @@ def test_trainer_from_hf_folder_at_layouts(hf_models):
     for world, layout in (
         (2, ["model.expert_model_parallel_size=2"]),
         (2, ["model.pipeline_model_parallel_size=2"]),
+        (2, ["model.context_parallel_size=2", "model.expert_model_parallel_size=2"]),
         (
             4,
             [

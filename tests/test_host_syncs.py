@@ -62,6 +62,8 @@ ELEMENTWISE = [
 ]
 # fp16: the loss scaler's overflow check is the gradient-norm read (no read of its own)
 FP16 = ["mixed_precision=fp16_mixed", "mixed_precision.initial_loss_scale=4096"]
+# context parallelism: its exchanges are device work, never a host read
+CP2 = ["model.context_parallel_size=2"]
 LOSS, GRAD_NORM = (why for _path, _fn, _code, why in INTENDED_READS)
 
 
@@ -90,6 +92,9 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
         (1, 1, FUSED + PADDED, 0),
         (1, 1, FUSED + ELEMENTWISE, 1),
         (2, 2, FP16 + FUSED, 1),
+        (2, 1, FUSED + CP2, 1),
+        (2, 2, FUSED + CP2 + ["model.cp_comm_type=a2a"], 1),
+        (2, 1, FUSED + CP2 + ["model.cp_comm_type=all_gather"], 1),
     ],
     ids=[
         "ep1",
@@ -101,6 +106,9 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
         "ep1-padded",
         "ep1-fused-elementwise",
         "ep2-overlap-fp16",
+        "cp2-ring",
+        "cp2-a2a-ep2-overlap",
+        "cp2-all-gather",
     ],
 )
 def test_a_training_step_syncs_only_for_the_split_sizes_the_loss_and_the_grad_norm(

@@ -82,10 +82,11 @@ def test_no_package_imports_from_a_package_above_it():
     assert not upward, "arrows up: " + "; ".join(upward)
 
 
-# parallel/'s modules, lowest first: the runtime's own CUDA streams, the tracer and the program
-# recorder, the modelled link, the
+# parallel/'s modules, lowest first: which tokens a context-parallel rank holds (pure arithmetic),
+# the runtime's own CUDA streams, the tracer and the program recorder, the modelled link, the
 # groups, the collectives, the ring exchange built on them, the parallel state, and the teardown.
 PARALLEL = (
+    "cp_chunks",
     "streams",
     "trace",
     "program",

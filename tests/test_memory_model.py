@@ -41,6 +41,10 @@ VARIANTS = {
     ],
     "Llama3-8B perf layout": ["-m", "llama", "-mr", "llama3_8b", "-g", "h100", "-ng", "8",
                               "model.num_layers=2"],
+    # Bridge's Llama3-70B H100 BF16 perf layout (TP4 PP4 CP2 VPP5), one layer per virtual stage
+    "Llama3-70B perf layout, CP2 ring": [
+        "-m", "llama", "-mr", "llama3_70b", "-g", "h100", "-c", "bf16", "-ng", "64", "-tp", "4",
+        "-pp", "4", "-cp", "2", "-vp", "5", "model.num_layers=20"],
 }  # fmt: skip
 
 

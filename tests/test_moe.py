@@ -130,7 +130,7 @@ def test_sort_chunks_by_local_expert_and_back(ep_size, num_local_experts, data):
 
 
 def test_aux_loss_is_switch_formula_and_none_disables_it():
-    ps = SimpleNamespace(tp_size=1, ep_size=1, ep_rank=0, device=torch.device("cpu"))
+    ps = SimpleNamespace(tp_size=1, cp_size=1, ep_size=1, ep_rank=0, device=torch.device("cpu"))
     router = TopKRouter(moe_config(num_experts=4), ps)
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(1))
@@ -150,7 +150,14 @@ def test_aux_loss_is_switch_formula_and_none_disables_it():
 
 def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_through_gradient():
     ps = SimpleNamespace(
-        tp_size=1, ep_size=1, ep_rank=0, dp_rank=0, tp_rank=0, device=torch.device("cpu")
+        tp_size=1,
+        cp_size=1,
+        cp_rank=0,
+        ep_size=1,
+        ep_rank=0,
+        dp_rank=0,
+        tp_rank=0,
+        device=torch.device("cpu"),
     )
     cfg = moe_config(num_experts=8, moe_router_force_load_balancing=True)
     router, twin = TopKRouter(cfg, ps, layer_number=3), TopKRouter(cfg, ps, layer_number=3)
@@ -184,7 +191,14 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
     other = TopKRouter(
         cfg,
         SimpleNamespace(
-            tp_size=1, ep_size=1, ep_rank=0, dp_rank=1, tp_rank=0, device=torch.device("cpu")
+            tp_size=1,
+            cp_size=1,
+            cp_rank=0,
+            ep_size=1,
+            ep_rank=0,
+            dp_rank=1,
+            tp_rank=0,
+            device=torch.device("cpu"),
         ),
         layer_number=3,
     )

@@ -95,6 +95,7 @@ TP2 = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
 # query groups for TP4
 TP_SHAPE = ["model.seq_length=256", "model.num_query_groups=4"]
 TIED = ["model.share_embeddings_and_output_weights=true"]
+CP2 = ["model.context_parallel_size=2"]
 SHAPES = (TP_SHAPE, TIED)  # the overrides the single-rank reference shares with a layout
 LAYOUTS = [
     # (id, world, moe, layers, overrides)
@@ -162,6 +163,26 @@ LAYOUTS = [
     ),
     ("tied_pp2_dp2_distopt", 4, False, 2, TIED + PP2 + DISTOPT),
     ("guide_tp2_pp2_vpp2_dp2", 8, False, 4, TP2 + PP2 + VPP2 + DISTOPT),
+    # context parallelism: the KV ring (its dKV back in backward) on the CP group, the others'
+    # collectives, and CP under TP-SP, PP-VPP with the distributed optimizer, and EP with EP overlap
+    ("cp2_ring", 2, False, 2, CP2),
+    ("cp4_ring", 4, False, 2, ["model.context_parallel_size=4"]),
+    ("cp2_all_gather", 2, False, 2, CP2 + ["model.cp_comm_type=all_gather"]),
+    ("cp2_a2a", 2, False, 2, CP2 + ["model.cp_comm_type=a2a"]),
+    (
+        "cp4_a2a_p2p",
+        4,
+        False,
+        2,
+        [
+            "model.context_parallel_size=4",
+            "model.cp_comm_type=a2a+p2p",
+            "model.hierarchical_context_parallel_sizes=[2,2]",
+        ],
+    ),
+    ("cp2_tp2_sp", 4, False, 2, CP2 + TP2),
+    ("cp2_pp2_vpp2_distopt", 8, False, 4, CP2 + PP2 + VPP2 + OVERLAPPED_P2P + DISTOPT),
+    ("cp2_ep2_ep_overlap", 2, True, 2, CP2 + ["model.expert_model_parallel_size=2"] + EP_OVERLAP),
     # the TP/DP/PP guide's shape (TP4 PP4 VPP2, EP8 carved from it) cut to 4 ranks: MoE under TP x
     # PP x VPP without EP overlap, one hardware queue by the launch rule
     (

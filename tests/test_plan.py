@@ -706,6 +706,42 @@ def test_a_tied_pipeline_sums_the_embedding_gradient_over_its_ends_once_a_step()
         assert "pp_tied_grad" not in comm_plan(cfg, layout, H100).kinds
 
 
+def test_the_kv_ring_hides_each_step_under_a_block():
+    from overlap.plan.step_times import cp_ring_exposure
+
+    # blocks longer than every step: nothing shows; the backward's loads under its 4 blocks are
+    # kv, kv + dkv, dkv, dkv (the first block the forward kept, the last the rank's own)
+    kv_exposed, dkv_exposed, hidden = cp_ring_exposure(1.0, 2.0, 4, 10.0, True)
+    assert kv_exposed + dkv_exposed == 0.0
+    assert hidden == pytest.approx(3 * 1.0 + 1.0 + 3.0 + 2.0 + 2.0)
+    # serialised: every transfer, forward CP - 1 KV, backward CP - 2 KV and CP - 1 dKV
+    assert cp_ring_exposure(1.0, 2.0, 4, 10.0, False) == (5.0, 6.0, 0.0)
+    # no compute to hide behind: as serialised
+    on = cp_ring_exposure(1.0, 2.0, 4, 0.0, True)
+    assert on[0] + on[1] == pytest.approx(11.0) and on[2] == 0.0
+    # CP 2: one KV step forward, one dKV step backward, both hidden
+    assert cp_ring_exposure(1.0, 2.0, 2, 10.0, True)[:2] == (0.0, 0.0)
+
+
+def test_the_llama3_70b_cp2_perf_layout_is_planned_with_its_cp_kinds(tmp_path):
+    """Bridge's Llama3-70B H100 BF16 perf layout (TP4 PP4 CP2 VPP5): predicted, the KV ring priced,
+    its overlap judged (and hiding part of the ring)."""
+    doc = _plan(
+        tmp_path,
+        *"-m llama -mr llama3_70b -g h100 -c bf16 -ng 64 -tp 4 -pp 4 -cp 2 -vp 5".split(),
+    )
+    rows = {c["name"]: c for c in doc["configs"]}
+    on, off = rows["CP overlap on"], rows["CP overlap off"]
+    for kind in ("cp_kv", "cp_dkv"):
+        assert on["total_comm_ms"][kind] == off["total_comm_ms"][kind] > 0
+    exposed = {
+        name: sum(r["exposed_comm_ms"].get(k, 0) for k in ("cp_kv", "cp_dkv"))
+        for name, r in (("on", on), ("off", off))
+    }
+    assert exposed["on"] < exposed["off"]
+    assert any(v.startswith("CP overlap:") for v in doc["verdicts"])
+
+
 @pytest.mark.parametrize(
     "pp, vpp, m, c, overlapped, group",
     [

@@ -112,7 +112,10 @@ _MISS = {
 _REACHABLE = [
     r
     for r in ROWS
-    if not r.not_expressible and not r.name.endswith(" off") and "-ng 256" not in r.flags
+    if not r.not_expressible
+    and not r.name.endswith(" off")
+    and "-ng 256" not in r.flags
+    and "-cp" not in r.args()  # the search does not try CP sizes
 ]
 
 

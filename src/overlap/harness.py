@@ -385,14 +385,11 @@ def _apply_perf_recipe(cfg: ConfigContainer, args: argparse.Namespace, line: Com
         Setting(key, value, "the published layout and batch") for key, value in found.layout
     ]
     chosen = sorted(k for k in LAYOUT_KEYS if k in line.flags or k in overridden)
-    layout_cp = dict(found.layout).get("model.context_parallel_size", "1")
     why_not = (
         f"it was published for {found.num_gpus} GPUs and -ng is {args.num_gpus}"
         if found.num_gpus != args.num_gpus
         else f"the command line chooses the layout ({', '.join(chosen)})"
         if chosen
-        else f"it needs context parallelism (CP {layout_cp}), which is not built here"
-        if layout_cp != "1"
         else None
     )
     if why_not is not None:
@@ -406,13 +403,6 @@ def _apply_perf_recipe(cfg: ConfigContainer, args: argparse.Namespace, line: Com
                 "-tp/-pp/-vp/-cp/-ep)",
             )
         )
-        if layout_cp != "1" and not chosen and found.num_gpus == args.num_gpus:
-            log.warning(
-                "perf recipe %s: its layout needs context parallelism (CP %s), which is not built "
-                "here; the model recipe's layout runs instead (set one with -tp/-pp/-vp/-ep)",
-                found.name,
-                layout_cp,
-            )
         settings = [s for s in settings if s.key not in LAYOUT_KEYS]
     settings += [Setting(*s) for s in found.settings]
     for key, value, why, skip in settings:

@@ -177,6 +177,10 @@ class OverlapPlan:
     bucket_size: int | None = None  # parameters per DP bucket (None: one bucket)
     # the first parameter gather launched inside the optimizer step
     overlap_param_gather_with_optimizer_step: bool = False
+    # context parallelism's attention exchange: p2p | all_gather | a2a | a2a+p2p (None: CP = 1)
+    cp_comm_type: str | None = None
+    # p2p: the next KV block in flight under this block's attention (dKV under the backward's)
+    cp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -218,6 +222,7 @@ def resolve_comm_overlap(
     r: Resolved = {}
     tp_cfg = _resolve_tp(u, model, log, r)
     _resolve_pp(u, model, log, r)
+    _resolve_cp(model, log, r)
     _resolve_moe(u, model, log, dp_size, r)
     _resolve_tp_plan(model, tp_cfg, log, r)
     _resolve_dp(u, model, ddp, optimizer, dp_size, log, r)
@@ -232,6 +237,15 @@ def _detect_noops(
     model-dependent ones, such as a DP overlap with a single bucket, are found by
     `overlap.training.dp_overlap_noops`)."""
     pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
+    if model.context_parallel_size == 1:
+        for name in ("cp_comm_type", "cp_comm_overlap", "hierarchical_context_parallel_sizes"):
+            if getattr(model, name) not in (None, False):
+                log.noop(
+                    f"model.{name}",
+                    getattr(model, name),
+                    "CP=1: the sequence is not split, there is no context-parallel exchange",
+                    "use -cp 2 or more, or drop it.",
+                )
     if r["moe_shared_expert_overlap"] and model.expert_model_parallel_size == 1:
         log.noop(
             "model.moe_shared_expert_overlap",
@@ -271,6 +285,113 @@ def _detect_noops(
             "anyway",
             "set ddp.overlap_param_gather=true, or drop ddp.align_param_gather.",
         )
+
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
+    """Context parallelism's exchange (`model.cp_comm_type`, a TransformerConfig field with no
+    comm_overlap spelling) and whether p2p's ring overlaps its transfers, with Megatron's
+    prerequisites: the sequence cut into 2 x CP load-balanced chunks (each CP rank's share split
+    again over TP under sequence parallelism), and for a2a the heads and query groups of a TP rank
+    divisible by CP. A user value at CP = 1 is a no-op row."""
+    cp, tp = model.context_parallel_size, model.tensor_model_parallel_size
+    if model.cp_comm_type is not None and model.cp_comm_type not in CP_COMM_TYPES:
+        raise ConfigError(
+            "model.cp_comm_type",
+            model.cp_comm_type,
+            f"context parallelism exchanges keys and values by one of {', '.join(CP_COMM_TYPES)}.",
+            "use model.cp_comm_type=p2p (the overlapped ring), all_gather or a2a.",
+        )
+    if cp == 1:
+        # a value set at CP = 1 is reported once, as a no-op row (`_detect_noops`)
+        r["cp_comm_type"] = log.record(
+            "model.cp_comm_type",
+            None,
+            None,
+            RULE,
+            "CP=1: no context-parallel communication",
+        )
+        r["cp_comm_overlap"] = log.record(
+            "model.cp_comm_overlap", None, False, RULE, "CP=1: nothing to overlap"
+        )
+        return
+    if model.seq_length % (2 * cp):
+        raise ConfigError(
+            "model.seq_length",
+            model.seq_length,
+            f"context parallelism cuts the sequence into 2 x CP = {2 * cp} load-balanced chunks "
+            "(rank i holds chunks i and 2CP-1-i), so it must be divisible by them.",
+            f"choose a sequence length divisible by {2 * cp}, or a smaller -cp.",
+        )
+    if model.sequence_parallel and (model.seq_length // cp) % tp:
+        raise ConfigError(
+            "model.seq_length",
+            model.seq_length,
+            f"each CP rank's {model.seq_length // cp} tokens are split again over "
+            f"tensor_model_parallel_size ({tp}) by sequence parallelism.",
+            f"choose a sequence length divisible by CP x TP = {cp * tp}.",
+        )
+    kind = _choose(
+        log,
+        "model.cp_comm_type",
+        None,
+        model.cp_comm_type,
+        "p2p",
+        RULE,
+        "CP>1: the KV ring, the next block's transfer under this block's attention "
+        "(Megatron's default)",
+    )
+    sizes = model.hierarchical_context_parallel_sizes
+    if kind == "a2a+p2p" and (
+        not sizes or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp
+    ):
+        raise ConfigError(
+            "model.hierarchical_context_parallel_sizes",
+            sizes,
+            f"a2a+p2p needs [a2a size, p2p size] whose product is context_parallel_size ({cp}).",
+            f"e.g. model.hierarchical_context_parallel_sizes=[2,{cp // 2}] (a2a inside pairs of "
+            "CP ranks, the ring across them).",
+        )
+    if kind in ("a2a", "a2a+p2p"):
+        a2a = cp if kind == "a2a" else sizes[0]
+        heads, groups = model.num_attention_heads // tp, model.query_groups // tp
+        if heads % a2a or groups % a2a:
+            raise ConfigError(
+                "model.cp_comm_type",
+                kind,
+                f"the all-to-all trades sequence for heads: a TP rank's {heads} attention heads "
+                f"and {groups} query groups must be divisible by its size ({a2a}).",
+                "use model.cp_comm_type=p2p or all_gather, or a CP size dividing the heads.",
+            )
+    r["cp_comm_type"] = kind
+    if kind in ("p2p", "a2a+p2p"):
+        r["cp_comm_overlap"] = _choose(
+            log,
+            "model.cp_comm_overlap",
+            None,
+            model.cp_comm_overlap,
+            True,
+            RULE,
+            f"{kind}: block k+1's keys and values travel while block k's attention computes",
+        )
+        return
+    if model.cp_comm_overlap:
+        log.noop(
+            "model.cp_comm_overlap",
+            True,
+            f"cp_comm_type={kind} exchanges keys and values in one collective before attention: "
+            "there is no ring to overlap",
+            "use model.cp_comm_type=p2p, or drop model.cp_comm_overlap.",
+        )
+    r["cp_comm_overlap"] = log.record(
+        "model.cp_comm_overlap",
+        None,
+        False,
+        RULE,
+        f"cp_comm_type={kind}: one collective, nothing in flight under attention",
+    )
 
 
 def _resolve_tp(

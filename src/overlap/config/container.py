@@ -432,6 +432,9 @@ class ConfigContainer:
             cp=m.context_parallel_size,
             ep=m.expert_model_parallel_size,
             etp=m.expert_tensor_parallel_size,
+            cp_a2a=(m.hierarchical_context_parallel_sizes or [1])[0]
+            if m.cp_comm_type == "a2a+p2p" and m.context_parallel_size > 1
+            else 1,
         )
         if m.sequence_parallel and layout.tp == 1:
             m.sequence_parallel = log.record(

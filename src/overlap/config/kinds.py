@@ -8,9 +8,10 @@ from overlap.errors import ConfigError
 
 # tp: tensor/sequence parallel; ep: expert-parallel all-to-alls and split sizes; dp / edp:
 # data-parallel (dense / expert) gradient reduce, parameter gather, loss and norm sums; pp: pipeline
-# p2p; mp: model-parallel norm sums; moe: the router's aux-loss statistics; ctl: run control (every
+# p2p; cp: context-parallel attention (the KV ring cp_kv and its gradients cp_dkv, cp_ag, cp_a2a);
+# mp: model-parallel norm sums; moe: the router's aux-loss statistics; ctl: run control (every
 # rank agreeing to stop for a checkpoint).
-FAMILIES = ("tp", "ep", "dp", "edp", "pp", "mp", "moe", "ctl")
+FAMILIES = ("tp", "ep", "dp", "edp", "pp", "cp", "mp", "moe", "ctl")
 
 
 def family(kind: str) -> str:

@@ -22,6 +22,9 @@ class ParallelLayout:
     cp: int = 1
     ep: int = 1
     etp: int = 1
+    # hierarchical CP (cp_comm_type a2a+p2p): the size of the all-to-all groups inside CP
+    # (consecutive CP ranks); the p2p ring runs across them. 1: no hierarchy
+    cp_a2a: int = 1
 
     def __post_init__(self) -> None:
         """The layout's own rules, named by the model fields and flags that set them (the one
@@ -41,6 +44,13 @@ class ParallelLayout:
                     "parallel sizes are at least 1.",
                     f"set model.{name} to 1 or more.",
                 )
+        if self.cp_a2a < 1 or self.cp % self.cp_a2a:
+            raise ConfigError(
+                "model.hierarchical_context_parallel_sizes",
+                self.cp_a2a,
+                f"the all-to-all size must divide context_parallel_size ({self.cp}).",
+                "give [a2a size, p2p size] whose product is -cp.",
+            )
         block = self.tp * self.pp * self.cp
         if self.world_size % block:
             raise ConfigError(

@@ -73,7 +73,15 @@ class ModelConfig(TransformerArchitecture):
     pipeline_model_parallel_size: int = 1  # PP: pipeline stages (-pp)
     # VPP: model chunks per pipeline rank (-vp); None: one
     virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1  # CP: ranks the sequence is split over (refused by the runtime)
+    context_parallel_size: int = 1  # CP: ranks the sequence is split over (-cp)
+    # CP's attention exchange (Megatron's TransformerConfig.cp_comm_type): p2p (KV ring) |
+    # all_gather | a2a (heads <-> sequence) | a2a+p2p (refused by the runtime); None: p2p at CP > 1
+    cp_comm_type: str | None = None
+    # a2a+p2p's [a2a size, p2p size] (Megatron's name; product = CP)
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    # p2p: the next KV block's transfer in flight under this block's attention (ours: Megatron
+    # always overlaps; false runs the same ring serialised, the benchmark's baseline); None: on
+    cp_comm_overlap: bool | None = None
     expert_model_parallel_size: int = 1  # EP: ranks the routed experts are split over (-ep)
     # ETP: TP inside each expert (refused by the runtime above 1)
     expert_tensor_parallel_size: int = 1

@@ -9,9 +9,10 @@ accumulate. Buckets are launched strictly in bucket order within each buffer, so
 the same collectives in the same order even if gradients become ready in a different order.
 
 The collective is a reduce-scatter (distributed optimizer: each rank needs only its shard of the
-summed gradient) or an all-reduce, both SUMs: the loss is pre-scaled by 1 / (micro-batches x DP), so
-the sum is the reference gradient. Sequence-parallel replicas (norm weights, router) saw only this
-rank's sequence shard, so their gradients are first summed over tensor parallel (synchronously, when
+summed gradient) or an all-reduce, both SUMs, over DP x CP (context-parallel ranks saw other tokens
+of the same samples): the loss is pre-scaled by 1 / (micro-batches x DP x CP), so the sum is the
+reference gradient. Sequence-parallel replicas (norm weights, router) saw only this rank's sequence
+shard, so their gradients are first summed over tensor parallel (synchronously, when
 their bucket launches). `finish_grad_sync()` launches whatever was not launched (everything, without
 overlap) and waits for all of it; the optimizer steps after it.
 """
@@ -83,7 +84,9 @@ class DistributedDataParallel:
         self.scatter = cfg.use_distributed_optimizer
         self.reduce_sp_over_tp = sequence_parallel and ps.tp_size > 1
         params = [p for p in model.parameters() if p.requires_grad]
-        groups = {"dp": ps.dp_group, "edp": ps.edp_group}
+        # dense gradients over DP x CP (Megatron's data-parallel group with CP: the CP ranks saw
+        # other tokens of the same samples), experts over expert-DP (which counts CP already)
+        groups = {"dp": ps.dp_cp_group, "edp": ps.edp_group}
         self.buffers: list[GradBuffer] = [
             build_buffer(
                 same,

@@ -101,6 +101,11 @@ class LayerShape:
     # column-parallel linears ("qkv", "fc1") that keep their all-gathered input (a TP-overlap plan
     # without a bulk dgrad slot); the others keep their shard
     gathered_inputs: frozenset[str] = frozenset()
+    # context parallelism (p2p, all_gather): the keys one query row scores at once in a block of
+    # `overlap.layers.block_attention` (0: the layer's own kernel); seq_length is then the rank's
+    cp_block_keys: int = 0
+    # CP p2p: the ring's forward keeps the last KV block it received (its backward starts there)
+    cp_kept_kv: bool = False
 
     def linear_input(self, act_bytes_h: float, linear: str) -> float:
         """What a column-parallel linear keeps of its input, per token of the micro-batch."""
@@ -155,6 +160,9 @@ def _attention(m: ModelConfig, shape: LayerShape) -> Block:
         ours = qkv_in + qkv_out + B * (a + g) * d + B * a * d
         ours += 0.0 if core_recompute else _FP32 * a
         kept = "QKV input, QKV output (QK-norm inputs, v), rotated q and k, output + LSE"
+        if shape.cp_kept_kv and not core_recompute:
+            ours += 2 * B * g * d
+            kept += ", the CP ring's last KV block"
     else:
         s = shape.seq_length
         # copies of q, of k and v repeated per head, the fp32 probabilities and their bf16 cast
@@ -314,6 +322,8 @@ def backward_working_bytes(m: ModelConfig, shape: LayerShape, moe_layer: bool) -
     a, g = m.num_attention_heads / t, m.query_groups / t
     norm = (3 * _FP32 + B) * h / shape.seq_div
     attention = (2 * B + _FP32) * (a + 2 * g) * d
+    # a CP block's backward: its fp32 probabilities and their gradient, a row of keys per head
+    attention += 2 * _FP32 * a * shape.cp_block_keys
 
     def swiglu(width: float, weighted: bool) -> float:
         return ((4 * _FP32 + 3 * B) if weighted else 4 * B) * width

@@ -269,7 +269,10 @@ def _estimate_rank(
     m, t, d = cfg.model, cfg.train, cfg.ddp
     stages = pipe.rank_stages(pp_rank)
     counts = _rank_params(cfg, layout, stages)
-    dp, edp = max(1, layout.dp), max(1, layout.edp)
+    # the distributed optimizer shards the dense state over DP x CP (Megatron's data-parallel group
+    # with CP), the experts' over expert-DP (carved from TP x CP x DP)
+    cp = max(1, layout.cp)
+    dp, edp = max(1, layout.dp) * cp, max(1, layout.edp)
     p_bytes = _DTYPE_BYTES.get(m.params_dtype, 4)
     g_bytes = 4 if d.grad_reduce_in_fp32 else p_bytes
     dense = counts.params - counts.expert
@@ -279,17 +282,28 @@ def _estimate_rank(
     master = 4 * owned if p_bytes != 4 else 0  # an fp32 parameter is its own master
     act_bytes = 2 if p_bytes == 2 else 4
     on_cuda = not cpu
+    # a CP rank holds seq / CP tokens; p2p and all_gather score KV blocks in
+    # `overlap.layers.block_attention` (keeping flash's set: Q, K, V, output and LSE), each block
+    # at once: the local block (p2p) or the whole gathered sequence (all_gather)
+    seq = m.seq_length // cp
+    kind = cfg.resolved.overlap.cp_comm_type
+    # (a2a+p2p: a block holds its all-to-all group's tokens, for 1 / A of the heads)
+    block_keys = {"p2p": seq, "all_gather": m.seq_length, "a2a+p2p": seq * layout.cp_a2a}.get(
+        kind, 0
+    )
     kernel, _why = attention_kernel(m.attention_backend, on_cuda, m.params_dtype, m.seq_length)
     shape = LayerShape(
         tp=max(1, layout.tp),
         ep=max(1, layout.ep),
         sequence_parallel=bool(m.sequence_parallel),
         act_bytes=act_bytes,
-        fused_attention=kernel != "unfused",
-        seq_length=m.seq_length,
+        fused_attention=kernel != "unfused" or block_keys > 0,
+        seq_length=seq,
         micro_batch=t.micro_batch_size,
         recompute=selective_modules(m),
         gathered_inputs=_gathered_inputs(cfg),
+        cp_block_keys=block_keys,
+        cp_kept_kv=kind in ("p2p", "a2a+p2p"),
     )
     chunks = [_chunk_memory(m, shape, s, max(1, layout.pp)) for s in stages]
     if program is None:
@@ -306,7 +320,7 @@ def _estimate_rank(
         master_bytes=master,
         moment_bytes=8 * owned,
         # RoPE's cos and sin tables, fp32 [seq, head_dim], per attention layer
-        buffer_bytes=counts.attention_layers * 2 * 4 * m.seq_length * m.head_dim,
+        buffer_bytes=counts.attention_layers * 2 * 4 * seq * m.head_dim,
         activation_bytes=int(activations),
         transient_bytes=int(transient),
         runtime_bytes=CPU_RUNTIME_BYTES if cpu else 0,

@@ -21,10 +21,12 @@ from overlap.config.attention import attention_kernel, check_attention_backend
 from overlap.config.recompute import selective_modules
 from overlap.config.tp_overlap import linear_plan
 from overlap.errors import ConfigError
+from overlap.layers.cp_attention import cp_attention
 from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.rotary import RotaryEmbedding
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
+from overlap.parallel.cp_chunks import cp_positions
 from overlap.parallel.state import ParallelState
 
 if TYPE_CHECKING:
@@ -125,12 +127,20 @@ class SelfAttention(nn.Module):
             )
             self.q_layernorm = RMSNorm(*qk_norm)
             self.k_layernorm = RMSNorm(*qk_norm)
+        # context parallelism: this rank's tokens are its two load-balanced chunks, each rotated
+        # by its global position; the attention exchange is the resolved plan's
+        self.ps = ps
+        self.cp_comm_type, self.cp_comm_overlap = overlap.cp_comm_type, overlap.cp_comm_overlap
+        positions = None
+        if ps.cp_size > 1:
+            positions = cp_positions(config.seq_length, ps.cp_rank, ps.cp_size, ps.device)
         self.rotary = RotaryEmbedding(
             self.head_dim,
             config.rotary_base,
             config.seq_length,
             ps.device,
             config.apply_rope_fusion,
+            positions,
         )
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
@@ -164,10 +174,23 @@ class SelfAttention(nn.Module):
         return self.rotary(q), self.rotary(k), v
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v; query head i reads key/value group i //
-        heads_per_group. The kernel is `model.attention_backend`'s on this device
-        (overlap.config.attention)."""
+        """Causal softmax(q k^T / sqrt(d)) v on [s, b, heads, d] -> [s, b, heads x d]; query head
+        i reads key/value group i // heads_per_group. Under context parallelism over the whole
+        sequence, through the CP ranks' exchange (overlap.layers.cp_attention)."""
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        if self.cp_comm_type is None:
+            out = self.attend(q, k, v)
+        else:
+            out = cp_attention(
+                q, k, v, self.ps, self.cp_comm_type, self.cp_comm_overlap, self.attend
+            )
+        b, heads, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of [b, heads, s, d] queries on [b, groups, s, d] keys and values in
+        position order, by `model.attention_backend`'s kernel on this device
+        (overlap.config.attention)."""
         # a dry run's stand-in for a CUDA rank (overlap.perf.dry_run)
         on_meta = q.device.type == "meta"
         kernel, _ = attention_kernel(
@@ -177,16 +200,13 @@ class SelfAttention(nn.Module):
             q.shape[2],
         )
         if kernel == "unfused":
-            out = unfused_attention(q, k, v)
-        elif on_meta:
-            out = fused_attention_on_meta(q, k, v)
-        elif kernel == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            with sdpa_kernel(_SDPA_KERNELS[kernel]):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        b, heads, s, d = out.shape
-        return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
+            return unfused_attention(q, k, v)
+        if on_meta:
+            return fused_attention_on_meta(q, k, v)
+        if kernel == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        with sdpa_kernel(_SDPA_KERNELS[kernel]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x)

@@ -41,7 +41,8 @@ consumer's."""
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to [seq, batch, heads, head_dim] tensors whose positions are 0..seq-1.
+    """Applies RoPE to [seq, batch, heads, head_dim] tensors whose positions are 0..seq-1, or the
+    given positions (context parallelism).
 
     The cos/sin tables are built once in fp32 and the rotation runs in fp32, because bf16 angles
     lose the position information of long sequences. Tables are non-persistent buffers: derived
@@ -56,7 +57,10 @@ class RotaryEmbedding(nn.Module):
         max_seq_length: int,
         device: torch.device,
         fusion: bool | None = None,
+        positions: torch.Tensor | None = None,
     ) -> None:
+        """`positions`: the global positions of the tokens this rank holds, in its order (a
+        context-parallel rank's two chunks, `overlap.parallel.cp_chunks`); None: 0..seq-1."""
         super().__init__()
         self.fusion = fusion
         if head_dim % 2:
@@ -67,6 +71,8 @@ class RotaryEmbedding(nn.Module):
         angles = torch.outer(
             torch.arange(max_seq_length, dtype=torch.float32, device=device), inv_freq
         )
+        if positions is not None:
+            angles = angles.index_select(0, positions)
         angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [seq, 1, 1, head_dim]
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)

@@ -127,13 +127,15 @@ class LayerStack(nn.Module):
 class GPTModel(nn.Module):
     """`forward(tokens [b, s], labels [b, s]) -> (lm_loss, aux_loss)`.
 
-    Every TP rank gets the full micro-batch of tokens. lm_loss is the mean per-token cross-entropy
-    of the micro-batch (fp32, identical on every TP rank); aux_loss is the sum of the MoE layers'
-    auxiliary losses (a 0-dim fp32 tensor, zero for a dense model). The output layer is
-    vocabulary-parallel, its own weight or, with `share_embeddings_and_output_weights` (Qwen3
-    0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last of several pipeline stages,
-    its copy); the loss is computed from the vocab-sharded logits without gathering them. `overlap`
-    is the run's resolved overlap plan (what its layers overlap).
+    Every TP rank gets the full micro-batch of tokens (a context-parallel rank its two chunks of
+    each sequence, `overlap.parallel.cp_chunks`). lm_loss is the mean per-token cross-entropy of
+    the micro-batch's tokens on this rank (fp32, identical on every TP rank; the CP ranks hold equal
+    token counts, so the mean over CP of their means is the sequence's mean); aux_loss is the sum
+    of the MoE layers' auxiliary losses (a 0-dim fp32 tensor, zero for a dense model). The output
+    layer is vocabulary-parallel, its own weight or, with `share_embeddings_and_output_weights`
+    (Qwen3 0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last of several pipeline
+    stages, its copy); the loss is computed from the vocab-sharded logits without gathering them.
+    `overlap` is the run's resolved overlap plan (what its layers overlap).
     """
 
     def __init__(
@@ -149,12 +151,13 @@ class GPTModel(nn.Module):
                 f"tensor_model_parallel_size ({tp}).",
                 "pad the vocabulary to a multiple of -tp.",
             )
-        if config.sequence_parallel and config.seq_length % tp:
+        if config.sequence_parallel and (config.seq_length // ps.cp_size) % tp:
             raise ConfigError(
                 "model.seq_length",
                 config.seq_length,
-                f"sequence parallelism splits the sequence over tensor_model_parallel_size ({tp}).",
-                "choose a sequence length divisible by -tp.",
+                f"sequence parallelism splits each context-parallel rank's share of the sequence "
+                f"over tensor_model_parallel_size ({tp}).",
+                "choose a sequence length divisible by -tp x -cp.",
             )
         self.config = config
         self.ps = ps

@@ -126,9 +126,9 @@ def global_grad_norm(
     sharded_over_dp: bool,
     fold: torch.Tensor | None = None,
 ) -> float | None:
-    """The global L2 norm; with `sharded_over_dp` each rank holds only its DP (dense) / expert-DP
-    (expert) shard of every gradient, so those partial sums are first added up over DP /
-    expert-DP.
+    """The global L2 norm; with `sharded_over_dp` each rank holds only its DP x CP (dense) /
+    expert-DP (expert) shard of every gradient, so those partial sums are first added up over
+    them.
 
     `fold`: a [1] count already summed over data and pipeline parallelism (the trainer's loss
     reductions carry it: the sync-free MoE dispatch's overflow, `overlap.layers.moe.rank_capacity`),
@@ -141,7 +141,7 @@ def global_grad_norm(
         # over tensor parallelism with the dense squares (the loss reductions had DP and PP)
         dense, expert = torch.cat([dense.view(1), fold]), torch.cat([expert.view(1), fold * 0])
     if sharded_over_dp:
-        comm.all_reduce(dense, ps.dp_group, "dp_norm").wait()
+        comm.all_reduce(dense, ps.dp_cp_group, "dp_norm").wait()
         comm.all_reduce(expert, ps.edp_group, "dp_norm").wait()
     comm.all_reduce(dense, ps.tp_group, "mp_norm").wait()
     comm.all_reduce(expert, ps.ep_group, "mp_norm").wait()

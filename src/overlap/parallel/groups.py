@@ -14,6 +14,7 @@ The only module that creates process groups; collectives on them go through `ove
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -103,6 +104,45 @@ def _groups_along(
             dim,
         ),
         build,
+    )
+
+
+def merged_group(mesh: DeviceMesh, dims: Sequence[str]) -> ProcessGroup:
+    """This rank's group over several of `mesh`'s dimensions at once (collective), built once per
+    process: for every combination of the other dimensions' coordinates, the ranks that differ only
+    along `dims`, in mesh order. Megatron's data-parallel group with context parallelism (dims
+    "dp", "cp"), over which the dense gradients are reduced."""
+
+    def build() -> ProcessGroup:
+        axes = [mesh.mesh_dim_names.index(d) for d in dims]
+        rest = [a for a in range(mesh.mesh.dim()) if a not in axes]
+        size = math.prod(mesh.size(a) for a in axes)
+        mine = None
+        for ranks in mesh.mesh.permute(*rest, *axes).reshape(-1, size).tolist():
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+
+    key = ("merged", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+    return _cached((*key, mesh.mesh_dim_names, tuple(dims)), build)
+
+
+def split_groups(mesh: DeviceMesh, dim: str, inner: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """Each line of `mesh`'s `dim` cut in two levels (collective), built once per process: groups of
+    `inner` consecutive members, and groups of the members `inner` apart (one from each inner
+    group); this rank's (inner, outer) pair. Hierarchical context parallelism's all-to-all and p2p
+    groups (Megatron's `hierarchical_context_parallel_sizes`: the first level the all-to-all)."""
+
+    def levels(ranks: list[int]) -> dict[tuple[str, int], list[int]]:
+        outer = len(ranks) // inner
+        cut = {("inner", i): ranks[i * inner : (i + 1) * inner] for i in range(outer)}
+        return cut | {("outer", j): ranks[j::inner] for j in range(inner)}
+
+    mine = _groups_along(mesh, dim, f"levels {inner}", levels)
+    return (
+        next(g for (level, _i), g in mine.items() if level == "inner"),
+        next(g for (level, _i), g in mine.items() if level == "outer"),
     )
 
 

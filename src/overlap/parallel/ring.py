@@ -4,8 +4,10 @@ member ahead while they receive from the member behind, one step at a time.
 It is the transport of the ring algorithms that hide a transfer behind compute: tensor-parallel
 overlap's all-gather -> GEMM (a sequence shard travels on while the GEMM runs on the shard already
 here) and GEMM -> reduce-scatter (a running partial sum travels on while the next partial is
-computed), both in `overlap.layers.tp_overlap`; context-parallel ring attention would be a third,
-where each rank's K/V chunk visits every rank while attention runs on the chunk here:
+computed), both in `overlap.layers.tp_overlap`; context-parallel ring attention is a third
+(`overlap.layers.cp_attention`), where each rank's K/V chunk visits every rank while attention runs
+on the chunk here, and its backward sends the chunks and their gradient sums the other way round
+(`shift(..., back=True)`):
 
     ring = Ring(cp_group, "cp_kv")
     kv = (k, v)
@@ -46,15 +48,19 @@ Chunks = torch.Tensor | Sequence[torch.Tensor]
 class Shift:
     """One posted step of an exchange: its sends and receives in flight as one batch. `wait()` waits
     for the batch once (every op's handle: their trace events and their buffers) and returns what
-    was received, shaped as the receive buffers were given (a tensor, or a tuple of them)."""
+    was received, shaped as the receive buffers were given (a tensor, or a tuple of them). The sent
+    tensors are held until then, so a caller that drops its own reference (a running sum passed on)
+    cannot free a buffer still in flight."""
 
-    def __init__(self, handles: list[comm.CommHandle], received: Chunks) -> None:
+    def __init__(self, handles: list[comm.CommHandle], received: Chunks, sent: Chunks = ()) -> None:
         self._handles = handles
         self._received = received
+        self._sent: Chunks | None = sent
 
     def wait(self) -> Chunks:
         for handle in self._handles:
             handle.wait()
+        self._sent = None
         if isinstance(self._received, torch.Tensor):
             return self._received
         return tuple(self._received)
@@ -74,7 +80,7 @@ def exchange(
     ops += [(kind, comm.P2P_RECV, t, members[frm], 0) for t in recvs]
     handles = comm.p2p(ops, group)
     # the receives' handles first: a wait ends with the data here, then the sends' (same batch)
-    return Shift(handles[len(sends) :] + handles[: len(sends)], recv)
+    return Shift(handles[len(sends) :] + handles[: len(sends)], recv, send)
 
 
 class Ring:
@@ -100,8 +106,10 @@ class Ring:
         """The group rank whose chunk this member holds after `shifts` shifts (0: its own)."""
         return (self.rank - shifts * self.stride) % self.size
 
-    def shift(self, send: Chunks, recv: Chunks) -> Shift:
+    def shift(self, send: Chunks, recv: Chunks, back: bool = False) -> Shift:
         """Post one step: `send` goes to the member ahead, `recv` is filled from the member behind,
-        as one batch; wait for it with the returned `Shift`. Every member must call it the same
-        number of times, in the same order."""
-        return exchange(send, recv, self.ahead, self.behind, self.group, self.kind)
+        as one batch (`back`: the other way round, to the member behind from the one ahead); wait
+        for it with the returned `Shift`. Every member must call it the same number of times, in
+        the same order."""
+        to, frm = (self.behind, self.ahead) if back else (self.ahead, self.behind)
+        return exchange(send, recv, to, frm, self.group, self.kind)

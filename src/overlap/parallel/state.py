@@ -38,13 +38,6 @@ class ParallelState:
         so every factory call of the model, the optimizer and the trainer names this device or takes
         an input's. `mesh_device_type`: the meshes' device type where it is not `device`'s (the dry
         run's fake CUDA rank on a machine without a GPU)."""
-        if layout.cp != 1:
-            raise NotBuiltError(
-                "model.context_parallel_size",
-                layout.cp,
-                "Context parallelism",
-                "use context_parallel_size=1 (-cp 1).",
-            )
         if layout.etp != 1:
             raise NotBuiltError(
                 "model.expert_tensor_parallel_size",
@@ -78,6 +71,28 @@ class ParallelState:
         self.tp_group = self.mesh.get_group("tp")
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
+        # context parallelism: the ranks that split one sequence (their KV ring / collectives)
+        self.cp_group = self.mesh.get_group("cp")
+        self.cp_rank = self.mesh.get_local_rank("cp")
+        # Megatron's data-parallel group with CP: CP ranks hold the same weights and saw different
+        # tokens of the same samples, so the dense gradients (and the distributed optimizer's
+        # shards, the reported loss) are reduced over DP x CP; the expert mesh's edp already
+        # counts CP (experts are carved from TP x CP x DP)
+        self.dp_cp_group = (
+            groups.merged_group(self.mesh, ("dp", "cp")) if layout.cp > 1 else self.dp_group
+        )
+        # hierarchical CP (a2a+p2p): all-to-all inside groups of cp_a2a consecutive CP ranks, the
+        # KV ring across them (None without the hierarchy)
+        self.cp_a2a_group = self.cp_p2p_group = None
+        if layout.cp_a2a > 1:
+            self.cp_a2a_group, self.cp_p2p_group = groups.split_groups(
+                self.mesh, "cp", layout.cp_a2a
+            )
+        # the ranks that hold one sequence's tokens (Megatron's tp-cp group): the MoE router's
+        # load statistics are summed over them
+        self.tp_cp_group = (
+            groups.merged_group(self.mesh, ("cp", "tp")) if layout.cp > 1 else self.tp_group
+        )
         self.ep_group = self.expert_mesh.get_group("ep")
         self.edp_group = self.expert_mesh.get_group("edp")
         self.tp_rank = self.mesh.get_local_rank("tp")
@@ -132,6 +147,15 @@ class ParallelState:
     @property
     def dp_size(self) -> int:
         return self.layout.dp
+
+    @property
+    def cp_size(self) -> int:
+        return self.layout.cp
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks the dense gradients are reduced over (DP x CP)."""
+        return self.layout.dp * self.layout.cp
 
     @property
     def ep_size(self) -> int:

@@ -77,7 +77,9 @@ class ExecutorOptions:
     @classmethod
     def from_config(cls, cfg: ConfigContainer, tp_size: int) -> ExecutorOptions:
         m, plan = cfg.model, cfg.resolved.overlap
-        seq = m.seq_length // tp_size if m.sequence_parallel else m.seq_length
+        # a context-parallel rank's share of the sequence, split again over TP under SP
+        seq = m.seq_length // m.context_parallel_size
+        seq = seq // tp_size if m.sequence_parallel else seq
         return cls(
             (seq, cfg.train.micro_batch_size, m.hidden_size),
             params_dtype(m),

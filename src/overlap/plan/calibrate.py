@@ -284,6 +284,8 @@ _PROBE_DROPPED = (
     "model.tensor_model_parallel_size",
     "model.pipeline_",
     "model.context_parallel_size",
+    "model.cp_comm_",
+    "model.hierarchical_context_parallel_sizes",
     "model.expert_model_parallel_size",
     "model.expert_tensor_parallel_size",
     "model.virtual_pipeline_model_parallel_size",

@@ -67,6 +67,8 @@ SWITCHES = (
         ("comm_overlap.overlap_p2p_comm=false",),
         ("comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false"),
     ),
+    # the KV ring (p2p, a2a+p2p) serialised vs overlapped (the exchange itself is the same)
+    SwitchCase("CP overlap", ("model.cp_comm_overlap=false",), ("model.cp_comm_overlap=true",)),
 )
 
 
@@ -84,6 +86,10 @@ def not_applicable(label: str, layout, cfg) -> str | None:
         return "not applicable at TP=1"
     if label == "PP overlap" and layout.pp <= 1:
         return "not applicable at PP=1"
+    if label == "CP overlap" and layout.cp <= 1:
+        return "not applicable at CP=1"
+    if label == "CP overlap" and cfg.resolved.overlap.cp_comm_type not in ("p2p", "a2a+p2p"):
+        return f"not applicable: cp_comm_type={cfg.resolved.overlap.cp_comm_type} has no ring"
     return None
 
 

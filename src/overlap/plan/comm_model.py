@@ -31,6 +31,16 @@ section 4.2):
   overlapped.
 - PP, per micro-batch: one activation (b s h beta, / TP under SP) sent forward and one gradient back
   per stage boundary; VPP v sends v times as often.
+- CP, per micro-batch and layer, on a CP rank's b s / CP tokens (every other kind above counts those
+  too): `p2p` sends its keys and values (2 b s / CP x groups / TP x d x beta) to the next CP rank CP
+  - 1 times forward and CP - 2 times backward (`cp_kv`; the backward starts from the block the
+  forward kept), and the key/value gradient sums (fp32, as the runtime sends them) CP - 1 times
+  (`cp_dkv`), each step over the CP ring's link; `all_gather` gathers them
+  ((CP - 1) x the rank's keys and values, `cp_ag`) forward and again backward, and reduce-scatters
+  the gradients (`cp_dkv`); `a2a` trades q, k, v and the output ((CP - 1) / CP of them, `cp_a2a`)
+  forward and their gradients backward; `a2a+p2p` ([A, P]) runs `a2a`'s all-to-alls inside groups
+  of A consecutive CP ranks and `p2p`'s ring across the P groups (each step the same bytes as one
+  rank's keys and values). Full recompute repeats the forward's.
 - DP, per step: the distributed optimizer's reduce-scatter of gradients ((d-1)/d x P x beta_grad)
   and all-gather of parameters ((d-1)/d x P x beta_param), or one all-reduce (2 (d-1)/d x P x
   beta_grad); dense parameters over DP, experts over expert-DP. P is this rank's parameter count
@@ -191,6 +201,9 @@ class CommPlan:
     dp_rs_s: dict[str, list[float]] = field(default_factory=dict)
     # parameter all-gather (distributed optimizer)
     dp_ag_s: dict[str, list[float]] = field(default_factory=dict)
+    # CP p2p: one ring step's seconds per kind ("cp_kv", "cp_dkv") and the ring's size
+    cp_ring_s: dict[str, float] = field(default_factory=dict)
+    cp_size: int = 1
 
     def add(self, kind: str, bytes_each: float, seconds_each: float, count: int) -> None:
         if count and bytes_each > 0:
@@ -213,7 +226,9 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     gpn = cluster.gpus_per_node
     mb = microbatches(cfg, layout)
     act = 2 if m.bf16 or m.fp16 else 4  # activation bytes (beta)
-    b, s, h = cfg.train.micro_batch_size, m.seq_length, m.hidden_size
+    cp = max(1, layout.cp)
+    # a CP rank's share of the sequence
+    b, s, h = cfg.train.micro_batch_size, m.seq_length // cp, m.hidden_size
     # the layers of the pipeline rank holding the most (the real per-stage layout)
     held = resolve_pipeline_layout(m, pp).busiest_rank_layers()
     moe_here = sum(1 for layer in held if m.is_moe_layer(layer))
@@ -303,15 +318,20 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         # the tied embedding's gradient summed with its last-stage copy's
         if m.share_embeddings_and_output_weights:
             grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
-            tied = m.vocab_size // tp * h * grad / (dp if d.use_distributed_optimizer else 1)
+            shards = dp * cp if d.use_distributed_optimizer else 1
+            tied = m.vocab_size // tp * h * grad / shards
             ends = members_per_node(2, tp * layout.cp * dp * (pp - 1), gpn)
             plan.add("pp_tied_grad", tied, ring_time_s(tied, 2, ends, cluster), 1)
+
+    if cp > 1 and cluster.carries("cp"):
+        _cp_plan(cfg, plan, b * s / tp, cp, tp, len(held), mb, cluster)
 
     est = estimate_memory(cfg, layout, cpu=False)
     grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
     param = 1 if d.fp8_param_gather else _BYTES.get(m.params_dtype, 4)
     for prefix, size, stride, count in (
-        ("dp", dp, tp * layout.cp, est.params - est.expert_params),
+        # dense gradients over DP x CP (ranks TP apart), experts over expert-DP
+        ("dp", dp * cp, tp, est.params - est.expert_params),
         ("edp", edp, ep * layout.etp, est.expert_params),
     ):
         if size <= 1 or count <= 0 or not cluster.carries(prefix):
@@ -331,3 +351,48 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
             plan.add(f"{prefix}_ar", ar, ring_time_s(ar, size, g, cluster), buckets)
             plan.dp_rs_s[prefix] = [ring_time_s(ar, size, g, cluster)] * buckets
     return plan
+
+
+def _cp_plan(
+    cfg: ConfigContainer,
+    plan: CommPlan,
+    rows: float,
+    cp: int,
+    tp: int,
+    layers: int,
+    mb: int,
+    cluster: Cluster,
+) -> None:
+    """CP's kinds (module docstring) for `layers` layers x `mb` micro-batches; `rows` = a CP rank's
+    tokens / TP (the heads of one TP rank see all of them). The CP ranks are TP apart; a2a+p2p's
+    all-to-all groups are A consecutive CP ranks, its ring's members A x TP apart."""
+    m, kind = cfg.model, cfg.resolved.overlap.cp_comm_type
+    gpn = cluster.gpus_per_node
+    act = 2 if m.bf16 or m.fp16 else 4
+    forwards = 2 if m.recompute_granularity == "full" else 1
+    kv = rows * 2 * m.query_groups * m.head_dim * act
+    dkv = kv * 4 / act  # the gradients travel in fp32
+    a2a_size = (m.hierarchical_context_parallel_sizes or [cp])[0] if kind == "a2a+p2p" else cp
+    if kind in ("a2a", "a2a+p2p") and a2a_size > 1:
+        heads = 2 * m.num_attention_heads + 2 * m.query_groups  # q, k, v in and the output back
+        a2a = (a2a_size - 1) / a2a_size * rows * heads * m.head_dim * act
+        seconds = alltoall_time_s(a2a, a2a_size, members_per_node(a2a_size, tp, gpn), cluster)
+        plan.add("cp_a2a", a2a, seconds, (forwards + 1) * layers * mb)
+    if kind in ("p2p", "a2a+p2p"):
+        # a2a+p2p: a ring of CP / A members, each step a block of A ranks' tokens for 1 / A of the
+        # heads: the same bytes as one rank's keys and values
+        hierarchical = kind == "a2a+p2p"
+        size = cp // a2a_size if hierarchical else cp
+        stride = tp * a2a_size if hierarchical else tp
+        if size > 1:
+            link = ring_link(size, members_per_node(size, stride, gpn), cluster)
+            plan.cp_ring_s = {"cp_kv": link.time_s(kv), "cp_dkv": link.time_s(dkv)}
+            plan.cp_size = size
+            kv_steps = (size - 1) * forwards + size - 2  # the backward starts from the kept block
+            plan.add("cp_kv", kv, link.time_s(kv), kv_steps * layers * mb)
+            plan.add("cp_dkv", dkv, link.time_s(dkv), (size - 1) * layers * mb)
+    elif kind == "all_gather":
+        per_node = members_per_node(cp, tp, gpn)
+        ag, rs = (cp - 1) * kv, (cp - 1) * dkv
+        plan.add("cp_ag", ag, ring_time_s(ag, cp, per_node, cluster), (forwards + 1) * layers * mb)
+        plan.add("cp_dkv", rs, ring_time_s(rs, cp, per_node, cluster), layers * mb)

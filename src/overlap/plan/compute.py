@@ -1,7 +1,9 @@
 """Compute time of one micro-batch on one GPU, by piece, from the shapes of its kernels.
 
-One micro-batch of b x s tokens is processed by the TP x PP GPUs of one model replica (CP is not
-built), so each GPU does 1 / TP of the FLOPs of the layers its pipeline stages hold (the real
+One micro-batch of b x s tokens is processed by the TP x CP x PP GPUs of one model replica, so each
+GPU does 1 / (TP x CP) of the FLOPs of the layers its pipeline stages hold (a CP rank's b x s / CP
+tokens; its queries attend every earlier key, and the load-balanced split gives every CP rank 1 /
+CP of the causal attention's FLOPs) (the real
 per-stage layout, `overlap.config.pipeline_layout`: uneven stages, the embedding and the loss where
 the layout puts them); expert parallelism moves tokens, not FLOPs (with balanced routing every EP
 rank computes as many expert rows as it sends). The backward is twice the forward (dgrad + wgrad,
@@ -92,6 +94,9 @@ class MicrobatchCompute:
     dense_recompute_s: float = 0.0
     # the embedding's backward (its gradient accumulated into the table), the average rank's share
     embedding_bwd_s: float = 0.0
+    # per layer: the attention core's forward (part of attention_fwd_s), under CP what the KV
+    # ring's steps hide behind (`overlap.plan.step_times`)
+    attention_core_fwd_s: float = 0.0
 
     @property
     def layers(self) -> float:
@@ -200,7 +205,7 @@ def microbatch_compute(
         launches = k.launched()
         return ideal / eff + (0.0 if scope in graphed else launches * tau)
 
-    tokens = cfg.train.micro_batch_size * m.seq_length
+    tokens = cfg.train.micro_batch_size * m.seq_length // max(1, layout.cp)  # this CP rank's
     moe_layer = [m.is_moe_layer(layer) for layer in range(m.num_layers)]
     pp, tp, ep = max(1, layout.pp), max(1, layout.tp), max(1, layout.ep)
     h, hd = m.hidden_size, m.head_dim
@@ -338,4 +343,5 @@ def microbatch_compute(
         moe_recompute_s=moe_recompute,
         dense_recompute_s=dense_recompute,
         embedding_bwd_s=embedding_bwd / pp,
+        attention_core_fwd_s=core_s,
     )

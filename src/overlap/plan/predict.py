@@ -56,6 +56,7 @@ def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
         vpp=max(1, m.virtual_pipeline_model_parallel_size or 1),
         vp_group=m.microbatch_group_size_per_vp_stage,
         shared_expert_overlap=o.moe_shared_expert_overlap,
+        cp_overlap=o.cp_comm_overlap,
     )
 
 
@@ -69,13 +70,6 @@ def predict(
 ) -> Prediction:
     """The predicted step of `cfg` on `layout` and `cluster`; `exact=False` (the layout search)
     extrapolates a long pipeline program from short ones (`pipeline_sim.simulate`)."""
-    if cfg.model.context_parallel_size > 1:
-        raise ConfigError(
-            "model.context_parallel_size",
-            cfg.model.context_parallel_size,
-            "the planner does not model context parallelism (nor does the runtime build it).",
-            "plan with -cp 1.",
-        )
     compute = microbatch_compute(cfg, layout, cluster)
     comm = comm_plan(cfg, layout, cluster)
     sw = switches_of(cfg, layout)

@@ -9,7 +9,8 @@ parallelism for MoE models, the micro-batch size, and activation recompute (none
 attention product, selective of the MLP's or experts' activation and the norms). Every candidate is
 resolved as `overlap run` would resolve it, so the rules of Megatron and the runtime decide what is
 valid (a candidate they refuse is counted, not shown); context parallelism and expert tensor
-parallelism are not searched (context parallelism is not built; ETP stays at its default).
+parallelism are not searched (CP sizes are not tried yet: `overlap plan -cp N` prices one; ETP
+stays at its default).
 
 The overlap switches are not multiplied into the layouts: each layout runs with its automatic
 decisions (the decision table's rules), then each switch that applies is turned the other way on

@@ -31,6 +31,12 @@ switch hides behind what.
   hides behind the last micro-batch's backward (`ddp.overlap_grad_reduce`; the last bucket, ready as
   the backward ends, never hides), the parameter all-gather behind the first micro-batch's forward
   (`ddp.overlap_param_gather`; the first bucket is waited for before the forward starts).
+- CP (`model.cp_comm_type`): with `p2p` and `model.cp_comm_overlap` each ring step's transfer hides
+  behind one block's attention (1 / CP of the layer's attention core; backward twice that): forward
+  the next KV block; backward the next KV block and the previous block's dKV sum together on the
+  link, the last dKV sum under the rank's own block (`cp_ring_exposure`; a2a+p2p's ring runs
+  across its all-to-all groups). Serialised, and the all_gather / a2a collectives, expose
+  everything.
 - TP overlap (`model.tp_comm_overlap`): slot by slot (`overlap.plan.tp_slots`), with the plan the
   runtime runs (`effective_tp_plan`): a ring exchange hides each shard under a 1/TP chunk of its
   GEMM, a pipelined reduce-scatter exposes its last chunk and what queues behind it, a bulk
@@ -89,6 +95,7 @@ class Switches:
     vpp: int
     vp_group: int | None = None  # microbatch_group_size_per_vp_stage (None: PP)
     shared_expert_overlap: bool = False
+    cp_overlap: bool = False  # model.cp_comm_overlap: the KV ring's steps under the blocks
 
 
 def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
@@ -108,6 +115,28 @@ def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
         else:
             link = max(link, (i + 1) * window / n) + seconds
     return delay if gather else max(0.0, link - window)
+
+
+def cp_ring_exposure(
+    kv: float, dkv: float, cp: int, block_fwd: float, overlap: bool, forwards: int = 1
+) -> tuple[float, float, float]:
+    """(exposed cp_kv seconds, exposed cp_dkv seconds, hidden seconds) of one layer's KV ring for
+    one micro-batch (`overlap.layers.cp_attention.RingAttention`): forward CP - 1 KV steps
+    (`forwards` times: 2 under full recompute), each under a block's forward; backward CP blocks
+    (each twice a forward block), starting from the block the forward kept: under block s the next
+    KV block travels (s < CP - 2) beside the previous block's dKV sum (s >= 1), the last one under
+    the rank's own block. Serialised: all of it exposed, nothing hidden."""
+    if not overlap:
+        return (cp - 1) * kv * forwards + (cp - 2) * kv, (cp - 1) * dkv, 0.0
+    block_bwd = 2 * block_fwd
+    fwd = forwards * (cp - 1) * max(0.0, kv - block_fwd)
+    hidden = forwards * (cp - 1) * min(kv, block_fwd)
+    # in flight under each backward block
+    loads = [(kv if s < cp - 2 else 0.0) + (dkv if s >= 1 else 0.0) for s in range(cp)]
+    bwd = sum(max(0.0, load - block_bwd) for load in loads)
+    hidden += sum(min(load, block_bwd) for load in loads)
+    kv_share = (cp - 2) * kv / ((cp - 2) * kv + (cp - 1) * dkv)  # the backward's exposure, split
+    return fwd + bwd * kv_share, bwd * (1 - kv_share), hidden
 
 
 def _merged_moe_layer(
@@ -224,6 +253,23 @@ def step_times(
             t.expose(kind, (seconds - hidden) * c.moe_layers * m)
             t.slowdown_s += hidden * sigma_ep * c.moe_layers * m
         t.expose("ep_counts", comm.ep_counts_s * c.moe_layers * m)
+
+    # the KV ring step by step, under the blocks' attention; CP's collectives exposed whole
+    if comm.cp_ring_s:
+        kv_exposed, dkv_exposed, hidden = cp_ring_exposure(
+            comm.cp_ring_s["cp_kv"],
+            comm.cp_ring_s["cp_dkv"],
+            comm.cp_size,
+            c.attention_core_fwd_s / comm.cp_size,
+            sw.cp_overlap,
+            2 if c.recompute else 1,
+        )
+        t.expose("cp_kv", kv_exposed * c.layers * m)
+        t.expose("cp_dkv", dkv_exposed * c.layers * m)
+        t.slowdown_s += hidden * sigma * c.layers * m
+    for kind in ("cp_ag", "cp_a2a") if comm.cp_ring_s else ("cp_ag", "cp_dkv", "cp_a2a"):
+        if kind in comm.kinds:
+            t.expose(kind, comm.kinds[kind].seconds_per_step)
 
     # slot by slot, as the runtime's plan puts each collective next to a GEMM
     if comm.tp_link is not None:

@@ -334,8 +334,13 @@ ROWS: tuple[Row, ...] = (
         1,
         37.46,
         "-m llama -mr llama3_70b",
-        not_expressible="context parallelism (CP2) is neither built nor planned, and there is no "
-        "405B recipe",
+        "-cp 2 model.num_layers=126 model.hidden_size=16384 model.ffn_hidden_size=53248 "
+        "model.num_attention_heads=128 model.account_for_embedding_in_pipeline_split=true "
+        "model.account_for_loss_in_pipeline_split=true comm_overlap.tp_comm_overlap=true",
+        assumed="Llama-3.1-405B's shape on the Llama-3 70B recipe (126 layers, hidden 16384, FFN "
+        "53248, 128 query / 8 KV heads; its RoPE scaling changes no FLOP or byte); the embedding "
+        "and loss counted as layers in the pipeline split (128 / 64 virtual stages); CP2 as the "
+        "p2p ring; TP overlap on (Bridge's perf recipe)",
     ),
     _row(
         "DeepSeek-V3 1024xH100 FP8 TP2 PP8 VP4 EP64",

@@ -15,6 +15,7 @@ import torch
 
 from overlap.config.container import ConfigContainer
 from overlap.errors import ConfigError
+from overlap.parallel.cp_chunks import cp_positions
 
 
 class SampleSource(ABC):
@@ -33,10 +34,13 @@ class SampleSource(ABC):
         dp_rank: int,
         dp_size: int,
         device: torch.device,
+        cp_rank: int = 0,
+        cp_size: int = 1,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This DP rank's micro-batches of one iteration as (tokens [b, s], labels [b, s]) on
         `device` (samples are drawn on the host, by the CPU generator, so every device type reads
-        the same tokens)."""
+        the same tokens). Under context parallelism, s is this CP rank's share: its two
+        load-balanced chunks of every sample (Megatron's `get_batch_on_this_cp_rank`)."""
         per_rank = global_batch // dp_size
         first = dp_rank * per_rank
         batches = []
@@ -45,7 +49,11 @@ class SampleSource(ABC):
                 [self.sample(iteration, i) for i in range(start, start + micro_batch)]
             )
             rows = to_device(rows, device)
-            batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+            tokens, labels = rows[:, :-1], rows[:, 1:]
+            if cp_size > 1:
+                mine = cp_positions(tokens.shape[1], cp_rank, cp_size, rows.device)
+                tokens, labels = tokens.index_select(1, mine), labels.index_select(1, mine)
+            batches.append((tokens.contiguous(), labels.contiguous()))
         return batches
 
 

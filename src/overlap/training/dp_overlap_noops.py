@@ -38,11 +38,15 @@ def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch
         ep_rank=0,
         dp_size=lay.dp,
         dp_rank=0,
+        cp_size=lay.cp,
+        cp_rank=0,
         pp_size=lay.pp,
         pp_rank=0,
         rank=0,
         world_size=lay.world_size,
         tp_group=None,
+        cp_group=None,
+        tp_cp_group=None,
         ep_group=None,
         ep_meta_group=None,
         device=torch.device("meta"),
@@ -66,7 +70,8 @@ def detect_model_noops(cfg: ConfigContainer, res: Resolution) -> None:
     ]
     if not switches or d.impl != "overlap":
         return
-    sizes = {"dp": res.layout.dp, "edp": res.layout.edp}
+    # dense gradients are reduced over DP x CP (`overlap.data_parallel.ddp`)
+    sizes = {"dp": res.layout.dp * res.layout.cp, "edp": res.layout.edp}
     buffers = []
     chunks = _meta_chunk_params(cfg, res)
     for c, params in enumerate(chunks):

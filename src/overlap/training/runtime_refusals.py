@@ -73,11 +73,18 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
             "model.pipeline_impl=overlap.",
         ),
         (
-            m.context_parallel_size > 1,
+            m.context_parallel_size > 1
+            and (
+                m.pipeline_impl != "overlap"
+                or m.tensor_parallel_impl != "overlap"
+                or d.impl != "overlap"
+            ),
             "model.context_parallel_size",
             m.context_parallel_size,
-            "Context parallelism",
-            "use -cp 1.",
+            "Context parallelism in the PyTorch peers (torch.distributed.pipelining, DTensor TP, "
+            "torch DDP / FSDP2 do not cut the sequence or reduce over DP x CP)",
+            "use -cp 1 with a peer, or model.pipeline_impl=overlap, "
+            "model.tensor_parallel_impl=overlap and ddp.impl=overlap.",
         ),
         (
             m.expert_tensor_parallel_size > 1,

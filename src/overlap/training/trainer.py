@@ -7,10 +7,11 @@ micro-batch is the last, it reduces buckets during that backward (overlap_grad_r
 parameter all-gather runs after the step, or is deferred into the next forward with
 overlap_param_gather, which is why `train()` ends with `finish_param_sync()`).
 
-Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size)
-before backward, so the reduced gradients equal the single-process gradient of the mean loss over
-the whole global batch, and the reported lm loss is that mean (all-reduced over data parallel for
-the log only).
+Loss bookkeeping: each micro-batch's loss is scaled by 1 / (micro-batches x data-parallel size x
+context-parallel size) before backward, so the gradients reduced over DP x CP equal the
+single-process gradient of the mean loss over the whole global batch, and the reported lm loss is
+that mean (all-reduced over DP x CP for the log only: a CP rank's loss is the mean over its share
+of each sequence, the same number of tokens on every CP rank).
 
 Under loss scaling (fp16) the backward's seed also carries the optimizer's loss scale; the
 optimizer divides it out, and skips a step whose gradients overflowed (`overlap.optim.loss_scaler`):
@@ -163,7 +164,8 @@ class Trainer:
         overflowed, the forward-backward runs again on the dropless path before the optimizer
         applies anything (`overlap.layers.moe.rank_capacity`), and `last_step_reruns` says so."""
         ps = self.ps
-        scale = 1.0 / (self.num_micro_batches * ps.dp_size)
+        # each CP rank's loss is the mean over its equal share of the tokens
+        scale = 1.0 / (self.num_micro_batches * ps.dp_cp_size)
         grad_scale = scale * self.optimizer.loss_scale  # what the backward is seeded with
         static = self.static_dispatch
         if static is not None:
@@ -204,7 +206,14 @@ class Trainer:
         for ddp in self.ddps:
             ddp.zero_grad()
         batches = self.data.micro_batches(
-            iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device
+            iteration,
+            t.global_batch_size,
+            t.micro_batch_size,
+            ps.dp_rank,
+            ps.dp_size,
+            ps.device,
+            ps.cp_rank,
+            ps.cp_size,
         )
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; with EP
@@ -224,11 +233,11 @@ class Trainer:
     def _reduce(
         self, loss_sum: torch.Tensor, overflow: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, comm.CommHandle, float | None]:
-        """Sum the loss over PP and (launched, not waited) DP, and read the grad norm: (the loss
-        sum, this rank's loss before the DP sum where NaN checks need it, the DP sum's handle, the
-        norm). `overflow` [1] (the sync-free dispatch's count on this rank) rides the same
-        reductions, the loss's over PP and DP and the norm's over TP, and comes back in the norm's
-        one read: the norm is None where its sum over every rank is > 0."""
+        """Sum the loss over PP and (launched, not waited) DP x CP, and read the grad norm: (the
+        loss sum, this rank's loss before the DP sum where NaN checks need it, the DP sum's handle,
+        the norm). `overflow` [1] (the sync-free dispatch's count on this rank) rides the same
+        reductions, the loss's over PP and DP x CP and the norm's over TP, and comes back in the
+        norm's one read: the norm is None where its sum over every rank is > 0."""
         ps = self.ps
         reduced = loss_sum if overflow is None else torch.cat([loss_sum.view(1), overflow])
         loss_sum = reduced if overflow is None else reduced[0]
@@ -240,7 +249,7 @@ class Trainer:
             comm.all_reduce(reduced, ps.pp_group, "pp_loss").wait()
         # before the DP sum mixes the ranks' losses
         local_loss = loss_sum.clone() if self.cfg.ddp.check_for_nan_in_grad else None
-        loss_handle = comm.all_reduce(reduced, ps.dp_group, "dp_loss")
+        loss_handle = comm.all_reduce(reduced, ps.dp_cp_group, "dp_loss")
         if overflow is None:
             return loss_sum, local_loss, loss_handle, self.optimizer.grad_norm()
         # the norm's reductions take the count on from the DP sum (a stream wait on NCCL)

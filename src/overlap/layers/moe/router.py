@@ -37,21 +37,26 @@ LOAD_BALANCING_TYPES = ("aux_loss", "none")
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) whose backward is the identity.
+    """All-reduce (sum) whose backward is the identity, times `grad_scale`.
 
     Every rank of the group computes the same loss from the summed statistics and back-propagates
     it, so each rank owes gradient only to its own contribution: the identity. Summing those
     per-rank router grads over TP (the trainer does it for `sequence_parallel` parameters) then
-    gives the gradient of the full-batch loss.
+    gives the gradient of the full-batch loss. Over context parallelism the router's gradients are
+    summed over DP x CP under a 1 / (DP x CP) loss scale, which suits the CP ranks' own token means
+    but would divide this full-sequence loss by CP: `grad_scale` = CP puts it back.
     """
 
     @staticmethod
-    def forward(ctx, stats: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def forward(
+        ctx, stats: torch.Tensor, group: ProcessGroup, grad_scale: float = 1.0
+    ) -> torch.Tensor:
+        ctx.grad_scale = grad_scale
         return comm.all_reduce(stats.clone(), group, "moe_aux").wait()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad * ctx.grad_scale if ctx.grad_scale != 1.0 else grad, None, None
 
 
 class _RandomLogits(torch.autograd.Function):
@@ -109,10 +114,15 @@ class TopKRouter(nn.Module):
             if config.moe_router_load_balancing_type == "aux_loss"
             else 0.0
         )
-        # Under sequence parallel each TP rank routes only its slice of the sequence; the aux-loss
-        # statistics must still describe the whole micro-batch, so they are summed over the TP
-        # group.
-        self.stats_group = ps.tp_group if config.sequence_parallel and ps.tp_size > 1 else None
+        # Under sequence parallel each TP rank routes only its slice of the sequence, under context
+        # parallelism each CP rank its chunks; the aux-loss statistics must still describe the
+        # whole micro-batch, so they are summed over those ranks (Megatron's tp-cp group).
+        sp = config.sequence_parallel and ps.tp_size > 1
+        if ps.cp_size > 1:
+            self.stats_group = ps.tp_cp_group if sp else ps.cp_group
+        else:
+            self.stats_group = ps.tp_group if sp else None
+        self.stats_grad_scale = float(ps.cp_size)
         # Filled by init_model_params; replicated on every rank (routing must agree wherever a token
         # goes).
         self.weight = nn.Parameter(
@@ -130,7 +140,8 @@ class TopKRouter(nn.Module):
         self.random_logits: torch.Generator | None = None
         if config.moe_router_force_load_balancing:
             sp_rank = ps.tp_rank if config.sequence_parallel else 0
-            self.random_seed = (layer_number * 1_000_003 + ps.dp_rank) * 1009 + sp_rank
+            seq_rank = ps.cp_rank * ps.tp_size + sp_rank  # which tokens of the sequence
+            self.random_seed = (layer_number * 1_000_003 + ps.dp_rank) * 1009 + seq_rank
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with RECORDER.span("moe.router"):
@@ -165,7 +176,7 @@ class TopKRouter(nn.Module):
         """coeff * E * sum_e f_e * P_e, with f_e the share of routed (token, expert) pairs that went
         to e and P_e the mean router probability of e, both over the full micro-batch."""
         if self.stats_group is not None:
-            stats = _SumOverGroup.apply(stats, self.stats_group)
+            stats = _SumOverGroup.apply(stats, self.stats_group, self.stats_grad_scale)
         prob_sums, counts, num_tokens = stats.split([self.num_experts, self.num_experts, 1])
         f = counts / (num_tokens * self.topk)
         p = prob_sums / num_tokens
