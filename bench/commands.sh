@@ -421,14 +421,17 @@ python bench/versions_ab.py --a ../base/.venv/bin/python --b .venv/bin/python --
 #     where a block overflows re-run dropless) against the dropless all-to-all (ep_counts exchanged and read on the
 #     host per MoE layer and micro-batch), plain and with EP overlap + delay_wgrad, on command 6's model and modelled
 #     link (EP 2, 1 ms / 20 MB/s on the ep collectives). The table says, per repeat, how many of the window's steps
-#     re-ran (each did two forward-backwards). On a CPU a host read costs little (the device is the host): this
-#     weighs the padding's bytes (1.5x the dispatch) against the counts exchange's latency, not the reads' saving.
+#     re-ran (each did two forward-backwards). At EP 2 a factor of 2.0 cannot overflow (a block holds every row a
+#     rank routes), so its rows measure the static path itself; 1.5 overflows on this tiny model's routing and
+#     re-runs every step (the cost of a factor set too low). On a CPU a host read costs little (the device is the
+#     host): this weighs the padding's bytes against the counts exchange's latency, not the reads' saving.
 overlap bench -m qwen -mr qwen3_moe_tiny -g cpu -c bf16 -ng 2 -ep 2 --max_steps 6 -gb 16 -mb 1 \
   --network model:1ms,20MB/s,ep --repeats 3 \
   --config "all-to-all:" \
+  --config "sync-free 2.0:model.moe_expert_rank_capacity_factor=2.0" \
   --config "sync-free 1.5:model.moe_expert_rank_capacity_factor=1.5" \
   --config "all-to-all, EP overlap + delay_wgrad:comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
-  --config "sync-free 1.5, EP overlap + delay_wgrad:model.moe_expert_rank_capacity_factor=1.5;comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
+  --config "sync-free 2.0, EP overlap + delay_wgrad:model.moe_expert_rank_capacity_factor=2.0;comm_overlap.overlap_moe_expert_parallel_comm=true;comm_overlap.delay_wgrad_compute=true" \
   --json $out/moe_sync_free.json --markdown $out/moe_sync_free.md \
   model.hidden_size=256 model.moe_ffn_hidden_size=256 model.num_layers=6
 
@@ -444,3 +447,19 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -cp 2 -sl 4096 -ms 6 -gb 2 -mb
   --config "serialised:model.cp_comm_overlap=false" \
   --config "overlapped:model.cp_comm_overlap=true" \
   --ideal-family cp --repeats 3 --json $out/cp_overlap.json --markdown $out/cp_overlap.md
+
+# ------------------------------------------------------------------------- overlapped p2p in plain 1F1B
+
+# 43. -> pp_1f1b_overlap.json/.md. Overlapped 1F1B (each backward's input gradient sent before its weight gradients,
+#     which run after the next task: docs/pipeline.md) against batched 1F1B where the schedule can hide the link:
+#     PP=2 on 2 ranks (one per core), 32 micro-batches (the fill and drain, 2 x (PP - 1) transfers that no 1F1B
+#     hides, small beside the steady state), 7 layers with the loss counted as one (balanced stages), a modelled
+#     link on the pp kinds only (1 ms + 40 MB/s per direction: a full-duplex link, which tc tbf on the shared
+#     loopback is not - both directions and their acknowledgements queue there together). A 131 KB activation then
+#     takes ~4 ms, under half a backward's weight-gradient time (the bound the planner's simulation gives). Floor:
+#     the batched 1F1B on the plain loopback (--ideal-link).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network model:1ms,40MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --ideal-link --repeats 3 --json $out/pp_1f1b_overlap.json --markdown $out/pp_1f1b_overlap.md \
+  model.num_layers=7 model.account_for_loss_in_pipeline_split=true

@@ -73,6 +73,7 @@ SECTIONS = (
         "Pipeline schedules and p2p overlap",
         (
             "pp_schedules",
+            "pp_1f1b_overlap",
             "pp_schedules_2ranks",
             "pp_schedules_modelled",
             "pp_bubble",
@@ -83,6 +84,8 @@ SECTIONS = (
         ),
     ),
     ("tp", "TP overlap", ("tp_overlap", "tp_overlap_narrow")),
+    ("cp", "CP overlap", ("cp_overlap",)),
+    ("moe", "Sync-free dropless MoE", ("moe_sync_free",)),
     ("checkpoints", "Checkpoints", ("checkpoint",)),
     (
         "compute",
