@@ -78,16 +78,23 @@ def twin_group(mesh: DeviceMesh, dim: str) -> ProcessGroup:
 
 
 def _groups_along(
-    mesh: DeviceMesh, dim: str, name: str, groups: Callable[[list[int]], dict[Any, list[int]]]
+    mesh: DeviceMesh,
+    dims: str | Sequence[str],
+    name: str,
+    groups: Callable[[list[int]], dict[Any, list[int]]],
 ) -> dict[Any, ProcessGroup]:
-    """For every line of `mesh` along `dim` (its ranks, in order), the groups `groups(ranks)` names
-    (key -> members), created by every rank in the same order, once per process; this rank's groups
-    by key (empty where it is in none)."""
+    """For every line of `mesh` along `dims` (one dimension, or several at once: for each
+    combination of the other dimensions' coordinates, the ranks that differ only along `dims`, in
+    mesh order), the groups `groups(ranks)` names (key -> members), created by every rank in the
+    same order, once per process; this rank's groups by key (empty where it is in none)."""
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
 
     def build() -> dict[Any, ProcessGroup]:
         mine = {}
-        axis = mesh.mesh_dim_names.index(dim)
-        for ranks in mesh.mesh.transpose(axis, -1).reshape(-1, mesh.size(axis)).tolist():
+        axes = [mesh.mesh_dim_names.index(d) for d in dims]
+        rest = [a for a in range(mesh.mesh.dim()) if a not in axes]
+        size = math.prod(mesh.size(a) for a in axes)
+        for ranks in mesh.mesh.permute(*rest, *axes).reshape(-1, size).tolist():
             for key, members in groups(ranks).items():
                 group = dist.new_group(members)
                 if dist.get_rank() in members:
@@ -101,7 +108,7 @@ def _groups_along(
             tuple(mesh.mesh.flatten().tolist()),
             tuple(mesh.mesh.shape),
             mesh.mesh_dim_names,
-            dim,
+            dims,
         ),
         build,
     )
@@ -109,23 +116,9 @@ def _groups_along(
 
 def merged_group(mesh: DeviceMesh, dims: Sequence[str]) -> ProcessGroup:
     """This rank's group over several of `mesh`'s dimensions at once (collective), built once per
-    process: for every combination of the other dimensions' coordinates, the ranks that differ only
-    along `dims`, in mesh order. Megatron's data-parallel group with context parallelism (dims
-    "dp", "cp"), over which the dense gradients are reduced."""
-
-    def build() -> ProcessGroup:
-        axes = [mesh.mesh_dim_names.index(d) for d in dims]
-        rest = [a for a in range(mesh.mesh.dim()) if a not in axes]
-        size = math.prod(mesh.size(a) for a in axes)
-        mine = None
-        for ranks in mesh.mesh.permute(*rest, *axes).reshape(-1, size).tolist():
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
-        return mine
-
-    key = ("merged", mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
-    return _cached((*key, mesh.mesh_dim_names, tuple(dims)), build)
+    process: the ranks that differ only along `dims`, in mesh order. Megatron's data-parallel group
+    with context parallelism (dims "dp", "cp"), over which the dense gradients are reduced."""
+    return _groups_along(mesh, dims, "merged", lambda ranks: {None: ranks})[None]
 
 
 def split_groups(mesh: DeviceMesh, dim: str, inner: int) -> tuple[ProcessGroup, ProcessGroup]:
