@@ -216,20 +216,24 @@ def test_stale_namespaces_are_removed_and_live_ones_kept(caplog):
     keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "overlap"])
     dead = subprocess.Popen(["true"])
     dead.wait()
+    # a launcher's own namespace, and (--network nic:RATE) one per rank beside it
     stale, live = f"overlap-{dead.pid}", f"overlap-{keeper.pid}"
+    stale_rank, live_rank = f"{stale}-r0", f"{live}-r0"
     try:
-        for name in (stale, live):
+        for name in (stale, live, stale_rank, live_rank):
             subprocess.run(["ip", "netns", "add", name], check=True)
         with caplog.at_level("WARNING", logger="overlap"):
             removed = remove_stale_namespaces()
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert stale in removed and stale not in listed and live in listed
+        assert stale_rank in removed and stale_rank not in listed.split()
+        assert live_rank in listed.split()
         gone = f"removed stale network namespace {stale}: its owner (pid {dead.pid}) is gone"
         assert gone in caplog.text
     finally:
         keeper.kill()
         keeper.wait()
-        for name in (stale, live):
+        for name in (stale, live, stale_rank, live_rank):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
