@@ -303,18 +303,24 @@ def test_real_world_rank_killed(tmp_path):
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="the emulated interconnect needs root + iproute2",
 )
+@pytest.mark.parametrize("network", ["tbf:800mbit", "nic:800mbit"])
 def test_real_world_launcher_killed_takes_ranks_and_leaves_a_namespace_the_next_run_removes(
-    tmp_path,
+    tmp_path, network
 ):
+    """tbf: one namespace, overlap-<pid>; nic: the bridge's and one per rank
+    (overlap-<pid>-r<rank>)."""
     from overlap.launch.network import remove_stale_namespaces
 
-    proc, ranks, mark = _start_real(tmp_path, "--network", "tbf:800mbit")
+    proc, ranks, mark = _start_real(tmp_path, "--network", network)
     proc.kill()
     proc.communicate(timeout=30)
     assert wait_gone(mark) == []  # ranks died with their launcher instead of training on as orphans
     name = f"overlap-{proc.pid}"
-    assert name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert name in remove_stale_namespaces()
+    names = [name, f"{name}-r0", f"{name}-r1"] if network.startswith("nic:") else [name]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert set(names) <= {line.split()[0] for line in listed.splitlines() if line.split()}
+    ours = [n for n in remove_stale_namespaces() if n == name or n.startswith(f"{name}-")]
+    assert sorted(ours) == sorted(names)
 
 
 @pytest.mark.skipif(
