@@ -8,8 +8,11 @@ namespace of its own, a veth to a shared bridge, each direction shaped by its ow
   veths, the rendezvous at rank 0's address) gives the losses of the same run on the plain loopback
   exactly (the same operations in the same order), with two ranks and with four.
 
-Not timed here (a loaded 2-core machine): that both directions carry at once is the design, which
-the wiring test pins (a queue per direction and per rank).
+- full duplex, timed with generous bounds (a loaded 2-core machine): two ranks sending 8 MB to each
+  other at once take about what one direction alone takes (measured: 1.05-1.3x), where on `tbf:`
+  the same two transfers share one queue and take at least twice the line time (measured: 2.1x).
+  Each side of the probe is a few lines of plain sockets (`PROBE`): little CPU, the link sets the
+  time.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +112,69 @@ def test_a_pipeline_over_the_emulated_nics_trains_like_the_plain_loopback(tmp_pa
     assert over_nics == run_locally(args, tmp_path / "real.jsonl")
     summary = (tmp_path / "nic.jsonl.summary.json").read_text()
     assert "nic:200mbit (emulated full-duplex NICs" in summary
+
+
+# --- full duplex, timed ---------------------------------------------------------------------------
+PROBE_BYTES = 8_000_000
+PROBE_PORT = 5055
+
+
+# One side of the probe, run with `python -c` (the standard library only: it starts at once):
+# connect both ways, then send argv[3] bytes while receiving argv[4]; print the seconds from a
+# common start (a byte each way) until both are done and the peer has all it was sent.
+PROBE = """
+import socket, sys, threading, time
+me, peer, send_n, recv_n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+server = socket.create_server((me, PORT))
+for _ in range(400):
+    try:
+        out = socket.create_connection((peer, PORT))
+        break
+    except OSError:
+        time.sleep(0.025)
+inc, _ = server.accept()
+out.sendall(b"s")
+assert inc.recv(1) == b"s"
+start = time.perf_counter()
+sender = threading.Thread(target=out.sendall, args=(bytes(send_n),))
+sender.start()
+got = 0
+while got < recv_n:
+    got += len(inc.recv(min(1 << 20, recv_n - got)))
+sender.join()
+out.sendall(b"d")
+assert inc.recv(1) == b"d"
+print(time.perf_counter() - start, flush=True)
+""".replace("PORT", str(PROBE_PORT))
+
+
+def _exchange(prefixes, addresses, both: bool) -> float:
+    """Seconds for rank 0 -> rank 1 (and rank 1 -> rank 0 at once when `both`), the slower side."""
+    sizes = [(PROBE_BYTES, PROBE_BYTES if both else 0), (PROBE_BYTES if both else 0, PROBE_BYTES)]
+    procs = [
+        subprocess.Popen(
+            [*prefixes[k], sys.executable, "-c", PROBE, addresses[k], addresses[1 - k]]
+            + list(map(str, sizes[k])),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return max(float(o) for o in outs)
+
+
+def test_both_directions_at_once_take_what_one_takes_on_nic_and_twice_on_tbf():
+    rate = "200mbit"  # 25 MB/s: 8 MB in ~0.32 s
+    line_s = PROBE_BYTES / 25e6
+    with net.full_duplex_nics(rate, 2, f"overlap-{os.getpid()}-d") as ranks:
+        addresses = [net.nic_address(0), net.nic_address(1)]
+        one = min(_exchange(ranks.prefixes, addresses, False) for _ in range(2))
+        both = min(_exchange(ranks.prefixes, addresses, True) for _ in range(2))
+    assert one >= 0.9 * (PROBE_BYTES - net.NIC_BURST_BYTES) / 25e6  # the NIC's rate holds
+    assert both < 1.6 * one, (one, both)  # a shared queue would take 2x
+    with net.emulated_interconnect(rate, f"overlap-{os.getpid()}-l") as (_, prefix):
+        shared = _exchange((prefix, prefix), ["127.0.0.1", "127.0.0.2"], True)
+    # one queue: 16 MB at the line rate, less the bucket's 1 MiB
+    assert shared >= 0.95 * (2 * line_s - net.TBF_BURST_BYTES / 25e6), shared
