@@ -470,8 +470,9 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --net
 #     (--network nic:320mbit: each rank in its own network namespace, its veth a port of a shared bridge, tc tbf
 #     shaping each direction of each rank's NIC to 40 MB/s with a 64 KiB bucket): gloo's real TCP transfers carry
 #     the p2p, activations and gradients cross at once as on a real interconnect (on tbf: one queue for both), and
-#     a 131 KB activation takes ~3.3 ms on the line, as on command 43's link. PP=2 on 2 ranks (one per core), 32
-#     micro-batches, 7 layers with the loss counted as one. Floor: the batched 1F1B on the plain loopback.
+#     an activation (262 KB: 8.4 MB over a step's 32 sends in a trial run) takes ~6.6 ms on the line, as on
+#     command 43's 40 MB/s link. PP=2 on 2 ranks (one per core), 32 micro-batches, 7 layers with the loss counted
+#     as one. Floor: the batched 1F1B on the plain loopback.
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network nic:320mbit \
   --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
   --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
