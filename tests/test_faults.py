@@ -216,20 +216,24 @@ def test_stale_namespaces_are_removed_and_live_ones_kept(caplog):
     keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "overlap"])
     dead = subprocess.Popen(["true"])
     dead.wait()
+    # a launcher's own namespace, and (--network nic:RATE) one per rank beside it
     stale, live = f"overlap-{dead.pid}", f"overlap-{keeper.pid}"
+    stale_rank, live_rank = f"{stale}-r0", f"{live}-r0"
     try:
-        for name in (stale, live):
+        for name in (stale, live, stale_rank, live_rank):
             subprocess.run(["ip", "netns", "add", name], check=True)
         with caplog.at_level("WARNING", logger="overlap"):
             removed = remove_stale_namespaces()
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert stale in removed and stale not in listed and live in listed
+        assert stale_rank in removed and stale_rank not in listed.split()
+        assert live_rank in listed.split()
         gone = f"removed stale network namespace {stale}: its owner (pid {dead.pid}) is gone"
         assert gone in caplog.text
     finally:
         keeper.kill()
         keeper.wait()
-        for name in (stale, live):
+        for name in (stale, live, stale_rank, live_rank):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
@@ -299,18 +303,24 @@ def test_real_world_rank_killed(tmp_path):
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="the emulated interconnect needs root + iproute2",
 )
+@pytest.mark.parametrize("network", ["tbf:800mbit", "nic:800mbit"])
 def test_real_world_launcher_killed_takes_ranks_and_leaves_a_namespace_the_next_run_removes(
-    tmp_path,
+    tmp_path, network
 ):
+    """tbf: one namespace, overlap-<pid>; nic: the bridge's and one per rank
+    (overlap-<pid>-r<rank>)."""
     from overlap.launch.network import remove_stale_namespaces
 
-    proc, ranks, mark = _start_real(tmp_path, "--network", "tbf:800mbit")
+    proc, ranks, mark = _start_real(tmp_path, "--network", network)
     proc.kill()
     proc.communicate(timeout=30)
     assert wait_gone(mark) == []  # ranks died with their launcher instead of training on as orphans
     name = f"overlap-{proc.pid}"
-    assert name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert name in remove_stale_namespaces()
+    names = [name, f"{name}-r0", f"{name}-r1"] if network.startswith("nic:") else [name]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert set(names) <= {line.split()[0] for line in listed.splitlines() if line.split()}
+    ours = [n for n in remove_stale_namespaces() if n == name or n.startswith(f"{name}-")]
+    assert sorted(ours) == sorted(names)
 
 
 @pytest.mark.skipif(

@@ -57,7 +57,7 @@ def test_gpu_runs_of_the_benchmark_and_the_calibration_start_under_torchrun(tmp_
     assert cpu[1:4] == ["-m", "overlap.cli", "run"]
 
 
-@pytest.mark.parametrize("network", ["model:1ms,1GB/s", "tbf:800mbit"])
+@pytest.mark.parametrize("network", ["model:1ms,1GB/s", "tbf:800mbit", "nic:200mbit"])
 def test_the_cpu_interconnect_stand_ins_are_refused_on_gpus(tmp_path, network):
     out = _overlap(
         "run",

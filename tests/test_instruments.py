@@ -309,8 +309,13 @@ def test_parse_network():
     t = net.parse_network("tbf:800mbit")
     assert (t.kind, t.rate, t.rate_Bps) == ("tbf", "800mbit", 1e8)
     assert "tbf:800mbit" in t.describe() and net.parse_network(None).kind == "real"
+    n = net.parse_network("nic:200mbit")
+    assert (n.kind, n.rate, n.rate_Bps) == ("nic", "200mbit", 2.5e7)
+    assert "full-duplex" in n.describe() and "25 MB/s" in n.describe()
     for bad in (
         "tbf:fast",
+        "nic:fast",
+        "nic:0mbit",
         "model:1ms",
         "model:1,1GB/s",
         "wifi:1",
@@ -330,6 +335,21 @@ def test_tbf_without_tools_or_root_names_the_fallback(monkeypatch):
     monkeypatch.setattr(net.os, "geteuid", lambda: 1000)
     with pytest.raises(ConfigError, match="root.*model:"):
         net.check_netns_support()
+    with pytest.raises(
+        ConfigError, match="--network='nic:200mbit': creating a network namespace needs root"
+    ):
+        net.check_netns_support("nic:200mbit")
+
+
+def test_emulated_links_are_refused_in_ranks_the_local_launcher_did_not_start(monkeypatch):
+    """torchrun or srun ranks (one per node, or a launcher of their own) are in no namespace of
+    ours: `nic:` and `tbf:` refuse there, before any connection is tried."""
+    from overlap import commands
+
+    monkeypatch.delenv(net.NETNS_ENV, raising=False)
+    for text in ("tbf:800mbit", "nic:200mbit"):
+        with pytest.raises(ConfigError, match="not inside the emulated interconnect"):
+            commands._apply_network(net.parse_network(text), "real")
 
 
 def _namespaces() -> str:

@@ -659,7 +659,7 @@ def test_a_tbf_profile_carries_the_token_bucket_through_its_cluster_file(tmp_pat
     with the bucket."""
     from dataclasses import replace
 
-    from overlap.launch.network import TBF_BURST_BYTES, parse_network
+    from overlap.launch.network import NIC_BURST_BYTES, TBF_BURST_BYTES, parse_network
     from overlap.plan.calibrate import cpu_cluster
     from overlap.plan.hardware import Link
 
@@ -674,6 +674,10 @@ def test_a_tbf_profile_carries_the_token_bucket_through_its_cluster_file(tmp_pat
     again = load_cluster(str(profile), "cpu", "fp32", None)
     assert again.nvlink == replace(cluster.nvlink, source=again.nvlink.source)
     assert again.nic.burst_bytes == TBF_BURST_BYTES / 2
+    # `nic:RATE`: every rank a NIC of its own, RATE each way and a 64 KiB bucket per direction
+    nics = cpu_cluster(parse_network("nic:400mbit"), 4, 1.0, "fp32", loopback).nic
+    assert nics.bandwidth_Bps == pytest.approx(50e6) and nics.burst_bytes == NIC_BURST_BYTES
+    assert nics.burst_Bps == 0.6e9 and "full-duplex" in nics.source
 
 
 def test_a_tied_pipeline_sums_the_embedding_gradient_over_its_ends_once_a_step():

@@ -313,7 +313,7 @@ def _free_port_run(n: int) -> int:
 def _stress(network: str, tmp_path: Path) -> dict[int, dict]:
     from overlap.errors import RankFailure
     from overlap.launch.local import launch_local
-    from overlap.launch.network import NETNS_ENV, emulated_interconnect
+    from overlap.launch.network import emulated_ranks, parse_network
 
     command = [
         sys.executable,
@@ -326,9 +326,8 @@ def _stress(network: str, tmp_path: Path) -> dict[int, dict]:
     env = dict(os.environ, OVERLAP_LAUNCHED="1", **{RESULT_ENV: str(tmp_path)})
     try:
         if network.startswith("tbf:"):
-            with emulated_interconnect(network.partition(":")[2]) as (namespace, prefix):
-                env[NETNS_ENV] = namespace
-                launch_local(command, 2, env, prefix=prefix)
+            with emulated_ranks(parse_network(network), 2) as ranks:
+                launch_local(command, 2, {**env, **ranks.env}, prefixes=ranks.prefixes)
         else:
             launch_local(command, 2, env)
     except RankFailure as exc:

@@ -2,8 +2,9 @@
 train. `overlap bench`: A/B runs of `overlap run` alternating configurations, with exposed
 communication and overlap efficiency.
 
-Instruments of `overlap run` (every rank): `--network` picks the link (real, emulated `tbf:RATE`,
-modelled `model:LAT,BW`, see `overlap.launch.network`); a `Collector` on the tracer measures exposed
+Instruments of `overlap run` (every rank): `--network` picks the link (real, emulated full-duplex
+NICs `nic:RATE` or shared loopback `tbf:RATE`, modelled `model:LAT,BW`, see
+`overlap.launch.network`); a `Collector` on the tracer measures exposed
 communication per iteration, and rank 0 prints its table for the steady-state window. `--metrics
 FILE` also writes `FILE.comm.jsonl` (per iteration: exposed_comm_ms / total_comm_ms by kind, rank
 0's view) and `FILE.summary.json` (window means, peak memory, network: what `overlap bench` reads).
@@ -123,8 +124,10 @@ def _add_instrument_flags(p: argparse.ArgumentParser) -> None:
         "--network",
         default="real",
         metavar="SPEC",
-        help="real (default) | tbf:RATE (ranks in a netns with a rate-limited loopback, e.g. "
-        "tbf:800mbit; root + iproute2) | model:LATENCY,BANDWIDTH[,FAMILIES] (modelled link, e.g. "
+        help="real (default) | nic:RATE (each rank in its own netns with a full-duplex NIC of RATE "
+        "each way, e.g. nic:200mbit; root + iproute2) | tbf:RATE (ranks in one netns with a "
+        "rate-limited loopback, one queue for all, e.g. tbf:800mbit; root + iproute2) | "
+        "model:LATENCY,BANDWIDTH[,FAMILIES] (modelled link, e.g. "
         "model:100us,1GB/s; model:1ms,10MB/s,ep: only the ep collectives use it)",
     )
 
@@ -272,7 +275,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _expand_path_flags(args, PATH_FLAGS)
     # resolves and validates before anything starts: a bad config never spawns ranks
     job = prepare(args)
-    from overlap.launch.network import check_network_for, parse_network
+    from overlap.launch.network import EMULATED, check_network_for, parse_network
 
     network = parse_network(args.network)
     _check_comm_mode(args.comm_mode)
@@ -284,7 +287,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_network_for(network, args.gpu)
     if args.nccl_rules:
         _check_nccl_rules(job.cfg, args, network)
-    if args.emit_slurm and network.kind == "tbf":
+    if args.emit_slurm and network.kind in EMULATED:
         raise ConfigError(
             "--network",
             args.network,
@@ -377,13 +380,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     # (they get the communication timeout to save and exit) rather than a stop.
     grace = job.cfg.train.comm_timeout_s if job.cfg.train.exit_signal_handler else None
     try:
-        if network.kind == "tbf":
-            from overlap.launch.network import NETNS_ENV, emulated_interconnect
+        if network.kind in EMULATED:
+            from overlap.launch.network import emulated_ranks
 
-            with emulated_interconnect(network.rate) as (namespace, prefix):
-                print(f"Network: {network.describe()}; namespace {namespace}", flush=True)
-                worker_env[NETNS_ENV] = namespace
-                launch_local(command, args.num_gpus, worker_env, prefix=prefix, term_grace_s=grace)
+            with emulated_ranks(network, args.num_gpus) as ranks:
+                print(f"Network: {network.describe()}; namespace {ranks.namespace}", flush=True)
+                launch_local(
+                    command,
+                    args.num_gpus,
+                    {**worker_env, **ranks.env},
+                    addr=ranks.master_addr,
+                    prefixes=ranks.prefixes,
+                    term_grace_s=grace,
+                )
         else:
             print(f"Network: {network.describe()}", flush=True)
             launch_local(command, args.num_gpus, worker_env, term_grace_s=grace)
@@ -429,7 +438,7 @@ def _check_nccl_rules(cfg, args: argparse.Namespace, network) -> None:
             network.text,
             "the modelled link delays the host and matches messages by tag, and NCCL's rules hide "
             "completion from the host and ignore tags.",
-            "drop --network with --nccl-rules (tbf:RATE and real are fine).",
+            "drop --network with --nccl-rules (nic:RATE, tbf:RATE and real are fine).",
         )
     m, d = cfg.model, cfg.ddp
     for field, value, peer in (
@@ -469,10 +478,10 @@ def _network_label(network, comm_mode: str) -> str:
 
 def _apply_network(network, comm_mode: str) -> None:
     """Configure comm.py on this rank for the chosen link and mode."""
-    from overlap.launch.network import NETNS_ENV
+    from overlap.launch.network import EMULATED, NETNS_ENV
     from overlap.parallel import comm, link_model
 
-    if network.kind == "tbf" and NETNS_ENV not in os.environ:
+    if network.kind in EMULATED and NETNS_ENV not in os.environ:
         raise ConfigError(
             "--network",
             network.text,

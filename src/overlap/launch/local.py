@@ -270,18 +270,21 @@ def launch_local(
     world: int,
     env: Mapping[str, str],
     addr: str = "127.0.0.1",
-    prefix: Sequence[str] = (),
+    prefixes: Sequence[Sequence[str]] = (),
     log_dir: str | os.PathLike | None = None,
     term_grace_s: float | None = None,
 ) -> None:
-    """Run `prefix + command` once per rank and wait; raise RankFailure with the one-line account of
-    a failure.
+    """Run `command` once per rank and wait; raise RankFailure with the one-line account of a
+    failure. `prefixes`, when given, holds one command prefix per rank (e.g. the `ip netns exec`
+    that starts it in its network namespace); `addr` is the rendezvous address (MASTER_ADDR).
 
     `term_grace_s` (the ranks handle SIGTERM: `train.exit_signal_handler`): a SIGTERM to the
     launcher is forwarded and the ranks get that long to save a checkpoint and exit; if every rank
     then exits 0 the launch ends normally (a preemption handled, not a failure) instead of raising
     `Interrupted`."""
-    # free here; a fresh network namespace (prefix) has an empty port space anyway
+    if prefixes and len(prefixes) != world:
+        raise ValueError(f"{len(prefixes)} command prefixes for {world} ranks")
+    # free here; a fresh network namespace (prefixes) has an empty port space anyway
     port = free_port()
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="overlap-run-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -300,7 +303,7 @@ def launch_local(
             path = logs / LOG_NAME.format(rank=r)
             with open(path, "wb") as sink:
                 proc = subprocess.Popen(
-                    [*prefix, *command],
+                    [*(prefixes[r] if prefixes else ()), *command],
                     env=rank_env(env, r, world, addr, port),
                     stdout=sink,
                     stderr=subprocess.STDOUT,

@@ -725,11 +725,17 @@ def _validate(args: argparse.Namespace, configs: list[BenchConfig]) -> None:
     """Resolve every configuration here first: a bad one fails before any run starts, with the usual
     message."""
     from overlap.harness import prepare
-    from overlap.launch.network import check_netns_support, check_network_for, parse_network
+    from overlap.launch.network import (
+        EMULATED,
+        check_netns_support,
+        check_network_for,
+        parse_network,
+    )
 
-    check_network_for(parse_network(args.network), args.gpu)
-    if parse_network(args.network).kind == "tbf":
-        check_netns_support()
+    network = parse_network(args.network)
+    check_network_for(network, args.gpu)
+    if network.kind in EMULATED:
+        check_netns_support(network.text)
     from overlap.launch.paths import check_bench_outputs
     from overlap.launch.resources import check_run_resources
     from overlap.perf.memory_model import rank_memory

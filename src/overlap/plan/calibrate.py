@@ -13,11 +13,13 @@ measured:
   (`fit_efficiency`). Nothing of an overlap switch is fitted: its effect is the communication
   model's and the schedule's doing;
 - the link: `--network model:LAT,BW[,FAMILIES]` is the modelled link itself (exact, and only those
-  families); `real` and `tbf:RATE` run over loopback, whose per-op latency and bandwidth a short
-  gloo probe measures with the run's number of ranks (`probe_loopback`); under `tbf` every rank's
-  traffic crosses one token bucket, so each rank gets RATE / ranks when all send at once (the
-  collectives of one step do), and its share of the bucket's depth (`TBF_BURST_BYTES` / ranks),
-  which an idle link refills and the next transfer spends at the loopback's rate;
+  families); for `real`, `tbf:RATE` and `nic:RATE` a short gloo probe over loopback measures the
+  per-op latency and bandwidth with the run's number of ranks (`probe_loopback`); under `tbf`
+  every rank's traffic crosses one token bucket, so each rank gets RATE / ranks when all send at
+  once (the collectives of one step do), and its share of the bucket's depth (`TBF_BURST_BYTES` /
+  ranks), which an idle link refills and the next transfer spends at the loopback's rate; under
+  `nic:RATE` each rank has a NIC of its own: RATE each way, a bucket of `NIC_BURST_BYTES` per
+  direction;
 - the overlap slowdown: 0 (gloo's transport threads and a modelled link's sleeps take little CPU
   from the compute thread; what they do take shows in the validation, `bench/plan_vs_bench.py`).
 
@@ -49,7 +51,7 @@ from overlap.config.kinds import FAMILIES
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
 from overlap.files import write_replace
-from overlap.launch.network import TBF_BURST_BYTES, Network
+from overlap.launch.network import NIC_BURST_BYTES, TBF_BURST_BYTES, Network
 from overlap.plan.hardware import Cluster, Efficiency, Link
 from overlap.plan.predict import predict
 
@@ -140,6 +142,15 @@ def cpu_cluster(
             f"--network {network.text}: one token bucket shared by {ranks} ranks; latency "
             f"{loopback.source}",
             burst_bytes=TBF_BURST_BYTES / ranks,
+            burst_Bps=loopback.bandwidth_Bps,
+        )
+    elif network.kind == "nic":
+        link = Link(
+            network.rate_Bps,
+            loopback.latency_s,
+            f"--network {network.text}: a full-duplex NIC per rank, RATE each way with its own "
+            f"64 KiB token bucket; latency {loopback.source}",
+            burst_bytes=NIC_BURST_BYTES,
             burst_Bps=loopback.bandwidth_Bps,
         )
     else:

@@ -134,8 +134,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--network",
         default=None,
         metavar="SPEC",
-        help="with --calibrate: the link to profile, as `overlap run --network` (real | tbf:RATE | "
-        "model:LATENCY,BANDWIDTH[,FAMILIES])",
+        help="with --calibrate: the link to profile, as `overlap run --network` (real | nic:RATE | "
+        "tbf:RATE | model:LATENCY,BANDWIDTH[,FAMILIES])",
     )
     plan.set_defaults(func=cmd_plan)
 

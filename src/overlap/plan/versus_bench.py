@@ -106,7 +106,8 @@ def _floor(doc: dict, families: tuple[str, ...] | None) -> tuple[float, tuple[st
 
 def compare(result: Path, loopback: dict[int, Link]) -> list[Row]:
     """Predicted vs measured step time of every configuration of ours in the bench result `result`;
-    `loopback` holds the probe's link per number of ranks (for `real` and `tbf:` networks)."""
+    `loopback` holds the probe's link per number of ranks (for `real`, `nic:` and `tbf:`
+    networks)."""
     from overlap.perf.bench import build_configs, parse_ab, parse_named_config
 
     doc = json.loads(result.read_text())
