@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from overlap.config.kinds import parse_families
 from overlap.errors import ConfigError
+from overlap.launch.kinds import parse_families
 
 log = logging.getLogger("overlap")
 
