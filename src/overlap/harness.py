@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from overlap.config.comm_overlap import DIRECT_SECTION, CommOverlapConfig
-from overlap.config.container import ConfigContainer, Resolution
+from overlap.config.container import PRETRAINED, ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.config.flex_dispatcher import (
     TARGET_DEVICES,
     apply_flex_dispatcher_backend,
     probe_device,
 )
-from overlap.config.hf_config import PRETRAINED
 from overlap.config.mixed_precision import get_mixed_precision_config
 from overlap.config.overrides import apply_override, apply_overrides, check_override_repeats
 from overlap.config.path_fields import expand_path_fields
@@ -40,6 +39,7 @@ from overlap.config.perf_recipes import LAYOUT_KEYS, Setting, perf_recipe
 from overlap.config.perf_recipes import SOURCE as PERF_SOURCE
 from overlap.config.recipes import Recipe, get_recipe
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.hf.config_json import pretrained_model
 from overlap.launch.env import VALID_ACCELERATORS, LaunchEnvInputs
 from overlap.launch.resources import MemoryEstimate, check_representable
 
@@ -787,6 +787,7 @@ def prepare(
         require_libraries=not describe_target,
         command_line=command_line,
         on_cuda=args.gpu != "cpu",
+        pretrained=pretrained_model,
     )  # as `run` places its ranks
     check_pretrained_overrides(res, line)
     # before anything builds even a meta-device model
