@@ -19,7 +19,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from overlap.config.attention import attention_kernel, check_attention_backend
 from overlap.config.recompute import selective_modules
-from overlap.config.tp_overlap import linear_plan
 from overlap.errors import ConfigError
 from overlap.layers.cp_attention import cp_attention
 from overlap.layers.norm import RMSNorm
@@ -112,7 +111,7 @@ class SelfAttention(nn.Module):
             sp,
             bias=config.add_qkv_bias,
             params_dtype=dtype,
-            overlap=linear_plan(overlap, "qkv"),
+            overlap=overlap.linear("qkv"),
         )
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
@@ -149,7 +148,7 @@ class SelfAttention(nn.Module):
             sp,
             bias=config.add_bias_linear,
             params_dtype=dtype,
-            overlap=linear_plan(overlap, "proj"),
+            overlap=overlap.linear("proj"),
         )
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
