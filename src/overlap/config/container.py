@@ -21,13 +21,16 @@ from typing import Any
 import torch
 
 from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
-from overlap.config.attention import resolve_attention_backend
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
-from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
-from overlap.config.fusion import resolve_elementwise_fusion
-from overlap.config.grouped_gemm import resolve_grouped_gemm
+from overlap.config.flex_dispatcher import validate_flex_dispatcher_backend
+from overlap.config.kernel_choices import (
+    resolve_attention_backend,
+    resolve_elementwise_fusion,
+    resolve_grouped_gemm,
+    resolve_moe_permute_fusion,
+)
 from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
@@ -36,7 +39,6 @@ from overlap.config.mixed_precision import (
     resolve_loss_scaling,
 )
 from overlap.config.model import ModelConfig
-from overlap.config.moe_permute import resolve_moe_permute_fusion
 from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 from overlap.config.refusals import unbuilt
 from overlap.config.training import (
@@ -48,6 +50,7 @@ from overlap.config.training import (
     TrainConfig,
 )
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.kernels.device import probe_device
 
 _log = logging.getLogger("overlap.config")
 

@@ -38,13 +38,13 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from overlap.config.attention import attention_kernel
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.recompute import layer_chunks, selective_modules
 from overlap.config.tp_overlap import BULK
 from overlap.errors import ConfigError
+from overlap.kernels.attention import attention_kernel
 from overlap.launch.activations import (
     INDEX_BYTES,
     LOSS_CHUNK_BYTES,

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from overlap.config.attention import attention_kernel, check_attention_backend
 from overlap.config.recompute import selective_modules
 from overlap.errors import ConfigError
+from overlap.kernels.attention import attention_kernel, check_attention_backend
 from overlap.layers.cp_attention import cp_attention
 from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import maybe_checkpoint
@@ -189,7 +189,7 @@ class SelfAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of [b, heads, s, d] queries on [b, groups, s, d] keys and values in
         position order, by `model.attention_backend`'s kernel on this device
-        (overlap.config.attention)."""
+        (overlap.kernels.attention)."""
         # a dry run's stand-in for a CUDA rank (overlap.perf.dry_run)
         on_meta = q.device.type == "meta"
         kernel, _ = attention_kernel(
