@@ -39,6 +39,7 @@ from overlap.hf.config_json import pretrained_model
 from overlap.kernels.device import TARGET_DEVICES, probe_device
 from overlap.launch.env import VALID_ACCELERATORS, LaunchEnvInputs
 from overlap.launch.resources import MemoryEstimate, check_representable
+from overlap.profiling.sinks import record_sinks
 
 log = logging.getLogger("overlap")
 
@@ -786,6 +787,7 @@ def prepare(
         on_cuda=args.gpu != "cpu",
         pretrained=pretrained_model,
     )  # as `run` places its ranks
+    record_sinks(cfg.logger, res.decisions, require_libraries=not describe_target)
     check_pretrained_overrides(res, line)
     # before anything builds even a meta-device model
     estimate = check_representable(cfg, res.layout)

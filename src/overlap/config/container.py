@@ -173,7 +173,7 @@ class ConfigContainer:
         self._validate(layout, plan)
         self._covered_recompute(log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
-        resolve_logger(self.logger, self.checkpoint.save, log, require_libraries)
+        resolve_logger(self.logger, self.checkpoint.save, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
         resolve_attention_backend(self.model, log, on_cuda)
