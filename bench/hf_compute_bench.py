@@ -78,9 +78,8 @@ def _hf_model(kind: str, args: argparse.Namespace, dtype: torch.dtype):
 
 
 def _ours(folder: Path, seq: int, dtype: torch.dtype, attention_backend: str):
-    from overlap.config.hf_config import model_config_from_hf, read_hf_config
-
     from overlap.config import ConfigContainer
+    from overlap.hf.config_json import model_config_from_hf, read_hf_config
     from overlap.hf.load import load_hf_weights
     from overlap.model.gpt import model_chunks
     from overlap.parallel.state import ParallelState
