@@ -79,7 +79,7 @@ def _hf_model(kind: str, args: argparse.Namespace, dtype: torch.dtype):
 
 def _ours(folder: Path, seq: int, dtype: torch.dtype, attention_backend: str):
     from overlap.config import ConfigContainer
-    from overlap.config.hf_config import model_config_from_hf, read_hf_config
+    from overlap.hf.config_json import model_config_from_hf, read_hf_config
     from overlap.hf.load import load_hf_weights
     from overlap.model.gpt import model_chunks
     from overlap.parallel.state import ParallelState
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "--attention-backends",
         default="auto",
         help="comma-separated model.attention_backend values of ours, each its own row (auto, "
-        "flash, unfused; see overlap.config.attention)",
+        "flash, unfused; see overlap.kernels.attention)",
     )
     parser.add_argument(
         "--heap",

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from overlap.config import ConfigContainer
-from overlap.config.attention import UNFUSED_MAX_SEQ, attention_kernel
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
+from overlap.kernels.attention import UNFUSED_MAX_SEQ, attention_kernel
 from overlap.layers.attention import SelfAttention, unfused_attention
 from overlap.model import GPTModel
 from overlap.parallel.state import ParallelLayout, ParallelState

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,8 +14,7 @@ import torch
 import overlap.cli as cli
 import overlap.config.flex_dispatcher as flex
 from overlap.cli import main
-from overlap.config import CommOverlapConfig
-from overlap.config.recipes import RECIPES, Recipe, qwen3_30b_a3b
+from overlap.config.recipes import RECIPES
 
 # The reference harness command from SPEC.md section 1 (run_script.py flags), as `overlap explain`
 # arguments.
@@ -235,17 +235,13 @@ def recipe_with_ep_overlap(monkeypatch):
     """qwen3_30b_a3b as a recipe that ships with EP overlap on (the reference's perf recipe
     does)."""
 
-    def build(ng):
-        cfg = qwen3_30b_a3b(ng)
-        cfg.comm_overlap = CommOverlapConfig(
-            tp_comm_overlap=False, overlap_moe_expert_parallel_comm=True
-        )
-        cfg.model.overlap_moe_expert_parallel_comm = True
-        return cfg
-
-    monkeypatch.setitem(
-        RECIPES, "qwen3_30b_a3b", Recipe("qwen", "qwen3_30b_a3b", build, "EP overlap on")
-    )
+    recipe = RECIPES["qwen3_30b_a3b"]
+    sections = {
+        **recipe.sections,
+        "model": {**recipe.sections["model"], "overlap_moe_expert_parallel_comm": True},
+        "comm_overlap": {"tp_comm_overlap": False, "overlap_moe_expert_parallel_comm": True},
+    }
+    monkeypatch.setitem(RECIPES, "qwen3_30b_a3b", replace(recipe, sections=sections))
 
 
 def test_recipe_ep_overlap_is_on_without_the_flag(capsys, recipe_with_ep_overlap):

@@ -25,8 +25,8 @@ from overlap.config import (
     validate_flex_dispatcher_backend,
 )
 from overlap.config.decisions import DecisionLog
-from overlap.config.flex_dispatcher import DeviceInfo, deepep_supported, hybridep_supported
 from overlap.errors import ConfigError
+from overlap.kernels.device import DeviceInfo, deepep_supported, hybridep_supported
 from tests import configs
 from tests.configs import moe_model
 

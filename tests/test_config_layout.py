@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from overlap.config import ConfigContainer, ModelConfig, TrainConfig
-from overlap.config.recipes import RECIPES, get_recipe, qwen3_30b_a3b
+from overlap.config.recipes import RECIPES, get_recipe
 from overlap.errors import ConfigError, NotBuiltError
 from tests.configs import container, dense_model, moe_model
 
@@ -195,7 +195,7 @@ def test_tokenizer_types():
 
 # --- recipes --------------------------------------------------------------------------------------
 def test_qwen3_30b_a3b_reference_dimensions():
-    m = qwen3_30b_a3b(16).model
+    m = RECIPES["qwen3_30b_a3b"].build(16).model
     assert m.num_layers == 48
     assert m.hidden_size == 2048
     assert m.num_attention_heads == 32
@@ -254,9 +254,9 @@ def test_recipe_lookup_errors():
 
 
 def test_recipe_builds_are_independent():
-    a = qwen3_30b_a3b(16)
+    a = RECIPES["qwen3_30b_a3b"].build(16)
     a.model.num_layers = 1
-    assert qwen3_30b_a3b(16).model.num_layers == 48
+    assert RECIPES["qwen3_30b_a3b"].build(16).model.num_layers == 48
 
 
 # --- sizes must be positive -----------------------------------------------------------------------

@@ -16,9 +16,9 @@ from overlap.config import (
     OptimizerConfig,
     TrainConfig,
 )
-from overlap.config.flex_dispatcher import DeviceInfo
 from overlap.config.overrides import apply_override
 from overlap.errors import ConfigError
+from overlap.kernels.device import DeviceInfo
 
 DEVICES = [
     None,

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from overlap.cli import main
 from overlap.config.overrides import apply_overrides
-from overlap.config.recipes import dense_tiny
+from overlap.config.recipes import RECIPES
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import RECORDER
 from overlap.training.trainer import Trainer
@@ -33,7 +33,7 @@ PEER = "model.tensor_parallel_impl=dtensor"
 def _train(overrides: list[str]) -> dict:
     """dense_tiny for STEPS iterations: losses, grad norms, and what a rank's model and our tracer
     show."""
-    cfg = dense_tiny(dist.get_world_size())
+    cfg = RECIPES["dense_tiny"].build(dist.get_world_size())
     cfg.train.train_iters = STEPS
     apply_overrides(cfg, overrides)
     res = cfg.finalize(dist.get_world_size())
@@ -120,7 +120,7 @@ def test_the_layers_tp_collectives_leave_our_comm():
     ours, peer = _run(2, overrides)[0], _run(2, overrides + (PEER,))[0]
     n = peer["micro_batches"] * STEPS
     assert peer["traced"] == {"tp_ag": 3 * n, "tp_rs": 2 * n}
-    layers = dense_tiny(2).model.num_layers
+    layers = RECIPES["dense_tiny"].build(2).model.num_layers
     assert ours["traced"] == {"tp_ag": (3 + 6 * layers) * n, "tp_rs": (2 + 4 * layers) * n}
 
 

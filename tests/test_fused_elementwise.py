@@ -1,5 +1,5 @@
 """The elementwise chains (`overlap.layers.fused.Chain`) and their fusions
-(`overlap.config.fusion`): each chain against the plain expression it implements under autograd,
+(`overlap.kernels.fusion`): each chain against the plain expression it implements under autograd,
 forward and backward; each chain compiled by torch.compile (inductor, whose CPU backend compiles C++
 with g++) against itself eager; what each keeps for backward (only what its backward needs); the
 compiled graphs hold no op that syncs the host; a tiny MoE model trained with every fusion on
@@ -30,9 +30,9 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.autograd.graph import saved_tensors_hooks
 from torch.fx.node import map_arg
 
-from overlap.config import fusion
-from overlap.config.fusion import FUSIONS, fusion_on
 from overlap.errors import ConfigError
+from overlap.kernels import fusion
+from overlap.kernels.fusion import FUSIONS, fusion_on
 from overlap.layers import fused
 from overlap.layers.mlp import SWIGLU
 from overlap.layers.norm import RMS_NORM

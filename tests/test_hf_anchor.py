@@ -52,7 +52,7 @@ def _build(folder: str, layout: dict):
     """This rank's model chunks with their shards loaded from the HF folder, and the parallel
     state."""
     from overlap.config import ConfigContainer
-    from overlap.config.hf_config import model_config_from_hf, read_hf_config
+    from overlap.hf.config_json import model_config_from_hf, read_hf_config
     from overlap.hf.load import load_hf_weights
     from overlap.model.gpt import model_chunks
     from overlap.parallel.state import ParallelState
@@ -167,7 +167,7 @@ def test_logits_match_transformers(hf_models, kind, name):
     "kind", ["moe", "dense", "moe_unnormalised", "moe_sparse_step", "dense_tied"]
 )
 def test_gradients_match_transformers(hf_models, kind):
-    from overlap.config.hf_config import model_config_from_hf, read_hf_config
+    from overlap.hf.config_json import model_config_from_hf, read_hf_config
     from overlap.hf.load import DictSource, read_shard
     from overlap.hf.names import mappings
 
@@ -183,13 +183,14 @@ def test_gradients_match_transformers(hf_models, kind):
 
 
 def _train(folder: str, layout: list[str]) -> list[float]:
+    from overlap.hf.config_json import pretrained_model
     from overlap.parallel.state import ParallelState
     from overlap.training.trainer import Trainer
     from tests.configs import tiny_config
 
     # The tiny recipe's own shape: the run takes the checkpoint's from its config.json (finalize)
     cfg = tiny_config(True, "fp32", 2, layout + [f"checkpoint.pretrained_checkpoint={folder}"], 2)
-    res = cfg.finalize(dist.get_world_size())
+    res = cfg.finalize(dist.get_world_size(), pretrained=pretrained_model)
     return [r.lm_loss for r in Trainer(cfg, ParallelState(res.layout)).train().records]
 
 
@@ -218,7 +219,7 @@ def test_fused_layout_on_disk_imports_like_per_expert(hf_models, tmp_path):
     load the same."""
     from safetensors.torch import save_file
 
-    from overlap.config.hf_config import model_config_from_hf, read_hf_config
+    from overlap.hf.config_json import model_config_from_hf, read_hf_config
     from overlap.hf.load import check_source, read_shard
     from overlap.hf.safetensors_io import SafetensorsReader
 
@@ -240,13 +241,9 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
     """`checkpoint.pretrained_checkpoint=<HF folder>`: every architecture field comes from
     config.json, whatever the recipe or an override said, each change a decision of the checkpoint
     section; our own checkpoints (no config.json) leave the configured model alone."""
-    from overlap.config.hf_config import (
-        ARCH_FIELDS,
-        MOE_FIELDS,
-        model_config_from_hf,
-        read_hf_config,
-    )
+    from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
     from overlap.errors import ConfigError
+    from overlap.hf.config_json import model_config_from_hf, pretrained_model, read_hf_config
     from tests.configs import tiny_config
 
     for kind in ("moe", "dense", "moe_sparse_step"):
@@ -255,7 +252,10 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         cfg = tiny_config(
             True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={folder}", "model.num_layers=6"], 1
         )
-        decisions = {d.field: d for d in cfg.finalize(1).decisions.sections["checkpoint"]}
+        decisions = {
+            d.field: d
+            for d in cfg.finalize(1, pretrained=pretrained_model).decisions.sections["checkpoint"]
+        }
         for field, attr in {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}.items():
             assert getattr(cfg.model, attr) == getattr(theirs, attr), (kind, field)
         assert decisions["model.num_layers"].requested == 6
@@ -274,7 +274,7 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         ],
         1,
     )
-    cfg.finalize(1)
+    cfg.finalize(1, pretrained=pretrained_model)
     assert (cfg.model.num_layers, cfg.model.moe_layer_freq) == (2, [0, 1])
     cfg = tiny_config(
         True,
@@ -284,12 +284,12 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         1,
     )
     with pytest.raises(ConfigError, match="tokenizer.vocab_size"):
-        cfg.finalize(1)
+        cfg.finalize(1, pretrained=pretrained_model)
     # a dense recipe takes the MoE checkpoint's router aux-loss coefficient with its experts
     dense = tiny_config(
         False, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}"], 1
     )
-    dense.finalize(1)
+    dense.finalize(1, pretrained=pretrained_model)
     assert dense.model.is_moe and dense.model.moe_aux_loss_coeff == theirs_aux(hf_models["moe"][0])
     # token dropping on released MoE weights: honoured, and said beside the architecture
     dropping = tiny_config(
@@ -302,25 +302,29 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         ],
         1,
     )
-    rows = {d.field: d for d in dropping.finalize(1).decisions.sections["checkpoint"]}
+    rows = {
+        d.field: d
+        for d in dropping.finalize(1, pretrained=pretrained_model).decisions.sections["checkpoint"]
+    }
     assert "dropped" in rows["model.moe_expert_capacity_factor"].reason
     # a path that is not on this machine: the recipe's architecture, said in the checkpoint section
     away = tiny_config(
         True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path / 'elsewhere'}"], 1
     )
-    rows = away.finalize(1).decisions.sections["checkpoint"]
+    rows = away.finalize(1, pretrained=pretrained_model).decisions.sections["checkpoint"]
     assert any(d.field == "model" and "not on this machine" in d.reason for d in rows)
     cfg = tiny_config(
         True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path}", "model.num_layers=6"], 1
     )
-    cfg.finalize(1)
+    cfg.finalize(1, pretrained=pretrained_model)
     assert cfg.model.num_layers == 6 and not any(
-        d.field.startswith("model.") for d in cfg.finalize(1).decisions.sections["checkpoint"]
+        d.field.startswith("model.")
+        for d in cfg.finalize(1, pretrained=pretrained_model).decisions.sections["checkpoint"]
     )
 
 
 def theirs_aux(folder) -> float:
-    from overlap.config.hf_config import model_config_from_hf, read_hf_config
+    from overlap.hf.config_json import model_config_from_hf, read_hf_config
 
     return model_config_from_hf(read_hf_config(folder)).moe_aux_loss_coeff
 
@@ -374,8 +378,8 @@ def test_the_command_line_cannot_contradict_a_pretrained_checkpoint(hf_models, t
 
 
 def test_configured_model_must_match_config_json(hf_models):
-    from overlap.config.hf_config import check_model_matches, model_config_from_hf, read_hf_config
     from overlap.errors import ConfigError
+    from overlap.hf.config_json import check_model_matches, model_config_from_hf, read_hf_config
 
     folder, _ = hf_models["moe"]
     hf = read_hf_config(folder)

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from overlap.config.hf_config import hf_config_from_model, model_config_from_hf
 from overlap.errors import ConfigError
+from overlap.hf.config_json import hf_config_from_model, model_config_from_hf
 from overlap.hf.load import DictSource, check_source, read_shard
 from overlap.hf.names import mappings, merge_qkv, split_qkv, to_hf, unfuse_experts
 from overlap.hf.safetensors_io import SafetensorsReader, write_sharded

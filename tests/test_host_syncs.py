@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from overlap.config.moe_permute import LOOP_ON_CUDA, permute_fused
+from overlap.kernels.moe_permute import LOOP_ON_CUDA, permute_fused
 from overlap.parallel.state import ParallelState
 from overlap.perf.host_syncs import (
     HOST_TENSOR,

@@ -14,13 +14,15 @@ import pytest
 
 SRC = Path(__file__).parent.parent / "src" / "overlap"
 
-# Lowest first: config (and the data readers it validates with) -> launch -> parallel -> layers /
-# model -> data parallelism, HF weights -> pipeline schedules -> training -> the harness -> perf /
-# plan -> the commands.
+# Lowest first: config (and the data readers it validates with, and kernels/: the capability probes
+# and kernel-choice rules that the resolution records and the layers apply, so below both) ->
+# launch -> parallel -> layers / model -> data parallelism, HF weights -> pipeline schedules ->
+# training -> the harness -> perf / plan -> the commands.
 LAYERS = (
     "errors",
     "files",
     "data",
+    "kernels",
     "config",
     "launch",
     "parallel",

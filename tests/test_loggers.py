@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from overlap.config import ConfigContainer
-from overlap.config.logger import wandb_mode
 from overlap.config.overrides import apply_overrides
 from overlap.errors import ConfigError
+from overlap.profiling.sinks import record_sinks, wandb_mode
 
 
 def _flat(record: dict, prefix: str = "") -> dict[str, float]:
@@ -173,13 +173,16 @@ def test_a_missing_extra_is_one_error_naming_the_field_and_the_install(monkeypat
         )
         with monkeypatch.context() as m:
             m.setitem(sys.modules, module, None)  # as if not installed
+            res = cfg.finalize(1, require_libraries=True)
             with pytest.raises(
                 ConfigError, match=rf"logger\.{field}='x': it needs the {module} package"
             ) as err:
-                cfg.finalize(1, require_libraries=True)
+                record_sinks(cfg.logger, res.decisions, require_libraries=True)
             assert f"pip install 'overlap[{module}]'" in str(err.value)
             # explain: said, not raised
-            res = ConfigContainer(logger=cfg.logger).finalize(1, require_libraries=False)
+            described = ConfigContainer(logger=cfg.logger)
+            res = described.finalize(1, require_libraries=False)
+            record_sinks(described.logger, res.decisions, require_libraries=False)
             assert any(
                 f"needs overlap[{module}]" in d.reason for d in res.decisions.sections["logger"]
             )

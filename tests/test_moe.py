@@ -460,7 +460,7 @@ def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped, monk
     """Issue 47 item 10: torch's grouped GEMM only on Hopper in bf16. SM8x: it falls back to a loop
     after `offs.cpu()` (a host sync per GEMM); SM100+: experts without rows get non-zero weight
     gradients. Elsewhere the loop, which the table says with the reason."""
-    from overlap.config.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
+    from overlap.kernels.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
     from overlap.layers.linear_functions import grouped_offsets
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
@@ -476,7 +476,7 @@ def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped, monk
 
 @pytest.mark.parametrize("gpu, kernel", [("h100", "grouped"), ("b200", "loop"), ("cpu", "grouped")])
 def test_explain_shows_the_experts_gemm_kernel_for_the_target_gpu(gpu, kernel):
-    from overlap.config.grouped_gemm import ROW
+    from overlap.config.kernel_choices import ROW
     from overlap.harness import resolve_run
 
     job = resolve_run(["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", gpu, "-ng", "1"], [])

@@ -36,9 +36,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config.flex_dispatcher import TARGET_DEVICES
 from overlap.config.model import expert_rank_capacity
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.kernels.device import TARGET_DEVICES
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layers.moe.rank_capacity import RankCapacityDispatcher

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from overlap.cli import main
-from overlap.config.recipes import qwen3_30b_a3b
+from overlap.config.recipes import RECIPES
 from overlap.plan.comm_model import (
     alltoall_time_s,
     expected_destinations,
@@ -24,11 +24,11 @@ H100 = builtin_cluster("h100", "bf16", 8)
 
 def test_flops_per_token_is_megatrons_count():
     # planner reference 4.1: 23.006 GFLOP/token at s = 4096
-    f = training_flops(qwen3_30b_a3b(16).model)
+    f = training_flops(RECIPES["qwen3_30b_a3b"].build(16).model)
     assert f.total / 1e9 == pytest.approx(23.006, abs=0.001)
     assert f.attention_core / 48 == pytest.approx(100.7e6, rel=1e-3)  # causal halving
     assert f.logits == pytest.approx(1.867e9, rel=1e-3)
-    assert flops_per_token(qwen3_30b_a3b(16).model) == f.total
+    assert flops_per_token(RECIPES["qwen3_30b_a3b"].build(16).model) == f.total
 
 
 def test_link_choice_follows_members_per_node():

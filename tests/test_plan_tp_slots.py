@@ -4,7 +4,7 @@ uses."""
 
 import pytest
 
-from overlap.config.recipes import dense_tiny
+from overlap.config.recipes import RECIPES
 from overlap.config.tp_overlap import BULK, PIPELINE, RING, SlotPlan, effective_tp_plan
 from overlap.plan.hardware import Link
 from overlap.plan.tp_slots import TPGemms, layer_tp
@@ -86,7 +86,7 @@ def test_a_layers_collectives_follow_the_resolved_plan(overrides, gathers):
     column-parallel linears' inputs gathered again for their weight gradients (the plain path and a
     bulk dgrad slot: they keep only the shard); a plan without a bulk dgrad slot keeps the gathered
     input and gathers nothing again."""
-    m = dense_tiny(1).model
+    m = RECIPES["dense_tiny"].build(1).model
     m.tensor_model_parallel_size, m.sequence_parallel = 2, True
     for key, value in overrides.items():
         setattr(m, key, value)

@@ -25,7 +25,6 @@ from overlap.config.tp_overlap import (
     LinearPlan,
     SlotPlan,
     effective_tp_plan,
-    linear_plan,
 )
 from overlap.errors import ConfigError
 from overlap.layers.init import init_model_params
@@ -129,10 +128,9 @@ def test_megatron_switches_narrow_the_plan():
         and slots["fc1_fprop"] != "off"
     )
     assert (
-        linear_plan(
-            _resolved(tp_comm_overlap_disable_fc1=True, tp_comm_overlap_rs=False).resolved.overlap,
-            "fc1",
-        )
+        _resolved(
+            tp_comm_overlap_disable_fc1=True, tp_comm_overlap_rs=False
+        ).resolved.overlap.linear("fc1")
         is None
     )
 

@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from overlap.config.hf_config import hf_config_from_model, model_config_from_hf, read_hf_config
 from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError
 from overlap.files import is_no_space, no_space, write_replace
+from overlap.hf.config_json import hf_config_from_model, model_config_from_hf, read_hf_config
 from overlap.hf.names import mappings, to_hf, unfuse_experts
 from overlap.hf.safetensors_io import SafetensorsReader, write_sharded
 from overlap.parallel import groups

@@ -25,14 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from overlap.config.comm_overlap import DIRECT_SECTION, CommOverlapConfig
-from overlap.config.container import ConfigContainer, Resolution
+from overlap.config.container import PRETRAINED, ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
-from overlap.config.flex_dispatcher import (
-    TARGET_DEVICES,
-    apply_flex_dispatcher_backend,
-    probe_device,
-)
-from overlap.config.hf_config import PRETRAINED
+from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend
 from overlap.config.mixed_precision import get_mixed_precision_config
 from overlap.config.overrides import apply_override, apply_overrides, check_override_repeats
 from overlap.config.path_fields import expand_path_fields
@@ -40,8 +35,11 @@ from overlap.config.perf_recipes import LAYOUT_KEYS, Setting, perf_recipe
 from overlap.config.perf_recipes import SOURCE as PERF_SOURCE
 from overlap.config.recipes import Recipe, get_recipe
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.hf.config_json import pretrained_model
+from overlap.kernels.device import TARGET_DEVICES, probe_device
 from overlap.launch.env import VALID_ACCELERATORS, LaunchEnvInputs
 from overlap.launch.resources import MemoryEstimate, check_representable
+from overlap.profiling.sinks import record_sinks
 
 log = logging.getLogger("overlap")
 
@@ -787,7 +785,9 @@ def prepare(
         require_libraries=not describe_target,
         command_line=command_line,
         on_cuda=args.gpu != "cpu",
+        pretrained=pretrained_model,
     )  # as `run` places its ranks
+    record_sinks(cfg.logger, res.decisions, require_libraries=not describe_target)
     check_pretrained_overrides(res, line)
     # before anything builds even a meta-device model
     estimate = check_representable(cfg, res.layout)

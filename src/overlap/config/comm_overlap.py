@@ -23,6 +23,7 @@ import torch
 
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
 from overlap.config.tp_overlap import (
+    LinearPlan,
     SlotPlan,
     TransformerLayerTPOverlapCfg,
     effective_tp_plan,
@@ -200,6 +201,15 @@ class OverlapPlan:
                 ok = isinstance(value, kind) or (value is None and f.type.endswith("| None"))
             if not ok:
                 raise TypeError(f"OverlapPlan.{f.name} resolved to {value!r}, not a plain {plain}")
+
+    def linear(self, name: str) -> LinearPlan | None:
+        """The slots of the TP linear `name` (qkv, proj, fc1, fc2), what its layer executes; None
+        when none of them overlaps (TP overlap off included)."""
+        plans = dict(self.tp_slots)
+        plan = LinearPlan(
+            plans.get(f"{name}_fprop"), plans.get(f"{name}_dgrad"), plans.get(f"{name}_wgrad")
+        )
+        return None if plan == LinearPlan(None, None, None) else plan
 
 
 def resolve_comm_overlap(

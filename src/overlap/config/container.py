@@ -14,19 +14,23 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
 
-from overlap.config.attention import resolve_attention_backend
+from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
-from overlap.config.flex_dispatcher import probe_device, validate_flex_dispatcher_backend
-from overlap.config.fusion import resolve_elementwise_fusion
-from overlap.config.grouped_gemm import resolve_grouped_gemm
+from overlap.config.flex_dispatcher import validate_flex_dispatcher_backend
+from overlap.config.kernel_choices import (
+    resolve_attention_backend,
+    resolve_elementwise_fusion,
+    resolve_grouped_gemm,
+    resolve_moe_permute_fusion,
+)
 from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
@@ -35,7 +39,6 @@ from overlap.config.mixed_precision import (
     resolve_loss_scaling,
 )
 from overlap.config.model import ModelConfig
-from overlap.config.moe_permute import resolve_moe_permute_fusion
 from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 from overlap.config.refusals import unbuilt
 from overlap.config.training import (
@@ -47,23 +50,13 @@ from overlap.config.training import (
     TrainConfig,
 )
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.kernels.device import probe_device
 
 _log = logging.getLogger("overlap.config")
 
-
-def _hf_checkpoint_vocab(path: str | None) -> int | None:
-    """The vocabulary size in a Hugging Face folder's config.json (None: not an HF folder, or no
-    such field)."""
-    import json
-    from pathlib import Path
-
-    if not path or not (Path(path) / "config.json").is_file():
-        return None
-    try:
-        value = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError):
-        return None  # the checkpoint loader reports an unreadable config.json, naming it
-    return value if isinstance(value, int) else None
+# The reason of every architecture decision a Hugging Face pretrained checkpoint makes (the harness
+# refuses one that beats the user's own override or flag by it).
+PRETRAINED = "from the pretrained checkpoint's config.json"
 
 
 def plain_value(value: Any) -> Any:
@@ -139,12 +132,16 @@ class ConfigContainer:
         require_libraries: bool = True,
         command_line: Sequence[Decision] = (),
         on_cuda: bool | None = None,
+        pretrained: Callable[[str, int], ModelConfig] | None = None,
     ) -> Resolution:
         """Resolve for `world_size` ranks. `device` says which GPU the flex-dispatcher rules check
         (this machine's by default; `explain` passes the target named by -g), `require_libraries`
         whether kernel libraries must be importable here, `command_line` the harness's own decisions
         (flags beaten by overrides), logged first, `on_cuda` whether the ranks compute on CUDA (the
-        attention and MoE permutation rules; None: whether CUDA is available here)."""
+        attention and MoE permutation rules; None: whether CUDA is available here), `pretrained`
+        the reader of the model a Hugging Face folder as `checkpoint.pretrained_checkpoint` holds
+        (`overlap.hf.config_json.pretrained_model`: the mapping of config.json lives with hf/,
+        above config, so a caller that runs from such a folder hands it in)."""
         if world_size < 1:
             raise ConfigError(
                 "-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more."
@@ -162,12 +159,12 @@ class ConfigContainer:
         for decision in command_line:
             log.record_command_line(decision)
         self._apply_tokenizer()
-        self._apply_pretrained(log)
+        pretrained_vocab = self._apply_pretrained(log, pretrained)
         self.model.check_sizes()
         self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
         self._apply_pipeline_layout(layout, log)
-        self._apply_data(layout, log)
+        self._apply_data(layout, log, pretrained_vocab)
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = layout.dp
         plan = resolve_comm_overlap(
@@ -176,7 +173,7 @@ class ConfigContainer:
         self._validate(layout, plan)
         self._covered_recompute(log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
-        resolve_logger(self.logger, self.checkpoint.save, log, require_libraries)
+        resolve_logger(self.logger, self.checkpoint.save, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
         resolve_attention_backend(self.model, log, on_cuda)
@@ -229,28 +226,23 @@ class ConfigContainer:
         if tok.vocab_size is not None:
             self.model.vocab_size = tok.vocab_size
 
-    def _apply_pretrained(self, log: DecisionLog) -> None:
+    def _apply_pretrained(
+        self, log: DecisionLog, read: Callable[[str, int], ModelConfig] | None
+    ) -> int | None:
         """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture, as
         Bridge builds its model provider from the HF config: every field config.json describes
-        (`hf_config.ARCH_FIELDS`, and `MOE_FIELDS` for a Qwen3-MoE) is taken from it, and each value
+        (`ARCH_FIELDS`, and `MOE_FIELDS` for a Qwen3-MoE) is taken from it (`read`), and each value
         that differs from the recipe's is a decision of the checkpoint section (start-up log and
         `overlap explain`; the harness refuses one that beats the user's own override or flag,
         `harness.check_pretrained_overrides`). A recipe without experts also takes the checkpoint's
         router aux-loss coefficient. A field config.json has that this runtime cannot honour is
-        refused there (`model_config_from_hf`)."""
+        refused there (`model_config_from_hf`). Returns the folder's vocabulary (its embedding
+        rows), None when the run is not from a Hugging Face folder."""
         from pathlib import Path
-
-        from overlap.config.hf_config import (
-            ARCH_FIELDS,
-            MOE_FIELDS,
-            PRETRAINED,
-            model_config_from_hf,
-            read_hf_config,
-        )
 
         path = self.checkpoint.pretrained_checkpoint
         if not isinstance(path, str) or not path.strip():
-            return  # unset (an empty path is refused by resolve_checkpoint)
+            return None  # unset (an empty path is refused by resolve_checkpoint)
         if not (Path(path) / "config.json").is_file():
             # `explain` for another machine's path: say what it cannot show
             if not Path(path).exists():
@@ -263,11 +255,13 @@ class ConfigContainer:
                     f"{path} is not on this machine, so its config.json (which decides the "
                     "architecture of a run from a Hugging Face folder) was not read here",
                 )
-            return  # one of our checkpoints (its run configuration is checked when it loads)
-        m, theirs = (
-            self.model,
-            model_config_from_hf(read_hf_config(path), seq_length=self.model.seq_length),
-        )
+            return None  # one of our checkpoints (its run configuration is checked when it loads)
+        if read is None:
+            raise RuntimeError(
+                f"finalize of a run from the Hugging Face folder {path} without its config.json "
+                "reader: pass pretrained=overlap.hf.config_json.pretrained_model"
+            )
+        m, theirs = self.model, read(path, self.model.seq_length)
         if self.tokenizer.vocab_size is not None and self.tokenizer.vocab_size > theirs.vocab_size:
             raise ConfigError(
                 "tokenizer.vocab_size",
@@ -321,10 +315,11 @@ class ConfigContainer:
                     f"{what}: the pretrained MoE is trained differently from how it was released",
                 )
                 _log.warning("model.%s=%s with pretrained weights: %s", name, value, what)
+        return theirs.vocab_size
 
-    def _apply_data(self, layout: ParallelLayout, log: DecisionLog) -> None:
-        """The tokenizer's vocabulary (padded as Megatron pads it) and the dataset's files, checked
-        now."""
+    def _apply_data(self, layout: ParallelLayout, log: DecisionLog, hf_vocab: int | None) -> None:
+        """The tokenizer's vocabulary (padded as Megatron pads it, or a pretrained Hugging Face
+        folder's `hf_vocab` embedding rows) and the dataset's files, checked now."""
         tok, data, m = self.tokenizer, self.dataset, self.model
         if tok.tokenizer_type == "HuggingFaceTokenizer":
             from overlap.data.tokenizer import HFTokenizer, padded_vocab_size
@@ -337,7 +332,6 @@ class ConfigContainer:
                     "it must be positive.",
                     "use 128 (Megatron's default).",
                 )
-            hf_vocab = _hf_checkpoint_vocab(self.checkpoint.pretrained_checkpoint)
             if hf_vocab is not None and hf_vocab < hf.vocab_size:
                 raise ConfigError(
                     "tokenizer.tokenizer_model",

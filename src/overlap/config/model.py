@@ -107,11 +107,11 @@ class ModelConfig(TransformerArchitecture):
     pipeline_impl: str = "overlap"  # "overlap" (ours) | "torch_pipelining" (the PyTorch peer)
     # --- kernels and fusions ---
     # The attention product's kernel (Megatron's AttnBackend names): auto | flash | fused | unfused
-    # | local; see overlap.config.attention for what each runs here and auto's rule.
+    # | local; see overlap.kernels.attention for what each runs here and auto's rule.
     attention_backend: str = "auto"
     # Transformer Engine's fused wgrad accumulation (refused by the runtime)
     gradient_accumulation_fusion: bool = False
-    # Elementwise chains compiled by torch.compile (overlap.config.fusion); None: on for CUDA, off
+    # Elementwise chains compiled by torch.compile (overlap.kernels.fusion); None: on for CUDA, off
     # on the CPU. The norm's switch is ours (Megatron fuses norms inside Transformer Engine).
     rms_norm_fusion: bool | None = None  # compile RMSNorm; None: on for CUDA, off on the CPU
     apply_rope_fusion: bool | None = None  # compile RoPE; None: on for CUDA, off on the CPU
@@ -123,7 +123,7 @@ class ModelConfig(TransformerArchitecture):
     # "torch" (ours, runs everywhere) | "deepep" | "hybridep"
     moe_flex_dispatcher_backend: str | None = None
     # True: vectorised permutation; False: straightforward per-expert loop; None: the loop on CPU,
-    # fused on CUDA (config/moe_permute.py: the loop synchronises the host per expert on a GPU)
+    # fused on CUDA (kernels/moe_permute.py: the loop synchronises the host per expert on a GPU)
     moe_permute_fusion: bool | None = None
     moe_aux_loss_coeff: float = 0.0  # weight of the router's load-balancing loss (0: none)
     moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss" | "none"

@@ -19,7 +19,7 @@ Megatron-Bridge's ``comm_overlap.py`` so that configurations written for it keep
 Megatron switches (``tp_comm_overlap_ag`` ...) and the size rule into the plan our runtime
 (``overlap.layers.tp_overlap``) executes: one method per GEMM slot, or none. The resolution logs
 every slot's outcome and keeps the slots in the frozen overlap plan (``OverlapPlan.tp_slots``),
-which the layers read (:func:`linear_plan`), so what the decision table says is what runs.
+which the layers read (``OverlapPlan.linear``), so what the decision table says is what runs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:
-    from overlap.config.comm_overlap import OverlapPlan
     from overlap.config.model import ModelConfig
 
 __all__ = [
@@ -65,7 +64,6 @@ __all__ = [
     "LinearPlan",
     "SlotDecision",
     "effective_tp_plan",
-    "linear_plan",
     "kernel_knobs",
     "MIN_CHUNK_ROWS",
 ]
@@ -593,16 +591,6 @@ def effective_tp_plan(
             SlotDecision(slot, requested, "off" if plan is None else str(plan), by, reason)
         )
     return plans, decisions
-
-
-def linear_plan(overlap: OverlapPlan, name: str) -> LinearPlan | None:
-    """The slots of the TP linear `name` (qkv, proj, fc1, fc2) in the resolved overlap plan; None
-    when none of them overlaps (TP overlap off included)."""
-    plans = dict(overlap.tp_slots)
-    plan = LinearPlan(
-        plans.get(f"{name}_fprop"), plans.get(f"{name}_dgrad"), plans.get(f"{name}_wgrad")
-    )
-    return None if plan == LinearPlan(None, None, None) else plan
 
 
 def kernel_knobs(cfg: Any) -> dict[str, dict[str, Any]]:

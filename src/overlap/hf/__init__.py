@@ -1,8 +1,8 @@
 """Hugging Face Qwen3 / Qwen3-MoE checkpoints in and out (see docs/hf.md).
 
-- (`overlap.config.hf_config`: config.json <-> ModelConfig, refusing every field this runtime cannot
-  honour; it sits with the configuration, whose resolution takes a pretrained checkpoint's
-  architecture from it;)
+- `config_json`: config.json <-> ModelConfig, refusing every field this runtime cannot honour; the
+  resolution (`ConfigContainer.finalize`, below hf/) takes a pretrained checkpoint's architecture
+  from it through the reader its caller hands in (`pretrained_model`);
 - `names`: our parameter names <-> HF names, and the tensor transforms (pure functions on full
   tensors);
 - `safetensors_io`: lazy, sliced reads of single-file or sharded safetensors; sharded writes with an

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from overlap.config.architecture import TransformerArchitecture
-from overlap.config.hf_config import check_model_matches, read_hf_config
 from overlap.errors import CheckpointError
+from overlap.hf.config_json import check_model_matches, read_hf_config
 from overlap.hf.names import (
     EXPERT_KINDS,
     Mapping,

@@ -41,9 +41,9 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from overlap.config.kinds import parse_families
 from overlap.errors import ConfigError
 from overlap.launch.interfaces import GLOO_IFNAME
+from overlap.launch.kinds import parse_families
 
 log = logging.getLogger("overlap")
 

@@ -38,13 +38,13 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from overlap.config.attention import attention_kernel
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.recompute import layer_chunks, selective_modules
-from overlap.config.tp_overlap import BULK, linear_plan
+from overlap.config.tp_overlap import BULK
 from overlap.errors import ConfigError
+from overlap.kernels.attention import attention_kernel
 from overlap.launch.activations import (
     INDEX_BYTES,
     LOSS_CHUNK_BYTES,
@@ -337,7 +337,7 @@ def _gathered_inputs(cfg: ConfigContainer) -> frozenset[str]:
     without a bulk dgrad slot (`overlap.layers.tp_overlap`); every other one keeps its shard."""
     kept = set()
     for name in ("qkv", "fc1"):
-        plan = linear_plan(cfg.resolved.overlap, name)
+        plan = cfg.resolved.overlap.linear(name)
         if plan is not None and (plan.dgrad is None or plan.dgrad.method != BULK):
             kept.add(name)
     return frozenset(kept)

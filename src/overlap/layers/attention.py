@@ -17,10 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from overlap.config.attention import attention_kernel, check_attention_backend
 from overlap.config.recompute import selective_modules
-from overlap.config.tp_overlap import linear_plan
 from overlap.errors import ConfigError
+from overlap.kernels.attention import attention_kernel, check_attention_backend
 from overlap.layers.cp_attention import cp_attention
 from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import maybe_checkpoint
@@ -112,7 +111,7 @@ class SelfAttention(nn.Module):
             sp,
             bias=config.add_qkv_bias,
             params_dtype=dtype,
-            overlap=linear_plan(overlap, "qkv"),
+            overlap=overlap.linear("qkv"),
         )
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
@@ -149,7 +148,7 @@ class SelfAttention(nn.Module):
             sp,
             bias=config.add_bias_linear,
             params_dtype=dtype,
-            overlap=linear_plan(overlap, "proj"),
+            overlap=overlap.linear("proj"),
         )
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -190,7 +189,7 @@ class SelfAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of [b, heads, s, d] queries on [b, groups, s, d] keys and values in
         position order, by `model.attention_backend`'s kernel on this device
-        (overlap.config.attention)."""
+        (overlap.kernels.attention)."""
         # a dry run's stand-in for a CUDA rank (overlap.perf.dry_run)
         on_meta = q.device.type == "meta"
         kernel, _ = attention_kernel(

@@ -5,7 +5,7 @@ A `Chain` is a pair of pure functions of tensors and Python scalars: `forward(*a
 with the arguments it keeps for backward named (`saves`). `chain(requested, *args)` runs it as one
 autograd node whose saved set is exactly those arguments plus the extras, so what an activation
 costs is decided here, in the open, and is the same eager, compiled (the fusion switches,
-`overlap.config.fusion`) or on a dry run's fake tensors: RMSNorm keeps its input and the fp32
+`overlap.kernels.fusion`) or on a dry run's fake tensors: RMSNorm keeps its input and the fp32
 reciprocal RMS, RoPE nothing but its tables, SwiGLU its two inputs (Transformer Engine's and
 Megatron-Core's fused kernels keep the same). Left to autograd, the same expressions would keep
 their fp32 intermediates: twice the bytes of the bf16 tensors they come from.
@@ -20,7 +20,7 @@ shape or dtype is a variant that compiles once; a function keeps at most torch's
 variants, and a shape past it runs eager with a warning (`fullgraph` would otherwise turn the next
 recompile into an error mid-run).
 
-Whether a call compiles is `overlap.config.fusion.fusion_on` for the switch and the tensors'
+Whether a call compiles is `overlap.kernels.fusion.fusion_on` for the switch and the tensors'
 device. Under a `TorchDispatchMode` (the host-sync recorder, the dry run's fake tensors) the eager
 functions run: dynamo does not trace under such a mode, and the eager ops are exactly what the mode
 is there to see (the compiled graph is made of them); the saved set is the same either way.
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from overlap.config.fusion import fusion_on
+from overlap.kernels.fusion import fusion_on
 
 log = logging.getLogger("overlap")
 

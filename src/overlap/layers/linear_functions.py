@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from overlap.config.grouped_gemm import GROUPED, grouped_gemm_kernel
+from overlap.kernels.grouped_gemm import GROUPED, grouped_gemm_kernel
 from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
 from overlap.parallel import comm
 from overlap.parallel.trace import RECORDER
@@ -83,7 +83,7 @@ def grouped_offsets(
     copy from pageable memory on a GPU, which waits for the queue; the cumulative sum of the device
     counts needs no host at all.
 
-    The grouped kernel is used where the architecture rule picks it (`overlap.config.grouped_gemm`:
+    The grouped kernel is used where the architecture rule picks it (`overlap.kernels.grouped_gemm`:
     the CPU, Hopper in bf16; the decision table's "model" section shows it for the run's GPU), and
     only when each operand's row stride is a multiple of 16 bytes (its layout rule: a tiny test
     model's hidden 4 in bf16 breaks it); elsewhere the loop. On CUDA its agreement with the loop and

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overlap.config.tp_overlap import linear_plan
 from overlap.layers.fused import Chain, fp32_copy
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
 from overlap.parallel.state import ParallelState
@@ -92,7 +91,7 @@ class MLP(nn.Module):
             bias=config.add_bias_linear,
             num_fused=fused,
             params_dtype=dtype,
-            overlap=linear_plan(overlap, "fc1") if overlap is not None else None,
+            overlap=overlap.linear("fc1") if overlap is not None else None,
         )
         self.linear_fc2 = RowParallelLinear(
             ffn,
@@ -101,7 +100,7 @@ class MLP(nn.Module):
             sp,
             bias=config.add_bias_linear,
             params_dtype=dtype,
-            overlap=linear_plan(overlap, "fc2") if overlap is not None else None,
+            overlap=overlap.linear("fc2") if overlap is not None else None,
         )
 
     def fc1_and_activation(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
     and is complete on every rank, with or without sequence parallelism. Such a weight is not marked
     `sequence_parallel` (the trainer must not sum it again).
 
-    `fusion` is `model.rms_norm_fusion` (None: by device, `overlap.config.fusion`).
+    `fusion` is `model.rms_norm_fusion` (None: by device, `overlap.kernels.fusion`).
     """
 
     def __init__(

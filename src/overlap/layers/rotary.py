@@ -47,7 +47,7 @@ class RotaryEmbedding(nn.Module):
     The cos/sin tables are built once in fp32 and the rotation runs in fp32, because bf16 angles
     lose the position information of long sequences. Tables are non-persistent buffers: derived
     data, not part of a checkpoint. `fusion` is `model.apply_rope_fusion` (None: by device,
-    `overlap.config.fusion`).
+    `overlap.kernels.fusion`).
     """
 
     def __init__(

@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from overlap.config.kinds import family, parse_families
 from overlap.errors import ConfigError
+from overlap.launch.kinds import family, parse_families
 from overlap.parallel import link_model, streams
 from overlap.parallel.program import SIDE, TIMING, OpRecord, ProgramRecorder
 from overlap.parallel.trace import RECORDER, CommEvent, HostTimeline, RulesTimeline, now

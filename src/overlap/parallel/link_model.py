@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from overlap.config.kinds import family
 from overlap.errors import ConfigError
+from overlap.launch.kinds import family
 from overlap.parallel.trace import CommEvent, now
 
 # Bytes a ring moves per byte of the op's payload, as in the usual bus-bandwidth convention. The

@@ -45,9 +45,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from overlap.config.kinds import parse_families
 from overlap.errors import ConfigError
 from overlap.files import write_replace
+from overlap.launch.kinds import parse_families
 from overlap.perf.machine import describe_machine, machine_line
 
 IDEAL_NAME = "ideal (no communication)"

@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from overlap.config.kinds import parse_families
 from overlap.errors import ConfigError
+from overlap.launch.kinds import parse_families
 
 
 @dataclass(frozen=True)

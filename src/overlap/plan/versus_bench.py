@@ -18,8 +18,8 @@ import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from overlap.config.kinds import FAMILIES
 from overlap.harness import resolve_run
+from overlap.launch.kinds import FAMILIES
 from overlap.launch.network import parse_network
 from overlap.perf.bench import (
     BENCH_OPTIONS_WITH_VALUE,

@@ -6,17 +6,126 @@ and bytes by kind, peak memory) and the exposure collector (exposed and total co
 kind). Each record goes, unchanged, to every sink of its stream: the `--metrics` JSON-lines files
 (`FILE` and `FILE.comm.jsonl`), TensorBoard and Weights & Biases. The last two are shared by both
 streams and get the record's numbers as scalars, nested keys joined by "/" (`comm_ms/dp_ar`), at
-step = the iteration; strings (the network label) stay in the JSON lines only."""
+step = the iteration; strings (the network label) stay in the JSON lines only.
+
+What a sink needs of this machine is probed here too: its package (the extras
+`overlap[tensorboard]`, `overlap[wandb]`; one asked for and not installed is an error at start-up,
+before a rank trains) and the W&B mode this environment allows (offline unless it can upload, so a
+machine without network or key still gets its run on disk, to upload later with `wandb sync`).
+`record_sinks` says both in the logger section of the decision table."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import netrc
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
-from overlap.config.logger import LoggerConfig, wandb_mode
+from overlap.config.decisions import USER, DecisionLog
+from overlap.config.logger import LoggerConfig
+from overlap.errors import ConfigError
 from overlap.files import create_replacing
+
+# Which package each sink needs, and the extra that installs it.
+EXTRAS = {"tensorboard_dir": ("tensorboard", "tensorboard"), "wandb_project": ("wandb", "wandb")}
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def wandb_mode(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(mode, why) for a W&B run started in `env` (this process's environment by default):
+    WANDB_MODE when set, online with an API key (WANDB_API_KEY, or the netrc entry `wandb login`
+    writes), offline otherwise."""
+    env = os.environ if env is None else env
+    mode = env.get("WANDB_MODE", "").strip()
+    if mode:
+        aliases = {"dryrun": "offline", "run": "online"}
+        if aliases.get(mode, mode) not in WANDB_MODES:
+            raise ConfigError(
+                "WANDB_MODE",
+                mode,
+                "W&B does not know this mode.",
+                f"set WANDB_MODE to one of {', '.join(WANDB_MODES)}, or unset it.",
+            )
+        return aliases.get(mode, mode), "WANDB_MODE is set"
+    if env.get("WANDB_API_KEY"):
+        return "online", "WANDB_API_KEY is set"
+    host = urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc(env.get("NETRC")).authenticators(host):
+            return "online", f"an API key for {host} is in the netrc file (wandb login)"
+    except (OSError, netrc.NetrcParseError):
+        pass  # no netrc file (or an unreadable one): no key from there
+    return (
+        "offline",
+        "no W&B API key here (no WANDB_API_KEY, no wandb login); upload later with wandb sync",
+    )
+
+
+def check_extra(field: str, value: str) -> None:
+    """The package the sink of `field` needs is importable, else one error naming the field and the
+    install."""
+    module, extra = EXTRAS[field]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"logger.{field}",
+            value,
+            f"it needs the {module} package, which is not installed here.",
+            f"pip install 'overlap[{extra}]' (or pip install {module}), or unset logger.{field}.",
+        )
+
+
+def _available(field: str, value: str, require: bool) -> str:
+    """'' when the sink's package is importable (or an error, when required); else a note for the
+    table."""
+    if require:
+        check_extra(field, value)
+        return ""
+    module, extra = EXTRAS[field]
+    return (
+        "" if importlib.util.find_spec(module) else f" (needs overlap[{extra}], not installed here)"
+    )
+
+
+def record_sinks(lg: LoggerConfig, log: DecisionLog, require_libraries: bool) -> None:
+    """The rows of the sinks a resolved logger section turns on (`log`: the run's decisions, after
+    `overlap.config.logger.resolve_logger`): each one's package, importable here (an error when
+    `require_libraries`, the run; a note otherwise, `explain` for another machine), and the W&B
+    run's mode in this environment."""
+    if lg.tensorboard_dir is not None:
+        installed = _available("tensorboard_dir", lg.tensorboard_dir, require_libraries)
+        log.record_in(
+            "logger",
+            "logger.tensorboard_dir",
+            lg.tensorboard_dir,
+            lg.tensorboard_dir,
+            USER,
+            f"rank 0 writes the --metrics scalars as TensorBoard scalars, {lg.cadence}{installed}",
+        )
+    if lg.wandb_project is None:
+        return
+    installed = _available("wandb_project", lg.wandb_project, require_libraries)
+    mode, why = wandb_mode()
+    if mode == "disabled":
+        log.noop(
+            "logger.wandb_project",
+            lg.wandb_project,
+            "WANDB_MODE=disabled: W&B writes nothing",
+            "unset WANDB_MODE (or set it to offline or online), or drop logger.wandb_project.",
+        )
+    entity = f", entity {lg.wandb_entity}" if lg.wandb_entity else ""
+    log.record_in(
+        "logger",
+        "logger.wandb_project",
+        lg.wandb_project,
+        lg.wandb_project,
+        USER,
+        f"rank 0 logs the --metrics scalars to run {lg.wandb_exp_name!r}{entity}, {lg.cadence}; "
+        f"mode {mode}: {why} (rank 0's environment decides){installed}",
+    )
 
 
 class MetricsSink(Protocol):

@@ -48,7 +48,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from overlap.config.model import ModelConfig
-from overlap.config.moe_permute import permute_fused
+from overlap.kernels.moe_permute import permute_fused
 from overlap.layers.moe.permute import (
     ExpertCapacity,
     Routing,
@@ -188,7 +188,7 @@ class AllToAllDispatcher:
 
     def fused(self, t: torch.Tensor) -> bool:
         """Whether the fused permutation runs for tensors on `t`'s device
-        (`overlap.config.moe_permute`: unset, the loop only on the CPU, where its data-dependent
+        (`overlap.kernels.moe_permute`: unset, the loop only on the CPU, where its data-dependent
         shapes cost no host sync)."""
         return permute_fused(self.permute_fusion, t.device.type == "cpu")[0]
 

@@ -23,7 +23,7 @@ Every shape is then fixed by the configuration alone.
 
 Two implementations, chosen by `config.moe_permute_fusion` (unset: the loop on CPU, the fused one on
 CUDA, where the loop's data-dependent shapes make the host wait for the GPU;
-`overlap.config.moe_permute`):
+`overlap.kernels.moe_permute`):
 - fused (True): stable argsorts of the flattened routing plus index_select / scatter / index_add; no
   Python loop over experts, so its cost does not grow with the expert count (the role TE's fused
   kernels play in Megatron).

@@ -17,20 +17,17 @@ PyTorch's:
   wins by 2x and more (the scores grow with s^2). fp16 on CPU stays on flash: its unfused GEMMs are
   slower still.
 
-The resolution records one decision (requested, effective kernel, why) for the device the run uses;
-the layer asks the same rule again at call time (`attention_kernel`), so a model built without
-`finalize` behaves the same.
+The resolution records one decision (requested, effective kernel, why) for the device the run uses
+(`overlap.config.kernel_choices`); the layer asks the same rule again at call time
+(`attention_kernel`, on its tensors' device, dtype and length), so a model built without `finalize`
+behaves the same.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
 from overlap.errors import ConfigError
-
-if TYPE_CHECKING:
-    from overlap.config.model import ModelConfig
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 UNFUSED_MAX_SEQ = 512
@@ -82,21 +79,3 @@ def attention_kernel(
         f"CPU, {params_dtype}, sequence {seq_length}: PyTorch's scaled_dot_product_attention "
         "(its flash kernel)"
     )
-
-
-def resolve_attention_backend(model: ModelConfig, log: DecisionLog, on_cuda: bool) -> None:
-    """Record, in the "model" section, which kernel the configured backend runs on the run's device
-    (the model keeps the requested value; the layer applies the same rule)."""
-    backend = model.attention_backend
-    kernel, why = attention_kernel(backend, on_cuda, model.params_dtype, model.seq_length)
-    if backend == "auto":
-        log.record_in("model", "model.attention_backend", None, kernel, DEFAULT, why)
-    else:
-        log.record_in(
-            "model",
-            "model.attention_backend",
-            backend,
-            backend,
-            MODEL_CONFIG,
-            why if kernel != backend else f"the {kernel} kernel, as asked",
-        )

@@ -14,7 +14,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from overlap.config.architecture import TransformerArchitecture, moe_layer_freq_for
+from overlap.config.architecture import (
+    ARCH_FIELDS,
+    MOE_FIELDS,
+    TransformerArchitecture,
+    moe_layer_freq_for,
+)
 from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError, ConfigError
 
@@ -79,39 +84,6 @@ MAPPED = {
     "mlp_only_layers",
     "shared_expert_intermediate_size",
 }
-
-# The architecture fields (`TransformerArchitecture`) that config.json decides: what
-# `check_model_matches` compares (by their effective values: kv_channels=None and
-# kv_channels=hidden/heads are the same model).
-ARCH_FIELDS = {
-    "num_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "query_groups",
-    "kv_channels": "head_dim",
-    "ffn_hidden_size": "ffn_size",
-    "vocab_size": "vocab_size",
-    "layernorm_epsilon": "layernorm_epsilon",
-    "rotary_base": "rotary_base",
-    "qk_layernorm": "qk_layernorm",
-    "gated_linear_unit": "gated_linear_unit",
-    "add_bias_linear": "add_bias_linear",
-    "add_qkv_bias": "add_qkv_bias",
-    "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
-    "num_moe_experts": "num_moe_experts",
-}
-MOE_FIELDS = {
-    "moe_router_topk": "moe_router_topk",
-    "moe_ffn_hidden_size": "moe_ffn_size",
-    "moe_layer_freq": "moe_layer_pattern",
-    "moe_router_pre_softmax": "moe_router_pre_softmax",
-    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
-}
-
-
-# The reason of every architecture decision a Hugging Face pretrained checkpoint makes
-# (ConfigContainer finalize).
-PRETRAINED = "from the pretrained checkpoint's config.json"
 
 
 def _refuse(key: str, value: Any, why: str, fix: str) -> ConfigError:
@@ -289,6 +261,13 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
                     "use architectures=['Qwen3MoeForCausalLM'] for a MoE checkpoint.",
                 )
     return cfg
+
+
+def pretrained_model(folder: str, seq_length: int) -> ModelConfig:
+    """The model a pretrained Hugging Face folder holds, trained at `seq_length`: the reader
+    `ConfigContainer.finalize(pretrained=...)` takes the architecture of a run from (config sits
+    below hf/, so its callers hand it in)."""
+    return model_config_from_hf(read_hf_config(folder), seq_length=seq_length)
 
 
 def check_model_matches(model: TransformerArchitecture, hf: dict, folder: str | Path) -> None:

@@ -12,27 +12,16 @@ to the loop (tests/test_moe.py) without the Python loop. Fake tensors (the dry r
 the loop.
 
 The resolution records the choice for the run's GPU (`overlap explain -g GPU` names the target's
-architecture, `run` probes its own device) in the "model" section; `GroupedLinear`'s caller asks the
-same rule at call time with the tensors' real device (`overlap.layers.linear_functions`), so the
-runtime follows the device it actually has. The rule depends on facts of the machine alone: there is
-no switch to set, and the device script's env step measures both kernels against each other.
+architecture, `run` probes its own device) in the "model" section (`overlap.config.kernel_choices`);
+`GroupedLinear`'s caller asks the same rule at call time with the tensors' real device
+(`overlap.layers.linear_functions`), so the runtime follows the device it actually has. The rule
+depends on facts of the machine alone: there is no switch to set, and the device script's env step
+measures both kernels against each other.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from overlap.config.decisions import DEFAULT, DecisionLog
-from overlap.errors import NotBuiltError
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from overlap.config.flex_dispatcher import DeviceInfo
-    from overlap.config.model import ModelConfig
-
 GROUPED, LOOP = "grouped", "loop"
-ROW = "experts' GEMM kernel (per architecture)"
 
 
 def grouped_gemm_kernel(device_type: str, major: int | None, dtype: str) -> tuple[str, str]:
@@ -59,32 +48,3 @@ def grouped_gemm_kernel(device_type: str, major: int | None, dtype: str) -> tupl
         f"SM{major}0: torch's grouped GEMM gives experts without rows non-zero weight gradients "
         "(an open PyTorch issue); the per-expert loop gives them zeros"
     )
-
-
-def resolve_grouped_gemm(
-    model: ModelConfig,
-    decisions: DecisionLog,
-    on_cuda: bool,
-    device: Callable[[], DeviceInfo | None],
-) -> None:
-    """Record, in the "model" section, the experts' GEMM kernel on the run's GPU (`device`: the
-    target -g names, or this machine's) or on the CPU."""
-    if not model.num_moe_experts:
-        return
-    info = device() if on_cuda else None
-    kernel, why = grouped_gemm_kernel(
-        "cuda" if on_cuda else "cpu", info.major if info is not None else None, model.params_dtype
-    )
-    decisions.record_in("model", ROW, None, kernel, DEFAULT, why)
-    factor = model.moe_expert_rank_capacity_factor
-    # the loop cuts the rows by host counts, which the sync-free dispatch never reads; a bf16 run on
-    # a GPU this machine cannot see (a dry run) is left to the experts' own check at first use
-    unknown_gpu = on_cuda and info is None and model.params_dtype == "bfloat16"
-    if factor is not None and kernel == LOOP and not unknown_gpu:
-        raise NotBuiltError(
-            "model.moe_expert_rank_capacity_factor",
-            factor,
-            f"The sync-free dispatch where the experts' GEMMs take the per-expert loop ({why})",
-            "drop model.moe_expert_rank_capacity_factor (the all-to-all reads the split sizes), "
-            "or run on Hopper in bf16 or on the CPU, where the grouped kernel runs.",
-        )

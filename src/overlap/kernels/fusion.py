@@ -19,7 +19,7 @@ run does not win back. Set, a fusion is honoured on any device; set but unable t
 is said as a no-op switch (an error under strict) and the eager function runs. On CUDA, inductor's
 Triton kernels need Triton itself and, at the first kernel, a host C compiler and Python's headers
 (Triton builds its launcher): a machine without them falls back here, at start-up, with the reason
-in the decision table, instead of failing inside the first step.
+in the decision table (`overlap.config.kernel_choices`), instead of failing inside the first step.
 """
 
 from __future__ import annotations
@@ -28,14 +28,8 @@ import functools
 import os
 import shutil
 import sysconfig
-from typing import TYPE_CHECKING
 
 import torch
-
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
-
-if TYPE_CHECKING:
-    from overlap.config.model import ModelConfig
 
 FUSIONS = {
     "rms_norm_fusion": "RMSNorm",
@@ -107,40 +101,3 @@ def fusion_on(
     if missing is not None:
         return False, missing
     return True, "as asked: compiled" if requested else CUDA_DEFAULT
-
-
-def _nothing_to_fuse(model: ModelConfig, field: str) -> str | None:
-    if field == "bias_activation_fusion" and not model.gated_linear_unit and not model.is_moe:
-        return "a dense GELU MLP has no chain to fuse (GELU is one kernel already)"
-    return None
-
-
-def resolve_elementwise_fusion(
-    model: ModelConfig, decisions: DecisionLog, on_cuda: bool, check_here: bool = True
-) -> None:
-    """Record, in the "model" section, whether each fusion runs on the run's device (the model keeps
-    the requested values; the layers apply the same rule at call time). A fusion asked for that
-    cannot take effect is a no-op switch: warned (and in `overlap explain`), or an error under
-    strict. `check_here=False`: the run is described for another machine (`fusion_on`)."""
-    device_type = "cuda" if on_cuda else "cpu"
-    for field, chains in FUSIONS.items():
-        requested = getattr(model, field)
-        on, why = fusion_on(requested, device_type, check_here)
-        idle = _nothing_to_fuse(model, field)
-        if idle is not None:
-            on, why = False, idle
-        decisions.record_in(
-            "model",
-            f"model.{field}",
-            requested,
-            on,
-            DEFAULT if requested is None else MODEL_CONFIG,
-            f"{chains}: {why}",
-        )
-        if requested and not on:
-            decisions.noop(
-                f"model.{field}",
-                True,
-                f"{chains} cannot be compiled: {why}",
-                f"set model.{field}=false (or leave it unset), or make torch.compile available.",
-            )
