@@ -33,12 +33,12 @@ from pathlib import Path
 from pprint import pformat
 
 from overlap.files import write_replace
-from overlap.plan.hardware import builtin_cluster, with_efficiency
+from overlap.plan.hardware import Efficiency, builtin_cluster
 from overlap.plan.predict import predict
 
 WITHIN = 0.20  # a row is "within" when |predicted / published - 1| <= 20%
 RATIO_WITHIN = 0.08  # an on/off pair's ratio within 0.08 of the published one
-GROUPS = {"h100": "h100", "b200": "blackwell", "gb200": "blackwell"}
+GROUPS = {"h100": "h100", "b200": "blackwell", "gb200": "blackwell", "gb300": "blackwell"}
 # Where each group's per-kernel overhead is fitted: with its efficiency on its own rows, or (too
 # few rows to fit two numbers apart) taken from another group's fit on all that group's rows.
 OVERHEAD_FROM = {"h100": "h100", "blackwell": "h100"}
@@ -73,14 +73,17 @@ class Row:
     assumed: str = ""
     pair: str = ""  # on/off pairs: the pair's name; "off" rows end in " off"
     not_expressible: str = ""  # why it is not predicted
+    # model settings the reference runs and our runtime refuses on this target (set on the resolved
+    # configuration, as the FP8 precisions are planned on a BF16 one): the plan prices them
+    reference_model: tuple[tuple[str, float], ...] = ()
 
     def args(self) -> list[str]:
         return f"{self.flags} -c bf16 {self.overrides}".split()
 
 
 def _row(name, gpu, prec, n, gbs, mbs, seq, tp, pp, vp, ep, step, model, extra="", **kw) -> Row:
-    # GB200 NVL72 racks run 64 of their GPUs in these recipes
-    gpn = (72 if n % 72 == 0 else 64 if n % 64 == 0 else 8) if gpu == "gb200" else 8
+    # GB200 / GB300 NVL72 racks run 64 of their GPUs in these recipes
+    gpn = (72 if n % 72 == 0 else 64 if n % 64 == 0 else 8) if gpu in ("gb200", "gb300") else 8
     flags = (
         f"{model} -g {gpu} -ng {n} -gn {gpn} -tp {tp} -pp {pp} -vp {vp or 'None'} -ep {ep} -gb "
         f"{gbs} -mb {mbs} -sl {seq}"
@@ -105,6 +108,24 @@ _H100_30B_FP8 = (
     f"{_WORKLOAD} (FP8 H100, 16 GPUs): HybridEP, EP overlap off, no CUDA graphs; "
     "the same assumed for the older releases' PP2 layouts"
 )
+# Megatron-Bridge 55443cbfb (2026-06-10; the 26.06 release on) turned on for the GB200 / GB300
+# MXFP8 Qwen3 recipes what `_enable_hybridep_full_iteration_mxfp8` sets at its HEAD
+# (src/megatron/bridge/perf_recipes/qwen/common.py): full-iteration CUDA graphs, EP overlap with
+# delay_wgrad (`moe_a2a_overlap`), the sync-free MoE buffers (`moe_expert_rank_capacity_factor`
+# 1.5, paged stash, re-run on overflow), the CuTeDSL fused grouped-expert MLP and FP8 attention;
+# HybridEP on 32 SMs throughout. The 26.04.01 rows ran before it, with TE's scoped graphs and EP
+# overlap off (`qwen3_workload_base_configs.py` at 55443cbfb^).
+_STACK = (
+    f"{_HYBRID} {_EP_ON} comm_overlap.delay_wgrad_compute=true model.cuda_graph_impl=local "
+    "model.cuda_graph_scope=[full_iteration]"
+)
+_SYNC_FREE = (("moe_expert_rank_capacity_factor", 1.5),)
+_STACK_ASSUMED = (
+    "Bridge 55443cbfb's recipe: HybridEP (32 SMs), EP overlap + delay_wgrad, full-iteration CUDA "
+    "graphs, sync-free MoE buffers at capacity factor 1.5 (refused by our runtime on SM100, set "
+    "on the plan's configuration); its fused grouped MLP and FP8 attention not expressed"
+)
+_PRE_STACK = "release 26.04.01, before Bridge 55443cbfb: HybridEP (32 SMs), EP overlap off"
 _SELECTIVE_235 = "model.recompute_granularity=selective model.recompute_modules=[layernorm,moe_act]"
 _UNEVEN_235 = "the recipe's uneven layout (embedding and loss accounted as layers)"
 
@@ -376,40 +397,93 @@ ROWS: tuple[Row, ...] = (
         assumed=f"{_WORKLOAD}: HybridEP, EP overlap off, attention, router and preprocess CUDA "
         "graphs",
     ),
-    _row(
-        "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8",
-        "gb200",
-        "mxfp8",
-        8,
-        512,
-        4,
-        4096,
-        1,
-        1,
-        None,
-        8,
-        6.44,
-        _QWEN30,
-        f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
-        assumed=f"{_WORKLOAD} (MXFP8): HybridEP, EP overlap off, router and preprocess CUDA graphs",
+    *(
+        _row(
+            f"Qwen3-30B-A3B 8x{gpu.upper()} MXFP8 MBS{mbs} EP8 ({release})",
+            gpu,
+            "mxfp8",
+            8,
+            512,
+            mbs,
+            4096,
+            1,
+            1,
+            None,
+            8,
+            step,
+            _QWEN30,
+            flags,
+            assumed=assumed,
+            reference_model=reference,
+        )
+        for gpu, mbs, release, step, flags, assumed, reference in (
+            (
+                "gb200",
+                4,
+                "26.04.01",
+                10.039,  # 26112 tokens/s/GPU
+                f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
+                f"{_PRE_STACK}, router and preprocess CUDA graphs",
+                (),
+            ),
+            (
+                "gb300",
+                8,
+                "26.04.01",
+                8.258,  # 31744
+                f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
+                f"{_PRE_STACK}, router and preprocess CUDA graphs",
+                (),
+            ),
+            ("gb200", 4, "26.08", 6.564, _STACK, _STACK_ASSUMED, _SYNC_FREE),  # 39936
+            ("gb300", 8, "26.08", 5.885, _STACK, _STACK_ASSUMED, _SYNC_FREE),  # 44544
+        )
     ),
-    _row(
-        "Qwen3-235B-A22B 256xGB200 MXFP8 PP8 VP3 EP32",
-        "gb200",
-        "mxfp8",
-        256,
-        8192,
-        1,
-        4096,
-        1,
-        8,
-        3,
-        32,
-        18.00,
-        _QWEN235,
-        f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
-        assumed=f"{_WORKLOAD}: HybridEP, EP overlap off, attention, router and preprocess CUDA "
-        f"graphs; {_UNEVEN_235}; 64 GPUs per NVLink domain",
+    *(
+        _row(
+            f"Qwen3-235B-A22B 256x{gpu.upper()} MXFP8 MBS{mbs} PP{pp} VP{vp} EP32 ({release})",
+            gpu,
+            "mxfp8",
+            256,
+            8192,
+            mbs,
+            4096,
+            1,
+            pp,
+            vp,
+            32,
+            step,
+            _QWEN235,
+            flags,
+            assumed=f"{assumed}; {_UNEVEN_235}; 64 GPUs per NVLink domain",
+            reference_model=reference,
+        )
+        for gpu, mbs, pp, vp, release, step, flags, assumed, reference in (
+            (
+                "gb200",
+                1,
+                8,
+                3,
+                "26.04.01",
+                23.077,  # 5680 tokens/s/GPU
+                f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
+                f"{_PRE_STACK}, attention, router and preprocess CUDA graphs",
+                (),
+            ),
+            (
+                "gb300",
+                2,
+                4,
+                12,
+                "26.04.01",
+                18.876,  # 6944
+                f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
+                f"{_PRE_STACK}, attention, router and preprocess CUDA graphs",
+                (),
+            ),
+            ("gb200", 1, 8, 3, "26.08", 18.004, _STACK, _STACK_ASSUMED, _SYNC_FREE),  # 7280
+            ("gb300", 2, 4, 12, "26.08", 14.868, _STACK, _STACK_ASSUMED, _SYNC_FREE),  # 8816
+        )
     ),
     _row(
         "DeepSeek-V3 256xGB200 MXFP8 PP4 VP4 EP64",
@@ -434,12 +508,15 @@ def _config(row: Row):
     from overlap.harness import resolve_run
 
     job = resolve_run(row.args(), [])
+    for key, value in row.reference_model:
+        setattr(job.cfg.model, key, value)
     return job.cfg, job.resolution.layout
 
 
 def _cluster(row: Row, efficiency: float, kernel_overhead_s: float):
-    cluster = builtin_cluster(row.gpu, row.precision, None)
-    return with_efficiency(cluster, efficiency, "validation", kernel_overhead_s)
+    return builtin_cluster(
+        row.gpu, row.precision, None, Efficiency(efficiency, "validation", kernel_overhead_s)
+    )
 
 
 def predicted_s(row: Row, efficiency: float, kernel_overhead_s: float, config=None) -> float:
@@ -626,6 +703,14 @@ def fit(
     return results, groups
 
 
+def median_error(results: list[Result]) -> float:
+    """The median |predicted / published - 1| over the rows (of an even count, the middle two's
+    mean)."""
+    errors = sorted(abs(r.error) for r in results)
+    mid = len(errors) // 2
+    return errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+
+
 def pairs(results: list[Result]) -> list[tuple[Result, Result, float, float]]:
     """(off, on, published ratio, predicted ratio) of every on/off pair."""
     out = []
@@ -660,8 +745,9 @@ def markdown(results: list[Result], groups: dict[str, dict], rows: tuple[Row, ..
     within = sum(abs(r.error) <= WITHIN for r in results)
     lines += [
         "",
-        f"{within} of {len(results)} expressible runs within {100 * WITHIN:.0f}% (leave-one-out; "
-        f"{len(rows) - len(results)} not expressible).",
+        f"{within} of {len(results)} expressible runs within {100 * WITHIN:.0f}%, median error "
+        f"{100 * median_error(results):.1f}% (leave-one-out; {len(rows) - len(results)} not "
+        "expressible).",
         "",
         "| pair | published on/off | predicted on/off | on step error |",
         "|---|---|---|---|",
