@@ -30,7 +30,9 @@ run leaves on the GPU's timeline, which no efficiency shrinks and no precision h
   un-permutation, the router's softmax and top-k, the cross-entropy's logits passes, the embedding's
   lookup and its gradient's accumulation, and under FP8 each GEMM input's cast: 2 bytes read, 1
   written) over the HBM bandwidth; the router's h x E GEMM too (Megatron's FLOPs count leaves it
-  out, the GPU does not);
+  out, the GPU does not). Under the sync-free MoE buffers (`moe_expert_rank_capacity_factor`) the
+  experts' activation and casts run over every row of the static EP blocks, the GEMMs over the
+  routed rows (they read the counts on the GPU);
 - the output layer's GEMM in BF16 (Megatron's output layer is not an FP8 module).
 A -g cpu profile has no HBM or SM figures: there every FLOP costs the same (peak x efficiency),
 glue and launches are free, as the CPU calibration measures them inside the efficiency.

@@ -5,11 +5,11 @@ run's linear model (a, b, c: step = a + b / efficiency + c x overhead), taken at
 
 FITTED = {
     "h100": {
-        "efficiency": 0.7047,
-        "kernel_overhead_us": 30.695,
+        "efficiency": 0.7192,
+        "kernel_overhead_us": 35.161,
         "kernel_overhead_from": "h100",
-        "median_error": 0.082,
-        "worst_error": 0.53,
+        "median_error": 0.07,
+        "worst_error": 0.516,
         "group": "h100",
         "fit_rows": [
             "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off",
@@ -26,15 +26,15 @@ FITTED = {
             "Llama3-70B 64xH100 FP8 TP4 PP8 VP5",
             "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8",
         ],
-        "expected_error": "median 8%, worst 53%, 12 of 13 runs within 20% (leave-one-out over "
+        "expected_error": "median 7%, worst 52%, 12 of 13 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "b200": {
-        "efficiency": 0.5945,
-        "kernel_overhead_us": 30.695,
+        "efficiency": 0.631,
+        "kernel_overhead_us": 35.161,
         "kernel_overhead_from": "h100",
-        "median_error": 0.037,
-        "worst_error": 0.151,
+        "median_error": 0.015,
+        "worst_error": 0.106,
         "group": "blackwell",
         "fit_rows": [
             "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8",
@@ -47,15 +47,15 @@ FITTED = {
             "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.08)",
             "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.08)",
         ],
-        "expected_error": "median 4%, worst 15%, 9 of 9 runs within 20% (leave-one-out over "
+        "expected_error": "median 2%, worst 11%, 9 of 9 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "gb200": {
-        "efficiency": 0.5945,
-        "kernel_overhead_us": 30.695,
+        "efficiency": 0.631,
+        "kernel_overhead_us": 35.161,
         "kernel_overhead_from": "h100",
-        "median_error": 0.037,
-        "worst_error": 0.151,
+        "median_error": 0.015,
+        "worst_error": 0.106,
         "group": "blackwell",
         "fit_rows": [
             "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8",
@@ -68,15 +68,15 @@ FITTED = {
             "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.08)",
             "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.08)",
         ],
-        "expected_error": "median 4%, worst 15%, 9 of 9 runs within 20% (leave-one-out over "
+        "expected_error": "median 2%, worst 11%, 9 of 9 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "gb300": {
-        "efficiency": 0.5945,
-        "kernel_overhead_us": 30.695,
+        "efficiency": 0.631,
+        "kernel_overhead_us": 35.161,
         "kernel_overhead_from": "h100",
-        "median_error": 0.037,
-        "worst_error": 0.151,
+        "median_error": 0.015,
+        "worst_error": 0.106,
         "group": "blackwell",
         "fit_rows": [
             "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8",
@@ -89,49 +89,49 @@ FITTED = {
             "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.08)",
             "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.08)",
         ],
-        "expected_error": "median 4%, worst 15%, 9 of 9 runs within 20% (leave-one-out over "
+        "expected_error": "median 2%, worst 11%, 9 of 9 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
 }
 
 LINEAR = {
     "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off": (18.2382068, 9.35123913, 305152.0),
-    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": (0.289059661, 12.6689755, 424902.4),
+    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": (7.46871851, 9.35123913, 305152.0),
     "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap + delay_wgrad": (
-        0.289059661,
-        12.6689755,
-        424902.4,
+        7.46871851,
+        9.35123913,
+        305152.0,
     ),
     "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap off": (4.77921701, 9.35123913, 240640.0),
     "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on": (1.21826696, 9.35123913, 240640.0),
     "Qwen3-30B-A3B 16xH100 FP8 EP16": (4.22073823, 8.0925176, 342016.0),
-    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": (2.79502022, 9.07269239, 488307.16),
-    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": (1.53969867, 4.5142035, 121688.294),
-    "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32": (3.1795378, 32.4785245, 713339.8),
-    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": (1.05604871, 5.28788333, 105759.404),
+    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": (2.78447803, 9.0727915, 488597.525),
+    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": (1.5345612, 4.51530853, 121786.845),
+    "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32": (26.0899065, 24.3603613, 478222.995),
+    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": (1.03823415, 5.29645692, 105926.611),
     "Llama3-8B 8xH100 FP8-CS FSDP": (0.015626577, 5.59481941, 23296.0),
-    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": (2.30016612, 11.7950737, 56513.4803),
-    "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8": (6.02881146, 19.4424168, 125112.787),
+    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": (2.29632758, 11.7973503, 56527.8115),
+    "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8": (6.02461971, 19.4448359, 125131.187),
     "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8": (1.17920348, 3.45451315, 85504.0),
     "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8 (26.04.01)": (1.17920348, 3.26107012, 106240.0),
     "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.04.01)": (1.16000301, 3.25050114, 53120.0),
     "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8 (26.08)": (0.31211043, 3.50749387, 0.0),
     "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.08)": (0.348201027, 3.49692489, 0.0),
     "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.04.01)": (
-        4.14880137,
-        9.30202557,
-        109301.65,
+        4.11929002,
+        9.31563555,
+        109455.29,
     ),
     "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.04.01)": (
-        4.31745824,
-        8.32580561,
-        57109.1457,
+        4.30988899,
+        8.33024836,
+        57101.4858,
     ),
     "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.08)": (1.0852466, 9.68455959, 0.0),
     "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.08)": (2.29242486, 8.78038733, 0.0),
 }
 
 LINEARIZED_AT = {
-    "blackwell": (0.5945195237665485, 3.069568479651354e-05),
-    "h100": (0.7046826719689133, 3.069568479651354e-05),
+    "blackwell": (0.6310352579432802, 3.516137436817609e-05),
+    "h100": (0.7192310494829791, 3.516137436817609e-05),
 }

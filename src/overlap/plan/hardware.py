@@ -191,15 +191,15 @@ NIC = Link(
 )
 NVLINK_LATENCY_S = 10e-6  # Calculon h100_80g_nvl8.json
 
-# Compute slowdown while a window's compute overlaps communication: stretch = 1 + OVERLAP_SLOWDOWN.
-# arXiv 2507.03114 (A100/H100, GPT and LLaMA): overlapped compute runs 18.9% slower on average,
-# 40.0% at worst. We take the worst case for NCCL all-to-alls that cross nodes (every
-# expert-parallel rank talks to every other, so the kernels hold the most channels/SMs and HBM
-# bandwidth of any collective; Calculon's 15%-of-SMs NVLink figure alone already gives 18%) and the
-# average for the rest (DP / TP / PP overlap). Said plainly: the worst-case value for EP was chosen
-# after seeing the published Qwen3-30B-A3B pair (tests/test_plan_published.py), which the average
-# (0.189) misses by -11%; that pair therefore does not validate it independently - a second measured
-# EP pair must.
+# Compute slowdown while communication runs beside it: each second of hidden transfer costs the
+# compute beside it `slowdown` seconds (the share of its rate the transfer takes; DeepEP / HybridEP
+# use their SM share instead). arXiv 2507.03114 (A100/H100, GPT and LLaMA): overlapped compute runs
+# 18.9% slower on average, 40.0% at worst. We take the worst case for NCCL all-to-alls that cross
+# nodes (every expert-parallel rank talks to every other, so the kernels hold the most channels/SMs
+# and HBM bandwidth of any collective; Calculon's 15%-of-SMs NVLink figure alone already gives 18%)
+# and the average for the rest (DP / TP / PP overlap). Said plainly: the worst-case value for EP was
+# chosen after seeing the published Qwen3-30B-A3B pair (tests/test_plan_published.py); that pair
+# therefore does not validate it independently - a second measured EP pair must.
 OVERLAP_SLOWDOWN = {"ep": 0.40, "other": 0.189}
 SLOWDOWN_SOURCE = (
     "arXiv 2507.03114: +18.9% average, +40.0% worst; ep uses the worst case, the others the average"
@@ -512,6 +512,13 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
     slowdown = dict(OVERLAP_SLOWDOWN)
     for fam, value in (doc.get("overlap_slowdown") or {}).items():
         slowdown[fam] = number(f"overlap_slowdown.{fam}", value, -1e-12)
+        if slowdown[fam] >= 1:
+            raise ConfigError(
+                f"--cluster overlap_slowdown.{fam}",
+                value,
+                "a transfer takes a share of the compute's rate beside it: below 1.",
+                "give the share (e.g. 0.189).",
+            )
     per_node = gpus_per_node or (
         int(number("gpus_per_node", doc["gpus_per_node"]))
         if "gpus_per_node" in doc
