@@ -7,20 +7,22 @@ regenerates that module (the fits `overlap plan` uses, with their expected error
 
 Rows (`ROWS`): Megatron-Bridge's performance summary (step time = GBS x seq / (tokens/s/GPU x GPUs))
 and the MoE comm-overlap skill's measured on/off pairs. Each row says what we assumed where the
-source does not say it (dispatcher, EP overlap, CUDA graphs) and how it is expressed; a row the
-configuration cannot express is listed with the reason and not predicted.
+source does not say it (dispatcher, EP overlap, CUDA graphs: the row's release's perf recipe) and
+how it is expressed; a row the configuration cannot express is listed with the reason and not
+predicted.
 
 Fitted (`overlap.plan.compute`): the compute efficiency and the per-kernel overhead. Near a point a
 row's predicted step is a + b / efficiency + c x overhead (`Linear`, by finite differences, taken
 at its group's fit); a group's fit minimizes the sum of |log(predicted / published)| over its rows
 (least absolute deviation: robust to a run from an older software release). Groups: `h100` (H100
-rows) and `blackwell` (B200 and GB200 rows: one die, their peaks already differ). Three Blackwell
-rows cannot fit two numbers apart from their test, so Blackwell takes the per-kernel overhead of
-the H100 fit on all H100 rows (`OVERHEAD_FROM`; a host-side cost, fitted on no Blackwell row) and
-fits its efficiency alone, the median of its rows' own. Validation: leave-one-out within the group,
-both numbers re-fitted without the row (the runs of an on/off pair are left out together, so a
-pair's ratio is predicted by rows that include none of it), and the row predicted by the full
-model at that fit; the shipped fit uses all the group's rows.
+rows) and `blackwell` (B200, GB200 and GB300 rows: one die family, their peaks and SMs already
+differ). Blackwell takes the per-kernel overhead of the H100 fit on all H100 rows (`OVERHEAD_FROM`;
+a host-side cost, fitted on no Blackwell row; six of its eleven rows run full-iteration CUDA
+graphs, which launch without it) and fits its efficiency alone, the median of its rows' own.
+Validation: leave-one-out within the group, both numbers re-fitted without the row (the runs of an
+on/off pair are left out together, so a pair's ratio is predicted by rows that include none of
+it), and the row predicted by the full model at that fit; the shipped fit uses all the group's
+rows.
 """
 
 from __future__ import annotations
@@ -124,6 +126,14 @@ _STACK_ASSUMED = (
     "Bridge 55443cbfb's recipe: HybridEP (32 SMs), EP overlap + delay_wgrad, full-iteration CUDA "
     "graphs, sync-free MoE buffers at capacity factor 1.5 (refused by our runtime on SM100, set "
     "on the plan's configuration); its fused grouped MLP and FP8 attention not expressed"
+)
+# GPT-OSS-120B's GB200 / GB300 MXFP8 recipes (`_apply_gpt_oss_120b_full_iter_fp8mx_configs`,
+# src/megatron/bridge/perf_recipes/gpt_oss/common.py): the same stack, and an FP8 output projection
+_GPT_OSS_STACK = (
+    "Bridge's recipe (perf_recipes/gpt_oss): HybridEP (32 SMs), EP overlap + delay_wgrad, "
+    "full-iteration CUDA graphs, sync-free MoE buffers at capacity factor 1.5 (set on the plan's "
+    "configuration), no recompute; its fused grouped MLP, FP8 attention and FP8 output "
+    "projection not expressed"
 )
 _PRE_STACK = "release 26.04.01, before Bridge 55443cbfb: HybridEP (32 SMs), EP overlap off"
 _SELECTIVE_235 = "model.recompute_granularity=selective model.recompute_modules=[layernorm,moe_act]"
@@ -500,6 +510,43 @@ ROWS: tuple[Row, ...] = (
         13.34,
         _QWEN30,
         not_expressible="multi-latent attention and MTP are not in the model config",
+    ),
+    _row(
+        "DeepSeek-V3 256xGB300 MXFP8 PP2 VP8 EP32",
+        "gb300",
+        "mxfp8",
+        256,
+        4096,
+        1,
+        4096,
+        1,
+        2,
+        8,
+        32,
+        10.42,  # 6288 tokens/s/GPU (26.08)
+        _QWEN30,
+        not_expressible="multi-latent attention and MTP are not in the model config",
+    ),
+    *(
+        _row(
+            f"GPT-OSS-120B 64x{gpu.upper()} MXFP8 MBS4 EP{ep} (26.08)",
+            gpu,
+            "mxfp8",
+            64,
+            1280,
+            4,
+            4096,
+            1,
+            1,
+            None,
+            ep,
+            step,
+            _QWEN30,
+            f"{_STACK} {_GPT_OSS}",
+            assumed=f"{_GPT_OSS_STACK}; sliding windows not expressed",
+            reference_model=_SYNC_FREE,
+        )
+        for gpu, ep, step in (("gb200", 64, 2.857), ("gb300", 16, 2.481))  # 28672, 33024
     ),
 )
 
