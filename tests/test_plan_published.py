@@ -222,3 +222,49 @@ def test_sync_free_buffers_run_the_expert_glue_over_every_row():
     job.cfg.model.moe_expert_rank_capacity_factor = 1.5
     padded = microbatch_compute(job.cfg, job.resolution.layout, cluster).moe_fwd_s
     assert padded > plain  # the activation and casts over 1.5x the rows; the GEMMs unchanged
+
+
+def _merged(sigma: float, sm_share: float, delay_wgrad: bool, a2a_s: float):
+    from overlap.plan.compute import MicrobatchCompute
+    from overlap.plan.step_times import StepTimes, _merged_moe_layer
+
+    c = MicrobatchCompute(
+        attention_fwd_s=1.0,
+        moe_fwd_s=1.0,
+        shared_expert_fwd_s=0.0,
+        dense_mlp_fwd_s=0.0,
+        logits_fwd_s=0.0,
+        moe_layers=1.0,
+        dense_layers=0.0,
+        recompute=False,
+    )
+    kinds = ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd")
+    t = StepTimes()
+    _merged_moe_layer(c, dict.fromkeys(kinds, a2a_s), 0.0, sigma, delay_wgrad, t, 1.0, sm_share)
+    return t
+
+
+def test_a_transfer_slows_the_compute_beside_it_only_while_it_runs():
+    # NCCL (no SM share): 0.40 of the compute's rate for the transfer's time, not the whole window
+    short = _merged(0.4, 0.0, False, 0.1)
+    assert short.slowdown_s == pytest.approx(4 * 0.4 * 0.1)
+    assert not short.exposed_s
+    # the same rule as HybridEP's SM share
+    assert _merged(0.0, 0.4, False, 0.1).slowdown_s == pytest.approx(short.slowdown_s)
+    # a transfer longer than its window: the window runs at 0.6 of its rate throughout, the rest
+    # is exposed (F's dispatch, under B's 1 s of expert input gradients: 3 - 1 / 0.6)
+    long = _merged(0.4, 0.0, False, 3.0)
+    assert long.exposed_s["ep_dispatch"] == pytest.approx(3.0 - 1.0 / 0.6)
+
+
+def test_delayed_weight_gradients_fill_a_dispatchers_exposure():
+    # with delay_wgrad the weight gradients leave their windows and run beside what stays exposed,
+    # for DeepEP / HybridEP (an SM share) as for NCCL
+    for sigma, share in ((0.4, 0.0), (0.0, 32 / 148)):
+        u = share or sigma
+        plain, delayed = (_merged(sigma, share, d, 3.0) for d in (False, True))
+        exposed = sum(delayed.exposed_s.values())
+        assert exposed <= sum(plain.exposed_s.values()) + 1e-9
+        # each of the four 1 s windows exposes 3 - 1 / (1 - u); the 2 s of weight gradients,
+        # slowed as well, cover 2 / (1 - u) of it
+        assert exposed == pytest.approx(4 * (3.0 - 1 / (1 - u)) - 2 / (1 - u))
