@@ -536,7 +536,15 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
             )
         families = parse_families("--cluster link_families", families, ",".join(families))
     backend_sms = dict(EP_BACKEND_SMS)
-    for backend, value in (doc.get("ep_backend_sms") or {}).items():
+    chosen = doc.get("ep_backend_sms") or {}
+    if not isinstance(chosen, dict):
+        raise ConfigError(
+            "--cluster ep_backend_sms",
+            chosen,
+            "expected an object of backend: version or SM count.",
+            'e.g. "ep_backend_sms": {"deepep": "v2"}.',
+        )
+    for backend, value in chosen.items():
         versions = DISPATCHER_SMS.get(backend)
         if versions is None:
             raise ConfigError(
