@@ -21,7 +21,8 @@ section 4.2):
   / P(rank) the chance that top-k of E experts hit a given node / rank, 1 - C(E - E_there, k) / C(E,
   k). The RDMA and NVLink parts run at once (time: the slower). Under an FP8 recipe the forward
   dispatch moves FP8 (1 byte per element), its combine and the backward BF16 (DeepEP's setting). The
-  kernels hold a fixed number of SMs (`EP_BACKEND_SMS`), `ep_sm_share` of the GPU.
+  kernels hold a fixed number of SMs (`Cluster.ep_backend_sms`: per backend and version,
+  `overlap.plan.hardware.DISPATCHER_SMS`), `ep_sm_share` of the GPU.
 - TP with SP, per micro-batch and layer: 4 forward + 4 backward collectives of (t-1)/t x b s h beta,
   plus the input's re-gather for the weight gradient where a bulk dgrad slot keeps only the shard (a
   MoE layer with ETP 1 keeps only its attention's: 2 + 2 (+ 1), and its shared expert's 2 + 2; full
@@ -66,7 +67,7 @@ from overlap.config.model import expert_rank_capacity
 from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.tp_overlap import SlotPlan
 from overlap.launch.resources import estimate_memory
-from overlap.plan.hardware import EP_BACKEND_SMS, Cluster, Link, Transfer
+from overlap.plan.hardware import Cluster, Link, Transfer
 from overlap.plan.tp_slots import NO_GEMMS, layer_tp
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -239,7 +240,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         g = members_per_node(ep, max(1, layout.etp), gpn)
         backend = m.moe_flex_dispatcher_backend if m.moe_token_dispatcher_type == "flex" else None
         for kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"):
-            if backend in EP_BACKEND_SMS:
+            if backend in cluster.ep_backend_sms:
                 fp8 = kind == "ep_dispatch" and cluster.precision in ("fp8", "mxfp8")
                 leaving, seconds = flex_gpu_a2a(
                     tokens,
@@ -251,7 +252,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
                     cluster,
                 )
                 if cluster.sms:
-                    plan.ep_sm_share = EP_BACKEND_SMS[backend] / cluster.sms
+                    plan.ep_sm_share = cluster.ep_backend_sms[backend] / cluster.sms
             elif m.moe_expert_rank_capacity_factor is not None:
                 # the sync-free dispatch's blocks: EP x C rows a rank, full whatever the routing
                 block = expert_rank_capacity(

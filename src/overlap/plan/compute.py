@@ -30,7 +30,9 @@ run leaves on the GPU's timeline, which no efficiency shrinks and no precision h
   un-permutation, the router's softmax and top-k, the cross-entropy's logits passes, the embedding's
   lookup and its gradient's accumulation, and under FP8 each GEMM input's cast: 2 bytes read, 1
   written) over the HBM bandwidth; the router's h x E GEMM too (Megatron's FLOPs count leaves it
-  out, the GPU does not);
+  out, the GPU does not). Under the sync-free MoE buffers (`moe_expert_rank_capacity_factor`) the
+  experts' activation and casts run over every row of the static EP blocks, the GEMMs over the
+  routed rows (they read the counts on the GPU);
 - the output layer's GEMM in BF16 (Megatron's output layer is not an FP8 module).
 A -g cpu profile has no HBM or SM figures: there every FLOP costs the same (peak x efficiency),
 glue and launches are free, as the CPU calibration measures them inside the efficiency.
@@ -43,6 +45,7 @@ from math import ceil
 
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
+from overlap.config.model import expert_rank_capacity
 from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.plan.hardware import Cluster
 from overlap.plan.tp_slots import NO_GEMMS, TPGemms
@@ -260,10 +263,18 @@ def microbatch_compute(
         local = max(1, experts // ep)
         rows = moe_tokens * topk * ep / experts  # per local expert, balanced routing
         routed = cost(k.gemm(rows, ups * f_moe, h, local) + k.gemm(rows, h, f_moe, local), "moe")
+        # The rows the experts' elementwise kernels run over: the routed ones, or under the
+        # sync-free dispatch (`moe_expert_rank_capacity_factor`) every row of its static EP blocks,
+        # full or not (the host never learns the counts; the grouped GEMMs read them on the GPU
+        # and skip the empty rows' tiles).
+        slots = moe_tokens * topk
+        if m.moe_expert_rank_capacity_factor:
+            factor = m.moe_expert_rank_capacity_factor
+            slots = ep * expert_rank_capacity(round(moe_tokens), topk, ep, factor)
         # the gated activation alone (what `moe_act` recompute re-runs), then the casts
-        act_s = cost(k.glue(act * moe_tokens * topk * (ups + 1) * f_moe), "moe")
+        act_s = cost(k.glue(act * slots * (ups + 1) * f_moe), "moe")
         # TE quantizes a grouped GEMM's inputs with one multi-tensor kernel
-        routed += act_s + cost(k.casts(moe_tokens * topk * (h + f_moe), 2), "moe")
+        routed += act_s + cost(k.casts(slots * (h + f_moe), 2), "moe")
         # the pre-MLP norm with the router (TE's moe_router graph holds both), then the residual
         router = cost(
             k.gemm(moe_tokens, experts, h, bf16=True)

@@ -148,13 +148,38 @@ GPUS: dict[str, GpuSpec] = {
         8.0,
         148,
     ),
+    # Blackwell Ultra: the GB300 NVL72 rack's 360 PF dense FP8 for training over 72 GPUs is GB200's
+    # 5000 TFLOP/s per GPU (BF16 half of it), 576 TB/s of HBM over 72 GPUs 8 TB/s
+    # (glennklockwood.com/garden/processors/B300); 160 SMs (NVIDIA at Hot Chips 2025, as reported
+    # by tweaktown.com "NVIDIA details Blackwell Ultra GB300"); the same NVLink5 and NVL72 domain.
+    "gb300": GpuSpec(
+        "NVIDIA GB300",
+        {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "mxfp8": 5000.0, "fp32": 1250.0},
+        740.0,
+        72,
+        "glennklockwood.com/garden/processors/B300 (GB300 NVL72); 160 SMs: NVIDIA Hot Chips "
+        f"2025 (tweaktown.com); {_NVLINK5}",
+        8.0,
+        160,
+    ),
 }
 
+
 # Streaming multiprocessors the flex dispatcher's kernels hold while they run (the GEMMs beside them
-# get the rest): DeepEP's normal kernels 20 by default (deepseek-ai/DeepEP docs/legacy.md,
-# DeepSeek's trace: 10 channels); HybridEP `moe_hybridep_num_sms` = 32, what Megatron-Bridge's perf
-# harness sets.
-EP_BACKEND_SMS = {"deepep": 20, "hybridep": 32}
+# get the rest), per backend and version. The reference drives DeepEP's V1 normal kernels through
+# Megatron-Core's `moe_deepep_num_sms` (default 20; deepseek-ai/DeepEP docs/legacy.md: DeepSeek's
+# trace, 10 channels), and every Megatron-Bridge perf recipe with HybridEP sets
+# `moe_hybridep_num_sms` = 32 (`_benchmark_common`, src/megatron/bridge/perf_recipes/_common.py,
+# H100 and Blackwell alike; Megatron-Core's own default is 16). DeepEP V2 (NCCL Gin) reaches its
+# bandwidth on far fewer: 6 SMs for EP8 x 4 over RDMA (deepseek-ai/DeepEP README, SM90; 4-12 across
+# its settings). The default version is what the reference runs; a cluster file picks another
+# (`ep_backend_sms`: a version or a count per backend).
+DISPATCHER_SMS: dict[str, dict[str, int]] = {
+    "deepep": {"v1": 20, "v2": 6},
+    "hybridep": {"bridge": 32, "mcore-default": 16},
+}
+DEFAULT_DISPATCHER_VERSION = {"deepep": "v1", "hybridep": "bridge"}
+EP_BACKEND_SMS = {b: DISPATCHER_SMS[b][v] for b, v in DEFAULT_DISPATCHER_VERSION.items()}
 
 # One NDR 400 Gb/s NIC (ConnectX-7) per GPU, through NCCL: 46-48 GB/s (AddyLaddy,
 # NVIDIA/nccl-tests#290); we take the low end. Latencies: Calculon's H100 system
@@ -166,15 +191,15 @@ NIC = Link(
 )
 NVLINK_LATENCY_S = 10e-6  # Calculon h100_80g_nvl8.json
 
-# Compute slowdown while a window's compute overlaps communication: stretch = 1 + OVERLAP_SLOWDOWN.
-# arXiv 2507.03114 (A100/H100, GPT and LLaMA): overlapped compute runs 18.9% slower on average,
-# 40.0% at worst. We take the worst case for NCCL all-to-alls that cross nodes (every
-# expert-parallel rank talks to every other, so the kernels hold the most channels/SMs and HBM
-# bandwidth of any collective; Calculon's 15%-of-SMs NVLink figure alone already gives 18%) and the
-# average for the rest (DP / TP / PP overlap). Said plainly: the worst-case value for EP was chosen
-# after seeing the published Qwen3-30B-A3B pair (tests/test_plan_published.py), which the average
-# (0.189) misses by -11%; that pair therefore does not validate it independently - a second measured
-# EP pair must.
+# Compute slowdown while communication runs beside it: each second of hidden transfer costs the
+# compute beside it `slowdown` seconds (the share of its rate the transfer takes; DeepEP / HybridEP
+# use their SM share instead). arXiv 2507.03114 (A100/H100, GPT and LLaMA): overlapped compute runs
+# 18.9% slower on average, 40.0% at worst. We take the worst case for NCCL all-to-alls that cross
+# nodes (every expert-parallel rank talks to every other, so the kernels hold the most channels/SMs
+# and HBM bandwidth of any collective; Calculon's 15%-of-SMs NVLink figure alone already gives 18%)
+# and the average for the rest (DP / TP / PP overlap). Said plainly: the worst-case value for EP was
+# chosen after seeing the published Qwen3-30B-A3B pair (tests/test_plan_published.py); that pair
+# therefore does not validate it independently - a second measured EP pair must.
 OVERLAP_SLOWDOWN = {"ep": 0.40, "other": 0.189}
 SLOWDOWN_SOURCE = (
     "arXiv 2507.03114: +18.9% average, +40.0% worst; ep uses the worst case, the others the average"
@@ -251,6 +276,8 @@ class Cluster:
     # runs (`overlap.plan.validate`); None where the efficiency is not that fit's (a cluster file, a
     # -g cpu profile).
     expected_error: tuple[float, float] | None = None
+    # SMs each flex dispatcher backend's kernels hold (`DISPATCHER_SMS`, the default versions)
+    ep_backend_sms: dict[str, int] = field(default_factory=lambda: dict(EP_BACKEND_SMS))
 
     def slowdown(self, family: str) -> float:
         return self.overlap_slowdown.get(family, self.overlap_slowdown.get("other", 0.0))
@@ -271,6 +298,7 @@ class Cluster:
             "kernel_overhead_us": self.efficiency.kernel_overhead_s * 1e6,
             "overlap_slowdown": dict(self.overlap_slowdown),
             "overlap_slowdown_source": self.slowdown_source,
+            "ep_backend_sms": dict(self.ep_backend_sms),
             "source": self.source,
             **(
                 {"link_families": list(self.link_families)}
@@ -293,9 +321,11 @@ def precision_of(model) -> str:
 PLAN_FP8 = {"fp8_cs": "fp8", "fp8_ds": "fp8", "fp8_sc": "fp8", "fp8_mx": "mxfp8"}
 
 
-def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Cluster:
-    """The cluster from the built-in table for a `-g` GPU type; a ConfigError for one without
-    published figures."""
+def builtin_cluster(
+    gpu: str, precision: str, gpus_per_node: int | None, efficiency: Efficiency | None = None
+) -> Cluster:
+    """The cluster from the built-in table for a `-g` GPU type, at its fitted efficiency (or
+    `efficiency`: the validation fits it); a ConfigError for one without published figures."""
     spec = GPUS.get(gpu)
     if spec is None:
         known = ", ".join(GPUS)
@@ -322,7 +352,7 @@ def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Clus
             f"{spec.name} has no {precision} tensor cores.",
             f"plan it with one of {', '.join(spec.peak_tflops)}.",
         )
-    eff = calibrated_efficiency(gpu)
+    eff = efficiency or calibrated_efficiency(gpu)
     if eff is None:  # a GPU type added to GPUS without a validated fit
         raise ConfigError(
             "-g/--gpu",
@@ -342,7 +372,7 @@ def builtin_cluster(gpu: str, precision: str, gpus_per_node: int | None) -> Clus
         bf16_peak_tflops=spec.peak_tflops["bf16"],
         hbm_Bps=spec.hbm_TBps * 1e12,
         sms=spec.sms,
-        expected_error=expected_error(gpu),
+        expected_error=None if efficiency else expected_error(gpu),
     )
 
 
@@ -360,6 +390,7 @@ _CLUSTER_KEYS = {
     "overlap_slowdown_source",
     "link_families",
     "kernel_overhead_us",
+    "ep_backend_sms",
 }
 
 
@@ -481,6 +512,13 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
     slowdown = dict(OVERLAP_SLOWDOWN)
     for fam, value in (doc.get("overlap_slowdown") or {}).items():
         slowdown[fam] = number(f"overlap_slowdown.{fam}", value, -1e-12)
+        if slowdown[fam] >= 1:
+            raise ConfigError(
+                f"--cluster overlap_slowdown.{fam}",
+                value,
+                "a transfer takes a share of the compute's rate beside it: below 1.",
+                "give the share (e.g. 0.189).",
+            )
     per_node = gpus_per_node or (
         int(number("gpus_per_node", doc["gpus_per_node"]))
         if "gpus_per_node" in doc
@@ -497,6 +535,35 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
                 'e.g. "link_families": ["ep"].',
             )
         families = parse_families("--cluster link_families", families, ",".join(families))
+    backend_sms = dict(EP_BACKEND_SMS)
+    chosen = doc.get("ep_backend_sms") or {}
+    if not isinstance(chosen, dict):
+        raise ConfigError(
+            "--cluster ep_backend_sms",
+            chosen,
+            "expected an object of backend: version or SM count.",
+            'e.g. "ep_backend_sms": {"deepep": "v2"}.',
+        )
+    for backend, value in chosen.items():
+        versions = DISPATCHER_SMS.get(backend)
+        if versions is None:
+            raise ConfigError(
+                f"--cluster ep_backend_sms.{backend}",
+                value,
+                "not a flex dispatcher backend with SMs of its own.",
+                f"name one of {', '.join(DISPATCHER_SMS)}.",
+            )
+        if not isinstance(value, str):
+            backend_sms[backend] = int(number(f"ep_backend_sms.{backend}", value))
+        elif value in versions:
+            backend_sms[backend] = versions[value]
+        else:
+            raise ConfigError(
+                f"--cluster ep_backend_sms.{backend}",
+                value,
+                f"no {backend} version with a known SM count.",
+                f"give one of {', '.join(versions)} or a number of SMs.",
+            )
     cluster = Cluster(
         gpu=gpu,
         peak_tflops=peak,
@@ -509,6 +576,7 @@ def load_cluster(path: str, gpu: str, precision: str, gpus_per_node: int | None)
         source=doc.get("source", f"cluster file {file}"),
         link_families=families,
         slowdown_source=doc.get("overlap_slowdown_source", SLOWDOWN_SOURCE),
+        ep_backend_sms=backend_sms,
         **(
             {}
             if base is None

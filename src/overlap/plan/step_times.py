@@ -155,11 +155,14 @@ def _merged_moe_layer(
     halves run at fixed slots, with it they fill the waits (a pool that absorbs what the fixed
     pieces leave exposed).
 
-    NCCL's all-to-alls (`sm_share` 0) stretch the whole window they overlap by 1 + sigma. DeepEP /
-    HybridEP hold a fixed share u of the SMs only while they run: a window of W seconds beside a
-    t-second transfer runs at 1 - u of its speed for the transfer's time, so it takes W + u t when
-    it outlasts the transfer, and the transfer exposes
-    t - W / (1 - u) past it otherwise."""
+    A transfer slows the compute beside it only while it runs: the compute loses a share u of its
+    rate for the transfer's time (DeepEP / HybridEP: `sm_share`, the SMs their kernels hold;
+    NCCL's all-to-alls, `sm_share` 0: sigma, as every other overlap in the model charges sigma per
+    second of hidden transfer). A window of W seconds beside a t-second transfer then takes W + u t
+    when it outlasts the transfer, and the transfer exposes t - W / (1 - u) past it otherwise, less
+    what the delayed weight gradients (at the same 1 - u) fill. The compute after the transfer has
+    ended, and the window's launch gaps, are not slowed."""
+    u = sm_share or sigma
     e_wgrad, a_wgrad = c.moe_fwd_s, c.attention_fwd_s
     e_dgrad = c.bwd_factor * c.moe_fwd_s + c.moe_recompute_s - e_wgrad
     a_dgrad = c.bwd_factor * c.attention_fwd_s + c.attention_recompute_s - a_wgrad
@@ -175,25 +178,17 @@ def _merged_moe_layer(
         ("ep_dispatch_bwd", a2a.get("ep_dispatch_bwd", 0.0), (3,)),
         ("ep_combine", a2a.get("ep_combine", 0.0), (4,)),
     )
-    pool = 0.0 if not delay_wgrad else e_wgrad + a_wgrad
-    # delayed: they run beside the transfers
-    overlapped_s = pool if any(a2a.values()) or counts_s > 0 else 0.0
-    overlapped: set[int] = set()
+    # delayed: the weight gradients run beside whatever transfer the fixed pieces leave exposed
+    pool = e_wgrad + a_wgrad if delay_wgrad else 0.0
     for kind, seconds, window in covers:
         if seconds <= 0:
             continue
-        if sm_share > 0:
-            room = sum(pieces[i] for i in window) / (1 - sm_share)
-            t.slowdown_s += sm_share * min(seconds, room) * weight
-            t.expose(kind, max(0.0, seconds - room) * weight)
-            continue
-        overlapped.update(window)
-        exposed = max(0.0, seconds - sum(pieces[i] for i in window) * (1 + sigma))
-        filled = min(exposed, pool)
-        pool -= filled
+        room = sum(pieces[i] for i in window) / (1 - u)
+        exposed = max(0.0, seconds - room)
+        filled = min(exposed, pool / (1 - u))
+        pool -= filled * (1 - u)
+        t.slowdown_s += u * (min(seconds, room) + filled) * weight
         t.expose(kind, (exposed - filled) * weight)
-    if not sm_share:
-        t.slowdown_s += sigma * (sum(pieces[i] for i in overlapped) + overlapped_s) * weight
 
 
 def step_times(
