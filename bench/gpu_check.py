@@ -385,7 +385,7 @@ def _grouped_vs_loop(device, failed: list[str]) -> dict:
 
     def run(kernel_offs):
         x, w = rows.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = GroupedLinear.apply(x, w, counts, kernel_offs)
+        out = GroupedLinear.apply(x, w, counts, kernel_offs, None)
         out.backward(grad)
         return out.detach(), x.grad, w.grad
 

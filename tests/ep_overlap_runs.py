@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
@@ -55,7 +54,7 @@ def run_ep_step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: in
             lm, aux = model(tokens, labels)
             ((lm + aux) * scale).backward()
             losses.append(float(lm))
-    assert not WGRAD_STORE.queue
+    assert not model.wgrad_store.queue
     events, spans = RECORDER.drain()
     return losses, param_grads(model), events, spans
 

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ModelConfig
-from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.model.gpt import model_chunks
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import RECORDER
@@ -127,10 +126,11 @@ def _step(
     )
 
     def before_backward(chunk: int, last: bool) -> None:
-        hooks.append((chunk, last, len(WGRAD_STORE.queue)))
+        hooks.append((chunk, last, len(store.queue)))
 
+    store = chunks[0].wgrad_store
     losses = PipelineExecutor(chunks, ps, options, before_backward).step(batches, 1.0 / n_mb)
-    assert not WGRAD_STORE.queue
+    assert not store.queue
     # data parallelism's rule: every chunk's last backward is announced (again by the flush of
     # deferred output-layer GEMMs, which completes that weight), and never while delayed weight
     # gradients are still queued

@@ -416,7 +416,7 @@ def test_moe_tp2_ep2_with_tp_overlap_matches_off_and_the_reference():
         assert rank["on"] == pytest.approx(rank["off"], rel=LOSS_RTOL)
         assert rank["on"] == pytest.approx(list(ref), rel=LOSS_RTOL)
         # TP overlap inside the EP-overlap schedule, its weight gradients delayed through
-        # WGRAD_STORE
+        # the model's WeightGradStore
         assert rank["ep_overlap+tp_overlap"] == pytest.approx(
             rank["ep_overlap"], rel=BF16_LOSS_RTOL
         )

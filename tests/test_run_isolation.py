@@ -1,0 +1,74 @@
+"""Two runs in one process keep their run state apart: the state that used to be process-wide
+(the weight-gradient store of delay_wgrad_compute) belongs to the run's objects, so a model's
+queued weight-gradient GEMMs are its own and another model alive beside it neither sees nor runs
+them. (The tests' shared worlds run many jobs in one process per rank: a leak would carry one
+test's state into the next.)"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from overlap.config.layout import ParallelLayout
+from overlap.model.gpt import GPTModel, model_chunks
+from overlap.parallel.state import ParallelState
+from tests.configs import bare_plan, moe_model
+from tests.world import run_world
+
+
+def _tiny_moe():
+    return moe_model(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=64,
+        seq_length=8,
+        expert_model_parallel_size=1,
+        moe_ffn_hidden_size=16,
+        ffn_hidden_size=64,
+    )
+
+
+def _two_models_delaying_one() -> tuple[int, int, int, bool, bool]:
+    """Two models built side by side, one backward each, the first's store delaying: (GEMMs queued
+    in the first's store, in the second's, after the first's flush; the first's weights had no
+    gradient before its flush, every weight of the second had one at once)."""
+    ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
+    a, b = (GPTModel(_tiny_moe(), ps, bare_plan()) for _ in range(2))
+    assert a.wgrad_store is not b.wgrad_store
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    for model in (a, b):
+        model.init_weights(5)
+    with a.wgrad_store.delaying(True):
+        loss, aux = a(tokens[:, :-1], tokens[:, 1:])
+        (loss + aux).backward()
+        loss, aux = b(tokens[:, :-1], tokens[:, 1:])
+        (loss + aux).backward()  # b's store is not delaying: its weight gradients run now
+    queued_a, queued_b = len(a.wgrad_store.queue), len(b.wgrad_store.queue)
+    a_delayed = a.layers[0].self_attention.linear_qkv.weight.grad is None
+    a.wgrad_store.flush()
+    b_complete = all(p.grad is not None for p in b.parameters())
+    return queued_a, queued_b, len(a.wgrad_store.queue), a_delayed, b_complete
+
+
+def test_two_models_keep_their_queued_weight_gradients_apart():
+    """The first model's linears and experts queue in its own store (attention qkv and proj, and
+    the experts' two grouped GEMMs, per layer, plus the output layer); the second model, built
+    beside it with a store that is not delaying, computes every weight gradient in its backward and
+    queues nothing."""
+    ((queued_a, queued_b, left, a_delayed, b_complete),) = run_world(1, _two_models_delaying_one)
+    assert queued_a >= 2 * 4 + 1 and a_delayed
+    assert queued_b == 0 and b_complete
+    assert left == 0
+
+
+def _two_builds() -> bool:
+    ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
+    (first,), (second,) = (model_chunks(_tiny_moe(), ps, bare_plan()) for _ in range(2))
+    return first.wgrad_store is second.wgrad_store
+
+
+def test_each_build_of_a_rank_s_chunks_has_its_own_store():
+    """`model_chunks` gives the chunks of one build one store (the executor's queue spans them),
+    and a second build a store of its own."""
+    assert run_world(1, _two_builds) == [False]
