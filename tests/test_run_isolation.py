@@ -1,16 +1,21 @@
 """Two runs in one process keep their run state apart: the state that used to be process-wide
-(the weight-gradient store of delay_wgrad_compute) belongs to the run's objects, so a model's
-queued weight-gradient GEMMs are its own and another model alive beside it neither sees nor runs
-them. (The tests' shared worlds run many jobs in one process per rank: a leak would carry one
-test's state into the next.)"""
+belongs to the run's objects. A model's queued weight-gradient GEMMs (delay_wgrad_compute) are its
+own, and another model alive beside it neither sees nor runs them; a run's communication session
+(its mode, NCCL's rules, its recorded program) is its own, and a session active inside or after
+another sees neither its mode nor its records. (The tests' shared worlds run many jobs in one
+process per rank: a leak would carry one test's state into the next.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from overlap.config.layout import ParallelLayout
+from overlap.errors import ConfigError
 from overlap.model.gpt import GPTModel, model_chunks
+from overlap.parallel import comm, link_model
+from overlap.parallel.program import Post, ProgramRecorder
 from overlap.parallel.state import ParallelState
 from tests.configs import bare_plan, moe_model
 from tests.world import run_world
@@ -72,3 +77,54 @@ def test_each_build_of_a_rank_s_chunks_has_its_own_store():
     """`model_chunks` gives the chunks of one build one store (the executor's queue spans them),
     and a second build a store of its own."""
     assert run_world(1, _two_builds) == [False]
+
+
+def _kinds(program: ProgramRecorder) -> list[str]:
+    return [op.kind for e in program.stop() if isinstance(e, Post) for op in e.ops]
+
+
+def _two_sessions() -> dict:
+    """A run whose session frees EP communication ("none:ep") records its program; a second
+    session, real and recording its own, is made active inside it, then the first's continues, and
+    after both the plain session is back."""
+    world = dist.group.WORLD
+    floor = comm.CommSession("none:ep", program=ProgramRecorder(enabled=True))
+    real = comm.CommSession(program=ProgramRecorder(enabled=True))
+    with comm.using(floor):
+        freed = comm.all_reduce(torch.ones(2), world, "ep_dispatch").wait()
+        with comm.using(real):
+            summed = comm.all_reduce(torch.ones(2), world, "ep_dispatch").wait()
+        comm.all_reduce(torch.ones(2), world, "dp_ar").wait()
+    after = comm.session()
+    return {
+        "freed": freed.tolist(),
+        "summed": summed.tolist(),
+        "floor": _kinds(floor.program),
+        "real": _kinds(real.program),
+        "after": (after.program is None, after.is_free("ep_dispatch"), after.nccl_rules),
+    }
+
+
+def test_two_comm_sessions_keep_their_mode_and_records_apart():
+    """The floor's EP all-reduce is free (nothing moves, nothing is posted), the inner real
+    session's is summed over both ranks and posted in its own program only, the floor's DP
+    all-reduce after it in the floor's program only; once both ended, the plain session is active
+    (real, no rules, nothing recorded). Under OVERLAP_TEST_NCCL_RULES=1 the job's own rules session
+    is what comes back, which this test does not read."""
+    for rank in run_world(2, _two_sessions):
+        assert rank["freed"] == [1.0, 1.0] and rank["summed"] == [2.0, 2.0]
+        assert rank["floor"] == ["dp_ar"] and rank["real"] == ["ep_dispatch"]
+        assert rank["after"][1] is False
+
+
+def test_a_session_under_nccl_rules_refuses_a_modelled_link_and_leaves_no_trace():
+    """NCCL's rules and the modelled link exclude each other: entering such a session with a link
+    set is refused (ConfigError naming --network), and the refused session never became active."""
+    link_model.set_network(link_model.LinkModel(1e-3, 1e9, ("tp",)))
+    try:
+        with pytest.raises(ConfigError, match="--network"):
+            with comm.using(comm.CommSession(nccl_rules=True)):
+                pass
+    finally:
+        link_model.set_network(None)
+    assert not comm.session().nccl_rules

@@ -155,17 +155,13 @@ def close_world(size: int, env: dict[str, str] | None = None) -> None:
 
 
 def _under_nccl_rules(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list]:
-    """On a rank: `fn` with comm under NCCL's rules (overlap.parallel.comm.set_nccl_rules); (its
-    result, this rank's recorded program)."""
+    """On a rank: `fn` with comm under NCCL's rules (a `comm.CommSession(nccl_rules=True)` of the
+    job's own); (its result, this rank's recorded program)."""
     from overlap.parallel import comm
 
-    comm.set_nccl_rules(True)
-    try:
+    with comm.using(comm.CommSession(nccl_rules=True)) as rules:
         result = fn(*args, **kwargs)
-    finally:
-        entries = comm.PROGRAM.stop()
-        comm.set_nccl_rules(False)
-    return result, entries
+    return result, rules.program.stop()
 
 
 def run_world_nccl_rules(size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:

@@ -467,10 +467,10 @@ def _network_label(network, comm_mode: str) -> str:
     return network.describe()
 
 
-def _apply_network(network, comm_mode: str) -> None:
-    """Configure comm.py on this rank for the chosen link and mode."""
+def _apply_network(network) -> None:
+    """Configure comm.py's link on this rank (the comm mode is the run's `comm.CommSession`)."""
     from overlap.launch.network import NETNS_ENV
-    from overlap.parallel import comm, link_model
+    from overlap.parallel import link_model
 
     if network.kind == "tbf" and NETNS_ENV not in os.environ:
         raise ConfigError(
@@ -480,7 +480,6 @@ def _apply_network(network, comm_mode: str) -> None:
             "no torchrun) builds the network namespace.",
             "launch with -g cpu without torchrun, or use a modelled link (model:LAT,BW).",
         )
-    comm.set_mode(comm_mode)
     link_model.set_network(
         link_model.LinkModel(network.latency_s, network.bandwidth_Bps, network.families)
         if network.kind == "model"
@@ -516,6 +515,16 @@ def _rank_hosts(address: str | None) -> dict[str, list[int]]:
 
 
 def _run_rank(job, args: argparse.Namespace, network) -> int:
+    """This rank's run, under the run's communication session: its --comm-mode, and on CPU ranks
+    NCCL's rules with --nccl-rules (the program it records is replayed at the end)."""
+    from overlap.parallel import comm
+
+    run_comm = comm.CommSession(args.comm_mode, nccl_rules=args.nccl_rules and args.gpu == "cpu")
+    with comm.using(run_comm):
+        return _train_on_rank(job, args, network, run_comm)
+
+
+def _train_on_rank(job, args: argparse.Namespace, network, run_comm) -> int:
     import torch
 
     from overlap.harness import describe_layout
@@ -547,7 +556,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         address = _choose_gloo_interface()
     cfg = job.cfg
-    _apply_network(network, args.comm_mode)
+    _apply_network(network)
     from overlap.parallel import comm, groups, streams
     from overlap.parallel.trace import DeviceTimeline
 
@@ -558,8 +567,6 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         # times on the GPU (overlap.parallel.trace), placed for one hardware queue where the launch
         # set CUDA_DEVICE_MAX_CONNECTIONS=1
         RECORDER.timeline = DeviceTimeline(one_queue=streams.one_queue())
-    elif args.nccl_rules:
-        comm.set_nccl_rules(True)
     hosts: dict[str, list[int]] = {}
     try:
         hosts = _rank_hosts(address)
@@ -596,7 +603,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
             sinks.close()
         collector.check_iterations(len(summary.records))
         if args.nccl_rules:
-            _replay_programs(rank)
+            _replay_programs(rank, run_comm.program)
         if rank == 0:
             _report_exposure(collector, summary, label, args)
         if args.trace:
@@ -647,7 +654,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     return 0
 
 
-def _replay_programs(rank: int) -> None:
+def _replay_programs(rank: int, program) -> None:
     """--nccl-rules: every rank's recorded program, replayed with NCCL's streams on every rank (each
     one stops with the same finding); the findings that would hang or corrupt a GPU run end it with
     an error."""
@@ -655,7 +662,7 @@ def _replay_programs(rank: int) -> None:
     from overlap.parallel import comm
     from overlap.parallel.program import early_send_waits, replay
 
-    entries = comm.PROGRAM.stop()
+    entries = program.stop()
     programs = dict(enumerate(comm.all_gather_object(entries)))
     problems = replay(programs)
     if problems:

@@ -23,10 +23,11 @@ work:
   an op never waited, at the drain): exact when the collective ends after that point, an upper bound
   of a collective that was already hidden. Marks resolve to seconds at `drain`, after one device
   synchronisation per drain (once per training iteration).
-- `RulesTimeline` (gloo under NCCL's rules, `comm.set_nccl_rules`): the device timeline's code path
-  on the host clock, its completion marks set when gloo's own works complete (what the CUDA events
-  would time), since under the rules the futures the runtime sees complete at posting; it places
-  its timing waits where the device timeline would, so the recorded program shows them.
+- `RulesTimeline` (gloo under NCCL's rules, `comm.CommSession(nccl_rules=True)`): the device
+  timeline's code path on the host clock, its completion marks set when gloo's own works complete
+  (what the CUDA events would time), since under the rules the futures the runtime sees complete at
+  posting; it places its timing waits where the device timeline would, so the recorded program
+  shows them.
 On the device timelines a collective's completion is not visible to the host before `drain`
 (`Timeline.host_sees_completion` is False): nothing in the runtime may decide on it.
 """

@@ -433,7 +433,9 @@ class Trainer:
         start = RECORDER.mark()
         loss, norm = self.train_step(it)
         end = RECORDER.mark()
-        comm.PROGRAM.step_end()
+        program = comm.session().program  # the run's recorder, where it records (NCCL's rules)
+        if program is not None:
+            program.step_end()
         events, _spans = RECORDER.drain()
         # event to event: on a GPU the step's last collective can end inside the drain's
         # synchronisation, after the host finished the step (parallel/trace.py)
