@@ -21,7 +21,7 @@ import torch.distributed as dist
 from overlap.config import ModelConfig
 from overlap.model.gpt import model_chunks
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
 from overlap.pipeline.schedules import pipeline_steps
 from overlap.training.trainer import Trainer
@@ -226,9 +226,9 @@ def _traced_step(overrides: list[str]):
     res = cfg.finalize(dist.get_world_size())
     trainer = Trainer(cfg, ParallelState(res.layout))
     trainer.train_step(0)
-    RECORDER.drain()
+    recorder().drain()
     trainer.train_step(1)
-    return RECORDER.drain()
+    return recorder().drain()
 
 
 def test_under_pp_all_to_alls_fly_while_the_other_microbatch_computes_and_receives_post_early():

@@ -34,7 +34,7 @@ from overlap.layers.moe.permute import (
 )
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from tests.configs import bare_plan, tiny_config
 from tests.moe_layer_runs import (
     BATCH,
@@ -338,7 +338,7 @@ def test_all_to_all_many_is_bit_exact_for_mixed_dtypes_and_uneven_splits():
 
 def _one_rank_exchange() -> tuple:
     rows, weights = torch.randn(5, 3, requires_grad=True), torch.rand(5, requires_grad=True)
-    RECORDER.discard()
+    recorder().discard()
     sent = (rows * 2, weights + 1)
     back = comm.all_to_all_many(sent, dist.group.WORLD, "ep_dispatch", [5], [5]).wait()
     shares = [
@@ -348,7 +348,7 @@ def _one_rank_exchange() -> tuple:
         [b.requires_grad for b in back],
         shares,
         [torch.equal(b, t) for b, t in zip(back, sent)],
-        [(e.kind, e.nbytes) for e in RECORDER.drain()[0]],
+        [(e.kind, e.nbytes) for e in recorder().drain()[0]],
     )
 
 

@@ -279,16 +279,16 @@ def _late_peer() -> tuple[float, float]:
     import torch
 
     from overlap.parallel import comm
-    from overlap.parallel.trace import RECORDER
+    from overlap.parallel.trace import recorder
     from overlap.profiling.exposed import exposure
 
-    RECORDER.drain()
+    recorder().drain()
     if dist.get_rank() == 1:
         time.sleep(0.3)
-    with RECORDER.span("compute"):
+    with recorder().span("compute"):
         handle = comm.all_reduce(torch.ones(1024), dist.group.WORLD, "dp_ar")
     handle.wait()
-    row = exposure(*RECORDER.drain())["dp_ar"]
+    row = exposure(*recorder().drain())["dp_ar"]
     return row.exposed_ms, row.total_ms
 
 

@@ -1,8 +1,9 @@
 """Two runs in one process keep their run state apart: the state that used to be process-wide
 belongs to the run's objects. A model's queued weight-gradient GEMMs (delay_wgrad_compute) are its
 own, and another model alive beside it neither sees nor runs them; a run's communication session
-(its mode, NCCL's rules, its recorded program) is its own, and a session active inside or after
-another sees neither its mode nor its records. (The tests' shared worlds run many jobs in one
+(its mode, NCCL's rules, its recorded program) and its tracer recorder (events, spans, timeline) are
+its own, and a session or recorder active inside or after another sees neither its mode nor its
+records. (The tests' shared worlds run many jobs in one
 process per rank: a leak would carry one test's state into the next.)"""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from overlap.model.gpt import GPTModel, model_chunks
 from overlap.parallel import comm, link_model
 from overlap.parallel.program import Post, ProgramRecorder
 from overlap.parallel.state import ParallelState
+from overlap.parallel.trace import Recorder, RulesTimeline, recorder, recording
 from tests.configs import bare_plan, moe_model
 from tests.world import run_world
 
@@ -128,3 +130,35 @@ def test_a_session_under_nccl_rules_refuses_a_modelled_link_and_leaves_no_trace(
     finally:
         link_model.set_network(None)
     assert not comm.session().nccl_rules
+
+
+def _two_recorders() -> dict:
+    """The job's recorder, a second run's recorder active inside it with NCCL's rules' timeline,
+    one collective and one span in each."""
+    world = dist.group.WORLD
+    outer = recorder()
+    outer.drain()
+    inner = Recorder(timeline=RulesTimeline())
+    with outer.span("outer"):
+        comm.all_reduce(torch.ones(2), world, "dp_ar").wait()
+    with recording(inner):
+        with recorder().span("inner"):
+            comm.all_reduce(torch.ones(2), world, "tp_ar").wait()
+        inner_sees = comm.completion_visible()
+    outer_sees = comm.completion_visible()
+    out_events, out_spans = outer.drain()
+    in_events, in_spans = inner.drain()
+    return {
+        "outer": ([e.kind for e in out_events], [s.name for s in out_spans], outer_sees),
+        "inner": ([e.kind for e in in_events], [s.name for s in in_spans], inner_sees),
+    }
+
+
+def test_two_recorders_keep_their_events_and_timelines_apart():
+    """Each collective and span lands in the recorder active where it ran; the inner run's rules
+    timeline hides completion from the host only while it is active."""
+    for rank in run_world(2, _two_recorders):
+        assert rank["inner"] == (["tp_ar"], ["inner"], False)
+        outer_kinds, outer_spans, _sees = rank["outer"]
+        assert "tp_ar" not in outer_kinds and "dp_ar" in outer_kinds
+        assert outer_spans == ["outer"]

@@ -37,7 +37,7 @@ from overlap.layers.tp_overlap import (
 )
 from overlap.parallel import comm, link_model
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.training.trainer import Trainer
 from tests.configs import tiny_config
 from tests.world import run_world
@@ -434,12 +434,12 @@ def _in_flight_under_gemms() -> dict[str, int]:
     )
     try:
         trainer = Trainer(cfg, ParallelState(res.layout))
-        RECORDER.drain()
+        recorder().drain()
         events, spans = [], []
-        RECORDER.on_drain = lambda c, s: (events.extend(c), spans.extend(s))
+        recorder().on_drain = lambda c, s: (events.extend(c), spans.extend(s))
         trainer.train()
     finally:
-        RECORDER.on_drain = None
+        recorder().on_drain = None
         link_model.set_network(None)
     counts = {}
     for label, span, match in (

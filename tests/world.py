@@ -41,13 +41,17 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: dict[str,
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    from overlap.parallel.trace import Recorder, recording
+
     while True:
         job = inbox.get()
         if job is None:
             break
         fn, args, kwargs = job
         try:
-            result = fn(*args, **kwargs)
+            # each job is a run of its own: its own tracer recorder (overlap.parallel.trace)
+            with recording(Recorder()):
+                result = fn(*args, **kwargs)
             # fail here, with a message, rather than in the queue's feeder thread
             ForkingPickler.dumps(result)
             outbox.put((rank, True, result, len(dist.distributed_c10d._world.pg_map)))

@@ -515,21 +515,22 @@ def _rank_hosts(address: str | None) -> dict[str, list[int]]:
 
 
 def _run_rank(job, args: argparse.Namespace, network) -> int:
-    """This rank's run, under the run's communication session: its --comm-mode, and on CPU ranks
-    NCCL's rules with --nccl-rules (the program it records is replayed at the end)."""
+    """This rank's run, under the run's communication session - its --comm-mode, and on CPU ranks
+    NCCL's rules with --nccl-rules (the program it records is replayed at the end) - and with its
+    own recorder (the tracer's events: the exposure report, --trace, --metrics)."""
     from overlap.parallel import comm
+    from overlap.parallel.trace import Recorder, recording
 
     run_comm = comm.CommSession(args.comm_mode, nccl_rules=args.nccl_rules and args.gpu == "cpu")
-    with comm.using(run_comm):
-        return _train_on_rank(job, args, network, run_comm)
+    with recording(Recorder()) as run_trace, comm.using(run_comm):
+        return _train_on_rank(job, args, network, run_comm, run_trace)
 
 
-def _train_on_rank(job, args: argparse.Namespace, network, run_comm) -> int:
+def _train_on_rank(job, args: argparse.Namespace, network, run_comm, run_trace) -> int:
     import torch
 
     from overlap.harness import describe_layout
     from overlap.parallel.state import ParallelState
-    from overlap.parallel.trace import RECORDER
     from overlap.profiling.collector import Collector
     from overlap.profiling.sinks import RunSinks, open_sinks
     from overlap.training.trainer import Trainer
@@ -566,7 +567,7 @@ def _train_on_rank(job, args: argparse.Namespace, network, run_comm) -> int:
     if use_cuda:
         # times on the GPU (overlap.parallel.trace), placed for one hardware queue where the launch
         # set CUDA_DEVICE_MAX_CONNECTIONS=1
-        RECORDER.timeline = DeviceTimeline(one_queue=streams.one_queue())
+        run_trace.timeline = DeviceTimeline(one_queue=streams.one_queue())
     hosts: dict[str, list[int]] = {}
     try:
         hosts = _rank_hosts(address)
@@ -594,12 +595,12 @@ def _train_on_rank(job, args: argparse.Namespace, network, run_comm) -> int:
             comm_metrics=sinks.comm,
             first_iteration=trainer.start_iteration,
         )
-        RECORDER.on_drain = collector
+        run_trace.on_drain = collector
         try:
             with _progress(rank == 0, cfg.train.train_iters) as advance:
                 summary = trainer.train(sinks.metrics, advance)
         finally:
-            RECORDER.on_drain = None
+            run_trace.on_drain = None
             sinks.close()
         collector.check_iterations(len(summary.records))
         if args.nccl_rules:
@@ -737,9 +738,9 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
             summary.window[1] - summary.first_iteration,
         )
     )  # iterations from 0
-    from overlap.parallel.trace import RECORDER
+    from overlap.parallel.trace import recorder
 
-    timeline = RECORDER.timeline.name
+    timeline = recorder().timeline.name
     if rows:
         log.info(
             "%s",

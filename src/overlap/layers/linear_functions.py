@@ -20,7 +20,7 @@ from torch.distributed import ProcessGroup
 from overlap.config.grouped_gemm import GROUPED, grouped_gemm_kernel
 from overlap.layers.wgrad_store import WeightGradStore, take_weight_grad
 from overlap.parallel import comm
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 TP_GATHER, TP_SCATTER = "tp_ag", "tp_rs"  # the sequence-parallel collectives' kinds
 
@@ -225,7 +225,7 @@ def linear_weight_grad(
     def weight_grad() -> torch.Tensor:
         if span is None:
             return compute()
-        with RECORDER.span(span):
+        with recorder().span(span):
             return compute()
 
     return take_weight_grad(store, weight, weight_grad)

@@ -44,7 +44,7 @@ from overlap.layers.linear_functions import linear_weight_grad
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel import comm
 from overlap.parallel.ring import Ring, Shift, exchange
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 AG_KIND, RS_KIND = "tp_ag", "tp_rs"
 
@@ -53,7 +53,7 @@ def _gemm(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor | None = None) -> 
     """a [..., k] @ m [k, n] as one 2-D GEMM (a strided chunk is packed first: a batched matmul over
     a strided view runs ~1.8x slower on CPU than the copy plus one GEMM); written into `out`
     (contiguous) when given."""
-    with RECORDER.span("tp.gemm"):
+    with recorder().span("tp.gemm"):
         a2 = a.reshape(-1, a.shape[-1])
         if out is None:
             return torch.mm(a2, m).view(*a.shape[:-1], m.shape[-1])

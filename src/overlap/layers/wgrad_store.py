@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from overlap.parallel import comm
-from overlap.parallel.trace import RECORDER, CommEvent, now
+from overlap.parallel.trace import CommEvent, now, recorder
 
 
 class InFlight(Protocol):
@@ -163,5 +163,5 @@ class WeightGradStore:
 
     def _run_oldest(self) -> None:
         self._carried = max(self._carried - 1, 0)
-        with RECORDER.span(self.span), torch.no_grad():
+        with recorder().span(self.span), torch.no_grad():
             self.queue.popleft()()

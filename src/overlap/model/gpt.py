@@ -39,7 +39,7 @@ from overlap.layers.tensor_parallel import (
 )
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
@@ -254,7 +254,7 @@ class GPTModel(nn.Module):
         aux_total = None
         for i in range(start, end):
             layer = self.layers[i]
-            with RECORDER.span(f"fwd.layer{layer.layer_number}"):
+            with recorder().span(f"fwd.layer{layer.layer_number}"):
                 hidden, aux = layer(hidden)
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
@@ -287,7 +287,7 @@ class GPTModel(nn.Module):
         hidden, aux_loss = self.stage_body(hidden, tokens)
         if not self.stage.post_process:
             return hidden, aux_loss
-        with RECORDER.span("fwd.lm_loss"):
+        with recorder().span("fwd.lm_loss"):
             loss = self.lm_loss(hidden, labels)
         return loss, aux_loss
 

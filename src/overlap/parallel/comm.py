@@ -61,7 +61,7 @@ from overlap.config.kinds import family, parse_families
 from overlap.errors import ConfigError
 from overlap.parallel import link_model, streams
 from overlap.parallel.program import COMPUTE, SIDE, TIMING, OpRecord, ProgramRecorder
-from overlap.parallel.trace import RECORDER, CommEvent, RulesTimeline, now
+from overlap.parallel.trace import CommEvent, RulesTimeline, active_recorder, now, recorder
 
 log = logging.getLogger("overlap.comm")
 
@@ -195,8 +195,9 @@ def session() -> CommSession:
 
 @contextmanager
 def using(run: CommSession) -> Iterator[CommSession]:
-    """Make `run` the active session for the `with` block; under NCCL's rules the tracer takes the
-    rules' timeline for that long (the one it had comes back after)."""
+    """Make `run` the active session for the `with` block; under NCCL's rules the run's recorder
+    (`trace.recording`, entered first) takes the rules' timeline for that long (the one it had
+    comes back after)."""
     if run.nccl_rules and link_model.current() is not None:
         raise ConfigError(
             "--network",
@@ -204,14 +205,16 @@ def using(run: CommSession) -> Iterator[CommSession]:
             "the modelled link delays the host, and NCCL's rules hide completion from the host.",
             "use --network real with the NCCL rules.",
         )
+    traced = active_recorder() if run.nccl_rules else None
+    timeline = None if traced is None else traced.timeline
     token = _SESSION.set(run)
-    timeline = RECORDER.timeline
-    if run.nccl_rules:
-        RECORDER.timeline = RulesTimeline(run.one_queue)
+    if traced is not None:
+        traced.timeline = RulesTimeline(run.one_queue)
     try:
         yield run
     finally:
-        RECORDER.timeline = timeline
+        if traced is not None:
+            traced.timeline = timeline
         _SESSION.reset(token)
 
 
@@ -349,7 +352,8 @@ class CommHandle:
         # thread; waiting for this future too means a waited handle has nothing left to run on
         # another thread.
         self._callback: torch.futures.Future | None = None
-        timeline = RECORDER.timeline
+        # the timeline of the run that launched it: its marks are read on that one, wherever waited
+        self._timeline = timeline = recorder().timeline
         if posted is None:
             event.t_done = timeline.mark()
             return
@@ -433,7 +437,7 @@ class CommHandle:
         bounds the wait for the teardown of a failing run; past it, RuntimeError (the op stays
         outstanding)."""
         self._record_wait()
-        timeline = RECORDER.timeline
+        timeline = self._timeline
         self.event.t_wait_start = timeline.mark()
         if deadline is None:
             self._posted.wait()
@@ -473,7 +477,7 @@ def completion_visible() -> bool:
     timeline (NCCL, or gloo under NCCL's rules), where a collective completes on the device while
     the host runs ahead. What the schedules decide while something is in flight must not depend on
     it there."""
-    return RECORDER.timeline.host_sees_completion
+    return recorder().timeline.host_sees_completion
 
 
 def _launch(
@@ -493,9 +497,9 @@ def _launch(
     rank's launch time goes on the group's board first. `record`: the op as the program recorder
     keeps it."""
     event = CommEvent(
-        kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=RECORDER.mark()
+        kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=recorder().mark()
     )
-    RECORDER.add_comm(event)
+    recorder().add_comm(event)
     run = session()
     if run.is_free(kind) or event.group_size == 1:
         if fake is not None:
@@ -856,12 +860,12 @@ def p2p(
             op="p2p",
             group_size=size,
             nbytes=_nbytes(t) if op == P2P_SEND else 0,
-            t_launch=RECORDER.mark(),
+            t_launch=recorder().mark(),
         )
         for kind, op, t, _peer, _tag in ops
     ]
     for event in events:  # a receive is recorded with 0 bytes: counted once, at the send
-        RECORDER.add_comm(event)
+        recorder().add_comm(event)
     run = session()
     if run.is_free(ops[0][0]) or size == 1:
         for _kind, op, t, _peer, _tag in ops:

@@ -61,7 +61,7 @@ from overlap.launch.resources import MemoryEstimate, gib
 from overlap.layers.moe import split_sizes
 from overlap.parallel import comm, teardown
 from overlap.parallel.program import Post, ProgramRecorder, summarize
-from overlap.parallel.trace import RECORDER, RulesTimeline
+from overlap.parallel.trace import Recorder, RulesTimeline, recording
 from overlap.perf.host_syncs import (
     HOST_TENSOR,
     caller,
@@ -641,7 +641,14 @@ def _mesh_device(device: torch.device) -> str:
 
 
 def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
-    """Play rank `options.rank` of the job's layout for one step (module docstring)."""
+    """Play rank `options.rank` of the job's layout for one step (module docstring), with a recorder
+    of the dry run's own whose timeline hides completion from the host, as on NCCL (the schedules
+    take their GPU decisions); its events go with it."""
+    with recording(Recorder(timeline=RulesTimeline())):
+        return _play(job, options)
+
+
+def _play(job: Job, options: DryRunOptions) -> DryRunReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -665,9 +672,6 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
     # registered name ("FAKE" is looked up as "fake" and missed), and its teardown then warns that
     # it has none
     dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    saved_timeline = RECORDER.timeline
-    # the host does not see completion, as on NCCL: the GPU decisions
-    RECORDER.timeline = RulesTimeline()
     watch = _StepWatch(device)
     program = ProgramRecorder(enabled=True)  # the step's communication program
     trainer = ps = None
@@ -743,8 +747,6 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
         )
     finally:
         split_sizes.assume_balanced_routing(None)
-        RECORDER.timeline = saved_timeline
-        RECORDER.discard()
         trainer = ps = None
         teardown.shutdown(failing=sys.exc_info()[0] is not None)
 

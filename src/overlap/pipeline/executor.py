@@ -37,7 +37,7 @@ import torch
 from overlap.config.container import ConfigContainer
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.layers.wgrad_store import WeightGradStore
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.pipeline.combined_1f1b import ChunkRun, run_merged
 from overlap.pipeline.output_memory import (
     LiveOutputs,
@@ -267,7 +267,7 @@ class PipelineExecutor:
         if hidden is not None:
             hidden.requires_grad_()
         tokens, labels = self.batches[mb]
-        with RECORDER.span("forward"):
+        with recorder().span("forward"):
             out, aux = self.chunks[c].stage_forward(hidden, tokens, labels)
         if self.ring.is_last(c):
             self.saved[(mb, c)] = (hidden, [(out + aux) * self.scale], [None])
@@ -289,7 +289,7 @@ class PipelineExecutor:
         # overlapped p2p: the input gradient goes before the weight gradients (module notes)
         split = self.transport.overlapped and self.ring.pp > 1 and self.ring.vpp == 1
         queued = len(self.wgrad.queue)
-        with RECORDER.span("backward"), deferral, self.wgrad.delaying(split):
+        with recorder().span("backward"), deferral, self.wgrad.delaying(split):
             if self.release is not None and not self.ring.is_last(c):
                 backward_from_released(seeds, grads)
             else:
@@ -355,7 +355,7 @@ class PipelineExecutor:
             self.runs[(f.microbatch, f.chunk)] = f_run
 
         with (
-            RECORDER.span("merged" if f_run and b_run else "forward" if f_run else "backward"),
+            recorder().span("merged" if f_run and b_run else "forward" if f_run else "backward"),
             deferral,
         ):
             run_merged(f_run, b_run, fixed_wgrad_slots=last_backward, after_forward=forward_done)

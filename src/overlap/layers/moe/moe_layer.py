@@ -54,7 +54,7 @@ from overlap.layers.moe.router import TopKRouter
 from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 Plan = DispatchPlan | FlexDispatchPlan | RankCapacityPlan
 
@@ -187,7 +187,7 @@ class MoELayer(nn.Module):
         """Received rows and weights (source-rank order) -> weighted expert outputs in the same
         order."""
         rows, weights = self.dispatcher.dispatch_postprocess(rows, weights, plan)
-        with RECORDER.span("moe.experts"):
+        with recorder().span("moe.experts"):
             out = self.experts(
                 rows, weights, plan.tokens_per_local_expert, plan.local_expert_counts
             )
@@ -242,9 +242,9 @@ class MoELayer(nn.Module):
         """
         mlp = self.shared_experts
         pending = self.dispatch(rows, weights, plan)
-        with RECORDER.span("moe.shared_fc1"):
+        with recorder().span("moe.shared_fc1"):
             hidden = mlp.fc1_and_activation(x)
         pending = self.combine(self.routed_experts_compute(pending, plan), plan)
-        with RECORDER.span("moe.shared_fc2"):
+        with recorder().span("moe.shared_fc2"):
             shared_output = mlp.linear_fc2(hidden)
         return self.postprocess(pending, plan, shared_output)
