@@ -385,7 +385,7 @@ def _grouped_vs_loop(device, failed: list[str]) -> dict:
 
     def run(kernel_offs):
         x, w = rows.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = GroupedLinear.apply(x, w, counts, kernel_offs)
+        out = GroupedLinear.apply(x, w, counts, kernel_offs, None)
         out.backward(grad)
         return out.detach(), x.grad, w.grad
 
@@ -513,7 +513,7 @@ def cmd_nccl(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from overlap.parallel import comm, groups, teardown
-    from overlap.parallel.trace import RECORDER, CommEvent, DeviceTimeline
+    from overlap.parallel.trace import CommEvent, DeviceTimeline, recorder
 
     cuda = args.device == "cuda"
     facts, failed = {"device": args.device}, []
@@ -525,8 +525,8 @@ def cmd_nccl(args: argparse.Namespace) -> int:
     groups.init_world("nccl" if cuda else "gloo", 60, device)
     try:
         # what a GPU rank's tracer uses
-        RECORDER.timeline = DeviceTimeline() if cuda else RECORDER.timeline
-        RECORDER.drain()
+        recorder().timeline = DeviceTimeline() if cuda else recorder().timeline
+        recorder().drain()
         # One work per batch: our handles of a call share it (and its future on the GPU timeline);
         # dropped once the device reports it complete, with a query that never waits.
         if cuda:  # a send to itself and its receive in one group call (gloo has no send to self)
@@ -544,11 +544,11 @@ def cmd_nccl(args: argparse.Namespace) -> int:
             # comm's private handle: in a one-rank world comm's own calls skip a group of 1
             posted = comm._Posted(works)
             events = [
-                CommEvent("pp_send_fwd", "p2p", 1, x.numel() * 4, RECORDER.mark()),
-                CommEvent("pp_recv_fwd", "p2p", 1, 0, RECORDER.mark()),
+                CommEvent("pp_send_fwd", "p2p", 1, x.numel() * 4, recorder().mark()),
+                CommEvent("pp_recv_fwd", "p2p", 1, 0, recorder().mark()),
             ]
             for e in events:
-                RECORDER.add_comm(e)
+                recorder().add_comm(e)
             handles = [
                 comm.CommHandle(events[0], posted, None),
                 comm.CommHandle(events[1], posted, y),
@@ -570,7 +570,7 @@ def cmd_nccl(args: argparse.Namespace) -> int:
                 bool(torch.equal(got, x)),
                 float(got.sum()),
             )
-            traced, _spans = RECORDER.drain()
+            traced, _spans = recorder().drain()
             # the timing stream waited for the batch's one work (its future completes empty at
             # launch): the batch ends after its launch on the device
             _check(
@@ -591,11 +591,11 @@ def cmd_nccl(args: argparse.Namespace) -> int:
         )
         inp = torch.randn(1 << (28 if cuda else 20), device=device)
         outp = torch.empty_like(inp)
-        with RECORDER.span("gemms"):
+        with recorder().span("gemms"):
             for _ in range(50 if cuda else 2):
                 a = (a @ a).clamp_(-1, 1)
-        event = CommEvent("dp_ag", "all_gather", 1, inp.numel() * 4, RECORDER.mark())
-        RECORDER.add_comm(event)
+        event = CommEvent("dp_ag", "all_gather", 1, inp.numel() * 4, recorder().mark())
+        recorder().add_comm(event)
         work = dist.all_gather_into_tensor(outp, inp, async_op=True)
         enqueued_done = work.get_future().done()
         busy = cuda and not torch.cuda.current_stream().query()
@@ -619,7 +619,7 @@ def cmd_nccl(args: argparse.Namespace) -> int:
                 still_busy,
                 {"host_wait_ms": round(host_wait_ms, 3), "gpu_busy_after_wait": still_busy},
             )
-        (traced,), spans = RECORDER.drain()
+        (traced,), spans = recorder().drain()
         gemms = spans[0]
         timeline = {
             "gemms_ms": (gemms.t_end - gemms.t_start) * 1e3,
@@ -666,7 +666,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
     from overlap.harness import resolve_run
     from overlap.parallel import groups, teardown
     from overlap.parallel.state import ParallelState
-    from overlap.parallel.trace import RECORDER, DeviceTimeline
+    from overlap.parallel.trace import DeviceTimeline, recorder
     from overlap.training.trainer import Trainer
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -694,7 +694,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         k: v for k, v in INTENDED_SYNCS.items() if not (sync_free and k[1] == "read_split_sizes")
     }
     groups.init_world("nccl", 60, device)
-    RECORDER.timeline = DeviceTimeline()
+    recorder().timeline = DeviceTimeline()
     sites: dict[str, dict] = {}
 
     def seen(message, category, filename, lineno, file=None, line=None) -> None:
@@ -767,7 +767,10 @@ def main() -> int:
         )
         p.set_defaults(func=func)
     args = parser.parse_args()
-    return args.func(args)
+    from overlap.parallel.trace import Recorder, recording
+
+    with recording(Recorder()):  # each step is one run, with a tracer recorder of its own
+        return args.func(args)
 
 
 if __name__ == "__main__":

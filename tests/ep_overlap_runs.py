@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
 from tests.configs import bare_plan, ep_overlap_model
 from tests.world import run_world
@@ -46,7 +45,7 @@ def run_ep_step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: in
     model.init_weights(7)
     batches = ep_batches(ps.dp_rank, n_mb)
     scale = 1.0 / n_mb
-    RECORDER.drain()
+    recorder().drain()
     if overlap:
         losses = [float(loss) for loss in _merged(model, ps, batches, scale, delay)]
     else:
@@ -55,8 +54,8 @@ def run_ep_step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: in
             lm, aux = model(tokens, labels)
             ((lm + aux) * scale).backward()
             losses.append(float(lm))
-    assert not WGRAD_STORE.queue
-    events, spans = RECORDER.drain()
+    assert not model.wgrad_store.queue
+    events, spans = recorder().drain()
     return losses, param_grads(model), events, spans
 
 

@@ -186,7 +186,7 @@ def _in_flight_under_attention(
     exposed milliseconds of each CP kind and the exposed-communication table as a run's report
     prints it."""
     from overlap.parallel import link_model
-    from overlap.parallel.trace import RECORDER
+    from overlap.parallel.trace import recorder
     from overlap.profiling.exposed import exposure, format_table
     from overlap.training.trainer import Trainer
 
@@ -199,11 +199,11 @@ def _in_flight_under_attention(
     events, spans = [], []
     try:
         trainer = Trainer(cfg, ParallelState(res.layout))
-        RECORDER.drain()
-        RECORDER.on_drain = lambda c, s: (events.extend(c), spans.extend(s))
+        recorder().drain()
+        recorder().on_drain = lambda c, s: (events.extend(c), spans.extend(s))
         trainer.train()
     finally:
-        RECORDER.on_drain = None
+        recorder().on_drain = None
         link_model.set_network(None)
     counts = {}
     # at CP 2 the backward starts from the block the forward kept: its only transfer is the dKV

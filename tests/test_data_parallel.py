@@ -38,7 +38,7 @@ from overlap.config.model import ModelConfig
 from overlap.config.training import DDPConfig, TrainConfig
 from overlap.data_parallel import DistributedDataParallel
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.training.trainer import Trainer
 from tests.world import run_world
 
@@ -184,11 +184,11 @@ def _timeline():
     """Rank side: two steps with every overlap on; the per-step comm events and spans from the
     tracer."""
     trainer = _build(MODES["dist_opt_overlap_all"], {}, None)
-    RECORDER.drain()
+    recorder().drain()
     steps = []
     for it in range(2):
         trainer.train_step(it)
-        events, spans = RECORDER.drain()
+        events, spans = recorder().drain()
         steps.append(
             (
                 [(e.kind, e.t_launch, e.t_done) for e in events],
@@ -237,9 +237,9 @@ def _shared_weight() -> tuple[int, int, bool]:
     )
     x = torch.ones(2, 4)
     ddp.zero_grad()
-    RECORDER.drain()
+    recorder().drain()
     model(model(x)).sum().backward()
-    launched_in_backward = len(RECORDER.drain()[0])
+    launched_in_backward = len(recorder().drain()[0])
     expected = (
         torch.func.grad(lambda w: (x @ w.t() @ w.t()).sum())(model.weight.detach()) * ps.dp_size
     )

@@ -22,7 +22,7 @@ from overlap.cli import main
 from overlap.config.overrides import apply_overrides
 from overlap.config.recipes import RECIPES
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.training.trainer import Trainer
 from tests.world import run_world
 
@@ -38,13 +38,13 @@ def _train(overrides: list[str]) -> dict:
     apply_overrides(cfg, overrides)
     res = cfg.finalize(dist.get_world_size())
     trainer = Trainer(cfg, ParallelState(res.layout))
-    RECORDER.drain()
+    recorder().drain()
     losses, norms, traced = [], [], Counter()
     for it in range(STEPS):
         loss, norm = trainer.train_step(it)
         losses.append(loss)
         norms.append(norm)
-        events, _spans = RECORDER.drain()
+        events, _spans = recorder().drain()
         traced.update(e.kind for e in events if e.kind in ("tp_ag", "tp_rs"))
     trainer.finish_param_sync()
     params = [

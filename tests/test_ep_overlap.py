@@ -192,5 +192,6 @@ def test_needs_two_micro_batches():
     with pytest.raises(ValueError, match="at least 2 micro-batches"):
         one_stage = SimpleNamespace(pp_size=1, pp_rank=0)
         options = ExecutorOptions((1,), torch.float32, ep_overlap=True)
-        executor = PipelineExecutor([None], one_stage, options, lambda chunk, last: None)
+        chunk = SimpleNamespace(wgrad_store=WeightGradStore())
+        executor = PipelineExecutor([chunk], one_stage, options, lambda chunk, last: None)
         executor.step([(None, None)], 1.0)

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ModelConfig
-from overlap.layers.wgrad_store import WGRAD_STORE
 from overlap.model.gpt import model_chunks
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
 from overlap.pipeline.schedules import pipeline_steps
 from overlap.training.trainer import Trainer
@@ -127,10 +126,11 @@ def _step(
     )
 
     def before_backward(chunk: int, last: bool) -> None:
-        hooks.append((chunk, last, len(WGRAD_STORE.queue)))
+        hooks.append((chunk, last, len(store.queue)))
 
+    store = chunks[0].wgrad_store
     losses = PipelineExecutor(chunks, ps, options, before_backward).step(batches, 1.0 / n_mb)
-    assert not WGRAD_STORE.queue
+    assert not store.queue
     # data parallelism's rule: every chunk's last backward is announced (again by the flush of
     # deferred output-layer GEMMs, which completes that weight), and never while delayed weight
     # gradients are still queued
@@ -226,9 +226,9 @@ def _traced_step(overrides: list[str]):
     res = cfg.finalize(dist.get_world_size())
     trainer = Trainer(cfg, ParallelState(res.layout))
     trainer.train_step(0)
-    RECORDER.drain()
+    recorder().drain()
     trainer.train_step(1)
-    return RECORDER.drain()
+    return recorder().drain()
 
 
 def test_under_pp_all_to_alls_fly_while_the_other_microbatch_computes_and_receives_post_early():

@@ -716,12 +716,9 @@ def test_comm_mode_none_for_one_family_only():
     for bad in ("none:", "real:ep", "fake", "none:ep_dispatch", "none:xyz", "none:ep,ep"):
         with pytest.raises(ConfigError, match="--comm-mode"):
             comm.parse_mode(bad)
-    try:
-        comm.set_mode("none:ep")
-        assert comm._is_free("ep_dispatch") and not comm._is_free("dp_rs")
-    finally:
-        comm.set_mode("real")
-    assert not comm._is_free("ep_dispatch")
+    with comm.using(comm.CommSession("none:ep")):
+        assert comm.session().is_free("ep_dispatch") and not comm.session().is_free("dp_rs")
+    assert not comm.session().is_free("ep_dispatch")
 
 
 def test_named_configs_peers_and_hidden_share_by_family():

@@ -273,9 +273,9 @@ def test_split_fused_linear_matches_the_fused_gemm(delayed):
     gives what the one fused GEMM cut in halves gives: output, input, weight and bias gradients
     against a float64 run of the fused path within 1e-6 relative (fp32; the two paths sum the input
     gradient in a different order), contiguous outputs, and the weight gradient delayed through
-    WGRAD_STORE like any other."""
+    a WeightGradStore like any other."""
     from overlap.layers.linear_functions import linear
-    from overlap.layers.wgrad_store import WGRAD_STORE
+    from overlap.layers.wgrad_store import WeightGradStore
 
     g = torch.Generator().manual_seed(3)
     x0, w0, b0 = (
@@ -286,11 +286,12 @@ def test_split_fused_linear_matches_the_fused_gemm(delayed):
 
     def run(split: bool, dtype: torch.dtype):
         x, w, b = (t.to(dtype).requires_grad_() for t in (x0, w0, b0))
-        with WGRAD_STORE.delaying(delayed and split):
-            outs = linear(x, w, b, split=True) if split else linear(x, w, b).chunk(2, dim=-1)
+        store = WeightGradStore()
+        with store.delaying(delayed and split):
+            outs = linear(x, w, b, store, split=True) if split else linear(x, w, b).chunk(2, dim=-1)
             (F.silu(outs[0]) * outs[1]).square().sum().backward()
         assert (w.grad is None) == (delayed and split)
-        WGRAD_STORE.flush()
+        store.flush()
         return (
             [o.detach() for o in outs],
             [t.grad for t in (x, w, b)],

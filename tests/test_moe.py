@@ -34,7 +34,7 @@ from overlap.layers.moe.permute import (
 )
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from tests.configs import bare_plan, tiny_config
 from tests.moe_layer_runs import (
     BATCH,
@@ -338,7 +338,7 @@ def test_all_to_all_many_is_bit_exact_for_mixed_dtypes_and_uneven_splits():
 
 def _one_rank_exchange() -> tuple:
     rows, weights = torch.randn(5, 3, requires_grad=True), torch.rand(5, requires_grad=True)
-    RECORDER.discard()
+    recorder().discard()
     sent = (rows * 2, weights + 1)
     back = comm.all_to_all_many(sent, dist.group.WORLD, "ep_dispatch", [5], [5]).wait()
     shares = [
@@ -348,7 +348,7 @@ def _one_rank_exchange() -> tuple:
         [b.requires_grad for b in back],
         shares,
         [torch.equal(b, t) for b, t in zip(back, sent)],
-        [(e.kind, e.nbytes) for e in RECORDER.drain()[0]],
+        [(e.kind, e.nbytes) for e in recorder().drain()[0]],
     )
 
 
@@ -365,7 +365,7 @@ def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
     gradient and weight gradient bit for bit, with empty experts (their weight gradient zeros) and
     with the weight gradient delayed."""
     from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
-    from overlap.layers.wgrad_store import WGRAD_STORE
+    from overlap.layers.wgrad_store import WeightGradStore
 
     g = torch.Generator().manual_seed(7)
     counts = [5, 0, 9, 3, 0, 7]
@@ -375,14 +375,15 @@ def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
     offs = grouped_offsets(torch.tensor(counts), rows, (w,))
     assert offs is not None and offs.tolist() == [5, 5, 14, 17, 17, 24]
     results = []
+    store = WeightGradStore()
     for kernel_offs in (offs, None):
         x = rows.clone().requires_grad_()
         w.grad = None
-        with WGRAD_STORE.delaying(delayed):
-            y = GroupedLinear.apply(x, w, counts, kernel_offs)
+        with store.delaying(delayed):
+            y = GroupedLinear.apply(x, w, counts, kernel_offs, store)
             y.backward(dy)
         assert (w.grad is None) == delayed
-        WGRAD_STORE.flush()
+        store.flush()
         results.append((y.detach(), x.grad, w.grad))
     for got, want in zip(*results):
         assert torch.equal(got, want)

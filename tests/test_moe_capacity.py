@@ -38,7 +38,7 @@ from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layers.moe.permute import ExpertCapacity, expert_capacity, expert_counts, permute
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from tests.configs import bare_plan, container, moe_layer_model, moe_model
 from tests.ep_overlap_runs import compare_ep_overlap
 from tests.moe_layer_runs import check_against_reference
@@ -209,10 +209,10 @@ def _capacity_vs_dropless(pad: bool) -> tuple[dict, dict, list[str]]:
         )
         init_model_params(layer, seed=1234, std=0.2)
         xi = x.clone().requires_grad_()
-        RECORDER.drain()
+        recorder().drain()
         y, aux = layer(xi)
         ((y * dy).sum() + aux).backward()
-        kinds = sorted({e.kind for e in RECORDER.drain()[0]})
+        kinds = sorted({e.kind for e in recorder().drain()[0]})
         results[name] = {
             "y": y.detach(),
             "dx": xi.grad,

@@ -26,7 +26,7 @@ from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from tests.configs import bare_plan, moe_layer_model
 from tests.ep_overlap_runs import compare_ep_overlap
 from tests.moe_layer_runs import rank_routing
@@ -104,9 +104,9 @@ def _flex_vs_alltoall(topk: int, skewed: bool) -> dict[str, tuple[int, int]]:
     results, traffic = {}, {}
     for name, overrides in (("alltoall", {}), ("flex", FLEX)):
         layer = _layer(_config(ep=ep, moe_router_topk=topk, **overrides), ps, skewed)
-        RECORDER.drain()
+        recorder().drain()
         results[name] = _step(layer, x, dy)
-        traffic[name] = _traffic(RECORDER.drain()[0])
+        traffic[name] = _traffic(recorder().drain()[0])
     assert isinstance(layer.dispatcher, FlexDispatcher)
     for key, ref in results["alltoall"].items():
         torch.testing.assert_close(
@@ -195,9 +195,9 @@ def _shared_overlap_on_vs_off(tp: int, ep: int) -> tuple[list, list]:
     for overlap in (False, True):
         cfg = _config(tp=tp, ep=ep, num_moe_experts=4, moe_shared_expert_intermediate_size=48)
         layer = _layer(cfg, ps, skewed=False, shared_overlap=overlap)
-        RECORDER.drain()
+        recorder().drain()
         results[overlap] = _step(layer, x, dy)
-        events, spans = RECORDER.drain()
+        events, spans = recorder().drain()
     for key, ref in results[False].items():
         assert torch.equal(results[True][key], ref), key
     return (

@@ -5,14 +5,15 @@ ranks' recorded programs replay under NCCL's streams without a mismatch or a dea
 gloo forgives what NCCL does not: it returns one work per op of a batch, its futures complete when
 the data is there, it matches point-to-point messages by tag, and its sends do not wait for their
 receives. `tests.world .run_world_nccl_rules` runs a job with comm under NCCL's rules
-(`comm.set_nccl_rules`: one work per batch, futures complete at posting, tags dropped on the wire)
-and replays every rank's program with rendezvous sends and one stream per communicator, in issue
-order. Tolerances: as the layout tests they mirror (fp32 rel 1e-5, bf16 MoE rel 2e-2): the rules
-change no arithmetic, only when the host learns what.
+(`comm.CommSession(nccl_rules=True)`: one work per batch, futures complete at posting, tags dropped
+on the wire) and replays every rank's program with rendezvous sends and one stream per communicator,
+in issue order. Tolerances: as the layout tests they mirror (fp32 rel 1e-5, bf16 MoE rel 2e-2): the
+rules change no arithmetic, only when the host learns what.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -77,8 +78,10 @@ def _train_as_launched(
     from overlap.parallel import comm
 
     one_queue = _one_queue_by_launch_rule(dist.get_world_size(), moe, precision, layers, overrides)
-    comm.set_nccl_rules(True, one_queue=one_queue)
-    return _train(moe, precision, layers, overrides), one_queue
+    # the job's session (`_under_nccl_rules`) with the timing waits placed for the launch's queues,
+    # recording into the same program
+    with comm.using(dataclasses.replace(comm.session(), one_queue=one_queue)):
+        return _train(moe, precision, layers, overrides), one_queue
 
 
 @functools.cache
@@ -276,16 +279,16 @@ def _late_peer() -> tuple[float, float]:
     import torch
 
     from overlap.parallel import comm
-    from overlap.parallel.trace import RECORDER
+    from overlap.parallel.trace import recorder
     from overlap.profiling.exposed import exposure
 
-    RECORDER.drain()
+    recorder().drain()
     if dist.get_rank() == 1:
         time.sleep(0.3)
-    with RECORDER.span("compute"):
+    with recorder().span("compute"):
         handle = comm.all_reduce(torch.ones(1024), dist.group.WORLD, "dp_ar")
     handle.wait()
-    row = exposure(*RECORDER.drain())["dp_ar"]
+    row = exposure(*recorder().drain())["dp_ar"]
     return row.exposed_ms, row.total_ms
 
 

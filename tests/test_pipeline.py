@@ -336,7 +336,7 @@ def test_batched_and_overlapped_p2p_are_bit_identical(layout):
 def _recv_in_flight(overlap: bool) -> tuple[int, int]:
     """(receives completed while this rank computed, receives in all) on the last stage of PP2 x
     VPP1."""
-    from overlap.parallel.trace import RECORDER
+    from overlap.parallel.trace import recorder
 
     cfg = _config(
         False,
@@ -351,9 +351,9 @@ def _recv_in_flight(overlap: bool) -> tuple[int, int]:
     res = cfg.finalize(dist.get_world_size())
     trainer = Trainer(cfg, ParallelState(res.layout))
     trainer.train_step(0)
-    RECORDER.drain()
+    recorder().drain()
     trainer.train_step(1)
-    events, spans = RECORDER.drain()
+    events, spans = recorder().drain()
     recvs = [e for e in events if e.kind.startswith("pp_recv")]
     forwards = [s for s in spans if s.name in ("forward", "backward")]
     # A receive overlapped compute if some forward/backward span ran between its launch and its
@@ -367,7 +367,7 @@ def _recv_in_flight(overlap: bool) -> tuple[int, int]:
 def _split_backwards() -> list[tuple[str, float]]:
     """The last stage of PP2 (it sends gradients) over one overlapped step: its forward, backward
     and weight-gradient spans and its gradient sends, in time order."""
-    from overlap.parallel.trace import RECORDER
+    from overlap.parallel.trace import recorder
 
     cfg = _config(
         False,
@@ -379,9 +379,9 @@ def _split_backwards() -> list[tuple[str, float]]:
     res = cfg.finalize(dist.get_world_size())
     trainer = Trainer(cfg, ParallelState(res.layout))
     trainer.train_step(0)
-    RECORDER.drain()
+    recorder().drain()
     trainer.train_step(1)
-    events, spans = RECORDER.drain()
+    events, spans = recorder().drain()
     marks = [(s.name, s.t_start) for s in spans if s.name in ("forward", "backward")]
     # one weight-gradient mark per backward: the first of its GEMMs
     wgrads = [s for s in spans if s.name == "bwd.delayed_wgrad"]
@@ -437,7 +437,7 @@ def test_the_torch_pipelining_peer_trains_the_same_split_to_the_same_losses(layo
 def _gathers_at_step(align: bool) -> tuple[list[float], int]:
     """Losses of 3 steps, and how many parameter gathers the last optimizer step launched (inside
     its span)."""
-    from overlap.parallel.trace import RECORDER
+    from overlap.parallel.trace import recorder
 
     cfg = _config(
         False,
@@ -457,7 +457,7 @@ def _gathers_at_step(align: bool) -> tuple[list[float], int]:
     res = cfg.finalize(dist.get_world_size())
     trainer = Trainer(cfg, ParallelState(res.layout))
     losses = [trainer.train_step(it)[0] for it in range(STEPS)]
-    events, spans = RECORDER.drain()
+    events, spans = recorder().drain()
     opt = [s for s in spans if s.name == "optimizer"][-1]
     launched = sum(
         1 for e in events if e.kind == "dp_ag" and opt.t_start <= e.t_launch <= opt.t_end

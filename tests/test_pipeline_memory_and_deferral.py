@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from overlap.config import ConfigContainer
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.training.runtime_refusals import runtime_refusals
 from overlap.training.trainer import Trainer
 from tests.configs import TINY, tiny_config
@@ -56,10 +56,10 @@ def _train(overrides: tuple[str, ...], layout: tuple, moe: bool = False) -> dict
     res = cfg.finalize(dist.get_world_size())
     trainer = Trainer(cfg, ParallelState(res.layout))
     steps = []
-    RECORDER.drain()
+    recorder().drain()
     for it in range(STEPS):
         loss, _norm = trainer.train_step(it)
-        events, spans = RECORDER.drain()
+        events, spans = recorder().drain()
         steps.append(
             dict(
                 loss=loss,

@@ -10,12 +10,14 @@ NCCL's rules (tags ignored, programs replayed against NCCL's streams).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from overlap.parallel import comm
-from overlap.parallel.program import Post
+from overlap.parallel.program import Post, ProgramRecorder
 from overlap.parallel.ring import Ring, exchange
 from tests.world import run_world
 
@@ -61,12 +63,10 @@ def _rotations() -> list[str]:
             bad.append(f"stride 2: {got.tolist()} (steps {pairs.steps}, origin {pairs.origin(1)})")
 
     # One shift is one posted unit holding a send to the member ahead and a receive from behind.
-    recording = comm.PROGRAM.enabled  # already on under OVERLAP_TEST_NCCL_RULES=1
-    if not recording:
-        comm.PROGRAM.start()
-    first = len(comm.PROGRAM.entries)
-    ring.shift(_chunk(r), torch.empty_like(_chunk(r))).wait()
-    entries = comm.PROGRAM.entries[first:] if recording else comm.PROGRAM.stop()
+    program = ProgramRecorder(enabled=True)  # under OVERLAP_TEST_NCCL_RULES=1: the job's rules kept
+    with comm.using(dataclasses.replace(comm.session(), program=program)):
+        ring.shift(_chunk(r), torch.empty_like(_chunk(r))).wait()
+    entries = program.stop()
     posts = [e for e in entries if isinstance(e, Post)]
     members = comm.group_members(group)
     if len(posts) != 1 or sorted((op.op, op.peer) for op in posts[0].ops) != sorted(

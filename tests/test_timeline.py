@@ -14,24 +14,35 @@ import pytest
 
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel import comm, streams
-from overlap.parallel.trace import RECORDER, CommEvent, DeviceTimeline, HostTimeline, Mark, Recorder
+from overlap.parallel.trace import (
+    CommEvent,
+    DeviceTimeline,
+    HostTimeline,
+    Mark,
+    Recorder,
+    recorder,
+    recording,
+)
 from overlap.profiling.exposed import exposure
 from tests.stand_in_cuda import Clock, StandInStreams, StandInWork
 
 
+@pytest.fixture(autouse=True)
+def run_recorder():
+    """Each test is a run with a recorder of its own (`trace.recording`)."""
+    with recording(Recorder()) as rec:
+        yield rec
+
+
 @pytest.fixture
-def standins():
-    """The stand-in CUDA surface (tests/stand_in_cuda.py) with a device timeline on it."""
+def standins(run_recorder):
+    """The stand-in CUDA surface (tests/stand_in_cuda.py) with a device timeline on the test's
+    recorder."""
     api = StandInStreams()
     synced: list[int] = []
-    RECORDER.drain()
     with streams.set_api(api):
-        RECORDER.timeline = DeviceTimeline(lambda: api.event(True), lambda: synced.append(1))
-        try:
-            yield api, synced
-        finally:
-            RECORDER.timeline = HostTimeline()
-            RECORDER.drain()
+        run_recorder.timeline = DeviceTimeline(lambda: api.event(True), lambda: synced.append(1))
+        yield api, synced
 
 
 @pytest.fixture
@@ -45,8 +56,8 @@ def _collective(
 ) -> tuple[comm.CommHandle, StandInWork]:
     """A collective (or, `batched`, a batch of p2p ops: its future complete at launch with an empty
     list, as NCCL's coalesced batch) launched now on the stand-in device."""
-    event = CommEvent(kind=kind, op="x", group_size=2, nbytes=64, t_launch=RECORDER.mark())
-    RECORDER.add_comm(event)
+    event = CommEvent(kind=kind, op="x", group_size=2, nbytes=64, t_launch=recorder().mark())
+    recorder().add_comm(event)
     work = StandInWork(streams.api(), future_done_at_launch=batched)
     handle = comm.CommHandle(event, comm._Posted([work]), None)
     if finish_at is not None:
@@ -56,14 +67,14 @@ def _collective(
 
 def test_marks_resolve_to_device_times_after_one_synchronisation(device):
     clock, synced = device
-    with RECORDER.span("forward"):
+    with recorder().span("forward"):
         clock.t += 0.010
     clock.t += 0.005
-    with RECORDER.span("backward"):
+    with recorder().span("backward"):
         clock.t += 0.020
     # nothing is known on the host before the drain
-    assert isinstance(RECORDER.spans[0].t_start, Mark)
-    _comm, spans = RECORDER.drain()
+    assert isinstance(recorder().spans[0].t_start, Mark)
+    _comm, spans = recorder().drain()
     assert synced == [1]
     (fwd, bwd) = spans
     assert fwd.t_end - fwd.t_start == pytest.approx(0.010)
@@ -74,12 +85,12 @@ def test_marks_resolve_to_device_times_after_one_synchronisation(device):
 def test_a_collective_hidden_behind_compute_reads_hidden(device):
     clock, _ = device
     start = clock.t
-    with RECORDER.span("forward"):
+    with recorder().span("forward"):
         # done on the device under the compute
         handle, work = _collective(clock, finish_at=start + 0.006)
         clock.t += 0.010
     handle.wait()
-    (event,), spans = RECORDER.drain()
+    (event,), spans = recorder().drain()
     assert event.t_done - event.t_launch == pytest.approx(0.006)
     assert event.t_wait_end == pytest.approx(event.t_wait_start)  # the stream did not wait
     row = exposure([event], spans)["ep_dispatch"]
@@ -89,13 +100,13 @@ def test_a_collective_hidden_behind_compute_reads_hidden(device):
 def test_a_collective_longer_than_the_compute_is_exposed_for_the_rest(device):
     clock, _ = device
     start = clock.t
-    with RECORDER.span("forward"):
+    with recorder().span("forward"):
         handle, work = _collective(clock, finish_at=None)
         clock.t += 0.010
     # the host enqueued the wait long before: the device finishes it at +15 ms
     work.finish(start + 0.015)
     handle.wait()
-    (event,), spans = RECORDER.drain()
+    (event,), spans = recorder().drain()
     assert event.t_done - event.t_launch == pytest.approx(0.015)
     assert event.t_wait_end - event.t_wait_start == pytest.approx(0.005)
     row = exposure([event], spans)["ep_dispatch"]
@@ -118,15 +129,15 @@ def test_a_collective_is_timed_without_its_future_on_a_named_high_priority_strea
     clock = api.clock
     works, start = [], clock.t
     for kind in ("dp_rs", "ep_dispatch", "pp_send_fwd"):
-        event = CommEvent(kind=kind, op="x", group_size=2, nbytes=8, t_launch=RECORDER.mark())
-        RECORDER.add_comm(event)
+        event = CommEvent(kind=kind, op="x", group_size=2, nbytes=8, t_launch=recorder().mark())
+        recorder().add_comm(event)
         work = NoFuture(api)
         works.append((comm.CommHandle(event, comm._Posted([work]), None), work))
         clock.t += 0.001
     for (handle, work), end in zip(works, (0.006, 0.010, 0.014)):
         work.finish(start + end)  # launched at +0, +1, +2 ms
         handle.wait()
-    events, _spans = RECORDER.drain()
+    events, _spans = recorder().drain()
     timing = [name for name, _work in api.waits if name != "compute"]
     assert len(timing) == 3 and len(set(timing)) == 1
     (stream,) = api.made
@@ -141,12 +152,12 @@ def test_a_batched_p2p_is_timed_to_its_end_on_the_device(device):
     waits for the work itself, so the batch's end is its end on the device."""
     clock, _ = device
     start = clock.t
-    with RECORDER.span("forward"):
+    with recorder().span("forward"):
         handle, work = _collective(clock, None, kind="pp_send_fwd", batched=True)
         clock.t += 0.002
     work.finish(start + 0.009)
     handle.wait()
-    (event,), spans = RECORDER.drain()
+    (event,), spans = recorder().drain()
     assert event.t_done >= event.t_launch
     assert event.t_done - event.t_launch == pytest.approx(0.009)
     assert exposure([event], spans)["pp_send_fwd"].exposed_ms == pytest.approx(7.0)
@@ -158,7 +169,7 @@ def test_with_one_hardware_queue_the_end_is_timed_where_the_compute_stream_waits
     (nothing new waits), and for an op never waited at the drain."""
     api, _ = standins
     clock = api.clock
-    RECORDER.timeline = DeviceTimeline(lambda: api.event(True), one_queue=True)
+    recorder().timeline = DeviceTimeline(lambda: api.event(True), one_queue=True)
     waited, work = _collective(clock, None)
     never, other = _collective(clock, clock.t + 0.001, kind="pp_send_fwd")
     assert api.waits == []  # nothing waits at launch
@@ -167,7 +178,7 @@ def test_with_one_hardware_queue_the_end_is_timed_where_the_compute_stream_waits
     waited.wait()
     assert [name for name, _w in api.waits] == ["compute", api.made[0].name]
     clock.t += 0.002
-    events, _spans = RECORDER.drain()
+    events, _spans = recorder().drain()
     assert [name for name, w in api.waits if w is other] == [api.made[0].name]
     first, second = events
     assert first.t_done - first.t_launch == pytest.approx(0.008)  # ended after the wait: exact
@@ -217,13 +228,13 @@ def test_a_step_lasts_until_its_last_collective_ends_on_the_device(device):
     runs from its first event to its last (`Recorder.step_seconds`), so that bucket is counted; the
     host clock alone left it to no step."""
     clock, _ = device
-    start = RECORDER.mark()
-    with RECORDER.span("optimizer"):
+    start = recorder().mark()
+    with recorder().span("optimizer"):
         clock.t += 0.004
         handle, work = _collective(clock, None, kind="dp_ag")
-    end = RECORDER.mark()
+    end = recorder().mark()
     work.finish(clock.t + 0.006)  # on the device, while the host drains
-    events, _spans = RECORDER.drain()
-    assert RECORDER.step_seconds(start, end, events) == pytest.approx(0.010)
+    events, _spans = recorder().drain()
+    assert recorder().step_seconds(start, end, events) == pytest.approx(0.010)
     handle.wait()
     assert HostTimeline().step_end(1.0, events) == 1.0  # the host clock: the host's own end

@@ -36,7 +36,7 @@ from overlap.layers.tp_overlap import (
 )
 from overlap.parallel import comm, link_model
 from overlap.parallel.state import ParallelLayout, ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.training.trainer import Trainer
 from tests.configs import tiny_config
 from tests.world import run_world
@@ -414,7 +414,7 @@ def test_moe_tp2_ep2_with_tp_overlap_matches_off_and_the_reference():
         assert rank["on"] == pytest.approx(rank["off"], rel=LOSS_RTOL)
         assert rank["on"] == pytest.approx(list(ref), rel=LOSS_RTOL)
         # TP overlap inside the EP-overlap schedule, its weight gradients delayed through
-        # WGRAD_STORE
+        # the model's WeightGradStore
         assert rank["ep_overlap+tp_overlap"] == pytest.approx(
             rank["ep_overlap"], rel=BF16_LOSS_RTOL
         )
@@ -432,12 +432,12 @@ def _in_flight_under_gemms() -> dict[str, int]:
     )
     try:
         trainer = Trainer(cfg, ParallelState(res.layout))
-        RECORDER.drain()
+        recorder().drain()
         events, spans = [], []
-        RECORDER.on_drain = lambda c, s: (events.extend(c), spans.extend(s))
+        recorder().on_drain = lambda c, s: (events.extend(c), spans.extend(s))
         trainer.train()
     finally:
-        RECORDER.on_drain = None
+        recorder().on_drain = None
         link_model.set_network(None)
     counts = {}
     for label, span, match in (

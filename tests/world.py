@@ -41,13 +41,17 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: dict[str,
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    from overlap.parallel.trace import Recorder, recording
+
     while True:
         job = inbox.get()
         if job is None:
             break
         fn, args, kwargs = job
         try:
-            result = fn(*args, **kwargs)
+            # each job is a run of its own: its own tracer recorder (overlap.parallel.trace)
+            with recording(Recorder()):
+                result = fn(*args, **kwargs)
             # fail here, with a message, rather than in the queue's feeder thread
             ForkingPickler.dumps(result)
             outbox.put((rank, True, result, len(dist.distributed_c10d._world.pg_map)))
@@ -155,17 +159,13 @@ def close_world(size: int, env: dict[str, str] | None = None) -> None:
 
 
 def _under_nccl_rules(fn: Callable, args: tuple, kwargs: dict) -> tuple[Any, list]:
-    """On a rank: `fn` with comm under NCCL's rules (overlap.parallel.comm.set_nccl_rules); (its
-    result, this rank's recorded program)."""
+    """On a rank: `fn` with comm under NCCL's rules (a `comm.CommSession(nccl_rules=True)` of the
+    job's own); (its result, this rank's recorded program)."""
     from overlap.parallel import comm
 
-    comm.set_nccl_rules(True)
-    try:
+    with comm.using(comm.CommSession(nccl_rules=True)) as rules:
         result = fn(*args, **kwargs)
-    finally:
-        entries = comm.PROGRAM.stop()
-        comm.set_nccl_rules(False)
-    return result, entries
+    return result, rules.program.stop()
 
 
 def run_world_nccl_rules(size: int, fn: Callable, *args: Any, **kwargs: Any) -> list[Any]:

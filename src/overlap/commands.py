@@ -476,10 +476,10 @@ def _network_label(network, comm_mode: str) -> str:
     return network.describe()
 
 
-def _apply_network(network, comm_mode: str) -> None:
-    """Configure comm.py on this rank for the chosen link and mode."""
+def _apply_network(network) -> None:
+    """Configure comm.py's link on this rank (the comm mode is the run's `comm.CommSession`)."""
     from overlap.launch.network import EMULATED, NETNS_ENV
-    from overlap.parallel import comm, link_model
+    from overlap.parallel import link_model
 
     if network.kind in EMULATED and NETNS_ENV not in os.environ:
         raise ConfigError(
@@ -489,7 +489,6 @@ def _apply_network(network, comm_mode: str) -> None:
             "no torchrun) builds the network namespace.",
             "launch with -g cpu without torchrun, or use a modelled link (model:LAT,BW).",
         )
-    comm.set_mode(comm_mode)
     link_model.set_network(
         link_model.LinkModel(network.latency_s, network.bandwidth_Bps, network.families)
         if network.kind == "model"
@@ -525,11 +524,22 @@ def _rank_hosts(address: str | None) -> dict[str, list[int]]:
 
 
 def _run_rank(job, args: argparse.Namespace, network) -> int:
+    """This rank's run, under the run's communication session - its --comm-mode, and on CPU ranks
+    NCCL's rules with --nccl-rules (the program it records is replayed at the end) - and with its
+    own recorder (the tracer's events: the exposure report, --trace, --metrics)."""
+    from overlap.parallel import comm
+    from overlap.parallel.trace import Recorder, recording
+
+    run_comm = comm.CommSession(args.comm_mode, nccl_rules=args.nccl_rules and args.gpu == "cpu")
+    with recording(Recorder()) as run_trace, comm.using(run_comm):
+        return _train_on_rank(job, args, network, run_comm, run_trace)
+
+
+def _train_on_rank(job, args: argparse.Namespace, network, run_comm, run_trace) -> int:
     import torch
 
     from overlap.harness import describe_layout
     from overlap.parallel.state import ParallelState
-    from overlap.parallel.trace import RECORDER
     from overlap.profiling.collector import Collector
     from overlap.profiling.sinks import RunSinks, open_sinks
     from overlap.training.trainer import Trainer
@@ -556,7 +566,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         address = _choose_gloo_interface()
     cfg = job.cfg
-    _apply_network(network, args.comm_mode)
+    _apply_network(network)
     from overlap.parallel import comm, groups, streams
     from overlap.parallel.trace import DeviceTimeline
 
@@ -566,9 +576,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     if use_cuda:
         # times on the GPU (overlap.parallel.trace), placed for one hardware queue where the launch
         # set CUDA_DEVICE_MAX_CONNECTIONS=1
-        RECORDER.timeline = DeviceTimeline(one_queue=streams.one_queue())
-    elif args.nccl_rules:
-        comm.set_nccl_rules(True)
+        run_trace.timeline = DeviceTimeline(one_queue=streams.one_queue())
     hosts: dict[str, list[int]] = {}
     try:
         hosts = _rank_hosts(address)
@@ -596,16 +604,16 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
             comm_metrics=sinks.comm,
             first_iteration=trainer.start_iteration,
         )
-        RECORDER.on_drain = collector
+        run_trace.on_drain = collector
         try:
             with _progress(rank == 0, cfg.train.train_iters) as advance:
                 summary = trainer.train(sinks.metrics, advance)
         finally:
-            RECORDER.on_drain = None
+            run_trace.on_drain = None
             sinks.close()
         collector.check_iterations(len(summary.records))
         if args.nccl_rules:
-            _replay_programs(rank)
+            _replay_programs(rank, run_comm.program)
         if rank == 0:
             _report_exposure(collector, summary, label, args)
         if args.trace:
@@ -656,7 +664,7 @@ def _run_rank(job, args: argparse.Namespace, network) -> int:
     return 0
 
 
-def _replay_programs(rank: int) -> None:
+def _replay_programs(rank: int, program) -> None:
     """--nccl-rules: every rank's recorded program, replayed with NCCL's streams on every rank (each
     one stops with the same finding); the findings that would hang or corrupt a GPU run end it with
     an error."""
@@ -664,7 +672,7 @@ def _replay_programs(rank: int) -> None:
     from overlap.parallel import comm
     from overlap.parallel.program import early_send_waits, replay
 
-    entries = comm.PROGRAM.stop()
+    entries = program.stop()
     programs = dict(enumerate(comm.all_gather_object(entries)))
     problems = replay(programs)
     if problems:
@@ -739,9 +747,9 @@ def _report_exposure(collector, summary, network_label: str, args: argparse.Name
             summary.window[1] - summary.first_iteration,
         )
     )  # iterations from 0
-    from overlap.parallel.trace import RECORDER
+    from overlap.parallel.trace import recorder
 
-    timeline = RECORDER.timeline.name
+    timeline = recorder().timeline.name
     if rows:
         log.info(
             "%s",

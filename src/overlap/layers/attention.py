@@ -25,6 +25,7 @@ from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.rotary import RotaryEmbedding
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
+from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.cp_chunks import cp_positions
 from overlap.parallel.state import ParallelState
 
@@ -88,10 +89,18 @@ class SelfAttention(nn.Module):
     Parts, so that recompute (and later schedules) can address them: `linear_qkv` (column-parallel;
     all-gathers the sequence under SP), `q_layernorm`/`k_layernorm`, rotary, `core_attention` (the
     attention product; selective recompute "core_attn"), `linear_proj` (row-parallel;
-    reduce-scatters under SP). Their TP overlap is the run's resolved plan's (`overlap.tp_slots`).
+    reduce-scatters under SP). Their TP overlap is the run's resolved plan's (`overlap.tp_slots`);
+    their weight gradients go through `wgrad_store`, the model's (None: computed in backward).
     """
 
-    def __init__(self, config, ps: ParallelState, layer_number: int, overlap: OverlapPlan) -> None:
+    def __init__(
+        self,
+        config,
+        ps: ParallelState,
+        layer_number: int,
+        overlap: OverlapPlan,
+        wgrad_store: WeightGradStore | None = None,
+    ) -> None:
         super().__init__()
         check_attention_backend(config.attention_backend)
         _check_heads(config, ps.tp_size)
@@ -112,6 +121,7 @@ class SelfAttention(nn.Module):
             bias=config.add_qkv_bias,
             params_dtype=dtype,
             overlap=overlap.linear("qkv"),
+            wgrad_store=wgrad_store,
         )
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
@@ -149,6 +159,7 @@ class SelfAttention(nn.Module):
             bias=config.add_bias_linear,
             params_dtype=dtype,
             overlap=overlap.linear("proj"),
+            wgrad_store=wgrad_store,
         )
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

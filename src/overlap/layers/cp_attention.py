@@ -46,7 +46,7 @@ from overlap.parallel import comm
 from overlap.parallel.cp_chunks import cp_positions, gathered_positions
 from overlap.parallel.ring import Ring, Shift
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -98,7 +98,7 @@ class RingAttention(Function):
         for step in range(ring.steps):
             posted = kv_ring.post(kv, _fresh(kv)) if step < ring.steps - 1 else None
             kind = _block_kind(ring.origin(step), rank)
-            with RECORDER.span("cp.attention"):
+            with recorder().span("cp.attention"):
                 if kind == "own":
                     out, lse = block_forward(q, *kv, causal_mask(q.shape[2], q.device))
                 elif kind == "early_kv":
@@ -133,7 +133,7 @@ class RingAttention(Function):
             kv_posted = kv_ring.post(kv, _fresh(kv)) if step < steps - 2 else None
             kind = _block_kind((rank + 1 + step) % steps, rank)
             dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv)
-            with RECORDER.span("cp.attention_bwd"):
+            with recorder().span("cp.attention_bwd"):
                 if kind == "own":
                     mask = causal_mask(q.shape[2], q.device)
                     dq_b, dk[:], dv[:] = block_backward(q, *kv, lse, dout, delta, mask)
@@ -196,7 +196,7 @@ class AllGatherAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, ps: ParallelState):
         k_all, v_all = _gather_seq(k, ps), _gather_seq(v, ps)
-        with RECORDER.span("cp.attention"):
+        with recorder().span("cp.attention"):
             out, lse = block_forward(q, k_all, v_all, AllGatherAttention._mask(q, ps))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -210,7 +210,7 @@ class AllGatherAttention(Function):
         k_all, v_all = _gather_seq(k, ctx.ps), _gather_seq(v, ctx.ps)
         delta = (dout.float() * out.float()).sum(-1)
         mask = AllGatherAttention._mask(q, ctx.ps)
-        with RECORDER.span("cp.attention_bwd"):
+        with recorder().span("cp.attention_bwd"):
             dq, dk_all, dv_all = block_backward(q, k_all, v_all, lse, dout, delta, mask)
         dk, dv = _scatter_seq(dk_all, ctx.ps), _scatter_seq(dv_all, ctx.ps)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

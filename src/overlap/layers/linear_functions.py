@@ -3,8 +3,9 @@
 `linear`) and `GroupedLinear` (the routed experts' grouped GEMM; `grouped_offsets` picks its
 kernel).
 
-Each computes its input gradient in backward at once and hands its weight gradient to a store, which
-runs it now or queues it (`WeightGradStore.take`).
+Each computes its input gradient in backward at once and hands its weight gradient to the store it
+was given (its model's, passed down at construction), which runs it now or queues it
+(`WeightGradStore.take`); without a store the weight gradient is computed in the backward itself.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from overlap.kernels.grouped_gemm import GROUPED, grouped_gemm_kernel
-from overlap.layers.wgrad_store import WGRAD_STORE, WeightGradStore
+from overlap.layers.wgrad_store import WeightGradStore, take_weight_grad
 from overlap.parallel import comm
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 TP_GATHER, TP_SCATTER = "tp_ag", "tp_rs"  # the sequence-parallel collectives' kinds
 
 
 class GroupedLinear(torch.autograd.Function):
     """rows [R, in] grouped by expert (`counts`) x stacked weight [E, out, in] -> [R, out]; the
-    weight gradient can be delayed through WGRAD_STORE.
+    weight gradient can be delayed through `store` (None: computed in backward).
 
     `offs` (`grouped_offsets`) selects the kernel: PyTorch's grouped GEMM (`F.grouped_mm`, one call
     for every expert and the expert loop in C++), or, where it is None, one `torch.mm` per expert
@@ -38,10 +39,15 @@ class GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, rows: torch.Tensor, weight: nn.Parameter, counts: list[int], offs: torch.Tensor | None
+        ctx,
+        rows: torch.Tensor,
+        weight: nn.Parameter,
+        counts: list[int],
+        offs: torch.Tensor | None,
+        store: WeightGradStore | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(rows)
-        ctx.weight, ctx.counts, ctx.offs = weight, counts, offs
+        ctx.weight, ctx.counts, ctx.offs, ctx.store = weight, counts, offs, store
         if offs is not None:
             return F.grouped_mm(rows, weight.transpose(1, 2), offs=offs)
         return _grouped_mm(rows, counts, [w.t() for w in weight.unbind(0)], weight.shape[1])
@@ -66,7 +72,7 @@ class GroupedLinear(torch.autograd.Function):
                 torch.mm(g.t(), x, out=o)
             return out
 
-        return grad_rows, WGRAD_STORE.take(weight, weight_grad), None, None
+        return grad_rows, take_weight_grad(ctx.store, weight, weight_grad), None, None, None
 
 
 def grouped_offsets(
@@ -121,8 +127,8 @@ def _grouped_mm(
 
 class Linear(torch.autograd.Function):
     """y = x W^T + b with W = `weight` viewed as [-1, in] (fused weights keep their own shape); the
-    weight gradient can be delayed through `store` (None: WGRAD_STORE), the input and bias gradients
-    never are.
+    weight gradient can be delayed through `store` (None: computed in backward), the input and bias
+    gradients never are.
 
     `split` (a fused weight [k, out, in]): return the k fused linears' outputs as k contiguous
     tensors, one GEMM each, instead of one [..., k * out] tensor. Slicing the fused output hands its
@@ -197,7 +203,7 @@ def linear_weight_grad(
     store: WeightGradStore | None = None,
 ) -> torch.Tensor | None:
     """A linear's weight gradient grad^T inp (over all leading dims) in the weight's shape, through
-    `store.take` (None: WGRAD_STORE): returned now, or queued while that store is delaying (None).
+    `take_weight_grad`: returned now, or queued while `store` is delaying (None).
     `grad` may be a sequence of the k gradients of a fused weight [k, out, in]'s split outputs
     (`Linear`'s `split`): each GEMM then writes its own slice of the one gradient tensor. `span`
     names it on the timeline."""
@@ -219,10 +225,10 @@ def linear_weight_grad(
     def weight_grad() -> torch.Tensor:
         if span is None:
             return compute()
-        with RECORDER.span(span):
+        with recorder().span(span):
             return compute()
 
-    return (WGRAD_STORE if store is None else store).take(weight, weight_grad)
+    return take_weight_grad(store, weight, weight_grad)
 
 
 def linear(

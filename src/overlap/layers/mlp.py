@@ -11,6 +11,7 @@ from torch import nn
 
 from overlap.layers.fused import Chain, fp32_copy
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
+from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ class MLP(nn.Module):
     run; None keeps the plain TP collectives whatever the plan (shared experts: the reference
     disables userbuffers in them, they run beside the dispatch). `ffn_hidden_size` overrides the
     config's width (shared experts use their own). SwiGLU is the `SWIGLU` chain
-    (`model.bias_activation_fusion`); GELU is one kernel already.
+    (`model.bias_activation_fusion`); GELU is one kernel already. `wgrad_store`: the model's store
+    the weight gradients go through (None: computed in backward).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class MLP(nn.Module):
         ps: ParallelState,
         overlap: OverlapPlan | None,
         ffn_hidden_size: int | None = None,
+        wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_size
@@ -92,6 +95,7 @@ class MLP(nn.Module):
             num_fused=fused,
             params_dtype=dtype,
             overlap=overlap.linear("fc1") if overlap is not None else None,
+            wgrad_store=wgrad_store,
         )
         self.linear_fc2 = RowParallelLinear(
             ffn,
@@ -101,6 +105,7 @@ class MLP(nn.Module):
             bias=config.add_bias_linear,
             params_dtype=dtype,
             overlap=overlap.linear("fc2") if overlap is not None else None,
+            wgrad_store=wgrad_store,
         )
 
     def fc1_and_activation(self, x: torch.Tensor) -> torch.Tensor:

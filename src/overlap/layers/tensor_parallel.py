@@ -207,20 +207,25 @@ def all_gather_linear(
     `ColumnParallelLinear.wgrad_store`); `split`: a fused weight's outputs one by one (see
     `ColumnParallelLinear.forward`)."""
     if plan is not None:
-        y = all_gather_linear_overlapped(x, weight, bias, group, plan)
+        y = all_gather_linear_overlapped(x, weight, bias, group, plan, store)
         return y.chunk(weight.shape[0], dim=-1) if split else y
     gather = group if comm.group_size(group) > 1 else None
     return linear(x, weight, bias, store, split, gather)
 
 
 def linear_reduce_scatter(
-    x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup, plan: LinearPlan | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: ProcessGroup,
+    plan: LinearPlan | None = None,
+    store: WeightGradStore | None = None,
 ) -> torch.Tensor:
     """Row-parallel GEMM followed by the sequence-parallel reduce-scatter of its partial sums
-    (overlapped by `plan`, if any)."""
+    (overlapped by `plan`, if any); the weight gradient through `store` (as `all_gather_linear`'s).
+    """
     if plan is not None:
-        return linear_reduce_scatter_overlapped(x, weight, group, plan)
-    return reduce_scatter_to_sp(linear(x, weight), group)
+        return linear_reduce_scatter_overlapped(x, weight, group, plan, store)
+    return reduce_scatter_to_sp(linear(x, weight, store=store), group)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,11 +258,12 @@ class ColumnParallelLinear(nn.Module):
     `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see
     `all_gather_linear`).
 
-    `wgrad_store`: a store of its own that the weight gradient goes through (None: the shared
-    `WGRAD_STORE` of delay_wgrad_compute). The output layer gets one with
+    `wgrad_store`: the store the weight gradient goes through (`overlap.layers.wgrad_store`; None:
+    computed in backward). The model's layers get the model's store (delay_wgrad_compute, the
+    pipeline's queued weight gradients); the output layer gets one of its own with
     `defer_embedding_wgrad_compute` (the pipeline executor defers its weight-gradient GEMMs to the
-    flush through it, `overlap.pipeline.output_wgrad`), and one that never delays when it is tied to
-    the embedding (`overlap.model.gpt`).
+    flush through it, `overlap.pipeline.output_wgrad`), and none when it is tied to the embedding
+    (`overlap.model.gpt`).
     """
 
     def __init__(
@@ -274,11 +280,6 @@ class ColumnParallelLinear(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        if overlap is not None and wgrad_store is not None:
-            raise ValueError(
-                "ColumnParallelLinear: a TP-overlap plan computes its weight gradient in its own "
-                "slots; it cannot also defer it through a wgrad_store"
-            )
         self.group = ps.tp_group
         self.sequence_parallel = sequence_parallel
         self.overlap = _sp_only(overlap, sequence_parallel, "ColumnParallelLinear")
@@ -340,7 +341,7 @@ class RowParallelLinear(nn.Module):
     only its sequence shard, hence `bias.sequence_parallel`.
 
     `overlap` (sequence parallel only): the TP-overlap plan of this linear's slots (see
-    `linear_reduce_scatter`).
+    `linear_reduce_scatter`). `wgrad_store`: as `ColumnParallelLinear`'s.
     """
 
     def __init__(
@@ -353,6 +354,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = False,
         params_dtype: torch.dtype = torch.float32,
         overlap: LinearPlan | None = None,
+        wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -364,6 +366,7 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.overlap = _sp_only(overlap, sequence_parallel, "RowParallelLinear")
         self.input_is_parallel = input_is_parallel
+        self.wgrad_store = wgrad_store
         local = divide(in_features, ps.tp_size, "RowParallelLinear input size")
         self.weight = mark_shard(
             nn.Parameter(torch.empty(out_features, local, dtype=params_dtype, device=ps.device)),
@@ -382,9 +385,9 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group)
         if self.sequence_parallel:
-            y = linear_reduce_scatter(x, self.weight, self.group, self.overlap)
+            y = linear_reduce_scatter(x, self.weight, self.group, self.overlap, self.wgrad_store)
         else:
-            y = reduce_from_tp(linear(x, self.weight), self.group)
+            y = reduce_from_tp(linear(x, self.weight, store=self.wgrad_store), self.group)
         return y if self.bias is None else y + self.bias
 
 

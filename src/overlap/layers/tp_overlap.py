@@ -29,8 +29,8 @@ The two autograd functions replace `all_gather_linear` / `linear_reduce_scatter`
 only cut and ordered differently (the ring reduce-scatter also sums the ranks' partials in ring
 order), so results agree with the plain path to rounding. Every transfer is traced under `tp_ag` /
 `tp_rs`, every chunk GEMM is a `tp.gemm` span and every weight-gradient GEMM a `tp.wgrad` span, so
-the timeline shows which transfer is in flight while which GEMM computes. Weight gradients honour
-`WGRAD_STORE` (delay_wgrad_compute).
+the timeline shows which transfer is in flight while which GEMM computes. Weight gradients go
+through the linear's store (its model's `WeightGradStore`: delay_wgrad_compute).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from torch.distributed import ProcessGroup
 
 from overlap.config.tp_overlap import BULK, PIPELINE, RING, LinearPlan, SlotPlan
 from overlap.layers.linear_functions import linear_weight_grad
-from overlap.layers.wgrad_store import WGRAD_STORE
+from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel import comm
 from overlap.parallel.ring import Ring, Shift, exchange
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 AG_KIND, RS_KIND = "tp_ag", "tp_rs"
 
@@ -53,7 +53,7 @@ def _gemm(a: torch.Tensor, m: torch.Tensor, out: torch.Tensor | None = None) -> 
     """a [..., k] @ m [k, n] as one 2-D GEMM (a strided chunk is packed first: a batched matmul over
     a strided view runs ~1.8x slower on CPU than the copy plus one GEMM); written into `out`
     (contiguous) when given."""
-    with RECORDER.span("tp.gemm"):
+    with recorder().span("tp.gemm"):
         a2 = a.reshape(-1, a.shape[-1])
         if out is None:
             return torch.mm(a2, m).view(*a.shape[:-1], m.shape[-1])
@@ -202,10 +202,10 @@ def _check_rows(x: torch.Tensor, parts: int, what: str) -> None:
 
 
 def _weight_grad(
-    weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor
+    weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor, store: WeightGradStore | None
 ) -> torch.Tensor | None:
-    """The weight gradient, a `tp.wgrad` span (None when delay_wgrad_compute queued it)."""
-    return linear_weight_grad(weight, grad, inp, "tp.wgrad")
+    """The weight gradient, a `tp.wgrad` span (None when `store` queued it: delay_wgrad_compute)."""
+    return linear_weight_grad(weight, grad, inp, "tp.wgrad", store)
 
 
 class _AllGatherLinear(Function):
@@ -226,6 +226,7 @@ class _AllGatherLinear(Function):
         bias: torch.Tensor | None,
         group: ProcessGroup,
         plan: LinearPlan,
+        store: WeightGradStore | None,
     ) -> torch.Tensor:
         w2 = weight.reshape(-1, weight.shape[-1])
         y, gathered = _all_gather_matmul(x.contiguous(), w2.t(), group, plan.fprop)
@@ -234,18 +235,19 @@ class _AllGatherLinear(Function):
         ctx.regather = plan.dgrad is not None and plan.dgrad.method == BULK
         ctx.save_for_backward(x if ctx.regather else gathered)
         ctx.weight, ctx.group, ctx.plan, ctx.has_bias = weight, group, plan, bias is not None
+        ctx.store = store
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (saved,) = ctx.saved_tensors
-        weight, group, plan = ctx.weight, ctx.group, ctx.plan
+        weight, group, plan, store = ctx.weight, ctx.group, ctx.plan, ctx.store
         grad = grad.contiguous()
         w2 = weight.reshape(-1, weight.shape[-1])
         # a pipeline / ring dgrad slot: the reduce-scatter chunked with the dgrad GEMM
         if plan.dgrad is not None and plan.dgrad.method != BULK:
             grad_x = _matmul_reduce_scatter(grad, w2, group, plan.dgrad)
-            grad_w = _weight_grad(weight, grad, saved)
+            grad_w = _weight_grad(weight, grad, saved, store)
         else:
             if ctx.regather:  # bulk dgrad: the input's all-gather runs under the dgrad GEMM
                 grad_x_full, x_full = _overlapped_dgrad(saved, grad, w2, group)
@@ -254,12 +256,12 @@ class _AllGatherLinear(Function):
             scatter = comm.reduce_scatter(grad_x_full, group, RS_KIND)
             # bulk wgrad: the reduce-scatter in flight under the wgrad GEMM; otherwise waited first.
             # (A delayed wgrad is only queued here, so there is no GEMM to wait under.)
-            bulk = plan.wgrad is not None and not WGRAD_STORE.active
+            bulk = plan.wgrad is not None and not (store is not None and store.active)
             grad_x = None if bulk else scatter.wait()
-            grad_w = _weight_grad(weight, grad, x_full)
+            grad_w = _weight_grad(weight, grad, x_full, store)
             grad_x = scatter.wait() if bulk else grad_x
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _LinearReduceScatter(Function):
@@ -272,10 +274,15 @@ class _LinearReduceScatter(Function):
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup, plan: LinearPlan
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        group: ProcessGroup,
+        plan: LinearPlan,
+        store: WeightGradStore | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.weight, ctx.group, ctx.plan = weight, group, plan
+        ctx.weight, ctx.group, ctx.plan, ctx.store = weight, group, plan, store
         return _matmul_reduce_scatter(x.contiguous(), weight.t(), group, plan.fprop)
 
     @staticmethod
@@ -283,7 +290,7 @@ class _LinearReduceScatter(Function):
         (x,) = ctx.saved_tensors
         weight, group, plan = ctx.weight, ctx.group, ctx.plan
         grad_x, grad_full = _all_gather_matmul(grad.contiguous(), weight, group, plan.dgrad)
-        return grad_x, _weight_grad(weight, grad_full, x), None, None
+        return grad_x, _weight_grad(weight, grad_full, x, ctx.store), None, None, None
 
 
 def all_gather_linear_overlapped(
@@ -292,13 +299,20 @@ def all_gather_linear_overlapped(
     bias: torch.Tensor | None,
     group: ProcessGroup,
     plan: LinearPlan,
+    store: WeightGradStore | None,
 ) -> torch.Tensor:
-    """`tensor_parallel.all_gather_linear` with the plan's overlap."""
-    return _AllGatherLinear.apply(x, weight, bias, group, plan)
+    """`tensor_parallel.all_gather_linear` with the plan's overlap; the weight gradient through
+    `store` (None: computed in backward)."""
+    return _AllGatherLinear.apply(x, weight, bias, group, plan, store)
 
 
 def linear_reduce_scatter_overlapped(
-    x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup, plan: LinearPlan
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: ProcessGroup,
+    plan: LinearPlan,
+    store: WeightGradStore | None,
 ) -> torch.Tensor:
-    """`tensor_parallel.linear_reduce_scatter` with the plan's overlap."""
-    return _LinearReduceScatter.apply(x, weight, group, plan)
+    """`tensor_parallel.linear_reduce_scatter` with the plan's overlap; the weight gradient through
+    `store` (None: computed in backward)."""
+    return _LinearReduceScatter.apply(x, weight, group, plan, store)

@@ -3,9 +3,15 @@
 `overlap.layers.linear_functions` (`Linear`: attention, MLP and shared-expert GEMMs;
 `GroupedLinear`: the routed experts), and the grad-ready hooks a delayed gradient fires.
 
-In backward, a layer that supports it computes the input gradient at once (the previous layer waits
-for it) and, while `WGRAD_STORE.delaying(True)` is active, queues the weight-gradient GEMM (its
-inputs and output grad are captured by a closure) in a FIFO instead of running it. The schedule
+A run's store belongs to its model: `GPTModel` holds one (`wgrad_store`; the chunks of one rank
+share theirs, `model_chunks`) and hands it to each layer it builds, the pipeline executor reads it
+from the chunks it runs. No store is process-wide, so two models alive in one process (the tests'
+worlds, a dry run beside a run) never see each other's queued GEMMs. A layer built without a store
+computes its weight gradients in backward.
+
+In backward, a layer with a store computes the input gradient at once (the previous layer waits for
+it) and, while its store's `delaying(True)` is active, queues the weight-gradient GEMM (its inputs
+and output grad are captured by a closure) in a FIFO instead of running it. The schedule
 drains the queue with `wait_filling(handle)`: while a collective it has to wait for is still in
 flight, the queued GEMMs run one by one, so a wait for a slower peer or a slow link becomes
 weight-gradient work instead of idle time (what the reference systems get from a CUDA stream of
@@ -17,9 +23,9 @@ gradient delivered. A delayed gradient reaches its parameter through `deliver_we
 also fires the parameter's grad-ready hooks, so data-parallel reduction sees it after the delayed
 GEMM, not before.
 
-The same store, as a second instance, defers the output layer's weight gradients to the pipeline
-flush (`defer_embedding_wgrad_compute`): a `Linear` takes the store it queues into at forward time
-(`linear(..., store=)`; default: the `WGRAD_STORE` of `delay_wgrad_compute`), so the pipeline
+A second instance defers the output layer's weight gradients to the pipeline flush
+(`defer_embedding_wgrad_compute`): a `Linear` takes the store it queues into at forward time
+(`linear(..., store=)`; the output layer's own store instead of its model's), so the pipeline
 executor can switch deferral on for the output layer alone and drain it with
 `flush(before_each=...)`, which lets it decide, GEMM by GEMM, when data parallelism may treat the
 weight's gradient as complete.
@@ -36,7 +42,7 @@ import torch
 from torch import nn
 
 from overlap.parallel import comm
-from overlap.parallel.trace import RECORDER, CommEvent, now
+from overlap.parallel.trace import CommEvent, now, recorder
 
 
 class InFlight(Protocol):
@@ -72,7 +78,20 @@ def deliver_weight_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
         hook(param)
 
 
+def take_weight_grad(
+    store: WeightGradStore | None,
+    weight: nn.Parameter,
+    weight_grad: Callable[[], torch.Tensor],
+) -> torch.Tensor | None:
+    """A backward's weight gradient through `store.take` (returned now, or queued while that store
+    delays: None); computed now where the layer has no store."""
+    return weight_grad() if store is None else store.take(weight, weight_grad)
+
+
 class WeightGradStore:
+    """One model's queue of deferred weight-gradient GEMMs and its delaying switch (module notes);
+    `span` names each GEMM on the timeline when it runs."""
+
     def __init__(self, span: str = "bwd.delayed_wgrad") -> None:
         self.queue: deque[Callable[[], None]] = deque()
         self.active = False
@@ -144,8 +163,5 @@ class WeightGradStore:
 
     def _run_oldest(self) -> None:
         self._carried = max(self._carried - 1, 0)
-        with RECORDER.span(self.span), torch.no_grad():
+        with recorder().span(self.span), torch.no_grad():
             self.queue.popleft()()
-
-
-WGRAD_STORE = WeightGradStore()

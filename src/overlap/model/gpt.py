@@ -11,6 +11,9 @@ stage, the final norm and output layer only on the last.
 What the model runs overlapped (the TP slots of each linear, the shared expert under the
 all-to-alls, the deferred output-layer wgrad) comes from the resolved overlap plan it is built with
 (`cfg.resolved.overlap`), never from the model section's switches, which keep only what was typed.
+Its weight gradients go through the model's `WeightGradStore` (`wgrad_store`, handed to every layer
+it builds; the chunks of one rank share one), which the schedules switch to delaying and drain
+(delay_wgrad_compute, overlapped p2p): a store per run, not per process.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from overlap.layers.tensor_parallel import (
 )
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
@@ -47,9 +50,17 @@ class TransformerLayer(nn.Module):
 
     The two halves are separate methods (`attention_block`, `mlp_block`) so that schedules can run
     them apart; `forward` is simply one after the other and returns (hidden, aux_loss or None).
+    `wgrad_store`: the model's store its linears' weight gradients go through.
     """
 
-    def __init__(self, config, ps: ParallelState, layer_number: int, overlap: OverlapPlan) -> None:
+    def __init__(
+        self,
+        config,
+        ps: ParallelState,
+        layer_number: int,
+        overlap: OverlapPlan,
+        wgrad_store: WeightGradStore,
+    ) -> None:
         super().__init__()
         dtype = params_dtype(config)
         sp = config.sequence_parallel
@@ -67,15 +78,15 @@ class TransformerLayer(nn.Module):
             fusion=config.rms_norm_fusion,
         )
         self.input_layernorm = RMSNorm(**norm)
-        self.self_attention = SelfAttention(config, ps, layer_number, overlap)
+        self.self_attention = SelfAttention(config, ps, layer_number, overlap, wgrad_store)
         self.pre_mlp_layernorm = RMSNorm(**norm)
         if self.is_moe:
             # only MoE models need (and import) the MoE package
             from overlap.layers.moe.moe_layer import MoELayer
 
-            self.mlp = MoELayer(config, ps, layer_number, overlap)
+            self.mlp = MoELayer(config, ps, layer_number, overlap, wgrad_store)
         else:
-            self.mlp = MLP(config, ps, overlap)
+            self.mlp = MLP(config, ps, overlap, wgrad_store=wgrad_store)
 
     def attention_block(self, x: torch.Tensor) -> torch.Tensor:
         """Residual + self-attention of the input-normalised hidden state."""
@@ -135,11 +146,17 @@ class GPTModel(nn.Module):
     layer is vocabulary-parallel, its own weight or, with `share_embeddings_and_output_weights`
     (Qwen3 0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last of several pipeline
     stages, its copy); the loss is computed from the vocab-sharded logits without gathering them.
-    `overlap` is the run's resolved overlap plan (what its layers overlap).
+    `overlap` is the run's resolved overlap plan (what its layers overlap); `wgrad_store`: the store
+    its weight gradients go through, kept as `self.wgrad_store` (None: a new one, this model's).
     """
 
     def __init__(
-        self, config, ps: ParallelState, overlap: OverlapPlan, stage: Stage | None = None
+        self,
+        config,
+        ps: ParallelState,
+        overlap: OverlapPlan,
+        stage: Stage | None = None,
+        wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         tp = ps.tp_size
@@ -162,6 +179,7 @@ class GPTModel(nn.Module):
         self.config = config
         self.ps = ps
         self.stage = stage or Stage(0, config.num_layers, True, True)
+        self.wgrad_store = WeightGradStore() if wgrad_store is None else wgrad_store
         dtype = params_dtype(config)
         sp = config.sequence_parallel
         tied = config.share_embeddings_and_output_weights
@@ -173,7 +191,7 @@ class GPTModel(nn.Module):
                 self.embedding.weight.tied_embedding = True
         self.layers = LayerStack(
             [
-                TransformerLayer(config, ps, i, overlap)
+                TransformerLayer(config, ps, i, overlap, self.wgrad_store)
                 for i in range(self.stage.start, self.stage.end)
             ],
             self.stage.start,
@@ -193,17 +211,17 @@ class GPTModel(nn.Module):
             store = (
                 WeightGradStore("bwd.deferred_output_wgrad")
                 if overlap.defer_embedding_wgrad_compute
-                else None
+                else self.wgrad_store
             )
             if tied:
                 # On the embedding's stage the output layer reads the embedding's own parameter
                 # (both are [vocab / tp, h], cut the same way over TP), so its two gradients meet in
                 # one autograd accumulation and the grad-ready hook fires once, with their sum. That
-                # needs the output layer's share computed in the backward itself: a store that never
-                # delays (delay_wgrad_compute would deliver it later, after data parallelism took
-                # the embedding's share as the whole gradient). EP overlap's pieces and deferred
-                # output wgrads are refused with a tied model (`runtime_refusals`).
-                store = WeightGradStore("bwd.tied_output_wgrad")
+                # needs the output layer's share computed in the backward itself: no store
+                # (delay_wgrad_compute would deliver it later, after data parallelism took the
+                # embedding's share as the whole gradient). EP overlap's pieces and deferred output
+                # wgrads are refused with a tied model (`runtime_refusals`).
+                store = None
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, ps, sp, params_dtype=dtype, wgrad_store=store
             )
@@ -236,7 +254,7 @@ class GPTModel(nn.Module):
         aux_total = None
         for i in range(start, end):
             layer = self.layers[i]
-            with RECORDER.span(f"fwd.layer{layer.layer_number}"):
+            with recorder().span(f"fwd.layer{layer.layer_number}"):
                 hidden, aux = layer(hidden)
             if aux is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
@@ -269,7 +287,7 @@ class GPTModel(nn.Module):
         hidden, aux_loss = self.stage_body(hidden, tokens)
         if not self.stage.post_process:
             return hidden, aux_loss
-        with RECORDER.span("fwd.lm_loss"):
+        with recorder().span("fwd.lm_loss"):
             loss = self.lm_loss(hidden, labels)
         return loss, aux_loss
 
@@ -291,10 +309,13 @@ def model_chunks(config, ps: ParallelState, overlap: OverlapPlan) -> list[GPTMod
     """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
     pipeline, each holding the layers its virtual stage gets (`overlap.config.pipeline_layout`: an
     even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
-    spelt out); chunks may differ in size. `overlap`: the run's resolved overlap plan."""
+    spelt out); chunks may differ in size. `overlap`: the run's resolved overlap plan. The chunks
+    share one `WeightGradStore` (the pipeline executor's queue spans them)."""
     from overlap.config.pipeline_layout import resolve_pipeline_layout
 
     stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
+    store = WeightGradStore()
     return [
-        GPTModel(config, ps, overlap, Stage(s.start, s.end, s.embedding, s.loss)) for s in stages
+        GPTModel(config, ps, overlap, Stage(s.start, s.end, s.embedding, s.loss), store)
+        for s in stages
     ]

@@ -5,14 +5,20 @@ Every call is asynchronous underneath and returns a `CommHandle`; synchronous ca
 `ep_combine`, `dp_rs`, `dp_ar`, `dp_ag`, `pp_send`, ...) and recorded in the tracer with launch,
 completion (on the tracer's timeline: the work's future on gloo, so a transfer that finished long
 before anybody waited is not charged as late; a CUDA event on NCCL, see `overlap.parallel.trace`)
-and wait times, and in the program recorder (`PROGRAM`, `overlap.parallel.program`) with its group,
-operation and size. A point-to-point call is one posted unit whose ops share one completion, as NCCL
-gives one work for a whole batch.
+and wait times, and in the run's program recorder (`CommSession.program`,
+`overlap.parallel.program`) with its group, operation and size. A point-to-point call is one posted
+unit whose ops share one completion, as NCCL gives one work for a whole batch.
 
-NCCL's rules (`set_nccl_rules`): gloo run as NCCL shows itself, with every rank's program recorded
-for the replay under NCCL's streams (docs/gpu.md).
+How communication behaves is the run's `CommSession` - its mode, NCCL's rules, its program recorder
+- which the run builds and makes active for its extent (`using`; the calls here read the active one,
+`session()`): no switch is process-wide, so two runs in one process (the tests' shared worlds run
+many jobs per rank, a dry run beside the code that reports it) never see each other's mode or
+records, and a session ends with the `with` that began it, on errors too.
 
-Modes (`set_mode`):
+NCCL's rules (`CommSession(nccl_rules=True)`): gloo run as NCCL shows itself, with every rank's
+program recorded for the replay under NCCL's streams (docs/gpu.md).
+
+Modes (`CommSession(mode)`):
 - "real": the collective runs.
 - "none": no transfer at all; outputs keep the right shapes (inputs are echoed). Losses are
   meaningless in this mode; its only use is the compute-only floor of a benchmark (`T_ideal`).
@@ -40,7 +46,10 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -51,8 +60,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 from overlap.errors import ConfigError
 from overlap.launch.kinds import family, parse_families
 from overlap.parallel import link_model, streams
-from overlap.parallel.program import SIDE, TIMING, OpRecord, ProgramRecorder
-from overlap.parallel.trace import RECORDER, CommEvent, HostTimeline, RulesTimeline, now
+from overlap.parallel.program import COMPUTE, SIDE, TIMING, OpRecord, ProgramRecorder
+from overlap.parallel.trace import CommEvent, RulesTimeline, active_recorder, now, recorder
 
 log = logging.getLogger("overlap.comm")
 
@@ -103,19 +112,10 @@ def log_torch_apis() -> None:
 
 
 _MODES = ("real", "none")
-_mode = "real"
-# mode "none": the families made free (None: all)
-_free_families: frozenset[str] | None = None
 _group_sizes: dict[ProcessGroup, int] = {}
 _group_ranks: dict[ProcessGroup, int] = {}
 _group_backends: dict[ProcessGroup, str] = {}
 _group_members: dict[ProcessGroup, list[int]] = {}
-
-# NCCL's rules on gloo (`set_nccl_rules`): what the runtime sees of a collective is what it would
-# see on NCCL.
-_nccl_rules = False
-# every rank's posts and waits (overlap.parallel.program), while recording
-PROGRAM = ProgramRecorder()
 
 
 def parse_mode(mode: str) -> tuple[str, frozenset[str] | None]:
@@ -130,14 +130,16 @@ def parse_mode(mode: str) -> tuple[str, frozenset[str] | None]:
     return base, (frozenset(parse_families("--comm-mode", mode, rest)) if sep else None)
 
 
-def set_mode(mode: str) -> None:
-    global _mode, _free_families
-    _mode, _free_families = parse_mode(mode)
+@dataclass(frozen=True)
+class CommSession:
+    """How one run's communication behaves; built by the run (`overlap run`, a dry run, a test's
+    job) and active while it runs (`using`).
 
-
-def set_nccl_rules(on: bool, one_queue: bool = False) -> None:
-    """Run gloo under NCCL's rules, to find on a CPU what would break on GPUs (tests,
-    `overlap run --nccl-rules`):
+    `mode`: "real", "none" or "none:FAMILY[,FAMILY]" (module notes; a ConfigError naming
+    --comm-mode otherwise). `program`: the recorder of this rank's posts and waits
+    (`overlap.parallel.program`; None: nothing recorded). `nccl_rules`: gloo under NCCL's rules, to
+    find on a CPU what would break on GPUs (tests, `overlap run --nccl-rules`), which records the
+    program (a started recorder of its own unless one is given):
 
     - the host is not told when a collective completes (the tracer's `RulesTimeline`: on NCCL a
       work's future completes at enqueue and `wait()` orders the stream, not the host), so the
@@ -145,28 +147,75 @@ def set_nccl_rules(on: bool, one_queue: bool = False) -> None:
       gloo's own completion;
     - point-to-point tags are dropped on the wire: messages between two ranks on a group meet in
       posting order;
-    - every rank's program is recorded (`PROGRAM`), for `overlap.parallel.program.replay` to play
+    - every rank's program is recorded (`program`), for `overlap.parallel.program.replay` to play
       the ranks together with NCCL's streams: rendezvous sends, one stream per communicator in issue
       order.
     (A point-to-point call's ops share one completion on every backend, as NCCL gives one work for a
     whole batch.) The data still travel over gloo, so losses are real. The modelled link needs tags
-    and host-visible completion: it is refused here (as it is on NCCL). `one_queue`: the timing
-    waits are placed as with `CUDA_DEVICE_MAX_CONNECTIONS=1` (`overlap.parallel.trace`), for the
-    replay that models one hardware queue."""
-    global _nccl_rules
-    if on and link_model.current() is not None:
+    and host-visible completion: it is refused when such a session becomes active (as it is on
+    NCCL). `one_queue`: the timing waits are placed as with `CUDA_DEVICE_MAX_CONNECTIONS=1`
+    (`overlap.parallel.trace`), for the replay that models one hardware queue."""
+
+    mode: str = "real"
+    nccl_rules: bool = False
+    one_queue: bool = False
+    program: ProgramRecorder | None = None
+    # mode "none": the families made free (None: all); parsed from `mode`
+    _base: str = field(init=False, repr=False)
+    _free: frozenset[str] | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        base, free = parse_mode(self.mode)
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_free", free)
+        if self.nccl_rules and self.program is None:
+            object.__setattr__(self, "program", ProgramRecorder(enabled=True))
+
+    def is_free(self, kind: str) -> bool:
+        """Whether this op is faked (the benchmark floors). Run control (`ctl_*`: every rank
+        agreeing to stop) and checkpoint gathers (`*_ckpt`) are never faked: they carry decisions
+        and state, and faking them would let ranks disagree (a save at different iterations hangs)
+        or write one rank's shard as everyone's."""
+        if family(kind) == "ctl" or kind.endswith("_ckpt"):
+            return False
+        return self._base == "none" and (self._free is None or family(kind) in self._free)
+
+
+# The active run's session: a context variable (each thread and task starts from none), set only by
+# `using`, which restores what was active before.
+_SESSION: ContextVar[CommSession | None] = ContextVar("overlap_comm_session", default=None)
+
+
+def session() -> CommSession:
+    """The active run's session; outside any run's `using`, a plain one (real, no rules, nothing
+    recorded), new at each call, so nothing done to it outlives the call."""
+    active = _SESSION.get()
+    return CommSession() if active is None else active
+
+
+@contextmanager
+def using(run: CommSession) -> Iterator[CommSession]:
+    """Make `run` the active session for the `with` block; under NCCL's rules the run's recorder
+    (`trace.recording`, entered first) takes the rules' timeline for that long (the one it had
+    comes back after)."""
+    if run.nccl_rules and link_model.current() is not None:
         raise ConfigError(
             "--network",
             "model",
             "the modelled link delays the host, and NCCL's rules hide completion from the host.",
             "use --network real with the NCCL rules.",
         )
-    _nccl_rules = on
-    RECORDER.timeline = RulesTimeline(one_queue) if on else HostTimeline()
-    if on:
-        PROGRAM.start()
-    else:
-        PROGRAM.stop()
+    traced = active_recorder() if run.nccl_rules else None
+    timeline = None if traced is None else traced.timeline
+    token = _SESSION.set(run)
+    if traced is not None:
+        traced.timeline = RulesTimeline(run.one_queue)
+    try:
+        yield run
+    finally:
+        if traced is not None:
+            traced.timeline = timeline
+        _SESSION.reset(token)
 
 
 class _Posted:
@@ -203,8 +252,13 @@ def _group_name(group: ProcessGroup) -> str:
     return str(getattr(group, "group_name", id(group)))
 
 
-def _record(group: ProcessGroup, ops: Sequence[OpRecord]) -> int | None:
-    return PROGRAM.post(_group_name(group), group_members(group), ops)
+def _record(
+    program: ProgramRecorder | None, group: ProcessGroup, ops: Sequence[OpRecord]
+) -> int | None:
+    """Record a posted unit in `program` (the active session's); its number, None unrecorded."""
+    if program is None:
+        return None
+    return program.post(_group_name(group), group_members(group), ops)
 
 
 def _op_record(
@@ -222,16 +276,6 @@ def _op_record(
         peer,
         None if splits is None else (tuple(splits[0]), tuple(splits[1])),
     )
-
-
-def _is_free(kind: str) -> bool:
-    """Whether this op is faked (the benchmark floors). Run control (`ctl_*`: every rank agreeing to
-    stop) and checkpoint gathers (`*_ckpt`) are never faked: they carry decisions and state, and
-    faking them would let ranks disagree (a save at different iterations hangs) or write one rank's
-    shard as everyone's."""
-    if family(kind) == "ctl" or kind.endswith("_ckpt"):
-        return False
-    return _mode == "none" and (_free_families is None or family(kind) in _free_families)
 
 
 def group_size(group: ProcessGroup) -> int:
@@ -289,6 +333,7 @@ class CommHandle:
         finish: Callable[[], None] | None = None,
         deadline_from: link_model.Resolver | None = None,
         unit: int | None = None,
+        program: ProgramRecorder | None = None,
     ) -> None:
         self.event = event
         self._posted = posted
@@ -301,12 +346,14 @@ class CommHandle:
         self._deadline_from = deadline_from
         self._done = posted is None
         self._local = posted is None  # never left the rank (a group of one, a free kind)
-        self._unit = unit  # the recorded program's unit (PROGRAM), while recording
+        # the recorded program's unit, and the program (the posting session's), while recording
+        self._unit, self._program = unit, program
         # then()'s future: done once `_mark_done` has run. The callback runs on the backend's
         # thread; waiting for this future too means a waited handle has nothing left to run on
         # another thread.
         self._callback: torch.futures.Future | None = None
-        timeline = RECORDER.timeline
+        # the timeline of the run that launched it: its marks are read on that one, wherever waited
+        self._timeline = timeline = recorder().timeline
         if posted is None:
             event.t_done = timeline.mark()
             return
@@ -321,8 +368,12 @@ class CommHandle:
             # it, now or at the compute stream's wait), resolved when the recorder drains
             event.t_done = timeline.done_mark(posted)
             if event.t_done is not None and timeline.times_at_launch:
-                PROGRAM.wait(unit, TIMING)
+                self._record_wait(TIMING)
         _outstanding.add(self)
+
+    def _record_wait(self, stream: str = COMPUTE) -> None:
+        if self._program is not None:
+            self._program.wait(self._unit, stream)
 
     def _mark_done(self, fut: torch.futures.Future) -> None:
         if self._deadline is None and self._deadline_from is not None:
@@ -357,7 +408,7 @@ class CommHandle:
         with api.use(stream):
             for work in self._posted.works:
                 work.wait()
-        PROGRAM.wait(self._unit, SIDE)
+        self._record_wait(SIDE)
         return self._result
 
     def reap(self) -> bool:
@@ -385,13 +436,13 @@ class CommHandle:
         """Wait for the op and its callback, then run the finish step. `deadline` (time.monotonic())
         bounds the wait for the teardown of a failing run; past it, RuntimeError (the op stays
         outstanding)."""
-        PROGRAM.wait(self._unit)
-        timeline = RECORDER.timeline
+        self._record_wait()
+        timeline = self._timeline
         self.event.t_wait_start = timeline.mark()
         if deadline is None:
             self._posted.wait()
             if timeline.time_done(self.event.t_done):  # one hardware queue: timed from here
-                PROGRAM.wait(self._unit, TIMING)
+                self._record_wait(TIMING)
             if self._callback is not None:
                 self._callback.wait()
         else:
@@ -426,7 +477,7 @@ def completion_visible() -> bool:
     timeline (NCCL, or gloo under NCCL's rules), where a collective completes on the device while
     the host runs ahead. What the schedules decide while something is in flight must not depend on
     it there."""
-    return RECORDER.timeline.host_sees_completion
+    return recorder().timeline.host_sees_completion
 
 
 def _launch(
@@ -434,7 +485,7 @@ def _launch(
     op: str,
     group: ProcessGroup,
     nbytes: int,
-    run: Callable[[], dist.Work | None],
+    launch: Callable[[], dist.Work | None],
     result: torch.Tensor | None,
     fake: Callable[[], None] | None = None,
     finish: Callable[[], None] | None = None,
@@ -446,10 +497,11 @@ def _launch(
     rank's launch time goes on the group's board first. `record`: the op as the program recorder
     keeps it."""
     event = CommEvent(
-        kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=RECORDER.mark()
+        kind=kind, op=op, group_size=group_size(group), nbytes=nbytes, t_launch=recorder().mark()
     )
-    RECORDER.add_comm(event)
-    if _is_free(kind) or event.group_size == 1:
+    recorder().add_comm(event)
+    run = session()
+    if run.is_free(kind) or event.group_size == 1:
         if fake is not None:
             fake()  # stands in for the transfer and its `finish` both
         return CommHandle(event, None, result)
@@ -457,8 +509,9 @@ def _launch(
     deadline_from = None
     if link_model.models(kind):
         deadline_from = link_model.collective_deadline(_launch_board(group), event, op, carried)
-    posted = _Posted([run()])
-    return CommHandle(event, posted, result, finish, deadline_from, _record(group, record))
+    posted = _Posted([launch()])
+    unit = _record(run.program, group, record)
+    return CommHandle(event, posted, result, finish, deadline_from, unit, run.program)
 
 
 def _launch_board(group: ProcessGroup) -> link_model.LaunchBoard:
@@ -807,13 +860,14 @@ def p2p(
             op="p2p",
             group_size=size,
             nbytes=_nbytes(t) if op == P2P_SEND else 0,
-            t_launch=RECORDER.mark(),
+            t_launch=recorder().mark(),
         )
         for kind, op, t, _peer, _tag in ops
     ]
     for event in events:  # a receive is recorded with 0 bytes: counted once, at the send
-        RECORDER.add_comm(event)
-    if _is_free(ops[0][0]) or size == 1:
+        recorder().add_comm(event)
+    run = session()
+    if run.is_free(ops[0][0]) or size == 1:
         for _kind, op, t, _peer, _tag in ops:
             if op == P2P_RECV:
                 t.zero_()
@@ -834,7 +888,8 @@ def p2p(
             posts.append((op, stamp, peer, tag + STAMP_TAG))
         stamps.append(stamp)
         posts.append((op, t, peer, tag))
-    wire = (lambda tag: 0) if _nccl_rules else (lambda tag: tag)  # under NCCL's rules: tags ignored
+    # under NCCL's rules: tags ignored
+    wire = (lambda tag: 0) if run.nccl_rules else (lambda tag: tag)
     calls = [
         dist.P2POp(dist.isend if op == P2P_SEND else dist.irecv, t, peer, group, wire(tag))
         for op, t, peer, tag in posts
@@ -845,7 +900,8 @@ def p2p(
     else:
         posted = _Posted(dist.batch_isend_irecv(calls))
     kinds = iter([kind for kind, *_rest in ops for _ in range(2 if modelled else 1)])
-    unit = _record(group, [_op_record(next(kinds), op, t, peer) for op, t, peer, _tag in posts])
+    records = [_op_record(next(kinds), op, t, peer) for op, t, peer, _tag in posts]
+    unit = _record(run.program, group, records)
     handles = []
     for event, (_kind, op, t, _peer, _tag), stamp in zip(events, ops, stamps):
         deadline_from = None
@@ -854,6 +910,14 @@ def p2p(
                 group, _nbytes(t), event, stamp, posted.is_completed
             )
         handles.append(
-            CommHandle(event, posted, t if op == P2P_RECV else None, None, deadline_from, unit)
+            CommHandle(
+                event,
+                posted,
+                t if op == P2P_RECV else None,
+                None,
+                deadline_from,
+                unit,
+                run.program,
+            )
         )
     return handles

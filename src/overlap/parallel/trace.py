@@ -5,6 +5,10 @@ It is always on: one small object per collective and per span costs microseconds
 times we care about, and it is what lets a run say how much communication was hidden. Analysis lives
 in `overlap.profiling`.
 
+Each run owns its `Recorder` and makes it active for its extent (`recording`: `overlap run`, a dry
+run, each job of the tests' shared worlds); the runtime records into the active one (`recorder()`),
+so two runs in one process never mix their events or their timelines.
+
 Times come from a timeline (`Recorder.timeline`), because what "now" means depends on who runs the
 work:
 - `HostTimeline` (gloo): the host runs the compute and blocks in `wait()`; a time is the host clock,
@@ -23,10 +27,11 @@ work:
   an op never waited, at the drain): exact when the collective ends after that point, an upper bound
   of a collective that was already hidden. Marks resolve to seconds at `drain`, after one device
   synchronisation per drain (once per training iteration).
-- `RulesTimeline` (gloo under NCCL's rules, `comm.set_nccl_rules`): the device timeline's code path
-  on the host clock, its completion marks set when gloo's own works complete (what the CUDA events
-  would time), since under the rules the futures the runtime sees complete at posting; it places
-  its timing waits where the device timeline would, so the recorded program shows them.
+- `RulesTimeline` (gloo under NCCL's rules, `comm.CommSession(nccl_rules=True)`): the device
+  timeline's code path on the host clock, its completion marks set when gloo's own works complete
+  (what the CUDA events would time), since under the rules the futures the runtime sees complete at
+  posting; it places its timing waits where the device timeline would, so the recorded program
+  shows them.
 On the device timelines a collective's completion is not visible to the host before `drain`
 (`Timeline.host_sees_completion` is False): nothing in the runtime may decide on it.
 """
@@ -38,6 +43,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -352,4 +358,32 @@ class Recorder:
             self.comm, self.spans = [], []
 
 
-RECORDER = Recorder()
+# The active run's recorder (`recording`): a context variable, as comm's session is, so each run -
+# `overlap run`, a dry run, a test's job - records into its own and a thread starts from none.
+_ACTIVE: ContextVar[Recorder | None] = ContextVar("overlap_recorder", default=None)
+
+
+def recorder() -> Recorder:
+    """The active run's recorder; outside any run's `recording`, a new one at each call, whose
+    events nobody reads (a model run outside a run records nothing)."""
+    active = _ACTIVE.get()
+    return Recorder() if active is None else active
+
+
+def active_recorder() -> Recorder:
+    """The active run's recorder, for what must set it up (a timeline); RuntimeError outside a
+    run's `recording`, where a setting would be lost."""
+    active = _ACTIVE.get()
+    if active is None:
+        raise RuntimeError("no run's recorder is active: enter trace.recording(Recorder()) first")
+    return active
+
+
+@contextmanager
+def recording(run: Recorder) -> Iterator[Recorder]:
+    """Make `run` the active recorder for the `with` block (what was active before comes back)."""
+    token = _ACTIVE.set(run)
+    try:
+        yield run
+    finally:
+        _ACTIVE.reset(token)

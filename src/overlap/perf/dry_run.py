@@ -8,9 +8,9 @@ shapes, and plays one step (its deferred parameter gathers included), with:
 
 - torch.distributed on the fake backend (`torch.testing._internal.distributed.fake_pg`): every
   process group the runtime builds exists, with this rank at its place in the world; collectives
-  return at once and move nothing. `comm.py` records the rank's communication program
-  (`comm.PROGRAM`) as on a real run. The host cannot see a collective complete, as on NCCL
-  (`RulesTimeline`), so the schedules take their GPU decisions.
+  return at once and move nothing. `comm.py` records the rank's communication program (the dry
+  run's own `comm.CommSession`) as on a real run. The host cannot see a collective complete, as on
+  NCCL (`RulesTimeline`), so the schedules take their GPU decisions.
 - every tensor a FakeTensor (`FakeTensorMode`) on the fake device, which the trainer's
   `ParallelState.device` names as a GPU rank's names its GPU (neither installs a default device):
   "cuda" on a CUDA build of torch (true CUDA fakes), "meta" on a CPU build, where CUDA tensors
@@ -60,8 +60,8 @@ from overlap.harness import Job, describe_layout
 from overlap.launch.resources import MemoryEstimate, gib
 from overlap.layers.moe import split_sizes
 from overlap.parallel import comm, teardown
-from overlap.parallel.program import Post, summarize
-from overlap.parallel.trace import RECORDER, RulesTimeline
+from overlap.parallel.program import Post, ProgramRecorder, summarize
+from overlap.parallel.trace import Recorder, RulesTimeline, recording
 from overlap.perf.host_syncs import (
     HOST_TENSOR,
     caller,
@@ -641,7 +641,14 @@ def _mesh_device(device: torch.device) -> str:
 
 
 def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
-    """Play rank `options.rank` of the job's layout for one step (module docstring)."""
+    """Play rank `options.rank` of the job's layout for one step (module docstring), with a recorder
+    of the dry run's own whose timeline hides completion from the host, as on NCCL (the schedules
+    take their GPU decisions); its events go with it."""
+    with recording(Recorder(timeline=RulesTimeline())):
+        return _play(job, options)
+
+
+def _play(job: Job, options: DryRunOptions) -> DryRunReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -665,10 +672,8 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
     # registered name ("FAKE" is looked up as "fake" and missed), and its teardown then warns that
     # it has none
     dist.group.WORLD._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-    saved_timeline = RECORDER.timeline
-    # the host does not see completion, as on NCCL: the GPU decisions
-    RECORDER.timeline = RulesTimeline()
     watch = _StepWatch(device)
+    program = ProgramRecorder(enabled=True)  # the step's communication program
     trainer = ps = None
     try:
         ps = ParallelState(layout, device, mesh_device)
@@ -696,19 +701,19 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
                 trainer = Trainer(cfg, ps)
                 # a steady-state step's memory: Adam's moments exist from the first step on
                 trainer.optimizer.create_states()
-                comm.PROGRAM.start()
                 watch.phase = "step"
                 start = watch.current
                 watch.reset_peak()
-                trainer.train_step(0)
-                # the step's parameter gathers deferred into the next forward
-                trainer.finish_param_sync()
+                with comm.using(comm.CommSession(program=program)):
+                    trainer.train_step(0)
+                    # the step's parameter gathers deferred into the next forward
+                    trainer.finish_param_sync()
                 end = watch.current
             except ConfigError:
                 raise  # a user's mistake the runtime found while building: exit 2, as a real run
             except Exception as exc:  # any other failure of the step is the report's finding
                 watch.finding = watch.finding or _failure(exc)
-            entries = comm.PROGRAM.stop()
+            entries = program.stop()
         reads = sorted(watch.reads.values(), key=lambda r: (r.intended is None, r.phase, r.site))
         split_reads = sum(r.count for r in reads if r.intended == SPLIT_SIZES)
         loop_reads = sum(r.count for r in reads if r.intended == LOOP_SELECTIONS)
@@ -742,9 +747,6 @@ def run_dry(job: Job, options: DryRunOptions) -> DryRunReport:
         )
     finally:
         split_sizes.assume_balanced_routing(None)
-        RECORDER.timeline = saved_timeline
-        comm.PROGRAM.stop()
-        RECORDER.discard()
         trainer = ps = None
         teardown.shutdown(failing=sys.exc_info()[0] is not None)
 

@@ -18,7 +18,7 @@ from overlap.model.gpt import GPTModel
 from overlap.optim.adam import learning_rate, multi_tensor_impl
 from overlap.parallel import comm, groups
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.pipeline.output_memory import PipelineMemory
 from overlap.training.data import build_data
 from overlap.training.trainer import Trainer
@@ -94,9 +94,9 @@ class PeerTrainer(Trainer):
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         for i, (tokens, labels) in enumerate(batches):
             with self._sync_gradients(i == len(batches) - 1):
-                with RECORDER.span("forward"):
+                with recorder().span("forward"):
                     lm_loss, aux_loss = self.model(tokens, labels)
-                with RECORDER.span("backward"):
+                with recorder().span("backward"):
                     ((lm_loss + aux_loss) / self.num_micro_batches).backward()
             loss_sum += lm_loss.detach().float()
         clip = self.cfg.optimizer.clip_grad
@@ -106,7 +106,7 @@ class PeerTrainer(Trainer):
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(iteration)
-        with RECORDER.span("optimizer"):
+        with recorder().span("optimizer"):
             self.optimizer.step()
         comm.all_reduce(loss_sum, ps.dp_group, "dp_loss").wait()
         return float(loss_sum) / (self.num_micro_batches * ps.dp_size), norm

@@ -50,15 +50,15 @@ What no order can hide is a peer that is late. An all-to-all completes only once
 launched it, and routing is uneven: per layer one rank's experts get up to 2-3x the rows of the
 other's, so its expert pieces (the backward most: 3x the forward) run tens of ms longer, ten times
 an all-to-all's link time. The rank that is ahead then waits at its next wait for the peer, not for
-the link. With delay_wgrad_compute every wait runs queued weight gradients while it would block
-(`WGRAD_STORE.wait_filling`), expert and attention GEMMs alike, instead of the fixed slots: the rank
-that is ahead does its own weight-gradient work while its peer catches up (DeepSeek's published
-training trace runs its expert weight-gradient GEMMs on a third stream beside the communication the
-same way). On a GPU, where the host cannot see a collective complete, every queued GEMM is issued
-before the wait instead, and the device runs them beside the collective. What a phase leaves fills
-the next phase's waits; all of it is delivered before a model chunk's last backward, which runs its
-weight gradients at the fixed slots (see `PipelineExecutor`). With a padded expert capacity the
-split sizes are not exchanged at all.
+the link. With delay_wgrad_compute every wait runs queued weight gradients while it would block (the
+model's `WeightGradStore.wait_filling`), expert and attention GEMMs alike, instead of the fixed
+slots: the rank that is ahead does its own weight-gradient work while its peer catches up
+(DeepSeek's published training trace runs its expert weight-gradient GEMMs on a third stream beside
+the communication the same way). On a GPU, where the host cannot see a collective complete, every
+queued GEMM is issued before the wait instead, and the device runs them beside the collective. What
+a phase leaves fills the next phase's waits; all of it is delivered before a model chunk's last
+backward, which runs its weight gradients at the fixed slots (see `PipelineExecutor`). With a padded
+expert capacity the split sizes are not exchanged at all.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ import torch
 
 from overlap.layers.moe.dispatcher import DispatchPlan, PendingAllToAll, PendingPlan
 from overlap.layers.recompute import maybe_checkpoint
-from overlap.layers.wgrad_store import WGRAD_STORE, InFlight
+from overlap.layers.wgrad_store import InFlight, WeightGradStore
 from overlap.model.gpt import GPTModel, TransformerLayer
 from overlap.parallel.comm import ManyHandle
 from overlap.pipeline.schedule_node import ScheduleNode
@@ -94,17 +94,24 @@ class LayerRun:
     """One micro-batch's pass through one transformer layer, as schedulable steps (forward, then
     backward).
 
-    With delay_wgrad_compute every wait goes through `WGRAD_STORE.wait_filling`: queued weight
-    gradients run while the awaited collective is in flight, so the rank that is ahead of its peers
-    computes instead of idling. Without it the waits are plain: the experts' queued weight GEMMs
-    then run only at the schedule's fixed slots."""
+    With delay_wgrad_compute every wait goes through `store.wait_filling` (the model's store):
+    queued weight gradients run while the awaited collective is in flight, so the rank that is ahead
+    of its peers computes instead of idling. Without it the waits are plain: the experts' queued
+    weight GEMMs then run only at the schedule's fixed slots."""
 
-    def __init__(self, layer: TransformerLayer, loss_scale: float, delay_wgrad: bool) -> None:
+    def __init__(
+        self,
+        layer: TransformerLayer,
+        loss_scale: float,
+        delay_wgrad: bool,
+        store: WeightGradStore,
+    ) -> None:
         self.layer = layer
+        self.store = store
         self.moe = layer.mlp if layer.is_moe else None
         self.loss_scale = loss_scale
         self.delay_wgrad = delay_wgrad
-        self._wait = WGRAD_STORE.wait_filling if delay_wgrad else _plain_wait
+        self._wait = store.wait_filling if delay_wgrad else _plain_wait
         self.pending_plan: PendingPlan | None = None
         self.plan: DispatchPlan | None = None
         self.pending: ManyHandle | None = None
@@ -199,7 +206,7 @@ class LayerRun:
         if self.moe is None:
             return
         (g_out,) = self._take_pending()
-        with WGRAD_STORE.delaying(True):
+        with self.store.delaying(True):
             g_rows, g_weights = self.experts.backward(g_out)
         self.pending = _a2a(
             (g_rows, g_weights),
@@ -218,7 +225,7 @@ class LayerRun:
         g_normed, g_topk_weights = self.permute.backward(g_rows, g_weights)
         aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
         # attention + shared-expert weight GEMMs: queued when delaying
-        with WGRAD_STORE.delaying(self.delay_wgrad):
+        with self.store.delaying(self.delay_wgrad):
             (g_x,) = self.attn.backward(self.g_h, g_normed, g_topk_weights, aux_grad, self.g_shared)
         self.plan = self.pending_plan = self.h = self.shared = self.g_h = self.g_shared = None
         return g_x
@@ -248,7 +255,9 @@ class ChunkRun:
             ScheduleNode("lm_loss", lambda h: model.lm_loss(h, labels)) if self.last else None
         )
         self.delay_wgrad = delay_wgrad
-        self.layers = [LayerRun(layer, loss_scale, delay_wgrad) for layer in model.layers]
+        self.layers = [
+            LayerRun(layer, loss_scale, delay_wgrad, model.wgrad_store) for layer in model.layers
+        ]
         self.hidden = None if hidden is None else hidden.detach().requires_grad_()
         self.lm_loss: torch.Tensor | None = None
         self.output: torch.Tensor | None = None
@@ -304,7 +313,7 @@ def _backward_layers(b: ChunkRun, fixed_wgrad_slots: bool) -> Iterator[None]:
         dense_grad = run.combine_backward(g)
         yield  # F: wait its combine, attention piece (launches its split sizes)
         if fixed:
-            WGRAD_STORE.flush()
+            b.model.wgrad_store.flush()
         yield  # F: wait split sizes, permute, launch dispatch
         run.experts_backward()
         yield  # F: wait dispatch, experts, launch combine

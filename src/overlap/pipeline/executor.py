@@ -10,20 +10,20 @@ their own units: the p2p transport (`overlap.pipeline.p2p`), the release of sent
 measure of their memory (`overlap.pipeline.output_memory`), and the deferral of the output layer's
 weight gradients (`overlap.pipeline.output_wgrad`).
 
-Overlapped p2p in plain 1F1B sends each input gradient before its weight gradients: a backward
-runs with its weight-gradient GEMMs queued (`WGRAD_STORE`), posts its gradient's send, and the
-queued GEMMs run after the rank's next task, whose own send (a forward's activation) then goes that
-much earlier too. Why: in 1F1B every stage alternates
-forward and backward, and the gradient of B(k) going down and the activation of a later forward
-coming back up sit on one cycle that stage p + 1's program waits on; posting receives early cannot
-take a transfer off it (at PP = 2 the steady period stays f + b + 2c, the reason Megatron-Core
-allows `overlap_p2p_comm` only with a virtual pipeline). Sending the gradient a weight-gradient time
-earlier, and running that time while both transfers travel, gives the cycle the slack: transfers up
-to about half a backward's weight-gradient time hide, and the pipeline's drain shortens (the
-zero-bubble schedules' split of B and W; the planner's simulation, `overlap.plan.pipeline_sim`,
-runs the same rule). The cost is one backward's weight-gradient inputs (its linear layers' inputs
-and output gradients) kept one task longer. Data parallelism hears of each delayed gradient with
-the last-micro-batch flag of the backward that queued it.
+Overlapped p2p in plain 1F1B sends each input gradient before its weight gradients: a backward runs
+with its weight-gradient GEMMs queued (the chunks' `WeightGradStore`), posts its gradient's send,
+and the queued GEMMs run after the rank's next task, whose own send (a forward's activation) then
+goes that much earlier too. Why: in 1F1B every stage alternates forward and backward, and the
+gradient of B(k) going down and the activation of a later forward coming back up sit on one cycle
+that stage p + 1's program waits on; posting receives early cannot take a transfer off it (at PP = 2
+the steady period stays f + b + 2c, the reason Megatron-Core allows `overlap_p2p_comm` only with a
+virtual pipeline). Sending the gradient a weight-gradient time earlier, and running that time while
+both transfers travel, gives the cycle the slack: transfers up to about half a backward's
+weight-gradient time hide, and the pipeline's drain shortens (the zero-bubble schedules' split of B
+and W; the planner's simulation, `overlap.plan.pipeline_sim`, runs the same rule). The cost is one
+backward's weight-gradient inputs (its linear layers' inputs and output gradients) kept one task
+longer. Data parallelism hears of each delayed gradient with the last-micro-batch flag of the
+backward that queued it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch
 
 from overlap.config.container import ConfigContainer
 from overlap.layers.tensor_parallel import params_dtype
-from overlap.layers.wgrad_store import WGRAD_STORE
-from overlap.parallel.trace import RECORDER
+from overlap.layers.wgrad_store import WeightGradStore
+from overlap.parallel.trace import recorder
 from overlap.pipeline.combined_1f1b import ChunkRun, run_merged
 from overlap.pipeline.output_memory import (
     LiveOutputs,
@@ -100,7 +100,8 @@ class PipelineExecutor:
 
     `chunks[c]` is model chunk c (`GPTModel` with a `Stage`), `before_backward(chunk, is_last)`
     tells data parallelism which backward is a chunk's last micro-batch (its gradients can then be
-    reduced), `memory`: where each step's peak of live output bytes is recorded. With
+    reduced), `memory`: where each step's peak of live output bytes is recorded. The chunks share
+    one weight-gradient store (`model_chunks`), which the executor switches and drains. With
     `options.defer_output_wgrad` the last stage's model must have been built with an overlap plan
     whose `defer_embedding_wgrad_compute` is on, which gives its output layer the store."""
 
@@ -118,6 +119,7 @@ class PipelineExecutor:
                 "pieces keep each output for their own backward)"
             )
         self.chunks, self.ps, self.options = chunks, ps, options
+        self.wgrad = shared_wgrad_store(chunks)
         self.before_backward, self.memory = before_backward, memory
         self.ring = StageRing(ps.pp_size, ps.pp_rank, len(chunks))
         self.groups = ps.pipeline_p2p_groups(wrap=len(chunks) > 1) if ps.pp_size > 1 else {}
@@ -265,7 +267,7 @@ class PipelineExecutor:
         if hidden is not None:
             hidden.requires_grad_()
         tokens, labels = self.batches[mb]
-        with RECORDER.span("forward"):
+        with recorder().span("forward"):
             out, aux = self.chunks[c].stage_forward(hidden, tokens, labels)
         if self.ring.is_last(c):
             self.saved[(mb, c)] = (hidden, [(out + aux) * self.scale], [None])
@@ -286,15 +288,15 @@ class PipelineExecutor:
         deferral = self.deferral.before(task)
         # overlapped p2p: the input gradient goes before the weight gradients (module notes)
         split = self.transport.overlapped and self.ring.pp > 1 and self.ring.vpp == 1
-        queued = len(WGRAD_STORE.queue)
-        with RECORDER.span("backward"), deferral, WGRAD_STORE.delaying(split):
+        queued = len(self.wgrad.queue)
+        with recorder().span("backward"), deferral, self.wgrad.delaying(split):
             if self.release is not None and not self.ring.is_last(c):
                 backward_from_released(seeds, grads)
             else:
                 torch.autograd.backward(seeds, grads if grads[0] is not None else None)
         self._backward_done(task, None if hidden is None else hidden.grad, position)
         if split:
-            self.owed = (c, self.deferral.announced, len(WGRAD_STORE.queue) - queued)
+            self.owed = (c, self.deferral.announced, len(self.wgrad.queue) - queued)
 
     def _pay_owed(self, owed: tuple[int, bool, int] | None) -> None:
         """Run the weight gradients a backward queued (`owed`, if any), data parallelism told first
@@ -303,7 +305,7 @@ class PipelineExecutor:
             return
         chunk, last, count = owed
         self.before_backward(chunk, last)
-        WGRAD_STORE.drain(count)
+        self.wgrad.drain(count)
 
     # --- a merged step: forward and backward interleaved piece by piece (EP overlap) --------------
     def _merged_step(self, step: Step, position: int) -> None:
@@ -340,7 +342,7 @@ class PipelineExecutor:
                         f"EP overlap: chunk {b.chunk}'s last backward is merged with a forward; "
                         "the merged program must leave it alone in the cool-down"
                     )
-                WGRAD_STORE.flush()
+                self.wgrad.flush()
             deferral = self.deferral.before(b)
         self._prefetch(position)
 
@@ -353,16 +355,29 @@ class PipelineExecutor:
             self.runs[(f.microbatch, f.chunk)] = f_run
 
         with (
-            RECORDER.span("merged" if f_run and b_run else "forward" if f_run else "backward"),
+            recorder().span("merged" if f_run and b_run else "forward" if f_run else "backward"),
             deferral,
         ):
             run_merged(f_run, b_run, fixed_wgrad_slots=last_backward, after_forward=forward_done)
         if b is not None:
             self._backward_done(b, b_run.input_grad, position)
             if last_backward:
-                WGRAD_STORE.flush()
+                self.wgrad.flush()
             elif self.options.delay_wgrad:
-                WGRAD_STORE.end_phase()
+                self.wgrad.end_phase()
             # else (fixed slots): the last layer's expert weight gradients wait for the next step's
             # first slot
         self.live.sample()
+
+
+def shared_wgrad_store(chunks: Sequence[torch.nn.Module]) -> WeightGradStore:
+    """The one weight-gradient store of this rank's chunks: the executor queues and drains across
+    chunks (a backward's queued GEMMs run after the next task, whichever chunk it runs), so chunks
+    built with stores of their own cannot be run together."""
+    stores = {id(chunk.wgrad_store): chunk.wgrad_store for chunk in chunks}
+    if len(stores) != 1:
+        raise ValueError(
+            f"the pipeline executor runs chunks that share one WeightGradStore; these have "
+            f"{len(stores)}: build them with model_chunks (or pass one store to each GPTModel)"
+        )
+    return next(iter(stores.values()))

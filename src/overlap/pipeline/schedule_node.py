@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.pipeline.output_memory import backward_from_released
 
 
@@ -105,7 +105,7 @@ class ScheduleNode:
             return t
 
         with (
-            RECORDER.span(f"fwd.{self.name}"),
+            recorder().span(f"fwd.{self.name}"),
             torch.enable_grad(),
             saved_tensors_hooks(pack, lambda t: t),
         ):
@@ -124,7 +124,7 @@ class ScheduleNode:
             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
         ]
         if pairs:
-            with RECORDER.span(f"bwd.{self.name}"):
+            with recorder().span(f"bwd.{self.name}"):
                 backward_from_released([o for o, _ in pairs], [g for _, g in pairs])
         result = tuple(None if slot is None else slot.grad for slot in self.slots)
         # this piece's activations go as soon as its backward is done

@@ -1,12 +1,11 @@
 """Per-iteration capture of the tracer's events, for the exposure report, the metrics side file and
 the traces.
 
-`Collector` is installed as `RECORDER.on_drain` by `overlap run`. The trainer drains the recorder
-once before its first iteration (a reset: start-up traffic is not part of any iteration) and then
-once after every iteration, so the collector ignores the first drain and numbers the rest 0, 1, 2,
-... `check_iterations` compares that count with the trainer's own at the end of the run, so a change
-in the trainer's draining cannot silently shift iterations.
-"""
+`Collector` is installed as the run recorder's `on_drain` by `overlap run`. The trainer drains the
+recorder once before its first iteration (a reset: start-up traffic is not part of any iteration)
+and then once after every iteration, so the collector ignores the first drain and numbers the rest
+0, 1, 2, ... `check_iterations` compares that count with the trainer's own at the end of the run, so
+a change in the trainer's draining cannot silently shift iterations."""
 
 from __future__ import annotations
 
@@ -122,7 +121,7 @@ class Collector:
         if len(self.per_iteration) != expected:
             raise RuntimeError(
                 f"the exposure collector saw {len(self.per_iteration)} iterations, the trainer ran "
-                f"{expected}: the trainer's RECORDER.drain() pattern changed (see "
+                f"{expected}: the trainer's recorder drain pattern changed (see "
                 "overlap.profiling.collector)"
             )
 

@@ -38,7 +38,7 @@ from overlap.model.tensor_parallel_impl import apply_tensor_parallel_impl
 from overlap.optim.adam import LocalOptimizer, learning_rate
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 from overlap.pipeline.output_memory import PipelineMemory
 from overlap.pipeline.runner import build_pipeline
 from overlap.profiling.sinks import MetricsSink
@@ -193,7 +193,7 @@ class Trainer:
                 loss_scaling=self.optimizer.scaler is not None,
                 suspect=self.nonfinite.suspect(iteration),
             )
-        with RECORDER.span("optimizer"):
+        with recorder().span("optimizer"):
             self.optimizer.step(self.learning_rate(iteration), norm)
         loss_handle.wait()
         return float(loss_sum) * scale, norm
@@ -220,7 +220,7 @@ class Trainer:
         # overlap its steady steps merged, piece by piece): pipeline/executor.py, or torch's peer.
         for lm_loss in self.pipeline.step(batches, grad_scale):
             loss_sum += lm_loss.float()
-        with RECORDER.span("grad_reduce"):
+        with recorder().span("grad_reduce"):
             for ddp in self.ddps:
                 ddp.finish_grad_sync()
             # the embedding and its copy on the last stage: one gradient, summed
@@ -286,7 +286,7 @@ class Trainer:
         flops_step = flops_per_token(m) * tokens_per_step
         records: list[StepRecord] = []
         comm_sum: dict[str, float] = defaultdict(float)
-        RECORDER.drain()
+        recorder().drain()
         first = self.start_iteration
         if first >= t.train_iters and self.ps.rank == 0:
             log.info(
@@ -317,7 +317,7 @@ class Trainer:
                         self.finish_param_sync()
                         self.checkpointer.save(it + 1, self.nonfinite.first)
                         # its gathers belong to no step (their cost: checkpointer.save_times)
-                        RECORDER.discard()
+                        recorder().discard()
                 if stopped:
                     if self.ps.rank == 0:
                         where = (
@@ -378,7 +378,7 @@ class Trainer:
             return None
         needed = self.static_dispatch.needed_factor()
         comm.all_reduce(needed, dist.group.WORLD, "ctl_moe_blocks", dist.ReduceOp.MAX).wait()
-        RECORDER.discard()  # after the last step: no step's communication
+        recorder().discard()  # after the last step: no step's communication
         needed = float(needed)
         if self.ps.rank == 0:
             log.info(
@@ -430,14 +430,16 @@ class Trainer:
         """One logged training iteration."""
         t = self.cfg.train
         lr, (loss_scale, _) = self.learning_rate(it), self.loss_scaling()
-        start = RECORDER.mark()
+        start = recorder().mark()
         loss, norm = self.train_step(it)
-        end = RECORDER.mark()
-        comm.PROGRAM.step_end()
-        events, _spans = RECORDER.drain()
+        end = recorder().mark()
+        program = comm.session().program  # the run's recorder, where it records (NCCL's rules)
+        if program is not None:
+            program.step_end()
+        events, _spans = recorder().drain()
         # event to event: on a GPU the step's last collective can end inside the drain's
         # synchronisation, after the host finished the step (parallel/trace.py)
-        step_s = RECORDER.step_seconds(start, end, events)
+        step_s = recorder().step_seconds(start, end, events)
         c_ms, c_bytes = comm_totals(events)
         for k, v in c_ms.items():
             comm_sum[k] += v

@@ -63,7 +63,7 @@ from overlap.layers.moe.permute import (
 from overlap.layers.moe.split_sizes import BalancedRouting, read_split_sizes
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 
 class _AwaitAllToAll(torch.autograd.Function):
@@ -209,7 +209,7 @@ class AllToAllDispatcher:
         routing `topk_idx` [T, k] while the counts travel; returns without waiting."""
         capacity = self.capacity(topk_idx.shape[0])
         if capacity is not None and capacity.pad:
-            with RECORDER.span("moe.permute"):
+            with recorder().span("moe.permute"):
                 routing = route(
                     topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity
                 )
@@ -229,7 +229,7 @@ class AllToAllDispatcher:
         handle = comm.all_to_all(
             counts, self.meta_group, "ep_counts", [el] * self.ep_size, [el] * self.ep_size
         )
-        with RECORDER.span("moe.permute"):
+        with recorder().span("moe.permute"):
             routing = route(
                 topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity
             )
@@ -303,7 +303,7 @@ class AllToAllDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [R, h] of `hidden` [..., h] and their combine weights [R] in the plan's order
         (differentiable)."""
-        with RECORDER.span("moe.permute"):
+        with recorder().span("moe.permute"):
             return gather(
                 hidden.reshape(-1, hidden.shape[-1]),
                 topk_weights,
@@ -326,7 +326,7 @@ class AllToAllDispatcher:
         """Received rows/weights, (source rank, local expert) order -> grouped by local expert
         (`plan.tokens_per_local_expert`)."""
         el = self.num_local_experts
-        with RECORDER.span("moe.sort_chunks"):
+        with recorder().span("moe.sort_chunks"):
             return (
                 sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep_size, el),
                 sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, el),
@@ -334,7 +334,7 @@ class AllToAllDispatcher:
 
     def combine_preprocess(self, expert_output: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Put the (weighted) expert output rows back in (source rank, local expert) order."""
-        with RECORDER.span("moe.sort_chunks"):
+        with recorder().span("moe.sort_chunks"):
             return unsort_chunks_by_local_expert(
                 expert_output, plan.recv_counts, self.ep_size, self.num_local_experts
             )
@@ -348,7 +348,7 @@ class AllToAllDispatcher:
     def combine_postprocess(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Sum each token's returned (already weighted) rows back into a tensor shaped like the
         layer input."""
-        with RECORDER.span("moe.unpermute"):
+        with recorder().span("moe.unpermute"):
             out = unpermute(
                 rows,
                 plan.token_idx,

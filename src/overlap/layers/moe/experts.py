@@ -36,6 +36,7 @@ from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
 from overlap.layers.mlp import SWIGLU
 from overlap.layers.recompute import discarding_output
 from overlap.layers.tensor_parallel import params_dtype
+from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
 
 
@@ -51,10 +52,14 @@ def _expert_param(shape: tuple[int, ...], dtype: torch.dtype, ps: ParallelState)
 
 class GroupedExperts(nn.Module):
     """`num_experts / ep_size` SwiGLU experts applied to rows already grouped by local expert, each
-    output row weighted by its combine weight."""
+    output row weighted by its combine weight; the weight gradients go through `wgrad_store` (the
+    model's; None: computed in backward)."""
 
-    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+    def __init__(
+        self, config: ModelConfig, ps: ParallelState, wgrad_store: WeightGradStore | None = None
+    ) -> None:
         super().__init__()
+        self.wgrad_store = wgrad_store
         self.num_local_experts = config.num_moe_experts // ps.ep_size
         h, ffn = config.hidden_size, config.moe_ffn_size
         dtype = params_dtype(config)
@@ -100,10 +105,11 @@ class GroupedExperts(nn.Module):
                 "drop model.moe_expert_rank_capacity_factor here, or run where the grouped "
                 "kernel is used (the CPU, Hopper in bf16; rows a multiple of 16 bytes).",
             )
-        fc1_out = GroupedLinear.apply(rows, self.fc1_weight, counts, offs)
+        store = self.wgrad_store
+        fc1_out = GroupedLinear.apply(rows, self.fc1_weight, counts, offs, store)
 
         def fc2(act: torch.Tensor) -> torch.Tensor:
-            return GroupedLinear.apply(act, self.down_weight, counts, offs)
+            return GroupedLinear.apply(act, self.down_weight, counts, offs, store)
 
         if self.recompute_act:
             return discarding_output(self._activation, (fc1_out, probs), fc2)

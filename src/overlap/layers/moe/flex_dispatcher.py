@@ -43,7 +43,7 @@ from overlap.layers.moe.dispatcher import AllToAllDispatcher, PendingPlan, WaitF
 from overlap.layers.moe.permute import count_per_expert, sum_rows
 from overlap.layers.moe.split_sizes import read_split_sizes
 from overlap.parallel import comm
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 
 @dataclass
@@ -80,7 +80,7 @@ class FlexDispatcher(AllToAllDispatcher):
         at once."""
         ep, el = self.ep_size, self.num_local_experts
         num_tokens = topk_idx.shape[0]
-        with RECORDER.span("moe.permute"):
+        with recorder().span("moe.permute"):
             # [T, k] EP rank of each chosen expert
             dest = torch.div(topk_idx, el, rounding_mode="floor")
             on_rank = torch.zeros(ep, num_tokens, dtype=torch.bool, device=topk_idx.device)
@@ -130,7 +130,7 @@ class FlexDispatcher(AllToAllDispatcher):
         output_splits = [c[0] for c in counts[1]]
         tokens_per_local_expert = [sum(c[1 + e] for c in counts[1]) for e in range(el)]
 
-        with RECORDER.span("moe.permute"):
+        with recorder().span("moe.permute"):
             # (rank, token) pairs in rank-major order, first the selected ones: a stable sort of
             # "not selected" on the flattened [ep, T] mask, cut at the host-known count, instead of
             # a syncing nonzero().
@@ -147,7 +147,7 @@ class FlexDispatcher(AllToAllDispatcher):
             comm.all_to_all(local_ids, self.meta_group, "ep_counts", output_splits, input_splits)
         )
 
-        with RECORDER.span("moe.permute"):
+        with recorder().span("moe.permute"):
             # Received (row, slot) pairs grouped by local expert; within an expert they keep (source
             # rank, token) order, the order the all-to-all dispatcher gives its experts. Padding
             # (-1) sorts last and is cut off.
@@ -174,7 +174,7 @@ class FlexDispatcher(AllToAllDispatcher):
         """One row per (token, destination rank) and its k combine weights, 0 where the expert lives
         elsewhere, so the receiver's weighted sum covers exactly its own experts
         (differentiable)."""
-        with RECORDER.span("moe.permute"):
+        with recorder().span("moe.permute"):
             rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, plan.row_token)
             weights = torch.where(
                 plan.on_row_rank, topk_weights.index_select(0, plan.row_token), 0.0
@@ -186,7 +186,7 @@ class FlexDispatcher(AllToAllDispatcher):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Received rows [M, h] and weights [M, k] -> one row and one weight per (row, local expert)
         pair, grouped by local expert (`plan.tokens_per_local_expert`)."""
-        with RECORDER.span("moe.sort_chunks"):
+        with recorder().span("moe.sort_chunks"):
             return rows.index_select(0, plan.pair_row), weights.reshape(-1).index_select(
                 0, plan.pair_slot
             )
@@ -197,7 +197,7 @@ class FlexDispatcher(AllToAllDispatcher):
         """Sum the (weighted) expert output rows of one received row: returns [M, h], one row per
         token and source rank. The sum runs in fp32 (one rounding per returned row instead of one
         per expert)."""
-        with RECORDER.span("moe.sort_chunks"):
+        with recorder().span("moe.sort_chunks"):
             return sum_rows(
                 expert_output, plan.pair_row, sum(plan.output_splits), accumulate=torch.float32
             )
@@ -205,6 +205,6 @@ class FlexDispatcher(AllToAllDispatcher):
     def combine_postprocess(self, rows: torch.Tensor, plan: FlexDispatchPlan) -> torch.Tensor:
         """Sum each token's returned rows (one per destination rank) back into a tensor shaped like
         the input."""
-        with RECORDER.span("moe.unpermute"):
+        with recorder().span("moe.unpermute"):
             out = sum_rows(rows, plan.row_token, plan.hidden_shape[:-1].numel())
             return out.reshape(plan.hidden_shape)

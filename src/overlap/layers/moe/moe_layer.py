@@ -52,8 +52,9 @@ from overlap.layers.moe.flex_dispatcher import FlexDispatcher, FlexDispatchPlan
 from overlap.layers.moe.rank_capacity import RankCapacityDispatcher, RankCapacityPlan
 from overlap.layers.moe.router import TopKRouter
 from overlap.layers.recompute import maybe_checkpoint
+from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 Plan = DispatchPlan | FlexDispatchPlan | RankCapacityPlan
 
@@ -108,10 +109,16 @@ def dispatcher_class(config: ModelConfig) -> type[AllToAllDispatcher]:
 class MoELayer(nn.Module):
     """`forward(x) -> (y, aux_loss)`; aux_loss is a scalar the caller adds to the training loss.
     `overlap`: the run's resolved overlap plan (whether the shared expert overlaps the
-    all-to-alls)."""
+    all-to-alls); `wgrad_store`: the model's store the experts' and the shared expert's weight
+    gradients go through (None: computed in backward)."""
 
     def __init__(
-        self, config: ModelConfig, ps: ParallelState, layer_number: int, overlap: OverlapPlan
+        self,
+        config: ModelConfig,
+        ps: ParallelState,
+        layer_number: int,
+        overlap: OverlapPlan,
+        wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         if config.num_moe_experts % ps.ep_size:
@@ -125,9 +132,15 @@ class MoELayer(nn.Module):
         self.layer_number = layer_number
         self.router = TopKRouter(config, ps, layer_number)
         self.dispatcher = dispatcher(config, ps)
-        self.experts = GroupedExperts(config, ps)
+        self.experts = GroupedExperts(config, ps, wgrad_store)
         self.shared_experts = (
-            MLP(config, ps, None, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+            MLP(
+                config,
+                ps,
+                None,
+                ffn_hidden_size=config.moe_shared_expert_intermediate_size,
+                wgrad_store=wgrad_store,
+            )
             if config.moe_shared_expert_intermediate_size
             else None
         )
@@ -174,7 +187,7 @@ class MoELayer(nn.Module):
         """Received rows and weights (source-rank order) -> weighted expert outputs in the same
         order."""
         rows, weights = self.dispatcher.dispatch_postprocess(rows, weights, plan)
-        with RECORDER.span("moe.experts"):
+        with recorder().span("moe.experts"):
             out = self.experts(
                 rows, weights, plan.tokens_per_local_expert, plan.local_expert_counts
             )
@@ -229,9 +242,9 @@ class MoELayer(nn.Module):
         """
         mlp = self.shared_experts
         pending = self.dispatch(rows, weights, plan)
-        with RECORDER.span("moe.shared_fc1"):
+        with recorder().span("moe.shared_fc1"):
             hidden = mlp.fc1_and_activation(x)
         pending = self.combine(self.routed_experts_compute(pending, plan), plan)
-        with RECORDER.span("moe.shared_fc2"):
+        with recorder().span("moe.shared_fc2"):
             shared_output = mlp.linear_fc2(hidden)
         return self.postprocess(pending, plan, shared_output)

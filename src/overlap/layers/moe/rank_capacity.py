@@ -63,7 +63,7 @@ from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, Pend
 from overlap.layers.moe.permute import count_per_expert, route, sum_rows
 from overlap.layers.moe.router import TopKRouter
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 
 @dataclass
@@ -127,7 +127,7 @@ class RankCapacityDispatcher(AllToAllDispatcher):
         ep, el = self.ep_size, self.num_local_experts
         num_tokens, pairs = topk_idx.shape[0], topk_idx.numel()
         c = self.block_rows(num_tokens)
-        with RECORDER.span("moe.permute"):
+        with recorder().span("moe.permute"):
             # the dropless layout (expert, then token order): each peer's rows are one run of it
             routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx))
             per_peer = routing.tokens_per_expert.view(ep, el).sum(1)
@@ -177,7 +177,7 @@ class RankCapacityDispatcher(AllToAllDispatcher):
         if isinstance(plan, DispatchPlan):
             return super().dispatch_postprocess(rows, weights, plan)
         el = self.num_local_experts
-        with RECORDER.span("moe.sort_chunks"):
+        with recorder().span("moe.sort_chunks"):
             expert = weights[:, 1].detach().long()
             order = torch.argsort(expert, stable=True)
             plan.expert_order = order
@@ -197,7 +197,7 @@ class RankCapacityDispatcher(AllToAllDispatcher):
         """Expert output rows back into the received blocks' order."""
         if isinstance(plan, DispatchPlan):
             return super().combine_preprocess(expert_output, plan)
-        with RECORDER.span("moe.sort_chunks"):
+        with recorder().span("moe.sort_chunks"):
             return expert_output.index_select(0, plan.expert_unorder)
 
     def combine_postprocess(
@@ -208,7 +208,7 @@ class RankCapacityDispatcher(AllToAllDispatcher):
         if isinstance(plan, DispatchPlan):
             return super().combine_postprocess(rows, plan)
         num_tokens = plan.hidden_shape[:-1].numel()
-        with RECORDER.span("moe.unpermute"):
+        with recorder().span("moe.unpermute"):
             out = sum_rows(rows, plan.token_idx, num_tokens + 1)[:num_tokens]
             return out.reshape(plan.hidden_shape)
 

@@ -31,7 +31,7 @@ from overlap.layers.moe.permute import count_per_expert
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
-from overlap.parallel.trace import RECORDER
+from overlap.parallel.trace import recorder
 
 LOAD_BALANCING_TYPES = ("aux_loss", "none")
 
@@ -144,7 +144,7 @@ class TopKRouter(nn.Module):
             self.random_seed = (layer_number * 1_000_003 + ps.dp_rank) * 1009 + seq_rank
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        with RECORDER.span("moe.router"):
+        with recorder().span("moe.router"):
             tokens = hidden.reshape(-1, hidden.shape[-1])
             logits = _Fp32Logits.apply(tokens, self.weight)
             if self.random_seed is not None:
