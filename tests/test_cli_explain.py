@@ -877,3 +877,16 @@ def test_an_explicit_false_distributed_optimizer_flipped_warns_and_strict_refuse
     )
     code, out, err = run([*args, "--strict"], capsys)
     assert code == 2 and f"{mine}.use_distributed_optimizer=False" in err and "kept in sync" in err
+
+
+@pytest.mark.parametrize(
+    "override", ["model.delay_wgrad_compute=false", "comm_overlap.delay_wgrad_compute=false"]
+)
+def test_an_override_in_either_spelling_beats_the_perf_recipe(override, capsys):
+    """Qwen3-235B-A22B's H100 BF16 perf recipe turns delay_wgrad on (as comm_overlap's); the user's
+    `false`, written in either of the knob's two Bridge spellings, is what runs: the recipe's
+    setting is skipped for the override, not applied over it."""
+    argv = ["explain", "-m", "qwen", "-mr", "qwen3_235b_a22b", "-g", "h100", "-c", "bf16"]
+    rows = decisions([*argv, "-ng", "256", "-gn", "8", override], capsys)
+    row = rows["model.delay_wgrad_compute"]
+    assert row["effective"] is False, row

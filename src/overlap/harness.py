@@ -404,8 +404,10 @@ def _apply_perf_recipe(cfg: ConfigContainer, args: argparse.Namespace, line: Com
         settings = [s for s in settings if s.key not in LAYOUT_KEYS]
     settings += [Setting(*s) for s in found.settings]
     for key, value, why, skip in settings:
-        if key in line.flags or key in overridden:
-            continue  # the flag's (or the override's, applied next): said in their rows
+        if any(k in line.flags or k in overridden for k in (key, *_twins(key))):
+            # the flag's (or the override's, applied next), in either of the knob's spellings:
+            # said in their rows
+            continue
         reason = skip(cfg) if skip is not None else None
         if reason is not None:
             rows.append(Decision(key, value, "not applied", PERF_RECIPE, f"{why}; {reason}"))
