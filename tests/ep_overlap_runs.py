@@ -65,7 +65,9 @@ def _merged(
     """The EP-overlap schedule without pipelining: the pipeline executor's PP = 1 program,
     merged."""
     shape = (model.config.seq_length, batches[0][0].shape[0], model.config.hidden_size)
-    options = ExecutorOptions(shape, torch.float32, ep_overlap=True, delay_wgrad=delay)
+    options = ExecutorOptions(
+        shape, torch.float32, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=delay
+    )
     return PipelineExecutor([model], ps, options, lambda chunk, last: None).step(batches, scale)
 
 

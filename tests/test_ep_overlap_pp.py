@@ -1,6 +1,7 @@
 """EP all-to-all overlap under interleaved pipeline parallelism: the steady steps of the interleaved
 1F1B program merged, forward of one (micro-batch, chunk) and backward of another, layer piece by
-layer piece (`ExecutorOptions(ep_overlap=True)`, the same merged step the PP = 1 schedule runs).
+layer piece (`ExecutorOptions(overlap_moe_expert_parallel_comm=True)`, the same merged step the
+PP = 1 schedule runs).
 
 Tolerances: fp32 (the executor driven directly), EP overlap on vs off rel 1e-6 on the losses and
 rtol / atol 1e-6 on every gradient (the pieces run the same operations; only gradient accumulation
@@ -119,10 +120,10 @@ def _step(
     options = ExecutorOptions(
         (cfg.seq_length, 2, cfg.hidden_size),
         torch.float32,
-        overlap_p2p=overlap_p2p,
-        ep_overlap=overlap,
-        delay_wgrad=delay,
-        defer_output_wgrad=defer,
+        overlap_p2p_comm=overlap_p2p,
+        overlap_moe_expert_parallel_comm=overlap,
+        delay_wgrad_compute=delay,
+        defer_embedding_wgrad_compute=defer,
     )
 
     def before_backward(chunk: int, last: bool) -> None:

@@ -103,15 +103,15 @@ class LayerRun:
         self,
         layer: TransformerLayer,
         loss_scale: float,
-        delay_wgrad: bool,
+        delay_wgrad_compute: bool,
         store: WeightGradStore,
     ) -> None:
         self.layer = layer
         self.store = store
         self.moe = layer.mlp if layer.is_moe else None
         self.loss_scale = loss_scale
-        self.delay_wgrad = delay_wgrad
-        self._wait = store.wait_filling if delay_wgrad else _plain_wait
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self._wait = store.wait_filling if delay_wgrad_compute else _plain_wait
         self.pending_plan: PendingPlan | None = None
         self.plan: DispatchPlan | None = None
         self.pending: ManyHandle | None = None
@@ -225,7 +225,7 @@ class LayerRun:
         g_normed, g_topk_weights = self.permute.backward(g_rows, g_weights)
         aux_grad = torch.full_like(self.aux_loss, self.loss_scale)
         # attention + shared-expert weight GEMMs: queued when delaying
-        with self.store.delaying(self.delay_wgrad):
+        with self.store.delaying(self.delay_wgrad_compute):
             (g_x,) = self.attn.backward(self.g_h, g_normed, g_topk_weights, aux_grad, self.g_shared)
         self.plan = self.pending_plan = self.h = self.shared = self.g_h = self.g_shared = None
         return g_x
@@ -244,7 +244,7 @@ class ChunkRun:
         tokens: torch.Tensor,
         labels: torch.Tensor,
         loss_scale: float,
-        delay_wgrad: bool,
+        delay_wgrad_compute: bool,
         hidden: torch.Tensor | None = None,
     ) -> None:
         self.model = model
@@ -254,9 +254,10 @@ class ChunkRun:
         self.loss_node = (
             ScheduleNode("lm_loss", lambda h: model.lm_loss(h, labels)) if self.last else None
         )
-        self.delay_wgrad = delay_wgrad
+        self.delay_wgrad_compute = delay_wgrad_compute
         self.layers = [
-            LayerRun(layer, loss_scale, delay_wgrad, model.wgrad_store) for layer in model.layers
+            LayerRun(layer, loss_scale, delay_wgrad_compute, model.wgrad_store)
+            for layer in model.layers
         ]
         self.hidden = None if hidden is None else hidden.detach().requires_grad_()
         self.lm_loss: torch.Tensor | None = None
@@ -300,7 +301,7 @@ def _backward_layers(b: ChunkRun, fixed_wgrad_slots: bool) -> Iterator[None]:
     chunk's last layer queues is left to the caller: `PipelineExecutor` keeps it for the next step's
     first slot (the first layer has no previous one), and delivers everything before a chunk's last
     backward."""
-    fixed = fixed_wgrad_slots or not b.delay_wgrad
+    fixed = fixed_wgrad_slots or not b.delay_wgrad_compute
     if b.last:
         (g,) = b.loss_node.backward(
             torch.full((), b.loss_scale, dtype=torch.float32, device=b.model.ps.device)

@@ -61,18 +61,21 @@ from overlap.pipeline.schedules import (
 
 @dataclass(frozen=True)
 class ExecutorOptions:
-    """How the executor runs a program: the resolved model fields it reads, in one place."""
+    """How the executor runs a program: the resolved fields it reads, in one place; the overlap
+    switches under their Bridge names, as `OverlapPlan` and the config spell them."""
 
     # the activation between stages, [seq (local under SP), micro-batch, hidden], and its dtype
     shape: tuple[int, ...]
     dtype: torch.dtype
-    overlap_p2p: bool = False  # overlapped p2p (else batched; `overlap.pipeline.p2p`)
+    overlap_p2p_comm: bool = False  # overlapped p2p (else batched; `overlap.pipeline.p2p`)
     microbatch_group: int | None = None  # micro-batches per chunk group, interleaved (None: PP)
     deallocate_outputs: bool = False  # free each sent output's storage (`output_memory`)
-    defer_output_wgrad: bool = False  # defer the output layer's weight gradients to the flush
+    # defer the output layer's weight gradients to the flush
+    defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int | None = None  # how many micro-batches to defer (None, 0, -1: all)
-    ep_overlap: bool = False  # run the steps merged (`overlap.pipeline.combined_1f1b`)
-    delay_wgrad: bool = False  # merged steps: weight gradients fill the waits
+    # run the steps merged (`overlap.pipeline.combined_1f1b`)
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False  # merged steps: weight gradients fill the waits
 
     @classmethod
     def from_config(cls, cfg: ConfigContainer, tp_size: int) -> ExecutorOptions:
@@ -83,13 +86,13 @@ class ExecutorOptions:
         return cls(
             (seq, cfg.train.micro_batch_size, m.hidden_size),
             params_dtype(m),
-            overlap_p2p=plan.overlap_p2p_comm,
+            overlap_p2p_comm=plan.overlap_p2p_comm,
             microbatch_group=m.microbatch_group_size_per_vp_stage,
             deallocate_outputs=m.deallocate_pipeline_outputs,
-            defer_output_wgrad=plan.defer_embedding_wgrad_compute,
+            defer_embedding_wgrad_compute=plan.defer_embedding_wgrad_compute,
             wgrad_deferral_limit=plan.wgrad_deferral_limit,
-            ep_overlap=plan.overlap_moe_expert_parallel_comm,
-            delay_wgrad=plan.delay_wgrad_compute,
+            overlap_moe_expert_parallel_comm=plan.overlap_moe_expert_parallel_comm,
+            delay_wgrad_compute=plan.delay_wgrad_compute,
         )
 
 
@@ -102,8 +105,9 @@ class PipelineExecutor:
     tells data parallelism which backward is a chunk's last micro-batch (its gradients can then be
     reduced), `memory`: where each step's peak of live output bytes is recorded. The chunks share
     one weight-gradient store (`model_chunks`), which the executor switches and drains. With
-    `options.defer_output_wgrad` the last stage's model must have been built with an overlap plan
-    whose `defer_embedding_wgrad_compute` is on, which gives its output layer the store."""
+    `options.defer_embedding_wgrad_compute` the last stage's model must have been built with an
+    overlap plan whose `defer_embedding_wgrad_compute` is on, which gives its output layer the
+    store."""
 
     def __init__(
         self,
@@ -113,7 +117,11 @@ class PipelineExecutor:
         before_backward: Callable[[int, bool], None],
         memory: PipelineMemory | None = None,
     ) -> None:
-        if options.ep_overlap and options.deallocate_outputs and ps.pp_size > 1:
+        if (
+            options.overlap_moe_expert_parallel_comm
+            and options.deallocate_outputs
+            and ps.pp_size > 1
+        ):
             raise ValueError(
                 "deallocate_pipeline_outputs is not built for the EP-overlap schedule (the merged "
                 "pieces keep each output for their own backward)"
@@ -144,18 +152,29 @@ class PipelineExecutor:
         by `scale` (1 / (micro-batches x DP), times the optimizer's loss scale); every send is
         complete on return. Returns the lm losses per micro-batch (empty off the last stage)."""
         o, ring = self.options, self.ring
-        if o.ep_overlap and len(batches) < 2:
+        if o.overlap_moe_expert_parallel_comm and len(batches) < 2:
             raise ValueError("the EP-overlap schedule needs at least 2 micro-batches per step")
         self.batches, self.scale, self.num_micro = batches, scale, len(batches)
         self.steps: list[Step] = pipeline_steps(
-            ring.pp, ring.rank, ring.vpp, self.num_micro, o.microbatch_group, o.ep_overlap
+            ring.pp,
+            ring.rank,
+            ring.vpp,
+            self.num_micro,
+            o.microbatch_group,
+            o.overlap_moe_expert_parallel_comm,
         )
         self.tasks = step_tasks(self.steps)
         self.transport = StageTransport(
-            self.ps, self.groups, o.shape, o.dtype, self.num_micro, o.overlap_p2p
+            self.ps, self.groups, o.shape, o.dtype, self.num_micro, o.overlap_p2p_comm
         )
         self.release = (
-            OutputRelease(ring, self.num_micro, o.microbatch_group, o.ep_overlap, o.overlap_p2p)
+            OutputRelease(
+                ring,
+                self.num_micro,
+                o.microbatch_group,
+                o.overlap_moe_expert_parallel_comm,
+                o.overlap_p2p_comm,
+            )
             if o.deallocate_outputs
             else None
         )
@@ -165,7 +184,7 @@ class PipelineExecutor:
             ring,
             self.num_micro,
             self.before_backward,
-            o.defer_output_wgrad,
+            o.defer_embedding_wgrad_compute,
             o.wgrad_deferral_limit,
         )
         # by (micro-batch, chunk): a sequential forward's backward roots, a merged forward's pieces
@@ -180,7 +199,7 @@ class PipelineExecutor:
         position = -1  # the program position of the step's last task
         for step in self.steps:
             position += (step.forward is not None) + (step.backward is not None)
-            if o.ep_overlap:
+            if o.overlap_moe_expert_parallel_comm:
                 self._merged_step(step, position)
             else:
                 self._sequential_step(step, position)
@@ -327,7 +346,12 @@ class PipelineExecutor:
             hidden = self._receive(f)
             tokens, labels = self.batches[f.microbatch]
             f_run = ChunkRun(
-                self.chunks[f.chunk], tokens, labels, self.scale, self.options.delay_wgrad, hidden
+                self.chunks[f.chunk],
+                tokens,
+                labels,
+                self.scale,
+                self.options.delay_wgrad_compute,
+                hidden,
             )
         last_backward = b is not None and b.microbatch == self.num_micro - 1
         deferral = nullcontext()
@@ -363,7 +387,7 @@ class PipelineExecutor:
             self._backward_done(b, b_run.input_grad, position)
             if last_backward:
                 self.wgrad.flush()
-            elif self.options.delay_wgrad:
+            elif self.options.delay_wgrad_compute:
                 self.wgrad.end_phase()
             # else (fixed slots): the last layer's expert weight gradients wait for the next step's
             # first slot
