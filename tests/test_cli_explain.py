@@ -890,3 +890,25 @@ def test_an_override_in_either_spelling_beats_the_perf_recipe(override, capsys):
     rows = decisions([*argv, "-ng", "256", "-gn", "8", override], capsys)
     row = rows["model.delay_wgrad_compute"]
     assert row["effective"] is False, row
+
+
+@pytest.mark.parametrize(
+    "override, effective",
+    [
+        ("model.bf16=false", True),
+        ("optimizer.fp16=true", False),
+        ("model.params_dtype=float32", "bfloat16"),
+    ],
+)
+def test_a_precision_override_the_preset_replaces_is_said_and_refused_under_strict(
+    override, effective, capsys
+):
+    """The mixed-precision preset (-c bf16) writes its precision onto the model and optimizer, as
+    Bridge's does; a different value typed there is not what runs: a row of the table (and a
+    warning), an error under --strict, never silently beaten."""
+    argv = ["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2", "-c", "bf16", override]
+    key = override.partition("=")[0]
+    row = decisions(argv, capsys)[key]
+    assert row["effective"] == effective and row["requested"] != effective, row
+    code, _, err = run([*argv, "--strict"], capsys)
+    assert code == 2 and key in err and "mixed_precision" in err, err

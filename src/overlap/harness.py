@@ -791,6 +791,7 @@ def prepare(
     )  # as `run` places its ranks
     record_sinks(cfg.logger, res.decisions, require_libraries=not describe_target)
     check_pretrained_overrides(res, line)
+    check_precision_overrides(cfg, res, line)
     # before anything builds even a meta-device model
     estimate = check_representable(cfg, res.layout)
     if model_noops and _buckets_need_model(cfg, res, estimate):
@@ -824,6 +825,39 @@ def check_pretrained_overrides(res: Resolution, line: CommandLine) -> None:
                 "a run from a Hugging Face folder takes its architecture from there.",
                 f"drop the {line.source(d.field)} of {d.field}, or load a checkpoint of that "
                 "shape.",
+            )
+
+
+# The precision fields a mixed-precision preset writes onto the model and optimizer at finalize
+# (`MixedPrecisionConfig.setup`) without a row of its own; the DDP and loss-scaling ones it logs.
+_PRESET_COPIES = (
+    "model.bf16",
+    "model.fp16",
+    "model.params_dtype",
+    "optimizer.bf16",
+    "optimizer.fp16",
+)
+
+
+def check_precision_overrides(cfg: ConfigContainer, res: Resolution, line: CommandLine) -> None:
+    """A precision field typed on the model or optimizer that the mixed-precision preset then
+    replaced (as Bridge's preset does) is a request not honoured: a row of the decision table and a
+    warning, an error under strict - never silently beaten."""
+    preset = cfg.mixed_precision
+    if preset is None:
+        return
+    for key in _PRESET_COPIES:
+        name = key.partition(".")[2]
+        if key in line.overrides and line.overrides[key] != getattr(preset, name):
+            res.decisions.record(
+                key,
+                line.overrides[key],
+                getattr(preset, name),
+                OVERRIDE,
+                f"set through mixed_precision.{name} (the mixed-precision preset owns it)",
+                fix=f"set mixed_precision.{name}={_word(line.overrides[key])} with a consistent "
+                "params_dtype (or pick another -c preset) instead of "
+                f"{key}.",
             )
 
 
