@@ -349,7 +349,7 @@ def test_emulated_links_are_refused_in_ranks_the_local_launcher_did_not_start(mo
     monkeypatch.delenv(net.NETNS_ENV, raising=False)
     for text in ("tbf:800mbit", "nic:200mbit"):
         with pytest.raises(ConfigError, match="not inside the emulated interconnect"):
-            commands._apply_network(net.parse_network(text), "real")
+            commands._apply_network(net.parse_network(text))
 
 
 def _namespaces() -> str:
