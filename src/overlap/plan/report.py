@@ -157,8 +157,9 @@ def format_search(result, top: int, command: str) -> str:
     error = expected_error(result.cluster)
     lines = [
         f"The {min(top, len(result.ranked))} fastest of {len(result.ranked)} layouts that fit "
-        f"({result.considered} considered, {result.not_fitting} do not fit even with selective "
-        f"recompute, {sum(result.refused.values())} refused by the configuration rules) on "
+        f"({result.considered} considered, {result.not_fitting} do not fit even with full "
+        f"recompute, {result.bounded} left unpriced as their compute alone is slower than the "
+        f"ones kept, {sum(result.refused.values())} refused by the configuration rules) on "
         f"{result.cluster.gpus_per_node} x {result.cluster.gpu} per node; predicted, nothing was "
         f"run. Expected error of each step time: {error['text']}.  ",
         f"Command: `{command}`",
@@ -181,6 +182,7 @@ def format_search(result, top: int, command: str) -> str:
     lines += ["", f"Why the first: {result.why_best()}.", "", "Commands:"]
     lines += [
         f"{i}. `{c.command(result.words, result.overrides)}`"
+        + (f" (`overlap run` refuses it today: {c.not_runnable})" if c.not_runnable else "")
         for i, c in enumerate(result.ranked[:top], 1)
     ]
     if result.refused:
