@@ -50,6 +50,7 @@ command line (its layout flags are replaced), returning `SearchResult`.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -59,10 +60,12 @@ from dataclasses import dataclass, field, replace
 
 from overlap.errors import ConfigError
 from overlap.perf.memory_model import GPU_MEMORY_BYTES, rank_memory, reserve_bytes
-from overlap.plan.comm_model import microbatches
+from overlap.pipeline.schedules import pipeline_steps
+from overlap.plan.comm_model import comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute
 from overlap.plan.hardware import Cluster, builtin_cluster, precision_of
-from overlap.plan.predict import Prediction, predict
+from overlap.plan.predict import Prediction, predict, switches_of
+from overlap.plan.step_times import step_times
 
 # the harness flags a candidate sets (with their values), replacing any the caller gave
 LAYOUT_FLAGS = ("-tp", "-pp", "-vp", "-cp", "-ep", "-et", "-mb")
@@ -395,22 +398,38 @@ class _Space:
             return None
 
     def bound(self, job) -> float:
-        """A lower bound on the step of `job`: the busiest pipeline rank's compute plus the ramp it
-        cannot avoid - rank r's first forward waits for the first micro-batch's forwards on the
-        stages before it, and its last backward (chunk 0's) is followed by the same stages'
-        backwards - with no communication, no stretch, and `RAMP` of the ideal ramp (the stage
-        weights are the average rank's split, not the simulated one)."""
+        """A lower bound on the step of `job` without simulating its pipeline program:
+
+        - the step priced as if unpipelined (`step_times` at PP 1: compute, the stretch of
+          overlapped compute, every exposed transfer; the pipeline's own part is added after these
+          and only adds);
+        - plus what the pipeline adds at the least: the busiest rank's extra compute and `RAMP` of
+          the ideal ramp (rank r's first forward waits for the stages before it, its last backward
+          is followed by theirs), on the compute-only task times the simulated ones exceed;
+        - minus, under EP overlap, what the unpipelined price may have counted too much: under PP
+          more micro-batches' MoE layers run unmerged (the warm-up), each at most one merged
+          pair's cost cheaper (`_merged_unit_bound`)."""
         cfg, parallel = job.cfg, job.resolution.layout
         c = microbatch_compute(cfg, parallel, self.cluster)
-        compute = microbatches(cfg, parallel) * c.fwd_bwd_s
+        comm = comm_plan(cfg, parallel, self.cluster)
+        sw = switches_of(cfg, parallel)
+        m = microbatches(cfg, parallel)
+        slowdown = self.cluster.overlap_slowdown
+        flat = step_times(c, comm, replace(sw, pp=1, vpp=1, vp_group=None), m, slowdown)
         pp, weights = max(1, parallel.pp), c.stage_weights
-        if pp == 1 or len(weights) % pp:
-            return compute
-        vpp = len(weights) // pp
-        return max(
+        if pp == 1 or len(weights) != pp * sw.vpp:
+            return flat.total_s
+        vpp, compute = sw.vpp, m * c.fwd_bwd_s
+        ramp = max(
             compute * sum(weights[r::pp]) / vpp + RAMP * c.fwd_bwd_s * sum(weights[:r]) / vpp
             for r in range(pp)
         )
+        corrected = 0.0
+        if sw.ep_overlap and comm.ep_a2a_s and m > 1:
+            alone = [_warmup(pp, vpp, m, sw.vp_group), _warmup(1, 1, m, None)]
+            units = c.moe_layers * max(0.0, alone[0] / vpp - alone[1])
+            corrected = units * _merged_unit_bound(c, comm, slowdown)
+        return flat.total_s + ramp - compute - corrected
 
     def margin(self, job) -> tuple[int, object]:
         """(the GPU memory left after the peak and the reserve, the peak)."""
@@ -433,6 +452,23 @@ class _Space:
             return None
         priced = self.price(layout, switches, job)
         return priced if isinstance(priced, Candidate) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _warmup(pp: int, vpp: int, m: int, group: int | None) -> int:
+    """Pipeline rank 0's forwards that run unmerged in the EP-overlap program (as `step_times`
+    counts them); the same few programs recur across hundreds of candidates."""
+    return sum(1 for s in pipeline_steps(pp, 0, vpp, m, group, merged=True) if s.backward is None)
+
+
+def _merged_unit_bound(c, comm, slowdown: dict[str, float]) -> float:
+    """At most what one merged MoE layer pair (EP overlap) costs beyond its compute: each transfer
+    exposed whole and as much again in SM stretch, plus the largest stretch of the layer pair's
+    compute (`step_times._merged_moe_layer` charges less)."""
+    transfers = sum(comm.ep_a2a_s.values()) + comm.ep_counts_s
+    layer = (c.attention_fwd_s + c.moe_fwd_s) * (1 + c.bwd_factor)
+    layer += c.attention_recompute_s + c.moe_recompute_s
+    return 2 * transfers + 2 * max(slowdown.values(), default=0.0) * layer
 
 
 def _refusal(cfg, cluster: Cluster) -> str:
@@ -488,6 +524,7 @@ def search(
     heapq.heapify(queue)
     priced: list[Candidate] = []
     too_big: dict[tuple, int] = {}  # layout without mb -> the smallest mb that fits nowhere
+    short_at: dict[tuple, int] = {}  # (layout without mb, rung) -> the smallest mb that did not fit
     while queue:
         bound, _n, layout, job = heapq.heappop(queue)
         if len(priced) >= keep and bound >= priced[keep - 1].prediction.times.total_s:
@@ -497,11 +534,15 @@ def search(
         if layout.mb >= too_big.get(shape, 1 << 30):
             result.not_fitting += 1
             continue
-        outcome = space.price(layout, (), job)
+        rung_key = (shape, layout.recompute)
+        # a larger micro-batch than one that did not fit at this rung only needs more memory
+        fails = layout.mb >= short_at.get(rung_key, 1 << 30)
+        outcome = NOT_FITTING if fails else space.price(layout, (), job)
         if isinstance(outcome, Candidate):
             priced.append(outcome)
             priced.sort(key=lambda c: c.prediction.times.total_s)
             continue
+        short_at[rung_key] = min(layout.mb, short_at.get(rung_key, 1 << 30))
         # the next recompute rung goes back into the queue at its own (larger) bound
         rung = rungs.index(layout.recompute) + 1
         heavier = None
