@@ -31,13 +31,14 @@ runtime decide what is valid (a candidate they refuse is counted by reason, not 
 the configuration accepts but whose runtime is not built yet (a DeepEP / HybridEP dispatcher, CUDA
 graphs from the command line) is ranked and labelled with what `overlap run` would refuse.
 
-Fast: the expensive part of pricing is the pipeline program's simulation. A candidate's compute
-alone (micro-batches x one micro-batch's forward and backward, from the cheap compute model) is a
-lower bound on its step, so the candidates are priced in the order of that bound, and the search
-stops once the next bound is slower than the `keep`-th fastest step found: every layout left is
-provably slower than all of those (counted as `bounded`). Memory is checked before pricing, and a
-recompute rung that does not fit goes back into the queue at the next rung's (larger) bound; a
-micro-batch that does not fit even with full recompute rules out the larger ones of its layout.
+Fast: the expensive part of pricing is the pipeline program's simulation. A candidate's step is
+bounded below without it (`_Space.bound`: the step priced unpipelined, plus the pipeline's least
+extra, less what EP overlap's warm-up may take back), so the candidates are priced in the order of
+that bound, and the search stops once the next bound is slower than the `keep`-th fastest step
+found: every layout left is provably slower than all of those (counted as `bounded`). Memory is
+checked before pricing, and a recompute rung that does not fit goes back into the queue at the next
+rung's (larger) bound; each group of layouts sharing TP, CP, PP, split and EP is probed once at its
+least memory-hungry point and dropped unresolved where even that does not fit.
 
 A candidate fits when its peak (`overlap.perf.memory_model.rank_memory`) plus the reserve (2 GiB
 and 5% of the peak) is within the GPU's memory; the margin is printed. The explanation of the
@@ -384,13 +385,17 @@ class _Space:
     cluster: Cluster
     result: SearchResult
 
+    def job(self, layout: Layout, switches: tuple[str, ...] = ()):
+        """The resolved job of `layout` (a ConfigError where the rules refuse it)."""
+        words = _without_layout(self.words, bool(layout.dispatcher))
+        return _resolve(
+            words + layout.words() + self.overrides + layout.overrides() + list(switches)
+        )
+
     def resolve(self, layout: Layout, switches: tuple[str, ...] = (), count: bool = True):
         """The resolved job of `layout` (None where the rules refuse it, counted by reason)."""
-        words = _without_layout(self.words, bool(layout.dispatcher))
         try:
-            return _resolve(
-                words + layout.words() + self.overrides + layout.overrides() + list(switches)
-            )
+            return self.job(layout, switches)
         except ConfigError as exc:
             if count:
                 key = f"{exc.field}: {exc.why.rstrip('.')}"
@@ -514,7 +519,11 @@ def search(
     order = itertools.count()
     for group in _groups(candidate_layouts(base.cfg, gpus, gpn, accounts)):
         result.considered += len(group)
-        if not _may_fit(space, group[0]):
+        fits = _probe(space, group)
+        if isinstance(fits, str):
+            result.refused[fits] = result.refused.get(fits, 0) + len(group)
+            continue
+        if not fits:
             result.not_fitting += len(group)
             continue
         for layout in group:
@@ -570,13 +579,31 @@ def _groups(layouts: Iterator[Layout]) -> list[list[Layout]]:
     return [sorted(g, key=lambda x: (x.mb, x.vp or 1)) for g in groups.values()]
 
 
-def _may_fit(space: _Space, first: Layout) -> bool:
-    """Whether a group can fit: its least memory-hungry layout under full recompute does (a
-    larger micro-batch, a deeper interleave or less recompute only keeps more alive). One
-    resolution and one memory walk rule out a group that does not fit anywhere; a probe the rules
-    refuse rules out nothing."""
-    job = space.resolve(replace(first, recompute=FULL), count=False)
-    return job is None or space.margin(job)[0] >= 0
+# fields whose refusal holds for a whole group (what the group shares decides it)
+GROUP_FIELDS = (
+    "model.tensor_model_parallel_size",
+    "model.context_parallel_size",
+    "model.expert_model_parallel_size",
+)
+
+
+def _probe(space: _Space, group: list[Layout]) -> str | bool:
+    """Whether a group can fit: its least memory-hungry layout the rules accept, under full
+    recompute, does (a larger micro-batch, a deeper interleave or less recompute only keeps more
+    alive). A few resolutions and one memory walk rule out a group that does not fit anywhere. A
+    probe refused on what the group shares (its TP, CP or EP size) rules the group out with that
+    reason (returned); one refused on its own interleave tries the next."""
+    for layout in group:
+        if layout.mb != group[0].mb:
+            break
+        try:
+            job = space.job(replace(layout, recompute=FULL))
+        except ConfigError as exc:
+            if exc.field in GROUP_FIELDS:
+                return f"{exc.field}: {exc.why.rstrip('.')}"
+            continue
+        return space.margin(job)[0] >= 0
+    return True
 
 
 def _refined(space: _Space, priced: list[Candidate]) -> list[Candidate]:
