@@ -141,9 +141,10 @@ def test_bad_search_input_is_a_config_error(capsys, argv, field):
 
 
 # --- the reference's hand-tuned layouts -----------------------------------------------------------
-# Published runs whose layout the search can reach (the 256- and 1024-GPU rows, too slow for the
-# suite, and the inexpressible ones aside: docs/planner.md 'Layout search' has every row), with what
-# the search finds. A miss is
+# Published runs whose layout the search can reach (the 256-GPU MoE rows, too slow for the suite,
+# and the inexpressible ones aside: docs/planner.md 'Layout search' has every row), with what the
+# search finds. Llama3.1-405B on 1024 GPUs is in: its CP2 layout with the embedding and loss
+# accounted is the search's first. A miss is
 # recorded with its gap, and passes the day the model ranks the reference's choice where it
 # belongs.
 _MISS = {
@@ -167,10 +168,7 @@ _MISS = {
 _REACHABLE = [
     r
     for r in ROWS
-    if not r.not_expressible
-    and not r.name.endswith(" off")
-    and "-ng 256" not in r.flags
-    and "-ng 1024" not in r.flags
+    if not r.not_expressible and not r.name.endswith(" off") and "-ng 256" not in r.flags
 ]
 
 

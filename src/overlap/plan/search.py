@@ -120,7 +120,7 @@ class Layout:
     mb: int
     recompute: tuple[str, ...] = ()  # selective recompute's modules, FULL, or empty: none
     cp: int = 1
-    # the embedding and the loss accounted as layers (None: the recipe's own split)
+    # the embedding and the loss accounted as layers (None: no pipeline, nothing to split)
     accounted: bool | None = None
     dispatcher: str = ""  # "alltoall" | "flex:<backend>" ("": the command line's)
     cp_kind: str = ""  # model.cp_comm_type ("": the resolved one)
@@ -216,7 +216,8 @@ class Candidate:
 
 @dataclass
 class SearchResult:
-    """The fitting candidates, fastest first, and what the search left out."""
+    """The priced candidates (the `keep` fastest that fit, and any priced on the way), fastest
+    first, and what the search left out."""
 
     ranked: list[Candidate]
     words: list[str]
@@ -312,14 +313,11 @@ def recompute_options(cfg) -> list[tuple[str, ...]]:
     ]
 
 
-def candidate_layouts(
-    cfg, gpus: int, gpus_per_node: int, recipe_accounts: bool = False
-) -> Iterator[Layout]:
+def candidate_layouts(cfg, gpus: int, gpus_per_node: int) -> Iterator[Layout]:
     """Every layout (without recompute) to try for the resolved base configuration `cfg` on `gpus`
     GPUs: the arithmetic filters (divisibility, an even virtual-pipeline split of the layers, with
     or without the embedding and loss accounted as layers), leaving the rest to the configuration's
-    own rules. `recipe_accounts`: the recipe's own split accounts them (its layouts then spell the
-    even split out)."""
+    own rules."""
     m = cfg.model
     heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
     experts = m.num_moe_experts or 0
@@ -333,7 +331,7 @@ def candidate_layouts(
                 if (gpus // (tp * cp)) % pp:
                     continue
                 dp = gpus // (tp * cp * pp)
-                for accounted, vp in _splits(m.num_layers, pp, recipe_accounts):
+                for accounted, vp in _splits(m.num_layers, pp):
                     eps = [e for e in _powers_of_two(experts) if experts % e == 0] or [1]
                     for ep, mb in itertools.product(eps, MICRO_BATCHES):
                         if ep > 1 and (tp * cp * dp) % ep:
@@ -343,11 +341,10 @@ def candidate_layouts(
                         yield Layout(tp, pp, vp, ep, mb, (), cp, accounted)
 
 
-def _splits(
-    layers: int, pp: int, recipe_accounts: bool
-) -> Iterator[tuple[bool | None, int | None]]:
-    """(accounted, VP) pairs whose split divides: even, and with the embedding and loss as layers
-    (None where it is the recipe's own choice, so the command line need not spell it)."""
+def _splits(layers: int, pp: int) -> Iterator[tuple[bool | None, int | None]]:
+    """(accounted, VP) pairs whose split divides: even, and with the embedding and loss as layers;
+    spelt out under PP (the recipe's own choice, or a perf recipe's, would otherwise decide), None
+    without PP."""
     if pp == 1:
         yield None, None
         return
@@ -355,12 +352,11 @@ def _splits(
         total = layers + 2 * accounted
         if total % pp:
             continue
-        flag = None if accounted == recipe_accounts else accounted
-        yield flag, None
+        yield accounted, None
         # down to one layer per virtual stage (Bridge runs Qwen3-30B-A3B at PP2 x VP24)
         for v in range(2, total // pp + 1):
             if total % (pp * v) == 0:
-                yield flag, v
+                yield accounted, v
 
 
 def _resolve(words: list[str]):
@@ -500,7 +496,9 @@ def search(
     overrides = [w for w in words if _is_override(w)] + list(overrides or [])
     words = [w for w in words if not _is_override(w)]
     fixed_overrides = _without_layout_keys(overrides)
-    base = _resolve(_without_layout(words) + fixed_overrides)
+    # the command line as given (its layout may be one the recipe's batch needs), else without its
+    # layout (the recipe's)
+    base = _first_resolving(words + overrides, _without_layout(words) + fixed_overrides)
     gpus = base.resolution.layout.world_size
     gpn = int(_flag(words, "-gn", "--gpus_per_node") or 8)
     if cluster is None:
@@ -509,15 +507,12 @@ def search(
         cluster = builtin_cluster(str(gpu), precision, gpn)
     result = SearchResult([], words, overrides, cluster)
     space = _Space(words, fixed_overrides, cluster, result)
-    # the recipe's own pipeline split (the perf recipe's layout is not applied under -pp)
-    plain = _resolve(_without_layout(words) + ["-pp", "1"] + fixed_overrides).cfg.model
-    accounts = bool(plain.account_for_embedding_in_pipeline_split)
     rungs = recompute_options(base.cfg)
 
     # every layout's bound at its first recompute rung, then priced cheapest bound first
     queue: list[tuple[float, int, Layout, object]] = []
     order = itertools.count()
-    for group in _groups(candidate_layouts(base.cfg, gpus, gpn, accounts)):
+    for group in _groups(candidate_layouts(base.cfg, gpus, gpn)):
         result.considered += len(group)
         fits = _probe(space, group)
         if isinstance(fits, str):
@@ -641,6 +636,17 @@ def _refine(space: _Space, best: Candidate) -> Candidate:
 
 def _faster(a: Candidate, b: Candidate) -> bool:
     return a.prediction.times.total_s < b.prediction.times.total_s * (1 - 1e-3)
+
+
+def _first_resolving(*commands: list[str]):
+    """The first of `commands` that resolves (the last one's error where none does)."""
+    for i, words in enumerate(commands):
+        try:
+            return _resolve(words)
+        except ConfigError:
+            if i == len(commands) - 1:
+                raise
+    raise ValueError("no command to resolve")
 
 
 def _is_override(word: str) -> bool:
