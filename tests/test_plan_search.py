@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from overlap.harness import resolve_run
 from overlap.perf.memory_model import rank_memory, reserve_bytes
 from overlap.plan.hardware import builtin_cluster
 from overlap.plan.predict import predict
-from overlap.plan.search import Layout, search
+from overlap.plan.search import _Space, search
 from overlap.plan.validate import ROWS
 
 LLAMA8 = "-m llama -mr llama3_8b -g h100 -ng 8 -c bf16 -gb 128 -sl 8192".split()
@@ -56,8 +57,8 @@ def test_recompute_is_taken_only_where_a_layout_needs_it_to_fit(llama8):
     for c in llama8.ranked:
         if not c.layout.recompute:
             continue
-        plain = Layout(c.layout.tp, c.layout.pp, c.layout.vp, c.layout.ep, c.layout.mb)
-        job = resolve_run(LLAMA8 + plain.words(), [])
+        plain = replace(c.layout, recompute=())
+        job = resolve_run(LLAMA8 + plain.words() + plain.overrides(), [])
         peak = rank_memory(job.cfg, job.resolution.layout).total
         assert peak + reserve_bytes(peak) > 80 * 2**30
 
@@ -75,6 +76,57 @@ def test_the_cli_prints_the_table_the_commands_and_why_the_first_wins(tmp_path, 
     )
 
 
+_EP_OVERLAP_ROW = "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on"
+
+
+@pytest.mark.parametrize("name", ["llama3_8b", _EP_OVERLAP_ROW])
+def test_the_bound_never_exceeds_a_priced_step(name):
+    """The search stops pricing once the next candidate's bound (its unpipelined step plus the
+    pipeline's least extra, less what EP overlap's warm-up may take back) is slower than the kept
+    ones: sound only if no priced step is below its bound. Everything priced here (keep
+    unbounded): PP, VPP, the uneven split, CP and TP candidates, and MoE ones under EP overlap."""
+    if name == "llama3_8b":
+        words, cluster = LLAMA8, None
+    else:
+        row = next(r for r in ROWS if r.name == name)
+        words, cluster = row.args(), builtin_cluster(row.gpu, row.precision, None)
+    full = search(words, cluster=cluster, keep=10**6)
+    assert full.bounded == 0 and len(full.ranked) > 100
+    plain = [w for w in words if "=" not in w]
+    space = _Space(plain, [w for w in words if "=" in w], full.cluster, full)
+    for c in full.ranked:
+        job = space.resolve(c.layout, c.switches)
+        step = c.prediction.times.total_s
+        assert space.bound(job) <= step * (1 + 1e-12), c.layout.describe()
+
+
+@pytest.fixture(scope="module")
+def qwen30():
+    row = next(r for r in ROWS if r.name == "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on")
+    return search(row.args(), cluster=builtin_cluster(row.gpu, row.precision, None))
+
+
+def test_every_shown_command_is_accepted_by_the_config_and_labelled_if_run_refuses_it(qwen30):
+    """Dispatcher, CP, split and recompute choices included: each top command resolves through the
+    configuration without a ConfigError, and what `overlap run` would still refuse today (DeepEP /
+    HybridEP kernels, CUDA graphs) is the candidate's label, not a surprise."""
+    from overlap.training.runtime_refusals import runtime_refusals
+
+    assert qwen30.ranked and qwen30.bounded > 0
+    for c in qwen30.ranked[:5]:
+        words = shlex.split(c.command(qwen30.words, qwen30.overrides))[2:]
+        job = resolve_run(words, [])
+        layout = job.resolution.layout
+        assert (layout.tp, layout.pp, layout.cp, layout.ep) == (
+            c.layout.tp,
+            c.layout.pp,
+            c.layout.cp,
+            c.layout.ep,
+        )
+        refusals = runtime_refusals(job.cfg, gpu=True)
+        assert c.not_runnable == "; ".join(f"{e.field}={e.value}" for e in refusals)
+
+
 @pytest.mark.parametrize(
     "argv, field",
     [
@@ -89,33 +141,34 @@ def test_bad_search_input_is_a_config_error(capsys, argv, field):
 
 
 # --- the reference's hand-tuned layouts -----------------------------------------------------------
-# Published runs whose layout the search can reach (CP, the 256-GPU rows and the inexpressible ones
-# aside: docs/planner.md 'Layout search' has every row), with what the search finds. A miss is
+# Published runs whose layout the search can reach (the 256-GPU MoE rows, too slow for the suite,
+# and the inexpressible ones aside: docs/planner.md 'Layout search' has every row), with what the
+# search finds. Llama3.1-405B on 1024 GPUs is in: its CP2 layout with the embedding and loss
+# accounted is the search's first. A miss is
 # recorded with its gap, and passes the day the model ranks the reference's choice where it
 # belongs.
 _MISS = {
-    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": "19% behind the model's pick, TP2 x "
-    "EP16 at micro-batch 4 with recompute: its compute 18.7 s against 22.7 s, the fitted "
-    "per-kernel overhead paid once per four sequences",
+    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": "eighth, 22% behind the pick, TP2 "
+    "x EP16 at micro-batch 4 with recompute: the fitted per-kernel overhead paid once per four "
+    "sequences",
     "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap + delay_wgrad": "as the EP overlap row",
-    "Qwen3-30B-A3B 16xH100 FP8 EP16": "as the BF16 alltoall rows, at FP8",
-    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": "15% behind the model's pick, PP2 x VP6: its bubble 0.8 s "
-    "against PP4's 2.6 s, and it fits by the memory model (sliding windows are not expressed)",
-    "Llama3-8B 8xH100 FP8-CS FSDP": "the FSDP run is priced as the distributed optimizer, which "
-    "needs recompute to fit (2 s of compute); 18% behind TP2 at micro-batch 2",
-    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": "third, 8% behind TP4 x PP4 x VP20, whose modelled "
-    "bubble is smaller, fitting with about 2 GiB to spare",
-    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": "38% behind the model's pick (as the FP8 EP16 row)",
-    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": "fifth, 10% behind the model's pick (as the "
-    "FP8 EP16 row)",
+    "Qwen3-30B-A3B 16xH100 FP8 EP16": "19th, 22% behind (as the BF16 alltoall rows, at FP8)",
+    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": "more than 180 candidates ahead: the pick, PP4 x VP9 at "
+    "micro-batch 2, has a smaller bubble and fits by the memory model (sliding windows are not "
+    "expressed)",
+    "Llama3-8B 8xH100 FP8-CS FSDP": "40th, 18% behind TP2 at micro-batch 2: the FSDP run is priced "
+    "as the distributed optimizer, whose TP1 needs recompute to fit (10.7 s of compute against "
+    "8.8 s)",
+    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": "12th, 8% behind TP4 x PP4 x VP20, whose modelled "
+    "bubble is smaller, fitting with 283 MiB to spare",
+    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": "more than 20 candidates ahead (as the FP8 EP16 row)",
+    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": "seventh, 10% behind the model's pick (as "
+    "the FP8 EP16 row)",
 }
 _REACHABLE = [
     r
     for r in ROWS
-    if not r.not_expressible
-    and not r.name.endswith(" off")
-    and "-ng 256" not in r.flags
-    and "-cp" not in r.args()  # the search does not try CP sizes
+    if not r.not_expressible and not r.name.endswith(" off") and "-ng 256" not in r.flags
 ]
 
 
@@ -141,14 +194,11 @@ def test_the_published_layout_is_in_the_top_five_within_five_percent(row):
         int(flag("-tp")),
         int(flag("-pp")),
         None if flag("-vp") == "None" else int(flag("-vp")),
+        int(flag("-cp")) if "-cp" in words else 1,
         int(flag("-ep")),
         int(flag("-mb")),
     )
-    ranks = [
-        i
-        for i, c in enumerate(result.ranked[:5])
-        if (c.layout.tp, c.layout.pp, c.layout.vp, c.layout.ep, c.layout.mb) == published
-    ]
+    ranks = [i for i, c in enumerate(result.ranked[:5]) if c.layout.key() == published]
     assert ranks, f"not in the top 5: {[c.layout.describe() for c in result.ranked[:5]]}"
     best = result.ranked[0].prediction.step_ms
     assert result.ranked[ranks[0]].prediction.step_ms <= 1.05 * best

@@ -118,9 +118,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="search the layouts (TP, PP, VPP, EP, micro-batch, recompute, each overlap switch) "
-        "for this model and cluster and print the N fastest that fit, each with its `overlap run` "
-        "command (overlap.plan.search); the command line's own layout flags are replaced",
+        help="search the layouts (TP, PP, VPP, pipeline split, CP, EP, dispatcher, micro-batch, "
+        "recompute, each overlap switch) for this model and cluster and print the N fastest "
+        "that fit, each with its `overlap run` command (overlap.plan.search); the command "
+        "line's own layout flags are replaced",
     )
     plan.add_argument(
         "--calibrate",
@@ -252,7 +253,7 @@ def _search(args: argparse.Namespace) -> int:
     the plan's table is."""
     from overlap.perf.bench import common_run_options
     from overlap.plan.report import format_search
-    from overlap.plan.search import search
+    from overlap.plan.search import KEEP, search
 
     for flag, given in (("--ab", args.ab), ("--config", args.configs), ("--calibrate", None)):
         if given is not None or (flag == "--calibrate" and args.calibrate):
@@ -276,7 +277,11 @@ def _search(args: argparse.Namespace) -> int:
         ]
     base = _job(args, [])
     result = search(
-        words, list(args.overrides), _cluster(args, base.cfg), plan_precision=args.plan_precision
+        words,
+        list(args.overrides),
+        _cluster(args, base.cfg),
+        plan_precision=args.plan_precision,
+        keep=max(KEEP, args.search),
     )
     text = format_search(result, args.search, shlex.join(["overlap", *args.argv]))
     print(text)

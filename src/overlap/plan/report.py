@@ -156,9 +156,11 @@ def format_search(result, top: int, command: str) -> str:
 
     error = expected_error(result.cluster)
     lines = [
-        f"The {min(top, len(result.ranked))} fastest of {len(result.ranked)} layouts that fit "
-        f"({result.considered} considered, {result.not_fitting} do not fit even with selective "
-        f"recompute, {sum(result.refused.values())} refused by the configuration rules) on "
+        f"The {min(top, len(result.ranked))} fastest of {len(result.ranked)} layouts priced "
+        f"({result.considered} considered: {result.not_fitting} do not fit even with full "
+        f"recompute, {result.bounded} fit or may but are left unpriced as their compute and "
+        f"pipeline ramp alone are slower than the ones kept, {sum(result.refused.values())} "
+        f"refused by the configuration rules) on "
         f"{result.cluster.gpus_per_node} x {result.cluster.gpu} per node; predicted, nothing was "
         f"run. Expected error of each step time: {error['text']}.  ",
         f"Command: `{command}`",
@@ -181,6 +183,7 @@ def format_search(result, top: int, command: str) -> str:
     lines += ["", f"Why the first: {result.why_best()}.", "", "Commands:"]
     lines += [
         f"{i}. `{c.command(result.words, result.overrides)}`"
+        + (f" (`overlap run` refuses it today: {c.not_runnable})" if c.not_runnable else "")
         for i, c in enumerate(result.ranked[:top], 1)
     ]
     if result.refused:

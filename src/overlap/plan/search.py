@@ -2,25 +2,48 @@
 says fits, from the same models that price one configuration (`overlap.plan.predict`).
 
 What it searches, for a model recipe on a cluster (GPU type, count, GPUs per node, the harness's
-precision and batch): tensor parallelism within a node (dividing the attention heads and the query
-groups), pipeline stages with or without interleaving (every virtual-pipeline size whose split
-Megatron accepts, the recipe's uneven accounting of the embedding and loss included), expert
-parallelism for MoE models, the micro-batch size, and activation recompute (none, selective of the
-attention product, selective of the MLP's or experts' activation and the norms). Every candidate is
-resolved as `overlap run` would resolve it, so the rules of Megatron and the runtime decide what is
-valid (a candidate they refuse is counted, not shown); context parallelism and expert tensor
-parallelism are not searched (CP sizes are not tried yet: `overlap plan -cp N` prices one; ETP
-stays at its default).
+precision and batch):
 
-The overlap switches are not multiplied into the layouts: each layout runs with its automatic
-decisions (the decision table's rules), then each switch that applies is turned the other way on
-the fastest layouts, and a flip that predicts faster is kept (`overlap.plan.cli.SWITCHES`; the
-memory model re-checks each flip, as EP overlap and overlapped 1F1B keep more alive).
+- tensor parallelism within a node (dividing the attention heads and the query groups);
+- pipeline stages, with or without interleaving (every virtual-pipeline size whose split Megatron
+  accepts), each split two ways where both divide: even over the transformer layers, and uneven
+  with the embedding and the loss accounted as one layer each (Megatron's
+  `account_for_embedding_in_pipeline_split` / `..._loss_...`: the `pipeline_model_parallel_layout`
+  `Et*k|...|t*kL` the reference's Qwen3-235B runs use);
+- context parallelism (powers of two dividing the heads and half the sequence), each size with the
+  resolved exchange and then, on the fastest layouts, every other `cp_comm_type` the plan prices
+  (`p2p`, `a2a`, `all_gather`);
+- expert parallelism for MoE models, and on the fastest layouts every token dispatcher the plan
+  prices (`alltoall`, and `flex` with each backend: `torch`, `deepep`, `hybridep`);
+- the micro-batch size (1, 2, 4);
+- activation recompute, cheapest first: none, selective of the attention product, selective of the
+  MLP's (experts') activation and the norms, then full (uniform, one layer a checkpoint). Recompute
+  never makes a step faster by itself, so a layout takes the first that fits;
+- each overlap switch (`overlap.plan.cli.SWITCHES`) turned the other way from the decision table's
+  automatic choice on the fastest layouts; a flip that predicts faster is kept.
+
+Expert tensor parallelism is not searched: `overlap run` refuses ETP > 1 today and the compute model
+prices the experts at ETP 1 (`overlap.plan.compute`), so a candidate with it would be neither
+runnable nor priced.
+
+Every candidate is resolved as `overlap run` would resolve it, so the rules of Megatron and the
+runtime decide what is valid (a candidate they refuse is counted by reason, not shown). A candidate
+the configuration accepts but whose runtime is not built yet (a DeepEP / HybridEP dispatcher, CUDA
+graphs from the command line) is ranked and labelled with what `overlap run` would refuse.
+
+Fast: the expensive part of pricing is the pipeline program's simulation. A candidate's step is
+bounded below without it (`_Space.bound`: the step priced unpipelined, plus the pipeline's least
+extra, less what EP overlap's warm-up may take back), so the candidates are priced in the order of
+that bound, and the search stops once the next bound is slower than the `keep`-th fastest step
+found: every layout left is provably slower than all of those (counted as `bounded`). Memory is
+checked before pricing, and a recompute rung that does not fit goes back into the queue at the next
+rung's (larger) bound; each group of layouts sharing TP, CP, PP, split and EP is probed once at its
+least memory-hungry point and dropped unresolved where even that does not fit.
 
 A candidate fits when its peak (`overlap.perf.memory_model.rank_memory`) plus the reserve (2 GiB
-and 5% of the peak) is within the GPU's memory; the margin is printed. The ranking is by predicted
-step time; the explanation of the winner against the runner-up is the difference of their step's
-components (compute, bubble, the stretch of overlapped compute, exposed communication by kind).
+and 5% of the peak) is within the GPU's memory; the margin is printed. The explanation of the
+winner against the runner-up is the difference of their step's components (compute, bubble, the
+stretch of overlapped compute, exposed communication by kind).
 
 Usable as a library call: `search(words, overrides)` with the harness words of an `overlap run`
 command line (its layout flags are replaced), returning `SearchResult`.
@@ -28,6 +51,8 @@ command line (its layout flags are replaced), returning `SearchResult`.
 
 from __future__ import annotations
 
+import functools
+import heapq
 import itertools
 import logging
 import shlex
@@ -36,39 +61,69 @@ from dataclasses import dataclass, field, replace
 
 from overlap.errors import ConfigError
 from overlap.perf.memory_model import GPU_MEMORY_BYTES, rank_memory, reserve_bytes
+from overlap.pipeline.schedules import pipeline_steps
+from overlap.plan.comm_model import comm_plan, microbatches
+from overlap.plan.compute import microbatch_compute
 from overlap.plan.hardware import Cluster, builtin_cluster, precision_of
-from overlap.plan.predict import Prediction, predict
+from overlap.plan.predict import Prediction, predict, switches_of
+from overlap.plan.step_times import step_times
 
 # the harness flags a candidate sets (with their values), replacing any the caller gave
 LAYOUT_FLAGS = ("-tp", "-pp", "-vp", "-cp", "-ep", "-et", "-mb")
+# the dispatcher's harness flag, replaced where a candidate sets its own dispatcher
+DISPATCHER_FLAG = "--moe_flex_dispatcher_backend"
 # the override keys a candidate sets, replacing any the caller gave
 LAYOUT_KEYS = (
     "model.tensor_model_parallel_size",
     "model.pipeline_model_parallel_size",
     "model.virtual_pipeline_model_parallel_size",
+    "model.context_parallel_size",
     "model.expert_model_parallel_size",
+    "model.expert_tensor_parallel_size",
     "model.sequence_parallel",
+    "model.pipeline_model_parallel_layout",
+    "model.account_for_embedding_in_pipeline_split",
+    "model.account_for_loss_in_pipeline_split",
     "model.recompute_granularity",
     "model.recompute_modules",
+    "model.recompute_method",
+    "model.recompute_num_layers",
     "train.micro_batch_size",
 )
 REFUSED, NOT_FITTING = "refused", "does not fit"
 MAX_PP = 16
+MAX_CP = 8
+# the fewest tokens a CP rank keeps: shorter shards leave the attention GEMMs too small to pay for
+# the ring (the reference's CP runs keep 4096 and more a rank)
+MIN_CP_TOKENS = 4096
 MICRO_BATCHES = (1, 2, 4)
-# the fastest layouts whose overlap switches are each tried the other way
-REFINE = 12
+FULL = ("full",)  # the recompute rung that re-runs whole layers
+# the fastest layouts whose dispatcher, CP exchange and overlap switches are each tried
+REFINE = 8
+# how many of the fastest candidates are priced exactly (the rest are bounded out)
+KEEP = 12
+# the share of the ideal pipeline ramp the bound counts (a margin for the simulated stage times)
+RAMP = 0.9
+DISPATCHERS = ("alltoall", "flex:torch", "flex:deepep", "flex:hybridep")
+CP_KINDS = ("p2p", "a2a", "all_gather")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One point of the search: the harness flags and the recompute choice."""
+    """One point of the search: the harness flags, the pipeline split, the recompute choice, and
+    the dispatcher and CP exchange where they differ from the command line's."""
 
     tp: int
     pp: int
     vp: int | None
     ep: int
     mb: int
-    recompute: tuple[str, ...] = ()  # selective recompute's modules (empty: none)
+    recompute: tuple[str, ...] = ()  # selective recompute's modules, FULL, or empty: none
+    cp: int = 1
+    # the embedding and the loss accounted as layers (None: no pipeline, nothing to split)
+    accounted: bool | None = None
+    dispatcher: str = ""  # "alltoall" | "flex:<backend>" ("": the command line's)
+    cp_kind: str = ""  # model.cp_comm_type ("": the resolved one)
 
     def words(self) -> list[str]:
         return [
@@ -78,6 +133,8 @@ class Layout:
             str(self.pp),
             "-vp",
             str(self.vp) if self.vp else "None",
+            "-cp",
+            str(self.cp),
             "-ep",
             str(self.ep),
             "-mb",
@@ -85,18 +142,46 @@ class Layout:
         ]
 
     def overrides(self) -> list[str]:
-        if not self.recompute:
-            return []
-        return [
-            "model.recompute_granularity=selective",
-            f"model.recompute_modules=[{','.join(self.recompute)}]",
-        ]
+        out = []
+        if self.accounted is not None:
+            flag = str(self.accounted).lower()
+            out += [
+                f"model.account_for_embedding_in_pipeline_split={flag}",
+                f"model.account_for_loss_in_pipeline_split={flag}",
+            ]
+        if self.recompute == FULL:
+            out += [
+                "model.recompute_granularity=full",
+                "model.recompute_method=uniform",
+                "model.recompute_num_layers=1",
+            ]
+        elif self.recompute:
+            out += [
+                "model.recompute_granularity=selective",
+                f"model.recompute_modules=[{','.join(self.recompute)}]",
+            ]
+        if self.dispatcher:
+            kind, _, backend = self.dispatcher.partition(":")
+            out.append(f"model.moe_token_dispatcher_type={kind}")
+            if backend:
+                out.append(f"model.moe_flex_dispatcher_backend={backend}")
+        if self.cp_kind:
+            out.append(f"model.cp_comm_type={self.cp_kind}")
+        return out
+
+    def key(self) -> tuple:
+        """The parallel layout a published run names (what the validation matches)."""
+        return (self.tp, self.pp, self.vp, self.cp, self.ep, self.mb)
 
     def describe(self) -> str:
         vp = f" VP{self.vp}" if self.vp else ""
+        split = " E+L split" if self.accounted else ""
+        cp = f" CP{self.cp}" if self.cp > 1 else ""
+        cp += f" {self.cp_kind}" if self.cp_kind else ""
         ep = f" EP{self.ep}" if self.ep > 1 else ""
+        ep += f" {self.dispatcher}" if self.dispatcher else ""
         rc = f", recompute {'+'.join(self.recompute)}" if self.recompute else ""
-        return f"TP{self.tp} PP{self.pp}{vp}{ep} mb{self.mb}{rc}"
+        return f"TP{self.tp} PP{self.pp}{vp}{split}{cp}{ep} mb{self.mb}{rc}"
 
 
 @dataclass(frozen=True)
@@ -107,6 +192,14 @@ class Candidate:
     switches: tuple[str, ...]  # overrides that flipped an automatic overlap decision
     prediction: Prediction
     margin_bytes: int  # the GPU's memory left after the peak and the reserve
+    # what `overlap run` would refuse today (the configuration accepts it): "" when runnable
+    not_runnable: str = ""
+    # the resolved configuration (its dispatcher, CP exchange and switches are what was priced)
+    cfg: object = field(default=None, repr=False, compare=False)
+
+    def overrides(self, overrides: list[str]) -> list[str]:
+        """The overrides that run this candidate after the caller's `overrides`."""
+        return [*_without_layout_keys(overrides), *self.layout.overrides(), *self.switches]
 
     def command(self, words: list[str], overrides: list[str]) -> str:
         """The `overlap run` command line that runs this candidate."""
@@ -114,18 +207,17 @@ class Candidate:
             [
                 "overlap",
                 "run",
-                *_without_layout(words),
+                *_without_layout(words, bool(self.layout.dispatcher)),
                 *self.layout.words(),
-                *_without_layout_keys(overrides),
-                *self.layout.overrides(),
-                *self.switches,
+                *self.overrides(overrides),
             ]
         )
 
 
 @dataclass
 class SearchResult:
-    """The fitting candidates, fastest first, and what the search left out."""
+    """The priced candidates (the `keep` fastest that fit, and any priced on the way), fastest
+    first, and what the search left out."""
 
     ranked: list[Candidate]
     words: list[str]
@@ -135,6 +227,8 @@ class SearchResult:
     # why candidates were refused by the configuration rules, with how many each
     refused: dict[str, int] = field(default_factory=dict)
     not_fitting: int = 0
+    # layouts left unpriced: their compute alone is slower than the keep-th fastest step
+    bounded: int = 0
 
     def to_json(self, top: int) -> dict:
         """The search as JSON: the `top` candidates (the plan's per-configuration fields, with the
@@ -144,6 +238,7 @@ class SearchResult:
         return {
             "considered": self.considered,
             "not_fitting": self.not_fitting,
+            "bounded": self.bounded,
             "refused": dict(sorted(self.refused.items(), key=lambda kv: -kv[1])),
             "why_best": self.why_best(),
             "candidates": [
@@ -151,6 +246,7 @@ class SearchResult:
                     **config_json(c.prediction),
                     "switches": list(c.switches),
                     "margin_gb": c.margin_bytes / 1e9,
+                    "not_runnable": c.not_runnable,
                     "command": c.command(self.words, self.overrides),
                 }
                 for c in self.ranked[:top]
@@ -182,13 +278,15 @@ class SearchResult:
         )
 
 
-def _without_layout(words: list[str]) -> list[str]:
+def _without_layout(words: list[str], dispatcher: bool = False) -> list[str]:
+    """`words` without the layout flags (and the dispatcher's, where `dispatcher`)."""
+    drop = LAYOUT_FLAGS + ((DISPATCHER_FLAG,) if dispatcher else ())
     out, skip = [], False
     for word in words:
         if skip:
             skip = False
             continue
-        if word in LAYOUT_FLAGS:
+        if word in drop:
             skip = True
             continue
         out.append(word)
@@ -204,49 +302,61 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def recompute_options(cfg) -> list[tuple[str, ...]]:
-    """Selective recompute's module sets, cheapest first: none, the attention product, then the
-    MLP's (experts') activation and the norms. Recompute never makes a step faster by itself, so a
-    layout takes the first that fits."""
+    """Recompute's rungs, cheapest first: none, the attention product, the MLP's (experts')
+    activation and the norms, then full recompute. A layout takes the first that fits."""
     m = cfg.model
     return [
         (),
         ("core_attn",),
         ("layernorm", "moe_act") if m.num_moe_experts else ("core_attn", "mlp"),
+        FULL,
     ]
 
 
 def candidate_layouts(cfg, gpus: int, gpus_per_node: int) -> Iterator[Layout]:
     """Every layout (without recompute) to try for the resolved base configuration `cfg` on `gpus`
-    GPUs: the arithmetic filters (divisibility, an even virtual-pipeline split of the layers and of
-    the embedding and loss the recipe accounts as layers), leaving the rest to the configuration's
+    GPUs: the arithmetic filters (divisibility, an even virtual-pipeline split of the layers, with
+    or without the embedding and loss accounted as layers), leaving the rest to the configuration's
     own rules."""
     m = cfg.model
     heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
     experts = m.num_moe_experts or 0
-    layers = (
-        m.num_layers
-        + bool(m.account_for_embedding_in_pipeline_split)
-        + bool(m.account_for_loss_in_pipeline_split)
-    )
     for tp in _powers_of_two(min(gpus_per_node, gpus)):
         if heads % tp or groups % tp:
             continue
-        for pp in range(1, min(MAX_PP, gpus // tp, m.num_layers) + 1):
-            if (gpus // tp) % pp or layers % pp:
+        for cp in _powers_of_two(min(MAX_CP, gpus // tp)):
+            if cp > 1 and (m.seq_length % (2 * cp) or m.seq_length // cp < MIN_CP_TOKENS):
                 continue
-            dp = gpus // (tp * pp)
-            vps: list[int | None] = [None]
-            if pp > 1:
-                # down to one layer per virtual stage (Bridge runs Qwen3-30B-A3B at PP2 x VP24)
-                vps += [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
-            eps = [e for e in _powers_of_two(experts) if experts % e == 0] if experts else [1]
-            # micro-batches ascending: the search skips the larger ones of a layout that did not fit
-            for vp, ep, mb in itertools.product(vps, eps, MICRO_BATCHES):
-                if ep > 1 and (tp * dp) % ep:
+            for pp in range(1, min(MAX_PP, gpus // (tp * cp), m.num_layers) + 1):
+                if (gpus // (tp * cp)) % pp:
                     continue
-                if cfg.train.global_batch_size % (mb * dp):
-                    continue
-                yield Layout(tp, pp, vp, ep, mb)
+                dp = gpus // (tp * cp * pp)
+                for accounted, vp in _splits(m.num_layers, pp):
+                    eps = [e for e in _powers_of_two(experts) if experts % e == 0] or [1]
+                    for ep, mb in itertools.product(eps, MICRO_BATCHES):
+                        if ep > 1 and (tp * cp * dp) % ep:
+                            continue
+                        if cfg.train.global_batch_size % (mb * dp):
+                            continue
+                        yield Layout(tp, pp, vp, ep, mb, (), cp, accounted)
+
+
+def _splits(layers: int, pp: int) -> Iterator[tuple[bool | None, int | None]]:
+    """(accounted, VP) pairs whose split divides: even, and with the embedding and loss as layers;
+    spelt out under PP (the recipe's own choice, or a perf recipe's, would otherwise decide), None
+    without PP."""
+    if pp == 1:
+        yield None, None
+        return
+    for accounted in (False, True):
+        total = layers + 2 * accounted
+        if total % pp:
+            continue
+        yield accounted, None
+        # down to one layer per virtual stage (Bridge runs Qwen3-30B-A3B at PP2 x VP24)
+        for v in range(2, total // pp + 1):
+            if total % (pp * v) == 0:
+                yield accounted, v
 
 
 def _resolve(words: list[str]):
@@ -262,61 +372,281 @@ def _resolve(words: list[str]):
         logging.disable(previous)
 
 
+@dataclass
+class _Space:
+    """What every candidate shares: the command line without its layout, and the cluster."""
+
+    words: list[str]
+    overrides: list[str]
+    cluster: Cluster
+    result: SearchResult
+
+    def job(self, layout: Layout, switches: tuple[str, ...] = ()):
+        """The resolved job of `layout` (a ConfigError where the rules refuse it)."""
+        words = _without_layout(self.words, bool(layout.dispatcher))
+        return _resolve(
+            words + layout.words() + self.overrides + layout.overrides() + list(switches)
+        )
+
+    def resolve(self, layout: Layout, switches: tuple[str, ...] = (), count: bool = True):
+        """The resolved job of `layout` (None where the rules refuse it, counted by reason)."""
+        try:
+            return self.job(layout, switches)
+        except ConfigError as exc:
+            if count:
+                key = f"{exc.field}: {exc.why.rstrip('.')}"
+                self.result.refused[key] = self.result.refused.get(key, 0) + 1
+            return None
+
+    def bound(self, job) -> float:
+        """A lower bound on the step of `job` without simulating its pipeline program:
+
+        - the step priced as if unpipelined (`step_times` at PP 1: compute, the stretch of
+          overlapped compute, every exposed transfer; the pipeline's own part is added after these
+          and only adds);
+        - plus what the pipeline adds at the least: the busiest rank's extra compute and `RAMP` of
+          the ideal ramp (rank r's first forward waits for the stages before it, its last backward
+          is followed by theirs), on the compute-only task times the simulated ones exceed;
+        - minus, under EP overlap, what the unpipelined price may have counted too much: under PP
+          more micro-batches' MoE layers run unmerged (the warm-up), each at most one merged
+          pair's cost cheaper (`_merged_unit_bound`)."""
+        cfg, parallel = job.cfg, job.resolution.layout
+        c = microbatch_compute(cfg, parallel, self.cluster)
+        comm = comm_plan(cfg, parallel, self.cluster)
+        sw = switches_of(cfg, parallel)
+        m = microbatches(cfg, parallel)
+        slowdown = self.cluster.overlap_slowdown
+        flat = step_times(c, comm, replace(sw, pp=1, vpp=1, vp_group=None), m, slowdown)
+        pp, weights = max(1, parallel.pp), c.stage_weights
+        if pp == 1 or len(weights) != pp * sw.vpp:
+            return flat.total_s
+        vpp, compute = sw.vpp, m * c.fwd_bwd_s
+        ramp = max(
+            compute * sum(weights[r::pp]) / vpp + RAMP * c.fwd_bwd_s * sum(weights[:r]) / vpp
+            for r in range(pp)
+        )
+        corrected = 0.0
+        if sw.ep_overlap and comm.ep_a2a_s and m > 1:
+            alone = [_warmup(pp, vpp, m, sw.vp_group), _warmup(1, 1, m, None)]
+            units = c.moe_layers * max(0.0, alone[0] / vpp - alone[1])
+            corrected = units * _merged_unit_bound(c, comm, slowdown)
+        return flat.total_s + ramp - compute - corrected
+
+    def margin(self, job) -> tuple[int, object]:
+        """(the GPU memory left after the peak and the reserve, the peak)."""
+        peak = rank_memory(job.cfg, job.resolution.layout, cpu=self.cluster.gpu == "cpu")
+        device = GPU_MEMORY_BYTES.get(self.cluster.gpu)
+        return (0 if device is None else device - peak.total - reserve_bytes(peak.total)), peak
+
+    def price(self, layout: Layout, switches: tuple[str, ...], job) -> Candidate | str:
+        """The candidate (NOT_FITTING where it does not fit)."""
+        margin, _peak = self.margin(job)
+        if margin < 0:
+            return NOT_FITTING
+        cfg, parallel = job.cfg, job.resolution.layout
+        prediction = predict(layout.describe(), list(switches), cfg, parallel, self.cluster, False)
+        return Candidate(layout, switches, prediction, margin, _refusal(cfg, self.cluster), cfg)
+
+    def variant(self, layout: Layout, switches: tuple[str, ...]) -> Candidate | None:
+        job = self.resolve(layout, switches, count=False)
+        if job is None:
+            return None
+        priced = self.price(layout, switches, job)
+        return priced if isinstance(priced, Candidate) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _warmup(pp: int, vpp: int, m: int, group: int | None) -> int:
+    """Pipeline rank 0's forwards that run unmerged in the EP-overlap program (as `step_times`
+    counts them); the same few programs recur across hundreds of candidates."""
+    return sum(1 for s in pipeline_steps(pp, 0, vpp, m, group, merged=True) if s.backward is None)
+
+
+def _merged_unit_bound(c, comm, slowdown: dict[str, float]) -> float:
+    """At most what one merged MoE layer pair (EP overlap) costs beyond its compute: each transfer
+    exposed whole and as much again in SM stretch, plus the largest stretch of the layer pair's
+    compute (`step_times._merged_moe_layer` charges less)."""
+    transfers = sum(comm.ep_a2a_s.values()) + comm.ep_counts_s
+    layer = (c.attention_fwd_s + c.moe_fwd_s) * (1 + c.bwd_factor)
+    layer += c.attention_recompute_s + c.moe_recompute_s
+    return 2 * transfers + 2 * max(slowdown.values(), default=0.0) * layer
+
+
+def _refusal(cfg, cluster: Cluster) -> str:
+    """What `overlap run` would refuse in `cfg` today ("" when nothing)."""
+    from overlap.training.runtime_refusals import runtime_refusals
+
+    refusals = runtime_refusals(cfg, gpu=cluster.gpu != "cpu")
+    return "; ".join(f"{e.field}={e.value}" for e in refusals)
+
+
 def search(
     words: list[str],
     overrides: list[str] | None = None,
     cluster: Cluster | None = None,
     plan_precision: str | None = None,
+    keep: int = KEEP,
 ) -> SearchResult:
     """Search the layouts of the `overlap run` command line `words` (harness flags; its layout flags
     are replaced) plus `overrides`, on `cluster` (None: the built-in one for its -g and -gn);
-    `plan_precision` prices FP8 as `overlap plan -c fp8_*` does. Returns every fitting candidate,
-    fastest first (the module notes say what is searched)."""
+    `plan_precision` prices FP8 as `overlap plan -c fp8_*` does. Returns the `keep` (at least)
+    fastest fitting candidates, fastest first (the module notes say what is searched and how the
+    rest are bounded out)."""
     # KEY=VALUE words are overrides wherever they were written (they follow every flag)
     overrides = [w for w in words if _is_override(w)] + list(overrides or [])
     words = [w for w in words if not _is_override(w)]
-    fixed_words, fixed_overrides = _without_layout(words), _without_layout_keys(overrides)
-    base = _resolve(fixed_words + fixed_overrides)
+    fixed_overrides = _without_layout_keys(overrides)
+    # the command line as given (its layout may be one the recipe's batch needs), else without its
+    # layout (the recipe's)
+    base = _first_resolving(words + overrides, _without_layout(words) + fixed_overrides)
     gpus = base.resolution.layout.world_size
-    gpn = _flag(words, "-gn", "--gpus_per_node") or 8
+    gpn = int(_flag(words, "-gn", "--gpus_per_node") or 8)
     if cluster is None:
         gpu = _flag(words, "-g", "--gpu")
         precision = plan_precision or precision_of(base.cfg.model)
-        cluster = builtin_cluster(str(gpu), precision, int(gpn))
+        cluster = builtin_cluster(str(gpu), precision, gpn)
     result = SearchResult([], words, overrides, cluster)
-    scored: list[tuple[float, Layout, Prediction, int]] = []
-    too_big: set[tuple] = set()  # layouts that did not fit at a smaller micro-batch
-    for plain in candidate_layouts(base.cfg, gpus, int(gpn)):
-        result.considered += 1
-        shape = (plain.tp, plain.pp, plain.vp, plain.ep)
-        if shape in too_big:  # a larger micro-batch only needs more memory
+    space = _Space(words, fixed_overrides, cluster, result)
+    rungs = recompute_options(base.cfg)
+
+    # every layout's bound at its first recompute rung, then priced cheapest bound first
+    queue: list[tuple[float, int, Layout, object]] = []
+    order = itertools.count()
+    for group in _groups(candidate_layouts(base.cfg, gpus, gpn)):
+        result.considered += len(group)
+        fits = _probe(space, group)
+        if isinstance(fits, str):
+            result.refused[fits] = result.refused.get(fits, 0) + len(group)
+            continue
+        if not fits:
+            result.not_fitting += len(group)
+            continue
+        for layout in group:
+            job = space.resolve(layout)
+            if job is not None:
+                queue.append((space.bound(job), next(order), layout, job))
+    heapq.heapify(queue)
+    priced: list[Candidate] = []
+    too_big: dict[tuple, int] = {}  # layout without mb -> the smallest mb that fits nowhere
+    short_at: dict[tuple, int] = {}  # (layout without mb, rung) -> the smallest mb that did not fit
+    while queue:
+        bound, _n, layout, job = heapq.heappop(queue)
+        if len(priced) >= keep and bound >= priced[keep - 1].prediction.times.total_s:
+            result.bounded += 1 + len(queue)
+            break
+        shape = replace(layout, mb=1, recompute=())
+        if layout.mb >= too_big.get(shape, 1 << 30):
             result.not_fitting += 1
             continue
-        for modules in recompute_options(base.cfg):
-            layout = replace(plain, recompute=modules)
-            outcome = _score(result, fixed_words, fixed_overrides, layout, (), cluster)
-            if outcome != NOT_FITTING:
-                break
-        if isinstance(outcome, tuple):
-            scored.append(outcome)
-        elif outcome == NOT_FITTING:
+        rung_key = (shape, layout.recompute)
+        # a larger micro-batch than one that did not fit at this rung only needs more memory
+        fails = layout.mb >= short_at.get(rung_key, 1 << 30)
+        outcome = NOT_FITTING if fails else space.price(layout, (), job)
+        if isinstance(outcome, Candidate):
+            priced.append(outcome)
+            priced.sort(key=lambda c: c.prediction.times.total_s)
+            continue
+        short_at[rung_key] = min(layout.mb, short_at.get(rung_key, 1 << 30))
+        # the next recompute rung goes back into the queue at its own (larger) bound
+        rung = rungs.index(layout.recompute) + 1
+        heavier = None
+        while rung < len(rungs) and heavier is None:
+            heavier = replace(layout, recompute=rungs[rung])
+            job = space.resolve(heavier)
+            if job is None:
+                heavier, rung = None, rung + 1
+        if heavier is None:
             result.not_fitting += 1
-            too_big.add(shape)
-    scored.sort(key=lambda s: s[0])
-    candidates = []
-    for rank, (step_s, layout, prediction, margin) in enumerate(scored):
-        switches: tuple[str, ...] = ()
-        if rank < REFINE:
-            best = (step_s, prediction, margin)
-            for flip in _flips(prediction, base.cfg):
-                tried = _score(result, fixed_words, fixed_overrides, layout, flip, cluster, False)
-                if isinstance(tried, tuple) and tried[0] < best[0] * (1 - 1e-3):
-                    best, switches = (tried[0], tried[2], tried[3]), flip
-            step_s, prediction, margin = best
-        candidates.append((step_s, Candidate(layout, switches, prediction, margin)))
-    candidates.sort(key=lambda c: c[0])
-    result.ranked = [c for _s, c in candidates]
+            too_big[shape] = min(layout.mb, too_big.get(shape, 1 << 30))
+            continue
+        heapq.heappush(queue, (space.bound(job), next(order), heavier, job))
+    result.ranked = _refined(space, priced)
     return result
+
+
+def _groups(layouts: Iterator[Layout]) -> list[list[Layout]]:
+    """The layouts by (TP, CP, PP, split, EP), each group's least memory-hungry first (the
+    smallest micro-batch, no or the shallowest interleave)."""
+    groups: dict[tuple, list[Layout]] = {}
+    for layout in layouts:
+        key = (layout.tp, layout.cp, layout.pp, layout.accounted, layout.ep)
+        groups.setdefault(key, []).append(layout)
+    return [sorted(g, key=lambda x: (x.mb, x.vp or 1)) for g in groups.values()]
+
+
+# fields whose refusal holds for a whole group (what the group shares decides it)
+GROUP_FIELDS = (
+    "model.tensor_model_parallel_size",
+    "model.context_parallel_size",
+    "model.expert_model_parallel_size",
+)
+
+
+def _probe(space: _Space, group: list[Layout]) -> str | bool:
+    """Whether a group can fit: its least memory-hungry layout the rules accept, under full
+    recompute, does (a larger micro-batch, a deeper interleave or less recompute only keeps more
+    alive). A few resolutions and one memory walk rule out a group that does not fit anywhere. A
+    probe refused on what the group shares (its TP, CP or EP size) rules the group out with that
+    reason (returned); one refused on its own interleave tries the next."""
+    for layout in group:
+        if layout.mb != group[0].mb:
+            break
+        try:
+            job = space.job(replace(layout, recompute=FULL))
+        except ConfigError as exc:
+            if exc.field in GROUP_FIELDS:
+                return f"{exc.field}: {exc.why.rstrip('.')}"
+            continue
+        return space.margin(job)[0] >= 0
+    return True
+
+
+def _refined(space: _Space, priced: list[Candidate]) -> list[Candidate]:
+    """The fastest `REFINE` candidates with their dispatcher, CP exchange and each overlap switch
+    tried the other way, one at a time, each kept where it predicts faster; then re-ranked."""
+    out = []
+    for rank, best in enumerate(priced):
+        if rank < REFINE:
+            best = _refine(space, best)
+        out.append(best)
+    return sorted(out, key=lambda c: c.prediction.times.total_s)
+
+
+def _refine(space: _Space, best: Candidate) -> Candidate:
+    layout, m = best.layout, best.cfg.model
+    tries: list[Layout] = []
+    if m.is_moe and layout.ep > 1:
+        current = m.moe_token_dispatcher_type
+        if current == "flex":
+            current = f"flex:{m.moe_flex_dispatcher_backend}"
+        tries += [replace(layout, dispatcher=d) for d in DISPATCHERS if d != current]
+    if layout.cp > 1:
+        current = best.cfg.resolved.overlap.cp_comm_type
+        tries += [replace(layout, cp_kind=k) for k in CP_KINDS if k != current]
+    for tried_layout in tries:
+        tried = space.variant(tried_layout, ())
+        if tried is not None and _faster(tried, best):
+            best = tried
+    for flip in _flips(best):
+        tried = space.variant(best.layout, flip)
+        if tried is not None and _faster(tried, best):
+            best = tried
+    return best
+
+
+def _faster(a: Candidate, b: Candidate) -> bool:
+    return a.prediction.times.total_s < b.prediction.times.total_s * (1 - 1e-3)
+
+
+def _first_resolving(*commands: list[str]):
+    """The first of `commands` that resolves (the last one's error where none does)."""
+    for i, words in enumerate(commands):
+        try:
+            return _resolve(words)
+        except ConfigError:
+            if i == len(commands) - 1:
+                raise
+    raise ValueError("no command to resolve")
 
 
 def _is_override(word: str) -> bool:
@@ -330,16 +660,18 @@ def _flag(words: list[str], *names: str) -> str | None:
     return None
 
 
-def _flips(prediction: Prediction, cfg) -> list[tuple[str, ...]]:
+def _flips(candidate: Candidate) -> list[tuple[str, ...]]:
     """Each applicable overlap switch the other way from where the decisions put it."""
     from overlap.plan.cli import SWITCHES, not_applicable
 
+    prediction, cfg = candidate.prediction, candidate.cfg
     sw = prediction.switches
     state = {
         "EP overlap": sw.ep_overlap,
         "delay_wgrad": sw.delay_wgrad,
         "DP overlap": sw.overlap_grad_reduce,
         "PP overlap": sw.overlap_p2p,
+        "CP overlap": sw.cp_overlap,
     }
     flips = []
     for case in SWITCHES:
@@ -349,32 +681,3 @@ def _flips(prediction: Prediction, cfg) -> list[tuple[str, ...]]:
         # TP overlap's state is per GEMM slot: try it both ways
         flips += [case.off, case.on] if on is None else [case.off if on else case.on]
     return flips
-
-
-def _score(
-    result: SearchResult,
-    words: list[str],
-    overrides: list[str],
-    layout: Layout,
-    switches: tuple[str, ...],
-    cluster: Cluster,
-    count: bool = True,
-) -> tuple[float, Layout, Prediction, int] | str:
-    """(step seconds, layout, prediction, margin) of one candidate; `REFUSED` where the rules refuse
-    it (counted by reason), `NOT_FITTING` where it does not fit."""
-    try:
-        job = _resolve(words + layout.words() + overrides + layout.overrides() + list(switches))
-        cfg, parallel = job.cfg, job.resolution.layout
-        # memory first: a layout that does not fit is not priced (nor advised on)
-        peak = rank_memory(cfg, parallel, cpu=cluster.gpu == "cpu")
-        device = GPU_MEMORY_BYTES.get(cluster.gpu)
-        margin = 0 if device is None else device - peak.total - reserve_bytes(peak.total)
-        if margin < 0:
-            return NOT_FITTING
-        prediction = predict(layout.describe(), list(switches), cfg, parallel, cluster, exact=False)
-    except ConfigError as exc:
-        if count:
-            key = f"{exc.field}: {exc.why.rstrip('.')}"
-            result.refused[key] = result.refused.get(key, 0) + 1
-        return REFUSED
-    return prediction.times.total_s, layout, prediction, margin
