@@ -74,6 +74,8 @@ SECTIONS = (
         (
             "pp_schedules",
             "pp_1f1b_overlap",
+            "pp_1f1b_overlap_nic",
+            "pp_1f1b_overlap_nic_pp4",
             "pp_schedules_2ranks",
             "pp_schedules_modelled",
             "pp_bubble",
