@@ -148,22 +148,30 @@ def test_bad_search_input_is_a_config_error(capsys, argv, field):
 # recorded with its gap, and passes the day the model ranks the reference's choice where it
 # belongs.
 _MISS = {
-    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": "eighth, 22% behind the pick, TP2 "
-    "x EP16 at micro-batch 4 with recompute: the fitted per-kernel overhead paid once per four "
-    "sequences",
+    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": "not among the 16 priced: the pick, "
+    "TP1 x PP2 x VP8 x EP8 at micro-batch 2 with recompute, keeps its all-to-alls inside a node "
+    "and pays the fitted per-kernel overhead once per two sequences",
     "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap + delay_wgrad": "as the EP overlap row",
-    "Qwen3-30B-A3B 16xH100 FP8 EP16": "19th, 22% behind (as the BF16 alltoall rows, at FP8)",
-    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": "more than 180 candidates ahead: the pick, PP4 x VP9 at "
+    "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on": "second, 15% behind TP4 x EP16 at "
+    "micro-batch 8 with recompute (DeepEP): the fitted per-kernel overhead paid once per eight "
+    "sequences",
+    "Qwen3-30B-A3B 16xH100 FP8 EP16": "not among the 12 priced: TP2 x EP16 at micro-batch 4 with "
+    "recompute (the per-kernel overhead, as the BF16 rows)",
+    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": "not among the 12 priced (as the FP8 EP16 row)",
+    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": "eighth, 11% behind (as the FP8 EP16 row)",
+    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": "not among the 33 priced: the pick, PP4 x VP9 at "
     "micro-batch 2, has a smaller bubble and fits by the memory model (sliding windows are not "
     "expressed)",
-    "Llama3-8B 8xH100 FP8-CS FSDP": "40th, 18% behind TP2 at micro-batch 2: the FSDP run is priced "
-    "as the distributed optimizer, whose TP1 needs recompute to fit (10.7 s of compute against "
-    "8.8 s)",
-    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": "12th, 8% behind TP4 x PP4 x VP20, whose modelled "
-    "bubble is smaller, fitting with 283 MiB to spare",
-    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": "more than 20 candidates ahead (as the FP8 EP16 row)",
-    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": "seventh, 10% behind the model's pick (as "
-    "the FP8 EP16 row)",
+    "Llama3-8B 8xH100 FP8-CS FSDP": "not among the 15 priced: TP2 at micro-batch 2; the FSDP run "
+    "is priced as the distributed optimizer, whose TP1 needs recompute to fit",
+    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": "tenth, 8% behind TP4 x PP4 x VP20, whose modelled "
+    "bubble is smaller",
+    "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.08)": "sixth, 3.9% behind EP2 at micro-batch 4: "
+    "within 5% but five near-ties ahead (all-to-alls inside NVLink priced nearly free)",
+    "GPT-OSS-120B 64xGB200 MXFP8 MBS4 EP64 (26.08)": "tenth, 1.5% behind EP8 at micro-batch 2: "
+    "within 5% but nine near-ties ahead",
+    "GPT-OSS-120B 64xGB300 MXFP8 MBS4 EP16 (26.08)": "eighth, 1.0% behind EP8 at micro-batch 2: "
+    "within 5% but seven near-ties ahead",
 }
 _REACHABLE = [
     r

@@ -15,7 +15,7 @@ precision and batch):
   (`p2p`, `a2a`, `all_gather`);
 - expert parallelism for MoE models, and on the fastest layouts every token dispatcher the plan
   prices (`alltoall`, and `flex` with each backend: `torch`, `deepep`, `hybridep`);
-- the micro-batch size (1, 2, 4);
+- the micro-batch size (1, 2, 4, 8: the GB300 Qwen3 runs use 8);
 - activation recompute, cheapest first: none, selective of the attention product, selective of the
   MLP's (experts') activation and the norms, then full (uniform, one layer a checkpoint). Recompute
   never makes a step faster by itself, so a layout takes the first that fits;
@@ -96,7 +96,7 @@ MAX_CP = 8
 # the fewest tokens a CP rank keeps: shorter shards leave the attention GEMMs too small to pay for
 # the ring (the reference's CP runs keep 4096 and more a rank)
 MIN_CP_TOKENS = 4096
-MICRO_BATCHES = (1, 2, 4)
+MICRO_BATCHES = (1, 2, 4, 8)
 FULL = ("full",)  # the recompute rung that re-runs whole layers
 # the fastest layouts whose dispatcher, CP exchange and overlap switches are each tried
 REFINE = 8
