@@ -47,16 +47,16 @@ class Prediction:
 def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
     m, o = cfg.model, cfg.resolved.overlap
     return Switches(
-        ep_overlap=o.overlap_moe_expert_parallel_comm,
-        delay_wgrad=o.delay_wgrad_compute,
+        overlap_moe_expert_parallel_comm=o.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=o.delay_wgrad_compute,
         overlap_grad_reduce=o.overlap_grad_reduce,
         overlap_param_gather=o.overlap_param_gather,
-        overlap_p2p=o.overlap_p2p_comm,
+        overlap_p2p_comm=o.overlap_p2p_comm,
         pp=max(1, layout.pp),
         vpp=max(1, m.virtual_pipeline_model_parallel_size or 1),
         vp_group=m.microbatch_group_size_per_vp_stage,
-        shared_expert_overlap=o.moe_shared_expert_overlap,
-        cp_overlap=o.cp_comm_overlap,
+        moe_shared_expert_overlap=o.moe_shared_expert_overlap,
+        cp_comm_overlap=o.cp_comm_overlap,
     )
 
 

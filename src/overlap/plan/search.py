@@ -426,7 +426,7 @@ class _Space:
             for r in range(pp)
         )
         corrected = 0.0
-        if sw.ep_overlap and comm.ep_a2a_s and m > 1:
+        if sw.overlap_moe_expert_parallel_comm and comm.ep_a2a_s and m > 1:
             alone = [_warmup(pp, vpp, m, sw.vp_group), _warmup(1, 1, m, None)]
             units = c.moe_layers * max(0.0, alone[0] / vpp - alone[1])
             corrected = units * _merged_unit_bound(c, comm, slowdown)
@@ -667,11 +667,11 @@ def _flips(candidate: Candidate) -> list[tuple[str, ...]]:
     prediction, cfg = candidate.prediction, candidate.cfg
     sw = prediction.switches
     state = {
-        "EP overlap": sw.ep_overlap,
-        "delay_wgrad": sw.delay_wgrad,
+        "EP overlap": sw.overlap_moe_expert_parallel_comm,
+        "delay_wgrad": sw.delay_wgrad_compute,
         "DP overlap": sw.overlap_grad_reduce,
-        "PP overlap": sw.overlap_p2p,
-        "CP overlap": sw.cp_overlap,
+        "PP overlap": sw.overlap_p2p_comm,
+        "CP overlap": sw.cp_comm_overlap,
     }
     flips = []
     for case in SWITCHES:

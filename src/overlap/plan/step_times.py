@@ -86,16 +86,16 @@ class StepTimes:
 class Switches:
     """The resolved overlap switches the schedule honours."""
 
-    ep_overlap: bool
-    delay_wgrad: bool
+    overlap_moe_expert_parallel_comm: bool
+    delay_wgrad_compute: bool
     overlap_grad_reduce: bool
     overlap_param_gather: bool
-    overlap_p2p: bool
+    overlap_p2p_comm: bool
     pp: int
     vpp: int
     vp_group: int | None = None  # microbatch_group_size_per_vp_stage (None: PP)
-    shared_expert_overlap: bool = False
-    cp_overlap: bool = False  # model.cp_comm_overlap: the KV ring's steps under the blocks
+    moe_shared_expert_overlap: bool = False
+    cp_comm_overlap: bool = False  # model.cp_comm_overlap: the KV ring's steps under the blocks
 
 
 def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
@@ -144,7 +144,7 @@ def _merged_moe_layer(
     a2a: dict[str, float],
     counts_s: float,
     sigma: float,
-    delay_wgrad: bool,
+    delay_wgrad_compute: bool,
     t: StepTimes,
     weight: float,
     sm_share: float = 0.0,
@@ -166,7 +166,7 @@ def _merged_moe_layer(
     e_wgrad, a_wgrad = c.moe_fwd_s, c.attention_fwd_s
     e_dgrad = c.bwd_factor * c.moe_fwd_s + c.moe_recompute_s - e_wgrad
     a_dgrad = c.bwd_factor * c.attention_fwd_s + c.attention_recompute_s - a_wgrad
-    fixed_e, fixed_a = (0.0, 0.0) if delay_wgrad else (e_wgrad, a_wgrad)
+    fixed_e, fixed_a = (0.0, 0.0) if delay_wgrad_compute else (e_wgrad, a_wgrad)
     # The pieces in order (B's combine backward launched before the first): F's attention, B's
     # previous layer's experts weight gradients, B's experts input gradient, F's experts, B's
     # attention backward. Each transfer is covered by the pieces between its launch and its wait.
@@ -179,7 +179,7 @@ def _merged_moe_layer(
         ("ep_combine", a2a.get("ep_combine", 0.0), (4,)),
     )
     # delayed: the weight gradients run beside whatever transfer the fixed pieces leave exposed
-    pool = e_wgrad + a_wgrad if delay_wgrad else 0.0
+    pool = e_wgrad + a_wgrad if delay_wgrad_compute else 0.0
     for kind, seconds, window in covers:
         if seconds <= 0:
             continue
@@ -217,7 +217,7 @@ def step_times(
     t.first_rank_compute_s = t.compute_s * per_rank[0]
     t.slowest_rank_compute_s = t.compute_s * max(per_rank)
     a2a = comm.ep_a2a_s
-    if a2a and sw.ep_overlap and m > 1:
+    if a2a and sw.overlap_moe_expert_parallel_comm and m > 1:
         # The merged program's warm-up forwards (as many cool-down backwards) run alone, their
         # all-to-alls exposed: F(0) and B(last) without PP; under an interleaved pipeline, pipeline
         # rank 0's (the most of any rank).
@@ -231,7 +231,7 @@ def step_times(
             a2a,
             comm.ep_counts_s,
             sigma_ep,
-            sw.delay_wgrad,
+            sw.delay_wgrad_compute,
             t,
             c.moe_layers * (m * sw.vpp - alone) / sw.vpp,
             comm.ep_sm_share,
@@ -242,7 +242,7 @@ def step_times(
     # with the shared-expert overlap, its two halves run under the dispatch and under the combine
     # (forward)
     else:
-        cover = c.shared_expert_fwd_s / 2 if sw.shared_expert_overlap else 0.0
+        cover = c.shared_expert_fwd_s / 2 if sw.moe_shared_expert_overlap else 0.0
         for kind, seconds in a2a.items():
             hidden = min(seconds, cover) if kind in ("ep_dispatch", "ep_combine") else 0.0
             t.expose(kind, (seconds - hidden) * c.moe_layers * m)
@@ -256,7 +256,7 @@ def step_times(
             comm.cp_ring_s["cp_dkv"],
             comm.cp_size,
             c.attention_core_fwd_s / comm.cp_size,
-            sw.cp_overlap,
+            sw.cp_comm_overlap,
             2 if c.recompute else 1,
         )
         t.expose("cp_kv", kv_exposed * c.layers * m)
@@ -292,7 +292,7 @@ def step_times(
         per_mb_s = (t.compute_s + t.slowdown_s + sum(t.exposed_s.values())) / m
         fwd_share = c.fwd_s / c.fwd_bwd_s
         f, b = per_mb_s * fwd_share / sw.vpp, per_mb_s * (1 - fwd_share) / sw.vpp
-        merged = sw.ep_overlap and bool(comm.ep_a2a_s)
+        merged = sw.overlap_moe_expert_parallel_comm and bool(comm.ep_a2a_s)
         free = simulate(
             sw.pp,
             sw.vpp,
@@ -300,7 +300,7 @@ def step_times(
             f,
             b,
             0.0,
-            sw.overlap_p2p,
+            sw.overlap_p2p_comm,
             sw.vp_group,
             c.stage_weights,
             merged,
@@ -316,7 +316,7 @@ def step_times(
                     f,
                     b,
                     comm.pp_send,
-                    sw.overlap_p2p,
+                    sw.overlap_p2p_comm,
                     sw.vp_group,
                     c.stage_weights,
                     merged,
@@ -325,7 +325,7 @@ def step_times(
                 - free.step_s
             )
             t.expose("pp_send", exposed)
-            if sw.overlap_p2p:
+            if sw.overlap_p2p_comm:
                 hidden = max(0.0, comm.kinds["pp_send"].seconds_per_step - exposed)
                 t.slowdown_s += min(hidden, t.compute_s) * sigma
 
