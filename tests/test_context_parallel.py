@@ -183,8 +183,8 @@ def _in_flight_under_attention(
 ) -> tuple[dict[str, int], dict[str, float], str]:
     """One CP2 training step at sequence `seq` over a modelled link of `latency_s`: the ring
     transfers (cp_kv forward, cp_dkv backward) in flight over a whole block's attention; the
-    exposed milliseconds of each CP kind and the exposed-communication table as a run's report
-    prints it."""
+    milliseconds of each CP kind the link exposed (peer waits left out); the exposed-communication
+    table as a run's report prints it."""
     from overlap.parallel import link_model
     from overlap.parallel.trace import recorder
     from overlap.profiling.exposed import exposure, format_table
@@ -217,7 +217,9 @@ def _in_flight_under_attention(
             and any(e.t_launch <= s.t_start and s.t_end <= e.t_done for s in blocks)
         )
     table = exposure(events, spans)
-    exposed = {k: table[k].exposed_ms for k in ("cp_kv", "cp_dkv")}
+    # the link's share: a wait for the peer to post (two ranks sharing two busy cores drift by
+    # milliseconds) is paid with or without the overlap, and no overlap can hide it
+    exposed = {k: table[k].exposed_ms - (table[k].peer_wait_ms or 0.0) for k in ("cp_kv", "cp_dkv")}
     return counts, exposed, format_table(table, "exposed communication")
 
 
@@ -225,8 +227,9 @@ def _in_flight_under_attention(
 def test_the_tracer_shows_cp_transfers_in_flight_under_block_attention():
     """With transfers longer than the blocks (16 tokens, 2 ms a transfer), overlapped, every ring
     transfer is in flight over a block's attention; serialised, none is. With blocks longer than
-    the transfers (1024 tokens, 0.2 ms), the overlap hides what serialised exposes; the
-    exposed-communication table has the CP kinds."""
+    the transfers (2048 tokens, 1 ms: the modelled link well above gloo's own sub-millisecond
+    transfers, whose CPU time on two shared cores is noise either way), the overlap hides what
+    serialised exposes; the exposed-communication table has the CP kinds."""
     (on, _, text), (off, _, _) = (
         run_world(2, _in_flight_under_attention, overlap)[0] for overlap in (True, False)
     )
@@ -234,7 +237,7 @@ def test_the_tracer_shows_cp_transfers_in_flight_under_block_attention():
     assert max(off.values()) == 0, off
     assert "cp_kv" in text and "cp_dkv" in text
     (_, hidden, _), (_, shown, _) = (
-        run_world(2, _in_flight_under_attention, overlap, 1024, 2e-4)[0]
+        run_world(2, _in_flight_under_attention, overlap, 2048, 1e-3)[0]
         for overlap in (True, False)
     )
     assert sum(hidden.values()) < 0.5 * sum(shown.values()), (hidden, shown)
