@@ -365,8 +365,8 @@ def _recv_in_flight(overlap: bool) -> tuple[int, int]:
 
 
 def _split_backwards() -> list[tuple[str, float]]:
-    """The last stage of PP2 (it sends gradients) over one overlapped step: its forward, backward
-    and weight-gradient spans and its gradient sends, in time order."""
+    """A PP2 stage over one overlapped step: its forward, backward and weight-gradient spans and
+    its gradient sends (the last stage's), in time order."""
     from overlap.parallel.trace import recorder
 
     cfg = _config(
@@ -395,18 +395,18 @@ def _split_backwards() -> list[tuple[str, float]]:
 
 
 def test_overlapped_p2p_sends_the_input_gradient_before_the_weight_gradients():
-    """Overlapped 1F1B on the stage that sends gradients: each backward's gradient send is posted,
-    then the next forward runs, then that backward's weight-gradient GEMMs (the last backward's at
-    the step's end): the slack that lets the transfers hide (the executor's notes)."""
-    order = run_world(2, _split_backwards)[1]
-    micro = order.count("backward")
-    assert micro >= 2 and order.count("send") == micro and order.count("wgrad") == micro
-    assert order == ["forward", "backward", "send"] + [
-        "forward",
-        "wgrad",
-        "backward",
-        "send",
-    ] * (micro - 1) + ["wgrad"]
+    """Overlapped 1F1B at PP 2: the last stage posts each backward's gradient send, then runs that
+    backward's weight-gradient GEMMs, then the next forward; the first stage (no gradient to send)
+    runs them after its next forward, the last two at the step's end. Each cycle between the stages
+    then holds two weight-gradient times of slack (the executor's notes)."""
+    first, last = run_world(2, _split_backwards)
+    micro = last.count("backward")
+    assert micro >= 3 and last.count("send") == micro and last.count("wgrad") == micro
+    assert last == ["forward", "backward", "send", "wgrad"] * micro
+    assert "send" not in first
+    assert first == ["forward", "forward", "backward"] + ["forward", "wgrad", "backward"] * (
+        micro - 2
+    ) + ["backward", "wgrad"]
 
 
 def test_overlapped_p2p_keeps_the_next_receive_in_flight_while_computing():

@@ -249,7 +249,7 @@ def estimate_memory(
     and backwards the activations follow (`overlap.perf.memory_model` passes the real one;
     None: one micro-batch through every chunk, a lower bound); `merged`: EP overlap runs each
     steady step's forward and backward together, layer by layer; `late_wgrad`: each backward's
-    weight gradients run after the next task (overlapped p2p in plain 1F1B,
+    weight gradients run after the next task (overlapped p2p in plain 1F1B on the first stage,
     `overlap.pipeline.executor`)."""
     pipe = resolve_pipeline_layout(cfg.model, max(1, layout.pp))
     if pp_rank is None:
@@ -411,8 +411,9 @@ def _walk(
     by layer while its backward frees the other chunk's: at its peak one layer of the forward is
     in, and the forward half's working set (its all-to-all buffers, its experts' intermediates)
     beside the backward half's. `late_wgrad`: a backward's weight gradients run after the rank's
-    next task, and what they read (its linear layers' inputs and output gradients) stays until
-    then, counted as its chunk's saved activations (about as much)."""
+    next task (overlapped 1F1B's first stage), and what they read (its linear layers' inputs and
+    output gradients) stays until then, counted as its chunk's saved activations (about as
+    much)."""
     alive = 0.0
     count = 0
     owed = 0.0  # late_wgrad: the last backward's activations, freed after the next task

@@ -91,8 +91,8 @@ def rank_memory(
     `microbatches` micro-batches (None: the step's), by component (module docstring)."""
     plan = cfg.resolved.overlap
     merged = plan.overlap_moe_expert_parallel_comm
-    # overlapped p2p in plain 1F1B runs each backward's weight gradients after the next task
-    # (`overlap.pipeline.executor`)
+    # overlapped p2p in plain 1F1B: the first stage runs each backward's weight gradients after
+    # its next task, the others right after the gradient's send (`overlap.pipeline.executor`)
     vpp = cfg.model.virtual_pipeline_model_parallel_size or 1
     late = plan.overlap_p2p_comm and layout.pp > 1 and not merged and vpp == 1
     ranks = range(max(1, layout.pp)) if pp_rank is None else (pp_rank,)
@@ -104,7 +104,7 @@ def rank_memory(
             program(cfg, layout, r, microbatches),
             merged=merged,
             pp_rank=r,
-            late_wgrad=late,
+            late_wgrad=late and r == 0,
         )
         for r in ranks
     ]

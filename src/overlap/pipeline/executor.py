@@ -11,16 +11,20 @@ measure of their memory (`overlap.pipeline.output_memory`), and the deferral of 
 weight gradients (`overlap.pipeline.output_wgrad`).
 
 Overlapped p2p in plain 1F1B sends each input gradient before its weight gradients: a backward runs
-with its weight-gradient GEMMs queued (the chunks' `WeightGradStore`), posts its gradient's send,
-and the queued GEMMs run after the rank's next task, whose own send (a forward's activation) then
-goes that much earlier too. Why: in 1F1B every stage alternates forward and backward, and the
-gradient of B(k) going down and the activation of a later forward coming back up sit on one cycle
-that stage p + 1's program waits on; posting receives early cannot take a transfer off it (at PP = 2
-the steady period stays f + b + 2c, the reason Megatron-Core allows `overlap_p2p_comm` only with a
-virtual pipeline). Sending the gradient a weight-gradient time earlier, and running that time while
-both transfers travel, gives the cycle the slack: transfers up to about half a backward's
-weight-gradient time hide, and the pipeline's drain shortens (the zero-bubble schedules' split of B
-and W; the planner's simulation, `overlap.plan.pipeline_sim`, runs the same rule). The cost is one
+with its weight-gradient GEMMs queued (the chunks' `WeightGradStore`) and posts its gradient's send
+first. Why: in 1F1B every stage alternates forward and backward, and the gradient of B(k) going
+down from stage p + 1 and the activation of a later forward coming back up from p sit on one cycle
+that both programs wait on; posting receives early cannot take a transfer off it (at PP = 2 the
+steady period stays f + b + 2c, the reason Megatron-Core allows `overlap_p2p_comm` only with a
+virtual pipeline). The weight-gradient time W, placed inside the cycle on both of its sides, is its
+slack: stage p + 1 runs its queued GEMMs right after its gradient's send, before the forward that
+waits for p's next activation; the first stage, which sends no gradient, runs them after its next
+forward, between that forward's activation send and the backward that waits for the gradient. So
+the (0, 1) cycle gets two W of slack and every other cycle one (its later stage's): transfers up to
+a weight-gradient time hide at PP = 2, up to half of one between middle stages, and the pipeline's
+drain shortens (the zero-bubble schedules' split of B and W; the planner's simulation,
+`overlap.plan.pipeline_sim`, runs the same rule). Paying at once also keeps the GEMMs' inputs
+cache-warm and frees them one task sooner on every stage but the first, whose cost is one
 backward's weight-gradient inputs (its linear layers' inputs and output gradients) kept one task
 longer. Data parallelism hears of each delayed gradient with the last-micro-batch flag of the
 backward that queued it.
@@ -315,7 +319,13 @@ class PipelineExecutor:
                 torch.autograd.backward(seeds, grads if grads[0] is not None else None)
         self._backward_done(task, None if hidden is None else hidden.grad, position)
         if split:
-            self.owed = (c, self.deferral.announced, len(self.wgrad.queue) - queued)
+            owed = (c, self.deferral.announced, len(self.wgrad.queue) - queued)
+            # a stage that sent its gradient pays at once, before the next forward's receive is
+            # needed; the first stage, which sends none, after its next forward (module notes)
+            if self.ring.is_first(c):
+                self.owed = owed
+            else:
+                self._pay_owed(owed)
 
     def _pay_owed(self, owed: tuple[int, bool, int] | None) -> None:
         """Run the weight gradients a backward queued (`owed`, if any), data parallelism told first
@@ -396,8 +406,8 @@ class PipelineExecutor:
 
 def shared_wgrad_store(chunks: Sequence[torch.nn.Module]) -> WeightGradStore:
     """The one weight-gradient store of this rank's chunks: the executor queues and drains across
-    chunks (a backward's queued GEMMs run after the next task, whichever chunk it runs), so chunks
-    built with stores of their own cannot be run together."""
+    chunks (the first stage's queued GEMMs run after its next task, whichever chunk it runs), so
+    chunks built with stores of their own cannot be run together."""
     stores = {id(chunk.wgrad_store): chunk.wgrad_store for chunk in chunks}
     if len(stores) != 1:
         raise ValueError(

@@ -26,8 +26,9 @@ warm-up / steady / cool-down and its interleaved table), with the executor's p2p
 - overlapped (`overlap_p2p_comm`): sends are posted when their tensor exists and never block; the
   receive of the next forward (and of the next backward) is posted as soon as the previous one of
   its direction has been consumed; in plain 1F1B a backward (not merged) posts its gradient after
-  its input-gradient share (1 - `wgrad_share`) and runs its weight gradients after the rank's next
-  task (the last at the end), which also brings that task's send forward.
+  its input-gradient share (1 - `wgrad_share`) and then runs its weight gradients, except on the
+  first stage, which sends no gradient and runs them after its next task (the last at the end),
+  bringing that forward's send forward (`overlap.pipeline.executor`'s notes).
 
 A task's time is the micro-batch's forward / backward time on the average stage, times its virtual
 stage's weight (its layers; the output layer on the last stage), so unequal stages idle the others
@@ -184,7 +185,11 @@ def simulate(
         split = wgrad_share if overlapped and vpp == 1 and not merged and task.backward else 0.0
         clock[rank] += seconds * (1 - split)
         consumed[rank][task.backward] = clock[rank]
-        paid, owed[rank] = owed[rank], seconds * split
+        # a stage that sends its gradient pays its weight gradients right after the send (below),
+        # the first stage after its next task
+        first = v == 0
+        paid, owed[rank] = owed[rank], seconds * split if first else 0.0
+        now_paid = 0.0 if first else seconds * split
         out = produces(rank, task)
         following = tasks[rank][index[rank] + 1] if index[rank] + 1 < len(tasks[rank]) else None
         if out is not None:
@@ -193,7 +198,7 @@ def simulate(
             else:
                 pending[rank] = out
         index[rank] += 1
-        clock[rank] += paid + (owed[rank] if index[rank] == len(tasks[rank]) else 0.0)
+        clock[rank] += now_paid + paid + (owed[rank] if index[rank] == len(tasks[rank]) else 0.0)
         return True
 
     while any(index[r] < len(tasks[r]) for r in range(pp)):

@@ -6,8 +6,8 @@ switch hides behind what.
   With free transfers the idle time is the bubble, (p - 1) / m of the compute for 1F1B and (p - 1) /
   (m v) interleaved (Narayanan et al. 2021, arXiv 2104.04473; the simulation reproduces both); what
   real transfers add is the exposed p2p. Overlapped p2p (`model.overlap_p2p_comm`: receives posted
-  early, sends never waited) hides only the transfers off the critical path: at PP = 2 without
-  interleaving almost none.
+  early, sends never waited; in plain 1F1B each input gradient sent before its weight gradients)
+  hides the transfers its schedule's slack covers (the simulation's notes).
 - EP overlap (`model.overlap_moe_expert_parallel_comm`): micro-batches run as Megatron-Core's
   combined 1F1B (ours: `overlap.pipeline.combined_1f1b`), F(0) alone, F(i) merged with B(i-1),
   B(last) alone. Per merged MoE layer each transfer is hidden by the pieces of the other micro-batch
