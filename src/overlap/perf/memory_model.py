@@ -16,6 +16,7 @@ dropless average), more pipeline stages, a larger expert-parallel group.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from overlap.config.container import ConfigContainer
@@ -52,21 +53,24 @@ def program(
     count = microbatches or max(1, t.global_batch_size // (t.micro_batch_size * max(1, layout.dp)))
     pp, vpp = max(1, layout.pp), m.virtual_pipeline_model_parallel_size or 1
     group = m.microbatch_group_size_per_vp_stage
-    steps = pipeline_steps(
-        pp,
-        pp_rank,
-        vpp,
-        steady_microbatches(pp, vpp, group, count),
-        group,
-        cfg.resolved.overlap.overlap_moe_expert_parallel_comm,
-    )
-    return [
+    steady = steady_microbatches(pp, vpp, group, count)
+    merged = cfg.resolved.overlap.overlap_moe_expert_parallel_comm
+    return list(_chunk_program(pp, pp_rank, vpp, steady, group, merged))
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_program(
+    pp: int, rank: int, vpp: int, count: int, group: int | None, merged: bool
+) -> tuple[tuple[int | None, int | None], ...]:
+    """`pipeline_steps` as (forward chunk, backward chunk) pairs; cached, since the layout search
+    walks the memory of thousands of candidates over a few dozen distinct programs."""
+    return tuple(
         (
             None if s.forward is None else s.forward.chunk,
             None if s.backward is None else s.backward.chunk,
         )
-        for s in steps
-    ]
+        for s in pipeline_steps(pp, rank, vpp, count, group, merged)
+    )
 
 
 def steady_microbatches(pp: int, vpp: int, group: int | None, count: int) -> int:
