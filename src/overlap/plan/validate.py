@@ -673,7 +673,7 @@ def solve_linear(rows: tuple[Row, ...] = ROWS) -> tuple[dict[str, Linear], dict[
     """Every expressible row's `Linear`, taken at its group's fit on all its rows; and the points
     they were taken at, by group. From a common start, linearize and fit until the fit is the
     point its rows were linearized at (the overhead's floor makes the step piecewise linear, so a
-    linearization holds only near its point: three rounds from START today)."""
+    linearization holds only near its point: four linearizations from START today)."""
     usable = [r for r in rows if not r.not_expressible]
     configs = {r.name: _config(r) for r in usable}
     at = {g: START for g in set(GROUPS.values())}
