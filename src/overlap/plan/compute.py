@@ -12,10 +12,17 @@ modules it names (`recompute_modules`: `core_attn`, `layernorm`, `moe_act`, `mlp
 `shared_experts`).
 
 Each kernel's ideal time on the GPU type (`Cluster`: peaks, HBM bandwidth, SMs) is divided by the
-fitted compute efficiency, and every kernel launch adds a fixed cost, the fitted per-kernel
-overhead (`Efficiency.kernel_overhead_s`: the launch gap and host-side work each kernel of an eager
-run leaves on the GPU's timeline, which no efficiency shrinks and no precision halves;
-`overlap.plan.validate` fits both per GPU type on published runs). The kernels:
+fitted compute efficiency, and the fitted per-kernel overhead (`Efficiency.kernel_overhead_s`: the
+host's cost of launching one kernel of an eager run, which no efficiency shrinks and no precision
+halves; `overlap.plan.validate` fits both per GPU type on published runs) is a floor under it: a
+kernel costs max(ideal / efficiency, overhead). The host launches while the GPU works, so a
+kernel longer than its launch hides the next one's; one shorter leaves the GPU idle for the rest.
+Per kernel, not per piece (max(the piece's GPU work, its launches x overhead)): while a long kernel
+runs the host gains a lead it could spend on the short kernels after it, which the per-kernel
+floor ignores. So it is exact over short kernels after the queue drained (at every host sync: the
+alltoall dispatcher's split sizes, each MoE layer) and an upper bound elsewhere; the per-piece
+floor would be the lower bound, and the exact queue needs the kernels' order and the sync points,
+which the model does not have. The kernels:
 - a GEMM (M x N x K): the roofline max(2 M N K / (peak x wave), operand and result bytes / HBM), at
   the plan's precision (BF16, FP8, MXFP8: FP8 operands are one byte). `wave` is the last wave's
   quantization: ceil(M / 128) x ceil(N / 256) output tiles (the Hopper/Blackwell GEMMs' tile) spread
@@ -137,9 +144,9 @@ class MicrobatchCompute:
 
 
 class KernelCosts:
-    """Ideal seconds of the kernels one GPU runs, on `cluster` (see the module docstring), and how
-    many launches they took (`launched`): a piece costs ideal / efficiency + launches x the
-    per-kernel overhead."""
+    """Ideal seconds of the kernels one GPU runs, on `cluster` (see the module docstring), and the
+    seconds the GPU waits for their launches (`launch_wait`): a piece costs ideal / efficiency +
+    its kernels' waits, each kernel max(0, per-kernel overhead - its ideal / efficiency)."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.peak = cluster.peak_tflops * 1e12
@@ -148,18 +155,26 @@ class KernelCosts:
         self.sms = cluster.sms
         self.fp8 = cluster.precision in FP8_PRECISIONS
         self.shaped = self.hbm > 0
-        self.launches = 0
+        self.efficiency = cluster.efficiency.value
+        # the CPU profile measures its launches inside the efficiency
+        self.overhead = cluster.efficiency.kernel_overhead_s if self.shaped else 0.0
+        self.wait = 0.0
 
-    def launched(self) -> int:
-        """Launches since the last call."""
-        n, self.launches = self.launches, 0
-        return n
+    def _launch(self, ideal: float, kernels: int) -> float:
+        """`kernels` launches sharing `ideal` seconds equally; returns `ideal`."""
+        each = ideal / kernels / self.efficiency
+        self.wait += kernels * max(0.0, self.overhead - each)
+        return ideal
+
+    def launch_wait(self) -> float:
+        """Seconds the GPU waited for the launches since the last call."""
+        w, self.wait = self.wait, 0.0
+        return w
 
     def gemm(self, m: float, n: float, k: float, groups: int = 1, bf16: bool = False) -> float:
         """`groups` GEMMs of m x n x k (a grouped expert GEMM: one per local expert)."""
         if m <= 0 or n <= 0 or k <= 0 or groups <= 0:
             return 0.0
-        self.launches += groups
         peak = self.bf16_peak if bf16 else self.peak
         flops = 2.0 * m * n * k * groups
         if not self.shaped:
@@ -170,20 +185,19 @@ class KernelCosts:
             wave = tiles / (ceil(tiles / self.sms) * self.sms)
         operand = 1 if self.fp8 and not bf16 else 2
         nbytes = groups * ((m * k + k * n) * operand + m * n * 2)
-        return max(flops / (peak * wave), nbytes / self.hbm)
+        return self._launch(max(flops / (peak * wave), nbytes / self.hbm), groups)
 
     def attention_core(self, flops: float) -> float:
-        self.launches += 1
         if not self.shaped:
             return flops / self.peak
-        return flops / (self.bf16_peak * FLASH_ATTENTION_SHARE)
+        return self._launch(flops / (self.bf16_peak * FLASH_ATTENTION_SHARE), 1)
 
     def glue(self, nbytes: float, kernels: int = 1) -> float:
-        """`kernels` memory-bound kernels moving `nbytes` in all."""
+        """`kernels` memory-bound kernels moving `nbytes` in all (in equal shares: which of them
+        moves more is not in the model)."""
         if not self.shaped or nbytes <= 0:
             return 0.0
-        self.launches += kernels
-        return nbytes / self.hbm
+        return self._launch(nbytes / self.hbm, kernels)
 
     def casts(self, elements: float, kernels: int = 1) -> float:
         """FP8 casts of GEMM inputs (2 bytes read, 1 written each); nothing at BF16."""
@@ -198,15 +212,14 @@ def microbatch_compute(
     m = cfg.model
     k = KernelCosts(cluster)
     eff = cluster.efficiency.value
-    tau = cluster.efficiency.kernel_overhead_s if k.shaped else 0.0
 
     graphed = graphed_scopes(m)
 
     def cost(ideal: float, scope: str) -> float:
-        """A piece's seconds: its kernels' ideal time / efficiency + their launches' overhead (none
-        inside a CUDA graph: the graph replays them without the host)."""
-        launches = k.launched()
-        return ideal / eff + (0.0 if scope in graphed else launches * tau)
+        """A piece's seconds: its kernels' ideal time / efficiency + what the GPU waits for their
+        launches (nothing inside a CUDA graph: the graph replays them without the host)."""
+        wait = k.launch_wait()
+        return ideal / eff + (0.0 if scope in graphed else wait)
 
     tokens = cfg.train.micro_batch_size * m.seq_length // max(1, layout.cp)  # this CP rank's
     moe_layer = [m.is_moe_layer(layer) for layer in range(m.num_layers)]

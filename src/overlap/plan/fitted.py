@@ -5,11 +5,11 @@ run's linear model (a, b, c: step = a + b / efficiency + c x overhead), taken at
 
 FITTED = {
     "h100": {
-        "efficiency": 0.7192,
-        "kernel_overhead_us": 35.161,
+        "efficiency": 0.6206,
+        "kernel_overhead_us": 60.59,
         "kernel_overhead_from": "h100",
-        "median_error": 0.07,
-        "worst_error": 0.516,
+        "median_error": 0.047,
+        "worst_error": 0.482,
         "group": "h100",
         "fit_rows": [
             "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off",
@@ -26,15 +26,15 @@ FITTED = {
             "Llama3-70B 64xH100 FP8 TP4 PP8 VP5",
             "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8",
         ],
-        "expected_error": "median 7%, worst 52%, 12 of 13 runs within 20% (leave-one-out over "
+        "expected_error": "median 5%, worst 48%, 11 of 13 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "b200": {
-        "efficiency": 0.6215,
-        "kernel_overhead_us": 35.161,
+        "efficiency": 0.5724,
+        "kernel_overhead_us": 60.59,
         "kernel_overhead_from": "h100",
-        "median_error": 0.048,
-        "worst_error": 0.281,
+        "median_error": 0.069,
+        "worst_error": 0.219,
         "group": "blackwell",
         "fit_rows": [
             "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8",
@@ -49,15 +49,15 @@ FITTED = {
             "GPT-OSS-120B 64xGB200 MXFP8 MBS4 EP64 (26.08)",
             "GPT-OSS-120B 64xGB300 MXFP8 MBS4 EP16 (26.08)",
         ],
-        "expected_error": "median 5%, worst 28%, 10 of 11 runs within 20% (leave-one-out over "
+        "expected_error": "median 7%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "gb200": {
-        "efficiency": 0.6215,
-        "kernel_overhead_us": 35.161,
+        "efficiency": 0.5724,
+        "kernel_overhead_us": 60.59,
         "kernel_overhead_from": "h100",
-        "median_error": 0.048,
-        "worst_error": 0.281,
+        "median_error": 0.069,
+        "worst_error": 0.219,
         "group": "blackwell",
         "fit_rows": [
             "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8",
@@ -72,15 +72,15 @@ FITTED = {
             "GPT-OSS-120B 64xGB200 MXFP8 MBS4 EP64 (26.08)",
             "GPT-OSS-120B 64xGB300 MXFP8 MBS4 EP16 (26.08)",
         ],
-        "expected_error": "median 5%, worst 28%, 10 of 11 runs within 20% (leave-one-out over "
+        "expected_error": "median 7%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "gb300": {
-        "efficiency": 0.6215,
-        "kernel_overhead_us": 35.161,
+        "efficiency": 0.5724,
+        "kernel_overhead_us": 60.59,
         "kernel_overhead_from": "h100",
-        "median_error": 0.048,
-        "worst_error": 0.281,
+        "median_error": 0.069,
+        "worst_error": 0.219,
         "group": "blackwell",
         "fit_rows": [
             "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8",
@@ -95,43 +95,43 @@ FITTED = {
             "GPT-OSS-120B 64xGB200 MXFP8 MBS4 EP64 (26.08)",
             "GPT-OSS-120B 64xGB300 MXFP8 MBS4 EP16 (26.08)",
         ],
-        "expected_error": "median 5%, worst 28%, 10 of 11 runs within 20% (leave-one-out over "
+        "expected_error": "median 7%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
 }
 
 LINEAR = {
-    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off": (18.2382068, 9.35123913, 305152.0),
-    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": (7.46871851, 9.35123913, 305152.0),
+    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off": (18.2382068, 5.36104373, 249088.0),
+    "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on": (7.46871851, 5.36104373, 249088.0),
     "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap + delay_wgrad": (
         7.46871851,
-        9.35123913,
-        305152.0,
+        5.36104373,
+        249088.0,
     ),
-    "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap off": (4.77921701, 9.35123913, 240640.0),
-    "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on": (1.21826696, 9.35123913, 240640.0),
-    "Qwen3-30B-A3B 16xH100 FP8 EP16": (4.22073823, 8.0925176, 342016.0),
-    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": (2.78447803, 9.0727915, 488597.525),
-    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": (1.5345612, 4.51530853, 121786.845),
-    "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32": (26.0899065, 24.3603613, 478222.995),
-    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": (1.03823415, 5.29645692, 105926.611),
-    "Llama3-8B 8xH100 FP8-CS FSDP": (0.015626577, 5.59481941, 23296.0),
-    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": (2.29632758, 11.7973503, 56527.8115),
-    "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8": (6.02461971, 19.4448359, 125131.187),
-    "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8": (1.17920348, 3.45451315, 85504.0),
-    "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8 (26.04.01)": (1.17920348, 3.26107012, 106240.0),
-    "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.04.01)": (1.16000301, 3.25050114, 53120.0),
+    "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap off": (4.77921701, 5.54740558, 193792.0),
+    "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on": (1.21826696, 5.54740558, 193792.0),
+    "Qwen3-30B-A3B 16xH100 FP8 EP16": (3.79519807, 5.31398129, 276736.0),
+    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": (2.35420634, 6.28621995, 422955.544),
+    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": (1.53958694, 3.41097504, 98483.9012),
+    "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32": (26.8731876, 20.1664553, 269396.766),
+    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": (-0.580017232, 4.06986934, 95680.65),
+    "Llama3-8B 8xH100 FP8-CS FSDP": (0.015626577, 5.50154811, 3120.0),
+    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": (1.85907034, 11.3005158, 26861.6722),
+    "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8": (5.52802768, 18.6461617, 60109.7456),
+    "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8": (1.17920348, 2.75538803, 76080.0),
+    "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8 (26.04.01)": (1.17920348, 2.44240919, 85296.0),
+    "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.04.01)": (1.16000301, 2.67800884, 36888.0),
     "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8 (26.08)": (0.31211043, 3.50749387, 0.0),
     "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.08)": (0.348201027, 3.49692489, 0.0),
     "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.04.01)": (
-        4.12177631,
-        9.31362165,
-        109487.172,
+        3.30371649,
+        8.48231427,
+        56020.3085,
     ),
     "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.04.01)": (
-        4.31053261,
-        8.32962796,
-        57114.8252,
+        4.35529006,
+        8.19899915,
+        4288.41362,
     ),
     "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.08)": (1.0852466, 9.68455959, 0.0),
     "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.08)": (2.29242486, 8.78038733, 0.0),
@@ -140,6 +140,6 @@ LINEAR = {
 }
 
 LINEARIZED_AT = {
-    "blackwell": (0.6214840232714112, 3.516137436817609e-05),
-    "h100": (0.7192310494829791, 3.516137436817609e-05),
+    "blackwell": (0.5724156715767184, 6.059048454899925e-05),
+    "h100": (0.6205688243776918, 6.059048454899925e-05),
 }

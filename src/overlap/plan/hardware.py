@@ -213,8 +213,9 @@ class Efficiency:
 
     value: float
     source: str
-    # seconds every kernel launch adds on the GPU's timeline (launch gap and host work of an eager
-    # run), fitted with `value` on the same runs; 0 where the efficiency alone was calibrated
+    # seconds the host takes to launch one kernel of an eager run: the least a kernel outside a
+    # CUDA graph costs on the GPU's timeline (`overlap.plan.compute`), fitted with `value` on the
+    # same runs; 0 where the efficiency alone was calibrated
     kernel_overhead_s: float = 0.0
 
 

@@ -109,8 +109,9 @@ def _kinds(by_kind: dict[str, float]) -> str:
 
 
 def overhead(us: float) -> str:
-    """The per-kernel overhead beside the efficiency (nothing where none is modelled)."""
-    return f", plus {us:.1f} us per kernel launch outside CUDA graphs" if us else ""
+    """The per-kernel overhead beside the efficiency (nothing where none is modelled): a floor
+    under each kernel's time, not an addition (`overlap.plan.compute`)."""
+    return f", each kernel outside CUDA graphs at least {us:.1f} us (its launch)" if us else ""
 
 
 def format_markdown(doc: dict) -> str:

@@ -46,6 +46,7 @@ GROUPS = {"h100": "h100", "b200": "blackwell", "gb200": "blackwell", "gb300": "b
 OVERHEAD_FROM = {"h100": "h100", "blackwell": "h100"}
 START = (0.6, 10e-6)  # (efficiency, per-kernel overhead) of the first linearization
 TAU_STEP_S = 5e-6  # the finite difference in the overhead
+MAX_ROUNDS = 8  # linearizations before `solve_linear` gives up on a fit that keeps moving
 _QWEN30 = "-m qwen -mr qwen3_30b_a3b"
 _QWEN235 = "-m qwen -mr qwen3_235b_a22b"
 # GPT-OSS-120B (openai/gpt-oss-120b config.json) on the Qwen3-MoE recipe's structure: 36 layers,
@@ -576,7 +577,8 @@ def predicted_s(row: Row, efficiency: float, kernel_overhead_s: float, config=No
 class Linear:
     """A row's predicted step near one point of the two fitted numbers: a + b x + c tau, x = 1 /
     efficiency, tau the per-kernel overhead in seconds (exact while no overlap window changes
-    which side is longer; the fit re-linearizes at its own result)."""
+    which side is longer and no kernel crosses the overhead's floor: the finite differences take
+    the secant across the kernels that do; the fit re-linearizes at its own result)."""
 
     a: float
     b: float
@@ -668,17 +670,20 @@ def _group(row: Row) -> str:
 
 
 def solve_linear(rows: tuple[Row, ...] = ROWS) -> tuple[dict[str, Linear], dict[str, tuple]]:
-    """Every expressible row's `Linear`, taken at its group's fit on all its rows (found from a
-    first linearization at a common start); and the points they were taken at, by group."""
+    """Every expressible row's `Linear`, taken at its group's fit on all its rows; and the points
+    they were taken at, by group. From a common start, linearize and fit until the fit is the
+    point its rows were linearized at (the overhead's floor makes the step piecewise linear, so a
+    linearization holds only near its point: four linearizations from START today)."""
     usable = [r for r in rows if not r.not_expressible]
     configs = {r.name: _config(r) for r in usable}
     at = {g: START for g in set(GROUPS.values())}
-    lins = {}
-    for _ in range(2):
+    for _ in range(MAX_ROUNDS):
         lins = {r.name: linearize(r, *at[_group(r)], configs[r.name]) for r in usable}
-        at = _group_fits(usable, lins)
-    lins = {r.name: linearize(r, *at[_group(r)], configs[r.name]) for r in usable}
-    return lins, at
+        fits = _group_fits(usable, lins)
+        if all(math.isclose(f, a, rel_tol=1e-6) for g in fits for f, a in zip(fits[g], at[g])):
+            return lins, at
+        at = fits
+    raise ValueError(f"the fit did not settle in {MAX_ROUNDS} linearizations (last: {at})")
 
 
 def _group_fits(
