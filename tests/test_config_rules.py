@@ -836,8 +836,11 @@ def test_delay_wgrad_requires_ep_overlap():
 
 
 def test_delay_wgrad_requested_on_model_requires_ep_overlap():
-    with pytest.raises(ConfigError):
+    """The error names the spelling the user typed (the alias `model.delay_wgrad_compute`)."""
+    with pytest.raises(ConfigError) as exc:
         build(moe(delay_wgrad_compute=True)).finalize(2)
+    assert exc.value.field == "model.delay_wgrad_compute"
+    assert "model.overlap_moe_expert_parallel_comm=true" in exc.value.fix
 
 
 def test_delay_wgrad_with_ep_overlap():

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from overlap.config.aliases import typed_aliases
 from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
@@ -61,13 +62,14 @@ PRETRAINED = "from the pretrained checkpoint's config.json"
 
 def plain_value(value: Any) -> Any:
     """A configuration value as YAML and JSON can hold it (dataclasses to mappings without their
-    private fields, anything exotic to its text)."""
+    private fields, with the alias spellings set on them as typed; anything exotic to its
+    text)."""
     if is_dataclass(value) and not isinstance(value, type):
         return {
             f.name: plain_value(getattr(value, f.name))
             for f in fields(value)
             if not f.name.startswith("_")
-        }
+        } | {name: plain_value(v) for name, v in typed_aliases(value).items()}
     if isinstance(value, dict):
         return {str(k): plain_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

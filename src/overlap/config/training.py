@@ -7,25 +7,21 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from overlap.config.aliases import aliased
 from overlap.errors import ConfigError, NotBuiltError, check_rules
 
 
+@aliased("ddp")
 @dataclass
 class DDPConfig:
-    """Data-parallel gradient reduction and parameter gather. The overlap switches here (and the
-    bucket size) are Bridge's direct spelling of comm_overlap's: an input finalize reads below
-    comm_overlap's value and leaves as typed (`None`: not set). The resolved values, logged, live in
+    """Data-parallel gradient reduction and parameter gather. Bridge's `ddp.overlap_grad_reduce`,
+    `ddp.overlap_param_gather`, `ddp.align_param_gather` and `ddp.bucket_size` are aliases of
+    comm_overlap's switches (`overlap.config.aliases`): accepted here, kept as typed, read by
+    finalize below comm_overlap's value. The resolved values, logged, live in
     `cfg.resolved.overlap`, which the runtime reads."""
 
     # shard optimizer state over DP (kept in sync with optimizer's)
     use_distributed_optimizer: bool = False
-    # gradient reduce bucket by bucket during the backward; None: DP rule
-    overlap_grad_reduce: bool | None = None
-    # parameter all-gather bucket by bucket before the forward; None: DP rule
-    overlap_param_gather: bool | None = None
-    # all pipeline stages launch their parameter gathers together; None: rule
-    align_param_gather: bool | None = None
-    bucket_size: int | None = None  # counted in PARAMETERS, not bytes (as in Megatron-Core)
     # owned by mixed precision; a different value here is logged
     grad_reduce_in_fp32: bool | None = None
     fp8_param_gather: bool | None = None  # owned by mixed precision
@@ -40,6 +36,7 @@ class DDPConfig:
     impl: str = "overlap"
 
 
+@aliased("optimizer")
 @dataclass
 class OptimizerConfig:
     optimizer: str = "adam"  # the optimizer (adam; others are refused)
@@ -52,9 +49,6 @@ class OptimizerConfig:
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
     # kept in sync with ddp.use_distributed_optimizer (logged)
     use_distributed_optimizer: bool = False
-    # first param gather inside the optimizer step; None: off (an input: resolved into
-    # cfg.resolved.overlap)
-    overlap_param_gather_with_optimizer_step: bool | None = None
     bf16: bool = False  # bfloat16 training (written by mixed precision)
     fp16: bool = False  # float16 training: loss scaling on (written by mixed precision)
     # Loss scaling (Megatron's names; mixed precision owns and writes them; None: not set). A
