@@ -473,10 +473,10 @@ def _preset_name(precision: Any) -> str | None:
 def _explicit_false_distributed_optimizer(
     cfg: ConfigContainer, line: CommandLine
 ) -> list[Decision]:
-    """ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer are kept in sync
-    (either true makes both true, as the reference): a `false` the user typed for one while the
-    other is true is a request that is not honoured - a warning, an error under --strict
-    (config/decisions.py)."""
+    """ddp.use_distributed_optimizer and its alias optimizer.use_distributed_optimizer are one knob
+    (either true turns it on, as the reference: `aliases.ANY_TRUE`): a `false` the user typed for
+    one while the other is true is a request that is not honoured - a warning, an error under
+    --strict (config/decisions.py)."""
     out = []
     for mine, other in (("ddp", "optimizer"), ("optimizer", "ddp")):
         key = f"{mine}.use_distributed_optimizer"

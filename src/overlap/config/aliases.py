@@ -37,7 +37,11 @@ ALIASES: dict[str, str] = {
     "optimizer.overlap_param_gather_with_optimizer_step": (
         "comm_overlap.overlap_param_gather_with_optimizer_step"
     ),
+    "optimizer.use_distributed_optimizer": "ddp.use_distributed_optimizer",
 }
+# Knobs whose spellings are kept in sync by "either true turns it on" (Megatron-Bridge's rule for
+# the distributed optimizer) instead of the home's value beating the alias's.
+ANY_TRUE = frozenset({"ddp.use_distributed_optimizer"})
 _HOMES = frozenset(ALIASES.values())
 
 
@@ -65,15 +69,24 @@ def spellings(key: str) -> tuple[str, ...]:
 
 
 def request(sections: Mapping[str, Any], key: str) -> Request:
-    """The value of the first spelling of `key` that is set (not None), in rank order, read from
-    `sections` (section name -> section object); a knob without aliases is read where `key`
-    says."""
+    """The value of the first spelling of `key` that is set (not None; true for an `ANY_TRUE`
+    knob), in rank order, read from `sections` (section name -> section object); a knob without
+    aliases is read where `key` says."""
+    any_true = ALIASES.get(key, key) in ANY_TRUE
     for spelling in spellings(key) or (key,):
         section, _, name = spelling.partition(".")
         value = getattr(sections[section], name)
-        if value is not None:
+        if value if any_true else value is not None:
             return Request(value, spelling)
-    return Request(None, None)
+    return Request(False if any_true else None, None)
+
+
+def rank_rule(alias: str) -> str:
+    """How the alias `alias` ranks against its home, in words (for `--list-keys`)."""
+    home = ALIASES[alias]
+    if home in ANY_TRUE:
+        return f"alias of {home} (either true turns it on)"
+    return f"alias of {home} (which beats it when both are set)"
 
 
 def aliased(section: str):

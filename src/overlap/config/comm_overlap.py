@@ -847,7 +847,8 @@ def _resolve_dp(
     log: DecisionLog,
     r: Resolved,
 ) -> None:
-    if ddp.use_distributed_optimizer != optimizer.use_distributed_optimizer:
+    dist = request({"ddp": ddp, "optimizer": optimizer}, "ddp.use_distributed_optimizer")
+    if dist.value and not (ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer):
         which = "ddp" if not ddp.use_distributed_optimizer else "optimizer"
         log.record(
             f"{which}.use_distributed_optimizer",
@@ -856,8 +857,9 @@ def _resolve_dp(
             RULE,
             "the distributed optimizer is on in one of ddp/optimizer; both must agree",
         )
-        ddp.use_distributed_optimizer = optimizer.use_distributed_optimizer = True
-    dist_opt = ddp.use_distributed_optimizer
+        # the home holds what runs (the runtime reads ddp's); the alias stays as typed
+        ddp.use_distributed_optimizer = True
+    dist_opt = bool(dist.value)
     pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
     many = dp_size > 1
 

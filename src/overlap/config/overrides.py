@@ -19,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from overlap.config.aliases import ALIASES, spellings
+from overlap.config.aliases import ALIASES, rank_rule, spellings
 from overlap.config.checkpoint import CheckpointConfig
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer
@@ -294,8 +294,7 @@ def override_key_rows() -> list[tuple[str, str, str, str]]:
                     f"{section}.{name}",
                     _hint_name(_hints(home_cls)[home_name]),
                     "None",
-                    f"alias of {home_section}.{home_name} (which beats it when both are set): "
-                    f"{field_docs(home_cls).get(home_name, '')}",
+                    f"{rank_rule(f'{section}.{name}')}: {field_docs(home_cls).get(home_name, '')}",
                 )
             )
     rows.append(

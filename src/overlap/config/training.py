@@ -17,10 +17,11 @@ class DDPConfig:
     """Data-parallel gradient reduction and parameter gather. Bridge's `ddp.overlap_grad_reduce`,
     `ddp.overlap_param_gather`, `ddp.align_param_gather` and `ddp.bucket_size` are aliases of
     comm_overlap's switches (`overlap.config.aliases`): accepted here, kept as typed, read by
-    finalize below comm_overlap's value. The resolved values, logged, live in
-    `cfg.resolved.overlap`, which the runtime reads."""
+    finalize below comm_overlap's value. `use_distributed_optimizer` is the home of Bridge's two
+    spellings (`optimizer.use_distributed_optimizer` is its alias; either true turns it on). The
+    resolved overlap values, logged, live in `cfg.resolved.overlap`, which the runtime reads."""
 
-    # shard optimizer state over DP (kept in sync with optimizer's)
+    # shard optimizer state over DP: the distributed optimizer (either spelling true turns it on)
     use_distributed_optimizer: bool = False
     # owned by mixed precision; a different value here is logged
     grad_reduce_in_fp32: bool | None = None
@@ -47,8 +48,6 @@ class OptimizerConfig:
     adam_beta2: float = 0.95  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
-    # kept in sync with ddp.use_distributed_optimizer (logged)
-    use_distributed_optimizer: bool = False
     bf16: bool = False  # bfloat16 training (written by mixed precision)
     fp16: bool = False  # float16 training: loss scaling on (written by mixed precision)
     # Loss scaling (Megatron's names; mixed precision owns and writes them; None: not set). A
