@@ -119,9 +119,18 @@ def aliased(section: str):
                 return self.__dict__.get("_alias_requests", {}).get(name)
             raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}")
 
+        fields_equal = cls.__eq__
+
+        def __eq__(self, other: object) -> bool:  # the aliases as typed count, as fields did
+            same = fields_equal(self, other)
+            if same is not True:
+                return same
+            return _set_aliases(self) == _set_aliases(other)
+
         cls.__init__ = __init__
         cls.__setattr__ = __setattr__
         cls.__getattr__ = __getattr__
+        cls.__eq__ = __eq__
         return cls
 
     return wrap
@@ -130,3 +139,8 @@ def aliased(section: str):
 def typed_aliases(section: Any) -> dict[str, Any]:
     """The alias spellings set on `section`, by field name, as typed (for its plain form)."""
     return dict(getattr(section, "__dict__", {}).get("_alias_requests", {}))
+
+
+def _set_aliases(section: Any) -> dict[str, Any]:
+    """The alias spellings set to a value (None is the same as not set)."""
+    return {k: v for k, v in typed_aliases(section).items() if v is not None}
