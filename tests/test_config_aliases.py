@@ -67,3 +67,13 @@ def test_every_spelling_is_listed_once_and_names_the_other():
         assert alias in rows[home]
     keys = [row[0] for row in override_key_rows()]
     assert len(keys) == len(set(keys))
+
+
+def test_the_null_tokenizers_vocabulary_beats_the_models():
+    cfg = ConfigContainer(model=ModelConfig(vocab_size=4096))
+    sections = {"model": cfg.model, "tokenizer": cfg.tokenizer}
+    assert request(sections, "model.vocab_size") == Request(4096, "model.vocab_size")
+    apply_override(cfg, "tokenizer.vocab_size=1024")
+    assert request(sections, "model.vocab_size") == Request(1024, "tokenizer.vocab_size")
+    cfg.finalize(1)
+    assert (cfg.model.vocab_size, cfg.tokenizer.vocab_size) == (1024, 1024)

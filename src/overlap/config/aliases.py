@@ -9,7 +9,9 @@ Here each knob is declared once, on its home section; the other spelling is an a
 the user (or a recipe) wrote. `request` reads every spelling of a knob in rank order (the home's
 first: comm_overlap's value beats the direct spelling, as the resolution always did) and returns the
 value that counts with the spelling it was typed under, so a decision or an error names what the
-user wrote.
+user wrote. Two knobs rank otherwise, as Bridge does: the distributed optimizer is on when either
+spelling is true (`ANY_TRUE`), and the NullTokenizer's `tokenizer.vocab_size` beats
+`model.vocab_size` (`ALIAS_FIRST`); for both, finalize sets the home, which the runtime reads.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ ALIASES: dict[str, str] = {
         "comm_overlap.overlap_param_gather_with_optimizer_step"
     ),
     "optimizer.use_distributed_optimizer": "ddp.use_distributed_optimizer",
+    "tokenizer.vocab_size": "model.vocab_size",
 }
 # Knobs whose spellings are kept in sync by "either true turns it on" (Megatron-Bridge's rule for
 # the distributed optimizer) instead of the home's value beating the alias's.
 ANY_TRUE = frozenset({"ddp.use_distributed_optimizer"})
+# Knobs whose alias, when set, beats the home: the NullTokenizer's vocabulary (--vocab_size) sizes
+# the embedding whatever the recipe's model.vocab_size says.
+ALIAS_FIRST = frozenset({"model.vocab_size"})
 _HOMES = frozenset(ALIASES.values())
 
 
@@ -70,10 +76,13 @@ def spellings(key: str) -> tuple[str, ...]:
 
 def request(sections: Mapping[str, Any], key: str) -> Request:
     """The value of the first spelling of `key` that is set (not None; true for an `ANY_TRUE`
-    knob), in rank order, read from `sections` (section name -> section object); a knob without
-    aliases is read where `key` says."""
-    any_true = ALIASES.get(key, key) in ANY_TRUE
-    for spelling in spellings(key) or (key,):
+    knob), in rank order (the home first, the alias first for an `ALIAS_FIRST` knob), read from
+    `sections` (section name -> section object); a knob without aliases is read where `key`
+    says."""
+    home = ALIASES.get(key, key)
+    any_true = home in ANY_TRUE
+    order = spellings(key) or (key,)
+    for spelling in order[1:] + order[:1] if home in ALIAS_FIRST else order:
         section, _, name = spelling.partition(".")
         value = getattr(sections[section], name)
         if value if any_true else value is not None:
@@ -86,6 +95,8 @@ def rank_rule(alias: str) -> str:
     home = ALIASES[alias]
     if home in ANY_TRUE:
         return f"alias of {home} (either true turns it on)"
+    if home in ALIAS_FIRST:
+        return f"alias of {home} (which it beats when set)"
     return f"alias of {home} (which beats it when both are set)"
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from overlap.config.aliases import typed_aliases
+from overlap.config.aliases import request, typed_aliases
 from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
@@ -225,8 +225,10 @@ class ConfigContainer:
                 "the NullTokenizer reads no file.",
                 "set --tokenizer_type HuggingFaceTokenizer, or drop --tokenizer_model.",
             )
-        if tok.vocab_size is not None:
-            self.model.vocab_size = tok.vocab_size
+        # the home holds what runs (the NullTokenizer's vocabulary beats the recipe's)
+        self.model.vocab_size = request(
+            {"model": self.model, "tokenizer": tok}, "model.vocab_size"
+        ).value
 
     def _apply_pretrained(
         self, log: DecisionLog, read: Callable[[str, int], ModelConfig] | None

@@ -55,6 +55,11 @@ SECTION_CLASSES: dict[str, type] = {
 }
 
 
+def _alias_hint(home_section: str, home_name: str) -> Any:
+    """An alias's type: its home's, or None (an alias's None means "not set")."""
+    return _hints(SECTION_CLASSES[home_section])[home_name] | None
+
+
 def _alias_names(section: str) -> list[str]:
     """The fields of `section` that are aliases of another section's knob (`ALIASES`)."""
     return [a.partition(".")[2] for a in ALIASES if a.partition(".")[0] == section]
@@ -209,7 +214,7 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
     home = ALIASES.get(key)
     if home is not None:  # Bridge's other spelling: typed like its home, kept on this section
         home_section, _, home_name = home.partition(".")
-        hints = {parts[1]: _hints(SECTION_CLASSES[home_section])[home_name]}
+        hints = {parts[1]: _alias_hint(home_section, home_name)}
         names.append(parts[1])
     if key in MOVED:
         raise ConfigError(
@@ -292,7 +297,7 @@ def override_key_rows() -> list[tuple[str, str, str, str]]:
             rows.append(
                 (
                     f"{section}.{name}",
-                    _hint_name(_hints(home_cls)[home_name]),
+                    _hint_name(_alias_hint(home_section, home_name)),
                     "None",
                     f"{rank_rule(f'{section}.{name}')}: {field_docs(home_cls).get(home_name, '')}",
                 )

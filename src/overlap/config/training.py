@@ -21,7 +21,7 @@ class DDPConfig:
     spellings (`optimizer.use_distributed_optimizer` is its alias; either true turns it on). The
     resolved overlap values, logged, live in `cfg.resolved.overlap`, which the runtime reads."""
 
-    # shard optimizer state over DP: the distributed optimizer (either spelling true turns it on)
+    # shard optimizer state over DP (the distributed optimizer)
     use_distributed_optimizer: bool = False
     # owned by mixed precision; a different value here is logged
     grad_reduce_in_fp32: bool | None = None
@@ -255,12 +255,15 @@ class TrainConfig:
         )
 
 
+@aliased("tokenizer")
 @dataclass
 class TokenizerConfig:
+    """The tokenizer. Bridge's `tokenizer.vocab_size` (the NullTokenizer's vocabulary, --vocab_size)
+    is an alias of `model.vocab_size` that beats it when set (`overlap.config.aliases`)."""
+
     # NullTokenizer: token ids as they are (mock data); HuggingFaceTokenizer
     tokenizer_type: str = "NullTokenizer"
     tokenizer_model: str | None = None  # HuggingFaceTokenizer: a tokenizer.json or its folder
-    vocab_size: int | None = None  # NullTokenizer vocabulary; None: keep model.vocab_size
 
 
 @dataclass
