@@ -201,8 +201,9 @@ def resolve_comm_overlap(
 ) -> OverlapPlan:
     """Resolve every overlap switch from its two spellings (read, never written), recording each
     decision; returns the resolved switches as the frozen plan everything downstream reads. The
-    model / DDP / optimizer configs are left as typed (only the distributed optimizer's two
-    flags are brought into agreement)."""
+    model / DDP / optimizer configs are left as typed, except the distributed optimizer's home,
+    `ddp.use_distributed_optimizer`, which the runtime reads: it is set when its alias
+    `optimizer.use_distributed_optimizer` is true (`aliases.ANY_TRUE`)."""
     u = (
         user
         if user is not None
