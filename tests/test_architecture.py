@@ -22,7 +22,7 @@ def test_each_model_field_has_one_home():
     assert own.isdisjoint(ARCH)  # no architecture field declared again on ModelConfig
     assert own | set(ARCH) == {f.name for f in fields(ModelConfig)}
     assert all(f.default is not MISSING for f in fields(TransformerArchitecture))
-    for name in ("moe_aux_loss_coeff", "moe_expert_capacity_factor", "tp_comm_overlap", "bf16"):
+    for name in ("moe_aux_loss_coeff", "moe_expert_capacity_factor", "tp_comm_overlap_ag", "bf16"):
         assert name in own  # training behaviour, precision and overlap are not the network
 
 

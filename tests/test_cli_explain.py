@@ -315,6 +315,8 @@ def test_tp1_with_sequence_parallel_is_a_logged_decision(capsys, jobs):
         (["-sl", "32"], "model.seq_length=64", "model.seq_length", 64),
         (["-ms", "3"], "train.train_iters=5", "train.train_iters", 5),
         (["--vocab_size", "512"], "tokenizer.vocab_size=1024", "tokenizer.vocab_size", 1024),
+        # the knob's other spelling (`overlap.config.aliases`): the override still wins, said
+        (["--vocab_size", "512"], "model.vocab_size=1024", "tokenizer.vocab_size", 1024),
         (["-c", "fp32"], "mixed_precision=bf16_mixed", "mixed_precision", "bf16_mixed"),
         (
             ["--moe_flex_dispatcher_backend", "None"],

@@ -458,28 +458,44 @@ def test_an_overlap_plan_refuses_a_value_that_is_not_plain():
         OverlapPlan(overlap_grad_reduce=None)
 
 
-def test_each_overlap_switch_has_one_direct_spelling():
-    """Every comm_overlap switch names the one section that holds its Bridge spelling (the harness's
-    flag/override reconciliation and the resolution both read this table)."""
-    from overlap.config.comm_overlap import DIRECT_SECTION, OverlapPlan
-    from overlap.harness import _twins
+def test_each_overlap_switch_is_declared_once_with_one_alias():
+    """Every comm_overlap switch has one alias, Bridge's direct spelling (`ALIASES`), which no
+    section declares as a field: the section takes it as a keyword, an attribute and an override
+    and keeps it as typed; the harness's flag/override reconciliation and the resolution both read
+    the table."""
+    from overlap.config.aliases import ALIASES, spellings
+    from overlap.config.comm_overlap import OverlapPlan
+    from overlap.config.overrides import apply_override
 
     sections = {"model": ModelConfig, "ddp": DDPConfig, "optimizer": OptimizerConfig}
     switches = {f.name for f in dataclasses.fields(CommOverlapConfig)} - {
         "strict",
         "data_parallel_size",
     }
-    assert set(DIRECT_SECTION) == switches
-    for name, section in DIRECT_SECTION.items():
-        holders = [
-            s for s, cls in sections.items() if name in {f.name for f in dataclasses.fields(cls)}
-        ]
-        assert holders == [section], name
-        assert _twins(f"comm_overlap.{name}") == [f"{section}.{name}"]
-        assert _twins(f"{section}.{name}") == [f"comm_overlap.{name}"]
-    assert _twins("model.sequence_parallel") == [] and _twins("ddp.use_distributed_optimizer") == []
+    homes = {
+        alias: home.partition(".")[2]
+        for alias, home in ALIASES.items()
+        if home.startswith("comm_overlap.")
+    }
+    assert sorted(homes.values()) == sorted(switches)
+    for alias, name in homes.items():
+        section = alias.partition(".")[0]
+        for cls in sections.values():
+            assert name not in {f.name for f in dataclasses.fields(cls)}, name
+        assert spellings(f"comm_overlap.{name}") == (f"comm_overlap.{name}", alias)
+        assert spellings(alias) == (f"comm_overlap.{name}", alias)
+        assert getattr(sections[section](), name) is None
+        assert getattr(sections[section](**{name: 7}), name) == 7
+        cfg = ConfigContainer()
+        apply_override(cfg, f"{alias}=null")
+        assert alias.partition(".")[2] in cfg.to_dict()[section]
+    assert spellings("model.sequence_parallel") == ()
+    assert spellings("optimizer.use_distributed_optimizer") == (
+        "ddp.use_distributed_optimizer",
+        "optimizer.use_distributed_optimizer",
+    )
     plan = {f.name for f in dataclasses.fields(OverlapPlan)}
     # the model-only switches, and the per-GEMM plan resolved into what each TP slot runs
     model_only = {"moe_shared_expert_overlap", "cp_comm_type", "cp_comm_overlap"}
-    assert plan - set(DIRECT_SECTION) == model_only | {"tp_slots"}
-    assert set(DIRECT_SECTION) - plan == {"tp_comm_overlap_cfg"}
+    assert plan - switches == model_only | {"tp_slots"}
+    assert switches - plan == {"tp_comm_overlap_cfg"}

@@ -24,7 +24,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from overlap.config.comm_overlap import DIRECT_SECTION, CommOverlapConfig
+from overlap.config.aliases import spellings
+from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import PRETRAINED, ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend
@@ -287,22 +288,6 @@ def _set(cfg: ConfigContainer, key: str, value: Any) -> None:
         setattr(getattr(cfg, section), name, value)
 
 
-def _twins(key: str) -> list[str]:
-    """`comm_overlap.X` and the model/ddp/optimizer field that the overlap resolution reads after it
-    (`DIRECT_SECTION`): one knob, two spellings."""
-    section, _, name = key.partition(".")
-    direct = DIRECT_SECTION.get(name)
-    if direct is None:
-        return []
-    return (
-        [f"{direct}.{name}"]
-        if section == "comm_overlap"
-        else [f"comm_overlap.{name}"]
-        if section == direct
-        else []
-    )
-
-
 def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decision], CommandLine]:
     """Recipe -> flags -> overrides; returns the config, the command-line decisions and the
     provenance."""
@@ -404,7 +389,7 @@ def _apply_perf_recipe(cfg: ConfigContainer, args: argparse.Namespace, line: Com
         settings = [s for s in settings if s.key not in LAYOUT_KEYS]
     settings += [Setting(*s) for s in found.settings]
     for key, value, why, skip in settings:
-        if any(k in line.flags or k in overridden for k in (key, *_twins(key))):
+        if any(k in line.flags or k in overridden for k in spellings(key) or (key,)):
             # the flag's (or the override's, applied next), in either of the knob's spellings:
             # said in their rows
             continue
@@ -488,10 +473,10 @@ def _preset_name(precision: Any) -> str | None:
 def _explicit_false_distributed_optimizer(
     cfg: ConfigContainer, line: CommandLine
 ) -> list[Decision]:
-    """ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer are kept in sync
-    (either true makes both true, as the reference): a `false` the user typed for one while the
-    other is true is a request that is not honoured - a warning, an error under --strict
-    (config/decisions.py)."""
+    """ddp.use_distributed_optimizer and its alias optimizer.use_distributed_optimizer are one knob
+    (either true turns it on, as the reference: `aliases.ANY_TRUE`): a `false` the user typed for
+    one while the other is true is a request that is not honoured - a warning, an error under
+    --strict (config/decisions.py)."""
     out = []
     for mine, other in (("ddp", "optimizer"), ("optimizer", "ddp")):
         key = f"{mine}.use_distributed_optimizer"
@@ -514,11 +499,12 @@ def _reconcile(cfg: ConfigContainer, line: CommandLine) -> list[Decision]:
     said aloud."""
     out = []
     for key, write in line.flags.items():
-        for other in (key, *_twins(key)):
+        for other in spellings(key) or (key,):
             if other not in line.overrides or line.overrides[other] == write.value:
                 continue
             value = line.overrides[other]
-            # the twin is read after comm_overlap: undo the flag so the override takes effect
+            # another spelling of the flag's knob: undo the flag so the override counts, whichever
+            # spelling ranks first
             if other != key:
                 _set(cfg, key, write.before)
             typed = write.value if write.typed is _KEEP else write.typed

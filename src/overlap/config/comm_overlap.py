@@ -7,10 +7,13 @@ default. Every field gets a logged decision record, a request that cannot be hon
 such (an error in strict mode), and unmet prerequisites of the MoE overlap are always errors, as in
 the reference.
 
-Both spellings are inputs only: the resolution reads them and never writes them back, so after
-`finalize` they still say what the user (or a recipe) typed. The resolved value of every switch has
-one home, the frozen `OverlapPlan` (`cfg.resolved.overlap`), which everything built or planned from
-the run reads: the model and its layers, DDP, the optimizer, the schedules and the planner.
+Each switch is declared once, here; Bridge's direct spelling (`model.tp_comm_overlap`,
+`ddp.overlap_grad_reduce`, ...) is an alias of it (`overlap.config.aliases`), and the rank of the
+two is decided there, once (`aliases.request`). Both are inputs only: the resolution reads them and
+never writes them back, so after `finalize` they still say what the user (or a recipe) typed. The
+resolved value of every switch has one home, the frozen `OverlapPlan` (`cfg.resolved.overlap`),
+which everything built or planned from the run reads: the model and its layers, DDP, the optimizer,
+the schedules and the planner.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from overlap.config.aliases import Request, request
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
 from overlap.config.tp_overlap import (
     LinearPlan,
@@ -66,87 +70,62 @@ class CommOverlapConfig:
     tp_comm_overlap_cfg: TransformerLayerTPOverlapCfg | str | None = None
     # TP overlap bootstrap backend (Bridge's; recorded, nccl by default)
     tp_comm_bootstrap_backend: str | None = "nccl"
-    # pipeline p2p overlapped with compute (beats model.overlap_p2p_comm)
+    # pipeline p2p overlapped with compute
     overlap_p2p_comm: bool | None = None
-    # pipeline sends/receives batched (beats model.batch_p2p_comm)
+    # pipeline sends/receives batched
     batch_p2p_comm: bool | None = None
-    # DP gradient reduce overlapped with the backward (beats ddp's)
+    # DP gradient reduce overlapped with the backward
     overlap_grad_reduce: bool | None = None
-    # DP parameter gather overlapped with the forward (beats ddp's)
+    # DP parameter gather overlapped with the forward
     overlap_param_gather: bool | None = None
-    # first param gather in the optimizer step (beats optimizer's)
+    # first param gather in the optimizer step
     overlap_param_gather_with_optimizer_step: bool | None = None
-    # pipeline stages launch their param gathers together (beats ddp's)
+    # pipeline stages launch their param gathers together
     align_param_gather: bool | None = None
-    # parameters per DP bucket (beats ddp.bucket_size); None: the DP rule
+    # parameters per DP bucket (not bytes, as Megatron-Core counts); None: the DP rule
     bucket_size: int | None = None
-    # output wgrad deferred to the pipeline flush (beats model's)
+    # output wgrad deferred to the pipeline flush
     defer_embedding_wgrad_compute: bool | None = None
-    # deferred output wgrads that may wait, -1: automatic (beats model's)
+    # deferred output wgrads that may wait, -1: automatic
     wgrad_deferral_limit: int | None = None
     data_parallel_size: int | None = None  # the DP size, filled in by finalize (not a setting)
-    # EP all-to-alls under another micro-batch's compute (beats model's)
+    # EP all-to-alls under another micro-batch's compute
     overlap_moe_expert_parallel_comm: bool | None = None
-    # EP overlap: wgrad GEMMs deferred out of the backward (beats model's)
+    # EP overlap: wgrad GEMMs deferred out of the backward
     delay_wgrad_compute: bool | None = None
     # ours: any request that cannot be honoured is an error instead of a logged decision
     strict: bool = False
 
 
-# Where each comm_overlap switch's Bridge spelling lives when it is set directly (by a recipe or an
-# override): the resolution reads it there below comm_overlap's value; the result goes to the plan.
-DIRECT_SECTION = {
-    "tp_comm_overlap": "model",
-    "tp_comm_overlap_cfg": "model",
-    "tp_comm_bootstrap_backend": "model",
-    "overlap_p2p_comm": "model",
-    "batch_p2p_comm": "model",
-    "defer_embedding_wgrad_compute": "model",
-    "wgrad_deferral_limit": "model",
-    "overlap_moe_expert_parallel_comm": "model",
-    "delay_wgrad_compute": "model",
-    "overlap_grad_reduce": "ddp",
-    "overlap_param_gather": "ddp",
-    "align_param_gather": "ddp",
-    "bucket_size": "ddp",
-    "overlap_param_gather_with_optimizer_step": "optimizer",
-}
-
-
-def _requested(user: Any, direct: Any) -> Any:
-    return user if user is not None else direct
-
-
-def _source(user: Any, direct: Any) -> str | None:
-    if user is not None:
-        return USER
-    if direct is not None:
-        return MODEL_CONFIG
-    return None
+Ask = Callable[[str], Request]  # a switch's request, by its comm_overlap name (`aliases.request`)
 
 
 def _choose(
     log: DecisionLog,
     field: str,
-    user: Any,
-    direct: Any,
+    req: Request,
     auto: Any,
     auto_by: str,
     auto_reason: str,
     note: Callable[[Any], str | None] = lambda _value: None,
 ) -> Any:
-    """Apply the precedence user > direct config > automatic, and record the decision; `note`
-    (given the effective value) adds what that value means here to the reason."""
-    src = _source(user, direct)
-    if src == USER:
-        value, requested, by, why = user, user, USER, "set on comm_overlap"
-    elif src == MODEL_CONFIG:
-        value, requested, by = direct, direct, MODEL_CONFIG
-        why = f"set directly on {field.split('.')[0]}"
-    else:
+    """Take the request (comm_overlap's spelling beats the direct one: `aliases.request`), else the
+    automatic value, and record the decision; `note` (given the effective value) adds what that
+    value means here to the reason."""
+    if req.spelling is None:
         value, requested, by, why = auto, None, auto_by, auto_reason
+    elif req.on_home:
+        value, requested, by, why = req.value, req.value, USER, "set on comm_overlap"
+    else:
+        value, requested, by = req.value, req.value, MODEL_CONFIG
+        why = f"set directly on {req.spelling.split('.')[0]}"
     extra = note(value)
     return log.record(field, requested, value, by, why if extra is None else f"{why}; {extra}")
+
+
+def _by(req: Request) -> str | None:
+    """Who set a request: the user on comm_overlap, a direct spelling, or nobody (None)."""
+    return None if req.spelling is None else USER if req.on_home else MODEL_CONFIG
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,20 +201,26 @@ def resolve_comm_overlap(
 ) -> OverlapPlan:
     """Resolve every overlap switch from its two spellings (read, never written), recording each
     decision; returns the resolved switches as the frozen plan everything downstream reads. The
-    model / DDP / optimizer configs are left as typed (only the distributed optimizer's two
-    flags are brought into agreement)."""
+    model / DDP / optimizer configs are left as typed, except the distributed optimizer's home,
+    `ddp.use_distributed_optimizer`, which the runtime reads: it is set when its alias
+    `optimizer.use_distributed_optimizer` is true (`aliases.ANY_TRUE`)."""
     u = (
         user
         if user is not None
         else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
     )
     r: Resolved = {}
-    tp_cfg = _resolve_tp(u, model, log, r)
-    _resolve_pp(u, model, log, r)
+    sections = {"comm_overlap": u, "model": model, "ddp": ddp, "optimizer": optimizer}
+
+    def ask(name: str) -> Request:
+        return request(sections, f"comm_overlap.{name}")
+
+    tp_cfg = _resolve_tp(ask, model, log, r)
+    _resolve_pp(ask, model, log, r)
     _resolve_cp(model, log, r)
-    _resolve_moe(u, model, log, dp_size, r)
+    _resolve_moe(ask, model, log, dp_size, r)
     _resolve_tp_plan(model, tp_cfg, log, r)
-    _resolve_dp(u, model, ddp, optimizer, dp_size, log, r)
+    _resolve_dp(ask, model, ddp, optimizer, dp_size, log, r)
     _detect_noops(model, ddp, dp_size, log, r)
     return OverlapPlan(**r)
 
@@ -346,8 +331,7 @@ def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
     kind = _choose(
         log,
         "model.cp_comm_type",
-        None,
-        model.cp_comm_type,
+        request({"model": model}, "model.cp_comm_type"),
         "p2p",
         RULE,
         "CP>1: the KV ring, the next block's transfer under this block's attention "
@@ -380,8 +364,7 @@ def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
         r["cp_comm_overlap"] = _choose(
             log,
             "model.cp_comm_overlap",
-            None,
-            model.cp_comm_overlap,
+            request({"model": model}, "model.cp_comm_overlap"),
             True,
             RULE,
             f"{kind}: block k+1's keys and values travel while block k's attention computes",
@@ -405,12 +388,12 @@ def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
 
 
 def _resolve_tp(
-    u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: Resolved
+    ask: Ask, model: ModelConfig, log: DecisionLog, r: Resolved
 ) -> dict[str, Any] | None:
     """TP overlap on or off, and its per-GEMM plan; returns the plan in Bridge's dict form (None:
     TP overlap off, or no plan given), which `_resolve_tp_plan` turns into the slots."""
-    requested = _requested(u.tp_comm_overlap, model.tp_comm_overlap)
-    src = _source(u.tp_comm_overlap, model.tp_comm_overlap)
+    req = ask("tp_comm_overlap")
+    requested, src = req.value, _by(req)
     if requested:
         fix = None
         if model.tensor_model_parallel_size < 2:
@@ -436,21 +419,20 @@ def _resolve_tp(
         "model.tp_comm_overlap", requested, effective, by, reason, fix=fix
     )
 
-    plan = _requested(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg)
+    plan_req = ask("tp_comm_overlap_cfg")
+    plan = plan_req.value
     if not effective:
         log.record("model.tp_comm_overlap_cfg", None, None, RULE, "TP overlap is off")
         r["tp_comm_bootstrap_backend"] = None
         return None
-    r["tp_comm_bootstrap_backend"] = (
-        u.tp_comm_bootstrap_backend or model.tp_comm_bootstrap_backend or "nccl"
-    )
+    r["tp_comm_bootstrap_backend"] = ask("tp_comm_bootstrap_backend").value or "nccl"
     if plan is None:
         log.record("model.tp_comm_overlap_cfg", None, None, DEFAULT, TP_NO_PRESET)
         return None
     preset = get_tp_overlap_preset(plan) if isinstance(plan, str) else plan
     if not isinstance(preset, TransformerLayerTPOverlapCfg):
         raise ConfigError(
-            "comm_overlap.tp_comm_overlap_cfg",
+            plan_req.spelling,
             plan,
             "it must be a TransformerLayerTPOverlapCfg or the name of a userbuffers_* preset.",
             "pass a preset name such as userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048.",
@@ -460,7 +442,7 @@ def _resolve_tp(
         "model.tp_comm_overlap_cfg",
         label,
         label,
-        _source(u.tp_comm_overlap_cfg, model.tp_comm_overlap_cfg),
+        _by(plan_req),
         "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped",
     )
     return preset.to_dict()
@@ -517,7 +499,7 @@ _P2P_WITHOUT_VPP = (
 )
 
 
-def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
+def _resolve_pp(ask: Ask, model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
     pp = model.pipeline_model_parallel_size
     vp = model.virtual_pipeline_model_parallel_size or 1
     if pp > 1 and vp > 1:
@@ -532,15 +514,14 @@ def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: R
     r["overlap_p2p_comm"] = _choose(
         log,
         "model.overlap_p2p_comm",
-        u.overlap_p2p_comm,
-        model.overlap_p2p_comm,
+        ask("overlap_p2p_comm"),
         auto[0],
         RULE,
         why,
         lambda on: _P2P_WITHOUT_VPP if on and pp > 1 and vp == 1 else None,
     )
     r["batch_p2p_comm"] = _choose(
-        log, "model.batch_p2p_comm", u.batch_p2p_comm, model.batch_p2p_comm, auto[1], RULE, why
+        log, "model.batch_p2p_comm", ask("batch_p2p_comm"), auto[1], RULE, why
     )
     if r["overlap_p2p_comm"] and r["batch_p2p_comm"]:
         raise ConfigError(
@@ -552,8 +533,7 @@ def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: R
     r["defer_embedding_wgrad_compute"] = _choose(
         log,
         "model.defer_embedding_wgrad_compute",
-        u.defer_embedding_wgrad_compute,
-        model.defer_embedding_wgrad_compute,
+        ask("defer_embedding_wgrad_compute"),
         False,
         DEFAULT,
         "off unless requested",
@@ -561,8 +541,7 @@ def _resolve_pp(u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, r: R
     r["wgrad_deferral_limit"] = _choose(
         log,
         "model.wgrad_deferral_limit",
-        u.wgrad_deferral_limit,
-        model.wgrad_deferral_limit,
+        ask("wgrad_deferral_limit"),
         -1,
         DEFAULT,
         "Bridge auto default",
@@ -685,14 +664,11 @@ def _graph_scope(model: ModelConfig) -> set[str]:
     return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
 
 
-def _resolve_moe(
-    u: CommOverlapConfig, model: ModelConfig, log: DecisionLog, dp_size: int, r: Resolved
-) -> None:
+def _resolve_moe(ask: Ask, model: ModelConfig, log: DecisionLog, dp_size: int, r: Resolved) -> None:
     ep_on = _choose(
         log,
         "model.overlap_moe_expert_parallel_comm",
-        u.overlap_moe_expert_parallel_comm,
-        model.overlap_moe_expert_parallel_comm,
+        ask("overlap_moe_expert_parallel_comm"),
         False,
         DEFAULT,
         "off unless requested",
@@ -713,14 +689,15 @@ def _resolve_moe(
                 raise ConfigError(field, value, why, fix)
     r["overlap_moe_expert_parallel_comm"] = ep_on
 
-    delay = _requested(u.delay_wgrad_compute, model.delay_wgrad_compute)
-    if delay:
+    delay = ask("delay_wgrad_compute")
+    if delay.value:
         if not ep_on:
+            section = delay.spelling.split(".")[0]
             raise ConfigError(
-                "comm_overlap.delay_wgrad_compute",
+                delay.spelling,
                 True,
                 "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute.",
-                "also set comm_overlap.overlap_moe_expert_parallel_comm=true, or drop delay_wgrad.",
+                f"also set {section}.overlap_moe_expert_parallel_comm=true, or drop delay_wgrad.",
             )
         scope = _graph_scope(model)  # checked whatever cuda_graph_impl says, as the reference
         attn = "attn" in scope
@@ -748,8 +725,7 @@ def _resolve_moe(
     r["delay_wgrad_compute"] = _choose(
         log,
         "model.delay_wgrad_compute",
-        u.delay_wgrad_compute,
-        model.delay_wgrad_compute,
+        ask("delay_wgrad_compute"),
         False,
         DEFAULT,
         "off unless requested",
@@ -864,7 +840,7 @@ def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
 
 
 def _resolve_dp(
-    u: CommOverlapConfig,
+    ask: Ask,
     model: ModelConfig,
     ddp: DDPConfig,
     optimizer: OptimizerConfig,
@@ -872,7 +848,8 @@ def _resolve_dp(
     log: DecisionLog,
     r: Resolved,
 ) -> None:
-    if ddp.use_distributed_optimizer != optimizer.use_distributed_optimizer:
+    dist = request({"ddp": ddp, "optimizer": optimizer}, "ddp.use_distributed_optimizer")
+    if dist.value and not (ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer):
         which = "ddp" if not ddp.use_distributed_optimizer else "optimizer"
         log.record(
             f"{which}.use_distributed_optimizer",
@@ -881,15 +858,16 @@ def _resolve_dp(
             RULE,
             "the distributed optimizer is on in one of ddp/optimizer; both must agree",
         )
-        ddp.use_distributed_optimizer = optimizer.use_distributed_optimizer = True
-    dist_opt = ddp.use_distributed_optimizer
+        # the home holds what runs (the runtime reads ddp's); the alias stays as typed
+        ddp.use_distributed_optimizer = True
+    dist_opt = bool(dist.value)
     pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
     many = dp_size > 1
 
     # overlap_grad_reduce: Bridge turns it on only for DP>1 with the distributed optimizer; we
     # honour an explicit request without the distributed optimizer too (bucketed all-reduce instead
     # of reduce-scatter).
-    want = _requested(u.overlap_grad_reduce, ddp.overlap_grad_reduce)
+    want = ask("overlap_grad_reduce").value
     if want and not many:
         r["overlap_grad_reduce"] = log.record(
             "ddp.overlap_grad_reduce",
@@ -903,8 +881,7 @@ def _resolve_dp(
         r["overlap_grad_reduce"] = _choose(
             log,
             "ddp.overlap_grad_reduce",
-            u.overlap_grad_reduce,
-            ddp.overlap_grad_reduce,
+            ask("overlap_grad_reduce"),
             many and dist_opt,
             RULE,
             "DP>1 with the distributed optimizer"
@@ -914,7 +891,7 @@ def _resolve_dp(
             else "DP defaults apply only with the distributed optimizer (as Bridge)",
         )
 
-    want = _requested(u.overlap_param_gather, ddp.overlap_param_gather)
+    want = ask("overlap_param_gather").value
     if want and not (many and dist_opt):
         why = (
             "DP=1: no parameter gather"
@@ -933,8 +910,7 @@ def _resolve_dp(
         r["overlap_param_gather"] = _choose(
             log,
             "ddp.overlap_param_gather",
-            u.overlap_param_gather,
-            ddp.overlap_param_gather,
+            ask("overlap_param_gather"),
             many and dist_opt,
             RULE,
             "DP>1 with the distributed optimizer"
@@ -945,8 +921,7 @@ def _resolve_dp(
     r["align_param_gather"] = _choose(
         log,
         "ddp.align_param_gather",
-        u.align_param_gather,
-        ddp.align_param_gather,
+        ask("align_param_gather"),
         many and dist_opt and pp > 1 and vp > 1,
         RULE,
         "all PP stages launch the param gather together with VPP"
@@ -966,7 +941,7 @@ def _resolve_dp(
         )
     else:
         auto, why = None, "no overlapped reduce: one bucket"
-    bucket = _choose(log, "ddp.bucket_size", u.bucket_size, ddp.bucket_size, auto, RULE, why)
+    bucket = _choose(log, "ddp.bucket_size", ask("bucket_size"), auto, RULE, why)
     if bucket is not None and bucket < 1:
         raise ConfigError(
             "ddp.bucket_size",
@@ -976,10 +951,7 @@ def _resolve_dp(
         )
     r["bucket_size"] = bucket
 
-    want = _requested(
-        u.overlap_param_gather_with_optimizer_step,
-        optimizer.overlap_param_gather_with_optimizer_step,
-    )
+    want = ask("overlap_param_gather_with_optimizer_step").value
     if want and not (dist_opt and pp > 1 and vp > 1):
         r["overlap_param_gather_with_optimizer_step"] = log.record(
             "optimizer.overlap_param_gather_with_optimizer_step",
@@ -993,8 +965,7 @@ def _resolve_dp(
         r["overlap_param_gather_with_optimizer_step"] = _choose(
             log,
             "optimizer.overlap_param_gather_with_optimizer_step",
-            u.overlap_param_gather_with_optimizer_step,
-            optimizer.overlap_param_gather_with_optimizer_step,
+            ask("overlap_param_gather_with_optimizer_step"),
             False,
             DEFAULT,
             "never turned on automatically",

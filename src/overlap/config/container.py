@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from overlap.config.aliases import request, typed_aliases
 from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
@@ -61,13 +62,14 @@ PRETRAINED = "from the pretrained checkpoint's config.json"
 
 def plain_value(value: Any) -> Any:
     """A configuration value as YAML and JSON can hold it (dataclasses to mappings without their
-    private fields, anything exotic to its text)."""
+    private fields, with the alias spellings set on them as typed; anything exotic to its
+    text)."""
     if is_dataclass(value) and not isinstance(value, type):
         return {
             f.name: plain_value(getattr(value, f.name))
             for f in fields(value)
             if not f.name.startswith("_")
-        }
+        } | {name: plain_value(v) for name, v in typed_aliases(value).items()}
     if isinstance(value, dict):
         return {str(k): plain_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -223,8 +225,10 @@ class ConfigContainer:
                 "the NullTokenizer reads no file.",
                 "set --tokenizer_type HuggingFaceTokenizer, or drop --tokenizer_model.",
             )
-        if tok.vocab_size is not None:
-            self.model.vocab_size = tok.vocab_size
+        # the home holds what runs (the NullTokenizer's vocabulary beats the recipe's)
+        self.model.vocab_size = request(
+            {"model": self.model, "tokenizer": tok}, "model.vocab_size"
+        ).value
 
     def _apply_pretrained(
         self, log: DecisionLog, read: Callable[[str, int], ModelConfig] | None

@@ -7,19 +7,20 @@ pipeline, kernels and fusions, MoE dispatch and routing, recompute, CUDA graphs,
 overlap fields that the resolution in `comm_overlap.py` reads.
 
 Field names and meanings follow Megatron-Core's TransformerConfig, which our users already speak.
-Overlap fields default to `None`, meaning "not set by the user": they are Bridge's direct spelling
-of a comm_overlap switch (`comm_overlap.DIRECT_SECTION`), an input the resolution reads below
-comm_overlap's value and never overwrites, so they keep what the user (or a recipe) typed.
-The resolved values live only in the frozen `cfg.resolved.overlap` (`OverlapPlan`), which the
-model build, the training loop, DDP, the optimizer and the planner read.
+Bridge's direct spellings of comm_overlap's switches (`model.tp_comm_overlap`,
+`model.delay_wgrad_compute`, ...) are not declared here: they are aliases
+(`overlap.config.aliases`), accepted as keywords, attributes and overrides and kept as typed
+(`None`: not set), which the resolution reads below comm_overlap's value and never overwrites. The
+resolved values live only in the frozen `cfg.resolved.overlap` (`OverlapPlan`), which the model
+build, the training loop, DDP, the optimizer and the planner read.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
+from overlap.config.aliases import aliased
 from overlap.config.architecture import TransformerArchitecture
 from overlap.config.refusals import unbuilt
 from overlap.errors import ConfigError, NotBuiltError, check_rules
@@ -64,6 +65,7 @@ def expert_rank_capacity(num_tokens: int, topk: int, ep_size: int, factor: float
     return math.ceil(num_tokens * topk / ep_size * factor)
 
 
+@aliased("model")
 @dataclass
 class ModelConfig(TransformerArchitecture):
     """The model section: the network (inherited) and how a run lays it out and computes it."""
@@ -155,13 +157,8 @@ class ModelConfig(TransformerArchitecture):
     bf16: bool = False  # bfloat16 compute (written by mixed precision)
     fp16: bool = False  # float16 compute (written by mixed precision)
     params_dtype: str = "float32"  # dtype of the parameters (written by mixed precision)
-    # --- overlap fields: inputs finalize reads and keeps as typed (resolved: cfg.resolved.overlap)
-    # TP overlap requested here (comm_overlap.tp_comm_overlap beats it); None: off
-    tp_comm_overlap: bool | None = None
-    # preset name or TransformerLayerTPOverlapCfg (the plan holds the resolved slots)
-    tp_comm_overlap_cfg: Any = None
-    # TP overlap's bootstrap backend, kept for Bridge (None: nccl once TP overlap is on)
-    tp_comm_bootstrap_backend: str | None = None
+    # --- overlap fields: inputs finalize reads and keeps as typed (resolved: cfg.resolved.overlap;
+    # the direct spellings of comm_overlap's switches are aliases: overlap.config.aliases)
     # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults);
     # they narrow the per-GEMM plan, see overlap.config.tp_overlap.effective_tp_plan.
     tp_comm_overlap_ag: bool = True  # AG -> GEMM slots: qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad
@@ -173,18 +170,6 @@ class ModelConfig(TransformerArchitecture):
     tp_comm_overlap_rs_dgrad: bool = False
     tp_comm_overlap_disable_qkv: bool = False  # no overlap in the QKV linear
     tp_comm_overlap_disable_fc1: bool = False  # no overlap in the FC1 linear
-    # pipeline p2p overlapped with compute (comm_overlap's beats it); None: PP rule
-    overlap_p2p_comm: bool | None = None
-    # pipeline sends/receives batched in one call (comm_overlap's beats it); None: rule
-    batch_p2p_comm: bool | None = None
-    # EP all-to-alls under another micro-batch (comm_overlap's beats it)
-    overlap_moe_expert_parallel_comm: bool | None = None
-    # EP overlap: weight gradients deferred (comm_overlap's beats it); None: off
-    delay_wgrad_compute: bool | None = None
-    # output layer's wgrad deferred to the pipeline flush; None: off
-    defer_embedding_wgrad_compute: bool | None = None
-    # deferred output wgrads that may wait (-1: automatic); None: -1
-    wgrad_deferral_limit: int | None = None
     # the shared expert computes under the dispatch/combine all-to-all; None: off (logged; an
     # input, the resolved value is cfg.resolved.overlap's)
     moe_shared_expert_overlap: bool | None = None

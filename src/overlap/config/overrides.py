@@ -19,6 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from overlap.config.aliases import ALIASES, rank_rule, spellings
 from overlap.config.checkpoint import CheckpointConfig
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer
@@ -38,6 +39,30 @@ from overlap.config.training import (
 from overlap.errors import ConfigError
 
 _SECTIONS = [f.name for f in fields(ConfigContainer) if not f.name.startswith("_")]
+# the dataclass of each section an override sets a field of, in `--list-keys` order
+SECTION_CLASSES: dict[str, type] = {
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "ddp": DDPConfig,
+    "tokenizer": TokenizerConfig,
+    "checkpoint": CheckpointConfig,
+    "logger": LoggerConfig,
+    "dataset": DatasetConfig,
+    "mixed_precision": MixedPrecisionConfig,
+    "comm_overlap": CommOverlapConfig,
+}
+
+
+def _alias_hint(home_section: str, home_name: str) -> Any:
+    """An alias's type: its home's, or None (an alias's None means "not set")."""
+    return _hints(SECTION_CLASSES[home_section])[home_name] | None
+
+
+def _alias_names(section: str) -> list[str]:
+    """The fields of `section` that are aliases of another section's knob (`ALIASES`)."""
+    return [a.partition(".")[2] for a in ALIASES if a.partition(".")[0] == section]
 
 
 @functools.cache
@@ -186,6 +211,11 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
     target = getattr(cfg, section)
     hints = _hints(type(target))
     names = [f.name for f in fields(target)]
+    home = ALIASES.get(key)
+    if home is not None:  # Bridge's other spelling: typed like its home, kept on this section
+        home_section, _, home_name = home.partition(".")
+        hints = {parts[1]: _alias_hint(home_section, home_name)}
+        names.append(parts[1])
     if key in MOVED:
         raise ConfigError(
             key,
@@ -198,7 +228,7 @@ def apply_override(cfg: ConfigContainer, item: str) -> tuple[str, Any]:
             key, value, f"Bridge's switch is not carried: {NOT_CARRIED[key]}.", "drop it."
         )
     if parts[1] not in names:
-        raise _unknown(key, parts[1], names)
+        raise _unknown(key, parts[1], names + _alias_names(section))
     value = _coerce(key, value, hints[parts[1]])
     setattr(target, parts[1], value)
     return key, value
@@ -243,19 +273,7 @@ def override_key_rows() -> list[tuple[str, str, str, str]]:
     """(key, type, default, description) for every `section.field` an override can set; the
     description is the field's comment in its dataclass (`overlap.config.field_docs`)."""
     rows = []
-    for section, cls in (
-        ("model", ModelConfig),
-        ("train", TrainConfig),
-        ("optimizer", OptimizerConfig),
-        ("scheduler", SchedulerConfig),
-        ("ddp", DDPConfig),
-        ("tokenizer", TokenizerConfig),
-        ("checkpoint", CheckpointConfig),
-        ("logger", LoggerConfig),
-        ("dataset", DatasetConfig),
-        ("mixed_precision", MixedPrecisionConfig),
-        ("comm_overlap", CommOverlapConfig),
-    ):
+    for section, cls in SECTION_CLASSES.items():
         hints = _hints(cls)
         docs = field_docs(cls)
         for f in fields(cls):
@@ -268,8 +286,21 @@ def override_key_rows() -> list[tuple[str, str, str, str]]:
                 if f.default_factory is MISSING
                 else repr(f.default_factory())
             )
+            doc = docs.get(f.name, "")
+            aliases = spellings(f"{section}.{f.name}")[1:]
+            if aliases:
+                doc += f" (alias: {', '.join(aliases)})"
+            rows.append((f"{section}.{f.name}", _hint_name(hints[f.name]), default, doc))
+        for name in _alias_names(section):
+            home_section, _, home_name = ALIASES[f"{section}.{name}"].partition(".")
+            home_cls = SECTION_CLASSES[home_section]
             rows.append(
-                (f"{section}.{f.name}", _hint_name(hints[f.name]), default, docs.get(f.name, ""))
+                (
+                    f"{section}.{name}",
+                    _hint_name(_alias_hint(home_section, home_name)),
+                    "None",
+                    f"{rank_rule(f'{section}.{name}')}: {field_docs(home_cls).get(home_name, '')}",
+                )
             )
     rows.append(
         (

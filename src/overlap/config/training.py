@@ -7,25 +7,22 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from overlap.config.aliases import aliased
 from overlap.errors import ConfigError, NotBuiltError, check_rules
 
 
+@aliased("ddp")
 @dataclass
 class DDPConfig:
-    """Data-parallel gradient reduction and parameter gather. The overlap switches here (and the
-    bucket size) are Bridge's direct spelling of comm_overlap's: an input finalize reads below
-    comm_overlap's value and leaves as typed (`None`: not set). The resolved values, logged, live in
-    `cfg.resolved.overlap`, which the runtime reads."""
+    """Data-parallel gradient reduction and parameter gather. Bridge's `ddp.overlap_grad_reduce`,
+    `ddp.overlap_param_gather`, `ddp.align_param_gather` and `ddp.bucket_size` are aliases of
+    comm_overlap's switches (`overlap.config.aliases`): accepted here, kept as typed, read by
+    finalize below comm_overlap's value. `use_distributed_optimizer` is the home of Bridge's two
+    spellings (`optimizer.use_distributed_optimizer` is its alias; either true turns it on). The
+    resolved overlap values, logged, live in `cfg.resolved.overlap`, which the runtime reads."""
 
-    # shard optimizer state over DP (kept in sync with optimizer's)
+    # shard optimizer state over DP (the distributed optimizer)
     use_distributed_optimizer: bool = False
-    # gradient reduce bucket by bucket during the backward; None: DP rule
-    overlap_grad_reduce: bool | None = None
-    # parameter all-gather bucket by bucket before the forward; None: DP rule
-    overlap_param_gather: bool | None = None
-    # all pipeline stages launch their parameter gathers together; None: rule
-    align_param_gather: bool | None = None
-    bucket_size: int | None = None  # counted in PARAMETERS, not bytes (as in Megatron-Core)
     # owned by mixed precision; a different value here is logged
     grad_reduce_in_fp32: bool | None = None
     fp8_param_gather: bool | None = None  # owned by mixed precision
@@ -40,6 +37,7 @@ class DDPConfig:
     impl: str = "overlap"
 
 
+@aliased("optimizer")
 @dataclass
 class OptimizerConfig:
     optimizer: str = "adam"  # the optimizer (adam; others are refused)
@@ -50,11 +48,6 @@ class OptimizerConfig:
     adam_beta2: float = 0.95  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
-    # kept in sync with ddp.use_distributed_optimizer (logged)
-    use_distributed_optimizer: bool = False
-    # first param gather inside the optimizer step; None: off (an input: resolved into
-    # cfg.resolved.overlap)
-    overlap_param_gather_with_optimizer_step: bool | None = None
     bf16: bool = False  # bfloat16 training (written by mixed precision)
     fp16: bool = False  # float16 training: loss scaling on (written by mixed precision)
     # Loss scaling (Megatron's names; mixed precision owns and writes them; None: not set). A
@@ -262,12 +255,15 @@ class TrainConfig:
         )
 
 
+@aliased("tokenizer")
 @dataclass
 class TokenizerConfig:
+    """The tokenizer. Bridge's `tokenizer.vocab_size` (the NullTokenizer's vocabulary, --vocab_size)
+    is an alias of `model.vocab_size` that beats it when set (`overlap.config.aliases`)."""
+
     # NullTokenizer: token ids as they are (mock data); HuggingFaceTokenizer
     tokenizer_type: str = "NullTokenizer"
     tokenizer_model: str | None = None  # HuggingFaceTokenizer: a tokenizer.json or its folder
-    vocab_size: int | None = None  # NullTokenizer vocabulary; None: keep model.vocab_size
 
 
 @dataclass
