@@ -251,22 +251,92 @@ def estimate_memory(
     steady step's forward and backward together, layer by layer; `late_wgrad`: each backward's
     weight gradients run after the next task (overlapped p2p in plain 1F1B on the first stage,
     `overlap.pipeline.executor`)."""
-    pipe = resolve_pipeline_layout(cfg.model, max(1, layout.pp))
     if pp_rank is None:
         if program is not None and layout.pp > 1:
             raise ValueError("estimate_memory: a program is one pipeline rank's; name the rank")
-        estimates = [
-            _estimate_rank(cfg, layout, cpu, pipe, r, program, merged, late_wgrad)
-            for r in range(pipe.pp)
-        ]
-        return max(estimates, key=lambda e: e.total)
-    return _estimate_rank(cfg, layout, cpu, pipe, pp_rank, program, merged, late_wgrad)
+        ranks = range(max(1, layout.pp))
+    else:
+        ranks = range(pp_rank, pp_rank + 1)
+    return peak_memory(
+        cfg, layout, cpu, {r: program for r in ranks}, merged, {r for r in ranks if late_wgrad}
+    )
+
+
+def peak_memory(
+    cfg: ConfigContainer,
+    layout: ParallelLayout,
+    cpu: bool,
+    programs: dict[int, Program | None],
+    merged: bool = False,
+    late_wgrad: set[int] | frozenset[int] = frozenset(),
+) -> MemoryEstimate:
+    """The highest peak (the first, on a tie) of the pipeline ranks `programs` names, each walking
+    its own program (`estimate_memory`'s arguments; `late_wgrad`: the ranks whose weight gradients
+    run late). What the ranks share (the pipeline split, the layer shape, each kind of layer's
+    bytes) is worked out once: the layout search walks every rank of thousands of candidates."""
+    pipe = resolve_pipeline_layout(cfg.model, max(1, layout.pp))
+    costs = _LayerCosts(cfg.model, _layer_shape(cfg, layout, cpu))
+    estimates = [
+        _estimate_rank(cfg, layout, cpu, pipe, costs, r, program, merged, r in late_wgrad)
+        for r, program in programs.items()
+    ]
+    return max(estimates, key=lambda e: e.total)
+
+
+def _layer_shape(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool) -> LayerShape:
+    """What every layer's activations on every rank of `layout` depend on beyond the model."""
+    m = cfg.model
+    # a CP rank holds seq / CP tokens; p2p and all_gather score KV blocks in
+    # `overlap.layers.block_attention` (keeping flash's set: Q, K, V, output and LSE), each block
+    # at once: the local block (p2p) or the whole gathered sequence (all_gather)
+    cp = max(1, layout.cp)
+    seq = m.seq_length // cp
+    kind = cfg.resolved.overlap.cp_comm_type
+    # (a2a+p2p: a block holds its all-to-all group's tokens, for 1 / A of the heads)
+    block_keys = {"p2p": seq, "all_gather": m.seq_length, "a2a+p2p": seq * layout.cp_a2a}.get(
+        kind, 0
+    )
+    kernel, _why = attention_kernel(m.attention_backend, not cpu, m.params_dtype, m.seq_length)
+    return LayerShape(
+        tp=max(1, layout.tp),
+        ep=max(1, layout.ep),
+        sequence_parallel=bool(m.sequence_parallel),
+        act_bytes=2 if _DTYPE_BYTES.get(m.params_dtype, 4) == 2 else 4,
+        fused_attention=kernel != "unfused" or block_keys > 0,
+        seq_length=seq,
+        micro_batch=cfg.train.micro_batch_size,
+        recompute=selective_modules(m),
+        gathered_inputs=_gathered_inputs(cfg),
+        cp_block_keys=block_keys,
+        cp_kept_kv=kind in ("p2p", "a2a+p2p"),
+    )
+
+
+class _LayerCosts:
+    """One layer's activations for a model and layer shape, by kind (MoE or dense): every layer of
+    a kind costs the same, so each kind is priced once, not once per layer of every chunk."""
+
+    def __init__(self, m, shape: LayerShape) -> None:
+        self.m, self.shape = m, shape
+        self._kinds: dict[bool, tuple[float, float, tuple[Block, ...]]] = {}
+
+    def of(self, moe_layer: bool) -> tuple[float, float, tuple[Block, ...]]:
+        """(the bytes a layer saves for backward, its backward's working set, both for the
+        micro-batch's tokens; its blocks)."""
+        if moe_layer not in self._kinds:
+            m, shape = self.m, self.shape
+            self._kinds[moe_layer] = (
+                layer_bytes(m, shape, moe_layer) * shape.tokens,
+                backward_working_bytes(m, shape, moe_layer) * shape.tokens,
+                tuple(layer_blocks(m, shape, moe_layer)),
+            )
+        return self._kinds[moe_layer]
 
 
 def _estimate_rank(
-    cfg, layout, cpu, pipe, pp_rank, program, merged, late_wgrad=False
+    cfg, layout, cpu, pipe, costs: _LayerCosts, pp_rank, program, merged, late_wgrad=False
 ) -> MemoryEstimate:
-    m, t, d = cfg.model, cfg.train, cfg.ddp
+    m, d = cfg.model, cfg.ddp
     stages = pipe.rank_stages(pp_rank)
     counts = _rank_params(cfg, layout, stages)
     # the distributed optimizer shards the dense state over DP x CP (Megatron's data-parallel group
@@ -280,32 +350,8 @@ def _estimate_rank(
         -(-dense // dp) + -(-counts.expert // edp) if d.use_distributed_optimizer else counts.params
     )
     master = 4 * owned if p_bytes != 4 else 0  # an fp32 parameter is its own master
-    act_bytes = 2 if p_bytes == 2 else 4
-    on_cuda = not cpu
-    # a CP rank holds seq / CP tokens; p2p and all_gather score KV blocks in
-    # `overlap.layers.block_attention` (keeping flash's set: Q, K, V, output and LSE), each block
-    # at once: the local block (p2p) or the whole gathered sequence (all_gather)
-    seq = m.seq_length // cp
-    kind = cfg.resolved.overlap.cp_comm_type
-    # (a2a+p2p: a block holds its all-to-all group's tokens, for 1 / A of the heads)
-    block_keys = {"p2p": seq, "all_gather": m.seq_length, "a2a+p2p": seq * layout.cp_a2a}.get(
-        kind, 0
-    )
-    kernel, _why = attention_kernel(m.attention_backend, on_cuda, m.params_dtype, m.seq_length)
-    shape = LayerShape(
-        tp=max(1, layout.tp),
-        ep=max(1, layout.ep),
-        sequence_parallel=bool(m.sequence_parallel),
-        act_bytes=act_bytes,
-        fused_attention=kernel != "unfused" or block_keys > 0,
-        seq_length=seq,
-        micro_batch=t.micro_batch_size,
-        recompute=selective_modules(m),
-        gathered_inputs=_gathered_inputs(cfg),
-        cp_block_keys=block_keys,
-        cp_kept_kv=kind in ("p2p", "a2a+p2p"),
-    )
-    chunks = [_chunk_memory(m, shape, s, max(1, layout.pp)) for s in stages]
+    shape = costs.shape
+    chunks = [_chunk_memory(m, costs, s, max(1, layout.pp)) for s in stages]
     if program is None:
         program = [(c, None) for c in range(len(stages))]
         program += [(None, c) for c in reversed(range(len(stages)))]
@@ -320,7 +366,7 @@ def _estimate_rank(
         master_bytes=master,
         moment_bytes=8 * owned,
         # RoPE's cos and sin tables, fp32 [seq, head_dim], per attention layer
-        buffer_bytes=counts.attention_layers * 2 * 4 * seq * m.head_dim,
+        buffer_bytes=counts.attention_layers * 2 * 4 * shape.seq_length * m.head_dim,
         activation_bytes=int(activations),
         transient_bytes=int(transient),
         runtime_bytes=CPU_RUNTIME_BYTES if cpu else 0,
@@ -328,7 +374,7 @@ def _estimate_rank(
         in_flight=in_flight,
         peak_at=peak_at,
         tokens=shape.tokens,
-        blocks=tuple(layer_blocks(m, shape, has_moe)) if m.num_layers else (),
+        blocks=costs.of(has_moe)[2] if m.num_layers else (),
     )
 
 
@@ -358,18 +404,12 @@ class _Chunk:
         return max(self.working, self.loss_working)
 
 
-def _chunk_memory(m, shape: LayerShape, stage, pp: int) -> _Chunk:
+def _chunk_memory(m, costs: _LayerCosts, stage, pp: int) -> _Chunk:
+    shape = costs.shape
     tokens, h, B = shape.tokens, m.hidden_size, shape.act_bytes
-    per_layer = [
-        layer_bytes(m, shape, m.is_moe_layer(i)) * tokens for i in range(stage.start, stage.end)
-    ]
-    working = max(
-        (
-            backward_working_bytes(m, shape, m.is_moe_layer(i)) * tokens
-            for i in range(stage.start, stage.end)
-        ),
-        default=0.0,
-    )
+    layers = [costs.of(m.is_moe_layer(i)) for i in range(stage.start, stage.end)]
+    per_layer = [saved for saved, _working, _blocks in layers]
+    working = max((w for _saved, w, _blocks in layers), default=0.0)
     saved = sum(per_layer)
     if m.recompute_granularity == "full":
         # only each checkpointed run's input is kept; its backward recomputes the run whole

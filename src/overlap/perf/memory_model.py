@@ -1,11 +1,12 @@
 """The memory model of `overlap explain`, `overlap plan`, the dry run and the run's own checks: one
 rank's peak, by component, and whether it fits the GPU.
 
-`rank_memory` is `overlap.launch.resources.estimate_memory` fed with the rank's real pipeline
-program (`overlap.pipeline.schedules.pipeline_steps`, merged under EP overlap), which the launch
-layer cannot import: the activations follow the program's forwards and backwards, so the peak counts
-the micro-batches the schedule keeps in flight and the backward running at that moment, as the dry
-run measures it (`tests/test_memory_model.py` holds the two within 10% on the guides' layouts).
+`rank_memory` is `overlap.launch.resources.estimate_memory` (its every-rank form, `peak_memory`)
+fed with each rank's real pipeline program (`overlap.pipeline.schedules.pipeline_steps`, merged
+under EP overlap), which the launch layer cannot import: the activations follow the program's
+forwards and backwards, so the peak counts the micro-batches the schedule keeps in flight and the
+backward running at that moment, as the dry run measures it (`tests/test_memory_model.py` holds
+the two within 10% on the guides' layouts).
 
 `fit` compares the peak, plus a stated reserve, with the GPU's memory, and when it does not fit
 prices what Megatron users reach for: selective recompute modules, the distributed optimizer, bf16
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
-from overlap.launch.resources import MemoryEstimate, estimate_memory, gib
+from overlap.launch.resources import MemoryEstimate, gib, peak_memory
 from overlap.pipeline.schedules import pipeline_steps
 
 _GIB = 2**30
@@ -100,19 +101,8 @@ def rank_memory(
     vpp = cfg.model.virtual_pipeline_model_parallel_size or 1
     late = plan.overlap_p2p_comm and layout.pp > 1 and not merged and vpp == 1
     ranks = range(max(1, layout.pp)) if pp_rank is None else (pp_rank,)
-    estimates = [
-        estimate_memory(
-            cfg,
-            layout,
-            cpu,
-            program(cfg, layout, r, microbatches),
-            merged=merged,
-            pp_rank=r,
-            late_wgrad=late and r == 0,
-        )
-        for r in ranks
-    ]
-    return max(estimates, key=lambda e: e.total)
+    programs = {r: program(cfg, layout, r, microbatches) for r in ranks}
+    return peak_memory(cfg, layout, cpu, programs, merged, {0} if late else frozenset())
 
 
 @dataclass(frozen=True)

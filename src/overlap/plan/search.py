@@ -51,7 +51,6 @@ command line (its layout flags are replaced), returning `SearchResult`.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
 import logging
@@ -61,12 +60,11 @@ from dataclasses import dataclass, field, replace
 
 from overlap.errors import ConfigError
 from overlap.perf.memory_model import GPU_MEMORY_BYTES, rank_memory, reserve_bytes
-from overlap.pipeline.schedules import pipeline_steps
 from overlap.plan.comm_model import comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute
 from overlap.plan.hardware import Cluster, builtin_cluster, precision_of
 from overlap.plan.predict import Prediction, predict, switches_of
-from overlap.plan.step_times import step_times
+from overlap.plan.step_times import step_times, unmerged_forwards
 
 # the harness flags a candidate sets (with their values), replacing any the caller gave
 LAYOUT_FLAGS = ("-tp", "-pp", "-vp", "-cp", "-ep", "-et", "-mb")
@@ -427,7 +425,7 @@ class _Space:
         )
         corrected = 0.0
         if sw.overlap_moe_expert_parallel_comm and comm.ep_a2a_s and m > 1:
-            alone = [_warmup(pp, vpp, m, sw.vp_group), _warmup(1, 1, m, None)]
+            alone = [unmerged_forwards(pp, vpp, m, sw.vp_group), unmerged_forwards(1, 1, m, None)]
             units = c.moe_layers * max(0.0, alone[0] / vpp - alone[1])
             corrected = units * _merged_unit_bound(c, comm, slowdown)
         return flat.total_s + ramp - compute - corrected
@@ -453,13 +451,6 @@ class _Space:
             return None
         priced = self.price(layout, switches, job)
         return priced if isinstance(priced, Candidate) else None
-
-
-@functools.lru_cache(maxsize=4096)
-def _warmup(pp: int, vpp: int, m: int, group: int | None) -> int:
-    """Pipeline rank 0's forwards that run unmerged in the EP-overlap program (as `step_times`
-    counts them); the same few programs recur across hundreds of candidates."""
-    return sum(1 for s in pipeline_steps(pp, 0, vpp, m, group, merged=True) if s.backward is None)
 
 
 def _merged_unit_bound(c, comm, slowdown: dict[str, float]) -> float:

@@ -50,6 +50,7 @@ from the exposed communication (`overlap_slowdown_ms`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from overlap.pipeline.schedules import pipeline_steps
@@ -191,6 +192,15 @@ def _merged_moe_layer(
         t.expose(kind, (exposed - filled) * weight)
 
 
+@functools.lru_cache(maxsize=4096)
+def unmerged_forwards(pp: int, vpp: int, microbatches: int, group: int | None) -> int:
+    """Pipeline rank 0's forwards that run alone (not merged with a backward) in the EP-overlap
+    program; cached, since the same few programs recur across thousands of priced and bounded
+    candidates in the layout search."""
+    steps = pipeline_steps(pp, 0, vpp, microbatches, group, merged=True)
+    return sum(1 for s in steps if s.backward is None)
+
+
 def step_times(
     c: MicrobatchCompute,
     comm: CommPlan,
@@ -221,11 +231,7 @@ def step_times(
         # The merged program's warm-up forwards (as many cool-down backwards) run alone, their
         # all-to-alls exposed: F(0) and B(last) without PP; under an interleaved pipeline, pipeline
         # rank 0's (the most of any rank).
-        alone = sum(
-            1
-            for s in pipeline_steps(sw.pp, 0, sw.vpp, m, sw.vp_group, merged=True)
-            if s.backward is None
-        )
+        alone = unmerged_forwards(sw.pp, sw.vpp, m, sw.vp_group)
         _merged_moe_layer(
             c,
             a2a,
