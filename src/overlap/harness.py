@@ -20,6 +20,7 @@ built (`overlap.launch.resources`).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -745,9 +746,16 @@ def resolve_run(words: list[str], overrides: list[str], model_noops: bool = True
     what the planner and its calibration re-plan a run from. `model_noops`: whether to build the
     (meta) model to find single-bucket no-op switches (a warning; the planner's layout search, which
     resolves hundreds of candidates, skips it)."""
+    return prepare(_run_parser().parse_args(words + overrides), True, model_noops)
+
+
+@functools.lru_cache(maxsize=1)
+def _run_parser() -> argparse.ArgumentParser:
+    """The harness flags' parser, built once (parsing leaves it as it was): the layout search
+    resolves thousands of command lines, and building it took a tenth of each."""
     parser = argparse.ArgumentParser()
     add_harness_flags(parser)
-    return prepare(parser.parse_args(words + overrides), True, model_noops)
+    return parser
 
 
 def prepare(

@@ -457,42 +457,48 @@ def _walk(
     alive = 0.0
     count = 0
     owed = 0.0  # late_wgrad: the last backward's activations, freed after the next task
-    best = (0.0, 0.0, 0, "")
+    # (kept, working, micro-batches alive, where: (what, chunk), worded once at the end: the
+    # layout search walks millions of steps)
+    best: tuple[float, float, int, tuple[str, int | None]] = (0.0, 0.0, 0, ("", None))
 
-    def consider(kept: float, working: float, alive_count: int, where: str) -> None:
+    def consider(kept: float, working: float, alive_count: int, what: str, chunk=None) -> None:
         nonlocal best
         if kept + working > best[0] + best[1]:
-            best = (kept, working, alive_count, where)
+            best = (kept, working, alive_count, (what, chunk))
 
     for forward, backward in program:
         if merged and forward is not None and backward is not None:
             f, b = chunks[forward], chunks[backward]
-            consider(alive, b.loss_working, count, "the loss's backward")
-            consider(alive + f.largest_layer, b.working + f.working, count + 1, _at(backward))
+            consider(alive, b.loss_working, count, _LOSS)
+            consider(alive + f.largest_layer, b.working + f.working, count + 1, _LAYERS, backward)
             alive += f.saved - b.saved
             continue
         if forward is not None:
             paying, owed = owed, 0.0
             alive += chunks[forward].saved
             count += 1
-            consider(alive, 0.0, count, f"chunk {forward}'s forward")
+            consider(alive, 0.0, count, _FORWARD, forward)
             alive -= paying
         if backward is not None:
             paying, owed = owed, 0.0
             b = chunks[backward]
-            consider(alive, b.loss_working, count, "the loss's backward")
-            consider(alive, b.working, count, _at(backward))
+            consider(alive, b.loss_working, count, _LOSS)
+            consider(alive, b.working, count, _LAYERS, backward)
             if late_wgrad:
                 owed = b.saved
             else:
                 alive -= b.saved
             alive -= paying
             count -= 1
-    return best
+    kept, working, alive_count, (what, chunk) = best
+    return kept, working, alive_count, what.format(chunk)
 
 
-def _at(chunk: int) -> str:
-    return f"chunk {chunk}'s layers' backward"
+_LOSS, _FORWARD, _LAYERS = (
+    "the loss's backward",
+    "chunk {}'s forward",
+    "chunk {}'s layers' backward",
+)
 
 
 def check_representable(cfg: ConfigContainer, layout: ParallelLayout) -> MemoryEstimate:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from overlap.config.container import ConfigContainer
 from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
+from overlap.launch.resources import MemoryEstimate
 from overlap.perf.memory_model import fit, rank_memory
 from overlap.plan.comm_model import CommPlan, comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute
@@ -67,9 +68,12 @@ def predict(
     layout: ParallelLayout,
     cluster: Cluster,
     exact: bool = True,
+    memory: MemoryEstimate | None = None,
 ) -> Prediction:
     """The predicted step of `cfg` on `layout` and `cluster`; `exact=False` (the layout search)
-    extrapolates a long pipeline program from short ones (`pipeline_sim.simulate`)."""
+    extrapolates a long pipeline program from short ones (`pipeline_sim.simulate`); `memory`: the
+    peak `rank_memory` gives for `cfg` on this cluster, where the caller has it (the search walks
+    it before pricing)."""
     compute = microbatch_compute(cfg, layout, cluster)
     comm = comm_plan(cfg, layout, cluster)
     sw = switches_of(cfg, layout)
@@ -77,7 +81,7 @@ def predict(
     times = step_times(compute, comm, sw, m, cluster.overlap_slowdown, exact)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
     tflops = flops_per_token(cfg.model) * tokens / layout.world_size / times.total_s / 1e12
-    memory = rank_memory(cfg, layout, cpu=cluster.gpu == "cpu")
+    memory = memory or rank_memory(cfg, layout, cpu=cluster.gpu == "cpu")
     verdict = fit(cfg, layout, cluster.gpu, memory)
     return Prediction(
         name,

@@ -438,11 +438,12 @@ class _Space:
 
     def price(self, layout: Layout, switches: tuple[str, ...], job) -> Candidate | str:
         """The candidate (NOT_FITTING where it does not fit)."""
-        margin, _peak = self.margin(job)
+        margin, peak = self.margin(job)
         if margin < 0:
             return NOT_FITTING
         cfg, parallel = job.cfg, job.resolution.layout
-        prediction = predict(layout.describe(), list(switches), cfg, parallel, self.cluster, False)
+        name = layout.describe()
+        prediction = predict(name, list(switches), cfg, parallel, self.cluster, False, peak)
         return Candidate(layout, switches, prediction, margin, _refusal(cfg, self.cluster), cfg)
 
     def variant(self, layout: Layout, switches: tuple[str, ...]) -> Candidate | None:
