@@ -34,6 +34,7 @@ and rank-count refusals (the estimate is only an estimate); the representability
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -314,11 +315,22 @@ def _layer_shape(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool) -> Lay
 
 class _LayerCosts:
     """One layer's activations for a model and layer shape, by kind (MoE or dense): every layer of
-    a kind costs the same, so each kind is priced once, not once per layer of every chunk."""
+    a kind costs the same, so each kind is priced once, not once per layer of every chunk; and each
+    distinct chunk once, not once per pipeline rank holding one like it."""
 
     def __init__(self, m, shape: LayerShape) -> None:
         self.m, self.shape = m, shape
         self._kinds: dict[bool, tuple[float, float, tuple[Block, ...]]] = {}
+        self._chunks: dict[tuple, _Chunk] = {}
+
+    def chunk(self, stage, pp: int) -> _Chunk:
+        """`_chunk_memory` of `stage`: what it depends on is its layers' kinds, in order, and
+        whether it embeds the tokens or ends with the loss."""
+        kinds = tuple(self.m.is_moe_layer(i) for i in range(stage.start, stage.end))
+        key = (kinds, stage.embedding, stage.loss, pp)
+        if key not in self._chunks:
+            self._chunks[key] = _chunk_memory(self.m, self, stage, pp)
+        return self._chunks[key]
 
     def of(self, moe_layer: bool) -> tuple[float, float, tuple[Block, ...]]:
         """(the bytes a layer saves for backward, its backward's working set, both for the
@@ -351,11 +363,12 @@ def _estimate_rank(
     )
     master = 4 * owned if p_bytes != 4 else 0  # an fp32 parameter is its own master
     shape = costs.shape
-    chunks = [_chunk_memory(m, costs, s, max(1, layout.pp)) for s in stages]
+    chunks = tuple(costs.chunk(s, max(1, layout.pp)) for s in stages)
     if program is None:
         program = [(c, None) for c in range(len(stages))]
         program += [(None, c) for c in reversed(range(len(stages)))]
-    activations, transient, in_flight, peak_at = _walk(chunks, program, merged, late_wgrad)
+    walked = _walked(chunks, tuple(program), merged, late_wgrad)
+    activations, transient, in_flight, peak_at = walked
     has_moe = any(m.is_moe_layer(i) for s in stages for i in range(s.start, s.end))
     return MemoryEstimate(
         params=counts.params,
@@ -439,6 +452,15 @@ def _chunk_memory(m, costs: _LayerCosts, stage, pp: int) -> _Chunk:
         # at once with deallocate_pipeline_outputs)
         saved += B * h * tokens / shape.seq_div
     return _Chunk(saved, max(per_layer, default=0.0), working, loss_working)
+
+
+@functools.lru_cache(maxsize=16384)
+def _walked(
+    chunks: tuple[_Chunk, ...], program: tuple, merged: bool, late_wgrad: bool
+) -> tuple[float, float, int, str]:
+    """`_walk`, cached: the layout search walks tens of thousands of pipeline ranks, a tenth of
+    them distinct (the same chunks under the same program)."""
+    return _walk(chunks, program, merged, late_wgrad)
 
 
 def _walk(

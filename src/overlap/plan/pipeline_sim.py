@@ -37,6 +37,7 @@ as they do in the runtime. The step ends when the slowest rank is done.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from overlap.pipeline.schedules import Task, pipeline_steps
@@ -96,16 +97,7 @@ def simulate(
     if len(weights) != pp * vpp:
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
     stages = pp * vpp
-    programs = [pipeline_steps(pp, r, vpp, microbatches, group, merged) for r in range(pp)]
-    tasks = [
-        [t for step in prog for t in (step.forward, step.backward) if t is not None]
-        for prog in programs
-    ]
-    # merged: a steady step waits for its backward's receive too before its forward starts
-    partner = [
-        {s.forward: s.backward for s in prog if merged and s.forward and s.backward}
-        for prog in programs
-    ]
+    tasks, partner = _programs(pp, vpp, microbatches, group, merged)
 
     def needs(rank: int, task: Task) -> Message | None:
         v = task.chunk * pp + rank
@@ -212,6 +204,26 @@ def simulate(
                 f"{'overlapped' if overlapped else 'batched'})"
             )
     return PipelineTimes(max(clock), compute)
+
+
+@functools.lru_cache(maxsize=1024)
+def _programs(
+    pp: int, vpp: int, microbatches: int, group: int | None, merged: bool
+) -> tuple[tuple[tuple[Task, ...], ...], tuple[dict[Task, Task], ...]]:
+    """Each rank's tasks in program order, and (merged) each steady step's forward's backward
+    partner; cached, since the layout search simulates the same few programs under hundreds of
+    task times (the dicts are only read)."""
+    programs = [pipeline_steps(pp, r, vpp, microbatches, group, merged) for r in range(pp)]
+    tasks = tuple(
+        tuple(t for step in prog for t in (step.forward, step.backward) if t is not None)
+        for prog in programs
+    )
+    # merged: a steady step waits for its backward's receive too before its forward starts
+    partner = tuple(
+        {s.forward: s.backward for s in prog if merged and s.forward and s.backward}
+        for prog in programs
+    )
+    return tasks, partner
 
 
 def _extrapolated(microbatches: int, pp: int, group: int | None) -> int | None:
