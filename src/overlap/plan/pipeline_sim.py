@@ -96,24 +96,7 @@ def simulate(
     weights = (1.0,) * (pp * vpp) if weights is None else weights
     if len(weights) != pp * vpp:
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
-    stages = pp * vpp
-    tasks, partner = _programs(pp, vpp, microbatches, group, merged)
-
-    def needs(rank: int, task: Task) -> Message | None:
-        v = task.chunk * pp + rank
-        if not task.backward and v > 0:
-            return FWD, v, task.microbatch
-        if task.backward and v < stages - 1:
-            return BWD, v, task.microbatch
-        return None
-
-    def produces(rank: int, task: Task) -> Message | None:
-        v = task.chunk * pp + rank
-        if not task.backward and v < stages - 1:
-            return FWD, v + 1, task.microbatch
-        if task.backward and v > 0:
-            return BWD, v - 1, task.microbatch
-        return None
+    ops = _programs(pp, vpp, microbatches, group, merged)
 
     sent: dict[Message, float] = {}  # send posted
     received: dict[Message, float] = {}  # receive posted
@@ -154,49 +137,39 @@ def simulate(
     def advance(rank: int) -> bool:
         """Run the rank's next task if it can start; False while it waits for a message whose send
         is not posted."""
-        task = tasks[rank][index[rank]]
-        wants = [
-            w
-            for w in (
-                needs(rank, task),
-                needs(rank, partner[rank][task]) if task in partner[rank] else None,
-            )
-            if w is not None
-        ]
-        for want in wants:
+        op = ops[rank][index[rank]]
+        for want in op.wants:
             received.setdefault(want, consumed[rank][want[0] == BWD] if overlapped else clock[rank])
             if pending[rank] is not None:  # batched: one exchange with the pending send
                 sent[pending[rank]] = clock[rank]
                 pending[rank] = None
-        times = [arrived(w) for w in wants]
+        times = [arrived(w) for w in op.wants]
         if any(at is None for at in times):
             return False
         clock[rank] = max([clock[rank], *times])
-        v = task.chunk * pp + rank
-        seconds = (bwd_s if task.backward else fwd_s) * weights[v]
+        task = op.task
+        seconds = (bwd_s if task.backward else fwd_s) * weights[op.stage]
         split = wgrad_share if overlapped and vpp == 1 and not merged and task.backward else 0.0
         clock[rank] += seconds * (1 - split)
         consumed[rank][task.backward] = clock[rank]
         # a stage that sends its gradient pays its weight gradients right after the send (below),
         # the first stage after its next task
-        first = v == 0
+        first = op.stage == 0
         paid, owed[rank] = owed[rank], seconds * split if first else 0.0
         now_paid = 0.0 if first else seconds * split
-        out = produces(rank, task)
-        following = tasks[rank][index[rank] + 1] if index[rank] + 1 < len(tasks[rank]) else None
-        if out is not None:
-            if overlapped or following is None or needs(rank, following) is None:
-                sent[out] = clock[rank]
+        if op.out is not None:
+            if overlapped or not op.batched:
+                sent[op.out] = clock[rank]
             else:
-                pending[rank] = out
+                pending[rank] = op.out
         index[rank] += 1
-        clock[rank] += now_paid + paid + (owed[rank] if index[rank] == len(tasks[rank]) else 0.0)
+        clock[rank] += now_paid + paid + (owed[rank] if index[rank] == len(ops[rank]) else 0.0)
         return True
 
-    while any(index[r] < len(tasks[r]) for r in range(pp)):
+    while any(index[r] < len(ops[r]) for r in range(pp)):
         progressed = False
         for r in range(pp):
-            while index[r] < len(tasks[r]) and advance(r):
+            while index[r] < len(ops[r]) and advance(r):
                 progressed = True
         if not progressed:
             raise RuntimeError(
@@ -206,24 +179,64 @@ def simulate(
     return PipelineTimes(max(clock), compute)
 
 
+@dataclass(frozen=True)
+class _Op:
+    """One task of a rank's program with what the simulation asks of it: its virtual stage, the
+    messages it waits for (its own receive; merged, its backward partner's too), the message it
+    sends, and whether the next task receives (batched p2p then sends the two together)."""
+
+    task: Task
+    stage: int
+    wants: tuple[Message, ...]
+    out: Message | None
+    batched: bool
+
+
 @functools.lru_cache(maxsize=1024)
 def _programs(
     pp: int, vpp: int, microbatches: int, group: int | None, merged: bool
-) -> tuple[tuple[tuple[Task, ...], ...], tuple[dict[Task, Task], ...]]:
-    """Each rank's tasks in program order, and (merged) each steady step's forward's backward
-    partner; cached, since the layout search simulates the same few programs under hundreds of
-    task times (the dicts are only read)."""
-    programs = [pipeline_steps(pp, r, vpp, microbatches, group, merged) for r in range(pp)]
-    tasks = tuple(
-        tuple(t for step in prog for t in (step.forward, step.backward) if t is not None)
-        for prog in programs
-    )
-    # merged: a steady step waits for its backward's receive too before its forward starts
-    partner = tuple(
-        {s.forward: s.backward for s in prog if merged and s.forward and s.backward}
-        for prog in programs
-    )
-    return tasks, partner
+) -> tuple[tuple[_Op, ...], ...]:
+    """Each rank's program as `_Op`s; cached, since the layout search simulates the same few
+    programs under hundreds of task times."""
+    stages = pp * vpp
+
+    def needs(rank: int, task: Task) -> Message | None:
+        v = task.chunk * pp + rank
+        if not task.backward and v > 0:
+            return FWD, v, task.microbatch
+        if task.backward and v < stages - 1:
+            return BWD, v, task.microbatch
+        return None
+
+    def produces(rank: int, task: Task) -> Message | None:
+        v = task.chunk * pp + rank
+        if not task.backward and v < stages - 1:
+            return FWD, v + 1, task.microbatch
+        if task.backward and v > 0:
+            return BWD, v - 1, task.microbatch
+        return None
+
+    out = []
+    for rank in range(pp):
+        prog = pipeline_steps(pp, rank, vpp, microbatches, group, merged)
+        tasks = [t for step in prog for t in (step.forward, step.backward) if t is not None]
+        # merged: a steady step waits for its backward's receive too before its forward starts
+        partner = {s.forward: s.backward for s in prog if merged and s.forward and s.backward}
+        ops = []
+        for i, task in enumerate(tasks):
+            wanted = (needs(rank, task), needs(rank, partner[task]) if task in partner else None)
+            following = tasks[i + 1] if i + 1 < len(tasks) else None
+            ops.append(
+                _Op(
+                    task,
+                    task.chunk * pp + rank,
+                    tuple(w for w in wanted if w is not None),
+                    produces(rank, task),
+                    following is not None and needs(rank, following) is not None,
+                )
+            )
+        out.append(tuple(ops))
+    return tuple(out)
 
 
 def _extrapolated(microbatches: int, pp: int, group: int | None) -> int | None:
