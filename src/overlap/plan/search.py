@@ -38,7 +38,10 @@ that bound, and the search stops once the next bound is slower than the `keep`-t
 found: every layout left is provably slower than all of those (counted as `bounded`). Memory is
 checked before pricing, and a recompute rung that does not fit goes back into the queue at the next
 rung's (larger) bound; each group of layouts sharing TP, CP, PP, split and EP is probed once at its
-least memory-hungry point and dropped unresolved where even that does not fit.
+least memory-hungry point and dropped unresolved where even that does not fit. Below the search,
+what repeats across thousands of candidates is worked out once: each distinct chunk's activations
+and memory walk (`overlap.launch.resources.peak_memory`), each pipeline program's tasks
+(`overlap.plan.pipeline_sim`), the run's argument parser (docs/planner.md, "Speed").
 
 A candidate fits when its peak (`overlap.perf.memory_model.rank_memory`) plus the reserve (2 GiB
 and 5% of the peak) is within the GPU's memory; the margin is printed. The explanation of the
