@@ -218,3 +218,43 @@ def test_two_recorders_keep_their_events_and_timelines_apart():
         outer_kinds, outer_spans, _sees = rank["outer"]
         assert "tp_ar" not in outer_kinds and "dp_ar" in outer_kinds
         assert outer_spans == ["outer"]
+
+
+def _in_a_fresh_thread(fn):
+    """`fn()` on a new thread, which starts from an empty context as autograd's device threads do:
+    its result, or the exception it raised."""
+    import threading
+
+    out = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except RuntimeError as exc:
+            out["value"] = exc
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return out["value"]
+
+
+def test_a_thread_without_the_run_s_context_finds_the_one_active_run():
+    """Torch's autograd engine runs CUDA backward on its own device threads, which never see the
+    caller's context variables: such a thread gets the process's one active session and recorder,
+    a plain session where none is active, and an error naming the problem where two are (it cannot
+    tell which is its own)."""
+    from overlap.parallel.trace import Recorder, recorder, recording
+
+    run, rec = comm.CommSession("none:ep"), Recorder()
+    with recording(rec), comm.using(run):
+        assert _in_a_fresh_thread(comm.session) is run
+        assert _in_a_fresh_thread(recorder) is rec
+        with comm.using(run):  # the same run entered again is still one run
+            assert _in_a_fresh_thread(comm.session) is run
+        with comm.using(comm.CommSession()):
+            refused = _in_a_fresh_thread(comm.session)
+            assert comm.session() is not run  # a thread with the context gets its own
+    assert isinstance(refused, RuntimeError) and "2 runs are active" in str(refused)
+    after = _in_a_fresh_thread(comm.session)
+    assert after is not run and not after.is_free("ep_dispatch")

@@ -51,7 +51,6 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -64,6 +63,7 @@ from overlap.errors import ConfigError
 from overlap.launch.kinds import family, parse_families
 from overlap.parallel import link_model, streams
 from overlap.parallel.program import COMPUTE, SIDE, TIMING, OpRecord, ProgramRecorder
+from overlap.parallel.run_local import RunLocal
 from overlap.parallel.trace import CommEvent, RulesTimeline, active_recorder, now, recorder
 
 log = logging.getLogger("overlap.comm")
@@ -203,9 +203,9 @@ class CommSession:
         return self._base == "none" and (self._free is None or family(kind) in self._free)
 
 
-# The active run's session: a context variable (each thread and task starts from none), set only by
-# `using`, which restores what was active before.
-_SESSION: ContextVar[CommSession | None] = ContextVar("overlap_comm_session", default=None)
+# The active run's session, set only by `using` (`overlap.parallel.run_local`: a context variable,
+# and the process's one active session for autograd's device threads).
+_SESSION: RunLocal[CommSession] = RunLocal("overlap_comm_session")
 
 
 def session() -> CommSession:
@@ -222,15 +222,14 @@ def using(run: CommSession) -> Iterator[CommSession]:
     comes back after)."""
     traced = active_recorder() if run.nccl_rules else None
     timeline = None if traced is None else traced.timeline
-    token = _SESSION.set(run)
-    if traced is not None:
-        traced.timeline = RulesTimeline(run.one_queue)
-    try:
-        yield run
-    finally:
+    with _SESSION.activate(run):
         if traced is not None:
-            traced.timeline = timeline
-        _SESSION.reset(token)
+            traced.timeline = RulesTimeline(run.one_queue)
+        try:
+            yield run
+        finally:
+            if traced is not None:
+                traced.timeline = timeline
 
 
 class _Posted:
