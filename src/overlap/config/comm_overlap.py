@@ -492,10 +492,11 @@ def _resolve_tp_plan(
 _P2P_WITHOUT_VPP = (
     "beyond the reference (Megatron-Core asserts overlap_p2p_comm needs a virtual pipeline, "
     "where plain 1F1B's steady cycle crosses the link twice however early receives are posted): "
-    "each backward sends its input gradient first and runs its weight gradients after the next "
-    "task, so transfers up to about half a backward's weight-gradient time hide and the drain "
-    "shortens; cost: one backward's weight-gradient inputs kept one task longer (about one more "
-    "micro-batch's activations, counted in the memory estimate)"
+    "each backward sends its input gradient before its weight gradients (the first stage runs "
+    "them after its next forward), so transfers up to a backward's weight-gradient time hide at "
+    "PP 2 (half of one between middle stages) and the drain shortens; cost: on the first stage, "
+    "one backward's weight-gradient inputs kept one task longer (about one more micro-batch's "
+    "activations, counted in the memory estimate)"
 )
 
 
