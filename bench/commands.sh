@@ -451,12 +451,12 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -cp 2 -sl 4096 -ms 6 -gb 2 -mb
 # ------------------------------------------------------------------------- overlapped p2p in plain 1F1B
 
 # 43. -> pp_1f1b_overlap.json/.md. Overlapped 1F1B (each backward's input gradient sent before its weight gradients,
-#     which run after the next task: docs/pipeline.md) against batched 1F1B where the schedule can hide the link:
+#     which run right after the send, the first stage's after its next forward: docs/pipeline.md) against batched 1F1B where the schedule can hide the link:
 #     PP=2 on 2 ranks (one per core), 32 micro-batches (the fill and drain, 2 x (PP - 1) transfers that no 1F1B
 #     hides, small beside the steady state), 7 layers with the loss counted as one (balanced stages), a modelled
 #     link on the pp kinds only (1 ms + 40 MB/s per direction: a full-duplex link, which tc tbf on the shared
 #     loopback is not - both directions and their acknowledgements queue there together). A 131 KB activation then
-#     takes ~4 ms, under half a backward's weight-gradient time (the bound the planner's simulation gives). Floor:
+#     takes ~4 ms, under a backward's weight-gradient time (the bound at PP 2 the planner's simulation gives). Floor:
 #     the batched 1F1B on the plain loopback (--ideal-link).
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network model:1ms,40MB/s,pp \
   --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
