@@ -36,6 +36,7 @@ from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
     MixedPrecisionConfig,
+    Precision,
     get_mixed_precision_config,
     resolve_loss_scaling,
 )
@@ -82,11 +83,13 @@ def plain_value(value: Any) -> Any:
 @dataclass(frozen=True)
 class Resolution:
     """What finalize decided, frozen: the parallel layout, every overlap switch as a plain value
-    (what the runtime reads) and the decision log (who decided each value, and why)."""
+    and the precision (what the runtime reads), and the decision log (who decided each value,
+    and why)."""
 
     world_size: int
     layout: ParallelLayout
     overlap: OverlapPlan
+    precision: Precision
     decisions: DecisionLog
 
 
@@ -163,7 +166,7 @@ class ConfigContainer:
         self._apply_tokenizer()
         pretrained_vocab = self._apply_pretrained(log, pretrained)
         self.model.check_sizes()
-        self._apply_mixed_precision(log)
+        precision = self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
         self._apply_pipeline_layout(layout, log)
         self._apply_data(layout, log, pretrained_vocab)
@@ -182,7 +185,7 @@ class ConfigContainer:
         resolve_moe_permute_fusion(self.model, log, on_cuda)
         resolve_grouped_gemm(self.model, log, on_cuda, device)
         resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
-        self._resolution = Resolution(world_size, layout, plan, log)
+        self._resolution = Resolution(world_size, layout, plan, precision, log)
         return self._resolution
 
     # --- stages -----------------------------------------------------------------------------------
@@ -405,7 +408,8 @@ class ConfigContainer:
                 f"{data.random_seed}",
             )
 
-    def _apply_mixed_precision(self, log: DecisionLog) -> None:
+    def _apply_mixed_precision(self, log: DecisionLog) -> Precision:
+        """The run's precision: the preset's values, or without one the sections' own."""
         mp = self.mixed_precision
         if isinstance(mp, str):
             mp = self.mixed_precision = get_mixed_precision_config(mp)
@@ -418,6 +422,19 @@ class ConfigContainer:
             mp.finalize()
             mp.setup(self.model, self.ddp, self.optimizer, log)
         resolve_loss_scaling(self.optimizer, mp, log)
+        m, d, o = self.model, self.ddp, self.optimizer
+        return Precision(
+            m.params_dtype,
+            m.bf16,
+            m.fp16,
+            d.grad_reduce_in_fp32,
+            d.fp8_param_gather,
+            o.loss_scale,
+            o.initial_loss_scale,
+            o.min_loss_scale,
+            o.loss_scale_window,
+            o.hysteresis,
+        )
 
     def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:
         """The layout the model's sizes describe (checked by `ParallelLayout` itself); sequence

@@ -71,6 +71,31 @@ class MixedPrecisionConfig:
             setattr(ddp, name, effective)
 
 
+@dataclass(frozen=True)
+class Precision:
+    """The precision that runs, decided once by finalize (`cfg.resolved.precision`): the preset's
+    values, or without one the sections' own (the model's dtype flags, DDP's and the optimizer's
+    fields, unset ones at their defaults). The runtime - layers, optimizer, DDP, trainer, the
+    planners - reads this, never the sections, so a value is decided in one place."""
+
+    params_dtype: str = "float32"  # dtype of the parameters and of compute
+    bf16: bool = False
+    fp16: bool = False
+    grad_reduce_in_fp32: bool = False
+    fp8_param_gather: bool = False
+    loss_scale: float | None = None  # static scale; None: dynamic for fp16, none otherwise
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> Precision:
+        """The precision of a model built from a bare (never finalized) config, as finalize
+        decides it without a preset and with DDP and optimizer defaults: the model's own dtype."""
+        return cls(model.params_dtype, model.bf16, model.fp16)
+
+
 LOSS_SCALING = (
     "loss_scale",
     "initial_loss_scale",
