@@ -126,8 +126,9 @@ def test_the_decision_table_shows_the_scaler():
     assert [n.field for n in decisions.noops] == ["mixed_precision.hysteresis"]
     # the preset owns the optimizer's copy: a different value set there is a logged decision
     cfg = tiny_config(False, "fp16_mixed", 1, ["optimizer.hysteresis=5"], 1)
-    decision = cfg.finalize(1).decisions.get("optimizer.hysteresis")
-    assert (decision.requested, decision.effective, cfg.optimizer.hysteresis) == (5, 2, 2)
+    res = cfg.finalize(1)
+    decision = res.decisions.get("optimizer.hysteresis")
+    assert (decision.requested, decision.effective, res.precision.hysteresis) == (5, 2, 2)
 
 
 # --- an injected overflow -------------------------------------------------------------------------

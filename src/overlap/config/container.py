@@ -38,7 +38,7 @@ from overlap.config.mixed_precision import (
     MixedPrecisionConfig,
     Precision,
     get_mixed_precision_config,
-    resolve_loss_scaling,
+    resolve_precision,
 )
 from overlap.config.model import ModelConfig
 from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
@@ -173,7 +173,7 @@ class ConfigContainer:
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = layout.dp
         plan = resolve_comm_overlap(
-            self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log
+            self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout.dp, log
         )
         self._validate(layout, plan)
         self._covered_recompute(log)
@@ -181,9 +181,9 @@ class ConfigContainer:
         resolve_logger(self.logger, self.checkpoint.save, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-        resolve_attention_backend(self.model, log, on_cuda)
+        resolve_attention_backend(self.model, precision, log, on_cuda)
         resolve_moe_permute_fusion(self.model, log, on_cuda)
-        resolve_grouped_gemm(self.model, log, on_cuda, device)
+        resolve_grouped_gemm(self.model, precision, log, on_cuda, device)
         resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
         self._resolution = Resolution(world_size, layout, plan, precision, log)
         return self._resolution
@@ -409,32 +409,14 @@ class ConfigContainer:
             )
 
     def _apply_mixed_precision(self, log: DecisionLog) -> Precision:
-        """The run's precision: the preset's values, or without one the sections' own."""
+        """The run's precision: the preset's values, or without one the aliases' as typed
+        (`mixed_precision.resolve_precision`); nothing is written back onto the sections."""
         mp = self.mixed_precision
         if isinstance(mp, str):
             mp = self.mixed_precision = get_mixed_precision_config(mp)
-        if mp is None:
-            # No preset: the model's own precision flags stand; DDP precision fields default off.
-            self.ddp.grad_reduce_in_fp32 = bool(self.ddp.grad_reduce_in_fp32)
-            self.ddp.fp8_param_gather = bool(self.ddp.fp8_param_gather)
-            self.optimizer.bf16, self.optimizer.fp16 = self.model.bf16, self.model.fp16
-        else:
-            mp.finalize()
-            mp.setup(self.model, self.ddp, self.optimizer, log)
-        resolve_loss_scaling(self.optimizer, mp, log)
-        m, d, o = self.model, self.ddp, self.optimizer
-        return Precision(
-            m.params_dtype,
-            m.bf16,
-            m.fp16,
-            d.grad_reduce_in_fp32,
-            d.fp8_param_gather,
-            o.loss_scale,
-            o.initial_loss_scale,
-            o.min_loss_scale,
-            o.loss_scale_window,
-            o.hysteresis,
-        )
+        sections = {"mixed_precision": mp, "model": self.model}
+        sections |= {"ddp": self.ddp, "optimizer": self.optimizer}
+        return resolve_precision(mp, sections, log)
 
     def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:
         """The layout the model's sizes describe (checked by `ParallelLayout` itself); sequence
