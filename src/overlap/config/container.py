@@ -414,8 +414,9 @@ class ConfigContainer:
         mp = self.mixed_precision
         if isinstance(mp, str):
             mp = self.mixed_precision = get_mixed_precision_config(mp)
-        sections = {"mixed_precision": mp, "model": self.model}
-        sections |= {"ddp": self.ddp, "optimizer": self.optimizer}
+        sections = dict(
+            mixed_precision=mp, model=self.model, ddp=self.ddp, optimizer=self.optimizer
+        )
         return resolve_precision(mp, sections, log)
 
     def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:

@@ -60,9 +60,9 @@ class MixedPrecisionConfig:
 @dataclass(frozen=True)
 class Precision:
     """The precision that runs, decided once by finalize (`cfg.resolved.precision`): the preset's
-    values, or without one the sections' own (the model's dtype flags, DDP's and the optimizer's
-    fields, unset ones at their defaults). The runtime - layers, optimizer, DDP, trainer, the
-    planners - reads this, never the sections, so a value is decided in one place."""
+    values, or without one the aliases' as typed (`model.bf16`, `ddp.grad_reduce_in_fp32`, ...;
+    unset ones at their defaults). The runtime - layers, optimizer, DDP, trainer, the planners -
+    reads this, never the sections, so a value is decided in one place."""
 
     params_dtype: str = "float32"  # dtype of the parameters and of compute
     bf16: bool = False
@@ -78,7 +78,8 @@ class Precision:
     @classmethod
     def of(cls, model: ModelConfig) -> Precision:
         """The precision of a model built from a bare (never finalized) config, as finalize
-        decides it without a preset and with DDP and optimizer defaults: the model's own dtype."""
+        decides it without a preset and with DDP and optimizer defaults: the model's own dtype
+        (unchecked: a bare config's model is built as typed)."""
         return _typed_precision(
             {"mixed_precision": None, "model": model, "ddp": None, "optimizer": None}
         )
