@@ -266,15 +266,15 @@ def estimate_memory(
 def _estimate_rank(
     cfg, layout, cpu, pipe, pp_rank, program, merged, late_wgrad=False
 ) -> MemoryEstimate:
-    m, t, d = cfg.model, cfg.train, cfg.ddp
+    m, t, d, prec = cfg.model, cfg.train, cfg.ddp, cfg.resolved.precision
     stages = pipe.rank_stages(pp_rank)
     counts = _rank_params(cfg, layout, stages)
     # the distributed optimizer shards the dense state over DP x CP (Megatron's data-parallel group
     # with CP), the experts' over expert-DP (carved from TP x CP x DP)
     cp = max(1, layout.cp)
     dp, edp = max(1, layout.dp) * cp, max(1, layout.edp)
-    p_bytes = _DTYPE_BYTES.get(m.params_dtype, 4)
-    g_bytes = 4 if d.grad_reduce_in_fp32 else p_bytes
+    p_bytes = _DTYPE_BYTES.get(prec.params_dtype, 4)
+    g_bytes = 4 if prec.grad_reduce_in_fp32 else p_bytes
     dense = counts.params - counts.expert
     owned = (
         -(-dense // dp) + -(-counts.expert // edp) if d.use_distributed_optimizer else counts.params
@@ -291,7 +291,7 @@ def _estimate_rank(
     block_keys = {"p2p": seq, "all_gather": m.seq_length, "a2a+p2p": seq * layout.cp_a2a}.get(
         kind, 0
     )
-    kernel, _why = attention_kernel(m.attention_backend, on_cuda, m.params_dtype, m.seq_length)
+    kernel, _why = attention_kernel(m.attention_backend, on_cuda, prec.params_dtype, m.seq_length)
     shape = LayerShape(
         tp=max(1, layout.tp),
         ep=max(1, layout.ep),
