@@ -451,12 +451,12 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -cp 2 -sl 4096 -ms 6 -gb 2 -mb
 # ------------------------------------------------------------------------- overlapped p2p in plain 1F1B
 
 # 43. -> pp_1f1b_overlap.json/.md. Overlapped 1F1B (each backward's input gradient sent before its weight gradients,
-#     which run after the next task: docs/pipeline.md) against batched 1F1B where the schedule can hide the link:
+#     which run right after the send, the first stage's after its next forward: docs/pipeline.md) against batched 1F1B where the schedule can hide the link:
 #     PP=2 on 2 ranks (one per core), 32 micro-batches (the fill and drain, 2 x (PP - 1) transfers that no 1F1B
 #     hides, small beside the steady state), 7 layers with the loss counted as one (balanced stages), a modelled
 #     link on the pp kinds only (1 ms + 40 MB/s per direction: a full-duplex link, which tc tbf on the shared
 #     loopback is not - both directions and their acknowledgements queue there together). A 131 KB activation then
-#     takes ~4 ms, under half a backward's weight-gradient time (the bound the planner's simulation gives). Floor:
+#     takes ~4 ms, under a backward's weight-gradient time (the bound at PP 2 the planner's simulation gives). Floor:
 #     the batched 1F1B on the plain loopback (--ideal-link).
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network model:1ms,40MB/s,pp \
   --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
@@ -472,18 +472,33 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --net
 #     the p2p, activations and gradients cross at once as on a real interconnect (on tbf: one queue for both), and
 #     an activation (262 KB: 8.4 MB over a step's 32 sends in a trial run) takes ~6.6 ms on the line, as on
 #     command 43's 40 MB/s link. PP=2 on 2 ranks (one per core), 32 micro-batches, 7 layers with the loss counted
-#     as one. Floor: the batched 1F1B on the plain loopback.
+#     as one, and the interleaved schedule (VPP2: two chunks of two layers a rank) beside the plain 1F1B. Floor:
+#     the batched 1F1B on the plain loopback.
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network nic:320mbit \
   --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
   --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
   --ideal-link --repeats 3 --json $out/pp_1f1b_overlap_nic.json --markdown $out/pp_1f1b_overlap_nic.md \
   model.num_layers=7 model.account_for_loss_in_pipeline_split=true
 
 # 45. -> pp_1f1b_overlap_nic_pp4.json/.md. Command 44 at PP=4 on 4 ranks (2 per core), two layers (or the last
 #     layer and the loss) per stage: a middle stage's NIC carries its activations out and its gradients back at
-#     once, which the shared tbf loopback of command 23 queued together.
+#     once, which the shared tbf loopback of command 23 queued together; the interleaved VPP2 (one layer a chunk)
+#     sends twice the messages each way on the same NICs.
 overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --network nic:320mbit \
   --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
   --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
   --ideal-link --repeats 3 --json $out/pp_1f1b_overlap_nic_pp4.json --markdown $out/pp_1f1b_overlap_nic_pp4.md \
   model.num_layers=7 model.account_for_loss_in_pipeline_split=true
+
+# 46. -> pp_1f1b_overlap_nic_20MBs.json/.md. Command 44 at half the rate (nic:160mbit, 20 MB/s a direction): an
+#     activation takes ~13 ms on the line, more than half of the last stage's weight-gradient time (the bound of
+#     the design before this one) and less than a whole one (the bound at PP 2 now: docs/pipeline.md), and the
+#     link is a larger share of the batched step.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network nic:160mbit \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
+  --ideal-link --repeats 3 --json $out/pp_1f1b_overlap_nic_20MBs.json \
+  --markdown $out/pp_1f1b_overlap_nic_20MBs.md model.num_layers=7 model.account_for_loss_in_pipeline_split=true

@@ -76,6 +76,7 @@ SECTIONS = (
             "pp_1f1b_overlap",
             "pp_1f1b_overlap_nic",
             "pp_1f1b_overlap_nic_pp4",
+            "pp_1f1b_overlap_nic_20MBs",
             "pp_schedules_2ranks",
             "pp_schedules_modelled",
             "pp_bubble",

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from overlap.config import ConfigContainer
+from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
 from overlap.kernels.attention import UNFUSED_MAX_SEQ, attention_kernel
@@ -142,7 +143,7 @@ def _model_backends(backends: list[str]) -> dict[str, dict]:
             recompute_granularity="selective",
             recompute_modules=["core_attn"],
         )
-        model = GPTModel(config, ps, bare_plan())
+        model = GPTModel(config, ps, bare_plan(), Precision.of(config))
         model.init_weights(1234)
         data = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(7))
         loss, _ = model(data[:, :-1], data[:, 1:])
@@ -170,7 +171,7 @@ def test_model_backends_agree() -> None:
 def test_attention_layer_refuses_unknown_backend() -> None:
     config = ModelConfig(attention_backend="xformers")
     with pytest.raises(ConfigError):
-        SelfAttention(config, None, 0, bare_plan())
+        SelfAttention(config, None, 0, bare_plan(), Precision.of(config))
 
 
 def test_explain_names_the_kernel_per_target(capsys) -> None:

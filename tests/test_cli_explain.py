@@ -617,7 +617,8 @@ def test_strict_flag(capsys):
 def test_compute_dtype_flag_sets_mixed_precision(capsys, jobs):
     code, out, err = run([*TINY, "-c", "fp16"], capsys)
     assert code == 0, err
-    assert jobs[-1].cfg.model.fp16 is True and jobs[-1].cfg.model.bf16 is False
+    precision = jobs[-1].cfg.resolved.precision
+    assert precision.fp16 is True and precision.bf16 is False
 
 
 def test_compute_dtype_bf16_satisfies_ep_precision_check(capsys):

@@ -77,3 +77,24 @@ def test_the_null_tokenizers_vocabulary_beats_the_models():
     assert request(sections, "model.vocab_size") == Request(1024, "tokenizer.vocab_size")
     cfg.finalize(1)
     assert (cfg.model.vocab_size, cfg.tokenizer.vocab_size) == (1024, 1024)
+
+
+def test_a_preset_owns_the_precision_and_without_one_the_aliases_stand():
+    """Megatron's precision copies are aliases of the mixed-precision section: a preset owns them
+    whatever its value (None included); without one the alias typed first in rank order counts."""
+    cfg = ConfigContainer(mixed_precision="fp16_mixed")
+    apply_override(cfg, "optimizer.loss_scale=1024")
+    res = cfg.finalize(1)
+    assert res.precision.loss_scale is None  # the preset's: dynamic scaling
+    assert cfg.optimizer.loss_scale == 1024  # kept as typed, never written
+    cfg = ConfigContainer(mixed_precision=None)
+    apply_override(cfg, "optimizer.loss_scale=1024")
+    cfg.optimizer.fp16 = True
+    cfg.model.params_dtype = "float16"
+    sections = {"mixed_precision": None, "model": cfg.model, "optimizer": cfg.optimizer}
+    assert request(sections, "model.fp16") == Request(True, "optimizer.fp16")
+    cfg.model.fp16 = False
+    assert request(sections, "model.fp16") == Request(False, "model.fp16")  # the model's first
+    cfg.model.fp16 = None
+    p = cfg.finalize(1).precision
+    assert (p.fp16, p.params_dtype, p.loss_scale) == (True, "float16", 1024)

@@ -171,8 +171,7 @@ def test_mixed_precision_field_on_a_named_preset():
     assert isinstance(cfg.mixed_precision, MixedPrecisionConfig)
     assert cfg.mixed_precision.bf16 is True
     assert cfg.mixed_precision.grad_reduce_in_fp32 is False
-    cfg.finalize(1)
-    assert cfg.ddp.grad_reduce_in_fp32 is False
+    assert cfg.finalize(1).precision.grad_reduce_in_fp32 is False
 
 
 def test_mixed_precision_field_without_a_preset(cfg):

@@ -189,10 +189,11 @@ def test_non_strict_grad_reduce_in_fp32_contradiction_is_logged(caplog):
     d = res.decisions.get("ddp.grad_reduce_in_fp32")
     assert (d.requested, d.effective) == (False, True)
     assert d.overridden
-    assert cfg.ddp.grad_reduce_in_fp32 is True  # the mixed-precision preset owns it
+    assert res.precision.grad_reduce_in_fp32 is True  # the mixed-precision preset owns it
+    assert cfg.ddp.grad_reduce_in_fp32 is False  # the alias stays as typed
     d = res.decisions.get("ddp.fp8_param_gather")
     assert (d.requested, d.effective) == (True, False)
-    assert cfg.ddp.fp8_param_gather is False
+    assert res.precision.fp8_param_gather is False
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "ddp.grad_reduce_in_fp32" in messages and "ddp.fp8_param_gather" in messages
 
@@ -206,8 +207,7 @@ def test_grad_reduce_in_fp32_agreeing_with_preset_is_not_a_contradiction():
 def test_grad_reduce_in_fp32_set_through_mixed_precision():
     mp = MixedPrecisionConfig(bf16=True, params_dtype="bfloat16", grad_reduce_in_fp32=False)
     cfg = build(mp=mp, co=co(strict=True))
-    cfg.finalize(1)
-    assert cfg.ddp.grad_reduce_in_fp32 is False
+    assert cfg.finalize(1).precision.grad_reduce_in_fp32 is False
 
 
 def test_strict_param_gather_without_distributed_optimizer_is_error():
@@ -374,8 +374,7 @@ def test_the_resolved_values_live_only_in_the_plan():
 def test_finalize_order_mixed_precision_before_ep_check():
     cfg = build(moe(), co=co(overlap_moe_expert_parallel_comm=True), mp=None)
     apply_overrides(cfg, ["mixed_precision=bf16_mixed"])
-    cfg.finalize(2)
-    assert cfg.model.bf16 is True
+    assert cfg.finalize(2).precision.bf16 is True
     assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
 
 

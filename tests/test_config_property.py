@@ -230,7 +230,7 @@ def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
     if o.overlap_moe_expert_parallel_comm:
         assert lay.ep > 1 and (m.num_moe_experts or 0) > 1
         assert m.moe_token_dispatcher_type in ("alltoall", "flex")
-        assert m.bf16 or m.fp16
+        assert res.precision.bf16 or res.precision.fp16
         assert m.recompute_granularity != "full" and "moe" not in (m.recompute_modules or [])
         assert not o.moe_shared_expert_overlap
         assert lay.pp == 1 or m.virtual_pipeline_model_parallel_size is not None

@@ -30,6 +30,7 @@ from overlap.config.comm_overlap import BRIDGE_DP_BUCKET_SIZE
 from overlap.config.mixed_precision import (
     MIXED_PRECISION_PRESETS,
     MixedPrecisionConfig,
+    Precision,
     get_mixed_precision_config,
 )
 from overlap.config.tp_overlap import get_tp_overlap_preset
@@ -1032,23 +1033,33 @@ def test_mixed_precision_finalize_rejects_contradictions():
     assert exc.value.field == "mixed_precision.params_dtype"
 
 
-def test_mixed_precision_is_copied_onto_model_optimizer_ddp():
+def test_the_preset_decides_the_precision_and_writes_nothing_back():
     cfg = build(mp="bf16_mixed")
-    res = cfg.finalize(1)
-    assert (cfg.model.bf16, cfg.model.fp16, cfg.model.params_dtype) == (True, False, "bfloat16")
-    assert (cfg.optimizer.bf16, cfg.optimizer.fp16) == (True, False)
-    assert cfg.ddp.grad_reduce_in_fp32 is True
-    assert cfg.ddp.fp8_param_gather is False
-    d = res.decisions.get("ddp.grad_reduce_in_fp32")
+    p = cfg.finalize(1).precision
+    assert (p.bf16, p.fp16, p.params_dtype) == (True, False, "bfloat16")
+    assert (p.grad_reduce_in_fp32, p.fp8_param_gather) == (True, False)
+    # the aliases keep what was typed: nothing
+    assert (cfg.model.bf16, cfg.model.params_dtype, cfg.optimizer.bf16) == (None, None, None)
+    assert cfg.ddp.grad_reduce_in_fp32 is None
+    d = cfg.resolved.decisions.get("ddp.grad_reduce_in_fp32")
     assert (d.requested, d.effective, d.decided_by) == (None, True, "rule")
 
 
 def test_no_mixed_precision_keeps_model_flags():
     cfg = build(dense(fp16=True, params_dtype="float16"), mp=None)
-    cfg.finalize(1)
-    assert cfg.model.fp16 is True and cfg.optimizer.fp16 is True
-    assert cfg.ddp.grad_reduce_in_fp32 is False
-    assert cfg.ddp.fp8_param_gather is False
+    p = cfg.finalize(1).precision
+    assert (p.fp16, p.params_dtype) == (True, "float16")
+    assert (p.grad_reduce_in_fp32, p.fp8_param_gather) == (False, False)
+    assert p == Precision.of(cfg.model)  # a bare model's precision: the same decision
+
+
+def test_without_a_preset_the_typed_dtype_is_checked():
+    with pytest.raises(ConfigError) as exc:
+        build(dense(params_dtype="int8"), mp=None).finalize(1)
+    assert (exc.value.field, exc.value.value) == ("model.params_dtype", "int8")
+    with pytest.raises(ConfigError) as exc:
+        build(dense(bf16=True), mp=None).finalize(1)
+    assert exc.value.field == "model.params_dtype" and "model.bf16=True" in exc.value.why
 
 
 def test_shared_expert_overlap_without_shared_expert_is_a_logged_dishonoured_request():
@@ -1144,7 +1155,6 @@ def test_forced_load_balancing_is_a_logged_benchmark_mode_and_refuses_a_recomput
             lambda: TrainConfig(eval_time_start_step=3, eval_time_end_step=3),
             "train.eval_time_end_step",
         ),
-        (lambda: ModelConfig(params_dtype="int8"), "model.params_dtype"),
         (lambda: ModelConfig(num_moe_experts=4, moe_router_topk=5), "model.moe_router_topk"),
         (lambda: ModelConfig(recompute_modules=["mla_up_proj"]), "model.recompute_modules"),
         (

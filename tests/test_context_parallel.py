@@ -185,7 +185,7 @@ def _in_flight_under_attention(
     transfers (cp_kv forward, cp_dkv backward) in flight over a whole block's attention; the
     milliseconds of each CP kind the link exposed (peer waits left out); the exposed-communication
     table as a run's report prints it."""
-    from overlap.parallel import link_model
+    from overlap.parallel import comm, link_model
     from overlap.parallel.trace import recorder
     from overlap.profiling.exposed import exposure, format_table
     from overlap.training.trainer import Trainer
@@ -193,18 +193,16 @@ def _in_flight_under_attention(
     overrides = CP2 + [f"model.seq_length={seq}", f"model.cp_comm_overlap={overlap}".lower()]
     cfg = tiny_config(False, None, 2, overrides, 1)
     res = cfg.finalize(2)
-    link_model.set_network(
-        link_model.LinkModel(latency_s=latency_s, bandwidth_Bps=1e9, families=("cp",))
-    )
+    link = link_model.LinkModel(latency_s=latency_s, bandwidth_Bps=1e9, families=("cp",))
     events, spans = [], []
     try:
-        trainer = Trainer(cfg, ParallelState(res.layout))
-        recorder().drain()
-        recorder().on_drain = lambda c, s: (events.extend(c), spans.extend(s))
-        trainer.train()
+        with comm.using(comm.CommSession(link=link)):
+            trainer = Trainer(cfg, ParallelState(res.layout))
+            recorder().drain()
+            recorder().on_drain = lambda c, s: (events.extend(c), spans.extend(s))
+            trainer.train()
     finally:
         recorder().on_drain = None
-        link_model.set_network(None)
     counts = {}
     # at CP 2 the backward starts from the block the forward kept: its only transfer is the dKV
     for kind, span in (("cp_kv", "cp.attention"), ("cp_dkv", "cp.attention_bwd")):

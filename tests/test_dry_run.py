@@ -346,12 +346,9 @@ def test_split_sizes_are_read_for_real_unless_a_dry_run_answers():
     host, got = split_sizes.read_split_sizes(sent, "exchange", wait, lambda: [0])
     assert host == [3, 1, 4, 1, 5, 9] and got is received and waited == ["exchange"]
     asked = []
-    split_sizes.assume_balanced_routing(asked.append)
-    try:
+    with split_sizes.balanced_routing(asked.append):
         host, got = split_sizes.read_split_sizes(sent, "exchange", wait, lambda: [2, 2, 2, 2])
         assert host == [2, 2, 2, 2] and got is received
-    finally:
-        split_sizes.assume_balanced_routing(None)
     assert asked == [split_sizes.SPLIT_SIZE_READ] and len(waited) == 2
     assert split_sizes.read_split_sizes(sent, "exchange", wait, lambda: [0])[0] == [
         3,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from overlap.layers.wgrad_store import WeightGradStore
-from overlap.parallel import link_model
+from overlap.parallel import comm, link_model
 from overlap.parallel.trace import CommEvent, now
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
 from tests.ep_overlap_runs import compare_ep_overlap, run_ep_step
@@ -111,11 +111,9 @@ def test_a_phase_leaves_its_weight_gradients_to_the_next_phase_only():
 def _run_on_slow_link(latency_ms: float):
     """The merged schedule with delay_wgrad on a modelled link slow enough that every all-to-all is
     still in flight when the rank reaches its wait."""
-    link_model.set_network(link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
-    try:
+    link = link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9)
+    with comm.using(comm.CommSession(link=link)):
         return run_ep_step(True, True, {"ep": 2}, {})
-    finally:
-        link_model.set_network(None)
 
 
 @pytest.mark.gloo_only(
@@ -145,11 +143,9 @@ def test_waits_are_filled_with_delayed_wgrads_and_split_sizes_are_waited_outside
 
 
 def _run_without_delay_on_slow_link(latency_ms: float):
-    link_model.set_network(link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9))
-    try:
+    link = link_model.LinkModel(latency_s=latency_ms / 1e3, bandwidth_Bps=1e9)
+    with comm.using(comm.CommSession(link=link)):
         return run_ep_step(True, False, {"ep": 2}, {}, n_mb=4)
-    finally:
-        link_model.set_network(None)
 
 
 def test_without_delay_wgrad_the_split_sizes_and_the_dispatch_have_backward_pieces_as_cover():

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ModelConfig
+from overlap.config.mixed_precision import Precision
 from overlap.model.gpt import model_chunks
 from overlap.parallel.state import ParallelLayout, ParallelState
 from overlap.parallel.trace import recorder
@@ -109,7 +110,9 @@ def _step(
     cfg = _config(layers, pp, vpp, ep, **cfg_kw)
     ps = ParallelState(ParallelLayout(world_size=world, pp=pp, ep=ep))
     defer = bool(cfg.defer_embedding_wgrad_compute)
-    chunks = model_chunks(cfg, ps, bare_plan(defer_embedding_wgrad_compute=defer))
+    chunks = model_chunks(
+        cfg, ps, bare_plan(defer_embedding_wgrad_compute=defer), Precision.of(cfg)
+    )
     for chunk in chunks:
         chunk.init_weights(7)
     gen = torch.Generator().manual_seed(50 + (ps.dp_rank if data_rank is None else data_rank))

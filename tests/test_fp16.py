@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config.training import OptimizerConfig
+from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError
 from overlap.optim.loss_scaler import LossScaler
 from overlap.training.metrics import StepRecord, format_iteration
@@ -51,10 +51,15 @@ def _trainer(moe: bool, precision: str, items: list[str], iters: int = ITERS, la
 
 # --- the scaler's rules --------------------------------------------------------------------------
 def test_dynamic_scaler_backs_off_after_the_hysteresis_and_grows_after_a_window():
-    cfg = OptimizerConfig(
-        fp16=True, initial_loss_scale=8.0, min_loss_scale=2.0, loss_scale_window=3, hysteresis=2
+    cfg = Precision(
+        "float16",
+        fp16=True,
+        initial_loss_scale=8.0,
+        min_loss_scale=2.0,
+        loss_scale_window=3,
+        hysteresis=2,
     )
-    s = LossScaler.from_config(cfg)
+    s = LossScaler.of(cfg)
     seen = []
     for overflow in (True, False, True, True, True, False, False, False, True):
         s.update(overflow)
@@ -63,17 +68,17 @@ def test_dynamic_scaler_backs_off_after_the_hysteresis_and_grows_after_a_window(
     # 8 -> 4; every later one halves, floored at 2; three clean steps double and re-arm the
     # hysteresis (the next overflow is tolerated)
     assert seen == [8.0, 8.0, 4.0, 2.0, 2.0, 2.0, 2.0, 4.0, 4.0]
-    restored = LossScaler.from_config(cfg)
+    restored = LossScaler.of(cfg)
     restored.load_state_dict(json.loads(json.dumps(s.state_dict())))
     assert restored == s
 
 
 def test_static_scale_never_changes_and_no_scaler_without_fp16():
-    s = LossScaler.from_config(OptimizerConfig(loss_scale=128.0))
+    s = LossScaler.of(Precision(loss_scale=128.0))
     for overflow in (True, True, True, False):
         s.update(overflow)
     assert (s.scale, s.dynamic) == (128.0, False)
-    assert LossScaler.from_config(OptimizerConfig(bf16=True)) is None
+    assert LossScaler.of(Precision("bfloat16", bf16=True)) is None
 
 
 def test_the_iteration_line_shows_the_scale_and_a_skip():
@@ -121,8 +126,9 @@ def test_the_decision_table_shows_the_scaler():
     assert [n.field for n in decisions.noops] == ["mixed_precision.hysteresis"]
     # the preset owns the optimizer's copy: a different value set there is a logged decision
     cfg = tiny_config(False, "fp16_mixed", 1, ["optimizer.hysteresis=5"], 1)
-    decision = cfg.finalize(1).decisions.get("optimizer.hysteresis")
-    assert (decision.requested, decision.effective, cfg.optimizer.hysteresis) == (5, 2, 2)
+    res = cfg.finalize(1)
+    decision = res.decisions.get("optimizer.hysteresis")
+    assert (decision.requested, decision.effective, res.precision.hysteresis) == (5, 2, 2)
 
 
 # --- an injected overflow -------------------------------------------------------------------------

@@ -164,10 +164,15 @@ def test_chrome_trace_puts_concurrent_ops_of_one_kind_on_separate_lanes():
 # ---- modelled link ----
 
 
+def _on_link(latency_s: float, families: tuple[str, ...] | None = None):
+    """A run's session on a modelled link of 10 MB/s."""
+    link = link_model.LinkModel(latency_s=latency_s, bandwidth_Bps=1e7, families=families)
+    return comm.using(comm.CommSession(link=link))
+
+
 def _modelled_link_case():
     group = dist.group.WORLD
-    link_model.set_network(link_model.LinkModel(latency_s=0.01, bandwidth_Bps=1e7))
-    try:
+    with _on_link(0.01):
         # 1 MB: 0.01 + 1 x 1e6 / 1e7 = 0.11 s (W=2)
         x = torch.full((250_000,), float(dist.get_rank() + 1))
         wall, cpu = time.perf_counter(), time.process_time()
@@ -180,19 +185,15 @@ def _modelled_link_case():
         h2.wait()
         h1.wait()
         queued = h2.event.t_done - h1.event.t_launch
-        link_model.set_network(
-            link_model.LinkModel(latency_s=0.5, bandwidth_Bps=1e7, families=("ep",))
-        )
+    with _on_link(0.5, ("ep",)):
         h_dp, h_ep = (
             comm.all_reduce(torch.ones(4), group, "dp_ar"),
             comm.all_reduce(torch.ones(4), group, "ep_x"),
         )
         h_dp.wait()
         h_ep.wait()
-        scoped = (h_dp.event.t_done - h_dp.event.t_launch, h_ep.event.t_done - h_ep.event.t_launch)
-        return single, wall, cpu, queued, x[0].item(), b[0].item(), scoped
-    finally:
-        link_model.set_network(None)
+    scoped = (h_dp.event.t_done - h_dp.event.t_launch, h_ep.event.t_done - h_ep.event.t_launch)
+    return single, wall, cpu, queued, x[0].item(), b[0].item(), scoped
 
 
 def test_modelled_link_holds_completion_back_without_burning_cpu_and_queues_ops():
@@ -208,8 +209,7 @@ def _modelled_late_peer_case():
     """Rank 1 launches a 1 MB all-to-all (0.01 + 1/2 x 1e6 / 1e7 = 0.06 s of link at W=2) 0.3 s
     after rank 0. Returns (launch, done) of each rank's op and the received value."""
     group = dist.group.WORLD
-    link_model.set_network(link_model.LinkModel(latency_s=0.01, bandwidth_Bps=1e7))
-    try:
+    with _on_link(0.01):
         comm.barrier()
         if dist.get_rank() == 1:
             time.sleep(0.3)
@@ -226,8 +226,6 @@ def _modelled_late_peer_case():
             h.event.t_ready,
             exposure([h.event], [])["ep_dispatch"],
         )
-    finally:
-        link_model.set_network(None)
 
 
 def test_modelled_collective_starts_when_the_last_rank_has_launched():
@@ -255,10 +253,7 @@ def _modelled_p2p_case():
     send posted -> done) of each receive, from the host's one monotonic clock (the sender's posting
     times travel in the reply)."""
     group = dist.group.WORLD
-    link_model.set_network(
-        link_model.LinkModel(latency_s=0.01, bandwidth_Bps=1e7, families=("pp",))
-    )
-    try:
+    with _on_link(0.01, ("pp",)):
         payload = torch.ones(250_000)
         if dist.get_rank() == 0:
             sent = []
@@ -281,8 +276,6 @@ def _modelled_p2p_case():
             out.append((h.event.t_launch, h.event.t_done, buf[0].item(), h.event.t_ready))
         comm.barrier()
         return out
-    finally:
-        link_model.set_network(None)
 
 
 def test_modelled_p2p_starts_when_both_sides_have_posted():
@@ -349,7 +342,7 @@ def test_emulated_links_are_refused_in_ranks_the_local_launcher_did_not_start(mo
     monkeypatch.delenv(net.NETNS_ENV, raising=False)
     for text in ("tbf:800mbit", "nic:200mbit"):
         with pytest.raises(ConfigError, match="not inside the emulated interconnect"):
-            commands._apply_network(net.parse_network(text))
+            commands._modelled_link(net.parse_network(text))
 
 
 def _namespaces() -> str:

@@ -89,6 +89,7 @@ def test_no_package_imports_from_a_package_above_it():
 # groups, the collectives, the ring exchange built on them, the parallel state, and the teardown.
 PARALLEL = (
     "cp_chunks",
+    "run_local",
     "streams",
     "trace",
     "program",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from overlap.config.mixed_precision import Precision
 from overlap.layers.moe import AllToAllDispatcher, MoELayer, TopKRouter
 from overlap.layers.moe.permute import (
     permute,
@@ -131,7 +132,8 @@ def test_sort_chunks_by_local_expert_and_back(ep_size, num_local_experts, data):
 
 def test_aux_loss_is_switch_formula_and_none_disables_it():
     ps = SimpleNamespace(tp_size=1, cp_size=1, ep_size=1, ep_rank=0, device=torch.device("cpu"))
-    router = TopKRouter(moe_config(num_experts=4), ps)
+    cfg = moe_config(num_experts=4)
+    router = TopKRouter(cfg, ps, Precision.of(cfg))
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(1))
     topk_idx, topk_weights, aux = router(x)
@@ -143,7 +145,8 @@ def test_aux_loss_is_switch_formula_and_none_disables_it():
     share = torch.stack([(idx == e).sum() for e in range(4)]) / idx.numel()
     torch.testing.assert_close(aux, 1e-2 * 4 * (share * torch.softmax(logits, -1).mean(0)).sum())
 
-    no_aux = TopKRouter(moe_config(num_experts=4, moe_router_load_balancing_type="none"), ps)
+    cfg = moe_config(num_experts=4, moe_router_load_balancing_type="none")
+    no_aux = TopKRouter(cfg, ps, Precision.of(cfg))
     no_aux.weight.data.copy_(router.weight.data)
     assert no_aux(x)[2].item() == 0.0
 
@@ -160,7 +163,7 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
         device=torch.device("cpu"),
     )
     cfg = moe_config(num_experts=8, moe_router_force_load_balancing=True)
-    router, twin = TopKRouter(cfg, ps, layer_number=3), TopKRouter(cfg, ps, layer_number=3)
+    router, twin = (TopKRouter(cfg, ps, Precision.of(cfg), layer_number=3) for _ in range(2))
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
     twin.weight.data.copy_(router.weight.data)
     x = torch.randn(256, 4, HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -200,10 +203,11 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
             tp_rank=0,
             device=torch.device("cpu"),
         ),
+        Precision.of(cfg),
         layer_number=3,
     )
     other.weight.data.copy_(router.weight.data)
-    twin2 = TopKRouter(cfg, ps, layer_number=3)
+    twin2 = TopKRouter(cfg, ps, Precision.of(cfg), layer_number=3)
     twin2.weight.data.copy_(router.weight.data)
     # another data-parallel rank's tokens: other draws
     assert not torch.equal(other(x)[0], twin2(x)[0])
@@ -211,11 +215,13 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
 
 def test_experts_must_split_evenly_over_ep():
     with pytest.raises(ValueError, match="num_moe_experts"):
+        cfg = moe_config(num_experts=6)
         MoELayer(
-            moe_config(num_experts=6),
+            cfg,
             SimpleNamespace(ep_size=4),
             layer_number=0,
             overlap=bare_plan(),
+            precision=Precision.of(cfg),
         )
 
 

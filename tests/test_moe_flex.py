@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.init import init_model_params
@@ -52,7 +53,7 @@ def _layer(
     positive, the others negative, so every token picks experts 0..k-1, all on the first EP rank(s);
     the last ranks receive nothing. `shared_overlap`: the plan's shared-expert overlap."""
     plan = bare_plan(moe_shared_expert_overlap=shared_overlap)
-    layer = MoELayer(cfg, ps, layer_number=0, overlap=plan)
+    layer = MoELayer(cfg, ps, layer_number=0, overlap=plan, precision=Precision.of(cfg))
     init_model_params(layer, seed=1234, std=INIT_STD)
     if skewed:
         with torch.no_grad():
@@ -170,16 +171,18 @@ def test_flex_under_ep_overlap_schedule_matches_plain_loop():
 def test_gpu_flex_backends_are_refused_by_name(backend):
     cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
     with pytest.raises(NotBuiltError, match="moe_flex_dispatcher_backend"):
-        MoELayer(cfg, SimpleNamespace(ep_size=1), layer_number=0, overlap=bare_plan())
+        MoELayer(cfg, SimpleNamespace(ep_size=1), 0, bare_plan(), Precision.of(cfg))
 
 
 def test_flex_without_backend_is_refused():
     with pytest.raises(ConfigError, match="moe_flex_dispatcher_backend"):
+        cfg = _config(moe_token_dispatcher_type="flex")
         MoELayer(
-            _config(moe_token_dispatcher_type="flex"),
+            cfg,
             SimpleNamespace(ep_size=1),
             layer_number=0,
             overlap=bare_plan(),
+            precision=Precision.of(cfg),
         )
 
 

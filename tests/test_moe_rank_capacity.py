@@ -36,6 +36,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap.config.mixed_precision import Precision
 from overlap.config.model import expert_rank_capacity
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.kernels.device import TARGET_DEVICES
@@ -90,7 +91,7 @@ def _overflow_count(factor: float) -> tuple[int, int, int]:
         moe_expert_rank_capacity_factor=factor,
         moe_permute_fusion=True,
     )
-    layer = MoELayer(cfg, ps, layer_number=0, overlap=bare_plan())
+    layer = MoELayer(cfg, ps, layer_number=0, overlap=bare_plan(), precision=Precision.of(cfg))
     init_model_params(layer, seed=1234, std=0.2)
     assert isinstance(layer.dispatcher, RankCapacityDispatcher)
     g = torch.Generator().manual_seed(7 + dist.get_rank())
@@ -159,7 +160,9 @@ def _flex_refused() -> str:
         moe_flex_dispatcher_backend="torch",
     )
     with pytest.raises(NotBuiltError) as info:
-        MoELayer(flex, ParallelState(ParallelLayout(world_size=1)), 0, bare_plan())
+        MoELayer(
+            flex, ParallelState(ParallelLayout(world_size=1)), 0, bare_plan(), Precision.of(flex)
+        )
     return str(info.value)
 
 
@@ -173,7 +176,9 @@ def _misaligned_rows_refused() -> str:
         bf16=True,
         moe_expert_rank_capacity_factor=1.5,
     )
-    layer = MoELayer(cfg, ParallelState(ParallelLayout(world_size=1)), 0, bare_plan())
+    layer = MoELayer(
+        cfg, ParallelState(ParallelLayout(world_size=1)), 0, bare_plan(), Precision.of(cfg)
+    )
     init_model_params(layer, seed=0, std=0.2)
     with pytest.raises(NotBuiltError) as info:
         layer(torch.randn(4, 1, 4, dtype=torch.bfloat16))

@@ -225,8 +225,8 @@ PP_CASES = [
         ],
     ),
     (
-        # overlapped p2p: weight gradients delivered after the next task, each with its backward's
-        # last-micro-batch flag for the DP buckets
+        # overlapped p2p: weight gradients delivered after the gradient's send (the first stage:
+        # after its next task), each with its backward's last-micro-batch flag for the DP buckets
         "dp2_pp2_distopt_overlaps_overlapped_p2p",
         4,
         4,
@@ -308,9 +308,9 @@ def test_ep2_pp2_moe_matches_single_process_bf16():
     ids=["1f1b", "1f1b_pp4", "1f1b_pp3_uneven", "interleaved"],
 )
 def test_batched_and_overlapped_p2p_are_bit_identical(layout):
-    """Overlapped p2p runs each backward's weight-gradient GEMMs after the next task (the executor's
-    notes): the same GEMMs on the same tensors, accumulated in the same micro-batch order, so the
-    same bits."""
+    """Overlapped p2p runs each backward's weight-gradient GEMMs after its gradient's send, or the
+    first stage's after its next task (the executor's notes): the same GEMMs on the same tensors,
+    accumulated in the same micro-batch order, so the same bits."""
     world = layout["pipeline_model_parallel_size"]
     batched = run_world(
         world,

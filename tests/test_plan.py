@@ -132,8 +132,9 @@ def test_the_schedules_bound_in_the_p2p_overlap_benchmark():
     forward 44 ms and backward 86 ms as its faked-p2p floor measured, a 256 KB activation on the
     1 ms + 20 MB/s link): the share of the batched mode's link cost that the overlapped interleaved
     schedule can hide at best is ~0.88, and 0.76 on the 10 MB/s link where 0.67 was measured;
-    overlapped 1F1B, its weight gradients after the next task, as much (the transfer, ~14 ms, is
-    under half the weight-gradient time). The 0.8 target is judged where the bound allows it."""
+    overlapped 1F1B, its input gradients sent before the weight gradients, as much (the transfer,
+    ~14 ms, is under the weight-gradient time). The 0.8 target is judged where the bound allows
+    it."""
 
     def hidden(vpp: int, transfer_s: float) -> float:
         f, b = 0.044 / vpp, 0.086 / vpp

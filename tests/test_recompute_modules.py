@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlap.config import ConfigContainer, ModelConfig
 from overlap.config.layout import ParallelLayout
+from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelState
@@ -68,7 +69,8 @@ def _step(
     if modules:
         fields.update(recompute_granularity="selective", recompute_modules=modules)
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
-    model = GPTModel(ModelConfig(**fields), ps, bare_plan())
+    config = ModelConfig(**fields)
+    model = GPTModel(config, ps, bare_plan(), Precision.of(config))
     model.init_weights(1234)
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, MOE["vocab_size"], (BATCH, MOE["seq_length"]), generator=gen)

@@ -1,19 +1,27 @@
 """Two runs in one process keep their run state apart: the state that used to be process-wide
 belongs to the run's objects. A model's queued weight-gradient GEMMs (delay_wgrad_compute) are its
 own, and another model alive beside it neither sees nor runs them; a run's communication session
-(its mode, NCCL's rules, its recorded program) and its tracer recorder (events, spans, timeline) are
-its own, and a session or recorder active inside or after another sees neither its mode nor its
-records. (The tests' shared worlds run many jobs in one
-process per rank: a leak would carry one test's state into the next.)"""
+(its mode, NCCL's rules, its recorded program, its modelled link with the link's clocks and launch
+boards) and its tracer recorder (events, spans, timeline) are its own, and a session or recorder
+active inside or after another sees neither its mode nor its records nor its link; a dry run's
+balanced answers to the split-size reads are its own, and a run beside it reads for real. (The
+tests' shared worlds run many jobs in one process per rank: a leak would carry one test's state into
+the next.) What stays process-wide, and why, is said where it lives: the process groups
+(`overlap.parallel.groups`), the ops in flight on them (`overlap.parallel.comm`), the CUDA surface
+and its named streams (`overlap.parallel.streams`)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from overlap.config.layout import ParallelLayout
+from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError
+from overlap.layers.moe import split_sizes
 from overlap.model.gpt import GPTModel, model_chunks
 from overlap.parallel import comm, link_model
 from overlap.parallel.program import Post, ProgramRecorder
@@ -41,7 +49,7 @@ def _two_models_delaying_one() -> tuple[int, int, int, bool, bool]:
     in the first's store, in the second's, after the first's flush; the first's weights had no
     gradient before its flush, every weight of the second had one at once)."""
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
-    a, b = (GPTModel(_tiny_moe(), ps, bare_plan()) for _ in range(2))
+    a, b = (GPTModel(_tiny_moe(), ps, bare_plan(), Precision.of(_tiny_moe())) for _ in range(2))
     assert a.wgrad_store is not b.wgrad_store
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
     for model in (a, b):
@@ -71,7 +79,9 @@ def test_two_models_keep_their_queued_weight_gradients_apart():
 
 def _two_builds() -> bool:
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
-    (first,), (second,) = (model_chunks(_tiny_moe(), ps, bare_plan()) for _ in range(2))
+    (first,), (second,) = (
+        model_chunks(_tiny_moe(), ps, bare_plan(), Precision.of(_tiny_moe())) for _ in range(2)
+    )
     return first.wgrad_store is second.wgrad_store
 
 
@@ -120,16 +130,65 @@ def test_two_comm_sessions_keep_their_mode_and_records_apart():
 
 
 def test_a_session_under_nccl_rules_refuses_a_modelled_link_and_leaves_no_trace():
-    """NCCL's rules and the modelled link exclude each other: entering such a session with a link
-    set is refused (ConfigError naming --network), and the refused session never became active."""
-    link_model.set_network(link_model.LinkModel(1e-3, 1e9, ("tp",)))
-    try:
-        with pytest.raises(ConfigError, match="--network"):
-            with comm.using(comm.CommSession(nccl_rules=True)):
-                pass
-    finally:
-        link_model.set_network(None)
-    assert not comm.session().nccl_rules
+    """NCCL's rules and the modelled link exclude each other: a session with both is refused
+    (ConfigError naming --network) before it can become active."""
+    with pytest.raises(ConfigError, match="--network"):
+        comm.CommSession(nccl_rules=True, link=link_model.LinkModel(1e-3, 1e9, ("tp",)))
+    assert not comm.session().nccl_rules and comm.session().network is None
+
+
+def _timed(handle: comm.CommHandle) -> float:
+    handle.wait()
+    return handle.event.t_done - handle.event.t_launch
+
+
+def _two_links() -> dict:
+    """A run on a slow modelled TP link launches an all-reduce and leaves it in flight; inside it a
+    second run on a fast link of its own, then a third on real links, each time one all-reduce;
+    then the first run waits for its own."""
+    world = dist.group.WORLD
+    slow = comm.CommSession(link=link_model.LinkModel(0.6, 1e9, ("tp",)))
+    fast = comm.CommSession(link=link_model.LinkModel(0.02, 1e9, ("tp",)))
+    with comm.using(slow):
+        held = comm.all_reduce(torch.ones(2), world, "tp_ar")
+        with comm.using(fast):
+            quick = _timed(comm.all_reduce(torch.ones(2), world, "tp_ar"))
+            with comm.using(comm.CommSession()):
+                real = _timed(comm.all_reduce(torch.ones(2), world, "tp_ar"))
+        slowed = _timed(held)
+    boards = {run.network.on(world).board.path for run in (slow, fast)}
+    return {"slow": slowed, "fast": quick, "real": real, "boards": len(boards)}
+
+
+def test_two_modelled_links_keep_their_clocks_and_boards_apart():
+    """The slow run's all-reduce takes its link's 0.6 s; the fast run's, launched while the slow
+    one is still on the slow run's link, takes its own 20 ms and does not queue behind it (on one
+    shared clock it would complete after the slow op, 0.6 s on); the real run's is not held back at
+    all. Each modelled run opened a launch board of its own."""
+    for rank in run_world(2, _two_links):
+        assert rank["slow"] >= 0.5999
+        assert 0.0199 <= rank["fast"] < 0.5
+        assert rank["real"] < 0.5
+        assert rank["boards"] == 2
+
+
+def test_a_dry_run_s_balanced_answers_stay_in_its_own_context():
+    """While a dry run answers the split-size reads with balanced routing, a run beside it (another
+    thread) reads for real, and once the dry run's block ends nothing answers any more."""
+    answered: list[str] = []
+    seen: dict[str, list[int] | None] = {}
+
+    def real_run() -> None:
+        seen["beside"] = split_sizes.loop_permutation_counts(8, 2, 4)
+
+    with split_sizes.balanced_routing(answered.append):
+        beside = threading.Thread(target=real_run)
+        beside.start()
+        beside.join()
+        seen["dry"] = split_sizes.loop_permutation_counts(8, 2, 4)
+    seen["after"] = split_sizes.loop_permutation_counts(8, 2, 4)
+    assert seen == {"beside": None, "dry": [4, 4, 4, 4], "after": None}
+    assert answered == [split_sizes.LOOP_PERMUTATION] * 4
 
 
 def _two_recorders() -> dict:
@@ -162,3 +221,43 @@ def test_two_recorders_keep_their_events_and_timelines_apart():
         outer_kinds, outer_spans, _sees = rank["outer"]
         assert "tp_ar" not in outer_kinds and "dp_ar" in outer_kinds
         assert outer_spans == ["outer"]
+
+
+def _in_a_fresh_thread(fn):
+    """`fn()` on a new thread, which starts from an empty context as autograd's device threads do:
+    its result, or the exception it raised."""
+    import threading
+
+    out = {}
+
+    def body():
+        try:
+            out["value"] = fn()
+        except RuntimeError as exc:
+            out["value"] = exc
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return out["value"]
+
+
+def test_a_thread_without_the_run_s_context_finds_the_one_active_run():
+    """Torch's autograd engine runs CUDA backward on its own device threads, which never see the
+    caller's context variables: such a thread gets the process's one active session and recorder,
+    a plain session where none is active, and an error naming the problem where two are (it cannot
+    tell which is its own)."""
+    from overlap.parallel.trace import Recorder, recorder, recording
+
+    run, rec = comm.CommSession("none:ep"), Recorder()
+    with recording(rec), comm.using(run):
+        assert _in_a_fresh_thread(comm.session) is run
+        assert _in_a_fresh_thread(recorder) is rec
+        with comm.using(run):  # the same run entered again is still one run
+            assert _in_a_fresh_thread(comm.session) is run
+        with comm.using(comm.CommSession()):
+            refused = _in_a_fresh_thread(comm.session)
+            assert comm.session() is not run  # a thread with the context gets its own
+    assert isinstance(refused, RuntimeError) and "2 runs are active" in str(refused)
+    after = _in_a_fresh_thread(comm.session)
+    assert after is not run and not after.is_free("ep_dispatch")

@@ -427,18 +427,16 @@ def _in_flight_under_gemms() -> dict[str, int]:
     cfg = _config(False, ON, tensor_model_parallel_size=2, sequence_parallel=True)
     cfg.train.train_iters = 1
     res = cfg.finalize(2)
-    link_model.set_network(
-        link_model.LinkModel(latency_s=2e-3, bandwidth_Bps=1e9, families=("tp",))
-    )
+    link = link_model.LinkModel(latency_s=2e-3, bandwidth_Bps=1e9, families=("tp",))
     try:
-        trainer = Trainer(cfg, ParallelState(res.layout))
-        recorder().drain()
-        events, spans = [], []
-        recorder().on_drain = lambda c, s: (events.extend(c), spans.extend(s))
-        trainer.train()
+        with comm.using(comm.CommSession(link=link)):
+            trainer = Trainer(cfg, ParallelState(res.layout))
+            recorder().drain()
+            events, spans = [], []
+            recorder().on_drain = lambda c, s: (events.extend(c), spans.extend(s))
+            trainer.train()
     finally:
         recorder().on_drain = None
-        link_model.set_network(None)
     counts = {}
     for label, span, match in (
         ("ring_ag", "tp.gemm", lambda e: e.kind == "tp_ag" and e.op == "p2p"),

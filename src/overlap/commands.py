@@ -476,8 +476,9 @@ def _network_label(network, comm_mode: str) -> str:
     return network.describe()
 
 
-def _apply_network(network) -> None:
-    """Configure comm.py's link on this rank (the comm mode is the run's `comm.CommSession`)."""
+def _modelled_link(network):
+    """The run's modelled link (`comm.CommSession(link=...)`; None: the links are real), once this
+    rank is known to be where `network` can be had."""
     from overlap.launch.network import EMULATED, NETNS_ENV
     from overlap.parallel import link_model
 
@@ -489,11 +490,9 @@ def _apply_network(network) -> None:
             "no torchrun) builds the network namespace.",
             "launch with -g cpu without torchrun, or use a modelled link (model:LAT,BW).",
         )
-    link_model.set_network(
-        link_model.LinkModel(network.latency_s, network.bandwidth_Bps, network.families)
-        if network.kind == "model"
-        else None
-    )
+    if network.kind != "model":
+        return None
+    return link_model.LinkModel(network.latency_s, network.bandwidth_Bps, network.families)
 
 
 def _choose_gloo_interface() -> str | None:
@@ -524,13 +523,18 @@ def _rank_hosts(address: str | None) -> dict[str, list[int]]:
 
 
 def _run_rank(job, args: argparse.Namespace, network) -> int:
-    """This rank's run, under the run's communication session - its --comm-mode, and on CPU ranks
-    NCCL's rules with --nccl-rules (the program it records is replayed at the end) - and with its
-    own recorder (the tracer's events: the exposure report, --trace, --metrics)."""
+    """This rank's run, under the run's communication session - its --comm-mode, its modelled link
+    (--network model:...), and on CPU ranks NCCL's rules with --nccl-rules (the program it records
+    is replayed at the end) - and with its own recorder (the tracer's events: the exposure report,
+    --trace, --metrics)."""
     from overlap.parallel import comm
     from overlap.parallel.trace import Recorder, recording
 
-    run_comm = comm.CommSession(args.comm_mode, nccl_rules=args.nccl_rules and args.gpu == "cpu")
+    run_comm = comm.CommSession(
+        args.comm_mode,
+        nccl_rules=args.nccl_rules and args.gpu == "cpu",
+        link=_modelled_link(network),
+    )
     with recording(Recorder()) as run_trace, comm.using(run_comm):
         return _train_on_rank(job, args, network, run_comm, run_trace)
 
@@ -566,7 +570,6 @@ def _train_on_rank(job, args: argparse.Namespace, network, run_comm, run_trace) 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         address = _choose_gloo_interface()
     cfg = job.cfg
-    _apply_network(network)
     from overlap.parallel import comm, groups, streams
     from overlap.parallel.trace import DeviceTimeline
 

@@ -281,6 +281,17 @@ def _get(cfg: ConfigContainer, key: str) -> Any:
     return target if not name else getattr(target, name)
 
 
+def _as_run(cfg: ConfigContainer, res: Resolution, key: str, precision_name: str) -> Any:
+    """The value `key` runs with, for the "other settings" rows: the preset's name, the resolved
+    gradient reduce dtype (`ddp.grad_reduce_in_fp32` is an alias, kept as typed), else the
+    section's field."""
+    if key == "mixed_precision":
+        return precision_name
+    if key == "ddp.grad_reduce_in_fp32":
+        return res.precision.grad_reduce_in_fp32
+    return _get(cfg, key)
+
+
 def _set(cfg: ConfigContainer, key: str, value: Any) -> None:
     section, _, name = key.partition(".")
     if not name:
@@ -797,7 +808,7 @@ def prepare(
         Decision(
             key,
             None,
-            precision_name if key == "mixed_precision" else _get(cfg, key),
+            _as_run(cfg, res, key, precision_name),
             line.source(key),
             "",
         )
@@ -822,8 +833,8 @@ def check_pretrained_overrides(res: Resolution, line: CommandLine) -> None:
             )
 
 
-# The precision fields a mixed-precision preset writes onto the model and optimizer at finalize
-# (`MixedPrecisionConfig.setup`) without a row of its own; the DDP and loss-scaling ones it logs.
+# The precision aliases on the model and optimizer that a mixed-precision preset owns without a row
+# of its own at finalize (`mixed_precision.resolve_precision` logs the DDP and loss-scaling ones).
 _PRESET_COPIES = (
     "model.bf16",
     "model.fp16",

@@ -12,6 +12,10 @@ value that counts with the spelling it was typed under, so a decision or an erro
 user wrote. Two knobs rank otherwise, as Bridge does: the distributed optimizer is on when either
 spelling is true (`ANY_TRUE`), and the NullTokenizer's `tokenizer.vocab_size` beats
 `model.vocab_size` (`ALIAS_FIRST`); for both, finalize sets the home, which the runtime reads.
+Megatron's copies of the precision fields (`model.bf16`, `ddp.grad_reduce_in_fp32`,
+`optimizer.loss_scale`, ...) are aliases of the mixed-precision section, the one place a preset
+sets them: a preset owns them whatever its value (`OWNING_SECTIONS`), and without one the alias's
+value stands; finalize decides `cfg.resolved.precision`, which the runtime reads.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ ALIASES: dict[str, str] = {
     ),
     "optimizer.use_distributed_optimizer": "ddp.use_distributed_optimizer",
     "tokenizer.vocab_size": "model.vocab_size",
+    # Megatron's copies of the mixed-precision fields on the model, DDP and optimizer configs
+    "model.bf16": "mixed_precision.bf16",
+    "optimizer.bf16": "mixed_precision.bf16",
+    "model.fp16": "mixed_precision.fp16",
+    "optimizer.fp16": "mixed_precision.fp16",
+    "model.params_dtype": "mixed_precision.params_dtype",
+    "ddp.grad_reduce_in_fp32": "mixed_precision.grad_reduce_in_fp32",
+    "ddp.fp8_param_gather": "mixed_precision.fp8_param_gather",
+    "optimizer.loss_scale": "mixed_precision.loss_scale",
+    "optimizer.initial_loss_scale": "mixed_precision.initial_loss_scale",
+    "optimizer.min_loss_scale": "mixed_precision.min_loss_scale",
+    "optimizer.loss_scale_window": "mixed_precision.loss_scale_window",
+    "optimizer.hysteresis": "mixed_precision.hysteresis",
 }
 # Knobs whose spellings are kept in sync by "either true turns it on" (Megatron-Bridge's rule for
 # the distributed optimizer) instead of the home's value beating the alias's.
@@ -48,6 +65,10 @@ ANY_TRUE = frozenset({"ddp.use_distributed_optimizer"})
 # Knobs whose alias, when set, beats the home: the NullTokenizer's vocabulary (--vocab_size) sizes
 # the embedding whatever the recipe's model.vocab_size says.
 ALIAS_FIRST = frozenset({"model.vocab_size"})
+# Home sections that, when present, own their knobs whatever the value (None included): a
+# mixed-precision preset decides every precision field; without one (the section is None) the
+# aliases' values stand.
+OWNING_SECTIONS = frozenset({"mixed_precision"})
 _HOMES = frozenset(ALIASES.values())
 
 
@@ -77,14 +98,19 @@ def spellings(key: str) -> tuple[str, ...]:
 def request(sections: Mapping[str, Any], key: str) -> Request:
     """The value of the first spelling of `key` that is set (not None; true for an `ANY_TRUE`
     knob), in rank order (the home first, the alias first for an `ALIAS_FIRST` knob), read from
-    `sections` (section name -> section object); a knob without aliases is read where `key`
-    says."""
+    `sections` (section name -> section object; None: the section is not set); a knob without
+    aliases is read where `key` says. A home in an `OWNING_SECTIONS` section that is set counts
+    whatever its value."""
     home = ALIASES.get(key, key)
     any_true = home in ANY_TRUE
     order = spellings(key) or (key,)
     for spelling in order[1:] + order[:1] if home in ALIAS_FIRST else order:
         section, _, name = spelling.partition(".")
+        if sections[section] is None:
+            continue
         value = getattr(sections[section], name)
+        if spelling == home and section in OWNING_SECTIONS:
+            return Request(value, spelling)
         if value if any_true else value is not None:
             return Request(value, spelling)
     return Request(False if any_true else None, None)
@@ -97,6 +123,8 @@ def rank_rule(alias: str) -> str:
         return f"alias of {home} (either true turns it on)"
     if home in ALIAS_FIRST:
         return f"alias of {home} (which it beats when set)"
+    if home.partition(".")[0] in OWNING_SECTIONS:
+        return f"alias of {home} (a mixed-precision preset, when set, owns it)"
     return f"alias of {home} (which beats it when both are set)"
 
 

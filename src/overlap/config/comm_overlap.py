@@ -37,6 +37,7 @@ from overlap.config.tp_overlap import (
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:
+    from overlap.config.mixed_precision import Precision
     from overlap.config.model import ModelConfig
     from overlap.config.training import DDPConfig, OptimizerConfig
 
@@ -196,6 +197,7 @@ def resolve_comm_overlap(
     model: ModelConfig,
     ddp: DDPConfig,
     optimizer: OptimizerConfig,
+    precision: Precision,
     dp_size: int,
     log: DecisionLog,
 ) -> OverlapPlan:
@@ -203,7 +205,8 @@ def resolve_comm_overlap(
     decision; returns the resolved switches as the frozen plan everything downstream reads. The
     model / DDP / optimizer configs are left as typed, except the distributed optimizer's home,
     `ddp.use_distributed_optimizer`, which the runtime reads: it is set when its alias
-    `optimizer.use_distributed_optimizer` is true (`aliases.ANY_TRUE`)."""
+    `optimizer.use_distributed_optimizer` is true (`aliases.ANY_TRUE`). `precision`: the run's,
+    already decided (EP overlap needs 16-bit compute)."""
     u = (
         user
         if user is not None
@@ -218,7 +221,7 @@ def resolve_comm_overlap(
     tp_cfg = _resolve_tp(ask, model, log, r)
     _resolve_pp(ask, model, log, r)
     _resolve_cp(model, log, r)
-    _resolve_moe(ask, model, log, dp_size, r)
+    _resolve_moe(ask, model, precision, log, dp_size, r)
     _resolve_tp_plan(model, tp_cfg, log, r)
     _resolve_dp(ask, model, ddp, optimizer, dp_size, log, r)
     _detect_noops(model, ddp, dp_size, log, r)
@@ -492,10 +495,11 @@ def _resolve_tp_plan(
 _P2P_WITHOUT_VPP = (
     "beyond the reference (Megatron-Core asserts overlap_p2p_comm needs a virtual pipeline, "
     "where plain 1F1B's steady cycle crosses the link twice however early receives are posted): "
-    "each backward sends its input gradient first and runs its weight gradients after the next "
-    "task, so transfers up to about half a backward's weight-gradient time hide and the drain "
-    "shortens; cost: one backward's weight-gradient inputs kept one task longer (about one more "
-    "micro-batch's activations, counted in the memory estimate)"
+    "each backward sends its input gradient before its weight gradients (the first stage runs "
+    "them after its next forward), so transfers up to a backward's weight-gradient time hide at "
+    "PP 2 (half of one between middle stages) and the drain shortens; cost: on the first stage, "
+    "one backward's weight-gradient inputs kept one task longer (about one more micro-batch's "
+    "activations, counted in the memory estimate)"
 )
 
 
@@ -548,7 +552,9 @@ def _resolve_pp(ask: Ask, model: ModelConfig, log: DecisionLog, r: Resolved) -> 
     )
 
 
-def _ep_overlap_prerequisites(model: ModelConfig) -> list[tuple[str, Any, bool, str, str]]:
+def _ep_overlap_prerequisites(
+    model: ModelConfig, precision: Precision
+) -> list[tuple[str, Any, bool, str, str]]:
     """(field, value, ok, why, fix) for every prerequisite of the MoE expert-parallel overlap (the
     asserts of Megatron-Bridge's CommOverlapConfig, which mirror Megatron-Core's
     TransformerConfig.__post_init__)."""
@@ -579,8 +585,8 @@ def _ep_overlap_prerequisites(model: ModelConfig) -> list[tuple[str, Any, bool, 
         ),
         (
             "model.bf16",
-            model.bf16,
-            model.bf16 or model.fp16,
+            precision.bf16,
+            precision.bf16 or precision.fp16,
             "EP overlap is only supported when using bf16 or fp16 models.",
             "use -c bf16 (mixed_precision=bf16_mixed).",
         ),
@@ -664,7 +670,9 @@ def _graph_scope(model: ModelConfig) -> set[str]:
     return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
 
 
-def _resolve_moe(ask: Ask, model: ModelConfig, log: DecisionLog, dp_size: int, r: Resolved) -> None:
+def _resolve_moe(
+    ask: Ask, model: ModelConfig, precision: Precision, log: DecisionLog, dp_size: int, r: Resolved
+) -> None:
     ep_on = _choose(
         log,
         "model.overlap_moe_expert_parallel_comm",
@@ -675,7 +683,7 @@ def _resolve_moe(ask: Ask, model: ModelConfig, log: DecisionLog, dp_size: int, r
     )
     if ep_on:
         per_stage = model.tensor_model_parallel_size * model.context_parallel_size * dp_size
-        for field, value, ok, why, fix in _ep_overlap_prerequisites(model):
+        for field, value, ok, why, fix in _ep_overlap_prerequisites(model, precision):
             if not ok:
                 if field == "model.expert_model_parallel_size" and per_stage < 2:
                     # -ep 2 is impossible here: experts are carved out of the ranks of one pipeline

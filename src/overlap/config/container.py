@@ -36,8 +36,9 @@ from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
     MixedPrecisionConfig,
+    Precision,
     get_mixed_precision_config,
-    resolve_loss_scaling,
+    resolve_precision,
 )
 from overlap.config.model import ModelConfig
 from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
@@ -82,11 +83,13 @@ def plain_value(value: Any) -> Any:
 @dataclass(frozen=True)
 class Resolution:
     """What finalize decided, frozen: the parallel layout, every overlap switch as a plain value
-    (what the runtime reads) and the decision log (who decided each value, and why)."""
+    and the precision (what the runtime reads), and the decision log (who decided each value,
+    and why)."""
 
     world_size: int
     layout: ParallelLayout
     overlap: OverlapPlan
+    precision: Precision
     decisions: DecisionLog
 
 
@@ -163,14 +166,14 @@ class ConfigContainer:
         self._apply_tokenizer()
         pretrained_vocab = self._apply_pretrained(log, pretrained)
         self.model.check_sizes()
-        self._apply_mixed_precision(log)
+        precision = self._apply_mixed_precision(log)
         layout = self._layout(world_size, log)
         self._apply_pipeline_layout(layout, log)
         self._apply_data(layout, log, pretrained_vocab)
         if self.comm_overlap is not None:
             self.comm_overlap.data_parallel_size = layout.dp
         plan = resolve_comm_overlap(
-            self.comm_overlap, self.model, self.ddp, self.optimizer, layout.dp, log
+            self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout.dp, log
         )
         self._validate(layout, plan)
         self._covered_recompute(log)
@@ -178,11 +181,11 @@ class ConfigContainer:
         resolve_logger(self.logger, self.checkpoint.save, log)
         validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-        resolve_attention_backend(self.model, log, on_cuda)
+        resolve_attention_backend(self.model, precision, log, on_cuda)
         resolve_moe_permute_fusion(self.model, log, on_cuda)
-        resolve_grouped_gemm(self.model, log, on_cuda, device)
+        resolve_grouped_gemm(self.model, precision, log, on_cuda, device)
         resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
-        self._resolution = Resolution(world_size, layout, plan, log)
+        self._resolution = Resolution(world_size, layout, plan, precision, log)
         return self._resolution
 
     # --- stages -----------------------------------------------------------------------------------
@@ -405,19 +408,16 @@ class ConfigContainer:
                 f"{data.random_seed}",
             )
 
-    def _apply_mixed_precision(self, log: DecisionLog) -> None:
+    def _apply_mixed_precision(self, log: DecisionLog) -> Precision:
+        """The run's precision: the preset's values, or without one the aliases' as typed
+        (`mixed_precision.resolve_precision`); nothing is written back onto the sections."""
         mp = self.mixed_precision
         if isinstance(mp, str):
             mp = self.mixed_precision = get_mixed_precision_config(mp)
-        if mp is None:
-            # No preset: the model's own precision flags stand; DDP precision fields default off.
-            self.ddp.grad_reduce_in_fp32 = bool(self.ddp.grad_reduce_in_fp32)
-            self.ddp.fp8_param_gather = bool(self.ddp.fp8_param_gather)
-            self.optimizer.bf16, self.optimizer.fp16 = self.model.bf16, self.model.fp16
-        else:
-            mp.finalize()
-            mp.setup(self.model, self.ddp, self.optimizer, log)
-        resolve_loss_scaling(self.optimizer, mp, log)
+        sections = dict(
+            mixed_precision=mp, model=self.model, ddp=self.ddp, optimizer=self.optimizer
+        )
+        return resolve_precision(mp, sections, log)
 
     def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:
         """The layout the model's sizes describe (checked by `ParallelLayout` itself); sequence

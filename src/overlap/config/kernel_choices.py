@@ -19,6 +19,7 @@ from overlap.kernels.grouped_gemm import LOOP, grouped_gemm_kernel
 from overlap.kernels.moe_permute import LOOP_ON_CUDA, permute_fused
 
 if TYPE_CHECKING:
+    from overlap.config.mixed_precision import Precision
     from overlap.config.model import ModelConfig
 
 _log = logging.getLogger("overlap.config")
@@ -26,11 +27,14 @@ _log = logging.getLogger("overlap.config")
 ROW = "experts' GEMM kernel (per architecture)"
 
 
-def resolve_attention_backend(model: ModelConfig, log: DecisionLog, on_cuda: bool) -> None:
+def resolve_attention_backend(
+    model: ModelConfig, precision: Precision, log: DecisionLog, on_cuda: bool
+) -> None:
     """Record, in the "model" section, which kernel the configured backend runs on the run's device
-    (the model keeps the requested value; the layer applies the same rule)."""
+    in the run's precision (the model keeps the requested value; the layer applies the same
+    rule)."""
     backend = model.attention_backend
-    kernel, why = attention_kernel(backend, on_cuda, model.params_dtype, model.seq_length)
+    kernel, why = attention_kernel(backend, on_cuda, precision.params_dtype, model.seq_length)
     if backend == "auto":
         log.record_in("model", "model.attention_backend", None, kernel, DEFAULT, why)
     else:
@@ -107,6 +111,7 @@ def resolve_elementwise_fusion(
 
 def resolve_grouped_gemm(
     model: ModelConfig,
+    precision: Precision,
     decisions: DecisionLog,
     on_cuda: bool,
     device: Callable[[], DeviceInfo | None],
@@ -117,13 +122,15 @@ def resolve_grouped_gemm(
         return
     info = device() if on_cuda else None
     kernel, why = grouped_gemm_kernel(
-        "cuda" if on_cuda else "cpu", info.major if info is not None else None, model.params_dtype
+        "cuda" if on_cuda else "cpu",
+        info.major if info is not None else None,
+        precision.params_dtype,
     )
     decisions.record_in("model", ROW, None, kernel, DEFAULT, why)
     factor = model.moe_expert_rank_capacity_factor
     # the loop cuts the rows by host counts, which the sync-free dispatch never reads; a bf16 run on
     # a GPU this machine cannot see (a dry run) is left to the experts' own check at first use
-    unknown_gpu = on_cuda and info is None and model.params_dtype == "bfloat16"
+    unknown_gpu = on_cuda and info is None and precision.params_dtype == "bfloat16"
     if factor is not None and kernel == LOOP and not unknown_gpu:
         raise NotBuiltError(
             "model.moe_expert_rank_capacity_factor",

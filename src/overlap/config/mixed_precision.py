@@ -1,23 +1,29 @@
-"""Mixed precision: named presets and their propagation onto the model, DDP and optimizer configs.
+"""Mixed precision: the named presets, and the one decision of the precision that runs.
 
-As in Megatron-Bridge, `grad_reduce_in_fp32` and `fp8_param_gather` are mixed-precision settings
-that the DDP config receives; unlike Bridge, a different value set directly on `ddp` is not
-overwritten silently: the decision is logged. The loss-scaling fields go to the optimizer config the
-same way.
+The mixed-precision section is the home of every precision knob; Megatron's copies on the model,
+DDP and optimizer configs (`model.bf16`, `ddp.grad_reduce_in_fp32`, `optimizer.loss_scale`, ...)
+are its aliases (`overlap.config.aliases`). Finalize decides the frozen `Precision` once
+(`resolve_precision`, read by the runtime as `cfg.resolved.precision`) and writes nothing back:
+with a preset the preset owns every field, and unlike Bridge a different value typed under an
+alias is not beaten silently but logged; without one the aliases' values stand.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
+from overlap.config.aliases import request
 from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
-    from overlap.config.training import DDPConfig, OptimizerConfig
+
+# params_dtype is a string so overrides stay plain YAML
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -50,25 +56,33 @@ class MixedPrecisionConfig:
                 f"use params_dtype={want}.",
             )
 
-    def setup(
-        self, model: ModelConfig, ddp: DDPConfig, optimizer: OptimizerConfig, log: DecisionLog
-    ) -> None:
-        """Copy precision onto the model and optimizer; grad_reduce_in_fp32 / fp8_param_gather onto
-        DDP (logged)."""
-        model.bf16, model.fp16, model.params_dtype = self.bf16, self.fp16, self.params_dtype
-        optimizer.bf16, optimizer.fp16 = self.bf16, self.fp16
-        for name in ("grad_reduce_in_fp32", "fp8_param_gather"):
-            requested = getattr(ddp, name)
-            effective = getattr(self, name)
-            log.record(
-                f"ddp.{name}",
-                requested,
-                effective,
-                RULE,
-                f"set through mixed_precision.{name} (the mixed-precision preset owns it)",
-                fix=f"set mixed_precision.{name}={requested} instead of ddp.{name}.",
-            )
-            setattr(ddp, name, effective)
+
+@dataclass(frozen=True)
+class Precision:
+    """The precision that runs, decided once by finalize (`cfg.resolved.precision`): the preset's
+    values, or without one the aliases' as typed (`model.bf16`, `ddp.grad_reduce_in_fp32`, ...;
+    unset ones at their defaults). The runtime - layers, optimizer, DDP, trainer, the planners -
+    reads this, never the sections, so a value is decided in one place."""
+
+    params_dtype: str = "float32"  # dtype of the parameters and of compute
+    bf16: bool = False
+    fp16: bool = False
+    grad_reduce_in_fp32: bool = False
+    fp8_param_gather: bool = False
+    loss_scale: float | None = None  # static scale; None: dynamic for fp16, none otherwise
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> Precision:
+        """The precision of a model built from a bare (never finalized) config, as finalize
+        decides it without a preset and with DDP and optimizer defaults: the model's own dtype
+        (unchecked: a bare config's model is built as typed)."""
+        return _typed_precision(
+            {"mixed_precision": None, "model": model, "ddp": None, "optimizer": None}
+        )
 
 
 LOSS_SCALING = (
@@ -81,33 +95,46 @@ LOSS_SCALING = (
 DYNAMIC_FIELDS = LOSS_SCALING[1:]
 
 
-def resolve_loss_scaling(
-    optimizer: OptimizerConfig, mp: MixedPrecisionConfig | None, log: DecisionLog
-) -> None:
-    """Write the loss-scaling fields onto the optimizer config (Megatron's optimizer owns the
-    scaler), check them and record which scaler trains in the "precision" section. With a preset,
-    the preset owns the fields (a different value set on `optimizer` is logged, as the DDP fields
-    are); without one, the optimizer's own values stand and unset ones take the defaults."""
-    defaults = MixedPrecisionConfig()
-    owner = "mixed_precision" if mp is not None else "optimizer"
-    for name in LOSS_SCALING:
-        requested = getattr(optimizer, name)
-        if mp is None:
-            effective = getattr(defaults, name) if requested is None else requested
-        else:
-            effective = getattr(mp, name)
+def resolve_precision(
+    mp: MixedPrecisionConfig | None, sections: Mapping[str, Any], log: DecisionLog
+) -> Precision:
+    """The run's precision, decided once: with a preset (`mp`), the preset owns every field (a
+    different value typed under a DDP or optimizer alias is logged, the model's and optimizer's
+    dtype copies typed on the command line are `harness.check_precision_overrides`'); without one,
+    the aliases' values (`sections`: section name -> section) stand and unset ones take the
+    defaults. Checks the loss-scaling fields and records which scaler trains in the "precision"
+    section."""
+    defaults = Precision()
+    if mp is not None:
+        mp.finalize()
+        for name in ("grad_reduce_in_fp32", "fp8_param_gather"):
+            requested = getattr(sections["ddp"], name)
+            log.record(
+                f"ddp.{name}",
+                requested,
+                getattr(mp, name),
+                RULE,
+                f"set through mixed_precision.{name} (the mixed-precision preset owns it)",
+                fix=f"set mixed_precision.{name}={requested} instead of ddp.{name}.",
+            )
+        for name in LOSS_SCALING:
+            requested = getattr(sections["optimizer"], name)
             if requested is not None:
                 log.record(
                     f"optimizer.{name}",
                     requested,
-                    effective,
+                    getattr(mp, name),
                     RULE,
                     f"set through mixed_precision.{name} (the preset owns it)",
                     fix=f"set mixed_precision.{name}={requested}, not optimizer.{name}.",
                 )
-        setattr(optimizer, name, effective)
-    _check_loss_scaling(optimizer, owner)
-    o = optimizer
+        o = Precision(**{f.name: getattr(mp, f.name) for f in fields(Precision)})
+        owner = "mixed_precision"
+    else:
+        o = _typed_precision(sections)
+        _check_dtype(o)
+        owner = "optimizer"
+    _check_loss_scaling(o, owner)
     if o.loss_scale is not None:
         log.record_in(
             "precision",
@@ -143,7 +170,7 @@ def resolve_loss_scaling(
             "nothing to rescue from underflow",
         )
     if o.fp16 and o.loss_scale is None:
-        return
+        return o
     for name in DYNAMIC_FIELDS:
         if getattr(o, name) != getattr(defaults, name):
             log.noop(
@@ -152,9 +179,37 @@ def resolve_loss_scaling(
                 "the dynamic loss scaler trains only fp16 models without a static loss_scale",
                 f"drop {owner}.{name}, or train with fp16_mixed and {owner}.loss_scale=null.",
             )
+    return o
 
 
-def _check_loss_scaling(o: OptimizerConfig, owner: str) -> None:
+def _typed_precision(sections: Mapping[str, Any]) -> Precision:
+    """The precision without a preset: each field's alias as typed (`sections`: section name ->
+    section, None where there is none), unset ones at their defaults."""
+    defaults = Precision()
+    chosen = {}
+    for f in fields(Precision):
+        value = request(sections, f"mixed_precision.{f.name}").value
+        chosen[f.name] = getattr(defaults, f.name) if value is None else value
+    return Precision(**chosen)
+
+
+def _check_dtype(o: Precision) -> None:
+    """Without a preset, the dtype typed on the model must be one the layers build and agree with
+    the bf16 / fp16 flags (checked by finalize; a bare config's model is built as typed)."""
+    if o.params_dtype not in DTYPES:
+        raise ConfigError(
+            "model.params_dtype", o.params_dtype, "unknown dtype.", f"use one of {DTYPES}."
+        )
+    if (o.bf16, o.fp16) != (o.params_dtype == "bfloat16", o.params_dtype == "float16"):
+        raise ConfigError(
+            "model.params_dtype",
+            o.params_dtype,
+            f"it contradicts model.bf16={o.bf16} / model.fp16={o.fp16}.",
+            "set precision with -c or mixed_precision=bf16_mixed|fp16_mixed|fp32, not piecemeal.",
+        )
+
+
+def _check_loss_scaling(o: Precision, owner: str) -> None:
     """One clear error per impossible value (Megatron asserts the same bounds)."""
     for name in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
         value = getattr(o, name)

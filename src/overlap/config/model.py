@@ -3,8 +3,9 @@
 The network itself is `TransformerArchitecture` (`architecture.py`), whose fields ModelConfig
 inherits, so `model.hidden_size=...` and `ModelConfig(hidden_size=...)` work as in Bridge. The
 fields declared here say how a run lays the network out and computes it: parallel layout,
-pipeline, kernels and fusions, MoE dispatch and routing, recompute, CUDA graphs, precision and the
-overlap fields that the resolution in `comm_overlap.py` reads.
+pipeline, kernels and fusions, MoE dispatch and routing, recompute, CUDA graphs and the overlap
+fields that the resolution in `comm_overlap.py` reads. Megatron's precision copies (`model.bf16`,
+`model.fp16`, `model.params_dtype`) are aliases of the mixed-precision section's fields.
 
 Field names and meanings follow Megatron-Core's TransformerConfig, which our users already speak.
 Bridge's direct spellings of comm_overlap's switches (`model.tp_comm_overlap`,
@@ -25,9 +26,6 @@ from overlap.config.architecture import TransformerArchitecture
 from overlap.config.refusals import unbuilt
 from overlap.errors import ConfigError, NotBuiltError, check_rules
 
-# Precision flags are set by the mixed-precision stage; params_dtype is a string so overrides stay
-# plain YAML.
-DTYPES = ("float32", "bfloat16", "float16")
 # Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime
 # does not build are refused by name (`overlap.config.refusals`), the rest run (layers/recompute.py)
 RECOMPUTE_MODULES = (
@@ -153,10 +151,6 @@ class ModelConfig(TransformerArchitecture):
     cuda_graph_impl: str = "none"  # "none" | "local" | "transformer_engine"
     # modules a scoped CUDA graph would cover (compatibility surface)
     cuda_graph_scope: list[str] | None = None
-    # --- precision (written by the mixed-precision stage) ---
-    bf16: bool = False  # bfloat16 compute (written by mixed precision)
-    fp16: bool = False  # float16 compute (written by mixed precision)
-    params_dtype: str = "float32"  # dtype of the parameters (written by mixed precision)
     # --- overlap fields: inputs finalize reads and keeps as typed (resolved: cfg.resolved.overlap;
     # the direct spellings of comm_overlap's switches are aliases: overlap.config.aliases)
     # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults);
@@ -186,7 +180,6 @@ class ModelConfig(TransformerArchitecture):
         self._validate_dispatch_and_dtype()
         self._validate_recompute()
         self._validate_cuda_graph()
-        self._validate_precision()
         self._validate_ranges()
 
     def _validate_impls(self) -> None:
@@ -262,10 +255,6 @@ class ModelConfig(TransformerArchitecture):
                 self.moe_token_dispatcher_type,
                 "unknown token dispatcher.",
                 "use alltoall or flex.",
-            )
-        if self.params_dtype not in DTYPES:
-            raise ConfigError(
-                "model.params_dtype", self.params_dtype, "unknown dtype.", f"use one of {DTYPES}."
             )
 
     def _validate_recompute(self) -> None:
@@ -378,17 +367,6 @@ class ModelConfig(TransformerArchitecture):
                 self.cuda_graph_scope,
                 "full_iteration graphs are not captured by the transformer_engine impl.",
                 "use --cuda_graph_impl local for full_iteration.",
-            )
-
-    def _validate_precision(self) -> None:
-        dtype = self.params_dtype
-        if (self.bf16, self.fp16) != (dtype == "bfloat16", dtype == "float16"):
-            raise ConfigError(
-                "model.params_dtype",
-                self.params_dtype,
-                f"it contradicts model.bf16={self.bf16} / model.fp16={self.fp16}.",
-                "set precision with -c or mixed_precision=bf16_mixed|fp16_mixed|fp32, not "
-                "piecemeal.",
             )
 
     def _validate_ranges(self) -> None:

@@ -19,13 +19,12 @@ class DDPConfig:
     comm_overlap's switches (`overlap.config.aliases`): accepted here, kept as typed, read by
     finalize below comm_overlap's value. `use_distributed_optimizer` is the home of Bridge's two
     spellings (`optimizer.use_distributed_optimizer` is its alias; either true turns it on). The
-    resolved overlap values, logged, live in `cfg.resolved.overlap`, which the runtime reads."""
+    resolved overlap values, logged, live in `cfg.resolved.overlap`, which the runtime reads.
+    `ddp.grad_reduce_in_fp32` and `ddp.fp8_param_gather` are aliases of the mixed-precision
+    section's fields (resolved: `cfg.resolved.precision`)."""
 
     # shard optimizer state over DP (the distributed optimizer)
     use_distributed_optimizer: bool = False
-    # owned by mixed precision; a different value here is logged
-    grad_reduce_in_fp32: bool | None = None
-    fp8_param_gather: bool | None = None  # owned by mixed precision
     # average inside the collective (refused: gradients are summed)
     average_in_collective: bool = False
     # stop before the update when the loss or gradient norm is not finite
@@ -40,6 +39,10 @@ class DDPConfig:
 @aliased("optimizer")
 @dataclass
 class OptimizerConfig:
+    """The optimizer and its learning rate. Megatron's precision copies (`optimizer.bf16`,
+    `optimizer.fp16` and the loss-scaling fields `optimizer.loss_scale`, ...) are aliases of the
+    mixed-precision section's fields (resolved: `cfg.resolved.precision`)."""
+
     optimizer: str = "adam"  # the optimizer (adam; others are refused)
     lr: float = 3e-4  # peak learning rate
     min_lr: float = 3e-5  # learning rate at the end of the decay
@@ -48,18 +51,6 @@ class OptimizerConfig:
     adam_beta2: float = 0.95  # Adam's second-moment decay
     adam_eps: float = 1e-8  # Adam's epsilon
     clip_grad: float = 1.0  # global gradient-norm clip (0: none)
-    bf16: bool = False  # bfloat16 training (written by mixed precision)
-    fp16: bool = False  # float16 training: loss scaling on (written by mixed precision)
-    # Loss scaling (Megatron's names; mixed precision owns and writes them; None: not set). A
-    # static `loss_scale` replaces the dynamic scaler that fp16 gets (optim/loss_scaler.py).
-    loss_scale: float | None = None
-    initial_loss_scale: float | None = None  # fp16 dynamic loss scaling: the first scale
-    # fp16 dynamic loss scaling: the scale never goes below this
-    min_loss_scale: float | None = None
-    # fp16 dynamic loss scaling: clean steps before the scale grows
-    loss_scale_window: int | None = None
-    # fp16 dynamic loss scaling: overflows tolerated before the scale shrinks
-    hysteresis: int | None = None
 
     def validate(self) -> None:
         """The optimizer's own rules (NaN fails each; a float rule also refuses infinity)."""

@@ -69,13 +69,15 @@ def buffer_members(params: list[nn.Parameter]) -> list[tuple[str, list[nn.Parame
 
 class DistributedDataParallel:
     """Owns the gradient buffers and their reduction; the trainer marks the last micro-batch and
-    finishes the sync."""
+    finishes the sync. `grad_reduce_in_fp32` is the run's precision's (`cfg.resolved.precision`):
+    the buffers hold and reduce fp32 gradients, else the parameters' dtype."""
 
     def __init__(
         self,
         model: nn.Module,
         cfg: DDPConfig,
         plan: OverlapPlan,
+        grad_reduce_in_fp32: bool,
         ps: ParallelState,
         sequence_parallel: bool,
     ) -> None:
@@ -90,7 +92,7 @@ class DistributedDataParallel:
         self.buffers: list[GradBuffer] = [
             build_buffer(
                 same,
-                torch.float32 if cfg.grad_reduce_in_fp32 else same[0].dtype,
+                torch.float32 if grad_reduce_in_fp32 else same[0].dtype,
                 plan.bucket_size,
                 groups[prefix],
                 prefix,

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from overlap.config.comm_overlap import OverlapPlan
-from overlap.config.training import DDPConfig, OptimizerConfig
+from overlap.config.mixed_precision import Precision
+from overlap.config.training import OptimizerConfig
 from overlap.data_parallel.ddp import DistributedDataParallel
 from overlap.data_parallel.grad_buffer import Bucket, GradBuffer
 from overlap.data_parallel.param_gather import ParamGather
@@ -70,14 +71,14 @@ class DistributedOptimizer(SlotOptimizer):
         chunks: Sequence[nn.Module],
         ddps: Sequence[DistributedDataParallel],
         cfg: OptimizerConfig,
-        ddp_cfg: DDPConfig,
+        precision: Precision,
         plan: OverlapPlan,
         ps: ParallelState,
     ) -> None:
         """`chunks` are this rank's model chunks in forward order (one without a virtual pipeline),
         `ddps` their data-parallel wrappers: each chunk's buckets are sharded and gathered bucket by
         bucket, in forward order across chunks, so the first forward's chunk is gathered first."""
-        super().__init__(cfg)
+        super().__init__(precision)
         self.ps = ps
         self.buffers = [b for ddp in ddps for b in ddp.buffers]
         self.adam = MixedPrecisionAdam([s for ddp in ddps for s in shard_slots(ddp)], cfg)
@@ -85,7 +86,7 @@ class DistributedOptimizer(SlotOptimizer):
             self.buffers,
             chunks,
             plan.overlap_param_gather,
-            ddp_cfg.fp8_param_gather,
+            precision.fp8_param_gather,
             plan.align_param_gather,
         )
 

@@ -297,12 +297,13 @@ def _layer_shape(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool) -> Lay
     block_keys = {"p2p": seq, "all_gather": m.seq_length, "a2a+p2p": seq * layout.cp_a2a}.get(
         kind, 0
     )
-    kernel, _why = attention_kernel(m.attention_backend, not cpu, m.params_dtype, m.seq_length)
+    params_dtype = cfg.resolved.precision.params_dtype
+    kernel, _why = attention_kernel(m.attention_backend, not cpu, params_dtype, m.seq_length)
     return LayerShape(
         tp=max(1, layout.tp),
         ep=max(1, layout.ep),
         sequence_parallel=bool(m.sequence_parallel),
-        act_bytes=2 if _DTYPE_BYTES.get(m.params_dtype, 4) == 2 else 4,
+        act_bytes=2 if _DTYPE_BYTES.get(params_dtype, 4) == 2 else 4,
         fused_attention=kernel != "unfused" or block_keys > 0,
         seq_length=seq,
         micro_batch=cfg.train.micro_batch_size,
@@ -348,15 +349,15 @@ class _LayerCosts:
 def _estimate_rank(
     cfg, layout, cpu, pipe, costs: _LayerCosts, pp_rank, program, merged, late_wgrad=False
 ) -> MemoryEstimate:
-    m, d = cfg.model, cfg.ddp
+    m, d, prec = cfg.model, cfg.ddp, cfg.resolved.precision
     stages = pipe.rank_stages(pp_rank)
     counts = _rank_params(cfg, layout, stages)
     # the distributed optimizer shards the dense state over DP x CP (Megatron's data-parallel group
     # with CP), the experts' over expert-DP (carved from TP x CP x DP)
     cp = max(1, layout.cp)
     dp, edp = max(1, layout.dp) * cp, max(1, layout.edp)
-    p_bytes = _DTYPE_BYTES.get(m.params_dtype, 4)
-    g_bytes = 4 if d.grad_reduce_in_fp32 else p_bytes
+    p_bytes = _DTYPE_BYTES.get(prec.params_dtype, 4)
+    g_bytes = 4 if prec.grad_reduce_in_fp32 else p_bytes
     dense = counts.params - counts.expert
     owned = (
         -(-dense // dp) + -(-counts.expert // edp) if d.use_distributed_optimizer else counts.params

@@ -31,6 +31,7 @@ from overlap.parallel.state import ParallelState
 
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
+    from overlap.config.mixed_precision import Precision
 
 _SDPA_KERNELS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
@@ -99,12 +100,13 @@ class SelfAttention(nn.Module):
         ps: ParallelState,
         layer_number: int,
         overlap: OverlapPlan,
+        precision: Precision,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         check_attention_backend(config.attention_backend)
         _check_heads(config, ps.tp_size)
-        dtype = params_dtype(config)
+        dtype = params_dtype(precision)
         self.layer_number = layer_number
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.query_groups

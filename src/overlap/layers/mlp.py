@@ -16,6 +16,7 @@ from overlap.parallel.state import ParallelState
 
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
+    from overlap.config.mixed_precision import Precision
 
 
 def _swiglu_forward(
@@ -76,12 +77,13 @@ class MLP(nn.Module):
         config,
         ps: ParallelState,
         overlap: OverlapPlan | None,
+        precision: Precision,
         ffn_hidden_size: int | None = None,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         ffn = ffn_hidden_size or config.ffn_size
-        dtype = params_dtype(config)
+        dtype = params_dtype(precision)
         self.gated = config.gated_linear_unit
         self.fusion = config.bias_activation_fusion
         fused = 2 if self.gated else 1

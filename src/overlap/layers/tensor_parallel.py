@@ -25,6 +25,7 @@ from torch import nn
 from torch.autograd import Function
 from torch.distributed import ProcessGroup, ReduceOp
 
+from overlap.config.mixed_precision import Precision
 from overlap.config.tp_overlap import LinearPlan
 from overlap.layers.init import mark_shard
 from overlap.layers.linear_functions import linear
@@ -34,9 +35,10 @@ from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 
 
-def params_dtype(config) -> torch.dtype:
-    """The torch dtype of parameters (and therefore of compute) named by `config.params_dtype`."""
-    return getattr(torch, config.params_dtype)
+def params_dtype(precision: Precision) -> torch.dtype:
+    """The torch dtype of parameters (and therefore of compute) the run's resolved precision names
+    (`cfg.resolved.precision`, or `Precision.of(config)` for a model built from a bare config)."""
+    return getattr(torch, precision.params_dtype)
 
 
 def divide(size: int, parts: int, what: str) -> int:

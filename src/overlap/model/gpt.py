@@ -10,7 +10,8 @@ stage, the final norm and output layer only on the last.
 
 What the model runs overlapped (the TP slots of each linear, the shared expert under the
 all-to-alls, the deferred output-layer wgrad) comes from the resolved overlap plan it is built with
-(`cfg.resolved.overlap`), never from the model section's switches, which keep only what was typed.
+(`cfg.resolved.overlap`), never from the model section's switches, which keep only what was
+typed; its parameters' dtype, likewise, from the resolved precision (`cfg.resolved.precision`).
 Its weight gradients go through the model's `WeightGradStore` (`wgrad_store`, handed to every layer
 it builds; the chunks of one rank share one), which the schedules switch to delaying and drain
 (delay_wgrad_compute, overlapped p2p): a store per run, not per process.
@@ -43,6 +44,7 @@ from overlap.parallel.trace import recorder
 
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
+    from overlap.config.mixed_precision import Precision
 
 
 class TransformerLayer(nn.Module):
@@ -59,10 +61,11 @@ class TransformerLayer(nn.Module):
         ps: ParallelState,
         layer_number: int,
         overlap: OverlapPlan,
+        precision: Precision,
         wgrad_store: WeightGradStore,
     ) -> None:
         super().__init__()
-        dtype = params_dtype(config)
+        dtype = params_dtype(precision)
         sp = config.sequence_parallel
         self.layer_number = layer_number
         self.is_moe = config.is_moe_layer(layer_number)
@@ -78,15 +81,17 @@ class TransformerLayer(nn.Module):
             fusion=config.rms_norm_fusion,
         )
         self.input_layernorm = RMSNorm(**norm)
-        self.self_attention = SelfAttention(config, ps, layer_number, overlap, wgrad_store)
+        self.self_attention = SelfAttention(
+            config, ps, layer_number, overlap, precision, wgrad_store
+        )
         self.pre_mlp_layernorm = RMSNorm(**norm)
         if self.is_moe:
             # only MoE models need (and import) the MoE package
             from overlap.layers.moe.moe_layer import MoELayer
 
-            self.mlp = MoELayer(config, ps, layer_number, overlap, wgrad_store)
+            self.mlp = MoELayer(config, ps, layer_number, overlap, precision, wgrad_store)
         else:
-            self.mlp = MLP(config, ps, overlap, wgrad_store=wgrad_store)
+            self.mlp = MLP(config, ps, overlap, precision, wgrad_store=wgrad_store)
 
     def attention_block(self, x: torch.Tensor) -> torch.Tensor:
         """Residual + self-attention of the input-normalised hidden state."""
@@ -146,8 +151,10 @@ class GPTModel(nn.Module):
     layer is vocabulary-parallel, its own weight or, with `share_embeddings_and_output_weights`
     (Qwen3 0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last of several pipeline
     stages, its copy); the loss is computed from the vocab-sharded logits without gathering them.
-    `overlap` is the run's resolved overlap plan (what its layers overlap); `wgrad_store`: the store
-    its weight gradients go through, kept as `self.wgrad_store` (None: a new one, this model's).
+    `overlap` is the run's resolved overlap plan (what its layers overlap), `precision` its
+    resolved precision (the parameters' dtype; `Precision.of(config)` for a bare config);
+    `wgrad_store`: the store its weight gradients go through, kept as `self.wgrad_store` (None: a
+    new one, this model's).
     """
 
     def __init__(
@@ -155,6 +162,7 @@ class GPTModel(nn.Module):
         config,
         ps: ParallelState,
         overlap: OverlapPlan,
+        precision: Precision,
         stage: Stage | None = None,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
@@ -180,7 +188,7 @@ class GPTModel(nn.Module):
         self.ps = ps
         self.stage = stage or Stage(0, config.num_layers, True, True)
         self.wgrad_store = WeightGradStore() if wgrad_store is None else wgrad_store
-        dtype = params_dtype(config)
+        dtype = params_dtype(precision)
         sp = config.sequence_parallel
         tied = config.share_embeddings_and_output_weights
         if self.stage.pre_process:
@@ -191,7 +199,7 @@ class GPTModel(nn.Module):
                 self.embedding.weight.tied_embedding = True
         self.layers = LayerStack(
             [
-                TransformerLayer(config, ps, i, overlap, self.wgrad_store)
+                TransformerLayer(config, ps, i, overlap, precision, self.wgrad_store)
                 for i in range(self.stage.start, self.stage.end)
             ],
             self.stage.start,
@@ -305,17 +313,19 @@ class GPTModel(nn.Module):
         return hidden, aux_loss
 
 
-def model_chunks(config, ps: ParallelState, overlap: OverlapPlan) -> list[GPTModel]:
+def model_chunks(
+    config, ps: ParallelState, overlap: OverlapPlan, precision: Precision
+) -> list[GPTModel]:
     """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
     pipeline, each holding the layers its virtual stage gets (`overlap.config.pipeline_layout`: an
     even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
-    spelt out); chunks may differ in size. `overlap`: the run's resolved overlap plan. The chunks
-    share one `WeightGradStore` (the pipeline executor's queue spans them)."""
+    spelt out); chunks may differ in size. `overlap`, `precision`: the run's resolved ones. The
+    chunks share one `WeightGradStore` (the pipeline executor's queue spans them)."""
     from overlap.config.pipeline_layout import resolve_pipeline_layout
 
     stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
     store = WeightGradStore()
     return [
-        GPTModel(config, ps, overlap, Stage(s.start, s.end, s.embedding, s.loss), store)
+        GPTModel(config, ps, overlap, precision, Stage(s.start, s.end, s.embedding, s.loss), store)
         for s in stages
     ]

@@ -26,6 +26,7 @@ from torch import nn
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from overlap.config.mixed_precision import Precision
 from overlap.config.training import OptimizerConfig, SchedulerConfig
 from overlap.optim.loss_scaler import LossScaler
 from overlap.parallel import comm
@@ -366,8 +367,8 @@ class SlotOptimizer(ABC):
     adam: MixedPrecisionAdam
     ps: ParallelState
 
-    def __init__(self, cfg: OptimizerConfig) -> None:
-        self.scaler = LossScaler.from_config(cfg)
+    def __init__(self, precision: Precision) -> None:
+        self.scaler = LossScaler.of(precision)
         self.skipped = 0  # steps skipped for an overflow (the lr schedule counts only the others)
         self.overflowed = False  # whether the last step was skipped
 
@@ -437,8 +438,14 @@ class LocalOptimizer(SlotOptimizer):
     """The non-distributed optimizer: every rank updates every parameter from the all-reduced
     gradients."""
 
-    def __init__(self, params: list[nn.Parameter], cfg: OptimizerConfig, ps: ParallelState) -> None:
-        super().__init__(cfg)
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        cfg: OptimizerConfig,
+        precision: Precision,
+        ps: ParallelState,
+    ) -> None:
+        super().__init__(precision)
         self.ps = ps
         self.adam = MixedPrecisionAdam.for_params(params, cfg)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overlap.config.training import OptimizerConfig
+from overlap.config.mixed_precision import Precision
 
 GROWTH, BACKOFF = 2.0, 0.5
 
@@ -37,9 +37,10 @@ class LossScaler:
     hysteresis_tracker: int = 2  # overflows still tolerated before the scale backs off
 
     @classmethod
-    def from_config(cls, cfg: OptimizerConfig) -> LossScaler | None:
-        """The scaler `cfg` asks for: static with `loss_scale`, dynamic for fp16, else none (bf16
-        and fp32 keep fp32's exponent range: nothing underflows that scaling would save)."""
+    def of(cls, cfg: Precision) -> LossScaler | None:
+        """The scaler the run's precision asks for: static with `loss_scale`, dynamic for fp16,
+        else none (bf16 and fp32 keep fp32's exponent range: nothing underflows that scaling would
+        save)."""
         if cfg.loss_scale is not None:
             return cls(float(cfg.loss_scale), dynamic=False)
         if not cfg.fp16:

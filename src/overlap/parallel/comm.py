@@ -9,11 +9,11 @@ and wait times, and in the run's program recorder (`CommSession.program`,
 `overlap.parallel.program`) with its group, operation and size. A point-to-point call is one posted
 unit whose ops share one completion, as NCCL gives one work for a whole batch.
 
-How communication behaves is the run's `CommSession` - its mode, NCCL's rules, its program recorder
-- which the run builds and makes active for its extent (`using`; the calls here read the active one,
-`session()`): no switch is process-wide, so two runs in one process (the tests' shared worlds run
-many jobs per rank, a dry run beside the code that reports it) never see each other's mode or
-records, and a session ends with the `with` that began it, on errors too.
+How communication behaves is the run's `CommSession` - its mode, NCCL's rules, its program recorder,
+its modelled link - which the run builds and makes active for its extent (`using`; the calls here
+read the active one, `session()`): no switch is process-wide, so two runs in one process (the tests'
+shared worlds run many jobs per rank, a dry run beside the code that reports it) never see each
+other's mode or records, and a session ends with the `with` that began it, on errors too.
 
 NCCL's rules (`CommSession(nccl_rules=True)`): gloo run as NCCL shows itself, with every rank's
 program recorded for the replay under NCCL's streams (docs/gpu.md).
@@ -26,15 +26,18 @@ Modes (`CommSession(mode)`):
   before "_") are free, the rest run for real: the floor that isolates one parallel dimension's
   communication from the others'.
 
-On a modelled link (`overlap.parallel.link_model.set_network`) a collective still runs for real, and
-its handle's completion is held back to the link's deadline.
+On a modelled link (`CommSession(link=...)`, `overlap.parallel.link_model`) a collective still runs
+for real, and its handle's completion is held back to the link's deadline.
 
 On gloo, a summing reduce-scatter runs as an all-to-all of the chunks plus a local sum (see
 `reduce_scatter`).
 
 Every op launched here is registered until it has been waited for, completion callback included
 (`outstanding`, `drain_outstanding`), so the end of a run can drain whatever is still in flight
-before the groups go (`overlap.parallel.teardown`).
+before the groups go (`overlap.parallel.teardown`). That registry, like the groups' looked-up sizes
+and ranks, is the process's, not a run's: it is the work in flight on the process's groups, which
+outlive any run (`overlap.parallel.groups`), and whoever destroys the groups must drain all of it,
+whichever run launched it.
 
 Around it: `overlap.parallel.groups` creates the groups, `overlap.parallel.ring` passes chunks
 around a group's ring with the point-to-point calls here.
@@ -48,7 +51,6 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -61,6 +63,7 @@ from overlap.errors import ConfigError
 from overlap.launch.kinds import family, parse_families
 from overlap.parallel import link_model, streams
 from overlap.parallel.program import COMPUTE, SIDE, TIMING, OpRecord, ProgramRecorder
+from overlap.parallel.run_local import RunLocal
 from overlap.parallel.trace import CommEvent, RulesTimeline, active_recorder, now, recorder
 
 log = logging.getLogger("overlap.comm")
@@ -151,25 +154,44 @@ class CommSession:
       the ranks together with NCCL's streams: rendezvous sends, one stream per communicator in issue
       order.
     (A point-to-point call's ops share one completion on every backend, as NCCL gives one work for a
-    whole batch.) The data still travel over gloo, so losses are real. The modelled link needs tags
-    and host-visible completion: it is refused when such a session becomes active (as it is on
-    NCCL). `one_queue`: the timing waits are placed as with `CUDA_DEVICE_MAX_CONNECTIONS=1`
+    whole batch.) The data still travel over gloo, so losses are real. `link`: the modelled link
+    (`overlap.parallel.link_model`), whose clocks and launch boards are this session's own; it needs
+    tags and host-visible completion, so a session with both it and NCCL's rules is refused (as it
+    is on NCCL). `one_queue`: the timing waits are placed as with `CUDA_DEVICE_MAX_CONNECTIONS=1`
     (`overlap.parallel.trace`), for the replay that models one hardware queue."""
 
     mode: str = "real"
     nccl_rules: bool = False
     one_queue: bool = False
     program: ProgramRecorder | None = None
+    link: link_model.LinkModel | None = None
     # mode "none": the families made free (None: all); parsed from `mode`
     _base: str = field(init=False, repr=False)
     _free: frozenset[str] | None = field(init=False, repr=False)
+    # the modelled link's clocks and boards (None: real completion only); a `replace`d session
+    # starts its own
+    network: link_model.ModelledNetwork | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         base, free = parse_mode(self.mode)
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_free", free)
+        if self.nccl_rules and self.link is not None:
+            raise ConfigError(
+                "--network",
+                "model",
+                "the modelled link delays the host, and NCCL's rules hide completion from the "
+                "host.",
+                "use --network real with the NCCL rules.",
+            )
+        network = None if self.link is None else link_model.ModelledNetwork(self.link)
+        object.__setattr__(self, "network", network)
         if self.nccl_rules and self.program is None:
             object.__setattr__(self, "program", ProgramRecorder(enabled=True))
+
+    def models(self, kind: str) -> bool:
+        """Whether ops of `kind` complete on this session's modelled link."""
+        return self.network is not None and self.network.models(kind)
 
     def is_free(self, kind: str) -> bool:
         """Whether this op is faked (the benchmark floors). Run control (`ctl_*`: every rank
@@ -181,9 +203,9 @@ class CommSession:
         return self._base == "none" and (self._free is None or family(kind) in self._free)
 
 
-# The active run's session: a context variable (each thread and task starts from none), set only by
-# `using`, which restores what was active before.
-_SESSION: ContextVar[CommSession | None] = ContextVar("overlap_comm_session", default=None)
+# The active run's session, set only by `using` (`overlap.parallel.run_local`: a context variable,
+# and the process's one active session for autograd's device threads).
+_SESSION: RunLocal[CommSession] = RunLocal("overlap_comm_session")
 
 
 def session() -> CommSession:
@@ -198,24 +220,16 @@ def using(run: CommSession) -> Iterator[CommSession]:
     """Make `run` the active session for the `with` block; under NCCL's rules the run's recorder
     (`trace.recording`, entered first) takes the rules' timeline for that long (the one it had
     comes back after)."""
-    if run.nccl_rules and link_model.current() is not None:
-        raise ConfigError(
-            "--network",
-            "model",
-            "the modelled link delays the host, and NCCL's rules hide completion from the host.",
-            "use --network real with the NCCL rules.",
-        )
     traced = active_recorder() if run.nccl_rules else None
     timeline = None if traced is None else traced.timeline
-    token = _SESSION.set(run)
-    if traced is not None:
-        traced.timeline = RulesTimeline(run.one_queue)
-    try:
-        yield run
-    finally:
+    with _SESSION.activate(run):
         if traced is not None:
-            traced.timeline = timeline
-        _SESSION.reset(token)
+            traced.timeline = RulesTimeline(run.one_queue)
+        try:
+            yield run
+        finally:
+            if traced is not None:
+                traced.timeline = timeline
 
 
 class _Posted:
@@ -315,7 +329,7 @@ def forget_lookups() -> set[ProcessGroup]:
 
 # Ops launched and not yet waited for, completion callback included (strong references: an op nobody
 # waited for keeps its buffers until `drain_outstanding`, as the transfer may still be writing into
-# them).
+# them). The process's, not a run's (module notes): the groups they run on are the process's.
 _outstanding: set[CommHandle] = set()
 
 
@@ -339,9 +353,9 @@ class CommHandle:
         self._posted = posted
         self._result = result
         self._finish = finish
-        # Modelled completion (set_network); None: the real completion is the completion. A modelled
-        # transfer learns it only once every side's posting time is known (the launch board, `p2p`'s
-        # stamps): from `deadline_from`, None until then.
+        # Modelled completion (the session's link); None: the real completion is the completion. A
+        # modelled transfer learns it only once every side's posting time is known (the launch
+        # board, `p2p`'s stamps): from `deadline_from`, None until then.
         self._deadline: float | None = None
         self._deadline_from = deadline_from
         self._done = posted is None
@@ -507,23 +521,27 @@ def _launch(
         return CommHandle(event, None, result)
     carried = nbytes if payload_bytes is None else payload_bytes
     deadline_from = None
-    if link_model.models(kind):
-        deadline_from = link_model.collective_deadline(_launch_board(group), event, op, carried)
+    if run.models(kind):
+        board = _launch_board(run.network, group)
+        deadline_from = link_model.collective_deadline(board, event, op, carried)
     posted = _Posted([launch()])
     unit = _record(run.program, group, record)
     return CommHandle(event, posted, result, finish, deadline_from, unit, run.program)
 
 
-def _launch_board(group: ProcessGroup) -> link_model.LaunchBoard:
-    """`group`'s launch board on the modelled link, opened collectively at its first modelled
-    collective: the members check that they share one host, and the first member names the file."""
-    board = link_model.board(group)
-    if board is None:
-        link_model.check_one_host(all_gather_object(socket.gethostname(), group))
+def _launch_board(
+    network: link_model.ModelledNetwork, group: ProcessGroup
+) -> link_model.LaunchBoard:
+    """`group`'s launch board on the run's modelled `network`, opened collectively at its first
+    modelled collective: the members check that they share one host, and the first member names the
+    file."""
+    link = network.on(group)
+    if link.board is None:
+        network.check_one_host(all_gather_object(socket.gethostname(), group))
         name = [link_model.board_file_name()]
         dist.broadcast_object_list(name, src=group_members(group)[0], group=group)
-        board = link_model.open_board(group, name[0], group_size(group), group_rank(group))
-    return board
+        link.open_board(name[0], group_size(group), group_rank(group))
+    return link.board
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -875,7 +893,7 @@ def p2p(
             CommHandle(event, None, t if op == P2P_RECV else None)
             for event, (_kind, op, t, _peer, _tag) in zip(events, ops)
         ]
-    modelled = link_model.models(ops[0][0])
+    modelled = run.models(ops[0][0])
     # (op, tensor, peer, tag), a stamp right before its payload
     posts: list[tuple[str, torch.Tensor, int, int]] = []
     stamps: list[torch.Tensor | None] = []
@@ -907,7 +925,7 @@ def p2p(
         deadline_from = None
         if stamp is not None and op == P2P_RECV:
             deadline_from = link_model.receive_deadline(
-                group, _nbytes(t), event, stamp, posted.is_completed
+                run.network.on(group), _nbytes(t), event, stamp, posted.is_completed
             )
         handles.append(
             CommHandle(

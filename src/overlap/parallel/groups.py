@@ -9,6 +9,12 @@ can prevent. Hundreds of leaked groups once cost a test process a fifth of a cor
 Building is collective, and every rank builds the same groups in the same order, so every rank finds
 a group in the cache, or none does. `overlap.parallel.teardown.shutdown` empties the cache.
 
+The cache is process-wide on purpose, unlike a run's communication session and recorder: process
+groups belong to the process's world (torch.distributed's default group is itself process-wide), and
+every run of the process uses that one world, so a cache per run would build each group again per
+run - the leak just described. The cache is tied to the world it was built in (`_built_for`), so a
+new world never sees an old world's groups.
+
 The only module that creates process groups; collectives on them go through `overlap.parallel.comm`.
 """
 

@@ -1,13 +1,15 @@
 """The modelled link: an emulated interconnect's cost, added to collectives that really run.
 
-`set_network(LinkModel(...))` is the `--network model:LATENCY,BANDWIDTH` fallback when no emulated
-interconnect can be set up. The collective still runs for real (`overlap.parallel.comm`), so the
-data stays correct, but its completion is held back to `max(real completion, start + modelled
-time)`. Real gloo traffic on a small CPU box is CPU work that fights the compute for the cores; a
-modelled delay is pure waiting, which is what a fast interconnect looks like to the compute, so
-overlap measured against it is credible (see docs/architecture.md, "Measuring overlap honestly").
-Each group has a "link free at" clock (`reserve`): two ops in flight on one group queue one behind
-the other instead of overlapping for free.
+A run's `comm.CommSession(link=LinkModel(...))` is the `--network model:LATENCY,BANDWIDTH` fallback
+when no emulated interconnect can be set up. The collective still runs for real
+(`overlap.parallel.comm`), so the data stays correct, but its completion is held back to `max(real
+completion, start + modelled time)`. Real gloo traffic on a small CPU box is CPU work that fights
+the compute for the cores; a modelled delay is pure waiting, which is what a fast interconnect looks
+like to the compute, so overlap measured against it is credible (see docs/architecture.md,
+"Measuring overlap honestly"). Each group has a "link free at" clock (`GroupLink.reserve`): two ops
+in flight on one group queue one behind the other instead of overlapping for free. The clocks and
+boards are the run's (`ModelledNetwork`, built by its session): two runs in one process never queue
+on each other's.
 
 A transfer on a modelled link starts when every side has posted, as NCCL's do: a point-to-point
 send's posting time travels in a one-element stamp ahead of its payload (`comm.p2p`, resolved by
@@ -33,6 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,45 +82,67 @@ class LinkModel:
         return self.latency_s + factor * payload_bytes / self.bandwidth_Bps
 
 
-_link: LinkModel | None = None
-_link_free_at: dict[ProcessGroup, float] = {}
-_link_lock = threading.Lock()
+class GroupLink:
+    """One group's link on a run's modelled network: its "link free at" clock, so that two ops in
+    flight on the group queue one behind the other, and its launch board (None before the group's
+    first modelled collective, which opens it: `comm._launch_board`)."""
+
+    def __init__(self, link: LinkModel) -> None:
+        self.link = link
+        self.free_at = 0.0
+        self.lock = threading.Lock()
+        self.board: LaunchBoard | None = None
+
+    def reserve(self, op: str, payload_bytes: int, size: int, t_launch: float) -> float:
+        """Book the op on this link after whatever is already queued there; return its modelled
+        completion."""
+        with self.lock:
+            start = max(t_launch, self.free_at)
+            self.free_at = start + self.link.seconds(op, payload_bytes, size)
+            return self.free_at
+
+    def open_board(self, name: str, size: int, rank: int) -> LaunchBoard:
+        """Open this group's launch board in file `name` (every member, with the same name)."""
+        self.board = LaunchBoard(self, name, size, rank)
+        return self.board
 
 
-def set_network(link: LinkModel | None) -> None:
-    """Hold every later collective's completion back by `link`'s modelled time (None: real
-    completion only)."""
-    global _link
-    _link = link
-    reset_links()
+class ModelledNetwork:
+    """One run's modelled link (`comm.CommSession(link=...)`): the `LinkModel` and each group's
+    `GroupLink`, so two runs in one process never queue on each other's clocks or share a board.
+    A group's link is held by weak reference to the group: the run's network keeps no group alive
+    past the teardown that frees it."""
 
+    def __init__(self, link: LinkModel) -> None:
+        self.link = link
+        self._groups: weakref.WeakKeyDictionary[ProcessGroup, GroupLink] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
 
-def current() -> LinkModel | None:
-    """The link set by `set_network` (None: real completion only)."""
-    return _link
+    def models(self, kind: str) -> bool:
+        """Whether ops of `kind` complete on the modelled link."""
+        return self.link.applies_to(kind)
 
+    def on(self, group: ProcessGroup) -> GroupLink:
+        """`group`'s link, made at its first use."""
+        with self._lock:
+            if group not in self._groups:
+                self._groups[group] = GroupLink(self.link)
+            return self._groups[group]
 
-def models(kind: str) -> bool:
-    """Whether ops of `kind` complete on the modelled link."""
-    return _link is not None and _link.applies_to(kind)
-
-
-def reset_links() -> None:
-    """Forget every group's link clock and close its launch board (a new network, or teardown)."""
-    for board in _boards.values():
-        board.close()
-    _boards.clear()
-    _link_free_at.clear()
-
-
-def reserve(group: ProcessGroup, op: str, payload_bytes: int, size: int, t_launch: float) -> float:
-    """Book the op on its group's link after whatever is already queued there; return its modelled
-    completion."""
-    with _link_lock:
-        start = max(t_launch, _link_free_at.get(group, 0.0))
-        deadline = start + _link.seconds(op, payload_bytes, size)
-        _link_free_at[group] = deadline
-    return deadline
+    def check_one_host(self, hosts: list[str]) -> None:
+        """A ConfigError (field --network) unless a group's members (their `hosts`) share one host,
+        as the modelled link's one clock and one shared memory need."""
+        if len(set(hosts)) > 1:
+            value = f"model:{self.link.latency_s * 1e3:g}ms,{self.link.bandwidth_Bps:g}B/s"
+            raise ConfigError(
+                "--network",
+                value,
+                "the modelled link is a single-host emulation (one clock, one shared memory), and "
+                f"this group spans hosts {sorted(set(hosts))}.",
+                "use --network real (or tbf:RATE on one host).",
+            )
 
 
 class LaunchBoard:
@@ -135,10 +160,10 @@ class LaunchBoard:
 
     SLOTS = 4096  # a rank runs at most this many collectives ahead of a peer on one group
 
-    def __init__(self, group: ProcessGroup, name: str, size: int, rank: int) -> None:
+    def __init__(self, link: GroupLink, name: str, size: int, rank: int) -> None:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.path = os.path.join(folder, name)
-        self.group = group
+        self.link = link
         self.size, self.rank, self.next = size, rank, 0
         # seq -> (op, payload bytes), launched and not yet booked
         self.unbooked: dict[int, tuple[str, int]] = {}
@@ -156,6 +181,9 @@ class LaunchBoard:
         # path of every op, where a tensor's indexing and reductions cost ~75 us of the core the
         # rank computes on, the memoryview ~4 us.
         self.table = memoryview(self._map).cast("d")
+        # Closed when nothing uses it any more - neither its run's network nor a handle's deadline
+        # resolver - or at exit.
+        weakref.finalize(self, _close_board, self.table, self._map, self.path)
 
     def post(self, t_launch: float, op: str, payload_bytes: int) -> int:
         """Write this rank's launch time of its next collective on the group; returns the op's
@@ -197,51 +225,25 @@ class LaunchBoard:
                     return None
                 op, payload = self.unbooked.pop(self.to_book)
                 ready = min(last, now())
-                deadline = reserve(self.group, op, payload, self.size, ready)
+                deadline = self.link.reserve(op, payload, self.size, ready)
                 self.booked[self.to_book] = ready, deadline
                 self.to_book += 1
             return self.booked.pop(seq)
 
-    def close(self) -> None:
-        self.table.release()
-        self._map.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass  # another member unlinked it first
 
-
-_boards: dict[ProcessGroup, LaunchBoard] = {}
-
-
-def board(group: ProcessGroup) -> LaunchBoard | None:
-    """`group`'s launch board, None before its first modelled collective."""
-    return _boards.get(group)
+def _close_board(table: memoryview, mapped: mmap.mmap, path: str) -> None:
+    """Unmap a launch board and remove its file."""
+    table.release()
+    mapped.close()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass  # another member unlinked it first
 
 
 def board_file_name() -> str:
     """A fresh name for a launch board's file (the group's first member's choice is everyone's)."""
     return f"overlap-link-{os.getpid()}-{uuid.uuid4().hex}"
-
-
-def check_one_host(hosts: list[str]) -> None:
-    """A ConfigError (field --network) unless a group's members (their `hosts`) share one host, as
-    the modelled link's one clock and one shared memory need."""
-    if len(set(hosts)) > 1:
-        value = f"model:{_link.latency_s * 1e3:g}ms,{_link.bandwidth_Bps:g}B/s"
-        raise ConfigError(
-            "--network",
-            value,
-            "the modelled link is a single-host emulation (one clock, one shared memory), and this "
-            f"group spans hosts {sorted(set(hosts))}.",
-            "use --network real (or tbf:RATE on one host).",
-        )
-
-
-def open_board(group: ProcessGroup, name: str, size: int, rank: int) -> LaunchBoard:
-    """Open `group`'s launch board in file `name` (every member, with the same name)."""
-    _boards[group] = LaunchBoard(group, name, size, rank)
-    return _boards[group]
 
 
 def collective_deadline(
@@ -254,7 +256,7 @@ def collective_deadline(
 
 
 def receive_deadline(
-    group: ProcessGroup,
+    link: GroupLink,
     payload_bytes: int,
     event: CommEvent,
     stamp: torch.Tensor,
@@ -270,7 +272,7 @@ def receive_deadline(
         if not waited and not complete():
             return None
         ready = max(min(float(stamp.item()), now()), event.t_launch)
-        return ready, reserve(group, "p2p", payload_bytes, event.group_size, ready)
+        return ready, link.reserve("p2p", payload_bytes, event.group_size, ready)
 
     return _once(_readying(event, resolve))
 

@@ -18,6 +18,13 @@ stream holds every later submission of every stream until it is satisfied. `one_
 whether this process runs so; the tracer then times a collective's end where the compute stream
 waits for it anyway (`overlap.parallel.trace.DeviceTimeline`), and the program replay models that
 queue (`overlap.parallel.program.replay(one_queue=True)`).
+
+Process-wide on purpose, unlike a run's communication session and recorder: the CUDA surface and
+the named streams are properties of the process and its devices, not of a run. Two runs in one
+process draw from the same device's stream pools, so they share the two named streams rather than
+each draw two more (the pool's round robin would then hand a communicator's stream to one of them);
+and the CUDA surface is the device API the process has. Only tests replace it (`set_api`), for the
+extent of a block, on a CPU where no run has a device.
 """
 
 from __future__ import annotations

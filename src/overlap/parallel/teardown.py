@@ -13,7 +13,7 @@ import weakref
 
 import torch.distributed as dist
 
-from overlap.parallel import comm, groups, link_model
+from overlap.parallel import comm, groups
 
 log = logging.getLogger("overlap.comm")
 
@@ -29,10 +29,10 @@ def shutdown(failing: bool = False) -> None:
        died never completes its side;
     2. barrier (not while failing: the peers may be gone), so no rank frees its groups while a peer
        still talks to it;
-    3. forget the parallel layer's references to the groups (comm's lookups, the link model's clocks
-       and boards, the group cache), `dist.destroy_process_group()`, and collect garbage, so that
-       groups nobody else references are freed now (not while failing: joining a worker stuck on a
-       dead peer hangs).
+    3. forget the parallel layer's references to the groups (comm's lookups, the group cache; a
+       run's modelled link holds them weakly), `dist.destroy_process_group()`, and collect garbage,
+       so that groups nobody else references are freed now (not while failing: joining a worker
+       stuck on a dead peer hangs).
 
     Why: after wait() returns, gloo's worker thread may still hold the last reference to the
     finished op; releasing it frees the op's tensors, which takes the GIL. If that happens once the
@@ -56,7 +56,6 @@ def shutdown(failing: bool = False) -> None:
     if not failing:
         comm.barrier()
     known = [weakref.ref(g) for g in {dist.group.WORLD, *comm.forget_lookups()}]
-    link_model.reset_links()
     groups.forget_groups()
     dist.destroy_process_group()
     if failing:

@@ -43,9 +43,10 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from overlap.parallel.run_local import RunLocal
 
 
 def now() -> float:
@@ -358,9 +359,10 @@ class Recorder:
             self.comm, self.spans = [], []
 
 
-# The active run's recorder (`recording`): a context variable, as comm's session is, so each run -
-# `overlap run`, a dry run, a test's job - records into its own and a thread starts from none.
-_ACTIVE: ContextVar[Recorder | None] = ContextVar("overlap_recorder", default=None)
+# The active run's recorder (`recording`), found as comm's session is
+# (`overlap.parallel.run_local`), so each run - `overlap run`, a dry run, a test's job - records
+# into its own, its backward on autograd's device threads included.
+_ACTIVE: RunLocal[Recorder] = RunLocal("overlap_recorder")
 
 
 def recorder() -> Recorder:
@@ -382,8 +384,5 @@ def active_recorder() -> Recorder:
 @contextmanager
 def recording(run: Recorder) -> Iterator[Recorder]:
     """Make `run` the active recorder for the `with` block (what was active before comes back)."""
-    token = _ACTIVE.set(run)
-    try:
+    with _ACTIVE.activate(run):
         yield run
-    finally:
-        _ACTIVE.reset(token)

@@ -688,10 +688,10 @@ def _play(job: Job, options: DryRunOptions) -> DryRunReport:
             per_step,
             device.type,
         )
-        split_sizes.assume_balanced_routing(
+        answer = split_sizes.balanced_routing(
             lambda what: watch.record_read(caller(), "balanced routing", _ANSWER_REASONS[what])
         )
-        with FakeTensorMode(allow_non_fake_inputs=True), watch, warnings.catch_warnings():
+        with answer, FakeTensorMode(allow_non_fake_inputs=True), watch, warnings.catch_warnings():
             # The pipeline compares storage addresses to count a sent copy in its own memory
             # statistic, which the dry run does not read (it measures every storage itself); fakes
             # have none, and torch warns.
@@ -746,7 +746,6 @@ def _play(job: Job, options: DryRunOptions) -> DryRunReport:
             seconds=time.perf_counter() - started,
         )
     finally:
-        split_sizes.assume_balanced_routing(None)
         trainer = ps = None
         teardown.shutdown(failing=sys.exc_info()[0] is not None)
 

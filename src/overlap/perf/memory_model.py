@@ -181,9 +181,10 @@ def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -
             )
         )
     if not d.use_distributed_optimizer and layout.dp > 1:
-        options.append(("ddp.use_distributed_optimizer=true", _with_ddp(cfg, True, None)))
-    if d.grad_reduce_in_fp32:
-        options.append(("mixed_precision.grad_reduce_in_fp32=false", _with_ddp(cfg, None, False)))
+        distributed = replace(d, use_distributed_optimizer=True)
+        options.append(("ddp.use_distributed_optimizer=true", _with(cfg, ddp=distributed)))
+    if cfg.resolved.precision.grad_reduce_in_fp32:
+        options.append(("mixed_precision.grad_reduce_in_fp32=false", _without_fp32_grads(cfg)))
     if cfg.train.micro_batch_size > 1:
         cut = replace(cfg.train, micro_batch_size=1)
         options.append(("-mb 1", _with(cfg, train=cut)))
@@ -223,10 +224,9 @@ def _with_model(cfg: ConfigContainer, **fields) -> ConfigContainer:
     return _with(cfg, model=replace(cfg.model, **fields))
 
 
-def _with_ddp(cfg: ConfigContainer, distributed: bool | None, fp32: bool | None) -> ConfigContainer:
-    ddp = cfg.ddp
-    if distributed is not None:
-        ddp = replace(ddp, use_distributed_optimizer=distributed)
-    if fp32 is not None:
-        ddp = replace(ddp, grad_reduce_in_fp32=fp32)
-    return _with(cfg, ddp=ddp)
+def _without_fp32_grads(cfg: ConfigContainer) -> ConfigContainer:
+    """`cfg` whose resolved precision reduces gradients in the parameters' dtype (the memory
+    estimate reads the resolution's precision, not the sections)."""
+    resolved = cfg.resolved
+    precision = replace(resolved.precision, grad_reduce_in_fp32=False)
+    return replace(cfg, _resolution=replace(resolved, precision=precision))

@@ -89,7 +89,7 @@ class ExecutorOptions:
         seq = seq // tp_size if m.sequence_parallel else seq
         return cls(
             (seq, cfg.train.micro_batch_size, m.hidden_size),
-            params_dtype(m),
+            params_dtype(cfg.resolved.precision),
             overlap_p2p_comm=plan.overlap_p2p_comm,
             microbatch_group=m.microbatch_group_size_per_vp_stage,
             deallocate_outputs=m.deallocate_pipeline_outputs,

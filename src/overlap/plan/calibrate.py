@@ -447,7 +447,7 @@ def calibrate(args, job, run_options: list[str]) -> Cluster:
     network = parse_network(args.network)
     layout = job.resolution.layout
     ranks = layout.world_size
-    precision = precision_of(job.cfg.model)
+    precision = precision_of(job.cfg.resolved.precision)
     # Fake the link's families; everything else runs. Without a family-restricted model link that is
     # every family but the model-parallel norm sums (`mp`, one scalar per step), so the pipeline
     # ranks still meet once per step and rank 0's step is the busiest rank's compute, not its own.

@@ -180,7 +180,7 @@ def _plan_precision(args: argparse.Namespace) -> str | None:
 def _cluster(args: argparse.Namespace, cfg):
     from overlap.plan.hardware import builtin_cluster, load_cluster, precision_of
 
-    precision = getattr(args, "plan_precision", None) or precision_of(cfg.model)
+    precision = getattr(args, "plan_precision", None) or precision_of(cfg.resolved.precision)
     if args.cluster:
         return load_cluster(args.cluster, args.gpu, precision, args.gpus_per_node)
     return builtin_cluster(args.gpu, precision, args.gpus_per_node)
@@ -219,7 +219,9 @@ def _calibrate(args: argparse.Namespace) -> None:
         base = (
             _cluster(args, job.cfg)
             if Path(args.cluster).is_file()
-            else builtin_cluster(args.gpu, precision_of(job.cfg.model), args.gpus_per_node)
+            else builtin_cluster(
+                args.gpu, precision_of(job.cfg.resolved.precision), args.gpus_per_node
+            )
         )
     else:
         args.network = args.network or "real"

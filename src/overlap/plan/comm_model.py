@@ -219,14 +219,14 @@ def microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
 def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) -> CommPlan:
     """Every collective of one step of `cfg` on `layout`, with its bytes and time on `cluster`
     (the overlap switches: the resolved plan's)."""
-    m, d, o = cfg.model, cfg.ddp, cfg.resolved.overlap
+    m, d, o, prec = cfg.model, cfg.ddp, cfg.resolved.overlap, cfg.resolved.precision
     plan = CommPlan()
     tp, pp, ep, dp, edp = (
         max(1, x) for x in (layout.tp, layout.pp, layout.ep, layout.dp, layout.edp)
     )
     gpn = cluster.gpus_per_node
     mb = microbatches(cfg, layout)
-    act = 2 if m.bf16 or m.fp16 else 4  # activation bytes (beta)
+    act = 2 if prec.bf16 or prec.fp16 else 4  # activation bytes (beta)
     cp = max(1, layout.cp)
     # a CP rank's share of the sequence
     b, s, h = cfg.train.micro_batch_size, m.seq_length // cp, m.hidden_size
@@ -318,7 +318,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         plan.pp_send = Transfer(link, nbytes)
         # the tied embedding's gradient summed with its last-stage copy's
         if m.share_embeddings_and_output_weights:
-            grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
+            grad = 4 if prec.grad_reduce_in_fp32 else _BYTES.get(prec.params_dtype, 4)
             shards = dp * cp if d.use_distributed_optimizer else 1
             tied = m.vocab_size // tp * h * grad / shards
             ends = members_per_node(2, tp * layout.cp * dp * (pp - 1), gpn)
@@ -328,8 +328,8 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         _cp_plan(cfg, plan, b * s / tp, cp, tp, len(held), mb, cluster)
 
     est = estimate_memory(cfg, layout, cpu=False)
-    grad = 4 if d.grad_reduce_in_fp32 else _BYTES.get(m.params_dtype, 4)
-    param = 1 if d.fp8_param_gather else _BYTES.get(m.params_dtype, 4)
+    grad = 4 if prec.grad_reduce_in_fp32 else _BYTES.get(prec.params_dtype, 4)
+    param = 1 if prec.fp8_param_gather else _BYTES.get(prec.params_dtype, 4)
     for prefix, size, stride, count in (
         # dense gradients over DP x CP (ranks TP apart), experts over expert-DP
         ("dp", dp * cp, tp, est.params - est.expert_params),
@@ -369,7 +369,8 @@ def _cp_plan(
     all-to-all groups are A consecutive CP ranks, its ring's members A x TP apart."""
     m, kind = cfg.model, cfg.resolved.overlap.cp_comm_type
     gpn = cluster.gpus_per_node
-    act = 2 if m.bf16 or m.fp16 else 4
+    prec = cfg.resolved.precision
+    act = 2 if prec.bf16 or prec.fp16 else 4
     forwards = 2 if m.recompute_granularity == "full" else 1
     kv = rows * 2 * m.query_groups * m.head_dim * act
     dkv = kv * 4 / act  # the gradients travel in fp32

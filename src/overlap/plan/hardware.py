@@ -15,9 +15,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from overlap.errors import ConfigError
 from overlap.launch.kinds import parse_families
+
+if TYPE_CHECKING:
+    from overlap.config.mixed_precision import Precision
 
 
 @dataclass(frozen=True)
@@ -309,11 +313,12 @@ class Cluster:
         }
 
 
-def precision_of(model) -> str:
-    """The compute precision of the resolved model config: bf16 / fp16 mixed precision, else fp32
+def precision_of(precision: Precision) -> str:
+    """The compute precision of a resolved run (`cfg.resolved.precision`): bf16 / fp16 mixed
+    precision, else fp32
     (FP8 compute is refused by the harness: `-c fp8_*` is not built; `overlap plan` plans it,
     `PLAN_FP8`)."""
-    return "bf16" if model.bf16 else "fp16" if model.fp16 else "fp32"
+    return "bf16" if precision.bf16 else "fp16" if precision.fp16 else "fp32"
 
 
 # `overlap plan -c`: the reference's FP8 recipes, planned at the FP8 rate (the runtime refuses FP8

@@ -498,7 +498,7 @@ def search(
     gpn = int(_flag(words, "-gn", "--gpus_per_node") or 8)
     if cluster is None:
         gpu = _flag(words, "-g", "--gpu")
-        precision = plan_precision or precision_of(base.cfg.model)
+        precision = plan_precision or precision_of(base.cfg.resolved.precision)
         cluster = builtin_cluster(str(gpu), precision, gpn)
     result = SearchResult([], words, overrides, cluster)
     space = _Space(words, fixed_overrides, cluster, result)

@@ -123,7 +123,9 @@ def compare(result: Path, loopback: dict[int, Link]) -> list[Row]:
     ranks = first.resolution.layout.world_size
     link_families = network.families if network.kind == "model" else None
     floor_ms, faked = _floor(doc, link_families)
-    cluster = cpu_cluster(network, ranks, 1.0, precision_of(first.cfg.model), loopback.get(ranks))
+    cluster = cpu_cluster(
+        network, ranks, 1.0, precision_of(first.cfg.resolved.precision), loopback.get(ranks)
+    )
     # a single family's floor: only its link is charged
     if faked is not None and link_families is None:
         cluster = replace(cluster, link_families=faked)

@@ -22,8 +22,9 @@ def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
 
 def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigError]:
     """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run
-    raises). The overlap switches are the resolved plan's (`cfg.resolved.overlap`)."""
-    m, d, o = cfg.model, cfg.ddp, cfg.resolved.overlap
+    raises). The overlap switches are the resolved plan's (`cfg.resolved.overlap`), the precision
+    the resolved one (`cfg.resolved.precision`)."""
+    m, d, o, p = cfg.model, cfg.ddp, cfg.resolved.overlap, cfg.resolved.precision
     tied = m.share_embeddings_and_output_weights
     checks = [
         (
@@ -110,7 +111,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
             "use moe_flex_dispatcher_backend=torch.",
         ),
         (
-            d.fp8_param_gather and not d.use_distributed_optimizer,
+            p.fp8_param_gather and not d.use_distributed_optimizer,
             "mixed_precision.fp8_param_gather",
             True,
             "FP8 parameter gather without the distributed optimizer (only its parameter all-gather "
@@ -225,10 +226,10 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
     if d.impl != "overlap" and (
         m.is_moe
         or m.tensor_model_parallel_size > 1
-        or m.bf16
-        or m.fp16
+        or p.bf16
+        or p.fp16
         or d.use_distributed_optimizer
-        or d.fp8_param_gather
+        or p.fp8_param_gather
         or gpu
     ):
         out.append(

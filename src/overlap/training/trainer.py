@@ -92,7 +92,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # This rank's model chunks (one without a virtual pipeline); each has its own gradient
         # buffers and buckets.
-        self.chunks = model_chunks(cfg.model, ps, cfg.resolved.overlap)
+        self.chunks = model_chunks(cfg.model, ps, cfg.resolved.overlap, cfg.resolved.precision)
         # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
         apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
         for chunk in self.chunks:
@@ -110,19 +110,26 @@ class Trainer:
             lambda c, last: self.ddps[c].set_last_micro_batch(last),
             self.pipeline_memory,
         )
-        plan = cfg.resolved.overlap
+        plan, precision = cfg.resolved.overlap, cfg.resolved.precision
         self.ddps = [
-            DistributedDataParallel(c, cfg.ddp, plan, ps, cfg.model.sequence_parallel)
+            DistributedDataParallel(
+                c,
+                cfg.ddp,
+                plan,
+                precision.grad_reduce_in_fp32,
+                ps,
+                cfg.model.sequence_parallel,
+            )
             for c in self.chunks
         ]
         self.ddp = self.ddps[0]
         if cfg.ddp.use_distributed_optimizer:
             self.optimizer = DistributedOptimizer(
-                self.chunks, self.ddps, cfg.optimizer, cfg.ddp, plan, ps
+                self.chunks, self.ddps, cfg.optimizer, precision, plan, ps
             )
         else:
             params = [p for c in self.chunks for p in c.parameters() if p.requires_grad]
-            self.optimizer = LocalOptimizer(params, cfg.optimizer, ps)
+            self.optimizer = LocalOptimizer(params, cfg.optimizer, precision, ps)
         self.data = build_data(cfg)
         # A tied model under pipeline parallelism: the group of each pipeline's two ends (created by
         # every rank) and this rank's end of the tie (the embedding on the first stage, its copy on
@@ -398,7 +405,7 @@ class Trainer:
         with the dynamic scaler it is still backing off (said)."""
         if not records or any(r.skipped_to is None for r in records):
             return
-        o = self.cfg.optimizer
+        o = self.cfg.resolved.precision
         if o.loss_scale is not None:
             raise NonFiniteError(
                 "mixed_precision.loss_scale",

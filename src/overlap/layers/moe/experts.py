@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.config.recompute import selective_modules
 from overlap.errors import NotBuiltError
@@ -56,13 +57,17 @@ class GroupedExperts(nn.Module):
     model's; None: computed in backward)."""
 
     def __init__(
-        self, config: ModelConfig, ps: ParallelState, wgrad_store: WeightGradStore | None = None
+        self,
+        config: ModelConfig,
+        ps: ParallelState,
+        precision: Precision,
+        wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         self.wgrad_store = wgrad_store
         self.num_local_experts = config.num_moe_experts // ps.ep_size
         h, ffn = config.hidden_size, config.moe_ffn_size
-        dtype = params_dtype(config)
+        dtype = params_dtype(precision)
         self.fusion = config.bias_activation_fusion
         # Filled by init_model_params (full-tensor draw, then this rank's slice).
         self.fc1_weight = _expert_param((self.num_local_experts, 2 * ffn, h), dtype, ps)

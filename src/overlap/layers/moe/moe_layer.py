@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from overlap.config.comm_overlap import OverlapPlan
+from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.config.recompute import selective_modules
 from overlap.errors import ConfigError, NotBuiltError
@@ -118,6 +119,7 @@ class MoELayer(nn.Module):
         ps: ParallelState,
         layer_number: int,
         overlap: OverlapPlan,
+        precision: Precision,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
@@ -130,14 +132,15 @@ class MoELayer(nn.Module):
             )
         dispatcher = dispatcher_class(config)
         self.layer_number = layer_number
-        self.router = TopKRouter(config, ps, layer_number)
+        self.router = TopKRouter(config, ps, precision, layer_number)
         self.dispatcher = dispatcher(config, ps)
-        self.experts = GroupedExperts(config, ps, wgrad_store)
+        self.experts = GroupedExperts(config, ps, precision, wgrad_store)
         self.shared_experts = (
             MLP(
                 config,
                 ps,
                 None,
+                precision,
                 ffn_hidden_size=config.moe_shared_expert_intermediate_size,
                 wgrad_store=wgrad_store,
             )

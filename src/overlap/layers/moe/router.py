@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
 from overlap.layers.moe.permute import count_per_expert
@@ -97,7 +98,9 @@ class TopKRouter(nn.Module):
     """Scores every token against every expert; returns (topk_idx [T, k], topk_weights [T, k] fp32,
     aux_loss)."""
 
-    def __init__(self, config: ModelConfig, ps: ParallelState, layer_number: int = 1) -> None:
+    def __init__(
+        self, config: ModelConfig, ps: ParallelState, precision: Precision, layer_number: int = 1
+    ) -> None:
         super().__init__()
         if config.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
             raise ConfigError(
@@ -129,7 +132,7 @@ class TopKRouter(nn.Module):
             torch.empty(
                 config.num_moe_experts,
                 config.hidden_size,
-                dtype=params_dtype(config),
+                dtype=params_dtype(precision),
                 device=ps.device,
             )
         )

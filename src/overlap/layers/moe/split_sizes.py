@@ -4,7 +4,7 @@ dry-run answer.
 An all-to-all needs its split sizes on the host, so each dispatcher reads the exchanged counts once
 per layer and micro-batch (`read_split_sizes`). In a dry run (`overlap run --dry-run`,
 `overlap.perf.dry_run`) the tensors are fakes with no values and nobody knows the routing, so that
-read is answered instead by balanced routing (`assume_balanced_routing`): each EP rank spreads its T
+read is answered instead by balanced routing (`balanced_routing`): each EP rank spreads its T
 x k routed (token, expert) pairs over the E experts as evenly as integers allow, T x k // E per
 expert, and the remainder goes one extra pair to each of the next (T x k) % E experts, starting at a
 different expert on each EP rank, so that the receivers stay as even as the senders. Every EP rank
@@ -12,7 +12,9 @@ holds the same number of tokens (one micro-batch shape), so each rank can work o
 send it. A capacity without padding clamps the counts as the routing would. The loop permutation
 (`moe_permute_fusion=false`, one data-dependent `torch.where` per expert, each a host sync on a GPU)
 is answered the same way (`loop_permutation_counts`). This is the only place that answers a read
-with something else, and only while a dry run has switched it on: it must say so in its report.
+with something else, and only inside a dry run's `with balanced_routing(...)`: it must say so in its
+report. The switch is the dry run's, not the process's (a context variable, as the run's
+communication session and recorder are): code running beside it, or after it, reads for real.
 
 On CUDA the read must not wait for more than the counts: a plain `.tolist()` copies on the current
 stream, so it waits for everything queued there - in the EP-overlap step, the other micro-batch's
@@ -29,7 +31,9 @@ stand-in streams.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,17 +92,23 @@ LOOP_PERMUTATION = "loop permutation"
 """What an answer stood in for: a dispatcher's split-size read, or one expert's data-dependent
 selection in the loop permutation."""
 
-# None outside a dry run; in one, told of every answered read (`assume_balanced_routing`)
-_answered: Callable[[str], None] | None = None
+# None outside a dry run; in one, told of every answered read (`balanced_routing`)
+_ANSWERED: ContextVar[Callable[[str], None] | None] = ContextVar(
+    "overlap_split_sizes_answered", default=None
+)
 
 
-def assume_balanced_routing(on_answer: Callable[[str], None] | None) -> None:
-    """Dry run only: from now on answer the split-size reads (and the loop permutation's selections)
-    with balanced routing, calling `on_answer(what)` for each answer (`SPLIT_SIZE_READ` or
-    `LOOP_PERMUTATION`) so that the report can count them (and name the reading line); None switches
-    it off (the real read)."""
-    global _answered
-    _answered = on_answer
+@contextmanager
+def balanced_routing(on_answer: Callable[[str], None]) -> Iterator[None]:
+    """Dry run only: inside the block answer the split-size reads (and the loop permutation's
+    selections) with balanced routing, calling `on_answer(what)` for each answer (`SPLIT_SIZE_READ`
+    or `LOOP_PERMUTATION`) so that the report can count them (and name the reading line); what was
+    in force before comes back after."""
+    token = _ANSWERED.set(on_answer)
+    try:
+        yield
+    finally:
+        _ANSWERED.reset(token)
 
 
 def loop_permutation_counts(tokens: int, topk: int, num_experts: int) -> list[int] | None:
@@ -106,12 +116,13 @@ def loop_permutation_counts(tokens: int, topk: int, num_experts: int) -> list[in
     under balanced routing (one answer per expert, as each expert's selection is one read); None
     outside one. Any EP rank's counts are a rotation of these, so the kept totals a capacity leaves
     match the dispatcher's own answer."""
-    if _answered is None:
+    answered = _ANSWERED.get()
+    if answered is None:
         return None
     routing = BalancedRouting(tokens, topk, num_experts, 1)
     counts = []
     for expert in range(num_experts):
-        _answered(LOOP_PERMUTATION)
+        answered(LOOP_PERMUTATION)
         counts.append(routing.pairs(0, expert))
     return counts
 
@@ -125,8 +136,9 @@ def read_split_sizes(
     """THE host read of a layer's split sizes: waits for the counts `exchange` (by the scheduler's
     `wait`) and returns (the int64 counts `sent` then those received, flattened, as host ints - in a
     dry run `balanced()`, the same list from `BalancedRouting` -, the received counts tensor)."""
-    if _answered is not None:
-        _answered(SPLIT_SIZE_READ)
+    answered = _ANSWERED.get()
+    if answered is not None:
+        answered(SPLIT_SIZE_READ)
         return balanced(), wait(exchange)
     if streams.api().on_device(sent):
         copied, host = _copy_on_side_stream(sent, exchange)
