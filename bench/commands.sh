@@ -502,3 +502,25 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --net
   --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
   --ideal-link --repeats 3 --json $out/pp_1f1b_overlap_nic_20MBs.json \
   --markdown $out/pp_1f1b_overlap_nic_20MBs.md model.num_layers=7 model.account_for_loss_in_pipeline_split=true
+
+# 47. -> pp_1f1b_overlap_20MBs.json/.md. Command 43 at 20 MB/s on the modelled link (1 ms + 20 MB/s per direction,
+#     pp kinds only): a 262 KB activation takes ~14 ms, within the last stage's weight-gradient time (the bound at
+#     PP 2, docs/pipeline.md), and the link a larger share of the step than at 40 MB/s, where even the plain-loopback
+#     floor is 0.91x. On the modelled link a transfer is pure waiting, as on a GPU cluster's NICs; on the emulated
+#     NICs (commands 44-46) it also costs the compute cores kernel and gloo time while in flight. With the
+#     interleaved VPP2 row.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network model:1ms,20MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
+  --ideal-link --repeats 3 --json $out/pp_1f1b_overlap_20MBs.json --markdown $out/pp_1f1b_overlap_20MBs.md \
+  model.num_layers=7 model.account_for_loss_in_pipeline_split=true
+
+# 48. -> pp_1f1b_overlap_20MBs_pp4.json/.md. Command 47 at PP=4 on 4 ranks (2 per core), two layers (or the last
+#     layer and the loss) a stage: the middle stages' cycles hold one weight-gradient time of slack, not two.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --network model:1ms,20MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
+  --ideal-link --repeats 3 --json $out/pp_1f1b_overlap_20MBs_pp4.json \
+  --markdown $out/pp_1f1b_overlap_20MBs_pp4.md model.num_layers=7 model.account_for_loss_in_pipeline_split=true

@@ -74,6 +74,8 @@ SECTIONS = (
         (
             "pp_schedules",
             "pp_1f1b_overlap",
+            "pp_1f1b_overlap_20MBs",
+            "pp_1f1b_overlap_20MBs_pp4",
             "pp_1f1b_overlap_nic",
             "pp_1f1b_overlap_nic_pp4",
             "pp_1f1b_overlap_nic_20MBs",
