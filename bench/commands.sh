@@ -524,3 +524,12 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --net
   --config "interleaved VPP2, overlapped p2p:model.virtual_pipeline_model_parallel_size=2" \
   --ideal-link --repeats 3 --json $out/pp_1f1b_overlap_20MBs_pp4.json \
   --markdown $out/pp_1f1b_overlap_20MBs_pp4.md model.num_layers=7 model.account_for_loss_in_pipeline_split=true
+
+# 49. -> pp_1f1b_overlap_20MBs_pp4_deep.json/.md. Command 48 with four layers a stage (15 layers and the loss): a
+#     middle stage's cycle hides a transfer up to half its weight-gradient time, which two layers (~7 ms) keep
+#     below the 14 ms transfer and four layers bring to it. Two repeats (a step takes twice as long).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --network model:1ms,20MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --ideal-link --repeats 2 --json $out/pp_1f1b_overlap_20MBs_pp4_deep.json \
+  --markdown $out/pp_1f1b_overlap_20MBs_pp4_deep.md model.num_layers=15 model.account_for_loss_in_pipeline_split=true

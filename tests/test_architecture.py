@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, fields
 import pytest
 
 from overlap.config import ConfigContainer, ModelConfig, TransformerArchitecture
+from overlap.config.aliases import spellings
 from overlap.config.field_docs import field_docs
 from overlap.config.overrides import apply_overrides, list_override_keys
 from overlap.errors import ConfigError
@@ -22,8 +23,15 @@ def test_each_model_field_has_one_home():
     assert own.isdisjoint(ARCH)  # no architecture field declared again on ModelConfig
     assert own | set(ARCH) == {f.name for f in fields(ModelConfig)}
     assert all(f.default is not MISSING for f in fields(TransformerArchitecture))
-    for name in ("moe_aux_loss_coeff", "moe_expert_capacity_factor", "tp_comm_overlap_ag", "bf16"):
-        assert name in own  # training behaviour, precision and overlap are not the network
+    for name in ("moe_aux_loss_coeff", "moe_expert_capacity_factor", "tp_comm_overlap_ag"):
+        assert name in own  # training behaviour and overlap are not the network
+    # precision is not the network either: model.bf16 is an alias of its home in mixed_precision
+    assert "bf16" not in own | set(ARCH)
+    assert spellings("mixed_precision.bf16") == (
+        "mixed_precision.bf16",
+        "model.bf16",
+        "optimizer.bf16",
+    )
 
 
 def test_architecture_is_a_plain_copy_of_the_network_fields():
