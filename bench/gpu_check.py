@@ -361,13 +361,14 @@ def _torch_apis() -> dict:
 
 
 def _grouped_vs_loop(device, failed: list[str]) -> dict:
-    """The experts' grouped GEMM (`F.grouped_mm`, what `grouped_offsets` picks on CUDA in bf16)
+    """The experts' grouped GEMM (`F.grouped_mm`, what the architecture rule picks on CUDA in bf16)
     against the per-expert loop, forward + backward at one Qwen3-30B-A3B fc1 of 8 local experts
     (4096 routed rows, uneven, one expert empty): the largest difference relative to the loop's
     largest value, and the median ms of each (CUDA events; host clock on CPU, where the shape is cut
     8x so the CPU check stays short)."""
     import torch
 
+    from overlap.kernels.grouped_gemm import GROUPED, grouped_gemm_kernel
     from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
 
     cut = 1 if device.type == "cuda" else 8
@@ -378,9 +379,11 @@ def _grouped_vs_loop(device, failed: list[str]) -> dict:
     rows = torch.randn(sum(counts), hidden, generator=gen).to(device, torch.bfloat16)
     weight = (torch.randn(experts, width, hidden, generator=gen) * 0.02).to(device, torch.bfloat16)
     grad = torch.randn(sum(counts), width, generator=gen).to(device, torch.bfloat16)
-    offs = grouped_offsets(torch.tensor(counts, device=device), rows, (weight,))
+    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+    grouped = grouped_gemm_kernel(device.type, major, "bfloat16")[0] == GROUPED
+    offs = grouped_offsets(torch.tensor(counts, device=device), rows, (weight,), grouped)
     if offs is None:
-        failed.append(f"grouped_gemm: grouped_offsets picks the loop on {device} in bf16")
+        failed.append(f"grouped_gemm: the experts' GEMMs take the loop on {device} in bf16")
         return {"device": str(device), "grouped": False}
 
     def run(kernel_offs):

@@ -93,7 +93,7 @@ def _ours(folder: Path, seq: int, dtype: torch.dtype, attention_backend: str):
     cfg = ConfigContainer(model=model, mixed_precision=precision)
     res = cfg.finalize(1)
     ps = ParallelState(res.layout)
-    (chunk,) = model_chunks(cfg.model, ps, res.overlap)
+    (chunk,) = model_chunks(cfg.model, ps, res.overlap, res.precision, res.kernels)
     load_hf_weights(cfg.model, dict(chunk.named_parameters()), folder)
     return chunk
 

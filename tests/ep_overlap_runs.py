@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelLayout, ParallelState
@@ -42,7 +43,7 @@ def run_ep_step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: in
     ps = ParallelState(
         ParallelLayout(world_size=world, tp=layout.get("tp", 1), ep=layout.get("ep", 1))
     )
-    model = GPTModel(cfg, ps, bare_plan(), Precision.of(cfg))
+    model = GPTModel(cfg, ps, bare_plan(), Precision.of(cfg), bare_kernels(cfg))
     model.init_weights(7)
     batches = ep_batches(ps.dp_rank, n_mb)
     scale = 1.0 / n_mb

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.layers.init import init_model_params
@@ -72,7 +73,7 @@ def moe_layer_run(
     sequence."""
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
     cfg = moe_config(tp=tp, ep=ep, **cfg_overrides)
-    layer = MoELayer(cfg, ps, 0, bare_plan(), Precision.of(cfg))
+    layer = MoELayer(cfg, ps, 0, bare_plan(), Precision.of(cfg), bare_kernels(cfg))
     init_model_params(layer, seed=1234, std=INIT_STD)
     if uneven:
         force_experts_0_and_1(layer)
@@ -145,7 +146,7 @@ def none_mode_step(**overrides) -> tuple[int, ...]:
 
     ps = ParallelState(ParallelLayout(world_size=2, ep=2))
     cfg = moe_config(num_experts=4, ep=2, **overrides)
-    layer = MoELayer(cfg, ps, 0, bare_plan(), Precision.of(cfg))
+    layer = MoELayer(cfg, ps, 0, bare_plan(), Precision.of(cfg), bare_kernels(cfg))
     init_model_params(layer, seed=0, std=INIT_STD)
     x = layer_batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
     with comm.using(comm.CommSession("none")):

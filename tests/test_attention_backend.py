@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from overlap.config import ConfigContainer
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
 from overlap.kernels.attention import UNFUSED_MAX_SEQ, attention_kernel
-from overlap.layers.attention import SelfAttention, unfused_attention
+from overlap.layers.attention import unfused_attention
 from overlap.model import GPTModel
 from overlap.parallel.state import ParallelLayout, ParallelState
 from tests.configs import bare_plan
@@ -143,7 +144,7 @@ def _model_backends(backends: list[str]) -> dict[str, dict]:
             recompute_granularity="selective",
             recompute_modules=["core_attn"],
         )
-        model = GPTModel(config, ps, bare_plan(), Precision.of(config))
+        model = GPTModel(config, ps, bare_plan(), Precision.of(config), bare_kernels(config))
         model.init_weights(1234)
         data = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(7))
         loss, _ = model(data[:, :-1], data[:, 1:])
@@ -168,10 +169,21 @@ def test_model_backends_agree() -> None:
             )
 
 
-def test_attention_layer_refuses_unknown_backend() -> None:
-    config = ModelConfig(attention_backend="xformers")
-    with pytest.raises(ConfigError):
-        SelfAttention(config, None, 0, bare_plan(), Precision.of(config))
+def test_a_bare_models_kernels_refuse_an_unknown_backend() -> None:
+    with pytest.raises(ConfigError) as err:
+        bare_kernels(ModelConfig(attention_backend="xformers"))
+    assert err.value.field == "model.attention_backend" and "xformers" in str(err.value)
+
+
+@pytest.mark.parametrize("on_cuda, kernel", [(False, "unfused"), (True, "sdpa")])
+def test_the_resolution_holds_the_kernel_the_layers_run(on_cuda: bool, kernel: str) -> None:
+    """Decided once, for the run's device: `cfg.resolved.kernels` holds the kernel the layers run
+    (`SelfAttention.attend` reads nothing else), and the model keeps what was asked."""
+    cfg = ConfigContainer(
+        model=ModelConfig(attention_backend="auto", seq_length=256), mixed_precision="bf16_mixed"
+    )
+    res = cfg.finalize(1, device=lambda: None, on_cuda=on_cuda)
+    assert res.kernels.attention_backend == kernel and cfg.model.attention_backend == "auto"
 
 
 def test_explain_names_the_kernel_per_target(capsys) -> None:

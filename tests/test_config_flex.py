@@ -147,8 +147,8 @@ def test_flex_on_a_dense_model_falls_back_with_a_warning_and_strict_refuses(expe
     with caplog.at_level(logging.WARNING, logger="overlap.config"):
         res = cfg.finalize(1, device=probe)
     assert (
-        cfg.model.moe_token_dispatcher_type == "alltoall"
-        and cfg.model.moe_flex_dispatcher_backend is None
+        cfg.resolved.kernels.moe_token_dispatcher_type == "alltoall"
+        and cfg.resolved.kernels.moe_flex_dispatcher_backend is None
     )
     assert "only to MoE models" in res.decisions.get("model.moe_flex_dispatcher_backend").reason
     assert "only to MoE models" in caplog.text and probe.calls == 0
@@ -168,8 +168,10 @@ def test_backend_alone_does_not_enable_flex(caplog):
     d = res.decisions.get("model.moe_flex_dispatcher_backend")
     assert (d.requested, d.effective, d.decided_by) == ("torch", None, "rule")
     assert "inactive" in d.reason and "alone does not switch" in d.reason
-    assert cfg.model.moe_token_dispatcher_type == "alltoall"
-    assert cfg.model.moe_flex_dispatcher_backend is None
+    assert cfg.resolved.kernels.moe_token_dispatcher_type == "alltoall"
+    assert cfg.resolved.kernels.moe_flex_dispatcher_backend is None
+    # finalize writes nothing back: the model keeps what was typed, the resolution what runs
+    assert cfg.model.moe_flex_dispatcher_backend == "torch"
     assert probe.calls == 0
     assert "model.moe_flex_dispatcher_backend" in caplog.text
 
@@ -198,7 +200,8 @@ def test_flex_without_backend_falls_back_to_alltoall(caplog):
         res = cfg.finalize(2, device=Probe(None))
     d = res.decisions.get("model.moe_token_dispatcher_type")
     assert (d.requested, d.effective, d.decided_by) == ("flex", "alltoall", "rule")
-    assert cfg.model.moe_token_dispatcher_type == "alltoall"
+    assert cfg.resolved.kernels.moe_token_dispatcher_type == "alltoall"
+    assert cfg.model.moe_token_dispatcher_type == "flex"
     assert "falls back to alltoall" in caplog.text
 
 
@@ -216,8 +219,8 @@ def test_clearing_backend_after_apply_restores_alltoall():
     m = moe()
     apply_flex_dispatcher_backend(m, "deepep")
     m.moe_flex_dispatcher_backend = None
-    validate_flex_dispatcher_backend(m, DecisionLog(strict=False), Probe(HOPPER))
-    assert (m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend) == ("alltoall", None)
+    runs = validate_flex_dispatcher_backend(m, DecisionLog(strict=False), Probe(HOPPER))
+    assert runs == ("alltoall", None)
 
 
 # --- validate: torch backend ----------------------------------------------------------------------
@@ -228,7 +231,7 @@ def test_torch_backend_is_fine_without_gpu():
     d = res.decisions.get("model.moe_token_dispatcher_type")
     assert (d.effective, d.decided_by) == ("flex", "rule")
     assert "torch" in d.reason
-    assert cfg.model.moe_token_dispatcher_type == "flex"
+    assert cfg.resolved.kernels.moe_token_dispatcher_type == "flex"
     assert probe.calls == 0
 
 
@@ -237,7 +240,10 @@ def test_torch_backend_through_apply_then_finalize():
     apply_flex_dispatcher_backend(m, "torch")
     cfg = container(m, strict=True)
     cfg.finalize(2, device=Probe(None))
-    assert (cfg.model.moe_token_dispatcher_type, cfg.model.moe_flex_dispatcher_backend) == (
+    assert (
+        cfg.resolved.kernels.moe_token_dispatcher_type,
+        cfg.resolved.kernels.moe_flex_dispatcher_backend,
+    ) == (
         "flex",
         "torch",
     )
@@ -264,7 +270,7 @@ def test_deepep_on_unsupported_gpu_falls_back_and_strict_refuses(dev, with_deep_
     cfg = _gpu("deepep")
     with caplog.at_level(logging.WARNING, logger="overlap.config"):
         res = cfg.finalize(2, device=probe)
-    assert cfg.model.moe_token_dispatcher_type == "alltoall" and probe.calls == 1
+    assert cfg.resolved.kernels.moe_token_dispatcher_type == "alltoall" and probe.calls == 1
     reason = res.decisions.get("model.moe_flex_dispatcher_backend").reason
     assert (
         DEEPEP_MSG in reason and f"Current GPU: {dev.name}" in reason and "alltoall" in caplog.text
@@ -280,7 +286,7 @@ def test_deepep_on_unsupported_gpu_falls_back_and_strict_refuses(dev, with_deep_
 def test_hybridep_on_unsupported_gpu_falls_back_and_strict_refuses(dev, with_deep_ep):
     cfg = _gpu("hybridep")
     res = cfg.finalize(2, device=Probe(dev))
-    assert cfg.model.moe_token_dispatcher_type == "alltoall"
+    assert cfg.resolved.kernels.moe_token_dispatcher_type == "alltoall"
     assert HYBRIDEP_MSG in res.decisions.get("model.moe_flex_dispatcher_backend").reason
     with pytest.raises(ConfigError) as exc:
         container(
@@ -323,8 +329,8 @@ def test_gpu_backend_on_supported_gpu_with_library(backend, dev, with_deep_ep):
     probe = Probe(dev)
     cfg = _gpu(backend)
     res = cfg.finalize(2, device=probe)
-    assert cfg.model.moe_token_dispatcher_type == "flex"
-    assert cfg.model.moe_flex_dispatcher_backend == backend
+    assert cfg.resolved.kernels.moe_token_dispatcher_type == "flex"
+    assert cfg.resolved.kernels.moe_flex_dispatcher_backend == backend
     assert res.decisions.get("model.moe_token_dispatcher_type").effective == "flex"
     assert probe.calls == 1
 
@@ -355,4 +361,4 @@ def test_flex_with_ep_overlap_and_strict():
     )
     cfg.finalize(2, device=Probe(None))
     assert cfg.resolved.overlap.overlap_moe_expert_parallel_comm is True
-    assert cfg.model.moe_token_dispatcher_type == "flex"
+    assert cfg.resolved.kernels.moe_token_dispatcher_type == "flex"

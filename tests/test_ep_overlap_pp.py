@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ModelConfig
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.model.gpt import model_chunks
 from overlap.parallel.state import ParallelLayout, ParallelState
@@ -111,7 +112,11 @@ def _step(
     ps = ParallelState(ParallelLayout(world_size=world, pp=pp, ep=ep))
     defer = bool(cfg.defer_embedding_wgrad_compute)
     chunks = model_chunks(
-        cfg, ps, bare_plan(defer_embedding_wgrad_compute=defer), Precision.of(cfg)
+        cfg,
+        ps,
+        bare_plan(defer_embedding_wgrad_compute=defer),
+        Precision.of(cfg),
+        bare_kernels(cfg),
     )
     for chunk in chunks:
         chunk.init_weights(7)

@@ -246,7 +246,7 @@ def test_a_fusion_that_cannot_take_effect_is_a_noop_switch(monkeypatch, caplog):
     assert rows["model.apply_rope_fusion"].effective is False
     assert [n.field for n in res.decisions.noops] == ["model.apply_rope_fusion"]
     assert "inductor needs Triton" in caplog.text
-    assert not fused.compiling(True, torch.zeros(1))  # the layers take the same rule: eager
+    assert res.kernels.apply_rope_fusion is False  # what the layers run: eager
     # described for another machine (`explain -g h100` here): this machine's Triton is not its
     rows, res = _model_decisions(cfg, on_cuda=True, require_libraries=False)
     assert rows["model.apply_rope_fusion"].effective is True and not res.decisions.noops

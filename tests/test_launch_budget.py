@@ -93,7 +93,7 @@ def layer_ops(moe: bool) -> tuple[int, int]:
 
     cfg = tiny_config(moe, "bf16_mixed", 1, [], 1)
     res = cfg.finalize(dist.get_world_size())
-    model = GPTModel(cfg.model, ParallelState(res.layout), res.overlap, res.precision)
+    model = GPTModel(cfg.model, ParallelState(res.layout), res.overlap, res.precision, res.kernels)
     model.init_weights(cfg.train.seed)
     tokens = torch.zeros(cfg.train.micro_batch_size, cfg.model.seq_length, dtype=torch.long)
     x = model.embed(tokens).detach().requires_grad_()

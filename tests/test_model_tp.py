@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
@@ -111,7 +112,7 @@ def _full_grad(
 
 def _run_model(ps: ParallelState, overrides: dict) -> dict:
     config = ModelConfig(**TINY, tensor_model_parallel_size=ps.tp_size, **overrides)
-    model = GPTModel(config, ps, bare_plan(), Precision.of(config))
+    model = GPTModel(config, ps, bare_plan(), Precision.of(config), bare_kernels(config))
     model.init_weights(1234)
     gen = torch.Generator().manual_seed(7)  # the same tokens on every rank and in every layout
     data = torch.randint(0, config.vocab_size, (BATCH, config.seq_length + 1), generator=gen)
@@ -183,7 +184,7 @@ def _attention_error() -> str:
     ps = _state()
     config = ModelConfig(**{**TINY, "num_query_groups": 1})
     try:
-        SelfAttention(config, ps, 0, bare_plan(), Precision.of(config))
+        SelfAttention(config, ps, 0, bare_plan(), Precision.of(config), bare_kernels(config))
     except ConfigError as err:
         return str(err)
     return ""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.layers.moe import AllToAllDispatcher, MoELayer, TopKRouter
 from overlap.layers.moe.permute import (
@@ -222,6 +223,7 @@ def test_experts_must_split_evenly_over_ep():
             layer_number=0,
             overlap=bare_plan(),
             precision=Precision.of(cfg),
+            kernels=bare_kernels(cfg),
         )
 
 
@@ -234,7 +236,8 @@ def _dispatch_round_trip(num_experts: int, fused: bool):
     ep, rank = dist.get_world_size(), dist.get_rank()
     ps = ParallelState(ParallelLayout(world_size=ep, ep=ep))
     el = num_experts // ep
-    dispatcher = AllToAllDispatcher(moe_config(num_experts, ep=ep, moe_permute_fusion=fused), ps)
+    cfg = moe_config(num_experts, ep=ep, moe_permute_fusion=fused)
+    dispatcher = AllToAllDispatcher(cfg, ps, bare_kernels(cfg))
     hidden, topk_idx, topk_weights = rank_routing(rank, num_experts, el)
     hidden.requires_grad_()
     topk_weights.requires_grad_()
@@ -378,7 +381,7 @@ def test_grouped_gemm_kernel_and_expert_loop_are_bit_identical(dtype, delayed):
     w = torch.nn.Parameter(torch.randn(6, 24, 16, generator=g).to(dtype))
     rows = torch.randn(sum(counts), 16, generator=g).to(dtype)
     dy = torch.randn(sum(counts), 24, generator=g).to(dtype)
-    offs = grouped_offsets(torch.tensor(counts), rows, (w,))
+    offs = grouped_offsets(torch.tensor(counts), rows, (w,), True)
     assert offs is not None and offs.tolist() == [5, 5, 14, 17, 17, 24]
     results = []
     store = WeightGradStore()
@@ -401,7 +404,7 @@ def test_grouped_gemm_kernel_is_chosen_only_where_its_layout_rule_holds():
     from overlap.layers.linear_functions import grouped_offsets
 
     assert (
-        grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 8), (torch.zeros(2, 4, 8),))
+        grouped_offsets(torch.tensor([1, 2]), torch.zeros(3, 8), (torch.zeros(2, 4, 8),), True)
         is not None
     )
     assert (
@@ -409,6 +412,7 @@ def test_grouped_gemm_kernel_is_chosen_only_where_its_layout_rule_holds():
             torch.tensor([1, 2]),
             torch.zeros(3, 4, dtype=torch.bfloat16),
             (torch.zeros(2, 8, 4, dtype=torch.bfloat16),),
+            True,
         )
         is None
     )
@@ -463,17 +467,27 @@ class _CudaRows:
 @pytest.mark.parametrize(
     "major, grouped", [(8, False), (9, True), (10, False), (12, False)], ids=lambda v: str(v)
 )
-def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped, monkeypatch):
+def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped):
     """Issue 47 item 10: torch's grouped GEMM only on Hopper in bf16. SM8x: it falls back to a loop
     after `offs.cpu()` (a host sync per GEMM); SM100+: experts without rows get non-zero weight
-    gradients. Elsewhere the loop, which the table says with the reason."""
+    gradients. Elsewhere the loop, which the table says with the reason. The run decides once for
+    its GPU (`Kernels.moe_grouped_gemm`), and the experts' GEMMs take that decision."""
+    from overlap.config.decisions import DecisionLog
+    from overlap.config.kernel_choices import resolve_grouped_gemm
+    from overlap.kernels.device import DeviceInfo
     from overlap.kernels.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
     from overlap.layers.linear_functions import grouped_offsets
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    decided = resolve_grouped_gemm(
+        moe_config(4),
+        SimpleNamespace(params_dtype="bfloat16"),
+        DecisionLog(strict=False),
+        True,
+        lambda: DeviceInfo("NVIDIA GPU", major),
+    )
     weight = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
-    offs = grouped_offsets(torch.tensor([1, 2]), _CudaRows(), (weight,))
-    assert (offs is not None) == grouped
+    offs = grouped_offsets(torch.tensor([1, 2]), _CudaRows(), (weight,), decided)
+    assert decided == grouped and (offs is not None) == grouped
     kernel, why = grouped_gemm_kernel("cuda", major, "bfloat16")
     assert kernel == (GROUPED if grouped else LOOP) and why
     assert grouped_gemm_kernel("cpu", None, "float32")[0] == GROUPED
@@ -494,20 +508,23 @@ def test_explain_shows_the_experts_gemm_kernel_for_the_target_gpu(gpu, kernel):
 def _train_moe_steps(loop: bool) -> list[float]:
     """Three steps' losses of the tiny MoE (hidden 64, expert width 32: the grouped kernel's layout
     rule holds in fp32) on one rank, the experts' GEMMs on torch's grouped kernel or, `loop`, the
-    per-expert loop forced."""
-    from overlap.layers import linear_functions
+    per-expert loop forced (the rule answering as it does off Hopper, so the run decides it)."""
+    from overlap.config import kernel_choices
+    from overlap.kernels.grouped_gemm import LOOP
     from overlap.parallel.state import ParallelState
     from overlap.training.trainer import Trainer
 
-    chosen = linear_functions._grouped_kernel_takes
+    rule = kernel_choices.grouped_gemm_kernel
     if loop:
-        linear_functions._grouped_kernel_takes = lambda rows: False
+        kernel_choices.grouped_gemm_kernel = lambda *facts: (LOOP, "forced by the test")
     try:
         cfg = tiny_config(True, None, 2, [], 3)
-        trainer = Trainer(cfg, ParallelState(cfg.finalize(1).layout))
+        res = cfg.finalize(1)
+        assert res.kernels.moe_grouped_gemm is not loop
+        trainer = Trainer(cfg, ParallelState(res.layout))
         return [r.lm_loss for r in trainer.train().records]
     finally:
-        linear_functions._grouped_kernel_takes = chosen
+        kernel_choices.grouped_gemm_kernel = rule
 
 
 def test_the_loop_fallback_trains_like_the_grouped_kernel():

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError, NotBuiltError
@@ -53,7 +54,14 @@ def _layer(
     positive, the others negative, so every token picks experts 0..k-1, all on the first EP rank(s);
     the last ranks receive nothing. `shared_overlap`: the plan's shared-expert overlap."""
     plan = bare_plan(moe_shared_expert_overlap=shared_overlap)
-    layer = MoELayer(cfg, ps, layer_number=0, overlap=plan, precision=Precision.of(cfg))
+    layer = MoELayer(
+        cfg,
+        ps,
+        layer_number=0,
+        overlap=plan,
+        precision=Precision.of(cfg),
+        kernels=bare_kernels(cfg),
+    )
     init_model_params(layer, seed=1234, std=INIT_STD)
     if skewed:
         with torch.no_grad():
@@ -135,7 +143,8 @@ def _flex_round_trip_with_identity_experts() -> None:
     splits)."""
     ep, rank = dist.get_world_size(), dist.get_rank()
     ps = ParallelState(ParallelLayout(world_size=ep, ep=ep))
-    dispatcher = FlexDispatcher(_config(ep=ep, num_moe_experts=4, **FLEX), ps)
+    cfg = _config(ep=ep, num_moe_experts=4, **FLEX)
+    dispatcher = FlexDispatcher(cfg, ps, bare_kernels(cfg))
     hidden, topk_idx, topk_weights = rank_routing(rank, 4, 4 // ep)
     hidden.requires_grad_()
     topk_weights.requires_grad_()
@@ -171,7 +180,9 @@ def test_flex_under_ep_overlap_schedule_matches_plain_loop():
 def test_gpu_flex_backends_are_refused_by_name(backend):
     cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
     with pytest.raises(NotBuiltError, match="moe_flex_dispatcher_backend"):
-        MoELayer(cfg, SimpleNamespace(ep_size=1), 0, bare_plan(), Precision.of(cfg))
+        MoELayer(
+            cfg, SimpleNamespace(ep_size=1), 0, bare_plan(), Precision.of(cfg), bare_kernels(cfg)
+        )
 
 
 def test_flex_without_backend_is_refused():
@@ -183,6 +194,7 @@ def test_flex_without_backend_is_refused():
             layer_number=0,
             overlap=bare_plan(),
             precision=Precision.of(cfg),
+            kernels=bare_kernels(cfg),
         )
 
 

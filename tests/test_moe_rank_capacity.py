@@ -36,6 +36,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import expert_rank_capacity
 from overlap.errors import ConfigError, NotBuiltError
@@ -91,7 +92,14 @@ def _overflow_count(factor: float) -> tuple[int, int, int]:
         moe_expert_rank_capacity_factor=factor,
         moe_permute_fusion=True,
     )
-    layer = MoELayer(cfg, ps, layer_number=0, overlap=bare_plan(), precision=Precision.of(cfg))
+    layer = MoELayer(
+        cfg,
+        ps,
+        layer_number=0,
+        overlap=bare_plan(),
+        precision=Precision.of(cfg),
+        kernels=bare_kernels(cfg),
+    )
     init_model_params(layer, seed=1234, std=0.2)
     assert isinstance(layer.dispatcher, RankCapacityDispatcher)
     g = torch.Generator().manual_seed(7 + dist.get_rank())
@@ -161,7 +169,12 @@ def _flex_refused() -> str:
     )
     with pytest.raises(NotBuiltError) as info:
         MoELayer(
-            flex, ParallelState(ParallelLayout(world_size=1)), 0, bare_plan(), Precision.of(flex)
+            flex,
+            ParallelState(ParallelLayout(world_size=1)),
+            0,
+            bare_plan(),
+            Precision.of(flex),
+            bare_kernels(flex),
         )
     return str(info.value)
 
@@ -177,7 +190,12 @@ def _misaligned_rows_refused() -> str:
         moe_expert_rank_capacity_factor=1.5,
     )
     layer = MoELayer(
-        cfg, ParallelState(ParallelLayout(world_size=1)), 0, bare_plan(), Precision.of(cfg)
+        cfg,
+        ParallelState(ParallelLayout(world_size=1)),
+        0,
+        bare_plan(),
+        Precision.of(cfg),
+        bare_kernels(cfg),
     )
     init_model_params(layer, seed=0, std=0.2)
     with pytest.raises(NotBuiltError) as info:

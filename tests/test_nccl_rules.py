@@ -66,7 +66,7 @@ def _one_queue_by_launch_rule(
 
     cfg = tiny_config(moe, precision, layers, overrides, STEPS)
     res = cfg.finalize(world)
-    settings = compute_launch_env(launch_env_inputs(cfg, res, "h100"), cfg.env_vars, {})
+    settings = compute_launch_env(launch_env_inputs(res, "h100"), cfg.env_vars, {})
     return {s.name: s.value for s in settings}[CUDA_DEVICE_MAX_CONNECTIONS] == "1"
 
 

@@ -11,6 +11,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlap.config import ConfigContainer, ModelConfig
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.layout import ParallelLayout
 from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError, NotBuiltError
@@ -70,7 +71,7 @@ def _step(
         fields.update(recompute_granularity="selective", recompute_modules=modules)
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
     config = ModelConfig(**fields)
-    model = GPTModel(config, ps, bare_plan(), Precision.of(config))
+    model = GPTModel(config, ps, bare_plan(), Precision.of(config), bare_kernels(config))
     model.init_weights(1234)
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, MOE["vocab_size"], (BATCH, MOE["seq_length"]), generator=gen)

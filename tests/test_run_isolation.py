@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from overlap.config.kernel_choices import bare_kernels
 from overlap.config.layout import ParallelLayout
 from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError
@@ -49,7 +50,10 @@ def _two_models_delaying_one() -> tuple[int, int, int, bool, bool]:
     in the first's store, in the second's, after the first's flush; the first's weights had no
     gradient before its flush, every weight of the second had one at once)."""
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
-    a, b = (GPTModel(_tiny_moe(), ps, bare_plan(), Precision.of(_tiny_moe())) for _ in range(2))
+    a, b = (
+        GPTModel(_tiny_moe(), ps, bare_plan(), Precision.of(_tiny_moe()), bare_kernels(_tiny_moe()))
+        for _ in range(2)
+    )
     assert a.wgrad_store is not b.wgrad_store
     tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
     for model in (a, b):
@@ -80,7 +84,10 @@ def test_two_models_keep_their_queued_weight_gradients_apart():
 def _two_builds() -> bool:
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
     (first,), (second,) = (
-        model_chunks(_tiny_moe(), ps, bare_plan(), Precision.of(_tiny_moe())) for _ in range(2)
+        model_chunks(
+            _tiny_moe(), ps, bare_plan(), Precision.of(_tiny_moe()), bare_kernels(_tiny_moe())
+        )
+        for _ in range(2)
     )
     return first.wgrad_store is second.wgrad_store
 

@@ -162,7 +162,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     job = prepare(args, describe_target=True)
     env = compute_launch_env(
-        launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ
+        launch_env_inputs(job.resolution, args.gpu), job.cfg.env_vars, os.environ
     )
     refusals = runtime_refusals(job.cfg, gpu=args.gpu != "cpu")
     lay = job.resolution.layout

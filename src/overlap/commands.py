@@ -280,7 +280,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     network = parse_network(args.network)
     _check_comm_mode(args.comm_mode)
     env_settings = compute_launch_env(
-        launch_env_inputs(job.cfg, job.resolution, args.gpu), job.cfg.env_vars, os.environ
+        launch_env_inputs(job.resolution, args.gpu), job.cfg.env_vars, os.environ
     )
     # the ranks and a Slurm script get the expanded paths (config/path_fields.py)
     argv = _expanded_words(_own_argv(args.argv), job.cfg, args)

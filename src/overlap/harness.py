@@ -283,12 +283,14 @@ def _get(cfg: ConfigContainer, key: str) -> Any:
 
 def _as_run(cfg: ConfigContainer, res: Resolution, key: str, precision_name: str) -> Any:
     """The value `key` runs with, for the "other settings" rows: the preset's name, the resolved
-    gradient reduce dtype (`ddp.grad_reduce_in_fp32` is an alias, kept as typed), else the
-    section's field."""
+    gradient reduce dtype (`ddp.grad_reduce_in_fp32` is an alias, kept as typed), the resolved
+    token dispatcher, else the section's field."""
     if key == "mixed_precision":
         return precision_name
     if key == "ddp.grad_reduce_in_fp32":
         return res.precision.grad_reduce_in_fp32
+    if key == "model.moe_token_dispatcher_type":
+        return res.kernels.moe_token_dispatcher_type
     return _get(cfg, key)
 
 
@@ -728,16 +730,16 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
             put(key, value, flag)
 
 
-def launch_env_inputs(cfg: ConfigContainer, res: Resolution, accelerator: str) -> LaunchEnvInputs:
-    m = cfg.model
+def launch_env_inputs(res: Resolution, accelerator: str) -> LaunchEnvInputs:
+    """What the launch environment's rules read of the resolved run."""
     return LaunchEnvInputs(
         accelerator=accelerator,
         tensor_model_parallel_size=res.layout.tp,
         context_parallel_size=res.layout.cp,
         pipeline_model_parallel_size=res.layout.pp,
         data_parallel_size=res.layout.dp,
-        moe_flex_dispatcher_backend=m.moe_flex_dispatcher_backend,
-        moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+        moe_flex_dispatcher_backend=res.kernels.moe_flex_dispatcher_backend,
+        moe_token_dispatcher_type=res.kernels.moe_token_dispatcher_type,
         overlap_moe_expert_parallel_comm=(res.overlap.overlap_moe_expert_parallel_comm),
     )
 

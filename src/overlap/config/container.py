@@ -25,13 +25,7 @@ from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
-from overlap.config.flex_dispatcher import validate_flex_dispatcher_backend
-from overlap.config.kernel_choices import (
-    resolve_attention_backend,
-    resolve_elementwise_fusion,
-    resolve_grouped_gemm,
-    resolve_moe_permute_fusion,
-)
+from overlap.config.kernel_choices import resolve_kernels
 from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
@@ -52,6 +46,7 @@ from overlap.config.training import (
     TrainConfig,
 )
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.kernels import Kernels
 from overlap.kernels.device import probe_device
 
 _log = logging.getLogger("overlap.config")
@@ -82,14 +77,15 @@ def plain_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Resolution:
-    """What finalize decided, frozen: the parallel layout, every overlap switch as a plain value
-    and the precision (what the runtime reads), and the decision log (who decided each value,
-    and why)."""
+    """What finalize decided, frozen: the parallel layout, every overlap switch as a plain value,
+    the precision and the kernels (the token dispatcher included) - what the runtime reads - and
+    the decision log (who decided each value, and why)."""
 
     world_size: int
     layout: ParallelLayout
     overlap: OverlapPlan
     precision: Precision
+    kernels: Kernels
     decisions: DecisionLog
 
 
@@ -179,13 +175,9 @@ class ConfigContainer:
         self._covered_recompute(log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
         resolve_logger(self.logger, self.checkpoint.save, log)
-        validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-        resolve_attention_backend(self.model, precision, log, on_cuda)
-        resolve_moe_permute_fusion(self.model, log, on_cuda)
-        resolve_grouped_gemm(self.model, precision, log, on_cuda, device)
-        resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
-        self._resolution = Resolution(world_size, layout, plan, precision, log)
+        kernels = resolve_kernels(self.model, precision, log, on_cuda, device, require_libraries)
+        self._resolution = Resolution(world_size, layout, plan, precision, kernels, log)
         return self._resolution
 
     # --- stages -----------------------------------------------------------------------------------

@@ -63,34 +63,34 @@ def validate_flex_dispatcher_backend(
     log_: DecisionLog,
     device: Callable[[], DeviceInfo | None] = probe_device,
     require_libraries: bool = True,
-) -> None:
-    """Final check (last step of finalize): flex needs a backend; GPU backends need their device and
-    (unless a target is only being described: `require_libraries=False`) their library importable
-    here."""
-    backend = model.moe_flex_dispatcher_backend
-    if model.moe_token_dispatcher_type != "flex":
+) -> tuple[str, str | None]:
+    """The token dispatcher that runs, (moe_token_dispatcher_type, moe_flex_dispatcher_backend),
+    decided by finalize (`overlap.config.kernel_choices.resolve_kernels`; the model keeps what was
+    asked): flex needs a backend; GPU backends need their device and (unless a target is only
+    being described: `require_libraries=False`) their library importable here."""
+    kind, backend = model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend
+    if kind != "flex":
         if backend is not None:
             log_.record(
                 "model.moe_flex_dispatcher_backend",
                 backend,
                 None,
                 RULE,
-                f"inactive: moe_token_dispatcher_type is '{model.moe_token_dispatcher_type}'; the "
-                "backend alone does not switch to flex dispatch",
+                f"inactive: moe_token_dispatcher_type is '{kind}'; the backend alone does not "
+                "switch to flex dispatch",
                 fix="also set model.moe_token_dispatcher_type=flex (or use "
                 "--moe_flex_dispatcher_backend).",
             )
-            model.moe_flex_dispatcher_backend = None
-        return
+        return kind, None
     if not model.is_moe:
         return _fall_back(
-            model,
+            backend,
             log_,
             "flex dispatch applies only to MoE models (num_moe_experts is not set)",
             "use a MoE recipe, or drop the flex dispatcher settings.",
         )
     if backend is None:
-        model.moe_token_dispatcher_type = log_.record(
+        kind = log_.record(
             "model.moe_token_dispatcher_type",
             "flex",
             "alltoall",
@@ -100,7 +100,7 @@ def validate_flex_dispatcher_backend(
                 "set model.moe_flex_dispatcher_backend=torch (runs everywhere), deepep or hybridep."
             ),
         )
-        return
+        return kind, None
     if backend not in FLEX_BACKENDS:
         raise ConfigError(
             "model.moe_flex_dispatcher_backend",
@@ -119,7 +119,7 @@ def validate_flex_dispatcher_backend(
             )
         if backend == "deepep" and not deepep_supported(dev):
             return _fall_back(
-                model,
+                backend,
                 log_,
                 "DeepEP is supported for Ampere, Hopper, and Blackwell (B200/B300) GPUs. "
                 f"Current GPU: {dev.name}",
@@ -127,7 +127,7 @@ def validate_flex_dispatcher_backend(
             )
         if backend == "hybridep" and not hybridep_supported(dev):
             return _fall_back(
-                model,
+                backend,
                 log_,
                 "HybridEP is supported for GB200, GB300 with NVL72 and for Ampere, Hopper, "
                 f"B200 and B300 GPUs. Current GPU: {dev.name}",
@@ -148,16 +148,18 @@ def validate_flex_dispatcher_backend(
         RULE,
         f"flex dispatch with backend '{backend}'",
     )
+    return "flex", backend
 
 
-def _fall_back(model: ModelConfig, log_: DecisionLog, why: str, fix: str) -> None:
-    """Flex dispatch that cannot run here: the alltoall dispatcher, as the reference - a decision
-    with a warning, an error under strict mode."""
-    backend = model.moe_flex_dispatcher_backend
+def _fall_back(
+    backend: str | None, log_: DecisionLog, why: str, fix: str
+) -> tuple[str, str | None]:
+    """Flex dispatch (with `backend`) that cannot run here: the alltoall dispatcher, as the
+    reference - a decision with a warning, an error under strict mode."""
     field, asked, got = (
         ("model.moe_flex_dispatcher_backend", backend, None)
         if backend is not None
         else ("model.moe_token_dispatcher_type", "flex", "alltoall")
     )
     log_.record(field, asked, got, RULE, f"{why}: falling back to the alltoall dispatcher", fix=fix)
-    model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend = "alltoall", None
+    return "alltoall", None

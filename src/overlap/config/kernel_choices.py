@@ -1,8 +1,9 @@
-"""The kernel choices of a run, recorded by the resolution in the "model" section of the decision
-table: which attention kernel, MoE permutation, experts' GEMM and elementwise fusions run on the
-run's device. The rules (and the probes of what the machine can run) are `overlap.kernels`', the
-layers apply the same rules at call time; here each choice becomes a decision, a no-op switch or a
-refusal. The model keeps the requested values."""
+"""The kernel choices of a run, decided once by the resolution for the run's device: which attention
+kernel, MoE permutation, experts' GEMM, elementwise fusions and token dispatcher run. Each choice
+is recorded in the "model" section of the decision table (a decision, a no-op switch or a
+refusal) and kept, as what runs, in `Kernels` (`cfg.resolved.kernels`), which the layers read; the
+model section keeps the requested values. The rules (and the probes of what the machine can run)
+are `overlap.kernels`'."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
+from overlap.config.flex_dispatcher import validate_flex_dispatcher_backend
+from overlap.config.mixed_precision import Precision
 from overlap.errors import NotBuiltError
+from overlap.kernels import Kernels
 from overlap.kernels.attention import attention_kernel
-from overlap.kernels.device import DeviceInfo
+from overlap.kernels.device import DeviceInfo, probe_device
 from overlap.kernels.fusion import FUSIONS, fusion_on
-from overlap.kernels.grouped_gemm import LOOP, grouped_gemm_kernel
+from overlap.kernels.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
 from overlap.kernels.moe_permute import LOOP_ON_CUDA, permute_fused
 
 if TYPE_CHECKING:
-    from overlap.config.mixed_precision import Precision
     from overlap.config.model import ModelConfig
 
 _log = logging.getLogger("overlap.config")
@@ -29,10 +32,9 @@ ROW = "experts' GEMM kernel (per architecture)"
 
 def resolve_attention_backend(
     model: ModelConfig, precision: Precision, log: DecisionLog, on_cuda: bool
-) -> None:
-    """Record, in the "model" section, which kernel the configured backend runs on the run's device
-    in the run's precision (the model keeps the requested value; the layer applies the same
-    rule)."""
+) -> str:
+    """The kernel the configured backend runs on the run's device in the run's precision, recorded
+    in the "model" section."""
     backend = model.attention_backend
     kernel, why = attention_kernel(backend, on_cuda, precision.params_dtype, model.seq_length)
     if backend == "auto":
@@ -46,16 +48,16 @@ def resolve_attention_backend(
             MODEL_CONFIG,
             why if kernel != backend else f"the {kernel} kernel, as asked",
         )
+    return kernel
 
 
-def resolve_moe_permute_fusion(model: ModelConfig, decisions: DecisionLog, on_cuda: bool) -> None:
-    """Record, in the "model" section, which permutation an MoE model runs on the run's device (the
-    model keeps the requested value; the dispatcher applies the same rule). The loop asked for on
-    CUDA is logged as a warning."""
-    if not model.num_moe_experts:
-        return
+def resolve_moe_permute_fusion(model: ModelConfig, decisions: DecisionLog, on_cuda: bool) -> bool:
+    """Whether the fused permutation runs on the run's device, recorded in the "model" section for
+    an MoE model. The loop asked for on CUDA is logged as a warning."""
     requested = model.moe_permute_fusion
     fused, why = permute_fused(requested, not on_cuda)
+    if not model.num_moe_experts:
+        return fused
     decisions.record_in(
         "model",
         "model.moe_permute_fusion",
@@ -70,6 +72,7 @@ def resolve_moe_permute_fusion(model: ModelConfig, decisions: DecisionLog, on_cu
             "fused permutation gives the same rows bit for bit).",
             LOOP_ON_CUDA,
         )
+    return fused
 
 
 def _nothing_to_fuse(model: ModelConfig, field: str) -> str | None:
@@ -80,18 +83,20 @@ def _nothing_to_fuse(model: ModelConfig, field: str) -> str | None:
 
 def resolve_elementwise_fusion(
     model: ModelConfig, decisions: DecisionLog, on_cuda: bool, check_here: bool = True
-) -> None:
-    """Record, in the "model" section, whether each fusion runs on the run's device (the model keeps
-    the requested values; the layers apply the same rule at call time). A fusion asked for that
-    cannot take effect is a no-op switch: warned (and in `overlap explain`), or an error under
-    strict. `check_here=False`: the run is described for another machine (`fusion_on`)."""
+) -> dict[str, bool]:
+    """Whether each fusion (by its field) runs on the run's device, recorded in the "model" section.
+    A fusion asked for that cannot take effect is a no-op switch: warned (and in `overlap
+    explain`), or an error under strict. `check_here=False`: the run is described for another
+    machine (`fusion_on`)."""
     device_type = "cuda" if on_cuda else "cpu"
+    runs = {}
     for field, chains in FUSIONS.items():
         requested = getattr(model, field)
         on, why = fusion_on(requested, device_type, check_here)
         idle = _nothing_to_fuse(model, field)
         if idle is not None:
             on, why = False, idle
+        runs[field] = on
         decisions.record_in(
             "model",
             f"model.{field}",
@@ -107,6 +112,7 @@ def resolve_elementwise_fusion(
                 f"{chains} cannot be compiled: {why}",
                 f"set model.{field}=false (or leave it unset), or make torch.compile available.",
             )
+    return runs
 
 
 def resolve_grouped_gemm(
@@ -115,11 +121,12 @@ def resolve_grouped_gemm(
     decisions: DecisionLog,
     on_cuda: bool,
     device: Callable[[], DeviceInfo | None],
-) -> None:
-    """Record, in the "model" section, the experts' GEMM kernel on the run's GPU (`device`: the
-    target -g names, or this machine's) or on the CPU."""
+) -> bool:
+    """Whether the experts' GEMMs run torch's grouped kernel on the run's GPU (`device`: the target
+    -g names, or this machine's) or on the CPU, recorded in the "model" section for an MoE
+    model."""
     if not model.num_moe_experts:
-        return
+        return False
     info = device() if on_cuda else None
     kernel, why = grouped_gemm_kernel(
         "cuda" if on_cuda else "cpu",
@@ -139,3 +146,41 @@ def resolve_grouped_gemm(
             "drop model.moe_expert_rank_capacity_factor (the all-to-all reads the split sizes), "
             "or run on Hopper in bf16 or on the CPU, where the grouped kernel runs.",
         )
+    return kernel == GROUPED
+
+
+def resolve_kernels(
+    model: ModelConfig,
+    precision: Precision,
+    log: DecisionLog,
+    on_cuda: bool,
+    device: Callable[[], DeviceInfo | None],
+    require_libraries: bool = True,
+    dispatcher: tuple[str, str | None] | None = None,
+) -> Kernels:
+    """Every kernel choice of the run (the last steps of finalize), decided once for the run's
+    device and recorded: the token dispatcher by the flex rules (`device`'s GPU;
+    `require_libraries`: its library importable here; `dispatcher` given: taken as it is), then
+    the attention kernel, the MoE permutation, the experts' GEMM and the elementwise fusions
+    (compile's requirements checked here unless the run is described for another machine)."""
+    if dispatcher is None:
+        dispatcher = validate_flex_dispatcher_backend(model, log, device, require_libraries)
+    return Kernels(
+        attention_backend=resolve_attention_backend(model, precision, log, on_cuda),
+        moe_permute_fusion=resolve_moe_permute_fusion(model, log, on_cuda),
+        moe_grouped_gemm=resolve_grouped_gemm(model, precision, log, on_cuda, device),
+        **resolve_elementwise_fusion(model, log, on_cuda, require_libraries),
+        moe_token_dispatcher_type=dispatcher[0],
+        moe_flex_dispatcher_backend=dispatcher[1],
+    )
+
+
+def bare_kernels(model: ModelConfig, precision: Precision | None = None) -> Kernels:
+    """The kernels of a model built from a bare (never finalized) configuration on the CPU, as a
+    finalized run's layers get `cfg.resolved.kernels`: the same rules (decisions recorded nowhere),
+    and the token dispatcher as typed (a dispatcher this runtime does not build is refused by the
+    layer that builds it, `overlap.layers.moe.moe_layer.dispatcher_class`)."""
+    precision = Precision.of(model) if precision is None else precision
+    typed = (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend)
+    log = DecisionLog(strict=False)
+    return resolve_kernels(model, precision, log, False, probe_device, dispatcher=typed)

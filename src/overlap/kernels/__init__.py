@@ -1,7 +1,38 @@
-"""Which kernel runs, decided from what the machine and the tensors are: the capability probes
-(device 0's compute capability, what torch.compile needs here) and the choice rules for the
-attention product (`attention`), the MoE token permutation (`moe_permute`), the experts' GEMMs
-(`grouped_gemm`) and the elementwise fusions (`fusion`). The kernels themselves are in `layers/`,
-which applies these rules at call time; the rules sit below `config/`, whose resolution records
-each choice for the run's device (`overlap.config.kernel_choices`) and checks the flex
-dispatcher's GPU backends against `device`."""
+"""Which kernel runs, decided from what the machine is: the capability probes (device 0's compute
+capability, what torch.compile needs here) and the choice rules for the attention product
+(`attention`), the MoE token permutation (`moe_permute`), the experts' GEMMs (`grouped_gemm`) and
+the elementwise fusions (`fusion`). The rules sit below `config/`, whose resolution applies each
+once for the run's device and records it (`overlap.config.kernel_choices`: the decision table's
+"model" section, and `Kernels` on `cfg.resolved.kernels`), and checks the flex dispatcher's GPU
+backends against `device`. The kernels themselves are in `layers/`, which run what `Kernels` says
+and decide nothing again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What runs of every kernel choice, decided once (`cfg.resolved.kernels`; for a model built
+    from a bare configuration `overlap.config.kernel_choices.bare_kernels`), under the names of the
+    model fields that ask for it. The layers read it as it is; what is left to call time is what
+    the tensors are (a dry run's fake stand-ins and dispatch modes run the eager functions and the
+    experts' loop, a row stride the grouped kernel cannot take falls back to the loop)."""
+
+    attention_backend: str
+    """The attention product's kernel: "flash", "fused", "unfused" or "sdpa" (PyTorch's own choice
+    among its kernels); `model.attention_backend` asks for it (`attention`)."""
+    rms_norm_fusion: bool
+    apply_rope_fusion: bool
+    bias_activation_fusion: bool
+    """Whether each elementwise chain runs compiled (`fusion`)."""
+    moe_permute_fusion: bool
+    """The fused MoE token permutation, or the per-expert loop (`moe_permute`)."""
+    moe_grouped_gemm: bool
+    """The routed experts' GEMMs as torch's grouped kernel, or the per-expert loop (`grouped_gemm`;
+    Megatron-Core's field name, a choice of the architecture here, not a switch)."""
+    moe_token_dispatcher_type: str
+    moe_flex_dispatcher_backend: str | None
+    """The token dispatcher that runs ("alltoall", "flex" with its backend) after the flex rules
+    (`overlap.config.flex_dispatcher`)."""

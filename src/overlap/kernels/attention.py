@@ -17,10 +17,10 @@ PyTorch's:
   wins by 2x and more (the scores grow with s^2). fp16 on CPU stays on flash: its unfused GEMMs are
   slower still.
 
-The resolution records one decision (requested, effective kernel, why) for the device the run uses
-(`overlap.config.kernel_choices`); the layer asks the same rule again at call time
-(`attention_kernel`, on its tensors' device, dtype and length), so a model built without `finalize`
-behaves the same.
+The resolution decides once for the device the run uses, in its precision at its sequence length
+(`overlap.config.kernel_choices`): one decision (requested, effective kernel, why), and the kernel
+kept as `Kernels.attention_backend`, which the layer runs (a dry run's stand-in tensors take the
+fused kernels' memory, `overlap.layers.attention.fused_attention_on_meta`).
 """
 
 from __future__ import annotations

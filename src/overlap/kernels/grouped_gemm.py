@@ -11,11 +11,11 @@ open PyTorch issue), where the loop gives them zeros. On the CPU it runs every d
 to the loop (tests/test_moe.py) without the Python loop. Fake tensors (the dry run's "meta") take
 the loop.
 
-The resolution records the choice for the run's GPU (`overlap explain -g GPU` names the target's
-architecture, `run` probes its own device) in the "model" section (`overlap.config.kernel_choices`);
-`GroupedLinear`'s caller asks the same rule at call time with the tensors' real device
-(`overlap.layers.linear_functions`), so the runtime follows the device it actually has. The rule
-depends on facts of the machine alone: there is no switch to set, and the device script's env step
+The resolution decides once for the run's GPU (`overlap explain -g GPU` names the target's
+architecture, `run` probes its own device), records it in the "model" section
+(`overlap.config.kernel_choices`) and keeps it as `Kernels.moe_grouped_gemm`, which the experts'
+GEMMs run (`overlap.layers.linear_functions.grouped_offsets`). The rule depends on facts of the
+machine alone: there is no switch to set, and the device script's env step
 measures both kernels against each other.
 """
 

@@ -10,9 +10,9 @@ which drains the queue that overlap depends on. On a CPU those ops wait for noth
 So unset (None), the permutation is the loop where the ranks compute on the CPU and the fused one
 elsewhere (CUDA; also the dry run's "meta", which stands for CUDA). Set, it is honoured on any
 device: the loop on CUDA is still correct (a reference to check the fused kernels against on the
-GPU), and it is said at start-up with its cost, never silently. The resolution records the decision
-in the "model" section (`overlap.config.kernel_choices`); the dispatcher asks the same rule at call
-time (`permute_fused`), so a model built without `finalize` behaves the same.
+GPU), and it is said at start-up with its cost, never silently. The resolution decides once for the
+run's device, records it in the "model" section (`overlap.config.kernel_choices`) and keeps it as
+`Kernels.moe_permute_fusion`, which the dispatcher runs.
 """
 
 from __future__ import annotations

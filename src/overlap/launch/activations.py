@@ -88,7 +88,8 @@ class LayerShape:
     """What a layer's activations depend on beyond the model's sizes: this rank's TP size and
     sequence parallelism, the activation dtype's bytes, whether attention is a fused kernel (flash,
     memory-efficient, cuDNN: output and log-sum-exp) or the unfused product (the s x s scores), the
-    micro-batch's tokens and sequence length, and the recomputed modules."""
+    micro-batch's tokens and sequence length, the token dispatcher that runs (the resolved one,
+    `Kernels.moe_token_dispatcher_type`), and the recomputed modules."""
 
     tp: int
     ep: int
@@ -97,6 +98,7 @@ class LayerShape:
     fused_attention: bool
     seq_length: int
     micro_batch: int
+    moe_token_dispatcher_type: str
     recompute: frozenset[str] = frozenset()
     # column-parallel linears ("qkv", "fc1") that keep their all-gathered input (a TP-overlap plan
     # without a bulk dgrad slot); the others keep their shard
@@ -231,7 +233,7 @@ def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
             "Megatron keeps a boolean routing map (E bytes) where ours keeps the top-k indices",
         )
     ]
-    if m.moe_token_dispatcher_type == "flex":
+    if shape.moe_token_dispatcher_type == "flex":
         # per row sent (one per token and destination rank: at most k, at most EP): its token index,
         # its k-wide expert mask and, on the receiver, its k weight slots' sort order; per routed
         # pair its row index

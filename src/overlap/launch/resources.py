@@ -307,6 +307,7 @@ def _layer_shape(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool) -> Lay
         fused_attention=kernel != "unfused" or block_keys > 0,
         seq_length=seq,
         micro_batch=cfg.train.micro_batch_size,
+        moe_token_dispatcher_type=cfg.resolved.kernels.moe_token_dispatcher_type,
         recompute=selective_modules(m),
         gathered_inputs=_gathered_inputs(cfg),
         cp_block_keys=block_keys,

@@ -19,7 +19,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from overlap.config.recompute import selective_modules
 from overlap.errors import ConfigError
-from overlap.kernels.attention import attention_kernel, check_attention_backend
 from overlap.layers.cp_attention import cp_attention
 from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import maybe_checkpoint
@@ -32,6 +31,7 @@ from overlap.parallel.state import ParallelState
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
     from overlap.config.mixed_precision import Precision
+    from overlap.kernels import Kernels
 
 _SDPA_KERNELS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
@@ -91,6 +91,7 @@ class SelfAttention(nn.Module):
     all-gathers the sequence under SP), `q_layernorm`/`k_layernorm`, rotary, `core_attention` (the
     attention product; selective recompute "core_attn"), `linear_proj` (row-parallel;
     reduce-scatters under SP). Their TP overlap is the run's resolved plan's (`overlap.tp_slots`);
+    the attention product's kernel and the norms' and RoPE's fusions are the run's `kernels`;
     their weight gradients go through `wgrad_store`, the model's (None: computed in backward).
     """
 
@@ -101,10 +102,10 @@ class SelfAttention(nn.Module):
         layer_number: int,
         overlap: OverlapPlan,
         precision: Precision,
+        kernels: Kernels,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        check_attention_backend(config.attention_backend)
         _check_heads(config, ps.tp_size)
         dtype = params_dtype(precision)
         self.layer_number = layer_number
@@ -112,7 +113,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.query_groups
         self.local_groups = config.query_groups // ps.tp_size
         self.recompute_core = "core_attn" in selective_modules(config)
-        self.attention_backend = config.attention_backend
+        self.attention_backend = kernels.attention_backend
         sp = config.sequence_parallel
         qkv_size = config.query_groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
@@ -134,7 +135,7 @@ class SelfAttention(nn.Module):
                 dtype,
                 ps.device,
                 ps.tp_group,
-                config.rms_norm_fusion,
+                kernels.rms_norm_fusion,
             )
             self.q_layernorm = RMSNorm(*qk_norm)
             self.k_layernorm = RMSNorm(*qk_norm)
@@ -150,7 +151,7 @@ class SelfAttention(nn.Module):
             config.rotary_base,
             config.seq_length,
             ps.device,
-            config.apply_rope_fusion,
+            kernels.apply_rope_fusion,
             positions,
         )
         self.linear_proj = RowParallelLinear(
@@ -201,19 +202,12 @@ class SelfAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of [b, heads, s, d] queries on [b, groups, s, d] keys and values in
-        position order, by `model.attention_backend`'s kernel on this device
-        (overlap.kernels.attention)."""
-        # a dry run's stand-in for a CUDA rank (overlap.perf.dry_run)
-        on_meta = q.device.type == "meta"
-        kernel, _ = attention_kernel(
-            self.attention_backend,
-            q.is_cuda or on_meta,
-            str(q.dtype).removeprefix("torch."),
-            q.shape[2],
-        )
+        position order, by the kernel the run decided (`Kernels.attention_backend`,
+        overlap.kernels.attention)."""
+        kernel = self.attention_backend
         if kernel == "unfused":
             return unfused_attention(q, k, v)
-        if on_meta:
+        if q.device.type == "meta":  # a dry run's stand-in for a CUDA rank (overlap.perf.dry_run)
             return fused_attention_on_meta(q, k, v)
         if kernel == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -2,7 +2,7 @@
 
 A `Chain` is a pair of pure functions of tensors and Python scalars: `forward(*args) -> (output,
 *extras)` and `backward(grad, *saved) -> one gradient per argument` (None where there is none),
-with the arguments it keeps for backward named (`saves`). `chain(requested, *args)` runs it as one
+with the arguments it keeps for backward named (`saves`). `chain(fusion, *args)` runs it as one
 autograd node whose saved set is exactly those arguments plus the extras, so what an activation
 costs is decided here, in the open, and is the same eager, compiled (the fusion switches,
 `overlap.kernels.fusion`) or on a dry run's fake tensors: RMSNorm keeps its input and the fp32
@@ -20,10 +20,12 @@ shape or dtype is a variant that compiles once; a function keeps at most torch's
 variants, and a shape past it runs eager with a warning (`fullgraph` would otherwise turn the next
 recompile into an error mid-run).
 
-Whether a call compiles is `overlap.kernels.fusion.fusion_on` for the switch and the tensors'
-device. Under a `TorchDispatchMode` (the host-sync recorder, the dry run's fake tensors) the eager
-functions run: dynamo does not trace under such a mode, and the eager ops are exactly what the mode
-is there to see (the compiled graph is made of them); the saved set is the same either way.
+Whether a chain compiles is decided once, for the run's device (`Kernels`' fusion fields,
+`overlap.kernels.fusion`); a layer passes that decision as `fusion`. Stand-in tensors ("meta")
+and calls under a `TorchDispatchMode` (the host-sync recorder, the dry run's fake tensors) run the
+eager functions whatever it says: dynamo does not trace under such a mode, and the eager ops are
+exactly what the mode is there to see (the compiled graph is made of them); the saved set is the
+same either way.
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-
-from overlap.kernels.fusion import fusion_on
 
 log = logging.getLogger("overlap")
 
@@ -71,9 +71,11 @@ def compiled(fn: Callable, backend: str = BACKEND) -> Callable:
     return _compiled[key]
 
 
-def compiling(requested: bool | None, x: torch.Tensor) -> bool:
-    """Whether a chain whose switch is `requested` (None: unset) runs compiled on `x`'s device."""
-    return fusion_on(requested, x.device.type)[0] and not is_in_torch_dispatch_mode()
+def compiling(fusion: bool, x: torch.Tensor) -> bool:
+    """Whether a chain whose fusion is on (`fusion`, the run's decision) runs compiled on `x`:
+    not on a stand-in tensor ("meta": nothing compiles for it) or under a dispatch mode (module
+    docstring)."""
+    return fusion and x.device.type != "meta" and not is_in_torch_dispatch_mode()
 
 
 def _variant_limit() -> int:
@@ -108,17 +110,12 @@ def _admit(fn: Callable, args: Sequence[Any], rows: int) -> bool:
     return True
 
 
-def run(fn: Callable, requested: bool | None, x: torch.Tensor, *args: Any) -> Any:
-    """`fn(x, *args)`, compiled when the switch `requested` turns it on for `x` (`compiling`) and
-    the call has rows enough to fuse; `x`'s first dimension is the row dimension."""
+def run(fn: Callable, fusion: bool, x: torch.Tensor, *args: Any) -> Any:
+    """`fn(x, *args)`, compiled when the fusion is on for `x` (`compiling`) and the call has rows
+    enough to fuse; `x`'s first dimension is the row dimension."""
     call = (x, *args)
     rows = x.shape[0] if x.dim() else 0
-    if (
-        compiling(requested, x)
-        and x.numel()
-        and rows >= MIN_COMPILED_ROWS
-        and _admit(fn, call, rows)
-    ):
+    if compiling(fusion, x) and x.numel() and rows >= MIN_COMPILED_ROWS and _admit(fn, call, rows):
         return compiled(fn)(*call)
     return fn(*call)
 
@@ -138,17 +135,17 @@ class Chain:
     backward: Callable[..., tuple[torch.Tensor | None, ...]]
     saves: tuple[int, ...]
 
-    def __call__(self, requested: bool | None, *args: Any) -> torch.Tensor:
-        """Run the chain as one autograd node; `requested` is its fusion switch (None: by
-        device)."""
-        return _ChainFunction.apply(self, requested, *args)
+    def __call__(self, fusion: bool, *args: Any) -> torch.Tensor:
+        """Run the chain as one autograd node, compiled where `fusion` (the run's decision for its
+        switch) is on."""
+        return _ChainFunction.apply(self, fusion, *args)
 
 
 class _ChainFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, chain: Chain, requested: bool | None, *args: Any) -> torch.Tensor:
-        out, *extras = run(chain.forward, requested, *args)
-        ctx.chain, ctx.requested = chain, requested
+    def forward(ctx, chain: Chain, fusion: bool, *args: Any) -> torch.Tensor:
+        out, *extras = run(chain.forward, fusion, *args)
+        ctx.chain, ctx.fusion = chain, fusion
         ctx.constants = tuple(
             a
             for i, a in enumerate(args)
@@ -161,7 +158,7 @@ class _ChainFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads = run(
             ctx.chain.backward,
-            ctx.requested,
+            ctx.fusion,
             grad.contiguous(),
             *ctx.saved_tensors,
             *ctx.constants,

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from overlap.kernels.grouped_gemm import GROUPED, grouped_gemm_kernel
 from overlap.layers.wgrad_store import WeightGradStore, take_weight_grad
 from overlap.parallel import comm
 from overlap.parallel.trace import recorder
@@ -79,6 +78,7 @@ def grouped_offsets(
     counts: torch.Tensor,
     rows: torch.Tensor,
     weights: Sequence[torch.Tensor],
+    grouped: bool,
     host_counts: bool = True,
 ) -> torch.Tensor | None:
     """The end row of each expert's group (int32), the grouped GEMM's `offs`, where that kernel
@@ -89,28 +89,22 @@ def grouped_offsets(
     copy from pageable memory on a GPU, which waits for the queue; the cumulative sum of the device
     counts needs no host at all.
 
-    The grouped kernel is used where the architecture rule picks it (`overlap.kernels.grouped_gemm`:
-    the CPU, Hopper in bf16; the decision table's "model" section shows it for the run's GPU), and
-    only when each operand's row stride is a multiple of 16 bytes (its layout rule: a tiny test
-    model's hidden 4 in bf16 breaks it); elsewhere the loop. On CUDA its agreement with the loop and
-    what it buys are the device script's to measure (`bench/gpu_check.py`, step env:
-    `grouped_gemm`).
+    The grouped kernel is used where the run decided so (`grouped`: `Kernels.moe_grouped_gemm`, by
+    the architecture rule of `overlap.kernels.grouped_gemm`: the CPU, Hopper in bf16; the decision
+    table's "model" section shows it for the run's GPU) on real tensors (a dry run's stand-ins
+    take the loop), and only when each operand's row stride is a multiple of 16 bytes (its layout
+    rule: a tiny test model's hidden 4 in bf16 breaks it); elsewhere the loop. On CUDA its
+    agreement with the loop and what it buys are the device script's to measure
+    (`bench/gpu_check.py`, step env: `grouped_gemm`).
 
     `host_counts=False`: the dispatch has no host counts for the loop (the sync-free dispatch,
     `overlap.layers.moe.rank_capacity`, which the resolution refuses where the run's GPU takes the
     loop): a dry run's stand-in tensors then take the grouped kernel, as the GPU they stand for."""
-    stand_in = rows.device.type == "meta" and not host_counts
-    if not (stand_in or _grouped_kernel_takes(rows)):
+    if not (not host_counts if rows.device.type == "meta" else grouped):
         return None
     if any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
         return None
     return counts.cumsum(0).to(torch.int32)
-
-
-def _grouped_kernel_takes(rows: torch.Tensor) -> bool:
-    major = torch.cuda.get_device_capability(rows.device)[0] if rows.is_cuda else None
-    dtype = str(rows.dtype).removeprefix("torch.")
-    return grouped_gemm_kernel(rows.device.type, major, dtype)[0] == GROUPED
 
 
 def _grouped_mm(

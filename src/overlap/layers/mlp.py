@@ -17,6 +17,7 @@ from overlap.parallel.state import ParallelState
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
     from overlap.config.mixed_precision import Precision
+    from overlap.kernels import Kernels
 
 
 def _swiglu_forward(
@@ -67,9 +68,10 @@ class MLP(nn.Module):
     one wider GEMM saves. `overlap` is the run's resolved overlap plan, whose TP slots fc1 and fc2
     run; None keeps the plain TP collectives whatever the plan (shared experts: the reference
     disables userbuffers in them, they run beside the dispatch). `ffn_hidden_size` overrides the
-    config's width (shared experts use their own). SwiGLU is the `SWIGLU` chain
-    (`model.bias_activation_fusion`); GELU is one kernel already. `wgrad_store`: the model's store
-    the weight gradients go through (None: computed in backward).
+    config's width (shared experts use their own). SwiGLU is the `SWIGLU` chain, compiled where
+    `kernels.bias_activation_fusion` (the run's decision) is on; GELU is one kernel already.
+    `wgrad_store`: the model's store the weight gradients go through (None: computed in
+    backward).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class MLP(nn.Module):
         ps: ParallelState,
         overlap: OverlapPlan | None,
         precision: Precision,
+        kernels: Kernels,
         ffn_hidden_size: int | None = None,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
@@ -85,7 +88,7 @@ class MLP(nn.Module):
         ffn = ffn_hidden_size or config.ffn_size
         dtype = params_dtype(precision)
         self.gated = config.gated_linear_unit
-        self.fusion = config.bias_activation_fusion
+        self.fusion = kernels.bias_activation_fusion
         fused = 2 if self.gated else 1
         sp = config.sequence_parallel
         self.linear_fc1 = ColumnParallelLinear(

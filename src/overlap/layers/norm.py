@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
     and is complete on every rank, with or without sequence parallelism. Such a weight is not marked
     `sequence_parallel` (the trainer must not sum it again).
 
-    `fusion` is `model.rms_norm_fusion` (None: by device, `overlap.kernels.fusion`).
+    `fusion`: whether it runs compiled (the run's `Kernels.rms_norm_fusion`).
     """
 
     def __init__(
@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
         params_dtype: torch.dtype,
         device: torch.device,
         weight_grad_group: ProcessGroup | None = None,
-        fusion: bool | None = None,
+        fusion: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps

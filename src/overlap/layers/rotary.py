@@ -46,8 +46,8 @@ class RotaryEmbedding(nn.Module):
 
     The cos/sin tables are built once in fp32 and the rotation runs in fp32, because bf16 angles
     lose the position information of long sequences. Tables are non-persistent buffers: derived
-    data, not part of a checkpoint. `fusion` is `model.apply_rope_fusion` (None: by device,
-    `overlap.kernels.fusion`).
+    data, not part of a checkpoint. `fusion`: whether it runs compiled (the run's
+    `Kernels.apply_rope_fusion`).
     """
 
     def __init__(
@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         base: float,
         max_seq_length: int,
         device: torch.device,
-        fusion: bool | None = None,
+        fusion: bool = False,
         positions: torch.Tensor | None = None,
     ) -> None:
         """`positions`: the global positions of the tokens this rank holds, in its order (a

@@ -11,7 +11,9 @@ stage, the final norm and output layer only on the last.
 What the model runs overlapped (the TP slots of each linear, the shared expert under the
 all-to-alls, the deferred output-layer wgrad) comes from the resolved overlap plan it is built with
 (`cfg.resolved.overlap`), never from the model section's switches, which keep only what was
-typed; its parameters' dtype, likewise, from the resolved precision (`cfg.resolved.precision`).
+typed; its parameters' dtype, likewise, from the resolved precision (`cfg.resolved.precision`),
+and which kernels run (attention, fusions, MoE permutation, experts' GEMM, token dispatcher) from
+the resolved kernels (`cfg.resolved.kernels`), decided once for the run's device.
 Its weight gradients go through the model's `WeightGradStore` (`wgrad_store`, handed to every layer
 it builds; the chunks of one rank share one), which the schedules switch to delaying and drain
 (delay_wgrad_compute, overlapped p2p): a store per run, not per process.
@@ -45,6 +47,7 @@ from overlap.parallel.trace import recorder
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
     from overlap.config.mixed_precision import Precision
+    from overlap.kernels import Kernels
 
 
 class TransformerLayer(nn.Module):
@@ -62,6 +65,7 @@ class TransformerLayer(nn.Module):
         layer_number: int,
         overlap: OverlapPlan,
         precision: Precision,
+        kernels: Kernels,
         wgrad_store: WeightGradStore,
     ) -> None:
         super().__init__()
@@ -78,20 +82,20 @@ class TransformerLayer(nn.Module):
             sequence_parallel=sp,
             params_dtype=dtype,
             device=ps.device,
-            fusion=config.rms_norm_fusion,
+            fusion=kernels.rms_norm_fusion,
         )
         self.input_layernorm = RMSNorm(**norm)
         self.self_attention = SelfAttention(
-            config, ps, layer_number, overlap, precision, wgrad_store
+            config, ps, layer_number, overlap, precision, kernels, wgrad_store
         )
         self.pre_mlp_layernorm = RMSNorm(**norm)
         if self.is_moe:
             # only MoE models need (and import) the MoE package
             from overlap.layers.moe.moe_layer import MoELayer
 
-            self.mlp = MoELayer(config, ps, layer_number, overlap, precision, wgrad_store)
+            self.mlp = MoELayer(config, ps, layer_number, overlap, precision, kernels, wgrad_store)
         else:
-            self.mlp = MLP(config, ps, overlap, precision, wgrad_store=wgrad_store)
+            self.mlp = MLP(config, ps, overlap, precision, kernels, wgrad_store=wgrad_store)
 
     def attention_block(self, x: torch.Tensor) -> torch.Tensor:
         """Residual + self-attention of the input-normalised hidden state."""
@@ -152,9 +156,10 @@ class GPTModel(nn.Module):
     (Qwen3 0.6B-4B's `tie_word_embeddings`), the embedding's (or, on the last of several pipeline
     stages, its copy); the loss is computed from the vocab-sharded logits without gathering them.
     `overlap` is the run's resolved overlap plan (what its layers overlap), `precision` its
-    resolved precision (the parameters' dtype; `Precision.of(config)` for a bare config);
-    `wgrad_store`: the store its weight gradients go through, kept as `self.wgrad_store` (None: a
-    new one, this model's).
+    resolved precision (the parameters' dtype; `Precision.of(config)` for a bare config),
+    `kernels` its resolved kernels (`overlap.config.kernel_choices.bare_kernels` for a bare
+    config); `wgrad_store`: the store its weight gradients go through, kept as `self.wgrad_store`
+    (None: a new one, this model's).
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class GPTModel(nn.Module):
         ps: ParallelState,
         overlap: OverlapPlan,
         precision: Precision,
+        kernels: Kernels,
         stage: Stage | None = None,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
@@ -199,7 +205,7 @@ class GPTModel(nn.Module):
                 self.embedding.weight.tied_embedding = True
         self.layers = LayerStack(
             [
-                TransformerLayer(config, ps, i, overlap, precision, self.wgrad_store)
+                TransformerLayer(config, ps, i, overlap, precision, kernels, self.wgrad_store)
                 for i in range(self.stage.start, self.stage.end)
             ],
             self.stage.start,
@@ -211,7 +217,7 @@ class GPTModel(nn.Module):
                 sp,
                 dtype,
                 ps.device,
-                fusion=config.rms_norm_fusion,
+                fusion=kernels.rms_norm_fusion,
             )
             # defer_embedding_wgrad_compute: the output layer's weight gradients go through a store
             # of their own, which the pipeline executor defers to the flush
@@ -314,18 +320,26 @@ class GPTModel(nn.Module):
 
 
 def model_chunks(
-    config, ps: ParallelState, overlap: OverlapPlan, precision: Precision
+    config, ps: ParallelState, overlap: OverlapPlan, precision: Precision, kernels: Kernels
 ) -> list[GPTModel]:
     """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
     pipeline, each holding the layers its virtual stage gets (`overlap.config.pipeline_layout`: an
     even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
-    spelt out); chunks may differ in size. `overlap`, `precision`: the run's resolved ones. The
-    chunks share one `WeightGradStore` (the pipeline executor's queue spans them)."""
+    spelt out); chunks may differ in size. `overlap`, `precision`, `kernels`: the run's resolved
+    ones. The chunks share one `WeightGradStore` (the pipeline executor's queue spans them)."""
     from overlap.config.pipeline_layout import resolve_pipeline_layout
 
     stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
     store = WeightGradStore()
     return [
-        GPTModel(config, ps, overlap, precision, Stage(s.start, s.end, s.embedding, s.loss), store)
+        GPTModel(
+            config,
+            ps,
+            overlap,
+            precision,
+            kernels,
+            Stage(s.start, s.end, s.embedding, s.loss),
+            store,
+        )
         for s in stages
     ]

@@ -30,7 +30,8 @@ class PeerTrainer(Trainer):
     def __init__(self, cfg: ConfigContainer, ps: ParallelState) -> None:
         self.cfg, self.ps, self.impl = cfg, ps, cfg.ddp.impl
         torch.manual_seed(cfg.train.seed)
-        model = GPTModel(cfg.model, ps, cfg.resolved.overlap, cfg.resolved.precision)
+        res = cfg.resolved
+        model = GPTModel(cfg.model, ps, res.overlap, res.precision, res.kernels)
         model.init_weights(cfg.train.seed)
         if self.impl == "torch_ddp":
             bucket = cfg.resolved.overlap.bucket_size

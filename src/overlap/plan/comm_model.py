@@ -238,7 +238,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     if m.is_moe and ep > 1 and moe_here and cluster.carries("ep"):
         tokens = b * s / (tp if m.sequence_parallel else 1)
         g = members_per_node(ep, max(1, layout.etp), gpn)
-        backend = m.moe_flex_dispatcher_backend if m.moe_token_dispatcher_type == "flex" else None
+        backend = cfg.resolved.kernels.moe_flex_dispatcher_backend  # None unless flex runs
         for kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"):
             if backend in cluster.ep_backend_sms:
                 fp8 = kind == "ep_dispatch" and cluster.precision in ("fp8", "mxfp8")

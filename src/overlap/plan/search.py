@@ -608,12 +608,12 @@ def _refined(space: _Space, priced: list[Candidate]) -> list[Candidate]:
 
 
 def _refine(space: _Space, best: Candidate) -> Candidate:
-    layout, m = best.layout, best.cfg.model
+    layout, m, kernels = best.layout, best.cfg.model, best.cfg.resolved.kernels
     tries: list[Layout] = []
     if m.is_moe and layout.ep > 1:
-        current = m.moe_token_dispatcher_type
+        current = kernels.moe_token_dispatcher_type
         if current == "flex":
-            current = f"flex:{m.moe_flex_dispatcher_backend}"
+            current = f"flex:{kernels.moe_flex_dispatcher_backend}"
         tries += [replace(layout, dispatcher=d) for d in DISPATCHERS if d != current]
     if layout.cp > 1:
         current = best.cfg.resolved.overlap.cp_comm_type

@@ -54,10 +54,10 @@ def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch
     # Parameters do not depend on the token dispatcher; the stand-in keeps one the runtime builds
     # everywhere, so the count also works for a configuration `run` will refuse (explain still lists
     # its buckets).
-    config = replace(
-        cfg.model, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None
+    kernels = replace(
+        res.kernels, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None
     )
-    chunks = model_chunks(config, rank0, res.overlap, res.precision)
+    chunks = model_chunks(cfg.model, rank0, res.overlap, res.precision, kernels)
     return [[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks]
 
 

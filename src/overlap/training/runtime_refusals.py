@@ -23,8 +23,9 @@ def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
 def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigError]:
     """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run
     raises). The overlap switches are the resolved plan's (`cfg.resolved.overlap`), the precision
-    the resolved one (`cfg.resolved.precision`)."""
+    and the token dispatcher the resolved ones (`cfg.resolved.precision`, `.kernels`)."""
     m, d, o, p = cfg.model, cfg.ddp, cfg.resolved.overlap, cfg.resolved.precision
+    k = cfg.resolved.kernels
     tied = m.share_embeddings_and_output_weights
     checks = [
         (
@@ -95,7 +96,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
             "use -et 1.",
         ),
         (
-            m.is_moe and m.moe_token_dispatcher_type == "allgather",
+            m.is_moe and k.moe_token_dispatcher_type == "allgather",
             "model.moe_token_dispatcher_type",
             "allgather",
             "The all-gather token dispatcher",
@@ -103,10 +104,10 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
         ),
         (
             m.is_moe
-            and m.moe_token_dispatcher_type == "flex"
-            and m.moe_flex_dispatcher_backend in ("deepep", "hybridep"),
+            and k.moe_token_dispatcher_type == "flex"
+            and k.moe_flex_dispatcher_backend in ("deepep", "hybridep"),
             "model.moe_flex_dispatcher_backend",
-            m.moe_flex_dispatcher_backend,
+            k.moe_flex_dispatcher_backend,
             "Dispatch through DeepEP kernels",
             "use moe_flex_dispatcher_backend=torch.",
         ),

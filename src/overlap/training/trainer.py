@@ -92,7 +92,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # This rank's model chunks (one without a virtual pipeline); each has its own gradient
         # buffers and buckets.
-        self.chunks = model_chunks(cfg.model, ps, cfg.resolved.overlap, cfg.resolved.precision)
+        res = cfg.resolved
+        self.chunks = model_chunks(cfg.model, ps, res.overlap, res.precision, res.kernels)
         # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
         apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
         for chunk in self.chunks:

@@ -48,7 +48,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from overlap.config.model import ModelConfig
-from overlap.kernels.moe_permute import permute_fused
+from overlap.kernels import Kernels
 from overlap.layers.moe.permute import (
     ExpertCapacity,
     Routing,
@@ -174,23 +174,18 @@ class AllToAllDispatcher:
     """Moves routed tokens to the EP rank that owns their expert and brings the expert outputs
     back."""
 
-    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+    def __init__(self, config: ModelConfig, ps: ParallelState, kernels: Kernels) -> None:
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.ep_size = ps.ep_size
         self.num_local_experts = config.num_moe_experts // ps.ep_size
         self.group = ps.ep_group
         self.meta_group = ps.ep_meta_group  # split sizes travel apart from the bulk all-to-alls
-        self.permute_fusion = config.moe_permute_fusion  # None: by device (`fused`)
+        # the fused permutation or the per-expert loop, as the run decided (`overlap.kernels`)
+        self.permute_fusion = kernels.moe_permute_fusion
         self.capacity_factor = config.moe_expert_capacity_factor
         self.pad_to_capacity = config.moe_pad_expert_input_to_capacity
         self.drop_policy = config.moe_token_drop_policy
-
-    def fused(self, t: torch.Tensor) -> bool:
-        """Whether the fused permutation runs for tensors on `t`'s device
-        (`overlap.kernels.moe_permute`: unset, the loop only on the CPU, where its data-dependent
-        shapes cost no host sync)."""
-        return permute_fused(self.permute_fusion, t.device.type == "cpu")[0]
 
     def capacity(self, num_tokens: int) -> ExpertCapacity | None:
         """The expert capacity for `num_tokens` local tokens, or None (dropless)."""
@@ -211,7 +206,7 @@ class AllToAllDispatcher:
         if capacity is not None and capacity.pad:
             with recorder().span("moe.permute"):
                 routing = route(
-                    topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity
+                    topk_idx, topk_weights, self.num_experts, self.permute_fusion, capacity
                 )
             static = [capacity.capacity] * self.num_experts
             on_device = torch.full(
@@ -230,9 +225,7 @@ class AllToAllDispatcher:
             counts, self.meta_group, "ep_counts", [el] * self.ep_size, [el] * self.ep_size
         )
         with recorder().span("moe.permute"):
-            routing = route(
-                topk_idx, topk_weights, self.num_experts, self.fused(topk_idx), capacity
-            )
+            routing = route(topk_idx, topk_weights, self.num_experts, self.permute_fusion, capacity)
 
         def finish(wait: WaitFn) -> DispatchPlan:
             # THE host sync of the layer, done once and as late as the dispatch allows: all_to_all
@@ -354,6 +347,6 @@ class AllToAllDispatcher:
                 plan.token_idx,
                 plan.tokens_per_expert,
                 plan.hidden_shape[:-1].numel(),
-                self.fused(rows),
+                self.permute_fusion,
             )
             return out.reshape(plan.hidden_shape)

@@ -32,6 +32,7 @@ from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.config.recompute import selective_modules
 from overlap.errors import NotBuiltError
+from overlap.kernels import Kernels
 from overlap.layers.init import mark_shard
 from overlap.layers.linear_functions import GroupedLinear, grouped_offsets
 from overlap.layers.mlp import SWIGLU
@@ -54,21 +55,24 @@ def _expert_param(shape: tuple[int, ...], dtype: torch.dtype, ps: ParallelState)
 class GroupedExperts(nn.Module):
     """`num_experts / ep_size` SwiGLU experts applied to rows already grouped by local expert, each
     output row weighted by its combine weight; the weight gradients go through `wgrad_store` (the
-    model's; None: computed in backward)."""
+    model's; None: computed in backward). `kernels`: the run's choices of the GEMMs' kernel and
+    the SwiGLU's fusion."""
 
     def __init__(
         self,
         config: ModelConfig,
         ps: ParallelState,
         precision: Precision,
+        kernels: Kernels,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
         self.wgrad_store = wgrad_store
+        self.grouped_gemm = kernels.moe_grouped_gemm
         self.num_local_experts = config.num_moe_experts // ps.ep_size
         h, ffn = config.hidden_size, config.moe_ffn_size
         dtype = params_dtype(precision)
-        self.fusion = config.bias_activation_fusion
+        self.fusion = kernels.bias_activation_fusion
         # Filled by init_model_params (full-tensor draw, then this rank's slice).
         self.fc1_weight = _expert_param((self.num_local_experts, 2 * ffn, h), dtype, ps)
         self.down_weight = _expert_param((self.num_local_experts, h, ffn), dtype, ps)
@@ -97,7 +101,11 @@ class GroupedExperts(nn.Module):
         from the device counts, can run the GEMMs then."""
         counts = tokens_per_local_expert
         offs = grouped_offsets(
-            local_expert_counts, rows, (self.fc1_weight, self.down_weight), counts is not None
+            local_expert_counts,
+            rows,
+            (self.fc1_weight, self.down_weight),
+            self.grouped_gemm,
+            counts is not None,
         )
         if offs is None and counts is None:
             raise NotBuiltError(

@@ -1,8 +1,9 @@
 """The MoE layer: router -> all-to-all dispatch -> routed experts -> all-to-all combine (+ optional
 shared expert).
 
-The dispatcher is chosen by `moe_token_dispatcher_type`: "alltoall" (one row per chosen expert) or
-"flex" with backend "torch" (one row per destination rank, `flex_dispatcher.py`); with
+The dispatcher is the run's `moe_token_dispatcher_type` (as resolved, `Kernels`): "alltoall" (one
+row per chosen expert) or "flex" with backend "torch" (one row per destination rank,
+`flex_dispatcher.py`); with
 `moe_expert_rank_capacity_factor` the all-to-all in fixed blocks per EP peer, no host read
 (`rank_capacity.py`). All have the same steps.
 
@@ -41,6 +42,7 @@ from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.config.recompute import selective_modules
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.kernels import Kernels
 from overlap.layers.mlp import MLP
 from overlap.layers.moe.dispatcher import (
     AllToAllDispatcher,
@@ -60,10 +62,10 @@ from overlap.parallel.trace import recorder
 Plan = DispatchPlan | FlexDispatchPlan | RankCapacityPlan
 
 
-def dispatcher_class(config: ModelConfig) -> type[AllToAllDispatcher]:
-    """The token dispatcher `config` asks for; a request for one this runtime does not build is an
-    error, never a silent fallback to all-to-all."""
-    kind, backend = config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend
+def dispatcher_class(config: ModelConfig, kernels: Kernels) -> type[AllToAllDispatcher]:
+    """The token dispatcher the run decided on (`kernels`, with `config`'s capacity factors); one
+    this runtime does not build is an error, never a silent fallback to all-to-all."""
+    kind, backend = kernels.moe_token_dispatcher_type, kernels.moe_flex_dispatcher_backend
     if config.moe_expert_rank_capacity_factor is not None:
         if kind != "alltoall":
             raise NotBuiltError(
@@ -110,8 +112,9 @@ def dispatcher_class(config: ModelConfig) -> type[AllToAllDispatcher]:
 class MoELayer(nn.Module):
     """`forward(x) -> (y, aux_loss)`; aux_loss is a scalar the caller adds to the training loss.
     `overlap`: the run's resolved overlap plan (whether the shared expert overlaps the
-    all-to-alls); `wgrad_store`: the model's store the experts' and the shared expert's weight
-    gradients go through (None: computed in backward)."""
+    all-to-alls); `kernels`: the run's kernel and dispatcher choices; `wgrad_store`: the model's
+    store the experts' and the shared expert's weight gradients go through (None: computed in
+    backward)."""
 
     def __init__(
         self,
@@ -120,6 +123,7 @@ class MoELayer(nn.Module):
         layer_number: int,
         overlap: OverlapPlan,
         precision: Precision,
+        kernels: Kernels,
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
@@ -130,17 +134,18 @@ class MoELayer(nn.Module):
                 f"the experts must split evenly over expert parallel size {ps.ep_size}.",
                 "choose an expert parallel size (-ep) that divides num_moe_experts.",
             )
-        dispatcher = dispatcher_class(config)
+        dispatcher = dispatcher_class(config, kernels)
         self.layer_number = layer_number
         self.router = TopKRouter(config, ps, precision, layer_number)
-        self.dispatcher = dispatcher(config, ps)
-        self.experts = GroupedExperts(config, ps, precision, wgrad_store)
+        self.dispatcher = dispatcher(config, ps, kernels)
+        self.experts = GroupedExperts(config, ps, precision, kernels, wgrad_store)
         self.shared_experts = (
             MLP(
                 config,
                 ps,
                 None,
                 precision,
+                kernels,
                 ffn_hidden_size=config.moe_shared_expert_intermediate_size,
                 wgrad_store=wgrad_store,
             )

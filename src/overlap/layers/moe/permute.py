@@ -21,9 +21,9 @@ padding rows; a padding row has `slot_idx = T * k` and `token_idx = T`, one past
 which `gather` maps to a zero row with weight 0 and `unpermute` to a scratch row that is dropped.
 Every shape is then fixed by the configuration alone.
 
-Two implementations, chosen by `config.moe_permute_fusion` (unset: the loop on CPU, the fused one on
-CUDA, where the loop's data-dependent shapes make the host wait for the GPU;
-`overlap.kernels.moe_permute`):
+Two implementations, chosen by the run's `Kernels.moe_permute_fusion` (`model.moe_permute_fusion`
+decided for the run's device; unset: the loop on CPU, the fused one on CUDA, where the loop's
+data-dependent shapes make the host wait for the GPU; `overlap.kernels.moe_permute`):
 - fused (True): stable argsorts of the flattened routing plus index_select / scatter / index_add; no
   Python loop over experts, so its cost does not grow with the expert count (the role TE's fused
   kernels play in Megatron).

@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from overlap.config.model import ModelConfig, expert_rank_capacity
+from overlap.kernels import Kernels
 from overlap.layers.moe.dispatcher import AllToAllDispatcher, DispatchPlan, PendingPlan
 from overlap.layers.moe.permute import count_per_expert, route, sum_rows
 from overlap.layers.moe.router import TopKRouter
@@ -106,8 +107,8 @@ class RankCapacityDispatcher(AllToAllDispatcher):
     themselves and no counts are exchanged. The second column's gradient is zero (4 bytes a row in
     the dispatch's backward)."""
 
-    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
-        super().__init__(config, ps)
+    def __init__(self, config: ModelConfig, ps: ParallelState, kernels: Kernels) -> None:
+        super().__init__(config, ps, kernels)
         self.rank_capacity_factor = config.moe_expert_rank_capacity_factor
         self.dropless = False
         self.overflow = torch.zeros((), dtype=torch.int64, device=ps.device)
@@ -129,7 +130,7 @@ class RankCapacityDispatcher(AllToAllDispatcher):
         c = self.block_rows(num_tokens)
         with recorder().span("moe.permute"):
             # the dropless layout (expert, then token order): each peer's rows are one run of it
-            routing = route(topk_idx, topk_weights, self.num_experts, self.fused(topk_idx))
+            routing = route(topk_idx, topk_weights, self.num_experts, self.permute_fusion)
             per_peer = routing.tokens_per_expert.view(ep, el).sum(1)
             self.overflow += (per_peer > c).sum()
             if pairs:
