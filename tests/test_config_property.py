@@ -234,10 +234,11 @@ def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
         assert m.recompute_granularity != "full" and "moe" not in (m.recompute_modules or [])
         assert not o.moe_shared_expert_overlap
         assert lay.pp == 1 or m.virtual_pipeline_model_parallel_size is not None
-    if m.moe_token_dispatcher_type == "flex":
-        assert m.moe_flex_dispatcher_backend in ("torch", "deepep", "hybridep")
+    k = res.kernels  # the dispatcher that runs (the model keeps what was asked)
+    if k.moe_token_dispatcher_type == "flex":
+        assert k.moe_flex_dispatcher_backend in ("torch", "deepep", "hybridep")
     else:
-        assert m.moe_flex_dispatcher_backend is None
+        assert k.moe_flex_dispatcher_backend is None
     if o.overlap_param_gather:
         assert ddp.use_distributed_optimizer and lay.dp > 1
     if o.bucket_size is not None:
