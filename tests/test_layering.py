@@ -84,6 +84,20 @@ def test_no_package_imports_from_a_package_above_it():
     assert not upward, "arrows up: " + "; ".join(upward)
 
 
+def test_the_layers_run_the_resolved_kernels_and_apply_no_kernel_rule():
+    """The kernel rules (`overlap.kernels`' modules) are applied once, by the resolution
+    (`overlap.config.kernel_choices`); the layers and the model run the `Kernels` it holds and
+    import no rule that could decide again."""
+    rules = [
+        f"{path.relative_to(SRC)} imports {node.module}"
+        for pkg in ("layers", "model")
+        for path in sorted((SRC / pkg).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("overlap.kernels.")
+    ]
+    assert not rules, "decided again at run time: " + "; ".join(rules)
+
+
 # parallel/'s modules, lowest first: which tokens a context-parallel rank holds (pure arithmetic),
 # the runtime's own CUDA streams, the tracer and the program recorder, the modelled link, the
 # groups, the collectives, the ring exchange built on them, the parallel state, and the teardown.

@@ -100,7 +100,8 @@ def grouped_offsets(
     `host_counts=False`: the dispatch has no host counts for the loop (the sync-free dispatch,
     `overlap.layers.moe.rank_capacity`, which the resolution refuses where the run's GPU takes the
     loop): a dry run's stand-in tensors then take the grouped kernel, as the GPU they stand for."""
-    if not (not host_counts if rows.device.type == "meta" else grouped):
+    stand_in = rows.device.type == "meta"
+    if not (grouped and not stand_in) and not (stand_in and not host_counts):
         return None
     if any(t.shape[-1] * t.element_size() % 16 for t in (rows, *weights)):
         return None
