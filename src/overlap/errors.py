@@ -31,11 +31,29 @@ class NotBuiltError(ConfigError):
         super().__init__(field, value, f"{what} is not built in the overlap runtime yet.", fix)
 
 
-def check_rules(rules: Iterable[tuple[str, Any, bool, str, str]]) -> None:
-    """Raise the first broken row of a rule table, each row (field, value, ok, why, fix)."""
-    for name, value, ok, why, fix in rules:
-        if not ok:
-            raise ConfigError(name, value, why, fix)
+# A rule: (field, value, ok, why, fix), or (field, value, ok, what, fix, NotBuiltError) for a valid
+# request the runtime does not build (`what` is the NotBuiltError's subject).
+Rule = tuple[Any, ...]
+
+
+def broken_rules(rules: Iterable[Rule]) -> list[ConfigError]:
+    """The error of every broken row of a rule table, in table order (what `explain` lists). A
+    table written as a generator is read lazily, so a row may rely on the rows before it."""
+    return [_error(*row) for row in rules if not row[2]]
+
+
+def check_rules(rules: Iterable[Rule]) -> None:
+    """Raise the first broken row of a rule table; the rows after it are not read (a generator's
+    later rows may rely on the earlier ones holding)."""
+    for row in rules:
+        if not row[2]:
+            raise _error(*row)
+
+
+def _error(
+    field: str, value: Any, ok: bool, why: str, fix: str, kind: type[ConfigError] = ConfigError
+) -> ConfigError:
+    return kind(field, value, why, fix)
 
 
 class CheckpointError(ConfigError):
