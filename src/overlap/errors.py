@@ -31,29 +31,28 @@ class NotBuiltError(ConfigError):
         super().__init__(field, value, f"{what} is not built in the overlap runtime yet.", fix)
 
 
-# A rule: (field, value, ok, why, fix), or (field, value, ok, what, fix, NotBuiltError) for a valid
-# request the runtime does not build (`what` is the NotBuiltError's subject).
+# A rule: (field, value, ok, why, fix), or (field, value, ok, why, fix, kind) for a row whose error
+# is not the table's kind (a NotBuiltError's `why` is its subject: what is not built).
 Rule = tuple[Any, ...]
 
 
-def broken_rules(rules: Iterable[Rule]) -> list[ConfigError]:
+def broken_rules(rules: Iterable[Rule], kind: type[ConfigError] = ConfigError) -> list[ConfigError]:
     """The error of every broken row of a rule table, in table order (what `explain` lists). A
     table written as a generator is read lazily, so a row may rely on the rows before it."""
-    return [_error(*row) for row in rules if not row[2]]
+    return [_error(row, kind) for row in rules if not row[2]]
 
 
-def check_rules(rules: Iterable[Rule]) -> None:
+def check_rules(rules: Iterable[Rule], kind: type[ConfigError] = ConfigError) -> None:
     """Raise the first broken row of a rule table; the rows after it are not read (a generator's
     later rows may rely on the earlier ones holding)."""
     for row in rules:
         if not row[2]:
-            raise _error(*row)
+            raise _error(row, kind)
 
 
-def _error(
-    field: str, value: Any, ok: bool, why: str, fix: str, kind: type[ConfigError] = ConfigError
-) -> ConfigError:
-    return kind(field, value, why, fix)
+def _error(row: Rule, kind: type[ConfigError]) -> ConfigError:
+    field, value, _, why, fix, *named = row
+    return (named[0] if named else kind)(field, value, why, fix)
 
 
 class CheckpointError(ConfigError):

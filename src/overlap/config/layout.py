@@ -6,9 +6,10 @@ process groups of a layout (and re-exports it for its users).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from overlap.errors import ConfigError
+from overlap.errors import Rule, check_rules
 
 
 @dataclass(frozen=True)
@@ -23,52 +24,41 @@ class ParallelLayout:
     ep: int = 1
     etp: int = 1
     # hierarchical CP (cp_comm_type a2a+p2p): the size of the all-to-all groups inside CP
-    # (consecutive CP ranks); the p2p ring runs across them. 1: no hierarchy
+    # (consecutive CP ranks); the p2p ring runs across them. 1: no hierarchy. Its rule (a factor of
+    # CP) is the CP resolution's (`comm_overlap._resolve_cp`: [a2a, p2p] whose product is CP).
     cp_a2a: int = 1
 
     def __post_init__(self) -> None:
         """The layout's own rules, named by the model fields and flags that set them (the one
         check of a layout: `ConfigContainer.finalize` builds its layout here)."""
-        sizes = (
+        check_rules(self._rules())
+
+    def _rules(self) -> Iterator[Rule]:
+        for name, size in (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
             ("context_parallel_size", self.cp),
             ("expert_model_parallel_size", self.ep),
             ("expert_tensor_parallel_size", self.etp),
+        ):
+            key = f"model.{name}"
+            yield key, size, size >= 1, "parallel sizes are at least 1.", f"set {key} to 1 or more."
+        tp, pp, cp, block = self.tp, self.pp, self.cp, self.tp * self.pp * self.cp
+        yield (
+            "-ng/--num_gpus",
+            self.world_size,
+            self.world_size % block == 0,
+            f"the world size must be a multiple of TP x PP x CP = {tp} x {pp} x {cp} = {block}.",
+            f"use a multiple of {block} ranks, or smaller -tp/-pp/-cp.",
         )
-        for name, size in sizes:
-            if size < 1:
-                raise ConfigError(
-                    f"model.{name}",
-                    size,
-                    "parallel sizes are at least 1.",
-                    f"set model.{name} to 1 or more.",
-                )
-        if self.cp_a2a < 1 or self.cp % self.cp_a2a:
-            raise ConfigError(
-                "model.hierarchical_context_parallel_sizes",
-                self.cp_a2a,
-                f"the all-to-all size must divide context_parallel_size ({self.cp}).",
-                "give [a2a size, p2p size] whose product is -cp.",
-            )
-        block = self.tp * self.pp * self.cp
-        if self.world_size % block:
-            raise ConfigError(
-                "-ng/--num_gpus",
-                self.world_size,
-                f"the world size must be a multiple of TP x PP x CP = {self.tp} x {self.pp} x "
-                f"{self.cp} = {block}.",
-                f"use a multiple of {block} ranks, or smaller -tp/-pp/-cp.",
-            )
-        if (self.tp * self.cp * self.dp) % (self.ep * self.etp):
-            raise ConfigError(
-                "model.expert_model_parallel_size",
-                self.ep,
-                f"EP x ETP = {self.ep * self.etp} must divide TP x CP x DP = "
-                f"{self.tp * self.cp * self.dp} (experts are carved out of the "
-                "data-parallel ranks of each pipeline stage).",
-                "choose -ep so that it divides the ranks per pipeline stage.",
-            )
+        yield (
+            "model.expert_model_parallel_size",
+            self.ep,
+            tp * cp * self.dp % (self.ep * self.etp) == 0,
+            f"EP x ETP = {self.ep * self.etp} must divide TP x CP x DP = {tp * cp * self.dp} "
+            "(experts are carved out of the data-parallel ranks of each pipeline stage).",
+            "choose -ep so that it divides the ranks per pipeline stage.",
+        )
 
     @property
     def dp(self) -> int:
