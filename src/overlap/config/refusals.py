@@ -72,11 +72,9 @@ def one_of(key: str, value: Any, allowed: tuple, why: str, fix: str, unbuilt_fix
     built here (`UNBUILT_VALUES`) breaks it as a NotBuiltError fixed by `unbuilt_fix`, any other as
     a ConfigError (`why`, `fix`)."""
     what = value not in allowed and unbuilt(key, value)
-    return (
-        (key, value, value in allowed, why, fix)
-        if not what
-        else (key, value, False, what, unbuilt_fix, NotBuiltError)
-    )
+    if what:
+        return (key, value, False, what, unbuilt_fix, NotBuiltError)
+    return (key, value, value in allowed, why, fix)
 
 
 def refusal_rows() -> list[tuple[str, str]]:
