@@ -37,8 +37,8 @@ Rule = tuple[Any, ...]
 
 
 def broken_rules(rules: Iterable[Rule], kind: type[ConfigError] = ConfigError) -> list[ConfigError]:
-    """The error of every broken row of a rule table, in table order (what `explain` lists). A
-    table written as a generator is read lazily, so a row may rely on the rows before it."""
+    """The error of every broken row of a rule table, in table order (what `explain` lists):
+    every row is read, so none may rely on an earlier one holding."""
     return [_error(row, kind) for row in rules if not row[2]]
 
 
