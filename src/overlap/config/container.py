@@ -278,9 +278,7 @@ class ConfigContainer:
         fields = {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}
         if theirs.is_moe and not m.is_moe:
             fields["moe_aux_loss_coeff"] = "moe_aux_loss_coeff"
-        before = {
-            name: getattr(m, attr) for name, attr in fields.items()
-        }  # all read before any is changed
+        before = {name: getattr(m, attr) for name, attr in fields.items()}  # read before changing
         for name, attr in fields.items():
             value = getattr(theirs, attr)
             if before[name] != value:
@@ -404,9 +402,8 @@ class ConfigContainer:
                 prefix,
                 USER,
                 f"weight {weight / share:.3f}: {end - start} of {len(files)} documents in the "
-                "training "
-                f"split ({data.split}), {tokens:,} tokens ({files.dtype.name}); shuffled with seed "
-                f"{data.random_seed}",
+                f"training split ({data.split}), {tokens:,} tokens ({files.dtype.name}); shuffled "
+                f"with seed {data.random_seed}",
             )
 
     def _apply_mixed_precision(self, log: DecisionLog) -> Precision:
