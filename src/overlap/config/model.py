@@ -256,12 +256,8 @@ class ModelConfig(TransformerArchitecture):
         )
 
     def _recompute_rules(self) -> Iterator[Rule]:
-        granularity, method, count = (
-            self.recompute_granularity,
-            self.recompute_method,
-            self.recompute_num_layers,
-        )
-        full = granularity == "full"
+        granularity, method = self.recompute_granularity, self.recompute_method
+        count, full = self.recompute_num_layers, granularity == "full"
         yield (
             "model.recompute_granularity",
             granularity,
