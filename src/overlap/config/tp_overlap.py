@@ -13,7 +13,8 @@ plus how many SMs (``num_sm``) and which CGA size the communication kernels may 
 layernorm kernels keep an SM margin for them (``set_sm_margin``).
 
 The class names, field names and order, ``method`` strings and the 19 preset names follow
-Megatron-Bridge's ``comm_overlap.py`` so that configurations written for it keep working.
+Megatron-Bridge's ``comm_overlap.py`` so that configurations written for it keep working; the
+presets are data (``presets/tp_overlap.yaml``), each a module attribute under its name.
 :meth:`TransformerLayerTPOverlapCfg.to_dict` gives the nested dict Bridge hands to the model
 (``model.tp_comm_overlap_cfg``). :func:`effective_tp_plan` turns that dict (or the defaults), the
 Megatron switches (``tp_comm_overlap_ag`` ...) and the size rule into the plan our runtime
@@ -26,38 +27,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from importlib import resources
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
 
+# the 19 userbuffers_* presets join these once loaded from the presets file
 __all__ = [
     "TPOverlapCfg",
     "PipelineOverlapCfg",
     "RingExchangeOverlapCfg",
     "BulkOverlapCfg",
     "TransformerLayerTPOverlapCfg",
-    "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192",
-    "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192",
-    "userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192",
-    "userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192",
-    "userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192",
-    "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192",
-    "userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192",
-    "userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192",
-    "userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora",
-    "userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora",
-    "userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048",
-    "userbuffers_fp8_h100_h6144_tp2_mbs2_seqlen2048",
-    "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048",
-    "userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048",
-    "userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048",
-    "userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048",
-    "userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096",
-    "userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096",
-    "userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096",
     "TP_OVERLAP_PRESETS",
     "get_tp_overlap_preset",
     "SlotPlan",
@@ -67,6 +53,8 @@ __all__ = [
     "kernel_knobs",
     "MIN_CHUNK_ROWS",
 ]
+
+RING, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,7 +84,7 @@ class PipelineOverlapCfg(TPOverlapCfg):
     set_sm_margin: bool
     fp8_buf: bool = False  # NOT the reference's truthy `(False,)`; see the class docstring.
     atomic_gemm: bool = False
-    method: str = "pipeline"
+    method: str = PIPELINE
 
 
 @dataclass
@@ -105,7 +93,7 @@ class RingExchangeOverlapCfg(TPOverlapCfg):
     is multiplied."""
 
     aggregate: bool = False
-    method: str = "ring_exchange"
+    method: str = RING
     num_sm: int = 1
     cga_size: int = 1
     set_sm_margin: bool = False
@@ -120,7 +108,7 @@ class BulkOverlapCfg(TPOverlapCfg):
     num_sm: int
     cga_size: int
     set_sm_margin: bool
-    method: str = "bulk"
+    method: str = BULK
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,157 +147,39 @@ class TransformerLayerTPOverlapCfg:
 
 
 # --------------------------------------------------------------------------------------------------
-# Private constructors keeping the preset table readable
+# The presets (presets/tp_overlap.yaml)
 # --------------------------------------------------------------------------------------------------
 
-
-def _bulk(num_sm: int, cga_size: int = 2) -> BulkOverlapCfg:
-    """Bulk plan; every preset's bulk entry runs without an SM margin."""
-    return BulkOverlapCfg(num_sm=num_sm, cga_size=cga_size, set_sm_margin=False)
-
-
-def _pipe(
-    num_sm: int, cga_size: int = 2, num_splits: int = 4, *, fp8_buf: bool = False
-) -> PipelineOverlapCfg:
-    """Pipeline plan; every preset's pipeline entry keeps an SM margin."""
-    return PipelineOverlapCfg(
-        num_sm=num_sm, cga_size=cga_size, num_splits=num_splits, set_sm_margin=True, fp8_buf=fp8_buf
-    )
-
-
-def _ring(
-    *, margin: bool = False, aggregate: bool = False, fp8_buf: bool = False, cga_size: int = 1
-) -> RingExchangeOverlapCfg:
-    """Ring-exchange plan with the defaults except what is named."""
-    return RingExchangeOverlapCfg(
-        aggregate=aggregate, set_sm_margin=margin, fp8_buf=fp8_buf, cga_size=cga_size
-    )
-
-
-def _layer(
-    qkv_dgrad: TPOverlapCfg | None,
-    qkv_wgrad: TPOverlapCfg | None,
-    fc1_dgrad: TPOverlapCfg | None,
-    fc1_wgrad: TPOverlapCfg | None,
-    proj_fprop: TPOverlapCfg | None,
-    fc2_fprop: TPOverlapCfg | None,
-    *,
-    middle: dict[str, bool] | None = None,
-) -> TransformerLayerTPOverlapCfg:
-    """One layer plan in the column order of the reference table.
-
-    The four "middle" GEMMs (qkv_fprop, proj_dgrad, fc1_fprop, fc2_dgrad) are ring exchange in every
-    preset; ``middle`` holds the keyword arguments of :func:`_ring` for them (plain defaults when
-    omitted). Each GEMM gets its own object.
-    """
-    ring_kwargs = middle or {}
-    return TransformerLayerTPOverlapCfg(
-        qkv_dgrad=qkv_dgrad,
-        qkv_wgrad=qkv_wgrad,
-        fc1_dgrad=fc1_dgrad,
-        fc1_wgrad=fc1_wgrad,
-        qkv_fprop=_ring(**ring_kwargs),
-        proj_dgrad=_ring(**ring_kwargs),
-        fc1_fprop=_ring(**ring_kwargs),
-        fc2_dgrad=_ring(**ring_kwargs),
-        proj_fprop=proj_fprop,
-        fc2_fprop=fc2_fprop,
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# Presets. Columns: qkv_dgrad, qkv_wgrad, fc1_dgrad, fc1_wgrad, proj_fprop, fc2_fprop.
-# --------------------------------------------------------------------------------------------------
-
-# Llama 70B
-userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 = _layer(
-    _bulk(4), _bulk(24), _bulk(2), _bulk(4), _pipe(24), _pipe(16)
-)
-userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192 = _layer(
-    _bulk(4), _bulk(24), _bulk(2), _bulk(4), _ring(margin=True), _ring(margin=True)
-)
-userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192 = _layer(
-    _bulk(16), _bulk(24), _bulk(2), _bulk(4), _pipe(32), _pipe(16)
-)
-userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192 = _layer(
-    _bulk(4), _bulk(24), _bulk(2), _bulk(4), _ring(margin=True), _ring(margin=True)
-)
-
-# Llama 405B
-userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192 = _layer(
-    _bulk(2), _bulk(24), _bulk(2), _bulk(2), _pipe(24), _pipe(8)
-)
-userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192 = _layer(
-    _bulk(2), _bulk(24), _bulk(2), _bulk(2), _ring(margin=True), _ring(margin=True)
-)
-userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192 = _layer(
-    _bulk(8), _bulk(24), _bulk(2), _bulk(2), _pipe(32), _pipe(8)
-)
-userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192 = _layer(
-    _bulk(8), _bulk(32), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-
-# Llama 70B LoRA (no weight-gradient overlap: the base weights are frozen)
-userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora = _layer(
-    _bulk(2),
-    None,
-    _pipe(16, fp8_buf=True),
-    None,
-    _ring(cga_size=2, margin=True, fp8_buf=True),
-    _ring(cga_size=2, margin=True, fp8_buf=True),
-    middle={"margin": True},
-)
-
-# Llama 405B LoRA
-userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora = _layer(
-    _bulk(2),
-    None,
-    _pipe(16, fp8_buf=True),
-    None,
-    _pipe(32, fp8_buf=True),
-    _pipe(16, fp8_buf=True),
-    middle={"aggregate": True},
-)
-
-# GPT-3 20B
-userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048 = _layer(
-    _bulk(8), _bulk(16), _bulk(4), _bulk(16), _pipe(16), _pipe(24)
-)
-userbuffers_fp8_h100_h6144_tp2_mbs2_seqlen2048 = _layer(
-    _bulk(8), _bulk(16), _bulk(4), _bulk(16), _pipe(16, fp8_buf=True), _pipe(24, fp8_buf=True)
-)
-
-# GPT-3 175B
-userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048 = _layer(
-    _bulk(4), _bulk(4), _bulk(2), _bulk(4), _pipe(24), _ring(margin=True)
-)
-userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048 = _layer(
-    _bulk(4), _bulk(4), _bulk(2), _bulk(4), _ring(margin=True), _ring(margin=True)
-)
-userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048 = _layer(
-    _bulk(4), _bulk(16), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048 = _layer(
-    _bulk(4), _bulk(16), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-
-# Nemotron 15B
-userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096 = _layer(
-    _bulk(8), _bulk(32), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-
-# Nemotron 340B
-userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096 = _layer(
-    _bulk(8), _bulk(32), _bulk(2), _bulk(8), _ring(margin=True), _pipe(24)
-)
-userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096 = _layer(
-    _bulk(8), _bulk(32), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-
-
-TP_OVERLAP_PRESETS: dict[str, TransformerLayerTPOverlapCfg] = {
-    name: globals()[name] for name in __all__ if name.startswith("userbuffers_")
+# the per-GEMM plan class of each method
+_CLASSES: dict[str, type[TPOverlapCfg]] = {
+    BULK: BulkOverlapCfg,
+    PIPELINE: PipelineOverlapCfg,
+    RING: RingExchangeOverlapCfg,
 }
+
+
+def _load(text: str) -> dict[str, TransformerLayerTPOverlapCfg]:
+    """The presets of a TP-overlap presets file by name, in the file's order: each slot's entry
+    built as the class its ``method`` names (a new object per GEMM: the file's shared entries are
+    YAML aliases of one dict)."""
+    return {
+        name: TransformerLayerTPOverlapCfg(
+            **{
+                slot: None if entry is None else _CLASSES[entry["method"]](**entry)
+                for slot, entry in slots.items()
+            }
+        )
+        for name, slots in yaml.safe_load(text)["presets"].items()
+    }
+
+
+TP_OVERLAP_PRESETS = _load(
+    resources.files("overlap.config").joinpath("presets/tp_overlap.yaml").read_text()
+)
+"""The 19 userbuffers presets by name; each is also a module attribute (and in ``__all__``), so
+``from overlap.config.tp_overlap import userbuffers_...`` works as in Bridge."""
+globals().update(TP_OVERLAP_PRESETS)
+__all__ += list(TP_OVERLAP_PRESETS)
 
 
 def get_tp_overlap_preset(name: str) -> TransformerLayerTPOverlapCfg:
@@ -333,8 +203,6 @@ def get_tp_overlap_preset(name: str) -> TransformerLayerTPOverlapCfg:
 # --------------------------------------------------------------------------------------------------
 # The plan the runtime executes
 # --------------------------------------------------------------------------------------------------
-
-RING, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
 
 # The ten GEMM slots of one layer, per TP linear ("ub_name" in Megatron): what each slot's
 # collective is, and which methods can hide it. An all-gather feeding a GEMM can only be split along
