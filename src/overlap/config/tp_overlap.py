@@ -222,9 +222,17 @@ SLOT_METHODS: dict[str, tuple[str, ...]] = {
     "qkv_wgrad": (BULK,),
     "fc1_wgrad": (BULK,),
 }
+# A slot's first method is Transformer Engine's default for it (initialize_ub), used where no plan
+# names the slot.
 DEFAULT_SPLITS = 4  # Transformer Engine's pipeline default
-# Transformer Engine's default method per slot (initialize_ub), used where no plan names the slot.
-_DEFAULT_METHOD = {slot: methods[0] for slot, methods in SLOT_METHODS.items()}
+AG_SLOTS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")  # an all-gather feeds the GEMM
+# Megatron's switches and the slots each turns off when false (tp_comm_bulk_dgrad: a bulk plan only)
+_SWITCHES = {
+    "tp_comm_overlap_ag": AG_SLOTS,
+    "tp_comm_overlap_rs": ("proj_fprop", "fc2_fprop"),
+    "tp_comm_bulk_dgrad": ("qkv_dgrad", "fc1_dgrad"),
+    "tp_comm_bulk_wgrad": ("qkv_wgrad", "fc1_wgrad"),
+}
 
 # The size rule: a GEMM chunk of fewer sequence rows than this is not made (a micro-batch of b
 # sequences has b tokens per row; the rule counts rows so that every layer can apply it from the
@@ -287,14 +295,11 @@ class SlotDecision:
     reason: str
 
 
-def _entry(cfg: Any, slot: str) -> dict[str, Any] | None:
-    """The slot's entry of the resolved plan dict (Bridge's to_dict form), or None."""
+def _entries(cfg: Any) -> dict[str, Any]:
+    """The resolved plan as Bridge's to_dict form (slot -> entry); empty without one."""
     if isinstance(cfg, TransformerLayerTPOverlapCfg):
-        cfg = cfg.to_dict()
-    return cfg.get(slot) if isinstance(cfg, dict) else None
-
-
-AG_SLOTS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")  # an all-gather feeds the GEMM
+        return cfg.to_dict()
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def _slot_from_entry(slot: str, entry: dict[str, Any]) -> SlotPlan:
@@ -360,38 +365,24 @@ def effective_tp_plan(
     size rule (MIN_CHUNK_ROWS)."""
     tp = model.tensor_model_parallel_size
     rows = model.seq_length // tp  # sequence rows of one rank's shard
-    cfg = tp_comm_overlap_cfg
-    switches = {
-        "tp_comm_overlap_ag": AG_SLOTS,
-        "tp_comm_overlap_rs": ("proj_fprop", "fc2_fprop"),
-        "tp_comm_bulk_dgrad": ("qkv_dgrad", "fc1_dgrad"),
-        "tp_comm_bulk_wgrad": ("qkv_wgrad", "fc1_wgrad"),
-    }
+    entries = _entries(tp_comm_overlap_cfg)
     dense_mlp = not model.is_moe or any(not model.is_moe_layer(i) for i in range(model.num_layers))
     plans: dict[str, SlotPlan | None] = {}
     decisions: list[SlotDecision] = []
     for slot in SLOT_METHODS:
         linear = slot.split("_")[0]
-        entry = _entry(cfg, slot)
+        entry = entries.get(slot)
         if entry is not None:
             plan = _slot_from_entry(slot, entry)
             requested, by, reason = str(plan), "plan", "from the overlap plan"
-        # not in the plan (Bridge drops a preset's None entries): Transformer Engine then uses its
-        # default
-        else:
-            method = _DEFAULT_METHOD[slot]
+        else:  # not in the plan (Bridge drops a preset's None entries): TE's default
+            method = SLOT_METHODS[slot][0]
             plan = SlotPlan(method, DEFAULT_SPLITS if method == PIPELINE else 1)
-            requested, by, reason = (
-                None,
-                "default",
-                "Transformer Engine's default method for this slot",
-            )
+            requested, by = None, "default"
+            reason = "Transformer Engine's default method for this slot"
         if linear in ("fc1", "fc2") and not dense_mlp:
-            plan, requested, by = (
-                None,
-                None,
-                "rule",
-            )  # these GEMMs do not exist here: nothing asked for is lost
+            # these GEMMs do not exist here: nothing asked for is lost
+            plan, requested, by = None, None, "rule"
             reason = "every layer is MoE: no dense MLP runs these GEMMs (experts go through EP)"
         # The user's switches: what they ask for is what they get (the request follows them).
         if (
@@ -402,7 +393,7 @@ def effective_tp_plan(
         ):
             plan, by = SlotPlan(PIPELINE, DEFAULT_SPLITS), "model.tp_comm_overlap_rs_dgrad=true"
             requested, reason = str(plan), "the dgrad reduce-scatter is chunked with the dgrad GEMM"
-        for switch, slots in switches.items():
+        for switch, slots in _SWITCHES.items():
             if (
                 slot in slots
                 and not getattr(model, switch)
@@ -444,8 +435,8 @@ def effective_tp_plan(
                 by = "rule"
                 reason = (
                     f"size rule: the split must divide the shard's {rows} sequence rows "
-                    "(seq_length "
-                    f"{model.seq_length} / TP {tp}) into chunks of >= {MIN_CHUNK_ROWS} rows"
+                    f"(seq_length {model.seq_length} / TP {tp}) into chunks of >= "
+                    f"{MIN_CHUNK_ROWS} rows"
                 )
                 plan = SlotPlan(PIPELINE, splits) if splits >= 2 else None
         elif plan is not None and plan.method == RING and rows < MIN_CHUNK_ROWS:
@@ -465,9 +456,10 @@ def kernel_knobs(cfg: Any) -> dict[str, dict[str, Any]]:
     """Per slot, the plan's GPU-kernel knobs that are set to something other than off (num_sm,
     cga_size, ...): Transformer Engine's userbuffers kernels read them; this runtime's async
     collectives have nothing to tune."""
+    entries = _entries(cfg)
     out: dict[str, dict[str, Any]] = {}
     for slot in SLOT_METHODS:
-        entry = _entry(cfg, slot) or {}
+        entry = entries.get(slot) or {}
         knobs = {k: entry[k] for k in _KERNEL_KNOBS if entry.get(k) not in (None, False)}
         if knobs:
             out[slot] = knobs
