@@ -1,18 +1,24 @@
 """Decision records: every resolved overlap field says what was asked, what is in effect, who
-decided and why.
+decided and why; and the one engine that decides a switch from its rules.
 
 This is the fix for the reference's worst habit (turning overlap off with a warning nobody reads):
 the table is logged at start-up, printed by `overlap explain`, and strict mode turns any request
 that could not be honoured into an error.
+
+The rules are data: a `Switch` declares how its value is decided (the request, else an automatic
+value) and its `Rule`s - a request turned off, a prerequisite or conflict (an error), a value that
+does nothing here (a no-op row) - each with its message; `DecisionLog.decide` walks them, records
+the decision and raises or warns as the rule says.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
+from overlap.config.aliases import request
 from overlap.errors import ConfigError
 
 log = logging.getLogger("overlap.config")
@@ -27,6 +33,65 @@ DEFAULT = "default"  # nothing asked for it; the automatic default
 FLAG = "flag"
 OVERRIDE = "override"
 RECIPE = "recipe"
+
+
+Text = str | Callable[[Any], str]  # a message, or a function of the run that writes it (sizes)
+_READ = object()  # a rule's value is its field's, read from the run
+
+
+class Rule(NamedTuple):
+    """One prerequisite, conflict or no-op as data: it applies when `when(run)` holds; its message
+    names `field` with `value` (by default the field's own, `run.read(field)`), says `why` and how
+    to `fix` it. Field and texts are strings or functions of the run."""
+
+    field: Text
+    when: Callable[[Any], bool]
+    why: Text
+    fix: Text
+    value: Any = _READ
+
+    def hit(self, run: Any) -> tuple[str, Any, str, str] | None:
+        """(field, value, why, fix) when the rule applies to `run`, else None."""
+        if not self.when(run):
+            return None
+        field = _say(self.field, run)
+        value = self.value
+        value = run.read(field) if value is _READ else value(run) if callable(value) else value
+        return field, value, _say(self.why, run), _say(self.fix, run)
+
+
+def _say(text: Text, run: Any) -> str:
+    return text(run) if callable(text) else text
+
+
+def refuse(rules: Iterable[Rule], run: Any) -> None:
+    """Raise the first rule that applies: a prerequisite not met or a conflict is always an
+    error."""
+    for rule in rules:
+        if hit := rule.hit(run):
+            raise ConfigError(*hit)
+
+
+# (when, why, fix): a request for the switch on is turned off, with that reason
+Off = tuple[Callable[[Any], bool], str, str]
+
+
+class Switch(NamedTuple):
+    """An overlap switch as data: its row in the decision table, the knob its request is read
+    from, its automatic value and its rules, in the order `DecisionLog.decide` applies them."""
+
+    field: str  # its row in the decision table
+    key: str  # the knob the request is read from (`aliases.request`); its name is the plan field
+    auto: Callable[[Any], tuple[Any, str]]  # (value, why) when nothing is asked
+    by: str = RULE  # who decides that value: RULE (the layout) or DEFAULT (off unless asked)
+    off: tuple[Off, ...] = ()  # a request for it on is turned off by the first that applies
+    needs: tuple[Rule, ...] = ()  # prerequisites and conflicts of the value in effect, when on
+    checks: tuple[Rule, ...] = ()  # errors whatever the value in effect
+    noops: tuple[Rule, ...] = ()  # the value in effect does nothing here
+    asked: tuple[str, str] | None = None  # why a request on / off stands (None: who set it)
+    note: Callable[[Any, Any], str | None] | None = None  # added to the why, given the value
+    # the layout's own value and why: the request is not read (a request is a no-op row)
+    fixed: Callable[[Any], tuple[Any, str] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +190,45 @@ class DecisionLog:
         self._check(decision, fix)
         self.decisions.append(decision)
         return effective
+
+    def decide(self, switch: Switch, run: Any) -> Any:
+        """Decide `switch` for `run` (its `sections` by name, its `resolved` switches by plan
+        field): the layout's fixed value, else the request (comm_overlap's spelling beats the
+        direct one, `aliases.request`) unless a rule turns it off, else the automatic value;
+        record it, store it in `run.resolved`, then raise the first error and warn of the no-ops
+        its rules find."""
+        fixed = switch.fixed(run) if switch.fixed else None
+        if fixed is not None:
+            value = self.record(switch.field, None, fixed[0], RULE, fixed[1])
+        else:
+            value = self._requested(switch, request(run.sections, switch.key), run)
+        run.resolved[switch.key.partition(".")[2]] = value
+        refuse((*(switch.needs if value else ()), *switch.checks), run)
+        for rule in switch.noops:
+            if hit := rule.hit(run):
+                self.noop(*hit)
+        return value
+
+    def _requested(self, switch: Switch, req: Any, run: Any) -> Any:
+        if req.value:
+            for when, why, fix in switch.off:
+                if when(run):
+                    return self.record(switch.field, req.value, False, RULE, why, fix)
+        if req.spelling is None:
+            (value, why), requested, by = switch.auto(run), None, switch.by
+        else:
+            value = requested = req.value
+            by = USER if req.on_home else MODEL_CONFIG
+            if switch.asked:
+                why = switch.asked[0] if value else switch.asked[1]
+            elif req.on_home:
+                why = "set on comm_overlap"
+            else:
+                why = f"set directly on {req.spelling.split('.')[0]}"
+        extra = switch.note(run, value) if switch.note else None
+        return self.record(
+            switch.field, requested, value, by, why if extra is None else f"{why}; {extra}"
+        )
 
     def record_in(
         self, section: str, field: str, requested: Any, effective: Any, decided_by: str, reason: str
