@@ -162,22 +162,17 @@ class _Run:
     """What the rules read: the configs as typed (by section name), the run's precision and layout
     sizes, and the switches decided so far (`resolved`, by OverlapPlan field)."""
 
-    def __init__(
-        self,
-        sections: dict[str, Any],
-        precision: Precision,
-        dp_size: int,
-        log: DecisionLog,
-    ) -> None:
-        self.sections, self.precision, self.dp_size, self.log = sections, precision, dp_size, log
-        self.model: ModelConfig = sections["model"]
+    def __init__(self, sections: dict[str, Any], precision: Precision, dp: int, log: DecisionLog):
+        self.sections, self.precision, self.dp_size, self.log = sections, precision, dp, log
+        self.model = m = sections["model"]
         self.resolved: dict[str, Any] = {}
-        m = self.model
         self.tp, self.cp = m.tensor_model_parallel_size, m.context_parallel_size
         self.pp, self.ep = m.pipeline_model_parallel_size, m.expert_model_parallel_size
         self.vp = m.virtual_pipeline_model_parallel_size or 1
-        self.many = dp_size > 1
-        self.dist_opt = False  # the distributed optimizer (decided first among the DP switches)
+        self.interleaved = self.pp > 1 and self.vp > 1  # PP > 1 with a virtual pipeline
+        self.many = dp > 1
+        # the distributed optimizer, and with DP > 1 (Bridge's condition for the DP overlaps)
+        self.dist_opt = self.sharded = False  # decided first among the DP switches
 
     def read(self, field: str) -> Any:
         """A field's value as typed, by its `section.name`."""
@@ -187,16 +182,6 @@ class _Run:
     def decide(self, switches: tuple[Switch, ...]) -> None:
         for switch in switches:
             self.log.decide(switch, self)
-
-    @property
-    def sharded(self) -> bool:
-        """DP > 1 with the distributed optimizer: Bridge's condition for the DP overlaps."""
-        return self.many and self.dist_opt
-
-    @property
-    def interleaved(self) -> bool:
-        """PP > 1 with a virtual pipeline."""
-        return self.pp > 1 and self.vp > 1
 
 
 def resolve_comm_overlap(
@@ -227,18 +212,14 @@ def resolve_comm_overlap(
     _resolve_tp_plan(model, tp_cfg, log, run.resolved)
     _agree_distributed_optimizer(run)
     run.decide(_DP)
-    for rule in _NOOPS:
-        if hit := rule.hit(run):
-            log.noop(*hit)
+    log.noops_in(_NOOPS, run)
     return OverlapPlan(**run.resolved)
 
 
 # --- tensor parallelism ---------------------------------------------------------------------------
 _TP = Switch(
     "model.tp_comm_overlap",
-    "comm_overlap.tp_comm_overlap",
     lambda _: (False, "not requested"),
-    DEFAULT,
     off=(
         (
             lambda s: s.tp < 2,
@@ -351,30 +332,26 @@ _P2P_WITHOUT_VPP = (
 )
 
 
-def _p2p_rule(s: _Run) -> tuple[tuple[bool, bool], str]:
-    """(overlap_p2p_comm, batch_p2p_comm) by the pipeline layout, and why."""
+def _p2p_rule(s: _Run) -> tuple[bool, str]:
+    """overlap_p2p_comm by the pipeline layout (batch_p2p_comm: its opposite under PP), and why."""
     if s.interleaved:
-        return (True, False), "PP>1 with virtual pipeline: overlap p2p with compute, unbatched"
+        return True, "PP>1 with virtual pipeline: overlap p2p with compute, unbatched"
     if s.pp > 1:
-        return (False, True), "PP>1 without virtual pipeline: batched isend/irecv, no p2p overlap"
-    return (False, False), "PP=1: no pipeline communication"
-
-
-def _off(_: _Run) -> tuple[bool, str]:
-    return False, "off unless requested"
+        return False, "PP>1 without virtual pipeline: batched isend/irecv, no p2p overlap"
+    return False, "PP=1: no pipeline communication"
 
 
 _PIPELINE = (
     Switch(
         "model.overlap_p2p_comm",
-        "comm_overlap.overlap_p2p_comm",
-        lambda s: (_p2p_rule(s)[0][0], _p2p_rule(s)[1]),
+        _p2p_rule,
+        RULE,
         note=lambda s, on: _P2P_WITHOUT_VPP if on and s.pp > 1 and s.vp == 1 else None,
     ),
     Switch(
         "model.batch_p2p_comm",
-        "comm_overlap.batch_p2p_comm",
-        lambda s: (_p2p_rule(s)[0][1], _p2p_rule(s)[1]),
+        lambda s: (s.pp > 1 and not _p2p_rule(s)[0], _p2p_rule(s)[1]),
+        RULE,
         needs=(
             Rule(
                 "comm_overlap.batch_p2p_comm",
@@ -386,18 +363,8 @@ _PIPELINE = (
             ),
         ),
     ),
-    Switch(
-        "model.defer_embedding_wgrad_compute",
-        "comm_overlap.defer_embedding_wgrad_compute",
-        _off,
-        DEFAULT,
-    ),
-    Switch(
-        "model.wgrad_deferral_limit",
-        "comm_overlap.wgrad_deferral_limit",
-        lambda _: (-1, "Bridge auto default"),
-        DEFAULT,
-    ),
+    Switch("model.defer_embedding_wgrad_compute"),
+    Switch("model.wgrad_deferral_limit", lambda _: (-1, "Bridge auto default")),
 )
 
 # --- context parallelism --------------------------------------------------------------------------
@@ -417,6 +384,16 @@ def _a2a_heads(s: _Run) -> tuple[int, int, int]:
     return a2a, s.model.num_attention_heads // s.tp, s.model.query_groups // s.tp
 
 
+def _cp_overlap_fixed(s: _Run) -> tuple[bool, str] | None:
+    """cp_comm_overlap is off, whatever was asked, at CP = 1 and with a one-collective exchange."""
+    if s.cp == 1:
+        return False, "CP=1: nothing to overlap"
+    kind = s.resolved["cp_comm_type"]
+    if kind in _RING:
+        return None
+    return False, f"cp_comm_type={kind}: one collective, nothing in flight under attention"
+
+
 def _bad_hierarchy(s: _Run) -> bool:
     sizes = s.model.hierarchical_context_parallel_sizes
     return s.resolved["cp_comm_type"] == "a2a+p2p" and (
@@ -427,12 +404,12 @@ def _bad_hierarchy(s: _Run) -> bool:
 _CP = (
     Switch(
         "model.cp_comm_type",
-        "model.cp_comm_type",
         lambda _: (
             "p2p",
             "CP>1: the KV ring, the next block's transfer under this block's attention "
             "(Megatron's default)",
         ),
+        RULE,
         fixed=lambda s: (None, "CP=1: no context-parallel communication") if s.cp == 1 else None,
         checks=(
             Rule(
@@ -493,23 +470,13 @@ _CP = (
     ),
     Switch(
         "model.cp_comm_overlap",
-        "model.cp_comm_overlap",
         lambda s: (
             True,
             f"{s.resolved['cp_comm_type']}: block k+1's keys and values travel while block k's "
             "attention computes",
         ),
-        fixed=lambda s: (
-            (False, "CP=1: nothing to overlap")
-            if s.cp == 1
-            else None
-            if s.resolved["cp_comm_type"] in _RING
-            else (
-                False,
-                f"cp_comm_type={s.resolved['cp_comm_type']}: one collective, nothing in flight "
-                "under attention",
-            )
-        ),
+        RULE,
+        fixed=_cp_overlap_fixed,
         noops=(
             Rule(
                 "model.cp_comm_overlap",
@@ -605,7 +572,7 @@ _EP_OVERLAP_NEEDS = (
     ),
     Rule(
         "model.virtual_pipeline_model_parallel_size",
-        lambda s: s.pp > 1 and s.model.virtual_pipeline_model_parallel_size is None,
+        lambda s: s.pp != 1 and s.model.virtual_pipeline_model_parallel_size is None,
         "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size "
         "> 1 (PP without VPP cannot interleave the overlap schedule).",
         "set -vp 2 (or more), or -pp 1.",
@@ -688,25 +655,16 @@ _DELAY_WGRAD_NEEDS = (
 _MOE = (
     Switch(
         "model.overlap_moe_expert_parallel_comm",
-        "comm_overlap.overlap_moe_expert_parallel_comm",
-        _off,
-        DEFAULT,
         needs=_EP_OVERLAP_NEEDS,
     ),
     Switch(
         "model.delay_wgrad_compute",
-        "comm_overlap.delay_wgrad_compute",
-        _off,
-        DEFAULT,
         needs=_DELAY_WGRAD_NEEDS,
     ),
 )
 _SHARED_EXPERT = (
     Switch(
         "model.moe_shared_expert_overlap",
-        "model.moe_shared_expert_overlap",
-        _off,
-        DEFAULT,
         off=(
             (
                 lambda s: not s.model.moe_shared_expert_intermediate_size,
@@ -795,6 +753,7 @@ def _agree_distributed_optimizer(run: _Run) -> None:
     typed)."""
     ddp, optimizer = run.sections["ddp"], run.sections["optimizer"]
     run.dist_opt = bool(request(run.sections, "ddp.use_distributed_optimizer").value)
+    run.sharded = run.many and run.dist_opt
     if run.dist_opt and not (ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer):
         run.log.record(
             f"{'ddp' if not ddp.use_distributed_optimizer else 'optimizer'}"
@@ -826,7 +785,6 @@ _DP = (
     # an explicit request without it too (bucketed all-reduce instead of reduce-scatter).
     Switch(
         "ddp.overlap_grad_reduce",
-        "comm_overlap.overlap_grad_reduce",
         lambda s: (
             s.sharded,
             _SHARDED
@@ -835,6 +793,7 @@ _DP = (
             if not s.many
             else "DP defaults apply only with the distributed optimizer (as Bridge)",
         ),
+        RULE,
         off=(
             (
                 lambda s: not s.many,
@@ -845,8 +804,8 @@ _DP = (
     ),
     Switch(
         "ddp.overlap_param_gather",
-        "comm_overlap.overlap_param_gather",
         lambda s: (s.sharded, _SHARDED if s.sharded else "no distributed parameter gather"),
+        RULE,
         off=(
             (
                 lambda s: not s.many,
@@ -862,17 +821,17 @@ _DP = (
     ),
     Switch(
         "ddp.align_param_gather",
-        "comm_overlap.align_param_gather",
         lambda s: (
             (True, "all PP stages launch the param gather together with VPP")
             if s.sharded and s.interleaved
             else (False, "only with DP>1, distributed optimizer, PP>1 and VPP")
         ),
+        RULE,
     ),
     Switch(
         "ddp.bucket_size",
-        "comm_overlap.bucket_size",
         _bucket_rule,
+        RULE,
         checks=(
             Rule(
                 "ddp.bucket_size",
@@ -885,9 +844,7 @@ _DP = (
     ),
     Switch(
         "optimizer.overlap_param_gather_with_optimizer_step",
-        "comm_overlap.overlap_param_gather_with_optimizer_step",
         lambda _: (False, "never turned on automatically"),
-        DEFAULT,
         off=(
             (
                 lambda s: not (s.dist_opt and s.interleaved),

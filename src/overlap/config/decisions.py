@@ -72,18 +72,22 @@ def refuse(rules: Iterable[Rule], run: Any) -> None:
             raise ConfigError(*hit)
 
 
+def _off(_run: Any) -> tuple[bool, str]:
+    return False, "off unless requested"
+
+
 # (when, why, fix): a request for the switch on is turned off, with that reason
 Off = tuple[Callable[[Any], bool], str, str]
 
 
 class Switch(NamedTuple):
-    """An overlap switch as data: its row in the decision table, the knob its request is read
-    from, its automatic value and its rules, in the order `DecisionLog.decide` applies them."""
+    """An overlap switch as data: its row in the decision table, which also names the knob its
+    request is read from (any spelling: `aliases.request`) and its plan field; its automatic value
+    and its rules, in the order `DecisionLog.decide` applies them."""
 
-    field: str  # its row in the decision table
-    key: str  # the knob the request is read from (`aliases.request`); its name is the plan field
-    auto: Callable[[Any], tuple[Any, str]]  # (value, why) when nothing is asked
-    by: str = RULE  # who decides that value: RULE (the layout) or DEFAULT (off unless asked)
+    field: str
+    auto: Callable[[Any], tuple[Any, str]] = _off  # (value, why) when nothing is asked
+    by: str = DEFAULT  # who decides that value: DEFAULT (off unless asked) or RULE (the layout)
     off: tuple[Off, ...] = ()  # a request for it on is turned off by the first that applies
     needs: tuple[Rule, ...] = ()  # prerequisites and conflicts of the value in effect, when on
     checks: tuple[Rule, ...] = ()  # errors whatever the value in effect
@@ -201,13 +205,17 @@ class DecisionLog:
         if fixed is not None:
             value = self.record(switch.field, None, fixed[0], RULE, fixed[1])
         else:
-            value = self._requested(switch, request(run.sections, switch.key), run)
-        run.resolved[switch.key.partition(".")[2]] = value
+            value = self._requested(switch, request(run.sections, switch.field), run)
+        run.resolved[switch.field.partition(".")[2]] = value
         refuse((*(switch.needs if value else ()), *switch.checks), run)
-        for rule in switch.noops:
+        self.noops_in(switch.noops, run)
+        return value
+
+    def noops_in(self, rules: Iterable[Rule], run: Any) -> None:
+        """Every no-op rule that applies to `run`: a warning row (an error under strict)."""
+        for rule in rules:
             if hit := rule.hit(run):
                 self.noop(*hit)
-        return value
 
     def _requested(self, switch: Switch, req: Any, run: Any) -> Any:
         if req.value:
