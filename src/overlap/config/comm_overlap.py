@@ -44,13 +44,6 @@ if TYPE_CHECKING:
 # bytes.
 BRIDGE_DP_BUCKET_SIZE = 128 * 1024 * 1024
 
-TP_DISABLE_TP_SIZE = "Disabling tensor parallel communication overlap due to TP size < 2."
-TP_DISABLE_NO_SP = "Disabling tensor parallel communication overlap due to sequence_parallel=False."
-TP_NO_PRESET = (
-    "Tensor parallel overlap: No overlap config provided. Initializing TP comm overlap with the "
-    "default config."
-)
-
 
 @dataclass(kw_only=True)
 class CommOverlapConfig:
@@ -223,12 +216,12 @@ _TP = Switch(
     off=(
         (
             lambda s: s.tp < 2,
-            TP_DISABLE_TP_SIZE,
+            "Disabling tensor parallel communication overlap due to TP size < 2.",
             "use -tp 2 or more (it turns sequence parallel on), or do not request tp_comm_overlap.",
         ),
         (
             lambda s: not s.model.sequence_parallel,
-            TP_DISABLE_NO_SP,
+            "Disabling tensor parallel communication overlap due to sequence_parallel=False.",
             "set model.sequence_parallel=true (or drop the override that turned it off), or do not "
             "request tp_comm_overlap.",
         ),
@@ -251,13 +244,17 @@ def _resolve_tp(run: _Run) -> dict[str, Any] | None:
         if on
         else None
     )
-    if not on or plan is None:
+    if not on:
+        log.record("model.tp_comm_overlap_cfg", None, None, RULE, "TP overlap is off")
+        return None
+    if plan is None:
         log.record(
             "model.tp_comm_overlap_cfg",
             None,
             None,
-            DEFAULT if on else RULE,
-            TP_NO_PRESET if on else "TP overlap is off",
+            DEFAULT,
+            "Tensor parallel overlap: No overlap config provided. Initializing TP comm overlap "
+            "with the default config.",
         )
         return None
     preset = get_tp_overlap_preset(plan) if isinstance(plan, str) else plan
@@ -505,10 +502,6 @@ def _graph_scope(model: ModelConfig) -> set[str]:
     return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
 
 
-def _te_graph_scope(s: _Run) -> set[str]:
-    return _graph_scope(s.model) if s.model.cuda_graph_impl == "transformer_engine" else set()
-
-
 def _graphed_wgrads(s: _Run) -> bool:
     """delay_wgrad_compute under CUDA graphs that capture weight-gradient GEMMs: attention's, or
     the router's when a shared expert runs outside the overlap (whatever cuda_graph_impl says, as
@@ -615,7 +608,10 @@ _EP_OVERLAP_NEEDS = (
     ),
     Rule(
         "model.cuda_graph_scope",
-        lambda s: _te_graph_scope(s) & {"moe", "mlp"},
+        lambda s: (
+            s.model.cuda_graph_impl == "transformer_engine"
+            and _graph_scope(s.model) & {"moe", "mlp"}
+        ),
         "CUDA-graph scope must not cover 'moe' or 'mlp' with EP overlap (the schedule splits "
         "those parts).",
         "drop moe/mlp from cuda_graph_scope.",
@@ -653,14 +649,8 @@ _DELAY_WGRAD_NEEDS = (
     ),
 )
 _MOE = (
-    Switch(
-        "model.overlap_moe_expert_parallel_comm",
-        needs=_EP_OVERLAP_NEEDS,
-    ),
-    Switch(
-        "model.delay_wgrad_compute",
-        needs=_DELAY_WGRAD_NEEDS,
-    ),
+    Switch("model.overlap_moe_expert_parallel_comm", needs=_EP_OVERLAP_NEEDS),
+    Switch("model.delay_wgrad_compute", needs=_DELAY_WGRAD_NEEDS),
 )
 _SHARED_EXPERT = (
     Switch(
@@ -766,20 +756,18 @@ def _agree_distributed_optimizer(run: _Run) -> None:
         ddp.use_distributed_optimizer = True
 
 
+_SHARDED = "DP>1 with the distributed optimizer"
+
+
 def _bucket_rule(s: _Run) -> tuple[int | None, str]:
     if s.sharded:
-        return (
-            BRIDGE_DP_BUCKET_SIZE,
-            "DP>1 with the distributed optimizer: 128M parameters (Bridge)",
-        )
+        return BRIDGE_DP_BUCKET_SIZE, f"{_SHARDED}: 128M parameters (Bridge)"
     if s.resolved["overlap_grad_reduce"]:
-        return max(
-            40_000_000, 1_000_000 * s.dp_size
-        ), "overlapped reduce: Megatron DDP default bucket"
+        bucket = max(40_000_000, 1_000_000 * s.dp_size)
+        return bucket, "overlapped reduce: Megatron DDP default bucket"
     return None, "no overlapped reduce: one bucket"
 
 
-_SHARDED = "DP>1 with the distributed optimizer"
 _DP = (
     # Bridge turns the overlapped reduce on only for DP>1 with the distributed optimizer; we honour
     # an explicit request without it too (bucketed all-reduce instead of reduce-scatter).

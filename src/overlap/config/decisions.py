@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
 from overlap.config.aliases import request
-from overlap.errors import ConfigError
+from overlap.errors import ConfigError, check_rules
 
 log = logging.getLogger("overlap.config")
 
@@ -65,11 +65,11 @@ def _say(text: Text, run: Any) -> str:
 
 
 def refuse(rules: Iterable[Rule], run: Any) -> None:
-    """Raise the first rule that applies: a prerequisite not met or a conflict is always an
-    error."""
-    for rule in rules:
-        if hit := rule.hit(run):
-            raise ConfigError(*hit)
+    """Raise the first rule that applies (a prerequisite not met or a conflict is always an error),
+    as a row of `errors.check_rules`, the rule tables' one raising engine; the rules after it are
+    not read."""
+    hits = filter(None, (rule.hit(run) for rule in rules))
+    check_rules((field, value, False, why, fix) for field, value, why, fix in hits)
 
 
 def _off(_run: Any) -> tuple[bool, str]:
@@ -135,8 +135,7 @@ class NoOp:
     why: str
     fix: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {k: _jsonable(v) for k, v in asdict(self).items()}
+    to_json = Decision.to_json
 
 
 class DecisionLog:
@@ -310,20 +309,7 @@ class DecisionLog:
         if self.command_line:
             parts.append(
                 "Command line (flags apply first, overrides after; a flag an override beats is "
-                "named):\n"
-                + _table(
-                    ("field", "flag asked", "in effect", "decided by", "why"),
-                    [
-                        (
-                            d.field,
-                            "-" if d.requested is None else _short(d.requested),
-                            _short(d.effective),
-                            d.decided_by,
-                            d.reason,
-                        )
-                        for d in self.command_line
-                    ],
-                )
+                "named):\n" + _decision_table(self.command_line, ("flag asked", "in effect"))
             )
         if self.noops:
             parts.append(
@@ -345,9 +331,11 @@ class DecisionLog:
         return "\n\n".join(parts)
 
 
-def _decision_table(decisions: list[Decision]) -> str:
+def _decision_table(
+    decisions: list[Decision], asked: tuple[str, str] = ("requested", "effective")
+) -> str:
     return _table(
-        ("field", "requested", "effective", "decided by", "why"),
+        ("field", *asked, "decided by", "why"),
         [
             (
                 d.field,
