@@ -526,7 +526,10 @@ def _ep_size_fix(s: _Run) -> str:
     )
 
 
-_TORCH_OK = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+def _torch_below_2_6(_: _Run) -> bool:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
+
+
 _EP_ON = "when enabling overlap_moe_expert_parallel_comm"
 # The prerequisites of the MoE expert-parallel overlap: the asserts of Megatron-Bridge's
 # CommOverlapConfig, which mirror Megatron-Core's TransformerConfig.__post_init__ (always errors).
@@ -558,10 +561,10 @@ _EP_OVERLAP_NEEDS = (
     ),
     Rule(
         "torch",
-        lambda _: not _TORCH_OK,
+        _torch_below_2_6,
         "A2A overlap encounters hang issue with torch version < 2.6.0.",
         "install torch >= 2.6.",
-        torch.__version__,
+        lambda _: torch.__version__,
     ),
     Rule(
         "model.virtual_pipeline_model_parallel_size",
