@@ -198,7 +198,7 @@ def resolve_comm_overlap(
     tp_cfg = _resolve_tp(run)
     run.decide(_PIPELINE + _CP + _MOE)
     if model.is_moe:
-        run.decide(_SHARED_EXPERT)
+        log.decide(_SHARED_EXPERT, run)
         _record_moe_routing(model, log)
     else:  # a dense model has no row for it; a value set is a no-op row (EP = 1)
         run.resolved["moe_shared_expert_overlap"] = bool(model.moe_shared_expert_overlap)
@@ -526,6 +526,11 @@ def _ep_size_fix(s: _Run) -> str:
     )
 
 
+def _delay_spelling(s: _Run) -> str:
+    """The spelling delay_wgrad_compute was requested under (its errors name what was typed)."""
+    return request(s.sections, "comm_overlap.delay_wgrad_compute").spelling
+
+
 def _torch_below_2_6(_: _Run) -> bool:
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
 
@@ -622,13 +627,12 @@ _EP_OVERLAP_NEEDS = (
 )
 _DELAY_WGRAD_NEEDS = (
     Rule(
-        lambda s: request(s.sections, "comm_overlap.delay_wgrad_compute").spelling,
+        _delay_spelling,
         lambda s: not s.resolved["overlap_moe_expert_parallel_comm"],
         "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute.",
         lambda s: (
-            "also set "
-            f"{request(s.sections, 'comm_overlap.delay_wgrad_compute').spelling.split('.')[0]}"
-            ".overlap_moe_expert_parallel_comm=true, or drop delay_wgrad."
+            f"also set {_delay_spelling(s).split('.')[0]}.overlap_moe_expert_parallel_comm="
+            "true, or drop delay_wgrad."
         ),
         True,
     ),
@@ -655,24 +659,22 @@ _MOE = (
     Switch("model.overlap_moe_expert_parallel_comm", needs=_EP_OVERLAP_NEEDS),
     Switch("model.delay_wgrad_compute", needs=_DELAY_WGRAD_NEEDS),
 )
-_SHARED_EXPERT = (
-    Switch(
-        "model.moe_shared_expert_overlap",
-        off=(
-            (
-                lambda s: not s.model.moe_shared_expert_intermediate_size,
-                "the model has no shared expert (moe_shared_expert_intermediate_size is not set): "
-                "nothing to overlap",
-                "set model.moe_shared_expert_intermediate_size, or drop moe_shared_expert_overlap.",
-            ),
-            (
-                lambda s: s.model.moe_token_dispatcher_type == "flex",
-                "the flex dispatcher does not support shared-expert overlap",
-                "use moe_token_dispatcher_type=alltoall, or drop moe_shared_expert_overlap.",
-            ),
+_SHARED_EXPERT = Switch(
+    "model.moe_shared_expert_overlap",
+    off=(
+        (
+            lambda s: not s.model.moe_shared_expert_intermediate_size,
+            "the model has no shared expert (moe_shared_expert_intermediate_size is not set): "
+            "nothing to overlap",
+            "set model.moe_shared_expert_intermediate_size, or drop moe_shared_expert_overlap.",
         ),
-        asked=("shared expert computes under the dispatch/combine all-to-all", "requested off"),
+        (
+            lambda s: s.model.moe_token_dispatcher_type == "flex",
+            "the flex dispatcher does not support shared-expert overlap",
+            "use moe_token_dispatcher_type=alltoall, or drop moe_shared_expert_overlap.",
+        ),
     ),
+    asked=("shared expert computes under the dispatch/combine all-to-all", "requested off"),
 )
 
 
