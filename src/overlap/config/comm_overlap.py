@@ -764,6 +764,14 @@ def _agree_distributed_optimizer(run: _Run) -> None:
 _SHARDED = "DP>1 with the distributed optimizer"
 
 
+def _reduce_rule(s: _Run) -> tuple[bool, str]:
+    if s.sharded:
+        return True, _SHARDED
+    if not s.many:
+        return False, "DP=1"
+    return False, "DP defaults apply only with the distributed optimizer (as Bridge)"
+
+
 def _bucket_rule(s: _Run) -> tuple[int | None, str]:
     if s.sharded:
         return BRIDGE_DP_BUCKET_SIZE, f"{_SHARDED}: 128M parameters (Bridge)"
@@ -778,14 +786,7 @@ _DP = (
     # an explicit request without it too (bucketed all-reduce instead of reduce-scatter).
     Switch(
         "ddp.overlap_grad_reduce",
-        lambda s: (
-            s.sharded,
-            _SHARDED
-            if s.sharded
-            else "DP=1"
-            if not s.many
-            else "DP defaults apply only with the distributed optimizer (as Bridge)",
-        ),
+        _reduce_rule,
         RULE,
         off=(
             (
