@@ -83,11 +83,16 @@ def test_comm_overlap_config_defaults_are_auto():
     assert all(getattr(c, name) is None for name in auto)
 
 
-def test_finalize_fills_data_parallel_size():
+def test_data_parallel_size_is_the_layouts_and_a_typed_value_must_agree():
+    """Bridge's container writes comm_overlap.data_parallel_size; ours leaves the input as typed
+    (the layout holds DP) and refuses a typed value that disagrees instead of ignoring it."""
     cfg = build(co=CommOverlapConfig(tp_comm_overlap=False))
-    res = cfg.finalize(4)
-    assert res.layout.dp == 4
-    assert cfg.comm_overlap.data_parallel_size == 4
+    assert cfg.finalize(4).layout.dp == 4
+    assert cfg.comm_overlap.data_parallel_size is None
+    build(co=CommOverlapConfig(tp_comm_overlap=False, data_parallel_size=4)).finalize(4)
+    bad = build(co=CommOverlapConfig(tp_comm_overlap=False, data_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"comm_overlap.data_parallel_size=2: .*DP = 4"):
+        bad.finalize(4)
 
 
 def test_finalize_without_comm_overlap_still_records_every_decision():
@@ -499,8 +504,9 @@ def test_distributed_optimizer_sync_between_ddp_and_optimizer(which):
     opt = dist_optimizer() if which == "optimizer" else OptimizerConfig()
     cfg = build(ddp=ddp, optimizer=opt)
     res = cfg.finalize(4)
-    # the home (ddp's, which the runtime reads) is on; the alias stays as typed (None: not set)
-    assert cfg.ddp.use_distributed_optimizer is True
+    # the plan, which the runtime reads, has it on; both spellings stay as typed (None: not set)
+    assert res.overlap.use_distributed_optimizer is True
+    assert cfg.ddp.use_distributed_optimizer is (True if which == "ddp" else False)
     assert cfg.optimizer.use_distributed_optimizer is (True if which == "optimizer" else None)
     other = "optimizer" if which == "ddp" else "ddp"
     d = res.decisions.get(f"{other}.use_distributed_optimizer")

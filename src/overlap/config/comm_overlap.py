@@ -79,7 +79,8 @@ class CommOverlapConfig:
     defer_embedding_wgrad_compute: bool | None = None
     # deferred output wgrads that may wait, -1: automatic
     wgrad_deferral_limit: int | None = None
-    data_parallel_size: int | None = None  # the DP size, filled in by finalize (not a setting)
+    # Bridge's container fills it in; here the layout decides DP (a typed value must agree)
+    data_parallel_size: int | None = None
     # EP all-to-alls under another micro-batch's compute
     overlap_moe_expert_parallel_comm: bool | None = None
     # EP overlap: wgrad GEMMs deferred out of the backward
@@ -111,6 +112,9 @@ class OverlapPlan:
     wgrad_deferral_limit: int = -1  # how many output wgrads may wait (-1: automatic)
     # the shared expert computes under the dispatch/combine all-to-all
     moe_shared_expert_overlap: bool = False
+    # the distributed optimizer (sharded state, reduce-scatter / all-gather): either of Bridge's
+    # two spellings true
+    use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False  # DP gradient reduce bucket by bucket in the backward
     overlap_param_gather: bool = False  # DP parameter all-gather bucket by bucket
     align_param_gather: bool = False  # all pipeline stages launch their gathers together
@@ -187,11 +191,10 @@ def resolve_comm_overlap(
     log: DecisionLog,
 ) -> OverlapPlan:
     """Resolve every overlap switch from its two spellings (read, never written), recording each
-    decision; returns the resolved switches as the frozen plan everything downstream reads. The
-    model / DDP / optimizer configs are left as typed, except the distributed optimizer's home,
-    `ddp.use_distributed_optimizer`, which the runtime reads: it is set when its alias
-    `optimizer.use_distributed_optimizer` is true (`aliases.ANY_TRUE`). `precision`: the run's,
-    already decided (EP overlap needs 16-bit compute)."""
+    decision; returns the resolved switches as the frozen plan everything downstream reads (the
+    distributed optimizer too: on when either of its spellings is, `aliases.ANY_TRUE`). The model /
+    DDP / optimizer configs are left as typed. `precision`: the run's, already decided (EP overlap
+    needs 16-bit compute)."""
     u = user or CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
     sections = {"comm_overlap": u, "model": model, "ddp": ddp, "optimizer": optimizer}
     run = _Run(sections, precision, dp_size, log)
@@ -743,9 +746,9 @@ def _record_moe_routing(model: ModelConfig, log: DecisionLog) -> None:
 
 # --- data parallelism -----------------------------------------------------------------------------
 def _agree_distributed_optimizer(run: _Run) -> None:
-    """The distributed optimizer is on when either spelling is (Bridge's rule); its home
-    `ddp.use_distributed_optimizer`, which the runtime reads, is set to agree (the alias stays as
-    typed)."""
+    """The distributed optimizer is on when either spelling is (Bridge's rule): the plan's
+    `use_distributed_optimizer`, which the runtime reads; both spellings stay as typed, and the one
+    left false is a decision row."""
     ddp, optimizer = run.sections["ddp"], run.sections["optimizer"]
     run.dist_opt = bool(request(run.sections, "ddp.use_distributed_optimizer").value)
     run.sharded = run.many and run.dist_opt
@@ -758,7 +761,7 @@ def _agree_distributed_optimizer(run: _Run) -> None:
             RULE,
             "the distributed optimizer is on in one of ddp/optimizer; both must agree",
         )
-        ddp.use_distributed_optimizer = True
+    run.resolved["use_distributed_optimizer"] = run.dist_opt
 
 
 _SHARDED = "DP>1 with the distributed optimizer"

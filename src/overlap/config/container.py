@@ -170,8 +170,6 @@ class ConfigContainer:
         layout = self._layout(world_size, log)
         self._apply_pipeline_layout(layout, log)
         self._apply_data(layout, log, pretrained_vocab)
-        if self.comm_overlap is not None:
-            self.comm_overlap.data_parallel_size = layout.dp
         plan = resolve_comm_overlap(
             self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout.dp, log
         )
@@ -565,6 +563,15 @@ class ConfigContainer:
         m, t, pp, ep, dp = self.model, self.train, layout.pp, layout.ep, layout.dp
         modules = m.recompute_modules
         selective = m.recompute_granularity == "selective"
+        typed_dp = self.comm_overlap.data_parallel_size if self.comm_overlap else None
+        yield (
+            "comm_overlap.data_parallel_size",
+            typed_dp,
+            typed_dp is None or typed_dp == dp,
+            f"the data-parallel size follows from the layout (DP = {dp} here; Bridge fills the "
+            "field in itself), so it is not a setting.",
+            "drop it (-ng, -tp, -pp and -cp decide DP).",
+        )
         yield (
             "model.wgrad_deferral_limit",
             plan.wgrad_deferral_limit,

@@ -19,7 +19,8 @@ class DDPConfig:
     comm_overlap's switches (`overlap.config.aliases`): accepted here, kept as typed, read by
     finalize below comm_overlap's value. `use_distributed_optimizer` is the home of Bridge's two
     spellings (`optimizer.use_distributed_optimizer` is its alias; either true turns it on). The
-    resolved overlap values, logged, live in `cfg.resolved.overlap`, which the runtime reads.
+    resolved values, logged, live in `cfg.resolved.overlap` (the distributed optimizer's too), which
+    the runtime reads.
     `ddp.grad_reduce_in_fp32` and `ddp.fp8_param_gather` are aliases of the mixed-precision
     section's fields (resolved: `cfg.resolved.precision`)."""
 

@@ -219,7 +219,7 @@ def microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
 def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) -> CommPlan:
     """Every collective of one step of `cfg` on `layout`, with its bytes and time on `cluster`
     (the overlap switches: the resolved plan's)."""
-    m, d, o, prec = cfg.model, cfg.ddp, cfg.resolved.overlap, cfg.resolved.precision
+    m, o, prec = cfg.model, cfg.resolved.overlap, cfg.resolved.precision
     plan = CommPlan()
     tp, pp, ep, dp, edp = (
         max(1, x) for x in (layout.tp, layout.pp, layout.ep, layout.dp, layout.edp)
@@ -319,7 +319,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         # the tied embedding's gradient summed with its last-stage copy's
         if m.share_embeddings_and_output_weights:
             grad = 4 if prec.grad_reduce_in_fp32 else _BYTES.get(prec.params_dtype, 4)
-            shards = dp * cp if d.use_distributed_optimizer else 1
+            shards = dp * cp if o.use_distributed_optimizer else 1
             tied = m.vocab_size // tp * h * grad / shards
             ends = members_per_node(2, tp * layout.cp * dp * (pp - 1), gpn)
             plan.add("pp_tied_grad", tied, ring_time_s(tied, 2, ends, cluster), 1)
@@ -340,7 +340,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         g = members_per_node(size, stride, gpn)
         buckets = max(1, -(-count // o.bucket_size)) if o.bucket_size else 1
         per_bucket = count / buckets
-        if d.use_distributed_optimizer:
+        if o.use_distributed_optimizer:
             rs = (size - 1) / size * per_bucket * grad
             ag = (size - 1) / size * per_bucket * param
             plan.add(f"{prefix}_rs", rs, ring_time_s(rs, size, g, cluster), buckets)

@@ -50,7 +50,7 @@ def _peer_rules(cfg: ConfigContainer, gpu: bool) -> Iterator[Rule]:
         or m.tensor_model_parallel_size > 1
         or p.bf16
         or p.fp16
-        or d.use_distributed_optimizer
+        or cfg.resolved.overlap.use_distributed_optimizer
         or p.fp8_param_gather
         or gpu
     )
@@ -185,7 +185,7 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
         (
             "mixed_precision.fp8_param_gather",
             True,
-            not p.fp8_param_gather or d.use_distributed_optimizer,
+            not p.fp8_param_gather or o.use_distributed_optimizer,
             "FP8 parameter gather without the distributed optimizer (only its parameter all-gather "
             "is quantised)",
             "set ddp.use_distributed_optimizer=true and optimizer.use_distributed_optimizer=true, "
