@@ -14,11 +14,11 @@ the decision and raises or warns as the rule says.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NamedTuple
 
-from overlap.config.aliases import request
+from overlap.config.aliases import request, spellings
 from overlap.errors import ConfigError, check_rules
 
 log = logging.getLogger("overlap.config")
@@ -42,7 +42,8 @@ _READ = object()  # a rule's value is its field's, read from the run
 class Rule(NamedTuple):
     """One prerequisite, conflict or no-op as data: it applies when `when(run)` holds; its message
     names `field` with `value` (by default the field's own, `run.read(field)`), says `why` and how
-    to `fix` it. Field and texts are strings or functions of the run."""
+    to `fix` it. Field and texts are strings or functions of the run. A knob with several
+    spellings is named as the user typed it (`typed`)."""
 
     field: Text
     when: Callable[[Any], bool]
@@ -54,10 +55,19 @@ class Rule(NamedTuple):
         """(field, value, why, fix) when the rule applies to `run`, else None."""
         if not self.when(run):
             return None
-        field = _say(self.field, run)
+        field = typed(_say(self.field, run), run.sections)
         value = self.value
         value = run.read(field) if value is _READ else value(run) if callable(value) else value
         return field, value, _say(self.why, run), _say(self.fix, run)
+
+
+def typed(field: str, sections: Mapping[str, Any]) -> str:
+    """`field`, or the spelling of its knob the user typed when that is another one of those
+    `sections` holds (an error names what the user wrote, not the knob's home)."""
+    names = spellings(field)
+    if not names or any(name.partition(".")[0] not in sections for name in names):
+        return field
+    return request(sections, field).spelling or field
 
 
 def _say(text: Text, run: Any) -> str:
