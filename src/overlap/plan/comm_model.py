@@ -62,11 +62,10 @@ from dataclasses import dataclass, field
 from math import ceil, comb
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
 from overlap.config.model import expert_rank_capacity
-from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.tp_overlap import SlotPlan
 from overlap.launch.resources import estimate_memory
+from overlap.layout import ParallelLayout, resolve_pipeline_layout
 from overlap.plan.hardware import Cluster, Link, Transfer
 from overlap.plan.tp_slots import NO_GEMMS, layer_tp
 
