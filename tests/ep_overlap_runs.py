@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from overlap.config.mixed_precision import Precision
+from overlap.layout import ParallelLayout
 from overlap.model.gpt import GPTModel
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
 from tests.configs import bare_plan, ep_overlap_model

@@ -1210,7 +1210,7 @@ def test_every_default_section_is_valid():
 
 def test_the_layout_checks_itself_with_the_flag_names():
     """One layout check (ParallelLayout's), worded with the flags that set the sizes."""
-    from overlap.config.layout import ParallelLayout
+    from overlap.layout import ParallelLayout
 
     with pytest.raises(ConfigError) as exc:
         ParallelLayout(world_size=6, tp=4)

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config.layout import ParallelLayout
 from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError
 from overlap.layers.moe import split_sizes
+from overlap.layout import ParallelLayout
 from overlap.model.gpt import GPTModel, model_chunks
 from overlap.parallel import comm, link_model
 from overlap.parallel.program import Post, ProgramRecorder

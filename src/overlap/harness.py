@@ -732,10 +732,7 @@ def launch_env_inputs(cfg: ConfigContainer, res: Resolution, accelerator: str) -
     m = cfg.model
     return LaunchEnvInputs(
         accelerator=accelerator,
-        tensor_model_parallel_size=res.layout.tp,
-        context_parallel_size=res.layout.cp,
-        pipeline_model_parallel_size=res.layout.pp,
-        data_parallel_size=res.layout.dp,
+        layout=res.layout,
         moe_flex_dispatcher_backend=m.moe_flex_dispatcher_backend,
         moe_token_dispatcher_type=m.moe_token_dispatcher_type,
         overlap_moe_expert_parallel_comm=(res.overlap.overlap_moe_expert_parallel_comm),

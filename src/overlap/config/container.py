@@ -32,7 +32,6 @@ from overlap.config.kernel_choices import (
     resolve_grouped_gemm,
     resolve_moe_permute_fusion,
 )
-from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
     MixedPrecisionConfig,
@@ -41,7 +40,6 @@ from overlap.config.mixed_precision import (
     resolve_precision,
 )
 from overlap.config.model import ModelConfig
-from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 from overlap.config.refusals import one_of
 from overlap.config.training import (
     DatasetConfig,
@@ -53,6 +51,8 @@ from overlap.config.training import (
 )
 from overlap.errors import ConfigError, Rule, check_rules
 from overlap.kernels.device import probe_device
+from overlap.layout import ParallelLayout
+from overlap.layout.pipeline import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 
 _log = logging.getLogger("overlap.config")
 

@@ -99,7 +99,7 @@ class ModelConfig(TransformerArchitecture):
     # the loss counts as one layer when the layers are divided
     account_for_loss_in_pipeline_split: bool = False
     # Every stage spelt out (Megatron's grammar, e.g. "Et*3|(tt|)*29,m|L", or a list of lists of
-    # layer names); its stage count decides VPP. See overlap.config.pipeline_layout.
+    # layer names); its stage count decides VPP. See overlap.layout.pipeline.
     pipeline_model_parallel_layout: str | list[list[str]] | None = None
     # micro-batches per group in the interleaved schedule; None: PP (depth-first)
     microbatch_group_size_per_vp_stage: int | None = None

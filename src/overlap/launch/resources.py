@@ -40,8 +40,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
-from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.recompute import layer_chunks, selective_modules
 from overlap.config.tp_overlap import BULK
 from overlap.errors import ConfigError
@@ -55,6 +53,7 @@ from overlap.launch.activations import (
     layer_blocks,
     layer_bytes,
 )
+from overlap.layout import ParallelLayout, resolve_pipeline_layout
 
 FORCE_ENV = "OVERLAP_FORCE_RESOURCES"
 MAX_RANKS_PER_CORE = 8

@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
+from overlap.layout import ParallelLayout
 from overlap.parallel import groups
 
-__all__ = ["ParallelLayout", "ParallelState"]
+__all__ = ["ParallelState"]
 
 
 class ParallelState:

@@ -21,8 +21,8 @@ import functools
 from dataclasses import dataclass, replace
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
 from overlap.launch.resources import MemoryEstimate, gib, peak_memory
+from overlap.layout import ParallelLayout
 from overlap.pipeline.schedules import pipeline_steps
 
 _GIB = 2**30

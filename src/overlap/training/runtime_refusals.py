@@ -26,7 +26,8 @@ def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
 def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigError]:
     """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run
     raises). The overlap switches are the resolved plan's (`cfg.resolved.overlap`), the precision
-    the resolved one (`cfg.resolved.precision`)."""
+    the resolved one (`cfg.resolved.precision`), the parallel sizes the resolved layout's
+    (`cfg.resolved.layout`)."""
     d = cfg.ddp
     check_rules(
         [
@@ -45,9 +46,10 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
 def _peer_rules(cfg: ConfigContainer, gpu: bool) -> Iterator[Rule]:
     """What the PyTorch peers (the comparison runtimes) cannot run."""
     m, d, p, ck, t = cfg.model, cfg.ddp, cfg.resolved.precision, cfg.checkpoint, cfg.train
+    tp = cfg.resolved.layout.tp
     cpu_comparison = not (
         m.is_moe
-        or m.tensor_model_parallel_size > 1
+        or tp > 1
         or p.bf16
         or p.fp16
         or cfg.resolved.overlap.use_distributed_optimizer
@@ -89,7 +91,7 @@ def _peer_rules(cfg: ConfigContainer, gpu: bool) -> Iterator[Rule]:
     yield (
         "model.tensor_parallel_impl",
         "dtensor",
-        m.tensor_parallel_impl != "dtensor" or m.tensor_model_parallel_size > 1,
+        m.tensor_parallel_impl != "dtensor" or tp > 1,
         "the DTensor peer replaces the tensor-parallel communication, and at "
         "tensor_model_parallel_size=1 there is none: it would train our model unchanged and "
         "compare nothing.",
@@ -100,7 +102,8 @@ def _peer_rules(cfg: ConfigContainer, gpu: bool) -> Iterator[Rule]:
 def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
     """What the runtime does not build (NotBuiltErrors: `why` says what)."""
     m, d, o, p = cfg.model, cfg.ddp, cfg.resolved.overlap, cfg.resolved.precision
-    tied, moe, pp = m.share_embeddings_and_output_weights, m.is_moe, m.pipeline_model_parallel_size
+    layout = cfg.resolved.layout
+    tied, moe, pp = m.share_embeddings_and_output_weights, m.is_moe, layout.pp
     torch_pp = m.pipeline_impl == "torch_pipelining"
     dtensor = m.tensor_parallel_impl == "dtensor"
     return [
@@ -149,9 +152,8 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
         ),
         (
             "model.context_parallel_size",
-            m.context_parallel_size,
-            m.context_parallel_size <= 1
-            or (m.pipeline_impl, m.tensor_parallel_impl, d.impl) == ("overlap",) * 3,
+            layout.cp,
+            layout.cp <= 1 or (m.pipeline_impl, m.tensor_parallel_impl, d.impl) == ("overlap",) * 3,
             "Context parallelism in the PyTorch peers (torch.distributed.pipelining, DTensor TP, "
             "torch DDP / FSDP2 do not cut the sequence or reduce over DP x CP)",
             "use -cp 1 with a peer, or model.pipeline_impl=overlap, "
@@ -159,8 +161,8 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
         ),
         (
             "model.expert_tensor_parallel_size",
-            m.expert_tensor_parallel_size,
-            m.expert_tensor_parallel_size <= 1,
+            layout.etp,
+            layout.etp <= 1,
             "Expert tensor parallelism",
             "use -et 1.",
         ),
@@ -231,7 +233,7 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
         (
             "model.sequence_parallel",
             False,
-            not (moe and m.tensor_model_parallel_size > 1 and not m.sequence_parallel),
+            not (moe and layout.tp > 1 and not m.sequence_parallel),
             "MoE with tensor parallelism but without sequence parallelism (every TP rank would "
             "route the same tokens and count the expert gradients TP times)",
             "set model.sequence_parallel=true (-tp sets it for you).",

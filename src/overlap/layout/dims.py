@@ -1,7 +1,8 @@
-"""The parallel layout as configuration: the sizes of every dimension, checked for consistency.
+"""The parallel layout: the sizes of every dimension, checked for consistency.
 
-It lives with the configuration because `finalize` resolves it; `overlap.parallel.state` builds the
-process groups of a layout (and re-exports it for its users).
+`ConfigContainer.finalize` builds it once from the model's fields (`cfg.resolved.layout`);
+`overlap.parallel.state` builds the process groups of a layout, and the runtime reads its sizes
+from it rather than from the model section.
 """
 
 from __future__ import annotations
