@@ -12,7 +12,8 @@ from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.layout import ParallelLayout
+from overlap.parallel.state import ParallelState
 from tests.configs import bare_plan, moe_layer_model
 from tests.world import run_world
 

@@ -21,8 +21,9 @@ from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
 from overlap.kernels.attention import UNFUSED_MAX_SEQ, attention_kernel
 from overlap.layers.attention import unfused_attention
+from overlap.layout import ParallelLayout
 from overlap.model import GPTModel
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.parallel.state import ParallelState
 from tests.configs import bare_plan
 from tests.world import run_world
 

@@ -494,7 +494,8 @@ def test_each_overlap_switch_is_declared_once_with_one_alias():
         "optimizer.use_distributed_optimizer",
     )
     plan = {f.name for f in dataclasses.fields(OverlapPlan)}
-    # the model-only switches, and the per-GEMM plan resolved into what each TP slot runs
+    # the model-only switches, the per-GEMM plan resolved into what each TP slot runs, and the
+    # distributed optimizer (ddp's knob, decided with the DP switches it gates)
     model_only = {"moe_shared_expert_overlap", "cp_comm_type", "cp_comm_overlap"}
-    assert plan - switches == model_only | {"tp_slots"}
+    assert plan - switches == model_only | {"tp_slots", "use_distributed_optimizer"}
     assert switches - plan == {"tp_comm_overlap_cfg"}

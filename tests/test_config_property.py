@@ -215,10 +215,12 @@ def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
     m, ddp, o = cfg.model, cfg.ddp, res.overlap
     lay = res.layout
     assert lay.tp * lay.pp * lay.cp * lay.dp == world
-    assert isinstance(ddp.use_distributed_optimizer, bool)
+    assert isinstance(o.use_distributed_optimizer, bool)
     assert not (o.overlap_p2p_comm and o.batch_p2p_comm)
-    # the alias true turns the home on (the runtime reads the home)
-    assert ddp.use_distributed_optimizer or not cfg.optimizer.use_distributed_optimizer
+    # either spelling true turns it on (the runtime reads the plan)
+    assert o.use_distributed_optimizer == bool(
+        ddp.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer
+    )
     if o.tp_comm_overlap:
         assert m.tensor_model_parallel_size >= 2 and m.sequence_parallel
     else:
@@ -240,7 +242,7 @@ def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
     else:
         assert k.moe_flex_dispatcher_backend is None
     if o.overlap_param_gather:
-        assert ddp.use_distributed_optimizer and lay.dp > 1
+        assert o.use_distributed_optimizer and lay.dp > 1
     if o.bucket_size is not None:
         assert o.bucket_size >= 1
     if res.decisions.strict:

@@ -83,11 +83,16 @@ def test_comm_overlap_config_defaults_are_auto():
     assert all(getattr(c, name) is None for name in auto)
 
 
-def test_finalize_fills_data_parallel_size():
+def test_data_parallel_size_is_the_layouts_and_a_typed_value_must_agree():
+    """Bridge's container writes comm_overlap.data_parallel_size; ours leaves the input as typed
+    (the layout holds DP) and refuses a typed value that disagrees instead of ignoring it."""
     cfg = build(co=CommOverlapConfig(tp_comm_overlap=False))
-    res = cfg.finalize(4)
-    assert res.layout.dp == 4
-    assert cfg.comm_overlap.data_parallel_size == 4
+    assert cfg.finalize(4).layout.dp == 4
+    assert cfg.comm_overlap.data_parallel_size is None
+    build(co=CommOverlapConfig(tp_comm_overlap=False, data_parallel_size=4)).finalize(4)
+    bad = build(co=CommOverlapConfig(tp_comm_overlap=False, data_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"comm_overlap.data_parallel_size=2: .*DP = 4"):
+        bad.finalize(4)
 
 
 def test_finalize_without_comm_overlap_still_records_every_decision():
@@ -361,7 +366,19 @@ def test_pp_both_p2p_flags_true_is_error():
     )
     with pytest.raises(ConfigError) as exc:
         cfg.finalize(2)
-    assert "batch_p2p_comm" in exc.value.field
+    assert exc.value.field == "comm_overlap.batch_p2p_comm"
+
+
+def test_the_p2p_conflict_names_the_spelling_the_user_typed():
+    """Bridge's direct spelling on the model is an alias of comm_overlap's: the error names the
+    one the user wrote."""
+    cfg = build(
+        dense(pipeline_model_parallel_size=2, batch_p2p_comm=True),
+        co=CommOverlapConfig(tp_comm_overlap=False, overlap_p2p_comm=True),
+    )
+    with pytest.raises(ConfigError) as exc:
+        cfg.finalize(2)
+    assert exc.value.field == "model.batch_p2p_comm"
 
 
 def test_pp_user_batch_on_with_rule_overlap_on_is_error():
@@ -499,8 +516,9 @@ def test_distributed_optimizer_sync_between_ddp_and_optimizer(which):
     opt = dist_optimizer() if which == "optimizer" else OptimizerConfig()
     cfg = build(ddp=ddp, optimizer=opt)
     res = cfg.finalize(4)
-    # the home (ddp's, which the runtime reads) is on; the alias stays as typed (None: not set)
-    assert cfg.ddp.use_distributed_optimizer is True
+    # the plan, which the runtime reads, has it on; both spellings stay as typed (None: not set)
+    assert res.overlap.use_distributed_optimizer is True
+    assert cfg.ddp.use_distributed_optimizer is (True if which == "ddp" else False)
     assert cfg.optimizer.use_distributed_optimizer is (True if which == "optimizer" else None)
     other = "optimizer" if which == "ddp" else "ddp"
     d = res.decisions.get(f"{other}.use_distributed_optimizer")
@@ -531,11 +549,21 @@ def test_overlap_param_gather_with_optimizer_step_honoured_with_pp_vpp():
     res = cfg.finalize(4)
     assert cfg.resolved.overlap.overlap_param_gather_with_optimizer_step is True
     # Honoured, but our overlapped param gather already launches its first bucket inside the step: a
-    # no-op row, and an error under strict.
+    # no-op row (under the spelling typed), and an error under strict.
     noop = {n.field: n for n in res.decisions.noops}[
-        "optimizer.overlap_param_gather_with_optimizer_step"
+        "comm_overlap.overlap_param_gather_with_optimizer_step"
     ]
     assert "already launches the first bucket" in noop.why
+    direct = build(
+        dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        ddp=dist_opt(),
+        optimizer=dataclasses.replace(
+            dist_optimizer(), overlap_param_gather_with_optimizer_step=True
+        ),
+    ).finalize(4)
+    assert "optimizer.overlap_param_gather_with_optimizer_step" in {
+        n.field for n in direct.decisions.noops
+    }
     strict = build(
         dense(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
         ddp=dist_opt(),
@@ -564,10 +592,15 @@ def test_user_bucket_size_wins_and_must_be_positive():
     res = cfg.finalize(4)
     assert cfg.resolved.overlap.bucket_size == 1000
     assert res.decisions.get("ddp.bucket_size").decided_by == "user"
+    # the error names the spelling typed: comm_overlap's, or Bridge's DDP alias
     with pytest.raises(ConfigError) as exc:
         build(ddp=dist_opt(), co=CommOverlapConfig(tp_comm_overlap=False, bucket_size=0)).finalize(
             4
         )
+    assert exc.value.field == "comm_overlap.bucket_size"
+    ddp = dataclasses.replace(dist_opt(), bucket_size=0)
+    with pytest.raises(ConfigError) as exc:
+        build(ddp=ddp, co=CommOverlapConfig(tp_comm_overlap=False)).finalize(4)
     assert exc.value.field == "ddp.bucket_size"
 
 
@@ -1177,7 +1210,7 @@ def test_every_default_section_is_valid():
 
 def test_the_layout_checks_itself_with_the_flag_names():
     """One layout check (ParallelLayout's), worded with the flags that set the sizes."""
-    from overlap.config.layout import ParallelLayout
+    from overlap.layout import ParallelLayout
 
     with pytest.raises(ConfigError) as exc:
         ParallelLayout(world_size=6, tp=4)

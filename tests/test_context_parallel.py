@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config.layout import ParallelLayout
 from overlap.layers.attention import unfused_attention
 from overlap.layers.cp_attention import cp_attention
+from overlap.layout import ParallelLayout
 from overlap.parallel.cp_chunks import cp_positions
 from overlap.parallel.state import ParallelState
 from tests.configs import tiny_config

@@ -37,7 +37,8 @@ from overlap.config.comm_overlap import OverlapPlan
 from overlap.config.model import ModelConfig
 from overlap.config.training import DDPConfig, TrainConfig
 from overlap.data_parallel import DistributedDataParallel
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.layout import ParallelLayout
+from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
 from overlap.training.trainer import Trainer
 from tests.world import run_world

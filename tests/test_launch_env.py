@@ -18,6 +18,7 @@ from overlap.launch.env import (
     default_gpus_per_node,
     format_launch_env,
 )
+from overlap.layout import ParallelLayout
 
 CDMC = CUDA_DEVICE_MAX_CONNECTIONS
 
@@ -34,10 +35,7 @@ def inputs(
 ) -> LaunchEnvInputs:
     return LaunchEnvInputs(
         accelerator=accelerator,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-        pipeline_model_parallel_size=pp,
-        data_parallel_size=dp,
+        layout=ParallelLayout(world_size=tp * cp * pp * dp, tp=tp, cp=cp, pp=pp),
         moe_flex_dispatcher_backend=backend,
         moe_token_dispatcher_type=dispatcher,
         overlap_moe_expert_parallel_comm=a2a_overlap,

@@ -14,8 +14,9 @@ import pytest
 
 SRC = Path(__file__).parent.parent / "src" / "overlap"
 
-# Lowest first: config (and the data readers it validates with, and kernels/: the capability probes
-# and kernel-choice rules that the resolution records and the layers apply, so below both) ->
+# Lowest first: config (and the data readers it validates with; kernels/: the capability probes
+# and kernel-choice rules that the resolution records and the layers apply, so below both; and
+# layout/: the parallel sizes and pipeline stages that finalize builds and the runtime reads) ->
 # launch -> parallel -> layers / model -> data parallelism, HF weights -> pipeline schedules ->
 # training -> the harness -> perf / plan -> the commands.
 LAYERS = (
@@ -23,6 +24,7 @@ LAYERS = (
     "files",
     "data",
     "kernels",
+    "layout",
     "config",
     "launch",
     "parallel",

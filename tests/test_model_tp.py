@@ -25,9 +25,10 @@ from overlap.layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
 )
+from overlap.layout import ParallelLayout
 from overlap.model import GPTModel
 from overlap.parallel import comm
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.parallel.state import ParallelState
 from tests.configs import bare_plan
 from tests.world import run_world
 

@@ -34,8 +34,9 @@ from overlap.layers.moe.permute import (
     unpermute,
     unsort_chunks_by_local_expert,
 )
+from overlap.layout import ParallelLayout
 from overlap.parallel import comm
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
 from tests.configs import bare_plan, tiny_config
 from tests.moe_layer_runs import (

@@ -39,7 +39,8 @@ from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layers.moe.permute import ExpertCapacity, expert_capacity, expert_counts, permute
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.layout import ParallelLayout
+from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
 from tests.configs import bare_plan, container, moe_layer_model, moe_model
 from tests.ep_overlap_runs import compare_ep_overlap

@@ -27,7 +27,8 @@ from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layers.moe.flex_dispatcher import FlexDispatcher
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.layout import ParallelLayout
+from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
 from tests.configs import bare_plan, moe_layer_model
 from tests.ep_overlap_runs import compare_ep_overlap

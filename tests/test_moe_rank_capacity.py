@@ -44,7 +44,8 @@ from overlap.kernels.device import TARGET_DEVICES
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layers.moe.rank_capacity import RankCapacityDispatcher
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.layout import ParallelLayout
+from overlap.parallel.state import ParallelState
 from overlap.perf import bench
 from overlap.perf.host_syncs import HOST_TENSOR, INTENDED_READS, SPLIT_SIZES, HostSyncRecorder
 from overlap.training.trainer import Trainer

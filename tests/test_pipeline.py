@@ -17,8 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from overlap.config import ConfigContainer, ModelConfig, TrainConfig
-from overlap.config.pipeline_layout import pipeline_layer_ranges
 from overlap.errors import ConfigError
+from overlap.layout.pipeline import pipeline_layer_ranges
 from overlap.parallel.state import ParallelState
 from overlap.pipeline.schedules import pipeline_steps, schedule_table
 from overlap.training.trainer import Trainer

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from overlap.cli import main
 from overlap.config import ModelConfig
-from overlap.config.pipeline_layout import parse_layout, resolve_pipeline_layout
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.layout.pipeline import parse_layout, resolve_pipeline_layout
 from overlap.parallel.state import ParallelState
 from overlap.training.trainer import Trainer
 from tests.configs import tiny_config

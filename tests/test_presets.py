@@ -1,19 +1,24 @@
-"""The presets (model recipes and Bridge's perf recipes) are data (`overlap/config/presets/*.yaml`);
-this holds every preset to what it built when it was code: the fields each recipe sets at several
-GPU counts (those different from a default container), and every perf recipe's layout, settings,
-skip rules, environment and not-carried list, against `presets_snapshot.json` (written from the code
-recipes before they became files). A preset changed on purpose updates the snapshot with it
-(`python tests/test_presets.py`), so the change shows in review."""
+"""The presets (model recipes, Bridge's perf recipes, the userbuffers TP-overlap presets and the
+mixed-precision presets) are data (`overlap/config/presets/*.yaml`); this holds every preset to what
+it built when it was code: the fields each recipe sets at several GPU counts (those different from a
+default container), every perf recipe's layout, settings, skip rules, environment and not-carried
+list, every TP-overlap preset's per-GEMM dataclasses and every mixed-precision preset's fields,
+against `presets_snapshot.json` (written from the code presets before they became files). A preset
+changed on purpose updates the snapshot with it (`python tests/test_presets.py`), so the change
+shows in review."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from overlap.config.container import ConfigContainer
+from overlap.config.mixed_precision import MIXED_PRECISION_PRESETS
 from overlap.config.perf_recipes import PERF_RECIPES, Setting
 from overlap.config.recipes import RECIPES
+from overlap.config.tp_overlap import TP_OVERLAP_PRESETS
 
 SNAPSHOT = Path(__file__).with_name("presets_snapshot.json")
 GPU_COUNTS = (1, 2, 16, 256)
@@ -61,7 +66,21 @@ def presets() -> dict:
         ]
         for key, rs in PERF_RECIPES.items()
     }
-    return {"recipes": recipes, "perf_recipes": perf}
+    # each GEMM's class as well as its fields (a class is more than its method string)
+    tp_overlap = {
+        name: {
+            slot: None if cfg is None else {"class": type(cfg).__name__} | dataclasses.asdict(cfg)
+            for slot, cfg in ((f.name, getattr(preset, f.name)) for f in dataclasses.fields(preset))
+        }
+        for name, preset in TP_OVERLAP_PRESETS.items()
+    }
+    precision = {name: dataclasses.asdict(mp) for name, mp in MIXED_PRECISION_PRESETS.items()}
+    return {
+        "recipes": recipes,
+        "perf_recipes": perf,
+        "tp_overlap": tp_overlap,
+        "mixed_precision": precision,
+    }
 
 
 def _dump(data: dict) -> str:
@@ -81,9 +100,9 @@ def test_every_preset_builds_what_it_built_as_code():
     # text, not ==: 1 and 1.0, True and 1 are different settings
     want = json.loads(SNAPSHOT.read_text())
     got = json.loads(_dump(presets()))
-    assert sorted(got["recipes"]) == sorted(want["recipes"])
-    assert sorted(got["perf_recipes"]) == sorted(want["perf_recipes"])
+    assert sorted(got) == sorted(want)
     for kind in want:
+        assert sorted(got[kind]) == sorted(want[kind]), kind
         for name in want[kind]:
             assert json.dumps(got[kind][name], sort_keys=True) == json.dumps(
                 want[kind][name], sort_keys=True

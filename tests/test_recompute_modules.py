@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlap.config import ConfigContainer, ModelConfig
 from overlap.config.kernel_choices import bare_kernels
-from overlap.config.layout import ParallelLayout
 from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.layout import ParallelLayout
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelState
 from tests.configs import bare_plan

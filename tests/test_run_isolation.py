@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from overlap.config.kernel_choices import bare_kernels
-from overlap.config.layout import ParallelLayout
 from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError
 from overlap.layers.moe import split_sizes
+from overlap.layout import ParallelLayout
 from overlap.model.gpt import GPTModel, model_chunks
 from overlap.parallel import comm, link_model
 from overlap.parallel.program import Post, ProgramRecorder

@@ -34,8 +34,9 @@ from overlap.layers.tp_overlap import (
     ring_all_gather_matmul,
     ring_matmul_reduce_scatter,
 )
+from overlap.layout import ParallelLayout
 from overlap.parallel import comm, link_model
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
 from overlap.training.trainer import Trainer
 from tests.configs import tiny_config

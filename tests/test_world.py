@@ -4,8 +4,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from overlap.layout import ParallelLayout
 from overlap.parallel import comm, groups
-from overlap.parallel.state import ParallelLayout, ParallelState
+from overlap.parallel.state import ParallelState
 from tests.world import run_world
 
 

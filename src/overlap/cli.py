@@ -157,7 +157,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
         print("\n".join(list_override_keys()))
         return 0
-    from overlap.config.pipeline_layout import resolve_pipeline_layout
+    from overlap.layout import resolve_pipeline_layout
     from overlap.training.runtime_refusals import runtime_refusals
 
     job = prepare(args, describe_target=True)

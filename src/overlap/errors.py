@@ -31,11 +31,28 @@ class NotBuiltError(ConfigError):
         super().__init__(field, value, f"{what} is not built in the overlap runtime yet.", fix)
 
 
-def check_rules(rules: Iterable[tuple[str, Any, bool, str, str]]) -> None:
-    """Raise the first broken row of a rule table, each row (field, value, ok, why, fix)."""
-    for name, value, ok, why, fix in rules:
-        if not ok:
-            raise ConfigError(name, value, why, fix)
+# A rule: (field, value, ok, why, fix), or (field, value, ok, why, fix, kind) for a row whose error
+# is not the table's kind (a NotBuiltError's `why` is its subject: what is not built).
+Rule = tuple[Any, ...]
+
+
+def broken_rules(rules: Iterable[Rule], kind: type[ConfigError] = ConfigError) -> list[ConfigError]:
+    """The error of every broken row of a rule table, in table order (what `explain` lists):
+    every row is read, so none may rely on an earlier one holding."""
+    return [_error(row, kind) for row in rules if not row[2]]
+
+
+def check_rules(rules: Iterable[Rule], kind: type[ConfigError] = ConfigError) -> None:
+    """Raise the first broken row of a rule table; the rows after it are not read (a generator's
+    later rows may rely on the earlier ones holding)."""
+    for row in rules:
+        if not row[2]:
+            raise _error(row, kind)
+
+
+def _error(row: Rule, kind: type[ConfigError]) -> ConfigError:
+    field, value, _, why, fix, *named = row
+    return (named[0] if named else kind)(field, value, why, fix)
 
 
 class CheckpointError(ConfigError):

@@ -734,10 +734,7 @@ def launch_env_inputs(res: Resolution, accelerator: str) -> LaunchEnvInputs:
     """What the launch environment's rules read of the resolved run."""
     return LaunchEnvInputs(
         accelerator=accelerator,
-        tensor_model_parallel_size=res.layout.tp,
-        context_parallel_size=res.layout.cp,
-        pipeline_model_parallel_size=res.layout.pp,
-        data_parallel_size=res.layout.dp,
+        layout=res.layout,
         moe_flex_dispatcher_backend=res.kernels.moe_flex_dispatcher_backend,
         moe_token_dispatcher_type=res.kernels.moe_token_dispatcher_type,
         overlap_moe_expert_parallel_comm=(res.overlap.overlap_moe_expert_parallel_comm),

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
-from overlap.errors import ConfigError, check_rules
+from overlap.errors import Rule, check_rules
 
 # The architecture fields a checkpoint's own description of its model decides (a Hugging Face
 # config.json, hf/config_json.py), each with the attribute compared: its effective value
@@ -156,115 +157,109 @@ class TransformerArchitecture:
         """Every size positive, before any later stage computes with one (the data decisions
         quote ln(vocab_size), the layout divides by head counts): ConfigContainer.finalize runs
         it first."""
-        for name in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "vocab_size",
-            "seq_length",
-            "kv_channels",
-            "ffn_hidden_size",
-            "num_query_groups",
-            "moe_ffn_hidden_size",
-            "moe_shared_expert_intermediate_size",
-        ):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(
-                    f"model.{name}", value, "it must be positive.", f"set model.{name} >= 1."
-                )
+        sizes = {
+            name: getattr(self, name)
+            for name in (
+                "num_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "vocab_size",
+                "seq_length",
+                "kv_channels",
+                "ffn_hidden_size",
+                "num_query_groups",
+                "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size",
+            )
+        }
+        check_rules(
+            (f"model.{k}", v, v is None or v >= 1, "it must be positive.", f"set model.{k} >= 1.")
+            for k, v in sizes.items()
+        )
 
     def validate(self) -> None:
         """The rules that need only the architecture, in a fixed order (the first broken one is the
         error); the sizes are positive (`check_sizes`). Divisibility by the parallel sizes is the
         container's (it needs the layout)."""
-        if self.is_moe:
-            self._validate_experts()
-        self._validate_values()
+        check_rules(self._network_rules())
 
-    def _validate_experts(self) -> None:
-        if self.num_moe_experts < 1:
-            raise ConfigError(
+    def _network_rules(self) -> Iterator[Rule]:
+        """The experts' rules (a MoE model's), then the values the type check lets through but
+        the network cannot use (NaN fails each rule, and a float rule also refuses infinity)."""
+        freq, n, experts = self.moe_layer_freq, self.num_layers, self.num_moe_experts
+        listed = isinstance(freq, list)
+        if self.is_moe:
+            yield (
                 "model.num_moe_experts",
-                self.num_moe_experts,
+                experts,
+                experts >= 1,
                 "a MoE model needs experts.",
                 "set num_moe_experts >= 1, or null for a dense model.",
             )
-        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
-            raise ConfigError(
+            yield (
                 "model.moe_router_topk",
                 self.moe_router_topk,
-                f"top-k must be between 1 and num_moe_experts ({self.num_moe_experts}).",
+                1 <= self.moe_router_topk <= experts,
+                f"top-k must be between 1 and num_moe_experts ({experts}).",
                 "choose a smaller moe_router_topk.",
             )
-        freq, n = self.moe_layer_freq, self.num_layers
-        if isinstance(freq, list):
-            if len(freq) != n or any(v not in (0, 1) for v in freq):
-                raise ConfigError(
-                    "model.moe_layer_freq",
-                    freq,
-                    f"a per-layer pattern has one entry per layer ({n}), each 1 (MoE) or 0 "
-                    "(dense).",
-                    f"give {n} entries of 0/1, or an int k for every k-th layer.",
-                )
-            if not any(freq):
-                raise ConfigError(
-                    "model.moe_layer_freq",
-                    freq,
-                    "no layer is MoE, yet num_moe_experts is set.",
-                    "mark at least one layer 1, or drop num_moe_experts for a dense model.",
-                )
-        elif freq < 1:
-            raise ConfigError(
+            yield (
                 "model.moe_layer_freq",
                 freq,
+                not listed or (len(freq) == n and all(v in (0, 1) for v in freq)),
+                f"a per-layer pattern has one entry per layer ({n}), each 1 (MoE) or 0 (dense).",
+                f"give {n} entries of 0/1, or an int k for every k-th layer.",
+            )
+            yield (
+                "model.moe_layer_freq",
+                freq,
+                not listed or any(freq),
+                "no layer is MoE, yet num_moe_experts is set.",
+                "mark at least one layer 1, or drop num_moe_experts for a dense model.",
+            )
+            yield (
+                "model.moe_layer_freq",
+                freq,
+                listed or freq >= 1,
                 "it must be >= 1.",
                 "use 1 for all-MoE layers, k for every k-th layer, or a per-layer 0/1 list.",
             )
-
-    def _validate_values(self) -> None:
-        """Values the type check lets through but the network cannot use (NaN fails each rule, and
-        a float rule also refuses infinity)."""
         fin = math.isfinite
         eps, std, mtp = self.layernorm_epsilon, self.init_method_std, self.mtp_num_layers
-        check_rules(
-            [
-                (
-                    "model.layernorm_epsilon",
-                    eps,
-                    fin(eps) and eps > 0,
-                    "the norm epsilon must be > 0.",
-                    "use e.g. model.layernorm_epsilon=1e-6.",
-                ),
-                (
-                    "model.rotary_base",
-                    self.rotary_base,
-                    fin(self.rotary_base) and self.rotary_base > 1,
-                    "the rotary base must be > 1.",
-                    "use e.g. model.rotary_base=10000.",
-                ),
-                (
-                    "model.kv_channels" if self.kv_channels else "model.hidden_size",
-                    self.kv_channels or self.hidden_size,
-                    self.head_dim % 2 == 0,
-                    "rotary embeddings rotate pairs of channels, so the head dim must be even (it "
-                    f"is {self.head_dim}"
-                    f"{'' if self.kv_channels else ' = hidden_size / num_attention_heads'}).",
-                    "use an even kv_channels (head dim), e.g. 64 or 128.",
-                ),
-                (
-                    "model.init_method_std",
-                    std,
-                    fin(std) and std >= 0,
-                    "the initialisation standard deviation must be >= 0.",
-                    "use e.g. model.init_method_std=0.02.",
-                ),
-                (
-                    "model.mtp_num_layers",
-                    mtp,
-                    mtp is None or mtp >= 0,
-                    "a layer count must be >= 0.",
-                    "set model.mtp_num_layers=null.",
-                ),
-            ]
+        yield (
+            "model.layernorm_epsilon",
+            eps,
+            fin(eps) and eps > 0,
+            "the norm epsilon must be > 0.",
+            "use e.g. model.layernorm_epsilon=1e-6.",
+        )
+        yield (
+            "model.rotary_base",
+            self.rotary_base,
+            fin(self.rotary_base) and self.rotary_base > 1,
+            "the rotary base must be > 1.",
+            "use e.g. model.rotary_base=10000.",
+        )
+        yield (
+            "model.kv_channels" if self.kv_channels else "model.hidden_size",
+            self.kv_channels or self.hidden_size,
+            self.head_dim % 2 == 0,
+            "rotary embeddings rotate pairs of channels, so the head dim must be even (it is "
+            f"{self.head_dim}{'' if self.kv_channels else ' = hidden_size / num_attention_heads'})"
+            ".",
+            "use an even kv_channels (head dim), e.g. 64 or 128.",
+        )
+        yield (
+            "model.init_method_std",
+            std,
+            fin(std) and std >= 0,
+            "the initialisation standard deviation must be >= 0.",
+            "use e.g. model.init_method_std=0.02.",
+        )
+        yield (
+            "model.mtp_num_layers",
+            mtp,
+            mtp is None or mtp >= 0,
+            "a layer count must be >= 0.",
+            "set model.mtp_num_layers=null.",
         )

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
-from overlap.config.refusals import unbuilt
+from overlap.config.refusals import one_of
 from overlap.config.training import SchedulerConfig
-from overlap.errors import ConfigError, NotBuiltError
+from overlap.errors import check_rules
 
 FORMATS = ("torch_dist",)
 
@@ -54,76 +54,69 @@ def resolve_checkpoint(
     """Check the section (and the scheduler's resume switches) and record what a run will do with
     it."""
     sched = sched or SchedulerConfig()
-    if sched.override_opt_param_scheduler and sched.use_checkpoint_opt_param_scheduler:
-        raise ConfigError(
-            "scheduler.use_checkpoint_opt_param_scheduler",
-            True,
-            "it contradicts scheduler.override_opt_param_scheduler=true (the checkpoint's schedule "
-            "or this run's).",
-            "set at most one of the two.",
-        )
-    if ck.ckpt_format not in FORMATS:
-        what = unbuilt("checkpoint.ckpt_format", ck.ckpt_format)
-        if what:
-            raise NotBuiltError(
+    paths = {name: getattr(ck, name) for name in ("save", "load", "pretrained_checkpoint")}
+    check_rules(
+        [
+            (
+                "scheduler.use_checkpoint_opt_param_scheduler",
+                True,
+                not (
+                    sched.override_opt_param_scheduler and sched.use_checkpoint_opt_param_scheduler
+                ),
+                "it contradicts scheduler.override_opt_param_scheduler=true (the checkpoint's "
+                "schedule or this run's).",
+                "set at most one of the two.",
+            ),
+            one_of(
                 "checkpoint.ckpt_format",
                 ck.ckpt_format,
-                what,
+                FORMATS,
+                "unknown checkpoint format.",
+                "use checkpoint.ckpt_format=torch_dist.",
                 "use checkpoint.ckpt_format=torch_dist (DCP shards, loadable at any layout).",
-            )
-        raise ConfigError(
-            "checkpoint.ckpt_format",
-            ck.ckpt_format,
-            "unknown checkpoint format.",
-            "use checkpoint.ckpt_format=torch_dist.",
-        )
-    for name in ("save", "load", "pretrained_checkpoint"):
-        value = getattr(ck, name)
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise ConfigError(
+            ),
+            *(
+                (
+                    f"checkpoint.{name}",
+                    value,
+                    value is None or (isinstance(value, str) and value.strip()),
+                    "a checkpoint folder must be a non-empty path.",
+                    f"set checkpoint.{name}=/path/to/folder, or null.",
+                )
+                for name, value in paths.items()
+            ),
+            (
+                "checkpoint.save_interval",
+                ck.save_interval,
+                ck.save_interval is None or ck.save_interval >= 1,
+                "it counts iterations between saves.",
+                "use a positive integer, or null to save only at the end of training.",
+            ),
+            (
+                "checkpoint.most_recent_k",
+                ck.most_recent_k,
+                ck.most_recent_k == -1 or ck.most_recent_k > 0,
+                "it is how many of the newest checkpoints to keep (-1: all).",
+                "use -1 or a positive integer.",
+            ),
+            (
+                "checkpoint.ckpt_step",
+                ck.ckpt_step,
+                ck.ckpt_step is None or (ck.load is not None and ck.ckpt_step >= 0),
+                "it picks iter_<ckpt_step> inside checkpoint.load (which must be set).",
+                "set checkpoint.load too, and a ckpt_step >= 0.",
+            ),
+        ]
+    )
+    # what only a save acts on, set to other than its default (earlier rules refused 0 and -1)
+    for name in ("save_interval", "async_save", "most_recent_k", "allow_other_model_in_save"):
+        if ck.save is None and getattr(ck, name) not in (None, False, -1):
+            log.noop(
                 f"checkpoint.{name}",
-                value,
-                "a checkpoint folder must be a non-empty path.",
-                f"set checkpoint.{name}=/path/to/folder, or null.",
+                getattr(ck, name),
+                "nothing is saved without checkpoint.save",
+                "set checkpoint.save=/path/to/folder, or drop it.",
             )
-    if ck.save_interval is not None and ck.save_interval < 1:
-        raise ConfigError(
-            "checkpoint.save_interval",
-            ck.save_interval,
-            "it counts iterations between saves.",
-            "use a positive integer, or null to save only at the end of training.",
-        )
-    if ck.most_recent_k == 0 or ck.most_recent_k < -1:
-        raise ConfigError(
-            "checkpoint.most_recent_k",
-            ck.most_recent_k,
-            "it is how many of the newest checkpoints to keep (-1: all).",
-            "use -1 or a positive integer.",
-        )
-    if ck.ckpt_step is not None and (ck.load is None or ck.ckpt_step < 0):
-        raise ConfigError(
-            "checkpoint.ckpt_step",
-            ck.ckpt_step,
-            "it picks iter_<ckpt_step> inside checkpoint.load (which must be set).",
-            "set checkpoint.load too, and a ckpt_step >= 0.",
-        )
-    if ck.save is None:
-        for name in ("save_interval", "async_save"):
-            if getattr(ck, name) not in (None, False):
-                log.noop(
-                    f"checkpoint.{name}",
-                    getattr(ck, name),
-                    "nothing is saved without checkpoint.save",
-                    "set checkpoint.save=/path/to/folder, or drop it.",
-                )
-        for name in ("most_recent_k", "allow_other_model_in_save"):
-            if getattr(ck, name) not in (-1, False):
-                log.noop(
-                    f"checkpoint.{name}",
-                    getattr(ck, name),
-                    "nothing is saved without checkpoint.save",
-                    "set checkpoint.save=/path/to/folder, or drop it.",
-                )
     for name in ("override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"):
         if getattr(sched, name) and (ck.load is None or ck.finetune):
             log.noop(

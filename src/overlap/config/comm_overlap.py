@@ -18,14 +18,13 @@ the schedules and the planner.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from overlap.config.aliases import Request, request
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
+from overlap.config.aliases import request
+from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog, Rule, Switch
 from overlap.config.tp_overlap import (
     LinearPlan,
     SlotPlan,
@@ -41,18 +40,9 @@ if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
     from overlap.config.training import DDPConfig, OptimizerConfig
 
-Resolved = dict[str, Any]  # the resolved switches, by OverlapPlan field, while they are decided
-
 # Megatron-Bridge's DP bucket when DP > 1 with the distributed optimizer: a count of parameters, not
 # bytes.
 BRIDGE_DP_BUCKET_SIZE = 128 * 1024 * 1024
-
-TP_DISABLE_TP_SIZE = "Disabling tensor parallel communication overlap due to TP size < 2."
-TP_DISABLE_NO_SP = "Disabling tensor parallel communication overlap due to sequence_parallel=False."
-TP_NO_PRESET = (
-    "Tensor parallel overlap: No overlap config provided. Initializing TP comm overlap with the "
-    "default config."
-)
 
 
 @dataclass(kw_only=True)
@@ -89,44 +79,14 @@ class CommOverlapConfig:
     defer_embedding_wgrad_compute: bool | None = None
     # deferred output wgrads that may wait, -1: automatic
     wgrad_deferral_limit: int | None = None
-    data_parallel_size: int | None = None  # the DP size, filled in by finalize (not a setting)
+    # Bridge's container fills it in; here the layout decides DP (a typed value must agree)
+    data_parallel_size: int | None = None
     # EP all-to-alls under another micro-batch's compute
     overlap_moe_expert_parallel_comm: bool | None = None
     # EP overlap: wgrad GEMMs deferred out of the backward
     delay_wgrad_compute: bool | None = None
     # ours: any request that cannot be honoured is an error instead of a logged decision
     strict: bool = False
-
-
-Ask = Callable[[str], Request]  # a switch's request, by its comm_overlap name (`aliases.request`)
-
-
-def _choose(
-    log: DecisionLog,
-    field: str,
-    req: Request,
-    auto: Any,
-    auto_by: str,
-    auto_reason: str,
-    note: Callable[[Any], str | None] = lambda _value: None,
-) -> Any:
-    """Take the request (comm_overlap's spelling beats the direct one: `aliases.request`), else the
-    automatic value, and record the decision; `note` (given the effective value) adds what that
-    value means here to the reason."""
-    if req.spelling is None:
-        value, requested, by, why = auto, None, auto_by, auto_reason
-    elif req.on_home:
-        value, requested, by, why = req.value, req.value, USER, "set on comm_overlap"
-    else:
-        value, requested, by = req.value, req.value, MODEL_CONFIG
-        why = f"set directly on {req.spelling.split('.')[0]}"
-    extra = note(value)
-    return log.record(field, requested, value, by, why if extra is None else f"{why}; {extra}")
-
-
-def _by(req: Request) -> str | None:
-    """Who set a request: the user on comm_overlap, a direct spelling, or nobody (None)."""
-    return None if req.spelling is None else USER if req.on_home else MODEL_CONFIG
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +112,9 @@ class OverlapPlan:
     wgrad_deferral_limit: int = -1  # how many output wgrads may wait (-1: automatic)
     # the shared expert computes under the dispatch/combine all-to-all
     moe_shared_expert_overlap: bool = False
+    # the distributed optimizer (sharded state, reduce-scatter / all-gather): either of Bridge's
+    # two spellings true
+    use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False  # DP gradient reduce bucket by bucket in the backward
     overlap_param_gather: bool = False  # DP parameter all-gather bucket by bucket
     align_param_gather: bool = False  # all pipeline stages launch their gathers together
@@ -192,6 +155,32 @@ class OverlapPlan:
         return None if plan == LinearPlan(None, None, None) else plan
 
 
+class _Run:
+    """What the rules read: the configs as typed (by section name), the run's precision and layout
+    sizes, and the switches decided so far (`resolved`, by OverlapPlan field)."""
+
+    def __init__(self, sections: dict[str, Any], precision: Precision, dp: int, log: DecisionLog):
+        self.sections, self.precision, self.dp_size, self.log = sections, precision, dp, log
+        self.model = m = sections["model"]
+        self.resolved: dict[str, Any] = {}
+        self.tp, self.cp = m.tensor_model_parallel_size, m.context_parallel_size
+        self.pp, self.ep = m.pipeline_model_parallel_size, m.expert_model_parallel_size
+        self.vp = m.virtual_pipeline_model_parallel_size or 1
+        self.interleaved = self.pp > 1 and self.vp > 1  # PP > 1 with a virtual pipeline
+        self.many = dp > 1
+        # the distributed optimizer, and with DP > 1 (Bridge's condition for the DP overlaps)
+        self.dist_opt = self.sharded = False  # decided first among the DP switches
+
+    def read(self, field: str) -> Any:
+        """A field's value as typed, by its `section.name`."""
+        section, _, name = field.partition(".")
+        return getattr(self.sections[section], name)
+
+    def decide(self, switches: tuple[Switch, ...]) -> None:
+        for switch in switches:
+            self.log.decide(switch, self)
+
+
 def resolve_comm_overlap(
     user: CommOverlapConfig | None,
     model: ModelConfig,
@@ -202,235 +191,74 @@ def resolve_comm_overlap(
     log: DecisionLog,
 ) -> OverlapPlan:
     """Resolve every overlap switch from its two spellings (read, never written), recording each
-    decision; returns the resolved switches as the frozen plan everything downstream reads. The
-    model / DDP / optimizer configs are left as typed, except the distributed optimizer's home,
-    `ddp.use_distributed_optimizer`, which the runtime reads: it is set when its alias
-    `optimizer.use_distributed_optimizer` is true (`aliases.ANY_TRUE`). `precision`: the run's,
-    already decided (EP overlap needs 16-bit compute)."""
-    u = (
-        user
-        if user is not None
-        else CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
-    )
-    r: Resolved = {}
+    decision; returns the resolved switches as the frozen plan everything downstream reads (the
+    distributed optimizer too: on when either of its spellings is, `aliases.ANY_TRUE`). The model /
+    DDP / optimizer configs are left as typed. `precision`: the run's, already decided (EP overlap
+    needs 16-bit compute)."""
+    u = user or CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
     sections = {"comm_overlap": u, "model": model, "ddp": ddp, "optimizer": optimizer}
-
-    def ask(name: str) -> Request:
-        return request(sections, f"comm_overlap.{name}")
-
-    tp_cfg = _resolve_tp(ask, model, log, r)
-    _resolve_pp(ask, model, log, r)
-    _resolve_cp(model, log, r)
-    _resolve_moe(ask, model, precision, log, dp_size, r)
-    _resolve_tp_plan(model, tp_cfg, log, r)
-    _resolve_dp(ask, model, ddp, optimizer, dp_size, log, r)
-    _detect_noops(model, ddp, dp_size, log, r)
-    return OverlapPlan(**r)
-
-
-def _detect_noops(
-    model: ModelConfig, ddp: DDPConfig, dp_size: int, log: DecisionLog, r: Resolved
-) -> None:
-    """Switches left on by the resolution that cannot do anything in this layout (the
-    model-dependent ones, such as a DP overlap with a single bucket, are found by
-    `overlap.training.dp_overlap_noops`)."""
-    pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
-    if model.context_parallel_size == 1:
-        for name in ("cp_comm_type", "cp_comm_overlap", "hierarchical_context_parallel_sizes"):
-            if getattr(model, name) not in (None, False):
-                log.noop(
-                    f"model.{name}",
-                    getattr(model, name),
-                    "CP=1: the sequence is not split, there is no context-parallel exchange",
-                    "use -cp 2 or more, or drop it.",
-                )
-    if r["moe_shared_expert_overlap"] and model.expert_model_parallel_size == 1:
-        log.noop(
-            "model.moe_shared_expert_overlap",
-            True,
-            "EP=1: every token stays on its rank, so there is no dispatch/combine all-to-all for "
-            "the shared expert to compute under",
-            "use -ep 2 or more, or drop moe_shared_expert_overlap.",
-        )
-    pipeline = {
-        "overlap_p2p_comm": r["overlap_p2p_comm"],
-        "batch_p2p_comm": r["batch_p2p_comm"],
-        "deallocate_pipeline_outputs": model.deallocate_pipeline_outputs,
-    }
-    for name, on in pipeline.items():
-        if on and pp == 1:
-            log.noop(
-                f"model.{name}",
-                True,
-                "PP=1: there is no pipeline send/receive",
-                "use -pp 2 or more, or drop it.",
-            )
-    if r["align_param_gather"] and not (
-        dp_size > 1 and ddp.use_distributed_optimizer and pp > 1 and vp > 1
-    ):
-        log.noop(
-            "ddp.align_param_gather",
-            True,
-            "it aligns the parameter gathers of pipeline stages, which needs DP>1, the distributed "
-            "optimizer, PP>1 and VPP",
-            "drop ddp.align_param_gather.",
-        )
-    elif r["align_param_gather"] and not r["overlap_param_gather"]:
-        log.noop(
-            "ddp.align_param_gather",
-            True,
-            "without ddp.overlap_param_gather every parameter gather runs at the optimizer step "
-            "anyway",
-            "set ddp.overlap_param_gather=true, or drop ddp.align_param_gather.",
-        )
+    run = _Run(sections, precision, dp_size, log)
+    tp_cfg = _resolve_tp(run)
+    run.decide(_PIPELINE + _CP + _MOE)
+    if model.is_moe:
+        log.decide(_SHARED_EXPERT, run)
+        _record_moe_routing(model, log)
+    else:  # a dense model has no row for it; a value set is a no-op row (EP = 1)
+        run.resolved["moe_shared_expert_overlap"] = bool(model.moe_shared_expert_overlap)
+    _resolve_tp_plan(model, tp_cfg, log, run.resolved)
+    _agree_distributed_optimizer(run)
+    run.decide(_DP)
+    log.noops_in(_NOOPS, run)
+    return OverlapPlan(**run.resolved)
 
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# --- tensor parallelism ---------------------------------------------------------------------------
+_TP = Switch(
+    "model.tp_comm_overlap",
+    lambda _: (False, "not requested"),
+    off=(
+        (
+            lambda s: s.tp < 2,
+            "Disabling tensor parallel communication overlap due to TP size < 2.",
+            "use -tp 2 or more (it turns sequence parallel on), or do not request tp_comm_overlap.",
+        ),
+        (
+            lambda s: not s.model.sequence_parallel,
+            "Disabling tensor parallel communication overlap due to sequence_parallel=False.",
+            "set model.sequence_parallel=true (or drop the override that turned it off), or do not "
+            "request tp_comm_overlap.",
+        ),
+    ),
+    # The reference also needs Transformer Engine here; our runtime's overlap
+    # (layers/tp_overlap.py) runs on every backend.
+    asked=("requested; TP>=2 and sequence parallel", "requested off"),
+)
 
 
-def _resolve_cp(model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
-    """Context parallelism's exchange (`model.cp_comm_type`, a TransformerConfig field with no
-    comm_overlap spelling) and whether p2p's ring overlaps its transfers, with Megatron's
-    prerequisites: the sequence cut into 2 x CP load-balanced chunks (each CP rank's share split
-    again over TP under sequence parallelism), and for a2a the heads and query groups of a TP rank
-    divisible by CP. A user value at CP = 1 is a no-op row."""
-    cp, tp = model.context_parallel_size, model.tensor_model_parallel_size
-    if model.cp_comm_type is not None and model.cp_comm_type not in CP_COMM_TYPES:
-        raise ConfigError(
-            "model.cp_comm_type",
-            model.cp_comm_type,
-            f"context parallelism exchanges keys and values by one of {', '.join(CP_COMM_TYPES)}.",
-            "use model.cp_comm_type=p2p (the overlapped ring), all_gather or a2a.",
-        )
-    if cp == 1:
-        # a value set at CP = 1 is reported once, as a no-op row (`_detect_noops`)
-        r["cp_comm_type"] = log.record(
-            "model.cp_comm_type",
-            None,
-            None,
-            RULE,
-            "CP=1: no context-parallel communication",
-        )
-        r["cp_comm_overlap"] = log.record(
-            "model.cp_comm_overlap", None, False, RULE, "CP=1: nothing to overlap"
-        )
-        return
-    if model.seq_length % (2 * cp):
-        raise ConfigError(
-            "model.seq_length",
-            model.seq_length,
-            f"context parallelism cuts the sequence into 2 x CP = {2 * cp} load-balanced chunks "
-            "(rank i holds chunks i and 2CP-1-i), so it must be divisible by them.",
-            f"choose a sequence length divisible by {2 * cp}, or a smaller -cp.",
-        )
-    if model.sequence_parallel and (model.seq_length // cp) % tp:
-        raise ConfigError(
-            "model.seq_length",
-            model.seq_length,
-            f"each CP rank's {model.seq_length // cp} tokens are split again over "
-            f"tensor_model_parallel_size ({tp}) by sequence parallelism.",
-            f"choose a sequence length divisible by CP x TP = {cp * tp}.",
-        )
-    kind = _choose(
-        log,
-        "model.cp_comm_type",
-        request({"model": model}, "model.cp_comm_type"),
-        "p2p",
-        RULE,
-        "CP>1: the KV ring, the next block's transfer under this block's attention "
-        "(Megatron's default)",
-    )
-    sizes = model.hierarchical_context_parallel_sizes
-    if kind == "a2a+p2p" and (
-        not sizes or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp
-    ):
-        raise ConfigError(
-            "model.hierarchical_context_parallel_sizes",
-            sizes,
-            f"a2a+p2p needs [a2a size, p2p size] whose product is context_parallel_size ({cp}).",
-            f"e.g. model.hierarchical_context_parallel_sizes=[2,{cp // 2}] (a2a inside pairs of "
-            "CP ranks, the ring across them).",
-        )
-    if kind in ("a2a", "a2a+p2p"):
-        a2a = cp if kind == "a2a" else sizes[0]
-        heads, groups = model.num_attention_heads // tp, model.query_groups // tp
-        if heads % a2a or groups % a2a:
-            raise ConfigError(
-                "model.cp_comm_type",
-                kind,
-                f"the all-to-all trades sequence for heads: a TP rank's {heads} attention heads "
-                f"and {groups} query groups must be divisible by its size ({a2a}).",
-                "use model.cp_comm_type=p2p or all_gather, or a CP size dividing the heads.",
-            )
-    r["cp_comm_type"] = kind
-    if kind in ("p2p", "a2a+p2p"):
-        r["cp_comm_overlap"] = _choose(
-            log,
-            "model.cp_comm_overlap",
-            request({"model": model}, "model.cp_comm_overlap"),
-            True,
-            RULE,
-            f"{kind}: block k+1's keys and values travel while block k's attention computes",
-        )
-        return
-    if model.cp_comm_overlap:
-        log.noop(
-            "model.cp_comm_overlap",
-            True,
-            f"cp_comm_type={kind} exchanges keys and values in one collective before attention: "
-            "there is no ring to overlap",
-            "use model.cp_comm_type=p2p, or drop model.cp_comm_overlap.",
-        )
-    r["cp_comm_overlap"] = log.record(
-        "model.cp_comm_overlap",
-        None,
-        False,
-        RULE,
-        f"cp_comm_type={kind}: one collective, nothing in flight under attention",
-    )
-
-
-def _resolve_tp(
-    ask: Ask, model: ModelConfig, log: DecisionLog, r: Resolved
-) -> dict[str, Any] | None:
+def _resolve_tp(run: _Run) -> dict[str, Any] | None:
     """TP overlap on or off, and its per-GEMM plan; returns the plan in Bridge's dict form (None:
     TP overlap off, or no plan given), which `_resolve_tp_plan` turns into the slots."""
-    req = ask("tp_comm_overlap")
-    requested, src = req.value, _by(req)
-    if requested:
-        fix = None
-        if model.tensor_model_parallel_size < 2:
-            effective, by, reason = False, RULE, TP_DISABLE_TP_SIZE
-            fix = (
-                "use -tp 2 or more (it turns sequence parallel on), or do not request "
-                "tp_comm_overlap."
-            )
-        elif not model.sequence_parallel:
-            effective, by, reason = False, RULE, TP_DISABLE_NO_SP
-            fix = (
-                "set model.sequence_parallel=true (or drop the override that turned it off), or do "
-                "not request tp_comm_overlap."
-            )
-        else:
-            # The reference also needs Transformer Engine here; our runtime's overlap
-            # (layers/tp_overlap.py) runs on every backend.
-            effective, by, reason = True, src, "requested; TP>=2 and sequence parallel"
-    else:
-        effective, fix = False, None
-        by, reason = (src, "requested off") if src else (DEFAULT, "not requested")
-    r["tp_comm_overlap"] = log.record(
-        "model.tp_comm_overlap", requested, effective, by, reason, fix=fix
-    )
-
-    plan_req = ask("tp_comm_overlap_cfg")
+    log, r = run.log, run.resolved
+    on = log.decide(_TP, run)
+    plan_req = request(run.sections, "comm_overlap.tp_comm_overlap_cfg")
     plan = plan_req.value
-    if not effective:
+    r["tp_comm_bootstrap_backend"] = (
+        request(run.sections, "comm_overlap.tp_comm_bootstrap_backend").value or "nccl"
+        if on
+        else None
+    )
+    if not on:
         log.record("model.tp_comm_overlap_cfg", None, None, RULE, "TP overlap is off")
-        r["tp_comm_bootstrap_backend"] = None
         return None
-    r["tp_comm_bootstrap_backend"] = ask("tp_comm_bootstrap_backend").value or "nccl"
     if plan is None:
-        log.record("model.tp_comm_overlap_cfg", None, None, DEFAULT, TP_NO_PRESET)
+        log.record(
+            "model.tp_comm_overlap_cfg",
+            None,
+            None,
+            DEFAULT,
+            "Tensor parallel overlap: No overlap config provided. Initializing TP comm overlap "
+            "with the default config.",
+        )
         return None
     preset = get_tp_overlap_preset(plan) if isinstance(plan, str) else plan
     if not isinstance(preset, TransformerLayerTPOverlapCfg):
@@ -445,14 +273,14 @@ def _resolve_tp(
         "model.tp_comm_overlap_cfg",
         label,
         label,
-        _by(plan_req),
+        USER if plan_req.on_home else MODEL_CONFIG,
         "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped",
     )
     return preset.to_dict()
 
 
 def _resolve_tp_plan(
-    model: ModelConfig, tp_cfg: dict[str, Any] | None, log: DecisionLog, r: Resolved
+    model: ModelConfig, tp_cfg: dict[str, Any] | None, log: DecisionLog, r: dict[str, Any]
 ) -> None:
     """With TP overlap on, one decision per GEMM slot (what runs there, and why: the plan, a
     default, a Megatron switch or a runtime rule), after delay_wgrad_compute is known (it takes the
@@ -491,6 +319,7 @@ def _resolve_tp_plan(
         )
 
 
+# --- pipeline parallelism -------------------------------------------------------------------------
 # overlapped p2p in plain 1F1B: what it does beyond the reference, and what it costs
 _P2P_WITHOUT_VPP = (
     "beyond the reference (Megatron-Core asserts overlap_p2p_comm needs a virtual pipeline, "
@@ -503,164 +332,170 @@ _P2P_WITHOUT_VPP = (
 )
 
 
-def _resolve_pp(ask: Ask, model: ModelConfig, log: DecisionLog, r: Resolved) -> None:
-    pp = model.pipeline_model_parallel_size
-    vp = model.virtual_pipeline_model_parallel_size or 1
-    if pp > 1 and vp > 1:
-        auto, why = (True, False), "PP>1 with virtual pipeline: overlap p2p with compute, unbatched"
-    elif pp > 1:
-        auto, why = (
-            (False, True),
-            "PP>1 without virtual pipeline: batched isend/irecv, no p2p overlap",
-        )
-    else:
-        auto, why = (False, False), "PP=1: no pipeline communication"
-    r["overlap_p2p_comm"] = _choose(
-        log,
+def _p2p_rule(s: _Run) -> tuple[bool, str]:
+    """overlap_p2p_comm by the pipeline layout (batch_p2p_comm: its opposite under PP), and why."""
+    if s.interleaved:
+        return True, "PP>1 with virtual pipeline: overlap p2p with compute, unbatched"
+    if s.pp > 1:
+        return False, "PP>1 without virtual pipeline: batched isend/irecv, no p2p overlap"
+    return False, "PP=1: no pipeline communication"
+
+
+_PIPELINE = (
+    Switch(
         "model.overlap_p2p_comm",
-        ask("overlap_p2p_comm"),
-        auto[0],
+        _p2p_rule,
         RULE,
-        why,
-        lambda on: _P2P_WITHOUT_VPP if on and pp > 1 and vp == 1 else None,
+        note=lambda s, on: _P2P_WITHOUT_VPP if on and s.pp > 1 and s.vp == 1 else None,
+    ),
+    Switch(
+        "model.batch_p2p_comm",
+        lambda s: (s.pp > 1 and not _p2p_rule(s)[0], _p2p_rule(s)[1]),
+        RULE,
+        needs=(
+            Rule(
+                "comm_overlap.batch_p2p_comm",
+                lambda s: s.resolved["overlap_p2p_comm"],
+                "overlap_p2p_comm and batch_p2p_comm cannot both be on (overlapped p2p is "
+                "unbatched).",
+                "set one of them to false, or leave both unset for the PP rule.",
+                True,
+            ),
+        ),
+    ),
+    Switch("model.defer_embedding_wgrad_compute"),
+    Switch("model.wgrad_deferral_limit", lambda _: (-1, "Bridge auto default")),
+)
+
+# --- context parallelism --------------------------------------------------------------------------
+# Context parallelism's exchange (`model.cp_comm_type`, a TransformerConfig field with no
+# comm_overlap spelling) and whether p2p's ring overlaps its transfers, with Megatron's
+# prerequisites: the sequence cut into 2 x CP load-balanced chunks (each CP rank's share split
+# again over TP under sequence parallelism), and for a2a the heads and query groups of a TP rank
+# divisible by CP. A value set at CP = 1 is a no-op row (`_NOOPS`).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+_RING = ("p2p", "a2a+p2p")
+
+
+def _a2a_heads(s: _Run) -> tuple[int, int, int]:
+    """(all-to-all size, a TP rank's attention heads, its query groups) under a2a or a2a+p2p."""
+    sizes = s.model.hierarchical_context_parallel_sizes
+    a2a = s.cp if s.resolved["cp_comm_type"] == "a2a" else sizes[0]
+    return a2a, s.model.num_attention_heads // s.tp, s.model.query_groups // s.tp
+
+
+def _cp_overlap_fixed(s: _Run) -> tuple[bool, str] | None:
+    """cp_comm_overlap is off, whatever was asked, at CP = 1 and with a one-collective exchange."""
+    if s.cp == 1:
+        return False, "CP=1: nothing to overlap"
+    kind = s.resolved["cp_comm_type"]
+    if kind in _RING:
+        return None
+    return False, f"cp_comm_type={kind}: one collective, nothing in flight under attention"
+
+
+def _bad_hierarchy(s: _Run) -> bool:
+    sizes = s.model.hierarchical_context_parallel_sizes
+    return s.resolved["cp_comm_type"] == "a2a+p2p" and (
+        not sizes or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != s.cp
     )
-    r["batch_p2p_comm"] = _choose(
-        log, "model.batch_p2p_comm", ask("batch_p2p_comm"), auto[1], RULE, why
-    )
-    if r["overlap_p2p_comm"] and r["batch_p2p_comm"]:
-        raise ConfigError(
-            "comm_overlap.batch_p2p_comm",
+
+
+_CP = (
+    Switch(
+        "model.cp_comm_type",
+        lambda _: (
+            "p2p",
+            "CP>1: the KV ring, the next block's transfer under this block's attention "
+            "(Megatron's default)",
+        ),
+        RULE,
+        fixed=lambda s: (None, "CP=1: no context-parallel communication") if s.cp == 1 else None,
+        checks=(
+            Rule(
+                "model.cp_comm_type",
+                lambda s: s.model.cp_comm_type not in (None, *CP_COMM_TYPES),
+                f"context parallelism exchanges keys and values by one of "
+                f"{', '.join(CP_COMM_TYPES)}.",
+                "use model.cp_comm_type=p2p (the overlapped ring), all_gather or a2a.",
+            ),
+            Rule(
+                "model.seq_length",
+                lambda s: s.cp > 1 and s.model.seq_length % (2 * s.cp),
+                lambda s: (
+                    f"context parallelism cuts the sequence into 2 x CP = {2 * s.cp} "
+                    "load-balanced chunks (rank i holds chunks i and 2CP-1-i), so it must be "
+                    "divisible by them."
+                ),
+                lambda s: f"choose a sequence length divisible by {2 * s.cp}, or a smaller -cp.",
+            ),
+            Rule(
+                "model.seq_length",
+                lambda s: (
+                    s.cp > 1 and s.model.sequence_parallel and (s.model.seq_length // s.cp) % s.tp
+                ),
+                lambda s: (
+                    f"each CP rank's {s.model.seq_length // s.cp} tokens are split again "
+                    f"over tensor_model_parallel_size ({s.tp}) by sequence parallelism."
+                ),
+                lambda s: f"choose a sequence length divisible by CP x TP = {s.cp * s.tp}.",
+            ),
+            Rule(
+                "model.hierarchical_context_parallel_sizes",
+                _bad_hierarchy,
+                lambda s: (
+                    f"a2a+p2p needs [a2a size, p2p size] whose product is "
+                    f"context_parallel_size ({s.cp})."
+                ),
+                lambda s: (
+                    f"e.g. model.hierarchical_context_parallel_sizes=[2,{s.cp // 2}] (a2a "
+                    "inside pairs of CP ranks, the ring across them)."
+                ),
+            ),
+            Rule(
+                "model.cp_comm_type",
+                lambda s: (
+                    s.resolved["cp_comm_type"] in ("a2a", "a2a+p2p")
+                    and any(n % _a2a_heads(s)[0] for n in _a2a_heads(s)[1:])
+                ),
+                lambda s: (
+                    "the all-to-all trades sequence for heads: a TP rank's {1} attention "
+                    "heads and {2} query groups must be divisible by its size ({0}).".format(
+                        *_a2a_heads(s)
+                    )
+                ),
+                "use model.cp_comm_type=p2p or all_gather, or a CP size dividing the heads.",
+            ),
+        ),
+    ),
+    Switch(
+        "model.cp_comm_overlap",
+        lambda s: (
             True,
-            "overlap_p2p_comm and batch_p2p_comm cannot both be on (overlapped p2p is unbatched).",
-            "set one of them to false, or leave both unset for the PP rule.",
-        )
-    r["defer_embedding_wgrad_compute"] = _choose(
-        log,
-        "model.defer_embedding_wgrad_compute",
-        ask("defer_embedding_wgrad_compute"),
-        False,
-        DEFAULT,
-        "off unless requested",
-    )
-    r["wgrad_deferral_limit"] = _choose(
-        log,
-        "model.wgrad_deferral_limit",
-        ask("wgrad_deferral_limit"),
-        -1,
-        DEFAULT,
-        "Bridge auto default",
-    )
+            f"{s.resolved['cp_comm_type']}: block k+1's keys and values travel while block k's "
+            "attention computes",
+        ),
+        RULE,
+        fixed=_cp_overlap_fixed,
+        noops=(
+            Rule(
+                "model.cp_comm_overlap",
+                lambda s: (
+                    s.cp > 1 and s.resolved["cp_comm_type"] not in _RING and s.model.cp_comm_overlap
+                ),
+                lambda s: (
+                    f"cp_comm_type={s.resolved['cp_comm_type']} exchanges keys and values "
+                    "in one collective before attention: there is no ring to overlap"
+                ),
+                "use model.cp_comm_type=p2p, or drop model.cp_comm_overlap.",
+                True,
+            ),
+        ),
+    ),
+)
 
 
-def _ep_overlap_prerequisites(
-    model: ModelConfig, precision: Precision
-) -> list[tuple[str, Any, bool, str, str]]:
-    """(field, value, ok, why, fix) for every prerequisite of the MoE expert-parallel overlap (the
-    asserts of Megatron-Bridge's CommOverlapConfig, which mirror Megatron-Core's
-    TransformerConfig.__post_init__)."""
-    modules = model.recompute_modules or []
-    torch_ok = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
-    scope = _graph_scope(model) if model.cuda_graph_impl == "transformer_engine" else set()
-    return [
-        (
-            "model.expert_model_parallel_size",
-            model.expert_model_parallel_size,
-            model.expert_model_parallel_size > 1,
-            "EP overlap is only supported when expert_model_parallel_size > 1.",
-            "use -ep 2 or more.",
-        ),
-        (
-            "model.num_moe_experts",
-            model.num_moe_experts,
-            (model.num_moe_experts or 0) > 1,
-            "EP overlap is only supported when num_moe_experts > 1.",
-            "use a MoE recipe (e.g. -mr qwen3_moe_tiny).",
-        ),
-        (
-            "model.moe_token_dispatcher_type",
-            model.moe_token_dispatcher_type,
-            model.moe_token_dispatcher_type in ("alltoall", "flex"),
-            "EP overlap is only supported when moe_token_dispatcher_type == 'alltoall' or 'flex'.",
-            "set model.moe_token_dispatcher_type=alltoall.",
-        ),
-        (
-            "model.bf16",
-            precision.bf16,
-            precision.bf16 or precision.fp16,
-            "EP overlap is only supported when using bf16 or fp16 models.",
-            "use -c bf16 (mixed_precision=bf16_mixed).",
-        ),
-        (
-            "torch",
-            torch.__version__,
-            torch_ok,
-            "A2A overlap encounters hang issue with torch version < 2.6.0.",
-            "install torch >= 2.6.",
-        ),
-        (
-            "model.virtual_pipeline_model_parallel_size",
-            model.virtual_pipeline_model_parallel_size,
-            model.pipeline_model_parallel_size == 1
-            or model.virtual_pipeline_model_parallel_size is not None,
-            "virtual_pipeline_model_parallel_size must be specified when "
-            "pipeline_model_parallel_size > 1 (PP without VPP cannot interleave the overlap "
-            "schedule).",
-            "set -vp 2 (or more), or -pp 1.",
-        ),
-        (
-            "model.recompute_granularity",
-            model.recompute_granularity,
-            model.recompute_granularity != "full",
-            "disable full recomputation when enabling overlap_moe_expert_parallel_comm.",
-            "use recompute_granularity=selective (without 'moe') or no recompute.",
-        ),
-        (
-            "model.recompute_method",
-            model.recompute_method,
-            model.recompute_method is None,
-            "disable recomputation method when enabling overlap_moe_expert_parallel_comm.",
-            "set model.recompute_method=null.",
-        ),
-        (
-            "model.recompute_num_layers",
-            model.recompute_num_layers,
-            model.recompute_num_layers is None,
-            "recompute_num_layers must be None when enabling overlap_moe_expert_parallel_comm.",
-            "set model.recompute_num_layers=null.",
-        ),
-        (
-            "model.recompute_modules",
-            model.recompute_modules,
-            "moe" not in modules,
-            "disable moe in recompute_modules when enabling overlap_moe_expert_parallel_comm.",
-            "remove 'moe' from recompute_modules.",
-        ),
-        (
-            "model.moe_shared_expert_overlap",
-            model.moe_shared_expert_overlap,
-            not model.moe_shared_expert_overlap,
-            "disable moe_shared_expert_overlap when enabling overlap_moe_expert_parallel_comm "
-            "(they conflict).",
-            "set model.moe_shared_expert_overlap=false.",
-        ),
-        (
-            "model.mtp_num_layers",
-            model.mtp_num_layers,
-            model.mtp_num_layers in (None, 0, 1),
-            "MTP supports at most one layer when enabling overlap_moe_expert_parallel_comm.",
-            "set model.mtp_num_layers to 0 or 1.",
-        ),
-        (
-            "model.cuda_graph_scope",
-            model.cuda_graph_scope,
-            not (scope & {"moe", "mlp"}),
-            "CUDA-graph scope must not cover 'moe' or 'mlp' with EP overlap (the schedule splits "
-            "those parts).",
-            "drop moe/mlp from cuda_graph_scope.",
-        ),
-    ]
-
-
+# --- expert parallelism ---------------------------------------------------------------------------
 def _graph_scope(model: ModelConfig) -> set[str]:
     """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (as
     the delay_wgrad_compute checks of Megatron-Bridge's CommOverlapConfig read it)."""
@@ -670,128 +505,186 @@ def _graph_scope(model: ModelConfig) -> set[str]:
     return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
 
 
-def _resolve_moe(
-    ask: Ask, model: ModelConfig, precision: Precision, log: DecisionLog, dp_size: int, r: Resolved
-) -> None:
-    ep_on = _choose(
-        log,
-        "model.overlap_moe_expert_parallel_comm",
-        ask("overlap_moe_expert_parallel_comm"),
-        False,
-        DEFAULT,
-        "off unless requested",
+def _graphed_wgrads(s: _Run) -> bool:
+    """delay_wgrad_compute under CUDA graphs that capture weight-gradient GEMMs: attention's, or
+    the router's when a shared expert runs outside the overlap (whatever cuda_graph_impl says, as
+    the reference checks it)."""
+    m, scope = s.model, _graph_scope(s.model)
+    return "attn" in scope or (
+        "moe_router" in scope
+        and m.moe_shared_expert_intermediate_size is not None
+        and not m.moe_shared_expert_overlap
     )
-    if ep_on:
-        per_stage = model.tensor_model_parallel_size * model.context_parallel_size * dp_size
-        for field, value, ok, why, fix in _ep_overlap_prerequisites(model, precision):
-            if not ok:
-                if field == "model.expert_model_parallel_size" and per_stage < 2:
-                    # -ep 2 is impossible here: experts are carved out of the ranks of one pipeline
-                    # stage.
-                    fix = (
-                        "expert parallelism needs at least 2 ranks per pipeline stage and this "
-                        "layout has "
-                        f"{per_stage}: use -ng 2 -ep 2 or more, or drop --moe_a2a_overlap / "
-                        "comm_overlap.overlap_moe_expert_parallel_comm."
-                    )
-                raise ConfigError(field, value, why, fix)
-    r["overlap_moe_expert_parallel_comm"] = ep_on
 
-    delay = ask("delay_wgrad_compute")
-    if delay.value:
-        if not ep_on:
-            section = delay.spelling.split(".")[0]
-            raise ConfigError(
-                delay.spelling,
-                True,
-                "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute.",
-                f"also set {section}.overlap_moe_expert_parallel_comm=true, or drop delay_wgrad.",
-            )
-        scope = _graph_scope(model)  # checked whatever cuda_graph_impl says, as the reference
-        attn = "attn" in scope
-        router = (
-            "moe_router" in scope
-            and model.moe_shared_expert_intermediate_size is not None
-            and not model.moe_shared_expert_overlap
-        )
-        if (attn or router) and not model.gradient_accumulation_fusion:
-            raise ConfigError(
-                "model.gradient_accumulation_fusion",
-                False,
-                "CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion (the "
-                "captured weight-gradient GEMMs need static memory addresses).",
-                "set model.gradient_accumulation_fusion=true or remove attn/moe_router from "
-                "cuda_graph_scope.",
-            )
-        if attn and (model.add_bias_linear or model.add_qkv_bias):
-            raise ConfigError(
-                "model.add_bias_linear" if model.add_bias_linear else "model.add_qkv_bias",
-                True,
-                "CUDA graph with delay_wgrad_compute does not support attention bias for now.",
-                "set model.add_bias_linear=false and model.add_qkv_bias=false.",
-            )
-    r["delay_wgrad_compute"] = _choose(
-        log,
-        "model.delay_wgrad_compute",
-        ask("delay_wgrad_compute"),
-        False,
-        DEFAULT,
-        "off unless requested",
+
+def _ep_size_fix(s: _Run) -> str:
+    per_stage = s.tp * s.cp * s.dp_size
+    if per_stage >= 2:
+        return "use -ep 2 or more."
+    # -ep 2 is impossible here: experts are carved out of the ranks of one pipeline stage.
+    return (
+        "expert parallelism needs at least 2 ranks per pipeline stage and this layout has "
+        f"{per_stage}: use -ng 2 -ep 2 or more, or drop --moe_a2a_overlap / "
+        "comm_overlap.overlap_moe_expert_parallel_comm."
     )
-    shared = model.moe_shared_expert_overlap
-    if model.is_moe:
-        if shared and not model.moe_shared_expert_intermediate_size:
-            shared = log.record(
-                "model.moe_shared_expert_overlap",
-                True,
-                False,
-                RULE,
-                "the model has no shared expert (moe_shared_expert_intermediate_size is not set): "
-                "nothing to overlap",
-                fix="set model.moe_shared_expert_intermediate_size, or drop "
-                "moe_shared_expert_overlap.",
-            )
-        elif shared and model.moe_token_dispatcher_type == "flex":
-            shared = log.record(
-                "model.moe_shared_expert_overlap",
-                True,
-                False,
-                RULE,
-                "the flex dispatcher does not support shared-expert overlap",
-                fix="use moe_token_dispatcher_type=alltoall, or drop moe_shared_expert_overlap.",
-            )
-        elif shared is None:
-            shared = log.record(
-                "model.moe_shared_expert_overlap", None, False, DEFAULT, "off unless requested"
-            )
-        else:
-            log.record(
-                "model.moe_shared_expert_overlap",
-                shared,
-                shared,
-                MODEL_CONFIG,
-                "shared expert computes under the dispatch/combine all-to-all"
-                if shared
-                else "requested off",
-            )
-    r["moe_shared_expert_overlap"] = bool(shared)
-    if model.is_moe:
-        _record_expert_capacity(model, log)
-        if model.moe_router_force_load_balancing:
-            log.record(
-                "model.moe_router_force_load_balancing",
-                True,
-                True,
-                MODEL_CONFIG,
-                "benchmark mode: the router routes by random logits (their gradient passes "
-                "straight through to the real ones), so every expert gets about the same rows; the "
-                "model does not learn to route - for measuring, not for training",
-            )
 
 
-def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
-    """Dropless routing or an expert capacity, said in the table with what it does to the dispatch:
-    only variable shapes need the split-size exchange, the per-layer rendezvous of the EP ranks."""
+def _delay_spelling(s: _Run) -> str:
+    """The spelling delay_wgrad_compute was requested under (its errors name what was typed)."""
+    return request(s.sections, "comm_overlap.delay_wgrad_compute").spelling
+
+
+def _torch_below_2_6(_: _Run) -> bool:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
+
+
+_EP_ON = "when enabling overlap_moe_expert_parallel_comm"
+# The prerequisites of the MoE expert-parallel overlap: the asserts of Megatron-Bridge's
+# CommOverlapConfig, which mirror Megatron-Core's TransformerConfig.__post_init__ (always errors).
+_EP_OVERLAP_NEEDS = (
+    Rule(
+        "model.expert_model_parallel_size",
+        lambda s: s.ep <= 1,
+        "EP overlap is only supported when expert_model_parallel_size > 1.",
+        _ep_size_fix,
+    ),
+    Rule(
+        "model.num_moe_experts",
+        lambda s: (s.model.num_moe_experts or 0) <= 1,
+        "EP overlap is only supported when num_moe_experts > 1.",
+        "use a MoE recipe (e.g. -mr qwen3_moe_tiny).",
+    ),
+    Rule(
+        "model.moe_token_dispatcher_type",
+        lambda s: s.model.moe_token_dispatcher_type not in ("alltoall", "flex"),
+        "EP overlap is only supported when moe_token_dispatcher_type == 'alltoall' or 'flex'.",
+        "set model.moe_token_dispatcher_type=alltoall.",
+    ),
+    Rule(
+        "model.bf16",
+        lambda s: not (s.precision.bf16 or s.precision.fp16),
+        "EP overlap is only supported when using bf16 or fp16 models.",
+        "use -c bf16 (mixed_precision=bf16_mixed).",
+        lambda s: s.precision.bf16,
+    ),
+    Rule(
+        "torch",
+        _torch_below_2_6,
+        "A2A overlap encounters hang issue with torch version < 2.6.0.",
+        "install torch >= 2.6.",
+        lambda _: torch.__version__,
+    ),
+    Rule(
+        "model.virtual_pipeline_model_parallel_size",
+        lambda s: s.pp != 1 and s.model.virtual_pipeline_model_parallel_size is None,
+        "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size "
+        "> 1 (PP without VPP cannot interleave the overlap schedule).",
+        "set -vp 2 (or more), or -pp 1.",
+    ),
+    Rule(
+        "model.recompute_granularity",
+        lambda s: s.model.recompute_granularity == "full",
+        f"disable full recomputation {_EP_ON}.",
+        "use recompute_granularity=selective (without 'moe') or no recompute.",
+    ),
+    Rule(
+        "model.recompute_method",
+        lambda s: s.model.recompute_method is not None,
+        f"disable recomputation method {_EP_ON}.",
+        "set model.recompute_method=null.",
+    ),
+    Rule(
+        "model.recompute_num_layers",
+        lambda s: s.model.recompute_num_layers is not None,
+        f"recompute_num_layers must be None {_EP_ON}.",
+        "set model.recompute_num_layers=null.",
+    ),
+    Rule(
+        "model.recompute_modules",
+        lambda s: "moe" in (s.model.recompute_modules or []),
+        f"disable moe in recompute_modules {_EP_ON}.",
+        "remove 'moe' from recompute_modules.",
+    ),
+    Rule(
+        "model.moe_shared_expert_overlap",
+        lambda s: s.model.moe_shared_expert_overlap,
+        f"disable moe_shared_expert_overlap {_EP_ON} (they conflict).",
+        "set model.moe_shared_expert_overlap=false.",
+    ),
+    Rule(
+        "model.mtp_num_layers",
+        lambda s: s.model.mtp_num_layers not in (None, 0, 1),
+        f"MTP supports at most one layer {_EP_ON}.",
+        "set model.mtp_num_layers to 0 or 1.",
+    ),
+    Rule(
+        "model.cuda_graph_scope",
+        lambda s: (
+            s.model.cuda_graph_impl == "transformer_engine"
+            and _graph_scope(s.model) & {"moe", "mlp"}
+        ),
+        "CUDA-graph scope must not cover 'moe' or 'mlp' with EP overlap (the schedule splits "
+        "those parts).",
+        "drop moe/mlp from cuda_graph_scope.",
+    ),
+)
+_DELAY_WGRAD_NEEDS = (
+    Rule(
+        _delay_spelling,
+        lambda s: not s.resolved["overlap_moe_expert_parallel_comm"],
+        "overlap_moe_expert_parallel_comm is required for delay_wgrad_compute.",
+        lambda s: (
+            f"also set {_delay_spelling(s).split('.')[0]}.overlap_moe_expert_parallel_comm="
+            "true, or drop delay_wgrad."
+        ),
+        True,
+    ),
+    Rule(
+        "model.gradient_accumulation_fusion",
+        lambda s: _graphed_wgrads(s) and not s.model.gradient_accumulation_fusion,
+        "CUDA graph with delay_wgrad_compute requires gradient_accumulation_fusion (the captured "
+        "weight-gradient GEMMs need static memory addresses).",
+        "set model.gradient_accumulation_fusion=true or remove attn/moe_router from "
+        "cuda_graph_scope.",
+        False,
+    ),
+    Rule(
+        lambda s: "model.add_bias_linear" if s.model.add_bias_linear else "model.add_qkv_bias",
+        lambda s: (
+            "attn" in _graph_scope(s.model) and (s.model.add_bias_linear or s.model.add_qkv_bias)
+        ),
+        "CUDA graph with delay_wgrad_compute does not support attention bias for now.",
+        "set model.add_bias_linear=false and model.add_qkv_bias=false.",
+        True,
+    ),
+)
+_MOE = (
+    Switch("model.overlap_moe_expert_parallel_comm", needs=_EP_OVERLAP_NEEDS),
+    Switch("model.delay_wgrad_compute", needs=_DELAY_WGRAD_NEEDS),
+)
+_SHARED_EXPERT = Switch(
+    "model.moe_shared_expert_overlap",
+    off=(
+        (
+            lambda s: not s.model.moe_shared_expert_intermediate_size,
+            "the model has no shared expert (moe_shared_expert_intermediate_size is not set): "
+            "nothing to overlap",
+            "set model.moe_shared_expert_intermediate_size, or drop moe_shared_expert_overlap.",
+        ),
+        (
+            lambda s: s.model.moe_token_dispatcher_type == "flex",
+            "the flex dispatcher does not support shared-expert overlap",
+            "use moe_token_dispatcher_type=alltoall, or drop moe_shared_expert_overlap.",
+        ),
+    ),
+    asked=("shared expert computes under the dispatch/combine all-to-all", "requested off"),
+)
+
+
+def _record_moe_routing(model: ModelConfig, log: DecisionLog) -> None:
+    """Dropless routing or an expert capacity, said in the table with what it does to the dispatch
+    (only variable shapes need the split-size exchange, the per-layer rendezvous of the EP ranks),
+    and the benchmark router."""
     factor = model.moe_expert_capacity_factor
     rank_factor = model.moe_expert_rank_capacity_factor
     if rank_factor is not None:
@@ -805,14 +698,12 @@ def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
             "expert (static shapes: no split-size exchange, no host read of split sizes); the "
             "grouped GEMM runs on the padded rows. A block that overflows is counted on the "
             "device, the count rides the step's loss and grad-norm reductions, and a step where "
-            "any rank overflowed is re-run "
-            "dropless before the optimizer applies anything (exact: the dropless step's result; "
-            "each re-run costs one more forward-backward, logged per iteration). Memory: "
-            f"{rank_factor} x tokens x top-k dispatched rows per MoE layer and micro-batch "
-            f"({rank_factor}x the dropless average); a factor >= EP never overflows",
+            "any rank overflowed is re-run dropless before the optimizer applies anything (exact: "
+            "the dropless step's result; each re-run costs one more forward-backward, logged per "
+            f"iteration). Memory: {rank_factor} x tokens x top-k dispatched rows per MoE layer and "
+            f"micro-batch ({rank_factor}x the dropless average); a factor >= EP never overflows",
         )
-        return
-    if factor is None:
+    elif factor is None:
         log.record(
             "model.moe_expert_capacity_factor",
             None,
@@ -822,175 +713,212 @@ def _record_expert_capacity(model: ModelConfig, log: DecisionLog) -> None:
             "MoE layer and micro-batch (ep_counts), each read on the host (a sync on a GPU; "
             "model.moe_expert_rank_capacity_factor keeps dropless results without the read)",
         )
-        return
-    dropped = (
-        "the lowest router weights"
-        if model.moe_token_drop_policy == "probs"
-        else "the latest tokens"
-    )
-    shapes = (
-        "padded to capacity (moe_pad_expert_input_to_capacity): static shapes, no split-size "
-        "exchange"
-        if model.moe_pad_expert_input_to_capacity
-        else "not padded: shapes still vary, so the split sizes are still exchanged (add "
-        "model.moe_pad_expert_input_to_capacity=true for static shapes)"
-    )
-    log.record(
-        "model.moe_expert_capacity_factor",
-        factor,
-        factor,
-        MODEL_CONFIG,
-        f"each expert takes at most ceil(tokens x top-k / experts x {factor}) rows from each rank; "
-        "rows past "
-        f"it are dropped, {dropped} first (moe_token_drop_policy={model.moe_token_drop_policy}); "
-        f"{shapes}",
-    )
-
-
-def _resolve_dp(
-    ask: Ask,
-    model: ModelConfig,
-    ddp: DDPConfig,
-    optimizer: OptimizerConfig,
-    dp_size: int,
-    log: DecisionLog,
-    r: Resolved,
-) -> None:
-    dist = request({"ddp": ddp, "optimizer": optimizer}, "ddp.use_distributed_optimizer")
-    if dist.value and not (ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer):
-        which = "ddp" if not ddp.use_distributed_optimizer else "optimizer"
+    else:
+        probs = model.moe_token_drop_policy == "probs"
+        shapes = (
+            "padded to capacity (moe_pad_expert_input_to_capacity): static shapes, no split-size "
+            "exchange"
+            if model.moe_pad_expert_input_to_capacity
+            else "not padded: shapes still vary, so the split sizes are still exchanged (add "
+            "model.moe_pad_expert_input_to_capacity=true for static shapes)"
+        )
         log.record(
-            f"{which}.use_distributed_optimizer",
+            "model.moe_expert_capacity_factor",
+            factor,
+            factor,
+            MODEL_CONFIG,
+            f"each expert takes at most ceil(tokens x top-k / experts x {factor}) rows from each "
+            f"rank; rows past it are dropped, "
+            f"{'the lowest router weights' if probs else 'the latest tokens'} first "
+            f"(moe_token_drop_policy={model.moe_token_drop_policy}); {shapes}",
+        )
+    if model.moe_router_force_load_balancing:
+        log.record(
+            "model.moe_router_force_load_balancing",
+            True,
+            True,
+            MODEL_CONFIG,
+            "benchmark mode: the router routes by random logits (their gradient passes straight "
+            "through to the real ones), so every expert gets about the same rows; the model does "
+            "not learn to route - for measuring, not for training",
+        )
+
+
+# --- data parallelism -----------------------------------------------------------------------------
+def _agree_distributed_optimizer(run: _Run) -> None:
+    """The distributed optimizer is on when either spelling is (Bridge's rule): the plan's
+    `use_distributed_optimizer`, which the runtime reads; both spellings stay as typed, and the one
+    left false is a decision row."""
+    ddp, optimizer = run.sections["ddp"], run.sections["optimizer"]
+    run.dist_opt = bool(request(run.sections, "ddp.use_distributed_optimizer").value)
+    run.sharded = run.many and run.dist_opt
+    if run.dist_opt and not (ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer):
+        run.log.record(
+            f"{'ddp' if not ddp.use_distributed_optimizer else 'optimizer'}"
+            ".use_distributed_optimizer",
             None,
             True,
             RULE,
             "the distributed optimizer is on in one of ddp/optimizer; both must agree",
         )
-        # the home holds what runs (the runtime reads ddp's); the alias stays as typed
-        ddp.use_distributed_optimizer = True
-    dist_opt = bool(dist.value)
-    pp, vp = model.pipeline_model_parallel_size, model.virtual_pipeline_model_parallel_size or 1
-    many = dp_size > 1
+    run.resolved["use_distributed_optimizer"] = run.dist_opt
 
-    # overlap_grad_reduce: Bridge turns it on only for DP>1 with the distributed optimizer; we
-    # honour an explicit request without the distributed optimizer too (bucketed all-reduce instead
-    # of reduce-scatter).
-    want = ask("overlap_grad_reduce").value
-    if want and not many:
-        r["overlap_grad_reduce"] = log.record(
-            "ddp.overlap_grad_reduce",
-            want,
-            False,
-            RULE,
-            "DP=1: there is no gradient reduction to overlap",
-            fix="use more data-parallel ranks, or do not request it.",
-        )
-    else:
-        r["overlap_grad_reduce"] = _choose(
-            log,
-            "ddp.overlap_grad_reduce",
-            ask("overlap_grad_reduce"),
-            many and dist_opt,
-            RULE,
-            "DP>1 with the distributed optimizer"
-            if many and dist_opt
-            else "DP=1"
-            if not many
-            else "DP defaults apply only with the distributed optimizer (as Bridge)",
-        )
 
-    want = ask("overlap_param_gather").value
-    if want and not (many and dist_opt):
-        why = (
-            "DP=1: no parameter gather"
-            if not many
-            else "parameters are only gathered with the distributed optimizer"
-        )
-        r["overlap_param_gather"] = log.record(
-            "ddp.overlap_param_gather",
-            want,
-            False,
-            RULE,
-            why,
-            fix="set ddp.use_distributed_optimizer=true with DP>1.",
-        )
-    else:
-        r["overlap_param_gather"] = _choose(
-            log,
-            "ddp.overlap_param_gather",
-            ask("overlap_param_gather"),
-            many and dist_opt,
-            RULE,
-            "DP>1 with the distributed optimizer"
-            if many and dist_opt
-            else "no distributed parameter gather",
-        )
+_SHARDED = "DP>1 with the distributed optimizer"
 
-    r["align_param_gather"] = _choose(
-        log,
-        "ddp.align_param_gather",
-        ask("align_param_gather"),
-        many and dist_opt and pp > 1 and vp > 1,
+
+def _reduce_rule(s: _Run) -> tuple[bool, str]:
+    if s.sharded:
+        return True, _SHARDED
+    if not s.many:
+        return False, "DP=1"
+    return False, "DP defaults apply only with the distributed optimizer (as Bridge)"
+
+
+def _bucket_rule(s: _Run) -> tuple[int | None, str]:
+    if s.sharded:
+        return BRIDGE_DP_BUCKET_SIZE, f"{_SHARDED}: 128M parameters (Bridge)"
+    if s.resolved["overlap_grad_reduce"]:
+        bucket = max(40_000_000, 1_000_000 * s.dp_size)
+        return bucket, "overlapped reduce: Megatron DDP default bucket"
+    return None, "no overlapped reduce: one bucket"
+
+
+_DP = (
+    # Bridge turns the overlapped reduce on only for DP>1 with the distributed optimizer; we honour
+    # an explicit request without it too (bucketed all-reduce instead of reduce-scatter).
+    Switch(
+        "ddp.overlap_grad_reduce",
+        _reduce_rule,
         RULE,
-        "all PP stages launch the param gather together with VPP"
-        if many and dist_opt and pp > 1 and vp > 1
-        else "only with DP>1, distributed optimizer, PP>1 and VPP",
-    )
-
-    if many and dist_opt:
-        auto, why = (
-            BRIDGE_DP_BUCKET_SIZE,
-            "DP>1 with the distributed optimizer: 128M parameters (Bridge)",
-        )
-    elif r["overlap_grad_reduce"]:
-        auto, why = (
-            max(40_000_000, 1_000_000 * dp_size),
-            "overlapped reduce: Megatron DDP default bucket",
-        )
-    else:
-        auto, why = None, "no overlapped reduce: one bucket"
-    bucket = _choose(log, "ddp.bucket_size", ask("bucket_size"), auto, RULE, why)
-    if bucket is not None and bucket < 1:
-        raise ConfigError(
-            "ddp.bucket_size",
-            bucket,
-            "a bucket holds at least one parameter.",
-            "use a positive count of parameters (not bytes), or null for one bucket.",
-        )
-    r["bucket_size"] = bucket
-
-    want = ask("overlap_param_gather_with_optimizer_step").value
-    if want and not (dist_opt and pp > 1 and vp > 1):
-        r["overlap_param_gather_with_optimizer_step"] = log.record(
-            "optimizer.overlap_param_gather_with_optimizer_step",
-            want,
-            False,
-            RULE,
-            "needs the distributed optimizer with PP>1 and VPP",
-            fix="use it only with -pp >1 -vp >1 and the distributed optimizer.",
-        )
-    else:
-        r["overlap_param_gather_with_optimizer_step"] = _choose(
-            log,
-            "optimizer.overlap_param_gather_with_optimizer_step",
-            ask("overlap_param_gather_with_optimizer_step"),
-            False,
-            DEFAULT,
-            "never turned on automatically",
-        )
-    if r["overlap_param_gather_with_optimizer_step"]:
+        off=(
+            (
+                lambda s: not s.many,
+                "DP=1: there is no gradient reduction to overlap",
+                "use more data-parallel ranks, or do not request it.",
+            ),
+        ),
+    ),
+    Switch(
+        "ddp.overlap_param_gather",
+        lambda s: (s.sharded, _SHARDED if s.sharded else "no distributed parameter gather"),
+        RULE,
+        off=(
+            (
+                lambda s: not s.many,
+                "DP=1: no parameter gather",
+                "set ddp.use_distributed_optimizer=true with DP>1.",
+            ),
+            (
+                lambda s: not s.dist_opt,
+                "parameters are only gathered with the distributed optimizer",
+                "set ddp.use_distributed_optimizer=true with DP>1.",
+            ),
+        ),
+    ),
+    Switch(
+        "ddp.align_param_gather",
+        lambda s: (
+            (True, "all PP stages launch the param gather together with VPP")
+            if s.sharded and s.interleaved
+            else (False, "only with DP>1, distributed optimizer, PP>1 and VPP")
+        ),
+        RULE,
+    ),
+    Switch(
+        "ddp.bucket_size",
+        _bucket_rule,
+        RULE,
+        checks=(
+            Rule(
+                "ddp.bucket_size",
+                lambda s: s.resolved["bucket_size"] is not None and s.resolved["bucket_size"] < 1,
+                "a bucket holds at least one parameter.",
+                "use a positive count of parameters (not bytes), or null for one bucket.",
+                lambda s: s.resolved["bucket_size"],
+            ),
+        ),
+    ),
+    Switch(
+        "optimizer.overlap_param_gather_with_optimizer_step",
+        lambda _: (False, "never turned on automatically"),
+        off=(
+            (
+                lambda s: not (s.dist_opt and s.interleaved),
+                "needs the distributed optimizer with PP>1 and VPP",
+                "use it only with -pp >1 -vp >1 and the distributed optimizer.",
+            ),
+        ),
         # Megatron launches the first bucket's gather inside the optimizer step only with this
-        # switch; our overlapped gather always does (data_parallel/param_gather.py), and without it
-        # gathers right after the step.
-        already = (
-            "ddp.overlap_param_gather already launches the first bucket's all-gather inside the "
-            "optimizer step"
-            if r["overlap_param_gather"]
-            else "without ddp.overlap_param_gather every bucket is gathered right after the step"
+        # switch; our overlapped gather always does (data_parallel/param_gather.py), and without
+        # it gathers right after the step.
+        noops=(
+            Rule(
+                "optimizer.overlap_param_gather_with_optimizer_step",
+                lambda s: s.resolved["overlap_param_gather_with_optimizer_step"],
+                lambda s: (
+                    "ddp.overlap_param_gather already launches the first bucket's "
+                    "all-gather inside the optimizer step"
+                    if s.resolved["overlap_param_gather"]
+                    else "without ddp.overlap_param_gather every bucket is gathered right "
+                    "after the step"
+                ),
+                "drop it: ddp.overlap_param_gather=true gives the overlap it asks for.",
+                True,
+            ),
+        ),
+    ),
+)
+
+# --- switches left on that cannot do anything in this layout --------------------------------------
+# (the model-dependent ones, such as a DP overlap with a single bucket, are found by
+# `overlap.training.dp_overlap_noops`)
+_NOOPS = (
+    *(
+        Rule(
+            f"model.{name}",
+            lambda s, name=name: s.cp == 1 and getattr(s.model, name) not in (None, False),
+            "CP=1: the sequence is not split, there is no context-parallel exchange",
+            "use -cp 2 or more, or drop it.",
         )
-        log.noop(
-            "optimizer.overlap_param_gather_with_optimizer_step",
+        for name in ("cp_comm_type", "cp_comm_overlap", "hierarchical_context_parallel_sizes")
+    ),
+    Rule(
+        "model.moe_shared_expert_overlap",
+        lambda s: s.resolved["moe_shared_expert_overlap"] and s.ep == 1,
+        "EP=1: every token stays on its rank, so there is no dispatch/combine all-to-all for the "
+        "shared expert to compute under",
+        "use -ep 2 or more, or drop moe_shared_expert_overlap.",
+        True,
+    ),
+    *(
+        Rule(
+            f"model.{name}",
+            lambda s, name=name: s.pp == 1 and s.resolved.get(name, getattr(s.model, name)),
+            "PP=1: there is no pipeline send/receive",
+            "use -pp 2 or more, or drop it.",
             True,
-            already,
-            "drop it: ddp.overlap_param_gather=true gives the overlap it asks for.",
         )
+        for name in ("overlap_p2p_comm", "batch_p2p_comm", "deallocate_pipeline_outputs")
+    ),
+    Rule(
+        "ddp.align_param_gather",
+        lambda s: s.resolved["align_param_gather"] and not (s.sharded and s.interleaved),
+        "it aligns the parameter gathers of pipeline stages, which needs DP>1, the distributed "
+        "optimizer, PP>1 and VPP",
+        "drop ddp.align_param_gather.",
+        True,
+    ),
+    Rule(
+        "ddp.align_param_gather",
+        lambda s: (
+            s.resolved["align_param_gather"]
+            and s.sharded
+            and s.interleaved
+            and not s.resolved["overlap_param_gather"]
+        ),
+        "without ddp.overlap_param_gather every parameter gather runs at the optimizer step anyway",
+        "set ddp.overlap_param_gather=true, or drop ddp.align_param_gather.",
+        True,
+    ),
+)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -26,7 +26,6 @@ from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.kernel_choices import resolve_kernels
-from overlap.config.layout import ParallelLayout
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
     MixedPrecisionConfig,
@@ -35,8 +34,7 @@ from overlap.config.mixed_precision import (
     resolve_precision,
 )
 from overlap.config.model import ModelConfig
-from overlap.config.pipeline_layout import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
-from overlap.config.refusals import unbuilt
+from overlap.config.refusals import one_of
 from overlap.config.training import (
     DatasetConfig,
     DDPConfig,
@@ -45,9 +43,11 @@ from overlap.config.training import (
     TokenizerConfig,
     TrainConfig,
 )
-from overlap.errors import ConfigError, NotBuiltError
+from overlap.errors import ConfigError, Rule, check_rules
 from overlap.kernels import Kernels
 from overlap.kernels.device import probe_device
+from overlap.layout import ParallelLayout
+from overlap.layout.pipeline import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 
 _log = logging.getLogger("overlap.config")
 
@@ -166,8 +166,6 @@ class ConfigContainer:
         layout = self._layout(world_size, log)
         self._apply_pipeline_layout(layout, log)
         self._apply_data(layout, log, pretrained_vocab)
-        if self.comm_overlap is not None:
-            self.comm_overlap.data_parallel_size = layout.dp
         plan = resolve_comm_overlap(
             self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout.dp, log
         )
@@ -183,43 +181,40 @@ class ConfigContainer:
     # --- stages -----------------------------------------------------------------------------------
     def _apply_tokenizer(self) -> None:
         tok = self.tokenizer
-        if tok.tokenizer_type not in ("NullTokenizer", "HuggingFaceTokenizer"):
-            what = unbuilt("tokenizer.tokenizer_type", tok.tokenizer_type)
-            if what:
-                raise NotBuiltError(
+        hf = tok.tokenizer_type == "HuggingFaceTokenizer"
+        check_rules(
+            [
+                one_of(
                     "tokenizer.tokenizer_type",
                     tok.tokenizer_type,
-                    what,
+                    ("NullTokenizer", "HuggingFaceTokenizer"),
+                    "unknown tokenizer type.",
+                    "use NullTokenizer or HuggingFaceTokenizer.",
                     "use tokenizer.tokenizer_type=HuggingFaceTokenizer with a tokenizer.json.",
-                )
-            raise ConfigError(
-                "tokenizer.tokenizer_type",
-                tok.tokenizer_type,
-                "unknown tokenizer type.",
-                "use NullTokenizer or HuggingFaceTokenizer.",
-            )
-        if tok.tokenizer_type == "HuggingFaceTokenizer":
-            if not tok.tokenizer_model:
-                raise ConfigError(
+                ),
+                (
                     "tokenizer.tokenizer_model",
                     tok.tokenizer_model,
+                    not hf or tok.tokenizer_model,
                     "HuggingFaceTokenizer reads a tokenizer.json.",
                     "set --tokenizer_model PATH (a tokenizer.json or its folder).",
-                )
-            if tok.vocab_size is not None:
-                raise ConfigError(
+                ),
+                (
                     "tokenizer.vocab_size",
                     tok.vocab_size,
+                    not hf or tok.vocab_size is None,
                     "the vocabulary comes from the tokenizer; vocab_size is the NullTokenizer's.",
                     "drop --vocab_size.",
-                )
-        elif tok.tokenizer_model:
-            raise ConfigError(
-                "tokenizer.tokenizer_model",
-                tok.tokenizer_model,
-                "the NullTokenizer reads no file.",
-                "set --tokenizer_type HuggingFaceTokenizer, or drop --tokenizer_model.",
-            )
+                ),
+                (
+                    "tokenizer.tokenizer_model",
+                    tok.tokenizer_model,
+                    hf or not tok.tokenizer_model,
+                    "the NullTokenizer reads no file.",
+                    "set --tokenizer_type HuggingFaceTokenizer, or drop --tokenizer_model.",
+                ),
+            ]
+        )
         # the home holds what runs (the NullTokenizer's vocabulary beats the recipe's)
         self.model.vocab_size = request(
             {"model": self.model, "tokenizer": tok}, "model.vocab_size"
@@ -273,9 +268,7 @@ class ConfigContainer:
         fields = {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}
         if theirs.is_moe and not m.is_moe:
             fields["moe_aux_loss_coeff"] = "moe_aux_loss_coeff"
-        before = {
-            name: getattr(m, attr) for name, attr in fields.items()
-        }  # all read before any is changed
+        before = {name: getattr(m, attr) for name, attr in fields.items()}  # read before changing
         for name, attr in fields.items():
             value = getattr(theirs, attr)
             if before[name] != value:
@@ -324,22 +317,26 @@ class ConfigContainer:
             from overlap.data.tokenizer import HFTokenizer, padded_vocab_size
 
             hf = HFTokenizer(tok.tokenizer_model)
-            if m.make_vocab_size_divisible_by < 1:
-                raise ConfigError(
-                    "model.make_vocab_size_divisible_by",
-                    m.make_vocab_size_divisible_by,
-                    "it must be positive.",
-                    "use 128 (Megatron's default).",
-                )
-            if hf_vocab is not None and hf_vocab < hf.vocab_size:
-                raise ConfigError(
-                    "tokenizer.tokenizer_model",
-                    tok.tokenizer_model,
-                    f"this tokenizer has {hf.vocab_size} tokens, but the pretrained checkpoint's "
-                    f"embedding has {hf_vocab} rows (its config.json): larger token ids have no "
-                    "embedding.",
-                    "use the checkpoint's own tokenizer.",
-                )
+            check_rules(
+                [
+                    (
+                        "model.make_vocab_size_divisible_by",
+                        m.make_vocab_size_divisible_by,
+                        m.make_vocab_size_divisible_by >= 1,
+                        "it must be positive.",
+                        "use 128 (Megatron's default).",
+                    ),
+                    (
+                        "tokenizer.tokenizer_model",
+                        tok.tokenizer_model,
+                        hf_vocab is None or hf_vocab >= hf.vocab_size,
+                        f"this tokenizer has {hf.vocab_size} tokens, but the pretrained "
+                        f"checkpoint's embedding has {hf_vocab} rows (its config.json): larger "
+                        "token ids have no embedding.",
+                        "use the checkpoint's own tokenizer.",
+                    ),
+                ]
+            )
             if hf_vocab is not None:
                 # A released checkpoint's embedding has its own (already padded) rows: Qwen3's
                 # 151936 for the tokenizer's 151669 tokens. Padding the tokenizer's count again
@@ -395,9 +392,8 @@ class ConfigContainer:
                 prefix,
                 USER,
                 f"weight {weight / share:.3f}: {end - start} of {len(files)} documents in the "
-                "training "
-                f"split ({data.split}), {tokens:,} tokens ({files.dtype.name}); shuffled with seed "
-                f"{data.random_seed}",
+                f"training split ({data.split}), {tokens:,} tokens ({files.dtype.name}); shuffled "
+                f"with seed {data.random_seed}",
             )
 
     def _apply_mixed_precision(self, log: DecisionLog) -> Precision:
@@ -441,34 +437,36 @@ class ConfigContainer:
         """A pipeline_model_parallel_layout decides VPP (its stages / PP), as Megatron-Core derives
         it; the layout every stage gets (whichever field decided it) is logged for `explain`."""
         m = self.model
-        spec = m.pipeline_model_parallel_layout
-        if spec is not None:
-            found = len(parse_layout(spec, layout.pp)) // layout.pp
-            if found > 1 and layout.pp == 1:
-                raise ConfigError(
+        spec, vpp = m.pipeline_model_parallel_layout, m.virtual_pipeline_model_parallel_size
+        found = 1 if spec is None else len(parse_layout(spec, layout.pp)) // layout.pp
+        check_rules(
+            [
+                (
                     LAYOUT_FIELD,
                     spec,
+                    found == 1 or layout.pp > 1,
                     f"{found} stages need pipeline parallelism (a virtual pipeline of {found} "
                     "chunks needs PP >= 2).",
                     "use -pp with stages = PP x VPP, or one stage for -pp 1.",
-                )
-            if m.virtual_pipeline_model_parallel_size is None and found > 1:
-                m.virtual_pipeline_model_parallel_size = found
-                log.record_in(
-                    "pipeline",
+                ),
+                (
                     "model.virtual_pipeline_model_parallel_size",
-                    None,
-                    found,
-                    RULE,
-                    f"the layout's stages / PP = {found * layout.pp} / {layout.pp}",
-                )
-        vpp = m.virtual_pipeline_model_parallel_size
-        if vpp is not None and (vpp < 1 or layout.pp == 1):
-            raise ConfigError(
+                    vpp,
+                    vpp is None or (vpp >= 1 and layout.pp > 1),
+                    "a virtual pipeline needs pipeline_model_parallel_size > 1 and a size >= 1.",
+                    "use -vp None, or -pp 2 or more.",
+                ),
+            ]
+        )
+        if vpp is None and found > 1:
+            m.virtual_pipeline_model_parallel_size = found
+            log.record_in(
+                "pipeline",
                 "model.virtual_pipeline_model_parallel_size",
-                vpp,
-                "a virtual pipeline needs pipeline_model_parallel_size > 1 and a size >= 1.",
-                "use -vp None, or -pp 2 or more.",
+                None,
+                found,
+                RULE,
+                f"the layout's stages / PP = {found * layout.pp} / {layout.pp}",
             )
         resolved = resolve_pipeline_layout(m, layout.pp)
         if layout.pp > 1 or spec is not None:
@@ -482,222 +480,192 @@ class ConfigContainer:
     def _validate(self, layout: ParallelLayout, plan: OverlapPlan) -> None:
         """Each section's own rules, then those across sections (the first broken one is the
         error)."""
-        self._validate_tp_divisibility(layout)
+        check_rules(self._split_rules(layout))
         self.model.validate()
-        self._validate_model_overlap(plan)
-        self._validate_experts(layout)
-        self._validate_batch(layout)
-        self._validate_pipeline_schedule(layout)
-        self._validate_ep_overlap_batch(layout, plan)
+        check_rules(self._cross_section_rules(layout, plan))
         self.optimizer.validate()
         self.scheduler.validate()
         self.train.validate()
-        self._validate_shared_expert_width(layout)
 
-    def _validate_model_overlap(self, plan: OverlapPlan) -> None:
-        """The model's rules that involve an overlap switch judge its resolved value (the plan's),
-        not the spelling the model section holds."""
-        limit = plan.wgrad_deferral_limit
-        if limit < -1:
-            raise ConfigError(
-                "model.wgrad_deferral_limit",
-                limit,
-                "the deferral limit is -1 (automatic) or a count >= 0.",
-                "use -1.",
-            )
-        modules = self.model.recompute_modules
-        selective = self.model.recompute_granularity == "selective"
-        if selective and "shared_experts" in (modules or ()) and plan.moe_shared_expert_overlap:
-            raise ConfigError(
-                "model.recompute_modules",
-                modules,
-                "shared_experts recompute cannot work with moe_shared_expert_overlap "
-                "(Megatron-Core's rule: the overlap runs the shared expert in two halves around "
-                "the all-to-alls).",
-                "drop shared_experts from recompute_modules, or set "
-                "moe_shared_expert_overlap=false.",
-            )
-
-    def _validate_tp_divisibility(self, layout: ParallelLayout) -> None:
+    def _split_rules(self, layout: ParallelLayout) -> Iterator[Rule]:
         """The sizes tensor parallelism splits must be divisible by it (heads by their groups
         too)."""
-        m, tp = self.model, layout.tp
-
-        def divides(field_name: str, value: int, by: int, by_name: str, fix: str) -> None:
-            if value % by:
-                raise ConfigError(
-                    field_name, value, f"it must be divisible by {by_name} ({by}).", fix
-                )
-
-        if m.kv_channels is None:
-            divides(
+        m, tp, tp_name = self.model, layout.tp, "tensor_model_parallel_size"
+        heads, groups = m.num_attention_heads, m.query_groups
+        for key, value, by, by_name, fix in (
+            (
                 "model.hidden_size",
                 m.hidden_size,
-                m.num_attention_heads,
+                heads if m.kv_channels is None else 1,
                 "num_attention_heads",
                 "pick hidden_size as a multiple of the head count, or set kv_channels.",
-            )
-        divides(
-            "model.num_attention_heads",
-            m.num_attention_heads,
-            tp,
-            "tensor_model_parallel_size",
-            "use a -tp that divides the head count.",
-        )
-        divides(
-            "model.num_attention_heads",
-            m.num_attention_heads,
-            m.query_groups,
-            "num_query_groups",
-            "use num_query_groups that divides num_attention_heads.",
-        )
-        divides(
-            "model.num_query_groups",
-            m.query_groups,
-            tp,
-            "tensor_model_parallel_size",
-            "use a -tp that divides num_query_groups.",
-        )
-        divides(
-            "model.ffn_hidden_size",
-            m.ffn_size,
-            tp,
-            "tensor_model_parallel_size",
-            "use a -tp that divides it.",
-        )
-        divides(
-            "model.vocab_size",
-            m.vocab_size,
-            tp,
-            "tensor_model_parallel_size",
-            "use a vocabulary size divisible by -tp (e.g. --vocab_size rounded up).",
-        )
-        if m.sequence_parallel:
-            divides(
+            ),
+            (
+                "model.num_attention_heads",
+                heads,
+                tp,
+                tp_name,
+                "use a -tp that divides the head count.",
+            ),
+            (
+                "model.num_attention_heads",
+                heads,
+                groups,
+                "num_query_groups",
+                "use num_query_groups that divides num_attention_heads.",
+            ),
+            (
+                "model.num_query_groups",
+                groups,
+                tp,
+                tp_name,
+                "use a -tp that divides num_query_groups.",
+            ),
+            ("model.ffn_hidden_size", m.ffn_size, tp, tp_name, "use a -tp that divides it."),
+            (
+                "model.vocab_size",
+                m.vocab_size,
+                tp,
+                tp_name,
+                "use a vocabulary size divisible by -tp (e.g. --vocab_size rounded up).",
+            ),
+            (
                 "model.seq_length",
                 m.seq_length,
-                tp,
-                "tensor_model_parallel_size (sequence parallel)",
+                tp if m.sequence_parallel else 1,
+                f"{tp_name} (sequence parallel)",
                 "use -sl divisible by -tp.",
-            )
+            ),
+        ):
+            yield key, value, value % by == 0, f"it must be divisible by {by_name} ({by}).", fix
+        shared = m.moe_shared_expert_intermediate_size if m.is_moe else None
+        yield (
+            "model.moe_shared_expert_intermediate_size",
+            shared,
+            not shared or shared % tp == 0,
+            "the shared expert is split over tensor parallelism, so its width must be "
+            f"divisible by tensor_model_parallel_size ({tp}).",
+            "use a multiple of -tp.",
+        )
 
-    def _validate_experts(self, layout: ParallelLayout) -> None:
-        """Experts are sharded over expert parallelism: a MoE model's count must divide, a dense
-        model has none to shard."""
-        m = self.model
-        if not m.is_moe:
-            if layout.ep > 1:
-                raise ConfigError(
-                    "model.expert_model_parallel_size",
-                    layout.ep,
-                    "a dense model has no experts to shard.",
-                    "use -ep 1 or a MoE recipe.",
-                )
-            return
-        if m.num_moe_experts % layout.ep:
-            raise ConfigError(
-                "model.num_moe_experts",
-                m.num_moe_experts,
-                f"it must be divisible by expert_model_parallel_size ({layout.ep}).",
-                "use -ep that divides the expert count.",
-            )
-        if layout.tp > 1 and layout.ep > 1 and not m.sequence_parallel:
-            raise ConfigError(
-                "model.sequence_parallel",
-                False,
-                "when using expert parallelism and tensor parallelism, sequence parallelism must "
-                "be used (as Megatron-Core requires).",
-                "set model.sequence_parallel=true (-tp sets it for you).",
-            )
-
-    def _validate_batch(self, layout: ParallelLayout) -> None:
-        """A global batch of whole micro-batches on every data-parallel rank."""
-        t = self.train
-        if t.micro_batch_size < 1:
-            raise ConfigError(
-                "train.micro_batch_size",
-                t.micro_batch_size,
-                "a micro-batch holds at least one sequence.",
-                "use -mb 1 or more.",
-            )
-        if t.global_batch_size < 1:
-            raise ConfigError(
-                "train.global_batch_size",
-                t.global_batch_size,
-                "a step needs at least one sequence.",
-                f"use -gb {t.micro_batch_size * layout.dp} or a multiple of it.",
-            )
-        if t.global_batch_size % (t.micro_batch_size * layout.dp):
-            raise ConfigError(
-                "train.global_batch_size",
-                t.global_batch_size,
-                f"it must be a multiple of micro_batch_size x data-parallel size = "
-                f"{t.micro_batch_size} x {layout.dp}.",
-                "adjust -gb or -mb.",
-            )
-
-    def _validate_ep_overlap_batch(self, layout: ParallelLayout, plan: OverlapPlan) -> None:
-        t = self.train
-        micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        if plan.overlap_moe_expert_parallel_comm and micro < 2:
-            raise ConfigError(
-                "train.global_batch_size",
-                t.global_batch_size,
-                "EP overlap interleaves the forward of one micro-batch with the backward of "
-                "another, so each data-parallel rank needs at least 2 "
-                f"micro-batches per step (it has {micro}).",
-                f"use -gb >= {2 * t.micro_batch_size * layout.dp} or a smaller -mb.",
-            )
-
-    def _validate_pipeline_schedule(self, layout: ParallelLayout) -> None:
-        """The interleaved schedule's rules (Megatron-Core): micro-batches come in groups of
-        `microbatch_group_size_per_vp_stage` (default PP) per virtual stage, a group size in [PP,
-        micro-batches], and a micro-batch count divisible by PP so every group is whole."""
-        m, t = self.model, self.train
+    def _cross_section_rules(self, layout: ParallelLayout, plan: OverlapPlan) -> Iterator[Rule]:
+        """The rules across sections, read lazily in order (a row may rely on those before it: the
+        micro-batch count on a valid batch). The model's rules that involve an overlap switch judge
+        its resolved value (the plan's), not the spelling the model section holds."""
+        m, t, pp, ep, dp = self.model, self.train, layout.pp, layout.ep, layout.dp
+        modules = m.recompute_modules
+        selective = m.recompute_granularity == "selective"
+        typed_dp = self.comm_overlap.data_parallel_size if self.comm_overlap else None
+        yield (
+            "comm_overlap.data_parallel_size",
+            typed_dp,
+            typed_dp is None or typed_dp == dp,
+            f"the data-parallel size follows from the layout (DP = {dp} here; Bridge fills the "
+            "field in itself), so it is not a setting.",
+            "drop it (-ng, -tp, -pp and -cp decide DP).",
+        )
+        yield (
+            "model.wgrad_deferral_limit",
+            plan.wgrad_deferral_limit,
+            plan.wgrad_deferral_limit >= -1,
+            "the deferral limit is -1 (automatic) or a count >= 0.",
+            "use -1.",
+        )
+        yield (
+            "model.recompute_modules",
+            modules,
+            not (
+                selective and "shared_experts" in (modules or ()) and plan.moe_shared_expert_overlap
+            ),
+            "shared_experts recompute cannot work with moe_shared_expert_overlap "
+            "(Megatron-Core's rule: the overlap runs the shared expert in two halves around "
+            "the all-to-alls).",
+            "drop shared_experts from recompute_modules, or set moe_shared_expert_overlap=false.",
+        )
+        # experts are sharded over expert parallelism: a dense model has none to shard
+        yield (
+            "model.expert_model_parallel_size",
+            ep,
+            m.is_moe or ep == 1,
+            "a dense model has no experts to shard.",
+            "use -ep 1 or a MoE recipe.",
+        )
+        yield (
+            "model.num_moe_experts",
+            m.num_moe_experts,
+            not m.is_moe or m.num_moe_experts % ep == 0,
+            f"it must be divisible by expert_model_parallel_size ({ep}).",
+            "use -ep that divides the expert count.",
+        )
+        yield (
+            "model.sequence_parallel",
+            False,
+            layout.tp == 1 or ep == 1 or m.sequence_parallel,
+            "when using expert parallelism and tensor parallelism, sequence parallelism must "
+            "be used (as Megatron-Core requires).",
+            "set model.sequence_parallel=true (-tp sets it for you).",
+        )
+        # a global batch of whole micro-batches on every data-parallel rank
+        mb, gb = t.micro_batch_size, t.global_batch_size
+        yield (
+            "train.micro_batch_size",
+            mb,
+            mb >= 1,
+            "a micro-batch holds at least one sequence.",
+            "use -mb 1 or more.",
+        )
+        yield (
+            "train.global_batch_size",
+            gb,
+            gb >= 1,
+            "a step needs at least one sequence.",
+            f"use -gb {mb * dp} or a multiple of it.",
+        )
+        yield (
+            "train.global_batch_size",
+            gb,
+            gb % (mb * dp) == 0,
+            f"it must be a multiple of micro_batch_size x data-parallel size = {mb} x {dp}.",
+            "adjust -gb or -mb.",
+        )
+        # The interleaved schedule (Megatron-Core): micro-batches come in groups of
+        # `microbatch_group_size_per_vp_stage` (default PP) per virtual stage, a group size in [PP,
+        # micro-batches], and a micro-batch count divisible by PP so every group is whole.
+        micro, vpp = gb // (mb * dp), m.virtual_pipeline_model_parallel_size or 1
         group = m.microbatch_group_size_per_vp_stage
-        if group is not None and (layout.pp == 1 or not m.virtual_pipeline_model_parallel_size):
-            raise ConfigError(
-                "model.microbatch_group_size_per_vp_stage",
-                group,
-                "it shapes the interleaved (virtual pipeline) schedule only.",
-                "use it with -pp 2+ and -vp 2+, or drop it.",
-            )
-        vpp = m.virtual_pipeline_model_parallel_size or 1
-        if layout.pp == 1 or vpp == 1:
-            return
-        micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
-        group = group or layout.pp
-        if not layout.pp <= group <= micro:
-            raise ConfigError(
-                "model.microbatch_group_size_per_vp_stage",
-                group,
-                f"the interleaved schedule needs PP ({layout.pp}) <= group size <= micro-batches "
-                "per "
-                f"step ({micro}).",
-                f"use -gb >= {layout.pp * t.micro_batch_size * layout.dp} or a "
-                "group size in that range.",
-            )
-        if micro % layout.pp:
-            raise ConfigError(
-                "train.global_batch_size",
-                t.global_batch_size,
-                f"the interleaved schedule needs the micro-batches per step ({micro} = global "
-                "batch / "
-                f"(micro batch x DP)) to be a multiple of PP ({layout.pp}).",
-                f"use -gb as a multiple of {layout.pp * t.micro_batch_size * layout.dp}.",
-            )
-
-    def _validate_shared_expert_width(self, layout: ParallelLayout) -> None:
-        m, shared = self.model, self.model.moe_shared_expert_intermediate_size
-        if m.is_moe and shared and shared % layout.tp:
-            raise ConfigError(
-                "model.moe_shared_expert_intermediate_size",
-                shared,
-                "the shared expert is split over tensor parallelism, so its width must be "
-                "divisible by tensor_model_parallel_size "
-                f"({layout.tp}).",
-                "use a multiple of -tp.",
-            )
+        yield (
+            "model.microbatch_group_size_per_vp_stage",
+            group,
+            group is None or (pp > 1 and bool(m.virtual_pipeline_model_parallel_size)),
+            "it shapes the interleaved (virtual pipeline) schedule only.",
+            "use it with -pp 2+ and -vp 2+, or drop it.",
+        )
+        interleaved = pp > 1 and vpp > 1
+        group = group or pp
+        yield (
+            "model.microbatch_group_size_per_vp_stage",
+            group,
+            not interleaved or pp <= group <= micro,
+            f"the interleaved schedule needs PP ({pp}) <= group size <= micro-batches per step "
+            f"({micro}).",
+            f"use -gb >= {pp * mb * dp} or a group size in that range.",
+        )
+        yield (
+            "train.global_batch_size",
+            gb,
+            not interleaved or micro % pp == 0,
+            f"the interleaved schedule needs the micro-batches per step ({micro} = global batch / "
+            f"(micro batch x DP)) to be a multiple of PP ({pp}).",
+            f"use -gb as a multiple of {pp * mb * dp}.",
+        )
+        yield (
+            "train.global_batch_size",
+            gb,
+            not plan.overlap_moe_expert_parallel_comm or micro >= 2,
+            "EP overlap interleaves the forward of one micro-batch with the backward of another, "
+            f"so each data-parallel rank needs at least 2 micro-batches per step (it has {micro}).",
+            f"use -gb >= {2 * mb * dp} or a smaller -mb.",
+        )
 
     def _covered_recompute(self, log: DecisionLog) -> None:
         """Modules without selective granularity do nothing (said, not ignored). 'moe' recomputes

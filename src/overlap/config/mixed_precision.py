@@ -1,4 +1,5 @@
-"""Mixed precision: the named presets, and the one decision of the precision that runs.
+"""Mixed precision: the named presets (data: `presets/mixed_precision.yaml`), and the one decision
+of the precision that runs.
 
 The mixed-precision section is the home of every precision knob; Megatron's copies on the model,
 DDP and optimizer configs (`model.bf16`, `ddp.grad_reduce_in_fp32`, `optimizer.loss_scale`, ...)
@@ -13,7 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from importlib import resources
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from overlap.config.aliases import request
 from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
@@ -248,17 +252,17 @@ def _check_loss_scaling(o: Precision, owner: str) -> None:
 
 
 MIXED_PRECISION_PRESETS: dict[str, MixedPrecisionConfig] = {
-    "bf16_mixed": MixedPrecisionConfig(
-        bf16=True, params_dtype="bfloat16", grad_reduce_in_fp32=True
-    ),
-    "fp16_mixed": MixedPrecisionConfig(
-        fp16=True, params_dtype="float16", grad_reduce_in_fp32=False
-    ),
-    "fp32": MixedPrecisionConfig(),
+    name: MixedPrecisionConfig(**values)
+    for name, values in yaml.safe_load(
+        resources.files("overlap.config").joinpath("presets/mixed_precision.yaml").read_text()
+    ).items()
 }
+"""The presets by name, in the file's order (the error for an unknown name lists them so)."""
 
 
 def get_mixed_precision_config(name: str) -> MixedPrecisionConfig:
+    """A fresh copy of the preset called `name` (the caller may change it); a ConfigError naming
+    the presets otherwise."""
     if name not in MIXED_PRECISION_PRESETS:
         raise ConfigError(
             "mixed_precision",

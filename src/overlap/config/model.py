@@ -19,12 +19,13 @@ build, the training loop, DDP, the optimizer and the planner read.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from overlap.config.aliases import aliased
 from overlap.config.architecture import TransformerArchitecture
 from overlap.config.refusals import unbuilt
-from overlap.errors import ConfigError, NotBuiltError, check_rules
+from overlap.errors import NotBuiltError, Rule, check_rules
 
 # Selective recompute's modules, as Megatron-Core accepts them; those of architectures the runtime
 # does not build are refused by name (`overlap.config.refusals`), the rest run (layers/recompute.py)
@@ -98,7 +99,7 @@ class ModelConfig(TransformerArchitecture):
     # the loss counts as one layer when the layers are divided
     account_for_loss_in_pipeline_split: bool = False
     # Every stage spelt out (Megatron's grammar, e.g. "Et*3|(tt|)*29,m|L", or a list of lists of
-    # layer names); its stage count decides VPP. See overlap.config.pipeline_layout.
+    # layer names); its stage count decides VPP. See overlap.layout.pipeline.
     pipeline_model_parallel_layout: str | list[list[str]] | None = None
     # micro-batches per group in the interleaved schedule; None: PP (depth-first)
     microbatch_group_size_per_vp_stage: int | None = None
@@ -174,237 +175,225 @@ class ModelConfig(TransformerArchitecture):
         one is the error): the network's first (`TransformerArchitecture.validate`), then how it
         is run; the rules that need the layout or other sections are the container's."""
         super().validate()
-        self._validate_impls()
-        if self.is_moe:
-            self._validate_routing()
-        self._validate_dispatch_and_dtype()
-        self._validate_recompute()
-        self._validate_cuda_graph()
-        self._validate_ranges()
+        check_rules(self._run_rules())
 
-    def _validate_impls(self) -> None:
-        if self.pipeline_impl not in PIPELINE_IMPLS:
-            raise ConfigError(
-                "model.pipeline_impl",
-                self.pipeline_impl,
-                "unknown pipeline implementation.",
-                "use overlap (ours) or torch_pipelining (the PyTorch peer).",
-            )
-        if self.tensor_parallel_impl not in TENSOR_PARALLEL_IMPLS:
-            raise ConfigError(
-                "model.tensor_parallel_impl",
-                self.tensor_parallel_impl,
-                "unknown tensor-parallel implementation.",
-                "use overlap (ours) or dtensor (the PyTorch-native peer).",
-            )
-
-    def _validate_routing(self) -> None:
-        if self.moe_router_load_balancing_type not in ("aux_loss", "none"):
-            raise NotBuiltError(
-                "model.moe_router_load_balancing_type",
-                self.moe_router_load_balancing_type,
-                "This load-balancing type",
-                "use aux_loss or none.",
-            )
-        factor = self.moe_expert_capacity_factor
-        if factor is not None and not factor > 0:
-            raise ConfigError(
-                "model.moe_expert_capacity_factor",
-                factor,
-                "an expert capacity factor must be > 0.",
-                "use e.g. 1.0 (null: dropless, no capacity).",
-            )
-        if self.moe_pad_expert_input_to_capacity and factor is None:
-            raise ConfigError(
-                "model.moe_pad_expert_input_to_capacity",
-                True,
-                "padding to the expert capacity needs a capacity.",
-                "also set model.moe_expert_capacity_factor (e.g. 1.0), or drop the padding.",
-            )
-        rank_factor = self.moe_expert_rank_capacity_factor
-        if rank_factor is not None and not rank_factor > 0:
-            raise ConfigError(
-                "model.moe_expert_rank_capacity_factor",
-                rank_factor,
-                "an expert-rank capacity factor must be > 0.",
-                "use e.g. 1.5 (null: the all-to-all reads the split sizes on the host).",
-            )
-        if rank_factor is not None and factor is not None:
-            raise ConfigError(
-                "model.moe_expert_rank_capacity_factor",
-                rank_factor,
-                "it trains the dropless model (a step that overflows its blocks is re-run "
-                "dropless), while model.moe_expert_capacity_factor="
-                f"{factor} drops the rows past each expert's capacity: the two contracts exclude "
-                "each other.",
-                "drop one of them (null): the expert-rank factor for exact results without a "
-                "host read of split sizes, the expert factor to drop tokens.",
-            )
-        if self.moe_token_drop_policy not in ("probs", "position"):
-            raise ConfigError(
-                "model.moe_token_drop_policy",
-                self.moe_token_drop_policy,
-                "unknown token drop policy.",
-                "use probs or position.",
-            )
-
-    def _validate_dispatch_and_dtype(self) -> None:
-        if self.moe_token_dispatcher_type not in ("alltoall", "flex", "allgather"):
-            raise ConfigError(
-                "model.moe_token_dispatcher_type",
-                self.moe_token_dispatcher_type,
-                "unknown token dispatcher.",
-                "use alltoall or flex.",
-            )
-
-    def _validate_recompute(self) -> None:
-        granularity = self.recompute_granularity
-        if granularity not in (None, "selective", "full"):
-            raise ConfigError(
-                "model.recompute_granularity",
-                granularity,
-                "unknown granularity.",
-                "use selective, full, or null.",
-            )
-        if granularity == "full":
-            if self.recompute_method not in ("uniform", "block"):
-                raise ConfigError(
-                    "model.recompute_method",
-                    self.recompute_method,
-                    "full recompute needs a method.",
-                    "set recompute_method to uniform or block.",
-                )
-            if not self.recompute_num_layers or self.recompute_num_layers < 1:
-                raise ConfigError(
-                    "model.recompute_num_layers",
-                    self.recompute_num_layers,
-                    "full recompute needs a layer count.",
-                    "set recompute_num_layers (e.g. -rl 1).",
-                )
-        elif self.recompute_method is not None or self.recompute_num_layers is not None:
-            raise ConfigError(
-                "model.recompute_method",
-                self.recompute_method,
-                "recompute_method / recompute_num_layers only apply to recompute_granularity=full.",
-                "set recompute_granularity=full, or clear them.",
-            )
-        self._validate_recompute_modules()
-        reroutes = granularity == "full" or (
-            granularity == "selective" and "moe" in (self.recompute_modules or ())
+    def _run_rules(self) -> Iterator[Rule]:
+        """How the network is run, as rule rows read lazily (a row may rely on those before it)."""
+        yield (
+            "model.pipeline_impl",
+            self.pipeline_impl,
+            self.pipeline_impl in PIPELINE_IMPLS,
+            "unknown pipeline implementation.",
+            "use overlap (ours) or torch_pipelining (the PyTorch peer).",
         )
-        if self.is_moe and self.moe_router_force_load_balancing and reroutes:
-            raise ConfigError(
-                "model.moe_router_force_load_balancing",
-                True,
-                "forced load balancing draws new random logits at every router call, "
-                f"and this recompute ({granularity}) calls the router again in "
-                "backward, which would route the recomputed tokens differently from the forward.",
-                "drop the recompute of the MoE layers (full, or selective 'moe'), or the forced "
-                "balancing.",
-            )
+        yield (
+            "model.tensor_parallel_impl",
+            self.tensor_parallel_impl,
+            self.tensor_parallel_impl in TENSOR_PARALLEL_IMPLS,
+            "unknown tensor-parallel implementation.",
+            "use overlap (ours) or dtensor (the PyTorch-native peer).",
+        )
+        if self.is_moe:
+            yield from self._routing_rules()
+        yield (
+            "model.moe_token_dispatcher_type",
+            self.moe_token_dispatcher_type,
+            self.moe_token_dispatcher_type in ("alltoall", "flex", "allgather"),
+            "unknown token dispatcher.",
+            "use alltoall or flex.",
+        )
+        yield from self._recompute_rules()
+        yield from self._cuda_graph_rules()
+        yield from self._range_rules()
 
-    def _validate_recompute_modules(self) -> None:
-        modules = self.recompute_modules or []
-        field = "model.recompute_modules"
-        for name in modules:
-            what = unbuilt(field, name)
-            if what:
-                raise NotBuiltError(field, modules, what, f"drop {name} from recompute_modules.")
+    def _routing_rules(self) -> Iterator[Rule]:
+        factor, rank_factor = self.moe_expert_capacity_factor, self.moe_expert_rank_capacity_factor
+        yield (
+            "model.moe_router_load_balancing_type",
+            self.moe_router_load_balancing_type,
+            self.moe_router_load_balancing_type in ("aux_loss", "none"),
+            "This load-balancing type",
+            "use aux_loss or none.",
+            NotBuiltError,
+        )
+        yield (
+            "model.moe_expert_capacity_factor",
+            factor,
+            factor is None or factor > 0,
+            "an expert capacity factor must be > 0.",
+            "use e.g. 1.0 (null: dropless, no capacity).",
+        )
+        yield (
+            "model.moe_pad_expert_input_to_capacity",
+            True,
+            not self.moe_pad_expert_input_to_capacity or factor is not None,
+            "padding to the expert capacity needs a capacity.",
+            "also set model.moe_expert_capacity_factor (e.g. 1.0), or drop the padding.",
+        )
+        yield (
+            "model.moe_expert_rank_capacity_factor",
+            rank_factor,
+            rank_factor is None or rank_factor > 0,
+            "an expert-rank capacity factor must be > 0.",
+            "use e.g. 1.5 (null: the all-to-all reads the split sizes on the host).",
+        )
+        yield (
+            "model.moe_expert_rank_capacity_factor",
+            rank_factor,
+            rank_factor is None or factor is None,
+            "it trains the dropless model (a step that overflows its blocks is re-run dropless), "
+            f"while model.moe_expert_capacity_factor={factor} drops the rows past each expert's "
+            "capacity: the two contracts exclude each other.",
+            "drop one of them (null): the expert-rank factor for exact results without a host "
+            "read of split sizes, the expert factor to drop tokens.",
+        )
+        yield (
+            "model.moe_token_drop_policy",
+            self.moe_token_drop_policy,
+            self.moe_token_drop_policy in ("probs", "position"),
+            "unknown token drop policy.",
+            "use probs or position.",
+        )
+
+    def _recompute_rules(self) -> Iterator[Rule]:
+        granularity, method = self.recompute_granularity, self.recompute_method
+        count, full = self.recompute_num_layers, granularity == "full"
+        yield (
+            "model.recompute_granularity",
+            granularity,
+            granularity in (None, "selective", "full"),
+            "unknown granularity.",
+            "use selective, full, or null.",
+        )
+        yield (
+            "model.recompute_method",
+            method,
+            not full or method in ("uniform", "block"),
+            "full recompute needs a method.",
+            "set recompute_method to uniform or block.",
+        )
+        yield (
+            "model.recompute_num_layers",
+            count,
+            not full or (count and count >= 1),
+            "full recompute needs a layer count.",
+            "set recompute_num_layers (e.g. -rl 1).",
+        )
+        yield (
+            "model.recompute_method",
+            method,
+            full or (method is None and count is None),
+            "recompute_method / recompute_num_layers only apply to recompute_granularity=full.",
+            "set recompute_granularity=full, or clear them.",
+        )
+        field, modules = "model.recompute_modules", self.recompute_modules or []
+        unbuilt_one = next((name for name in modules if unbuilt(field, name)), None)
+        yield (
+            field,
+            modules,
+            unbuilt_one is None,
+            unbuilt(field, unbuilt_one),
+            f"drop {unbuilt_one} from recompute_modules.",
+            NotBuiltError,
+        )
         bad = [x for x in modules if x not in RECOMPUTE_MODULES]
-        if bad:
-            built = [x for x in RECOMPUTE_MODULES if not unbuilt(field, x)]
-            raise ConfigError(
-                field, modules, f"unknown module(s) {bad}.", f"use a subset of {built}."
-            )
-        selective = modules if self.recompute_granularity == "selective" else []
-        if "moe_act" in selective and not self.is_moe:
-            raise ConfigError(
-                field,
-                modules,
-                "moe_act recomputes the routed experts' activation function, and this model has no "
-                "experts.",
-                "drop moe_act (a dense MLP recomputes with 'mlp').",
-            )
-        shared = self.is_moe and self.moe_shared_expert_intermediate_size
-        if "shared_experts" in selective and not shared:
-            raise ConfigError(
-                field,
-                modules,
-                "shared_experts recomputes the MoE layers' shared expert, and this model has none.",
-                "drop shared_experts, or set model.moe_shared_expert_intermediate_size.",
-            )
+        built = [x for x in RECOMPUTE_MODULES if not unbuilt(field, x)]
+        yield field, modules, not bad, f"unknown module(s) {bad}.", f"use a subset of {built}."
+        selective = modules if granularity == "selective" else []
+        yield (
+            field,
+            modules,
+            "moe_act" not in selective or self.is_moe,
+            "moe_act recomputes the routed experts' activation function, and this model has no "
+            "experts.",
+            "drop moe_act (a dense MLP recomputes with 'mlp').",
+        )
+        yield (
+            field,
+            modules,
+            "shared_experts" not in selective
+            or (self.is_moe and self.moe_shared_expert_intermediate_size),
+            "shared_experts recomputes the MoE layers' shared expert, and this model has none.",
+            "drop shared_experts, or set model.moe_shared_expert_intermediate_size.",
+        )
+        reroutes = full or (granularity == "selective" and "moe" in modules)
+        yield (
+            "model.moe_router_force_load_balancing",
+            True,
+            not (self.is_moe and self.moe_router_force_load_balancing and reroutes),
+            "forced load balancing draws new random logits at every router call, and this "
+            f"recompute ({granularity}) calls the router again in backward, which would route the "
+            "recomputed tokens differently from the forward.",
+            "drop the recompute of the MoE layers (full, or selective 'moe'), or the forced "
+            "balancing.",
+        )
 
-    def _validate_cuda_graph(self) -> None:
-        impl = self.cuda_graph_impl
-        if impl not in ("none", "local", "transformer_engine"):
-            raise ConfigError(
-                "model.cuda_graph_impl",
-                impl,
-                "unknown CUDA-graph implementation.",
-                "use none, local or transformer_engine.",
-            )
-        scope = self.cuda_graph_scope or []
+    def _cuda_graph_rules(self) -> Iterator[Rule]:
+        impl, field, value = self.cuda_graph_impl, "model.cuda_graph_scope", self.cuda_graph_scope
+        scope = value or []
         scope = scope.split(",") if isinstance(scope, str) else scope
         bad = [s for s in scope if s not in CUDA_GRAPH_SCOPES + ("full",)]
-        if bad:
-            raise ConfigError(
-                "model.cuda_graph_scope",
-                self.cuda_graph_scope,
-                f"unknown scope(s) {bad}.",
-                f"use a subset of {list(CUDA_GRAPH_SCOPES)}.",
-            )
-        if impl == "local" and scope and set(scope) != {"full_iteration"}:
-            raise ConfigError(
-                "model.cuda_graph_scope",
-                self.cuda_graph_scope,
-                "cuda_graph_impl=local only captures full iterations; scoped graphs need "
-                "transformer_engine.",
-                "use --cuda_graph_scope full_iteration or the TE impl.",
-            )
-        if "full_iteration" in scope and impl == "transformer_engine":
-            raise ConfigError(
-                "model.cuda_graph_scope",
-                self.cuda_graph_scope,
-                "full_iteration graphs are not captured by the transformer_engine impl.",
-                "use --cuda_graph_impl local for full_iteration.",
-            )
+        yield (
+            "model.cuda_graph_impl",
+            impl,
+            impl in ("none", "local", "transformer_engine"),
+            "unknown CUDA-graph implementation.",
+            "use none, local or transformer_engine.",
+        )
+        yield (
+            field,
+            value,
+            not bad,
+            f"unknown scope(s) {bad}.",
+            f"use a subset of {list(CUDA_GRAPH_SCOPES)}.",
+        )
+        yield (
+            field,
+            value,
+            impl != "local" or not scope or set(scope) == {"full_iteration"},
+            "cuda_graph_impl=local only captures full iterations; scoped graphs need "
+            "transformer_engine.",
+            "use --cuda_graph_scope full_iteration or the TE impl.",
+        )
+        yield (
+            field,
+            value,
+            "full_iteration" not in scope or impl != "transformer_engine",
+            "full_iteration graphs are not captured by the transformer_engine impl.",
+            "use --cuda_graph_impl local for full_iteration.",
+        )
 
-    def _validate_ranges(self) -> None:
+    def _range_rules(self) -> Iterator[Rule]:
         """Values the type check lets through but the run cannot use (NaN fails each rule, and a
         float rule also refuses infinity); the network's own are `TransformerArchitecture`'s."""
         fin = math.isfinite
         aux, factor = self.moe_aux_loss_coeff, self.moe_expert_capacity_factor
-        rl = self.recompute_num_layers
-        check_rules(
-            [
-                (
-                    "model.moe_aux_loss_coeff",
-                    aux,
-                    fin(aux) and aux >= 0,
-                    "the auxiliary-loss coefficient must be >= 0 (0: none).",
-                    "use e.g. model.moe_aux_loss_coeff=1e-3.",
-                ),
-                (
-                    "model.moe_expert_capacity_factor",
-                    factor,
-                    factor is None or fin(factor),
-                    "an expert capacity factor must be finite.",
-                    "use e.g. 1.0 (null: dropless, no capacity).",
-                ),
-                (
-                    "model.moe_expert_rank_capacity_factor",
-                    self.moe_expert_rank_capacity_factor,
-                    self.moe_expert_rank_capacity_factor is None
-                    or fin(self.moe_expert_rank_capacity_factor),
-                    "an expert-rank capacity factor must be finite.",
-                    "use e.g. 1.5 (null: the all-to-all reads the split sizes on the host).",
-                ),
-                (
-                    "model.recompute_num_layers",
-                    rl,
-                    rl is None or rl <= self.num_layers,
-                    f"it cannot exceed num_layers ({self.num_layers}).",
-                    f"use -rl between 1 and {self.num_layers}.",
-                ),
-            ]
+        rank_factor, rl = self.moe_expert_rank_capacity_factor, self.recompute_num_layers
+        yield (
+            "model.moe_aux_loss_coeff",
+            aux,
+            fin(aux) and aux >= 0,
+            "the auxiliary-loss coefficient must be >= 0 (0: none).",
+            "use e.g. model.moe_aux_loss_coeff=1e-3.",
+        )
+        yield (
+            "model.moe_expert_capacity_factor",
+            factor,
+            factor is None or fin(factor),
+            "an expert capacity factor must be finite.",
+            "use e.g. 1.0 (null: dropless, no capacity).",
+        )
+        yield (
+            "model.moe_expert_rank_capacity_factor",
+            rank_factor,
+            rank_factor is None or fin(rank_factor),
+            "an expert-rank capacity factor must be finite.",
+            "use e.g. 1.5 (null: the all-to-all reads the split sizes on the host).",
+        )
+        yield (
+            "model.recompute_num_layers",
+            rl,
+            rl is None or rl <= self.num_layers,
+            f"it cannot exceed num_layers ({self.num_layers}).",
+            f"use -rl between 1 and {self.num_layers}.",
         )

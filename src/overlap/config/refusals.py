@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from overlap.errors import NotBuiltError, Rule
+
 _FIXED_SET = (
     "TensorBoard and W&B always get the --metrics scalars (loss, grad norm, learning rate, step "
     "time, throughput, communication by kind, peak memory), and only those"
@@ -63,6 +65,16 @@ UNBUILT_VALUES: dict[str, dict[Any, str]] = {
 def unbuilt(key: str, value: Any) -> str | None:
     """What `key=value` needs that is not built here (the NotBuiltError's subject), or None."""
     return UNBUILT_VALUES.get(key, {}).get(value)
+
+
+def one_of(key: str, value: Any, allowed: tuple, why: str, fix: str, unbuilt_fix: str) -> Rule:
+    """The rule that `value` is one of `allowed`: a value the reference accepts whose runtime is not
+    built here (`UNBUILT_VALUES`) breaks it as a NotBuiltError fixed by `unbuilt_fix`, any other as
+    a ConfigError (`why`, `fix`)."""
+    what = value not in allowed and unbuilt(key, value)
+    if what:
+        return (key, value, False, what, unbuilt_fix, NotBuiltError)
+    return (key, value, value in allowed, why, fix)
 
 
 def refusal_rows() -> list[tuple[str, str]]:

@@ -13,7 +13,8 @@ plus how many SMs (``num_sm``) and which CGA size the communication kernels may 
 layernorm kernels keep an SM margin for them (``set_sm_margin``).
 
 The class names, field names and order, ``method`` strings and the 19 preset names follow
-Megatron-Bridge's ``comm_overlap.py`` so that configurations written for it keep working.
+Megatron-Bridge's ``comm_overlap.py`` so that configurations written for it keep working; the
+presets are data (``presets/tp_overlap.yaml``), each a module attribute under its name.
 :meth:`TransformerLayerTPOverlapCfg.to_dict` gives the nested dict Bridge hands to the model
 (``model.tp_comm_overlap_cfg``). :func:`effective_tp_plan` turns that dict (or the defaults), the
 Megatron switches (``tp_comm_overlap_ag`` ...) and the size rule into the plan our runtime
@@ -26,38 +27,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from importlib import resources
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
 
+# the 19 userbuffers_* presets join these once loaded from the presets file
 __all__ = [
     "TPOverlapCfg",
     "PipelineOverlapCfg",
     "RingExchangeOverlapCfg",
     "BulkOverlapCfg",
     "TransformerLayerTPOverlapCfg",
-    "userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192",
-    "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192",
-    "userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192",
-    "userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192",
-    "userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192",
-    "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192",
-    "userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192",
-    "userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192",
-    "userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora",
-    "userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora",
-    "userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048",
-    "userbuffers_fp8_h100_h6144_tp2_mbs2_seqlen2048",
-    "userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048",
-    "userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048",
-    "userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048",
-    "userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048",
-    "userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096",
-    "userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096",
-    "userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096",
     "TP_OVERLAP_PRESETS",
     "get_tp_overlap_preset",
     "SlotPlan",
@@ -67,6 +53,8 @@ __all__ = [
     "kernel_knobs",
     "MIN_CHUNK_ROWS",
 ]
+
+RING, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,7 +84,7 @@ class PipelineOverlapCfg(TPOverlapCfg):
     set_sm_margin: bool
     fp8_buf: bool = False  # NOT the reference's truthy `(False,)`; see the class docstring.
     atomic_gemm: bool = False
-    method: str = "pipeline"
+    method: str = PIPELINE
 
 
 @dataclass
@@ -105,7 +93,7 @@ class RingExchangeOverlapCfg(TPOverlapCfg):
     is multiplied."""
 
     aggregate: bool = False
-    method: str = "ring_exchange"
+    method: str = RING
     num_sm: int = 1
     cga_size: int = 1
     set_sm_margin: bool = False
@@ -120,7 +108,7 @@ class BulkOverlapCfg(TPOverlapCfg):
     num_sm: int
     cga_size: int
     set_sm_margin: bool
-    method: str = "bulk"
+    method: str = BULK
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,157 +147,39 @@ class TransformerLayerTPOverlapCfg:
 
 
 # --------------------------------------------------------------------------------------------------
-# Private constructors keeping the preset table readable
+# The presets (presets/tp_overlap.yaml)
 # --------------------------------------------------------------------------------------------------
 
-
-def _bulk(num_sm: int, cga_size: int = 2) -> BulkOverlapCfg:
-    """Bulk plan; every preset's bulk entry runs without an SM margin."""
-    return BulkOverlapCfg(num_sm=num_sm, cga_size=cga_size, set_sm_margin=False)
-
-
-def _pipe(
-    num_sm: int, cga_size: int = 2, num_splits: int = 4, *, fp8_buf: bool = False
-) -> PipelineOverlapCfg:
-    """Pipeline plan; every preset's pipeline entry keeps an SM margin."""
-    return PipelineOverlapCfg(
-        num_sm=num_sm, cga_size=cga_size, num_splits=num_splits, set_sm_margin=True, fp8_buf=fp8_buf
-    )
-
-
-def _ring(
-    *, margin: bool = False, aggregate: bool = False, fp8_buf: bool = False, cga_size: int = 1
-) -> RingExchangeOverlapCfg:
-    """Ring-exchange plan with the defaults except what is named."""
-    return RingExchangeOverlapCfg(
-        aggregate=aggregate, set_sm_margin=margin, fp8_buf=fp8_buf, cga_size=cga_size
-    )
-
-
-def _layer(
-    qkv_dgrad: TPOverlapCfg | None,
-    qkv_wgrad: TPOverlapCfg | None,
-    fc1_dgrad: TPOverlapCfg | None,
-    fc1_wgrad: TPOverlapCfg | None,
-    proj_fprop: TPOverlapCfg | None,
-    fc2_fprop: TPOverlapCfg | None,
-    *,
-    middle: dict[str, bool] | None = None,
-) -> TransformerLayerTPOverlapCfg:
-    """One layer plan in the column order of the reference table.
-
-    The four "middle" GEMMs (qkv_fprop, proj_dgrad, fc1_fprop, fc2_dgrad) are ring exchange in every
-    preset; ``middle`` holds the keyword arguments of :func:`_ring` for them (plain defaults when
-    omitted). Each GEMM gets its own object.
-    """
-    ring_kwargs = middle or {}
-    return TransformerLayerTPOverlapCfg(
-        qkv_dgrad=qkv_dgrad,
-        qkv_wgrad=qkv_wgrad,
-        fc1_dgrad=fc1_dgrad,
-        fc1_wgrad=fc1_wgrad,
-        qkv_fprop=_ring(**ring_kwargs),
-        proj_dgrad=_ring(**ring_kwargs),
-        fc1_fprop=_ring(**ring_kwargs),
-        fc2_dgrad=_ring(**ring_kwargs),
-        proj_fprop=proj_fprop,
-        fc2_fprop=fc2_fprop,
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# Presets. Columns: qkv_dgrad, qkv_wgrad, fc1_dgrad, fc1_wgrad, proj_fprop, fc2_fprop.
-# --------------------------------------------------------------------------------------------------
-
-# Llama 70B
-userbuffers_bf16_h100_h8192_tp4_mbs1_seqlen8192 = _layer(
-    _bulk(4), _bulk(24), _bulk(2), _bulk(4), _pipe(24), _pipe(16)
-)
-userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192 = _layer(
-    _bulk(4), _bulk(24), _bulk(2), _bulk(4), _ring(margin=True), _ring(margin=True)
-)
-userbuffers_bf16_b200_h8192_tp2_mbs1_seqlen8192 = _layer(
-    _bulk(16), _bulk(24), _bulk(2), _bulk(4), _pipe(32), _pipe(16)
-)
-userbuffers_fp8_b200_h8192_tp2_mbs1_seqlen8192 = _layer(
-    _bulk(4), _bulk(24), _bulk(2), _bulk(4), _ring(margin=True), _ring(margin=True)
-)
-
-# Llama 405B
-userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192 = _layer(
-    _bulk(2), _bulk(24), _bulk(2), _bulk(2), _pipe(24), _pipe(8)
-)
-userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192 = _layer(
-    _bulk(2), _bulk(24), _bulk(2), _bulk(2), _ring(margin=True), _ring(margin=True)
-)
-userbuffers_bf16_b200_h16384_tp4_cp2_mbs1_seqlen8192 = _layer(
-    _bulk(8), _bulk(24), _bulk(2), _bulk(2), _pipe(32), _pipe(8)
-)
-userbuffers_fp8_b200_h16384_tp4_cp2_mbs1_seqlen8192 = _layer(
-    _bulk(8), _bulk(32), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-
-# Llama 70B LoRA (no weight-gradient overlap: the base weights are frozen)
-userbuffers_fp8_h100_h8192_tp2_mbs1_seqlen4096_lora = _layer(
-    _bulk(2),
-    None,
-    _pipe(16, fp8_buf=True),
-    None,
-    _ring(cga_size=2, margin=True, fp8_buf=True),
-    _ring(cga_size=2, margin=True, fp8_buf=True),
-    middle={"margin": True},
-)
-
-# Llama 405B LoRA
-userbuffers_fp8_h100_h16384_tp4_mbs1_seqlen2048_lora = _layer(
-    _bulk(2),
-    None,
-    _pipe(16, fp8_buf=True),
-    None,
-    _pipe(32, fp8_buf=True),
-    _pipe(16, fp8_buf=True),
-    middle={"aggregate": True},
-)
-
-# GPT-3 20B
-userbuffers_bf16_h100_h6144_tp2_mbs2_seqlen2048 = _layer(
-    _bulk(8), _bulk(16), _bulk(4), _bulk(16), _pipe(16), _pipe(24)
-)
-userbuffers_fp8_h100_h6144_tp2_mbs2_seqlen2048 = _layer(
-    _bulk(8), _bulk(16), _bulk(4), _bulk(16), _pipe(16, fp8_buf=True), _pipe(24, fp8_buf=True)
-)
-
-# GPT-3 175B
-userbuffers_bf16_h100_h12288_tp4_mbs1_seqlen2048 = _layer(
-    _bulk(4), _bulk(4), _bulk(2), _bulk(4), _pipe(24), _ring(margin=True)
-)
-userbuffers_fp8_h100_h12288_tp4_mbs1_seqlen2048 = _layer(
-    _bulk(4), _bulk(4), _bulk(2), _bulk(4), _ring(margin=True), _ring(margin=True)
-)
-userbuffers_bf16_b200_h12288_tp4_mbs1_seqlen2048 = _layer(
-    _bulk(4), _bulk(16), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-userbuffers_fp8_b200_h12288_tp4_mbs1_seqlen2048 = _layer(
-    _bulk(4), _bulk(16), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-
-# Nemotron 15B
-userbuffers_bf16_b200_h6144_tp2_mbs1_seqlen4096 = _layer(
-    _bulk(8), _bulk(32), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-
-# Nemotron 340B
-userbuffers_bf16_b200_h18432_tp8_mbs1_seqlen4096 = _layer(
-    _bulk(8), _bulk(32), _bulk(2), _bulk(8), _ring(margin=True), _pipe(24)
-)
-userbuffers_fp8_b200_h18432_tp8_mbs1_seqlen4096 = _layer(
-    _bulk(8), _bulk(32), _bulk(2), _bulk(8), _ring(margin=True), _ring(margin=True)
-)
-
-
-TP_OVERLAP_PRESETS: dict[str, TransformerLayerTPOverlapCfg] = {
-    name: globals()[name] for name in __all__ if name.startswith("userbuffers_")
+# the per-GEMM plan class of each method
+_CLASSES: dict[str, type[TPOverlapCfg]] = {
+    BULK: BulkOverlapCfg,
+    PIPELINE: PipelineOverlapCfg,
+    RING: RingExchangeOverlapCfg,
 }
+
+
+def _load(text: str) -> dict[str, TransformerLayerTPOverlapCfg]:
+    """The presets of a TP-overlap presets file by name, in the file's order: each slot's entry
+    built as the class its ``method`` names (a new object per GEMM: the file's shared entries are
+    YAML aliases of one dict)."""
+    return {
+        name: TransformerLayerTPOverlapCfg(
+            **{
+                slot: None if entry is None else _CLASSES[entry["method"]](**entry)
+                for slot, entry in slots.items()
+            }
+        )
+        for name, slots in yaml.safe_load(text)["presets"].items()
+    }
+
+
+TP_OVERLAP_PRESETS = _load(
+    resources.files("overlap.config").joinpath("presets/tp_overlap.yaml").read_text()
+)
+"""The 19 userbuffers presets by name; each is also a module attribute (and in ``__all__``), so
+``from overlap.config.tp_overlap import userbuffers_...`` works as in Bridge."""
+globals().update(TP_OVERLAP_PRESETS)
+__all__ += list(TP_OVERLAP_PRESETS)
 
 
 def get_tp_overlap_preset(name: str) -> TransformerLayerTPOverlapCfg:
@@ -334,8 +204,6 @@ def get_tp_overlap_preset(name: str) -> TransformerLayerTPOverlapCfg:
 # The plan the runtime executes
 # --------------------------------------------------------------------------------------------------
 
-RING, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
-
 # The ten GEMM slots of one layer, per TP linear ("ub_name" in Megatron): what each slot's
 # collective is, and which methods can hide it. An all-gather feeding a GEMM can only be split along
 # the ring (Transformer Engine: "pipeline is not allowed for AG"); a GEMM feeding a reduce-scatter
@@ -354,9 +222,17 @@ SLOT_METHODS: dict[str, tuple[str, ...]] = {
     "qkv_wgrad": (BULK,),
     "fc1_wgrad": (BULK,),
 }
+# A slot's first method is Transformer Engine's default for it (initialize_ub), used where no plan
+# names the slot.
 DEFAULT_SPLITS = 4  # Transformer Engine's pipeline default
-# Transformer Engine's default method per slot (initialize_ub), used where no plan names the slot.
-_DEFAULT_METHOD = {slot: methods[0] for slot, methods in SLOT_METHODS.items()}
+AG_SLOTS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")  # an all-gather feeds the GEMM
+# Megatron's switches and the slots each turns off when false (tp_comm_bulk_dgrad: a bulk plan only)
+_SWITCHES = {
+    "tp_comm_overlap_ag": AG_SLOTS,
+    "tp_comm_overlap_rs": ("proj_fprop", "fc2_fprop"),
+    "tp_comm_bulk_dgrad": ("qkv_dgrad", "fc1_dgrad"),
+    "tp_comm_bulk_wgrad": ("qkv_wgrad", "fc1_wgrad"),
+}
 
 # The size rule: a GEMM chunk of fewer sequence rows than this is not made (a micro-batch of b
 # sequences has b tokens per row; the rule counts rows so that every layer can apply it from the
@@ -419,14 +295,11 @@ class SlotDecision:
     reason: str
 
 
-def _entry(cfg: Any, slot: str) -> dict[str, Any] | None:
-    """The slot's entry of the resolved plan dict (Bridge's to_dict form), or None."""
+def _entries(cfg: Any) -> dict[str, Any]:
+    """The resolved plan as Bridge's to_dict form (slot -> entry); empty without one."""
     if isinstance(cfg, TransformerLayerTPOverlapCfg):
-        cfg = cfg.to_dict()
-    return cfg.get(slot) if isinstance(cfg, dict) else None
-
-
-AG_SLOTS = ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad")  # an all-gather feeds the GEMM
+        return cfg.to_dict()
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def _slot_from_entry(slot: str, entry: dict[str, Any]) -> SlotPlan:
@@ -492,38 +365,24 @@ def effective_tp_plan(
     size rule (MIN_CHUNK_ROWS)."""
     tp = model.tensor_model_parallel_size
     rows = model.seq_length // tp  # sequence rows of one rank's shard
-    cfg = tp_comm_overlap_cfg
-    switches = {
-        "tp_comm_overlap_ag": AG_SLOTS,
-        "tp_comm_overlap_rs": ("proj_fprop", "fc2_fprop"),
-        "tp_comm_bulk_dgrad": ("qkv_dgrad", "fc1_dgrad"),
-        "tp_comm_bulk_wgrad": ("qkv_wgrad", "fc1_wgrad"),
-    }
+    entries = _entries(tp_comm_overlap_cfg)
     dense_mlp = not model.is_moe or any(not model.is_moe_layer(i) for i in range(model.num_layers))
     plans: dict[str, SlotPlan | None] = {}
     decisions: list[SlotDecision] = []
     for slot in SLOT_METHODS:
         linear = slot.split("_")[0]
-        entry = _entry(cfg, slot)
+        entry = entries.get(slot)
         if entry is not None:
             plan = _slot_from_entry(slot, entry)
             requested, by, reason = str(plan), "plan", "from the overlap plan"
-        # not in the plan (Bridge drops a preset's None entries): Transformer Engine then uses its
-        # default
-        else:
-            method = _DEFAULT_METHOD[slot]
+        else:  # not in the plan (Bridge drops a preset's None entries): TE's default
+            method = SLOT_METHODS[slot][0]
             plan = SlotPlan(method, DEFAULT_SPLITS if method == PIPELINE else 1)
-            requested, by, reason = (
-                None,
-                "default",
-                "Transformer Engine's default method for this slot",
-            )
+            requested, by = None, "default"
+            reason = "Transformer Engine's default method for this slot"
         if linear in ("fc1", "fc2") and not dense_mlp:
-            plan, requested, by = (
-                None,
-                None,
-                "rule",
-            )  # these GEMMs do not exist here: nothing asked for is lost
+            # these GEMMs do not exist here: nothing asked for is lost
+            plan, requested, by = None, None, "rule"
             reason = "every layer is MoE: no dense MLP runs these GEMMs (experts go through EP)"
         # The user's switches: what they ask for is what they get (the request follows them).
         if (
@@ -534,7 +393,7 @@ def effective_tp_plan(
         ):
             plan, by = SlotPlan(PIPELINE, DEFAULT_SPLITS), "model.tp_comm_overlap_rs_dgrad=true"
             requested, reason = str(plan), "the dgrad reduce-scatter is chunked with the dgrad GEMM"
-        for switch, slots in switches.items():
+        for switch, slots in _SWITCHES.items():
             if (
                 slot in slots
                 and not getattr(model, switch)
@@ -576,8 +435,8 @@ def effective_tp_plan(
                 by = "rule"
                 reason = (
                     f"size rule: the split must divide the shard's {rows} sequence rows "
-                    "(seq_length "
-                    f"{model.seq_length} / TP {tp}) into chunks of >= {MIN_CHUNK_ROWS} rows"
+                    f"(seq_length {model.seq_length} / TP {tp}) into chunks of >= "
+                    f"{MIN_CHUNK_ROWS} rows"
                 )
                 plan = SlotPlan(PIPELINE, splits) if splits >= 2 else None
         elif plan is not None and plan.method == RING and rows < MIN_CHUNK_ROWS:
@@ -597,9 +456,10 @@ def kernel_knobs(cfg: Any) -> dict[str, dict[str, Any]]:
     """Per slot, the plan's GPU-kernel knobs that are set to something other than off (num_sm,
     cga_size, ...): Transformer Engine's userbuffers kernels read them; this runtime's async
     collectives have nothing to tune."""
+    entries = _entries(cfg)
     out: dict[str, dict[str, Any]] = {}
     for slot in SLOT_METHODS:
-        entry = _entry(cfg, slot) or {}
+        entry = entries.get(slot) or {}
         knobs = {k: entry[k] for k in _KERNEL_KNOBS if entry.get(k) not in (None, False)}
         if knobs:
             out[slot] = knobs

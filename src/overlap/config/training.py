@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from overlap.config.aliases import aliased
-from overlap.errors import ConfigError, NotBuiltError, check_rules
+from overlap.errors import NotBuiltError, check_rules
 
 
 @aliased("ddp")
@@ -19,7 +19,8 @@ class DDPConfig:
     comm_overlap's switches (`overlap.config.aliases`): accepted here, kept as typed, read by
     finalize below comm_overlap's value. `use_distributed_optimizer` is the home of Bridge's two
     spellings (`optimizer.use_distributed_optimizer` is its alias; either true turns it on). The
-    resolved overlap values, logged, live in `cfg.resolved.overlap`, which the runtime reads.
+    resolved values, logged, live in `cfg.resolved.overlap` (the distributed optimizer's too), which
+    the runtime reads.
     `ddp.grad_reduce_in_fp32` and `ddp.fp8_param_gather` are aliases of the mixed-precision
     section's fields (resolved: `cfg.resolved.precision`)."""
 
@@ -54,17 +55,18 @@ class OptimizerConfig:
 
     def validate(self) -> None:
         """The optimizer's own rules (NaN fails each; a float rule also refuses infinity)."""
-        if self.optimizer != "adam":
-            raise NotBuiltError(
-                "optimizer.optimizer",
-                self.optimizer,
-                "This optimizer",
-                "use optimizer.optimizer=adam.",
-            )
         fin = math.isfinite
         lr, min_lr = self.lr, self.min_lr
         check_rules(
             [
+                (
+                    "optimizer.optimizer",
+                    self.optimizer,
+                    self.optimizer == "adam",
+                    "This optimizer",
+                    "use optimizer.optimizer=adam.",
+                    NotBuiltError,
+                ),
                 (
                     "optimizer.lr",
                     lr,
@@ -129,16 +131,16 @@ class SchedulerConfig:
     use_checkpoint_opt_param_scheduler: bool = False  # a resume uses the checkpoint's values
 
     def validate(self) -> None:
-        if self.lr_decay_style not in ("cosine", "linear", "constant"):
-            raise ConfigError(
-                "scheduler.lr_decay_style",
-                self.lr_decay_style,
-                "unknown decay style.",
-                "use cosine, linear or constant.",
-            )
         decay = self.lr_decay_iters
         check_rules(
             [
+                (
+                    "scheduler.lr_decay_style",
+                    self.lr_decay_style,
+                    self.lr_decay_style in ("cosine", "linear", "constant"),
+                    "unknown decay style.",
+                    "use cosine, linear or constant.",
+                ),
                 (
                     "scheduler.lr_warmup_iters",
                     self.lr_warmup_iters,
@@ -181,22 +183,24 @@ class TrainConfig:
     def validate(self) -> None:
         """The training loop's own rules: a positive timeout, at least one step, and a steady-state
         window inside the run."""
-        if not self.comm_timeout_s > 0:
-            raise ConfigError(
-                "train.comm_timeout_s",
-                self.comm_timeout_s,
-                "a timeout must be positive.",
-                "set train.comm_timeout_s to a number of seconds, e.g. 300.",
-            )
-        n = self.train_iters
-        if n < 1:
-            raise ConfigError(
-                "train.train_iters", n, "a run needs at least one step.", "use -ms 1 or more."
-            )
-        start, end = self.eval_time_start_step, self.eval_time_end_step
+        n, start, end = self.train_iters, self.eval_time_start_step, self.eval_time_end_step
         timeout = self.comm_timeout_s
         check_rules(
             [
+                (
+                    "train.comm_timeout_s",
+                    timeout,
+                    timeout > 0,
+                    "a timeout must be positive.",
+                    "set train.comm_timeout_s to a number of seconds, e.g. 300.",
+                ),
+                (
+                    "train.train_iters",
+                    n,
+                    n >= 1,
+                    "a run needs at least one step.",
+                    "use -ms 1 or more.",
+                ),
                 (
                     "train.skip_first_percent_time",
                     self.skip_first_percent_time,

@@ -21,8 +21,8 @@ variable already set in the environment the user launched from is never overridd
 way to override a rule without editing a recipe, and silently replacing it would hide the user's own
 experiment.
 
-Everything here is a pure function of plain values (no torch, no config package), so the launcher
-can print the plan before anything starts.
+Everything here is a pure function of plain values and the run's parallel layout (no torch, no
+config package), so the launcher can print the plan before anything starts.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from overlap.errors import ConfigError
+from overlap.layout import ParallelLayout
 
 CUDA_DEVICE_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 NVTE_FWD_LAYERNORM_SM_MARGIN = "NVTE_FWD_LAYERNORM_SM_MARGIN"
@@ -74,14 +75,11 @@ class EnvSetting:
 
 @dataclass(frozen=True)
 class LaunchEnvInputs:
-    """What the rules look at, as plain values so this module does not depend on the config
-    package."""
+    """What the rules look at: the resolved layout's sizes and plain values, so this module does
+    not depend on the config package."""
 
     accelerator: str
-    tensor_model_parallel_size: int
-    context_parallel_size: int
-    pipeline_model_parallel_size: int
-    data_parallel_size: int
+    layout: ParallelLayout
     moe_flex_dispatcher_backend: str | None
     moe_token_dispatcher_type: str
     overlap_moe_expert_parallel_comm: bool
@@ -127,7 +125,7 @@ def _connections_rule(
             "concurrently"
         )
 
-    sizes = (("TP", inp.tensor_model_parallel_size), ("CP", inp.context_parallel_size))
+    sizes = (("TP", inp.layout.tp), ("CP", inp.layout.cp))
     labels = [label for label, size in sizes if size > 1]
     tp_or_cp = [f"{label}>1" for label in labels]
     if accelerator in SM100_CLASS_ACCELERATORS:

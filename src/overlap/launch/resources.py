@@ -40,8 +40,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
-from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.recompute import layer_chunks, selective_modules
 from overlap.config.tp_overlap import BULK
 from overlap.errors import ConfigError
@@ -55,6 +53,7 @@ from overlap.launch.activations import (
     layer_blocks,
     layer_bytes,
 )
+from overlap.layout import ParallelLayout, resolve_pipeline_layout
 
 FORCE_ENV = "OVERLAP_FORCE_RESOURCES"
 MAX_RANKS_PER_CORE = 8
@@ -350,7 +349,7 @@ class _LayerCosts:
 def _estimate_rank(
     cfg, layout, cpu, pipe, costs: _LayerCosts, pp_rank, program, merged, late_wgrad=False
 ) -> MemoryEstimate:
-    m, d, prec = cfg.model, cfg.ddp, cfg.resolved.precision
+    m, prec = cfg.model, cfg.resolved.precision
     stages = pipe.rank_stages(pp_rank)
     counts = _rank_params(cfg, layout, stages)
     # the distributed optimizer shards the dense state over DP x CP (Megatron's data-parallel group
@@ -361,7 +360,9 @@ def _estimate_rank(
     g_bytes = 4 if prec.grad_reduce_in_fp32 else p_bytes
     dense = counts.params - counts.expert
     owned = (
-        -(-dense // dp) + -(-counts.expert // edp) if d.use_distributed_optimizer else counts.params
+        -(-dense // dp) + -(-counts.expert // edp)
+        if cfg.resolved.overlap.use_distributed_optimizer
+        else counts.params
     )
     master = 4 * owned if p_bytes != 4 else 0  # an fp32 parameter is its own master
     shape = costs.shape

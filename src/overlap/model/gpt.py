@@ -323,11 +323,11 @@ def model_chunks(
     config, ps: ParallelState, overlap: OverlapPlan, precision: Precision, kernels: Kernels
 ) -> list[GPTModel]:
     """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
-    pipeline, each holding the layers its virtual stage gets (`overlap.config.pipeline_layout`: an
+    pipeline, each holding the layers its virtual stage gets (`overlap.layout.pipeline`: an
     even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
     spelt out); chunks may differ in size. `overlap`, `precision`, `kernels`: the run's resolved
     ones. The chunks share one `WeightGradStore` (the pipeline executor's queue spans them)."""
-    from overlap.config.pipeline_layout import resolve_pipeline_layout
+    from overlap.layout import resolve_pipeline_layout
 
     stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
     store = WeightGradStore()

@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from overlap.config.layout import ParallelLayout
-from overlap.errors import ConfigError, NotBuiltError
+from overlap.errors import ConfigError
+from overlap.layout import ParallelLayout
 from overlap.parallel import groups
 
-__all__ = ["ParallelLayout", "ParallelState"]
+__all__ = ["ParallelState"]
 
 
 class ParallelState:
@@ -38,13 +38,6 @@ class ParallelState:
         so every factory call of the model, the optimizer and the trainer names this device or takes
         an input's. `mesh_device_type`: the meshes' device type where it is not `device`'s (the dry
         run's fake CUDA rank on a machine without a GPU)."""
-        if layout.etp != 1:
-            raise NotBuiltError(
-                "model.expert_tensor_parallel_size",
-                layout.etp,
-                "Expert tensor parallelism",
-                "use expert_tensor_parallel_size=1 (-et 1).",
-            )
         if not dist.is_initialized():
             raise RuntimeError("ParallelState needs torch.distributed to be initialised first")
         if dist.get_world_size() != layout.world_size:

@@ -54,11 +54,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
 from overlap.harness import Job, describe_layout
 from overlap.launch.resources import MemoryEstimate, gib
 from overlap.layers.moe import split_sizes
+from overlap.layout import ParallelLayout
 from overlap.parallel import comm, teardown
 from overlap.parallel.program import Post, ProgramRecorder, summarize
 from overlap.parallel.trace import Recorder, RulesTimeline, recording

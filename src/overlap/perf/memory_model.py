@@ -21,8 +21,8 @@ import functools
 from dataclasses import dataclass, replace
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
 from overlap.launch.resources import MemoryEstimate, gib, peak_memory
+from overlap.layout import ParallelLayout
 from overlap.pipeline.schedules import pipeline_steps
 
 _GIB = 2**30
@@ -180,7 +180,7 @@ def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -
                 _with_model(cfg, recompute_granularity="selective", recompute_modules=chosen),
             )
         )
-    if not d.use_distributed_optimizer and layout.dp > 1:
+    if not cfg.resolved.overlap.use_distributed_optimizer and layout.dp > 1:
         distributed = replace(d, use_distributed_optimizer=True)
         options.append(("ddp.use_distributed_optimizer=true", _with(cfg, ddp=distributed)))
     if cfg.resolved.precision.grad_reduce_in_fp32:

@@ -85,7 +85,7 @@ class ExecutorOptions:
     def from_config(cls, cfg: ConfigContainer, tp_size: int) -> ExecutorOptions:
         m, plan = cfg.model, cfg.resolved.overlap
         # a context-parallel rank's share of the sequence, split again over TP under SP
-        seq = m.seq_length // m.context_parallel_size
+        seq = m.seq_length // cfg.resolved.layout.cp
         seq = seq // tp_size if m.sequence_parallel else seq
         return cls(
             (seq, cfg.train.micro_batch_size, m.hidden_size),

@@ -47,11 +47,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
 from overlap.files import write_replace
 from overlap.launch.kinds import FAMILIES
 from overlap.launch.network import NIC_BURST_BYTES, TBF_BURST_BYTES, Network
+from overlap.layout import ParallelLayout
 from overlap.plan.hardware import Cluster, Efficiency, Link
 from overlap.plan.predict import predict
 

@@ -62,11 +62,10 @@ from dataclasses import dataclass, field
 from math import ceil, comb
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
 from overlap.config.model import expert_rank_capacity
-from overlap.config.pipeline_layout import resolve_pipeline_layout
 from overlap.config.tp_overlap import SlotPlan
 from overlap.launch.resources import estimate_memory
+from overlap.layout import ParallelLayout, resolve_pipeline_layout
 from overlap.plan.hardware import Cluster, Link, Transfer
 from overlap.plan.tp_slots import NO_GEMMS, layer_tp
 
@@ -219,7 +218,7 @@ def microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
 def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) -> CommPlan:
     """Every collective of one step of `cfg` on `layout`, with its bytes and time on `cluster`
     (the overlap switches: the resolved plan's)."""
-    m, d, o, prec = cfg.model, cfg.ddp, cfg.resolved.overlap, cfg.resolved.precision
+    m, o, prec = cfg.model, cfg.resolved.overlap, cfg.resolved.precision
     plan = CommPlan()
     tp, pp, ep, dp, edp = (
         max(1, x) for x in (layout.tp, layout.pp, layout.ep, layout.dp, layout.edp)
@@ -319,13 +318,13 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         # the tied embedding's gradient summed with its last-stage copy's
         if m.share_embeddings_and_output_weights:
             grad = 4 if prec.grad_reduce_in_fp32 else _BYTES.get(prec.params_dtype, 4)
-            shards = dp * cp if d.use_distributed_optimizer else 1
+            shards = dp * cp if o.use_distributed_optimizer else 1
             tied = m.vocab_size // tp * h * grad / shards
             ends = members_per_node(2, tp * layout.cp * dp * (pp - 1), gpn)
             plan.add("pp_tied_grad", tied, ring_time_s(tied, 2, ends, cluster), 1)
 
     if cp > 1 and cluster.carries("cp"):
-        _cp_plan(cfg, plan, b * s / tp, cp, tp, len(held), mb, cluster)
+        _cp_plan(cfg, plan, layout, b * s / tp, len(held), mb, cluster)
 
     est = estimate_memory(cfg, layout, cpu=False)
     grad = 4 if prec.grad_reduce_in_fp32 else _BYTES.get(prec.params_dtype, 4)
@@ -340,7 +339,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         g = members_per_node(size, stride, gpn)
         buckets = max(1, -(-count // o.bucket_size)) if o.bucket_size else 1
         per_bucket = count / buckets
-        if d.use_distributed_optimizer:
+        if o.use_distributed_optimizer:
             rs = (size - 1) / size * per_bucket * grad
             ag = (size - 1) / size * per_bucket * param
             plan.add(f"{prefix}_rs", rs, ring_time_s(rs, size, g, cluster), buckets)
@@ -357,24 +356,25 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
 def _cp_plan(
     cfg: ConfigContainer,
     plan: CommPlan,
+    layout: ParallelLayout,
     rows: float,
-    cp: int,
-    tp: int,
     layers: int,
     mb: int,
     cluster: Cluster,
 ) -> None:
     """CP's kinds (module docstring) for `layers` layers x `mb` micro-batches; `rows` = a CP rank's
     tokens / TP (the heads of one TP rank see all of them). The CP ranks are TP apart; a2a+p2p's
-    all-to-all groups are A consecutive CP ranks, its ring's members A x TP apart."""
+    all-to-all groups are A consecutive CP ranks (`layout.cp_a2a`), its ring's members A x TP
+    apart."""
     m, kind = cfg.model, cfg.resolved.overlap.cp_comm_type
+    cp, tp = layout.cp, layout.tp
     gpn = cluster.gpus_per_node
     prec = cfg.resolved.precision
     act = 2 if prec.bf16 or prec.fp16 else 4
     forwards = 2 if m.recompute_granularity == "full" else 1
     kv = rows * 2 * m.query_groups * m.head_dim * act
     dkv = kv * 4 / act  # the gradients travel in fp32
-    a2a_size = (m.hierarchical_context_parallel_sizes or [cp])[0] if kind == "a2a+p2p" else cp
+    a2a_size = layout.cp_a2a if kind == "a2a+p2p" else cp
     if kind in ("a2a", "a2a+p2p") and a2a_size > 1:
         heads = 2 * m.num_attention_heads + 2 * m.query_groups  # q, k, v in and the output back
         a2a = (a2a_size - 1) / a2a_size * rows * heads * m.head_dim * act

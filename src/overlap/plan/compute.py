@@ -4,7 +4,7 @@ One micro-batch of b x s tokens is processed by the TP x CP x PP GPUs of one mod
 GPU does 1 / (TP x CP) of the FLOPs of the layers its pipeline stages hold (a CP rank's b x s / CP
 tokens; its queries attend every earlier key, and the load-balanced split gives every CP rank 1 /
 CP of the causal attention's FLOPs) (the real
-per-stage layout, `overlap.config.pipeline_layout`: uneven stages, the embedding and the loss where
+per-stage layout, `overlap.layout.pipeline`: uneven stages, the embedding and the loss where
 the layout puts them); expert parallelism moves tokens, not FLOPs (with balanced routing every EP
 rank computes as many expert rows as it sends). The backward is twice the forward (dgrad + wgrad,
 half each); full recompute adds one more forward to it, selective recompute the forward of the
@@ -51,9 +51,8 @@ from dataclasses import dataclass
 from math import ceil
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
 from overlap.config.model import expert_rank_capacity
-from overlap.config.pipeline_layout import resolve_pipeline_layout
+from overlap.layout import ParallelLayout, resolve_pipeline_layout
 from overlap.plan.hardware import Cluster
 from overlap.plan.tp_slots import NO_GEMMS, TPGemms
 

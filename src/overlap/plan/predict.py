@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
-from overlap.config.layout import ParallelLayout
 from overlap.errors import ConfigError
 from overlap.launch.resources import MemoryEstimate
+from overlap.layout import ParallelLayout
 from overlap.perf.memory_model import fit, rank_memory
 from overlap.plan.comm_model import CommPlan, comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute

@@ -124,7 +124,7 @@ class Trainer:
             for c in self.chunks
         ]
         self.ddp = self.ddps[0]
-        if cfg.ddp.use_distributed_optimizer:
+        if plan.use_distributed_optimizer:
             self.optimizer = DistributedOptimizer(
                 self.chunks, self.ddps, cfg.optimizer, precision, plan, ps
             )
