@@ -41,7 +41,9 @@ def _chunk_parameters() -> tuple[bool, list[str]]:
 
     cfg = tiny_config(False, "fp32", 2, [TIED], 1)
     res = cfg.finalize(1)
-    (chunk,) = model_chunks(cfg.model, ParallelState(res.layout), res.overlap, res.precision)
+    (chunk,) = model_chunks(
+        cfg.model, ParallelState(res.layout), res.pipeline, res.overlap, res.precision
+    )
     return chunk.output_layer.weight is chunk.embedding.weight, list(dict(chunk.named_parameters()))
 
 

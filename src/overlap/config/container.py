@@ -15,7 +15,7 @@ import copy
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from overlap.config.training import (
 )
 from overlap.errors import ConfigError, Rule, check_rules
 from overlap.kernels.device import probe_device
-from overlap.layout import ParallelLayout
+from overlap.layout import ParallelLayout, PipelineLayout
 from overlap.layout.pipeline import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 
 _log = logging.getLogger("overlap.config")
@@ -82,12 +82,13 @@ def plain_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Resolution:
-    """What finalize decided, frozen: the parallel layout, every overlap switch as a plain value
-    and the precision (what the runtime reads), and the decision log (who decided each value,
-    and why)."""
+    """What finalize decided, frozen: the parallel layout (its virtual pipeline included), which
+    layers each pipeline stage holds, every overlap switch as a plain value and the precision (what
+    the runtime reads), and the decision log (who decided each value, and why)."""
 
     world_size: int
     layout: ParallelLayout
+    pipeline: PipelineLayout
     overlap: OverlapPlan
     precision: Precision
     decisions: DecisionLog
@@ -167,11 +168,10 @@ class ConfigContainer:
         pretrained_vocab = self._apply_pretrained(log, pretrained)
         self.model.check_sizes()
         precision = self._apply_mixed_precision(log)
-        layout = self._layout(world_size, log)
-        self._apply_pipeline_layout(layout, log)
+        layout, pipeline = self._apply_pipeline_layout(self._layout(world_size, log), log)
         self._apply_data(layout, log, pretrained_vocab)
         plan = resolve_comm_overlap(
-            self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout.dp, log
+            self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout, log
         )
         self._validate(layout, plan)
         self._covered_recompute(log)
@@ -183,7 +183,7 @@ class ConfigContainer:
         resolve_moe_permute_fusion(self.model, log, on_cuda)
         resolve_grouped_gemm(self.model, precision, log, on_cuda, device)
         resolve_elementwise_fusion(self.model, log, on_cuda, require_libraries)
-        self._resolution = Resolution(world_size, layout, plan, precision, log)
+        self._resolution = Resolution(world_size, layout, pipeline, plan, precision, log)
         return self._resolution
 
     # --- stages -----------------------------------------------------------------------------------
@@ -441,9 +441,13 @@ class ConfigContainer:
             )
         return layout
 
-    def _apply_pipeline_layout(self, layout: ParallelLayout, log: DecisionLog) -> None:
-        """A pipeline_model_parallel_layout decides VPP (its stages / PP), as Megatron-Core derives
-        it; the layout every stage gets (whichever field decided it) is logged for `explain`."""
+    def _apply_pipeline_layout(
+        self, layout: ParallelLayout, log: DecisionLog
+    ) -> tuple[ParallelLayout, PipelineLayout]:
+        """The layers every pipeline stage holds (whichever field decided it, logged for
+        `explain`), and `layout` with its virtual pipeline: -vp, or a
+        pipeline_model_parallel_layout's stages / PP as Megatron-Core derives it (said in the log;
+        the model section keeps what was typed)."""
         m = self.model
         spec, vpp = m.pipeline_model_parallel_layout, m.virtual_pipeline_model_parallel_size
         found = 1 if spec is None else len(parse_layout(spec, layout.pp)) // layout.pp
@@ -467,7 +471,6 @@ class ConfigContainer:
             ]
         )
         if vpp is None and found > 1:
-            m.virtual_pipeline_model_parallel_size = found
             log.record_in(
                 "pipeline",
                 "model.virtual_pipeline_model_parallel_size",
@@ -484,6 +487,7 @@ class ConfigContainer:
             log.record_in(
                 "pipeline", LAYOUT_FIELD, spec, resolved.as_string(), by, resolved.describe()
             )
+        return replace(layout, vpp=resolved.vpp), resolved
 
     def _validate(self, layout: ParallelLayout, plan: OverlapPlan) -> None:
         """Each section's own rules, then those across sections (the first broken one is the
@@ -639,12 +643,14 @@ class ConfigContainer:
         # The interleaved schedule (Megatron-Core): micro-batches come in groups of
         # `microbatch_group_size_per_vp_stage` (default PP) per virtual stage, a group size in [PP,
         # micro-batches], and a micro-batch count divisible by PP so every group is whole.
-        micro, vpp = gb // (mb * dp), m.virtual_pipeline_model_parallel_size or 1
+        micro, vpp = gb // (mb * dp), layout.vpp
         group = m.microbatch_group_size_per_vp_stage
+        # a virtual pipeline: -vp set (1 included, as Megatron's not-None), or the layout's stages
+        virtual = m.virtual_pipeline_model_parallel_size is not None or vpp > 1
         yield (
             "model.microbatch_group_size_per_vp_stage",
             group,
-            group is None or (pp > 1 and bool(m.virtual_pipeline_model_parallel_size)),
+            group is None or (pp > 1 and virtual),
             "it shapes the interleaved (virtual pipeline) schedule only.",
             "use it with -pp 2+ and -vp 2+, or drop it.",
         )

@@ -45,6 +45,7 @@ from overlap.parallel.trace import recorder
 if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
     from overlap.config.mixed_precision import Precision
+    from overlap.layout import PipelineLayout
 
 
 class TransformerLayer(nn.Module):
@@ -314,16 +315,19 @@ class GPTModel(nn.Module):
 
 
 def model_chunks(
-    config, ps: ParallelState, overlap: OverlapPlan, precision: Precision
+    config,
+    ps: ParallelState,
+    pipeline: PipelineLayout,
+    overlap: OverlapPlan,
+    precision: Precision,
 ) -> list[GPTModel]:
     """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
-    pipeline, each holding the layers its virtual stage gets (`overlap.layout.pipeline`: an
-    even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
-    spelt out); chunks may differ in size. `overlap`, `precision`: the run's resolved ones. The
-    chunks share one `WeightGradStore` (the pipeline executor's queue spans them)."""
-    from overlap.layout import resolve_pipeline_layout
-
-    stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
+    pipeline, each holding the layers its virtual stage gets in `pipeline` (the run's resolved
+    one, `overlap.layout.pipeline`: an even split, uneven first/last stages, the embedding and
+    loss counted as layers, or a layout spelt out); chunks may differ in size. `overlap`,
+    `precision`: the run's resolved ones. The chunks share one `WeightGradStore` (the pipeline
+    executor's queue spans them)."""
+    stages = pipeline.rank_stages(ps.pp_rank)
     store = WeightGradStore()
     return [
         GPTModel(config, ps, overlap, precision, Stage(s.start, s.end, s.embedding, s.loss), store)

@@ -57,7 +57,7 @@ def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch
     config = replace(
         cfg.model, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None
     )
-    chunks = model_chunks(config, rank0, res.overlap, res.precision)
+    chunks = model_chunks(config, rank0, res.pipeline, res.overlap, res.precision)
     return [[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks]
 
 

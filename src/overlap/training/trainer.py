@@ -92,7 +92,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # This rank's model chunks (one without a virtual pipeline); each has its own gradient
         # buffers and buckets.
-        self.chunks = model_chunks(cfg.model, ps, cfg.resolved.overlap, cfg.resolved.precision)
+        self.chunks = model_chunks(
+            cfg.model, ps, cfg.resolved.pipeline, cfg.resolved.overlap, cfg.resolved.precision
+        )
         # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
         apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
         for chunk in self.chunks:
