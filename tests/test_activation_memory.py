@@ -51,7 +51,9 @@ def _measure(moe: bool, attention: str, overrides: list[str], fields: dict):
     cfg = tiny_config(moe, "bf16_mixed", 1, overrides, 1, **base)
     res = cfg.finalize(dist.get_world_size())
     m = cfg.model
-    (model,) = model_chunks(m, ParallelState(res.layout), res.overlap, res.precision, res.kernels)
+    (model,) = model_chunks(
+        m, ParallelState(res.layout), res.pipeline, res.overlap, res.precision, res.kernels
+    )
     model.init_weights(0)
     tp = res.layout.tp
     local = SEQ // (tp if m.sequence_parallel else 1)

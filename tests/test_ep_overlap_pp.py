@@ -22,7 +22,7 @@ import torch.distributed as dist
 from overlap.config import ModelConfig
 from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
-from overlap.layout import ParallelLayout
+from overlap.layout import ParallelLayout, resolve_pipeline_layout
 from overlap.model.gpt import model_chunks
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
@@ -110,11 +110,13 @@ def _step(
     world = dist.get_world_size()
     pp, vpp, ep = layout.get("pp", 1), layout.get("vpp"), layout.get("ep", 1)
     cfg = _config(layers, pp, vpp, ep, **cfg_kw)
-    ps = ParallelState(ParallelLayout(world_size=world, pp=pp, ep=ep))
+    pipeline = resolve_pipeline_layout(cfg, pp)
+    ps = ParallelState(ParallelLayout(world_size=world, pp=pp, ep=ep, vpp=pipeline.vpp))
     defer = bool(cfg.defer_embedding_wgrad_compute)
     chunks = model_chunks(
         cfg,
         ps,
+        pipeline,
         bare_plan(defer_embedding_wgrad_compute=defer),
         Precision.of(cfg),
         bare_kernels(cfg),

@@ -64,7 +64,7 @@ def _build(folder: str, layout: dict):
     cfg = ConfigContainer(model=model)
     res = cfg.finalize(dist.get_world_size())
     ps = ParallelState(res.layout)
-    chunks = model_chunks(cfg.model, ps, res.overlap, res.precision, res.kernels)
+    chunks = model_chunks(cfg.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
     load_hf_weights(
         cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, folder, ps.rank
     )

@@ -148,9 +148,12 @@ def test_the_layout_decides_vpp_and_a_contradicting_vp_is_refused():
         pipeline_model_parallel_layout="Et|tt|t|ttL",
     )
     res = cfg.finalize(2)
-    assert cfg.model.virtual_pipeline_model_parallel_size == 2
+    # on the resolved layout; the model section keeps what was typed
+    assert res.layout.vpp == res.pipeline.vpp == 2
+    assert cfg.model.virtual_pipeline_model_parallel_size is None
     rows = {d.field: d for d in res.decisions.sections["pipeline"]}
     assert rows["model.pipeline_model_parallel_layout"].effective == "Et|tt|t|ttL"
+    assert rows["model.virtual_pipeline_model_parallel_size"].effective == 2
     bad = tiny_config(
         False,
         "fp32",
@@ -177,9 +180,8 @@ def test_the_layout_decides_vpp_and_a_contradicting_vp_is_refused():
 )
 def test_both_forms_come_through_an_override(override):
     cfg = tiny_config(False, "fp32", 5, [override], 1, pipeline_model_parallel_size=2)
-    cfg.finalize(2)
-    lay = resolve_pipeline_layout(cfg.model, 2)
-    assert lay.as_string() == "Et|tt|t|tL" and cfg.model.virtual_pipeline_model_parallel_size == 2
+    res = cfg.finalize(2)
+    assert res.pipeline.as_string() == "Et|tt|t|tL" and res.layout.vpp == 2
 
 
 def test_explain_shows_the_235b_recipe_layout_and_takes_it_spelt_out(capsys):

@@ -22,7 +22,7 @@ from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError
 from overlap.layers.moe import split_sizes
-from overlap.layout import ParallelLayout
+from overlap.layout import ParallelLayout, resolve_pipeline_layout
 from overlap.model.gpt import GPTModel, model_chunks
 from overlap.parallel import comm, link_model
 from overlap.parallel.program import Post, ProgramRecorder
@@ -83,10 +83,10 @@ def test_two_models_keep_their_queued_weight_gradients_apart():
 
 def _two_builds() -> bool:
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
+    model = _tiny_moe()
+    pipeline = resolve_pipeline_layout(model, 1)
     (first,), (second,) = (
-        model_chunks(
-            _tiny_moe(), ps, bare_plan(), Precision.of(_tiny_moe()), bare_kernels(_tiny_moe())
-        )
+        model_chunks(model, ps, pipeline, bare_plan(), Precision.of(model), bare_kernels(model))
         for _ in range(2)
     )
     return first.wgrad_store is second.wgrad_store

@@ -42,7 +42,7 @@ def _chunk_parameters() -> tuple[bool, list[str]]:
     cfg = tiny_config(False, "fp32", 2, [TIED], 1)
     res = cfg.finalize(1)
     (chunk,) = model_chunks(
-        cfg.model, ParallelState(res.layout), res.overlap, res.precision, res.kernels
+        cfg.model, ParallelState(res.layout), res.pipeline, res.overlap, res.precision, res.kernels
     )
     return chunk.output_layer.weight is chunk.embedding.weight, list(dict(chunk.named_parameters()))
 

@@ -157,7 +157,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
         print("\n".join(list_override_keys()))
         return 0
-    from overlap.layout import resolve_pipeline_layout
     from overlap.training.runtime_refusals import runtime_refusals
 
     job = prepare(args, describe_target=True)
@@ -165,8 +164,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         launch_env_inputs(job.resolution, args.gpu), job.cfg.env_vars, os.environ
     )
     refusals = runtime_refusals(job.cfg, gpu=args.gpu != "cpu")
-    lay = job.resolution.layout
-    stages = resolve_pipeline_layout(job.cfg.model, lay.pp)
+    lay, stages = job.resolution.layout, job.resolution.pipeline
+    # the JSON's vpp in Megatron's spelling: as typed (None: no virtual pipeline), or the layout's
+    typed_vpp = job.cfg.model.virtual_pipeline_model_parallel_size
     memory = _memory_estimate(job, args, refusals)
     if args.json:
         doc = {
@@ -181,7 +181,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 "ep": lay.ep,
                 "etp": lay.etp,
                 "edp": lay.edp,
-                "vpp": job.cfg.model.virtual_pipeline_model_parallel_size,
+                "vpp": lay.vpp if lay.vpp > 1 else typed_vpp,
             },
             # [pp rank][chunk] -> what that model chunk holds ("Ett": embedding + 2 layers)
             "pipeline_stages": [[s.symbols for s in stages.rank_stages(r)] for r in range(lay.pp)],

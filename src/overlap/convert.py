@@ -159,7 +159,7 @@ def import_hf(
     with single_process():
         res = cfg.finalize(1)
         ps = ParallelState(res.layout)
-        chunks = model_chunks(cfg.model, ps, res.overlap, res.precision, res.kernels)
+        chunks = model_chunks(cfg.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
         with flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
             load_hf_weights(
                 cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, hf_dir

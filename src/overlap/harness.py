@@ -872,6 +872,6 @@ def _buckets_need_model(cfg: ConfigContainer, res: Resolution, est: MemoryEstima
     bucket = res.overlap.bucket_size
     if bucket is None:
         return True
-    chunks = max(1, cfg.model.virtual_pipeline_model_parallel_size or 1)
+    chunks = res.layout.vpp
     counts = [(res.layout.dp, est.params - est.expert_params), (res.layout.edp, est.expert_params)]
     return not any(size > 1 and count // chunks >= 2 * bucket for size, count in counts)

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from overlap.config.mixed_precision import Precision
     from overlap.config.model import ModelConfig
     from overlap.config.training import DDPConfig, OptimizerConfig
+    from overlap.layout import ParallelLayout
 
 # Megatron-Bridge's DP bucket when DP > 1 with the distributed optimizer: a count of parameters, not
 # bytes.
@@ -159,15 +160,20 @@ class _Run:
     """What the rules read: the configs as typed (by section name), the run's precision and layout
     sizes, and the switches decided so far (`resolved`, by OverlapPlan field)."""
 
-    def __init__(self, sections: dict[str, Any], precision: Precision, dp: int, log: DecisionLog):
-        self.sections, self.precision, self.dp_size, self.log = sections, precision, dp, log
-        self.model = m = sections["model"]
+    def __init__(
+        self,
+        sections: dict[str, Any],
+        precision: Precision,
+        layout: ParallelLayout,
+        log: DecisionLog,
+    ):
+        self.sections, self.precision, self.log = sections, precision, log
+        self.model = sections["model"]
         self.resolved: dict[str, Any] = {}
-        self.tp, self.cp = m.tensor_model_parallel_size, m.context_parallel_size
-        self.pp, self.ep = m.pipeline_model_parallel_size, m.expert_model_parallel_size
-        self.vp = m.virtual_pipeline_model_parallel_size or 1
+        self.tp, self.cp, self.pp, self.ep = layout.tp, layout.cp, layout.pp, layout.ep
+        self.vp, self.dp_size = layout.vpp, layout.dp
         self.interleaved = self.pp > 1 and self.vp > 1  # PP > 1 with a virtual pipeline
-        self.many = dp > 1
+        self.many = layout.dp > 1
         # the distributed optimizer, and with DP > 1 (Bridge's condition for the DP overlaps)
         self.dist_opt = self.sharded = False  # decided first among the DP switches
 
@@ -187,17 +193,17 @@ def resolve_comm_overlap(
     ddp: DDPConfig,
     optimizer: OptimizerConfig,
     precision: Precision,
-    dp_size: int,
+    layout: ParallelLayout,
     log: DecisionLog,
 ) -> OverlapPlan:
     """Resolve every overlap switch from its two spellings (read, never written), recording each
     decision; returns the resolved switches as the frozen plan everything downstream reads (the
     distributed optimizer too: on when either of its spellings is, `aliases.ANY_TRUE`). The model /
-    DDP / optimizer configs are left as typed. `precision`: the run's, already decided (EP overlap
-    needs 16-bit compute)."""
+    DDP / optimizer configs are left as typed. `precision`, `layout`: the run's, already decided
+    (EP overlap needs 16-bit compute; the pipeline switches read the layout's virtual pipeline)."""
     u = user or CommOverlapConfig(tp_comm_overlap=None, tp_comm_bootstrap_backend=None)
     sections = {"comm_overlap": u, "model": model, "ddp": ddp, "optimizer": optimizer}
-    run = _Run(sections, precision, dp_size, log)
+    run = _Run(sections, precision, layout, log)
     tp_cfg = _resolve_tp(run)
     run.decide(_PIPELINE + _CP + _MOE)
     if model.is_moe:
@@ -576,7 +582,8 @@ _EP_OVERLAP_NEEDS = (
     ),
     Rule(
         "model.virtual_pipeline_model_parallel_size",
-        lambda s: s.pp != 1 and s.model.virtual_pipeline_model_parallel_size is None,
+        # no virtual pipeline: -vp unset (Megatron's None) and no layout of PP x VPP stages
+        lambda s: s.pp != 1 and s.vp == 1 and s.model.virtual_pipeline_model_parallel_size is None,
         "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size "
         "> 1 (PP without VPP cannot interleave the overlap schedule).",
         "set -vp 2 (or more), or -pp 1.",

@@ -15,7 +15,7 @@ import copy
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from overlap.config.training import (
 from overlap.errors import ConfigError, Rule, check_rules
 from overlap.kernels import Kernels
 from overlap.kernels.device import probe_device
-from overlap.layout import ParallelLayout
+from overlap.layout import ParallelLayout, PipelineLayout
 from overlap.layout.pipeline import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 
 _log = logging.getLogger("overlap.config")
@@ -77,12 +77,14 @@ def plain_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Resolution:
-    """What finalize decided, frozen: the parallel layout, every overlap switch as a plain value,
-    the precision and the kernels (the token dispatcher included) - what the runtime reads - and
-    the decision log (who decided each value, and why)."""
+    """What finalize decided, frozen: the parallel layout (its virtual pipeline included), which
+    layers each pipeline stage holds, every overlap switch as a plain value, the precision and the
+    kernels (the token dispatcher included) - what the runtime reads - and the decision log (who
+    decided each value, and why)."""
 
     world_size: int
     layout: ParallelLayout
+    pipeline: PipelineLayout
     overlap: OverlapPlan
     precision: Precision
     kernels: Kernels
@@ -163,11 +165,10 @@ class ConfigContainer:
         pretrained_vocab = self._apply_pretrained(log, pretrained)
         self.model.check_sizes()
         precision = self._apply_mixed_precision(log)
-        layout = self._layout(world_size, log)
-        self._apply_pipeline_layout(layout, log)
+        layout, pipeline = self._apply_pipeline_layout(self._layout(world_size, log), log)
         self._apply_data(layout, log, pretrained_vocab)
         plan = resolve_comm_overlap(
-            self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout.dp, log
+            self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout, log
         )
         self._validate(layout, plan)
         self._covered_recompute(log)
@@ -175,7 +176,7 @@ class ConfigContainer:
         resolve_logger(self.logger, self.checkpoint.save, log)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
         kernels = resolve_kernels(self.model, precision, log, on_cuda, device, require_libraries)
-        self._resolution = Resolution(world_size, layout, plan, precision, kernels, log)
+        self._resolution = Resolution(world_size, layout, pipeline, plan, precision, kernels, log)
         return self._resolution
 
     # --- stages -----------------------------------------------------------------------------------
@@ -433,9 +434,13 @@ class ConfigContainer:
             )
         return layout
 
-    def _apply_pipeline_layout(self, layout: ParallelLayout, log: DecisionLog) -> None:
-        """A pipeline_model_parallel_layout decides VPP (its stages / PP), as Megatron-Core derives
-        it; the layout every stage gets (whichever field decided it) is logged for `explain`."""
+    def _apply_pipeline_layout(
+        self, layout: ParallelLayout, log: DecisionLog
+    ) -> tuple[ParallelLayout, PipelineLayout]:
+        """The layers every pipeline stage holds (whichever field decided it, logged for
+        `explain`), and `layout` with its virtual pipeline: -vp, or a
+        pipeline_model_parallel_layout's stages / PP as Megatron-Core derives it (said in the log;
+        the model section keeps what was typed)."""
         m = self.model
         spec, vpp = m.pipeline_model_parallel_layout, m.virtual_pipeline_model_parallel_size
         found = 1 if spec is None else len(parse_layout(spec, layout.pp)) // layout.pp
@@ -459,7 +464,6 @@ class ConfigContainer:
             ]
         )
         if vpp is None and found > 1:
-            m.virtual_pipeline_model_parallel_size = found
             log.record_in(
                 "pipeline",
                 "model.virtual_pipeline_model_parallel_size",
@@ -476,6 +480,7 @@ class ConfigContainer:
             log.record_in(
                 "pipeline", LAYOUT_FIELD, spec, resolved.as_string(), by, resolved.describe()
             )
+        return replace(layout, vpp=resolved.vpp), resolved
 
     def _validate(self, layout: ParallelLayout, plan: OverlapPlan) -> None:
         """Each section's own rules, then those across sections (the first broken one is the
@@ -631,12 +636,14 @@ class ConfigContainer:
         # The interleaved schedule (Megatron-Core): micro-batches come in groups of
         # `microbatch_group_size_per_vp_stage` (default PP) per virtual stage, a group size in [PP,
         # micro-batches], and a micro-batch count divisible by PP so every group is whole.
-        micro, vpp = gb // (mb * dp), m.virtual_pipeline_model_parallel_size or 1
+        micro, vpp = gb // (mb * dp), layout.vpp
         group = m.microbatch_group_size_per_vp_stage
+        # a virtual pipeline: -vp set (1 included, as Megatron's not-None), or the layout's stages
+        virtual = m.virtual_pipeline_model_parallel_size is not None or vpp > 1
         yield (
             "model.microbatch_group_size_per_vp_stage",
             group,
-            group is None or (pp > 1 and bool(m.virtual_pipeline_model_parallel_size)),
+            group is None or (pp > 1 and virtual),
             "it shapes the interleaved (virtual pipeline) schedule only.",
             "use it with -pp 2+ and -vp 2+, or drop it.",
         )

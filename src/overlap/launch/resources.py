@@ -53,7 +53,7 @@ from overlap.launch.activations import (
     layer_blocks,
     layer_bytes,
 )
-from overlap.layout import ParallelLayout, resolve_pipeline_layout
+from overlap.layout import ParallelLayout
 
 FORCE_ENV = "OVERLAP_FORCE_RESOURCES"
 MAX_RANKS_PER_CORE = 8
@@ -274,7 +274,7 @@ def peak_memory(
     its own program (`estimate_memory`'s arguments; `late_wgrad`: the ranks whose weight gradients
     run late). What the ranks share (the pipeline split, the layer shape, each kind of layer's
     bytes) is worked out once: the layout search walks every rank of thousands of candidates."""
-    pipe = resolve_pipeline_layout(cfg.model, max(1, layout.pp))
+    pipe = cfg.resolved.pipeline
     costs = _LayerCosts(cfg.model, _layer_shape(cfg, layout, cpu))
     estimates = [
         _estimate_rank(cfg, layout, cpu, pipe, costs, r, program, merged, r in late_wgrad)

@@ -16,7 +16,7 @@ from overlap.errors import Rule, check_rules
 @dataclass(frozen=True)
 class ParallelLayout:
     """Sizes of every parallel dimension; `world_size = tp * cp * dp * pp`, and `ep * etp` divides
-    `tp * cp * dp`."""
+    `tp * cp * dp`; each pipeline rank holds `vpp` model chunks."""
 
     world_size: int
     tp: int = 1
@@ -28,6 +28,10 @@ class ParallelLayout:
     # (consecutive CP ranks); the p2p ring runs across them. 1: no hierarchy. Its rule (a factor of
     # CP) is the CP resolution's (`comm_overlap._resolve_cp`: [a2a, p2p] whose product is CP).
     cp_a2a: int = 1
+    # the virtual pipeline: model chunks per pipeline rank (1: one chunk, Megatron's None). Decided
+    # with the stages (`overlap.layout.pipeline`: -vp, or a pipeline_model_parallel_layout's
+    # stages / PP), whose resolution checks it; the runtime counts its chunks and schedules by it.
+    vpp: int = 1
 
     def __post_init__(self) -> None:
         """The layout's own rules, named by the model fields and flags that set them (the one

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from overlap.config.comm_overlap import OverlapPlan
     from overlap.config.mixed_precision import Precision
     from overlap.kernels import Kernels
+    from overlap.layout import PipelineLayout
 
 
 class TransformerLayer(nn.Module):
@@ -320,16 +321,20 @@ class GPTModel(nn.Module):
 
 
 def model_chunks(
-    config, ps: ParallelState, overlap: OverlapPlan, precision: Precision, kernels: Kernels
+    config,
+    ps: ParallelState,
+    pipeline: PipelineLayout,
+    overlap: OverlapPlan,
+    precision: Precision,
+    kernels: Kernels,
 ) -> list[GPTModel]:
     """This rank's model chunks: one without pipeline parallelism, VPP of them with a virtual
-    pipeline, each holding the layers its virtual stage gets (`overlap.layout.pipeline`: an
-    even split, uneven first/last stages, the embedding and loss counted as layers, or a layout
-    spelt out); chunks may differ in size. `overlap`, `precision`, `kernels`: the run's resolved
-    ones. The chunks share one `WeightGradStore` (the pipeline executor's queue spans them)."""
-    from overlap.layout import resolve_pipeline_layout
-
-    stages = resolve_pipeline_layout(config, ps.pp_size).rank_stages(ps.pp_rank)
+    pipeline, each holding the layers its virtual stage gets in `pipeline` (the run's resolved
+    one, `overlap.layout.pipeline`: an even split, uneven first/last stages, the embedding and
+    loss counted as layers, or a layout spelt out); chunks may differ in size. `overlap`,
+    `precision`, `kernels`: the run's resolved ones. The chunks share one `WeightGradStore` (the
+    pipeline executor's queue spans them)."""
+    stages = pipeline.rank_stages(ps.pp_rank)
     store = WeightGradStore()
     return [
         GPTModel(

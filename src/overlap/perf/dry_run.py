@@ -326,10 +326,6 @@ def program_traffic(entries: list) -> dict[str, KindTraffic]:
 
 
 # --- which micro-batches --------------------------------------------------------------------------
-def _vpp(cfg: ConfigContainer) -> int:
-    return cfg.model.virtual_pipeline_model_parallel_size or 1
-
-
 def _in_flight(
     layout: ParallelLayout, cfg: ConfigContainer, pp_rank: int, microbatches: int
 ) -> int:
@@ -339,7 +335,7 @@ def _in_flight(
     steps = pipeline_steps(
         layout.pp,
         pp_rank,
-        _vpp(cfg),
+        layout.vpp,
         microbatches,
         cfg.model.microbatch_group_size_per_vp_stage,
         cfg.resolved.overlap.overlap_moe_expert_parallel_comm,
@@ -360,7 +356,7 @@ def _microbatch_problem(
         return f"a step of this layout has {per_step} micro-batch(es) per data-parallel rank."
     if cfg.resolved.overlap.overlap_moe_expert_parallel_comm and k < 2:
         return "EP overlap interleaves two micro-batches: it needs at least 2."
-    if layout.pp > 1 and _vpp(cfg) > 1:
+    if layout.pp > 1 and layout.vpp > 1:
         group = cfg.model.microbatch_group_size_per_vp_stage or layout.pp
         if k % layout.pp or k < group:
             return (

@@ -52,7 +52,7 @@ def program(
     same peak (`steady_microbatches`)."""
     m, t = cfg.model, cfg.train
     count = microbatches or max(1, t.global_batch_size // (t.micro_batch_size * max(1, layout.dp)))
-    pp, vpp = max(1, layout.pp), m.virtual_pipeline_model_parallel_size or 1
+    pp, vpp = max(1, layout.pp), layout.vpp
     group = m.microbatch_group_size_per_vp_stage
     steady = steady_microbatches(pp, vpp, group, count)
     merged = cfg.resolved.overlap.overlap_moe_expert_parallel_comm
@@ -98,8 +98,7 @@ def rank_memory(
     merged = plan.overlap_moe_expert_parallel_comm
     # overlapped p2p in plain 1F1B: the first stage runs each backward's weight gradients after
     # its next task, the others right after the gradient's send (`overlap.pipeline.executor`)
-    vpp = cfg.model.virtual_pipeline_model_parallel_size or 1
-    late = plan.overlap_p2p_comm and layout.pp > 1 and not merged and vpp == 1
+    late = plan.overlap_p2p_comm and layout.pp > 1 and not merged and layout.vpp == 1
     ranks = range(max(1, layout.pp)) if pp_rank is None else (pp_rank,)
     programs = {r: program(cfg, layout, r, microbatches) for r in ranks}
     return peak_memory(cfg, layout, cpu, programs, merged, {0} if late else frozenset())

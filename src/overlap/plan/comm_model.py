@@ -65,7 +65,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.model import expert_rank_capacity
 from overlap.config.tp_overlap import SlotPlan
 from overlap.launch.resources import estimate_memory
-from overlap.layout import ParallelLayout, resolve_pipeline_layout
+from overlap.layout import ParallelLayout
 from overlap.plan.hardware import Cluster, Link, Transfer
 from overlap.plan.tp_slots import NO_GEMMS, layer_tp
 
@@ -230,7 +230,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     # a CP rank's share of the sequence
     b, s, h = cfg.train.micro_batch_size, m.seq_length // cp, m.hidden_size
     # the layers of the pipeline rank holding the most (the real per-stage layout)
-    held = resolve_pipeline_layout(m, pp).busiest_rank_layers()
+    held = cfg.resolved.pipeline.busiest_rank_layers()
     moe_here = sum(1 for layer in held if m.is_moe_layer(layer))
     dense_here = len(held) - moe_here
 
@@ -309,7 +309,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         )
 
     if pp > 1 and cluster.carries("pp"):
-        vpp = max(1, m.virtual_pipeline_model_parallel_size or 1)
+        vpp = layout.vpp
         nbytes = b * s * h * act / (tp if m.sequence_parallel else 1)
         link = ring_link(2, members_per_node(2, tp * layout.cp * dp, gpn), cluster)
         sends = 2 * vpp  # an activation forward and a gradient back, per model chunk

@@ -52,7 +52,7 @@ from math import ceil
 
 from overlap.config.container import ConfigContainer
 from overlap.config.model import expert_rank_capacity
-from overlap.layout import ParallelLayout, resolve_pipeline_layout
+from overlap.layout import ParallelLayout
 from overlap.plan.hardware import Cluster
 from overlap.plan.tp_slots import NO_GEMMS, TPGemms
 
@@ -341,7 +341,7 @@ def microbatch_compute(
         )
         for is_moe in moe_layer
     ]
-    stages = resolve_pipeline_layout(m, pp).stages
+    stages = cfg.resolved.pipeline.stages
     work = [
         sum(layer_s[s.start : s.end])
         + (logits * (1 + factor) if s.loss else 0.0)

@@ -54,7 +54,7 @@ def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
         overlap_param_gather=o.overlap_param_gather,
         overlap_p2p_comm=o.overlap_p2p_comm,
         pp=max(1, layout.pp),
-        vpp=max(1, m.virtual_pipeline_model_parallel_size or 1),
+        vpp=layout.vpp,
         vp_group=m.microbatch_group_size_per_vp_stage,
         moe_shared_expert_overlap=o.moe_shared_expert_overlap,
         cp_comm_overlap=o.cp_comm_overlap,

@@ -193,10 +193,11 @@ class Checkpointer:
         return out
 
     def _layout(self) -> dict:
-        return {
-            **dataclasses.asdict(self.ps.layout),
-            "vp": self.cfg.model.virtual_pipeline_model_parallel_size or 1,
-        }
+        """The layout a checkpoint records (its RNG state is restored only on the same one), its
+        virtual pipeline under the name checkpoints have always used."""
+        out = dataclasses.asdict(self.ps.layout)
+        out["vp"] = out.pop("vpp")
+        return out
 
     # --- saving -----------------------------------------------------------------------------------
     def due(self, iteration: int) -> bool:

@@ -93,7 +93,9 @@ class Trainer:
         # This rank's model chunks (one without a virtual pipeline); each has its own gradient
         # buffers and buckets.
         res = cfg.resolved
-        self.chunks = model_chunks(cfg.model, ps, res.overlap, res.precision, res.kernels)
+        self.chunks = model_chunks(
+            cfg.model, ps, res.pipeline, res.overlap, res.precision, res.kernels
+        )
         # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
         apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
         for chunk in self.chunks:
