@@ -91,9 +91,9 @@ def _ours(folder: Path, seq: int, dtype: torch.dtype, attention_backend: str):
     model.attention_backend = attention_backend
     precision = "bf16_mixed" if dtype == torch.bfloat16 else "fp32"
     cfg = ConfigContainer(model=model, mixed_precision=precision)
-    res = cfg.finalize(1)
+    res = cfg.finalize(1, on_cuda=False)  # the comparison runs on this CPU
     ps = ParallelState(res.layout)
-    (chunk,) = model_chunks(cfg.model, ps, res.overlap, res.precision, res.kernels)
+    (chunk,) = model_chunks(cfg.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
     load_hf_weights(cfg.model, dict(chunk.named_parameters()), folder)
     return chunk
 

@@ -157,7 +157,7 @@ def import_hf(
         checkpoint=CheckpointConfig(save=str(out), save_optim=False, save_rng=False),
     )
     with single_process():
-        res = cfg.finalize(1)
+        res = cfg.finalize(1, on_cuda=False)  # built and saved on the CPU, never run here
         ps = ParallelState(res.layout)
         chunks = model_chunks(cfg.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
         with flag_errors("--hf", "checkpoint.pretrained_checkpoint"):

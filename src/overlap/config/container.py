@@ -121,11 +121,13 @@ class ConfigContainer:
 
     def to_dict(self) -> dict[str, Any]:
         """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's
-        config. The sections hold what was asked (their overlap switches as typed); once finalized,
-        `overlap_plan` adds every overlap switch as resolved."""
+        config. The sections hold what was asked (their overlap switches and kernels as typed);
+        once finalized, `overlap_plan` adds every overlap switch as resolved and `kernels` the
+        kernels, fusions and token dispatcher that run."""
         out = plain_value(self)
         if self._resolution is not None:
             out["overlap_plan"] = plain_value(self._resolution.overlap)
+            out["kernels"] = plain_value(self._resolution.kernels)
         return out
 
     def finalize(
