@@ -137,6 +137,16 @@ def test_a_peer_implementation_is_listed_with_its_source(capsys):
     )
 
 
+def test_the_distributed_optimizer_row_shows_what_runs(capsys):
+    """Either spelling turns the distributed optimizer on; the row shows the resolved value even
+    when only the optimizer's spelling is typed (the sections stay as typed)."""
+    words = ["explain", "-m", "qwen", "-mr", "dense_tiny", "-ng", "2", "--json"]
+    code, out, err = run([*words, "optimizer.use_distributed_optimizer=true"], capsys)
+    assert code == 0, err
+    other = {r["field"]: r for r in json.loads(out)["other_settings"]}
+    assert other["ddp.use_distributed_optimizer"]["value"] is True
+
+
 def test_the_guides_command_text_names_the_beaten_flag(capsys):
     code, out, err = run(GUIDE, capsys)
     assert code == 0, err

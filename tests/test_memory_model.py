@@ -156,6 +156,22 @@ def test_a_rank_that_does_not_fit_says_by_how_much_and_what_would_fit():
             assert "(saves" in line
 
 
+def test_the_advice_prices_the_distributed_optimizer_only_where_it_is_off():
+    """The alternative reads the resolved switch (either spelling turns it on): off, it is priced
+    below the peak; on under the optimizer's spelling alone, it is not offered."""
+    words = ["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "4"]
+    off = ["ddp.use_distributed_optimizer=false", "optimizer.use_distributed_optimizer=false"]
+    job = resolve_run(words, off)
+    advice = fit(job.cfg, job.resolution.layout, "h100").advice
+    assert any(
+        a.startswith("ddp.use_distributed_optimizer=true: ") and "(saves" in a for a in advice
+    )
+    job = resolve_run(words, off[:1] + ["optimizer.use_distributed_optimizer=true"])
+    assert job.resolution.overlap.use_distributed_optimizer
+    advice = fit(job.cfg, job.resolution.layout, "h100").advice
+    assert not any(a.startswith("ddp.use_distributed_optimizer") for a in advice)
+
+
 def test_the_guide_cluster_fits_with_its_reserve(capsys):
     job = resolve_run(GUIDE_MOE, [])
     est = rank_memory(job.cfg, job.resolution.layout)

@@ -284,9 +284,12 @@ def _get(cfg: ConfigContainer, key: str) -> Any:
 def _as_run(cfg: ConfigContainer, res: Resolution, key: str, precision_name: str) -> Any:
     """The value `key` runs with, for the "other settings" rows: the preset's name, the resolved
     gradient reduce dtype (`ddp.grad_reduce_in_fp32` is an alias, kept as typed), the resolved
-    token dispatcher, else the section's field."""
+    token dispatcher and distributed optimizer (either spelling turns it on), else the section's
+    field."""
     if key == "mixed_precision":
         return precision_name
+    if key == "ddp.use_distributed_optimizer":
+        return res.overlap.use_distributed_optimizer
     if key == "ddp.grad_reduce_in_fp32":
         return res.precision.grad_reduce_in_fp32
     if key == "model.moe_token_dispatcher_type":

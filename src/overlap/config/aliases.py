@@ -11,7 +11,8 @@ first: comm_overlap's value beats the direct spelling, as the resolution always 
 value that counts with the spelling it was typed under, so a decision or an error names what the
 user wrote. Two knobs rank otherwise, as Bridge does: the distributed optimizer is on when either
 spelling is true (`ANY_TRUE`), and the NullTokenizer's `tokenizer.vocab_size` beats
-`model.vocab_size` (`ALIAS_FIRST`); for both, finalize sets the home, which the runtime reads.
+`model.vocab_size` (`ALIAS_FIRST`; finalize sets the home, which the runtime reads; the
+distributed optimizer's value is the plan's, `cfg.resolved.overlap.use_distributed_optimizer`).
 Megatron's copies of the precision fields (`model.bf16`, `ddp.grad_reduce_in_fp32`,
 `optimizer.loss_scale`, ...) are aliases of the mixed-precision section, the one place a preset
 sets them: a preset owns them whatever its value (`OWNING_SECTIONS`), and without one the alias's

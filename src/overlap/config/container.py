@@ -1,10 +1,12 @@
 """ConfigContainer: every section of a run, and `finalize(world_size)`, which resolves it in a fixed
 order.
 
-Order (documented, tested): tokenizer -> pretrained architecture (a Hugging Face
-`checkpoint.pretrained_checkpoint`'s config.json) -> mixed precision -> data-parallel size -> data
-(the tokenizer's padded vocabulary, the dataset files) -> comm overlap -> validation -> checkpoint
--> logger -> flex dispatcher backend -> attention backend. `finalize` snapshots what the user asked
+Order (documented in docs/configuration.md, tested): tokenizer -> pretrained architecture (a
+Hugging Face `checkpoint.pretrained_checkpoint`'s config.json) -> model size checks -> mixed
+precision -> parallel layout -> pipeline layout (the virtual pipeline size) -> data (the
+tokenizer's padded vocabulary, the dataset files) -> comm overlap -> validation -> recompute
+coverage -> checkpoint -> logger -> kernels (flex dispatcher backend, attention backend, MoE
+permutation fusion, grouped GEMM, elementwise fusions). `finalize` snapshots what the user asked
 for on its first call and re-resolves from that snapshot on every call, so calling it twice gives
 the same result (edits made after the first call are not seen: build a new container instead).
 """

@@ -26,7 +26,8 @@ class ParallelLayout:
     etp: int = 1
     # hierarchical CP (cp_comm_type a2a+p2p): the size of the all-to-all groups inside CP
     # (consecutive CP ranks); the p2p ring runs across them. 1: no hierarchy. Its rule (a factor of
-    # CP) is the CP resolution's (`comm_overlap._resolve_cp`: [a2a, p2p] whose product is CP).
+    # CP) is the CP resolution's (`config/comm_overlap.py`, the `_CP` switches: [a2a, p2p] whose
+    # product is CP).
     cp_a2a: int = 1
     # the virtual pipeline: model chunks per pipeline rank (1: one chunk, Megatron's None). Decided
     # with the stages (`overlap.layout.pipeline`: -vp, or a pipeline_model_parallel_layout's

@@ -163,7 +163,7 @@ def fit(
 def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -> list[str]:
     """Each alternative the model can price on this layout, with the peak it would have; then the
     layout changes (more pipeline stages, a larger EP group), which need a new layout."""
-    m, d = cfg.model, cfg.ddp
+    m = cfg.model
     options: list[tuple[str, ConfigContainer]] = []
     recomputed = set(m.recompute_modules or ()) if m.recompute_granularity == "selective" else set()
     for modules in (["moe_act"], ["moe_act", "layernorm"], ["core_attn", "mlp"]):
@@ -179,11 +179,15 @@ def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -
                 _with_model(cfg, recompute_granularity="selective", recompute_modules=chosen),
             )
         )
-    if not cfg.resolved.overlap.use_distributed_optimizer and layout.dp > 1:
-        distributed = replace(d, use_distributed_optimizer=True)
-        options.append(("ddp.use_distributed_optimizer=true", _with(cfg, ddp=distributed)))
-    if cfg.resolved.precision.grad_reduce_in_fp32:
-        options.append(("mixed_precision.grad_reduce_in_fp32=false", _without_fp32_grads(cfg)))
+    o, prec = cfg.resolved.overlap, cfg.resolved.precision
+    if not o.use_distributed_optimizer and layout.dp > 1:
+        sharded = replace(o, use_distributed_optimizer=True)
+        options.append(("ddp.use_distributed_optimizer=true", _resolved_with(cfg, overlap=sharded)))
+    if prec.grad_reduce_in_fp32:
+        plain = replace(prec, grad_reduce_in_fp32=False)
+        options.append(
+            ("mixed_precision.grad_reduce_in_fp32=false", _resolved_with(cfg, precision=plain))
+        )
     if cfg.train.micro_batch_size > 1:
         cut = replace(cfg.train, micro_batch_size=1)
         options.append(("-mb 1", _with(cfg, train=cut)))
@@ -223,9 +227,7 @@ def _with_model(cfg: ConfigContainer, **fields) -> ConfigContainer:
     return _with(cfg, model=replace(cfg.model, **fields))
 
 
-def _without_fp32_grads(cfg: ConfigContainer) -> ConfigContainer:
-    """`cfg` whose resolved precision reduces gradients in the parameters' dtype (the memory
-    estimate reads the resolution's precision, not the sections)."""
-    resolved = cfg.resolved
-    precision = replace(resolved.precision, grad_reduce_in_fp32=False)
-    return replace(cfg, _resolution=replace(resolved, precision=precision))
+def _resolved_with(cfg: ConfigContainer, **parts) -> ConfigContainer:
+    """`cfg` with parts of its resolution replaced (the estimate reads the resolved distributed
+    optimizer and precision, not the sections)."""
+    return replace(cfg, _resolution=replace(cfg.resolved, **parts))
