@@ -533,3 +533,12 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --net
   --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
   --ideal-link --repeats 2 --json $out/pp_1f1b_overlap_20MBs_pp4_deep.json \
   --markdown $out/pp_1f1b_overlap_20MBs_pp4_deep.md model.num_layers=15 model.account_for_loss_in_pipeline_split=true
+
+# 50. -> pp_1f1b_overlap_10MBs_pp4_deep.json/.md. Command 49 at 10 MB/s: the test of why commands 48 and 49 each meet
+#     one target. Twice the link time makes the link a larger share of the step (the step target), but a 28 ms
+#     transfer is twice the half weight-gradient time a middle stage's cycle has to hide it in (the exposure one).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --network model:1ms,10MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --ideal-link --repeats 2 --json $out/pp_1f1b_overlap_10MBs_pp4_deep.json \
+  --markdown $out/pp_1f1b_overlap_10MBs_pp4_deep.md model.num_layers=15 model.account_for_loss_in_pipeline_split=true
