@@ -32,6 +32,13 @@ def moe_config(num_experts: int = 8, tp: int = 1, ep: int = 1, **overrides) -> M
     return moe_layer_model(**{**fields, **overrides})
 
 
+def bare_moe_layer(cfg: ModelConfig, ps, overlap=None) -> MoELayer:
+    """One MoE layer (layer 0) of `cfg` on `ps`, built without a finalized run: the overlap plan
+    given (none by default), the precision and kernels its fields ask for."""
+    plan = bare_plan() if overlap is None else overlap
+    return MoELayer(cfg, ps, 0, plan, Precision.of(cfg), bare_kernels(cfg))
+
+
 def rank_routing(rank: int, num_experts: int, num_local_experts: int):
     """Rank r's tokens; rank 1 has none, and nobody routes to the last EP rank's experts (zero-size
     splits)."""
@@ -74,7 +81,7 @@ def moe_layer_run(
     sequence."""
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
     cfg = moe_config(tp=tp, ep=ep, **cfg_overrides)
-    layer = MoELayer(cfg, ps, 0, bare_plan(), Precision.of(cfg), bare_kernels(cfg))
+    layer = bare_moe_layer(cfg, ps)
     init_model_params(layer, seed=1234, std=INIT_STD)
     if uneven:
         force_experts_0_and_1(layer)
@@ -147,7 +154,7 @@ def none_mode_step(**overrides) -> tuple[int, ...]:
 
     ps = ParallelState(ParallelLayout(world_size=2, ep=2))
     cfg = moe_config(num_experts=4, ep=2, **overrides)
-    layer = MoELayer(cfg, ps, 0, bare_plan(), Precision.of(cfg), bare_kernels(cfg))
+    layer = bare_moe_layer(cfg, ps)
     init_model_params(layer, seed=0, std=INIT_STD)
     x = layer_batch(100 + dist.get_rank(), positive=False)[0].requires_grad_()
     with comm.using(comm.CommSession("none")):

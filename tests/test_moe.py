@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
-from overlap.layers.moe import AllToAllDispatcher, MoELayer, TopKRouter
+from overlap.layers.moe import AllToAllDispatcher, TopKRouter
 from overlap.layers.moe.permute import (
     permute,
     sort_chunks_by_local_expert,
@@ -38,12 +38,13 @@ from overlap.layout import ParallelLayout
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
-from tests.configs import bare_plan, tiny_config
+from tests.configs import tiny_config
 from tests.moe_layer_runs import (
     BATCH,
     HIDDEN,
     INIT_STD,
     SEQ,
+    bare_moe_layer,
     check_against_reference,
     moe_config,
     none_mode_step,
@@ -218,14 +219,7 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
 def test_experts_must_split_evenly_over_ep():
     with pytest.raises(ValueError, match="num_moe_experts"):
         cfg = moe_config(num_experts=6)
-        MoELayer(
-            cfg,
-            SimpleNamespace(ep_size=4),
-            layer_number=0,
-            overlap=bare_plan(),
-            precision=Precision.of(cfg),
-            kernels=bare_kernels(cfg),
-        )
+        bare_moe_layer(cfg, SimpleNamespace(ep_size=4))
 
 
 # --------------------------------------------------------------------------------------------------

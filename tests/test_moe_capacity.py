@@ -32,19 +32,16 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlap.config.kernel_choices import bare_kernels
-from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.init import init_model_params
-from overlap.layers.moe import MoELayer
 from overlap.layers.moe.permute import ExpertCapacity, expert_capacity, expert_counts, permute
 from overlap.layout import ParallelLayout
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
-from tests.configs import bare_plan, container, moe_layer_model, moe_model
+from tests.configs import container, moe_layer_model, moe_model
 from tests.ep_overlap_runs import compare_ep_overlap
-from tests.moe_layer_runs import check_against_reference
+from tests.moe_layer_runs import bare_moe_layer, check_against_reference
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -154,14 +151,7 @@ def _output_vs_dense_reference(overrides: dict) -> tuple[int, int]:
     expert(token). Returns (kept assignments, all assignments)."""
     ps = ParallelState(ParallelLayout(world_size=1))
     cfg = _config(**overrides)
-    layer = MoELayer(
-        cfg,
-        ps,
-        layer_number=0,
-        overlap=bare_plan(),
-        precision=Precision.of(cfg),
-        kernels=bare_kernels(cfg),
-    )
+    layer = bare_moe_layer(cfg, ps)
     init_model_params(layer, seed=1234, std=0.2)
     x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -215,7 +205,7 @@ def _capacity_vs_dropless(pad: bool) -> tuple[dict, dict, list[str]]:
     results, kinds = {}, []
     for name, overrides in (("dropless", {}), ("capacity", _capacity(8.0, pad))):
         cfg = _config(ep=ps.ep_size, **overrides)
-        layer = MoELayer(cfg, ps, 0, bare_plan(), Precision.of(cfg), bare_kernels(cfg))
+        layer = bare_moe_layer(cfg, ps)
         init_model_params(layer, seed=1234, std=0.2)
         xi = x.clone().requires_grad_()
         recorder().drain()
@@ -286,6 +276,4 @@ def test_capacity_with_flex_dispatcher_is_refused_by_name():
         moe_expert_capacity_factor=1.0,
     )
     with pytest.raises(NotBuiltError, match="moe_expert_capacity_factor"):
-        MoELayer(
-            cfg, SimpleNamespace(ep_size=1), 0, bare_plan(), Precision.of(cfg), bare_kernels(cfg)
-        )
+        bare_moe_layer(cfg, SimpleNamespace(ep_size=1))

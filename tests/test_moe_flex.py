@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from overlap.config.kernel_choices import bare_kernels
-from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layers.init import init_model_params
@@ -32,7 +31,7 @@ from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
 from tests.configs import bare_plan, moe_layer_model
 from tests.ep_overlap_runs import compare_ep_overlap
-from tests.moe_layer_runs import rank_routing
+from tests.moe_layer_runs import bare_moe_layer, rank_routing
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -55,14 +54,7 @@ def _layer(
     positive, the others negative, so every token picks experts 0..k-1, all on the first EP rank(s);
     the last ranks receive nothing. `shared_overlap`: the plan's shared-expert overlap."""
     plan = bare_plan(moe_shared_expert_overlap=shared_overlap)
-    layer = MoELayer(
-        cfg,
-        ps,
-        layer_number=0,
-        overlap=plan,
-        precision=Precision.of(cfg),
-        kernels=bare_kernels(cfg),
-    )
+    layer = bare_moe_layer(cfg, ps, plan)
     init_model_params(layer, seed=1234, std=INIT_STD)
     if skewed:
         with torch.no_grad():
@@ -181,22 +173,13 @@ def test_flex_under_ep_overlap_schedule_matches_plain_loop():
 def test_gpu_flex_backends_are_refused_by_name(backend):
     cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
     with pytest.raises(NotBuiltError, match="moe_flex_dispatcher_backend"):
-        MoELayer(
-            cfg, SimpleNamespace(ep_size=1), 0, bare_plan(), Precision.of(cfg), bare_kernels(cfg)
-        )
+        bare_moe_layer(cfg, SimpleNamespace(ep_size=1))
 
 
 def test_flex_without_backend_is_refused():
     with pytest.raises(ConfigError, match="moe_flex_dispatcher_backend"):
         cfg = _config(moe_token_dispatcher_type="flex")
-        MoELayer(
-            cfg,
-            SimpleNamespace(ep_size=1),
-            layer_number=0,
-            overlap=bare_plan(),
-            precision=Precision.of(cfg),
-            kernels=bare_kernels(cfg),
-        )
+        bare_moe_layer(cfg, SimpleNamespace(ep_size=1))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,21 +36,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config.kernel_choices import bare_kernels
-from overlap.config.mixed_precision import Precision
 from overlap.config.model import expert_rank_capacity
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.kernels.device import TARGET_DEVICES
 from overlap.layers.init import init_model_params
-from overlap.layers.moe import MoELayer
 from overlap.layers.moe.rank_capacity import RankCapacityDispatcher
 from overlap.layout import ParallelLayout
 from overlap.parallel.state import ParallelState
 from overlap.perf import bench
 from overlap.perf.host_syncs import HOST_TENSOR, INTENDED_READS, SPLIT_SIZES, HostSyncRecorder
 from overlap.training.trainer import Trainer
-from tests.configs import bare_plan, container, moe_layer_model, moe_model, tiny_config
-from tests.moe_layer_runs import check_against_reference, none_mode_step
+from tests.configs import container, moe_layer_model, moe_model, tiny_config
+from tests.moe_layer_runs import bare_moe_layer, check_against_reference, none_mode_step
 from tests.world import run_world, run_world_nccl_rules
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -93,14 +90,7 @@ def _overflow_count(factor: float) -> tuple[int, int, int]:
         moe_expert_rank_capacity_factor=factor,
         moe_permute_fusion=True,
     )
-    layer = MoELayer(
-        cfg,
-        ps,
-        layer_number=0,
-        overlap=bare_plan(),
-        precision=Precision.of(cfg),
-        kernels=bare_kernels(cfg),
-    )
+    layer = bare_moe_layer(cfg, ps)
     init_model_params(layer, seed=1234, std=0.2)
     assert isinstance(layer.dispatcher, RankCapacityDispatcher)
     g = torch.Generator().manual_seed(7 + dist.get_rank())
@@ -169,14 +159,7 @@ def _flex_refused() -> str:
         moe_flex_dispatcher_backend="torch",
     )
     with pytest.raises(NotBuiltError) as info:
-        MoELayer(
-            flex,
-            ParallelState(ParallelLayout(world_size=1)),
-            0,
-            bare_plan(),
-            Precision.of(flex),
-            bare_kernels(flex),
-        )
+        bare_moe_layer(flex, ParallelState(ParallelLayout(world_size=1)))
     return str(info.value)
 
 
@@ -190,14 +173,7 @@ def _misaligned_rows_refused() -> str:
         bf16=True,
         moe_expert_rank_capacity_factor=1.5,
     )
-    layer = MoELayer(
-        cfg,
-        ParallelState(ParallelLayout(world_size=1)),
-        0,
-        bare_plan(),
-        Precision.of(cfg),
-        bare_kernels(cfg),
-    )
+    layer = bare_moe_layer(cfg, ParallelState(ParallelLayout(world_size=1)))
     init_model_params(layer, seed=0, std=0.2)
     with pytest.raises(NotBuiltError) as info:
         layer(torch.randn(4, 1, 4, dtype=torch.bfloat16))
