@@ -86,7 +86,7 @@ def moe_layer_run(
     if uneven:
         force_experts_0_and_1(layer)
     outs = []
-    for seed in seeds[ps.dp_rank :: ps.dp_size]:
+    for seed in seeds[ps.dp_rank :: ps.layout.dp]:
         x, dy = (t.chunk(tp)[ps.tp_rank] for t in layer_batch(seed, positive=uneven))
         x.requires_grad_()
         y, aux = layer(x)

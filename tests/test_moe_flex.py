@@ -173,13 +173,13 @@ def test_flex_under_ep_overlap_schedule_matches_plain_loop():
 def test_gpu_flex_backends_are_refused_by_name(backend):
     cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
     with pytest.raises(NotBuiltError, match="moe_flex_dispatcher_backend"):
-        bare_moe_layer(cfg, SimpleNamespace(ep_size=1))
+        bare_moe_layer(cfg, SimpleNamespace(layout=ParallelLayout(world_size=1)))
 
 
 def test_flex_without_backend_is_refused():
     with pytest.raises(ConfigError, match="moe_flex_dispatcher_backend"):
         cfg = _config(moe_token_dispatcher_type="flex")
-        bare_moe_layer(cfg, SimpleNamespace(ep_size=1))
+        bare_moe_layer(cfg, SimpleNamespace(layout=ParallelLayout(world_size=1)))
 
 
 # --------------------------------------------------------------------------------------------------

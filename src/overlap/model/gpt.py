@@ -174,7 +174,7 @@ class GPTModel(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        tp = ps.tp_size
+        tp = ps.layout.tp
         if config.vocab_size % tp:
             raise ConfigError(
                 "model.vocab_size",
@@ -183,7 +183,7 @@ class GPTModel(nn.Module):
                 f"tensor_model_parallel_size ({tp}).",
                 "pad the vocabulary to a multiple of -tp.",
             )
-        if config.sequence_parallel and (config.seq_length // ps.cp_size) % tp:
+        if config.sequence_parallel and (config.seq_length // ps.layout.cp) % tp:
             raise ConfigError(
                 "model.seq_length",
                 config.seq_length,
