@@ -7,14 +7,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layout import ParallelLayout
 from overlap.parallel.state import ParallelState
-from tests.configs import bare_plan, moe_layer_model
+from tests.configs import bare_kernels, bare_plan, moe_layer_model
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32

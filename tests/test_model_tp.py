@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
@@ -29,7 +28,7 @@ from overlap.layout import ParallelLayout
 from overlap.model import GPTModel
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
-from tests.configs import bare_plan
+from tests.configs import bare_kernels, bare_plan
 from tests.world import run_world
 
 # fp32, different reduction order (TP splits GEMM reductions and sums partials over ranks):

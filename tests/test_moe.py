@@ -25,7 +25,6 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.layers.moe import AllToAllDispatcher, TopKRouter
 from overlap.layers.moe.permute import (
@@ -38,7 +37,7 @@ from overlap.layout import ParallelLayout
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
-from tests.configs import tiny_config
+from tests.configs import bare_kernels, tiny_config
 from tests.moe_layer_runs import (
     BATCH,
     HIDDEN,
