@@ -158,9 +158,9 @@ class GPTModel(nn.Module):
     stages, its copy); the loss is computed from the vocab-sharded logits without gathering them.
     `overlap` is the run's resolved overlap plan (what its layers overlap), `precision` its
     resolved precision (the parameters' dtype; `Precision.of(config)` for a bare config),
-    `kernels` its resolved kernels (`overlap.config.kernel_choices.bare_kernels` for a bare
-    config); `wgrad_store`: the store its weight gradients go through, kept as `self.wgrad_store`
-    (None: a new one, this model's).
+    `kernels` its resolved kernels (`cfg.resolved.kernels`; a test's bare config takes
+    `bare_kernels`, tests/configs.py); `wgrad_store`: the store its weight gradients go through,
+    kept as `self.wgrad_store` (None: a new one, this model's).
     """
 
     def __init__(
@@ -174,7 +174,7 @@ class GPTModel(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        tp = ps.tp_size
+        tp = ps.layout.tp
         if config.vocab_size % tp:
             raise ConfigError(
                 "model.vocab_size",
@@ -183,7 +183,7 @@ class GPTModel(nn.Module):
                 f"tensor_model_parallel_size ({tp}).",
                 "pad the vocabulary to a multiple of -tp.",
             )
-        if config.sequence_parallel and (config.seq_length // ps.cp_size) % tp:
+        if config.sequence_parallel and (config.seq_length // ps.layout.cp) % tp:
             raise ConfigError(
                 "model.seq_length",
                 config.seq_length,

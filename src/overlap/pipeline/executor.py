@@ -124,7 +124,7 @@ class PipelineExecutor:
         if (
             options.overlap_moe_expert_parallel_comm
             and options.deallocate_outputs
-            and ps.pp_size > 1
+            and ps.layout.pp > 1
         ):
             raise ValueError(
                 "deallocate_pipeline_outputs is not built for the EP-overlap schedule (the merged "
@@ -133,8 +133,8 @@ class PipelineExecutor:
         self.chunks, self.ps, self.options = chunks, ps, options
         self.wgrad = shared_wgrad_store(chunks)
         self.before_backward, self.memory = before_backward, memory
-        self.ring = StageRing(ps.pp_size, ps.pp_rank, len(chunks))
-        self.groups = ps.pipeline_p2p_groups(wrap=len(chunks) > 1) if ps.pp_size > 1 else {}
+        self.ring = StageRing(ps.layout.pp, ps.pp_rank, len(chunks))
+        self.groups = ps.pipeline_p2p_groups(wrap=len(chunks) > 1) if ps.layout.pp > 1 else {}
 
     @classmethod
     def from_config(
@@ -146,7 +146,7 @@ class PipelineExecutor:
         memory: PipelineMemory,
     ) -> PipelineExecutor:
         return cls(
-            chunks, ps, ExecutorOptions.from_config(cfg, ps.tp_size), before_backward, memory
+            chunks, ps, ExecutorOptions.from_config(cfg, ps.layout.tp), before_backward, memory
         )
 
     def step(

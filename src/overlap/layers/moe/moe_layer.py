@@ -127,11 +127,11 @@ class MoELayer(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        if config.num_moe_experts % ps.ep_size:
+        if config.num_moe_experts % ps.layout.ep:
             raise ConfigError(
                 "model.num_moe_experts",
                 config.num_moe_experts,
-                f"the experts must split evenly over expert parallel size {ps.ep_size}.",
+                f"the experts must split evenly over expert parallel size {ps.layout.ep}.",
                 "choose an expert parallel size (-ep) that divides num_moe_experts.",
             )
         dispatcher = dispatcher_class(config, kernels)
