@@ -185,7 +185,7 @@ def test_the_guide_cluster_fits_with_its_reserve(capsys):
         assert f"    {block} " in out
 
 
-def _walk_peak(chunks, pp, rank, vpp, count, group, merged, late) -> tuple[float, int]:
+def _walk_peak(chunks, pp, rank, vpp, count, group, merged, late, depth) -> tuple[float, int]:
     from overlap.launch import resources
     from overlap.pipeline.schedules import pipeline_steps
 
@@ -194,7 +194,7 @@ def _walk_peak(chunks, pp, rank, vpp, count, group, merged, late) -> tuple[float
             None if s.forward is None else s.forward.chunk,
             None if s.backward is None else s.backward.chunk,
         )
-        for s in pipeline_steps(pp, rank, vpp, count, group, merged)
+        for s in pipeline_steps(pp, rank, vpp, count, group, merged, depth)
     ]
     kept, working, alive, _where = resources._walk(chunks, program, merged, late)
     return kept + working, alive
@@ -210,10 +210,10 @@ def test_the_memory_walk_of_a_long_program_peaks_as_its_short_form():
     from overlap.perf.memory_model import steady_microbatches
 
     names = [f.name for f in dataclasses.fields(resources._Chunk)]
-    for pp, vpp, extra, merged, late in itertools.product(
-        (2, 3, 4, 8), (1, 2, 3), (None, 2), (False, True), (False, True)
+    for pp, vpp, extra, merged, late, depth in itertools.product(
+        (2, 3, 4, 8), (1, 2, 3), (None, 2), (False, True), (False, True), (1, 2, 3)
     ):
-        if late and (merged or vpp > 1):
+        if late and (merged or vpp > 1) or depth > 1 and (vpp > 1 or merged):
             continue
         group = None if extra is None else pp + extra
         chunks = [
@@ -225,8 +225,34 @@ def test_the_memory_walk_of_a_long_program_peaks_as_its_short_form():
         for m in (2 * pp * vpp + 5, 64, 131):
             for rank in range(pp):
                 args = (chunks, pp, rank, vpp)
-                full = _walk_peak(*args, m, group, merged, late)
+                full = _walk_peak(*args, m, group, merged, late, depth)
                 short = _walk_peak(
-                    *args, steady_microbatches(pp, vpp, group, m), group, merged, late
+                    *args, steady_microbatches(pp, vpp, group, m, depth), group, merged, late, depth
                 )
                 assert short[0] == pytest.approx(full[0]) and short[1] == full[1]
+
+
+def test_a_deeper_warm_up_keeps_its_extra_micro_batches_alive():
+    """comm_overlap.p2p_warmup_depth=2 under overlapped 1F1B: pipeline rank r keeps PP - rank - 1
+    more micro-batches' activations (rank 0 of PP 4: 7 forwards alive instead of 4), and the
+    estimate counts them: the activations grow by that ratio, the rest of the rank does not."""
+    overlapped = ["comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false"]
+    est = {}
+    for depth in (1, 2):
+        cfg = tiny_config(
+            False,
+            "bf16_mixed",
+            4,
+            [*overlapped, f"comm_overlap.p2p_warmup_depth={depth}"],
+            1,
+            global_batch_size=16,
+            micro_batch_size=1,
+            pipeline_model_parallel_size=4,
+        )
+        res = cfg.finalize(4)
+        est[depth] = {r: rank_memory(cfg, res.layout, cpu=True, pp_rank=r) for r in range(4)}
+    for r in range(4):
+        assert est[1][r].in_flight == 4 - r
+        assert est[2][r].in_flight == 2 * (4 - r - 1) + 1
+        assert est[2][r].param_bytes == est[1][r].param_bytes
+    assert est[2][0].activation_bytes > 1.5 * est[1][0].activation_bytes

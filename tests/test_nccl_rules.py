@@ -117,9 +117,38 @@ LAYOUTS = [
         ],
     ),
     ("pp2_overlapped", 2, False, 4, PP2 + OVERLAPPED_P2P),
-    # overlapped 1F1B's deeper warm-up (its slack) on a chain of 4 and 8 stages and an uneven one
+    # overlapped 1F1B (its weight-gradient split; with comm_overlap.p2p_warmup_depth=2 its deeper
+    # warm-up, up to two sends a direction in flight) on a chain of 4 and 8 stages and uneven ones
     ("pp4_overlapped", 4, False, 4, ["model.pipeline_model_parallel_size=4"] + OVERLAPPED_P2P),
     ("pp8_overlapped", 8, False, 8, ["model.pipeline_model_parallel_size=8"] + OVERLAPPED_P2P),
+    (
+        "pp4_overlapped_deep",
+        4,
+        False,
+        4,
+        ["model.pipeline_model_parallel_size=4", "comm_overlap.p2p_warmup_depth=2"]
+        + OVERLAPPED_P2P,
+    ),
+    (
+        "pp8_overlapped_deep",
+        8,
+        False,
+        8,
+        ["model.pipeline_model_parallel_size=8", "comm_overlap.p2p_warmup_depth=2"]
+        + OVERLAPPED_P2P,
+    ),
+    (
+        "pp3_uneven_overlapped_deep",
+        3,
+        False,
+        4,
+        [
+            "model.pipeline_model_parallel_size=3",
+            "model.num_layers_in_first_pipeline_stage=2",
+            "comm_overlap.p2p_warmup_depth=2",
+        ]
+        + OVERLAPPED_P2P,
+    ),
     (
         "pp3_uneven_overlapped",
         3,
@@ -249,10 +278,12 @@ def _programs(
         PP2,
         PP2 + OVERLAPPED_P2P,
         ["model.pipeline_model_parallel_size=4"] + OVERLAPPED_P2P,
+        ["model.pipeline_model_parallel_size=4", "comm_overlap.p2p_warmup_depth=2"]
+        + OVERLAPPED_P2P,
         PP2 + VPP2,
         ["model.pipeline_model_parallel_size=4"] + VPP2,
     ],
-    ids=["pp2", "pp2_overlapped", "pp4_overlapped", "pp2_vpp2", "pp4_vpp2"],
+    ids=["pp2", "pp2_overlapped", "pp4_overlapped", "pp4_overlapped_deep", "pp2_vpp2", "pp4_vpp2"],
 )
 def test_released_outputs_never_put_their_send_on_the_critical_path(layout):
     """deallocate_pipeline_outputs under NCCL's rules: outputs are released right after their send

@@ -107,18 +107,33 @@ def test_non_interleaved_1f1b_shape():
     assert kinds_of(pipeline_steps(4, 3, 1, 8)) == ["FB"] * 8
     # PP = 1: forward then backward per micro-batch
     assert kinds_of(pipeline_steps(1, 0, 1, 3)) == ["FB"] * 3
+    # a deeper warm-up (comm_overlap.p2p_warmup_depth=2): 2 x (PP - rank - 1) forwards first
+    assert (
+        kinds_of(pipeline_steps(4, 0, 1, 8, warmup_depth=2)) == ["F"] * 6 + ["FB"] * 2 + ["B"] * 6
+    )
+    assert (
+        kinds_of(pipeline_steps(4, 2, 1, 8, warmup_depth=2)) == ["F"] * 2 + ["FB"] * 6 + ["B"] * 2
+    )
+    assert kinds_of(pipeline_steps(4, 3, 1, 8, warmup_depth=2)) == ["FB"] * 8
+    # fewer micro-batches than the warm-up: all forwards, then all backwards
+    assert kinds_of(pipeline_steps(4, 0, 1, 3, warmup_depth=2)) == ["F"] * 3 + ["B"] * 3
 
 
 def kinds_of(steps) -> list[str]:
     return ["F" if s.backward is None else "B" if s.forward is None else "FB" for s in steps]
 
 
-def _simulate(pp: int, vpp: int, micro: int, group: int | None = None) -> None:
+def _simulate(pp: int, vpp: int, micro: int, group: int | None = None, depth: int = 1) -> None:
     """Run every rank's program against the true dependencies (F(mb, v) after F(mb, v-1); B(mb, v)
     after F(mb, v) and B(mb, v+1)); each rank advances when its next task is ready. A stall before
     the end is a deadlock."""
     programs = [
-        [t for s in pipeline_steps(pp, r, vpp, micro, group) for t in (s.forward, s.backward) if t]
+        [
+            t
+            for s in pipeline_steps(pp, r, vpp, micro, group, warmup_depth=depth)
+            for t in (s.forward, s.backward)
+            if t
+        ]
         for r in range(pp)
     ]
     last = pp * vpp - 1
@@ -161,8 +176,13 @@ def _simulate(pp: int, vpp: int, micro: int, group: int | None = None) -> None:
         (3, 2, 6, 3),
     ],
 )
-def test_every_program_is_complete_and_deadlock_free(pp, vpp, micro, group):
-    _simulate(pp, vpp, micro, group)
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_every_program_is_complete_and_deadlock_free(pp, vpp, micro, group, depth):
+    if depth > 1 and vpp > 1:
+        with pytest.raises(ValueError, match="plain 1F1B only"):
+            pipeline_steps(pp, 0, vpp, micro, group, warmup_depth=depth)
+        return
+    _simulate(pp, vpp, micro, group, depth)
 
 
 # --- numerics on real worlds ----------------------------------------------------------------------
@@ -298,19 +318,32 @@ def test_ep2_pp2_moe_matches_single_process_bf16():
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "layout, depth",
     [
-        dict(pipeline_model_parallel_size=2),
-        dict(pipeline_model_parallel_size=4),
-        dict(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=2),
-        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+        (dict(pipeline_model_parallel_size=2), 1),
+        (dict(pipeline_model_parallel_size=4), 1),
+        (dict(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=2), 1),
+        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 1),
+        (dict(pipeline_model_parallel_size=2), 2),
+        (dict(pipeline_model_parallel_size=4), 2),
+        (dict(pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=2), 3),
     ],
-    ids=["1f1b", "1f1b_pp4", "1f1b_pp3_uneven", "interleaved"],
+    ids=[
+        "1f1b",
+        "1f1b_pp4",
+        "1f1b_pp3_uneven",
+        "interleaved",
+        "1f1b_deep",
+        "1f1b_pp4_deep",
+        "1f1b_pp3_uneven_depth3",
+    ],
 )
-def test_batched_and_overlapped_p2p_are_bit_identical(layout):
+def test_batched_and_overlapped_p2p_are_bit_identical(layout, depth):
     """Overlapped p2p runs each backward's weight-gradient GEMMs after its gradient's send, or the
-    first stage's after its next task (the executor's notes): the same GEMMs on the same tensors,
-    accumulated in the same micro-batch order, so the same bits."""
+    first stage's after its next task (the executor's notes), and with a deeper warm-up
+    (comm_overlap.p2p_warmup_depth) runs more forwards before the first backward: the same GEMMs on
+    the same tensors, each parameter's gradient accumulated in the same micro-batch order, so the
+    same bits."""
     world = layout["pipeline_model_parallel_size"]
     batched = run_world(
         world,
@@ -327,7 +360,11 @@ def test_batched_and_overlapped_p2p_are_bit_identical(layout):
         False,
         "fp32",
         4,
-        ["comm_overlap.batch_p2p_comm=false", "comm_overlap.overlap_p2p_comm=true"],
+        [
+            "comm_overlap.batch_p2p_comm=false",
+            "comm_overlap.overlap_p2p_comm=true",
+            f"comm_overlap.p2p_warmup_depth={depth}",
+        ],
         layout,
     )
     assert batched == overlapped

@@ -94,6 +94,32 @@ def test_overlapped_1f1b_exposes_at_most_the_fill_and_the_drain(pp):
     assert past[1] - past[0] > 8 * 3.0
 
 
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_a_deeper_warm_up_hides_transfers_up_to_half_a_step(pp):
+    """comm_overlap.p2p_warmup_depth=2 (`schedules.pipeline_steps`): each stage one more
+    micro-batch ahead of the next, so in the steady state the two transfers of a cycle (a gradient
+    down, an activation back up) travel under a whole step (f + b = 3 here) instead of the weight-
+    gradient time (W = 1; half of it between middle stages): up to c = 1.5, past the split's bound,
+    only the fill and the drain stay exposed, whatever the micro-batch count, where depth 1's cost
+    grows with the micro-batches; past half a step depth 2's grows too, less than depth 1's."""
+    f, b = 1.0, 2.0
+    for c in (1.0, 1.5, 2.5):
+        exposed = {}
+        for depth in (1, 2):
+            for m in (16, 32):
+                free = simulate(pp, 1, m, f, b, 0.0, True, warmup_depth=depth).step_s
+                step = simulate(pp, 1, m, f, b, c, True, warmup_depth=depth).step_s
+                exposed[depth, m] = step - free
+        if c <= 1.5:
+            assert exposed[2, 16] <= 2 * (pp - 1) * c + 1e-9, c
+            assert exposed[2, 32] == pytest.approx(exposed[2, 16])
+        else:
+            assert exposed[2, 32] > exposed[2, 16]
+        if pp > 2 or c > 1.0:
+            assert exposed[1, 32] > exposed[1, 16] + 8 * (c - 1.0) - 1e-9
+            assert exposed[2, 32] < exposed[1, 32]
+
+
 def test_interleaving_hides_the_transfers_too():
     """At PP = 2 the interleaved schedule's slack hides most of the batched mode's link cost."""
     c = 0.2

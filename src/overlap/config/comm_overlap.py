@@ -66,6 +66,8 @@ class CommOverlapConfig:
     overlap_p2p_comm: bool | None = None
     # pipeline sends/receives batched
     batch_p2p_comm: bool | None = None
+    # ours: plain 1F1B's warm-up, x (PP - rank - 1) forwards (2: every transfer a step of slack)
+    p2p_warmup_depth: int | None = None
     # DP gradient reduce overlapped with the backward
     overlap_grad_reduce: bool | None = None
     # DP parameter gather overlapped with the forward
@@ -104,6 +106,8 @@ class OverlapPlan:
     tp_comm_bootstrap_backend: str | None = None
     overlap_p2p_comm: bool = False  # pipeline receives posted early, sends not waited on
     batch_p2p_comm: bool = False  # pipeline sends and receives batched into one call
+    # plain 1F1B's warm-up multiple under overlapped p2p (`pipeline.schedules`; 1: Megatron's)
+    p2p_warmup_depth: int = 1
     # EP all-to-alls under another micro-batch's compute
     overlap_moe_expert_parallel_comm: bool = False
     # weight-gradient GEMMs deferred out of the EP-overlapped backward
@@ -338,6 +342,25 @@ _P2P_WITHOUT_VPP = (
 )
 
 
+# a deeper warm-up: what it buys and what it costs
+_DEEP_WARMUP = (
+    "each stage runs {d} x (PP - rank - 1) warm-up forwards, {e} more micro-batches ahead of the "
+    "next than 1F1B, so the two transfers of a steady cycle travel under a whole step of compute "
+    "(transfers up to half a forward-backward hide; with the weight-gradient split alone, half a "
+    "weight-gradient time between middle stages); cost: {e} x (PP - rank - 1) more micro-batches' "
+    "activations alive on pipeline rank r, counted in the memory estimate"
+)
+
+
+def _deepens(s: _Run) -> bool:
+    """Whether a warm-up multiple acts: overlapped p2p in plain 1F1B."""
+    return s.pp > 1 and s.vpp == 1 and s.resolved["overlap_p2p_comm"]
+
+
+def _depth_note(s: _Run, depth: int) -> str | None:
+    return _DEEP_WARMUP.format(d=depth, e=depth - 1) if depth > 1 else None
+
+
 def _p2p_rule(s: _Run) -> tuple[bool, str]:
     """overlap_p2p_comm by the pipeline layout (batch_p2p_comm: its opposite under PP), and why."""
     if s.interleaved:
@@ -368,6 +391,42 @@ _PIPELINE = (
                 True,
             ),
         ),
+    ),
+    Switch(
+        "comm_overlap.p2p_warmup_depth",
+        lambda _: (1, "1F1B's warm-up, PP - rank - 1 forwards (Megatron's)"),
+        asked=("requested: a deeper warm-up for overlapped 1F1B", "requested"),
+        fixed=lambda s: (
+            None if _deepens(s) else (1, "only overlapped p2p in plain 1F1B has a warm-up multiple")
+        ),
+        checks=(
+            Rule(
+                "comm_overlap.p2p_warmup_depth",
+                lambda s: (
+                    not (
+                        s.read("comm_overlap.p2p_warmup_depth") is None
+                        or type(s.read("comm_overlap.p2p_warmup_depth")) is int
+                        and s.read("comm_overlap.p2p_warmup_depth") >= 1
+                    )
+                ),
+                "the warm-up multiple is a whole number of micro-batches per stage, at least 1.",
+                "use 1 (1F1B's warm-up) or 2 (a step of slack for every transfer).",
+            ),
+        ),
+        noops=(
+            Rule(
+                "comm_overlap.p2p_warmup_depth",
+                lambda s: (
+                    not _deepens(s) and s.read("comm_overlap.p2p_warmup_depth") not in (None, 1)
+                ),
+                "the warm-up multiple gives overlapped transfers slack in plain 1F1B only (the "
+                "interleaved schedule's warm-up has it; batched p2p waits each transfer at once)",
+                "use it with -pp 2 or more, no virtual pipeline and "
+                "comm_overlap.overlap_p2p_comm=true, comm_overlap.batch_p2p_comm=false; or drop "
+                "it.",
+            ),
+        ),
+        note=_depth_note,
     ),
     Switch("model.defer_embedding_wgrad_compute"),
     Switch("model.wgrad_deferral_limit", lambda _: (-1, "Bridge auto default")),

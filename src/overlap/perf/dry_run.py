@@ -339,6 +339,7 @@ def _in_flight(
         microbatches,
         cfg.model.microbatch_group_size_per_vp_stage,
         cfg.resolved.overlap.overlap_moe_expert_parallel_comm,
+        cfg.resolved.overlap.p2p_warmup_depth,
     )
     alive = most = 0
     for step in steps:

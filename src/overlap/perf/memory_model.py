@@ -54,14 +54,16 @@ def program(
     count = microbatches or max(1, t.global_batch_size // (t.micro_batch_size * max(1, layout.dp)))
     pp, vpp = max(1, layout.pp), layout.vpp
     group = m.microbatch_group_size_per_vp_stage
-    steady = steady_microbatches(pp, vpp, group, count)
-    merged = cfg.resolved.overlap.overlap_moe_expert_parallel_comm
-    return list(_chunk_program(pp, pp_rank, vpp, steady, group, merged))
+    plan = cfg.resolved.overlap
+    depth = plan.p2p_warmup_depth
+    steady = steady_microbatches(pp, vpp, group, count, depth)
+    merged = plan.overlap_moe_expert_parallel_comm
+    return list(_chunk_program(pp, pp_rank, vpp, steady, group, merged, depth))
 
 
 @functools.lru_cache(maxsize=4096)
 def _chunk_program(
-    pp: int, rank: int, vpp: int, count: int, group: int | None, merged: bool
+    pp: int, rank: int, vpp: int, count: int, group: int | None, merged: bool, depth: int
 ) -> tuple[tuple[int | None, int | None], ...]:
     """`pipeline_steps` as (forward chunk, backward chunk) pairs; cached, since the layout search
     walks the memory of thousands of candidates over a few dozen distinct programs."""
@@ -70,17 +72,18 @@ def _chunk_program(
             None if s.forward is None else s.forward.chunk,
             None if s.backward is None else s.backward.chunk,
         )
-        for s in pipeline_steps(pp, rank, vpp, count, group, merged)
+        for s in pipeline_steps(pp, rank, vpp, count, group, merged, depth)
     )
 
 
-def steady_microbatches(pp: int, vpp: int, group: int | None, count: int) -> int:
+def steady_microbatches(pp: int, vpp: int, group: int | None, count: int, warmup_depth: int) -> int:
     """As few micro-batches as give a `count`-micro-batch program's memory walk the same peak:
-    whole groups of the interleaved table covering the warm-up (at most 2 x PP + (VPP - 1) x group
-    forwards, one more merged) and two groups of steady steps, after which every group repeats the
-    one before, plus the same last partial group as `count` (its chunks end the table)."""
+    whole groups of the interleaved table covering the warm-up (at most max(2, warmup_depth) x PP +
+    (VPP - 1) x group forwards, one more merged) and two groups of steady steps, after which every
+    group repeats the one before, plus the same last partial group as `count` (its chunks end the
+    table)."""
     size = group or pp
-    warmup = 2 * pp + (vpp - 1) * size + 1
+    warmup = max(2, warmup_depth) * pp + (vpp - 1) * size + 1
     short = size * (-(-warmup // size) + 2) + count % size
     return min(count, short)
 

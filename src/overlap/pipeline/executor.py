@@ -72,6 +72,8 @@ class ExecutorOptions:
     shape: tuple[int, ...]
     dtype: torch.dtype
     overlap_p2p_comm: bool = False  # overlapped p2p (else batched; `overlap.pipeline.p2p`)
+    # plain 1F1B's warm-up multiple (`schedules.pipeline_steps`): slack for overlapped transfers
+    p2p_warmup_depth: int = 1
     microbatch_group: int | None = None  # micro-batches per chunk group, interleaved (None: PP)
     deallocate_outputs: bool = False  # free each sent output's storage (`output_memory`)
     # defer the output layer's weight gradients to the flush
@@ -91,6 +93,7 @@ class ExecutorOptions:
             (seq, cfg.train.micro_batch_size, m.hidden_size),
             params_dtype(cfg.resolved.precision),
             overlap_p2p_comm=plan.overlap_p2p_comm,
+            p2p_warmup_depth=plan.p2p_warmup_depth,
             microbatch_group=m.microbatch_group_size_per_vp_stage,
             deallocate_outputs=m.deallocate_pipeline_outputs,
             defer_embedding_wgrad_compute=plan.defer_embedding_wgrad_compute,
@@ -166,6 +169,7 @@ class PipelineExecutor:
             self.num_micro,
             o.microbatch_group,
             o.overlap_moe_expert_parallel_comm,
+            o.p2p_warmup_depth,
         )
         self.tasks = step_tasks(self.steps)
         self.transport = StageTransport(
@@ -178,6 +182,7 @@ class PipelineExecutor:
                 o.microbatch_group,
                 o.overlap_moe_expert_parallel_comm,
                 o.overlap_p2p_comm,
+                o.p2p_warmup_depth,
             )
             if o.deallocate_outputs
             else None

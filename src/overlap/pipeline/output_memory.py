@@ -99,11 +99,17 @@ def backward_from_released(seeds: Sequence[torch.Tensor], grads: Sequence[torch.
 class OutputRelease:
     """`deallocate_pipeline_outputs` over one step: frees each sent output's storage and drops its
     send where that costs nothing (module notes). The causal rule (a virtual pipeline, or overlapped
-    p2p) needs the neighbours' programs: `num_micro`, `group` and `merged` rebuild them
-    (`program_tasks`)."""
+    p2p) needs the neighbours' programs: `num_micro`, `group`, `merged` and `warmup_depth` rebuild
+    them (`program_tasks`)."""
 
     def __init__(
-        self, ring: StageRing, num_micro: int, group: int | None, merged: bool, overlapped: bool
+        self,
+        ring: StageRing,
+        num_micro: int,
+        group: int | None,
+        merged: bool,
+        overlapped: bool,
+        warmup_depth: int,
     ) -> None:
         self.ring = ring
         # batched without a virtual pipeline: a send is waited at once (module notes)
@@ -115,7 +121,9 @@ class OutputRelease:
         self.positions: dict[int, dict[Task, int]] = {}
         if not self.at_once:
             for peer in {(ring.rank + 1) % ring.pp, (ring.rank - 1) % ring.pp}:
-                tasks = program_tasks(ring.pp, peer, ring.vpp, num_micro, group, merged)
+                tasks = program_tasks(
+                    ring.pp, peer, ring.vpp, num_micro, group, merged, warmup_depth
+                )
                 self.positions[peer] = {t: i for i, t in enumerate(tasks)}
 
     def release(self, out: torch.Tensor, chunk: int, message: Message) -> None:

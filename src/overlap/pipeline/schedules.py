@@ -12,6 +12,15 @@ program is Megatron-Core's: a table maps virtual micro-batch k to (micro-batch, 
 (PP - rank - 1) x 2 + (VPP - 1) x group forwards (PP - rank - 1 without VPP); backward chunks are
 mirrored. VPP = 1 is the non-interleaved 1F1B: one implementation for both.
 
+`warmup_depth` (plain 1F1B only; `comm_overlap.p2p_warmup_depth`, ours) runs depth x (PP - rank - 1)
+warm-up forwards, each stage that many micro-batches ahead of the next. Why: in 1F1B's steady state
+the gradient of B(k) going down from stage p + 1 to p and the activation of p's next forward going
+back up sit on one cycle with stage p + 1's program. With each stage one more micro-batch ahead
+(depth 2, the interleaved schedule's doubling) the forward that activation feeds comes a whole step
+later, so the cycle's two transfers travel under a step of compute (each up to half a forward-
+backward hides) instead of a weight-gradient time.
+The price: (depth - 1) x (PP - rank - 1) more micro-batches' activations alive on pipeline rank r.
+
 `StageRing` places a rank's chunks among the virtual stages: virtual stage v = chunk x PP + rank, so
 the next stage is always on rank + 1 (mod PP) and the previous on rank - 1: a ring. It names the
 message each task consumes (`Message`: direction, receiving virtual stage, micro-batch) and who
@@ -59,14 +68,21 @@ def pipeline_steps(
     num_microbatches: int,
     group: int | None = None,
     merged: bool = False,
+    warmup_depth: int = 1,
 ) -> list[Step]:
     """This rank's program: warm-up forwards, steady (forward, backward) pairs, cool-down backwards.
     `merged` (EP overlap runs each steady pair as one merged step): one more warm-up forward, as
     Megatron-Core adds, so that a steady step never pairs a backward with its own micro-batch's
-    forward; at PP = 1 this is the combined 1F1B, F(0) alone, F(i) with B(i-1), B(last) alone."""
+    forward; at PP = 1 this is the combined 1F1B, F(0) alone, F(i) with B(i-1), B(last) alone.
+    `warmup_depth`: plain 1F1B's warm-up multiple (module notes)."""
+    if warmup_depth < 1 or (warmup_depth != 1 and vpp != 1):
+        raise ValueError(f"warmup_depth={warmup_depth}: a positive multiple, in plain 1F1B only")
     table = schedule_table(num_microbatches, vpp, group or pp)
     total = len(table)
-    warmup = pp - rank - 1 if vpp == 1 else (pp - rank - 1) * 2 + (vpp - 1) * (group or pp)
+    if vpp == 1:
+        warmup = (pp - rank - 1) * warmup_depth
+    else:
+        warmup = (pp - rank - 1) * 2 + (vpp - 1) * (group or pp)
     warmup = min(warmup + merged, total)
     forwards = [Task(False, mb, chunk) for mb, chunk in table]
     backwards = [Task(True, mb, vpp - 1 - chunk) for mb, chunk in table]
@@ -88,9 +104,10 @@ def program_tasks(
     num_microbatches: int,
     group: int | None = None,
     merged: bool = False,
+    warmup_depth: int = 1,
 ) -> list[Task]:
     """The rank's tasks in the order it runs them."""
-    return step_tasks(pipeline_steps(pp, rank, vpp, num_microbatches, group, merged))
+    return step_tasks(pipeline_steps(pp, rank, vpp, num_microbatches, group, merged, warmup_depth))
 
 
 @dataclass(frozen=True)

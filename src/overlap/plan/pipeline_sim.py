@@ -70,6 +70,7 @@ def simulate(
     merged: bool = False,
     wgrad_share: float = 0.5,
     exact: bool = True,
+    warmup_depth: int = 1,
 ) -> PipelineTimes:
     """Run every rank's program with per-task times `fwd_s` / `bwd_s` (one micro-batch through one
     model chunk of average work; virtual stage v's tasks take `weights[v]` times that) and
@@ -79,24 +80,28 @@ def simulate(
     share of a backward that is weight gradient (the planner's convention: half). `exact=False`
     (the layout search, pricing hundreds of layouts): past a few periods of the schedule the step
     grows by the same time per micro-batch group, so a long step is extrapolated from short ones
-    once three of them show that slope settled (`_extrapolated`; longer ones where it has not)."""
+    once three of them show that slope settled (`_extrapolated`; longer ones where it has not).
+    `warmup_depth`: plain 1F1B's warm-up multiple (`comm_overlap.p2p_warmup_depth`)."""
     compute = microbatches * vpp * (fwd_s + bwd_s)
     if pp <= 1:
         return PipelineTimes(compute, compute)
-    whole = None if exact else _extrapolated(microbatches, pp, group)
+    whole = None if exact else _extrapolated(microbatches, pp * warmup_depth, group or pp)
     while whole is not None:
         # the same last partial group as the long program: its chunks end the table
         short = whole + microbatches % (group or pp)
         args = (pp, vpp)
         rest = (fwd_s, bwd_s, transfer, overlapped, group, weights, merged, wgrad_share)
-        t1, t2, t3 = (simulate(*args, short + k * whole, *rest).step_s for k in range(3))
+        t1, t2, t3 = (
+            simulate(*args, short + k * whole, *rest, warmup_depth=warmup_depth).step_s
+            for k in range(3)
+        )
         if abs((t3 - t2) - (t2 - t1)) <= 1e-9 * t3:  # settled: every group adds the same
             return PipelineTimes(t1 + (microbatches - short) * (t2 - t1) / whole, compute)
         whole = 2 * whole if microbatches > 3 * (2 * whole) else None
     weights = (1.0,) * (pp * vpp) if weights is None else weights
     if len(weights) != pp * vpp:
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
-    ops = _programs(pp, vpp, microbatches, group, merged)
+    ops = _programs(pp, vpp, microbatches, group, merged, warmup_depth)
 
     sent: dict[Message, float] = {}  # send posted
     received: dict[Message, float] = {}  # receive posted
@@ -194,7 +199,7 @@ class _Op:
 
 @functools.lru_cache(maxsize=1024)
 def _programs(
-    pp: int, vpp: int, microbatches: int, group: int | None, merged: bool
+    pp: int, vpp: int, microbatches: int, group: int | None, merged: bool, warmup_depth: int
 ) -> tuple[tuple[_Op, ...], ...]:
     """Each rank's program as `_Op`s; cached, since the layout search simulates the same few
     programs under hundreds of task times."""
@@ -218,7 +223,7 @@ def _programs(
 
     out = []
     for rank in range(pp):
-        prog = pipeline_steps(pp, rank, vpp, microbatches, group, merged)
+        prog = pipeline_steps(pp, rank, vpp, microbatches, group, merged, warmup_depth)
         tasks = [t for step in prog for t in (step.forward, step.backward) if t is not None]
         # merged: a steady step waits for its backward's receive too before its forward starts
         partner = {s.forward: s.backward for s in prog if merged and s.forward and s.backward}

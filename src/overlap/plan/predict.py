@@ -58,6 +58,7 @@ def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
         vp_group=m.microbatch_group_size_per_vp_stage,
         moe_shared_expert_overlap=o.moe_shared_expert_overlap,
         cp_comm_overlap=o.cp_comm_overlap,
+        p2p_warmup_depth=o.p2p_warmup_depth,
     )
 
 

@@ -97,6 +97,7 @@ class Switches:
     vp_group: int | None = None  # microbatch_group_size_per_vp_stage (None: PP)
     moe_shared_expert_overlap: bool = False
     cp_comm_overlap: bool = False  # model.cp_comm_overlap: the KV ring's steps under the blocks
+    p2p_warmup_depth: int = 1  # comm_overlap.p2p_warmup_depth: plain 1F1B's warm-up multiple
 
 
 def bucket_exposure(buckets: list[float], window: float, gather: bool) -> float:
@@ -311,6 +312,7 @@ def step_times(
             c.stage_weights,
             merged,
             exact=exact,
+            warmup_depth=sw.p2p_warmup_depth,
         )
         t.bubble_s = free.step_s - free.compute_s  # idle time, unequal stages' included
         if comm.pp_send is not None:
@@ -327,6 +329,7 @@ def step_times(
                     c.stage_weights,
                     merged,
                     exact=exact,
+                    warmup_depth=sw.p2p_warmup_depth,
                 ).step_s
                 - free.step_s
             )
