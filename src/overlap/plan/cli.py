@@ -67,6 +67,16 @@ SWITCHES = (
         ("comm_overlap.overlap_p2p_comm=false",),
         ("comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false"),
     ),
+    # overlapped plain 1F1B with a step of slack per transfer, for PP - rank - 1 more activations
+    SwitchCase(
+        "PP deeper warm-up",
+        ("comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false"),
+        (
+            "comm_overlap.overlap_p2p_comm=true",
+            "comm_overlap.batch_p2p_comm=false",
+            "comm_overlap.p2p_warmup_depth=2",
+        ),
+    ),
     # the KV ring (p2p, a2a+p2p) serialised vs overlapped (the exchange itself is the same)
     SwitchCase("CP overlap", ("model.cp_comm_overlap=false",), ("model.cp_comm_overlap=true",)),
 )
@@ -84,8 +94,10 @@ def not_applicable(label: str, layout, cfg) -> str | None:
         return "not applicable at DP=1"
     if label == "TP overlap" and layout.tp <= 1:
         return "not applicable at TP=1"
-    if label == "PP overlap" and layout.pp <= 1:
+    if label.startswith("PP") and layout.pp <= 1:
         return "not applicable at PP=1"
+    if label == "PP deeper warm-up" and layout.vpp > 1:
+        return "not applicable with a virtual pipeline (its warm-up has the slack)"
     if label == "CP overlap" and layout.cp <= 1:
         return "not applicable at CP=1"
     if label == "CP overlap" and cfg.resolved.overlap.cp_comm_type not in ("p2p", "a2a+p2p"):
