@@ -383,6 +383,13 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _RING = ("p2p", "a2a+p2p")
 
 
+def cp_chunks_fit(seq_length: int, cp: int) -> bool:
+    """Whether `seq_length` tokens cut into context parallelism's 2 x CP load-balanced chunks (rank
+    i holds chunks i and 2CP-1-i, `overlap.parallel.cp_chunks`); at CP = 1 nothing is cut. The CP
+    rule's condition, which the planner's search filters its layouts by and the chunking asserts."""
+    return cp == 1 or seq_length % (2 * cp) == 0
+
+
 def _a2a_heads(s: _Run) -> tuple[int, int, int]:
     """(all-to-all size, a TP rank's attention heads, its query groups) under a2a or a2a+p2p."""
     sizes = s.model.hierarchical_context_parallel_sizes
@@ -427,7 +434,7 @@ _CP = (
             ),
             Rule(
                 "model.seq_length",
-                lambda s: s.cp > 1 and s.model.seq_length % (2 * s.cp),
+                lambda s: not cp_chunks_fit(s.model.seq_length, s.cp),
                 lambda s: (
                     f"context parallelism cuts the sequence into 2 x CP = {2 * s.cp} "
                     "load-balanced chunks (rank i holds chunks i and 2CP-1-i), so it must be "
