@@ -512,10 +512,7 @@ _CP = (
 def _graph_scope(model: ModelConfig) -> set[str]:
     """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (as
     the delay_wgrad_compute checks of Megatron-Bridge's CommOverlapConfig read it)."""
-    scope = model.cuda_graph_scope or []
-    if isinstance(scope, str):
-        scope = scope.split(",")
-    return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
+    return set(model.graph_scope) - {"full", "full_iteration"}
 
 
 def _graphed_wgrads(s: _Run) -> bool:
