@@ -548,13 +548,34 @@ def _torch_below_2_6(_: _Run) -> bool:
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
 
 
+def ep_overlap_has_experts(ep: int) -> bool:
+    """EP overlap's first layout prerequisite (Megatron's): expert parallelism, so that there is an
+    all-to-all to overlap. Its rule below and the perf recipes' skip of the setting ask it."""
+    return ep > 1
+
+
+def ep_overlap_interleaves(pp: int, vp: int, vpp_typed: int | None) -> bool:
+    """EP overlap's second layout prerequisite (Megatron's): no pipeline, or a virtual one to
+    interleave with (`-vp` typed, or `vp` > 1 from a layout of PP x VPP stages). Its rule below and
+    the perf recipes' skip of the setting ask it."""
+    return pp == 1 or vp > 1 or vpp_typed is not None
+
+
+def keeps_sent_outputs(pp: int, ep_overlap: bool) -> bool:
+    """Whether the pipeline keeps every sent output: EP overlap under PP, whose merged steps keep
+    each layer piece's output for its own backward, so releasing them
+    (`model.deallocate_pipeline_outputs`) is not built. The run-time refusal
+    (`overlap.training.runtime_refusals`) and the perf recipes' skip of the setting ask it."""
+    return pp > 1 and ep_overlap
+
+
 _EP_ON = "when enabling overlap_moe_expert_parallel_comm"
 # The prerequisites of the MoE expert-parallel overlap: the asserts of Megatron-Bridge's
 # CommOverlapConfig, which mirror Megatron-Core's TransformerConfig.__post_init__ (always errors).
 _EP_OVERLAP_NEEDS = (
     Rule(
         "model.expert_model_parallel_size",
-        lambda s: s.ep <= 1,
+        lambda s: not ep_overlap_has_experts(s.ep),
         "EP overlap is only supported when expert_model_parallel_size > 1.",
         _ep_size_fix,
     ),
@@ -586,8 +607,9 @@ _EP_OVERLAP_NEEDS = (
     ),
     Rule(
         "model.virtual_pipeline_model_parallel_size",
-        # no virtual pipeline: -vp unset (Megatron's None) and no layout of PP x VPP stages
-        lambda s: s.pp != 1 and s.vp == 1 and s.model.virtual_pipeline_model_parallel_size is None,
+        lambda s: (
+            not ep_overlap_interleaves(s.pp, s.vp, s.model.virtual_pipeline_model_parallel_size)
+        ),
         "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size "
         "> 1 (PP without VPP cannot interleave the overlap schedule).",
         "set -vp 2 (or more), or -pp 1.",

@@ -156,6 +156,8 @@ class PipelineExecutor:
         by `scale` (1 / (micro-batches x DP), times the optimizer's loss scale); every send is
         complete on return. Returns the lm losses per micro-batch (empty off the last stage)."""
         o, ring = self.options, self.ring
+        # an internal guard: the config's batch rule (`ConfigContainer._cross_section_rules`)
+        # refuses a run with EP overlap and fewer than 2 micro-batches, so no user reaches it
         if o.overlap_moe_expert_parallel_comm and len(batches) < 2:
             raise ValueError("the EP-overlap schedule needs at least 2 micro-batches per step")
         self.batches, self.scale, self.num_micro = batches, scale, len(batches)

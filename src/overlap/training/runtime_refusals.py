@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from overlap.config.comm_overlap import keeps_sent_outputs
 from overlap.config.container import ConfigContainer
 from overlap.errors import ConfigError, NotBuiltError, Rule, broken_rules, check_rules
 
@@ -110,7 +111,10 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
         (
             "model.deallocate_pipeline_outputs",
             True,
-            not (pp > 1 and o.overlap_moe_expert_parallel_comm and m.deallocate_pipeline_outputs),
+            not (
+                m.deallocate_pipeline_outputs
+                and keeps_sent_outputs(pp, o.overlap_moe_expert_parallel_comm)
+            ),
             "Releasing sent pipeline outputs under EP overlap (the merged steps keep each layer "
             "piece's output for its own backward)",
             "set model.deallocate_pipeline_outputs=false with EP overlap under -pp.",
