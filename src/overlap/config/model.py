@@ -54,6 +54,8 @@ CUDA_GRAPH_SCOPES = (
 # `model.tensor_parallel_impl.IMPLEMENTATIONS`) hold one entry per name (tests/test_peers.py).
 PIPELINE_IMPLS = ("overlap", "torch_pipelining")
 TENSOR_PARALLEL_IMPLS = ("overlap", "dtensor")
+# the router's load balancing built here (Megatron's seq_aux_loss and sinkhorn are not)
+LOAD_BALANCING_TYPES = ("aux_loss", "none")
 
 
 def comma_list(text: str) -> list[str]:
@@ -217,7 +219,7 @@ class ModelConfig(TransformerArchitecture):
         yield (
             "model.moe_router_load_balancing_type",
             self.moe_router_load_balancing_type,
-            self.moe_router_load_balancing_type in ("aux_loss", "none"),
+            self.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,
             "This load-balancing type",
             "use aux_loss or none.",
             NotBuiltError,

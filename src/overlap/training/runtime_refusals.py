@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from overlap.config.comm_overlap import keeps_sent_outputs
 from overlap.config.container import ConfigContainer
 from overlap.errors import ConfigError, NotBuiltError, Rule, broken_rules, check_rules
+from overlap.layers.moe.moe_layer import unbuilt_dispatch
 
 
 def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
@@ -170,24 +171,7 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
             "Expert tensor parallelism",
             "use -et 1.",
         ),
-        (
-            "model.moe_token_dispatcher_type",
-            "allgather",
-            not (moe and k.moe_token_dispatcher_type == "allgather"),
-            "The all-gather token dispatcher",
-            "use model.moe_token_dispatcher_type=alltoall or flex.",
-        ),
-        (
-            "model.moe_flex_dispatcher_backend",
-            k.moe_flex_dispatcher_backend,
-            not (
-                moe
-                and k.moe_token_dispatcher_type == "flex"
-                and k.moe_flex_dispatcher_backend in ("deepep", "hybridep")
-            ),
-            "Dispatch through DeepEP kernels",
-            "use moe_flex_dispatcher_backend=torch.",
-        ),
+        *unbuilt_dispatch(m, k),
         (
             "mixed_precision.fp8_param_gather",
             True,
