@@ -146,7 +146,9 @@ class MoELayer(nn.Module):
         # experts divisible by EP: the config's cross-section rule; only a layer built from a bare
         # config reaches this guard
         if config.num_moe_experts % ps.ep_size:
-            raise ValueError(f"{config.num_moe_experts} experts do not split over EP {ps.ep_size}")
+            raise ValueError(
+                f"num_moe_experts ({config.num_moe_experts}) does not split over EP {ps.ep_size}"
+            )
         dispatcher = dispatcher_class(config, kernels)
         self.layer_number = layer_number
         self.router = TopKRouter(config, ps, precision, layer_number)
