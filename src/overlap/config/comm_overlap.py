@@ -565,7 +565,8 @@ def keeps_sent_outputs(pp: int, ep_overlap: bool) -> bool:
     """Whether the pipeline keeps every sent output: EP overlap under PP, whose merged steps keep
     each layer piece's output for its own backward, so releasing them
     (`model.deallocate_pipeline_outputs`) is not built. The run-time refusal
-    (`overlap.training.runtime_refusals`) and the perf recipes' skip of the setting ask it."""
+    (`overlap.training.runtime_refusals`), the perf recipes' skip of the setting and the pipeline
+    executor's guard ask it."""
     return pp > 1 and ep_overlap
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from overlap.config.comm_overlap import keeps_sent_outputs
 from overlap.config.container import ConfigContainer
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.layers.wgrad_store import WeightGradStore
@@ -121,10 +122,10 @@ class PipelineExecutor:
         before_backward: Callable[[int, bool], None],
         memory: PipelineMemory | None = None,
     ) -> None:
-        if (
-            options.overlap_moe_expert_parallel_comm
-            and options.deallocate_outputs
-            and ps.pp_size > 1
+        # the run-time refusal table refuses this before launch (`keeps_sent_outputs`, the rule):
+        # only an executor built outside `overlap run` reaches this guard
+        if options.deallocate_outputs and keeps_sent_outputs(
+            ps.pp_size, options.overlap_moe_expert_parallel_comm
         ):
             raise ValueError(
                 "deallocate_pipeline_outputs is not built for the EP-overlap schedule (the merged "
