@@ -376,9 +376,10 @@ _PIPELINE = (
 # --- context parallelism --------------------------------------------------------------------------
 # Context parallelism's exchange (`model.cp_comm_type`, a TransformerConfig field with no
 # comm_overlap spelling) and whether p2p's ring overlaps its transfers, with Megatron's
-# prerequisites: the sequence cut into 2 x CP load-balanced chunks (each CP rank's share split
-# again over TP under sequence parallelism), and for a2a the heads and query groups of a TP rank
-# divisible by CP. A value set at CP = 1 is a no-op row (`_NOOPS`).
+# prerequisites: the sequence cut into 2 x CP load-balanced chunks, and for a2a the heads and query
+# groups of a TP rank divisible by CP (each CP rank's share split again over TP under sequence
+# parallelism is a split rule, `ConfigContainer._split_rules`). A value set at CP = 1 is a no-op
+# row (`_NOOPS`).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 _RING = ("p2p", "a2a+p2p")
 
@@ -441,17 +442,6 @@ _CP = (
                     "divisible by them."
                 ),
                 lambda s: f"choose a sequence length divisible by {2 * s.cp}, or a smaller -cp.",
-            ),
-            Rule(
-                "model.seq_length",
-                lambda s: (
-                    s.cp > 1 and s.model.sequence_parallel and (s.model.seq_length // s.cp) % s.tp
-                ),
-                lambda s: (
-                    f"each CP rank's {s.model.seq_length // s.cp} tokens are split again "
-                    f"over tensor_model_parallel_size ({s.tp}) by sequence parallelism."
-                ),
-                lambda s: f"choose a sequence length divisible by CP x TP = {s.cp * s.tp}.",
             ),
             Rule(
                 "model.hierarchical_context_parallel_sizes",
