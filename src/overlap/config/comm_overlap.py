@@ -381,7 +381,8 @@ _PIPELINE = (
 # parallelism is a split rule, `ConfigContainer._split_rules`). A value set at CP = 1 is a no-op
 # row (`_NOOPS`).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-_RING = ("p2p", "a2a+p2p")
+# the exchanges with a ring, which cp_comm_overlap overlaps (the others are one collective)
+CP_RING_TYPES = ("p2p", "a2a+p2p")
 
 
 def cp_chunks_fit(seq_length: int, cp: int) -> bool:
@@ -403,7 +404,7 @@ def _cp_overlap_fixed(s: _Run) -> tuple[bool, str] | None:
     if s.cp == 1:
         return False, "CP=1: nothing to overlap"
     kind = s.resolved["cp_comm_type"]
-    if kind in _RING:
+    if kind in CP_RING_TYPES:
         return None
     return False, f"cp_comm_type={kind}: one collective, nothing in flight under attention"
 
@@ -484,7 +485,9 @@ _CP = (
             Rule(
                 "model.cp_comm_overlap",
                 lambda s: (
-                    s.cp > 1 and s.resolved["cp_comm_type"] not in _RING and s.model.cp_comm_overlap
+                    s.cp > 1
+                    and s.resolved["cp_comm_type"] not in CP_RING_TYPES
+                    and s.model.cp_comm_overlap
                 ),
                 lambda s: (
                     f"cp_comm_type={s.resolved['cp_comm_type']} exchanges keys and values "
@@ -540,7 +543,8 @@ def _torch_below_2_6(_: _Run) -> bool:
 
 def ep_overlap_has_experts(ep: int) -> bool:
     """EP overlap's first layout prerequisite (Megatron's): expert parallelism, so that there is an
-    all-to-all to overlap. Its rule below and the perf recipes' skip of the setting ask it."""
+    all-to-all to overlap. Its rule below, the perf recipes' skip of the setting and the planner's
+    "not applicable" ask it."""
     return ep > 1
 
 
