@@ -8,8 +8,11 @@
   loop.
 - `moe_layer_model`: one MoE layer's configuration (32 wide, 8 experts top-2, fp32 parameters), for
   the dispatcher and layer tests.
-- `bare_plan`: the overlap plan a model built from a bare (never finalized) configuration is built
-  with, as a finalized run's layers get `cfg.resolved.overlap`.
+- `bare_plan` / `bare_kernels`: the overlap plan and the kernels a model built from a bare (never
+  finalized) configuration is built with, as a finalized run's layers get `cfg.resolved.overlap`
+  and `cfg.resolved.kernels`.
+- `layer_ranges`: the transformer layers each model chunk of a pipeline layout holds, for the
+  pipeline-split tests.
 
 Every model builder takes model fields as keywords, which replace its own values.
 """
@@ -26,6 +29,12 @@ from overlap.config import (
     TrainConfig,
 )
 from overlap.config.comm_overlap import OverlapPlan
+from overlap.config.decisions import DecisionLog
+from overlap.config.kernel_choices import resolve_kernels
+from overlap.config.mixed_precision import Precision
+from overlap.kernels import Kernels
+from overlap.kernels.device import probe_device
+from overlap.layout.pipeline import PipelineLayout
 
 
 def dense_model(**fields) -> ModelConfig:
@@ -146,3 +155,18 @@ def bare_plan(**switches) -> OverlapPlan:
     """The resolved overlap plan for a model a test builds without `finalize` (layer, model and
     schedule tests): the named switches as given, every other one off."""
     return OverlapPlan(**switches)
+
+
+def bare_kernels(model: ModelConfig) -> Kernels:
+    """The kernels of a model a test builds without `finalize`, on the CPU: the rules finalize
+    applies (decisions recorded nowhere), and the token dispatcher as typed (a dispatcher this
+    runtime does not build is refused by the layer that builds it,
+    `overlap.layers.moe.moe_layer.dispatcher_class`)."""
+    typed = (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend)
+    log = DecisionLog(strict=False)
+    return resolve_kernels(model, Precision.of(model), log, False, probe_device, typed, True)
+
+
+def layer_ranges(layout: PipelineLayout) -> list[list[tuple[int, int]]]:
+    """[pp_rank][chunk] -> (start, end) of that model chunk's transformer layers."""
+    return [[(s.start, s.end) for s in layout.rank_stages(r)] for r in range(layout.pp)]

@@ -8,14 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.layout import ParallelLayout
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
-from tests.configs import bare_plan, ep_overlap_model
+from tests.configs import bare_kernels, bare_plan, ep_overlap_model
 from tests.world import run_world
 
 

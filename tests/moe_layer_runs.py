@@ -7,14 +7,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.layers.init import init_model_params
 from overlap.layers.moe import MoELayer
 from overlap.layout import ParallelLayout
 from overlap.parallel.state import ParallelState
-from tests.configs import bare_plan, moe_layer_model
+from tests.configs import bare_kernels, bare_plan, moe_layer_model
 from tests.world import run_world
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
@@ -86,7 +85,7 @@ def moe_layer_run(
     if uneven:
         force_experts_0_and_1(layer)
     outs = []
-    for seed in seeds[ps.dp_rank :: ps.dp_size]:
+    for seed in seeds[ps.dp_rank :: ps.layout.dp]:
         x, dy = (t.chunk(tp)[ps.tp_rank] for t in layer_batch(seed, positive=uneven))
         x.requires_grad_()
         y, aux = layer(x)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from overlap.config import ConfigContainer
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.errors import ConfigError
@@ -24,7 +23,7 @@ from overlap.layers.attention import unfused_attention
 from overlap.layout import ParallelLayout
 from overlap.model import GPTModel
 from overlap.parallel.state import ParallelState
-from tests.configs import bare_plan
+from tests.configs import bare_kernels, bare_plan
 from tests.world import run_world
 
 FP32_ATOL = 1e-5

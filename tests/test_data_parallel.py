@@ -242,7 +242,7 @@ def _shared_weight() -> tuple[int, int, bool]:
     model(model(x)).sum().backward()
     launched_in_backward = len(recorder().drain()[0])
     expected = (
-        torch.func.grad(lambda w: (x @ w.t() @ w.t()).sum())(model.weight.detach()) * ps.dp_size
+        torch.func.grad(lambda w: (x @ w.t() @ w.t()).sum())(model.weight.detach()) * ps.layout.dp
     )
     ddp.finish_grad_sync()
     return len(fires), launched_in_backward, torch.allclose(model.weight.main_grad, expected)

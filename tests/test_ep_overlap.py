@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from overlap.layers.wgrad_store import WeightGradStore
+from overlap.layout import ParallelLayout
 from overlap.parallel import comm, link_model
 from overlap.parallel.trace import CommEvent, now
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
@@ -186,7 +187,7 @@ def test_without_delay_wgrad_the_split_sizes_and_the_dispatch_have_backward_piec
 
 def test_needs_two_micro_batches():
     with pytest.raises(ValueError, match="at least 2 micro-batches"):
-        one_stage = SimpleNamespace(pp_size=1, pp_rank=0)
+        one_stage = SimpleNamespace(layout=ParallelLayout(world_size=1), pp_rank=0)
         options = ExecutorOptions((1,), torch.float32, overlap_moe_expert_parallel_comm=True)
         chunk = SimpleNamespace(wgrad_store=WeightGradStore())
         executor = PipelineExecutor([chunk], one_stage, options, lambda chunk, last: None)

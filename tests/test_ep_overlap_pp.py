@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ModelConfig
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.layout import ParallelLayout, resolve_pipeline_layout
 from overlap.model.gpt import model_chunks
@@ -29,7 +28,7 @@ from overlap.parallel.trace import recorder
 from overlap.pipeline.executor import ExecutorOptions, PipelineExecutor
 from overlap.pipeline.schedules import pipeline_steps
 from overlap.training.trainer import Trainer
-from tests.configs import bare_plan, ep_overlap_model, tiny_config
+from tests.configs import bare_kernels, bare_plan, ep_overlap_model, tiny_config
 from tests.world import run_world
 
 STEPS = 3

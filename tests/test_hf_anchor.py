@@ -81,16 +81,16 @@ def _logits(folder: str, layout: dict) -> torch.Tensor | None:
 
     cfg, ps, chunks = _build(folder, layout)
     tokens, _ = anchor_batch()
-    tokens = tokens.index_select(1, cp_positions(SEQ, ps.cp_rank, ps.cp_size))
+    tokens = tokens.index_select(1, cp_positions(SEQ, ps.cp_rank, ps.layout.cp))
     m = cfg.model
-    seq = SEQ // ps.cp_size
-    seq = seq // ps.tp_size if m.sequence_parallel else seq
+    seq = SEQ // ps.layout.cp
+    seq = seq // ps.layout.tp if m.sequence_parallel else seq
     hidden, local = torch.empty((seq, BATCH, m.hidden_size)), None  # [s (local under SP), b, h]
     with torch.no_grad():
-        for virtual in range(ps.pp_size * len(chunks)):
-            if virtual % ps.pp_size != ps.pp_rank:
+        for virtual in range(ps.layout.pp * len(chunks)):
+            if virtual % ps.layout.pp != ps.pp_rank:
                 continue
-            chunk = chunks[virtual // ps.pp_size]
+            chunk = chunks[virtual // ps.layout.pp]
             if not chunk.stage.pre_process:
                 dist.recv(hidden, src=ps.pp_prev, group=ps.pp_group)
             hidden, _ = chunk.stage_body(hidden, tokens)
@@ -101,13 +101,13 @@ def _logits(folder: str, layout: dict) -> torch.Tensor | None:
                 hidden = torch.empty_like(hidden)  # the buffer the next chunk's input arrives in
     if local is None:
         return None
-    parts = [torch.empty_like(local) for _ in range(ps.tp_size)]
+    parts = [torch.empty_like(local) for _ in range(ps.layout.tp)]
     dist.all_gather(parts, local.contiguous(), group=ps.tp_group)
     mine = torch.cat(parts, dim=-1).transpose(0, 1).contiguous()  # [b, s / CP, vocab]
-    shares = [torch.empty_like(mine) for _ in range(ps.cp_size)]
+    shares = [torch.empty_like(mine) for _ in range(ps.layout.cp)]
     dist.all_gather(shares, mine, group=ps.cp_group)
     whole = torch.empty(BATCH, SEQ, mine.shape[-1])
-    return whole.index_copy_(1, gathered_positions(SEQ, ps.cp_size), torch.cat(shares, dim=1))
+    return whole.index_copy_(1, gathered_positions(SEQ, ps.layout.cp), torch.cat(shares, dim=1))
 
 
 def _grads(folder: str) -> tuple[float, dict[str, torch.Tensor]]:

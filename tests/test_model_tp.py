@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.layers.attention import SelfAttention
@@ -28,7 +27,7 @@ from overlap.layout import ParallelLayout
 from overlap.model import GPTModel
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
-from tests.configs import bare_plan
+from tests.configs import bare_kernels, bare_plan
 from tests.world import run_world
 
 # fp32, different reduction order (TP splits GEMM reductions and sums partials over ranks):
@@ -101,7 +100,7 @@ def _full_grad(
         comm.all_reduce(grad, ps.tp_group, "test").wait()
     shard = getattr(param, "shard", None)
     if shard is not None:
-        assert shard.count == ps.tp_size
+        assert shard.count == ps.layout.tp
         grad = (
             comm.all_gather(grad.movedim(shard.dim, 0), ps.tp_group, "test")
             .wait()
@@ -111,7 +110,7 @@ def _full_grad(
 
 
 def _run_model(ps: ParallelState, overrides: dict) -> dict:
-    config = ModelConfig(**TINY, tensor_model_parallel_size=ps.tp_size, **overrides)
+    config = ModelConfig(**TINY, tensor_model_parallel_size=ps.layout.tp, **overrides)
     model = GPTModel(config, ps, bare_plan(), Precision.of(config), bare_kernels(config))
     model.init_weights(1234)
     gen = torch.Generator().manual_seed(7)  # the same tokens on every rank and in every layout
@@ -145,7 +144,7 @@ def _cross_entropy_check() -> tuple[float, float]:
     full = logits.clone().requires_grad_()
     expected = F.cross_entropy(full.flatten(0, 1), labels.flatten(), reduction="none").view(8, 3)
     (expected * weights).sum().backward()
-    shard = logits.chunk(ps.tp_size, dim=-1)[ps.tp_rank].clone().requires_grad_()
+    shard = logits.chunk(ps.layout.tp, dim=-1)[ps.tp_rank].clone().requires_grad_()
     loss = cross_entropy(shard, labels, ps.tp_group, ps.tp_rank * shard.shape[-1])
     (loss * weights).sum().backward()
     grad = comm.all_gather(shard.grad.movedim(-1, 0), ps.tp_group, "test").wait().movedim(0, -1)

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.layers.moe import AllToAllDispatcher, TopKRouter
 from overlap.layers.moe.permute import (
@@ -38,7 +37,7 @@ from overlap.layout import ParallelLayout
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
-from tests.configs import tiny_config
+from tests.configs import bare_kernels, tiny_config
 from tests.moe_layer_runs import (
     BATCH,
     HIDDEN,
@@ -134,7 +133,7 @@ def test_sort_chunks_by_local_expert_and_back(ep_size, num_local_experts, data):
 
 
 def test_aux_loss_is_switch_formula_and_none_disables_it():
-    ps = SimpleNamespace(tp_size=1, cp_size=1, ep_size=1, ep_rank=0, device=torch.device("cpu"))
+    ps = SimpleNamespace(layout=ParallelLayout(world_size=1), ep_rank=0, device=torch.device("cpu"))
     cfg = moe_config(num_experts=4)
     router = TopKRouter(cfg, ps, Precision.of(cfg))
     torch.nn.init.normal_(router.weight, std=INIT_STD, generator=torch.Generator().manual_seed(0))
@@ -156,10 +155,8 @@ def test_aux_loss_is_switch_formula_and_none_disables_it():
 
 def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_through_gradient():
     ps = SimpleNamespace(
-        tp_size=1,
-        cp_size=1,
+        layout=ParallelLayout(world_size=1),
         cp_rank=0,
-        ep_size=1,
         ep_rank=0,
         dp_rank=0,
         tp_rank=0,
@@ -197,10 +194,8 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
     other = TopKRouter(
         cfg,
         SimpleNamespace(
-            tp_size=1,
-            cp_size=1,
+            layout=ParallelLayout(world_size=1),
             cp_rank=0,
-            ep_size=1,
             ep_rank=0,
             dp_rank=1,
             tp_rank=0,
@@ -219,7 +214,7 @@ def test_forced_load_balancing_routes_by_its_own_random_logits_with_a_straight_t
 def test_experts_must_split_evenly_over_ep():
     with pytest.raises(ValueError, match="num_moe_experts"):
         cfg = moe_config(num_experts=6)
-        bare_moe_layer(cfg, SimpleNamespace(ep_size=4))
+        bare_moe_layer(cfg, SimpleNamespace(layout=ParallelLayout(world_size=4, ep=4)))
 
 
 # --------------------------------------------------------------------------------------------------

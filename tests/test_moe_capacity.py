@@ -205,7 +205,7 @@ def _capacity_vs_dropless(pad: bool) -> tuple[dict, dict, list[str]]:
     )
     results, kinds = {}, []
     for name, overrides in (("dropless", {}), ("capacity", _capacity(8.0, pad))):
-        cfg = _config(ep=ps.ep_size, **overrides)
+        cfg = _config(ep=ps.layout.ep, **overrides)
         layer = bare_moe_layer(cfg, ps)
         init_model_params(layer, seed=1234, std=0.2)
         xi = x.clone().requires_grad_()
@@ -277,7 +277,7 @@ def test_capacity_with_flex_dispatcher_is_refused_by_name():
         moe_expert_capacity_factor=1.0,
     )
     with pytest.raises(NotBuiltError, match="moe_expert_capacity_factor"):
-        bare_moe_layer(cfg, SimpleNamespace(ep_size=1))
+        bare_moe_layer(cfg, SimpleNamespace(layout=ParallelLayout(world_size=1)))
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.model import ModelConfig
 from overlap.errors import NotBuiltError
 from overlap.layers.init import init_model_params
@@ -29,7 +28,7 @@ from overlap.layers.moe.flex_dispatcher import FlexDispatcher
 from overlap.layout import ParallelLayout
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
-from tests.configs import bare_plan, moe_layer_model
+from tests.configs import bare_kernels, bare_plan, moe_layer_model
 from tests.ep_overlap_runs import compare_ep_overlap
 from tests.moe_layer_runs import bare_moe_layer, rank_routing
 from tests.world import run_world
@@ -173,14 +172,14 @@ def test_flex_under_ep_overlap_schedule_matches_plain_loop():
 def test_gpu_flex_backends_are_refused_by_name(backend):
     cfg = _config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
     with pytest.raises(NotBuiltError, match="moe_flex_dispatcher_backend"):
-        bare_moe_layer(cfg, SimpleNamespace(ep_size=1))
+        bare_moe_layer(cfg, SimpleNamespace(layout=ParallelLayout(world_size=1)))
 
 
 def test_flex_without_backend_is_refused():
     # finalize turns flex without a backend into alltoall; a bare config meets the layer's guard
     with pytest.raises(ValueError, match="moe_flex_dispatcher_backend"):
         cfg = _config(moe_token_dispatcher_type="flex")
-        bare_moe_layer(cfg, SimpleNamespace(ep_size=1))
+        bare_moe_layer(cfg, SimpleNamespace(layout=ParallelLayout(world_size=1)))
 
 
 # --------------------------------------------------------------------------------------------------

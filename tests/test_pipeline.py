@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from overlap.config import ConfigContainer, ModelConfig, TrainConfig
 from overlap.errors import ConfigError
-from overlap.layout.pipeline import pipeline_layer_ranges
+from overlap.layout.pipeline import resolve_pipeline_layout
 from overlap.parallel.state import ParallelState
 from overlap.pipeline.schedules import pipeline_steps, schedule_table
 from overlap.training.trainer import Trainer
-from tests.configs import tiny_config
+from tests.configs import layer_ranges, tiny_config
 from tests.world import run_world
 
 STEPS = 3
@@ -38,7 +38,7 @@ def _ranges(
         num_layers_in_first_pipeline_stage=first,
         num_layers_in_last_pipeline_stage=last,
     )
-    return pipeline_layer_ranges(model, pp)
+    return layer_ranges(resolve_pipeline_layout(model, pp))
 
 
 def test_layers_are_assigned_as_megatron_does():

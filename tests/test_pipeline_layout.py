@@ -16,7 +16,7 @@ from overlap.errors import ConfigError, NotBuiltError
 from overlap.layout.pipeline import parse_layout, resolve_pipeline_layout
 from overlap.parallel.state import ParallelState
 from overlap.training.trainer import Trainer
-from tests.configs import tiny_config
+from tests.configs import layer_ranges, tiny_config
 from tests.world import run_world
 
 
@@ -83,7 +83,7 @@ def test_stage_i_goes_to_rank_i_mod_pp_and_chunk_i_div_pp():
         (0, 1, 3, 4, False, False),
         (1, 1, 4, 6, False, True),
     ]
-    assert lay.ranges() == [[(0, 1), (3, 4)], [(1, 3), (4, 6)]]
+    assert layer_ranges(lay) == [[(0, 1), (3, 4)], [(1, 3), (4, 6)]]
     assert lay.as_string() == "Et|tt|t|ttL"
 
 

@@ -11,13 +11,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from overlap.config import ConfigContainer, ModelConfig
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.layout import ParallelLayout
 from overlap.model.gpt import GPTModel
 from overlap.parallel.state import ParallelState
-from tests.configs import bare_plan
+from tests.configs import bare_kernels, bare_plan
 from tests.world import run_world
 
 MOE = dict(

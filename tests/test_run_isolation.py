@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from overlap.config.kernel_choices import bare_kernels
 from overlap.config.mixed_precision import Precision
 from overlap.errors import ConfigError
 from overlap.layers.moe import split_sizes
@@ -28,7 +27,7 @@ from overlap.parallel import comm, link_model
 from overlap.parallel.program import Post, ProgramRecorder
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import Recorder, RulesTimeline, recorder, recording
-from tests.configs import bare_plan, moe_model
+from tests.configs import bare_kernels, bare_plan, moe_model
 from tests.world import run_world
 
 

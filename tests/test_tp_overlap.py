@@ -235,7 +235,7 @@ def _function_errors(aggregate: bool) -> dict[str, float]:
     m = torch.randn(16, 12, generator=torch.Generator().manual_seed(1))
     full = comm.all_gather(shard, g, "test").wait()
     got, gathered = ring_all_gather_matmul(shard, m, g, aggregate)
-    partial = torch.randn(8 * ps.tp_size, 2, 16, generator=gen)
+    partial = torch.randn(8 * ps.layout.tp, 2, 16, generator=gen)
     ref_rs = comm.reduce_scatter(partial @ m, g, "test").wait()
     return {
         "ring_ag": _max_err(got, full @ m),
@@ -255,8 +255,8 @@ def _layer_errors(kind: str, plans: dict[str, LinearPlan]) -> dict[str, float]:
         if kind == "column"
         else (lambda p: RowParallelLinear(24, 16, ps, True, overlap=p))
     )
-    inp = 16 if kind == "column" else 24 // ps.tp_size
-    rows = 8 if kind == "column" else 8 * ps.tp_size
+    inp = 16 if kind == "column" else 24 // ps.layout.tp
+    rows = 8 if kind == "column" else 8 * ps.layout.tp
     x = torch.randn(rows, 2, inp, generator=torch.Generator().manual_seed(5 + ps.tp_rank))
     upstream = None
     results = {}

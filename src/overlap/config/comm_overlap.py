@@ -171,8 +171,8 @@ class _Run:
         self.model = sections["model"]
         self.resolved: dict[str, Any] = {}
         self.tp, self.cp, self.pp, self.ep = layout.tp, layout.cp, layout.pp, layout.ep
-        self.vp, self.dp_size = layout.vpp, layout.dp
-        self.interleaved = self.pp > 1 and self.vp > 1  # PP > 1 with a virtual pipeline
+        self.vpp, self.dp = layout.vpp, layout.dp
+        self.interleaved = self.pp > 1 and self.vpp > 1  # PP > 1 with a virtual pipeline
         self.many = layout.dp > 1
         # the distributed optimizer, and with DP > 1 (Bridge's condition for the DP overlaps)
         self.dist_opt = self.sharded = False  # decided first among the DP switches
@@ -352,7 +352,7 @@ _PIPELINE = (
         "model.overlap_p2p_comm",
         _p2p_rule,
         RULE,
-        note=lambda s, on: _P2P_WITHOUT_VPP if on and s.pp > 1 and s.vp == 1 else None,
+        note=lambda s, on: _P2P_WITHOUT_VPP if on and s.pp > 1 and s.vpp == 1 else None,
     ),
     Switch(
         "model.batch_p2p_comm",
@@ -521,7 +521,7 @@ def _graphed_wgrads(s: _Run) -> bool:
 
 
 def _ep_size_fix(s: _Run) -> str:
-    per_stage = s.tp * s.cp * s.dp_size
+    per_stage = s.tp * s.cp * s.dp
     if per_stage >= 2:
         return "use -ep 2 or more."
     # -ep 2 is impossible here: experts are carved out of the ranks of one pipeline stage.
@@ -603,7 +603,7 @@ _EP_OVERLAP_NEEDS = (
     Rule(
         "model.virtual_pipeline_model_parallel_size",
         lambda s: (
-            not ep_overlap_interleaves(s.pp, s.vp, s.model.virtual_pipeline_model_parallel_size)
+            not ep_overlap_interleaves(s.pp, s.vpp, s.model.virtual_pipeline_model_parallel_size)
         ),
         "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size "
         "> 1 (PP without VPP cannot interleave the overlap schedule).",
@@ -807,7 +807,7 @@ def _bucket_rule(s: _Run) -> tuple[int | None, str]:
     if s.sharded:
         return BRIDGE_DP_BUCKET_SIZE, f"{_SHARDED}: 128M parameters (Bridge)"
     if s.resolved["overlap_grad_reduce"]:
-        bucket = max(40_000_000, 1_000_000 * s.dp_size)
+        bucket = max(40_000_000, 1_000_000 * s.dp)
         return bucket, "overlapped reduce: Megatron DDP default bucket"
     return None, "no overlapped reduce: one bucket"
 

@@ -27,6 +27,7 @@ from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
+from overlap.config.flex_dispatcher import validate_flex_dispatcher_backend
 from overlap.config.kernel_choices import resolve_kernels
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
@@ -179,7 +180,10 @@ class ConfigContainer:
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
         resolve_logger(self.logger, self.checkpoint.save, log)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-        kernels = resolve_kernels(self.model, precision, log, on_cuda, device, require_libraries)
+        dispatcher = validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
+        kernels = resolve_kernels(
+            self.model, precision, log, on_cuda, device, dispatcher, require_libraries
+        )
         self._resolution = Resolution(world_size, layout, pipeline, plan, precision, kernels, log)
         return self._resolution
 

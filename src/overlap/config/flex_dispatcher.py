@@ -65,9 +65,10 @@ def validate_flex_dispatcher_backend(
     require_libraries: bool = True,
 ) -> tuple[str, str | None]:
     """The token dispatcher that runs, (moe_token_dispatcher_type, moe_flex_dispatcher_backend),
-    decided by finalize (`overlap.config.kernel_choices.resolve_kernels`; the model keeps what was
-    asked): flex needs a backend; GPU backends need their device and (unless a target is only
-    being described: `require_libraries=False`) their library importable here."""
+    decided by finalize just before the kernels (`overlap.config.kernel_choices.resolve_kernels`
+    carries it; the model keeps what was asked): flex needs a backend; GPU backends need their
+    device and (unless a target is only being described: `require_libraries=False`) their library
+    importable here."""
     kind, backend = model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend
     if kind != "flex":
         if backend is not None:

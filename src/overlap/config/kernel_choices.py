@@ -12,12 +12,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
-from overlap.config.flex_dispatcher import validate_flex_dispatcher_backend
 from overlap.config.mixed_precision import Precision
 from overlap.errors import NotBuiltError
 from overlap.kernels import Kernels
 from overlap.kernels.attention import attention_kernel
-from overlap.kernels.device import DeviceInfo, probe_device
+from overlap.kernels.device import DeviceInfo
 from overlap.kernels.fusion import FUSIONS, fusion_on
 from overlap.kernels.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
 from overlap.kernels.moe_permute import LOOP_ON_CUDA, permute_fused
@@ -155,16 +154,14 @@ def resolve_kernels(
     log: DecisionLog,
     on_cuda: bool,
     device: Callable[[], DeviceInfo | None],
-    require_libraries: bool = True,
-    dispatcher: tuple[str, str | None] | None = None,
+    dispatcher: tuple[str, str | None],
+    require_libraries: bool,
 ) -> Kernels:
-    """Every kernel choice of the run (the last steps of finalize), decided once for the run's
-    device and recorded: the token dispatcher by the flex rules (`device`'s GPU;
-    `require_libraries`: its library importable here; `dispatcher` given: taken as it is), then
-    the attention kernel, the MoE permutation, the experts' GEMM and the elementwise fusions
-    (compile's requirements checked here unless the run is described for another machine)."""
-    if dispatcher is None:
-        dispatcher = validate_flex_dispatcher_backend(model, log, device, require_libraries)
+    """Every kernel choice of the run (the last step of finalize), decided once for the run's
+    device and recorded: the attention kernel, the MoE permutation, the experts' GEMM (`device`'s
+    GPU) and the elementwise fusions (compile's requirements checked here unless the run is
+    described for another machine: `require_libraries=False`), beside `dispatcher`, the token
+    dispatcher finalize decided by the flex rules (`overlap.config.flex_dispatcher`)."""
     return Kernels(
         attention_backend=resolve_attention_backend(model, precision, log, on_cuda),
         moe_permute_fusion=resolve_moe_permute_fusion(model, log, on_cuda),
@@ -173,14 +170,3 @@ def resolve_kernels(
         moe_token_dispatcher_type=dispatcher[0],
         moe_flex_dispatcher_backend=dispatcher[1],
     )
-
-
-def bare_kernels(model: ModelConfig, precision: Precision | None = None) -> Kernels:
-    """The kernels of a model built from a bare (never finalized) configuration on the CPU, as a
-    finalized run's layers get `cfg.resolved.kernels`: the same rules (decisions recorded nowhere),
-    and the token dispatcher as typed (a dispatcher this runtime does not build is refused by the
-    layer that builds it, `overlap.layers.moe.moe_layer.dispatcher_class`)."""
-    precision = Precision.of(model) if precision is None else precision
-    typed = (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend)
-    log = DecisionLog(strict=False)
-    return resolve_kernels(model, precision, log, False, probe_device, dispatcher=typed)

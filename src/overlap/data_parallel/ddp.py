@@ -84,7 +84,7 @@ class DistributedDataParallel:
         self.ps = ps
         self.overlap = plan.overlap_grad_reduce
         self.scatter = plan.use_distributed_optimizer
-        self.reduce_sp_over_tp = sequence_parallel and ps.tp_size > 1
+        self.reduce_sp_over_tp = sequence_parallel and ps.layout.tp > 1
         params = [p for p in model.parameters() if p.requires_grad]
         # dense gradients over DP x CP (Megatron's data-parallel group with CP: the CP ranks saw
         # other tokens of the same samples), experts over expert-DP (which counts CP already)

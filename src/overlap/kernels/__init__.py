@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Kernels:
-    """What runs of every kernel choice, decided once (`cfg.resolved.kernels`; for a model built
-    from a bare configuration `overlap.config.kernel_choices.bare_kernels`), under the names of the
+    """What runs of every kernel choice, decided once (`cfg.resolved.kernels`; for a model a test
+    builds from a bare configuration, tests/configs.py's `bare_kernels`), under the names of the
     model fields that ask for it. The layers read it as it is; what is left to call time is what
     the tensors are (a dry run's fake stand-ins and dispatch modes run the eager functions and the
     experts' loop, a row stride the grouped kernel cannot take falls back to the loop)."""

@@ -103,7 +103,7 @@ class SelfAttention(nn.Module):
         self.layer_number = layer_number
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.query_groups
-        self.local_groups = divide(config.query_groups, ps.tp_size, "num_query_groups")
+        self.local_groups = divide(config.query_groups, ps.layout.tp, "num_query_groups")
         self.recompute_core = "core_attn" in selective_modules(config)
         self.attention_backend = kernels.attention_backend
         sp = config.sequence_parallel
@@ -136,8 +136,8 @@ class SelfAttention(nn.Module):
         self.ps = ps
         self.cp_comm_type, self.cp_comm_overlap = overlap.cp_comm_type, overlap.cp_comm_overlap
         positions = None
-        if ps.cp_size > 1:
-            positions = cp_positions(config.seq_length, ps.cp_rank, ps.cp_size, ps.device)
+        if ps.layout.cp > 1:
+            positions = cp_positions(config.seq_length, ps.cp_rank, ps.layout.cp, ps.device)
         self.rotary = RotaryEmbedding(
             self.head_dim,
             config.rotary_base,

@@ -187,10 +187,10 @@ class AllGatherAttention(Function):
     def _mask(q: torch.Tensor, ps: ParallelState) -> torch.Tensor:
         """This rank's queries against the gathered keys, by global position (made again in
         backward rather than kept: [s_local, s] per layer)."""
-        seq = q.shape[2] * ps.cp_size
+        seq = q.shape[2] * ps.layout.cp
         return position_mask(
-            cp_positions(seq, ps.cp_rank, ps.cp_size, q.device),
-            gathered_positions(seq, ps.cp_size, q.device),
+            cp_positions(seq, ps.cp_rank, ps.layout.cp, q.device),
+            gathered_positions(seq, ps.layout.cp, q.device),
         )
 
     @staticmethod
@@ -260,8 +260,8 @@ def _in_position_order(q, k, v, group: ProcessGroup, gathered: torch.Tensor, att
 def a2a_attention(q, k, v, ps: ParallelState, attend: Attend) -> torch.Tensor:
     """`cp_comm_type=a2a` (module docstring): `attend` is the layer's causal kernel over the whole
     sequence in position order."""
-    seq = q.shape[2] * ps.cp_size
-    gathered = gathered_positions(seq, ps.cp_size, q.device)
+    seq = q.shape[2] * ps.layout.cp
+    gathered = gathered_positions(seq, ps.layout.cp, q.device)
     return _in_position_order(q, k, v, ps.cp_group, gathered, attend)
 
 
@@ -277,9 +277,9 @@ def hierarchical_attention(q, k, v, ps: ParallelState, overlap: bool) -> torch.T
         return RingAttention.apply(q, k, v, ps.cp_group, overlap)
     a2a = comm.group_size(ps.cp_a2a_group)
     first = ps.cp_rank // a2a * a2a  # the CP rank of this group's first member
-    seq = q.shape[2] * ps.cp_size
+    seq = q.shape[2] * ps.layout.cp
     gathered = torch.cat(
-        [cp_positions(seq, r, ps.cp_size, q.device) for r in range(first, first + a2a)]
+        [cp_positions(seq, r, ps.layout.cp, q.device) for r in range(first, first + a2a)]
     )
 
     def ring(q, k, v):

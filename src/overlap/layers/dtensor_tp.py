@@ -211,9 +211,9 @@ def parallelize_layers(layers: nn.Module, ps: ParallelState, sequence_parallel: 
                 )
             ours[path] = old.weight
             if path == FC1 and fc1.dim() == 3:
-                new: nn.Module = FusedColumnPeer(old.weight, ps.tp_size)
+                new: nn.Module = FusedColumnPeer(old.weight, ps.layout.tp)
             else:
-                out_features, in_features = _full_shape(old.weight, plan[path], ps.tp_size)
+                out_features, in_features = _full_shape(old.weight, plan[path], ps.layout.tp)
                 new = LocalShardLinear(in_features, out_features, old.weight.dtype)
             parent, name = path.rsplit(".", 1)
             setattr(layer.get_submodule(parent), name, new)

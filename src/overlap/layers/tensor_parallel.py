@@ -287,7 +287,7 @@ class ColumnParallelLinear(nn.Module):
         self.overlap = _sp_only(overlap, sequence_parallel, "ColumnParallelLinear")
         self.wgrad_store = wgrad_store
         self.gather_output = gather_output
-        tp = ps.tp_size
+        tp = ps.layout.tp
         per_linear = divide(
             out_features, num_fused, "ColumnParallelLinear output size over num_fused"
         )
@@ -369,12 +369,12 @@ class RowParallelLinear(nn.Module):
         self.overlap = _sp_only(overlap, sequence_parallel, "RowParallelLinear")
         self.input_is_parallel = input_is_parallel
         self.wgrad_store = wgrad_store
-        local = divide(in_features, ps.tp_size, "RowParallelLinear input size")
+        local = divide(in_features, ps.layout.tp, "RowParallelLinear input size")
         self.weight = mark_shard(
             nn.Parameter(torch.empty(out_features, local, dtype=params_dtype, device=ps.device)),
             1,
             ps.tp_rank,
-            ps.tp_size,
+            ps.layout.tp,
         )
         self.bias = None
         if bias:
@@ -413,13 +413,13 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = ps.tp_group
         self.sequence_parallel = sequence_parallel
-        local = divide(num_embeddings, ps.tp_size, "VocabParallelEmbedding vocabulary size")
+        local = divide(num_embeddings, ps.layout.tp, "VocabParallelEmbedding vocabulary size")
         self.vocab_start = ps.tp_rank * local
         self.weight = mark_shard(
             nn.Parameter(torch.empty(local, embedding_dim, dtype=params_dtype, device=ps.device)),
             0,
             ps.tp_rank,
-            ps.tp_size,
+            ps.layout.tp,
         )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

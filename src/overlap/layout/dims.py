@@ -71,6 +71,13 @@ class ParallelLayout:
         return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
+    def dp_cp(self) -> int:
+        """DP x CP: the ranks the dense gradients (and the distributed optimizer's shards, the
+        reported loss) are reduced over - CP ranks hold the same weights and saw other tokens of
+        the same samples."""
+        return self.dp * self.cp
+
+    @property
     def edp(self) -> int:
         """Expert-data-parallel size: replicas of each expert's weights inside one pipeline
         stage."""

@@ -97,10 +97,6 @@ class PipelineLayout:
         ]
         return max(held, key=len)
 
-    def ranges(self) -> list[list[tuple[int, int]]]:
-        """[pp_rank][chunk] -> (start, end) of that chunk's transformer layers."""
-        return [[(s.start, s.end) for s in self.rank_stages(r)] for r in range(self.pp)]
-
     def as_string(self) -> str:
         """The layout in Megatron's string grammar, runs of equal stages folded
         (`"Ett|(ttt|)*30ttL"`)."""
@@ -461,8 +457,3 @@ def _checked(
         )
         start += count
     return PipelineLayout(pp=pp, vpp=vpp, stages=tuple(out), source=source)
-
-
-def pipeline_layer_ranges(model: Any, pp: int) -> list[list[tuple[int, int]]]:
-    """[pp_rank][chunk] -> (start, end) of the transformer layers of that model chunk."""
-    return resolve_pipeline_layout(model, pp).ranges()

@@ -157,9 +157,9 @@ class GPTModel(nn.Module):
     stages, its copy); the loss is computed from the vocab-sharded logits without gathering them.
     `overlap` is the run's resolved overlap plan (what its layers overlap), `precision` its
     resolved precision (the parameters' dtype; `Precision.of(config)` for a bare config),
-    `kernels` its resolved kernels (`overlap.config.kernel_choices.bare_kernels` for a bare
-    config); `wgrad_store`: the store its weight gradients go through, kept as `self.wgrad_store`
-    (None: a new one, this model's).
+    `kernels` its resolved kernels (`cfg.resolved.kernels`; a test's bare config takes
+    `bare_kernels`, tests/configs.py); `wgrad_store`: the store its weight gradients go through,
+    kept as `self.wgrad_store` (None: a new one, this model's).
     """
 
     def __init__(

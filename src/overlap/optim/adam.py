@@ -147,7 +147,7 @@ def global_grad_norm(
     comm.all_reduce(dense, ps.tp_group, "mp_norm").wait()
     comm.all_reduce(expert, ps.ep_group, "mp_norm").wait()
     total = dense + expert
-    if ps.pp_size > 1:  # every pipeline stage holds other layers: their squares add up
+    if ps.layout.pp > 1:  # every pipeline stage holds other layers: their squares add up
         comm.all_reduce(total, ps.pp_group, "mp_norm").wait()
     if fold is not None:
         total = torch.where(total[1] > 0, -1.0, total[0])

@@ -23,6 +23,9 @@ __all__ = ["ParallelState"]
 class ParallelState:
     """Process groups and rank coordinates of this rank for one layout.
 
+    The sizes are the layout's, read under its names only (`ps.layout.tp`, `.dp`, `.dp_cp`, ...):
+    one vocabulary for them from the resolution to the layers.
+
     Must be constructed by every rank of the default process group in the same order (group creation
     is collective).
     """
@@ -51,7 +54,6 @@ class ParallelState:
         self.device = torch.device(device)
         device_type = mesh_device_type or self.device.type
         self.rank = dist.get_rank()
-        self.world_size = layout.world_size
         # Built once per process for each layout and reused (`groups.device_mesh`): a process that
         # runs several jobs (a test worker, a notebook) would otherwise accumulate idle groups that
         # cost threads and CPU.
@@ -120,14 +122,6 @@ class ParallelState:
         return groups.ends_group(self.mesh, "pp")
 
     @property
-    def tp_size(self) -> int:
-        return self.layout.tp
-
-    @property
-    def pp_size(self) -> int:
-        return self.layout.pp
-
-    @property
     def pp_next(self) -> int:
         """Global rank of the next pipeline stage (the ring wraps: the last stage feeds chunk c+1 of
         the first)."""
@@ -137,27 +131,10 @@ class ParallelState:
     def pp_prev(self) -> int:
         return self.pp_ranks[(self.pp_rank - 1) % self.layout.pp]
 
-    @property
-    def dp_size(self) -> int:
-        return self.layout.dp
-
-    @property
-    def cp_size(self) -> int:
-        return self.layout.cp
-
-    @property
-    def dp_cp_size(self) -> int:
-        """Ranks the dense gradients are reduced over (DP x CP)."""
-        return self.layout.dp * self.layout.cp
-
-    @property
-    def ep_size(self) -> int:
-        return self.layout.ep
-
     def describe(self) -> str:
         """One line per dimension for start-up logs: size, this rank's coordinate, and the ranks it
         talks to."""
-        lines = [f"rank {self.rank}/{self.world_size}"]
+        lines = [f"rank {self.rank}/{self.layout.world_size}"]
         for mesh, dims in (
             (self.mesh, ("tp", "cp", "dp", "pp")),
             (self.expert_mesh, ("ep", "edp")),

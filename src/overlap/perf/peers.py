@@ -42,7 +42,7 @@ class PeerTrainer(Trainer):
         else:
             from torch.distributed.fsdp import fully_shard
 
-            mesh = groups.device_mesh("cpu", (ps.dp_size,), ("dp",))
+            mesh = groups.device_mesh("cpu", (ps.layout.dp,), ("dp",))
             for layer in model.layers:
                 fully_shard(layer, mesh=mesh)
             self.model = fully_shard(model, mesh=mesh)
@@ -61,7 +61,7 @@ class PeerTrainer(Trainer):
         )
         self.data = build_data(cfg)
         t = cfg.train
-        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.layout.dp)
         # What Trainer.train reads: peers do not checkpoint (runtime_refusals says so), do not
         # pipeline, and run no sync-free MoE dispatch, so never re-run a step.
         self.checkpointer, self.start_iteration = None, 0
@@ -90,7 +90,7 @@ class PeerTrainer(Trainer):
         t, ps = self.cfg.train, self.ps
         self.optimizer.zero_grad(set_to_none=True)
         batches = self.data.micro_batches(
-            iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank, ps.dp_size, ps.device
+            iteration, t.global_batch_size, t.micro_batch_size, ps.dp_rank, ps.layout.dp, ps.device
         )
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         for i, (tokens, labels) in enumerate(batches):
@@ -110,4 +110,4 @@ class PeerTrainer(Trainer):
         with recorder().span("optimizer"):
             self.optimizer.step()
         comm.all_reduce(loss_sum, ps.dp_group, "dp_loss").wait()
-        return float(loss_sum) / (self.num_micro_batches * ps.dp_size), norm
+        return float(loss_sum) / (self.num_micro_batches * ps.layout.dp), norm

@@ -125,7 +125,7 @@ class PipelineExecutor:
         # the run-time refusal table refuses this before launch (`keeps_sent_outputs`, the rule):
         # only an executor built outside `overlap run` reaches this guard
         if options.deallocate_outputs and keeps_sent_outputs(
-            ps.pp_size, options.overlap_moe_expert_parallel_comm
+            ps.layout.pp, options.overlap_moe_expert_parallel_comm
         ):
             raise ValueError(
                 "deallocate_pipeline_outputs is not built for the EP-overlap schedule (the merged "
@@ -134,8 +134,8 @@ class PipelineExecutor:
         self.chunks, self.ps, self.options = chunks, ps, options
         self.wgrad = shared_wgrad_store(chunks)
         self.before_backward, self.memory = before_backward, memory
-        self.ring = StageRing(ps.pp_size, ps.pp_rank, len(chunks))
-        self.groups = ps.pipeline_p2p_groups(wrap=len(chunks) > 1) if ps.pp_size > 1 else {}
+        self.ring = StageRing(ps.layout.pp, ps.pp_rank, len(chunks))
+        self.groups = ps.pipeline_p2p_groups(wrap=len(chunks) > 1) if ps.layout.pp > 1 else {}
 
     @classmethod
     def from_config(
@@ -147,7 +147,7 @@ class PipelineExecutor:
         memory: PipelineMemory,
     ) -> PipelineExecutor:
         return cls(
-            chunks, ps, ExecutorOptions.from_config(cfg, ps.tp_size), before_backward, memory
+            chunks, ps, ExecutorOptions.from_config(cfg, ps.layout.tp), before_backward, memory
         )
 
     def step(

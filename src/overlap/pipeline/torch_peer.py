@@ -68,7 +68,7 @@ class TorchPipeline:
             ScheduleInterleaved1F1B,
         )
 
-        chunks, pp, rank = self.chunks, self.ps.pp_size, self.ps.pp_rank
+        chunks, pp, rank = self.chunks, self.ps.layout.pp, self.ps.pp_rank
         vpp = len(chunks)
         device = next(chunks[0].parameters()).device
         stages = [

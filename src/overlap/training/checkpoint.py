@@ -760,7 +760,7 @@ class Checkpointer:
             folder,
             metadata,
             self.ps.rank,
-            self.ps.world_size,
+            self.ps.layout.world_size,
             required=bool(train_state.get("shard_digests")),
         )
         problems = [p for p in comm.all_gather_object(problem, self.group) if p]

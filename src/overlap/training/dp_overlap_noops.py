@@ -30,20 +30,14 @@ def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch
     only)."""
     from overlap.model.gpt import model_chunks
 
-    lay = res.layout
     rank0 = SimpleNamespace(
-        tp_size=lay.tp,
+        layout=res.layout,
         tp_rank=0,
-        ep_size=lay.ep,
         ep_rank=0,
-        dp_size=lay.dp,
         dp_rank=0,
-        cp_size=lay.cp,
         cp_rank=0,
-        pp_size=lay.pp,
         pp_rank=0,
         rank=0,
-        world_size=lay.world_size,
         tp_group=None,
         cp_group=None,
         tp_cp_group=None,
@@ -71,7 +65,7 @@ def detect_model_noops(cfg: ConfigContainer, res: Resolution) -> None:
     if not switches or d.impl != "overlap":
         return
     # dense gradients are reduced over DP x CP (`overlap.data_parallel.ddp`)
-    sizes = {"dp": res.layout.dp * res.layout.cp, "edp": res.layout.edp}
+    sizes = {"dp": res.layout.dp_cp, "edp": res.layout.edp}
     buffers = []
     chunks = _meta_chunk_params(cfg, res)
     for c, params in enumerate(chunks):

@@ -140,7 +140,7 @@ class Trainer:
         # gradient, a 1/DP shard with the distributed optimizer, the same elements on both ends
         # since the tied tensor is a bucket of its own)
         self._tied = None
-        if cfg.model.share_embeddings_and_output_weights and ps.pp_size > 1:
+        if cfg.model.share_embeddings_and_output_weights and ps.layout.pp > 1:
             group = ps.tied_embedding_group()
             grads = [
                 ddp.reduced_grad(p)
@@ -150,7 +150,7 @@ class Trainer:
             ]
             self._tied = (group, grads) if grads else None
         t = cfg.train
-        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.dp_size)
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * ps.layout.dp)
         ck = cfg.checkpoint
         # Checkpoints (training/checkpoint.py): loaded now, into the parameters (views into the DDP
         # buffers) and the optimizer built above; `start_iteration` is where a resumed run
@@ -175,7 +175,7 @@ class Trainer:
         applies anything (`overlap.layers.moe.rank_capacity`), and `last_step_reruns` says so."""
         ps = self.ps
         # each CP rank's loss is the mean over its equal share of the tokens
-        scale = 1.0 / (self.num_micro_batches * ps.dp_cp_size)
+        scale = 1.0 / (self.num_micro_batches * ps.layout.dp_cp)
         grad_scale = scale * self.optimizer.loss_scale  # what the backward is seeded with
         static = self.static_dispatch
         if static is not None:
@@ -220,10 +220,10 @@ class Trainer:
             t.global_batch_size,
             t.micro_batch_size,
             ps.dp_rank,
-            ps.dp_size,
+            ps.layout.dp,
             ps.device,
             ps.cp_rank,
-            ps.cp_size,
+            ps.layout.cp,
         )
         loss_sum = torch.zeros((), dtype=torch.float32, device=ps.device)
         # 1F1B over the pipeline (PP = 1: forward then backward of each micro-batch in turn; with EP
@@ -255,7 +255,7 @@ class Trainer:
         # optimizer's parameter gather: launched after the step, it queued behind that gather and
         # exposed it. Only the last pipeline stage has losses: the sum over PP (zeros elsewhere)
         # gives every rank, rank 0 included, the same number.
-        if ps.pp_size > 1:
+        if ps.layout.pp > 1:
             comm.all_reduce(reduced, ps.pp_group, "pp_loss").wait()
         # before the DP sum mixes the ranks' losses
         local_loss = loss_sum.clone() if self.cfg.ddp.check_for_nan_in_grad else None
@@ -467,8 +467,8 @@ class Trainer:
             self.last_step_reruns,
         )
         records.append(rec)
-        tokens_per_s = tokens_per_step / step_s / self.ps.world_size
-        tflops = flops_step / step_s / self.ps.world_size / 1e12
+        tokens_per_s = tokens_per_step / step_s / self.ps.layout.world_size
+        tflops = flops_step / step_s / self.ps.layout.world_size / 1e12
         if self.ps.rank == 0:
             skipped = rec.skipped_to is not None
             if rec.moe_reruns:

@@ -177,8 +177,8 @@ class AllToAllDispatcher:
     def __init__(self, config: ModelConfig, ps: ParallelState, kernels: Kernels) -> None:
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
-        self.ep_size = ps.ep_size
-        self.num_local_experts = config.num_moe_experts // ps.ep_size
+        self.ep = ps.layout.ep
+        self.num_local_experts = config.num_moe_experts // ps.layout.ep
         self.group = ps.ep_group
         self.meta_group = ps.ep_meta_group  # split sizes travel apart from the bulk all-to-alls
         # the fused permutation or the per-expert loop, as the run decided (`overlap.kernels`)
@@ -211,7 +211,7 @@ class AllToAllDispatcher:
             static = [capacity.capacity] * self.num_experts
             on_device = torch.full(
                 (self.num_local_experts,),
-                capacity.capacity * self.ep_size,
+                capacity.capacity * self.ep,
                 dtype=torch.int64,
                 device=topk_idx.device,
             )
@@ -222,7 +222,7 @@ class AllToAllDispatcher:
         el = self.num_local_experts
         counts = expert_counts(topk_idx, self.num_experts, capacity)
         handle = comm.all_to_all(
-            counts, self.meta_group, "ep_counts", [el] * self.ep_size, [el] * self.ep_size
+            counts, self.meta_group, "ep_counts", [el] * self.ep, [el] * self.ep
         )
         with recorder().span("moe.permute"):
             routing = route(topk_idx, topk_weights, self.num_experts, self.permute_fusion, capacity)
@@ -246,7 +246,7 @@ class AllToAllDispatcher:
                 False,
                 host[: self.num_experts],
                 host[self.num_experts :],
-                recv.view(self.ep_size, el).sum(0),
+                recv.view(self.ep, el).sum(0),
             )
 
         return PendingPlan(finish)
@@ -258,7 +258,7 @@ class AllToAllDispatcher:
             num_tokens,
             self.topk,
             self.num_experts,
-            self.ep_size,
+            self.ep,
             None if capacity is None else capacity.capacity,
         )
 
@@ -282,11 +282,11 @@ class AllToAllDispatcher:
             slot_idx=routing.slot_idx[:sent],
             padded=padded,
             tokens_per_expert=local,
-            input_splits=[sum(local[r * el : (r + 1) * el]) for r in range(self.ep_size)],
-            output_splits=[sum(recv_counts[r * el : (r + 1) * el]) for r in range(self.ep_size)],
+            input_splits=[sum(local[r * el : (r + 1) * el]) for r in range(self.ep)],
+            output_splits=[sum(recv_counts[r * el : (r + 1) * el]) for r in range(self.ep)],
             recv_counts=recv_counts,
             tokens_per_local_expert=[
-                sum(recv_counts[r * el + e] for r in range(self.ep_size)) for e in range(el)
+                sum(recv_counts[r * el + e] for r in range(self.ep)) for e in range(el)
             ],
             local_expert_counts=local_expert_counts,
         )
@@ -321,15 +321,15 @@ class AllToAllDispatcher:
         el = self.num_local_experts
         with recorder().span("moe.sort_chunks"):
             return (
-                sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep_size, el),
-                sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep_size, el),
+                sort_chunks_by_local_expert(rows, plan.recv_counts, self.ep, el),
+                sort_chunks_by_local_expert(weights, plan.recv_counts, self.ep, el),
             )
 
     def combine_preprocess(self, expert_output: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Put the (weighted) expert output rows back in (source rank, local expert) order."""
         with recorder().span("moe.sort_chunks"):
             return unsort_chunks_by_local_expert(
-                expert_output, plan.recv_counts, self.ep_size, self.num_local_experts
+                expert_output, plan.recv_counts, self.ep, self.num_local_experts
             )
 
     def token_combine(self, rows: torch.Tensor, plan: DispatchPlan) -> PendingAllToAll:

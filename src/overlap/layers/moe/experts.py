@@ -44,7 +44,7 @@ from overlap.parallel.state import ParallelState
 
 def _expert_param(shape: tuple[int, ...], dtype: torch.dtype, ps: ParallelState) -> nn.Parameter:
     param = mark_shard(
-        nn.Parameter(torch.empty(shape, dtype=dtype, device=ps.device)), 0, ps.ep_rank, ps.ep_size
+        nn.Parameter(torch.empty(shape, dtype=dtype, device=ps.device)), 0, ps.ep_rank, ps.layout.ep
     )
     # The trainer reduces expert grads over the expert-data-parallel group, not the data-parallel
     # group.
@@ -69,7 +69,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.wgrad_store = wgrad_store
         self.grouped_gemm = kernels.moe_grouped_gemm
-        self.num_local_experts = config.num_moe_experts // ps.ep_size
+        self.num_local_experts = config.num_moe_experts // ps.layout.ep
         h, ffn = config.hidden_size, config.moe_ffn_size
         dtype = params_dtype(precision)
         self.fusion = kernels.bias_activation_fusion

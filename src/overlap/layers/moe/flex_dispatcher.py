@@ -78,7 +78,7 @@ class FlexDispatcher(AllToAllDispatcher):
     ) -> PendingPlan[FlexDispatchPlan]:
         """Count rows per destination rank and pairs per expert, and launch their exchange; returns
         at once."""
-        ep, el = self.ep_size, self.num_local_experts
+        ep, el = self.ep, self.num_local_experts
         num_tokens = topk_idx.shape[0]
         with recorder().span("moe.permute"):
             # [T, k] EP rank of each chosen expert
@@ -106,7 +106,7 @@ class FlexDispatcher(AllToAllDispatcher):
     ) -> FlexDispatchPlan:
         """Wait for the counts `handle` exchanges, select the rows, exchange their local expert ids
         and build the fan-out indices."""
-        ep, el, k = self.ep_size, self.num_local_experts, self.topk
+        ep, el, k = self.ep, self.num_local_experts, self.topk
         num_tokens = topk_idx.shape[0]
         # THE host sync of the layer (see AllToAllDispatcher.route for why here and only once).
         flat, recv = read_split_sizes(

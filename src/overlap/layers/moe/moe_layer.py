@@ -145,9 +145,9 @@ class MoELayer(nn.Module):
         super().__init__()
         # experts divisible by EP: the config's cross-section rule; only a layer built from a bare
         # config reaches this guard
-        if config.num_moe_experts % ps.ep_size:
+        if config.num_moe_experts % ps.layout.ep:
             raise ValueError(
-                f"num_moe_experts ({config.num_moe_experts}) does not split over EP {ps.ep_size}"
+                f"num_moe_experts ({config.num_moe_experts}) does not split over EP {ps.layout.ep}"
             )
         dispatcher = dispatcher_class(config, kernels)
         self.layer_number = layer_number

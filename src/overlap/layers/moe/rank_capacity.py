@@ -116,7 +116,7 @@ class RankCapacityDispatcher(AllToAllDispatcher):
 
     def block_rows(self, num_tokens: int) -> int:
         """C: the rows of one block for `num_tokens` local tokens."""
-        return expert_rank_capacity(num_tokens, self.topk, self.ep_size, self.rank_capacity_factor)
+        return expert_rank_capacity(num_tokens, self.topk, self.ep, self.rank_capacity_factor)
 
     def route(
         self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, hidden_shape: torch.Size
@@ -125,7 +125,7 @@ class RankCapacityDispatcher(AllToAllDispatcher):
         `route`, with its counts exchange, while `dropless`)."""
         if self.dropless:
             return super().route(topk_idx, topk_weights, hidden_shape)
-        ep, el = self.ep_size, self.num_local_experts
+        ep, el = self.ep, self.num_local_experts
         num_tokens, pairs = topk_idx.shape[0], topk_idx.numel()
         c = self.block_rows(num_tokens)
         with recorder().span("moe.permute"):

@@ -117,12 +117,12 @@ class TopKRouter(nn.Module):
         # Under sequence parallel each TP rank routes only its slice of the sequence, under context
         # parallelism each CP rank its chunks; the aux-loss statistics must still describe the
         # whole micro-batch, so they are summed over those ranks (Megatron's tp-cp group).
-        sp = config.sequence_parallel and ps.tp_size > 1
-        if ps.cp_size > 1:
+        sp = config.sequence_parallel and ps.layout.tp > 1
+        if ps.layout.cp > 1:
             self.stats_group = ps.tp_cp_group if sp else ps.cp_group
         else:
             self.stats_group = ps.tp_group if sp else None
-        self.stats_grad_scale = float(ps.cp_size)
+        self.stats_grad_scale = float(ps.layout.cp)
         # Filled by init_model_params; replicated on every rank (routing must agree wherever a token
         # goes).
         self.weight = nn.Parameter(
@@ -140,7 +140,7 @@ class TopKRouter(nn.Module):
         self.random_logits: torch.Generator | None = None
         if config.moe_router_force_load_balancing:
             sp_rank = ps.tp_rank if config.sequence_parallel else 0
-            seq_rank = ps.cp_rank * ps.tp_size + sp_rank  # which tokens of the sequence
+            seq_rank = ps.cp_rank * ps.layout.tp + sp_rank  # which tokens of the sequence
             self.random_seed = (layer_number * 1_000_003 + ps.dp_rank) * 1009 + seq_rank
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
