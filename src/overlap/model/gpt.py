@@ -173,9 +173,9 @@ class GPTModel(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        # The vocabulary and the sequence split over TP (and CP) are config-time rules
-        # (`ConfigContainer._split_rules`, the CP rules in `overlap.config.comm_overlap`); a bare
-        # config that breaks them stops at the layers' `divide` guards.
+        # The vocabulary and each CP rank's share of the sequence split over TP: config-time split
+        # rules (`ConfigContainer._split_rules`); a bare config that breaks them stops at the
+        # layers' `divide` guards.
         self.config = config
         self.ps = ps
         self.stage = stage or Stage(0, config.num_layers, True, True)
