@@ -39,6 +39,7 @@ from overlap.layers.moe.permute import ExpertCapacity, expert_capacity, expert_c
 from overlap.layout import ParallelLayout
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
+from overlap.training.runtime_refusals import runtime_refusals
 from tests.configs import container, moe_layer_model, moe_model
 from tests.ep_overlap_runs import compare_ep_overlap
 from tests.moe_layer_runs import bare_moe_layer, check_against_reference
@@ -277,3 +278,20 @@ def test_capacity_with_flex_dispatcher_is_refused_by_name():
     )
     with pytest.raises(NotBuiltError, match="moe_expert_capacity_factor"):
         bare_moe_layer(cfg, SimpleNamespace(layout=ParallelLayout(world_size=1)))
+
+
+@pytest.mark.parametrize(
+    "factors, field",
+    [
+        (dict(moe_expert_capacity_factor=1.0), "model.moe_expert_capacity_factor"),
+        (dict(moe_expert_rank_capacity_factor=1.5), "model.moe_expert_rank_capacity_factor"),
+    ],
+)
+def test_capacity_with_flex_is_refused_before_any_rank_starts(factors, field):
+    """The dispatchers' unbuilt combinations are rows of the run-time refusal table (the one place
+    the rule is stated; the layer raises the same row for a bare config), so `overlap run` refuses
+    them before launch and explain lists them."""
+    flex = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="torch")
+    cfg = container(moe_model(**flex, **factors))
+    cfg.finalize(2)
+    assert field in {e.field for e in runtime_refusals(cfg) if isinstance(e, NotBuiltError)}

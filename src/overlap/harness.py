@@ -31,6 +31,7 @@ from overlap.config.container import PRETRAINED, ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend
 from overlap.config.mixed_precision import get_mixed_precision_config
+from overlap.config.model import comma_list
 from overlap.config.overrides import apply_override, apply_overrides, check_override_repeats
 from overlap.config.path_fields import expand_path_fields
 from overlap.config.perf_recipes import LAYOUT_KEYS, Setting, perf_recipe
@@ -673,7 +674,7 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
     if a.cuda_graph_scope is not None:
         put(
             "model.cuda_graph_scope",
-            [s.strip() for s in a.cuda_graph_scope.split(",") if s.strip()],
+            comma_list(a.cuda_graph_scope),
             "--cuda_graph_scope",
         )
     if a.recompute_num_layers is not None:
@@ -684,7 +685,7 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
         put("model.recompute_granularity", "selective", "--recompute_modules", implied=True)
         put(
             "model.recompute_modules",
-            [s.strip() for s in a.recompute_modules.split(",") if s.strip()],
+            comma_list(a.recompute_modules),
             "--recompute_modules",
         )
     if a.moe_flex_dispatcher_backend is not _KEEP:

@@ -435,11 +435,20 @@ _PIPELINE = (
 # --- context parallelism --------------------------------------------------------------------------
 # Context parallelism's exchange (`model.cp_comm_type`, a TransformerConfig field with no
 # comm_overlap spelling) and whether p2p's ring overlaps its transfers, with Megatron's
-# prerequisites: the sequence cut into 2 x CP load-balanced chunks (each CP rank's share split
-# again over TP under sequence parallelism), and for a2a the heads and query groups of a TP rank
-# divisible by CP. A value set at CP = 1 is a no-op row (`_NOOPS`).
+# prerequisites: the sequence cut into 2 x CP load-balanced chunks, and for a2a the heads and query
+# groups of a TP rank divisible by CP (each CP rank's share split again over TP under sequence
+# parallelism is a split rule, `ConfigContainer._split_rules`). A value set at CP = 1 is a no-op
+# row (`_NOOPS`).
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-_RING = ("p2p", "a2a+p2p")
+# the exchanges with a ring, which cp_comm_overlap overlaps (the others are one collective)
+CP_RING_TYPES = ("p2p", "a2a+p2p")
+
+
+def cp_chunks_fit(seq_length: int, cp: int) -> bool:
+    """Whether `seq_length` tokens cut into context parallelism's 2 x CP load-balanced chunks (rank
+    i holds chunks i and 2CP-1-i, `overlap.parallel.cp_chunks`); at CP = 1 nothing is cut. The CP
+    rule's condition, which the planner's search filters its layouts by and the chunking asserts."""
+    return cp == 1 or seq_length % (2 * cp) == 0
 
 
 def _a2a_heads(s: _Run) -> tuple[int, int, int]:
@@ -454,7 +463,7 @@ def _cp_overlap_fixed(s: _Run) -> tuple[bool, str] | None:
     if s.cp == 1:
         return False, "CP=1: nothing to overlap"
     kind = s.resolved["cp_comm_type"]
-    if kind in _RING:
+    if kind in CP_RING_TYPES:
         return None
     return False, f"cp_comm_type={kind}: one collective, nothing in flight under attention"
 
@@ -486,24 +495,13 @@ _CP = (
             ),
             Rule(
                 "model.seq_length",
-                lambda s: s.cp > 1 and s.model.seq_length % (2 * s.cp),
+                lambda s: not cp_chunks_fit(s.model.seq_length, s.cp),
                 lambda s: (
                     f"context parallelism cuts the sequence into 2 x CP = {2 * s.cp} "
                     "load-balanced chunks (rank i holds chunks i and 2CP-1-i), so it must be "
                     "divisible by them."
                 ),
                 lambda s: f"choose a sequence length divisible by {2 * s.cp}, or a smaller -cp.",
-            ),
-            Rule(
-                "model.seq_length",
-                lambda s: (
-                    s.cp > 1 and s.model.sequence_parallel and (s.model.seq_length // s.cp) % s.tp
-                ),
-                lambda s: (
-                    f"each CP rank's {s.model.seq_length // s.cp} tokens are split again "
-                    f"over tensor_model_parallel_size ({s.tp}) by sequence parallelism."
-                ),
-                lambda s: f"choose a sequence length divisible by CP x TP = {s.cp * s.tp}.",
             ),
             Rule(
                 "model.hierarchical_context_parallel_sizes",
@@ -546,7 +544,9 @@ _CP = (
             Rule(
                 "model.cp_comm_overlap",
                 lambda s: (
-                    s.cp > 1 and s.resolved["cp_comm_type"] not in _RING and s.model.cp_comm_overlap
+                    s.cp > 1
+                    and s.resolved["cp_comm_type"] not in CP_RING_TYPES
+                    and s.model.cp_comm_overlap
                 ),
                 lambda s: (
                     f"cp_comm_type={s.resolved['cp_comm_type']} exchanges keys and values "
@@ -564,10 +564,7 @@ _CP = (
 def _graph_scope(model: ModelConfig) -> set[str]:
     """The CUDA-graph scope as a set of module names; "full" / empty mean no per-module scope (as
     the delay_wgrad_compute checks of Megatron-Bridge's CommOverlapConfig read it)."""
-    scope = model.cuda_graph_scope or []
-    if isinstance(scope, str):
-        scope = scope.split(",")
-    return {s.strip() for s in scope if s.strip() and s.strip() not in ("full", "full_iteration")}
+    return set(model.graph_scope) - {"full", "full_iteration"}
 
 
 def _graphed_wgrads(s: _Run) -> bool:
@@ -603,13 +600,36 @@ def _torch_below_2_6(_: _Run) -> bool:
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
 
 
+def ep_overlap_has_experts(ep: int) -> bool:
+    """EP overlap's first layout prerequisite (Megatron's): expert parallelism, so that there is an
+    all-to-all to overlap. Its rule below, the perf recipes' skip of the setting and the planner's
+    "not applicable" ask it."""
+    return ep > 1
+
+
+def ep_overlap_interleaves(pp: int, vp: int, vpp_typed: int | None) -> bool:
+    """EP overlap's second layout prerequisite (Megatron's): no pipeline, or a virtual one to
+    interleave with (`-vp` typed, or `vp` > 1 from a layout of PP x VPP stages). Its rule below and
+    the perf recipes' skip of the setting ask it."""
+    return pp == 1 or vp > 1 or vpp_typed is not None
+
+
+def keeps_sent_outputs(pp: int, ep_overlap: bool) -> bool:
+    """Whether the pipeline keeps every sent output: EP overlap under PP, whose merged steps keep
+    each layer piece's output for its own backward, so releasing them
+    (`model.deallocate_pipeline_outputs`) is not built. The run-time refusal
+    (`overlap.training.runtime_refusals`), the perf recipes' skip of the setting and the pipeline
+    executor's guard ask it."""
+    return pp > 1 and ep_overlap
+
+
 _EP_ON = "when enabling overlap_moe_expert_parallel_comm"
 # The prerequisites of the MoE expert-parallel overlap: the asserts of Megatron-Bridge's
 # CommOverlapConfig, which mirror Megatron-Core's TransformerConfig.__post_init__ (always errors).
 _EP_OVERLAP_NEEDS = (
     Rule(
         "model.expert_model_parallel_size",
-        lambda s: s.ep <= 1,
+        lambda s: not ep_overlap_has_experts(s.ep),
         "EP overlap is only supported when expert_model_parallel_size > 1.",
         _ep_size_fix,
     ),
@@ -641,8 +661,9 @@ _EP_OVERLAP_NEEDS = (
     ),
     Rule(
         "model.virtual_pipeline_model_parallel_size",
-        # no virtual pipeline: -vp unset (Megatron's None) and no layout of PP x VPP stages
-        lambda s: s.pp != 1 and s.vpp == 1 and s.model.virtual_pipeline_model_parallel_size is None,
+        lambda s: (
+            not ep_overlap_interleaves(s.pp, s.vpp, s.model.virtual_pipeline_model_parallel_size)
+        ),
         "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size "
         "> 1 (PP without VPP cannot interleave the overlap schedule).",
         "set -vp 2 (or more), or -pp 1.",

@@ -542,15 +542,22 @@ class ConfigContainer:
                 tp_name,
                 "use a vocabulary size divisible by -tp (e.g. --vocab_size rounded up).",
             ),
-            (
-                "model.seq_length",
-                m.seq_length,
-                tp if m.sequence_parallel else 1,
-                f"{tp_name} (sequence parallel)",
-                "use -sl divisible by -tp.",
-            ),
         ):
             yield key, value, value % by == 0, f"it must be divisible by {by_name} ({by}).", fix
+        # sequence parallelism splits each CP rank's share (the whole sequence at CP 1) over TP
+        cp, share = layout.cp, m.seq_length // layout.cp
+        yield (
+            "model.seq_length",
+            m.seq_length,
+            not m.sequence_parallel or share % tp == 0,
+            f"each CP rank's {share} tokens are split again over {tp_name} ({tp}) by sequence "
+            "parallelism."
+            if cp > 1
+            else f"it must be divisible by {tp_name} (sequence parallel) ({tp}).",
+            f"choose a sequence length divisible by CP x TP = {cp * tp}."
+            if cp > 1
+            else "use -sl divisible by -tp.",
+        )
         shared = m.moe_shared_expert_intermediate_size if m.is_moe else None
         yield (
             "model.moe_shared_expert_intermediate_size",

@@ -54,6 +54,14 @@ CUDA_GRAPH_SCOPES = (
 # `model.tensor_parallel_impl.IMPLEMENTATIONS`) hold one entry per name (tests/test_peers.py).
 PIPELINE_IMPLS = ("overlap", "torch_pipelining")
 TENSOR_PARALLEL_IMPLS = ("overlap", "dtensor")
+# the router's load balancing built here (Megatron's seq_aux_loss and sinkhorn are not)
+LOAD_BALANCING_TYPES = ("aux_loss", "none")
+
+
+def comma_list(text: str) -> list[str]:
+    """A list field written as `a,b` (an override, a harness flag, a recipe's string): its items,
+    stripped, empty ones dropped."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def expert_rank_capacity(num_tokens: int, topk: int, ep_size: int, factor: float) -> int:
@@ -211,7 +219,7 @@ class ModelConfig(TransformerArchitecture):
         yield (
             "model.moe_router_load_balancing_type",
             self.moe_router_load_balancing_type,
-            self.moe_router_load_balancing_type in ("aux_loss", "none"),
+            self.moe_router_load_balancing_type in LOAD_BALANCING_TYPES,
             "This load-balancing type",
             "use aux_loss or none.",
             NotBuiltError,
@@ -328,10 +336,17 @@ class ModelConfig(TransformerArchitecture):
             "balancing.",
         )
 
+    @property
+    def graph_scope(self) -> tuple[str, ...]:
+        """`cuda_graph_scope` as module names however it was given (a list, or the comma string a
+        Python recipe may assign): the one reading of the field, which its rules here, the EP
+        overlap's rules and the planner's graphed pieces share."""
+        scope = self.cuda_graph_scope or []
+        return tuple(comma_list(scope) if isinstance(scope, str) else scope)
+
     def _cuda_graph_rules(self) -> Iterator[Rule]:
         impl, field, value = self.cuda_graph_impl, "model.cuda_graph_scope", self.cuda_graph_scope
-        scope = value or []
-        scope = scope.split(",") if isinstance(scope, str) else scope
+        scope = self.graph_scope
         bad = [s for s in scope if s not in CUDA_GRAPH_SCOPES + ("full",)]
         yield (
             "model.cuda_graph_impl",

@@ -26,7 +26,7 @@ from overlap.config.container import ConfigContainer
 from overlap.config.field_docs import field_docs
 from overlap.config.logger import LoggerConfig
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
-from overlap.config.model import ModelConfig
+from overlap.config.model import ModelConfig, comma_list
 from overlap.config.refusals import MOVED, NOT_CARRIED, refusal_rows
 from overlap.config.training import (
     DatasetConfig,
@@ -122,7 +122,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
     if origin is list:
         (item,) = typing.get_args(hint) or (Any,)
         if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+            value = comma_list(value)
         if not isinstance(value, list):
             raise ConfigError(key, value, "expected a list.", "write it as [a,b] or a,b.")
         return [_coerce(key, v, item) for v in value]

@@ -27,6 +27,12 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from overlap.config.comm_overlap import (
+    ep_overlap_has_experts,
+    ep_overlap_interleaves,
+    keeps_sent_outputs,
+)
+
 
 class Setting(NamedTuple):
     """One setting of a perf recipe: `key=value` as an override writes it, why, and (optional) why
@@ -42,21 +48,24 @@ class Setting(NamedTuple):
 
 def _released_outputs(cfg: Any) -> str | None:
     """deallocate_pipeline_outputs: nothing to release at PP 1, and not built with EP overlap
-    under PP (`overlap.training.runtime_refusals`)."""
+    under PP (`comm_overlap.keeps_sent_outputs`, which the run-time refusal asks)."""
     if _pp(cfg) == 1:
         return "PP = 1: there is no pipeline send to release"
     co = cfg.comm_overlap
-    if co is not None and co.overlap_moe_expert_parallel_comm:
+    if keeps_sent_outputs(_pp(cfg), co is not None and bool(co.overlap_moe_expert_parallel_comm)):
         return "releasing sent outputs under EP overlap with PP > 1 is not built here"
     return None
 
 
 def _ep_overlap_layout(cfg: Any) -> str | None:
-    """EP overlap needs EP > 1 and, under PP, a virtual pipeline (Megatron's rules): the layout the
-    command line chose may have neither."""
-    if cfg.model.expert_model_parallel_size <= 1:
+    """EP overlap's layout prerequisites (the switch's own rules, `comm_overlap`), asked of the
+    layout the command line chose, which may meet neither. The virtual pipeline is read as typed
+    (`-vp`; a layout string's is not resolved before finalize)."""
+    m = cfg.model
+    if not ep_overlap_has_experts(m.expert_model_parallel_size):
         return "this layout has EP 1: there is no all-to-all to overlap"
-    if _pp(cfg) > 1 and not cfg.model.virtual_pipeline_model_parallel_size:
+    vpp = m.virtual_pipeline_model_parallel_size
+    if not ep_overlap_interleaves(_pp(cfg), vpp or 1, vpp):
         return "this layout has PP > 1 without VPP, where EP overlap cannot interleave"
     return None
 

@@ -18,12 +18,16 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from overlap.config.recompute import selective_modules
-from overlap.errors import ConfigError
 from overlap.layers.cp_attention import cp_attention
 from overlap.layers.norm import RMSNorm
 from overlap.layers.recompute import maybe_checkpoint
 from overlap.layers.rotary import RotaryEmbedding
-from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear, params_dtype
+from overlap.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    params_dtype,
+)
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel.cp_chunks import cp_positions
 from overlap.parallel.state import ParallelState
@@ -65,25 +69,6 @@ def fused_attention_on_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[0]
 
 
-def _check_heads(config, tp: int) -> None:
-    heads, groups = config.num_attention_heads, config.query_groups
-    if heads % groups:
-        raise ConfigError(
-            "model.num_query_groups",
-            groups,
-            f"num_attention_heads ({heads}) must be a multiple of the number of query groups.",
-            "choose num_query_groups dividing num_attention_heads.",
-        )
-    if groups % tp:
-        raise ConfigError(
-            "model.num_query_groups",
-            groups,
-            f"query groups are split over tensor parallelism, so they must be divisible by "
-            f"tensor_model_parallel_size ({tp}).",
-            "choose -tp dividing num_query_groups, or more query groups.",
-        )
-
-
 class SelfAttention(nn.Module):
     """Causal self-attention on [seq_local, batch, hidden] -> [seq_local, batch, hidden].
 
@@ -106,12 +91,19 @@ class SelfAttention(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        _check_heads(config, ps.layout.tp)
+        # Heads divisible by their query groups, groups by TP: the config's split rules
+        # (`ConfigContainer._split_rules`); only a model built from a bare config reaches these
+        # guards
+        if config.num_attention_heads % config.query_groups:
+            raise ValueError(
+                f"{config.num_attention_heads} attention heads do not split into "
+                f"{config.query_groups} query groups"
+            )
         dtype = params_dtype(precision)
         self.layer_number = layer_number
         self.head_dim = config.head_dim
         self.heads_per_group = config.num_attention_heads // config.query_groups
-        self.local_groups = config.query_groups // ps.layout.tp
+        self.local_groups = divide(config.query_groups, ps.layout.tp, "num_query_groups")
         self.recompute_core = "core_attn" in selective_modules(config)
         self.attention_backend = kernels.attention_backend
         sp = config.sequence_parallel

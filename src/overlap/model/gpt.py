@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from overlap.config.recompute import layer_chunks, selective_modules
-from overlap.errors import ConfigError
 from overlap.layers.attention import SelfAttention
 from overlap.layers.cross_entropy import cross_entropy
 from overlap.layers.init import init_model_params
@@ -174,23 +173,9 @@ class GPTModel(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        tp = ps.layout.tp
-        if config.vocab_size % tp:
-            raise ConfigError(
-                "model.vocab_size",
-                config.vocab_size,
-                f"the vocabulary is split over tensor parallelism, so it must be divisible by "
-                f"tensor_model_parallel_size ({tp}).",
-                "pad the vocabulary to a multiple of -tp.",
-            )
-        if config.sequence_parallel and (config.seq_length // ps.layout.cp) % tp:
-            raise ConfigError(
-                "model.seq_length",
-                config.seq_length,
-                f"sequence parallelism splits each context-parallel rank's share of the sequence "
-                f"over tensor_model_parallel_size ({tp}).",
-                "choose a sequence length divisible by -tp x -cp.",
-            )
+        # The vocabulary and each CP rank's share of the sequence split over TP: config-time split
+        # rules (`ConfigContainer._split_rules`); a bare config that breaks them stops at the
+        # layers' `divide` guards.
         self.config = config
         self.ps = ps
         self.stage = stage or Stage(0, config.num_layers, True, True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from overlap.config.comm_overlap import cp_chunks_fit
+
 
 def rank_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     """The two chunk numbers (of 2 x cp_size) CP rank `cp_rank` holds, early one first."""
@@ -24,7 +26,9 @@ def cp_positions(
 ) -> torch.Tensor:
     """The global positions of the seq_length / cp_size tokens CP rank `cp_rank` holds, in the
     order it holds them (an int64 index: a sample's [..., positions] is this rank's share)."""
-    if seq_length % (2 * cp_size):
+    # the CP rule (`cp_chunks_fit`) refuses such a configuration at finalize: only a bare call,
+    # never a user's run, reaches this guard
+    if not cp_chunks_fit(seq_length, cp_size):
         raise ValueError(f"sequence {seq_length} is not divisible into 2 x CP = {2 * cp_size}")
     chunk = seq_length // (2 * cp_size)
     return torch.cat(

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from overlap.config.comm_overlap import keeps_sent_outputs
 from overlap.config.container import ConfigContainer
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.layers.wgrad_store import WeightGradStore
@@ -124,10 +125,10 @@ class PipelineExecutor:
         before_backward: Callable[[int, bool], None],
         memory: PipelineMemory | None = None,
     ) -> None:
-        if (
-            options.overlap_moe_expert_parallel_comm
-            and options.deallocate_outputs
-            and ps.layout.pp > 1
+        # the run-time refusal table refuses this before launch (`keeps_sent_outputs`, the rule):
+        # only an executor built outside `overlap run` reaches this guard
+        if options.deallocate_outputs and keeps_sent_outputs(
+            ps.layout.pp, options.overlap_moe_expert_parallel_comm
         ):
             raise ValueError(
                 "deallocate_pipeline_outputs is not built for the EP-overlap schedule (the merged "
@@ -159,6 +160,8 @@ class PipelineExecutor:
         by `scale` (1 / (micro-batches x DP), times the optimizer's loss scale); every send is
         complete on return. Returns the lm losses per micro-batch (empty off the last stage)."""
         o, ring = self.options, self.ring
+        # an internal guard: the config's batch rule (`ConfigContainer._cross_section_rules`)
+        # refuses a run with EP overlap and fewer than 2 micro-batches, so no user reaches it
         if o.overlap_moe_expert_parallel_comm and len(batches) < 2:
             raise ValueError("the EP-overlap schedule needs at least 2 micro-batches per step")
         self.batches, self.scale, self.num_micro = batches, scale, len(batches)

@@ -17,6 +17,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlap.config.comm_overlap import CP_RING_TYPES, ep_overlap_has_experts
 from overlap.errors import ConfigError
 from overlap.files import write_replace
 
@@ -86,7 +87,7 @@ def not_applicable(label: str, layout, cfg) -> str | None:
     """Why a switch has nothing to hide in this layout (None: it applies)."""
     m = cfg.model
     if label in ("EP overlap", "delay_wgrad"):
-        if not m.is_moe or layout.ep <= 1:
+        if not m.is_moe or not ep_overlap_has_experts(layout.ep):
             return (
                 f"not applicable at EP={layout.ep}" if m.is_moe else "not applicable: dense model"
             )
@@ -100,7 +101,7 @@ def not_applicable(label: str, layout, cfg) -> str | None:
         return "not applicable with a virtual pipeline (its warm-up has the slack)"
     if label == "CP overlap" and layout.cp <= 1:
         return "not applicable at CP=1"
-    if label == "CP overlap" and cfg.resolved.overlap.cp_comm_type not in ("p2p", "a2a+p2p"):
+    if label == "CP overlap" and cfg.resolved.overlap.cp_comm_type not in CP_RING_TYPES:
         return f"not applicable: cp_comm_type={cfg.resolved.overlap.cp_comm_type} has no ring"
     return None
 

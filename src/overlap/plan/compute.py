@@ -67,7 +67,7 @@ def graphed_scopes(model) -> frozenset[str]:
     """The pieces whose kernels run inside CUDA graphs (`cuda_graph_impl` / `cuda_graph_scope`):
     a full-iteration graph holds every piece, the output layer and embedding ("") included; a
     scope list those pieces of every layer (forward and backward); no scope whole layers."""
-    scope = set(model.cuda_graph_scope or ())
+    scope = set(model.graph_scope)
     if model.cuda_graph_impl == "none":
         return frozenset()
     if "full_iteration" in scope:

@@ -61,6 +61,7 @@ import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from overlap.config.comm_overlap import cp_chunks_fit
 from overlap.errors import ConfigError
 from overlap.perf.memory_model import GPU_MEMORY_BYTES, rank_memory, reserve_bytes
 from overlap.plan.comm_model import comm_plan, microbatches
@@ -326,7 +327,9 @@ def candidate_layouts(cfg, gpus: int, gpus_per_node: int) -> Iterator[Layout]:
         if heads % tp or groups % tp:
             continue
         for cp in _powers_of_two(min(MAX_CP, gpus // tp)):
-            if cp > 1 and (m.seq_length % (2 * cp) or m.seq_length // cp < MIN_CP_TOKENS):
+            if cp > 1 and (
+                not cp_chunks_fit(m.seq_length, cp) or m.seq_length // cp < MIN_CP_TOKENS
+            ):
                 continue
             for pp in range(1, min(MAX_PP, gpus // (tp * cp), m.num_layers) + 1):
                 if (gpus // (tp * cp)) % pp:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from overlap.config.comm_overlap import keeps_sent_outputs
 from overlap.config.container import ConfigContainer
 from overlap.errors import ConfigError, NotBuiltError, Rule, broken_rules, check_rules
+from overlap.layers.moe.moe_layer import unbuilt_dispatch
 
 
 def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
@@ -110,7 +112,10 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
         (
             "model.deallocate_pipeline_outputs",
             True,
-            not (pp > 1 and o.overlap_moe_expert_parallel_comm and m.deallocate_pipeline_outputs),
+            not (
+                m.deallocate_pipeline_outputs
+                and keeps_sent_outputs(pp, o.overlap_moe_expert_parallel_comm)
+            ),
             "Releasing sent pipeline outputs under EP overlap (the merged steps keep each layer "
             "piece's output for its own backward)",
             "set model.deallocate_pipeline_outputs=false with EP overlap under -pp.",
@@ -166,24 +171,7 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
             "Expert tensor parallelism",
             "use -et 1.",
         ),
-        (
-            "model.moe_token_dispatcher_type",
-            "allgather",
-            not (moe and k.moe_token_dispatcher_type == "allgather"),
-            "The all-gather token dispatcher",
-            "use model.moe_token_dispatcher_type=alltoall or flex.",
-        ),
-        (
-            "model.moe_flex_dispatcher_backend",
-            k.moe_flex_dispatcher_backend,
-            not (
-                moe
-                and k.moe_token_dispatcher_type == "flex"
-                and k.moe_flex_dispatcher_backend in ("deepep", "hybridep")
-            ),
-            "Dispatch through DeepEP kernels",
-            "use moe_flex_dispatcher_backend=torch.",
-        ),
+        *unbuilt_dispatch(m, k),
         (
             "mixed_precision.fp8_param_gather",
             True,

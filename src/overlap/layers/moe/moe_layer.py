@@ -41,7 +41,7 @@ from overlap.config.comm_overlap import OverlapPlan
 from overlap.config.mixed_precision import Precision
 from overlap.config.model import ModelConfig
 from overlap.config.recompute import selective_modules
-from overlap.errors import ConfigError, NotBuiltError
+from overlap.errors import NotBuiltError, Rule, check_rules
 from overlap.kernels import Kernels
 from overlap.layers.mlp import MLP
 from overlap.layers.moe.dispatcher import (
@@ -62,51 +62,67 @@ from overlap.parallel.trace import recorder
 Plan = DispatchPlan | FlexDispatchPlan | RankCapacityPlan
 
 
-def dispatcher_class(config: ModelConfig, kernels: Kernels) -> type[AllToAllDispatcher]:
-    """The token dispatcher the run decided on (`kernels`, with `config`'s capacity factors); one
-    this runtime does not build is an error, never a silent fallback to all-to-all."""
+def unbuilt_dispatch(config: ModelConfig, kernels: Kernels) -> list[Rule]:
+    """What the token dispatchers do not build, as NotBuiltError rows (`why`: what is not built)
+    for the dispatcher the run decided on (`kernels`) and `config`'s capacity factors: the
+    run-time refusal table lists them before any rank starts
+    (`overlap.training.runtime_refusals`), and `dispatcher_class` raises the first for a layer
+    built from a bare config."""
+    if not config.is_moe:
+        return []
     kind, backend = kernels.moe_token_dispatcher_type, kernels.moe_flex_dispatcher_backend
-    if config.moe_expert_rank_capacity_factor is not None:
-        if kind != "alltoall":
-            raise NotBuiltError(
-                "model.moe_expert_rank_capacity_factor",
-                config.moe_expert_rank_capacity_factor,
-                f"Sync-free fixed-block dispatch with the '{kind}' token dispatcher",
-                "use model.moe_token_dispatcher_type=alltoall, or drop the expert-rank capacity "
-                "factor.",
-            )
-        return RankCapacityDispatcher
-    if kind == "alltoall":
-        return AllToAllDispatcher
-    if kind != "flex":
-        raise NotBuiltError(
+    flex = kind == "flex"
+    factor, rank_factor = config.moe_expert_capacity_factor, config.moe_expert_rank_capacity_factor
+    return [
+        (
             "model.moe_token_dispatcher_type",
-            kind,
-            f"The '{kind}' token dispatcher",
+            "allgather",
+            kind != "allgather",
+            "The all-gather token dispatcher",
             "use model.moe_token_dispatcher_type=alltoall or flex.",
-        )
-    if backend == "torch":
-        if config.moe_expert_capacity_factor is not None:
-            raise NotBuiltError(
-                "model.moe_expert_capacity_factor",
-                config.moe_expert_capacity_factor,
-                "Expert capacity with the flex dispatcher",
-                "use model.moe_token_dispatcher_type=alltoall, or drop the capacity factor.",
-            )
-        return FlexDispatcher
-    if backend in ("deepep", "hybridep"):
-        raise NotBuiltError(
+        ),
+        (
             "model.moe_flex_dispatcher_backend",
             backend,
-            f"Flex dispatch through the {backend} (DeepEP) kernels",
-            "use model.moe_flex_dispatcher_backend=torch.",
+            not (flex and backend in ("deepep", "hybridep")),
+            "Dispatch through DeepEP kernels",
+            "use moe_flex_dispatcher_backend=torch.",
+        ),
+        (
+            "model.moe_expert_capacity_factor",
+            factor,
+            not (flex and factor is not None),
+            "Expert capacity with the flex dispatcher",
+            "use model.moe_token_dispatcher_type=alltoall, or drop the capacity factor.",
+        ),
+        (
+            "model.moe_expert_rank_capacity_factor",
+            rank_factor,
+            rank_factor is None or kind == "alltoall",
+            f"Sync-free fixed-block dispatch with the '{kind}' token dispatcher",
+            "use model.moe_token_dispatcher_type=alltoall, or drop the expert-rank capacity "
+            "factor.",
+        ),
+    ]
+
+
+def dispatcher_class(config: ModelConfig, kernels: Kernels) -> type[AllToAllDispatcher]:
+    """The token dispatcher the run decided on (`kernels`, with `config`'s capacity factors); one
+    this runtime does not build is an error (`unbuilt_dispatch`), never a silent fallback to
+    all-to-all."""
+    check_rules(unbuilt_dispatch(config, kernels), NotBuiltError)
+    if config.moe_expert_rank_capacity_factor is not None:
+        return RankCapacityDispatcher
+    if kernels.moe_token_dispatcher_type == "alltoall":
+        return AllToAllDispatcher
+    # flex: config resolution turns flex without a backend into alltoall and validates the
+    # backend's name, so only a layer built from a bare config reaches this guard
+    if kernels.moe_flex_dispatcher_backend != "torch":
+        raise ValueError(
+            f"flex dispatch needs moe_flex_dispatcher_backend=torch, not "
+            f"{kernels.moe_flex_dispatcher_backend!r}"
         )
-    raise ConfigError(
-        "model.moe_flex_dispatcher_backend",
-        backend,
-        "flex dispatch needs a backend (config resolution turns flex without one into alltoall).",
-        "set model.moe_flex_dispatcher_backend=torch.",
-    )
+    return FlexDispatcher
 
 
 class MoELayer(nn.Module):
@@ -127,12 +143,11 @@ class MoELayer(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
+        # experts divisible by EP: the config's cross-section rule; only a layer built from a bare
+        # config reaches this guard
         if config.num_moe_experts % ps.layout.ep:
-            raise ConfigError(
-                "model.num_moe_experts",
-                config.num_moe_experts,
-                f"the experts must split evenly over expert parallel size {ps.layout.ep}.",
-                "choose an expert parallel size (-ep) that divides num_moe_experts.",
+            raise ValueError(
+                f"num_moe_experts ({config.num_moe_experts}) does not split over EP {ps.layout.ep}"
             )
         dispatcher = dispatcher_class(config, kernels)
         self.layer_number = layer_number

@@ -26,15 +26,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from overlap.config.mixed_precision import Precision
-from overlap.config.model import ModelConfig
-from overlap.errors import ConfigError
+from overlap.config.model import LOAD_BALANCING_TYPES, ModelConfig
 from overlap.layers.moe.permute import count_per_expert
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.parallel import comm
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
-
-LOAD_BALANCING_TYPES = ("aux_loss", "none")
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -102,12 +99,12 @@ class TopKRouter(nn.Module):
         self, config: ModelConfig, ps: ParallelState, precision: Precision, layer_number: int = 1
     ) -> None:
         super().__init__()
+        # the model's routing rule refuses another type at finalize (a NotBuiltError); only a
+        # router built from a bare config reaches this guard
         if config.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
-            raise ConfigError(
-                "model.moe_router_load_balancing_type",
-                config.moe_router_load_balancing_type,
-                f"the router supports {LOAD_BALANCING_TYPES}.",
-                "pick one of those.",
+            raise ValueError(
+                f"load balancing {config.moe_router_load_balancing_type!r} is not one of "
+                f"{LOAD_BALANCING_TYPES}"
             )
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
