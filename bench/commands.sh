@@ -542,3 +542,22 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --net
   --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
   --ideal-link --repeats 2 --json $out/pp_1f1b_overlap_10MBs_pp4_deep.json \
   --markdown $out/pp_1f1b_overlap_10MBs_pp4_deep.md model.num_layers=15 model.account_for_loss_in_pipeline_split=true
+
+# 51. -> pp_1f1b_deep_warmup_20MBs_pp4.json/.md. Command 48 (PP 4, two layers a stage, 20 MB/s) with overlapped 1F1B's
+#     deeper warm-up (comm_overlap.p2p_warmup_depth=2): each stage one more micro-batch ahead of the next, so a
+#     steady cycle's two transfers travel under a whole step instead of half a weight-gradient time.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --network model:1ms,20MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "1F1B, overlapped p2p, warm-up x2:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true;comm_overlap.p2p_warmup_depth=2" \
+  --ideal-link --repeats 3 --json $out/pp_1f1b_deep_warmup_20MBs_pp4.json \
+  --markdown $out/pp_1f1b_deep_warmup_20MBs_pp4.md model.num_layers=7 model.account_for_loss_in_pipeline_split=true
+
+# 52. -> pp_1f1b_deep_warmup_10MBs_pp4_deep.json/.md. Command 50 (PP 4, four layers a stage, 10 MB/s: a 28 ms
+#     transfer, twice what the weight-gradient split hides between middle stages) with the deeper warm-up too.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --network model:1ms,10MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "1F1B, overlapped p2p, warm-up x2:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true;comm_overlap.p2p_warmup_depth=2" \
+  --ideal-link --repeats 2 --json $out/pp_1f1b_deep_warmup_10MBs_pp4_deep.json \
+  --markdown $out/pp_1f1b_deep_warmup_10MBs_pp4_deep.md model.num_layers=15 model.account_for_loss_in_pipeline_split=true

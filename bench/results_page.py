@@ -78,6 +78,8 @@ SECTIONS = (
             "pp_1f1b_overlap_20MBs_pp4",
             "pp_1f1b_overlap_20MBs_pp4_deep",
             "pp_1f1b_overlap_10MBs_pp4_deep",
+            "pp_1f1b_deep_warmup_20MBs_pp4",
+            "pp_1f1b_deep_warmup_10MBs_pp4_deep",
             "pp_1f1b_overlap_nic",
             "pp_1f1b_overlap_nic_pp4",
             "pp_1f1b_overlap_nic_20MBs",

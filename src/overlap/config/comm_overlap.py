@@ -338,7 +338,8 @@ _P2P_WITHOUT_VPP = (
     "them after its next forward), so transfers up to a backward's weight-gradient time hide at "
     "PP 2 (half of one between middle stages) and the drain shortens; cost: on the first stage, "
     "one backward's weight-gradient inputs kept one task longer (about one more micro-batch's "
-    "activations, counted in the memory estimate)"
+    "activations, counted in the memory estimate); comm_overlap.p2p_warmup_depth=2 gives every "
+    "transfer a whole step of slack for PP - rank - 1 more micro-batches' activations"
 )
 
 
