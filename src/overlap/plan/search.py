@@ -669,6 +669,7 @@ def _flips(candidate: Candidate) -> list[tuple[str, ...]]:
         "delay_wgrad": sw.delay_wgrad_compute,
         "DP overlap": sw.overlap_grad_reduce,
         "PP overlap": sw.overlap_p2p_comm,
+        "PP deeper warm-up": sw.p2p_warmup_depth > 1,
         "CP overlap": sw.cp_comm_overlap,
     }
     flips = []
