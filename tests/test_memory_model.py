@@ -172,6 +172,23 @@ def test_the_advice_prices_the_distributed_optimizer_only_where_it_is_off():
     assert not any(a.startswith("ddp.use_distributed_optimizer") for a in advice)
 
 
+def test_the_advice_prices_the_deeper_warm_up_where_it_is_on():
+    """comm_overlap.p2p_warmup_depth=2 buys overlapped 1F1B's slack with micro-batches alive: on a
+    rank that does not fit, going back to depth 1 is priced below the peak; at depth 1 it is not
+    offered."""
+    words = ["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "8", "-pp", "4"]
+    overlapped = ["comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false"]
+    job = resolve_run(words + ["-ep", "2"], [*overlapped, "comm_overlap.p2p_warmup_depth=2"])
+    verdict = fit(job.cfg, job.resolution.layout, "h100")
+    assert not verdict.fits
+    assert any(
+        a.startswith("comm_overlap.p2p_warmup_depth=1: ") and "(saves" in a for a in verdict.advice
+    )
+    job = resolve_run(words + ["-ep", "2"], overlapped)
+    advice = fit(job.cfg, job.resolution.layout, "h100").advice
+    assert not any(a.startswith("comm_overlap.p2p_warmup_depth") for a in advice)
+
+
 def test_the_guide_cluster_fits_with_its_reserve(capsys):
     job = resolve_run(GUIDE_MOE, [])
     est = rank_memory(job.cfg, job.resolution.layout)

@@ -191,6 +191,10 @@ def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -
         options.append(
             ("mixed_precision.grad_reduce_in_fp32=false", _resolved_with(cfg, precision=plain))
         )
+    if o.p2p_warmup_depth > 1:
+        # overlapped 1F1B's deeper warm-up: slack for its transfers bought with micro-batches alive
+        shallow = replace(o, p2p_warmup_depth=1)
+        options.append(("comm_overlap.p2p_warmup_depth=1", _resolved_with(cfg, overlap=shallow)))
     if cfg.train.micro_batch_size > 1:
         cut = replace(cfg.train, micro_batch_size=1)
         options.append(("-mb 1", _with(cfg, train=cut)))
