@@ -359,6 +359,47 @@ def test_pp_user_none_keeps_rule_value():
     assert res.decisions.get("model.batch_p2p_comm").decided_by == "rule"
 
 
+def test_the_deeper_warm_up_is_decided_with_its_cost_and_refused_where_it_cannot_act():
+    """comm_overlap.p2p_warmup_depth (ours): 1 unless asked; asked under overlapped plain 1F1B, the
+    row says what it buys and costs; with batched p2p or a virtual pipeline it is a no-op row (an
+    error under strict), and a value below 1 is an error naming the field."""
+    overlapped = dict(tp_comm_overlap=False, overlap_p2p_comm=True, batch_p2p_comm=False)
+    cfg = build(dense(pipeline_model_parallel_size=4))
+    res = cfg.finalize(4)
+    assert res.overlap.p2p_warmup_depth == 1
+    assert res.decisions.get("comm_overlap.p2p_warmup_depth").decided_by == "rule"
+    cfg = build(
+        dense(pipeline_model_parallel_size=4),
+        co=CommOverlapConfig(**overlapped, p2p_warmup_depth=2),
+    )
+    res = cfg.finalize(4)
+    assert res.overlap.p2p_warmup_depth == 2
+    row = res.decisions.get("comm_overlap.p2p_warmup_depth")
+    assert row.decided_by == "user" and "2 x (PP - rank - 1) warm-up forwards" in row.reason
+    assert "more micro-batches' activations" in row.reason
+    assert not res.decisions.noops
+    for model, co in (
+        (dense(pipeline_model_parallel_size=4), dict(tp_comm_overlap=False)),
+        (dense(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2), overlapped),
+        (dense(), overlapped),
+    ):
+        res = build(model, co=CommOverlapConfig(**co, p2p_warmup_depth=2)).finalize(
+            model.pipeline_model_parallel_size
+        )
+        assert res.overlap.p2p_warmup_depth == 1
+        assert "comm_overlap.p2p_warmup_depth" in {n.field for n in res.decisions.noops}
+        strict = build(model, co=CommOverlapConfig(**co, p2p_warmup_depth=2, strict=True))
+        with pytest.raises(ConfigError) as exc:
+            strict.finalize(model.pipeline_model_parallel_size)
+        assert exc.value.field == "comm_overlap.p2p_warmup_depth"
+    with pytest.raises(ConfigError) as exc:
+        build(
+            dense(pipeline_model_parallel_size=4),
+            co=CommOverlapConfig(**overlapped, p2p_warmup_depth=0),
+        ).finalize(4)
+    assert exc.value.field == "comm_overlap.p2p_warmup_depth" and exc.value.value == 0
+
+
 def test_pp_both_p2p_flags_true_is_error():
     cfg = build(
         dense(pipeline_model_parallel_size=2),

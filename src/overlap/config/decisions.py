@@ -235,10 +235,13 @@ class DecisionLog:
             (value, why), requested, by = switch.auto(run), None, switch.by
         else:
             value = requested = req.value
-            by = USER if req.on_home else MODEL_CONFIG
+            # typed on comm_overlap: an aliased switch's home, or a switch only comm_overlap has
+            own = req.spelling == switch.field and switch.field.startswith("comm_overlap.")
+            home = req.on_home or own
+            by = USER if home else MODEL_CONFIG
             if switch.asked:
                 why = switch.asked[0] if value else switch.asked[1]
-            elif req.on_home:
+            elif home:
                 why = "set on comm_overlap"
             else:
                 why = f"set directly on {req.spelling.split('.')[0]}"
