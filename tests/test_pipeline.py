@@ -262,6 +262,24 @@ PP_CASES = [
         ],
     ),
     (
+        # the same with the deeper warm-up: more forwards before the first backward, the buckets
+        # still reduced once their last micro-batch's gradients are all in
+        "dp2_pp2_distopt_overlaps_overlapped_p2p_deep",
+        4,
+        4,
+        dict(pipeline_model_parallel_size=2),
+        [
+            "ddp.use_distributed_optimizer=true",
+            "optimizer.use_distributed_optimizer=true",
+            "ddp.overlap_grad_reduce=true",
+            "ddp.overlap_param_gather=true",
+            "ddp.bucket_size=20000",
+            "comm_overlap.overlap_p2p_comm=true",
+            "comm_overlap.batch_p2p_comm=false",
+            "comm_overlap.p2p_warmup_depth=2",
+        ],
+    ),
+    (
         "pp3_uneven",
         3,
         4,
