@@ -33,16 +33,12 @@ def run_ep_step(overlap: bool, delay: bool, layout: dict, cfg_kw: dict, n_mb: in
     """One step of `ep_overlap_model(**cfg_kw)` on this rank's `layout` ({"ep": .., "tp": ..}):
     merged with EP overlap (`delay`: delay_wgrad_compute) or the plain loop; returns (losses,
     gradients, comm events, compute spans)."""
-    world = dist.get_world_size()
+    world, tp, ep = dist.get_world_size(), layout.get("tp", 1), layout.get("ep", 1)
+    sp = tp > 1  # sequence parallel wherever there is TP (MoE with TP needs it)
     cfg = ep_overlap_model(
-        **cfg_kw,
-        expert_model_parallel_size=layout.get("ep", 1),
-        tensor_model_parallel_size=layout.get("tp", 1),
-        sequence_parallel=layout.get("tp", 1) > 1,
+        **cfg_kw, expert_model_parallel_size=ep, tensor_model_parallel_size=tp, sequence_parallel=sp
     )
-    ps = ParallelState(
-        ParallelLayout(world_size=world, tp=layout.get("tp", 1), ep=layout.get("ep", 1))
-    )
+    ps = ParallelState(ParallelLayout(world_size=world, tp=tp, ep=ep, sequence_parallel=sp))
     model = GPTModel(cfg, ps, bare_plan(), Precision.of(cfg), bare_kernels(cfg))
     model.init_weights(7)
     batches = ep_batches(ps.dp_rank, n_mb)

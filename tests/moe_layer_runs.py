@@ -78,8 +78,11 @@ def moe_layer_run(
     """Forward + backward of one MoE layer; this rank processes its data-parallel share of `seeds`
     (all of them in the single-process reference), under sequence parallel only its TP slice of each
     sequence."""
-    ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
     cfg = moe_config(tp=tp, ep=ep, **cfg_overrides)
+    world = dist.get_world_size()
+    ps = ParallelState(
+        ParallelLayout(world_size=world, tp=tp, ep=ep, sequence_parallel=cfg.sequence_parallel)
+    )
     layer = bare_moe_layer(cfg, ps)
     init_model_params(layer, seed=1234, std=INIT_STD)
     if uneven:

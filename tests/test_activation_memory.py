@@ -56,14 +56,15 @@ def _measure(moe: bool, attention: str, overrides: list[str], fields: dict):
     )
     model.init_weights(0)
     tp = res.layout.tp
-    local = SEQ // (tp if m.sequence_parallel else 1)
+    sp = res.layout.sequence_parallel
+    local = SEQ // (tp if sp else 1)
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(local, 1, H, generator=gen).to(torch.bfloat16).requires_grad_()
     measured = saved_bytes_by_block(model.layers[0], x)
     shape = LayerShape(
         tp=tp,
         ep=res.layout.ep,
-        sequence_parallel=bool(m.sequence_parallel),
+        sequence_parallel=sp,
         act_bytes=2,
         fused_attention=attention != "unfused",
         seq_length=SEQ,

@@ -294,7 +294,7 @@ def test_tp_flag_sets_sequence_parallel(capsys, jobs):
     assert code == 0, err
     m = jobs[-1].cfg.model
     assert m.tensor_model_parallel_size == 2 and m.sequence_parallel is True
-    assert jobs[-1].resolution.layout.dp == 2
+    assert jobs[-1].resolution.layout.dp == 2 and jobs[-1].resolution.layout.sequence_parallel
 
 
 def test_explicit_sequence_parallel_override_beats_the_tp_flags_implied_default(capsys, jobs):
@@ -311,7 +311,9 @@ def test_explicit_sequence_parallel_override_beats_the_tp_flags_implied_default(
 def test_tp1_with_sequence_parallel_is_a_logged_decision(capsys, jobs):
     code, out, err = run([*TINY, "-tp", "1", "model.sequence_parallel=true"], capsys)
     assert code == 0, err
-    assert jobs[-1].cfg.model.sequence_parallel is False
+    # the model section keeps what was typed; the layout carries what runs
+    assert jobs[-1].cfg.model.sequence_parallel is True
+    assert jobs[-1].resolution.layout.sequence_parallel is False
     assert jobs[-1].resolution.decisions.get("model.sequence_parallel").requested is True
 
 

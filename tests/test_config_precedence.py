@@ -224,7 +224,8 @@ def test_strict_sequence_parallel_at_tp1_is_error():
     cfg = build(model(sequence_parallel=True))
     d = cfg.finalize(1).decisions.get("model.sequence_parallel")
     assert (d.requested, d.effective) == (True, False)
-    assert cfg.model.sequence_parallel is False
+    # the model section keeps what was typed; the layout carries what runs
+    assert cfg.model.sequence_parallel is True and cfg.resolved.layout.sequence_parallel is False
 
 
 def test_strict_mode_accepts_honoured_requests():

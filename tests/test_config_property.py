@@ -222,11 +222,11 @@ def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
         ddp.use_distributed_optimizer or cfg.optimizer.use_distributed_optimizer
     )
     if o.tp_comm_overlap:
-        assert m.tensor_model_parallel_size >= 2 and m.sequence_parallel
+        assert lay.tp >= 2 and lay.sequence_parallel
     else:
         assert o.tp_slots == ()
-    if m.sequence_parallel:
-        assert m.tensor_model_parallel_size >= 2
+    # what runs: as typed, off without a TP group (the model section keeps what was typed)
+    assert lay.sequence_parallel == (m.sequence_parallel and lay.tp >= 2)
     if o.delay_wgrad_compute:
         assert o.overlap_moe_expert_parallel_comm
     if o.overlap_moe_expert_parallel_comm:

@@ -1259,6 +1259,12 @@ def test_the_layout_checks_itself_with_the_flag_names():
     with pytest.raises(ConfigError) as exc:
         ParallelLayout(world_size=4, pp=0)
     assert exc.value.field == "model.pipeline_model_parallel_size"
+    # sequence parallelism needs a TP group: finalize turns a typed one off at TP 1 (a logged
+    # decision), a layout built by hand cannot claim it
+    with pytest.raises(ConfigError) as exc:
+        ParallelLayout(world_size=2, sequence_parallel=True)
+    assert exc.value.field == "model.sequence_parallel" and "TP=1" in exc.value.why
+    assert ParallelLayout(world_size=2, tp=2, sequence_parallel=True).sequence_parallel
 
 
 # --- context parallelism --------------------------------------------------------------------------

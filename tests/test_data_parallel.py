@@ -234,7 +234,7 @@ def _shared_weight() -> tuple[int, int, bool]:
     fires = []
     model.weight.register_post_accumulate_grad_hook(lambda p: fires.append(1))
     ddp = DistributedDataParallel(
-        model, DDPConfig(), OverlapPlan(overlap_grad_reduce=True), True, ps, False
+        model, DDPConfig(), OverlapPlan(overlap_grad_reduce=True), True, ps
     )
     x = torch.ones(2, 4)
     ddp.zero_grad()

@@ -84,7 +84,7 @@ def _logits(folder: str, layout: dict) -> torch.Tensor | None:
     tokens = tokens.index_select(1, cp_positions(SEQ, ps.cp_rank, ps.layout.cp))
     m = cfg.model
     seq = SEQ // ps.layout.cp
-    seq = seq // ps.layout.tp if m.sequence_parallel else seq
+    seq = seq // ps.layout.tp if ps.layout.sequence_parallel else seq
     hidden, local = torch.empty((seq, BATCH, m.hidden_size)), None  # [s (local under SP), b, h]
     with torch.no_grad():
         for virtual in range(ps.layout.pp * len(chunks)):

@@ -87,16 +87,17 @@ CASES_REF = {"ref": {}, "ref_bf16": dict(params_dtype="bfloat16")}
 # --------------------------------------------------------------------------------------------------
 
 
-def _state() -> ParallelState:
-    return ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=dist.get_world_size()))
+def _state(sequence_parallel: bool = False) -> ParallelState:
+    world = dist.get_world_size()
+    return ParallelState(
+        ParallelLayout(world_size=world, tp=world, sequence_parallel=sequence_parallel)
+    )
 
 
-def _full_grad(
-    param: torch.nn.Parameter, ps: ParallelState, sequence_parallel: bool
-) -> torch.Tensor:
+def _full_grad(param: torch.nn.Parameter, ps: ParallelState) -> torch.Tensor:
     """The gradient of the logical (unsharded) parameter, identical on every rank."""
     grad = param.grad.detach().float().clone()
-    if sequence_parallel and getattr(param, "sequence_parallel", False):
+    if ps.layout.sequence_parallel and getattr(param, "sequence_parallel", False):
         comm.all_reduce(grad, ps.tp_group, "test").wait()
     shard = getattr(param, "shard", None)
     if shard is not None:
@@ -117,9 +118,7 @@ def _run_model(ps: ParallelState, overrides: dict) -> dict:
     data = torch.randint(0, config.vocab_size, (BATCH, config.seq_length + 1), generator=gen)
     loss, aux_loss = model(data[:, :-1], data[:, 1:])
     (loss + aux_loss).backward()
-    grads = {
-        name: _full_grad(p, ps, config.sequence_parallel) for name, p in model.named_parameters()
-    }
+    grads = {name: _full_grad(p, ps) for name, p in model.named_parameters()}
     return {
         "loss": loss.item(),
         "aux": aux_loss.item(),
@@ -129,8 +128,12 @@ def _run_model(ps: ParallelState, overrides: dict) -> dict:
 
 
 def _run_cases(cases: dict) -> dict:
-    ps = _state()
-    return {name: _run_model(ps, overrides) for name, overrides in cases.items()}
+    """Each case on a layout with the sequence parallelism its overrides type (the model reads the
+    layout's, as finalize would resolve it)."""
+    return {
+        name: _run_model(_state(overrides.get("sequence_parallel", False)), overrides)
+        for name, overrides in cases.items()
+    }
 
 
 def _cross_entropy_check() -> tuple[float, float]:

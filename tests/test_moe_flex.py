@@ -188,7 +188,9 @@ def test_flex_without_backend_is_refused():
 
 
 def _shared_overlap_on_vs_off(tp: int, ep: int) -> tuple[list, list]:
-    ps = ParallelState(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep))
+    world = dist.get_world_size()
+    # sequence parallel wherever there is TP, as `_config` types it
+    ps = ParallelState(ParallelLayout(world_size=world, tp=tp, ep=ep, sequence_parallel=tp > 1))
     x, dy = _inputs(200 + ps.dp_rank, False, tp, ps.tp_rank)
     results = {}
     for overlap in (False, True):

@@ -285,8 +285,8 @@ def _get(cfg: ConfigContainer, key: str) -> Any:
 def _as_run(cfg: ConfigContainer, res: Resolution, key: str, precision_name: str) -> Any:
     """The value `key` runs with, for the "other settings" rows: the preset's name, the resolved
     gradient reduce dtype (`ddp.grad_reduce_in_fp32` is an alias, kept as typed), the resolved
-    token dispatcher and distributed optimizer (either spelling turns it on), else the section's
-    field."""
+    token dispatcher, distributed optimizer (either spelling turns it on) and sequence parallelism
+    (the layout's: off at TP 1 whatever was typed), else the section's field."""
     if key == "mixed_precision":
         return precision_name
     if key == "ddp.use_distributed_optimizer":
@@ -295,6 +295,8 @@ def _as_run(cfg: ConfigContainer, res: Resolution, key: str, precision_name: str
         return res.precision.grad_reduce_in_fp32
     if key == "model.moe_token_dispatcher_type":
         return res.kernels.moe_token_dispatcher_type
+    if key == "model.sequence_parallel":
+        return res.layout.sequence_parallel
     return _get(cfg, key)
 
 

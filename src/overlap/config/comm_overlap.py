@@ -161,8 +161,9 @@ class OverlapPlan:
 
 
 class _Run:
-    """What the rules read: the configs as typed (by section name), the run's precision and layout
-    sizes, and the switches decided so far (`resolved`, by OverlapPlan field)."""
+    """What the rules read: the configs as typed (by section name), the run's precision, layout
+    sizes and sequence parallelism, and the switches decided so far (`resolved`, by OverlapPlan
+    field)."""
 
     def __init__(
         self,
@@ -176,6 +177,7 @@ class _Run:
         self.resolved: dict[str, Any] = {}
         self.tp, self.cp, self.pp, self.ep = layout.tp, layout.cp, layout.pp, layout.ep
         self.vpp, self.dp = layout.vpp, layout.dp
+        self.sequence_parallel = layout.sequence_parallel
         self.interleaved = self.pp > 1 and self.vpp > 1  # PP > 1 with a virtual pipeline
         self.many = layout.dp > 1
         # the distributed optimizer, and with DP > 1 (Bridge's condition for the DP overlaps)
@@ -233,7 +235,7 @@ _TP = Switch(
             "use -tp 2 or more (it turns sequence parallel on), or do not request tp_comm_overlap.",
         ),
         (
-            lambda s: not s.model.sequence_parallel,
+            lambda s: not s.sequence_parallel,
             "Disabling tensor parallel communication overlap due to sequence_parallel=False.",
             "set model.sequence_parallel=true (or drop the override that turned it off), or do not "
             "request tp_comm_overlap.",

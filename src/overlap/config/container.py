@@ -50,6 +50,7 @@ from overlap.errors import ConfigError, Rule, check_rules
 from overlap.kernels import Kernels
 from overlap.kernels.device import probe_device
 from overlap.layout import ParallelLayout, PipelineLayout
+from overlap.layout.dims import SP_WITHOUT_TP_FIX, SP_WITHOUT_TP_WHY
 from overlap.layout.pipeline import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
 
 _log = logging.getLogger("overlap.config")
@@ -417,12 +418,14 @@ class ConfigContainer:
         return resolve_precision(mp, sections, log)
 
     def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:
-        """The layout the model's sizes describe (checked by `ParallelLayout` itself); sequence
-        parallelism without a tensor-parallel group is turned off, said in the log."""
+        """The layout the model's sizes describe (checked by `ParallelLayout` itself), with the
+        sequence parallelism that runs: as typed, but off without a tensor-parallel group (said in
+        the log; the model section keeps what was typed)."""
         m = self.model
+        tp = m.tensor_model_parallel_size
         layout = ParallelLayout(
             world_size=world_size,
-            tp=m.tensor_model_parallel_size,
+            tp=tp,
             pp=m.pipeline_model_parallel_size,
             cp=m.context_parallel_size,
             ep=m.expert_model_parallel_size,
@@ -430,15 +433,16 @@ class ConfigContainer:
             cp_a2a=(m.hierarchical_context_parallel_sizes or [1])[0]
             if m.cp_comm_type == "a2a+p2p" and m.context_parallel_size > 1
             else 1,
+            sequence_parallel=bool(m.sequence_parallel) and tp > 1,
         )
-        if m.sequence_parallel and layout.tp == 1:
-            m.sequence_parallel = log.record(
+        if m.sequence_parallel and tp == 1:
+            log.record(
                 "model.sequence_parallel",
                 True,
                 False,
                 RULE,
-                "TP=1: there is no tensor-parallel group to shard the sequence over",
-                fix="use -tp 2 or more, or drop sequence_parallel.",
+                SP_WITHOUT_TP_WHY,
+                fix=SP_WITHOUT_TP_FIX,
             )
         return layout
 
@@ -549,7 +553,7 @@ class ConfigContainer:
         yield (
             "model.seq_length",
             m.seq_length,
-            not m.sequence_parallel or share % tp == 0,
+            not layout.sequence_parallel or share % tp == 0,
             f"each CP rank's {share} tokens are split again over {tp_name} ({tp}) by sequence "
             "parallelism."
             if cp > 1
@@ -620,7 +624,7 @@ class ConfigContainer:
         yield (
             "model.sequence_parallel",
             False,
-            layout.tp == 1 or ep == 1 or m.sequence_parallel,
+            layout.tp == 1 or ep == 1 or layout.sequence_parallel,
             "when using expert parallelism and tensor parallelism, sequence parallelism must "
             "be used (as Megatron-Core requires).",
             "set model.sequence_parallel=true (-tp sets it for you).",

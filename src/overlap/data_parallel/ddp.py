@@ -79,12 +79,11 @@ class DistributedDataParallel:
         plan: OverlapPlan,
         grad_reduce_in_fp32: bool,
         ps: ParallelState,
-        sequence_parallel: bool,
     ) -> None:
         self.ps = ps
         self.overlap = plan.overlap_grad_reduce
         self.scatter = plan.use_distributed_optimizer
-        self.reduce_sp_over_tp = sequence_parallel and ps.layout.tp > 1
+        self.reduce_sp_over_tp = ps.layout.sequence_parallel
         params = [p for p in model.parameters() if p.requires_grad]
         # dense gradients over DP x CP (Megatron's data-parallel group with CP: the CP ranks saw
         # other tokens of the same samples), experts over expert-DP (which counts CP already)

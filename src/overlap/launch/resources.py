@@ -301,7 +301,7 @@ def _layer_shape(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool) -> Lay
     return LayerShape(
         tp=max(1, layout.tp),
         ep=max(1, layout.ep),
-        sequence_parallel=bool(m.sequence_parallel),
+        sequence_parallel=layout.sequence_parallel,
         act_bytes=2 if _DTYPE_BYTES.get(params_dtype, 4) == 2 else 4,
         fused_attention=kernel != "unfused" or block_keys > 0,
         seq_length=seq,

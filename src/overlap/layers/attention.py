@@ -106,7 +106,7 @@ class SelfAttention(nn.Module):
         self.local_groups = divide(config.query_groups, ps.layout.tp, "num_query_groups")
         self.recompute_core = "core_attn" in selective_modules(config)
         self.attention_backend = kernels.attention_backend
-        sp = config.sequence_parallel
+        sp = ps.layout.sequence_parallel
         qkv_size = config.query_groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,

@@ -90,7 +90,7 @@ class MLP(nn.Module):
         self.gated = config.gated_linear_unit
         self.fusion = kernels.bias_activation_fusion
         fused = 2 if self.gated else 1
-        sp = config.sequence_parallel
+        sp = ps.layout.sequence_parallel
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
             fused * ffn,

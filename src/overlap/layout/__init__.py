@@ -1,5 +1,6 @@
-"""The parallel layout: the sizes of every parallel dimension (`ParallelLayout`, dims.py) and which
-layers each pipeline stage holds (`PipelineLayout`, pipeline.py).
+"""The parallel layout: the sizes of every parallel dimension and whether sequence parallelism runs
+(`ParallelLayout`, dims.py), and which layers each pipeline stage holds (`PipelineLayout`,
+pipeline.py).
 
 Geometry, not configuration: `ConfigContainer.finalize` builds both once from the model's fields,
 and the runtime (process groups, model build, schedules, the memory estimate, the planner) reads

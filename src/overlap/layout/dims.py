@@ -12,11 +12,17 @@ from dataclasses import dataclass
 
 from overlap.errors import Rule, check_rules
 
+# why sequence parallelism cannot run at TP 1, and the fix: finalize's decision when it turns a
+# typed model.sequence_parallel off, and the layout's rule for one built by hand
+SP_WITHOUT_TP_WHY = "TP=1: there is no tensor-parallel group to shard the sequence over"
+SP_WITHOUT_TP_FIX = "use -tp 2 or more, or drop sequence_parallel."
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
     """Sizes of every parallel dimension; `world_size = tp * cp * dp * pp`, and `ep * etp` divides
-    `tp * cp * dp`; each pipeline rank holds `vpp` model chunks."""
+    `tp * cp * dp`; each pipeline rank holds `vpp` model chunks; `sequence_parallel` only with
+    TP > 1."""
 
     world_size: int
     tp: int = 1
@@ -33,6 +39,12 @@ class ParallelLayout:
     # with the stages (`overlap.layout.pipeline`: -vp, or a pipeline_model_parallel_layout's
     # stages / PP), whose resolution checks it; the runtime counts its chunks and schedules by it.
     vpp: int = 1
+    # sequence parallelism as it runs: the sequence split over the TP ranks between the TP regions.
+    # Decided by finalize (`ConfigContainer._layout`: model.sequence_parallel, off at TP 1, where
+    # there is no group to split over, said in the log; the model section keeps what was typed);
+    # the runtime, the planner and the memory model read it here. A layout built by hand (tests)
+    # names it where it splits; its rule below refuses it at TP 1.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         """The layout's own rules, named by the model fields and flags that set them (the one
@@ -64,6 +76,13 @@ class ParallelLayout:
             f"EP x ETP = {self.ep * self.etp} must divide TP x CP x DP = {tp * cp * self.dp} "
             "(experts are carved out of the data-parallel ranks of each pipeline stage).",
             "choose -ep so that it divides the ranks per pipeline stage.",
+        )
+        yield (
+            "model.sequence_parallel",
+            self.sequence_parallel,
+            tp > 1 or not self.sequence_parallel,
+            f"{SP_WITHOUT_TP_WHY}.",
+            SP_WITHOUT_TP_FIX,
         )
 
     @property

@@ -13,7 +13,9 @@ all-to-alls, the deferred output-layer wgrad) comes from the resolved overlap pl
 (`cfg.resolved.overlap`), never from the model section's switches, which keep only what was
 typed; its parameters' dtype, likewise, from the resolved precision (`cfg.resolved.precision`),
 and which kernels run (attention, fusions, MoE permutation, experts' GEMM, token dispatcher) from
-the resolved kernels (`cfg.resolved.kernels`), decided once for the run's device.
+the resolved kernels (`cfg.resolved.kernels`), decided once for the run's device; whether the
+sequence is split over TP from the layout it runs on (`ps.layout.sequence_parallel`, off at TP 1
+whatever the model section says).
 Its weight gradients go through the model's `WeightGradStore` (`wgrad_store`, handed to every layer
 it builds; the chunks of one rank share one), which the schedules switch to delaying and drain
 (delay_wgrad_compute, overlapped p2p): a store per run, not per process.
@@ -70,7 +72,7 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         dtype = params_dtype(precision)
-        sp = config.sequence_parallel
+        sp = ps.layout.sequence_parallel
         self.layer_number = layer_number
         self.is_moe = config.is_moe_layer(layer_number)
         recompute = selective_modules(config)
@@ -181,7 +183,7 @@ class GPTModel(nn.Module):
         self.stage = stage or Stage(0, config.num_layers, True, True)
         self.wgrad_store = WeightGradStore() if wgrad_store is None else wgrad_store
         dtype = params_dtype(precision)
-        sp = config.sequence_parallel
+        sp = ps.layout.sequence_parallel
         tied = config.share_embeddings_and_output_weights
         if self.stage.pre_process:
             self.embedding = VocabParallelEmbedding(

@@ -36,7 +36,7 @@ def _dtensor(chunks: Sequence[GPTModel], ps: ParallelState, config: ModelConfig)
     from overlap.layers.dtensor_tp import parallelize_layers
 
     for chunk in chunks:
-        parallelize_layers(chunk.layers, ps, config.sequence_parallel)
+        parallelize_layers(chunk.layers, ps, ps.layout.sequence_parallel)
     if ps.rank == 0:
         log.info(
             "model.tensor_parallel_impl=dtensor: the layers' TP linears communicate through "

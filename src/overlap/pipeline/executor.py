@@ -86,10 +86,10 @@ class ExecutorOptions:
 
     @classmethod
     def from_config(cls, cfg: ConfigContainer, tp_size: int) -> ExecutorOptions:
-        m, plan = cfg.model, cfg.resolved.overlap
+        m, plan, layout = cfg.model, cfg.resolved.overlap, cfg.resolved.layout
         # a context-parallel rank's share of the sequence, split again over TP under SP
-        seq = m.seq_length // cfg.resolved.layout.cp
-        seq = seq // tp_size if m.sequence_parallel else seq
+        seq = m.seq_length // layout.cp
+        seq = seq // tp_size if layout.sequence_parallel else seq
         return cls(
             (seq, cfg.train.micro_batch_size, m.hidden_size),
             params_dtype(cfg.resolved.precision),

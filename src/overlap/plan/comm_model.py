@@ -235,7 +235,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     dense_here = len(held) - moe_here
 
     if m.is_moe and ep > 1 and moe_here and cluster.carries("ep"):
-        tokens = b * s / (tp if m.sequence_parallel else 1)
+        tokens = b * s / (tp if layout.sequence_parallel else 1)
         g = members_per_node(ep, max(1, layout.etp), gpn)
         backend = cfg.resolved.kernels.moe_flex_dispatcher_backend  # None unless flex runs
         for kind in ("ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"):
@@ -275,7 +275,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
             plan.ep_counts_s = alltoall_time_s(counts, ep, g, cluster)
             plan.add("ep_counts", counts, plan.ep_counts_s, moe_here * mb)
 
-    if tp > 1 and m.sequence_parallel and cluster.carries("tp"):
+    if layout.sequence_parallel and cluster.carries("tp"):  # (the layout has it at TP > 1 only)
         plan.tp_bytes = (tp - 1) / tp * b * s * h * act
         plan.tp_link, plan.tp_size = ring_link(tp, members_per_node(tp, 1, gpn), cluster), tp
         plan.tp_plans = dict(o.tp_slots)
@@ -310,7 +310,7 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
 
     if pp > 1 and cluster.carries("pp"):
         vpp = layout.vpp
-        nbytes = b * s * h * act / (tp if m.sequence_parallel else 1)
+        nbytes = b * s * h * act / (tp if layout.sequence_parallel else 1)
         link = ring_link(2, members_per_node(2, tp * layout.cp * dp, gpn), cluster)
         sends = 2 * vpp  # an activation forward and a gradient back, per model chunk
         plan.add("pp_send", nbytes, link.time_s(nbytes), sends * mb)

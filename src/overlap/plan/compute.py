@@ -226,7 +226,8 @@ def microbatch_compute(
     h, hd = m.hidden_size, m.head_dim
     q, kv = m.num_attention_heads * hd, m.query_groups * hd
     ups = 2 if m.gated_linear_unit else 1
-    sp = tp if m.sequence_parallel else 1  # under SP the norms and residual adds see 1 / TP of them
+    # under SP the norms and residual adds see 1 / TP of them
+    sp = tp if layout.sequence_parallel else 1
     act = 2.0  # bytes per activation element (BF16)
     selective = set(m.recompute_modules or ()) if m.recompute_granularity == "selective" else set()
     norm_bytes = act * tokens / sp * 2 * h  # one norm: read + write

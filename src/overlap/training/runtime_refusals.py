@@ -28,8 +28,9 @@ def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
 def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigError]:
     """Everything in a valid configuration that `overlap run` would refuse (explain lists them, run
     raises). The overlap switches are the resolved plan's (`cfg.resolved.overlap`), the precision
-    the resolved one (`cfg.resolved.precision`), the parallel sizes the resolved layout's
-    (`cfg.resolved.layout`), the token dispatcher the resolved one (`cfg.resolved.kernels`)."""
+    the resolved one (`cfg.resolved.precision`), the parallel sizes and sequence parallelism the
+    resolved layout's (`cfg.resolved.layout`), the token dispatcher the resolved one
+    (`cfg.resolved.kernels`)."""
     d = cfg.ddp
     check_rules(
         [
@@ -221,7 +222,7 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
         (
             "model.sequence_parallel",
             False,
-            not (moe and layout.tp > 1 and not m.sequence_parallel),
+            not (moe and layout.tp > 1 and not layout.sequence_parallel),
             "MoE with tensor parallelism but without sequence parallelism (every TP rank would "
             "route the same tokens and count the expert gradients TP times)",
             "set model.sequence_parallel=true (-tp sets it for you).",

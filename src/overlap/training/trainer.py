@@ -121,7 +121,6 @@ class Trainer:
                 plan,
                 precision.grad_reduce_in_fp32,
                 ps,
-                cfg.model.sequence_parallel,
             )
             for c in self.chunks
         ]

@@ -117,7 +117,7 @@ class TopKRouter(nn.Module):
         # Under sequence parallel each TP rank routes only its slice of the sequence, under context
         # parallelism each CP rank its chunks; the aux-loss statistics must still describe the
         # whole micro-batch, so they are summed over those ranks (Megatron's tp-cp group).
-        sp = config.sequence_parallel and ps.layout.tp > 1
+        sp = ps.layout.sequence_parallel
         if ps.layout.cp > 1:
             self.stats_group = ps.tp_cp_group if sp else ps.cp_group
         else:
@@ -139,7 +139,7 @@ class TopKRouter(nn.Module):
         self.random_seed: int | None = None
         self.random_logits: torch.Generator | None = None
         if config.moe_router_force_load_balancing:
-            sp_rank = ps.tp_rank if config.sequence_parallel else 0
+            sp_rank = ps.tp_rank if sp else 0
             seq_rank = ps.cp_rank * ps.layout.tp + sp_rank  # which tokens of the sequence
             self.random_seed = (layer_number * 1_000_003 + ps.dp_rank) * 1009 + seq_rank
 
