@@ -230,6 +230,9 @@ def _shared_weight() -> tuple[int, int, bool]:
     """Rank side: a weight used twice in one forward; the hook must count it once and launch its
     bucket once."""
     ps = ParallelState(ParallelLayout(world_size=dist.get_world_size()))
+    # the same weight on every rank (the expected sum is dp x one rank's gradient): seeded, not
+    # left to whatever the worker's generator holds from an earlier test
+    torch.manual_seed(0)
     model = nn.Linear(4, 4, bias=False)
     fires = []
     model.weight.register_post_accumulate_grad_hook(lambda p: fires.append(1))
