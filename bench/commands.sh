@@ -561,3 +561,22 @@ overlap bench -m qwen -mr dense_tiny -g cpu -ng 4 -pp 4 -ms 6 -gb 32 -mb 1 --net
   --config "1F1B, overlapped p2p, warm-up x2:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true;comm_overlap.p2p_warmup_depth=2" \
   --ideal-link --repeats 2 --json $out/pp_1f1b_deep_warmup_10MBs_pp4_deep.json \
   --markdown $out/pp_1f1b_deep_warmup_10MBs_pp4_deep.md model.num_layers=15 model.account_for_loss_in_pipeline_split=true
+
+# 53. -> pp_1f1b_deep_warmup_20MBs_pp2_unbalanced.json/.md. Command 47 (PP 2, 20 MB/s) re-run on this session's
+#     machine with the deeper warm-up: the dense_tiny split leaves the loss on the last stage, whose rank the first
+#     waits for even with no link time (the floor's own exposed time is 0.57x batched's).
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network model:1ms,20MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "1F1B, overlapped p2p, warm-up x2:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true;comm_overlap.p2p_warmup_depth=2" \
+  --ideal-link --repeats 3 --json $out/pp_1f1b_deep_warmup_20MBs_pp2_unbalanced.json \
+  --markdown $out/pp_1f1b_deep_warmup_20MBs_pp2_unbalanced.md
+
+# 54. -> pp_1f1b_deep_warmup_20MBs_pp2.json/.md. Command 53 with balanced stages (three layers and the loss: two
+#     layers a stage), as the PP 4 commands 48-52 are.
+overlap bench -m qwen -mr dense_tiny -g cpu -ng 2 -pp 2 -ms 6 -gb 32 -mb 1 --network model:1ms,20MB/s,pp \
+  --config "1F1B, batched p2p:comm_overlap.batch_p2p_comm=true;comm_overlap.overlap_p2p_comm=false" \
+  --config "1F1B, overlapped p2p:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true" \
+  --config "1F1B, overlapped p2p, warm-up x2:comm_overlap.batch_p2p_comm=false;comm_overlap.overlap_p2p_comm=true;comm_overlap.p2p_warmup_depth=2" \
+  --ideal-link --repeats 3 --json $out/pp_1f1b_deep_warmup_20MBs_pp2.json \
+  --markdown $out/pp_1f1b_deep_warmup_20MBs_pp2.md model.num_layers=3 model.account_for_loss_in_pipeline_split=true

@@ -80,6 +80,8 @@ SECTIONS = (
             "pp_1f1b_overlap_10MBs_pp4_deep",
             "pp_1f1b_deep_warmup_20MBs_pp4",
             "pp_1f1b_deep_warmup_10MBs_pp4_deep",
+            "pp_1f1b_deep_warmup_20MBs_pp2_unbalanced",
+            "pp_1f1b_deep_warmup_20MBs_pp2",
             "pp_1f1b_overlap_nic",
             "pp_1f1b_overlap_nic_pp4",
             "pp_1f1b_overlap_nic_20MBs",
