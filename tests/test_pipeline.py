@@ -206,6 +206,16 @@ def _reference(moe: bool, precision: str, layers: int) -> tuple[float, ...]:
     return tuple(run_world(1, _train, moe, precision, layers, [], {})[0])
 
 
+# the distributed optimizer with both DP overlaps, small buckets (several per stage)
+DP_OVERLAPS = [
+    "ddp.use_distributed_optimizer=true",
+    "optimizer.use_distributed_optimizer=true",
+    "ddp.overlap_grad_reduce=true",
+    "ddp.overlap_param_gather=true",
+    "ddp.bucket_size=20000",
+]
+OVERLAPPED_P2P = ["comm_overlap.overlap_p2p_comm=true", "comm_overlap.batch_p2p_comm=false"]
+
 PP_CASES = [
     # (id, world, layers, layout, overrides)
     ("pp2", 2, 4, dict(pipeline_model_parallel_size=2), []),
@@ -236,13 +246,7 @@ PP_CASES = [
         4,
         4,
         dict(pipeline_model_parallel_size=2),
-        [
-            "ddp.use_distributed_optimizer=true",
-            "optimizer.use_distributed_optimizer=true",
-            "ddp.overlap_grad_reduce=true",
-            "ddp.overlap_param_gather=true",
-            "ddp.bucket_size=20000",
-        ],
+        DP_OVERLAPS,
     ),
     (
         # overlapped p2p: weight gradients delivered after the gradient's send (the first stage:
@@ -251,15 +255,7 @@ PP_CASES = [
         4,
         4,
         dict(pipeline_model_parallel_size=2),
-        [
-            "ddp.use_distributed_optimizer=true",
-            "optimizer.use_distributed_optimizer=true",
-            "ddp.overlap_grad_reduce=true",
-            "ddp.overlap_param_gather=true",
-            "ddp.bucket_size=20000",
-            "comm_overlap.overlap_p2p_comm=true",
-            "comm_overlap.batch_p2p_comm=false",
-        ],
+        DP_OVERLAPS + OVERLAPPED_P2P,
     ),
     (
         # the same with the deeper warm-up: more forwards before the first backward, the buckets
@@ -268,16 +264,7 @@ PP_CASES = [
         4,
         4,
         dict(pipeline_model_parallel_size=2),
-        [
-            "ddp.use_distributed_optimizer=true",
-            "optimizer.use_distributed_optimizer=true",
-            "ddp.overlap_grad_reduce=true",
-            "ddp.overlap_param_gather=true",
-            "ddp.bucket_size=20000",
-            "comm_overlap.overlap_p2p_comm=true",
-            "comm_overlap.batch_p2p_comm=false",
-            "comm_overlap.p2p_warmup_depth=2",
-        ],
+        DP_OVERLAPS + OVERLAPPED_P2P + ["comm_overlap.p2p_warmup_depth=2"],
     ),
     (
         "pp3_uneven",
