@@ -183,14 +183,14 @@ def test_gradients_match_transformers(hf_models, kind):
 
 
 def _train(folder: str, layout: list[str]) -> list[float]:
-    from overlap.hf.config_json import pretrained_model
+    from overlap.hf.config_json import apply_pretrained
     from overlap.parallel.state import ParallelState
     from overlap.training.trainer import Trainer
     from tests.configs import tiny_config
 
     # The tiny recipe's own shape: the run takes the checkpoint's from its config.json (finalize)
     cfg = tiny_config(True, "fp32", 2, layout + [f"checkpoint.pretrained_checkpoint={folder}"], 2)
-    res = cfg.finalize(dist.get_world_size(), pretrained=pretrained_model)
+    res = cfg.finalize(dist.get_world_size(), pretrained=apply_pretrained)
     return [r.lm_loss for r in Trainer(cfg, ParallelState(res.layout)).train().records]
 
 
@@ -241,9 +241,14 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
     """`checkpoint.pretrained_checkpoint=<HF folder>`: every architecture field comes from
     config.json, whatever the recipe or an override said, each change a decision of the checkpoint
     section; our own checkpoints (no config.json) leave the configured model alone."""
-    from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
     from overlap.errors import ConfigError
-    from overlap.hf.config_json import model_config_from_hf, pretrained_model, read_hf_config
+    from overlap.hf.config_json import (
+        ARCH_FIELDS,
+        MOE_FIELDS,
+        apply_pretrained,
+        model_config_from_hf,
+        read_hf_config,
+    )
     from tests.configs import tiny_config
 
     for kind in ("moe", "dense", "moe_sparse_step"):
@@ -254,7 +259,7 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         )
         decisions = {
             d.field: d
-            for d in cfg.finalize(1, pretrained=pretrained_model).decisions.sections["checkpoint"]
+            for d in cfg.finalize(1, pretrained=apply_pretrained).decisions.sections["checkpoint"]
         }
         for field, attr in {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}.items():
             assert getattr(cfg.model, attr) == getattr(theirs, attr), (kind, field)
@@ -274,7 +279,7 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         ],
         1,
     )
-    cfg.finalize(1, pretrained=pretrained_model)
+    cfg.finalize(1, pretrained=apply_pretrained)
     assert (cfg.model.num_layers, cfg.model.moe_layer_freq) == (2, [0, 1])
     cfg = tiny_config(
         True,
@@ -284,12 +289,12 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         1,
     )
     with pytest.raises(ConfigError, match="tokenizer.vocab_size"):
-        cfg.finalize(1, pretrained=pretrained_model)
+        cfg.finalize(1, pretrained=apply_pretrained)
     # a dense recipe takes the MoE checkpoint's router aux-loss coefficient with its experts
     dense = tiny_config(
         False, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}"], 1
     )
-    dense.finalize(1, pretrained=pretrained_model)
+    dense.finalize(1, pretrained=apply_pretrained)
     assert dense.model.is_moe and dense.model.moe_aux_loss_coeff == theirs_aux(hf_models["moe"][0])
     # token dropping on released MoE weights: honoured, and said beside the architecture
     dropping = tiny_config(
@@ -304,22 +309,22 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
     )
     rows = {
         d.field: d
-        for d in dropping.finalize(1, pretrained=pretrained_model).decisions.sections["checkpoint"]
+        for d in dropping.finalize(1, pretrained=apply_pretrained).decisions.sections["checkpoint"]
     }
     assert "dropped" in rows["model.moe_expert_capacity_factor"].reason
     # a path that is not on this machine: the recipe's architecture, said in the checkpoint section
     away = tiny_config(
         True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path / 'elsewhere'}"], 1
     )
-    rows = away.finalize(1, pretrained=pretrained_model).decisions.sections["checkpoint"]
+    rows = away.finalize(1, pretrained=apply_pretrained).decisions.sections["checkpoint"]
     assert any(d.field == "model" and "not on this machine" in d.reason for d in rows)
     cfg = tiny_config(
         True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path}", "model.num_layers=6"], 1
     )
-    cfg.finalize(1, pretrained=pretrained_model)
+    cfg.finalize(1, pretrained=apply_pretrained)
     assert cfg.model.num_layers == 6 and not any(
         d.field.startswith("model.")
-        for d in cfg.finalize(1, pretrained=pretrained_model).decisions.sections["checkpoint"]
+        for d in cfg.finalize(1, pretrained=apply_pretrained).decisions.sections["checkpoint"]
     )
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from overlap.config.aliases import spellings
 from overlap.config.comm_overlap import CommOverlapConfig
-from overlap.config.container import PRETRAINED, ConfigContainer, Resolution
+from overlap.config.container import ConfigContainer, Resolution
 from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend
 from overlap.config.mixed_precision import get_mixed_precision_config
@@ -38,7 +38,7 @@ from overlap.config.perf_recipes import LAYOUT_KEYS, Setting, perf_recipe
 from overlap.config.perf_recipes import SOURCE as PERF_SOURCE
 from overlap.config.recipes import Recipe, get_recipe
 from overlap.errors import ConfigError, NotBuiltError
-from overlap.hf.config_json import pretrained_model
+from overlap.hf.config_json import PRETRAINED, apply_pretrained
 from overlap.kernels.device import TARGET_DEVICES, probe_device
 from overlap.launch.env import VALID_ACCELERATORS, LaunchEnvInputs
 from overlap.launch.resources import MemoryEstimate, check_representable
@@ -797,7 +797,7 @@ def prepare(
         require_libraries=not describe_target,
         command_line=command_line,
         on_cuda=args.gpu != "cpu",
-        pretrained=pretrained_model,
+        pretrained=apply_pretrained,
     )  # as `run` places its ranks
     record_sinks(cfg.logger, res.decisions, require_libraries=not describe_target)
     check_pretrained_overrides(res, line)

@@ -22,36 +22,6 @@ from dataclasses import dataclass, fields
 
 from overlap.errors import Rule, check_rules
 
-# The architecture fields a checkpoint's own description of its model decides (a Hugging Face
-# config.json, hf/config_json.py), each with the attribute compared: its effective value
-# (kv_channels=None and kv_channels=hidden/heads are the same model). A pretrained folder's
-# architecture replaces the recipe's by these at finalize, and hf's `check_model_matches` compares
-# them; MOE_FIELDS only for a model with experts.
-ARCH_FIELDS = {
-    "num_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "query_groups",
-    "kv_channels": "head_dim",
-    "ffn_hidden_size": "ffn_size",
-    "vocab_size": "vocab_size",
-    "layernorm_epsilon": "layernorm_epsilon",
-    "rotary_base": "rotary_base",
-    "qk_layernorm": "qk_layernorm",
-    "gated_linear_unit": "gated_linear_unit",
-    "add_bias_linear": "add_bias_linear",
-    "add_qkv_bias": "add_qkv_bias",
-    "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
-    "num_moe_experts": "num_moe_experts",
-}
-MOE_FIELDS = {
-    "moe_router_topk": "moe_router_topk",
-    "moe_ffn_hidden_size": "moe_ffn_size",
-    "moe_layer_freq": "moe_layer_pattern",
-    "moe_router_pre_softmax": "moe_router_pre_softmax",
-    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
-}
-
 
 def moe_layer_freq_for(moe: list[bool]) -> int | list[int]:
     """The moe_layer_freq that makes exactly the layers flagged in `moe` MoE: an int k where one

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from overlap.config.aliases import request, typed_aliases
-from overlap.config.architecture import ARCH_FIELDS, MOE_FIELDS
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
@@ -55,9 +54,9 @@ from overlap.layout.pipeline import LAYOUT_FIELD, parse_layout, resolve_pipeline
 
 _log = logging.getLogger("overlap.config")
 
-# The reason of every architecture decision a Hugging Face pretrained checkpoint makes (the harness
-# refuses one that beats the user's own override or flag by it).
-PRETRAINED = "from the pretrained checkpoint's config.json"
+# Takes the architecture from a Hugging Face folder: (model, folder, tokenizer.vocab_size, log) ->
+# the folder's vocabulary (`overlap.hf.config_json.apply_pretrained`).
+ApplyPretrained = Callable[[ModelConfig, str, int | None, DecisionLog], int]
 
 
 def plain_value(value: Any) -> Any:
@@ -141,15 +140,15 @@ class ConfigContainer:
         require_libraries: bool = True,
         command_line: Sequence[Decision] = (),
         on_cuda: bool | None = None,
-        pretrained: Callable[[str, int], ModelConfig] | None = None,
+        pretrained: ApplyPretrained | None = None,
     ) -> Resolution:
         """Resolve for `world_size` ranks. `device` says which GPU the flex-dispatcher rules check
         (this machine's by default; `explain` passes the target named by -g), `require_libraries`
         whether kernel libraries must be importable here, `command_line` the harness's own decisions
         (flags beaten by overrides), logged first, `on_cuda` whether the ranks compute on CUDA (the
         attention and MoE permutation rules; None: whether CUDA is available here), `pretrained`
-        the reader of the model a Hugging Face folder as `checkpoint.pretrained_checkpoint` holds
-        (`overlap.hf.config_json.pretrained_model`: the mapping of config.json lives with hf/,
+        what takes the architecture from a Hugging Face folder as `checkpoint.pretrained_checkpoint`
+        (`overlap.hf.config_json.apply_pretrained`: the mapping of config.json lives with hf/,
         above config, so a caller that runs from such a folder hands it in)."""
         if world_size < 1:
             raise ConfigError(
@@ -230,18 +229,10 @@ class ConfigContainer:
             {"model": self.model, "tokenizer": tok}, "model.vocab_size"
         ).value
 
-    def _apply_pretrained(
-        self, log: DecisionLog, read: Callable[[str, int], ModelConfig] | None
-    ) -> int | None:
-        """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture, as
-        Bridge builds its model provider from the HF config: every field config.json describes
-        (`ARCH_FIELDS`, and `MOE_FIELDS` for a Qwen3-MoE) is taken from it (`read`), and each value
-        that differs from the recipe's is a decision of the checkpoint section (start-up log and
-        `overlap explain`; the harness refuses one that beats the user's own override or flag,
-        `harness.check_pretrained_overrides`). A recipe without experts also takes the checkpoint's
-        router aux-loss coefficient. A field config.json has that this runtime cannot honour is
-        refused there (`model_config_from_hf`). Returns the folder's vocabulary (its embedding
-        rows), None when the run is not from a Hugging Face folder."""
+    def _apply_pretrained(self, log: DecisionLog, read: ApplyPretrained | None) -> int | None:
+        """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture
+        (`read`: `overlap.hf.config_json.apply_pretrained`). Returns the folder's vocabulary (its
+        embedding rows), None when the run is not from a Hugging Face folder."""
         from pathlib import Path
 
         path = self.checkpoint.pretrained_checkpoint
@@ -263,61 +254,9 @@ class ConfigContainer:
         if read is None:
             raise RuntimeError(
                 f"finalize of a run from the Hugging Face folder {path} without its config.json "
-                "reader: pass pretrained=overlap.hf.config_json.pretrained_model"
+                "reader: pass pretrained=overlap.hf.config_json.apply_pretrained"
             )
-        m, theirs = self.model, read(path, self.model.seq_length)
-        if self.tokenizer.vocab_size is not None and self.tokenizer.vocab_size > theirs.vocab_size:
-            raise ConfigError(
-                "tokenizer.vocab_size",
-                self.tokenizer.vocab_size,
-                f"the pretrained checkpoint {path} has {theirs.vocab_size} embedding rows: larger "
-                "token ids have no embedding.",
-                f"drop --vocab_size (the model takes {theirs.vocab_size} from config.json), or use "
-                "the checkpoint's tokenizer.",
-            )
-        fields = {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}
-        if theirs.is_moe and not m.is_moe:
-            fields["moe_aux_loss_coeff"] = "moe_aux_loss_coeff"
-        before = {name: getattr(m, attr) for name, attr in fields.items()}  # read before changing
-        for name, attr in fields.items():
-            value = getattr(theirs, attr)
-            if before[name] != value:
-                setattr(m, name, getattr(theirs, name))
-                log.record_in(
-                    "checkpoint",
-                    f"model.{name}",
-                    before[name],
-                    value,
-                    RULE,
-                    f"{PRETRAINED} ({path})",
-                )
-        # Training choices that route the released weights' tokens otherwise than the model was
-        # trained (transformers drops no token and routes by the scores): honoured, and said beside
-        # the architecture
-        for name, on, what in (
-            (
-                "moe_expert_capacity_factor",
-                m.moe_expert_capacity_factor is not None,
-                "tokens beyond each expert's capacity are dropped",
-            ),
-            (
-                "moe_router_force_load_balancing",
-                bool(m.moe_router_force_load_balancing),
-                "routing ignores the router's scores (a benchmark setting)",
-            ),
-        ):
-            if theirs.is_moe and on:
-                value = getattr(m, name)
-                log.record_in(
-                    "checkpoint",
-                    f"model.{name}",
-                    value,
-                    value,
-                    USER,
-                    f"{what}: the pretrained MoE is trained differently from how it was released",
-                )
-                _log.warning("model.%s=%s with pretrained weights: %s", name, value, what)
-        return theirs.vocab_size
+        return read(self.model, path, self.tokenizer.vocab_size, log)
 
     def _apply_data(self, layout: ParallelLayout, log: DecisionLog, hf_vocab: int | None) -> None:
         """The tokenizer's vocabulary (padded as Megatron pads it, or a pretrained Hugging Face

@@ -14,18 +14,48 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from overlap.config.architecture import (
-    ARCH_FIELDS,
-    MOE_FIELDS,
-    TransformerArchitecture,
-    moe_layer_freq_for,
-)
+from overlap.config.architecture import TransformerArchitecture, moe_layer_freq_for
+from overlap.config.decisions import RULE, USER, DecisionLog
 from overlap.config.model import ModelConfig
 from overlap.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("overlap.hf")
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+
+# The reason of every architecture decision a pretrained folder makes (the harness refuses one that
+# beats the user's own override or flag by it).
+PRETRAINED = "from the pretrained checkpoint's config.json"
+
+# The architecture fields a checkpoint's own description of its model decides (a Hugging Face
+# config.json), each with the attribute compared: its effective value
+# (kv_channels=None and kv_channels=hidden/heads are the same model). A pretrained folder's
+# architecture replaces the recipe's by these at finalize, and hf's `check_model_matches` compares
+# them; MOE_FIELDS only for a model with experts.
+ARCH_FIELDS = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "query_groups",
+    "kv_channels": "head_dim",
+    "ffn_hidden_size": "ffn_size",
+    "vocab_size": "vocab_size",
+    "layernorm_epsilon": "layernorm_epsilon",
+    "rotary_base": "rotary_base",
+    "qk_layernorm": "qk_layernorm",
+    "gated_linear_unit": "gated_linear_unit",
+    "add_bias_linear": "add_bias_linear",
+    "add_qkv_bias": "add_qkv_bias",
+    "share_embeddings_and_output_weights": "share_embeddings_and_output_weights",
+    "num_moe_experts": "num_moe_experts",
+}
+MOE_FIELDS = {
+    "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_size",
+    "moe_layer_freq": "moe_layer_pattern",
+    "moe_router_pre_softmax": "moe_router_pre_softmax",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+}
 
 # Fields with no effect on the weights or on the logits (generation, tokenizer ids, bookkeeping), or
 # whose only effect is in training and which a run sets itself (router_aux_loss_coef ->
@@ -263,11 +293,72 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
     return cfg
 
 
-def pretrained_model(folder: str, seq_length: int) -> ModelConfig:
-    """The model a pretrained Hugging Face folder holds, trained at `seq_length`: the reader
-    `ConfigContainer.finalize(pretrained=...)` takes the architecture of a run from (config sits
-    below hf/, so its callers hand it in)."""
-    return model_config_from_hf(read_hf_config(folder), seq_length=seq_length)
+def apply_pretrained(
+    model: ModelConfig, folder: str, tokenizer_vocab: int | None, decisions: DecisionLog
+) -> int:
+    """The architecture of a run from the Hugging Face `folder` (checkpoint.pretrained_checkpoint),
+    as Bridge builds its model provider from the HF config: every field config.json describes
+    (`ARCH_FIELDS`, and `MOE_FIELDS` for a Qwen3-MoE) replaces `model`'s, and each value that
+    differs from the recipe's is a decision of the checkpoint section (start-up log and `overlap
+    explain`; the harness refuses one that beats the user's own override or flag,
+    `harness.check_pretrained_overrides`). A recipe without experts also takes the checkpoint's
+    router aux-loss coefficient. A field config.json has that this runtime cannot honour is refused
+    (`model_config_from_hf`). Returns the folder's vocabulary (its embedding rows).
+    `ConfigContainer.finalize(pretrained=apply_pretrained)` runs it: config sits below hf/, so its
+    callers hand it in."""
+    m, theirs = model, model_config_from_hf(read_hf_config(folder), model.seq_length)
+    if tokenizer_vocab is not None and tokenizer_vocab > theirs.vocab_size:
+        raise ConfigError(
+            "tokenizer.vocab_size",
+            tokenizer_vocab,
+            f"the pretrained checkpoint {folder} has {theirs.vocab_size} embedding rows: larger "
+            "token ids have no embedding.",
+            f"drop --vocab_size (the model takes {theirs.vocab_size} from config.json), or use "
+            "the checkpoint's tokenizer.",
+        )
+    fields = {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}
+    if theirs.is_moe and not m.is_moe:
+        fields["moe_aux_loss_coeff"] = "moe_aux_loss_coeff"
+    before = {name: getattr(m, attr) for name, attr in fields.items()}  # read before changing
+    for name, attr in fields.items():
+        value = getattr(theirs, attr)
+        if before[name] != value:
+            setattr(m, name, getattr(theirs, name))
+            decisions.record_in(
+                "checkpoint",
+                f"model.{name}",
+                before[name],
+                value,
+                RULE,
+                f"{PRETRAINED} ({folder})",
+            )
+    # Training choices that route the released weights' tokens otherwise than the model was
+    # trained (transformers drops no token and routes by the scores): honoured, and said beside
+    # the architecture
+    for name, on, what in (
+        (
+            "moe_expert_capacity_factor",
+            m.moe_expert_capacity_factor is not None,
+            "tokens beyond each expert's capacity are dropped",
+        ),
+        (
+            "moe_router_force_load_balancing",
+            bool(m.moe_router_force_load_balancing),
+            "routing ignores the router's scores (a benchmark setting)",
+        ),
+    ):
+        if theirs.is_moe and on:
+            value = getattr(m, name)
+            decisions.record_in(
+                "checkpoint",
+                f"model.{name}",
+                value,
+                value,
+                USER,
+                f"{what}: the pretrained MoE is trained differently from how it was released",
+            )
+            log.warning("model.%s=%s with pretrained weights: %s", name, value, what)
+    return theirs.vocab_size
 
 
 def check_model_matches(model: TransformerArchitecture, hf: dict, folder: str | Path) -> None:
