@@ -14,7 +14,7 @@ import torch
 import overlap.cli as cli
 import overlap.config.flex_dispatcher as flex
 from overlap.cli import main
-from overlap.config.recipes import RECIPES
+from overlap.recipes.models import RECIPES
 
 # The reference harness command from SPEC.md section 1 (run_script.py flags), as `overlap explain`
 # arguments.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from overlap.config import ConfigContainer, ModelConfig, TrainConfig
-from overlap.config.recipes import RECIPES, get_recipe
 from overlap.errors import ConfigError, NotBuiltError
+from overlap.recipes.models import RECIPES, get_recipe
 from tests.configs import container, dense_model, moe_model
 
 

@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor
 
 from overlap.cli import main
 from overlap.config.overrides import apply_overrides
-from overlap.config.recipes import RECIPES
 from overlap.parallel.state import ParallelState
 from overlap.parallel.trace import recorder
+from overlap.recipes.models import RECIPES
 from overlap.training.trainer import Trainer
 from tests.world import run_world
 

@@ -17,8 +17,9 @@ SRC = Path(__file__).parent.parent / "src" / "overlap"
 # Lowest first: config (and the data readers it validates with; kernels/: the capability probes
 # and kernel-choice rules that the resolution records and the layers apply, so below both; and
 # layout/: the parallel sizes and pipeline stages that finalize builds and the runtime reads) ->
-# launch -> parallel -> layers / model -> data parallelism, HF weights -> pipeline schedules ->
-# training -> the harness -> perf / plan -> the commands.
+# the recipes (built of config's sections) -> launch -> parallel -> layers / model -> data
+# parallelism, HF weights -> pipeline schedules -> training -> the harness -> perf / plan -> the
+# commands.
 LAYERS = (
     "errors",
     "files",
@@ -26,6 +27,7 @@ LAYERS = (
     "kernels",
     "layout",
     "config",
+    "recipes",
     "launch",
     "parallel",
     "profiling",

@@ -226,10 +226,10 @@ def test_plan_resolves_the_235b_recipe_layout(tmp_path):
 
 
 def test_the_planner_weighs_and_the_memory_estimate_sizes_the_uneven_stages():
-    from overlap.config.recipes import RECIPES
     from overlap.launch.resources import estimate_memory
     from overlap.plan.compute import microbatch_compute
     from overlap.plan.hardware import builtin_cluster
+    from overlap.recipes.models import RECIPES
 
     cfg = RECIPES["qwen3_235b_a22b"].build(256)
     cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size = 2, 8

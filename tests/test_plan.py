@@ -6,7 +6,6 @@ import json
 import pytest
 
 from overlap.cli import main
-from overlap.config.recipes import RECIPES
 from overlap.plan.comm_model import (
     alltoall_time_s,
     expected_destinations,
@@ -17,6 +16,7 @@ from overlap.plan.fitted import FITTED
 from overlap.plan.hardware import builtin_cluster, load_cluster
 from overlap.plan.pipeline_sim import simulate
 from overlap.plan.step_times import bucket_exposure
+from overlap.recipes.models import RECIPES
 from overlap.training.metrics import flops_per_token, training_flops
 
 H100 = builtin_cluster("h100", "bf16", 8)

@@ -4,10 +4,10 @@ uses."""
 
 import pytest
 
-from overlap.config.recipes import RECIPES
 from overlap.config.tp_overlap import BULK, PIPELINE, RING, SlotPlan, effective_tp_plan
 from overlap.plan.hardware import Link
 from overlap.plan.tp_slots import TPGemms, layer_tp
+from overlap.recipes.models import RECIPES
 
 MS = 1e-3
 LINK = Link(1e6, 0.0, "1 MB/s, no latency")  # 1000 bytes: 1 ms

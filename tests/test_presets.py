@@ -1,11 +1,11 @@
-"""The presets (model recipes, Bridge's perf recipes, the userbuffers TP-overlap presets and the
-mixed-precision presets) are data (`overlap/config/presets/*.yaml`); this holds every preset to what
-it built when it was code: the fields each recipe sets at several GPU counts (those different from a
-default container), every perf recipe's layout, settings, skip rules, environment and not-carried
-list, every TP-overlap preset's per-GEMM dataclasses and every mixed-precision preset's fields,
-against `presets_snapshot.json` (written from the code presets before they became files). A preset
-changed on purpose updates the snapshot with it (`python tests/test_presets.py`), so the change
-shows in review."""
+"""The presets (model recipes and Bridge's perf recipes, `overlap/recipes/*.yaml`; the userbuffers
+TP-overlap presets and the mixed-precision presets, `overlap/config/presets/*.yaml`) are data; this
+holds every preset to what it built when it was code: the fields each recipe sets at several GPU
+counts (those different from a default container), every perf recipe's layout, settings, skip
+rules, environment and not-carried list, every TP-overlap preset's per-GEMM dataclasses and every
+mixed-precision preset's fields, against `presets_snapshot.json` (written from the code presets
+before they became files). A preset changed on purpose updates the snapshot with it (`python
+tests/test_presets.py`), so the change shows in review."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from overlap.config.container import ConfigContainer
 from overlap.config.mixed_precision import MIXED_PRECISION_PRESETS
-from overlap.config.perf_recipes import PERF_RECIPES, Setting
-from overlap.config.recipes import RECIPES
 from overlap.config.tp_overlap import TP_OVERLAP_PRESETS
+from overlap.recipes.models import RECIPES
+from overlap.recipes.perf import PERF_RECIPES, Setting
 
 SNAPSHOT = Path(__file__).with_name("presets_snapshot.json")
 GPU_COUNTS = (1, 2, 16, 256)

@@ -148,7 +148,7 @@ def _version() -> str:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     if args.list_recipes:
-        from overlap.config.recipes import RECIPES
+        from overlap.recipes.models import RECIPES
 
         print("\n".join(f"-m {r.family} -mr {r.name:<16} {r.summary}" for r in RECIPES.values()))
         return 0

@@ -5,7 +5,7 @@ Shared by every subcommand (`explain`, `run`, `bench`), so it lives below all of
 only the configuration and the launch-environment rules.
 
 Order of application, as in the reference harness: recipe, then the flags, then the perf recipe of
-Bridge's performance harness for this model, GPU and precision (`overlap.config.perf_recipes`: what
+Bridge's performance harness for this model, GPU and precision (`overlap.recipes.perf`: what
 a flag set stays the flag's), then the overrides - so an override beats a flag. Unlike the
 reference, the disagreement is never silent: every flag/override pair that set one field (or its
 `comm_overlap` twin) to different values is a "command line" decision ("the override beats
@@ -34,15 +34,15 @@ from overlap.config.mixed_precision import get_mixed_precision_config
 from overlap.config.model import comma_list
 from overlap.config.overrides import apply_override, apply_overrides, check_override_repeats
 from overlap.config.path_fields import expand_path_fields
-from overlap.config.perf_recipes import LAYOUT_KEYS, Setting, perf_recipe
-from overlap.config.perf_recipes import SOURCE as PERF_SOURCE
-from overlap.config.recipes import Recipe, get_recipe
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.hf.config_json import PRETRAINED, apply_pretrained
 from overlap.kernels.device import TARGET_DEVICES, probe_device
 from overlap.launch.env import VALID_ACCELERATORS, LaunchEnvInputs
 from overlap.launch.resources import MemoryEstimate, check_representable
 from overlap.profiling.sinks import record_sinks
+from overlap.recipes.models import Recipe, get_recipe
+from overlap.recipes.perf import LAYOUT_KEYS, Setting, perf_recipe
+from overlap.recipes.perf import SOURCE as PERF_SOURCE
 
 log = logging.getLogger("overlap")
 
@@ -361,7 +361,7 @@ PERF_RECIPE = "perf recipe"
 
 
 def _apply_perf_recipe(cfg: ConfigContainer, args: argparse.Namespace, line: CommandLine) -> None:
-    """Bridge's perf recipe for this model, GPU and precision (`overlap.config.perf_recipes`): its
+    """Bridge's perf recipe for this model, GPU and precision (`overlap.recipes.perf`): its
     settings, after the flags (what a flag set stays the flag's) and before the overrides (which
     win), each a row of the "perf recipe" section with the recipe it came from; the layout and
     batch only at the GPU count it was published for; what the runtime cannot carry, listed."""

@@ -1,5 +1,5 @@
-"""Configuration: Megatron-Bridge-compatible dataclasses, overlap resolution with logged decisions,
-recipes."""
+"""Configuration: Megatron-Bridge-compatible dataclasses, overlap resolution with logged decisions
+(the recipes built on it are `overlap.recipes`)."""
 
 from overlap.config.architecture import TransformerArchitecture
 from overlap.config.comm_overlap import CommOverlapConfig

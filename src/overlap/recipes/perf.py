@@ -1,11 +1,11 @@
 """What Megatron-Bridge's performance harness builds for a model, GPU and precision: the settings of
-its perf recipes, declared as data in `presets/perf_recipes.yaml` (with where each was read), which
+its perf recipes, declared as data in `perf.yaml` (with where each was read), which
 `overlap.harness` applies the same way.
 
 Bridge's `scripts/performance/run_script.py` picks a flat recipe by name -
 `{model}_pretrain_{N}gpu_{gpu}_{precision}_config` in `src/megatron/bridge/perf_recipes/` - built on
 the library recipe, then `_benchmark_common` (50 iterations, bf16 gradient reduction, RoPE fusion,
-...), then the command line's flags and overrides. Here the model recipe (`overlap.config.recipes`)
+...), then the command line's flags and overrides. Here the model recipe (`overlap.recipes.models`)
 is the library recipe and these recipes are the perf layer: each entry's settings are applied after
 the harness flags (a setting a flag wrote is left to the flag) and before the overrides, each a row
 in the decision table naming the Bridge recipe it came from. The parallel layout and the batch sizes
@@ -157,9 +157,7 @@ def _load(text: str) -> tuple[str, dict[tuple[str, str, str], tuple[PerfRecipe, 
     return data["source"], out
 
 
-SOURCE, PERF_RECIPES = _load(
-    resources.files("overlap.config").joinpath("presets/perf_recipes.yaml").read_text()
-)
+SOURCE, PERF_RECIPES = _load(resources.files("overlap.recipes").joinpath("perf.yaml").read_text())
 """(model recipe, -g, -c) -> Bridge's perf recipes for it (one per published GPU count), and the
 Bridge revision they were read from."""
 

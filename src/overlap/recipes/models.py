@@ -1,5 +1,5 @@
 """Recipes: named, ready-to-run configurations (`-m FAMILY -mr NAME`), declared as data in
-`presets/recipes.yaml` (what each is, and why, is said there beside its fields).
+`models.yaml` beside this module (what each is, and why, is said there beside its fields).
 
 A recipe is its sections as ConfigContainer takes them; `build(num_gpus)` makes a fresh container
 of them for a run of `num_gpus` ranks: `{per_gpu: k}` values scaled, and EP = gcd(ranks per
@@ -41,7 +41,7 @@ class Recipe:
     family: str
     name: str
     summary: str
-    # section -> its fields (mixed_precision -> a preset name), as presets/recipes.yaml writes them
+    # section -> its fields (mixed_precision -> a preset name), as models.yaml writes them
     sections: Mapping[str, Any]
     # EP = gcd(ranks per pipeline stage, max_ep) unless the user sets it: experts are carved out of
     # each stage's ranks, so the rule must see the layout the flags and overrides chose (None: the
@@ -111,7 +111,7 @@ def _load(text: str) -> dict[str, Recipe]:
 
 
 RECIPES: dict[str, Recipe] = _load(
-    resources.files("overlap.config").joinpath("presets/recipes.yaml").read_text()
+    resources.files("overlap.recipes").joinpath("models.yaml").read_text()
 )
 
 
