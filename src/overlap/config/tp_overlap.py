@@ -50,8 +50,8 @@ class TPOverlapCfg:
 
 @dataclass
 class PipelineOverlapCfg(TPOverlapCfg):
-    """Chunked ("pipeline") overlap: the GEMM is cut into ``num_splits`` pieces whose collective
-    overlaps the next one.
+    """A GEMM's plan with ``method="pipeline"`` (``num_splits`` chunks; what it runs:
+    `overlap.kernels.tp_overlap`).
 
     Deliberate difference from Megatron-Bridge: there the ``fp8_buf`` default is the 1-tuple
     ``(False,)`` (a trailing-comma bug). A tuple is truthy, so in FP8 runs every pipeline-method
@@ -70,8 +70,8 @@ class PipelineOverlapCfg(TPOverlapCfg):
 
 @dataclass
 class RingExchangeOverlapCfg(TPOverlapCfg):
-    """Ring-exchange overlap: chunks travel point-to-point around the TP ring while the local chunk
-    is multiplied."""
+    """A GEMM's plan with ``method="ring_exchange"`` (``aggregate``: two chunks per ring step; what
+    it runs: `overlap.kernels.tp_overlap`)."""
 
     aggregate: bool = False
     method: str = RING
@@ -84,7 +84,7 @@ class RingExchangeOverlapCfg(TPOverlapCfg):
 
 @dataclass
 class BulkOverlapCfg(TPOverlapCfg):
-    """Bulk overlap: the whole collective runs concurrently with an independent GEMM."""
+    """A GEMM's plan with ``method="bulk"`` (what it runs: `overlap.kernels.tp_overlap`)."""
 
     num_sm: int
     cga_size: int
@@ -100,9 +100,9 @@ class BulkOverlapCfg(TPOverlapCfg):
 @dataclass
 class TransformerLayerTPOverlapCfg:
     """The overlap plan of every TP GEMM of one transformer layer. ``None`` leaves the GEMM out of
-    the plan: Bridge drops it from the dict and Transformer Engine (and our runtime) then use the
-    slot's default method; switch a slot off with Megatron's switches (``tp_comm_overlap_ag``
-    ...)."""
+    the plan (Bridge drops it from the dict): the slot runs its default method
+    (`overlap.kernels.tp_overlap`); switch a slot off with Megatron's switches
+    (``tp_comm_overlap_ag`` ...)."""
 
     qkv_dgrad: TPOverlapCfg | None
     qkv_wgrad: TPOverlapCfg | None
