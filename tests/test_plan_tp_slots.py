@@ -4,7 +4,9 @@ uses."""
 
 import pytest
 
-from overlap.config.tp_overlap import BULK, PIPELINE, RING, SlotPlan, effective_tp_plan
+from overlap.config.comm_overlap import tp_overlap_inputs
+from overlap.kernels import BULK, PIPELINE, RING, SlotPlan
+from overlap.kernels.tp_overlap import effective_tp_plan
 from overlap.plan.hardware import Link
 from overlap.plan.tp_slots import TPGemms, layer_tp
 from overlap.recipes.models import RECIPES
@@ -91,7 +93,11 @@ def test_a_layers_collectives_follow_the_resolved_plan(overrides, gathers):
     for key, value in overrides.items():
         setattr(m, key, value)
     # the slots the resolution puts in the plan (none with TP overlap off)
-    plans = effective_tp_plan(m, None, delay_wgrad_compute=False)[0] if m.tp_comm_overlap else {}
+    plans = (
+        effective_tp_plan(tp_overlap_inputs(m), None, delay_wgrad_compute=False)[0]
+        if m.tp_comm_overlap
+        else {}
+    )
     layer = layer_tp(plans, TPGemms(1 * MS, 1 * MS, 1 * MS, 1 * MS), LINK, NBYTES, 2, dense=True)
     assert (layer.all_gathers, layer.reduce_scatters) == (gathers, 4)
     if not overrides:  # the re-gathers and the backward's reduce-scatters under the 1 ms GEMMs

@@ -19,14 +19,10 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ConfigContainer, ModelConfig, TrainConfig
-from overlap.config.comm_overlap import CommOverlapConfig
-from overlap.config.tp_overlap import (
-    MIN_CHUNK_ROWS,
-    LinearPlan,
-    SlotPlan,
-    effective_tp_plan,
-)
+from overlap.config.comm_overlap import CommOverlapConfig, tp_overlap_inputs
 from overlap.errors import ConfigError
+from overlap.kernels import LinearPlan, SlotPlan
+from overlap.kernels.tp_overlap import MIN_CHUNK_ROWS, effective_tp_plan
 from overlap.layers.init import init_model_params
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from overlap.layers.tp_overlap import (
@@ -182,7 +178,9 @@ def test_a_method_a_slot_cannot_use_is_a_config_error():
 
 
 def test_delay_wgrad_takes_the_wgrad_slots():
-    plans, decisions = effective_tp_plan(_resolved().model, None, delay_wgrad_compute=True)
+    plans, decisions = effective_tp_plan(
+        tp_overlap_inputs(_resolved().model), None, delay_wgrad_compute=True
+    )
     assert (
         plans["qkv_wgrad"] is None
         and "delay_wgrad_compute" in {d.slot: d.reason for d in decisions}["qkv_wgrad"]
@@ -197,7 +195,11 @@ def test_bad_plan_values_are_config_errors():
         ({"method": "ring_exchange", "aggregate": "False"}, "proj_fprop.aggregate"),
     ):
         with pytest.raises(ConfigError) as err:
-            effective_tp_plan(_resolved().model, {"proj_fprop": entry}, delay_wgrad_compute=False)
+            effective_tp_plan(
+                tp_overlap_inputs(_resolved().model),
+                {"proj_fprop": entry},
+                delay_wgrad_compute=False,
+            )
         assert err.value.field.endswith(field), (entry, err.value.field)
 
 

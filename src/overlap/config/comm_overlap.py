@@ -25,15 +25,10 @@ import torch
 
 from overlap.config.aliases import request
 from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog, Rule, Switch
-from overlap.config.tp_overlap import (
-    LinearPlan,
-    SlotPlan,
-    TransformerLayerTPOverlapCfg,
-    effective_tp_plan,
-    get_tp_overlap_preset,
-    kernel_knobs,
-)
+from overlap.config.tp_overlap import TransformerLayerTPOverlapCfg, get_tp_overlap_preset
 from overlap.errors import ConfigError
+from overlap.kernels import LinearPlan, SlotPlan
+from overlap.kernels.tp_overlap import TPOverlapInputs, effective_tp_plan, kernel_knobs
 
 if TYPE_CHECKING:
     from overlap.config.mixed_precision import Precision
@@ -98,7 +93,7 @@ class OverlapPlan:
     values, which the runtime, the model build and the planner read (never the `None`-able request
     fields of the configs, which keep only what was asked). Defaults: all off."""
 
-    # TP collectives overlapped with the GEMMs (the per-GEMM plan: tp_overlap.py)
+    # TP collectives overlapped with the GEMMs (what each GEMM slot runs: kernels/tp_overlap.py)
     tp_comm_overlap: bool = False
     # what each TP GEMM slot runs, (slot, plan or None: no overlap) pairs; empty with TP overlap off
     tp_slots: tuple[tuple[str, SlotPlan | None], ...] = ()
@@ -291,6 +286,18 @@ def _resolve_tp(run: _Run) -> dict[str, Any] | None:
     return preset.to_dict()
 
 
+def tp_overlap_inputs(model: ModelConfig) -> TPOverlapInputs:
+    """What the TP slot rules read of the model, as plain values under its field names (the rules,
+    in `overlap.kernels`, sit below config/ and never see a ModelConfig)."""
+    dense_mlp = not model.is_moe or any(not model.is_moe_layer(i) for i in range(model.num_layers))
+    return TPOverlapInputs(
+        dense_mlp=dense_mlp,
+        **{
+            f.name: getattr(model, f.name) for f in fields(TPOverlapInputs) if f.name != "dense_mlp"
+        },
+    )
+
+
 def _resolve_tp_plan(
     model: ModelConfig, tp_cfg: dict[str, Any] | None, log: DecisionLog, r: dict[str, Any]
 ) -> None:
@@ -301,7 +308,7 @@ def _resolve_tp_plan(
     if not r["tp_comm_overlap"]:
         r["tp_slots"] = ()
         return
-    plans, slots = effective_tp_plan(model, tp_cfg, r["delay_wgrad_compute"])
+    plans, slots = effective_tp_plan(tp_overlap_inputs(model), tp_cfg, r["delay_wgrad_compute"])
     r["tp_slots"] = tuple(plans.items())
     for d in slots:
         log.record(

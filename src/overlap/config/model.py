@@ -163,7 +163,7 @@ class ModelConfig(TransformerArchitecture):
     # --- overlap fields: inputs finalize reads and keeps as typed (resolved: cfg.resolved.overlap;
     # the direct spellings of comm_overlap's switches are aliases: overlap.config.aliases)
     # Megatron-Core's per-direction TP-overlap switches (ModelParallelConfig names and defaults);
-    # they narrow the per-GEMM plan, see overlap.config.tp_overlap.effective_tp_plan.
+    # they narrow the per-GEMM plan, see overlap.kernels.tp_overlap.effective_tp_plan.
     tp_comm_overlap_ag: bool = True  # AG -> GEMM slots: qkv_fprop, fc1_fprop, proj_dgrad, fc2_dgrad
     tp_comm_overlap_rs: bool = True  # GEMM -> RS slots: proj_fprop, fc2_fprop
     tp_comm_bulk_dgrad: bool = True  # qkv_dgrad, fc1_dgrad: input all-gather under the dgrad GEMM

@@ -5,7 +5,14 @@ the elementwise fusions (`fusion`). The rules sit below `config/`, whose resolut
 once for the run's device and records it (`overlap.config.kernel_choices`: the decision table's
 "model" section, and `Kernels` on `cfg.resolved.kernels`), and checks the flex dispatcher's GPU
 backends against `device`. The kernels themselves are in `layers/`, which run what `Kernels` says
-and decide nothing again."""
+and decide nothing again.
+
+TP overlap's slot rules are here too (`tp_overlap`: which method - ring exchange, pipeline or bulk -
+hides each tensor-parallel GEMM's collective), chosen from the requested plan, Megatron's switches
+and the shard's size rather than the device; the resolution applies them once
+(`overlap.config.comm_overlap`) into `OverlapPlan.tp_slots`. What they decide (`SlotPlan`, and
+`LinearPlan`, a linear's three slots) is defined here beside `Kernels`: the layers
+(`layers/tp_overlap.py`) run it and import no rule."""
 
 from __future__ import annotations
 
@@ -36,3 +43,33 @@ class Kernels:
     moe_flex_dispatcher_backend: str | None
     """The token dispatcher that runs ("alltoall", "flex" with its backend) after the flex rules
     (`overlap.config.flex_dispatcher`)."""
+
+
+RING, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
+"""TP overlap's methods, under Megatron-Bridge's ``method`` strings (`tp_overlap`)."""
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """How one GEMM slot hides its collective, as decided (`tp_overlap.effective_tp_plan`):
+    ``method`` (ring_exchange | pipeline | bulk), ``num_splits`` chunks for pipeline, ``aggregate``
+    (ring exchange moves two chunks per step)."""
+
+    method: str
+    num_splits: int = 1
+    aggregate: bool = False
+
+    def __str__(self) -> str:
+        if self.method == PIPELINE:
+            return f"pipeline x{self.num_splits}"
+        return f"{self.method} (aggregate)" if self.aggregate else self.method
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The slots of one TP linear: forward GEMM, input-gradient GEMM, weight-gradient GEMM (None: no
+    overlap); what `OverlapPlan.linear` hands the linear's layer to run."""
+
+    fprop: SlotPlan | None
+    dgrad: SlotPlan | None
+    wgrad: SlotPlan | None

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
 from overlap.config.recompute import layer_chunks, selective_modules
-from overlap.config.tp_overlap import BULK
 from overlap.errors import ConfigError
+from overlap.kernels import BULK
 from overlap.kernels.attention import attention_kernel
 from overlap.launch.activations import (
     INDEX_BYTES,

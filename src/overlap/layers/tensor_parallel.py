@@ -13,8 +13,8 @@ The two spots where a collective meets a GEMM are one function each: `all_gather
 all-gather feeding the column-parallel GEMM, which keeps only the input's shard for backward and
 gathers it again there, under the dgrad GEMM: `linear_functions.Linear`'s `gather`) and
 `linear_reduce_scatter` (row-parallel GEMM feeding the SP reduce-scatter). With `tp_comm_overlap` a
-linear carries its slots' plan (`overlap.config.tp_overlap.LinearPlan`) and these two functions hand
-over to the chunked, overlapped versions in `overlap.layers.tp_overlap`.
+linear carries its slots' plan (`overlap.kernels.LinearPlan`) and these two functions
+hand over to the chunked, overlapped versions in `overlap.layers.tp_overlap`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.autograd import Function
 from torch.distributed import ProcessGroup, ReduceOp
 
 from overlap.config.mixed_precision import Precision
-from overlap.config.tp_overlap import LinearPlan
+from overlap.kernels import LinearPlan
 from overlap.layers.init import mark_shard
 from overlap.layers.linear_functions import linear
 from overlap.layers.tp_overlap import all_gather_linear_overlapped, linear_reduce_scatter_overlapped

@@ -3,7 +3,7 @@ hidden behind the GEMMs they feed or follow, per GEMM slot, as Transformer Engin
 on GPUs - here with our own async collectives and point-to-point transfers (`overlap.parallel.comm`;
 the ring exchanges are `overlap.parallel.ring`'s), so it runs on gloo and NCCL alike.
 
-Three mechanisms (`overlap.config.tp_overlap.SLOT_METHODS` says which slot may use which):
+Three mechanisms (`overlap.kernels.tp_overlap.SLOT_METHODS` says which slot may use which):
 
 * ring exchange, all-gather -> GEMM (`ring_all_gather_matmul`): TP steps; at each step the GEMM runs
   on the shard already here while that shard travels on to the next rank and the previous rank's
@@ -39,7 +39,7 @@ import torch
 from torch.autograd import Function
 from torch.distributed import ProcessGroup
 
-from overlap.config.tp_overlap import BULK, PIPELINE, RING, LinearPlan, SlotPlan
+from overlap.kernels import BULK, PIPELINE, RING, LinearPlan, SlotPlan
 from overlap.layers.linear_functions import linear_weight_grad
 from overlap.layers.wgrad_store import WeightGradStore
 from overlap.parallel import comm

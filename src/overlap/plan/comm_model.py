@@ -63,7 +63,7 @@ from math import ceil, comb
 
 from overlap.config.container import ConfigContainer
 from overlap.config.model import expert_rank_capacity
-from overlap.config.tp_overlap import SlotPlan
+from overlap.kernels import SlotPlan
 from overlap.launch.resources import estimate_memory
 from overlap.layout import ParallelLayout
 from overlap.plan.hardware import Cluster, Link, Transfer

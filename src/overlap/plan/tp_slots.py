@@ -1,7 +1,7 @@
 """Tensor-parallel communication of one layer, GEMM slot by GEMM slot, as the runtime runs it.
 
 The runtime (`overlap.layers.tp_overlap`) executes the plan
-`overlap.config.tp_overlap.effective_tp_plan` resolves (kept as the resolved overlap plan's
+`overlap.kernels.tp_overlap.effective_tp_plan` resolves (kept as the resolved overlap plan's
 `tp_slots`): one method per slot, or none. The planner reads the same plan, so a preset, a Megatron
 switch or a size rule that changes what runs changes the prediction too. With sequence parallelism
 every TP linear moves one collective of the layer's activation ([s, b, h], (t-1)/t of it per GPU)
@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overlap.config.tp_overlap import BULK, PIPELINE, RING, SlotPlan
+from overlap.kernels import BULK, PIPELINE, RING, SlotPlan
 from overlap.plan.hardware import Link, TokenBucket
 
 
