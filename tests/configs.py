@@ -29,9 +29,9 @@ from overlap.config import (
     TrainConfig,
 )
 from overlap.config.comm_overlap import OverlapPlan
-from overlap.config.decisions import DecisionLog
 from overlap.config.kernel_choices import resolve_kernels
 from overlap.config.mixed_precision import Precision
+from overlap.decisions import DecisionLog
 from overlap.kernels import Kernels
 from overlap.kernels.device import probe_device
 from overlap.layout.pipeline import PipelineLayout

@@ -24,7 +24,7 @@ from overlap.config import (
     apply_flex_dispatcher_backend,
     validate_flex_dispatcher_backend,
 )
-from overlap.config.decisions import DecisionLog
+from overlap.decisions import DecisionLog
 from overlap.errors import ConfigError
 from overlap.kernels.device import DeviceInfo, deepep_supported, hybridep_supported
 from tests import configs

@@ -14,15 +14,16 @@ import pytest
 
 SRC = Path(__file__).parent.parent / "src" / "overlap"
 
-# Lowest first: config (and the data readers it validates with; kernels/: the capability probes
-# and kernel-choice rules that the resolution records and the layers apply, so below both; and
-# layout/: the parallel sizes and pipeline stages that finalize builds and the runtime reads) ->
-# the recipes (built of config's sections) -> launch -> parallel -> layers / model -> data
-# parallelism, HF weights -> pipeline schedules -> training -> the harness -> perf / plan -> the
-# commands.
+# Lowest first: config (and below it: the decision table every rule records in, `decisions`; the
+# data readers config validates with; kernels/: the capability probes and kernel-choice rules that
+# the resolution records and the layers apply, so below both; and layout/: the parallel sizes and
+# pipeline stages that finalize builds and the runtime reads) -> the recipes (built of config's
+# sections) -> launch -> parallel -> layers / model -> data parallelism, HF weights -> pipeline
+# schedules -> training -> the harness -> perf / plan -> the commands.
 LAYERS = (
     "errors",
     "files",
+    "decisions",
     "data",
     "kernels",
     "layout",

@@ -462,8 +462,8 @@ def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped):
     after `offs.cpu()` (a host sync per GEMM); SM100+: experts without rows get non-zero weight
     gradients. Elsewhere the loop, which the table says with the reason. The run decides once for
     its GPU (`Kernels.moe_grouped_gemm`), and the experts' GEMMs take that decision."""
-    from overlap.config.decisions import DecisionLog
     from overlap.config.kernel_choices import resolve_grouped_gemm
+    from overlap.decisions import DecisionLog
     from overlap.kernels.device import DeviceInfo
     from overlap.kernels.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
     from overlap.layers.linear_functions import grouped_offsets

@@ -4,7 +4,6 @@
 from overlap.config.architecture import TransformerArchitecture
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer, Resolution
-from overlap.config.decisions import Decision, DecisionLog
 from overlap.config.flex_dispatcher import (
     apply_flex_dispatcher_backend,
     validate_flex_dispatcher_backend,
@@ -33,8 +32,6 @@ __all__ = [
     "CommOverlapConfig",
     "ConfigContainer",
     "DDPConfig",
-    "Decision",
-    "DecisionLog",
     "MixedPrecisionConfig",
     "ModelConfig",
     "OptimizerConfig",

@@ -25,7 +25,6 @@ import torch
 from overlap.config.aliases import request, typed_aliases
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.flex_dispatcher import validate_flex_dispatcher_backend
 from overlap.config.kernel_choices import resolve_kernels
 from overlap.config.logger import LoggerConfig, resolve_logger
@@ -45,6 +44,7 @@ from overlap.config.training import (
     TokenizerConfig,
     TrainConfig,
 )
+from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.errors import ConfigError, Rule, check_rules
 from overlap.kernels import Kernels
 from overlap.kernels.device import probe_device

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from overlap.config.decisions import RULE, DecisionLog
+from overlap.decisions import RULE, DecisionLog
 from overlap.errors import ConfigError
 from overlap.kernels.device import DeviceInfo, deepep_supported, hybridep_supported, probe_device
 

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
 from overlap.config.mixed_precision import Precision
+from overlap.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
 from overlap.errors import NotBuiltError
 from overlap.kernels import Kernels
 from overlap.kernels.attention import attention_kernel
