@@ -29,10 +29,10 @@ from overlap.config import (
     TrainConfig,
 )
 from overlap.config.comm_overlap import OverlapPlan
-from overlap.config.decisions import DecisionLog
-from overlap.config.kernel_choices import resolve_kernels
 from overlap.config.mixed_precision import Precision
+from overlap.decisions import DecisionLog
 from overlap.kernels import Kernels
+from overlap.kernels.choices import resolve_kernels
 from overlap.kernels.device import probe_device
 from overlap.layout.pipeline import PipelineLayout
 
@@ -164,7 +164,9 @@ def bare_kernels(model: ModelConfig) -> Kernels:
     `overlap.layers.moe.moe_layer.dispatcher_class`)."""
     typed = (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend)
     log = DecisionLog(strict=False)
-    return resolve_kernels(model, Precision.of(model), log, False, probe_device, typed, True)
+    return resolve_kernels(
+        model, Precision.of(model).params_dtype, log, False, probe_device, typed, True
+    )
 
 
 def layer_ranges(layout: PipelineLayout) -> list[list[tuple[int, int]]]:

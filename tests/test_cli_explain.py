@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import overlap.cli as cli
-import overlap.config.flex_dispatcher as flex
+import overlap.kernels.flex_backend as flex
 from overlap.cli import main
 from overlap.recipes.models import RECIPES
 

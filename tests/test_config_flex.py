@@ -15,18 +15,18 @@ import logging
 
 import pytest
 
-import overlap.config.flex_dispatcher as flex
+import overlap.kernels.flex_backend as flex
 from overlap.config import (
     CommOverlapConfig,
     ConfigContainer,
     ModelConfig,
     TrainConfig,
     apply_flex_dispatcher_backend,
-    validate_flex_dispatcher_backend,
 )
-from overlap.config.decisions import DecisionLog
+from overlap.decisions import DecisionLog
 from overlap.errors import ConfigError
 from overlap.kernels.device import DeviceInfo, deepep_supported, hybridep_supported
+from overlap.kernels.flex_backend import validate_flex_dispatcher_backend
 from tests import configs
 from tests.configs import moe_model
 

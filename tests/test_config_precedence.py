@@ -16,9 +16,9 @@ from overlap.config import (
     ModelConfig,
     OptimizerConfig,
 )
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.config.mixed_precision import MixedPrecisionConfig
 from overlap.config.overrides import apply_overrides
+from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.errors import ConfigError
 from tests.configs import container as build
 from tests.configs import dense_model as model

@@ -1,5 +1,5 @@
-"""The rule engine of the overlap switches (`DecisionLog.decide` walking a `Switch` and its `Rule`s,
-`overlap.config.decisions`): what each kind of row does to the decision table, on a toy run with
+"""The rule engine of the overlap switches (`decide` walking a `Switch` and its `Rule`s,
+`overlap.config.switches`): what each kind of row does to the decision table, on a toy run with
 one section, so the engine's contract is pinned apart from the real tables in `comm_overlap.py`."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, DecisionLog, Rule, Switch
+from overlap.config.switches import Rule, Switch, decide
+from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, DecisionLog
 from overlap.errors import ConfigError
 
 
@@ -46,7 +47,7 @@ SWAP = Switch(
 
 def test_nothing_asked_takes_the_automatic_value_and_stores_it_under_the_plan_field():
     log, run = DecisionLog(strict=False), Run(size=1)
-    assert log.decide(SWAP, run) is False
+    assert decide(log, SWAP, run) is False
     assert run.resolved == {"swap": False}
     d = log.get("model.swap")
     assert (d.requested, d.effective, d.decided_by, d.reason) == (
@@ -59,7 +60,7 @@ def test_nothing_asked_takes_the_automatic_value_and_stores_it_under_the_plan_fi
 
 def test_an_off_row_records_the_request_turned_off_with_its_reason_and_strict_refuses_it():
     log = DecisionLog(strict=False)
-    assert log.decide(SWAP, Run(swap=True, size=9)) is False
+    assert decide(log, SWAP, Run(swap=True, size=9)) is False
     d = log.get("model.swap")
     assert (d.requested, d.effective, d.decided_by, d.reason) == (
         True,
@@ -68,28 +69,28 @@ def test_an_off_row_records_the_request_turned_off_with_its_reason_and_strict_re
         "too big to swap",
     )
     with pytest.raises(ConfigError) as exc:
-        DecisionLog(strict=True).decide(SWAP, Run(swap=True, size=9))
+        decide(DecisionLog(strict=True), SWAP, Run(swap=True, size=9))
     assert "too big to swap" in str(exc.value) and "use size 8 or less." in str(exc.value)
 
 
 def test_needs_are_errors_only_with_the_switch_on_naming_the_field_value_and_fix():
-    DecisionLog(strict=False).decide(SWAP, Run(swap=False, size=1))  # off: not checked
+    decide(DecisionLog(strict=False), SWAP, Run(swap=False, size=1))  # off: not checked
     with pytest.raises(ConfigError) as exc:
-        DecisionLog(strict=False).decide(SWAP, Run(swap=True, size=1))
+        decide(DecisionLog(strict=False), SWAP, Run(swap=True, size=1))
     assert (exc.value.field, exc.value.value) == ("model.size", 1)
     assert "swap needs size >= 2." in str(exc.value) and "use size 2." in str(exc.value)
 
 
 def test_a_noop_row_warns_with_the_value_in_effect_and_strict_refuses_it():
     log = DecisionLog(strict=False)
-    log.decide(SWAP, Run(swap=True, size=4))
+    decide(log, SWAP, Run(swap=True, size=4))
     assert [(n.field, n.value, n.why) for n in log.noops] == [
         ("model.swap", True, "4 swaps to itself")
     ]
     d = log.get("model.swap")
     assert (d.decided_by, d.reason) == (MODEL_CONFIG, "set directly on model")
     with pytest.raises(ConfigError):
-        DecisionLog(strict=True).decide(SWAP, Run(swap=True, size=4))
+        decide(DecisionLog(strict=True), SWAP, Run(swap=True, size=4))
 
 
 def test_a_fixed_value_is_recorded_without_reading_the_request():
@@ -97,7 +98,7 @@ def test_a_fixed_value_is_recorded_without_reading_the_request():
         fixed=lambda s: (False, "size 3: nothing to swap") if s.read("model.size") == 3 else None
     )
     log = DecisionLog(strict=True)  # the request is not read, so nothing is dishonoured
-    assert log.decide(fixed, Run(swap=True, size=3)) is False
+    assert decide(log, fixed, Run(swap=True, size=3)) is False
     d = log.get("model.swap")
     assert (d.requested, d.effective, d.decided_by) == (None, False, RULE)
 
@@ -110,5 +111,5 @@ def test_checks_apply_whatever_the_value_and_texts_may_be_functions_of_the_run()
         "use size 1 or more.",
     )
     with pytest.raises(ConfigError) as exc:
-        DecisionLog(strict=False).decide(SWAP._replace(checks=(check,)), Run(swap=False, size=0))
+        decide(DecisionLog(strict=False), SWAP._replace(checks=(check,)), Run(swap=False, size=0))
     assert "size 0 holds nothing." in str(exc.value)

@@ -14,15 +14,16 @@ import pytest
 
 SRC = Path(__file__).parent.parent / "src" / "overlap"
 
-# Lowest first: config (and the data readers it validates with; kernels/: the capability probes
-# and kernel-choice rules that the resolution records and the layers apply, so below both; and
-# layout/: the parallel sizes and pipeline stages that finalize builds and the runtime reads) ->
-# the recipes (built of config's sections) -> launch -> parallel -> layers / model -> data
-# parallelism, HF weights -> pipeline schedules -> training -> the harness -> perf / plan -> the
-# commands.
+# Lowest first: config (and below it: the decision table every rule records in, `decisions`; the
+# data readers config validates with; kernels/: the capability probes and kernel-choice rules, which
+# record their own rows and which the layers apply, so below both; and layout/: the parallel sizes
+# and pipeline stages that finalize builds and the runtime reads) -> the recipes (built of config's
+# sections) -> launch -> parallel -> layers / model -> data parallelism, HF weights -> pipeline
+# schedules -> training -> the harness -> perf / plan -> the commands.
 LAYERS = (
     "errors",
     "files",
+    "decisions",
     "data",
     "kernels",
     "layout",
@@ -90,8 +91,8 @@ def test_no_package_imports_from_a_package_above_it():
 
 def test_the_layers_run_the_resolved_kernels_and_apply_no_kernel_rule():
     """The kernel rules (`overlap.kernels`' modules) are applied once, by the resolution
-    (`overlap.config.kernel_choices`); the layers and the model run the `Kernels` it holds and
-    import no rule that could decide again."""
+    (`overlap.kernels.choices`, called by finalize); the layers and the model run the `Kernels` it
+    holds and import no rule that could decide again."""
     rules = [
         f"{path.relative_to(SRC)} imports {node.module}"
         for pkg in ("layers", "model")

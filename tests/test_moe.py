@@ -462,15 +462,15 @@ def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped):
     after `offs.cpu()` (a host sync per GEMM); SM100+: experts without rows get non-zero weight
     gradients. Elsewhere the loop, which the table says with the reason. The run decides once for
     its GPU (`Kernels.moe_grouped_gemm`), and the experts' GEMMs take that decision."""
-    from overlap.config.decisions import DecisionLog
-    from overlap.config.kernel_choices import resolve_grouped_gemm
+    from overlap.decisions import DecisionLog
+    from overlap.kernels.choices import resolve_grouped_gemm
     from overlap.kernels.device import DeviceInfo
     from overlap.kernels.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
     from overlap.layers.linear_functions import grouped_offsets
 
     decided = resolve_grouped_gemm(
         moe_config(4),
-        SimpleNamespace(params_dtype="bfloat16"),
+        "bfloat16",
         DecisionLog(strict=False),
         True,
         lambda: DeviceInfo("NVIDIA GPU", major),
@@ -487,8 +487,8 @@ def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped):
 
 @pytest.mark.parametrize("gpu, kernel", [("h100", "grouped"), ("b200", "loop"), ("cpu", "grouped")])
 def test_explain_shows_the_experts_gemm_kernel_for_the_target_gpu(gpu, kernel):
-    from overlap.config.kernel_choices import ROW
     from overlap.harness import resolve_run
+    from overlap.kernels.choices import ROW
 
     job = resolve_run(["-m", "qwen", "-mr", "qwen3_moe_tiny", "-g", gpu, "-ng", "1"], [])
     (row,) = [d for d in job.resolution.decisions.sections["model"] if d.field == ROW]
@@ -499,14 +499,14 @@ def _train_moe_steps(loop: bool) -> list[float]:
     """Three steps' losses of the tiny MoE (hidden 64, expert width 32: the grouped kernel's layout
     rule holds in fp32) on one rank, the experts' GEMMs on torch's grouped kernel or, `loop`, the
     per-expert loop forced (the rule answering as it does off Hopper, so the run decides it)."""
-    from overlap.config import kernel_choices
+    from overlap.kernels import choices
     from overlap.kernels.grouped_gemm import LOOP
     from overlap.parallel.state import ParallelState
     from overlap.training.trainer import Trainer
 
-    rule = kernel_choices.grouped_gemm_kernel
+    rule = choices.grouped_gemm_kernel
     if loop:
-        kernel_choices.grouped_gemm_kernel = lambda *facts: (LOOP, "forced by the test")
+        choices.grouped_gemm_kernel = lambda *facts: (LOOP, "forced by the test")
     try:
         cfg = tiny_config(True, None, 2, [], 3)
         res = cfg.finalize(1)
@@ -514,7 +514,7 @@ def _train_moe_steps(loop: bool) -> list[float]:
         trainer = Trainer(cfg, ParallelState(res.layout))
         return [r.lm_loss for r in trainer.train().records]
     finally:
-        kernel_choices.grouped_gemm_kernel = rule
+        choices.grouped_gemm_kernel = rule
 
 
 def test_the_loop_fallback_trains_like_the_grouped_kernel():

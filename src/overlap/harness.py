@@ -28,12 +28,12 @@ from typing import Any
 from overlap.config.aliases import spellings
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer, Resolution
-from overlap.config.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend
 from overlap.config.mixed_precision import get_mixed_precision_config
 from overlap.config.model import comma_list
 from overlap.config.overrides import apply_override, apply_overrides, check_override_repeats
 from overlap.config.path_fields import expand_path_fields
+from overlap.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.hf.config_json import PRETRAINED, apply_pretrained
 from overlap.kernels.device import TARGET_DEVICES, probe_device
@@ -496,7 +496,7 @@ def _explicit_false_distributed_optimizer(
     """ddp.use_distributed_optimizer and its alias optimizer.use_distributed_optimizer are one knob
     (either true turns it on, as the reference: `aliases.ANY_TRUE`): a `false` the user typed for
     one while the other is true is a request that is not honoured - a warning, an error under
-    --strict (config/decisions.py)."""
+    --strict (`overlap.decisions`)."""
     out = []
     for mine, other in (("ddp", "optimizer"), ("optimizer", "ddp")):
         key = f"{mine}.use_distributed_optimizer"

@@ -4,11 +4,7 @@
 from overlap.config.architecture import TransformerArchitecture
 from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.config.container import ConfigContainer, Resolution
-from overlap.config.decisions import Decision, DecisionLog
-from overlap.config.flex_dispatcher import (
-    apply_flex_dispatcher_backend,
-    validate_flex_dispatcher_backend,
-)
+from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend
 from overlap.config.mixed_precision import MixedPrecisionConfig, get_mixed_precision_config
 from overlap.config.model import ModelConfig
 
@@ -33,8 +29,6 @@ __all__ = [
     "CommOverlapConfig",
     "ConfigContainer",
     "DDPConfig",
-    "Decision",
-    "DecisionLog",
     "MixedPrecisionConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -48,5 +42,4 @@ __all__ = [
     "TransformerLayerTPOverlapCfg",
     "apply_flex_dispatcher_backend",
     "get_mixed_precision_config",
-    "validate_flex_dispatcher_backend",
 ]

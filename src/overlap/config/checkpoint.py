@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
 from overlap.config.refusals import one_of
 from overlap.config.training import SchedulerConfig
+from overlap.decisions import DEFAULT, RULE, USER, DecisionLog
 from overlap.errors import check_rules
 
 FORMATS = ("torch_dist",)

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from overlap.config.aliases import request
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog, Rule, Switch
+from overlap.config.switches import Rule, Switch, decide, noops_in
 from overlap.config.tp_overlap import TransformerLayerTPOverlapCfg, get_tp_overlap_preset
+from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
 from overlap.errors import ConfigError
 from overlap.kernels import LinearPlan, SlotPlan
 from overlap.kernels.tp_overlap import TPOverlapInputs, effective_tp_plan, kernel_knobs
@@ -185,7 +186,7 @@ class _Run:
 
     def decide(self, switches: tuple[Switch, ...]) -> None:
         for switch in switches:
-            self.log.decide(switch, self)
+            decide(self.log, switch, self)
 
 
 def resolve_comm_overlap(
@@ -208,14 +209,14 @@ def resolve_comm_overlap(
     tp_cfg = _resolve_tp(run)
     run.decide(_PIPELINE + _CP + _MOE)
     if model.is_moe:
-        log.decide(_SHARED_EXPERT, run)
+        decide(log, _SHARED_EXPERT, run)
         _record_moe_routing(model, log)
     else:  # a dense model has no row for it; a value set is a no-op row (EP = 1)
         run.resolved["moe_shared_expert_overlap"] = bool(model.moe_shared_expert_overlap)
     _resolve_tp_plan(model, tp_cfg, log, run.resolved)
     _agree_distributed_optimizer(run)
     run.decide(_DP)
-    log.noops_in(_NOOPS, run)
+    noops_in(log, _NOOPS, run)
     return OverlapPlan(**run.resolved)
 
 
@@ -246,7 +247,7 @@ def _resolve_tp(run: _Run) -> dict[str, Any] | None:
     """TP overlap on or off, and its per-GEMM plan; returns the plan in Bridge's dict form (None:
     TP overlap off, or no plan given), which `_resolve_tp_plan` turns into the slots."""
     log, r = run.log, run.resolved
-    on = log.decide(_TP, run)
+    on = decide(log, _TP, run)
     plan_req = request(run.sections, "comm_overlap.tp_comm_overlap_cfg")
     plan = plan_req.value
     r["tp_comm_bootstrap_backend"] = (

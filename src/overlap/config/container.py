@@ -25,9 +25,6 @@ import torch
 from overlap.config.aliases import request, typed_aliases
 from overlap.config.checkpoint import CheckpointConfig, resolve_checkpoint
 from overlap.config.comm_overlap import CommOverlapConfig, OverlapPlan, resolve_comm_overlap
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
-from overlap.config.flex_dispatcher import validate_flex_dispatcher_backend
-from overlap.config.kernel_choices import resolve_kernels
 from overlap.config.logger import LoggerConfig, resolve_logger
 from overlap.config.mixed_precision import (
     MixedPrecisionConfig,
@@ -45,9 +42,12 @@ from overlap.config.training import (
     TokenizerConfig,
     TrainConfig,
 )
+from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
 from overlap.errors import ConfigError, Rule, check_rules
 from overlap.kernels import Kernels
+from overlap.kernels.choices import resolve_kernels
 from overlap.kernels.device import probe_device
+from overlap.kernels.flex_backend import validate_flex_dispatcher_backend
 from overlap.layout import ParallelLayout, PipelineLayout
 from overlap.layout.dims import SP_WITHOUT_TP_FIX, SP_WITHOUT_TP_WHY
 from overlap.layout.pipeline import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
@@ -182,7 +182,7 @@ class ConfigContainer:
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
         dispatcher = validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
         kernels = resolve_kernels(
-            self.model, precision, log, on_cuda, device, dispatcher, require_libraries
+            self.model, precision.params_dtype, log, on_cuda, device, dispatcher, require_libraries
         )
         self._resolution = Resolution(world_size, layout, pipeline, plan, precision, kernels, log)
         return self._resolution

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
+from overlap.decisions import DEFAULT, RULE, USER, DecisionLog
 from overlap.errors import ConfigError
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from overlap.config.aliases import request
-from overlap.config.decisions import DEFAULT, RULE, USER, DecisionLog
+from overlap.decisions import DEFAULT, RULE, USER, DecisionLog
 from overlap.errors import ConfigError
 
 if TYPE_CHECKING:

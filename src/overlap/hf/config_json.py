@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from overlap.config.architecture import TransformerArchitecture, moe_layer_freq_for
-from overlap.config.decisions import RULE, USER, DecisionLog
 from overlap.config.model import ModelConfig
+from overlap.decisions import RULE, USER, DecisionLog
 from overlap.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("overlap.hf")

@@ -1,10 +1,10 @@
 """Which kernel runs, decided from what the machine is: the capability probes (device 0's compute
 capability, what torch.compile needs here) and the choice rules for the attention product
 (`attention`), the MoE token permutation (`moe_permute`), the experts' GEMMs (`grouped_gemm`) and
-the elementwise fusions (`fusion`). The rules sit below `config/`, whose resolution applies each
-once for the run's device and records it (`overlap.config.kernel_choices`: the decision table's
-"model" section, and `Kernels` on `cfg.resolved.kernels`), and checks the flex dispatcher's GPU
-backends against `device`. The kernels themselves are in `layers/`, which run what `Kernels` says
+the elementwise fusions (`fusion`), and the token dispatcher's flex backends (`flex_backend`,
+checked against `device`). The rules sit below `config/`, whose resolution applies each once for
+the run's device and records it (`choices`: the decision table's "model" section, and `Kernels` on
+`cfg.resolved.kernels`). The kernels themselves are in `layers/`, which run what `Kernels` says
 and decide nothing again.
 
 TP overlap's slot rules are here too (`tp_overlap`: which method - ring exchange, pipeline or bulk -
@@ -17,6 +17,28 @@ and the shard's size rather than the device; the resolution applies them once
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class ModelFields(Protocol):
+    """The model fields the kernel rules read, as the user typed them (`overlap.config`'s
+    ModelConfig, which finalize hands in: this package sits below config and names none of its
+    types)."""
+
+    attention_backend: str
+    seq_length: int
+    num_moe_experts: int | None
+    gated_linear_unit: bool
+    rms_norm_fusion: bool | None
+    apply_rope_fusion: bool | None
+    bias_activation_fusion: bool | None
+    moe_permute_fusion: bool | None
+    moe_expert_rank_capacity_factor: float | None
+    moe_token_dispatcher_type: str
+    moe_flex_dispatcher_backend: str | None
+
+    @property
+    def is_moe(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,7 @@ class Kernels:
     moe_token_dispatcher_type: str
     moe_flex_dispatcher_backend: str | None
     """The token dispatcher that runs ("alltoall", "flex" with its backend) after the flex rules
-    (`overlap.config.flex_dispatcher`)."""
+    (`flex_backend`)."""
 
 
 RING, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"

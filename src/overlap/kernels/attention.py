@@ -18,8 +18,8 @@ PyTorch's:
   slower still.
 
 The resolution decides once for the device the run uses, in its precision at its sequence length
-(`overlap.config.kernel_choices`): one decision (requested, effective kernel, why), and the kernel
-kept as `Kernels.attention_backend`, which the layer runs (a dry run's stand-in tensors take the
+(`choices`): one decision (requested, effective kernel, why), and the kernel kept as
+`Kernels.attention_backend`, which the layer runs (a dry run's stand-in tensors take the
 fused kernels' memory, `overlap.layers.attention.fused_attention_on_meta`).
 """
 

@@ -1,6 +1,6 @@
 """What the run's GPU is: device 0's name and compute capability (probed, or the target `overlap
 explain -g` names), and which GPUs DeepEP's kernels support. The flex dispatcher's rules
-(`overlap.config.flex_dispatcher`) and the experts' GEMM rule (`grouped_gemm`) read it."""
+(`flex_backend`) and the experts' GEMM rule (`grouped_gemm`) read it."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ run does not win back. Set, a fusion is honoured on any device; set but unable t
 is said as a no-op switch (an error under strict) and the eager function runs. On CUDA, inductor's
 Triton kernels need Triton itself and, at the first kernel, a host C compiler and Python's headers
 (Triton builds its launcher): a machine without them falls back here, at start-up, with the reason
-in the decision table (`overlap.config.kernel_choices`), instead of failing inside the first step.
+in the decision table (`choices`), instead of failing inside the first step.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ to the loop (tests/test_moe.py) without the Python loop. Fake tensors (the dry r
 the loop.
 
 The resolution decides once for the run's GPU (`overlap explain -g GPU` names the target's
-architecture, `run` probes its own device), records it in the "model" section
-(`overlap.config.kernel_choices`) and keeps it as `Kernels.moe_grouped_gemm`, which the experts'
-GEMMs run (`overlap.layers.linear_functions.grouped_offsets`). The rule depends on facts of the
+architecture, `run` probes its own device), records it in the "model" section (`choices`) and
+keeps it as `Kernels.moe_grouped_gemm`, which the experts' GEMMs run
+(`overlap.layers.linear_functions.grouped_offsets`). The rule depends on facts of the
 machine alone: there is no switch to set, and the device script's env step
 measures both kernels against each other.
 """

@@ -11,7 +11,7 @@ So unset (None), the permutation is the loop where the ranks compute on the CPU 
 elsewhere (CUDA; also the dry run's "meta", which stands for CUDA). Set, it is honoured on any
 device: the loop on CUDA is still correct (a reference to check the fused kernels against on the
 GPU), and it is said at start-up with its cost, never silently. The resolution decides once for the
-run's device, records it in the "model" section (`overlap.config.kernel_choices`) and keeps it as
+run's device, records it in the "model" section (`choices`) and keeps it as
 `Kernels.moe_permute_fusion`, which the dispatcher runs.
 """
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from overlap.config.decisions import USER, DecisionLog
 from overlap.config.logger import LoggerConfig
+from overlap.decisions import USER, DecisionLog
 from overlap.errors import ConfigError
 from overlap.files import create_replacing
 

@@ -1,26 +1,24 @@
-"""Decision records: every resolved overlap field says what was asked, what is in effect, who
-decided and why; and the one engine that decides a switch from its rules.
+"""Decision records: every resolved value says what was asked, what is in effect, who decided and
+why - the run's "loud and explained decisions", which every layer of the resolution writes (the
+overlap switches, the precision, the layout, checkpoints, the kernel choices of `overlap.kernels`).
 
 This is the fix for the reference's worst habit (turning overlap off with a warning nobody reads):
 the table is logged at start-up, printed by `overlap explain`, and strict mode turns any request
-that could not be honoured into an error.
-
-The rules are data: a `Switch` declares how its value is decided (the request, else an automatic
-value) and its `Rule`s - a request turned off, a prerequisite or conflict (an error), a value that
-does nothing here (a no-op row) - each with its message; `DecisionLog.decide` walks them, records
-the decision and raises or warns as the rule says.
+that could not be honoured into an error. It sits below every package that records (it imports
+only `overlap.errors`); the engine that decides an overlap switch from its rules is
+`overlap.config.switches`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any
 
-from overlap.config.aliases import request, spellings
-from overlap.errors import ConfigError, check_rules
+from overlap.errors import ConfigError
 
+# the configuration's channel: what a resolution decided, whichever package's rule decided it
 log = logging.getLogger("overlap.config")
 
 # Who decided an effective value.
@@ -33,79 +31,6 @@ DEFAULT = "default"  # nothing asked for it; the automatic default
 FLAG = "flag"
 OVERRIDE = "override"
 RECIPE = "recipe"
-
-
-Text = str | Callable[[Any], str]  # a message, or a function of the run that writes it (sizes)
-_READ = object()  # a rule's value is its field's, read from the run
-
-
-class Rule(NamedTuple):
-    """One prerequisite, conflict or no-op as data: it applies when `when(run)` holds; its message
-    names `field` with `value` (by default the field's own, `run.read(field)`), says `why` and how
-    to `fix` it. Field and texts are strings or functions of the run. A knob with several
-    spellings is named as the user typed it (`typed`)."""
-
-    field: Text
-    when: Callable[[Any], bool]
-    why: Text
-    fix: Text
-    value: Any = _READ
-
-    def hit(self, run: Any) -> tuple[str, Any, str, str] | None:
-        """(field, value, why, fix) when the rule applies to `run`, else None."""
-        if not self.when(run):
-            return None
-        field = typed(_say(self.field, run), run.sections)
-        value = self.value
-        value = run.read(field) if value is _READ else value(run) if callable(value) else value
-        return field, value, _say(self.why, run), _say(self.fix, run)
-
-
-def typed(field: str, sections: Mapping[str, Any]) -> str:
-    """`field`, or the spelling of its knob the user typed when that is another one of those
-    `sections` holds (an error names what the user wrote, not the knob's home)."""
-    names = spellings(field)
-    if not names or any(name.partition(".")[0] not in sections for name in names):
-        return field
-    return request(sections, field).spelling or field
-
-
-def _say(text: Text, run: Any) -> str:
-    return text(run) if callable(text) else text
-
-
-def refuse(rules: Iterable[Rule], run: Any) -> None:
-    """Raise the first rule that applies (a prerequisite not met or a conflict is always an error),
-    as a row of `errors.check_rules`, the rule tables' one raising engine; the rules after it are
-    not read."""
-    hits = filter(None, (rule.hit(run) for rule in rules))
-    check_rules((field, value, False, why, fix) for field, value, why, fix in hits)
-
-
-def _off(_run: Any) -> tuple[bool, str]:
-    return False, "off unless requested"
-
-
-# (when, why, fix): a request for the switch on is turned off, with that reason
-Off = tuple[Callable[[Any], bool], str, str]
-
-
-class Switch(NamedTuple):
-    """An overlap switch as data: its row in the decision table, which also names the knob its
-    request is read from (any spelling: `aliases.request`) and its plan field; its automatic value
-    and its rules, in the order `DecisionLog.decide` applies them."""
-
-    field: str
-    auto: Callable[[Any], tuple[Any, str]] = _off  # (value, why) when nothing is asked
-    by: str = DEFAULT  # who decides that value: DEFAULT (off unless asked) or RULE (the layout)
-    off: tuple[Off, ...] = ()  # a request for it on is turned off by the first that applies
-    needs: tuple[Rule, ...] = ()  # prerequisites and conflicts of the value in effect, when on
-    checks: tuple[Rule, ...] = ()  # errors whatever the value in effect
-    noops: tuple[Rule, ...] = ()  # the value in effect does nothing here
-    asked: tuple[str, str] | None = None  # why a request on / off stands (None: who set it)
-    note: Callable[[Any, Any], str | None] | None = None  # added to the why, given the value
-    # the layout's own value and why: the request is not read (a request is a no-op row)
-    fixed: Callable[[Any], tuple[Any, str] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -203,52 +128,6 @@ class DecisionLog:
         self._check(decision, fix)
         self.decisions.append(decision)
         return effective
-
-    def decide(self, switch: Switch, run: Any) -> Any:
-        """Decide `switch` for `run` (its `sections` by name, its `resolved` switches by plan
-        field): the layout's fixed value, else the request (comm_overlap's spelling beats the
-        direct one, `aliases.request`) unless a rule turns it off, else the automatic value;
-        record it, store it in `run.resolved`, then raise the first error and warn of the no-ops
-        its rules find."""
-        fixed = switch.fixed(run) if switch.fixed else None
-        if fixed is not None:
-            value = self.record(switch.field, None, fixed[0], RULE, fixed[1])
-        else:
-            value = self._requested(switch, request(run.sections, switch.field), run)
-        run.resolved[switch.field.partition(".")[2]] = value
-        refuse((*(switch.needs if value else ()), *switch.checks), run)
-        self.noops_in(switch.noops, run)
-        return value
-
-    def noops_in(self, rules: Iterable[Rule], run: Any) -> None:
-        """Every no-op rule that applies to `run`: a warning row (an error under strict)."""
-        for rule in rules:
-            if hit := rule.hit(run):
-                self.noop(*hit)
-
-    def _requested(self, switch: Switch, req: Any, run: Any) -> Any:
-        if req.value:
-            for when, why, fix in switch.off:
-                if when(run):
-                    return self.record(switch.field, req.value, False, RULE, why, fix)
-        if req.spelling is None:
-            (value, why), requested, by = switch.auto(run), None, switch.by
-        else:
-            value = requested = req.value
-            # typed on comm_overlap: an aliased switch's home, or a switch only comm_overlap has
-            own = req.spelling == switch.field and switch.field.startswith("comm_overlap.")
-            home = req.on_home or own
-            by = USER if home else MODEL_CONFIG
-            if switch.asked:
-                why = switch.asked[0] if value else switch.asked[1]
-            elif home:
-                why = "set on comm_overlap"
-            else:
-                why = f"set directly on {req.spelling.split('.')[0]}"
-        extra = switch.note(run, value) if switch.note else None
-        return self.record(
-            switch.field, requested, value, by, why if extra is None else f"{why}; {extra}"
-        )
 
     def record_in(
         self, section: str, field: str, requested: Any, effective: Any, decided_by: str, reason: str

@@ -1,28 +1,24 @@
 """The kernel choices of a run, decided once by the resolution for the run's device: which attention
-kernel, MoE permutation, experts' GEMM, elementwise fusions and token dispatcher run. Each choice
-is recorded in the "model" section of the decision table (a decision, a no-op switch or a
-refusal) and kept, as what runs, in `Kernels` (`cfg.resolved.kernels`), which the layers read; the
-model section keeps the requested values. The rules (and the probes of what the machine can run)
-are `overlap.kernels`'."""
+kernel, MoE permutation, experts' GEMM and elementwise fusions run, beside the token dispatcher the
+flex rules decided (`flex_backend`). Each choice is recorded in the "model" section of the decision
+table (a decision, a no-op switch or a refusal) and kept, as what runs, in `Kernels`
+(`cfg.resolved.kernels`), which the layers read; the model section keeps the requested values.
+The rules (and the probes of what the machine can run) are this package's other modules; finalize
+(`overlap.config.container`) hands in the model config it resolves, read as `ModelFields`."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from overlap.config.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
-from overlap.config.mixed_precision import Precision
+from overlap.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
 from overlap.errors import NotBuiltError
-from overlap.kernels import Kernels
+from overlap.kernels import Kernels, ModelFields
 from overlap.kernels.attention import attention_kernel
 from overlap.kernels.device import DeviceInfo
 from overlap.kernels.fusion import FUSIONS, fusion_on
 from overlap.kernels.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
 from overlap.kernels.moe_permute import LOOP_ON_CUDA, permute_fused
-
-if TYPE_CHECKING:
-    from overlap.config.model import ModelConfig
 
 _log = logging.getLogger("overlap.config")
 
@@ -30,12 +26,12 @@ ROW = "experts' GEMM kernel (per architecture)"
 
 
 def resolve_attention_backend(
-    model: ModelConfig, precision: Precision, log: DecisionLog, on_cuda: bool
+    model: ModelFields, params_dtype: str, log: DecisionLog, on_cuda: bool
 ) -> str:
-    """The kernel the configured backend runs on the run's device in the run's precision, recorded
-    in the "model" section."""
+    """The kernel the configured backend runs on the run's device in the run's precision
+    (`params_dtype`), recorded in the "model" section."""
     backend = model.attention_backend
-    kernel, why = attention_kernel(backend, on_cuda, precision.params_dtype, model.seq_length)
+    kernel, why = attention_kernel(backend, on_cuda, params_dtype, model.seq_length)
     if backend == "auto":
         log.record_in("model", "model.attention_backend", None, kernel, DEFAULT, why)
     else:
@@ -50,7 +46,7 @@ def resolve_attention_backend(
     return kernel
 
 
-def resolve_moe_permute_fusion(model: ModelConfig, decisions: DecisionLog, on_cuda: bool) -> bool:
+def resolve_moe_permute_fusion(model: ModelFields, decisions: DecisionLog, on_cuda: bool) -> bool:
     """Whether the fused permutation runs on the run's device, recorded in the "model" section for
     an MoE model. The loop asked for on CUDA is logged as a warning."""
     requested = model.moe_permute_fusion
@@ -74,14 +70,14 @@ def resolve_moe_permute_fusion(model: ModelConfig, decisions: DecisionLog, on_cu
     return fused
 
 
-def _nothing_to_fuse(model: ModelConfig, field: str) -> str | None:
+def _nothing_to_fuse(model: ModelFields, field: str) -> str | None:
     if field == "bias_activation_fusion" and not model.gated_linear_unit and not model.is_moe:
         return "a dense GELU MLP has no chain to fuse (GELU is one kernel already)"
     return None
 
 
 def resolve_elementwise_fusion(
-    model: ModelConfig, decisions: DecisionLog, on_cuda: bool, check_here: bool = True
+    model: ModelFields, decisions: DecisionLog, on_cuda: bool, check_here: bool = True
 ) -> dict[str, bool]:
     """Whether each fusion (by its field) runs on the run's device, recorded in the "model" section.
     A fusion asked for that cannot take effect is a no-op switch: warned (and in `overlap
@@ -115,28 +111,28 @@ def resolve_elementwise_fusion(
 
 
 def resolve_grouped_gemm(
-    model: ModelConfig,
-    precision: Precision,
+    model: ModelFields,
+    params_dtype: str,
     decisions: DecisionLog,
     on_cuda: bool,
     device: Callable[[], DeviceInfo | None],
 ) -> bool:
     """Whether the experts' GEMMs run torch's grouped kernel on the run's GPU (`device`: the target
-    -g names, or this machine's) or on the CPU, recorded in the "model" section for an MoE
-    model."""
+    -g names, or this machine's) or on the CPU in the run's precision (`params_dtype`), recorded in
+    the "model" section for an MoE model."""
     if not model.num_moe_experts:
         return False
     info = device() if on_cuda else None
     kernel, why = grouped_gemm_kernel(
         "cuda" if on_cuda else "cpu",
         info.major if info is not None else None,
-        precision.params_dtype,
+        params_dtype,
     )
     decisions.record_in("model", ROW, None, kernel, DEFAULT, why)
     factor = model.moe_expert_rank_capacity_factor
     # the loop cuts the rows by host counts, which the sync-free dispatch never reads; a bf16 run on
     # a GPU this machine cannot see (a dry run) is left to the experts' own check at first use
-    unknown_gpu = on_cuda and info is None and precision.params_dtype == "bfloat16"
+    unknown_gpu = on_cuda and info is None and params_dtype == "bfloat16"
     if factor is not None and kernel == LOOP and not unknown_gpu:
         raise NotBuiltError(
             "model.moe_expert_rank_capacity_factor",
@@ -149,8 +145,8 @@ def resolve_grouped_gemm(
 
 
 def resolve_kernels(
-    model: ModelConfig,
-    precision: Precision,
+    model: ModelFields,
+    params_dtype: str,
     log: DecisionLog,
     on_cuda: bool,
     device: Callable[[], DeviceInfo | None],
@@ -158,14 +154,15 @@ def resolve_kernels(
     require_libraries: bool,
 ) -> Kernels:
     """Every kernel choice of the run (the last step of finalize), decided once for the run's
-    device and recorded: the attention kernel, the MoE permutation, the experts' GEMM (`device`'s
-    GPU) and the elementwise fusions (compile's requirements checked here unless the run is
-    described for another machine: `require_libraries=False`), beside `dispatcher`, the token
-    dispatcher finalize decided by the flex rules (`overlap.config.flex_dispatcher`)."""
+    device in its precision (`params_dtype`) and recorded: the attention kernel, the MoE
+    permutation, the experts' GEMM (`device`'s GPU) and the elementwise fusions (compile's
+    requirements checked here unless the run is described for another machine:
+    `require_libraries=False`), beside `dispatcher`, the token dispatcher finalize decided by the
+    flex rules (`flex_backend.validate_flex_dispatcher_backend`)."""
     return Kernels(
-        attention_backend=resolve_attention_backend(model, precision, log, on_cuda),
+        attention_backend=resolve_attention_backend(model, params_dtype, log, on_cuda),
         moe_permute_fusion=resolve_moe_permute_fusion(model, log, on_cuda),
-        moe_grouped_gemm=resolve_grouped_gemm(model, precision, log, on_cuda, device),
+        moe_grouped_gemm=resolve_grouped_gemm(model, params_dtype, log, on_cuda, device),
         **resolve_elementwise_fusion(model, log, on_cuda, require_libraries),
         moe_token_dispatcher_type=dispatcher[0],
         moe_flex_dispatcher_backend=dispatcher[1],
