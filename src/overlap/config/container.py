@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
@@ -42,7 +41,8 @@ from overlap.config.training import (
     TokenizerConfig,
     TrainConfig,
 )
-from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, Decision, DecisionLog
+from overlap.data.resolution import record_blend, tokenizer_vocab
+from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, Decision, DecisionLog
 from overlap.errors import ConfigError, Rule, check_rules
 from overlap.kernels import Kernels
 from overlap.kernels.choices import resolve_kernels
@@ -259,91 +259,14 @@ class ConfigContainer:
         return read(self.model, path, self.tokenizer.vocab_size, log)
 
     def _apply_data(self, layout: ParallelLayout, log: DecisionLog, hf_vocab: int | None) -> None:
-        """The tokenizer's vocabulary (padded as Megatron pads it, or a pretrained Hugging Face
-        folder's `hf_vocab` embedding rows) and the dataset's files, checked now."""
+        """The tokenizer's vocabulary onto the model section and the dataset's files, checked now
+        (`overlap.data.resolution`)."""
         tok, data, m = self.tokenizer, self.dataset, self.model
         if tok.tokenizer_type == "HuggingFaceTokenizer":
-            from overlap.data.tokenizer import HFTokenizer, padded_vocab_size
-
-            hf = HFTokenizer(tok.tokenizer_model)
-            check_rules(
-                [
-                    (
-                        "model.make_vocab_size_divisible_by",
-                        m.make_vocab_size_divisible_by,
-                        m.make_vocab_size_divisible_by >= 1,
-                        "it must be positive.",
-                        "use 128 (Megatron's default).",
-                    ),
-                    (
-                        "tokenizer.tokenizer_model",
-                        tok.tokenizer_model,
-                        hf_vocab is None or hf_vocab >= hf.vocab_size,
-                        f"this tokenizer has {hf.vocab_size} tokens, but the pretrained "
-                        f"checkpoint's embedding has {hf_vocab} rows (its config.json): larger "
-                        "token ids have no embedding.",
-                        "use the checkpoint's own tokenizer.",
-                    ),
-                ]
+            m.vocab_size = tokenizer_vocab(
+                tok.tokenizer_model, m.make_vocab_size_divisible_by, layout.tp, hf_vocab, log
             )
-            if hf_vocab is not None:
-                # A released checkpoint's embedding has its own (already padded) rows: Qwen3's
-                # 151936 for the tokenizer's 151669 tokens. Padding the tokenizer's count again
-                # would not match its weights.
-                m.vocab_size = hf_vocab
-                log.record_in(
-                    "data",
-                    "model.vocab_size",
-                    None,
-                    m.vocab_size,
-                    RULE,
-                    f"the pretrained checkpoint's vocabulary (its config.json), which holds the "
-                    f"tokenizer's {hf.vocab_size} tokens; end of document = token {hf.eod}",
-                )
-            else:
-                m.vocab_size = padded_vocab_size(
-                    hf.vocab_size, m.make_vocab_size_divisible_by, layout.tp
-                )
-                log.record_in(
-                    "data",
-                    "model.vocab_size",
-                    None,
-                    m.vocab_size,
-                    RULE,
-                    f"the tokenizer's {hf.vocab_size} tokens padded to a multiple of "
-                    f"make_vocab_size_divisible_by x TP = {m.make_vocab_size_divisible_by} x "
-                    f"{layout.tp}; end of document = token {hf.eod}",
-                )
-        if data.blend is None:
-            log.record_in(
-                "data",
-                "dataset.blend",
-                None,
-                None,
-                DEFAULT,
-                "not set: mock data (random tokens from the seed; the loss cannot fall below "
-                f"ln(vocab) = {math.log(m.vocab_size):.2f})",
-            )
-            return
-        from overlap.data.gpt_dataset import parse_blend, split_ranges
-        from overlap.data.indexed import IndexedDataset
-
-        prefixes, weights = parse_blend(data.blend)
-        share = sum(weights)
-        for prefix, weight in zip(prefixes, weights):
-            files = IndexedDataset(prefix)
-            start, end = split_ranges(data.split, len(files))[0]
-            tokens = int(files.lengths[start:end].sum())
-            log.record_in(
-                "data",
-                "dataset.blend",
-                prefix,
-                prefix,
-                USER,
-                f"weight {weight / share:.3f}: {end - start} of {len(files)} documents in the "
-                f"training split ({data.split}), {tokens:,} tokens ({files.dtype.name}); shuffled "
-                f"with seed {data.random_seed}",
-            )
+        record_blend(data.blend, data.split, data.random_seed, m.vocab_size, log)
 
     def _apply_mixed_precision(self, log: DecisionLog) -> Precision:
         """The run's precision: the preset's values, or without one the aliases' as typed
