@@ -141,11 +141,15 @@ _SELECTIVE_235 = "model.recompute_granularity=selective model.recompute_modules=
 # The performance summary's archive (Megatron-Bridge docs/performance-summary-archive.md,
 # docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html): the H100 MoE runs
 # at micro-batch > 1 (issue 53: the only published ones of the reference on Hopper).
-_ARCHIVE = "Bridge performance summary archive"
+_ARCHIVE = (
+    "Bridge performance summary archive "
+    "(docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html)"
+)
 # 25.09's H100 Qwen3-30B-A3B FP8 recipe (scripts/performance/configs/qwen3/
-# qwen3_30b_a3b_llm_pretrain.py of that release): FP8 current scaling, the recipe's alltoall
-# dispatcher, token drop on (`apply_moe_token_drop`: capacity factor 1.0, padded to capacity; the
-# summary's "tokendrop"), EP overlap off (`moe_a2a` False), no CUDA graphs on H100
+# qwen3_30b_a3b_llm_pretrain.py of that release): FP8 current scaling, the alltoall dispatcher
+# (which its token drop requires), token drop on (`apply_moe_token_drop`: capacity factor 1.0,
+# padded to capacity; the summary's "tokendrop"), EP overlap off (`moe_a2a` False), no CUDA
+# graphs on H100
 _TOKEN_DROP = "model.moe_expert_capacity_factor=1.0 model.moe_pad_expert_input_to_capacity=true"
 _UNEVEN_235 = "the recipe's uneven layout (embedding and loss accounted as layers)"
 
