@@ -159,9 +159,13 @@ _MISS = {
     "recompute (the launch floor, as the BF16 rows; FP8 halves the GEMMs under it)",
     "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": "not among the 12 priced (as the FP8 EP16 row)",
     "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": "eighth, 21% behind (as the FP8 EP16 row)",
+    "Qwen3-30B-A3B 16xH100 FP8 MBS2 PP2 VP24 EP8 token drop (25.09)": "sixth, 1.2% behind: within "
+    "5% but five near-ties ahead, the same PP2 x EP8 at micro-batch 2 with other interleaves",
     "GPT-OSS-120B 64xH100 BF16 PP4 EP8": "not among the 22 priced: the pick, PP4 x VP9 at "
     "micro-batch 2, has a smaller bubble and fits by the memory model (sliding windows are not "
     "expressed)",
+    "GPT-OSS-120B 64xH100 BF16 MBS4 PP4 EP8 (25.11)": "not among the 31 priced: the same pick "
+    "(its 8 micro-batches a step leave plain PP4 a large bubble)",
     "Llama3-8B 8xH100 FP8-CS FSDP": "not among the 15 priced: TP2 at micro-batch 2; the FSDP run "
     "is priced as the distributed optimizer, whose TP1 needs recompute to fit",
     "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": "twelfth, 8% behind TP4 x PP4 x VP20, whose modelled "

@@ -138,6 +138,19 @@ _GPT_OSS_STACK = (
 )
 _PRE_STACK = "release 26.04.01, before Bridge 55443cbfb: HybridEP (32 SMs), EP overlap off"
 _SELECTIVE_235 = "model.recompute_granularity=selective model.recompute_modules=[layernorm,moe_act]"
+# The performance summary's archive (Megatron-Bridge docs/performance-summary-archive.md,
+# docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html): the H100 MoE runs
+# at micro-batch > 1 (issue 53: the only published ones of the reference on Hopper).
+_ARCHIVE = (
+    "Bridge performance summary archive "
+    "(docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html)"
+)
+# 25.09's H100 Qwen3-30B-A3B FP8 recipe (scripts/performance/configs/qwen3/
+# qwen3_30b_a3b_llm_pretrain.py of that release): FP8 current scaling, the alltoall dispatcher
+# (which its token drop requires), token drop on (`apply_moe_token_drop`: capacity factor 1.0,
+# padded to capacity; the summary's "tokendrop"), EP overlap off (`moe_a2a` False), no CUDA
+# graphs on H100
+_TOKEN_DROP = "model.moe_expert_capacity_factor=1.0 model.moe_pad_expert_input_to_capacity=true"
 _UNEVEN_235 = "the recipe's uneven layout (embedding and loss accounted as layers)"
 
 ROWS: tuple[Row, ...] = (
@@ -285,6 +298,26 @@ ROWS: tuple[Row, ...] = (
         assumed=_H100_30B_FP8,
     ),
     _row(
+        "Qwen3-30B-A3B 16xH100 FP8 MBS2 PP2 VP24 EP8 token drop (25.09)",
+        "h100",
+        "fp8",
+        16,
+        512,
+        2,
+        4096,
+        1,
+        2,
+        24,
+        8,
+        12.489,  # 10494 tokens/s/GPU
+        _QWEN30,
+        f"{_A2A} {_EP_OFF} {_TOKEN_DROP}",
+        source=_ARCHIVE,
+        assumed="release 25.09 (the archive; its FP8 granularity footnote): its recipe's FP8 "
+        "current scaling, alltoall, token drop at capacity factor 1.0 padded, EP overlap off, no "
+        "CUDA graphs",
+    ),
+    _row(
         "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32",
         "h100",
         "fp8",
@@ -318,6 +351,25 @@ ROWS: tuple[Row, ...] = (
         _QWEN30,
         f"{_A2A} {_EP_OFF} {_GPT_OSS}",
         assumed="alltoall, EP overlap off; sliding windows not expressed",
+    ),
+    _row(
+        "GPT-OSS-120B 64xH100 BF16 MBS4 PP4 EP8 (25.11)",
+        "h100",
+        "bf16",
+        64,
+        512,
+        4,
+        4096,
+        1,
+        4,
+        None,
+        8,
+        5.820,  # 5630 tokens/s/GPU
+        _QWEN30,
+        f"{_A2A} {_EP_OFF} {_GPT_OSS}",
+        source=_ARCHIVE,
+        assumed="release 25.11 (the archive); alltoall, EP overlap off, as the 26.04.01 row; "
+        "sliding windows not expressed",
     ),
     _row(
         "Llama3-8B 8xH100 FP8-CS FSDP",
