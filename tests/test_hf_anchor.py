@@ -243,9 +243,8 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
     section; our own checkpoints (no config.json) leave the configured model alone."""
     from overlap.errors import ConfigError
     from overlap.hf.config_json import (
-        ARCH_FIELDS,
-        MOE_FIELDS,
         apply_pretrained,
+        described_fields,
         model_config_from_hf,
         read_hf_config,
     )
@@ -261,7 +260,7 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
             d.field: d
             for d in cfg.finalize(1, pretrained=apply_pretrained).decisions.sections["checkpoint"]
         }
-        for field, attr in {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}.items():
+        for field, attr in described_fields(theirs).items():
             assert getattr(cfg.model, attr) == getattr(theirs, attr), (kind, field)
         assert decisions["model.num_layers"].requested == 6
         assert decisions["model.num_layers"].effective == theirs.num_layers

@@ -14,7 +14,6 @@ the same result (edits made after the first call are not seen: build a new conta
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
@@ -51,8 +50,6 @@ from overlap.kernels.flex_backend import validate_flex_dispatcher_backend
 from overlap.layout import ParallelLayout, PipelineLayout
 from overlap.layout.dims import SP_WITHOUT_TP_FIX, SP_WITHOUT_TP_WHY
 from overlap.layout.pipeline import LAYOUT_FIELD, parse_layout, resolve_pipeline_layout
-
-_log = logging.getLogger("overlap.config")
 
 # Takes the architecture from a Hugging Face folder: (model, folder, tokenizer.vocab_size, log) ->
 # the folder's vocabulary (`overlap.hf.config_json.apply_pretrained`).
@@ -253,8 +250,8 @@ class ConfigContainer:
             return None  # one of our checkpoints (its run configuration is checked when it loads)
         if read is None:
             raise RuntimeError(
-                f"finalize of a run from the Hugging Face folder {path} without its config.json "
-                "reader: pass pretrained=overlap.hf.config_json.apply_pretrained"
+                f"finalize of a run from the Hugging Face folder {path} without the step that "
+                "applies its config.json: pass pretrained=overlap.hf.config_json.apply_pretrained"
             )
         return read(self.model, path, self.tokenizer.vocab_size, log)
 

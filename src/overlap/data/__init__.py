@@ -1,2 +1,3 @@
 """Real pretraining data: tokenizers, Megatron's indexed dataset files, GPT sample construction and
-blending."""
+blending; and what the data decides at finalize (`resolution`: the tokenizer's vocabulary, the
+blend's files, each a row of the decision table)."""

@@ -42,37 +42,27 @@ def tokenizer_vocab(
             ),
         ]
     )
+    tokens = f"the tokenizer's {hf.vocab_size} tokens"
     if hf_vocab is not None:
-        # A released checkpoint's embedding has its own (already padded) rows: Qwen3's
-        # 151936 for the tokenizer's 151669 tokens. Padding the tokenizer's count again
-        # would not match its weights.
+        # A released checkpoint's embedding has its own (already padded) rows: Qwen3's 151936 for
+        # the tokenizer's 151669 tokens. Padding the tokenizer's count again would not match its
+        # weights.
         vocab = hf_vocab
-        decisions.record_in(
-            "data",
-            "model.vocab_size",
-            None,
-            vocab,
-            RULE,
-            f"the pretrained checkpoint's vocabulary (its config.json), which holds the "
-            f"tokenizer's {hf.vocab_size} tokens; end of document = token {hf.eod}",
-        )
+        why = f"the pretrained checkpoint's vocabulary (its config.json), which holds {tokens}"
     else:
         vocab = padded_vocab_size(hf.vocab_size, divisible_by, tp)
-        decisions.record_in(
-            "data",
-            "model.vocab_size",
-            None,
-            vocab,
-            RULE,
-            f"the tokenizer's {hf.vocab_size} tokens padded to a multiple of "
-            f"make_vocab_size_divisible_by x TP = {divisible_by} x "
-            f"{tp}; end of document = token {hf.eod}",
+        why = (
+            f"{tokens} padded to a multiple of make_vocab_size_divisible_by x TP = "
+            f"{divisible_by} x {tp}"
         )
+    decisions.record_in(
+        "data", "model.vocab_size", None, vocab, RULE, f"{why}; end of document = token {hf.eod}"
+    )
     return vocab
 
 
 def record_blend(
-    blend: Any, split: str, seed: int, vocab_size: int, decisions: DecisionLog
+    blend: list[Any] | str | None, split: str, seed: int, vocab_size: int, decisions: DecisionLog
 ) -> None:
     """The dataset blend's files (dataset.blend, split, random_seed), opened now: each file's
     share of the training split; none set is mock data, said with the loss it cannot beat."""

@@ -5,6 +5,10 @@ value our model computes (refused otherwise: a model that would silently compute
 worse than an error), or listed in `METADATA` as having no effect on the weights or the forward
 pass. An unknown field is refused too: a newer transformers may add a switch that changes the math,
 and we would rather say so than ignore it.
+
+A run from a pretrained folder takes its architecture from here (`apply_pretrained`, which
+`ConfigContainer.finalize` runs): each field it replaces is a row of the decision table's
+checkpoint section, its reason `PRETRAINED`.
 """
 
 from __future__ import annotations
@@ -293,6 +297,12 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
     return cfg
 
 
+def described_fields(theirs: TransformerArchitecture) -> dict[str, str]:
+    """The fields config.json decides of the model it describes, each with the attribute compared:
+    `ARCH_FIELDS`, and `MOE_FIELDS` for a model with experts."""
+    return {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}
+
+
 def apply_pretrained(
     model: ModelConfig, folder: str, tokenizer_vocab: int | None, decisions: DecisionLog
 ) -> int:
@@ -316,7 +326,7 @@ def apply_pretrained(
             f"drop --vocab_size (the model takes {theirs.vocab_size} from config.json), or use "
             "the checkpoint's tokenizer.",
         )
-    fields = {**ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {})}
+    fields = described_fields(theirs)
     if theirs.is_moe and not m.is_moe:
         fields["moe_aux_loss_coeff"] = "moe_aux_loss_coeff"
     before = {name: getattr(m, attr) for name, attr in fields.items()}  # read before changing
@@ -365,7 +375,7 @@ def check_model_matches(model: TransformerArchitecture, hf: dict, folder: str | 
     """`overlap run ... checkpoint.pretrained_checkpoint=<HF folder>`: our configured model must be
     the one in config.json; the first field that differs is named with both values."""
     theirs = model_config_from_hf(hf, seq_length=model.seq_length)
-    fields = dict(ARCH_FIELDS, **(MOE_FIELDS if theirs.is_moe else {}))
+    fields = described_fields(theirs)
     for field, attr in fields.items():
         ours_value, their_value = getattr(model, attr), getattr(theirs, attr)
         if ours_value != their_value:

@@ -95,7 +95,9 @@ class TPOverlapInputs:
     whether any layer runs a dense MLP (the fc1/fc2 slots exist), and Megatron-Core's per-direction
     TP-overlap switches, which narrow the plan (``_SWITCHES``; ``tp_comm_overlap_rs_dgrad`` chunks
     the dgrad reduce-scatter instead of the bulk pair; ``tp_comm_overlap_disable_qkv`` /
-    ``_fc1`` turn a linear's slots off)."""
+    ``_fc1`` turn a linear's slots off). A value object rather than `ModelFields` (the device rules'
+    view of the model): one of its values, `dense_mlp`, is derived over the layers, and a frozen
+    record makes what the plan depended on printable."""
 
     tensor_model_parallel_size: int
     seq_length: int

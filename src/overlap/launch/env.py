@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from overlap.errors import ConfigError
+from overlap.kernels.flex_backend import GPU_BACKENDS  # DeepEP's: more hardware queues, free SMs
 from overlap.layout import ParallelLayout
 
 CUDA_DEVICE_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
@@ -49,9 +50,6 @@ VALID_ACCELERATORS = ("cpu", "h100", "b200", "b300", "gb200", "gb300", "vr200", 
 
 #: GPUs for which Bridge HEAD sets 32 connections unconditionally (SM100 and newer in its list).
 SM100_CLASS_ACCELERATORS = frozenset({"b200", "b300", "gb200", "gb300", "vr200"})
-
-#: Flex-dispatcher backends whose communication kernels want more hardware queues and more free SMs.
-FAST_FLEX_BACKENDS = frozenset({"deepep", "hybridep"})
 
 # GPUs per node of the standard systems (Bridge ``-gn`` inference): DGX H100/B200/B300 have 8,
 # GB200/GB300/VR200 NVL trays 4, R100 is counted per GPU.
@@ -103,7 +101,7 @@ def _fast_flex_backend(inp: LaunchEnvInputs) -> str | None:
     """The deepep/hybridep backend name when tokens go through the flex dispatcher with it, else
     None."""
     backend = (inp.moe_flex_dispatcher_backend or "").lower()
-    if inp.moe_token_dispatcher_type == "flex" and backend in FAST_FLEX_BACKENDS:
+    if inp.moe_token_dispatcher_type == "flex" and backend in GPU_BACKENDS:
         return backend
     return None
 

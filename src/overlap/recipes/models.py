@@ -84,7 +84,7 @@ def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _load(text: str) -> dict[str, Recipe]:
-    """The recipes of a presets file, each with its `base` chain merged in."""
+    """The recipes of models.yaml, each with its `base` chain merged in."""
     data = yaml.safe_load(text)
     entries = {**data.get("bases", {}), **data["recipes"]}
 

@@ -74,7 +74,7 @@ def _pp(cfg: Any) -> int:
     return cfg.model.pipeline_model_parallel_size
 
 
-# The rules a setting may name (its fourth item in the presets file) to skip it on this layout
+# The rules a setting may name (its fourth item in perf.yaml) to skip it on this layout
 SKIPS = {"released_outputs": _released_outputs, "ep_overlap_layout": _ep_overlap_layout}
 
 
@@ -133,7 +133,7 @@ def _expanded(items: list, groups: dict[str, list]) -> list[tuple]:
 
 
 def _load(text: str) -> tuple[str, dict[tuple[str, str, str], tuple[PerfRecipe, ...]]]:
-    """The source and the recipes of a perf presets file, keyed by (model recipe, -g, -c)."""
+    """The source and the recipes of perf.yaml, keyed by (model recipe, -g, -c)."""
     data = yaml.safe_load(text)
     groups = data["groups"]
     out = {}
