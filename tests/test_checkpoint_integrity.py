@@ -267,8 +267,8 @@ def test_a_diverging_run_keeps_its_last_good_checkpoint_and_names_a_suspect_one(
 
 @pytest.mark.parametrize("unset", ["OVERLAP_TEST_UNSET_48"])
 def test_an_unset_variable_in_a_path_is_an_error_naming_it(unset):
-    from overlap.config.path_fields import expand_path
     from overlap.errors import ConfigError
+    from overlap.launch.path_fields import expand_path
 
     assert unset not in os.environ
     with pytest.raises(ConfigError, match=f"\\${unset}, which is not set"):

@@ -169,7 +169,7 @@ PATH_FLAGS = (("--metrics", "metrics"), ("--trace", "trace"), ("--emit-slurm", "
 def _expand_path_flags(args: argparse.Namespace, flags: tuple[tuple[str, str], ...]) -> None:
     """Expand a command's path `flags` ((option, dest) pairs) once, as the config's path fields
     are."""
-    from overlap.config.path_fields import expand_path
+    from overlap.launch.path_fields import expand_path
 
     for option, dest in flags:
         value = getattr(args, dest, None)
@@ -199,7 +199,7 @@ def _expanded_words(words: list[str], cfg, args: argparse.Namespace) -> list[str
     override words of the config's path fields, and the values of the path flags
     (`--tokenizer_model` included, as the config's value it sets), in any spelling argparse
     accepts (`--flag V`, `--flag=V`, an unambiguous prefix)."""
-    from overlap.config.path_fields import BLEND_FIELD, PATH_FIELDS
+    from overlap.launch.path_fields import BLEND_FIELD, PATH_FIELDS
 
     def config_value(key: str):
         section, name = key.split(".")
@@ -282,7 +282,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     env_settings = compute_launch_env(
         launch_env_inputs(job.resolution, args.gpu), job.cfg.env_vars, os.environ
     )
-    # the ranks and a Slurm script get the expanded paths (config/path_fields.py)
+    # the ranks and a Slurm script get the expanded paths (launch/path_fields.py)
     argv = _expanded_words(_own_argv(args.argv), job.cfg, args)
     check_network_for(network, args.gpu)
     if args.nccl_rules:

@@ -32,12 +32,12 @@ from overlap.config.flex_dispatcher import apply_flex_dispatcher_backend
 from overlap.config.mixed_precision import get_mixed_precision_config
 from overlap.config.model import comma_list
 from overlap.config.overrides import apply_override, apply_overrides, check_override_repeats
-from overlap.config.path_fields import expand_path_fields
 from overlap.decisions import FLAG, OVERRIDE, RECIPE, Decision
 from overlap.errors import ConfigError, NotBuiltError
 from overlap.hf.config_json import PRETRAINED, apply_pretrained
 from overlap.kernels.device import TARGET_DEVICES, probe_device
 from overlap.launch.env import VALID_ACCELERATORS, LaunchEnvInputs
+from overlap.launch.path_fields import expand_path_fields
 from overlap.launch.resources import MemoryEstimate, check_representable
 from overlap.profiling.sinks import record_sinks
 from overlap.recipes.models import Recipe, get_recipe
@@ -353,7 +353,7 @@ def build_config(args: argparse.Namespace) -> tuple[ConfigContainer, list[Decisi
     decisions = _reconcile(cfg, line)
     decisions += _apply_recipe_rules(cfg, recipe, args.num_gpus, line)
     decisions += _explicit_false_distributed_optimizer(cfg, line)
-    expand_path_fields(cfg)  # once, before anything reads a path (config/path_fields.py)
+    expand_path_fields(cfg)  # once, before anything reads a path (launch/path_fields.py)
     return cfg, decisions, line
 
 

@@ -18,7 +18,7 @@ Rules (one per kind of output):
   pretrained one is an error;
 - an empty value (`--metrics=`) is an error, never "no output";
 - two flags may not name the same file;
-- paths arrive expanded (`~`, `$VAR`, absolute: `overlap.config.path_fields`), so this check and the
+- paths arrive expanded (`~`, `$VAR`, absolute: `overlap.launch.path_fields`), so this check and the
   ranks read the same path;
 - a FILE that is a symbolic link is an error: outputs are written under a fresh name and renamed
   (`overlap.files`), never through a link.
