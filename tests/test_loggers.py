@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from overlap.config import ConfigContainer
+from overlap.config.logger import wandb_save_dir
 from overlap.config.overrides import apply_overrides
 from overlap.errors import ConfigError
 from overlap.profiling.sinks import record_sinks, wandb_mode
@@ -267,8 +268,10 @@ def test_wandb_folder_follows_bridge_and_settings_without_a_sink_are_noops():
         cfg, ["logger.wandb_project=p", "logger.wandb_exp_name=e", "checkpoint.save=/ck"]
     )
     res = cfg.finalize(1, require_libraries=False)
-    assert cfg.logger.wandb_save_dir == "/ck/wandb"
-    assert any(d.field == "logger.wandb_save_dir" for d in res.decisions.sections["logger"])
+    (folder,) = [d for d in res.decisions.sections["logger"] if d.field == "logger.wandb_save_dir"]
+    assert folder.effective == "/ck/wandb" and folder.decided_by == "rule"
+    assert cfg.logger.wandb_save_dir is None  # the input stays as typed; the sink reads the rule
+    assert wandb_save_dir(cfg.logger, cfg.checkpoint.save) == (folder.effective, folder.reason)
     cfg = ConfigContainer()
     apply_overrides(cfg, ["logger.wandb_entity=team", "logger.tensorboard_queue_size=10"])
     noops = {n.field for n in cfg.finalize(1, require_libraries=False).decisions.noops}

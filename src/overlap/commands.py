@@ -247,7 +247,7 @@ def _preflight(job, args: argparse.Namespace) -> dict:
     check_run_outputs(args)
     if not args.emit_slurm:  # a Slurm job's checkpoint and logging folders are paths on the cluster
         check_checkpoint_paths(job.cfg.checkpoint)
-        check_logger_paths(job.cfg.logger)
+        check_logger_paths(job.cfg.logger, job.cfg.checkpoint.save)
     from overlap.perf.memory_model import rank_memory
 
     check_run_resources(

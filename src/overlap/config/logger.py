@@ -163,4 +163,3 @@ def _record_wandb(lg: LoggerConfig, checkpoint_save: str | None, log: DecisionLo
         USER if lg.wandb_save_dir else RULE,
         folder_why,
     )
-    lg.wandb_save_dir = folder

@@ -37,6 +37,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from overlap.config.logger import wandb_save_dir
 from overlap.errors import ConfigError
 
 _EXAMPLE_NAMES = {
@@ -252,12 +253,12 @@ def check_checkpoint_paths(ck) -> None:
             )
 
 
-def check_logger_paths(lg) -> None:
+def check_logger_paths(lg, checkpoint_save: str | None) -> None:
     """`overlap run` with TensorBoard or W&B on (config.logger.LoggerConfig): their folders are
-    DIRs."""
+    DIRs (W&B's as its rule decides it: `config.logger.wandb_save_dir`)."""
     check_output_dir("logger.tensorboard_dir", lg.tensorboard_dir)
     if lg.wandb_project is not None:
-        check_output_dir("logger.wandb_save_dir", lg.wandb_save_dir)
+        check_output_dir("logger.wandb_save_dir", wandb_save_dir(lg, checkpoint_save)[0])
 
 
 def check_bench_outputs(args) -> None:

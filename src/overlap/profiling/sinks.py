@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from overlap.config.logger import LoggerConfig
+from overlap.config.logger import LoggerConfig, wandb_save_dir
 from overlap.decisions import USER, DecisionLog
 from overlap.errors import ConfigError
 from overlap.files import create_replacing
@@ -206,24 +206,27 @@ WANDB_OWN_DIRS = {
 
 
 class WandbRun(_ScalarSink):
-    """A W&B run named by the logger section, its config the run's configuration (as Bridge); the
-    mode is `wandb_mode()` of this process's environment, offline without a key."""
+    """A W&B run named by the logger section in `folder` (`config.logger.wandb_save_dir`'s rule),
+    its config the run's configuration (as Bridge); the mode is `wandb_mode()` of this process's
+    environment, offline without a key."""
 
-    def __init__(self, lg: LoggerConfig, last: int, run_config: dict[str, Any]) -> None:
+    def __init__(
+        self, lg: LoggerConfig, folder: str, last: int, run_config: dict[str, Any]
+    ) -> None:
         super().__init__(lg.tensorboard_log_interval, last)
         import wandb
 
         self.mode, why = wandb_mode()
-        os.makedirs(lg.wandb_save_dir, exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
         # W&B's cache, staging and artifact folders default to the home folder (~/.cache/wandb,
         # ...): a run keeps them under its own W&B folder instead, unless the user chose them
         for name, sub in WANDB_OWN_DIRS.items():
-            os.environ.setdefault(name, os.path.join(lg.wandb_save_dir, "wandb", sub))
+            os.environ.setdefault(name, os.path.join(folder, "wandb", sub))
         self.run = wandb.init(
             project=lg.wandb_project,
             name=lg.wandb_exp_name,
             entity=lg.wandb_entity,
-            dir=lg.wandb_save_dir,
+            dir=folder,
             config=run_config,
             mode=self.mode,
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
@@ -281,7 +284,8 @@ def open_sinks(cfg, metrics_path: str | None) -> RunSinks:
         if lg.tensorboard_dir is not None:
             shared.append(TensorBoard(lg, last))
         if lg.wandb_project is not None:
-            shared.append(WandbRun(lg, last, cfg.to_dict()))
+            folder = wandb_save_dir(lg, cfg.checkpoint.save)[0]
+            shared.append(WandbRun(lg, folder, last, cfg.to_dict()))
     except BaseException:
         RunSinks(owned=[f for f in files if f is not None] + shared).close()
         raise
