@@ -852,10 +852,11 @@ _PRESET_COPIES = (
 def check_precision_overrides(cfg: ConfigContainer, res: Resolution, line: CommandLine) -> None:
     """A precision field typed on the model or optimizer that the mixed-precision preset then
     replaced (as Bridge's preset does) is a request not honoured: a row of the decision table and a
-    warning, an error under strict - never silently beaten."""
-    preset = cfg.mixed_precision
-    if preset is None:
+    warning, an error under strict - never silently beaten. With a preset the precision that runs
+    is the preset's (its name or its config, as typed)."""
+    if cfg.mixed_precision is None:
         return
+    preset = res.precision
     for key in _PRESET_COPIES:
         name = key.partition(".")[2]
         if key in line.overrides and line.overrides[key] != getattr(preset, name):

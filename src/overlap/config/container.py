@@ -77,12 +77,16 @@ def plain_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Resolution:
-    """What finalize decided, frozen: the parallel layout (its virtual pipeline included), which
-    layers each pipeline stage holds, every overlap switch as a plain value, the precision and the
-    kernels (the token dispatcher included) - what the runtime reads - and the decision log (who
-    decided each value, and why)."""
+    """What finalize decided, frozen: the model that runs (the typed model section with what
+    finalize decided about the network: the NullTokenizer's or the Hugging Face tokenizer's
+    vocabulary, a pretrained folder's architecture), the parallel layout (its virtual pipeline
+    included), which layers each pipeline stage holds, every overlap switch as a plain value, the
+    precision and the kernels (the token dispatcher included) - what the runtime reads - and the
+    decision log (who decided each value, and why). The container's `model` keeps what was typed:
+    every reader after finalize takes the network from here."""
 
     world_size: int
+    model: ModelConfig
     layout: ParallelLayout
     pipeline: PipelineLayout
     overlap: OverlapPlan
@@ -122,10 +126,13 @@ class ConfigContainer:
     def to_dict(self) -> dict[str, Any]:
         """Every section as plain data (Bridge's name): a checkpoint's run_config.yaml, a W&B run's
         config. The sections hold what was asked (their overlap switches and kernels as typed);
-        once finalized, `overlap_plan` adds every overlap switch as resolved and `kernels` the
-        kernels, fusions and token dispatcher that run."""
+        once finalized, `model` is the model that ran (`Resolution.model`: the typed section with
+        the vocabulary and a pretrained folder's architecture finalize decided), `overlap_plan`
+        adds every overlap switch as resolved and `kernels` the kernels, fusions and token
+        dispatcher that run."""
         out = plain_value(self)
         if self._resolution is not None:
+            out["model"] = plain_value(self._resolution.model)
             out["overlap_plan"] = plain_value(self._resolution.overlap)
             out["kernels"] = plain_value(self._resolution.kernels)
         return out
@@ -158,34 +165,40 @@ class ConfigContainer:
             if f.name not in ("_requested", "_resolution"):
                 setattr(self, f.name, getattr(fresh, f.name))
         self._resolution = None
+        model = copy.deepcopy(self.model)  # what finalize decides about the network goes here
 
         strict = bool(self.comm_overlap and self.comm_overlap.strict)
         log = DecisionLog(strict)
         for decision in command_line:
             log.record_command_line(decision)
-        self._apply_tokenizer()
-        pretrained_vocab = self._apply_pretrained(log, pretrained)
-        self.model.check_sizes()
-        precision = self._apply_mixed_precision(log)
-        layout, pipeline = self._apply_pipeline_layout(self._layout(world_size, log), log)
-        self._apply_data(layout, log, pretrained_vocab)
+        self._apply_tokenizer(model)
+        pretrained_vocab = self._apply_pretrained(model, log, pretrained)
+        model.check_sizes()
+        precision = self._apply_mixed_precision(model, log)
+        layout = self._layout(model, world_size, log)
+        layout, pipeline = self._apply_pipeline_layout(model, layout, log)
+        self._apply_data(model, layout, log, pretrained_vocab)
         plan = resolve_comm_overlap(
-            self.comm_overlap, self.model, self.ddp, self.optimizer, precision, layout, log
+            self.comm_overlap, model, self.ddp, self.optimizer, precision, layout, log
         )
-        self._validate(layout, plan)
-        self._covered_recompute(log)
+        self._validate(model, layout, plan)
+        self._covered_recompute(model, log)
         resolve_checkpoint(self.checkpoint, log, self.scheduler)
         resolve_logger(self.logger, self.checkpoint.save, log)
         on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
-        dispatcher = validate_flex_dispatcher_backend(self.model, log, device, require_libraries)
+        dispatcher = validate_flex_dispatcher_backend(model, log, device, require_libraries)
         kernels = resolve_kernels(
-            self.model, precision.params_dtype, log, on_cuda, device, dispatcher, require_libraries
+            model, precision.params_dtype, log, on_cuda, device, dispatcher, require_libraries
         )
-        self._resolution = Resolution(world_size, layout, pipeline, plan, precision, kernels, log)
+        self._resolution = Resolution(
+            world_size, model, layout, pipeline, plan, precision, kernels, log
+        )
         return self._resolution
 
     # --- stages -----------------------------------------------------------------------------------
-    def _apply_tokenizer(self) -> None:
+    def _apply_tokenizer(self, model: ModelConfig) -> None:
+        """The tokenizer's own rules, and the NullTokenizer's vocabulary (tokenizer.vocab_size, an
+        alias that beats the recipe's model.vocab_size) onto `model`, the one that runs."""
         tok = self.tokenizer
         hf = tok.tokenizer_type == "HuggingFaceTokenizer"
         check_rules(
@@ -221,14 +234,13 @@ class ConfigContainer:
                 ),
             ]
         )
-        # the home holds what runs (the NullTokenizer's vocabulary beats the recipe's)
-        self.model.vocab_size = request(
-            {"model": self.model, "tokenizer": tok}, "model.vocab_size"
-        ).value
+        model.vocab_size = request({"model": model, "tokenizer": tok}, "model.vocab_size").value
 
-    def _apply_pretrained(self, log: DecisionLog, read: ApplyPretrained | None) -> int | None:
-        """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture
-        (`read`: `overlap.hf.config_json.apply_pretrained`). Returns the folder's vocabulary (its
+    def _apply_pretrained(
+        self, model: ModelConfig, log: DecisionLog, read: ApplyPretrained | None
+    ) -> int | None:
+        """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture of
+        `model`, the one that runs (`read`: `overlap.hf.config_json.apply_pretrained`). Returns the folder's vocabulary (its
         embedding rows), None when the run is not from a Hugging Face folder."""
         from pathlib import Path
 
@@ -253,34 +265,35 @@ class ConfigContainer:
                 f"finalize of a run from the Hugging Face folder {path} without the step that "
                 "applies its config.json: pass pretrained=overlap.hf.config_json.apply_pretrained"
             )
-        return read(self.model, path, self.tokenizer.vocab_size, log)
+        return read(model, path, self.tokenizer.vocab_size, log)
 
-    def _apply_data(self, layout: ParallelLayout, log: DecisionLog, hf_vocab: int | None) -> None:
-        """The tokenizer's vocabulary onto the model section and the dataset's files, checked now
-        (`overlap.data.resolution`)."""
-        tok, data, m = self.tokenizer, self.dataset, self.model
+    def _apply_data(
+        self, m: ModelConfig, layout: ParallelLayout, log: DecisionLog, hf_vocab: int | None
+    ) -> None:
+        """A Hugging Face tokenizer's vocabulary onto `m`, the model that runs, and the dataset's
+        files, checked now (`overlap.data.resolution`)."""
+        tok, data = self.tokenizer, self.dataset
         if tok.tokenizer_type == "HuggingFaceTokenizer":
             m.vocab_size = tokenizer_vocab(
                 tok.tokenizer_model, m.make_vocab_size_divisible_by, layout.tp, hf_vocab, log
             )
         record_blend(data.blend, data.split, data.random_seed, m.vocab_size, log)
 
-    def _apply_mixed_precision(self, log: DecisionLog) -> Precision:
+    def _apply_mixed_precision(self, model: ModelConfig, log: DecisionLog) -> Precision:
         """The run's precision: the preset's values, or without one the aliases' as typed
         (`mixed_precision.resolve_precision`); nothing is written back onto the sections."""
         mp = self.mixed_precision
         if isinstance(mp, str):
-            mp = self.mixed_precision = get_mixed_precision_config(mp)
+            mp = get_mixed_precision_config(mp)  # the preset's values; the section keeps its name
         sections = dict(
-            mixed_precision=mp, model=self.model, ddp=self.ddp, optimizer=self.optimizer
+            mixed_precision=mp, model=model, ddp=self.ddp, optimizer=self.optimizer
         )
         return resolve_precision(mp, sections, log)
 
-    def _layout(self, world_size: int, log: DecisionLog) -> ParallelLayout:
+    def _layout(self, m: ModelConfig, world_size: int, log: DecisionLog) -> ParallelLayout:
         """The layout the model's sizes describe (checked by `ParallelLayout` itself), with the
         sequence parallelism that runs: as typed, but off without a tensor-parallel group (said in
         the log; the model section keeps what was typed)."""
-        m = self.model
         tp = m.tensor_model_parallel_size
         layout = ParallelLayout(
             world_size=world_size,
@@ -306,13 +319,12 @@ class ConfigContainer:
         return layout
 
     def _apply_pipeline_layout(
-        self, layout: ParallelLayout, log: DecisionLog
+        self, m: ModelConfig, layout: ParallelLayout, log: DecisionLog
     ) -> tuple[ParallelLayout, PipelineLayout]:
         """The layers every pipeline stage holds (whichever field decided it, logged for
         `explain`), and `layout` with its virtual pipeline: -vp, or a
         pipeline_model_parallel_layout's stages / PP as Megatron-Core derives it (said in the log;
         the model section keeps what was typed)."""
-        m = self.model
         spec, vpp = m.pipeline_model_parallel_layout, m.virtual_pipeline_model_parallel_size
         found = 1 if spec is None else len(parse_layout(spec, layout.pp)) // layout.pp
         check_rules(
@@ -353,20 +365,20 @@ class ConfigContainer:
             )
         return replace(layout, vpp=resolved.vpp), resolved
 
-    def _validate(self, layout: ParallelLayout, plan: OverlapPlan) -> None:
+    def _validate(self, model: ModelConfig, layout: ParallelLayout, plan: OverlapPlan) -> None:
         """Each section's own rules, then those across sections (the first broken one is the
-        error)."""
-        check_rules(self._split_rules(layout))
-        self.model.validate()
-        check_rules(self._cross_section_rules(layout, plan))
+        error); `model` is the one that runs."""
+        check_rules(self._split_rules(model, layout))
+        model.validate()
+        check_rules(self._cross_section_rules(model, layout, plan))
         self.optimizer.validate()
         self.scheduler.validate()
         self.train.validate()
 
-    def _split_rules(self, layout: ParallelLayout) -> Iterator[Rule]:
+    def _split_rules(self, m: ModelConfig, layout: ParallelLayout) -> Iterator[Rule]:
         """The sizes tensor parallelism splits must be divisible by it (heads by their groups
         too)."""
-        m, tp, tp_name = self.model, layout.tp, "tensor_model_parallel_size"
+        tp, tp_name = layout.tp, "tensor_model_parallel_size"
         heads, groups = m.num_attention_heads, m.query_groups
         for key, value, by, by_name, fix in (
             (
@@ -431,11 +443,13 @@ class ConfigContainer:
             "use a multiple of -tp.",
         )
 
-    def _cross_section_rules(self, layout: ParallelLayout, plan: OverlapPlan) -> Iterator[Rule]:
+    def _cross_section_rules(
+        self, m: ModelConfig, layout: ParallelLayout, plan: OverlapPlan
+    ) -> Iterator[Rule]:
         """The rules across sections, read lazily in order (a row may rely on those before it: the
         micro-batch count on a valid batch). The model's rules that involve an overlap switch judge
         its resolved value (the plan's), not the spelling the model section holds."""
-        m, t, pp, ep, dp = self.model, self.train, layout.pp, layout.ep, layout.dp
+        t, pp, ep, dp = self.train, layout.pp, layout.ep, layout.dp
         modules = m.recompute_modules
         selective = m.recompute_granularity == "selective"
         typed_dp = self.comm_overlap.data_parallel_size if self.comm_overlap else None
@@ -552,12 +566,11 @@ class ConfigContainer:
             f"use -gb >= {2 * mb * dp} or a smaller -mb.",
         )
 
-    def _covered_recompute(self, log: DecisionLog) -> None:
+    def _covered_recompute(self, m: ModelConfig, log: DecisionLog) -> None:
         """Modules without selective granularity do nothing (said, not ignored). 'moe' recomputes
         whole MoE layers, which holds what 'moe_act' and 'shared_experts' would recompute of them:
         said as a no-op rather than run twice (a recompute inside a recompute keeps its input
         alive)."""
-        m = self.model
         selective = m.recompute_granularity == "selective"
         if m.recompute_modules and not selective:
             log.noop(
