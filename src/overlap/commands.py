@@ -440,7 +440,7 @@ def _check_nccl_rules(cfg, args: argparse.Namespace, network) -> None:
             "completion from the host and ignore tags.",
             "drop --network with --nccl-rules (nic:RATE, tbf:RATE and real are fine).",
         )
-    m, d = cfg.model, cfg.ddp
+    m, d = cfg.resolved.model, cfg.ddp
     for field, value, peer in (
         ("ddp.impl", d.impl, d.impl != "overlap"),
         ("model.pipeline_impl", m.pipeline_impl, m.pipeline_impl != "overlap"),
@@ -637,7 +637,7 @@ def _train_on_rank(job, args: argparse.Namespace, network, run_comm, run_trace) 
                     "pipeline stage outputs alive at once (rank 0, max over steps): %.1f KB (%s)",
                     summary.pipeline_output_peak_bytes / 1e3,
                     "released once sent: model.deallocate_pipeline_outputs"
-                    if cfg.model.deallocate_pipeline_outputs
+                    if cfg.resolved.model.deallocate_pipeline_outputs
                     else "kept until their backward; model.deallocate_pipeline_outputs=true "
                     "releases them",
                 )

@@ -240,8 +240,9 @@ class ConfigContainer:
         self, model: ModelConfig, log: DecisionLog, read: ApplyPretrained | None
     ) -> int | None:
         """A Hugging Face folder as `checkpoint.pretrained_checkpoint` decides the architecture of
-        `model`, the one that runs (`read`: `overlap.hf.config_json.apply_pretrained`). Returns the folder's vocabulary (its
-        embedding rows), None when the run is not from a Hugging Face folder."""
+        `model`, the one that runs (`read`: `overlap.hf.config_json.apply_pretrained`). Returns the
+        folder's vocabulary (its embedding rows), None when the run is not from a Hugging Face
+        folder."""
         from pathlib import Path
 
         path = self.checkpoint.pretrained_checkpoint
@@ -285,9 +286,7 @@ class ConfigContainer:
         mp = self.mixed_precision
         if isinstance(mp, str):
             mp = get_mixed_precision_config(mp)  # the preset's values; the section keeps its name
-        sections = dict(
-            mixed_precision=mp, model=model, ddp=self.ddp, optimizer=self.optimizer
-        )
+        sections = dict(mixed_precision=mp, model=model, ddp=self.ddp, optimizer=self.optimizer)
         return resolve_precision(mp, sections, log)
 
     def _layout(self, m: ModelConfig, world_size: int, log: DecisionLog) -> ParallelLayout:

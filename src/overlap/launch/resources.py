@@ -180,7 +180,7 @@ class _RankParams:
 def _rank_params(cfg: ConfigContainer, layout: ParallelLayout, stages) -> _RankParams:
     """Parameters of the model chunks `stages` (one pipeline rank's), as the model builds them:
     TP-sharded where the layers shard them, routed experts divided over EP."""
-    m = cfg.model
+    m = cfg.resolved.model
     tp, ep = max(1, layout.tp), max(1, layout.ep)
     h, hd, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
     ffn, fused = m.ffn_size, 2 if m.gated_linear_unit else 1
@@ -275,7 +275,7 @@ def peak_memory(
     run late). What the ranks share (the pipeline split, the layer shape, each kind of layer's
     bytes) is worked out once: the layout search walks every rank of thousands of candidates."""
     pipe = cfg.resolved.pipeline
-    costs = _LayerCosts(cfg.model, _layer_shape(cfg, layout, cpu))
+    costs = _LayerCosts(cfg.resolved.model, _layer_shape(cfg, layout, cpu))
     estimates = [
         _estimate_rank(cfg, layout, cpu, pipe, costs, r, program, merged, r in late_wgrad)
         for r, program in programs.items()
@@ -285,7 +285,7 @@ def peak_memory(
 
 def _layer_shape(cfg: ConfigContainer, layout: ParallelLayout, cpu: bool) -> LayerShape:
     """What every layer's activations on every rank of `layout` depend on beyond the model."""
-    m = cfg.model
+    m = cfg.resolved.model
     # a CP rank holds seq / CP tokens; p2p and all_gather score KV blocks in
     # `overlap.layers.block_attention` (keeping flash's set: Q, K, V, output and LSE), each block
     # at once: the local block (p2p) or the whole gathered sequence (all_gather)
@@ -349,7 +349,7 @@ class _LayerCosts:
 def _estimate_rank(
     cfg, layout, cpu, pipe, costs: _LayerCosts, pp_rank, program, merged, late_wgrad=False
 ) -> MemoryEstimate:
-    m, prec = cfg.model, cfg.resolved.precision
+    m, prec = cfg.resolved.model, cfg.resolved.precision
     stages = pipe.rank_stages(pp_rank)
     counts = _rank_params(cfg, layout, stages)
     # the distributed optimizer shards the dense state over DP x CP (Megatron's data-parallel group
@@ -530,7 +530,7 @@ def check_representable(cfg: ConfigContainer, layout: ParallelLayout) -> MemoryE
     """Every command: refuse sizes that overflow 64-bit tensor sizes (a traceback deep inside torch
     otherwise)."""
     est = estimate_memory(cfg, layout)
-    m = cfg.model
+    m = cfg.resolved.model
     if (
         est.largest_tensor >= _LIMIT
         or est.total >= _LIMIT
@@ -560,8 +560,9 @@ def check_representable(cfg: ConfigContainer, layout: ParallelLayout) -> MemoryE
 
 
 def _field(cfg: ConfigContainer, key: str):
+    """The value of `key` the estimate judged (a model field: the model that runs)."""
     section, _, name = key.partition(".")
-    return getattr(getattr(cfg, section), name)
+    return getattr(cfg.resolved.model if section == "model" else getattr(cfg, section), name)
 
 
 def forced(env=os.environ) -> bool:
@@ -665,7 +666,7 @@ def check_device(
 def _culprit(cfg: ConfigContainer, recipe: str | None) -> tuple[str, object]:
     """What to name when one rank does not fit: an extreme size when there is one, else the model
     (recipe)."""
-    m = cfg.model
+    m = cfg.resolved.model
     for key, value, extreme in (
         ("model.num_layers", m.num_layers, 1024),
         ("model.hidden_size", m.hidden_size, 65536),

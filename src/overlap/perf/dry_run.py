@@ -337,7 +337,7 @@ def _in_flight(
         pp_rank,
         layout.vpp,
         microbatches,
-        cfg.model.microbatch_group_size_per_vp_stage,
+        cfg.resolved.model.microbatch_group_size_per_vp_stage,
         cfg.resolved.overlap.overlap_moe_expert_parallel_comm,
         cfg.resolved.overlap.p2p_warmup_depth,
     )
@@ -358,7 +358,7 @@ def _microbatch_problem(
     if cfg.resolved.overlap.overlap_moe_expert_parallel_comm and k < 2:
         return "EP overlap interleaves two micro-batches: it needs at least 2."
     if layout.pp > 1 and layout.vpp > 1:
-        group = cfg.model.microbatch_group_size_per_vp_stage or layout.pp
+        group = cfg.resolved.model.microbatch_group_size_per_vp_stage or layout.pp
         if k % layout.pp or k < group:
             return (
                 f"the interleaved schedule needs a multiple of PP ({layout.pp}) and at least the "

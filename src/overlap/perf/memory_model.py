@@ -50,7 +50,7 @@ def program(
     """Pipeline rank `pp_rank`'s steps as (forward chunk, backward chunk) pairs, for `microbatches`
     micro-batches (None: the step's, global batch / (micro-batch x DP)), or as many as show the
     same peak (`steady_microbatches`)."""
-    m, t = cfg.model, cfg.train
+    m, t = cfg.resolved.model, cfg.train
     count = microbatches or max(1, t.global_batch_size // (t.micro_batch_size * max(1, layout.dp)))
     pp, vpp = max(1, layout.pp), layout.vpp
     group = m.microbatch_group_size_per_vp_stage
@@ -166,7 +166,7 @@ def fit(
 def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -> list[str]:
     """Each alternative the model can price on this layout, with the peak it would have; then the
     layout changes (more pipeline stages, a larger EP group), which need a new layout."""
-    m = cfg.model
+    m = cfg.resolved.model
     options: list[tuple[str, ConfigContainer]] = []
     recomputed = set(m.recompute_modules or ()) if m.recompute_granularity == "selective" else set()
     for modules in (["moe_act"], ["moe_act", "layernorm"], ["core_attn", "mlp"]):
@@ -231,7 +231,7 @@ def _with(cfg: ConfigContainer, **sections) -> ConfigContainer:
 
 
 def _with_model(cfg: ConfigContainer, **fields) -> ConfigContainer:
-    return _with(cfg, model=replace(cfg.model, **fields))
+    return _resolved_with(cfg, model=replace(cfg.resolved.model, **fields))
 
 
 def _resolved_with(cfg: ConfigContainer, **parts) -> ConfigContainer:

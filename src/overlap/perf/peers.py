@@ -31,7 +31,7 @@ class PeerTrainer(Trainer):
         self.cfg, self.ps, self.impl = cfg, ps, cfg.ddp.impl
         torch.manual_seed(cfg.train.seed)
         res = cfg.resolved
-        model = GPTModel(cfg.model, ps, res.overlap, res.precision, res.kernels)
+        model = GPTModel(cfg.resolved.model, ps, res.overlap, res.precision, res.kernels)
         model.init_weights(cfg.train.seed)
         if self.impl == "torch_ddp":
             bucket = cfg.resolved.overlap.bucket_size

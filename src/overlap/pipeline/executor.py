@@ -86,7 +86,7 @@ class ExecutorOptions:
 
     @classmethod
     def from_config(cls, cfg: ConfigContainer, tp_size: int) -> ExecutorOptions:
-        m, plan, layout = cfg.model, cfg.resolved.overlap, cfg.resolved.layout
+        m, plan, layout = cfg.resolved.model, cfg.resolved.overlap, cfg.resolved.layout
         # a context-parallel rank's share of the sequence, split again over TP under SP
         seq = m.seq_length // layout.cp
         seq = seq // tp_size if layout.sequence_parallel else seq

@@ -52,4 +52,6 @@ def build_pipeline(
     """The runner `model.pipeline_impl` names, over this rank's `chunks`. `before_backward(chunk,
     is_last)` tells data parallelism which backward is a chunk's last micro-batch; `memory` records
     the live stage-output bytes per step (ours measures them)."""
-    return IMPLEMENTATIONS[cfg.model.pipeline_impl](cfg, chunks, ps, before_backward, memory)
+    return IMPLEMENTATIONS[cfg.resolved.model.pipeline_impl](
+        cfg, chunks, ps, before_backward, memory
+    )

@@ -423,9 +423,9 @@ def calibrate_gpu(args, job, run_options: list[str], cluster: Cluster) -> Cluste
         f"fitted on one {torch.cuda.get_device_name()} of this machine: the plan's model without "
         "model "
         f"parallelism, {PROBE_MICROBATCHES} micro-batches of {job.cfg.train.micro_batch_size} x "
-        f"{job.cfg.model.seq_length} tokens per step, {lo_ms:.1f} ms per step at {lo} layers and "
-        f"{hi_ms:.1f} ms at {hi}; the efficiency of the {hi - lo} layers between (overlap plan "
-        "--calibrate)"
+        f"{job.resolution.model.seq_length} tokens per step, {lo_ms:.1f} ms per step at {lo} "
+        f"layers and {hi_ms:.1f} ms at {hi}; the efficiency of the {hi - lo} layers between "
+        "(overlap plan --calibrate)"
     )
     fitted = replace(cluster, efficiency=Efficiency(efficiency, source))
     write_profile(fitted, args.cluster)

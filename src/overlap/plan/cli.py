@@ -85,7 +85,7 @@ SWITCHES = (
 
 def not_applicable(label: str, layout, cfg) -> str | None:
     """Why a switch has nothing to hide in this layout (None: it applies)."""
-    m = cfg.model
+    m = cfg.resolved.model
     if label in ("EP overlap", "delay_wgrad"):
         if not m.is_moe or not ep_overlap_has_experts(layout.ep):
             return (

@@ -218,7 +218,7 @@ def microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
 def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) -> CommPlan:
     """Every collective of one step of `cfg` on `layout`, with its bytes and time on `cluster`
     (the overlap switches: the resolved plan's)."""
-    m, o, prec = cfg.model, cfg.resolved.overlap, cfg.resolved.precision
+    m, o, prec = cfg.resolved.model, cfg.resolved.overlap, cfg.resolved.precision
     plan = CommPlan()
     tp, pp, ep, dp, edp = (
         max(1, x) for x in (layout.tp, layout.pp, layout.ep, layout.dp, layout.edp)
@@ -366,7 +366,7 @@ def _cp_plan(
     tokens / TP (the heads of one TP rank see all of them). The CP ranks are TP apart; a2a+p2p's
     all-to-all groups are A consecutive CP ranks (`layout.cp_a2a`), its ring's members A x TP
     apart."""
-    m, kind = cfg.model, cfg.resolved.overlap.cp_comm_type
+    m, kind = cfg.resolved.model, cfg.resolved.overlap.cp_comm_type
     cp, tp = layout.cp, layout.tp
     gpn = cluster.gpus_per_node
     prec = cfg.resolved.precision

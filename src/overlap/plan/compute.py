@@ -208,7 +208,7 @@ def microbatch_compute(
 ) -> MicrobatchCompute:
     """Per-piece forward times of one micro-batch on one GPU of the layout (the average pipeline
     rank's layers; the stage weights carry the real stages' differences)."""
-    m = cfg.model
+    m = cfg.resolved.model
     k = KernelCosts(cluster)
     eff = cluster.efficiency.value
 

@@ -46,7 +46,7 @@ class Prediction:
 
 
 def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
-    m, o = cfg.model, cfg.resolved.overlap
+    m, o = cfg.resolved.model, cfg.resolved.overlap
     return Switches(
         overlap_moe_expert_parallel_comm=o.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=o.delay_wgrad_compute,
@@ -80,8 +80,8 @@ def predict(
     sw = switches_of(cfg, layout)
     m = microbatches(cfg, layout)
     times = step_times(compute, comm, sw, m, cluster.overlap_slowdown, exact)
-    tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    tflops = flops_per_token(cfg.model) * tokens / layout.world_size / times.total_s / 1e12
+    tokens = cfg.train.global_batch_size * cfg.resolved.model.seq_length
+    tflops = flops_per_token(cfg.resolved.model) * tokens / layout.world_size / times.total_s / 1e12
     memory = memory or rank_memory(cfg, layout, cpu=cluster.gpu == "cpu")
     verdict = fit(cfg, layout, cluster.gpu, memory)
     return Prediction(

@@ -306,7 +306,7 @@ def _powers_of_two(limit: int) -> list[int]:
 def recompute_options(cfg) -> list[tuple[str, ...]]:
     """Recompute's rungs, cheapest first: none, the attention product, the MLP's (experts')
     activation and the norms, then full recompute. A layout takes the first that fits."""
-    m = cfg.model
+    m = cfg.resolved.model
     return [
         (),
         ("core_attn",),
@@ -320,7 +320,7 @@ def candidate_layouts(cfg, gpus: int, gpus_per_node: int) -> Iterator[Layout]:
     GPUs: the arithmetic filters (divisibility, an even virtual-pipeline split of the layers, with
     or without the embedding and loss accounted as layers), leaving the rest to the configuration's
     own rules."""
-    m = cfg.model
+    m = cfg.resolved.model
     heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
     experts = m.num_moe_experts or 0
     for tp in _powers_of_two(min(gpus_per_node, gpus)):
@@ -611,7 +611,7 @@ def _refined(space: _Space, priced: list[Candidate]) -> list[Candidate]:
 
 
 def _refine(space: _Space, best: Candidate) -> Candidate:
-    layout, m, kernels = best.layout, best.cfg.model, best.cfg.resolved.kernels
+    layout, m, kernels = best.layout, best.cfg.resolved.model, best.cfg.resolved.kernels
     tries: list[Layout] = []
     if m.is_moe and layout.ep > 1:
         current = kernels.moe_token_dispatcher_type

@@ -609,7 +609,7 @@ def _config(row: Row):
 
     job = resolve_run(row.args(), [])
     for key, value in row.reference_model:
-        setattr(job.cfg.model, key, value)
+        setattr(job.cfg.resolved.model, key, value)
     return job.cfg, job.resolution.layout
 
 

@@ -477,7 +477,7 @@ class Checkpointer:
         if hf:  # Hugging Face weights (overlap.hf): weights only, iteration 0
             from overlap.hf.load import load_hf_weights
 
-            load_hf_weights(self.cfg.model, self.params, folder, self.ps.rank)
+            load_hf_weights(self.cfg.resolved.model, self.params, folder, self.ps.rank)
             self.optimizer.load_param_states({}, 0)  # the masters from the loaded weights
             self.load_ms = (time.perf_counter() - start) * 1e3
             return 0

@@ -90,11 +90,11 @@ class TokenDataset(SampleSource):
         from overlap.data.gpt_dataset import build_blend
 
         t, d = cfg.train, cfg.dataset
-        self.global_batch, self.vocab_size = t.global_batch_size, cfg.model.vocab_size
+        self.global_batch, self.vocab_size = t.global_batch_size, cfg.resolved.model.vocab_size
         self.blend = build_blend(
             d.blend,
             d.split,
-            cfg.model.seq_length,
+            cfg.resolved.model.seq_length,
             d.random_seed,
             t.train_iters * t.global_batch_size,
         )
@@ -118,5 +118,7 @@ class TokenDataset(SampleSource):
 def build_data(cfg: ConfigContainer) -> SampleSource:
     """Mock data unless `dataset.blend` names real data."""
     if cfg.dataset.blend is None:
-        return MockDataset(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
+        return MockDataset(
+            cfg.resolved.model.vocab_size, cfg.resolved.model.seq_length, cfg.train.seed
+        )
     return TokenDataset(cfg)

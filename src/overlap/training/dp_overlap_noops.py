@@ -51,7 +51,9 @@ def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch
     kernels = replace(
         res.kernels, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None
     )
-    chunks = model_chunks(cfg.model, rank0, res.pipeline, res.overlap, res.precision, kernels)
+    chunks = model_chunks(
+        cfg.resolved.model, rank0, res.pipeline, res.overlap, res.precision, kernels
+    )
     return [[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks]
 
 

@@ -48,7 +48,7 @@ def runtime_refusals(cfg: ConfigContainer, gpu: bool = False) -> list[ConfigErro
 
 def _peer_rules(cfg: ConfigContainer, gpu: bool) -> Iterator[Rule]:
     """What the PyTorch peers (the comparison runtimes) cannot run."""
-    m, d, p, ck, t = cfg.model, cfg.ddp, cfg.resolved.precision, cfg.checkpoint, cfg.train
+    m, d, p, ck, t = cfg.resolved.model, cfg.ddp, cfg.resolved.precision, cfg.checkpoint, cfg.train
     tp = cfg.resolved.layout.tp
     cpu_comparison = not (
         m.is_moe
@@ -104,7 +104,7 @@ def _peer_rules(cfg: ConfigContainer, gpu: bool) -> Iterator[Rule]:
 
 def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
     """What the runtime does not build (NotBuiltErrors: `why` says what)."""
-    m, d, o, p = cfg.model, cfg.ddp, cfg.resolved.overlap, cfg.resolved.precision
+    m, d, o, p = cfg.resolved.model, cfg.ddp, cfg.resolved.overlap, cfg.resolved.precision
     layout, k = cfg.resolved.layout, cfg.resolved.kernels
     tied, moe, pp = m.share_embeddings_and_output_weights, m.is_moe, layout.pp
     torch_pp = m.pipeline_impl == "torch_pipelining"

@@ -94,10 +94,10 @@ class Trainer:
         # buffers and buckets.
         res = cfg.resolved
         self.chunks = model_chunks(
-            cfg.model, ps, res.pipeline, res.overlap, res.precision, res.kernels
+            cfg.resolved.model, ps, res.pipeline, res.overlap, res.precision, res.kernels
         )
         # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
-        apply_tensor_parallel_impl(self.chunks, ps, cfg.model)
+        apply_tensor_parallel_impl(self.chunks, ps, cfg.resolved.model)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.model = self.chunks[0]  # without pipeline parallelism: the whole model
@@ -139,7 +139,7 @@ class Trainer:
         # gradient, a 1/DP shard with the distributed optimizer, the same elements on both ends
         # since the tied tensor is a bucket of its own)
         self._tied = None
-        if cfg.model.share_embeddings_and_output_weights and ps.layout.pp > 1:
+        if cfg.resolved.model.share_embeddings_and_output_weights and ps.layout.pp > 1:
             group = ps.tied_embedding_group()
             grads = [
                 ddp.reduced_grad(p)
@@ -162,7 +162,7 @@ class Trainer:
         self.start_iteration = self.checkpointer.load() if self.checkpointer is not None else 0
         # the sync-free MoE dispatch's per-step handle (None without it), and whether the last
         # step was re-run dropless for an overflow
-        self.static_dispatch = StaticDispatchSteps.of(cfg.model, self.chunks, ps.device)
+        self.static_dispatch = StaticDispatchSteps.of(cfg.resolved.model, self.chunks, ps.device)
         self.last_step_reruns = 0
 
     def train_step(self, iteration: int) -> tuple[float, float]:
@@ -290,7 +290,7 @@ class Trainer:
         self.optimizer.finish_param_sync()
 
     def train(self, metrics: MetricsSink | None = None, progress=None) -> RunSummary:
-        t, m = self.cfg.train, self.cfg.model
+        t, m = self.cfg.train, self.cfg.resolved.model
         tokens_per_step = t.global_batch_size * m.seq_length
         flops_step = flops_per_token(m) * tokens_per_step
         records: list[StepRecord] = []
@@ -394,7 +394,7 @@ class Trainer:
                 "sync-free MoE dispatch (model.moe_expert_rank_capacity_factor=%g): %d of %d "
                 "iterations re-ran dropless (one more forward-backward each); the fullest block "
                 "needed a factor of %.3g",
-                self.cfg.model.moe_expert_rank_capacity_factor,
+                self.cfg.resolved.model.moe_expert_rank_capacity_factor,
                 sum(r.moe_reruns for r in records),
                 len(records),
                 needed,
@@ -475,7 +475,7 @@ class Trainer:
                     "iteration %d: a sync-free MoE block overflowed (model."
                     "moe_expert_rank_capacity_factor=%g); the step was re-run dropless",
                     it + 1,
-                    self.cfg.model.moe_expert_rank_capacity_factor,
+                    self.cfg.resolved.model.moe_expert_rank_capacity_factor,
                 )
             if (it + 1) % self.cfg.logger.log_interval == 0 or it + 1 == t.train_iters or skipped:
                 log.info(
