@@ -75,8 +75,12 @@ def test_the_null_tokenizers_vocabulary_beats_the_models():
     assert request(sections, "model.vocab_size") == Request(4096, "model.vocab_size")
     apply_override(cfg, "tokenizer.vocab_size=1024")
     assert request(sections, "model.vocab_size") == Request(1024, "tokenizer.vocab_size")
-    cfg.finalize(1)
-    assert (cfg.model.vocab_size, cfg.tokenizer.vocab_size) == (1024, 1024)
+    typed = copy.deepcopy(cfg.model)
+    res = cfg.finalize(1)
+    # the model that runs has the tokenizer's vocabulary; the section keeps what was typed
+    assert (res.model.vocab_size, cfg.tokenizer.vocab_size) == (1024, 1024)
+    assert cfg.model == typed and cfg.model.vocab_size == 4096
+    assert cfg.to_dict()["model"]["vocab_size"] == 1024  # run_config.yaml: the model that ran
 
 
 def test_a_preset_owns_the_precision_and_without_one_the_aliases_stand():

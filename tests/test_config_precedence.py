@@ -3,6 +3,7 @@ and its order."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -294,8 +295,9 @@ def _state(cfg: ConfigContainer):
         dataclasses.asdict(cfg.ddp),
         dataclasses.asdict(cfg.optimizer),
         dataclasses.asdict(cfg.comm_overlap) if cfg.comm_overlap else None,
-        dataclasses.asdict(cfg.mixed_precision),
+        copy.deepcopy(cfg.mixed_precision),  # a preset's name stays a name
         dict(cfg.env_vars),
+        dataclasses.asdict(cfg.resolved.model),
     )
 
 
