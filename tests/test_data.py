@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from overlap.data.gpt_dataset import GPTDataset, blending_indices, parse_blend, split_ranges
 from overlap.data.indexed import IndexedDataset, IndexedDatasetWriter
 from overlap.errors import ConfigError
-from tests.configs import tiny_config
+from tests.configs import TINY, tiny_config
 from tests.word_tokenizer import corpus, save_word_tokenizer
 from tests.world import run_world
 
@@ -140,7 +140,8 @@ def test_tokenizer_padding_and_data_decisions(tokenizer_dir, dataset_prefix):
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
-    assert cfg.model.vocab_size == math.ceil(vocab / 32) * 32  # 16 x TP 2
+    assert res.model.vocab_size == math.ceil(vocab / 32) * 32  # 16 x TP 2
+    assert cfg.model.vocab_size == TINY["vocab_size"]  # the section keeps what was typed
     text = res.decisions.format_sections()
     assert "Data decisions:" in text and "padded to a multiple" in text
     assert "1998 of 2000 documents in the training split (9999,8,2)" in text

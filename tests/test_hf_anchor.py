@@ -278,8 +278,9 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         ],
         1,
     )
-    cfg.finalize(1, pretrained=apply_pretrained)
-    assert (cfg.model.num_layers, cfg.model.moe_layer_freq) == (2, [0, 1])
+    m = cfg.finalize(1, pretrained=apply_pretrained).model
+    assert (m.num_layers, m.moe_layer_freq) == (2, [0, 1])
+    assert (cfg.model.num_layers, cfg.model.moe_layer_freq) == (3, [1, 1, 1])  # as typed
     cfg = tiny_config(
         True,
         "fp32",
@@ -293,8 +294,9 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
     dense = tiny_config(
         False, "fp32", 2, [f"checkpoint.pretrained_checkpoint={hf_models['moe'][0]}"], 1
     )
-    dense.finalize(1, pretrained=apply_pretrained)
-    assert dense.model.is_moe and dense.model.moe_aux_loss_coeff == theirs_aux(hf_models["moe"][0])
+    m = dense.finalize(1, pretrained=apply_pretrained).model
+    assert m.is_moe and m.moe_aux_loss_coeff == theirs_aux(hf_models["moe"][0])
+    assert not dense.model.is_moe
     # token dropping on released MoE weights: honoured, and said beside the architecture
     dropping = tiny_config(
         True,
@@ -321,7 +323,7 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
         True, "fp32", 1, [f"checkpoint.pretrained_checkpoint={tmp_path}", "model.num_layers=6"], 1
     )
     cfg.finalize(1, pretrained=apply_pretrained)
-    assert cfg.model.num_layers == 6 and not any(
+    assert cfg.resolved.model.num_layers == 6 and not any(
         d.field.startswith("model.")
         for d in cfg.finalize(1, pretrained=apply_pretrained).decisions.sections["checkpoint"]
     )

@@ -219,7 +219,7 @@ def test_sync_free_buffers_run_the_expert_glue_over_every_row():
     )
     cluster = builtin_cluster("h100", "bf16", 8)
     plain = microbatch_compute(job.cfg, job.resolution.layout, cluster).moe_fwd_s
-    job.cfg.model.moe_expert_rank_capacity_factor = 1.5
+    job.resolution.model.moe_expert_rank_capacity_factor = 1.5
     padded = microbatch_compute(job.cfg, job.resolution.layout, cluster).moe_fwd_s
     assert padded > plain  # the activation and casts over 1.5x the rows; the GEMMs unchanged
 
