@@ -64,9 +64,9 @@ def _build(folder: str, layout: dict):
     cfg = ConfigContainer(model=model)
     res = cfg.finalize(dist.get_world_size())
     ps = ParallelState(res.layout)
-    chunks = model_chunks(cfg.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
+    chunks = model_chunks(res.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
     load_hf_weights(
-        cfg.model, {n: p for c in chunks for n, p in c.named_parameters()}, folder, ps.rank
+        res.model, {n: p for c in chunks for n, p in c.named_parameters()}, folder, ps.rank
     )
     return cfg, ps, chunks
 
@@ -82,7 +82,7 @@ def _logits(folder: str, layout: dict) -> torch.Tensor | None:
     cfg, ps, chunks = _build(folder, layout)
     tokens, _ = anchor_batch()
     tokens = tokens.index_select(1, cp_positions(SEQ, ps.cp_rank, ps.layout.cp))
-    m = cfg.model
+    m = cfg.resolved.model
     seq = SEQ // ps.layout.cp
     seq = seq // ps.layout.tp if ps.layout.sequence_parallel else seq
     hidden, local = torch.empty((seq, BATCH, m.hidden_size)), None  # [s (local under SP), b, h]
@@ -260,12 +260,13 @@ def test_a_pretrained_hf_folder_decides_the_architecture(hf_models, tmp_path):
             d.field: d
             for d in cfg.finalize(1, pretrained=apply_pretrained).decisions.sections["checkpoint"]
         }
+        ran = cfg.resolved.model  # the model that runs; cfg.model keeps what was typed
         for field, attr in described_fields(theirs).items():
-            assert getattr(cfg.model, attr) == getattr(theirs, attr), (kind, field)
-        assert decisions["model.num_layers"].requested == 6
+            assert getattr(ran, attr) == getattr(theirs, attr), (kind, field)
+        assert decisions["model.num_layers"].requested == 6 == cfg.model.num_layers
         assert decisions["model.num_layers"].effective == theirs.num_layers
         assert "config.json" in decisions["model.num_layers"].reason
-        assert cfg.model.is_moe == theirs.is_moe
+        assert ran.is_moe == theirs.is_moe
     # a per-layer MoE pattern of the recipe's own length (3 layers) is replaced whole, not read at
     # the new length
     cfg = tiny_config(
