@@ -9,6 +9,9 @@ coverage -> checkpoint -> logger -> kernels (flex dispatcher backend, attention 
 permutation fusion, grouped GEMM, elementwise fusions). `finalize` snapshots what the user asked
 for on its first call and re-resolves from that snapshot on every call, so calling it twice gives
 the same result (edits made after the first call are not seen: build a new container instead).
+The sections stay as typed: what finalize decides about the network (the vocabulary, a pretrained
+folder's architecture) goes onto a copy of the model section, `Resolution.model`, which every
+later stage checks and the runtime reads.
 """
 
 from __future__ import annotations
