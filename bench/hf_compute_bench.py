@@ -93,8 +93,8 @@ def _ours(folder: Path, seq: int, dtype: torch.dtype, attention_backend: str):
     cfg = ConfigContainer(model=model, mixed_precision=precision)
     res = cfg.finalize(1, on_cuda=False)  # the comparison runs on this CPU
     ps = ParallelState(res.layout)
-    (chunk,) = model_chunks(cfg.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
-    load_hf_weights(cfg.model, dict(chunk.named_parameters()), folder)
+    (chunk,) = model_chunks(res.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
+    load_hf_weights(res.model, dict(chunk.named_parameters()), folder)
     return chunk
 
 
