@@ -245,7 +245,7 @@ def test_the_planner_weighs_and_the_memory_estimate_sizes_the_uneven_stages():
     # the memory estimate: moe_act keeps less of the routed experts' activations, the same
     # parameters
     one = estimate_memory(cfg, res.layout)
-    cfg.model.recompute_granularity, cfg.model.recompute_modules = "selective", ["moe_act"]
+    res.model.recompute_granularity, res.model.recompute_modules = "selective", ["moe_act"]
     assert estimate_memory(cfg, res.layout).activation_bytes < one.activation_bytes
     assert one.params == estimate_memory(cfg, res.layout).params
 
