@@ -159,12 +159,10 @@ def import_hf(
     with single_process():
         res = cfg.finalize(1, on_cuda=False)  # built and saved on the CPU, never run here
         ps = ParallelState(res.layout)
-        chunks = model_chunks(
-            cfg.resolved.model, ps, res.pipeline, res.overlap, res.precision, res.kernels
-        )
+        chunks = model_chunks(res.model, ps, res.pipeline, res.overlap, res.precision, res.kernels)
         with flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
             load_hf_weights(
-                cfg.resolved.model, {n: p for c in chunks for n, p in c.named_parameters()}, hf_dir
+                res.model, {n: p for c in chunks for n, p in c.named_parameters()}, hf_dir
             )
         output_folder(out, out_flag)
         with flag_errors(out_flag, "checkpoint.save"):

@@ -94,10 +94,10 @@ class Trainer:
         # buffers and buckets.
         res = cfg.resolved
         self.chunks = model_chunks(
-            cfg.resolved.model, ps, res.pipeline, res.overlap, res.precision, res.kernels
+            res.model, ps, res.pipeline, res.overlap, res.precision, res.kernels
         )
         # model.tensor_parallel_impl: our TP layers as built, or the DTensor peer's
-        apply_tensor_parallel_impl(self.chunks, ps, cfg.resolved.model)
+        apply_tensor_parallel_impl(self.chunks, ps, res.model)
         for chunk in self.chunks:
             chunk.init_weights(cfg.train.seed)
         self.model = self.chunks[0]  # without pipeline parallelism: the whole model
