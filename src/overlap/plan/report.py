@@ -181,7 +181,17 @@ def format_search(result, top: int, command: str) -> str:
             f"{gib(p.peak_mem_bytes)} | {gib(c.margin_bytes)} | "
             f"{' '.join(c.switches) or '-'} |"
         )
-    lines += ["", f"Why the first: {result.why_best()}.", "", "Commands:"]
+    lines += ["", f"Why the first: {result.why_best()}."]
+    near = result.near_best()
+    if near > 1:
+        lines.append(
+            f"{near} layouts (the first included) are predicted within ±{100 * result.band:.0f}% "
+            "of the first, the model's median error on this GPU group: their order is the "
+            "model's, not a measurement, so measure the first few before settling on one"
+            + (f" (`--search {near}` lists them all)" if near > top else "")
+            + "."
+        )
+    lines += ["", "Commands:"]
     lines += [
         f"{i}. `{c.command(result.words, result.overrides)}`"
         + (f" (`overlap run` refuses it today: {c.not_runnable})" if c.not_runnable else "")

@@ -16,9 +16,11 @@ precision and batch):
 - expert parallelism for MoE models, and on the fastest layouts every token dispatcher the plan
   prices (`alltoall`, and `flex` with each backend: `torch`, `deepep`, `hybridep`);
 - the micro-batch size (1, 2, 4, 8: the GB300 Qwen3 runs use 8);
-- activation recompute, cheapest first: none, selective of the attention product, selective of the
-  MLP's (experts') activation and the norms, then full (uniform, one layer a checkpoint). Recompute
-  never makes a step faster by itself, so a layout takes the first that fits;
+- activation recompute: none, selective of the attention product, selective of the MLP's
+  (experts') activation and the norms, or full (uniform, one layer a checkpoint). Recompute never
+  makes a step faster by itself, so a layout that fits without it runs without; one that does not
+  takes the fastest rung that fits (which rung costs least depends on the model: for a MoE layer
+  re-running the attention product can cost more than the experts' activation and the norms);
 - each overlap switch (`overlap.plan.cli.SWITCHES`) turned the other way from the decision table's
   automatic choice on the fastest layouts; a flip that predicts faster is kept.
 
@@ -35,13 +37,17 @@ Fast: the expensive part of pricing is the pipeline program's simulation. A cand
 bounded below without it (`_Space.bound`: the step priced unpipelined, plus the pipeline's least
 extra, less what EP overlap's warm-up may take back), so the candidates are priced in the order of
 that bound, and the search stops once the next bound is slower than the `keep`-th fastest step
-found: every layout left is provably slower than all of those (counted as `bounded`). Memory is
-checked before pricing, and a recompute rung that does not fit goes back into the queue at the next
-rung's (larger) bound; each group of layouts sharing TP, CP, PP, split and EP is probed once at its
-least memory-hungry point and dropped unresolved where even that does not fit. Below the search,
-what repeats across thousands of candidates is worked out once: each distinct chunk's activations
-and memory walk (`overlap.launch.resources.peak_memory`), each pipeline program's tasks
-(`overlap.plan.pipeline_sim`), the run's argument parser (docs/planner.md, "Speed").
+found and than the fastest plus the GPU group's median error: every layout left is provably slower
+than all of those (counted as `bounded`), and every layout the model cannot tell from the fastest
+(`SearchResult.near_best`) is priced and counted, so the printout says how many there are. Memory is
+checked before pricing; a layout that does not fit without recompute goes back into the queue once
+per recompute rung, each at its own bound, and a rung whose bound is slower than a rung of the same
+layout already priced is not priced; each group of layouts sharing TP, CP, PP, split and EP is
+probed once at its least memory-hungry point and dropped unresolved where even that does not fit.
+Below the search, what repeats across thousands of candidates is worked out once: each distinct
+chunk's activations and memory walk (`overlap.launch.resources.peak_memory`), each pipeline
+program's tasks (`overlap.plan.pipeline_sim`), the run's argument parser (docs/planner.md,
+"Speed").
 
 A candidate fits when its peak (`overlap.perf.memory_model.rank_memory`) plus the reserve (2 GiB
 and 5% of the peak) is within the GPU's memory; the margin is printed. The explanation of the
@@ -232,6 +238,22 @@ class SearchResult:
     # layouts left unpriced: their compute alone is slower than the keep-th fastest step
     bounded: int = 0
 
+    @property
+    def band(self) -> float:
+        """The GPU group's median step-time error (leave-one-out over published runs; 0 where
+        the cluster's efficiency is not validated): predictions closer than this are not ordered
+        by the model with any confidence."""
+        return self.cluster.expected_error[0] if self.cluster.expected_error else 0.0
+
+    def near_best(self) -> int:
+        """How many layouts, the first included, are predicted within `band` of the first. Every
+        such layout was priced (the search bounds out only layouts slower than that band), so the
+        count is complete."""
+        if not self.ranked:
+            return 0
+        limit = self.ranked[0].prediction.times.total_s * (1 + self.band)
+        return sum(c.prediction.times.total_s <= limit for c in self.ranked)
+
     def to_json(self, top: int) -> dict:
         """The search as JSON: the `top` candidates (the plan's per-configuration fields, with the
         layout, margin and command) and what was left out."""
@@ -243,6 +265,8 @@ class SearchResult:
             "bounded": self.bounded,
             "refused": dict(sorted(self.refused.items(), key=lambda kv: -kv[1])),
             "why_best": self.why_best(),
+            "expected_median_error": self.band,
+            "near_best": self.near_best(),
             "candidates": [
                 {
                     **config_json(c.prediction),
@@ -268,15 +292,21 @@ class SearchResult:
         for kind in sorted(set(a.exposed_s) | set(b.exposed_s)):
             parts[f"exposed {kind}"] = b.exposed_s.get(kind, 0.0) - a.exposed_s.get(kind, 0.0)
         shown = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:4]
-        gap = (b.total_s - a.total_s) * 1e3
+        gap = b.total_s - a.total_s
         detail = ", ".join(
             f"{name} {abs(delta) * 1e3:.0f} ms {'shorter' if delta >= 0 else 'longer'}"
             for name, delta in shown
             if abs(delta) * 1e3 >= 0.5
         )
+        inside = (
+            f", inside the model's ±{100 * self.band:.0f}% median error"
+            if gap <= self.band * a.total_s
+            else ""
+        )
         return (
             f"{self.ranked[0].layout.describe()} beats {self.ranked[1].layout.describe()} by "
-            f"{gap:.0f} ms per step; against the runner-up its {detail}"
+            f"{gap * 1e3:.0f} ms per step ({100 * gap / a.total_s:.1f}%{inside}); against the "
+            f"runner-up its {detail}"
         )
 
 
@@ -304,8 +334,9 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def recompute_options(cfg) -> list[tuple[str, ...]]:
-    """Recompute's rungs, cheapest first: none, the attention product, the MLP's (experts')
-    activation and the norms, then full recompute. A layout takes the first that fits."""
+    """Recompute's rungs: none, the attention product, the MLP's (experts') activation and the
+    norms, full recompute. A layout runs without recompute where that fits, else takes the
+    fastest rung that fits (their order is not their cost's)."""
     m = cfg.resolved.model
     return [
         (),
@@ -524,40 +555,60 @@ def search(
             if job is not None:
                 queue.append((space.bound(job), next(order), layout, job))
     heapq.heapify(queue)
+    # the fastest fitting rung of each layout (keyed without its recompute), fastest first
+    best: dict[Layout, Candidate] = {}
     priced: list[Candidate] = []
+    waiting: dict[Layout, int] = {}  # layout -> its recompute rungs still in the queue
     too_big: dict[tuple, int] = {}  # layout without mb -> the smallest mb that fits nowhere
     short_at: dict[tuple, int] = {}  # (layout without mb, rung) -> the smallest mb that did not fit
     while queue:
         bound, _n, layout, job = heapq.heappop(queue)
-        if len(priced) >= keep and bound >= priced[keep - 1].prediction.times.total_s:
-            result.bounded += 1 + len(queue)
+        # kept: the `keep` fastest, and every layout within the expected error of the fastest
+        if len(priced) >= keep and bound >= max(
+            priced[keep - 1].prediction.times.total_s,
+            priced[0].prediction.times.total_s * (1 + result.band),
+        ):
+            left = {replace(entry[2], recompute=()) for entry in queue} | {
+                replace(layout, recompute=())
+            }
+            result.bounded += len(left - set(best))
             break
-        shape = replace(layout, mb=1, recompute=())
-        if layout.mb >= too_big.get(shape, 1 << 30):
-            result.not_fitting += 1
+        plain = replace(layout, recompute=())
+        if layout.recompute:
+            waiting[plain] -= 1
+        found = best.get(plain)
+        if found is not None and bound >= found.prediction.times.total_s:
+            continue  # a rung of this layout already priced faster than this one can be
+        shape = replace(plain, mb=1)
+        if layout.mb >= too_big.get(shape, 1 << 30):  # a smaller micro-batch fits nowhere
+            if not waiting.get(plain) and plain not in best:
+                result.not_fitting += 1
             continue
         rung_key = (shape, layout.recompute)
         # a larger micro-batch than one that did not fit at this rung only needs more memory
         fails = layout.mb >= short_at.get(rung_key, 1 << 30)
         outcome = NOT_FITTING if fails else space.price(layout, (), job)
         if isinstance(outcome, Candidate):
+            if found is not None:
+                priced.remove(found)
+            best[plain] = outcome
             priced.append(outcome)
             priced.sort(key=lambda c: c.prediction.times.total_s)
             continue
         short_at[rung_key] = min(layout.mb, short_at.get(rung_key, 1 << 30))
-        # the next recompute rung goes back into the queue at its own (larger) bound
-        rung = rungs.index(layout.recompute) + 1
-        heavier = None
-        while rung < len(rungs) and heavier is None:
-            heavier = replace(layout, recompute=rungs[rung])
-            job = space.resolve(heavier)
-            if job is None:
-                heavier, rung = None, rung + 1
-        if heavier is None:
+        if not layout.recompute:
+            # Without recompute it does not fit: every rung goes into the queue at its own bound.
+            # Which rung costs least is the bound's to say, not the rungs' order (re-running the
+            # attention product can cost more than the experts' activation and the norms).
+            for rung in rungs[1:]:
+                heavier = replace(layout, recompute=rung)
+                job = space.resolve(heavier)
+                if job is not None:
+                    waiting[plain] = waiting.get(plain, 0) + 1
+                    heapq.heappush(queue, (space.bound(job), next(order), heavier, job))
+        if not waiting.get(plain) and plain not in best:
             result.not_fitting += 1
             too_big[shape] = min(layout.mb, too_big.get(shape, 1 << 30))
-            continue
-        heapq.heappush(queue, (space.bound(job), next(order), heavier, job))
     result.ranked = _refined(space, priced)
     return result
 
