@@ -119,6 +119,46 @@ def qwen30():
     return search(row.args(), cluster=builtin_cluster(row.gpu, row.precision, None))
 
 
+def test_a_layout_takes_its_fastest_recompute_rung_that_fits(monkeypatch):
+    """Where a layout does not fit without recompute, each rung that fits is priced and the
+    fastest kept, whatever the rungs' order: no other rung of a ranked layout fits at a faster step
+    (at the automatic switches, where the rung is chosen). The searched rungs rarely leave two
+    that fit (forced load balancing refuses full recompute on the MoE rows), so this search adds a
+    slower rung that fits wherever the experts' rung does - all three selective modules - ahead
+    of it."""
+    import overlap.plan.search as search_module
+
+    searched = search_module.recompute_options
+
+    def with_a_slower_rung_first(cfg):
+        none, *rest = searched(cfg)
+        return [none, ("core_attn", "layernorm", "moe_act"), *rest]
+
+    monkeypatch.setattr(search_module, "recompute_options", with_a_slower_rung_first)
+    row = next(r for r in ROWS if r.name == _EP_OVERLAP_ROW)
+    words, cluster = row.args(), builtin_cluster(row.gpu, row.precision, None)
+    result = search(words, cluster=cluster)
+    space = _Space(
+        [w for w in words if "=" not in w], [w for w in words if "=" in w], cluster, result
+    )
+    rungs = with_a_slower_rung_first(result.ranked[0].cfg)
+    checked = 0
+    for c in result.ranked:
+        if not c.layout.recompute:
+            continue
+        chosen = space.variant(c.layout, ())
+        assert chosen is not None
+        for rung in rungs[1:]:
+            other = space.variant(replace(c.layout, recompute=rung), ())
+            if other is not None and rung != c.layout.recompute:
+                checked += 1
+                assert other.prediction.times.total_s >= chosen.prediction.times.total_s, (
+                    c.layout.describe(),
+                    rung,
+                )
+    assert checked
+
+
 def test_every_shown_command_is_accepted_by_the_config_and_labelled_if_run_refuses_it(qwen30):
     """Dispatcher, CP, split and recompute choices included: each top command resolves through the
     configuration without a ConfigError, and what `overlap run` would still refuse today (DeepEP /

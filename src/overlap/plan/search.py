@@ -335,8 +335,9 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def recompute_options(cfg) -> list[tuple[str, ...]]:
     """Recompute's rungs: none, the attention product, the MLP's (experts') activation and the
-    norms, full recompute. A layout runs without recompute where that fits, else takes the
-    fastest rung that fits (their order is not their cost's)."""
+    norms (a dense model: the attention product and the MLP), full recompute. A layout runs
+    without recompute where that fits, else takes the fastest rung that fits (their order is not
+    their cost's)."""
     m = cfg.resolved.model
     return [
         (),
@@ -590,6 +591,8 @@ def search(
         outcome = NOT_FITTING if fails else space.price(layout, (), job)
         if isinstance(outcome, Candidate):
             if found is not None:
+                if outcome.prediction.times.total_s >= found.prediction.times.total_s:
+                    continue  # the rung already priced stays
                 priced.remove(found)
             best[plain] = outcome
             priced.append(outcome)
