@@ -80,6 +80,21 @@ def test_the_cli_prints_the_table_the_commands_and_why_the_first_wins(tmp_path, 
     )
 
 
+def test_without_a_validated_error_no_layout_is_called_a_near_tie(llama8):
+    """A cluster whose efficiency is not validated (a --cluster file, -g cpu) has no band: only
+    equal steps are near the first, the JSON says the error is unknown, and the reason the first
+    wins claims no 'inside the error'. With the validated band the gap is a share of the step."""
+    plain = replace(llama8, cluster=replace(llama8.cluster, expected_error=None))
+    steps = [c.prediction.times.total_s for c in plain.ranked]
+    assert plain.band == 0 and plain.near_best() == 1 and steps[1] > steps[0]
+    assert "inside" not in plain.why_best()
+    doc = plain.to_json(3)
+    assert doc["expected_median_error"] is None and doc["near_best"] == 1
+    gap = 100 * (steps[1] - steps[0]) / steps[0]
+    assert f"({gap:.1f}%" in llama8.why_best()
+    assert ("inside the model's" in llama8.why_best()) == (gap < 100 * llama8.band)
+
+
 _EP_OVERLAP_ROW = "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap on"
 # a MoE row whose layouts need recompute, where re-running the attention product costs more than
 # re-running the experts' activation and the norms (the rungs' order is not their cost's)
@@ -166,6 +181,10 @@ def test_every_shown_command_is_accepted_by_the_config_and_labelled_if_run_refus
     from overlap.training.runtime_refusals import runtime_refusals
 
     assert qwen30.ranked and qwen30.bounded > 0
+    # full recompute is refused under EP overlap: a rung of layouts that need one, not a layout
+    full = "model.recompute_granularity: disable full recomputation"
+    assert any(k.startswith(full) for k in qwen30.rungs_refused)
+    assert not any(k.startswith(full) for k in qwen30.refused)
     for c in qwen30.ranked[:5]:
         words = shlex.split(c.command(qwen30.words, qwen30.overrides))[2:]
         job = resolve_run(words, [])

@@ -154,6 +154,7 @@ def format_search(result, top: int, command: str) -> str:
     """`overlap plan --search N`'s table: the N fastest layouts that fit, what each exposes, its
     memory margin and command; then why the first beats the second and what was left out."""
     from overlap.perf.memory_model import gib
+    from overlap.plan.search import REFINE
 
     error = expected_error(result.cluster)
     lines = [
@@ -184,11 +185,18 @@ def format_search(result, top: int, command: str) -> str:
     lines += ["", f"Why the first: {result.why_best()}."]
     near = result.near_best()
     if near > 1:
+        exact = result.near_best_is_exact()
         lines.append(
-            f"{near} layouts (the first included) are predicted within ±{100 * result.band:.0f}% "
-            "of the first, the model's median error on this GPU group: their order is the "
-            "model's, not a measurement, so measure the first few before settling on one"
-            + (f" (`--search {near}` lists them all)" if near > top else "")
+            f"{'' if exact else 'At least '}{near} layouts (the first included) are predicted "
+            f"within ±{100 * result.band:.1f}% of the first, the model's median error on this GPU "
+            "group: their order is the model's, not a measurement, so measure the first few "
+            "before settling on one"
+            + (f" (`--search {near}` lists them)" if near > top else "")
+            + (
+                ""
+                if exact
+                else f"; past the first {REFINE} they are priced at the automatic switches"
+            )
             + "."
         )
     lines += ["", "Commands:"]
@@ -197,9 +205,15 @@ def format_search(result, top: int, command: str) -> str:
         + (f" (`overlap run` refuses it today: {c.not_runnable})" if c.not_runnable else "")
         for i, c in enumerate(result.ranked[:top], 1)
     ]
-    if result.refused:
-        lines += ["", "Refused by the configuration rules (count: field: why):"]
-        lines += [
-            f"- {n}: {why}" for why, n in sorted(result.refused.items(), key=lambda kv: -kv[1])
-        ]
+    for title, tally in (
+        ("Refused by the configuration rules (count: field: why):", result.refused),
+        (
+            "Recompute rungs refused by the configuration rules, the layout taking another rung "
+            "(count: field: why):",
+            result.rungs_refused,
+        ),
+    ):
+        if tally:
+            lines += ["", title]
+            lines += [f"- {n}: {why}" for why, n in sorted(tally.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines)

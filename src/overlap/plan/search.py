@@ -224,18 +224,21 @@ class Candidate:
 
 @dataclass
 class SearchResult:
-    """The priced candidates (the `keep` fastest that fit, and any priced on the way), fastest
-    first, and what the search left out."""
+    """The priced candidates (the `keep` fastest that fit, every one predicted within `band` of
+    the fastest, and any priced on the way), fastest first, and what the search left out."""
 
     ranked: list[Candidate]
     words: list[str]
     overrides: list[str]
     cluster: Cluster
     considered: int = 0
-    # why candidates were refused by the configuration rules, with how many each
+    # why layouts were refused by the configuration rules, with how many each
     refused: dict[str, int] = field(default_factory=dict)
+    # why recompute rungs of layouts that need one were refused (the layout takes another rung)
+    rungs_refused: dict[str, int] = field(default_factory=dict)
     not_fitting: int = 0
-    # layouts left unpriced: their compute alone is slower than the keep-th fastest step
+    # layouts left unpriced: their compute alone is slower than the keep-th fastest step and than
+    # the fastest plus `band`
     bounded: int = 0
 
     @property
@@ -247,12 +250,23 @@ class SearchResult:
 
     def near_best(self) -> int:
         """How many layouts, the first included, are predicted within `band` of the first. Every
-        such layout was priced (the search bounds out only layouts slower than that band), so the
-        count is complete."""
+        layout within it at the automatic switches and dispatcher is priced (the search bounds out
+        only slower ones); the first `REFINE` are also refined (each switch, dispatcher and CP
+        exchange the other way), the rest are counted as priced, and refining them could only
+        bring more inside: a lower bound once more than `REFINE` are inside
+        (`near_best_is_exact`)."""
         if not self.ranked:
             return 0
-        limit = self.ranked[0].prediction.times.total_s * (1 + self.band)
-        return sum(c.prediction.times.total_s <= limit for c in self.ranked)
+        first = self.ranked[0].prediction.times.total_s
+        limit = first * (1 + self.band)  # the search bounds out from the limit on
+        return sum(
+            c.prediction.times.total_s < limit or c.prediction.times.total_s == first
+            for c in self.ranked
+        )
+
+    def near_best_is_exact(self) -> bool:
+        """Whether every layout inside the band was refined (so `near_best` is the count)."""
+        return self.near_best() <= REFINE
 
     def to_json(self, top: int) -> dict:
         """The search as JSON: the `top` candidates (the plan's per-configuration fields, with the
@@ -265,8 +279,10 @@ class SearchResult:
             "bounded": self.bounded,
             "refused": dict(sorted(self.refused.items(), key=lambda kv: -kv[1])),
             "why_best": self.why_best(),
-            "expected_median_error": self.band,
+            "rungs_refused": dict(sorted(self.rungs_refused.items(), key=lambda kv: -kv[1])),
+            "expected_median_error": self.band if self.cluster.expected_error else None,
             "near_best": self.near_best(),
+            "near_best_is_exact": self.near_best_is_exact(),
             "candidates": [
                 {
                     **config_json(c.prediction),
@@ -299,8 +315,8 @@ class SearchResult:
             if abs(delta) * 1e3 >= 0.5
         )
         inside = (
-            f", inside the model's ±{100 * self.band:.0f}% median error"
-            if gap <= self.band * a.total_s
+            f", inside the model's ±{100 * self.band:.1f}% median error"
+            if self.band > 0 and gap < self.band * a.total_s
             else ""
         )
         return (
@@ -424,14 +440,22 @@ class _Space:
             words + layout.words() + self.overrides + layout.overrides() + list(switches)
         )
 
-    def resolve(self, layout: Layout, switches: tuple[str, ...] = (), count: bool = True):
-        """The resolved job of `layout` (None where the rules refuse it, counted by reason)."""
+    def resolve(
+        self,
+        layout: Layout,
+        switches: tuple[str, ...] = (),
+        count: bool = True,
+        rung: bool = False,
+    ):
+        """The resolved job of `layout` (None where the rules refuse it, counted by reason: as a
+        layout, or where `rung` as one of its recompute rungs)."""
         try:
             return self.job(layout, switches)
         except ConfigError as exc:
             if count:
                 key = f"{exc.field}: {exc.why.rstrip('.')}"
-                self.result.refused[key] = self.result.refused.get(key, 0) + 1
+                tally = self.result.rungs_refused if rung else self.result.refused
+                tally[key] = tally.get(key, 0) + 1
             return None
 
     def bound(self, job) -> float:
@@ -522,6 +546,8 @@ def search(
     `plan_precision` prices FP8 as `overlap plan -c fp8_*` does. Returns the `keep` (at least)
     fastest fitting candidates, fastest first (the module notes say what is searched and how the
     rest are bounded out)."""
+    if keep < 1:
+        raise ValueError(f"keep={keep}: a search keeps at least one layout")
     # KEY=VALUE words are overrides wherever they were written (they follow every flag)
     overrides = [w for w in words if _is_override(w)] + list(overrides or [])
     words = [w for w in words if not _is_override(w)]
@@ -605,7 +631,7 @@ def search(
             # attention product can cost more than the experts' activation and the norms).
             for rung in rungs[1:]:
                 heavier = replace(layout, recompute=rung)
-                job = space.resolve(heavier)
+                job = space.resolve(heavier, rung=True)
                 if job is not None:
                     waiting[plain] = waiting.get(plain, 0) + 1
                     heapq.heappush(queue, (space.bound(job), next(order), heavier, job))
