@@ -3,8 +3,9 @@
 For Llama3-8B on 8 H100s, every published row `tests/test_plan_search.py` searches, and the
 256-GPU Qwen3-235B-A22B H100 and GB200 (26.08) rows, it writes each search's ranked candidates
 (layout, switches, step ms to 1e-6, peak bytes), what it left out (considered, not fitting,
-bounded, refused by reason) and its CPU seconds as JSON. Run it before and after a change and diff
-(the CPU seconds aside):
+bounded, refused by reason, recompute rungs refused by reason), how many layouts it counts near
+the best (and whether that count is exact) and its CPU seconds as JSON. Run it before and after a
+change and diff (the CPU seconds aside):
 
     PYTHONPATH=src python bench/search_dump.py /tmp/before.json [NAME_PART ...]
 
@@ -59,7 +60,14 @@ def main(path: str, only: list[str]) -> None:
                 )
                 for c in res.ranked
             ],
-            "left_out": [res.considered, res.not_fitting, res.bounded, res.refused],
+            "left_out": [
+                res.considered,
+                res.not_fitting,
+                res.bounded,
+                res.refused,
+                res.rungs_refused,
+            ],
+            "near_best": [res.near_best(), res.near_best_is_exact()],
             "cpu_s": round(cpu, 2),
         }
         print(f"{cpu:7.1f} CPU s  {name}", flush=True)

@@ -161,12 +161,13 @@ class ConfigContainer:
             raise ConfigError(
                 "-ng/--num_gpus", world_size, "a run needs at least one rank.", "use -ng 1 or more."
             )
-        if self._requested is None:
+        if self._requested is None:  # the first: the sections are what was asked
             self._requested = copy.deepcopy(self)
-        fresh = copy.deepcopy(self._requested)
-        for f in fields(self):
-            if f.name not in ("_requested", "_resolution"):
-                setattr(self, f.name, getattr(fresh, f.name))
+        else:  # again: from what was first asked, as a copy (never the snapshot itself)
+            fresh = copy.deepcopy(self._requested)
+            for f in fields(self):
+                if f.name not in ("_requested", "_resolution"):
+                    setattr(self, f.name, getattr(fresh, f.name))
         self._resolution = None
         model = copy.deepcopy(self.model)  # what finalize decides about the network goes here
 

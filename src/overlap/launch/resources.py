@@ -177,9 +177,12 @@ class _RankParams:
     attention_layers: int
 
 
-def _rank_params(cfg: ConfigContainer, layout: ParallelLayout, stages) -> _RankParams:
+def _rank_params(
+    cfg: ConfigContainer, layout: ParallelLayout, stages, moe: tuple[bool, ...]
+) -> _RankParams:
     """Parameters of the model chunks `stages` (one pipeline rank's), as the model builds them:
-    TP-sharded where the layers shard them, routed experts divided over EP."""
+    TP-sharded where the layers shard them, routed experts divided over EP; `moe`: which layers
+    are MoE (`_LayerCosts.moe`)."""
     m = cfg.resolved.model
     tp, ep = max(1, layout.tp), max(1, layout.ep)
     h, hd, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups
@@ -195,7 +198,7 @@ def _rank_params(cfg: ConfigContainer, layout: ParallelLayout, stages) -> _RankP
     dense_mlp = [linear(fused * ffn, h), linear(h, ffn)]
     held = [i for s in stages for i in range(s.start, s.end)]
     layers = len(held)
-    n_moe = sum(1 for i in held if m.is_moe_layer(i))
+    n_moe = sum(1 for i in held if moe[i])
     n_dense = layers - n_moe
     params = expert = largest = 0
 
@@ -321,13 +324,15 @@ class _LayerCosts:
 
     def __init__(self, m, shape: LayerShape) -> None:
         self.m, self.shape = m, shape
+        # which layers are MoE, by layer number (read for every layer of every chunk walked)
+        self.moe = tuple(m.is_moe_layer(i) for i in range(m.num_layers))
         self._kinds: dict[bool, tuple[float, float, tuple[Block, ...]]] = {}
         self._chunks: dict[tuple, _Chunk] = {}
 
     def chunk(self, stage, pp: int) -> _Chunk:
         """`_chunk_memory` of `stage`: what it depends on is its layers' kinds, in order, and
         whether it embeds the tokens or ends with the loss."""
-        kinds = tuple(self.m.is_moe_layer(i) for i in range(stage.start, stage.end))
+        kinds = self.moe[stage.start : stage.end]
         key = (kinds, stage.embedding, stage.loss, pp)
         if key not in self._chunks:
             self._chunks[key] = _chunk_memory(self.m, self, stage, pp)
@@ -351,7 +356,7 @@ def _estimate_rank(
 ) -> MemoryEstimate:
     m, prec = cfg.resolved.model, cfg.resolved.precision
     stages = pipe.rank_stages(pp_rank)
-    counts = _rank_params(cfg, layout, stages)
+    counts = _rank_params(cfg, layout, stages, costs.moe)
     # the distributed optimizer shards the dense state over DP x CP (Megatron's data-parallel group
     # with CP), the experts' over expert-DP (carved from TP x CP x DP)
     cp = max(1, layout.cp)
@@ -372,7 +377,7 @@ def _estimate_rank(
         program += [(None, c) for c in reversed(range(len(stages)))]
     walked = _walked(chunks, tuple(program), merged, late_wgrad)
     activations, transient, in_flight, peak_at = walked
-    has_moe = any(m.is_moe_layer(i) for s in stages for i in range(s.start, s.end))
+    has_moe = any(any(costs.moe[s.start : s.end]) for s in stages)
     return MemoryEstimate(
         params=counts.params,
         expert_params=counts.expert,
@@ -423,7 +428,7 @@ class _Chunk:
 def _chunk_memory(m, costs: _LayerCosts, stage, pp: int) -> _Chunk:
     shape = costs.shape
     tokens, h, B = shape.tokens, m.hidden_size, shape.act_bytes
-    layers = [costs.of(m.is_moe_layer(i)) for i in range(stage.start, stage.end)]
+    layers = [costs.of(moe) for moe in costs.moe[stage.start : stage.end]]
     per_layer = [saved for saved, _working, _blocks in layers]
     working = max((w for _saved, w, _blocks in layers), default=0.0)
     saved = sum(per_layer)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from overlap.pipeline.schedules import Task, pipeline_steps
 from overlap.plan.hardware import TokenBucket, Transfer
@@ -103,39 +104,43 @@ def simulate(
         raise ValueError(f"{len(weights)} stage weights for {pp * vpp} virtual stages")
     ops = _programs(pp, vpp, microbatches, group, merged, warmup_depth)
 
-    sent: dict[Message, float] = {}  # send posted
-    received: dict[Message, float] = {}  # receive posted
-    arrival: dict[Message, float] = {}
-    # (sending rank, direction) -> its queue is free from
-    link_free: dict[tuple[int, int], float] = {}
-    # sending rank -> its share of the link's bucket (both directions)
-    buckets: dict[int, TokenBucket] = {}
-    sent_until: dict[int, float] = {}  # sending rank -> when its last transfer so far ended
+    # by message id (`_Op`): when its send and its receive were posted, when it arrived
+    messages = 2 * pp * vpp * microbatches
+    sent: list[float | None] = [None] * messages
+    received: list[float | None] = [None] * messages
+    arrival: list[float | None] = [None] * messages
+    # by queue, 2 x sending rank + direction: the queue is free from
+    link_free = [0.0] * (2 * pp)
+    # by sending rank: its share of the link's bucket (both directions), and when its last transfer
+    # so far ended
+    buckets: list[TokenBucket | None] = [None] * pp
+    sent_until = [0.0] * pp
 
-    def arrived(key: Message) -> float | None:
+    def arrived(message: int, backward: bool, sender: int) -> float | None:
         """The message's arrival once both sides have posted (booked on the sender's queue), else
         None."""
-        if key not in arrival and key in sent and key in received:
-            direction, v, _mb = key
-            queue = ((v - 1 if direction == FWD else v + 1) % pp, direction)
-            start = max(sent[key], received[key], link_free.get(queue, 0.0))
+        at = arrival[message]
+        if at is None and sent[message] is not None and received[message] is not None:
+            queue = 2 * sender + backward
+            start = max(sent[message], received[message], link_free[queue])
             if isinstance(transfer, Transfer):
-                sender = queue[0]
-                bucket = buckets.setdefault(sender, TokenBucket(transfer.link))
-                bucket.idle(start - sent_until.get(sender, 0.0))
+                bucket = buckets[sender]
+                if bucket is None:
+                    bucket = buckets[sender] = TokenBucket(transfer.link)
+                bucket.idle(start - sent_until[sender])
                 seconds = bucket.send_s(transfer.nbytes)
-                sent_until[sender] = max(sent_until.get(sender, 0.0), start + seconds)
+                sent_until[sender] = max(sent_until[sender], start + seconds)
             else:
                 seconds = transfer
-            link_free[queue] = arrival[key] = start + seconds
-        return arrival.get(key)
+            link_free[queue] = arrival[message] = at = start + seconds
+        return at
 
     clock = [0.0] * pp
     index = [0] * pp
-    # batched: an output travelling with the next task's receive
-    pending: list[Message | None] = [None] * pp
-    # overlapped: the last receive of each direction used
-    consumed = [{False: 0.0, True: 0.0} for _ in range(pp)]
+    # batched: an output travelling with the next task's receive (-1: none)
+    pending = [-1] * pp
+    # overlapped: the last receive of each direction used (forward, backward)
+    consumed = [[0.0, 0.0] for _ in range(pp)]
     # overlapped: the weight-gradient seconds a rank's last backward left for after its next task
     owed = [0.0] * pp
 
@@ -143,26 +148,26 @@ def simulate(
         """Run the rank's next task if it can start; False while it waits for a message whose send
         is not posted."""
         op = ops[rank][index[rank]]
-        for want in op.wants:
-            received.setdefault(want, consumed[rank][want[0] == BWD] if overlapped else clock[rank])
-            if pending[rank] is not None:  # batched: one exchange with the pending send
+        for message, backward, _sender in op.wants:
+            if received[message] is None:
+                received[message] = consumed[rank][backward] if overlapped else clock[rank]
+            if pending[rank] >= 0:  # batched: one exchange with the pending send
                 sent[pending[rank]] = clock[rank]
-                pending[rank] = None
-        times = [arrived(w) for w in op.wants]
-        if any(at is None for at in times):
+                pending[rank] = -1
+        times = [arrived(*want) for want in op.wants]
+        if None in times:
             return False
         clock[rank] = max([clock[rank], *times])
-        task = op.task
-        seconds = (bwd_s if task.backward else fwd_s) * weights[op.stage]
-        split = wgrad_share if overlapped and vpp == 1 and not merged and task.backward else 0.0
+        seconds = (bwd_s if op.backward else fwd_s) * weights[op.stage]
+        split = wgrad_share if overlapped and vpp == 1 and not merged and op.backward else 0.0
         clock[rank] += seconds * (1 - split)
-        consumed[rank][task.backward] = clock[rank]
+        consumed[rank][op.backward] = clock[rank]
         # a stage that sends its gradient pays its weight gradients right after the send (below),
         # the first stage after its next task
         first = op.stage == 0
         paid, owed[rank] = owed[rank], seconds * split if first else 0.0
         now_paid = 0.0 if first else seconds * split
-        if op.out is not None:
+        if op.out >= 0:
             if overlapped or not op.batched:
                 sent[op.out] = clock[rank]
             else:
@@ -184,16 +189,18 @@ def simulate(
     return PipelineTimes(max(clock), compute)
 
 
-@dataclass(frozen=True)
-class _Op:
-    """One task of a rank's program with what the simulation asks of it: its virtual stage, the
-    messages it waits for (its own receive; merged, its backward partner's too), the message it
-    sends, and whether the next task receives (batched p2p then sends the two together)."""
+class _Op(NamedTuple):
+    """One task of a rank's program with what the simulation asks of it: whether it is a backward,
+    its virtual stage, the messages it waits for (its own receive; merged, its backward partner's
+    too) as (id, whether a gradient, sending rank), the message it sends (-1: none), and whether the
+    next task receives (batched p2p then sends the two together). A message (direction, receiving
+    virtual stage, micro-batch) is numbered (direction x stages + stage) x micro-batches +
+    micro-batch, so the simulation keeps its times in lists, not dicts keyed by tuples."""
 
-    task: Task
+    backward: bool
     stage: int
-    wants: tuple[Message, ...]
-    out: Message | None
+    wants: tuple[tuple[int, bool, int], ...]
+    out: int
     batched: bool
 
 
@@ -204,6 +211,10 @@ def _programs(
     """Each rank's program as `_Op`s; cached, since the layout search simulates the same few
     programs under hundreds of task times."""
     stages = pp * vpp
+
+    def numbered(message: Message) -> int:
+        direction, v, mb = message
+        return (direction * stages + v) * microbatches + mb
 
     def needs(rank: int, task: Task) -> Message | None:
         v = task.chunk * pp + rank
@@ -221,6 +232,11 @@ def _programs(
             return BWD, v - 1, task.microbatch
         return None
 
+    def wanted(message: Message) -> tuple[int, bool, int]:
+        direction, v, _mb = message
+        sender = (v - 1 if direction == FWD else v + 1) % pp
+        return numbered(message), direction == BWD, sender
+
     out = []
     for rank in range(pp):
         prog = pipeline_steps(pp, rank, vpp, microbatches, group, merged, warmup_depth)
@@ -229,14 +245,15 @@ def _programs(
         partner = {s.forward: s.backward for s in prog if merged and s.forward and s.backward}
         ops = []
         for i, task in enumerate(tasks):
-            wanted = (needs(rank, task), needs(rank, partner[task]) if task in partner else None)
+            wants = (needs(rank, task), needs(rank, partner[task]) if task in partner else None)
             following = tasks[i + 1] if i + 1 < len(tasks) else None
+            sends = produces(rank, task)
             ops.append(
                 _Op(
-                    task,
+                    task.backward,
                     task.chunk * pp + rank,
-                    tuple(w for w in wanted if w is not None),
-                    produces(rank, task),
+                    tuple(wanted(w) for w in wants if w is not None),
+                    -1 if sends is None else numbered(sends),
                     following is not None and needs(rank, following) is not None,
                 )
             )
