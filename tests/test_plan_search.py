@@ -68,6 +68,7 @@ def test_the_cli_prints_the_table_the_commands_and_why_the_first_wins(tmp_path, 
     assert main(["plan", *LLAMA8, "--search", "3", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| # | layout | step ms |" in text and "Why the first:" in text
+    assert "| hidden comm ms | exposed comm ms |" in text
     assert text.count("`overlap run -m llama -mr llama3_8b") == 3
     doc = json.loads(out.read_text())
     assert len(doc["candidates"]) == 3 and doc["considered"] > 3
@@ -78,6 +79,12 @@ def test_the_cli_prints_the_table_the_commands_and_why_the_first_wins(tmp_path, 
     assert (
         doc["candidates"][0]["step_time_ms"]["mean"] <= doc["candidates"][1]["step_time_ms"]["mean"]
     )
+    # what overlap hides and what it exposes add up to the communication, kind by kind
+    for c in doc["candidates"]:
+        for kind, total in c["total_comm_ms"].items():
+            hidden, exposed = c["hidden_comm_ms"][kind], c["exposed_comm_ms"].get(kind, 0.0)
+            assert hidden >= 0 and hidden + exposed == pytest.approx(total)
+    assert any(c["hidden_comm_ms"]["all"] > 0 for c in doc["candidates"])
 
 
 def test_without_a_validated_error_no_layout_is_called_a_near_tie(llama8):
