@@ -194,10 +194,14 @@ def _plan(tmp_path, *argv):
     return json.loads(out.read_text())
 
 
-def test_plan_json_mirrors_bench_and_gives_verdicts(tmp_path):
+def test_plan_json_mirrors_bench_and_gives_verdicts(tmp_path, caplog):
+    caplog.set_level("INFO")
     doc = _plan(
         tmp_path, "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-ep", "16"
     )
+    # the command line's start-up lines once, not again for each switch flipped off and on
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("perf recipe")]
+    assert len(said) == 1 and "qwen3_30b_a3b_pretrain_16gpu_h100" in said[0]
     row = doc["configs"][0]
     for key in (
         "name",
@@ -208,6 +212,7 @@ def test_plan_json_mirrors_bench_and_gives_verdicts(tmp_path):
         "bubble_ms",
         "exposed_comm_ms",
         "total_comm_ms",
+        "hidden_comm_ms",
         "bytes_per_iter",
         "peak_mem_gb",
     ):

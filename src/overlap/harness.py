@@ -20,8 +20,10 @@ built (`overlap.launch.resources`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -754,6 +756,19 @@ def describe_layout(res: Resolution) -> str:
         f"EP {lay.ep} x ETP {lay.etp} x expert-DP {lay.edp} per pipeline stage "
         "(rank order tp-cp-dp-pp, tensor parallel fastest)"
     )
+
+
+@contextlib.contextmanager
+def start_up_quiet() -> Iterator[None]:
+    """Hold back the start-up log lines a resolution writes (the perf recipe's summary, a no-op
+    switch's warning): for the variants a planner resolves of a command line the user already saw
+    resolved, which would repeat them (the decision table keeps every one)."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
 
 
 def resolve_run(words: list[str], overrides: list[str], model_noops: bool = True) -> Job:

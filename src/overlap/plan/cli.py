@@ -11,6 +11,7 @@ with that switch off and on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import shlex
@@ -154,8 +155,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     plan.set_defaults(func=cmd_plan)
 
 
-def _job(args: argparse.Namespace, extra: list[str], replace_keys: bool = False):
-    from overlap.harness import prepare
+def _job(
+    args: argparse.Namespace, extra: list[str], replace_keys: bool = False, quiet: bool = False
+):
+    """The command line resolved with `extra` overrides (`replace_keys`: in place of the command
+    line's own for the same keys); `quiet`: a variant of the plan's own, whose start-up lines
+    would repeat the command line's (`harness.start_up_quiet`)."""
+    from overlap.harness import prepare, start_up_quiet
 
     keys = {o.split("=", 1)[0].strip() for o in extra}
     ns = copy.copy(args)
@@ -163,7 +169,8 @@ def _job(args: argparse.Namespace, extra: list[str], replace_keys: bool = False)
         o for o in args.overrides if not (replace_keys and o.split("=", 1)[0].strip() in keys)
     ]
     ns.overrides = common + list(extra)
-    return prepare(ns, describe_target=True)
+    with start_up_quiet() if quiet else contextlib.nullcontext():
+        return prepare(ns, describe_target=True)
 
 
 def _plan_precision(args: argparse.Namespace) -> str | None:
@@ -379,7 +386,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             f"{case.label} {state}", list(ov), j.cfg, j.resolution.layout, cluster
                         )
                         for state, ov in (("off", case.off), ("on", case.on))
-                        for j in (_job(args, list(ov), replace_keys=True),)
+                        for j in (_job(args, list(ov), replace_keys=True, quiet=True),)
                     ]
                 except ConfigError as exc:  # the switch cannot be combined with this configuration
                     verdicts.append(f"{case.label}: not applicable here ({exc.why.rstrip('.')})")

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -414,14 +413,10 @@ def _splits(layers: int, pp: int) -> Iterator[tuple[bool | None, int | None]]:
 def _resolve(words: list[str]):
     """`overlap run`'s resolution of `words`, without its start-up warnings (a no-op switch is
     the decision table's business; hundreds of candidates would repeat them)."""
-    from overlap.harness import resolve_run
+    from overlap.harness import resolve_run, start_up_quiet
 
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
+    with start_up_quiet():
         return resolve_run(words, [], model_noops=False)
-    finally:
-        logging.disable(previous)
 
 
 @dataclass
