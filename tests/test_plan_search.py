@@ -4,6 +4,7 @@ printed, and where the reference's hand-tuned layouts rank among them."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import replace
 
@@ -220,10 +221,10 @@ def test_bad_search_input_is_a_config_error(capsys, argv, field):
 
 
 # --- the reference's hand-tuned layouts -----------------------------------------------------------
-# Published runs whose layout the search can reach (the 256-GPU MoE rows, too slow for the suite,
-# and the inexpressible ones aside: docs/planner.md 'Layout search' has every row), with what the
-# search finds. Llama3.1-405B on 1024 GPUs is in: its CP2 layout with the embedding and loss
-# accounted is the search's first. A miss is
+# Published runs whose layout the search can reach (the inexpressible ones aside: docs/planner.md
+# 'Layout search' has every row), with what the search finds. The 256-GPU Qwen3-235B-A22B rows take
+# 15-30 CPU seconds each, so they run with OVERLAP_SLOW_TESTS=1 only. Llama3.1-405B on 1024 GPUs is
+# in: its CP2 layout with the embedding and loss accounted is the search's first. A miss is
 # recorded with its gap, and passes the day the model ranks the reference's choice where it
 # belongs.
 _MISS = {
@@ -255,12 +256,23 @@ _MISS = {
     "within 5% but seven near-ties ahead",
     "GPT-OSS-120B 64xGB300 MXFP8 MBS4 EP16 (26.08)": "eighth, 0.9% behind EP8 at micro-batch 2: "
     "within 5% but seven near-ties ahead",
+    "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32": "102nd, 10.4% behind TP2 x PP2 x VP16 x EP32 "
+    "(embedding and loss accounted): PP8's bubble outweighs the shallower pipeline's interleave "
+    "sends",
+    "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.04.01)": "not among the 42 priced: the "
+    "pick drops the pipeline (TP1 x EP64 at micro-batch 1), which fits by the memory model",
+    "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.04.01)": "not among the 49 priced: "
+    "the pick drops the pipeline (TP1 x EP32 at micro-batch 2)",
+    "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.08)": "not among the 128 priced: the "
+    "pick drops the pipeline (TP1 x EP32 at micro-batch 1)",
+    "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.08)": "245th, 18.7% behind TP1 x "
+    "EP32 at micro-batch 2 (no pipeline)",
 }
-_REACHABLE = [
-    r
-    for r in ROWS
-    if not r.not_expressible and not r.name.endswith(" off") and "-ng 256" not in r.flags
-]
+_SLOW = pytest.mark.skipif(
+    os.environ.get("OVERLAP_SLOW_TESTS") != "1",
+    reason="a 256-GPU search (15-30 CPU s); OVERLAP_SLOW_TESTS=1 runs it",
+)
+_REACHABLE = [r for r in ROWS if not r.not_expressible and not r.name.endswith(" off")]
 
 
 @pytest.mark.parametrize(
@@ -268,7 +280,10 @@ _REACHABLE = [
     [
         pytest.param(
             r,
-            marks=[pytest.mark.xfail(reason=_MISS[r.name], strict=True)] if r.name in _MISS else [],
+            marks=(
+                [pytest.mark.xfail(reason=_MISS[r.name], strict=True)] if r.name in _MISS else []
+            )
+            + ([_SLOW] if "-ng 256" in r.flags else []),
             id=r.name,
         )
         for r in _REACHABLE
