@@ -374,6 +374,10 @@ def test_cluster_file(tmp_path, capsys):
         (["-g", "cpu"], "-g/--gpu"),
         (["-g", "h100", "--ab", "nokey"], "--ab"),
         (["-g", "h100", "--json", "/nonexistent/dir/x.json"], "--json"),
+        # what the model would price as another configuration: refused, never priced silently
+        (["-g", "h100", "-ep", "8", "-et", "2"], "model.expert_tensor_parallel_size"),
+        (["-g", "h100", "-ep", "8", "model.mtp_num_layers=1"], "model.mtp_num_layers"),
+        (["-g", "h100", "model.mtp_num_layers=1", "--search", "3"], "model.mtp_num_layers"),
     ],
 )
 def test_bad_input_is_a_config_error(capsys, argv, field):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
-from overlap.errors import ConfigError
+from overlap.errors import ConfigError, check_rules
 from overlap.launch.resources import MemoryEstimate
 from overlap.layout import ParallelLayout
 from overlap.perf.memory_model import fit, rank_memory
@@ -62,6 +62,33 @@ def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
     )
 
 
+def check_priced(cfg: ConfigContainer, layout: ParallelLayout) -> None:
+    """Refuse what the model would price as something else: the compute and memory models shard the
+    experts' weights over EP only and know no multi-token-prediction layers, so a step priced for
+    either would be another configuration's, silently."""
+    m = cfg.resolved.model
+    check_rules(
+        [
+            (
+                "model.expert_tensor_parallel_size",
+                layout.etp,
+                layout.etp <= 1,
+                "the planner prices the experts unsharded within EP (expert tensor parallelism "
+                "is not modelled, nor built by `overlap run`).",
+                "plan with -et 1 (TP still shards the dense layers).",
+            ),
+            (
+                "model.mtp_num_layers",
+                m.mtp_num_layers,
+                not m.mtp_num_layers,
+                "the planner has no cost for multi-token-prediction layers (nor does `overlap "
+                "run` build them).",
+                "plan with model.mtp_num_layers=null: the step without the MTP layers.",
+            ),
+        ]
+    )
+
+
 def predict(
     name: str,
     overrides: list[str],
@@ -75,6 +102,7 @@ def predict(
     extrapolates a long pipeline program from short ones (`pipeline_sim.simulate`); `memory`: the
     peak `rank_memory` gives for `cfg` on this cluster, where the caller has it (the search walks
     it before pricing)."""
+    check_priced(cfg, layout)
     compute = microbatch_compute(cfg, layout, cluster)
     comm = comm_plan(cfg, layout, cluster)
     sw = switches_of(cfg, layout)

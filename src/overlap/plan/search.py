@@ -72,7 +72,7 @@ from overlap.perf.memory_model import GPU_MEMORY_BYTES, rank_memory, reserve_byt
 from overlap.plan.comm_model import comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute
 from overlap.plan.hardware import Cluster, builtin_cluster, precision_of
-from overlap.plan.predict import Prediction, predict, switches_of
+from overlap.plan.predict import Prediction, check_priced, predict, switches_of
 from overlap.plan.step_times import step_times, unmerged_forwards
 
 # the harness flags a candidate sets (with their values), replacing any the caller gave
@@ -550,6 +550,9 @@ def search(
     # the command line as given (its layout may be one the recipe's batch needs), else without its
     # layout (the recipe's)
     base = _first_resolving(words + overrides, _without_layout(words) + fixed_overrides)
+    check_priced(
+        base.cfg, base.resolution.layout
+    )  # before hundreds of candidates, not at the first
     gpus = base.resolution.layout.world_size
     gpn = int(_flag(words, "-gn", "--gpus_per_node") or 8)
     if cluster is None:
