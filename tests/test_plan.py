@@ -378,6 +378,18 @@ def test_cluster_file(tmp_path, capsys):
         (["-g", "h100", "-ep", "8", "-et", "2"], "model.expert_tensor_parallel_size"),
         (["-g", "h100", "-ep", "8", "model.mtp_num_layers=1"], "model.mtp_num_layers"),
         (["-g", "h100", "model.mtp_num_layers=1", "--search", "3"], "model.mtp_num_layers"),
+        (["-g", "h100", "-pp", "2", "model.pipeline_impl=torch_pipelining"], "model.pipeline_impl"),
+        (
+            ["-g", "h100", "-tp", "2", "model.tensor_parallel_impl=dtensor"],
+            "model.tensor_parallel_impl",
+        ),
+        (["-g", "h100", "ddp.impl=fsdp2"], "ddp.impl"),
+        (
+            ["-g", "h100", "model.moe_token_dispatcher_type=allgather"]
+            + ["comm_overlap.overlap_moe_expert_parallel_comm=false"],
+            "model.moe_token_dispatcher_type",
+        ),
+        (["-g", "h100", "model.attention_backend=local"], "model.attention_backend"),
     ],
 )
 def test_bad_input_is_a_config_error(capsys, argv, field):

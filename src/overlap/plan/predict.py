@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from overlap.config.container import ConfigContainer
 from overlap.errors import ConfigError, check_rules
+from overlap.kernels.attention import attention_kernel
 from overlap.launch.resources import MemoryEstimate
 from overlap.layout import ParallelLayout
 from overlap.perf.memory_model import fit, rank_memory
@@ -62,13 +63,41 @@ def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
     )
 
 
-def check_priced(cfg: ConfigContainer, layout: ParallelLayout) -> None:
-    """Refuse what the model would price as something else: the compute and memory models shard the
-    experts' weights over EP only and know no multi-token-prediction layers, so a step priced for
-    either would be another configuration's, silently."""
-    m = cfg.resolved.model
+def check_priced(cfg: ConfigContainer, layout: ParallelLayout, gpu: bool = True) -> None:
+    """Refuse what the model would price as another configuration, silently: it prices our runtime
+    (not the PyTorch peers `overlap bench` measures beside it), the experts sharded over EP only,
+    no multi-token-prediction layers, the alltoall and flex dispatchers, and on a GPU
+    FlashAttention-class attention (`gpu`: the cluster is one; a -g cpu profile measures this
+    machine's own kernels)."""
+    m, kernels = cfg.resolved.model, cfg.resolved.kernels
+    peers = (
+        "the planner prices this runtime; the PyTorch peers are measured beside it with "
+        "`overlap bench`"
+    )
     check_rules(
         [
+            (
+                "model.pipeline_impl",
+                m.pipeline_impl,
+                m.pipeline_impl == "overlap",
+                f"{peers} (torch.distributed.pipelining batches and waits its p2p).",
+                "plan with model.pipeline_impl=overlap.",
+            ),
+            (
+                "model.tensor_parallel_impl",
+                m.tensor_parallel_impl,
+                m.tensor_parallel_impl == "overlap",
+                f"{peers}.",
+                "plan with model.tensor_parallel_impl=overlap.",
+            ),
+            (
+                "ddp.impl",
+                cfg.ddp.impl,
+                cfg.ddp.impl == "overlap",
+                f"{peers} (FSDP2 shards the parameters, a memory and traffic the model does not "
+                "price).",
+                "plan with ddp.impl=overlap.",
+            ),
             (
                 "model.expert_tensor_parallel_size",
                 layout.etp,
@@ -84,6 +113,26 @@ def check_priced(cfg: ConfigContainer, layout: ParallelLayout) -> None:
                 "the planner has no cost for multi-token-prediction layers (nor does `overlap "
                 "run` build them).",
                 "plan with model.mtp_num_layers=null: the step without the MTP layers.",
+            ),
+            (
+                "model.moe_token_dispatcher_type",
+                kernels.moe_token_dispatcher_type,
+                not m.is_moe or kernels.moe_token_dispatcher_type in ("alltoall", "flex"),
+                "the planner prices the alltoall and flex dispatchers' traffic, not allgather's "
+                "(every rank's tokens gathered; nor does `overlap run` build it).",
+                "plan with model.moe_token_dispatcher_type=alltoall or flex.",
+            ),
+            (
+                "model.attention_backend",
+                m.attention_backend,
+                not gpu
+                or attention_kernel(
+                    m.attention_backend, True, cfg.resolved.precision.params_dtype, m.seq_length
+                )[0]
+                != "unfused",
+                "the planner prices the attention core as FlashAttention on a GPU; the unfused "
+                "kernel's two GEMMs and fp32 softmax are not priced (its memory is).",
+                "plan with model.attention_backend=auto, flash or fused.",
             ),
         ]
     )
@@ -102,7 +151,7 @@ def predict(
     extrapolates a long pipeline program from short ones (`pipeline_sim.simulate`); `memory`: the
     peak `rank_memory` gives for `cfg` on this cluster, where the caller has it (the search walks
     it before pricing)."""
-    check_priced(cfg, layout)
+    check_priced(cfg, layout, gpu=cluster.gpu != "cpu")
     compute = microbatch_compute(cfg, layout, cluster)
     comm = comm_plan(cfg, layout, cluster)
     sw = switches_of(cfg, layout)

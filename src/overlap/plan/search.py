@@ -550,15 +550,14 @@ def search(
     # the command line as given (its layout may be one the recipe's batch needs), else without its
     # layout (the recipe's)
     base = _first_resolving(words + overrides, _without_layout(words) + fixed_overrides)
-    check_priced(
-        base.cfg, base.resolution.layout
-    )  # before hundreds of candidates, not at the first
     gpus = base.resolution.layout.world_size
     gpn = int(_flag(words, "-gn", "--gpus_per_node") or 8)
     if cluster is None:
         gpu = _flag(words, "-g", "--gpu")
         precision = plan_precision or precision_of(base.cfg.resolved.precision)
         cluster = builtin_cluster(str(gpu), precision, gpn)
+    # what the model cannot price, refused before hundreds of candidates rather than at the first
+    check_priced(base.cfg, base.resolution.layout, gpu=cluster.gpu != "cpu")
     result = SearchResult([], words, overrides, cluster)
     space = _Space(words, fixed_overrides, cluster, result)
     rungs = recompute_options(base.cfg)
