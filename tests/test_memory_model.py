@@ -42,6 +42,11 @@ VARIANTS = {
     "Llama3-8B perf layout": ["-m", "llama", "-mr", "llama3_8b", "-g", "h100", "-ng", "8",
                               "model.num_layers=2"],
     # Bridge's Llama3-70B H100 BF16 perf layout (TP4 PP4 CP2 VPP5), one layer per virtual stage
+    # the output layer's weight gradients deferred to the flush, the first 4 of 32 micro-batches':
+    # their inputs and logits' gradients stay alive (about 1 GiB each), so the dry run plays 4
+    "Llama3-8B perf layout, 4 output wgrads deferred": [
+        "-m", "llama", "-mr", "llama3_8b", "-g", "h100", "-ng", "8", "model.num_layers=2",
+        "comm_overlap.defer_embedding_wgrad_compute=true", "comm_overlap.wgrad_deferral_limit=4"],
     "Llama3-70B perf layout, CP2 ring": [
         "-m", "llama", "-mr", "llama3_70b", "-g", "h100", "-c", "bf16", "-ng", "64", "-tp", "4",
         "-pp", "4", "-cp", "2", "-vp", "5", "model.num_layers=20"],
@@ -74,6 +79,8 @@ def test_a_guide_variant_dry_runs_within_10pct_of_the_model(tmp_path, name):
     )
     if "loop" in name:  # the fallback plays: its selections answered, each a host sync on a GPU
         assert doc["loop_permutation_reads"] == 2 * 2 * 128  # layers x micro-batches x experts
+    if "deferred" in name:  # as many as are deferred: each adds to the peak
+        assert doc["microbatches_played"] == 4
 
 
 # --- the accounting, fake against real ------------------------------------------------------------
@@ -233,9 +240,13 @@ def test_the_memory_walk_of_a_long_program_peaks_as_its_short_form():
         if late and (merged or vpp > 1) or depth > 1 and (vpp > 1 or merged):
             continue
         group = None if extra is None else pp + extra
+        # (no deferred output-layer weight gradients: under them the whole step is walked)
         chunks = [
             resources._Chunk(
-                **{n: (1.0 + 0.1 * c if n == "saved" else 0.5 + 0.01 * c) for n in names}
+                **{
+                    n: 1.0 + 0.1 * c if n == "saved" else 0.0 if n == "deferred" else 0.5 + 0.01 * c
+                    for n in names
+                }
             )
             for c in range(vpp)
         ]
@@ -247,6 +258,48 @@ def test_the_memory_walk_of_a_long_program_peaks_as_its_short_form():
                     *args, steady_microbatches(pp, vpp, group, m, depth), group, merged, late, depth
                 )
                 assert short[0] == pytest.approx(full[0]) and short[1] == full[1]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_deferred_output_wgrads_stay_alive_until_the_flush(pp):
+    """defer_embedding_wgrad_compute: each deferred micro-batch's output-layer input and logits'
+    gradient wait for the flush on the rank holding the output layer, so its peak grows by that
+    much per deferred micro-batch - all of the step's, or the first `wgrad_deferral_limit` - over
+    the whole step (not the short program the walk takes otherwise); the other ranks are as
+    before."""
+    est = {}
+    for name, extra in (
+        ("off", []),
+        ("all", ["comm_overlap.defer_embedding_wgrad_compute=true"]),
+        (
+            "limit 3",
+            [
+                "comm_overlap.defer_embedding_wgrad_compute=true",
+                "comm_overlap.wgrad_deferral_limit=3",
+            ],
+        ),
+    ):
+        cfg = tiny_config(
+            False,
+            "bf16_mixed",
+            2,
+            extra,
+            1,
+            global_batch_size=16,
+            micro_batch_size=1,
+            pipeline_model_parallel_size=pp,
+        )
+        res = cfg.finalize(pp)
+        est[name] = [rank_memory(cfg, res.layout, cpu=True, pp_rank=r) for r in range(pp)]
+    m = res.model
+    each = m.seq_length * 2 * (m.hidden_size + m.vocab_size)  # bf16, one micro-batch's tokens
+    last = pp - 1
+    grown = {k: est[k][last].activation_bytes - est["off"][last].activation_bytes for k in est}
+    # 16 micro-batches deferred (the step's), or 3; a backward's own activations may still be alive
+    assert 15 * each <= grown["all"] <= 16 * each
+    assert 2 * each <= grown["limit 3"] <= 3 * each
+    for r in range(last):
+        assert est["all"][r].total == est["off"][r].total
 
 
 def test_a_deeper_warm_up_keeps_its_extra_micro_batches_alive():

@@ -277,8 +277,10 @@ def peak_memory(
     its own program (`estimate_memory`'s arguments; `late_wgrad`: the ranks whose weight gradients
     run late). What the ranks share (the pipeline split, the layer shape, each kind of layer's
     bytes) is worked out once: the layout search walks every rank of thousands of candidates."""
-    pipe = cfg.resolved.pipeline
-    costs = _LayerCosts(cfg.resolved.model, _layer_shape(cfg, layout, cpu))
+    pipe, plan = cfg.resolved.pipeline, cfg.resolved.overlap
+    costs = _LayerCosts(
+        cfg.resolved.model, _layer_shape(cfg, layout, cpu), plan.defer_embedding_wgrad_compute
+    )
     estimates = [
         _estimate_rank(cfg, layout, cpu, pipe, costs, r, program, merged, r in late_wgrad)
         for r, program in programs.items()
@@ -322,8 +324,10 @@ class _LayerCosts:
     a kind costs the same, so each kind is priced once, not once per layer of every chunk; and each
     distinct chunk once, not once per pipeline rank holding one like it."""
 
-    def __init__(self, m, shape: LayerShape) -> None:
+    def __init__(self, m, shape: LayerShape, defer_output_wgrad: bool = False) -> None:
         self.m, self.shape = m, shape
+        # the output layer's weight gradients deferred to the flush (`pipeline.output_wgrad`)
+        self.defer_output_wgrad = defer_output_wgrad
         # which layers are MoE, by layer number (read for every layer of every chunk walked)
         self.moe = tuple(m.is_moe_layer(i) for i in range(m.num_layers))
         self._kinds: dict[bool, tuple[float, float, tuple[Block, ...]]] = {}
@@ -375,7 +379,8 @@ def _estimate_rank(
     if program is None:
         program = [(c, None) for c in range(len(stages))]
         program += [(None, c) for c in reversed(range(len(stages)))]
-    walked = _walked(chunks, tuple(program), merged, late_wgrad)
+    limit = cfg.resolved.overlap.wgrad_deferral_limit
+    walked = _walked(chunks, tuple(program), merged, late_wgrad, limit if limit > 0 else None)
     activations, transient, in_flight, peak_at = walked
     has_moe = any(any(costs.moe[s.start : s.end]) for s in stages)
     return MemoryEstimate(
@@ -414,12 +419,16 @@ def _gathered_inputs(cfg: ConfigContainer) -> frozenset[str]:
 class _Chunk:
     """One model chunk's activations for one micro-batch: what its forward leaves for backward, the
     largest layer's share (what a merged EP-overlap step adds before its backward half frees any),
-    the working set of its layers' backward, and of its loss's (0 off the last stage)."""
+    the working set of its layers' backward, and of its loss's (0 off the last stage); and what its
+    backward leaves alive until the step's flush (the output layer's deferred weight gradient: its
+    gathered input and the logits' gradient, which the queued GEMM reads; 0 without the
+    deferral)."""
 
     saved: float
     largest_layer: float
     working: float
     loss_working: float
+    deferred: float = 0.0
 
     def transient(self) -> float:
         return max(self.working, self.loss_working)
@@ -447,7 +456,7 @@ def _chunk_memory(m, costs: _LayerCosts, stage, pp: int) -> _Chunk:
         saved, working = kept, working + recomputed
     if stage.embedding:
         saved += INDEX_BYTES * tokens  # the token ids, which the embedding's backward scatters by
-    loss_working = 0.0
+    loss_working = deferred = 0.0
     if stage.loss:
         vocab = m.vocab_size / shape.tp
         # the final norm's input and rstd, the output layer's (gathered) input, the logits, and per
@@ -455,24 +464,34 @@ def _chunk_memory(m, costs: _LayerCosts, stage, pp: int) -> _Chunk:
         saved += tokens * ((B * h + 4) / shape.seq_div + B * h + B * vocab + 4 + INDEX_BYTES + 1)
         # backward: the logits' gradient, and one chunk of fp32 logits at a time
         loss_working = tokens * B * vocab + min(LOSS_CHUNK_BYTES, 4 * vocab * tokens)
+        if costs.defer_output_wgrad:
+            deferred = tokens * B * (h + vocab)
     elif pp > 1 and not m.deallocate_pipeline_outputs:
         # the output sent to the next stage, kept as its graph's root until its backward (released
         # at once with deallocate_pipeline_outputs)
         saved += B * h * tokens / shape.seq_div
-    return _Chunk(saved, max(per_layer, default=0.0), working, loss_working)
+    return _Chunk(saved, max(per_layer, default=0.0), working, loss_working, deferred)
 
 
 @functools.lru_cache(maxsize=16384)
 def _walked(
-    chunks: tuple[_Chunk, ...], program: tuple, merged: bool, late_wgrad: bool
+    chunks: tuple[_Chunk, ...],
+    program: tuple,
+    merged: bool,
+    late_wgrad: bool,
+    defer_limit: int | None = None,
 ) -> tuple[float, float, int, str]:
     """`_walk`, cached: the layout search walks tens of thousands of pipeline ranks, a tenth of
     them distinct (the same chunks under the same program)."""
-    return _walk(chunks, program, merged, late_wgrad)
+    return _walk(chunks, program, merged, late_wgrad, defer_limit)
 
 
 def _walk(
-    chunks: list[_Chunk], program: Program, merged: bool, late_wgrad: bool = False
+    chunks: list[_Chunk],
+    program: Program,
+    merged: bool,
+    late_wgrad: bool = False,
+    defer_limit: int | None = None,
 ) -> tuple[float, float, int, str]:
     """Follow the program's forwards (adding their chunk's activations) and backwards (freeing
     them); the peak is where the activations alive plus the running backward's working set are
@@ -483,9 +502,13 @@ def _walk(
     beside the backward half's. `late_wgrad`: a backward's weight gradients run after the rank's
     next task (overlapped 1F1B's first stage), and what they read (its linear layers' inputs and
     output gradients) stays until then, counted as its chunk's saved activations (about as
-    much)."""
+    much). A chunk's `deferred` bytes stay alive from its backward to the flush after the program,
+    for the first `defer_limit` (None: every) micro-batches (Megatron's `wgrad_deferral_limit`):
+    the peak under the deferral grows with the step's micro-batches, so its program is the whole
+    step's (`overlap.perf.memory_model.program`)."""
     alive = 0.0
     count = 0
+    deferrals = 0  # micro-batches whose output-layer weight gradient waits for the flush
     owed = 0.0  # late_wgrad: the last backward's activations, freed after the next task
     # (kept, working, micro-batches alive, where: (what, chunk), worded once at the end: the
     # layout search walks millions of steps)
@@ -496,12 +519,19 @@ def _walk(
         if kept + working > best[0] + best[1]:
             best = (kept, working, alive_count, (what, chunk))
 
+    def defer(b: _Chunk) -> float:
+        nonlocal deferrals
+        if not b.deferred or (defer_limit is not None and deferrals >= defer_limit):
+            return 0.0
+        deferrals += 1
+        return b.deferred
+
     for forward, backward in program:
         if merged and forward is not None and backward is not None:
             f, b = chunks[forward], chunks[backward]
             consider(alive, b.loss_working, count, _LOSS)
             consider(alive + f.largest_layer, b.working + f.working, count + 1, _LAYERS, backward)
-            alive += f.saved - b.saved
+            alive += f.saved - b.saved + defer(b)
             continue
         if forward is not None:
             paying, owed = owed, 0.0
@@ -518,16 +548,19 @@ def _walk(
                 owed = b.saved
             else:
                 alive -= b.saved
-            alive -= paying
+            alive += defer(b) - paying
             count -= 1
+    if deferrals:
+        consider(alive, 0.0, count, _FLUSH)
     kept, working, alive_count, (what, chunk) = best
     return kept, working, alive_count, what.format(chunk)
 
 
-_LOSS, _FORWARD, _LAYERS = (
+_LOSS, _FORWARD, _LAYERS, _FLUSH = (
     "the loss's backward",
     "chunk {}'s forward",
     "chunk {}'s layers' backward",
+    "the flush (the deferred output-layer weight gradients)",
 )
 
 

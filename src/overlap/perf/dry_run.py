@@ -371,10 +371,18 @@ def _microbatch_problem(
 def default_microbatches(layout: ParallelLayout, cfg: ConfigContainer, pp_rank: int) -> int:
     """The fewest micro-batches (at least 2 when the step has 2) that the schedule accepts and whose
     pipeline program keeps as many forwards alive as the full step's: the activation high-water mark
-    is then the real one, and every later micro-batch repeats the same program."""
+    is then the real one, and every later micro-batch repeats the same program. On the rank holding
+    the output layer under `defer_embedding_wgrad_compute`, at least as many as are deferred."""
     per_step = microbatches_per_step(layout, cfg)
     target = _in_flight(layout, cfg, pp_rank, per_step)
-    for k in range(min(2, per_step), per_step):
+    plan = cfg.resolved.overlap
+    # the output layer's deferred weight gradients wait for the flush: each deferred micro-batch's
+    # adds to the peak, up to `wgrad_deferral_limit` of them (-1: all)
+    deferred = 0
+    if plan.defer_embedding_wgrad_compute and pp_rank == max(1, layout.pp) - 1:
+        limit = plan.wgrad_deferral_limit
+        deferred = min(limit, per_step) if limit > 0 else per_step
+    for k in range(max(min(2, per_step), deferred), per_step):
         if (
             _microbatch_problem(layout, cfg, k, per_step) is None
             and _in_flight(layout, cfg, pp_rank, k) == target

@@ -49,14 +49,20 @@ def program(
 ) -> list[tuple[int | None, int | None]]:
     """Pipeline rank `pp_rank`'s steps as (forward chunk, backward chunk) pairs, for `microbatches`
     micro-batches (None: the step's, global batch / (micro-batch x DP)), or as many as show the
-    same peak (`steady_microbatches`)."""
+    same peak (`steady_microbatches`) - all of them on the rank holding the output layer when its
+    weight gradients are deferred (each micro-batch's then waits for the flush: the peak grows
+    with the count)."""
     m, t = cfg.resolved.model, cfg.train
     count = microbatches or max(1, t.global_batch_size // (t.micro_batch_size * max(1, layout.dp)))
     pp, vpp = max(1, layout.pp), layout.vpp
     group = m.microbatch_group_size_per_vp_stage
     plan = cfg.resolved.overlap
     depth = plan.p2p_warmup_depth
-    steady = steady_microbatches(pp, vpp, group, count, depth)
+    steady = (
+        count
+        if plan.defer_embedding_wgrad_compute and pp_rank == pp - 1
+        else steady_microbatches(pp, vpp, group, count, depth)
+    )
     merged = plan.overlap_moe_expert_parallel_comm
     return list(_chunk_program(pp, pp_rank, vpp, steady, group, merged, depth))
 
