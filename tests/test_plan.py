@@ -390,6 +390,13 @@ def test_cluster_file(tmp_path, capsys):
             "model.moe_token_dispatcher_type",
         ),
         (["-g", "h100", "model.attention_backend=local"], "model.attention_backend"),
+        (
+            ["-g", "h100", "comm_overlap.overlap_moe_expert_parallel_comm=false"]
+            + ["model.moe_router_force_load_balancing=false"]
+            + ["model.recompute_granularity=full", "model.recompute_method=block"]
+            + ["model.recompute_num_layers=2"],
+            "model.recompute_num_layers",
+        ),
     ],
 )
 def test_bad_input_is_a_config_error(capsys, argv, field):

@@ -115,6 +115,20 @@ def check_priced(cfg: ConfigContainer, layout: ParallelLayout, gpu: bool = True)
                 "plan with model.mtp_num_layers=null: the step without the MTP layers.",
             ),
             (
+                "model.recompute_num_layers",
+                m.recompute_num_layers,
+                not (
+                    m.recompute_granularity == "full"
+                    and m.recompute_method == "block"
+                    and m.recompute_num_layers
+                    < max(s.num_layers for s in cfg.resolved.pipeline.stages)
+                ),
+                "block recompute of only part of a stage's layers: the planner prices full "
+                "recompute as every layer's forward run again.",
+                "plan with model.recompute_method=uniform, or recompute_num_layers at least a "
+                "stage's layers.",
+            ),
+            (
                 "model.moe_token_dispatcher_type",
                 kernels.moe_token_dispatcher_type,
                 not m.is_moe or kernels.moe_token_dispatcher_type in ("alltoall", "flex"),

@@ -556,8 +556,10 @@ def search(
         gpu = _flag(words, "-g", "--gpu")
         precision = plan_precision or precision_of(base.cfg.resolved.precision)
         cluster = builtin_cluster(str(gpu), precision, gpn)
-    # what the model cannot price, refused before hundreds of candidates rather than at the first
-    check_priced(base.cfg, base.resolution.layout, gpu=cluster.gpu != "cpu")
+    # what the model cannot price, refused before hundreds of candidates rather than at the first;
+    # read without the command line's layout, which the candidates replace (-et, recompute)
+    unlaid = _first_resolving(_without_layout(words) + fixed_overrides, words + overrides)
+    check_priced(unlaid.cfg, unlaid.resolution.layout, gpu=cluster.gpu != "cpu")
     result = SearchResult([], words, overrides, cluster)
     space = _Space(words, fixed_overrides, cluster, result)
     rungs = recompute_options(base.cfg)
