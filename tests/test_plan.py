@@ -390,6 +390,8 @@ def test_cluster_file(tmp_path, capsys):
             "model.moe_token_dispatcher_type",
         ),
         (["-g", "h100", "model.attention_backend=local"], "model.attention_backend"),
+        (["-g", "h100", "model.rms_norm_fusion=false"], "model.rms_norm_fusion"),
+        (["-g", "h100", "model.moe_permute_fusion=false"], "model.moe_permute_fusion"),
         (
             ["-g", "h100", "comm_overlap.overlap_moe_expert_parallel_comm=false"]
             + ["model.moe_router_force_load_balancing=false"]

@@ -66,9 +66,9 @@ def switches_of(cfg: ConfigContainer, layout: ParallelLayout) -> Switches:
 def check_priced(cfg: ConfigContainer, layout: ParallelLayout, gpu: bool = True) -> None:
     """Refuse what the model would price as another configuration, silently: it prices our runtime
     (not the PyTorch peers `overlap bench` measures beside it), the experts sharded over EP only,
-    no multi-token-prediction layers, the alltoall and flex dispatchers, and on a GPU
-    FlashAttention-class attention (`gpu`: the cluster is one; a -g cpu profile measures this
-    machine's own kernels)."""
+    no multi-token-prediction layers, full recompute of every layer, the alltoall and flex
+    dispatchers, and on a GPU the fused elementwise chains and FlashAttention-class attention
+    (`gpu`: the cluster is one; a -g cpu profile measures this machine's own kernels)."""
     m, kernels = cfg.resolved.model, cfg.resolved.kernels
     peers = (
         "the planner prices this runtime; the PyTorch peers are measured beside it with "
@@ -135,6 +135,35 @@ def check_priced(cfg: ConfigContainer, layout: ParallelLayout, gpu: bool = True)
                 "the planner prices the alltoall and flex dispatchers' traffic, not allgather's "
                 "(every rank's tokens gathered; nor does `overlap run` build it).",
                 "plan with model.moe_token_dispatcher_type=alltoall or flex.",
+            ),
+            *(
+                (
+                    f"model.{name}",
+                    False,
+                    # asked off (None is CUDA's fused kernel, whatever this resolution's target)
+                    not gpu or getattr(m, name) is not False,
+                    f"the planner prices {what} on a GPU; {instead} is not priced.",
+                    f"plan with model.{name}=true (or leave it unset).",
+                )
+                for name, what, instead in (
+                    (
+                        "rms_norm_fusion",
+                        "the fused RMSNorm",
+                        "the eager chain's kernels and passes",
+                    ),
+                    ("apply_rope_fusion", "the fused RoPE", "the eager chain's kernels and passes"),
+                    (
+                        "bias_activation_fusion",
+                        "the fused gated activation",
+                        "the eager chain's kernels and passes",
+                    ),
+                    (
+                        "moe_permute_fusion",
+                        "the fused token permutation",
+                        "the per-expert loop's host syncs",
+                    ),
+                )
+                if name != "moe_permute_fusion" or m.is_moe
             ),
             (
                 "model.attention_backend",
