@@ -123,3 +123,32 @@ def test_a_cluster_file_can_set_the_overhead_and_keeps_it_otherwise(tmp_path):
     assert own.efficiency.value == builtin_cluster("h100", "bf16", 8).efficiency.value
     assert own.expected_error is None
     assert own.to_json()["kernel_overhead_us"] == pytest.approx(5)
+
+
+def test_the_expert_capacity_pads_or_drops_the_rows_the_experts_compute_and_the_dispatch_sends():
+    """`moe_expert_capacity_factor`: padded, every expert computes and receives its whole capacity
+    (factor 2: twice the balanced rows); unpadded, the rows past the capacity are dropped (factor
+    0.5: half); factor 1 padded is the balanced routing's rows. The memory, compute and
+    communication models read the same rows (`launch.activations.capacity_rows_per_token`)."""
+    from overlap.plan.comm_model import comm_plan
+
+    off = "comm_overlap.overlap_moe_expert_parallel_comm=false"
+    off += " model.moe_token_dispatcher_type=alltoall"
+    padded = " model.moe_pad_expert_input_to_capacity=true"
+    cases = {
+        "none": "",
+        "padded 1": " model.moe_expert_capacity_factor=1.0" + padded,
+        "padded 2": " model.moe_expert_capacity_factor=2.0" + padded,
+        "dropped 0.5": " model.moe_expert_capacity_factor=0.5",
+    }
+    got = {}
+    for name, extra in cases.items():
+        plan, job, cluster = plan_of(f"{QWEN} {off}{extra}")
+        sent = comm_plan(job.cfg, job.resolution.layout, cluster).kinds["ep_dispatch"].bytes_each
+        got[name] = (plan.moe_fwd_s, sent)
+    assert got["padded 1"] == pytest.approx(got["none"], rel=1e-9)
+    assert got["padded 2"][1] == pytest.approx(2 * got["none"][1], rel=1e-9)
+    assert got["dropped 0.5"][1] == pytest.approx(0.5 * got["none"][1], rel=1e-9)
+    # the experts' GEMMs and elementwise kernels grow and shrink with their rows (the router,
+    # the permutation and the norms do not)
+    assert got["dropped 0.5"][0] < got["none"][0] < got["padded 2"][0]

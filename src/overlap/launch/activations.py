@@ -124,22 +124,32 @@ class LayerShape:
 
 
 def routed_rows_per_token(m: ModelConfig, shape: LayerShape) -> float:
-    """Rows the experts of one EP rank process per local token (balanced routing): k, or with a
-    padded capacity E x capacity / T (Megatron's `get_capacity`, as in
-    `overlap.layers.moe.permute`), or with the sync-free dispatch's blocks EP x C / T, about k x the
-    factor (`overlap.layers.moe.rank_capacity`: every block is full size, padding included)."""
+    """Rows the experts of one EP rank process per local token (balanced routing): as the expert
+    capacity leaves them (`capacity_rows_per_token`), or with the sync-free dispatch's blocks
+    EP x C / T, about k x the factor (`overlap.layers.moe.rank_capacity`: every block is full size,
+    padding included)."""
     local_tokens = shape.tokens // shape.seq_div
     if m.moe_expert_rank_capacity_factor is not None:
         block = expert_rank_capacity(
             local_tokens, m.moe_router_topk, shape.ep, m.moe_expert_rank_capacity_factor
         )
         return shape.ep * block / local_tokens
-    if m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity:
-        capacity = math.ceil(
-            local_tokens * m.moe_router_topk / m.num_moe_experts * m.moe_expert_capacity_factor
-        )
+    return capacity_rows_per_token(m, local_tokens)
+
+
+def capacity_rows_per_token(m: ModelConfig, local_tokens: float) -> float:
+    """Rows the experts process (and the dispatch sends) per local token under balanced routing and
+    the expert capacity (`moe_expert_capacity_factor`, Megatron's `get_capacity`, as in
+    `overlap.layers.moe.permute`): k without one; padded, every expert's capacity, E x capacity / T;
+    unpadded, the routed rows up to the capacity, k x min(1, factor) (the rest are dropped). The
+    memory, compute and communication models read the same rows."""
+    k, factor = m.moe_router_topk, m.moe_expert_capacity_factor
+    if factor is None:
+        return float(k)
+    if m.moe_pad_expert_input_to_capacity:
+        capacity = math.ceil(local_tokens * k / m.num_moe_experts * factor)
         return m.num_moe_experts * capacity / local_tokens
-    return float(m.moe_router_topk)
+    return k * min(1.0, factor)
 
 
 def _attention(m: ModelConfig, shape: LayerShape) -> Block:

@@ -64,6 +64,7 @@ from math import ceil, comb
 from overlap.config.container import ConfigContainer
 from overlap.config.model import expert_rank_capacity
 from overlap.kernels import SlotPlan
+from overlap.launch.activations import capacity_rows_per_token
 from overlap.launch.resources import estimate_memory
 from overlap.layout import ParallelLayout
 from overlap.plan.hardware import Cluster, Link, Transfer
@@ -260,10 +261,11 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
                 leaving = ep * block * h * act * (ep - 1) / ep
                 seconds = alltoall_time_s(leaving, ep, g, cluster)
             else:
+                # the alltoall dispatcher sends each kept row (the expert capacity pads or drops)
                 copies = (
                     expected_destinations(ep, m.num_moe_experts, m.moe_router_topk)
                     if backend
-                    else float(m.moe_router_topk)
+                    else capacity_rows_per_token(m, tokens)
                 )
                 leaving = tokens * copies * h * act * (ep - 1) / ep
                 seconds = alltoall_time_s(leaving, ep, g, cluster)

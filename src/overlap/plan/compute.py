@@ -28,7 +28,9 @@ which the model does not have. The kernels:
   quantization: ceil(M / 128) x ceil(N / 256) output tiles (the Hopper/Blackwell GEMMs' tile) spread
   over the SMs; a grouped expert GEMM counts the tiles of all its local experts together, and one
   launch per local expert (TE's grouped linear runs one GEMM per expert). The expert GEMMs have
-  T k EP / E rows per local expert (balanced routing);
+  T k EP / E rows per local expert (balanced routing), padded to the expert capacity or dropped past
+  it under `moe_expert_capacity_factor` (`launch.activations.capacity_rows_per_token`, which the
+  memory and communication models read too);
 - the attention core (FlashAttention): its causal FLOPs at the BF16 peak (the reference's FP8
   recipes keep dot product attention in BF16) times 0.75, the share of the peak FlashAttention-3
   reaches on H100 (740 of 989 TFLOP/s BF16 forward, arXiv 2407.08608);
@@ -52,6 +54,7 @@ from math import ceil
 
 from overlap.config.container import ConfigContainer
 from overlap.config.model import expert_rank_capacity
+from overlap.launch.activations import capacity_rows_per_token
 from overlap.layout import ParallelLayout
 from overlap.plan.hardware import Cluster
 from overlap.plan.tp_slots import NO_GEMMS, TPGemms
@@ -274,13 +277,15 @@ def microbatch_compute(
         moe_tokens = tokens / tp  # expert TP 1: the dispatcher splits the tokens over the TP ranks
         experts, topk, f_moe = m.num_moe_experts, m.moe_router_topk, m.moe_ffn_size
         local = max(1, experts // ep)
-        rows = moe_tokens * topk * ep / experts  # per local expert, balanced routing
+        # per local expert, balanced routing; the expert capacity pads or drops them
+        kept = capacity_rows_per_token(m, moe_tokens) / topk
+        rows = moe_tokens * topk * ep / experts * kept
         routed = cost(k.gemm(rows, ups * f_moe, h, local) + k.gemm(rows, h, f_moe, local), "moe")
         # The rows the experts' elementwise kernels run over: the routed ones, or under the
         # sync-free dispatch (`moe_expert_rank_capacity_factor`) every row of its static EP blocks,
         # full or not (the host never learns the counts; the grouped GEMMs read them on the GPU
         # and skip the empty rows' tiles).
-        slots = moe_tokens * topk
+        slots = moe_tokens * topk * kept
         if m.moe_expert_rank_capacity_factor:
             factor = m.moe_expert_rank_capacity_factor
             slots = ep * expert_rank_capacity(round(moe_tokens), topk, ep, factor)
