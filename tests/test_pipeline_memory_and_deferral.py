@@ -234,3 +234,39 @@ def test_the_two_switches_run_with_our_schedule_and_are_refused_for_the_peer():
     names = {"model.deallocate_pipeline_outputs", "model.defer_embedding_wgrad_compute"}
     assert not _refused_fields(both) & names
     assert _refused_fields(both + ("model.pipeline_impl=torch_pipelining",)) >= names
+
+
+@pytest.mark.parametrize("kind", ["linear", "grouped"])
+def test_a_queued_weight_gradient_keeps_its_input_not_the_graph_behind_it(kind):
+    """A weight-gradient GEMM waiting in the store (deferred to the flush, or delayed under EP
+    overlap) holds its input detached: the tensors its autograd graph leads back to (here a leaf
+    standing in for the pipeline's received activation, and that leaf's gradient) are freed when
+    the backward ends, not at the flush; the gradient the flush delivers is the one computed at
+    once (bit-identical)."""
+    import gc
+    import weakref
+
+    from overlap.layers.linear_functions import GroupedLinear, linear
+    from overlap.layers.wgrad_store import WeightGradStore
+
+    shape = (2, 6, 4) if kind == "grouped" else (8, 4)
+    grads = []
+    for delayed in (False, True):
+        weight = torch.nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
+        store = WeightGradStore()
+        received = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        x = received * 2 + received  # the layers between the received activation and the GEMM
+        if kind == "grouped":
+            out = GroupedLinear.apply(x, weight, [2, 4], None, store)
+        else:
+            out = linear(x, weight, store=store)
+        alive = weakref.ref(received)
+        with store.delaying(delayed):
+            out.square().sum().backward()
+        del received, x, out
+        gc.collect()
+        assert alive() is None  # freed with the backward, whether or not its GEMM waits
+        assert (weight.grad is None) == delayed and len(store.queue) == int(delayed)
+        store.flush()
+        grads.append(weight.grad)
+    assert torch.equal(grads[0], grads[1])

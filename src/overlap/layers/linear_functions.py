@@ -54,6 +54,8 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (rows,) = ctx.saved_tensors
+        # detached: a delayed weight gradient keeps the rows, not the graph that made them
+        rows = rows.detach()
         weight, counts, offs = ctx.weight, ctx.counts, ctx.offs
         grad = grad.contiguous()
         if offs is not None:
@@ -201,8 +203,10 @@ def linear_weight_grad(
     `take_weight_grad`: returned now, or queued while `store` is delaying (None).
     `grad` may be a sequence of the k gradients of a fused weight [k, out, in]'s split outputs
     (`Linear`'s `split`): each GEMM then writes its own slice of the one gradient tensor. `span`
-    names it on the timeline."""
-    x2 = inp.reshape(-1, inp.shape[-1])
+    names it on the timeline. The input is kept detached: a saved input still carries its
+    autograd graph, which would keep every tensor behind it alive (back to the pipeline's received
+    activation and its gradient) for as long as a delayed or deferred GEMM waits in the store."""
+    x2 = inp.detach().reshape(-1, inp.shape[-1])
     if isinstance(grad, torch.Tensor):
         g2 = grad.reshape(-1, grad.shape[-1])
 
