@@ -70,6 +70,7 @@ from overlap.perf.host_syncs import (
     our_frame,
     package_path,
 )
+from overlap.perf.memory_model import deferred_microbatches
 from overlap.pipeline.schedules import pipeline_steps
 
 log = logging.getLogger("overlap")
@@ -375,13 +376,8 @@ def default_microbatches(layout: ParallelLayout, cfg: ConfigContainer, pp_rank: 
     the output layer under `defer_embedding_wgrad_compute`, at least as many as are deferred."""
     per_step = microbatches_per_step(layout, cfg)
     target = _in_flight(layout, cfg, pp_rank, per_step)
-    plan = cfg.resolved.overlap
-    # the output layer's deferred weight gradients wait for the flush: each deferred micro-batch's
-    # adds to the peak, up to `wgrad_deferral_limit` of them (-1: all)
-    deferred = 0
-    if plan.defer_embedding_wgrad_compute and pp_rank == max(1, layout.pp) - 1:
-        limit = plan.wgrad_deferral_limit
-        deferred = min(limit, per_step) if limit > 0 else per_step
+    # the output layer's deferred weight gradients wait for the flush: each adds to the peak
+    deferred = deferred_microbatches(cfg, layout, pp_rank, per_step)
     for k in range(max(min(2, per_step), deferred), per_step):
         if (
             _microbatch_problem(layout, cfg, k, per_step) is None

@@ -60,11 +60,24 @@ def program(
     depth = plan.p2p_warmup_depth
     steady = (
         count
-        if plan.defer_embedding_wgrad_compute and pp_rank == pp - 1
+        if deferred_microbatches(cfg, layout, pp_rank, count)
         else steady_microbatches(pp, vpp, group, count, depth)
     )
     merged = plan.overlap_moe_expert_parallel_comm
     return list(_chunk_program(pp, pp_rank, vpp, steady, group, merged, depth))
+
+
+def deferred_microbatches(
+    cfg: ConfigContainer, layout: ParallelLayout, pp_rank: int, count: int
+) -> int:
+    """How many of `count` micro-batches' output-layer weight gradients wait for the flush on
+    pipeline rank `pp_rank` (`defer_embedding_wgrad_compute`: the first `wgrad_deferral_limit`, or
+    all; none off the output layer's rank), each keeping its inputs alive until then."""
+    plan = cfg.resolved.overlap
+    if not plan.defer_embedding_wgrad_compute or pp_rank != max(1, layout.pp) - 1:
+        return 0
+    limit = plan.wgrad_deferral_limit
+    return min(limit, count) if limit > 0 else count
 
 
 @functools.lru_cache(maxsize=4096)
