@@ -142,7 +142,7 @@ def check_priced(cfg: ConfigContainer, layout: ParallelLayout, gpu: bool = True)
                     False,
                     # asked off (None is CUDA's fused kernel, whatever this resolution's target)
                     not gpu or getattr(m, name) is not False,
-                    f"the planner prices {what} on a GPU; {instead} is not priced.",
+                    f"the planner prices {what} on a GPU; {instead} are not priced.",
                     f"plan with model.{name}=true (or leave it unset).",
                 )
                 for name, what, instead in (
