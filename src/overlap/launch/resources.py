@@ -10,19 +10,15 @@ meta-device model):
 - their gradients (`main_grad`: fp32 with `grad_reduce_in_fp32`, else the parameter dtype);
 - the optimizer state: Adam's two fp32 moments, plus an fp32 master copy for 16-bit parameters; the
   distributed optimizer shards both over data parallel (dense) / expert-data parallel (experts);
-- a rough activation term for one micro-batch (Korthikanti et al.'s ~34 s b h bytes per layer in 16
-  bit, doubled for fp32, divided by TP under sequence parallel, plus the routed experts' rows (less
-  with selective `moe_act` / `moe` recompute) and the logits) - rough on purpose: it is there to
-  refuse what cannot fit, not to plan;
+- the activations, block by block as our layers keep them (`overlap.launch.activations`, held to
+  real tensors by tests/test_activation_memory.py), followed through a pipeline rank's program: each
+  forward adds its chunk's, each backward frees them and needs its layers' (or its loss's) working
+  set; EP overlap's merged steps, overlapped 1F1B's late weight gradients and the deferred
+  output-layer weight gradients (alive until the flush) as the runtime runs them (`_walk`). The
+  program is `overlap.perf.memory_model`'s (the planner, `overlap explain`, the dry run); without
+  one, one micro-batch through every chunk (a lower bound, what the run checks need);
 - on CPU ranks, the Python + torch runtime itself (~0.25 GiB per process, measured ~0.33 GiB for a
   tiny rank).
-
-`schedule=True` (the planner, `overlap plan`) adds what the schedule keeps alive on top of that one
-micro-batch, as Megatron's theoretical memory estimate does: under 1F1B the first stage holds
-min(PP, micro-batches) micro-batches of its layers (interleaved: x (1 + (p - 1) / (p v))), and under
-EP overlap the merged schedule keeps a second micro-batch's layer being computed plus both
-micro-batches' dispatch buffers alive. The run checks leave it off: they refuse what cannot fit, a
-lower bound is what they need.
 
 `prepare` refuses, for every command, a configuration whose sizes cannot even be represented (a
 tensor or the total past 2^63 bytes: torch would overflow). `overlap run -g cpu` compares the
