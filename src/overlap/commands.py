@@ -111,9 +111,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
     from overlap.plan.cli import register as register_plan
 
     register_plan(sub)  # overlap plan
-    from overlap.convert import register_convert_command
-
-    register_convert_command(sub)
+    _register_convert(sub)
     from overlap.data.preprocess import register as register_preprocess
 
     register_preprocess(sub)  # overlap preprocess
@@ -851,3 +849,69 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _expand_path_flags(args, (("--json", "json_out"), ("--markdown", "markdown")))
 
     return run_bench_command(args)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from overlap.convert import export_hf, import_hf, roundtrip
+
+    if args.action == "import":
+        folder = import_hf(args.hf, args.out, args.seq_length)
+        print(f"imported {args.hf} -> {folder}")
+    elif args.action == "export":
+        files = export_hf(args.load, args.hf, args.dtype)
+        print(f"exported {args.load} -> {args.hf} ({', '.join(files)})")
+    else:
+        count, diffs = roundtrip(args.hf, args.work)
+        if diffs:
+            print(f"round trip of {args.hf}: {len(diffs)} difference(s)")
+            for line in diffs:
+                print(f"  {line}")
+            return 1
+        print(f"round trip of {args.hf}: all {count} tensors bit-identical")
+    return 0
+
+
+def _register_convert(sub: argparse._SubParsersAction) -> None:
+    """`overlap convert {import,export,roundtrip}`; the work is `overlap.convert`'s, imported when
+    the command runs (it brings torch.distributed.checkpoint, about a second of start-up every other
+    command would pay)."""
+    convert = sub.add_parser(
+        "convert", help="Hugging Face Qwen3 / Qwen3-MoE folder <-> overlap checkpoint"
+    )
+    actions = convert.add_subparsers(dest="action", required=True)
+    imp = actions.add_parser(
+        "import", help="HF folder -> overlap checkpoint (weights, iteration 0)"
+    )
+    imp.add_argument("--hf", required=True, help="folder with config.json and safetensors")
+    imp.add_argument(
+        "--out", required=True, help="checkpoint base folder to write (iter_0000000 inside)"
+    )
+    imp.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="model.seq_length to record (default: min(4096, max_position_embeddings))",
+    )
+    exp = actions.add_parser("export", help="overlap checkpoint -> HF folder (per-expert names)")
+    exp.add_argument(
+        "--load", required=True, help="checkpoint base folder (its latest) or an iter_N folder"
+    )
+    exp.add_argument(
+        "--hf",
+        required=True,
+        help="a new or empty folder to write config.json and safetensors into",
+    )
+    exp.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="tensor dtype (default: the imported checkpoint's, else float32)",
+    )
+    rt = actions.add_parser("roundtrip", help="import, export and compare every tensor bit-exactly")
+    rt.add_argument("--hf", required=True, help="folder with config.json and safetensors")
+    rt.add_argument(
+        "--work",
+        default=None,
+        help="keep the intermediate checkpoint and export here (a new or empty folder)",
+    )
+    convert.set_defaults(func=cmd_convert)

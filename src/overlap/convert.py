@@ -1,4 +1,5 @@
-"""`overlap convert import | export | roundtrip`: Hugging Face folder <-> our checkpoint (the DCP
+"""What `overlap convert import | export | roundtrip` does (the command itself: `overlap.commands`,
+which imports this module only when it runs): Hugging Face folder <-> our checkpoint (the DCP
 format).
 
 - import: config.json -> ModelConfig, the model built once in one process (a gloo world of 1),
@@ -19,7 +20,6 @@ The loaders shared with `overlap run` name that command's settings in their erro
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import tempfile
@@ -379,66 +379,3 @@ def roundtrip(hf_dir: str | Path, work: str | Path | None = None) -> tuple[int, 
         export_hf(base / "ckpt", base / "hf", load_flag="--work", hf_flag="--work")
         with flag_errors("--hf", "checkpoint.pretrained_checkpoint"):
             return len(per_expert_tensors(hf_dir)), compare_folders(hf_dir, base / "hf")
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    if args.action == "import":
-        folder = import_hf(args.hf, args.out, args.seq_length)
-        print(f"imported {args.hf} -> {folder}")
-    elif args.action == "export":
-        files = export_hf(args.load, args.hf, args.dtype)
-        print(f"exported {args.load} -> {args.hf} ({', '.join(files)})")
-    else:
-        count, diffs = roundtrip(args.hf, args.work)
-        if diffs:
-            print(f"round trip of {args.hf}: {len(diffs)} difference(s)")
-            for line in diffs:
-                print(f"  {line}")
-            return 1
-        print(f"round trip of {args.hf}: all {count} tensors bit-identical")
-    return 0
-
-
-def register_convert_command(sub: argparse._SubParsersAction) -> None:
-    """`overlap convert {import,export,roundtrip}` (registered by
-    `overlap.commands.register_commands`)."""
-    convert = sub.add_parser(
-        "convert", help="Hugging Face Qwen3 / Qwen3-MoE folder <-> overlap checkpoint"
-    )
-    actions = convert.add_subparsers(dest="action", required=True)
-    imp = actions.add_parser(
-        "import", help="HF folder -> overlap checkpoint (weights, iteration 0)"
-    )
-    imp.add_argument("--hf", required=True, help="folder with config.json and safetensors")
-    imp.add_argument(
-        "--out", required=True, help="checkpoint base folder to write (iter_0000000 inside)"
-    )
-    imp.add_argument(
-        "--seq-length",
-        type=int,
-        default=None,
-        help="model.seq_length to record (default: min(4096, max_position_embeddings))",
-    )
-    exp = actions.add_parser("export", help="overlap checkpoint -> HF folder (per-expert names)")
-    exp.add_argument(
-        "--load", required=True, help="checkpoint base folder (its latest) or an iter_N folder"
-    )
-    exp.add_argument(
-        "--hf",
-        required=True,
-        help="a new or empty folder to write config.json and safetensors into",
-    )
-    exp.add_argument(
-        "--dtype",
-        default=None,
-        choices=("float32", "bfloat16", "float16"),
-        help="tensor dtype (default: the imported checkpoint's, else float32)",
-    )
-    rt = actions.add_parser("roundtrip", help="import, export and compare every tensor bit-exactly")
-    rt.add_argument("--hf", required=True, help="folder with config.json and safetensors")
-    rt.add_argument(
-        "--work",
-        default=None,
-        help="keep the intermediate checkpoint and export here (a new or empty folder)",
-    )
-    convert.set_defaults(func=cmd_convert)
