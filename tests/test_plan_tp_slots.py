@@ -4,9 +4,8 @@ uses."""
 
 import pytest
 
-from overlap.config.comm_overlap import tp_overlap_inputs
 from overlap.kernels import BULK, PIPELINE, RING, SlotPlan
-from overlap.kernels.tp_overlap import effective_tp_plan
+from overlap.kernels.tp_overlap import TPOverlapInputs, effective_tp_plan
 from overlap.plan.hardware import Link
 from overlap.plan.tp_slots import TPGemms, layer_tp
 from overlap.recipes.models import RECIPES
@@ -94,7 +93,7 @@ def test_a_layers_collectives_follow_the_resolved_plan(overrides, gathers):
         setattr(m, key, value)
     # the slots the resolution puts in the plan (none with TP overlap off)
     plans = (
-        effective_tp_plan(tp_overlap_inputs(m), None, delay_wgrad_compute=False)[0]
+        effective_tp_plan(TPOverlapInputs.of(m), None, delay_wgrad_compute=False)[0]
         if m.tp_comm_overlap
         else {}
     )

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ConfigContainer, ModelConfig, TrainConfig
-from overlap.config.comm_overlap import CommOverlapConfig, tp_overlap_inputs
+from overlap.config.comm_overlap import CommOverlapConfig
 from overlap.errors import ConfigError
 from overlap.kernels import LinearPlan, SlotPlan
-from overlap.kernels.tp_overlap import MIN_CHUNK_ROWS, effective_tp_plan
+from overlap.kernels.tp_overlap import MIN_CHUNK_ROWS, TPOverlapInputs, effective_tp_plan
 from overlap.layers.init import init_model_params
 from overlap.layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from overlap.layers.tp_overlap import (
@@ -179,7 +179,7 @@ def test_a_method_a_slot_cannot_use_is_a_config_error():
 
 def test_delay_wgrad_takes_the_wgrad_slots():
     plans, decisions = effective_tp_plan(
-        tp_overlap_inputs(_resolved().model), None, delay_wgrad_compute=True
+        TPOverlapInputs.of(_resolved().model), None, delay_wgrad_compute=True
     )
     assert (
         plans["qkv_wgrad"] is None
@@ -196,7 +196,7 @@ def test_bad_plan_values_are_config_errors():
     ):
         with pytest.raises(ConfigError) as err:
             effective_tp_plan(
-                tp_overlap_inputs(_resolved().model),
+                TPOverlapInputs.of(_resolved().model),
                 {"proj_fprop": entry},
                 delay_wgrad_compute=False,
             )

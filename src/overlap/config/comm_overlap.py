@@ -29,7 +29,14 @@ from overlap.config.tp_overlap import TransformerLayerTPOverlapCfg, get_tp_overl
 from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
 from overlap.errors import ConfigError
 from overlap.kernels import LinearPlan, SlotPlan
-from overlap.kernels.tp_overlap import TPOverlapInputs, effective_tp_plan, kernel_knobs
+from overlap.kernels.tp_overlap import TPOverlapInputs, record_tp_slots
+from overlap.layout.prerequisites import (
+    CP_COMM_TYPES,
+    CP_RING_TYPES,
+    cp_chunks_fit,
+    ep_overlap_has_experts,
+    ep_overlap_interleaves,
+)
 
 if TYPE_CHECKING:
     from overlap.config.mixed_precision import Precision
@@ -213,7 +220,12 @@ def resolve_comm_overlap(
         _record_moe_routing(model, log)
     else:  # a dense model has no row for it; a value set is a no-op row (EP = 1)
         run.resolved["moe_shared_expert_overlap"] = bool(model.moe_shared_expert_overlap)
-    _resolve_tp_plan(model, tp_cfg, log, run.resolved)
+    # the GEMM slots after delay_wgrad_compute is known (it takes the wgrad slots)
+    run.resolved["tp_slots"] = (
+        record_tp_slots(TPOverlapInputs.of(model), tp_cfg, run.resolved["delay_wgrad_compute"], log)
+        if run.resolved["tp_comm_overlap"]
+        else ()
+    )
     _agree_distributed_optimizer(run)
     run.decide(_DP)
     noops_in(log, _NOOPS, run)
@@ -245,7 +257,7 @@ _TP = Switch(
 
 def _resolve_tp(run: _Run) -> dict[str, Any] | None:
     """TP overlap on or off, and its per-GEMM plan; returns the plan in Bridge's dict form (None:
-    TP overlap off, or no plan given), which `_resolve_tp_plan` turns into the slots."""
+    TP overlap off, or no plan given), which `record_tp_slots` turns into the slots."""
     log, r = run.log, run.resolved
     on = decide(log, _TP, run)
     plan_req = request(run.sections, "comm_overlap.tp_comm_overlap_cfg")
@@ -285,58 +297,6 @@ def _resolve_tp(run: _Run) -> dict[str, Any] | None:
         "per-GEMM plan, handed to the TP layers as a dict with top-level None entries dropped",
     )
     return preset.to_dict()
-
-
-def tp_overlap_inputs(model: ModelConfig) -> TPOverlapInputs:
-    """What the TP slot rules read of the model, as plain values under its field names (the rules,
-    in `overlap.kernels`, sit below config/ and never see a ModelConfig)."""
-    dense_mlp = not model.is_moe or any(not model.is_moe_layer(i) for i in range(model.num_layers))
-    return TPOverlapInputs(
-        dense_mlp=dense_mlp,
-        **{
-            f.name: getattr(model, f.name) for f in fields(TPOverlapInputs) if f.name != "dense_mlp"
-        },
-    )
-
-
-def _resolve_tp_plan(
-    model: ModelConfig, tp_cfg: dict[str, Any] | None, log: DecisionLog, r: dict[str, Any]
-) -> None:
-    """With TP overlap on, one decision per GEMM slot (what runs there, and why: the plan, a
-    default, a Megatron switch or a runtime rule), after delay_wgrad_compute is known (it takes the
-    wgrad slots); the slots go to the plan, which the layers execute. The plan's GPU-kernel knobs
-    are listed, recorded without effect."""
-    if not r["tp_comm_overlap"]:
-        r["tp_slots"] = ()
-        return
-    plans, slots = effective_tp_plan(tp_overlap_inputs(model), tp_cfg, r["delay_wgrad_compute"])
-    r["tp_slots"] = tuple(plans.items())
-    for d in slots:
-        log.record(
-            f"model.tp_comm_overlap_cfg.{d.slot}",
-            d.requested,
-            d.effective,
-            d.decided_by,
-            d.reason,
-            fix="drop --strict to accept the rule, or change the plan/shape it names (e.g. a "
-            "longer sequence for the size rule, num_splits that divide the shard).",
-        )
-    knobs = kernel_knobs(tp_cfg)
-    if knobs:
-        names = sorted({k for kv in knobs.values() for k in kv})
-        shown = f"{', '.join(names)} (set in {len(knobs)} slot{'s' if len(knobs) > 1 else ''})"
-        # A decision, not a no-op: every preset carries them, and nothing the user could change
-        # would make them act.
-        log.record(
-            "model.tp_comm_overlap_cfg.gpu_kernel_knobs",
-            None,
-            shown,
-            RULE,
-            "recorded without effect: num_sm, cga_size, set_sm_margin, use_ce, atomic_gemm, "
-            "fp8_buf and the priorities tune Transformer Engine's userbuffers kernels; this "
-            "runtime overlaps with async collectives and point-to-point transfers (method, "
-            "num_splits and aggregate are honoured)",
-        )
 
 
 # --- pipeline parallelism -------------------------------------------------------------------------
@@ -448,18 +408,9 @@ _PIPELINE = (
 # comm_overlap spelling) and whether p2p's ring overlaps its transfers, with Megatron's
 # prerequisites: the sequence cut into 2 x CP load-balanced chunks, and for a2a the heads and query
 # groups of a TP rank divisible by CP (each CP rank's share split again over TP under sequence
-# parallelism is a split rule, `ConfigContainer._split_rules`). A value set at CP = 1 is a no-op
-# row (`_NOOPS`).
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-# the exchanges with a ring, which cp_comm_overlap overlaps (the others are one collective)
-CP_RING_TYPES = ("p2p", "a2a+p2p")
-
-
-def cp_chunks_fit(seq_length: int, cp: int) -> bool:
-    """Whether `seq_length` tokens cut into context parallelism's 2 x CP load-balanced chunks (rank
-    i holds chunks i and 2CP-1-i, `overlap.parallel.cp_chunks`); at CP = 1 nothing is cut. The CP
-    rule's condition, which the planner's search filters its layouts by and the chunking asserts."""
-    return cp == 1 or seq_length % (2 * cp) == 0
+# parallelism is a split rule, `overlap.layout.resolve.split_rules`). A value set at CP = 1 is a
+# no-op row (`_NOOPS`). The exchanges and the chunking predicate are the layout's
+# (`overlap.layout.prerequisites`).
 
 
 def _a2a_heads(s: _Run) -> tuple[int, int, int]:
@@ -609,29 +560,6 @@ def _delay_spelling(s: _Run) -> str:
 
 def _torch_below_2_6(_: _Run) -> bool:
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
-
-
-def ep_overlap_has_experts(ep: int) -> bool:
-    """EP overlap's first layout prerequisite (Megatron's): expert parallelism, so that there is an
-    all-to-all to overlap. Its rule below, the perf recipes' skip of the setting and the planner's
-    "not applicable" ask it."""
-    return ep > 1
-
-
-def ep_overlap_interleaves(pp: int, vp: int, vpp_typed: int | None) -> bool:
-    """EP overlap's second layout prerequisite (Megatron's): no pipeline, or a virtual one to
-    interleave with (`-vp` typed, or `vp` > 1 from a layout of PP x VPP stages). Its rule below and
-    the perf recipes' skip of the setting ask it."""
-    return pp == 1 or vp > 1 or vpp_typed is not None
-
-
-def keeps_sent_outputs(pp: int, ep_overlap: bool) -> bool:
-    """Whether the pipeline keeps every sent output: EP overlap under PP, whose merged steps keep
-    each layer piece's output for its own backward, so releasing them
-    (`model.deallocate_pipeline_outputs`) is not built. The run-time refusal
-    (`overlap.training.runtime_refusals`), the perf recipes' skip of the setting and the pipeline
-    executor's guard ask it."""
-    return pp > 1 and ep_overlap
 
 
 _EP_ON = "when enabling overlap_moe_expert_parallel_comm"

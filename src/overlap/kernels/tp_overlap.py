@@ -13,24 +13,26 @@ Every TP linear of a layer has three GEMM slots ("ub_name" in Megatron: ``qkv_fp
 ``TransformerLayerTPOverlapCfg``, declared with its presets in `overlap.config.tp_overlap`; or
 Transformer Engine's defaults), Megatron's switches (``tp_comm_overlap_ag`` ...) and the size rule
 into what runs: one `overlap.kernels.SlotPlan` per slot, or none, and a :class:`SlotDecision` saying
-why. The resolution (`overlap.config.comm_overlap`) records every slot's outcome in the decision
-table and keeps the slots in the frozen overlap plan (``OverlapPlan.tp_slots``), which the layers
-execute (``OverlapPlan.linear`` -> `overlap.kernels.LinearPlan`, `overlap.layers.tp_overlap`), so
-what the decision table says is what runs. The planner prices the same slots
+why; :func:`record_tp_slots` records every slot's outcome in the decision table for the resolution
+(`overlap.config.comm_overlap`), which keeps the slots in the frozen overlap plan
+(``OverlapPlan.tp_slots``), which the layers execute (``OverlapPlan.linear`` ->
+`overlap.kernels.LinearPlan`, `overlap.layers.tp_overlap`), so what the decision table says is what
+runs. The planner prices the same slots
 (`overlap.plan.tp_slots`: one layer's TP collectives, exposed or hidden, per slot's method).
 :func:`kernel_knobs` lists what a plan sets for Transformer Engine's userbuffers kernels, which
 this runtime records without effect.
 
-This module sits below `config/`: it reads plain values (:class:`TPOverlapInputs`), never the
-configuration classes.
+This module sits below `config/`: it reads plain values (:class:`TPOverlapInputs`, taken from a
+model section by its field names), never the configuration classes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
+from overlap.decisions import RULE, DecisionLog
 from overlap.errors import ConfigError
 from overlap.kernels import BULK, PIPELINE, RING, SlotPlan
 
@@ -109,6 +111,16 @@ class TPOverlapInputs:
     tp_comm_overlap_rs_dgrad: bool
     tp_comm_overlap_disable_qkv: bool
     tp_comm_overlap_disable_fc1: bool
+
+    @classmethod
+    def of(cls, model: Any) -> TPOverlapInputs:
+        """The inputs of a model section (read by its field names; `dense_mlp` over its
+        layers)."""
+        dense_mlp = not model.is_moe or any(
+            not model.is_moe_layer(i) for i in range(model.num_layers)
+        )
+        names = (f.name for f in fields(cls) if f.name != "dense_mlp")
+        return cls(dense_mlp=dense_mlp, **{name: getattr(model, name) for name in names})
 
 
 @dataclass(frozen=True)
@@ -289,3 +301,43 @@ def kernel_knobs(
         if knobs:
             out[slot] = knobs
     return out
+
+
+def record_tp_slots(
+    inputs: TPOverlapInputs,
+    tp_comm_overlap_cfg: Mapping[str, Mapping[str, Any]] | None,
+    delay_wgrad_compute: bool,
+    log: DecisionLog,
+) -> tuple[tuple[str, SlotPlan | None], ...]:
+    """With TP overlap on: one decision row per GEMM slot (what runs there, and why: the plan, a
+    default, a Megatron switch or a runtime rule), and the slots, which the resolution keeps in the
+    overlap plan for the layers to execute. The plan's GPU-kernel knobs are listed, recorded
+    without effect."""
+    plans, slots = effective_tp_plan(inputs, tp_comm_overlap_cfg, delay_wgrad_compute)
+    for d in slots:
+        log.record(
+            f"model.tp_comm_overlap_cfg.{d.slot}",
+            d.requested,
+            d.effective,
+            d.decided_by,
+            d.reason,
+            fix="drop --strict to accept the rule, or change the plan/shape it names (e.g. a "
+            "longer sequence for the size rule, num_splits that divide the shard).",
+        )
+    knobs = kernel_knobs(tp_comm_overlap_cfg)
+    if knobs:
+        names = sorted({k for kv in knobs.values() for k in kv})
+        shown = f"{', '.join(names)} (set in {len(knobs)} slot{'s' if len(knobs) > 1 else ''})"
+        # A decision, not a no-op: every preset carries them, and nothing the user could change
+        # would make them act.
+        log.record(
+            "model.tp_comm_overlap_cfg.gpu_kernel_knobs",
+            None,
+            shown,
+            RULE,
+            "recorded without effect: num_sm, cga_size, set_sm_margin, use_ce, atomic_gemm, "
+            "fp8_buf and the priorities tune Transformer Engine's userbuffers kernels; this "
+            "runtime overlaps with async collectives and point-to-point transfers (method, "
+            "num_splits and aggregate are honoured)",
+        )
+    return tuple(plans.items())

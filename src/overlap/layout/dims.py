@@ -40,7 +40,7 @@ class ParallelLayout:
     # stages / PP), whose resolution checks it; the runtime counts its chunks and schedules by it.
     vpp: int = 1
     # sequence parallelism as it runs: the sequence split over the TP ranks between the TP regions.
-    # Decided by finalize (`ConfigContainer._layout`: model.sequence_parallel, off at TP 1, where
+    # Decided by finalize (`resolve.resolve_layout`: model.sequence_parallel, off at TP 1, where
     # there is no group to split over, said in the log; the model section keeps what was typed);
     # the runtime, the planner and the memory model read it here. A layout built by hand (tests)
     # names it where it splits; its rule below refuses it at TP 1.

@@ -176,7 +176,7 @@ class GPTModel(nn.Module):
     ) -> None:
         super().__init__()
         # The vocabulary and each CP rank's share of the sequence split over TP: config-time split
-        # rules (`ConfigContainer._split_rules`); a bare config that breaks them stops at the
+        # rules (`overlap.layout.resolve.split_rules`); a bare config that breaks them stops at the
         # layers' `divide` guards.
         self.config = config
         self.ps = ps

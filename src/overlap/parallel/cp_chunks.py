@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from overlap.config.comm_overlap import cp_chunks_fit
+from overlap.layout.prerequisites import cp_chunks_fit
 
 
 def rank_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:

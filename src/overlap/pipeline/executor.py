@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from overlap.config.comm_overlap import keeps_sent_outputs
 from overlap.config.container import ConfigContainer
 from overlap.layers.tensor_parallel import params_dtype
 from overlap.layers.wgrad_store import WeightGradStore
+from overlap.layout.prerequisites import keeps_sent_outputs
 from overlap.parallel.trace import recorder
 from overlap.pipeline.combined_1f1b import ChunkRun, run_merged
 from overlap.pipeline.output_memory import (

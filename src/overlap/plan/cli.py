@@ -18,9 +18,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from overlap.config.comm_overlap import CP_RING_TYPES, ep_overlap_has_experts
 from overlap.errors import ConfigError
 from overlap.files import write_replace
+from overlap.layout.prerequisites import CP_RING_TYPES, ep_overlap_has_experts
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,8 @@ import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from overlap.config.comm_overlap import cp_chunks_fit
 from overlap.errors import ConfigError
+from overlap.layout.prerequisites import cp_chunks_fit
 from overlap.perf.memory_model import GPU_MEMORY_BYTES, rank_memory, reserve_bytes
 from overlap.plan.comm_model import comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute

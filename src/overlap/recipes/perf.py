@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from overlap.config.comm_overlap import (
+from overlap.layout.prerequisites import (
     ep_overlap_has_experts,
     ep_overlap_interleaves,
     keeps_sent_outputs,
@@ -48,7 +48,7 @@ class Setting(NamedTuple):
 
 def _released_outputs(cfg: Any) -> str | None:
     """deallocate_pipeline_outputs: nothing to release at PP 1, and not built with EP overlap
-    under PP (`comm_overlap.keeps_sent_outputs`, which the run-time refusal asks)."""
+    under PP (`layout.prerequisites.keeps_sent_outputs`, which the run-time refusal asks)."""
     if _pp(cfg) == 1:
         return "PP = 1: there is no pipeline send to release"
     co = cfg.comm_overlap

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from overlap.config.comm_overlap import keeps_sent_outputs
 from overlap.config.container import ConfigContainer
 from overlap.errors import ConfigError, NotBuiltError, Rule, broken_rules, check_rules
 from overlap.layers.moe.moe_layer import unbuilt_dispatch
+from overlap.layout.prerequisites import keeps_sent_outputs
 
 
 def check_runtime_support(cfg: ConfigContainer, gpu: bool = False) -> None:
