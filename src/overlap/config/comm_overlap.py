@@ -29,6 +29,7 @@ from overlap.config.tp_overlap import TransformerLayerTPOverlapCfg, get_tp_overl
 from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
 from overlap.errors import ConfigError
 from overlap.kernels import LinearPlan, SlotPlan
+from overlap.kernels.moe_dispatch import record_moe_routing
 from overlap.kernels.tp_overlap import TPOverlapInputs, record_tp_slots
 from overlap.layout.prerequisites import (
     CP_COMM_TYPES,
@@ -217,7 +218,7 @@ def resolve_comm_overlap(
     run.decide(_PIPELINE + _CP + _MOE)
     if model.is_moe:
         decide(log, _SHARED_EXPERT, run)
-        _record_moe_routing(model, log)
+        record_moe_routing(model, log)
     else:  # a dense model has no row for it; a value set is a no-op row (EP = 1)
         run.resolved["moe_shared_expert_overlap"] = bool(model.moe_shared_expert_overlap)
     # the GEMM slots after delay_wgrad_compute is known (it takes the wgrad slots)
@@ -705,69 +706,6 @@ _SHARED_EXPERT = Switch(
     ),
     asked=("shared expert computes under the dispatch/combine all-to-all", "requested off"),
 )
-
-
-def _record_moe_routing(model: ModelConfig, log: DecisionLog) -> None:
-    """Dropless routing or an expert capacity, said in the table with what it does to the dispatch
-    (only variable shapes need the split-size exchange, the per-layer rendezvous of the EP ranks),
-    and the benchmark router."""
-    factor = model.moe_expert_capacity_factor
-    rank_factor = model.moe_expert_rank_capacity_factor
-    if rank_factor is not None:
-        log.record(
-            "model.moe_expert_rank_capacity_factor",
-            rank_factor,
-            rank_factor,
-            MODEL_CONFIG,
-            "sync-free dropless dispatch: each rank sends every EP peer one block of "
-            f"ceil(tokens x top-k / EP x {rank_factor}) rows, padded, each row with its local "
-            "expert (static shapes: no split-size exchange, no host read of split sizes); the "
-            "grouped GEMM runs on the padded rows. A block that overflows is counted on the "
-            "device, the count rides the step's loss and grad-norm reductions, and a step where "
-            "any rank overflowed is re-run dropless before the optimizer applies anything (exact: "
-            "the dropless step's result; each re-run costs one more forward-backward, logged per "
-            f"iteration). Memory: {rank_factor} x tokens x top-k dispatched rows per MoE layer and "
-            f"micro-batch ({rank_factor}x the dropless average); a factor >= EP never overflows",
-        )
-    elif factor is None:
-        log.record(
-            "model.moe_expert_capacity_factor",
-            None,
-            None,
-            DEFAULT,
-            "dropless: every routed row reaches its expert; the EP ranks exchange split sizes per "
-            "MoE layer and micro-batch (ep_counts), each read on the host (a sync on a GPU; "
-            "model.moe_expert_rank_capacity_factor keeps dropless results without the read)",
-        )
-    else:
-        probs = model.moe_token_drop_policy == "probs"
-        shapes = (
-            "padded to capacity (moe_pad_expert_input_to_capacity): static shapes, no split-size "
-            "exchange"
-            if model.moe_pad_expert_input_to_capacity
-            else "not padded: shapes still vary, so the split sizes are still exchanged (add "
-            "model.moe_pad_expert_input_to_capacity=true for static shapes)"
-        )
-        log.record(
-            "model.moe_expert_capacity_factor",
-            factor,
-            factor,
-            MODEL_CONFIG,
-            f"each expert takes at most ceil(tokens x top-k / experts x {factor}) rows from each "
-            f"rank; rows past it are dropped, "
-            f"{'the lowest router weights' if probs else 'the latest tokens'} first "
-            f"(moe_token_drop_policy={model.moe_token_drop_policy}); {shapes}",
-        )
-    if model.moe_router_force_load_balancing:
-        log.record(
-            "model.moe_router_force_load_balancing",
-            True,
-            True,
-            MODEL_CONFIG,
-            "benchmark mode: the router routes by random logits (their gradient passes straight "
-            "through to the real ones), so every expert gets about the same rows; the model does "
-            "not learn to route - for measuring, not for training",
-        )
 
 
 # --- data parallelism -----------------------------------------------------------------------------

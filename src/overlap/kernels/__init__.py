@@ -1,11 +1,12 @@
 """Which kernel runs, decided from what the machine is: the capability probes (device 0's compute
 capability, what torch.compile needs here) and the choice rules for the attention product
 (`attention`), the MoE token permutation (`moe_permute`), the experts' GEMMs (`grouped_gemm`) and
-the elementwise fusions (`fusion`), and the token dispatcher's flex backends (`flex_backend`,
-checked against `device`). The rules sit below `config/`, whose resolution applies each once for
-the run's device and records it (`choices`: the decision table's "model" section, and `Kernels` on
-`cfg.resolved.kernels`). The kernels themselves are in `layers/`, which run what `Kernels` says
-and decide nothing again.
+the elementwise fusions (`fusion`), the token dispatcher's flex backends (`flex_backend`,
+checked against `device`) and which dispatch runs (`moe_dispatch`: dropless, an expert capacity or
+the sync-free static blocks, with their host reads). The rules sit below `config/`, whose
+resolution applies each once for the run's device and records it (`choices`: the decision table's
+"model" section, and `Kernels` on `cfg.resolved.kernels`). The kernels themselves are in
+`layers/`, which run what `Kernels` says and decide nothing again.
 
 TP overlap's slot rules are here too (`tp_overlap`: which method - ring exchange, pipeline or bulk -
 hides each tensor-parallel GEMM's collective), chosen from the requested plan, Megatron's switches
