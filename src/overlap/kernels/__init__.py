@@ -1,19 +1,23 @@
 """Which kernel runs, decided from what the machine is: the capability probes (device 0's compute
 capability, what torch.compile needs here) and the choice rules for the attention product
 (`attention`), the MoE token permutation (`moe_permute`), the experts' GEMMs (`grouped_gemm`) and
-the elementwise fusions (`fusion`), the token dispatcher's flex backends (`flex_backend`,
-checked against `device`) and which dispatch runs (`moe_dispatch`: dropless, an expert capacity or
-the sync-free static blocks, with their host reads). The rules sit below `config/`, whose
-resolution applies each once for the run's device and records it (`choices`: the decision table's
-"model" section, and `Kernels` on `cfg.resolved.kernels`). The kernels themselves are in
-`layers/`, which run what `Kernels` says and decide nothing again.
+the elementwise fusions (`fusion`), and the token dispatcher's flex backends (`flex_backend`,
+checked against `device`). The rules sit below `config/`, whose resolution applies each once for
+the run's device and records it (`choices`: the decision table's "model" section, and `Kernels` on
+`cfg.resolved.kernels`). The kernels themselves are in `layers/`, which run what `Kernels` says
+and decide nothing again.
 
 TP overlap's slot rules are here too (`tp_overlap`: which method - ring exchange, pipeline or bulk -
 hides each tensor-parallel GEMM's collective), chosen from the requested plan, Megatron's switches
 and the shard's size rather than the device; the resolution applies them once
 (`overlap.config.comm_overlap`) into `OverlapPlan.tp_slots`. What they decide (`SlotPlan`, and
 `LinearPlan`, a linear's three slots) is defined here beside `Kernels`: the layers
-(`layers/tp_overlap.py`) run it and import no rule."""
+(`layers/tp_overlap.py`) run it and import no rule.
+
+The MoE dispatch's rows are here too (`moe_dispatch`: dropless with the split sizes read on the
+host, an expert capacity padded or not, or the sync-free static blocks), not a choice but what the
+model fields select, said with what it costs; the resolution records them
+(`overlap.config.comm_overlap`)."""
 
 from __future__ import annotations
 

@@ -91,9 +91,9 @@ class SelfAttention(nn.Module):
         wgrad_store: WeightGradStore | None = None,
     ) -> None:
         super().__init__()
-        # Heads divisible by their query groups, groups by TP: the config's split rules
-        # (`ConfigContainer._split_rules`); only a model built from a bare config reaches these
-        # guards
+        # Heads divisible by their query groups, groups by TP: the resolution's split rules
+        # (`overlap.layout.resolve.split_rules`); only a model built from a bare config reaches
+        # these guards
         if config.num_attention_heads % config.query_groups:
             raise ValueError(
                 f"{config.num_attention_heads} attention heads do not split into "

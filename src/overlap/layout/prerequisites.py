@@ -1,7 +1,7 @@
 """What a layout must be for a feature to run: the predicates that the configuration's rules, the
 perf recipes' skips, the planner's search and the runtime's guards all ask, so that each condition
-is written once (the rule that refuses it, with its message, is the configuration's:
-`config/comm_overlap.py`)."""
+is written once (the rule that refuses it, with its message, is the configuration's,
+`config/comm_overlap.py`, or the run-time refusal table's, `training/runtime_refusals.py`)."""
 
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ def cp_chunks_fit(seq_length: int, cp: int) -> bool:
 
 def ep_overlap_has_experts(ep: int) -> bool:
     """EP overlap's first layout prerequisite (Megatron's): expert parallelism, so that there is an
-    all-to-all to overlap. Its rule, the perf recipes' skip of the setting and the planner's "not
-    applicable" ask it."""
+    all-to-all to overlap. Its rule (`comm_overlap._EP_OVERLAP_NEEDS`), the perf recipes' skip of
+    the setting and the planner's "not applicable" ask it."""
     return ep > 1
 
 
 def ep_overlap_interleaves(pp: int, vp: int, vpp_typed: int | None) -> bool:
     """EP overlap's second layout prerequisite (Megatron's): no pipeline, or a virtual one to
-    interleave with (`-vp` typed, or `vp` > 1 from a layout of PP x VPP stages). Its rule and the
-    perf recipes' skip of the setting ask it."""
+    interleave with (`-vp` typed, or `vp` > 1 from a layout of PP x VPP stages). Its rule
+    (`comm_overlap._EP_OVERLAP_NEEDS`) and the perf recipes' skip of the setting ask it."""
     return pp == 1 or vp > 1 or vpp_typed is not None
 
 

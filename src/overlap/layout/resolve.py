@@ -1,7 +1,8 @@
 """The layout a model's fields describe: its parallel sizes (`ParallelLayout`), the layers each
 pipeline stage holds (`PipelineLayout`), and the divisibility the tensor-parallel splits need of the
-model's sizes. `ConfigContainer.finalize` calls it once, with the model section that runs (read by
-its field names, never written: what is decided here is said in the decision log)."""
+model's sizes. `ConfigContainer.finalize` builds the layout with `resolve_layout` and checks
+`split_rules` with its other rules, on the model section that runs (read by its field names, never
+written: what is decided here is said in the decision log)."""
 
 from __future__ import annotations
 
