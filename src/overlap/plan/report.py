@@ -153,6 +153,41 @@ def format_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _given_line(result, first_ms: float) -> str:
+    """Where the command line's own layout stands: its step against the first, its place among the
+    priced, whether it fits; or why it could not be priced."""
+    from overlap.perf.memory_model import gib
+    from overlap.plan.search import Given, differences
+
+    given = result.given
+    if given is None:  # a result built by hand
+        return ""
+    if not isinstance(given, Given):
+        return f"The command line's own layout was not priced: {given}."
+    p, (rank, exact) = given.prediction, given.rank(result)
+    place = (
+        f"it would rank {rank} of the {len(result.ranked)} priced"
+        if exact
+        else f"{rank - 1} of the {len(result.ranked)} priced are faster, and layouts left "
+        "unpriced may be too"
+    )
+    memory = (
+        f"peak {gib(p.peak_mem_bytes)}, margin {gib(given.margin_bytes)}"
+        if given.margin_bytes >= 0
+        else f"it does not fit: peak {gib(p.peak_mem_bytes)}, "
+        f"{gib(-given.margin_bytes)} over the GPU's memory less its reserve"
+    )
+    against = (
+        f" Against it the first's {differences(result.ranked[0].prediction.times, p.times)}."
+        if result.ranked and p.step_ms > first_ms
+        else ""
+    )
+    return (
+        f"The command line's own layout, {given.layout.describe()} at its switches as resolved: "
+        f"{p.step_ms:.0f} ms, {p.step_ms / first_ms:.3f} x the first; {place}; {memory}.{against}"
+    )
+
+
 def format_search(result, top: int, command: str) -> str:
     """`overlap plan --search N`'s table: the N fastest layouts that fit, what each hides under
     compute and what it exposes, its memory margin and command; then why the first beats the second
@@ -202,6 +237,9 @@ def format_search(result, top: int, command: str) -> str:
             )
             + "."
         )
+    given = _given_line(result, first)
+    if given:
+        lines.append(given)
     lines += ["", "Commands:"]
     lines += [
         f"{i}. `{c.command(result.words, result.overrides)}`"

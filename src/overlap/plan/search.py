@@ -73,7 +73,7 @@ from overlap.plan.comm_model import comm_plan, microbatches
 from overlap.plan.compute import microbatch_compute
 from overlap.plan.hardware import Cluster, builtin_cluster, precision_of
 from overlap.plan.predict import Prediction, check_priced, predict, switches_of
-from overlap.plan.step_times import step_times, unmerged_forwards
+from overlap.plan.step_times import StepTimes, step_times, unmerged_forwards
 
 # the harness flags a candidate sets (with their values), replacing any the caller gave
 LAYOUT_FLAGS = ("-tp", "-pp", "-vp", "-cp", "-ep", "-et", "-mb")
@@ -221,6 +221,44 @@ class Candidate:
         )
 
 
+@dataclass(frozen=True)
+class Given:
+    """The command line's own layout priced as typed (its switches as the decision table resolves
+    them, none flipped): where the run the user has stands against the search's."""
+
+    layout: Layout
+    prediction: Prediction
+    margin_bytes: int  # negative: it does not fit
+
+    def rank(self, result: SearchResult) -> tuple[int, bool]:
+        """(its place among the priced: 1 + the layouts predicted faster, whether that is its place
+        among all: a layout left unpriced is slower than the kept ones and the band, so only past
+        those may one come before it)."""
+        step, ranked = self.prediction.times.total_s, result.ranked
+        place = 1 + sum(c.prediction.times.total_s < step for c in ranked)
+        if not ranked:
+            return place, result.bounded == 0
+        kept = ranked[min(result.keep, len(ranked)) - 1].prediction.times.total_s
+        limit = max(kept, ranked[0].prediction.times.total_s * (1 + result.band))
+        return place, result.bounded == 0 or step <= limit
+
+    def to_json(self, result: SearchResult) -> dict:
+        from overlap.plan.report import config_json
+
+        ranked = result.ranked
+        first = ranked[0].prediction.step_ms if ranked else self.prediction.step_ms
+        place, exact = self.rank(result)
+        return {
+            **config_json(self.prediction),
+            "layout": self.layout.describe(),
+            "vs_first": self.prediction.step_ms / first,
+            "rank": place,
+            "rank_is_exact": exact,
+            "fits": self.margin_bytes >= 0,
+            "margin_gb": self.margin_bytes / 1e9,
+        }
+
+
 @dataclass
 class SearchResult:
     """The priced candidates (the `keep` fastest that fit, every one predicted within `band` of
@@ -239,6 +277,10 @@ class SearchResult:
     # layouts left unpriced: their compute alone is slower than the keep-th fastest step and than
     # the fastest plus `band`
     bounded: int = 0
+    # the command line's own layout priced as typed, or why it could not be (the rule it breaks,
+    # or what the model does not price)
+    given: Given | str | None = None
+    keep: int = KEEP  # how many of the fastest the search priced at least
 
     @property
     def band(self) -> float:
@@ -282,6 +324,11 @@ class SearchResult:
             "expected_median_error": self.band if self.cluster.expected_error else None,
             "near_best": self.near_best(),
             "near_best_is_exact": self.near_best_is_exact(),
+            "given": self.given.to_json(self)
+            if isinstance(self.given, Given)
+            else {"refused": self.given}
+            if self.given
+            else None,
             "candidates": [
                 {
                     **config_json(c.prediction),
@@ -299,20 +346,7 @@ class SearchResult:
         if len(self.ranked) < 2:
             return "only one layout fits"
         a, b = self.ranked[0].prediction.times, self.ranked[1].prediction.times
-        parts = {
-            "compute": b.compute_s - a.compute_s,
-            "pipeline bubble": b.bubble_s - a.bubble_s,
-            "overlapped compute's stretch": b.slowdown_s - a.slowdown_s,
-        }
-        for kind in sorted(set(a.exposed_s) | set(b.exposed_s)):
-            parts[f"exposed {kind}"] = b.exposed_s.get(kind, 0.0) - a.exposed_s.get(kind, 0.0)
-        shown = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:4]
-        gap = b.total_s - a.total_s
-        detail = ", ".join(
-            f"{name} {abs(delta) * 1e3:.0f} ms {'shorter' if delta >= 0 else 'longer'}"
-            for name, delta in shown
-            if abs(delta) * 1e3 >= 0.5
-        )
+        gap, detail = b.total_s - a.total_s, differences(a, b)
         inside = (
             f", inside the model's ±{100 * self.band:.1f}% median error"
             if self.band > 0 and gap < self.band * a.total_s
@@ -323,6 +357,24 @@ class SearchResult:
             f"{gap * 1e3:.0f} ms per step ({100 * gap / a.total_s:.1f}%{inside}); against the "
             f"runner-up its {detail}"
         )
+
+
+def differences(a: StepTimes, b: StepTimes) -> str:
+    """The (at most four) step components in which `a` differs most from `b`, each as `a`'s
+    shorter or longer."""
+    parts = {
+        "compute": b.compute_s - a.compute_s,
+        "pipeline bubble": b.bubble_s - a.bubble_s,
+        "overlapped compute's stretch": b.slowdown_s - a.slowdown_s,
+    }
+    for kind in sorted(set(a.exposed_s) | set(b.exposed_s)):
+        parts[f"exposed {kind}"] = b.exposed_s.get(kind, 0.0) - a.exposed_s.get(kind, 0.0)
+    shown = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:4]
+    return ", ".join(
+        f"{name} {abs(delta) * 1e3:.0f} ms {'shorter' if delta >= 0 else 'longer'}"
+        for name, delta in shown
+        if abs(delta) * 1e3 >= 0.5
+    )
 
 
 def _without_layout(words: list[str], dispatcher: bool = False) -> list[str]:
@@ -560,7 +612,7 @@ def search(
     # read without the command line's layout, which the candidates replace (-et, recompute)
     unlaid = _first_resolving(_without_layout(words) + fixed_overrides, words + overrides)
     check_priced(unlaid.cfg, unlaid.resolution.layout, gpu=cluster.gpu != "cpu")
-    result = SearchResult([], words, overrides, cluster)
+    result = SearchResult([], words, overrides, cluster, keep=keep)
     space = _Space(words, fixed_overrides, cluster, result)
     rungs = recompute_options(base.cfg)
 
@@ -638,7 +690,49 @@ def search(
             result.not_fitting += 1
             too_big[shape] = min(layout.mb, too_big.get(shape, 1 << 30))
     result.ranked = _refined(space, priced)
+    result.given = _given(space, words + overrides)
     return result
+
+
+def _given(space: _Space, words: list[str]) -> Given | str:
+    """The command line's own layout, priced as typed (its micro-batch and recompute included),
+    or the configuration rule or pricing refusal that stops it, as the error says it."""
+    try:
+        job = _resolve(words)
+        margin, peak = space.margin(job)
+        layout = _layout_of(job)
+        prediction = predict(
+            layout.describe(), [], job.cfg, job.resolution.layout, space.cluster, False, peak
+        )
+    except ConfigError as exc:
+        return f"{exc.field}: {exc.why.rstrip('.')}"
+    return Given(layout, prediction, margin)
+
+
+def _layout_of(job) -> Layout:
+    """The search's description of a resolved job's layout."""
+    m, parallel = job.cfg.resolved.model, job.resolution.layout
+    if m.recompute_granularity == "full":
+        recompute = FULL
+    elif m.recompute_granularity == "selective":
+        recompute = tuple(m.recompute_modules or ("core_attn",))  # Megatron's default module
+    else:
+        recompute = ()
+    accounted = None
+    if parallel.pp > 1:
+        accounted = bool(
+            m.account_for_embedding_in_pipeline_split and m.account_for_loss_in_pipeline_split
+        )
+    return Layout(
+        tp=parallel.tp,
+        pp=parallel.pp,
+        vp=parallel.vpp if parallel.vpp > 1 else None,
+        ep=parallel.ep,
+        mb=job.cfg.train.micro_batch_size,
+        recompute=recompute,
+        cp=parallel.cp,
+        accounted=accounted,
+    )
 
 
 def _groups(layouts: Iterator[Layout]) -> list[list[Layout]]:
