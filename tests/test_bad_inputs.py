@@ -365,6 +365,15 @@ def test_absurd_sizes_are_refused_before_allocation(capsys):
         "model.num_layers=100000",
         "GiB on this host",
     )
+    # the pipeline's stages are spelt out layer by layer: both layer counts are bounded first (an
+    # MTP count of 10^20 once reached Python's string repetition)
+    for field in ("num_layers", "mtp_num_layers"):
+        refused(
+            ["explain", *DENSE, f"model.{field}=100000000000000000000"],
+            capsys,
+            f"model.{field}=100000000000000000000",
+            "more than 100,000 layers",
+        )
     code, out, err = run(
         ["explain", *DENSE, "model.num_layers=100000", "ddp.overlap_grad_reduce=true", "--json"],
         capsys,

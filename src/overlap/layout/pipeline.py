@@ -237,15 +237,27 @@ def resolve_pipeline_layout(model: Any, pp: int) -> PipelineLayout:
     """The pipeline layout `model` (a ModelConfig) asks for on `pp` pipeline ranks; a ConfigError
     if it cannot be."""
     n, vpp = model.num_layers, model.virtual_pipeline_model_parallel_size
-    if n > MAX_LAYERS:
-        # the stages are spelt out layer by layer (Megatron's layout form): bounded before that
-        raise ConfigError(
+    # the stages are spelt out layer by layer (Megatron's layout form): bounded before that
+    for field, count, fix in (
+        (
             "model.num_layers",
             n,
-            f"more than {MAX_LAYERS:,} layers; no model is that deep, and its layout is written "
-            "out layer by layer.",
             "give the model's real depth (the largest published ones have about 100-130).",
-        )
+        ),
+        (
+            "model.mtp_num_layers",
+            model.mtp_num_layers or 0,
+            "give the real count (DeepSeek-V3 predicts one more token: 1), or null.",
+        ),
+    ):
+        if count > MAX_LAYERS:
+            raise ConfigError(
+                field,
+                count,
+                f"more than {MAX_LAYERS:,} layers; no model is that deep, and its layout is "
+                "written out layer by layer.",
+                fix,
+            )
     first, last = model.num_layers_in_first_pipeline_stage, model.num_layers_in_last_pipeline_stage
     embed, loss = (
         model.account_for_embedding_in_pipeline_split,
