@@ -455,12 +455,15 @@ class _CudaRows:
 
 
 @pytest.mark.parametrize(
-    "major, grouped", [(8, False), (9, True), (10, False), (12, False)], ids=lambda v: str(v)
+    "major, grouped",
+    [(8, False), (9, True), (10, False), (12, False), (None, True)],
+    ids=lambda v: str(v),
 )
 def test_the_experts_gemm_kernel_is_chosen_per_architecture(major, grouped):
     """Issue 47 item 10: torch's grouped GEMM only on Hopper in bf16. SM8x: it falls back to a loop
     after `offs.cpu()` (a host sync per GEMM); SM100+: experts without rows get non-zero weight
-    gradients. Elsewhere the loop, which the table says with the reason. The run decides once for
+    gradients. Elsewhere the loop, which the table says with the reason; a GPU not known to the
+    resolution (a dry run's) as Hopper. The run decides once for
     its GPU (`Kernels.moe_grouped_gemm`), and the experts' GEMMs take that decision."""
     from overlap.decisions import DecisionLog
     from overlap.kernels.choices import resolve_grouped_gemm

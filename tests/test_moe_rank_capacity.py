@@ -124,6 +124,15 @@ def test_the_configuration_errors_name_the_field():
         moe_model(moe_expert_rank_capacity_factor=float("inf")).validate()
     with pytest.raises(ConfigError, match="exclude each other"):
         moe_model(moe_expert_rank_capacity_factor=1.5, moe_expert_capacity_factor=1.0).validate()
+    with pytest.raises(ConfigError, match="model.moe_paged_stash.*moe_expert_rank_capacity_factor"):
+        moe_model(moe_paged_stash=True).validate()
+    for pool in (1.2, 0.0, float("nan")):  # a pool without the stash; a pool of nothing; NaN
+        with pytest.raises(ConfigError, match="moe_paged_stash_buffer_size_factor_cuda"):
+            moe_model(
+                moe_expert_rank_capacity_factor=1.5,
+                moe_paged_stash=pool != 1.2,
+                moe_paged_stash_buffer_size_factor_cuda=pool,
+            ).validate()
 
 
 def test_the_decision_table_row_states_the_contract():
@@ -138,18 +147,30 @@ def test_the_decision_table_row_states_the_contract():
     "gpu, precision, refused",
     [("h100", "bfloat16", False), ("b200", "bfloat16", True), ("h100", "float32", True)],
 )
-def test_gpus_whose_experts_take_the_loop_are_refused_at_resolution(gpu, precision, refused):
-    """The experts' per-expert loop needs host counts: the sync-free dispatch is refused, naming
-    the field, where the grouped-GEMM rule gives the loop for the target GPU."""
+def test_gpus_whose_experts_take_the_loop_are_refused_by_run_not_by_the_resolution(
+    gpu, precision, refused
+):
+    """The experts' per-expert loop needs host counts: where the grouped-GEMM rule gives the loop
+    for the target GPU, `overlap run` refuses the sync-free dispatch before any rank starts, naming
+    the field; the resolution (explain, the planner) accepts it, as the reference runs it there
+    (Bridge's GB200 / GB300 recipes set it), and `run` also refuses it at the layer's build."""
+    from overlap.training.runtime_refusals import runtime_refusals
+
     model = moe_model(moe_expert_rank_capacity_factor=1.5)
     cfg = container(model, mp="bf16_mixed" if precision == "bfloat16" else "fp32")
     target = TARGET_DEVICES[gpu]
+    res = cfg.finalize(2, device=lambda: target, on_cuda=True, require_libraries=False)
+    found = [
+        e
+        for e in runtime_refusals(cfg, gpu=True)
+        if e.field == "model.moe_expert_rank_capacity_factor"
+    ]
+    assert res.kernels.moe_grouped_gemm is not refused
     if not refused:
-        cfg.finalize(2, device=lambda: target, on_cuda=True, require_libraries=False)
+        assert not found
         return
-    with pytest.raises(NotBuiltError, match="per-expert loop") as info:
-        cfg.finalize(2, device=lambda: target, on_cuda=True, require_libraries=False)
-    assert info.value.field == "model.moe_expert_rank_capacity_factor"
+    (error,) = found
+    assert isinstance(error, NotBuiltError) and "per-expert loop" in str(error)
 
 
 def _flex_refused() -> str:
@@ -517,6 +538,39 @@ def test_the_planner_prices_the_full_blocks():
         for job in jobs
     )
     assert blocks == pytest.approx(1.5 * dropless, rel=1e-3)
+
+
+def test_the_planner_keeps_the_paged_stash_pool_and_run_refuses_the_stash():
+    """Megatron's paged stash (`model.moe_paged_stash`, the 26.08 GB200 / GB300 recipes'): the
+    memory model keeps the experts' activations of a pool of 1.2x the rows routed (the factor) for
+    each layer in flight, not the 1.5x padded blocks, which are the working buffers of the layer in
+    its backward; the decision table says it, and `overlap run` refuses it (not built)."""
+    from overlap.harness import resolve_run
+    from overlap.launch.activations import EXPERTS
+    from overlap.perf.memory_model import rank_memory
+    from overlap.training.runtime_refusals import runtime_refusals
+
+    args = ["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-ep", "16"]
+    sync_free = ["model.moe_expert_rank_capacity_factor=1.5"]
+    stash = [*sync_free, "model.moe_paged_stash=true"]
+    jobs = [resolve_run(args, o) for o in ([], sync_free, stash, [*stash, _POOL])]
+    estimates = [rank_memory(job.cfg, job.resolution.layout) for job in jobs]
+    experts = [dict((b.name, b.ours) for b in est.blocks)[EXPERTS] for est in estimates]
+    dropless, padded, pool_110, pool_120 = experts
+    assert padded == pytest.approx(1.5 * dropless, rel=1e-3)
+    assert pool_110 == pytest.approx(1.1 * dropless) and pool_120 == pytest.approx(1.2 * dropless)
+    # the stash saves the pool's difference per layer in flight, and pays one layer's padded rows
+    assert estimates[3].activation_bytes < estimates[1].activation_bytes
+    assert estimates[3].transient_bytes > estimates[1].transient_bytes
+    row = jobs[3].resolution.decisions.get("model.moe_paged_stash")
+    assert row.effective is True and "1.2x the average routed rows" in row.reason
+    refused = [e.field for e in runtime_refusals(jobs[3].cfg, gpu=True)]
+    assert "model.moe_paged_stash" in refused and "model.moe_paged_stash" not in [
+        e.field for e in runtime_refusals(jobs[1].cfg, gpu=True)
+    ]
+
+
+_POOL = "model.moe_paged_stash_buffer_size_factor_cuda=1.2"
 
 
 def _recorded_step(force: bool) -> tuple[dict, list[str], int]:

@@ -149,6 +149,12 @@ class ModelConfig(TransformerArchitecture):
     # None: off; else sync-free dropless dispatch: fixed blocks of ceil(T*k/EP*factor) rows per EP
     # peer, a step that overflows one is re-run dropless (layers/moe/rank_capacity.py)
     moe_expert_rank_capacity_factor: float | None = None
+    # with the sync-free dispatch, Megatron's paged stash: the experts' activations kept for the
+    # backward in pages of the rows routed, not the padded blocks (not built: `overlap run` refuses
+    # it; the planner prices it as the reference runs it)
+    moe_paged_stash: bool = False
+    # the stash's GPU pool x the average routed rows (negative: x the actual maximum, Megatron's)
+    moe_paged_stash_buffer_size_factor_cuda: float = 1.10
     # --- recompute (activation checkpointing) ---
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
@@ -254,6 +260,23 @@ class ModelConfig(TransformerArchitecture):
             "capacity: the two contracts exclude each other.",
             "drop one of them (null): the expert-rank factor for exact results without a host "
             "read of split sizes, the expert factor to drop tokens.",
+        )
+        yield (
+            "model.moe_paged_stash",
+            True,
+            not self.moe_paged_stash or rank_factor is not None,
+            "the paged stash keeps the sync-free dispatch's rows; without "
+            "moe_expert_rank_capacity_factor there are none to page (Megatron's rule).",
+            "also set model.moe_expert_rank_capacity_factor (e.g. 1.5), or drop the paged stash.",
+        )
+        stash = self.moe_paged_stash_buffer_size_factor_cuda
+        yield (
+            "model.moe_paged_stash_buffer_size_factor_cuda",
+            stash,
+            math.isfinite(stash) and stash != 0 and (self.moe_paged_stash or stash == 1.10),
+            "it sizes the paged stash's GPU pool (x the average routed rows; negative: x the "
+            "actual maximum), so it is finite, not 0, and set only with model.moe_paged_stash.",
+            "use e.g. 1.2 with model.moe_paged_stash=true, or drop it.",
         )
         yield (
             "model.moe_token_drop_policy",

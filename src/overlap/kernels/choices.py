@@ -12,12 +12,11 @@ import logging
 from collections.abc import Callable
 
 from overlap.decisions import DEFAULT, MODEL_CONFIG, DecisionLog
-from overlap.errors import NotBuiltError
 from overlap.kernels import Kernels, ModelFields
 from overlap.kernels.attention import attention_kernel
 from overlap.kernels.device import DeviceInfo
 from overlap.kernels.fusion import FUSIONS, fusion_on
-from overlap.kernels.grouped_gemm import GROUPED, LOOP, grouped_gemm_kernel
+from overlap.kernels.grouped_gemm import GROUPED, grouped_gemm_kernel
 from overlap.kernels.moe_permute import LOOP_ON_CUDA, permute_fused
 
 _log = logging.getLogger("overlap.config")
@@ -129,18 +128,6 @@ def resolve_grouped_gemm(
         params_dtype,
     )
     decisions.record_in("model", ROW, None, kernel, DEFAULT, why)
-    factor = model.moe_expert_rank_capacity_factor
-    # the loop cuts the rows by host counts, which the sync-free dispatch never reads; a bf16 run on
-    # a GPU this machine cannot see (a dry run) is left to the experts' own check at first use
-    unknown_gpu = on_cuda and info is None and params_dtype == "bfloat16"
-    if factor is not None and kernel == LOOP and not unknown_gpu:
-        raise NotBuiltError(
-            "model.moe_expert_rank_capacity_factor",
-            factor,
-            f"The sync-free dispatch where the experts' GEMMs take the per-expert loop ({why})",
-            "drop model.moe_expert_rank_capacity_factor (the all-to-all reads the split sizes), "
-            "or run on Hopper in bf16 or on the CPU, where the grouped kernel runs.",
-        )
     return kernel == GROUPED
 
 

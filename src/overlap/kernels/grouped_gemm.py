@@ -12,9 +12,12 @@ to the loop (tests/test_moe.py) without the Python loop. Fake tensors (the dry r
 the loop.
 
 The resolution decides once for the run's GPU (`overlap explain -g GPU` names the target's
-architecture, `run` probes its own device), records it in the "model" section (`choices`) and
-keeps it as `Kernels.moe_grouped_gemm`, which the experts' GEMMs run
-(`overlap.layers.linear_functions.grouped_offsets`). The rule depends on facts of the
+architecture, `run` probes its own device; a GPU this machine does not see, as a dry run's, is
+taken as Hopper, the dry run's stand-in tensors taking their own path), records it in the "model"
+section (`choices`) and keeps it as `Kernels.moe_grouped_gemm`, which the experts' GEMMs run
+(`overlap.layers.linear_functions.grouped_offsets`). Where it is the loop, `overlap run` refuses
+the sync-free dispatch, which never reads the host counts the loop cuts by
+(`overlap.layers.moe.moe_layer.unbuilt_dispatch`). The rule depends on facts of the
 machine alone: there is no switch to set, and the device script's env step
 measures both kernels against each other.
 """
@@ -38,6 +41,11 @@ def grouped_gemm_kernel(device_type: str, major: int | None, dtype: str) -> tupl
         return LOOP, f"CUDA in {dtype}: torch's grouped GEMM runs bf16 only; the per-expert loop"
     if major == 9:
         return GROUPED, "SM90 (Hopper): torch's grouped GEMM, one kernel for every expert"
+    if major is None:
+        return GROUPED, (
+            "a CUDA GPU this machine does not see (a dry run's): torch's grouped GEMM, as on "
+            "Hopper; the run on its GPU decides again"
+        )
     if major is not None and major < 9:
         return LOOP, (
             f"SM{major}x: torch's grouped GEMM falls back to a loop after copying its offsets to "

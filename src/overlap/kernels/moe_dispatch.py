@@ -35,6 +35,20 @@ def record_moe_routing(model: Any, log: DecisionLog) -> None:
             f"iteration). Memory: {rank_factor} x tokens x top-k dispatched rows per MoE layer and "
             f"micro-batch ({rank_factor}x the dropless average); a factor >= EP never overflows",
         )
+        if model.moe_paged_stash:
+            stash = model.moe_paged_stash_buffer_size_factor_cuda
+            pool = f"{abs(stash)}x the {'average' if stash > 0 else 'largest'} routed rows"
+            log.record(
+                "model.moe_paged_stash",
+                True,
+                True,
+                MODEL_CONFIG,
+                "Megatron's paged stash: the experts' activations kept for the backward go into "
+                f"pages of the rows routed, in a GPU pool of {pool} "
+                "(moe_paged_stash_buffer_size_factor_cuda), not the padded blocks; the padded "
+                "buffers hold one layer at a time. Not built here (`overlap run` refuses it); "
+                "the memory model prices the pool, as the reference runs it",
+            )
     elif factor is None:
         log.record(
             "model.moe_expert_capacity_factor",

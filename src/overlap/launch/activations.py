@@ -26,7 +26,9 @@ under sequence parallelism (each TP rank routes its own tokens), the attention c
 with 1/tp of the heads; everything is given per token of the whole micro-batch so that blocks add.
 Routing is balanced (each local token's k rows land on some EP rank, which receives k rows per
 local token); a padded expert capacity sends E x capacity rows instead of T x k, the sync-free
-dispatch's blocks EP x ceil(T x k / EP x factor).
+dispatch's blocks EP x ceil(T x k / EP x factor). Megatron's paged stash (`moe_paged_stash`, not
+built here: the planner prices it as the reference runs it) keeps the experts' activations of only
+a pool's worth of routed rows, the padded blocks being one layer's working buffers.
 """
 
 from __future__ import annotations
@@ -137,6 +139,25 @@ def routed_rows_per_token(m: ModelConfig, shape: LayerShape) -> float:
     return capacity_rows_per_token(m, local_tokens)
 
 
+def stashed_rows_per_token(m: ModelConfig, rows: float) -> float:
+    """Rows per local token whose activations the experts keep for the backward: every row they
+    process (`rows`), or under Megatron's paged stash (`moe_paged_stash`, the sync-free dispatch's)
+    the pages of its pool, |moe_paged_stash_buffer_size_factor_cuda| x the k rows routed a token on
+    average (balanced routing makes the largest the average): the padded blocks are working buffers
+    of the layer that runs (`backward_working_bytes`)."""
+    if m.moe_paged_stash:
+        return abs(m.moe_paged_stash_buffer_size_factor_cuda) * m.moe_router_topk
+    return rows
+
+
+def _expert_row_bytes(m: ModelConfig, shape: LayerShape) -> float:
+    """What the experts keep per row: the dispatched row, fc1's output (the SwiGLU input, 2 x ffn),
+    its row weight and fc2's input (unless moe_act is recomputed)."""
+    B, f = shape.act_bytes, m.moe_ffn_size
+    act = 0.0 if "moe_act" in shape.recompute else B * f
+    return B * m.hidden_size + 2 * B * f + _FP32 + act
+
+
 def capacity_rows_per_token(m: ModelConfig, local_tokens: float) -> float:
     """Rows the experts process (and the dispatch sends) per local token under balanced routing and
     the expert capacity (`moe_expert_capacity_factor`, Megatron's `get_capacity`, as in
@@ -222,7 +243,7 @@ def _dense_mlp(m: ModelConfig, shape: LayerShape) -> Block:
 
 
 def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
-    B, h, f, k = shape.act_bytes, m.hidden_size, m.moe_ffn_size, m.moe_router_topk
+    B, h, k = shape.act_bytes, m.hidden_size, m.moe_router_topk
     E = m.num_moe_experts
     div = shape.seq_div
     rows = routed_rows_per_token(m, shape)
@@ -267,14 +288,14 @@ def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
             "Megatron's fused permutation keeps one int32 map entry per routed row",
         )
     )
-    act = 0.0 if "moe_act" in shape.recompute else B * f
-    experts = rows * (B * h + 2 * B * f + _FP32 + act)
+    experts = stashed_rows_per_token(m, rows) * _expert_row_bytes(m, shape)
     blocks.append(
         Block(
             EXPERTS,
             experts / div,
             experts / div,
-            "dispatched rows, fc1 output (SwiGLU input), row weights, fc2 input",
+            "dispatched rows, fc1 output (SwiGLU input), row weights, fc2 input"
+            + (" (paged: the rows routed)" if m.moe_paged_stash else ""),
         )
     )
     if m.moe_expert_rank_capacity_factor is not None:
@@ -341,7 +362,10 @@ def backward_working_bytes(m: ModelConfig, shape: LayerShape, moe_layer: bool) -
         return ((4 * _FP32 + 3 * B) if weighted else 4 * B) * width
 
     if moe_layer:
-        mlp = routed_rows_per_token(m, shape) * swiglu(m.moe_ffn_size, True) / shape.seq_div
+        rows = routed_rows_per_token(m, shape)
+        mlp = rows * swiglu(m.moe_ffn_size, True) / shape.seq_div
+        if m.moe_paged_stash:  # the layer's pages popped back into its padded blocks
+            mlp += rows * _expert_row_bytes(m, shape) / shape.seq_div
         if m.moe_shared_expert_intermediate_size:
             mlp = max(mlp, swiglu(m.moe_shared_expert_intermediate_size / t, False))
     else:

@@ -578,7 +578,8 @@ def _refusal(cfg, cluster: Cluster) -> str:
     from overlap.training.runtime_refusals import runtime_refusals
 
     refusals = runtime_refusals(cfg, gpu=cluster.gpu != "cpu")
-    return "; ".join(f"{e.field}={e.value}" for e in refusals)
+    # a setting two rules refuse is named once
+    return "; ".join(dict.fromkeys(f"{e.field}={e.value}" for e in refusals))
 
 
 def search(

@@ -76,9 +76,6 @@ class Row:
     assumed: str = ""
     pair: str = ""  # on/off pairs: the pair's name; "off" rows end in " off"
     not_expressible: str = ""  # why it is not predicted
-    # model settings the reference runs and our runtime refuses on this target (set on the resolved
-    # configuration, as the FP8 precisions are planned on a BF16 one): the plan prices them
-    reference_model: tuple[tuple[str, float], ...] = ()
 
     def args(self) -> list[str]:
         return f"{self.flags} -c bf16 {self.overrides}".split()
@@ -120,21 +117,23 @@ _H100_30B_FP8 = (
 # overlap off (`qwen3_workload_base_configs.py` at 55443cbfb^).
 _STACK = (
     f"{_HYBRID} {_EP_ON} comm_overlap.delay_wgrad_compute=true model.cuda_graph_impl=local "
-    "model.cuda_graph_scope=[full_iteration]"
+    "model.cuda_graph_scope=[full_iteration] model.moe_expert_rank_capacity_factor=1.5 "
+    "model.moe_paged_stash=true model.moe_paged_stash_buffer_size_factor_cuda=1.2"
 )
-_SYNC_FREE = (("moe_expert_rank_capacity_factor", 1.5),)
 _STACK_ASSUMED = (
     "Bridge 55443cbfb's recipe: HybridEP (32 SMs), EP overlap + delay_wgrad, full-iteration CUDA "
-    "graphs, sync-free MoE buffers at capacity factor 1.5 (refused by our runtime on SM100, set "
-    "on the plan's configuration); its fused grouped MLP and FP8 attention not expressed"
+    "graphs, sync-free MoE buffers at capacity factor 1.5 with the paged stash (a pool of 1.2x "
+    "the routed rows; `overlap run` refuses both on SM100 today); its fused grouped MLP and FP8 "
+    "attention not expressed"
 )
 # GPT-OSS-120B's GB200 / GB300 MXFP8 recipes (`_apply_gpt_oss_120b_full_iter_fp8mx_configs`,
 # src/megatron/bridge/perf_recipes/gpt_oss/common.py): the same stack, and an FP8 output projection
 _GPT_OSS_STACK = (
     "Bridge's recipe (perf_recipes/gpt_oss): HybridEP (32 SMs), EP overlap + delay_wgrad, "
-    "full-iteration CUDA graphs, sync-free MoE buffers at capacity factor 1.5 (set on the plan's "
-    "configuration), no recompute; its fused grouped MLP, FP8 attention and FP8 output "
-    "projection not expressed"
+    "full-iteration CUDA graphs, sync-free MoE buffers at capacity factor 1.5 with the paged "
+    "stash (a pool of 1.2x the routed rows; `overlap run` refuses both on SM100 today), no "
+    "recompute; its fused grouped MLP, FP8 attention and FP8 "
+    "output projection not expressed"
 )
 _PRE_STACK = "release 26.04.01, before Bridge 55443cbfb: HybridEP (32 SMs), EP overlap off"
 _SELECTIVE_235 = "model.recompute_granularity=selective model.recompute_modules=[layernorm,moe_act]"
@@ -477,9 +476,8 @@ ROWS: tuple[Row, ...] = (
             _QWEN30,
             flags,
             assumed=assumed,
-            reference_model=reference,
         )
-        for gpu, mbs, release, step, flags, assumed, reference in (
+        for gpu, mbs, release, step, flags, assumed in (
             (
                 "gb200",
                 4,
@@ -487,7 +485,6 @@ ROWS: tuple[Row, ...] = (
                 10.039,  # 26112 tokens/s/GPU
                 f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
                 f"{_PRE_STACK}, router and preprocess CUDA graphs",
-                (),
             ),
             (
                 "gb300",
@@ -496,10 +493,9 @@ ROWS: tuple[Row, ...] = (
                 8.258,  # 31744
                 f"{_HYBRID} {_EP_OFF} {_GRAPH_ROUTER}",
                 f"{_PRE_STACK}, router and preprocess CUDA graphs",
-                (),
             ),
-            ("gb200", 4, "26.08", 6.564, _STACK, _STACK_ASSUMED, _SYNC_FREE),  # 39936
-            ("gb300", 8, "26.08", 5.885, _STACK, _STACK_ASSUMED, _SYNC_FREE),  # 44544
+            ("gb200", 4, "26.08", 6.564, _STACK, _STACK_ASSUMED),  # 39936
+            ("gb300", 8, "26.08", 5.885, _STACK, _STACK_ASSUMED),  # 44544
         )
     ),
     *(
@@ -519,9 +515,8 @@ ROWS: tuple[Row, ...] = (
             _QWEN235,
             flags,
             assumed=f"{assumed}; {_UNEVEN_235}; 64 GPUs per NVLink domain",
-            reference_model=reference,
         )
-        for gpu, mbs, pp, vp, release, step, flags, assumed, reference in (
+        for gpu, mbs, pp, vp, release, step, flags, assumed in (
             (
                 "gb200",
                 1,
@@ -531,7 +526,6 @@ ROWS: tuple[Row, ...] = (
                 23.077,  # 5680 tokens/s/GPU
                 f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
                 f"{_PRE_STACK}, attention, router and preprocess CUDA graphs",
-                (),
             ),
             (
                 "gb300",
@@ -542,10 +536,9 @@ ROWS: tuple[Row, ...] = (
                 18.876,  # 6944
                 f"{_HYBRID} {_EP_OFF} {_GRAPH_ATTN}",
                 f"{_PRE_STACK}, attention, router and preprocess CUDA graphs",
-                (),
             ),
-            ("gb200", 1, 8, 3, "26.08", 18.004, _STACK, _STACK_ASSUMED, _SYNC_FREE),  # 7280
-            ("gb300", 2, 4, 12, "26.08", 14.868, _STACK, _STACK_ASSUMED, _SYNC_FREE),  # 8816
+            ("gb200", 1, 8, 3, "26.08", 18.004, _STACK, _STACK_ASSUMED),  # 7280
+            ("gb300", 2, 4, 12, "26.08", 14.868, _STACK, _STACK_ASSUMED),  # 8816
         )
     ),
     _row(
@@ -597,7 +590,6 @@ ROWS: tuple[Row, ...] = (
             _QWEN30,
             f"{_STACK} {_GPT_OSS}",
             assumed=f"{_GPT_OSS_STACK}; sliding windows not expressed",
-            reference_model=_SYNC_FREE,
         )
         for gpu, ep, step in (("gb200", 64, 2.857), ("gb300", 16, 2.481))  # 28672, 33024
     ),
@@ -608,8 +600,6 @@ def _config(row: Row):
     from overlap.harness import resolve_run
 
     job = resolve_run(row.args(), [])
-    for key, value in row.reference_model:
-        setattr(job.cfg.resolved.model, key, value)
     return job.cfg, job.resolution.layout
 
 

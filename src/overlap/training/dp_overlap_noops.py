@@ -12,6 +12,7 @@ and cut by the same function as the real buffers.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -45,15 +46,18 @@ def _meta_chunk_params(cfg: ConfigContainer, res: Resolution) -> list[list[torch
         ep_meta_group=None,
         device=torch.device("meta"),
     )
-    # Parameters do not depend on the token dispatcher; the stand-in keeps one the runtime builds
-    # everywhere, so the count also works for a configuration `run` will refuse (explain still lists
-    # its buckets).
+    # Parameters do not depend on the token dispatcher, the experts' GEMM kernel or where their
+    # activations are kept; the stand-ins are ones the runtime builds everywhere, so the count also
+    # works for a configuration `run` will refuse (explain still lists its buckets).
     kernels = replace(
-        res.kernels, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None
+        res.kernels,
+        moe_token_dispatcher_type="alltoall",
+        moe_flex_dispatcher_backend=None,
+        moe_grouped_gemm=True,
     )
-    chunks = model_chunks(
-        cfg.resolved.model, rank0, res.pipeline, res.overlap, res.precision, kernels
-    )
+    model = copy.copy(cfg.resolved.model)
+    model.moe_paged_stash = False
+    chunks = model_chunks(model, rank0, res.pipeline, res.overlap, res.precision, kernels)
     return [[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks]
 
 

@@ -103,6 +103,24 @@ def unbuilt_dispatch(config: ModelConfig, kernels: Kernels) -> list[Rule]:
             "use model.moe_token_dispatcher_type=alltoall, or drop the expert-rank capacity "
             "factor.",
         ),
+        (
+            "model.moe_paged_stash",
+            True,
+            not config.moe_paged_stash,
+            "Paged stashing of the experts' activations (Megatron's moe_paged_stash: the rows "
+            "routed, not the padded blocks, kept for the backward)",
+            "drop model.moe_paged_stash (the sync-free dispatch keeps its padded blocks).",
+        ),
+        (
+            # the loop cuts the rows by host counts, which the sync-free dispatch never reads
+            "model.moe_expert_rank_capacity_factor",
+            rank_factor,
+            rank_factor is None or kernels.moe_grouped_gemm,
+            "The sync-free dispatch where the experts' GEMMs take the per-expert loop (this run's "
+            "GPU and precision: the decision table's experts' GEMM row says why)",
+            "drop model.moe_expert_rank_capacity_factor (the all-to-all reads the split sizes), "
+            "or run on Hopper in bf16 or on the CPU, where the grouped kernel runs.",
+        ),
     ]
 
 

@@ -46,8 +46,9 @@ Against the reference (Megatron-LM's paged-stash feature): there the budget size
 dispatch buffers and Transformer Engine's fused grouped experts, and its runner re-runs a step once
 without padding when any rank went over budget, as here. Here the blocks are plain NCCL/gloo
 all-to-alls, one fixed block per (source, destination) pair of EP ranks. Not built: paged stashing
-of the experts' activations (`--moe-paged-stash`), this mode with the flex dispatcher (refused by
-`moe_layer.dispatcher_class`), and the CUDA graphs a static-shape step would allow.
+of the experts' activations (`model.moe_paged_stash`: only the rows routed kept for the backward;
+`overlap run` refuses it, the planner prices its pool), this mode with the flex dispatcher (both
+refused by `moe_layer.unbuilt_dispatch`), and the CUDA graphs a static-shape step would allow.
 """
 
 from __future__ import annotations
