@@ -326,3 +326,29 @@ def test_a_deeper_warm_up_keeps_its_extra_micro_batches_alive():
         assert est[2][r].in_flight == 2 * (4 - r - 1) + 1
         assert est[2][r].param_bytes == est[1][r].param_bytes
     assert est[2][0].activation_bytes > 1.5 * est[1][0].activation_bytes
+
+
+@pytest.mark.parametrize("precision, kept", [("fp8", 1.0), ("mxfp8", 1.0 + 1 / 32)])
+def test_fp8_plans_keep_fp8_copies_of_the_linears_inputs(precision, kept):
+    """The planner's FP8 precisions (its GEMMs; the configuration stays BF16): Transformer Engine
+    keeps the FP8 copy of each linear's input for the weight gradient (a byte an element, and an
+    MXFP8 scale byte per 32), so the QKV, fc1 and fc2 inputs (the experts' dispatched rows and
+    their SwiGLU output) cost that instead of BF16's two bytes; the rest (the norms' inputs, the
+    SwiGLU input, attention's own tensors) stays BF16. `overlap explain` and the dry run (no plan
+    precision) price the run's own BF16."""
+    from overlap.launch.activations import ATTENTION, EXPERTS
+
+    job = resolve_run(
+        ["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-ep", "16"], []
+    )
+    cfg, layout = job.cfg, job.resolution.layout
+    m = cfg.resolved.model
+    bf16, fp8 = (
+        {b.name: b.ours for b in rank_memory(cfg, layout, gemm_precision=p).blocks}
+        for p in (None, precision)
+    )
+    h, f, k = m.hidden_size, m.moe_ffn_size, m.moe_router_topk
+    assert bf16[EXPERTS] - fp8[EXPERTS] == pytest.approx(k * (2 - kept) * (h + f))
+    assert bf16[ATTENTION] - fp8[ATTENTION] == pytest.approx((2 - kept) * h)
+    assert rank_memory(cfg, layout, gemm_precision="bf16").total == rank_memory(cfg, layout).total
+    assert rank_memory(cfg, layout, gemm_precision=precision).total < rank_memory(cfg, layout).total

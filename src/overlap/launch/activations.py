@@ -39,6 +39,12 @@ from typing import TYPE_CHECKING
 
 from overlap.config.model import expert_rank_capacity
 
+SAVED_INPUT_BYTES = {"fp8": 1.0, "mxfp8": 1.0 + 1.0 / 32}
+"""Bytes per element a linear keeps of its input when its GEMMs run in the planner's FP8
+precisions (Transformer Engine quantises the input once and keeps the FP8 copy its weight-gradient
+GEMM reads: a byte, and for MXFP8 one shared scale byte per 32 elements); the other precisions
+keep the activation dtype."""
+
 if TYPE_CHECKING:
     from overlap.config.model import ModelConfig
 
@@ -110,10 +116,21 @@ class LayerShape:
     cp_block_keys: int = 0
     # CP p2p: the ring's forward keeps the last KV block it received (its backward starts there)
     cp_kept_kv: bool = False
+    # bytes per element of what a linear keeps of its input for its weight gradient: the
+    # activation dtype's (None), or under the planner's FP8 precisions the FP8 copy
+    # (`SAVED_INPUT_BYTES`)
+    linear_bytes: float | None = None
 
-    def linear_input(self, act_bytes_h: float, linear: str) -> float:
-        """What a column-parallel linear keeps of its input, per token of the micro-batch."""
-        return act_bytes_h if linear in self.gathered_inputs else act_bytes_h / self.seq_div
+    @property
+    def saved_input_bytes(self) -> float:
+        """Bytes per element a linear keeps of its input."""
+        return self.act_bytes if self.linear_bytes is None else self.linear_bytes
+
+    def linear_input(self, elements: float, linear: str) -> float:
+        """What a column-parallel linear keeps of its input (`elements` a token), per token of the
+        micro-batch."""
+        kept = elements * self.saved_input_bytes
+        return kept if linear in self.gathered_inputs else kept / self.seq_div
 
     @property
     def seq_div(self) -> int:
@@ -151,11 +168,11 @@ def stashed_rows_per_token(m: ModelConfig, rows: float) -> float:
 
 
 def _expert_row_bytes(m: ModelConfig, shape: LayerShape) -> float:
-    """What the experts keep per row: the dispatched row, fc1's output (the SwiGLU input, 2 x ffn),
-    its row weight and fc2's input (unless moe_act is recomputed)."""
-    B, f = shape.act_bytes, m.moe_ffn_size
-    act = 0.0 if "moe_act" in shape.recompute else B * f
-    return B * m.hidden_size + 2 * B * f + _FP32 + act
+    """What the experts keep per row: the dispatched row (fc1's input), fc1's output (the SwiGLU
+    input, 2 x ffn), its row weight and fc2's input (unless moe_act is recomputed)."""
+    B, f, L = shape.act_bytes, m.moe_ffn_size, shape.saved_input_bytes
+    act = 0.0 if "moe_act" in shape.recompute else L * f
+    return L * m.hidden_size + 2 * B * f + _FP32 + act
 
 
 def capacity_rows_per_token(m: ModelConfig, local_tokens: float) -> float:
@@ -177,11 +194,11 @@ def _attention(m: ModelConfig, shape: LayerShape) -> Block:
     B, t, h, d = shape.act_bytes, shape.tp, m.hidden_size, m.head_dim
     a, g = m.num_attention_heads / t, m.query_groups / t
     core_recompute = "core_attn" in shape.recompute
-    qkv_in = shape.linear_input(B * h, "qkv")  # the QKV projection's input (its shard under SP)
+    qkv_in = shape.linear_input(h, "qkv")  # the QKV projection's input (its shard under SP)
     # with QK norms the projection's output is kept (the norms' inputs, v); without, v alone
     qkv_out = B * (a + 2 * g) * d + _FP32 * (a + g) if m.qk_layernorm else B * g * d
     megatron = (
-        B * h / shape.seq_div
+        shape.saved_input_bytes * h / shape.seq_div
         + B * (a + g) * d * (1 if m.qk_layernorm else 0)
         + B * (a + 2 * g) * d
         + B * a * d
@@ -227,14 +244,15 @@ def _norms(m: ModelConfig, shape: LayerShape) -> Block:
 
 def _dense_mlp(m: ModelConfig, shape: LayerShape) -> Block:
     B, t, h, f = shape.act_bytes, shape.tp, m.hidden_size, m.ffn_size
-    inner = (3 if m.gated_linear_unit else 2) * B * f / t  # gate and up (or GELU input), fc2 input
+    # gate and up (or the GELU input), and fc2's input
+    inner = ((2 if m.gated_linear_unit else 1) * B + shape.saved_input_bytes) * f / t
     if "mlp" in shape.recompute:  # its input is kept by the checkpoint (`_checkpoints`)
         return Block(MLP, 0.0, 0.0, "nothing (recomputed)")
     gathered = "fc1" in shape.gathered_inputs and shape.seq_div > 1
     return Block(
         MLP,
-        shape.linear_input(B * h, "fc1") + inner,
-        B * h / shape.seq_div + inner,
+        shape.linear_input(h, "fc1") + inner,
+        shape.saved_input_bytes * h / shape.seq_div + inner,
         "fc1 input, SwiGLU inputs (gate, up), fc2 input",
         "the TP-overlap plan keeps fc1's all-gathered input (no bulk dgrad slot)"
         if gathered
@@ -315,7 +333,8 @@ def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
     fs = m.moe_shared_expert_intermediate_size
     if fs:
         # its input (the shard of the norm's output) is the router's, counted there
-        inner = 0.0 if "shared_experts" in shape.recompute else 3 * B * fs / shape.tp
+        swiglu = (2 * B + shape.saved_input_bytes) * fs / shape.tp  # gate, up and fc2's input
+        inner = 0.0 if "shared_experts" in shape.recompute else swiglu
         blocks.append(Block(SHARED_EXPERT, inner, inner, "SwiGLU inputs and fc2 input"))
     return blocks
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from overlap.config.container import ConfigContainer
 from overlap.config.recompute import layer_chunks, selective_modules
@@ -43,6 +43,7 @@ from overlap.kernels.attention import attention_kernel
 from overlap.launch.activations import (
     INDEX_BYTES,
     LOSS_CHUNK_BYTES,
+    SAVED_INPUT_BYTES,
     Block,
     LayerShape,
     backward_working_bytes,
@@ -268,15 +269,19 @@ def peak_memory(
     programs: dict[int, Program | None],
     merged: bool = False,
     late_wgrad: set[int] | frozenset[int] = frozenset(),
+    gemm_precision: str | None = None,
 ) -> MemoryEstimate:
     """The highest peak (the first, on a tie) of the pipeline ranks `programs` names, each walking
     its own program (`estimate_memory`'s arguments; `late_wgrad`: the ranks whose weight gradients
-    run late). What the ranks share (the pipeline split, the layer shape, each kind of layer's
-    bytes) is worked out once: the layout search walks every rank of thousands of candidates."""
+    run late; `gemm_precision`: the planner's GEMM precision, "fp8" / "mxfp8" keeping FP8 copies
+    of the linears' inputs, `SAVED_INPUT_BYTES`; None: the run's own). What the ranks share (the
+    pipeline split, the layer shape, each kind of layer's bytes) is worked out once: the layout
+    search walks every rank of thousands of candidates."""
     pipe, plan = cfg.resolved.pipeline, cfg.resolved.overlap
-    costs = _LayerCosts(
-        cfg.resolved.model, _layer_shape(cfg, layout, cpu), plan.defer_embedding_wgrad_compute
+    shape = replace(
+        _layer_shape(cfg, layout, cpu), linear_bytes=SAVED_INPUT_BYTES.get(gemm_precision or "")
     )
+    costs = _LayerCosts(cfg.resolved.model, shape, plan.defer_embedding_wgrad_compute)
     estimates = [
         _estimate_rank(cfg, layout, cpu, pipe, costs, r, program, merged, r in late_wgrad)
         for r, program in programs.items()

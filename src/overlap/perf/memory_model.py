@@ -113,9 +113,12 @@ def rank_memory(
     cpu: bool = False,
     pp_rank: int | None = None,
     microbatches: int | None = None,
+    gemm_precision: str | None = None,
 ) -> MemoryEstimate:
     """The peak of pipeline rank `pp_rank` (None: the rank whose peak is highest) over one step of
-    `microbatches` micro-batches (None: the step's), by component (module docstring)."""
+    `microbatches` micro-batches (None: the step's), by component (module docstring);
+    `gemm_precision`: the planner's ("fp8" / "mxfp8": the linears keep FP8 copies of their inputs,
+    `overlap.launch.activations.SAVED_INPUT_BYTES`; None: the run's own precision)."""
     plan = cfg.resolved.overlap
     merged = plan.overlap_moe_expert_parallel_comm
     # overlapped p2p in plain 1F1B: the first stage runs each backward's weight gradients after
@@ -123,7 +126,9 @@ def rank_memory(
     late = plan.overlap_p2p_comm and layout.pp > 1 and not merged and layout.vpp == 1
     ranks = range(max(1, layout.pp)) if pp_rank is None else (pp_rank,)
     programs = {r: program(cfg, layout, r, microbatches) for r in ranks}
-    return peak_memory(cfg, layout, cpu, programs, merged, {0} if late else frozenset())
+    return peak_memory(
+        cfg, layout, cpu, programs, merged, {0} if late else frozenset(), gemm_precision
+    )
 
 
 @dataclass(frozen=True)
@@ -167,22 +172,28 @@ def reserve_bytes(peak: int) -> int:
 
 
 def fit(
-    cfg: ConfigContainer, layout: ParallelLayout, gpu: str, est: MemoryEstimate | None = None
+    cfg: ConfigContainer,
+    layout: ParallelLayout,
+    gpu: str,
+    est: MemoryEstimate | None = None,
+    gemm_precision: str | None = None,
 ) -> Fit | None:
     """`rank_memory`'s peak (`est`, when the caller has it) against `gpu`'s memory (None for a GPU
     type without a known size, or CPU ranks); the advice prices each alternative with the same
-    model."""
+    model (`gemm_precision`: `rank_memory`'s)."""
     device = GPU_MEMORY_BYTES.get(gpu)
     if device is None:
         return None
-    est = est or rank_memory(cfg, layout)
+    est = est or rank_memory(cfg, layout, gemm_precision=gemm_precision)
     verdict = Fit(gpu, device, est.total, reserve_bytes(est.total))
     if verdict.fits:
         return verdict
-    return replace(verdict, advice=tuple(_advice(cfg, layout, est)))
+    return replace(verdict, advice=tuple(_advice(cfg, layout, est, gemm_precision)))
 
 
-def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -> list[str]:
+def _advice(
+    cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate, gemm_precision: str | None
+) -> list[str]:
     """Each alternative the model can price on this layout, with the peak it would have; then the
     layout changes (more pipeline stages, a larger EP group), which need a new layout."""
     m = cfg.resolved.model
@@ -228,7 +239,7 @@ def _advice(cfg: ConfigContainer, layout: ParallelLayout, est: MemoryEstimate) -
         )
     advice = []
     for flag, alternative in options:
-        peak = rank_memory(alternative, layout).total
+        peak = rank_memory(alternative, layout, gemm_precision=gemm_precision).total
         if peak < est.total:
             advice.append(f"{flag}: {gib(peak)} (saves {gib(est.total - peak)})")
     share = est.param_bytes + est.grad_bytes + est.optimizer_bytes + est.activation_bytes

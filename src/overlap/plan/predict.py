@@ -202,8 +202,10 @@ def predict(
     times = step_times(compute, comm, sw, m, cluster.overlap_slowdown, exact)
     tokens = cfg.train.global_batch_size * cfg.resolved.model.seq_length
     tflops = flops_per_token(cfg.resolved.model) * tokens / layout.world_size / times.total_s / 1e12
-    memory = memory or rank_memory(cfg, layout, cpu=cluster.gpu == "cpu")
-    verdict = fit(cfg, layout, cluster.gpu, memory)
+    memory = memory or rank_memory(
+        cfg, layout, cpu=cluster.gpu == "cpu", gemm_precision=cluster.precision
+    )
+    verdict = fit(cfg, layout, cluster.gpu, memory, cluster.precision)
     return Prediction(
         name,
         overrides,

@@ -5,6 +5,7 @@ alike."""
 
 from __future__ import annotations
 
+from overlap.launch.activations import SAVED_INPUT_BYTES
 from overlap.plan.hardware import Cluster
 from overlap.plan.predict import Prediction
 
@@ -144,9 +145,14 @@ def format_markdown(doc: dict) -> str:
         )
     fits = [f"- {r['name']}: {r['memory_fit']}" for r in doc["configs"] if r.get("memory_fit")]
     if fits:
+        fp8 = (
+            f"; at {c['precision']} the linears keep FP8 copies of their inputs"
+            if c["precision"] in SAVED_INPUT_BYTES
+            else ""
+        )
         lines += [
             "",
-            "Memory (the peak of the rank that needs the most, overlap.perf.memory_model):",
+            f"Memory (the peak of the rank that needs the most, overlap.perf.memory_model{fp8}):",
         ]
         lines += fits
     lines += ["", "Verdicts:"] + [f"- {v}" for v in doc["verdicts"]]

@@ -541,7 +541,12 @@ class _Space:
 
     def margin(self, job) -> tuple[int, object]:
         """(the GPU memory left after the peak and the reserve, the peak)."""
-        peak = rank_memory(job.cfg, job.resolution.layout, cpu=self.cluster.gpu == "cpu")
+        peak = rank_memory(
+            job.cfg,
+            job.resolution.layout,
+            cpu=self.cluster.gpu == "cpu",
+            gemm_precision=self.cluster.precision,
+        )
         device = GPU_MEMORY_BYTES.get(self.cluster.gpu)
         return (0 if device is None else device - peak.total - reserve_bytes(peak.total)), peak
 
