@@ -238,6 +238,7 @@ def _in_flight_under_attention(
                     for e in events
                     if e.kind == kind
                     and e.t_ready is not None
+                    and e.t_done is not None
                     and e.t_wait_start is not None
                     and e.t_ready <= e.t_wait_start
                 ),

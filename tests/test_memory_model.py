@@ -332,23 +332,33 @@ def test_a_deeper_warm_up_keeps_its_extra_micro_batches_alive():
 def test_fp8_plans_keep_fp8_copies_of_the_linears_inputs(precision, kept):
     """The planner's FP8 precisions (its GEMMs; the configuration stays BF16): Transformer Engine
     keeps the FP8 copy of each linear's input for the weight gradient (a byte an element, and an
-    MXFP8 scale byte per 32), so the QKV, fc1 and fc2 inputs (the experts' dispatched rows and
-    their SwiGLU output) cost that instead of BF16's two bytes; the rest (the norms' inputs, the
-    SwiGLU input, attention's own tensors) stays BF16. `overlap explain` and the dry run (no plan
-    precision) price the run's own BF16."""
-    from overlap.launch.activations import ATTENTION, EXPERTS
+    MXFP8 scale byte per 32). Where the linear was the BF16 tensor's only keeper (the QKV and fc1
+    inputs, the experts' dispatched rows, every fc2 input) the copy replaces it; where another
+    kernel keeps the BF16 tensor too (the attention output, which the output projection reads) it
+    comes on top. `overlap explain` and the dry run (no plan precision) price the run's own BF16.
+    MoE (Qwen3-30B-A3B at EP16) and dense (Llama3-8B at TP2 with sequence parallelism)."""
+    from overlap.launch.activations import ATTENTION, EXPERTS, MLP
 
-    job = resolve_run(
-        ["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-ep", "16"], []
-    )
-    cfg, layout = job.cfg, job.resolution.layout
-    m = cfg.resolved.model
-    bf16, fp8 = (
-        {b.name: b.ours for b in rank_memory(cfg, layout, gemm_precision=p).blocks}
-        for p in (None, precision)
-    )
-    h, f, k = m.hidden_size, m.moe_ffn_size, m.moe_router_topk
-    assert bf16[EXPERTS] - fp8[EXPERTS] == pytest.approx(k * (2 - kept) * (h + f))
-    assert bf16[ATTENTION] - fp8[ATTENTION] == pytest.approx((2 - kept) * h)
-    assert rank_memory(cfg, layout, gemm_precision="bf16").total == rank_memory(cfg, layout).total
-    assert rank_memory(cfg, layout, gemm_precision=precision).total < rank_memory(cfg, layout).total
+    for args, blocks in (
+        (["-m", "qwen", "-mr", "qwen3_30b_a3b", "-ng", "16", "-ep", "16"], (ATTENTION, EXPERTS)),
+        (["-m", "llama", "-mr", "llama3_8b", "-ng", "8", "-tp", "2"], (ATTENTION, MLP)),
+    ):
+        job = resolve_run([*args, "-g", "h100"], [])
+        cfg, layout = job.cfg, job.resolution.layout
+        m, t = cfg.resolved.model, layout.tp
+        sp = t if layout.sequence_parallel else 1
+        bf16, fp8 = (
+            {b.name: b.ours for b in rank_memory(cfg, layout, gemm_precision=p).blocks}
+            for p in (None, precision)
+        )
+        h, a_d = m.hidden_size, m.num_attention_heads // t * m.head_dim
+        saved = 2 - kept  # a BF16 input replaced by its FP8 copy
+        assert bf16[ATTENTION] - fp8[ATTENTION] == pytest.approx(saved * h / sp - kept * a_d)
+        if EXPERTS in blocks:
+            rows = m.moe_router_topk * (h + m.moe_ffn_size)
+            assert bf16[EXPERTS] - fp8[EXPERTS] == pytest.approx(saved * rows)
+        else:
+            assert bf16[MLP] - fp8[MLP] == pytest.approx(saved * (h / sp + m.ffn_size / t))
+        total = rank_memory(cfg, layout).total
+        assert rank_memory(cfg, layout, gemm_precision="bf16").total == total
+        assert rank_memory(cfg, layout, gemm_precision=precision).total < total

@@ -45,6 +45,7 @@ from overlap.layout import ParallelLayout
 from overlap.parallel.state import ParallelState
 from overlap.perf import bench
 from overlap.perf.host_syncs import HOST_TENSOR, INTENDED_READS, SPLIT_SIZES, HostSyncRecorder
+from overlap.perf.memory_model import gib
 from overlap.training.trainer import Trainer
 from tests.configs import container, moe_layer_model, moe_model, tiny_config
 from tests.moe_layer_runs import bare_moe_layer, check_against_reference, none_mode_step
@@ -568,6 +569,34 @@ def test_the_planner_keeps_the_paged_stash_pool_and_run_refuses_the_stash():
     assert "model.moe_paged_stash" in refused and "model.moe_paged_stash" not in [
         e.field for e in runtime_refusals(jobs[1].cfg, gpu=True)
     ]
+    assert "Paged stashing" in run_world(1, _stash_refused)[0]
+
+
+def _stash_refused() -> str:
+    """A MoE layer built with the paged stash (a bare config: nothing resolved it) is refused."""
+    stash = moe_layer_model(moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True)
+    with pytest.raises(NotBuiltError) as info:
+        bare_moe_layer(stash, ParallelState(ParallelLayout(world_size=1)))
+    return str(info.value)
+
+
+def test_the_memory_advice_drops_the_stash_with_the_sync_free_dispatch():
+    """Where the sync-free dispatch with its paged stash does not fit, the advice prices the
+    dropless all-to-all without both (the stash needs the factor), as a configuration the rules
+    accept."""
+    from overlap.harness import resolve_run
+    from overlap.perf.memory_model import fit, rank_memory
+
+    args = "-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -ep 16 -mb 2".split()
+    job = resolve_run(
+        args, ["model.moe_expert_rank_capacity_factor=1.5", "model.moe_paged_stash=true"]
+    )
+    verdict = fit(job.cfg, job.resolution.layout, "h100")
+    (advice,) = [a for a in verdict.advice if "moe_expert_rank_capacity_factor=null" in a]
+    assert "model.moe_paged_stash=false" in advice
+    dropless = resolve_run(args, [])
+    peak = rank_memory(dropless.cfg, dropless.resolution.layout).total
+    assert f": {gib(peak)} (saves" in advice
 
 
 _POOL = "model.moe_paged_stash_buffer_size_factor_cuda=1.2"

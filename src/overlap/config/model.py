@@ -56,6 +56,7 @@ PIPELINE_IMPLS = ("overlap", "torch_pipelining")
 TENSOR_PARALLEL_IMPLS = ("overlap", "dtensor")
 # the router's load balancing built here (Megatron's seq_aux_loss and sinkhorn are not)
 LOAD_BALANCING_TYPES = ("aux_loss", "none")
+PAGED_STASH_POOL = 1.10  # Megatron's default paged-stash GPU pool, x the average routed rows
 
 
 def comma_list(text: str) -> list[str]:
@@ -154,7 +155,7 @@ class ModelConfig(TransformerArchitecture):
     # it; the planner prices it as the reference runs it)
     moe_paged_stash: bool = False
     # the stash's GPU pool x the average routed rows (negative: x the actual maximum, Megatron's)
-    moe_paged_stash_buffer_size_factor_cuda: float = 1.10
+    moe_paged_stash_buffer_size_factor_cuda: float = PAGED_STASH_POOL
     # --- recompute (activation checkpointing) ---
     recompute_granularity: str | None = None  # None | "selective" | "full"
     recompute_method: str | None = None  # None | "uniform" | "block" (with full)
@@ -273,7 +274,9 @@ class ModelConfig(TransformerArchitecture):
         yield (
             "model.moe_paged_stash_buffer_size_factor_cuda",
             stash,
-            math.isfinite(stash) and stash != 0 and (self.moe_paged_stash or stash == 1.10),
+            math.isfinite(stash)
+            and stash != 0
+            and (self.moe_paged_stash or stash == PAGED_STASH_POOL),
             "it sizes the paged stash's GPU pool (x the average routed rows; negative: x the "
             "actual maximum), so it is finite, not 0, and set only with model.moe_paged_stash.",
             "use e.g. 1.2 with model.moe_paged_stash=true, or drop it.",

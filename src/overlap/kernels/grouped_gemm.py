@@ -13,13 +13,13 @@ the loop.
 
 The resolution decides once for the run's GPU (`overlap explain -g GPU` names the target's
 architecture, `run` probes its own device; a GPU this machine does not see, as a dry run's, is
-taken as Hopper, the dry run's stand-in tensors taking their own path), records it in the "model"
-section (`choices`) and keeps it as `Kernels.moe_grouped_gemm`, which the experts' GEMMs run
-(`overlap.layers.linear_functions.grouped_offsets`). Where it is the loop, `overlap run` refuses
-the sync-free dispatch, which never reads the host counts the loop cuts by
-(`overlap.layers.moe.moe_layer.unbuilt_dispatch`). The rule depends on facts of the
-machine alone: there is no switch to set, and the device script's env step
-measures both kernels against each other.
+taken as Hopper: the dry run's meta stand-ins take their own path, CUDA fakes the grouped kernel),
+records it in the "model" section (`choices`) and keeps it as `Kernels.moe_grouped_gemm`, which the
+experts' GEMMs run (`overlap.layers.linear_functions.grouped_offsets`). Where it is the loop,
+`overlap run` refuses the sync-free dispatch, which never reads the host counts the loop cuts by
+(`overlap.layers.moe.moe_layer.unbuilt_dispatch`). The rule depends on facts of the machine alone:
+there is no switch to set, and the device script's env step measures both kernels against each
+other.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def grouped_gemm_kernel(device_type: str, major: int | None, dtype: str) -> tupl
             "a CUDA GPU this machine does not see (a dry run's): torch's grouped GEMM, as on "
             "Hopper; the run on its GPU decides again"
         )
-    if major is not None and major < 9:
+    if major < 9:
         return LOOP, (
             f"SM{major}x: torch's grouped GEMM falls back to a loop after copying its offsets to "
             "the host (a synchronisation per GEMM, six per MoE layer and micro-batch); the "

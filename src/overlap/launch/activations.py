@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING
 
 from overlap.config.model import expert_rank_capacity
 
+if TYPE_CHECKING:
+    from overlap.config.model import ModelConfig
+
 SAVED_INPUT_BYTES = {"fp8": 1.0, "mxfp8": 1.0 + 1.0 / 32}
 """Bytes per element a linear keeps of its input when its GEMMs run in the planner's FP8
 precisions (Transformer Engine quantises the input once and keeps the FP8 copy its weight-gradient
 GEMM reads: a byte, and for MXFP8 one shared scale byte per 32 elements); the other precisions
 keep the activation dtype."""
-
-if TYPE_CHECKING:
-    from overlap.config.model import ModelConfig
 
 NORMS, ATTENTION, MLP, ROUTER, DISPATCH, EXPERTS, COMBINE, SHARED_EXPERT, CHECKPOINTS = (
     "norms",
@@ -195,6 +195,9 @@ def _attention(m: ModelConfig, shape: LayerShape) -> Block:
     a, g = m.num_attention_heads / t, m.query_groups / t
     core_recompute = "core_attn" in shape.recompute
     qkv_in = shape.linear_input(h, "qkv")  # the QKV projection's input (its shard under SP)
+    # at FP8 the output projection keeps an FP8 copy of its input beside the output the attention
+    # kernel keeps in BF16 (one tensor for both at BF16)
+    proj_copy = 0.0 if shape.linear_bytes is None else shape.linear_bytes * a * d
     # with QK norms the projection's output is kept (the norms' inputs, v); without, v alone
     qkv_out = B * (a + 2 * g) * d + _FP32 * (a + g) if m.qk_layernorm else B * g * d
     megatron = (
@@ -202,12 +205,13 @@ def _attention(m: ModelConfig, shape: LayerShape) -> Block:
         + B * (a + g) * d * (1 if m.qk_layernorm else 0)
         + B * (a + 2 * g) * d
         + B * a * d
+        + proj_copy
         + _FP32 * a
     )
     if shape.fused_attention:
         # rotated q and k (the kernel's inputs), the output (the output projection's input) and
         # one fp32 log-sum-exp per head; recomputed, the kernel keeps nothing of its own
-        ours = qkv_in + qkv_out + B * (a + g) * d + B * a * d
+        ours = qkv_in + qkv_out + B * (a + g) * d + B * a * d + proj_copy
         ours += 0.0 if core_recompute else _FP32 * a
         kept = "QKV input, QKV output (QK-norm inputs, v), rotated q and k, output + LSE"
         if shape.cp_kept_kv and not core_recompute:
@@ -225,7 +229,8 @@ def _attention(m: ModelConfig, shape: LayerShape) -> Block:
         norms_kept = qkv_out if m.qk_layernorm else 0.0
         if core_recompute and m.qk_layernorm:
             core -= B * g * d
-        ours = qkv_in + norms_kept + core + B * a * d
+        # (the output is the projection's input alone: at FP8 its FP8 copy)
+        ours = qkv_in + norms_kept + core + shape.saved_input_bytes * a * d
         kept = "QKV input and output, q/k/v copies, s x s probabilities (fp32 and bf16), output"
     note = (
         "the TP-overlap plan keeps the all-gathered QKV input (no bulk dgrad slot)"
@@ -332,9 +337,11 @@ def _moe_blocks(m: ModelConfig, shape: LayerShape) -> list[Block]:
     blocks.append(combine)
     fs = m.moe_shared_expert_intermediate_size
     if fs:
-        # its input (the shard of the norm's output) is the router's, counted there
+        # its input (the shard of the norm's output) is the router's, counted there; at FP8 its
+        # fc1 keeps an FP8 copy of it beside
+        fc1_copy = 0.0 if shape.linear_bytes is None else shape.linear_bytes * h / shape.seq_div
         swiglu = (2 * B + shape.saved_input_bytes) * fs / shape.tp  # gate, up and fc2's input
-        inner = 0.0 if "shared_experts" in shape.recompute else swiglu
+        inner = 0.0 if "shared_experts" in shape.recompute else swiglu + fc1_copy
         blocks.append(Block(SHARED_EXPERT, inner, inner, "SwiGLU inputs and fc2 input"))
     return blocks
 
@@ -369,7 +376,8 @@ def backward_working_bytes(m: ModelConfig, shape: LayerShape, moe_layer: bool) -
     rows' widths in the activation dtype; weighted, in the experts, four fp32 ones and three in the
     activation dtype) per row of the MLP or the experts; the norm's (three fp32 copies of its
     input); the attention gradients. A compiled chain (CUDA) holds less: this bounds it from
-    above."""
+    above. Under Megatron's paged stash (the planner's: not built here) the layer's pages are
+    popped back into its padded blocks for its backward, which the experts' term adds."""
     B, t, h, d = shape.act_bytes, shape.tp, m.hidden_size, m.head_dim
     a, g = m.num_attention_heads / t, m.query_groups / t
     norm = (3 * _FP32 + B) * h / shape.seq_div

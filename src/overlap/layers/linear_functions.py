@@ -100,7 +100,7 @@ def grouped_offsets(
     (`bench/gpu_check.py`, step env: `grouped_gemm`).
 
     `host_counts=False`: the dispatch has no host counts for the loop (the sync-free dispatch,
-    `overlap.layers.moe.rank_capacity`, which the resolution refuses where the run's GPU takes the
+    `overlap.layers.moe.rank_capacity`, which `overlap run` refuses where the run's GPU takes the
     loop): a dry run's stand-in tensors then take the grouped kernel, as the GPU they stand for."""
     stand_in = rows.device.type == "meta"
     if not (grouped and not stand_in) and not (stand_in and not host_counts):

@@ -21,6 +21,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from overlap.config.container import ConfigContainer
+from overlap.config.model import PAGED_STASH_POOL
 from overlap.launch.resources import MemoryEstimate, gib, peak_memory
 from overlap.layout import ParallelLayout
 from overlap.pipeline.schedules import pipeline_steps
@@ -229,12 +230,19 @@ def _advice(
         cut = replace(cfg.train, micro_batch_size=1)
         options.append(("-mb 1", _with(cfg, train=cut)))
     if m.moe_expert_rank_capacity_factor is not None:
-        # the sync-free dispatch's padded blocks: memory bought to avoid the host reads
+        # the sync-free dispatch's padded blocks: memory bought to avoid the host reads (its paged
+        # stash goes with it)
+        stash = " model.moe_paged_stash=false" if m.moe_paged_stash else ""
         options.append(
             (
-                "model.moe_expert_rank_capacity_factor=null (dropless all-to-all: unpadded rows, "
-                "the split sizes read on the host per MoE layer and micro-batch)",
-                _with_model(cfg, moe_expert_rank_capacity_factor=None),
+                f"model.moe_expert_rank_capacity_factor=null{stash} (dropless all-to-all: unpadded "
+                "rows, the split sizes read on the host per MoE layer and micro-batch)",
+                _with_model(
+                    cfg,
+                    moe_expert_rank_capacity_factor=None,
+                    moe_paged_stash=False,
+                    moe_paged_stash_buffer_size_factor_cuda=PAGED_STASH_POOL,
+                ),
             )
         )
     advice = []

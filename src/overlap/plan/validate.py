@@ -132,8 +132,7 @@ _GPT_OSS_STACK = (
     "Bridge's recipe (perf_recipes/gpt_oss): HybridEP (32 SMs), EP overlap + delay_wgrad, "
     "full-iteration CUDA graphs, sync-free MoE buffers at capacity factor 1.5 with the paged "
     "stash (a pool of 1.2x the routed rows; `overlap run` refuses both on SM100 today), no "
-    "recompute; its fused grouped MLP, FP8 attention and FP8 "
-    "output projection not expressed"
+    "recompute; its fused grouped MLP, FP8 attention and FP8 output projection not expressed"
 )
 _PRE_STACK = "release 26.04.01, before Bridge 55443cbfb: HybridEP (32 SMs), EP overlap off"
 _SELECTIVE_235 = "model.recompute_granularity=selective model.recompute_modules=[layernorm,moe_act]"
