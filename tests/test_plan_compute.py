@@ -17,8 +17,13 @@ QWEN = "-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -ep 16 -gb 1024 -mb 1 -sl 4096 
 
 
 def plan_of(flags: str, tau: float = 0.0, efficiency: float = 0.5):
-    logging.getLogger("overlap").setLevel(logging.ERROR)
-    job = resolve_run(flags.split(), [])
+    log = logging.getLogger("overlap")
+    level = log.level
+    log.setLevel(logging.ERROR)  # its start-up lines; back after, for the tests that read them
+    try:
+        job = resolve_run(flags.split(), [])
+    finally:
+        log.setLevel(level)
     cluster = with_efficiency(builtin_cluster("h100", "bf16", 8), efficiency, "test", tau)
     return microbatch_compute(job.cfg, job.resolution.layout, cluster), job, cluster
 
