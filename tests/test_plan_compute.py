@@ -4,11 +4,10 @@ embedding, and the real per-stage layout. Most checks compare two plans of one c
 price every kernel at the overhead, so the numbers are exact (1e-9)."""
 
 import json
-import logging
 
 import pytest
 
-from overlap.harness import resolve_run
+from overlap.harness import resolve_run, start_up_quiet
 from overlap.plan.compute import KernelCosts, microbatch_compute
 from overlap.plan.hardware import builtin_cluster, load_cluster, with_efficiency
 
@@ -17,13 +16,8 @@ QWEN = "-m qwen -mr qwen3_30b_a3b -g h100 -ng 16 -ep 16 -gb 1024 -mb 1 -sl 4096 
 
 
 def plan_of(flags: str, tau: float = 0.0, efficiency: float = 0.5):
-    log = logging.getLogger("overlap")
-    level = log.level
-    log.setLevel(logging.ERROR)  # its start-up lines; back after, for the tests that read them
-    try:
+    with start_up_quiet():  # its start-up lines (the tests that read them see theirs)
         job = resolve_run(flags.split(), [])
-    finally:
-        log.setLevel(level)
     cluster = with_efficiency(builtin_cluster("h100", "bf16", 8), efficiency, "test", tau)
     return microbatch_compute(job.cfg, job.resolution.layout, cluster), job, cluster
 

@@ -17,13 +17,12 @@ What is held here:
 - the flex dispatcher's hierarchy: DeepEP / HybridEP bytes against the reference's own arithmetic.
 """
 
-import logging
 from math import comb
 from pathlib import Path
 
 import pytest
 
-from overlap.harness import resolve_run
+from overlap.harness import resolve_run, start_up_quiet
 from overlap.plan import validate
 from overlap.plan.comm_model import comm_plan, expected_destinations, hit_probability
 from overlap.plan.fitted import FITTED, LINEARIZED_AT
@@ -35,16 +34,11 @@ ROWS = {r.name: r for r in validate.ROWS}
 
 @pytest.fixture(scope="module")
 def table():
-    # the rows' resolution notes are not the point here; the level goes back after (a test that
-    # reads the start-up lines with caplog would otherwise see none)
-    log = logging.getLogger("overlap")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
+    # the rows' resolution notes are not the point here (held back for the fit alone: a later test
+    # reading the start-up lines with caplog sees its own)
+    with start_up_quiet():
         lins = validate.stored_linear()
         results, groups = validate.fit(lins)
-    finally:
-        log.setLevel(level)
     return lins, results, groups
 
 
