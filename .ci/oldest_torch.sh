@@ -9,7 +9,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OLDEST=2.11.0
 python3.11 -m venv .venv-oldest
-.venv-oldest/bin/pip install -q "torch==$OLDEST"
+# That wheel and its NVIDIA libraries are ~3 GB from the registry, and a connection dropped mid-download fails pip
+# with a urllib3 read error (seen in CI): each try resumes from pip's cache, which keeps the files that arrived whole.
+for try in 1 2 3 4; do
+  .venv-oldest/bin/pip install -q --retries 10 --timeout 60 "torch==$OLDEST" && break
+  if [ "$try" = 4 ]; then echo "torch $OLDEST: the registry download failed $try times" >&2; exit 1; fi
+  echo "torch $OLDEST: the registry download failed (try $try of 4), again in $((30 * try)) s" >&2
+  sleep $((30 * try))
+done
 # the range in pyproject.toml admits it: this keeps the installed torch
 .venv-oldest/bin/pip install -q -e '.[test]'
 .venv-oldest/bin/python -c "import torch, sys; v = torch.__version__; print('torch', v); sys.exit(not v.startswith('$OLDEST'))"
