@@ -500,9 +500,8 @@ def test_each_overlap_switch_is_declared_once_with_one_alias():
     )
     plan = {f.name for f in dataclasses.fields(OverlapPlan)}
     # the model-only switches, the per-GEMM plan resolved into what each TP slot runs, and the
-    # distributed optimizer (ddp's knob, decided with the DP switches it gates)
+    # distributed optimizer and Megatron-FSDP (ddp's knobs, decided with the DP switches they gate)
     model_only = {"moe_shared_expert_overlap", "cp_comm_type", "cp_comm_overlap"}
-    assert plan - switches == model_only | {"tp_slots", "use_distributed_optimizer"} | (
-        ours - {"strict"}
-    )
+    ddp_only = {"use_distributed_optimizer", "use_megatron_fsdp", "data_parallel_sharding_strategy"}
+    assert plan - switches == model_only | {"tp_slots"} | ddp_only | (ours - {"strict"})
     assert switches - plan == {"tp_comm_overlap_cfg"}

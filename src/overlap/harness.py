@@ -159,6 +159,13 @@ def add_harness_flags(p: argparse.ArgumentParser) -> None:
         help="true/false: EP all-to-all overlap on/off (and nothing else)",
     )
     g.add_argument(
+        "--use_megatron_fsdp",
+        type=bool_arg,
+        default=None,
+        help="true: Megatron-FSDP sharding optimizer state, gradients and parameters (as Bridge's "
+        "harness sets it; priced by overlap plan, refused by overlap run: not built)",
+    )
+    g.add_argument(
         "--tokenizer_type",
         default=None,
         choices=("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer"),
@@ -715,6 +722,15 @@ def _apply_flags(cfg: ConfigContainer, a: argparse.Namespace, line: CommandLine)
                 cfg, "model.moe_shared_expert_overlap"
             ):
                 del line.flags["model.moe_shared_expert_overlap"]  # untouched: not the flag's
+    # Bridge's _set_megatron_fsdp_overrides (false: nothing), except that a deferred output-layer
+    # weight gradient is refused by the configuration's rule, naming it, not turned off
+    if a.use_megatron_fsdp:
+        put("ddp.use_megatron_fsdp", True, "--use_megatron_fsdp")
+        for key, value in (
+            ("ddp.data_parallel_sharding_strategy", "optim_grads_params"),
+            ("ddp.average_in_collective", False),
+        ):
+            put(key, value, "--use_megatron_fsdp", implied=True, typed=True)
     if a.moe_a2a_overlap is not None:
         if cfg.comm_overlap is None:
             cfg.comm_overlap = CommOverlapConfig(tp_comm_overlap=None)

@@ -27,7 +27,7 @@ from overlap.config.aliases import request
 from overlap.config.switches import Rule, Switch, decide, noops_in
 from overlap.config.tp_overlap import TransformerLayerTPOverlapCfg, get_tp_overlap_preset
 from overlap.decisions import DEFAULT, MODEL_CONFIG, RULE, USER, DecisionLog
-from overlap.errors import ConfigError
+from overlap.errors import ConfigError, check_rules
 from overlap.kernels import LinearPlan, SlotPlan
 from overlap.kernels.moe_dispatch import record_moe_routing
 from overlap.kernels.tp_overlap import TPOverlapInputs, record_tp_slots
@@ -128,6 +128,9 @@ class OverlapPlan:
     overlap_param_gather: bool = False  # DP parameter all-gather bucket by bucket
     align_param_gather: bool = False  # all pipeline stages launch their gathers together
     bucket_size: int | None = None  # parameters per DP bucket (None: one bucket)
+    # Megatron-FSDP and what it shards over DP (`FSDP_SHARDING`; "no_shard" without it)
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
     # the first parameter gather launched inside the optimizer step
     overlap_param_gather_with_optimizer_step: bool = False
     # context parallelism's attention exchange: p2p | all_gather | a2a | a2a+p2p (None: CP = 1)
@@ -186,6 +189,7 @@ class _Run:
         self.many = layout.dp > 1
         # the distributed optimizer, and with DP > 1 (Bridge's condition for the DP overlaps)
         self.dist_opt = self.sharded = False  # decided first among the DP switches
+        self.fsdp_level = -1  # Megatron-FSDP's index in FSDP_SHARDING (-1: not used)
 
     def read(self, field: str) -> Any:
         """A field's value as typed, by its `section.name`."""
@@ -709,14 +713,99 @@ _SHARED_EXPERT = Switch(
 
 
 # --- data parallelism -----------------------------------------------------------------------------
+# Megatron-FSDP's sharding strategies, in order: each shards what the one before it does and more
+FSDP_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _megatron_fsdp(run: _Run) -> bool:
+    """Megatron-FSDP's rules (megatron/training/arguments.py; Bridge's perf harness): the sharding
+    strategy is its own (set without it, it would shard nothing: refused, not ignored); it cannot
+    average inside the collective or defer the output layer's weight gradient (Bridge turns both
+    off for it). Records its row; returns whether it is on."""
+    ddp = run.sections["ddp"]
+    fsdp, strategy = bool(ddp.use_megatron_fsdp), ddp.data_parallel_sharding_strategy
+    check_rules(
+        [
+            (
+                "ddp.data_parallel_sharding_strategy",
+                strategy,
+                strategy in FSDP_SHARDING,
+                "unknown sharding strategy.",
+                f"use one of {', '.join(FSDP_SHARDING)}.",
+            ),
+            (
+                "ddp.data_parallel_sharding_strategy",
+                strategy,
+                fsdp or strategy == "no_shard",
+                "the sharding strategy is Megatron-FSDP's: without it nothing is sharded so.",
+                "set ddp.use_megatron_fsdp=true, or ddp.use_distributed_optimizer=true to shard "
+                "the optimizer state only.",
+            ),
+            (
+                "ddp.average_in_collective",
+                True,
+                not (fsdp and ddp.average_in_collective),
+                "Megatron-FSDP does not average inside the collective (Bridge turns it off).",
+                "set ddp.average_in_collective=false.",
+            ),
+            (
+                "comm_overlap.defer_embedding_wgrad_compute",
+                True,
+                not (fsdp and run.resolved["defer_embedding_wgrad_compute"]),
+                "deferring the output layer's weight gradient cannot work with Megatron-FSDP "
+                "(Bridge turns it off).",
+                "set comm_overlap.defer_embedding_wgrad_compute=false.",
+            ),
+        ]
+    )
+    run.resolved["use_megatron_fsdp"] = fsdp
+    run.resolved["data_parallel_sharding_strategy"] = strategy
+    run.fsdp_level = FSDP_SHARDING.index(strategy) if fsdp else -1
+    if fsdp:
+        shards = (
+            "nothing (its buffers are whole; gradients are all-reduced)",
+            "the optimizer state",
+            "the optimizer state and the gradients (reduce-scattered layer by layer every "
+            "micro-batch)",
+            "the optimizer state, the gradients and the parameters (gathered layer by layer for "
+            "every forward and backward)",
+        )[run.fsdp_level]
+        run.log.record(
+            "ddp.use_megatron_fsdp",
+            True,
+            True,
+            USER,
+            f"DP ranks shard {shards}"
+            + ("" if run.dp * run.cp > 1 else "; DP x CP = 1: nothing to shard over"),
+        )
+    return fsdp
+
+
 def _agree_distributed_optimizer(run: _Run) -> None:
     """The distributed optimizer is on when either spelling is (Bridge's rule): the plan's
     `use_distributed_optimizer`, which the runtime reads; both spellings stay as typed, and the one
-    left false is a decision row."""
+    left false is a decision row. Under Megatron-FSDP its sharding strategy decides instead (a
+    row where that differs from the spellings): Megatron runs it on the distributed optimizer,
+    whose state it shards from `optim` on, and `no_shard` shards nothing."""
     ddp, optimizer = run.sections["ddp"], run.sections["optimizer"]
     run.dist_opt = bool(request(run.sections, "ddp.use_distributed_optimizer").value)
-    run.sharded = run.many and run.dist_opt
-    if run.dist_opt and not (ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer):
+    if _megatron_fsdp(run):
+        sharded = run.fsdp_level >= 1
+        if sharded != run.dist_opt:
+            run.dist_opt = sharded
+            run.log.record(
+                "ddp.use_distributed_optimizer",
+                None,
+                sharded,
+                RULE,
+                "Megatron-FSDP shards the optimizer state by its strategy (on the distributed "
+                "optimizer, which Megatron turns on)"
+                if sharded
+                else "Megatron-FSDP's no_shard keeps the optimizer state whole",
+            )
+    elif run.dist_opt and not (
+        ddp.use_distributed_optimizer and optimizer.use_distributed_optimizer
+    ):
         run.log.record(
             f"{'ddp' if not ddp.use_distributed_optimizer else 'optimizer'}"
             ".use_distributed_optimizer",
@@ -725,7 +814,18 @@ def _agree_distributed_optimizer(run: _Run) -> None:
             RULE,
             "the distributed optimizer is on in one of ddp/optimizer; both must agree",
         )
+    run.sharded = run.many and run.dist_opt
     run.resolved["use_distributed_optimizer"] = run.dist_opt
+
+
+def _fsdp_overlaps(level: int, what: str):
+    """Megatron-FSDP turns the DP overlap `what` on from sharding `level` on (megatron_fsdp.py:
+    "Default to overlapped ..."), whatever the request: the switch's fixed value (None below)."""
+    return lambda s: (
+        (True, f"Megatron-FSDP {what} layer by layer and turns this on")
+        if s.fsdp_level >= level and s.many
+        else None
+    )
 
 
 _SHARDED = "DP>1 with the distributed optimizer"
@@ -755,6 +855,7 @@ _DP = (
         "ddp.overlap_grad_reduce",
         _reduce_rule,
         RULE,
+        fixed=_fsdp_overlaps(2, "reduce-scatters the gradients"),
         off=(
             (
                 lambda s: not s.many,
@@ -767,6 +868,7 @@ _DP = (
         "ddp.overlap_param_gather",
         lambda s: (s.sharded, _SHARDED if s.sharded else "no distributed parameter gather"),
         RULE,
+        fixed=_fsdp_overlaps(3, "gathers the parameters"),
         off=(
             (
                 lambda s: not s.many,

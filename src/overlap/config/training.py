@@ -35,6 +35,12 @@ class DDPConfig:
     # (fully_shard). Peers ignore the overlap fields above: they bring their own bucketing and
     # overlap.
     impl: str = "overlap"
+    # Megatron-FSDP (priced by the planner; `overlap run` refuses it, not built): each rank keeps
+    # 1 / (DP x CP) of what `data_parallel_sharding_strategy` names, gathered layer by layer
+    use_megatron_fsdp: bool = False
+    # no_shard | optim (the optimizer state) | optim_grads (+ gradients, reduce-scattered every
+    # micro-batch) | optim_grads_params (+ parameters, gathered every forward and backward)
+    data_parallel_sharding_strategy: str = "no_shard"
 
 
 @aliased("optimizer")

@@ -10,6 +10,12 @@ meta-device model):
 - their gradients (`main_grad`: fp32 with `grad_reduce_in_fp32`, else the parameter dtype);
 - the optimizer state: Adam's two fp32 moments, plus an fp32 master copy for 16-bit parameters; the
   distributed optimizer shards both over data parallel (dense) / expert-data parallel (experts);
+- under Megatron-FSDP (planned, not run) the gradients (`optim_grads`) and the parameters too
+  (`optim_grads_params`) in the same shards, plus what is whole at the peak: the parameters outside
+  its units (the transformer layers: the embedding, output layer and final norm, gathered at the
+  forward's start and kept to the backward's end) and their gradients, the layer computing and the
+  layers prefetched (up to `FSDP_PREFETCH` elements), and two layers' gradients (the one computing,
+  the previous one's on its way to the reduce-scatter);
 - the activations, block by block as our layers keep them (`overlap.launch.activations`, held to
   real tensors by tests/test_activation_memory.py), followed through a pipeline rank's program: each
   forward adds its chunk's, each backward frees them and needs its layers' (or its loss's) working
@@ -35,6 +41,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from overlap.config.comm_overlap import FSDP_SHARDING
 from overlap.config.container import ConfigContainer
 from overlap.config.recompute import layer_chunks, selective_modules
 from overlap.errors import ConfigError
@@ -60,6 +67,9 @@ _LIMIT = 2**63  # bytes / elements torch can address (int64 sizes)
 _GIB = 2**30
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Megatron-FSDP's parameter prefetch, in elements: half its communication unit, at least 1e9
+# (megatron_fsdp.py `suggested_AG_prefetch_size`)
+FSDP_PREFETCH = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,8 @@ class MemoryEstimate:
     peak_at: str = ""  # which backward runs at the peak
     tokens: int = 0  # tokens of one micro-batch
     blocks: tuple[Block, ...] = ()  # one layer's activation bytes per token, by block (MoE if any)
+    # of `params`, those outside the transformer layers (embedding, output layer, final norm)
+    root_params: int = 0
 
     @property
     def optimizer_bytes(self) -> int:
@@ -172,6 +184,8 @@ class _RankParams:
     expert: int
     largest: int
     attention_layers: int
+    layer: int  # the largest transformer layer's parameters (a Megatron-FSDP unit)
+    root: int  # the parameters outside the transformer layers (embedding, output layer, final norm)
 
 
 def _rank_params(
@@ -198,6 +212,7 @@ def _rank_params(
     n_moe = sum(1 for i in held if moe[i])
     n_dense = layers - n_moe
     params = expert = largest = 0
+    units = [sum(attention) + sum(dense_mlp)] if n_dense else []
 
     def add(count: int, sizes: list[int], is_expert: bool = False) -> None:
         nonlocal params, expert, largest
@@ -212,12 +227,17 @@ def _rank_params(
     if n_moe:
         experts = m.num_moe_experts
         local = experts // ep if experts % ep == 0 else -(-experts // ep)
-        add(n_moe, [experts * h])  # router, replicated
+        moe_layer = [experts * h]  # router, replicated
+        add(n_moe, moe_layer)
         # fc1 (gate; up), fc2
-        add(n_moe, [2 * local * m.moe_ffn_size * h, local * m.moe_ffn_size * h], is_expert=True)
+        routed = [2 * local * m.moe_ffn_size * h, local * m.moe_ffn_size * h]
+        add(n_moe, routed, is_expert=True)
         shared = m.moe_shared_expert_intermediate_size
         if shared:
-            add(n_moe, [linear(fused * shared, h), linear(h, shared)])
+            moe_layer += [linear(fused * shared, h), linear(h, shared)]
+            add(n_moe, moe_layer[1:])
+        units.append(sum(attention) + sum(moe_layer) + sum(routed))
+    before_root = params
     first = any(s.embedding for s in stages)
     last = any(s.loss for s in stages)
     if first:
@@ -226,7 +246,7 @@ def _rank_params(
         # final norm, output layer (tied without PP: the embedding itself)
         tied_here = m.share_embeddings_and_output_weights and first
         add(1, [h] + ([] if tied_here else [h * vocab // tp]))
-    return _RankParams(params, expert, largest, layers)
+    return _RankParams(params, expert, largest, layers, max(units, default=0), params - before_root)
 
 
 Program = Sequence[tuple[int | None, int | None]]
@@ -369,12 +389,16 @@ def _estimate_rank(
     p_bytes = _DTYPE_BYTES.get(prec.params_dtype, 4)
     g_bytes = 4 if prec.grad_reduce_in_fp32 else p_bytes
     dense = counts.params - counts.expert
-    owned = (
-        -(-dense // dp) + -(-counts.expert // edp)
-        if cfg.resolved.overlap.use_distributed_optimizer
-        else counts.params
-    )
+    o = cfg.resolved.overlap
+    shard = -(-dense // dp) + -(-counts.expert // edp)
+    owned = shard if o.use_distributed_optimizer else counts.params
     master = 4 * owned if p_bytes != 4 else 0  # an fp32 parameter is its own master
+    # Megatron-FSDP keeps its shard of the gradients (optim_grads) and parameters
+    # (optim_grads_params) and what is whole at the peak (module docstring)
+    level = FSDP_SHARDING.index(o.data_parallel_sharding_strategy) if o.use_megatron_fsdp else 0
+    ahead = min(max(1, FSDP_PREFETCH // max(1, counts.layer)), max(0, counts.attention_layers - 1))
+    grads = shard + counts.root + 2 * counts.layer if level >= 2 else counts.params
+    weights = shard + counts.root + (1 + ahead) * counts.layer if level >= 3 else counts.params
     shape = costs.shape
     chunks = tuple(costs.chunk(s, max(1, layout.pp)) for s in stages)
     if program is None:
@@ -388,8 +412,8 @@ def _estimate_rank(
         params=counts.params,
         expert_params=counts.expert,
         largest_tensor=counts.largest,
-        param_bytes=counts.params * p_bytes,
-        grad_bytes=counts.params * g_bytes,
+        param_bytes=min(weights, counts.params) * p_bytes,
+        grad_bytes=min(grads, counts.params) * g_bytes,
         master_bytes=master,
         moment_bytes=8 * owned,
         # RoPE's cos and sin tables, fp32 [seq, head_dim], per attention layer
@@ -402,6 +426,7 @@ def _estimate_rank(
         peak_at=peak_at,
         tokens=shape.tokens,
         blocks=costs.of(has_moe)[2] if m.num_layers else (),
+        root_params=counts.root,
     )
 
 

@@ -46,7 +46,11 @@ section 4.2):
   and all-gather of parameters ((d-1)/d x P x beta_param), or one all-reduce (2 (d-1)/d x P x
   beta_grad); dense parameters over DP, experts over expert-DP. P is this rank's parameter count
   (`overlap.launch.resources.estimate_memory`), cut into ceil(P / bucket size) equal buckets (the
-  resolved plan's `bucket_size`; one without a bucket size), one collective each.
+  resolved plan's `bucket_size`; one without a bucket size), one collective each. Megatron-FSDP
+  moves the same bytes a layer at a time (each layer's share of P; the embedding, output layer and
+  final norm, outside its units, as one more) and more often: the gradients' reduce-scatter every
+  micro-batch (`optim_grads` and up), the parameters' all-gather every micro-batch's forward and
+  the layers' again in its backward (`optim_grads_params`).
 
 Time: latency + bytes / bandwidth, where the link depends on how many of the group's members share a
 node (`g`, from the rank order tp-cp-dp-pp, tensor parallel fastest; experts pp-edp-ep-etp): the
@@ -61,6 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import ceil, comb
 
+from overlap.config.comm_overlap import FSDP_SHARDING
 from overlap.config.container import ConfigContainer
 from overlap.config.model import expert_rank_capacity
 from overlap.kernels import SlotPlan
@@ -202,6 +207,11 @@ class CommPlan:
     dp_rs_s: dict[str, list[float]] = field(default_factory=dict)
     # parameter all-gather (distributed optimizer)
     dp_ag_s: dict[str, list[float]] = field(default_factory=dict)
+    # Megatron-FSDP: the kinds ("rs", "ag") that run layer by layer in every micro-batch (their
+    # lists above: one micro-batch's, a collective a layer, the parameters outside the layers one
+    # more: gathered first, reduce-scattered last), and the backward's gathers (the layers again)
+    dp_every_microbatch: frozenset[str] = frozenset()
+    dp_ag_bwd_s: dict[str, list[float]] = field(default_factory=dict)
     # CP p2p: one ring step's seconds per kind ("cp_kv", "cp_dkv") and the ring's size
     cp_ring_s: dict[str, float] = field(default_factory=dict)
     cp_size: int = 1
@@ -331,10 +341,14 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
     est = estimate_memory(cfg, layout, cpu=False)
     grad = 4 if prec.grad_reduce_in_fp32 else _BYTES.get(prec.params_dtype, 4)
     param = 1 if prec.fp8_param_gather else _BYTES.get(prec.params_dtype, 4)
-    for prefix, size, stride, count in (
+    # Megatron-FSDP reduce-scatters each micro-batch's gradients (optim_grads and up) and gathers
+    # the parameters for every forward and backward (optim_grads_params), one layer at a time
+    level = FSDP_SHARDING.index(o.data_parallel_sharding_strategy) if o.use_megatron_fsdp else 0
+    plan.dp_every_microbatch = frozenset(("rs", "ag")[: max(0, level - 1)])
+    for prefix, size, stride, count, layers, root in (
         # dense gradients over DP x CP (ranks TP apart), experts over expert-DP
-        ("dp", dp * cp, tp, est.params - est.expert_params),
-        ("edp", edp, ep * layout.etp, est.expert_params),
+        ("dp", dp * cp, tp, est.params - est.expert_params, len(held), est.root_params),
+        ("edp", edp, ep * layout.etp, est.expert_params, moe_here, 0),
     ):
         if size <= 1 or count <= 0 or not cluster.carries(prefix):
             continue
@@ -342,12 +356,26 @@ def comm_plan(cfg: ConfigContainer, layout: ParallelLayout, cluster: Cluster) ->
         buckets = max(1, -(-count // o.bucket_size)) if o.bucket_size else 1
         per_bucket = count / buckets
         if o.use_distributed_optimizer:
-            rs = (size - 1) / size * per_bucket * grad
-            ag = (size - 1) / size * per_bucket * param
-            plan.add(f"{prefix}_rs", rs, ring_time_s(rs, size, g, cluster), buckets)
-            plan.add(f"{prefix}_ag", ag, ring_time_s(ag, size, g, cluster), buckets)
-            plan.dp_rs_s[prefix] = [ring_time_s(rs, size, g, cluster)] * buckets
-            plan.dp_ag_s[prefix] = [ring_time_s(ag, size, g, cluster)] * buckets
+            for kind, nbytes, times in (("rs", grad, plan.dp_rs_s), ("ag", param, plan.dp_ag_s)):
+                if kind not in plan.dp_every_microbatch:
+                    each = (size - 1) / size * per_bucket * nbytes
+                    plan.add(f"{prefix}_{kind}", each, ring_time_s(each, size, g, cluster), buckets)
+                    times[prefix] = [ring_time_s(each, size, g, cluster)] * buckets
+                    continue
+                # Megatron-FSDP: a layer's share at a time, the rest (root) once: gathered
+                # before the first layer, reduce-scattered after the last
+                layers = max(1, layers)
+                layer = (size - 1) / size * (count - root) / layers * nbytes
+                ends = [(size - 1) / size * root * nbytes] if root else []
+                passes = ends + [layer] * layers if kind == "ag" else [layer] * layers + ends
+                times[prefix] = [ring_time_s(b, size, g, cluster) for b in passes]
+                sent, seconds, calls = sum(passes), sum(times[prefix]), len(passes)
+                if kind == "ag":  # the layers again for the backward
+                    plan.dp_ag_bwd_s[prefix] = [ring_time_s(layer, size, g, cluster)] * layers
+                    sent += layers * layer
+                    seconds += sum(plan.dp_ag_bwd_s[prefix])
+                    calls += layers
+                plan.add(f"{prefix}_{kind}", sent / calls, seconds / calls, calls * mb)
         else:
             ar = 2 * (size - 1) / size * per_bucket * grad
             plan.add(f"{prefix}_ar", ar, ring_time_s(ar, size, g, cluster), buckets)

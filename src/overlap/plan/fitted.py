@@ -5,11 +5,11 @@ run's linear model (a, b, c: step = a + b / efficiency + c x overhead), taken at
 
 FITTED = {
     "h100": {
-        "efficiency": 0.6206,
-        "kernel_overhead_us": 60.59,
+        "efficiency": 0.6549,
+        "kernel_overhead_us": 62.411,
         "kernel_overhead_from": "h100",
-        "median_error": 0.047,
-        "worst_error": 0.488,
+        "median_error": 0.037,
+        "worst_error": 0.492,
         "group": "h100",
         "fit_rows": [
             "Qwen3-30B-A3B 16xH100 BF16 alltoall, EP overlap off",
@@ -28,14 +28,14 @@ FITTED = {
             "Llama3-70B 64xH100 FP8 TP4 PP8 VP5",
             "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8",
         ],
-        "expected_error": "median 5%, worst 49%, 12 of 15 runs within 20% (leave-one-out over "
+        "expected_error": "median 4%, worst 49%, 12 of 15 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "b200": {
         "efficiency": 0.5724,
-        "kernel_overhead_us": 60.59,
+        "kernel_overhead_us": 62.411,
         "kernel_overhead_from": "h100",
-        "median_error": 0.069,
+        "median_error": 0.077,
         "worst_error": 0.219,
         "group": "blackwell",
         "fit_rows": [
@@ -51,14 +51,14 @@ FITTED = {
             "GPT-OSS-120B 64xGB200 MXFP8 MBS4 EP64 (26.08)",
             "GPT-OSS-120B 64xGB300 MXFP8 MBS4 EP16 (26.08)",
         ],
-        "expected_error": "median 7%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
+        "expected_error": "median 8%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "gb200": {
         "efficiency": 0.5724,
-        "kernel_overhead_us": 60.59,
+        "kernel_overhead_us": 62.411,
         "kernel_overhead_from": "h100",
-        "median_error": 0.069,
+        "median_error": 0.077,
         "worst_error": 0.219,
         "group": "blackwell",
         "fit_rows": [
@@ -74,14 +74,14 @@ FITTED = {
             "GPT-OSS-120B 64xGB200 MXFP8 MBS4 EP64 (26.08)",
             "GPT-OSS-120B 64xGB300 MXFP8 MBS4 EP16 (26.08)",
         ],
-        "expected_error": "median 7%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
+        "expected_error": "median 8%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
     "gb300": {
         "efficiency": 0.5724,
-        "kernel_overhead_us": 60.59,
+        "kernel_overhead_us": 62.411,
         "kernel_overhead_from": "h100",
-        "median_error": 0.069,
+        "median_error": 0.077,
         "worst_error": 0.219,
         "group": "blackwell",
         "fit_rows": [
@@ -97,7 +97,7 @@ FITTED = {
             "GPT-OSS-120B 64xGB200 MXFP8 MBS4 EP64 (26.08)",
             "GPT-OSS-120B 64xGB300 MXFP8 MBS4 EP16 (26.08)",
         ],
-        "expected_error": "median 7%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
+        "expected_error": "median 8%, worst 22%, 10 of 11 runs within 20% (leave-one-out over "
         "published runs, docs/planner.md)",
     },
 }
@@ -112,34 +112,34 @@ LINEAR = {
     ),
     "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap off": (4.77921701, 5.54740558, 193792.0),
     "Qwen3-30B-A3B 16xH100 BF16 HybridEP, EP overlap on": (1.21826696, 5.54740558, 193792.0),
-    "Qwen3-30B-A3B 16xH100 FP8 EP16": (3.79519805, 5.3139813, 276736.0),
-    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": (2.35420632, 6.28621996, 422955.544),
-    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": (1.53958694, 3.41097504, 98483.9012),
+    "Qwen3-30B-A3B 16xH100 FP8 EP16": (3.0066057, 5.1932536, 292682.924),
+    "Qwen3-30B-A3B 16xH100 FP8 PP2 VP12 EP8": (1.56002982, 6.16647967, 438961.673),
+    "Qwen3-30B-A3B 16xH100 FP8-CS MBS2 PP2 VP24 EP8": (1.53555432, 3.41219907, 98513.4049),
     "Qwen3-30B-A3B 16xH100 FP8 MBS2 PP2 VP24 EP8 token drop (25.09)": (
-        2.40134709,
-        3.42845083,
-        97990.8746,
+        2.39456184,
+        3.43051038,
+        98040.5173,
     ),
-    "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32": (26.8731876, 20.1664553, 269396.766),
-    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": (-0.580017323, 4.06986939, 95680.65),
-    "GPT-OSS-120B 64xH100 BF16 MBS4 PP4 EP8 (25.11)": (0.503985687, 2.52009137, 1450.32067),
-    "Llama3-8B 8xH100 FP8-CS FSDP": (0.015626577, 5.50154811, 3120.0),
-    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": (1.85907032, 11.3005159, 26861.6723),
-    "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8": (5.52802764, 18.6461617, 60109.7456),
+    "Qwen3-235B-A22B 256xH100 FP8 TP2 PP8 VP4 EP32": (25.0483111, 20.2370389, 296642.601),
+    "GPT-OSS-120B 64xH100 BF16 PP4 EP8": (0.277477287, 3.56021802, 95804.682),
+    "GPT-OSS-120B 64xH100 BF16 MBS4 PP4 EP8 (25.11)": (0.503821971, 2.5202541, 1448.42389),
+    "Llama3-8B 8xH100 FP8-CS FSDP": (0.475241148, 5.50154811, 3120.0),
+    "Llama3-70B 64xH100 FP8 TP4 PP8 VP5": (2.14124311, 11.145841, 26848.5603),
+    "Llama3.1-405B 1024xH100 FP8 TP8 PP8 CP2 VP8": (5.27705487, 18.4231202, 70013.9627),
     "Qwen3-30B-A3B 8xB200 MXFP8 MBS4 EP8": (1.17920348, 2.75538803, 76080.0),
     "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8 (26.04.01)": (1.17920348, 2.44240919, 85296.0),
-    "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.04.01)": (1.16000301, 2.67800884, 36888.0),
+    "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.04.01)": (1.11788859, 2.67800884, 37562.7942),
     "Qwen3-30B-A3B 8xGB200 MXFP8 MBS4 EP8 (26.08)": (0.31211043, 3.50749387, 0.0),
     "Qwen3-30B-A3B 8xGB300 MXFP8 MBS8 EP8 (26.08)": (0.348201027, 3.49692489, 0.0),
     "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.04.01)": (
-        3.30371648,
-        8.48231428,
-        56020.3085,
+        3.12050821,
+        8.41711325,
+        60779.443,
     ),
     "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.04.01)": (
-        4.35529006,
-        8.19899915,
-        4288.41362,
+        4.35507343,
+        8.19911652,
+        4288.59472,
     ),
     "Qwen3-235B-A22B 256xGB200 MXFP8 MBS1 PP8 VP3 EP32 (26.08)": (1.0852466, 9.68455959, 0.0),
     "Qwen3-235B-A22B 256xGB300 MXFP8 MBS2 PP4 VP12 EP32 (26.08)": (2.29242486, 8.78038733, 0.0),
@@ -148,6 +148,6 @@ LINEAR = {
 }
 
 LINEARIZED_AT = {
-    "blackwell": (0.5724156715767352, 6.059048435630543e-05),
-    "h100": (0.6205688209298192, 6.059048435630543e-05),
+    "blackwell": (0.5724156715767352, 6.241076768670933e-05),
+    "h100": (0.6549432981320997, 6.241076768670933e-05),
 }

@@ -205,8 +205,9 @@ def format_search(result, top: int, command: str) -> str:
     lines = [
         f"The {min(top, len(result.ranked))} fastest of {len(result.ranked)} layouts priced "
         f"({result.considered} considered: {result.not_fitting} do not fit even with full "
-        f"recompute, {result.bounded} fit or may but are left unpriced as their compute and "
-        f"pipeline ramp alone are slower than the ones kept, {sum(result.refused.values())} "
+        f"recompute and Megatron-FSDP, {result.bounded} fit or may but are left unpriced as "
+        f"their compute and pipeline ramp alone are slower than the ones kept, "
+        f"{sum(result.refused.values())} "
         f"refused by the configuration rules) on "
         f"{result.cluster.gpus_per_node} x {result.cluster.gpu} per node; predicted, nothing was "
         f"run. Expected error of each step time: {error['text']}.  ",

@@ -21,6 +21,10 @@ precision and batch):
   makes a step faster by itself, so a layout that fits without it runs without; one that does not
   takes the fastest rung that fits (which rung costs least depends on the model: for a MoE layer
   re-running the attention product can cost more than the experts' activation and the norms);
+- Megatron-FSDP (`FSDP`: the gradients and parameters sharded over DP x CP, gathered layer by layer
+  every micro-batch) as a memory rung where DP x CP > 1, alone and on top of each recompute rung
+  that does not fit (`heavier_rungs`): more traffic, so never faster by itself, but it can let a
+  layout run without recompute or at a larger micro-batch;
 - each overlap switch (`overlap.plan.cli.SWITCHES`) turned the other way from the decision table's
   automatic choice on the fastest layouts; a flip that predicts faster is kept.
 
@@ -31,7 +35,8 @@ runnable nor priced.
 Every candidate is resolved as `overlap run` would resolve it, so the rules of Megatron and the
 runtime decide what is valid (a candidate they refuse is counted by reason, not shown). A candidate
 the configuration accepts but whose runtime is not built yet (a DeepEP / HybridEP dispatcher, CUDA
-graphs from the command line) is ranked and labelled with what `overlap run` would refuse.
+graphs from the command line, Megatron-FSDP) is ranked and labelled with what `overlap run` would
+refuse.
 
 Fast: the expensive part of pricing is the pipeline program's simulation. A candidate's step is
 bounded below without it (`_Space.bound`: the step priced unpipelined, plus the pipeline's least
@@ -40,10 +45,11 @@ that bound, and the search stops once the next bound is slower than the `keep`-t
 found and than the fastest plus the GPU group's median error: every layout left is provably slower
 than all of those (counted as `bounded`), and every layout the model cannot tell from the fastest
 (`SearchResult.near_best`) is priced and counted, so the printout says how many there are. Memory is
-checked before pricing; a layout that does not fit without recompute goes back into the queue once
-per recompute rung, each at its own bound, and a rung whose bound is slower than a rung of the same
-layout already priced is not priced; each group of layouts sharing TP, CP, PP, split and EP is
-probed once at its least memory-hungry point and dropped unresolved where even that does not fit.
+checked before pricing; a layout that does not fit without a memory rung goes back into the queue
+once per rung (recompute, Megatron-FSDP), each at its own bound, and a rung whose bound is slower
+than a rung of the same layout already priced is not priced; each group of layouts sharing TP, CP,
+PP, split and EP is probed once at its least memory-hungry point and dropped unresolved where even
+that does not fit.
 Below the search, what repeats across thousands of candidates is worked out once: each distinct
 chunk's activations and memory walk (`overlap.launch.resources.peak_memory`), each pipeline
 program's tasks (`overlap.plan.pipeline_sim`), the run's argument parser (docs/planner.md,
@@ -76,7 +82,7 @@ from overlap.plan.predict import Prediction, check_priced, predict, switches_of
 from overlap.plan.step_times import StepTimes, step_times, unmerged_forwards
 
 # the harness flags a candidate sets (with their values), replacing any the caller gave
-LAYOUT_FLAGS = ("-tp", "-pp", "-vp", "-cp", "-ep", "-et", "-mb")
+LAYOUT_FLAGS = ("-tp", "-pp", "-vp", "-cp", "-ep", "-et", "-mb", "--use_megatron_fsdp")
 # the dispatcher's harness flag, replaced where a candidate sets its own dispatcher
 DISPATCHER_FLAG = "--moe_flex_dispatcher_backend"
 # the override keys a candidate sets, replacing any the caller gave
@@ -96,6 +102,8 @@ LAYOUT_KEYS = (
     "model.recompute_method",
     "model.recompute_num_layers",
     "train.micro_batch_size",
+    "ddp.use_megatron_fsdp",
+    "ddp.data_parallel_sharding_strategy",
 )
 REFUSED, NOT_FITTING = "refused", "does not fit"
 MAX_PP = 16
@@ -105,6 +113,12 @@ MAX_CP = 8
 MIN_CP_TOKENS = 4096
 MICRO_BATCHES = (1, 2, 4, 8)
 FULL = ("full",)  # the recompute rung that re-runs whole layers
+# Megatron-FSDP's overrides (what Bridge's --use_megatron_fsdp sets): the memory rung that shards
+# the gradients and parameters over DP
+FSDP = ("ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params")
+# memory rungs as (recompute, Megatron-FSDP): none; Megatron-FSDP alone (where a group of layouts
+# fits only with it, they start there)
+NO_RUNG, FSDP_ONLY = ((), False), ((), True)
 # the fastest layouts whose dispatcher, CP exchange and overlap switches are each tried
 REFINE = 8
 # how many of the fastest candidates are priced exactly (the rest are bounded out)
@@ -131,6 +145,15 @@ class Layout:
     accounted: bool | None = None
     dispatcher: str = ""  # "alltoall" | "flex:<backend>" ("": the command line's)
     cp_kind: str = ""  # model.cp_comm_type ("": the resolved one)
+    fsdp: bool = False  # Megatron-FSDP (`FSDP`), a memory rung as recompute is
+
+    def plain(self) -> Layout:
+        """The layout without its memory rung (recompute, Megatron-FSDP)."""
+        return replace(self, recompute=(), fsdp=False)
+
+    @property
+    def rung(self) -> tuple[tuple[str, ...], bool]:
+        return self.recompute, self.fsdp
 
     def words(self) -> list[str]:
         return [
@@ -174,7 +197,7 @@ class Layout:
                 out.append(f"model.moe_flex_dispatcher_backend={backend}")
         if self.cp_kind:
             out.append(f"model.cp_comm_type={self.cp_kind}")
-        return out
+        return out + list(FSDP if self.fsdp else ())
 
     def key(self) -> tuple:
         """The parallel layout a published run names (what the validation matches)."""
@@ -188,6 +211,7 @@ class Layout:
         ep = f" EP{self.ep}" if self.ep > 1 else ""
         ep += f" {self.dispatcher}" if self.dispatcher else ""
         rc = f", recompute {'+'.join(self.recompute)}" if self.recompute else ""
+        rc += ", Megatron-FSDP" if self.fsdp else ""
         return f"TP{self.tp} PP{self.pp}{vp}{split}{cp}{ep} mb{self.mb}{rc}"
 
 
@@ -414,6 +438,34 @@ def recompute_options(cfg) -> list[tuple[str, ...]]:
     ]
 
 
+def dp_of(layout: Layout, gpus: int) -> int:
+    """The ranks the layout's Megatron-FSDP would shard over on `gpus` GPUs: DP x CP (Megatron's
+    data-parallel group with CP)."""
+    return gpus // (layout.tp * layout.pp)
+
+
+def heavier_rungs(
+    rung: tuple[tuple[str, ...], bool],
+    recompute: list[tuple[str, ...]],
+    dp: int,
+    start: tuple[tuple[str, ...], bool],
+) -> list[tuple[tuple[str, ...], bool]]:
+    """The memory rungs to try where a layout at `rung` (recompute, Megatron-FSDP) does not fit:
+    from none, each recompute rung and Megatron-FSDP alone (where it has ranks to shard over);
+    from a recompute rung, the same with Megatron-FSDP. Megatron-FSDP shards the gradients and
+    parameters and moves more bytes for it (every micro-batch), so it is tried on top of a rung
+    only where that rung did not fit. A layout that `start`s at Megatron-FSDP alone (its group
+    fits nowhere without it, `_probe`) goes on to each recompute rung with it."""
+    modules, fsdp = rung
+    if start == FSDP_ONLY:
+        return [(r, True) for r in recompute[1:]] if rung == start else []
+    if fsdp or dp <= 1:
+        return [(r, False) for r in recompute[1:]] if rung == NO_RUNG else []
+    if modules:
+        return [(modules, True)]
+    return [(r, False) for r in recompute[1:]] + [FSDP_ONLY]
+
+
 def candidate_layouts(cfg, gpus: int, gpus_per_node: int) -> Iterator[Layout]:
     """Every layout (without recompute) to try for the resolved base configuration `cfg` on `gpus`
     GPUs: the arithmetic filters (divisibility, an even virtual-pipeline split of the layers, with
@@ -480,12 +532,14 @@ class _Space:
     cluster: Cluster
     result: SearchResult
 
+    def words_of(self, layout: Layout, switches: tuple[str, ...] = ()) -> list[str]:
+        """The command line of `layout` (with `switches` flipped)."""
+        words = _without_layout(self.words, bool(layout.dispatcher))
+        return words + layout.words() + self.overrides + layout.overrides() + list(switches)
+
     def job(self, layout: Layout, switches: tuple[str, ...] = ()):
         """The resolved job of `layout` (a ConfigError where the rules refuse it)."""
-        words = _without_layout(self.words, bool(layout.dispatcher))
-        return _resolve(
-            words + layout.words() + self.overrides + layout.overrides() + list(switches)
-        )
+        return _resolve(self.words_of(layout, switches))
 
     def resolve(
         self,
@@ -625,25 +679,30 @@ def search(
     # every layout's bound at its first recompute rung, then priced cheapest bound first
     queue: list[tuple[float, int, Layout, object]] = []
     order = itertools.count()
+    starts: dict[Layout, tuple] = {}  # layout -> the rung it starts from (`_probe`)
+    waiting: dict[Layout, int] = {}  # layout -> its memory rungs still in the queue
     for group in _groups(candidate_layouts(base.cfg, gpus, gpn)):
         result.considered += len(group)
-        fits = _probe(space, group)
-        if isinstance(fits, str):
-            result.refused[fits] = result.refused.get(fits, 0) + len(group)
+        start = _probe(space, group, gpus)
+        if isinstance(start, str):
+            result.refused[start] = result.refused.get(start, 0) + len(group)
             continue
-        if not fits:
+        if start is None:
             result.not_fitting += len(group)
             continue
         for layout in group:
-            job = space.resolve(layout)
+            first = replace(layout, recompute=start[0], fsdp=start[1])
+            job = space.resolve(first)
             if job is not None:
-                queue.append((space.bound(job), next(order), layout, job))
+                starts[layout] = start
+                waiting[layout] = int(start != NO_RUNG)
+                queue.append((space.bound(job), next(order), first, job))
     heapq.heapify(queue)
     # the fastest fitting rung of each layout (keyed without its recompute), fastest first
     best: dict[Layout, Candidate] = {}
     priced: list[Candidate] = []
-    waiting: dict[Layout, int] = {}  # layout -> its recompute rungs still in the queue
     too_big: dict[tuple, int] = {}  # layout without mb -> the smallest mb that fits nowhere
+    lighter: dict[Layout, object] = {}  # Megatron-FSDP rungs resolved ahead of their turn
     short_at: dict[tuple, int] = {}  # (layout without mb, rung) -> the smallest mb that did not fit
     while queue:
         bound, _n, layout, job = heapq.heappop(queue)
@@ -652,13 +711,11 @@ def search(
             priced[keep - 1].prediction.times.total_s,
             priced[0].prediction.times.total_s * (1 + result.band),
         ):
-            left = {replace(entry[2], recompute=()) for entry in queue} | {
-                replace(layout, recompute=())
-            }
+            left = {entry[2].plain() for entry in queue} | {layout.plain()}
             result.bounded += len(left - set(best))
             break
-        plain = replace(layout, recompute=())
-        if layout.recompute:
+        plain = layout.plain()
+        if layout.rung != plain.rung:
             waiting[plain] -= 1
         found = best.get(plain)
         if found is not None and bound >= found.prediction.times.total_s:
@@ -668,7 +725,7 @@ def search(
             if not waiting.get(plain) and plain not in best:
                 result.not_fitting += 1
             continue
-        rung_key = (shape, layout.recompute)
+        rung_key = (shape, layout.rung)
         # a larger micro-batch than one that did not fit at this rung only needs more memory
         fails = layout.mb >= short_at.get(rung_key, 1 << 30)
         outcome = NOT_FITTING if fails else space.price(layout, (), job)
@@ -682,16 +739,24 @@ def search(
             priced.sort(key=lambda c: c.prediction.times.total_s)
             continue
         short_at[rung_key] = min(layout.mb, short_at.get(rung_key, 1 << 30))
-        if not layout.recompute:
-            # Without recompute it does not fit: every rung goes into the queue at its own bound.
-            # Which rung costs least is the bound's to say, not the rungs' order (re-running the
-            # attention product can cost more than the experts' activation and the norms).
-            for rung in rungs[1:]:
-                heavier = replace(layout, recompute=rung)
-                job = space.resolve(heavier, rung=True)
-                if job is not None:
-                    waiting[plain] = waiting.get(plain, 0) + 1
-                    heapq.heappush(queue, (space.bound(job), next(order), heavier, job))
+        # It does not fit at this rung: the heavier rungs go into the queue, each at its own
+        # bound. Which rung costs least is the bound's to say, not the rungs' order (re-running
+        # the attention product can cost more than the experts' activation and the norms).
+        dp = dp_of(layout, gpus)
+        for recompute, fsdp in heavier_rungs(layout.rung, rungs, dp, starts[plain]):
+            heavier = replace(layout, recompute=recompute, fsdp=fsdp)
+            job = lighter.pop(heavier, None) or space.resolve(heavier, rung=True)
+            if job is None:
+                continue
+            if recompute and not fsdp and dp > 1:
+                # Megatron-FSDP at the same recompute needs less memory: where even that does
+                # not fit, this rung cannot (its job is kept for the rung after this one)
+                sharded = replace(heavier, fsdp=True)
+                lighter[sharded] = space.resolve(sharded, rung=True)
+                if lighter[sharded] is not None and space.margin(lighter[sharded])[0] < 0:
+                    continue
+            waiting[plain] = waiting.get(plain, 0) + 1
+            heapq.heappush(queue, (space.bound(job), next(order), heavier, job))
         if not waiting.get(plain) and plain not in best:
             result.not_fitting += 1
             too_big[shape] = min(layout.mb, too_big.get(shape, 1 << 30))
@@ -738,6 +803,7 @@ def _layout_of(job) -> Layout:
         recompute=recompute,
         cp=parallel.cp,
         accounted=accounted,
+        fsdp=job.cfg.resolved.overlap.use_megatron_fsdp,
     )
 
 
@@ -759,23 +825,34 @@ GROUP_FIELDS = (
 )
 
 
-def _probe(space: _Space, group: list[Layout]) -> str | bool:
-    """Whether a group can fit: its least memory-hungry layout the rules accept, under full
-    recompute, does (a larger micro-batch, a deeper interleave or less recompute only keeps more
-    alive). A few resolutions and one memory walk rule out a group that does not fit anywhere. A
-    probe refused on what the group shares (its TP, CP or EP size) rules the group out with that
-    reason (returned); one refused on its own interleave tries the next."""
+def _probe(space: _Space, group: list[Layout], gpus: int) -> str | tuple | None:
+    """Where a group's layouts start, from its least memory-hungry layout the rules accept under
+    full recompute (a larger micro-batch, a deeper interleave or less recompute only keeps more
+    alive): `NO_RUNG` where that fits; where it fits only under Megatron-FSDP too (DP x CP > 1),
+    `FSDP_ONLY`, as no layout of the group fits without it; None where neither fits (a few
+    resolutions and one or two memory walks rule out a group that fits nowhere). A probe refused
+    on what the group shares (its TP, CP or EP size) rules the group out with that reason
+    (returned); one refused on its own interleave tries the next."""
     for layout in group:
         if layout.mb != group[0].mb:
             break
+        lightest = replace(layout, recompute=FULL)
         try:
-            job = space.job(replace(layout, recompute=FULL))
+            job = space.job(lightest)
         except ConfigError as exc:
             if exc.field in GROUP_FIELDS:
                 return f"{exc.field}: {exc.why.rstrip('.')}"
             continue
-        return space.margin(job)[0] >= 0
-    return True
+        if space.margin(job)[0] >= 0:
+            return NO_RUNG
+        if dp_of(layout, gpus) <= 1:
+            return None
+        try:
+            job = space.job(replace(lightest, fsdp=True))
+        except ConfigError:
+            return None  # refused by the command line's own settings (averaging in the collective)
+        return FSDP_ONLY if space.margin(job)[0] >= 0 else None
+    return NO_RUNG
 
 
 def _refined(space: _Space, priced: list[Candidate]) -> list[Candidate]:

@@ -31,6 +31,8 @@ switch hides behind what.
   hides behind the last micro-batch's backward (`ddp.overlap_grad_reduce`; the last bucket, ready as
   the backward ends, never hides), the parameter all-gather behind the first micro-batch's forward
   (`ddp.overlap_param_gather`; the first bucket is waited for before the forward starts).
+  Megatron-FSDP's layer-by-layer collectives do the same in every micro-batch, the parameters'
+  gather behind its backward as well as its forward.
 - CP (`model.cp_comm_type`): with `p2p` and `model.cp_comm_overlap` each ring step's transfer hides
   behind one block's attention (1 / CP of the layer's attention core; backward twice that): forward
   the next KV block; backward the next KV block and the previous block's dKV sum together on the
@@ -342,25 +344,39 @@ def step_times(
     if "pp_tied_grad" in comm.kinds:
         t.expose("pp_tied_grad", comm.kinds["pp_tied_grad"].seconds_per_step)
 
-    bwd_last, fwd_first = c.bwd_s, c.fwd_s
-    for kinds, buffers, overlapped, window, gather in (
-        (("rs", "ar"), comm.dp_rs_s, sw.overlap_grad_reduce, bwd_last, False),
-        (("ag",), comm.dp_ag_s, sw.overlap_param_gather, fwd_first, True),
+    # Per step, or (Megatron-FSDP) per micro-batch, where the layers' parameters are gathered for
+    # the backward too; there its gather and reduce-scatter are priced apart, as if each had the
+    # link to itself
+    every, bwd, fwd = comm.dp_every_microbatch, c.bwd_s, c.fwd_s
+    for kinds, passes, overlapped in (
+        (("rs", "ar"), ((comm.dp_rs_s, bwd, False),), sw.overlap_grad_reduce),
+        (
+            ("ag",),
+            ((comm.dp_ag_s, fwd, True), (comm.dp_ag_bwd_s, bwd, True)),
+            sw.overlap_param_gather,
+        ),
     ):
         # Each buffer (dense over DP, experts over expert-DP) has its own group: they run side by
         # side, and the step waits for the slower one.
-        exposed = {
-            p: bucket_exposure(b, window, gather) if overlapped else sum(b)
-            for p, b in buffers.items()
-        }
+        exposed: dict[str, float] = {}
+        hidden = 0.0
+        for buffers, window, gather in passes:
+            if not buffers:
+                continue
+            left = {
+                p: bucket_exposure(b, window, gather) if overlapped else sum(b)
+                for p, b in buffers.items()
+            }
+            for p, seconds in left.items():
+                exposed[p] = exposed.get(p, 0.0) + seconds
+            if overlapped:
+                hidden += min(max(sum(b) - left[p] for p, b in buffers.items()), window)
         if not exposed:
             continue
-        if overlapped:
-            t.slowdown_s += (
-                min(max(sum(b) - exposed[p] for p, b in buffers.items()), window) * sigma
-            )
+        times = m if kinds[0] in every else 1
+        t.slowdown_s += times * sigma * hidden
         scale = max(exposed.values()) / sum(exposed.values()) if sum(exposed.values()) > 0 else 0.0
         for prefix, seconds in exposed.items():
             kind = next(f"{prefix}_{k}" for k in kinds if f"{prefix}_{k}" in comm.kinds)
-            t.expose(kind, seconds * scale)
+            t.expose(kind, times * seconds * scale)
     return t

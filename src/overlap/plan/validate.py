@@ -383,7 +383,8 @@ ROWS: tuple[Row, ...] = (
         1,
         9.07,
         "-m llama -mr llama3_8b",
-        assumed="FSDP expressed as the distributed optimizer over DP8",
+        "ddp.use_megatron_fsdp=true ddp.data_parallel_sharding_strategy=optim_grads_params",
+        assumed="Megatron-FSDP as Bridge's --use_megatron_fsdp sets it (optim_grads_params)",
     ),
     _row(
         "Llama3-70B 64xH100 FP8 TP4 PP8 VP5",

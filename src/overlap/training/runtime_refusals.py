@@ -111,6 +111,15 @@ def _unbuilt_rules(cfg: ConfigContainer) -> list[Rule]:
     dtensor = m.tensor_parallel_impl == "dtensor"
     return [
         (
+            "ddp.use_megatron_fsdp",
+            True,
+            not o.use_megatron_fsdp,
+            "Megatron-FSDP (the state its sharding strategy names kept 1 / DP a rank, gathered "
+            "layer by layer; `overlap plan` prices it)",
+            "set ddp.use_megatron_fsdp=false: ddp.use_distributed_optimizer=true shards the "
+            "optimizer state.",
+        ),
+        (
             "model.deallocate_pipeline_outputs",
             True,
             not (
