@@ -1,7 +1,8 @@
 """Context parallelism: each cp_comm_type's attention (p2p, all_gather, a2a, a2a+p2p) against plain
 causal attention on the gathered sequence (forward and backward), and training at CP 2 and 4, alone
 and with TP-SP, DP (distributed optimizer), PP-VPP, EP (with EP overlap), recompute and bf16,
-against the single-process reference; the ring's overlap on vs off, and what the tracer sees of it.
+against the single-process reference (DP 1 with the DP overlaps over CP too); the ring's overlap on
+vs off, and what the tracer sees of it.
 
 Tolerances (fp32): the ring merges blocks by log-sum-exp and the all-gather / all-to-all paths sum
 the softmax in another order than the one-rank kernel, so values agree to a few ulps of the
@@ -125,6 +126,8 @@ TRAIN_CASES = [
     ("cp4_a2a_p2p_serialised", 4, 2, CP4 + HIERARCHICAL + ["model.cp_comm_overlap=false"]),
     ("cp2_tp2_sp", 4, 2, CP2 + TP2),
     ("cp2_dp2_distopt", 4, 2, CP2 + DISTOPT),
+    # DP 1: the gradients still reduced (the optimizer sharded) over CP, overlapped on request
+    ("cp2_dp1_distopt_overlapped", 2, 2, CP2 + DISTOPT),
     ("cp2_pp2_vpp2", 4, 4, CP2 + PP2_VPP2),
     # recompute re-runs the ring (forward) inside the backward: the same messages, in order
     (
@@ -151,6 +154,20 @@ TRAIN_CASES = [
     ("moe_bf16_cp2_ep2_ep_overlap", 2, 2, CP2 + EP2 + EP_OVERLAP),
     ("moe_cp2_tp2_sp_ep2", 4, 2, CP2 + TP2 + EP2),
 ]
+
+
+def test_dp_overlaps_are_honoured_over_cp_alone():
+    """At DP 1 the gradients are reduced, and the distributed optimizer's state sharded, over the
+    CP ranks: a request for the DP overlaps stands (Bridge's automatic defaults still need DP > 1),
+    and only DP x CP = 1 turns one off."""
+    plan = tiny_config(False, None, 2, CP2 + DISTOPT, STEPS).finalize(2).overlap
+    assert plan.overlap_grad_reduce and plan.overlap_param_gather
+    auto = tiny_config(False, None, 2, CP2 + DISTOPT[:2], STEPS).finalize(2)
+    assert not auto.overlap.overlap_grad_reduce
+    assert "honoured on request" in auto.decisions.get("ddp.overlap_grad_reduce").reason
+    alone = tiny_config(False, None, 2, ["ddp.overlap_grad_reduce=true"], STEPS).finalize(1)
+    assert not alone.overlap.overlap_grad_reduce
+    assert "DP x CP = 1" in alone.decisions.get("ddp.overlap_grad_reduce").reason
 
 
 @pytest.fixture(scope="module")

@@ -187,6 +187,8 @@ class _Run:
         self.sequence_parallel = layout.sequence_parallel
         self.interleaved = self.pp > 1 and self.vpp > 1  # PP > 1 with a virtual pipeline
         self.many = layout.dp > 1
+        # gradients are reduced (and the distributed optimizer's state sharded) over DP x CP
+        self.reduces = layout.dp * layout.cp > 1
         # the distributed optimizer, and with DP > 1 (Bridge's condition for the DP overlaps)
         self.dist_opt = self.sharded = False  # decided first among the DP switches
         self.fsdp_level = -1  # Megatron-FSDP's index in FSDP_SHARDING (-1: not used)
@@ -776,7 +778,7 @@ def _megatron_fsdp(run: _Run) -> bool:
             True,
             USER,
             f"DP ranks shard {shards}"
-            + ("" if run.dp * run.cp > 1 else "; DP x CP = 1: nothing to shard over"),
+            + ("" if run.reduces else "; DP x CP = 1: nothing to shard over"),
         )
     return fsdp
 
@@ -823,7 +825,7 @@ def _fsdp_overlaps(level: int, what: str):
     "Default to overlapped ..."), whatever the request: the switch's fixed value (None below)."""
     return lambda s: (
         (True, f"Megatron-FSDP {what} layer by layer and turns this on")
-        if s.fsdp_level >= level and s.many
+        if s.fsdp_level >= level and s.reduces
         else None
     )
 
@@ -834,9 +836,25 @@ _SHARDED = "DP>1 with the distributed optimizer"
 def _reduce_rule(s: _Run) -> tuple[bool, str]:
     if s.sharded:
         return True, _SHARDED
+    if not s.reduces:
+        return False, "DP x CP = 1: no gradient reduction"
     if not s.many:
-        return False, "DP=1"
+        return (
+            False,
+            "DP=1: Bridge's DP defaults need DP>1 (the reduction over CP is honoured on request)",
+        )
     return False, "DP defaults apply only with the distributed optimizer (as Bridge)"
+
+
+def _gather_rule(s: _Run) -> tuple[bool, str]:
+    if s.sharded:
+        return True, _SHARDED
+    if s.dist_opt and s.reduces:
+        return (
+            False,
+            "DP=1: Bridge's DP defaults need DP>1 (the gather over CP is honoured on request)",
+        )
+    return False, "no distributed parameter gather"
 
 
 def _bucket_rule(s: _Run) -> tuple[int | None, str]:
@@ -858,22 +876,22 @@ _DP = (
         fixed=_fsdp_overlaps(2, "reduce-scatters the gradients"),
         off=(
             (
-                lambda s: not s.many,
-                "DP=1: there is no gradient reduction to overlap",
-                "use more data-parallel ranks, or do not request it.",
+                lambda s: not s.reduces,
+                "DP x CP = 1: there is no gradient reduction to overlap",
+                "use more data-parallel or context-parallel ranks, or do not request it.",
             ),
         ),
     ),
     Switch(
         "ddp.overlap_param_gather",
-        lambda s: (s.sharded, _SHARDED if s.sharded else "no distributed parameter gather"),
+        _gather_rule,
         RULE,
         fixed=_fsdp_overlaps(3, "gathers the parameters"),
         off=(
             (
-                lambda s: not s.many,
-                "DP=1: no parameter gather",
-                "set ddp.use_distributed_optimizer=true with DP>1.",
+                lambda s: not s.reduces,
+                "DP x CP = 1: no parameter gather",
+                "set ddp.use_distributed_optimizer=true with DP x CP > 1.",
             ),
             (
                 lambda s: not s.dist_opt,

@@ -214,7 +214,7 @@ def _advice(
             )
         )
     o, prec = cfg.resolved.overlap, cfg.resolved.precision
-    if not o.use_distributed_optimizer and layout.dp > 1:
+    if not o.use_distributed_optimizer and layout.dp * max(1, layout.cp) > 1:  # shards over DP x CP
         sharded = replace(o, use_distributed_optimizer=True)
         options.append(("ddp.use_distributed_optimizer=true", _resolved_with(cfg, overlap=sharded)))
     if prec.grad_reduce_in_fp32:

@@ -92,8 +92,8 @@ def not_applicable(label: str, layout, cfg) -> str | None:
             return (
                 f"not applicable at EP={layout.ep}" if m.is_moe else "not applicable: dense model"
             )
-    if label == "DP overlap" and layout.dp <= 1 and layout.edp <= 1:
-        return "not applicable at DP=1"
+    if label == "DP overlap" and layout.dp * layout.cp <= 1 and layout.edp <= 1:
+        return "not applicable at DP x CP = 1"
     if label == "TP overlap" and layout.tp <= 1:
         return "not applicable at TP=1"
     if label.startswith("PP") and layout.pp <= 1:
