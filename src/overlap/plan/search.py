@@ -532,14 +532,12 @@ class _Space:
     cluster: Cluster
     result: SearchResult
 
-    def words_of(self, layout: Layout, switches: tuple[str, ...] = ()) -> list[str]:
-        """The command line of `layout` (with `switches` flipped)."""
-        words = _without_layout(self.words, bool(layout.dispatcher))
-        return words + layout.words() + self.overrides + layout.overrides() + list(switches)
-
     def job(self, layout: Layout, switches: tuple[str, ...] = ()):
         """The resolved job of `layout` (a ConfigError where the rules refuse it)."""
-        return _resolve(self.words_of(layout, switches))
+        words = _without_layout(self.words, bool(layout.dispatcher))
+        return _resolve(
+            words + layout.words() + self.overrides + layout.overrides() + list(switches)
+        )
 
     def resolve(
         self,
@@ -745,7 +743,8 @@ def search(
         dp = dp_of(layout, gpus)
         for recompute, fsdp in heavier_rungs(layout.rung, rungs, dp, starts[plain]):
             heavier = replace(layout, recompute=recompute, fsdp=fsdp)
-            job = lighter.pop(heavier, None) or space.resolve(heavier, rung=True)
+            # resolved once: a Megatron-FSDP rung checked ahead of its turn (None: refused)
+            job = lighter.pop(heavier) if heavier in lighter else space.resolve(heavier, rung=True)
             if job is None:
                 continue
             if recompute and not fsdp and dp > 1:
