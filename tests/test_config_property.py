@@ -241,8 +241,8 @@ def _check_invariants(cfg: ConfigContainer, res, world: int) -> None:
         assert k.moe_flex_dispatcher_backend in ("torch", "deepep", "hybridep")
     else:
         assert k.moe_flex_dispatcher_backend is None
-    if o.overlap_param_gather:
-        assert o.use_distributed_optimizer and lay.dp > 1
+    if o.overlap_param_gather:  # the distributed optimizer's state is sharded over DP x CP
+        assert o.use_distributed_optimizer and lay.dp * lay.cp > 1
     if o.bucket_size is not None:
         assert o.bucket_size >= 1
     if res.decisions.strict:
