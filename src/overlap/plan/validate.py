@@ -135,7 +135,9 @@ _GPT_OSS_STACK = (
     "recompute; its fused grouped MLP, FP8 attention and FP8 output projection not expressed"
 )
 _PRE_STACK = "release 26.04.01, before Bridge 55443cbfb: HybridEP (32 SMs), EP overlap off"
-_SELECTIVE_235 = "model.recompute_granularity=selective model.recompute_modules=[layernorm,moe_act]"
+# the selective recompute Bridge's H100 workload configs set for Qwen3-235B-A22B and GPT-OSS-120B
+# (`recompute_modules=["layernorm", "moe_act"]`, GPT-OSS's since its first config, v0.2.0 / 25.11)
+_SELECTIVE = "model.recompute_granularity=selective model.recompute_modules=[layernorm,moe_act]"
 # The performance summary's archive (Megatron-Bridge docs/performance-summary-archive.md,
 # docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html): the H100 MoE runs
 # at micro-batch > 1 (issue 53: the only published ones of the reference on Hopper).
@@ -329,7 +331,7 @@ ROWS: tuple[Row, ...] = (
         32,
         76.56,
         _QWEN235,
-        f"{_A2A} {_EP_ON} {_SELECTIVE_235}",
+        f"{_A2A} {_EP_ON} {_SELECTIVE}",
         assumed=f"{_WORKLOAD} (FP8 H100): alltoall, EP overlap on, no CUDA graphs; selective "
         f"recompute of layernorm and moe_act; {_UNEVEN_235}",
     ),
@@ -347,8 +349,9 @@ ROWS: tuple[Row, ...] = (
         8,
         14.07,
         _QWEN30,
-        f"{_A2A} {_EP_OFF} {_GPT_OSS}",
-        assumed="alltoall, EP overlap off; sliding windows not expressed",
+        f"{_A2A} {_EP_OFF} {_GPT_OSS} {_SELECTIVE}",
+        assumed="alltoall, EP overlap off; selective recompute of layernorm and moe_act (Bridge's "
+        "H100 workload config); sliding windows not expressed",
     ),
     _row(
         "GPT-OSS-120B 64xH100 BF16 MBS4 PP4 EP8 (25.11)",
@@ -364,10 +367,10 @@ ROWS: tuple[Row, ...] = (
         8,
         5.820,  # 5630 tokens/s/GPU
         _QWEN30,
-        f"{_A2A} {_EP_OFF} {_GPT_OSS}",
+        f"{_A2A} {_EP_OFF} {_GPT_OSS} {_SELECTIVE}",
         source=_ARCHIVE,
-        assumed="release 25.11 (the archive); alltoall, EP overlap off, as the 26.04.01 row; "
-        "sliding windows not expressed",
+        assumed="release 25.11 (the archive); alltoall, EP overlap off and selective recompute of "
+        "layernorm and moe_act, as the 26.04.01 row; sliding windows not expressed",
     ),
     _row(
         "Llama3-8B 8xH100 FP8-CS FSDP",
