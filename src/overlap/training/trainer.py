@@ -42,7 +42,6 @@ from overlap.parallel.trace import recorder
 from overlap.pipeline.output_memory import PipelineMemory
 from overlap.pipeline.runner import build_pipeline
 from overlap.profiling.sinks import MetricsSink
-from overlap.training.checkpoint import Checkpointer
 from overlap.training.data import build_data
 from overlap.training.metrics import (
     StepRecord,
@@ -154,11 +153,14 @@ class Trainer:
         # Checkpoints (training/checkpoint.py): loaded now, into the parameters (views into the DDP
         # buffers) and the optimizer built above; `start_iteration` is where a resumed run
         # continues.
-        self.checkpointer = (
-            Checkpointer(cfg, ps, self.chunks, self.optimizer)
-            if ck.save or ck.load or ck.pretrained_checkpoint
-            else None
-        )
+        self.checkpointer = None
+        if ck.save or ck.load or ck.pretrained_checkpoint:
+            # imported only here: torch's distributed checkpointing (and DTensor under it) is
+            # nearly half a second of every rank's start-up, which a run without checkpoints
+            # does not need
+            from overlap.training.checkpoint import Checkpointer
+
+            self.checkpointer = Checkpointer(cfg, ps, self.chunks, self.optimizer)
         self.start_iteration = self.checkpointer.load() if self.checkpointer is not None else 0
         # the sync-free MoE dispatch's per-step handle (None without it), and whether the last
         # step was re-run dropless for an overflow
