@@ -74,7 +74,7 @@ def _step(overrides: list[str], ep: int) -> tuple[dict, list[str], int, int]:
     cfg = tiny_config(True, "bf16_mixed", LAYERS, overrides, 2, expert_model_parallel_size=ep)
     trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
     trainer.train_step(0)
-    steps = [state["step"] for state in trainer.optimizer.adam.opt.state.values()]
+    steps = [state["step"] for state in trainer.optimizer.adam.state.values()]
     with HostSyncRecorder(host_tensors=steps) as rec:
         trainer.train_step(1)
     return dict(rec.by_kind()), rec.unneeded(), trainer.num_micro_batches, len(steps)

@@ -616,7 +616,7 @@ def _recorded_step(force: bool) -> tuple[dict, list[str], int]:
     )
     trainer = Trainer(cfg, ParallelState(cfg.finalize(dist.get_world_size()).layout))
     trainer.train_step(0)
-    steps = [state["step"] for state in trainer.optimizer.adam.opt.state.values()]
+    steps = [state["step"] for state in trainer.optimizer.adam.state.values()]
     dispatcher = trainer.static_dispatch.dispatchers[0]
     if force and dist.get_rank() == 1:
         dispatcher.route = lambda *args: _overflowing(dispatcher, args)

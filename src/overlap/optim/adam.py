@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw
 from torch.optim.optimizer import _get_scalar_dtype
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
@@ -175,24 +176,24 @@ def multi_tensor_impl(params: list[torch.Tensor]) -> dict[str, bool]:
 
 
 class MixedPrecisionAdam:
-    """AdamW over fp32 master slots (torch's multi-tensor AdamW, elementwise, so every element sees
-    the reference's arithmetic whichever way the slots cut the parameters); no weight decay on 1-D
-    parameters."""
+    """AdamW over fp32 master slots (torch's functional AdamW on its multi-tensor or fused path,
+    elementwise, so every element sees the reference's arithmetic whichever way the slots cut the
+    parameters); no weight decay on 1-D parameters.
+
+    The state (`step`, `exp_avg`, `exp_avg_sq` per master) is kept here and made as torch's AdamW
+    makes it on a parameter's first step; the update is `torch.optim.adamw.adamw`, what the class's
+    `step` calls. The class would add nothing this uses (its parameter groups, the `.grad` it reads
+    the gradients from), and its first `add_param_group` imports torch._dynamo: 0.7 s of every
+    rank's start-up on this project's CPU machine."""
 
     def __init__(self, slots: list[Slot], cfg: OptimizerConfig) -> None:
         if cfg.optimizer != "adam":
             raise ValueError(f"optimizer.optimizer={cfg.optimizer!r}: only adam is built")
         self.slots = slots
-        self.opt = torch.optim.AdamW(
-            [
-                {"params": [s.master for s in slots if s.decay], "weight_decay": cfg.weight_decay},
-                {"params": [s.master for s in slots if not s.decay], "weight_decay": 0.0},
-            ],
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            **multi_tensor_impl([s.master for s in slots]),
-        )
+        self.cfg = cfg
+        impl = multi_tensor_impl([s.master for s in slots])
+        self.fused, self.foreach = impl.get("fused", False), impl.get("foreach", False)
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         self.clip = cfg.clip_grad
 
     @classmethod
@@ -223,41 +224,46 @@ class MixedPrecisionAdam:
         """Update every slot. With `first = (select, then)`, the selected slots are updated (and
         written out) before the others and `then()` runs in between: the distributed optimizer
         launches the next forward's first parameter gather there, so it travels while the rest of
-        the step computes. AdamW skips a parameter without a gradient (no update, no step count, no
-        decay), so the two partial steps are exactly one full step. `grad_norm` is the norm of the
+        the step computes. Each slot is updated (its step counted, its decay applied) in exactly one
+        of them, so the two partial steps are one full step. `grad_norm` is the norm of the
         true gradients, `unscale` what the stored ones are multiplied by to get them (1 / loss
         scale)."""
         # The norm is already on the host (global_grad_norm's one read), so the clipping factor
         # costs no sync here.
         scale = (min(1.0, self.clip / (grad_norm + 1e-6)) if self.clip > 0 else 1.0) * unscale
-        for group in self.opt.param_groups:
-            group["lr"] = lr
         if first is None:
-            self._update(self.slots, scale)
+            self._update(self.slots, lr, scale)
             return
         select, then = first
         early = [select(s) for s in self.slots]
-        self._update([s for s, e in zip(self.slots, early) if e], scale)
+        self._update([s for s, e in zip(self.slots, early) if e], lr, scale)
         then()
-        self._update([s for s, e in zip(self.slots, early) if not e], scale)
+        self._update([s for s, e in zip(self.slots, early) if not e], lr, scale)
 
     @torch.no_grad()
     def create_states(self) -> None:
         """Give every slot its Adam state now, as its first step would (zero moments, step 0):
         the memory a steady-state step holds, before any step (the dry run's)."""
         for slot in self.slots:
-            if slot.master not in self.opt.state:
-                self.opt.state[slot.master] = {
-                    "step": self._step_state(0, slot.master),
-                    "exp_avg": torch.zeros_like(slot.master),
-                    "exp_avg_sq": torch.zeros_like(slot.master),
-                }
+            self._state(slot.master)
+
+    def _state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The master's Adam state, made as torch's AdamW makes it on the first step (`Adam.
+        _init_group`: zero moments, step 0) if it has none."""
+        state = self.state.get(master)
+        if state is None:
+            state = self.state[master] = {
+                "step": self._step_state(0, master),
+                "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format),
+            }
+        return state
 
     def steps_taken(self) -> int:
         """How many optimizer steps the slots have seen (every slot gets a gradient every step). The
         counts are stacked and read once: fused Adam keeps them on the GPU, where a read per slot
         would sync per slot."""
-        steps = [st["step"] for st in self.opt.state.values() if "step" in st]
+        steps = [st["step"] for st in self.state.values()]
         counts = {int(c) for c in torch.stack(steps).tolist()} if steps else set()
         if len(counts) > 1:
             raise RuntimeError(f"optimizer slots disagree on the step count: {sorted(counts)}")
@@ -266,7 +272,7 @@ class MixedPrecisionAdam:
     def export_slot(self, slot: Slot) -> dict[str, torch.Tensor]:
         """The slot's fp32 state (flattened): master, exp_avg, exp_avg_sq (zeros before the first
         step)."""
-        state = self.opt.state.get(slot.master, {})
+        state = self.state.get(slot.master, {})
         zeros = torch.zeros_like(slot.master, dtype=torch.float32)
         return {
             "master": slot.master.detach().float().reshape(-1),
@@ -292,9 +298,9 @@ class MixedPrecisionAdam:
         if slot.out is not slot.master:
             slot.out.copy_(slot.master.view_as(slot.out))
         if "exp_avg" not in values:
-            self.opt.state.pop(slot.master, None)
+            self.state.pop(slot.master, None)
             return
-        self.opt.state[slot.master] = {
+        self.state[slot.master] = {
             "step": self._step_state(step, slot.master),
             "exp_avg": torch.empty_like(slot.master).copy_(values["exp_avg"].view_as(slot.master)),
             "exp_avg_sq": torch.empty_like(slot.master).copy_(
@@ -304,31 +310,48 @@ class MixedPrecisionAdam:
 
     def _step_state(self, step: int, master: torch.Tensor) -> torch.Tensor:
         """`step` as torch's Adam creates it (`Adam._init_group`): fp32 on the parameter's device
-        when fused or capturable, else a CPU scalar. Never the default device: a CUDA `step` on the
-        foreach / single-tensor path is read back with `.item()` per slot per step."""
-        fused, capturable = self.opt.defaults["fused"], self.opt.defaults["capturable"]
-        if fused or capturable:
+        when fused (or capturable, never asked for here), else a CPU scalar. Never the default
+        device: a CUDA `step` on the foreach / single-tensor path is read back with `.item()` per
+        slot per step."""
+        if self.fused:
             return torch.full(
-                (), float(step), dtype=_get_scalar_dtype(is_fused=fused), device=master.device
+                (), float(step), dtype=_get_scalar_dtype(is_fused=True), device=master.device
             )
         return torch.tensor(float(step), dtype=_get_scalar_dtype(), device="cpu")
 
-    def _update(self, slots: list[Slot], scale: float) -> None:
+    def _update(self, slots: list[Slot], lr: float, scale: float) -> None:
         """One AdamW step over `slots`: their gradients in fp32 times the clipping `scale`
-        (`_masters_grads`), then the updated masters copied into the parameters. A partial step may
-        have no slots (every one selected first): nothing to do, and foreach ops refuse empty
-        lists."""
+        (`_masters_grads`), then the updated masters copied into the parameters. The weight-decayed
+        slots and the others are two calls, as the class's two parameter groups are. A partial
+        step may have no slots (every one selected first): nothing to do, and foreach ops refuse
+        empty lists."""
         if not slots:
             return
-        grads, self.opt.grad_scale = self._masters_grads(slots, scale)
-        for s, grad in zip(slots, grads):
-            s.master.grad = grad
-        try:
-            self.opt.step()
-        finally:
-            self.opt.grad_scale = None
-        for s in slots:
-            s.master.grad = None
+        grads, grad_scale = self._masters_grads(slots, scale)
+        cfg = self.cfg
+        for decay in (True, False):
+            group = [(s, g) for s, g in zip(slots, grads) if s.decay == decay]
+            if not group:
+                continue
+            states = [self._state(s.master) for s, _ in group]
+            adamw(
+                [s.master for s, _ in group],
+                [g for _, g in group],
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                [],
+                [st["step"] for st in states],
+                foreach=self.foreach,
+                fused=self.fused,
+                grad_scale=grad_scale,
+                amsgrad=False,
+                beta1=cfg.adam_beta1,
+                beta2=cfg.adam_beta2,
+                lr=lr,
+                weight_decay=cfg.weight_decay if decay else 0.0,
+                eps=cfg.adam_eps,
+                maximize=False,
+            )
         outs = [s for s in slots if s.out is not s.master]
         if outs:
             torch._foreach_copy_([s.out for s in outs], [s.master for s in outs])
@@ -352,7 +375,7 @@ class MixedPrecisionAdam:
             return wide, None
         if scale == 1.0:
             return grads, None
-        if self.opt.defaults["fused"]:
+        if self.fused:
             return grads, torch.full((), 1.0 / scale, dtype=torch.float32, device=grads[0].device)
         torch._foreach_mul_(grads, scale)
         return grads, None
