@@ -11,6 +11,7 @@ world is then torn down and restarted on next use, so one failing test cannot po
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import os
 import socket
@@ -61,6 +62,9 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox, env: dict[str,
 
     groups.forget_groups()
     dist.destroy_process_group()
+    # the worker's exit skips the teardown's collections over torch's objects, as the `overlap`
+    # command's does (`overlap.cli.entry`)
+    gc.freeze()
 
 
 class _World:
