@@ -320,6 +320,10 @@ def test_the_run_summary_lists_the_steps_an_overflow_skipped(tmp_path):
                 precision,
                 "-ms",
                 "3",
+                # 32 tokens: torch's fp16 GEMMs on a CPU without fp16 arithmetic are ~700x slower
+                # than bf16's (2.3 s an iteration at dense_tiny's 256)
+                "-sl",
+                "32",
                 "--metrics",
                 str(metrics),
                 *scale,
