@@ -8,8 +8,8 @@ tests/configs.py) in a one-rank world with bf16 mixed precision.
 - The optimizer step is what `Trainer.train_step` runs after the gradient reduction: `grad_norm()`
   (with its one intended host read) and `step()` (clipping scale, AdamW, bf16 copy-back), the third
   step of the run, with `clip_grad` small enough that the clipping scale always applies. Its
-  launches (aten calls less host reads) must equal `LAUNCHES` exactly - 29 dense, 32 MoE (with or
-  without the distributed optimizer), and 29 for the dense model with 4 layers, whose 35 slots are
+  launches (aten calls less host reads) must equal `LAUNCHES` exactly - 27 dense, 30 MoE (with or
+  without the distributed optimizer), and 27 for the dense model with 4 layers, whose 35 slots are
   nearly twice the 2-layer model's 19: the multi-tensor (foreach) optimizer's launches do not grow
   with the slot count. Its host reads must be 2 per slot + 1: torch's foreach path reads each
   slot's CPU `step` twice (host reads of CPU scalars, no device sync; the fused CUDA path keeps
@@ -67,10 +67,10 @@ def optimizer_step_ops(moe: bool, layers: int, items: list[str]) -> tuple[dict[s
 
 # (moe, layers, overrides) -> launches (aten calls less host reads) per optimizer step
 LAUNCHES = {
-    (False, 2, ()): 29,
-    (True, 2, ()): 32,
-    (True, 2, ("ddp.use_distributed_optimizer=true",)): 32,
-    (False, 4, ()): 29,  # twice the layers, 35 slots for 19, the same launches
+    (False, 2, ()): 27,
+    (True, 2, ()): 30,
+    (True, 2, ("ddp.use_distributed_optimizer=true",)): 30,
+    (False, 4, ()): 27,  # twice the layers, 35 slots for 19, the same launches
 }
 
 
