@@ -659,9 +659,11 @@ def _train_on_rank(job, args: argparse.Namespace, network, run_comm, run_trace) 
 
         # The trainer and the parallel state hold the process groups: dropped here, so that
         # teardown.shutdown() can free the groups (which joins gloo's worker threads) once nothing
-        # else holds them. The order: teardown.shutdown.
+        # else holds them. The order: teardown.shutdown. An error every rank raised together
+        # (`overlap.errors.agreed`) leaves with peers alive and in step: the ordinary teardown.
         trainer = ps = None
-        teardown.shutdown(failing=sys.exc_info()[0] is not None)
+        error = sys.exc_info()[1]
+        teardown.shutdown(failing=error is not None and not getattr(error, "agreed", False))
     return 0
 
 

@@ -15,6 +15,9 @@ class ConfigError(ValueError):
     """A configuration the user can fix: names the field, the offending value, why it is wrong and
     how to fix it."""
 
+    # Raised on every rank at the same point, after a collective that told each of them (`agreed`).
+    agreed: bool = False
+
     def __init__(self, field: str, value: Any, why: str, fix: str) -> None:
         self.field = field
         self.value = value
@@ -29,6 +32,16 @@ class NotBuiltError(ConfigError):
 
     def __init__(self, field: str, value: Any, what: str, fix: str) -> None:
         super().__init__(field, value, f"{what} is not built in the overlap runtime yet.", fix)
+
+
+def agreed(error: ConfigError) -> ConfigError:
+    """`error`, marked as raised by every rank at the same point after a collective that told each
+    of them (e.g. a checkpoint any rank found corrupt): the peers are alive, in step and leaving
+    too, so a rank's teardown can be the ordinary one, barrier included, rather than a failing
+    rank's (`overlap.parallel.teardown.shutdown`), whose gloo workers may still hold an op when the
+    interpreter finalizes and abort the process."""
+    error.agreed = True
+    return error
 
 
 # A rule: (field, value, ok, why, fix), or (field, value, ok, why, fix, kind) for a row whose error

@@ -49,7 +49,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from overlap.config.container import ConfigContainer
-from overlap.errors import CheckpointError, NoSpaceError
+from overlap.errors import CheckpointError, NoSpaceError, agreed
 from overlap.files import is_no_space, no_space
 from overlap.optim.adam import STATE_KEYS, ParamStates, keeps_master
 from overlap.parallel import comm, groups
@@ -589,7 +589,7 @@ class Checkpointer:
         )
         first = next((r for r in reports if r is not None), None)
         if first is not None:
-            raise CheckpointError(*first)
+            raise agreed(CheckpointError(*first))
 
     def _check_save_folder(self, start: int, shapes: dict[str, tuple[int, ...]]) -> None:
         """Saving into `checkpoint.save` from iteration `start` deletes or overwrites nothing a user
@@ -765,13 +765,15 @@ class Checkpointer:
         )
         problems = [p for p in comm.all_gather_object(problem, self.group) if p]
         if problems:
-            raise CheckpointError(
-                field,
-                str(folder),
-                f"{problems[0]}: the checkpoint was corrupted or altered after it was saved "
-                "(nothing of it was loaded).",
-                "load another iteration (checkpoint.ckpt_step), or restore the folder from a good "
-                "copy.",
+            raise agreed(
+                CheckpointError(
+                    field,
+                    str(folder),
+                    f"{problems[0]}: the checkpoint was corrupted or altered after it was "
+                    "saved (nothing of it was loaded).",
+                    "load another iteration (checkpoint.ckpt_step), or restore the folder from a "
+                    "good copy.",
+                )
             )
         if not has and self.ps.rank == 0:
             log.warning(
@@ -804,12 +806,14 @@ class Checkpointer:
         """Every rank learns of any rank's problem before anyone enters the load's collectives."""
         problems = [p for p in comm.all_gather_object(problem, self.group) if p]
         if problems:
-            raise CheckpointError(
-                "checkpoint.load",
-                str(folder),
-                problems[0] + ".",
-                "load a checkpoint of this model (same sizes), or change the model configuration "
-                "to the one in its run_config.yaml.",
+            raise agreed(
+                CheckpointError(
+                    "checkpoint.load",
+                    str(folder),
+                    problems[0] + ".",
+                    "load a checkpoint of this model (same sizes), or change the model "
+                    "configuration to the one in its run_config.yaml.",
+                )
             )
 
     def _check_no_extra(self, metadata, folder: Path) -> None:
@@ -822,12 +826,14 @@ class Checkpointer:
             k for k in metadata.state_dict_metadata if k.startswith("model.") and k not in ours
         )
         if extra:
-            raise CheckpointError(
-                "checkpoint.load",
-                str(folder),
-                "the checkpoint holds tensors this model does not have: "
-                f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}.",
-                "load it with the model configuration in its run_config.yaml.",
+            raise agreed(
+                CheckpointError(
+                    "checkpoint.load",
+                    str(folder),
+                    "the checkpoint holds tensors this model does not have: "
+                    f"{', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}.",
+                    "load it with the model configuration in its run_config.yaml.",
+                )
             )
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from overlap.config.training import TrainConfig
-from overlap.errors import NonFiniteError
+from overlap.errors import NonFiniteError, agreed
 from overlap.parallel import comm
 
 log = logging.getLogger("overlap.train")
@@ -122,13 +122,15 @@ def check_finite(
         if last_checkpoint is not None
         else "no checkpoint was written"
     )
-    raise NonFiniteError(
-        "ddp.check_for_nan_in_grad",
-        True,
-        f"iteration {iteration + 1}: the gradient norm is {norm}: {where}. Training stopped before "
-        f"the optimizer step (nothing was updated); {kept}{suspect}.",
-        "resume from the last checkpoint with a lower learning rate (or more warm-up), check the "
-        "data; set ddp.check_for_nan_in_grad=false only to train through it.",
+    raise agreed(
+        NonFiniteError(
+            "ddp.check_for_nan_in_grad",
+            True,
+            f"iteration {iteration + 1}: the gradient norm is {norm}: {where}. Training stopped "
+            f"before the optimizer step (nothing was updated); {kept}{suspect}.",
+            "resume from the last checkpoint with a lower learning rate (or more warm-up), check "
+            "the data; set ddp.check_for_nan_in_grad=false only to train through it.",
+        )
     )
 
 
