@@ -56,21 +56,12 @@ def test_sigterm_stops_the_ranks_and_unwinds(tmp_path):
     assert marker.read_text() == "ok"
 
 
-def test_a_full_disk_line_is_the_cause_over_a_writer_that_aborted(tmp_path):
-    """A full disk aborts a rank whose C++ stream writer hits it (SIGABRT, with no line of its own)
-    while another rank says it in Python: the one line names the disk, not the abort, whichever died
-    first."""
+def _described(tmp_path, codes: tuple[str, ...]) -> str:
+    """The launcher's one line for ranks that ran `codes` (one Python program per rank)."""
     import subprocess
-    import sys
-    import time
 
     from overlap.launch.local import _Rank, describe_failure
 
-    said = "overlap: error: checkpoint.save='/d': no space left on device: 4096 bytes free in /d"
-    codes = (
-        "import os; os.abort()",
-        f"import sys, time; time.sleep(0.3); print({said!r}); sys.exit(1)",
-    )
     ranks = []
     for r, code in enumerate(codes):
         log = tmp_path / f"rank{r}.log"
@@ -84,8 +75,43 @@ def test_a_full_disk_line_is_the_cause_over_a_writer_that_aborted(tmp_path):
     deadline = time.monotonic() + 30
     while any(rk.code is None for rk in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
-    line = describe_failure(ranks, 2)
+    return describe_failure(ranks, len(codes))
+
+
+def test_a_full_disk_line_is_the_cause_over_a_writer_that_aborted(tmp_path):
+    """A full disk aborts a rank whose C++ stream writer hits it (SIGABRT, with no line of its own)
+    while another rank says it in Python: the one line names the disk, not the abort, whichever died
+    first."""
+    said = "overlap: error: checkpoint.save='/d': no space left on device: 4096 bytes free in /d"
+    line = _described(
+        tmp_path,
+        (
+            "import os; os.abort()",
+            f"import sys, time; time.sleep(0.3); print({said!r}); sys.exit(1)",
+        ),
+    )
     assert line.startswith(
         "rank 1 of 2 failed (exit code 1): checkpoint.save='/d': no space left on device"
     ), line
     assert "rank 0 then failed: killed by SIGABRT" in line
+
+
+def test_a_rank_aborted_after_its_own_error_is_named_by_that_error(tmp_path):
+    """A rank that reported its error and was then killed by a signal as it exited (gloo's worker
+    aborting the interpreter's exit) failed on that error: the one line says it, not "killed by
+    SIGABRT", even when that rank died first and a peer then failed on the lost connection."""
+    said = "overlap: error: checkpoint.load='/c': the checkpoint holds tensors this model lacks"
+    line = _described(
+        tmp_path,
+        (
+            "import sys, time; time.sleep(0.5); "
+            "print('RuntimeError: Connection closed by peer'); sys.exit(1)",
+            f"import os, sys; print({said!r}, flush=True); "
+            "sys.stderr.write('terminate called without an active exception\\n'); os.abort()",
+        ),
+    )
+    assert line == (
+        "rank 1 of 2 failed: checkpoint.load='/c': the checkpoint holds tensors this model lacks "
+        "(then killed by SIGABRT as it exited) (rank 0 then failed: RuntimeError: Connection "
+        "closed by peer)"
+    ), line

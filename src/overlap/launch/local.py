@@ -17,7 +17,9 @@ Which rank caused a failure, in this order:
 0. a rank whose own error says the disk is full (a rank writing to that disk from C++ may die of
    SIGABRT first);
 1. a rank killed by a signal the launcher did not send ("rank 1 of 4 killed by SIGKILL"), if it died
-   within `SIGNAL_TIE_S` of the first failure (the others only fail because it is gone);
+   within `SIGNAL_TIE_S` of the first failure (the others only fail because it is gone) - unless it
+   had reported an error of its own first (`overlap: error: ...`, printed as the command exits):
+   then it failed on that error and the signal came as it left (a C++ thread aborting the exit);
 2. a rank that stopped making progress: still running (or stopped, e.g. by SIGSTOP) after the others
    failed, when their errors are only collateral (timeouts, closed connections) - the launcher kills
    it and names it;
@@ -245,6 +247,20 @@ class _Rank:
         if self._log is not None:
             self._log.close()
 
+    def said_error(self) -> str:
+        """The error this rank reported itself: its last `overlap: error:` line, which the command
+        prints just before it exits ("" if it printed none)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        said = [
+            ln.strip().removeprefix("overlap: error: ")
+            for ln in (_RANK_PREFIX_TEXT.sub("", ln) for ln in text.splitlines())
+            if ln.startswith("overlap: error: ")
+        ]
+        return said[-1] if said else ""
+
     def last_error(self) -> str:
         """The last line that reads like an error in this rank's log (the exception of its
         traceback)."""
@@ -432,15 +448,20 @@ def _cause(ranks: list[_Rank]) -> list[_Rank]:
     signalled = [
         rk
         for rk in failed
-        if rk.code < 0 and first is not None and rk.exited_at - first.exited_at <= SIGNAL_TIE_S
+        if rk.code < 0
+        and not _died_leaving(rk)
+        and first is not None
+        and rk.exited_at - first.exited_at <= SIGNAL_TIE_S
     ]
     own_errors = [
-        rk for rk in failed if rk.code > 0 and not COLLATERAL.search(rk.last_error() or "")
+        rk
+        for rk in failed
+        if (rk.code > 0 or _died_leaving(rk)) and not COLLATERAL.search(_error_of(rk))
     ]
     # A full disk is every writer's cause: a rank whose C++ stream writer hits it aborts (SIGABRT)
     # in a destructor, while another rank says it in Python - that line, not the abort, is the
     # cause.
-    disk_full = [rk for rk in own_errors if DISK_FULL.search(rk.last_error() or "")]
+    disk_full = [rk for rk in own_errors if DISK_FULL.search(_error_of(rk))]
     if disk_full:
         return disk_full[:1]
     if signalled:
@@ -448,6 +469,17 @@ def _cause(ranks: list[_Rank]) -> list[_Rank]:
     if hung and not own_errors:
         return hung
     return [own_errors[0] if own_errors else first]
+
+
+def _died_leaving(rk: _Rank) -> bool:
+    """Killed by a signal after it reported its own error: the signal came while it was leaving
+    (e.g. a C++ thread aborting the interpreter's exit), the error is what failed."""
+    return rk.code is not None and rk.code < 0 and bool(rk.said_error())
+
+
+def _error_of(rk: _Rank) -> str:
+    """The error a failed rank stands for: what it said itself if a signal then ended it."""
+    return rk.said_error() if _died_leaving(rk) else rk.last_error()
 
 
 def describe_failure(ranks: list[_Rank], world: int) -> str:
@@ -460,9 +492,9 @@ def describe_failure(ranks: list[_Rank], world: int) -> str:
     if not others:
         return f"{head}; the other ranks were stopped" if world > 1 else head
     kinds: dict[str, list[int]] = {}
-    said = {rk.last_error() for rk in cause}
+    said = {_error_of(rk) for rk in cause}
     for rk in others:
-        err = rk.last_error()
+        err = _error_of(rk)
         what = (
             ""
             if rk.killed_by_us
@@ -484,6 +516,9 @@ def _account(rk: _Rank, world: int) -> str:
     who = f"rank {rk.rank} of {world}"
     if rk.hung:
         return f"{who} stopped making progress ({rk.hung}); the launcher killed it"
+    if _died_leaving(rk):
+        said = _shorten(rk.said_error(), 2000)
+        return f"{who} failed: {said} (then killed by {signal_name(-rk.code)} as it exited)"
     if rk.code is not None and rk.code < 0:
         return f"{who} killed by {signal_name(-rk.code)}"
     err = rk.last_error()
