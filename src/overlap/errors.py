@@ -36,10 +36,11 @@ class NotBuiltError(ConfigError):
 
 def agreed(error: ConfigError) -> ConfigError:
     """`error`, marked as raised by every rank at the same point after a collective that told each
-    of them (e.g. a checkpoint any rank found corrupt): the peers are alive, in step and leaving
-    too, so a rank's teardown can be the ordinary one, barrier included, rather than a failing
-    rank's (`overlap.parallel.teardown.shutdown`), whose gloo workers may still hold an op when the
-    interpreter finalizes and abort the process."""
+    of them, which completed on every rank (e.g. a checkpoint any rank found corrupt): the peers
+    are alive, in step and leaving too, so a rank's teardown can be the ordinary one, barrier
+    included, rather than a failing rank's (`overlap.parallel.teardown.shutdown`), whose gloo
+    workers may still hold an op when the interpreter finalizes and abort the process. Not for
+    DCP's collective failures: a peer may have died in them (a full disk aborts a C++ writer)."""
     error.agreed = True
     return error
 
