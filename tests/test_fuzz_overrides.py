@@ -144,6 +144,18 @@ def _run_args(argv: list[str]):
     base=["-m", "qwen", "-mr", "qwen3_moe_tiny", "-ng", "2"],
     items=["model.moe_router_force_load_balancing=true", "ddp.overlap_grad_reduce=true"],
 )
+# A run this long is accepted (nothing bounds a run's length); the check of its schedule must not
+# walk every iteration (it did, and hung).
+@example(
+    base=["-m", "qwen", "-mr", "dense_tiny", "-ng", "2"],
+    items=["train.train_iters=100000000000000000000"],
+)
+# Found by this test: the pipeline layout, resolved before the architecture's rules, multiplied a
+# list by a huge negative multi-token-prediction depth (OverflowError).
+@example(
+    base=["-m", "qwen", "-mr", "dense_tiny", "-ng", "2"],
+    items=["model.mtp_num_layers=-100000000000000000000"],
+)
 def test_any_override_exits_0_or_2_and_an_accepted_one_is_usable(base, items):
     argv = [*base, *items]
     code, text = _explain(argv)
@@ -174,7 +186,13 @@ def usable(job) -> None:
     p.main_grad = torch.zeros(2, 2)
     # torch.optim.AdamW validates lr, betas, eps, weight decay
     MixedPrecisionAdam.for_params([p], o)
-    for it in range(t.train_iters):
+    # every iteration of a short run; of a long one (the fuzz draws up to 1e20) the schedule's
+    # corners: the ends, and either side of the warm-up's end and of the decay's end
+    n, warm, decay = t.train_iters, cfg.scheduler.lr_warmup_iters, cfg.scheduler.lr_decay_iters
+    corners = {0, n // 2, n - 1}
+    for edge in (warm, warm + (n if decay is None else decay)):
+        corners |= {edge - 1, edge, edge + 1}
+    for it in range(n) if n <= 10_000 else sorted(i for i in corners if 0 <= i < n):
         lr = learning_rate(it, o, cfg.scheduler, t.train_iters)
         assert math.isfinite(lr) and -1e-12 <= lr <= o.lr + 1e-12, (it, lr)
     start, end = steady_window(t)

@@ -237,7 +237,8 @@ def resolve_pipeline_layout(model: Any, pp: int) -> PipelineLayout:
     """The pipeline layout `model` (a ModelConfig) asks for on `pp` pipeline ranks; a ConfigError
     if it cannot be."""
     n, vpp = model.num_layers, model.virtual_pipeline_model_parallel_size
-    # the stages are spelt out layer by layer (Megatron's layout form): bounded before that
+    # the stages are spelt out layer by layer (Megatron's layout form): bounded before that (and
+    # checked here, since the layout is resolved before the architecture's own rules run)
     for field, count, fix in (
         (
             "model.num_layers",
@@ -250,6 +251,8 @@ def resolve_pipeline_layout(model: Any, pp: int) -> PipelineLayout:
             "give the real count (DeepSeek-V3 predicts one more token: 1), or null.",
         ),
     ):
+        if count < 0:
+            raise ConfigError(field, count, "a layer count must be >= 0.", fix)
         if count > MAX_LAYERS:
             raise ConfigError(
                 field,
