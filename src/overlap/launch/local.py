@@ -247,30 +247,26 @@ class _Rank:
         if self._log is not None:
             self._log.close()
 
-    def said_error(self) -> str:
-        """The error this rank reported itself: its last `overlap: error:` line, which the command
-        prints just before it exits ("" if it printed none)."""
+    def _lines(self) -> list[str]:
+        """This rank's log, line by line: stripped, without torchrun's rank prefix, blanks
+        dropped."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
-            return ""
-        said = [
-            ln.strip().removeprefix("overlap: error: ")
-            for ln in (_RANK_PREFIX_TEXT.sub("", ln) for ln in text.splitlines())
-            if ln.startswith("overlap: error: ")
-        ]
-        return said[-1] if said else ""
+            return []
+        lines = (_RANK_PREFIX_TEXT.sub("", ln).strip() for ln in text.splitlines())
+        return [ln for ln in lines if ln]
+
+    def said_error(self) -> str:
+        """The error this rank reported itself: its last `overlap: error:` line, which the command
+        prints just before it exits ("" if it printed none)."""
+        said = [ln for ln in self._lines() if ln.startswith("overlap: error: ")]
+        return said[-1].removeprefix("overlap: error: ") if said else ""
 
     def last_error(self) -> str:
         """The last line that reads like an error in this rank's log (the exception of its
         traceback)."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        lines = [_RANK_PREFIX_TEXT.sub("", ln).strip() for ln in text.splitlines()]
-        lines = [ln for ln in lines if ln]
-        for line in reversed(lines):
+        for line in reversed(self._lines()):
             if re.match(
                 r"^(overlap: error:|[A-Za-z_.]*(Error|Exception|Interrupt)\b|torch\.\S+Error|"
                 r"terminate called|RuntimeError)",
@@ -479,7 +475,8 @@ def _died_leaving(rk: _Rank) -> bool:
 
 def _error_of(rk: _Rank) -> str:
     """The error a failed rank stands for: what it said itself if a signal then ended it."""
-    return rk.said_error() if _died_leaving(rk) else rk.last_error()
+    said = rk.said_error() if rk.code is not None and rk.code < 0 else ""
+    return said or rk.last_error()
 
 
 def describe_failure(ranks: list[_Rank], world: int) -> str:
